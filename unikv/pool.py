@@ -1,0 +1,346 @@
+"""The unified pool: one zero-filled byte buffer, 1-3 sub-pools, moving boundaries.
+
+    byte 0                                                        total_bytes   +tail pad
+    | sink | up-grower ->      |  <- float ->  |      <- down-grower | pad |
+           ^ sink_bytes (floor)
+
+Every sub-pool indexes the same bytes on its own page grid (page p at
+``p * page_bytes``). Sub-pools stay disjoint because of their allocators' byte
+frontiers, not because of fixed regions: the allocator moves the boundaries at
+run time. The bytes below ``sink_bytes`` belong to no sub-pool; page 0 of every
+sub-pool lies there, so padded lanes, tombstones and dummy ids hit harmless
+bytes. The tail pad lets the last row-block's dense view run past the last page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from unikv import layout
+from unikv.ids import PhysicalPageIds, expect
+from unikv.specs import MambaSpec, MHASpec, MLASpec, Spec
+
+INT32_LIMIT = 2**31
+POISON_BYTE = 0xFF  # NaN in fp32, fp16, bf16 and both fp8 formats
+
+
+class Grow(str, Enum):
+    UP = "up"  # from the sink floor upward
+    DOWN = "down"  # from the top of the buffer downward
+    FLOAT = "float"  # a band between the other two
+
+
+@dataclass(frozen=True)
+class SubPoolConfig:
+    """What to build: a spec, its page size, where it grows, which model layers
+    it serves (model layer ``layers[i]`` is the sub-pool's layer ``i``)."""
+
+    name: str
+    spec: Spec
+    page_size: int = 1
+    grow: Grow | None = None  # None: DESIGN.md's default placement
+    layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"SubPoolConfig.name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.spec, (MHASpec, MLASpec, MambaSpec)):
+            raise ValueError(f"SubPoolConfig.spec must be an MHASpec, MLASpec or MambaSpec, got {self.spec!r}")
+        self.spec.page_bytes(self.page_size)  # validates the page size for the spec
+        if self.grow is not None:
+            object.__setattr__(self, "grow", Grow(self.grow))
+        layers = tuple(self.layers)
+        if layers and len(layers) != self.spec.num_layers:
+            raise ValueError(
+                f"sub-pool {self.name!r}: layers names {len(layers)} model layers but the spec "
+                f"has num_layers={self.spec.num_layers}; give one model layer per spec layer"
+            )
+        object.__setattr__(self, "layers", layers)
+
+
+def default_grow(configs: Sequence[SubPoolConfig]) -> list[Grow]:
+    """DESIGN.md section 4: full attention (and MLA) grows down; SWA or Mamba grows
+    up; with three kinds, SWA floats in the middle."""
+    kinds = [c.spec.kind for c in configs]
+    grows = []
+    for config, kind in zip(configs, kinds):
+        if config.grow is not None:
+            grows.append(config.grow)
+        elif kind in ("full", "mla"):
+            grows.append(Grow.DOWN)
+        elif kind == "swa" and "mamba" in kinds:
+            grows.append(Grow.FLOAT)
+        else:
+            grows.append(Grow.UP)
+    return grows
+
+
+@dataclass
+class SubPool:
+    """Geometry and views of one sub-pool inside a built pool."""
+
+    name: str
+    spec: Spec
+    page_size: int
+    grow: Grow
+    layers: tuple[int, ...]
+    page_bytes: int
+    num_pages: int  # pages of this grid inside total_bytes, sink pages included
+    first_page: int  # lowest page wholly above the sink floor
+    views: object = field(repr=False)  # [(K, V)] per layer | [latent] | {part: state}
+    paged_views: object = field(repr=False)  # (page, slot) oracle, None for Mamba
+
+    @property
+    def blocks_per_page(self) -> int | None:
+        return self.spec.blocks_per_page
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - self.first_page
+
+    @property
+    def kernel_id_limit(self) -> int:
+        """One past the largest kernel id (or slot id for Mamba)."""
+        return self.num_pages * (self.spec.blocks_per_page or 1) * self.page_size
+
+
+def worst_case_pages(spec: Spec, page_size: int, max_tokens: int, chunk_tokens: int = 1) -> int:
+    """Pages one request of ``max_tokens`` tokens holds at its peak. A sliding
+    window keeps only the window plus the chunk being written, plus one page
+    for misalignment."""
+    if isinstance(spec, MambaSpec):
+        return 1
+    full = -(-max_tokens // page_size)
+    if spec.sliding_window is None:
+        return full
+    return min(full, -(-(spec.sliding_window + chunk_tokens) // page_size) + 1)
+
+
+def _build_views(buffer: torch.Tensor, spec: Spec, page_size: int, num_pages: int):
+    if isinstance(spec, MHASpec):
+        return (
+            layout.mha_dense_views(buffer, spec, page_size, num_pages),
+            layout.mha_paged_views(buffer, spec, page_size, num_pages),
+        )
+    if isinstance(spec, MLASpec):
+        return (
+            layout.mla_dense_views(buffer, spec, page_size, num_pages),
+            layout.mla_paged_views(buffer, spec, page_size, num_pages),
+        )
+    return layout.mamba_state_views(buffer, spec, num_pages), None
+
+
+def torch_copy_pages(
+    buffer: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, page_bytes: int
+) -> None:
+    """Reference page copy: every source envelope is read before any is written."""
+    num_pages = buffer.numel() // page_bytes
+    rows = buffer[: num_pages * page_bytes].view(num_pages, page_bytes)  # (pages, envelope)
+    rows.index_copy_(0, dst_pages.long(), rows.index_select(0, src_pages.long()))
+
+
+class UnifiedPool:
+    """One uint8 buffer holding every sub-pool's pages; see the module docstring.
+
+    Args:
+        configs: 1 to 3 sub-pools, at most one per grow direction.
+        total_bytes: the pool's byte budget (the tail pad comes on top).
+        device: where the buffer lives.
+        poison: fill with 0xFF (NaN in every float dtype) instead of zeros, so
+            reads of never-written bytes fail fast. A debugging aid.
+        max_request_tokens: if given, start-up fails unless one request of this
+            many tokens fits alone in the empty pool.
+        chunk_tokens: prefill chunk size used for the sliding-window worst case.
+        copy_pages: the page-copy backend, chosen once (default: torch).
+    """
+
+    def __init__(
+        self,
+        configs: Sequence[SubPoolConfig],
+        total_bytes: int,
+        device: torch.device | str = "cpu",
+        *,
+        poison: bool = False,
+        max_request_tokens: int | None = None,
+        chunk_tokens: int = 1,
+        copy_pages: Callable[..., None] | None = None,
+    ) -> None:
+        configs = list(configs)
+        if not 1 <= len(configs) <= 3:
+            raise ValueError(f"a unified pool holds 1 to 3 sub-pools, got {len(configs)}")
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sub-pool names must be unique, got {names}")
+        grows = default_grow(configs)
+        for direction in Grow:
+            holders = [c.name for c, g in zip(configs, grows) if g == direction]
+            if len(holders) > 1:
+                raise ValueError(
+                    f"at most one sub-pool may grow {direction.value!r}, got {holders}; "
+                    "set SubPoolConfig.grow so each direction has one holder"
+                )
+        if not isinstance(total_bytes, int) or total_bytes <= 0:
+            raise ValueError(f"total_bytes must be a positive int, got {total_bytes!r}")
+
+        page_bytes = [c.spec.page_bytes(c.page_size) for c in configs]
+        self.sink_bytes = max(page_bytes)  # page 0 of every sub-pool lies below it
+        self.tail_pad_bytes = max(c.spec.view_tail_pad_bytes(c.page_size) for c in configs)
+        self.total_bytes = total_bytes
+        self.device = torch.device(device)
+        fill = POISON_BYTE if poison else 0
+        self.buffer = torch.full(
+            (total_bytes + self.tail_pad_bytes,), fill, dtype=torch.uint8, device=self.device
+        )
+        self._copy_pages = copy_pages or torch_copy_pages
+
+        self.subpools: dict[str, SubPool] = {}
+        for config, grow, pb in zip(configs, grows, page_bytes):
+            num_pages = total_bytes // pb
+            first_page = -(-self.sink_bytes // pb)
+            if num_pages <= first_page:
+                raise ValueError(
+                    f"sub-pool {config.name!r} fits no real page: {total_bytes} bytes hold "
+                    f"{num_pages} pages of {pb} bytes and the first {first_page} lie in the "
+                    f"{self.sink_bytes}-byte sink; raise total_bytes to at least "
+                    f"{(first_page + 1) * pb} or lower page_size"
+                )
+            views, paged = _build_views(self.buffer, config.spec, config.page_size, num_pages)
+            subpool = SubPool(
+                config.name, config.spec, config.page_size, grow, config.layers,
+                pb, num_pages, first_page, views, paged,
+            )
+            if subpool.kernel_id_limit > INT32_LIMIT:
+                max_bytes = INT32_LIMIT // ((config.spec.blocks_per_page or 1) * config.page_size) * pb
+                raise ValueError(
+                    f"sub-pool {config.name!r}: kernel ids reach {subpool.kernel_id_limit} > 2**31 "
+                    f"({num_pages} pages x {config.spec.blocks_per_page} blocks x page_size "
+                    f"{config.page_size}); lower total_bytes to at most {max_bytes} or split the "
+                    "layers over more sub-pools"
+                )
+            self.subpools[config.name] = subpool
+
+        if max_request_tokens is not None:
+            demand = {
+                s.name: worst_case_pages(s.spec, s.page_size, max_request_tokens, chunk_tokens)
+                for s in self.subpools.values()
+            }
+            if not self.fits(demand):
+                need = sum(self.subpools[n].page_bytes * (d + 1) for n, d in demand.items())
+                raise ValueError(
+                    f"one worst-case request of {max_request_tokens} tokens cannot run alone: it "
+                    f"needs pages {demand} and the {total_bytes}-byte pool cannot place them; "
+                    f"raise total_bytes to about {need + self.sink_bytes} or lower max_request_tokens"
+                )
+
+    # -- geometry ---------------------------------------------------------------
+
+    def __getitem__(self, name: str) -> SubPool:
+        if name not in self.subpools:
+            raise KeyError(f"no sub-pool {name!r}; the pool has {list(self.subpools)}")
+        return self.subpools[name]
+
+    def by_grow(self, grow: Grow) -> SubPool | None:
+        return next((s for s in self.subpools.values() if s.grow == grow), None)
+
+    def fits(
+        self,
+        demand: Mapping[str, int],
+        up_floor: int | None = None,
+        down_ceiling: int | None = None,
+    ) -> bool:
+        """Whether bands holding ``demand[name]`` pages each can be packed between
+        ``up_floor`` and ``down_ceiling`` bytes (default: the sink floor and the
+        top): the up-grower from the floor, the down-grower from the ceiling, the
+        float band in the gap, each on its own page grid."""
+        lo = self.sink_bytes if up_floor is None else up_floor
+        hi = self.total_bytes if down_ceiling is None else down_ceiling
+        up, down, flt = (self.by_grow(g) for g in (Grow.UP, Grow.DOWN, Grow.FLOAT))
+        if up is not None and demand.get(up.name, 0):
+            lo = (-(-lo // up.page_bytes) + demand[up.name]) * up.page_bytes
+        if down is not None and demand.get(down.name, 0):
+            hi = (hi // down.page_bytes - demand[down.name]) * down.page_bytes
+        if flt is not None and demand.get(flt.name, 0):
+            lo = (-(-lo // flt.page_bytes) + demand[flt.name]) * flt.page_bytes
+        return lo <= hi
+
+    # -- page moves -------------------------------------------------------------
+
+    def move_pages(
+        self,
+        name: str,
+        src_pages: PhysicalPageIds,
+        dst_pages: PhysicalPageIds,
+        *,
+        check: bool = True,
+    ) -> None:
+        """Copy whole page envelopes ``src -> dst`` of sub-pool ``name``: one
+        envelope copy per page. Every source is read before any destination is
+        written. ``check`` validates on the host (a sync); the allocator, which
+        keeps these invariants itself, passes ``check=False``."""
+        subpool = self[name]
+        src = expect(src_pages, PhysicalPageIds, "move_pages src_pages", name)
+        dst = expect(dst_pages, PhysicalPageIds, "move_pages dst_pages", name)
+        if check:
+            self._check_move(subpool, src, dst)
+        if src.numel() == 0:
+            return
+        self._copy_pages(self.buffer, src, dst, subpool.page_bytes)
+
+    def _check_move(self, subpool: SubPool, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.shape != dst.shape or src.dim() != 1:
+            raise ValueError(
+                f"move_pages takes two 1-D page lists of one length, got {tuple(src.shape)} "
+                f"and {tuple(dst.shape)}"
+            )
+        for what, pages in (("src", src), ("dst", dst)):
+            if pages.numel() and (
+                int(pages.min()) < subpool.first_page or int(pages.max()) >= subpool.num_pages
+            ):
+                raise ValueError(
+                    f"move_pages {what} pages must lie in [{subpool.first_page}, "
+                    f"{subpool.num_pages}) of sub-pool {subpool.name!r} (the sink is never "
+                    f"moved), got {pages.tolist()}"
+                )
+        if torch.unique(dst).numel() != dst.numel():
+            raise ValueError(f"move_pages dst pages must be distinct, got {dst.tolist()}")
+
+    def page_envelope(self, name: str, page: int) -> torch.Tensor:
+        """The bytes of one physical page of sub-pool ``name`` (a view)."""
+        subpool = self[name]
+        if not 0 <= page < subpool.num_pages:
+            raise ValueError(f"page must be in [0, {subpool.num_pages}), got {page}")
+        start = page * subpool.page_bytes
+        return self.buffer[start : start + subpool.page_bytes]
+
+    def summary(self) -> dict:
+        """Plain numbers describing the pool (for `unikv inspect` and logs)."""
+        return {
+            "total_bytes": self.total_bytes,
+            "sink_bytes": self.sink_bytes,
+            "tail_pad_bytes": self.tail_pad_bytes,
+            "subpools": {
+                s.name: {
+                    "kind": s.spec.kind,
+                    "grow": s.grow.value,
+                    "page_size": s.page_size,
+                    "entry_bytes": s.spec.entry_bytes,
+                    "page_bytes": s.page_bytes,
+                    "usable_pages": s.usable_pages,
+                    "kernel_id_limit": s.kernel_id_limit,
+                    "kernel_id_headroom": INT32_LIMIT / max(s.kernel_id_limit, 1),
+                }
+                for s in self.subpools.values()
+            },
+        }
+
+
+def pool_bytes_for(configs: Sequence[SubPoolConfig], pages: Mapping[str, int]) -> int:
+    """A byte budget that holds ``pages[name]`` pages of each sub-pool side by
+    side, plus the sink: handy for tests and presets."""
+    page_bytes = {c.name: c.spec.page_bytes(c.page_size) for c in configs}
+    sink = max(page_bytes.values())
+    return sink + sum(page_bytes[n] * (p + 1) for n, p in pages.items())

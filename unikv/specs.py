@@ -1,0 +1,294 @@
+"""Sub-pool specs: a frozen description of what one slot of a sub-pool holds.
+
+Everything geometric derives from a spec (DESIGN.md section 1): entry bytes,
+page bytes for a page size, blocks per page, the view tail pad and the byte
+offset of each (layer, part) inside a page. No other module restates these
+formulas.
+
+    MHA page envelope:  [L0_K x ps | L0_V x ps | L1_K x ps | L1_V x ps | ... ]
+    MLA page envelope:  [L0_lat x ps | L1_lat x ps | ... ]
+    Mamba slot:         [conv part 0, all layers]...[temporal, all layers]
+
+Asymmetric K/V (head_dim != v_head_dim) is supported by padding both rows to
+``max(head_dim, v_head_dim)``: the page stays a uniform array of 2L row-blocks,
+so one kernel id still serves K and V of every layer (DESIGN.md section 3, last
+bullet). The padding bytes are counted in ``entry_bytes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, fields
+from typing import Union
+
+import torch
+
+FP8_DTYPES = tuple(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8, *FP8_DTYPES)
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the buffer is viewed with: fp8 is stored as raw bytes (uint8)."""
+    return torch.uint8 if dtype in FP8_DTYPES else dtype
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _check_positive(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def _check_dtype(owner: str, name: str, value: object) -> None:
+    if value not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise ValueError(f"{owner}.{name} must be one of {names}; got {value!r}")
+
+
+def _check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+
+
+class _PagedSpec:
+    """Shared geometry of specs whose page is a uniform array of row-blocks."""
+
+    num_layers: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (one token, one layer, one part)."""
+        return self.row_elems * self.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(storage_dtype(self.dtype))
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return storage_dtype(self.dtype)
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one slot: every layer's rows for one token."""
+        return self.blocks_per_page * self.row_bytes
+
+    def page_bytes(self, page_size: int) -> int:
+        _check_page_size(page_size)
+        return page_size * self.entry_bytes
+
+    def view_tail_pad_bytes(self, page_size: int) -> int:
+        """Bytes the last row-block's dense view runs past the last page."""
+        _check_page_size(page_size)
+        return (self.blocks_per_page - 1) * page_size * self.row_bytes
+
+    def block_index(self, layer: int, part: str) -> int:
+        """Which row-block of a page envelope holds (layer, part)."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        if part not in self.parts:
+            raise ValueError(f"part must be one of {self.parts}, got {part!r}")
+        return layer * len(self.parts) + self.parts.index(part)
+
+    def part_offset(self, layer: int, part: str, page_size: int) -> int:
+        """Byte offset of (layer, part)'s rows inside a page envelope."""
+        return self.block_index(layer, part) * page_size * self.row_bytes
+
+    def fingerprint(self) -> str:
+        return _fingerprint(self)
+
+
+@dataclass(frozen=True)
+class MHASpec(_PagedSpec):
+    """Full or sliding-window attention K/V. ``sliding_window`` counts the keys a
+    query sees, itself included (transformers' convention)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            _check_positive("MHASpec", name, getattr(self, name))
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        _check_positive("MHASpec", "v_head_dim", self.v_head_dim)
+        _check_dtype("MHASpec", "dtype", self.dtype)
+        if self.sliding_window is not None:
+            _check_positive("MHASpec", "sliding_window", self.sliding_window)
+
+    parts = ("k", "v")
+
+    @property
+    def kind(self) -> str:
+        return "swa" if self.sliding_window is not None else "full"
+
+    @property
+    def row_head_dim(self) -> int:
+        """Per-head width of a stored row: K and V rows are padded to the wider."""
+        return max(self.head_dim, self.v_head_dim)
+
+    @property
+    def is_asymmetric(self) -> bool:
+        return self.head_dim != self.v_head_dim
+
+    @property
+    def row_elems(self) -> int:
+        return self.num_kv_heads * self.row_head_dim
+
+    @property
+    def blocks_per_page(self) -> int:
+        return 2 * self.num_layers
+
+
+@dataclass(frozen=True)
+class MLASpec(_PagedSpec):
+    """Multi-head latent attention: one latent row per layer and token; V is a
+    prefix of it (``kv_lora_rank`` wide), the rope part follows."""
+
+    num_layers: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_lora_rank", "rope_dim"):
+            _check_positive("MLASpec", name, getattr(self, name))
+        _check_dtype("MLASpec", "dtype", self.dtype)
+
+    parts = ("latent",)
+    kind = "mla"
+    sliding_window = None
+
+    @property
+    def row_elems(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def blocks_per_page(self) -> int:
+        return self.num_layers
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One recurrent-state tensor per layer and request, e.g. a conv window."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if not shape or any(
+            not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape
+        ):
+            raise ValueError(f"StatePart.shape must be a non-empty tuple of positive ints, got {self.shape!r}")
+        object.__setattr__(self, "shape", shape)
+        _check_dtype("StatePart", "dtype", self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return _itemsize(storage_dtype(self.dtype))
+
+    @property
+    def layer_bytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Mamba / linear-attention state: one slot per request (page size 1).
+
+    Slot layout: ``[conv part 0, all layers][conv part 1, all layers]...[temporal,
+    all layers]``; each part starts at a multiple of its itemsize and the slot is
+    a multiple of the largest itemsize, so every part has a typed view.
+    """
+
+    num_layers: int
+    conv: tuple[StatePart, ...]
+    temporal: StatePart
+
+    def __post_init__(self) -> None:
+        _check_positive("MambaSpec", "num_layers", self.num_layers)
+        conv = tuple(self.conv)
+        if not conv or not all(isinstance(p, StatePart) for p in conv):
+            raise ValueError(f"MambaSpec.conv must be a non-empty tuple of StatePart, got {self.conv!r}")
+        object.__setattr__(self, "conv", conv)
+        if not isinstance(self.temporal, StatePart):
+            raise ValueError(f"MambaSpec.temporal must be a StatePart, got {self.temporal!r}")
+
+    kind = "mamba"
+    sliding_window = None
+    blocks_per_page = None
+
+    @property
+    def state_parts(self) -> tuple[StatePart, ...]:
+        return (*self.conv, self.temporal)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(f"conv{i}" for i in range(len(self.conv))) + ("temporal",)
+
+    def _part_offsets(self) -> tuple[list[int], int]:
+        offsets, cursor = [], 0
+        for part in self.state_parts:
+            cursor = -(-cursor // part.itemsize) * part.itemsize  # align to itemsize
+            offsets.append(cursor)
+            cursor += self.num_layers * part.layer_bytes
+        align = max(p.itemsize for p in self.state_parts)
+        return offsets, -(-cursor // align) * align
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one request's state, all layers and parts (alignment included)."""
+        return self._part_offsets()[1]
+
+    def page_bytes(self, page_size: int = 1) -> int:
+        if page_size != 1:
+            raise ValueError(f"a Mamba sub-pool always has page_size 1, got {page_size!r}")
+        return self.entry_bytes
+
+    def view_tail_pad_bytes(self, page_size: int = 1) -> int:
+        self.page_bytes(page_size)
+        return 0  # per-layer state views end inside their own slot
+
+    def part_offset(self, layer: int, part: str, page_size: int = 1) -> int:
+        """Byte offset of (layer, part) inside a slot."""
+        self.page_bytes(page_size)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        if part not in self.parts:
+            raise ValueError(f"part must be one of {self.parts}, got {part!r}")
+        index = self.parts.index(part)
+        return self._part_offsets()[0][index] + layer * self.state_parts[index].layer_bytes
+
+    def fingerprint(self) -> str:
+        return _fingerprint(self)
+
+
+Spec = Union[MHASpec, MLASpec, MambaSpec]
+
+
+def _fingerprint(spec: object) -> str:
+    """A stable digest of a spec's fields, for save/restore and transfer handshakes."""
+
+    def encode(value: object) -> str:
+        if isinstance(value, StatePart):
+            return f"StatePart({value.shape},{value.dtype})"
+        if isinstance(value, tuple):
+            return "(" + ",".join(encode(v) for v in value) + ")"
+        return repr(value)
+
+    text = type(spec).__name__ + ";" + ";".join(
+        f"{f.name}={encode(getattr(spec, f.name))}" for f in fields(spec)
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
