@@ -52,6 +52,11 @@ class SubPoolConfig:
             raise ValueError(f"SubPoolConfig.spec must be an MHASpec, MLASpec or MambaSpec, got {self.spec!r}")
         self.spec.page_bytes(self.page_size)  # validates the page size for the spec
         if self.grow is not None:
+            if self.grow not in {g.value for g in Grow}:  # Grow members are str too
+                raise ValueError(
+                    f"SubPoolConfig.grow must be one of {[g.value for g in Grow]} or None, "
+                    f"got {self.grow!r}"
+                )
             object.__setattr__(self, "grow", Grow(self.grow))
         layers = tuple(self.layers)
         if layers and len(layers) != self.spec.num_layers:
@@ -104,7 +109,7 @@ class SubPool:
 
     @property
     def kernel_id_limit(self) -> int:
-        """One past the largest kernel id (or slot id for Mamba)."""
+        """Rows of each dense view (slots for Mamba): every kernel id lies below it."""
         return self.num_pages * (self.spec.blocks_per_page or 1) * self.page_size
 
 

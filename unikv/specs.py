@@ -187,7 +187,7 @@ class StatePart:
     dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        shape = tuple(self.shape)
+        shape = tuple(self.shape) if isinstance(self.shape, (tuple, list)) else ()
         if not shape or any(
             not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape
         ):
@@ -219,7 +219,7 @@ class MambaSpec:
 
     def __post_init__(self) -> None:
         _check_positive("MambaSpec", "num_layers", self.num_layers)
-        conv = tuple(self.conv)
+        conv = tuple(self.conv) if isinstance(self.conv, (tuple, list)) else ()
         if not conv or not all(isinstance(p, StatePart) for p in conv):
             raise ValueError(f"MambaSpec.conv must be a non-empty tuple of StatePart, got {self.conv!r}")
         object.__setattr__(self, "conv", conv)
