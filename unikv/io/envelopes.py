@@ -1,0 +1,68 @@
+"""Page envelopes of one sub-pool as rows of a 2-D byte view.
+
+Page ``p`` of a sub-pool is bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of
+``pool.buffer`` (DESIGN.md section 2), so the sub-pool's grid is the row view
+
+    rows = buffer[: num_pages * page_bytes].view(num_pages, page_bytes)
+
+and every I/O operation is a row gather, a row scatter or a row slice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unikv.ids import PhysicalPageIds, expect
+from unikv.pool import SubPool, UnifiedPool
+
+
+def page_rows(pool: UnifiedPool, name: str) -> torch.Tensor:
+    """(num_pages, page_bytes) uint8 view of sub-pool ``name``'s page grid."""
+    sub = pool[name]
+    return pool.buffer[: sub.num_pages * sub.page_bytes].view(sub.num_pages, sub.page_bytes)
+
+
+def physical_pages(pages: object, what: str, name: str) -> torch.Tensor:
+    """The plain (n,) int tensor of ``pages`` after checking it is 1-D
+    ``PhysicalPageIds`` of sub-pool ``name``."""
+    data = expect(pages, PhysicalPageIds, what, name)
+    if data.dim() != 1:
+        raise ValueError(f"{what} must be a 1-D page list, got shape {tuple(data.shape)}")
+    return data
+
+
+def check_pages(sub: SubPool, pages: torch.Tensor, what: str) -> None:
+    """Validate a physical page list on the host (a sync for device tensors):
+    every page is a real page of ``sub`` (not in the sink) and none repeats."""
+    if pages.numel() == 0:
+        return
+    host = pages.detach().to("cpu", torch.int64)
+    lo, hi = int(host.min()), int(host.max())
+    if lo < sub.first_page or hi >= sub.num_pages:
+        raise ValueError(
+            f"{what} must lie in [{sub.first_page}, {sub.num_pages}) of sub-pool "
+            f"{sub.name!r} (the sink pages below {sub.first_page} are never moved), "
+            f"got pages in [{lo}, {hi}]"
+        )
+    if torch.unique(host).numel() != host.numel():
+        raise ValueError(f"{what} must be distinct, got {host.tolist()}")
+
+
+def host_list(pages: torch.Tensor) -> list[int]:
+    """Page ids as host ints (free for CPU tensors; a sync for device tensors)."""
+    return pages.detach().to("cpu", torch.int64).tolist()
+
+
+def runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Split a slot list into runs of consecutive slots.
+
+    Returns ``(first_index, first_slot, length)`` for each maximal run, so that
+    ``slots[i : i + length] == range(first_slot, first_slot + length)``.
+    """
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            out.append((start, slots[start], i - start))
+            start = i
+    return out if slots else []

@@ -1,0 +1,127 @@
+"""Offload and reload by virtual page, through the allocator's I/O hooks.
+
+    offload(v):  P = v2p[v]  ->  copy P's envelope to a host slot (side stream)
+                 -> release_physical(v, fence=copy event): v2p[v] = -1, v stays
+                    owned by its request; P is PENDING (neither reused nor moved)
+                    until the copy has read it, then a hole
+    reload(v):   P' = bind_physical(v) (any hole; compacting if needed)
+                 -> pin(P') -> copy the host slot into P' (side stream)
+                 -> poll(): unpin P' once the copy's event fired, so compaction
+                    never moves a page that is still being written
+
+Virtual ids never change, so the request's ``req_to_token`` rows stay valid
+while its pages live on the host. Before a kernel reads reloaded pages, wait
+for the reload (``HostCopy.done()`` to schedule around it, or ``HostCopy.wait()``
+to order the forward stream after it without blocking the host).
+
+Physical page ids are read from the allocator's host mirror (``v2p_host``), so
+neither verb syncs the host with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from unikv.ids import PhysicalPageIds, VirtualPageIds, expect
+from unikv.io.host_tier import HostCopy, HostPageIds, HostTier
+
+
+@dataclass
+class Offloaded:
+    """Virtual pages (n,) of one sub-pool whose envelopes live in ``host_slots``
+    (``host_slots[i]`` holds ``vpages[i]``); ``copy`` is the device-to-host copy."""
+
+    vpages: VirtualPageIds
+    host_slots: HostPageIds
+    copy: HostCopy
+
+
+class Tiering:
+    """Offload/reload of one sub-pool's virtual pages between the pool and a
+    :class:`HostTier`.
+
+    Args:
+        alloc: the pool allocator (``alloc.subpool(name)`` provides ``v2p_host``,
+            ``release_physical``, ``bind_physical``, ``pin``, ``unpin``).
+        tier: the host tier of the same pool and sub-pool.
+    """
+
+    def __init__(self, alloc: Any, tier: HostTier) -> None:
+        self.alloc, self.tier, self.name = alloc, tier, tier.name
+        self.sub = alloc.subpool(tier.name)
+        self._pinned: list[HostCopy] = []  # reloads whose destination pages are pinned
+
+    @property
+    def num_in_flight(self) -> int:
+        """Reloads whose destination pages are still pinned (after a poll)."""
+        self.poll()
+        return len(self._pinned)
+
+    def poll(self) -> None:
+        """Unpin the destination pages of every finished reload (non-blocking)."""
+        still = []
+        for copy in self._pinned:
+            if copy.done():
+                self.sub.unpin(copy.pages)
+            else:
+                still.append(copy)
+        self._pinned = still
+
+    def _bound_pages(self, vpages: VirtualPageIds, what: str) -> PhysicalPageIds:
+        data = expect(vpages, VirtualPageIds, what, self.name)
+        host = data.detach().cpu().numpy()
+        if host.ndim != 1 or (host < 1).any() or (host >= len(self.sub.v2p_host)).any():
+            raise ValueError(
+                f"{what}: virtual pages must be a 1-D list in [1, {len(self.sub.v2p_host)}) "
+                f"of sub-pool {self.name!r}, got {host.tolist()}"
+            )
+        pages = self.sub.v2p_host[host].astype(np.int64)
+        if (pages < 0).any():
+            raise ValueError(
+                f"{what}: virtual pages {host[pages < 0].tolist()} of {self.name!r} hold no "
+                "physical page (already offloaded, tombstoned or never allocated)"
+            )
+        return PhysicalPageIds(torch.from_numpy(pages), self.name)
+
+    def offload(self, vpages: VirtualPageIds) -> Offloaded | None:
+        """Move (n,) bound virtual pages to the host and give their physical pages
+        back to the allocator (fenced by the copy). ``None`` (nothing changed)
+        when the host tier has fewer than n free slots."""
+        self.poll()
+        pages = self._bound_pages(vpages, "Tiering.offload vpages")
+        copy = self.tier.offload(pages, check=False)  # bound pages: real and distinct
+        if copy is None:
+            return None
+        try:
+            self.sub.release_physical(vpages, fence=copy.event)
+        except Exception:
+            self.tier.free(copy.host_slots)  # e.g. a pinned page: undo the slots
+            raise
+        return Offloaded(vpages, copy.host_slots, copy)
+
+    def reload(self, offloaded: Offloaded) -> HostCopy | None:
+        """Bind fresh physical pages to the offloaded virtual pages and copy their
+        envelopes back; the host slots are freed (reused after the copy). ``None``
+        (nothing changed) when the allocator cannot make room."""
+        self.poll()
+        if self.sub.bind_physical(offloaded.vpages) is None:
+            return None
+        vhost = offloaded.vpages.data.detach().cpu().numpy()
+        pages = PhysicalPageIds(
+            torch.from_numpy(self.sub.v2p_host[vhost].astype(np.int64)), self.name
+        )
+        self.sub.pin(pages)
+        copy = self.tier.reload(offloaded.host_slots, pages, check=False)
+        self.tier.free(offloaded.host_slots)
+        self._pinned.append(copy)
+        self.poll()  # on CPU the copy is done: unpin at once
+        return copy
+
+    def drop(self, offloaded: Offloaded) -> None:
+        """Forget offloaded pages without reloading them (their request ended):
+        free the host slots. The virtual pages are the request's to free."""
+        self.tier.free(offloaded.host_slots)
