@@ -20,8 +20,12 @@ from unikv.specs import MambaSpec, MHASpec, MLASpec, StatePart
 FP8 = torch.float8_e4m3fn
 MHA_SPECS = {
     "fp32": MHASpec(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32),
-    "bf16-asym-wide-v": MHASpec(num_layers=2, num_kv_heads=3, head_dim=4, v_head_dim=6, dtype=torch.bfloat16),
-    "fp16-asym-wide-k": MHASpec(num_layers=2, num_kv_heads=1, head_dim=8, v_head_dim=2, dtype=torch.float16),
+    "bf16-asym-wide-v": MHASpec(
+        num_layers=2, num_kv_heads=3, head_dim=4, v_head_dim=6, dtype=torch.bfloat16
+    ),
+    "fp16-asym-wide-k": MHASpec(
+        num_layers=2, num_kv_heads=1, head_dim=8, v_head_dim=2, dtype=torch.float16
+    ),
     "fp8": MHASpec(num_layers=2, num_kv_heads=2, head_dim=3, dtype=FP8),
 }
 MLA_SPEC = MLASpec(num_layers=3, kv_lora_rank=6, rope_dim=2, dtype=torch.bfloat16)
@@ -208,15 +212,20 @@ def test_dense_rows_at_valid_ids_tile_the_pages(name: str, page_size: int) -> No
     spec, num_pages = MHA_SPECS[name], 2
     buf = make_buffer(spec, page_size, num_pages)
     dense = layout.mha_dense_views(buf, spec, page_size, num_pages)
-    kids = [hand_kernel_id(p, s, page_size, 2 * spec.num_layers)
-            for p in range(num_pages) for s in range(page_size)]
+    kids = [
+        hand_kernel_id(p, s, page_size, 2 * spec.num_layers)
+        for p in range(num_pages)
+        for s in range(page_size)
+    ]
     spots = torch.cat([footprint(v)[kids].flatten() for pair in dense for v in pair])
     assert spots.unique().numel() == spots.numel(), "two views share a byte"
     item, H, L = raw_itemsize(spec.dtype), spec.num_kv_heads, spec.num_layers
     assert spots.numel() == num_pages * page_size * L * H * (spec.head_dim + spec.v_head_dim) * item
     assert int(spots.max()) < num_pages * spec.page_bytes(page_size)
     if not spec.is_asymmetric:
-        assert torch.equal(spots.sort().values, torch.arange(num_pages * spec.page_bytes(page_size)))
+        assert torch.equal(
+            spots.sort().values, torch.arange(num_pages * spec.page_bytes(page_size))
+        )
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -225,7 +234,9 @@ def test_tail_pad_is_exactly_what_the_last_dense_view_needs(page_size: int) -> N
         num_pages = 2
         buf = make_buffer(spec, page_size, num_pages)
         if isinstance(spec, MHASpec):
-            views = [v for pair in layout.mha_dense_views(buf, spec, page_size, num_pages) for v in pair]
+            views = [
+                v for pair in layout.mha_dense_views(buf, spec, page_size, num_pages) for v in pair
+            ]
         else:
             views = layout.mla_dense_views(buf, spec, page_size, num_pages)
         assert max(int(footprint(v).max()) for v in views) < buf.numel()
@@ -283,11 +294,17 @@ def test_mamba_views_never_alias_and_stay_in_their_slot() -> None:
             for slot in range(num_slots):
                 ours = spots[layer, slot].sort().values  # one (layer, slot, part): contiguous
                 assert torch.equal(ours, torch.arange(int(ours[0]), int(ours[0]) + ours.numel()))
-                assert slot * spec.entry_bytes <= int(ours[0]) and int(ours[-1]) < (slot + 1) * spec.entry_bytes
+                assert (
+                    slot * spec.entry_bytes <= int(ours[0])
+                    and int(ours[-1]) < (slot + 1) * spec.entry_bytes
+                )
         all_spots.append(spots.flatten())
     spots = torch.cat(all_spots)
     assert spots.unique().numel() == spots.numel(), "two (layer, slot, part) share a byte"
-    per_slot = sum(spec.num_layers * raw_itemsize(p.dtype) * torch.Size(p.shape).numel() for p in spec.state_parts)
+    per_slot = sum(
+        spec.num_layers * raw_itemsize(p.dtype) * torch.Size(p.shape).numel()
+        for p in spec.state_parts
+    )
     assert spots.numel() == num_slots * per_slot
 
 

@@ -21,7 +21,11 @@ MAMBA = MambaSpec(2, (StatePart((3, 4), torch.bfloat16),), StatePart((2, 3), tor
 
 def pages_between(lo: int, hi: int, page_bytes: int) -> int:
     """Whole pages of a grid (page p = [p*pb, (p+1)*pb)) inside [lo, hi), by counting."""
-    return sum(1 for p in range(hi // page_bytes + 1) if p * page_bytes >= lo and (p + 1) * page_bytes <= hi)
+    return sum(
+        1
+        for p in range(hi // page_bytes + 1)
+        if p * page_bytes >= lo and (p + 1) * page_bytes <= hi
+    )
 
 
 def max_kernel_id(sub) -> int:
@@ -35,7 +39,9 @@ def max_kernel_id(sub) -> int:
 
 def test_default_placement_follows_design() -> None:
     def grows(*specs):
-        return [g.value for g in default_grow([SubPoolConfig(f"s{i}", s) for i, s in enumerate(specs)])]
+        return [
+            g.value for g in default_grow([SubPoolConfig(f"s{i}", s) for i, s in enumerate(specs)])
+        ]
 
     assert grows(FULL, SWA) == ["down", "up"]
     assert grows(FULL, MAMBA) == ["down", "up"]
@@ -48,8 +54,11 @@ def test_default_placement_follows_design() -> None:
 
 @pytest.mark.parametrize("page_sizes", [(1, 1), (4, 16), (16, 4)])
 def test_page_zero_of_every_subpool_lies_in_the_sink(page_sizes) -> None:
-    configs = [SubPoolConfig("full", FULL, page_sizes[0]), SubPoolConfig("swa", SWA, page_sizes[1]),
-               SubPoolConfig("mamba", MAMBA)]
+    configs = [
+        SubPoolConfig("full", FULL, page_sizes[0]),
+        SubPoolConfig("swa", SWA, page_sizes[1]),
+        SubPoolConfig("mamba", MAMBA),
+    ]
     pool = UnifiedPool(configs, 20_000)
     for sub in pool.subpools.values():
         start = pool.page_envelope(sub.name, 0).data_ptr() - pool.buffer.data_ptr()
@@ -57,7 +66,9 @@ def test_page_zero_of_every_subpool_lies_in_the_sink(page_sizes) -> None:
         for page in range(sub.num_pages):  # first_page: the lowest page wholly above the floor
             assert (page >= sub.first_page) == (page * sub.page_bytes >= pool.sink_bytes)
         assert sub.usable_pages == pages_between(pool.sink_bytes, pool.total_bytes, sub.page_bytes)
-        rows = sub.views["temporal"].shape[1] if sub.spec.kind == "mamba" else sub.views[0][0].shape[0]
+        rows = (
+            sub.views["temporal"].shape[1] if sub.spec.kind == "mamba" else sub.views[0][0].shape[0]
+        )
         assert max_kernel_id(sub) < sub.kernel_id_limit == rows  # every dense row is addressable
 
 
@@ -119,13 +130,19 @@ def test_one_worst_case_request_must_fit_alone(page_size) -> None:
     need = -(-tokens // page_size)
     enough = next(b for b in range(pb, 10**7, pb) if pages_between(pb, b, pb) >= need)
     UnifiedPool(config, enough, device="meta", max_request_tokens=tokens)
-    with pytest.raises(ValueError, match="worst-case request of 100 tokens cannot run alone") as info:
+    with pytest.raises(
+        ValueError, match="worst-case request of 100 tokens cannot run alone"
+    ) as info:
         UnifiedPool(config, enough - 1, device="meta", max_request_tokens=tokens)
     assert "raise total_bytes" in str(info.value)
 
 
 def test_worst_case_with_a_window_and_mamba_and_the_advice_works() -> None:
-    configs = [SubPoolConfig("full", FULL, 4), SubPoolConfig("swa", SWA, 4), SubPoolConfig("mamba", MAMBA)]
+    configs = [
+        SubPoolConfig("full", FULL, 4),
+        SubPoolConfig("swa", SWA, 4),
+        SubPoolConfig("mamba", MAMBA),
+    ]
     with pytest.raises(ValueError, match="cannot run alone") as info:
         UnifiedPool(configs, 3_000, device="meta", max_request_tokens=64)
     advice = int(str(info.value).split("to about ")[1].split()[0])
@@ -140,9 +157,16 @@ def test_bad_pool_arguments_say_what_to_change() -> None:
         (lambda: UnifiedPool([], 100), "1 to 3 sub-pools, got 0"),
         (lambda: UnifiedPool([c] * 4, 100), "1 to 3 sub-pools, got 4"),
         (lambda: UnifiedPool([c, SubPoolConfig("full", SWA)], 100), "names must be unique"),
-        (lambda: UnifiedPool([c, SubPoolConfig("x", FULL)], 10**4), "at most one sub-pool may grow 'down'"),
+        (
+            lambda: UnifiedPool([c, SubPoolConfig("x", FULL)], 10**4),
+            "at most one sub-pool may grow 'down'",
+        ),
         (lambda: UnifiedPool([c], 0), "total_bytes must be a positive int, got 0"),
         (lambda: UnifiedPool([c], 10.5), "total_bytes must be a positive int, got 10.5"),
+        (
+            lambda: UnifiedPool([c], 10**4, max_request_tokens=0),
+            "max_request_tokens must be a positive",
+        ),
         (lambda: SubPoolConfig("", FULL), "SubPoolConfig.name"),
         (lambda: SubPoolConfig("a", "full"), "SubPoolConfig.spec"),
         (lambda: SubPoolConfig("a", FULL, grow="sideways"), "SubPoolConfig.grow must be one of"),
@@ -183,11 +207,15 @@ def sweep_fits(pool: UnifiedPool, demand: dict) -> bool:
     swa_dims=st.tuples(st.integers(1, 3), st.integers(1, 3)),
     mamba_size=st.integers(1, 40),
     page_sizes=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4])),
-    kinds=st.sampled_from([("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba"), ("full",)]),
+    kinds=st.sampled_from(
+        [("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba"), ("full",)]
+    ),
     total=st.integers(40, 400),
     demand=st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(0, 5)),
 )
-def test_fits_matches_a_boundary_sweep(full_dims, swa_dims, mamba_size, page_sizes, kinds, total, demand):
+def test_fits_matches_a_boundary_sweep(
+    full_dims, swa_dims, mamba_size, page_sizes, kinds, total, demand
+):
     specs = {
         "full": (MHASpec(full_dims[0], 1, full_dims[1], dtype=U8), page_sizes[0]),
         "swa": (MHASpec(swa_dims[0], 1, swa_dims[1], dtype=U8, sliding_window=4), page_sizes[1]),
@@ -210,7 +238,11 @@ def test_fits_matches_a_boundary_sweep(full_dims, swa_dims, mamba_size, page_siz
 
 
 def seeded_pool(seed: int = 0) -> UnifiedPool:
-    configs = [SubPoolConfig("full", FULL, 4), SubPoolConfig("swa", SWA, 2), SubPoolConfig("mamba", MAMBA)]
+    configs = [
+        SubPoolConfig("full", FULL, 4),
+        SubPoolConfig("swa", SWA, 2),
+        SubPoolConfig("mamba", MAMBA),
+    ]
     pool = UnifiedPool(configs, 12_000)
     gen = torch.Generator().manual_seed(seed)
     pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=U8, generator=gen))
@@ -233,7 +265,10 @@ def test_move_pages_moves_exactly_the_named_envelopes(data, name) -> None:
     dst = data.draw(st.lists(st.sampled_from(pages), unique=True, max_size=6))
     src = data.draw(st.lists(st.sampled_from(pages), min_size=len(dst), max_size=len(dst)))
     before = bytes(pool.buffer.numpy())
-    ids = lambda p: PhysicalPageIds(torch.tensor(p, dtype=torch.int64), name)  # noqa: E731
+
+    def ids(pages: list) -> PhysicalPageIds:
+        return PhysicalPageIds(torch.tensor(pages, dtype=torch.int64), name)
+
     pool.move_pages(name, ids(src), ids(dst))
     assert bytes(pool.buffer.numpy()) == expected_after_moves(before, sub.page_bytes, src, dst)
 
@@ -245,7 +280,11 @@ def test_move_pages_swaps_and_cycles_read_sources_first() -> None:
     src, dst = [p, p + 1, p + 2, p + 3], [p + 1, p + 2, p, p + 4]  # a 3-cycle plus a copy
     before = bytes(pool.buffer.numpy())
     old_row = sub.paged_views[1][1][p + 2, 3].clone()  # layer 1 V, page p+2, last slot
-    pool.move_pages("full", PhysicalPageIds(torch.tensor(src)), PhysicalPageIds(torch.tensor(dst, dtype=torch.int32)))
+    pool.move_pages(
+        "full",
+        PhysicalPageIds(torch.tensor(src)),
+        PhysicalPageIds(torch.tensor(dst, dtype=torch.int32)),
+    )
     assert bytes(pool.buffer.numpy()) == expected_after_moves(before, sub.page_bytes, src, dst)
     assert torch.equal(sub.paged_views[1][1][p, 3], old_row)  # the data followed its page
 
@@ -257,8 +296,16 @@ def test_move_pages_rejects_bad_ids_and_leaves_the_buffer_unchanged() -> None:
     before = pool.buffer.clone()
     type_errors = [
         (torch.tensor([sub.first_page]), ok, "takes PhysicalPageIds, got Tensor"),
-        (VirtualPageIds(torch.tensor([sub.first_page])), ok, "takes PhysicalPageIds, got VirtualPageIds"),
-        (PhysicalPageIds(torch.tensor([sub.first_page]), "full"), ok, "ids of sub-pool 'swa', got ids of 'full'"),
+        (
+            VirtualPageIds(torch.tensor([sub.first_page])),
+            ok,
+            "takes PhysicalPageIds, got VirtualPageIds",
+        ),
+        (
+            PhysicalPageIds(torch.tensor([sub.first_page]), "full"),
+            ok,
+            "ids of sub-pool 'swa', got ids of 'full'",
+        ),
     ]
     for src, dst, message in type_errors:
         with pytest.raises(TypeError, match=message):
@@ -272,8 +319,13 @@ def test_move_pages_rejects_bad_ids_and_leaves_the_buffer_unchanged() -> None:
     ]
     for src, dst, message in value_errors:
         with pytest.raises(ValueError, match=message):
-            pool.move_pages("swa", PhysicalPageIds(torch.tensor(src)), PhysicalPageIds(torch.tensor(dst)))
+            pool.move_pages(
+                "swa", PhysicalPageIds(torch.tensor(src)), PhysicalPageIds(torch.tensor(dst))
+            )
     assert torch.equal(pool.buffer, before)
-    pool.move_pages("swa", PhysicalPageIds(torch.tensor([], dtype=torch.int64)),
-                    PhysicalPageIds(torch.tensor([], dtype=torch.int64)))
+    pool.move_pages(
+        "swa",
+        PhysicalPageIds(torch.tensor([], dtype=torch.int64)),
+        PhysicalPageIds(torch.tensor([], dtype=torch.int64)),
+    )
     assert torch.equal(pool.buffer, before)

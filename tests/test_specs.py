@@ -4,6 +4,7 @@ checked against torch's own byte counts and DESIGN.md's page diagram."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -105,8 +106,11 @@ def test_kinds() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    num_layers=st.integers(1, 6), heads=st.integers(1, 4), head_dim=st.integers(1, 9),
-    v_head_dim=st.integers(1, 9), page_size=st.integers(1, 32),
+    num_layers=st.integers(1, 6),
+    heads=st.integers(1, 4),
+    head_dim=st.integers(1, 9),
+    v_head_dim=st.integers(1, 9),
+    page_size=st.integers(1, 32),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.uint8, FP8]),
 )
 def test_mha_sizes_match_a_torch_tensor_of_one_slot(
@@ -120,7 +124,10 @@ def test_mha_sizes_match_a_torch_tensor_of_one_slot(
     if head_dim == v_head_dim:  # DESIGN.md section 1's formula
         assert spec.entry_bytes == num_layers * (heads * head_dim * 2) * slot.element_size()
     # the last row-block's dense view runs (B - 1) * ps rows past the last page
-    assert spec.view_tail_pad_bytes(page_size) == spec.page_bytes(page_size) - page_size * slot[0, 0].nbytes
+    assert (
+        spec.view_tail_pad_bytes(page_size)
+        == spec.page_bytes(page_size) - page_size * slot[0, 0].nbytes
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
@@ -140,7 +147,7 @@ def test_page_envelope_order_follows_design_diagram() -> None:
     assert ordered == [(0, "k"), (0, "v"), (1, "k"), (1, "v"), (2, "k"), (2, "v")]
     row = torch.empty(2, 8, dtype=torch.bfloat16).nbytes
     offsets = [spec.part_offset(*lp, ps) for lp in ordered]
-    assert offsets[0] == 0 and all(b - a == ps * row for a, b in zip(offsets, offsets[1:]))
+    assert offsets[0] == 0 and all(b - a == ps * row for a, b in itertools.pairwise(offsets))
     with pytest.raises(ValueError, match="layer must be in"):
         spec.part_offset(3, "k", ps)
     with pytest.raises(ValueError, match="part must be one of"):
@@ -167,15 +174,30 @@ def test_fp8_is_stored_as_uint8() -> None:
 # -- fingerprints ----------------------------------------------------------------------
 
 SPEC_STRATEGY = st.one_of(
-    st.builds(MHASpec, st.integers(1, 3), st.integers(1, 3), st.integers(1, 4),
-              st.sampled_from([None, 2, 4]), st.sampled_from([torch.bfloat16, FP8]),
-              st.sampled_from([None, 64])),
+    st.builds(
+        MHASpec,
+        st.integers(1, 3),
+        st.integers(1, 3),
+        st.integers(1, 4),
+        st.sampled_from([None, 2, 4]),
+        st.sampled_from([torch.bfloat16, FP8]),
+        st.sampled_from([None, 64]),
+    ),
     st.builds(MLASpec, st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)),
-    st.builds(MambaSpec, st.integers(1, 3),
-              st.lists(st.builds(StatePart, st.tuples(st.integers(1, 3)),
-                                 st.sampled_from([torch.bfloat16, torch.float32])),
-                       min_size=1, max_size=2).map(tuple),
-              st.builds(StatePart, st.tuples(st.integers(1, 3), st.integers(1, 3)))),
+    st.builds(
+        MambaSpec,
+        st.integers(1, 3),
+        st.lists(
+            st.builds(
+                StatePart,
+                st.tuples(st.integers(1, 3)),
+                st.sampled_from([torch.bfloat16, torch.float32]),
+            ),
+            min_size=1,
+            max_size=2,
+        ).map(tuple),
+        st.builds(StatePart, st.tuples(st.integers(1, 3), st.integers(1, 3))),
+    ),
 )
 
 
@@ -186,13 +208,23 @@ def test_fingerprints_differ_exactly_when_specs_differ(a, b) -> None:
 
 
 def test_fingerprint_is_stable_across_processes() -> None:
-    specs = "[MHASpec(2, 2, 8, 4, torch.bfloat16, 128), MLASpec(3, 16, 4), " \
-            "MambaSpec(2, (StatePart((4, 3), torch.bfloat16),), StatePart((2, 4, 8)))]"
+    specs = (
+        "[MHASpec(2, 2, 8, 4, torch.bfloat16, 128), MLASpec(3, 16, 4), "
+        "MambaSpec(2, (StatePart((4, 3), torch.bfloat16),), StatePart((2, 4, 8)))]"
+    )
     code = f"import torch; from unikv.specs import *; print([s.fingerprint() for s in {specs}])"
     runs = []
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT}
-        runs.append(subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
-                                   capture_output=True, text=True, check=True).stdout)
+        runs.append(
+            subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
     here = str([s.fingerprint() for s in eval(specs)]) + "\n"
     assert runs[0] == runs[1] == here

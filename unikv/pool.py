@@ -196,10 +196,9 @@ class UnifiedPool:
         self.tail_pad_bytes = max(c.spec.view_tail_pad_bytes(c.page_size) for c in configs)
         self.total_bytes = total_bytes
         self.device = torch.device(device)
-        fill = POISON_BYTE if poison else 0
-        self.buffer = torch.full(
-            (total_bytes + self.tail_pad_bytes,), fill, dtype=torch.uint8, device=self.device
-        )
+        # Start-up checks run on a meta buffer first, so that a bad budget fails
+        # with its message before any memory is taken.
+        self.buffer = torch.empty(total_bytes + self.tail_pad_bytes, dtype=torch.uint8, device="meta")
         self._copy_pages = copy_pages or torch_copy_pages
 
         self.subpools: dict[str, SubPool] = {}
@@ -229,6 +228,10 @@ class UnifiedPool:
             self.subpools[config.name] = subpool
 
         if max_request_tokens is not None:
+            if not isinstance(max_request_tokens, int) or max_request_tokens <= 0:
+                raise ValueError(
+                    f"max_request_tokens must be a positive int or None, got {max_request_tokens!r}"
+                )
             demand = {
                 s.name: worst_case_pages(s.spec, s.page_size, max_request_tokens, chunk_tokens)
                 for s in self.subpools.values()
@@ -240,6 +243,13 @@ class UnifiedPool:
                     f"needs pages {demand} and the {total_bytes}-byte pool cannot place them; "
                     f"raise total_bytes to about {need + self.sink_bytes} or lower max_request_tokens"
                 )
+
+        fill = POISON_BYTE if poison else 0
+        self.buffer = torch.full(
+            (total_bytes + self.tail_pad_bytes,), fill, dtype=torch.uint8, device=self.device
+        )
+        for s in self.subpools.values():
+            s.views, s.paged_views = _build_views(self.buffer, s.spec, s.page_size, s.num_pages)
 
     # -- geometry ---------------------------------------------------------------
 

@@ -1,0 +1,258 @@
+"""`unikv inspect`: print the pool plan for a model config and a memory budget.
+
+    unikv inspect [MODEL] [--budget 4GiB] [--page-size 16] [--dtype bf16]
+                  [--max-tokens N] [--plot FILE] [--json]
+
+MODEL is a built-in preset name (``unikv/presets/*.json``), a model directory
+holding config.json, or a config JSON file; default ``gpt-oss-20b``. The pool is
+built on the ``meta`` device, so no budget-sized memory is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from unikv.hf_config import ModelSpecs, load_config, model_specs_from_hf_config
+from unikv.pool import INT32_LIMIT, Grow, UnifiedPool, worst_case_pages
+
+PRESET_DIR = Path(__file__).parent / "presets"
+DEFAULT_MODEL = "gpt-oss-20b"
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def presets() -> list[str]:
+    """Names of the built-in model presets."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from "4GiB", "512 MiB", "1.5GB" or a plain integer."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) * _UNITS[unit] < 1:
+        raise ValueError(
+            f"a byte size must be a positive number with an optional unit out of "
+            f"B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 4GiB); got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(num_bytes) < 1024 or unit == "TiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def resolve_model(model: str) -> tuple[str, Any]:
+    """(display name, config dict) for a preset name, a model directory or a JSON file."""
+    if os.path.exists(model):
+        return model, load_config(model)
+    if model in presets():
+        return model, load_config(PRESET_DIR / f"{model}.json")
+    raise ValueError(
+        f"no model {model!r}: give a directory with config.json, a config JSON file, "
+        f"or one of the presets {presets()}"
+    )
+
+
+def _longest_request(pool: UnifiedPool, limit: int) -> int:
+    """Largest token count (<= limit) whose worst-case request fits the empty pool; 0 if none."""
+
+    def fits(tokens: int) -> bool:
+        demand = {
+            n: worst_case_pages(s.spec, s.page_size, tokens) for n, s in pool.subpools.items()
+        }
+        return pool.fits(demand)
+
+    lo, hi = 0, limit
+    while lo < hi:  # invariant: fits(lo) or lo == 0; not fits(hi + 1) or hi == limit
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _concurrent_requests(pool: UnifiedPool, tokens: int) -> int:
+    """How many worst-case requests of ``tokens`` tokens fit the empty pool at once."""
+    demand = {n: worst_case_pages(s.spec, s.page_size, tokens) for n, s in pool.subpools.items()}
+    lo, hi = 0, max(s.usable_pages for s in pool.subpools.values())
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if pool.fits({n: d * mid for n, d in demand.items()}) else (lo, mid - 1)
+    return lo
+
+
+def build_plan(model: ModelSpecs, budget: int, max_tokens: int | None = None) -> dict:
+    """The pool plan as plain numbers (what `unikv inspect --json` prints)."""
+    pool = UnifiedPool(list(model.subpools), budget, device="meta", max_request_tokens=max_tokens)
+    subpools = {}
+    for name, sub in pool.subpools.items():
+        subpools[name] = {
+            "kind": sub.spec.kind,
+            "grow": sub.grow.value,
+            "model_layers": list(sub.layers),
+            "page_size": sub.page_size,
+            "sliding_window": sub.spec.sliding_window,
+            "entry_bytes": sub.spec.entry_bytes,
+            "page_bytes": sub.page_bytes,
+            "blocks_per_page": sub.spec.blocks_per_page,
+            "pages_alone": sub.usable_pages,  # this band holds everything, the others are empty
+            "tokens_alone": sub.usable_pages * sub.page_size,
+            "kernel_id_limit": sub.kernel_id_limit,
+            "kernel_id_headroom": INT32_LIMIT - sub.kernel_id_limit,
+            "kernel_id_headroom_factor": INT32_LIMIT / sub.kernel_id_limit,
+        }
+    limit = model.max_position_embeddings or 2**31
+    plan = {
+        "model_type": model.model_type,
+        "layer_kinds": list(model.layer_kinds),
+        "budget_bytes": budget,
+        "sink_bytes": pool.sink_bytes,
+        "tail_pad_bytes": pool.tail_pad_bytes,
+        "buffer_bytes": budget + pool.tail_pad_bytes,
+        "subpools": subpools,
+        "max_position_embeddings": model.max_position_embeddings,
+        "longest_request_alone": _longest_request(pool, limit),
+    }
+    if max_tokens is not None:
+        plan["max_tokens"] = max_tokens
+        plan["worst_case_pages"] = {
+            n: worst_case_pages(s.spec, s.page_size, max_tokens) for n, s in pool.subpools.items()
+        }
+        plan["concurrent_requests"] = _concurrent_requests(pool, max_tokens)
+    return plan
+
+
+def byte_map_lines(plan: dict, width: int = 64) -> list[str]:
+    """The byte map as text: sink, the bands with their grow directions, tail pad."""
+    budget, sink = plan["budget_bytes"], plan["sink_bytes"]
+    by_grow = {s["grow"]: n for n, s in plan["subpools"].items()}
+    lines = [
+        f"  [0, {sink})  sink: page 0 of every sub-pool; padded lanes and tombstones land here",
+    ]
+    if Grow.UP.value in by_grow:
+        lines.append(f"  [{sink}, ...)  {by_grow['up']} grows up from the sink floor ->")
+    if Grow.FLOAT.value in by_grow:
+        lines.append(f"  (...)  {by_grow['float']} floats between the other two bands")
+    if Grow.DOWN.value in by_grow:
+        lines.append(f"  (..., {budget})  <- {by_grow['down']} grows down from the top")
+    lines.append(
+        f"  [{budget}, {plan['buffer_bytes']})  tail pad: the last row-block's dense view runs past the last page"
+    )
+    sink_chars = max(1, round(sink / budget * width))
+    inner = width - sink_chars
+    left = f" {by_grow['up']} ->" if "up" in by_grow else ""
+    mid = f"<- {by_grow['float']} ->" if "float" in by_grow else ""
+    right = f"<- {by_grow['down']} " if "down" in by_grow else ""
+    gap = max(inner - len(left) - len(mid) - len(right), 2)
+    bar = left + " " * (gap // 2) + mid + " " * (gap - gap // 2) + right
+    lines.append(
+        "  |" + "#" * sink_chars + bar + "|" + ("+" if plan["tail_pad_bytes"] else "") + "|"
+    )
+    return lines
+
+
+def format_plan(name: str, plan: dict) -> str:
+    kinds = plan["layer_kinds"]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+    out = [
+        f"model {name} ({plan['model_type']}): {len(kinds)} layers: {counts}",
+        (
+            f"budget {plan['budget_bytes']} B ({human(plan['budget_bytes'])}) + tail pad "
+            f"{plan['tail_pad_bytes']} B; sink {plan['sink_bytes']} B"
+        ),
+        "",
+        "sub-pools:",
+    ]
+    for n, s in plan["subpools"].items():
+        window = f", window {s['sliding_window']}" if s["sliding_window"] else ""
+        out.append(
+            f"  {n}: {s['kind']}{window}, {len(s['model_layers'])} layers, grows {s['grow']}, "
+            f"page_size {s['page_size']}, entry {s['entry_bytes']} B, page {s['page_bytes']} B "
+            f"({human(s['page_bytes'])})"
+        )
+    out += [
+        "",
+        "extremes of the moving boundary (one band holds everything, the others are empty):",
+    ]
+    for n, s in plan["subpools"].items():
+        unit = "requests" if s["kind"] == "mamba" else "tokens"
+        others = ", ".join(f"{o} 0 pages" for o in plan["subpools"] if o != n)
+        tail = f"; {others}" if others else ""
+        out.append(f"  all to {n}: {n} {s['pages_alone']} pages = {s['tokens_alone']} {unit}{tail}")
+    out += ["", "kernel-id headroom (ids must stay below 2**31):"]
+    for n, s in plan["subpools"].items():
+        out.append(
+            f"  {n}: ids below {s['kernel_id_limit']}; headroom {s['kernel_id_headroom']} "
+            f"({s['kernel_id_headroom_factor']:.1f}x)"
+        )
+    out += ["", f"longest single request that fits alone: {plan['longest_request_alone']} tokens"]
+    if "max_tokens" in plan:
+        out.append(
+            f"requests of {plan['max_tokens']} tokens (worst-case pages {plan['worst_case_pages']}) "
+            f"that fit at once: {plan['concurrent_requests']}"
+        )
+    out += ["", "byte map:", *byte_map_lines(plan)]
+    return "\n".join(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unikv inspect", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"preset name ({', '.join(presets())}), model dir or config JSON",
+    )
+    p.add_argument("--budget", default="4GiB", help="pool bytes, e.g. 4GiB, 512MiB, 1000000")
+    p.add_argument("--page-size", type=int, default=16, help="slots per attention page")
+    p.add_argument("--dtype", default="bf16", help="KV dtype: bf16, fp16, fp32, fp8, fp8_e5m2")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="check that one request this long fits alone; report how many fit at once",
+    )
+    p.add_argument("--plot", default=None, help="write the byte map as a PNG to this file")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        name, config = resolve_model(args.model)
+        model = model_specs_from_hf_config(config, page_size=args.page_size, dtype=args.dtype)
+        plan = build_plan(model, parse_bytes(args.budget), args.max_tokens)
+    except ValueError as error:
+        print(f"unikv inspect: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(name, plan))
+    if args.plot:
+        from unikv.inspect_plot import plot_plan  # matplotlib only when asked
+
+        plot_plan(name, plan, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
