@@ -1,0 +1,89 @@
+"""Shared benchmark plumbing: timing, copy ceilings, JSON results (BENCHMARKS.md).
+
+Times are ``triton.testing.do_bench`` medians (it flushes L2 between reps);
+work under ~50 us also gets a CUDA-graph replay time. Every figure is reported
+as a ratio to a ceiling or peer measured in the same process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+GIB = 1 << 30
+
+
+def bench_us(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median microseconds of ``fn()`` (L2 flushed between reps)."""
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e3
+
+
+def graph_us(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Median microseconds of replaying ``fn`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_us(graph.replay, warmup, rep)
+
+
+def copy_ceilings(d2d_bytes: int = 4 * GIB, host_bytes: int = 2 * GIB) -> dict:
+    """Device-to-device copy (bytes read + written) and pinned host<->device GB/s."""
+    a = torch.empty(d2d_bytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    d2d = bench_us(lambda: b.copy_(a), 5, 30)
+    a = b = None
+    host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(host_bytes, dtype=torch.uint8, device="cuda")
+    h2d = bench_us(lambda: dev.copy_(host, non_blocking=True), 3, 20)
+    d2h = bench_us(lambda: host.copy_(dev, non_blocking=True), 3, 20)
+    host = dev = None
+    torch.cuda.empty_cache()
+    return {
+        "d2d_GBps": d2d_bytes / d2d / 1e3,
+        "h2d_GBps": host_bytes / h2d / 1e3,
+        "d2h_GBps": host_bytes / d2h / 1e3,
+    }
+
+
+def environment() -> dict:
+    commit = os.environ.get("UNIKV_GIT_COMMIT", "")
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or commit
+        )
+    except OSError:
+        pass
+    if len(commit) != 40:
+        commit = os.environ.get("UNIKV_GIT_COMMIT", "unknown")
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit or "unknown",
+    }
+
+
+def save_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, sort_keys=False))
+    print(f"saved {path}")

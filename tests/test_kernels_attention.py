@@ -1,0 +1,202 @@
+"""Decode and extend attention, Triton (under TRITON_INTERPRET=1 on CPU) and the torch
+reference, against an fp32 oracle computed from dense, un-paged K/V.
+
+The K/V live in a real, NaN-poisoned UnifiedPool on randomly permuted pages and are
+read through the pool's dense per-layer views of layer 1 (strided, offset views).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import PagedCase, oracle_attention
+
+from unikv.kernels import get_backend
+
+BACKENDS = ["torch", "triton"]
+DIM = 16
+
+
+def _ops(name):
+    return get_backend("cpu", backend=name)
+
+
+def _decode_case(backend, lens, heads, group, ps, *, dim_v=None, dtype=torch.float16, seed=0, **kw):
+    case = PagedCase(lens, heads, DIM, ps, dim_v=dim_v, dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    q = torch.randn(len(lens), heads * group, DIM, generator=gen).to(dtype)
+    got = _ops(backend).decode_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table,
+        case.seq_lens,
+        page_size=ps,
+        sm_scale=DIM**-0.5,
+        **kw,
+    )
+    kw.pop("num_splits", None)
+    want = torch.cat(
+        [
+            oracle_attention(
+                q[b : b + 1], case.dense_k[b], case.dense_v[b], [n - 1], sm_scale=DIM**-0.5, **kw
+            )
+            for b, n in enumerate(lens)
+        ]
+    )
+    return got, want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "ps,group,extra",
+    [
+        (1, 4, {}),
+        (4, 3, {"num_splits": 3}),
+        (3, 1, {"window": 6}),
+        (8, 2, {"window": 11, "num_splits": 2}),
+        (4, 4, {"sinks": "rand", "num_splits": 3}),
+        (2, 2, {"soft_cap": 2.0}),
+    ],
+)
+def test_decode_matches_dense_oracle(backend, ps, group, extra):
+    kw = dict(extra)
+    if backend == "torch":
+        kw.pop("num_splits", None)
+    if kw.get("sinks") == "rand":
+        kw["sinks"] = torch.randn(2 * group, generator=torch.Generator().manual_seed(3))
+    got, want = _decode_case(backend, [1, 37, 20], 2, group, ps, **kw)
+    torch.testing.assert_close(got.float(), want, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_fp32_asymmetric_heads(backend):
+    """D != Dv: the dense views are strided with row stride H * max(D, Dv)."""
+    got, want = _decode_case(backend, [9, 30], 2, 2, 4, dim_v=8, dtype=torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_empty_request_gives_zeros(backend):
+    """A padded lane (seq_len 0) reads nothing (the pool is NaN-poisoned) and yields 0."""
+    case = PagedCase([5, 3], 1, DIM, 4)
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    q = torch.randn(2, 2, DIM)
+    out = _ops(backend).decode_attention(
+        q, case.k_cache, case.v_cache, case.block_table, lens, page_size=4, sm_scale=0.25
+    )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "ps,group,extra",
+    [(1, 2, {}), (4, 4, {"window": 7}), (3, 1, {"sinks": "rand", "soft_cap": 3.0})],
+)
+def test_extend_matches_dense_oracle(backend, ps, group, extra):
+    lens, new = [9, 40, 17], [3, 21, 17]  # a cached prefix, a long chunk, a fresh prompt
+    kw = dict(extra)
+    if kw.get("sinks") == "rand":
+        kw["sinks"] = torch.randn(2 * group, generator=torch.Generator().manual_seed(5))
+    case = PagedCase(lens, 2, DIM, ps, seed=2)
+    q = torch.randn(sum(new), 2 * group, DIM, generator=torch.Generator().manual_seed(9)).half()
+    indptr = torch.tensor([0, 3, 24, 41], dtype=torch.int32)
+    config = {"config": (16, 16, 4, 1)} if backend == "triton" else {}
+    got = _ops(backend).extend_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table,
+        indptr,
+        case.seq_lens,
+        max_q_len=21,
+        page_size=ps,
+        sm_scale=DIM**-0.5,
+        **kw,
+        **config,
+    )
+    want = torch.cat(
+        [
+            oracle_attention(
+                q[indptr[b] : indptr[b + 1]],
+                case.dense_k[b],
+                case.dense_v[b],
+                list(range(n - m, n)),
+                sm_scale=DIM**-0.5,
+                **kw,
+            )
+            for b, (n, m) in enumerate(zip(lens, new))
+        ]
+    )
+    torch.testing.assert_close(got.float(), want, atol=3e-3, rtol=3e-3)
+
+
+def test_triton_extend_default_tiles():
+    """The default (large) tiles: rows past a request's end and a block-straddling diagonal."""
+    lens, new = [150, 70], [130, 70]
+    case = PagedCase(lens, 1, DIM, 16, dtype=torch.float32, seed=4)
+    q = torch.randn(200, 2, DIM, generator=torch.Generator().manual_seed(1))
+    indptr = torch.tensor([0, 130, 200], dtype=torch.int32)
+    got = _ops("triton").extend_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table,
+        indptr,
+        case.seq_lens,
+        max_q_len=130,
+        page_size=16,
+        sm_scale=DIM**-0.5,
+    )
+    want = torch.cat(
+        [
+            oracle_attention(
+                q[indptr[b] : indptr[b + 1]],
+                case.dense_k[b],
+                case.dense_v[b],
+                list(range(n - m, n)),
+                sm_scale=DIM**-0.5,
+            )
+            for b, (n, m) in enumerate(zip(lens, new))
+        ]
+    )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_rejects_bad_input(backend):
+    case = PagedCase([4], 2, DIM, 4)
+    ops = _ops(backend)
+    q = torch.randn(1, 3, DIM)  # 3 query heads over 2 KV heads
+    with pytest.raises(ValueError, match="multiple"):
+        ops.decode_attention(
+            q,
+            case.k_cache,
+            case.v_cache,
+            case.block_table,
+            case.seq_lens,
+            page_size=4,
+            sm_scale=1.0,
+        )
+
+
+def test_triton_rejects_uint8_cache_and_wrong_table_dtype():
+    case = PagedCase([4], 2, DIM, 4)
+    ops = _ops("triton")
+    q = torch.randn(1, 2, DIM)
+    raw = case.pool.buffer[: case.k_cache.shape[0] * 2 * DIM].view(-1, 2, DIM)
+    with pytest.raises(ValueError, match="float dtype"):
+        ops.decode_attention(
+            q, raw, raw, case.block_table, case.seq_lens, page_size=4, sm_scale=1.0
+        )
+    with pytest.raises(ValueError, match="int32"):
+        ops.decode_attention(
+            q,
+            case.k_cache,
+            case.v_cache,
+            case.block_table.long(),
+            case.seq_lens,
+            page_size=4,
+            sm_scale=1.0,
+        )

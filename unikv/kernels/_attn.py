@@ -1,0 +1,142 @@
+"""Pieces shared by the decode and extend attention kernels.
+
+``load_rows`` gathers a tile of K/V rows through the block table:
+
+    row(i) = block_table[b, i // ps] * ps + i % ps       (int64)
+    K tile = k_cache[row, kv_head, :D]                    (BLOCK_N, BLOCK_D)
+
+``attn_tile`` is one online-softmax step in base 2 (logits pre-scaled by log2 e),
+with optional soft-capping ``cap * tanh(x / cap)`` of the natural-unit logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels._checks import check_cache, check_same_device
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def load_rows(
+    k_cache,
+    v_cache,
+    bt_row,
+    offs_n,
+    mask_n,
+    kvh,
+    k_sn,
+    k_sh,
+    v_sn,
+    v_sh,
+    offs_d,
+    offs_dv,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    if MASKED:
+        entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+    else:  # every key of the tile is live
+        entry = tl.load(bt_row + offs_n // PAGE_SIZE)
+    rows = entry.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+    k_ptr = k_cache + rows[:, None] * k_sn + kvh * k_sh + offs_d[None, :]
+    v_ptr = v_cache + rows[:, None] * v_sn + kvh * v_sh + offs_dv[None, :]
+    if MASKED or D != BLOCK_D:
+        kt = tl.load(k_ptr, mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
+    else:
+        kt = tl.load(k_ptr)
+    if MASKED or DV != BLOCK_DV:
+        vt = tl.load(v_ptr, mask=mask_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    else:
+        vt = tl.load(v_ptr)
+    return kt, vt
+
+
+@triton.jit
+def attn_tile(
+    qv,
+    kt,
+    vt,
+    mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    soft_cap,
+    HAS_CAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    s = tl.dot(qv, tl.trans(kt.to(qv.dtype)), input_precision=PRECISION)  # (M, BLOCK_N) fp32
+    if HAS_CAP:
+        x = s * (qk_scale / 1.4426950408889634) / soft_cap
+        e = tl.exp2(x * (2.0 * 1.4426950408889634))
+        s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))  # cap * tanh(x), base 2
+    else:
+        s = s * qk_scale
+    if MASKED:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vt.to(qv.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+def dot_precision(q: torch.Tensor) -> str:
+    """fp32 queries get exact fp32 dots (no TF32); 16-bit dtypes ignore this."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor | None,
+    page_size: int,
+) -> None:
+    """Shapes, dtypes and strides of the attention launchers' arguments (host only)."""
+    check_cache("k_cache", k_cache)
+    check_cache("v_cache", v_cache, heads=k_cache.shape[1])
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"q must be 3-D with unit last stride, got {tuple(q.shape)} {q.stride()}")
+    if q.shape[2] != k_cache.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {k_cache.shape[2]}")
+    if q.shape[1] % k_cache.shape[1] != 0:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[1]})"
+        )
+    if k_cache.dtype == torch.uint8 or not (k_cache.is_floating_point()):
+        raise ValueError(
+            f"caches must be viewed with a float dtype, got {k_cache.dtype}; view fp8 bytes "
+            "with their fp8 dtype (cache.view(torch.float8_e4m3fn))"
+        )
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(
+            f"block_table must be 2-D int32 with unit column stride, got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (block_table.shape[0],):
+        raise ValueError(
+            f"seq_lens must be ({block_table.shape[0]},) int32, got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32):
+        raise ValueError(
+            f"sinks must be ({q.shape[1]},) fp32, got {sinks.dtype} {tuple(sinks.shape)}"
+        )
+    if not isinstance(page_size, int) or not 1 <= page_size:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    check_same_device(q, k_cache, v_cache, block_table, seq_lens, sinks)
+
+
+__all__ = ["attn_tile", "check_attention_args", "dot_precision", "load_rows", "triton"]

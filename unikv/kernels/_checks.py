@@ -1,0 +1,58 @@
+"""Launcher-side argument checks shared by the Triton kernels (host only, no syncs)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_ids(name: str, ids: torch.Tensor, dim: int = 1) -> None:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(ids).__name__} (pass KernelIds.data)")
+    if ids.dtype not in ID_DTYPES or ids.dim() != dim:
+        raise ValueError(
+            f"{name} must be a {dim}-D int32/int64 tensor, got {ids.dtype} with shape "
+            f"{tuple(ids.shape)}"
+        )
+
+
+def check_cache(name: str, cache: torch.Tensor, heads: int | None = None) -> None:
+    """A dense per-layer view: (N, H, D) with unit stride on D (rows may be strided)."""
+    if cache.dim() != 3:
+        raise ValueError(f"{name} must be a 3-D (N, H, D) view, got shape {tuple(cache.shape)}")
+    if cache.stride(2) != 1:
+        raise ValueError(
+            f"{name} must have unit stride on head_dim, got strides {cache.stride()}; pass the "
+            "dense per-layer view from unikv.layout.mha_dense_views"
+        )
+    if heads is not None and cache.shape[1] != heads:
+        raise ValueError(f"{name} has {cache.shape[1]} heads, expected {heads}")
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must live on one device, got {sorted(map(str, devices))}")
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); 8 on CPU."""
+    if device_index < 0 or not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    return (
+        num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else num_sms(-1)
+    )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()

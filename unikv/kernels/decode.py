@@ -1,0 +1,349 @@
+"""Triton paged decode attention: split-KV over the dense per-layer views.
+
+Grid ``(B, H_kv, S)``: program (b, kv head, split) serves the GROUP query heads
+of one KV head (padded to 16 rows for the tensor-core dot), so each K/V row is
+read once per step. A request's visible keys ``[lo, seq_len)`` (lo = seq_len - W
+with a window, so only the window's pages are read) are cut into S equal,
+BLOCK_N-aligned chunks; S is fixed on the host from the SM count and the block
+table's capacity, so the grid never depends on device data (CUDA-graph safe).
+
+    split s -> (acc_s / l_s, lse_s)  in a caller-ownable fp32 workspace
+    merge    -> out = sum_s exp(lse_s - M) acc_s / (sum_s exp(lse_s - M) + exp(sink - M))
+
+With S == 1 the split kernel normalises and writes ``out`` itself. Token i of
+request b is row ``block_table[b, i // ps] * ps + i % ps`` of the view; every row
+offset is int64 and every stride is passed in.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
+from unikv.kernels._checks import device_sms, next_pow2
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # never cut a request into chunks shorter than this
+CTAS_PER_SM = 4  # split until about this many programs per SM ...
+NO_SPLIT_PROGRAMS_PER_SM = 2  # ... unless (B * H_kv) already gives this many per SM
+# (block_n, num_warps, num_stages) per head_dim, or per (head_dim, page_size) where that
+# differs; loops of LONG_LOOP_TILES or more tiles use LONG_LOOP_STAGES. Tuned on the
+# H200 (benchmarks/sweep_kernels.py, results in benchmarks/results/).
+CONFIGS = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 4, 2)}
+LONG_LOOP_TILES = 32
+LONG_LOOP_STAGES = 3
+
+
+def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Splits per request: enough programs to fill the GPU, chunks >= MIN_SPLIT_TOKENS.
+    Depends only on host ints (shape of the block table), never on seq_lens."""
+    programs = batch * kv_heads
+    sms = device_sms(device)
+    if programs >= NO_SPLIT_PROGRAMS_PER_SM * sms:
+        return 1
+    want = triton.cdiv(sms * CTAS_PER_SM, programs)
+    cap = max(1, triton.cdiv(max_len, MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, 256))
+
+
+def choose_config(dim: int, page_size: int, max_len: int, splits: int) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) for a head_dim, page size and loop length."""
+    block_d = next_pow2(dim)
+    block_n, warps, stages = CONFIGS.get((block_d, page_size)) or CONFIGS.get(block_d, (32, 4, 2))
+    if block_d <= 128 and triton.cdiv(max_len, splits * block_n) >= LONG_LOOP_TILES:
+        stages = max(stages, LONG_LOOP_STAGES)
+    return block_n, warps, stages
+
+
+def workspace_numel(batch: int, num_q_heads: int, v_head_dim: int, num_splits: int) -> int:
+    """fp32 elements of the workspace for a decode step (acc and lse of every split)."""
+    return batch * num_q_heads * num_splits * (v_head_dim + 1)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    sinks,
+    out,
+    ws_acc,
+    ws_lse,
+    sm_scale,
+    soft_cap,
+    window,
+    q_sb,
+    q_sh,
+    k_sn,
+    k_sh,
+    v_sn,
+    v_sh,
+    bt_sb,
+    o_sb,
+    o_sh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(seq_lens + b)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(seq - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
+    hi = tl.minimum(lo + chunk, seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    heads = kvh * GROUP + offs_g
+    mask_g = offs_g < GROUP
+    qv = tl.load(
+        q + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + offs_d[None, :],
+        mask=mask_g[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    bt_row = block_table + b.to(tl.int64) * bt_sb
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        kt, vt = load_rows(
+            k_cache,
+            v_cache,
+            bt_row,
+            offs_n,
+            mask_n,
+            kvh,
+            k_sn,
+            k_sh,
+            v_sn,
+            v_sh,
+            offs_d,
+            offs_dv,
+            D,
+            DV,
+            PAGE_SIZE,
+            True,
+            BLOCK_D,
+            BLOCK_DV,
+        )
+        m_i, l_i, acc = attn_tile(
+            qv,
+            kt,
+            vt,
+            mask_n[None, :],
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            soft_cap,
+            HAS_CAP,
+            PRECISION,
+            True,
+        )
+    head_mask = mask_g
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = (
+                tl.load(sinks + heads, mask=mask_g, other=0.0).to(tl.float32) * 1.4426950408889634
+            )
+            m_safe = tl.where(m_i == float("-inf"), sink, tl.maximum(m_i, sink))
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.exp2(sink - m_safe)
+            acc = acc * tl.exp2(m_i - m_safe)[:, None]
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptr = out + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + offs_dv[None, :]
+        tl.store(
+            o_ptr, res.to(out.dtype.element_ty), mask=head_mask[:, None] & (offs_dv[None, :] < DV)
+        )
+    else:
+        row = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(
+            ws_acc + row[:, None] * DV + offs_dv[None, :],
+            res,
+            mask=head_mask[:, None] & (offs_dv[None, :] < DV),
+        )
+        tl.store(ws_lse + row, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    ws_acc,
+    ws_lse,
+    sinks,
+    out,
+    o_sb,
+    o_sh,
+    HQ,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(ws_lse + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    peak = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        peak = tl.maximum(peak, sink)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    denom = tl.sum(tl.exp2(lse - peak), axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - peak)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
+        offs_c = s0 + tl.arange(0, CHUNK_S)
+        mask_c = offs_c < NUM_SPLITS
+        w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
+        part = tl.load(
+            ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
+            mask=mask_c[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
+        acc += tl.sum(part * w[:, None], axis=0)
+    res = acc / tl.where(denom > 0, denom, 1.0)
+    o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
+    tl.store(o_ptr, res.to(out.dtype.element_ty), mask=offs_dv < DV)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    page_size: int,
+    sm_scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+    soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Paged decode attention, one query token per request.
+
+    q: (B, Hq, D) (unit stride on D); k_cache (N, H, D) / v_cache (N, H, Dv): dense
+    per-layer views, a float dtype (view fp8 bytes with their fp8 dtype), strided
+    rows allowed; Hq a multiple of H. block_table: (B, max_pages) int32 kernel page
+    entries; seq_lens: (B,) int32 tokens in the cache (the query is the last).
+    window: 0 = full, W > 0 = only the last W keys (only their pages are read).
+    sinks: None or (Hq,) fp32 sink logits. soft_cap: 0 = off. out: optional
+    (B, Hq, Dv). workspace: optional fp32 tensor of >= ``workspace_numel(...)``
+    elements (fixed buffers for CUDA graphs). num_splits / config override the
+    heuristics (benchmarks). Returns out (B, Hq, Dv) in q's dtype.
+    """
+    check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
+    bsz, hq, dim = q.shape
+    heads, dim_v = k_cache.shape[1], v_cache.shape[2]
+    group = hq // heads
+    if out is None:
+        out = torch.empty(bsz, hq, dim_v, dtype=q.dtype, device=q.device)
+    elif out.shape != (bsz, hq, dim_v) or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be ({bsz}, {hq}, {dim_v}) with unit last stride, got {tuple(out.shape)}"
+        )
+    if bsz == 0:
+        return out
+    max_len = block_table.shape[1] * page_size
+    if window > 0:
+        max_len = min(max_len, window)
+    splits = num_splits or choose_num_splits(bsz, heads, max_len, q.device)
+    need = workspace_numel(bsz, hq, dim_v, splits) if splits > 1 else 1
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace must be fp32 with >= {need} elements, got {workspace.dtype} x {workspace.numel()}"
+        )
+    ws_acc = workspace[: bsz * hq * splits * dim_v] if splits > 1 else workspace
+    ws_lse = workspace[bsz * hq * splits * dim_v : need] if splits > 1 else workspace
+    block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
+    sinks_arg = sinks if sinks is not None else workspace
+    _decode_split_kernel[(bsz, heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        sinks_arg,
+        out,
+        ws_acc,
+        ws_lse,
+        sm_scale,
+        float(soft_cap),
+        int(window),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_G=max(16, next_pow2(group)),
+        D=dim,
+        DV=dim_v,
+        BLOCK_D=next_pow2(dim),
+        BLOCK_DV=next_pow2(dim_v),
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        HAS_WINDOW=window > 0,
+        HAS_SINKS=sinks is not None,
+        HAS_CAP=soft_cap > 0,
+        NUM_STAGES=stages,
+        PRECISION=dot_precision(q),
+        num_warps=warps,
+    )
+    if splits > 1:
+        _decode_merge_kernel[(bsz, hq)](
+            ws_acc,
+            ws_lse,
+            sinks_arg,
+            out,
+            out.stride(0),
+            out.stride(1),
+            hq,
+            DV=dim_v,
+            BLOCK_DV=next_pow2(dim_v),
+            NUM_SPLITS=splits,
+            BLOCK_S=next_pow2(splits),
+            CHUNK_S=min(16, next_pow2(splits)),
+            HAS_SINKS=sinks is not None,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,327 @@
+"""Triton paged extend (prefill with a cached prefix) attention.
+
+Grid ``(Hq, ceil(max_q_len / BLOCK_M), B)``: program (head, q block, request)
+takes BLOCK_M new tokens of one request and one query head; heads of one KV
+group are neighbours in launch order, so their K/V tiles are shared in L2.
+Request b's new token j sits at position ``prefix_b + j`` with
+``prefix_b = seq_lens[b] - q_len_b``; keys are read through the block table:
+
+    keys [lo, diag)          every row sees them: no causal mask
+    keys [diag, last_q]      the diagonal tiles: mask key <= pos
+    (window W: lo = first_q - W + 1 and a mask key > pos - W)
+
+Q blocks are launched last-first, so the longest programs start first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
+from unikv.kernels._checks import next_pow2
+
+# (block_m, block_n, num_warps, num_stages) per head_dim; tuned on the H200
+CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
+
+
+@triton.jit
+def _kv_loop(
+    qv,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    bt_row,
+    kvh,
+    lo,
+    hi,
+    pos_m,
+    window,
+    qk_scale,
+    soft_cap,
+    k_sn,
+    k_sh,
+    v_sn,
+    v_sh,
+    offs_d,
+    offs_dv,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        kt, vt = load_rows(
+            k_cache,
+            v_cache,
+            bt_row,
+            offs_n,
+            mask_n,
+            kvh,
+            k_sn,
+            k_sh,
+            v_sn,
+            v_sh,
+            offs_d,
+            offs_dv,
+            D,
+            DV,
+            PAGE_SIZE,
+            MASKED,
+            BLOCK_D,
+            BLOCK_DV,
+        )
+        mask = mask_n[None, :]
+        if CAUSAL:
+            mask = mask & (offs_n[None, :] <= pos_m[:, None])
+        if HAS_WINDOW:
+            mask = mask & (offs_n[None, :] > pos_m[:, None] - window)
+        m_i, l_i, acc = attn_tile(
+            qv, kt, vt, mask, m_i, l_i, acc, qk_scale, soft_cap, HAS_CAP, PRECISION, MASKED
+        )
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    q_indptr,
+    seq_lens,
+    sinks,
+    out,
+    sm_scale,
+    soft_cap,
+    window,
+    q_st,
+    q_sh,
+    k_sn,
+    k_sh,
+    v_sn,
+    v_sh,
+    bt_sb,
+    o_st,
+    o_sh,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    h = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(q_indptr + b)
+    q_len = tl.load(q_indptr + b + 1) - q_start
+    if mb * BLOCK_M >= q_len:
+        return
+    seq = tl.load(seq_lens + b)
+    prefix = seq - q_len
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < q_len
+    pos_m = prefix + offs_m
+    tok = (q_start + offs_m).to(tl.int64)
+    qv = tl.load(
+        q + tok[:, None] * q_st + h * q_sh + offs_d[None, :],
+        mask=mask_m[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
+    kvh = h // GROUP
+    first_q = prefix + mb * BLOCK_M
+    end = tl.minimum(first_q + BLOCK_M, seq)  # one past the block's last key
+    diag = first_q // BLOCK_N * BLOCK_N
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    bt_row = block_table + b.to(tl.int64) * bt_sb
+    m_i, l_i, acc = _kv_loop(
+        qv,
+        m_i,
+        l_i,
+        acc,
+        k_cache,
+        v_cache,
+        bt_row,
+        kvh,
+        lo,
+        diag,
+        pos_m,
+        window,
+        qk_scale,
+        soft_cap,
+        k_sn,
+        k_sh,
+        v_sn,
+        v_sh,
+        offs_d,
+        offs_dv,
+        D,
+        DV,
+        PAGE_SIZE,
+        BLOCK_N,
+        False,
+        HAS_WINDOW,
+        HAS_CAP,
+        NUM_STAGES,
+        PRECISION,
+        HAS_WINDOW,  # no masks off-diagonal
+        BLOCK_D,
+        BLOCK_DV,
+    )
+    m_i, l_i, acc = _kv_loop(
+        qv,
+        m_i,
+        l_i,
+        acc,
+        k_cache,
+        v_cache,
+        bt_row,
+        kvh,
+        diag,
+        end,
+        pos_m,
+        window,
+        qk_scale,
+        soft_cap,
+        k_sn,
+        k_sh,
+        v_sn,
+        v_sh,
+        offs_d,
+        offs_dv,
+        D,
+        DV,
+        PAGE_SIZE,
+        BLOCK_N,
+        True,
+        HAS_WINDOW,
+        HAS_CAP,
+        1,
+        PRECISION,
+        True,
+        BLOCK_D,
+        BLOCK_DV,
+    )
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        scale = tl.exp2(m_i - m_f)
+        l_i = l_i * scale + tl.exp2(sink - m_f)
+        acc = acc * scale[:, None]
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out + tok[:, None] * o_st + h * o_sh + offs_dv[None, :],
+        res.to(out.dtype.element_ty),
+        mask=mask_m[:, None] & (offs_dv[None, :] < DV),
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_q_len: int,
+    page_size: int,
+    sm_scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+    soft_cap: float = 0.0,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of ragged new tokens over their cached prefix and themselves.
+
+    q: (T, Hq, D) new tokens, request b owning rows ``q_indptr[b]:q_indptr[b+1]``;
+    q_indptr: (B+1,) int32; seq_lens: (B,) int32 totals incl. the new tokens
+    (whose K/V are already stored). k_cache/v_cache/block_table/window/sinks/
+    soft_cap as in ``decode_attention``. max_q_len: host int >= every q length
+    (sizes the grid; no host sync). Returns out (T, Hq, Dv) in q's dtype.
+    """
+    check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
+    if q_indptr.dtype != torch.int32 or q_indptr.shape != (block_table.shape[0] + 1,):
+        raise ValueError(
+            f"q_indptr must be ({block_table.shape[0] + 1},) int32, got {q_indptr.dtype} {tuple(q_indptr.shape)}"
+        )
+    num_tokens, hq, dim = q.shape
+    heads, dim_v = k_cache.shape[1], v_cache.shape[2]
+    if out is None:
+        out = torch.empty(num_tokens, hq, dim_v, dtype=q.dtype, device=q.device)
+    elif out.shape != (num_tokens, hq, dim_v) or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be ({num_tokens}, {hq}, {dim_v}) with unit last stride, got {tuple(out.shape)}"
+        )
+    bsz = block_table.shape[0]
+    if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
+        return out
+    block_m, block_n, warps, stages = config or CONFIGS.get(next_pow2(dim), (64, 32, 4, 2))
+    grid = (hq, triton.cdiv(max_q_len, block_m), bsz)
+    _extend_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        q_indptr,
+        seq_lens,
+        sinks if sinks is not None else q,
+        out,
+        sm_scale,
+        float(soft_cap),
+        int(window),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // heads,
+        D=dim,
+        DV=dim_v,
+        BLOCK_D=next_pow2(dim),
+        BLOCK_DV=next_pow2(dim_v),
+        PAGE_SIZE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=window > 0,
+        HAS_SINKS=sinks is not None,
+        HAS_CAP=soft_cap > 0,
+        NUM_STAGES=stages,
+        PRECISION=dot_precision(q),
+        num_warps=warps,
+    )
+    return out

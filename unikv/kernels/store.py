@@ -1,0 +1,151 @@
+"""Triton KV store: K and V rows of T new tokens written at kernel ids, one launch.
+
+One program writes BLOCK_T tokens; a token's row is addressed as
+``cache + kernel_id * stride_row + h * stride_head + d`` with every offset in
+int64, so the strided dense views of ``unikv.layout`` are written in place.
+fp8 rows are bit-copied as bytes (the cache is uint8, K/V are viewed as uint8).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels._checks import check_cache, check_ids, check_same_device, next_pow2
+
+TILE_ELEMS = 16384  # elements of K (and of V) one program moves; tuned on the H200
+NUM_WARPS = 4
+
+
+@triton.jit
+def _copy_rows(
+    src,
+    dst,
+    ids,
+    t0,
+    T,
+    s_st,
+    s_sh,
+    d_sn,
+    d_sh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_C)
+    h = offs_c // BLOCK_D
+    d = offs_c % BLOCK_D
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & ((h < H) & (d < D))[None, :]
+    rows = tl.load(ids + offs_t, mask=mask_t, other=0).to(tl.int64)
+    col_src = h.to(tl.int64) * s_sh + d
+    col_dst = h.to(tl.int64) * d_sh + d
+    vals = tl.load(src + offs_t.to(tl.int64)[:, None] * s_st + col_src[None, :], mask=mask)
+    tl.store(dst + rows[:, None] * d_sn + col_dst[None, :], vals, mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_cache,
+    v_cache,
+    ids,
+    k,
+    v,
+    T,
+    kc_sn,
+    kc_sh,
+    vc_sn,
+    vc_sh,
+    k_st,
+    k_sh,
+    v_st,
+    v_sh,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_CK: tl.constexpr,
+    BLOCK_CV: tl.constexpr,
+):
+    t0 = tl.program_id(0) * BLOCK_T
+    _copy_rows(k, k_cache, ids, t0, T, k_st, k_sh, kc_sn, kc_sh, H, D, BLOCK_T, BLOCK_D, BLOCK_CK)
+    _copy_rows(v, v_cache, ids, t0, T, v_st, v_sh, vc_sn, vc_sh, H, DV, BLOCK_T, BLOCK_DV, BLOCK_CV)
+
+
+def _as_storage(name: str, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    if x.dtype == cache.dtype:
+        return x
+    if x.element_size() != cache.element_size():
+        raise ValueError(
+            f"{name} has dtype {x.dtype} but the cache stores {cache.dtype}; pass K/V in the "
+            "spec's logical dtype (fp8 tensors are bit-copied into a uint8 cache)"
+        )
+    return x.view(cache.dtype)
+
+
+def store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kernel_ids: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write K and V rows of T tokens at kernel ids, in one launch (a bit copy).
+
+    k_cache: (N, H, D) dense per-layer K view in storage dtype (uint8 for fp8),
+    strided rows allowed; v_cache: (N, H, Dv). kernel_ids: (T,) int32/int64
+    kernel ids (sink ids are harmless). k: (T, H, D), v: (T, H, Dv) in the
+    logical dtype; unit stride on the last dim.
+    """
+    check_ids("kernel_ids", kernel_ids)
+    check_cache("k_cache", k_cache)
+    check_cache("v_cache", v_cache, heads=k_cache.shape[1])
+    num_tokens = kernel_ids.shape[0]
+    heads, dim = k_cache.shape[1], k_cache.shape[2]
+    dim_v = v_cache.shape[2]
+    if k.shape != (num_tokens, heads, dim) or v.shape != (num_tokens, heads, dim_v):
+        raise ValueError(
+            f"k/v must be ({num_tokens}, {heads}, {dim}) / ({num_tokens}, {heads}, {dim_v}) to "
+            f"match kernel_ids and the caches, got {tuple(k.shape)} / {tuple(v.shape)}"
+        )
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError(f"k/v need unit stride on head_dim, got {k.stride()} / {v.stride()}")
+    check_same_device(k_cache, v_cache, kernel_ids, k, v)
+    k, v = _as_storage("k", k, k_cache), _as_storage("v", v, v_cache)
+    if num_tokens == 0:
+        return
+    block_d, block_dv = next_pow2(dim), next_pow2(dim_v)
+    cols = next_pow2(heads) * max(block_d, block_dv)
+    block_t = max(1, min(next_pow2(num_tokens), TILE_ELEMS // cols))
+    grid = (triton.cdiv(num_tokens, block_t),)
+    _store_kv_kernel[grid](
+        k_cache,
+        v_cache,
+        kernel_ids,
+        k,
+        v,
+        num_tokens,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        H=heads,
+        D=dim,
+        DV=dim_v,
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        BLOCK_CK=next_pow2(heads) * block_d,
+        BLOCK_CV=next_pow2(heads) * block_dv,
+        num_warps=min(NUM_WARPS, max(1, block_t * cols // 256)),
+    )
