@@ -1,0 +1,85 @@
+"""Pages that a running forward or transfer may still touch (the done-event protocol).
+
+    free(page) while a fence is outstanding  ->  PENDING (neither reused nor moved)
+    every event of its group has fired        ->  FREE   (back on the free stack)
+
+A group holds the pages freed under one tuple of events. The forward fence is
+the event of the latest forward (``mark_in_flight``); forwards run in order on
+one stream, so it covers every earlier one. A transfer fence (``fence=`` of
+``release_physical``) belongs to a side stream and may fire in any order.
+Events are polled with ``query()`` (cudaEventQuery: never a host sync). Only
+compaction on a shortfall may ``synchronize()`` the forward fence (slow path).
+On CPU there are no events: a freed page is free at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class FenceQueue:
+    """Pending page groups: ``[(events, has_transfer_fence, {name: [pages]})]``."""
+
+    def __init__(self) -> None:
+        self.forward: Any = None  # the latest forward's done-event, None when fired
+        self._groups: list[tuple[tuple, bool, dict[str, list[np.ndarray]]]] = []
+
+    def forward_outstanding(self) -> bool:
+        if self.forward is not None and self.forward.query():
+            self.forward = None
+        return self.forward is not None
+
+    def hold(self, name: str, pages: np.ndarray, fence: Any = None) -> bool:
+        """Hold ``pages`` (host int32) of sub-pool ``name`` until the forward fence
+        and ``fence`` have fired. False (nothing held) when neither is outstanding."""
+        self.forward_outstanding()
+        events = tuple(e for e in (self.forward, fence) if e is not None)
+        if not events or len(pages) == 0:
+            return False
+        transfer = fence is not None
+        last = self._groups[-1] if self._groups else None
+        if last is not None and last[1] == transfer and len(last[0]) == len(events) and all(
+            a is b for a, b in zip(last[0], events)
+        ):
+            group = last[2]
+        else:
+            group = {}
+            self._groups.append((events, transfer, group))
+        group.setdefault(name, []).append(pages)
+        return True
+
+    def drain(self) -> dict[str, np.ndarray]:
+        """Pop the groups whose events have all fired; their pages by sub-pool."""
+        fired: dict[str, list[np.ndarray]] = {}
+        keep = []
+        for entry in self._groups:
+            events, _, group = entry
+            if all(e.query() for e in events):
+                for name, arrays in group.items():
+                    fired.setdefault(name, []).extend(arrays)
+            else:
+                keep.append(entry)
+        self._groups = keep
+        return {n: np.concatenate(a) for n, a in fired.items()}
+
+    def wait_forward(self) -> None:
+        """Block until the forward fence fires (host sync: slow path only)."""
+        if self.forward is not None:
+            self.forward.synchronize()
+            self.forward = None
+
+    def held(self, name: str, transfer_only: bool = False) -> np.ndarray:
+        """Pages of ``name`` still held; ``transfer_only``: only groups with a
+        non-forward event (those a wait on the forward fence would not free)."""
+        arrays = [
+            a
+            for _, transfer, group in self._groups
+            if transfer or not transfer_only
+            for a in group.get(name, [])
+        ]
+        return np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+
+    def __len__(self) -> int:
+        return len(self._groups)

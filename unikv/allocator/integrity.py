@@ -1,0 +1,87 @@
+"""check_integrity: every invariant of the chain, checked on host mirrors and
+device tables (host syncs; for tests and debug mode). Each assert names its
+invariant."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from unikv.allocator.subpool import FREE, LIVE, OUT, PENDING, SubPoolAllocator
+
+
+def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
+    """Invariants of one sub-pool; ``held`` = pages the fence queue holds for it."""
+    name, state = sub.name, sub.state
+    assert sub.v2p_host[0] == 0 and sub.p2v_host[0] == 0, f"{name}: entry 0 is pinned to the sink"
+    assert sub.first_page <= sub.lo <= sub.hi <= sub.num_pages, f"{name}: band inside the grid"
+    inside = np.zeros(sub.num_pages, bool)
+    inside[sub.lo : sub.hi] = True
+    assert (state[~inside] == OUT).all(), f"{name}: pages outside the band are OUT"
+    assert (state[inside] != OUT).all(), f"{name}: pages inside the band are FREE, LIVE or PENDING"
+    stack = np.sort(sub._stack[: sub.num_free])
+    assert np.array_equal(stack, np.flatnonzero(state == FREE)), (
+        f"{name}: the free stack holds exactly the holes, once each (no ghost pages)"
+    )
+    live = np.flatnonzero(state == LIVE)
+    assert sub.num_live == len(live), f"{name}: num_live counts the LIVE pages"
+    assert sub.num_pending == int((state == PENDING).sum()), f"{name}: num_pending counts PENDING pages"
+    freed_pinned = np.flatnonzero((sub.pins > 0) & (state != LIVE))
+    assert np.array_equal(np.union1d(held, freed_pinned), np.flatnonzero(state == PENDING)), (
+        f"{name}: PENDING pages are exactly the fence-held and the freed pinned pages"
+    )
+    real = np.arange(sub.num_pages) >= sub.first_page
+    assert np.array_equal(np.flatnonzero((sub.p2v_host >= 0) & real), live), f"{name}: p2v >= 0 exactly on LIVE pages"
+    assert (sub.v2p_host[sub.p2v_host[live]] == live).all(), f"{name}: v2p inverts p2v on live pages"
+    bound = np.flatnonzero(sub.v2p_host[1:] >= 0) + 1
+    assert len(bound) == len(live), f"{name}: one bound virtual page per live page (no ghosts)"
+    assert (sub.p2v_host[sub.v2p_host[bound]] == bound).all(), f"{name}: p2v inverts v2p"
+    assert (sub.v2p_host[1:] >= -1).all(), f"{name}: v2p holds pages or -1 (tombstone)"
+    assert (sub.pins[(state != LIVE) & (state != PENDING)] == 0).all() and (sub.pins >= 0).all(), (
+        f"{name}: only live (or freed, held) pages are pinned"
+    )
+    assert torch.equal(sub.v2p.cpu(), torch.from_numpy(sub.v2p_host)), f"{name}: device v2p mirrors the host"
+    assert torch.equal(sub.p2v.cpu(), torch.from_numpy(sub.p2v_host)), f"{name}: device p2v mirrors the host"
+
+
+def check_requests(alloc) -> None:
+    """Virtual space, request pages, windows and req_to_token."""
+    req, vspace, ps = alloc.requests, alloc.vspace, alloc.page_size
+    free_ids = np.sort(vspace.free_ids())
+    assert len(np.unique(free_ids)) == len(free_ids), "virtual free stack has no duplicates"
+    owned = np.flatnonzero(vspace.owner >= 0)
+    assert np.array_equal(np.sort(np.r_[free_ids, owned]), np.arange(1, vspace.size)), (
+        "free plus owned virtual pages cover [1, V) exactly"
+    )
+    assert (req.lens[~req.in_use] == 0).all(), "closed requests hold no tokens"
+    npages = -(-req.lens // ps)
+    cols = np.arange(req.max_pages)
+    held = cols[None, :] < npages[:, None]  # (R, max_pages)
+    rows = np.broadcast_to(np.arange(req.max_requests)[:, None], held.shape)
+    pages = req.pages[held]
+    assert np.array_equal(np.sort(pages), owned), "requests hold exactly the owned virtual pages"
+    assert (vspace.owner[pages] == rows[held]).all(), "each request's pages are owned by it"
+    for name in alloc.token_names:
+        v2p = alloc.subs[name].v2p_host
+        assert (v2p[free_ids] == -1).all(), f"{name}: unowned virtual pages are unbound"
+        if name in alloc.windows:
+            gone = held & (cols[None, :] < req.window_lo[name][:, None])
+            assert (v2p[req.pages[gone]] == -1).all(), f"{name}: out-of-window pages are tombstones"
+    positions = np.arange(req.max_context)
+    filled = positions[None, :] < req.lens[:, None]  # (R, max_ctx)
+    expect = req.pages[:, positions // ps].astype(np.int64) * ps + positions % ps
+    actual = req.req_to_token.cpu().numpy()
+    assert np.array_equal(actual[filled], expect[filled]), "req_to_token holds each request's virtual ids"
+    if alloc.mamba_name is not None:
+        has = alloc.subs[alloc.mamba_name].v2p_host[1:] >= 0
+        assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"
+
+
+def check_chain(alloc) -> None:
+    for name, sub in alloc.subs.items():
+        check_subpool(sub, alloc.fences.held(name))
+    assert alloc._disjoint({n: s.band for n, s in alloc.subs.items()}), (
+        "bands lie in byte order UP <= FLOAT <= DOWN without overlap"
+    )
+    if alloc.owner is not None:
+        check_requests(alloc)

@@ -1,0 +1,106 @@
+"""Request slots, their virtual pages, and the req_to_token table.
+
+    req_to_token[r, i]  = virtual token id of position i of request r   (device, int32)
+    pages[r, j]         = virtual page of positions [j*ps, (j+1)*ps)     (host mirror)
+    lens[r]             = tokens held by request r                        (host)
+
+A virtual token id is ``page * ps + i % ps``; virtual page 0 is the sink and is
+never minted, so a zero-filled ``req_to_token`` reads the sink. The id owner
+mints virtual pages from ``VirtualSpace``; every other token sub-pool binds the
+same virtual pages to its own physical pages. Lengths live on the host: the
+scheduler-facing path never reads the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class VirtualSpace:
+    """The owner's virtual pages ``[1, size)``: a free stack and who owns each page."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.owner = np.full(size, -1, np.int32)  # request slot owning the page, -1 free
+        self.column = np.zeros(size, np.int64)  # its page index inside the request
+        self._stack = np.arange(size - 1, 0, -1, dtype=np.int32)  # pops 1, 2, 3, ...
+        self.num_free = size - 1
+
+    def mint(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """One new virtual page per entry of ``slots`` (owning request slots), at page
+        index ``columns`` of its request."""
+        count = len(slots)
+        assert count <= self.num_free, f"virtual space short: {count} > {self.num_free}"
+        self.num_free -= count
+        pages = self._stack[self.num_free : self.num_free + count][::-1].copy()
+        self.owner[pages] = slots
+        self.column[pages] = columns
+        return pages
+
+    def retire(self, pages: np.ndarray) -> None:
+        assert (self.owner[pages] >= 0).all(), "virtual space: retiring unowned pages"
+        self.owner[pages] = -1
+        self._stack[self.num_free : self.num_free + len(pages)] = pages[::-1]
+        self.num_free += len(pages)
+
+    def free_ids(self) -> np.ndarray:
+        return self._stack[: self.num_free]
+
+
+class RequestTable:
+    """Per-request host state and the device ``req_to_token`` table."""
+
+    def __init__(self, max_requests: int, max_context: int, page_size: int, device: torch.device):
+        self.max_requests = max_requests
+        self.max_context = max_context
+        self.page_size = page_size
+        self.max_pages = -(-max_context // page_size)
+        self.in_use = np.zeros(max_requests, bool)
+        self.lens = np.zeros(max_requests, np.int64)
+        self.pages = np.zeros((max_requests, self.max_pages), np.int32)
+        self.window_lo: dict[str, np.ndarray] = {}  # first page not yet freed, per windowed sub-pool
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        # (max_requests, max_context) int32 virtual token ids; 0 = the sink
+        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+
+    def add_window(self, name: str) -> None:
+        self.window_lo[name] = np.zeros(self.max_requests, np.int64)
+
+    def open(self) -> int | None:
+        if not self._free_slots:
+            return None
+        slot = self._free_slots.pop()
+        self.in_use[slot] = True
+        self.lens[slot] = 0
+        for lo in self.window_lo.values():
+            lo[slot] = 0
+        return slot
+
+    def close(self, slot: int) -> None:
+        self.in_use[slot] = False
+        self.lens[slot] = 0
+        self._free_slots.append(slot)
+
+    def num_pages(self, slots: np.ndarray) -> np.ndarray:
+        """Pages held by each request (ceil(len / ps))."""
+        return -(-self.lens[slots] // self.page_size)
+
+    def token_ids(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Virtual token ids of ``positions`` of requests ``slots`` (host int64)."""
+        ps = self.page_size
+        return self.pages[slots, positions // ps].astype(np.int64) * ps + positions % ps
+
+    def check_slots(self, slots: object, what: str) -> np.ndarray:
+        """Host int64 array of distinct in-use slots, or ValueError."""
+        array = np.asarray(slots)
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{what}: slots must be a 1-D host integer array, got {slots!r}")
+        array = array.astype(np.int64)
+        if ((array < 0) | (array >= self.max_requests)).any():
+            raise ValueError(f"{what}: slots must lie in [0, {self.max_requests}), got {array.tolist()}")
+        if not self.in_use[array].all():
+            raise ValueError(f"{what}: slots {array[~self.in_use[array]].tolist()} are not open requests")
+        if len(np.unique(array)) != len(array):
+            raise ValueError(f"{what}: slots must be distinct, got {array.tolist()}")
+        return array

@@ -1,0 +1,211 @@
+"""Token verbs of the PoolAllocator: allocate for prefill and decode, free.
+
+Host numpy throughout (vectorised, no Python loop over requests); each verb
+ends with ONE upload of the index arrays and a few ``index_put_`` launches:
+
+    upload = [req_to_token flat index | token ids | vpages | ppages(sub 1) | ...]
+
+Ragged per-request ranges are expanded with ``_ragged`` (repeat + arange).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from unikv.ids import VirtualTokenIds
+
+
+def _ragged(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of ``range(starts[i], starts[i] + counts[i])`` (host int64)."""
+    total = int(counts.sum())
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts) + offsets
+
+
+class TokenVerbs:
+    """Mixed into PoolAllocator (uses its requests, vspace, subs, reserve, upload)."""
+
+    def new_request(self) -> int:
+        """Open a request slot (host int) with no tokens."""
+        slot = self.requests.open()
+        if slot is None:
+            raise ValueError(
+                f"all {self.requests.max_requests} request slots are open; free a request "
+                "or raise max_requests"
+            )
+        return slot
+
+    def _lens(self, slots: np.ndarray, lens: object, what: str, name: str) -> np.ndarray:
+        array = np.asarray(lens)
+        if array.shape != slots.shape or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"{what}: {name} must be a host integer array of shape {slots.shape}, got {lens!r}")
+        return array.astype(np.int64)
+
+    def demand_for(self, slots: object, extend_lens: object) -> dict[str, int]:
+        """New pages per sub-pool that ``alloc_extend(slots, lens, extend_lens)`` needs."""
+        slots = self.requests.check_slots(slots, "demand_for")
+        ext = self._lens(slots, extend_lens, "demand_for", "extend_lens")
+        ps, held = self.page_size, self.requests.lens[slots]
+        pages = int((-(-(held + ext) // ps) - (-(-held // ps))).sum())
+        return {name: pages for name in self.token_names}
+
+    def alloc_extend(
+        self, slots: object, prefix_lens: object, extend_lens: object
+    ) -> VirtualTokenIds | None:
+        """Allocate ``extend_lens[i]`` tokens after ``prefix_lens[i]`` for each request.
+
+        slots, prefix_lens, extend_lens: (B,) host integer arrays; prefix_lens must
+        equal the tokens each request holds. Reuses each partly filled tail page,
+        writes ``req_to_token`` and returns the new virtual token ids, (sum ext,)
+        int32 on the device, request by request. None (state unchanged) when the
+        chain cannot hold them even after compaction and the shortfall callback."""
+        slots = self.requests.check_slots(slots, "alloc_extend")
+        prefix = self._lens(slots, prefix_lens, "alloc_extend", "prefix_lens")
+        ext = self._lens(slots, extend_lens, "alloc_extend", "extend_lens")
+        self._check_held(slots, prefix, "alloc_extend", "prefix_lens")
+        if (ext < 0).any() or (prefix + ext > self.requests.max_context).any():
+            raise ValueError(
+                f"alloc_extend: extend_lens must be >= 0 and prefix + extend <= max_context "
+                f"{self.requests.max_context}, got extend_lens {ext.tolist()}"
+            )
+        ps = self.page_size
+        old, end = -(-prefix // ps), -(-(prefix + ext) // ps)
+        count = end - old
+        owners = np.repeat(slots, count)
+        cols = _ragged(old, count)
+        rows = np.repeat(slots, ext)
+        positions = _ragged(prefix, ext)
+        return self._grow(slots, prefix + ext, owners, cols, rows, positions)
+
+    def alloc_decode(self, slots: object, seq_lens: object) -> VirtualTokenIds | None:
+        """One new token per request at position ``seq_lens[i]`` (the length BEFORE
+        it). slots, seq_lens: (B,) host integer arrays. Returns (B,) int32 virtual
+        token ids on the device, or None (state unchanged)."""
+        slots = self.requests.check_slots(slots, "alloc_decode")
+        seq = self._lens(slots, seq_lens, "alloc_decode", "seq_lens")
+        self._check_held(slots, seq, "alloc_decode", "seq_lens")
+        if (seq >= self.requests.max_context).any():
+            raise ValueError(f"alloc_decode: a request is at max_context {self.requests.max_context}")
+        need = seq % self.page_size == 0
+        return self._grow(slots, seq + 1, slots[need], seq[need] // self.page_size, slots, seq)
+
+    def _check_held(self, slots: np.ndarray, lens: np.ndarray, what: str, name: str) -> None:
+        held = self.requests.lens[slots]
+        if not np.array_equal(held, lens):
+            raise ValueError(
+                f"{what}: {name} must equal the tokens each request holds; requests "
+                f"{slots[held != lens].tolist()} hold {held[held != lens].tolist()} but "
+                f"{name} says {lens[held != lens].tolist()}"
+            )
+
+    def _grow(self, slots, new_lens, owners, cols, rows, positions) -> VirtualTokenIds | None:
+        """Mint virtual pages for (owners, cols), bind them in every token sub-pool,
+        set the lengths and write req_to_token[rows, positions]."""
+        if self.owner is None:
+            raise ValueError("this pool has no token sub-pool; use alloc_mamba")
+        count = len(owners)
+        if count and not self.reserve({n: count for n in self.token_names}, count, slots):
+            return None
+        vpages = self.vspace.mint(owners.astype(np.int32), cols)
+        self.requests.pages[owners, cols] = vpages
+        bound = []
+        for name in self.token_names:
+            sub = self.subs[name]
+            ppages = sub.take(count)
+            sub.bind_host(vpages, ppages)
+            bound.append(ppages)
+        self.requests.lens[slots] = new_lens
+        tokens = self.requests.token_ids(rows, positions)
+        flat = rows * self.requests.max_context + positions
+        n = len(tokens)
+        packed = self.upload(np.concatenate([flat, tokens, vpages, *bound]).astype(np.int32))
+        self.requests.req_to_token.view(-1).index_put_((packed[:n],), packed[n : 2 * n])
+        base = 2 * n
+        for i, name in enumerate(self.token_names):
+            lo = base + count * (i + 1)
+            self.subs[name].write_bind(packed[base : base + count], packed[lo : lo + count])
+        self._after_verb()
+        return VirtualTokenIds(packed[n : 2 * n])
+
+    def _after_verb(self) -> None:
+        if self.debug:
+            self.check_integrity()
+
+    # -- freeing ------------------------------------------------------------------------
+
+    def _unbind_bound(self, name: str, vpages: np.ndarray) -> None:
+        sub = self.subs[name]
+        sub.unbind(vpages[sub.v2p_host[vpages] >= 0])
+
+    def free_request(self, slot: int) -> None:
+        """Free every page of request ``slot`` (all sub-pools) and close the slot."""
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.requests.max_requests:
+            raise ValueError(f"free_request: slot must be an int in [0, {self.requests.max_requests}), got {slot!r}")
+        if not self.requests.in_use[slot]:
+            raise ValueError(f"free_request: request {slot} is not open (double free or never opened)")
+        vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])].copy()
+        for name in self.token_names:
+            self._unbind_bound(name, vpages)
+        self.vspace.retire(vpages)
+        if self.mamba_name is not None:
+            self._unbind_bound(self.mamba_name, np.array([slot + 1], np.int32))
+        self.requests.close(int(slot))
+        self._after_verb()
+
+    def free_out_of_window(self, slots: object, seq_lens: object) -> None:
+        """Free the sliding-window pages that no future query can see (tombstones;
+        the owner's virtual pages live on).
+
+        slots, seq_lens: (B,) host integer arrays, seq_lens <= tokens held; every
+        future query of request i sits at position >= seq_lens[i] - 1, so a page
+        whose last position is < seq_lens[i] - W is freed. Decode: pass the
+        lengths including the token being computed; chunked prefill: the prefix
+        length + 1 (or call after the chunk's forward)."""
+        slots = self.requests.check_slots(slots, "free_out_of_window")
+        seq = self._lens(slots, seq_lens, "free_out_of_window", "seq_lens")
+        if (seq > self.requests.lens[slots]).any() or (seq < 0).any():
+            raise ValueError("free_out_of_window: seq_lens must lie in [0, tokens held]")
+        held = self.requests.num_pages(slots)
+        for name, window in self.windows.items():
+            first = self.requests.window_lo[name]
+            lo = first[slots]
+            hi = np.maximum(lo, np.minimum((seq - window) // self.page_size, held))
+            if (hi > lo).any():
+                rows = np.repeat(slots, hi - lo)
+                vpages = self.requests.pages[rows, _ragged(lo, hi - lo)]
+                self._unbind_bound(name, vpages)
+                first[slots] = hi
+        self._after_verb()
+
+    def truncate(self, slots: object, new_lens: object) -> None:
+        """Free the tokens of each request beyond ``new_lens[i]`` (whole pages past
+        the new tail). slots, new_lens: (B,) host integer arrays."""
+        slots = self.requests.check_slots(slots, "truncate")
+        keep = self._lens(slots, new_lens, "truncate", "new_lens")
+        ps = self.page_size
+        if (keep < 0).any() or (keep > self.requests.lens[slots]).any():
+            raise ValueError("truncate: new_lens must lie in [0, tokens held]")
+        for name in self.windows:
+            if (-(-keep // ps) < self.requests.window_lo[name][slots]).any():
+                raise ValueError(f"truncate: cannot cut into pages of {name!r} already out of the window")
+        lo, hi = -(-keep // ps), self.requests.num_pages(slots)
+        vpages = self.requests.pages[np.repeat(slots, hi - lo), _ragged(lo, hi - lo)]
+        for name in self.token_names:
+            self._unbind_bound(name, vpages)
+        self.vspace.retire(vpages)
+        self.requests.lens[slots] = keep
+        self._after_verb()
+
+    def request_footprint(self, slot: int) -> dict[str, int]:
+        """Physical pages request ``slot`` holds per sub-pool (for eviction choices)."""
+        vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])]
+        out = {n: int((self.subs[n].v2p_host[vpages] >= 0).sum()) for n in self.token_names}
+        if self.mamba_name is not None:
+            out[self.mamba_name] = int(self.subs[self.mamba_name].v2p_host[slot + 1] >= 0)
+        return out
+
+    def usage(self) -> Mapping[str, dict[str, int]]:
+        """Live, pending and free pages and band per sub-pool (for logs and pictures)."""
+        return self._shortfall({}, 0).usage

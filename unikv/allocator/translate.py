@@ -1,0 +1,101 @@
+"""Translation of virtual token ids to physical token ids and kernel ids.
+
+    virtual id tv  ->  page tv // ps  ->  P = v2p[page]  ->  kernel id
+                                          (layout.kernel_ids: the only place
+                                           that arithmetic lives)
+
+A negative (padding) id reads page 0 and a tombstone (v2p = -1) becomes page 0:
+both land in the sink, at every page size. The page index is clamped to 0
+BEFORE the lookup, so ``v2p[-1]`` is never read (LESSONS.md bug 1). In debug
+mode a live lane (tv >= 0) that reads a tombstone raises instead (a host sync,
+debug only). ``out=`` receives the first ``n`` results with ``copy_`` so its
+``data_ptr`` is stable for CUDA graphs, and it may alias the input (bug 5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unikv import layout
+
+
+class TombstoneReadError(RuntimeError):
+    """Debug mode: a live lane translated through a tombstoned (freed) page."""
+
+
+def physical_pages(
+    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int, *, debug: bool = False, name: str = ""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical page (sink for padding/tombstones) and in-page slot of each id.
+
+    virtual_ids: (n,) int32/int64 virtual token ids; v2p: (V,) int32.
+    Returns ``(pages, slots)``: (n,) int64 each."""
+    ids = virtual_ids.long()
+    vpage = torch.div(ids, page_size, rounding_mode="floor")
+    slots = ids - vpage * page_size  # in [0, ps) even for negative ids
+    raw = v2p.index_select(0, vpage.clamp_min(0))  # never index -1
+    if debug:
+        bad = (ids >= 0) & (raw < 0)
+        if bool(bad.any()):
+            lanes = torch.nonzero(bad).flatten()[:8].tolist()
+            raise TombstoneReadError(
+                f"sub-pool {name!r}: live lanes {lanes} (virtual ids "
+                f"{ids[bad][:8].tolist()}) read tombstoned pages; the page was freed "
+                "(out of window, released or never bound) while still in use"
+            )
+    return raw.clamp_min(0).long(), slots
+
+
+def translate_kernel(
+    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int, blocks_per_page: int,
+    *, out: torch.Tensor | None = None, debug: bool = False, name: str = "",
+) -> torch.Tensor:
+    """Kernel ids ``P * ps * B + tv % ps`` of (n,) virtual token ids.
+
+    out: None (returns a new int32 tensor) or an int32/int64 tensor of at least n
+    entries; only ``out[:n]`` is written; it may alias ``virtual_ids``."""
+    pages, slots = physical_pages(virtual_ids, v2p, page_size, debug=debug, name=name)
+    kernel = layout.kernel_ids(pages * page_size + slots, page_size, blocks_per_page)
+    return _into(kernel, out, virtual_ids.shape[0])
+
+
+def translate_physical(
+    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int,
+    *, out: torch.Tensor | None = None, debug: bool = False, name: str = "",
+) -> torch.Tensor:
+    """Physical token ids ``P * ps + tv % ps`` of (n,) virtual token ids (same rules)."""
+    pages, slots = physical_pages(virtual_ids, v2p, page_size, debug=debug, name=name)
+    return _into(pages * page_size + slots, out, virtual_ids.shape[0])
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None, n: int) -> torch.Tensor:
+    if out is None:
+        return result.to(torch.int32)
+    if out.dim() != 1 or out.shape[0] < n or out.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"out must be a 1-D int32/int64 tensor of at least {n} entries, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
+    out[:n].copy_(result)  # result is a fresh tensor, so out may alias the input
+    return out[:n]
+
+
+def check_block_table(
+    block_table: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
+    seq_lens: torch.Tensor, v2p: torch.Tensor, page_size: int, window: int, name: str,
+) -> None:
+    """Debug mode: raise if a live page of the block table (inside the prefix and
+    the window) maps to a tombstone. Host sync; debug only."""
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    seq = seq_lens.long()[:, None]
+    live = cols[None] * page_size < seq
+    if window > 0:
+        live &= (cols[None] + 1) * page_size > seq - window
+    tok = req_to_token[req_slots.long()][:, (cols * page_size).clamp(max=req_to_token.shape[1] - 1)]
+    raw = v2p.index_select(0, torch.div(tok.long().clamp_min(0), page_size, rounding_mode="floor").flatten())
+    bad = live & (tok >= 0) & (raw.view(tok.shape) < 0)
+    if bool(bad.any()):
+        rows, pages = torch.nonzero(bad)[:8].T.tolist()
+        raise TombstoneReadError(
+            f"sub-pool {name!r}: block-table rows {rows} pages {pages} are live but tombstoned"
+        )

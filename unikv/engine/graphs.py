@@ -1,0 +1,126 @@
+"""CUDA graphs for decode steps.
+
+One graph per padded batch size, all reading fixed-size buffers owned here:
+
+    input_ids, positions (Bmax,) int64      seq_lens, slots (Bmax,) int32
+    per sub-pool: write_ids (Bmax,)  block_table (Bmax, ceil(max_context / ps)) int32
+
+Before a replay, translation runs OUTSIDE the graph into prefixes of these
+buffers (``alloc.translate(..., out=)``, ``build_block_table(out=)``); the
+padded lanes are reset to the sink (kernel id 0, block-table entry 0, seq_len
+1, token 0, position 0), so a padded lane reads and writes only sink bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unikv.engine.plan import StepPlan, SubPoolStep
+from unikv.ids import KernelIds
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 16 up to ``max_batch`` (always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch]
+    sizes += list(range(16, max_batch, 16)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captures ``runner.forward`` of decode steps and replays it.
+
+    Args:
+        runner: the ModelRunner (model, pool, allocator, backend).
+        max_batch: the largest decode batch run under a graph.
+    """
+
+    def __init__(self, runner, max_batch: int) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(max_batch)
+        dev, n = runner.device, self.sizes[-1]
+        max_context = runner.alloc.req_to_token.shape[1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.slots = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, device=dev)
+        self.write_ids, self.tables = {}, {}
+        for sub in runner.subpools:
+            self.write_ids[sub.name] = torch.zeros(n, dtype=torch.int64, device=dev)
+            pages = -(-max_context // sub.page_size)
+            self.tables[sub.name] = torch.zeros((n, pages), dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    def _static_plan(self, bs: int) -> StepPlan:
+        subpools = {
+            name: SubPoolStep(KernelIds(self.write_ids[name][:bs], name), self.tables[name][:bs])
+            for name in self.write_ids
+        }
+        return StepPlan(
+            is_decode=True,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            logits_indices=self.logits_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            q_indptr=self.q_indptr[: bs + 1],
+            max_q_len=1,
+            subpools=subpools,
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        pool = None
+        for bs in reversed(self.sizes):
+            plan = self._static_plan(bs)
+            side = torch.cuda.Stream(self.runner.device)
+            side.wait_stream(torch.cuda.current_stream(self.runner.device))
+            with torch.cuda.stream(side):  # warm up: compile kernels, settle allocations
+                self.runner.forward(plan)
+            torch.cuda.current_stream(self.runner.device).wait_stream(side)
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.runner.forward(plan)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize(self.runner.device)
+
+    def fits(self, batch) -> bool:
+        return len(batch.requests) <= self.sizes[-1]
+
+    def run(self, batch) -> torch.Tensor:
+        """Fill the buffers for ``batch`` (translating outside the graph), replay,
+        return fp32 logits (B, vocab) (a view of the graph's output)."""
+        b = len(batch.requests)
+        bs = next(s for s in self.sizes if s >= b)
+        runner = self.runner
+        dev = runner.to_device(runner.host_arrays(batch))
+        for buf, name, pad in (
+            (self.input_ids, "input_ids", 0),
+            (self.positions, "positions", 0),
+            (self.seq_lens, "seq_lens", 1),
+            (self.slots, "slots", 0),
+        ):
+            buf[:b].copy_(dev[name])
+            buf[b:bs].fill_(pad)
+        virtual_ids = batch.virtual_ids
+        for sub in runner.subpools:
+            write, table = self.write_ids[sub.name], self.tables[sub.name]
+            runner.alloc.translate(virtual_ids, sub.name, out=write[:b])
+            write[b:bs].zero_()
+            runner.backend.build_block_table(
+                runner.alloc.req_to_token,
+                self.slots[:b],
+                self.seq_lens[:b],
+                runner.alloc.subpool(sub.name).v2p,
+                page_size=sub.page_size,
+                blocks_per_page=sub.spec.blocks_per_page,
+                out=table[:b],
+                window=sub.spec.sliding_window or 0,
+            )
+            table[b:bs].zero_()
+        graph, logits = self.graphs[bs]
+        graph.replay()
+        return logits[:b]

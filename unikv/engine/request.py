@@ -1,0 +1,76 @@
+"""One generation request and its host-side state.
+
+    all_ids = prompt_ids + output_ids
+              |<----- num_cached ----->|<-- not yet in the cache -->|
+
+A running request's next step feeds ``all_ids[num_cached : num_cached + n]``;
+when that reaches the end of ``all_ids`` the step samples one new token. A
+fresh prefill, a chunk of it, a decode and the recompute after preemption are
+all this one rule. Lengths live on the host (the scheduler never reads the
+device to plan a step).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from unikv.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no slot, nothing cached (new, or preempted)
+    RUNNING = "running"  # holds a slot and pages
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request's tokens, sampling parameters and progress.
+
+    ``slot`` is the allocator's request slot (a row of ``req_to_token``) while
+    running, else None. ``stop_ids`` = the params' stop tokens plus EOS ids.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    max_len: int  # the engine's max context: generation stops there
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_cached: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache (>= 1 while running)."""
+        return self.seq_len - self.num_cached
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is Status.RUNNING and self.num_pending == 1
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids."""
+        n = len(self.prompt_ids)
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
+    def append(self, token: int) -> None:
+        """Record a sampled token and finish the request if a stop rule fires."""
+        self.output_ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens or self.seq_len >= self.max_len:
+            self.finish_reason = "length"

@@ -1,0 +1,174 @@
+"""The model runner: plans a scheduled batch (one translation per sub-pool),
+runs the model over the pool and samples.
+
+Built once: the kernel backend (Triton on CUDA, torch references on CPU), one
+``LayerCache`` per model layer (its sub-pool's dense K/V views and window),
+and, on CUDA, the decode CUDA graphs. Per step: host lengths -> one packed
+host-to-device copy -> translate write ids and build block tables once per
+sub-pool -> forward -> sample -> one device-to-host copy of the tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from unikv.engine.plan import DecodeAttention, ExtendAttention, LayerCache, StepPlan, SubPoolStep
+from unikv.engine.sampling import sample
+from unikv.engine.scheduler import Batch
+from unikv.models.llama import CausalLM
+
+
+def layer_caches(pool, num_layers: int) -> list[LayerCache]:
+    """One LayerCache per model layer, from the sub-pools' ``layers`` lists."""
+    caches: list[LayerCache | None] = [None] * num_layers
+    for sub in pool.subpools.values():
+        for index, layer in enumerate(sub.layers):
+            k, v = sub.views[index]
+            window = sub.spec.sliding_window or 0
+            caches[layer] = LayerCache(sub.name, k, v, window, sub.page_size)
+    missing = [i for i, c in enumerate(caches) if c is None]
+    assert not missing, f"every model layer must have a sub-pool; layers {missing} have none"
+    return caches
+
+
+class ModelRunner:
+    """Runs planned steps of ``model`` over ``pool`` (managed by ``alloc``)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool,
+        alloc,
+        backend,
+        *,
+        cuda_graphs: bool = False,
+        max_graph_batch: int = 0,
+    ):
+        self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
+        self.device = pool.device
+        self.sm_scale = model.config.sm_scale
+        self.layers = layer_caches(pool, model.config.num_layers)
+        self.subpools = list(pool.subpools.values())
+        self._staging = torch.empty(0, dtype=torch.int64)  # pinned on CUDA, grown on demand
+        self.graphs = None
+        if cuda_graphs:
+            from unikv.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_graph_batch)
+
+    # -- planning ------------------------------------------------------------------
+
+    def host_arrays(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Per-step int64 host arrays: tokens, positions, lengths, slots."""
+        reqs = batch.requests
+        num_new = np.asarray(batch.num_new, dtype=np.int64)
+        starts = np.array([r.num_cached for r in reqs], dtype=np.int64)
+        q_indptr = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=q_indptr[1:])
+        tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
+        offsets = np.repeat(q_indptr[:-1] - starts, num_new)  # row - position, per token
+        return dict(
+            input_ids=np.asarray(tokens, dtype=np.int64),
+            positions=np.arange(q_indptr[-1], dtype=np.int64) - offsets,
+            logits_indices=q_indptr[1:] - 1,
+            seq_lens=starts + num_new,
+            q_indptr=q_indptr,
+            slots=np.array([r.slot for r in reqs], dtype=np.int64),
+        )
+
+    def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """One host-to-device copy of all arrays, then views into it."""
+        packed = torch.from_numpy(np.concatenate(list(arrays.values())))
+        if self.device.type == "cuda":
+            # A reused pinned staging buffer: the previous step's copy out of it is
+            # complete, because every step ends by reading its tokens on the host.
+            if self._staging.numel() < packed.numel():
+                self._staging = torch.empty(2 * packed.numel(), dtype=torch.int64).pin_memory()
+            staged = self._staging[: packed.numel()]
+            staged.copy_(packed)
+            packed = staged.to(self.device, non_blocking=True)
+        out, start = {}, 0
+        for name, a in arrays.items():
+            out[name] = packed[start : start + a.size]
+            start += a.size
+        return out
+
+    def plan(self, batch: Batch) -> StepPlan:
+        """Translate the batch once per sub-pool into a StepPlan."""
+        arrays = self.host_arrays(batch)
+        dev = self.to_device(arrays)
+        seq_lens, slots = dev["seq_lens"].to(torch.int32), dev["slots"].to(torch.int32)
+        max_q_len = int(np.max(np.asarray(batch.num_new)))
+        max_pages_tokens = int(arrays["seq_lens"].max())
+        virtual_ids = batch.virtual_ids
+        steps = {}
+        for sub in self.subpools:
+            window = sub.spec.sliding_window or 0
+            if window:
+                window += max_q_len - 1  # the first new token still sees W keys back
+            max_pages = -(-max_pages_tokens // sub.page_size)
+            table = torch.empty(
+                (len(batch.requests), max_pages), dtype=torch.int32, device=self.device
+            )
+            self.backend.build_block_table(
+                self.alloc.req_to_token,
+                slots,
+                seq_lens,
+                self.alloc.subpool(sub.name).v2p,
+                page_size=sub.page_size,
+                blocks_per_page=sub.spec.blocks_per_page,
+                out=table,
+                window=window,
+            )
+            steps[sub.name] = SubPoolStep(self.alloc.translate(virtual_ids, sub.name), table)
+        return StepPlan(
+            is_decode=batch.is_decode,
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
+            logits_indices=dev["logits_indices"],
+            seq_lens=seq_lens,
+            q_indptr=dev["q_indptr"].to(torch.int32),
+            max_q_len=max_q_len,
+            subpools=steps,
+        )
+
+    # -- running -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """fp32 logits (B, vocab) of each request's last token in the step."""
+        kind = DecodeAttention if plan.is_decode else ExtendAttention
+        attn = kind(self.layers, plan, self.backend, self.sm_scale)
+        return self.model(plan.input_ids, plan.positions, attn, plan.logits_indices)
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> tuple[list[int], torch.Tensor]:
+        """Run one step; returns (one sampled token per request, fp32 logits (B, V))."""
+        if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.forward(self.plan(batch))
+        self.alloc.mark_in_flight(self._event())
+        return self.sample(batch, logits).tolist(), logits
+
+    def _event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        """(B,) int64 next tokens; all-greedy batches (known on the host) skip the sampler."""
+        reqs = batch.requests
+        if all(r.params.temperature == 0 for r in reqs):
+            return logits.argmax(dim=-1)
+        floats = torch.tensor(
+            [(r.params.temperature, r.params.top_p) for r in reqs], dtype=torch.float32
+        )
+        ints = torch.tensor(
+            [(r.params.top_k, r.seed, len(r.output_ids)) for r in reqs], dtype=torch.int64
+        )
+        floats, ints = floats.to(self.device), ints.to(self.device)
+        return sample(logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])

@@ -1,0 +1,193 @@
+"""Continuous batching over the unified pool: chunked prefill, decode batching,
+admission by the allocator's capacity oracle, preemption by recompute.
+
+One step (``schedule``):
+
+1. Decodes: every running request with one pending token gets one token
+   (``alloc_decode``). If the chain cannot hold them, the newest running
+   request is preempted (its pages freed, its tokens kept for recompute) until
+   it can.
+2. Prefill chunks, within ``max_num_batched_tokens``: first running requests
+   still prefilling, then waiting requests (FIFO) that the capacity oracle
+   says fit (``can_admit`` on the pages their whole prefill needs, after
+   compaction).
+3. If nothing could be scheduled while requests are running, the newest is
+   preempted and the step retried (no livelock: the pool was checked at
+   start-up to hold one worst-case request alone).
+
+``complete`` applies the sampled tokens, frees the pages of finished requests
+and the sliding-window pages that left the window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from unikv.engine.request import Request, Status
+from unikv.ids import VirtualTokenIds
+from unikv.pool import worst_case_pages
+
+
+@dataclass
+class Batch:
+    """A scheduled step: ``requests[i]`` feeds ``num_new[i]`` tokens whose
+    virtual ids are ``virtual_ids`` (all requests, batch order)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    pieces: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per request: the decode kernels (and CUDA graphs) apply."""
+        return all(n == 1 for n in self.num_new)
+
+    @property
+    def virtual_ids(self) -> VirtualTokenIds:
+        return VirtualTokenIds(torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0])
+
+    def add(self, request: Request, n: int, ids: VirtualTokenIds) -> None:
+        self.add_many([request], [n], ids)
+
+    def add_many(self, requests: list[Request], num_new: list[int], ids: VirtualTokenIds) -> None:
+        """Requests whose new tokens' virtual ids are ``ids`` (sum(num_new),), in order."""
+        self.requests.extend(requests)
+        self.num_new.extend(num_new)
+        self.pieces.append(ids.data)
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting queue and the running list.
+
+    Args:
+        alloc: the ``PoolAllocator`` (request slots, pages, capacity oracle).
+        subpools: the pool's sub-pools (spec and page size, for page demand).
+        max_num_seqs: running requests at most (<= the allocator's max_requests).
+        max_num_batched_tokens: tokens per step at most (the prefill chunk size).
+    """
+
+    def __init__(self, alloc, subpools, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.alloc = alloc
+        self.subpools = list(subpools)
+        self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ----------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        """The next step's batch (never empty while there is work)."""
+        while True:
+            batch = Batch()
+            self._schedule_decodes(batch)
+            self._schedule_prefills(batch, self.max_num_batched_tokens - len(batch.requests))
+            if batch.requests:
+                return batch
+            assert len(self.running) > 1, (
+                "scheduler invariant: one request alone always fits the pool (checked at "
+                f"start-up), yet nothing could be scheduled with {len(self.running)} running"
+            )
+            self._preempt(self.running[-1])
+
+    def _schedule_decodes(self, batch: Batch) -> None:
+        while True:
+            decoding = [r for r in self.running if r.is_decoding]
+            if not decoding:
+                return
+            slots = np.array([r.slot for r in decoding], dtype=np.int64)
+            lens = np.array([r.num_cached for r in decoding], dtype=np.int64)
+            ids = self.alloc.alloc_decode(slots, lens)
+            if ids is not None:
+                batch.add_many(decoding, [1] * len(decoding), ids)
+                return
+            self._preempt(self.running[-1])
+
+    def _schedule_prefills(self, batch: Batch, budget: int) -> None:
+        for r in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
+                return
+            n = min(budget, r.num_pending)
+            ids = self._extend(r, n)
+            if ids is None:
+                return
+            batch.add(r, n, ids)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            n = min(budget, r.num_pending)
+            if not self._fits(r.num_pending, n):
+                return
+            r.slot = self.alloc.new_request()
+            ids = self._extend(r, n)
+            if ids is None:
+                self.alloc.free_request(r.slot)
+                r.slot = None
+                return
+            self.waiting.popleft()
+            r.status = Status.RUNNING
+            self.running.append(r)
+            batch.add(r, n, ids)
+            budget -= n
+
+    def _fits(self, num_tokens: int, chunk: int) -> bool:
+        """Capacity oracle: can a request needing ``num_tokens`` more tokens, written
+        ``chunk`` at a time, get its pages now (after compaction if need be)?"""
+        demand = {
+            s.name: worst_case_pages(s.spec, s.page_size, num_tokens, chunk) for s in self.subpools
+        }
+        return bool(self.alloc.can_admit(demand)[1])
+
+    def _extend(self, r: Request, n: int):
+        return self.alloc.alloc_extend(
+            np.array([r.slot], dtype=np.int64),
+            np.array([r.num_cached], dtype=np.int64),
+            np.array([n], dtype=np.int64),
+        )
+
+    def _preempt(self, r: Request) -> None:
+        """Recompute preemption: free every page, keep the tokens, requeue first."""
+        self.alloc.free_request(r.slot)
+        self.running.remove(r)
+        r.slot, r.num_cached, r.status = None, 0, Status.WAITING
+        r.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    # -- after the forward ---------------------------------------------------------
+
+    def complete(self, batch: Batch, tokens: list[int]) -> list[Request]:
+        """Apply one step: advance caches, append sampled tokens (for requests whose
+        pending tokens are all in now), free finished requests and out-of-window
+        pages. ``tokens[i]`` is request i's sample. Returns newly finished requests."""
+        finished = []
+        for r, n, token in zip(batch.requests, batch.num_new, tokens):
+            r.num_cached += n
+            if r.num_cached == r.seq_len:
+                r.append(token)
+                if r.finish_reason is not None:
+                    finished.append(r)
+        for r in finished:
+            self.alloc.free_request(r.slot)
+            self.running.remove(r)
+            r.slot, r.status = None, Status.FINISHED
+        if self.has_window:
+            live = [r for r in batch.requests if r.status is Status.RUNNING]
+            if live:
+                self.alloc.free_out_of_window(
+                    np.array([r.slot for r in live], dtype=np.int64),
+                    np.array([r.num_cached for r in live], dtype=np.int64),
+                )
+        return finished

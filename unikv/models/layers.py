@@ -1,0 +1,104 @@
+"""Building blocks shared by unikv's models: RMSNorm, the attention block, the
+gated MLP.
+
+Attention is split in two: the model owns the projections, norms and rope; the
+paged part (store K/V, read the cache) is an ``AttentionFn`` the engine passes
+to ``forward`` for each step, already planned (write locations and block
+tables translated once for the whole step). A model never sees the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.rope import Rotary
+
+
+class AttentionFn(Protocol):
+    """The engine's per-step attention: stores this step's K/V rows of model
+    layer ``layer`` and attends over the cache.
+
+    q: (T, Hq, D), k: (T, H, D), v: (T, H, D) in the model dtype, T = tokens of
+    the step in batch order; sinks: None or (Hq,) learned sink logits.
+    Returns (T, Hq, D)."""
+
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32.
+
+    ``weight_in_fp32``: gpt-oss multiplies by the weight before casting back
+    (``(w * x).to(dtype)``); Llama casts first (``w * x.to(dtype)``)."""
+
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * h).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v projections, optional q/k norm (Qwen3), rope, paged attention, o_proj.
+
+    Weight names follow transformers (``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(hidden, config.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * d, hidden, bias=config.o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
+        self.rotary = [rotary]  # shared, kept out of this module's parameters
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = attn(self.layer, q, k, v, self.sinks)  # (T, Hq, D)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Llama family)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

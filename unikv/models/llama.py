@@ -1,0 +1,81 @@
+"""Decoder-only causal LMs in the Llama layout: Llama 3, Qwen2, Qwen3 (q/k
+norm), Mistral (sliding window), and, with a MoE block, gpt-oss.
+
+Module names mirror transformers (``model.layers.i.self_attn.q_proj`` ...), so
+a checkpoint's state dict loads by name. Tokens of a step are flattened:
+``input_ids`` and ``positions`` are (T,) over all requests of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.layers import Attention, AttentionFn, GatedMLP, RMSNorm
+from unikv.models.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, mlp: nn.Module) -> None:
+        super().__init__()
+        fp32_norm = config.family == "gpt_oss"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_norm)
+        self.self_attn = Attention(config, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_norm)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(
+        self, config: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module], max_positions: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, make_mlp(config)) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.family == "gpt_oss")
+
+
+class CausalLM(nn.Module):
+    """A causal LM over unikv's paged attention.
+
+    Args:
+        config: the model's hyper-parameters.
+        max_positions: length of the rope table (the engine's max context).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        if config.family == "gpt_oss":
+            from unikv.models.gpt_oss import MoE as make_mlp
+        else:
+            make_mlp = GatedMLP
+        self.model = Backbone(config, make_mlp, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: (T,) int64 token ids; positions: (T,) int64;
+        logits_indices: (N,) int64 rows of the step whose logits are wanted
+        (None: all). Returns fp32 logits (N, vocab)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(x)).float()

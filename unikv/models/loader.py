@@ -1,0 +1,164 @@
+"""Load a model from a local Hugging Face checkpoint directory.
+
+A directory holds ``config.json`` and the weights as ``model.safetensors`` or
+shards listed in ``model.safetensors.index.json``; the tokenizer (optional)
+comes from the same directory. Parameters are matched by name (unikv's modules
+mirror transformers' names); a missing or unexpected tensor is an error, except
+``lm_head.weight`` when the embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from unikv.models.config import ModelConfig, model_config_from_hf
+from unikv.models.llama import CausalLM
+from unikv.models.mxfp4 import dequantize_mxfp4
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _require_dir(model_dir: str) -> None:
+    if not os.path.isdir(model_dir):
+        raise ValueError(
+            f"model directory {model_dir!r} does not exist; pass a local HF checkpoint dir"
+        )
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(
+            f"{model_dir!r} has no config.json; a Hugging Face checkpoint directory needs "
+            "config.json and model.safetensors (or sharded safetensors with an index)"
+        )
+
+
+def load_model_config(model_dir: str) -> tuple[ModelConfig, object]:
+    """(ModelConfig, the transformers config) of a checkpoint directory."""
+    _require_dir(model_dir)
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"cannot read {model_dir}/config.json with transformers: {err}") from err
+    return model_config_from_hf(hf_config), hf_config
+
+
+def weight_files(model_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint, sharded or not."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, n) for n in names]
+    else:
+        files = [os.path.join(model_dir, SINGLE_FILE)]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(
+            f"checkpoint {model_dir!r} lacks weight files {missing}; expected {SINGLE_FILE} or "
+            f"the shards named in {INDEX_FILE}"
+        )
+    return files
+
+
+def checkpoint_index(files: list[str]) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it (reads headers only)."""
+    from safetensors import safe_open
+
+    index = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            index.update({name: path for name in f.keys()})
+    return index
+
+
+def _sources(index: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> checkpoint tensor names: ``(name,)``, or ``(blocks,
+    scales)`` for an MXFP4 pair (gpt-oss experts)."""
+    sources = {n: (n,) for n in index if not n.endswith(("_blocks", "_scales"))}
+    for name in index:
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            if base + "_scales" not in index:
+                raise ValueError(
+                    f"checkpoint has {name} but no {base}_scales; the MXFP4 pair is broken"
+                )
+            sources[base] = (name, base + "_scales")
+    return sources
+
+
+def _sinks_to_fp32(model: CausalLM) -> None:
+    """Attention sinks feed the kernels as fp32 (Hq,) vectors; they keep the
+    model dtype's rounding (transformers holds them in the model dtype)."""
+    for name, param in model.named_parameters():
+        if name.endswith("sinks"):
+            param.data = param.data.float()
+
+
+def load_weights(model: CausalLM, files: list[str]) -> None:
+    """Copy checkpoint tensors into ``model`` by name, one tensor at a time
+    (MXFP4 experts dequantised on the way); raise ValueError naming missing,
+    unexpected or mis-shaped tensors."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    index = checkpoint_index(files)
+    sources = _sources(index)
+    if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
+        sources["lm_head.weight"] = ("model.embed_tokens.weight",)
+    missing = sorted(n for n in params if n not in sources or sources[n][0] not in index)
+    unexpected = sorted(n for n in sources if n not in params and not n.endswith("inv_freq"))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the {model.config.architecture} model: missing "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
+            f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+    handles = {path: safe_open(path, framework="pt", device="cpu") for path in files}
+    with torch.no_grad():
+        for name, param in params.items():
+            tensors = [handles[index[n]].get_tensor(n) for n in sources[name]]
+            source = tensors[0] if len(tensors) == 1 else dequantize_mxfp4(*tensors)
+            if tuple(source.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"tensor {name}: checkpoint shape {tuple(source.shape)} != model shape "
+                    f"{tuple(param.shape)}; config.json and the weights disagree"
+                )
+            param.copy_(source)
+
+
+def load_model(
+    model_dir: str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_positions: int | None = None,
+) -> CausalLM:
+    """Build the model of a checkpoint directory and load its weights.
+
+    ``max_positions``: rope table length (default: the config's
+    ``max_position_embeddings``)."""
+    config, _ = load_model_config(model_dir)
+    files = weight_files(model_dir)
+    max_positions = max_positions or config.max_position_embeddings
+    with torch.device("meta"):
+        model = CausalLM(config, max_positions)
+    model = model.to(dtype).to_empty(device=device)  # no full-precision copy on the device
+    model.model.rotary.build(torch.device(device))
+    load_weights(model, files)
+    _sinks_to_fp32(model)
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer via ``transformers.AutoTokenizer``, or None
+    when the directory has no tokenizer files (prompts must then be token ids)."""
+    names = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+    if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,133 @@
+"""Rotary position embedding: inverse frequencies for the rope types of the
+supported checkpoints (default, linear, llama3, yarn), as transformers computes
+them, and the rotation itself (NeoX "rotate half" layout).
+
+The cos/sin table is computed once in fp32 for every position up to
+``max_positions`` (``pos * inv_freq``, one product per element, as in
+transformers), scaled by the rope type's attention factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(base: float, dim: int, params: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    factor = params.get("factor")
+    original = params["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_positions / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp, as transformers does
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_inv_freq(params: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq (head_dim/2,) fp32, attention scaling) for a standardised
+    transformers ``rope_parameters`` dict. Raises ValueError for other types."""
+    rope_type = params.get("rope_type", "default")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor {params['partial_rotary_factor']} is not supported"
+        )
+    base = float(params["rope_theta"])
+    if rope_type == "default":
+        return _default_inv_freq(base, head_dim), 1.0
+    if rope_type == "linear":
+        return _default_inv_freq(base, head_dim) / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3(_default_inv_freq(base, head_dim), params), 1.0
+    if rope_type == "yarn":
+        return _yarn(base, head_dim, params, max_positions)
+    raise ValueError(
+        f"unsupported rope_type {rope_type!r}; unikv supports default, linear, llama3 and yarn"
+    )
+
+
+class Rotary(nn.Module):
+    """Applies rope to q and k at given positions.
+
+    Args:
+        params: transformers' ``rope_parameters``.
+        head_dim: rotary width (the whole head).
+        max_positions: table length; positions must be below it.
+    """
+
+    def __init__(self, params: dict, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.params, self.head_dim, self.max_positions = params, head_dim, max_positions
+        rope_inv_freq(params, head_dim, max_positions)  # validate the rope type now
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        if torch.empty(0).device.type != "meta":
+            self.build(torch.empty(0).device)
+
+    def build(self, device: torch.device) -> None:
+        """(Re)compute the fp32 cos/sin tables (P, D/2) on ``device``."""
+        inv_freq, scaling = rope_inv_freq(self.params, self.head_dim, self.max_positions)
+        positions = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+        self.cos = (freqs.cos() * scaling).to(device)
+        self.sin = (freqs.sin() * scaling).to(device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) int64; q: (T, Hq, D); k: (T, H, D) -> rotated (q, k)."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D/2)
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
