@@ -136,9 +136,12 @@ def test_graph_decode_equals_eager_decode_under_preemption(saved):
     from unikv.hf_config import specs_from_hf_config
     from unikv.pool import pool_bytes_for
 
-    _, path = saved
+    arch, path = saved
     configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
-    budget = pool_bytes_for(configs, {c.name: 20 for c in configs})
+    # gpt-oss's full band may grow into the SWA band's bytes (the moving
+    # boundary), so it needs a smaller budget than the others to run short.
+    pages = 11 if arch == "gpt_oss" else 20
+    budget = pool_bytes_for(configs, {c.name: pages for c in configs})
     prompts = _prompts(11)
     params = SamplingParams(max_tokens=NEW_TOKENS)
     eager = _llm(path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
