@@ -1,0 +1,422 @@
+"""Pool capacity under one byte budget: unified vs static split vs equal page bytes.
+
+A SCHEDULER-LEVEL SIMULATION: no model runs. The engine's own ``Scheduler``
+(chunked prefill, decode batching, admission by the capacity oracle,
+preemption by recompute, freeing of out-of-window SWA pages) drives the real
+``PoolAllocator`` over real ``UnifiedPool`` buffers (CPU); every "sampled"
+token is a dummy. A step is one scheduler step, so throughput is requests and
+tokens completed per simulated step, not per second.
+
+Schemes (same budget, same workload, same loop):
+
+- ``unified``: one pool, every sub-pool in it, boundaries move at run time.
+- ``static_split``: one pool per sub-pool, each a fixed byte region sized the
+  usual way: SGLang's defaults ``swa_full_tokens_ratio = 0.8`` (SWA tokens =
+  0.8 x full tokens) and ``mamba_full_memory_ratio = 0.9`` (Mamba bytes = 0.9 x
+  full-attention bytes).
+- ``equal_pages``: every sub-pool's page made the same bytes, as vLLM's hybrid
+  allocator does. Token sub-pools are padded to the largest layer count
+  (vLLM pads layer groups); with Mamba, the attention page size is raised to
+  the smallest multiple of 16 tokens whose per-layer page holds one layer's
+  Mamba state, each Mamba layer is padded to that page, and the Mamba layers
+  to a multiple of the attention layer count. It runs on the unified allocator
+  (pages of any kind are interchangeable after compaction, as in one shared
+  page pool), so the only difference to ``unified`` is the padding.
+
+Usage: ``python benchmarks/bench_capacity.py [--quick]`` -> ``benchmarks/results/capacity.json``
+and ``docs/occupancy_<model>_<scheme>.png`` (via ``plot_results.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from unikv.allocator import PoolAllocator
+from unikv.engine.request import Request
+from unikv.engine.sampling import SamplingParams
+from unikv.engine.scheduler import Scheduler
+from unikv.hf_config import model_specs_from_hf_config
+from unikv.pool import SubPoolConfig, UnifiedPool
+from unikv.specs import MambaSpec, MHASpec, StatePart
+
+GIB = 1 << 30
+SWA_FULL_TOKENS_RATIO = 0.8  # SGLang ServerArgs default
+MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang ServerArgs default
+VLLM_PAGE_ALIGN = 16  # tokens: attention page sizes are multiples of this
+SCHEMES = ("unified", "static_split", "equal_pages")
+
+
+class SchemeAllocator:
+    """What the engine's ``Scheduler`` calls, over one PoolAllocator (unified,
+    equal pages) or several (static split: one per sub-pool).
+
+    A request holds one slot in every allocator; a Mamba slot is taken with
+    its first chunk. A step that fails in one allocator is rolled back in the
+    others (``truncate`` / ``free_mamba``), so state stays unchanged on None.
+    """
+
+    def __init__(self, allocs: list[PoolAllocator], max_requests: int) -> None:
+        self.allocs = allocs
+        self.inner = np.full((max_requests, len(allocs)), -1, np.int64)  # outer -> inner slots
+        self.has_mamba = np.zeros(max_requests, bool)
+        self.free_slots = list(range(max_requests - 1, -1, -1))
+        self.token_allocs = [a for a in allocs if a.token_names]
+        self.mamba_alloc = next((a for a in allocs if a.mamba_name), None)
+
+    def _slots(self, slots: np.ndarray, alloc: PoolAllocator) -> np.ndarray:
+        return self.inner[np.asarray(slots, np.int64), self.allocs.index(alloc)]
+
+    def new_request(self) -> int:
+        slot = self.free_slots.pop()
+        self.inner[slot] = [a.new_request() for a in self.allocs]
+        return slot
+
+    def free_request(self, slot: int) -> None:
+        for i, a in enumerate(self.allocs):
+            a.free_request(int(self.inner[slot, i]))
+        self.inner[slot] = -1
+        self.has_mamba[slot] = False
+        self.free_slots.append(slot)
+
+    def can_admit(self, demand: dict[str, int]) -> tuple[bool, bool]:
+        now = after = True
+        for a in self.allocs:
+            part = {n: d for n, d in demand.items() if n in a.subs}
+            ok_now, ok_after = a.can_admit(part)
+            now, after = now and ok_now, after and ok_after
+        return now, after
+
+    def _mamba_for(self, slots: np.ndarray) -> np.ndarray | None:
+        """Take Mamba slots for requests lacking one; the requests that got one."""
+        if self.mamba_alloc is None:
+            return slots[:0]
+        need = slots[~self.has_mamba[slots]]
+        if len(need) and self.mamba_alloc.alloc_mamba(self._slots(need, self.mamba_alloc)) is None:
+            return None
+        self.has_mamba[need] = True
+        return need
+
+    def _undo_mamba(self, taken: np.ndarray) -> None:
+        if len(taken):
+            self.mamba_alloc.free_mamba(self._slots(taken, self.mamba_alloc))
+            self.has_mamba[taken] = False
+
+    def _grow(self, slots, lens, verb):
+        """Run ``verb(alloc, inner_slots)`` in every token allocator, all or nothing."""
+        slots = np.asarray(slots, np.int64)
+        taken = self._mamba_for(slots)
+        if taken is None:
+            return None
+        done, ids = [], None
+        for a in self.token_allocs:
+            out = verb(a, self._slots(slots, a))
+            if out is None:
+                for b in done:
+                    b.truncate(self._slots(slots, b), np.asarray(lens, np.int64))
+                self._undo_mamba(taken)
+                return None
+            done.append(a)
+            ids = out if ids is None else ids
+        return ids
+
+    def alloc_extend(self, slots, prefix_lens, extend_lens):
+        return self._grow(
+            slots, prefix_lens, lambda a, s: a.alloc_extend(s, prefix_lens, extend_lens)
+        )
+
+    def alloc_decode(self, slots, seq_lens):
+        return self._grow(slots, seq_lens, lambda a, s: a.alloc_decode(s, seq_lens))
+
+    def free_out_of_window(self, slots, seq_lens) -> None:
+        for a in self.token_allocs:
+            if a.windows:
+                a.free_out_of_window(self._slots(slots, a), seq_lens)
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """(live bytes, band bytes) per sub-pool name."""
+        out = {}
+        for a in self.allocs:
+            for name, sub in a.subs.items():
+                out[name] = (sub.num_live * sub.page_bytes, (sub.hi - sub.lo) * sub.page_bytes)
+        return out
+
+
+# -- schemes ---------------------------------------------------------------------------
+
+
+def static_shares(configs: list[SubPoolConfig]) -> dict[str, float]:
+    """Byte share of each sub-pool in SGLang's default static split."""
+    by_kind = {c.spec.kind: c for c in configs}
+    if "mamba" in by_kind:
+        mamba = MAMBA_FULL_MEMORY_RATIO / (1 + MAMBA_FULL_MEMORY_RATIO)
+        return {c.name: (mamba if c.spec.kind == "mamba" else 1 - mamba) for c in configs}
+    full, swa = by_kind.get("full"), by_kind.get("swa")
+    if full is None or swa is None or len(configs) != 2:
+        raise ValueError(
+            f"static split needs full + swa or full + mamba sub-pools, got {[c.name for c in configs]}"
+        )
+    weight = {
+        full.name: full.spec.entry_bytes,
+        swa.name: SWA_FULL_TOKENS_RATIO * swa.spec.entry_bytes,
+    }
+    total = sum(weight.values())
+    return {n: w / total for n, w in weight.items()}
+
+
+def equal_page_configs(configs: list[SubPoolConfig]) -> list[SubPoolConfig]:
+    """The sub-pools padded to equal page bytes (see the module docstring)."""
+    tokens = [c for c in configs if isinstance(c.spec, MHASpec)]
+    if len({c.spec.row_bytes for c in tokens}) > 1:
+        raise ValueError(
+            "equal_pages pads layer counts; it needs one row width across attention sub-pools"
+        )
+    layers = max(c.spec.num_layers for c in tokens)
+    out = [
+        dataclasses.replace(c, spec=dataclasses.replace(c.spec, num_layers=layers), layers=())
+        for c in tokens
+    ]
+    mamba = [c for c in configs if isinstance(c.spec, MambaSpec)]
+    if not mamba:
+        return out
+    spec = mamba[0].spec
+    per_layer = spec.entry_bytes // spec.num_layers
+    token_row = 2 * tokens[0].spec.row_bytes  # one layer's K + V of one token
+    ps = -(-per_layer // token_row)
+    ps = -(-ps // VLLM_PAGE_ALIGN) * VLLM_PAGE_ALIGN
+    out = [dataclasses.replace(c, page_size=ps) for c in out]
+    pad = ps * token_row - per_layer
+    group = sum(c.spec.num_layers for c in out)
+    padded = MambaSpec(
+        num_layers=-(-spec.num_layers // group) * group,
+        conv=(*spec.conv, StatePart((pad,), _uint8())) if pad else spec.conv,
+        temporal=spec.temporal,
+    )
+    return out + [dataclasses.replace(mamba[0], spec=padded, layers=())]
+
+
+def _uint8():
+    import torch
+
+    return torch.uint8
+
+
+def build_scheme(scheme: str, configs, budget: int, max_requests: int, max_context: int):
+    """(SchemeAllocator, the sub-pools the scheduler sizes demand with, region bytes)."""
+    configs = [dataclasses.replace(c, layers=()) for c in configs]
+    kw = {"max_requests": max_requests, "max_context": max_context}
+    if scheme == "static_split":
+        shares = static_shares(configs)
+        pools = [UnifiedPool([c], int(budget * shares[c.name])) for c in configs]
+        regions = {c.name: int(budget * shares[c.name]) for c in configs}
+    elif scheme in ("unified", "equal_pages"):
+        cfgs = equal_page_configs(configs) if scheme == "equal_pages" else configs
+        pools, regions = [UnifiedPool(cfgs, budget)], {}
+    else:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    allocs = [PoolAllocator(p, **kw) for p in pools]
+    subpools = [s for p in pools for s in p.subpools.values()]
+    return SchemeAllocator(allocs, max_requests), subpools, regions
+
+
+# -- workload and loop -----------------------------------------------------------------
+
+
+def mixed_workload(
+    num: int, seed: int, short=(32, 1024), long=(4096, 16384), long_frac=0.3, out=(128, 512)
+):
+    """(prompt_len, output_len) pairs: a ``long_frac`` share of long prompts."""
+    rng = np.random.default_rng(seed)
+    is_long = rng.random(num) < long_frac
+    prompts = np.where(is_long, rng.integers(*long, num), rng.integers(*short, num))
+    outputs = rng.integers(*out, num)
+    return [(int(p), int(o)) for p, o in zip(prompts, outputs)]
+
+
+def simulate(
+    scheme_alloc,
+    subpools,
+    workload,
+    *,
+    max_context: int,
+    chunk: int,
+    max_num_seqs: int,
+    on_step=None,
+) -> dict:
+    """Drive the engine's Scheduler over ``scheme_alloc`` until every request is
+    done; per-step trace and summary counters. ``on_step(sched)`` runs after
+    every step (tests check invariants there)."""
+    sched = Scheduler(
+        scheme_alloc, subpools, max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk
+    )
+    requests = [
+        Request(
+            i, [1] * p, SamplingParams(max_tokens=o, ignore_eos=True), 0, frozenset(), max_context
+        )
+        for i, (p, o) in enumerate(workload)
+    ]
+    for r in requests:
+        sched.add(r)
+    trace = {
+        "running": [],
+        "tokens_held": [],
+        "live": {s.name: [] for s in subpools},
+        "band": {s.name: [] for s in subpools},
+    }
+    done_steps, start = [], time.perf_counter()
+    while sched.has_work():
+        batch = sched.schedule()
+        finished = sched.complete(batch, [1] * len(batch.requests))
+        if on_step is not None:
+            on_step(sched)
+        done_steps.extend([len(trace["running"])] * len(finished))
+        trace["running"].append(len(sched.running))
+        trace["tokens_held"].append(sum(r.num_cached for r in sched.running))
+        for name, (live, band) in scheme_alloc.usage().items():
+            trace["live"][name].append(live)
+            trace["band"][name].append(band)
+    steps = len(trace["running"])
+    out_tokens = sum(len(r.output_ids) for r in requests)
+    assert all(len(r.output_ids) == o for r, (_, o) in zip(requests, workload)), (
+        "simulation: a request ended early"
+    )
+    return {
+        "steps": steps,
+        "max_concurrent": max(trace["running"]),
+        "mean_concurrent": float(np.mean(trace["running"])),
+        "max_tokens_held": max(trace["tokens_held"]),
+        "mean_tokens_held": float(np.mean(trace["tokens_held"])),
+        "preemptions": sched.num_preemptions,
+        "requests_per_step": len(requests) / steps,
+        "output_tokens_per_step": out_tokens / steps,
+        "half_done_step": int(np.median(done_steps)),
+        "sim_seconds": time.perf_counter() - start,
+        "trace": trace,
+    }
+
+
+def run_model(
+    name: str, config_path: Path, budget: int, workload, *, chunk: int, max_num_seqs: int
+) -> dict:
+    specs = model_specs_from_hf_config(config_path, page_size=16)
+    max_context = max(p + o for p, o in workload) + 1
+    result = {"model": name, "budget_bytes": budget, "subpools": {}, "schemes": {}}
+    for c in specs.subpools:
+        result["subpools"][c.name] = {
+            "kind": c.spec.kind,
+            "layers": c.spec.num_layers,
+            "entry_bytes": c.spec.entry_bytes,
+            "page_size": c.page_size,
+        }
+    for scheme in SCHEMES:
+        alloc, subpools, regions = build_scheme(
+            scheme, list(specs.subpools), budget, max_num_seqs, max_context
+        )
+        res = simulate(
+            alloc,
+            subpools,
+            workload,
+            max_context=max_context,
+            chunk=chunk,
+            max_num_seqs=max_num_seqs,
+        )
+        res["regions"] = regions
+        res["page_bytes"] = {s.name: s.page_bytes for s in subpools}
+        result["schemes"][scheme] = res
+        del alloc, subpools  # free this scheme's buffers before the next is built
+        gc.collect()
+        print(
+            f"{name:10s} {scheme:13s} max_conc {res['max_concurrent']:4d} mean_conc {res['mean_concurrent']:7.1f} "
+            f"max_tok {res['max_tokens_held']:8d} preempt {res['preemptions']:5d} steps {res['steps']:6d} "
+            f"tok/step {res['output_tokens_per_step']:7.1f} ({res['sim_seconds']:.1f} s)"
+        )
+    base = result["schemes"]["static_split"]
+    for scheme, res in result["schemes"].items():
+        for key in (
+            "mean_concurrent",
+            "mean_tokens_held",
+            "output_tokens_per_step",
+            "max_concurrent",
+        ):
+            res[f"{key}_vs_static"] = res[key] / base[key]
+    return result
+
+
+def _downsample(res: dict, points: int = 1500) -> None:
+    trace = res["trace"]
+    n = len(trace["running"])
+    idx = np.unique(np.linspace(0, n - 1, min(points, n)).astype(int)).tolist()
+    trace["step"] = idx
+    trace["running"] = [trace["running"][i] for i in idx]
+    trace["tokens_held"] = [trace["tokens_held"][i] for i in idx]
+    for key in ("live", "band"):
+        trace[key] = {k: [v[i] for i in idx] for k, v in trace[key].items()}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests, smaller budgets")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/capacity.json"))
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+    num = args.requests or (64 if args.quick else 256)
+    scale = 0.25 if args.quick else 1.0
+    presets = ROOT / "unikv/presets"
+    models = [
+        (
+            "gpt-oss-20b",
+            presets / "gpt-oss-20b.json",
+            int(4 * GIB * scale),
+            mixed_workload(num, seed=0),
+        ),
+        (
+            "bamba-9b",
+            presets / "bamba-9b.json",
+            int(8 * GIB * scale),
+            mixed_workload(num, seed=1, long_frac=0.2),
+        ),
+    ]
+    results = {
+        "kind": "scheduler-level simulation (no model runs): the engine's Scheduler and the real "
+        "PoolAllocator over real CPU UnifiedPool buffers; throughput is per simulated step",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "static_split_rule": f"SGLang defaults: swa_full_tokens_ratio {SWA_FULL_TOKENS_RATIO}, "
+        f"mamba_full_memory_ratio {MAMBA_FULL_MEMORY_RATIO}",
+        "chunk_tokens": 2048,
+        "num_requests": num,
+        "quick": args.quick,
+        "models": [],
+    }
+    for name, path, budget, workload in models:
+        res = run_model(name, path, budget, workload, chunk=2048, max_num_seqs=512)
+        res["workload"] = {
+            "prompt_lens": [p for p, _ in workload],
+            "output_lens": [o for _, o in workload],
+        }
+        for scheme in res["schemes"].values():
+            _downsample(scheme)
+        results["models"].append(res)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"saved {args.out}")
+    if not args.no_plots:
+        from plot_results import plot_occupancy
+
+        plot_occupancy(results, ROOT / "docs")
+    return results
+
+
+if __name__ == "__main__":
+    main()
