@@ -63,7 +63,9 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("build, field, value, rule", BAD_VALUES, ids=lambda x: repr(x)[:30])
+@pytest.mark.parametrize(
+    "build, field, value, rule", BAD_VALUES, ids=[f"{f}={v!r}" for _, f, v, _ in BAD_VALUES]
+)
 def test_bad_spec_value_names_field_value_and_rule(build, field, value, rule) -> None:
     name = field.split(".")[1]
     kwargs = {name: value}

@@ -21,8 +21,9 @@ Two questions use the same function with different ``keep`` spans:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
+from itertools import pairwise
 
 from unikv.pool import Grow
 
@@ -110,4 +111,4 @@ def bands_disjoint(bands: Mapping[str, tuple[Grow, int, tuple[int, int]]]) -> bo
         for grow, pb, band in bands.values()
         if band[1] > band[0]
     )
-    return all(prev[2] <= nxt[1] for prev, nxt in zip(ranges, ranges[1:]))
+    return all(prev[2] <= nxt[1] for prev, nxt in pairwise(ranges))

@@ -20,24 +20,24 @@ Room for an allocation (``reserve``), cheapest first:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from unikv.allocator.capacity import BandNeed, Bands, bands_disjoint, pack_bands
 from unikv.allocator.compaction import compact_to
 from unikv.allocator.device import make_uploader
 from unikv.allocator.fences import FenceQueue
-from unikv.allocator.requests import RequestTable, VirtualSpace
-from unikv.allocator.subpool import PENDING, SubPoolAllocator
 from unikv.allocator.lookups import LookupVerbs
+from unikv.allocator.planner import PlannerVerbs
+from unikv.allocator.requests import RequestTable, VirtualSpace
+from unikv.allocator.subpool import SubPoolAllocator
 from unikv.allocator.tokens import TokenVerbs
-from unikv.pool import Grow, UnifiedPool
+from unikv.pool import UnifiedPool
 
 INT32_LIMIT = 2**31
-SLACK_PAGES = 32  # a frontier moved for an allocation takes this many spare pages if it can
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Shortfall:
     free_bytes: int
 
 
-class PoolAllocator(TokenVerbs, LookupVerbs):
+class PoolAllocator(TokenVerbs, LookupVerbs, PlannerVerbs):
     """Allocator over every sub-pool of ``pool`` (see the module docstring).
 
     Args:
@@ -72,9 +72,15 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
     """
 
     def __init__(
-        self, pool: UnifiedPool, *, max_requests: int, max_context: int, debug: bool = False,
+        self,
+        pool: UnifiedPool,
+        *,
+        max_requests: int,
+        max_context: int,
+        debug: bool = False,
         num_virtual_pages: int | None = None,
-        on_shortfall: Callable[[Shortfall], bool] | None = None, max_shortfall_rounds: int = 8,
+        on_shortfall: Callable[[Shortfall], bool] | None = None,
+        max_shortfall_rounds: int = 8,
     ) -> None:
         for what, value in (("max_requests", max_requests), ("max_context", max_context)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -91,8 +97,12 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
         token = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
         mamba = [s for s in pool.subpools.values() if s.spec.kind == "mamba"]
         if len(mamba) > 1:
-            raise ValueError(f"at most one Mamba sub-pool is supported, got {[s.name for s in mamba]}")
-        owner = next((s for s in token if s.spec.kind in ("full", "mla")), token[0] if token else None)
+            raise ValueError(
+                f"at most one Mamba sub-pool is supported, got {[s.name for s in mamba]}"
+            )
+        owner = next(
+            (s for s in token if s.spec.kind in ("full", "mla")), token[0] if token else None
+        )
         if len({s.page_size for s in token}) > 1:
             raise ValueError(
                 "token sub-pools share virtual pages, so they need one page size; got "
@@ -148,7 +158,9 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
         it is done. Until then freed pages are neither reused nor moved, and live
         pages are not moved."""
         if event is not None and not (hasattr(event, "query") and hasattr(event, "synchronize")):
-            raise TypeError(f"mark_in_flight takes an event with query()/synchronize() or None, got {event!r}")
+            raise TypeError(
+                f"mark_in_flight takes an event with query()/synchronize() or None, got {event!r}"
+            )
         self.fences.forward = event
 
     def _drain(self) -> None:
@@ -161,33 +173,6 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
         return virtual <= self.vspace.num_free and all(
             self.subs[n].num_free >= k for n, k in new.items()
         )
-
-    def _needs(self, new: Mapping[str, int], mode: str) -> dict[str, BandNeed]:
-        """Band needs per sub-pool. mode "now": every occupied page is kept;
-        "after": pinned pages and transfer-held pages are kept (the forward fence
-        will be waited for); "actual": pinned and still-pending pages are kept."""
-        needs = {}
-        for name, sub in self.subs.items():
-            if mode == "now":
-                occupied = sub.num_live + sub.num_pending
-                keep = sub.occupied_span()
-            else:
-                held = (
-                    self.fences.held(name, transfer_only=True)
-                    if mode == "after" else np.flatnonzero(sub.state == PENDING)
-                )
-                mask = sub.pins > 0
-                mask[held] = True
-                occupied = sub.num_live + int((mask & (sub.state == PENDING)).sum())
-                keep = sub.occupied_span(mask)
-            needs[name] = BandNeed(
-                sub.grow, sub.page_bytes, sub.first_page, sub.num_pages,
-                occupied + new.get(name, 0), *keep,
-            )
-        return needs
-
-    def _pack(self, needs: Mapping[str, BandNeed]) -> Bands | None:
-        return pack_bands(needs, self.pool.sink_bytes, self.pool.total_bytes)
 
     def can_admit(self, demand: Mapping[str, int]) -> tuple[bool, bool]:
         """Whether ``demand`` (new pages per sub-pool name; pages of the owner are
@@ -209,14 +194,18 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
             raise TypeError(f"demand must be a mapping {{sub-pool name: pages}}, got {demand!r}")
         for name, pages in demand.items():
             if name not in self.subs:
-                raise ValueError(f"demand names sub-pool {name!r}; the allocator has {list(self.subs)}")
+                raise ValueError(
+                    f"demand names sub-pool {name!r}; the allocator has {list(self.subs)}"
+                )
             if not isinstance(pages, (int, np.integer)) or pages < 0:
                 raise ValueError(f"demand[{name!r}] must be a non-negative int, got {pages!r}")
         return {n: int(p) for n, p in demand.items()}
 
     # -- making room ------------------------------------------------------------------
 
-    def reserve(self, new: Mapping[str, int], virtual: int = 0, slots: np.ndarray | None = None) -> bool:
+    def reserve(
+        self, new: Mapping[str, int], virtual: int = 0, slots: np.ndarray | None = None
+    ) -> bool:
         """Make each free stack hold ``new[name]`` holes (and the virtual space
         ``virtual`` ids). False, with no page moved, when impossible. ``slots``:
         the requests being served, which the shortfall callback must not free."""
@@ -225,7 +214,9 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
             return True
         for _ in range(self.max_shortfall_rounds + 1):
             if virtual <= self.vspace.num_free and (self._grow_now(new) or self._compact_for(new)):
-                assert self._fits_free(new, virtual), "reserve: a feasible plan left free stacks short"
+                assert self._fits_free(new, virtual), (
+                    "reserve: a feasible plan left free stacks short"
+                )
                 return True
             if self.on_shortfall is None or not self.on_shortfall(self._shortfall(new, virtual)):
                 return False
@@ -239,67 +230,6 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
                 return True
         return False
 
-    def _candidates(self, needs: dict[str, BandNeed], new: Mapping[str, int], slack: bool) -> list[Bands]:
-        """Packings to try, fewest band changes first: bands without demand keep
-        their place; bands that grow take spare pages."""
-        tight = self._pack(needs)
-        if tight is None:
-            return []
-        bases = [tight]
-        if slack:
-            spare = {
-                n: replace(need, pages=need.pages + max(new.get(n, 0), SLACK_PAGES))
-                if new.get(n, 0) else need
-                for n, need in needs.items()
-            }
-            roomy = self._pack(spare)
-            bases = [roomy, tight] if roomy is not None else bases
-        kept = [{n: (b[n] if new.get(n, 0) else self.subs[n].band) for n in b} for b in bases]
-        ordered = [c for c in kept if self._disjoint(c)] + bases
-        centred = [self._centre_float(c, new) for c in ordered]
-        return [c for c in centred if c is not None and self._disjoint(c)] + ordered
-
-    def _centre_float(self, bands: Bands, new: Mapping[str, int]) -> Bands | None:
-        """An empty FLOAT band that must grow is placed mid-gap (moving it is free),
-        so the UP and DOWN bands keep room on both sides."""
-        subs = {s.grow: s for s in self.subs.values()}
-        flt = subs.get(Grow.FLOAT)
-        if flt is None or flt.lo != flt.hi or not new.get(flt.name, 0):
-            return None
-        up, down = subs.get(Grow.UP), subs.get(Grow.DOWN)
-        floor = bands[up.name][1] * up.page_bytes if up else self.pool.sink_bytes
-        ceiling = bands[down.name][0] * down.page_bytes if down else self.pool.total_bytes
-        low = max(flt.first_page, -(-floor // flt.page_bytes))
-        high = min(flt.num_pages, ceiling // flt.page_bytes)
-        size = bands[flt.name][1] - bands[flt.name][0]
-        if high - low < size:
-            return None
-        start = low + (high - low - size) // 2
-        return {**bands, flt.name: (start, start + size)}
-
-    def _disjoint(self, bands: Bands) -> bool:
-        return bands_disjoint({n: (self.subs[n].grow, self.subs[n].page_bytes, b) for n, b in bands.items()})
-
-    def _grow_now(self, new: Mapping[str, int]) -> bool:
-        candidates = self._candidates(self._needs(new, "now"), new, slack=True)
-        if not candidates:
-            return False
-        for name, band in candidates[0].items():
-            if band != self.subs[name].band:
-                self.subs[name].set_band(*band)
-        return True
-
-    def _compact_for(self, new: Mapping[str, int]) -> bool:
-        if self._pack(self._needs(new, "after")) is None:
-            return False
-        if self.fences.forward_outstanding():
-            self.fences.wait_forward()  # host sync, only on this slow path
-            self._drain()
-        candidates = self._candidates(self._needs(new, "actual"), new, slack=False)
-        assert candidates, "compaction: the packing that waiting made feasible vanished"
-        compact_to(self.pool, self.subs, candidates[0])
-        return True
-
     def compact(self) -> int:
         """Idle-time compaction: wait for the forward fence, then pack every band
         tight (live pages into holes, frontiers back). Returns the pages moved."""
@@ -312,8 +242,12 @@ class PoolAllocator(TokenVerbs, LookupVerbs):
     def _shortfall(self, new: Mapping[str, int], virtual: int) -> Shortfall:
         usage = {
             n: {
-                "live": s.num_live, "pending": s.num_pending, "pinned": int((s.pins > 0).sum()),
-                "free_in_band": s.num_free, "page_bytes": s.page_bytes, "band": s.band,
+                "live": s.num_live,
+                "pending": s.num_pending,
+                "pinned": int((s.pins > 0).sum()),
+                "free_in_band": s.num_free,
+                "page_bytes": s.page_bytes,
+                "band": s.band,
             }
             for n, s in self.subs.items()
         }

@@ -17,7 +17,7 @@ the chain UP | FLOAT | DOWN this order has no cycle.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -50,6 +50,7 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def compaction_order(subs: Mapping[str, SubPoolAllocator], targets: Bands) -> list[str]:
     """Names in an order where a band retreats before another target takes its bytes."""
+
     def span(name: str, band: tuple[int, int]) -> tuple[int, int]:
         pb = subs[name].page_bytes
         return band[0] * pb, band[1] * pb

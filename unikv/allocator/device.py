@@ -12,7 +12,7 @@ scalar becomes a blocking pageable host-to-device copy).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

@@ -40,8 +40,11 @@ class FenceQueue:
             return False
         transfer = fence is not None
         last = self._groups[-1] if self._groups else None
-        if last is not None and last[1] == transfer and len(last[0]) == len(events) and all(
-            a is b for a, b in zip(last[0], events)
+        if (
+            last is not None
+            and last[1] == transfer
+            and len(last[0]) == len(events)
+            and all(a is b for a, b in zip(last[0], events))
         ):
             group = last[2]
         else:
@@ -65,10 +68,15 @@ class FenceQueue:
         return {n: np.concatenate(a) for n, a in fired.items()}
 
     def wait_forward(self) -> None:
-        """Block until the forward fence fires (host sync: slow path only)."""
+        """Block until the forward fences fire (host sync: slow path only): the
+        latest one and those of every group without a transfer fence."""
         if self.forward is not None:
             self.forward.synchronize()
             self.forward = None
+        for events, transfer, _ in self._groups:
+            if not transfer:
+                for event in events:
+                    event.synchronize()
 
     def held(self, name: str, transfer_only: bool = False) -> np.ndarray:
         """Pages of ``name`` still held; ``transfer_only``: only groups with a

@@ -25,14 +25,20 @@ def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
     )
     live = np.flatnonzero(state == LIVE)
     assert sub.num_live == len(live), f"{name}: num_live counts the LIVE pages"
-    assert sub.num_pending == int((state == PENDING).sum()), f"{name}: num_pending counts PENDING pages"
+    assert sub.num_pending == int((state == PENDING).sum()), (
+        f"{name}: num_pending counts PENDING pages"
+    )
     freed_pinned = np.flatnonzero((sub.pins > 0) & (state != LIVE))
     assert np.array_equal(np.union1d(held, freed_pinned), np.flatnonzero(state == PENDING)), (
         f"{name}: PENDING pages are exactly the fence-held and the freed pinned pages"
     )
     real = np.arange(sub.num_pages) >= sub.first_page
-    assert np.array_equal(np.flatnonzero((sub.p2v_host >= 0) & real), live), f"{name}: p2v >= 0 exactly on LIVE pages"
-    assert (sub.v2p_host[sub.p2v_host[live]] == live).all(), f"{name}: v2p inverts p2v on live pages"
+    assert np.array_equal(np.flatnonzero((sub.p2v_host >= 0) & real), live), (
+        f"{name}: p2v >= 0 exactly on LIVE pages"
+    )
+    assert (sub.v2p_host[sub.p2v_host[live]] == live).all(), (
+        f"{name}: v2p inverts p2v on live pages"
+    )
     bound = np.flatnonzero(sub.v2p_host[1:] >= 0) + 1
     assert len(bound) == len(live), f"{name}: one bound virtual page per live page (no ghosts)"
     assert (sub.p2v_host[sub.v2p_host[bound]] == bound).all(), f"{name}: p2v inverts v2p"
@@ -40,8 +46,12 @@ def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
     assert (sub.pins[(state != LIVE) & (state != PENDING)] == 0).all() and (sub.pins >= 0).all(), (
         f"{name}: only live (or freed, held) pages are pinned"
     )
-    assert torch.equal(sub.v2p.cpu(), torch.from_numpy(sub.v2p_host)), f"{name}: device v2p mirrors the host"
-    assert torch.equal(sub.p2v.cpu(), torch.from_numpy(sub.p2v_host)), f"{name}: device p2v mirrors the host"
+    assert torch.equal(sub.v2p.cpu(), torch.from_numpy(sub.v2p_host)), (
+        f"{name}: device v2p mirrors the host"
+    )
+    assert torch.equal(sub.p2v.cpu(), torch.from_numpy(sub.p2v_host)), (
+        f"{name}: device p2v mirrors the host"
+    )
 
 
 def check_requests(alloc) -> None:
@@ -71,7 +81,9 @@ def check_requests(alloc) -> None:
     filled = positions[None, :] < req.lens[:, None]  # (R, max_ctx)
     expect = req.pages[:, positions // ps].astype(np.int64) * ps + positions % ps
     actual = req.req_to_token.cpu().numpy()
-    assert np.array_equal(actual[filled], expect[filled]), "req_to_token holds each request's virtual ids"
+    assert np.array_equal(actual[filled], expect[filled]), (
+        "req_to_token holds each request's virtual ids"
+    )
     if alloc.mamba_name is not None:
         has = alloc.subs[alloc.mamba_name].v2p_host[1:] >= 0
         assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"

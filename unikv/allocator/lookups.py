@@ -11,7 +11,14 @@ import numpy as np
 import torch
 
 from unikv.allocator.translate import check_block_table, translate_kernel, translate_physical
-from unikv.ids import KernelIds, KernelPageIds, PhysicalPageIds, PhysicalTokenIds, VirtualTokenIds, expect
+from unikv.ids import (
+    KernelIds,
+    KernelPageIds,
+    PhysicalPageIds,
+    PhysicalTokenIds,
+    VirtualTokenIds,
+    expect,
+)
 
 
 class LookupVerbs:
@@ -32,7 +39,9 @@ class LookupVerbs:
         slots = self.requests.check_slots(slots, "alloc_mamba")
         vids = (slots + 1).astype(np.int32)
         if (sub.v2p_host[vids] >= 0).any():
-            raise ValueError(f"alloc_mamba: requests {slots[sub.v2p_host[vids] >= 0].tolist()} already hold a slot")
+            raise ValueError(
+                f"alloc_mamba: requests {slots[sub.v2p_host[vids] >= 0].tolist()} already hold a slot"
+            )
         if len(vids) and not self.reserve({sub.name: len(vids)}, 0, slots):
             return None
         pages = sub.take(len(vids))
@@ -48,7 +57,9 @@ class LookupVerbs:
         slots = self.requests.check_slots(slots, "free_mamba")
         vids = (slots + 1).astype(np.int32)
         if (sub.v2p_host[vids] < 0).any():
-            raise ValueError(f"free_mamba: requests {slots[sub.v2p_host[vids] < 0].tolist()} hold no slot")
+            raise ValueError(
+                f"free_mamba: requests {slots[sub.v2p_host[vids] < 0].tolist()} hold no slot"
+            )
         sub.unbind(vids)
         self._after_verb()
 
@@ -86,11 +97,16 @@ class LookupVerbs:
         ids = expect(virtual_ids, VirtualTokenIds, "translate_physical")
         sub = self._token_sub(name, "translate_physical")
         return PhysicalTokenIds(
-            translate_physical(ids, sub.v2p, sub.page_size, out=out, debug=self.debug, name=name), name
+            translate_physical(ids, sub.v2p, sub.page_size, out=out, debug=self.debug, name=name),
+            name,
         )
 
     def block_table(
-        self, req_slots: torch.Tensor, seq_lens: torch.Tensor, name: str, out: torch.Tensor,
+        self,
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        name: str,
+        out: torch.Tensor,
         window: int = 0,
     ) -> KernelPageIds:
         """Kernel page entries of sub-pool ``name`` into ``out`` (B, max_pages) int32.
@@ -100,12 +116,24 @@ class LookupVerbs:
         kernels backend's ``build_block_table`` (chosen once)."""
         sub = self._token_sub(name, "block_table")
         self._build_block_table(
-            self.req_to_token, req_slots, seq_lens, sub.v2p,
-            page_size=sub.page_size, blocks_per_page=sub.blocks_per_page, out=out, window=window,
+            self.req_to_token,
+            req_slots,
+            seq_lens,
+            sub.v2p,
+            page_size=sub.page_size,
+            blocks_per_page=sub.blocks_per_page,
+            out=out,
+            window=window,
         )
         if self.debug:
             check_block_table(
-                out, self.req_to_token, req_slots, seq_lens, sub.v2p, sub.page_size,
-                self.windows.get(name, 0), name,
+                out,
+                self.req_to_token,
+                req_slots,
+                seq_lens,
+                sub.v2p,
+                sub.page_size,
+                self.windows.get(name, 0),
+                name,
             )
         return KernelPageIds(out, name)

@@ -59,10 +59,14 @@ class RequestTable:
         self.in_use = np.zeros(max_requests, bool)
         self.lens = np.zeros(max_requests, np.int64)
         self.pages = np.zeros((max_requests, self.max_pages), np.int32)
-        self.window_lo: dict[str, np.ndarray] = {}  # first page not yet freed, per windowed sub-pool
+        self.window_lo: dict[
+            str, np.ndarray
+        ] = {}  # first page not yet freed, per windowed sub-pool
         self._free_slots = list(range(max_requests - 1, -1, -1))
         # (max_requests, max_context) int32 virtual token ids; 0 = the sink
-        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(
+            (max_requests, max_context), dtype=torch.int32, device=device
+        )
 
     def add_window(self, name: str) -> None:
         self.window_lo[name] = np.zeros(self.max_requests, np.int64)
@@ -98,9 +102,13 @@ class RequestTable:
             raise ValueError(f"{what}: slots must be a 1-D host integer array, got {slots!r}")
         array = array.astype(np.int64)
         if ((array < 0) | (array >= self.max_requests)).any():
-            raise ValueError(f"{what}: slots must lie in [0, {self.max_requests}), got {array.tolist()}")
+            raise ValueError(
+                f"{what}: slots must lie in [0, {self.max_requests}), got {array.tolist()}"
+            )
         if not self.in_use[array].all():
-            raise ValueError(f"{what}: slots {array[~self.in_use[array]].tolist()} are not open requests")
+            raise ValueError(
+                f"{what}: slots {array[~self.in_use[array]].tolist()} are not open requests"
+            )
         if len(np.unique(array)) != len(array):
             raise ValueError(f"{what}: slots must be distinct, got {array.tolist()}")
         return array

@@ -33,7 +33,12 @@ class SubPoolAllocator:
     owner's virtual page space (LESSONS.md bug 10), or request slots + 1 for Mamba."""
 
     def __init__(
-        self, subpool: SubPool, num_virtual: int, device: torch.device, upload: Any, chain: Any = None
+        self,
+        subpool: SubPool,
+        num_virtual: int,
+        device: torch.device,
+        upload: Any,
+        chain: Any = None,
     ) -> None:
         self.geom = subpool
         self.name = subpool.name
@@ -65,7 +70,9 @@ class SubPoolAllocator:
 
     def take(self, count: int) -> np.ndarray:
         """Pop ``count`` holes (the caller made sure there are enough)."""
-        assert count <= self.num_free, f"free stack of {self.name!r} short: {count} > {self.num_free}"
+        assert count <= self.num_free, (
+            f"free stack of {self.name!r} short: {count} > {self.num_free}"
+        )
         self.num_free -= count
         return self._stack[self.num_free : self.num_free + count].copy()
 
@@ -101,7 +108,9 @@ class SubPoolAllocator:
         self.v2p.index_put_((both[: len(vpages)],), self._minus_one)
         self.p2v.index_put_((both[len(vpages) :],), self._minus_one)
         held = self.chain.fences.hold(self.name, ppages, fence) if self.chain else False
-        hold = np.ones(len(ppages), bool) if held else self.pins[ppages] > 0  # pinned: held until unpin
+        hold = (
+            np.ones(len(ppages), bool) if held else self.pins[ppages] > 0
+        )  # pinned: held until unpin
         self.state[ppages[hold]] = PENDING
         self.num_pending += int(hold.sum())
         self.state[ppages[~hold]] = FREE
@@ -136,25 +145,28 @@ class SubPoolAllocator:
 
     def set_band(self, lo: int, hi: int) -> None:
         """Move the band's frontiers to ``[lo, hi)``; every page leaving it must be a hole."""
-        assert self.first_page <= lo <= hi <= self.num_pages, f"{self.name!r}: band [{lo}, {hi}) off grid"
+        assert self.first_page <= lo <= hi <= self.num_pages, (
+            f"{self.name!r}: band [{lo}, {hi}) off grid"
+        )
         old_lo, old_hi = self.lo, self.hi
         if old_lo == old_hi:
             old_lo = old_hi = lo  # an empty band has no position
         outside = np.r_[old_lo : min(old_hi, lo), max(old_lo, hi) : old_hi]
-        assert (self.state[outside] == FREE).all(), f"{self.name!r}: band shrinks over occupied pages"
+        assert (self.state[outside] == FREE).all(), (
+            f"{self.name!r}: band shrinks over occupied pages"
+        )
         self.state[outside] = OUT
         self.lo, self.hi = lo, hi
         if len(outside):  # shrinking: rebuild the stack from the states
             self.num_free = 0
             self._push(self._order(np.flatnonzero(self.state[lo:hi] == FREE).astype(np.int32) + lo))
-        added = np.r_[lo : min(old_lo, hi), max(old_hi, lo) : hi].astype(np.int32)
+        added = np.r_[lo : min(old_lo, hi), max(old_hi, lo) : hi].astype(np.int32)  # ascending
         assert (self.state[added] == OUT).all(), f"{self.name!r}: band grows over owned pages"
         self.state[added] = FREE
         self._push(self._order(added))
 
     def _order(self, pages: np.ndarray) -> np.ndarray:
-        """Stack order: the pages farthest from the frontier are popped first."""
-        pages = np.sort(pages)
+        """Stack order of ascending ``pages``: those farthest from the frontier pop first."""
         return pages if self.grow == Grow.DOWN else pages[::-1]
 
     def apply_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
@@ -206,7 +218,9 @@ class SubPoolAllocator:
                 "hold no physical page (released twice, tombstoned or never bound)"
             )
         if (self.pins[bound] > 0).any():
-            raise ValueError(f"release_physical: pages {bound[self.pins[bound] > 0].tolist()} are pinned; unpin first")
+            raise ValueError(
+                f"release_physical: pages {bound[self.pins[bound] > 0].tolist()} are pinned; unpin first"
+            )
         pages = self.unbind(host, fence)
         return PhysicalPageIds(self.upload(pages.copy()), self.name)
 
@@ -235,7 +249,9 @@ class SubPoolAllocator:
         data = expect(pages, PhysicalPageIds, what, self.name)
         host = data.detach().cpu().numpy().astype(np.int64)
         if host.ndim != 1 or (host < self.first_page).any() or (host >= self.num_pages).any():
-            raise ValueError(f"{what}: pages must lie in [{self.first_page}, {self.num_pages}), got {host.tolist()}")
+            raise ValueError(
+                f"{what}: pages must lie in [{self.first_page}, {self.num_pages}), got {host.tolist()}"
+            )
         return host
 
     def pin(self, pages: PhysicalPageIds) -> None:
@@ -243,7 +259,9 @@ class SubPoolAllocator:
         and if its data is freed meanwhile, the page is not reused before ``unpin``."""
         host = self._pages(pages, "pin")
         if (self.state[host] != LIVE).any():
-            raise ValueError(f"pin: pages {host[self.state[host] != LIVE].tolist()} of {self.name!r} are not live")
+            raise ValueError(
+                f"pin: pages {host[self.state[host] != LIVE].tolist()} of {self.name!r} are not live"
+            )
         np.add.at(self.pins, host, 1)
 
     def unpin(self, pages: PhysicalPageIds) -> None:
@@ -252,12 +270,15 @@ class SubPoolAllocator:
         host = self._pages(pages, "unpin")
         counts = np.bincount(host, minlength=self.num_pages).astype(np.int32)
         if (counts > self.pins).any():
-            raise ValueError(f"unpin: pages {np.flatnonzero(counts > self.pins).tolist()} are not pinned")
+            raise ValueError(
+                f"unpin: pages {np.flatnonzero(counts > self.pins).tolist()} are not pinned"
+            )
         self.pins -= counts
-        done = np.flatnonzero((counts > 0) & (self.pins == 0) & (self.state == PENDING)).astype(np.int32)
+        done = np.flatnonzero((counts > 0) & (self.pins == 0) & (self.state == PENDING)).astype(
+            np.int32
+        )
         fenced = self.chain.fences.held(self.name) if self.chain else done[:0]
         done = done[~np.isin(done, fenced)]
         self.state[done] = FREE
         self.num_pending -= len(done)
         self._push(done)
-

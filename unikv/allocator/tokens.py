@@ -10,7 +10,7 @@ Ragged per-request ranges are expanded with ``_ragged`` (repeat + arange).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -40,7 +40,9 @@ class TokenVerbs:
     def _lens(self, slots: np.ndarray, lens: object, what: str, name: str) -> np.ndarray:
         array = np.asarray(lens)
         if array.shape != slots.shape or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"{what}: {name} must be a host integer array of shape {slots.shape}, got {lens!r}")
+            raise ValueError(
+                f"{what}: {name} must be a host integer array of shape {slots.shape}, got {lens!r}"
+            )
         return array.astype(np.int64)
 
     def demand_for(self, slots: object, extend_lens: object) -> dict[str, int]:
@@ -87,7 +89,9 @@ class TokenVerbs:
         seq = self._lens(slots, seq_lens, "alloc_decode", "seq_lens")
         self._check_held(slots, seq, "alloc_decode", "seq_lens")
         if (seq >= self.requests.max_context).any():
-            raise ValueError(f"alloc_decode: a request is at max_context {self.requests.max_context}")
+            raise ValueError(
+                f"alloc_decode: a request is at max_context {self.requests.max_context}"
+            )
         need = seq % self.page_size == 0
         return self._grow(slots, seq + 1, slots[need], seq[need] // self.page_size, slots, seq)
 
@@ -108,22 +112,23 @@ class TokenVerbs:
         count = len(owners)
         if count and not self.reserve({n: count for n in self.token_names}, count, slots):
             return None
-        vpages = self.vspace.mint(owners.astype(np.int32), cols)
-        self.requests.pages[owners, cols] = vpages
         bound = []
-        for name in self.token_names:
-            sub = self.subs[name]
-            ppages = sub.take(count)
-            sub.bind_host(vpages, ppages)
-            bound.append(ppages)
+        if count:  # most decode steps at ps > 1 fill tail pages only
+            vpages = self.vspace.mint(owners.astype(np.int32), cols)
+            self.requests.pages[owners, cols] = vpages
+            bound.append(vpages)
+            for name in self.token_names:
+                ppages = self.subs[name].take(count)
+                self.subs[name].bind_host(vpages, ppages)
+                bound.append(ppages)
         self.requests.lens[slots] = new_lens
         tokens = self.requests.token_ids(rows, positions)
         flat = rows * self.requests.max_context + positions
         n = len(tokens)
-        packed = self.upload(np.concatenate([flat, tokens, vpages, *bound]).astype(np.int32))
+        packed = self.upload(np.concatenate([flat, tokens, *bound]).astype(np.int32))
         self.requests.req_to_token.view(-1).index_put_((packed[:n],), packed[n : 2 * n])
         base = 2 * n
-        for i, name in enumerate(self.token_names):
+        for i, name in enumerate(self.token_names if count else ()):
             lo = base + count * (i + 1)
             self.subs[name].write_bind(packed[base : base + count], packed[lo : lo + count])
         self._after_verb()
@@ -142,10 +147,16 @@ class TokenVerbs:
     def free_request(self, slot: int) -> None:
         """Free every page of request ``slot`` (all sub-pools) and close the slot."""
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.requests.max_requests:
-            raise ValueError(f"free_request: slot must be an int in [0, {self.requests.max_requests}), got {slot!r}")
+            raise ValueError(
+                f"free_request: slot must be an int in [0, {self.requests.max_requests}), got {slot!r}"
+            )
         if not self.requests.in_use[slot]:
-            raise ValueError(f"free_request: request {slot} is not open (double free or never opened)")
-        vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])].copy()
+            raise ValueError(
+                f"free_request: request {slot} is not open (double free or never opened)"
+            )
+        vpages = self.requests.pages[
+            slot, : int(self.requests.num_pages(np.array([slot]))[0])
+        ].copy()
         for name in self.token_names:
             self._unbind_bound(name, vpages)
         self.vspace.retire(vpages)
@@ -189,7 +200,9 @@ class TokenVerbs:
             raise ValueError("truncate: new_lens must lie in [0, tokens held]")
         for name in self.windows:
             if (-(-keep // ps) < self.requests.window_lo[name][slots]).any():
-                raise ValueError(f"truncate: cannot cut into pages of {name!r} already out of the window")
+                raise ValueError(
+                    f"truncate: cannot cut into pages of {name!r} already out of the window"
+                )
         lo, hi = -(-keep // ps), self.requests.num_pages(slots)
         vpages = self.requests.pages[np.repeat(slots, hi - lo), _ragged(lo, hi - lo)]
         for name in self.token_names:

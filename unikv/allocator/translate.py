@@ -1,8 +1,9 @@
 """Translation of virtual token ids to physical token ids and kernel ids.
 
     virtual id tv  ->  page tv // ps  ->  P = v2p[page]  ->  kernel id
-                                          (layout.kernel_ids: the only place
-                                           that arithmetic lives)
+                                          layout.kernel_page_entries(P) * ps + tv % ps
+                                          (the block-table rule; equals
+                                           layout.kernel_ids of P * ps + tv % ps)
 
 A negative (padding) id reads page 0 and a tombstone (v2p = -1) becomes page 0:
 both land in the sink, at every page size. The page index is clamped to 0
@@ -24,15 +25,23 @@ class TombstoneReadError(RuntimeError):
 
 
 def physical_pages(
-    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int, *, debug: bool = False, name: str = ""
+    virtual_ids: torch.Tensor,
+    v2p: torch.Tensor,
+    page_size: int,
+    *,
+    debug: bool = False,
+    name: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical page (sink for padding/tombstones) and in-page slot of each id.
 
     virtual_ids: (n,) int32/int64 virtual token ids; v2p: (V,) int32.
-    Returns ``(pages, slots)``: (n,) int64 each."""
+    Returns ``(pages, slots)``: (n,) int64 each (slots None when ps == 1)."""
     ids = virtual_ids.long()
-    vpage = torch.div(ids, page_size, rounding_mode="floor")
-    slots = ids - vpage * page_size  # in [0, ps) even for negative ids
+    if page_size == 1:
+        vpage, slots = ids, None
+    else:
+        vpage = torch.div(ids, page_size, rounding_mode="floor")
+        slots = ids - vpage * page_size  # in [0, ps) even for negative ids
     raw = v2p.index_select(0, vpage.clamp_min(0))  # never index -1
     if debug:
         bad = (ids >= 0) & (raw < 0)
@@ -47,25 +56,37 @@ def physical_pages(
 
 
 def translate_kernel(
-    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int, blocks_per_page: int,
-    *, out: torch.Tensor | None = None, debug: bool = False, name: str = "",
+    virtual_ids: torch.Tensor,
+    v2p: torch.Tensor,
+    page_size: int,
+    blocks_per_page: int,
+    *,
+    out: torch.Tensor | None = None,
+    debug: bool = False,
+    name: str = "",
 ) -> torch.Tensor:
     """Kernel ids ``P * ps * B + tv % ps`` of (n,) virtual token ids.
 
     out: None (returns a new int32 tensor) or an int32/int64 tensor of at least n
     entries; only ``out[:n]`` is written; it may alias ``virtual_ids``."""
     pages, slots = physical_pages(virtual_ids, v2p, page_size, debug=debug, name=name)
-    kernel = layout.kernel_ids(pages * page_size + slots, page_size, blocks_per_page)
+    entries = layout.kernel_page_entries(pages, blocks_per_page)  # P * B
+    kernel = entries if slots is None else entries * page_size + slots  # block-table rule
     return _into(kernel, out, virtual_ids.shape[0])
 
 
 def translate_physical(
-    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int,
-    *, out: torch.Tensor | None = None, debug: bool = False, name: str = "",
+    virtual_ids: torch.Tensor,
+    v2p: torch.Tensor,
+    page_size: int,
+    *,
+    out: torch.Tensor | None = None,
+    debug: bool = False,
+    name: str = "",
 ) -> torch.Tensor:
     """Physical token ids ``P * ps + tv % ps`` of (n,) virtual token ids (same rules)."""
     pages, slots = physical_pages(virtual_ids, v2p, page_size, debug=debug, name=name)
-    return _into(pages * page_size + slots, out, virtual_ids.shape[0])
+    return _into(pages if slots is None else pages * page_size + slots, out, virtual_ids.shape[0])
 
 
 def _into(result: torch.Tensor, out: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -81,8 +102,14 @@ def _into(result: torch.Tensor, out: torch.Tensor | None, n: int) -> torch.Tenso
 
 
 def check_block_table(
-    block_table: torch.Tensor, req_to_token: torch.Tensor, req_slots: torch.Tensor,
-    seq_lens: torch.Tensor, v2p: torch.Tensor, page_size: int, window: int, name: str,
+    block_table: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    v2p: torch.Tensor,
+    page_size: int,
+    window: int,
+    name: str,
 ) -> None:
     """Debug mode: raise if a live page of the block table (inside the prefix and
     the window) maps to a tombstone. Host sync; debug only."""
@@ -92,7 +119,9 @@ def check_block_table(
     if window > 0:
         live &= (cols[None] + 1) * page_size > seq - window
     tok = req_to_token[req_slots.long()][:, (cols * page_size).clamp(max=req_to_token.shape[1] - 1)]
-    raw = v2p.index_select(0, torch.div(tok.long().clamp_min(0), page_size, rounding_mode="floor").flatten())
+    raw = v2p.index_select(
+        0, torch.div(tok.long().clamp_min(0), page_size, rounding_mode="floor").flatten()
+    )
     bad = live & (tok >= 0) & (raw.view(tok.shape) < 0)
     if bool(bad.any()):
         rows, pages = torch.nonzero(bad)[:8].T.tolist()

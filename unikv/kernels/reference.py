@@ -222,9 +222,10 @@ def build_block_table(
     if window > 0:
         live &= (col[None] + 1) * page_size > seq - window
     tok_col = (col * page_size).clamp(max=req_to_token.shape[1] - 1)
-    virt = req_to_token[req_slots.long()][:, tok_col].long()  # (B, max_pages) virtual ids
+    # gather only the (B, max_pages) entries needed, never whole rows or tables
+    virt = req_to_token[req_slots.long()[:, None], tok_col[None, :]].long()  # virtual ids
     vpage = torch.div(virt.clamp(min=0), page_size, rounding_mode="floor")
-    phys = v2p.long()[vpage.clamp(max=v2p.shape[0] - 1)]
+    phys = v2p[vpage.clamp(max=v2p.shape[0] - 1)].long()
     ok = live & (virt >= 0) & (phys >= 0)
     out.copy_(torch.where(ok, phys * blocks_per_page, 0))
     return out

@@ -1,0 +1,158 @@
+"""Host time per decode step of the allocator and its tables.
+
+For B in (1, 64, 256) requests with contexts drawn from 1k-4k tokens, a
+gpt-oss-shaped chain (full attention + SWA, window 128) runs decode steps and
+times, on the host (time.perf_counter, no synchronisation inside the loop):
+
+    alloc_decode        one new token per request
+    free_out_of_window  SWA pages leaving the window (tombstones)
+    block_table         kernel page entries for both sub-pools (kernels backend)
+    translate           write locations (kernel ids) for both sub-pools
+
+Targets (BENCHMARKS.md): <= 2 us of host time per request and <= 0.3 ms per
+step at B = 256. Prints a table and saves JSON to
+benchmarks/results/allocator_<device>.json.
+
+    python benchmarks/bench_allocator.py --device cpu|cuda [--page-sizes 1,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+from unikv.allocator import PoolAllocator
+from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
+from unikv.specs import MHASpec
+
+PARTS = ("alloc_decode", "free_out_of_window", "block_table", "translate")
+
+
+def build(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator):
+    """An allocator holding ``batch`` requests of 1k-4k tokens, pages shuffled."""
+    configs = [
+        SubPoolConfig("full", MHASpec(1, 1, 8), page_size=ps),
+        SubPoolConfig("swa", MHASpec(1, 1, 8, sliding_window=128), page_size=ps),
+    ]
+    context = 4096 + steps + 8  # warm-up steps included
+    lens = rng.integers(1024, 4097, size=batch)
+    pages = int((lens + steps + 8 + ps).sum() // ps + 2 * batch + 64)
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": pages, "swa": pages}), device)
+    alloc = PoolAllocator(pool, max_requests=batch, max_context=context)
+    slots = np.array([alloc.new_request() for _ in range(batch)])
+    for s, n in zip(slots, lens):  # interleave prefills so pages are scattered
+        done = 0
+        while done < n:
+            chunk = int(min(n - done, rng.integers(64, 512)))
+            assert (
+                alloc.alloc_extend(np.array([s]), np.array([done]), np.array([chunk])) is not None
+            )
+            done += chunk
+    alloc.free_out_of_window(slots, lens)
+    return alloc, slots, lens.astype(np.int64)
+
+
+def run(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator) -> dict:
+    alloc, slots, lens = build(batch, ps, steps, device, rng)
+    table = torch.zeros((batch, alloc.requests.max_pages), dtype=torch.int32, device=device)
+    locs = torch.zeros(batch, dtype=torch.int32, device=device)
+    slots_dev = torch.from_numpy(slots.astype(np.int32)).to(device)
+    times = {p: [] for p in PARTS}
+    cuda = device == "cuda"
+    for step in range(steps + 5):
+        t0 = time.perf_counter()
+        ids = alloc.alloc_decode(slots, lens)
+        lens += 1
+        t1 = time.perf_counter()
+        alloc.free_out_of_window(slots, lens)
+        t2 = time.perf_counter()
+        lens_dev = alloc.upload(lens.astype(np.int32))
+        for name in ("full", "swa"):
+            alloc.block_table(slots_dev, lens_dev, name, table)
+        t3 = time.perf_counter()
+        for name in ("full", "swa"):
+            alloc.translate(ids, name, out=locs)
+        t4 = time.perf_counter()
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+            alloc.mark_in_flight(event)
+        if step >= 5:  # warm-up excluded
+            for part, (a, b) in zip(PARTS, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+                times[part].append((b - a) * 1e6)
+        if cuda and step % 16 == 15:
+            torch.cuda.synchronize()  # keep the queue short; outside the timed spans
+    if cuda:
+        torch.cuda.synchronize()
+    alloc.check_integrity()
+    med = {p: float(np.median(t)) for p, t in times.items()}
+    total = sum(med.values())
+    return {
+        "batch": batch,
+        "page_size": ps,
+        "steps": steps,
+        "us": med,
+        "us_per_step": total,
+        "us_per_request": total / batch,
+    }
+
+
+def environment(device: str) -> dict:
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--page-sizes", default="1,16")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    header = (
+        f"{'B':>4} {'ps':>3} "
+        + " ".join(f"{p:>19}" for p in PARTS)
+        + f" {'us/step':>9} {'us/req':>7}"
+    )
+    print(header)
+    for ps in map(int, args.page_sizes.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            row = run(batch, ps, args.steps, args.device, rng)
+            rows.append(row)
+            cells = " ".join(f"{row['us'][p]:>19.1f}" for p in PARTS)
+            print(
+                f"{batch:>4} {ps:>3} {cells} {row['us_per_step']:>9.1f} {row['us_per_request']:>7.2f}"
+            )
+    b256 = [r for r in rows if r["batch"] == 256]
+    verdict = {
+        "max_us_per_request_at_b256": max((r["us_per_request"] for r in b256), default=None),
+        "max_us_per_step_at_b256": max((r["us_per_step"] for r in b256), default=None),
+        "targets": {"us_per_request": 2.0, "us_per_step_at_b256": 300.0},
+    }
+    print(json.dumps(verdict))
+    out = pathlib.Path(__file__).parent / "results" / f"allocator_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**environment(args.device), "rows": rows, **verdict}, indent=2))
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Translation edge cases: kernel ids address the same bytes as the (page, slot)
+oracle view, tombstones and padding go to the sink at every page size (never
+v2p[-1]), debug mode raises on live tombstone reads, ``out=`` may alias its
+input and only the filled prefix is written, and the block table equals a
+naive per-entry loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from allocator_fixtures import build
+
+from unikv import layout
+from unikv.allocator import TombstoneReadError, translate_kernel
+from unikv.ids import PhysicalPageIds, VirtualTokenIds
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_kernel_ids_hit_the_oracle_rows(ps):
+    pool, alloc = build("full+swa", ps, requests=2)
+    r = alloc.new_request()
+    ids = alloc.alloc_extend(np.array([r]), np.array([0]), np.array([3 * ps - 1]))
+    for name in alloc.token_names:
+        kernel = alloc.translate(ids, name).data.long()
+        physical = alloc.translate_physical(ids, name).data
+        assert torch.equal(
+            kernel, layout.kernel_ids(physical.long(), ps, pool[name].blocks_per_page)
+        )
+        values = torch.arange(1, len(ids) + 1, dtype=torch.float32)
+        for layer, (k, v) in enumerate(pool[name].views):
+            k[kernel] = values[:, None, None] + 1000 * layer
+            v[kernel] = -values[:, None, None]
+        v2p = alloc.subs[name].v2p_host  # oracle: page v2p[tv // ps], slot tv % ps
+        tv = ids.data.numpy()
+        pages, slots = v2p[tv // ps], tv % ps
+        for layer, (k, v) in enumerate(pool[name].paged_views):
+            assert torch.equal(k[pages, slots][:, 0, 0], values + 1000 * layer)
+            assert torch.equal(v[pages, slots][:, 0, 0], -values)
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_padding_and_tombstones_go_to_the_sink_never_v2p_minus_one(ps):
+    v2p = torch.tensor([0, 3, -1, 5, 77], dtype=torch.int32)  # v2p[-1] = 77 is a trap
+    ids = torch.tensor(
+        [-1, -ps, -3 * ps - 1, ps + 1 % ps, 2 * ps, 3 * ps + ps - 1], dtype=torch.int32
+    )
+    got = translate_kernel(ids, v2p, ps, 6).tolist()
+    # by hand: padding and the tombstone (page 2) read page 0; others P*ps*B + slot
+    slot = lambda t: t % ps
+    want = [slot(-1), 0, slot(-3 * ps - 1), 3 * ps * 6 + 1 % ps, 0, 5 * ps * 6 + ps - 1]
+    assert got == want
+    assert all(g < ps for g in got[:3]) and got[4] < ps, "sink rows only"
+    with pytest.raises(TombstoneReadError, match="tombstoned"):
+        translate_kernel(ids, v2p, ps, 6, debug=True)
+
+
+def test_out_aliases_input_and_only_the_prefix_is_written():
+    _, alloc = build("full+swa", 16, requests=2)
+    r = alloc.new_request()
+    ids = alloc.alloc_extend(np.array([r]), np.array([0]), np.array([20]))
+    expected = alloc.translate(ids, "full").data.clone()
+    buffer = torch.full((32,), -7, dtype=torch.int32)
+    buffer[:20] = ids.data
+    ptr = buffer.data_ptr()
+    out = alloc.translate(VirtualTokenIds(buffer[:20]), "full", out=buffer).data
+    assert buffer.data_ptr() == ptr and out.data_ptr() == ptr
+    assert torch.equal(buffer[:20], expected) and (buffer[20:] == -7).all()
+    with pytest.raises(ValueError, match="at least 20"):
+        alloc.translate(ids, "full", out=torch.zeros(5, dtype=torch.int32))
+
+
+def test_debug_mode_raises_on_out_of_window_reads():
+    _, alloc = build("full+swa", 1, requests=2, context=24, debug=True)
+    r = alloc.new_request()
+    first = alloc.alloc_extend(np.array([r]), np.array([0]), np.array([6]))
+    alloc.free_out_of_window(np.array([r]), np.array([6]))
+    second = alloc.alloc_extend(np.array([r]), np.array([6]), np.array([4]))
+    alloc.free_out_of_window(np.array([r]), np.array([10]))  # window 5: tokens 0..4 leave
+    ids = VirtualTokenIds(torch.cat([first.data, second.data]))
+    alloc.translate(ids, "full")  # full attention keeps every page
+    with pytest.raises(TombstoneReadError):
+        alloc.translate(ids, "swa")
+    assert len(alloc.translate(VirtualTokenIds(ids.data[5:]), "swa")) == 5
+    table = torch.zeros((1, 24), dtype=torch.int32)
+    slots, lens = torch.tensor([r], dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+    alloc.block_table(slots, lens, "swa", table)  # live lanes are inside the window: fine
+    alloc.subs["swa"].v2p[ids.data[8]] = -1  # corrupt a live page behind the allocator's back
+    with pytest.raises(TombstoneReadError):
+        alloc.block_table(slots, lens, "swa", table)
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_block_table_matches_naive_loop(ps):
+    _, alloc = build("full+swa", ps, requests=4)
+    rng = np.random.default_rng(ps)
+    slots = [alloc.new_request() for _ in range(3)]
+    for _ in range(6):
+        s = int(rng.choice(slots))
+        ext = int(rng.integers(1, 2 * ps + 1))
+        if alloc.requests.lens[s] + ext <= alloc.requests.max_context:
+            alloc.alloc_extend(np.array([s]), alloc.requests.lens[[s]], np.array([ext]))
+    alloc.free_out_of_window(np.array(slots), alloc.requests.lens[slots])
+    lens = alloc.requests.lens[slots]
+    cols = alloc.requests.max_pages
+    for name in alloc.token_names:
+        out = torch.full((3, cols), 99, dtype=torch.int32)
+        alloc.block_table(
+            torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), name, out
+        )
+        sub, r2t = alloc.subs[name], alloc.req_to_token
+        for b, s in enumerate(slots):
+            for j in range(cols):
+                want = 0
+                if j * ps < lens[b]:
+                    page = int(sub.v2p_host[int(r2t[s, j * ps]) // ps])
+                    want = page * sub.blocks_per_page if page >= 0 else 0
+                assert int(out[b, j]) == want, (name, b, j)
+
+
+def test_wrong_id_kinds_are_refused():
+    _, alloc = build("full+swa+mamba", 1, requests=2)
+    r = alloc.new_request()
+    alloc.alloc_extend(np.array([r]), np.array([0]), np.array([2]))
+    with pytest.raises(TypeError, match="VirtualTokenIds"):
+        alloc.translate(PhysicalPageIds(torch.tensor([1]), "full"), "full")
+    with pytest.raises(TypeError, match="VirtualTokenIds"):
+        alloc.translate(torch.tensor([1]), "full")
+    with pytest.raises(ValueError, match="Mamba"):
+        alloc.translate(VirtualTokenIds(torch.tensor([1])), "mamba")
+    with pytest.raises(TypeError, match="of sub-pool 'swa'"):
+        alloc.subpool("swa").pin(PhysicalPageIds(torch.tensor([1]), "full"))
