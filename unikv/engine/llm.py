@@ -78,6 +78,12 @@ class LLM:
         backend: None (by device), "torch" or "triton".
         seed: seeds requests whose SamplingParams give none.
         debug: allocator debug mode (tombstone reads raise).
+        tp_group: None (one process), or a torch.distributed process group
+            (e.g. ``dist.group.WORLD``) over which the model is
+            tensor-parallel: every rank of the group builds an ``LLM`` with the
+            same arguments and calls ``generate`` with the same prompts; each
+            holds 1/tp of the heads and a pool for its KV-head shard
+            (``unikv.models.parallel``). CUDA graphs default to off under TP.
     """
 
     def __init__(
@@ -96,8 +102,10 @@ class LLM:
         backend: str | None = None,
         seed: int = 0,
         debug: bool = False,
+        tp_group=None,
     ) -> None:
         from unikv.allocator import PoolAllocator
+        from unikv.models.parallel import TensorParallel, shard_subpool_configs
 
         for what, value in (
             ("max_num_seqs", max_num_seqs),
@@ -114,11 +122,18 @@ class LLM:
                 f"max_model_len must be in [2, {limit}] (the model's context), got {max_model_len}"
             )
         self.max_model_len = max_model_len or limit
+        self.tp = TensorParallel(tp_group) if tp_group is not None else None
         self.model = load_model(
-            model_dir, device=self.device, dtype=self.dtype, max_positions=self.max_model_len
+            model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            max_positions=self.max_model_len,
+            tp=self.tp,
         )
         self.tokenizer = load_tokenizer(model_dir)
         configs = specs_from_hf_config(hf_config, page_size=page_size, dtype=self.dtype)
+        if self.tp is not None:  # each rank caches its own KV heads
+            configs = shard_subpool_configs(configs, self.tp.size)
         self._check_windows(configs)
         self.backend = get_backend(self.device, backend)
         total = kv_cache_bytes or kv_budget_bytes(
@@ -130,6 +145,8 @@ class LLM:
             chunk=max_num_batched_tokens,
             memory_fraction=memory_fraction,
         )
+        if self.tp is not None:  # one pool geometry on every rank: identical schedules
+            total = self.tp.min_int(total, self.device)
         self.pool = UnifiedPool(
             configs,
             total,
@@ -147,7 +164,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        use_graphs = self.device.type == "cuda" and self.tp is None
+        use_graphs = use_graphs if cuda_graphs is None else cuda_graphs
         self.runner = ModelRunner(
             self.model,
             self.pool,
@@ -218,6 +236,15 @@ class LLM:
         either); returns one RequestOutput per prompt, in order. Bad prompts or
         parameters raise before any work starts. ``on_step(llm, batch, logits)``,
         if given, is called after every step (the demo draws the pool with it)."""
+        requests = self.make_requests(prompts, sampling_params)
+        self._run(requests, use_tqdm, on_step)
+        return [self._output(r) for r in requests]
+
+    def make_requests(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Request]:
+        """Validated Requests for ``generate``'s arguments (all checked before any
+        is made); the disaggregated prefill worker starts from these too."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -228,9 +255,7 @@ class LLM:
         if bad:
             raise TypeError(f"sampling_params must be SamplingParams, got {bad[:3]}")
         token_ids = [self._prompt_ids(p) for p in prompts]  # validate all before any state
-        requests = [self._request(ids, sp) for ids, sp in zip(token_ids, params)]
-        self._run(requests, use_tqdm, on_step)
-        return [self._output(r) for r in requests]
+        return [self._request(ids, sp) for ids, sp in zip(token_ids, params)]
 
     def _output(self, r: Request) -> RequestOutput:
         text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
+from unikv.models.parallel import tp_size
 
 DENSE_MAX_TOKENS = 256
 
@@ -42,19 +43,28 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Weights in transformers' layout: ``gate_up_proj`` (E, hidden, 2I) with gate
-    and up interleaved on the last dim, ``down_proj`` (E, I, hidden), biases."""
+    and up interleaved on the last dim, ``down_proj`` (E, I, hidden), biases.
+
+    With ``tp`` every expert holds intermediate rows [r*I/tp, (r+1)*I/tp): a
+    contiguous slice of 2I/tp gate_up columns keeps each (gate, up) pair whole.
+    Outputs are partial sums (the MoE all-reduces once); only rank 0 adds the
+    down bias, so it is counted once."""
 
     alpha = 1.702
     limit = 7.0
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        e, h = config.num_experts, config.hidden_size
+        i = config.intermediate_size // tp_size(tp)
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj = nn.Parameter(torch.zeros(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+        self.add_down_bias = tp is None or tp.rank == 0
+        if tp is not None:
+            self.tp_shards = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x: (n, hidden) -> (n, hidden)."""
@@ -63,7 +73,10 @@ class Experts(nn.Module):
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]
+        down = ((up + 1) * glu) @ self.down_proj[e]
+        if self.add_down_bias:  # a host bool fixed at construction
+            down = down + self.down_proj_bias[e]
+        return down
 
     def forward_dense(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
         """x: (T, hidden); scores/indices: (T, k) -> (T, hidden)."""
@@ -87,16 +100,20 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """gpt-oss MLP block: ``mlp.router`` and ``mlp.experts``."""
+    """gpt-oss MLP block: ``mlp.router`` (replicated under ``tp``) and
+    ``mlp.experts`` (sharded on the intermediate dim, one all-reduce)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
         self.router = Router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         scores, indices = self.router(x)
         if x.shape[0] <= DENSE_MAX_TOKENS:
-            return self.experts.forward_dense(x, scores, indices)
-        return self.experts.forward_sparse(x, scores, indices)
+            out = self.experts.forward_dense(x, scores, indices)
+        else:
+            out = self.experts.forward_sparse(x, scores, indices)
+        return out if self.tp is None else self.tp.all_reduce(out)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
+from unikv.models.parallel import linear_layers, tp_size
 from unikv.models.rope import Rotary
 
 
@@ -61,20 +62,27 @@ class Attention(nn.Module):
     """q/k/v projections, optional q/k norm (Qwen3), rope, paged attention, o_proj.
 
     Weight names follow transformers (``q_proj``, ``k_proj``, ``v_proj``,
-    ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``)."""
+    ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``).
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    With ``tp`` (``models.parallel``), this rank holds heads ``1/tp`` of them:
+    q/k/v column-parallel by heads, o_proj row-parallel (all-reduce)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
-        hidden, d = config.hidden_size, config.head_dim
+        hidden, d, n = config.hidden_size, config.head_dim, tp_size(tp)
+        column, row = linear_layers(tp)
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(hidden, config.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * d, hidden, bias=config.o_bias)
+        self.num_heads, self.num_kv_heads = config.num_heads // n, config.num_kv_heads // n
+        self.head_dim = d
+        self.q_proj = column(hidden, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = column(hidden, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = column(hidden, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = row(self.num_heads * d, hidden, bias=config.o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
+        if tp is not None:
+            self.tp_shards = {"sinks": 0}  # sinks follow the q heads
         self.rotary = [rotary]  # shared, kept out of this module's parameters
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
@@ -91,14 +99,16 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Llama family)."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Llama family). With ``tp``:
+    gate/up column-parallel on the intermediate dim, down row-parallel."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        h, i, bias = config.hidden_size, config.intermediate_size // tp_size(tp), config.mlp_bias
+        column, row = linear_layers(tp)
+        self.gate_proj = column(h, i, bias=bias)
+        self.up_proj = column(h, i, bias=bias)
+        self.down_proj = row(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

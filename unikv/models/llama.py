@@ -19,11 +19,13 @@ from unikv.models.rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, mlp: nn.Module) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: Rotary, mlp: nn.Module, tp=None
+    ) -> None:
         super().__init__()
         fp32_norm = config.family == "gpt_oss"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_norm)
-        self.self_attn = Attention(config, layer, rotary)
+        self.self_attn = Attention(config, layer, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_norm)
         self.mlp = mlp
 
@@ -34,13 +36,18 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(
-        self, config: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module], max_positions: int
+        self,
+        config: ModelConfig,
+        make_mlp: Callable[..., nn.Module],
+        max_positions: int,
+        tp=None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = Rotary(config.rope, config.head_dim, max_positions)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary, make_mlp(config)) for i in range(config.num_layers)
+            DecoderLayer(config, i, self.rotary, make_mlp(config, tp), tp)
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.family == "gpt_oss")
 
@@ -51,16 +58,19 @@ class CausalLM(nn.Module):
     Args:
         config: the model's hyper-parameters.
         max_positions: length of the rope table (the engine's max context).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's shard of
+            every layer (embeddings and lm_head replicated).
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         if config.family == "gpt_oss":
             from unikv.models.gpt_oss import MoE as make_mlp
         else:
             make_mlp = GatedMLP
-        self.model = Backbone(config, make_mlp, max_positions)
+        self.model = Backbone(config, make_mlp, max_positions, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(

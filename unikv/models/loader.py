@@ -17,6 +17,7 @@ import torch
 from unikv.models.config import ModelConfig, model_config_from_hf
 from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
+from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -100,7 +101,8 @@ def _sinks_to_fp32(model: CausalLM) -> None:
 
 def load_weights(model: CausalLM, files: list[str]) -> None:
     """Copy checkpoint tensors into ``model`` by name, one tensor at a time
-    (MXFP4 experts dequantised on the way); raise ValueError naming missing,
+    (MXFP4 experts dequantised on the way; under ``model.tp`` each sharded
+    tensor narrowed to this rank's slice); raise ValueError naming missing,
     unexpected or mis-shaped tensors."""
     from safetensors import safe_open
 
@@ -118,10 +120,14 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
             f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
     handles = {path: safe_open(path, framework="pt", device="cpu") for path in files}
+    tp = model.tp
+    plan = shard_plan(model) if tp is not None else {}
     with torch.no_grad():
         for name, param in params.items():
             tensors = [handles[index[n]].get_tensor(n) for n in sources[name]]
             source = tensors[0] if len(tensors) == 1 else dequantize_mxfp4(*tensors)
+            if name in plan:  # tensor parallelism: this rank's slice
+                source = shard_tensor(source, plan[name], tp.rank, tp.size, name)
             if tuple(source.shape) != tuple(param.shape):
                 raise ValueError(
                     f"tensor {name}: checkpoint shape {tuple(source.shape)} != model shape "
@@ -136,16 +142,20 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
+    tp=None,
 ) -> CausalLM:
     """Build the model of a checkpoint directory and load its weights.
 
     ``max_positions``: rope table length (default: the config's
-    ``max_position_embeddings``)."""
+    ``max_position_embeddings``). ``tp``: None, or a
+    ``models.parallel.TensorParallel``: load only this rank's shard."""
     config, _ = load_model_config(model_dir)
+    if tp is not None:
+        check_tp_config(config, tp.size)
     files = weight_files(model_dir)
     max_positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
-        model = CausalLM(config, max_positions)
+        model = CausalLM(config, max_positions, tp)
     model = model.to(dtype).to_empty(device=device)  # no full-precision copy on the device
     model.model.rotary.build(torch.device(device))
     load_weights(model, files)

@@ -1,0 +1,87 @@
+"""Two-process torch.distributed tests on CPU: gloo over loopback, bounded.
+
+``run_two(worker, args)`` spawns ``worker(rank, port, out_dir, *args)`` in two
+processes, waits at most ``deadline_s`` (then kills them and fails), and
+returns each rank's ``torch.load``-ed result file ``out_dir/rank{r}.pt``. A
+worker calls ``init_group(rank, port, backend)`` first and ``save_result`` at the end;
+collectives time out after ``TIMEOUT_S`` so a broken peer never hangs CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# gloo on CPU always; NCCL with one GPU per rank only on a 2-GPU machine (-m gpu)
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+        ],
+    ),
+]
+
+
+def rank_device(backend: str, rank: int) -> torch.device:
+    """gloo: the CPU; nccl: GPU ``rank``."""
+    return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+
+
+def init_group(rank: int, port: int, backend: str = "gloo") -> torch.device:
+    """Join the two-rank group on 127.0.0.1; returns this rank's device. gloo
+    ranks use one intra-op thread; NCCL keeps NVLink multicast off."""
+    device = rank_device(backend, rank)
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    return device
+
+
+def save_result(out_dir: str, rank: int, result: dict) -> None:
+    torch.save(result, Path(out_dir, f"rank{rank}.pt"))
+
+
+def run_two(worker, out_dir: str, *args, deadline_s: float = 2 * TIMEOUT_S) -> list[dict]:
+    """Run ``worker(rank, port, out_dir, *args)`` on ranks 0 and 1; their results."""
+    ctx = mp.start_processes(
+        worker, args=(free_port(), out_dir, *args), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not ctx.join(timeout=2):
+            assert time.monotonic() < deadline, "the two ranks did not finish in time"
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+    files = [Path(out_dir, f"rank{r}.pt") for r in (0, 1)]
+    return [torch.load(f, weights_only=False, map_location="cpu") for f in files]
