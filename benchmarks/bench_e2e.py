@@ -231,7 +231,9 @@ def _unikv_llm(path: Path, n: int, max_len: int, args):
 
 class _StepClock:
     """``on_step`` hook: the time of every step and of every request's tokens.
-    Each step ends with its tokens on the host, so the times are real."""
+    The engine keeps one step in flight: when step N's hook runs, step N-1's
+    tokens are on the host and step N's are placeholders (negative ids), so a
+    token is stamped at the first hook that sees its value."""
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()
@@ -244,7 +246,8 @@ class _StepClock:
         self.last = now
         for r in batch.requests:
             got = self.stamps.setdefault(r.request_id, [])
-            if len(r.output_ids) > len(got):
+            known = len(r.output_ids) - (bool(r.output_ids) and r.output_ids[-1] < 0)
+            if known > len(got):
                 got.append(now)
 
 

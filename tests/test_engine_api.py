@@ -217,3 +217,26 @@ def test_demo_runs_and_matches_transformers(capsys):
     assert demo_main([]) == 0
     out = capsys.readouterr().out
     assert out.count("IDENTICAL") == 2 and "MISMATCH" not in out
+
+
+def test_a_stop_seen_one_step_late_cuts_outputs_and_frees_pages(llama):
+    """The engine plans step N+1 before step N's tokens reach the host, so a stop
+    token is seen one step late, after its request was planned once more. Its
+    outputs must still end at the stop, every page must come back, and the
+    other requests of the batch must be untouched (compared with transformers)."""
+    path, hf = llama
+    prompts = _prompts([10, 17, 5])
+    refs = [hf_greedy(hf, p, 20) for p in prompts]
+    stop = refs[0][3]
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=64)
+    params = [SamplingParams(max_tokens=20, stop_token_ids=(stop,))] + [
+        SamplingParams(max_tokens=20)
+    ] * 2
+    outs = llm.generate(prompts, params)
+    assert outs[0].output_ids == refs[0][: refs[0].index(stop) + 1]
+    assert outs[0].finish_reason == "stop"
+    assert [o.output_ids for o in outs[1:]] == refs[1:]
+    assert all(t >= 0 for o in outs for t in o.output_ids)  # no placeholder leaks
+    for name in llm.pool.subpools:
+        assert llm.alloc.subpool(name).num_live == 0
+    llm.alloc.check_integrity()

@@ -90,13 +90,14 @@ class DecodeGraphs:
     def fits(self, batch) -> bool:
         return len(batch.requests) <= self.sizes[-1]
 
-    def run(self, batch) -> torch.Tensor:
+    def run(self, batch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the buffers for ``batch`` (translating outside the graph), replay,
-        return fp32 logits (B, vocab) (a view of the graph's output)."""
+        return fp32 logits (B, vocab) (a view of the graph's output).
+        ``prev_tokens``: the previous step's sampled tokens, for placeholders."""
         b = len(batch.requests)
         bs = next(s for s in self.sizes if s >= b)
         runner = self.runner
-        dev = runner.to_device(runner.host_arrays(batch))
+        dev = runner.device_arrays(batch, prev_tokens)
         for buf, name, pad in (
             (self.input_ids, "input_ids", 0),
             (self.positions, "positions", 0),

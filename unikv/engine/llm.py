@@ -279,25 +279,43 @@ class LLM:
         for r in requests:
             self.scheduler.add(r)
         start = time.perf_counter()
+        # One step in flight while the next is planned: step N is enqueued, then
+        # step N-1's tokens are read (N-1 is done by then or soon), then N's
+        # bookkeeping runs with placeholders for its samples, which step N+1
+        # reads on the device. The host never waits for the step it just queued.
+        prev = None
         while self.scheduler.has_work():
             batch = self.scheduler.schedule()
             self._track_pages(stats)
-            tokens, logits = self.runner.step(batch)
+            launched = self.runner.launch(batch, prev)
+            if prev is not None:
+                self._settle(prev, stats, bar)
             before = sum(len(r.output_ids) for r in batch.requests)
-            finished = self.scheduler.complete(batch, tokens)
+            finished = self.scheduler.complete_ahead(batch)
             made = sum(len(r.output_ids) for r in batch.requests) - before
             stats.steps += 1
             stats.decode_steps += batch.is_decode
             stats.output_tokens += made
             if on_step is not None:
-                on_step(self, batch, logits)
+                on_step(self, batch, launched.logits)
             if bar is not None:
                 bar.update(made + sum(r.params.max_tokens - len(r.output_ids) for r in finished))
+            prev = launched
+        if prev is not None:
+            self._settle(prev, stats, bar)
         stats.seconds = time.perf_counter() - start
         stats.preemptions = self.scheduler.num_preemptions - preempted_before
         if bar is not None:
             bar.close()
         self.stats = stats
+
+    def _settle(self, launched, stats: Stats, bar) -> None:
+        """Write a finished step's sampled values into its placeholders; a stop
+        token cuts its request's outputs there."""
+        batch = launched.batch
+        before = sum(len(r.output_ids) for r in batch.requests)
+        self.scheduler.resolve(batch, launched.tokens())
+        stats.output_tokens += sum(len(r.output_ids) for r in batch.requests) - before
 
     def _track_pages(self, stats: Stats) -> None:
         for name in self.pool.subpools:

@@ -68,9 +68,24 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     def append(self, token: int) -> None:
-        """Record a sampled token and finish the request if a stop rule fires."""
+        """Record a sampled token and finish the request if a stop rule fires. A
+        negative token is a placeholder for one still on the device: only the
+        length rules apply until ``resolve`` writes its value."""
         self.output_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.params.max_tokens or self.seq_len >= self.max_len:
             self.finish_reason = "length"
+
+    def resolve(self, index: int, token: int) -> bool:
+        """Write the value of placeholder ``output_ids[index]``; True when it is a
+        stop token of a request that had not finished yet (then the outputs end
+        there)."""
+        assert self.output_ids[index] < 0, "placeholder invariant: resolve writes a placeholder"
+        self.output_ids[index] = token
+        if token not in self.stop_ids:
+            return False
+        stopped_now = self.finish_reason is None
+        self.finish_reason = "stop"
+        del self.output_ids[index + 1 :]
+        return stopped_now

@@ -32,6 +32,23 @@ def layer_caches(pool, num_layers: int) -> list[LayerCache]:
     return caches
 
 
+class Launched:
+    """A step enqueued on the device: its batch, logits (B, V) fp32, sampled tokens
+    on the device (B,) int64 and their host copy, valid once ``event`` fired."""
+
+    __slots__ = ("batch", "logits", "tokens_dev", "_host", "_event")
+
+    def __init__(self, batch, logits, tokens_dev, host, event) -> None:
+        self.batch, self.logits, self.tokens_dev = batch, logits, tokens_dev
+        self._host, self._event = host, event
+
+    def tokens(self) -> list[int]:
+        """The sampled tokens on the host; waits for this step only."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
 class ModelRunner:
     """Runs planned steps of ``model`` over ``pool`` (managed by ``alloc``)."""
 
@@ -50,7 +67,12 @@ class ModelRunner:
         self.sm_scale = model.config.sm_scale
         self.layers = layer_caches(pool, model.config.num_layers)
         self.subpools = list(pool.subpools.values())
-        self._staging = torch.empty(0, dtype=torch.int64)  # pinned on CUDA, grown on demand
+        # Two pinned staging slots per direction, used alternately: with one step in
+        # flight while the next is planned, a slot is rewritten only after the step
+        # that last used it was resolved (its copies done).
+        self._staging = [torch.empty(0, dtype=torch.int64)] * 2
+        self._tokens_host = [torch.empty(0, dtype=torch.int64)] * 2
+        self._launches = 0
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
@@ -81,11 +103,10 @@ class ModelRunner:
         """One host-to-device copy of all arrays, then views into it."""
         packed = torch.from_numpy(np.concatenate(list(arrays.values())))
         if self.device.type == "cuda":
-            # A reused pinned staging buffer: the previous step's copy out of it is
-            # complete, because every step ends by reading its tokens on the host.
-            if self._staging.numel() < packed.numel():
-                self._staging = torch.empty(2 * packed.numel(), dtype=torch.int64).pin_memory()
-            staged = self._staging[: packed.numel()]
+            slot = self._launches % 2
+            if self._staging[slot].numel() < packed.numel():
+                self._staging[slot] = torch.empty(2 * packed.numel(), dtype=torch.int64).pin_memory()
+            staged = self._staging[slot][: packed.numel()]
             staged.copy_(packed)
             packed = staged.to(self.device, non_blocking=True)
         out, start = {}, 0
@@ -94,13 +115,25 @@ class ModelRunner:
             start += a.size
         return out
 
-    def plan(self, batch: Batch) -> StepPlan:
+    def device_arrays(
+        self, batch: Batch, prev_tokens: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The step's arrays on the device. A token not yet known on the host is a
+        placeholder ``-(1 + lane)``: it is read from lane ``lane`` of the previous
+        step's sampled tokens ``prev_tokens`` (B_prev,) int64, on the device."""
+        dev = self.to_device(self.host_arrays(batch))
+        if prev_tokens is not None:
+            ids = dev["input_ids"]
+            lanes = (-ids - 1).clamp_(min=0)
+            dev["input_ids"] = torch.where(ids < 0, prev_tokens[lanes], ids)
+        return dev
+
+    def plan(self, batch: Batch, prev_tokens: torch.Tensor | None = None) -> StepPlan:
         """Translate the batch once per sub-pool into a StepPlan."""
-        arrays = self.host_arrays(batch)
-        dev = self.to_device(arrays)
+        dev = self.device_arrays(batch, prev_tokens)
         seq_lens, slots = dev["seq_lens"].to(torch.int32), dev["slots"].to(torch.int32)
         max_q_len = int(np.max(np.asarray(batch.num_new)))
-        max_pages_tokens = int(arrays["seq_lens"].max())
+        max_pages_tokens = max(r.num_cached + n for r, n in zip(batch.requests, batch.num_new))
         virtual_ids = batch.virtual_ids
         steps = {}
         for sub in self.subpools:
@@ -144,13 +177,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> tuple[list[int], torch.Tensor]:
-        """Run one step; returns (one sampled token per request, fp32 logits (B, V))."""
+        """Run one step and wait for it; returns (one sampled token per request,
+        fp32 logits (B, V))."""
+        launched = self.launch(batch)
+        return launched.tokens(), launched.logits
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
+        """Enqueue one step without waiting for it. Placeholder tokens in the batch
+        (see ``device_arrays``) are read from ``prev``'s sampled tokens."""
+        prev_tokens = prev.tokens_dev if prev is not None else None
         if self.graphs is not None and batch.is_decode and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)
+            logits = self.graphs.run(batch, prev_tokens)
         else:
-            logits = self.forward(self.plan(batch))
-        self.alloc.mark_in_flight(self._event())
-        return self.sample(batch, logits).tolist(), logits
+            logits = self.forward(self.plan(batch, prev_tokens))
+        tokens_dev = self.sample(batch, logits)
+        host, event = tokens_dev, None
+        if self.device.type == "cuda":
+            slot = self._launches % 2
+            if self._tokens_host[slot].numel() < tokens_dev.numel():
+                self._tokens_host[slot] = torch.empty(
+                    2 * tokens_dev.numel(), dtype=torch.int64
+                ).pin_memory()
+            host = self._tokens_host[slot][: tokens_dev.numel()]
+            host.copy_(tokens_dev, non_blocking=True)
+            event = self._event()
+        self.alloc.mark_in_flight(event)
+        self._launches += 1
+        return Launched(batch, logits, tokens_dev, host, event)
 
     def _event(self):
         if self.device.type != "cuda":

@@ -168,6 +168,41 @@ class Scheduler:
 
     # -- after the forward ---------------------------------------------------------
 
+    def complete_ahead(self, batch: Batch) -> list[Request]:
+        """``complete`` for a step still running on the device: each request whose
+        pending tokens are all in gets a placeholder ``-(1 + i)`` for its sample
+        (lane ``i`` of the step's tokens), so the next step can be planned now;
+        ``resolve`` writes the values later. Requests that a stop token already
+        finished are skipped. Returns the requests finished by length."""
+        tokens = [-(1 + i) for i in range(len(batch.requests))]
+        keep = [r.status is not Status.FINISHED for r in batch.requests]
+        if all(keep):
+            return self.complete(batch, tokens)
+        live = Batch(
+            [r for r, k in zip(batch.requests, keep) if k],
+            [n for n, k in zip(batch.num_new, keep) if k],
+        )
+        return self.complete(live, [t for t, k in zip(tokens, keep) if k])
+
+    def resolve(self, batch: Batch, tokens: list[int]) -> list[Request]:
+        """Write the sampled values into the placeholders ``complete_ahead`` left for
+        ``batch``; a stop token finishes its request (pages freed, outputs cut
+        there). Returns the requests finished now."""
+        finished = []
+        for i, r in enumerate(batch.requests):
+            # only this step's placeholders exist now, each the last output
+            if not r.output_ids or r.output_ids[-1] != -(1 + i):
+                continue  # no sample taken from this lane (mid-prefill or stopped)
+            if r.resolve(len(r.output_ids) - 1, tokens[i]):
+                finished.append(r)
+                if r.status is Status.RUNNING:
+                    self.alloc.free_request(r.slot)
+                    self.running.remove(r)
+                elif r.status is Status.WAITING:  # preempted meanwhile
+                    self.waiting.remove(r)
+                r.slot, r.status = None, Status.FINISHED
+        return finished
+
     def complete(self, batch: Batch, tokens: list[int]) -> list[Request]:
         """Apply one step: advance caches, append sampled tokens (for requests whose
         pending tokens are all in now), free finished requests and out-of-window
