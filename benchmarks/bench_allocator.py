@@ -11,7 +11,10 @@ times, on the host (time.perf_counter, no synchronisation inside the loop):
 
 Targets (BENCHMARKS.md): <= 2 us of host time per request and <= 0.3 ms per
 step at B = 256. Prints a table and saves JSON to
-benchmarks/results/allocator_<device>.json.
+benchmarks/results/allocator_<device>.json. It also counts the device ops of
+each part (aten ops that launch a kernel, plus Triton launches) over a few
+untimed steps: a CPU-measurable proxy of the GPU host cost. ``--backend triton``
+on CPU counts the CUDA path's ops (the Triton interpreter runs them).
 
     python benchmarks/bench_allocator.py --device cpu|cuda [--page-sizes 1,16]
 """
@@ -27,16 +30,28 @@ import time
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from unikv.allocator import PoolAllocator
+from unikv.allocator.device import make_table_ops
+from unikv.kernels import get_backend
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
 
 PARTS = ("alloc_decode", "free_out_of_window", "block_table", "translate")
 
 
-def build(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator):
-    """An allocator holding ``batch`` requests of 1k-4k tokens, pages shuffled."""
+def build(
+    batch: int,
+    ps: int,
+    steps: int,
+    device: str,
+    rng: np.random.Generator,
+    backend: str | None = None,
+):
+    """An allocator holding ``batch`` requests of 1k-4k tokens, pages shuffled.
+    backend: None (by device) or "triton"/"torch" for the allocator's table ops
+    and block table (Triton on CPU runs in the interpreter: counts, not times)."""
     configs = [
         SubPoolConfig("full", MHASpec(1, 1, 8), page_size=ps),
         SubPoolConfig("swa", MHASpec(1, 1, 8, sliding_window=128), page_size=ps),
@@ -46,6 +61,11 @@ def build(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator
     pages = int((lens + steps + 8 + ps).sum() // ps + 2 * batch + 64)
     pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": pages, "swa": pages}), device)
     alloc = PoolAllocator(pool, max_requests=batch, max_context=context)
+    if backend is not None:  # replace the construction-time choice (bench only)
+        alloc._ops = make_table_ops(device, backend)
+        for sub in alloc.subs.values():
+            sub._update_tables = alloc._ops.update_tables
+        alloc._build_block_table = get_backend(device, backend).build_block_table
     slots = np.array([alloc.new_request() for _ in range(batch)])
     for s, n in zip(slots, lens):  # interleave prefills so pages are scattered
         done = 0
@@ -59,36 +79,128 @@ def build(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator
     return alloc, slots, lens.astype(np.int64)
 
 
-def run(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator) -> dict:
-    alloc, slots, lens = build(batch, ps, steps, device, rng)
+COUNT_STEPS = 16  # untimed steps whose device ops are counted
+NO_LAUNCH = {
+    "slice",
+    "view",
+    "select",
+    "unsqueeze",
+    "as_strided",
+    "lift_fresh",
+    "alias",
+    "detach",
+    "expand",
+    "_unsafe_view",
+    "t",
+    "squeeze",
+}  # metadata-only aten ops
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops that run kernels (views excluded) and Triton launches; the
+    host cost of a verb on the GPU is roughly proportional to this count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.paused = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and func.overloadpacket.__name__.rstrip("_") not in NO_LAUNCH:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_triton(counter: OpCounter) -> list:
+    """Wrap Triton's launch entry points: +1 per launch, aten ops inside paused."""
+    from triton.runtime import interpreter, jit
+
+    undo = []
+    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+        original = cls.run
+
+        def run(self, *args, _original=original, **kwargs):
+            counter.count += 1
+            counter.paused, was = True, counter.paused
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                counter.paused = was
+
+        cls.run = run
+        undo.append((cls, original))
+    return undo
+
+
+def count_ops(parts: dict, steps: int) -> dict:
+    """Device ops (aten kernels + Triton launches) per step of each verb."""
+    totals = dict.fromkeys(parts, 0)
+    counter = OpCounter()
+    undo = _count_triton(counter)
+    try:
+        for _ in range(steps):
+            for name, fn in parts.items():
+                counter.count = 0
+                with counter:
+                    fn()
+                totals[name] += counter.count
+    finally:
+        for cls, original in undo:
+            cls.run = original
+    return {name: total / steps for name, total in totals.items()}
+
+
+def step_parts(alloc, slots: np.ndarray, lens: np.ndarray, device: str) -> dict:
+    """One closure per timed part of a decode step (they share ``lens`` and ids)."""
+    batch = len(slots)
     table = torch.zeros((batch, alloc.requests.max_pages), dtype=torch.int32, device=device)
     locs = torch.zeros(batch, dtype=torch.int32, device=device)
     slots_dev = torch.from_numpy(slots.astype(np.int32)).to(device)
-    times = {p: [] for p in PARTS}
-    cuda = device == "cuda"
-    for step in range(steps + 5):
-        t0 = time.perf_counter()
-        ids = alloc.alloc_decode(slots, lens)
-        lens += 1
-        t1 = time.perf_counter()
+    state = {}
+
+    def alloc_decode():
+        state["ids"] = alloc.alloc_decode(slots, lens)
+        lens[:] += 1
+
+    def free_out_of_window():
         alloc.free_out_of_window(slots, lens)
-        t2 = time.perf_counter()
+
+    def block_table():
         lens_dev = alloc.upload(lens.astype(np.int32))
         for name in ("full", "swa"):
             alloc.block_table(slots_dev, lens_dev, name, table)
-        t3 = time.perf_counter()
+
+    def translate():
         for name in ("full", "swa"):
-            alloc.translate(ids, name, out=locs)
-        t4 = time.perf_counter()
+            alloc.translate(state["ids"], name, out=locs)
+
+    return dict(zip(PARTS, (alloc_decode, free_out_of_window, block_table, translate)))
+
+
+def run(
+    batch: int,
+    ps: int,
+    steps: int,
+    device: str,
+    rng: np.random.Generator,
+    backend: str | None = None,
+) -> dict:
+    alloc, slots, lens = build(batch, ps, steps + COUNT_STEPS, device, rng, backend)
+    parts = step_parts(alloc, slots, lens, device)
+    times = {p: [] for p in PARTS}
+    cuda = device == "cuda"
+    for step in range(steps + 5):
+        for part, fn in parts.items():
+            t0 = time.perf_counter()
+            fn()
+            if step >= 5:  # warm-up excluded
+                times[part].append((time.perf_counter() - t0) * 1e6)
         if cuda:
             event = torch.cuda.Event()
             event.record()
             alloc.mark_in_flight(event)
-        if step >= 5:  # warm-up excluded
-            for part, (a, b) in zip(PARTS, ((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
-                times[part].append((b - a) * 1e6)
-        if cuda and step % 16 == 15:
-            torch.cuda.synchronize()  # keep the queue short; outside the timed spans
+            if step % 16 == 15:
+                torch.cuda.synchronize()  # keep the queue short; outside the timed spans
+    ops = count_ops(parts, COUNT_STEPS)
     if cuda:
         torch.cuda.synchronize()
     alloc.check_integrity()
@@ -101,6 +213,7 @@ def run(batch: int, ps: int, steps: int, device: str, rng: np.random.Generator) 
         "us": med,
         "us_per_step": total,
         "us_per_request": total / batch,
+        "device_ops": ops,
     }
 
 
@@ -124,6 +237,10 @@ def main() -> None:
     parser.add_argument("--page-sizes", default="1,16")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default=None, help="force 'triton' or 'torch' table ops")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default results/allocator_<device>.json)"
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     rows = []
@@ -135,12 +252,14 @@ def main() -> None:
     print(header)
     for ps in map(int, args.page_sizes.split(",")):
         for batch in map(int, args.batches.split(",")):
-            row = run(batch, ps, args.steps, args.device, rng)
+            row = run(batch, ps, args.steps, args.device, rng, args.backend)
             rows.append(row)
             cells = " ".join(f"{row['us'][p]:>19.1f}" for p in PARTS)
             print(
                 f"{batch:>4} {ps:>3} {cells} {row['us_per_step']:>9.1f} {row['us_per_request']:>7.2f}"
             )
+            ops = " ".join(f"{row['device_ops'][p]:>19.1f}" for p in PARTS)
+            print(f"{'ops':>8} {ops} {sum(row['device_ops'].values()):>9.1f}")
     b256 = [r for r in rows if r["batch"] == 256]
     verdict = {
         "max_us_per_request_at_b256": max((r["us_per_request"] for r in b256), default=None),
@@ -148,7 +267,8 @@ def main() -> None:
         "targets": {"us_per_request": 2.0, "us_per_step_at_b256": 300.0},
     }
     print(json.dumps(verdict))
-    out = pathlib.Path(__file__).parent / "results" / f"allocator_{args.device}.json"
+    default = pathlib.Path(__file__).parent / "results" / f"allocator_{args.device}.json"
+    out = pathlib.Path(args.out) if args.out else default
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**environment(args.device), "rows": rows, **verdict}, indent=2))
     print(f"saved {out}")

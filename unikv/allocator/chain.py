@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from unikv.allocator.compaction import compact_to
-from unikv.allocator.device import make_uploader
+from unikv.allocator.device import make_table_ops, make_uploader
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.lookups import LookupVerbs
 from unikv.allocator.planner import PlannerVerbs
@@ -93,6 +93,7 @@ class PoolAllocator(TokenVerbs, LookupVerbs, PlannerVerbs):
         self.pool, self.device, self.debug = pool, pool.device, debug
         self.on_shortfall, self.max_shortfall_rounds = on_shortfall, max_shortfall_rounds
         self.upload = make_uploader(pool.device)
+        self._ops = make_table_ops(pool.device)  # fused table writes / translation
         self.fences = FenceQueue()
         token = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
         mamba = [s for s in pool.subpools.values() if s.spec.kind == "mamba"]
@@ -115,13 +116,19 @@ class PoolAllocator(TokenVerbs, LookupVerbs, PlannerVerbs):
         self.subs: dict[str, SubPoolAllocator] = {}
         for s in pool.subpools.values():
             size = max_requests + 1 if s.spec.kind == "mamba" else num_virtual
-            self.subs[s.name] = SubPoolAllocator(s, size, self.device, self.upload, self)
+            self.subs[s.name] = SubPoolAllocator(
+                s, size, self.device, self.upload, self, table_ops=self._ops
+            )
         self.owner = owner.name if owner else None
         self.token_names = [s.name for s in token]
         self.mamba_name = mamba[0].name if mamba else None
         self.windows = {s.name: s.spec.sliding_window for s in token if s.spec.sliding_window}
         for name in self.windows:
             self.requests.add_window(name)
+        # tables written by _grow: req_to_token (flat), then v2p, p2v of each token sub-pool
+        self._grow_tables = [self.requests.req_to_token.view(-1)] + [
+            t for n in self.token_names for t in (self.subs[n].v2p, self.subs[n].p2v)
+        ]
         from unikv.kernels import get_backend  # decided once
 
         self._build_block_table = get_backend(self.device).build_block_table

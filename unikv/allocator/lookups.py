@@ -10,7 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from unikv.allocator.translate import check_block_table, translate_kernel, translate_physical
+from unikv.allocator.translate import (
+    check_block_table,
+    translate_fused,
+    translate_kernel,
+    translate_physical,
+)
 from unikv.ids import (
     KernelIds,
     KernelPageIds,
@@ -85,9 +90,15 @@ class LookupVerbs:
         int64, >= n entries, may alias the input) receives ``out[:n]``."""
         ids = expect(virtual_ids, VirtualTokenIds, "translate")
         sub = self._token_sub(name, "translate")
-        kernel = translate_kernel(
-            ids, sub.v2p, sub.page_size, sub.blocks_per_page, out=out, debug=self.debug, name=name
-        )
+        if self.debug:  # torch path with the tombstone check (host sync)
+            kernel = translate_kernel(
+                ids, sub.v2p, sub.page_size, sub.blocks_per_page, out=out, debug=True, name=name
+            )
+        else:  # one fused launch (the op was chosen at construction)
+            mult = sub.page_size * sub.blocks_per_page
+            kernel = translate_fused(
+                self._ops.translate_ids, ids, sub.v2p, sub.page_size, mult, out
+            )
         return KernelIds(kernel, name)
 
     def translate_physical(
@@ -96,10 +107,12 @@ class LookupVerbs:
         """Physical token ids ``P * ps + tv % ps`` of sub-pool ``name`` (same rules)."""
         ids = expect(virtual_ids, VirtualTokenIds, "translate_physical")
         sub = self._token_sub(name, "translate_physical")
-        return PhysicalTokenIds(
-            translate_physical(ids, sub.v2p, sub.page_size, out=out, debug=self.debug, name=name),
-            name,
-        )
+        if self.debug:
+            result = translate_physical(ids, sub.v2p, sub.page_size, out=out, debug=True, name=name)
+        else:
+            ps = sub.page_size
+            result = translate_fused(self._ops.translate_ids, ids, sub.v2p, ps, ps, out)
+        return PhysicalTokenIds(result, name)
 
     def block_table(
         self,

@@ -63,6 +63,8 @@ class RequestTable:
             str, np.ndarray
         ] = {}  # first page not yet freed, per windowed sub-pool
         self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._stamp = np.zeros(max_requests, np.int64)  # scratch of check_slots
+        self._positions = np.arange(max_requests, dtype=np.int64)
         # (max_requests, max_context) int32 virtual token ids; 0 = the sink
         self.req_to_token = torch.zeros(
             (max_requests, max_context), dtype=torch.int32, device=device
@@ -96,12 +98,13 @@ class RequestTable:
         return self.pages[slots, positions // ps].astype(np.int64) * ps + positions % ps
 
     def check_slots(self, slots: object, what: str) -> np.ndarray:
-        """Host int64 array of distinct in-use slots, or ValueError."""
+        """Host int64 array of distinct in-use slots, or ValueError. O(B), no sort:
+        duplicates are found by stamping each slot with its position."""
         array = np.asarray(slots)
-        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        if array.ndim != 1 or array.dtype.kind not in "iu":  # signed or unsigned ints
             raise ValueError(f"{what}: slots must be a 1-D host integer array, got {slots!r}")
         array = array.astype(np.int64)
-        if ((array < 0) | (array >= self.max_requests)).any():
+        if (array.view(np.uint64) >= self.max_requests).any():  # negatives wrap to huge
             raise ValueError(
                 f"{what}: slots must lie in [0, {self.max_requests}), got {array.tolist()}"
             )
@@ -109,6 +112,10 @@ class RequestTable:
             raise ValueError(
                 f"{what}: slots {array[~self.in_use[array]].tolist()} are not open requests"
             )
-        if len(np.unique(array)) != len(array):
+        n = len(array)
+        if n > self.max_requests:
+            raise ValueError(f"{what}: slots must be distinct, got {array.tolist()}")
+        self._stamp[array] = self._positions[:n]
+        if (self._stamp[array] != self._positions[:n]).any():  # a later duplicate overwrote
             raise ValueError(f"{what}: slots must be distinct, got {array.tolist()}")
         return array

@@ -9,7 +9,8 @@
   hole) lies in it too and sits exactly once on the free stack; OUT pages lie
   outside it. Bands of different sub-pools are byte-disjoint (kept by the chain).
 - The host mirrors (numpy) are the truth for bookkeeping; the device tables are
-  written with batched ``index_put_`` from uploaded arrays (``device.py``).
+  written from uploaded arrays (``device.py``): one fused launch per per-step
+  verb (``unikv.kernels.table_update``), batched ``index_put_`` on slow paths.
 
 The I/O hooks ``release_physical``, ``bind_physical``, ``pin`` and ``unpin``
 are methods of this class; ``bind_physical`` asks the chain for room.
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from unikv.allocator.device import pack_updates
 from unikv.ids import PhysicalPageIds, VirtualPageIds, expect
 from unikv.pool import Grow, SubPool
 
@@ -39,6 +41,7 @@ class SubPoolAllocator:
         device: torch.device,
         upload: Any,
         chain: Any = None,
+        table_ops: Any = None,
     ) -> None:
         self.geom = subpool
         self.name = subpool.name
@@ -65,6 +68,12 @@ class SubPoolAllocator:
         self.v2p = torch.from_numpy(self.v2p_host.copy()).to(device)  # (V,) int32
         self.p2v = torch.from_numpy(self.p2v_host.copy()).to(device)  # (num_pages,) int32
         self._minus_one = torch.full((), -1, dtype=torch.int32, device=device)
+        if table_ops is None:
+            from unikv.allocator.device import make_table_ops
+
+            table_ops = make_table_ops(device)
+        self._update_tables = table_ops.update_tables  # chosen once, by device
+        self._tables = [self.v2p, self.p2v]
 
     # -- free stack ------------------------------------------------------------
 
@@ -104,13 +113,16 @@ class SubPoolAllocator:
         self.v2p_host[vpages] = -1
         self.p2v_host[ppages] = -1
         self.num_live -= len(ppages)
-        both = self.upload(np.concatenate([vpages, ppages]))
-        self.v2p.index_put_((both[: len(vpages)],), self._minus_one)
-        self.p2v.index_put_((both[len(vpages) :],), self._minus_one)
+        packed, segments, count = pack_updates([vpages, ppages], [(0, 0, -1), (1, 1, -1)])
+        self._update_tables(self._tables, self.upload(packed), segments, count)  # tombstones
         held = self.chain.fences.hold(self.name, ppages, fence) if self.chain else False
         hold = (
             np.ones(len(ppages), bool) if held else self.pins[ppages] > 0
         )  # pinned: held until unpin
+        if not held and not hold.any():  # the common case: every page becomes a hole
+            self.state[ppages] = FREE
+            self._push(ppages)
+            return ppages
         self.state[ppages[hold]] = PENDING
         self.num_pending += int(hold.sum())
         self.state[ppages[~hold]] = FREE

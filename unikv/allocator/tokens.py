@@ -1,9 +1,9 @@
 """Token verbs of the PoolAllocator: allocate for prefill and decode, free.
 
 Host numpy throughout (vectorised, no Python loop over requests); each verb
-ends with ONE upload of the index arrays and a few ``index_put_`` launches:
+ends with ONE upload and ONE fused table write (``table_update.update_tables``):
 
-    upload = [req_to_token flat index | token ids | vpages | ppages(sub 1) | ...]
+    upload = [header | req_to_token flat index | token ids | vpages | ppages(sub 1) | ...]
 
 Ragged per-request ranges are expanded with ``_ragged`` (repeat + arange).
 """
@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from unikv.allocator.device import pack_updates
 from unikv.ids import VirtualTokenIds
 
 
@@ -39,7 +40,7 @@ class TokenVerbs:
 
     def _lens(self, slots: np.ndarray, lens: object, what: str, name: str) -> np.ndarray:
         array = np.asarray(lens)
-        if array.shape != slots.shape or not np.issubdtype(array.dtype, np.integer):
+        if array.shape != slots.shape or array.dtype.kind not in "iu":  # integer arrays
             raise ValueError(
                 f"{what}: {name} must be a host integer array of shape {slots.shape}, got {lens!r}"
             )
@@ -112,27 +113,27 @@ class TokenVerbs:
         count = len(owners)
         if count and not self.reserve({n: count for n in self.token_names}, count, slots):
             return None
-        bound = []
+        arrays: list[np.ndarray] = [None, None]  # flat req_to_token index, token ids
+        segments = [(0, 0, 1)]  # req_to_token[flat] = tokens
         if count:  # most decode steps at ps > 1 fill tail pages only
             vpages = self.vspace.mint(owners.astype(np.int32), cols)
             self.requests.pages[owners, cols] = vpages
-            bound.append(vpages)
-            for name in self.token_names:
+            arrays.append(vpages)
+            for i, name in enumerate(self.token_names):
                 ppages = self.subs[name].take(count)
                 self.subs[name].bind_host(vpages, ppages)
-                bound.append(ppages)
+                arrays.append(ppages)  # v2p[vpages] = ppages, p2v[ppages] = vpages
+                segments += [(1 + 2 * i, 2, 3 + i), (2 + 2 * i, 3 + i, 2)]
         self.requests.lens[slots] = new_lens
-        tokens = self.requests.token_ids(rows, positions)
-        flat = rows * self.requests.max_context + positions
-        n = len(tokens)
-        packed = self.upload(np.concatenate([flat, tokens, *bound]).astype(np.int32))
-        self.requests.req_to_token.view(-1).index_put_((packed[:n],), packed[n : 2 * n])
-        base = 2 * n
-        for i, name in enumerate(self.token_names if count else ()):
-            lo = base + count * (i + 1)
-            self.subs[name].write_bind(packed[base : base + count], packed[lo : lo + count])
+        arrays[1] = self.requests.token_ids(rows, positions)
+        arrays[0] = rows * self.requests.max_context + positions
+        n = len(arrays[1])
+        packed, num, max_count = pack_updates(arrays, segments)
+        packed = self.upload(packed)
+        self._ops.update_tables(self._grow_tables, packed, num, max_count)  # one launch
         self._after_verb()
-        return VirtualTokenIds(packed[n : 2 * n])
+        start = 4 * num + n
+        return VirtualTokenIds(packed[start : start + n])
 
     def _after_verb(self) -> None:
         if self.debug:

@@ -15,6 +15,8 @@ debug only). ``out=`` receives the first ``n`` results with ``copy_`` so its
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from unikv import layout
@@ -89,16 +91,54 @@ def translate_physical(
     return _into(pages if slots is None else pages * page_size + slots, out, virtual_ids.shape[0])
 
 
-def _into(result: torch.Tensor, out: torch.Tensor | None, n: int) -> torch.Tensor:
-    if out is None:
-        return result.to(torch.int32)
+def _check_out(out: torch.Tensor, n: int) -> None:
     if out.dim() != 1 or out.shape[0] < n or out.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"out must be a 1-D int32/int64 tensor of at least {n} entries, got "
             f"{out.dtype} {tuple(out.shape)}"
         )
+
+
+def _into(result: torch.Tensor, out: torch.Tensor | None, n: int) -> torch.Tensor:
+    if out is None:
+        return result.to(torch.int32)
+    _check_out(out, n)
     out[:n].copy_(result)  # result is a fresh tensor, so out may alias the input
     return out[:n]
+
+
+def translate_fused(
+    op: Callable[..., torch.Tensor],
+    virtual_ids: torch.Tensor,
+    v2p: torch.Tensor,
+    page_size: int,
+    mult: int,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``translate_kernel`` (mult = ps * B) or ``translate_physical`` (mult = ps)
+    without debug checks, through one fused ``op`` (``table_update.translate_ids``
+    or its reference). Same ``out`` rules: an ``out`` that is the input itself
+    is written in place; any other overlap goes through a fresh tensor."""
+    if virtual_ids.dim() != 1:
+        raise ValueError(f"virtual ids must be 1-D, got shape {tuple(virtual_ids.shape)}")
+    n = virtual_ids.shape[0]
+    ids = virtual_ids if virtual_ids.is_contiguous() else virtual_ids.contiguous()
+    if out is None:
+        return op(ids, v2p, page_size, mult, torch.empty(n, dtype=torch.int32, device=ids.device))
+    _check_out(out, n)
+    if out.is_contiguous() and _safe_alias(ids, out, n):
+        return op(ids, v2p, page_size, mult, out)
+    out[:n].copy_(op(ids, v2p, page_size, mult, torch.empty(n, dtype=out.dtype, device=out.device)))
+    return out[:n]
+
+
+def _safe_alias(ids: torch.Tensor, out: torch.Tensor, n: int) -> bool:
+    """True when lane i may read ids[i] and write out[i] in place: no overlap, or
+    the very same elements (same start, same dtype). Both contiguous."""
+    a, b = ids.data_ptr(), out.data_ptr()
+    if a == b and ids.dtype == out.dtype:
+        return True
+    return a + n * ids.element_size() <= b or b + n * out.element_size() <= a
 
 
 def check_block_table(
