@@ -8,6 +8,8 @@ CPU: enough for ``max_num_seqs`` requests of ``max_model_len`` tokens each
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from unikv.pool import pool_bytes_for, worst_case_pages
@@ -38,6 +40,10 @@ def kv_budget_bytes(
     if device.type == "cuda":
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        # Memory of engines no longer referenced (reference cycles, or blocks kept
+        # by the caching allocator) counts as free: collect it first.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * memory_fraction) - activation_reserve(model, chunk, max_num_seqs)
         if budget <= 0:
