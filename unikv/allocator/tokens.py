@@ -220,6 +220,18 @@ class TokenVerbs:
             out[self.mamba_name] = int(self.subs[self.mamba_name].v2p_host[slot + 1] >= 0)
         return out
 
+    def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per token sub-pool: (page columns request ``slot`` still holds, their
+        physical pages), host int64, ascending columns; a sliding-window sub-pool
+        leaves out the columns that left the window (for transfers and offload)."""
+        vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])]
+        out = {}
+        for name in self.token_names:
+            physical = self.subs[name].v2p_host[vpages].astype(np.int64)
+            cols = np.flatnonzero(physical >= 0)
+            out[name] = (cols, physical[cols])
+        return out
+
     def usage(self) -> Mapping[str, dict[str, int]]:
         """Live, pending and free pages and band per sub-pool (for logs and pictures)."""
         return self._shortfall({}, 0).usage

@@ -66,19 +66,6 @@ def recv_json(peer: int, group, device: torch.device) -> dict:
     return json.loads(bytes(body.cpu().numpy()).decode())
 
 
-def request_pages(alloc, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per token sub-pool: (page columns the request still holds, their physical
-    pages), host int64, ascending columns. SWA drops columns out of the window."""
-    count = int(alloc.requests.num_pages(np.array([slot]))[0])
-    vpages = alloc.requests.pages[slot, :count]
-    out = {}
-    for name in alloc.token_names:
-        physical = alloc.subpool(name).v2p_host[vpages].astype(np.int64)
-        cols = np.flatnonzero(physical >= 0)
-        out[name] = (cols, physical[cols])
-    return out
-
-
 def _hello(llm: LLM) -> dict:
     c = llm.config
     return {
@@ -168,7 +155,7 @@ class PrefillWorker:
 
     def _hand_off(self, reqs: list[Request], index: dict, stats: HandoffStats) -> None:
         alloc = self.llm.alloc
-        held = {r.request_id: request_pages(alloc, r.slot) for r in reqs if r.slot is not None}
+        held = {r.request_id: alloc.request_pages(r.slot) for r in reqs if r.slot is not None}
         metas = [_meta(r, index[r.request_id], held.get(r.request_id, {})) for r in reqs]
         send_json({"requests": metas}, self.dst, self.group, self.device)
         reply = recv_json(self.dst, self.group, self.device)

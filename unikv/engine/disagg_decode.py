@@ -16,7 +16,6 @@ from unikv.engine.disagg import (
     _device,
     _page_ids,
     recv_json,
-    request_pages,
     send_json,
 )
 from unikv.engine.llm import LLM, RequestOutput
@@ -125,7 +124,7 @@ class DecodeWorker:
         for slot, meta in zip(slots, metas):
             if slot is None:
                 continue
-            for name, (cols, physical) in request_pages(self.llm.alloc, slot).items():
+            for name, (cols, physical) in self.llm.alloc.request_pages(slot).items():
                 assert cols.tolist() == meta["pages"][name], (
                     f"disagg invariant: both instances hold the same columns of {name!r} (one "
                     f"window rule), got {cols.tolist()} here, {meta['pages'][name]} there"
