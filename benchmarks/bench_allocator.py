@@ -22,10 +22,8 @@ on CPU counts the CUDA path's ops (the Triton interpreter runs them).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
-import subprocess
 import time
 
 import numpy as np
@@ -218,16 +216,9 @@ def run(
 
 
 def environment(device: str) -> dict:
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": commit,
-    }
+    from common import environment as shared  # benchmarks/common.py
+
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", **shared()}
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
 #!/bin/bash
 # One combined device call. Usage: benchmarks/device_all.sh STEP...
-# Steps: gputests, alloc, io, extend, kernels, e2e. Logs and JSON land in $OUT.
+# Steps: gputests, enginetests, alloc, io, extend, e2e. Logs and JSON land in $OUT.
+# The tree sent to the device has no .git: write the commit into the run command,
+# e.g. "UNIKV_GIT_COMMIT=abc1234 bash benchmarks/device_all.sh e2e", so JSON records it.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
