@@ -289,10 +289,9 @@ class LLM:
             self._track_pages(stats)
             launched = self.runner.launch(batch, prev)
             if prev is not None:
-                self._settle(prev, stats, bar)
-            before = sum(len(r.output_ids) for r in batch.requests)
+                self._settle(prev)
             finished = self.scheduler.complete_ahead(batch)
-            made = sum(len(r.output_ids) for r in batch.requests) - before
+            made = self.scheduler.num_appended
             stats.steps += 1
             stats.decode_steps += batch.is_decode
             stats.output_tokens += made
@@ -302,20 +301,17 @@ class LLM:
                 bar.update(made + sum(r.params.max_tokens - len(r.output_ids) for r in finished))
             prev = launched
         if prev is not None:
-            self._settle(prev, stats, bar)
+            self._settle(prev)
         stats.seconds = time.perf_counter() - start
         stats.preemptions = self.scheduler.num_preemptions - preempted_before
         if bar is not None:
             bar.close()
         self.stats = stats
 
-    def _settle(self, launched, stats: Stats, bar) -> None:
+    def _settle(self, launched) -> None:
         """Write a finished step's sampled values into its placeholders; a stop
         token cuts its request's outputs there."""
-        batch = launched.batch
-        before = sum(len(r.output_ids) for r in batch.requests)
-        self.scheduler.resolve(batch, launched.tokens())
-        stats.output_tokens += sum(len(r.output_ids) for r in batch.requests) - before
+        self.scheduler.resolve(launched.batch, launched.tokens())
 
     def _track_pages(self, stats: Stats) -> None:
         for name in self.pool.subpools:

@@ -74,7 +74,10 @@ class Request:
         self.output_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.output_ids) >= self.params.max_tokens or self.seq_len >= self.max_len:
+        elif (
+            len(self.output_ids) >= self.params.max_tokens
+            or len(self.prompt_ids) + len(self.output_ids) >= self.max_len
+        ):
             self.finish_reason = "length"
 
     def resolve(self, index: int, token: int) -> bool:

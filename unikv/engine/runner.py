@@ -85,10 +85,13 @@ class ModelRunner:
         """Per-step int64 host arrays: tokens, positions, lengths, slots."""
         reqs = batch.requests
         num_new = np.asarray(batch.num_new, dtype=np.int64)
-        starts = np.array([r.num_cached for r in reqs], dtype=np.int64)
+        starts = np.fromiter((r.num_cached for r in reqs), np.int64, len(reqs))
         q_indptr = np.zeros(len(reqs) + 1, dtype=np.int64)
         np.cumsum(num_new, out=q_indptr[1:])
-        tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
+        if batch.is_decode:  # each request feeds its last token
+            tokens = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        else:
+            tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
         offsets = np.repeat(q_indptr[:-1] - starts, num_new)  # row - position, per token
         return dict(
             input_ids=np.asarray(tokens, dtype=np.int64),
@@ -96,7 +99,7 @@ class ModelRunner:
             logits_indices=q_indptr[1:] - 1,
             seq_lens=starts + num_new,
             q_indptr=q_indptr,
-            slots=np.array([r.slot for r in reqs], dtype=np.int64),
+            slots=np.fromiter((r.slot for r in reqs), np.int64, len(reqs)),
         )
 
     def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -44,7 +44,7 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         """One new token per request: the decode kernels (and CUDA graphs) apply."""
-        return all(n == 1 for n in self.num_new)
+        return self.num_new.count(1) == len(self.num_new)
 
     @property
     def virtual_ids(self) -> VirtualTokenIds:
@@ -79,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
+        self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -92,8 +93,10 @@ class Scheduler:
         """The next step's batch (never empty while there is work)."""
         while True:
             batch = Batch()
-            self._schedule_decodes(batch)
-            self._schedule_prefills(batch, self.max_num_batched_tokens - len(batch.requests))
+            prefilling = self._schedule_decodes(batch)
+            self._schedule_prefills(
+                batch, prefilling, self.max_num_batched_tokens - len(batch.requests)
+            )
             if batch.requests:
                 return batch
             assert len(self.running) > 1, (
@@ -102,21 +105,33 @@ class Scheduler:
             )
             self._preempt(self.running[-1])
 
-    def _schedule_decodes(self, batch: Batch) -> None:
+    def _split_running(self) -> tuple[list[Request], list[Request]]:
+        """Running requests in admission order: (decoding, still prefilling), one pass."""
+        decoding, prefilling = [], []
+        for r in self.running:  # running requests: decoding iff one token is pending
+            if r.num_cached + 1 == len(r.prompt_ids) + len(r.output_ids):
+                decoding.append(r)
+            else:
+                prefilling.append(r)
+        return decoding, prefilling
+
+    def _schedule_decodes(self, batch: Batch) -> list[Request]:
+        """One token for every decoding request (preempting the newest until the
+        chain holds them); returns the running requests still prefilling."""
         while True:
-            decoding = [r for r in self.running if r.is_decoding]
+            decoding, prefilling = self._split_running()
             if not decoding:
-                return
-            slots = np.array([r.slot for r in decoding], dtype=np.int64)
-            lens = np.array([r.num_cached for r in decoding], dtype=np.int64)
+                return prefilling
+            slots = np.fromiter((r.slot for r in decoding), np.int64, len(decoding))
+            lens = np.fromiter((r.num_cached for r in decoding), np.int64, len(decoding))
             ids = self.alloc.alloc_decode(slots, lens)
             if ids is not None:
                 batch.add_many(decoding, [1] * len(decoding), ids)
-                return
+                return prefilling
             self._preempt(self.running[-1])
 
-    def _schedule_prefills(self, batch: Batch, budget: int) -> None:
-        for r in [r for r in self.running if not r.is_decoding]:
+    def _schedule_prefills(self, batch: Batch, prefilling: list[Request], budget: int) -> None:
+        for r in prefilling:
             if budget <= 0:
                 return
             n = min(budget, r.num_pending)
@@ -208,12 +223,15 @@ class Scheduler:
         pending tokens are all in now), free finished requests and out-of-window
         pages. ``tokens[i]`` is request i's sample. Returns newly finished requests."""
         finished = []
+        appended = 0
         for r, n, token in zip(batch.requests, batch.num_new, tokens):
             r.num_cached += n
-            if r.num_cached == r.seq_len:
+            if r.num_cached == len(r.prompt_ids) + len(r.output_ids):
                 r.append(token)
+                appended += 1
                 if r.finish_reason is not None:
                     finished.append(r)
+        self.num_appended = appended  # sampled tokens this step took (for counters)
         for r in finished:
             self.alloc.free_request(r.slot)
             self.running.remove(r)
@@ -222,7 +240,7 @@ class Scheduler:
             live = [r for r in batch.requests if r.status is Status.RUNNING]
             if live:
                 self.alloc.free_out_of_window(
-                    np.array([r.slot for r in live], dtype=np.int64),
-                    np.array([r.num_cached for r in live], dtype=np.int64),
+                    np.fromiter((r.slot for r in live), np.int64, len(live)),
+                    np.fromiter((r.num_cached for r in live), np.int64, len(live)),
                 )
         return finished
