@@ -108,7 +108,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             slot = self._launches % 2
             if self._staging[slot].numel() < packed.numel():
-                self._staging[slot] = torch.empty(2 * packed.numel(), dtype=torch.int64).pin_memory()
+                size = 2 * packed.numel()
+                self._staging[slot] = torch.empty(size, dtype=torch.int64).pin_memory()
             staged = self._staging[slot][: packed.numel()]
             staged.copy_(packed)
             packed = staged.to(self.device, non_blocking=True)
