@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unikv.engine.demo import hf_greedy  # noqa: F401  (re-exported for the engine tests)
+
 VOCAB = 256
 TINY = dict(
     vocab_size=VOCAB,
@@ -88,21 +90,6 @@ def save_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
     model.eval()
     model.save_pretrained(path)
     return model
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' ``generate`` (greedy, dynamic cache) for one prompt."""
-    ids = torch.tensor([prompt], device=model.device)
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from allocator_fixtures import FakeEvent
 from test_io_support import assert_same_contents, page_contents
 
 from unikv.allocator import PoolAllocator
@@ -26,19 +27,6 @@ CONFIGS = [
     SubPoolConfig("swa", MHASpec(1, 2, 4, dtype=torch.float16, sliding_window=16), page_size=PS),
     SubPoolConfig("mamba", MambaSpec(2, (StatePart((3, 4)),), StatePart((2, 4)))),
 ]
-
-
-class FakeEvent:
-    """A done-event the test fires (query/synchronize like torch.cuda.Event)."""
-
-    def __init__(self) -> None:
-        self.fired = False
-
-    def query(self) -> bool:
-        return self.fired
-
-    def synchronize(self) -> None:
-        self.fired = True
 
 
 def _scramble(pool: UnifiedPool, seed: int) -> None:

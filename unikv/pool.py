@@ -35,6 +35,7 @@ __all__ = [
     "SubPool",
     "SubPoolConfig",
     "UnifiedPool",
+    "check_pages",
     "default_grow",
     "pool_bytes_for",
     "torch_copy_pages",
@@ -72,6 +73,24 @@ class SubPool:
     def kernel_id_limit(self) -> int:
         """Rows of each dense view (slots for Mamba): every kernel id lies below it."""
         return self.num_pages * (self.spec.blocks_per_page or 1) * self.page_size
+
+
+def check_pages(sub: SubPool, pages: torch.Tensor, what: str, *, distinct: bool = True) -> None:
+    """Validate a physical page list of ``sub`` on the host (a sync for device
+    tensors; never on the per-step path): every page is a real page, never the
+    sink, and, if ``distinct``, none repeats."""
+    if pages.numel() == 0:
+        return
+    host = pages.detach().to("cpu", torch.int64)
+    lo, hi = int(host.min()), int(host.max())
+    if lo < sub.first_page or hi >= sub.num_pages:
+        raise ValueError(
+            f"{what} must lie in [{sub.first_page}, {sub.num_pages}) of sub-pool "
+            f"{sub.name!r} (the sink pages below {sub.first_page} are never moved), "
+            f"got pages in [{lo}, {hi}]"
+        )
+    if distinct and torch.unique(host).numel() != host.numel():
+        raise ValueError(f"{what} must be distinct, got {host.tolist()}")
 
 
 def _build_views(buffer: torch.Tensor, spec: Spec, page_size: int, num_pages: int):
@@ -260,17 +279,8 @@ class UnifiedPool:
                 f"move_pages takes two 1-D page lists of one length, got {tuple(src.shape)} "
                 f"and {tuple(dst.shape)}"
             )
-        for what, pages in (("src", src), ("dst", dst)):
-            if pages.numel() and (
-                int(pages.min()) < subpool.first_page or int(pages.max()) >= subpool.num_pages
-            ):
-                raise ValueError(
-                    f"move_pages {what} pages must lie in [{subpool.first_page}, "
-                    f"{subpool.num_pages}) of sub-pool {subpool.name!r} (the sink is never "
-                    f"moved), got {pages.tolist()}"
-                )
-        if torch.unique(dst).numel() != dst.numel():
-            raise ValueError(f"move_pages dst pages must be distinct, got {dst.tolist()}")
+        check_pages(subpool, src, "move_pages src pages", distinct=False)
+        check_pages(subpool, dst, "move_pages dst pages")
 
     def page_envelope(self, name: str, page: int) -> torch.Tensor:
         """The bytes of one physical page of sub-pool ``name`` (a view)."""

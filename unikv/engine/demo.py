@@ -50,7 +50,9 @@ def demo_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    """transformers' ``generate`` (greedy, dynamic cache) for one prompt: the
+    reference the demo and the tests compare against."""
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids,

@@ -32,7 +32,6 @@ per-step forward path of either instance).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import numpy as np
@@ -43,27 +42,12 @@ from unikv.engine.llm import LLM
 from unikv.engine.request import Request, Status
 from unikv.engine.sampling import SamplingParams
 from unikv.ids import PhysicalPageIds
-from unikv.io.transfer import send_pages
+from unikv.io.transfer import exchange_json, recv_json, send_json, send_pages
 
 
 def _device(llm: LLM, group) -> torch.device:
     """NCCL sends device tensors; every other backend sends host tensors."""
     return llm.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def send_json(obj: dict, peer: int, group, device: torch.device) -> None:
-    """Send a JSON-able dict: (1,) int64 length, then the UTF-8 bytes."""
-    body = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([body.numel()], device=device), peer, group=group)
-    dist.send(body.to(device), peer, group=group)
-
-
-def recv_json(peer: int, group, device: torch.device) -> dict:
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, peer, group=group)
-    body = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.recv(body, peer, group=group)
-    return json.loads(bytes(body.cpu().numpy()).decode())
 
 
 def _hello(llm: LLM) -> dict:
@@ -80,12 +64,7 @@ def _hello(llm: LLM) -> dict:
 def _agree(llm: LLM, peer: int, group, device, *, first: bool) -> None:
     """Exchange ``_hello`` facts; both sides raise alike unless they match."""
     ours = _hello(llm)
-    if first:
-        send_json(ours, peer, group, device)
-        theirs = recv_json(peer, group, device)
-    else:
-        theirs = recv_json(peer, group, device)
-        send_json(ours, peer, group, device)
+    theirs = exchange_json(ours, peer, group, device, first=first)
     if ours != theirs:
         diff = {k: (ours[k], theirs.get(k)) for k in ours if ours[k] != theirs.get(k)}
         raise ValueError(

@@ -15,13 +15,11 @@ from unikv.engine.disagg import (
     _agree,
     _device,
     _page_ids,
-    recv_json,
-    send_json,
 )
 from unikv.engine.llm import LLM, RequestOutput
 from unikv.engine.request import Request, Status
 from unikv.engine.sampling import SamplingParams
-from unikv.io.transfer import recv_pages
+from unikv.io.transfer import recv_json, recv_pages, send_json
 
 
 class DecodeWorker:

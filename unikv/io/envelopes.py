@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from unikv.ids import PhysicalPageIds, expect
-from unikv.pool import SubPool, UnifiedPool
+from unikv.pool import UnifiedPool
 
 
 def page_rows(pool: UnifiedPool, name: str) -> torch.Tensor:
@@ -29,23 +29,6 @@ def physical_pages(pages: object, what: str, name: str) -> torch.Tensor:
     if data.dim() != 1:
         raise ValueError(f"{what} must be a 1-D page list, got shape {tuple(data.shape)}")
     return data
-
-
-def check_pages(sub: SubPool, pages: torch.Tensor, what: str) -> None:
-    """Validate a physical page list on the host (a sync for device tensors):
-    every page is a real page of ``sub`` (not in the sink) and none repeats."""
-    if pages.numel() == 0:
-        return
-    host = pages.detach().to("cpu", torch.int64)
-    lo, hi = int(host.min()), int(host.max())
-    if lo < sub.first_page or hi >= sub.num_pages:
-        raise ValueError(
-            f"{what} must lie in [{sub.first_page}, {sub.num_pages}) of sub-pool "
-            f"{sub.name!r} (the sink pages below {sub.first_page} are never moved), "
-            f"got pages in [{lo}, {hi}]"
-        )
-    if torch.unique(host).numel() != host.numel():
-        raise ValueError(f"{what} must be distinct, got {host.tolist()}")
 
 
 def host_list(pages: torch.Tensor) -> list[int]:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from unikv.ids import PhysicalPageIds, _Ids, expect
-from unikv.io.envelopes import check_pages, host_list, page_rows, physical_pages, runs
-from unikv.pool import UnifiedPool
+from unikv.io.envelopes import host_list, page_rows, physical_pages, runs
+from unikv.pool import UnifiedPool, check_pages
 
 DIRECT_MIN_BYTES = 1 << 20
 STAGING_BYTES = 64 << 20

@@ -27,10 +27,10 @@ import torch
 
 from unikv.ids import PhysicalPageIds
 from unikv.io.checksum import CHECKSUM_WORDS, mismatched_pages, page_checksums
-from unikv.io.envelopes import check_pages, page_rows, physical_pages
+from unikv.io.envelopes import page_rows, physical_pages
 from unikv.io.errors import PageIntegrityError
 from unikv.io.manifest import check_same_geometry, subpool_manifest
-from unikv.pool import UnifiedPool
+from unikv.pool import UnifiedPool, check_pages
 
 FORMAT, VERSION = "unikv-pages", "1"
 

@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from unikv.ids import PhysicalPageIds
 from unikv.io.checksum import CHECKSUM_WORDS, mismatched_pages, page_checksums
-from unikv.io.envelopes import check_pages, page_rows, physical_pages
+from unikv.io.envelopes import page_rows, physical_pages
 from unikv.io.errors import PageIntegrityError, TransferError
 from unikv.io.manifest import check_same_geometry, subpool_manifest
-from unikv.pool import UnifiedPool
+from unikv.pool import UnifiedPool, check_pages
 
 MAGIC, VERSION = 0x756E696B76, 1  # "unikv"
 ACK_OK, ACK_CORRUPT = 1, 2
@@ -69,13 +69,16 @@ def _local_pages(pool: UnifiedPool, pages: Mapping[str, PhysicalPageIds], what: 
         return None, e
 
 
-def _send_manifest(manifest: dict, peer: int, group, device: torch.device) -> None:
-    body = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8)
+def send_json(obj: dict, peer: int, group, device: torch.device) -> None:
+    """Send a JSON-able dict: (3,) int64 prelude (magic, version, size), then the
+    UTF-8 bytes; ``device`` is where the backend sends from (NCCL: the GPU)."""
+    body = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     dist.send(torch.tensor([MAGIC, VERSION, body.numel()], device=device), peer, group=group)
     dist.send(body.to(device), peer, group=group)
 
 
-def _recv_manifest(peer: int, group, device: torch.device) -> dict:
+def recv_json(peer: int, group, device: torch.device) -> dict:
+    """Receive what ``send_json`` sent; a peer of another protocol version raises."""
     prelude = torch.zeros(3, dtype=torch.int64, device=device)
     dist.recv(prelude, peer, group=group)
     magic, version, size = prelude.tolist()
@@ -105,16 +108,21 @@ def _agree(ours: dict, theirs: dict, peer: int) -> None:
         )
 
 
+def exchange_json(ours: dict, peer: int, group, device: torch.device, *, first: bool) -> dict:
+    """Swap dicts with ``peer``: the ``first`` side sends before it receives."""
+    if first:
+        send_json(ours, peer, group, device)
+        return recv_json(peer, group, device)
+    theirs = recv_json(peer, group, device)
+    send_json(ours, peer, group, device)
+    return theirs
+
+
 def _handshake(pool, pages, error, peer, group, device, *, sender: bool) -> None:
     """Exchange manifests (or a local input error) and raise on both sides alike
     unless both are well-formed and agree."""
     ours = {"error": str(error)} if error is not None else {"subpools": _manifest(pool, pages)}
-    if sender:
-        _send_manifest(ours, peer, group, device)
-        theirs = _recv_manifest(peer, group, device)
-    else:
-        theirs = _recv_manifest(peer, group, device)
-        _send_manifest(ours, peer, group, device)
+    theirs = exchange_json(ours, peer, group, device, first=sender)
     if error is not None:
         raise error
     if "error" in theirs:

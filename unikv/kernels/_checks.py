@@ -56,3 +56,16 @@ def device_sms(device: torch.device) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def as_storage(name: str, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` reinterpreted with the cache's storage dtype when the item sizes match
+    (fp8 rows into a uint8 cache); anything else is a dtype the spec does not hold."""
+    if x.dtype == cache.dtype:
+        return x
+    if x.element_size() != cache.element_size():
+        raise ValueError(
+            f"{name} has dtype {x.dtype} but the cache stores {cache.dtype}; pass K/V in the "
+            "spec's logical dtype (fp8 tensors are bit-copied into a uint8 cache)"
+        )
+    return x.view(cache.dtype)

@@ -14,19 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from unikv.kernels._checks import as_storage
 from unikv.pool import torch_copy_pages
-
-
-def _bits(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` reinterpreted with ``like``'s dtype when the item sizes match (fp8 -> uint8)."""
-    if t.dtype == like.dtype:
-        return t
-    if t.element_size() != like.element_size():
-        raise TypeError(
-            f"cannot store {t.dtype} rows into a {like.dtype} cache: item sizes differ; "
-            "pass K/V in the spec's logical dtype"
-        )
-    return t.view(like.dtype)
 
 
 def store_kv(
@@ -44,8 +33,8 @@ def store_kv(
     k: (T, H, D), v: (T, H, Dv) in the logical dtype (fp8 tensors are bit-copied).
     """
     ids = kernel_ids.long()
-    k_cache[ids] = _bits(k, k_cache)
-    v_cache[ids] = _bits(v, v_cache)
+    k_cache[ids] = as_storage("k", k, k_cache)
+    v_cache[ids] = as_storage("v", v, v_cache)
 
 
 def _gather_rows(

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels._checks import check_cache, check_ids, check_same_device, next_pow2
+from unikv.kernels._checks import as_storage, check_cache, check_ids, check_same_device, next_pow2
 
 TILE_ELEMS = 16384  # elements of K (and of V) one program moves; tuned on the H200
 NUM_WARPS = 4
@@ -78,17 +78,6 @@ def _store_kv_kernel(
     _copy_rows(v, v_cache, ids, t0, T, v_st, v_sh, vc_sn, vc_sh, H, DV, BLOCK_T, BLOCK_DV, BLOCK_CV)
 
 
-def _as_storage(name: str, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    if x.dtype == cache.dtype:
-        return x
-    if x.element_size() != cache.element_size():
-        raise ValueError(
-            f"{name} has dtype {x.dtype} but the cache stores {cache.dtype}; pass K/V in the "
-            "spec's logical dtype (fp8 tensors are bit-copied into a uint8 cache)"
-        )
-    return x.view(cache.dtype)
-
-
 def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -117,7 +106,7 @@ def store_kv(
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(f"k/v need unit stride on head_dim, got {k.stride()} / {v.stride()}")
     check_same_device(k_cache, v_cache, kernel_ids, k, v)
-    k, v = _as_storage("k", k, k_cache), _as_storage("v", v, v_cache)
+    k, v = as_storage("k", k, k_cache), as_storage("v", v, v_cache)
     if num_tokens == 0:
         return
     block_d, block_dv = next_pow2(dim), next_pow2(dim_v)
