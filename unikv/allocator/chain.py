@@ -81,6 +81,7 @@ class PoolAllocator(TokenVerbs, LookupVerbs, PlannerVerbs):
         num_virtual_pages: int | None = None,
         on_shortfall: Callable[[Shortfall], bool] | None = None,
         max_shortfall_rounds: int = 8,
+        build_block_table: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         for what, value in (("max_requests", max_requests), ("max_context", max_context)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -129,9 +130,11 @@ class PoolAllocator(TokenVerbs, LookupVerbs, PlannerVerbs):
         self._grow_tables = [self.requests.req_to_token.view(-1)] + [
             t for n in self.token_names for t in (self.subs[n].v2p, self.subs[n].p2v)
         ]
-        from unikv.kernels import get_backend  # decided once
+        if build_block_table is None:  # decided once: the kernels backend of the device
+            from unikv.kernels import get_backend
 
-        self._build_block_table = get_backend(self.device).build_block_table
+            build_block_table = get_backend(self.device).build_block_table
+        self._build_block_table = build_block_table
 
     def _virtual_size(self, owner, given, max_requests, max_context) -> int:
         if owner is None:

@@ -111,14 +111,11 @@ class DecodeGraphs:
             write, table = self.write_ids[sub.name], self.tables[sub.name]
             runner.alloc.translate(virtual_ids, sub.name, out=write[:b])
             write[b:bs].zero_()
-            runner.backend.build_block_table(
-                runner.alloc.req_to_token,
+            runner.alloc.block_table(
                 self.slots[:b],
                 self.seq_lens[:b],
-                runner.alloc.subpool(sub.name).v2p,
-                page_size=sub.page_size,
-                blocks_per_page=sub.spec.blocks_per_page,
-                out=table[:b],
+                sub.name,
+                table[:b],
                 window=sub.spec.sliding_window or 0,
             )
             table[b:bs].zero_()

@@ -156,7 +156,11 @@ class LLM:
             copy_pages=self.backend.copy_pages,
         )
         self.alloc = PoolAllocator(
-            self.pool, max_requests=max_num_seqs, max_context=self.max_model_len, debug=debug
+            self.pool,
+            max_requests=max_num_seqs,
+            max_context=self.max_model_len,
+            debug=debug,
+            build_block_table=self.backend.build_block_table,
         )
         self.scheduler = Scheduler(
             self.alloc,

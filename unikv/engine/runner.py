@@ -64,6 +64,7 @@ class ModelRunner:
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
+        self._pin = self.device.type == "cuda"  # host staging is pinned: copies never block
         self.sm_scale = model.config.sm_scale
         self.layers = layer_caches(pool, model.config.num_layers)
         self.subpools = list(pool.subpools.values())
@@ -148,16 +149,7 @@ class ModelRunner:
             table = torch.empty(
                 (len(batch.requests), max_pages), dtype=torch.int32, device=self.device
             )
-            self.backend.build_block_table(
-                self.alloc.req_to_token,
-                slots,
-                seq_lens,
-                self.alloc.subpool(sub.name).v2p,
-                page_size=sub.page_size,
-                blocks_per_page=sub.spec.blocks_per_page,
-                out=table,
-                window=window,
-            )
+            self.alloc.block_table(slots, seq_lens, sub.name, table, window=window)
             steps[sub.name] = SubPoolStep(self.alloc.translate(virtual_ids, sub.name), table)
         return StepPlan(
             is_decode=batch.is_decode,
@@ -223,10 +215,15 @@ class ModelRunner:
         if all(r.params.temperature == 0 for r in reqs):
             return logits.argmax(dim=-1)
         floats = torch.tensor(
-            [(r.params.temperature, r.params.top_p) for r in reqs], dtype=torch.float32
+            [(r.params.temperature, r.params.top_p) for r in reqs],
+            dtype=torch.float32,
+            pin_memory=self._pin,
         )
         ints = torch.tensor(
-            [(r.params.top_k, r.seed, len(r.output_ids)) for r in reqs], dtype=torch.int64
+            [(r.params.top_k, r.seed, len(r.output_ids)) for r in reqs],
+            dtype=torch.int64,
+            pin_memory=self._pin,
         )
-        floats, ints = floats.to(self.device), ints.to(self.device)
+        floats = floats.to(self.device, non_blocking=True)
+        ints = ints.to(self.device, non_blocking=True)
         return sample(logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
