@@ -289,24 +289,3 @@ class UnifiedPool:
             raise ValueError(f"page must be in [0, {subpool.num_pages}), got {page}")
         start = page * subpool.page_bytes
         return self.buffer[start : start + subpool.page_bytes]
-
-    def summary(self) -> dict:
-        """Plain numbers describing the pool (for `unikv inspect` and logs)."""
-        return {
-            "total_bytes": self.total_bytes,
-            "sink_bytes": self.sink_bytes,
-            "tail_pad_bytes": self.tail_pad_bytes,
-            "subpools": {
-                s.name: {
-                    "kind": s.spec.kind,
-                    "grow": s.grow.value,
-                    "page_size": s.page_size,
-                    "entry_bytes": s.spec.entry_bytes,
-                    "page_bytes": s.page_bytes,
-                    "usable_pages": s.usable_pages,
-                    "kernel_id_limit": s.kernel_id_limit,
-                    "kernel_id_headroom": INT32_LIMIT / max(s.kernel_id_limit, 1),
-                }
-                for s in self.subpools.values()
-            },
-        }

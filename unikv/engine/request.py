@@ -54,10 +54,6 @@ class Request:
         """Tokens not yet in the cache (>= 1 while running)."""
         return self.seq_len - self.num_cached
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.status is Status.RUNNING and self.num_pending == 1
-
     def token_slice(self, start: int, stop: int) -> list[int]:
         """all_ids[start:stop] without building all_ids."""
         n = len(self.prompt_ids)
