@@ -75,11 +75,17 @@ class DecodeAttention:
     def __init__(self, layers: list[LayerCache], plan: StepPlan, backend, sm_scale: float):
         self.layers, self.plan, self.backend, self.sm_scale = layers, plan, backend, sm_scale
 
-    def __call__(self, layer, q, k, v, sinks=None):
-        """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D)."""
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write the step's new K/V rows of ``layer`` at its sub-pool's write ids;
+        returns the layer's cache and its sub-pool's step metadata."""
         cache = self.layers[layer]
         step = self.plan.subpools[cache.subpool]
         self.backend.store_kv(cache.k, cache.v, step.write_ids.data, k, v)
+        return cache, step
+
+    def __call__(self, layer, q, k, v, sinks=None):
+        """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D)."""
+        cache, step = self._store(layer, k, v)
         return self.backend.decode_attention(
             q,
             cache.k,
@@ -98,9 +104,7 @@ class ExtendAttention(DecodeAttention):
 
     def __call__(self, layer, q, k, v, sinks=None):
         """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D)."""
-        cache = self.layers[layer]
-        step = self.plan.subpools[cache.subpool]
-        self.backend.store_kv(cache.k, cache.v, step.write_ids.data, k, v)
+        cache, step = self._store(layer, k, v)
         return self.backend.extend_attention(
             q,
             cache.k,
