@@ -123,13 +123,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             return False
         return self.tokens[r][page * self.ps] // self.ps not in self.released[name]
 
-    def _allocate(self, slots, ext, decode):
+    def _allocate(self, slots, ext, decode, fused=False):
         prefix = np.array([len(self.tokens[s]) for s in slots])
         demand = self.alloc.demand_for(np.array(slots), ext)
         now, after = self.alloc.can_admit(demand)
         before, shortfalls = self.moves, self.shortfalls
         self.batch = list(slots)
-        if decode:
+        step = None
+        if fused:
+            step = self.alloc.decode_step(np.array(slots), prefix)
+            ids = None if step is None else step.virtual_ids
+        elif decode:
             ids = self.alloc.alloc_decode(np.array(slots), prefix)
         else:
             ids = self.alloc.alloc_extend(np.array(slots), prefix, ext)
@@ -158,7 +162,36 @@ class AllocatorMachine(RuleBasedStateMachine):
                 rows.append(s)
                 positions.append(pos)
                 at += 1
-        self._write(rows, positions)
+        if step is None:
+            self._write(rows, positions)
+            return
+        self._note_window(slots, prefix + 1)  # decode_step freed out-of-window pages too
+        self._check_step(step, slots, prefix + 1)
+        for name in self.alloc.token_names:  # markers written at the returned kernel ids
+            lanes = [i for i, (r, p) in enumerate(zip(rows, positions)) if self._visible(name, r, p)]
+            kernel = step.write_ids[name].data[lanes].long()
+            values = torch.tensor([self.tokens[rows[i]][positions[i]] for i in lanes]).float()
+            for layer in self.pool[name].views:
+                for view in layer if isinstance(layer, tuple) else (layer,):
+                    view[kernel] = values.view(-1, *([1] * (view.dim() - 1))).to(view.dtype)
+
+    def _check_step(self, step, slots, lens):
+        """decode_step's tables equal the unfused block_table / translate verbs."""
+        slots_dev = torch.tensor(slots, dtype=torch.int32)
+        lens_dev = torch.tensor(lens, dtype=torch.int32)
+        assert torch.equal(step.req_slots, slots_dev) and torch.equal(step.seq_lens, lens_dev)
+        for name in self.alloc.token_names:
+            table = torch.full_like(step.block_tables[name].data, -7)
+            window = self.alloc.windows.get(name, 0)
+            self.alloc.block_table(slots_dev, lens_dev, name, table, window=window)
+            assert torch.equal(step.block_tables[name].data, table), f"{name}: block table"
+            locs = self.alloc.translate(step.virtual_ids, name).data
+            assert torch.equal(step.write_ids[name].data, locs), f"{name}: write ids"
+            if window:  # the model's out-of-window pages hold no physical page any more
+                for s in slots:
+                    gone = [self.tokens[s][j * self.ps] // self.ps for j in range(self.gone[s])]
+                    v2p = self.alloc.subs[name].v2p_host[np.array(gone, np.int64)]
+                    assert (v2p < 0).all(), f"{name}: request {s} kept out-of-window pages"
 
     # -- rules --------------------------------------------------------------------
 
@@ -188,7 +221,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         OPS["count"] += 1
         slots = [s for s in self._pick(data, 4) if len(self.tokens[s]) < self.ctx]
         if slots:
-            self._allocate(slots, np.ones(len(slots), np.int64), decode=True)
+            fused = data.draw(st.booleans())  # decode_step, or alloc_decode alone
+            self._allocate(slots, np.ones(len(slots), np.int64), decode=True, fused=fused)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -197,6 +231,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         slots = self._pick(data)
         seq = np.array([data.draw(st.integers(0, len(self.tokens[s]))) for s in slots])
         self.alloc.free_out_of_window(np.array(slots), seq)
+        self._note_window(slots, seq)
+
+    def _note_window(self, slots, seq):
+        """Model of free_out_of_window(slots, seq): pages that left each window."""
         if self.alloc.windows:
             window = WINDOW[self.ps]
             for s, n in zip(slots, seq):

@@ -33,6 +33,7 @@ from unikv.allocator.fences import FenceQueue
 from unikv.allocator.lookups import LookupVerbs
 from unikv.allocator.planner import PlannerVerbs
 from unikv.allocator.requests import RequestTable, VirtualSpace
+from unikv.allocator.step import StepVerbs
 from unikv.allocator.subpool import SubPoolAllocator
 from unikv.allocator.tokens import TokenVerbs
 from unikv.pool import UnifiedPool
@@ -57,7 +58,7 @@ class Shortfall:
     free_bytes: int
 
 
-class PoolAllocator(TokenVerbs, LookupVerbs, PlannerVerbs):
+class PoolAllocator(TokenVerbs, StepVerbs, LookupVerbs, PlannerVerbs):
     """Allocator over every sub-pool of ``pool`` (see the module docstring).
 
     Args:

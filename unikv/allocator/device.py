@@ -78,10 +78,10 @@ class PinnedRing:
 
 
 def make_table_ops(device: torch.device, backend: str | None = None) -> SimpleNamespace:
-    """``update_tables`` and ``translate_ids`` for ``device``, chosen once: the
+    """``update_tables``, ``translate_ids`` and ``step_tables`` for ``device``, chosen once: the
     fused Triton kernels on CUDA, their torch references elsewhere. backend:
     None (by device), ``"triton"`` (e.g. under ``TRITON_INTERPRET=1``) or ``"torch"``."""
-    from unikv.kernels import table_update
+    from unikv.kernels import step_tables, table_update
 
     if backend is None:
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
@@ -90,12 +90,15 @@ def make_table_ops(device: torch.device, backend: str | None = None) -> SimpleNa
 
         patch_interpreter()
         return SimpleNamespace(
-            update_tables=table_update.update_tables, translate_ids=table_update.translate_ids
+            update_tables=table_update.update_tables,
+            translate_ids=table_update.translate_ids,
+            step_tables=step_tables.step_tables,
         )
     if backend == "torch":
         return SimpleNamespace(
             update_tables=table_update.update_tables_ref,
             translate_ids=table_update.translate_ids_ref,
+            step_tables=step_tables.step_tables_ref,
         )
     raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
 

@@ -106,6 +106,15 @@ class SubPoolAllocator:
     def unbind(self, vpages: np.ndarray, fence: Any = None) -> np.ndarray:
         """Unbind bound virtual pages (host int32, v2p >= 0): tombstone them on host
         and device, hold or free their physical pages. Returns the physical pages."""
+        ppages = self.unbind_host(vpages, fence)
+        if len(ppages):
+            packed, segments, count = pack_updates([vpages, ppages], [(0, 0, -1), (1, 1, -1)])
+            self._update_tables(self._tables, self.upload(packed), segments, count)
+        return ppages
+
+    def unbind_host(self, vpages: np.ndarray, fence: Any = None) -> np.ndarray:
+        """``unbind`` without the device write: the caller tombstones ``v2p[vpages]``
+        and ``p2v[returned physical pages]`` in its own batched upload."""
         ppages = self.v2p_host[vpages]
         if len(vpages) == 0:
             return ppages
@@ -113,8 +122,6 @@ class SubPoolAllocator:
         self.v2p_host[vpages] = -1
         self.p2v_host[ppages] = -1
         self.num_live -= len(ppages)
-        packed, segments, count = pack_updates([vpages, ppages], [(0, 0, -1), (1, 1, -1)])
-        self._update_tables(self._tables, self.upload(packed), segments, count)  # tombstones
         held = self.chain.fences.hold(self.name, ppages, fence) if self.chain else False
         hold = (
             np.ones(len(ppages), bool) if held else self.pins[ppages] > 0

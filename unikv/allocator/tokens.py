@@ -108,12 +108,26 @@ class TokenVerbs:
     def _grow(self, slots, new_lens, owners, cols, rows, positions) -> VirtualTokenIds | None:
         """Mint virtual pages for (owners, cols), bind them in every token sub-pool,
         set the lengths and write req_to_token[rows, positions]."""
+        staged = self._stage_grow(slots, new_lens, owners, cols, rows, positions)
+        if staged is None:
+            return None
+        arrays, segments = staged
+        packed, num, n = self._write_tables(arrays, segments)
+        self._after_verb()
+        start = 4 * num + n  # after the header and the flat req_to_token indices
+        return VirtualTokenIds(packed[start : start + n])
+
+    def _stage_grow(self, slots, new_lens, owners, cols, rows, positions):
+        """The host half of ``_grow``: reserve, mint, bind on the host, set lengths.
+        Returns ``(arrays, segments)`` for ``pack_updates`` over ``_grow_tables``
+        (arrays[0]: flat req_to_token indices, arrays[1]: token ids), or None
+        (state unchanged) when the chain cannot hold the new pages."""
         if self.owner is None:
             raise ValueError("this pool has no token sub-pool; use alloc_mamba")
         count = len(owners)
         if count and not self.reserve({n: count for n in self.token_names}, count, slots):
             return None
-        arrays: list[np.ndarray] = [None, None]  # flat req_to_token index, token ids
+        arrays: list[np.ndarray] = [rows * self.requests.max_context + positions, None]
         segments = [(0, 0, 1)]  # req_to_token[flat] = tokens
         if count:  # most decode steps at ps > 1 fill tail pages only
             vpages = self.vspace.mint(owners.astype(np.int32), cols)
@@ -126,14 +140,15 @@ class TokenVerbs:
                 segments += [(1 + 2 * i, 2, 3 + i), (2 + 2 * i, 3 + i, 2)]
         self.requests.lens[slots] = new_lens
         arrays[1] = self.requests.token_ids(rows, positions)
-        arrays[0] = rows * self.requests.max_context + positions
-        n = len(arrays[1])
+        return arrays, segments
+
+    def _write_tables(self, arrays: list, segments: list) -> tuple:
+        """One upload and one fused launch of staged ``_grow_tables`` writes.
+        Returns (the packed device array, its number of segments, len(arrays[0]))."""
         packed, num, max_count = pack_updates(arrays, segments)
         packed = self.upload(packed)
-        self._ops.update_tables(self._grow_tables, packed, num, max_count)  # one launch
-        self._after_verb()
-        start = 4 * num + n
-        return VirtualTokenIds(packed[start : start + n])
+        self._ops.update_tables(self._grow_tables, packed, num, max_count)
+        return packed, num, len(arrays[0])
 
     def _after_verb(self) -> None:
         if self.debug:
@@ -179,17 +194,34 @@ class TokenVerbs:
         seq = self._lens(slots, seq_lens, "free_out_of_window", "seq_lens")
         if (seq > self.requests.lens[slots]).any() or (seq < 0).any():
             raise ValueError("free_out_of_window: seq_lens must lie in [0, tokens held]")
+        arrays, segments = [], []
+        self._stage_window_frees(slots, seq, arrays, segments)
+        if segments:
+            self._write_tables(arrays, segments)
+        self._after_verb()
+
+    def _stage_window_frees(
+        self, slots: np.ndarray, seq: np.ndarray, arrays: list, segments: list
+    ) -> None:
+        """The host half of ``free_out_of_window``: unbind on the host and append the
+        tombstone writes of ``v2p`` and ``p2v`` to (arrays, segments) of ``_grow_tables``."""
         held = self.requests.num_pages(slots)
         for name, window in self.windows.items():
             first = self.requests.window_lo[name]
             lo = first[slots]
             hi = np.maximum(lo, np.minimum((seq - window) // self.page_size, held))
-            if (hi > lo).any():
-                rows = np.repeat(slots, hi - lo)
-                vpages = self.requests.pages[rows, _ragged(lo, hi - lo)]
-                self._unbind_bound(name, vpages)
-                first[slots] = hi
-        self._after_verb()
+            gone = hi - lo
+            if not gone.any():
+                continue
+            vpages = self.requests.pages[np.repeat(slots, gone), _ragged(lo, gone)]
+            sub = self.subs[name]
+            vpages = vpages[sub.v2p_host[vpages] >= 0]  # I/O may have released some
+            ppages = sub.unbind_host(vpages)
+            if len(ppages):
+                table, at = 1 + 2 * self.token_names.index(name), len(arrays)
+                arrays += [vpages, ppages]
+                segments += [(table, at, -1), (table + 1, at + 1, -1)]  # tombstones
+            first[slots] = hi
 
     def truncate(self, slots: object, new_lens: object) -> None:
         """Free the tokens of each request beyond ``new_lens[i]`` (whole pages past

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._checks import check_ids, check_same_device
+from unikv.kernels.launch import launcher
 
 BLOCK_COLS = 128
 
@@ -52,6 +53,9 @@ def _build_block_table_kernel(
     tl.store(out + b * out_stride + col, entry.to(tl.int32), mask=col < num_cols)
 
 
+_launch_build = launcher(_build_block_table_kernel)
+
+
 def build_block_table(
     req_to_token: torch.Tensor,
     req_slots: torch.Tensor,
@@ -86,7 +90,8 @@ def build_block_table(
     if bsz == 0 or num_cols == 0:
         return out
     grid = (bsz, triton.cdiv(num_cols, BLOCK_COLS))
-    _build_block_table_kernel[grid](
+    _launch_build(
+        grid,
         req_to_token,
         req_slots,
         seq_lens,

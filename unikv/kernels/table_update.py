@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels.launch import launcher
+
 MAX_TABLES = 8
 BLOCK = 256
 HEADER = 4  # ints per segment row
@@ -63,6 +65,9 @@ def _update_tables_kernel(
         tl.store(t7 + index, value, mask=mask & (table == 7))
 
 
+_launch_update = launcher(_update_tables_kernel)
+
+
 def update_tables(
     tables: Sequence[torch.Tensor], packed: torch.Tensor, num_segments: int, max_count: int
 ) -> None:
@@ -78,7 +83,7 @@ def update_tables(
         group = list(tables[base : base + MAX_TABLES])
         num = len(group)
         group += [None] * (MAX_TABLES - num)  # constexpr None: never touched
-        _update_tables_kernel[grid](packed, base, *group, NUM=num, BLOCK=BLOCK)
+        _launch_update(grid, packed, base, *group, NUM=num, BLOCK=BLOCK)
 
 
 def update_tables_ref(
@@ -113,6 +118,9 @@ def _translate_kernel(ids, v2p, out, n, MULT: tl.constexpr, PS: tl.constexpr, BL
     tl.store(out + i, result.to(out.dtype.element_ty), mask=mask)
 
 
+_launch_translate = launcher(_translate_kernel)
+
+
 def translate_ids(
     ids: torch.Tensor, v2p: torch.Tensor, page_size: int, mult: int, out: torch.Tensor
 ) -> torch.Tensor:
@@ -124,7 +132,7 @@ def translate_ids(
     n = ids.shape[0]
     if n:
         grid = (triton.cdiv(n, BLOCK),)
-        _translate_kernel[grid](ids, v2p, out, n, MULT=mult, PS=page_size, BLOCK=BLOCK)
+        _launch_translate(grid, ids, v2p, out, n, MULT=mult, PS=page_size, BLOCK=BLOCK)
     return out[:n]
 
 

@@ -1,0 +1,152 @@
+"""One call per decode step: allocate, free out-of-window pages, build the block
+tables and translate the write ids of every token sub-pool.
+
+``decode_step(slots, seq_lens)`` equals, in effect,
+
+    ids = alloc_decode(slots, seq_lens)
+    free_out_of_window(slots, seq_lens + 1)
+    for each token sub-pool n (window W_n, 0 for none):
+        block_table(slots, seq_lens + 1, n, table_n, window=W_n)
+        translate(ids, n, out=loc_n)
+
+but costs one upload and two launches (``update_tables``, then
+``kernels.step_tables``) instead of three uploads and six launches, and its host
+bookkeeping is shared. Allocation runs before the frees, so no physical page is
+both freed and taken in one step (the fused table write needs distinct indices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from unikv.allocator.translate import check_block_table
+from unikv.ids import KernelIds, KernelPageIds, VirtualTokenIds
+from unikv.kernels.step_tables import StepTarget
+
+
+@dataclass
+class DecodeStep:
+    """What ``decode_step`` wrote, all on the device.
+
+    virtual_ids: (B,) the new tokens' virtual ids; req_slots, seq_lens: (B,)
+    int32 (lengths include the new token); block_tables[n]: (B, C) kernel page
+    entries of sub-pool n; write_ids[n]: (B,) kernel ids where n stores the new
+    token (views of the caller's buffers when given)."""
+
+    virtual_ids: VirtualTokenIds
+    req_slots: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: dict[str, KernelPageIds]
+    write_ids: dict[str, KernelIds]
+
+
+class StepVerbs:
+    """Mixed into PoolAllocator (uses the token verbs' staging helpers)."""
+
+    def decode_step(
+        self,
+        slots: object,
+        seq_lens: object,
+        *,
+        block_tables: Mapping[str, torch.Tensor] | None = None,
+        write_ids: Mapping[str, torch.Tensor] | None = None,
+    ) -> DecodeStep | None:
+        """One decode token per request, plus every lookup the step's forward needs.
+
+        slots, seq_lens: (B,) host integer arrays; seq_lens[i] is the length BEFORE
+        the new token (it must equal the tokens request i holds). block_tables:
+        None, or per token sub-pool an int32 (>= B, C) tensor with unit column
+        stride and C * page_size >= max(seq_lens) + 1 (every table the same
+        shape); write_ids: None, or per token sub-pool a 1-D int32/int64 tensor of
+        >= B entries. Buffers are written in place (stable ``data_ptr`` for CUDA
+        graphs). Returns a ``DecodeStep``, or None (state unchanged) when the
+        chain cannot hold the new pages."""
+        slots = self.requests.check_slots(slots, "decode_step")
+        seq = self._lens(slots, seq_lens, "decode_step", "seq_lens")
+        self._check_held(slots, seq, "decode_step", "seq_lens")
+        if (seq >= self.requests.max_context).any():
+            raise ValueError(f"decode_step: a request is at max_context {self.requests.max_context}")
+        new_lens = seq + 1
+        bsz, ps = len(slots), self.page_size
+        longest = int(new_lens.max()) if bsz else 1
+        tables = self._step_buffers(bsz, longest, block_tables, write_ids)
+        need = seq % ps == 0
+        staged = self._stage_grow(slots, new_lens, slots[need], seq[need] // ps, slots, seq)
+        if staged is None:
+            return None
+        arrays, segments = staged
+        self._stage_window_frees(slots, new_lens, arrays, segments)
+        arrays += [slots, new_lens]
+        packed, num, _ = self._write_tables(arrays, segments)
+        start, end = 4 * num + bsz, packed.shape[0]
+        virtual_ids = packed[start : start + bsz]
+        req_slots, lens_dev = packed[end - 2 * bsz : end - bsz], packed[end - bsz :]
+        self._ops.step_tables(self.req_to_token, req_slots, lens_dev, ps, tables)
+        if self.debug:
+            for name, t in zip(self.token_names, tables):
+                check_block_table(
+                    t.table[:bsz], self.req_to_token, req_slots, lens_dev, t.v2p, ps, t.window, name
+                )
+        self._after_verb()
+        return DecodeStep(
+            VirtualTokenIds(virtual_ids),
+            req_slots,
+            lens_dev,
+            {n: KernelPageIds(t.table[:bsz], n) for n, t in zip(self.token_names, tables)},
+            {n: KernelIds(t.loc[:bsz], n) for n, t in zip(self.token_names, tables)},
+        )
+
+    def _step_buffers(self, bsz, longest, block_tables, write_ids) -> list[StepTarget]:
+        """Checked (or new) output buffers of every token sub-pool, as StepTargets."""
+        if self.owner is None:
+            raise ValueError("decode_step: this pool has no token sub-pool")
+        for what, given in (("block_tables", block_tables), ("write_ids", write_ids)):
+            if given is not None and set(given) != set(self.token_names):
+                raise ValueError(
+                    f"decode_step: {what} must name every token sub-pool {self.token_names}, "
+                    f"got {sorted(given)}"
+                )
+        cols = -(-longest // self.page_size)
+        dev = self.requests.req_to_token.device
+        targets, shape = [], None
+        for name in self.token_names:
+            sub = self.subs[name]
+            if block_tables is None:
+                table = torch.empty((bsz, cols), dtype=torch.int32, device=dev)
+            elif (
+                (table := block_tables[name]).dtype != torch.int32
+                or table.dim() != 2
+                or table.shape[0] < bsz
+                or table.shape[1] < cols
+                or table.stride(1) != 1
+                or table.device != dev
+                or shape not in (None, (table.shape, table.stride()))
+            ):
+                raise ValueError(
+                    f"decode_step: block_tables[{name!r}] must be an int32 ({bsz}+, {cols}+) "
+                    f"tensor on {dev} with unit column stride, every table of one "
+                    f"shape; got {table.dtype} {tuple(table.shape)} stride {table.stride()} "
+                    f"on {table.device}"
+                )
+            shape = table.shape, table.stride()
+            if write_ids is None:
+                loc = torch.empty(bsz, dtype=torch.int32, device=dev)
+            elif (
+                (loc := write_ids[name]).dim() != 1
+                or loc.shape[0] < bsz
+                or loc.dtype not in (torch.int32, torch.int64)
+                or not loc.is_contiguous()
+                or loc.device != dev
+            ):
+                raise ValueError(
+                    f"decode_step: write_ids[{name!r}] must be a contiguous 1-D int32/int64 "
+                    f"tensor of >= {bsz} entries on {dev}; got {loc.dtype} "
+                    f"{tuple(loc.shape)} on {loc.device}"
+                )
+            window = self.windows.get(name, 0)
+            targets.append(StepTarget(sub.v2p, sub.blocks_per_page, window, table, loc))
+        return targets

@@ -1,0 +1,156 @@
+"""One launch for a decode step's lookups: every token sub-pool's block table
+and the kernel id where each request's new token is written.
+
+For request b (slot s, length L including the new token, at position L - 1)
+and each target sub-pool k (v2p_k, blocks per page B_k, window W_k):
+
+    table_k[b, j] = v2p_k[req_to_token[s, j*ps] // ps] * B_k   for live pages j
+                    (j*ps < L and, when W_k > 0, (j+1)*ps > L - W_k), else 0
+    loc_k[b]      = table_k[b, (L-1) // ps] * ps + (L-1) % ps
+
+which is ``build_block_table`` (window W_k) plus ``translate_ids`` of the new
+token's virtual id, fused: the page entries are looked up once and read from
+``req_to_token`` rather than carried from the host. Tombstones, negative ids
+and padding columns read 0 (the sink); ``v2p[-1]`` is never read.
+``step_tables_ref`` is the torch reference, built from the unfused references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels import reference
+from unikv.kernels.launch import launcher
+
+MAX_TARGETS = 4
+BLOCK_COLS = 128
+
+
+class StepTarget(NamedTuple):
+    """One sub-pool's inputs and outputs: v2p (V,) int32; table (>= B, C) int32
+    with unit column stride; loc (>= B,) int32/int64; window 0 or W."""
+
+    v2p: torch.Tensor
+    blocks_per_page: int
+    window: int
+    table: torch.Tensor
+    loc: torch.Tensor
+
+
+@triton.jit
+def _target(
+    v2p, table, loc, window, row, col, ok, vpage, seq, here, in_page, num_cols,
+    PS: tl.constexpr, BPP: tl.constexpr,
+):  # fmt: skip
+    keep = ok & ((window <= 0) | ((col + 1) * PS > seq - window))
+    phys = tl.load(v2p + vpage, mask=keep, other=-1)
+    entry = tl.where(phys >= 0, phys.to(tl.int64) * BPP, 0)
+    tl.store(table + row + col, entry.to(tl.int32), mask=col < num_cols)
+    new_entry = tl.sum(tl.where(here, entry, 0), axis=0)  # the new token's page
+    has_new = tl.sum(here.to(tl.int32), axis=0) > 0
+    tl.store(loc, (new_entry * PS + in_page).to(loc.dtype.element_ty), mask=has_new)
+
+
+@triton.jit
+def _step_tables_kernel(
+    req_to_token, req_slots, seq_lens, num_cols, rt_stride, out_stride,
+    v0, v1, v2, v3, t0, t1, t2, t3, l0, l1, l2, l3, w0, w1, w2, w3,
+    NUM: tl.constexpr, PS: tl.constexpr,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(req_slots + b).to(tl.int64)
+    seq = tl.load(seq_lens + b)
+    live = col * PS < seq
+    virt = tl.load(
+        req_to_token + slot * rt_stride + col.to(tl.int64) * PS, mask=live, other=-1
+    )
+    ok = live & (virt >= 0)
+    vpage = tl.where(ok, virt, 0) // PS  # non-negative: floor == truncation
+    pos = seq - 1
+    here = col == pos // PS
+    in_page = pos % PS
+    row = b.to(tl.int64) * out_stride
+    _target(v0, t0, l0 + b, w0, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B0)
+    if NUM > 1:
+        _target(v1, t1, l1 + b, w1, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B1)
+    if NUM > 2:
+        _target(v2, t2, l2 + b, w2, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B2)
+    if NUM > 3:
+        _target(v3, t3, l3 + b, w3, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B3)
+
+
+_launch = launcher(_step_tables_kernel)
+
+
+def step_tables(
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    targets: Sequence[StepTarget],
+) -> None:
+    """Fill every target's ``table[:B]`` and ``loc[:B]`` (module docstring).
+
+    req_to_token: (R, max_ctx) int32; req_slots, seq_lens: (B,) int32 device
+    tensors, seq_lens >= 1 and <= table columns * page_size (the caller checks);
+    every table has the same row stride. One launch per 4 targets; no host sync."""
+    bsz = req_slots.shape[0]
+    if bsz == 0 or not targets:
+        return
+    if req_to_token.stride(1) != 1:
+        raise ValueError(f"req_to_token needs unit column stride, got {req_to_token.stride()}")
+    num_cols = targets[0].table.shape[1]
+    grid = (bsz, triton.cdiv(num_cols, BLOCK_COLS))
+    out_stride = targets[0].table.stride(0)
+    for base in range(0, len(targets), MAX_TARGETS):
+        group = list(targets[base : base + MAX_TARGETS])
+        num = len(group)
+        pad = [None] * (MAX_TARGETS - num)
+        bpp = [t.blocks_per_page for t in group] + [1] * (MAX_TARGETS - num)
+        _launch(
+            grid,
+            req_to_token, req_slots, seq_lens, num_cols, req_to_token.stride(0), out_stride,
+            *[t.v2p for t in group], *pad,
+            *[t.table for t in group], *pad,
+            *[t.loc for t in group], *pad,
+            *[t.window for t in group], *[0] * (MAX_TARGETS - num),
+            NUM=num, PS=page_size, B0=bpp[0], B1=bpp[1], B2=bpp[2], B3=bpp[3], BLOCK=BLOCK_COLS,
+        )  # fmt: skip
+
+
+def step_tables_ref(
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    targets: Sequence[StepTarget],
+) -> None:
+    """Torch reference of ``step_tables``: the block-table reference, then the new
+    tokens' virtual ids translated through the translation reference."""
+    from unikv.kernels.table_update import translate_ids_ref
+
+    bsz = req_slots.shape[0]
+    if bsz == 0:
+        return
+    slots = req_slots.long()
+    virtual = req_to_token[slots, seq_lens.long() - 1]  # the new tokens' virtual ids
+    for t in targets:
+        reference.build_block_table(
+            req_to_token,
+            req_slots,
+            seq_lens,
+            t.v2p,
+            page_size=page_size,
+            blocks_per_page=t.blocks_per_page,
+            out=t.table[:bsz],
+            window=t.window,
+        )
+        translate_ids_ref(virtual, t.v2p, page_size, page_size * t.blocks_per_page, t.loc)
