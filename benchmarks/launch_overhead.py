@@ -33,47 +33,68 @@ from unikv.allocator.device import PinnedRing
 from unikv.kernels import table_update
 
 
-def per_call_us(fn, calls: int = 2000) -> float:
-    for _ in range(50):
+def per_call_us(fn, calls: int = 100, rounds: int = 30) -> float:
+    """Median host time of one call, over ``rounds`` batches of ``calls`` calls,
+    the device drained between batches (no queue back-pressure in the timing)."""
+    for _ in range(20):
         fn()
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return float(np.median(samples))
 
 
 def launches() -> dict:
+    from triton import knobs
+
+    from unikv.kernels.launch import Launcher, _arg_key
+
     n = 256
     ids = torch.randint(0, 4096, (n,), dtype=torch.int32, device="cuda")
     v2p = torch.arange(8192, dtype=torch.int32, device="cuda")
     out = torch.empty(n, dtype=torch.int32, device="cuda")
     kernel = table_update._translate_kernel
     grid = (1,)
-
-    def jit():
-        kernel[grid](ids, v2p, out, n, MULT=16, PS=16, BLOCK=256)
-
-    result = {"triton_jit": per_call_us(jit)}
-    try:
-        from unikv.kernels.launch import launcher
-
-        fast = launcher(kernel)
-
-        def direct():
-            fast(grid, ids, v2p, out, n, MULT=16, PS=16, BLOCK=256)
-
-        result["triton_direct"] = per_call_us(direct)
-    except ImportError:
-        pass
-    result["torch_index"] = per_call_us(lambda: v2p.index_select(0, ids))
+    args = (ids, v2p, out, n)
+    meta = {"MULT": 16, "PS": 16, "BLOCK": 256}
+    compiled = kernel[grid](*args, **meta)
+    fast = Launcher(kernel)
+    stream = torch._C._cuda_getCurrentRawStream(0)
     ring = PinnedRing(torch.device("cuda"))
     array = np.arange(1024, dtype=np.int32)
-    result["upload"] = per_call_us(lambda: ring(array))
-    result["current_stream"] = per_call_us(lambda: torch.cuda.current_stream().cuda_stream)
-    return result
+    pinned = torch.empty(4096, dtype=torch.int32, pin_memory=True)
+    event = torch.cuda.Event()
+    event.record()
+    idx, table = np.arange(256), np.arange(1000)
+    cases = {
+        "python_call": lambda: None,
+        "numpy_fancy_256": lambda: table[idx],
+        "current_device": torch.cuda.current_device,
+        "raw_stream": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "current_stream": torch.cuda.current_stream,
+        "data_ptr": ids.data_ptr,
+        "knobs_hook": lambda: knobs.runtime.launch_enter_hook,
+        "launcher_key": lambda: (tuple(map(_arg_key, args)), tuple(meta.values())),
+        "triton_jit": lambda: kernel[grid](*args, **meta),
+        "triton_direct": lambda: fast(grid, *args, **meta),
+        "compiled_run_raw": lambda: compiled.run(
+            1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+            *args, *meta.values(),
+        ),
+        "torch_index": lambda: v2p.index_select(0, ids),
+        "tensor_slice": lambda: v2p[10:300],
+        "pinned_to_device": lambda: pinned[:1024].to("cuda", non_blocking=True),
+        "ring_upload": lambda: ring(array),
+        "event_record": event.record,
+        "event_query": event.query,
+        "new_event": torch.cuda.Event,
+    }  # fmt: skip
+    return {name: per_call_us(fn) for name, fn in cases.items()}
 
 
 def profile(steps: int) -> str:
@@ -114,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     result = launches()
     for name, us in result.items():
-        print(f"{name:>16}: {us:7.2f} us/call")
+        print(f"{name:>18}: {us:7.2f} us/call")
     text = profile(args.steps)
     print(text)
     out = pathlib.Path(__file__).parent / "results" / "launch_overhead_cuda.json"

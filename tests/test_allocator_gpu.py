@@ -81,3 +81,61 @@ def test_pinned_ring_never_overwrites_a_queued_upload():
     torch.cuda.synchronize()
     for a, g in zip(arrays, got):
         assert np.array_equal(g.cpu().numpy(), a.astype(np.int32))
+
+
+def _gpu_chain(ps, batch, context):
+    configs = [
+        SubPoolConfig("full", MHASpec(2, 2, 16), page_size=ps),
+        SubPoolConfig("swa", MHASpec(2, 2, 16, sliding_window=40), page_size=ps),
+    ]
+    pages = batch * context // ps + 64
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": pages, "swa": pages}), "cuda")
+    return PoolAllocator(pool, max_requests=batch, max_context=context)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ps", [1, 16])
+def test_decode_step_does_not_sync_and_equals_the_separate_verbs(ps):
+    """decode_step (direct Triton launches) under set_sync_debug_mode("error"), step
+    by step equal to alloc_decode + free_out_of_window + block_table + translate
+    on a twin allocator: tables, write ids and every device table."""
+    batch, prompt, steps = 48, 70, 40
+    verbs, fused = _gpu_chain(ps, batch, prompt + steps + 1), _gpu_chain(ps, batch, prompt + steps + 1)
+    rng = np.random.default_rng(ps)
+    prompts = rng.integers(1, prompt, batch)
+    for alloc in (verbs, fused):
+        slots = np.array([alloc.new_request() for _ in range(batch)])
+        assert alloc.alloc_extend(slots, np.zeros(batch, np.int64), prompts) is not None
+    cols = fused.requests.max_pages
+    tables = {n: torch.full((batch, cols), -3, dtype=torch.int32, device="cuda") for n in ("full", "swa")}
+    locs = {n: torch.full((batch,), -3, dtype=torch.int64, device="cuda") for n in ("full", "swa")}
+    for step in range(steps):
+        batch_slots = np.sort(rng.choice(batch, int(rng.integers(1, batch + 1)), replace=False))
+        lens = verbs.requests.lens[batch_slots].copy()
+        ids = verbs.alloc_decode(batch_slots, lens)
+        verbs.free_out_of_window(batch_slots, lens + 1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = fused.decode_step(batch_slots, lens, block_tables=tables, write_ids=locs)
+            event = torch.cuda.Event()
+            event.record()
+            fused.mark_in_flight(event)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert got is not None and torch.equal(got.virtual_ids.data, ids.data)
+        slots_dev = torch.from_numpy(batch_slots.astype(np.int32)).cuda()
+        lens_dev = torch.from_numpy((lens + 1).astype(np.int32)).cuda()
+        for name, window in (("full", 0), ("swa", 40)):
+            table = torch.empty((len(batch_slots), cols), dtype=torch.int32, device="cuda")
+            verbs.block_table(slots_dev, lens_dev, name, table, window=window)
+            assert torch.equal(got.block_tables[name].data, table), (step, name)
+            want = verbs.translate(ids, name).data.long()
+            assert torch.equal(got.write_ids[name].data, want), (step, name)
+        for name in ("full", "swa"):
+            assert torch.equal(fused.subs[name].v2p, verbs.subs[name].v2p)
+            assert torch.equal(fused.subs[name].p2v, verbs.subs[name].p2v)
+        assert torch.equal(fused.req_to_token, verbs.req_to_token)
+    torch.cuda.synchronize()
+    fused.check_integrity()
