@@ -97,19 +97,23 @@ def launches() -> dict:
     return {name: per_call_us(fn) for name, fn in cases.items()}
 
 
-def profile(steps: int) -> str:
+def profile(steps: int, batch: int, ps: int) -> str:
+    """cProfile of ``steps`` decode_step calls of bench_allocator's chain."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import bench_allocator as bench
 
     rng = np.random.default_rng(0)
-    alloc, slots, lens = bench.build(256, 16, steps + 40, "cuda", rng)
-    parts = bench.step_parts(alloc, slots, lens, "cuda")
+    alloc, slots, lens = bench.build(batch, ps, steps + 40, "cuda", rng)
+    cols = alloc.requests.max_pages
+    names = alloc.token_names
+    tables = {n: torch.zeros((batch, cols), dtype=torch.int32, device="cuda") for n in names}
+    locs = {n: torch.zeros(batch, dtype=torch.int32, device="cuda") for n in names}
 
     def step():
-        for fn in parts.values():
-            fn()
+        alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs)
+        lens[:] += 1
         event = torch.cuda.Event()
         event.record()
         alloc.mark_in_flight(event)
@@ -125,7 +129,9 @@ def profile(steps: int) -> str:
             torch.cuda.synchronize()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
     return buf.getvalue()
 
 
@@ -136,8 +142,12 @@ def main() -> None:
     result = launches()
     for name, us in result.items():
         print(f"{name:>18}: {us:7.2f} us/call")
-    text = profile(args.steps)
-    print(text)
+    from triton import knobs
+
+    print("launch_enter_hook:", knobs.runtime.launch_enter_hook)
+    for batch, ps in ((1, 16), (256, 16)):
+        print(f"=== decode_step profile, B={batch} ps={ps}")
+        print(profile(args.steps, batch, ps))
     out = pathlib.Path(__file__).parent / "results" / "launch_overhead_cuda.json"
     from common import environment
 
