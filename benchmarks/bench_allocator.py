@@ -188,7 +188,7 @@ def run_fused(
     """Host time of ``decode_step`` (the same four parts in one call) per step."""
     alloc, slots, lens = build(batch, ps, steps + COUNT_STEPS, device, rng, backend)
     if backend is not None:
-        alloc._ops.step_tables = make_table_ops(device, backend).step_tables
+        alloc._ops.prepare_step = make_table_ops(device, backend).prepare_step
     cols = alloc.requests.max_pages
     tables = {
         n: torch.zeros((batch, cols), dtype=torch.int32, device=device) for n in alloc.token_names

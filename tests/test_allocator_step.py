@@ -161,3 +161,29 @@ def test_full_pool_returns_none_with_state_unchanged():
     before = snapshot(alloc)
     assert alloc.decode_step(slots[:1], np.array([held])) is None
     assert snapshot(alloc) == before
+
+
+def test_reused_buffers_follow_their_names_and_are_checked_again_when_short():
+    _, alloc = build("full+swa", 4, requests=3)
+    slots = np.array([alloc.new_request() for _ in range(3)])
+    alloc.alloc_extend(slots, np.zeros(3, np.int64), np.array([5, 2, 7]))
+    cols = alloc.requests.max_pages
+    a, b = (torch.full((3, cols), -1, dtype=torch.int32) for _ in range(2))
+    la, lb = (torch.full((3,), -1, dtype=torch.int32) for _ in range(2))
+    for tables, locs in [({"full": a, "swa": b}, {"full": la, "swa": lb}),
+                         ({"swa": a, "full": b}, {"swa": la, "full": lb})]:  # fmt: skip
+        lens = alloc.requests.lens[slots].copy()
+        step = alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs)
+        for name in ("full", "swa"):  # written into the buffer passed under that name now
+            assert step.block_tables[name].data.data_ptr() == tables[name].data_ptr()
+            assert step.write_ids[name].data.data_ptr() == locs[name].data_ptr()
+            want = torch.empty((3, cols), dtype=torch.int32)
+            window = alloc.windows.get(name, 0)
+            alloc.block_table(step.req_slots, step.seq_lens, name, want, window=window)
+            assert torch.equal(tables[name], want)
+            assert torch.equal(locs[name], alloc.translate(step.virtual_ids, name).data)
+    short = {"full": la[:2], "swa": lb[:2]}  # the same storage, too few rows: checked again
+    before = snapshot(alloc)
+    with pytest.raises(ValueError, match=">= 3 entries"):
+        alloc.decode_step(slots, alloc.requests.lens[slots], block_tables=tables, write_ids=short)
+    assert snapshot(alloc) == before

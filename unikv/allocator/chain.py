@@ -96,6 +96,7 @@ class PoolAllocator(TokenVerbs, StepVerbs, LookupVerbs, PlannerVerbs):
         self.on_shortfall, self.max_shortfall_rounds = on_shortfall, max_shortfall_rounds
         self.upload = make_uploader(pool.device)
         self._ops = make_table_ops(pool.device)  # fused table writes / translation
+        self._step_cache = None  # decode_step: buffers checked last time, and their launch
         self.fences = FenceQueue()
         token = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
         mamba = [s for s in pool.subpools.values() if s.spec.kind == "mamba"]

@@ -43,6 +43,7 @@ def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
     assert len(bound) == len(live), f"{name}: one bound virtual page per live page (no ghosts)"
     assert (sub.p2v_host[sub.v2p_host[bound]] == bound).all(), f"{name}: p2v inverts v2p"
     assert (sub.v2p_host[1:] >= -1).all(), f"{name}: v2p holds pages or -1 (tombstone)"
+    assert sub.any_pinned == bool((sub.pins > 0).any()), f"{name}: any_pinned mirrors pins"
     assert (sub.pins[(state != LIVE) & (state != PENDING)] == 0).all() and (sub.pins >= 0).all(), (
         f"{name}: only live (or freed, held) pages are pinned"
     )

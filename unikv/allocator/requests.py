@@ -59,6 +59,7 @@ class RequestTable:
         self.in_use = np.zeros(max_requests, bool)
         self.lens = np.zeros(max_requests, np.int64)
         self.pages = np.zeros((max_requests, self.max_pages), np.int32)
+        self._pages_flat = self.pages.reshape(-1)  # a view: one 1-D gather beats a 2-D one
         self.window_lo: dict[
             str, np.ndarray
         ] = {}  # first page not yet freed, per windowed sub-pool
@@ -93,9 +94,13 @@ class RequestTable:
         return -(-self.lens[slots] // self.page_size)
 
     def token_ids(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Virtual token ids of ``positions`` of requests ``slots`` (host int64)."""
+        """Virtual token ids of ``positions`` of requests ``slots`` (host ints; the
+        ids fit int32: the allocator keeps virtual pages * page size below 2**31)."""
         ps = self.page_size
-        return self.pages[slots, positions // ps].astype(np.int64) * ps + positions % ps
+        if ps == 1:
+            return self._pages_flat[slots * self.max_pages + positions]
+        cols = positions // ps
+        return self._pages_flat[slots * self.max_pages + cols] * ps + (positions - cols * ps)
 
     def check_slots(self, slots: object, what: str) -> np.ndarray:
         """Host int64 array of distinct in-use slots, or ValueError. O(B), no sort:
@@ -103,19 +108,20 @@ class RequestTable:
         array = np.asarray(slots)
         if array.ndim != 1 or array.dtype.kind not in "iu":  # signed or unsigned ints
             raise ValueError(f"{what}: slots must be a 1-D host integer array, got {slots!r}")
-        array = array.astype(np.int64)
-        if (array.view(np.uint64) >= self.max_requests).any():  # negatives wrap to huge
+        array = array.astype(np.int64, copy=False)
+        if np.count_nonzero(array.view(np.uint64) >= self.max_requests):  # negatives wrap
             raise ValueError(
                 f"{what}: slots must lie in [0, {self.max_requests}), got {array.tolist()}"
             )
-        if not self.in_use[array].all():
+        if np.count_nonzero(self.in_use[array]) != len(array):
             raise ValueError(
                 f"{what}: slots {array[~self.in_use[array]].tolist()} are not open requests"
             )
         n = len(array)
         if n > self.max_requests:
             raise ValueError(f"{what}: slots must be distinct, got {array.tolist()}")
-        self._stamp[array] = self._positions[:n]
-        if (self._stamp[array] != self._positions[:n]).any():  # a later duplicate overwrote
+        positions = self._positions[:n]
+        self._stamp[array] = positions
+        if np.count_nonzero(self._stamp[array] != positions):  # a later duplicate overwrote
             raise ValueError(f"{what}: slots must be distinct, got {array.tolist()}")
         return array

@@ -59,6 +59,7 @@ class SubPoolAllocator:
         self.v2p_host[0] = self.p2v_host[0] = 0  # the sink
         self.state = np.full(self.num_pages, OUT, np.int8)
         self.pins = np.zeros(self.num_pages, np.int32)
+        self.any_pinned = False  # whether any entry of pins is > 0 (skips a gather per free)
         self.num_live = 0
         self.num_pending = 0
         self._stack = np.zeros(self.num_pages, np.int32)  # holes; pop from the end
@@ -118,18 +119,16 @@ class SubPoolAllocator:
         ppages = self.v2p_host[vpages]
         if len(vpages) == 0:
             return ppages
-        assert (ppages > 0).all(), f"{self.name!r}: unbinding unbound virtual pages"
+        assert not np.count_nonzero(ppages <= 0), f"{self.name!r}: unbinding unbound virtual pages"
         self.v2p_host[vpages] = -1
         self.p2v_host[ppages] = -1
         self.num_live -= len(ppages)
         held = self.chain.fences.hold(self.name, ppages, fence) if self.chain else False
-        hold = (
-            np.ones(len(ppages), bool) if held else self.pins[ppages] > 0
-        )  # pinned: held until unpin
-        if not held and not hold.any():  # the common case: every page becomes a hole
+        if not held and not self.any_pinned:  # the common case: every page becomes a hole
             self.state[ppages] = FREE
             self._push(ppages)
             return ppages
+        hold = np.ones(len(ppages), bool) if held else self.pins[ppages] > 0  # pinned: until unpin
         self.state[ppages[hold]] = PENDING
         self.num_pending += int(hold.sum())
         self.state[ppages[~hold]] = FREE
@@ -282,6 +281,7 @@ class SubPoolAllocator:
                 f"pin: pages {host[self.state[host] != LIVE].tolist()} of {self.name!r} are not live"
             )
         np.add.at(self.pins, host, 1)
+        self.any_pinned = bool(np.count_nonzero(self.pins))
 
     def unpin(self, pages: PhysicalPageIds) -> None:
         """Undo one ``pin`` per entry; a freed page whose last pin goes becomes a hole
@@ -293,6 +293,7 @@ class SubPoolAllocator:
                 f"unpin: pages {np.flatnonzero(counts > self.pins).tolist()} are not pinned"
             )
         self.pins -= counts
+        self.any_pinned = bool(np.count_nonzero(self.pins))
         done = np.flatnonzero((counts > 0) & (self.pins == 0) & (self.state == PENDING)).astype(
             np.int32
         )

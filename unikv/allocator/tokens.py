@@ -205,15 +205,22 @@ class TokenVerbs:
     ) -> None:
         """The host half of ``free_out_of_window``: unbind on the host and append the
         tombstone writes of ``v2p`` and ``p2v`` to (arrays, segments) of ``_grow_tables``."""
-        held = self.requests.num_pages(slots)
         for name, window in self.windows.items():
             first = self.requests.window_lo[name]
             lo = first[slots]
-            hi = np.maximum(lo, np.minimum((seq - window) // self.page_size, held))
-            gone = hi - lo
-            if not gone.any():
+            # pages [lo, (seq - W) // ps) leave; that bound stays below the pages held
+            # (seq <= tokens held, W >= 1), so no clamp to the held pages is needed
+            gone = np.maximum((seq - window) // self.page_size - lo, 0)
+            if not np.count_nonzero(gone):
                 continue
-            vpages = self.requests.pages[np.repeat(slots, gone), _ragged(lo, gone)]
+            hi = lo + gone
+            requests = self.requests
+            if np.count_nonzero(gone > 1):  # ragged: several pages of some request
+                flat = np.repeat(slots * requests.max_pages, gone) + _ragged(lo, gone)
+            else:  # decode: at most one page per request leaves
+                leaving = np.flatnonzero(gone)
+                flat = slots[leaving] * requests.max_pages + lo[leaving]
+            vpages = requests._pages_flat[flat]
             sub = self.subs[name]
             vpages = vpages[sub.v2p_host[vpages] >= 0]  # I/O may have released some
             ppages = sub.unbind_host(vpages)

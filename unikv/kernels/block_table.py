@@ -20,7 +20,13 @@ from unikv.kernels.launch import launcher
 BLOCK_COLS = 128
 
 
-@triton.jit
+_BUILD_ARGS = [
+    "req_to_token", "req_slots", "seq_lens", "v2p", "out",
+    "num_cols", "rt_stride", "out_stride", "window",
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_BUILD_ARGS, do_not_specialize_on_alignment=_BUILD_ARGS)
 def _build_block_table_kernel(
     req_to_token,
     req_slots,

@@ -1,19 +1,22 @@
 """Low-overhead launches of small Triton kernels on the allocator's per-step path.
 
 ``kernel[grid](...)`` runs Triton's binder, builds a specialisation key from
-every argument, stringifies the options and looks the compiled kernel up: tens
-of microseconds of host time for a kernel that runs for two. ``launcher(kernel)``
-keeps the compiled kernel of each specialisation itself and launches it straight
-through its driver entry point.
+every argument, stringifies the options and looks the compiled kernel up: on a
+slow host, tens of microseconds for a kernel that runs for two. ``launcher``
+keeps the compiled kernel of each specialisation itself and launches it through
+its driver entry point.
 
-The specialisation key mirrors Triton's own: the values of constexpr keywords,
-the dtype and 16-byte alignment of each tensor, ``None``-ness, and for each int
-whether it is 1 or a multiple of 16 (Triton specialises on both unless told
-not to). A call whose key is new (or any call under the interpreter, or with a
-launch hook installed, e.g. a profiler) goes through ``kernel[grid]``.
+The key mirrors Triton's specialisation: the constexpr keywords, each tensor's
+dtype (``None`` arguments are constexprs), and, for parameters the kernel lets
+Triton specialise, whether an int is 1 or a multiple of 16 and whether a
+pointer is 16-byte aligned. Kernels on the hot path list every runtime
+parameter in ``do_not_specialize`` and ``do_not_specialize_on_alignment`` so
+their key is the dtypes alone. A call with a new key (or any call under the
+interpreter, or while a launch hook such as a profiler is installed) goes
+through ``kernel[grid]``.
 
 Calling convention: positional runtime arguments in signature order, then every
-remaining parameter (the constexprs) as keywords.
+remaining parameter (the constexprs) as keywords, in signature order.
 """
 
 from __future__ import annotations
@@ -24,11 +27,17 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 
+try:
+    from triton.knobs import HookChain
+except ImportError:  # older Triton: hooks are plain callables or None
+    HookChain = ()
+
 _current_device = torch.cuda.current_device
 _raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
 
 
-def _arg_key(arg: object) -> object:
+def _full_key(arg: object) -> object:
+    """Key of a parameter Triton may specialise (value class and alignment)."""
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
     if isinstance(arg, bool) or arg is None:
@@ -38,34 +47,55 @@ def _arg_key(arg: object) -> object:
     return type(arg)
 
 
+def _dtype_key(arg: object) -> object:
+    """Key of a parameter Triton does not specialise: its dtype or None-ness."""
+    return arg.dtype if isinstance(arg, torch.Tensor) else arg is None
+
+
+def _hooks_installed() -> bool:
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and (not isinstance(hook, HookChain) or bool(hook.calls))
+
+
 class Launcher:
     """``launcher(grid, *args, **constexprs)``: launch ``kernel`` on the current stream."""
 
     def __init__(self, kernel: object) -> None:
         self.kernel = kernel
+        params = [p for p in getattr(kernel, "params", ()) if not p.is_constexpr]
         self.names = tuple(getattr(kernel, "arg_names", ()))
+        self.keys = tuple(
+            _dtype_key if p.do_not_specialize and p.do_not_specialize_on_alignment else _full_key
+            for p in params
+        )
         self.compiled: dict[tuple, CompiledKernel] = {}
 
-    def __call__(self, grid: tuple[int, ...], *args: object, **meta: object) -> None:
-        key = (tuple(map(_arg_key, args)), tuple(meta.values()))
+    def key(self, args: tuple, meta: dict) -> tuple:
+        """The specialisation key of a call (pass it back as ``key=`` to skip
+        recomputing it when the arguments' dtypes and classes are fixed)."""
+        return tuple([f(a) for f, a in zip(self.keys, args)]), tuple(meta.values())
+
+    def __call__(
+        self, grid: tuple[int, ...], *args: object, key: tuple | None = None, **meta: object
+    ) -> None:
+        if key is None:
+            key = self.key(args, meta)
         compiled = self.compiled.get(key)
-        if compiled is None or knobs.runtime.launch_enter_hook is not None:
+        if compiled is None or _hooks_installed():
             result = self.kernel[grid](*args, **meta)
             if isinstance(result, CompiledKernel):
-                assert tuple(meta) == self.names[len(args) :], (
-                    "launch: constexprs must follow the runtime arguments, as keywords in "
-                    f"signature order {self.names[len(args):]}, got {tuple(meta)}"
+                assert len(args) == len(self.keys) and tuple(meta) == self.names[len(args) :], (
+                    "launch: pass every runtime argument positionally, then the constexprs "
+                    f"as keywords in signature order {self.names[len(self.keys):]}; got "
+                    f"{len(args)} positional and {tuple(meta)}"
                 )
                 self.compiled[key] = result
             return
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = _raw_stream(_current_device())
         compiled.run(
             grid[0],
-            g1,
-            g2,
-            stream,
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            _raw_stream(_current_device()),
             compiled.function,
             compiled.packed_metadata,
             None,

@@ -17,7 +17,7 @@ and padding columns read 0 (the sink); ``v2p[-1]`` is never read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -56,7 +56,13 @@ def _target(
     tl.store(loc, (new_entry * PS + in_page).to(loc.dtype.element_ty), mask=has_new)
 
 
-@triton.jit
+_STEP_ARGS = [
+    "req_to_token", "req_slots", "seq_lens", "num_cols", "rt_stride", "out_stride",
+    "v0", "v1", "v2", "v3", "t0", "t1", "t2", "t3", "l0", "l1", "l2", "l3", "w0", "w1", "w2", "w3",
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS, do_not_specialize_on_alignment=_STEP_ARGS)
 def _step_tables_kernel(
     req_to_token, req_slots, seq_lens, num_cols, rt_stride, out_stride,
     v0, v1, v2, v3, t0, t1, t2, t3, l0, l1, l2, l3, w0, w1, w2, w3,
@@ -101,29 +107,59 @@ def step_tables(
 
     req_to_token: (R, max_ctx) int32; req_slots, seq_lens: (B,) int32 device
     tensors, seq_lens >= 1 and <= table columns * page_size (the caller checks);
-    every table has the same row stride. One launch per 4 targets; no host sync."""
-    bsz = req_slots.shape[0]
-    if bsz == 0 or not targets:
-        return
+    every table has the same shape and strides. One launch per 4 targets; no host sync."""
+    prepare(req_to_token, page_size, targets)(req_slots, seq_lens)
+
+
+def prepare(
+    req_to_token: torch.Tensor, page_size: int, targets: Sequence[StepTarget]
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``step_tables`` with everything but the slots and lengths bound: returns
+    ``run(req_slots, seq_lens)`` (int32 tensors), for callers that reuse buffers."""
     if req_to_token.stride(1) != 1:
         raise ValueError(f"req_to_token needs unit column stride, got {req_to_token.stride()}")
+    if not targets:
+        return lambda req_slots, seq_lens: None
     num_cols = targets[0].table.shape[1]
-    grid = (bsz, triton.cdiv(num_cols, BLOCK_COLS))
-    out_stride = targets[0].table.stride(0)
+    head = (num_cols, req_to_token.stride(0), targets[0].table.stride(0))
+    launches = []
     for base in range(0, len(targets), MAX_TARGETS):
         group = list(targets[base : base + MAX_TARGETS])
-        num = len(group)
-        pad = [None] * (MAX_TARGETS - num)
-        bpp = [t.blocks_per_page for t in group] + [1] * (MAX_TARGETS - num)
-        _launch(
-            grid,
-            req_to_token, req_slots, seq_lens, num_cols, req_to_token.stride(0), out_stride,
-            *[t.v2p for t in group], *pad,
-            *[t.table for t in group], *pad,
-            *[t.loc for t in group], *pad,
-            *[t.window for t in group], *[0] * (MAX_TARGETS - num),
-            NUM=num, PS=page_size, B0=bpp[0], B1=bpp[1], B2=bpp[2], B3=bpp[3], BLOCK=BLOCK_COLS,
+        pad = [None] * (MAX_TARGETS - len(group))
+        bpp = [t.blocks_per_page for t in group] + [1] * len(pad)
+        tail = (
+            *[t.v2p for t in group], *pad, *[t.table for t in group], *pad,
+            *[t.loc for t in group], *pad, *[t.window for t in group], *[0] * len(pad),
         )  # fmt: skip
+        meta = dict(NUM=len(group), PS=page_size, B0=bpp[0], B1=bpp[1], B2=bpp[2], B3=bpp[3])
+        launches.append((tail, {**meta, "BLOCK": BLOCK_COLS}))
+    blocks = triton.cdiv(num_cols, BLOCK_COLS)
+    keys: list = [None] * len(launches)
+
+    def run(req_slots: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        bsz = req_slots.shape[0]
+        if bsz == 0:
+            return
+        if req_slots.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+            raise ValueError(
+                f"req_slots and seq_lens must be int32, got {req_slots.dtype}, {seq_lens.dtype}"
+            )
+        for i, (tail, meta) in enumerate(launches):
+            args = (req_to_token, req_slots, seq_lens, *head, *tail)
+            if keys[i] is None:  # the dtypes are fixed from here on
+                keys[i] = _launch.key(args, meta)
+            _launch((bsz, blocks), *args, key=keys[i], **meta)
+
+    return run
+
+
+def prepare_ref(
+    req_to_token: torch.Tensor, page_size: int, targets: Sequence[StepTarget]
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``prepare`` of the torch reference."""
+    return lambda req_slots, seq_lens: step_tables_ref(
+        req_to_token, req_slots, seq_lens, page_size, targets
+    )
 
 
 def step_tables_ref(

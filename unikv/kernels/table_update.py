@@ -35,7 +35,10 @@ BLOCK = 256
 HEADER = 4  # ints per segment row
 
 
-@triton.jit(do_not_specialize=["base"])
+_UPDATE_ARGS = ["packed", "base", "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"]
+
+
+@triton.jit(do_not_specialize=_UPDATE_ARGS, do_not_specialize_on_alignment=_UPDATE_ARGS)
 def _update_tables_kernel(
     packed, base, t0, t1, t2, t3, t4, t5, t6, t7, NUM: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -106,7 +109,10 @@ def _minus_one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.full((), -1, dtype=dtype, device=device)
 
 
-@triton.jit(do_not_specialize=["n"])
+_TRANSLATE_ARGS = ["ids", "v2p", "out", "n"]
+
+
+@triton.jit(do_not_specialize=_TRANSLATE_ARGS, do_not_specialize_on_alignment=_TRANSLATE_ARGS)
 def _translate_kernel(ids, v2p, out, n, MULT: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
