@@ -112,23 +112,30 @@ class OpCounter(TorchDispatchMode):
 
 
 def _count_triton(counter: OpCounter) -> list:
-    """Wrap Triton's launch entry points: +1 per launch, aten ops inside paused."""
+    """Wrap the launch entry points (Triton's, and unikv's direct launcher): +1 per
+    launch, aten ops and nested entry points inside paused."""
     from triton.runtime import interpreter, jit
 
+    from unikv.kernels.launch import Launcher
+
     undo = []
-    for cls in (jit.JITFunction, interpreter.InterpretedFunction):
-        original = cls.run
+    for cls, name in (
+        (jit.JITFunction, "run"),
+        (interpreter.InterpretedFunction, "run"),
+        (Launcher, "__call__"),
+    ):
+        original = getattr(cls, name)
 
         def run(self, *args, _original=original, **kwargs):
-            counter.count += 1
+            counter.count += not counter.paused
             counter.paused, was = True, counter.paused
             try:
                 return _original(self, *args, **kwargs)
             finally:
                 counter.paused = was
 
-        cls.run = run
-        undo.append((cls, original))
+        setattr(cls, name, run)
+        undo.append((cls, name, original))
     return undo
 
 
@@ -145,8 +152,8 @@ def count_ops(parts: dict, steps: int) -> dict:
                     fn()
                 totals[name] += counter.count
     finally:
-        for cls, original in undo:
-            cls.run = original
+        for cls, name, original in undo:
+            setattr(cls, name, original)
     return {name: total / steps for name, total in totals.items()}
 
 

@@ -52,7 +52,7 @@ def per_call_us(fn, calls: int = 100, rounds: int = 30) -> float:
 def launches() -> dict:
     from triton import knobs
 
-    from unikv.kernels.launch import Launcher, _arg_key
+    from unikv.kernels.launch import Launcher
 
     n = 256
     ids = torch.randint(0, 4096, (n,), dtype=torch.int32, device="cuda")
@@ -79,7 +79,7 @@ def launches() -> dict:
         "current_stream": torch.cuda.current_stream,
         "data_ptr": ids.data_ptr,
         "knobs_hook": lambda: knobs.runtime.launch_enter_hook,
-        "launcher_key": lambda: (tuple(map(_arg_key, args)), tuple(meta.values())),
+        "launcher_key": lambda: fast.key(args, meta),
         "triton_jit": lambda: kernel[grid](*args, **meta),
         "triton_direct": lambda: fast(grid, *args, **meta),
         "compiled_run_raw": lambda: compiled.run(
