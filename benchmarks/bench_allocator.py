@@ -184,47 +184,21 @@ def step_parts(alloc, slots: np.ndarray, lens: np.ndarray, device: str) -> dict:
     return dict(zip(PARTS, (alloc_decode, free_out_of_window, block_table, translate)))
 
 
-def run_fused(
-    batch: int,
-    ps: int,
-    steps: int,
-    device: str,
-    rng: np.random.Generator,
-    backend: str | None = None,
-) -> dict:
-    """Host time of ``decode_step`` (the same four parts in one call) per step."""
-    alloc, slots, lens = build(batch, ps, steps + COUNT_STEPS, device, rng, backend)
-    if backend is not None:
-        alloc._ops.prepare_step = make_table_ops(device, backend).prepare_step
-    cols = alloc.requests.max_pages
-    tables = {
-        n: torch.zeros((batch, cols), dtype=torch.int32, device=device) for n in alloc.token_names
-    }
-    locs = {n: torch.zeros(batch, dtype=torch.int32, device=device) for n in alloc.token_names}
+def fused_step(alloc, slots: np.ndarray, lens: np.ndarray, device: str):
+    """``decode_step`` into reused buffers (what an engine with CUDA graphs does)."""
+    batch, cols = len(slots), alloc.requests.max_pages
+    names = alloc.token_names
+    tables = {n: torch.zeros((batch, cols), dtype=torch.int32, device=device) for n in names}
+    locs = {n: torch.zeros(batch, dtype=torch.int32, device=device) for n in names}
 
-    def step():
+    def decode_step():
         assert alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs) is not None
         lens[:] += 1
 
-    times = []
-    cuda = device == "cuda"
-    for i in range(steps + 5):
-        t0 = time.perf_counter()
-        step()
-        if i >= 5:
-            times.append((time.perf_counter() - t0) * 1e6)
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-            alloc.mark_in_flight(event)
-            if i % 16 == 15:
-                torch.cuda.synchronize()
-    ops = count_ops({"decode_step": step}, COUNT_STEPS)["decode_step"]
-    if cuda:
-        torch.cuda.synchronize()
-    alloc.check_integrity()
-    us = float(np.median(times))
-    return {"us_per_step": us, "us_per_request": us / batch, "device_ops": ops}
+    return decode_step
+
+
+ROUNDS = 3  # the steps are split into rounds: their medians show the run-to-run spread
 
 
 def run(
@@ -232,40 +206,66 @@ def run(
     ps: int,
     steps: int,
     device: str,
-    rng: np.random.Generator,
+    seed: int,
     backend: str | None = None,
 ) -> dict:
-    alloc, slots, lens = build(batch, ps, steps + COUNT_STEPS, device, rng, backend)
-    parts = step_parts(alloc, slots, lens, device)
-    times = {p: [] for p in PARTS}
+    """Time the separate verbs and decode_step on twin allocators, interleaved step
+    by step (alternating which goes first), so both see the same host conditions."""
+    total = steps + COUNT_STEPS
+    verbs, slots, lens = build(batch, ps, total, device, np.random.default_rng(seed), backend)
+    fused, f_slots, f_lens = build(batch, ps, total, device, np.random.default_rng(seed), backend)
+    if backend is not None:
+        fused._ops.prepare_step = make_table_ops(device, backend).prepare_step
+    parts = step_parts(verbs, slots, lens, device)
+    step = fused_step(fused, f_slots, f_lens, device)
+    times = {p: [] for p in (*PARTS, "decode_step")}
     cuda = device == "cuda"
-    for step in range(steps + 5):
+
+    def timed(name, fn, keep):
+        t0 = time.perf_counter()
+        fn()
+        if keep:
+            times[name].append((time.perf_counter() - t0) * 1e6)
+
+    for i in range(steps + 5):
+        keep = i >= 5  # warm-up excluded
+        if i % 2:
+            timed("decode_step", step, keep)
         for part, fn in parts.items():
-            t0 = time.perf_counter()
-            fn()
-            if step >= 5:  # warm-up excluded
-                times[part].append((time.perf_counter() - t0) * 1e6)
+            timed(part, fn, keep)
+        if not i % 2:
+            timed("decode_step", step, keep)
         if cuda:
-            event = torch.cuda.Event()
-            event.record()
-            alloc.mark_in_flight(event)
-            if step % 16 == 15:
+            for alloc in (verbs, fused):
+                event = torch.cuda.Event()
+                event.record()
+                alloc.mark_in_flight(event)
+            if i % 16 == 15:
                 torch.cuda.synchronize()  # keep the queue short; outside the timed spans
-    ops = count_ops(parts, COUNT_STEPS)
+    ops = count_ops({**parts, "decode_step": step}, COUNT_STEPS)
     if cuda:
         torch.cuda.synchronize()
-    alloc.check_integrity()
+    verbs.check_integrity()
+    fused.check_integrity()
     med = {p: float(np.median(t)) for p, t in times.items()}
-    total = sum(med.values())
+    separate = sum(med[p] for p in PARTS)
+    rounds = [np.array_split(np.array(times[p]), ROUNDS) for p in (*PARTS, "decode_step")]
+    by_round = np.array([[float(np.median(r)) for r in part] for part in rounds])  # (5, R)
     return {
         "batch": batch,
         "page_size": ps,
         "steps": steps,
-        "us": med,
-        "us_per_step": total,
-        "us_per_request": total / batch,
-        "device_ops": ops,
-        "decode_step": run_fused(batch, ps, steps, device, rng, backend),
+        "us": {p: med[p] for p in PARTS},
+        "us_per_step": separate,
+        "us_per_request": separate / batch,
+        "device_ops": {p: ops[p] for p in PARTS},
+        "round_us_per_step": by_round[: len(PARTS)].sum(0).tolist(),
+        "decode_step": {
+            "us_per_step": med["decode_step"],
+            "us_per_request": med["decode_step"] / batch,
+            "device_ops": ops["decode_step"],
+            "round_us_per_step": by_round[-1].tolist(),
+        },
     }
 
 
@@ -287,7 +287,6 @@ def main() -> None:
         "--out", default=None, help="JSON path (default results/allocator_<device>.json)"
     )
     args = parser.parse_args()
-    rng = np.random.default_rng(args.seed)
     rows = []
     header = (
         f"{'B':>4} {'ps':>3} "
@@ -297,7 +296,8 @@ def main() -> None:
     print(header)
     for ps in map(int, args.page_sizes.split(",")):
         for batch in map(int, args.batches.split(",")):
-            row = run(batch, ps, args.steps, args.device, rng, args.backend)
+            seed = args.seed + 1000 * ps + batch
+            row = run(batch, ps, args.steps, args.device, seed, args.backend)
             rows.append(row)
             cells = " ".join(f"{row['us'][p]:>19.1f}" for p in PARTS)
             print(
@@ -309,6 +309,11 @@ def main() -> None:
             print(
                 f"{'':>8} decode_step (all four parts, one call): {fused['us_per_step']:.1f} us/step "
                 f"{fused['us_per_request']:.2f} us/req, {fused['device_ops']:.1f} device ops"
+            )
+            spread = lambda r: "/".join(f"{x:.0f}" for x in r)  # noqa: E731
+            print(
+                f"{'':>8} per-round medians, us/step: separate {spread(row['round_us_per_step'])}, "
+                f"decode_step {spread(fused['round_us_per_step'])}"
             )
     b256 = [r for r in rows if r["batch"] == 256]
     verdict = {

@@ -6,9 +6,11 @@ One graph per padded batch size, all reading fixed-size buffers owned here:
     per sub-pool: write_ids (Bmax,)  block_table (Bmax, ceil(max_context / ps)) int32
 
 Before a replay, translation runs OUTSIDE the graph into prefixes of these
-buffers (``alloc.translate(..., out=)``, ``build_block_table(out=)``); the
-padded lanes are reset to the sink (kernel id 0, block-table entry 0, seq_len
-1, token 0, position 0), so a padded lane reads and writes only sink bytes.
+buffers: the scheduler's ``alloc.decode_step`` writes the block tables and
+write ids straight into them (``step_buffers``), else ``alloc.translate(...,
+out=)`` and ``block_table(out=)`` do; the padded lanes are reset to the sink
+(kernel id 0, block-table entry 0, seq_len 1, token 0, position 0), so a padded
+lane reads and writes only sink bytes.
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ class DecodeGraphs:
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize(self.runner.device)
 
+    def step_buffers(self) -> tuple[dict, dict, int]:
+        """(block tables, write ids, max rows) of the token sub-pools, for
+        ``Scheduler.step_buffers``."""
+        names = self.runner.alloc.token_names
+        tables = {n: self.tables[n] for n in names}
+        return tables, {n: self.write_ids[n] for n in names}, self.sizes[-1]
+
     def fits(self, batch) -> bool:
         return len(batch.requests) <= self.sizes[-1]
 
@@ -106,19 +115,26 @@ class DecodeGraphs:
         ):
             buf[:b].copy_(dev[name])
             buf[b:bs].fill_(pad)
-        virtual_ids = batch.virtual_ids
+        done = batch.step_tables
+        if done is not None and not all(
+            t.data.data_ptr() == self.tables[n].data_ptr() for n, t in done.block_tables.items()
+        ):
+            done = None  # decode_step wrote elsewhere: translate into our buffers
+        virtual_ids = None if done is not None else batch.virtual_ids
         for sub in runner.subpools:
             write, table = self.write_ids[sub.name], self.tables[sub.name]
-            runner.alloc.translate(virtual_ids, sub.name, out=write[:b])
-            write[b:bs].zero_()
-            runner.alloc.block_table(
-                self.slots[:b],
-                self.seq_lens[:b],
-                sub.name,
-                table[:b],
-                window=sub.spec.sliding_window or 0,
-            )
-            table[b:bs].zero_()
+            if done is None:
+                runner.alloc.translate(virtual_ids, sub.name, out=write[:b])
+                runner.alloc.block_table(
+                    self.slots[:b],
+                    self.seq_lens[:b],
+                    sub.name,
+                    table[:b],
+                    window=sub.spec.sliding_window or 0,
+                )
+            if b < bs:
+                write[b:bs].zero_()
+                table[b:bs].zero_()
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:b]

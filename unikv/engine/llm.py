@@ -178,6 +178,8 @@ class LLM:
             cuda_graphs=use_graphs,
             max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         )
+        if self.runner.graphs is not None:  # decode_step writes the graphs' inputs directly
+            self.scheduler.step_buffers = self.runner.graphs.step_buffers()
         self._rng = random.Random(seed)
         self._next_id = 0
         self.stats = Stats()

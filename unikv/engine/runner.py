@@ -139,6 +139,13 @@ class ModelRunner:
         seq_lens, slots = dev["seq_lens"].to(torch.int32), dev["slots"].to(torch.int32)
         max_q_len = int(np.max(np.asarray(batch.num_new)))
         max_pages_tokens = max(r.num_cached + n for r, n in zip(batch.requests, batch.num_new))
+        done = batch.step_tables  # decode_step already built them (decode-only batch)
+        if done is not None:
+            steps = {
+                n: SubPoolStep(done.write_ids[n], done.block_tables[n].data)
+                for n in done.block_tables
+            }
+            return self._plan(batch, dev, seq_lens, max_q_len, steps)
         virtual_ids = batch.virtual_ids
         steps = {}
         for sub in self.subpools:
@@ -151,6 +158,10 @@ class ModelRunner:
             )
             self.alloc.block_table(slots, seq_lens, sub.name, table, window=window)
             steps[sub.name] = SubPoolStep(self.alloc.translate(virtual_ids, sub.name), table)
+        return self._plan(batch, dev, seq_lens, max_q_len, steps)
+
+    @staticmethod
+    def _plan(batch: Batch, dev: dict, seq_lens, max_q_len: int, steps: dict) -> StepPlan:
         return StepPlan(
             is_decode=batch.is_decode,
             input_ids=dev["input_ids"],

@@ -4,9 +4,10 @@ admission by the allocator's capacity oracle, preemption by recompute.
 One step (``schedule``):
 
 1. Decodes: every running request with one pending token gets one token
-   (``alloc_decode``). If the chain cannot hold them, the newest running
-   request is preempted (its pages freed, its tokens kept for recompute) until
-   it can.
+   (``decode_step``: allocation, out-of-window frees, block tables and write
+   ids in one call; the runner uses its tables when no prefill joins the
+   step). If the chain cannot hold them, the newest running request is
+   preempted (its pages freed, its tokens kept for recompute) until it can.
 2. Prefill chunks, within ``max_num_batched_tokens``: first running requests
    still prefilling, then waiting requests (FIFO) that the capacity oracle
    says fit (``can_admit`` on the pages their whole prefill needs, after
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from unikv.allocator import DecodeStep
 from unikv.engine.request import Request, Status
 from unikv.ids import VirtualTokenIds
 from unikv.pool import worst_case_pages
@@ -40,6 +42,13 @@ class Batch:
     requests: list[Request] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     pieces: list[torch.Tensor] = field(default_factory=list)
+    step: DecodeStep | None = None  # the decodes' tables, from alloc.decode_step
+
+    @property
+    def step_tables(self) -> DecodeStep | None:
+        """``step`` when it covers the whole batch (no prefill joined the decodes)."""
+        step = self.step
+        return step if step is not None and len(self.pieces) == 1 else None
 
     @property
     def is_decode(self) -> bool:
@@ -80,6 +89,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
+        # (block_tables, write_ids, rows): buffers decode_step writes into (the decode
+        # CUDA graphs' inputs) for batches of up to ``rows`` decodes; None: new ones
+        self.step_buffers: tuple[dict, dict, int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -124,9 +136,13 @@ class Scheduler:
                 return prefilling
             slots = np.fromiter((r.slot for r in decoding), np.int64, len(decoding))
             lens = np.fromiter((r.num_cached for r in decoding), np.int64, len(decoding))
-            ids = self.alloc.alloc_decode(slots, lens)
-            if ids is not None:
-                batch.add_many(decoding, [1] * len(decoding), ids)
+            tables = locs = None
+            if self.step_buffers is not None and len(decoding) <= self.step_buffers[2]:
+                tables, locs, _ = self.step_buffers
+            step = self.alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs)
+            if step is not None:
+                batch.add_many(decoding, [1] * len(decoding), step.virtual_ids)
+                batch.step = step
                 return prefilling
             self._preempt(self.running[-1])
 
@@ -236,7 +252,7 @@ class Scheduler:
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED
-        if self.has_window:
+        if self.has_window and batch.step_tables is None:  # decode_step freed them already
             live = [r for r in batch.requests if r.status is Status.RUNNING]
             if live:
                 self.alloc.free_out_of_window(
