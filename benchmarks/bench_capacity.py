@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from unikv.allocator import PoolAllocator
+from unikv.allocator import DecodeStep, PoolAllocator
 from unikv.engine.request import Request
 from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import Scheduler
@@ -138,6 +138,15 @@ class SchemeAllocator:
 
     def alloc_decode(self, slots, seq_lens):
         return self._grow(slots, seq_lens, lambda a, s: a.alloc_decode(s, seq_lens))
+
+    def decode_step(self, slots, seq_lens, *, block_tables=None, write_ids=None):
+        """The scheduler's decode verb: allocate, then free out-of-window pages at the
+        new lengths. No tables: the simulation runs no forward."""
+        ids = self.alloc_decode(slots, seq_lens)
+        if ids is None:
+            return None
+        self.free_out_of_window(slots, np.asarray(seq_lens) + 1)
+        return DecodeStep(ids, None, None, {}, {})
 
     def free_out_of_window(self, slots, seq_lens) -> None:
         for a in self.token_allocs:
