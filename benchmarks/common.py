@@ -60,18 +60,19 @@ def copy_ceilings(d2d_bytes: int = 4 * GIB, host_bytes: int = 2 * GIB) -> dict:
 
 
 def environment() -> dict:
-    commit = os.environ.get("UNIKV_GIT_COMMIT", "")
+    commit = os.environ.get("UNIKV_GIT_COMMIT", "")  # set by the device runs: wins
     try:
         commit = (
             subprocess.run(
                 ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
             ).stdout.strip()
-            or commit
+            if not commit
+            else commit
         )
     except OSError:
         pass
-    if len(commit) != 40:
-        commit = os.environ.get("UNIKV_GIT_COMMIT", "unknown")
+    if not commit:
+        commit = "unknown"
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
