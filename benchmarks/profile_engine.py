@@ -1,0 +1,70 @@
+"""Where the engine's host time goes: cProfile over decode-heavy ``LLM.generate``.
+
+Builds bench_e2e's random-init model (Llama-3.2-1B shape by default), runs one
+warm-up generate, then profiles ``--requests`` x 512-token prompts x
+``--new-tokens`` and prints the 35 most expensive functions by own time and by
+cumulative time, with the full-batch decode step time (median) for scale.
+
+    python benchmarks/profile_engine.py [--model llama] [--requests 256] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_e2e as e2e  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny model, 32-token prompts")
+    cli = parser.parse_args()
+    tiny = ["--tiny"] if cli.tiny else []
+    args = e2e.parse_args(["--device", cli.device, "--models", cli.model, *tiny])
+    from unikv.engine import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / cli.model
+        e2e.save_model(cli.model, path, args.device, args.dtype, cli.tiny)
+        cfg = e2e.model_config(cli.model, cli.tiny)
+        prompts = e2e.make_prompts(cli.requests, args.prompt_len, cfg["vocab_size"])
+        llm = e2e._unikv_llm(path, cli.requests, args.prompt_len + cli.new_tokens + 8, args)
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        clock = e2e._StepClock()
+        prof = cProfile.Profile()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        prof.enable()
+        llm.generate(
+            prompts, SamplingParams(max_tokens=cli.new_tokens, ignore_eos=True), on_step=clock
+        )
+        prof.disable()
+        wall = time.perf_counter() - start
+    full = [s for s, dec, b in clock.steps if dec and b == cli.requests]
+    print(f"wall {wall:.2f} s under cProfile, {len(clock.steps)} steps, full-batch decode step "
+          f"p50 {np.median(full) * 1e3:.2f} ms")  # fmt: skip
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(35)
+    stats.sort_stats("cumulative").print_stats(35)
+    print(buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()
