@@ -3,7 +3,8 @@
 Builds bench_e2e's random-init model (Llama-3.2-1B shape by default), runs one
 warm-up generate, then profiles ``--requests`` x 512-token prompts x
 ``--new-tokens`` and prints the 35 most expensive functions by own time and by
-cumulative time, with the full-batch decode step time (median) for scale.
+cumulative time, with the full-batch decode step time (median) for scale and
+the device time of the largest decode CUDA graph replayed alone.
 
     python benchmarks/profile_engine.py [--model llama] [--requests 256] [--new-tokens 64]
 """
@@ -24,6 +25,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_e2e as e2e  # noqa: E402
+
+
+def graph_replay_ms(llm, reps: int = 30) -> float:
+    """Median device time (CUDA events) of replaying the largest decode graph: the
+    forward of a full decode step without the host in the way (its buffers hold
+    the last step's inputs)."""
+    graph, _ = llm.runner.graphs.graphs[llm.runner.graphs.sizes[-1]]
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
 
 
 def main() -> None:
@@ -56,9 +73,12 @@ def main() -> None:
         )
         prof.disable()
         wall = time.perf_counter() - start
+        replay = graph_replay_ms(llm) if llm.runner.graphs is not None else None
     full = [s for s, dec, b in clock.steps if dec and b == cli.requests]
     print(f"wall {wall:.2f} s under cProfile, {len(clock.steps)} steps, full-batch decode step "
           f"p50 {np.median(full) * 1e3:.2f} ms")  # fmt: skip
+    if replay is not None:
+        print(f"GPU time of the largest decode graph's replay alone: {replay:.2f} ms (median)")
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(35)
