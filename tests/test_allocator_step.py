@@ -187,3 +187,20 @@ def test_reused_buffers_follow_their_names_and_are_checked_again_when_short():
     with pytest.raises(ValueError, match=">= 3 entries"):
         alloc.decode_step(slots, alloc.requests.lens[slots], block_tables=tables, write_ids=short)
     assert snapshot(alloc) == before
+
+
+def test_debug_mode_raises_on_a_live_tombstoned_page():
+    """In debug mode decode_step checks its block tables: a page released by I/O
+    while still inside the window reads a tombstone and raises."""
+    from unikv.allocator import TombstoneReadError
+    from unikv.ids import VirtualPageIds
+
+    _, alloc = build("full+swa", 4, requests=2, debug=True)
+    slot = alloc.new_request()
+    alloc.alloc_extend(np.array([slot]), [0], [9])  # pages 0, 1 full and page 2 partly
+    step = alloc.decode_step([slot], [9])  # debug checks pass on healthy tables
+    assert step is not None
+    page = int(alloc.requests.pages[slot, 1])  # inside the window of every sub-pool
+    alloc.subs["full"].release_physical(VirtualPageIds(torch.tensor([page])))
+    with pytest.raises(TombstoneReadError, match="full"):
+        alloc.decode_step([slot], [10])

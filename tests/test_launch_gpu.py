@@ -60,3 +60,24 @@ def test_specialised_kernel_gets_one_compiled_kernel_per_specialisation():
             launch((triton.cdiv(n, 64),), x, out, n, scale, BLOCK=64)
             torch.testing.assert_close(out, x * scale, rtol=0, atol=0)
     assert len(launch.compiled) >= 5  # aligned/misaligned x {1, %16, other} combinations
+
+
+def test_a_refused_direct_launch_falls_back_to_triton():
+    """If the driver entry point rejects the arguments (another Triton's launcher
+    signature), the call still runs through kernel[grid] and later calls stay there."""
+    from types import SimpleNamespace
+
+    def refuse(*args, **kwargs):
+        raise TypeError("launcher signature differs")
+
+    launch = Launcher(_scaled_copy)
+    x = torch.arange(1, 65, dtype=torch.float32, device="cuda")
+    out = torch.zeros(64, dtype=torch.float32, device="cuda")
+    launch((1,), x, out, 64, 3, BLOCK=64)  # compiles and caches
+    (key,) = launch.compiled
+    launch.compiled[key] = SimpleNamespace(run=refuse, function=None, packed_metadata=None)
+    for scale in (5, 7):
+        out.zero_()
+        launch((1,), x, out, 64, scale, BLOCK=64)
+        torch.testing.assert_close(out, x * scale, rtol=0, atol=0)
+    assert not launch.direct and not launch.compiled

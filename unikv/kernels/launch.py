@@ -69,6 +69,7 @@ class Launcher:
             for p in params
         )
         self.compiled: dict[tuple, CompiledKernel] = {}
+        self.direct = True  # False after the driver entry point refused our arguments
 
     def key(self, args: tuple, meta: dict) -> tuple:
         """The specialisation key of a call (pass it back as ``key=`` to skip
@@ -83,7 +84,7 @@ class Launcher:
         compiled = self.compiled.get(key)
         if compiled is None or _hooks_installed():
             result = self.kernel[grid](*args, **meta)
-            if isinstance(result, CompiledKernel):
+            if isinstance(result, CompiledKernel) and self.direct:
                 assert len(args) == len(self.keys) and tuple(meta) == self.names[len(args) :], (
                     "launch: pass every runtime argument positionally, then the constexprs "
                     f"as keywords in signature order {self.names[len(self.keys):]}; got "
@@ -91,19 +92,24 @@ class Launcher:
                 )
                 self.compiled[key] = result
             return
-        compiled.run(
-            grid[0],
-            grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1,
-            _raw_stream(_current_device()),
-            compiled.function,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-            *args,
-            *meta.values(),
-        )
+        try:
+            compiled.run(
+                grid[0],
+                grid[1] if len(grid) > 1 else 1,
+                grid[2] if len(grid) > 2 else 1,
+                _raw_stream(_current_device()),
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+                *meta.values(),
+            )
+        except TypeError:  # another Triton's launcher signature: refused before launching
+            self.direct = False
+            self.compiled.clear()
+            self.kernel[grid](*args, **meta)
 
 
 def launcher(kernel: object) -> Callable[..., None]:
