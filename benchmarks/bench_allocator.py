@@ -310,7 +310,7 @@ def main() -> None:
                 f"{'':>8} decode_step (all four parts, one call): {fused['us_per_step']:.1f} us/step "
                 f"{fused['us_per_request']:.2f} us/req, {fused['device_ops']:.1f} device ops"
             )
-            spread = lambda r: "/".join(f"{x:.0f}" for x in r)  # noqa: E731
+            spread = lambda r: "/".join(f"{x:.0f}" for x in r)
             print(
                 f"{'':>8} per-round medians, us/step: separate {spread(row['round_us_per_step'])}, "
                 f"decode_step {spread(fused['round_us_per_step'])}"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_e2e as e2e  # noqa: E402
+import bench_e2e as e2e
 
 
 def graph_replay_ms(llm, reps: int = 30) -> float:

@@ -101,14 +101,19 @@ def test_decode_step_does_not_sync_and_equals_the_separate_verbs(ps):
     by step equal to alloc_decode + free_out_of_window + block_table + translate
     on a twin allocator: tables, write ids and every device table."""
     batch, prompt, steps = 48, 70, 40
-    verbs, fused = _gpu_chain(ps, batch, prompt + steps + 1), _gpu_chain(ps, batch, prompt + steps + 1)
+    verbs, fused = (
+        _gpu_chain(ps, batch, prompt + steps + 1),
+        _gpu_chain(ps, batch, prompt + steps + 1),
+    )
     rng = np.random.default_rng(ps)
     prompts = rng.integers(1, prompt, batch)
     for alloc in (verbs, fused):
         slots = np.array([alloc.new_request() for _ in range(batch)])
         assert alloc.alloc_extend(slots, np.zeros(batch, np.int64), prompts) is not None
     cols = fused.requests.max_pages
-    tables = {n: torch.full((batch, cols), -3, dtype=torch.int32, device="cuda") for n in ("full", "swa")}
+    tables = {
+        n: torch.full((batch, cols), -3, dtype=torch.int32, device="cuda") for n in ("full", "swa")
+    }
     locs = {n: torch.full((batch,), -3, dtype=torch.int64, device="cuda") for n in ("full", "swa")}
     for step in range(steps):
         batch_slots = np.sort(rng.choice(batch, int(rng.integers(1, batch + 1)), replace=False))

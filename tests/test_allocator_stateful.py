@@ -168,7 +168,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._note_window(slots, prefix + 1)  # decode_step freed out-of-window pages too
         self._check_step(step, slots, prefix + 1)
         for name in self.alloc.token_names:  # markers written at the returned kernel ids
-            lanes = [i for i, (r, p) in enumerate(zip(rows, positions)) if self._visible(name, r, p)]
+            lanes = [
+                i for i, (r, p) in enumerate(zip(rows, positions)) if self._visible(name, r, p)
+            ]
             kernel = step.write_ids[name].data[lanes].long()
             values = torch.tensor([self.tokens[rows[i]][positions[i]] for i in lanes]).float()
             for layer in self.pool[name].views:

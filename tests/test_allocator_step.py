@@ -47,8 +47,13 @@ def test_step_kernel_matches_reference_and_naive(ps):
     slots = torch.from_numpy(slots.astype(np.int32))
     lens = torch.from_numpy(lens.astype(np.int32))
     cols = ctx // ps + 3  # wider than needed: padding columns read the sink
-    specs = [(1, 0, torch.int32), (2, 3 * ps - 1, torch.int64), (3, 5, torch.int32),
-             (1, 1, torch.int32), (2, 0, torch.int64)]  # fmt: skip  (5 targets: two launches)
+    specs = [
+        (1, 0, torch.int32),
+        (2, 3 * ps - 1, torch.int64),
+        (3, 5, torch.int32),
+        (1, 1, torch.int32),
+        (2, 0, torch.int64),
+    ]  # fmt: skip  (5 targets: two launches)
     targets, refs = [], []
     for bpp, window, dtype in specs:
         v2p = torch.from_numpy(rng.integers(-1, 90, num_v).astype(np.int32))  # -1: tombstones

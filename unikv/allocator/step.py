@@ -17,11 +17,10 @@ both freed and taken in one step (the fused table write needs distinct indices).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from unikv.allocator.translate import check_block_table
@@ -70,7 +69,9 @@ class StepVerbs:
         seq = self._lens(slots, seq_lens, "decode_step", "seq_lens")
         self._check_held(slots, seq, "decode_step", "seq_lens")
         if (seq >= self.requests.max_context).any():
-            raise ValueError(f"decode_step: a request is at max_context {self.requests.max_context}")
+            raise ValueError(
+                f"decode_step: a request is at max_context {self.requests.max_context}"
+            )
         new_lens = seq + 1
         bsz, ps = len(slots), self.page_size
         longest = int(new_lens.max()) if bsz else 1

@@ -116,10 +116,15 @@ class DecodeGraphs:
             buf[:b].copy_(dev[name])
             buf[b:bs].fill_(pad)
         done = batch.step_tables
-        if done is not None and not all(
-            t.data.data_ptr() == self.tables[n].data_ptr() for n, t in done.block_tables.items()
+        if done is not None and not (
+            all(
+                t.data.data_ptr() == self.tables[n].data_ptr() for n, t in done.block_tables.items()
+            )
+            and all(
+                w.data.data_ptr() == self.write_ids[n].data_ptr() for n, w in done.write_ids.items()
+            )
         ):
-            done = None  # decode_step wrote elsewhere: translate into our buffers
+            done = None  # decode_step wrote elsewhere: translate into our buffers (LESSONS 3)
         virtual_ids = None if done is not None else batch.virtual_ids
         for sub in runner.subpools:
             write, table = self.write_ids[sub.name], self.tables[sub.name]

@@ -87,7 +87,7 @@ class Launcher:
             if isinstance(result, CompiledKernel) and self.direct:
                 assert len(args) == len(self.keys) and tuple(meta) == self.names[len(args) :], (
                     "launch: pass every runtime argument positionally, then the constexprs "
-                    f"as keywords in signature order {self.names[len(self.keys):]}; got "
+                    f"as keywords in signature order {self.names[len(self.keys) :]}; got "
                     f"{len(args)} positional and {tuple(meta)}"
                 )
                 self.compiled[key] = result

@@ -75,9 +75,7 @@ def _step_tables_kernel(
     slot = tl.load(req_slots + b).to(tl.int64)
     seq = tl.load(seq_lens + b)
     live = col * PS < seq
-    virt = tl.load(
-        req_to_token + slot * rt_stride + col.to(tl.int64) * PS, mask=live, other=-1
-    )
+    virt = tl.load(req_to_token + slot * rt_stride + col.to(tl.int64) * PS, mask=live, other=-1)
     ok = live & (virt >= 0)
     vpage = tl.where(ok, virt, 0) // PS  # non-negative: floor == truncation
     pos = seq - 1
@@ -131,8 +129,8 @@ def prepare(
             *[t.v2p for t in group], *pad, *[t.table for t in group], *pad,
             *[t.loc for t in group], *pad, *[t.window for t in group], *[0] * len(pad),
         )  # fmt: skip
-        meta = dict(NUM=len(group), PS=page_size, B0=bpp[0], B1=bpp[1], B2=bpp[2], B3=bpp[3])
-        launches.append((tail, {**meta, "BLOCK": BLOCK_COLS}))
+        meta = {"NUM": len(group), "PS": page_size, "B0": bpp[0], "B1": bpp[1], "B2": bpp[2]}
+        launches.append((tail, {**meta, "B3": bpp[3], "BLOCK": BLOCK_COLS}))
     blocks = triton.cdiv(num_cols, BLOCK_COLS)
     keys: list = [None] * len(launches)
 
