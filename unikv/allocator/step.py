@@ -17,7 +17,6 @@ both freed and taken in one step (the fused table write needs distinct indices).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -65,13 +64,7 @@ class StepVerbs:
         >= B entries. Buffers are written in place (stable ``data_ptr`` for CUDA
         graphs). Returns a ``DecodeStep``, or None (state unchanged) when the
         chain cannot hold the new pages."""
-        slots = self.requests.check_slots(slots, "decode_step")
-        seq = self._lens(slots, seq_lens, "decode_step", "seq_lens")
-        self._check_held(slots, seq, "decode_step", "seq_lens")
-        if (seq >= self.requests.max_context).any():
-            raise ValueError(
-                f"decode_step: a request is at max_context {self.requests.max_context}"
-            )
+        slots, seq = self._decode_args(slots, seq_lens, "decode_step")
         new_lens = seq + 1
         bsz, ps = len(slots), self.page_size
         longest = int(new_lens.max()) if bsz else 1
@@ -108,20 +101,20 @@ class StepVerbs:
         cols = -(-longest // self.page_size)
         cached, names = self._step_cache, self.token_names
         given = block_tables is not None and write_ids is not None
-        if given and cached is not None and bsz <= cached[1] and cols <= cached[2]:
+        if given and cached is not None and bsz <= cached[0] and cols <= cached[1]:
+            targets = cached[2]
             try:  # the very tensors checked before, under the same names
-                same = all(map(operator.is_, [block_tables[n] for n in names], cached[0][0]))
-                same = same and all(map(operator.is_, [write_ids[n] for n in names], cached[0][1]))
+                same = all(block_tables[n] is t.table for n, t in zip(names, targets))
+                same = same and all(write_ids[n] is t.loc for n, t in zip(names, targets))
             except KeyError:
                 same = False
             if same and len(block_tables) == len(write_ids) == len(names):
-                return cached[3], cached[4]
+                return targets, cached[3]
         targets = self._check_step_buffers(bsz, cols, block_tables, write_ids)
         run = self._ops.prepare_step(self.req_to_token, self.page_size, targets)
-        if given:
+        if given:  # (rows, columns) the checked buffers hold, and what they serve
             rows = min(min(t.table.shape[0], t.loc.shape[0]) for t in targets)
-            buffers = tuple(t.table for t in targets), tuple(t.loc for t in targets)
-            self._step_cache = (buffers, rows, targets[0].table.shape[1], targets, run)
+            self._step_cache = (rows, targets[0].table.shape[1], targets, run)
         return targets, run
 
     def _check_step_buffers(self, bsz, cols, block_tables, write_ids) -> list[StepTarget]:

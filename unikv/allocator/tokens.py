@@ -86,15 +86,19 @@ class TokenVerbs:
         """One new token per request at position ``seq_lens[i]`` (the length BEFORE
         it). slots, seq_lens: (B,) host integer arrays. Returns (B,) int32 virtual
         token ids on the device, or None (state unchanged)."""
-        slots = self.requests.check_slots(slots, "alloc_decode")
-        seq = self._lens(slots, seq_lens, "alloc_decode", "seq_lens")
-        self._check_held(slots, seq, "alloc_decode", "seq_lens")
-        if (seq >= self.requests.max_context).any():
-            raise ValueError(
-                f"alloc_decode: a request is at max_context {self.requests.max_context}"
-            )
+        slots, seq = self._decode_args(slots, seq_lens, "alloc_decode")
         need = seq % self.page_size == 0
         return self._grow(slots, seq + 1, slots[need], seq[need] // self.page_size, slots, seq)
+
+    def _decode_args(self, slots: object, seq_lens: object, what: str):
+        """Checked (slots, seq_lens) of a decode verb: open distinct slots, lengths
+        equal to the tokens held, none at max_context. Host int64 arrays."""
+        slots = self.requests.check_slots(slots, what)
+        seq = self._lens(slots, seq_lens, what, "seq_lens")
+        self._check_held(slots, seq, what, "seq_lens")
+        if (seq >= self.requests.max_context).any():
+            raise ValueError(f"{what}: a request is at max_context {self.requests.max_context}")
+        return slots, seq
 
     def _check_held(self, slots: np.ndarray, lens: np.ndarray, what: str, name: str) -> None:
         held = self.requests.lens[slots]

@@ -138,7 +138,6 @@ class ModelRunner:
         dev = self.device_arrays(batch, prev_tokens)
         seq_lens, slots = dev["seq_lens"].to(torch.int32), dev["slots"].to(torch.int32)
         max_q_len = int(np.max(np.asarray(batch.num_new)))
-        max_pages_tokens = max(r.num_cached + n for r, n in zip(batch.requests, batch.num_new))
         done = batch.step_tables  # decode_step already built them (decode-only batch)
         if done is not None:
             steps = {
@@ -146,6 +145,7 @@ class ModelRunner:
                 for n in done.block_tables
             }
             return self._plan(batch, dev, seq_lens, max_q_len, steps)
+        max_pages_tokens = max(r.num_cached + n for r, n in zip(batch.requests, batch.num_new))
         virtual_ids = batch.virtual_ids
         steps = {}
         for sub in self.subpools:
