@@ -63,7 +63,7 @@ class SchemeAllocator:
     equal pages) or several (static split: one per sub-pool).
 
     A request holds one slot in every allocator; a Mamba slot is taken with
-    its first chunk. A step that fails in one allocator is rolled back in the
+    admission (or its first chunk). A step that fails in one allocator is rolled back in the
     others (``truncate`` / ``free_mamba``), so state stays unchanged on None.
     """
 
@@ -107,6 +107,10 @@ class SchemeAllocator:
             return None
         self.has_mamba[need] = True
         return need
+
+    def alloc_mamba(self, slots) -> np.ndarray | None:
+        """The scheduler's admission verb for a state slot (None: no room)."""
+        return self._mamba_for(np.asarray(slots, np.int64))
 
     def _undo_mamba(self, taken: np.ndarray) -> None:
         if len(taken):

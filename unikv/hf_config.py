@@ -6,7 +6,9 @@ one kind form one sub-pool (DESIGN.md section 4):
     full   full attention K/V            -> MHASpec                 (page_size ps)
     swa    sliding-window attention K/V  -> MHASpec(sliding_window) (page_size ps)
     mla    multi-head latent attention   -> MLASpec                 (page_size ps)
-    mamba  Mamba-2 conv + SSM state      -> MambaSpec               (page_size 1)
+    mamba  recurrent state: Mamba-2 conv + SSM state, or Gated DeltaNet conv +
+           delta-rule state                 -> MambaSpec               (page_size 1)
+    none   no cached state (MLP-only or MoE-only layers of NemotronH)
 
 The input may be a transformers config object, a plain dict (config.json's
 content) or a path to a config.json or its directory. Dicts are read without
@@ -97,13 +99,20 @@ class _Fields:
 
 # -- per-architecture layer kinds -------------------------------------------------
 
-_HF_KIND = {"full_attention": "full", "sliding_attention": "swa"}
+_HF_KIND = {
+    "full_attention": "full",
+    "sliding_attention": "swa",
+    "linear_attention": "mamba",  # Gated DeltaNet (Qwen3.5/Next), Mamba-2 (NemotronH)
+    "mamba": "mamba",
+    "mlp": "none",
+    "moe": "none",
+}
 
 
 def _kinds_from(cfg: _Fields, default: Callable[[int], str]) -> list[str]:
     """``layer_types`` if the config has it, else ``default(i)`` per layer."""
-    n = cfg.need("num_hidden_layers")
     layer_types = cfg.get("layer_types")
+    n = len(layer_types) if layer_types is not None else cfg.need("num_hidden_layers")
     if layer_types is None:
         return [default(i) for i in range(n)]
     unknown = sorted(set(layer_types) - set(_HF_KIND))
@@ -136,6 +145,31 @@ def _kinds_mla(cfg: _Fields) -> list[str]:
     return ["mla"] * cfg.need("num_hidden_layers")
 
 
+def _kinds_linear(cfg: _Fields) -> list[str]:  # Qwen3.5 / Qwen3-Next: linear every 4th full
+    interval = cfg.get("full_attention_interval", 4)
+    return _kinds_from(cfg, lambda i: "mamba" if (i + 1) % interval else "full")
+
+
+_NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _kinds_nemotron_h(cfg: _Fields) -> list[str]:
+    """NemotronH: ``layers_block_type`` (or the legacy ``hybrid_override_pattern``,
+    one letter per layer: M Mamba-2, * attention, - MLP, E MoE)."""
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.need("hybrid_override_pattern")
+        bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
+        if bad:
+            raise ValueError(
+                f"hybrid_override_pattern {pattern!r} has letters {bad}; NemotronH uses "
+                f"{sorted(_NEMOTRON_PATTERN)}"
+            )
+        types = [_NEMOTRON_PATTERN[c] for c in pattern]
+    types = ["linear_attention" if t == "mamba" else t for t in types]
+    return _kinds_from(_Fields({"layer_types": list(types)}), lambda i: "full")
+
+
 def _kinds_bamba(cfg: _Fields) -> list[str]:
     attn = set(cfg.get("attn_layer_indices", []))
     return ["full" if i in attn else "mamba" for i in range(cfg.need("num_hidden_layers"))]
@@ -155,6 +189,9 @@ ARCHITECTURES: dict[str, Callable[[_Fields], list[str]]] = {
     "deepseek_v2": _kinds_mla,
     "deepseek_v3": _kinds_mla,
     "bamba": _kinds_bamba,
+    "qwen3_5_text": _kinds_linear,
+    "qwen3_next": _kinds_linear,
+    "nemotron_h": _kinds_nemotron_h,
 }
 
 
@@ -209,6 +246,45 @@ def _mamba2(
         conv=(StatePart((conv_dim, cfg.get("mamba_d_conv", 4)), conv_dtype),),
         temporal=StatePart((n_heads, d_head, d_state), ssm_dtype),
     )
+
+
+def _gated_deltanet(
+    cfg: _Fields, num_layers: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> MambaSpec:
+    """Qwen3.5 / Qwen3-Next Gated DeltaNet: conv state ``(2 Hk Dk + Hv Dv, K)`` over
+    q, k and v; delta-rule state ``(Hv, Dk, Dv)`` (transformers' LinearAttentionLayer)."""
+    hk, dk = cfg.get("linear_num_key_heads", 16), cfg.get("linear_key_head_dim", 128)
+    hv, dv = cfg.get("linear_num_value_heads", 32), cfg.get("linear_value_head_dim", 128)
+    return MambaSpec(
+        num_layers=num_layers,
+        conv=(
+            StatePart((2 * hk * dk + hv * dv, cfg.get("linear_conv_kernel_dim", 4)), conv_dtype),
+        ),
+        temporal=StatePart((hv, dk, dv), ssm_dtype),
+    )
+
+
+def _mamba2_nemotron(
+    cfg: _Fields, num_layers: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> MambaSpec:
+    """NemotronH's Mamba-2 mixer: conv state ``(H P + 2 G N, d_conv)`` over x, B and C;
+    SSM state ``(H, P, N)``."""
+    heads, head_dim = cfg.get("mamba_num_heads", 128), cfg.get("mamba_head_dim", 64)
+    state = cfg.get("ssm_state_size", 128)
+    conv_dim = heads * head_dim + 2 * cfg.get("n_groups", 8) * state
+    return MambaSpec(
+        num_layers=num_layers,
+        conv=(StatePart((conv_dim, cfg.get("conv_kernel", 4)), conv_dtype),),
+        temporal=StatePart((heads, head_dim, state), ssm_dtype),
+    )
+
+
+# model_type -> the recurrent state spec of its "mamba" layers (default: Bamba's Mamba-2)
+STATE_SPECS: dict[str, Callable[[_Fields, int, torch.dtype, torch.dtype], MambaSpec]] = {
+    "qwen3_5_text": _gated_deltanet,
+    "qwen3_next": _gated_deltanet,
+    "nemotron_h": _mamba2_nemotron,
+}
 
 
 # -- entry points -----------------------------------------------------------------
@@ -275,7 +351,7 @@ def model_specs_from_hf_config(
             spec = _mla(cfg, len(layers), kv_dtype)
         else:
             conv_dtype = torch.bfloat16 if kv_dtype in FP8_DTYPES else kv_dtype
-            spec = _mamba2(cfg, len(layers), conv_dtype, ssm)
+            spec = STATE_SPECS.get(model_type, _mamba2)(cfg, len(layers), conv_dtype, ssm)
         ps = 1 if kind == "mamba" else page_size
         subpools.append(SubPoolConfig(name=kind, spec=spec, page_size=ps, layers=layers))
     return ModelSpecs(

@@ -166,7 +166,9 @@ class UnifiedPool:
         self.device = torch.device(device)
         # Start-up checks run on a meta buffer first, so that a bad budget fails
         # with its message before any memory is taken.
-        self.buffer = torch.empty(total_bytes + self.tail_pad_bytes, dtype=torch.uint8, device="meta")
+        self.buffer = torch.empty(
+            total_bytes + self.tail_pad_bytes, dtype=torch.uint8, device="meta"
+        )
         self._copy_pages = copy_pages or torch_copy_pages
 
         self.subpools: dict[str, SubPool] = {}
@@ -182,11 +184,21 @@ class UnifiedPool:
                 )
             views, paged = _build_views(self.buffer, config.spec, config.page_size, num_pages)
             subpool = SubPool(
-                config.name, config.spec, config.page_size, grow, config.layers,
-                pb, num_pages, first_page, views, paged,
+                config.name,
+                config.spec,
+                config.page_size,
+                grow,
+                config.layers,
+                pb,
+                num_pages,
+                first_page,
+                views,
+                paged,
             )
             if subpool.kernel_id_limit > INT32_LIMIT:
-                max_bytes = INT32_LIMIT // ((config.spec.blocks_per_page or 1) * config.page_size) * pb
+                max_bytes = (
+                    INT32_LIMIT // ((config.spec.blocks_per_page or 1) * config.page_size) * pb
+                )
                 raise ValueError(
                     f"sub-pool {config.name!r}: kernel ids reach {subpool.kernel_id_limit} > 2**31 "
                     f"({num_pages} pages x {config.spec.blocks_per_page} blocks x page_size "
@@ -281,6 +293,16 @@ class UnifiedPool:
             )
         check_pages(subpool, src, "move_pages src pages", distinct=False)
         check_pages(subpool, dst, "move_pages dst pages")
+
+    def zero_pages(self, name: str, pages: PhysicalPageIds) -> None:
+        """Zero whole page envelopes of sub-pool ``name`` (one fill; no host sync).
+        A new recurrent-state slot starts from zeros (DESIGN.md section 8)."""
+        subpool = self[name]
+        ids = expect(pages, PhysicalPageIds, "zero_pages pages", name)
+        rows = self.buffer[: subpool.num_pages * subpool.page_bytes].view(
+            subpool.num_pages, subpool.page_bytes
+        )  # (pages, envelope)
+        rows.index_fill_(0, ids.long(), 0)
 
     def page_envelope(self, name: str, page: int) -> torch.Tensor:
         """The bytes of one physical page of sub-pool ``name`` (a view)."""

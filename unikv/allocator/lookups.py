@@ -38,8 +38,9 @@ class LookupVerbs:
 
     def alloc_mamba(self, slots: object) -> PhysicalPageIds | None:
         """One state slot for each request in ``slots`` ((B,) host ints, requests
-        without one). Returns the (B,) physical slots on the device, or None (state
-        unchanged) when the chain cannot make room."""
+        without one), its bytes zeroed (a fresh recurrent state). Returns the (B,)
+        physical slots on the device, or None (state unchanged) when the chain
+        cannot make room."""
         sub = self._mamba("alloc_mamba")
         slots = self.requests.check_slots(slots, "alloc_mamba")
         vids = (slots + 1).astype(np.int32)
@@ -53,8 +54,10 @@ class LookupVerbs:
         sub.bind_host(vids, pages)
         packed = self.upload(np.concatenate([vids, pages]))
         sub.write_bind(packed[: len(vids)], packed[len(vids) :])
+        phys = PhysicalPageIds(packed[len(vids) :], sub.name)
+        self.pool.zero_pages(sub.name, phys)  # before any later forward, in stream order
         self._after_verb()
-        return PhysicalPageIds(packed[len(vids) :], sub.name)
+        return phys
 
     def free_mamba(self, slots: object) -> None:
         """Free the state slots of ``slots`` ((B,) host ints, requests holding one)."""

@@ -4,13 +4,14 @@ One graph per padded batch size, all reading fixed-size buffers owned here:
 
     input_ids, positions (Bmax,) int64      seq_lens, slots (Bmax,) int32
     per sub-pool: write_ids (Bmax,)  block_table (Bmax, ceil(max_context / ps)) int32
+    hybrid models: state_slots (Bmax,) int64 physical recurrent-state slots
 
 Before a replay, translation runs OUTSIDE the graph into prefixes of these
 buffers: the scheduler's ``alloc.decode_step`` writes the block tables and
 write ids straight into them (``step_buffers``), else ``alloc.translate(...,
 out=)`` and ``block_table(out=)`` do; the padded lanes are reset to the sink
-(kernel id 0, block-table entry 0, seq_len 1, token 0, position 0), so a padded
-lane reads and writes only sink bytes.
+(kernel id 0, block-table entry 0, seq_len 1, token 0, position 0, state slot
+0), so a padded lane reads and writes only sink bytes.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class DecodeGraphs:
             self.write_ids[sub.name] = torch.zeros(n, dtype=torch.int64, device=dev)
             pages = -(-max_context // sub.page_size)
             self.tables[sub.name] = torch.zeros((n, pages), dtype=torch.int32, device=dev)
+        self.state_slots = (
+            torch.zeros(n, dtype=torch.int64, device=dev) if runner.has_state else None
+        )
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -69,6 +73,7 @@ class DecodeGraphs:
             q_indptr=self.q_indptr[: bs + 1],
             max_q_len=1,
             subpools=subpools,
+            state_slots=self.state_slots[:bs] if self.state_slots is not None else None,
         )
 
     @torch.inference_mode()
@@ -140,6 +145,9 @@ class DecodeGraphs:
             if b < bs:
                 write[b:bs].zero_()
                 table[b:bs].zero_()
+        if self.state_slots is not None:  # translated outside the graph; padded lanes: sink
+            self.state_slots[:b].copy_(runner.state_slots(self.slots[:b]))
+            self.state_slots[b:bs].zero_()
         graph, logits = self.graphs[bs]
         graph.replay()
         return logits[:b]

@@ -5,11 +5,15 @@ A step's batch is translated exactly once per sub-pool (DESIGN.md section 5):
     virtual ids of the new tokens --translate--> write kernel ids   (one per sub-pool)
     req_to_token + v2p ----build_block_table---> block table        (one per sub-pool)
 
+    request slots --mamba_slots--> physical state slots (hybrid models, once)
+
 Every layer of the model then reads the ``StepPlan``; no layer translates,
-allocates or branches on the device. The attention functions below are the
-``AttentionFn`` the model calls: ``DecodeAttention`` when every request feeds
-one token, ``ExtendAttention`` otherwise; the choice is made once per step
-when the plan is built.
+allocates or branches on the device. The step objects below are what the model
+calls: ``DecodeAttention`` when every request feeds one token,
+``ExtendAttention`` otherwise; the choice is made once per step when the plan
+is built. Both are the model's ``AttentionFn`` and, for recurrent layers
+(Gated DeltaNet, Mamba-2), its ``StateFn``: the state ops read and update each
+request's state slot in place through the layer's pool views.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ class LayerCache:
     page_size: int
 
 
+@dataclass(frozen=True)
+class LayerState:
+    """Where one recurrent model layer keeps its state (built once at start-up).
+
+    conv: (S, C, K) and temporal: (S, *shape) per-layer views of the Mamba
+    sub-pool, indexed by physical state slot."""
+
+    conv: torch.Tensor
+    temporal: torch.Tensor
+
+
 @dataclass
 class SubPoolStep:
     """One sub-pool's translated ids for one step.
@@ -57,6 +72,8 @@ class StepPlan:
     q_indptr: (B+1,) int32 cumulative new-token counts.
     max_q_len: host int, the largest new-token count (a grid size, no sync).
     subpools: per sub-pool write ids and block table.
+    state_slots: (B,) int64 physical state slot of each request (hybrid models;
+        0 = the sink for padded lanes), else None.
     """
 
     is_decode: bool
@@ -67,13 +84,60 @@ class StepPlan:
     q_indptr: torch.Tensor
     max_q_len: int
     subpools: dict[str, SubPoolStep]
+    state_slots: torch.Tensor | None = None
 
 
 class DecodeAttention:
-    """AttentionFn of a decode step: one query per request (q rows = requests)."""
+    """AttentionFn and StateFn of a decode step: one query per request (q rows =
+    requests). ``layers[i]`` / ``states[i]``: model layer i's K/V cache or
+    recurrent state (None where the layer has none)."""
 
-    def __init__(self, layers: list[LayerCache], plan: StepPlan, backend, sm_scale: float):
+    def __init__(
+        self,
+        layers: list[LayerCache | None],
+        plan: StepPlan,
+        backend,
+        sm_scale: float,
+        states: list[LayerState | None] | None = None,
+    ):
         self.layers, self.plan, self.backend, self.sm_scale = layers, plan, backend, sm_scale
+        self.states = states
+
+    # -- recurrent state (StateFn) ----------------------------------------------------
+
+    def causal_conv1d(self, layer, x, weight, bias, activation):
+        """x: (T, C) -> (T, C); the layer's conv state continues in its slot."""
+        plan = self.plan
+        return self.backend.causal_conv1d(
+            x,
+            self.states[layer].conv,
+            plan.state_slots,
+            plan.q_indptr,
+            weight,
+            bias,
+            max_q_len=plan.max_q_len,
+            activation=activation,
+        )
+
+    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm):
+        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv)."""
+        plan = self.plan
+        state = self.states[layer].temporal
+        return self.backend.gated_delta_rule(
+            q, k, v, g, beta, state, plan.state_slots, plan.q_indptr,
+            max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
+
+    def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):
+        """x: (T, H, P), dt: (T, H), B, C: (T, G, N) -> (T, H, P)."""
+        plan = self.plan
+        state = self.states[layer].temporal
+        return self.backend.mamba2_ssd(
+            x, dt, A, B, C, D, dt_bias, state, plan.state_slots, plan.q_indptr,
+            max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        )  # fmt: skip
+
+    # -- attention (AttentionFn) ------------------------------------------------------
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write the step's new K/V rows of ``layer`` at its sub-pool's write ids;

@@ -13,23 +13,34 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from unikv.engine.plan import DecodeAttention, ExtendAttention, LayerCache, StepPlan, SubPoolStep
+from unikv.engine.plan import (
+    DecodeAttention,
+    ExtendAttention,
+    LayerCache,
+    LayerState,
+    StepPlan,
+    SubPoolStep,
+)
 from unikv.engine.sampling import sample
 from unikv.engine.scheduler import Batch
 from unikv.models.llama import CausalLM
 
 
-def layer_caches(pool, num_layers: int) -> list[LayerCache]:
-    """One LayerCache per model layer, from the sub-pools' ``layers`` lists."""
+def layer_caches(pool, num_layers: int) -> tuple[list[LayerCache | None], list[LayerState | None]]:
+    """Per model layer, from the sub-pools' ``layers`` lists: its attention cache
+    (a LayerCache) and its recurrent state (a LayerState), None where it has
+    none (a layer may have both, e.g. Falcon-H1, or neither, an MLP-only layer)."""
     caches: list[LayerCache | None] = [None] * num_layers
+    states: list[LayerState | None] = [None] * num_layers
     for sub in pool.subpools.values():
         for index, layer in enumerate(sub.layers):
+            if sub.spec.kind == "mamba":  # views: {part: (num_layers, S, *shape)}
+                states[layer] = LayerState(sub.views["conv0"][index], sub.views["temporal"][index])
+                continue
             k, v = sub.views[index]
             window = sub.spec.sliding_window or 0
             caches[layer] = LayerCache(sub.name, k, v, window, sub.page_size)
-    missing = [i for i, c in enumerate(caches) if c is None]
-    assert not missing, f"every model layer must have a sub-pool; layers {missing} have none"
-    return caches
+    return caches, states
 
 
 class Launched:
@@ -66,8 +77,10 @@ class ModelRunner:
         self.device = pool.device
         self._pin = self.device.type == "cuda"  # host staging is pinned: copies never block
         self.sm_scale = model.config.sm_scale
-        self.layers = layer_caches(pool, model.config.num_layers)
-        self.subpools = list(pool.subpools.values())
+        self.layers, self.states = layer_caches(pool, model.config.num_layers)
+        # the token sub-pools (block tables, write ids); the Mamba one has state slots
+        self.subpools = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
+        self.has_state = len(self.subpools) < len(pool.subpools)
         # Two pinned staging slots per direction, used alternately: with one step in
         # flight while the next is planned, a slot is rewritten only after the step
         # that last used it was resolved (its copies done).
@@ -160,8 +173,12 @@ class ModelRunner:
             steps[sub.name] = SubPoolStep(self.alloc.translate(virtual_ids, sub.name), table)
         return self._plan(batch, dev, seq_lens, max_q_len, steps)
 
-    @staticmethod
-    def _plan(batch: Batch, dev: dict, seq_lens, max_q_len: int, steps: dict) -> StepPlan:
+    def state_slots(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """(B,) int64 physical state slots of (B,) device request slots (hybrid
+        models; translated once per step, outside any graph), else None."""
+        return self.alloc.mamba_slots(slots).data if self.has_state else None
+
+    def _plan(self, batch: Batch, dev: dict, seq_lens, max_q_len: int, steps: dict) -> StepPlan:
         return StepPlan(
             is_decode=batch.is_decode,
             input_ids=dev["input_ids"],
@@ -171,6 +188,7 @@ class ModelRunner:
             q_indptr=dev["q_indptr"].to(torch.int32),
             max_q_len=max_q_len,
             subpools=steps,
+            state_slots=self.state_slots(dev["slots"]),
         )
 
     # -- running -------------------------------------------------------------------
@@ -179,7 +197,7 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """fp32 logits (B, vocab) of each request's last token in the step."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
-        attn = kind(self.layers, plan, self.backend, self.sm_scale)
+        attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         return self.model(plan.input_ids, plan.positions, attn, plan.logits_indices)
 
     @torch.inference_mode()

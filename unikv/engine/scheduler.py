@@ -11,7 +11,8 @@ One step (``schedule``):
 2. Prefill chunks, within ``max_num_batched_tokens``: first running requests
    still prefilling, then waiting requests (FIFO) that the capacity oracle
    says fit (``can_admit`` on the pages their whole prefill needs, after
-   compaction).
+   compaction, plus one recurrent-state slot for hybrid models, allocated
+   zeroed at admission and freed with the request's pages).
 3. If nothing could be scheduled while requests are running, the newest is
    preempted and the step retried (no livelock: the pool was checked at
    start-up to hold one worst-case request alone).
@@ -83,6 +84,7 @@ class Scheduler:
         self.alloc = alloc
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
+        self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -162,7 +164,7 @@ class Scheduler:
             if not self._fits(r.num_pending, n):
                 return
             r.slot = self.alloc.new_request()
-            ids = self._extend(r, n)
+            ids = self._extend(r, n) if self._admit_state(r) else None
             if ids is None:
                 self.alloc.free_request(r.slot)
                 r.slot = None
@@ -180,6 +182,13 @@ class Scheduler:
             s.name: worst_case_pages(s.spec, s.page_size, num_tokens, chunk) for s in self.subpools
         }
         return bool(self.alloc.can_admit(demand)[1])
+
+    def _admit_state(self, r: Request) -> bool:
+        """A zeroed recurrent-state slot for a newly admitted request (hybrid models);
+        False when the chain cannot make room for it."""
+        if not self.has_state:
+            return True
+        return self.alloc.alloc_mamba(np.array([r.slot], dtype=np.int64)) is not None
 
     def _extend(self, r: Request, n: int):
         return self.alloc.alloc_extend(

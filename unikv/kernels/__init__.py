@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 import torch
 
-from unikv.kernels import reference
+from unikv.kernels import recurrent_ref, reference
 
+RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 OPS = (
     "store_kv",
     "decode_attention",
@@ -20,6 +21,7 @@ OPS = (
     "copy_pages",
     "build_block_table",
     "export_flashinfer",
+    *RECURRENT_OPS,
 )
 
 
@@ -32,6 +34,7 @@ def _triton_ops() -> SimpleNamespace:
         decode,
         extend,
         page_copy,
+        recurrent,
         store,
     )
 
@@ -43,6 +46,9 @@ def _triton_ops() -> SimpleNamespace:
         copy_pages=page_copy.copy_pages,
         build_block_table=block_table.build_block_table,
         export_flashinfer=block_table.export_flashinfer,
+        causal_conv1d=recurrent.causal_conv1d,
+        gated_delta_rule=recurrent.gated_delta_rule,
+        mamba2_ssd=recurrent.mamba2_ssd,
     )
 
 
@@ -52,14 +58,17 @@ def get_backend(device: torch.device | str, backend: str | None = None) -> Simpl
     backend: None (pick by device), ``"triton"`` (force Triton, e.g. under
     ``TRITON_INTERPRET=1`` on CPU) or ``"torch"`` (force the reference).
     Returns a namespace with ``store_kv, decode_attention, extend_attention,
-    copy_pages, build_block_table, export_flashinfer`` and ``name``.
+    copy_pages, build_block_table, export_flashinfer``, the recurrent-state ops
+    ``causal_conv1d, gated_delta_rule, mamba2_ssd`` and ``name``.
     """
     if backend is None:
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
     if backend == "triton":
         return _triton_ops()
     if backend == "torch":
-        return SimpleNamespace(name="torch", **{op: getattr(reference, op) for op in OPS})
+        refs = {op: getattr(reference, op) for op in OPS if op not in RECURRENT_OPS}
+        refs.update({op: getattr(recurrent_ref, op) for op in RECURRENT_OPS})
+        return SimpleNamespace(name="torch", **refs)
     raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
 
 

@@ -10,7 +10,10 @@ to every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import import_module  # family readers load lazily (no import cycle)
+from typing import Any
 
 # HF architecture name -> unikv model family
 SUPPORTED_ARCHITECTURES = {
@@ -19,7 +22,21 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "NemotronHForCausalLM": "nemotron_h",
 }
+
+# unikv family -> reader of the family's own config fields (into ModelConfig.extra);
+# the readers live in the families' model modules and register here.
+FAMILY_EXTRAS: dict[str, Callable[[Any], dict]] = {}
+FAMILY_EXTRAS["qwen3_5"] = lambda c: import_module("unikv.models.qwen3_5").config_extras(c)
+FAMILY_EXTRAS["qwen3_next"] = lambda c: import_module("unikv.models.qwen3_next").config_extras(c)
+FAMILY_EXTRAS["nemotron_h"] = lambda c: import_module("unikv.models.nemotron_h").config_extras(c)
+
+# HF layer types that hold no attention K/V of their own (recurrent mixers, MLP-only
+# layers): their window is None and their state, if any, lives in the Mamba sub-pool.
+NON_ATTENTION_LAYER_TYPES = frozenset({"linear_attention", "mamba", "mlp", "moe"})
 
 
 @dataclass(frozen=True)
@@ -86,12 +103,22 @@ def _windows(hf_config, num_layers: int) -> tuple[int | None, ...]:
             f"config.layer_types names {len(layer_types)} layers but num_hidden_layers is "
             f"{num_layers}; fix config.json"
         )
-    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    known = {"full_attention", "sliding_attention"} | NON_ATTENTION_LAYER_TYPES
+    unknown = sorted(set(layer_types) - known)
     if unknown:
         raise ValueError(
-            f"unsupported layer types {unknown}; unikv runs full and sliding attention"
+            f"unsupported layer types {unknown}; unikv runs {sorted(known)}; fix config.layer_types"
         )
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _first(hf_config, *names: str):
+    """The first of ``names`` the config has (families name some fields differently)."""
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if value is not None:
+            return value
+    raise ValueError(f"config.json has none of {list(names)}; give a complete config")
 
 
 def _eos_ids(hf_config) -> tuple[int, ...]:
@@ -118,23 +145,25 @@ def model_config_from_hf(hf_config) -> ModelConfig:
     if family == "llama" and act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}; unikv's Llama family runs 'silu'")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    extra = FAMILY_EXTRAS[family](hf_config) if family in FAMILY_EXTRAS else {}
     common = dict(
         architecture=arch,
         family=family,
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size,
+        intermediate_size=getattr(hf_config, "intermediate_size", 0) or 0,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rms_norm_eps=float(_first(hf_config, "rms_norm_eps", "layer_norm_epsilon")),
         max_position_embeddings=hf_config.max_position_embeddings,
         rope=rope,
         windows=_windows(hf_config, num_layers),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         hidden_act=act,
         eos_token_ids=_eos_ids(hf_config),
+        extra=extra,
     )
     if arch == "Qwen2ForCausalLM":
         return ModelConfig(**common, qkv_bias=True)
@@ -149,6 +178,8 @@ def model_config_from_hf(hf_config) -> ModelConfig:
             num_experts_per_tok=hf_config.num_experts_per_tok,
             attention_sinks=True,
         )
+    if family not in ("llama", "gpt_oss"):  # a hybrid family: its own fields are in extra
+        return ModelConfig(**common, qkv_bias=attention_bias, o_bias=attention_bias)
     return ModelConfig(
         **common,
         qkv_bias=attention_bias,

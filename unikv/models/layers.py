@@ -37,6 +37,59 @@ class AttentionFn(Protocol):
     ) -> torch.Tensor: ...
 
 
+class StateFn(Protocol):
+    """The engine's per-step recurrent-state ops (Gated DeltaNet, Mamba-2 layers).
+
+    The step object passed to ``forward`` as ``attn`` implements these beside
+    ``AttentionFn``. Each reads the state of model layer ``layer`` for every
+    request of the step from the request's state slot and writes it back
+    updated; T = tokens of the step in batch order. See ``unikv/kernels/
+    recurrent_ref.py`` for the exact semantics (the torch references)."""
+
+    def causal_conv1d(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        activation: str | None,
+    ) -> torch.Tensor:
+        """x: (T, C), weight: (C, K), bias: (C,) or None -> (T, C) in x.dtype."""
+        ...
+
+    def gated_delta_rule(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        scale: float,
+        use_qk_l2norm: bool,
+    ) -> torch.Tensor:
+        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv) in v.dtype."""
+        ...
+
+    def mamba2_ssd(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor,
+        dt_bias: torch.Tensor,
+        *,
+        dt_softplus: bool,
+        dt_limit: tuple[float, float],
+    ) -> torch.Tensor:
+        """x: (T, H, P), dt: (T, H), A, D, dt_bias: (H,), B, C: (T, G, N) -> (T, H, P)."""
+        ...
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32.
 

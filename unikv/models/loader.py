@@ -18,6 +18,7 @@ from unikv.models.config import ModelConfig, model_config_from_hf
 from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
+from unikv.models.registry import model_class
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -155,9 +156,12 @@ def load_model(
     files = weight_files(model_dir)
     max_positions = max_positions or config.max_position_embeddings
     with torch.device("meta"):
-        model = CausalLM(config, max_positions, tp)
+        model = model_class(config.family)(config, max_positions, tp)
     model = model.to(dtype).to_empty(device=device)  # no full-precision copy on the device
-    model.model.rotary.build(torch.device(device))
+    if hasattr(model, "build"):  # a family's own tables (rope, fp32 parameters)
+        model.build(torch.device(device))
+    else:
+        model.model.rotary.build(torch.device(device))
     load_weights(model, files)
     _sinks_to_fp32(model)
     return model.eval().requires_grad_(False)
