@@ -5,8 +5,10 @@ Rank 0 prefills (``PrefillWorker``), rank 1 decodes (``DecodeWorker``); pages
 move with ``send_pages`` / ``recv_pages`` into pages the decode instance's own
 allocator picked. Checked against independent derivations in this process:
 
-- tiny Llama (full attention) and tiny gpt-oss (sliding window 6 + full
-  layers, so some SWA pages are already out of the window when handed off):
+- tiny Llama (full attention), tiny gpt-oss (sliding window 6 + full
+  layers, so some SWA pages are already out of the window when handed off) and
+  tiny Qwen3.5 (Gated DeltaNet + full layers: each request's recurrent-state
+  slot travels with its pages):
   the decode rank's outputs equal a single-process ``LLM.generate`` with the
   same per-prompt params (greedy, one seeded temperature sample, one request
   that finishes at its first token), and the greedy ones equal transformers'
@@ -24,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_fixtures import BACKENDS, init_group, rank_device, run_two, save_result
-from engine_fixtures import VOCAB, hf_greedy, save_tiny_model
+from engine_fixtures import VOCAB, hf_greedy, save_tiny_hybrid, save_tiny_model
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.disagg import PrefillWorker
@@ -32,7 +34,7 @@ from unikv.engine.disagg_decode import DecodeWorker
 from unikv.hf_config import specs_from_hf_config
 from unikv.pool import pool_bytes_for
 
-ARCHS = ["llama", "gpt_oss"]
+ARCHS = ["llama", "gpt_oss", "qwen3_5"]
 PROMPT_LENS = [3, 17, 30, 45, 9]
 NEW_TOKENS = 12
 OPTIONS = {
@@ -98,7 +100,8 @@ def runs(request, tmp_path_factory):
     paths, refs = {}, {}
     for arch in ARCHS:
         paths[arch] = str(root / arch)
-        hf = save_tiny_model(arch, paths[arch])
+        save = save_tiny_hybrid if arch == "qwen3_5" else save_tiny_model
+        hf = save(arch, paths[arch])
         single = LLM(paths[arch], device=device, **OPTIONS).generate(_prompts(), _params())
         refs[arch] = {
             "hf": [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(_prompts(), _params())],

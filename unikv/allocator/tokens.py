@@ -264,15 +264,21 @@ class TokenVerbs:
         return out
 
     def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per token sub-pool: (page columns request ``slot`` still holds, their
+        """Per sub-pool: (page columns request ``slot`` still holds, their
         physical pages), host int64, ascending columns; a sliding-window sub-pool
-        leaves out the columns that left the window (for transfers and offload)."""
+        leaves out the columns that left the window; the Mamba sub-pool gives the
+        request's state slot as column 0, if it holds one (for transfers and
+        offload: a request's state travels with its pages)."""
         vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])]
         out = {}
         for name in self.token_names:
             physical = self.subs[name].v2p_host[vpages].astype(np.int64)
             cols = np.flatnonzero(physical >= 0)
             out[name] = (cols, physical[cols])
+        if self.mamba_name is not None:
+            physical = self.subs[self.mamba_name].v2p_host[[slot + 1]].astype(np.int64)
+            cols = np.flatnonzero(physical >= 0)
+            out[self.mamba_name] = (cols, physical[cols])
         return out
 
     def usage(self) -> Mapping[str, dict[str, int]]:

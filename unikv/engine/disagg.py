@@ -9,11 +9,13 @@ its first token it leaves the prefill scheduler and is handed off:
     per prefill step that completed requests:
     P -> D   header: each request's tokens (prompt + first sampled token),
              num_cached, sampling params and seed, and per sub-pool the page
-             columns it still holds (SWA: only the pages inside the window)
-    D        opens a request slot and allocates num_cached tokens in its own
-             pool (alloc_extend, then free_out_of_window: the same rule leaves
-             the same SWA columns bound), so the virtual and physical ids are
-             its own; a request that does not fit is queued for recompute
+             columns it still holds (SWA: only the pages inside the window;
+             hybrid models: the recurrent-state slot as one more "page")
+    D        opens a request slot, a state slot (hybrid models) and allocates
+             num_cached tokens in its own pool (alloc_extend, then
+             free_out_of_window: the same rule leaves the same SWA columns
+             bound), so the virtual and physical ids are its own; a request
+             that does not fit is queued for recompute
     D -> P   accept mask (or D's error: both raise)
     P -> D   send_pages / recv_pages: every accepted request's pages, one
              envelope per page (all layers), per sub-pool in request order;
@@ -117,7 +119,7 @@ class PrefillWorker:
         requests = llm.make_requests(prompts, sampling_params)
         index = {r.request_id: i for i, r in enumerate(requests)}
         _agree(llm, self.dst, self.group, self.device, first=True)
-        stats = HandoffStats(pages={name: 0 for name in llm.alloc.token_names})
+        stats = HandoffStats(pages={name: 0 for name in llm.pool.subpools})
         for r in requests:
             sched.add(r)
         while sched.has_work():
@@ -153,10 +155,11 @@ class PrefillWorker:
         stats.num_handoffs += 1
 
     def _send(self, sent: list[Request], held: dict, stats: HandoffStats) -> None:
-        """One send_pages of every accepted request's pages, per sub-pool in order."""
+        """One send_pages of every accepted request's pages (and state slots), per
+        sub-pool in order."""
         pages = {
             name: np.concatenate([held[r.request_id][name][1] for r in sent])
-            for name in self.llm.alloc.token_names
+            for name in self.llm.pool.subpools
         }
         start = time.perf_counter()
         send_pages(self.llm.pool, _page_ids(pages), self.dst, group=self.group)

@@ -103,7 +103,9 @@ class DecodeWorker:
         ids = None
         if len(sched.running) < sched.max_num_seqs:  # running requests hold every slot
             slot = alloc.new_request()
-            ids = alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([num_cached]))
+            state = not sched.has_state or alloc.alloc_mamba(np.array([slot])) is not None
+            if state:
+                ids = alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([num_cached]))
             if ids is None:
                 alloc.free_request(slot)
         if ids is None:  # no room now: prefill it again here later
@@ -117,8 +119,9 @@ class DecodeWorker:
         return slot
 
     def _destinations(self, slots: list, metas: list[dict]) -> dict[str, np.ndarray]:
-        """Physical destination pages per sub-pool, accepted requests in order."""
-        dst = {name: [] for name in self.llm.alloc.token_names}
+        """Physical destination pages (and state slots) per sub-pool, accepted
+        requests in order."""
+        dst = {name: [] for name in self.llm.pool.subpools}
         for slot, meta in zip(slots, metas):
             if slot is None:
                 continue

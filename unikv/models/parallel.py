@@ -72,8 +72,17 @@ class TensorParallel:
         return int(t.item())
 
 
+TP_FAMILIES = frozenset({"llama", "gpt_oss"})  # families whose layers shard by heads
+
+
 def check_tp_config(config: ModelConfig, size: int) -> None:
     """Raise ValueError unless ``config`` can be split over ``size`` ranks."""
+    if config.family not in TP_FAMILIES:
+        raise ValueError(
+            f"tensor parallelism runs the {sorted(TP_FAMILIES)} families; {config.family!r} "
+            "(a hybrid with recurrent state) is not sharded yet: build the LLM with "
+            "tp_group=None"
+        )
     dims = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
