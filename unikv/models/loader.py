@@ -113,7 +113,12 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
     if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
         sources["lm_head.weight"] = ("model.embed_tokens.weight",)
     missing = sorted(n for n in params if n not in sources or sources[n][0] not in index)
-    unexpected = sorted(n for n in sources if n not in params and not n.endswith("inv_freq"))
+    ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
+    unexpected = sorted(
+        n
+        for n in sources
+        if n not in params and not n.endswith("inv_freq") and not n.startswith(ignored)
+    )
     if missing or unexpected:
         raise ValueError(
             f"checkpoint does not match the {model.config.architecture} model: missing "

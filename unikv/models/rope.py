@@ -5,6 +5,11 @@ them, and the rotation itself (NeoX "rotate half" layout).
 The cos/sin table is computed once in fp32 for every position up to
 ``max_positions`` (``pos * inv_freq``, one product per element, as in
 transformers), scaled by the rope type's attention factor.
+
+Partial rotary (``partial_rotary_factor`` f < 1, Qwen3.5 / Qwen3-Next): as in
+transformers, the frequencies are those of a head of ``int(head_dim * f)`` dims
+and only the first ``int(head_dim * f)`` dims of each head are rotated; the
+rest pass through.
 """
 
 from __future__ import annotations
@@ -70,14 +75,27 @@ def _yarn(base: float, dim: int, params: dict, max_positions: int) -> tuple[torc
     return inv_freq, float(attention_factor)
 
 
-def rope_inv_freq(params: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq (head_dim/2,) fp32, attention scaling) for a standardised
-    transformers ``rope_parameters`` dict. Raises ValueError for other types."""
-    rope_type = params.get("rope_type", "default")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+def rotary_dim(params: dict, head_dim: int) -> int:
+    """Rotated dims of a head: ``int(head_dim * partial_rotary_factor)`` (transformers'
+    rounding); ValueError unless it is even and in (0, head_dim]."""
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor == 1.0:
+        return head_dim
+    dim = int(head_dim * factor)
+    if not (0 < dim <= head_dim and dim % 2 == 0):
         raise ValueError(
-            f"partial_rotary_factor {params['partial_rotary_factor']} is not supported"
+            f"partial_rotary_factor {factor} on head_dim {head_dim} rotates {dim} dims; "
+            "expected an even number in (0, head_dim]: fix rope_parameters"
         )
+    return dim
+
+
+def rope_inv_freq(params: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq (rotary_dim/2,) fp32, attention scaling) for a standardised
+    transformers ``rope_parameters`` dict (``rotary_dim`` = head_dim unless
+    ``partial_rotary_factor`` < 1). Raises ValueError for other types."""
+    rope_type = params.get("rope_type", "default")
+    head_dim = rotary_dim(params, head_dim)  # the rotated width from here on
     base = float(params["rope_theta"])
     if rope_type == "default":
         return _default_inv_freq(base, head_dim), 1.0
@@ -97,13 +115,15 @@ class Rotary(nn.Module):
 
     Args:
         params: transformers' ``rope_parameters``.
-        head_dim: rotary width (the whole head).
+        head_dim: the whole head; the first ``rotary_dim`` dims of it are
+            rotated (all of them unless ``partial_rotary_factor`` < 1).
         max_positions: table length; positions must be below it.
     """
 
     def __init__(self, params: dict, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.params, self.head_dim, self.max_positions = params, head_dim, max_positions
+        self.rotary_dim = rotary_dim(params, head_dim)
         rope_inv_freq(params, head_dim, max_positions)  # validate the rope type now
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
@@ -111,10 +131,10 @@ class Rotary(nn.Module):
             self.build(torch.empty(0).device)
 
     def build(self, device: torch.device) -> None:
-        """(Re)compute the fp32 cos/sin tables (P, D/2) on ``device``."""
+        """(Re)compute the fp32 cos/sin tables (P, rotary_dim/2) on ``device``."""
         inv_freq, scaling = rope_inv_freq(self.params, self.head_dim, self.max_positions)
         positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # (P, D/2)
+        freqs = positions[:, None] * inv_freq[None, :]  # (P, rotary_dim/2)
         self.cos = (freqs.cos() * scaling).to(device)
         self.sin = (freqs.sin() * scaling).to(device)
 
@@ -122,9 +142,14 @@ class Rotary(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) int64; q: (T, Hq, D); k: (T, H, D) -> rotated (q, k)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D/2)
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, rotary_dim/2)
         sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.rotary_dim == self.head_dim:  # a host int fixed at construction
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        r = self.rotary_dim
+        q = torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+        k = torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

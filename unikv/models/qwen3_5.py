@@ -1,0 +1,273 @@
+"""Qwen3.5 (text, ``Qwen3_5ForCausalLM``): a hybrid of Gated DeltaNet
+("linear_attention") layers and gated full-attention layers, on unikv's layers.
+
+Qwen3-Next (``qwen3_next.py``) shares everything here but its packed input
+projections and its MoE block. Module and parameter names mirror transformers
+(``model.layers.i.linear_attn.in_proj_qkv``, ``...self_attn.q_proj``), so a
+checkpoint loads by name. Tokens of a step are flattened over the batch:
+``input_ids``/``positions`` are (T,).
+
+- Norms are zero-centred: ``x_hat * (1 + w)`` in fp32, then cast (``ZeroCenteredRMSNorm``).
+- Full attention: ``q_proj`` gives, per head, q and an output gate (2D wide);
+  q/k norms; partial rotary; ``attn(layer, q, k, v)``; ``out * sigmoid(gate)``; o_proj.
+- Gated DeltaNet: q/k/v through a depthwise causal conv (silu) over
+  ``conv_dim = 2 Hk Dk + Hv Dv`` channels, beta = sigmoid(b),
+  g = -exp(A_log) * softplus(a + dt_bias) (fp32), q/k heads repeated to Hv
+  (``repeat_interleave``), the gated delta rule (l2-normed q/k, scale Dk**-0.5),
+  a gated RMSNorm with z, out_proj. The conv and the recurrence go through the
+  step object (``StateFn``): their state lives in the request's pool slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.layers import AttentionFn, GatedMLP, StateFn
+from unikv.models.rope import Rotary
+
+LINEAR_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def config_extras(hf_config) -> dict:
+    """Qwen3.5's own fields (into ``ModelConfig.extra``): ``layer_types`` and the
+    Gated DeltaNet shapes. ValueError when the value heads are not a multiple of
+    the key heads."""
+    extra = {name: int(getattr(hf_config, name)) for name in LINEAR_FIELDS}
+    extra["layer_types"] = tuple(hf_config.layer_types)
+    hk, hv = extra["linear_num_key_heads"], extra["linear_num_value_heads"]
+    if hv % hk:
+        raise ValueError(
+            f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk}); "
+            "fix config.json"
+        )
+    return extra
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm with weight ``1 + w`` (w stored zero-centred), multiplied in fp32
+    before the cast back (transformers' ``Qwen3_5RMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * rmsnorm(x) * silu(gate)`` over the last dim (transformers'
+    ``Qwen3_5RMSNormGated``): norm in fp32, weight in x's dtype, gate in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (h * nn.functional.silu(gate.float())).to(dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a per-head sigmoid output gate; ``q_proj`` packs, per
+    head, D query dims then D gate dims."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.layer, self.head_dim = layer, d
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.o_bias)
+        self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
+        self.rotary = [rotary]  # shared, kept out of this module's parameters
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        q, gate = self.q_proj(x).view(t, h, 2 * d).chunk(2, dim=-1)  # (T, H, D) each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        q, k = self.rotary[0](positions, q, k)
+        out = attn(self.layer, q, k, v).reshape(t, h * d)  # (T, H * D)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's Gated DeltaNet mixer with separate input projections
+    (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). Subclasses
+    change ``project`` only (Qwen3-Next packs them per key head)."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        e, hidden = config.extra, config.hidden_size
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r}: the Gated DeltaNet conv runs 'silu' only"
+            )
+        self.layer = layer
+        self.num_k_heads, self.num_v_heads = e["linear_num_key_heads"], e["linear_num_value_heads"]
+        self.head_k_dim, self.head_v_dim = e["linear_key_head_dim"], e["linear_value_head_dim"]
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = e["linear_conv_kernel_dim"]
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False
+        )  # weight (C, 1, K); only the weight is used, by the step's causal conv
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.make_projections(hidden)
+
+    def make_projections(self, hidden: int) -> None:
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor):
+        """x: (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv),
+        b (T, Hv), a (T, Hv))."""
+        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: StateFn) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden); reads and updates this layer's conv and
+        delta-rule states through ``attn``."""
+        t = x.shape[0]
+        qkv, z, b, a = self.project(x)
+        weight = self.conv1d.weight.view(self.conv_dim, -1)  # (C, K)
+        qkv = attn.causal_conv1d(self.layer, qkv, weight, None, "silu")  # (T, C)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
+        groups = self.num_v_heads // self.num_k_heads
+        if groups > 1:  # a host int fixed by the config
+            q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+        out = attn.gated_delta_rule(
+            self.layer, q, k, v, g, beta, scale=self.head_k_dim**-0.5, use_qk_l2norm=True
+        )  # (T, Hv, Dv)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(t, self.value_dim))
+
+
+class DecoderLayer(nn.Module):
+    """One hybrid layer: a token mixer (``linear_attn`` or ``self_attn``) and an MLP,
+    each behind a zero-centred pre-norm and a residual."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: Rotary, mixer: type, mlp: nn.Module
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
+        if config.extra["layer_types"][layer] == "linear_attention":
+            self.linear_attn = mixer(config, layer)
+            self.mixer = [self.linear_attn]  # an alias, kept out of the parameter names
+        else:
+            self.self_attn = GatedAttention(config, layer, rotary)
+            self.mixer = [self.self_attn]
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        x = x + self.mixer[0](self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int, mixer: type, make_mlp) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary, mixer, make_mlp(config, i))
+            for i in range(config.num_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _check_layer_types(config: ModelConfig) -> None:
+    types = config.extra.get("layer_types", ())
+    bad = sorted(set(types) - {"linear_attention", "full_attention"})
+    if len(types) != config.num_layers or bad:
+        raise ValueError(
+            f"{config.architecture} needs layer_types of {config.num_layers} entries, each "
+            f"'linear_attention' or 'full_attention'; got {list(types)}: fix config.json"
+        )
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 (text) over unikv's paged attention and recurrent-state slots.
+
+    Args:
+        config: the model's hyper-parameters (``extra`` from ``config_extras``).
+        max_positions: length of the rope table (the engine's max context).
+        tp: must be None (tensor parallelism is not implemented for hybrid models).
+    """
+
+    mixer: type = GatedDeltaNet
+    # checkpoint tensors unikv does not run (the multi-token-prediction head), as
+    # transformers' _keys_to_ignore_on_load_unexpected; needs loader support
+    ignore_checkpoint_prefixes = ("mtp.",)
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise ValueError(
+                f"{config.architecture} does not support tensor parallelism in unikv; "
+                "run it with tp=None (one device)"
+            )
+        _check_layer_types(config)
+        self.config, self.tp = config, None
+        self.model = Backbone(config, max_positions, self.mixer, self.make_mlp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+        return GatedMLP(config)
+
+    def build(self, device: torch.device) -> None:
+        """Non-parameter tables on ``device`` (the rope cos/sin)."""
+        self.model.rotary.build(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: (T,) int64; positions: (T,) int64; attn: the step object
+        (``AttentionFn`` and ``StateFn``); logits_indices: (N,) int64 rows whose
+        logits are wanted (None: all). Returns fp32 logits (N, vocab)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(x)).float()

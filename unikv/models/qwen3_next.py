@@ -1,0 +1,143 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): Qwen3.5's hybrid decoder (``qwen3_5.py``)
+with packed Gated DeltaNet projections and a sparse MoE block.
+
+- ``in_proj_qkvz`` (hidden -> 2 Hk Dk + 2 Hv Dv) is grouped by key head: for each
+  of the Hk key heads, [q (Dk) | k (Dk) | v (r Dv) | z (r Dv)] with r = Hv / Hk;
+  ``in_proj_ba`` (hidden -> 2 Hv) likewise, [b (r) | a (r)] per key head.
+- MoE (``mlp``): softmax router over all experts in fp32, top-k, renormalised when
+  ``norm_topk_prob``; SwiGLU experts stored per expert as in released checkpoints
+  and in what ``save_pretrained`` writes (``experts.{e}.gate_proj`` ...); plus a
+  shared expert scaled by ``sigmoid(shared_expert_gate(x))``. Layers in
+  ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid use a dense MLP.
+
+The expert loop follows ``gpt_oss.py``: dense (every expert on every token,
+weighted by its routing weight, zero when not routed: no host sync, fixed
+shapes, CUDA-graph safe) for T <= ``DENSE_MAX_TOKENS``, sparse (each expert on
+its own tokens; syncs the host) for larger prefill steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from unikv.models import qwen3_5
+from unikv.models.config import ModelConfig
+from unikv.models.layers import GatedMLP
+
+DENSE_MAX_TOKENS = 256
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+)
+
+
+def config_extras(hf_config) -> dict:
+    """Qwen3-Next's own fields: Qwen3.5's plus the MoE ones."""
+    extra = qwen3_5.config_extras(hf_config)
+    extra.update({name: int(getattr(hf_config, name)) for name in MOE_FIELDS})
+    extra["norm_topk_prob"] = bool(hf_config.norm_topk_prob)
+    extra["mlp_only_layers"] = tuple(hf_config.mlp_only_layers or ())
+    return extra
+
+
+class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
+    """Gated DeltaNet with Qwen3-Next's per-key-head packed projections."""
+
+    def make_projections(self, hidden: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+
+    def project(self, x: torch.Tensor):
+        """x: (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv),
+        b (T, Hv), a (T, Hv)), unpacked from the per-key-head groups."""
+        t, hk, dk = x.shape[0], self.num_k_heads, self.head_k_dim
+        rv = self.num_v_heads // hk * self.head_v_dim  # value dims per key head
+        r = self.num_v_heads // hk
+        qkvz = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * rv)
+        q, k, v, z = qkvz.split([dk, dk, rv, rv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        z = z.reshape(t, self.num_v_heads, self.head_v_dim)
+        return qkv, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e = config.extra
+        self.top_k, self.norm_topk_prob = e["num_experts_per_tok"], e["norm_topk_prob"]
+        self.weight = nn.Parameter(torch.zeros(e["num_experts"], config.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) -> (weights (T, k) in x.dtype, expert indices (T, k) int64)."""
+        logits = nn.functional.linear(x, self.weight)  # (T, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:  # a host bool fixed by the config
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), indices
+
+
+class SparseMoE(nn.Module):
+    """``mlp.gate`` (router), ``mlp.experts.{e}`` (SwiGLU ``GatedMLP`` each, the
+    checkpoint's per-expert names), ``mlp.shared_expert``, ``mlp.shared_expert_gate``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e = config.extra
+        self.gate = Router(config)
+        routed = dataclasses.replace(config, intermediate_size=e["moe_intermediate_size"])
+        self.experts = nn.ModuleList(GatedMLP(routed) for _ in range(e["num_experts"]))
+        shared = dataclasses.replace(config, intermediate_size=e["shared_expert_intermediate_size"])
+        self.shared_expert = GatedMLP(shared)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        weights, indices = self.gate(x)
+        if x.shape[0] <= DENSE_MAX_TOKENS:  # a host int: the step's token count
+            out = self.routed_dense(x, weights, indices)
+        else:
+            out = self.routed_sparse(x, weights, indices)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def routed_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
+        """x: (T, hidden); weights/indices: (T, k) -> (T, hidden); every expert on
+        every token, in expert order (no host sync)."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, indices, weights)  # (T, E), zero where not routed
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += (expert(x) * dense[:, e, None]).to(x.dtype)
+        return out
+
+    def routed_sparse(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
+        """As ``routed_dense``, running each expert only on its tokens (host sync)."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(indices == e)
+            if token_idx.numel() == 0:
+                continue
+            y = expert(x[token_idx]) * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(x.dtype))
+        return out
+
+
+class Qwen3NextForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
+    """Qwen3-Next over unikv's paged attention and recurrent-state slots (tp must be None)."""
+
+    mixer = PackedGatedDeltaNet
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+        e = config.extra
+        sparse = e["num_experts"] > 0 and (layer + 1) % e["decoder_sparse_step"] == 0
+        if sparse and layer not in e["mlp_only_layers"]:
+            return SparseMoE(config)
+        return GatedMLP(config)
