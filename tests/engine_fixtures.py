@@ -135,3 +135,336 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# -- Qwen3.5 / Qwen3-Next (hybrid Gated DeltaNet + gated attention) -------------------
+
+HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention"]
+HYBRID_LAYERS += ["linear_attention", "full_attention"]  # an irregular pattern, 5 layers
+
+
+def tiny_hybrid_config(arch: str, **overrides):
+    """A tiny ``qwen3_5`` (text) or ``qwen3_next`` config with odd shapes: head dim
+    24 with partial rotary, linear key/value head dims 12/20, Hv = 2 Hk, conv
+    kernel 4, the irregular ``HYBRID_LAYERS``; Qwen3-Next adds 4 experts (top 2,
+    renormalised), a shared expert and one dense-MLP layer."""
+    import transformers as tf
+
+    kw = dict(TINY)
+    kw.update(
+        num_hidden_layers=len(HYBRID_LAYERS),
+        layer_types=list(HYBRID_LAYERS),
+        head_dim=24,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=12,
+        linear_value_head_dim=20,
+        linear_conv_kernel_dim=4,
+    )
+    if arch == "qwen3_5":
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+        kw["rope_parameters"]["partial_rotary_factor"] = 0.25
+        cls = tf.Qwen3_5TextConfig
+    elif arch == "qwen3_next":
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+        kw["rope_parameters"]["partial_rotary_factor"] = 0.5
+        kw.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+        cls = tf.Qwen3NextConfig
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def save_tiny_hybrid(arch: str, path: str, seed: int = 0, **overrides):
+    """As ``save_tiny_model`` for ``tiny_hybrid_config(arch)``; eager attention."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tiny_hybrid_config(arch, **overrides)
+    config._attn_implementation = "eager"
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _cached_attention(q, k, v, window, sinks, sm_scale):
+    """Causal attention of T new queries (the last T positions) over all L keys.
+
+    q: (T, Hq, D), k/v: (L, H, D), L >= T."""
+    t, hq, _ = q.shape
+    group = hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = torch.einsum("thd,shd->hts", q, k) * sm_scale
+    qpos = torch.arange(k.shape[0] - t, k.shape[0])
+    kpos = torch.arange(k.shape[0])
+    mask = kpos[None, :] <= qpos[:, None]
+    if window is not None:
+        mask &= kpos[None, :] > qpos[:, None] - window
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks[:, None, None].expand(hq, t, 1)], dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)[..., : k.shape[0]]
+    return torch.einsum("hts,shd->thd", probs, v.float()).to(q.dtype)
+
+
+class DenseStepFn:
+    """A step object (``AttentionFn`` and ``StateFn``) for ONE sequence, dense and
+    written from the definitions (COMMON.md), independent of unikv's kernels.
+
+    It keeps every layer's K/V, conv state (C, K) and delta-rule state (H, Dk, Dv)
+    between calls, so one sequence may be fed in several steps (chunks, decode);
+    states start at zero. ``conv[layer]`` / ``ssm[layer]`` expose them."""
+
+    def __init__(self, windows, sm_scale):
+        self.windows, self.sm_scale = windows, sm_scale
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.conv: dict[int, torch.Tensor] = {}
+        self.ssm: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer, q, k, v, sinks=None):
+        if layer in self.kv:
+            k, v = torch.cat([self.kv[layer][0], k]), torch.cat([self.kv[layer][1], v])
+        self.kv[layer] = (k, v)
+        return _cached_attention(q, k, v, self.windows[layer], sinks, self.sm_scale)
+
+    def causal_conv1d(self, layer, x, weight, bias, activation):
+        """x: (T, C); weight: (C, K) -> (T, C): out[j] = act(sum_k w[:, k] seq[:, j+1+k] + b)."""
+        c, kernel = weight.shape
+        state = self.conv.get(layer, torch.zeros(c, kernel, dtype=x.dtype))
+        seq = torch.cat([state, x.t()], dim=1)  # (C, K + T), oldest first
+        out = torch.stack(
+            [(weight * seq[:, j + 1 : j + 1 + kernel]).sum(-1) for j in range(x.shape[0])]
+        )
+        if bias is not None:
+            out = out + bias
+        if activation == "silu":
+            out = torch.nn.functional.silu(out)
+        self.conv[layer] = seq[:, -kernel:].clone()
+        return out.to(x.dtype)
+
+    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm):
+        """q, k: (T, H, Dk); v: (T, H, Dv); g, beta: (T, H) -> (T, H, Dv), token by token."""
+        h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+        s = self.ssm.get(layer, torch.zeros(h, dk, dv))
+        outs = []
+        for t in range(q.shape[0]):
+            qt, kt, vt = q[t].float(), k[t].float(), v[t].float()
+            if use_qk_l2norm:
+                qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + 1e-6)
+                kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + 1e-6)
+            qt = qt * scale
+            s = s * g[t].float().exp()[:, None, None]
+            kv = torch.einsum("hkv,hk->hv", s, kt)
+            delta = (vt - kv) * beta[t].float()[:, None]
+            s = s + kt[:, :, None] * delta[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", s, qt))
+        self.ssm[layer] = s
+        return torch.stack(outs).to(v.dtype)
+
+
+# -- NemotronH (Mamba-2 / attention / MLP / MoE hybrid) ----------------------------------
+
+
+def save_tiny_nemotron_h(path: str, pattern: str, seed: int = 0, **overrides):
+    """A random-init transformers NemotronH of ``hybrid_override_pattern`` (M Mamba-2,
+    * attention, - MLP, E MoE) saved to ``path``; returns the fp32 eval model (eager
+    attention and experts). Odd shapes: attention head_dim 24, 6 mamba heads of dim
+    12 in 2 groups, state size 10, conv kernel 4, chunk size 16; 6 experts in 2
+    routing groups. D and the router's correction bias are drawn away from their
+    trivial init (ones, zeros)."""
+    import transformers as tf
+
+    kw = {
+        "vocab_size": VOCAB,
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "mamba_num_heads": 6,
+        "mamba_head_dim": 12,
+        "n_groups": 2,
+        "ssm_state_size": 10,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "n_routed_experts": 6,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "moe_intermediate_size": 40,
+        "moe_shared_expert_intermediate_size": 24,
+        "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.1,
+        "eos_token_id": None,
+        "bos_token_id": None,
+        "pad_token_id": None,
+    }
+    torch.manual_seed(seed)
+    config = tf.NemotronHConfig(hybrid_override_pattern=pattern, **{**kw, **overrides})
+    model = tf.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("e_score_correction_bias", "mixer.D")):
+                p.copy_(torch.randn(p.shape) * 0.5)
+    model.eval().save_pretrained(path)
+    return model
+
+
+# -- Falcon-H1 (attention and Mamba-2 side by side in every layer, muP multipliers) -----
+
+
+def save_tiny_falcon_h1(path: str, seed: int = 0, **overrides):
+    """A random-init transformers Falcon-H1 saved to ``path``; returns the fp32 eval
+    model (eager attention). Odd shapes: 3 layers, attention head_dim 24, 6 mamba
+    heads of dim 12 in 2 groups, state size 10, conv kernel 4, chunk size 16; every
+    muP multiplier away from 1, and D drawn away from its init (ones)."""
+    import transformers as tf
+
+    kw = {
+        **TINY,
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_hidden_layers": 3,
+        "head_dim": 24,
+        "mamba_d_ssm": 72,
+        "mamba_n_heads": 6,
+        "mamba_n_groups": 2,
+        "mamba_d_state": 10,
+        "mamba_d_conv": 4,
+        "mamba_chunk_size": 16,
+        "ssm_multipliers": [0.5, 1.5, 0.75, 1.25, 0.8],
+        "mlp_multipliers": [0.8, 1.2],
+        "key_multiplier": 0.7,
+        "attention_in_multiplier": 1.3,
+        "attention_out_multiplier": 0.9,
+        "ssm_in_multiplier": 1.1,
+        "ssm_out_multiplier": 0.6,
+        "embedding_multiplier": 2.0,
+        "lm_head_multiplier": 1.5,
+    }
+    torch.manual_seed(seed)
+    config = tf.FalconH1Config(**{**kw, **overrides})
+    model = tf.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mamba.D"):
+                p.copy_(torch.randn(p.shape) * 0.5)
+    model.eval().save_pretrained(path)
+    return model
+
+
+class DenseMamba2Step:
+    """A step object for one whole sequence (model tests): dense causal attention,
+    and the causal conv and the Mamba-2 recurrence one token at a time from their
+    definitions (state kept per layer, starting from zeros).
+
+    ``min_dt`` records the smallest softplus'd step size before the clamp."""
+
+    def __init__(self, sm_scale: float) -> None:
+        self.sm_scale = sm_scale
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> (C, K)
+        self.ssm: dict[int, torch.Tensor] = {}  # layer -> (H, P, N) fp32
+        self.min_dt = float("inf")
+
+    def __call__(self, layer, q, k, v, sinks=None):
+        return dense_attention(q, k, v, None, sinks, self.sm_scale)
+
+    def causal_conv1d(self, layer, x, weight, bias, activation):
+        c, width = weight.shape
+        state = self.conv.get(layer, x.new_zeros(c, width))
+        out = []
+        for t in range(x.shape[0]):
+            state = torch.cat([state[:, 1:], x[t, :, None]], dim=1)  # last K inputs, oldest first
+            y = (state * weight).sum(1) + (0 if bias is None else bias)
+            out.append(torch.nn.functional.silu(y) if activation == "silu" else y)
+        self.conv[layer] = state
+        return torch.stack(out)
+
+    def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):
+        heads, p = x.shape[1:]
+        rep = heads // B.shape[1]
+        s = self.ssm.get(layer, x.new_zeros(heads, p, B.shape[2], dtype=torch.float32))
+        out = []
+        for t in range(x.shape[0]):
+            step = dt[t].float() + dt_bias.float()
+            step = torch.nn.functional.softplus(step) if dt_softplus else step
+            self.min_dt = min(self.min_dt, step.min().item())
+            step = step.clamp(*dt_limit)
+            y = torch.empty(heads, p)
+            for h in range(heads):
+                b, c, xh = B[t, h // rep].float(), C[t, h // rep].float(), x[t, h].float()
+                s[h] = s[h] * torch.exp(step[h] * A[h]) + torch.outer(step[h] * xh, b)
+                y[h] = s[h] @ c + D[h].float() * xh
+            out.append(y)
+        self.ssm[layer] = s
+        return torch.stack(out).to(x.dtype)
+
+
+class GreedyReference:
+    """A saved tiny model (``hf``, transformers' fp32 model saved at ``path``), random
+    prompts of ``prompt_lens`` tokens and transformers' greedy outputs for them."""
+
+    def __init__(self, hf, path: str, prompt_lens, new_tokens: int, seed: int = 7) -> None:
+        from unikv.engine.demo import hf_greedy as greedy  # (module-level name: a re-export)
+
+        self.hf, self.path = hf, path
+        g = torch.Generator().manual_seed(seed)
+        self.prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in prompt_lens]
+        self.greedy = [greedy(hf, p, new_tokens) for p in self.prompts]
+
+
+class StepLogits:
+    """``on_step`` hook: the logits row of every sampled token by (request id,
+    position); ``cut`` counts lanes whose step ended inside their prompt."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.cut = 0
+
+    def __call__(self, llm, batch, logits) -> None:
+        for i, r in enumerate(batch.requests):
+            if r.num_pending == 1:  # this step sampled r's newest token
+                self.rows[(r.request_id, r.seq_len - 1)] = logits[i].clone()
+            elif r.num_cached < len(r.prompt_ids):
+                self.cut += 1
+
+
+def check_engine_outputs(ref: GreedyReference, llm, outputs, rows=None, atol=1e-4) -> None:
+    """The engine's tokens are transformers' greedy ones, every page and state slot
+    came back, and (with ``rows``, a StepLogits) every sampled logit row equals
+    transformers' teacher-forced whole-sequence logits at that position."""
+    assert [o.output_ids for o in outputs] == ref.greedy
+    for name in llm.pool.subpools:
+        assert llm.alloc.subpool(name).num_live == 0
+    llm.alloc.check_integrity()
+    if rows is None:
+        return
+    first_id = llm._next_id - len(outputs)
+    for k, out in enumerate(outputs):
+        full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V)
+        mine = {p: row for (rid, p), row in rows.rows.items() if rid == first_id + k}
+        assert len(mine) == len(out.output_ids)
+        for p, row in mine.items():
+            err = (row - full[p - 1]).abs().max().item()
+            assert err < atol, f"request {k} position {p}: logits differ by {err}"
+
+
+def state_slot_bytes(llm, request_slot: int, slot_bytes: int) -> torch.Tensor:
+    """A copy of the raw pool bytes of a request's recurrent-state slot (page p of
+    the Mamba sub-pool lies at byte p * slot_bytes of the pool buffer)."""
+    phys = int(llm.alloc.mamba_slots(torch.tensor([request_slot])).data[0])
+    return llm.pool.buffer[phys * slot_bytes : (phys + 1) * slot_bytes].clone()

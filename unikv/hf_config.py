@@ -63,8 +63,10 @@ class ModelSpecs:
     """The sub-pools of one model plus the model facts a pool plan needs.
 
     ``layer_kinds[i]`` is the kind of model layer ``i`` ("full", "swa", "mla",
-    "mamba", or "none" for a layer without cache); ``subpools`` lists one
-    SubPoolConfig per kind present, whose ``layers`` name the model layers it serves.
+    "mamba", or "none" for a layer without cache; "full+mamba" for a layer with
+    attention and a Mamba mixer side by side, Falcon-H1, which is in both sub-pools);
+    ``subpools`` lists one SubPoolConfig per kind present, whose ``layers`` name the
+    model layers it serves.
     """
 
     model_type: str
@@ -175,6 +177,26 @@ def _kinds_bamba(cfg: _Fields) -> list[str]:
     return ["full" if i in attn else "mamba" for i in range(cfg.need("num_hidden_layers"))]
 
 
+def _kinds_jamba(cfg: _Fields) -> list[str]:
+    """Jamba: attention on layers ``i % attn_layer_period == attn_layer_offset``, Mamba-1
+    elsewhere (transformers' JambaConfig.layers_block_type)."""
+    period, offset = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
+    return _kinds_from(cfg, lambda i: "full" if i % period == offset else "mamba")
+
+
+def _kinds_falcon_h1(cfg: _Fields) -> list[str]:
+    """Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side, so every
+    layer is in both the "full" and the "mamba" sub-pool (kind "full+mamba")."""
+    n = cfg.need("num_hidden_layers")
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is not None and (len(types) != n or set(types) != {"hybrid"}):
+        raise ValueError(
+            f"a falcon_h1 config must list {n} 'hybrid' layers (attention and Mamba-2 side by "
+            f"side), got layer types {list(types)}; fix layers_block_type"
+        )
+    return ["full+mamba"] * n
+
+
 ARCHITECTURES: dict[str, Callable[[_Fields], list[str]]] = {
     "llama": _kinds_uniform,
     "mistral": _kinds_uniform,
@@ -192,6 +214,9 @@ ARCHITECTURES: dict[str, Callable[[_Fields], list[str]]] = {
     "qwen3_5_text": _kinds_linear,
     "qwen3_next": _kinds_linear,
     "nemotron_h": _kinds_nemotron_h,
+    "qwen3_5_moe_text": _kinds_linear,
+    "jamba": _kinds_jamba,
+    "falcon_h1": _kinds_falcon_h1,
 }
 
 
@@ -271,11 +296,53 @@ def _mamba2_nemotron(
     SSM state ``(H, P, N)``."""
     heads, head_dim = cfg.get("mamba_num_heads", 128), cfg.get("mamba_head_dim", 64)
     state = cfg.get("ssm_state_size", 128)
-    conv_dim = heads * head_dim + 2 * cfg.get("n_groups", 8) * state
+    groups = cfg.get("n_groups") or cfg.get("mamba_n_groups", 8)  # legacy names too
+    kernel = cfg.get("conv_kernel") or cfg.get("mamba_d_conv", 4)
+    conv_dim = heads * head_dim + 2 * groups * state
     return MambaSpec(
         num_layers=num_layers,
-        conv=(StatePart((conv_dim, cfg.get("conv_kernel", 4)), conv_dtype),),
+        conv=(StatePart((conv_dim, kernel), conv_dtype),),
         temporal=StatePart((heads, head_dim, state), ssm_dtype),
+    )
+
+
+def _mamba1_jamba(
+    cfg: _Fields, num_layers: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> MambaSpec:
+    """Jamba's Mamba-1 mixer: conv state ``(I, d_conv)`` over x and SSM state
+    ``(I, d_state)``, with ``I = mamba_expand * hidden_size`` (transformers' JambaMambaMixer)."""
+    intermediate = cfg.get("mamba_expand", 2) * cfg.need("hidden_size")
+    return MambaSpec(
+        num_layers=num_layers,
+        conv=(StatePart((intermediate, cfg.get("mamba_d_conv", 4)), conv_dtype),),
+        temporal=StatePart((intermediate, cfg.get("mamba_d_state", 16)), ssm_dtype),
+    )
+
+
+def _falcon_h1_d_ssm(cfg: _Fields) -> int:
+    """Falcon-H1's Mamba inner width: ``mamba_d_ssm``, or ``mamba_expand * hidden_size``
+    when it is explicitly null; transformers' default (1024) when the field is absent."""
+    if cfg.is_dict and "mamba_d_ssm" not in cfg.source:
+        return 1024
+    return cfg.get("mamba_d_ssm") or cfg.get("mamba_expand", 2) * cfg.need("hidden_size")
+
+
+def _mamba2_falcon_h1(
+    cfg: _Fields, num_layers: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype
+) -> MambaSpec:
+    """Falcon-H1's Mamba-2 mixer: conv state ``(d_ssm + 2 G N, d_conv)`` over x, B and C;
+    SSM state ``(n_heads, d_head, N)`` with ``d_head = d_ssm // n_heads`` when "auto"
+    (transformers' FalconH1Mixer)."""
+    d_ssm = _falcon_h1_d_ssm(cfg)
+    n_heads = cfg.get("mamba_n_heads", 128)
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = d_ssm // n_heads if d_head == "auto" else d_head
+    d_state = cfg.get("mamba_d_state", 256)
+    conv_dim = d_ssm + 2 * cfg.get("mamba_n_groups", 1) * d_state
+    return MambaSpec(
+        num_layers=num_layers,
+        conv=(StatePart((conv_dim, cfg.get("mamba_d_conv", 4)), conv_dtype),),
+        temporal=StatePart((n_heads, d_head, d_state), ssm_dtype),
     )
 
 
@@ -284,6 +351,9 @@ STATE_SPECS: dict[str, Callable[[_Fields, int, torch.dtype, torch.dtype], MambaS
     "qwen3_5_text": _gated_deltanet,
     "qwen3_next": _gated_deltanet,
     "nemotron_h": _mamba2_nemotron,
+    "qwen3_5_moe_text": _gated_deltanet,
+    "jamba": _mamba1_jamba,
+    "falcon_h1": _mamba2_falcon_h1,
 }
 
 
@@ -340,7 +410,7 @@ def model_specs_from_hf_config(
     kinds = ARCHITECTURES[model_type](cfg)
     subpools = []
     for kind in ("full", "swa", "mla", "mamba"):
-        layers = tuple(i for i, k in enumerate(kinds) if k == kind)
+        layers = tuple(i for i, k in enumerate(kinds) if kind in k.split("+"))
         if not layers:
             continue
         if kind == "full":

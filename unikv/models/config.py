@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
     "NemotronHForCausalLM": "nemotron_h",
+    "FalconH1ForCausalLM": "falcon_h1",
 }
 
 # unikv family -> reader of the family's own config fields (into ModelConfig.extra);
@@ -33,6 +34,7 @@ FAMILY_EXTRAS: dict[str, Callable[[Any], dict]] = {}
 FAMILY_EXTRAS["qwen3_5"] = lambda c: import_module("unikv.models.qwen3_5").config_extras(c)
 FAMILY_EXTRAS["qwen3_next"] = lambda c: import_module("unikv.models.qwen3_next").config_extras(c)
 FAMILY_EXTRAS["nemotron_h"] = lambda c: import_module("unikv.models.nemotron_h").config_extras(c)
+FAMILY_EXTRAS["falcon_h1"] = lambda c: import_module("unikv.models.falcon_h1").config_extras(c)
 
 # HF layer types that hold no attention K/V of their own (recurrent mixers, MLP-only
 # layers): their window is None and their state, if any, lives in the Mamba sub-pool.
@@ -103,7 +105,7 @@ def _windows(hf_config, num_layers: int) -> tuple[int | None, ...]:
             f"config.layer_types names {len(layer_types)} layers but num_hidden_layers is "
             f"{num_layers}; fix config.json"
         )
-    known = {"full_attention", "sliding_attention"} | NON_ATTENTION_LAYER_TYPES
+    known = {"full_attention", "sliding_attention", "hybrid"} | NON_ATTENTION_LAYER_TYPES
     unknown = sorted(set(layer_types) - known)
     if unknown:
         raise ValueError(

@@ -17,6 +17,7 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen3_5": "unikv.models.qwen3_5:Qwen3_5ForCausalLM",
     "qwen3_next": "unikv.models.qwen3_next:Qwen3NextForCausalLM",
     "nemotron_h": "unikv.models.nemotron_h:NemotronHForCausalLM",
+    "falcon_h1": "unikv.models.falcon_h1:FalconH1ForCausalLM",
 }
 
 

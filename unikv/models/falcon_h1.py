@@ -1,0 +1,221 @@
+"""Falcon-H1 (``FalconH1ForCausalLM``): attention and a Mamba-2 mixer side by side
+in every layer, with muP multipliers.
+
+    h = input_layernorm(x)
+    x = x + ssm_out_m * mamba(h) + attn_out_m * self_attn(attn_in_m * h)
+    x = x + feed_forward(pre_ff_layernorm(x))
+
+The Mamba-2 mixer (``mamba2.py``) scales its input by ``ssm_in_multiplier`` and
+its projection [z | x | B | C | dt] segment-wise by ``ssm_multipliers`` (the
+``mup_vector``, rebuilt in ``build``; transformers keeps it out of the
+checkpoint); attention is rope attention whose keys are scaled by
+``key_multiplier``; the MLP is SwiGLU with ``mlp_multipliers`` (gate, down).
+Embeddings and logits are scaled by ``embedding_multiplier`` and
+``lm_head_multiplier``.
+
+State: every layer keeps attention K/V in the full-attention sub-pool AND a conv
++ SSM state in the Mamba sub-pool, both under the same model layer index. Names
+mirror transformers (``model.layers.i.mamba.*``, ``.self_attn.*``,
+``.feed_forward.*``, ``model.final_layernorm``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.layers import Attention, RMSNorm
+from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from unikv.models.rope import Rotary
+
+# FalconH1Config fields copied into ModelConfig.extra (name -> default)
+_EXTRA_FIELDS = {
+    "mamba_n_heads": 128,
+    "mamba_d_head": 8,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_conv": 4,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "mamba_norm_before_gate": True,
+    "mamba_rms_norm": False,
+    "projectors_bias": False,
+    "time_step_limit": None,
+    "ssm_in_multiplier": 1.0,
+    "ssm_out_multiplier": 1.0,
+    "ssm_multipliers": None,
+    "attention_in_multiplier": 1.0,
+    "attention_out_multiplier": 1.0,
+    "key_multiplier": 1.0,
+    "mlp_multipliers": None,
+    "embedding_multiplier": 1.0,
+    "lm_head_multiplier": 1.0,
+    "mlp_bias": False,
+}
+
+
+def config_extras(hf_config) -> dict:
+    """Falcon-H1's own fields of a transformers ``FalconH1Config`` (for
+    ``ModelConfig.extra``): the Mamba sizes and every multiplier."""
+    e = {name: getattr(hf_config, name, default) for name, default in _EXTRA_FIELDS.items()}
+    limit = e["time_step_limit"]
+    e["time_step_limit"] = (0.0, float("inf")) if limit is None else tuple(map(float, limit))
+    e["ssm_multipliers"] = tuple(map(float, e["ssm_multipliers"] or (1.0,) * 5))
+    e["mlp_multipliers"] = tuple(map(float, e["mlp_multipliers"] or (1.0, 1.0)))
+    return e
+
+
+def mamba_dims(config: ModelConfig) -> Mamba2Dims:
+    e = config.extra
+    return Mamba2Dims(
+        hidden_size=config.hidden_size,
+        num_heads=e["mamba_n_heads"],
+        head_dim=e["mamba_d_head"],
+        n_groups=e["mamba_n_groups"],
+        state_size=e["mamba_d_state"],
+        conv_kernel=e["mamba_d_conv"],
+        conv_bias=bool(e["mamba_conv_bias"]),
+        proj_bias=bool(e["mamba_proj_bias"]),
+        out_bias=bool(e["projectors_bias"]),
+        activation=config.hidden_act,
+        eps=config.rms_norm_eps,
+        dt_limit=e["time_step_limit"],
+        norm=bool(e["mamba_rms_norm"]),
+        norm_before_gate=bool(e["mamba_norm_before_gate"]),
+        norm_weight_in_fp32=True,
+    )
+
+
+class FalconMixer(Mamba2Mixer):
+    """The Mamba-2 mixer with Falcon-H1's input multiplier and muP projection scale."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(mamba_dims(config), layer)
+        self.in_multiplier = config.extra["ssm_in_multiplier"]
+        self.register_buffer("mup_vector", torch.ones(self.in_proj.out_features), persistent=False)
+
+    def build(self, multipliers: tuple[float, ...]) -> None:
+        """Fill ``mup_vector`` (I + C + H,): [z (I) | x (I) | B (G N) | C (G N) | dt (H)]
+        scaled by ``multipliers[0..4]`` (transformers' compute_mup_vector)."""
+        d = self.dims
+        inner, gn = d.intermediate_size, d.n_groups * d.state_size
+        sizes = [inner, inner, gn, gn, d.num_heads]
+        parts = [torch.full((n,), m) for n, m in zip(sizes, multipliers)]
+        self.mup_vector.copy_(torch.cat(parts))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.in_proj(x * self.in_multiplier) * self.mup_vector
+
+
+class KeyScaledAttention(Attention):
+    """Rope attention with keys scaled by ``key_multiplier`` after k_proj."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__(config, layer, rotary)
+        self.key_multiplier = config.extra["key_multiplier"]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim) * self.key_multiplier
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](positions, q, k)
+        out = attn(self.layer, q, k, v, None)  # (T, Hq, D)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class ScaledMLP(nn.Module):
+    """``down(up(x) * silu(gate(x) * m_gate)) * m_down``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, bool(config.extra["mlp_bias"])
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_multiplier, self.down_multiplier = config.extra["mlp_multipliers"]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.up_proj(x) * nn.functional.silu(self.gate_proj(x) * self.gate_multiplier)
+        return self.down_proj(y) * self.down_multiplier
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        e, eps = config.extra, config.rms_norm_eps
+        self.feed_forward = ScaledMLP(config)
+        self.mamba = FalconMixer(config, layer)
+        self.self_attn = KeyScaledAttention(config, layer, rotary)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps)
+        self.ssm_out = e["ssm_out_multiplier"]
+        self.attn_in, self.attn_out = e["attention_in_multiplier"], e["attention_out_multiplier"]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        m = self.mamba(h, attn) * self.ssm_out
+        a = self.self_attn(h * self.attn_in, positions, attn) * self.attn_out
+        x = x + (m + a)
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
+        )
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class FalconH1ForCausalLM(nn.Module):
+    """Falcon-H1 over unikv's step object (paged attention + recurrent-state ops).
+
+    Args:
+        config: ModelConfig with Falcon-H1's fields in ``extra`` (``config_extras``).
+        max_positions: length of the rope table.
+        tp: must be None.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise ValueError(
+                "Falcon-H1 runs without tensor parallelism in unikv (its Mamba-2 state is not "
+                "sharded); load it with tp=None"
+            )
+        if config.hidden_act != "silu":
+            raise ValueError(f"Falcon-H1 hidden_act must be 'silu', got {config.hidden_act!r}")
+        self.config, self.tp = config, tp
+        self.model = Backbone(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def build(self, device: torch.device) -> None:
+        """After ``to(dtype).to_empty``: the rope table and every mixer's ``mup_vector``."""
+        self.model.rotary.build(device)
+        with torch.no_grad():
+            for layer in self.model.layers:
+                layer.mamba.build(self.config.extra["ssm_multipliers"])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) int64; attn: the step object (``AttentionFn``
+        + ``StateFn``); logits_indices: (N,) int64 rows whose logits are wanted
+        (None: all). Returns fp32 (N, vocab)."""
+        e = self.config.extra
+        x = self.model.embed_tokens(input_ids) * e["embedding_multiplier"]
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return (self.lm_head(self.model.final_layernorm(x)) * e["lm_head_multiplier"]).float()

@@ -1,0 +1,161 @@
+"""The Mamba-2 mixer on unikv's step object (NemotronH, Falcon-H1).
+
+    x (T, hidden) -> in_proj -> [z (I) | xBC (I + 2 G N) | dt (H)]
+    xBC -> attn.causal_conv1d (depthwise, kernel K, silu; per-request conv state)
+        -> [x (H, P) | B (G, N) | C (G, N)]
+    y = attn.mamba2_ssd(x, dt, A = -exp(A_log), B, C, D, dt_bias)   (per-request SSM state)
+    y -> gated RMSNorm with z over G groups -> out_proj -> (T, hidden)
+
+I = H * P (heads times head dim), G groups, N the state size. The recurrent state
+(the conv window of xBC and the SSM state S (H, P, N) fp32) lives in the engine's
+Mamba sub-pool; the model only calls the step object's ops (``layers.StateFn``).
+Parameter names follow transformers (``in_proj``, ``conv1d.weight`` (C, 1, K),
+``conv1d.bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """Hyper-parameters of one Mamba-2 mixer (plain Python values).
+
+    ``dt_limit``: the clamp of the softplus'd step size. ``norm``: whether the
+    gated RMSNorm runs (Falcon-H1 may drop it: then y * silu(z)); ``norm_before_gate``:
+    normalise y first, then gate with silu(z) (else gate, then normalise);
+    ``norm_weight_in_fp32``: the norm's weight multiplies in fp32 before the
+    cast back (Falcon-H1), else after it (NemotronH)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    out_bias: bool
+    activation: str
+    eps: float
+    dt_limit: tuple[float, float]
+    norm: bool = True
+    norm_before_gate: bool = False
+    norm_weight_in_fp32: bool = False
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    def check(self) -> None:
+        """Raise ValueError on dims the mixer cannot run."""
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"Mamba-2 conv activation must be one of {ACTIVATIONS}, got {self.activation!r}"
+            )
+        if self.num_heads % self.n_groups:
+            raise ValueError(
+                f"mamba heads ({self.num_heads}) must be a multiple of n_groups "
+                f"({self.n_groups}); fix the config"
+            )
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over groups of the last dim, gated by silu(z), in fp32.
+
+    x, z: (T, I) -> (T, I) in x.dtype; I splits into ``n_groups`` groups, each
+    normalised on its own (transformers' Zamba2RMSNormGated: gate, normalise, cast,
+    weight; FalconH1RMSNormGated: optionally normalise first, weight in fp32, cast)."""
+
+    def __init__(
+        self, dim: int, n_groups: int, eps: float, norm_before_gate: bool, weight_in_fp32: bool
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.n_groups, self.eps, self.norm_before_gate = n_groups, eps, norm_before_gate
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype, (t, dim) = x.dtype, x.shape
+        h, gate = x.float(), nn.functional.silu(z.float())
+        if not self.norm_before_gate:
+            h = h * gate
+        h = h.view(t, self.n_groups, dim // self.n_groups)  # (T, G, I / G)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(t, dim)
+        if self.weight_in_fp32:
+            h = self.weight * h
+        if self.norm_before_gate:
+            h = h * gate
+        return h.to(dtype) if self.weight_in_fp32 else self.weight * h.to(dtype)
+
+
+class Conv1dWeights(nn.Module):
+    """The depthwise conv's parameters under transformers' names: ``weight``
+    (C, 1, K), ``bias`` (C,) or None. The conv itself runs in the step object."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 mixer of model layer ``layer``; see the module docstring."""
+
+    def __init__(self, dims: Mamba2Dims, layer: int) -> None:
+        super().__init__()
+        dims.check()
+        self.dims, self.layer = dims, layer
+        h, inner = dims.num_heads, dims.intermediate_size
+        self.in_proj = nn.Linear(dims.hidden_size, inner + dims.conv_dim + h, bias=dims.proj_bias)
+        self.conv1d = Conv1dWeights(dims.conv_dim, dims.conv_kernel, dims.conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(h))
+        self.A_log = nn.Parameter(torch.zeros(h))
+        self.D = nn.Parameter(torch.ones(h))
+        if dims.norm:
+            self.norm = GatedRMSNorm(
+                inner, dims.n_groups, dims.eps, dims.norm_before_gate, dims.norm_weight_in_fp32
+            )
+        self.out_proj = nn.Linear(inner, dims.hidden_size, bias=dims.out_bias)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, I + C + H): [z | xBC | dt] (Falcon-H1 scales it)."""
+        return self.in_proj(x)
+
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
+        """x: (T, hidden) model dtype; attn: the step object (``layers.StateFn``)
+        -> (T, hidden)."""
+        d, t = self.dims, x.shape[0]
+        inner, gn = d.intermediate_size, d.n_groups * d.state_size
+        z, xbc, dt = self.project(x).split([inner, d.conv_dim, d.num_heads], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)  # (C, K)
+        xbc = attn.causal_conv1d(self.layer, xbc, weight, self.conv1d.bias, d.activation)
+        xs, b, c = xbc.split([inner, gn, gn], dim=-1)
+        y = attn.mamba2_ssd(
+            self.layer,
+            xs.reshape(t, d.num_heads, d.head_dim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            b.reshape(t, d.n_groups, d.state_size),
+            c.reshape(t, d.n_groups, d.state_size),
+            self.D,
+            self.dt_bias,
+            dt_softplus=True,
+            dt_limit=d.dt_limit,
+        )  # (T, H, P)
+        y = y.reshape(t, inner)
+        if d.norm:
+            y = self.norm(y, z)
+        else:
+            y = y * nn.functional.silu(z)
+        return self.out_proj(y.to(x.dtype))

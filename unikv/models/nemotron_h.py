@@ -1,0 +1,301 @@
+"""NemotronH (``NemotronHForCausalLM``): a hybrid of Mamba-2, attention, MLP and
+MoE blocks, one mixer per layer.
+
+Layer i's type is ``config.layers_block_type[i]`` (the legacy
+``hybrid_override_pattern`` letter): "linear_attention" (M) a Mamba-2 mixer
+(``mamba2.py``), "full_attention" (*) attention WITHOUT positional embedding
+(no rope), "mlp" (-) ``down(relu(up(x))^2)``, "moe" (E) routed non-gated relu2
+experts plus a shared expert (DeepSeek-V3's sigmoid router, group-limited top-k).
+Every block is ``x + mixer(norm(x))``; the model ends with ``norm_f``, ``lm_head``.
+
+State: Mamba layers keep their conv + SSM state in the engine's Mamba sub-pool,
+attention layers K/V in the full-attention sub-pool; MLP/MoE layers keep none.
+Names are the checkpoints' (transformers renames ``backbone.`` to ``model.`` and
+stacks the experts on load, and undoes both on save): ``backbone.embeddings``,
+``backbone.layers.i.norm``, ``backbone.layers.i.mixer.*`` (experts one module
+each: ``mixer.experts.e.up_proj.weight``), ``backbone.norm_f``, ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.gpt_oss import DENSE_MAX_TOKENS  # the engine sizes its graphs by it
+from unikv.models.layers import AttentionFn, RMSNorm
+from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
+
+MAMBA, ATTENTION, MLP_TYPE, MOE = "linear_attention", "full_attention", "mlp", "moe"
+LAYER_TYPES = (MAMBA, ATTENTION, MLP_TYPE, MOE)
+MLP_ACTIVATIONS = ("relu2",)
+
+# NemotronHConfig fields copied into ModelConfig.extra (name -> default)
+_EXTRA_FIELDS = {
+    "layer_norm_epsilon": 1e-5,
+    "mlp_hidden_act": "relu2",
+    "mlp_bias": False,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "n_groups": 8,
+    "ssm_state_size": 128,
+    "conv_kernel": 4,
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mamba_hidden_act": "silu",
+    "time_step_min": 0.001,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 7688,
+    "moe_shared_expert_intermediate_size": 7688,
+    "moe_latent_size": None,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+}
+
+
+def config_extras(hf_config) -> dict:
+    """NemotronH's own fields of a transformers ``NemotronHConfig`` (for
+    ``ModelConfig.extra``): the layer types and the Mamba/MLP/MoE sizes."""
+    extra = {name: getattr(hf_config, name, default) for name, default in _EXTRA_FIELDS.items()}
+    extra["layer_types"] = tuple(hf_config.layers_block_type)
+    for key in ("routed_scaling_factor", "layer_norm_epsilon", "time_step_min"):
+        extra[key] = float(extra[key])
+    return extra
+
+
+def mamba_dims(config: ModelConfig) -> Mamba2Dims:
+    """The Mamba-2 mixer dims of a NemotronH config. transformers' NemotronH clamps
+    the step size to ``(time_step_min, inf)`` (not ``config.time_step_limit``)."""
+    e = config.extra
+    return Mamba2Dims(
+        hidden_size=config.hidden_size,
+        num_heads=e["mamba_num_heads"],
+        head_dim=e["mamba_head_dim"],
+        n_groups=e["n_groups"],
+        state_size=e["ssm_state_size"],
+        conv_kernel=e["conv_kernel"],
+        conv_bias=bool(e["use_conv_bias"]),
+        proj_bias=bool(e["use_bias"]),
+        out_bias=bool(e["use_bias"]),
+        activation=e["mamba_hidden_act"],
+        eps=e["layer_norm_epsilon"],
+        dt_limit=(e["time_step_min"], float("inf")),
+    )
+
+
+class NoRopeAttention(nn.Module):
+    """q/k/v/o projections without bias, no positional embedding, paged attention."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        hidden, d = config.hidden_size, config.head_dim
+        self.layer, self.head_dim = layer, d
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        out = attn(self.layer, q, k, v, None)  # (T, Hq, D)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class Relu2MLP(nn.Module):
+    """``down(relu(up(x)) ** 2)`` (NemotronH's MLP and shared expert)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class TopkRouter(nn.Module):
+    """Sigmoid router with a score-correction bias and group-limited top-k
+    (transformers' NemotronHTopkRouter, from DeepSeek-V3); runs in fp32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e = config.extra
+        self.num_experts, self.top_k = e["n_routed_experts"], e["num_experts_per_tok"]
+        self.n_group, self.topk_group = e["n_group"], e["topk_group"]
+        self.norm_topk_prob, self.scale = e["norm_topk_prob"], e["routed_scaling_factor"]
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) -> (weights (T, k) fp32, expert indices (T, k) int64)."""
+        t = x.shape[0]
+        scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        choice = scores + self.e_score_correction_bias
+        grouped = choice.view(t, self.n_group, self.num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)  # (T, n_group)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask[:, :, None].expand_as(grouped).reshape(t, self.num_experts) > 0
+        choice = choice.masked_fill(~keep, float("-inf"))
+        indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, indices
+
+
+class MoE(nn.Module):
+    """Routed non-gated relu2 experts (``experts.e.up_proj`` / ``down_proj``,
+    optionally in a latent space: ``fc1_latent_proj`` / ``fc2_latent_proj``) plus
+    ``shared_experts``; x: (T, hidden) -> (T, hidden). Routed outputs accumulate
+    in fp32, expert by expert in index order, as transformers' loop does.
+
+    Two loops, picked by the number of tokens (a host int): dense (every expert
+    on every token, zero weight when not routed; no host sync, fixed shapes) for
+    T <= ``DENSE_MAX_TOKENS``, sparse (each expert on its tokens) above."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, hidden = config.extra, config.hidden_size
+        latent, bias = e["moe_latent_size"], bool(e["mlp_bias"])
+        dim, inter = latent or hidden, e["moe_intermediate_size"]
+        self.gate = TopkRouter(config)
+        self.experts = nn.ModuleList(
+            Relu2MLP(dim, inter, False) for _ in range(e["n_routed_experts"])
+        )
+        self.shared_experts = Relu2MLP(hidden, e["moe_shared_expert_intermediate_size"], bias)
+        if latent is not None:
+            self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
+            self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
+        self.latent = latent is not None
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
+        """x: (T, d); weights: (T, k) fp32; indices: (T, k) -> (T, d) in x.dtype."""
+        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+        if x.shape[0] <= DENSE_MAX_TOKENS:
+            dense = weights.new_zeros(x.shape[0], len(self.experts))
+            dense.scatter_(1, indices, weights)  # (T, E), zero where not routed
+            for e, expert in enumerate(self.experts):
+                out += expert(x) * dense[:, e, None]
+            return out.to(x.dtype)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(indices == e)
+            if token_idx.numel():
+                out.index_add_(0, token_idx, expert(x[token_idx]) * weights[token_idx, slot, None])
+        return out.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.gate(x)
+        h = self.fc1_latent_proj(x) if self.latent else x
+        h = self.routed(h, weights, indices)
+        h = self.fc2_latent_proj(h) if self.latent else h
+        return h + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    """``x + mixer(norm(x))``; the mixer is picked by the layer's type."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        e = config.extra
+        self.block_type = e["layer_types"][layer]
+        self.norm = RMSNorm(config.hidden_size, e["layer_norm_epsilon"])
+        if self.block_type == MAMBA:
+            self.mixer = Mamba2Mixer(mamba_dims(config), layer)
+        elif self.block_type == ATTENTION:
+            self.mixer = NoRopeAttention(config, layer)
+        elif self.block_type == MLP_TYPE:
+            self.mixer = Relu2MLP(config.hidden_size, config.intermediate_size, e["mlp_bias"])
+        else:
+            self.mixer = MoE(config)
+
+    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
+        h = self.norm(x)
+        if self.block_type in (MAMBA, ATTENTION):  # a host str fixed at construction
+            return x + self.mixer(h, attn)
+        return x + self.mixer(h)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm_f = RMSNorm(config.hidden_size, config.extra["layer_norm_epsilon"])
+
+
+def _check(config: ModelConfig, tp) -> None:
+    if tp is not None:
+        raise ValueError(
+            "NemotronH runs without tensor parallelism in unikv (its Mamba-2 state is not "
+            "sharded); load it with tp=None"
+        )
+    e = config.extra
+    types = e["layer_types"]
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad or len(types) != config.num_layers:
+        raise ValueError(
+            f"NemotronH layers_block_type must list {config.num_layers} entries out of "
+            f"{LAYER_TYPES}, got {list(types)}"
+        )
+    if (MLP_TYPE in types or MOE in types) and e["mlp_hidden_act"] not in MLP_ACTIVATIONS:
+        raise ValueError(
+            f"NemotronH mlp_hidden_act must be one of {MLP_ACTIVATIONS}, got "
+            f"{e['mlp_hidden_act']!r}"
+        )
+    experts, groups = e["n_routed_experts"], e["n_group"]
+    if MOE in types and (experts % groups or experts // groups < 2 or e["topk_group"] > groups):
+        raise ValueError(
+            f"NemotronH MoE routing needs n_routed_experts ({experts}) a multiple of n_group "
+            f"({groups}) with >= 2 experts per group and topk_group ({e['topk_group']}) <= "
+            "n_group; fix the config"
+        )
+
+
+class NemotronHForCausalLM(nn.Module):
+    """NemotronH over unikv's step object (paged attention + recurrent-state ops).
+
+    Args:
+        config: ModelConfig with NemotronH's fields in ``extra`` (``config_extras``).
+        max_positions: unused (no rope); kept for the registry's signature.
+        tp: must be None.
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__()
+        _check(config, tp)
+        self.config, self.tp = config, tp
+        self.backbone = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def build(self, device: torch.device) -> None:
+        """After ``to(dtype).to_empty``: the MoE routers' score-correction biases
+        back to fp32 (transformers keeps them fp32 in every model dtype)."""
+        for name, param in self.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.data = param.data.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) int64 (positions unused: no rope); attn:
+        the step object (``AttentionFn`` + ``StateFn``); logits_indices: (N,)
+        int64 rows whose logits are wanted (None: all). Returns fp32 (N, vocab)."""
+        x = self.backbone.embeddings(input_ids)
+        for layer in self.backbone.layers:
+            x = layer(x, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.backbone.norm_f(x)).float()
