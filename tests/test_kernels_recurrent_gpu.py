@@ -140,7 +140,7 @@ def _case(kind, lens, dtype):
 @pytest.mark.parametrize("path", ["decode", "prefill", "prefill_recurrent"])
 def test_matches_reference(kind, path, dtype, monkeypatch):
     if path == "prefill_recurrent":  # the Triton fallback used when fla-core is missing
-        monkeypatch.setattr(recurrent_fla, "use_fla", lambda device: False)
+        monkeypatch.setattr(recurrent_fla, "use_fla", lambda device, dtype=None: False)
     elif path == "prefill" and not recurrent_fla.fla_available():
         pytest.skip("fla-core not installed")
     lens = DECODE_LENS if path == "decode" else PREFILL_LENS

@@ -279,7 +279,7 @@ def gated_delta_rule(
     slots: (B,) physical slots; q_indptr: (B+1,). Returns (T, H, Dv) in v.dtype.
     """
     check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len)
-    if max_q_len > 1 and recurrent_fla.use_fla(q.device):
+    if max_q_len > 1 and recurrent_fla.use_fla(q.device, v.dtype):
         return recurrent_fla.gated_delta_rule(
             q, k, v, g, beta, state, slots, q_indptr, scale=scale, use_qk_l2norm=use_qk_l2norm
         )
@@ -321,7 +321,7 @@ def mamba2_ssd(
     view (fp32); slots: (B,); q_indptr: (B+1,). Returns (T, H, P) in x.dtype.
     """
     check_ssd_args(x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, max_q_len, dt_limit)
-    if max_q_len > 1 and recurrent_fla.use_fla(x.device):
+    if max_q_len > 1 and recurrent_fla.use_fla(x.device, x.dtype):
         return recurrent_fla.mamba2_ssd(
             x, dt, A, B, C, D, dt_bias, state, slots, q_indptr,
             dt_softplus=dt_softplus, dt_limit=dt_limit,

@@ -39,10 +39,13 @@ def fla_available() -> bool:
 
 
 @functools.cache
-def use_fla(device: torch.device) -> bool:
-    """fla-core on CUDA when installed; otherwise (once, with a warning on CUDA) the
-    fused-recurrent Triton kernels of ``recurrent.py`` take the prefill too."""
-    if device.type != "cuda":
+def use_fla(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """fla-core on CUDA when installed, for 16-bit activations; otherwise (once,
+    with a warning on CUDA) the fused-recurrent Triton kernels of ``recurrent.py``
+    take the prefill too. fp32 always takes them: fla's chunked form runs its dots
+    in tf32 (relative error ~1e-3), while fp32 is the engine's exactness mode
+    (greedy tokens identical to transformers)."""
+    if device.type != "cuda" or dtype == torch.float32:
         return False
     if not fla_available():
         warnings.warn(
