@@ -9,6 +9,7 @@ independence of seeded sampling); the window arithmetic written out here
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -216,7 +217,15 @@ def test_demo_runs_and_matches_transformers(capsys):
 
     assert demo_main([]) == 0
     out = capsys.readouterr().out
-    assert out.count("IDENTICAL") == 2 and "MISMATCH" not in out
+    assert out.count("IDENTICAL") == 3 and "MISMATCH" not in out
+    hybrid = out[out.index("== qwen3.5:") :]
+    assert "sub-pools ['full', 'mamba']" in hybrid and "the sink is 1 slot" in hybrid
+    frames = [line for line in hybrid.splitlines() if line.lstrip().startswith("step ")]
+    slots = [int(re.search(r"mamba +(\d+) slots?", f).group(1)) for f in frames]
+    pictures = [f[f.index("|") : f.rindex("|")] for f in frames]
+    # one run of M or m per live slot: the picture shows the Mamba band slot by slot
+    assert [len(re.findall(r"M+|m+", p)) for p in pictures] == slots
+    assert max(slots) >= 3 and slots[-1] == 0  # the band grows, then gives its bytes back
 
 
 def test_a_stop_seen_one_step_late_cuts_outputs_and_frees_pages(llama):

@@ -14,11 +14,21 @@ transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from unikv.hf_config import ARCHITECTURES, model_specs_from_hf_config, specs_from_hf_config
-from unikv.specs import MambaSpec, MHASpec, MLASpec
+from unikv.specs import MambaSpec, MLASpec
 
 T = transformers
 SMALL = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 100}
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+HYBRID_QWEN = dict(
+    num_key_value_heads=2,
+    head_dim=24,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=12,
+    linear_value_head_dim=20,
+    linear_conv_kernel_dim=3,
+    **SMALL,
+)
 
 CASES = {
     "llama": (
@@ -132,38 +142,149 @@ CASES = {
             **SMALL,
         ),
     ),
+    # hybrids: Gated DeltaNet (Qwen3.5 / Qwen3-Next), Mamba-2 (NemotronH, Falcon-H1), Mamba-1
+    # (Jamba). Odd sizes everywhere, so that a swapped field shows up as a wrong shape.
+    "qwen3_5": (
+        T.Qwen3_5ForCausalLM,
+        lambda: T.Qwen3_5TextConfig(num_hidden_layers=5, **HYBRID_QWEN),  # full every 4th
+    ),
+    "qwen3_next": (
+        T.Qwen3NextForCausalLM,
+        lambda: T.Qwen3NextConfig(
+            layer_types=[
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            **HYBRID_QWEN,
+        ),
+    ),
+    "qwen3_5_moe": (
+        T.Qwen3_5MoeForCausalLM,
+        lambda: T.Qwen3_5MoeTextConfig(
+            num_hidden_layers=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            **HYBRID_QWEN,
+        ),
+    ),
+    "nemotron_h": (
+        T.NemotronHForCausalLM,
+        lambda: T.NemotronHConfig(
+            hybrid_override_pattern="M-*EM",
+            num_key_value_heads=2,
+            head_dim=24,
+            mamba_num_heads=4,
+            mamba_head_dim=12,
+            ssm_state_size=8,
+            n_groups=2,
+            conv_kernel=3,
+            chunk_size=4,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+            use_mamba_kernels=False,
+            **SMALL,
+        ),
+    ),
+    "falcon_h1": (
+        T.FalconH1ForCausalLM,
+        lambda: T.FalconH1Config(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=24,
+            mamba_d_ssm=96,
+            mamba_n_heads=6,
+            mamba_d_state=8,
+            mamba_n_groups=2,
+            mamba_d_conv=3,
+            mamba_chunk_size=4,
+            **SMALL,
+        ),
+    ),
+    "falcon_h1-d_ssm-null": (  # d_ssm null: the Mamba width is mamba_expand * hidden_size
+        T.FalconH1ForCausalLM,
+        lambda: T.FalconH1Config(
+            num_hidden_layers=1,
+            num_key_value_heads=1,
+            mamba_d_ssm=None,
+            mamba_expand=3,
+            mamba_n_heads=4,
+            mamba_d_state=8,
+            mamba_chunk_size=4,
+            **SMALL,
+        ),
+    ),
+    "jamba": (
+        T.JambaForCausalLM,
+        lambda: T.JambaConfig(
+            num_hidden_layers=5,
+            num_key_value_heads=2,
+            attn_layer_period=3,
+            attn_layer_offset=1,
+            mamba_d_state=8,
+            mamba_d_conv=3,
+            mamba_expand=3,
+            num_experts=2,
+            use_mamba_kernels=False,
+            **SMALL,
+        ),
+    ),
 }
 
 
+EXPLICIT_LAYER_TYPES = {"qwen3_next"}  # an irregular pattern, not derivable from an interval
+
+
 def cache_facts(model_cls, config) -> list[dict]:
-    """Per model layer, what transformers' own cache holds after 5 tokens."""
+    """Per model layer, what transformers' own cache holds after 5 tokens of a bf16
+    model: {"attention": {...}} and/or {"state": {...}} (Falcon-H1 layers hold both;
+    NemotronH's MLP and MoE layers neither)."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = model_cls(config).eval()
+        model = model_cls(config).to(torch.bfloat16).eval()
         with torch.no_grad():
             cache = model(torch.tensor([[1, 2, 3, 4, 5]]), use_cache=True).past_key_values
     facts = []
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionLayer):
-            facts.append(
-                {
-                    "kind": "mamba",
-                    "conv": tuple(layer.conv_states[0].shape[1:]),
-                    "ssm": tuple(layer.recurrent_states[0].shape[1:]),
-                }
-            )
-            continue
-        fact = {
-            "kind": "full",
-            "heads": layer.keys.shape[1],
-            "k_dim": layer.keys.shape[-1],
-            "v_dim": layer.values.shape[-1],
-        }
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            fact.update(kind="swa", window=layer.sliding_window)
+        fact = {}
+        if isinstance(layer, LinearAttentionLayer) and layer.conv_states[0] is not None:
+            conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
+            fact["state"] = {
+                "conv": (tuple(conv.shape[1:]), conv.dtype),
+                "ssm": (tuple(ssm.shape[1:]), ssm.dtype),
+            }
+        if getattr(layer, "keys", None) is not None and torch.is_tensor(layer.keys):
+            fact["attention"] = {
+                "kind": "swa" if isinstance(layer, DynamicSlidingWindowLayer) else "full",
+                "heads": layer.keys.shape[1],
+                "k_dim": layer.keys.shape[-1],
+                "v_dim": layer.values.shape[-1],
+                "dtype": layer.keys.dtype,
+                "window": getattr(layer, "sliding_window", None),
+            }
         facts.append(fact)
     return facts
+
+
+def _check_attention(spec, fact: dict, where) -> None:
+    if isinstance(spec, MLASpec):  # transformers caches the latent as K, the rope part as V
+        assert (fact["k_dim"], fact["v_dim"]) == (spec.kv_lora_rank, spec.rope_dim), where
+    else:
+        got = (fact["kind"], fact["heads"], fact["k_dim"], fact["v_dim"], fact["window"])
+        want = (spec.kind, spec.num_kv_heads, spec.head_dim, spec.v_head_dim, spec.sliding_window)
+        assert got == want, where
+    assert fact["dtype"] == spec.dtype, where
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -171,32 +292,23 @@ def test_specs_match_what_transformers_caches(case: str) -> None:
     model_cls, make_config = CASES[case]
     config = make_config()
     facts = cache_facts(model_cls, config)
-    model = model_specs_from_hf_config(config, page_size=4)
+    model = model_specs_from_hf_config(config, page_size=4)  # bf16 K/V and conv, fp32 SSM
     assert model.num_hidden_layers == len(facts)
-    served = sorted(i for sub in model.subpools for i in sub.layers)
-    assert served == list(range(len(facts))), "every layer in exactly one sub-pool"
-    for sub in model.subpools:
-        spec = sub.spec
-        assert spec.num_layers == len(sub.layers)
-        for i in sub.layers:
-            fact = facts[i]
-            assert model.layer_kinds[i] == sub.name
-            if isinstance(spec, MHASpec):
-                assert (fact["kind"], fact["heads"], fact["k_dim"], fact["v_dim"]) == (
-                    spec.kind,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                    spec.v_head_dim,
-                ), (i, fact, spec)
-                assert fact.get("window") == spec.sliding_window
-            elif isinstance(
-                spec, MLASpec
-            ):  # transformers caches the latent as K, the rope part as V
-                assert (fact["k_dim"], fact["v_dim"]) == (spec.kv_lora_rank, spec.rope_dim)
+    for i, fact in enumerate(facts):
+        subs = [sub for sub in model.subpools if i in sub.layers]
+        kinds = {"state" if isinstance(s.spec, MambaSpec) else "attention" for s in subs}
+        assert set(fact) == kinds and len(subs) == len(kinds), (i, fact, subs)
+        assert model.layer_kinds[i] == ("+".join(s.name for s in subs) or "none")
+        for sub in subs:
+            if isinstance(sub.spec, MambaSpec):
+                (conv,), ssm = sub.spec.conv, sub.spec.temporal
+                want = {"conv": (conv.shape, conv.dtype), "ssm": (ssm.shape, ssm.dtype)}
+                assert fact["state"] == want, (i, fact, sub.spec)
             else:
-                assert fact["kind"] == "mamba"
-                assert (fact["conv"], fact["ssm"]) == (spec.conv[0].shape, spec.temporal.shape)
-        assert sub.page_size == (1 if isinstance(spec, MambaSpec) else 4)
+                _check_attention(sub.spec, fact["attention"], (i, fact, sub.spec))
+    for sub in model.subpools:
+        assert sub.spec.num_layers == len(sub.layers)
+        assert sub.page_size == (1 if isinstance(sub.spec, MambaSpec) else 4)
 
 
 def test_mla_row_is_the_width_of_the_compressed_kv_projection() -> None:
@@ -213,10 +325,12 @@ def test_mla_row_is_the_width_of_the_compressed_kv_projection() -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_config_dict_without_derived_fields_gives_the_same_specs(case: str, tmp_path) -> None:
     """Read as plain JSON, without transformers' __post_init__: fields such as
-    layer_types are re-derived by unikv's own rules and must agree."""
+    layer_types are re-derived by unikv's own rules and must agree. (A case whose
+    layer_types is given explicitly keeps it: no rule could re-derive it.)"""
     config = CASES[case][1]()
     raw = json.loads(config.to_json_string(use_diff=False))
-    raw.pop("layer_types", None)
+    if case not in EXPLICIT_LAYER_TYPES:
+        raw.pop("layer_types", None)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     want = specs_from_hf_config(config)
     assert specs_from_hf_config(raw) == want
@@ -228,6 +342,60 @@ def test_multimodal_gemma3_reads_its_text_config() -> None:
     text = CASES["gemma3"][1]()
     outer = T.Gemma3Config(text_config=text.to_dict())
     assert specs_from_hf_config(outer) == specs_from_hf_config(text)
+
+
+@pytest.mark.parametrize(
+    "outer, inner", [(T.Qwen3_5Config, "qwen3_5"), (T.Qwen3_5MoeConfig, "qwen3_5_moe")]
+)
+def test_multimodal_qwen3_5_reads_its_text_config(outer, inner) -> None:
+    text = CASES[inner][1]()
+    wrapper = outer(text_config=text.to_dict())
+    want = specs_from_hf_config(text)
+    assert specs_from_hf_config(wrapper) == want
+    assert specs_from_hf_config(json.loads(wrapper.to_json_string(use_diff=False))) == want
+
+
+def test_qwen3_5_dict_derives_layer_types_from_full_attention_interval() -> None:
+    """transformers consumes full_attention_interval (config.json then stores
+    layer_types); a hand-written dict with only the interval must agree."""
+    fields = dict(num_hidden_layers=7, full_attention_interval=3, **HYBRID_QWEN)
+    want = specs_from_hf_config(T.Qwen3_5TextConfig(**fields))
+    assert specs_from_hf_config({"model_type": "qwen3_5_text", **fields}) == want
+    assert [s.layers for s in want] == [(2, 5), (0, 1, 3, 4, 6)]
+
+
+def test_falcon_h1_dict_without_d_ssm_uses_the_transformers_default() -> None:
+    fields = {k: v for k, v in CASES["falcon_h1"][1]().to_dict().items() if k != "mamba_d_ssm"}
+    fields.update(mamba_d_head="auto", mamba_n_heads=8)  # 8 heads divide 1024
+    want = specs_from_hf_config(T.FalconH1Config(**fields))
+    assert specs_from_hf_config(fields) == want
+    assert want[1].spec.temporal.shape == (8, 128, 8)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"model_type": "qwen3_next", "num_hidden_layers": 2, "layer_types": ["mamba2", "x"]},
+            r"layer_types must list 2 entries out of .*'linear_attention'.* got \['mamba2', 'x'\]",
+        ),
+        (
+            {"model_type": "nemotron_h", "hybrid_override_pattern": "M-X*"},
+            r"hybrid_override_pattern 'M-X\*' has letters \['X'\]; NemotronH uses",
+        ),
+        (
+            {"model_type": "nemotron_h", "layers_block_type": ["mamba", "attention"]},
+            r"layer_types must list 2 entries .* got \['linear_attention', 'attention'\]",
+        ),
+        (
+            {"model_type": "falcon_h1", "num_hidden_layers": 2, "layers_block_type": ["mamba"] * 2},
+            r"falcon_h1 config must list 2 'hybrid' layers .* got layer types \['mamba', 'mamba'\]",
+        ),
+    ],
+)
+def test_a_bad_layer_pattern_is_a_clear_value_error(config, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        specs_from_hf_config(config)
 
 
 def test_unknown_architecture_lists_the_known_ones() -> None:

@@ -17,6 +17,12 @@ from unikv.specs import MambaSpec, MHASpec, MLASpec, StatePart
 
 BF16 = torch.bfloat16
 GIB = 2**30
+
+
+def F32(shape: tuple[int, ...]) -> StatePart:
+    return StatePart(shape, torch.float32)
+
+
 # the published architectures, written out by hand: (name, spec, page_size)
 HAND = {
     "llama-3.2-1b": [("full", MHASpec(16, 8, 64), 16)],
@@ -38,7 +44,50 @@ HAND = {
             1,
         ),
     ],
+    # hybrids, from the published numbers (see each preset's _source): conv channels x kernel,
+    # state (heads, key dim, value dim) for Gated DeltaNet, (heads, head dim, state) for Mamba-2
+    "qwen3.5-27b": [  # 64 layers, every 4th full; DeltaNet 16 key / 48 value heads of 128
+        ("full", MHASpec(16, 4, 256), 16),
+        (
+            "mamba",
+            MambaSpec(48, (StatePart((2 * 16 * 128 + 48 * 128, 4), BF16),), F32((48, 128, 128))),
+            1,
+        ),
+    ],
+    "qwen3-next-80b-a3b": [  # 48 layers, every 4th full; DeltaNet 16 key / 32 value heads
+        ("full", MHASpec(12, 2, 256), 16),
+        (
+            "mamba",
+            MambaSpec(36, (StatePart((2 * 16 * 128 + 32 * 128, 4), BF16),), F32((32, 128, 128))),
+            1,
+        ),
+    ],
+    "nemotron-h-8b": [  # 24 M, 4 *, 24 - ; Mamba-2 128 heads of 64, 8 groups, state 128
+        ("full", MHASpec(4, 8, 128), 16),
+        (
+            "mamba",
+            MambaSpec(24, (StatePart((128 * 64 + 2 * 8 * 128, 4), BF16),), F32((128, 64, 128))),
+            1,
+        ),
+    ],
+    "nemotron-3-nano-30b-a3b": [  # 23 M, 6 *, 23 E; head_dim 128 (not hidden / heads = 84)
+        ("full", MHASpec(6, 2, 128), 16),
+        (
+            "mamba",
+            MambaSpec(23, (StatePart((64 * 64 + 2 * 8 * 128, 4), BF16),), F32((64, 64, 128))),
+            1,
+        ),
+    ],
+    "jamba-v0.1": [  # attention on layers 4, 12, 20, 28; Mamba-1 width 2 x 4096, state 16
+        ("full", MHASpec(4, 8, 128), 16),
+        ("mamba", MambaSpec(28, (StatePart((8192, 4), BF16),), F32((8192, 16))), 1),
+    ],
+    "falcon-h1-7b": [  # all 44 layers in both sub-pools; Mamba-2 d_ssm 3072 = 24 x 128, state 256
+        ("full", MHASpec(44, 2, 128), 16),
+        ("mamba", MambaSpec(44, (StatePart((3072 + 2 * 256, 4), BF16),), F32((24, 128, 256))), 1),
+    ],
 }
+HYBRIDS = [p for p in HAND if any(n == "mamba" for n, _, _ in HAND[p])]
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -174,3 +223,113 @@ def test_presets_are_valid_transformers_configs(preset: str) -> None:
     fields = {k: v for k, v in raw.items() if not k.startswith("_")}
     config = transformers.AutoConfig.for_model(**fields)
     assert specs_from_hf_config(config) == specs_from_hf_config(raw)
+
+
+# -- hybrids: the Mamba sub-pool -------------------------------------------------------
+
+
+def _mamba_numbers(preset: str) -> dict:
+    """A hybrid preset's numbers, written from its config fields (not from unikv's
+    specs): per layer conv channels x kernel (bf16) and state elements (fp32)."""
+    c = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    c = c.get("text_config", c)
+    t = c.get("model_type")
+    if t in ("qwen3_5_text", "qwen3_next"):
+        kinds = c.get("layer_types") or [
+            "full_attention" if (i + 1) % c["full_attention_interval"] == 0 else "x"
+            for i in range(c["num_hidden_layers"])
+        ]
+        layers = sum(k != "full_attention" for k in kinds)
+        hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        conv, state = (2 * hk * dk + hv * dv) * c["linear_conv_kernel_dim"], hv * dk * dv
+        attn_layers, kv_heads, head_dim = len(kinds) - layers, c["num_key_value_heads"], 256
+    elif t == "nemotron_h":
+        pattern = c["hybrid_override_pattern"]
+        layers, inner = pattern.count("M"), c["mamba_num_heads"] * c["mamba_head_dim"]
+        conv = (inner + 2 * c["n_groups"] * c["ssm_state_size"]) * c["conv_kernel"]
+        state = inner * c["ssm_state_size"]
+        attn_layers, kv_heads = pattern.count("*"), c["num_key_value_heads"]
+        head_dim = c.get("head_dim") or c["attention_head_dim"]
+    elif t == "jamba":
+        period = c["attn_layer_period"]
+        attn_layers = len(range(c["attn_layer_offset"], c["num_hidden_layers"], period))
+        layers, inner = c["num_hidden_layers"] - attn_layers, 2 * c["hidden_size"]
+        conv, state = inner * c["mamba_d_conv"], inner * c["mamba_d_state"]
+        kv_heads = c["num_key_value_heads"]
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+    elif t == "bamba":
+        attn_layers = len(c["attn_layer_indices"])
+        layers, inner = c["num_hidden_layers"] - attn_layers, c["mamba_expand"] * c["hidden_size"]
+        conv = (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * c["mamba_d_conv"]
+        state = inner * c["mamba_d_state"]
+        kv_heads = c["num_key_value_heads"]
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+    else:  # falcon_h1: every layer has both
+        layers = attn_layers = c["num_hidden_layers"]
+        conv = (c["mamba_d_ssm"] + 2 * c["mamba_d_state"]) * c["mamba_d_conv"]
+        state = c["mamba_d_ssm"] * c["mamba_d_state"]
+        kv_heads, head_dim = c["num_key_value_heads"], c["head_dim"]
+    return {
+        "slot": layers * (conv * 2 + state * 4),
+        "token": attn_layers * 2 * kv_heads * head_dim * 2,
+        "layers": layers,
+    }
+
+
+@pytest.mark.parametrize("preset", HYBRIDS)
+def test_hybrid_presets_mamba_slot_from_the_config_fields(capsys, preset: str) -> None:
+    """Slot and page bytes against the config fields; requests at once against a
+    brute-force packing: k slots above a one-slot sink, k requests' pages below the top."""
+    want = _mamba_numbers(preset)
+    budget, tokens = 8 * GIB, 20000
+    code, out, _ = run(capsys, preset, "--budget", "8GiB", "--max-tokens", str(tokens), "--json")
+    assert code == 0
+    plan = json.loads(out)
+    mamba, full = plan["subpools"]["mamba"], plan["subpools"]["full"]
+    slot, page = want["slot"], 16 * want["token"]
+    assert (mamba["entry_bytes"], mamba["page_bytes"], full["page_bytes"]) == (slot, slot, page)
+    assert mamba["page_size"] == 1 and len(mamba["model_layers"]) == want["layers"]
+    assert plan["sink_bytes"] == slot and mamba["sink_pages"] == 1  # the sink is one slot
+    assert full["sink_pages"] == -(-slot // page)
+    assert mamba["pages_alone"] == mamba["tokens_alone"] == budget // slot - 1
+    per_request = -(-tokens // 16)
+    top = budget // page
+
+    def fits(k: int) -> bool:  # mamba [slot, (k + 1) slot) below full [(top - k n) page, top)
+        return (k + 1) * slot <= (top - k * per_request) * page
+
+    k = max(k for k in range(budget // slot) if fits(k))
+    assert plan["concurrent_requests"] == k
+    assert plan["worst_case_pages"] == {"full": per_request, "mamba": 1}
+
+
+@pytest.mark.parametrize("preset", HYBRIDS)
+def test_hybrid_text_shows_slots_requests_and_the_one_slot_sink(capsys, preset: str) -> None:
+    want = _mamba_numbers(preset)
+    code, out, _ = run(capsys, preset, "--budget", "8GiB")
+    assert code == 0
+    slots = 8 * GIB // want["slot"] - 1
+    assert f"one slot per request whatever its length: slot {want['slot']} B" in out
+    assert f"all to mamba: mamba {slots} slots = {slots} requests; full 0 pages" in out
+    assert re.search(r"all to full: full \d+ pages = \d+ tokens; mamba 0 slots", out)
+    assert f"(it spans {-(-want['slot'] // (16 * want['token']))} full pages, 1 mamba slot)" in out
+    assert f"sink {want['slot']} B" in out
+    assert f"as many bytes as {want['slot'] / want['token']:.0f} tokens of full K/V" in out
+
+
+def test_qwen3_5_preset_is_the_multimodal_wrapper_read_through_its_text_config(capsys) -> None:
+    raw = json.loads((PRESET_DIR / "qwen3.5-27b.json").read_text())
+    assert raw["model_type"] == "qwen3_5" and raw["text_config"]["model_type"] == "qwen3_5_text"
+    code, out, _ = run(capsys, "qwen3.5-27b", "--budget", "8GiB")
+    assert code == 0 and out.startswith(
+        "model qwen3.5-27b (qwen3_5_text): 64 layers: 48 mamba, 16 full"
+    )
+
+
+def test_falcon_h1_layers_are_in_both_sub_pools(capsys) -> None:
+    code, out, _ = run(capsys, "falcon-h1-7b", "--budget", "8GiB", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["layer_kinds"] == ["full+mamba"] * 44
+    assert plan["subpools"]["full"]["model_layers"] == plan["subpools"]["mamba"]["model_layers"]
+    assert plan["subpools"]["mamba"]["model_layers"] == list(range(44))

@@ -6,6 +6,11 @@
 MODEL is a built-in preset name (``unikv/presets/*.json``), a model directory
 holding config.json, or a config JSON file; default ``gpt-oss-20b``. The pool is
 built on the ``meta`` device, so no budget-sized memory is allocated.
+
+Hybrid models (Qwen3.5, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba) have a
+Mamba sub-pool of page size 1: one slot per request holds every recurrent layer's
+conv and SSM state, whatever the request's length. Its numbers are slots (=
+requests), and its slot is usually the largest page, so the sink is one slot.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 from unikv.hf_config import ModelSpecs, load_config, model_specs_from_hf_config
 from unikv.pool import INT32_LIMIT, Grow, UnifiedPool, worst_case_pages
+from unikv.specs import MambaSpec
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_MODEL = "gpt-oss-20b"
@@ -100,8 +106,25 @@ def _concurrent_requests(pool: UnifiedPool, tokens: int) -> int:
     return lo
 
 
+def _state_parts(spec: MambaSpec) -> list[dict]:
+    """Per part of a Mamba slot: its per-layer shape, dtype and bytes."""
+    return [
+        {
+            "part": name,
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).removeprefix("torch."),
+            "layer_bytes": p.layer_bytes,
+        }
+        for name, p in zip(spec.parts, spec.state_parts)
+    ]
+
+
 def build_plan(model: ModelSpecs, budget: int, max_tokens: int | None = None) -> dict:
-    """The pool plan as plain numbers (what `unikv inspect --json` prints)."""
+    """The pool plan as plain numbers (what `unikv inspect --json` prints).
+
+    Per sub-pool, ``sink_pages`` is how many pages (slots, for Mamba) of its grid lie
+    in the sink; a Mamba sub-pool also lists its ``state_parts``, and its
+    ``pages_alone`` counts slots, i.e. requests."""
     pool = UnifiedPool(list(model.subpools), budget, device="meta", max_request_tokens=max_tokens)
     subpools = {}
     for name, sub in pool.subpools.items():
@@ -116,10 +139,13 @@ def build_plan(model: ModelSpecs, budget: int, max_tokens: int | None = None) ->
             "blocks_per_page": sub.spec.blocks_per_page,
             "pages_alone": sub.usable_pages,  # this band holds everything, the others are empty
             "tokens_alone": sub.usable_pages * sub.page_size,
+            "sink_pages": sub.first_page,
             "kernel_id_limit": sub.kernel_id_limit,
             "kernel_id_headroom": INT32_LIMIT - sub.kernel_id_limit,
             "kernel_id_headroom_factor": INT32_LIMIT / sub.kernel_id_limit,
         }
+        if isinstance(sub.spec, MambaSpec):
+            subpools[name]["state_parts"] = _state_parts(sub.spec)
     limit = model.max_position_embeddings or 2**31
     plan = {
         "model_type": model.model_type,
@@ -145,8 +171,14 @@ def byte_map_lines(plan: dict, width: int = 64) -> list[str]:
     """The byte map as text: sink, the bands with their grow directions, tail pad."""
     budget, sink = plan["budget_bytes"], plan["sink_bytes"]
     by_grow = {s["grow"]: n for n, s in plan["subpools"].items()}
+    held = ", ".join(
+        f"{s['sink_pages']} {n} {_unit(s, s['sink_pages'])}" for n, s in plan["subpools"].items()
+    )
     lines = [
-        f"  [0, {sink})  sink: page 0 of every sub-pool; padded lanes and tombstones land here",
+        (
+            f"  [0, {sink})  sink: page 0 of every sub-pool; padded lanes and tombstones land "
+            f"here (it spans {held})"
+        ),
     ]
     if Grow.UP.value in by_grow:
         lines.append(f"  [{sink}, ...)  {by_grow['up']} grows up from the sink floor ->")
@@ -170,6 +202,43 @@ def byte_map_lines(plan: dict, width: int = 64) -> list[str]:
     return lines
 
 
+def _unit(subpool: dict, count: int) -> str:
+    """ "slot(s)" for a Mamba sub-pool (page size 1, one per request), else "page(s)"."""
+    word = "slot" if subpool["kind"] == "mamba" else "page"
+    return word if count == 1 else word + "s"
+
+
+def _subpool_lines(name: str, plan: dict) -> list[str]:
+    s = plan["subpools"][name]
+    layers = f"{len(s['model_layers'])} layers, grows {s['grow']}"
+    if s["kind"] != "mamba":
+        window = f", window {s['sliding_window']}" if s["sliding_window"] else ""
+        return [
+            (
+                f"  {name}: {s['kind']}{window}, {layers}, page_size {s['page_size']}, entry "
+                f"{s['entry_bytes']} B, page {s['page_bytes']} B ({human(s['page_bytes'])})"
+            )
+        ]
+    parts = " + ".join(
+        f"{p['part']} {tuple(p['shape'])} {p['dtype']} {p['layer_bytes']} B"
+        for p in s["state_parts"]
+    )
+    lines = [
+        (
+            f"  {name}: mamba (recurrent state), {layers}, one slot per request whatever its "
+            f"length: slot {s['entry_bytes']} B ({human(s['entry_bytes'])})"
+        ),
+        f"    per layer: {parts}",
+    ]
+    tokens = {n: t["entry_bytes"] for n, t in plan["subpools"].items() if t["kind"] != "mamba"}
+    if tokens:
+        lines.append(
+            f"    one slot holds as many bytes as {s['entry_bytes'] / sum(tokens.values()):.0f} "
+            f"tokens of {' + '.join(tokens)} K/V"
+        )
+    return lines
+
+
 def format_plan(name: str, plan: dict) -> str:
     kinds = plan["layer_kinds"]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
@@ -177,27 +246,25 @@ def format_plan(name: str, plan: dict) -> str:
         f"model {name} ({plan['model_type']}): {len(kinds)} layers: {counts}",
         (
             f"budget {plan['budget_bytes']} B ({human(plan['budget_bytes'])}) + tail pad "
-            f"{plan['tail_pad_bytes']} B; sink {plan['sink_bytes']} B"
+            f"{plan['tail_pad_bytes']} B; sink {plan['sink_bytes']} B ({human(plan['sink_bytes'])})"
         ),
         "",
         "sub-pools:",
     ]
-    for n, s in plan["subpools"].items():
-        window = f", window {s['sliding_window']}" if s["sliding_window"] else ""
-        out.append(
-            f"  {n}: {s['kind']}{window}, {len(s['model_layers'])} layers, grows {s['grow']}, "
-            f"page_size {s['page_size']}, entry {s['entry_bytes']} B, page {s['page_bytes']} B "
-            f"({human(s['page_bytes'])})"
-        )
+    for n in plan["subpools"]:
+        out += _subpool_lines(n, plan)
     out += [
         "",
         "extremes of the moving boundary (one band holds everything, the others are empty):",
     ]
     for n, s in plan["subpools"].items():
         unit = "requests" if s["kind"] == "mamba" else "tokens"
-        others = ", ".join(f"{o} 0 pages" for o in plan["subpools"] if o != n)
+        others = ", ".join(f"{o} 0 {_unit(t, 0)}" for o, t in plan["subpools"].items() if o != n)
         tail = f"; {others}" if others else ""
-        out.append(f"  all to {n}: {n} {s['pages_alone']} pages = {s['tokens_alone']} {unit}{tail}")
+        out.append(
+            f"  all to {n}: {n} {s['pages_alone']} {_unit(s, s['pages_alone'])} = "
+            f"{s['tokens_alone']} {unit}{tail}"
+        )
     out += ["", "kernel-id headroom (ids must stay below 2**31):"]
     for n, s in plan["subpools"].items():
         out.append(

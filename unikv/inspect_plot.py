@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def plot_plan(name: str, plan: dict, path: str) -> None:
     """Draw one row per extreme of the moving boundary: the sink, the band that
-    holds everything, and the tail pad, on a byte axis in MiB."""
+    holds everything (pages, or slots = requests for a Mamba band), and the tail
+    pad, on a byte axis in MiB."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -27,7 +28,7 @@ def plot_plan(name: str, plan: dict, path: str) -> None:
         ax.text(
             start / mib + band / mib / 2,
             row,
-            f"{n}: {s['pages_alone']} pages",
+            f"{n}: {s['pages_alone']} {'slots' if s['kind'] == 'mamba' else 'pages'}",
             ha="center",
             va="center",
             fontsize=8,

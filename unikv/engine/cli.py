@@ -3,7 +3,7 @@
 unikv generate --model DIR --prompt "..." [--prompt ...] [--max-tokens N]
                [--temperature T --top-k K --top-p P --seed S] [--page-size 16]
                [--kv-cache 4GiB] [--max-num-seqs 64] [--chunk 512] [--device cuda]
-unikv demo [--model llama|gpt-oss|all] [--seed 0]
+unikv demo [--model llama|gpt-oss|qwen3.5|all] [--seed 0]
 """
 
 from __future__ import annotations
@@ -135,10 +135,11 @@ def generate_main(argv: list[str]) -> int:
 def demo_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="unikv demo",
-        description="Tiny random-init Llama and gpt-oss-style models served over the unified "
-        "pool and checked token for token against transformers (no download, CPU).",
+        description="Tiny random-init Llama, gpt-oss-style and Qwen3.5-style hybrid models "
+        "served over the unified pool and checked token for token against transformers "
+        "(no download, CPU).",
     )
-    p.add_argument("--model", choices=["llama", "gpt-oss", "all"], default="all")
+    p.add_argument("--model", choices=["llama", "gpt-oss", "qwen3.5", "all"], default="all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--page-size", type=int, default=4)

@@ -1,13 +1,16 @@
 """`unikv demo`: the unified pool inside real inference, on a fresh machine.
 
-For each bundled tiny config (a Llama-3-style model and a gpt-oss-style model
-with sliding + full layers, sinks and MoE):
+For each bundled tiny config (a Llama-3-style model, a gpt-oss-style model
+with sliding + full layers, sinks and MoE, and a Qwen3.5-style hybrid of Gated
+DeltaNet and full-attention layers):
 
 1. transformers builds the model with random weights (fixed seed) and saves it
    to a temporary directory; unikv loads it from there, like any checkpoint;
 2. unikv serves a batch whose prompt + output tokens exceed what the pool holds
-   at once, so pages are recycled, requests may be preempted, and (gpt-oss)
-   sliding-window pages leave the pool while the full-attention band grows;
+   at once, so pages are recycled, requests may be preempted, (gpt-oss)
+   sliding-window pages leave the pool while the full-attention band grows, and
+   (Qwen3.5) the Mamba band of state slots, one per running request, grows and
+   shrinks against the full-attention band as requests come and go;
 3. transformers' ``generate`` runs every prompt on the same weights, and the
    greedy tokens are compared;
 4. the results and pictures of the pool at a few moments are printed.
@@ -21,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from unikv.engine.picture import pool_picture, pool_usage
+from unikv.engine.picture import legend, pool_picture, pool_usage
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "presets"
-DEMOS = {"llama": "demo-llama.json", "gpt-oss": "demo-gpt-oss.json"}
+DEMOS = {"llama": "demo-llama.json", "gpt-oss": "demo-gpt-oss.json", "qwen3.5": "demo-qwen3.5.json"}
+MAMBA_SLOTS = 4  # the hybrid's pool: room for this many state slots beside its pages
 
 
 def build_demo_model(name: str, path: str, seed: int = 0):
@@ -85,7 +89,9 @@ def run_demo(
     with tempfile.TemporaryDirectory(prefix=f"unikv-demo-{name}-") as path:
         hf = build_demo_model(name, path, seed)
         configs = specs_from_hf_config(path, page_size=page_size, dtype=torch.float32)
-        budget = pool_bytes_for(configs, {c.name: pool_tokens // page_size for c in configs})
+        pages = {c.name: pool_tokens // page_size for c in configs if c.spec.kind != "mamba"}
+        pages |= {c.name: MAMBA_SLOTS for c in configs if c.spec.kind == "mamba"}  # slots
+        budget = pool_bytes_for(configs, pages)
         llm = LLM(
             path,
             device=device,
@@ -105,6 +111,11 @@ def run_demo(
     return all(o.output_ids == e for o, e in zip(outputs, expected))
 
 
+def _unit(sub, count: int) -> str:
+    word = "slot" if sub.spec.kind == "mamba" else "page"
+    return word if count == 1 else word + "s"
+
+
 class _Frames:
     """Step hook: a picture of the pool after every step (a few are printed)."""
 
@@ -113,7 +124,9 @@ class _Frames:
 
     def __call__(self, llm, batch, logits) -> None:
         usage = pool_usage(llm.pool, llm.alloc)
-        live = ", ".join(f"{n} {u['pages']:3d} pages" for n, u in usage.items())
+        live = ", ".join(
+            f"{n} {u['pages']:3d} {_unit(llm.pool[n], u['pages'])}" for n, u in usage.items()
+        )
         self.frames.append(f"{pool_picture(llm.pool, llm.alloc)}  {live}")
 
     def some(self, count: int = 10) -> list[str]:
@@ -123,18 +136,34 @@ class _Frames:
         return [f"step {i + 1:3d} {self.frames[i]}" for i in picks]
 
 
+def _capacity(pool) -> str:
+    """What the pool holds at once: tokens if every token sits in every attention
+    sub-pool, and request slots of a Mamba sub-pool (whose slot may be the sink)."""
+    subs = pool.subpools.values()
+    entry = sum(s.spec.entry_bytes for s in subs if s.spec.kind != "mamba")
+    text = f"it holds {pool.total_bytes // entry} tokens at once if every token sits in every "
+    text += "attention sub-pool"
+    for s in subs:
+        if s.spec.kind == "mamba":
+            text += (
+                f"; {s.name} holds {s.usable_pages} request slots of {s.page_bytes} bytes "
+                f"({s.page_bytes // entry} tokens' worth) alone, and the sink is "
+                f"{s.first_page} slot{'s' if s.first_page > 1 else ''}"
+            )
+    return text
+
+
 def _report(name, llm, prompts, outputs, expected, frames, out) -> None:
     stats = llm.stats
     tokens = sum(len(p) for p in prompts) + sum(len(o.output_ids) for o in outputs)
-    entry = sum(s.spec.entry_bytes for s in llm.pool.subpools.values())
+    page_size = max(s.page_size for s in llm.pool.subpools.values())  # Mamba's is 1
     out(
         f"\n== {name}: {llm.config.architecture}, {llm.config.num_layers} layers, windows "
-        f"{list(llm.config.windows)}, page_size {next(iter(llm.pool.subpools.values())).page_size}"
+        f"{list(llm.config.windows)}, page_size {page_size}"
     )
     out(
-        f"pool: {llm.pool.total_bytes} bytes, sub-pools {list(llm.pool.subpools)}; it holds "
-        f"{llm.pool.total_bytes // entry} tokens at once if every token sits in every sub-pool; "
-        f"the batch has {tokens} prompt + output tokens"
+        f"pool: {llm.pool.total_bytes} bytes, sub-pools {list(llm.pool.subpools)}; "
+        f"{_capacity(llm.pool)}; the batch has {tokens} prompt + output tokens"
     )
     for i, (o, e) in enumerate(zip(outputs, expected)):
         mark = "match" if o.output_ids == e else "MISMATCH"
@@ -146,7 +175,7 @@ def _report(name, llm, prompts, outputs, expected, frames, out) -> None:
         f"steps {stats.steps} ({stats.decode_steps} decode), preemptions {stats.preemptions}, "
         f"peak pages {stats.peak_pages}"
     )
-    out("the pool over time (# sink, F/S live pages of full/swa, . hole, blank: no band):")
+    out(f"the pool over time ({legend(llm.pool)}):")
     for frame in frames.some():
         out("  " + frame)
     ok = all(o.output_ids == e for o, e in zip(outputs, expected))
