@@ -14,8 +14,8 @@ bytes. The tail pad lets the last row-block's dense view run past the last page.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,7 @@ from unikv.placement import (  # re-exported: the pool's public vocabulary
     worst_case_pages,
 )
 from unikv.specs import MHASpec, MLASpec, Spec
+from unikv.static_split import check_alone, check_static_split, static_band_limits
 
 __all__ = [
     "Grow",
@@ -129,6 +130,9 @@ class UnifiedPool:
             many tokens fits alone in the empty pool.
         chunk_tokens: prefill chunk size used for the sliding-window worst case.
         copy_pages: the page-copy backend, chosen once (default: torch).
+        static_split: None (boundaries move), or ``{sub-pool name: fraction of the
+            usable bytes}``: each sub-pool stays inside a fixed byte range
+            (``band_limits``, see ``unikv.static_split``).
     """
 
     def __init__(
@@ -141,6 +145,7 @@ class UnifiedPool:
         max_request_tokens: int | None = None,
         chunk_tokens: int = 1,
         copy_pages: Callable[..., None] | None = None,
+        static_split: Mapping[str, float] | None = None,
     ) -> None:
         configs = list(configs)
         if not 1 <= len(configs) <= 3:
@@ -207,6 +212,12 @@ class UnifiedPool:
                 )
             self.subpools[config.name] = subpool
 
+        self.band_limits: dict[str, tuple[int, int]] | None = None  # pages; None: unified
+        if static_split is not None:
+            split = check_static_split(static_split, names)
+            self.band_limits = static_band_limits(
+                self.subpools, split, self.sink_bytes, total_bytes
+            )
         if max_request_tokens is not None:
             if not isinstance(max_request_tokens, int) or max_request_tokens <= 0:
                 raise ValueError(
@@ -216,7 +227,9 @@ class UnifiedPool:
                 s.name: worst_case_pages(s.spec, s.page_size, max_request_tokens, chunk_tokens)
                 for s in self.subpools.values()
             }
-            if not self.fits(demand):
+            if self.band_limits is not None:
+                check_alone(self, demand, split, max_request_tokens)
+            elif not self.fits(demand):
                 need = sum(self.subpools[n].page_bytes * (d + 1) for n, d in demand.items())
                 raise ValueError(
                     f"one worst-case request of {max_request_tokens} tokens cannot run alone: it "

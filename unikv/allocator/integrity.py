@@ -96,5 +96,10 @@ def check_chain(alloc) -> None:
     assert alloc._disjoint({n: s.band for n, s in alloc.subs.items()}), (
         "bands lie in byte order UP <= FLOAT <= DOWN without overlap"
     )
+    for name, (lo, hi) in (alloc.pool.band_limits or {}).items():
+        band = alloc.subs[name].band
+        assert band[0] == band[1] or lo <= band[0] <= band[1] <= hi, (
+            f"{name}: band {band} inside its static range [{lo}, {hi})"
+        )
     if alloc.owner is not None:
         check_requests(alloc)

@@ -25,9 +25,11 @@ class PlannerVerbs:
     def _needs(self, new: Mapping[str, int], mode: str) -> dict[str, BandNeed]:
         """Band needs per sub-pool. mode "now": every occupied page is kept;
         "after": pinned pages and transfer-held pages are kept (the forward fence
-        will be waited for); "actual": pinned and still-pending pages are kept."""
+        will be waited for); "actual": pinned and still-pending pages are kept.
+        Under a static split a band's grid is cut to its fixed range."""
         needs = {}
         for name, sub in self.subs.items():
+            first, last = self._range(name)
             if mode == "now":
                 occupied = sub.num_live + sub.num_pending
                 keep = sub.occupied_span()
@@ -44,12 +46,19 @@ class PlannerVerbs:
             needs[name] = BandNeed(
                 sub.grow,
                 sub.page_bytes,
-                sub.first_page,
-                sub.num_pages,
+                first,
+                last,
                 occupied + new.get(name, 0),
                 *keep,
             )
         return needs
+
+    def _range(self, name: str) -> tuple[int, int]:
+        """Pages ``[first, last)`` a band of ``name`` may cover: its whole grid, or
+        its fixed range under a static split (``UnifiedPool.band_limits``)."""
+        limits = self.pool.band_limits
+        sub = self.subs[name]
+        return limits[name] if limits else (sub.first_page, sub.num_pages)
 
     def _pack(self, needs: Mapping[str, BandNeed]) -> Bands | None:
         return pack_bands(needs, self.pool.sink_bytes, self.pool.total_bytes)
@@ -92,8 +101,9 @@ class PlannerVerbs:
         up, down = subs.get(Grow.UP), subs.get(Grow.DOWN)
         floor = bands[up.name][1] * up.page_bytes if up else self.pool.sink_bytes
         ceiling = bands[down.name][0] * down.page_bytes if down else self.pool.total_bytes
-        low = max(flt.first_page, -(-floor // flt.page_bytes))
-        high = min(flt.num_pages, ceiling // flt.page_bytes)
+        first, last = self._range(flt.name)
+        low = max(first, -(-floor // flt.page_bytes))
+        high = min(last, ceiling // flt.page_bytes)
         size = bands[flt.name][1] - bands[flt.name][0]
         if high - low < size:
             return None

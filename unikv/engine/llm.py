@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,9 @@ class LLM:
         backend: None (by device), "torch" or "triton".
         seed: seeds requests whose SamplingParams give none.
         debug: allocator debug mode (tombstone reads raise).
+        static_split: None (sub-pools share the pool's bytes, boundaries move), or
+            ``{sub-pool name: fraction of the usable bytes}`` fixed at start-up,
+            e.g. SGLang's hybrid default ``{"mamba": 0.9 / 1.9, "full": 1 / 1.9}``.
         tp_group: None (one process), or a torch.distributed process group
             (e.g. ``dist.group.WORLD``) over which the model is
             tensor-parallel: every rank of the group builds an ``LLM`` with the
@@ -102,6 +106,7 @@ class LLM:
         backend: str | None = None,
         seed: int = 0,
         debug: bool = False,
+        static_split: Mapping[str, float] | None = None,
         tp_group=None,
     ) -> None:
         from unikv.allocator import PoolAllocator
@@ -154,6 +159,7 @@ class LLM:
             max_request_tokens=self.max_model_len,
             chunk_tokens=max_num_batched_tokens,
             copy_pages=self.backend.copy_pages,
+            static_split=static_split,  # validated by the pool (unikv.static_split)
         )
         self.alloc = PoolAllocator(
             self.pool,
