@@ -468,3 +468,146 @@ def state_slot_bytes(llm, request_slot: int, slot_bytes: int) -> torch.Tensor:
     the Mamba sub-pool lies at byte p * slot_bytes of the pool buffer)."""
     phys = int(llm.alloc.mamba_slots(torch.tensor([request_slot])).data[0])
     return llm.pool.buffer[phys * slot_bytes : (phys + 1) * slot_bytes].clone()
+
+
+# -- Gemma-2 / Gemma-3 (sliding + full layers, soft-capping, sandwich norms) -------------
+
+
+def tiny_gemma_config(arch: str, **overrides):
+    """A tiny ``gemma2`` (6 layers, alternating sliding/full) or ``gemma3`` (text, 7
+    layers: five sliding, one full, one sliding) transformers config with odd
+    shapes: head_dim 24, window 7, ``query_pre_attn_scalar`` 16 (not head_dim),
+    soft caps that bite (Gemma-2 attention 5.0; final 3.0). Gemma-3 is given the
+    legacy rope fields (``rope_theta``, ``rope_local_base_freq``, a linear
+    ``rope_scaling``) that transformers standardises per layer type."""
+    import transformers as tf
+
+    kw = dict(TINY, head_dim=24, sliding_window=7, query_pre_attn_scalar=16)
+    kw["final_logit_softcapping"] = 3.0
+    if arch == "gemma2":
+        kw.update(num_hidden_layers=6, attn_logit_softcapping=5.0, rope_theta=10000.0)
+        cls = tf.Gemma2Config
+    elif arch == "gemma3":
+        kw.update(num_hidden_layers=7, rope_theta=10000.0, rope_local_base_freq=100.0)
+        kw["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}  # full layers only
+        cls = tf.Gemma3TextConfig
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def save_tiny_gemma(arch: str, path: str, seed: int = 0, **overrides):
+    """A random-init transformers Gemma-2 / Gemma-3 (``tiny_gemma_config``) saved to
+    ``path``; returns the fp32 eval model with EAGER attention (transformers' SDPA
+    path drops Gemma-2's attention soft-capping). Every RMSNorm weight is drawn
+    away from its zero init, so ``(1 + w)`` differs from ``w`` and from 1."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tiny_gemma_config(arch, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape) * 0.5)
+    model.eval().save_pretrained(path)
+    return model
+
+
+# -- DeepSeek-V2 / V3 (multi-head latent attention + MoE) --------------------------------
+
+
+def tiny_deepseek_config(version: int, **overrides):
+    """A tiny ``deepseek_v2`` / ``deepseek_v3`` transformers config with odd MLA shapes:
+    kv_lora_rank 24, rope dim 8, nope dim 12, v_head_dim 20, 4 heads; 3 layers (the
+    first dense), 4 routed experts (top 2) in 2 groups, 2 shared experts. V2: no
+    q_lora (``q_proj``, as V2-Lite), group-limited greedy routing, YaRN rope with
+    mscale != mscale_all_dim (so both the cos/sin factor and the softmax mscale
+    bite). V3: q_lora_rank 40, sigmoid routing with a correction bias, renormalised
+    top-k, routed_scaling_factor 2.5, interleaved rope."""
+    import transformers as tf
+
+    kw = dict(TINY)
+    kw.update(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        kv_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=12,
+        v_head_dim=20,
+        n_routed_experts=4,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+    )
+    if version == 2:
+        kw.update(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+        kw["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 128,
+        }
+        cls = tf.DeepseekV2Config
+    elif version == 3:
+        kw.update(q_lora_rank=40, routed_scaling_factor=2.5, norm_topk_prob=True)
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        cls = tf.DeepseekV3Config
+    else:
+        raise ValueError(version)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def save_tiny_deepseek(version: int, path: str, seed: int = 0, **overrides):
+    """A random-init transformers DeepSeek-V2 / V3 (``tiny_deepseek_config``) saved to
+    ``path``; returns the fp32 eval model (eager attention and experts). V3's
+    router correction bias is drawn away from its zero init."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tiny_deepseek_config(version, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    )
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape) * 0.5)
+    model.eval().save_pretrained(path)
+    return model
+
+
+class DenseMLAStep:
+    """A step object for ONE sequence (model tests): the MLA op written from its
+    definition, no pool. It keeps every layer's latent rows ``[c | k_rope]`` (L,
+    rank + rope) between calls (``rows[layer]``), so a sequence may be fed in
+    several steps; new token j of a step of T sits at position L - T + j and sees
+    rows 0..its position: logits ``q_latent . c + q_rope . k_rope``, softmax, @ c."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale):
+        new = torch.cat([latent, rope], dim=-1)
+        rows = torch.cat([self.rows[layer], new]) if layer in self.rows else new
+        self.rows[layer] = rows
+        rank, t, total = latent.shape[1], latent.shape[0], rows.shape[0]
+        logits = torch.einsum("thr,lr->htl", q_latent.float(), rows[:, :rank].float())
+        logits += torch.einsum("thp,lp->htl", q_rope.float(), rows[:, rank:].float())
+        qpos = torch.arange(total - t, total)
+        visible = torch.arange(total)[None, :] <= qpos[:, None]  # (T, L)
+        probs = torch.softmax((logits * sm_scale).masked_fill(~visible, float("-inf")), dim=-1)
+        out = torch.einsum("htl,lr->thr", probs, rows[:, :rank].float())
+        return out.to(q_latent.dtype)

@@ -2,13 +2,17 @@
 
 from unikv.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
     # LLM pulls in the allocator, kernels and transformers: import it lazily.
-    if name in ("LLM", "RequestOutput"):
+    if name == "LLM":
         from unikv.engine import llm
 
-        return getattr(llm, name)
+        return llm.LLM
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
+        from unikv.engine import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(name)

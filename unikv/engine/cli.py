@@ -1,9 +1,12 @@
 """`unikv generate` and `unikv demo` (dispatched by ``unikv/cli.py``).
 
-unikv generate --model DIR --prompt "..." [--prompt ...] [--max-tokens N]
-               [--temperature T --top-k K --top-p P --seed S] [--page-size 16]
-               [--kv-cache 4GiB] [--max-num-seqs 64] [--chunk 512] [--device cuda]
+unikv generate --model DIR --prompt "..." [--prompt ...] [--chat] [--max-tokens N]
+               [--temperature T --top-k K --top-p P --min-p P --seed S -n N]
+               [--stop STR ...] [--page-size 16] [--kv-cache 4GiB] [--max-num-seqs 64]
+               [--chunk 512] [--device cuda] [--dtype bf16]
 unikv demo [--model llama|gpt-oss|qwen3.5|all] [--seed 0]
+
+``add_engine_args`` / ``llm_from_args`` are shared with ``unikv serve``.
 """
 
 from __future__ import annotations
@@ -12,13 +15,58 @@ import argparse
 import sys
 
 
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The options that build an LLM (generate and serve)."""
+    p.add_argument(
+        "--model", required=True, help="checkpoint directory (config.json + safetensors)"
+    )
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    p.add_argument(
+        "--kv-cache", default=None, help="pool bytes, e.g. 4GiB (default: from free memory)"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
+    p.add_argument("--chunk", type=int, default=512, help="tokens per step (prefill chunk)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+    p.add_argument("--dtype", default=None, help="weights and compute dtype: bf16, fp16 or fp32")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (= --dtype); fp8 is refused at start-up (not run by the engine yet)",
+    )
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument(
+        "--engine-seed", type=int, default=0, help="seeds requests that give no seed (default 0)"
+    )
+
+
+def llm_from_args(args):
+    """The LLM of ``add_engine_args``'s options (ValueError on bad values)."""
+    from unikv.engine.llm import LLM
+    from unikv.inspect import parse_bytes
+
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_bytes=parse_bytes(args.kv_cache) if args.kv_cache else None,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.chunk,
+        max_model_len=args.max_model_len,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        seed=args.engine_seed,
+    )
+
+
 def _generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="unikv generate", description="Generate with a local Hugging Face checkpoint."
     )
-    p.add_argument(
-        "--model", required=True, help="checkpoint directory (config.json + safetensors)"
-    )
+    add_engine_args(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument(
         "--token-ids",
@@ -26,35 +74,61 @@ def _generate_parser() -> argparse.ArgumentParser:
         default=[],
         help="a prompt as comma-separated token ids (repeatable)",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--page-size", type=int, default=16)
     p.add_argument(
-        "--kv-cache", default=None, help="pool bytes, e.g. 4GiB (default: from free memory)"
+        "--chat", action="store_true", help="each --prompt is a user message (chat template)"
     )
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--chunk", type=int, default=512, help="tokens per step (prefill chunk)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32")
-    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
+    p.add_argument("-n", type=int, default=1, help="completions per prompt")
+    p.add_argument("--seed", type=int, default=None, help="seed of every request")
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     return p
 
 
-def _prompts(args) -> list:
-    prompts: list = list(args.prompt)
+def _prompts(args, llm) -> list:
+    prompts: list = []
+    for text in args.prompt:
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": text})
+            prompts.append(llm.prompts.chat(messages)[1])
+        else:
+            prompts.append(text)
     for text in args.token_ids:
         try:
             prompts.append([int(t) for t in text.split(",") if t.strip()])
         except ValueError as err:
             raise ValueError(f"--token-ids takes comma-separated integers, got {text!r}") from err
-    if not prompts:
-        raise ValueError("give at least one --prompt or --token-ids")
     return prompts
+
+
+def _params(args):
+    from unikv.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
 
 
 def _summary(llm) -> list[str]:
@@ -62,9 +136,11 @@ def _summary(llm) -> list[str]:
 
     s = llm.stats
     lines = [
-        f"{s.num_requests} requests, {s.prompt_tokens} prompt + {s.output_tokens} output tokens "
-        f"in {s.seconds:.2f} s: {s.output_tokens_per_s:.1f} output tokens/s, {s.steps} steps "
-        f"({s.decode_steps} decode), preemptions {s.preemptions}",
+        (
+            f"{s.num_requests} requests, {s.prompt_tokens} prompt + {s.output_tokens} output "
+            f"tokens in {s.seconds:.2f} s: {s.output_tokens_per_s:.1f} output tokens/s, {s.steps} steps "
+            f"({s.decode_steps} decode), preemptions {s.preemptions}"
+        ),
         f"pool {human(llm.pool.total_bytes)}, peak use per sub-pool:",
     ]
     for name, sub in llm.pool.subpools.items():
@@ -94,39 +170,22 @@ class _PeakPicture:
 def generate_main(argv: list[str]) -> int:
     args = _generate_parser().parse_args(argv)
     try:
-        from unikv.engine.llm import LLM
-        from unikv.engine.sampling import SamplingParams
-        from unikv.hf_config import parse_dtype
-        from unikv.inspect import parse_bytes
-
-        prompts = _prompts(args)
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            max_tokens=args.max_tokens,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-        llm = LLM(
-            args.model,
-            device=args.device,
-            dtype=parse_dtype(args.dtype) if args.dtype else None,
-            kv_cache_bytes=parse_bytes(args.kv_cache) if args.kv_cache else None,
-            page_size=args.page_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.chunk,
-            max_model_len=args.max_model_len,
-            cuda_graphs=False if args.no_cuda_graphs else None,
-        )
+        if not args.prompt and not args.token_ids:
+            raise ValueError("give at least one --prompt or --token-ids")
+        if args.chat and not args.prompt:
+            raise ValueError("--chat takes its messages from --prompt")
+        params = _params(args)  # bad sampling values fail before the model loads
+        llm = llm_from_args(args)
         peak = _PeakPicture()
-        outputs = llm.generate(prompts, params, use_tqdm=True, on_step=peak)
+        outputs = llm.generate(_prompts(args, llm), params, use_tqdm=True, on_step=peak)
     except (ValueError, TypeError) as err:
         print(f"unikv generate: error: {err}", file=sys.stderr)
         return 2
     for i, out in enumerate(outputs):
-        shown = out.text if out.text is not None else out.output_ids
-        print(f"[{i}] ({len(out.prompt_ids)} prompt tokens, {out.finish_reason}) {shown!r}")
+        for c in out.outputs:
+            shown = c.text if c.text is not None else c.token_ids
+            tag = f"[{i}]" if len(out.outputs) == 1 else f"[{i}.{c.index}]"
+            print(f"{tag} ({len(out.prompt_ids)} prompt tokens, {c.finish_reason}) {shown!r}")
     print("\n".join(_summary(llm)))
     print(f"pool at its fullest (# sink, F/S... live pages, . hole): {peak.picture}")
     return 0

@@ -1,76 +1,65 @@
-"""The Python API: ``LLM(model_dir, ...)`` and ``generate(prompts, params)``.
+"""The Python API: ``LLM(model_dir, ...)``, ``generate(prompts, params)`` and
+``chat(messages, params)``.
 
 Construction decides everything once: device and dtype, the kernel backend
 (Triton on CUDA, torch references on CPU), the unified pool sized from a
 memory budget (full-attention and SWA sub-pools share its bytes), the
-allocator, the scheduler and, on CUDA, the decode CUDA graphs.
+allocator, the scheduler and, on CUDA, the decode CUDA graphs. Requests run on
+the online engine loop (``unikv.engine.online``): ``generate`` runs it in the
+caller's thread until its requests end; ``unikv serve`` runs it in a thread of
+its own and submits requests as they arrive.
 """
 
 from __future__ import annotations
 
 import random
-import time
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from unikv.engine.budget import kv_budget_bytes
+from unikv.engine.inline import Stats, run_inline
+from unikv.engine.online import EngineLoop
+from unikv.engine.options import (
+    check_device,
+    check_dtypes,
+    check_kv_cache_bytes,
+    derived_seed,
+    merged_eos,
+    model_dir_of,
+)
+from unikv.engine.outputs import RequestOutput
+from unikv.engine.prompts import PromptMaker
 from unikv.engine.request import Request
 from unikv.engine.runner import ModelRunner
 from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import Scheduler
+from unikv.engine.tracks import RequestGroup
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
 from unikv.models.gpt_oss import DENSE_MAX_TOKENS
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
 from unikv.pool import UnifiedPool
 
-
-@dataclass
-class RequestOutput:
-    """The result of one prompt."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str | None
-    finish_reason: str
-    num_preemptions: int
-
-
-@dataclass
-class Stats:
-    """Counters of the last ``generate`` call."""
-
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    steps: int = 0
-    decode_steps: int = 0
-    preemptions: int = 0
-    seconds: float = 0.0
-    peak_pages: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "Stats"]
 
 
 class LLM:
     """A model served over unikv's unified pool.
 
     Args:
-        model_dir: local Hugging Face checkpoint (config.json + safetensors).
+        model_dir: local Hugging Face checkpoint (config.json + safetensors);
+            ``model=`` is the same (vLLM's name).
         device: default CUDA when available, else CPU.
-        dtype: weights and KV dtype; default bf16 on CUDA, fp32 on CPU.
-        kv_cache_bytes: the pool's byte budget; default from free memory
-            (CUDA: ``memory_fraction`` of free memory after the weights, less an
-            activation reserve; CPU: enough for ``max_num_seqs`` full contexts,
-            at most 1 GiB).
+        dtype: weights and compute dtype (bf16, fp16 or fp32); default bf16 on
+            CUDA, fp32 on CPU.
+        kv_cache_dtype: "auto" (the KV cache holds ``dtype``); "fp8" is refused
+            at start-up (the engine's attention step does not quantise K/V yet).
+        kv_cache_bytes: the pool's byte budget (> 0); default (None) from free
+            memory (CUDA: ``memory_fraction`` of free memory after the weights,
+            less an activation reserve; CPU: enough for ``max_num_seqs`` full
+            contexts, at most 1 GiB).
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -88,14 +77,19 @@ class LLM:
             same arguments and calls ``generate`` with the same prompts; each
             holds 1/tp of the heads and a pool for its KV-head shard
             (``unikv.models.parallel``). CUDA graphs default to off under TP.
+
+    Generation stops at the config's EOS ids, those of ``generation_config.json``
+    and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.
     """
 
     def __init__(
         self,
-        model_dir: str,
+        model_dir: str | None = None,
         *,
+        model: str | None = None,
         device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
+        kv_cache_dtype: str = "auto",
         kv_cache_bytes: int | None = None,
         memory_fraction: float = 0.9,
         page_size: int = 16,
@@ -106,20 +100,22 @@ class LLM:
         backend: str | None = None,
         seed: int = 0,
         debug: bool = False,
-        static_split: Mapping[str, float] | None = None,
         tp_group=None,
+        static_split: Mapping[str, float] | None = None,
     ) -> None:
         from unikv.allocator import PoolAllocator
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
 
+        model_dir = model_dir_of(model_dir, model)
         for what, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
-        self.device = torch.device(device) if device is not None else _default_device()
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        check_kv_cache_bytes(kv_cache_bytes)
+        self.device = check_device(device)
+        self.dtype = check_dtypes(dtype, kv_cache_dtype, self.device)
         self.config, hf_config = load_model_config(model_dir)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
@@ -136,6 +132,8 @@ class LLM:
             tp=self.tp,
         )
         self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer_lock = threading.Lock()  # the engine thread decodes, callers encode
+        self.eos_token_ids = merged_eos(self.config, model_dir, self.tokenizer)
         configs = specs_from_hf_config(hf_config, page_size=page_size, dtype=self.dtype)
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
@@ -188,6 +186,8 @@ class LLM:
             self.scheduler.step_buffers = self.runner.graphs.step_buffers()
         self._rng = random.Random(seed)
         self._next_id = 0
+        self.prompts = PromptMaker(self)
+        self.engine = EngineLoop(self)
         self.stats = Stats()
 
     def _check_windows(self, configs) -> None:
@@ -198,43 +198,41 @@ class LLM:
                     f"{c.name!r} window {c.spec.sliding_window} (hf_config and models disagree)"
                 )
 
+    def get_tokenizer(self):
+        """The checkpoint's transformers tokenizer (None without tokenizer files)."""
+        return self.tokenizer
+
     # -- requests --------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "this checkpoint has no tokenizer files, so prompts must be lists of token "
-                    "ids, got a str"
-                )
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise TypeError(
-                f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise ValueError("a prompt must hold at least one token, got an empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {bad[:8]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens is too long: the model's context is "
-                f"{self.max_model_len} tokens and at least one must be left to generate; "
-                "shorten the prompt (or raise max_model_len up to the model's limit)"
-            )
-        return ids
-
-    def _request(self, ids: list[int], params: SamplingParams) -> Request:
+    def _request(self, ids: list[int], params: SamplingParams, seed: int) -> Request:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
-            stop |= set(self.config.eos_token_ids)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            stop |= set(self.eos_token_ids)
         request = Request(self._next_id, ids, params, seed, frozenset(stop), self.max_model_len)
         self._next_id += 1
         return request
+
+    def make_requests(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Request]:
+        """Validated Requests for ``generate``'s arguments (all checked before any
+        is made), ``n`` consecutive ones per prompt; the disaggregated prefill
+        worker starts from these too."""
+        return [r for g in self.make_groups(prompts, sampling_params) for r in g.requests]
+
+    def make_groups(self, prompts, sampling_params=None, *, sink=None) -> list[RequestGroup]:
+        """One RequestGroup per prompt (``generate``'s arguments, all validated
+        before any is made); ``sink`` receives their deltas (``EngineLoop``)."""
+        items = self.prompts.normalize(prompts, sampling_params)
+        return [self.make_group(ids, sp, text=text, sink=sink) for ids, text, sp in items]
+
+    def make_group(self, ids: list[int], params: SamplingParams, *, text=None, sink=None):
+        """A RequestGroup of ``params.n`` requests sharing the (validated) prompt ids.
+        Completion i > 0 of a seeded prompt gets a seed derived from (seed, i)."""
+        base = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seeds = [base] + [derived_seed(base, i) for i in range(1, params.n)]
+        requests = [self._request(list(ids), params, seed) for seed in seeds]
+        return RequestGroup(requests, text, sink, self.tokenizer)
 
     def generate(
         self,
@@ -245,86 +243,50 @@ class LLM:
         on_step=None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a str, a list of token ids, or a list of
-        either); returns one RequestOutput per prompt, in order. Bad prompts or
-        parameters raise before any work starts. ``on_step(llm, batch, logits)``,
-        if given, is called after every step (the demo draws the pool with it)."""
-        requests = self.make_requests(prompts, sampling_params)
-        self._run(requests, use_tqdm, on_step)
-        return [self._output(r) for r in requests]
+        either); returns one RequestOutput per prompt, in order, with
+        ``SamplingParams.n`` completions each. Bad prompts or parameters raise
+        before any work starts. ``on_step(llm, batch, logits)``, if given, is
+        called after every step (the demo draws the pool with it)."""
+        serving = self.engine.running  # a server's loop runs: submit and wait
+        if serving and on_step is not None:
+            raise ValueError("on_step needs the loop in this thread; the engine is serving")
+        groups = self.make_groups(prompts, sampling_params, sink=_ignore if serving else None)
+        if serving:
+            self._wait_for(groups)
+        else:
+            self.stats = run_inline(self, groups, use_tqdm, on_step)
+        return [g.output() for g in groups]
 
-    def make_requests(
-        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-    ) -> list[Request]:
-        """Validated Requests for ``generate``'s arguments (all checked before any
-        is made); the disaggregated prefill worker starts from these too."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        bad = [type(sp).__name__ for sp in params if not isinstance(sp, SamplingParams)]
-        if bad:
-            raise TypeError(f"sampling_params must be SamplingParams, got {bad[:3]}")
-        token_ids = [self._prompt_ids(p) for p in prompts]  # validate all before any state
-        return [self._request(ids, sp) for ids, sp in zip(token_ids, params)]
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """``generate`` on conversations rendered by the tokenizer's chat template:
+        ``messages`` is one conversation (a list of {"role", "content"} dicts) or a
+        list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.prompts.chat(c, add_generation_prompt=add_generation_prompt)[1]
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _output(self, r: Request) -> RequestOutput:
-        text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else None
-        return RequestOutput(
-            r.prompt_ids, list(r.output_ids), text, r.finish_reason, r.num_preemptions
-        )
+        """The RequestOutput of one finished request (e.g. handed off by P/D)."""
+        return RequestGroup([r], None, None, self.tokenizer).output()
 
-    def _run(self, requests: list[Request], use_tqdm: bool, on_step=None) -> None:
-        stats = Stats(
-            num_requests=len(requests), prompt_tokens=sum(len(r.prompt_ids) for r in requests)
-        )
-        stats.peak_pages = {name: 0 for name in self.pool.subpools}
-        preempted_before = self.scheduler.num_preemptions
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+    def _wait_for(self, groups: list[RequestGroup]) -> None:
+        left = threading.Semaphore(0)
+        for g in groups:
+            g.on_done = lambda _: left.release()
+            self.engine.submit(g, bounded=False)
+        for _ in groups:
+            left.acquire()
 
-            bar = tqdm(
-                total=sum(r.params.max_tokens for r in requests), unit="tok", desc="generate"
-            )
-        for r in requests:
-            self.scheduler.add(r)
-        start = time.perf_counter()
-        # One step in flight while the next is planned: step N is enqueued, then
-        # step N-1's tokens are read (N-1 is done by then or soon), then N's
-        # bookkeeping runs with placeholders for its samples, which step N+1
-        # reads on the device. The host never waits for the step it just queued.
-        prev = None
-        while self.scheduler.has_work():
-            batch = self.scheduler.schedule()
-            self._track_pages(stats)
-            launched = self.runner.launch(batch, prev)
-            if prev is not None:
-                self._settle(prev)
-            finished = self.scheduler.complete_ahead(batch)
-            made = self.scheduler.num_appended
-            stats.steps += 1
-            stats.decode_steps += batch.is_decode
-            stats.output_tokens += made
-            if on_step is not None:
-                on_step(self, batch, launched.logits)
-            if bar is not None:
-                bar.update(made + sum(r.params.max_tokens - len(r.output_ids) for r in finished))
-            prev = launched
-        if prev is not None:
-            self._settle(prev)
-        stats.seconds = time.perf_counter() - start
-        stats.preemptions = self.scheduler.num_preemptions - preempted_before
-        if bar is not None:
-            bar.close()
-        self.stats = stats
 
-    def _settle(self, launched) -> None:
-        """Write a finished step's sampled values into its placeholders; a stop
-        token cuts its request's outputs there."""
-        self.scheduler.resolve(launched.batch, launched.tokens())
-
-    def _track_pages(self, stats: Stats) -> None:
-        for name in self.pool.subpools:
-            stats.peak_pages[name] = max(stats.peak_pages[name], self.alloc.subpool(name).num_live)
+def _ignore(delta) -> None:
+    """The sink of a ``generate`` on a serving loop (it reads the requests at the end)."""

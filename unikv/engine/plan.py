@@ -13,7 +13,9 @@ calls: ``DecodeAttention`` when every request feeds one token,
 ``ExtendAttention`` otherwise; the choice is made once per step when the plan
 is built. Both are the model's ``AttentionFn`` and, for recurrent layers
 (Gated DeltaNet, Mamba-2), its ``StateFn``: the state ops read and update each
-request's state slot in place through the layer's pool views.
+request's state slot in place through the layer's pool views. For MLA layers
+(DeepSeek-V2/V3) ``mla`` stores the step's latent rows and attends over the
+layer's latent view of the MLA sub-pool in the absorbed form.
 """
 
 from __future__ import annotations
@@ -30,12 +32,26 @@ class LayerCache:
     """Where one model layer keeps its K/V (built once at start-up).
 
     k: (N, H, D), v: (N, H, D) dense per-layer views of the pool indexed by
-    kernel id; window: 0 = full attention, else the sliding window W."""
+    kernel id; window: 0 = full attention, else the sliding window W;
+    soft_cap: attention logit soft-cap ``cap * tanh(x / cap)`` (0 = off, Gemma-2)."""
 
     subpool: str
     k: torch.Tensor
     v: torch.Tensor
     window: int
+    page_size: int
+    soft_cap: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLALayerCache:
+    """Where one MLA model layer keeps its latent rows (built once at start-up).
+
+    latent: (N, kv_lora_rank + rope) dense per-layer view of the MLA sub-pool
+    indexed by kernel id; V is its first kv_lora_rank columns."""
+
+    subpool: str
+    latent: torch.Tensor
     page_size: int
 
 
@@ -137,6 +153,20 @@ class DecodeAttention:
             max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
         )  # fmt: skip
 
+    # -- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------
+
+    def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale):
+        """Store this step's latent rows of MLA ``layer`` and attend over them in the
+        absorbed form. q_latent: (T, H, rank), q_rope: (T, H, rope); latent: (T, rank)
+        (normalised c), rope: (T, rope) (rotated k_rope) -> (T, H, rank)."""
+        cache, plan = self.layers[layer], self.plan
+        step = plan.subpools[cache.subpool]
+        self.backend.store_mla(cache.latent, step.write_ids.data, latent, rope)
+        return self.backend.mla_attention(
+            q_latent, q_rope, cache.latent, step.block_table, plan.q_indptr, plan.seq_lens,
+            max_q_len=plan.max_q_len, page_size=cache.page_size, sm_scale=sm_scale,
+        )  # fmt: skip
+
     # -- attention (AttentionFn) ------------------------------------------------------
 
     def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
@@ -160,6 +190,7 @@ class DecodeAttention:
             sm_scale=self.sm_scale,
             window=cache.window,
             sinks=sinks,
+            soft_cap=cache.soft_cap,
         )
 
 
@@ -181,4 +212,5 @@ class ExtendAttention(DecodeAttention):
             sm_scale=self.sm_scale,
             window=cache.window,
             sinks=sinks,
+            soft_cap=cache.soft_cap,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from unikv.engine.sampling import SamplingParams
 
@@ -30,6 +31,8 @@ class Request:
 
     ``slot`` is the allocator's request slot (a row of ``req_to_token``) while
     running, else None. ``stop_ids`` = the params' stop tokens plus EOS ids.
+    ``track``: the engine loop's output state of the request (streaming,
+    detokenization, stop strings), or None.
     """
 
     request_id: int
@@ -44,6 +47,26 @@ class Request:
     num_cached: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    track: Any = None
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Output tokens at most: ``max_tokens``, capped by the context's end."""
+        room = self.max_len - len(self.prompt_ids)
+        limit = self.params.max_tokens
+        return room if limit is None else min(limit, room)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The next sample is a bare argmax (greedy; no penalty, logprobs or
+        min-tokens mask applies any more)."""
+        p = self.params
+        return p.plain_greedy or (
+            p.temperature == 0
+            and not p.has_penalties
+            and p.logprobs is None
+            and len(self.output_ids) >= p.min_tokens
+        )
 
     @property
     def seq_len(self) -> int:
@@ -70,10 +93,7 @@ class Request:
         self.output_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif (
-            len(self.output_ids) >= self.params.max_tokens
-            or len(self.prompt_ids) + len(self.output_ids) >= self.max_len
-        ):
+        elif len(self.output_ids) >= self.max_new_tokens:
             self.finish_reason = "length"
 
     def resolve(self, index: int, token: int) -> bool:

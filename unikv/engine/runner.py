@@ -10,26 +10,32 @@ sub-pool -> forward -> sample -> one device-to-host copy of the tokens.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
+from unikv.engine.logits import sample_requests
 from unikv.engine.plan import (
     DecodeAttention,
     ExtendAttention,
     LayerCache,
     LayerState,
+    MLALayerCache,
     StepPlan,
     SubPoolStep,
 )
-from unikv.engine.sampling import sample
 from unikv.engine.scheduler import Batch
 from unikv.models.llama import CausalLM
 
 
-def layer_caches(pool, num_layers: int) -> tuple[list[LayerCache | None], list[LayerState | None]]:
+def layer_caches(
+    pool, num_layers: int, soft_cap: float = 0.0
+) -> tuple[list[LayerCache | None], list[LayerState | None]]:
     """Per model layer, from the sub-pools' ``layers`` lists: its attention cache
-    (a LayerCache) and its recurrent state (a LayerState), None where it has
-    none (a layer may have both, e.g. Falcon-H1, or neither, an MLP-only layer)."""
+    (a LayerCache, with the model's attention ``soft_cap``, 0 = off) and its
+    recurrent state (a LayerState), None where it has none (a layer may have
+    both, e.g. Falcon-H1, or neither, an MLP-only layer)."""
     caches: list[LayerCache | None] = [None] * num_layers
     states: list[LayerState | None] = [None] * num_layers
     for sub in pool.subpools.values():
@@ -37,27 +43,53 @@ def layer_caches(pool, num_layers: int) -> tuple[list[LayerCache | None], list[L
             if sub.spec.kind == "mamba":  # views: {part: (num_layers, S, *shape)}
                 states[layer] = LayerState(sub.views["conv0"][index], sub.views["temporal"][index])
                 continue
+            if sub.spec.kind == "mla":  # views: [latent (N, rank + rope)] per layer
+                caches[layer] = MLALayerCache(sub.name, sub.views[index], sub.page_size)
+                continue
             k, v = sub.views[index]
             window = sub.spec.sliding_window or 0
-            caches[layer] = LayerCache(sub.name, k, v, window, sub.page_size)
+            caches[layer] = LayerCache(sub.name, k, v, window, sub.page_size, soft_cap)
     return caches, states
+
+
+def check_soft_cap(backend, soft_cap: float) -> float:
+    """The attention logit soft-cap (0 = off) once the backend's attention ops are
+    known to apply it; ValueError at start-up naming the op that cannot."""
+    for op in ("decode_attention", "extend_attention") if soft_cap > 0 else ():
+        if "soft_cap" not in inspect.signature(getattr(backend, op)).parameters:
+            raise ValueError(
+                f"the model soft-caps its attention logits (cap {soft_cap}) but the "
+                f"{backend.name!r} backend's {op} cannot apply soft-capping; run it with "
+                "backend='torch' or backend='triton'"
+            )
+    return float(soft_cap)
 
 
 class Launched:
     """A step enqueued on the device: its batch, logits (B, V) fp32, sampled tokens
-    on the device (B,) int64 and their host copy, valid once ``event`` fired."""
+    on the device (B,) int64 and their host copy, valid once ``event`` fired, and
+    the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
-    __slots__ = ("batch", "logits", "tokens_dev", "_host", "_event")
+    __slots__ = ("_event", "_host", "_logprobs", "batch", "logits", "tokens_dev")
 
-    def __init__(self, batch, logits, tokens_dev, host, event) -> None:
+    def __init__(self, batch, logits, tokens_dev, host, event, logprobs=None) -> None:
         self.batch, self.logits, self.tokens_dev = batch, logits, tokens_dev
-        self._host, self._event = host, event
+        self._host, self._event, self._logprobs = host, event, logprobs
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host; waits for this step only."""
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def logprobs(self) -> dict | None:
+        """lane -> (logprob, rank, top [(id, logprob)]) of the rows that asked for
+        logprobs (``StepLogprobs.lists``), or None; waits for this step only."""
+        if self._logprobs is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        return self._logprobs.lists()
 
 
 class ModelRunner:
@@ -76,8 +108,9 @@ class ModelRunner:
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
         self._pin = self.device.type == "cuda"  # host staging is pinned: copies never block
-        self.sm_scale = model.config.sm_scale
-        self.layers, self.states = layer_caches(pool, model.config.num_layers)
+        self.sm_scale = model.config.sm_scale  # the family's own where it has one (Gemma)
+        soft_cap = check_soft_cap(backend, model.config.extra.get("attn_soft_cap", 0.0))
+        self.layers, self.states = layer_caches(pool, model.config.num_layers, soft_cap)
         # the token sub-pools (block tables, write ids); the Mamba one has state slots
         self.subpools = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
         self.has_state = len(self.subpools) < len(pool.subpools)
@@ -216,9 +249,10 @@ class ModelRunner:
             logits = self.graphs.run(batch, prev_tokens)
         else:
             logits = self.forward(self.plan(batch, prev_tokens))
-        tokens_dev = self.sample(batch, logits)
+        tokens_dev, logprobs = self.sample(batch, logits, prev_tokens)
         host, event = tokens_dev, None
         if self.device.type == "cuda":
+            logprobs = logprobs.to_host() if logprobs is not None else None
             slot = self._launches % 2
             if self._tokens_host[slot].numel() < tokens_dev.numel():
                 self._tokens_host[slot] = torch.empty(
@@ -229,7 +263,7 @@ class ModelRunner:
             event = self._event()
         self.alloc.mark_in_flight(event)
         self._launches += 1
-        return Launched(batch, logits, tokens_dev, host, event)
+        return Launched(batch, logits, tokens_dev, host, event, logprobs)
 
     def _event(self):
         if self.device.type != "cuda":
@@ -238,21 +272,12 @@ class ModelRunner:
         event.record()
         return event
 
-    def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        """(B,) int64 next tokens; all-greedy batches (known on the host) skip the sampler."""
+    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None):
+        """(B,) int64 next tokens and the step's logprobs (a StepLogprobs or None).
+        All-plain-greedy batches (known on the host) are one argmax; others go
+        through ``logits.sample_requests`` (penalties, min_tokens, min_p, logprobs;
+        placeholders in the outputs read from ``prev_tokens`` on the device)."""
         reqs = batch.requests
-        if all(r.params.temperature == 0 for r in reqs):
-            return logits.argmax(dim=-1)
-        floats = torch.tensor(
-            [(r.params.temperature, r.params.top_p) for r in reqs],
-            dtype=torch.float32,
-            pin_memory=self._pin,
-        )
-        ints = torch.tensor(
-            [(r.params.top_k, r.seed, len(r.output_ids)) for r in reqs],
-            dtype=torch.int64,
-            pin_memory=self._pin,
-        )
-        floats = floats.to(self.device, non_blocking=True)
-        ints = ints.to(self.device, non_blocking=True)
-        return sample(logits, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2])
+        if all(r.plain_greedy for r in reqs):
+            return logits.argmax(dim=-1), None
+        return sample_requests(reqs, logits, prev_tokens, pin=self._pin)

@@ -21,41 +21,132 @@ import torch
 MASK32 = 0xFFFFFFFF
 
 
+def _check_range(name: str, value, low: float, high: float, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number in [{low}, {high}] ({hint}), got {value!r}")
+
+
+def _int_tuple(name: str, values) -> tuple[int, ...]:
+    """``values`` (an iterable of ints) as a tuple; a clear error for anything else."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ValueError(f"{name} must be a list of int token ids, got {values!r}")
+    values = tuple(values)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    if bad:
+        raise ValueError(f"{name} must hold int token ids >= 0, got {bad[:4]} in {values!r}")
+    return values
+
+
+def _str_tuple(stop) -> tuple[str, ...]:
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    bad = [s for s in stop if not isinstance(s, str) or not s]
+    if bad:
+        raise ValueError(f"stop must be a non-empty str or a list of them, got {bad[:4]}")
+    return stop
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the tokens of one request.
+    """How to pick the tokens of one request (vLLM's names and defaults).
 
+    n: completions of the prompt (n requests sharing it; seeds derived from ``seed``).
     temperature: 0 = greedy (argmax); > 0 scales the logits.
     top_k: 0 = off; k keeps the k most likely tokens.
     top_p: 1.0 = off; p keeps the smallest set of most likely tokens whose
         probability reaches p.
-    max_tokens: new tokens to generate at most.
+    min_p: 0 = off; keeps tokens whose probability is >= min_p * the top one's.
+    max_tokens: new tokens to generate at most; None = up to the context's end.
+    min_tokens: EOS and stop ids cannot end generation before this many tokens
+        (they are masked out of the logits), nor can stop strings.
     seed: None = drawn from the engine's generator; an int makes the request
         reproducible on its own.
+    stop: strings that end generation; the text is cut before the first one
+        (kept with ``include_stop_str_in_output``). The tokens are kept up to the
+        one that completed it.
     stop_token_ids: generation stops after emitting one of these (it is kept
-        in the output). The model's EOS ids are added unless ``ignore_eos``.
+        in the output ids). The model's EOS ids are added unless ``ignore_eos``.
+    logprobs: None = off; k returns the sampled token's log-probability and the
+        k most likely tokens' (of the model's raw distribution), per token.
+    presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logits
+        of tokens already generated (once / per occurrence).
+    repetition_penalty: > 0, 1 = off; divides positive (multiplies negative)
+        logits of tokens in the prompt or the output.
+    skip_special_tokens: the text leaves special tokens out (the ids keep them).
     """
 
+    n: int = 1
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    max_tokens: int = 16
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     seed: int | None = None
+    stop: tuple[str, ...] | str | None = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (completions per prompt), got {self.n!r}")
+        if isinstance(self.temperature, bool) or not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        _check_range("min_p", self.min_p, 0.0, 1.0, "0 = off")
+        self._check_lengths()
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", _str_tuple(self.stop))
+        object.__setattr__(
+            self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
+        )
+        lp = self.logprobs
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20
+        ):
+            raise ValueError(f"logprobs must be None or an int in [0, 20], got {lp!r}")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "0 = off")
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "0 = off")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0 < rp < float("inf"):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = off), got {rp!r}")
+
+    def _check_lengths(self) -> None:
+        mt = self.max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got {mt!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0 or (mt is not None and m > mt):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={mt}], got {m!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else to apply: the sampler is one argmax."""
+        return (
+            self.temperature == 0
+            and not self.has_penalties
+            and self.logprobs is None
+            and self.min_tokens == 0
+        )
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -87,11 +178,19 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> t
     return (-torch.log(-torch.log(u))).float()
 
 
-def _allowed(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """(B, V) bool: tokens inside each row's top-k and top-p set (never empty)."""
+def _allowed(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(B, V) bool: tokens inside each row's top-k, top-p and min-p set (never empty)."""
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    if min_p is not None:  # p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
+        floor = sorted_logits[:, :1] + torch.log(min_p)[:, None]
+        keep &= sorted_logits >= floor
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability of the strictly better tokens
     keep &= (before < top_p[:, None]) | (rank == 0)
@@ -105,17 +204,19 @@ def sample(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token of every row.
 
-    logits: (B, V) fp32; temperature/top_p: (B,) fp32 (temperature 0 = greedy);
-    top_k: (B,) int64 (0 = off); seeds/steps: (B,) int64 (step = tokens already
-    generated by the request). Returns (B,) int64 token ids.
+    logits: (B, V) fp32 (after any penalties or masks); temperature/top_p/min_p:
+    (B,) fp32 (temperature 0 = greedy, min_p 0 = off); top_k: (B,) int64 (0 =
+    off); seeds/steps: (B,) int64 (step = tokens already generated by the
+    request). Returns (B,) int64 token ids.
     """
     greedy = logits.argmax(dim=-1)
     safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / safe_t[:, None]
-    allowed = _allowed(scaled, top_k, top_p)
+    allowed = _allowed(scaled, top_k, top_p, min_p)
     noisy = (scaled + gumbel_noise(seeds, steps, logits.shape[-1])).masked_fill(
         ~allowed, float("-inf")
     )

@@ -206,6 +206,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(r)
 
+    def finish(self, r: Request, reason: str) -> None:
+        """End a waiting or running request now (an abort, a stop string): its pages
+        and recurrent-state slot go back at once (``free_request``; pages an
+        in-flight step still uses are fenced by the allocator). Its outputs stay;
+        a placeholder left by the step in flight is resolved as usual."""
+        if r.status is Status.RUNNING:
+            self.alloc.free_request(r.slot)
+            self.running.remove(r)
+        elif r.status is Status.WAITING and r in self.waiting:
+            self.waiting.remove(r)
+        r.slot, r.status = None, Status.FINISHED
+        if r.finish_reason is None or reason == "stop":
+            r.finish_reason = reason
+
     # -- after the forward ---------------------------------------------------------
 
     def complete_ahead(self, batch: Batch) -> list[Request]:

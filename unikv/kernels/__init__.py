@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import torch
 
-from unikv.kernels import recurrent_ref, reference
+from unikv.kernels import mla_ref, recurrent_ref, reference
 
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
+MLA_OPS = ("store_mla", "mla_attention")
 OPS = (
     "store_kv",
     "decode_attention",
@@ -22,6 +23,7 @@ OPS = (
     "build_block_table",
     "export_flashinfer",
     *RECURRENT_OPS,
+    *MLA_OPS,
 )
 
 
@@ -33,6 +35,7 @@ def _triton_ops() -> SimpleNamespace:
         block_table,
         decode,
         extend,
+        mla,
         page_copy,
         recurrent,
         store,
@@ -49,6 +52,8 @@ def _triton_ops() -> SimpleNamespace:
         causal_conv1d=recurrent.causal_conv1d,
         gated_delta_rule=recurrent.gated_delta_rule,
         mamba2_ssd=recurrent.mamba2_ssd,
+        store_mla=mla.store_mla,
+        mla_attention=mla.mla_attention,
     )
 
 
@@ -59,15 +64,18 @@ def get_backend(device: torch.device | str, backend: str | None = None) -> Simpl
     ``TRITON_INTERPRET=1`` on CPU) or ``"torch"`` (force the reference).
     Returns a namespace with ``store_kv, decode_attention, extend_attention,
     copy_pages, build_block_table, export_flashinfer``, the recurrent-state ops
-    ``causal_conv1d, gated_delta_rule, mamba2_ssd`` and ``name``.
+    ``causal_conv1d, gated_delta_rule, mamba2_ssd``, the MLA ops ``store_mla,
+    mla_attention`` and ``name``.
     """
     if backend is None:
         backend = "triton" if torch.device(device).type == "cuda" else "torch"
     if backend == "triton":
         return _triton_ops()
     if backend == "torch":
-        refs = {op: getattr(reference, op) for op in OPS if op not in RECURRENT_OPS}
+        own = RECURRENT_OPS + MLA_OPS
+        refs = {op: getattr(reference, op) for op in OPS if op not in own}
         refs.update({op: getattr(recurrent_ref, op) for op in RECURRENT_OPS})
+        refs.update({op: getattr(mla_ref, op) for op in MLA_OPS})
         return SimpleNamespace(name="torch", **refs)
     raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
 

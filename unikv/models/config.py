@@ -26,6 +26,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "NemotronHForCausalLM": "nemotron_h",
     "FalconH1ForCausalLM": "falcon_h1",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
 }
 
 # unikv family -> reader of the family's own config fields (into ModelConfig.extra);
@@ -35,6 +39,8 @@ FAMILY_EXTRAS["qwen3_5"] = lambda c: import_module("unikv.models.qwen3_5").confi
 FAMILY_EXTRAS["qwen3_next"] = lambda c: import_module("unikv.models.qwen3_next").config_extras(c)
 FAMILY_EXTRAS["nemotron_h"] = lambda c: import_module("unikv.models.nemotron_h").config_extras(c)
 FAMILY_EXTRAS["falcon_h1"] = lambda c: import_module("unikv.models.falcon_h1").config_extras(c)
+FAMILY_EXTRAS["deepseek"] = lambda c: import_module("unikv.models.deepseek").config_extras(c)
+FAMILY_EXTRAS["gemma"] = lambda c: import_module("unikv.models.gemma").config_extras(c)
 
 # HF layer types that hold no attention K/V of their own (recurrent mixers, MLP-only
 # layers): their window is None and their state, if any, lives in the Mamba sub-pool.
@@ -76,7 +82,9 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
-        return self.head_dim**-0.5
+        """Softmax scale: the family's own (e.g. Gemma's query_pre_attn_scalar), else
+        head_dim ** -0.5."""
+        return self.extra.get("sm_scale", self.head_dim**-0.5)
 
 
 def _architecture(hf_config) -> str:

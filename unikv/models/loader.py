@@ -39,13 +39,51 @@ def _require_dir(model_dir: str) -> None:
 def load_model_config(model_dir: str) -> tuple[ModelConfig, object]:
     """(ModelConfig, the transformers config) of a checkpoint directory."""
     _require_dir(model_dir)
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
-    except (ValueError, KeyError) as err:
+    except (ValueError, KeyError, StrictDataclassError) as err:  # e.g. kv_lora_rank: null
         raise ValueError(f"cannot read {model_dir}/config.json with transformers: {err}") from err
+    legacy_rope_parameters(hf_config, model_dir)
     return model_config_from_hf(hf_config), hf_config
+
+
+def legacy_rope_parameters(hf_config, model_dir: str) -> None:
+    """transformers 4.x keeps a checkpoint's rope scaling in ``rope_scaling`` (and
+    ``rope_theta``) and has no ``rope_parameters``; set ``rope_parameters`` from
+    them (config.json's own fields first), in transformers 5's form, so that the
+    scaling (llama3, yarn, linear) is not dropped. No-op under transformers 5."""
+    if getattr(hf_config, "rope_parameters", None):
+        return
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    scaling = raw.get("rope_scaling") or getattr(hf_config, "rope_scaling", None)
+    if not isinstance(scaling, dict):
+        return
+    params = dict(scaling)
+    params["rope_type"] = params.pop("type", None) or params.get("rope_type") or "default"
+    theta = raw.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is not None:
+        params.setdefault("rope_theta", theta)
+    hf_config.rope_parameters = params
+
+
+def generation_eos_ids(model_dir: str) -> tuple[int, ...]:
+    """The EOS ids of the checkpoint's ``generation_config.json`` (read with
+    transformers' GenerationConfig), () without one. vLLM stops on these too."""
+    if not os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        return ()
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {model_dir}/generation_config.json: {err}") from err
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
 def weight_files(model_dir: str) -> list[str]:
@@ -68,13 +106,25 @@ def weight_files(model_dir: str) -> list[str]:
 
 def checkpoint_index(files: list[str]) -> dict[str, str]:
     """Tensor name -> the safetensors file holding it (reads headers only)."""
-    from safetensors import safe_open
-
     index = {}
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            index.update({name: path for name in f.keys()})
+        with _open_weights(path) as f:
+            index.update({name: path for name in f.keys()})  # noqa: SIM118 (not iterable)
     return index
+
+
+def _open_weights(path: str):
+    """``safe_open`` of one weights file; a truncated or corrupt file is a
+    ValueError that names it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(
+            f"cannot read weights file {path}: {err}. The file is truncated or corrupt "
+            "(an interrupted download?); download or save it again"
+        ) from err
 
 
 def _sources(index: dict[str, str]) -> dict[str, tuple[str, ...]]:
@@ -105,8 +155,6 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
     (MXFP4 experts dequantised on the way; under ``model.tp`` each sharded
     tensor narrowed to this rank's slice); raise ValueError naming missing,
     unexpected or mis-shaped tensors."""
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())
     index = checkpoint_index(files)
     sources = _sources(index)
@@ -125,12 +173,12 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
             f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
             f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
-    handles = {path: safe_open(path, framework="pt", device="cpu") for path in files}
+    handles = {path: _open_weights(path) for path in files}
     tp = model.tp
     plan = shard_plan(model) if tp is not None else {}
     with torch.no_grad():
         for name, param in params.items():
-            tensors = [handles[index[n]].get_tensor(n) for n in sources[name]]
+            tensors = [_tensor(handles, index[n], n) for n in sources[name]]
             source = tensors[0] if len(tensors) == 1 else dequantize_mxfp4(*tensors)
             if name in plan:  # tensor parallelism: this rank's slice
                 source = shard_tensor(source, plan[name], tp.rank, tp.size, name)
@@ -140,6 +188,18 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
                     f"{tuple(param.shape)}; config.json and the weights disagree"
                 )
             param.copy_(source)
+
+
+def _tensor(handles: dict, path: str, name: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return handles[path].get_tensor(name)
+    except SafetensorError as err:
+        raise ValueError(
+            f"cannot read tensor {name} from weights file {path}: {err}; the file is "
+            "truncated or corrupt, download or save it again"
+        ) from err
 
 
 def load_model(

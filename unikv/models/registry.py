@@ -18,6 +18,8 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen3_next": "unikv.models.qwen3_next:Qwen3NextForCausalLM",
     "nemotron_h": "unikv.models.nemotron_h:NemotronHForCausalLM",
     "falcon_h1": "unikv.models.falcon_h1:FalconH1ForCausalLM",
+    "deepseek": "unikv.models.deepseek:DeepseekForCausalLM",
+    "gemma": "unikv.models.gemma:GemmaForCausalLM",
 }
 
 

@@ -1,0 +1,279 @@
+"""Serving: ``unikv serve`` under Poisson load, and the HTTP path against ``LLM.generate``.
+
+Model: Llama-3.2-1B-shaped, random init (``bench_e2e.model_config``), bf16 on
+CUDA, saved with a word-level tokenizer over its whole vocabulary (token i is
+the word ``wi``, so every token is one streamed text chunk). No download.
+
+1. ``unikv serve`` runs in a subprocess (the engine options below; its own
+   event loop and engine thread). A small async client (httpx, one connection
+   per request) sends streamed ``/v1/completions`` requests of ``--prompt-len``
+   random token ids, ``--new-tokens`` greedy tokens each, EOS ignored, arriving
+   as a Poisson process at each ``--rates`` (requests/s; fixed seed). Per rate:
+   output tokens/s (all tokens over first send to last token), TTFT and
+   inter-token latency (ITL) p50/p99 as the client sees them.
+2. The same work with every request at t0, once over HTTP and once through
+   ``LLM.generate`` in this process (the server stopped; same pool bytes, same
+   options): tokens/s ratio HTTP / generate, and the ITL added per token by the
+   HTTP path (p50 and mean differences).
+
+Usage: ``python benchmarks/bench_serving.py --device cuda --out
+benchmarks/results/serving_h200.json``;
+``--device cpu --tiny`` is a small smoke run of the whole script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_e2e import make_prompts, model_config, save_model
+
+
+def save_word_tokenizer(path: Path, vocab: int) -> None:
+    """A WordLevel tokenizer whose token i is the word ``wi`` (decodes with spaces)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
+
+
+def percentiles(values: list[float], prefix: str) -> dict:
+    if not values:
+        return {}
+    return {f"{prefix}_p{q}_ms": float(np.percentile(values, q)) * 1e3 for q in (50, 99)} | {
+        f"{prefix}_mean_ms": float(np.mean(values)) * 1e3
+    }
+
+
+# -- the server and the client -----------------------------------------------------------
+
+
+def engine_args(args, max_len: int) -> list[str]:
+    return [
+        "--device", args.device, "--page-size", str(args.page_size),
+        "--max-num-seqs", str(args.max_num_seqs), "--chunk", str(args.chunk),
+        "--max-model-len", str(max_len), "--kv-cache", f"{args.kv_cache_mib}MiB",
+    ]  # fmt: skip
+
+
+class Server:
+    def __init__(self, model: Path, args, max_len: int, port: int = 8357) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "unikv.cli", "serve", "--model", str(model)]
+        cmd += ["--port", str(port), "--served-model-name", "bench", "--max-waiting", "100000"]
+        self.log = open(args.log, "w") if args.log else subprocess.DEVNULL  # noqa: SIM115
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(cmd + engine_args(args, max_len), stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+    def wait(self, timeout: float) -> float:
+        import httpx
+
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError("unikv serve exited during start-up (see --log)")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"unikv serve not healthy after {timeout} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> dict:
+    """A streamed completion: send time, the arrival time of every text chunk."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    sent = time.perf_counter()
+    stamps, tokens = [], 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice["text"]:
+                now = time.perf_counter()
+                n = len(choice["text"].split())  # word-level: one word per token
+                stamps.extend([now] * n)
+                tokens += n
+    return {"sent": sent, "stamps": stamps, "tokens": tokens}
+
+
+async def run_load(url: str, prompts, new_tokens: int, arrivals: list[float]) -> list[dict]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def later(delay: float, prompt):
+            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+            try:
+                return await one_request(client, url, prompt, new_tokens)
+            except httpx.HTTPError as err:  # counted, the run goes on
+                return {"error": f"{type(err).__name__}: {err}"}
+
+        return await asyncio.gather(*(later(a, p) for a, p in zip(arrivals, prompts)))
+
+
+def summarize(results: list[dict]) -> dict:
+    errors = [r["error"] for r in results if "error" in r]
+    results = [r for r in results if "error" not in r and r["stamps"]]
+    if not results:
+        return {"requests": 0, "errors": len(errors), "first_error": errors[:1]}
+    start = min(r["sent"] for r in results)
+    end = max(r["stamps"][-1] for r in results if r["stamps"])
+    made = sum(r["tokens"] for r in results)
+    ttft = [r["stamps"][0] - r["sent"] for r in results if r["stamps"]]
+    itl = [b - a for r in results for a, b in itertools.pairwise(r["stamps"])]
+    return {"requests": len(results), "errors": len(errors), "first_error": errors[:1],
+            "output_tokens": made, "seconds": end - start,
+            "output_tokens_per_s": made / (end - start), **percentiles(ttft, "ttft"),
+            **percentiles(itl, "itl")}  # fmt: skip
+
+
+# -- LLM.generate on the same work --------------------------------------------------------
+
+
+def run_generate(model: Path, prompts, args, max_len: int) -> dict:
+    from unikv.engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(model), device=args.device, dtype=args.dtype, page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
+        max_model_len=max_len, kv_cache_bytes=args.kv_cache_mib << 20,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    llm.generate(prompts[: args.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True))
+    stamps: dict[int, list[float]] = {}
+
+    def clock(_llm, batch, _logits) -> None:  # a token is stamped when its value is known
+        now = time.perf_counter()
+        for r in batch.requests:
+            got = stamps.setdefault(r.request_id, [])
+            known = len(r.output_ids) - (bool(r.output_ids) and r.output_ids[-1] < 0)
+            got.extend([now] * (known - len(got)))
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, on_step=clock)
+    end = time.perf_counter()  # the last tokens are settled after the last hook
+    for out, times in zip(outputs, stamps.values()):
+        times.extend([end] * (len(out.output_ids) - len(times)))
+    results = [{"sent": start, "stamps": t, "tokens": len(t)} for t in stamps.values()]
+    return summarize(results)
+
+
+# -- main ---------------------------------------------------------------------------------
+
+FULL = {"rates": "8,32,128", "requests_per_rate": 256, "burst": 128, "prompt_len": 256,
+        "new_tokens": 128, "max_num_seqs": 128, "kv_cache_mib": 16384}  # fmt: skip
+TINY = {"rates": "2,8", "requests_per_rate": 8, "burst": 8, "prompt_len": 32, "new_tokens": 16,
+        "max_num_seqs": 8, "kv_cache_mib": 16}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny model, few requests (CPU smoke)")
+    p.add_argument("--rates", default=None, help="requests/s, comma-separated")
+    p.add_argument("--requests-per-rate", type=int, default=None)
+    p.add_argument("--burst", type=int, default=None, help="requests of the t0 comparison")
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--log", default=None, help="the server's output goes here")
+    p.add_argument("--out", default="benchmarks/results/serving_h200.json")
+    args = p.parse_args()
+    tiny = args.tiny
+    defaults = TINY if tiny else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if tiny:
+        args.chunk = min(args.chunk, 64)
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    from common import environment, save_json
+
+    rates = [float(r) for r in args.rates.split(",")]
+    max_len = args.prompt_len + args.new_tokens + 16
+    result = {"env": environment(), "tiny": tiny, "workload": {
+        "model": "llama-3.2-1b shape, random init" + (" (tiny)" if tiny else ""),
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "greedy": True,
+        "ignore_eos": True, "stream": True, "max_num_seqs": args.max_num_seqs,
+        "page_size": args.page_size, "chunk": args.chunk, "kv_cache_mib": args.kv_cache_mib,
+        "arrivals": "Poisson, seed 0"}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="unikv-serving-") as tmp:
+        model = Path(tmp) / "llama"
+        start = time.perf_counter()
+        save_model("llama", model, args.device, args.dtype, tiny)
+        save_word_tokenizer(model, model_config("llama", tiny)["vocab_size"])
+        result["build_s"] = time.perf_counter() - start
+        vocab = model_config("llama", tiny)["vocab_size"]
+        server = Server(model, args, max_len)
+        try:
+            result["server_start_s"] = server.wait(600)
+            warm = make_prompts(args.max_num_seqs, args.prompt_len, vocab, seed=99)
+            asyncio.run(run_load(server.url, warm, 4, [0.0] * len(warm)))  # JIT, graphs
+            result["rates"] = []
+            rng = np.random.default_rng(0)
+            for rate in rates:
+                n = args.requests_per_rate
+                arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+                prompts = make_prompts(n, args.prompt_len, vocab, seed=int(rate))
+                res = summarize(
+                    asyncio.run(run_load(server.url, prompts, args.new_tokens, arrivals))
+                )
+                result["rates"].append({"rate_rps": rate, **res})
+                print(json.dumps(result["rates"][-1]), flush=True)
+                save_json(args.out, result)  # a timeout keeps what ran
+            burst = make_prompts(args.burst, args.prompt_len, vocab, seed=7)
+            http = summarize(
+                asyncio.run(run_load(server.url, burst, args.new_tokens, [0.0] * len(burst)))
+            )
+        finally:
+            server.stop()
+        gen = run_generate(model, burst, args, max_len)
+    result["burst"] = {"requests": args.burst, "http": http, "generate": gen}
+    if http.get("requests") and gen.get("requests"):
+        result["http_overhead"] = {
+            "tokens_per_s_ratio": http["output_tokens_per_s"] / gen["output_tokens_per_s"],
+            "itl_added_p50_ms": http["itl_p50_ms"] - gen["itl_p50_ms"],
+            "itl_added_mean_ms": http["itl_mean_ms"] - gen["itl_mean_ms"],
+        }
+    print(json.dumps(result["burst"]), json.dumps(result.get("http_overhead")), flush=True)
+    save_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""/metrics' pool gauges on a hybrid model (tiny Qwen3.5: full-attention pages
+and Mamba state slots), read while a request runs and after it is aborted.
+
+Oracle: the pages a request of known length must hold (ceil(tokens / page
+size) full-attention pages, exactly one state slot), and the allocator's own
+counts read in the loop's thread.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from engine_fixtures import one_thread, save_tiny_hybrid  # noqa: F401  (a fixture)
+from serving_fixtures import metric_values
+
+from unikv.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+pytest.importorskip("prometheus_client")
+
+
+def test_hybrid_pool_gauges_count_pages_and_state_slots(tmp_path):
+    from prometheus_client import generate_latest
+
+    from unikv.serving.metrics import ServingMetrics
+
+    save_tiny_hybrid("qwen3_5", str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=64, max_num_seqs=2)
+    metrics = ServingMetrics(llm.engine, llm)
+    deltas: queue.Queue = queue.Queue()
+    prompt = list(range(10, 23))  # 13 tokens
+    llm.engine.start()
+    try:
+        group = llm.make_group(
+            prompt, SamplingParams(max_tokens=40, ignore_eos=True), sink=deltas.put
+        )
+        llm.engine.submit(group)
+        deltas.get(timeout=60)
+        seen = {}
+
+        def read():
+            seen["cached"] = group.requests[0].num_cached
+            return generate_latest(metrics.registry).decode()
+
+        text = llm.engine.call(read).result(timeout=60)
+        live = metric_values(text, "unikv_subpool_live_pages")
+        assert live['{kind="mamba",subpool="mamba"}'] == 1
+        held = live['{kind="full",subpool="full"}']
+        # the step in flight was allocated too: cached tokens plus up to one more
+        assert -(-seen["cached"] // 4) <= held <= -(-(seen["cached"] + 1) // 4)
+        ratio = metric_values(text, "unikv_subpool_usage_ratio")['{kind="mamba",subpool="mamba"}']
+        sub = llm.pool.subpools["mamba"]
+        assert ratio == pytest.approx(sub.page_bytes / llm.pool.total_bytes)
+        assert metric_values(text, "unikv_num_requests_running")[""] == 1
+        llm.engine.abort(group)
+        while deltas.get(timeout=60).finish_reason is None:
+            pass
+        text = llm.engine.call(lambda: generate_latest(metrics.registry).decode()).result(60)
+        assert set(metric_values(text, "unikv_subpool_live_pages").values()) == {0.0}
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,67 @@
+"""``LLM.generate`` on the engine loop in the caller's thread, with its counters."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counters of the last ``generate`` call."""
+
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    steps: int = 0
+    decode_steps: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+    peak_pages: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
+    """Run ``groups`` (RequestGroups) on ``llm.engine`` in this thread until no work
+    is left; returns the run's Stats. ``on_step(llm, batch, logits)`` after every step."""
+    requests = [r for g in groups for r in g.requests]
+    stats = Stats(
+        num_requests=len(requests), prompt_tokens=sum(len(r.prompt_ids) for r in requests)
+    )
+    stats.peak_pages = {name: 0 for name in llm.pool.subpools}
+    sched = llm.scheduler
+    preempted_before = sched.num_preemptions
+    bar = None
+    if use_tqdm:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(r.max_new_tokens for r in requests), unit="tok", desc="generate")
+    loop = llm.engine
+    for g in groups:
+        loop.submit(g, bounded=False)
+    loop.on_step, loop.on_schedule = on_step, lambda batch: _track_pages(llm, stats)
+    start = time.perf_counter()
+    try:
+        while (step := loop.step()) is not None:
+            batch, _, finished = step
+            made = sched.num_appended
+            stats.steps += 1
+            stats.decode_steps += batch.is_decode
+            stats.output_tokens += made
+            if bar is not None:
+                bar.update(made + sum(r.max_new_tokens - len(r.output_ids) for r in finished))
+    finally:
+        loop.on_step = loop.on_schedule = None
+    stats.seconds = time.perf_counter() - start
+    stats.preemptions = sched.num_preemptions - preempted_before
+    if bar is not None:
+        bar.close()
+    return stats
+
+
+def _track_pages(llm, stats: Stats) -> None:
+    for name in llm.pool.subpools:
+        stats.peak_pages[name] = max(stats.peak_pages[name], llm.alloc.subpool(name).num_live)

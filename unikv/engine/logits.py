@@ -1,0 +1,154 @@
+"""What a step's sampler does besides sampling: penalties, the min-tokens mask and
+log-probabilities, batched over the requests that ask for them.
+
+Everything is built from host lists the scheduler already holds and copied to
+the device without waiting (pinned staging on CUDA). A request's newest output
+token may still be a placeholder ``-(1 + lane)`` (its value is on the device, in
+lane ``lane`` of the previous step's sampled tokens); it is resolved there, as
+the runner resolves input ids. The plain greedy path (``Request.plain_greedy``
+for every row) never comes here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from unikv.engine.sampling import sample
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+
+def _resolve(tokens: torch.Tensor, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    """Placeholders ``-(1 + lane)`` in (N,) int64 ``tokens`` read from ``prev_tokens``."""
+    if prev_tokens is None:
+        return tokens
+    lanes = (-tokens - 1).clamp_(min=0)
+    return torch.where(tokens < 0, prev_tokens[lanes], tokens)
+
+
+def _token_rows(lists: list[list[int]], device, pin, prev_tokens=None):
+    """(row, token) device index pairs of every token of ``lists[row]``."""
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    flat = [t for ids in lists for t in ids]
+    rows_t = _to_device(rows, torch.int64, device, pin)
+    return rows_t, _resolve(_to_device(flat, torch.int64, device, pin), prev_tokens)
+
+
+def apply_penalties(logits: torch.Tensor, reqs, prev_tokens, pin: bool) -> None:
+    """vLLM's penalties, in place on ``logits`` (B, V) fp32, for rows whose params
+    have any: repetition (prompt and output tokens: positive logits divided,
+    negative multiplied), then frequency (per output occurrence) and presence
+    (once per output token seen) subtracted."""
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+    if not rows:
+        return
+    dev, vocab = logits.device, logits.shape[-1]
+    sub = [reqs[i] for i in rows]
+    counts = torch.zeros((len(rows), vocab), dtype=torch.float32, device=dev)
+    r_idx, toks = _token_rows([r.output_ids for r in sub], dev, pin, prev_tokens)
+    counts.index_put_((r_idx, toks), torch.ones_like(toks, dtype=torch.float32), accumulate=True)
+    seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=dev)
+    r_idx, toks = _token_rows([r.prompt_ids for r in sub], dev, pin)
+    seen[r_idx, toks] = True
+    seen |= counts > 0
+    params = _to_device(
+        [
+            (r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty)
+            for r in sub
+        ],
+        torch.float32,
+        dev,
+        pin,
+    )
+    rows_t = _to_device(rows, torch.int64, dev, pin)
+    x = logits.index_select(0, rows_t)
+    rep = params[:, 0:1]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - params[:, 1:2] * counts - params[:, 2:3] * (counts > 0).float()
+    logits.index_copy_(0, rows_t, x)
+
+
+def mask_early_stops(logits: torch.Tensor, reqs, pin: bool) -> None:
+    """Rows with fewer than ``min_tokens`` outputs cannot sample a stop id (EOS
+    included): their logits are set to -inf, in place on (B, V) ``logits``."""
+    lists = [sorted(r.stop_ids) if len(r.output_ids) < r.params.min_tokens else [] for r in reqs]
+    if not any(lists):
+        return
+    r_idx, toks = _token_rows(lists, logits.device, pin)
+    logits[r_idx, toks] = float("-inf")
+
+
+@dataclass
+class StepLogprobs:
+    """Log-probabilities of one step, for the rows in ``rows`` (host ints, batch
+    lanes): chosen (R,) fp32 of the sampled token, rank (R,) int64 (1 = the most
+    likely), top_values / top_ids (R, k) of the k most likely tokens."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    rank: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> StepLogprobs:
+        """Pinned host copies, enqueued without waiting (read after the step's event)."""
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        parts = (self.chosen, self.rank, self.top_values, self.top_ids)
+        return StepLogprobs(self.rows, *(copy(t) for t in parts))
+
+    def lists(self) -> dict[int, tuple[float, int, list[tuple[int, float]]]]:
+        """lane -> (chosen logprob, rank, [(token id, logprob)] of the top k)."""
+        chosen, rank = self.chosen.tolist(), self.rank.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        return {
+            lane: (chosen[j], rank[j], list(zip(ids[j], values[j])))
+            for j, lane in enumerate(self.rows)
+        }
+
+
+def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs, pin: bool):
+    """StepLogprobs of the rows whose params ask for logprobs (else None), from the
+    raw model logits (B, V) fp32 and the sampled tokens (B,) int64."""
+    rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not rows:
+        return None
+    k = max(reqs[i].params.logprobs for i in rows)
+    rows_t = _to_device(rows, torch.int64, logits.device, pin)
+    lp = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)  # (R, V)
+    chosen = lp.gather(1, tokens.index_select(0, rows_t)[:, None])  # (R, 1)
+    rank = (lp > chosen).sum(dim=-1) + 1
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], rows_t[:, None][:, :0])
+    return StepLogprobs(rows, chosen[:, 0], rank, top_values, top_ids)
+
+
+def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool):
+    """(B,) int64 next tokens of ``reqs`` (batch order) from logits (B, V) fp32,
+    and their StepLogprobs (None if no row asks). ``logits`` is not modified."""
+    dev = logits.device
+    processed = logits
+    if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs):
+        processed = logits.clone()
+        apply_penalties(processed, reqs, prev_tokens, pin)
+        mask_early_stops(processed, reqs, pin)
+    floats = _to_device(
+        [(r.params.temperature, r.params.top_p, r.params.min_p) for r in reqs],
+        torch.float32,
+        dev,
+        pin,
+    )
+    ints = _to_device(
+        [(r.params.top_k, r.seed, len(r.output_ids)) for r in reqs], torch.int64, dev, pin
+    )
+    min_p = floats[:, 2] if any(r.params.min_p > 0 for r in reqs) else None
+    tokens = sample(
+        processed, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], min_p
+    )
+    return tokens, step_logprobs(logits, tokens, reqs, pin)

@@ -1,0 +1,98 @@
+"""Start-up checks of ``LLM``'s device, dtype and pool options: each bad value is
+refused before any work, with what was expected and what to change."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from unikv.models.loader import generation_eos_ids
+
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_device(device) -> torch.device:
+    """The engine's device (default: CUDA when available, else CPU)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "built without CUDA" if torch.version.cuda is None else "sees no CUDA GPU"
+        raise ValueError(
+            f"device {str(device)!r} was asked for, but this torch ({torch.__version__}) {why}; "
+            "use device 'cpu' (--device cpu), or install a CUDA build of torch on a GPU machine"
+        )
+    if device.type == "cuda" and device.index is not None:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(f"device {str(device)!r}: only {count} CUDA devices are visible")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {str(device)!r}")
+    return device
+
+
+def check_dtypes(dtype, kv_cache_dtype: str, device: torch.device) -> torch.dtype:
+    """The compute (weights, activations, KV) dtype; refuses fp8 there and an fp8
+    KV cache (the engine's attention step does not quantise K/V yet)."""
+    from unikv.hf_config import parse_dtype
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = parse_dtype(dtype)
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"dtype is the weights' and activations' dtype and must be bf16, fp16 or fp32, got "
+            f"{dtype}; an fp8 KV cache is kv_cache_dtype='fp8' (--kv-cache-dtype), which "
+            "the engine does not run yet"
+        )
+    if kv_cache_dtype != "auto":
+        kv = parse_dtype(kv_cache_dtype)  # a ValueError names the accepted names
+        if kv != dtype:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the engine yet: the pool "
+                "and the store/attention kernels hold fp8, but the engine's attention step does "
+                "not quantise K/V; use kv_cache_dtype='auto' (the KV cache holds the model "
+                f"dtype, {dtype})"
+            )
+    return dtype
+
+
+def check_kv_cache_bytes(kv_cache_bytes) -> None:
+    if kv_cache_bytes is None:
+        return
+    if (
+        isinstance(kv_cache_bytes, bool)
+        or not isinstance(kv_cache_bytes, int)
+        or kv_cache_bytes < 1
+    ):
+        raise ValueError(
+            f"kv_cache_bytes must be None (size the pool from free memory) or an int > 0, "
+            f"got {kv_cache_bytes!r}"
+        )
+
+
+def model_dir_of(model_dir: str | None, model: str | None) -> str:
+    if (model_dir is None) == (model is None):
+        raise ValueError(
+            "give the checkpoint directory once: LLM(model_dir) or LLM(model=model_dir), got "
+            f"model_dir={model_dir!r}, model={model!r}"
+        )
+    return model_dir if model_dir is not None else model
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """Seed of completion ``index`` > 0 of a prompt seeded ``seed`` (63 bits)."""
+    return random.Random(f"{seed}:{index}").getrandbits(63)
+
+
+def merged_eos(config, model_dir: str, tokenizer) -> tuple[int, ...]:
+    """The config's EOS ids, then generation_config.json's, then the tokenizer's."""
+    ids = list(config.eos_token_ids) + list(generation_eos_ids(model_dir))
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(eos, int):
+        ids.append(eos)
+    return tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < config.vocab_size))

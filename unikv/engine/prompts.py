@@ -1,0 +1,111 @@
+"""Prompts into validated token ids: text through the checkpoint's tokenizer,
+conversations through its chat template, token-id lists checked as they are.
+
+The tokenizer is shared with the engine loop's thread (which decodes), so every
+use here holds ``llm.tokenizer_lock``.
+"""
+
+from __future__ import annotations
+
+from unikv.engine.sampling import SamplingParams
+
+
+def _is_ids(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    )
+
+
+class PromptMaker:
+    """Prompt handling of one ``LLM`` (its tokenizer, vocabulary and context)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def normalize(
+        self, prompts, sampling_params=None
+    ) -> list[tuple[list[int], str | None, SamplingParams]]:
+        """``generate``'s arguments as (token ids, text or None, params) per prompt,
+        all validated before any is returned.
+
+        prompts: a str, a list of int token ids, or a non-empty list of either;
+        sampling_params: None (defaults), one SamplingParams, or one per prompt."""
+        if isinstance(prompts, str) or (_is_ids(prompts) and prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError(
+                "prompts must be a str, a list of int token ids, or a non-empty list of "
+                f"those; got {type(prompts).__name__} {prompts!r:.60}"
+            )
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        bad = [type(sp).__name__ for sp in params if not isinstance(sp, SamplingParams)]
+        if bad:
+            raise TypeError(f"sampling_params must be SamplingParams, got {bad[:3]}")
+        return [
+            (self.token_ids(p), p if isinstance(p, str) else None, sp)
+            for p, sp in zip(prompts, params)
+        ]
+
+    def token_ids(self, prompt) -> list[int]:
+        """Validated token ids of one prompt (a str or a list of int token ids)."""
+        if isinstance(prompt, str):
+            tok = self._tokenizer("prompts must be lists of token ids, got a str")
+            with self.llm.tokenizer_lock:
+                ids = tok.encode(prompt)
+        elif _is_ids(prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError(
+                f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}"
+            )
+        return self.check(ids)
+
+    def check(self, ids: list[int]) -> list[int]:
+        llm = self.llm
+        if not ids:
+            raise ValueError("a prompt must hold at least one token, got an empty prompt")
+        vocab = llm.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:8]}")
+        if len(ids) >= llm.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens is too long: the model's context is "
+                f"{llm.max_model_len} tokens and at least one must be left to generate; "
+                "shorten the prompt (or raise max_model_len up to the model's limit)"
+            )
+        return ids
+
+    def chat(self, messages, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """(rendered text, validated token ids) of one conversation: a list of
+        {"role": str, "content": str} dicts, rendered by the tokenizer's chat
+        template (``apply_chat_template``) and tokenized without adding special
+        tokens again."""
+        tok = self._tokenizer("chat needs a tokenizer with a chat template")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.60}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+                raise ValueError(
+                    f"messages[{i}] must be a dict with a str 'role' and a 'content', got {m!r:.60}"
+                )
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError(
+                "the checkpoint's tokenizer has no chat template (tokenizer_config.json "
+                "'chat_template' or chat_template.jinja); pass the formatted prompt instead"
+            )
+        with self.llm.tokenizer_lock:
+            text = tok.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+        return text, self.check(ids)
+
+    def _tokenizer(self, why: str):
+        tok = self.llm.tokenizer
+        if tok is None:
+            raise ValueError(f"this checkpoint has no tokenizer files, so {why}")
+        return tok

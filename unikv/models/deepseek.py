@@ -1,0 +1,271 @@
+"""DeepSeek-V2 and DeepSeek-V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``):
+multi-head latent attention (MLA) over the pool's MLA sub-pool, dense first
+layers, then mixture-of-experts layers (``deepseek_moe.py``).
+
+Module and parameter names mirror transformers, so a checkpoint loads by name.
+Per layer and token the cache holds ONE latent row ``[c | k_rope]`` (MLASpec):
+
+    q      = q_proj(x)  or  q_b_proj(q_a_layernorm(q_a_proj(x)))   (T, H, nope + rope)
+    [c | k_rope] = kv_a_proj_with_mqa(x);  c = kv_a_layernorm(c)    (T, rank), (T, rope)
+    rope on q's rope part and on k_rope (one shared head)
+    kv_b_proj.weight viewed (H, nope + v, rank) = [W_UK ; W_UV] per head
+
+Attention runs in the absorbed form (the step's ``mla``): ``q_latent = q_nope @
+W_UK`` (T, H, rank) attends over the cached rows with logits ``q_latent . c +
+q_rope . k_rope``; its output (T, H, rank) is mapped back by W_UV, then o_proj. This
+equals transformers' expanded form (k_nope = W_UK c, v = W_UV c) up to rounding.
+
+- Softmax scale ``(nope + rope) ** -0.5``, times ``mscale(factor, mscale_all_dim)**2``
+  for a scaled rope with ``mscale_all_dim`` (DeepSeek's YaRN; its attention factor
+  on cos/sin comes from ``rope.py``).
+- Rope layout: V2 rotates interleaved pairs (x0, x1), (x2, x3), ... in fp32 and
+  keeps them interleaved (transformers' complex product); V3 with ``rope_interleave``
+  rotates the same pairs in the model dtype and writes them de-interleaved
+  ``[evens' | odds']`` (``apply_rotary_pos_emb_interleave``); V3 without it is
+  NeoX's rotate-half. The cached k_rope has exactly transformers' layout.
+- ``q_a_layernorm`` and ``kv_a_layernorm`` use eps 1e-6 (transformers' default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.deepseek_moe import DeepseekMoE, check_moe_fields
+from unikv.models.layers import GatedMLP, RMSNorm
+from unikv.models.rope import Rotary
+
+MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAFn(Protocol):
+    """The step object's MLA op (``unikv.engine.plan.DecodeAttention.mla``): store
+    the step's latent rows of ``layer`` and attend (absorbed form).
+
+    q_latent: (T, H, rank), q_rope: (T, H, rope), latent: (T, rank), rope: (T, rope)
+    in the model dtype; sm_scale: the softmax scale. Returns (T, H, rank)."""
+
+    def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale) -> torch.Tensor: ...
+
+
+def _mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(rope: dict, qk_head_dim: int) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` when the
+    rope is scaled and ``mscale_all_dim`` is set (transformers' yarn_apply_mscale)."""
+    scale = qk_head_dim**-0.5
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        scale *= _mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    return scale
+
+
+def config_extras(hf_config) -> dict:
+    """DeepSeek's own fields (into ``ModelConfig.extra``). ValueError naming the
+    field when an MLA width is missing or the routing is not one unikv runs."""
+    model_type = getattr(hf_config, "model_type", "deepseek")
+    missing = [n for n in MLA_FIELDS if getattr(hf_config, n, None) is None]
+    if missing:
+        raise ValueError(
+            f"{model_type} config lacks {missing}: an MLA model needs kv_lora_rank (the cached "
+            "latent width), qk_nope_head_dim, qk_rope_head_dim and v_head_dim; fix config.json"
+        )
+    extra = {n: int(getattr(hf_config, n)) for n in MLA_FIELDS}
+    q_lora = getattr(hf_config, "q_lora_rank", None)
+    version = 3 if model_type == "deepseek_v3" else 2
+
+    def get(name, default):
+        value = getattr(hf_config, name, None)
+        return default if value is None else value
+
+    extra.update(
+        version=version,
+        q_lora_rank=int(q_lora) if q_lora else None,
+        attention_bias=bool(get("attention_bias", False)),
+        mlp_bias=bool(get("mlp_bias", False)) if version == 2 else False,
+        rope_layout="complex" if version == 2 else "interleave",
+        first_k_dense_replace=int(get("first_k_dense_replace", 0)),
+        n_routed_experts=int(get("n_routed_experts", 0)),
+        n_shared_experts=int(get("n_shared_experts", 0)),
+        num_experts_per_tok=int(get("num_experts_per_tok", 1)),
+        moe_intermediate_size=int(get("moe_intermediate_size", 0)),
+        n_group=int(get("n_group", 1)),
+        topk_group=int(get("topk_group", 1)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(get("norm_topk_prob", False)),
+        topk_method=get("topk_method", "greedy") if version == 2 else "noaux_tc",
+    )
+    if version == 3 and not get("rope_interleave", True):
+        extra["rope_layout"] = "neox"
+    check_moe_fields(extra, model_type)
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {"rope_type": "default"})
+    extra["mla_sm_scale"] = softmax_scale(
+        rope, extra["qk_nope_head_dim"] + extra["qk_rope_head_dim"]
+    )
+    return extra
+
+
+class DeepseekRotary(Rotary):
+    """Rope over the rope dims only, in DeepSeek's layouts (module docstring):
+    ``layout`` "complex" (V2), "interleave" (V3) or "neox"."""
+
+    def __init__(self, params: dict, rope_dim: int, max_positions: int, layout: str) -> None:
+        super().__init__(params, rope_dim, max_positions)
+        self.layout = layout
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: (T,) int64; q: (T, H, rope); k: (T, 1, rope) -> rotated (q, k)."""
+        cos = self.cos[positions][:, None, :]  # (T, 1, rope/2) fp32, attention factor in
+        sin = self.sin[positions][:, None, :]
+        if self.layout == "neox":  # a host str fixed at construction
+            return super().forward(positions, q, k)
+        if self.layout == "complex":
+            return _pairs_fp32(q, cos, sin), _pairs_fp32(k, cos, sin)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return _pairs_deinterleaved(q, cos, sin), _pairs_deinterleaved(k, cos, sin)
+
+
+def _pairs_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[2i], x[2i+1]) rotated in fp32, kept interleaved, cast back."""
+    h = x.float()
+    even, odd = h[..., 0::2], h[..., 1::2]
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def _pairs_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[2i], x[2i+1]) rotated in x's dtype, written [evens' | odds']."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek's multi-head latent attention; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary) -> None:
+        super().__init__()
+        e, hidden = config.extra, config.hidden_size
+        self.layer, self.num_heads = layer, config.num_heads
+        self.nope, self.rope = e["qk_nope_head_dim"], e["qk_rope_head_dim"]
+        self.rank, self.v_dim = e["kv_lora_rank"], e["v_head_dim"]
+        self.sm_scale, self.q_lora = e["mla_sm_scale"], e["q_lora_rank"] is not None
+        qk, heads, bias = self.nope + self.rope, self.num_heads, e["attention_bias"]
+        if e["q_lora_rank"] is None:
+            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, e["q_lora_rank"], bias=bias)
+            self.q_a_layernorm = RMSNorm(e["q_lora_rank"], LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(e["q_lora_rank"], heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
+        self.rotary = [rotary]  # shared, kept out of this module's parameters
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: MLAFn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        t, heads = x.shape[0], self.num_heads
+        if self.q_lora:  # a host bool fixed by the config (V2-Lite has no q_lora)
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(t, heads, -1).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # (T, rank): the cached c
+        q_rope, k_rope = self.rotary[0](positions, q_rope, k_rope[:, None, :])
+        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (H, nope, rank), (H, v, rank)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (T, H, rank)
+        out = attn.mla(self.layer, q_latent, q_rope, latent, k_rope[:, 0], self.sm_scale)
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (T, H, v)
+        return self.o_proj(out.reshape(t, heads * self.v_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary) -> None:
+        super().__init__()
+        e, eps = config.extra, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = MLAttention(config, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        if layer >= e["first_k_dense_replace"]:
+            self.mlp = DeepseekMoE(config)
+        else:
+            self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=e["mlp_bias"]))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: MLAFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        e = config.extra
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = DeepseekRotary(
+            config.rope, e["qk_rope_head_dim"], max_positions, e["rope_layout"]
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepSeek-V2 / V3 over unikv's MLA sub-pool.
+
+    Args:
+        config: the model's hyper-parameters (``extra`` from ``config_extras``).
+        max_positions: length of the rope table (the engine's max context).
+        tp: must be None (tensor parallelism is not implemented for MLA models).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise ValueError(
+                f"{config.architecture} does not support tensor parallelism in unikv; "
+                "run it with tp=None (one device)"
+            )
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r}: unikv's DeepSeek MLPs run 'silu' only"
+            )
+        self.config, self.tp = config, None
+        self.model = Backbone(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # V3 checkpoints append their multi-token-prediction layer(s) after the last one
+        self.ignore_checkpoint_prefixes = (f"model.layers.{config.num_layers}.",)
+
+    def build(self, device: torch.device) -> None:
+        """The rope tables on ``device``; the V3 routers' ``e_score_correction_bias``
+        back to fp32 (transformers keeps it fp32 in every model dtype)."""
+        self.model.rotary.build(device)
+        for name, param in self.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.data = param.data.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: MLAFn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: (T,) int64; positions: (T,) int64; attn: the step object (its
+        ``mla``); logits_indices: (N,) int64 rows whose logits are wanted (None:
+        all). Returns fp32 logits (N, vocab)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(x)).float()

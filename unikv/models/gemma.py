@@ -1,0 +1,202 @@
+"""Gemma-2 (``Gemma2ForCausalLM``) and Gemma-3 text (``Gemma3ForCausalLM``) on
+unikv's layers.
+
+    x = embed(ids) * sqrt(hidden)                   (the scale rounded to the model dtype)
+    per layer:
+      x = x + post_attention_layernorm(self_attn(input_layernorm(x)))
+      x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+    logits = cap * tanh(lm_head(norm(x)) / cap)     (final soft-capping, when set)
+
+- Norms are Gemma's ``x_hat * (1 + w)`` in fp32, cast back after the product
+  (the zero-centred RMSNorm of ``qwen3_5.py``).
+- Sliding and full layers follow ``layer_types`` (Gemma-2 alternates, Gemma-3
+  has five sliding layers per full one); each layer type has its own rope table
+  (Gemma-3: ``rope_parameters[layer_type]``, transformers' standardisation of
+  the legacy ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``).
+- Attention: softmax scale ``query_pre_attn_scalar ** -0.5``; Gemma-2 soft-caps
+  the attention logits (``attn_logit_softcapping``), Gemma-3 q/k-normalises each
+  head instead. transformers 5.17's Gemma-3 never passes its
+  ``attn_logit_softcapping`` to attention, so neither does unikv. The scale and
+  the cap reach the kernels through ``ModelConfig.extra`` ("sm_scale",
+  "attn_soft_cap"), read by the engine's runner.
+- MLP: ``down(gelu_tanh(gate(x)) * up(x))``; embeddings tied to ``lm_head``.
+
+Names mirror transformers (``model.layers.i.self_attn.q_proj``,
+``...pre_feedforward_layernorm``), so a checkpoint loads by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.layers import Attention, AttentionFn, GatedMLP
+from unikv.models.qwen3_5 import ZeroCenteredRMSNorm as GemmaRMSNorm
+from unikv.models.rope import Rotary
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _cap(hf_config, name: str) -> float:
+    value = getattr(hf_config, name, None)
+    if value is not None and not value > 0:
+        raise ValueError(
+            f"{name} must be a positive number or null, got {value!r}; fix config.json"
+        )
+    return float(value or 0.0)
+
+
+def _rope_by_type(hf_config) -> dict[str, dict]:
+    """Layer type -> standardised rope parameters (Gemma-2: one set for both)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if hf_config.model_type == "gemma2":
+        params.setdefault("rope_type", "default")
+        params.setdefault("rope_theta", 10000.0)
+        return {t: params for t in LAYER_TYPES}
+    missing = [t for t in LAYER_TYPES if not isinstance(params.get(t), dict)]
+    if missing:
+        raise ValueError(
+            f"Gemma-3 rope_parameters must hold one dict per layer type {list(LAYER_TYPES)}, "
+            f"got {params!r}; read config.json with transformers' Gemma3TextConfig"
+        )
+    return {t: dict(params[t]) for t in LAYER_TYPES}
+
+
+def config_extras(hf_config) -> dict:
+    """Gemma's own fields of a transformers ``Gemma2Config`` / ``Gemma3TextConfig``
+    (into ``ModelConfig.extra``). ValueError for what unikv does not run:
+    bidirectional attention, an MLP activation other than gelu-tanh, unknown
+    layer types."""
+    gemma3 = hf_config.model_type == "gemma3_text"
+    act = getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"Gemma hidden_activation {act!r} is not supported; unikv runs 'gelu_pytorch_tanh'"
+        )
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError(
+            "use_bidirectional_attention=True (an encoder-style Gemma) is not supported by "
+            "unikv's causal engine; use a causal checkpoint"
+        )
+    layer_types = tuple(hf_config.layer_types)
+    bad = sorted(set(layer_types) - set(LAYER_TYPES))
+    if bad or len(layer_types) != hf_config.num_hidden_layers:
+        raise ValueError(
+            f"Gemma needs layer_types of {hf_config.num_hidden_layers} entries out of "
+            f"{list(LAYER_TYPES)}, got {list(layer_types)}; fix config.json"
+        )
+    return {
+        "layer_types": layer_types,
+        "rope_by_type": _rope_by_type(hf_config),
+        "sm_scale": float(hf_config.query_pre_attn_scalar) ** -0.5,
+        "attn_soft_cap": 0.0 if gemma3 else _cap(hf_config, "attn_logit_softcapping"),
+        "final_soft_cap": _cap(hf_config, "final_logit_softcapping"),
+        "qk_norm": gemma3,
+    }
+
+
+class GemmaAttention(Attention):
+    """unikv's attention block (q/k/v/o projections, rope, ``attn``) with Gemma-3's
+    per-head ``(1 + w)`` q/k norms before the rope."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__(config, layer, rotary)
+        if config.extra["qk_norm"]:
+            self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+
+
+class GeluMLP(GatedMLP):
+    """``down(gelu_tanh(gate(x)) * up(x))`` (transformers' ``gelu_pytorch_tanh``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = nn.functional.gelu(self.gate_proj(x), approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MLP, each between a pre-norm and a post-norm (sandwich norms)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = GemmaAttention(config, layer, rotary)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = GeluMLP(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        h = self.self_attn(self.input_layernorm(x), positions, attn)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        ropes = config.extra["rope_by_type"]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # one rope table per layer type, kept out of the parameter names
+        self.rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
+        types = config.extra["layer_types"]
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary[types[i]]) for i in range(config.num_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class GemmaForCausalLM(nn.Module):
+    """Gemma-2 / Gemma-3 (text) over unikv's paged attention.
+
+    Args:
+        config: the model's hyper-parameters (``extra`` from ``config_extras``).
+        max_positions: length of the rope tables (the engine's max context).
+        tp: must be None (tensor parallelism is not implemented for Gemma).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise ValueError(
+                f"{config.architecture} does not support tensor parallelism in unikv; "
+                "run it with tp=None (one device)"
+            )
+        self.config, self.tp = config, None
+        self.final_soft_cap = config.extra["final_soft_cap"]
+        self.model = Backbone(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("embed_scale", torch.empty(()), persistent=False)
+
+    def build(self, device: torch.device) -> None:
+        """Non-parameter tables on ``device``: the rope cos/sin per layer type and
+        the embedding scale sqrt(hidden), rounded to the model dtype as transformers
+        does (an fp32 scalar cast to the embedding's dtype)."""
+        for rotary in self.model.rotary.values():
+            rotary.build(device)
+        scale = torch.tensor(self.config.hidden_size**0.5)  # fp32
+        self.embed_scale = scale.to(self.model.embed_tokens.weight.dtype).to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: (T,) int64; positions: (T,) int64; attn: the step's
+        ``AttentionFn``; logits_indices: (N,) int64 rows whose logits are wanted
+        (None: all). Returns fp32 logits (N, vocab), soft-capped in the model dtype."""
+        x = self.model.embed_tokens(input_ids) * self.embed_scale
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        logits = self.lm_head(self.model.norm(x))
+        if self.final_soft_cap > 0:  # a host float fixed at construction
+            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
+        return logits.float()

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP app of ``unikv serve`` (FastAPI).
+
+    POST /v1/completions, /v1/chat/completions  (``stream: true``: server-sent events)
+    GET  /v1/models, /health, /metrics
+
+A request becomes one request group per prompt on the engine loop (``n``
+completions each); its deltas stream back through an asyncio queue. A client
+that goes away (a closed stream, or a dropped connection while a non-streamed
+request runs) aborts its completions: their pages and state slots are freed at
+the next step. Errors are OpenAI-shaped JSON: 400 for a bad request (naming the
+field), 503 when the admission queue is full or the engine is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from unikv.engine.online import EngineClosed, QueueFull
+from unikv.serving import responses as rsp
+from unikv.serving.async_engine import AsyncEngine, Submission
+from unikv.serving.metrics import RequestClock, ServingMetrics
+from unikv.serving.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+
+
+def _error(message: str, kind: str, param, code: int) -> JSONResponse:
+    return JSONResponse(rsp.error_body(message, kind, param, code), status_code=code)
+
+
+class Server:
+    """The app's state: the engine, the served model names and the metrics."""
+
+    def __init__(self, llm, names: list[str], max_waiting: int | None) -> None:
+        self.llm, self.names = llm, names
+        self.engine = AsyncEngine(llm, max_waiting=max_waiting)
+        self.metrics = ServingMetrics(llm.engine, llm)
+
+    def check_model(self, model: str) -> None:
+        if model not in self.names:
+            raise BadRequest(
+                f"model {model!r} is not served here; this server serves {self.names}", "model"
+            )
+
+    def completion_item(self, prompt, params):
+        try:
+            ids = self.llm.prompts.token_ids(prompt)
+        except (ValueError, TypeError) as err:
+            raise BadRequest(str(err), "prompt") from err
+        return ids, prompt if isinstance(prompt, str) else None, params
+
+    def chat_item(self, body: ChatCompletionRequest, params):
+        try:
+            text, ids = self.llm.prompts.chat(
+                body.conversation(), add_generation_prompt=body.add_generation_prompt
+            )
+        except BadRequest:
+            raise
+        except (ValueError, TypeError) as err:
+            raise BadRequest(str(err), "messages") from err
+        return ids, text, params
+
+    async def respond(self, request: Request, body, items, chat: bool):
+        """Run ``items`` on the engine; a JSON body or an event stream."""
+        start = time.perf_counter()
+        sub = self.engine.submit(items)
+        clock = RequestClock(self.metrics, start)
+        rid = rsp.new_id("chatcmpl" if chat else "cmpl")
+        prompt_tokens = sum(len(ids) for ids, _, _ in items)
+        self.metrics.prompt_tokens.inc(prompt_tokens * body.n)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._events(sub, clock, rid, body, chat, prompt_tokens if usage else None)
+            return StreamingResponse(events, media_type="text/event-stream")
+        choices = await self._collect(request, sub, clock, body.n)
+        if choices is None:
+            return Response(status_code=499)  # the client went away
+        make = rsp.chat_body if chat else rsp.completion_body
+        as_ids = body.return_tokens_as_token_ids
+        return JSONResponse(make(rid, body.model, choices, prompt_tokens, as_ids))
+
+    async def _collect(self, request: Request, sub: Submission, clock, n: int):
+        """Every delta into Choices, or None (and the request aborted) when the
+        client disconnects first."""
+        choices = rsp.Choices(n)
+
+        async def gather():
+            async for prompt, delta in sub.deltas():
+                self._observe(clock, choices.index(prompt, delta), prompt, delta)
+                choices.add(prompt, delta)
+
+        work = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                self._aborted(sub)
+        return choices if work.done() and not work.cancelled() and work.result() is None else None
+
+    def _aborted(self, sub: Submission) -> None:
+        num = sub.abort()
+        if num:
+            self.metrics.requests.labels("abort").inc(num)
+
+    def _observe(self, clock: RequestClock, index: int, prompt: int, delta) -> None:
+        now = time.perf_counter()
+        clock.tokens((prompt, delta.index), len(delta.token_ids), now)
+        if delta.finish_reason is not None:
+            clock.finished(delta.finish_reason, now)
+
+    async def _events(self, sub: Submission, clock, rid: str, body, chat: bool, usage_tokens):
+        choices = rsp.Choices(body.n)
+        try:
+            async for prompt, delta in sub.deltas():
+                index = choices.add(prompt, delta)
+                self._observe(clock, index, prompt, delta)
+                chunks = _chunks(rid, body, index, delta, chat, choices)
+                for chunk in chunks:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            if usage_tokens is not None:
+                last = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion"}
+                last |= {"created": int(time.time()), "model": body.model, "choices": []}
+                last["usage"] = choices.usage(usage_tokens)
+                yield f"data: {json.dumps(last)}\n\n"
+        except RuntimeError as err:  # the engine failed mid-stream
+            error = rsp.error_body(str(err), "InternalServerError", None, 500)
+            yield f"data: {json.dumps(error)}\n\n"
+        finally:
+            self._aborted(sub)  # no-op when every completion finished
+        yield "data: [DONE]\n\n"
+
+
+def _chunks(rid: str, body, index: int, delta, chat: bool, choices: rsp.Choices):
+    """The SSE chunks of one delta."""
+    model, as_ids = body.model, body.return_tokens_as_token_ids
+    if not chat:
+        if delta.text or delta.finish_reason is not None or delta.logprobs:
+            yield rsp.completion_chunk(rid, model, index, delta, as_ids)
+        return
+    if index not in choices.started:
+        choices.started.add(index)
+        yield rsp.chat_chunk(rid, model, index, {"role": "assistant", "content": ""})
+    lp = rsp.chat_logprobs(delta.logprobs, as_ids) if delta.logprobs else None
+    if delta.text or lp:
+        yield rsp.chat_chunk(rid, model, index, {"content": delta.text}, None, lp)
+    if delta.finish_reason is not None:
+        yield rsp.chat_chunk(rid, model, index, {}, delta.finish_reason)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client's connection closes."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(llm, *, served_model_names: list[str], max_waiting: int | None = 256) -> FastAPI:
+    """The FastAPI app serving ``llm`` (its engine loop starts with the app)."""
+    server = Server(llm, list(served_model_names), max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        try:
+            yield
+        finally:
+            server.engine.shutdown()
+
+    app = FastAPI(title="unikv", lifespan=lifespan)
+    app.state.server = server
+    _error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if server.engine.healthy:
+            return Response(status_code=200)
+        return _error("the engine loop is not running", "ServiceUnavailable", None, 503)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "unikv",
+             "max_model_len": llm.max_model_len}
+            for name in server.names
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    def metrics():  # sync: the snapshot waits for the engine thread (a worker thread)
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        items = [server.completion_item(p, params) for p in body.prompts()]
+        return await server.respond(request, body, items, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        params = body.sampling_params(*body.limits())
+        items = [server.chat_item(body, params)]
+        return await server.respond(request, body, items, chat=True)
+
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        loc = [p for p in first.get("loc", ()) if p != "body"]
+        param = str(loc[0]) if loc else None
+        where = ".".join(str(p) for p in loc) or "body"
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        return _error(message, "BadRequestError", param, 400)
+
+    @app.exception_handler(BadRequest)
+    async def bad(request: Request, err: BadRequest):
+        return _error(str(err), "BadRequestError", err.param, 400)
+
+    @app.exception_handler(QueueFull)
+    async def full(request: Request, err: QueueFull):
+        return _error(str(err), "ServiceUnavailable", None, 503)
+
+    @app.exception_handler(EngineClosed)
+    async def closed(request: Request, err: EngineClosed):
+        return _error(str(err), "ServiceUnavailable", None, 503)

@@ -1,0 +1,179 @@
+"""OpenAI request bodies (pydantic) and their translation to SamplingParams.
+
+The fields are OpenAI's, plus vLLM's extra sampling fields (``top_k``,
+``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``).
+Unknown fields are ignored, as vLLM does. Ranges are checked here so that a bad
+value is a 400 naming its field; ``SamplingParams`` checks them again.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from unikv.engine.sampling import SamplingParams
+
+
+class BadRequest(ValueError):
+    """A request the server refuses with HTTP 400; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p")
+    @classmethod
+    def _finite(cls, value):
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _finite_penalty(cls, value):
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
+        if self.logit_bias:
+            raise BadRequest("logit_bias is not supported by unikv", "logit_bias")
+        if max_tokens is not None and min(max_tokens, 10**9) < self.min_tokens:
+            raise BadRequest(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})",
+                "min_tokens",
+            )
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=max(self.top_k or 0, 0),  # vLLM: -1 or 0 = off
+                min_p=self.min_p,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as err:
+            field = str(err).split(" ", 1)[0]
+            raise BadRequest(str(err), field if field in type(self).model_fields else None) from err
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a str or a list of token ids (at least one)."""
+        p = self.prompt
+        if self.echo:
+            raise BadRequest("echo is not supported by unikv", "echo")
+        if self.suffix:
+            raise BadRequest("suffix is not supported by unikv", "suffix")
+        if self.best_of not in (None, self.n):
+            raise BadRequest("best_of must equal n (unikv samples n completions)", "best_of")
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise BadRequest("prompt must not be empty", "prompt")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The message's text (a list of content parts: their "text" parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(
+                    f"messages: only text content parts are supported, got {part!r:.60}",
+                    "messages",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    tools: list | None = None
+
+    def conversation(self) -> list[dict]:
+        if self.tools:
+            raise BadRequest("tools are not supported by unikv", "tools")
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def limits(self) -> tuple[int | None, int | None]:
+        """(max_tokens, logprobs) for SamplingParams."""
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return max_tokens, (self.top_logprobs or 0) if self.logprobs else None

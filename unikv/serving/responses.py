@@ -1,0 +1,177 @@
+"""OpenAI response bodies built from the engine's deltas.
+
+Choice index of completion j of prompt i is ``i * n + j`` (OpenAI's order for
+a list of prompts). Logprobs: completions use the legacy form (``tokens``,
+``token_logprobs``, ``top_logprobs``, ``text_offset``), chat the ``content``
+list; both from the model's raw distribution, the sampled token first.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from unikv.engine.tracks import Delta
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def error_body(message: str, kind: str, param: str | None, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class Choices:
+    """Accumulates the deltas of every choice of one request."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.text: dict[int, list[str]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list] = {}
+        self.finish: dict[int, tuple[str | None, object]] = {}
+        self.started: set[int] = set()  # chat choices whose role chunk was sent
+
+    def index(self, prompt: int, delta: Delta) -> int:
+        return prompt * self.n + delta.index
+
+    def add(self, prompt: int, delta: Delta) -> int:
+        i = self.index(prompt, delta)
+        self.text.setdefault(i, []).append(delta.text)
+        self.token_ids.setdefault(i, []).extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs.setdefault(i, []).extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish[i] = (delta.finish_reason, delta.stop_reason)
+        return i
+
+    def usage(self, prompt_tokens: int) -> dict:
+        done = sum(len(t) for t in self.token_ids.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": prompt_tokens + done,
+        }
+
+
+def _name(token: int, text: str | None, as_ids: bool) -> str:
+    """A token as the client sees it: its text, or ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``; texts of distinct tokens may coincide)."""
+    return f"token_id:{token}" if as_ids else (text or "")
+
+
+def completion_logprobs(entries: list, as_ids: bool = False) -> dict:
+    """The legacy completions ``logprobs`` object of (id, logprob, rank, top, text)
+    entries."""
+    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    for token, lp, _, top, text in entries:
+        tokens.append(_name(token, text, as_ids))
+        values.append(lp)
+        tops.append({_name(i, s, as_ids): v for i, v, s in top})
+        offsets.append(offset)
+        offset += len(text or "")
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list, as_ids: bool = False) -> dict:
+    """The chat ``logprobs`` object ({"content": [...]}) of delta entries."""
+    content = []
+    for token, lp, _, top, text in entries:
+        name = _name(token, text, as_ids)
+        content.append(
+            {
+                "token": name,
+                "logprob": lp,
+                "bytes": list((text or "").encode()),
+                "top_logprobs": [
+                    {"token": _name(i, s, as_ids), "logprob": v, "bytes": list((s or "").encode())}
+                    for i, v, s in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def completion_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
+    out = []
+    for i in sorted(choices.text):
+        reason, stop = choices.finish.get(i, (None, None))
+        lp = choices.logprobs.get(i)
+        out.append(
+            {
+                "index": i,
+                "text": "".join(choices.text[i]),
+                "logprobs": completion_logprobs(lp, as_ids) if lp is not None else None,
+                "finish_reason": reason,
+                "stop_reason": stop,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": choices.usage(prompt_tokens),
+    }
+
+
+def chat_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
+    out = []
+    for i in sorted(choices.text):
+        reason, stop = choices.finish.get(i, (None, None))
+        lp = choices.logprobs.get(i)
+        out.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(choices.text[i])},
+                "logprobs": chat_logprobs(lp, as_ids) if lp is not None else None,
+                "finish_reason": reason,
+                "stop_reason": stop,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": choices.usage(prompt_tokens),
+    }
+
+
+def completion_chunk(rid: str, model: str, index: int, delta: Delta, as_ids=False) -> dict:
+    lp = completion_logprobs(delta.logprobs, as_ids) if delta.logprobs is not None else None
+    choice = {
+        "index": index,
+        "text": delta.text,
+        "logprobs": lp,
+        "finish_reason": delta.finish_reason,
+    }
+    if delta.finish_reason is not None:
+        choice["stop_reason"] = delta.stop_reason
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_chunk(rid: str, model: str, index: int, delta: dict, reason=None, logprobs=None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        ],
+    }
