@@ -33,7 +33,7 @@ from engine_fixtures import (
 )
 
 from unikv.hf_config import specs_from_hf_config
-from unikv.models import deepseek_moe, load_model, model_config_from_hf
+from unikv.models import load_model, model_config_from_hf, moe
 from unikv.models.deepseek import DeepseekForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,7 +105,7 @@ def test_stepwise_forward_and_cached_latents(saved):
 def test_sparse_expert_loop_matches(saved, monkeypatch):
     """The prefill (sparse) expert loop gives transformers' logits too."""
     hf, model = saved
-    monkeypatch.setattr(deepseek_moe, "DENSE_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
     tokens = _tokens(24, 2)
     err = (_forward(model, DenseMLAStep(), tokens, 0) - hf_logits(hf, tokens)).abs().max()
     assert err < ATOL

@@ -26,7 +26,7 @@ from engine_fixtures import (
 )
 from engine_fixtures import save_tiny_nemotron_h as save_nemotron
 
-from unikv.models import load_model, load_model_config
+from unikv.models import load_model, load_model_config, moe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,11 +55,10 @@ def test_logits_match_transformers(kind, tmp_path):
 
 def test_sparse_expert_loop_matches(tmp_path, monkeypatch):
     """The prefill (sparse) expert loop gives transformers' logits too."""
-    from unikv.models import nemotron_h
 
     hf = save_nemotron(str(tmp_path), PATTERNS["moe"])
     model = load_model(str(tmp_path))
-    monkeypatch.setattr(nemotron_h, "DENSE_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
     tokens = _tokens(24, seed=2)
     step = DenseMamba2Step(model.config.sm_scale)
     ours = model(torch.tensor(tokens), torch.arange(len(tokens)), step)

@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
+from unikv.models.moe import DENSE_MAX_TOKENS  # one bound for every MoE family
 from unikv.models.parallel import tp_size
-
-DENSE_MAX_TOKENS = 256
 
 
 class Router(nn.Module):

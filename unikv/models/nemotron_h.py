@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
-from unikv.models.gpt_oss import DENSE_MAX_TOKENS  # the engine sizes its graphs by it
 from unikv.models.layers import AttentionFn, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from unikv.models.moe import routed_experts
 
 MAMBA, ATTENTION, MLP_TYPE, MOE = "linear_attention", "full_attention", "mlp", "moe"
 LAYER_TYPES = (MAMBA, ATTENTION, MLP_TYPE, MOE)
@@ -177,25 +177,10 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
         self.latent = latent is not None
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
-        """x: (T, d); weights: (T, k) fp32; indices: (T, k) -> (T, d) in x.dtype."""
-        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
-        if x.shape[0] <= DENSE_MAX_TOKENS:
-            dense = weights.new_zeros(x.shape[0], len(self.experts))
-            dense.scatter_(1, indices, weights)  # (T, E), zero where not routed
-            for e, expert in enumerate(self.experts):
-                out += expert(x) * dense[:, e, None]
-            return out.to(x.dtype)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(indices == e)
-            if token_idx.numel():
-                out.index_add_(0, token_idx, expert(x[token_idx]) * weights[token_idx, slot, None])
-        return out.to(x.dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)
         h = self.fc1_latent_proj(x) if self.latent else x
-        h = self.routed(h, weights, indices)
+        h = routed_experts(h, weights, indices, self.experts, sum_dtype=weights.dtype)
         h = self.fc2_latent_proj(h) if self.latent else h
         return h + self.shared_experts(x)
 

@@ -26,8 +26,8 @@ from torch import nn
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP
+from unikv.models.moe import routed_experts
 
-DENSE_MAX_TOKENS = 256
 MOE_FIELDS = (
     "num_experts",
     "num_experts_per_tok",
@@ -101,32 +101,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
-        if x.shape[0] <= DENSE_MAX_TOKENS:  # a host int: the step's token count
-            out = self.routed_dense(x, weights, indices)
-        else:
-            out = self.routed_sparse(x, weights, indices)
+        out = routed_experts(x, weights, indices, self.experts)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-    def routed_dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
-        """x: (T, hidden); weights/indices: (T, k) -> (T, hidden); every expert on
-        every token, in expert order (no host sync)."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, indices, weights)  # (T, E), zero where not routed
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out += (expert(x) * dense[:, e, None]).to(x.dtype)
-        return out
-
-    def routed_sparse(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor):
-        """As ``routed_dense``, running each expert only on its tokens (host sync)."""
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(indices == e)
-            if token_idx.numel() == 0:
-                continue
-            y = expert(x[token_idx]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(x.dtype))
-        return out
 
 
 class Qwen3NextForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
