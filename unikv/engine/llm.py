@@ -38,8 +38,8 @@ from unikv.engine.scheduler import Scheduler
 from unikv.engine.tracks import RequestGroup
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
-from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
+from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.pool import UnifiedPool
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "Stats"]
