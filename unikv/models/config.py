@@ -32,6 +32,14 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma",
 }
 
+# Multimodal wrappers whose text decoder unikv runs: architecture -> (the decoder's
+# weight prefix in the checkpoint, unikv's prefix, checkpoint prefixes not loaded).
+# Their config's fields are read from ``text_config``.
+TEXT_DECODERS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "Qwen3_5ForConditionalGeneration": ("model.language_model.", "model.", ("model.visual.",)),
+}
+SUPPORTED_ARCHITECTURES.update({"Qwen3_5ForConditionalGeneration": "qwen3_5"})
+
 # unikv family -> reader of the family's own config fields (into ModelConfig.extra);
 # the readers live in the families' model modules and register here.
 FAMILY_EXTRAS: dict[str, Callable[[Any], dict]] = {}
@@ -144,6 +152,9 @@ def model_config_from_hf(hf_config) -> ModelConfig:
     Raises ValueError for an unsupported architecture or layer type."""
     arch = _architecture(hf_config)
     family = SUPPORTED_ARCHITECTURES[arch]
+    outer = hf_config
+    if arch in TEXT_DECODERS:  # a multimodal wrapper: unikv runs its text decoder
+        hf_config = hf_config.text_config
     num_layers = hf_config.num_hidden_layers
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -172,7 +183,7 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         windows=_windows(hf_config, num_layers),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         hidden_act=act,
-        eos_token_ids=_eos_ids(hf_config),
+        eos_token_ids=_eos_ids(hf_config) or _eos_ids(outer),
         extra=extra,
     )
     if arch == "Qwen2ForCausalLM":

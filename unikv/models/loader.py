@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from unikv.models.config import ModelConfig, model_config_from_hf
+from unikv.models.config import TEXT_DECODERS, ModelConfig, model_config_from_hf
 from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
@@ -158,10 +158,16 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
     params = dict(model.named_parameters())
     index = checkpoint_index(files)
     sources = _sources(index)
+    ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
+    if model.config.architecture in TEXT_DECODERS:  # a wrapper's text decoder only
+        theirs, ours, skipped = TEXT_DECODERS[model.config.architecture]
+        sources = {
+            ours + n[len(theirs) :] if n.startswith(theirs) else n: v for n, v in sources.items()
+        }
+        ignored += skipped
     if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
         sources["lm_head.weight"] = ("model.embed_tokens.weight",)
     missing = sorted(n for n in params if n not in sources or sources[n][0] not in index)
-    ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
     unexpected = sorted(
         n
         for n in sources
