@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, hf_greedy, save_tiny_gemma
+from engine_fixtures import hf_greedy, save_tiny_gemma
+from gpu_fixtures import bf16_token_checks, hf_model, mean, seeded_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -37,8 +38,7 @@ BF16_ATOL = 0.2  # two bf16 implementations, each up to ~0.1 from fp32
 
 
 def _prompts(seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return seeded_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -48,12 +48,7 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-def _hf(path, dtype):
-    import transformers as tf
-
-    # eager: transformers' SDPA path drops Gemma-2's attention soft-capping
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-    return model.cuda().eval()
+_hf = hf_model  # eager: transformers' SDPA path drops Gemma-2's attention soft-capping
 
 
 def _llm(path, dtype, **kw):
@@ -87,42 +82,17 @@ def test_fp32_greedy_identical_with_triton_and_graphs(saved, page_size, graphs):
     assert llm.stats.decode_steps > 0
 
 
-def _teacher_forced(hf, seq):
-    with torch.no_grad():
-        return hf(torch.tensor([seq]).cuda()).logits[0].float().cpu()
-
-
 def test_bf16_teacher_forced(saved):
-    from unikv.engine import SamplingParams
-
     _, path = saved
-    hf16, hf32, prompts = _hf(path, torch.bfloat16), _hf(path, torch.float32), _prompts()
-    rows = {}
-
-    def record(llm, batch, logits):
-        for i, r in enumerate(batch.requests):
-            if r.num_pending == 1:
-                rows[(r.request_id, r.seq_len - 1)] = logits[i].float().cpu()
-
+    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
     llm = _llm(path, torch.bfloat16)
     assert llm.runner.graphs is not None
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=record)
-    first = llm._next_id - len(outputs)
-    ours_err, hf_err = [], []
-    for k, out in enumerate(outputs):
-        seq = out.prompt_ids + out.output_ids
-        ref16, ref32 = _teacher_forced(hf16, seq), _teacher_forced(hf32, seq)
-        for j, token in enumerate(out.output_ids):
-            p = len(out.prompt_ids) + j
-            ours = rows[(first + k, p)]
-            ours_err.append((ours - ref32[p - 1]).abs().max().item())
-            hf_err.append((ref16[p - 1] - ref32[p - 1]).abs().max().item())
-            gap = (ref16[p - 1].max() - ref16[p - 1, token]).item()
-            assert gap <= BF16_TIE, f"request {k} token {j}: not transformers' argmax (gap {gap})"
-            err = (ours - ref16[p - 1]).abs().max().item()
-            assert err < BF16_ATOL, f"request {k} position {p}: logits differ by {err}"
+    checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
+    for c in checks:
+        assert c.gap <= BF16_TIE, f"request {c.request} token {c.index}: gap {c.gap}"
+        assert c.ours_vs_bf16 < BF16_ATOL, f"request {c.request} token {c.index}: {c}"
     # unikv in bf16 is as close to the fp32 truth as transformers in bf16 is
-    ours_mean, hf_mean = sum(ours_err) / len(ours_err), sum(hf_err) / len(hf_err)
+    ours_mean, hf_mean = mean(c.ours_vs_fp32 for c in checks), mean(c.hf16_vs_fp32 for c in checks)
     assert ours_mean <= 1.5 * hf_mean + 0.02, (ours_mean, hf_mean)
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, hf_greedy, save_tiny_hybrid, save_tiny_nemotron_h
+from engine_fixtures import hf_greedy, save_tiny_hybrid, save_tiny_nemotron_h
+from gpu_fixtures import bf16_token_checks, hf_model, mean, seeded_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -30,8 +31,7 @@ BF16_TIE = 0.1
 
 
 def _prompts(seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return seeded_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -44,13 +44,7 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-def _hf(path, dtype):
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-    )
-    return model.cuda().eval()
+_hf = hf_model
 
 
 def _llm(path, dtype, **kw):
@@ -99,46 +93,21 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(saved):
     assert all(llm.alloc.subpool(n).num_live == 0 for n in llm.pool.subpools)
 
 
-def _teacher_forced(hf, seq):
-    with torch.no_grad():
-        return hf(torch.tensor([seq]).cuda()).logits[0].float().cpu()
-
-
 def test_bf16_teacher_forced(saved):
-    from unikv.engine import SamplingParams
-
     arch, path = saved
-    hf16, hf32, prompts = _hf(path, torch.bfloat16), _hf(path, torch.float32), _prompts()
-    rows = {}
-
-    def record(llm, batch, logits):
-        for i, r in enumerate(batch.requests):
-            if r.num_pending == 1:
-                rows[(r.request_id, r.seq_len - 1)] = logits[i].float().cpu()
-
+    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
     llm = _llm(path, torch.bfloat16)
     assert llm.runner.graphs is not None
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=record)
-    first = llm._next_id - len(outputs)
-    ours_err, hf_err, off = [], [], 0
-    for k, out in enumerate(outputs):
-        seq = out.prompt_ids + out.output_ids
-        ref16, ref32 = _teacher_forced(hf16, seq), _teacher_forced(hf32, seq)
-        for j, token in enumerate(out.output_ids):
-            p = len(out.prompt_ids) + j
-            ours = rows[(first + k, p)]
-            ours_err.append((ours - ref32[p - 1]).abs().max().item())
-            hf_err.append((ref16[p - 1] - ref32[p - 1]).abs().max().item())
-            off += (ref16[p - 1].max() - ref16[p - 1, token]).item() > BF16_TIE
-    ours_mean, hf_mean = sum(ours_err) / len(ours_err), sum(hf_err) / len(hf_err)
-    print(
-        f"{arch}: mean row error vs fp32 {ours_mean:.4f} (transformers bf16 {hf_mean:.4f}), "
-        f"max {max(ours_err):.3f} ({max(hf_err):.3f}), {off}/{len(ours_err)} off argmax"
-    )
+    checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
+    ours_mean, hf_mean = mean(c.ours_vs_fp32 for c in checks), mean(c.hf16_vs_fp32 for c in checks)
+    ours_max, hf_max = max(c.ours_vs_fp32 for c in checks), max(c.hf16_vs_fp32 for c in checks)
+    off = sum(c.gap > BF16_TIE for c in checks)
+    print(f"{arch}: mean row error vs fp32 {ours_mean:.4f} (transformers bf16 {hf_mean:.4f}), "
+          f"max {ours_max:.3f} ({hf_max:.3f}), {off}/{len(checks)} off argmax")  # fmt: skip
     assert ours_mean <= 1.5 * hf_mean + 0.02, (ours_mean, hf_mean)
-    assert max(ours_err) <= 2 * max(hf_err) + 0.05, (max(ours_err), max(hf_err))
+    assert ours_max <= 2 * hf_max + 0.05, (ours_max, hf_max)
     if arch != "nemotron_h":  # its MoE layer can flip a routing tie in bf16
-        assert off <= 0.05 * len(ours_err), f"{off} of {len(ours_err)} tokens off argmax"
+        assert off <= 0.05 * len(checks), f"{off} of {len(checks)} tokens off argmax"
 
 
 def test_decode_step_makes_no_host_sync(saved):
