@@ -58,9 +58,12 @@ def brute_force(alloc, demand: dict, mode: str) -> bool:
     u = up[:, None, None, :]
     f = flt[None, :, None, :]
     d = down[None, None, :, :]
+    u_empty = u[..., 0] == u[..., 1]  # an empty band takes no bytes
     f_empty = f[..., 0] == f[..., 1]
     d_empty = d[..., 0] == d[..., 1]
-    ok = (f_empty | (u[..., 1] <= f[..., 0])) & (d_empty | (u[..., 1] <= d[..., 0]))
+    ok = (u_empty | f_empty | (u[..., 1] <= f[..., 0])) & (
+        u_empty | d_empty | (u[..., 1] <= d[..., 0])
+    )
     ok &= f_empty | d_empty | (f[..., 1] <= d[..., 0])
     return bool(ok.any())
 

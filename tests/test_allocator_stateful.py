@@ -268,12 +268,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     def truncate(self, data):
         OPS["count"] += 1
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
-        low = self.gone[slot] * self.ps if self.alloc.windows else 0
-        if len(self.tokens[slot]) < low:
-            return
-        keep = data.draw(st.integers(low, len(self.tokens[slot])))
+        held = len(self.tokens[slot])
+        low = 0  # the next query must find its window bound: keep none, or >= gone*ps + W - 1
+        if self.alloc.windows and self.gone[slot]:
+            low = self.gone[slot] * self.ps + WINDOW[self.ps] - 1
+        cuts = st.just(0) | st.integers(low, held) if low <= held else st.just(0)
+        keep = data.draw(cuts)
         self.alloc.truncate(np.array([slot]), np.array([keep]))
         del self.tokens[slot][keep:]
+        self.gone[slot] = min(self.gone[slot], -(-keep // self.ps))  # no kept page beyond
         kept = self._pages(slot)
         for name, released in self.released.items():
             self.released[name] = {v: s for v, s in released.items() if s != slot or v in kept}

@@ -1,17 +1,17 @@
 """Where sub-pools go and how much they need: the build-time description of a
-unified pool (DESIGN.md section 4), kept apart from the pool itself.
+unified pool (docs/design.md section 4), kept apart from the pool itself.
 
 - ``SubPoolConfig``: a spec, its page size, its grow direction, its model layers;
-- ``default_grow``: DESIGN.md's default placement;
+- ``default_grow``: docs/design.md's default placement (section 4);
 - ``worst_case_pages``: the pages one request holds at its peak;
 - ``pool_bytes_for``: a budget holding given page counts side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Sequence
 
 from unikv.specs import MambaSpec, MHASpec, MLASpec, Spec
 
@@ -30,14 +30,16 @@ class SubPoolConfig:
     name: str
     spec: Spec
     page_size: int = 1
-    grow: Grow | None = None  # None: DESIGN.md's default placement
+    grow: Grow | None = None  # None: docs/design.md's default placement (section 4)
     layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"SubPoolConfig.name must be a non-empty str, got {self.name!r}")
-        if not isinstance(self.spec, (MHASpec, MLASpec, MambaSpec)):
-            raise ValueError(f"SubPoolConfig.spec must be an MHASpec, MLASpec or MambaSpec, got {self.spec!r}")
+        if not isinstance(self.spec, (MHASpec, MLASpec, MambaSpec)):  # bad input: ValueError
+            raise ValueError(  # noqa: TRY004
+                f"SubPoolConfig.spec must be an MHASpec, MLASpec or MambaSpec, got {self.spec!r}"
+            )
         self.spec.page_bytes(self.page_size)  # validates the page size for the spec
         if self.grow is not None:
             if self.grow not in {g.value for g in Grow}:  # Grow members are str too
@@ -56,7 +58,7 @@ class SubPoolConfig:
 
 
 def default_grow(configs: Sequence[SubPoolConfig]) -> list[Grow]:
-    """DESIGN.md section 4: full attention (and MLA) grows down; SWA or Mamba grows
+    """docs/design.md section 4: full attention (and MLA) grows down; SWA or Mamba grows
     up; with three kinds, SWA floats in the middle."""
     kinds = [c.spec.kind for c in configs]
     grows = []

@@ -1,6 +1,6 @@
 """The capacity oracle: can bands holding a demand be packed into the buffer?
 
-One function answers for the whole chain (DESIGN.md section 6). Each sub-pool
+One function answers for the whole chain (docs/design.md section 6). Each sub-pool
 needs a band of ``pages`` pages on its own grid that contains every page it
 cannot give up or move (``keep_lo..keep_hi``). Bands are packed in byte order
 
@@ -67,7 +67,8 @@ def pack_bands(needs: Mapping[str, BandNeed], sink_bytes: int, total_bytes: int)
         if hi > need.num_pages:
             return None
         bands[name] = (need.first_page, hi)
-        floor = max(floor, hi * need.page_bytes)
+        if hi > need.first_page:  # an empty band takes no bytes (no rounding of the floor)
+            floor = max(floor, hi * need.page_bytes)
     if Grow.DOWN in by_grow:
         name, need = by_grow[Grow.DOWN]
         lo = need.num_pages - need.pages
@@ -76,7 +77,8 @@ def pack_bands(needs: Mapping[str, BandNeed], sink_bytes: int, total_bytes: int)
         if lo < need.first_page:
             return None
         bands[name] = (lo, need.num_pages)
-        ceiling = min(ceiling, lo * need.page_bytes)
+        if lo < need.num_pages:  # an empty band takes no bytes (no rounding of the top)
+            ceiling = min(ceiling, lo * need.page_bytes)
     if Grow.FLOAT in by_grow:
         name, need = by_grow[Grow.FLOAT]
         lo = max(need.first_page, -(-floor // need.page_bytes))

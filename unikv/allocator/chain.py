@@ -4,7 +4,7 @@
     | sink | UP band ->  | free | <- FLOAT -> | free |   <- DOWN band |
                         frontiers move at run time; bands stay byte-disjoint
 
-Roles (DESIGN.md section 5): full attention (or MLA) is the id owner and mints
+Roles (docs/design.md section 5): full attention (or MLA) is the id owner and mints
 virtual pages; every other token sub-pool (SWA) binds the owner's virtual pages
 to physical pages of its own grid; with only SWA sub-pools the first is the
 owner. A Mamba sub-pool has one slot per request (virtual id = request slot + 1).

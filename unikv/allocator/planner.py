@@ -133,9 +133,11 @@ class PlannerVerbs:
     def _compact_for(self, new: Mapping[str, int]) -> bool:
         if self._pack(self._needs(new, "after")) is None:
             return False
-        if self.fences.forward_outstanding():
-            self.fences.wait_forward()  # host sync, only on this slow path
-            self._drain()
+        # "after" counted every page a forward fence holds as free, so wait for ALL
+        # of them, not only the latest forward: its event may have fired before an
+        # older group's (out of order), or since reserve's drain (host sync, slow path)
+        self.fences.wait_forward()
+        self._drain()
         candidates = self._candidates(self._needs(new, "actual"), new, slack=False)
         assert candidates, "compaction: the packing that waiting made feasible vanished"
         compact_to(self.pool, self.subs, candidates[0])

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from unikv.allocator.translate import check_block_table
@@ -165,4 +166,47 @@ class StepVerbs:
                 )
             window = self.windows.get(name, 0)
             targets.append(StepTarget(sub.v2p, sub.blocks_per_page, window, table, loc))
+        if block_tables is not None or write_ids is not None:
+            outputs = {f"block_tables[{n!r}]": t.table for n, t in zip(self.token_names, targets)}
+            outputs |= {f"write_ids[{n!r}]": t.loc for n, t in zip(self.token_names, targets)}
+            inputs = {f"v2p of {n!r}": self.subs[n].v2p for n in self.token_names}
+            check_disjoint(outputs, {"req_to_token": self.req_to_token, **inputs})
         return targets
+
+
+def _row_spans(tensor: torch.Tensor) -> np.ndarray:
+    """Byte ranges ``[start, end)`` (R, 2) holding the elements of a 1-D tensor or of
+    a 2-D tensor with unit column stride (one range per row). Metadata only."""
+    size = tensor.element_size()
+    if tensor.numel() == 0:
+        return np.zeros((0, 2), np.int64)
+    if tensor.dim() == 1:
+        return np.array([[0, tensor.shape[0] * size]], np.int64) + tensor.data_ptr()
+    rows = np.arange(tensor.shape[0], dtype=np.int64) * tensor.stride(0) * size
+    starts = rows + tensor.data_ptr()
+    return np.stack([starts, starts + tensor.shape[1] * size], axis=1)
+
+
+def check_disjoint(outputs: Mapping[str, torch.Tensor], inputs: Mapping[str, torch.Tensor]) -> None:
+    """ValueError unless no two output elements share memory and no output overlaps
+    an input (outputs: 1-D, or 2-D with unit column stride; inputs: contiguous).
+    Host work on tensor metadata only (no device access); slow path."""
+    spans = [(what, _row_spans(t)) for what, t in outputs.items()]
+    spans += [(what, _row_spans(t.view(-1))) for what, t in inputs.items()]
+    owner = np.concatenate([np.full(len(r), i) for i, (_, r) in enumerate(spans)])
+    ranges = np.concatenate([r for _, r in spans])
+    order = np.argsort(ranges[:, 0], kind="stable")
+    ranges, owner = ranges[order], owner[order]
+    ends = np.maximum.accumulate(ranges[:, 1])
+    clash = np.flatnonzero(ranges[1:, 0] < ends[:-1])  # a range starts before an earlier ends
+    for k in clash + 1:
+        for j in np.flatnonzero(ranges[:k, 1] > ranges[k, 0]):  # earlier ranges it enters
+            a, b = spans[owner[j]][0], spans[owner[k]][0]
+            if a in inputs and b in inputs:
+                continue  # inputs may share memory with each other
+            what = f"{a} overlaps itself" if a == b else f"{a} and {b} overlap"
+            raise ValueError(
+                f"decode_step: {what} in memory; every block table and write-id buffer "
+                "needs memory of its own (none may alias another or the allocator's "
+                "tables), or one sub-pool's values overwrite another's"
+            )

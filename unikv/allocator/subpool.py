@@ -181,11 +181,23 @@ class SubPoolAllocator:
         added = np.r_[lo : min(old_lo, hi), max(old_hi, lo) : hi].astype(np.int32)  # ascending
         assert (self.state[added] == OUT).all(), f"{self.name!r}: band grows over owned pages"
         self.state[added] = FREE
-        self._push(self._order(added))
+        # pages farthest from the frontier go first: new pages on the far side of
+        # the old band pop before its holes, those on the frontier side after them
+        far = added >= old_hi if self.grow == Grow.DOWN else added < old_lo
+        self._push_under(self._order(added[~far]))
+        self._push(self._order(added[far]))
 
     def _order(self, pages: np.ndarray) -> np.ndarray:
         """Stack order of ascending ``pages``: those farthest from the frontier pop first."""
         return pages if self.grow == Grow.DOWN else pages[::-1]
+
+    def _push_under(self, pages: np.ndarray) -> None:
+        """Put ``pages`` beneath the holes already on the stack (they pop last)."""
+        n = len(pages)
+        if n:
+            self._stack[n : self.num_free + n] = self._stack[: self.num_free].copy()
+            self._stack[:n] = pages
+            self.num_free += n
 
     def apply_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Rewrite the tables after the envelopes of ``src`` were copied to ``dst``

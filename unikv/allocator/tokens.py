@@ -242,12 +242,25 @@ class TokenVerbs:
         ps = self.page_size
         if (keep < 0).any() or (keep > self.requests.lens[slots]).any():
             raise ValueError("truncate: new_lens must lie in [0, tokens held]")
-        for name in self.windows:
-            if (-(-keep // ps) < self.requests.window_lo[name][slots]).any():
-                raise ValueError(
-                    f"truncate: cannot cut into pages of {name!r} already out of the window"
-                )
         lo, hi = -(-keep // ps), self.requests.num_pages(slots)
+        for name, window in self.windows.items():
+            # the next token (position keep) is written on page keep // ps and its
+            # query reads from position keep + 1 - W: kept pages from there on must
+            # still be bound, i.e. not yet freed out of the window
+            first = np.maximum(keep + 1 - window, 0) // ps
+            freed = self.requests.window_lo[name][slots]
+            bad = (first < lo) & (freed > first)
+            if bad.any():
+                raise ValueError(
+                    f"truncate: new_lens {keep[bad].tolist()} of requests {slots[bad].tolist()} "
+                    f"cut into pages of {name!r} already freed out of the window (the first "
+                    f"{freed[bad].tolist()} pages): the next query would read freed keys; "
+                    f"keep at least {(freed[bad] * ps + window - 1).tolist()} tokens or none"
+                )
+        for name in self.windows:  # no kept page lies beyond the freed ones
+            self.requests.window_lo[name][slots] = np.minimum(
+                self.requests.window_lo[name][slots], lo
+            )
         vpages = self.requests.pages[np.repeat(slots, hi - lo), _ragged(lo, hi - lo)]
         for name in self.token_names:
             self._unbind_bound(name, vpages)

@@ -198,6 +198,33 @@ class HostTier:
                 by_event.setdefault(id(reader), (reader, []))[1].append(s)
         self._pending.extend(by_event.values())
 
+    def check_integrity(self) -> None:
+        """Slot states against the free heap and the pending reloads (host only,
+        O(num_slots); for tests and debug). AssertionError names the invariant."""
+        n, state = self.num_slots, self._state
+        assert len(state) == len(self._writer) == len(self._reader) == n, (
+            "host tier: one state, writer and reader per slot"
+        )
+        assert tuple(self.host.shape) == (n, self.page_bytes) == (n, self.subpool.page_bytes), (
+            "host tier: the host pool holds num_slots envelopes of the sub-pool's page_bytes"
+        )
+        assert all(x in (_FREE, _USED, _PENDING) for x in state), (
+            "host tier: every slot is FREE, USED or PENDING"
+        )
+        free = [s for s in range(n) if state[s] == _FREE]
+        assert sorted(self._free) == free, "host tier: the free heap holds exactly the FREE slots"
+        heap = self._free
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), (
+            "host tier: the free list is a heap (lowest slot first)"
+        )
+        waiting = sorted(s for _, slots in self._pending for s in slots)
+        assert waiting == [s for s in range(n) if state[s] == _PENDING], (
+            "host tier: PENDING slots are exactly those waiting for a reload's event"
+        )
+        assert all(self._writer[s] is None and self._reader[s] is None for s in free + waiting), (
+            "host tier: a free or pending slot has no writer or reader"
+        )
+
     # -- slot bookkeeping ---------------------------------------------------------
 
     def _reclaim(self) -> None:

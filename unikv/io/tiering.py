@@ -71,6 +71,20 @@ class Tiering:
                 still.append(copy)
         self._pinned = still
 
+    def check_integrity(self) -> None:
+        """The tier's own check, plus: tier and allocator serve one pool and
+        sub-pool, and the pages of reloads still in flight stay pinned."""
+        self.tier.check_integrity()
+        same = self.tier.pool is self.alloc.pool and self.tier.name == self.name
+        assert same and self.sub is self.alloc.subpool(self.name), (
+            "tiering: the tier and the allocator serve the same pool and sub-pool"
+        )
+        for copy in self._pinned:
+            pages = copy.pages.data.to("cpu", torch.int64).numpy()
+            assert (self.sub.pins[pages] > 0).all(), (
+                "tiering: the pages of a reload in flight are pinned"
+            )
+
     def _bound_pages(self, vpages: VirtualPageIds, what: str) -> PhysicalPageIds:
         data = expect(vpages, VirtualPageIds, what, self.name)
         host = data.detach().cpu().numpy()
