@@ -34,7 +34,7 @@ def test_request_pages_match_the_device_tables_and_the_window(ps):
         num_pages = -(-n // ps)
         first_tokens = alloc.req_to_token[slot, : num_pages * ps : ps].long()
         vpages = (first_tokens // ps).numpy()
-        # SWA keeps the pages whose last position is >= n - window (DESIGN.md section 5)
+        # SWA keeps the pages whose last position is >= n - window (docs/design.md section 5)
         last_pos = (np.arange(num_pages) + 1) * ps - 1
         expect_cols = {"full": np.arange(num_pages), "swa": np.flatnonzero(last_pos >= n - window)}
         for name in ("full", "swa"):

@@ -13,7 +13,7 @@ MoE) hold two sub-pools: "full" K/V pages for the attention layers and one
   that forces preemption (the state slot is freed and recomputed): same tokens;
 - the byte oracle: right after a request's prefill, its state slot read from the
   pool's raw byte buffer, with part offsets derived here from the MambaSpec
-  fields (the slot law of DESIGN.md), equals transformers' own cache states
+  fields (the slot law of docs/design.md), equals transformers' own cache states
   (``conv_states``, ``recurrent_states``) after the same prompt;
 - on CPU, the Triton backend (interpreter) gives the same greedy tokens.
 """

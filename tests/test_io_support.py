@@ -56,7 +56,7 @@ def naive_expected(
     before: torch.Tensor, source: torch.Tensor, page_bytes: int, src: list[int], dst: list[int]
 ) -> torch.Tensor:
     """``before`` with page dst[i] replaced by page src[i] of ``source``, one
-    slice assignment at a time (DESIGN.md: page p is bytes [p*pb, (p+1)*pb))."""
+    slice assignment at a time (docs/design.md: page p is bytes [p*pb, (p+1)*pb))."""
     out = before.clone()
     for s, d in zip(src, dst):
         out[d * page_bytes : (d + 1) * page_bytes] = source[s * page_bytes : (s + 1) * page_bytes]

@@ -1,7 +1,7 @@
-"""The page-major layout law (DESIGN.md sections 2-3), proven three ways:
+"""The page-major layout law (docs/design.md sections 2-3), proven three ways:
 
 1. dense views against the strided (page, slot) oracle views, both directions;
-2. dense writes against DESIGN.md section 2's byte-address formula, computed
+2. dense writes against docs/design.md section 2's byte-address formula, computed
    here by hand from the raw spec fields on the raw uint8 buffer;
 3. byte footprints (which bytes each view element covers, from the views' own
    strides) checked for disjointness and completeness.
@@ -66,7 +66,7 @@ def probes(num_pages: int, page_size: int) -> list[tuple[int, int]]:
 
 
 def hand_kernel_id(page: int, slot: int, page_size: int, blocks: int) -> int:
-    return page * page_size * blocks + slot  # DESIGN.md section 3
+    return page * page_size * blocks + slot  # docs/design.md section 3
 
 
 # -- 1. dense views <-> (page, slot) oracle -------------------------------------
@@ -126,14 +126,14 @@ def test_every_page_and_slot_has_the_same_bytes_in_both_views(name: str, page_si
             assert torch.equal(footprint(dense[layer][part])[kids], by_page)
 
 
-# -- 2. DESIGN.md section 2's byte-address formula, by hand ---------------------
+# -- 2. docs/design.md section 2's byte-address formula, by hand ---------------------
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", list(MHA_SPECS))
 def test_dense_writes_land_at_the_design_byte_address(name: str, page_size: int) -> None:
     """Write every (token, layer, K/V) through the dense views; rebuild the whole
-    buffer from DESIGN.md's formula with raw fields; the two must be identical.
+    buffer from docs/design.md's formula with raw fields; the two must be identical.
     Asymmetric specs pad both rows to max(D, Dv) (specs.py module docstring)."""
     spec, num_pages = MHA_SPECS[name], 3
     L, H, ps = spec.num_layers, spec.num_kv_heads, page_size
@@ -310,7 +310,7 @@ def test_mamba_views_never_alias_and_stay_in_their_slot() -> None:
 
 def test_mamba_views_match_design_slot_layout() -> None:
     """Slot = [conv0, all layers][conv1, all layers][temporal, all layers], each
-    part aligned to its itemsize (DESIGN.md section 2; specs.py MambaSpec)."""
+    part aligned to its itemsize (docs/design.md section 2; specs.py MambaSpec)."""
     spec, num_slots = MAMBA_SPEC, 3
     buf = make_buffer(spec, 1, num_slots)
     views = layout.mamba_state_views(buf, spec, num_slots)

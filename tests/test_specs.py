@@ -1,5 +1,5 @@
 """Specs: validation messages, frozen-ness, fingerprints, and derived sizes
-checked against torch's own byte counts and DESIGN.md's page diagram."""
+checked against torch's own byte counts and docs/design.md's page diagram."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def test_mha_sizes_match_a_torch_tensor_of_one_slot(
     slot = torch.empty(num_layers, 2, heads, max(head_dim, v_head_dim), dtype=dtype)
     assert spec.entry_bytes == slot.nbytes
     assert spec.page_bytes(page_size) == page_size * slot.nbytes
-    if head_dim == v_head_dim:  # DESIGN.md section 1's formula
+    if head_dim == v_head_dim:  # docs/design.md section 1's formula
         assert spec.entry_bytes == num_layers * (heads * head_dim * 2) * slot.element_size()
     # the last row-block's dense view runs (B - 1) * ps rows past the last page
     assert (

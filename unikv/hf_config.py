@@ -1,7 +1,7 @@
 """From a Hugging Face model config to unikv sub-pool specs.
 
 Each model layer is classified as one kind of cached state, and the layers of
-one kind form one sub-pool (DESIGN.md section 4):
+one kind form one sub-pool (docs/design.md section 4):
 
     full   full attention K/V            -> MHASpec                 (page_size ps)
     swa    sliding-window attention K/V  -> MHASpec(sliding_window) (page_size ps)

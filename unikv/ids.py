@@ -1,4 +1,4 @@
-"""Typed id tensors (DESIGN.md section 5): the id kinds cannot be confused.
+"""Typed id tensors (docs/design.md section 5): the id kinds cannot be confused.
 
 A virtual token id is smaller than a kernel id, so passing one where the other
 is expected passes every bounds check and silently writes the wrong slots

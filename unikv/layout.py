@@ -1,4 +1,4 @@
-"""Pure view builders over a raw uint8 buffer (DESIGN.md sections 2-3).
+"""Pure view builders over a raw uint8 buffer (docs/design.md sections 2-3).
 
 Every sub-pool indexes the same buffer on its own page grid: page ``p`` starts
 at byte ``p * page_bytes``. Inside a page, rows are grouped layer by layer, so a
@@ -69,8 +69,14 @@ def _typed(buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dense(
-    buffer: torch.Tensor, spec: MHASpec | MLASpec, page_size: int, num_pages: int,
-    layer: int, part: str, row_shape: tuple[int, ...], row_strides: tuple[int, ...],
+    buffer: torch.Tensor,
+    spec: MHASpec | MLASpec,
+    page_size: int,
+    num_pages: int,
+    layer: int,
+    part: str,
+    row_shape: tuple[int, ...],
+    row_strides: tuple[int, ...],
 ) -> torch.Tensor:
     _check_buffer(buffer, spec, page_size, num_pages)
     typed = _typed(buffer, spec.storage_dtype)
@@ -80,8 +86,14 @@ def _dense(
 
 
 def _strided(
-    buffer: torch.Tensor, spec: MHASpec | MLASpec, page_size: int, num_pages: int,
-    layer: int, part: str, row_shape: tuple[int, ...], row_strides: tuple[int, ...],
+    buffer: torch.Tensor,
+    spec: MHASpec | MLASpec,
+    page_size: int,
+    num_pages: int,
+    layer: int,
+    part: str,
+    row_shape: tuple[int, ...],
+    row_strides: tuple[int, ...],
 ) -> torch.Tensor:
     _check_buffer(buffer, spec, page_size, num_pages)
     typed = _typed(buffer, spec.storage_dtype)
@@ -167,4 +179,3 @@ def mamba_state_views(
             spec.part_offset(0, name) // part.itemsize,
         )
     return views
-

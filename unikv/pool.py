@@ -309,7 +309,7 @@ class UnifiedPool:
 
     def zero_pages(self, name: str, pages: PhysicalPageIds) -> None:
         """Zero whole page envelopes of sub-pool ``name`` (one fill; no host sync).
-        A new recurrent-state slot starts from zeros (DESIGN.md section 8)."""
+        A new recurrent-state slot starts from zeros (docs/design.md section 8)."""
         subpool = self[name]
         ids = expect(pages, PhysicalPageIds, "zero_pages pages", name)
         rows = self.buffer[: subpool.num_pages * subpool.page_bytes].view(

@@ -1,6 +1,6 @@
 """Sub-pool specs: a frozen description of what one slot of a sub-pool holds.
 
-Everything geometric derives from a spec (DESIGN.md section 1): entry bytes,
+Everything geometric derives from a spec (docs/design.md section 1): entry bytes,
 page bytes for a page size, blocks per page, the view tail pad and the byte
 offset of each (layer, part) inside a page. No other module restates these
 formulas.
@@ -11,8 +11,8 @@ formulas.
 
 Asymmetric K/V (head_dim != v_head_dim) is supported by padding both rows to
 ``max(head_dim, v_head_dim)``: the page stays a uniform array of 2L row-blocks,
-so one kernel id still serves K and V of every layer (DESIGN.md section 3, last
-bullet). The padding bytes are counted in ``entry_bytes``.
+so one kernel id still serves K and V of every layer (docs/design.md section 1).
+The padding bytes are counted in ``entry_bytes``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, fields
-from typing import Union
 
 import torch
 
@@ -188,10 +187,10 @@ class StatePart:
 
     def __post_init__(self) -> None:
         shape = tuple(self.shape) if isinstance(self.shape, (tuple, list)) else ()
-        if not shape or any(
-            not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape
-        ):
-            raise ValueError(f"StatePart.shape must be a non-empty tuple of positive ints, got {self.shape!r}")
+        if not shape or any(not isinstance(s, int) or isinstance(s, bool) or s <= 0 for s in shape):
+            raise ValueError(
+                f"StatePart.shape must be a non-empty tuple of positive ints, got {self.shape!r}"
+            )
         object.__setattr__(self, "shape", shape)
         _check_dtype("StatePart", "dtype", self.dtype)
 
@@ -221,10 +220,12 @@ class MambaSpec:
         _check_positive("MambaSpec", "num_layers", self.num_layers)
         conv = tuple(self.conv) if isinstance(self.conv, (tuple, list)) else ()
         if not conv or not all(isinstance(p, StatePart) for p in conv):
-            raise ValueError(f"MambaSpec.conv must be a non-empty tuple of StatePart, got {self.conv!r}")
+            raise ValueError(
+                f"MambaSpec.conv must be a non-empty tuple of StatePart, got {self.conv!r}"
+            )
         object.__setattr__(self, "conv", conv)
-        if not isinstance(self.temporal, StatePart):
-            raise ValueError(f"MambaSpec.temporal must be a StatePart, got {self.temporal!r}")
+        if not isinstance(self.temporal, StatePart):  # bad input: ValueError
+            raise ValueError(f"MambaSpec.temporal must be a StatePart, got {self.temporal!r}")  # noqa: TRY004
 
     kind = "mamba"
     sliding_window = None
@@ -275,7 +276,7 @@ class MambaSpec:
         return _fingerprint(self)
 
 
-Spec = Union[MHASpec, MLASpec, MambaSpec]
+Spec = MHASpec | MLASpec | MambaSpec
 
 
 def _fingerprint(spec: object) -> str:
@@ -288,7 +289,9 @@ def _fingerprint(spec: object) -> str:
             return "(" + ",".join(encode(v) for v in value) + ")"
         return repr(value)
 
-    text = type(spec).__name__ + ";" + ";".join(
-        f"{f.name}={encode(getattr(spec, f.name))}" for f in fields(spec)
+    text = (
+        type(spec).__name__
+        + ";"
+        + ";".join(f"{f.name}={encode(getattr(spec, f.name))}" for f in fields(spec))
     )
     return hashlib.sha256(text.encode()).hexdigest()[:16]

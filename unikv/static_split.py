@@ -1,6 +1,6 @@
 """A static split of the pool: each sub-pool confined to a fixed byte range.
 
-unikv's default is a moving boundary (DESIGN.md section 4). A static split is the
+unikv's default is a moving boundary (docs/design.md section 4). A static split is the
 comparison point (SGLang's hybrid pools: Mamba bytes = 0.9 x full-attention
 bytes, fixed at start-up) and an option for users who want fixed shares.
 

@@ -1,6 +1,6 @@
 """Plan, then run: the per-step metadata, translated once, read by every layer.
 
-A step's batch is translated exactly once per sub-pool (DESIGN.md section 5):
+A step's batch is translated exactly once per sub-pool (docs/design.md section 5):
 
     virtual ids of the new tokens --translate--> write kernel ids   (one per sub-pool)
     req_to_token + v2p ----build_block_table---> block table        (one per sub-pool)

@@ -1,6 +1,6 @@
 """Page-granular I/O: a page envelope is one contiguous byte range, so offload
 to host memory, save/restore and transfer between instances are one copy per
-page (DESIGN.md section 8).
+page (docs/design.md section 9).
 
 - ``host_tier``: a (pinned) host pool of envelopes; offload/reload on side streams.
 - ``tiering``: offload/reload by virtual page through the allocator's hooks.

@@ -1,7 +1,7 @@
 """Page envelopes of one sub-pool as rows of a 2-D byte view.
 
 Page ``p`` of a sub-pool is bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of
-``pool.buffer`` (DESIGN.md section 2), so the sub-pool's grid is the row view
+``pool.buffer`` (docs/design.md section 2), so the sub-pool's grid is the row view
 
     rows = buffer[: num_pages * page_bytes].view(num_pages, page_bytes)
 

@@ -2,7 +2,7 @@
 
 Two pools can exchange pages of a sub-pool only when the spec fingerprint, the
 page size and the page bytes all agree: then every byte of an envelope means
-the same (layer, part, slot, element) on both sides (DESIGN.md section 2).
+the same (layer, part, slot, element) on both sides (docs/design.md section 2).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pure-torch references of the MLA (multi-head latent attention) ops: the CPU
 path and the test oracle of ``unikv/kernels/mla.py`` (same signatures).
 
-An MLA layer caches ONE latent row per token (DESIGN.md section 1, MLASpec):
+An MLA layer caches ONE latent row per token (docs/design.md section 1, MLASpec):
 
     row = [ c (kv_lora_rank) | k_rope (rope_dim) ]      V = c (the first rank columns)
 

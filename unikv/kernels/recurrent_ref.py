@@ -3,7 +3,7 @@ of their Triton twins (``unikv/kernels/recurrent.py``).
 
 Every op reads each request's state from its slot of a per-layer pool view,
 runs the step's new tokens of that request through the recurrence and writes
-the final state back in place (DESIGN.md section 8):
+the final state back in place (docs/design.md section 8):
 
     x (T, ...)         new tokens of the step, requests in batch order; request b
                        owns rows q_indptr[b]:q_indptr[b+1]

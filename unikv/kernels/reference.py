@@ -1,10 +1,10 @@
 """Pure-torch references of every kernel: the CPU path and the test oracle.
 
-Each function has exactly the signature of its Triton twin (see
-``/work/shared/interfaces.md``). They are written for clarity, not speed, but
+Each function has exactly the signature of its Triton twin (docs/design.md
+section 7). They are written for clarity, not speed, but
 contain no host synchronisation, so they also run (slowly) on a GPU.
 
-Ids used here (DESIGN.md section 5):
+Ids used here (docs/design.md section 5):
     kernel id          row of a dense per-layer view: ``P * ps * B + slot``
     kernel page entry  block-table entry ``P * B``; token i of a request lives at
                        row ``block_table[b, i // ps] * ps + i % ps``
