@@ -16,19 +16,19 @@ import torch
 from unikv.engine.demo import hf_greedy  # noqa: F401  (re-exported for the engine tests)
 
 VOCAB = 256
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.1,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
 
 
 def tiny_hf_config(arch: str, **overrides):
@@ -37,14 +37,14 @@ def tiny_hf_config(arch: str, **overrides):
 
     kw = dict(TINY)
     if arch == "llama":
-        kw["rope_parameters"] = dict(
-            rope_type="llama3",
-            rope_theta=10000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        )
+        kw["rope_parameters"] = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         cls = tf.LlamaConfig
     elif arch == "qwen2":
         cls = tf.Qwen2Config
@@ -62,15 +62,15 @@ def tiny_hf_config(arch: str, **overrides):
             sliding_window=6,
             num_hidden_layers=4,
             intermediate_size=64,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=150000.0,
-                factor=4.0,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                truncate=False,
-                original_max_position_embeddings=128,
-            ),
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
         )
         cls = tf.GptOssConfig
     else:

@@ -175,7 +175,8 @@ def test_bad_input_raises_and_leaves_the_engine_usable(llama, tmp_path):
         )
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "missing"), device="cpu")
-    config = json.loads(open(f"{path}/config.json").read())
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
     config["architectures"] = ["BertForMaskedLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture"):

@@ -67,27 +67,30 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path):
 @pytest.mark.parametrize(
     "rope",
     [
-        dict(
-            rope_type="llama3",
-            rope_theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=64,
-        ),
-        dict(
-            rope_type="yarn",
-            rope_theta=150000.0,
-            factor=32.0,
-            beta_fast=32.0,
-            beta_slow=1.0,
-            truncate=False,
-            original_max_position_embeddings=4096,
-        ),
-        dict(
-            rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128
-        ),
-        dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ],
 )
 def test_rope_frequencies_match_transformers(rope):

@@ -139,12 +139,12 @@ def test_hash32_matches_a_python_reference():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        dict(temperature=-1.0),
-        dict(top_k=-1),
-        dict(top_p=0.0),
-        dict(top_p=1.5),
-        dict(max_tokens=0),
-        dict(seed=1.5),
+        {"temperature": -1.0},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"max_tokens": 0},
+        {"seed": 1.5},
     ],
 )
 def test_bad_sampling_params_raise(kwargs):

@@ -86,9 +86,9 @@ def test_offload_then_reload_elsewhere_keeps_every_byte() -> None:
     others = {n: _contents(pool, alloc, _vpages(alloc, r1, 12, n), n) for n in tiers}
     r2 = _request(alloc, 16)  # takes freed pages: the reload has to land elsewhere
     assert r2 is not None
-    for n in tiers:
-        assert tiers[n].reload(off[n]) is not None
-        assert tiers[n].tier.num_free == 8 and tiers[n].num_in_flight == 0
+    for n, tiering in tiers.items():
+        assert tiering.reload(off[n]) is not None
+        assert tiering.tier.num_free == 8 and tiering.num_in_flight == 0
     alloc.check_integrity()
     for n in tiers:
         assert_same_contents(_contents(pool, alloc, vp[n], n), before[n])

@@ -140,14 +140,14 @@ class ModelRunner:
         else:
             tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
         offsets = np.repeat(q_indptr[:-1] - starts, num_new)  # row - position, per token
-        return dict(
-            input_ids=np.asarray(tokens, dtype=np.int64),
-            positions=np.arange(q_indptr[-1], dtype=np.int64) - offsets,
-            logits_indices=q_indptr[1:] - 1,
-            seq_lens=starts + num_new,
-            q_indptr=q_indptr,
-            slots=np.fromiter((r.slot for r in reqs), np.int64, len(reqs)),
-        )
+        return {
+            "input_ids": np.asarray(tokens, dtype=np.int64),
+            "positions": np.arange(q_indptr[-1], dtype=np.int64) - offsets,
+            "logits_indices": q_indptr[1:] - 1,
+            "seq_lens": starts + num_new,
+            "q_indptr": q_indptr,
+            "slots": np.fromiter((r.slot for r in reqs), np.int64, len(reqs)),
+        }
 
     def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """One host-to-device copy of all arrays, then views into it."""

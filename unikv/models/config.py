@@ -167,25 +167,25 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         raise ValueError(f"unsupported hidden_act {act!r}; unikv's Llama family runs 'silu'")
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     extra = FAMILY_EXTRAS[family](hf_config) if family in FAMILY_EXTRAS else {}
-    common = dict(
-        architecture=arch,
-        family=family,
-        vocab_size=hf_config.vocab_size,
-        hidden_size=hf_config.hidden_size,
-        intermediate_size=getattr(hf_config, "intermediate_size", 0) or 0,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(_first(hf_config, "rms_norm_eps", "layer_norm_epsilon")),
-        max_position_embeddings=hf_config.max_position_embeddings,
-        rope=rope,
-        windows=_windows(hf_config, num_layers),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        hidden_act=act,
-        eos_token_ids=_eos_ids(hf_config) or _eos_ids(outer),
-        extra=extra,
-    )
+    common = {
+        "architecture": arch,
+        "family": family,
+        "vocab_size": hf_config.vocab_size,
+        "hidden_size": hf_config.hidden_size,
+        "intermediate_size": getattr(hf_config, "intermediate_size", 0) or 0,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_first(hf_config, "rms_norm_eps", "layer_norm_epsilon")),
+        "max_position_embeddings": hf_config.max_position_embeddings,
+        "rope": rope,
+        "windows": _windows(hf_config, num_layers),
+        "tie_word_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
+        "hidden_act": act,
+        "eos_token_ids": _eos_ids(hf_config) or _eos_ids(outer),
+        "extra": extra,
+    }
     if arch == "Qwen2ForCausalLM":
         return ModelConfig(**common, qkv_bias=True)
     if arch == "Qwen3ForCausalLM":
