@@ -98,52 +98,43 @@ def chat_logprobs(entries: list, as_ids: bool = False) -> dict:
     return {"content": content}
 
 
-def completion_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
+def _body(rid: str, model: str, obj: str, choices: Choices, prompt_tokens: int, choice) -> dict:
+    """A non-streamed response: one ``choice(i, text, logprobs)`` dict per
+    completion (its index, finish and stop reasons added here)."""
     out = []
     for i in sorted(choices.text):
         reason, stop = choices.finish.get(i, (None, None))
-        lp = choices.logprobs.get(i)
-        out.append(
-            {
-                "index": i,
-                "text": "".join(choices.text[i]),
-                "logprobs": completion_logprobs(lp, as_ids) if lp is not None else None,
-                "finish_reason": reason,
-                "stop_reason": stop,
-            }
-        )
+        body = choice("".join(choices.text[i]), choices.logprobs.get(i))
+        out.append({"index": i, **body, "finish_reason": reason, "stop_reason": stop})
     return {
         "id": rid,
-        "object": "text_completion",
+        "object": obj,
         "created": int(time.time()),
         "model": model,
         "choices": out,
         "usage": choices.usage(prompt_tokens),
     }
+
+
+def completion_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
+    def choice(text, lp):
+        return {
+            "text": text,
+            "logprobs": completion_logprobs(lp, as_ids) if lp is not None else None,
+        }
+
+    return _body(rid, model, "text_completion", choices, prompt_tokens, choice)
 
 
 def chat_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
-    out = []
-    for i in sorted(choices.text):
-        reason, stop = choices.finish.get(i, (None, None))
-        lp = choices.logprobs.get(i)
-        out.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": "".join(choices.text[i])},
-                "logprobs": chat_logprobs(lp, as_ids) if lp is not None else None,
-                "finish_reason": reason,
-                "stop_reason": stop,
-            }
-        )
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": out,
-        "usage": choices.usage(prompt_tokens),
-    }
+    def choice(text, lp):
+        message = {"role": "assistant", "content": text}
+        return {
+            "message": message,
+            "logprobs": chat_logprobs(lp, as_ids) if lp is not None else None,
+        }
+
+    return _body(rid, model, "chat.completion", choices, prompt_tokens, choice)
 
 
 def completion_chunk(rid: str, model: str, index: int, delta: Delta, as_ids=False) -> dict:
