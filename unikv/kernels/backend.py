@@ -1,0 +1,127 @@
+"""One typed kernel backend, chosen once (docs/design.md section 5).
+
+``get_backend(device, name)`` is the only selector. It returns a frozen
+``KernelBackend`` holding every op the pool, the allocator and the runner call:
+Triton kernels on CUDA (or on the CPU under ``TRITON_INTERPRET=1`` when asked
+for by name), their pure-torch references elsewhere. Each op has the same
+signature in both backends, so the per-step path never branches on device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+Op = Callable[..., object]
+
+KV_OPS = ("store_kv", "decode_attention", "extend_attention", "copy_pages")
+TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
+STEP_OPS = ("prepare_step",)
+RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
+MLA_OPS = ("store_mla", "mla_attention")
+OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """Every kernel op, from one implementation family (``name``)."""
+
+    name: str
+    store_kv: Op
+    decode_attention: Op
+    extend_attention: Op
+    copy_pages: Op
+    build_block_table: Op
+    export_flashinfer: Op
+    update_tables: Op
+    translate_ids: Op
+    prepare_step: Op
+    causal_conv1d: Op
+    gated_delta_rule: Op
+    mamba2_ssd: Op
+    store_mla: Op
+    mla_attention: Op
+
+
+assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
+
+
+def _triton() -> KernelBackend:
+    from unikv.kernels._interpret import patch_interpreter
+
+    patch_interpreter()
+    from unikv.kernels import (  # imported lazily: Triton is only needed here
+        block_table,
+        decode,
+        extend,
+        mla,
+        page_copy,
+        recurrent,
+        step_tables,
+        store,
+        table_update,
+    )
+
+    return KernelBackend(
+        name="triton",
+        store_kv=store.store_kv,
+        decode_attention=decode.decode_attention,
+        extend_attention=extend.extend_attention,
+        copy_pages=page_copy.copy_pages,
+        build_block_table=block_table.build_block_table,
+        export_flashinfer=block_table.export_flashinfer,
+        update_tables=table_update.update_tables,
+        translate_ids=table_update.translate_ids,
+        prepare_step=step_tables.prepare,
+        causal_conv1d=recurrent.causal_conv1d,
+        gated_delta_rule=recurrent.gated_delta_rule,
+        mamba2_ssd=recurrent.mamba2_ssd,
+        store_mla=mla.store_mla,
+        mla_attention=mla.mla_attention,
+    )
+
+
+def _torch() -> KernelBackend:
+    from unikv.kernels import mla_ref, recurrent_ref, reference, step_tables, table_update
+
+    return KernelBackend(
+        name="torch",
+        store_kv=reference.store_kv,
+        decode_attention=reference.decode_attention,
+        extend_attention=reference.extend_attention,
+        copy_pages=reference.copy_pages,
+        build_block_table=reference.build_block_table,
+        export_flashinfer=reference.export_flashinfer,
+        update_tables=table_update.update_tables_ref,
+        translate_ids=table_update.translate_ids_ref,
+        prepare_step=step_tables.prepare_ref,
+        causal_conv1d=recurrent_ref.causal_conv1d,
+        gated_delta_rule=recurrent_ref.gated_delta_rule,
+        mamba2_ssd=recurrent_ref.mamba2_ssd,
+        store_mla=mla_ref.store_mla,
+        mla_attention=mla_ref.mla_attention,
+    )
+
+
+_CACHE: dict[str, KernelBackend] = {}
+
+
+def get_backend(device: torch.device | str, backend: str | None = None) -> KernelBackend:
+    """The kernel backend for ``device``.
+
+    backend: None (by device: ``"triton"`` on CUDA, ``"torch"`` elsewhere), ``"triton"``
+    (force Triton, e.g. under ``TRITON_INTERPRET=1`` on CPU) or ``"torch"`` (force
+    the references, on any device)."""
+    name = backend
+    if name is None:
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name not in ("triton", "torch"):
+        raise ValueError(
+            f"backend must be None, 'triton' or 'torch', got {name!r}; "
+            "None picks Triton on CUDA and the torch references elsewhere"
+        )
+    if name not in _CACHE:
+        _CACHE[name] = _triton() if name == "triton" else _torch()
+    return _CACHE[name]
