@@ -79,7 +79,8 @@ class Server:
         cmd = [sys.executable, "-m", "unikv.cli", "serve", "--model", str(model)]
         cmd += ["--port", str(port), "--served-model-name", "bench", "--max-waiting", "100000"]
         self.log = open(args.log, "w") if args.log else subprocess.DEVNULL  # noqa: SIM115
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))  # keep carried wheels
         self.proc = subprocess.Popen(cmd + engine_args(args, max_len), stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
 
