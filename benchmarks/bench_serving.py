@@ -92,10 +92,13 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError("unikv serve exited during start-up (see --log)")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - start
+                status = httpx.get(self.url + "/health", timeout=2).status_code
             except httpx.HTTPError:
-                pass
+                status = None
+            if status == 200:
+                return time.perf_counter() - start
+            if status == 503:  # up, but its engine loop died (the reason is in --log)
+                raise RuntimeError("unikv serve is up but its engine loop is down (see --log)")
             time.sleep(0.25)
         raise RuntimeError(f"unikv serve not healthy after {timeout} s")
 

@@ -197,3 +197,24 @@ def test_generate_from_threads_while_the_loop_serves(llama):
     finally:
         llm.engine.shutdown()
     assert results[0] + results[1] == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_a_loop_that_dies_fails_its_requests_and_reports_down(llama):
+    """An error inside the loop's thread (here a failing step; on CUDA it was
+    ``set_device("cuda")`` without an index) must not leave clients waiting: the
+    live request's stream ends with the error, ``error`` is set and the loop is no
+    longer running (the server's /health then answers 503)."""
+    path, _ = llama
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=64, max_num_seqs=2)
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    llm.engine.step = broken_step
+    sink = Sink()
+    llm.engine.start()
+    llm.engine.submit(llm.make_group(_prompts([5])[0], SamplingParams(max_tokens=4), sink=sink))
+    last = sink.until(lambda d: d.finish_reason is not None)[-1]
+    llm.engine._thread.join(WAIT_S)
+    assert last.finish_reason == "abort" and "injected step failure" in (last.error or "")
+    assert isinstance(llm.engine.error, RuntimeError) and not llm.engine.running

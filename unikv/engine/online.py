@@ -136,9 +136,10 @@ class EngineLoop:
     # -- the loop's thread ---------------------------------------------------------------
 
     def _serve(self) -> None:
-        if self.llm.device.type == "cuda":
-            torch.cuda.set_device(self.llm.device)
         try:
+            if self.llm.device.type == "cuda":  # the caller's device: "cuda" has no index
+                index = self.llm.device.index
+                torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
             while self._wait_for_work():
                 self.step()
         except BaseException as err:
