@@ -25,6 +25,7 @@ from benchmarks.bench_kernels import (
     sdpa_extend,
 )
 from benchmarks.common import bench_us, graph_us
+from unikv import layout
 from unikv.kernels import decode as decode_mod
 from unikv.kernels import extend as extend_mod
 from unikv.kernels import page_copy as copy_mod
@@ -116,7 +117,7 @@ def sweep_store() -> dict:
     sub = pool["full"]
     kc, vc = sub.views[0]
     tokens = torch.randperm(sub.usable_pages * 16, device="cuda")[:8192] + 16
-    ids = (tokens // 16 * 16 * sub.blocks_per_page + tokens % 16).int()
+    ids = layout.kernel_ids(tokens, sub.page_size, sub.blocks_per_page).int()
     k = torch.randn(8192, HKV, DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     src = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")

@@ -12,7 +12,7 @@ from kernel_cases import PagedCase, oracle_attention
 
 from unikv import layout
 from unikv.kernels import get_backend
-from unikv.pool import torch_copy_pages
+from unikv.kernels.reference import copy_pages as torch_copy_pages
 
 pytestmark = [
     pytest.mark.gpu,
@@ -207,3 +207,47 @@ def test_copy_pages_large():
     torch_copy_pages(want, chain_src, chain_dst, page_bytes)
     ops.copy_pages(buf, chain_src, chain_dst, page_bytes)
     assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_asymmetric_192_128_heads_without_padding(ps):
+    """MiMo-V2-Flash heads (K 192, V 128) on page-strided views: decode and extend
+    against the fp32 oracle of the dense K/V the case wrote."""
+    lens, new, dim, dim_v = [1000, 77, 300], [100, 77, 1], 192, 128
+    case = PagedCase(lens, 4, dim, ps, dim_v=dim_v, dtype=torch.bfloat16, device="cuda", seed=9)
+    assert case.k_cache.dim() == 4 and case.pool["full"].blocks_per_page == 1
+    gen = torch.Generator().manual_seed(9)
+    ops, scale = get_backend("cuda"), dim**-0.5
+    q = torch.randn(len(lens), 16, dim, generator=gen).bfloat16()
+    got = ops.decode_attention(
+        q.cuda(), case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+        page_size=ps, sm_scale=scale,
+    )  # fmt: skip
+    want = torch.cat(
+        [
+            oracle_attention(
+                q[b : b + 1], case.dense_k[b], case.dense_v[b], [n - 1], sm_scale=scale
+            )
+            for b, n in enumerate(lens)
+        ]
+    )
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+    qx = torch.randn(sum(new), 16, dim, generator=gen).bfloat16()
+    indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    got = ops.extend_attention(
+        qx.cuda(), case.k_cache, case.v_cache, case.block_table, indptr.cuda(), case.seq_lens,
+        max_q_len=max(new), page_size=ps, sm_scale=scale,
+    )  # fmt: skip
+    want = torch.cat(
+        [
+            oracle_attention(
+                qx[indptr[b] : indptr[b + 1]],
+                case.dense_k[b],
+                case.dense_v[b],
+                list(range(n - m, n)),
+                sm_scale=scale,
+            )
+            for b, (n, m) in enumerate(zip(lens, new))
+        ]
+    )
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)

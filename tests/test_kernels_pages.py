@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unikv.kernels import get_backend
-from unikv.pool import torch_copy_pages
+from unikv.kernels.reference import copy_pages as torch_copy_pages
 
 BACKENDS = ["triton", "torch"]
 
@@ -71,7 +71,7 @@ def test_block_table_matches_brute_force(backend, ps, window):
     gen = torch.Generator().manual_seed(ps * 10 + window)
     num_vpages, max_ctx = 30, 24
     backing = torch.randint(-1, 50, (num_vpages + 1,), dtype=torch.int32, generator=gen)
-    backing[0] = 9999  # the element before v2p: a read of v2p[-1] (LESSONS bug 1) shows up
+    backing[0] = 9999  # the element before v2p: a read of v2p[-1] (docs/lessons.md bug 1) shows up
     v2p = backing[1:]
     r2t = torch.randint(-1, num_vpages * ps, (5, max_ctx), dtype=torch.int32, generator=gen)
     r2t[:, 0] = -1  # padding at column 0 too

@@ -1,6 +1,7 @@
 """The page-major layout law (docs/design.md sections 2-3), proven three ways:
 
-1. dense views against the strided (page, slot) oracle views, both directions;
+1. kernel views (dense 3-D rows, or page-strided 4-D views for asymmetric K/V)
+   against the strided (page, slot) oracle views, both directions;
 2. dense writes against docs/design.md section 2's byte-address formula, computed
    here by hand from the raw spec fields on the raw uint8 buffer;
 3. byte footprints (which bytes each view element covers, from the views' own
@@ -69,6 +70,17 @@ def hand_kernel_id(page: int, slot: int, page_size: int, blocks: int) -> int:
     return page * page_size * blocks + slot  # docs/design.md section 3
 
 
+def hand_blocks(spec: MHASpec) -> int:
+    """The id multiplier by docs/design.md section 3: 2L row-blocks when K and V rows
+    have one width, else 1 (kernel id = physical token id)."""
+    return 2 * spec.num_layers if spec.head_dim == spec.v_head_dim else 1
+
+
+def at(view: torch.Tensor, kid: int, page_size: int) -> torch.Tensor:
+    """The row a kernel reads at kernel id ``kid`` (a view: writable)."""
+    return layout.as_paged(view, page_size)[kid // page_size, kid % page_size]
+
+
 # -- 1. dense views <-> (page, slot) oracle -------------------------------------
 
 
@@ -86,10 +98,11 @@ def test_mha_dense_and_paged_views_cross_read(name: str, page_size: int) -> None
         for layer in range(spec.num_layers):
             for part in (0, 1):
                 value = random_like(paged[layer][part][page, slot], gen)
-                paged[layer][part][page, slot] = value  # oracle -> dense
-                assert torch.equal(as_bytes(dense[layer][part][kid]), as_bytes(value))
-                value = random_like(dense[layer][part][kid], gen)
-                dense[layer][part][kid] = value  # dense -> oracle
+                paged[layer][part][page, slot] = value  # oracle -> kernel view
+                row = at(dense[layer][part], kid, page_size)
+                assert torch.equal(as_bytes(row), as_bytes(value))
+                value = random_like(row, gen)
+                row.copy_(value)  # kernel view -> oracle
                 assert torch.equal(as_bytes(paged[layer][part][page, slot]), as_bytes(value))
 
 
@@ -123,7 +136,8 @@ def test_every_page_and_slot_has_the_same_bytes_in_both_views(name: str, page_si
     for layer in range(spec.num_layers):
         for part in (0, 1):
             by_page = footprint(paged[layer][part]).flatten(0, 1)  # (pages * ps, H, D, itemsize)
-            assert torch.equal(footprint(dense[layer][part])[kids], by_page)
+            by_kid = footprint(layout.as_paged(dense[layer][part], page_size))
+            assert torch.equal(by_kid[kids // page_size, kids % page_size], by_page)
 
 
 # -- 2. docs/design.md section 2's byte-address formula, by hand ---------------------
@@ -132,30 +146,29 @@ def test_every_page_and_slot_has_the_same_bytes_in_both_views(name: str, page_si
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", list(MHA_SPECS))
 def test_dense_writes_land_at_the_design_byte_address(name: str, page_size: int) -> None:
-    """Write every (token, layer, K/V) through the dense views; rebuild the whole
+    """Write every (token, layer, K/V) through the kernel views; rebuild the whole
     buffer from docs/design.md's formula with raw fields; the two must be identical.
-    Asymmetric specs pad both rows to max(D, Dv) (specs.py module docstring)."""
+    K rows are H * D wide, V rows H * Dv: no padding (docs/design.md section 2)."""
     spec, num_pages = MHA_SPECS[name], 3
     L, H, ps = spec.num_layers, spec.num_kv_heads, page_size
     item = raw_itemsize(spec.dtype)
     width = {0: spec.head_dim, 1: spec.v_head_dim}
-    row = H * max(spec.head_dim, spec.v_head_dim) * item
-    page_bytes = ps * 2 * L * row  # = ps * entry_bytes; entry = L * (H*D + H*Dv) when D == Dv
+    row = {part: H * width[part] * item for part in (0, 1)}
+    page_bytes = ps * L * (row[0] + row[1])
     buf = make_buffer(spec, ps, num_pages)
     dense = layout.mha_dense_views(buf, spec, ps, num_pages)
     expected = torch.zeros_like(buf)
     gen = torch.Generator().manual_seed(2)
     for t in range(num_pages * ps):
-        kid = hand_kernel_id(t // ps, t % ps, ps, 2 * L)
+        kid = hand_kernel_id(t // ps, t % ps, ps, hand_blocks(spec))
         for layer in range(L):
-            for part in (0, 1):  # K = block 2l, V = block 2l + 1
-                value = random_like(dense[layer][part][kid], gen)
-                dense[layer][part][kid] = value
-                addr = (t // ps) * page_bytes + (2 * layer + part) * ps * row + (t % ps) * row
-                head_bytes = as_bytes(value).view(H, width[part] * item)
-                for h in range(H):
-                    start = addr + h * (row // H)
-                    expected[start : start + width[part] * item] = head_bytes[h]
+            for part in (0, 1):  # K then V of each layer
+                target = at(dense[layer][part], kid, ps)
+                value = random_like(target, gen)
+                target.copy_(value)
+                block = ps * (layer * (row[0] + row[1]) + part * row[0])
+                addr = (t // ps) * page_bytes + block + (t % ps) * row[part]
+                expected[addr : addr + row[part]] = as_bytes(value)
     assert torch.equal(buf, expected)
 
 
@@ -193,12 +206,12 @@ def test_no_aliasing_at_one_kernel_id(
     gen = torch.Generator().manual_seed(seed)
     written = {}
     for page, slot in probes(num_pages, page_size):
-        kid = hand_kernel_id(page, slot, page_size, 2 * num_layers)
+        kid = hand_kernel_id(page, slot, page_size, hand_blocks(spec))
         for i, view in enumerate(views):
-            written[kid, i] = random_like(view[kid], gen)
-            view[kid] = written[kid, i]
+            written[kid, i] = random_like(at(view, kid, page_size), gen)
+            at(view, kid, page_size).copy_(written[kid, i])
     for (kid, i), value in written.items():
-        assert torch.equal(as_bytes(views[i][kid]), as_bytes(value)), (kid, i)
+        assert torch.equal(as_bytes(at(views[i], kid, page_size)), as_bytes(value)), (kid, i)
 
 
 # -- 3. footprints: disjoint, complete, tail pad tight ----------------------------
@@ -207,25 +220,29 @@ def test_no_aliasing_at_one_kernel_id(
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", list(MHA_SPECS))
 def test_dense_rows_at_valid_ids_tile_the_pages(name: str, page_size: int) -> None:
-    """The rows of all 2L views at every valid kernel id never overlap; for
-    symmetric K/V they cover every byte of the pages exactly once."""
+    """The rows of all 2L views at every valid kernel id never overlap and cover
+    every byte of the pages exactly once (no padding, symmetric or not)."""
     spec, num_pages = MHA_SPECS[name], 2
     buf = make_buffer(spec, page_size, num_pages)
     dense = layout.mha_dense_views(buf, spec, page_size, num_pages)
-    kids = [
-        hand_kernel_id(p, s, page_size, 2 * spec.num_layers)
-        for p in range(num_pages)
-        for s in range(page_size)
-    ]
-    spots = torch.cat([footprint(v)[kids].flatten() for pair in dense for v in pair])
+    kids = torch.tensor(
+        [
+            hand_kernel_id(p, s, page_size, hand_blocks(spec))
+            for p in range(num_pages)
+            for s in range(page_size)
+        ]
+    )
+    spots = torch.cat(
+        [
+            footprint(layout.as_paged(v, page_size))[kids // page_size, kids % page_size].flatten()
+            for pair in dense
+            for v in pair
+        ]
+    )
     assert spots.unique().numel() == spots.numel(), "two views share a byte"
     item, H, L = raw_itemsize(spec.dtype), spec.num_kv_heads, spec.num_layers
     assert spots.numel() == num_pages * page_size * L * H * (spec.head_dim + spec.v_head_dim) * item
-    assert int(spots.max()) < num_pages * spec.page_bytes(page_size)
-    if not spec.is_asymmetric:
-        assert torch.equal(
-            spots.sort().values, torch.arange(num_pages * spec.page_bytes(page_size))
-        )
+    assert torch.equal(spots.sort().values, torch.arange(num_pages * spec.page_bytes(page_size)))
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -240,8 +257,7 @@ def test_tail_pad_is_exactly_what_the_last_dense_view_needs(page_size: int) -> N
         else:
             views = layout.mla_dense_views(buf, spec, page_size, num_pages)
         assert max(int(footprint(v).max()) for v in views) < buf.numel()
-        last_row_start = int(footprint(views[-1])[-1].min())
-        assert last_row_start + spec.row_bytes == buf.numel()  # the last view reaches the pad's end
+        assert int(footprint(views[-1]).max()) + 1 == buf.numel()  # the last view ends the pad
         short = buf[:-1]
         with pytest.raises(ValueError, match="tail pad"):
             if isinstance(spec, MHASpec):

@@ -3,6 +3,8 @@ each against an independent derivation (brute-force sweeps, Python bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import assume, event, given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from unikv import layout
 from unikv.ids import PhysicalPageIds, VirtualPageIds
+from unikv.kernels import get_backend
 from unikv.pool import Grow, SubPoolConfig, UnifiedPool, default_grow
 from unikv.specs import MambaSpec, MHASpec, MLASpec, StatePart
 
@@ -329,3 +332,26 @@ def test_move_pages_rejects_bad_ids_and_leaves_the_buffer_unchanged() -> None:
         PhysicalPageIds(torch.tensor([], dtype=torch.int64)),
     )
     assert torch.equal(pool.buffer, before)
+
+
+def test_page_moves_run_the_backend_copy_chosen_at_construction() -> None:
+    """``backend=`` supplies ``copy_pages``; the result equals the default pool's."""
+    calls = []
+
+    def spy(buffer, src, dst, page_bytes):
+        calls.append((src.tolist(), dst.tolist(), page_bytes))
+        get_backend("cpu").copy_pages(buffer, src, dst, page_bytes)
+
+    config = [SubPoolConfig("full", FULL, page_size=4)]
+    backend = dataclasses.replace(get_backend("cpu"), copy_pages=spy)
+    pools = [UnifiedPool(config, 4096, backend=backend), UnifiedPool(config, 4096)]
+    p = pools[0]["full"].first_page
+    for pool in pools:
+        pool.buffer.copy_(torch.arange(pool.buffer.numel()).to(U8))
+        pool.move_pages(
+            "full", PhysicalPageIds(torch.tensor([p])), PhysicalPageIds(torch.tensor([p + 1]))
+        )
+    assert calls == [([p], [p + 1], pools[0]["full"].page_bytes)]
+    assert torch.equal(pools[0].buffer, pools[1].buffer)
+    with pytest.raises(ValueError, match="either backend= or copy_pages="):
+        UnifiedPool(config, 4096, backend=backend, copy_pages=spy)

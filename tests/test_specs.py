@@ -119,17 +119,31 @@ def test_mha_sizes_match_a_torch_tensor_of_one_slot(
     num_layers, heads, head_dim, v_head_dim, page_size, dtype
 ) -> None:
     spec = MHASpec(num_layers, heads, head_dim, v_head_dim, dtype)
-    # one slot: every layer's K row and V row, both padded to the wider head dim
-    slot = torch.empty(num_layers, 2, heads, max(head_dim, v_head_dim), dtype=dtype)
-    assert spec.entry_bytes == slot.nbytes
-    assert spec.page_bytes(page_size) == page_size * slot.nbytes
+    # one slot: every layer's K row and V row, each at its own width (no padding)
+    k_rows = torch.empty(num_layers, heads, head_dim, dtype=dtype)
+    v_rows = torch.empty(num_layers, heads, v_head_dim, dtype=dtype)
+    slot_bytes = k_rows.nbytes + v_rows.nbytes
+    assert spec.entry_bytes == slot_bytes
+    assert spec.page_bytes(page_size) == page_size * slot_bytes
     if head_dim == v_head_dim:  # docs/design.md section 1's formula
-        assert spec.entry_bytes == num_layers * (heads * head_dim * 2) * slot.element_size()
-    # the last row-block's dense view runs (B - 1) * ps rows past the last page
-    assert (
-        spec.view_tail_pad_bytes(page_size)
-        == spec.page_bytes(page_size) - page_size * slot[0, 0].nbytes
-    )
+        assert spec.entry_bytes == num_layers * (heads * head_dim * 2) * k_rows.element_size()
+        # the last row-block's dense view runs (B - 1) * ps rows past the last page
+        assert (
+            spec.view_tail_pad_bytes(page_size)
+            == spec.page_bytes(page_size) - page_size * k_rows[0].nbytes
+        )
+        assert spec.blocks_per_page == 2 * num_layers
+    else:  # page-strided views end inside their page; kernel ids are physical ids
+        assert spec.view_tail_pad_bytes(page_size) == 0
+        assert spec.blocks_per_page == 1
+
+
+def test_asymmetric_rows_have_no_single_width() -> None:
+    spec = mha(head_dim=12, v_head_dim=8)
+    assert (spec.part_row_bytes("k"), spec.part_row_bytes("v")) == (2 * 12 * 2, 2 * 8 * 2)
+    with pytest.raises(ValueError, match="part_row_elems"):
+        _ = spec.row_bytes
+    assert spec.fingerprint() != mha(head_dim=12, v_head_dim=12).fingerprint()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from unikv import layout
 from unikv.ids import PhysicalPageIds, expect
+from unikv.kernels.reference import copy_pages as torch_copy_pages  # moved; importable here
 from unikv.placement import (  # re-exported: the pool's public vocabulary
     Grow,
     SubPoolConfig,
@@ -30,6 +32,9 @@ from unikv.placement import (  # re-exported: the pool's public vocabulary
 )
 from unikv.specs import MHASpec, MLASpec, Spec
 from unikv.static_split import check_alone, check_static_split, static_band_limits
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import KernelBackend
 
 __all__ = [
     "Grow",
@@ -43,7 +48,7 @@ __all__ = [
     "worst_case_pages",
 ]
 
-INT32_LIMIT = 2**31
+INT32_LIMIT = layout.INT32_LIMIT
 POISON_BYTE = 0xFF  # NaN in fp32, fp16, bf16 and both fp8 formats
 
 
@@ -71,9 +76,14 @@ class SubPool:
         return self.num_pages - self.first_page
 
     @property
+    def ids(self) -> layout.IdMap:
+        """This sub-pool's kernel id arithmetic (page entries, kernel ids, limit)."""
+        return layout.IdMap.of(self.spec, self.page_size)
+
+    @property
     def kernel_id_limit(self) -> int:
-        """Rows of each dense view (slots for Mamba): every kernel id lies below it."""
-        return self.num_pages * (self.spec.blocks_per_page or 1) * self.page_size
+        """One past the largest kernel id (slots for Mamba): ``ids.limit(num_pages)``."""
+        return self.ids.limit(self.num_pages)
 
 
 def check_pages(sub: SubPool, pages: torch.Tensor, what: str, *, distinct: bool = True) -> None:
@@ -108,13 +118,22 @@ def _build_views(buffer: torch.Tensor, spec: Spec, page_size: int, num_pages: in
     return layout.mamba_state_views(buffer, spec, num_pages), None
 
 
-def torch_copy_pages(
-    buffer: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, page_bytes: int
-) -> None:
-    """Reference page copy: every source envelope is read before any is written."""
-    num_pages = buffer.numel() // page_bytes
-    rows = buffer[: num_pages * page_bytes].view(num_pages, page_bytes)  # (pages, envelope)
-    rows.index_copy_(0, dst_pages.long(), rows.index_select(0, src_pages.long()))
+def _copy_op(
+    backend: KernelBackend | None, copy_pages: Callable[..., None] | None, device: torch.device
+) -> Callable[..., None]:
+    """The page-copy op, chosen once: ``copy_pages`` if given, else the backend's."""
+    if backend is not None and copy_pages is not None:
+        raise ValueError(
+            "give UnifiedPool either backend= or copy_pages=, not both; backend.copy_pages "
+            "is the page copy of a KernelBackend"
+        )
+    if copy_pages is not None:
+        return copy_pages
+    if backend is None:
+        from unikv.kernels.backend import get_backend
+
+        backend = get_backend(device)
+    return backend.copy_pages
 
 
 class UnifiedPool:
@@ -129,7 +148,10 @@ class UnifiedPool:
         max_request_tokens: if given, start-up fails unless one request of this
             many tokens fits alone in the empty pool.
         chunk_tokens: prefill chunk size used for the sliding-window worst case.
-        copy_pages: the page-copy backend, chosen once (default: torch).
+        backend: the kernel backend whose ``copy_pages`` moves envelopes, chosen
+            once (default: ``kernels.get_backend(device)``).
+        copy_pages: a bare page-copy op instead of ``backend`` (kept for callers
+            that predate the backend; give one or the other).
         static_split: None (boundaries move), or ``{sub-pool name: fraction of the
             usable bytes}``: each sub-pool stays inside a fixed byte range
             (``band_limits``, see ``unikv.static_split``).
@@ -144,6 +166,7 @@ class UnifiedPool:
         poison: bool = False,
         max_request_tokens: int | None = None,
         chunk_tokens: int = 1,
+        backend: KernelBackend | None = None,
         copy_pages: Callable[..., None] | None = None,
         static_split: Mapping[str, float] | None = None,
     ) -> None:
@@ -174,7 +197,7 @@ class UnifiedPool:
         self.buffer = torch.empty(
             total_bytes + self.tail_pad_bytes, dtype=torch.uint8, device="meta"
         )
-        self._copy_pages = copy_pages or torch_copy_pages
+        self._copy_pages = _copy_op(backend, copy_pages, self.device)
 
         self.subpools: dict[str, SubPool] = {}
         for config, grow, pb in zip(configs, grows, page_bytes):
@@ -201,9 +224,7 @@ class UnifiedPool:
                 paged,
             )
             if subpool.kernel_id_limit > INT32_LIMIT:
-                max_bytes = (
-                    INT32_LIMIT // ((config.spec.blocks_per_page or 1) * config.page_size) * pb
-                )
+                max_bytes = INT32_LIMIT // subpool.ids.limit(1) * pb
                 raise ValueError(
                     f"sub-pool {config.name!r}: kernel ids reach {subpool.kernel_id_limit} > 2**31 "
                     f"({num_pages} pages x {config.spec.blocks_per_page} blocks x page_size "

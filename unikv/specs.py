@@ -9,10 +9,11 @@ formulas.
     MLA page envelope:  [L0_lat x ps | L1_lat x ps | ... ]
     Mamba slot:         [conv part 0, all layers]...[temporal, all layers]
 
-Asymmetric K/V (head_dim != v_head_dim) is supported by padding both rows to
-``max(head_dim, v_head_dim)``: the page stays a uniform array of 2L row-blocks,
-so one kernel id still serves K and V of every layer (docs/design.md section 1).
-The padding bytes are counted in ``entry_bytes``.
+Asymmetric K/V (head_dim != v_head_dim) is stored without padding: a K row is
+``H * head_dim`` wide, a V row ``H * v_head_dim``, so ``entry_bytes`` is exactly
+``L * H * (head_dim + v_head_dim) * itemsize``. Its row-blocks then differ in
+size, so its kernel id multiplier (``blocks_per_page``) is 1 and kernels reach a
+row through a page stride (docs/design.md sections 1-3).
 """
 
 from __future__ import annotations
@@ -57,13 +58,46 @@ def _check_page_size(page_size: int) -> None:
 
 
 class _PagedSpec:
-    """Shared geometry of specs whose page is a uniform array of row-blocks."""
+    """Shared geometry of specs whose page is an array of (layer, part) row-blocks.
+
+    A page of ``ps`` slots holds, for each layer in order and each part in order,
+    a block of ``ps`` rows of that part (``part_row_bytes(part)`` each). When every
+    part's rows have one width (``uniform_rows``) the page is ``B = L * len(parts)``
+    equal blocks and a kernel id addresses a row of one dense view per (layer,
+    part); otherwise (asymmetric K/V) the id multiplier is 1 and a kernel id is
+    the physical token id, read through a page stride (``layout.IdMap``).
+    """
 
     num_layers: int
+    parts: tuple[str, ...]
+
+    def part_row_elems(self, part: str) -> int:
+        """Elements of one row of ``part`` (one token, one layer)."""
+        raise NotImplementedError
+
+    def part_row_bytes(self, part: str) -> int:
+        """Bytes of one row of ``part`` (one token, one layer)."""
+        return self.part_row_elems(part) * self.itemsize
+
+    @property
+    def uniform_rows(self) -> bool:
+        """Whether every part's rows have one width (a page of equal row-blocks)."""
+        return len({self.part_row_elems(p) for p in self.parts}) == 1
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of one row, when every part's rows have one width."""
+        if not self.uniform_rows:
+            widths = {p: self.part_row_elems(p) for p in self.parts}
+            raise ValueError(
+                f"{type(self).__name__} rows differ per part ({widths} elements); "
+                "use part_row_elems(part) / part_row_bytes(part)"
+            )
+        return self.part_row_elems(self.parts[0])
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one row (one token, one layer, one part)."""
+        """Bytes of one row (one token, one layer, one part), when rows are uniform."""
         return self.row_elems * self.itemsize
 
     @property
@@ -75,21 +109,38 @@ class _PagedSpec:
         return storage_dtype(self.dtype)
 
     @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's rows (every part) of one token."""
+        return sum(self.part_row_bytes(p) for p in self.parts)
+
+    @property
     def entry_bytes(self) -> int:
-        """Bytes of one slot: every layer's rows for one token."""
-        return self.blocks_per_page * self.row_bytes
+        """Bytes of one slot: every layer's rows for one token, no padding."""
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def blocks_per_page(self) -> int:
+        """The kernel id multiplier B: kernel page entry = physical page * B.
+
+        Uniform rows: the page's number of row-blocks (``L * len(parts)``), so
+        one dense view per (layer, part) serves every kernel id. Otherwise 1:
+        kernel ids are physical token ids and views carry the page stride."""
+        return self.num_layers * len(self.parts) if self.uniform_rows else 1
 
     def page_bytes(self, page_size: int) -> int:
         _check_page_size(page_size)
         return page_size * self.entry_bytes
 
     def view_tail_pad_bytes(self, page_size: int) -> int:
-        """Bytes the last row-block's dense view runs past the last page."""
+        """Bytes the last row-block's dense view runs past the last page (uniform
+        rows: ``(B - 1) * ps`` rows; page-strided views end inside their page: 0)."""
         _check_page_size(page_size)
+        if not self.uniform_rows:
+            return 0
         return (self.blocks_per_page - 1) * page_size * self.row_bytes
 
     def block_index(self, layer: int, part: str) -> int:
-        """Which row-block of a page envelope holds (layer, part)."""
+        """Which row-block of a page envelope holds (layer, part), in byte order."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         if part not in self.parts:
@@ -97,8 +148,11 @@ class _PagedSpec:
         return layer * len(self.parts) + self.parts.index(part)
 
     def part_offset(self, layer: int, part: str, page_size: int) -> int:
-        """Byte offset of (layer, part)'s rows inside a page envelope."""
-        return self.block_index(layer, part) * page_size * self.row_bytes
+        """Byte offset of (layer, part)'s rows inside a page envelope:
+        ``ps * (layer * layer_bytes + the row bytes of the parts before it)``."""
+        index = self.block_index(layer, part) - layer * len(self.parts)
+        before = sum(self.part_row_bytes(p) for p in self.parts[:index])
+        return page_size * (layer * self.layer_bytes + before)
 
     def fingerprint(self) -> str:
         return _fingerprint(self)
@@ -133,21 +187,14 @@ class MHASpec(_PagedSpec):
         return "swa" if self.sliding_window is not None else "full"
 
     @property
-    def row_head_dim(self) -> int:
-        """Per-head width of a stored row: K and V rows are padded to the wider."""
-        return max(self.head_dim, self.v_head_dim)
-
-    @property
     def is_asymmetric(self) -> bool:
         return self.head_dim != self.v_head_dim
 
-    @property
-    def row_elems(self) -> int:
-        return self.num_kv_heads * self.row_head_dim
-
-    @property
-    def blocks_per_page(self) -> int:
-        return 2 * self.num_layers
+    def part_row_elems(self, part: str) -> int:
+        """K rows are ``H * head_dim`` wide, V rows ``H * v_head_dim`` (no padding)."""
+        if part not in self.parts:
+            raise ValueError(f"part must be one of {self.parts}, got {part!r}")
+        return self.num_kv_heads * (self.head_dim if part == "k" else self.v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -169,13 +216,10 @@ class MLASpec(_PagedSpec):
     kind = "mla"
     sliding_window = None
 
-    @property
-    def row_elems(self) -> int:
+    def part_row_elems(self, part: str) -> int:
+        if part not in self.parts:
+            raise ValueError(f"part must be one of {self.parts}, got {part!r}")
         return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def blocks_per_page(self) -> int:
-        return self.num_layers
 
 
 @dataclass(frozen=True)
@@ -294,4 +338,6 @@ def _fingerprint(spec: object) -> str:
         + ";"
         + ";".join(f"{f.name}={encode(getattr(spec, f.name))}" for f in fields(spec))
     )
+    if isinstance(spec, _PagedSpec) and not spec.uniform_rows:
+        text += ";rows=exact"  # not the old padded layout of the same fields
     return hashlib.sha256(text.encode()).hexdigest()[:16]

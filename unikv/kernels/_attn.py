@@ -1,9 +1,11 @@
 """Pieces shared by the decode and extend attention kernels.
 
-``load_rows`` gathers a tile of K/V rows through the block table:
+``load_rows`` gathers a tile of K/V rows through the block table
+(``_ids.row_offset``; dense views have ``block_stride == ps * row_stride``):
 
-    row(i) = block_table[b, i // ps] * ps + i % ps       (int64)
-    K tile = k_cache[row, kv_head, :D]                    (BLOCK_N, BLOCK_D)
+    entry(i) = block_table[b, i // ps]
+    K row(i) = entry(i) * k_block_stride + (i % ps) * k_row_stride    (int64 elements)
+    K tile   = k_cache[K row, kv_head, :D]                            (BLOCK_N, BLOCK_D)
 
 ``attn_tile`` is one online-softmax step in base 2 (logits pre-scaled by log2 e),
 with optional soft-capping ``cap * tanh(x / cap)`` of the natural-unit logits.
@@ -16,8 +18,7 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._checks import check_cache, check_same_device
-
-LOG2E = 1.4426950408889634
+from unikv.kernels._ids import row_offset
 
 
 @triton.jit
@@ -28,8 +29,10 @@ def load_rows(
     offs_n,
     mask_n,
     kvh,
+    k_sb,
     k_sn,
     k_sh,
+    v_sb,
     v_sn,
     v_sh,
     offs_d,
@@ -45,9 +48,10 @@ def load_rows(
         entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
     else:  # every key of the tile is live
         entry = tl.load(bt_row + offs_n // PAGE_SIZE)
-    rows = entry.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-    k_ptr = k_cache + rows[:, None] * k_sn + kvh * k_sh + offs_d[None, :]
-    v_ptr = v_cache + rows[:, None] * v_sn + kvh * v_sh + offs_dv[None, :]
+    k_rows = row_offset(entry, offs_n, PAGE_SIZE, k_sb, k_sn)
+    v_rows = row_offset(entry, offs_n, PAGE_SIZE, v_sb, v_sn)
+    k_ptr = k_cache + k_rows[:, None] + kvh * k_sh + offs_d[None, :]
+    v_ptr = v_cache + v_rows[:, None] + kvh * v_sh + offs_dv[None, :]
     if MASKED or D != BLOCK_D:
         kt = tl.load(k_ptr, mask=mask_n[:, None] & (offs_d[None, :] < D), other=0.0)
     else:
@@ -108,14 +112,19 @@ def check_attention_args(
 ) -> None:
     """Shapes, dtypes and strides of the attention launchers' arguments (host only)."""
     check_cache("k_cache", k_cache)
-    check_cache("v_cache", v_cache, heads=k_cache.shape[1])
+    check_cache("v_cache", v_cache, heads=k_cache.shape[-2])
+    if k_cache.dim() != v_cache.dim():
+        raise ValueError(
+            f"k_cache and v_cache must be views of one kind, got {k_cache.dim()}-D and "
+            f"{v_cache.dim()}-D"
+        )
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be 3-D with unit last stride, got {tuple(q.shape)} {q.stride()}")
-    if q.shape[2] != k_cache.shape[2]:
-        raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {k_cache.shape[2]}")
-    if q.shape[1] % k_cache.shape[1] != 0:
+    if q.shape[2] != k_cache.shape[-1]:
+        raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {k_cache.shape[-1]}")
+    if q.shape[1] % k_cache.shape[-2] != 0:
         raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[1]})"
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k_cache.shape[-2]})"
         )
     if k_cache.dtype == torch.uint8 or not (k_cache.is_floating_point()):
         raise ValueError(

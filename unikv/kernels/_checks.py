@@ -20,16 +20,35 @@ def check_ids(name: str, ids: torch.Tensor, dim: int = 1) -> None:
 
 
 def check_cache(name: str, cache: torch.Tensor, heads: int | None = None) -> None:
-    """A dense per-layer view: (N, H, D) with unit stride on D (rows may be strided)."""
-    if cache.dim() != 3:
-        raise ValueError(f"{name} must be a 3-D (N, H, D) view, got shape {tuple(cache.shape)}")
-    if cache.stride(2) != 1:
+    """A kernel view: dense rows (N, H, D) or page-strided (E, ps, H, D), unit
+    stride on D (rows and pages may be strided; ``layout.mha_dense_views``)."""
+    if cache.dim() not in (3, 4):
+        raise ValueError(
+            f"{name} must be a 3-D (N, H, D) or 4-D (entries, ps, H, D) kernel view, got "
+            f"shape {tuple(cache.shape)}"
+        )
+    if cache.stride(-1) != 1:
         raise ValueError(
             f"{name} must have unit stride on head_dim, got strides {cache.stride()}; pass the "
-            "dense per-layer view from unikv.layout.mha_dense_views"
+            "per-layer kernel view from unikv.layout.mha_dense_views"
         )
-    if heads is not None and cache.shape[1] != heads:
-        raise ValueError(f"{name} has {cache.shape[1]} heads, expected {heads}")
+    if heads is not None and cache.shape[-2] != heads:
+        raise ValueError(f"{name} has {cache.shape[-2]} heads, expected {heads}")
+
+
+def view_strides(name: str, cache: torch.Tensor, page_size: int) -> tuple[int, int, int]:
+    """``(block_stride, row_stride, head_stride)`` of a kernel view, in elements: row
+    (entry e, slot s) starts at ``e * block_stride + s * row_stride`` (``_ids.row_offset``).
+    A dense 3-D view has ``block_stride = ps * row_stride``; a 4-D view must have
+    ``ps`` slots. Decided by the view the pool built, once; no device work."""
+    if cache.dim() == 3:
+        return page_size * cache.stride(0), cache.stride(0), cache.stride(1)
+    if cache.shape[1] != page_size:
+        raise ValueError(
+            f"{name} is a 4-D (entries, ps, H, D) view with {cache.shape[1]} slots per entry, "
+            f"but page_size is {page_size}; pass the sub-pool's page size"
+        )
+    return cache.stride(0), cache.stride(1), cache.stride(2)
 
 
 def check_same_device(*tensors: torch.Tensor) -> None:

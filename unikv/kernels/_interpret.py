@@ -15,8 +15,9 @@ import os
 def patch_interpreter() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
-    from triton.runtime import interpreter
+    from unikv.kernels._private import triton_interpreter
 
+    interpreter = triton_interpreter()
     original = interpreter._patch_lang_tensor
     if getattr(original, "_unikv_patched", False):
         return

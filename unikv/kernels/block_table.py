@@ -5,7 +5,7 @@ export of a block table in FlashInfer's paged-KV format.
                          = 0 (the sink) for tombstones, negative ids and padding columns
 
 Negative virtual ids are mapped to page 0 before any division, so ``v2p[-1]`` is
-never read at any page size (LESSONS.md bug 1).
+never read at any page size (docs/lessons.md bug 1).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._checks import check_ids, check_same_device
+from unikv.kernels._ids import page_entry, virtual_page
 from unikv.kernels.launch import launcher
 
 BLOCK_COLS = 128
@@ -53,9 +54,8 @@ def _build_block_table_kernel(
         req_to_token + slot * rt_stride + col.to(tl.int64) * PAGE_SIZE, mask=live, other=-1
     )
     ok = live & (virt >= 0)
-    vpage = tl.where(ok, virt, 0) // PAGE_SIZE  # non-negative: floor == truncation
-    phys = tl.load(v2p + vpage, mask=ok, other=-1)
-    entry = tl.where(phys >= 0, phys.to(tl.int64) * BLOCKS_PER_PAGE, 0)
+    phys = tl.load(v2p + virtual_page(virt, PAGE_SIZE), mask=ok, other=-1)
+    entry = page_entry(phys, BLOCKS_PER_PAGE)
     tl.store(out + b * out_stride + col, entry.to(tl.int32), mask=col < num_cols)
 
 
@@ -160,7 +160,9 @@ def export_flashinfer(
     block_table: (B, max_pages) int32 kernel page entries; seq_lens: (B,) int32.
     Returns kv_indptr (B+1,), kv_indices (B * max_pages,) (first kv_indptr[-1]
     meaningful), kv_last_page_len (B,), all int32. The indices address the NHD
-    cache ``dense_view.view(-1, ps, H, D)``.
+    cache ``layout.as_paged(view, ps)`` (dense views: ``view.view(-1, ps, H, D)``;
+    asymmetric K/V: the pool's page-strided 4-D views, whose page stride FlashInfer
+    reads from the tensors).
     """
     check_ids("seq_lens", seq_lens)
     check_ids("block_table", block_table, dim=2)

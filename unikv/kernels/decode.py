@@ -11,8 +11,9 @@ table's capacity, so the grid never depends on device data (CUDA-graph safe).
     merge    -> out = sum_s exp(lse_s - M) acc_s / (sum_s exp(lse_s - M) + exp(sink - M))
 
 With S == 1 the split kernel normalises and writes ``out`` itself. Token i of
-request b is row ``block_table[b, i // ps] * ps + i % ps`` of the view; every row
-offset is int64 and every stride is passed in.
+request b is the row at (entry ``block_table[b, i // ps]``, slot ``i % ps``) of the
+view (``_ids.row_offset``; a dense view is entry * ps + slot); every row offset is
+int64 and every stride is passed in.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
-from unikv.kernels._checks import device_sms, next_pow2
+from unikv.kernels._checks import device_sms, next_pow2, view_strides
 
-LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # never cut a request into chunks shorter than this
 CTAS_PER_SM = 4  # split until about this many programs per SM ...
 NO_SPLIT_PROGRAMS_PER_SM = 2  # ... unless (B * H_kv) already gives this many per SM
@@ -78,8 +78,10 @@ def _decode_split_kernel(
     window,
     q_sb,
     q_sh,
+    k_sb,
     k_sn,
     k_sh,
+    v_sb,
     v_sn,
     v_sh,
     bt_sb,
@@ -136,8 +138,10 @@ def _decode_split_kernel(
             offs_n,
             mask_n,
             kvh,
+            k_sb,
             k_sn,
             k_sh,
+            v_sb,
             v_sn,
             v_sh,
             offs_d,
@@ -255,8 +259,9 @@ def decode_attention(
     """Paged decode attention, one query token per request.
 
     q: (B, Hq, D) (unit stride on D); k_cache (N, H, D) / v_cache (N, H, Dv): dense
-    per-layer views, a float dtype (view fp8 bytes with their fp8 dtype), strided
-    rows allowed; Hq a multiple of H. block_table: (B, max_pages) int32 kernel page
+    per-layer views, or (E, ps, H, D) / (E, ps, H, Dv) page-strided views (asymmetric
+    K/V), a float dtype (view fp8 bytes with their fp8 dtype), strided rows allowed;
+    Hq a multiple of H. block_table: (B, max_pages) int32 kernel page
     entries; seq_lens: (B,) int32 tokens in the cache (the query is the last).
     window: 0 = full, W > 0 = only the last W keys (only their pages are read).
     sinks: None or (Hq,) fp32 sink logits. soft_cap: 0 = off. out: optional
@@ -266,7 +271,7 @@ def decode_attention(
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     bsz, hq, dim = q.shape
-    heads, dim_v = k_cache.shape[1], v_cache.shape[2]
+    heads, dim_v = k_cache.shape[-2], v_cache.shape[-1]
     group = hq // heads
     if out is None:
         out = torch.empty(bsz, hq, dim_v, dtype=q.dtype, device=q.device)
@@ -306,10 +311,8 @@ def decode_attention(
         int(window),
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *view_strides("k_cache", k_cache, page_size),
+        *view_strides("v_cache", v_cache, page_size),
         block_table.stride(0),
         out.stride(0),
         out.stride(1),

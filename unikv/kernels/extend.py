@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
-from unikv.kernels._checks import next_pow2
+from unikv.kernels._checks import next_pow2, view_strides
 
 # (block_m, block_n, num_warps, num_stages) per head_dim; tuned on the H200
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
@@ -42,8 +42,10 @@ def _kv_loop(
     window,
     qk_scale,
     soft_cap,
+    k_sb,
     k_sn,
     k_sh,
+    v_sb,
     v_sn,
     v_sh,
     offs_d,
@@ -71,8 +73,10 @@ def _kv_loop(
             offs_n,
             mask_n,
             kvh,
+            k_sb,
             k_sn,
             k_sh,
+            v_sb,
             v_sn,
             v_sh,
             offs_d,
@@ -110,8 +114,10 @@ def _extend_kernel(
     window,
     q_st,
     q_sh,
+    k_sb,
     k_sn,
     k_sh,
+    v_sb,
     v_sn,
     v_sh,
     bt_sb,
@@ -178,8 +184,10 @@ def _extend_kernel(
         window,
         qk_scale,
         soft_cap,
+        k_sb,
         k_sn,
         k_sh,
+        v_sb,
         v_sn,
         v_sh,
         offs_d,
@@ -212,8 +220,10 @@ def _extend_kernel(
         window,
         qk_scale,
         soft_cap,
+        k_sb,
         k_sn,
         k_sh,
+        v_sb,
         v_sn,
         v_sh,
         offs_d,
@@ -276,7 +286,7 @@ def extend_attention(
             f"q_indptr must be ({block_table.shape[0] + 1},) int32, got {q_indptr.dtype} {tuple(q_indptr.shape)}"
         )
     num_tokens, hq, dim = q.shape
-    heads, dim_v = k_cache.shape[1], v_cache.shape[2]
+    heads, dim_v = k_cache.shape[-2], v_cache.shape[-1]
     if out is None:
         out = torch.empty(num_tokens, hq, dim_v, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, hq, dim_v) or out.stride(2) != 1:
@@ -302,10 +312,8 @@ def extend_attention(
         int(window),
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *view_strides("k_cache", k_cache, page_size),
+        *view_strides("v_cache", v_cache, page_size),
         block_table.stride(0),
         out.stride(0),
         out.stride(1),

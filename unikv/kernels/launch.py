@@ -27,13 +27,15 @@ import torch
 from triton import knobs
 from triton.compiler import CompiledKernel
 
+from unikv.kernels._private import current_raw_stream
+
 try:
     from triton.knobs import HookChain
 except ImportError:  # older Triton: hooks are plain callables or None
     HookChain = ()
 
 _current_device = torch.cuda.current_device
-_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+_raw_stream = current_raw_stream
 
 
 def _full_key(arg: object) -> object:

@@ -33,6 +33,7 @@ import triton.language as tl
 from unikv.kernels import store
 from unikv.kernels._attn import dot_precision
 from unikv.kernels._checks import device_sms, next_pow2
+from unikv.kernels._ids import kernel_row
 from unikv.kernels.decode import _decode_merge_kernel
 from unikv.kernels.mla_ref import check_mla_args, check_store_args, latent_parts
 
@@ -147,7 +148,7 @@ def _mla_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        rows = entry.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+        rows = kernel_row(entry, offs_n, PAGE_SIZE)
         kc = tl.load(
             cache + rows[:, None] * c_sn + offs_r[None, :],
             mask=mask_n[:, None] & mask_r[None, :],

@@ -4,10 +4,12 @@ Each function has exactly the signature of its Triton twin (docs/design.md
 section 7). They are written for clarity, not speed, but
 contain no host synchronisation, so they also run (slowly) on a GPU.
 
-Ids used here (docs/design.md section 5):
-    kernel id          row of a dense per-layer view: ``P * ps * B + slot``
+Ids used here (docs/design.md sections 3, 5), read through ``layout.as_paged``:
+    kernel id          ``P * ps * B + slot``: row ``[kid // ps, kid % ps]`` of a view
     kernel page entry  block-table entry ``P * B``; token i of a request lives at
-                       row ``block_table[b, i // ps] * ps + i % ps``
+                       ``[block_table[b, i // ps], i % ps]``
+A view is dense 3-D ``(N, H, D)`` (B row-blocks per page) or page-strided 4-D
+``(E, ps, H, D)`` (asymmetric K/V, B = 1); both are read by the same rule.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from unikv.kernels._checks import as_storage
-from unikv.pool import torch_copy_pages
+from unikv.layout import IdMap, as_paged
 
 
 def store_kv(
@@ -27,14 +29,16 @@ def store_kv(
 ) -> None:
     """Write K and V rows of T tokens at kernel ids (a bit copy).
 
-    k_cache: (N, H, D) dense per-layer K view, storage dtype (uint8 for fp8), strided rows.
-    v_cache: (N, H, Dv) dense per-layer V view.
+    k_cache: (N, H, D) dense per-layer K view, storage dtype (uint8 for fp8), strided
+    rows, or (E, ps, H, D) page-strided; v_cache: (N, H, Dv) or (E, ps, H, Dv).
     kernel_ids: (T,) int32/int64 kernel ids (``KernelIds.data``).
     k: (T, H, D), v: (T, H, Dv) in the logical dtype (fp8 tensors are bit-copied).
     """
     ids = kernel_ids.long()
-    k_cache[ids] = as_storage("k", k, k_cache)
-    v_cache[ids] = as_storage("v", v, v_cache)
+    page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1  # a dense view: one row per id
+    entries, slots = torch.div(ids, page_size, rounding_mode="floor"), ids % page_size
+    as_paged(k_cache, page_size)[entries, slots] = as_storage("k", k, k_cache)
+    as_paged(v_cache, page_size)[entries, slots] = as_storage("v", v, v_cache)
 
 
 def _gather_rows(
@@ -43,11 +47,11 @@ def _gather_rows(
     """(B, max_pages * ps, H, D) fp32 rows of each request's pages, in position order.
     Rows at positions >= seq_len are zeros: they are never read as data (they may be
     unwritten, e.g. NaN-poisoned, bytes)."""
-    slots = torch.arange(page_size, device=block_table.device)
-    rows = block_table.long()[:, :, None] * page_size + slots  # (B, max_pages, ps)
-    rows = rows.flatten(1).clamp_(0, cache.shape[0] - 1)
+    paged = as_paged(cache, page_size)  # (entries, ps, H, D)
+    entries = block_table.long().clamp(0, paged.shape[0] - 1)
+    rows = paged[entries].flatten(1, 2)  # (B, max_pages * ps, H, D)
     live = torch.arange(rows.shape[1], device=rows.device)[None] < seq_lens.long()[:, None]
-    return torch.where(live[:, :, None, None], cache[rows].float(), 0.0)
+    return torch.where(live[:, :, None, None], rows.float(), 0.0)
 
 
 def _attend(
@@ -80,9 +84,9 @@ def _attend(
 
 
 def _check_group(q: torch.Tensor, k_cache: torch.Tensor) -> None:
-    if q.shape[-2] % k_cache.shape[1] != 0:
+    if q.shape[-2] % k_cache.shape[-2] != 0:
         raise ValueError(
-            f"query heads ({q.shape[-2]}) must be a multiple of KV heads ({k_cache.shape[1]}) for GQA"
+            f"query heads ({q.shape[-2]}) must be a multiple of KV heads ({k_cache.shape[-2]}) for GQA"
         )
 
 
@@ -180,7 +184,9 @@ def copy_pages(
 ) -> None:
     """Copy page envelopes ``src -> dst`` inside a 1-D uint8 buffer; every source
     is read before any destination is written. src/dst: (n,) int32/int64 physical pages."""
-    torch_copy_pages(buffer, src_pages, dst_pages, page_bytes)
+    num_pages = buffer.numel() // page_bytes
+    rows = buffer[: num_pages * page_bytes].view(num_pages, page_bytes)  # (pages, envelope)
+    rows.index_copy_(0, dst_pages.long(), rows.index_select(0, src_pages.long()))
 
 
 def build_block_table(
@@ -216,7 +222,7 @@ def build_block_table(
     vpage = torch.div(virt.clamp(min=0), page_size, rounding_mode="floor")
     phys = v2p[vpage.clamp(max=v2p.shape[0] - 1)].long()
     ok = live & (virt >= 0) & (phys >= 0)
-    out.copy_(torch.where(ok, phys * blocks_per_page, 0))
+    out.copy_(torch.where(ok, IdMap(page_size, blocks_per_page).page_entries(phys), 0))
     return out
 
 
@@ -234,8 +240,10 @@ def export_flashinfer(
     block_table: (B, max_pages) int32 kernel page entries; seq_lens: (B,) int32.
     Returns kv_indptr (B+1,) int32, kv_indices (B * max_pages,) int32 (the first
     kv_indptr[-1] entries are meaningful) and kv_last_page_len (B,) int32. The
-    indices address FlashInfer's NHD cache ``dense_view.view(-1, ps, H, D)``:
-    kernel page entry ``P * B`` is page ``P * B`` of that view.
+    indices address FlashInfer's NHD cache ``layout.as_paged(view, ps)``:
+    kernel page entry ``P * B`` is page ``P * B`` of that view (dense views:
+    ``view.view(-1, ps, H, D)``; asymmetric K/V: the pool's page-strided 4-D views
+    as they are, read by FlashInfer through their strides).
     """
     bsz, num_cols = block_table.shape
     dev = block_table.device

@@ -12,48 +12,41 @@ which is ``build_block_table`` (window W_k) plus ``translate_ids`` of the new
 token's virtual id, fused: the page entries are looked up once and read from
 ``req_to_token`` rather than carried from the host. Tombstones, negative ids
 and padding columns read 0 (the sink); ``v2p[-1]`` is never read.
-``step_tables_ref`` is the torch reference, built from the unfused references.
+``tables_ref.step_tables_ref`` is the torch reference, built from the unfused references.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels import reference
+from unikv.kernels._ids import kernel_row, page_entry, virtual_page
 from unikv.kernels.launch import launcher
+from unikv.kernels.tables_ref import (  # noqa: F401  (re-exported until callers import tables_ref)
+    StepTarget,
+    prepare_ref,
+    step_tables_ref,
+)
 
 MAX_TARGETS = 4
 BLOCK_COLS = 128
 
 
-class StepTarget(NamedTuple):
-    """One sub-pool's inputs and outputs: v2p (V,) int32; table (>= B, C) int32
-    with unit column stride; loc (>= B,) int32/int64; window 0 or W."""
-
-    v2p: torch.Tensor
-    blocks_per_page: int
-    window: int
-    table: torch.Tensor
-    loc: torch.Tensor
-
-
 @triton.jit
 def _target(
-    v2p, table, loc, window, row, col, ok, vpage, seq, here, in_page, num_cols,
+    v2p, table, loc, window, row, col, ok, vpage, seq, here, pos, num_cols,
     PS: tl.constexpr, BPP: tl.constexpr,
 ):  # fmt: skip
     keep = ok & ((window <= 0) | ((col + 1) * PS > seq - window))
     phys = tl.load(v2p + vpage, mask=keep, other=-1)
-    entry = tl.where(phys >= 0, phys.to(tl.int64) * BPP, 0)
+    entry = page_entry(phys, BPP)
     tl.store(table + row + col, entry.to(tl.int32), mask=col < num_cols)
     new_entry = tl.sum(tl.where(here, entry, 0), axis=0)  # the new token's page
     has_new = tl.sum(here.to(tl.int32), axis=0) > 0
-    tl.store(loc, (new_entry * PS + in_page).to(loc.dtype.element_ty), mask=has_new)
+    tl.store(loc, kernel_row(new_entry, pos, PS).to(loc.dtype.element_ty), mask=has_new)
 
 
 _STEP_ARGS = [
@@ -77,18 +70,17 @@ def _step_tables_kernel(
     live = col * PS < seq
     virt = tl.load(req_to_token + slot * rt_stride + col.to(tl.int64) * PS, mask=live, other=-1)
     ok = live & (virt >= 0)
-    vpage = tl.where(ok, virt, 0) // PS  # non-negative: floor == truncation
+    vpage = virtual_page(virt, PS)  # -1 off the live prefix: page 0
     pos = seq - 1
     here = col == pos // PS
-    in_page = pos % PS
     row = b.to(tl.int64) * out_stride
-    _target(v0, t0, l0 + b, w0, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B0)
+    _target(v0, t0, l0 + b, w0, row, col, ok, vpage, seq, here, pos, num_cols, PS, B0)
     if NUM > 1:
-        _target(v1, t1, l1 + b, w1, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B1)
+        _target(v1, t1, l1 + b, w1, row, col, ok, vpage, seq, here, pos, num_cols, PS, B1)
     if NUM > 2:
-        _target(v2, t2, l2 + b, w2, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B2)
+        _target(v2, t2, l2 + b, w2, row, col, ok, vpage, seq, here, pos, num_cols, PS, B2)
     if NUM > 3:
-        _target(v3, t3, l3 + b, w3, row, col, ok, vpage, seq, here, in_page, num_cols, PS, B3)
+        _target(v3, t3, l3 + b, w3, row, col, ok, vpage, seq, here, pos, num_cols, PS, B3)
 
 
 _launch = launcher(_step_tables_kernel)
@@ -149,42 +141,3 @@ def prepare(
             _launch((bsz, blocks), *args, key=keys[i], **meta)
 
     return run
-
-
-def prepare_ref(
-    req_to_token: torch.Tensor, page_size: int, targets: Sequence[StepTarget]
-) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """``prepare`` of the torch reference."""
-    return lambda req_slots, seq_lens: step_tables_ref(
-        req_to_token, req_slots, seq_lens, page_size, targets
-    )
-
-
-def step_tables_ref(
-    req_to_token: torch.Tensor,
-    req_slots: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    targets: Sequence[StepTarget],
-) -> None:
-    """Torch reference of ``step_tables``: the block-table reference, then the new
-    tokens' virtual ids translated through the translation reference."""
-    from unikv.kernels.table_update import translate_ids_ref
-
-    bsz = req_slots.shape[0]
-    if bsz == 0:
-        return
-    slots = req_slots.long()
-    virtual = req_to_token[slots, seq_lens.long() - 1]  # the new tokens' virtual ids
-    for t in targets:
-        reference.build_block_table(
-            req_to_token,
-            req_slots,
-            seq_lens,
-            t.v2p,
-            page_size=page_size,
-            blocks_per_page=t.blocks_per_page,
-            out=t.table[:bsz],
-            window=t.window,
-        )
-        translate_ids_ref(virtual, t.v2p, page_size, page_size * t.blocks_per_page, t.loc)

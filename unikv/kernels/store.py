@@ -1,8 +1,10 @@
 """Triton KV store: K and V rows of T new tokens written at kernel ids, one launch.
 
-One program writes BLOCK_T tokens; a token's row is addressed as
-``cache + kernel_id * stride_row + h * stride_head + d`` with every offset in
-int64, so the strided dense views of ``unikv.layout`` are written in place.
+One program writes BLOCK_T tokens; a token's row is addressed with
+``_ids.kernel_offset`` (dense view: ``kernel_id * row_stride``; page-strided
+view: ``(kid // ps) * page_stride + (kid % ps) * row_stride``), plus
+``h * head_stride + d``, every offset in int64, so the views of ``unikv.layout``
+are written in place.
 fp8 rows are bit-copied as bytes (the cache is uint8, K/V are viewed as uint8).
 """
 
@@ -12,7 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels._checks import as_storage, check_cache, check_ids, check_same_device, next_pow2
+from unikv.kernels._checks import (
+    as_storage,
+    check_cache,
+    check_ids,
+    check_same_device,
+    next_pow2,
+    view_strides,
+)
+from unikv.kernels._ids import kernel_offset
 
 TILE_ELEMS = 16384  # elements of K (and of V) one program moves; tuned on the H200
 NUM_WARPS = 4
@@ -27,10 +37,12 @@ def _copy_rows(
     T,
     s_st,
     s_sh,
+    d_sb,
     d_sn,
     d_sh,
     H: tl.constexpr,
     D: tl.constexpr,
+    PS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -41,11 +53,12 @@ def _copy_rows(
     d = offs_c % BLOCK_D
     mask_t = offs_t < T
     mask = mask_t[:, None] & ((h < H) & (d < D))[None, :]
-    rows = tl.load(ids + offs_t, mask=mask_t, other=0).to(tl.int64)
+    kids = tl.load(ids + offs_t, mask=mask_t, other=0)
+    rows = kernel_offset(kids, PS, d_sb, d_sn)
     col_src = h.to(tl.int64) * s_sh + d
     col_dst = h.to(tl.int64) * d_sh + d
     vals = tl.load(src + offs_t.to(tl.int64)[:, None] * s_st + col_src[None, :], mask=mask)
-    tl.store(dst + rows[:, None] * d_sn + col_dst[None, :], vals, mask=mask)
+    tl.store(dst + rows[:, None] + col_dst[None, :], vals, mask=mask)
 
 
 @triton.jit
@@ -56,8 +69,10 @@ def _store_kv_kernel(
     k,
     v,
     T,
+    kc_sb,
     kc_sn,
     kc_sh,
+    vc_sb,
     vc_sn,
     vc_sh,
     k_st,
@@ -67,6 +82,7 @@ def _store_kv_kernel(
     H: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
+    PS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -74,8 +90,14 @@ def _store_kv_kernel(
     BLOCK_CV: tl.constexpr,
 ):
     t0 = tl.program_id(0) * BLOCK_T
-    _copy_rows(k, k_cache, ids, t0, T, k_st, k_sh, kc_sn, kc_sh, H, D, BLOCK_T, BLOCK_D, BLOCK_CK)
-    _copy_rows(v, v_cache, ids, t0, T, v_st, v_sh, vc_sn, vc_sh, H, DV, BLOCK_T, BLOCK_DV, BLOCK_CV)
+    _copy_rows(
+        k, k_cache, ids, t0, T, k_st, k_sh, kc_sb, kc_sn, kc_sh,
+        H, D, PS, BLOCK_T, BLOCK_D, BLOCK_CK,
+    )  # fmt: skip
+    _copy_rows(
+        v, v_cache, ids, t0, T, v_st, v_sh, vc_sb, vc_sn, vc_sh,
+        H, DV, PS, BLOCK_T, BLOCK_DV, BLOCK_CV,
+    )  # fmt: skip
 
 
 def store_kv(
@@ -88,16 +110,23 @@ def store_kv(
     """Write K and V rows of T tokens at kernel ids, in one launch (a bit copy).
 
     k_cache: (N, H, D) dense per-layer K view in storage dtype (uint8 for fp8),
-    strided rows allowed; v_cache: (N, H, Dv). kernel_ids: (T,) int32/int64
+    strided rows allowed, or an (E, ps, H, D) page-strided view (asymmetric K/V);
+    v_cache: (N, H, Dv) or (E, ps, H, Dv), the same kind. kernel_ids: (T,) int32/int64
     kernel ids (sink ids are harmless). k: (T, H, D), v: (T, H, Dv) in the
     logical dtype; unit stride on the last dim.
     """
     check_ids("kernel_ids", kernel_ids)
     check_cache("k_cache", k_cache)
-    check_cache("v_cache", v_cache, heads=k_cache.shape[1])
+    check_cache("v_cache", v_cache, heads=k_cache.shape[-2])
+    if k_cache.shape[:-2] != v_cache.shape[:-2]:
+        raise ValueError(
+            f"k_cache and v_cache must index the same kernel ids, got shapes "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     num_tokens = kernel_ids.shape[0]
-    heads, dim = k_cache.shape[1], k_cache.shape[2]
-    dim_v = v_cache.shape[2]
+    heads, dim = k_cache.shape[-2], k_cache.shape[-1]
+    dim_v = v_cache.shape[-1]
+    page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1  # a dense view: one row per id
     if k.shape != (num_tokens, heads, dim) or v.shape != (num_tokens, heads, dim_v):
         raise ValueError(
             f"k/v must be ({num_tokens}, {heads}, {dim}) / ({num_tokens}, {heads}, {dim_v}) to "
@@ -120,10 +149,8 @@ def store_kv(
         k,
         v,
         num_tokens,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *view_strides("k_cache", k_cache, page_size),
+        *view_strides("v_cache", v_cache, page_size),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -131,6 +158,7 @@ def store_kv(
         H=heads,
         D=dim,
         DV=dim_v,
+        PS=page_size,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         BLOCK_DV=block_dv,

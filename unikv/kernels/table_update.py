@@ -1,38 +1,36 @@
 """Fused writes of the allocator's device tables and fused translation (Triton).
 
 ``update_tables`` applies every table write of one allocator verb in ONE launch
-(per group of 8 tables). Its input is one packed int32 device array:
-
-    packed = [ header: S rows (table, index_offset, value_offset, count) | data ... ]
-    segment s:  tables[table][packed[index_offset + j]] = packed[value_offset + j]
-                (or = -1, a tombstone, when value_offset < 0), for j < count
-
+(per group of 8 tables), from one packed int32 device array in the wire format
+of ``kernels/tables_ref.py`` (``HEADER`` ints per segment row, then the data).
 The indices written into one table by one call must be distinct (the writes of
 a call are unordered). ``translate_ids`` maps virtual token ids to kernel (or
-physical) ids in one launch:
+physical) ids in one launch with ``_ids.translate``:
 
-    page = tv // ps if tv >= 0 else 0      (clamped BEFORE the lookup: never v2p[-1])
-    out  = max(v2p[page], 0) * mult + tv mod ps      (mult = ps * B, or ps)
+    out = max(v2p[tv // ps if tv >= 0 else 0], 0) * mult + tv mod ps    (mult = ps * B, or ps)
 
-which equals ``unikv.allocator.translate`` (floor modulo keeps padding ids in
-the sink page). Torch references of the same signatures: ``update_tables_ref``
-and ``translate_ids_ref`` (for CPU and for tests).
+The torch references (same signatures) are ``tables_ref.update_tables_ref`` and
+``tables_ref.translate_ids_ref``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels._ids import translate
 from unikv.kernels.launch import launcher
+from unikv.kernels.tables_ref import (  # noqa: F401  (re-exported until callers import tables_ref)
+    HEADER,
+    translate_ids_ref,
+    update_tables_ref,
+)
 
 MAX_TABLES = 8
 BLOCK = 256
-HEADER = 4  # ints per segment row
 
 
 _UPDATE_ARGS = ["packed", "base", "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"]
@@ -40,9 +38,14 @@ _UPDATE_ARGS = ["packed", "base", "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7"
 
 @triton.jit(do_not_specialize=_UPDATE_ARGS, do_not_specialize_on_alignment=_UPDATE_ARGS)
 def _update_tables_kernel(
-    packed, base, t0, t1, t2, t3, t4, t5, t6, t7, NUM: tl.constexpr, BLOCK: tl.constexpr
-):
-    row = packed + tl.program_id(0) * 4
+    packed,
+    base,
+    t0, t1, t2, t3, t4, t5, t6, t7,
+    NUM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HEADER: tl.constexpr,
+):  # fmt: skip
+    row = packed + tl.program_id(0) * HEADER
     table = tl.load(row) - base
     index_off = tl.load(row + 1)
     value_off = tl.load(row + 2)
@@ -77,7 +80,7 @@ def update_tables(
     """Apply the ``num_segments`` packed segments (module docstring) to ``tables``.
 
     tables: 1-D contiguous int32 device tensors (table ids index this list);
-    packed: (4 * num_segments + data,) int32 on the same device; max_count: a
+    packed: (HEADER * num_segments + data,) int32 on the same device; max_count: a
     host int >= every segment's count (sizes the grid). No host sync."""
     if num_segments == 0 or max_count == 0:
         return
@@ -86,27 +89,7 @@ def update_tables(
         group = list(tables[base : base + MAX_TABLES])
         num = len(group)
         group += [None] * (MAX_TABLES - num)  # constexpr None: never touched
-        _launch_update(grid, packed, base, *group, NUM=num, BLOCK=BLOCK)
-
-
-def update_tables_ref(
-    tables: Sequence[torch.Tensor], packed: torch.Tensor, num_segments: int, max_count: int
-) -> None:
-    """Torch reference of ``update_tables`` (reads the header on the host: CPU use)."""
-    header = packed[: HEADER * num_segments].view(num_segments, HEADER).tolist()
-    for table, index_off, value_off, count in header:
-        assert count <= max_count, "update_tables: max_count bounds every segment's count"
-        index = packed[index_off : index_off + count]  # int32 indices
-        if value_off < 0:
-            value = _minus_one(tables[table].dtype, packed.device)
-        else:
-            value = packed[value_off : value_off + count]
-        tables[table].index_put_((index,), value)
-
-
-@functools.cache
-def _minus_one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.full((), -1, dtype=dtype, device=device)
+        _launch_update(grid, packed, base, *group, NUM=num, BLOCK=BLOCK, HEADER=HEADER)
 
 
 _TRANSLATE_ARGS = ["ids", "v2p", "out", "n"]
@@ -117,10 +100,7 @@ def _translate_kernel(ids, v2p, out, n, MULT: tl.constexpr, PS: tl.constexpr, BL
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     tv = tl.load(ids + i, mask=mask, other=-1).to(tl.int64)
-    page = tl.where(tv >= 0, tv, 0) // PS
-    slot = ((tv % PS) + PS) % PS  # floor modulo under C or Python remainder rules
-    phys = tl.load(v2p + page, mask=mask, other=0).to(tl.int64)
-    result = tl.maximum(phys, 0) * MULT + slot
+    result = translate(tv, v2p, mask, PS, MULT)
     tl.store(out + i, result.to(out.dtype.element_ty), mask=mask)
 
 
@@ -139,20 +119,4 @@ def translate_ids(
     if n:
         grid = (triton.cdiv(n, BLOCK),)
         _launch_translate(grid, ids, v2p, out, n, MULT=mult, PS=page_size, BLOCK=BLOCK)
-    return out[:n]
-
-
-def translate_ids_ref(
-    ids: torch.Tensor, v2p: torch.Tensor, page_size: int, mult: int, out: torch.Tensor
-) -> torch.Tensor:
-    """Torch reference of ``translate_ids`` (same signature and result)."""
-    n = ids.shape[0]
-    if page_size == 1:  # every id is its page; padding reads page 0
-        result = v2p.index_select(0, ids.clamp_min(0)).clamp_min_(0).long().mul_(mult)
-    else:
-        tv = ids.long()
-        page = torch.div(tv.clamp_min(0), page_size, rounding_mode="floor")
-        phys = v2p.index_select(0, page).clamp_min_(0).long()
-        result = phys.mul_(mult).add_(torch.remainder(tv, page_size))
-    out[:n].copy_(result)  # result is fresh: out may alias ids
     return out[:n]
