@@ -191,7 +191,7 @@ def static_shares(configs: list[SubPoolConfig]) -> dict[str, float]:
 def equal_page_configs(configs: list[SubPoolConfig]) -> list[SubPoolConfig]:
     """The sub-pools padded to equal page bytes (see the module docstring)."""
     tokens = [c for c in configs if isinstance(c.spec, MHASpec)]
-    if len({c.spec.row_bytes for c in tokens}) > 1:
+    if len({c.spec.layer_bytes for c in tokens}) > 1:
         raise ValueError(
             "equal_pages pads layer counts; it needs one row width across attention sub-pools"
         )
@@ -205,7 +205,7 @@ def equal_page_configs(configs: list[SubPoolConfig]) -> list[SubPoolConfig]:
         return out
     spec = mamba[0].spec
     per_layer = spec.entry_bytes // spec.num_layers
-    token_row = 2 * tokens[0].spec.row_bytes  # one layer's K + V of one token
+    token_row = tokens[0].spec.layer_bytes  # one layer's K + V of one token
     ps = -(-per_layer // token_row)
     ps = -(-ps // VLLM_PAGE_ALIGN) * VLLM_PAGE_ALIGN
     out = [dataclasses.replace(c, page_size=ps) for c in out]

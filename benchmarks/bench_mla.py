@@ -11,13 +11,28 @@ export: ``kv_indices`` from ``export_flashinfer`` (kernel page entries) and the
 view ``dense.view(-1, ps, 576)`` split into its latent ``[..., :512]`` and rope
 ``[..., 512:]`` parts (strided: FlashInfer takes page and row strides).
 
+FlashInfer 0.5.3's API, as used here: ``plan(qo_indptr, kv_indptr, kv_indices,
+kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
+q_data_type, kv_data_type)`` (host copies of the indptrs: outside the timed
+region) and ``run(q_nope, q_pe, ckv_cache, kpe_cache)``. Its C++ run reads
+``ckv_cache.stride(0)`` / ``stride(1)`` (page and row strides, in elements, as
+uint32) and assumes a unit last stride, so the two strided views of one pool
+buffer are passed as they are: no copy (recorded as ``flashinfer_cache`` in the
+JSON). Before FlashInfer's int64 fix of ``page index * page stride`` (PR #3136,
+2026), that product wraps at 2**32 elements: a shape whose view would reach past
+it is run on a one-layer pool (``pool_layers`` 1 in its row) so both kernels
+still read the same bytes correctly.
+
 Sections: decode (B in 1..128 x L in 1k..32k, H 16 and 128, page 16; pages 1 and
 64 on a subset) and extend (absorbed prefill chunks, causal; plus the whole
-prefill attention absorbed vs expanded + SDPA, to pick the prefill path). Every output is
-checked against the other implementation (and the torch reference on small
-shapes) before it is timed. Ratios ``vs_flashinfer_*`` are FlashInfer's time over
-unikv's (> 1: unikv is faster). ``--sweep`` times alternative tile configs and
-split counts on a few decode shapes (to retune ``unikv/kernels/mla.py CONFIGS``).
+prefill attention absorbed vs expanded + SDPA, to pick the prefill path). Every
+output is checked against the other implementation (max abs and relative error;
+and the torch reference on small shapes) BEFORE anything is timed; a FlashInfer
+backend whose output disagrees is recorded with its errors and not timed. Ratios
+``vs_flashinfer_*`` are FlashInfer's time over unikv's (> 1: unikv is faster).
+``--sweep`` times alternative tile configs and split counts on a few decode
+shapes (to retune ``unikv/kernels/mla.py CONFIGS``). The JSON goes to ``--out``
+and, when the environment sets ``$OUT``, to ``$OUT/<its file name>`` too.
 """
 
 # ruff: noqa: B023, BLE001  (lambdas are timed at once; a failing peer is recorded, not fatal)
@@ -25,10 +40,12 @@ split counts on a few decode shapes (to retune ``unikv/kernels/mla.py CONFIGS``)
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,20 +63,36 @@ DECODE = [(b, n) for b in (1, 8, 32, 128) for n in (1024, 4096, 32768)]
 QUICK = [(1, 32768), (32, 4096), (128, 1024), (128, 8192)]
 EXTEND = [(1, 0, 4096), (8, 4096, 512), (32, 1024, 128)]
 SWEEP = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2)]
+REL_TOL = 2e-2  # relative (norm) error allowed between two bf16 implementations
+ABS_TOL = 0.1  # max abs error allowed, as a fraction of the output's largest magnitude
+UINT32_ELEMS = 2**32  # FlashInfer < PR #3136: page index x page stride wraps here
+CACHE_NOTE = (
+    "strided views of the pool buffer, ckv = view(-1, ps, 576)[..., :512], kpe = [..., 512:]"
+    " (page stride ps*576, row stride 576, unit last stride): passed without a copy"
+)
+
+
+def pool_layers(bsz: int, length: int, page_size: int) -> int:
+    """2 (read layer 1 of two: a real row-block stride) unless FlashInfer's view of
+    such a pool would reach past 2**32 elements (its 32-bit page offsets), then 1."""
+    rows = 2 * bsz * math.ceil(length / page_size) * page_size  # B = 2 row-blocks per page
+    return 2 if (rows + page_size) * (RANK + ROPE) < UINT32_ELEMS else 1
 
 
 class LatentPool:
-    """B requests of ``cached + new`` tokens on permuted pages of a 2-layer MLA pool."""
+    """B requests of ``cached + new`` tokens on permuted pages of an MLA pool of
+    ``pool_layers`` layers (its last layer is read)."""
 
     def __init__(self, bsz: int, length: int, page_size: int):
-        spec = MLASpec(2, RANK, ROPE, dtype=torch.bfloat16)
+        self.layers = pool_layers(bsz, length, page_size)
+        spec = MLASpec(self.layers, RANK, ROPE, dtype=torch.bfloat16)
         pages = math.ceil(length / page_size)
         cfg = [SubPoolConfig("mla", spec, page_size=page_size)]
         pool = UnifiedPool(cfg, pool_bytes_for(cfg, {"mla": bsz * pages}), "cuda")
         sub = pool["mla"]
         perm = torch.randperm(sub.usable_pages, device="cuda")[: bsz * pages] + sub.first_page
         self.block_table = (perm.view(bsz, pages) * sub.blocks_per_page).int()
-        self.cache = sub.views[1]  # (N, 576) dense latent view of layer 1
+        self.cache = sub.views[-1]  # (N, 576) dense latent view of the last layer
         pos = torch.arange(length, device="cuda")
         ids = self.block_table[:, pos // page_size].long() * page_size + pos % page_size
         for b in range(bsz):  # a naive indexed write, one request at a time
@@ -78,6 +111,15 @@ def rel_err(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def agreement(got, want) -> dict:
+    """max abs and relative error of ``got`` against ``want`` and whether they agree
+    (``REL_TOL``, ``ABS_TOL``); a wrong page shows as a large max abs error."""
+    diff = (got.float() - want.float()).abs().max().item()
+    scale = want.float().abs().max().item()
+    rel = rel_err(got, want)
+    return {"max_abs_err": diff, "rel_err": rel, "ok": rel < REL_TOL and diff <= ABS_TOL * scale}
+
+
 def run_unikv(q_lat, q_rope, kv: LatentPool, q_indptr, max_q_len, **kw):
     return OPS.mla_attention(
         q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens,
@@ -85,10 +127,11 @@ def run_unikv(q_lat, q_rope, kv: LatentPool, q_indptr, max_q_len, **kw):
     )  # fmt: skip
 
 
-def flashinfer_mla(fi, backend, q_lat, q_rope, kv: LatentPool, q_indptr, causal):
-    """(output, microseconds, graph microseconds or None) of FlashInfer's MLA."""
+def flashinfer_runner(fi, backend, q_lat, q_rope, kv: LatentPool, q_indptr, causal):
+    """FlashInfer's MLA planned over the pool's export: a no-argument callable that
+    runs it on the pool's own bytes (the plan's host copies happen here, once)."""
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = fi.mla.BatchMLAPagedAttentionWrapper(ws, backend=backend)
+    wrapper = fi.BatchMLAPagedAttentionWrapper(ws, backend=backend)
     kv_indptr, kv_indices, _ = OPS.export_flashinfer(
         kv.block_table, kv.seq_lens, page_size=kv.page_size
     )
@@ -97,29 +140,49 @@ def flashinfer_mla(fi, backend, q_lat, q_rope, kv: LatentPool, q_indptr, causal)
         kv.page_size, causal, SCALE, q_lat.dtype, kv.cache.dtype,
     )  # fmt: skip
     ckv, kpe = kv.flashinfer_cache()
-    out = wrapper.run(q_lat, q_rope, ckv, kpe)
-    us = bench_us(lambda: wrapper.run(q_lat, q_rope, ckv, kpe))
-    graph = None
-    if us < 400:
-        try:
-            graph = graph_us(lambda: wrapper.run(q_lat, q_rope, ckv, kpe))
-        except Exception as exc:
-            print(f"flashinfer {backend} graph capture failed: {exc!r}")
-    return out, us, graph
+    return lambda: wrapper.run(q_lat, q_rope, ckv, kpe)
 
 
-def peers(fi, row, q_lat, q_rope, kv, q_indptr, ours, ours_us, causal):
+def check_peers(fi, row, q_lat, q_rope, kv, q_indptr, ours, causal) -> dict:
+    """Plan and run every FlashInfer backend once and compare its output with
+    unikv's (nothing is timed yet). Returns {backend: runner} of those that agree;
+    the others' errors or exceptions go into ``row``."""
+    runners = {}
     for backend in BACKENDS if fi is not None else ():
         try:
-            out, us, graph = flashinfer_mla(fi, backend, q_lat, q_rope, kv, q_indptr, causal)
-            row[f"err_vs_flashinfer_{backend}"] = rel_err(ours, out)
-            assert row[f"err_vs_flashinfer_{backend}"] < 2e-2, "unikv and FlashInfer disagree"
-            row[f"flashinfer_{backend}_us"], row[f"flashinfer_{backend}_graph_us"] = us, graph
-            row[f"vs_flashinfer_{backend}"] = us / ours_us
-            if graph and row.get("graph_us"):
-                row[f"graph_vs_flashinfer_{backend}_graph"] = graph / row["graph_us"]
+            run = flashinfer_runner(fi, backend, q_lat, q_rope, kv, q_indptr, causal)
+            check = agreement(ours, run())
+            torch.cuda.synchronize()
         except Exception as exc:
             row[f"flashinfer_{backend}_error"] = repr(exc)[:300]
+            continue
+        row[f"max_abs_err_vs_flashinfer_{backend}"] = check["max_abs_err"]
+        row[f"err_vs_flashinfer_{backend}"] = check["rel_err"]
+        if check["ok"]:
+            runners[backend] = run
+        else:
+            row[f"flashinfer_{backend}_error"] = "outputs disagree with unikv: not timed"
+    return runners
+
+
+def time_peers(runners, row, ours_us) -> None:
+    """Time the FlashInfer backends that agreed (eager, and replayed in a CUDA graph
+    for short kernels) and record the ratios to unikv's times."""
+    for backend, run in runners.items():
+        try:
+            us = bench_us(run)
+        except Exception as exc:
+            row[f"flashinfer_{backend}_error"] = repr(exc)[:300]
+            continue
+        graph = None
+        try:
+            graph = graph_us(run) if us < 400 else None
+        except Exception as exc:  # eager numbers still count
+            row[f"flashinfer_{backend}_graph_error"] = repr(exc)[:300]
+        row[f"flashinfer_{backend}_us"], row[f"flashinfer_{backend}_graph_us"] = us, graph
+        row[f"vs_flashinfer_{backend}"] = us / ours_us
+        if graph and row.get("graph_us"):
+            row[f"graph_vs_flashinfer_{backend}_graph"] = graph / row["graph_us"]
 
 
 def decode_row(fi, ceil, bsz, length, heads, ps) -> dict:
@@ -128,13 +191,19 @@ def decode_row(fi, ceil, bsz, length, heads, ps) -> dict:
     q_rope = torch.randn(bsz, heads, ROPE, device="cuda", dtype=torch.bfloat16)
     q_indptr = torch.arange(bsz + 1, dtype=torch.int32, device="cuda")
     ours = run_unikv(q_lat, q_rope, kv, q_indptr, 1)
-    row = {"B": bsz, "L": length, "H": heads, "page_size": ps}
+    row = {"B": bsz, "L": length, "H": heads, "page_size": ps, "pool_layers": kv.layers}
     if bsz * length * heads <= 1 << 22:  # the torch reference fits in memory
         ref = mla_ref.mla_attention(
             q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens,
             max_q_len=1, page_size=ps, sm_scale=SCALE,
         )  # fmt: skip
-        row["err_vs_reference"] = rel_err(ours, ref)
+        check = agreement(ours, ref)
+        row["err_vs_reference"], row["max_abs_err_vs_reference"] = (
+            check["rel_err"],
+            check["max_abs_err"],
+        )
+        assert check["ok"], f"unikv disagrees with the torch reference: {check}"
+    runners = check_peers(fi, row, q_lat, q_rope, kv, q_indptr, ours, causal=False)
     us = bench_us(lambda: run_unikv(q_lat, q_rope, kv, q_indptr, 1))
     nbytes = bsz * length * (RANK + ROPE) * 2
     row.update(
@@ -146,7 +215,7 @@ def decode_row(fi, ceil, bsz, length, heads, ps) -> dict:
         TBps=nbytes / us / 1e6,
         pct_copy=nbytes / us / 1e3 / ceil["d2d_GBps"] * 100,
     )
-    peers(fi, row, q_lat, q_rope, kv, q_indptr, ours, us, causal=False)
+    time_peers(runners, row, us)
     return row
 
 
@@ -192,11 +261,13 @@ def extend_row(fi, bsz, cached, new, heads, ps) -> dict:
     q_rope = torch.randn(bsz * new, heads, ROPE, device="cuda", dtype=torch.bfloat16)
     q_indptr = torch.arange(bsz + 1, dtype=torch.int32, device="cuda") * new
     ours = run_unikv(q_lat, q_rope, kv, q_indptr, new)
+    row = {"B": bsz, "cached": cached, "new": new, "H": heads, "page_size": ps}
+    row["pool_layers"] = kv.layers
+    runners = check_peers(fi, row, q_lat, q_rope, kv, q_indptr, ours, causal=True)
     us = bench_us(lambda: run_unikv(q_lat, q_rope, kv, q_indptr, new))
     flops = 2 * (2 * RANK + ROPE) * heads * bsz * sum(cached + j + 1 for j in range(new))
-    row = {"B": bsz, "cached": cached, "new": new, "H": heads, "page_size": ps}
     row.update(unikv_us=us, TFLOPs=flops / us / 1e6)
-    peers(fi, row, q_lat, q_rope, kv, q_indptr, ours, us, causal=True)
+    time_peers(runners, row, us)
     try:
         absorbed_vs_expanded(row, kv, q_rope, q_indptr, new, heads)
     except Exception as exc:
@@ -240,15 +311,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     try:
-        import flashinfer as fi
+        fi = importlib.import_module("flashinfer.mla")  # BatchMLAPagedAttentionWrapper
+        version = getattr(importlib.import_module("flashinfer"), "__version__", None)
     except Exception as exc:  # recorded, not hidden
         print(f"flashinfer unavailable: {exc!r}")
-        fi = None
+        fi, version = None, f"unavailable: {exc!r}"[:300]
     result = {
         "env": environment(),
         "quick": args.quick,
-        "flashinfer": getattr(fi, "__version__", None),
+        "flashinfer": version,
+        "flashinfer_cache": CACHE_NOTE,
+        "checks": {"rel_tol": REL_TOL, "abs_tol_of_max": ABS_TOL, "before_timing": True},
     }
+    outs = [args.out]
+    if os.environ.get("OUT"):  # the device runs collect $OUT
+        outs.append(str(Path(os.environ["OUT"]) / Path(args.out).name))
     result["config"] = {"CONFIGS": {str(k): v for k, v in mla.CONFIGS.items()}}
     result["ceilings"] = ceil = copy_ceilings()
     t0 = time.time()
@@ -267,11 +344,13 @@ def main() -> None:
         print(section, row, flush=True)
         result.setdefault(section, []).append(row)
         torch.cuda.empty_cache()
-        save_json(args.out, result)
+        for out in outs:  # after every shape: a killed run keeps what it measured
+            save_json(out, result)
     if args.sweep:
         result["sweep"] = sweep(QUICK)
     print(f"[done at {time.time() - t0:.0f}s]", flush=True)
-    save_json(args.out, result)
+    for out in outs:
+        save_json(out, result)
 
 
 if __name__ == "__main__":

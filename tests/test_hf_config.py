@@ -128,6 +128,20 @@ CASES = {
             **SMALL,
         ),
     ),
+    "mimo_v2_flash": (  # asymmetric K/V (36 / 20), sliding layers with twice the KV heads
+        T.MiMoV2FlashForCausalLM,
+        lambda: T.MiMoV2FlashConfig(
+            num_hidden_layers=7,  # transformers' default pattern: full on layers 0 and 5
+            num_key_value_heads=1,
+            head_dim=36,
+            v_head_dim=20,
+            sliding_window=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            **SMALL,
+        ),
+    ),
     "bamba": (
         T.BambaForCausalLM,
         lambda: T.BambaConfig(
@@ -396,6 +410,29 @@ def test_falcon_h1_dict_without_d_ssm_uses_the_transformers_default() -> None:
 def test_a_bad_layer_pattern_is_a_clear_value_error(config, message) -> None:
     with pytest.raises(ValueError, match=message):
         specs_from_hf_config(config)
+
+
+def test_mimo_v2_flash_hub_spelling_gives_the_transformers_specs() -> None:
+    """The released config.json spells the layer pattern ``hybrid_layer_pattern`` (0 =
+    full, 1 = sliding) and the sliding layers' shape ``swa_*``; read as a dict it gives
+    the specs of transformers' own config object (which derives them by its rules)."""
+    config = CASES["mimo_v2_flash"][1]()
+    raw = json.loads(config.to_json_string(use_diff=False))
+    raw.pop("layer_types")
+    raw.update(
+        hybrid_layer_pattern=[0, 1, 1, 1, 1, 0, 1],
+        swa_num_key_value_heads=2,
+        swa_head_dim=36,
+        swa_v_head_dim=20,
+    )
+    want = specs_from_hf_config(config)
+    assert specs_from_hf_config(raw) == want
+    full, swa = want
+    assert (full.layers, swa.layers) == ((0, 5), (1, 2, 3, 4, 6))
+    assert (full.spec.num_kv_heads, swa.spec.num_kv_heads) == (1, 2)
+    assert (swa.spec.head_dim, swa.spec.v_head_dim, swa.spec.sliding_window) == (36, 20, 3)
+    with pytest.raises(ValueError, match=r"hybrid_layer_pattern must list .* got \[0, 2\]"):
+        specs_from_hf_config({**raw, "num_hidden_layers": 2, "hybrid_layer_pattern": [0, 2]})
 
 
 def test_unknown_architecture_lists_the_known_ones() -> None:

@@ -36,6 +36,15 @@ HAND = {
         ("swa", MHASpec(13, 4, 256, sliding_window=4096), 16),
     ],
     "deepseek-v2-lite": [("mla", MLASpec(27, 512, 64), 16)],
+    "deepseek-v3": [("mla", MLASpec(61, 512, 64), 16)],  # 61 MLA layers, rank 512 + rope 64
+    "gemma-3-27b": [  # 62 layers, five sliding per full one: 10 full, 52 sliding
+        ("full", MHASpec(10, 16, 128), 16),
+        ("swa", MHASpec(52, 16, 128, sliding_window=1024), 16),
+    ],
+    "mimo-v2-flash": [  # 48 layers, full on 0 and every sixth: 9 full (4 KV heads), 39 sliding (8)
+        ("full", MHASpec(9, 4, 192, 128), 16),
+        ("swa", MHASpec(39, 8, 192, 128, sliding_window=128), 16),
+    ],
     "bamba-9b": [
         ("full", MHASpec(3, 8, 128), 16),
         (
@@ -333,3 +342,68 @@ def test_falcon_h1_layers_are_in_both_sub_pools(capsys) -> None:
     assert code == 0 and plan["layer_kinds"] == ["full+mamba"] * 44
     assert plan["subpools"]["full"]["model_layers"] == plan["subpools"]["mamba"]["model_layers"]
     assert plan["subpools"]["mamba"]["model_layers"] == list(range(44))
+
+
+# -- asymmetric K/V: bytes per token padded vs exact -----------------------------------
+
+
+def test_kv_layout_bytes_of_the_192_128_shape() -> None:
+    """The issue's example: 9 layers of one 192/128 head in bf16 hold 5,760 bytes of
+    data per token, 6,912 when both rows are padded to 192 (20 % more)."""
+    from unikv.inspect import kv_layout_bytes
+
+    got = kv_layout_bytes(MHASpec(9, 1, 192, 128))
+    assert (got["padded"], got["exact"]) == (6912, 5760)
+    assert got["stored"] == MHASpec(9, 1, 192, 128).entry_bytes
+    fp8 = kv_layout_bytes(MHASpec(3, 2, 20, 36, torch.float8_e4m3fn))  # V wider than K
+    assert (fp8["padded"], fp8["exact"]) == (3 * 2 * 2 * 36, 3 * 2 * 56)
+    same = kv_layout_bytes(MHASpec(4, 2, 64))
+    assert same["padded"] == same["exact"] == same["stored"] == 4 * 2 * 2 * 64 * 2
+
+
+def test_mimo_v2_flash_padded_and_exact_from_its_config(capsys) -> None:
+    """Bytes per token and tokens in the budget under both layouts, from the preset's
+    own fields (layer pattern counted here, widths read from the JSON)."""
+    c = json.loads((PRESET_DIR / "mimo-v2-flash.json").read_text())
+    full_layers = c["hybrid_layer_pattern"].count(0)
+    swa_layers = c["num_hidden_layers"] - full_layers
+    d, dv = c["head_dim"], c["v_head_dim"]
+    want = {
+        "full": (full_layers * c["num_key_value_heads"], c["num_key_value_heads"]),
+        "swa": (swa_layers * c["swa_num_key_value_heads"], c["swa_num_key_value_heads"]),
+    }
+    budget = 80 * GIB
+    code, out, _ = run(capsys, "mimo-v2-flash", "--budget", "80GiB", "--json")
+    assert code == 0
+    layout = json.loads(out)["kv_layout"]
+    totals = {"padded": 0, "exact": 0}
+    for name, (layer_heads, _) in want.items():
+        padded, exact = layer_heads * 2 * max(d, dv) * 2, layer_heads * (d + dv) * 2
+        got = layout["subpools"][name]
+        assert (got["bytes_per_token"]["padded"], got["bytes_per_token"]["exact"]) == (
+            padded,
+            exact,
+        )
+        assert got["tokens_in_budget"]["padded"] == budget // (16 * padded) * 16
+        assert got["tokens_in_budget"]["exact"] == budget // (16 * exact) * 16
+        totals = {"padded": totals["padded"] + padded, "exact": totals["exact"] + exact}
+    assert (
+        {k: layout["bytes_per_token"][k] for k in totals}
+        == totals
+        == {
+            "padded": 267264,
+            "exact": 222720,
+        }
+    )
+    code, out, _ = run(capsys, "mimo-v2-flash", "--budget", "80GiB")
+    assert "full: padded 27648 B, exact 23040 B (16.7% less)" in out
+    assert "every token sub-pool: padded 267264 B, exact 222720 B (16.7% less)" in out
+
+
+def test_a_symmetric_model_prints_no_padding_section(capsys) -> None:
+    code, out, _ = run(capsys, "gemma-3-27b", "--budget", "8GiB")
+    assert code == 0 and out.startswith("model gemma-3-27b (gemma3_text): 62 layers: 52 swa")
+    assert "asymmetric K/V" not in out
+    code, out, _ = run(capsys, "deepseek-v3", "--budget", "8GiB", "--json")
+    layout = json.loads(out)["kv_layout"]
+    assert layout["bytes_per_token"] == dict.fromkeys(("padded", "exact", "stored"), 61 * 576 * 2)

@@ -10,6 +10,11 @@ one kind form one sub-pool (docs/design.md section 4):
            delta-rule state                 -> MambaSpec               (page_size 1)
     none   no cached state (MLP-only or MoE-only layers of NemotronH)
 
+Attention specs come from ``_mha`` (one KV head count and width for every layer)
+unless the architecture has its own builder in ``MHA_SPECS``: MiMo-V2-Flash has
+asymmetric K/V heads (``head_dim`` 192, ``v_head_dim`` 128) and twice the KV heads
+on its sliding layers.
+
 The input may be a transformers config object, a plain dict (config.json's
 content) or a path to a config.json or its directory. Dicts are read without
 transformers: where a field is missing, the rule transformers' own config class
@@ -184,6 +189,20 @@ def _kinds_jamba(cfg: _Fields) -> list[str]:
     return _kinds_from(cfg, lambda i: "full" if i % period == offset else "mamba")
 
 
+def _kinds_mimo_v2_flash(cfg: _Fields) -> list[str]:
+    """MiMo-V2-Flash: ``layer_types``, else the hub's ``hybrid_layer_pattern`` (0 full,
+    1 sliding), else transformers' default: full on layer 0 and every sixth layer."""
+    pattern = cfg.get("hybrid_layer_pattern")
+    if cfg.get("layer_types") is None and pattern is not None:
+        if set(pattern) - {0, 1} or len(pattern) != cfg.need("num_hidden_layers"):
+            raise ValueError(
+                f"hybrid_layer_pattern must list num_hidden_layers entries of 0 (full) or 1 "
+                f"(sliding), got {list(pattern)}; fix config.json"
+            )
+        return ["swa" if p else "full" for p in pattern]
+    return _kinds_from(cfg, lambda i: "full" if i == 0 or (i + 1) % 6 == 0 else "swa")
+
+
 def _kinds_falcon_h1(cfg: _Fields) -> list[str]:
     """Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side, so every
     layer is in both the "full" and the "mamba" sub-pool (kind "full+mamba")."""
@@ -217,6 +236,7 @@ ARCHITECTURES: dict[str, Callable[[_Fields], list[str]]] = {
     "qwen3_5_moe_text": _kinds_linear,
     "jamba": _kinds_jamba,
     "falcon_h1": _kinds_falcon_h1,
+    "mimo_v2_flash": _kinds_mimo_v2_flash,
 }
 
 
@@ -233,6 +253,34 @@ def _mha(cfg: _Fields, num_layers: int, dtype: torch.dtype, window: int | None) 
         dtype=dtype,
         sliding_window=window,
     )
+
+
+def _mha_mimo_v2_flash(
+    cfg: _Fields, num_layers: int, dtype: torch.dtype, window: int | None
+) -> MHASpec:
+    """MiMo-V2-Flash: K heads of ``head_dim``, V heads of ``v_head_dim`` (asymmetric);
+    sliding layers have ``swa_num_key_value_heads`` (the hub's field; transformers:
+    twice ``num_key_value_heads``) and the hub's ``swa_head_dim`` / ``swa_v_head_dim``
+    where given. Defaults are transformers' MiMoV2FlashConfig's."""
+    kv, d = cfg.get("num_key_value_heads", 4), cfg.get("head_dim", 192)
+    dv = cfg.get("v_head_dim", 128)
+    if window is not None:
+        kv = cfg.get("swa_num_key_value_heads", 2 * kv)
+        d, dv = cfg.get("swa_head_dim", d), cfg.get("swa_v_head_dim", dv)
+    return MHASpec(
+        num_layers=num_layers,
+        num_kv_heads=kv,
+        head_dim=d,
+        v_head_dim=dv,
+        dtype=dtype,
+        sliding_window=window,
+    )
+
+
+# model_type -> the MHASpec builder of its "full" and "swa" layers (default: ``_mha``)
+MHA_SPECS: dict[str, Callable[[_Fields, int, torch.dtype, int | None], MHASpec]] = {
+    "mimo_v2_flash": _mha_mimo_v2_flash,
+}
 
 
 def _swa_window(cfg: _Fields) -> int:
@@ -414,9 +462,9 @@ def model_specs_from_hf_config(
         if not layers:
             continue
         if kind == "full":
-            spec = _mha(cfg, len(layers), kv_dtype, None)
+            spec = MHA_SPECS.get(model_type, _mha)(cfg, len(layers), kv_dtype, None)
         elif kind == "swa":
-            spec = _mha(cfg, len(layers), kv_dtype, _swa_window(cfg))
+            spec = MHA_SPECS.get(model_type, _mha)(cfg, len(layers), kv_dtype, _swa_window(cfg))
         elif kind == "mla":
             spec = _mla(cfg, len(layers), kv_dtype)
         else:

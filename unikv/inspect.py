@@ -25,7 +25,7 @@ from typing import Any
 
 from unikv.hf_config import ModelSpecs, load_config, model_specs_from_hf_config
 from unikv.pool import INT32_LIMIT, Grow, UnifiedPool, worst_case_pages
-from unikv.specs import MambaSpec
+from unikv.specs import MambaSpec, MHASpec
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_MODEL = "gpt-oss-20b"
@@ -106,6 +106,45 @@ def _concurrent_requests(pool: UnifiedPool, tokens: int) -> int:
     return lo
 
 
+def kv_layout_bytes(spec: MHASpec) -> dict[str, int]:
+    """Bytes per token of an attention sub-pool under both asymmetric-K/V layouts,
+    from the spec's raw fields (L layers, H KV heads, K width D, V width Dv):
+
+        padded  K and V rows both max(D, Dv) wide:  2 * L * H * max(D, Dv) * itemsize
+        exact   K rows D wide, V rows Dv wide:      L * H * (D + Dv) * itemsize
+
+    plus ``stored``, the spec's ``entry_bytes`` (what this build's pool lays out).
+    The two agree when D == Dv."""
+    lh, width = spec.num_layers * spec.num_kv_heads, spec.itemsize
+    return {
+        "padded": 2 * lh * max(spec.head_dim, spec.v_head_dim) * width,
+        "exact": lh * (spec.head_dim + spec.v_head_dim) * width,
+        "stored": spec.entry_bytes,
+    }
+
+
+def _layout_numbers(pool: UnifiedPool, budget: int) -> dict:
+    """Per attention sub-pool and summed over the token sub-pools: bytes per token
+    padded / exact / stored (``kv_layout_bytes``; MLA rows have one width, so all
+    three are its entry) and the tokens whose pages fit the budget under each
+    (whole pages of ``budget``, before the sink)."""
+    per_subpool, total = {}, {"padded": 0, "exact": 0, "stored": 0}
+    for name, sub in pool.subpools.items():
+        if isinstance(sub.spec, MambaSpec):
+            continue
+        if isinstance(sub.spec, MHASpec):
+            layout = kv_layout_bytes(sub.spec)
+        else:
+            layout = dict.fromkeys(total, sub.spec.entry_bytes)
+        ps = sub.page_size
+        per_subpool[name] = {
+            "bytes_per_token": layout,
+            "tokens_in_budget": {k: budget // (ps * b) * ps for k, b in layout.items()},
+        }
+        total = {k: total[k] + layout[k] for k in total}
+    return {"subpools": per_subpool, "bytes_per_token": total}
+
+
 def _state_parts(spec: MambaSpec) -> list[dict]:
     """Per part of a Mamba slot: its per-layer shape, dtype and bytes."""
     return [
@@ -157,6 +196,7 @@ def build_plan(model: ModelSpecs, budget: int, max_tokens: int | None = None) ->
         "subpools": subpools,
         "max_position_embeddings": model.max_position_embeddings,
         "longest_request_alone": _longest_request(pool, limit),
+        "kv_layout": _layout_numbers(pool, budget),
     }
     if max_tokens is not None:
         plan["max_tokens"] = max_tokens
@@ -239,6 +279,31 @@ def _subpool_lines(name: str, plan: dict) -> list[str]:
     return lines
 
 
+def _layout_lines(plan: dict) -> list[str]:
+    """Bytes per token padded vs exact, for the asymmetric (K wider or narrower than
+    V) sub-pools only; nothing for a model without any."""
+    layout = plan["kv_layout"]
+    asym = [
+        n
+        for n, s in layout["subpools"].items()
+        if s["bytes_per_token"]["padded"] != s["bytes_per_token"]["exact"]
+    ]
+    if not asym:
+        return []
+    out = ["", "asymmetric K/V: bytes per token, K and V rows padded to the wider vs exact:"]
+    rows = [(n, layout["subpools"][n]) for n in asym]
+    rows.append(("every token sub-pool", {"bytes_per_token": layout["bytes_per_token"]}))
+    for n, s in rows:
+        b = s["bytes_per_token"]
+        saved = 1 - b["exact"] / b["padded"]
+        line = f"  {n}: padded {b['padded']} B, exact {b['exact']} B ({saved:.1%} less)"
+        if "tokens_in_budget" in s:
+            t = s["tokens_in_budget"]
+            line += f"; tokens in the budget {t['padded']} padded, {t['exact']} exact"
+        out.append(line + f"; this build stores {b['stored']} B")
+    return out
+
+
 def format_plan(name: str, plan: dict) -> str:
     kinds = plan["layer_kinds"]
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
@@ -265,6 +330,7 @@ def format_plan(name: str, plan: dict) -> str:
             f"  all to {n}: {n} {s['pages_alone']} {_unit(s, s['pages_alone'])} = "
             f"{s['tokens_alone']} {unit}{tail}"
         )
+    out += _layout_lines(plan)
     out += ["", "kernel-id headroom (ids must stay below 2**31):"]
     for n, s in plan["subpools"].items():
         out.append(

@@ -30,6 +30,9 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek",
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
+    "MiMoV2FlashForCausalLM": "mimo_v2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 # Multimodal wrappers whose text decoder unikv runs: architecture -> (the decoder's
@@ -49,6 +52,9 @@ FAMILY_EXTRAS["nemotron_h"] = lambda c: import_module("unikv.models.nemotron_h")
 FAMILY_EXTRAS["falcon_h1"] = lambda c: import_module("unikv.models.falcon_h1").config_extras(c)
 FAMILY_EXTRAS["deepseek"] = lambda c: import_module("unikv.models.deepseek").config_extras(c)
 FAMILY_EXTRAS["gemma"] = lambda c: import_module("unikv.models.gemma").config_extras(c)
+FAMILY_EXTRAS["mimo_v2"] = lambda c: import_module("unikv.models.mimo_v2").config_extras(c)
+FAMILY_EXTRAS["mixtral"] = lambda c: import_module("unikv.models.mixtral").config_extras(c)
+FAMILY_EXTRAS["qwen3_moe"] = lambda c: import_module("unikv.models.qwen3_moe").config_extras(c)
 
 # HF layer types that hold no attention K/V of their own (recurrent mixers, MLP-only
 # layers): their window is None and their state, if any, lives in the Mamba sub-pool.

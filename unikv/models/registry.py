@@ -20,6 +20,9 @@ MODEL_CLASSES: dict[str, str] = {
     "falcon_h1": "unikv.models.falcon_h1:FalconH1ForCausalLM",
     "deepseek": "unikv.models.deepseek:DeepseekForCausalLM",
     "gemma": "unikv.models.gemma:GemmaForCausalLM",
+    "mimo_v2": "unikv.models.mimo_v2:MiMoV2FlashForCausalLM",
+    "mixtral": "unikv.models.mixtral:MixtralForCausalLM",
+    "qwen3_moe": "unikv.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -1,0 +1,115 @@
+"""MiMo-V2-Flash through the engine on a CUDA GPU: the Triton decode and extend
+kernels over asymmetric K/V (K heads wider than V heads) in the "full" and "swa"
+sub-pools, sinks and the sliding window, CUDA-graph decode, fp32 and bf16, against
+transformers' eager model on the same weights (run with ``pytest -m gpu``).
+
+Models: the tiny one of ``test_engine_mimo.tiny_mimo_config`` (K 36, V 20, window 7)
+and one at the release's head widths (K 192, V 128, 8 query heads, 2 / 4 KV heads,
+window 37), so the kernels run their real tile sizes with padding lanes.
+
+- fp32 (Triton dots in IEEE fp32): greedy tokens identical to transformers, with
+  and without CUDA graphs, at page sizes 1, 4 and 16; under preemption with tiny
+  chunks (graphs replayed over recycled pages);
+- bf16, teacher-forced as ``test_engine_gemma_gpu.py``: every engine token is
+  transformers' bf16 argmax over the engine's own sequence up to a near-tie (MoE
+  routing may flip a tie in bf16, so the bound is DeepSeek's), and unikv-bf16 stays
+  as close to transformers-fp32 as transformers-bf16 is.
+
+Not yet run on a GPU (written on a CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import hf_greedy
+from gpu_fixtures import bf16_token_checks, hf_model, mean, seeded_prompts
+from test_engine_mimo import save_tiny_mimo
+
+pytestmark = pytest.mark.gpu
+
+WIDE = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 192,
+    "v_head_dim": 128,
+    "sliding_window": 37,
+    "initializer_range": 0.05,
+}
+MODELS = {"tiny": {}, "wide": WIDE}
+PROMPT_LENS = [3, 17, 30, 45, 64, 100]
+NEW_TOKENS = 32
+BF16_TIE = 0.25
+
+
+def _prompts(seed=7):
+    return seeded_prompts(PROMPT_LENS, seed)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def saved(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"mimo_{request.param}"))
+    save_tiny_mimo(path, **MODELS[request.param])
+    return request.param, path
+
+
+_hf = hf_model
+
+
+def _llm(path, dtype, **kw):
+    from unikv.engine import LLM
+
+    kw.setdefault("page_size", 16)
+    kw.setdefault("max_num_batched_tokens", 32)
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, device="cuda", dtype=dtype, max_num_seqs=8, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fp32_greedy_identical_with_triton_and_graphs(saved, page_size, graphs):
+    from unikv.engine import SamplingParams
+
+    _, path = saved
+    hf, prompts = _hf(path, torch.float32), _prompts()
+    llm = _llm(path, torch.float32, page_size=page_size, cuda_graphs=graphs)
+    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
+    assert sorted(llm.pool.subpools) == ["full", "swa"]
+    assert all(s.spec.is_asymmetric for s in llm.pool.subpools.values())
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert llm.stats.decode_steps > 0
+
+
+def test_fp32_graphs_under_preemption_and_tiny_chunks(saved):
+    from unikv.engine import SamplingParams
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.pool import pool_bytes_for
+
+    _, path = saved
+    configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
+    budget = pool_bytes_for(configs, {c.name: 12 for c in configs})
+    prompts = _prompts(11)
+    llm = _llm(
+        path, torch.float32, kv_cache_bytes=budget, max_num_batched_tokens=7, max_model_len=160
+    )
+    assert llm.runner.graphs is not None
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    hf = _hf(path, torch.float32)
+    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert llm.stats.preemptions > 0
+    llm.alloc.check_integrity()
+    assert all(llm.alloc.subpool(n).num_live == 0 for n in llm.pool.subpools)
+
+
+def test_bf16_teacher_forced(saved):
+    _, path = saved
+    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
+    llm = _llm(path, torch.bfloat16)
+    assert llm.runner.graphs is not None
+    checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
+    gap = max(c.gap for c in checks)
+    assert gap <= BF16_TIE, f"a token is not transformers' bf16 argmax (gap {gap})"
+    ours_mean, hf_mean = mean(c.ours_vs_fp32 for c in checks), mean(c.hf16_vs_fp32 for c in checks)
+    assert ours_mean <= 1.5 * hf_mean + 0.02, (ours_mean, hf_mean)

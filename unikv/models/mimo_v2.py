@@ -1,0 +1,259 @@
+"""MiMo-V2-Flash (``MiMoV2FlashForCausalLM``, transformers' ``mimo_v2_flash``) on
+unikv's layers.
+
+    per layer:  x = x + self_attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
+    logits = lm_head(norm(x))
+
+- Attention: q/k heads of ``head_dim`` (192 in the release), v heads of
+  ``v_head_dim`` (128): the cache is asymmetric, K rows of D and V rows of Dv per
+  head (the pool stores them; whether padded or exact is the layout's business,
+  the model only sees the attention call). Values are scaled by
+  ``attention_value_scale`` before they are cached; softmax scale
+  ``head_dim ** -0.5``; o_proj has no bias.
+- Layers follow ``layer_types``: full layers (the first one and every sixth by
+  default) have ``num_key_value_heads`` KV heads and no sinks; sliding layers
+  have twice the KV heads, window ``sliding_window`` and a learned attention sink
+  per query head (``self_attn.attention_sink_bias`` in the checkpoint, transformers'
+  ``sinks``).
+- Rope per layer type (``rope_parameters[layer_type]``), partial: the first
+  ``int(head_dim * partial_rotary_factor)`` dims of q and k are rotated, NeoX
+  layout; MiMo's default factor is 0.334 when a default-type entry omits it.
+- MLP per ``mlp_layer_types``: "dense" a SwiGLU of ``intermediate_size``;
+  "sparse" DeepSeek-V3 routing (sigmoid, correction bias, group top-k,
+  renormalised, ``deepseek_moe.TopkRouter``) over SwiGLU experts of
+  ``moe_intermediate_size`` and no shared experts (``moe.routed_experts``).
+- The checkpoint's multi-token-prediction head (``model.mtp.*``) is not loaded.
+
+Names mirror transformers' checkpoint (``model.layers.i.mlp.experts.e.gate_proj``),
+so a checkpoint loads by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.deepseek_moe import TopkRouter, check_moe_fields
+from unikv.models.layers import AttentionFn, GatedMLP, RMSNorm
+from unikv.models.moe import routed_experts
+from unikv.models.rope import Rotary
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_TYPES = ("dense", "sparse")
+DEFAULT_PARTIAL_ROTARY = 0.334  # transformers' MiMoV2Flash default for default-type rope
+SWA_KV_HEAD_FACTOR = 2  # sliding layers have twice the KV heads of full ones
+
+
+def _get(hf_config, name: str, default):
+    value = getattr(hf_config, name, None)
+    return default if value is None else value
+
+
+def _rope_by_type(hf_config) -> dict[str, dict]:
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    missing = [t for t in LAYER_TYPES if not isinstance(params.get(t), dict)]
+    if missing:
+        raise ValueError(
+            f"MiMo-V2-Flash rope_parameters must hold one dict per layer type "
+            f"{list(LAYER_TYPES)}, got {params!r}; read config.json with transformers' "
+            "MiMoV2FlashConfig"
+        )
+    out = {}
+    for t in LAYER_TYPES:
+        p = dict(params[t])
+        p.setdefault("rope_type", "default")
+        if p["rope_type"] == "default":
+            p.setdefault("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY)
+        out[t] = p
+    return out
+
+
+def _check_layer_types(hf_config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    n = hf_config.num_hidden_layers
+    layer_types = tuple(hf_config.layer_types or ())
+    mlp_types = tuple(getattr(hf_config, "mlp_layer_types", None) or ())
+    for name, types, allowed in (
+        ("layer_types", layer_types, LAYER_TYPES),
+        ("mlp_layer_types", mlp_types, MLP_TYPES),
+    ):
+        if len(types) != n or set(types) - set(allowed):
+            raise ValueError(
+                f"MiMo-V2-Flash needs {name} of {n} entries out of {list(allowed)}, got "
+                f"{list(types)}; fix config.json"
+            )
+    return layer_types, mlp_types
+
+
+def config_extras(hf_config) -> dict:
+    """MiMo-V2-Flash's own fields of a transformers ``MiMoV2FlashConfig`` (into
+    ``ModelConfig.extra``). ValueError for what unikv does not run: an activation
+    other than silu, a sliding-layer KV head count other than transformers' (twice
+    the full layers'), a routing the V3 router cannot run."""
+    act = _get(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"MiMo-V2-Flash hidden_act {act!r} is not supported; unikv runs 'silu'")
+    layer_types, mlp_types = _check_layer_types(hf_config)
+    kv = hf_config.num_key_value_heads
+    swa_kv = _get(hf_config, "swa_num_key_value_heads", SWA_KV_HEAD_FACTOR * kv)
+    if swa_kv != SWA_KV_HEAD_FACTOR * kv:
+        raise ValueError(
+            f"swa_num_key_value_heads {swa_kv} != {SWA_KV_HEAD_FACTOR} x num_key_value_heads "
+            f"({kv}): transformers' MiMo-V2-Flash gives sliding layers twice the KV heads; "
+            "fix config.json"
+        )
+    extra = {
+        "layer_types": layer_types,
+        "mlp_layer_types": mlp_types,
+        "rope_by_type": _rope_by_type(hf_config),
+        "v_head_dim": int(_get(hf_config, "v_head_dim", hf_config.head_dim)),
+        "v_scale": float(_get(hf_config, "attention_value_scale", 1.0)),
+        "swa_num_kv_heads": int(swa_kv),
+        "attention_bias": bool(_get(hf_config, "attention_bias", False)),
+        # the DeepSeek-V3 router's fields (deepseek_moe.TopkRouter)
+        "version": 3,
+        "topk_method": "noaux_tc",
+        "n_routed_experts": int(_get(hf_config, "n_routed_experts", 0)),
+        "num_experts_per_tok": int(_get(hf_config, "num_experts_per_tok", 1)),
+        "moe_intermediate_size": int(_get(hf_config, "moe_intermediate_size", 0)),
+        "n_group": int(_get(hf_config, "n_group", 1)),
+        "topk_group": int(_get(hf_config, "topk_group", 1)),
+        "routed_scaling_factor": float(_get(hf_config, "routed_scaling_factor", 1.0)),
+        "norm_topk_prob": bool(_get(hf_config, "norm_topk_prob", True)),
+    }
+    if "sparse" in mlp_types:
+        check_moe_fields(extra, "mimo_v2_flash")
+    return extra
+
+
+class MiMoAttention(nn.Module):
+    """q/k/v/o projections, partial rope, ``attn`` over the layer's sub-pool; see the
+    module docstring. ``sliding``: a sliding layer (twice the KV heads, sinks)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, sliding: bool) -> None:
+        super().__init__()
+        e, hidden = config.extra, config.hidden_size
+        self.layer, self.num_heads = layer, config.num_heads
+        self.num_kv_heads = e["swa_num_kv_heads"] if sliding else config.num_kv_heads
+        self.head_dim, self.v_head_dim = config.head_dim, e["v_head_dim"]
+        self.v_scale = e["v_scale"]
+        heads, kv, bias = self.num_heads, self.num_kv_heads, e["attention_bias"]
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv * self.v_head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
+        # (Hq,) sink logits; kept fp32 (``build``), as the attention kernels take them
+        self.attention_sink_bias = nn.Parameter(torch.zeros(heads)) if sliding else None
+        self.rotary = [rotary]  # shared, kept out of this module's parameters
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.v_head_dim) * self.v_scale
+        q, k = self.rotary[0](positions, q, k)
+        out = attn(self.layer, q, k, v, self.attention_sink_bias)  # (T, Hq, Dv)
+        return self.o_proj(out.reshape(t, self.num_heads * self.v_head_dim))
+
+
+class MiMoMoE(nn.Module):
+    """``mlp.gate`` (DeepSeek-V3 router) and ``mlp.experts.{e}`` (SwiGLU), no shared
+    experts."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e = config.extra
+        self.gate = TopkRouter(config)
+        routed = dataclasses.replace(
+            config, intermediate_size=e["moe_intermediate_size"], mlp_bias=False
+        )
+        self.experts = nn.ModuleList(GatedMLP(routed) for _ in range(e["n_routed_experts"]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        weights, indices = self.gate(x)  # (T, k) fp32, (T, k) int64
+        return routed_experts(x, weights, indices, self.experts)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+        super().__init__()
+        e, h, eps = config.extra, config.hidden_size, config.rms_norm_eps
+        sliding = e["layer_types"][layer] == "sliding_attention"
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = MiMoAttention(config, layer, rotary, sliding)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        if e["mlp_layer_types"][layer] == "sparse":
+            self.mlp = MiMoMoE(config)
+        else:
+            self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=False))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        ropes, types = config.extra["rope_by_type"], config.extra["layer_types"]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # one rope table per layer type, kept out of the parameter names
+        self.rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary[types[i]]) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MiMoV2FlashForCausalLM(nn.Module):
+    """MiMo-V2-Flash over unikv's "full" and "swa" sub-pools.
+
+    Args:
+        config: the model's hyper-parameters (``extra`` from ``config_extras``).
+        max_positions: length of the rope tables (the engine's max context).
+        tp: must be None (tensor parallelism is not implemented for MiMo-V2-Flash).
+    """
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__()
+        if tp is not None:
+            raise ValueError(
+                f"{config.architecture} does not support tensor parallelism in unikv; "
+                "run it with tp=None (one device)"
+            )
+        self.config, self.tp = config, None
+        self.model = Backbone(config, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ignore_checkpoint_prefixes = ("model.mtp.",)  # multi-token-prediction head
+
+    def build(self, device: torch.device) -> None:
+        """Before the weights load: the rope tables on ``device``; the routers'
+        ``e_score_correction_bias`` (transformers keeps it fp32 in every model dtype)
+        and the attention sinks (the kernels take fp32 sinks) as fp32 parameters."""
+        for rotary in self.model.rotary.values():
+            rotary.build(device)
+        for name, param in self.named_parameters():
+            if name.endswith(("e_score_correction_bias", "attention_sink_bias")):
+                param.data = param.data.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids: (T,) int64; positions: (T,) int64; attn: the step's
+        ``AttentionFn``; logits_indices: (N,) int64 rows whose logits are wanted
+        (None: all). Returns fp32 logits (N, vocab)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, attn)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(x)).float()
