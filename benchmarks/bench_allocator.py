@@ -34,7 +34,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from unikv.allocator import PoolAllocator
-from unikv.allocator.device import make_table_ops
 from unikv.kernels import get_backend
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
@@ -61,12 +60,8 @@ def build(
     lens = rng.integers(1024, 4097, size=batch)
     pages = int((lens + steps + 8 + ps).sum() // ps + 2 * batch + 64)
     pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": pages, "swa": pages}), device)
-    alloc = PoolAllocator(pool, max_requests=batch, max_context=context)
-    if backend is not None:  # replace the construction-time choice (bench only)
-        alloc._ops = make_table_ops(device, backend)
-        for sub in alloc.subs.values():
-            sub._update_tables = alloc._ops.update_tables
-        alloc._build_block_table = get_backend(device, backend).build_block_table
+    ops = get_backend(device, backend)  # backend None: by device
+    alloc = PoolAllocator(pool, max_requests=batch, max_context=context, backend=ops)
     slots = np.array([alloc.new_request() for _ in range(batch)])
     for s, n in zip(slots, lens):  # interleave prefills so pages are scattered
         done = 0
@@ -160,7 +155,7 @@ def count_ops(parts: dict, steps: int) -> dict:
 def step_parts(alloc, slots: np.ndarray, lens: np.ndarray, device: str) -> dict:
     """One closure per timed part of a decode step (they share ``lens`` and ids)."""
     batch = len(slots)
-    table = torch.zeros((batch, alloc.requests.max_pages), dtype=torch.int32, device=device)
+    table = torch.zeros((batch, alloc.parts.requests.max_pages), dtype=torch.int32, device=device)
     locs = torch.zeros(batch, dtype=torch.int32, device=device)
     slots_dev = torch.from_numpy(slots.astype(np.int32)).to(device)
     state = {}
@@ -173,7 +168,7 @@ def step_parts(alloc, slots: np.ndarray, lens: np.ndarray, device: str) -> dict:
         alloc.free_out_of_window(slots, lens)
 
     def block_table():
-        lens_dev = alloc.upload(lens.astype(np.int32))
+        lens_dev = alloc.parts.writer.upload(lens.astype(np.int32))
         for name in ("full", "swa"):
             alloc.block_table(slots_dev, lens_dev, name, table)
 
@@ -186,7 +181,7 @@ def step_parts(alloc, slots: np.ndarray, lens: np.ndarray, device: str) -> dict:
 
 def fused_step(alloc, slots: np.ndarray, lens: np.ndarray, device: str):
     """``decode_step`` into reused buffers (what an engine with CUDA graphs does)."""
-    batch, cols = len(slots), alloc.requests.max_pages
+    batch, cols = len(slots), alloc.parts.requests.max_pages
     names = alloc.token_names
     tables = {n: torch.zeros((batch, cols), dtype=torch.int32, device=device) for n in names}
     locs = {n: torch.zeros(batch, dtype=torch.int32, device=device) for n in names}
@@ -214,8 +209,6 @@ def run(
     total = steps + COUNT_STEPS
     verbs, slots, lens = build(batch, ps, total, device, np.random.default_rng(seed), backend)
     fused, f_slots, f_lens = build(batch, ps, total, device, np.random.default_rng(seed), backend)
-    if backend is not None:
-        fused._ops.prepare_step = make_table_ops(device, backend).prepare_step
     parts = step_parts(verbs, slots, lens, device)
     step = fused_step(fused, f_slots, f_lens, device)
     times = {p: [] for p in (*PARTS, "decode_step")}

@@ -73,7 +73,7 @@ class SchemeAllocator:
         self.has_mamba = np.zeros(max_requests, bool)
         self.free_slots = list(range(max_requests - 1, -1, -1))
         self.token_allocs = [a for a in allocs if a.token_names]
-        self.mamba_alloc = next((a for a in allocs if a.mamba_name), None)
+        self.mamba_alloc = next((a for a in allocs if a.parts.roles.mamba_name), None)
 
     def _slots(self, slots: np.ndarray, alloc: PoolAllocator) -> np.ndarray:
         return self.inner[np.asarray(slots, np.int64), self.allocs.index(alloc)]
@@ -93,7 +93,7 @@ class SchemeAllocator:
     def can_admit(self, demand: dict[str, int]) -> tuple[bool, bool]:
         now = after = True
         for a in self.allocs:
-            part = {n: d for n, d in demand.items() if n in a.subs}
+            part = {n: d for n, d in demand.items() if n in a.parts.books}
             ok_now, ok_after = a.can_admit(part)
             now, after = now and ok_now, after and ok_after
         return now, after
@@ -114,7 +114,7 @@ class SchemeAllocator:
 
     def _undo_mamba(self, taken: np.ndarray) -> None:
         if len(taken):
-            self.mamba_alloc.free_mamba(self._slots(taken, self.mamba_alloc))
+            self.mamba_alloc.parts.mamba.free(self._slots(taken, self.mamba_alloc))
             self.has_mamba[taken] = False
 
     def _grow(self, slots, lens, verb):
@@ -154,14 +154,14 @@ class SchemeAllocator:
 
     def free_out_of_window(self, slots, seq_lens) -> None:
         for a in self.token_allocs:
-            if a.windows:
+            if a.parts.roles.windows:
                 a.free_out_of_window(self._slots(slots, a), seq_lens)
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """(live bytes, band bytes) per sub-pool name."""
         out = {}
         for a in self.allocs:
-            for name, sub in a.subs.items():
+            for name, sub in a.parts.books.items():
                 out[name] = (sub.num_live * sub.page_bytes, (sub.hi - sub.lo) * sub.page_bytes)
         return out
 

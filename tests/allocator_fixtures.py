@@ -70,21 +70,21 @@ def snapshot(alloc: PoolAllocator) -> str:
     """A digest of every piece of allocator state, host and device."""
     digest = hashlib.sha256()
     parts = [
-        alloc.requests.in_use,
-        alloc.requests.lens,
-        alloc.requests.pages,
-        alloc.vspace.owner,
-        np.sort(alloc.vspace.free_ids()),
+        alloc.parts.requests.in_use,
+        alloc.parts.requests.lens,
+        alloc.parts.requests.pages,
+        alloc.parts.vspace.owner,
+        np.sort(alloc.parts.vspace.free_ids()),
         alloc.req_to_token.cpu().numpy(),
     ]
-    parts += list(alloc.requests.window_lo.values())
-    for sub in alloc.subs.values():
+    parts += list(alloc.parts.requests.window_lo.values())
+    for sub in alloc.parts.books.values():
         parts += [
             sub.v2p_host,
             sub.p2v_host,
             sub.state,
             sub.pins,
-            np.sort(sub._stack[: sub.num_free]),
+            np.sort(sub.free_ids()),
             np.array([sub.lo, sub.hi, sub.num_live, sub.num_pending]),
             sub.v2p.cpu().numpy(),
             sub.p2v.cpu().numpy(),
@@ -108,40 +108,47 @@ def churn(
     open_, outstanding = [], []
     for _ in range(steps):
         op = rng.integers(0, 8)
-        if op == 0 and len(open_) < alloc.requests.max_requests:
+        if op == 0 and len(open_) < alloc.parts.requests.max_requests:
             open_.append(alloc.new_request())
         elif op in (1, 2) and open_:
             slot = int(rng.choice(open_))
-            held = int(alloc.requests.lens[slot])
-            ext = int(rng.integers(1, 3 * alloc.page_size + 1))
-            if held + ext <= alloc.requests.max_context:
+            held = int(alloc.parts.requests.lens[slot])
+            ext = int(rng.integers(1, 3 * alloc.parts.roles.page_size + 1))
+            if held + ext <= alloc.parts.requests.max_context:
                 alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([ext]))
-            if alloc.mamba_name and alloc.subs[alloc.mamba_name].v2p_host[slot + 1] < 0:
+            if (
+                alloc.parts.roles.mamba_name
+                and alloc.parts.books[alloc.parts.roles.mamba_name].v2p_host[slot + 1] < 0
+            ):
                 alloc.alloc_mamba(np.array([slot]))
         elif op == 3 and open_:
             slot = open_.pop(int(rng.integers(len(open_))))
             alloc.free_request(slot)
-        elif op == 4 and open_ and alloc.windows:
+        elif op == 4 and open_ and alloc.parts.roles.windows:
             slots = np.array(open_)
-            alloc.free_out_of_window(slots, alloc.requests.lens[slots])
+            alloc.free_out_of_window(slots, alloc.parts.requests.lens[slots])
         elif op == 5 and pins:
-            sub = alloc.subs[alloc.token_names[int(rng.integers(len(alloc.token_names)))]]
+            sub = alloc.parts.books[alloc.token_names[int(rng.integers(len(alloc.token_names)))]]
             live = np.flatnonzero(sub.state == 2)
             if len(live):
-                sub.pin(PhysicalPageIds(torch.tensor([int(rng.choice(live))]), sub.name))
+                alloc.parts.io.pin(
+                    sub.name, PhysicalPageIds(torch.tensor([int(rng.choice(live))]), sub.name)
+                )
         elif op == 6 and events:
             event = FakeEvent()
             alloc.mark_in_flight(event)
             outstanding.append(event)
         elif op == 7 and open_ and events:
             slot = int(rng.choice(open_))
-            vpages = alloc.requests.pages[
-                slot, : int(alloc.requests.num_pages(np.array([slot]))[0])
+            vpages = alloc.parts.requests.pages[
+                slot, : int(alloc.parts.requests.num_pages(np.array([slot]))[0])
             ]
-            sub = alloc.subs[alloc.owner]
+            sub = alloc.parts.books[alloc.parts.roles.owner]
             bound = [v for v in vpages if sub.v2p_host[v] >= 0 and sub.pins[sub.v2p_host[v]] == 0]
             if bound:
                 event = FakeEvent()
-                sub.release_physical(VirtualPageIds(torch.tensor(bound[:1])), fence=event)
+                alloc.parts.io.release_physical(
+                    sub.name, VirtualPageIds(torch.tensor(bound[:1])), fence=event
+                )
                 outstanding.append(event)
     return [e for e in outstanding if not e.fired]

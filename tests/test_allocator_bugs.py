@@ -27,7 +27,7 @@ from allocator_fixtures import FakeEvent, build, snapshot
 from engine_fixtures import one_thread  # noqa: F401  (a fixture)
 
 from unikv.allocator import PoolAllocator
-from unikv.allocator.subpool import LIVE
+from unikv.allocator.pages import LIVE
 from unikv.ids import VirtualPageIds
 from unikv.pool import Grow, SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MambaSpec, MHASpec, StatePart
@@ -110,9 +110,9 @@ def _churn_out_of_order(chain: str, ps: int, seed: int, steps: int = 300) -> Non
             open_.append(alloc.new_request())
         elif op == 1 and open_:
             slot = int(rng.choice(open_))
-            held = int(alloc.requests.lens[slot])
-            ext = int(min(rng.integers(1, 3 * ps + 1), alloc.requests.max_context - held))
-            demand = alloc.demand_for(np.array([slot]), np.array([ext]))
+            held = int(alloc.parts.requests.lens[slot])
+            ext = int(min(rng.integers(1, 3 * ps + 1), alloc.parts.requests.max_context - held))
+            demand = alloc.parts.tokens.demand_for(np.array([slot]), np.array([ext]))
             _, after = alloc.can_admit(demand)
             got = alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([ext]))
             assert (got is not None) == after, (seed, demand, after)
@@ -175,7 +175,7 @@ def test_the_issue_setup_runs_with_lagging_forward_events(tmp_path):
     assert llm.stats.preemptions > 0, "the setup is meant to run under pressure"
     for prompt, result in zip(prompts, out):
         assert list(result.outputs[0].token_ids) == hf_greedy(ref, prompt, 40)
-    assert all(s.num_live == 0 for s in llm.alloc.subs.values())
+    assert all(s.num_live == 0 for s in llm.alloc.parts.books.values())
     llm.alloc.check_integrity()
 
 
@@ -197,11 +197,11 @@ def _needed_pages_bound(alloc, slot: int, keep: int) -> bool:
     can be written and its query sees its whole window: every position
     max(0, keep + 1 - W) .. keep that lies on a page the request keeps has its SWA
     page bound (read from the host tables)."""
-    window, ps = alloc.windows["swa"], alloc.page_size
+    window, ps = alloc.parts.roles.windows["swa"], alloc.parts.roles.page_size
     positions = np.arange(max(0, keep + 1 - window), keep + 1)
     positions = positions[positions < -(-keep // ps) * ps]  # on pages still held
-    vpages = alloc.requests.pages[slot, positions // ps]
-    return bool((alloc.subs["swa"].v2p_host[vpages] >= 0).all())
+    vpages = alloc.parts.requests.pages[slot, positions // ps]
+    return bool((alloc.parts.books["swa"].v2p_host[vpages] >= 0).all())
 
 
 def test_truncate_into_freed_window_pages_is_refused():
@@ -254,8 +254,8 @@ def _busy_step_alloc():
 
 def test_aliased_decode_step_outputs_are_refused_and_state_unchanged():
     alloc, slots = _busy_step_alloc()
-    lens = alloc.requests.lens[slots].copy()
-    cols = alloc.requests.max_pages
+    lens = alloc.parts.requests.lens[slots].copy()
+    cols = alloc.parts.requests.max_pages
     table, wide = (
         torch.zeros((2, cols), dtype=torch.int32),
         torch.zeros((2, cols + 1), dtype=torch.int32),
@@ -270,7 +270,7 @@ def test_aliased_decode_step_outputs_are_refused_and_state_unchanged():
         ({"full": table, "swa": table.clone()}, {"full": table[0, :2], "swa": loc2}),
         ({n: torch.zeros(1, cols, dtype=torch.int32).expand(2, cols) for n in ("full", "swa")},
          {"full": loc, "swa": loc2}),  # rows of one table alias each other
-        ({"full": table, "swa": table.clone()}, {"full": loc, "swa": alloc.subs["swa"].v2p[:2]}),
+        ({"full": table, "swa": table.clone()}, {"full": loc, "swa": alloc.parts.books["swa"].v2p[:2]}),
     ]  # fmt: skip
     before = snapshot(alloc)
     for tables, locs in cases:
@@ -284,12 +284,12 @@ def test_disjoint_views_of_one_tensor_equal_separate_buffers():
     halves of one vector) are legal, and give what separate buffers give."""
     alloc, slots = _busy_step_alloc()
     twin, _ = _busy_step_alloc()
-    cols = alloc.requests.max_pages
+    cols = alloc.parts.requests.max_pages
     wide = torch.full((2, 2 * cols), -7, dtype=torch.int32)
     ids = torch.full((4,), -7, dtype=torch.int64)
     tables = {"full": wide[:, :cols], "swa": wide[:, cols:]}
     locs = {"full": ids[:2], "swa": ids[2:]}
-    lens = alloc.requests.lens[slots].copy()
+    lens = alloc.parts.requests.lens[slots].copy()
     got = alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs)
     want = twin.decode_step(slots, lens)
     for name in ("full", "swa"):
@@ -329,13 +329,13 @@ def test_a_subpool_that_freed_nothing_has_no_holes_after_growth(grows):
     alloc = _grow_pool(grows, 120)
     slot = alloc.new_request()
     held, moves = 0, 0
-    bands = {n: s.band for n, s in alloc.subs.items()}
+    bands = {n: s.band for n, s in alloc.parts.books.items()}
     for ext in [3, 30, 1, 40, 7, 25]:
         assert alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([ext])) is not None
         held += ext
-        moves += sum(s.band != bands[n] for n, s in alloc.subs.items())
-        bands = {n: s.band for n, s in alloc.subs.items()}
-        for sub in alloc.subs.values():
+        moves += sum(s.band != bands[n] for n, s in alloc.parts.books.items())
+        bands = {n: s.band for n, s in alloc.parts.books.items()}
+        for sub in alloc.parts.books.values():
             lo, hi = _live_run(sub)
             assert hi - lo == sub.num_live == held, f"{sub.name}: holes between live pages"
             far = sub.first_page if sub.grow == Grow.UP else sub.num_pages - held
@@ -349,15 +349,17 @@ def test_holes_go_before_fresh_pages_and_compaction_moves_only_the_side_that_fre
     slots = [alloc.new_request() for _ in range(3)]
     for s in slots:
         alloc.alloc_extend(np.array([s]), np.array([0]), np.array([20]))
-    full = alloc.subs["full"]
-    swa = alloc.subs["swa"]
-    freed = swa.v2p_host[alloc.requests.pages[slots[1], :20]].copy()
-    swa.release_physical(VirtualPageIds(torch.from_numpy(alloc.requests.pages[slots[1], :20])))
+    full = alloc.parts.books["full"]
+    swa = alloc.parts.books["swa"]
+    freed = swa.v2p_host[alloc.parts.requests.pages[slots[1], :20]].copy()
+    alloc.parts.io.release_physical(
+        "swa", VirtualPageIds(torch.from_numpy(alloc.parts.requests.pages[slots[1], :20]))
+    )
     assert (swa.state[freed] != LIVE).all()
     # the next allocation reuses exactly the freed holes, not fresh pages
     new = alloc.new_request()
     alloc.alloc_extend(np.array([new]), np.array([0]), np.array([20]))
-    assert set(swa.v2p_host[alloc.requests.pages[new, :20]].tolist()) == set(freed.tolist())
+    assert set(swa.v2p_host[alloc.parts.requests.pages[new, :20]].tolist()) == set(freed.tolist())
     alloc.free_request(new)
     v2p_full = full.v2p_host.copy()
     alloc.compact()

@@ -13,7 +13,8 @@ import pytest
 from allocator_fixtures import build, churn
 
 from unikv.allocator import pack_bands
-from unikv.allocator.subpool import LIVE, PENDING
+from unikv.allocator.bands import Mode, band_needs
+from unikv.allocator.pages import LIVE, PENDING
 from unikv.pool import Grow
 
 
@@ -40,13 +41,13 @@ def _candidates(sub, keep: np.ndarray, occupied: int, new: int):
 def brute_force(alloc, demand: dict, mode: str) -> bool:
     """Whether some placement of all bands works (byte order UP | FLOAT | DOWN)."""
     ranges = {}
-    for name, sub in alloc.subs.items():
+    for name, sub in alloc.parts.books.items():
         if mode == "now":
             keep = np.flatnonzero(sub.state >= LIVE)
             occupied = len(keep)
         else:  # compaction: pinned pages and pages a transfer holds stay put
             held = np.zeros(sub.num_pages, bool)
-            held[alloc.fences.held(name, transfer_only=True)] = True
+            held[alloc.parts.fences.held(name, transfer_only=True)] = True
             keep = np.flatnonzero((sub.pins > 0) | held)
             occupied = sub.num_live + int(((sub.state == PENDING) & ((sub.pins > 0) | held)).sum())
         ranges[sub.grow] = _candidates(sub, keep, occupied, demand.get(name, 0))
@@ -76,15 +77,18 @@ def test_can_admit_matches_brute_force(chain, ps):
     for trial in range(12):
         _, alloc = build(chain, ps, requests=4)
         churn(alloc, rng, int(rng.integers(5, 40)))
-        alloc._drain()
+        alloc.parts.room.drain()
         for _ in range(6):
             demand = {
-                n: int(rng.integers(0, max(4, s.geom.usable_pages * 2 // 3)))
-                for n, s in alloc.subs.items()
+                n: int(rng.integers(0, max(4, (s.num_pages - s.first_page) * 2 // 3)))
+                for n, s in alloc.parts.books.items()
                 if rng.random() < 0.7
             }
             now, after = alloc.can_admit(demand)
-            if alloc.owner and demand.get(alloc.owner, 0) > alloc.vspace.num_free:
+            if (
+                alloc.parts.roles.owner
+                and demand.get(alloc.parts.roles.owner, 0) > alloc.parts.vspace.num_free
+            ):
                 assert (now, after) == (False, False)
                 continue
             assert now == brute_force(alloc, demand, "now"), (trial, demand)
@@ -98,7 +102,7 @@ def test_can_admit_matches_brute_force(chain, ps):
 def test_joint_shortfall_is_seen():
     """4 and 4 pages fit each sub-pool alone, not both together (LESSONS.md bug 11)."""
     pool, alloc = build("full+mamba", 1)
-    full, mamba = alloc.subs["full"], alloc.subs["mamba"]
+    full, mamba = alloc.parts.books["full"], alloc.parts.books["mamba"]
     room = pool.total_bytes - pool.sink_bytes
     alone_full = room // full.page_bytes - 1  # pages the full band could take alone
     alone_mamba = (room - full.page_bytes * (alone_full - 2)) // mamba.page_bytes
@@ -112,8 +116,10 @@ def test_pack_bands_equals_pool_fits_when_nothing_is_kept(chain):
     pool, alloc = build(chain, 16)
     rng = np.random.default_rng(7)
     for _ in range(200):
-        demand = {n: int(rng.integers(0, 16)) for n in alloc.subs}
-        needs = alloc._needs(demand, "now")  # the empty allocator keeps nothing
+        demand = {n: int(rng.integers(0, 16)) for n in alloc.parts.books}
+        needs = band_needs(
+            alloc.parts.books, alloc.parts.room.frame, demand, Mode.NOW
+        )  # keeps nothing
         assert (pack_bands(needs, pool.sink_bytes, pool.total_bytes) is not None) == pool.fits(
             demand
         )

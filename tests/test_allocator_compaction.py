@@ -12,13 +12,13 @@ import pytest
 import torch
 from allocator_fixtures import FakeEvent, build, churn
 
-from unikv.allocator.subpool import LIVE
+from unikv.allocator.pages import LIVE
 
 
 def _bound(alloc):
     """{sub-pool: {virtual page: physical page}} from the host mirrors."""
     out = {}
-    for name, sub in alloc.subs.items():
+    for name, sub in alloc.parts.books.items():
         vpages = np.flatnonzero(sub.v2p_host[1:] >= 0) + 1
         out[name] = dict(zip(vpages.tolist(), sub.v2p_host[vpages].tolist()))
     return out
@@ -51,7 +51,7 @@ def test_buffer_is_byte_exact_after_compaction(chain, ps):
             "virtual ids never change"
         )
         assert torch.equal(pool.buffer, _expected(pool, before_buffer, before, after))
-        for name, sub in alloc.subs.items():  # the band is hole-free after idle compaction
+        for name, sub in alloc.parts.books.items():  # the band is hole-free after idle compaction
             pinned = sub.pins > 0
             if not pinned.any():
                 assert sub.num_free == 0, f"{name}: idle compaction leaves no hole"
@@ -67,7 +67,7 @@ def test_shortfall_compaction_is_byte_exact():
     for _ in range(24):
         for s in slots:
             if alloc.can_admit({"full": 1})[0]:
-                alloc.alloc_extend(np.array([s]), alloc.requests.lens[[s]], np.array([1]))
+                alloc.alloc_extend(np.array([s]), alloc.parts.requests.lens[[s]], np.array([1]))
     for s in slots[1::2]:
         alloc.free_request(s)  # holes all through the full band
     needy = np.array(slots[0::2])
@@ -93,17 +93,17 @@ def test_in_flight_pages_are_not_reused_or_moved():
     _, alloc = build("full+swa", 1, requests=4, context=20)
     a, b = alloc.new_request(), alloc.new_request()
     assert alloc.alloc_extend(np.array([a, b]), np.array([0, 0]), np.array([3, 3])) is not None
-    full = alloc.subs["full"]
-    freed = set(full.v2p_host[alloc.requests.pages[a, :3]].tolist())
+    full = alloc.parts.books["full"]
+    freed = set(full.v2p_host[alloc.parts.requests.pages[a, :3]].tolist())
     event = FakeEvent()
     alloc.mark_in_flight(event)
     alloc.free_request(a)
     assert (full.state[list(freed)] != LIVE).all() and full.num_pending == 3
     c = alloc.new_request()
     ids = alloc.alloc_extend(np.array([c]), np.array([0]), np.array([2]))
-    got = set(alloc.translate_physical(ids, "full").data.tolist())
+    got = set(alloc.translate(ids, "full", physical=True).data.tolist())
     assert not got & freed, "pages the running forward may read were reused"
-    live_b = full.v2p_host[alloc.requests.pages[b, :3]].copy()
+    live_b = full.v2p_host[alloc.parts.requests.pages[b, :3]].copy()
     assert alloc.compact() >= 0 and event.fired, "idle compaction waits for the forward"
     event2 = FakeEvent()
     alloc.mark_in_flight(event2)
@@ -113,7 +113,7 @@ def test_in_flight_pages_are_not_reused_or_moved():
     d = alloc.new_request()
     assert alloc.alloc_extend(np.array([d]), np.array([0]), np.array([1])) is not None
     assert full.num_pending == 0
-    assert (full.v2p_host[alloc.requests.pages[b, :3]] >= 0).all() and len(live_b) == 3
+    assert (full.v2p_host[alloc.parts.requests.pages[b, :3]] >= 0).all() and len(live_b) == 3
 
 
 def test_transfer_fence_holds_pages_and_capacity_counts_them():
@@ -121,21 +121,21 @@ def test_transfer_fence_holds_pages_and_capacity_counts_them():
     capacity (LESSONS.md bug 8) until its event fires."""
     _, alloc = build("full+mamba", 1, requests=2, context=24)
     r = alloc.new_request()
-    full = alloc.subs["full"]
-    total = full.geom.usable_pages
+    full = alloc.parts.books["full"]
+    total = full.num_pages - full.first_page
     assert alloc.alloc_extend(np.array([r]), np.array([0]), np.array([20])) is not None
     from unikv.ids import VirtualPageIds
 
     fence = FakeEvent()
-    vpage = int(alloc.requests.pages[r, 0])
-    full.release_physical(VirtualPageIds(torch.tensor([vpage])), fence=fence)
+    vpage = int(alloc.parts.requests.pages[r, 0])
+    alloc.parts.io.release_physical("full", VirtualPageIds(torch.tensor([vpage])), fence=fence)
     assert full.num_pending == 1
     spare = total - 20  # full pages the empty part of the pool holds
-    mamba_pages = full.page_bytes * spare // alloc.subs["mamba"].page_bytes
+    mamba_pages = full.page_bytes * spare // alloc.parts.books["mamba"].page_bytes
     assert not alloc.can_admit({"mamba": mamba_pages + 1})[1], "a held page is not free"
     holes = full.num_free
     fence.fired = True
-    alloc._drain()
+    alloc.parts.room.drain()
     assert full.num_pending == 0 and full.num_free == holes + 1
     alloc.check_integrity()
 
@@ -147,21 +147,23 @@ def test_mamba_shortfall_evicts_full_attention():
 
     def evict(shortfall):
         pictures.append(shortfall)
-        victims = [s for s in np.flatnonzero(alloc.requests.in_use) if s != needy]
+        victims = [s for s in np.flatnonzero(alloc.parts.requests.in_use) if s != needy]
         if not victims:
             return False
-        alloc.free_request(int(max(victims, key=lambda s: alloc.request_footprint(int(s))["full"])))
+        alloc.free_request(
+            int(max(victims, key=lambda s: alloc.parts.tokens.request_footprint(int(s))["full"]))
+        )
         return True
 
     _, alloc = build("full+mamba", 1, requests=6, context=24, on_shortfall=evict)
     hogs = [alloc.new_request() for _ in range(4)]
     for s in hogs:
-        while alloc.can_admit({"full": 1})[1] and alloc.requests.lens[s] < 24:
-            alloc.alloc_extend(np.array([s]), alloc.requests.lens[[s]], np.array([1]))
+        while alloc.can_admit({"full": 1})[1] and alloc.parts.requests.lens[s] < 24:
+            alloc.alloc_extend(np.array([s]), alloc.parts.requests.lens[[s]], np.array([1]))
     needy = alloc.new_request()
     assert alloc.can_admit({"mamba": 1}) == (False, False)
     slot = alloc.alloc_mamba(np.array([needy]))
     assert slot is not None and pictures
     assert pictures[0].demand == {"mamba": 1} and pictures[0].usage["full"]["live"] > 0
-    assert sum(alloc.requests.in_use) < 5, "a full-attention request was evicted"
+    assert sum(alloc.parts.requests.in_use) < 5, "a full-attention request was evicted"
     alloc.check_integrity()

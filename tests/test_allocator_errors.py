@@ -60,34 +60,39 @@ CASES = {
         "integer",
     ),
     "release unowned": (
-        lambda al, a, b: al.subpool("full").release_physical(VirtualPageIds(torch.tensor([20]))),
+        lambda al, a, b: al.parts.io.release_physical("full", VirtualPageIds(torch.tensor([20]))),
         ValueError,
         "belong to no request",
     ),
     "release twice": (
         lambda al, a, b: [
-            al.subpool("full").release_physical(VirtualPageIds(torch.tensor([1]))) for _ in range(2)
+            al.parts.io.release_physical("full", VirtualPageIds(torch.tensor([1])))
+            for _ in range(2)
         ],
         ValueError,
         "hold no physical page",
     ),
     "release physical ids": (
-        lambda al, a, b: al.subpool("full").release_physical(
-            PhysicalPageIds(torch.tensor([1]), "full")
+        lambda al, a, b: al.parts.io.release_physical(
+            "full", PhysicalPageIds(torch.tensor([1]), "full")
         ),
         TypeError,
         "VirtualPageIds",
     ),
     "bind bound": (
-        lambda al, a, b: al.subpool("swa").bind_physical(VirtualPageIds(torch.tensor([1]))),
+        lambda al, a, b: al.parts.io.bind_physical("swa", VirtualPageIds(torch.tensor([1]))),
         ValueError,
         "already bound",
     ),
     "mamba twice": (lambda al, a, b: al.alloc_mamba(np.array([a])), ValueError, "already hold"),
-    "free mamba none": (lambda al, a, b: al.free_mamba(np.array([b])), ValueError, "hold no slot"),
+    "free mamba none": (
+        lambda al, a, b: al.parts.mamba.free(np.array([b])),
+        ValueError,
+        "hold no slot",
+    ),
     "unpin unpinned": (
-        lambda al, a, b: al.subpool("full").unpin(
-            PhysicalPageIds(torch.tensor([al.subs["full"].v2p_host[1]]), "full")
+        lambda al, a, b: al.parts.io.unpin(
+            "full", PhysicalPageIds(torch.tensor([al.parts.books["full"].v2p_host[1]]), "full")
         ),
         ValueError,
         "not pinned",
@@ -130,11 +135,14 @@ def test_beyond_capacity_returns_none_with_state_unchanged(busy):
     alloc, _, _ = busy
     c = alloc.new_request()
     before = snapshot(alloc)
-    assert alloc.can_admit(alloc.demand_for(np.array([c]), np.array([40]))) == (False, False)
+    assert alloc.can_admit(alloc.parts.tokens.demand_for(np.array([c]), np.array([40]))) == (
+        False,
+        False,
+    )
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([40])) is None
     assert snapshot(alloc) == before
     while alloc.alloc_mamba(np.array([c])) is not None:
-        alloc.free_mamba(np.array([c]))
+        alloc.parts.mamba.free(np.array([c]))
         break
     with pytest.raises(ValueError, match="request slots are open"):
         alloc.new_request()

@@ -31,7 +31,7 @@ def test_decode_steps_do_not_sync(ps):
     lens = np.zeros(batch, np.int64)
     assert alloc.alloc_extend(slots, lens, np.full(batch, prompt)) is not None
     lens += prompt
-    table = torch.zeros((batch, alloc.requests.max_pages), dtype=torch.int32, device="cuda")
+    table = torch.zeros((batch, alloc.parts.requests.max_pages), dtype=torch.int32, device="cuda")
     locs = torch.zeros(batch, dtype=torch.int32, device="cuda")
     slots_dev = torch.from_numpy(slots.astype(np.int32)).cuda()
 
@@ -40,7 +40,7 @@ def test_decode_steps_do_not_sync(ps):
         assert ids is not None
         lens[:] += 1
         alloc.free_out_of_window(slots, lens)
-        lens_dev = alloc.upload(lens.astype(np.int32))
+        lens_dev = alloc.parts.writer.upload(lens.astype(np.int32))
         for name in ("full", "swa"):
             alloc.translate(ids, name, out=locs)
             alloc.block_table(slots_dev, lens_dev, name, table)
@@ -59,8 +59,10 @@ def test_decode_steps_do_not_sync(ps):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     alloc.check_integrity()
-    want = alloc.subs["full"].v2p_host[last.data.cpu().numpy() // ps]
-    got = alloc.translate_physical(VirtualTokenIds(last.data), "full").data.cpu().numpy() // ps
+    want = alloc.parts.books["full"].v2p_host[last.data.cpu().numpy() // ps]
+    got = (
+        alloc.translate(VirtualTokenIds(last.data), "full", physical=True).data.cpu().numpy() // ps
+    )
     assert np.array_equal(got, want)
 
 
@@ -110,14 +112,14 @@ def test_decode_step_does_not_sync_and_equals_the_separate_verbs(ps):
     for alloc in (verbs, fused):
         slots = np.array([alloc.new_request() for _ in range(batch)])
         assert alloc.alloc_extend(slots, np.zeros(batch, np.int64), prompts) is not None
-    cols = fused.requests.max_pages
+    cols = fused.parts.requests.max_pages
     tables = {
         n: torch.full((batch, cols), -3, dtype=torch.int32, device="cuda") for n in ("full", "swa")
     }
     locs = {n: torch.full((batch,), -3, dtype=torch.int64, device="cuda") for n in ("full", "swa")}
     for step in range(steps):
         batch_slots = np.sort(rng.choice(batch, int(rng.integers(1, batch + 1)), replace=False))
-        lens = verbs.requests.lens[batch_slots].copy()
+        lens = verbs.parts.requests.lens[batch_slots].copy()
         ids = verbs.alloc_decode(batch_slots, lens)
         verbs.free_out_of_window(batch_slots, lens + 1)
         torch.cuda.synchronize()
@@ -139,8 +141,8 @@ def test_decode_step_does_not_sync_and_equals_the_separate_verbs(ps):
             want = verbs.translate(ids, name).data.long()
             assert torch.equal(got.write_ids[name].data, want), (step, name)
         for name in ("full", "swa"):
-            assert torch.equal(fused.subs[name].v2p, verbs.subs[name].v2p)
-            assert torch.equal(fused.subs[name].p2v, verbs.subs[name].p2v)
+            assert torch.equal(fused.parts.books[name].v2p, verbs.parts.books[name].v2p)
+            assert torch.equal(fused.parts.books[name].p2v, verbs.parts.books[name].p2v)
         assert torch.equal(fused.req_to_token, verbs.req_to_token)
     torch.cuda.synchronize()
     fused.check_integrity()

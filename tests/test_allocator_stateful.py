@@ -60,7 +60,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.batch: list[int] = []
         self.shortfalls = 0
         self.ps = self.PS
-        self.ctx = self.alloc.requests.max_context
+        self.ctx = self.alloc.parts.requests.max_context
         self.tokens: dict[int, list[int]] = {}  # request -> virtual ids by position
         self.gone: dict[int, int] = {}  # request -> SWA pages out of the window
         self.released: dict[str, dict[int, int]] = {
@@ -83,11 +83,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _on_shortfall(self, shortfall):
         """The scheduler's part: evict the biggest request outside the batch."""
         self.shortfalls += 1
-        assert shortfall.free_bytes >= 0 and set(shortfall.usage) == set(self.alloc.subs)
+        assert shortfall.free_bytes >= 0 and set(shortfall.usage) == set(self.alloc.parts.books)
         victims = [s for s in self.tokens if s not in self.batch]
         if not victims:
             return False
-        size = {s: sum(self.alloc.request_footprint(s).values()) for s in victims}
+        size = {s: sum(self.alloc.parts.tokens.request_footprint(s).values()) for s in victims}
         self._evict(max(victims, key=lambda s: (size[s], s)))
         return True
 
@@ -105,7 +105,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def _markers(self, name, rows, positions):
         """Write/return markers of tokens (rows, positions) in sub-pool ``name``."""
         ids = torch.tensor([self.tokens[r][p] for r, p in zip(rows, positions)], dtype=torch.int32)
-        phys = self.alloc.translate_physical(VirtualTokenIds(ids), name).data.long()
+        phys = self.alloc.translate(VirtualTokenIds(ids), name, physical=True).data.long()
         return ids, phys // self.ps, phys % self.ps
 
     def _write(self, rows, positions):
@@ -119,13 +119,13 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def _visible(self, name, r, p):
         page = p // self.ps
-        if name in self.alloc.windows and page < self.gone.get(r, 0):
+        if name in self.alloc.parts.roles.windows and page < self.gone.get(r, 0):
             return False
         return self.tokens[r][page * self.ps] // self.ps not in self.released[name]
 
     def _allocate(self, slots, ext, decode, fused=False):
         prefix = np.array([len(self.tokens[s]) for s in slots])
-        demand = self.alloc.demand_for(np.array(slots), ext)
+        demand = self.alloc.parts.tokens.demand_for(np.array(slots), ext)
         now, after = self.alloc.can_admit(demand)
         before, shortfalls = self.moves, self.shortfalls
         self.batch = list(slots)
@@ -184,7 +184,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert torch.equal(step.req_slots, slots_dev) and torch.equal(step.seq_lens, lens_dev)
         for name in self.alloc.token_names:
             table = torch.full_like(step.block_tables[name].data, -7)
-            window = self.alloc.windows.get(name, 0)
+            window = self.alloc.parts.roles.windows.get(name, 0)
             self.alloc.block_table(slots_dev, lens_dev, name, table, window=window)
             assert torch.equal(step.block_tables[name].data, table), f"{name}: block table"
             locs = self.alloc.translate(step.virtual_ids, name).data
@@ -192,7 +192,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             if window:  # the model's out-of-window pages hold no physical page any more
                 for s in slots:
                     gone = [self.tokens[s][j * self.ps] // self.ps for j in range(self.gone[s])]
-                    v2p = self.alloc.subs[name].v2p_host[np.array(gone, np.int64)]
+                    v2p = self.alloc.parts.books[name].v2p_host[np.array(gone, np.int64)]
                     assert (v2p < 0).all(), f"{name}: request {s} kept out-of-window pages"
 
     # -- rules --------------------------------------------------------------------
@@ -237,7 +237,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def _note_window(self, slots, seq):
         """Model of free_out_of_window(slots, seq): pages that left each window."""
-        if self.alloc.windows:
+        if self.alloc.parts.roles.windows:
             window = WINDOW[self.ps]
             for s, n in zip(slots, seq):
                 held = -(-len(self.tokens[s]) // self.ps)
@@ -270,7 +270,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
         held = len(self.tokens[slot])
         low = 0  # the next query must find its window bound: keep none, or >= gone*ps + W - 1
-        if self.alloc.windows and self.gone[slot]:
+        if self.alloc.parts.roles.windows and self.gone[slot]:
             low = self.gone[slot] * self.ps + WINDOW[self.ps] - 1
         cuts = st.just(0) | st.integers(low, held) if low <= held else st.just(0)
         keep = data.draw(cuts)
@@ -282,14 +282,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.released[name] = {v: s for v, s in released.items() if s != slot or v in kept}
 
     def _owner(self, vpage):
-        return int(self.alloc.vspace.owner[vpage])
+        return int(self.alloc.parts.vspace.owner[vpage])
 
-    @precondition(lambda self: self.alloc.mamba_name and set(self.tokens) - self.mamba)
+    @precondition(lambda self: self.alloc.parts.roles.mamba_name and set(self.tokens) - self.mamba)
     @rule(data=st.data())
     def alloc_mamba(self, data):
         OPS["count"] += 1
         slot = data.draw(st.sampled_from(sorted(set(self.tokens) - self.mamba)))
-        _, after = self.alloc.can_admit({self.alloc.mamba_name: 1})
+        _, after = self.alloc.can_admit({self.alloc.parts.roles.mamba_name: 1})
         shortfalls, self.batch = self.shortfalls, [slot]
         pages = self.alloc.alloc_mamba(np.array([slot]))
         self.batch = []
@@ -300,7 +300,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         )
         if pages is not None:
             self.mamba.add(slot)
-            views = self.pool[self.alloc.mamba_name].views
+            views = self.pool[self.alloc.parts.roles.mamba_name].views
             for view in views.values():
                 view[:, pages.data.long()] = float(slot + 1)
 
@@ -309,7 +309,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free_mamba(self, data):
         OPS["count"] += 1
         slot = data.draw(st.sampled_from(sorted(self.mamba)))
-        self.alloc.free_mamba(np.array([slot]))
+        self.alloc.parts.mamba.free(np.array([slot]))
         self.mamba.discard(slot)
 
     @rule()
@@ -338,7 +338,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         OPS["count"] += 1
         if self.pinned and data.draw(st.booleans()):
             (name, page), _ = self.pinned.popitem()
-            self.alloc.subpool(name).unpin(PhysicalPageIds(torch.tensor([page]), name))
+            self.alloc.parts.io.unpin(name, PhysicalPageIds(torch.tensor([page]), name))
             return
         name = data.draw(st.sampled_from(self.alloc.token_names))
         sub = self.alloc.subpool(name)
@@ -346,7 +346,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if len(live):
             page = int(data.draw(st.sampled_from(live.tolist())))
             if (name, page) not in self.pinned:
-                sub.pin(PhysicalPageIds(torch.tensor([page]), name))
+                self.alloc.parts.io.pin(name, PhysicalPageIds(torch.tensor([page]), name))
                 self.pinned[(name, page)] = int(sub.p2v_host[page])
 
     @precondition(lambda self: self.tokens)
@@ -358,7 +358,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.released[name] and data.draw(st.booleans()):
             vpage = data.draw(st.sampled_from(sorted(self.released[name])))
             self.batch = [self.released[name][vpage]]
-            pages = sub.bind_physical(VirtualPageIds(torch.tensor([vpage])))
+            pages = self.alloc.parts.io.bind_physical(name, VirtualPageIds(torch.tensor([vpage])))
             self.batch = []
             if pages is None:
                 return
@@ -378,13 +378,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         vpage = self.tokens[slot][pos] // self.ps
         if sub.pins[sub.v2p_host[vpage]]:
             return
-        sub.release_physical(VirtualPageIds(torch.tensor([vpage])), fence=None)
+        self.alloc.parts.io.release_physical(
+            name, VirtualPageIds(torch.tensor([vpage])), fence=None
+        )
         self.released[name][vpage] = slot
         before = snapshot(self.alloc)
         with pytest.raises(ValueError, match="hold no physical page"):
-            sub.release_physical(VirtualPageIds(torch.tensor([vpage])))
+            self.alloc.parts.io.release_physical(name, VirtualPageIds(torch.tensor([vpage])))
         with pytest.raises(TypeError):
-            sub.release_physical(PhysicalPageIds(torch.tensor([vpage]), name))
+            self.alloc.parts.io.release_physical(name, PhysicalPageIds(torch.tensor([vpage]), name))
         assert snapshot(self.alloc) == before
 
     # -- invariants -------------------------------------------------------------------
@@ -411,7 +413,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.mamba:
             slots = torch.tensor(sorted(self.mamba))
             phys = self.alloc.mamba_slots(slots).data.long()
-            for view in self.pool[self.alloc.mamba_name].views.values():
+            for view in self.pool[self.alloc.parts.roles.mamba_name].views.values():
                 got = view[:, phys].reshape(view.shape[0], len(slots), -1)
                 assert torch.equal(got, (slots + 1).float()[None, :, None].expand_as(got))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from allocator_fixtures import build, snapshot
 
-from unikv.allocator import chain, device
+from unikv.kernels import get_backend
 from unikv.kernels.step_tables import StepTarget, step_tables, step_tables_ref
 
 
@@ -70,9 +70,11 @@ def test_step_kernel_matches_reference_and_naive(ps):
         assert (got.table[batch:] == -9).all() and (got.loc[batch:] == -9).all()  # rows >= B
 
 
-def _twins(monkeypatch, chain_name, ps, backend):
-    monkeypatch.setattr(chain, "make_table_ops", lambda d: device.make_table_ops(d, backend))
-    return build(chain_name, ps, requests=3)[1], build(chain_name, ps, requests=3)[1]
+def _twins(chain_name, ps, backend):
+    ops = get_backend("cpu", backend)
+    return build(chain_name, ps, requests=3, backend=ops)[1], build(
+        chain_name, ps, requests=3, backend=ops
+    )[1]
 
 
 @pytest.mark.parametrize(
@@ -80,23 +82,23 @@ def _twins(monkeypatch, chain_name, ps, backend):
     [("full+swa", 1, "torch"), ("full+swa", 16, "triton"), ("mla+swa", 4, "triton"),
      ("full+swa+mamba", 4, "torch")],
 )  # fmt: skip
-def test_decode_step_equals_the_separate_verbs(monkeypatch, chain_name, ps, backend):
-    verbs, fused = _twins(monkeypatch, chain_name, ps, backend)
+def test_decode_step_equals_the_separate_verbs(chain_name, ps, backend):
+    verbs, fused = _twins(chain_name, ps, backend)
     rng = np.random.default_rng(ps)
     for alloc in (verbs, fused):
         slots = np.array([alloc.new_request() for _ in range(3)])
         prompts = rng.integers(1, 2 * ps + 1, 3)
         assert alloc.alloc_extend(slots, np.zeros(3, np.int64), prompts) is not None
         rng = np.random.default_rng(ps)  # the same prompts for both
-    windows = {n: verbs.windows.get(n, 0) for n in verbs.token_names}
-    cols = verbs.requests.max_pages
+    windows = {n: verbs.parts.roles.windows.get(n, 0) for n in verbs.token_names}
+    cols = verbs.parts.requests.max_pages
     buffers = {n: torch.full((4, cols), -5, dtype=torch.int32) for n in verbs.token_names}
     locs = {n: torch.full((4,), -5, dtype=torch.int64) for n in verbs.token_names}
     done = 0
     for step in range(6 * ps + 12):
         batch = np.sort(rng.choice(3, int(rng.integers(1, 4)), replace=False))
-        lens = verbs.requests.lens[batch].copy()
-        if (lens >= verbs.requests.max_context).any():
+        lens = verbs.parts.requests.lens[batch].copy()
+        if (lens >= verbs.parts.requests.max_context).any():
             break
         ids = verbs.alloc_decode(batch, lens)
         got = fused.decode_step(batch, lens, block_tables=buffers, write_ids=locs)
@@ -130,8 +132,8 @@ def test_bad_buffers_are_refused_and_state_unchanged():
     _, alloc = build("full+swa", 4, requests=3)
     slots = np.array([alloc.new_request() for _ in range(2)])
     alloc.alloc_extend(slots, np.zeros(2, np.int64), np.array([9, 4]))
-    lens = alloc.requests.lens[slots].copy()
-    cols = alloc.requests.max_pages
+    lens = alloc.parts.requests.lens[slots].copy()
+    cols = alloc.parts.requests.max_pages
     good = {n: torch.zeros((2, cols), dtype=torch.int32) for n in alloc.token_names}
     cases = [
         ({"full": good["full"]}, None, "name every token sub-pool"),
@@ -172,25 +174,27 @@ def test_reused_buffers_follow_their_names_and_are_checked_again_when_short():
     _, alloc = build("full+swa", 4, requests=3)
     slots = np.array([alloc.new_request() for _ in range(3)])
     alloc.alloc_extend(slots, np.zeros(3, np.int64), np.array([5, 2, 7]))
-    cols = alloc.requests.max_pages
+    cols = alloc.parts.requests.max_pages
     a, b = (torch.full((3, cols), -1, dtype=torch.int32) for _ in range(2))
     la, lb = (torch.full((3,), -1, dtype=torch.int32) for _ in range(2))
     for tables, locs in [({"full": a, "swa": b}, {"full": la, "swa": lb}),
                          ({"swa": a, "full": b}, {"swa": la, "full": lb})]:  # fmt: skip
-        lens = alloc.requests.lens[slots].copy()
+        lens = alloc.parts.requests.lens[slots].copy()
         step = alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs)
         for name in ("full", "swa"):  # written into the buffer passed under that name now
             assert step.block_tables[name].data.data_ptr() == tables[name].data_ptr()
             assert step.write_ids[name].data.data_ptr() == locs[name].data_ptr()
             want = torch.empty((3, cols), dtype=torch.int32)
-            window = alloc.windows.get(name, 0)
+            window = alloc.parts.roles.windows.get(name, 0)
             alloc.block_table(step.req_slots, step.seq_lens, name, want, window=window)
             assert torch.equal(tables[name], want)
             assert torch.equal(locs[name], alloc.translate(step.virtual_ids, name).data)
     short = {"full": la[:2], "swa": lb[:2]}  # the same storage, too few rows: checked again
     before = snapshot(alloc)
     with pytest.raises(ValueError, match=">= 3 entries"):
-        alloc.decode_step(slots, alloc.requests.lens[slots], block_tables=tables, write_ids=short)
+        alloc.decode_step(
+            slots, alloc.parts.requests.lens[slots], block_tables=tables, write_ids=short
+        )
     assert snapshot(alloc) == before
 
 
@@ -205,7 +209,7 @@ def test_debug_mode_raises_on_a_live_tombstoned_page():
     alloc.alloc_extend(np.array([slot]), [0], [9])  # pages 0, 1 full and page 2 partly
     step = alloc.decode_step([slot], [9])  # debug checks pass on healthy tables
     assert step is not None
-    page = int(alloc.requests.pages[slot, 1])  # inside the window of every sub-pool
-    alloc.subs["full"].release_physical(VirtualPageIds(torch.tensor([page])))
+    page = int(alloc.parts.requests.pages[slot, 1])  # inside the window of every sub-pool
+    alloc.parts.io.release_physical("full", VirtualPageIds(torch.tensor([page])))
     with pytest.raises(TombstoneReadError, match="full"):
         alloc.decode_step([slot], [10])

@@ -12,8 +12,10 @@ import torch
 from allocator_fixtures import build
 
 from unikv import layout
-from unikv.allocator import TombstoneReadError, translate_kernel
+from unikv.allocator import TombstoneReadError
+from unikv.allocator.translate import check_tombstones, translate
 from unikv.ids import PhysicalPageIds, VirtualTokenIds
+from unikv.kernels import get_backend
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -23,7 +25,7 @@ def test_kernel_ids_hit_the_oracle_rows(ps):
     ids = alloc.alloc_extend(np.array([r]), np.array([0]), np.array([3 * ps - 1]))
     for name in alloc.token_names:
         kernel = alloc.translate(ids, name).data.long()
-        physical = alloc.translate_physical(ids, name).data
+        physical = alloc.translate(ids, name, physical=True).data
         assert torch.equal(
             kernel, layout.kernel_ids(physical.long(), ps, pool[name].blocks_per_page)
         )
@@ -31,7 +33,7 @@ def test_kernel_ids_hit_the_oracle_rows(ps):
         for layer, (k, v) in enumerate(pool[name].views):
             k[kernel] = values[:, None, None] + 1000 * layer
             v[kernel] = -values[:, None, None]
-        v2p = alloc.subs[name].v2p_host  # oracle: page v2p[tv // ps], slot tv % ps
+        v2p = alloc.parts.books[name].v2p_host  # oracle: page v2p[tv // ps], slot tv % ps
         tv = ids.data.numpy()
         pages, slots = v2p[tv // ps], tv % ps
         for layer, (k, v) in enumerate(pool[name].paged_views):
@@ -39,20 +41,21 @@ def test_kernel_ids_hit_the_oracle_rows(ps):
             assert torch.equal(v[pages, slots][:, 0, 0], -values)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("ps", [1, 4, 16])
-def test_padding_and_tombstones_go_to_the_sink_never_v2p_minus_one(ps):
+def test_padding_and_tombstones_go_to_the_sink_never_v2p_minus_one(ps, backend):
     v2p = torch.tensor([0, 3, -1, 5, 77], dtype=torch.int32)  # v2p[-1] = 77 is a trap
     ids = torch.tensor(
         [-1, -ps, -3 * ps - 1, ps + 1 % ps, 2 * ps, 3 * ps + ps - 1], dtype=torch.int32
     )
-    got = translate_kernel(ids, v2p, ps, 6).tolist()
+    got = translate(get_backend("cpu", backend).translate_ids, ids, v2p, ps, ps * 6, None).tolist()
     # by hand: padding and the tombstone (page 2) read page 0; others P*ps*B + slot
     slot = lambda t: t % ps
     want = [slot(-1), 0, slot(-3 * ps - 1), 3 * ps * 6 + 1 % ps, 0, 5 * ps * 6 + ps - 1]
     assert got == want
     assert all(g < ps for g in got[:3]) and got[4] < ps, "sink rows only"
     with pytest.raises(TombstoneReadError, match="tombstoned"):
-        translate_kernel(ids, v2p, ps, 6, debug=True)
+        check_tombstones(ids, v2p, ps, "full")
 
 
 def test_out_aliases_input_and_only_the_prefix_is_written():
@@ -85,7 +88,9 @@ def test_debug_mode_raises_on_out_of_window_reads():
     table = torch.zeros((1, 24), dtype=torch.int32)
     slots, lens = torch.tensor([r], dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
     alloc.block_table(slots, lens, "swa", table)  # live lanes are inside the window: fine
-    alloc.subs["swa"].v2p[ids.data[8]] = -1  # corrupt a live page behind the allocator's back
+    alloc.parts.books["swa"].v2p[
+        ids.data[8]
+    ] = -1  # corrupt a live page behind the allocator's back
     with pytest.raises(TombstoneReadError):
         alloc.block_table(slots, lens, "swa", table)
 
@@ -98,17 +103,17 @@ def test_block_table_matches_naive_loop(ps):
     for _ in range(6):
         s = int(rng.choice(slots))
         ext = int(rng.integers(1, 2 * ps + 1))
-        if alloc.requests.lens[s] + ext <= alloc.requests.max_context:
-            alloc.alloc_extend(np.array([s]), alloc.requests.lens[[s]], np.array([ext]))
-    alloc.free_out_of_window(np.array(slots), alloc.requests.lens[slots])
-    lens = alloc.requests.lens[slots]
-    cols = alloc.requests.max_pages
+        if alloc.parts.requests.lens[s] + ext <= alloc.parts.requests.max_context:
+            alloc.alloc_extend(np.array([s]), alloc.parts.requests.lens[[s]], np.array([ext]))
+    alloc.free_out_of_window(np.array(slots), alloc.parts.requests.lens[slots])
+    lens = alloc.parts.requests.lens[slots]
+    cols = alloc.parts.requests.max_pages
     for name in alloc.token_names:
         out = torch.full((3, cols), 99, dtype=torch.int32)
         alloc.block_table(
             torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), name, out
         )
-        sub, r2t = alloc.subs[name], alloc.req_to_token
+        sub, r2t = alloc.parts.books[name], alloc.req_to_token
         for b, s in enumerate(slots):
             for j in range(cols):
                 want = 0
@@ -129,4 +134,4 @@ def test_wrong_id_kinds_are_refused():
     with pytest.raises(ValueError, match="Mamba"):
         alloc.translate(VirtualTokenIds(torch.tensor([1])), "mamba")
     with pytest.raises(TypeError, match="of sub-pool 'swa'"):
-        alloc.subpool("swa").pin(PhysicalPageIds(torch.tensor([1]), "full"))
+        alloc.parts.io.pin("swa", PhysicalPageIds(torch.tensor([1]), "full"))

@@ -16,7 +16,7 @@ import torch
 from allocator_fixtures import FakeEvent, full_config, swa_config
 
 from unikv.allocator import PoolAllocator
-from unikv.allocator.subpool import FREE, LIVE, OUT, PENDING
+from unikv.allocator.pages import FREE, LIVE, OUT, PENDING
 from unikv.ids import PhysicalPageIds
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MambaSpec, StatePart
@@ -41,8 +41,8 @@ def busy() -> PoolAllocator:
         assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([tokens])) is not None
         assert alloc.alloc_mamba(np.array([slot])) is not None
     alloc.free_out_of_window(np.array([r0]), np.array([22]))
-    alloc.subs["full"].pin(_pages(alloc, "full", r1, 0))
-    alloc.subs["full"].pin(_pages(alloc, "full", r2, 0))
+    alloc.parts.io.pin("full", _pages(alloc, "full", r1, 0))
+    alloc.parts.io.pin("full", _pages(alloc, "full", r2, 0))
     alloc.free_request(r2)
     alloc.mark_in_flight(FakeEvent())
     alloc.free_request(r3)
@@ -50,7 +50,7 @@ def busy() -> PoolAllocator:
 
 
 def _pages(alloc, name: str, slot: int, col: int) -> PhysicalPageIds:
-    page = alloc.subs[name].v2p_host[alloc.requests.pages[slot, col]]
+    page = alloc.parts.books[name].v2p_host[alloc.parts.requests.pages[slot, col]]
     return PhysicalPageIds(torch.tensor([int(page)]), name)
 
 
@@ -63,45 +63,46 @@ def _page(sub, state: int, outside: bool = False) -> int:
 
 
 def _free_virtual(alloc) -> int:
-    return int(alloc.vspace.free_ids()[-1])
+    return int(alloc.parts.vspace.free_ids()[-1])
 
 
 def _bind_virtual(alloc, name: str, vpage: int) -> None:
     """Bind ``vpage`` to a hole of ``name`` consistently (host and device)."""
-    sub = alloc.subs[name]
+    sub = alloc.parts.books[name]
     pages = sub.take(1)
     vpages = np.array([vpage], np.int32)
     sub.bind_host(vpages, pages)
-    sub.write_bind(torch.from_numpy(vpages), torch.from_numpy(pages))
+    alloc.parts.writer.bind(sub, vpages, pages)
 
 
 def _swap_v2p(alloc) -> None:
-    full = alloc.subs["full"]
-    a, b = alloc.requests.pages[0, 0], alloc.requests.pages[0, 1]
+    full = alloc.parts.books["full"]
+    a, b = alloc.parts.requests.pages[0, 0], alloc.parts.requests.pages[0, 1]
     full.v2p_host[[a, b]] = full.v2p_host[[b, a]]
 
 
 def _swap_owner(alloc) -> None:
-    a, b = alloc.requests.pages[0, 0], alloc.requests.pages[1, 0]
-    alloc.vspace.owner[[a, b]] = alloc.vspace.owner[[b, a]]
+    a, b = alloc.parts.requests.pages[0, 0], alloc.parts.requests.pages[1, 0]
+    alloc.parts.vspace.owner[[a, b]] = alloc.parts.vspace.owner[[b, a]]
 
 
 def _duplicate_free_virtual(alloc) -> None:
-    vs = alloc.vspace
+    vs = alloc.parts.vspace
     vs._stack[vs.num_free - 1] = vs._stack[vs.num_free - 2]
 
 
 def _free_window_page_early(alloc) -> None:
     """The state the truncate bug left: a page the next query reads tombstoned and
     counted as out of the window (r0: 22 tokens, W 10 -> it reads from page 3)."""
-    swa = alloc.subs["swa"]
-    col = int(alloc.requests.window_lo["swa"][0])
-    swa.unbind(alloc.requests.pages[0, col : col + 1].copy())
-    alloc.requests.window_lo["swa"][0] = col + 1
+    swa = alloc.parts.books["swa"]
+    col = int(alloc.parts.requests.window_lo["swa"][0])
+    vpages = alloc.parts.requests.pages[0, col : col + 1].copy()
+    alloc.parts.writer.unbind(swa, vpages, swa.unbind_host(vpages, held=False))
+    alloc.parts.requests.window_lo["swa"][0] = col + 1
 
 
 def _overlap_bands(alloc) -> None:
-    mamba, swa = alloc.subs["mamba"], alloc.subs["swa"]
+    mamba, swa = alloc.parts.books["mamba"], alloc.parts.books["swa"]
     reach = -(-swa.lo * swa.page_bytes // mamba.page_bytes) + 1  # one slot into swa's band
     mamba.set_band(mamba.lo, min(reach, mamba.num_pages))
 
@@ -129,60 +130,62 @@ CASES: dict[str, Callable[[PoolAllocator], None]] = {
     "kernel ids fit int32": lambda a: setattr(a.pool["full"], "page_size", 2**28),
     "the views are the layout's views of the pool's buffer": _shift_view,
     # one sub-pool
-    "entry 0 is pinned to the sink": lambda a: a.subs[SUB].v2p_host.__setitem__(0, 3),
-    "band inside the grid": lambda a: setattr(a.subs[SUB], "hi", a.subs[SUB].num_pages + 1),
-    "pages outside the band are OUT": lambda a: a.subs[SUB].state.__setitem__(
-        _page(a.subs[SUB], OUT, outside=True), FREE
+    "entry 0 is pinned to the sink": lambda a: a.parts.books[SUB].v2p_host.__setitem__(0, 3),
+    "band inside the grid": lambda a: setattr(
+        a.parts.books[SUB], "hi", a.parts.books[SUB].num_pages + 1
     ),
-    "pages inside the band are FREE, LIVE or PENDING": lambda a: a.subs[SUB].state.__setitem__(
-        _page(a.subs[SUB], FREE), OUT
+    "pages outside the band are OUT": lambda a: a.parts.books[SUB].state.__setitem__(
+        _page(a.parts.books[SUB], OUT, outside=True), FREE
     ),
+    "pages inside the band are FREE, LIVE or PENDING": lambda a: a.parts.books[
+        SUB
+    ].state.__setitem__(_page(a.parts.books[SUB], FREE), OUT),
     "the free stack holds exactly the holes": lambda a: setattr(
-        a.subs[SUB], "num_free", a.subs[SUB].num_free - 1
+        a.parts.books[SUB], "num_free", a.parts.books[SUB].num_free - 1
     ),
     "num_live counts the LIVE pages": lambda a: setattr(
-        a.subs[SUB], "num_live", a.subs[SUB].num_live + 1
+        a.parts.books[SUB], "num_live", a.parts.books[SUB].num_live + 1
     ),
     "num_pending counts PENDING pages": lambda a: setattr(
-        a.subs[SUB], "num_pending", a.subs[SUB].num_pending + 1
+        a.parts.books[SUB], "num_pending", a.parts.books[SUB].num_pending + 1
     ),
-    "pin counts are non-negative": lambda a: a.subs[SUB].pins.__setitem__(
-        _page(a.subs[SUB], LIVE), -1
+    "pin counts are non-negative": lambda a: a.parts.books[SUB].pins.__setitem__(
+        _page(a.parts.books[SUB], LIVE), -1
     ),
-    "any_pinned mirrors pins": lambda a: setattr(a.subs[SUB], "any_pinned", False),
+    "any_pinned mirrors pins": lambda a: setattr(a.parts.books[SUB], "any_pinned", False),
     "PENDING pages are exactly the fence-held and the freed pinned pages": lambda a: (
-        a.fences._groups.clear()
+        a.parts.fences._groups.clear()
     ),
-    "p2v >= 0 exactly on LIVE pages": lambda a: a.subs[SUB].p2v_host.__setitem__(
-        _page(a.subs[SUB], FREE), 1
+    "p2v >= 0 exactly on LIVE pages": lambda a: a.parts.books[SUB].p2v_host.__setitem__(
+        _page(a.parts.books[SUB], FREE), 1
     ),
     "v2p inverts p2v on live pages": _swap_v2p,
-    "v2p holds pages or -1 (tombstone)": lambda a: a.subs[SUB].v2p_host.__setitem__(
+    "v2p holds pages or -1 (tombstone)": lambda a: a.parts.books[SUB].v2p_host.__setitem__(
         _free_virtual(a), -5
     ),
-    "p2v inverts v2p on bound virtual pages": lambda a: a.subs[SUB].v2p_host.__setitem__(
-        _free_virtual(a), _page(a.subs[SUB], LIVE)
+    "p2v inverts v2p on bound virtual pages": lambda a: a.parts.books[SUB].v2p_host.__setitem__(
+        _free_virtual(a), _page(a.parts.books[SUB], LIVE)
     ),
-    "device v2p mirrors the host": lambda a: a.subs[SUB].v2p.__setitem__(1, 77),
-    "device p2v mirrors the host": lambda a: a.subs[SUB].p2v.__setitem__(
-        _page(a.subs[SUB], FREE), 5
+    "device v2p mirrors the host": lambda a: a.parts.books[SUB].v2p.__setitem__(1, 77),
+    "device p2v mirrors the host": lambda a: a.parts.books[SUB].p2v.__setitem__(
+        _page(a.parts.books[SUB], FREE), 5
     ),
     # requests, windows, virtual space
     "virtual free stack has no duplicates": _duplicate_free_virtual,
     "free plus owned virtual pages cover [1, V) exactly": lambda a: setattr(
-        a.vspace, "num_free", a.vspace.num_free - 1
+        a.parts.vspace, "num_free", a.parts.vspace.num_free - 1
     ),
-    "closed requests hold no tokens": lambda a: a.requests.lens.__setitem__(2, 1),
-    "requests hold exactly the owned virtual pages": lambda a: a.requests.lens.__setitem__(
-        1, a.requests.lens[1] + PS
+    "closed requests hold no tokens": lambda a: a.parts.requests.lens.__setitem__(2, 1),
+    "requests hold exactly the owned virtual pages": lambda a: a.parts.requests.lens.__setitem__(
+        1, a.parts.requests.lens[1] + PS
     ),
     "each request's pages are owned by it": _swap_owner,
-    "each virtual page knows its page index in its request": lambda a: a.vspace.column.__setitem__(
-        a.requests.pages[0, 1], 4
+    "each virtual page knows its page index in its request": lambda a: (
+        a.parts.vspace.column.__setitem__(a.parts.requests.pages[0, 1], 4)
     ),
     "unowned virtual pages are unbound": lambda a: _bind_virtual(a, "full", _free_virtual(a)),
-    "out-of-window pages are tombstones": lambda a: a.requests.window_lo["swa"].__setitem__(
-        0, a.requests.window_lo["swa"][0] + 1
+    "out-of-window pages are tombstones": lambda a: a.parts.requests.window_lo["swa"].__setitem__(
+        0, a.parts.requests.window_lo["swa"][0] + 1
     ),
     "no page the next query reads was freed out of the window": _free_window_page_early,
     "req_to_token holds each request's virtual ids": lambda a: a.req_to_token.__setitem__(
@@ -197,11 +200,11 @@ CASES: dict[str, Callable[[PoolAllocator], None]] = {
 def test_the_busy_state_is_intact_and_busy():
     alloc = busy()
     alloc.check_integrity()
-    for name, sub in alloc.subs.items():
+    for name, sub in alloc.parts.books.items():
         states = set(np.unique(sub.state[sub.first_page :]).tolist())
         assert {OUT, FREE, LIVE} <= states, name
-    assert (alloc.subs["full"].state == PENDING).sum() >= 2  # fence-held and freed pinned
-    assert alloc.requests.window_lo["swa"][0] == 3
+    assert (alloc.parts.books["full"].state == PENDING).sum() >= 2  # fence-held and freed pinned
+    assert alloc.parts.requests.window_lo["swa"][0] == 3
 
 
 @pytest.mark.parametrize("invariant", list(CASES))
@@ -238,7 +241,7 @@ def split_alloc() -> PoolAllocator:
 
 
 def _past_static_range(alloc) -> None:
-    swa = alloc.subs["swa"]  # UP: the unused fifth of the bytes lies above its range
+    swa = alloc.parts.books["swa"]  # UP: the unused fifth of the bytes lies above its range
     swa.set_band(swa.lo, alloc.pool.band_limits["swa"][1] + 1)
 
 

@@ -40,18 +40,20 @@ def busy() -> tuple[PoolAllocator, Tiering]:
     tiering = Tiering(alloc, HostTier(pool, "full", 6))
     slot = alloc.new_request()
     assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([16])) is not None
-    vpages = alloc.requests.pages[slot, :4].astype(np.int64)
+    vpages = alloc.parts.requests.pages[slot, :4].astype(np.int64)
     first = tiering.offload(VirtualPageIds(torch.from_numpy(vpages[:2]), "full"))
     assert tiering.offload(VirtualPageIds(torch.from_numpy(vpages[2:3]), "full")) is not None
     assert tiering.reload(first) is not None
     tier = tiering.tier
     waiting = tier.offload(
-        PhysicalPageIds(torch.tensor([int(alloc.subs["full"].v2p_host[vpages[3]])]), "full")
+        PhysicalPageIds(torch.tensor([int(alloc.parts.books["full"].v2p_host[vpages[3]])]), "full")
     )
     tier._reader[waiting.host_slots.data[0]] = FakeEvent()  # a reload still reading it
     tier.free(waiting.host_slots)
-    page = PhysicalPageIds(torch.tensor([int(alloc.subs["full"].v2p_host[vpages[0]])]), "full")
-    alloc.subs["full"].pin(page)
+    page = PhysicalPageIds(
+        torch.tensor([int(alloc.parts.books["full"].v2p_host[vpages[0]])]), "full"
+    )
+    alloc.parts.io.pin("full", page)
     tiering._pinned.append(HostCopy(HostPageIds(torch.tensor([5])), page, FakeEvent()))
     return alloc, tiering
 
@@ -78,9 +80,9 @@ CASES: dict[str, Callable[[Tiering], None]] = {
     "the tier and the allocator serve the same pool and sub-pool": lambda t: setattr(
         t, "name", "swa"
     ),
-    "the pages of a reload in flight are pinned": lambda t: t.sub.pins.__setitem__(
-        t._pinned[0].pages.data.numpy(), 0
-    ),
+    "the pages of a reload in flight are pinned": lambda t: t.alloc.subpool(
+        t.name
+    ).pins.__setitem__(t._pinned[0].pages.data.numpy(), 0),
 }
 
 

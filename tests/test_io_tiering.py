@@ -65,7 +65,9 @@ def _contents(pool, alloc, vpages: VirtualPageIds, name: str) -> list[torch.Tens
 
 def _host_state(alloc: PoolAllocator) -> list[np.ndarray]:
     return [
-        a.copy() for s in alloc.subs.values() for a in (s.v2p_host, s.p2v_host, s.state, s.pins)
+        a.copy()
+        for s in alloc.parts.books.values()
+        for a in (s.v2p_host, s.p2v_host, s.state, s.pins)
     ]
 
 
@@ -138,15 +140,17 @@ def test_fences_and_pins_hold_until_the_copy_event_fires() -> None:
     tiering.tier._launch = launch
     vp = _vpages(alloc, r0, 20, "full")
     off = tiering.offload(vp)
-    assert alloc.usage()["full"]["pending"] == 5  # released, but not reusable yet
+    assert (
+        alloc.parts.room.shortfall({}, 0).usage["full"]["pending"] == 5
+    )  # released, but not reusable yet
     event.fired = True
     alloc.can_admit({})  # drains fired fences
-    assert alloc.usage()["full"]["pending"] == 0
+    assert alloc.parts.room.shortfall({}, 0).usage["full"]["pending"] == 0
 
     event = FakeEvent()
     copy = tiering.reload(off)
     assert not copy.done() and tiering.num_in_flight == 1
-    assert alloc.usage()["full"]["pinned"] == 5
+    assert alloc.parts.room.shortfall({}, 0).usage["full"]["pinned"] == 5
     assert tiering.tier.num_free == 7  # slots read by the running reload stay taken
     pages = alloc.subpool("full").v2p_host[vp.data.numpy()].copy()
     alloc.compact()
@@ -155,7 +159,10 @@ def test_fences_and_pins_hold_until_the_copy_event_fires() -> None:
         tiering.offload(vp)  # a page still being written cannot leave again
     assert tiering.tier.num_free == 7  # the refused offload gave its slots back
     event.fired = True
-    assert tiering.num_in_flight == 0 and alloc.usage()["full"]["pinned"] == 0
+    assert (
+        tiering.num_in_flight == 0
+        and alloc.parts.room.shortfall({}, 0).usage["full"]["pinned"] == 0
+    )
     assert tiering.tier.num_free == 12
     alloc.check_integrity()
 

@@ -59,7 +59,7 @@ class Markers:
 
     def __init__(self, alloc: PoolAllocator) -> None:
         self.alloc = alloc
-        self.marked: dict[str, set[int]] = {name: set() for name in alloc.subs}
+        self.marked: dict[str, set[int]] = {name: set() for name in alloc.parts.books}
 
     def _pattern(self, name: str, vpage: int) -> torch.Tensor:
         pb = self.alloc.pool[name].page_bytes
@@ -67,7 +67,7 @@ class Markers:
         return ((torch.arange(pb, dtype=torch.int64) * 13 + seed) % 251).to(torch.uint8)
 
     def stamp(self, name: str, vpages) -> None:
-        sub = self.alloc.subs[name]
+        sub = self.alloc.parts.books[name]
         for v in np.asarray(vpages).tolist():
             page = int(sub.v2p_host[v])
             self.alloc.pool.page_envelope(name, page).copy_(self._pattern(name, v))
@@ -76,7 +76,7 @@ class Markers:
     def check(self) -> None:
         """Every marked page still bound holds its pattern; unbound ones are forgotten."""
         for name, vpages in self.marked.items():
-            sub = self.alloc.subs[name]
+            sub = self.alloc.parts.books[name]
             for v in sorted(vpages):
                 page = int(sub.v2p_host[v])
                 if page < 0:
@@ -87,13 +87,15 @@ class Markers:
 
 
 def request_vpages(alloc: PoolAllocator, slot: int) -> np.ndarray:
-    return alloc.requests.pages[slot, : int(alloc.requests.num_pages(np.array([slot]))[0])].copy()
+    return alloc.parts.requests.pages[
+        slot, : int(alloc.parts.requests.num_pages(np.array([slot]))[0])
+    ].copy()
 
 
 def extend(alloc: PoolAllocator, slot: int, pages: int, markers: Markers | None = None) -> bool:
-    held = int(alloc.requests.lens[slot])
+    held = int(alloc.parts.requests.lens[slot])
     got = alloc.alloc_extend(
-        np.array([slot]), np.array([held]), np.array([pages * alloc.page_size])
+        np.array([slot]), np.array([held]), np.array([pages * alloc.parts.roles.page_size])
     )
     if got is not None and markers is not None:
         new = request_vpages(alloc, slot)[-pages:]
@@ -111,7 +113,7 @@ def mamba_slot(alloc: PoolAllocator, slot: int, markers: Markers | None = None) 
 
 def check_tables(alloc: PoolAllocator) -> None:
     """v2p and p2v inverse on every bound page (host mirrors equal the device)."""
-    for sub in alloc.subs.values():
+    for sub in alloc.parts.books.values():
         v2p, p2v = sub.v2p.cpu().numpy(), sub.p2v.cpu().numpy()
         assert np.array_equal(v2p, sub.v2p_host) and np.array_equal(p2v, sub.p2v_host)
         bound = np.flatnonzero(v2p[1:] >= 0) + 1
@@ -122,7 +124,7 @@ def check_tables(alloc: PoolAllocator) -> None:
 def check_hole_free(alloc: PoolAllocator, compacted: bool = True) -> None:
     """The live pages are one run at the band's far end; after compaction the band
     is exactly that run (a band that grew holds spare fresh pages before)."""
-    for sub in alloc.subs.values():
+    for sub in alloc.parts.books.values():
         live = np.flatnonzero(sub.p2v_host[sub.first_page :] >= 0) + sub.first_page
         n = len(live)
         if sub.grow == Grow.UP:
@@ -136,11 +138,11 @@ def check_hole_free(alloc: PoolAllocator, compacted: bool = True) -> None:
 
 def check_id_space(alloc: PoolAllocator) -> None:
     """Free virtual pages plus the pages requests hold cover [1, V), disjointly."""
-    free = set(alloc.vspace.free_ids().tolist())
+    free = set(alloc.parts.vspace.free_ids().tolist())
     held = set()
-    for slot in np.flatnonzero(alloc.requests.in_use):
+    for slot in np.flatnonzero(alloc.parts.requests.in_use):
         held |= set(request_vpages(alloc, int(slot)).tolist())
-    assert not free & held and free | held == set(range(1, alloc.vspace.size))
+    assert not free & held and free | held == set(range(1, alloc.parts.vspace.size))
 
 
 # -- the multi-ended allocator ---------------------------------------------------------
@@ -165,12 +167,12 @@ def test_freeing_a_middle_batch_then_compacting_leaves_a_hole_free_band(ps):
     check_tables(alloc)
     for s, vpages in kept.items():
         assert np.array_equal(request_vpages(alloc, s), vpages)
-        assert (alloc.subs["full"].v2p_host[vpages] >= 0).all()
+        assert (alloc.parts.books["full"].v2p_host[vpages] >= 0).all()
     for s in (c, a):
         alloc.free_request(s)
         alloc.compact()
         check_hole_free(alloc)
-    assert all(sub.num_live == 0 and sub.lo == sub.hi for sub in alloc.subs.values())
+    assert all(sub.num_live == 0 and sub.lo == sub.hi for sub in alloc.parts.books.values())
 
 
 def test_the_grow_up_side_compacts_the_same_way():
@@ -190,12 +192,12 @@ def test_the_grow_up_side_compacts_the_same_way():
     for slot in groups[0] + groups[2]:
         alloc.free_request(slot)
     alloc.compact()
-    assert all(sub.num_live == 0 and sub.lo == sub.hi for sub in alloc.subs.values())
+    assert all(sub.num_live == 0 and sub.lo == sub.hi for sub in alloc.parts.books.values())
 
 
 def _most_full_pages(alloc: PoolAllocator) -> int:
     return max(
-        k for k in range(alloc.subs["full"].num_pages + 1) if alloc.can_admit({"full": k})[1]
+        k for k in range(alloc.parts.books["full"].num_pages + 1) if alloc.can_admit({"full": k})[1]
     )
 
 
@@ -237,7 +239,7 @@ def test_randomized_churn_on_both_sides_with_eager_compaction():
     for _ in range(400):
         full = rng.random() < 0.6
         live = full_side if full else mamba_side
-        free_slots = alloc.requests.max_requests - int(alloc.requests.in_use.sum())
+        free_slots = alloc.parts.requests.max_requests - int(alloc.parts.requests.in_use.sum())
         if (rng.random() < 0.55 or not live) and free_slots:
             slot = alloc.new_request()
             if full:
@@ -260,7 +262,7 @@ def test_randomized_churn_on_both_sides_with_eager_compaction():
     for slot in full_side + mamba_side:
         alloc.free_request(slot)
     alloc.compact()
-    assert all(sub.num_live == 0 for sub in alloc.subs.values())
+    assert all(sub.num_live == 0 for sub in alloc.parts.books.values())
 
 
 def test_lazy_churn_near_capacity_leaves_no_ghost_pages():
@@ -271,7 +273,7 @@ def test_lazy_churn_near_capacity_leaves_no_ghost_pages():
     alloc = full_mamba(full_pages=64, mamba_slots=4)
     live = []
     for _ in range(1500):
-        free_slots = alloc.requests.max_requests - int(alloc.requests.in_use.sum())
+        free_slots = alloc.parts.requests.max_requests - int(alloc.parts.requests.in_use.sum())
         if (rng.random() < 0.55 and free_slots) or not live:
             slot = alloc.new_request()
             if extend(alloc, slot, int(rng.integers(1, 6))):
@@ -280,26 +282,26 @@ def test_lazy_churn_near_capacity_leaves_no_ghost_pages():
                 alloc.free_request(slot)
         else:
             alloc.free_request(live.pop(int(rng.integers(len(live)))))
-        for sub in alloc.subs.values():
+        for sub in alloc.parts.books.values():
             band = np.arange(sub.lo, sub.hi)
             bound = set(band[sub.p2v_host[sub.lo : sub.hi] >= 0].tolist())
-            stacked = sub._stack[: sub.num_free].tolist()
+            stacked = sub.free_ids().tolist()
             assert len(stacked) == len(set(stacked)) and not bound & set(stacked)
             assert bound | set(stacked) == set(band.tolist()), f"{sub.name}: a ghost page"
     for slot in live:
         alloc.free_request(slot)
     alloc.compact()
-    assert all(sub.num_live == 0 and sub.lo == sub.hi for sub in alloc.subs.values())
+    assert all(sub.num_live == 0 and sub.lo == sub.hi for sub in alloc.parts.books.values())
 
 
 def test_double_free_is_refused_with_state_unchanged():
     alloc = full_mamba()
     slot = alloc.new_request()
     assert extend(alloc, slot, 3) and mamba_slot(alloc, slot)
-    alloc.free_mamba(np.array([slot]))
+    alloc.parts.mamba.free(np.array([slot]))
     state = snapshot(alloc)
     with pytest.raises(ValueError, match="hold no slot"):
-        alloc.free_mamba(np.array([slot]))
+        alloc.parts.mamba.free(np.array([slot]))
     assert snapshot(alloc) == state
     alloc.free_request(slot)
     state = snapshot(alloc)
@@ -332,10 +334,10 @@ def test_translation_clamps_tombstones_and_the_sink_survives_churn(ps):
     buf = ids.clone()
     got = alloc.translate(VirtualTokenIds(buf), "swa", out=buf)
     assert torch.equal(buf, want) and got.data.data_ptr() == buf.data_ptr()
-    vpage = int(alloc.requests.pages[b, 1])
-    alloc.subs["swa"].release_physical(VirtualPageIds(torch.tensor([vpage])))
+    vpage = int(alloc.parts.requests.pages[b, 1])
+    alloc.parts.io.release_physical("swa", VirtualPageIds(torch.tensor([vpage])))
     tomb = alloc.translate(VirtualTokenIds(ids), "swa").data
-    sink_rows = ps * alloc.subs["swa"].blocks_per_page  # kernel ids of page 0
+    sink_rows = ps * alloc.parts.books["swa"].blocks_per_page  # kernel ids of page 0
     assert (tomb[ps : 2 * ps] < sink_rows).all() and torch.equal(tomb[:ps], want[:ps])
     alloc.free_request(b)
     alloc.free_request(c)
@@ -351,12 +353,12 @@ def test_swa_allocation_binds_both_sub_pools_and_free_releases_both():
     assert extend(alloc, slot, 3)
     vpages = request_vpages(alloc, slot)
     for name in ("full", "swa"):
-        assert (alloc.subs[name].v2p_host[vpages] >= 0).all()
-    assert not set(vpages.tolist()) & set(alloc.vspace.free_ids().tolist())
+        assert (alloc.parts.books[name].v2p_host[vpages] >= 0).all()
+    assert not set(vpages.tolist()) & set(alloc.parts.vspace.free_ids().tolist())
     alloc.free_request(slot)
     for name in ("full", "swa"):
-        assert (alloc.subs[name].v2p_host[vpages] == -1).all()
-    assert set(vpages.tolist()) <= set(alloc.vspace.free_ids().tolist())
+        assert (alloc.parts.books[name].v2p_host[vpages] == -1).all()
+    assert set(vpages.tolist()) <= set(alloc.parts.vspace.free_ids().tolist())
 
 
 def test_an_swa_only_free_keeps_the_virtual_page_and_its_full_page():
@@ -364,11 +366,14 @@ def test_an_swa_only_free_keeps_the_virtual_page_and_its_full_page():
     slot = alloc.new_request()
     assert extend(alloc, slot, 3)
     middle = int(request_vpages(alloc, slot)[1])
-    alloc.subs["swa"].release_physical(VirtualPageIds(torch.tensor([middle])))
-    assert alloc.subs["full"].v2p_host[middle] >= 0 and alloc.subs["swa"].v2p_host[middle] == -1
-    assert middle not in set(alloc.vspace.free_ids().tolist())
+    alloc.parts.io.release_physical("swa", VirtualPageIds(torch.tensor([middle])))
+    assert (
+        alloc.parts.books["full"].v2p_host[middle] >= 0
+        and alloc.parts.books["swa"].v2p_host[middle] == -1
+    )
+    assert middle not in set(alloc.parts.vspace.free_ids().tolist())
     alloc.free_request(slot)  # the composite free skips the tombstoned SWA page
-    assert middle in set(alloc.vspace.free_ids().tolist())
+    assert middle in set(alloc.parts.vspace.free_ids().tolist())
     alloc.check_integrity()
 
 
@@ -381,12 +386,12 @@ def test_swa_compaction_diverges_only_the_side_that_freed_moves():
     for slot in (a, b, c):
         assert extend(alloc, slot, 1, markers)
     vb, vc = int(request_vpages(alloc, b)[0]), int(request_vpages(alloc, c)[0])
-    full_before = alloc.subs["full"].v2p_host.copy()
-    swa_c = int(alloc.subs["swa"].v2p_host[vc])
-    alloc.subs["swa"].release_physical(VirtualPageIds(torch.tensor([vb])))
+    full_before = alloc.parts.books["full"].v2p_host.copy()
+    swa_c = int(alloc.parts.books["swa"].v2p_host[vc])
+    alloc.parts.io.release_physical("swa", VirtualPageIds(torch.tensor([vb])))
     assert alloc.compact() == 1
-    assert np.array_equal(alloc.subs["full"].v2p_host, full_before)
-    assert int(alloc.subs["swa"].v2p_host[vc]) != swa_c
+    assert np.array_equal(alloc.parts.books["full"].v2p_host, full_before)
+    assert int(alloc.parts.books["swa"].v2p_host[vc]) != swa_c
     check_hole_free(alloc)
     check_tables(alloc)
     markers.check()
@@ -418,7 +423,7 @@ def test_swa_randomized_alloc_free_and_swa_free():
     live: list[int] = []
     for step in range(400):
         r = rng.random()
-        free_slots = alloc.requests.max_requests - int(alloc.requests.in_use.sum())
+        free_slots = alloc.parts.requests.max_requests - int(alloc.parts.requests.in_use.sum())
         if (r < 0.5 or not live) and free_slots:
             slot = alloc.new_request()
             pages = int(rng.integers(1, 5))
@@ -431,9 +436,9 @@ def test_swa_randomized_alloc_free_and_swa_free():
         elif live:
             slot = live[int(rng.integers(len(live)))]
             vpages = request_vpages(alloc, slot)
-            bound = vpages[alloc.subs["swa"].v2p_host[vpages] >= 0]
+            bound = vpages[alloc.parts.books["swa"].v2p_host[vpages] >= 0]
             if len(bound):
-                alloc.subs["swa"].release_physical(VirtualPageIds(torch.from_numpy(bound)))
+                alloc.parts.io.release_physical("swa", VirtualPageIds(torch.from_numpy(bound)))
         if step % 10 == 9:
             alloc.compact()
             check_hole_free(alloc)
@@ -441,11 +446,13 @@ def test_swa_randomized_alloc_free_and_swa_free():
         check_id_space(alloc)
         markers.check()
         held = np.concatenate([request_vpages(alloc, int(s)) for s in live] or [np.zeros(0, int)])
-        assert alloc.subs["full"].num_live == len(held)  # slot conservation
-        assert alloc.subs["swa"].num_live == int((alloc.subs["swa"].v2p_host[held] >= 0).sum())
+        assert alloc.parts.books["full"].num_live == len(held)  # slot conservation
+        assert alloc.parts.books["swa"].num_live == int(
+            (alloc.parts.books["swa"].v2p_host[held] >= 0).sum()
+        )
     for slot in live:
         alloc.free_request(slot)
-    assert all(sub.num_live == 0 for sub in alloc.subs.values())
+    assert all(sub.num_live == 0 for sub in alloc.parts.books.values())
 
 
 # -- page size > 1 -------------------------------------------------------------------------

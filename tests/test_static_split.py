@@ -52,7 +52,7 @@ def inside(alloc: PoolAllocator, ranges) -> dict[str, bool]:
     the integer rounding of a fraction)."""
     ok = {}
     for name, (lo, hi) in ranges.items():
-        sub = alloc.subs[name]
+        sub = alloc.parts.books[name]
         band_lo, band_hi = sub.lo * sub.page_bytes, sub.hi * sub.page_bytes
         ok[name] = sub.lo == sub.hi or (band_lo >= lo - 1 and band_hi <= hi)
     return ok
@@ -78,36 +78,40 @@ CHAINS = {
 def churn_step(alloc: PoolAllocator, rng, open_: list[int], events: list) -> bool | None:
     """One random operation; returns False when an allocation was refused."""
     op = rng.integers(0, 9)
-    ps = alloc.page_size
-    if op == 0 and len(open_) < alloc.requests.max_requests:
+    ps = alloc.parts.roles.page_size
+    if op == 0 and len(open_) < alloc.parts.requests.max_requests:
         open_.append(alloc.new_request())
     elif op in (1, 2) and open_:
         slot = int(rng.choice(open_))
-        held = int(alloc.requests.lens[slot])
+        held = int(alloc.parts.requests.lens[slot])
         ext = int(rng.integers(1, 3 * ps + 1))
-        if held + ext <= alloc.requests.max_context:
+        if held + ext <= alloc.parts.requests.max_context:
             return alloc.alloc_extend([slot], [held], [ext]) is not None
     elif op == 3 and open_:
         slot = int(rng.choice(open_))
-        if alloc.subs["mamba"].v2p_host[slot + 1] < 0:
+        if alloc.parts.books["mamba"].v2p_host[slot + 1] < 0:
             return alloc.alloc_mamba([slot]) is not None
     elif op == 4 and open_:
-        slots = np.array([s for s in open_ if 0 < alloc.requests.lens[s] < 10 * ps])
+        slots = np.array([s for s in open_ if 0 < alloc.parts.requests.lens[s] < 10 * ps])
         if len(slots):
-            return alloc.alloc_decode(slots, alloc.requests.lens[slots]) is not None
+            return alloc.alloc_decode(slots, alloc.parts.requests.lens[slots]) is not None
     elif op == 5 and open_:
         alloc.free_request(open_.pop(int(rng.integers(len(open_)))))
-    elif op == 6 and open_ and alloc.windows:
+    elif op == 6 and open_ and alloc.parts.roles.windows:
         slots = np.array(open_)
-        alloc.free_out_of_window(slots, alloc.requests.lens[slots])
+        alloc.free_out_of_window(slots, alloc.parts.requests.lens[slots])
     elif op == 7 and open_:  # a fenced release of one owner page, then its event fires later
         slot = int(rng.choice(open_))
-        sub = alloc.subs[alloc.owner]
-        vpages = alloc.requests.pages[slot, : int(alloc.requests.num_pages(np.array([slot]))[0])]
+        sub = alloc.parts.books[alloc.parts.roles.owner]
+        vpages = alloc.parts.requests.pages[
+            slot, : int(alloc.parts.requests.num_pages(np.array([slot]))[0])
+        ]
         bound = [int(v) for v in vpages if sub.v2p_host[v] >= 0]
         if bound:
             events.append(FakeEvent())
-            sub.release_physical(VirtualPageIds(torch.tensor(bound[-1:])), fence=events[-1])
+            alloc.parts.io.release_physical(
+                sub.name, VirtualPageIds(torch.tensor(bound[-1:])), fence=events[-1]
+            )
     elif op == 8:
         for event in events:
             event.fired = True
@@ -131,7 +135,7 @@ def run_churn(chain: str, ps: int, seed: int, split, steps: int = 400):
         refused += churn_step(alloc, rng, open_, events) is False
         alloc.check_integrity()
         trace.append(inside(alloc, ranges))
-        for name, sub in alloc.subs.items():
+        for name, sub in alloc.parts.books.items():
             if sub.lo < sub.hi:
                 reach[name][0] = min(reach[name][0], sub.lo * sub.page_bytes)
                 reach[name][1] = max(reach[name][1], sub.hi * sub.page_bytes)
@@ -185,7 +189,7 @@ def admit_until_refused(alloc: PoolAllocator, prompt_len: int) -> int:
     """Admit requests (a Mamba slot + the prompt's pages) until one is refused."""
     count = 0
     while True:
-        pages = -(-prompt_len // alloc.page_size)
+        pages = -(-prompt_len // alloc.parts.roles.page_size)
         fits = alloc.can_admit({"mamba": 1, "full": pages})[1]
         slot = alloc.new_request()
         ok = alloc.alloc_mamba([slot]) is not None

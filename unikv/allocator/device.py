@@ -6,19 +6,20 @@ pinned buffers (``PinnedRing``; no pinning or allocation per call) and copied
 with ``non_blocking=True``; a CUDA event per ring slot, recorded after its copy,
 guards reuse: the ring only waits when every slot is still in flight. On CPU
 the array is wrapped without a copy. The choice is made once, at construction
-(``make_uploader``, ``make_table_ops``); device tables are then written by one
-fused launch per verb (``unikv.kernels.table_update``) from device-resident
-values, never ``t[idx] = scalar`` (LESSONS.md bug 6: a Python scalar becomes a
-blocking pageable host-to-device copy).
+(``make_uploader``); device tables are then written by one fused launch per
+verb (``tables.TableWriter``) from device-resident values, never
+``t[idx] = scalar`` (LESSONS.md bug 6: a Python scalar becomes a blocking
+pageable host-to-device copy).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+from unikv.kernels._private import current_raw_stream, record_event
 
 Uploader = Callable[[np.ndarray | list], torch.Tensor]
 
@@ -82,57 +83,8 @@ class PinnedRing:
         out = self.pinned[i][:n].to(self.device, non_blocking=True)
         if event is None:
             event = self.events[i] = torch.cuda.Event()
-        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        raw = current_raw_stream(self._index)
         if raw != self._raw:  # torch.cuda.current_stream() costs microseconds: only on change
             self._raw, self._stream = raw, torch.cuda.current_stream(self.device)
-        torch._C._CudaEventBase.record(event, self._stream)  # the stream of the copy
+        record_event(event, self._stream)  # the stream of the copy
         return out
-
-
-def make_table_ops(device: torch.device, backend: str | None = None) -> SimpleNamespace:
-    """``update_tables``, ``translate_ids`` and ``prepare_step`` for ``device``, chosen once: the
-    fused Triton kernels on CUDA, their torch references elsewhere. backend:
-    None (by device), ``"triton"`` (e.g. under ``TRITON_INTERPRET=1``) or ``"torch"``."""
-    from unikv.kernels import step_tables, table_update
-
-    if backend is None:
-        backend = "triton" if torch.device(device).type == "cuda" else "torch"
-    if backend == "triton":
-        from unikv.kernels._interpret import patch_interpreter
-
-        patch_interpreter()
-        return SimpleNamespace(
-            update_tables=table_update.update_tables,
-            translate_ids=table_update.translate_ids,
-            prepare_step=step_tables.prepare,
-        )
-    if backend == "torch":
-        return SimpleNamespace(
-            update_tables=table_update.update_tables_ref,
-            translate_ids=table_update.translate_ids_ref,
-            prepare_step=step_tables.prepare_ref,
-        )
-    raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-
-
-def pack_updates(
-    arrays: list[np.ndarray], segments: list[tuple[int, int, int]]
-) -> tuple[np.ndarray, int, int]:
-    """The packed int32 array of ``table_update.update_tables``, as a list of parts
-    for the uploader (which concatenates them into its staging buffer).
-
-    arrays: host integer arrays (indices or values); segments: ``(table,
-    index_array, value_array)`` positions into ``arrays`` (value_array -1: write
-    the tombstone -1). Returns ``(parts, num_segments, max_count)``; array k
-    starts at ``4 * num_segments + sum(len(arrays[:k]))`` in the packed array."""
-    num = len(segments)
-    sizes = [len(a) for a in arrays]
-    starts, at = [], 4 * num
-    for size in sizes:
-        starts.append(at)
-        at += size
-    header = []
-    for table, i, v in segments:
-        header += (table, starts[i], starts[v] if v >= 0 else -1, sizes[i])
-    max_count = max((sizes[i] for _, i, _ in segments), default=0)
-    return [np.array(header, np.int32), *arrays], num, max_count

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from unikv.allocator.pages import PageBook
+
 
 class FenceQueue:
     """Pending page groups: ``[(events, has_transfer_fence, {name: [pages]})]``."""
@@ -25,6 +27,14 @@ class FenceQueue:
     def __init__(self) -> None:
         self.forward: Any = None  # the latest forward's done-event, None when fired
         self._groups: list[tuple[tuple, bool, dict[str, list[np.ndarray]]]] = []
+
+    def mark_in_flight(self, event: Any) -> None:
+        """The latest forward's done-event (None: it already ran)."""
+        if event is not None and not (hasattr(event, "query") and hasattr(event, "synchronize")):
+            raise TypeError(
+                f"mark_in_flight takes an event with query()/synchronize() or None, got {event!r}"
+            )
+        self.forward = event
 
     def forward_outstanding(self) -> bool:
         if self.forward is not None and self.forward.query():
@@ -52,6 +62,12 @@ class FenceQueue:
             self._groups.append((events, transfer, group))
         group.setdefault(name, []).append(pages)
         return True
+
+    def unbind(self, book: PageBook, vpages: np.ndarray, fence: Any = None) -> np.ndarray:
+        """``book.unbind_host(vpages)``, its pages held while the forward fence or
+        ``fence`` is outstanding. Returns the physical pages (host int32)."""
+        held = self.hold(book.name, book.physical(vpages), fence)
+        return book.unbind_host(vpages, held)
 
     def drain(self) -> dict[str, np.ndarray]:
         """Pop the groups whose events have all fired; their pages by sub-pool."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from unikv.allocator.bands import disjoint
 from unikv.allocator.capacity import bands_disjoint
-from unikv.allocator.subpool import FREE, LIVE, OUT, PENDING, SubPoolAllocator
+from unikv.allocator.pages import FREE, LIVE, OUT, PENDING, PageBook
 from unikv.pool import INT32_LIMIT, UnifiedPool, _build_views
 
 
@@ -67,7 +68,7 @@ def check_pool(pool: UnifiedPool) -> None:
     assert bands_disjoint(grids), "pool: static ranges lie in byte order UP, FLOAT, DOWN apart"
 
 
-def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
+def check_subpool(sub: PageBook, held: np.ndarray) -> None:
     """Invariants of one sub-pool; ``held`` = pages the fence queue holds for it."""
     name, state = sub.name, sub.state
     assert sub.v2p_host[0] == 0 and sub.p2v_host[0] == 0, f"{name}: entry 0 is pinned to the sink"
@@ -76,7 +77,7 @@ def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
     inside[sub.lo : sub.hi] = True
     assert (state[~inside] == OUT).all(), f"{name}: pages outside the band are OUT"
     assert (state[inside] != OUT).all(), f"{name}: pages inside the band are FREE, LIVE or PENDING"
-    stack = np.sort(sub._stack[: sub.num_free])
+    stack = np.sort(sub.free_ids())
     assert np.array_equal(stack, np.flatnonzero(state == FREE)), (
         f"{name}: the free stack holds exactly the holes, once each (no ghost pages)"
     )
@@ -113,9 +114,11 @@ def check_subpool(sub: SubPoolAllocator, held: np.ndarray) -> None:
     )
 
 
-def check_requests(alloc) -> None:
-    """Virtual space, request pages, windows and req_to_token."""
-    req, vspace, ps = alloc.requests, alloc.vspace, alloc.page_size
+def check_requests(parts) -> None:
+    """Virtual space, request pages, windows and req_to_token (``parts``: the
+    allocator's ``Parts``)."""
+    req, vspace, roles = parts.requests, parts.vspace, parts.roles
+    ps = roles.page_size
     free_ids = np.sort(vspace.free_ids())
     assert len(np.unique(free_ids)) == len(free_ids), "virtual free stack has no duplicates"
     owned = np.flatnonzero(vspace.owner >= 0)
@@ -133,14 +136,14 @@ def check_requests(alloc) -> None:
     assert (vspace.column[pages] == np.broadcast_to(cols, held.shape)[held]).all(), (
         "each virtual page knows its page index in its request"
     )
-    for name in alloc.token_names:
-        v2p = alloc.subs[name].v2p_host
+    for name in roles.token_names:
+        v2p = parts.books[name].v2p_host
         assert (v2p[free_ids] == -1).all(), f"{name}: unowned virtual pages are unbound"
-        if name in alloc.windows:
+        if name in roles.windows:
             lo = req.window_lo[name]
             gone = held & (cols[None, :] < lo[:, None])
             assert (v2p[req.pages[gone]] == -1).all(), f"{name}: out-of-window pages are tombstones"
-            first = np.maximum(req.lens + 1 - alloc.windows[name], 0) // ps  # the next query's
+            first = np.maximum(req.lens + 1 - roles.windows[name], 0) // ps  # the next query's
             assert (lo <= first)[req.in_use & (npages > first)].all(), (
                 f"{name}: no page the next query reads was freed out of the window"
             )
@@ -151,22 +154,23 @@ def check_requests(alloc) -> None:
     assert np.array_equal(actual[filled], expect[filled]), (
         "req_to_token holds each request's virtual ids"
     )
-    if alloc.mamba_name is not None:
-        has = alloc.subs[alloc.mamba_name].v2p_host[1:] >= 0
+    if roles.mamba_name is not None:
+        has = parts.books[roles.mamba_name].v2p_host[1:] >= 0
         assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"
 
 
-def check_chain(alloc) -> None:
-    check_pool(alloc.pool)
-    for name, sub in alloc.subs.items():
-        check_subpool(sub, alloc.fences.held(name))
-    assert alloc._disjoint({n: s.band for n, s in alloc.subs.items()}), (
+def check_chain(pool: UnifiedPool, parts) -> None:
+    """Every invariant of a PoolAllocator over ``pool`` (``parts``: its ``Parts``)."""
+    check_pool(pool)
+    for name, book in parts.books.items():
+        check_subpool(book, parts.fences.held(name))
+    assert disjoint(parts.books, {n: b.band for n, b in parts.books.items()}), (
         "bands lie in byte order UP <= FLOAT <= DOWN without overlap"
     )
-    for name, (lo, hi) in (alloc.pool.band_limits or {}).items():
-        band = alloc.subs[name].band
+    for name, (lo, hi) in (pool.band_limits or {}).items():
+        band = parts.books[name].band
         assert band[0] == band[1] or lo <= band[0] <= band[1] <= hi, (
             f"{name}: band {band} inside its static range [{lo}, {hi})"
         )
-    if alloc.owner is not None:
-        check_requests(alloc)
+    if parts.roles.owner is not None:
+        check_requests(parts)

@@ -13,8 +13,27 @@ scheduler-facing path never reads the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Who does what among the sub-pools (docs/design.md section 5).
+
+    owner: the token sub-pool that mints virtual pages (full attention or MLA,
+    else the first token sub-pool; None without token sub-pools); token_names:
+    every token sub-pool, in pool order; mamba_name: the Mamba sub-pool or None;
+    windows: sliding window per windowed token sub-pool; page_size: the token
+    sub-pools' shared page size (1 without them)."""
+
+    owner: str | None
+    token_names: tuple[str, ...]
+    mamba_name: str | None
+    windows: dict[str, int]
+    page_size: int
 
 
 class VirtualSpace:
@@ -92,6 +111,14 @@ class RequestTable:
     def num_pages(self, slots: np.ndarray) -> np.ndarray:
         """Pages held by each request (ceil(len / ps))."""
         return -(-self.lens[slots] // self.page_size)
+
+    def held_pages(self, slot: int) -> np.ndarray:
+        """Virtual pages request ``slot`` holds (a copy, host int32, page order)."""
+        return self.pages[slot, : -(-int(self.lens[slot]) // self.page_size)].copy()
+
+    def page_ids(self, slots: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """Virtual pages at page ``columns`` of requests ``slots`` (host ints)."""
+        return self._pages_flat[slots * self.max_pages + columns]
 
     def token_ids(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Virtual token ids of ``positions`` of requests ``slots`` (host ints; the

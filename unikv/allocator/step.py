@@ -1,5 +1,6 @@
-"""One call per decode step: allocate, free out-of-window pages, build the block
-tables and translate the write ids of every token sub-pool.
+"""A decode step's result and output buffers. ``PoolAllocator.decode_step`` is one
+call per step: allocate, free out-of-window pages, build the block tables and
+translate the write ids of every token sub-pool.
 
 ``decode_step(slots, seq_lens)`` equals, in effect,
 
@@ -17,12 +18,13 @@ both freed and taken in one step (the fused table write needs distinct indices).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from unikv.allocator.pages import PageBook
 from unikv.allocator.translate import check_block_table
 from unikv.ids import KernelIds, KernelPageIds, VirtualTokenIds
 from unikv.kernels.step_tables import StepTarget
@@ -44,94 +46,98 @@ class DecodeStep:
     write_ids: dict[str, KernelIds]
 
 
-class StepVerbs:
-    """Mixed into PoolAllocator (uses the token verbs' staging helpers)."""
+@dataclass
+class _Checked:
+    """Caller-owned buffers checked once: the rows and columns they hold, their
+    StepTargets, and the prepared step-tables launch over them."""
 
-    def decode_step(
+    rows: int
+    cols: int
+    targets: list[StepTarget]
+    run: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+class StepBuffers:
+    """The output buffers of ``decode_step`` per token sub-pool (checked, or new)
+    and the prepared ``KernelBackend.prepare_step`` launch over them. Caller-owned
+    buffers are checked once and reused while the same tensors come back with
+    room for the step."""
+
+    def __init__(
         self,
-        slots: object,
-        seq_lens: object,
-        *,
-        block_tables: Mapping[str, torch.Tensor] | None = None,
-        write_ids: Mapping[str, torch.Tensor] | None = None,
-    ) -> DecodeStep | None:
-        """One decode token per request, plus every lookup the step's forward needs.
+        req_to_token: torch.Tensor,
+        books: Sequence[PageBook],
+        windows: Mapping[str, int],
+        page_size: int,
+        prepare_step: Callable[..., Callable[[torch.Tensor, torch.Tensor], None]],
+    ) -> None:
+        self.req_to_token, self.books, self.windows = req_to_token, list(books), windows
+        self.page_size, self.prepare_step = page_size, prepare_step
+        self.names = [b.name for b in self.books]
+        self._checked: _Checked | None = None
 
-        slots, seq_lens: (B,) host integer arrays; seq_lens[i] is the length BEFORE
-        the new token (it must equal the tokens request i holds). block_tables:
-        None, or per token sub-pool an int32 (>= B, C) tensor with unit column
-        stride and C * page_size >= max(seq_lens) + 1 (every table the same
-        shape); write_ids: None, or per token sub-pool a 1-D int32/int64 tensor of
-        >= B entries. Buffers are written in place (stable ``data_ptr`` for CUDA
-        graphs). Returns a ``DecodeStep``, or None (state unchanged) when the
-        chain cannot hold the new pages."""
-        slots, seq = self._decode_args(slots, seq_lens, "decode_step")
-        new_lens = seq + 1
-        bsz, ps = len(slots), self.page_size
-        longest = int(new_lens.max()) if bsz else 1
-        targets, run = self._step_buffers(bsz, longest, block_tables, write_ids)
-        need = seq % ps == 0
-        staged = self._stage_grow(slots, new_lens, slots[need], seq[need] // ps, slots, seq)
-        if staged is None:
-            return None
-        arrays, segments = staged
-        self._stage_window_frees(slots, new_lens, arrays, segments)
-        arrays += [slots, new_lens]
-        packed, num, _ = self._write_tables(arrays, segments)
-        start, end = 4 * num + bsz, packed.shape[0]
-        virtual_ids = packed[start : start + bsz]
-        req_slots, lens_dev = packed[end - 2 * bsz : end - bsz], packed[end - bsz :]
-        run(req_slots, lens_dev)
-        if self.debug:
-            for name, t in zip(self.token_names, targets):
-                check_block_table(
-                    t.table[:bsz], self.req_to_token, req_slots, lens_dev, t.v2p, ps, t.window, name
-                )
-        self._after_verb()
-        tables, locs = {}, {}
-        for name, t in zip(self.token_names, targets):  # views only when buffers are larger
-            table, loc = t.table, t.loc
-            tables[name] = KernelPageIds(table if table.shape[0] == bsz else table[:bsz], name)
-            locs[name] = KernelIds(loc if loc.shape[0] == bsz else loc[:bsz], name)
-        return DecodeStep(VirtualTokenIds(virtual_ids), req_slots, lens_dev, tables, locs)
-
-    def _step_buffers(self, bsz, longest, block_tables, write_ids):
-        """Checked (or new) output buffers of every token sub-pool as StepTargets, and
-        the prepared step-tables launch over them. Caller-owned buffers are checked
-        once and reused while the same tensors come back with room for the step."""
+    def get(
+        self,
+        bsz: int,
+        longest: int,
+        block_tables: Mapping[str, torch.Tensor] | None,
+        write_ids: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[list[StepTarget], Callable[[torch.Tensor, torch.Tensor], None]]:
+        """StepTargets for a step of ``bsz`` requests, the longest ``longest``
+        tokens (the new one included), and the launch that fills them."""
         cols = -(-longest // self.page_size)
-        cached, names = self._step_cache, self.token_names
+        checked, names = self._checked, self.names
         given = block_tables is not None and write_ids is not None
-        if given and cached is not None and bsz <= cached[0] and cols <= cached[1]:
-            targets = cached[2]
-            try:  # the very tensors checked before, under the same names
-                same = all(block_tables[n] is t.table for n, t in zip(names, targets))
-                same = same and all(write_ids[n] is t.loc for n, t in zip(names, targets))
-            except KeyError:
-                same = False
-            if same and len(block_tables) == len(write_ids) == len(names):
-                return targets, cached[3]
-        targets = self._check_step_buffers(bsz, cols, block_tables, write_ids)
-        run = self._ops.prepare_step(self.req_to_token, self.page_size, targets)
-        if given:  # (rows, columns) the checked buffers hold, and what they serve
+        if given and checked is not None and bsz <= checked.rows and cols <= checked.cols:
+            same = len(block_tables) == len(write_ids) == len(names)
+            same = same and all(
+                block_tables.get(n) is t.table and write_ids.get(n) is t.loc
+                for n, t in zip(names, checked.targets)
+            )
+            if same:  # the very tensors checked before, under the same names
+                return checked.targets, checked.run
+        targets = self._check(bsz, cols, block_tables, write_ids)
+        run = self.prepare_step(self.req_to_token, self.page_size, targets)
+        if given:
             rows = min(min(t.table.shape[0], t.loc.shape[0]) for t in targets)
-            self._step_cache = (rows, targets[0].table.shape[1], targets, run)
+            self._checked = _Checked(rows, targets[0].table.shape[1], targets, run)
         return targets, run
 
-    def _check_step_buffers(self, bsz, cols, block_tables, write_ids) -> list[StepTarget]:
+    def check(self, targets: list[StepTarget], req_slots: torch.Tensor, seq_lens: torch.Tensor):
+        """Debug mode: no live block-table page of the step maps to a tombstone."""
+        bsz = req_slots.shape[0]
+        for book, t in zip(self.books, targets):
+            check_block_table(t.table[:bsz], self.req_to_token, req_slots, seq_lens, t.v2p,
+                              self.page_size, t.window, book.name)  # fmt: skip
+
+    def result(
+        self,
+        virtual_ids: VirtualTokenIds,
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        targets: list[StepTarget],
+    ) -> DecodeStep:
+        """The DecodeStep over ``targets`` (views only when buffers are larger)."""
+        bsz = req_slots.shape[0]
+        tables, locs = {}, {}
+        for book, t in zip(self.books, targets):
+            table = t.table if t.table.shape[0] == bsz else t.table[:bsz]
+            tables[book.name] = KernelPageIds(table, book.name)
+            locs[book.name] = KernelIds(t.loc if t.loc.shape[0] == bsz else t.loc[:bsz], book.name)
+        return DecodeStep(virtual_ids, req_slots, seq_lens, tables, locs)
+
+    def _check(self, bsz, cols, block_tables, write_ids) -> list[StepTarget]:
         """Checked (or new) output buffers of every token sub-pool, as StepTargets."""
-        if self.owner is None:
-            raise ValueError("decode_step: this pool has no token sub-pool")
         for what, given in (("block_tables", block_tables), ("write_ids", write_ids)):
-            if given is not None and set(given) != set(self.token_names):
+            if given is not None and set(given) != set(self.names):
                 raise ValueError(
-                    f"decode_step: {what} must name every token sub-pool {self.token_names}, "
+                    f"decode_step: {what} must name every token sub-pool {self.names}, "
                     f"got {sorted(given)}"
                 )
-        dev = self.requests.req_to_token.device
+        dev = self.req_to_token.device
         targets, shape = [], None
-        for name in self.token_names:
-            sub = self.subs[name]
+        for book in self.books:
+            name = book.name
             if block_tables is None:
                 table = torch.empty((bsz, cols), dtype=torch.int32, device=dev)
             elif (
@@ -165,11 +171,11 @@ class StepVerbs:
                     f"{tuple(loc.shape)} on {loc.device}"
                 )
             window = self.windows.get(name, 0)
-            targets.append(StepTarget(sub.v2p, sub.blocks_per_page, window, table, loc))
+            targets.append(StepTarget(book.v2p, book.blocks_per_page, window, table, loc))
         if block_tables is not None or write_ids is not None:
-            outputs = {f"block_tables[{n!r}]": t.table for n, t in zip(self.token_names, targets)}
-            outputs |= {f"write_ids[{n!r}]": t.loc for n, t in zip(self.token_names, targets)}
-            inputs = {f"v2p of {n!r}": self.subs[n].v2p for n in self.token_names}
+            outputs = {f"block_tables[{n!r}]": t.table for n, t in zip(self.names, targets)}
+            outputs |= {f"write_ids[{n!r}]": t.loc for n, t in zip(self.names, targets)}
+            inputs = {f"v2p of {b.name!r}": b.v2p for b in self.books}
             check_disjoint(outputs, {"req_to_token": self.req_to_token, **inputs})
         return targets
 

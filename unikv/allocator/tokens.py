@@ -1,44 +1,60 @@
-"""Token verbs of the PoolAllocator: allocate for prefill and decode, free.
+"""The host half of the token verbs: argument checks, reserving, minting and
+binding pages, window frees and truncation, staged as a ``TablePatch`` for one
+upload and one fused launch (``tables.TableWriter``).
 
-Host numpy throughout (vectorised, no Python loop over requests); each verb
-ends with ONE upload and ONE fused table write (``table_update.update_tables``):
-
-    upload = [header | req_to_token flat index | token ids | vpages | ppages(sub 1) | ...]
-
-Ragged per-request ranges are expanded with ``_ragged`` (repeat + arange).
+    grow:    reserve -> mint virtual pages -> bind them in every token sub-pool
+             -> req_to_token[rows, positions] = virtual token ids
+    frees:   unbind (fenced while a forward may read) -> tombstones in v2p, p2v
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-from unikv.allocator.device import pack_updates
-from unikv.ids import VirtualTokenIds
+from unikv.allocator.fences import FenceQueue
+from unikv.allocator.pages import PageBook
+from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
+from unikv.allocator.room import Room
+from unikv.allocator.tables import Part, TablePatch, TableWriter
 
 
-def _ragged(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of ``range(starts[i], starts[i] + counts[i])`` (host int64)."""
+def ragged(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated ranges ``[starts[i], starts[i] + counts[i])`` (host int64)."""
     total = int(counts.sum())
     offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(starts, counts) + offsets
 
 
-class TokenVerbs:
-    """Mixed into PoolAllocator (uses its requests, vspace, subs, reserve, upload)."""
+@dataclass
+class StagedGrow:
+    """A grow staged on the host: the table writes, and the part of ``patch``
+    holding the new tokens' virtual ids (int32, request by request)."""
 
-    def new_request(self) -> int:
-        """Open a request slot (host int) with no tokens."""
-        slot = self.requests.open()
-        if slot is None:
-            raise ValueError(
-                f"all {self.requests.max_requests} request slots are open; free a request "
-                "or raise max_requests"
-            )
-        return slot
+    patch: TablePatch
+    token_ids: Part
 
-    def _lens(self, slots: np.ndarray, lens: object, what: str, name: str) -> np.ndarray:
+
+class Tokens:
+    """Token-side bookkeeping verbs over the requests, virtual space and page books."""
+
+    def __init__(
+        self,
+        roles: Roles,
+        requests: RequestTable,
+        vspace: VirtualSpace,
+        books: dict[str, PageBook],
+        fences: FenceQueue,
+        room: Room,
+        writer: TableWriter,
+    ) -> None:
+        self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
+        self.fences, self.room, self.writer = fences, room, writer
+
+    # -- checks ---------------------------------------------------------------------
+
+    def lens(self, slots: np.ndarray, lens: object, what: str, name: str) -> np.ndarray:
         array = np.asarray(lens)
         if array.shape != slots.shape or array.dtype.kind not in "iu":  # integer arrays
             raise ValueError(
@@ -46,204 +62,152 @@ class TokenVerbs:
             )
         return array.astype(np.int64)
 
-    def demand_for(self, slots: object, extend_lens: object) -> dict[str, int]:
-        """New pages per sub-pool that ``alloc_extend(slots, lens, extend_lens)`` needs."""
-        slots = self.requests.check_slots(slots, "demand_for")
-        ext = self._lens(slots, extend_lens, "demand_for", "extend_lens")
-        ps, held = self.page_size, self.requests.lens[slots]
-        pages = int((-(-(held + ext) // ps) - (-(-held // ps))).sum())
-        return {name: pages for name in self.token_names}
+    def check_held(self, slots: np.ndarray, lens: np.ndarray, what: str, name: str) -> None:
+        held = self.requests.lens[slots]
+        if not np.array_equal(held, lens):
+            bad = held != lens
+            raise ValueError(
+                f"{what}: {name} must equal the tokens each request holds; requests "
+                f"{slots[bad].tolist()} hold {held[bad].tolist()} but {name} says "
+                f"{lens[bad].tolist()}"
+            )
 
-    def alloc_extend(
-        self, slots: object, prefix_lens: object, extend_lens: object
-    ) -> VirtualTokenIds | None:
-        """Allocate ``extend_lens[i]`` tokens after ``prefix_lens[i]`` for each request.
+    def decode_args(self, slots: object, seq_lens: object, what: str):
+        """Checked (slots, seq_lens) of a decode verb: open distinct slots, lengths
+        equal to the tokens held, none at max_context. Host int64 arrays."""
+        slots = self.requests.check_slots(slots, what)
+        seq = self.lens(slots, seq_lens, what, "seq_lens")
+        self.check_held(slots, seq, what, "seq_lens")
+        if (seq >= self.requests.max_context).any():
+            raise ValueError(f"{what}: a request is at max_context {self.requests.max_context}")
+        return slots, seq
 
-        slots, prefix_lens, extend_lens: (B,) host integer arrays; prefix_lens must
-        equal the tokens each request holds. Reuses each partly filled tail page,
-        writes ``req_to_token`` and returns the new virtual token ids, (sum ext,)
-        int32 on the device, request by request. None (state unchanged) when the
-        chain cannot hold them even after compaction and the shortfall callback."""
+    # -- growing --------------------------------------------------------------------
+
+    def stage_extend(self, slots: object, prefix_lens: object, extend_lens: object):
+        """``alloc_extend``'s host half: a StagedGrow, or None (state unchanged)."""
         slots = self.requests.check_slots(slots, "alloc_extend")
-        prefix = self._lens(slots, prefix_lens, "alloc_extend", "prefix_lens")
-        ext = self._lens(slots, extend_lens, "alloc_extend", "extend_lens")
-        self._check_held(slots, prefix, "alloc_extend", "prefix_lens")
+        prefix = self.lens(slots, prefix_lens, "alloc_extend", "prefix_lens")
+        ext = self.lens(slots, extend_lens, "alloc_extend", "extend_lens")
+        self.check_held(slots, prefix, "alloc_extend", "prefix_lens")
         if (ext < 0).any() or (prefix + ext > self.requests.max_context).any():
             raise ValueError(
                 f"alloc_extend: extend_lens must be >= 0 and prefix + extend <= max_context "
                 f"{self.requests.max_context}, got extend_lens {ext.tolist()}"
             )
-        ps = self.page_size
+        ps = self.roles.page_size
         old, end = -(-prefix // ps), -(-(prefix + ext) // ps)
         count = end - old
-        owners = np.repeat(slots, count)
-        cols = _ragged(old, count)
-        rows = np.repeat(slots, ext)
-        positions = _ragged(prefix, ext)
-        return self._grow(slots, prefix + ext, owners, cols, rows, positions)
+        owners, cols = np.repeat(slots, count), ragged(old, count)
+        rows, positions = np.repeat(slots, ext), ragged(prefix, ext)
+        return self.stage_grow(slots, prefix + ext, owners, cols, rows, positions)
 
-    def alloc_decode(self, slots: object, seq_lens: object) -> VirtualTokenIds | None:
-        """One new token per request at position ``seq_lens[i]`` (the length BEFORE
-        it). slots, seq_lens: (B,) host integer arrays. Returns (B,) int32 virtual
-        token ids on the device, or None (state unchanged)."""
-        slots, seq = self._decode_args(slots, seq_lens, "alloc_decode")
-        need = seq % self.page_size == 0
-        return self._grow(slots, seq + 1, slots[need], seq[need] // self.page_size, slots, seq)
+    def stage_decode(self, slots: np.ndarray, seq: np.ndarray) -> StagedGrow | None:
+        """One token per request at position ``seq[i]`` (checked by ``decode_args``)."""
+        ps = self.roles.page_size
+        need = seq % ps == 0
+        return self.stage_grow(slots, seq + 1, slots[need], seq[need] // ps, slots, seq)
 
-    def _decode_args(self, slots: object, seq_lens: object, what: str):
-        """Checked (slots, seq_lens) of a decode verb: open distinct slots, lengths
-        equal to the tokens held, none at max_context. Host int64 arrays."""
-        slots = self.requests.check_slots(slots, what)
-        seq = self._lens(slots, seq_lens, what, "seq_lens")
-        self._check_held(slots, seq, what, "seq_lens")
-        if (seq >= self.requests.max_context).any():
-            raise ValueError(f"{what}: a request is at max_context {self.requests.max_context}")
-        return slots, seq
-
-    def _check_held(self, slots: np.ndarray, lens: np.ndarray, what: str, name: str) -> None:
-        held = self.requests.lens[slots]
-        if not np.array_equal(held, lens):
-            raise ValueError(
-                f"{what}: {name} must equal the tokens each request holds; requests "
-                f"{slots[held != lens].tolist()} hold {held[held != lens].tolist()} but "
-                f"{name} says {lens[held != lens].tolist()}"
-            )
-
-    def _grow(self, slots, new_lens, owners, cols, rows, positions) -> VirtualTokenIds | None:
-        """Mint virtual pages for (owners, cols), bind them in every token sub-pool,
-        set the lengths and write req_to_token[rows, positions]."""
-        staged = self._stage_grow(slots, new_lens, owners, cols, rows, positions)
-        if staged is None:
-            return None
-        arrays, segments = staged
-        packed, num, n = self._write_tables(arrays, segments)
-        self._after_verb()
-        start = 4 * num + n  # after the header and the flat req_to_token indices
-        return VirtualTokenIds(packed[start : start + n])
-
-    def _stage_grow(self, slots, new_lens, owners, cols, rows, positions):
-        """The host half of ``_grow``: reserve, mint, bind on the host, set lengths.
-        Returns ``(arrays, segments)`` for ``pack_updates`` over ``_grow_tables``
-        (arrays[0]: flat req_to_token indices, arrays[1]: token ids), or None
-        (state unchanged) when the chain cannot hold the new pages."""
-        if self.owner is None:
+    def stage_grow(self, slots, new_lens, owners, cols, rows, positions) -> StagedGrow | None:
+        """Reserve, mint virtual pages for (owners, cols), bind them in every token
+        sub-pool and set the lengths, on the host; the device writes (with
+        req_to_token[rows, positions]) are staged. None (state unchanged) when the
+        chain cannot hold the new pages."""
+        if self.roles.owner is None:
             raise ValueError("this pool has no token sub-pool; use alloc_mamba")
-        count = len(owners)
-        if count and not self.reserve({n: count for n in self.token_names}, count, slots):
+        count, names = len(owners), self.roles.token_names
+        if count and not self.room.reserve({n: count for n in names}, count, slots):
             return None
-        arrays: list[np.ndarray] = [rows * self.requests.max_context + positions, None]
-        segments = [(0, 0, 1)]  # req_to_token[flat] = tokens
+        patch = TablePatch()
+        flat = patch.part(rows * self.requests.max_context + positions)
         if count:  # most decode steps at ps > 1 fill tail pages only
             vpages = self.vspace.mint(owners.astype(np.int32), cols)
             self.requests.pages[owners, cols] = vpages
-            arrays.append(vpages)
-            for i, name in enumerate(self.token_names):
-                ppages = self.subs[name].take(count)
-                self.subs[name].bind_host(vpages, ppages)
-                arrays.append(ppages)  # v2p[vpages] = ppages, p2v[ppages] = vpages
-                segments += [(1 + 2 * i, 2, 3 + i), (2 + 2 * i, 3 + i, 2)]
+            v = patch.part(vpages)
+            for name in names:
+                ppages = self.books[name].take(count)
+                self.books[name].bind_host(vpages, ppages)
+                p = patch.part(ppages)
+                patch.add(self.writer.v2p_id[name], v, p)
+                patch.add(self.writer.p2v_id[name], p, v)
         self.requests.lens[slots] = new_lens
-        arrays[1] = self.requests.token_ids(rows, positions)
-        return arrays, segments
+        tokens = patch.part(self.requests.token_ids(rows, positions))
+        patch.add(TableWriter.REQ_TO_TOKEN, flat, tokens)
+        return StagedGrow(patch, tokens)
 
-    def _write_tables(self, arrays: list, segments: list) -> tuple:
-        """One upload and one fused launch of staged ``_grow_tables`` writes.
-        Returns (the packed device array, its number of segments, len(arrays[0]))."""
-        packed, num, max_count = pack_updates(arrays, segments)
-        packed = self.upload(packed)
-        self._ops.update_tables(self._grow_tables, packed, num, max_count)
-        return packed, num, len(arrays[0])
+    # -- freeing --------------------------------------------------------------------
 
-    def _after_verb(self) -> None:
-        if self.debug:
-            self.check_integrity()
+    def _unbind(self, name: str, vpages: np.ndarray, patch: TablePatch) -> None:
+        """Unbind the bound ones of ``vpages`` in token sub-pool ``name`` on the host;
+        stage their tombstones in ``patch``."""
+        book = self.books[name]
+        vpages = vpages[book.physical(vpages) >= 0]  # I/O or a window may have freed some
+        ppages = self.fences.unbind(book, vpages)
+        if len(ppages):
+            patch.add_tombstones(self.writer.v2p_id[name], vpages)
+            patch.add_tombstones(self.writer.p2v_id[name], ppages)
 
-    # -- freeing ------------------------------------------------------------------------
-
-    def _unbind_bound(self, name: str, vpages: np.ndarray) -> None:
-        sub = self.subs[name]
-        sub.unbind(vpages[sub.v2p_host[vpages] >= 0])
-
-    def free_request(self, slot: int) -> None:
-        """Free every page of request ``slot`` (all sub-pools) and close the slot."""
+    def stage_free_request(self, slot: int) -> TablePatch:
+        """``free_request``'s token half: every page of ``slot`` unbound and retired
+        (the caller frees its Mamba slot and closes it)."""
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.requests.max_requests:
             raise ValueError(
-                f"free_request: slot must be an int in [0, {self.requests.max_requests}), got {slot!r}"
+                f"free_request: slot must be an int in [0, {self.requests.max_requests}), "
+                f"got {slot!r}"
             )
         if not self.requests.in_use[slot]:
             raise ValueError(
                 f"free_request: request {slot} is not open (double free or never opened)"
             )
-        vpages = self.requests.pages[
-            slot, : int(self.requests.num_pages(np.array([slot]))[0])
-        ].copy()
-        for name in self.token_names:
-            self._unbind_bound(name, vpages)
-        self.vspace.retire(vpages)
-        if self.mamba_name is not None:
-            self._unbind_bound(self.mamba_name, np.array([slot + 1], np.int32))
-        self.requests.close(int(slot))
-        self._after_verb()
+        return self.free_pages(self.requests.held_pages(int(slot)))
 
-    def free_out_of_window(self, slots: object, seq_lens: object) -> None:
-        """Free the sliding-window pages that no future query can see (tombstones;
-        the owner's virtual pages live on).
-
-        slots, seq_lens: (B,) host integer arrays, seq_lens <= tokens held; every
-        future query of request i sits at position >= seq_lens[i] - 1, so a page
-        whose last position is < seq_lens[i] - W is freed. Decode: pass the
-        lengths including the token being computed; chunked prefill: the prefix
-        length + 1 (or call after the chunk's forward)."""
+    def stage_out_of_window(self, slots: object, seq_lens: object) -> TablePatch:
+        """``free_out_of_window``'s host half (checked arguments); the tombstones."""
         slots = self.requests.check_slots(slots, "free_out_of_window")
-        seq = self._lens(slots, seq_lens, "free_out_of_window", "seq_lens")
+        seq = self.lens(slots, seq_lens, "free_out_of_window", "seq_lens")
         if (seq > self.requests.lens[slots]).any() or (seq < 0).any():
             raise ValueError("free_out_of_window: seq_lens must lie in [0, tokens held]")
-        arrays, segments = [], []
-        self._stage_window_frees(slots, seq, arrays, segments)
-        if segments:
-            self._write_tables(arrays, segments)
-        self._after_verb()
+        patch = TablePatch()
+        self.stage_window_frees(slots, seq, patch)
+        return patch
 
-    def _stage_window_frees(
-        self, slots: np.ndarray, seq: np.ndarray, arrays: list, segments: list
-    ) -> None:
-        """The host half of ``free_out_of_window``: unbind on the host and append the
-        tombstone writes of ``v2p`` and ``p2v`` to (arrays, segments) of ``_grow_tables``."""
-        for name, window in self.windows.items():
+    def free_pages(self, vpages: np.ndarray) -> TablePatch:
+        """Unbind ``vpages`` (owned virtual pages) everywhere and retire them."""
+        patch = TablePatch()
+        for name in self.roles.token_names:
+            self._unbind(name, vpages, patch)
+        self.vspace.retire(vpages)
+        return patch
+
+    def stage_window_frees(self, slots: np.ndarray, seq: np.ndarray, patch: TablePatch) -> None:
+        """Unbind the pages of windowed sub-pools that no query at position
+        >= seq[i] - 1 can see; stage their tombstones in ``patch``."""
+        ps = self.roles.page_size
+        for name, window in self.roles.windows.items():
             first = self.requests.window_lo[name]
             lo = first[slots]
             # pages [lo, (seq - W) // ps) leave; that bound stays below the pages held
             # (seq <= tokens held, W >= 1), so no clamp to the held pages is needed
-            gone = np.maximum((seq - window) // self.page_size - lo, 0)
+            gone = np.maximum((seq - window) // ps - lo, 0)
             if not np.count_nonzero(gone):
                 continue
-            hi = lo + gone
-            requests = self.requests
             if np.count_nonzero(gone > 1):  # ragged: several pages of some request
-                flat = np.repeat(slots * requests.max_pages, gone) + _ragged(lo, gone)
+                vpages = self.requests.page_ids(np.repeat(slots, gone), ragged(lo, gone))
             else:  # decode: at most one page per request leaves
                 leaving = np.flatnonzero(gone)
-                flat = slots[leaving] * requests.max_pages + lo[leaving]
-            vpages = requests._pages_flat[flat]
-            sub = self.subs[name]
-            vpages = vpages[sub.v2p_host[vpages] >= 0]  # I/O may have released some
-            ppages = sub.unbind_host(vpages)
-            if len(ppages):
-                table, at = 1 + 2 * self.token_names.index(name), len(arrays)
-                arrays += [vpages, ppages]
-                segments += [(table, at, -1), (table + 1, at + 1, -1)]  # tombstones
-            first[slots] = hi
+                vpages = self.requests.page_ids(slots[leaving], lo[leaving])
+            self._unbind(name, vpages, patch)
+            first[slots] = lo + gone
 
-    def truncate(self, slots: object, new_lens: object) -> None:
-        """Free the tokens of each request beyond ``new_lens[i]`` (whole pages past
-        the new tail). slots, new_lens: (B,) host integer arrays."""
+    def stage_truncate(self, slots: object, new_lens: object) -> TablePatch:
+        """``truncate``'s host half (see the facade); returns the tombstone writes."""
         slots = self.requests.check_slots(slots, "truncate")
-        keep = self._lens(slots, new_lens, "truncate", "new_lens")
-        ps = self.page_size
+        keep = self.lens(slots, new_lens, "truncate", "new_lens")
+        ps = self.roles.page_size
         if (keep < 0).any() or (keep > self.requests.lens[slots]).any():
             raise ValueError("truncate: new_lens must lie in [0, tokens held]")
         lo, hi = -(-keep // ps), self.requests.num_pages(slots)
-        for name, window in self.windows.items():
+        for name, window in self.roles.windows.items():
             # the next token (position keep) is written on page keep // ps and its
             # query reads from position keep + 1 - W: kept pages from there on must
             # still be bound, i.e. not yet freed out of the window
@@ -257,43 +221,38 @@ class TokenVerbs:
                     f"{freed[bad].tolist()} pages): the next query would read freed keys; "
                     f"keep at least {(freed[bad] * ps + window - 1).tolist()} tokens or none"
                 )
-        for name in self.windows:  # no kept page lies beyond the freed ones
-            self.requests.window_lo[name][slots] = np.minimum(
-                self.requests.window_lo[name][slots], lo
-            )
-        vpages = self.requests.pages[np.repeat(slots, hi - lo), _ragged(lo, hi - lo)]
-        for name in self.token_names:
-            self._unbind_bound(name, vpages)
-        self.vspace.retire(vpages)
+        for name in self.roles.windows:  # no kept page lies beyond the freed ones
+            window_lo = self.requests.window_lo[name]
+            window_lo[slots] = np.minimum(window_lo[slots], lo)
+        patch = self.free_pages(
+            self.requests.page_ids(np.repeat(slots, hi - lo), ragged(lo, hi - lo))
+        )
         self.requests.lens[slots] = keep
-        self._after_verb()
+        return patch
+
+    def demand_for(self, slots: object, extend_lens: object) -> dict[str, int]:
+        """New pages per token sub-pool that ``alloc_extend(slots, held, extend_lens)`` needs."""
+        slots = self.requests.check_slots(slots, "demand_for")
+        ext = self.lens(slots, extend_lens, "demand_for", "extend_lens")
+        ps, held = self.roles.page_size, self.requests.lens[slots]
+        pages = int((-(-(held + ext) // ps) - (-(-held // ps))).sum())
+        return {name: pages for name in self.roles.token_names}
 
     def request_footprint(self, slot: int) -> dict[str, int]:
         """Physical pages request ``slot`` holds per sub-pool (for eviction choices)."""
-        vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])]
-        out = {n: int((self.subs[n].v2p_host[vpages] >= 0).sum()) for n in self.token_names}
-        if self.mamba_name is not None:
-            out[self.mamba_name] = int(self.subs[self.mamba_name].v2p_host[slot + 1] >= 0)
-        return out
+        return {name: len(cols) for name, (cols, _) in self.request_pages(slot).items()}
 
     def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per sub-pool: (page columns request ``slot`` still holds, their
-        physical pages), host int64, ascending columns; a sliding-window sub-pool
-        leaves out the columns that left the window; the Mamba sub-pool gives the
-        request's state slot as column 0, if it holds one (for transfers and
-        offload: a request's state travels with its pages)."""
-        vpages = self.requests.pages[slot, : int(self.requests.num_pages(np.array([slot]))[0])]
+        """Per sub-pool: (page columns request ``slot`` still holds, their physical
+        pages), host int64 (see ``PoolAllocator.request_pages``)."""
+        vpages = self.requests.held_pages(slot)
         out = {}
-        for name in self.token_names:
-            physical = self.subs[name].v2p_host[vpages].astype(np.int64)
+        for name in self.roles.token_names:
+            physical = self.books[name].physical(vpages).astype(np.int64)
             cols = np.flatnonzero(physical >= 0)
             out[name] = (cols, physical[cols])
-        if self.mamba_name is not None:
-            physical = self.subs[self.mamba_name].v2p_host[[slot + 1]].astype(np.int64)
+        if self.roles.mamba_name is not None:
+            physical = self.books[self.roles.mamba_name].physical([slot + 1]).astype(np.int64)
             cols = np.flatnonzero(physical >= 0)
-            out[self.mamba_name] = (cols, physical[cols])
+            out[self.roles.mamba_name] = (cols, physical[cols])
         return out
-
-    def usage(self) -> Mapping[str, dict[str, int]]:
-        """Live, pending and free pages and band per sub-pool (for logs and pictures)."""
-        return self._shortfall({}, 0).usage

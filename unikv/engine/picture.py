@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from unikv.allocator.subpool import FREE, LIVE, PENDING
+from unikv.allocator.pages import FREE, LIVE, PENDING
 
 SINK, HOLE, EMPTY = "#", ".", " "
 

@@ -14,18 +14,17 @@ while its pages live on the host. Before a kernel reads reloaded pages, wait
 for the reload (``HostCopy.done()`` to schedule around it, or ``HostCopy.wait()``
 to order the forward stream after it without blocking the host).
 
-Physical page ids are read from the allocator's host mirror (``v2p_host``), so
-neither verb syncs the host with the device.
+Physical page ids are read from the allocator's host mirror
+(``PageIO.physical_pages``), so neither verb syncs the host with the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
+from unikv.allocator import PoolAllocator
 from unikv.ids import PhysicalPageIds, VirtualPageIds, expect
 from unikv.io.host_tier import HostCopy, HostPageIds, HostTier
 
@@ -45,14 +44,16 @@ class Tiering:
     :class:`HostTier`.
 
     Args:
-        alloc: the pool allocator (``alloc.subpool(name)`` provides ``v2p_host``,
-            ``release_physical``, ``bind_physical``, ``pin``, ``unpin``).
+        alloc: the pool allocator (its I/O hooks ``alloc.parts.io``:
+            ``physical_pages``, ``release_physical``, ``bind_physical``, ``pin``,
+            ``unpin``).
         tier: the host tier of the same pool and sub-pool.
     """
 
-    def __init__(self, alloc: Any, tier: HostTier) -> None:
+    def __init__(self, alloc: PoolAllocator, tier: HostTier) -> None:
         self.alloc, self.tier, self.name = alloc, tier, tier.name
-        self.sub = alloc.subpool(tier.name)
+        self.io = alloc.parts.io
+        alloc.subpool(tier.name)  # KeyError for a sub-pool the allocator lacks
         self._pinned: list[HostCopy] = []  # reloads whose destination pages are pinned
 
     @property
@@ -66,7 +67,7 @@ class Tiering:
         still = []
         for copy in self._pinned:
             if copy.done():
-                self.sub.unpin(copy.pages)
+                self.io.unpin(self.name, copy.pages)
             else:
                 still.append(copy)
         self._pinned = still
@@ -76,25 +77,24 @@ class Tiering:
         sub-pool, and the pages of reloads still in flight stay pinned."""
         self.tier.check_integrity()
         same = self.tier.pool is self.alloc.pool and self.tier.name == self.name
-        assert same and self.sub is self.alloc.subpool(self.name), (
+        assert same and self.io is self.alloc.parts.io, (
             "tiering: the tier and the allocator serve the same pool and sub-pool"
         )
+        book = self.alloc.subpool(self.name)
         for copy in self._pinned:
             pages = copy.pages.data.to("cpu", torch.int64).numpy()
-            assert (self.sub.pins[pages] > 0).all(), (
+            assert (book.pins[pages] > 0).all(), (
                 "tiering: the pages of a reload in flight are pinned"
             )
 
     def _bound_pages(self, vpages: VirtualPageIds, what: str) -> PhysicalPageIds:
-        data = expect(vpages, VirtualPageIds, what, self.name)
-        host = data.detach().cpu().numpy()
-        if host.ndim != 1 or (host < 1).any() or (host >= len(self.sub.v2p_host)).any():
-            raise ValueError(
-                f"{what}: virtual pages must be a 1-D list in [1, {len(self.sub.v2p_host)}) "
-                f"of sub-pool {self.name!r}, got {host.tolist()}"
-            )
-        pages = self.sub.v2p_host[host].astype(np.int64)
+        expect(vpages, VirtualPageIds, what, self.name)
+        try:
+            pages = self.io.physical_pages(self.name, vpages)
+        except ValueError as error:  # name the caller's verb
+            raise ValueError(f"{what}: {error}") from None
         if (pages < 0).any():
+            host = vpages.data.detach().cpu().numpy()
             raise ValueError(
                 f"{what}: virtual pages {host[pages < 0].tolist()} of {self.name!r} hold no "
                 "physical page (already offloaded, tombstoned or never allocated)"
@@ -111,7 +111,7 @@ class Tiering:
         if copy is None:
             return None
         try:
-            self.sub.release_physical(vpages, fence=copy.event)
+            self.io.release_physical(self.name, vpages, fence=copy.event)
         except Exception:
             self.tier.free(copy.host_slots)  # e.g. a pinned page: undo the slots
             raise
@@ -122,13 +122,12 @@ class Tiering:
         envelopes back; the host slots are freed (reused after the copy). ``None``
         (nothing changed) when the allocator cannot make room."""
         self.poll()
-        if self.sub.bind_physical(offloaded.vpages) is None:
+        if self.io.bind_physical(self.name, offloaded.vpages) is None:
             return None
-        vhost = offloaded.vpages.data.detach().cpu().numpy()
         pages = PhysicalPageIds(
-            torch.from_numpy(self.sub.v2p_host[vhost].astype(np.int64)), self.name
+            torch.from_numpy(self.io.physical_pages(self.name, offloaded.vpages)), self.name
         )
-        self.sub.pin(pages)
+        self.io.pin(self.name, pages)
         copy = self.tier.reload(offloaded.host_slots, pages, check=False)
         self.tier.free(offloaded.host_slots)
         self._pinned.append(copy)

@@ -1,0 +1,323 @@
+"""PoolAllocator: every sub-pool of a UnifiedPool, sharing one buffer (the chain).
+
+    byte 0                                                          total_bytes
+    | sink | UP band ->  | free | <- FLOAT -> | free |   <- DOWN band |
+                        frontiers move at run time; bands stay byte-disjoint
+
+Roles (docs/design.md section 5): full attention (or MLA) is the id owner and mints
+virtual pages; every other token sub-pool (SWA) binds the owner's virtual pages
+to physical pages of its own grid; with only SWA sub-pools the first is the
+owner. A Mamba sub-pool has one slot per request (virtual id = request slot + 1).
+
+The facade composes parts that own their state and never call up into it:
+
+    pages.PageBook      one sub-pool's pages (host)   tables.TableWriter  device writes
+    requests            request slots, virtual space  room.Room           reserve, compact
+    tokens.Tokens       token verbs' host half        page_io.PageIO      I/O hooks
+    mamba.MambaSlots    state slots                   step.StepBuffers    decode buffers
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from unikv.allocator.mamba import MambaSlots
+from unikv.allocator.pages import PageBook
+from unikv.allocator.parts import build_parts
+from unikv.allocator.room import Shortfall
+from unikv.allocator.step import DecodeStep
+from unikv.allocator.tables import TablePatch
+from unikv.allocator.tokens import StagedGrow
+from unikv.allocator.translate import check_block_table, check_tombstones, translate
+from unikv.ids import (
+    KernelIds,
+    KernelPageIds,
+    PhysicalPageIds,
+    PhysicalTokenIds,
+    VirtualTokenIds,
+    expect,
+)
+from unikv.kernels.backend import KernelBackend, get_backend
+from unikv.layout import IdMap
+from unikv.pool import UnifiedPool
+
+
+class PoolAllocator:
+    """Allocator over every sub-pool of ``pool`` (see the module docstring).
+
+    Args:
+        pool: the UnifiedPool.
+        max_requests, max_context: size the request slots and ``req_to_token``.
+        debug: translation raises on live lanes that read tombstones, and every
+            mutating verb ends with ``check_integrity()`` (host syncs).
+        num_virtual_pages: the owner's virtual page space (default: its page grid,
+            or every request's worst case when the owner has a sliding window).
+        on_shortfall: ``callback(Shortfall) -> bool`` (see :class:`Shortfall`).
+        max_shortfall_rounds: how many times the callback is asked per allocation.
+        backend: the kernel ops for table writes, translation and block tables
+            (default ``unikv.kernels.get_backend(pool.device)``).
+    """
+
+    def __init__(
+        self,
+        pool: UnifiedPool,
+        *,
+        max_requests: int,
+        max_context: int,
+        debug: bool = False,
+        num_virtual_pages: int | None = None,
+        on_shortfall: Callable[[Shortfall], bool] | None = None,
+        max_shortfall_rounds: int = 8,
+        backend: KernelBackend | None = None,
+    ) -> None:
+        backend = backend or get_backend(pool.device)  # decided once
+        self.pool = pool
+        self.parts = build_parts(
+            pool, max_requests, max_context, num_virtual_pages, on_shortfall,
+            max_shortfall_rounds, backend,
+        )  # fmt: skip
+        self.token_names = list(self.parts.roles.token_names)
+        self._debug = debug
+        self._translate_ids = backend.translate_ids
+        self._build_block_table = backend.build_block_table
+        books = [self.parts.books[n] for n in self.token_names]
+        self._ids = {b.name: IdMap(b.page_size, b.blocks_per_page) for b in books}
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """(max_requests, max_context) int32 device tensor of virtual token ids."""
+        return self.parts.requests.req_to_token
+
+    def subpool(self, name: str) -> PageBook:
+        """The page book of sub-pool ``name`` (read it; change it only through verbs)."""
+        if name not in self.parts.books:
+            raise KeyError(f"no sub-pool {name!r}; the allocator has {list(self.parts.books)}")
+        return self.parts.books[name]
+
+    # -- allocating ---------------------------------------------------------------------
+
+    def new_request(self) -> int:
+        """Open a request slot (host int) with no tokens."""
+        slot = self.parts.requests.open()
+        if slot is None:
+            raise ValueError(
+                f"all {self.parts.requests.max_requests} request slots are open; free a "
+                "request or raise max_requests"
+            )
+        return slot
+
+    def alloc_extend(
+        self, slots: object, prefix_lens: object, extend_lens: object
+    ) -> VirtualTokenIds | None:
+        """Allocate ``extend_lens[i]`` tokens after ``prefix_lens[i]`` for each request.
+
+        slots, prefix_lens, extend_lens: (B,) host integer arrays; prefix_lens must
+        equal the tokens each request holds. Reuses each partly filled tail page,
+        writes ``req_to_token`` and returns the new virtual token ids, (sum ext,)
+        int32 on the device, request by request. None (state unchanged) when the
+        chain cannot hold them even after compaction and the shortfall callback."""
+        return self._grow(self.parts.tokens.stage_extend(slots, prefix_lens, extend_lens))
+
+    def alloc_decode(self, slots: object, seq_lens: object) -> VirtualTokenIds | None:
+        """One new token per request at position ``seq_lens[i]`` (the length BEFORE
+        it). slots, seq_lens: (B,) host integer arrays. Returns (B,) int32 virtual
+        token ids on the device, or None (state unchanged)."""
+        tokens = self.parts.tokens
+        return self._grow(tokens.stage_decode(*tokens.decode_args(slots, seq_lens, "alloc_decode")))
+
+    def _grow(self, staged: StagedGrow | None) -> VirtualTokenIds | None:
+        if staged is None:
+            return None
+        written = self.parts.writer.write(staged.patch)
+        self._after_verb()
+        return VirtualTokenIds(written[staged.token_ids])
+
+    def alloc_mamba(self, slots: object) -> PhysicalPageIds | None:
+        """One zeroed state slot per request in ``slots`` ((B,) host ints, requests
+        without one); the (B,) physical slots on the device, or None (state unchanged)."""
+        phys = self._mamba("alloc_mamba").alloc(slots)
+        if phys is not None:
+            self._after_verb()
+        return phys
+
+    def mamba_slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
+        """Physical state slots of (B,) int32/int64 device request slots (0, the
+        sink, for requests without one). No host sync."""
+        return self._mamba("mamba_slots").slots(req_slots)
+
+    def _mamba(self, what: str) -> MambaSlots:
+        if self.parts.mamba is None:
+            raise ValueError(f"{what}: this pool has no Mamba sub-pool")
+        return self.parts.mamba
+
+    def decode_step(
+        self,
+        slots: object,
+        seq_lens: object,
+        *,
+        block_tables: Mapping[str, torch.Tensor] | None = None,
+        write_ids: Mapping[str, torch.Tensor] | None = None,
+    ) -> DecodeStep | None:
+        """One decode token per request, plus every lookup the step's forward needs:
+        in effect ``alloc_decode``, ``free_out_of_window(slots, seq_lens + 1)``, then
+        ``block_table`` and ``translate`` per token sub-pool, in one upload and two
+        launches (``step.py``).
+
+        slots, seq_lens: (B,) host integer arrays; seq_lens[i] is the length BEFORE
+        the new token. block_tables: None, or per token sub-pool an int32 (>= B, C)
+        tensor with unit column stride and C * page_size >= max(seq_lens) + 1 (all
+        of one shape); write_ids: None, or per token sub-pool a 1-D int32/int64
+        tensor of >= B entries; none may alias another. Buffers are written in place
+        (stable ``data_ptr`` for CUDA graphs). Returns a ``DecodeStep``, or None
+        (state unchanged) when the chain cannot hold the new pages."""
+        parts = self.parts
+        if parts.roles.owner is None:
+            raise ValueError("decode_step: this pool has no token sub-pool")
+        slots, seq = parts.tokens.decode_args(slots, seq_lens, "decode_step")
+        new_lens, bsz = seq + 1, len(slots)
+        targets, run = parts.steps.get(
+            bsz, int(new_lens.max()) if bsz else 1, block_tables, write_ids
+        )
+        staged = parts.tokens.stage_decode(slots, seq)
+        if staged is None:
+            return None
+        patch = staged.patch
+        parts.tokens.stage_window_frees(slots, new_lens, patch)
+        slot_part, lens_part = patch.part(slots), patch.part(new_lens)
+        written = parts.writer.write(patch)
+        req_slots, lens_dev = written[slot_part], written[lens_part]
+        run(req_slots, lens_dev)
+        if self._debug:
+            parts.steps.check(targets, req_slots, lens_dev)
+        self._after_verb()
+        virtual_ids = VirtualTokenIds(written[staged.token_ids])
+        return parts.steps.result(virtual_ids, req_slots, lens_dev, targets)
+
+    # -- freeing ------------------------------------------------------------------------
+
+    def free_request(self, slot: int) -> None:
+        """Free every page of request ``slot`` (all sub-pools) and close the slot."""
+        self._write(self.parts.tokens.stage_free_request(slot))
+        if self.parts.mamba is not None:
+            self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
+        self.parts.requests.close(int(slot))
+        self._after_verb()
+
+    def free_out_of_window(self, slots: object, seq_lens: object) -> None:
+        """Free the sliding-window pages that no future query can see (tombstones;
+        the owner's virtual pages live on).
+
+        slots, seq_lens: (B,) host integer arrays, seq_lens <= tokens held; every
+        future query of request i sits at position >= seq_lens[i] - 1, so a page
+        whose last position is < seq_lens[i] - W is freed. Decode: pass the
+        lengths including the token being computed; chunked prefill: the prefix
+        length + 1 (or call after the chunk's forward)."""
+        self._write(self.parts.tokens.stage_out_of_window(slots, seq_lens))
+        self._after_verb()
+
+    def truncate(self, slots: object, new_lens: object) -> None:
+        """Free the tokens of each request beyond ``new_lens[i]`` (whole pages past
+        the new tail). slots, new_lens: (B,) host integer arrays. A cut into pages of
+        a sliding-window sub-pool already freed out of the window is refused."""
+        self._write(self.parts.tokens.stage_truncate(slots, new_lens))
+        self._after_verb()
+
+    def _write(self, patch: TablePatch) -> None:
+        if patch:
+            self.parts.writer.write(patch)
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def translate(
+        self,
+        virtual_ids: VirtualTokenIds,
+        name: str,
+        out: torch.Tensor | None = None,
+        *,
+        physical: bool = False,
+    ) -> KernelIds | PhysicalTokenIds:
+        """Kernel ids (``physical``: physical token ids ``P * ps + tv % ps``) of token
+        sub-pool ``name`` for (n,) virtual token ids (device). Padding (negative) ids
+        and tombstones go to the sink; ``out`` (1-D int32/int64, >= n entries, may
+        alias the input) receives ``out[:n]``. One launch of the backend's op."""
+        ids = expect(virtual_ids, VirtualTokenIds, "translate")
+        book, idmap = self._token_book(name, "translate"), self._ids[name]
+        if self._debug:
+            check_tombstones(ids, book.v2p, book.page_size, name)
+        mult = idmap.page_size if physical else idmap.multiplier
+        result = translate(self._translate_ids, ids, book.v2p, book.page_size, mult, out)
+        return PhysicalTokenIds(result, name) if physical else KernelIds(result, name)
+
+    def block_table(
+        self,
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        name: str,
+        out: torch.Tensor,
+        window: int = 0,
+    ) -> KernelPageIds:
+        """Kernel page entries of token sub-pool ``name`` into ``out`` (B, max_pages) int32.
+
+        req_slots, seq_lens: (B,) int32 device tensors (request slots, tokens in the
+        cache). window: 0, or W to zero pages wholly before ``seq_len - W``."""
+        book = self._token_book(name, "block_table")
+        self._build_block_table(
+            self.req_to_token, req_slots, seq_lens, book.v2p, page_size=book.page_size,
+            blocks_per_page=book.blocks_per_page, out=out, window=window,
+        )  # fmt: skip
+        if self._debug:
+            w = self.parts.roles.windows.get(name, 0)
+            check_block_table(
+                out, self.req_to_token, req_slots, seq_lens, book.v2p, book.page_size, w, name
+            )
+        return KernelPageIds(out, name)
+
+    def _token_book(self, name: str, what: str) -> PageBook:
+        book = self.subpool(name)
+        if name not in self._ids:
+            raise ValueError(f"{what}: {name!r} is a Mamba sub-pool; use mamba_slots")
+        return book
+
+    def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per sub-pool: (page columns request ``slot`` still holds, their
+        physical pages), host int64, ascending columns; a sliding-window sub-pool
+        leaves out the columns that left the window; the Mamba sub-pool gives the
+        request's state slot as column 0, if it holds one (for transfers and
+        offload: a request's state travels with its pages)."""
+        return self.parts.tokens.request_pages(slot)
+
+    # -- capacity and fences ---------------------------------------------------------------
+
+    def can_admit(self, demand: Mapping[str, int]) -> tuple[bool, bool]:
+        """Whether ``demand`` (new pages per sub-pool name; pages of the owner are
+        new virtual pages too) can be met now (no page moves) and after
+        compaction. An allocation succeeds exactly when the second is True."""
+        new = self.parts.room.check_demand(demand)
+        owner = self.parts.roles.owner
+        return self.parts.room.can_admit(new, new.get(owner, 0) if owner else 0)
+
+    def mark_in_flight(self, event: Any = None) -> None:
+        """A forward that reads/writes the live pages was enqueued; ``event`` (e.g. a
+        torch.cuda.Event recorded after it, or None when it already ran) fires when
+        it is done. Until then freed pages are neither reused nor moved, and live
+        pages are not moved."""
+        self.parts.fences.mark_in_flight(event)
+
+    def compact(self) -> int:
+        """Idle-time compaction: wait for the forward fences, then pack every band
+        tight (live pages into holes, frontiers back). Returns the pages moved."""
+        return self.parts.room.compact()
+
+    def check_integrity(self) -> None:
+        """Verify every invariant (host syncs); AssertionError names the broken one."""
+        from unikv.allocator.integrity import check_chain
+
+        check_chain(self.pool, self.parts)
+
+    def _after_verb(self) -> None:
+        if self._debug:
+            self.check_integrity()

@@ -1,0 +1,180 @@
+"""Making room for an allocation, cheapest first (docs/design.md section 6):
+
+1. holes on each free stack (no band moves);
+2. ``Mode.NOW``: move frontiers over free bytes and trailing holes (no page moves);
+3. ``Mode.AFTER``: wait for the forward fences, move live pages into holes;
+4. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
+   the joint picture, and the allocator tries again.
+
+``can_admit`` answers 2 and 3 with the same packer (``capacity.pack_bands``).
+Under pressure ``reserve`` waits for the fences its plan counted on, or says no;
+it never asserts on a packing that vanished (issue 16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from unikv.allocator import bands
+from unikv.allocator.bands import Frame, Mode
+from unikv.allocator.compaction import compact_to
+from unikv.allocator.fences import FenceQueue
+from unikv.allocator.pages import PageBook
+from unikv.allocator.requests import RequestTable, VirtualSpace
+from unikv.allocator.tables import TableWriter
+from unikv.pool import UnifiedPool
+
+
+@dataclass
+class Shortfall:
+    """The joint picture handed to ``on_shortfall`` (LESSONS.md bugs 9 and 11).
+
+    demand: new pages asked per sub-pool; virtual: new virtual pages asked;
+    usage: per sub-pool ``{live, pending, pinned, free_in_band, page_bytes, band}``;
+    free_bytes: bytes inside no band. The callback may free requests of ANY
+    sub-pool (a Mamba shortfall may take room from full attention) and returns
+    True when it freed something, so the allocator tries again."""
+
+    demand: dict[str, int]
+    virtual: int
+    virtual_free: int
+    usage: dict[str, dict[str, Any]]
+    free_bytes: int
+
+
+class Room:
+    """Reserve, admission and compaction over the page books of one pool."""
+
+    def __init__(
+        self,
+        pool: UnifiedPool,
+        books: Mapping[str, PageBook],
+        requests: RequestTable,
+        vspace: VirtualSpace,
+        fences: FenceQueue,
+        writer: TableWriter,
+        on_shortfall: Callable[[Shortfall], bool] | None,
+        max_rounds: int,
+    ) -> None:
+        self.pool, self.books, self.requests, self.vspace = pool, books, requests, vspace
+        self.fences, self.writer = fences, writer
+        self.on_shortfall, self.max_rounds = on_shortfall, max_rounds
+        self.frame = Frame(pool.sink_bytes, pool.total_bytes, pool.band_limits)
+
+    def check_demand(self, demand: Mapping[str, int]) -> dict[str, int]:
+        """``demand`` as ``{sub-pool name: new pages}`` of ints, or TypeError/ValueError."""
+        if not isinstance(demand, Mapping):
+            raise TypeError(f"demand must be a mapping {{sub-pool name: pages}}, got {demand!r}")
+        for name, pages in demand.items():
+            if name not in self.books:
+                raise ValueError(
+                    f"demand names sub-pool {name!r}; the allocator has {list(self.books)}"
+                )
+            if not isinstance(pages, (int, np.integer)) or pages < 0:
+                raise ValueError(f"demand[{name!r}] must be a non-negative int, got {pages!r}")
+        return {n: int(p) for n, p in demand.items()}
+
+    def drain(self) -> None:
+        """Pages whose fences fired become holes."""
+        for name, pages in self.fences.drain().items():
+            self.books[name].release_pending(pages)
+
+    def _fits_free(self, new: Mapping[str, int], virtual: int) -> bool:
+        return virtual <= self.vspace.num_free and all(
+            self.books[n].num_free >= k for n, k in new.items()
+        )
+
+    def _needs(self, new: Mapping[str, int], mode: Mode) -> dict[str, bands.BandNeed]:
+        held = None
+        if mode is Mode.AFTER:
+            held = {n: self.fences.held(n, transfer_only=True) for n in self.books}
+        return bands.band_needs(self.books, self.frame, new, mode, held)
+
+    def can_admit(self, new: Mapping[str, int], virtual: int) -> tuple[bool, bool]:
+        """(fits now without page moves, fits after compaction)."""
+        if virtual > self.vspace.num_free:
+            return False, False
+        self.drain()
+        if self._fits_free(new, 0) or self.frame.pack(self._needs(new, Mode.NOW)) is not None:
+            return True, True
+        return False, self.frame.pack(self._needs(new, Mode.AFTER)) is not None
+
+    def reserve(
+        self, new: Mapping[str, int], virtual: int = 0, slots: np.ndarray | None = None
+    ) -> bool:
+        """Make each free stack hold ``new[name]`` holes (and the virtual space
+        ``virtual`` ids). False, with no page moved, when impossible. ``slots``:
+        the requests being served, which the shortfall callback must not free."""
+        self.drain()
+        if self._fits_free(new, virtual):
+            return True
+        for _ in range(self.max_rounds + 1):
+            if virtual <= self.vspace.num_free and (self._grow_now(new) or self._compact_for(new)):
+                assert self._fits_free(new, virtual), (
+                    "reserve: a feasible plan left free stacks short"
+                )
+                return True
+            if self.on_shortfall is None or not self.on_shortfall(self.shortfall(new, virtual)):
+                return False
+            if slots is not None and not self.requests.in_use[slots].all():
+                raise RuntimeError(
+                    "the shortfall callback freed a request of the allocation it was called "
+                    f"for (slots {slots.tolist()}); evict only requests outside the batch"
+                )
+            self.drain()
+            if self._fits_free(new, virtual):
+                return True
+        return False
+
+    def _grow_now(self, new: Mapping[str, int]) -> bool:
+        found = bands.candidates(self.books, self.frame, self._needs(new, Mode.NOW), new, True)
+        if not found:
+            return False
+        for name, band in found[0].items():
+            if band != self.books[name].band:
+                self.books[name].set_band(*band)
+        return True
+
+    def _compact_for(self, new: Mapping[str, int]) -> bool:
+        if self.frame.pack(self._needs(new, Mode.AFTER)) is None:
+            return False
+        # AFTER counted every page a forward fence holds as free, so wait for ALL
+        # of them, not only the latest forward: its event may have fired before an
+        # older group's (out of order), or since reserve's drain (host sync, slow path)
+        self.fences.wait_forward()
+        self.drain()
+        found = bands.candidates(self.books, self.frame, self._needs(new, Mode.ACTUAL), new, False)
+        if not found:  # cannot happen once the fences fired; say no rather than assert
+            return False
+        compact_to(self.pool, self.books, self.writer, found[0])
+        return True
+
+    def compact(self) -> int:
+        """Wait for the forward fences, then pack every band tight. Returns pages moved."""
+        self.fences.wait_forward()
+        self.drain()
+        targets = self.frame.pack(self._needs({}, Mode.ACTUAL))
+        assert targets is not None, "compaction: the current occupancy does not pack"
+        return compact_to(self.pool, self.books, self.writer, targets)
+
+    def shortfall(self, new: Mapping[str, int], virtual: int) -> Shortfall:
+        """The joint picture (see :class:`Shortfall`); ``shortfall({}, 0).usage``
+        is the usage of every sub-pool."""
+        usage = {
+            n: {
+                "live": b.num_live,
+                "pending": b.num_pending,
+                "pinned": int((b.pins > 0).sum()),
+                "free_in_band": b.num_free,
+                "page_bytes": b.page_bytes,
+                "band": b.band,
+            }
+            for n, b in self.books.items()
+        }
+        used = sum((b.hi - b.lo) * b.page_bytes for b in self.books.values())
+        free_bytes = self.pool.total_bytes - self.pool.sink_bytes - used
+        return Shortfall(dict(new), virtual, self.vspace.num_free, usage, free_bytes)
