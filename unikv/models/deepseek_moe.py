@@ -15,10 +15,9 @@ Routing, in fp32 on fp32 logits ``x @ gate.weight^T`` (E experts, k per token):
   the chosen experts, renormalised (sum + 1e-20) when ``norm_topk_prob``, times
   ``routed_scaling_factor``.
 
-The expert loop follows ``gpt_oss.py``: dense (every expert on every token, weighted
-by its routing weight, zero when not routed: no host sync, fixed shapes, CUDA-graph
-safe) for T <= ``DENSE_MAX_TOKENS``, sparse (each expert on its own tokens; syncs
-the host) above. Both add the experts in index order, as transformers does.
+The routed experts run in the fused MoE (``models/moe.RoutedExperts``: Triton on
+CUDA, the torch reference loop elsewhere, which adds the experts in index order, as
+transformers does).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from torch import nn
 
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP
-from unikv.models.moe import routed_experts
+from unikv.models.moe import RoutedExperts
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -89,7 +88,9 @@ class DeepseekMoE(nn.Module):
         routed = dataclasses.replace(
             config, intermediate_size=e["moe_intermediate_size"], mlp_bias=False
         )
-        self.experts = nn.ModuleList(GatedMLP(routed) for _ in range(e["n_routed_experts"]))
+        self.experts = RoutedExperts(
+            e["n_routed_experts"], config.hidden_size, routed.intermediate_size
+        )
         shared = dataclasses.replace(
             config,
             intermediate_size=e["moe_intermediate_size"] * e["n_shared_experts"],
@@ -100,7 +101,7 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
-        return routed_experts(x, weights, indices, self.experts) + self.shared_experts(x)
+        return self.experts(x, weights, indices) + self.shared_experts(x)
 
 
 def check_moe_fields(extra: dict, model_type: str) -> None:

@@ -1,17 +1,14 @@
-"""gpt-oss's mixture-of-experts block: a top-k router and a plain torch loop
-over experts, with gpt-oss's clamped SwiGLU (``alpha`` 1.702, ``limit`` 7).
+"""gpt-oss's mixture-of-experts block: a top-k router and the fused MoE
+(``kernels/moe.py``) with gpt-oss's clamped SwiGLU (``alpha`` 1.702, ``limit`` 7),
+its expert weights dense or MXFP4 kept packed.
 
 The rest of gpt-oss (alternating sliding/full layers, attention sinks, yarn
 rope, biased projections, fp32 norms) is the shared decoder in ``llama.py``.
 
-Two loops, picked by the number of tokens (a host int, never a device value):
-- dense (T <= ``DENSE_MAX_TOKENS``): every expert runs on every token and its
-  output is weighted by the routing weight (zero when not selected). No host
-  sync and fixed shapes, so decode steps can run under CUDA graphs.
-- sparse (larger T, prefill): each expert runs on the tokens routed to it, as
-  transformers does; it syncs the host (``nonzero``), acceptable for prefill.
-Both accumulate the experts in index order, so they agree bit for bit on fp32
-with each other and with transformers' loop up to matmul blocking.
+Off CUDA the experts run the fused MoE's torch reference: dense (every expert on
+every token, zero weight when not routed; no host sync) for T <=
+``DENSE_MAX_TOKENS``, sparse (each expert on its tokens, as transformers) above;
+both add the experts in index order, as transformers' loop does.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
-from unikv.models.moe import DENSE_MAX_TOKENS  # one bound for every MoE family
+from unikv.models.moe import DENSE_MAX_TOKENS, moe_kernel  # noqa: F401  (the bound: a re-export)
 from unikv.models.parallel import tp_size
 
 
@@ -41,8 +38,17 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Weights in transformers' layout: ``gate_up_proj`` (E, hidden, 2I) with gate
-    and up interleaved on the last dim, ``down_proj`` (E, I, hidden), biases.
+    """gpt-oss's experts, run by the fused MoE (``kernels/moe.py``; the torch
+    reference off CUDA), with gate and up interleaved (gate 2j, up 2j+1).
+
+    Dense (transformers' layout): ``gate_up_proj`` (E, hidden, 2I), ``down_proj``
+    (E, I, hidden), passed to the kernel as (E, N, K) transposed views, no copy.
+    MXFP4 kept packed (``config.extra["mxfp4_experts"]``, a checkpoint quantised
+    with ``quant_method`` "mxfp4"): the checkpoint's ``gate_up_proj_blocks`` (E, 2I,
+    hidden / 32, 16) and ``_scales`` (E, 2I, hidden / 32), ``down_proj_blocks`` (E,
+    hidden, I / 32, 16) and ``_scales``, uint8 (``models/mxfp4.py``), dequantised
+    inside the kernel's tiles. Biases ``gate_up_proj_bias`` (E, 2I), ``down_proj_bias``
+    (E, hidden) in the model dtype either way.
 
     With ``tp`` every expert holds intermediate rows [r*I/tp, (r+1)*I/tp): a
     contiguous slice of 2I/tp gate_up columns keeps each (gate, up) pair whole.
@@ -57,45 +63,75 @@ class Experts(nn.Module):
         e, h = config.num_experts, config.hidden_size
         i = config.intermediate_size // tp_size(tp)
         self.num_experts = e
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
+        self.mxfp4 = bool(config.extra.get("mxfp4_experts", False))
+        if self.mxfp4:
+            check_mxfp4_dims(h, i, tp_size(tp))
+            self.gate_up_proj_blocks = _uint8_param(e, 2 * i, h // 32, 16)
+            self.gate_up_proj_scales = _uint8_param(e, 2 * i, h // 32)
+            self.down_proj_blocks = _uint8_param(e, h, i // 32, 16)
+            self.down_proj_scales = _uint8_param(e, h, i // 32)
+            shards = {"gate_up_proj_blocks": 1, "gate_up_proj_scales": 1}
+            shards.update({"down_proj_blocks": 2, "down_proj_scales": 2})
+        else:
+            self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
+            self.down_proj = nn.Parameter(torch.zeros(e, i, h))
+            shards = {"gate_up_proj": 2, "down_proj": 1}
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
-        self.down_proj = nn.Parameter(torch.zeros(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
         self.add_down_bias = tp is None or tp.rank == 0
         if tp is not None:
-            self.tp_shards = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1}
+            self.tp_shards = {**shards, "gate_up_proj_bias": 1}
+        self.kernel = moe_kernel(self.down_proj_bias.device)
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on x: (n, hidden) -> (n, hidden)."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        down = ((up + 1) * glu) @ self.down_proj[e]
-        if self.add_down_bias:  # a host bool fixed at construction
-            down = down + self.down_proj_bias[e]
-        return down
+    def _apply(self, fn, recurse=True):  # to / to_empty / cuda: the kernel of the new device
+        super()._apply(fn, recurse)
+        self.kernel = moe_kernel(self.down_proj_bias.device)
+        return self
 
-    def forward_dense(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
-        """x: (T, hidden); scores/indices: (T, k) -> (T, hidden)."""
-        weights = torch.zeros(x.shape[0], self.num_experts, dtype=scores.dtype, device=x.device)
-        weights.scatter_(1, indices, scores)  # (T, E), zero where not routed
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            out += (self.expert(e, x) * weights[:, e, None]).to(x.dtype)
-        return out
+    def operands(self) -> dict:
+        """The fused MoE's weight arguments (views, no copy)."""
+        if self.mxfp4:  # a host bool fixed at construction
+            w = {"w1": self.gate_up_proj_blocks, "w2": self.down_proj_blocks}
+            w.update(w1_scales=self.gate_up_proj_scales, w2_scales=self.down_proj_scales)
+        else:
+            w = {"w1": self.gate_up_proj.transpose(1, 2), "w2": self.down_proj.transpose(1, 2)}
+        w["b2"] = self.down_proj_bias if self.add_down_bias else None
+        return w
 
-    def forward_sparse(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
-        """As ``forward_dense``, running each expert only on its tokens."""
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            token_idx, slot = torch.where(indices == e)
-            if token_idx.numel() == 0:
-                continue
-            y = self.expert(e, x[token_idx]) * scores[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(x.dtype))
-        return out
+    def forward(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
+        """x: (T, hidden); scores/indices: (T, k) -> (T, hidden) in x.dtype."""
+        return self.kernel(
+            x,
+            scores,
+            indices,
+            **self.operands(),
+            b1=self.gate_up_proj_bias,
+            activation="gpt_oss",
+            gate_up="interleaved",
+            alpha=self.alpha,
+            limit=self.limit,
+        )
+
+
+def _uint8_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False)
+
+
+def check_mxfp4_dims(hidden: int, intermediate: int, tp: int) -> None:
+    """ValueError unless hidden and the per-rank intermediate size split into MXFP4
+    groups of 32."""
+    if hidden % 32 or intermediate % 32:
+        raise ValueError(
+            f"MXFP4 experts need hidden_size ({hidden}) and intermediate_size / tp "
+            f"({intermediate}, tp={tp}) multiples of 32; use a tp that keeps whole groups"
+        )
+
+
+def config_extras(hf_config) -> dict:
+    """gpt-oss's own fields: whether the checkpoint's experts are MXFP4 (kept packed)."""
+    quant = getattr(hf_config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
+    return {"mxfp4_experts": method == "mxfp4"}
 
 
 class MoE(nn.Module):
@@ -111,8 +147,5 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         scores, indices = self.router(x)
-        if x.shape[0] <= DENSE_MAX_TOKENS:
-            out = self.experts.forward_dense(x, scores, indices)
-        else:
-            out = self.experts.forward_sparse(x, scores, indices)
+        out = self.experts(x, scores, indices)
         return out if self.tp is None else self.tp.all_reduce(out)

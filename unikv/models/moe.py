@@ -1,24 +1,114 @@
-"""The routed-expert loop shared by unikv's MoE families (Qwen3-Next, DeepSeek,
-NemotronH): each token's top-k experts, weighted by the router, in expert order.
+"""Routed experts shared by unikv's MoE families (Qwen3-Next, Qwen3-MoE, Mixtral,
+DeepSeek, NemotronH), run by the fused MoE (``unikv/kernels/moe.py``).
 
-Two loops, picked by the number of tokens of the step (a host int, never a
-device value):
-- dense (T <= ``DENSE_MAX_TOKENS``): every expert runs on every token and its
-  output is weighted by the routing weight (zero where not routed). No host
-  sync and fixed shapes, so decode steps can run under CUDA graphs (the engine
-  captures graphs up to this batch size).
-- sparse (larger T, prefill): each expert runs on the tokens routed to it, as
-  transformers' loops do; it syncs the host (``torch.where``).
-Both add the experts in index order, so they agree with each other and with
-transformers' loops up to matmul blocking.
+``RoutedExperts`` keeps each expert's linears under the checkpoint's names
+(``experts.{e}.gate_proj.weight`` ...), so checkpoints load by name, but their
+storage is two stacked tensors, the fused kernel's operands::
+
+    w1 (E, N1, d)   N1 = 2I: rows [gate (I) | up (I)]  (relu2: N1 = I, up only)
+    w2 (E, d, I)    down
+    experts[e].gate_proj.weight is the view w1[e, :I], up_proj w1[e, I:], down w2[e]
+
+The stacking is redone whenever the module's tensors are replaced (``to``,
+``to_empty``, ``cuda``: torch routes them all through ``_apply``), and the kernel is
+picked there too, once per placement: Triton on CUDA, the torch reference
+(``kernels/moe_ref.py``, the routed loop these families ran before) elsewhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-DENSE_MAX_TOKENS = 256
+from unikv.kernels import moe_ref
+from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the engine's graph bound (re-exported)
+
+__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "moe_kernel", "routed_experts"]
+
+SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_kernel(device: torch.device | str) -> Callable[..., torch.Tensor]:
+    """The fused MoE for ``device``: Triton on CUDA, the torch reference elsewhere
+    (the rule of ``kernels/backend.get_backend``)."""
+    if torch.device(device).type == "cuda":
+        from unikv.kernels import moe  # Triton is only needed here
+
+        return moe.fused_moe
+    return moe_ref.fused_moe
+
+
+class Expert(nn.Module):
+    """One expert's bias-free linears, named as in the checkpoint; no forward of its
+    own (the fused MoE runs all experts at once)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]]) -> None:
+        super().__init__()
+        for name, (fan_in, fan_out) in shapes.items():
+            setattr(self, name, nn.Linear(fan_in, fan_out, bias=False))
+
+
+class RoutedExperts(nn.ModuleList):
+    """E experts of one MoE layer (``activation`` "silu": SwiGLU, ``names`` (gate, up,
+    down); "relu2": ``down(relu(up(x)) ** 2)``, ``names`` (up, down)).
+
+    forward(x (T, d), weights (T, k), indices (T, k) int64) -> (T, d) in x.dtype:
+    the sum of each token's k experts, weighted (``moe_ref.fused_moe``)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        activation: str = "silu",
+        names: tuple[str, ...] = SWIGLU_NAMES,
+    ) -> None:
+        gated = activation != "relu2"
+        if activation not in ("silu", "relu2") or len(names) != 2 + gated:
+            raise ValueError(
+                f"RoutedExperts runs 'silu' (names gate, up, down) or 'relu2' (up, down), "
+                f"got {activation!r} with names {names}"
+            )
+        shapes = {name: (hidden, intermediate) for name in names[:-1]}
+        shapes[names[-1]] = (intermediate, hidden)
+        super().__init__(Expert(shapes) for _ in range(num_experts))
+        self.activation, self.names, self.intermediate = activation, names, intermediate
+        self._stack()
+
+    def _apply(self, fn, recurse=True):  # to / to_empty / cuda: restack, re-pick the kernel
+        super()._apply(fn, recurse)
+        self._stack()
+        return self
+
+    @torch.no_grad()
+    def _stack(self) -> None:
+        """Move every expert weight into w1/w2 and make the parameters views of them."""
+        *ins, out = self.names
+        self.w1 = torch.stack([torch.cat([getattr(x, n).weight for n in ins]) for x in self])
+        self.w2 = torch.stack([getattr(x, out).weight for x in self])
+        i = self.intermediate
+        for e, expert in enumerate(self):
+            for j, name in enumerate(ins):
+                getattr(expert, name).weight.data = self.w1[e, j * i : (j + 1) * i]
+            getattr(expert, out).weight.data = self.w2[e]
+        self.kernel = moe_kernel(self.w1.device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        sum_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """x: (T, d); weights: (T, k) routing weights; indices: (T, k) int64 expert
+        ids -> (T, d) in x.dtype. ``sum_dtype``: the reference's accumulator (None:
+        x.dtype; NemotronH sums in fp32); the Triton kernel always sums in fp32."""
+        return self.kernel(
+            x, weights, indices, self.w1, self.w2, activation=self.activation, sum_dtype=sum_dtype
+        )
 
 
 def routed_experts(
@@ -29,10 +119,10 @@ def routed_experts(
     *,
     sum_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x: (T, d); weights: (T, k) routing weights; indices: (T, k) int64 expert ids
-    -> (T, d) in x.dtype. ``sum_dtype``: the accumulator (None: x.dtype, each
-    expert's weighted output rounded to it, as transformers' Qwen/DeepSeek loops;
-    NemotronH sums in fp32)."""
+    """The unfused loop over a ModuleList of callable experts (families not yet on
+    ``RoutedExperts``): x: (T, d); weights: (T, k); indices: (T, k) int64 -> (T, d).
+    Dense (every expert, zero weight where not routed) for T <= ``DENSE_MAX_TOKENS``,
+    sparse (syncs the host) above; experts added in index order."""
     acc = sum_dtype or x.dtype
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     if x.shape[0] <= DENSE_MAX_TOKENS:

@@ -38,7 +38,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
             f"MXFP4 blocks must be uint8 (E, rows, G, 16) with scales (E, rows, G); got "
             f"{blocks.dtype} {tuple(blocks.shape)} and {tuple(scales.shape)}"
         )
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)
     values = values.flatten(-2)  # (E, rows, G, 32)
     exponents = scales.to(torch.int32) - 127

@@ -24,7 +24,7 @@ from torch import nn
 from unikv.models.config import ModelConfig
 from unikv.models.layers import AttentionFn, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from unikv.models.moe import routed_experts
+from unikv.models.moe import RoutedExperts
 
 MAMBA, ATTENTION, MLP_TYPE, MOE = "linear_attention", "full_attention", "mlp", "moe"
 LAYER_TYPES = (MAMBA, ATTENTION, MLP_TYPE, MOE)
@@ -158,9 +158,7 @@ class MoE(nn.Module):
     ``shared_experts``; x: (T, hidden) -> (T, hidden). Routed outputs accumulate
     in fp32, expert by expert in index order, as transformers' loop does.
 
-    Two loops, picked by the number of tokens (a host int): dense (every expert
-    on every token, zero weight when not routed; no host sync, fixed shapes) for
-    T <= ``DENSE_MAX_TOKENS``, sparse (each expert on its tokens) above."""
+    The routed experts run in the fused MoE (``models/moe.RoutedExperts``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -168,8 +166,8 @@ class MoE(nn.Module):
         latent, bias = e["moe_latent_size"], bool(e["mlp_bias"])
         dim, inter = latent or hidden, e["moe_intermediate_size"]
         self.gate = TopkRouter(config)
-        self.experts = nn.ModuleList(
-            Relu2MLP(dim, inter, False) for _ in range(e["n_routed_experts"])
+        self.experts = RoutedExperts(
+            e["n_routed_experts"], dim, inter, activation="relu2", names=("up_proj", "down_proj")
         )
         self.shared_experts = Relu2MLP(hidden, e["moe_shared_expert_intermediate_size"], bias)
         if latent is not None:
@@ -180,7 +178,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)
         h = self.fc1_latent_proj(x) if self.latent else x
-        h = routed_experts(h, weights, indices, self.experts, sum_dtype=weights.dtype)
+        h = self.experts(h, weights, indices, sum_dtype=weights.dtype)
         h = self.fc2_latent_proj(h) if self.latent else h
         return h + self.shared_experts(x)
 

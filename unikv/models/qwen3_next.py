@@ -10,10 +10,8 @@ with packed Gated DeltaNet projections and a sparse MoE block.
   shared expert scaled by ``sigmoid(shared_expert_gate(x))``. Layers in
   ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid use a dense MLP.
 
-The expert loop follows ``gpt_oss.py``: dense (every expert on every token,
-weighted by its routing weight, zero when not routed: no host sync, fixed
-shapes, CUDA-graph safe) for T <= ``DENSE_MAX_TOKENS``, sparse (each expert on
-its own tokens; syncs the host) for larger prefill steps.
+The routed experts run in the fused MoE (``models/moe.RoutedExperts``: Triton on
+CUDA, the torch reference loop elsewhere).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from torch import nn
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP
-from unikv.models.moe import routed_experts
+from unikv.models.moe import RoutedExperts
 
 MOE_FIELDS = (
     "num_experts",
@@ -85,15 +83,16 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """``mlp.gate`` (router), ``mlp.experts.{e}`` (SwiGLU ``GatedMLP`` each, the
+    """``mlp.gate`` (router), ``mlp.experts.{e}`` (SwiGLU each, the
     checkpoint's per-expert names), ``mlp.shared_expert``, ``mlp.shared_expert_gate``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         e = config.extra
         self.gate = Router(config)
-        routed = dataclasses.replace(config, intermediate_size=e["moe_intermediate_size"])
-        self.experts = nn.ModuleList(GatedMLP(routed) for _ in range(e["num_experts"]))
+        self.experts = RoutedExperts(
+            e["num_experts"], config.hidden_size, e["moe_intermediate_size"]
+        )
         shared = dataclasses.replace(config, intermediate_size=e["shared_expert_intermediate_size"])
         self.shared_expert = GatedMLP(shared)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
@@ -101,7 +100,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
-        out = routed_experts(x, weights, indices, self.experts)
+        out = self.experts(x, weights, indices)
         return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 

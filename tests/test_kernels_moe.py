@@ -1,0 +1,217 @@
+"""The fused MoE (``kernels/moe.py``, Triton; on CPU through the interpreter) against
+its torch reference (``kernels/moe_ref.py``), and the reference against a naive
+per-token loop written here from the definition.
+
+Shapes are tiny and odd: 3-8 experts, top-1/2, hidden 40 and 72 (not multiples of
+the 64-wide K tile; 72 loops twice), intermediate 24 and 70 (70 spans two N tiles),
+T 1, 5 and 37. Tolerances: fp32 max abs error <= 1e-5 x max |reference| (observed
+~1e-7: fp32 products, fp32 accumulators, sums in another order); bf16 <= 3e-2 x max
+|reference| (the kernel keeps fp32 accumulators and rounds once, the reference
+rounds each GEMM output to bf16). MXFP4 weights (random codes, exponents 2^-7..2^0)
+are compared with the dense reference on ``dequantize_mxfp4`` of the same bytes
+(itself checked against transformers in ``test_engine_models.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unikv.kernels import moe, moe_ref
+from unikv.models.moe import RoutedExperts
+from unikv.models.mxfp4 import dequantize_mxfp4
+
+CASES = [  # activation, gate_up, experts, top_k, hidden, intermediate, tokens
+    ("silu", "concat", 3, 1, 40, 24, 5),
+    ("silu", "concat", 8, 2, 72, 70, 37),
+    ("gpt_oss", "interleaved", 5, 2, 40, 24, 37),
+    ("gpt_oss", "interleaved", 4, 1, 72, 70, 1),
+    ("relu2", "concat", 6, 2, 40, 70, 5),
+    ("silu", "interleaved", 3, 2, 40, 24, 1),
+]
+
+
+def _routing(g, t, e, k):
+    logits = torch.randn(t, e, generator=g)
+    weights, ids = torch.topk(logits.softmax(-1), k, dim=-1)
+    return weights, ids
+
+
+def _dense_case(act, gate_up, e, k, d, i, t, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n1 = i if act == "relu2" else 2 * i
+    args = {
+        "x": torch.randn(t, d, generator=g),
+        "w1": torch.randn(e, n1, d, generator=g) * d**-0.5,
+        "w2": torch.randn(e, d, i, generator=g) * i**-0.5,
+    }
+    if act == "gpt_oss":
+        args["b1"] = torch.randn(e, n1, generator=g) * 0.1
+        args["b2"] = torch.randn(e, d, generator=g) * 0.1
+    args = {name: v.to(dtype) for name, v in args.items()}
+    args["topk_weights"], args["topk_ids"] = _routing(g, t, e, k)
+    return args, {"activation": act, "gate_up": gate_up}
+
+
+def _close(out, ref, rel):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= rel * max(1.0, ref.float().abs().max().item()), err
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference(case, dtype):
+    args, kw = _dense_case(*case, dtype)
+    ref = moe_ref.fused_moe(**args, **kw)
+    _close(moe.fused_moe(**args, **kw), ref, 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def _naive(x, topk_weights, topk_ids, w1, w2, b1=None, b2=None, *, activation, gate_up):
+    """Token by token, slot by slot, from the definition (fp32)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = w1[e] @ x[t] + (0 if b1 is None else b1[e])
+            if activation == "relu2":
+                a = torch.relu(h) ** 2
+            else:
+                gate, up = (h[0::2], h[1::2]) if gate_up == "interleaved" else h.chunk(2)
+                if activation == "silu":
+                    a = gate * torch.sigmoid(gate) * up
+                else:
+                    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+                    a = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+            out[t] += topk_weights[t, j] * (w2[e] @ a + (0 if b2 is None else b2[e]))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dense_max_tokens", [0, 256])  # the sparse and the dense loop
+def test_reference_matches_naive_loop(case, dense_max_tokens, monkeypatch):
+    monkeypatch.setattr(moe_ref, "DENSE_MAX_TOKENS", dense_max_tokens)
+    args, kw = _dense_case(*case, torch.float32)
+    _close(moe_ref.fused_moe(**args, **kw), _naive(**args, **kw), 1e-5)
+
+
+def _mxfp4(g, e, rows, cols):
+    blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(120, 128, (e, rows, cols // 32), dtype=torch.uint8, generator=g)
+    return blocks, scales, dequantize_mxfp4(blocks, scales).transpose(1, 2)  # (E, rows, cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("e, k, d, i, t", [(4, 2, 64, 96, 7), (3, 1, 96, 32, 1)])
+def test_mxfp4_kept_packed_matches_dequantised(dtype, e, k, d, i, t):
+    g = torch.Generator().manual_seed(1)
+    w1, s1, w1_dense = _mxfp4(g, e, 2 * i, d)
+    w2, s2, w2_dense = _mxfp4(g, e, d, i)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    weights, ids = _routing(g, t, e, k)
+    b1, b2 = (torch.randn(e, n, generator=g).to(dtype) for n in (2 * i, d))
+    kw = {"activation": "gpt_oss", "gate_up": "interleaved", "b1": b1, "b2": b2}
+    dense = moe_ref.fused_moe(x, weights, ids, w1_dense.to(dtype), w2_dense.to(dtype), **kw)
+    packed = {"w1_scales": s1, "w2_scales": s2, **kw}
+    assert torch.equal(moe_ref.fused_moe(x, weights, ids, w1, w2, **packed), dense)
+    _close(
+        moe.fused_moe(x, weights, ids, w1, w2, **packed),
+        dense,
+        1e-5 if dtype == torch.float32 else 3e-2,
+    )
+
+
+@pytest.mark.parametrize("t, k, e, block_m", [(1, 1, 3, 16), (37, 2, 5, 16), (300, 2, 8, 64)])
+def test_align_groups_every_assignment_once(t, k, e, block_m):
+    ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(t))
+    sorted_ids, block_experts = moe.align_by_expert(ids, e, block_m)
+    m = t * k
+    real = sorted_ids[sorted_ids < m].long()
+    assert sorted(real.tolist()) == list(range(m))  # each (token, slot) exactly once
+    assert sorted_ids.shape[0] == block_experts.shape[0] * block_m
+    rows_expert = block_experts.long().repeat_interleave(block_m)
+    placed = sorted_ids < m
+    assert torch.equal(rows_expert[placed], ids.reshape(-1)[sorted_ids[placed].long()])
+    used = int((block_experts >= 0).sum())
+    want = sum(-(-int((ids == x).sum()) // block_m) for x in range(e))
+    assert used == want and bool((block_experts[used:] == -1).all())
+
+
+def test_bad_arguments_raise():
+    args, kw = _dense_case("silu", "concat", 3, 1, 40, 24, 5, torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        moe.fused_moe(**args, activation="gelu")
+    with pytest.raises(ValueError, match="w2"):
+        moe_ref.fused_moe(**{**args, "w2": args["w2"][:, :, :-1]}, **kw)
+    with pytest.raises(ValueError, match="MXFP4"):
+        moe.fused_moe(**args, **kw, w1_scales=torch.zeros(3, 48, 1, dtype=torch.uint8))
+
+
+def test_routed_experts_params_are_views_of_the_stack():
+    """Writing an expert's parameter (as the loader does) lands in the stacked
+    operand, after construction and after a dtype change and ``to_empty``."""
+    experts = RoutedExperts(3, 40, 24, names=("w1", "w3", "w2"))
+    experts = experts.to(torch.float64).to_empty(device="cpu")
+    with torch.no_grad():
+        for e, expert in enumerate(experts):
+            expert.w1.weight.fill_(e + 1.0)
+            expert.w3.weight.fill_(-(e + 1.0))
+            expert.w2.weight.fill_(10.0 * e)
+    assert experts.w1.dtype == torch.float64 and experts.w1.shape == (3, 48, 40)
+    for e in range(3):
+        assert bool((experts.w1[e, :24] == e + 1).all()) and bool(
+            (experts.w1[e, 24:] == -e - 1).all()
+        )
+        assert bool((experts.w2[e] == 10.0 * e).all())
+    assert experts.kernel is moe_ref.fused_moe
+
+
+@pytest.mark.gpu
+def test_gpu_gpt_oss_shape_bf16_matches_reference():
+    """gpt-oss's shape (32 experts, top-4, hidden/intermediate 2880) with MXFP4
+    experts, bf16, 64 tokens: the Triton kernel against the reference."""
+    g = torch.Generator().manual_seed(0)
+    e, k, d, i, t = 32, 4, 2880, 2880, 64
+    w1, s1, _ = _mxfp4(g, e, 2 * i, d)
+    w2, s2, _ = _mxfp4(g, e, d, i)
+    x = torch.randn(t, d, generator=g).bfloat16()
+    weights, ids = _routing(g, t, e, k)
+    args = [v.cuda() for v in (x, weights, ids, w1, w2)]
+    kw = {"w1_scales": s1.cuda(), "w2_scales": s2.cuda(), "activation": "gpt_oss"}
+    kw["gate_up"] = "interleaved"
+    _close(moe.fused_moe(*args, **kw), moe_ref.fused_moe(*args, **kw), 3e-2)
+
+
+def test_gpt_oss_mxfp4_experts_kept_packed(tmp_path):
+    """A gpt-oss model holding MXFP4 experts packed (``mxfp4_experts``) gives the
+    logits of the same model holding ``dequantize_mxfp4`` of those bytes."""
+    import dataclasses
+
+    from engine_fixtures import DenseAttention, save_tiny_model
+
+    from unikv.models import load_model
+    from unikv.models.llama import CausalLM
+
+    save_tiny_model("gpt_oss", str(tmp_path))
+    dense = load_model(str(tmp_path))
+    extra = {**dense.config.extra, "mxfp4_experts": True}
+    packed = CausalLM(dataclasses.replace(dense.config, extra=extra), 64)
+    packed.model.rotary.build(torch.device("cpu"))
+    params = dict(packed.named_parameters())
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in dense.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                e, cols, rows = p.shape  # (E, in, out)
+                blocks, scales, _ = _mxfp4(g, e, rows, cols)
+                params[name + "_blocks"].copy_(blocks)
+                params[name + "_scales"].copy_(scales)
+                p.copy_(dequantize_mxfp4(blocks, scales))
+            else:
+                params[name].copy_(p)
+    assert params["model.layers.0.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8
+    tokens = torch.randint(0, 256, (12,), generator=g)
+    attn = DenseAttention(dense.config.windows, dense.config.sm_scale)
+    want = dense(tokens, torch.arange(12), attn)
+    got = packed(tokens, torch.arange(12), attn)
+    assert (got - want).abs().max() < 1e-4

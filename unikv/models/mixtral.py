@@ -1,0 +1,143 @@
+"""Mixtral (``MixtralForCausalLM``): Mistral's decoder (``llama.py``'s layers, a
+window on every layer when the config has one) with a sparse MoE block per layer.
+
+- ``block_sparse_moe.gate``: softmax over all experts in fp32, top-k, renormalised;
+  the weights stay fp32 (transformers' ``MixtralTopKRouter``).
+- ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down): SwiGLU
+  experts as released checkpoints (and transformers' ``save_pretrained``) store
+  them, run by the fused MoE (``models/moe.RoutedExperts``).
+
+``MoEDecoderLM`` is the causal LM of the Llama layout with a per-layer MLP factory;
+Qwen3-MoE (``qwen3_moe.py``) shares it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from unikv.models.config import ModelConfig
+from unikv.models.layers import RMSNorm
+from unikv.models.llama import CausalLM, DecoderLayer
+from unikv.models.moe import RoutedExperts
+from unikv.models.rope import Rotary
+
+
+def config_extras(hf_config) -> dict:
+    """Mixtral's MoE fields; ValueError for an activation unikv does not run."""
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"Mixtral experts run 'silu', the config has {hf_config.hidden_act!r}")
+    return {
+        "num_experts": int(hf_config.num_local_experts),
+        "num_experts_per_tok": int(hf_config.num_experts_per_tok),
+    }
+
+
+class Router(nn.Module):
+    """``weight`` (E, hidden): softmax over every expert in fp32, then top-k,
+    renormalised when ``norm_topk_prob``; weights returned in fp32, or in the model
+    dtype when ``to_model_dtype`` (Qwen3-MoE)."""
+
+    def __init__(
+        self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool, to_model_dtype: bool
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.to_model_dtype = top_k, norm_topk_prob, to_model_dtype
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) -> (weights (T, k), expert indices (T, k) int64)."""
+        logits = nn.functional.linear(x, self.weight)  # (T, E)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:  # host bools fixed by the config
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top.to(logits.dtype) if self.to_model_dtype else top), indices
+
+
+class SparseMoE(nn.Module):
+    """``gate`` (router) and ``experts`` (fused): x (T, hidden) -> (T, hidden)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        intermediate: int,
+        names: tuple[str, str, str],
+        norm_topk_prob: bool,
+        to_model_dtype: bool,
+    ) -> None:
+        super().__init__()
+        e, hidden = config.extra, config.hidden_size
+        self.gate = Router(
+            hidden, e["num_experts"], e["num_experts_per_tok"], norm_topk_prob, to_model_dtype
+        )
+        self.experts = RoutedExperts(e["num_experts"], hidden, intermediate, names=names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.gate(x)
+        return self.experts(x, weights, indices)
+
+
+class MoEBackbone(nn.Module):
+    """``llama.Backbone`` with ``make_mlp(config, layer)`` per layer and a layer class."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        make_mlp: Callable[[ModelConfig, int], nn.Module],
+        max_positions: int,
+        layer_cls: type[DecoderLayer] = DecoderLayer,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            layer_cls(config, i, self.rotary, make_mlp(config, i)) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoEDecoderLM(CausalLM):
+    """A Llama-layout causal LM whose MLPs come from ``make_mlp`` (tp must be None);
+    ``forward`` is ``llama.CausalLM``'s."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+        if tp is not None:
+            raise ValueError(f"{config.architecture} runs without tensor parallelism (tp=None)")
+        nn.Module.__init__(self)
+        self.config, self.tp = config, None
+        self.model = MoEBackbone(config, self.make_mlp, max_positions, self.layer_cls)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_dtype: torch.dtype | None = torch.float32
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+
+class MixtralDecoderLayer(DecoderLayer):
+    """``llama.DecoderLayer`` whose MLP is named ``block_sparse_moe`` (the
+    checkpoint's name); ``forward`` reads it as ``self.mlp``."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, mlp: nn.Module) -> None:
+        super().__init__(config, layer, rotary, mlp)
+        self._modules["block_sparse_moe"] = self._modules.pop("mlp")
+
+    @property
+    def mlp(self) -> nn.Module:
+        return self._modules["block_sparse_moe"]
+
+
+class MixtralForCausalLM(MoEDecoderLM):
+    """Mixtral over unikv's paged attention."""
+
+    layer_cls = MixtralDecoderLayer
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+        names = ("w1", "w3", "w2")  # gate, up, down
+        return SparseMoE(config, config.intermediate_size, names, True, False)
