@@ -21,7 +21,7 @@ unikv's layers.
 - MLP per ``mlp_layer_types``: "dense" a SwiGLU of ``intermediate_size``;
   "sparse" DeepSeek-V3 routing (sigmoid, correction bias, group top-k,
   renormalised, ``deepseek_moe.TopkRouter``) over SwiGLU experts of
-  ``moe_intermediate_size`` and no shared experts (``moe.routed_experts``).
+  ``moe_intermediate_size`` and no shared experts (``moe.RoutedExperts``, the fused MoE).
 - The checkpoint's multi-token-prediction head (``model.mtp.*``) is not loaded.
 
 Names mirror transformers' checkpoint (``model.layers.i.mlp.experts.e.gate_proj``),
@@ -38,7 +38,7 @@ from torch import nn
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import TopkRouter, check_moe_fields
 from unikv.models.layers import AttentionFn, GatedMLP, RMSNorm
-from unikv.models.moe import routed_experts
+from unikv.models.moe import RoutedExperts
 from unikv.models.rope import Rotary
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -167,15 +167,14 @@ class MiMoMoE(nn.Module):
         super().__init__()
         e = config.extra
         self.gate = TopkRouter(config)
-        routed = dataclasses.replace(
-            config, intermediate_size=e["moe_intermediate_size"], mlp_bias=False
+        self.experts = RoutedExperts(
+            e["n_routed_experts"], config.hidden_size, e["moe_intermediate_size"]
         )
-        self.experts = nn.ModuleList(GatedMLP(routed) for _ in range(e["n_routed_experts"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)  # (T, k) fp32, (T, k) int64
-        return routed_experts(x, weights, indices, self.experts)
+        return self.experts(x, weights, indices)
 
 
 class DecoderLayer(nn.Module):
