@@ -12,7 +12,7 @@ times, on the host (time.perf_counter, no synchronisation inside the loop):
 then the same step through ``decode_step``, which does all four in one call
 (one upload, two launches): the path an engine takes.
 
-Targets (BENCHMARKS.md): <= 2 us of host time per request and <= 0.3 ms per
+Targets (README.md, Allocator): <= 2 us of host time per request and <= 0.3 ms per
 step at B = 256. Prints a table and saves JSON to
 benchmarks/results/allocator_<device>.json. It also counts the device ops of
 each part (aten ops that launch a kernel, plus Triton launches) over a few

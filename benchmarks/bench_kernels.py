@@ -1,4 +1,4 @@
-"""Benchmark unikv's Triton kernels against ceilings and peers (BENCHMARKS.md).
+"""Benchmark unikv's Triton kernels against ceilings and peers (protocol: README.md, Results).
 
     python benchmarks/bench_kernels.py [--quick] [--out benchmarks/results/kernels_h200.json]
 

@@ -1,6 +1,6 @@
 """Benchmark unikv's Triton MLA attention against FlashInfer's MLA paged attention
 (``flashinfer.mla.BatchMLAPagedAttentionWrapper``) in the same process, both
-reading the SAME pool bytes (BENCHMARKS.md protocol).
+reading the SAME pool bytes (the protocol of README.md, Results).
 
     python benchmarks/bench_mla.py [--quick] [--sweep] [--out benchmarks/results/mla_h200.json]
 

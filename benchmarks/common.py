@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: timing, copy ceilings, JSON results (BENCHMARKS.md).
+"""Shared benchmark plumbing: timing, copy ceilings, JSON results (README.md, Results).
 
 Times are ``triton.testing.do_bench`` medians (it flushes L2 between reps);
 work under ~50 us also gets a CUDA-graph replay time. Every figure is reported

@@ -218,7 +218,8 @@ def _cached_attention(q, k, v, window, sinks, sm_scale):
 
 class DenseStepFn:
     """A step object (``AttentionFn`` and ``StateFn``) for ONE sequence, dense and
-    written from the definitions (COMMON.md), independent of unikv's kernels.
+    written from the ops' definitions (causal softmax attention, a depthwise causal
+    conv, the delta rule token by token), independent of unikv's kernels.
 
     It keeps every layer's K/V, conv state (C, K) and delta-rule state (H, Dk, Dv)
     between calls, so one sequence may be fed in several steps (chunks, decode);

@@ -1,7 +1,7 @@
 """The capacity oracle against brute force: on random allocator states, for
 random demands, ``can_admit`` must agree with an enumeration of EVERY placement
 of every band (UP top, FLOAT bottom and top, DOWN bottom) on the sub-pools' own
-page grids. Also: the joint check (LESSONS.md bug 11) and ``pack_bands`` equals
+page grids. Also: the joint check (docs/lessons.md bug 11) and ``pack_bands`` equals
 ``UnifiedPool.fits`` when nothing is kept."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_can_admit_matches_brute_force(chain, ps):
 
 
 def test_joint_shortfall_is_seen():
-    """4 and 4 pages fit each sub-pool alone, not both together (LESSONS.md bug 11)."""
+    """4 and 4 pages fit each sub-pool alone, not both together (docs/lessons.md bug 11)."""
     pool, alloc = build("full+mamba", 1)
     full, mamba = alloc.parts.books["full"], alloc.parts.books["mamba"]
     room = pool.total_bytes - pool.sink_bytes

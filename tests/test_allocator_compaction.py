@@ -118,7 +118,7 @@ def test_in_flight_pages_are_not_reused_or_moved():
 
 def test_transfer_fence_holds_pages_and_capacity_counts_them():
     """A page released under a transfer fence stays out of reach of compaction and
-    capacity (LESSONS.md bug 8) until its event fires."""
+    capacity (docs/lessons.md bug 8) until its event fires."""
     _, alloc = build("full+mamba", 1, requests=2, context=24)
     r = alloc.new_request()
     full = alloc.parts.books["full"]
@@ -141,7 +141,7 @@ def test_transfer_fence_holds_pages_and_capacity_counts_them():
 
 
 def test_mamba_shortfall_evicts_full_attention():
-    """LESSONS.md bug 9: the callback sees the joint picture and may free full
+    """docs/lessons.md bug 9: the callback sees the joint picture and may free full
     attention pages to make room for a Mamba slot."""
     pictures = []
 

@@ -2,7 +2,7 @@
 
 A virtual token id is smaller than a kernel id, so passing one where the other
 is expected passes every bounds check and silently writes the wrong slots
-(LESSONS.md bug 3). Each kind is therefore its own wrapper type, and every
+(docs/lessons.md bug 3). Each kind is therefore its own wrapper type, and every
 function that takes ids states and checks the kind it wants with ``expect``.
 The wrappers hold a plain tensor (``.data``) and cost one Python object; kernels
 receive ``.data``.

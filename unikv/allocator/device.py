@@ -8,7 +8,7 @@ guards reuse: the ring only waits when every slot is still in flight. On CPU
 the array is wrapped without a copy. The choice is made once, at construction
 (``make_uploader``); device tables are then written by one fused launch per
 verb (``tables.TableWriter``) from device-resident values, never
-``t[idx] = scalar`` (LESSONS.md bug 6: a Python scalar becomes a blocking
+``t[idx] = scalar`` (docs/lessons.md bug 6: a Python scalar becomes a blocking
 pageable host-to-device copy).
 """
 

@@ -37,7 +37,7 @@ OUT, FREE, LIVE, PENDING = PageState.OUT, PageState.FREE, PageState.LIVE, PageSt
 
 class PageBook:
     """Page bookkeeping of one sub-pool. ``num_virtual`` sizes ``v2p``: the id
-    owner's virtual page space (LESSONS.md bug 10), or request slots + 1 for Mamba."""
+    owner's virtual page space (docs/lessons.md bug 10), or request slots + 1 for Mamba."""
 
     def __init__(self, subpool: SubPool, num_virtual: int, device: torch.device) -> None:
         self.name = subpool.name

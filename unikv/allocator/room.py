@@ -31,7 +31,7 @@ from unikv.pool import UnifiedPool
 
 @dataclass
 class Shortfall:
-    """The joint picture handed to ``on_shortfall`` (LESSONS.md bugs 9 and 11).
+    """The joint picture handed to ``on_shortfall`` (docs/lessons.md bugs 9 and 11).
 
     demand: new pages asked per sub-pool; virtual: new virtual pages asked;
     usage: per sub-pool ``{live, pending, pinned, free_in_band, page_bytes, band}``;

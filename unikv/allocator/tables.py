@@ -11,7 +11,7 @@ the device, e.g. the new tokens' virtual ids). ``TableWriter.write`` uploads the
 packed array once and applies every write with one fused launch
 (``KernelBackend.update_tables``); ``Written[part]`` is that part on the device.
 The indices one patch writes into one table must be distinct. Values are never
-Python scalars sent to the device (LESSONS.md bug 6).
+Python scalars sent to the device (docs/lessons.md bug 6).
 """
 
 from __future__ import annotations

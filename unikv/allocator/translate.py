@@ -8,7 +8,7 @@ rules and the debug-mode tombstone checks.
 The arithmetic is ``unikv.layout.IdMap`` (torch) and ``unikv.kernels._ids``
 (Triton), run by the backend's ``translate_ids`` op (chosen once). A negative
 (padding) id and a tombstone (v2p = -1) land in the sink, at every page size;
-``v2p[-1]`` is never read (LESSONS.md bug 1). ``out=`` receives the first ``n``
+``v2p[-1]`` is never read (docs/lessons.md bug 1). ``out=`` receives the first ``n``
 results so its ``data_ptr`` is stable for CUDA graphs, and it may alias the
 input (bug 5). In debug mode a live lane (tv >= 0) that reads a tombstone
 raises first (a host sync, debug only).

@@ -14,7 +14,7 @@ Weights are stacked per expert, rows = output features, K = input features:
 ``gate_up``: "concat" (rows [gate (I) | up (I)], checkpoints with gate_proj/up_proj)
 or "interleaved" (gate row 2j, up row 2j+1: gpt-oss). MXFP4 (``w*_scales`` given):
 ``w`` is uint8 blocks (E, N, K / 32, 16) (two e2m1 codes per byte, low nibble first)
-and ``w*_scales`` uint8 e8m0 exponents (E, N, K / 32) (see ``models/mxfp4.py``).
+and ``w*_scales`` uint8 e8m0 exponents (E, N, K / 32) (see ``kernels/mxfp4_ref.py``).
 
 This is the routed loop unikv's MoE families ran before the kernel: experts added
 in index order, each weighted output rounded to ``sum_dtype`` (None: x.dtype).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from unikv.models.mxfp4 import dequantize_mxfp4
+from unikv.kernels.mxfp4_ref import dequantize_mxfp4
 
 DENSE_MAX_TOKENS = 256
 ACTIVATIONS = ("silu", "gpt_oss", "relu2")
