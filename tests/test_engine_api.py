@@ -126,7 +126,7 @@ def test_window_pages_leave_the_pool(gpt_oss):
 
     def check(llm, batch, logits):
         for r in llm.scheduler.running:
-            held = llm.alloc.request_footprint(r.slot)
+            held = {n: len(cols) for n, (cols, _) in llm.alloc.request_pages(r.slot).items()}
             assert held["full"] == -(-r.num_cached // ps)
             # the next step writes up to `chunk` tokens and its first query sees
             # `window` keys back: pages overlapping [num_cached - window + 1, end)

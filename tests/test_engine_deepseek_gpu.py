@@ -118,6 +118,7 @@ def test_decode_step_makes_no_host_sync(saved):
     """Scheduling, the allocator's decode_step and the graph replay of MLA decode
     steps run with sync debug mode set to error."""
     from unikv.engine import SamplingParams
+    from unikv.engine.scheduler import BatchKind
 
     _, path = saved
     llm = _llm(path, torch.float32)
@@ -133,7 +134,7 @@ def test_decode_step_makes_no_host_sync(saved):
     try:
         for _ in range(3):
             batch = sched.schedule()
-            assert batch.is_decode and batch.step_tables is not None
+            assert batch.is_decode and batch.kind is BatchKind.DECODE
             launched = runner.launch(batch, prev)
             sched.complete_ahead(batch)
             prev = launched

@@ -1,10 +1,12 @@
 """The Python API: ``LLM(model_dir, ...)``, ``generate(prompts, params)`` and
 ``chat(messages, params)``.
 
-Construction decides everything once: device and dtype, the kernel backend
-(Triton on CUDA, torch references on CPU), the unified pool sized from a
-memory budget (full-attention and SWA sub-pools share its bytes), the
-allocator, the scheduler and, on CUDA, the decode CUDA graphs. Requests run on
+Construction decides everything once: device and dtype, ONE kernel backend
+(Triton on CUDA, torch references on CPU) handed to the pool, the allocator and
+the runner, the unified pool sized from a memory budget (full-attention and SWA
+sub-pools share its bytes), the allocator, the runner (its step planner and, on
+CUDA, the decode CUDA graphs) and the scheduler, which writes decode steps'
+tables into the planner's buffers. Requests run on
 the online engine loop (``unikv.engine.online``): ``generate`` runs it in the
 caller's thread until its requests end; ``unikv serve`` runs it in a thread of
 its own and submits requests as they arrive.
@@ -156,7 +158,7 @@ class LLM:
             self.device,
             max_request_tokens=self.max_model_len,
             chunk_tokens=max_num_batched_tokens,
-            copy_pages=self.backend.copy_pages,
+            backend=self.backend,
             static_split=static_split,  # validated by the pool (unikv.static_split)
         )
         self.alloc = PoolAllocator(
@@ -164,13 +166,7 @@ class LLM:
             max_requests=max_num_seqs,
             max_context=self.max_model_len,
             debug=debug,
-            build_block_table=self.backend.build_block_table,
-        )
-        self.scheduler = Scheduler(
-            self.alloc,
-            self.pool.subpools.values(),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            backend=self.backend,
         )
         use_graphs = self.device.type == "cuda" and self.tp is None
         use_graphs = use_graphs if cuda_graphs is None else cuda_graphs
@@ -179,11 +175,18 @@ class LLM:
             self.pool,
             self.alloc,
             self.backend,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             cuda_graphs=use_graphs,
             max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         )
-        if self.runner.graphs is not None:  # decode_step writes the graphs' inputs directly
-            self.scheduler.step_buffers = self.runner.graphs.step_buffers()
+        self.scheduler = Scheduler(
+            self.alloc,
+            self.pool.subpools.values(),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
+        )
         self._rng = random.Random(seed)
         self._next_id = 0
         self.prompts = PromptMaker(self)

@@ -1,69 +1,56 @@
-"""Plan, then run: the per-step metadata, translated once, read by every layer.
+"""Plan, then run: the step planner owns the step buffers and builds every StepPlan.
 
-A step's batch is translated exactly once per sub-pool (docs/design.md section 5):
+A step's batch is translated exactly once per sub-pool (docs/design.md section 5),
+into fixed buffers the planner owns (sized at start-up to ``max_seqs`` requests
+and ``max_tokens`` tokens, on every device):
 
-    virtual ids of the new tokens --translate--> write kernel ids   (one per sub-pool)
-    req_to_token + v2p ----build_block_table---> block table        (one per sub-pool)
+    DECODE batch:  alloc.decode_step wrote tables/write ids  (the scheduler hands
+                   it ``StepPlanner.tables``; nothing left to translate)
+    EXTEND batch:  virtual ids --alloc.translate--> write kernel ids    (per sub-pool)
+                   req_to_token + v2p --alloc.block_table--> block table (per sub-pool)
+    hybrid models: request slots --alloc.mamba_slots--> physical state slots
 
-    request slots --mamba_slots--> physical state slots (hybrid models, once)
+    host arrays --one copy--> one device byte buffer, typed views for (R rows, T tokens):
+        input_ids (T,) i64 | positions (T,) i64 | logits_indices (R,) i64 |
+        seq_lens (R,) i32 | slots (R,) i32 | q_indptr (R+1,) i32
 
-Every layer of the model then reads the ``StepPlan``; no layer translates,
-allocates or branches on the device. The step objects below are what the model
-calls: ``DecodeAttention`` when every request feeds one token,
-``ExtendAttention`` otherwise; the choice is made once per step when the plan
-is built. Both are the model's ``AttentionFn`` and, for recurrent layers
-(Gated DeltaNet, Mamba-2), its ``StateFn``: the state ops read and update each
-request's state slot in place through the layer's pool views. For MLA layers
-(DeepSeek-V2/V3) ``mla`` stores the step's latent rows and attends over the
-layer's latent view of the MLA sub-pool in the absorbed form.
+``plan(batch, rows=R)`` pads the batch to R rows (CUDA graphs): a padded lane
+feeds token 0 at position 0 with seq_len 1, block-table row 0, write id 0 and
+state slot 0, so it reads and writes only sink bytes. For a given R the views
+lie at the same addresses every step, so a graph captured over ``plan(Batch(),
+rows=R)`` replays over any later plan of R rows. Decode attention's launch plan
+(``backend.plan_decode``: splits, config, workspace) is made here once per step
+and sub-pool; every layer only reads the StepPlan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from unikv.engine.request import Pending
+from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
+from unikv.kernels.backend import DecodePlan, KernelBackend
+
+if TYPE_CHECKING:
+    from unikv.allocator import PoolAllocator
+
+I64, I32 = 8, 4  # bytes per element of the two sections of the packed buffer
 
 
 @dataclass(frozen=True)
-class LayerCache:
-    """Where one model layer keeps its K/V (built once at start-up).
+class StepTables:
+    """The planner's table buffers, per token sub-pool: ``block_tables[n]``
+    (max_seqs, ceil(max_context / page_size)) int32 kernel page entries and
+    ``write_ids[n]`` (max_tokens,) int64 kernel ids; ``alloc.decode_step`` and
+    the planner write them in place (fixed addresses: CUDA-graph inputs)."""
 
-    k: (N, H, D), v: (N, H, D) dense per-layer views of the pool indexed by
-    kernel id; window: 0 = full attention, else the sliding window W;
-    soft_cap: attention logit soft-cap ``cap * tanh(x / cap)`` (0 = off, Gemma-2)."""
-
-    subpool: str
-    k: torch.Tensor
-    v: torch.Tensor
-    window: int
-    page_size: int
-    soft_cap: float = 0.0
-
-
-@dataclass(frozen=True)
-class MLALayerCache:
-    """Where one MLA model layer keeps its latent rows (built once at start-up).
-
-    latent: (N, kv_lora_rank + rope) dense per-layer view of the MLA sub-pool
-    indexed by kernel id; V is its first kv_lora_rank columns."""
-
-    subpool: str
-    latent: torch.Tensor
-    page_size: int
-
-
-@dataclass(frozen=True)
-class LayerState:
-    """Where one recurrent model layer keeps its state (built once at start-up).
-
-    conv: (S, C, K) and temporal: (S, *shape) per-layer views of the Mamba
-    sub-pool, indexed by physical state slot."""
-
-    conv: torch.Tensor
-    temporal: torch.Tensor
+    block_tables: dict[str, torch.Tensor]
+    write_ids: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -79,7 +66,7 @@ class SubPoolStep:
 
 @dataclass
 class StepPlan:
-    """Everything a forward step reads, on the device.
+    """Everything a forward step reads, on the device (views of planner buffers).
 
     input_ids: (T,) int64 tokens of the step, requests in batch order.
     positions: (T,) int64 position of each token in its request.
@@ -87,7 +74,8 @@ class StepPlan:
     seq_lens: (B,) int32 tokens in the cache after the step (new ones included).
     q_indptr: (B+1,) int32 cumulative new-token counts.
     max_q_len: host int, the largest new-token count (a grid size, no sync).
-    subpools: per sub-pool write ids and block table.
+    subpools: per token sub-pool write ids and block table.
+    decode: per attention sub-pool its DecodePlan (decode steps), else None.
     state_slots: (B,) int64 physical state slot of each request (hybrid models;
         0 = the sink for padded lanes), else None.
     """
@@ -100,117 +88,206 @@ class StepPlan:
     q_indptr: torch.Tensor
     max_q_len: int
     subpools: dict[str, SubPoolStep]
+    decode: dict[str, DecodePlan] | None = None
     state_slots: torch.Tensor | None = None
 
 
-class DecodeAttention:
-    """AttentionFn and StateFn of a decode step: one query per request (q rows =
-    requests). ``layers[i]`` / ``states[i]``: model layer i's K/V cache or
-    recurrent state (None where the layer has none)."""
+class StepPlanner:
+    """Builds every StepPlan over buffers it owns.
+
+    Args:
+        alloc: the PoolAllocator (decode_step fills ``tables``; translate,
+            block_table and mamba_slots fill them otherwise).
+        backend: the KernelBackend (its ``plan_decode``).
+        max_seqs: requests per step at most; max_tokens: tokens per step at most.
+        q_per_kv: query heads per KV head (sizes decode attention's workspace).
+        pin: stage host arrays in pinned memory (CUDA), decided once.
+    """
 
     def __init__(
         self,
-        layers: list[LayerCache | None],
-        plan: StepPlan,
-        backend,
-        sm_scale: float,
-        states: list[LayerState | None] | None = None,
-    ):
-        self.layers, self.plan, self.backend, self.sm_scale = layers, plan, backend, sm_scale
-        self.states = states
+        alloc: PoolAllocator,
+        backend: KernelBackend,
+        *,
+        max_seqs: int,
+        max_tokens: int,
+        q_per_kv: int,
+        pin: bool = False,
+    ) -> None:
+        pool = alloc.pool
+        self.alloc, self.backend, self.device = alloc, backend, pool.device
+        self.max_seqs, self.max_tokens = max_seqs, max(max_tokens, max_seqs)
+        self.max_context = alloc.req_to_token.shape[1]
+        subs = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
+        self.subpools, self.has_state = subs, len(subs) < len(pool.subpools)
+        self.attention = [s for s in subs if s.spec.kind in ("full", "swa")]
+        dev, rows = self.device, max_seqs
+        self.tables = StepTables(
+            {
+                s.name: torch.zeros((rows, self._pages(s)), dtype=torch.int32, device=dev)
+                for s in subs
+            },
+            {s.name: torch.zeros(self.max_tokens, dtype=torch.int64, device=dev) for s in subs},
+        )
+        self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        nbytes = I64 * (2 * self.max_tokens + rows) + I32 * (3 * rows + 1)
+        self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        staging = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+        self._staging = [t.pin_memory() for t in staging] if pin else staging
+        self._host = [t.numpy() for t in self._staging]
+        self._num_plans = 0
+        self._q_per_kv = q_per_kv
+        self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
 
-    # -- recurrent state (StateFn) ----------------------------------------------------
+    def _workspace_numel(self) -> int:
+        """fp32 elements of decode attention's workspace for every step this planner
+        can plan: the largest plan over batch sizes and attention sub-pools, at the
+        whole context (splits never decrease with the visible length)."""
+        plans = [
+            self._decode_plan(sub, rows, None)
+            for sub in self.attention
+            for rows in range(1, self.max_seqs + 1)
+        ]
+        return max([p.workspace_numel for p in plans] + [1])
 
-    def causal_conv1d(self, layer, x, weight, bias, activation):
-        """x: (T, C) -> (T, C); the layer's conv state continues in its slot."""
-        plan = self.plan
-        return self.backend.causal_conv1d(
-            x,
-            self.states[layer].conv,
-            plan.state_slots,
-            plan.q_indptr,
-            weight,
-            bias,
-            max_q_len=plan.max_q_len,
-            activation=activation,
+    def _pages(self, sub, longest: int | None = None) -> int:
+        """Block-table columns spanning ``longest`` tokens (None: the whole context)."""
+        return -(-(longest or self.max_context) // sub.page_size)
+
+    def plan(
+        self, batch: Batch, prev_tokens: torch.Tensor | None = None, *, rows: int | None = None
+    ) -> StepPlan:
+        """The StepPlan of ``batch``; placeholders (``Pending``) in its tokens are
+        read from ``prev_tokens`` (B_prev,) int64, the previous step's samples on the
+        device. rows: None (eager: B rows, tables as wide as the longest request),
+        or R >= B (CUDA graphs: padded to R sink lanes, full-width tables)."""
+        num = len(batch.requests)
+        assert num <= (rows or num) <= self.max_seqs, (
+            f"step planner invariant: {num} requests in a step of {rows} rows, buffers "
+            f"hold {self.max_seqs}"
+        )
+        assert batch.kind is BatchKind.EXTEND or batch.tables is self.tables, (
+            "step planner invariant: a DECODE batch's tables are this planner's buffers "
+            "(build the Scheduler with tables=StepPlanner.tables)"
+        )
+        longest = None  # tokens the tables must span (None: the whole context)
+        if rows is None:
+            rows = num
+            longest = max(
+                (r.num_cached + n for r, n in zip(batch.requests, batch.num_new)), default=1
+            )
+        dev = self._upload(batch, rows)
+        if prev_tokens is not None:
+            Pending.fill(dev["input_ids"], prev_tokens)
+        max_q_len = max(batch.num_new, default=1)
+        is_decode = batch.is_decode
+        return StepPlan(
+            is_decode=is_decode,
+            input_ids=dev["input_ids"],
+            positions=dev["positions"],
+            logits_indices=dev["logits_indices"],
+            seq_lens=dev["seq_lens"],
+            q_indptr=dev["q_indptr"],
+            max_q_len=max_q_len,
+            subpools=self._tables(batch, dev, rows, longest, max_q_len),
+            decode=self._decode_plans(rows, longest) if is_decode else None,
+            state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
         )
 
-    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm):
-        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv)."""
-        plan = self.plan
-        state = self.states[layer].temporal
-        return self.backend.gated_delta_rule(
-            q, k, v, g, beta, state, plan.state_slots, plan.q_indptr,
-            max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm,
-        )  # fmt: skip
+    def _upload(self, batch: Batch, rows: int) -> dict[str, torch.Tensor]:
+        """The step's int arrays, padded to ``rows`` lanes, written into a host
+        staging buffer and copied to the device in one copy; typed device views."""
+        reqs, pad = batch.requests, rows - len(batch.requests)
+        num_new = np.asarray(batch.num_new + [1] * pad, dtype=np.int64)
+        starts = np.fromiter((r.num_cached for r in reqs), np.int64, len(reqs))
+        starts = np.concatenate([starts, np.zeros(pad, np.int64)])
+        if batch.is_decode:  # each request feeds its last token
+            tokens = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
+        else:
+            tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
+        num_tokens = len(tokens) + pad
+        assert num_tokens <= self.max_tokens, (
+            f"step planner invariant: {num_tokens} tokens in a step, buffers hold {self.max_tokens}"
+        )
+        slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
+        self._num_plans += 1
+        host, nbytes = self._views(self._host[slot], rows, num_tokens)
+        q_indptr = host["q_indptr"]
+        q_indptr[0] = 0
+        np.cumsum(num_new, out=q_indptr[1:])
+        host["input_ids"][:] = tokens + [0] * pad
+        host["positions"][:] = np.arange(num_tokens) - np.repeat(q_indptr[:-1] - starts, num_new)
+        host["logits_indices"][:] = q_indptr[1:] - 1
+        host["seq_lens"][:] = starts + num_new
+        host["slots"][:] = [r.slot for r in reqs] + [0] * pad
+        self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
+        return self._views(self._buffer, rows, num_tokens)[0]
 
-    def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):
-        """x: (T, H, P), dt: (T, H), B, C: (T, G, N) -> (T, H, P)."""
-        plan = self.plan
-        state = self.states[layer].temporal
-        return self.backend.mamba2_ssd(
-            x, dt, A, B, C, D, dt_bias, state, plan.state_slots, plan.q_indptr,
-            max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
-        )  # fmt: skip
+    @staticmethod
+    def _views(buffer, rows: int, num_tokens: int) -> tuple[dict, int]:
+        """Typed views of a byte buffer (numpy or torch) for ``rows`` requests and
+        ``num_tokens`` tokens (the layout in the module docstring), and its bytes."""
+        fields, views, start = [], {}, 0
+        fields += [("input_ids", I64, num_tokens), ("positions", I64, num_tokens)]
+        fields += [("logits_indices", I64, rows), ("seq_lens", I32, rows), ("slots", I32, rows)]
+        fields += [("q_indptr", I32, rows + 1)]
+        for name, size, count in fields:
+            raw = buffer[start : start + size * count]
+            if isinstance(raw, np.ndarray):
+                views[name] = raw.view(np.int64 if size == I64 else np.int32)
+            else:
+                views[name] = raw.view(torch.int64 if size == I64 else torch.int32)
+            start += size * count
+        return views, start
 
-    # -- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------
+    def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int) -> dict:
+        """Per token sub-pool, the write ids and block table of the step: decode_step
+        wrote them (DECODE), else translated here; padded rows point at the sink."""
+        num, steps = len(batch.requests), {}
+        num_tokens = dev["input_ids"].shape[0]
+        real = num_tokens - (rows - num)  # tokens of real requests (padded lanes: 1 each)
+        virtual_ids = batch.virtual_ids if num and batch.kind is BatchKind.EXTEND else None
+        for sub in self.subpools:
+            table = self.tables.block_tables[sub.name][:rows, : self._pages(sub, longest)]
+            write = self.tables.write_ids[sub.name][:num_tokens]
+            if virtual_ids is not None:
+                window = sub.spec.sliding_window or 0
+                window += max_q_len - 1 if window else 0  # a first new token sees W back
+                seq_lens, slots = dev["seq_lens"][:num], dev["slots"][:num]
+                self.alloc.block_table(slots, seq_lens, sub.name, table[:num], window=window)
+                self.alloc.translate(virtual_ids, sub.name, out=write)
+            if num < rows:
+                table[num:].zero_()
+                write[real:].zero_()
+            steps[sub.name] = SubPoolStep(KernelIds(write, sub.name), table)
+        return steps
 
-    def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale):
-        """Store this step's latent rows of MLA ``layer`` and attend over them in the
-        absorbed form. q_latent: (T, H, rank), q_rope: (T, H, rope); latent: (T, rank)
-        (normalised c), rope: (T, rope) (rotated k_rope) -> (T, H, rank)."""
-        cache, plan = self.layers[layer], self.plan
-        step = plan.subpools[cache.subpool]
-        self.backend.store_mla(cache.latent, step.write_ids.data, latent, rope)
-        return self.backend.mla_attention(
-            q_latent, q_rope, cache.latent, step.block_table, plan.q_indptr, plan.seq_lens,
-            max_q_len=plan.max_q_len, page_size=cache.page_size, sm_scale=sm_scale,
-        )  # fmt: skip
+    def _decode_plans(self, rows: int, longest) -> dict[str, DecodePlan]:
+        """Decode attention's launch plan per attention sub-pool, once per step."""
+        return {s.name: self._decode_plan(s, rows, self.workspace, longest) for s in self.attention}
 
-    # -- attention (AttentionFn) ------------------------------------------------------
-
-    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write the step's new K/V rows of ``layer`` at its sub-pool's write ids;
-        returns the layer's cache and its sub-pool's step metadata."""
-        cache = self.layers[layer]
-        step = self.plan.subpools[cache.subpool]
-        self.backend.store_kv(cache.k, cache.v, step.write_ids.data, k, v)
-        return cache, step
-
-    def __call__(self, layer, q, k, v, sinks=None):
-        """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D)."""
-        cache, step = self._store(layer, k, v)
-        return self.backend.decode_attention(
-            q,
-            cache.k,
-            cache.v,
-            step.block_table,
-            self.plan.seq_lens,
-            page_size=cache.page_size,
-            sm_scale=self.sm_scale,
-            window=cache.window,
-            sinks=sinks,
-            soft_cap=cache.soft_cap,
+    def _decode_plan(self, sub, rows: int, workspace, longest=None) -> DecodePlan:
+        spec = sub.spec
+        max_len = self._pages(sub, longest) * sub.page_size  # the block table's capacity
+        if spec.sliding_window:
+            max_len = min(max_len, spec.sliding_window)
+        return self.backend.plan_decode(
+            rows,
+            num_q_heads=spec.num_kv_heads * self._q_per_kv,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            v_head_dim=spec.v_head_dim,
+            page_size=sub.page_size,
+            max_len=max_len,
+            device=self.device,
+            workspace=workspace,
         )
 
-
-class ExtendAttention(DecodeAttention):
-    """AttentionFn of a step with ragged new tokens (prefill chunks, mixed with decodes)."""
-
-    def __call__(self, layer, q, k, v, sinks=None):
-        """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D)."""
-        cache, step = self._store(layer, k, v)
-        return self.backend.extend_attention(
-            q,
-            cache.k,
-            cache.v,
-            step.block_table,
-            self.plan.q_indptr,
-            self.plan.seq_lens,
-            max_q_len=self.plan.max_q_len,
-            page_size=cache.page_size,
-            sm_scale=self.sm_scale,
-            window=cache.window,
-            sinks=sinks,
-            soft_cap=cache.soft_cap,
-        )
+    def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
+        """(R,) int64 physical state slots of the rows (padded rows: 0, the sink),
+        translated once per step, outside any graph."""
+        state = self.state_slots[: slots.shape[0]]
+        if num:
+            state[:num].copy_(self.alloc.mamba_slots(slots[:num]).data)
+        state[num:].zero_()
+        return state

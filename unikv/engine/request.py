@@ -8,6 +8,17 @@ when that reaches the end of ``all_ids`` the step samples one new token. A
 fresh prefill, a chunk of it, a decode and the recompute after preemption are
 all this one rule. Lengths live on the host (the scheduler never reads the
 device to plan a step).
+
+Placeholder tokens (``Pending``): with one step in flight, the next is planned
+before its samples reach the host, so an output not yet known is the placeholder
+``-(1 + lane)``, "lane ``lane`` of the step in flight":
+
+    step N launched -> Scheduler.complete_ahead: output_ids += [Pending.of(lane)]
+    step N+1 planned -> StepPlanner.plan: input_ids[i] = tokens_N[lane] on the device
+                        (Pending.fill; sampling's penalties read them the same way)
+    step N settled   -> Scheduler.resolve -> Request.resolve: the value replaces it
+
+Only the step in flight leaves placeholders, each the last output of its request.
 """
 
 from __future__ import annotations
@@ -16,7 +27,31 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from unikv.engine.sampling import SamplingParams
+
+
+class Pending:
+    """The placeholder protocol: ``-(1 + lane)`` stands for the sample of lane
+    ``lane`` of the step in flight (see the module docstring)."""
+
+    @staticmethod
+    def of(lane: int) -> int:
+        """The placeholder of lane ``lane``'s sample."""
+        return -(1 + lane)
+
+    @staticmethod
+    def lane(token: int) -> int | None:
+        """The lane a placeholder stands for, None for a known token."""
+        return -token - 1 if token < 0 else None
+
+    @staticmethod
+    def fill(ids: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        """``ids`` (T,) int64 on the device with every placeholder replaced, in
+        place, by its lane of ``prev_tokens`` (B_prev,) int64. No host sync."""
+        lanes = (-ids - 1).clamp_(min=0)  # known tokens read lane 0, then are kept
+        return torch.where(ids < 0, prev_tokens[lanes], ids, out=ids)
 
 
 class Status(enum.Enum):
@@ -88,8 +123,8 @@ class Request:
 
     def append(self, token: int) -> None:
         """Record a sampled token and finish the request if a stop rule fires. A
-        negative token is a placeholder for one still on the device: only the
-        length rules apply until ``resolve`` writes its value."""
+        negative token is a ``Pending`` placeholder for one still on the device:
+        only the length rules apply until ``resolve`` writes its value."""
         self.output_ids.append(token)
         if token in self.stop_ids:
             self.finish_reason = "stop"

@@ -5,9 +5,11 @@ One step (``schedule``):
 
 1. Decodes: every running request with one pending token gets one token
    (``decode_step``: allocation, out-of-window frees, block tables and write
-   ids in one call; the runner uses its tables when no prefill joins the
-   step). If the chain cannot hold them, the newest running request is
-   preempted (its pages freed, its tokens kept for recompute) until it can.
+   ids in one call, written into the step planner's buffers ``tables``; when
+   no prefill joins, the batch is ``BatchKind.DECODE`` and the planner uses
+   them as they are). If the chain cannot hold them, the newest running
+   request is preempted (its pages freed, its tokens kept for recompute)
+   until it can.
 2. Prefill chunks, within ``max_num_batched_tokens``: first running requests
    still prefilling, then waiting requests (FIFO) that the capacity oracle
    says fit (``can_admit`` on the pages their whole prefill needs, after
@@ -23,33 +25,43 @@ and the sliding-window pages that left the window.
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from unikv.allocator import DecodeStep
-from unikv.engine.request import Request, Status
+from unikv.engine.request import Pending, Request, Status
 from unikv.ids import VirtualTokenIds
 from unikv.pool import worst_case_pages
+
+if TYPE_CHECKING:
+    from unikv.allocator import PoolAllocator
+    from unikv.engine.plan import StepTables
+
+
+class BatchKind(enum.Enum):
+    """Who built a batch's block tables and write ids."""
+
+    DECODE = "decode"  # decode_step, for every request (into the scheduler's ``tables``)
+    EXTEND = "extend"  # nobody yet: the step planner translates (prefill chunks joined)
 
 
 @dataclass
 class Batch:
     """A scheduled step: ``requests[i]`` feeds ``num_new[i]`` tokens whose
-    virtual ids are ``virtual_ids`` (all requests, batch order)."""
+    virtual ids are ``virtual_ids`` (all requests, batch order). ``kind``: see
+    ``BatchKind``; a DECODE batch's out-of-window pages are already freed and
+    ``tables`` are the buffers decode_step wrote (the step planner's; None when
+    the scheduler has none, then decode_step made its own)."""
 
     requests: list[Request] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     pieces: list[torch.Tensor] = field(default_factory=list)
-    step: DecodeStep | None = None  # the decodes' tables, from alloc.decode_step
-
-    @property
-    def step_tables(self) -> DecodeStep | None:
-        """``step`` when it covers the whole batch (no prefill joined the decodes)."""
-        step = self.step
-        return step if step is not None and len(self.pieces) == 1 else None
+    kind: BatchKind = BatchKind.EXTEND
+    tables: StepTables | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -78,10 +90,21 @@ class Scheduler:
         subpools: the pool's sub-pools (spec and page size, for page demand).
         max_num_seqs: running requests at most (<= the allocator's max_requests).
         max_num_batched_tokens: tokens per step at most (the prefill chunk size).
+        tables: the step planner's block-table and write-id buffers, which
+            ``decode_step`` writes (``StepPlanner.tables``); None (no runner, e.g.
+            a capacity simulation): decode_step makes its own.
     """
 
-    def __init__(self, alloc, subpools, *, max_num_seqs: int, max_num_batched_tokens: int):
-        self.alloc = alloc
+    def __init__(
+        self,
+        alloc: PoolAllocator,
+        subpools,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        tables: StepTables | None = None,
+    ):
+        self.alloc, self.tables = alloc, tables
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
@@ -91,9 +114,6 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
-        # (block_tables, write_ids, rows): buffers decode_step writes into (the decode
-        # CUDA graphs' inputs) for batches of up to ``rows`` decodes; None: new ones
-        self.step_buffers: tuple[dict, dict, int] | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -108,9 +128,10 @@ class Scheduler:
         while True:
             batch = Batch()
             prefilling = self._schedule_decodes(batch)
-            self._schedule_prefills(
-                batch, prefilling, self.max_num_batched_tokens - len(batch.requests)
-            )
+            num_decodes = len(batch.requests)
+            self._schedule_prefills(batch, prefilling, self.max_num_batched_tokens - num_decodes)
+            if num_decodes and num_decodes == len(batch.requests):
+                batch.kind, batch.tables = BatchKind.DECODE, self.tables
             if batch.requests:
                 return batch
             assert len(self.running) > 1, (
@@ -138,13 +159,15 @@ class Scheduler:
                 return prefilling
             slots = np.fromiter((r.slot for r in decoding), np.int64, len(decoding))
             lens = np.fromiter((r.num_cached for r in decoding), np.int64, len(decoding))
-            tables = locs = None
-            if self.step_buffers is not None and len(decoding) <= self.step_buffers[2]:
-                tables, locs, _ = self.step_buffers
-            step = self.alloc.decode_step(slots, lens, block_tables=tables, write_ids=locs)
+            out = self.tables
+            step = self.alloc.decode_step(
+                slots,
+                lens,
+                block_tables=out.block_tables if out is not None else None,
+                write_ids=out.write_ids if out is not None else None,
+            )
             if step is not None:
                 batch.add_many(decoding, [1] * len(decoding), step.virtual_ids)
-                batch.step = step
                 return prefilling
             self._preempt(self.running[-1])
 
@@ -224,11 +247,11 @@ class Scheduler:
 
     def complete_ahead(self, batch: Batch) -> list[Request]:
         """``complete`` for a step still running on the device: each request whose
-        pending tokens are all in gets a placeholder ``-(1 + i)`` for its sample
-        (lane ``i`` of the step's tokens), so the next step can be planned now;
-        ``resolve`` writes the values later. Requests that a stop token already
-        finished are skipped. Returns the requests finished by length."""
-        tokens = [-(1 + i) for i in range(len(batch.requests))]
+        pending tokens are all in gets the placeholder ``Pending.of(i)`` for its
+        sample (lane ``i`` of the step's tokens), so the next step can be planned
+        now; ``resolve`` writes the values later. Requests that a stop token
+        already finished are skipped. Returns the requests finished by length."""
+        tokens = [Pending.of(i) for i in range(len(batch.requests))]
         keep = [r.status is not Status.FINISHED for r in batch.requests]
         if all(keep):
             return self.complete(batch, tokens)
@@ -245,7 +268,7 @@ class Scheduler:
         finished = []
         for i, r in enumerate(batch.requests):
             # only this step's placeholders exist now, each the last output
-            if not r.output_ids or r.output_ids[-1] != -(1 + i):
+            if not r.output_ids or r.output_ids[-1] != Pending.of(i):
                 continue  # no sample taken from this lane (mid-prefill or stopped)
             if r.resolve(len(r.output_ids) - 1, tokens[i]):
                 finished.append(r)
@@ -275,7 +298,7 @@ class Scheduler:
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED
-        if self.has_window and batch.step_tables is None:  # decode_step freed them already
+        if self.has_window and batch.kind is BatchKind.EXTEND:  # else decode_step did
             live = [r for r in batch.requests if r.status is Status.RUNNING]
             if live:
                 self.alloc.free_out_of_window(

@@ -5,12 +5,16 @@
 Triton kernels on CUDA (or on the CPU under ``TRITON_INTERPRET=1`` when asked
 for by name), their pure-torch references elsewhere. Each op has the same
 signature in both backends, so the per-step path never branches on device.
+
+``plan_decode`` is decode attention's launch plan, FlashInfer's plan/run split:
+the step planner makes it once per step and sub-pool (from host ints only), and
+every layer hands ``DecodePlan.launch`` to ``decode_attention``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -18,7 +22,7 @@ Op = Callable[..., object]
 
 KV_OPS = ("store_kv", "decode_attention", "extend_attention", "copy_pages")
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
-STEP_OPS = ("prepare_step",)
+STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS
@@ -38,6 +42,7 @@ class KernelBackend:
     update_tables: Op
     translate_ids: Op
     prepare_step: Op
+    plan_decode: Op
     causal_conv1d: Op
     gated_delta_rule: Op
     mamba2_ssd: Op
@@ -46,6 +51,61 @@ class KernelBackend:
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Decode attention's launch plan for one step of one sub-pool.
+
+    num_splits: KV splits per request (1: the split kernel normalises itself);
+    workspace_numel: fp32 scratch elements the split kernel needs (0: none);
+    workspace: a view of the caller's fp32 buffer of that size, or None (the
+    kernel allocates its own; the planner sizes its buffer from this);
+    launch: the keyword arguments ``decode_attention`` takes from this plan."""
+
+    num_splits: int = 1
+    workspace_numel: int = 0
+    workspace: torch.Tensor | None = None
+    launch: Mapping[str, object] = field(default_factory=dict)
+
+
+def plan_decode_triton(
+    batch: int,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    page_size: int,
+    max_len: int,
+    device: torch.device,
+    workspace: torch.Tensor | None = None,
+) -> DecodePlan:
+    """The split count, tile config and workspace of the Triton ``decode_attention``
+    for ``batch`` requests whose visible keys number at most ``max_len`` (the block
+    table's capacity, capped by the window). Host ints only: no device access.
+    workspace: None, or an fp32 buffer of >= ``workspace_numel`` elements."""
+    from unikv.kernels import decode
+
+    splits = decode.choose_num_splits(batch, num_kv_heads, max_len, device) if batch else 1
+    config = decode.choose_config(head_dim, page_size, max_len, splits)
+    need = decode.workspace_numel(batch, num_q_heads, v_head_dim, splits) if splits > 1 else 0
+    launch = {"num_splits": splits, "config": config}
+    if workspace is not None:
+        if workspace.dtype != torch.float32 or workspace.numel() < need:
+            raise ValueError(
+                f"plan_decode: workspace must be fp32 with >= {need} elements, got "
+                f"{workspace.dtype} x {workspace.numel()}; size it from workspace_numel"
+            )
+        workspace = workspace[: max(need, 1)]
+        launch["workspace"] = workspace
+    return DecodePlan(splits, need, workspace, launch)
+
+
+def plan_decode_torch(batch: int, **geometry: object) -> DecodePlan:
+    """The torch reference plans nothing: one split, no workspace, no launch
+    arguments (it takes ``plan_decode_triton``'s arguments and ignores them)."""
+    return DecodePlan()
 
 
 def _triton() -> KernelBackend:
@@ -75,6 +135,7 @@ def _triton() -> KernelBackend:
         update_tables=table_update.update_tables,
         translate_ids=table_update.translate_ids,
         prepare_step=step_tables.prepare,
+        plan_decode=plan_decode_triton,
         causal_conv1d=recurrent.causal_conv1d,
         gated_delta_rule=recurrent.gated_delta_rule,
         mamba2_ssd=recurrent.mamba2_ssd,
@@ -84,7 +145,7 @@ def _triton() -> KernelBackend:
 
 
 def _torch() -> KernelBackend:
-    from unikv.kernels import mla_ref, recurrent_ref, reference, step_tables, table_update
+    from unikv.kernels import mla_ref, recurrent_ref, reference, tables_ref
 
     return KernelBackend(
         name="torch",
@@ -94,9 +155,10 @@ def _torch() -> KernelBackend:
         copy_pages=reference.copy_pages,
         build_block_table=reference.build_block_table,
         export_flashinfer=reference.export_flashinfer,
-        update_tables=table_update.update_tables_ref,
-        translate_ids=table_update.translate_ids_ref,
-        prepare_step=step_tables.prepare_ref,
+        update_tables=tables_ref.update_tables_ref,
+        translate_ids=tables_ref.translate_ids_ref,
+        prepare_step=tables_ref.prepare_ref,
+        plan_decode=plan_decode_torch,
         causal_conv1d=recurrent_ref.causal_conv1d,
         gated_delta_rule=recurrent_ref.gated_delta_rule,
         mamba2_ssd=recurrent_ref.mamba2_ssd,
