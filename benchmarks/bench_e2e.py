@@ -16,9 +16,11 @@ each, greedy, EOS ignored. Paths, one at a time in this process:
 - ``hf_cb``: transformers continuous batching ``generate_batch``.
 
 Reported per path: output tokens/s, TTFT and inter-token latency p50/p90/p99
-(all requests arrive at t0), and the fraction of the roofline: bytes one decode
-step must move (weights + KV read at the mean context) over the device-copy
-bandwidth measured in this run. A failing path is recorded (error, traceback)
+(all requests arrive at t0), and the fraction of the roofline (``roofline``):
+per decode step, the sum over op classes of max(bytes / device-copy bandwidth,
+FLOPs / bf16 matmul rate), both measured in this run; the whole run adds the
+prefill's FLOPs. unikv's full-batch decode step is also set against the step's
+roofline. A failing path is recorded (error, traceback)
 and the run goes on. ``--quick``: the transformers paths generate 64 tokens
 instead of 256 (say so in the JSON); ``--device cpu --tiny``: tiny models, 8
 requests (a smoke test of this script).
@@ -152,37 +154,38 @@ def copy_bandwidth(device: str) -> float:
     return 2 * a.numel() / float(np.median(times))
 
 
-def roofline(path: Path, dtype: torch.dtype, batch: int, context: float, copy_bps: float) -> dict:
-    """Bytes one decode step of ``batch`` requests at mean ``context`` must move.
+def roofline(
+    cfg: dict, dtype: torch.dtype, batch: int, prompt: int, new_tokens: int, rates: tuple
+) -> dict:
+    """The workload's roofline from the model's shape (``bench_breakdown``'s model).
 
-    Weights: every parameter once (with a batch of 256, every MoE expert is hit),
-    less the input embedding when untied (a lookup reads only B rows). KV: each
-    sub-pool's entry bytes times the tokens a query reads (window-limited)."""
-    import transformers as tf
+    A decode step at the mean context: the sum over op classes (GEMM, attention,
+    store, norm, rope, activation, MoE, sampling) of max(bytes / copy bandwidth,
+    FLOPs / bf16 matmul rate), ``rates`` = (copy B/s, matmul FLOP/s) measured in
+    this run; MoE experts read once per step (those the batch hits). The whole
+    run adds the prefill's FLOPs at the matmul rate."""
+    from bench_breakdown import prefill_roofline_ms, step_roofline
 
-    from unikv.hf_config import specs_from_hf_config
-
-    config = tf.AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    copy_bps, flops = rates
+    context = prompt + new_tokens / 2
     itemsize = torch.empty((), dtype=dtype).element_size()
-    params = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings().weight.numel()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    weight_bytes = (params - (0 if tied else embed)) * itemsize
-    kv_bytes = 0.0
-    for c in specs_from_hf_config(path, page_size=16, dtype=dtype):
-        window = c.spec.sliding_window
-        kv_bytes += batch * c.spec.entry_bytes * (min(context, window) if window else context)
-    step_s = (weight_bytes + kv_bytes) / copy_bps
+    step = step_roofline(cfg, batch, context, itemsize, copy_bps, flops)
+    prefill_ms = prefill_roofline_ms(cfg, batch, prompt, flops)
+    run_s = (prefill_ms + new_tokens * step["step_ms"]) / 1e3
+    classes = step["classes"]
     return {
-        "weight_bytes": weight_bytes,
-        "kv_bytes": kv_bytes,
+        "weight_bytes": classes["gemm"]["bytes"] + classes.get("moe", {}).get("bytes", 0),
+        "kv_bytes": classes["attention"]["bytes"],
         "mean_context": context,
         "batch": batch,
         "copy_GBps": copy_bps / 1e9,
-        "step_ms": step_s * 1e3,
-        "tokens_per_s": batch / step_s,
+        "matmul_TFLOPs": flops / 1e12,
+        "classes": classes,
+        "step_ms": step["step_ms"],
+        "prefill_ms": prefill_ms,
+        "run_s": run_s,
+        "decode_tokens_per_s": batch / step["step_ms"] * 1e3,
+        "tokens_per_s": batch * new_tokens / run_s,
     }
 
 
@@ -225,7 +228,7 @@ def _unikv_llm(path: Path, n: int, max_len: int, args):
         max_num_seqs=n,
         max_num_batched_tokens=args.chunk,
         max_model_len=max_len,
-        cuda_graphs=args.device == "cuda",
+        cuda_graphs=args.device == "cuda" and not getattr(args, "no_graphs", False),
     )
 
 
@@ -424,7 +427,7 @@ def run_hf_cb(path: Path, prompts, new_tokens: int, args) -> dict:
 # -- driver ------------------------------------------------------------------------------
 
 
-def run_model(name: str, args, copy_bps: float, results: dict, save) -> None:
+def run_model(name: str, args, rates: tuple, results: dict, save) -> None:
     """Every path on model ``name``, appended to ``results["models"]`` and saved
     after each path; a failing build or path is recorded, not fatal."""
     args.model = name
@@ -436,8 +439,9 @@ def run_model(name: str, args, copy_bps: float, results: dict, save) -> None:
         save_model(name, workdir, args.device, args.dtype, args.tiny)
         entry["build_s"] = time.perf_counter() - start
         prompts = make_prompts(args.requests, args.prompt_len, entry["config"]["vocab_size"])
-        context = args.prompt_len + args.new_tokens / 2
-        entry["roofline"] = roofline(workdir, args.dtype, args.requests, context, copy_bps)
+        entry["roofline"] = roofline(
+            entry["config"], args.dtype, args.requests, args.prompt_len, args.new_tokens, rates
+        )
     except Exception as err:  # noqa: BLE001 - recorded; the next model still runs
         entry["error"] = f"build failed: {type(err).__name__}: {err}"
         entry["traceback"] = traceback.format_exc()[-3000:]
@@ -483,6 +487,7 @@ def _judge(entry: dict, path: str) -> None:
     step = res.get("full_batch_decode_step_ms_p50")
     if step:
         res["decode_step_fraction_of_roofline"] = roof["step_ms"] / step
+        res["decode_step_x_roofline"] = step / roof["step_ms"]
     ref = entry["paths"].get("unikv", {}).get("first_tokens")
     if path != "unikv" and ref and len(ref) == len(res["first_tokens"]):
         res["first_token_agreement_with_unikv"] = float(
@@ -491,13 +496,19 @@ def _judge(entry: dict, path: str) -> None:
 
 
 def summary(results: dict) -> str:
+    head = (
+        "| model | path | out tok/s | vs best HF | % roofline (run) | decode step x roofline "
+        "| TTFT p50/p99 ms | ITL p50/p90/p99 ms |"
+    )
     lines = [
-        "| model | path | out tok/s | vs best HF | % roofline | TTFT p50/p99 ms | ITL p50/p90/p99 ms |",
-        "|---|---|---|---|---|---|---|",
+        head,
+        "|---|---|---|---|---|---|---|---|",
     ]
     for entry in results["models"]:
         if "error" in entry:
-            lines.append(f"| {entry['model']} | (build) | FAILED: {entry['error'][:80]} | | | | |")
+            lines.append(
+                f"| {entry['model']} | (build) | FAILED: {entry['error'][:80]} | | | | | |"
+            )
         paths = entry["paths"]
         hf = [
             p["output_tokens_per_s"]
@@ -507,16 +518,19 @@ def summary(results: dict) -> str:
         best = max(hf) if hf else None
         for name, p in paths.items():
             if "error" in p:
-                lines.append(f"| {entry['model']} | {name} | FAILED: {p['error'][:80]} | | | | |")
+                lines.append(f"| {entry['model']} | {name} | FAILED: {p['error'][:80]} | | | | | |")
                 continue
             ratio = f"{p['output_tokens_per_s'] / best:.1f}x" if best else "-"
             frac = p.get("fraction_of_roofline")
+            step_x = p.get("decode_step_x_roofline")
+            step_x = f"{step_x:.2f}x" if step_x else "-"
             lines.append(
                 f"| {entry['model']} | {name} | {p['output_tokens_per_s']:,.0f} | {ratio} | "
-                f"{100 * frac:.1f} % | {p.get('ttft_p50_ms', 0):.0f} / {p.get('ttft_p99_ms', 0):.0f} | "
+                f"{100 * frac:.1f} % | {step_x} | "
+                f"{p.get('ttft_p50_ms', 0):.0f} / {p.get('ttft_p99_ms', 0):.0f} | "
                 f"{p.get('itl_p50_ms', 0):.1f} / {p.get('itl_p90_ms', 0):.1f} / {p.get('itl_p99_ms', 0):.1f} |"
                 if frac is not None
-                else f"| {entry['model']} | {name} | {p['output_tokens_per_s']:,.0f} | {ratio} | - | | |"
+                else f"| {entry['model']} | {name} | {p['output_tokens_per_s']:,.0f} | {ratio} | - | - | | |"
             )
     return "\n".join(lines)
 
@@ -560,10 +574,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     import transformers
+    from bench_breakdown import matmul_rate
     from common import environment
 
     args = parse_args(argv)
-    copy_bps = copy_bandwidth(args.device)
+    copy_bps, flops = copy_bandwidth(args.device), matmul_rate(args.device)
     results = {
         "env": {**environment(), "transformers": transformers.__version__, "device": args.device},
         "workload": {
@@ -580,6 +595,7 @@ def main(argv=None) -> dict:
         "dtype": str(args.dtype),
         "note": "transformers paths generate hf_new_tokens per request (64 under --quick, else 256)",
         "copy_GBps": copy_bps / 1e9,
+        "matmul_TFLOPs": flops / 1e12,
         "models": [],
     }
 
@@ -588,7 +604,7 @@ def main(argv=None) -> dict:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
 
     for name in args.models:
-        run_model(name, args, copy_bps, results, save)
+        run_model(name, args, (copy_bps, flops), results, save)
         save()
     table = summary(results)
     results["summary_markdown"] = table

@@ -46,6 +46,53 @@ def test_logits_match_transformers(arch, tmp_path):
     assert (_unikv_logits(model, tokens) - ref).abs().max() < ATOL
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt_oss"])
+def test_triton_elementwise_ops_match_transformers(arch, tmp_path):
+    """The model built with the Triton elementwise ops (fused add+norm, in-place
+    rope on the q|k|v GEMM's views, silu_mul; CPU interpreter) gives
+    transformers' logits too: llama (llama3 rope), qwen3 (q/k norms on strided
+    heads), gpt-oss (fp32-weight norms, sinks)."""
+    hf = save_tiny_model(arch, str(tmp_path))
+    model = load_model(str(tmp_path), kernels="triton")
+    assert model.model.norm.ops.name == "triton" and model.model.rotary.ops.name == "triton"
+    tokens = torch.randint(0, VOCAB, (17,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert (_unikv_logits(model, tokens) - hf_logits(hf, tokens)).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_projections_hold_the_checkpoint_tensors(arch, tmp_path):
+    """qkv_proj / gate_up_proj are the checkpoint's q, k, v (gate, up) tensors
+    stacked on the output dim, biases included (qwen2 has q/k/v biases)."""
+    from safetensors.torch import load_file
+
+    save_tiny_model(arch, str(tmp_path), **({"mlp_bias": True} if arch == "llama" else {}))
+    ckpt = load_file(str(tmp_path / "model.safetensors"))
+    params = dict(load_model(str(tmp_path)).named_parameters())
+    kinds = ["weight", "bias"]
+    for layer in range(2):
+        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        for kind in kinds:
+            if attn + f"q_proj.{kind}" in ckpt:
+                want = torch.cat([ckpt[attn + f"{p}_proj.{kind}"] for p in "qkv"])
+                assert torch.equal(params[attn + f"qkv_proj.{kind}"], want)
+            if mlp + f"gate_proj.{kind}" in ckpt:
+                want = torch.cat([ckpt[mlp + f"{p}_proj.{kind}"] for p in ("gate", "up")])
+                assert torch.equal(params[mlp + f"gate_up_proj.{kind}"], want)
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight")) for n in params)
+    assert ("model.layers.0.self_attn.qkv_proj.bias" in params) == (arch == "qwen2")
+
+
+def test_missing_part_of_a_fused_projection_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_model("llama", str(tmp_path))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.self_attn.k_proj.weight'\]"):
+        load_model(str(tmp_path))
+
+
 def test_gpt_oss_sparse_expert_loop_matches(tmp_path, monkeypatch):
     """The prefill (sparse) expert loop gives transformers' logits too."""
     hf = save_tiny_model("gpt_oss", str(tmp_path))
@@ -105,7 +152,7 @@ def test_rope_frequencies_match_transformers(rope):
 def test_mxfp4_dequantisation_matches_transformers():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from unikv.models.mxfp4 import dequantize_mxfp4
+    from unikv.kernels.mxfp4_ref import dequantize_mxfp4
 
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 2, 16), dtype=torch.uint8, generator=g)

@@ -1,10 +1,17 @@
-"""Building blocks shared by unikv's models: RMSNorm, the attention block, the
-gated MLP.
+"""Building blocks shared by unikv's models: the elementwise ops, RMSNorm, the
+attention block, the gated MLP.
 
 Attention is split in two: the model owns the projections, norms and rope; the
 paged part (store K/V, read the cache) is an ``AttentionFn`` the engine passes
 to ``forward`` for each step, already planned (write locations and block
 tables translated once for the whole step). A model never sees the pool.
+
+The elementwise work (RMSNorm with the residual add, rope, SwiGLU) goes
+through one ``ElementwiseOps`` chosen once per model (``use_elementwise_ops``,
+called by the loader): Triton kernels on CUDA, their torch references
+elsewhere; a module built without it runs the references. Attention and the
+gated MLP run one GEMM for q|k|v and one for gate|up; their weights are
+concatenated at load (``packed``: fused module -> the checkpoint's modules).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from unikv.kernels.elementwise_ref import TORCH_OPS, ElementwiseOps
 from unikv.models.config import ModelConfig
 from unikv.models.parallel import linear_layers, tp_size
 from unikv.models.rope import Rotary
@@ -90,6 +98,14 @@ class StateFn(Protocol):
         ...
 
 
+def use_elementwise_ops(model: nn.Module, ops: ElementwiseOps) -> None:
+    """Set ``ops`` on every module of ``model`` that runs elementwise ops (those
+    with an ``ops`` attribute); done once, after the model is built."""
+    for module in model.modules():
+        if hasattr(module, "ops"):
+            module.ops = ops
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32.
 
@@ -101,24 +117,37 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_in_fp32:
-            return (self.weight * h).to(dtype)
-        return self.weight * h.to(dtype)
+        """x: (..., dim) -> normed, same shape and dtype."""
+        return self.ops.rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: (T, dim) -> (norm(x + residual), x + residual); ``residual``
+        may be overwritten: use only the returned tensors."""
+        return self.ops.add_rms_norm(
+            x, residual, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32
+        )
+
+
+def _overrides_forward(module: nn.Module, base: type) -> bool:
+    """True for a subclass of ``base`` with its own ``forward`` (it may call the
+    unfused projections by name, so it keeps them)."""
+    return type(module).forward is not base.forward
 
 
 class Attention(nn.Module):
     """q/k/v projections, optional q/k norm (Qwen3), rope, paged attention, o_proj.
 
-    Weight names follow transformers (``q_proj``, ``k_proj``, ``v_proj``,
-    ``o_proj``, ``q_norm``, ``k_norm``, ``sinks``).
+    q, k and v come from one GEMM, ``qkv_proj`` (rows: q heads, k heads, v heads),
+    loaded from transformers' ``q_proj``, ``k_proj``, ``v_proj`` (``packed``);
+    other weight names are transformers' (``o_proj``, ``q_norm``, ``k_norm``,
+    ``sinks``). A subclass overriding ``forward`` keeps the three projections.
 
     With ``tp`` (``models.parallel``), this rank holds heads ``1/tp`` of them:
-    q/k/v column-parallel by heads, o_proj row-parallel (all-reduce)."""
+    q/k/v column-parallel by heads (each concatenated per shard), o_proj
+    row-parallel (all-reduce)."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
@@ -127,10 +156,17 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_heads // n, config.num_kv_heads // n
         self.head_dim = d
-        self.q_proj = column(hidden, self.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = column(hidden, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = column(hidden, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = row(self.num_heads * d, hidden, bias=config.o_bias)
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        self.split = (q, kv, kv)
+        self.packed = {}
+        if _overrides_forward(self, Attention):
+            self.q_proj = column(hidden, q, bias=config.qkv_bias)
+            self.k_proj = column(hidden, kv, bias=config.qkv_bias)
+            self.v_proj = column(hidden, kv, bias=config.qkv_bias)
+        else:
+            self.qkv_proj = column(hidden, q + 2 * kv, bias=config.qkv_bias)
+            self.packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+        self.o_proj = row(q, hidden, bias=config.o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
@@ -139,11 +175,13 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # shared, kept out of this module's parameters
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
+        """x: (T, hidden); positions: (T,) int64 -> (T, hidden). q/k/v reach
+        ``attn`` as strided views of the one GEMM's output."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
@@ -152,16 +190,26 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Llama family). With ``tp``:
-    gate/up column-parallel on the intermediate dim, down row-parallel."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Llama family), gate and up as one
+    GEMM (``gate_up_proj``, loaded from ``gate_proj`` and ``up_proj``) and one
+    fused ``silu_mul``. A subclass overriding ``forward`` keeps the two
+    projections. With ``tp``: gate/up column-parallel on the intermediate dim
+    (concatenated per shard), down row-parallel."""
 
     def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size // tp_size(tp), config.mlp_bias
         column, row = linear_layers(tp)
-        self.gate_proj = column(h, i, bias=bias)
-        self.up_proj = column(h, i, bias=bias)
+        self.packed = {}
+        if _overrides_forward(self, GatedMLP):
+            self.gate_proj = column(h, i, bias=bias)
+            self.up_proj = column(h, i, bias=bias)
+        else:
+            self.gate_up_proj = column(h, 2 * i, bias=bias)
+            self.packed = {"gate_up_proj": ("gate_proj", "up_proj")}
         self.down_proj = row(i, h, bias=bias)
+        self.ops = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x: (T, hidden) -> (T, hidden)."""
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))

@@ -2,7 +2,8 @@
 norm), Mistral (sliding window), and, with a MoE block, gpt-oss.
 
 Module names mirror transformers (``model.layers.i.self_attn.q_proj`` ...), so
-a checkpoint's state dict loads by name. Tokens of a step are flattened:
+a checkpoint's state dict loads by name (q/k/v and gate/up concatenated into one
+GEMM each at load, ``layers.Attention``). Tokens of a step are flattened:
 ``input_ids`` and ``positions`` are (T,) over all requests of the batch.
 """
 
@@ -29,9 +30,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_norm)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: (T, hidden), the previous block's output (the embeddings for the
+        first layer, whose ``residual`` is None); residual: (T, hidden), the sum
+        of the outputs before it. Returns (this layer's MLP output, the residual
+        stream before it): each residual add is fused into the next norm."""
+        if residual is None:  # the first layer: a structural None, not a device branch
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.add(h, residual)
+        h = self.self_attn(h, positions, attn)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -60,6 +76,10 @@ class CausalLM(nn.Module):
         max_positions: length of the rope table (the engine's max context).
         tp: None, or a ``models.parallel.TensorParallel``: this rank's shard of
             every layer (embeddings and lm_head replicated).
+
+    ``logits_dtype``: the dtype ``forward`` returns logits in (fp32 by default);
+    None keeps lm_head's (the model dtype), so that a greedy argmax needs no
+    full-vocabulary fp32 copy. Set once, before the step runs.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
@@ -72,6 +92,7 @@ class CausalLM(nn.Module):
             make_mlp = GatedMLP
         self.model = Backbone(config, make_mlp, max_positions, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_dtype: torch.dtype | None = torch.float32
 
     def forward(
         self,
@@ -82,10 +103,15 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids: (T,) int64 token ids; positions: (T,) int64;
         logits_indices: (N,) int64 rows of the step whose logits are wanted
-        (None: all). Returns fp32 logits (N, vocab)."""
-        x = self.model.embed_tokens(input_ids)
+        (None: all). Returns logits (N, vocab) in ``logits_dtype`` (fp32 unless set)."""
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, attn)
+            h, residual = layer(h, residual, positions, attn)
         if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+            h, residual = (
+                h.index_select(0, logits_indices),
+                residual.index_select(0, logits_indices),
+            )
+        h, _ = self.model.norm.add(h, residual)
+        logits = self.lm_head(h)
+        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)

@@ -4,7 +4,10 @@ A directory holds ``config.json`` and the weights as ``model.safetensors`` or
 shards listed in ``model.safetensors.index.json``; the tokenizer (optional)
 comes from the same directory. Parameters are matched by name (unikv's modules
 mirror transformers' names); a missing or unexpected tensor is an error, except
-``lm_head.weight`` when the embeddings are tied.
+``lm_head.weight`` when the embeddings are tied. A fused projection (one GEMM
+for q|k|v, one for gate|up) is filled with its checkpoint tensors concatenated
+(``packed_params``). The model is then set to run the elementwise ops of its
+device (``layers.use_elementwise_ops``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import os
 
 import torch
 
+from unikv.kernels.elementwise_ref import elementwise_ops
 from unikv.models.config import TEXT_DECODERS, ModelConfig, model_config_from_hf
+from unikv.models.layers import use_elementwise_ops
 from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
@@ -150,13 +155,42 @@ def _sinks_to_fp32(model: CausalLM) -> None:
             param.data = param.data.float()
 
 
-def load_weights(model: CausalLM, files: list[str]) -> None:
-    """Copy checkpoint tensors into ``model`` by name, one tensor at a time
-    (MXFP4 experts dequantised on the way; under ``model.tp`` each sharded
-    tensor narrowed to this rank's slice); raise ValueError naming missing,
-    unexpected or mis-shaped tensors."""
-    params = dict(model.named_parameters())
-    index = checkpoint_index(files)
+def packed_params(model) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> the checkpoint parameter names concatenated (on dim 0,
+    in order) into it, for the fused modules' ``packed`` maps (``layers.Attention``'s
+    ``qkv_proj`` from q/k/v_proj, ``GatedMLP``'s ``gate_up_proj`` from gate/up_proj);
+    every other parameter is its own name."""
+    out = {}
+    for prefix, module in model.named_modules():
+        base = f"{prefix}." if prefix else ""
+        for fused, parts in getattr(module, "packed", {}).items():
+            for p, _ in getattr(module, fused).named_parameters(recurse=False):
+                out[f"{base}{fused}.{p}"] = tuple(f"{base}{part}.{p}" for part in parts)
+    return out
+
+
+def _check_names(model, wanted: dict, sources: dict, index: dict, ignored: tuple) -> None:
+    """ValueError naming the checkpoint tensors the model lacks or does not know."""
+    missing = sorted(
+        c for n in wanted for c in wanted[n] if c not in sources or sources[c][0] not in index
+    )
+    known = {c for names in wanted.values() for c in names}
+    unexpected = sorted(
+        n
+        for n in sources
+        if n not in known and not n.endswith("inv_freq") and not n.startswith(ignored)
+    )
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the {model.config.architecture} model: missing "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
+            f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+        )
+
+
+def _checkpoint_sources(model, index: dict[str, str]) -> tuple[dict, tuple]:
+    """(checkpoint parameter name -> tensor names, prefixes to ignore), after a
+    wrapper's renaming and tied embeddings."""
     sources = _sources(index)
     ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
     if model.config.architecture in TEXT_DECODERS:  # a wrapper's text decoder only
@@ -167,31 +201,40 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
         ignored += skipped
     if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
         sources["lm_head.weight"] = ("model.embed_tokens.weight",)
-    missing = sorted(n for n in params if n not in sources or sources[n][0] not in index)
-    unexpected = sorted(
-        n
-        for n in sources
-        if n not in params and not n.endswith("inv_freq") and not n.startswith(ignored)
-    )
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint does not match the {model.config.architecture} model: missing "
-            f"{missing[:8]}{'...' if len(missing) > 8 else ''}, unexpected "
-            f"{unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-        )
+    return sources, ignored
+
+
+def load_weights(model: CausalLM, files: list[str]) -> None:
+    """Copy checkpoint tensors into ``model`` by name, one tensor at a time
+    (MXFP4 experts dequantised on the way; under ``model.tp`` each sharded
+    tensor narrowed to this rank's slice; a fused parameter is the concatenation
+    of its checkpoint tensors, each narrowed first, so every rank holds its own
+    q|k|v or gate|up rows); raise ValueError naming missing, unexpected or
+    mis-shaped tensors."""
+    params = dict(model.named_parameters())
+    index = checkpoint_index(files)
+    sources, ignored = _checkpoint_sources(model, index)
+    packed = packed_params(model)
+    wanted = {n: packed.get(n, (n,)) for n in params}
+    _check_names(model, wanted, sources, index, ignored)
     handles = {path: _open_weights(path) for path in files}
     tp = model.tp
     plan = shard_plan(model) if tp is not None else {}
     with torch.no_grad():
         for name, param in params.items():
-            tensors = [_tensor(handles, index[n], n) for n in sources[name]]
-            source = tensors[0] if len(tensors) == 1 else dequantize_mxfp4(*tensors)
-            if name in plan:  # tensor parallelism: this rank's slice
-                source = shard_tensor(source, plan[name], tp.rank, tp.size, name)
+            parts = []
+            for part in wanted[name]:
+                tensors = [_tensor(handles, index[n], n) for n in sources[part]]
+                source = tensors[0] if len(tensors) == 1 else dequantize_mxfp4(*tensors)
+                if name in plan:  # tensor parallelism: this rank's slice
+                    source = shard_tensor(source, plan[name], tp.rank, tp.size, part)
+                parts.append(source)
+            source = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tuple(source.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"tensor {name}: checkpoint shape {tuple(source.shape)} != model shape "
-                    f"{tuple(param.shape)}; config.json and the weights disagree"
+                    f"tensor {name}: checkpoint shape {tuple(source.shape)} (from "
+                    f"{list(wanted[name])}) != model shape {tuple(param.shape)}; "
+                    "config.json and the weights disagree"
                 )
             param.copy_(source)
 
@@ -215,12 +258,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     tp=None,
+    kernels: str | None = None,
 ) -> CausalLM:
     """Build the model of a checkpoint directory and load its weights.
 
     ``max_positions``: rope table length (default: the config's
     ``max_position_embeddings``). ``tp``: None, or a
-    ``models.parallel.TensorParallel``: load only this rank's shard."""
+    ``models.parallel.TensorParallel``: load only this rank's shard.
+    ``kernels``: the elementwise ops, None (Triton on CUDA, torch elsewhere),
+    ``"triton"`` or ``"torch"`` (``kernels.elementwise_ref.elementwise_ops``)."""
+    ops = elementwise_ops(device, kernels)  # validated before anything is built
     config, _ = load_model_config(model_dir)
     if tp is not None:
         check_tp_config(config, tp.size)
@@ -235,6 +282,7 @@ def load_model(
         model.model.rotary.build(torch.device(device))
     load_weights(model, files)
     _sinks_to_fp32(model)
+    use_elementwise_ops(model, ops)
     return model.eval().requires_grad_(False)
 
 

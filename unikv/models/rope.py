@@ -1,6 +1,7 @@
 """Rotary position embedding: inverse frequencies for the rope types of the
 supported checkpoints (default, linear, llama3, yarn), as transformers computes
-them, and the rotation itself (NeoX "rotate half" layout).
+them, and the rotation itself (NeoX "rotate half" layout, applied to q and k in
+one op: ``kernels/elementwise_ref.rope_qk`` or its Triton kernel).
 
 The cos/sin table is computed once in fp32 for every position up to
 ``max_positions`` (``pos * inv_freq``, one product per element, as in
@@ -18,6 +19,8 @@ import math
 
 import torch
 from torch import nn
+
+from unikv.kernels.elementwise_ref import TORCH_OPS
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -125,6 +128,7 @@ class Rotary(nn.Module):
         self.params, self.head_dim, self.max_positions = params, head_dim, max_positions
         self.rotary_dim = rotary_dim(params, head_dim)
         rope_inv_freq(params, head_dim, max_positions)  # validate the rope type now
+        self.ops = TORCH_OPS  # set once by models.layers.use_elementwise_ops
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         if torch.empty(0).device.type != "meta":
@@ -141,18 +145,7 @@ class Rotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) int64; q: (T, Hq, D); k: (T, H, D) -> rotated (q, k)."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, rotary_dim/2)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        if self.rotary_dim == self.head_dim:  # a host int fixed at construction
-            return _rotate(q, cos, sin), _rotate(k, cos, sin)
-        r = self.rotary_dim
-        q = torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1)
-        k = torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1)
-        return q, k
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """positions: (T,) int64; q: (T, Hq, D); k: (T, H, D) (unit stride on D)
+        -> rotated (q, k), by ``self.ops.rope_qk``: the Triton op rotates in place,
+        so callers use only the returned tensors."""
+        return self.ops.rope_qk(q, k, self.cos, self.sin, positions)

@@ -1,0 +1,372 @@
+"""Where one decode step's device time goes, per op class, beside each class's roofline.
+
+For each model (bench_e2e's random-init Llama-3.2-1B and gpt-oss shapes, no
+download), ``--requests`` prompts of ``--prompt-len`` tokens are prefilled, then
+decoded; after ``--warm`` full-batch decode steps (so the contexts are real,
+about prompt + warm tokens) ``--steps`` steps run under ``torch.profiler``
+(the GPU synchronised at both ends, so exactly those steps are recorded). Every
+kernel of the trace is put in one class by its name (``CLASSES``, first match
+wins): gemm, attention, store, norm, rope, activation, moe, sampling, other.
+
+Each class is set beside its roofline, max(bytes / copy bandwidth, FLOPs / bf16
+matmul rate), both rates measured in this run (``step_roofline``: the bytes and
+FLOPs a decode step of that class must move and do, from the model's shape; MoE
+experts: the experts a batch hits, read once). bench_e2e's roofline is the same
+model summed over classes.
+
+    python benchmarks/bench_breakdown.py [--models llama,gpt-oss] [--requests 256]
+    python benchmarks/bench_breakdown.py --device cpu --tiny   # a smoke test of the plumbing
+
+JSON to ``benchmarks/results/breakdown_<device>.json`` and, when set, ``$OUT``.
+On CPU the trace holds nested CPU ops (times overlap): the figures are a smoke
+test only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+# class -> lower-case substrings of kernel names; the first class that matches wins
+CLASSES = {
+    "activation": ("silu", "gelu", "swiglu", "act_and_mul"),
+    "moe": ("moe", "_gate_up_kernel", "_down_kernel", "expert", "topk", "router", "grouped"),
+    "attention": ("decode_split", "decode_merge", "_extend", "attention", "flash", "fmha", "sdpa"),
+    "store": ("store_kv", "_store", "copy_rows"),
+    "norm": ("rms_norm", "layer_norm", "pow_tensor", "meanops", "rsqrt"),
+    "rope": ("rope", "rotary"),
+    "gemm": ("gemm", "nvjet", "xmma", "cutlass", "cublas", "gemv", "splitkreduce", "matmul"),
+    "sampling": ("argmax", "gumbel", "sample"),
+}
+ORDER = (*CLASSES, "other")
+SPARE_TOKENS = 8  # generated past the profiled steps (the engine keeps one step in flight)
+
+
+def classify(name: str) -> str:
+    """The op class of a kernel (or CPU op) name."""
+    low = name.lower()
+    for cls, patterns in CLASSES.items():
+        if any(p in low for p in patterns):
+            return cls
+    return "other"
+
+
+# -- the roofline model ------------------------------------------------------------------
+
+
+def matmul_rate(device: str) -> float:
+    """Dense matmul FLOP/s measured now: bf16 8192^3 on CUDA, fp32 1024^3 on CPU."""
+    if device == "cuda":
+        from common import bench_us
+
+        n = 8192
+        a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        us = bench_us(lambda: a @ b, 10, 50)
+        return 2 * n**3 / (us * 1e-6)
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    start = time.perf_counter()
+    for _ in range(3):
+        a @ b
+    return 3 * 2 * n**3 / (time.perf_counter() - start)
+
+
+def _shape(cfg: dict) -> dict:
+    """The dims a step's cost depends on, from a transformers config.json dict."""
+    h, hq = cfg["hidden_size"], cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention"] * layers
+    window = cfg.get("sliding_window")
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    return {
+        "h": h,
+        "hq": hq,
+        "hk": cfg.get("num_key_value_heads", hq),
+        "d": cfg.get("head_dim") or h // hq,
+        "inter": cfg["intermediate_size"],
+        "vocab": cfg["vocab_size"],
+        "windows": [window if t == "sliding_attention" else None for t in types[:layers]],
+        "experts": experts,
+        "topk": cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0,
+    }
+
+
+def step_work(cfg: dict, batch: int, context: float, itemsize: int) -> dict:
+    """{class: (bytes, FLOPs)} one decode step of ``batch`` requests at mean
+    ``context`` must move and do (activations included; weights read once)."""
+    s, b, it = _shape(cfg), batch, itemsize
+    h, hq, hk, d, inter, n = s["h"], s["hq"], s["hk"], s["d"], s["inter"], len(s["windows"])
+    qkv_o = h * (hq + 2 * hk) * d + hq * d * h
+    moe = s["experts"] > 0
+    dense = n * (qkv_o + (h * s["experts"] if moe else 3 * h * inter)) + s["vocab"] * h
+    work = {
+        "gemm": (dense * it + 2 * b * (n * 6 * h + s["vocab"]) * it, 2 * b * dense),
+        "store": (n * b * 2 * hk * d * it * 2, 0),
+        "norm": ((2 * n + 1) * 4 * b * h * it, 0),
+        "rope": (n * b * (2 * (hq + hk) * d * it + 4 * d), 0),
+        "sampling": (b * s["vocab"] * it, 0),
+        "other": (b * h * it, 0),  # the embedding rows
+    }
+    kv = sum(min(context, w) if w else context for w in s["windows"])  # tokens read per request
+    work["attention"] = (b * kv * 2 * hk * d * it + n * b * 2 * hq * d * it, 4 * b * hq * d * kv)
+    rows = b * (s["topk"] if moe else 1)  # rows through the (expert) MLPs
+    work["activation"] = (n * 3 * rows * inter * it, 0)
+    if moe:
+        e, k = s["experts"], s["topk"]
+        hit = e * (1 - (1 - k / e) ** b)  # expected distinct experts a batch routes to
+        expert = 3 * h * inter  # gate_up + down of one expert
+        acts = n * rows * (2 * h + 3 * inter) * it
+        work["moe"] = (n * hit * expert * it + acts, 2 * n * rows * expert)
+    return work
+
+
+def step_roofline(
+    cfg: dict, batch: int, context: float, itemsize: int, copy_bps: float, flops: float
+) -> dict:
+    """Per class {bytes, flops, ms, bound} and the step's total ``step_ms`` (the sum
+    over classes of max(bytes / copy_bps, flops / flops))."""
+    classes = {}
+    for cls, (nbytes, nflops) in step_work(cfg, batch, context, itemsize).items():
+        t_bytes, t_flops = nbytes / copy_bps, nflops / flops
+        classes[cls] = {
+            "bytes": nbytes,
+            "flops": nflops,
+            "ms": max(t_bytes, t_flops) * 1e3,
+            "bound": "flops" if t_flops > t_bytes else "bytes",
+        }
+    return {"classes": classes, "step_ms": sum(c["ms"] for c in classes.values())}
+
+
+def prefill_roofline_ms(cfg: dict, batch: int, prompt: int, flops: float) -> float:
+    """Prefill of ``batch`` prompts of ``prompt`` tokens: its GEMM and causal
+    attention FLOPs at the matmul rate (prefill is compute-bound)."""
+    s = _shape(cfg)
+    h, hq, hk, d = s["h"], s["hq"], s["hk"], s["d"]
+    mlp = 3 * h * s["inter"] * (s["topk"] if s["experts"] else 1) + h * s["experts"]
+    per_token = len(s["windows"]) * (h * (hq + 2 * hk) * d + hq * d * h + mlp)
+    attn = sum(2 * hq * d * min(prompt, w or prompt) * prompt for w in s["windows"])
+    return (2 * batch * prompt * per_token + batch * attn) / flops * 1e3
+
+
+# -- the profile -------------------------------------------------------------------------
+
+
+def _kernels(trace: dict, device: str) -> list[tuple[str, float]]:
+    """(name, microseconds) of every kernel (CPU op on CPU) of a chrome trace."""
+    cats = ("kernel", "gpu_memcpy", "gpu_memset") if device == "cuda" else ("cpu_op",)
+    return [
+        (e["name"], float(e.get("dur", 0.0)))
+        for e in trace["traceEvents"]
+        if e.get("cat") in cats and e.get("ph") == "X"
+    ]
+
+
+def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float]:
+    """Kernels of ``args.steps`` full-batch decode steps after ``args.warm`` of
+    them, and the wall ms per profiled step (GPU synchronised at both ends)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from unikv.engine import SamplingParams
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    prof = profile(activities=acts)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    seen, clock = [0], {}
+
+    def hook(_llm, batch, _logits) -> None:
+        if not (batch.is_decode and len(batch.requests) == len(prompts)):
+            return
+        seen[0] += 1
+        if seen[0] == args.warm:
+            sync()
+            prof.start()
+            clock["start"] = time.perf_counter()
+        elif seen[0] == args.warm + args.steps:
+            sync()
+            clock["end"] = time.perf_counter()
+            prof.stop()
+
+    tokens = args.warm + args.steps + SPARE_TOKENS
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), on_step=hook)
+    finally:
+        if "start" in clock and "end" not in clock:
+            prof.stop()
+    if "end" not in clock:
+        raise RuntimeError(f"only {seen[0]} full-batch decode steps ran; need warm + steps")
+    path = Path(tempfile.mkdtemp(prefix="unikv_trace_")) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    shutil.rmtree(path.parent, ignore_errors=True)
+    wall = (clock["end"] - clock["start"]) * 1e3 / args.steps
+    return _kernels(trace, args.device), wall
+
+
+def breakdown(kernels, steps: int, roof: dict) -> dict:
+    """Per class: measured ms and kernels per step, beside its roofline."""
+    out = {}
+    for cls in ORDER:
+        mine = [us for name, us in kernels if classify(name) == cls]
+        ms = sum(mine) / steps / 1e3
+        r = roof["classes"].get(cls, {"ms": 0.0, "bytes": 0, "flops": 0, "bound": "-"})
+        out[cls] = {
+            "ms": ms,
+            "kernels": len(mine) / steps,
+            "roofline_ms": r["ms"],
+            "roofline_bound": r["bound"],
+            "bytes": r["bytes"],
+            "flops": r["flops"],
+            "x_roofline": ms / r["ms"] if r["ms"] > 0 else None,
+        }
+    return out
+
+
+def top_other(kernels, steps: int, limit: int = 15) -> list[dict]:
+    """The costliest kernel names left in 'other' (what to classify or fuse next)."""
+    totals: dict[str, list[float]] = {}
+    for name, us in kernels:
+        if classify(name) == "other":
+            totals.setdefault(name[:160], []).append(us)
+    ranked = sorted(totals.items(), key=lambda kv: -sum(kv[1]))[:limit]
+    return [{"name": n, "ms": sum(v) / steps / 1e3, "per_step": len(v) / steps} for n, v in ranked]
+
+
+def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
+    import bench_e2e as e2e
+
+    cfg = e2e.model_config(name, args.tiny)
+    entry: dict = {"model": name, "requests": args.requests, "prompt_len": args.prompt_len}
+    workdir = Path(tempfile.mkdtemp(prefix=f"unikv_breakdown_{name}_"))
+    try:
+        e2e.save_model(name, workdir, args.device, args.dtype, args.tiny)
+        prompts = e2e.make_prompts(args.requests, args.prompt_len, cfg["vocab_size"])
+        max_len = args.prompt_len + args.warm + args.steps + SPARE_TOKENS + 8
+        llm = e2e._unikv_llm(workdir, args.requests, max_len, args)
+        llm.generate(prompts[:8], e2e_params(4))  # compile every kernel before timing
+        kernels, wall_ms = profile_steps(llm, prompts, args)
+        context = args.prompt_len + args.warm + args.steps / 2
+        itemsize = torch.empty((), dtype=args.dtype).element_size()
+        roof = step_roofline(cfg, args.requests, context, itemsize, copy_bps, flops)
+        classes = breakdown(kernels, args.steps, roof)
+        device_ms = sum(c["ms"] for c in classes.values())
+        if not kernels:
+            entry["warning"] = "the trace holds no kernels: rerun with --no-graphs"
+        entry.update(
+            mean_context=context,
+            cuda_graphs=llm.runner.graphs is not None,
+            step_wall_ms=wall_ms,
+            step_device_ms=device_ms,
+            kernels_per_step=len(kernels) / args.steps,
+            roofline_step_ms=roof["step_ms"],
+            step_x_roofline=wall_ms / roof["step_ms"],
+            device_x_roofline=device_ms / roof["step_ms"],
+            classes=classes,
+            top_other=top_other(kernels, args.steps),
+        )
+        del llm
+    except Exception as err:  # noqa: BLE001 - recorded; the next model still runs
+        entry["error"] = f"{type(err).__name__}: {err}"
+        entry["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return entry
+
+
+def e2e_params(tokens: int):
+    from unikv.engine import SamplingParams
+
+    return SamplingParams(max_tokens=tokens, ignore_eos=True)
+
+
+def table(entry: dict) -> str:
+    if "error" in entry:
+        return f"{entry['model']}: FAILED {entry['error']}"
+    head = (
+        f"{entry['model']}: B {entry['requests']}, mean context {entry['mean_context']:.0f}, "
+        f"step wall {entry['step_wall_ms']:.2f} ms, device {entry['step_device_ms']:.2f} ms, "
+        f"roofline {entry['roofline_step_ms']:.2f} ms ({entry['step_x_roofline']:.2f}x), "
+        f"{entry['kernels_per_step']:.0f} kernels"
+    )
+    lines = [
+        head,
+        "| class | ms | kernels | roofline ms (bound) | x roofline |",
+        "|---|---|---|---|---|",
+    ]
+    for cls, c in entry["classes"].items():
+        x = f"{c['x_roofline']:.2f}" if c["x_roofline"] is not None else "-"
+        lines.append(
+            f"| {cls} | {c['ms']:.3f} | {c['kernels']:.0f} | "
+            f"{c['roofline_ms']:.3f} ({c['roofline_bound']}) | {x} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny models, 4 requests (smoke test)")
+    p.add_argument("--models", default="llama,gpt-oss")
+    p.add_argument("--requests", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--warm", type=int, default=None, help="decode steps before the profile")
+    p.add_argument("--steps", type=int, default=None, help="decode steps profiled")
+    p.add_argument("--chunk", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.models = args.models.split(",")
+    args.requests = args.requests or (4 if args.tiny else 256)
+    args.prompt_len = args.prompt_len or (32 if args.tiny else 512)
+    args.warm = args.warm or (3 if args.tiny else 128)
+    args.steps = args.steps or (2 if args.tiny else 8)
+    args.chunk = args.chunk or (64 if args.tiny else 8192)
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    suffix = "h200" if args.device == "cuda" and not args.tiny else f"{args.device}_tiny"
+    args.out = args.out or str(ROOT / f"benchmarks/results/breakdown_{suffix}.json")
+    return args
+
+
+def main(argv=None) -> dict:
+    from bench_e2e import copy_bandwidth
+    from common import environment
+
+    args = parse_args(argv)
+    copy_bps, flops = copy_bandwidth(args.device), matmul_rate(args.device)
+    results = {
+        "env": {**environment(), "device": args.device},
+        "copy_GBps": copy_bps / 1e9,
+        "matmul_TFLOPs": flops / 1e12,
+        "dtype": str(args.dtype),
+        "models": [],
+    }
+    outs = [Path(args.out)]
+    if os.environ.get("OUT"):
+        outs.append(Path(os.environ["OUT"]) / Path(args.out).name)
+    for name in args.models:
+        print(f"[{name}] ...", flush=True)
+        results["models"].append(run_model(name, args, copy_bps, flops))
+        print(table(results["models"][-1]), flush=True)
+        for out in outs:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(results, indent=1, default=str))
+    print(f"saved {', '.join(map(str, outs))}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Triton kernels of the decode step's elementwise work, one launch each, with
+the signatures and rounding of their torch references (``elementwise_ref.py``):
+
+- ``rms_norm`` / ``add_rms_norm``: one program per row, fp32 statistics; the
+  residual add is fused in (the sum is rounded to the model dtype, written back
+  into ``residual`` in place, and normalised from the rounded value).
+- ``rope_qk``: one program per token rotates every q and k head in place,
+  reading cos/sin by position from the fp32 tables (no gather or cast kernels).
+- ``silu_mul``: ``silu(gate) * up`` over a concatenated ``[gate | up]`` row.
+
+Each intermediate the unfused torch formula rounds to the model dtype is
+rounded here too, so bf16 outputs agree with the references to the last bit
+up to fp32 reduction order; in fp32 they agree to ~1 ulp. Floating-point
+contraction (FMA) is left off for the same reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels._checks import check_same_device, next_pow2
+
+MAX_ROW = 65536  # widest row one rms_norm program holds in registers
+
+
+def _fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def round_bf16_in_interpreter() -> None:
+    """Triton 3.6's CPU interpreter casts fp32 to bf16 by truncation; GPUs round
+    to nearest even (``cvt.rn``). Under ``TRITON_INTERPRET=1`` make the
+    interpreter round too, so that the interpreter tests see the GPU's rounding.
+    Compiled kernels are untouched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+    if getattr(original, "_unikv_rtne", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._unikv_rtne = True
+    builder.cast_impl = cast_impl
+
+
+round_bf16_in_interpreter()
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    res,
+    w,
+    out,
+    n1,
+    sx0,
+    sx1,
+    sr0,
+    N,
+    eps,
+    offset,
+    HAS_RES: tl.constexpr,
+    W_FP32: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    dt = out.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    xv = tl.load(x + (row // n1) * sx0 + (row % n1) * sx1 + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        rv = tl.load(res + row * sr0 + cols, mask=mask, other=0.0)
+        xv = (rv.to(tl.float32) + xv.to(tl.float32)).to(dt)
+        tl.store(res + row * sr0 + cols, xv, mask=mask)
+    h = xv.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / N
+    h = h * tl.rsqrt(var + eps)
+    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    if W_FP32:
+        y = h * wv
+    else:
+        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
+    tl.store(out + row * N + cols, y.to(dt), mask=mask)
+
+
+def _norm(x, residual, weight, eps, offset, weight_in_fp32) -> torch.Tensor:
+    n = x.shape[-1]
+    assert x.stride(-1) == 1 and x.dim() in (2, 3), "rms_norm rows: 2-D or 3-D, unit last stride"
+    if weight.shape != (n,) or n > MAX_ROW:
+        raise ValueError(f"weight must be ({n},) with {n} <= {MAX_ROW}, got {tuple(weight.shape)}")
+    check_same_device(x, residual, weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = out.numel() // n
+    if rows == 0:
+        return out
+    n1, sx1 = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    block = next_pow2(n)
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out,
+        n1, x.stride(0), sx1, residual.stride(0) if residual is not None else 0,
+        n, float(eps), float(offset),
+        HAS_RES=residual is not None, W_FP32=bool(weight_in_fp32), BLOCK=block,
+        num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dim (see ``elementwise_ref.rms_norm``).
+
+    x: (T, N) or (T, H, N) float, unit stride on N (rows/heads may be strided);
+    weight: (N,); other shapes or strides are flattened to (rows, N) first.
+    Returns a new contiguous tensor of x's shape and dtype."""
+    if x.dim() in (2, 3) and x.stride(-1) == 1:
+        return _norm(x, None, weight, eps, offset, weight_in_fp32)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    return _norm(flat, None, weight, eps, offset, weight_in_fp32).view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), one pass (``elementwise_ref.add_rms_norm``).
+
+    x, residual: (T, N), one dtype, unit stride on N. ``residual`` is
+    overwritten with the sum and returned; the normed rows are a new tensor."""
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm needs x and residual of one (T, N) shape and dtype, got "
+            f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}"
+        )
+    if residual.stride(-1) != 1:
+        raise ValueError(f"residual needs unit stride on N, got strides {residual.stride()}")
+    return _norm(x, residual, weight, eps, offset, weight_in_fp32), residual
+
+
+@triton.jit
+def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
+    dt = ptr.dtype.element_ty
+    heads = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_R)
+    mask = (heads < H)[:, None] & (offs < HALF)[None, :]
+    p1 = ptr + heads.to(tl.int64)[:, None] * s_head + offs[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    a = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
+    b = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
+    tl.store(p1, a.to(dt), mask=mask)
+    tl.store(p1 + HALF, b.to(dt), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q,
+    k,
+    cos,
+    sin,
+    pos,
+    sq0,
+    sq1,
+    sk0,
+    sk1,
+    sc0,
+    HQ,
+    HK,
+    HALF,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_R)
+    mr = offs < HALF
+    dt = q.dtype.element_ty
+    c = tl.load(cos + p * sc0 + offs, mask=mr, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin + p * sc0 + offs, mask=mr, other=0.0).to(dt).to(tl.float32)
+    _rotate_heads(q + t * sq0, sq1, HQ, c, s, BLOCK_HQ, BLOCK_R, HALF)
+    _rotate_heads(k + t * sk0, sk1, HK, c, s, BLOCK_HK, BLOCK_R, HALF)
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope of q and k at ``positions``, in place (``elementwise_ref.rope_qk``).
+
+    q: (T, Hq, D), k: (T, H, D), one float dtype, unit stride on D; cos, sin:
+    (P, R/2) fp32, unit last stride; positions: (T,) int. Returns (q, k), the
+    same tensors, their first R dims of every head rotated."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"rope_qk needs q (T, Hq, D) and k (T, H, D), got {tuple(q.shape)} {tuple(k.shape)}"
+        )
+    half = cos.shape[-1]
+    if q.stride(2) != 1 or k.stride(2) != 1 or 2 * half > q.shape[2] or q.dtype != k.dtype:
+        raise ValueError(
+            f"rope_qk needs unit stride on D, one dtype and 2 * {half} rotated dims <= D; got "
+            f"q {q.stride()} {q.dtype}, k {k.stride()} {k.dtype}, D {q.shape[2]}"
+        )
+    check_same_device(q, k, cos, sin, positions)
+    if q.shape[0] == 0:
+        return q, k
+    _rope_kernel[(q.shape[0],)](
+        q, k, cos, sin, positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        q.shape[1], k.shape[1], half,
+        BLOCK_HQ=next_pow2(q.shape[1]), BLOCK_HK=next_pow2(k.shape[1]),
+        BLOCK_R=next_pow2(half), num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(gu, out, inter, s_gu, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    dt = out.dtype.element_ty
+    g = tl.load(gu + t * s_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu + t * s_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(dt).to(tl.float32)
+    tl.store(out + t * inter + offs, (a * u).to(dt), mask=mask)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2I) ``[gate | up]``, unit last stride -> new (T, I)
+    ``silu(gate) * up`` in gate_up.dtype (``elementwise_ref.silu_mul``)."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(
+            f"silu_mul needs a (T, 2I) gate|up tensor with unit last stride, got "
+            f"{tuple(gate_up.shape)} strides {gate_up.stride()}"
+        )
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block = min(SILU_BLOCK, next_pow2(inter))
+    grid = (t, triton.cdiv(inter, block))
+    _silu_mul_kernel[grid](
+        gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False
+    )
+    return out

@@ -1,0 +1,146 @@
+"""Torch references of the decode step's fused elementwise ops (``elementwise.py``
+holds the Triton kernels, with the same signatures).
+
+These are the formulas unikv's models ran unfused, op for op, so the CPU path
+stays token-exact against transformers:
+
+- ``rms_norm``: fp32 statistics; ``weight_in_fp32=False`` casts the normalised
+  row to the model dtype before the weight (Llama: ``w * h.to(dtype)``), True
+  multiplies in fp32 and casts once (gpt-oss ``(w * h).to(dtype)``, Gemma and
+  Qwen3.5 ``(h * (1 + w)).to(dtype)`` with ``offset=1``).
+- ``add_rms_norm``: the residual add in the model dtype, then ``rms_norm`` of the sum.
+- ``rope_qk``: NeoX "rotate half" rope of the first ``rotary_dim`` dims of q and
+  k, cos/sin read by position from fp32 tables and cast to the model dtype.
+- ``silu_mul``: ``silu(gate) * up`` over a concatenated gate|up GEMM output.
+
+Each returns new tensors and leaves its inputs unchanged; the Triton versions
+may update some inputs in place (stated per op), so callers use only the
+returned tensors.
+
+``ElementwiseOps`` holds one family of the four ops; ``elementwise_ops(device)``
+picks it once, by the rule of ``kernels.get_backend`` (Triton on CUDA, these
+references elsewhere), for the models to be built with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dim.
+
+    x: (..., N) float, any strides; weight: (N,) (the model dtype, or fp32).
+    Returns a new (..., N) tensor in x.dtype: ``(h * (offset + w)).to(dtype)``
+    when ``weight_in_fp32``, else ``(offset + w) * h.to(dtype)``, with
+    ``h = x * rsqrt(mean(x**2) + eps)`` in fp32."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        w = weight.float() if offset == 0.0 else offset + weight.float()
+        return (h * w).to(dtype)
+    w = weight if offset == 0.0 else offset + weight
+    return w * h.to(dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm of a residual block.
+
+    x, residual: (T, N) in one float dtype; the sum is rounded to that dtype (as
+    ``residual + x`` in the unfused model) and normalised from the rounded sum.
+    Returns (normed (T, N), new residual (T, N))."""
+    s = residual + x
+    return rms_norm(s, weight, eps, offset=offset, weight_in_fp32=weight_in_fp32), s
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope of q and k at ``positions`` (NeoX layout).
+
+    q: (T, Hq, D), k: (T, H, D), one float dtype, unit stride on D (rows and
+    heads may be strided); cos, sin: (P, R/2) fp32 tables, R = rotary_dim <= D
+    even; positions: (T,) int64 in [0, P). The first R dims of every head are
+    rotated, ``[x1 c - x2 s, x2 c + x1 s]`` in the model dtype with c, s cast to
+    it; dims R.. pass through. Returns new (q, k)."""
+    c = cos[positions].to(q.dtype)[:, None, :]  # (T, 1, R/2)
+    s = sin[positions].to(q.dtype)[:, None, :]
+    r = 2 * cos.shape[-1]
+    if r == q.shape[-1]:
+        return _rotate(q, c, s), _rotate(k, c, s)
+    q = torch.cat((_rotate(q[..., :r], c, s), q[..., r:]), dim=-1)
+    k = torch.cat((_rotate(k[..., :r], c, s), k[..., r:]), dim=-1)
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2I) float, ``[gate | up]`` along the last dim (unit stride)
+    -> new (T, I) ``silu(gate) * up`` in gate_up.dtype (silu rounded to the
+    dtype before the product, as ``F.silu(g) * u``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ElementwiseOps:
+    """The elementwise ops of one implementation family (``name``); signatures in
+    ``unikv/kernels/elementwise_ref.py``."""
+
+    name: str
+    rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul: Callable[..., torch.Tensor]
+
+
+TORCH_OPS = ElementwiseOps("torch", rms_norm, add_rms_norm, rope_qk, silu_mul)
+
+
+def elementwise_ops(device: torch.device | str, backend: str | None = None) -> ElementwiseOps:
+    """The elementwise ops for ``device``: backend None picks Triton on CUDA and
+    the torch references elsewhere; ``"triton"`` or ``"torch"`` forces one (as
+    ``kernels.get_backend``)."""
+    name = backend or ("triton" if torch.device(device).type == "cuda" else "torch")
+    if name == "torch":
+        return TORCH_OPS
+    if name != "triton":
+        raise ValueError(
+            f"backend must be None, 'triton' or 'torch', got {name!r}; "
+            "None picks Triton on CUDA and the torch references elsewhere"
+        )
+    from unikv.kernels._interpret import patch_interpreter
+
+    patch_interpreter()
+    from unikv.kernels import elementwise  # imported lazily: Triton is only needed here
+
+    e = elementwise
+    return ElementwiseOps("triton", e.rms_norm, e.add_rms_norm, e.rope_qk, e.silu_mul)
