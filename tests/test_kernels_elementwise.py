@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from unikv.kernels import elementwise_ref as ref
-from unikv.kernels.elementwise_ref import elementwise_ops
+from unikv.kernels.backend import get_backend
 
-TRITON = elementwise_ops("cpu", "triton")
+TRITON = get_backend("cpu", "triton")
 DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-5
 
@@ -176,14 +176,14 @@ def test_empty_steps_and_bad_shapes():
     with pytest.raises(ValueError, match="gate.up"):
         TRITON.silu_mul(torch.ones(2, 7))
     with pytest.raises(ValueError, match="backend must be"):
-        elementwise_ops("cpu", "cuda")
+        get_backend("cpu", "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_llama_shapes_on_cuda(dtype):
     """Llama-3.2-1B's decode shapes (B 256, hidden 2048, GQA 32/8, D 64, I 8192)."""
-    ops, dev = elementwise_ops("cuda"), "cuda"
+    ops, dev = get_backend("cuda"), "cuda"
     x, r = _randn(256, 2048, dtype=dtype).to(dev), _randn(256, 2048, dtype=dtype, seed=1).to(dev)
     w = _randn(2048, dtype=dtype, seed=2).to(dev)
     _close(ops.rms_norm(x, w, EPS).cpu(), ref.rms_norm(x, w, EPS).cpu())

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from unikv.kernels import moe, moe_ref
-from unikv.models.moe import RoutedExperts
 from unikv.kernels.mxfp4_ref import dequantize_mxfp4
+from unikv.models.moe import RoutedExperts
 
 CASES = [  # activation, gate_up, experts, top_k, hidden, intermediate, tokens
     ("silu", "concat", 3, 1, 40, 24, 5),

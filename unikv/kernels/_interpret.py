@@ -4,12 +4,16 @@ Triton 3.6's interpreter turns a scalar tensor into a Python int with
 ``int(array_of_shape_1)``, which numpy >= 2.3 rejects, so a loop like
 ``tl.range(lo, hi)`` with run-time bounds fails under the interpreter. This
 patch (applied only when the interpreter is on) converts through ``.item()``.
-Compiled kernels are untouched.
+The interpreter also casts fp32 to bf16 by truncation where GPUs round to
+nearest even (``cvt.rn``); ``_round_bf16`` makes it round, so interpreter tests
+see the GPU's rounding. Compiled kernels are untouched.
 """
 
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 
 def patch_interpreter() -> None:
@@ -28,3 +32,25 @@ def patch_interpreter() -> None:
 
     patched._unikv_patched = True
     interpreter._patch_lang_tensor = patched
+    _round_bf16(interpreter)
+
+
+def _fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def _round_bf16(interpreter) -> None:
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    builder.cast_impl = cast_impl

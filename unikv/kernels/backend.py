@@ -25,7 +25,8 @@ TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "transla
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
-OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
+OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class KernelBackend:
     mamba2_ssd: Op
     store_mla: Op
     mla_attention: Op
+    rms_norm: Op
+    add_rms_norm: Op
+    rope_qk: Op
+    silu_mul: Op
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -115,6 +120,7 @@ def _triton() -> KernelBackend:
     from unikv.kernels import (  # imported lazily: Triton is only needed here
         block_table,
         decode,
+        elementwise,
         extend,
         mla,
         page_copy,
@@ -141,11 +147,12 @@ def _triton() -> KernelBackend:
         mamba2_ssd=recurrent.mamba2_ssd,
         store_mla=mla.store_mla,
         mla_attention=mla.mla_attention,
+        **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
     )
 
 
 def _torch() -> KernelBackend:
-    from unikv.kernels import mla_ref, recurrent_ref, reference, tables_ref
+    from unikv.kernels import elementwise_ref, mla_ref, recurrent_ref, reference, tables_ref
 
     return KernelBackend(
         name="torch",
@@ -164,6 +171,7 @@ def _torch() -> KernelBackend:
         mamba2_ssd=recurrent_ref.mamba2_ssd,
         store_mla=mla_ref.store_mla,
         mla_attention=mla_ref.mla_attention,
+        **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS},
     )
 
 

@@ -16,9 +16,6 @@ contraction (FMA) is left off for the same reason.
 
 from __future__ import annotations
 
-import os
-
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -26,39 +23,6 @@ import triton.language as tl
 from unikv.kernels._checks import check_same_device, next_pow2
 
 MAX_ROW = 65536  # widest row one rms_norm program holds in registers
-
-
-def _fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 bit patterns (uint16), rounded to nearest even; NaN stays NaN."""
-    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
-
-
-def round_bf16_in_interpreter() -> None:
-    """Triton 3.6's CPU interpreter casts fp32 to bf16 by truncation; GPUs round
-    to nearest even (``cvt.rn``). Under ``TRITON_INTERPRET=1`` make the
-    interpreter round too, so that the interpreter tests see the GPU's rounding.
-    Compiled kernels are untouched."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.cast_impl
-    if getattr(original, "_unikv_rtne", False):
-        return
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
-        return original(self, src, dst_type)
-
-    cast_impl._unikv_rtne = True
-    builder.cast_impl = cast_impl
-
-
-round_bf16_in_interpreter()
 
 
 @triton.jit

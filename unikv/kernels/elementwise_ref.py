@@ -17,15 +17,11 @@ Each returns new tensors and leaves its inputs unchanged; the Triton versions
 may update some inputs in place (stated per op), so callers use only the
 returned tensors.
 
-``ElementwiseOps`` holds one family of the four ops; ``elementwise_ops(device)``
-picks it once, by the rule of ``kernels.get_backend`` (Triton on CUDA, these
-references elsewhere), for the models to be built with.
+The four ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``):
+the model is built with the backend the engine chose, once.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -108,39 +104,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     dtype before the product, as ``F.silu(g) * u``)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-@dataclass(frozen=True)
-class ElementwiseOps:
-    """The elementwise ops of one implementation family (``name``); signatures in
-    ``unikv/kernels/elementwise_ref.py``."""
-
-    name: str
-    rms_norm: Callable[..., torch.Tensor]
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    silu_mul: Callable[..., torch.Tensor]
-
-
-TORCH_OPS = ElementwiseOps("torch", rms_norm, add_rms_norm, rope_qk, silu_mul)
-
-
-def elementwise_ops(device: torch.device | str, backend: str | None = None) -> ElementwiseOps:
-    """The elementwise ops for ``device``: backend None picks Triton on CUDA and
-    the torch references elsewhere; ``"triton"`` or ``"torch"`` forces one (as
-    ``kernels.get_backend``)."""
-    name = backend or ("triton" if torch.device(device).type == "cuda" else "torch")
-    if name == "torch":
-        return TORCH_OPS
-    if name != "triton":
-        raise ValueError(
-            f"backend must be None, 'triton' or 'torch', got {name!r}; "
-            "None picks Triton on CUDA and the torch references elsewhere"
-        )
-    from unikv.kernels._interpret import patch_interpreter
-
-    patch_interpreter()
-    from unikv.kernels import elementwise  # imported lazily: Triton is only needed here
-
-    e = elementwise
-    return ElementwiseOps("triton", e.rms_norm, e.add_rms_norm, e.rope_qk, e.silu_mul)

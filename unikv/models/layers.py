@@ -7,7 +7,7 @@ to ``forward`` for each step, already planned (write locations and block
 tables translated once for the whole step). A model never sees the pool.
 
 The elementwise work (RMSNorm with the residual add, rope, SwiGLU) goes
-through one ``ElementwiseOps`` chosen once per model (``use_elementwise_ops``,
+through the elementwise ops of one ``KernelBackend`` chosen once per model (``use_elementwise_ops``,
 called by the loader): Triton kernels on CUDA, their torch references
 elsewhere; a module built without it runs the references. Attention and the
 gated MLP run one GEMM for q|k|v and one for gate|up; their weights are
@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from unikv.kernels.elementwise_ref import TORCH_OPS, ElementwiseOps
+from unikv.kernels.backend import KernelBackend, get_backend
 from unikv.models.config import ModelConfig
 from unikv.models.parallel import linear_layers, tp_size
 from unikv.models.rope import Rotary
@@ -98,7 +98,7 @@ class StateFn(Protocol):
         ...
 
 
-def use_elementwise_ops(model: nn.Module, ops: ElementwiseOps) -> None:
+def use_elementwise_ops(model: nn.Module, ops: KernelBackend) -> None:
     """Set ``ops`` on every module of ``model`` that runs elementwise ops (those
     with an ``ops`` attribute); done once, after the model is built."""
     for module in model.modules():
@@ -117,7 +117,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
-        self.ops = TORCH_OPS
+        self.ops = get_backend("cpu", "torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> normed, same shape and dtype."""
@@ -208,7 +208,7 @@ class GatedMLP(nn.Module):
             self.gate_up_proj = column(h, 2 * i, bias=bias)
             self.packed = {"gate_up_proj": ("gate_proj", "up_proj")}
         self.down_proj = row(i, h, bias=bias)
-        self.ops = TORCH_OPS
+        self.ops = get_backend("cpu", "torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""

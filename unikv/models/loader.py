@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from unikv.kernels.elementwise_ref import elementwise_ops
+from unikv.kernels.backend import get_backend
 from unikv.models.config import TEXT_DECODERS, ModelConfig, model_config_from_hf
 from unikv.models.layers import use_elementwise_ops
 from unikv.models.llama import CausalLM
@@ -266,8 +266,9 @@ def load_model(
     ``max_position_embeddings``). ``tp``: None, or a
     ``models.parallel.TensorParallel``: load only this rank's shard.
     ``kernels``: the elementwise ops, None (Triton on CUDA, torch elsewhere),
-    ``"triton"`` or ``"torch"`` (``kernels.elementwise_ref.elementwise_ops``)."""
-    ops = elementwise_ops(device, kernels)  # validated before anything is built
+    ``"triton"`` or ``"torch"``, as ``kernels.get_backend`` (whose elementwise ops the
+    modules then call)."""
+    ops = get_backend(device, kernels)  # validated before anything is built
     config, _ = load_model_config(model_dir)
     if tp is not None:
         check_tp_config(config, tp.size)
