@@ -3,7 +3,8 @@
 BPE trained here on a few sentences (the ``tokenizers`` library), wrapped in
 ``transformers.PreTrainedTokenizerFast`` with ChatML special tokens, an EOS and
 a ChatML chat template; plus a ``unikv serve`` subprocess on a free loopback
-port, always killed at the end.
+port, always killed at the end; and a scripted engine stand-in (no model, the
+test steps it) with the app on uvicorn in a thread, for the streaming path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -150,3 +153,115 @@ def metric_values(text: str, name: str) -> dict[str, float]:
                 continue  # another metric sharing the prefix
             out[rest] = float(value)
     return out
+
+
+class ScriptedGroup:
+    """A request group of ``ScriptedLLM``: ``n`` completions of ``max_tokens``."""
+
+    def __init__(self, ids: list[int], n: int, max_tokens: int, sink) -> None:
+        self.ids, self.sink, self.max_tokens = ids, sink, max_tokens
+        self.tracks = list(range(n))
+        self.num_sent = self.num_done = 0
+        self.aborted = False
+
+    @property
+    def done(self) -> bool:
+        return self.num_done == len(self.tracks)
+
+    def text(self, index: int, k: int) -> str:
+        """The text of token ``k`` of completion ``index`` (quotes, escapes, non-ASCII)."""
+        return f' p{self.ids[0]}c{index}t{k}"\\é'
+
+
+class ScriptedLoop:
+    """EngineLoop's surface for the app, with no thread and no model: the test
+    calls ``step()`` (from its own thread, as the engine thread would) to
+    publish one token for every completion of every group submitted so far."""
+
+    def __init__(self) -> None:
+        self.max_waiting = self.error = self.publish = None
+        self.running = False
+        self.groups: list[ScriptedGroup] = []
+        self._inbox: list = []
+        self.lock = threading.Lock()
+
+    def submit(self, group, bounded: bool = True):
+        with self.lock:
+            self.groups.append(group)
+        return group
+
+    def abort(self, group) -> None:
+        group.aborted = True
+
+    def call(self, fn):
+        future: Future = Future()
+        future.set_result(fn())
+        return future
+
+    def start(self) -> None:
+        self.running = True
+
+    def shutdown(self, drain: bool = False) -> None:
+        self.running = False
+
+    def step(self) -> list:
+        """Publish one step; returns its (sink, Delta) pairs."""
+        from unikv.engine.tracks import Delta
+
+        pairs = []
+        with self.lock:
+            live = [g for g in self.groups if not g.done]
+        for g in live:
+            k = g.num_sent
+            g.num_sent += 1
+            last = g.aborted or g.num_sent >= g.max_tokens
+            reason = ("abort" if g.aborted else "length") if last else None
+            for i in g.tracks:
+                pairs.append((g.sink, Delta(i, [k], g.text(i, k), None, reason)))
+            if last:
+                g.num_done = len(g.tracks)
+        self.publish(pairs)
+        return pairs
+
+
+class ScriptedLLM:
+    """What ``create_app`` reads of an LLM, with ``ScriptedLoop`` as its engine;
+    prompts are lists of token ids."""
+
+    max_model_len = 1 << 16
+
+    def __init__(self) -> None:
+        self.engine = ScriptedLoop()
+        self.prompts = self
+        self.tokenizer_lock = threading.Lock()
+
+    def token_ids(self, prompt) -> list[int]:
+        return list(prompt)
+
+    def chat(self, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """(prompt text, token ids): one id per message."""
+        return "".join(m["content"] for m in messages), [len(m["content"]) for m in messages]
+
+    def make_group(self, ids, params, *, text=None, sink=None) -> ScriptedGroup:
+        return ScriptedGroup(list(ids), params.n, params.max_tokens, sink)
+
+
+class AppThread:
+    """``app`` on uvicorn in a thread of this process, on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

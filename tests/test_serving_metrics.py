@@ -60,3 +60,35 @@ def test_hybrid_pool_gauges_count_pages_and_state_slots(tmp_path):
         assert set(metric_values(text, "unikv_subpool_live_pages").values()) == {0.0}
     finally:
         llm.engine.shutdown()
+
+
+def test_lock_free_histograms_and_counters_export_as_prometheus_client_would():
+    """The handlers' plain-int histogram against prometheus-client's own Histogram
+    fed the same values (bucket edges included), and the counters' names."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client import Histogram as PromHistogram
+
+    from unikv.serving.metrics import LATENCY_BUCKETS, ServingMetrics
+
+    ours = ServingMetrics(None, None)  # no engine: the handler figures alone
+    ref = CollectorRegistry()
+    want = PromHistogram(
+        "unikv_inter_token_latency_seconds", "x", buckets=LATENCY_BUCKETS, registry=ref
+    )
+    values = [0.0, 0.001, 0.0010001, 0.05, 0.2, 3.0, 80.0, 81.0] + list(LATENCY_BUCKETS)
+    for v in values:
+        ours.itl.observe(v)
+        want.observe(v)
+    ours.generation_tokens += 5
+    ours.finished("stop")
+    ours.finished("abort", 2)
+
+    def samples(text: str, name: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.startswith(name)]
+
+    text = generate_latest(ours.registry).decode()
+    name = "unikv_inter_token_latency_seconds"
+    assert samples(text, name) == samples(generate_latest(ref).decode(), name)
+    assert metric_values(text, "unikv_generation_tokens_total")[""] == 5
+    done = metric_values(text, "unikv_request_success_total")
+    assert done == {'{finish_reason="stop"}': 1, '{finish_reason="abort"}': 2}

@@ -14,19 +14,19 @@ field), 503 when the admission queue is full or the engine is down.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from unikv.engine.online import EngineClosed, QueueFull
 from unikv.serving import responses as rsp
 from unikv.serving.async_engine import AsyncEngine, Submission
 from unikv.serving.metrics import RequestClock, ServingMetrics
 from unikv.serving.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from unikv.serving.sse import EventStream, EventWriter, event
 
 
 def _error(message: str, kind: str, param, code: int) -> JSONResponse:
@@ -72,11 +72,14 @@ class Server:
         clock = RequestClock(self.metrics, start)
         rid = rsp.new_id("chatcmpl" if chat else "cmpl")
         prompt_tokens = sum(len(ids) for ids, _, _ in items)
-        self.metrics.prompt_tokens.inc(prompt_tokens * body.n)
+        self.metrics.prompt_tokens += prompt_tokens * body.n
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._events(sub, clock, rid, body, chat, prompt_tokens if usage else None)
-            return StreamingResponse(events, media_type="text/event-stream")
+            writer = EventWriter(
+                rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids
+            )
+            events = self._events(sub, clock, writer, body.n, prompt_tokens if usage else None)
+            return EventStream(events, on_close=lambda: self._aborted(sub))
         choices = await self._collect(request, sub, clock, body.n)
         if choices is None:
             return Response(status_code=499)  # the client went away
@@ -90,9 +93,11 @@ class Server:
         choices = rsp.Choices(n)
 
         async def gather():
-            async for prompt, delta in sub.deltas():
-                self._observe(clock, choices.index(prompt, delta), prompt, delta)
-                choices.add(prompt, delta)
+            async for batch in sub.batches():
+                now = time.perf_counter()
+                for prompt, delta in batch:
+                    self._observe(clock, prompt, delta, now)
+                    choices.add(prompt, delta)
 
         work = asyncio.ensure_future(gather())
         gone = asyncio.ensure_future(_disconnected(request))
@@ -108,51 +113,35 @@ class Server:
     def _aborted(self, sub: Submission) -> None:
         num = sub.abort()
         if num:
-            self.metrics.requests.labels("abort").inc(num)
+            self.metrics.finished("abort", num)
 
-    def _observe(self, clock: RequestClock, index: int, prompt: int, delta) -> None:
-        now = time.perf_counter()
+    @staticmethod
+    def _observe(clock: RequestClock, prompt: int, delta, now: float) -> None:
         clock.tokens((prompt, delta.index), len(delta.token_ids), now)
         if delta.finish_reason is not None:
             clock.finished(delta.finish_reason, now)
 
-    async def _events(self, sub: Submission, clock, rid: str, body, chat: bool, usage_tokens):
-        choices = rsp.Choices(body.n)
+    async def _events(self, sub: Submission, clock, writer: EventWriter, n: int, usage_tokens):
+        """The event stream: one bytes chunk per batch of deltas (each batch: what
+        arrived since the client was last written to)."""
         try:
-            async for prompt, delta in sub.deltas():
-                index = choices.add(prompt, delta)
-                self._observe(clock, index, prompt, delta)
-                chunks = _chunks(rid, body, index, delta, chat, choices)
-                for chunk in chunks:
-                    yield f"data: {json.dumps(chunk)}\n\n"
-            if usage_tokens is not None:
-                last = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion"}
-                last |= {"created": int(time.time()), "model": body.model, "choices": []}
-                last["usage"] = choices.usage(usage_tokens)
-                yield f"data: {json.dumps(last)}\n\n"
-        except RuntimeError as err:  # the engine failed mid-stream
-            error = rsp.error_body(str(err), "InternalServerError", None, 500)
-            yield f"data: {json.dumps(error)}\n\n"
+            while sub.left:
+                await sub.wait()
+                batch, now, parts = sub.take(), time.perf_counter(), []
+                for prompt, delta in batch:
+                    self._observe(clock, prompt, delta, now)
+                    parts.append(writer.write(prompt * n + delta.index, delta))
+                out = "".join(parts)
+                if out:
+                    yield out.encode()
+            if sub.error is not None:  # the engine failed mid-stream
+                error = rsp.error_body(sub.error, "InternalServerError", None, 500)
+                yield event(error).encode()
+            elif usage_tokens is not None:
+                yield writer.usage_event(usage_tokens).encode()
         finally:
             self._aborted(sub)  # no-op when every completion finished
-        yield "data: [DONE]\n\n"
-
-
-def _chunks(rid: str, body, index: int, delta, chat: bool, choices: rsp.Choices):
-    """The SSE chunks of one delta."""
-    model, as_ids = body.model, body.return_tokens_as_token_ids
-    if not chat:
-        if delta.text or delta.finish_reason is not None or delta.logprobs:
-            yield rsp.completion_chunk(rid, model, index, delta, as_ids)
-        return
-    if index not in choices.started:
-        choices.started.add(index)
-        yield rsp.chat_chunk(rid, model, index, {"role": "assistant", "content": ""})
-    lp = rsp.chat_logprobs(delta.logprobs, as_ids) if delta.logprobs else None
-    if delta.text or lp:
-        yield rsp.chat_chunk(rid, model, index, {"content": delta.text}, None, lp)
-    if delta.finish_reason is not None:
-        yield rsp.chat_chunk(rid, model, index, {}, delta.finish_reason)
+        yield b"data: [DONE]\n\n"
 
 
 async def _disconnected(request: Request) -> None:

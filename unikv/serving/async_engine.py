@@ -1,8 +1,16 @@
-"""The engine loop seen from asyncio: submissions whose deltas arrive on a queue.
+"""The engine loop seen from asyncio: submissions whose deltas arrive in batches.
 
 The loop's thread publishes each step's deltas with ONE
-``call_soon_threadsafe`` (``_dispatch`` then fans them out to the submissions'
-queues), so the event loop is woken once per step, not once per token.
+``call_soon_threadsafe`` (``_dispatch`` then appends them to their
+submissions), so the event loop is woken once per step, not once per token.
+A submission keeps a plain list and at most one waiting future: its handler
+wakes once per step at most, and takes every delta that arrived since it last
+ran (several steps' worth when it fell behind) as one batch, in arrival order:
+
+    engine thread          event loop                          handler task
+    step k: pairs  --call_soon_threadsafe-->  _dispatch: sub.push(...) -> wake
+    step k+1: pairs  ------------------------>  _dispatch: sub.push(...)
+                                                            batch = [k..., k+1...]
 """
 
 from __future__ import annotations
@@ -14,30 +22,63 @@ from unikv.engine.tracks import Delta
 
 
 class Submission:
-    """The request groups of one HTTP request (one per prompt) and the queue
-    their deltas arrive on, tagged by prompt index."""
+    """The request groups of one HTTP request (one per prompt) and the deltas
+    that arrived for them, tagged by prompt index. Event-loop thread only."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: list[tuple[int, Delta]] = []  # arrived, not yet taken
+        self._waiter: asyncio.Future | None = None
         self.groups: list = []
         self.left = 0  # completions not finished
+        self.error: str | None = None  # set when the engine failed
 
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(prompt index, Delta) until every completion has finished; an engine
-        failure raises RuntimeError."""
-        while self.left:
-            prompt, delta = await self.queue.get()
+    def push(self, prompt: int, delta: Delta) -> None:
+        """A delta of prompt ``prompt``'s group arrived (``_dispatch``)."""
+        self.items.append((prompt, delta))
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until a delta arrives (now if some did), or the submission ends."""
+        if not self.items and self.left:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    def take(self) -> list[tuple[int, Delta]]:
+        """Every (prompt index, Delta) arrived since the last take, in arrival
+        order (maybe none). An engine failure ends the submission: ``error`` says
+        why, the deltas before it are returned."""
+        batch, self.items = self.items, []
+        for k, (_, delta) in enumerate(batch):
             if delta.error is not None:
-                raise RuntimeError(f"the engine failed: {delta.error}")
+                self.error, self.left = f"the engine failed: {delta.error}", 0
+                return batch[:k]
             if delta.finish_reason is not None:
                 self.left -= 1
-            yield prompt, delta
+        return batch
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
+        """``take``'s batches until every completion has finished; an engine
+        failure raises RuntimeError (after the deltas that came before it)."""
+        while self.left:
+            await self.wait()
+            batch = self.take()
+            if batch:
+                yield batch
+        if self.error is not None:
+            raise RuntimeError(self.error)
 
     def abort(self) -> int:
         """Abort every completion not finished (a client that went away); returns
-        how many were."""
+        how many were. Deltas still in flight for it are dropped; a task in
+        ``wait`` wakes up."""
         left, self.left = self.left, 0
+        self.items = []
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if left:
             for group in self.groups:
                 if not group.done:
@@ -75,7 +116,7 @@ class AsyncEngine:
         QueueFull / EngineClosed (nothing of this request is queued then)."""
         sub = Submission(self)
         groups = [
-            self.llm.make_group(ids, params, text=text, sink=(sub.queue, i))
+            self.llm.make_group(ids, params, text=text, sink=(sub, i))
             for i, (ids, text, params) in enumerate(items)
         ]
         try:
@@ -92,9 +133,15 @@ class AsyncEngine:
         """Engine thread: hand one step's (sink, delta) pairs to the event loop."""
         aloop = self._aloop
         if aloop is not None and not aloop.is_closed():
-            aloop.call_soon_threadsafe(_dispatch, pairs)
+            try:
+                aloop.call_soon_threadsafe(_dispatch, pairs)
+            except RuntimeError:  # the event loop closed meanwhile (shutdown)
+                pass
 
 
 def _dispatch(pairs: list) -> None:
-    for (queue, prompt), delta in pairs:
-        queue.put_nowait((prompt, delta))
+    """Event loop: append each delta to its submission (a finished submission
+    that was aborted drops it)."""
+    for (sub, prompt), delta in pairs:
+        if sub.left:
+            sub.push(prompt, delta)

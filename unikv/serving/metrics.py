@@ -15,12 +15,18 @@ never sees the allocator mid-update:
 Token counters and latency histograms are observed by the HTTP handlers as the
 deltas reach them (what a client sees): prompt and generation tokens, requests
 by finish reason, time to first token, inter-token latency, end-to-end latency.
+They are plain ints and bucket lists kept by the event loop's thread (no lock
+per token), exported at scrape time under prometheus-client's names.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from bisect import bisect_left
+from itertools import accumulate
+
+from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
 LATENCY_BUCKETS += (0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -85,55 +91,90 @@ class _EngineCollector:
         )
 
 
+class Histogram:
+    """Bucket counts of one histogram, written by one thread (the event loop):
+    plain ints, no lock (prometheus-client takes two per observation)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.doc, self.bounds = name, doc, tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        counts, total = list(self.counts), self.sum  # a copy: the loop keeps writing
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        family = HistogramMetricFamily(self.name, self.doc)
+        family.add_metric([], list(zip(les, accumulate(counts))), total)
+        return family
+
+
 class ServingMetrics:
-    """The app's registry and the handler-side counters and histograms."""
+    """The app's registry and the handler-side counters and histograms.
+
+    The handlers' figures are plain ints and bucket lists updated by the event
+    loop's thread only (no lock per token) and exported at scrape time."""
 
     def __init__(self, loop, llm) -> None:
         disable_created_metrics()  # no *_created series (as vLLM)
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.prompt_tokens = Counter(
-            "unikv_prompt_tokens", "Prompt tokens of accepted completions", registry=r
-        )
-        self.generation_tokens = Counter(
-            "unikv_generation_tokens", "Generated tokens sent to clients", registry=r
-        )
-        self.requests = Counter(
-            "unikv_request_success", "Finished completions", ["finish_reason"], registry=r
-        )
-        self.ttft = Histogram(
-            "unikv_time_to_first_token_seconds",
-            "Arrival to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.prompt_tokens = 0  # of accepted completions
+        self.generation_tokens = 0  # sent to clients
+        self.requests: dict[str, int] = {}  # finished completions by finish reason
+        self.ttft = Histogram("unikv_time_to_first_token_seconds", "Arrival to first token")
         self.itl = Histogram(
-            "unikv_inter_token_latency_seconds",
-            "Time between two tokens of a completion",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            "unikv_inter_token_latency_seconds", "Time between two tokens of a completion"
         )
-        self.e2e = Histogram(
-            "unikv_e2e_request_latency_seconds",
-            "Arrival to the last token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = Histogram("unikv_e2e_request_latency_seconds", "Arrival to the last token")
+        self.registry.register(_HandlerCollector(self))
+        if loop is not None:  # None: the handler figures alone (tests)
+            self.registry.register(_EngineCollector(loop, llm))
+
+    def finished(self, reason: str, num: int = 1) -> None:
+        self.requests[reason] = self.requests.get(reason, 0) + num
+
+
+class _HandlerCollector:
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.m = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        m = self.m
+        yield CounterMetricFamily(
+            "unikv_prompt_tokens", "Prompt tokens of accepted completions", m.prompt_tokens
         )
-        r.register(_EngineCollector(loop, llm))
+        yield CounterMetricFamily(
+            "unikv_generation_tokens", "Generated tokens sent to clients", m.generation_tokens
+        )
+        done = CounterMetricFamily(
+            "unikv_request_success", "Finished completions", labels=["finish_reason"]
+        )
+        for reason, num in dict(m.requests).items():
+            done.add_metric([reason], num)
+        yield done
+        for hist in (m.ttft, m.itl, m.e2e):
+            yield hist.family()
 
 
 class RequestClock:
-    """Latency bookkeeping of one HTTP request's completions."""
+    """Latency bookkeeping of one HTTP request's completions (event loop thread)."""
 
     def __init__(self, metrics: ServingMetrics, start: float) -> None:
         self.metrics, self.start = metrics, start
         self.last: dict[tuple[int, int], float] = {}  # (prompt, index) -> last token time
 
     def tokens(self, key: tuple[int, int], num: int, now: float) -> None:
+        """``num`` tokens of completion ``key`` reached the client at ``now``."""
         if not num:
             return
         m = self.metrics
-        m.generation_tokens.inc(num)
+        m.generation_tokens += num
         last = self.last.get(key)
         if last is None:
             m.ttft.observe(now - self.start)
@@ -142,5 +183,5 @@ class RequestClock:
         self.last[key] = now
 
     def finished(self, reason: str, now: float) -> None:
-        self.metrics.requests.labels(reason).inc()
+        self.metrics.finished(reason)
         self.metrics.e2e.observe(now - self.start)

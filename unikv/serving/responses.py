@@ -31,7 +31,6 @@ class Choices:
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, tuple[str | None, object]] = {}
-        self.started: set[int] = set()  # chat choices whose role chunk was sent
 
     def index(self, prompt: int, delta: Delta) -> int:
         return prompt * self.n + delta.index

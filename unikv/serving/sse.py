@@ -1,0 +1,137 @@
+"""Server-sent events of a streamed completion, a batch of deltas at a time.
+
+The common delta (text, no logprobs, not the last) is written from a template
+pre-encoded once per request and choice: the JSON of the chunk with a sentinel
+in place of the text, split around it; only the text is encoded per delta
+(``json``'s own C string encoder). Every other delta (logprobs, a finish, a
+chat choice's first role chunk) is built as a dict by ``responses`` and dumped.
+Both give the same bytes as ``json.dumps`` of ``responses``' chunk dicts (the
+wire format is OpenAI's / vLLM's), which the tests check.
+
+Every chunk of a request carries the same ``created`` (OpenAI: "each chunk has
+the same timestamp").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from json.encoder import encode_basestring_ascii
+
+from starlette.responses import StreamingResponse
+
+from unikv.engine.tracks import Delta
+from unikv.serving import responses as rsp
+
+_SENTINEL = "\x00unikv-text\x00"
+_QUOTED = json.dumps(_SENTINEL)
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class EventWriter:
+    """The SSE chunks of one streamed request (``chat``: chat.completion.chunk).
+
+    ``write(index, delta)`` returns the event text (maybe "") of one delta of
+    choice ``index``; it also counts the completion tokens (for ``usage``).
+    """
+
+    def __init__(self, rid: str, model: str, created: int, chat: bool, as_ids: bool) -> None:
+        self.rid, self.model, self.created = rid, model, created
+        self.chat, self.as_ids = chat, as_ids
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.num_tokens = 0
+        self._templates: dict[int, tuple[str, str]] = {}
+        self._started: set[int] = set()  # chat choices whose role chunk was sent
+
+    def _template(self, index: int) -> tuple[str, str]:
+        if self.chat:
+            chunk = self._chat(index, {"content": _SENTINEL})
+        else:
+            chunk = rsp.completion_chunk(self.rid, self.model, index, Delta(index, [], _SENTINEL))
+            chunk["created"] = self.created
+        head, tail = event(chunk).split(_QUOTED)
+        self._templates[index] = head, tail
+        return head, tail
+
+    def _chat(self, index: int, delta: dict, reason=None, logprobs=None) -> dict:
+        chunk = rsp.chat_chunk(self.rid, self.model, index, delta, reason, logprobs)
+        chunk["created"] = self.created
+        return chunk
+
+    def write(self, index: int, delta: Delta) -> str:
+        self.num_tokens += len(delta.token_ids)
+        simple = delta.finish_reason is None and delta.logprobs is None
+        if simple and (not self.chat or index in self._started):
+            if not delta.text:
+                return ""
+            head, tail = self._templates.get(index) or self._template(index)
+            return head + encode_basestring_ascii(delta.text) + tail
+        return self.chat_events(index, delta) if self.chat else self.completion_event(index, delta)
+
+    def completion_event(self, index: int, delta: Delta) -> str:
+        if not (delta.text or delta.finish_reason is not None or delta.logprobs):
+            return ""
+        chunk = rsp.completion_chunk(self.rid, self.model, index, delta, self.as_ids)
+        chunk["created"] = self.created
+        return event(chunk)
+
+    def chat_events(self, index: int, delta: Delta) -> str:
+        out = []
+        if index not in self._started:
+            self._started.add(index)
+            out.append(event(self._chat(index, {"role": "assistant", "content": ""})))
+        lp = rsp.chat_logprobs(delta.logprobs, self.as_ids) if delta.logprobs else None
+        if delta.text or lp:
+            out.append(event(self._chat(index, {"content": delta.text}, None, lp)))
+        if delta.finish_reason is not None:
+            out.append(event(self._chat(index, {}, delta.finish_reason)))
+        return "".join(out)
+
+    def usage_event(self, prompt_tokens: int) -> str:
+        last = {"id": self.rid, "object": self.obj, "created": self.created}
+        last |= {"model": self.model, "choices": []}
+        done = self.num_tokens
+        last["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": prompt_tokens + done,
+        }
+        return event(last)
+
+
+class EventStream(StreamingResponse):
+    """A text/event-stream response of ``content`` (an async iterator of bytes)
+    that calls ``on_close()`` as soon as the client goes away (a task watches the
+    connection; the stream then ends at its next wake-up) and once it ends,
+    however it ends. Each chunk is one ``send``: no task group, no per-chunk
+    re-encoding (starlette's StreamingResponse adds both)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close) -> None:
+        super().__init__(content)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        watch = asyncio.ensure_future(_watch(receive, self.on_close))
+        try:
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send(start | {"headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # ASGI 2.4 servers: the client went away
+            pass
+        finally:
+            watch.cancel()
+            self.on_close()
+            await self.body_iterator.aclose()
+
+
+async def _watch(receive, on_close) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    on_close()
