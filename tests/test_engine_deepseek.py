@@ -3,7 +3,10 @@ against transformers on the same weights.
 
 The tiny models (``engine_fixtures.tiny_deepseek_config``: kv_lora_rank 24, rope 8,
 nope 12, v_head_dim 20, a dense first layer then MoE) hold one "mla" sub-pool:
-one latent row ``[c | k_rope]`` per layer and token, read in the absorbed form.
+one latent row ``[c | k_rope]`` per layer and token. Decode steps read it in the
+absorbed form; extend steps in the form the step's rule picks (``ExtendAttention.
+expands_mla``: here the prefill-only steps expand, steps mixing decodes with short
+chunks absorb). Each form forced on its own: ``tests/test_mla_expanded.py``.
 
 - greedy tokens identical to transformers' ``generate`` for 24 new tokens over a
   batch of prompts of 5, 17, 33 and 60 tokens, at page sizes 1, 4 and 16, and

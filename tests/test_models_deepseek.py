@@ -3,10 +3,13 @@
 Tiny random-init transformers models (``engine_fixtures.tiny_deepseek_config``:
 kv_lora_rank 24, rope 8, nope 12, v_head_dim 20, 4 heads, a dense first layer then
 MoE with 4 experts in 2 groups and shared experts) are saved with
-``save_pretrained`` and loaded by unikv. The step object is
-``engine_fixtures.DenseMLAStep``: the absorbed latent attention written from its
-definition, so these tests check the model (projections, rope layouts, the W_UK /
-W_UV absorption, YaRN scales, routing) against transformers' EXPANDED attention.
+``save_pretrained`` and loaded by unikv. The step objects are
+``AbsorbedStep`` (``engine_fixtures.DenseMLAStep``: the absorbed latent attention
+written from its definition) and ``ExpandedStep`` (the expanded form written from
+its definition: K/V up-projected through kv_b_proj, full-width queries), so these
+tests check the model's two branches (projections, rope layouts, the W_UK / W_UV
+absorption, the expanded queries, YaRN scales, routing) against transformers'
+attention.
 
 Variants: V2 as in the fixture (no q_lora, group-limited greedy, YaRN with
 mscale != mscale_all_dim); V2 with q_lora and greedy routing; V3 as in the
@@ -64,6 +67,40 @@ def saved(request, tmp_path_factory):
     return hf, load_model(path)
 
 
+class AbsorbedStep(DenseMLAStep):
+    """DenseMLAStep, asked for the absorbed form."""
+
+    def expands_mla(self, layer, **widths) -> bool:
+        return False
+
+
+class ExpandedStep(AbsorbedStep):
+    """The expanded form for ONE sequence, from its definition: the kept latent rows
+    (``rows[layer]``, as DenseMLAStep) up-projected per head, k = [W_UK c | k_rope],
+    v = W_UV c, causal softmax of the full queries."""
+
+    def expands_mla(self, layer, **widths) -> bool:
+        return True
+
+    def mla_expanded(self, layer, q, latent, rope, kv_b_weight, sm_scale):
+        new = torch.cat([latent, rope], dim=-1)
+        rows = torch.cat([self.rows[layer], new]) if layer in self.rows else new
+        self.rows[layer] = rows
+        (t, heads, _), rank, total = q.shape, latent.shape[1], rows.shape[0]
+        w = kv_b_weight.view(heads, -1, rank)  # (H, nope + v, rank)
+        nope = q.shape[2] - rope.shape[1]
+        k_nope = torch.einsum("hdr,lr->lhd", w[:, :nope], rows[:, :rank])
+        v = torch.einsum("hdr,lr->lhd", w[:, nope:], rows[:, :rank])
+        k_rope = rows[:, None, rank:].expand(total, heads, -1)
+        logits = torch.einsum("thd,lhd->htl", q, torch.cat([k_nope, k_rope], dim=-1))
+        visible = torch.arange(total)[None, :] <= torch.arange(total - t, total)[:, None]
+        probs = torch.softmax((logits * sm_scale).masked_fill(~visible, float("-inf")), dim=-1)
+        return torch.einsum("htl,lhd->thd", probs, v)
+
+
+STEPS = [AbsorbedStep, ExpandedStep]
+
+
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -72,14 +109,16 @@ def _forward(model, step, tokens: list[int], start: int) -> torch.Tensor:
     return model(torch.tensor(tokens), torch.arange(start, start + len(tokens)), step)
 
 
-def test_logits_match_transformers(saved):
+@pytest.mark.parametrize("step_kind", STEPS)
+def test_logits_match_transformers(saved, step_kind):
     hf, model = saved
     tokens = _tokens(40, 1)
-    err = (_forward(model, DenseMLAStep(), tokens, 0) - hf_logits(hf, tokens)).abs().max()
+    err = (_forward(model, step_kind(), tokens, 0) - hf_logits(hf, tokens)).abs().max()
     assert err < ATOL
 
 
-def test_stepwise_forward_and_cached_latents(saved):
+@pytest.mark.parametrize("step_kind", STEPS)
+def test_stepwise_forward_and_cached_latents(saved, step_kind):
     """A sequence fed in chunks (7, 13 tokens) then one token at a time: every step's
     logits equal transformers' whole-sequence logits, and the latent rows the model
     handed to the step (every layer, every position) equal transformers' own cache
@@ -87,7 +126,7 @@ def test_stepwise_forward_and_cached_latents(saved):
     hf, model = saved
     tokens = _tokens(30, 3)
     ref = hf_logits(hf, tokens)
-    step = DenseMLAStep()
+    step = step_kind()
     for a, b in itertools.pairwise([0, 7, 20, *range(21, 31)]):
         err = (_forward(model, step, tokens[a:b], a) - ref[a:b]).abs().max()
         assert err < ATOL, f"tokens [{a}, {b}): logits differ by {err}"
@@ -107,7 +146,7 @@ def test_sparse_expert_loop_matches(saved, monkeypatch):
     hf, model = saved
     monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
     tokens = _tokens(24, 2)
-    err = (_forward(model, DenseMLAStep(), tokens, 0) - hf_logits(hf, tokens)).abs().max()
+    err = (_forward(model, AbsorbedStep(), tokens, 0) - hf_logits(hf, tokens)).abs().max()
     assert err < ATOL
 
 

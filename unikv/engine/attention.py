@@ -4,10 +4,39 @@
 otherwise; the runner picks one per step from the plan. Both are the model's
 ``AttentionFn`` and, for recurrent layers (Gated DeltaNet, Mamba-2), its
 ``StateFn``: the state ops read and update each request's state slot in place
-through the layer's pool views. For MLA layers (DeepSeek-V2/V3) ``mla`` stores
-the step's latent rows and attends over the layer's latent view of the MLA
-sub-pool in the absorbed form. No layer translates, allocates or branches on the
+through the layer's pool views. No layer translates, allocates or branches on the
 device; decode attention's launch plan is the planner's (``StepPlan.decode``).
+
+MLA layers (DeepSeek-V2/V3) store the step's latent rows ``[c | k_rope]`` and attend
+in one of two forms (the same math), chosen ONCE per step on the host
+(``expands_mla``; decode steps always absorb):
+
+- absorbed (``mla``): queries come in W_UK-absorbed (rank wide) and attend over the
+  cached latent rows as one shared KV head; the model applies W_UV after.
+- expanded (``mla_expanded``, extend steps): every context row of the batch is
+  gathered from the layer's latent view with one index built once per step (the
+  block table's rows, padded to the widest request: ``B * Lmax`` rows, no host
+  sync), K_nope and V of every head come out of ONE kv_b_proj GEMM, K = [K_nope |
+  k_rope], and unikv's extend kernel attends causally over a temporary dense "pool"
+  of those rows (block table = the row offsets).
+
+The rule (``mla_prefill_costs``, host ints of the plan: T new tokens, B requests,
+the block table's span Lmax, max_q_len). Per head, in FLOPs, with P the attended
+(query, key) pairs, estimated ``T * (Lmax - max_q_len / 2)`` (exact for equal
+requests), and N = B * Lmax gathered rows:
+
+    absorbed = S * 2P(2 rank + rope) + 2T rank (nope + v)    attention + W_UK, W_UV
+    expanded = 2N rank (nope + v)    + 2P (nope + rope + v)  up-projection + attention
+
+S = ``ABSORBED_SLOWDOWN`` = 4.5, the anchor: on the H200 in bf16 a 4k fresh prefill
+of one DeepSeek-V3 layer (128 heads) took 24.6 ms absorbed (the MLA kernel at 95
+TFLOP/s) and 1.9 ms expanded (425 TFLOP/s), 13x (benchmarks/results/mla_h200.json,
+"extend"); S reproduces that ratio. (There the expanded attention was torch SDPA,
+here it is unikv's extend kernel: re-anchor S on ``benchmarks/bench_mla_prefill.py``.)
+Expanded runs when it costs less and its transient K/V (``N * H * (2 nope + rope +
+v)`` elements) fits ``EXPANDED_MAX_BYTES``. At DeepSeek-V3 widths: expanded once
+requests bring more than ~30 new tokens each over a 4k context; decodes and small
+chunks over long contexts stay absorbed.
 """
 
 from __future__ import annotations
@@ -15,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from unikv.engine.plan import StepPlan
 from unikv.kernels.backend import KernelBackend
@@ -46,6 +76,51 @@ class MLALayerCache:
     subpool: str
     latent: torch.Tensor
     page_size: int
+
+
+ABSORBED_SLOWDOWN = 4.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
+EXPANDED_MAX_BYTES = 8 << 30  # transient K/V of one expanded layer at most
+MLA_FORMS = ("absorbed", "expanded")
+
+
+def mla_prefill_costs(
+    *, num_tokens: int, num_rows: int, max_q_len: int, max_len: int,
+    heads: int, rank: int, rope: int, nope: int, v_dim: int,
+) -> tuple[float, float]:  # fmt: skip
+    """(absorbed, expanded) cost of one MLA layer's step, in absorbed-kernel-equivalent
+    FLOPs (the module docstring's rule). Host ints: num_tokens T, num_rows N = B *
+    Lmax (the rows the expanded form gathers), max_q_len, max_len Lmax."""
+    pairs = max(num_tokens * (max_len - max_q_len / 2), num_tokens)
+    absorbed = ABSORBED_SLOWDOWN * 2 * pairs * (2 * rank + rope)
+    absorbed += 2 * num_tokens * rank * (nope + v_dim)
+    expanded = 2 * num_rows * rank * (nope + v_dim) + 2 * pairs * (nope + rope + v_dim)
+    return heads * absorbed, heads * expanded
+
+
+@dataclass(frozen=True)
+class MLAContext:
+    """One step's expanded-form gather over an MLA sub-pool (built once per step).
+
+    row_ids: (B * Lmax,) int64 kernel ids (rows of every layer's latent view) of each
+    request's context positions 0..Lmax-1, request-major (rows past a request's
+    seq_len are read, clamped into the view, but never attended); block_table:
+    (B, Lmax / ps) int32 entries of the temporary dense K/V rows (request b's
+    position i is row b * Lmax + i)."""
+
+    row_ids: torch.Tensor
+    block_table: torch.Tensor
+    page_size: int
+
+    @classmethod
+    def of(cls, block_table: torch.Tensor, page_size: int, num_rows: int) -> MLAContext:
+        """From the sub-pool's (B, P) int32 block table of kernel page entries and
+        the rows of its latent views."""
+        bsz, pages = block_table.shape
+        slots = torch.arange(page_size, device=block_table.device)
+        row_ids = (block_table.long()[:, :, None] * page_size + slots).view(-1)  # (B*P*ps,)
+        row_ids.clamp_(0, num_rows - 1)
+        table = torch.arange(bsz * pages, dtype=torch.int32, device=block_table.device)
+        return cls(row_ids, table.view(bsz, pages), page_size)
 
 
 @dataclass(frozen=True)
@@ -111,13 +186,23 @@ class DecodeAttention:
 
     # -- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------
 
+    def expands_mla(self, layer, *, heads, rank, rope, nope, v_dim) -> bool:
+        """Whether this step's MLA layers run ``mla_expanded`` (host bool): never
+        for a decode step."""
+        return False
+
+    def _store_mla(self, layer, latent, rope):
+        cache = self.layers[layer]
+        step = self.plan.subpools[cache.subpool]
+        self.backend.store_mla(cache.latent, step.write_ids.data, latent, rope)
+        return cache, step
+
     def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale):
         """Store this step's latent rows of MLA ``layer`` and attend over them in the
         absorbed form. q_latent: (T, H, rank), q_rope: (T, H, rope); latent: (T, rank)
         (normalised c), rope: (T, rope) (rotated k_rope) -> (T, H, rank)."""
-        cache, plan = self.layers[layer], self.plan
-        step = plan.subpools[cache.subpool]
-        self.backend.store_mla(cache.latent, step.write_ids.data, latent, rope)
+        cache, step = self._store_mla(layer, latent, rope)
+        plan = self.plan
         return self.backend.mla_attention(
             q_latent, q_rope, cache.latent, step.block_table, plan.q_indptr, plan.seq_lens,
             max_q_len=plan.max_q_len, page_size=cache.page_size, sm_scale=sm_scale,
@@ -152,7 +237,57 @@ class DecodeAttention:
 
 
 class ExtendAttention(DecodeAttention):
-    """AttentionFn of a step with ragged new tokens (prefill chunks, mixed with decodes)."""
+    """AttentionFn of a step with ragged new tokens (prefill chunks, mixed with decodes).
+
+    mla_form: None (MLA layers take the cheaper form by ``mla_prefill_costs``),
+    "absorbed" or "expanded" (forced: tests and benchmarks); once the first MLA
+    layer asked, it holds the step's form."""
+
+    def __init__(self, layers, plan, backend, sm_scale, states=None, *, mla_form=None):
+        super().__init__(layers, plan, backend, sm_scale, states)
+        if mla_form not in (None, *MLA_FORMS):
+            raise ValueError(f"mla_form must be None or one of {MLA_FORMS}, got {mla_form!r}")
+        self.mla_form = mla_form
+        self._mla_contexts: dict[str, MLAContext] = {}
+
+    def expands_mla(self, layer, *, heads, rank, rope, nope, v_dim) -> bool:
+        """Decided on the first MLA layer's call from host ints (shapes of the plan and
+        the model's MLA widths), then kept for every layer of the step."""
+        if self.mla_form is None:
+            cache, plan = self.layers[layer], self.plan
+            table = plan.subpools[cache.subpool].block_table
+            num_rows = table.shape[0] * table.shape[1] * cache.page_size
+            absorbed, expanded = mla_prefill_costs(
+                num_tokens=plan.input_ids.shape[0], num_rows=num_rows,
+                max_q_len=plan.max_q_len, max_len=table.shape[1] * cache.page_size,
+                heads=heads, rank=rank, rope=rope, nope=nope, v_dim=v_dim,
+            )  # fmt: skip
+            nbytes = num_rows * heads * (2 * nope + rope + v_dim) * cache.latent.element_size()
+            cheaper = expanded < absorbed and nbytes <= EXPANDED_MAX_BYTES
+            self.mla_form = MLA_FORMS[cheaper]
+        return self.mla_form == "expanded"
+
+    def mla_expanded(self, layer, q, latent, rope, kv_b_weight, sm_scale):
+        """Store this step's latent rows of MLA ``layer``, then attend in the expanded
+        form over every request's context (module docstring). q: (T, H, nope + rope)
+        (q_nope | rotated q_rope); latent: (T, rank), rope: (T, rope); kv_b_weight:
+        (H * (nope + v), rank), kv_b_proj's weight -> (T, H, v) in q's dtype."""
+        cache, step = self._store_mla(layer, latent, rope)
+        ctx = self._mla_contexts.get(cache.subpool)
+        if ctx is None:  # one gather index per step and sub-pool, shared by the layers
+            ctx = self._mla_contexts[cache.subpool] = MLAContext.of(
+                step.block_table, cache.page_size, cache.latent.shape[0]
+            )
+        rank, heads, nope = latent.shape[1], q.shape[1], q.shape[2] - rope.shape[1]
+        rows = cache.latent.index_select(0, ctx.row_ids).to(q.dtype)  # (N, rank + rope)
+        kv = F.linear(rows[:, :rank], kv_b_weight).view(rows.shape[0], heads, -1)  # (N, H, nope+v)
+        k_rope = rows[:, None, rank:].expand(-1, heads, -1)  # (N, H, rope), one shared head
+        k = torch.cat([kv[..., :nope], k_rope], dim=-1)  # (N, H, nope + rope)
+        plan = self.plan
+        return self.backend.extend_attention(
+            q, k, kv[..., nope:], ctx.block_table, plan.q_indptr, plan.seq_lens,
+            max_q_len=plan.max_q_len, page_size=ctx.page_size, sm_scale=sm_scale,
+        )  # fmt: skip
 
     def __call__(self, layer, q, k, v, sinks=None):
         """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D)."""

@@ -10,10 +10,19 @@ Per layer and token the cache holds ONE latent row ``[c | k_rope]`` (MLASpec):
     rope on q's rope part and on k_rope (one shared head)
     kv_b_proj.weight viewed (H, nope + v, rank) = [W_UK ; W_UV] per head
 
-Attention runs in the absorbed form (the step's ``mla``): ``q_latent = q_nope @
-W_UK`` (T, H, rank) attends over the cached rows with logits ``q_latent . c +
-q_rope . k_rope``; its output (T, H, rank) is mapped back by W_UV, then o_proj. This
-equals transformers' expanded form (k_nope = W_UK c, v = W_UV c) up to rounding.
+Attention runs in one of two forms, the step's choice (``expands_mla``, a host
+bool made once per step: decode steps absorb; extend steps take the cheaper form
+by the cost rule of ``unikv/engine/attention.py``, anchored on the H200, where a 4k
+prefill of a DeepSeek-V3 layer ran 13x faster expanded):
+
+- absorbed (``mla``): ``q_latent = q_nope @ W_UK`` (T, H, rank) attends over the
+  cached rows with logits ``q_latent . c + q_rope . k_rope``; its output (T, H,
+  rank) is mapped back by W_UV;
+- expanded (``mla_expanded``): the step gathers the context's rows and up-projects
+  them with kv_b_proj (k_nope = W_UK c, v = W_UV c, transformers' own form); the
+  full queries ``[q_nope | q_rope]`` attend over ``[k_nope | k_rope]``.
+
+Both are the same math up to rounding; o_proj follows.
 
 - Softmax scale ``(nope + rope) ** -0.5``, times ``mscale(factor, mscale_all_dim)**2``
   for a scaled rope with ``mscale_all_dim`` (DeepSeek's YaRN; its attention factor
@@ -45,13 +54,19 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAFn(Protocol):
-    """The step object's MLA op (``unikv.engine.plan.DecodeAttention.mla``): store
-    the step's latent rows of ``layer`` and attend (absorbed form).
+    """The step object's MLA ops (``unikv.engine.attention``): store the step's
+    latent rows of ``layer`` and attend in the form ``expands_mla`` chose for the step.
 
-    q_latent: (T, H, rank), q_rope: (T, H, rope), latent: (T, rank), rope: (T, rope)
-    in the model dtype; sm_scale: the softmax scale. Returns (T, H, rank)."""
+    ``mla``: q_latent (T, H, rank), q_rope (T, H, rope), latent (T, rank), rope
+    (T, rope) in the model dtype; sm_scale: the softmax scale -> (T, H, rank).
+    ``mla_expanded``: q (T, H, nope + rope), latent, rope as above, kv_b_weight
+    (H * (nope + v), rank) -> (T, H, v)."""
+
+    def expands_mla(self, layer, *, heads, rank, rope, nope, v_dim) -> bool: ...
 
     def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale) -> torch.Tensor: ...
+
+    def mla_expanded(self, layer, q, latent, rope, kv_b_weight, sm_scale) -> torch.Tensor: ...
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -168,6 +183,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
         self.rotary = [rotary]  # shared, kept out of this module's parameters
+        self.widths = {"heads": heads, "rank": self.rank, "rope": self.rope}
+        self.widths.update(nope=self.nope, v_dim=self.v_dim)  # the step's expands_mla inputs
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: MLAFn) -> torch.Tensor:
         """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
@@ -180,6 +197,11 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # (T, rank): the cached c
         q_rope, k_rope = self.rotary[0](positions, q_rope, k_rope[:, None, :])
+        if attn.expands_mla(self.layer, **self.widths):  # a host bool, one per step
+            q = torch.cat([q_nope, q_rope], dim=-1)  # (T, H, nope + rope)
+            weight = self.kv_b_proj.weight  # (H * (nope + v), rank)
+            out = attn.mla_expanded(self.layer, q, latent, k_rope[:, 0], weight, self.sm_scale)
+            return self.o_proj(out.reshape(t, heads * self.v_dim))
         w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # (H, nope, rank), (H, v, rank)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (T, H, rank)
