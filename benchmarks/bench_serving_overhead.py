@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import itertools
 
-from unikv.engine.detokenize import IncrementalDetokenizer
+from unikv.engine.detokenize import make_detokenizer
 from unikv.engine.tracks import Delta
 
 VOCAB = 2000
@@ -68,7 +68,7 @@ def stream_texts(tokenizer, num_streams: int, num_tokens: int) -> tuple[list, fl
     out, start = [], time.perf_counter()
     for s in range(num_streams):
         ids = [(s * 7 + 13 * k) % VOCAB for k in range(num_tokens)]
-        detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], True)
+        detok = make_detokenizer(tokenizer, [1, 2, 3], True)
         out.append((ids, [detok.update([t]) for t in ids]))
     return out, (time.perf_counter() - start) / (num_streams * num_tokens) * 1e6
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from unikv.engine.detokenize import IncrementalDetokenizer, find_stop
+from unikv.engine.detokenize import find_stop, make_detokenizer
 from unikv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from unikv.engine.request import Request, Status
 
@@ -45,8 +45,8 @@ class Track:
         p = request.params
         self.group, self.index, self.request = group, index, request
         self.tokenizer = tokenizer
-        self.detok = (
-            IncrementalDetokenizer(tokenizer, request.prompt_ids, p.skip_special_tokens)
+        self.detok = (  # the Rust DecodeStream or the decode fallback, chosen here once
+            make_detokenizer(tokenizer, request.prompt_ids, p.skip_special_tokens)
             if tokenizer is not None
             else None
         )
@@ -110,7 +110,8 @@ class Track:
     def _delta(self, new: list[int], entries, finished: bool) -> Delta | None:
         text = ""
         if self.detok is not None:
-            end = len(self.text) if finished else max(self.text_sent, len(self.text) - self.hold)
+            size = len(self.detok.text) if self.text_end is None else self.text_end  # no copy
+            end = size if finished else max(self.text_sent, size - self.hold)
             text = self.detok.text[self.text_sent : end]
             self.text_sent = end
         if not (new or text or finished):
