@@ -9,6 +9,7 @@ UnifiedPool, moving frontiers, lazy compaction, one capacity oracle.
     step.py        DecodeStep and the decode step's output buffers
     mamba.py       Mamba state slots
     page_io.py     I/O hooks by virtual page (release, bind, pin, unpin)
+    prefix.py      prefix caching: shared full pages, hash chain, LRU eviction
     room.py        reserve / can_admit / compact, the shortfall callback
     bands.py       band planning, pure: needs, candidate packings, page moves
     capacity.py    the band packer (capacity oracle)
@@ -23,6 +24,7 @@ from unikv.allocator.allocator import PoolAllocator
 from unikv.allocator.capacity import BandNeed, bands_disjoint, pack_bands
 from unikv.allocator.pages import PageBook, PageState
 from unikv.allocator.parts import Parts
+from unikv.allocator.prefix import PrefixHit
 from unikv.allocator.room import Shortfall
 from unikv.allocator.step import DecodeStep
 from unikv.allocator.tables import TablePatch, TableWriter
@@ -35,6 +37,7 @@ __all__ = [
     "PageState",
     "Parts",
     "PoolAllocator",
+    "PrefixHit",
     "Shortfall",
     "TablePatch",
     "TableWriter",

@@ -15,6 +15,7 @@ The facade composes parts that own their state and never call up into it:
     requests            request slots, virtual space  room.Room           reserve, compact
     tokens.Tokens       token verbs' host half        page_io.PageIO      I/O hooks
     mamba.MambaSlots    state slots                   step.StepBuffers    decode buffers
+    prefix.PrefixCache  shared prefix pages, LRU
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.pages import PageBook
 from unikv.allocator.parts import build_parts
+from unikv.allocator.prefix import PrefixHit
 from unikv.allocator.room import Shortfall
 from unikv.allocator.step import DecodeStep
 from unikv.allocator.tables import TablePatch
@@ -100,15 +102,41 @@ class PoolAllocator:
 
     # -- allocating ---------------------------------------------------------------------
 
-    def new_request(self) -> int:
-        """Open a request slot (host int) with no tokens."""
+    def new_request(self, prefix: PrefixHit | None = None) -> int:
+        """Open a request slot (host int) with no tokens, or holding the shared
+        pages of ``prefix`` (a ``match_prefix`` hit, taken right before: its
+        ``num_tokens`` tokens; the request writes from its next page on)."""
         slot = self.parts.requests.open()
         if slot is None:
             raise ValueError(
                 f"all {self.parts.requests.max_requests} request slots are open; free a "
                 "request or raise max_requests"
             )
+        if prefix is not None:
+            self._write(self.parts.prefix.attach(slot, prefix))  # closes the slot on error
+            self._after_verb()
         return slot
+
+    def match_prefix(self, token_ids: object) -> PrefixHit:
+        """The longest run of whole cached pages holding the first tokens of
+        ``token_ids`` (1-D host ints), compared token by token; no state change.
+        Pass a prompt without its last token, so a forward is left to run."""
+        return self.parts.prefix.match(token_ids)
+
+    def cache_prefix(self, slot: int, token_ids: object) -> int:
+        """Share the full pages of request ``slot`` that hold ``token_ids`` (its
+        first tokens, 1-D host ints, <= tokens held, keys and values written or
+        enqueued): read-only from now on, kept past the request while the pool
+        has room. Returns the pages newly cached."""
+        added = self.parts.prefix.insert(slot, token_ids)
+        self._after_verb()
+        return added
+
+    @property
+    def prefix_stats(self) -> dict[str, int]:
+        """Prefix-cache counters (``prefix.PrefixStats``) and the pages cached and
+        evictable now."""
+        return self.parts.prefix.counters()
 
     def alloc_extend(
         self, slots: object, prefix_lens: object, extend_lens: object

@@ -52,21 +52,31 @@ def band_needs(
     new: Mapping[str, int],
     mode: Mode,
     transfer_held: Mapping[str, np.ndarray] | None = None,
+    reclaim: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, BandNeed]:
     """Band needs per sub-pool: occupied pages (those ``mode`` keeps in place among
     them) plus ``new[name]`` pages. ``transfer_held``: for ``Mode.AFTER``, the
-    pages each transfer fence holds (a wait on the forward fences frees the rest)."""
+    pages each transfer fence holds (a wait on the forward fences frees the rest).
+    ``reclaim``: live, unpinned pages per sub-pool counted as holes (evictable
+    prefix-cache pages)."""
     needs = {}
     for name, book in books.items():
+        gone = reclaim.get(name) if reclaim else None
         if mode is Mode.NOW:
             occupied = book.num_live + book.num_pending
-            keep = book.occupied_span()
+            if gone is None or len(gone) == 0:
+                keep = book.occupied_span()
+            else:
+                mask = book.state >= LIVE
+                mask[gone] = False
+                keep = book.occupied_span(mask)
         else:
             held = transfer_held[name] if mode is Mode.AFTER else book.state == PENDING
             mask = book.pins > 0
             mask[held] = True
             occupied = book.num_live + int((mask & (book.state == PENDING)).sum())
             keep = book.occupied_span(mask)
+        occupied -= 0 if gone is None else len(gone)
         first, last = frame.range_of(book)
         pages = occupied + new.get(name, 0)
         needs[name] = BandNeed(book.grow, book.page_bytes, first, last, pages, *keep)

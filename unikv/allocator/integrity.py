@@ -6,6 +6,7 @@ expects its name (docs/design.md section 10 lists them).
     check_pool      the buffer, the sink, each grid and view (the geometry)
     check_subpool   one sub-pool: band, states, free stack, counts, v2p/p2v
     check_requests  virtual space, request pages, windows, req_to_token
+    check_prefix    shared prefix pages: references, LRU, the hash map
     check_chain     all of them, plus bands byte-disjoint and static ranges
 """
 
@@ -17,6 +18,7 @@ import torch
 from unikv.allocator.bands import disjoint
 from unikv.allocator.capacity import bands_disjoint
 from unikv.allocator.pages import FREE, LIVE, OUT, PENDING, PageBook
+from unikv.allocator.prefix import CACHED
 from unikv.pool import INT32_LIMIT, UnifiedPool, _build_views
 
 
@@ -122,7 +124,9 @@ def check_requests(parts) -> None:
     free_ids = np.sort(vspace.free_ids())
     assert len(np.unique(free_ids)) == len(free_ids), "virtual free stack has no duplicates"
     owned = np.flatnonzero(vspace.owner >= 0)
-    assert np.array_equal(np.sort(np.r_[free_ids, owned]), np.arange(1, vspace.size)), (
+    cached = np.flatnonzero(vspace.owner == CACHED)
+    taken = np.r_[free_ids, owned, cached]
+    assert np.array_equal(np.sort(taken), np.arange(1, vspace.size)), (
         "free plus owned virtual pages cover [1, V) exactly"
     )
     assert (req.lens[~req.in_use] == 0).all(), "closed requests hold no tokens"
@@ -131,8 +135,14 @@ def check_requests(parts) -> None:
     held = cols[None, :] < npages[:, None]  # (R, max_pages)
     rows = np.broadcast_to(np.arange(req.max_requests)[:, None], held.shape)
     pages = req.pages[held]
-    assert np.array_equal(np.sort(pages), owned), "requests hold exactly the owned virtual pages"
-    assert (vspace.owner[pages] == rows[held]).all(), "each request's pages are owned by it"
+    private = vspace.owner[pages] != CACHED
+    assert np.array_equal(np.sort(pages[private]), owned), (
+        "requests hold exactly the owned virtual pages (their own ones once each)"
+    )
+    assert (vspace.owner[pages] == rows[held])[private].all(), (
+        "each request's pages are owned by it"
+    )
+    check_prefix(parts, pages[~private], cached)
     assert (vspace.column[pages] == np.broadcast_to(cols, held.shape)[held]).all(), (
         "each virtual page knows its page index in its request"
     )
@@ -157,6 +167,39 @@ def check_requests(parts) -> None:
     if roles.mamba_name is not None:
         has = parts.books[roles.mamba_name].v2p_host[1:] >= 0
         assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"
+
+
+def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
+    """The prefix cache (``prefix.py``): ``held_cached`` are the cached pages in
+    request tables (one entry per holder), ``cached`` the pages owned by the cache."""
+    prefix, vspace = parts.prefix, parts.vspace
+    counts = np.bincount(held_cached, minlength=vspace.size)
+    assert np.array_equal(prefix.refs, counts), (
+        "prefix refcount equals the request tables holding each cached page"
+    )
+    for name in parts.roles.token_names:
+        book = parts.books[name]
+        ppages = book.v2p_host[cached]
+        assert (ppages > 0).all() and (book.state[ppages] == LIVE).all(), (
+            f"{name}: cached pages are bound to LIVE pages, so never on the free stack"
+        )
+    lru = np.fromiter(prefix.lru, np.int64, len(prefix.lru))
+    assert np.array_equal(np.sort(lru), cached[prefix.refs[cached] == 0]), (
+        "evictable prefix pages are exactly the cached pages with refcount 0"
+    )
+    nodes = list(prefix.by_page.values())
+    assert sorted(prefix.by_page) == cached.tolist() and all(
+        n.page == p for p, n in prefix.by_page.items()
+    ), "the prefix hash map and the cached pages agree (one node per cached page)"
+    assert len(prefix.by_key) == len(nodes) and all(prefix.by_key.get(n.key) is n for n in nodes), (
+        "the prefix hash map and the cached pages agree (each node under its key)"
+    )
+    ids = [n.node_id for n in nodes]
+    assert len(set(ids)) == len(ids) and all(0 < i < prefix._next_id for i in ids), (
+        "prefix node ids are distinct and never reused"
+    )
+    ps = parts.roles.page_size
+    assert all(len(n.tokens) == ps for n in nodes), "each prefix node holds one page of tokens"
 
 
 def check_chain(pool: UnifiedPool, parts) -> None:

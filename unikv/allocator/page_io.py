@@ -17,6 +17,7 @@ import numpy as np
 
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import LIVE, PageBook
+from unikv.allocator.prefix import CACHED
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
 from unikv.allocator.room import Room
 from unikv.allocator.tables import TableWriter
@@ -71,6 +72,12 @@ class PageIO:
         if name == self.roles.mamba_name:
             unowned = ~self.requests.in_use[vpages - 1]
         else:
+            cached = self.vspace.owner[vpages] == CACHED
+            if cached.any():
+                raise ValueError(
+                    f"{what}: virtual pages {vpages[cached].tolist()} of {name!r} are shared "
+                    "prefix-cache pages; only a request's own pages move through I/O"
+                )
             unowned = self.vspace.owner[vpages] < 0
         if unowned.any():
             raise ValueError(

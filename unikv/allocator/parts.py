@@ -18,6 +18,7 @@ from unikv.allocator.fences import FenceQueue
 from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.page_io import PageIO
 from unikv.allocator.pages import PageBook
+from unikv.allocator.prefix import PrefixCache
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
 from unikv.allocator.room import Room, Shortfall
 from unikv.allocator.step import StepBuffers
@@ -43,6 +44,7 @@ class Parts:
     io: PageIO
     mamba: MambaSlots | None
     steps: StepBuffers
+    prefix: PrefixCache
 
 
 def build_parts(
@@ -77,7 +79,10 @@ def build_parts(
     token_books = [books[n] for n in roles.token_names]
     upload = make_uploader(pool.device)
     writer = TableWriter(requests.req_to_token, token_books, upload, backend)
-    room = Room(pool, books, requests, vspace, fences, writer, on_shortfall, max_shortfall_rounds)
+    prefix = PrefixCache(roles, requests, vspace, books, fences, writer)
+    room = Room(
+        pool, books, requests, vspace, fences, writer, on_shortfall, max_shortfall_rounds, prefix
+    )
     mamba = None
     if roles.mamba_name is not None:
         mamba = MambaSlots(pool, books[roles.mamba_name], requests, fences, room, writer)
@@ -86,9 +91,9 @@ def build_parts(
     )
     return Parts(
         roles, requests, vspace, books, fences, writer, room,
-        Tokens(roles, requests, vspace, books, fences, room, writer),
+        Tokens(roles, requests, vspace, books, fences, room, writer, prefix),
         PageIO(roles, requests, vspace, books, fences, room, writer),
-        mamba, steps,
+        mamba, steps, prefix,
     )  # fmt: skip
 
 

@@ -41,7 +41,8 @@ class VirtualSpace:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.owner = np.full(size, -1, np.int32)  # request slot owning the page, -1 free
+        # request slot owning the page; -1 free; prefix.CACHED held by the prefix cache
+        self.owner = np.full(size, -1, np.int32)
         self.column = np.zeros(size, np.int64)  # its page index inside the request
         self._stack = np.arange(size - 1, 0, -1, dtype=np.int32)  # pops 1, 2, 3, ...
         self.num_free = size - 1
@@ -58,7 +59,7 @@ class VirtualSpace:
         return pages
 
     def retire(self, pages: np.ndarray) -> None:
-        assert (self.owner[pages] >= 0).all(), "virtual space: retiring unowned pages"
+        assert (self.owner[pages] != -1).all(), "virtual space: retiring unowned pages"
         self.owner[pages] = -1
         self._stack[self.num_free : self.num_free + len(pages)] = pages[::-1]
         self.num_free += len(pages)

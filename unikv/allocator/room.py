@@ -2,11 +2,15 @@
 
 1. holes on each free stack (no band moves);
 2. ``Mode.NOW``: move frontiers over free bytes and trailing holes (no page moves);
-3. ``Mode.AFTER``: wait for the forward fences, move live pages into holes;
-4. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
+3. evict prefix-cache pages no request holds, oldest first (``prefix.py``): the
+   shortfall first, retrying 1-2;
+4. ``Mode.AFTER``: wait for the forward fences, move live pages into holes; if
+   that does not pack either, evict twice as many and retry, until none is left;
+5. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
    the joint picture, and the allocator tries again.
 
-``can_admit`` answers 2 and 3 with the same packer (``capacity.pack_bands``).
+``can_admit`` answers 2 and 4 with the same packer (``capacity.pack_bands``),
+counting every evictable page as a hole.
 Under pressure ``reserve`` waits for the fences its plan counted on, or says no;
 it never asserts on a packing that vanished (issue 16).
 """
@@ -24,6 +28,7 @@ from unikv.allocator.bands import Frame, Mode
 from unikv.allocator.compaction import compact_to
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
+from unikv.allocator.prefix import PrefixCache
 from unikv.allocator.requests import RequestTable, VirtualSpace
 from unikv.allocator.tables import TableWriter
 from unikv.pool import UnifiedPool
@@ -59,9 +64,10 @@ class Room:
         writer: TableWriter,
         on_shortfall: Callable[[Shortfall], bool] | None,
         max_rounds: int,
+        prefix: PrefixCache,
     ) -> None:
         self.pool, self.books, self.requests, self.vspace = pool, books, requests, vspace
-        self.fences, self.writer = fences, writer
+        self.fences, self.writer, self.prefix = fences, writer, prefix
         self.on_shortfall, self.max_rounds = on_shortfall, max_rounds
         self.frame = Frame(pool.sink_bytes, pool.total_bytes, pool.band_limits)
 
@@ -88,32 +94,44 @@ class Room:
             self.books[n].num_free >= k for n, k in new.items()
         )
 
-    def _needs(self, new: Mapping[str, int], mode: Mode) -> dict[str, bands.BandNeed]:
-        held = None
+    def _needs(
+        self, new: Mapping[str, int], mode: Mode, evicted: bool = False
+    ) -> dict[str, bands.BandNeed]:
+        held = reclaim = None
         if mode is Mode.AFTER:
             held = {n: self.fences.held(n, transfer_only=True) for n in self.books}
-        return bands.band_needs(self.books, self.frame, new, mode, held)
+        if evicted:  # as if every evictable prefix page were evicted
+            reclaim = {n: self.prefix.evictable_physical(n) for n in self.prefix.roles.token_names}
+        return bands.band_needs(self.books, self.frame, new, mode, held, reclaim)
 
     def can_admit(self, new: Mapping[str, int], virtual: int) -> tuple[bool, bool]:
-        """(fits now without page moves, fits after compaction)."""
-        if virtual > self.vspace.num_free:
+        """(fits now without page moves, fits after compaction); evictable prefix
+        pages count as holes (as fenced pages while a forward is in flight)."""
+        evictable = self.prefix.num_evictable
+        if virtual > self.vspace.num_free + evictable:
             return False, False
         self.drain()
-        if self._fits_free(new, 0) or self.frame.pack(self._needs(new, Mode.NOW)) is not None:
+        if virtual <= self.vspace.num_free and (
+            self._fits_free(new, 0) or self.frame.pack(self._needs(new, Mode.NOW)) is not None
+        ):
             return True, True
-        return False, self.frame.pack(self._needs(new, Mode.AFTER)) is not None
+        now = evictable and not self.fences.forward_outstanding()  # evicted pages: holes
+        if now and self.frame.pack(self._needs(new, Mode.NOW, evicted=True)) is not None:
+            return True, True
+        return False, self.frame.pack(self._needs(new, Mode.AFTER, evicted=True)) is not None
 
     def reserve(
         self, new: Mapping[str, int], virtual: int = 0, slots: np.ndarray | None = None
     ) -> bool:
         """Make each free stack hold ``new[name]`` holes (and the virtual space
-        ``virtual`` ids). False, with no page moved, when impossible. ``slots``:
-        the requests being served, which the shortfall callback must not free."""
+        ``virtual`` ids). False, with no page moved, when impossible (evictable
+        prefix pages may be gone). ``slots``: the requests being served, which
+        the shortfall callback must not free."""
         self.drain()
         if self._fits_free(new, virtual):
             return True
         for _ in range(self.max_rounds + 1):
-            if virtual <= self.vspace.num_free and (self._grow_now(new) or self._compact_for(new)):
+            if self._make_room(new, virtual):
                 assert self._fits_free(new, virtual), (
                     "reserve: a feasible plan left free stacks short"
                 )
@@ -129,6 +147,36 @@ class Room:
             if self._fits_free(new, virtual):
                 return True
         return False
+
+    def _make_room(self, new: Mapping[str, int], virtual: int) -> bool:
+        """Steps 2-4 of the module docstring; True when the free stacks hold ``new``."""
+        if virtual <= self.vspace.num_free and self._grow_now(new):
+            return True
+        batch = self._deficit(new, virtual)
+        while True:
+            if batch and self.prefix.num_evictable:
+                self.writer.write(self.prefix.evict(batch))
+                self.drain()
+                if self._fits_free(new, virtual):
+                    return True
+                if virtual <= self.vspace.num_free and self._grow_now(new):
+                    return True
+            if virtual <= self.vspace.num_free and self._compact_for(new):
+                return True
+            if not self.prefix.num_evictable:
+                return False
+            batch = max(2 * batch, 1)
+
+    def _deficit(self, new: Mapping[str, int], virtual: int) -> int:
+        """Pages to evict first, a lower bound: what holes, fence-held pages and
+        the bytes no band holds do not cover."""
+        used = sum((b.hi - b.lo) * b.page_bytes for b in self.books.values())
+        spare = self.pool.total_bytes - self.pool.sink_bytes - used
+        short = [virtual - self.vspace.num_free]
+        for name, count in new.items():
+            book = self.books[name]
+            short.append(count - book.num_free - book.num_pending - spare // book.page_bytes)
+        return max(0, *short)
 
     def _grow_now(self, new: Mapping[str, int]) -> bool:
         found = bands.candidates(self.books, self.frame, self._needs(new, Mode.NOW), new, True)

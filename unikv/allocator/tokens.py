@@ -15,6 +15,7 @@ import numpy as np
 
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
+from unikv.allocator.prefix import PrefixCache, stage_unbind
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
 from unikv.allocator.room import Room
 from unikv.allocator.tables import Part, TablePatch, TableWriter
@@ -48,9 +49,10 @@ class Tokens:
         fences: FenceQueue,
         room: Room,
         writer: TableWriter,
+        prefix: PrefixCache,
     ) -> None:
         self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
-        self.fences, self.room, self.writer = fences, room, writer
+        self.fences, self.room, self.writer, self.prefix = fences, room, writer, prefix
 
     # -- checks ---------------------------------------------------------------------
 
@@ -137,15 +139,8 @@ class Tokens:
 
     # -- freeing --------------------------------------------------------------------
 
-    def _unbind(self, name: str, vpages: np.ndarray, patch: TablePatch) -> None:
-        """Unbind the bound ones of ``vpages`` in token sub-pool ``name`` on the host;
-        stage their tombstones in ``patch``."""
-        book = self.books[name]
-        vpages = vpages[book.physical(vpages) >= 0]  # I/O or a window may have freed some
-        ppages = self.fences.unbind(book, vpages)
-        if len(ppages):
-            patch.add_tombstones(self.writer.v2p_id[name], vpages)
-            patch.add_tombstones(self.writer.p2v_id[name], ppages)
+    def _unbind(self, names: tuple[str, ...], vpages: np.ndarray, patch: TablePatch) -> None:
+        stage_unbind(self.books, names, self.fences, self.writer, vpages, patch)
 
     def stage_free_request(self, slot: int) -> TablePatch:
         """``free_request``'s token half: every page of ``slot`` unbound and retired
@@ -172,11 +167,12 @@ class Tokens:
         return patch
 
     def free_pages(self, vpages: np.ndarray) -> TablePatch:
-        """Unbind ``vpages`` (owned virtual pages) everywhere and retire them."""
+        """A request gives up ``vpages`` (its virtual pages, block order): cached
+        ones lose a reference; its own are unbound everywhere and retired."""
         patch = TablePatch()
-        for name in self.roles.token_names:
-            self._unbind(name, vpages, patch)
-        self.vspace.retire(vpages)
+        private = self.prefix.release(vpages)
+        self._unbind(self.roles.token_names, private, patch)
+        self.vspace.retire(private)
         return patch
 
     def stage_window_frees(self, slots: np.ndarray, seq: np.ndarray, patch: TablePatch) -> None:
@@ -196,7 +192,7 @@ class Tokens:
             else:  # decode: at most one page per request leaves
                 leaving = np.flatnonzero(gone)
                 vpages = self.requests.page_ids(slots[leaving], lo[leaving])
-            self._unbind(name, vpages, patch)
+            self._unbind((name,), vpages, patch)
             first[slots] = lo + gone
 
     def stage_truncate(self, slots: object, new_lens: object) -> TablePatch:
@@ -207,6 +203,13 @@ class Tokens:
         if (keep < 0).any() or (keep > self.requests.lens[slots]).any():
             raise ValueError("truncate: new_lens must lie in [0, tokens held]")
         lo, hi = -(-keep // ps), self.requests.num_pages(slots)
+        cut = keep % ps != 0  # the page keep // ps stays partly filled and is written next
+        cut[cut] = self.prefix.is_cached(self.requests.page_ids(slots[cut], keep[cut] // ps))
+        if cut.any():
+            raise ValueError(
+                f"truncate: new_lens {keep[cut].tolist()} of requests {slots[cut].tolist()} cut "
+                f"into shared prefix-cache pages (read-only); keep a multiple of {ps} tokens"
+            )
         for name, window in self.roles.windows.items():
             # the next token (position keep) is written on page keep // ps and its
             # query reads from position keep + 1 - W: kept pages from there on must

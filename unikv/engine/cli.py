@@ -40,6 +40,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine-seed", type=int, default=0, help="seeds requests that give no seed (default 0)"
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="share KV pages of common prompt prefixes (full-attention and MLA models)",
+    )
 
 
 def llm_from_args(args):
@@ -59,6 +64,7 @@ def llm_from_args(args):
         max_model_len=args.max_model_len,
         cuda_graphs=False if args.no_cuda_graphs else None,
         seed=args.engine_seed,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

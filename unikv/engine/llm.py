@@ -27,6 +27,7 @@ from unikv.engine.options import (
     check_device,
     check_dtypes,
     check_kv_cache_bytes,
+    check_prefix_caching,
     derived_seed,
     merged_eos,
     model_dir_of,
@@ -70,6 +71,9 @@ class LLM:
         backend: None (by device), "torch" or "triton".
         seed: seeds requests whose SamplingParams give none.
         debug: allocator debug mode (tombstone reads raise).
+        enable_prefix_caching: share the KV pages of common prompt prefixes
+            across requests (whole pages; full-attention and MLA models only
+            this round). Hit and eviction counters: ``llm.alloc.prefix_stats``.
         static_split: None (sub-pools share the pool's bytes, boundaries move), or
             ``{sub-pool name: fraction of the usable bytes}`` fixed at start-up,
             e.g. SGLang's hybrid default ``{"mamba": 0.9 / 1.9, "full": 1 / 1.9}``.
@@ -104,6 +108,7 @@ class LLM:
         debug: bool = False,
         tp_group=None,
         static_split: Mapping[str, float] | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         from unikv.allocator import PoolAllocator
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
@@ -132,7 +137,10 @@ class LLM:
             dtype=self.dtype,
             max_positions=self.max_model_len,
             tp=self.tp,
+            kernels=backend,  # the elementwise ops of the same backend as below
         )
+        if hasattr(self.model, "logits_dtype"):  # greedy argmax without an fp32 vocab copy
+            self.model.logits_dtype = None
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer_lock = threading.Lock()  # the engine thread decodes, callers encode
         self.eos_token_ids = merged_eos(self.config, model_dir, self.tokenizer)
@@ -140,6 +148,7 @@ class LLM:
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
         self._check_windows(configs)
+        check_prefix_caching(enable_prefix_caching, configs)
         self.backend = get_backend(self.device, backend)
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
@@ -186,6 +195,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
+            prefix_caching=enable_prefix_caching,
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -258,7 +268,7 @@ class LLM:
             self._wait_for(groups)
         else:
             self.stats = run_inline(self, groups, use_tqdm, on_step)
-        return [g.output() for g in groups]
+        return [_output_of(g) for g in groups]
 
     def chat(
         self,
@@ -280,7 +290,7 @@ class LLM:
 
     def _output(self, r: Request) -> RequestOutput:
         """The RequestOutput of one finished request (e.g. handed off by P/D)."""
-        return RequestGroup([r], None, None, self.tokenizer).output()
+        return _output_of(RequestGroup([r], None, None, self.tokenizer))
 
     def _wait_for(self, groups: list[RequestGroup]) -> None:
         left = threading.Semaphore(0)
@@ -289,6 +299,12 @@ class LLM:
             self.engine.submit(g, bounded=False)
         for _ in groups:
             left.acquire()
+
+
+def _output_of(group: RequestGroup) -> RequestOutput:
+    out = group.output()
+    out.num_cached_tokens = group.requests[0].num_cached_tokens
+    return out
 
 
 def _ignore(delta) -> None:

@@ -75,6 +75,21 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
         )
 
 
+def check_prefix_caching(enabled, configs) -> None:
+    """Prefix caching needs every sub-pool to be full attention or MLA (the
+    allocator's prefix cache shares whole pages; windows and recurrent state
+    are not cached yet)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enable_prefix_caching must be True or False, got {enabled!r}")
+    other = {c.name: c.spec.kind for c in configs if c.spec.kind not in ("full", "mla")}
+    if enabled and other:
+        raise ValueError(
+            f"enable_prefix_caching=True supports full-attention and MLA models only this "
+            f"round; this model has sub-pools {other}; leave prefix caching off "
+            "(enable_prefix_caching=False) for it"
+        )
+
+
 def model_dir_of(model_dir: str | None, model: str | None) -> str:
     if (model_dir is None) == (model is None):
         raise ValueError(

@@ -43,12 +43,14 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The result of one prompt: its token ids (and text, if it was given as
-    text) and its ``n`` completions."""
+    text), its ``n`` completions, and ``num_cached_tokens``: prompt tokens the
+    prefix cache served to completion 0 (0 with prefix caching off)."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

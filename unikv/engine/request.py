@@ -81,6 +81,7 @@ class Request:
     slot: int | None = None
     num_cached: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     finish_reason: str | None = None
     track: Any = None
 

@@ -197,4 +197,4 @@ class ModelRunner:
         reqs = batch.requests
         if all(r.plain_greedy for r in reqs):
             return logits.argmax(dim=-1), None
-        return sample_requests(reqs, logits, prev_tokens, pin=self._pin)
+        return sample_requests(reqs, logits.float(), prev_tokens, pin=self._pin)

@@ -19,6 +19,11 @@ One step (``schedule``):
    preempted and the step retried (no livelock: the pool was checked at
    start-up to hold one worst-case request alone).
 
+Prefix caching (``prefix_caching``): a waiting request opens with the
+allocator's longest cached run of whole pages of its tokens (all but the last)
+and prefills from there; its full pages are shared (``cache_prefix``) when its
+prompt is in, and again when it finishes or is preempted, so a recompute hits.
+
 ``complete`` applies the sampled tokens, frees the pages of finished requests
 and the sliding-window pages that left the window.
 """
@@ -93,6 +98,8 @@ class Scheduler:
         tables: the step planner's block-table and write-id buffers, which
             ``decode_step`` writes (``StepPlanner.tables``); None (no runner, e.g.
             a capacity simulation): decode_step makes its own.
+        prefix_caching: share full pages of prompts across requests (the pool
+            must be one the allocator's prefix cache supports).
     """
 
     def __init__(
@@ -103,8 +110,9 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         tables: StepTables | None = None,
+        prefix_caching: bool = False,
     ):
-        self.alloc, self.tables = alloc, tables
+        self.alloc, self.tables, self.prefix_caching = alloc, tables, prefix_caching
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
@@ -183,20 +191,39 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
+            self._open(r)
             n = min(budget, r.num_pending)
-            if not self._fits(r.num_pending, n):
-                return
-            r.slot = self.alloc.new_request()
-            ids = self._extend(r, n) if self._admit_state(r) else None
+            ok = self._fits(r.num_pending, n) and self._admit_state(r)
+            ids = self._extend(r, n) if ok else None
             if ids is None:
                 self.alloc.free_request(r.slot)
-                r.slot = None
+                r.slot, r.num_cached = None, 0
                 return
+            if r.num_preemptions == 0:  # the first admission's hit is the request's
+                r.num_cached_tokens = r.num_cached
             self.waiting.popleft()
             r.status = Status.RUNNING
             self.running.append(r)
             batch.add(r, n, ids)
             budget -= n
+
+    def _open(self, r: Request) -> None:
+        """A request slot for ``r``; with prefix caching it holds the cached pages
+        of ``r``'s longest cached prefix, and ``r.num_cached`` counts them."""
+        if not self.prefix_caching:
+            r.slot = self.alloc.new_request()
+            return
+        hit = self.alloc.match_prefix(r.token_slice(0, r.seq_len - 1))
+        r.slot = self.alloc.new_request(prefix=hit)
+        r.num_cached = hit.num_tokens
+
+    def _cache(self, r: Request) -> None:
+        """Share the full pages holding ``r``'s cached tokens (known ones: a
+        ``Pending`` placeholder and what follows it stay out)."""
+        if self.prefix_caching:
+            ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
+            unknown = np.flatnonzero(ids < 0)
+            self.alloc.cache_prefix(r.slot, ids[: unknown[0]] if len(unknown) else ids)
 
     def _fits(self, num_tokens: int, chunk: int) -> bool:
         """Capacity oracle: can a request needing ``num_tokens`` more tokens, written
@@ -222,6 +249,7 @@ class Scheduler:
 
     def _preempt(self, r: Request) -> None:
         """Recompute preemption: free every page, keep the tokens, requeue first."""
+        self._cache(r)
         self.alloc.free_request(r.slot)
         self.running.remove(r)
         r.slot, r.num_cached, r.status = None, 0, Status.WAITING
@@ -235,6 +263,7 @@ class Scheduler:
         in-flight step still uses are fenced by the allocator). Its outputs stay;
         a placeholder left by the step in flight is resolved as usual."""
         if r.status is Status.RUNNING:
+            self._cache(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
@@ -273,6 +302,7 @@ class Scheduler:
             if r.resolve(len(r.output_ids) - 1, tokens[i]):
                 finished.append(r)
                 if r.status is Status.RUNNING:
+                    self._cache(r)
                     self.alloc.free_request(r.slot)
                     self.running.remove(r)
                 elif r.status is Status.WAITING:  # preempted meanwhile
@@ -288,6 +318,8 @@ class Scheduler:
         appended = 0
         for r, n, token in zip(batch.requests, batch.num_new, tokens):
             r.num_cached += n
+            if self.prefix_caching and r.num_cached - n < len(r.prompt_ids) <= r.num_cached:
+                self._cache(r)  # the prompt is in: later requests may share it now
             if r.num_cached == len(r.prompt_ids) + len(r.output_ids):
                 r.append(token)
                 appended += 1
@@ -295,6 +327,7 @@ class Scheduler:
                     finished.append(r)
         self.num_appended = appended  # sampled tokens this step took (for counters)
         for r in finished:
+            self._cache(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED

@@ -1,0 +1,165 @@
+"""Prefix caching: the same workloads with and without ``enable_prefix_caching``.
+
+Model: the Llama-3.2-1B shape of ``bench_e2e.py`` (random init, bf16 on CUDA;
+``--tiny``: its few-KB version, fp32, a CPU smoke test of this script).
+
+Workloads (random token ids, fixed seed, greedy, EOS ignored):
+- ``system``: ``--requests`` requests, one shared ``--system-len``-token system
+  prompt (2048) plus a ``--suffix-len``-token user suffix (32) each, all at t0;
+- ``chat``: ``--conversations`` conversations of ``--turns`` turns; each turn's
+  prompt is the previous turn's prompt and answer plus a new ``--message-len``
+  -token message; one ``generate`` per turn over every conversation.
+
+Both runs start with a cold cache (a warm-up over other prompts compiles every
+step shape first). The tokens of the two runs are compared before any figure
+is reported (a mismatch is an error, not a result). Reported per workload and
+run: prefix hit rate (hit tokens / looked-up tokens), prefill tokens saved,
+TTFT p50/p99, output tokens/s and wall time; and the ratios cache / no cache.
+Saved as JSON (``--out``).
+
+Usage: ``python benchmarks/bench_prefix.py --device cuda [--out results.json]``;
+``python benchmarks/bench_prefix.py --tiny`` on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_e2e import _free, _StepClock, latency, make_prompts, save_model
+
+
+def _llm(path: Path, args, caching: bool, max_len: int, n: int):
+    from unikv.engine import LLM
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.pool import pool_bytes_for, worst_case_pages
+
+    configs = specs_from_hf_config(path, page_size=args.page_size, dtype=args.dtype)
+    pages = {
+        c.name: n * worst_case_pages(c.spec, c.page_size, max_len, args.chunk) for c in configs
+    }
+    return LLM(
+        str(path), device=args.device, dtype=args.dtype, page_size=args.page_size,
+        kv_cache_bytes=int(pool_bytes_for(configs, pages) * 1.25), max_num_seqs=n,
+        max_num_batched_tokens=args.chunk, max_model_len=max_len,
+        enable_prefix_caching=caching,
+    )  # fmt: skip
+
+
+def _timed(llm, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
+    from unikv.engine import SamplingParams
+
+    clock = _StepClock()
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_step=clock
+    )
+    wall = time.perf_counter() - clock.t0
+    ttft = [times[0] - clock.t0 for times in clock.stamps.values()]
+    made = sum(len(o.output_ids) for o in outputs)
+    res = {"seconds": wall, "output_tokens": made, "ttft": ttft}
+    res["cached_tokens"] = sum(o.num_cached_tokens for o in outputs)
+    return [o.output_ids for o in outputs], res
+
+
+def _system_turns(args, vocab: int) -> list[list[list[int]]]:
+    system = make_prompts(1, args.system_len, vocab, seed=1)[0]
+    suffixes = make_prompts(args.requests, args.suffix_len, vocab, seed=2)
+    return [[system + s for s in suffixes]]
+
+
+def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[list, dict]:
+    """One workload on a fresh LLM; (tokens of every turn, figures)."""
+    chat = workload == "chat"
+    n = args.conversations if chat else args.requests
+    if chat:
+        max_len = args.turns * (args.message_len + args.new_tokens) + 8
+    else:
+        max_len = args.system_len + args.suffix_len + args.new_tokens + 8
+    llm = _llm(path, args, caching, max_len, n)
+    warm = make_prompts(n, min(64, max_len // 2), vocab, seed=99)
+    llm.generate(warm, None)  # compile every step shape (other tokens: the cache stays cold)
+    before = dict(llm.alloc.prefix_stats)
+    tokens, ttft, seconds, made = [], [], 0.0, 0
+    turns = _system_turns(args, vocab) if not chat else None
+    history = [[] for _ in range(n)]
+    for t in range(args.turns if chat else 1):
+        if chat:
+            messages = make_prompts(n, args.message_len, vocab, seed=10 + t)
+            prompts = [h + m for h, m in zip(history, messages)]
+        else:
+            prompts = turns[0]
+        out, res = _timed(llm, prompts, args.new_tokens)
+        tokens.append(out)
+        history = [p + o for p, o in zip(prompts, out)]
+        ttft += res["ttft"]
+        seconds += res["seconds"]
+        made += res["output_tokens"]
+    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.prefix_stats.items()}
+    figures = {
+        "hit_rate": stats["hit_tokens"] / max(stats["query_tokens"], 1),
+        "prefill_tokens_saved": stats["hit_tokens"],
+        "evicted_pages": stats["evicted_pages"],
+        "seconds": seconds,
+        "output_tokens_per_s": made / seconds,
+        "preemptions": llm.scheduler.num_preemptions,
+        **latency(ttft, []),
+    }
+    del llm
+    _free()
+    return tokens, figures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny model and workloads (CPU)")
+    p.add_argument("--workloads", default="system,chat")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--system-len", type=int, default=2048)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--message-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.requests, args.system_len, args.suffix_len = 6, 64, 8
+        args.conversations, args.turns, args.message_len, args.new_tokens = 3, 3, 8, 8
+        args.page_size, args.chunk = 4, 64
+    args.dtype = torch.bfloat16 if args.device == "cuda" and not args.tiny else torch.float32
+    results = {"args": {k: str(v) for k, v in vars(args).items()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "llama"
+        save_model("llama", path, args.device, args.dtype, args.tiny)
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        for workload in args.workloads.split(","):
+            off_tokens, off = run(path, args, False, workload, vocab)
+            on_tokens, on = run(path, args, True, workload, vocab)
+            if on_tokens != off_tokens:
+                raise SystemExit(f"{workload}: tokens with the prefix cache differ from without")
+            ratio = {
+                "output_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+                "ttft_p50": on["ttft_p50_ms"] / off["ttft_p50_ms"],
+            }
+            results[workload] = {"no_cache": off, "cache": on, "cache_over_no_cache": ratio}
+            print(workload, json.dumps(results[workload], indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

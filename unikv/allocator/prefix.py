@@ -1,0 +1,286 @@
+"""Prefix caching: full pages of a prompt shared by reference across requests.
+
+    block i of a request = tokens [i*ps, (i+1)*ps) = virtual page pages[r, i]
+    key(i)  = hash((key(i-1), block tokens)),  key(-1) = 0
+    node    = (node id, parent node id, key, virtual page, block tokens)
+
+A page is *cached* once ``cache_prefix`` gave it to the cache: its virtual
+space owner becomes ``CACHED``, ``refs[page]`` counts the request tables that
+hold it, and the page is never written again (a hit covers whole pages only; a
+request writes its own next page; ``truncate`` refuses to cut into one). At
+``refs == 0`` the page is *evictable*: in ``lru``, oldest first, deepest block
+first within one release, so leaves go before their parents. Eviction unbinds
+it everywhere (fenced like any free), retires the virtual page and drops its
+node. A hit never trusts a hash: each block's tokens are compared, and each
+node names its parent by node id (ids are never reused), so a node found by a
+colliding key, or one whose parent was evicted, does not match.
+
+Pools with a sliding-window or a Mamba sub-pool are refused (full attention and
+MLA only this round).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from unikv.allocator.fences import FenceQueue
+from unikv.allocator.pages import PageBook
+from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
+from unikv.allocator.tables import TablePatch, TableWriter
+
+CACHED = -2  # VirtualSpace.owner of a page the prefix cache holds
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached pages of the longest cached prefix of some tokens.
+
+    pages: (k,) host int32 virtual pages of blocks 0..k-1; nodes: (k,) host
+    int64 node ids (a hit is stale once one of them is evicted); num_tokens:
+    k * page_size; num_query_tokens: the tokens looked up."""
+
+    pages: np.ndarray
+    nodes: np.ndarray
+    num_tokens: int
+    num_query_tokens: int
+
+
+@dataclass
+class PrefixStats:
+    """Counters since construction (host ints)."""
+
+    queries: int = 0  # requests opened with a prefix lookup
+    query_tokens: int = 0  # tokens those lookups covered
+    hit_tokens: int = 0  # of them, tokens served from cached pages
+    cached_pages: int = 0  # pages given to the cache
+    evicted_pages: int = 0  # cached pages evicted
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Node:
+    node_id: int
+    parent_id: int
+    key: int
+    page: int
+    tokens: np.ndarray = field(repr=False)  # (ps,) int64
+
+
+def stage_unbind(
+    books: dict[str, PageBook],
+    names: tuple[str, ...],
+    fences: FenceQueue,
+    writer: TableWriter,
+    vpages: np.ndarray,
+    patch: TablePatch,
+) -> None:
+    """Unbind the bound ones of ``vpages`` (host int32) in token sub-pools
+    ``names`` on the host (fenced); stage their tombstones in ``patch``."""
+    for name in names:
+        book = books[name]
+        bound = vpages[book.physical(vpages) >= 0]  # I/O or a window may have freed some
+        ppages = fences.unbind(book, bound)
+        if len(ppages):
+            patch.add_tombstones(writer.v2p_id[name], bound)
+            patch.add_tombstones(writer.p2v_id[name], ppages)
+
+
+class PrefixCache:
+    """The hash chain of cached pages, their reference counts and the LRU."""
+
+    def __init__(
+        self,
+        roles: Roles,
+        requests: RequestTable,
+        vspace: VirtualSpace,
+        books: dict[str, PageBook],
+        fences: FenceQueue,
+        writer: TableWriter,
+    ) -> None:
+        self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
+        self.fences, self.writer = fences, writer
+        self.refs = np.zeros(vspace.size, np.int32)  # request tables holding each cached page
+        self.by_key: dict[int, _Node] = {}
+        self.by_page: dict[int, _Node] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
+        self.stats = PrefixStats()
+        self._next_id = 1  # node id 0 is the root
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.lru)
+
+    def check_supported(self, what: str) -> None:
+        roles = self.roles
+        if roles.owner is None or roles.windows or roles.mamba_name is not None:
+            kinds = {n: b.name for n, b in self.books.items()}
+            raise ValueError(
+                f"{what}: prefix caching supports pools of full-attention or MLA sub-pools "
+                f"only; this pool has {list(kinds)} (windows {roles.windows}, Mamba "
+                f"{roles.mamba_name!r}); turn prefix caching off for this model"
+            )
+
+    def counters(self) -> dict[str, int]:
+        return {**self.stats.as_dict(), "pages": len(self.by_page), "evictable": len(self.lru)}
+
+    def tokens(self, token_ids: object, what: str) -> np.ndarray:
+        """``token_ids`` (a 1-D host sequence, array or CPU tensor of ints) as int64,
+        or ValueError; also refuses pools this cache does not support."""
+        self.check_supported(what)
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.detach().cpu().numpy()
+        array = np.asarray(token_ids)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise ValueError(f"{what}: token_ids must be a 1-D list of ints, got {token_ids!r}")
+        return array.astype(np.int64)
+
+    def _find(self, parent_key: int, parent_id: int, block: np.ndarray) -> tuple[int, _Node | None]:
+        """(key of ``block`` under its parent, the node caching it or None)."""
+        key = hash((parent_key, block.tobytes()))
+        node = self.by_key.get(key)
+        if node is not None and (
+            node.parent_id != parent_id or not np.array_equal(node.tokens, block)
+        ):
+            node = None  # a colliding key or an orphan: never trust the hash
+        return key, node
+
+    def match(self, token_ids: object) -> PrefixHit:
+        """The longest cached run of whole blocks of ``token_ids`` (no state change)."""
+        tokens = self.tokens(token_ids, "match_prefix")
+        ps, key, parent, found = self.roles.page_size, 0, 0, []
+        for i in range(len(tokens) // ps):
+            key, node = self._find(key, parent, tokens[i * ps : (i + 1) * ps])
+            if node is None:
+                break
+            found.append(node)
+            parent = node.node_id
+        pages = np.array([n.page for n in found], np.int32)
+        nodes = np.array([n.node_id for n in found], np.int64)
+        return PrefixHit(pages, nodes, len(found) * ps, len(tokens))
+
+    def attach(self, slot: int, hit: PrefixHit) -> TablePatch:
+        """Give the empty request ``slot`` the pages of ``hit``: host state now, the
+        req_to_token writes staged in the returned patch. On a bad hit the slot
+        is closed again and ValueError raised."""
+        if not isinstance(hit, PrefixHit):
+            self.requests.close(slot)
+            raise TypeError(f"new_request: prefix must be a PrefixHit or None, got {hit!r}")
+        pages, count = hit.pages, len(hit.pages)
+        live = [self.by_page.get(int(p)) for p in pages]
+        if any(n is None or n.node_id != i for n, i in zip(live, hit.nodes.tolist())):
+            self.requests.close(slot)
+            raise ValueError(
+                "new_request: the prefix hit is stale (a page it names was evicted since "
+                "match_prefix); call match_prefix again right before new_request"
+            )
+        self.stats.queries += 1
+        self.stats.query_tokens += hit.num_query_tokens
+        self.stats.hit_tokens += hit.num_tokens
+        patch = TablePatch()
+        if count == 0:
+            return patch
+        self.requests.pages[slot, :count] = pages
+        self.requests.lens[slot] = hit.num_tokens
+        np.add.at(self.refs, pages, 1)
+        for page in pages.tolist():
+            self.lru.pop(page, None)
+        positions = np.arange(hit.num_tokens, dtype=np.int64)
+        rows = np.full(hit.num_tokens, slot, np.int64)
+        flat = rows * self.requests.max_context + positions
+        patch.add(TableWriter.REQ_TO_TOKEN, flat, self.requests.token_ids(rows, positions))
+        return patch
+
+    def insert(self, slot: int, token_ids: object) -> int:
+        """Cache the full pages of request ``slot`` that hold ``token_ids`` (its
+        first tokens) and are not cached yet; returns the pages newly cached."""
+        tokens = self.tokens(token_ids, "cache_prefix")
+        slot = int(self.requests.check_slots(np.array([slot]), "cache_prefix")[0])
+        if len(tokens) > self.requests.lens[slot]:
+            raise ValueError(
+                f"cache_prefix: {len(tokens)} token ids but request {slot} holds "
+                f"{int(self.requests.lens[slot])} tokens; pass at most those"
+            )
+        ps, key, parent, added = self.roles.page_size, 0, 0, 0
+        for i in range(len(tokens) // ps):
+            block = tokens[i * ps : (i + 1) * ps]
+            key, node = self._find(key, parent, block)
+            if node is None:
+                node = self._new_node(int(self.requests.pages[slot, i]), key, parent, block)
+                if node is None:
+                    break
+                added += 1
+            parent = node.node_id  # cached already: this request's page or another's
+        self.stats.cached_pages += added
+        return added
+
+    def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> _Node | None:
+        """Give ``page`` to the cache under ``key``; None when the key is held by a
+        node still referenced, or the page is cached already (under another chain)."""
+        stale = self.by_key.get(key)
+        if stale is not None and not self._drop_evictable(stale.page):
+            return None  # an orphan or a collision holds the key
+        if self.vspace.owner[page] == CACHED:
+            return None
+        node = _Node(self._next_id, parent, key, page, block.copy())
+        self._next_id += 1
+        self.by_key[key] = self.by_page[page] = node
+        self.vspace.owner[page] = CACHED
+        self.refs[page] = 1
+        return node
+
+    def _drop_evictable(self, page: int) -> bool:
+        """Evict one evictable page now (its tombstones written); False if it is not."""
+        if page not in self.lru:
+            return False
+        self.lru.move_to_end(page, last=False)
+        self.writer.write(self.evict(1))
+        return True
+
+    def release(self, vpages: np.ndarray) -> np.ndarray:
+        """A request gives up ``vpages`` (host int32, block order): cached ones lose a
+        reference (evictable at none, deepest first); returns the private ones."""
+        cached = self.vspace.owner[vpages] == CACHED
+        if not cached.any():
+            return vpages
+        shared = vpages[cached]
+        np.subtract.at(self.refs, shared, 1)
+        for page in shared[::-1].tolist():
+            if self.refs[page] == 0:
+                self.lru[page] = None
+        return vpages[~cached]
+
+    def is_cached(self, vpages: np.ndarray) -> np.ndarray:
+        return self.vspace.owner[vpages] == CACHED
+
+    def evict(self, count: int) -> TablePatch:
+        """Evict the ``count`` oldest evictable pages (at most all): unbound
+        everywhere (fenced), virtual pages retired, nodes dropped; the tombstones
+        are staged in the returned patch."""
+        count = min(count, len(self.lru))
+        pages = np.array([self.lru.popitem(last=False)[0] for _ in range(count)], np.int32)
+        patch = TablePatch()
+        if count == 0:
+            return patch
+        stage_unbind(self.books, self.roles.token_names, self.fences, self.writer, pages, patch)
+        for page in pages.tolist():
+            node = self.by_page.pop(page)
+            del self.by_key[node.key]
+        self.vspace.retire(pages)
+        self.stats.evicted_pages += count
+        return patch
+
+    def evictable_physical(self, name: str) -> np.ndarray:
+        """Physical pages of ``name`` that evicting every evictable page would free
+        (host int64; unpinned ones only)."""
+        book = self.books[name]
+        if not self.lru:
+            return np.zeros(0, np.int64)
+        ppages = book.physical(np.fromiter(self.lru, np.int32, len(self.lru))).astype(np.int64)
+        ppages = ppages[ppages > 0]
+        return ppages[book.pins[ppages] == 0]
