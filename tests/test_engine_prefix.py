@@ -96,3 +96,16 @@ def test_sliding_window_models_are_refused(tmp_path):
         LLM(str(tmp_path), device="cpu", max_model_len=64, enable_prefix_caching=True)
     with pytest.raises(TypeError, match="True or False"):
         LLM(str(tmp_path), device="cpu", max_model_len=64, enable_prefix_caching="yes")
+
+
+def test_llm_stats_count_the_hits_each_generate_made(tiny):
+    """``llm.stats`` after a ``generate`` carries that call's prefix hits: the sum
+    of its outputs' ``num_cached_tokens`` (an independent per-request count)."""
+    path, _ = tiny
+    llm = _llm(path, 4, True)
+    prompts = _prompts(4)
+    params = SamplingParams(max_tokens=4)
+    llm.generate(prompts, params)
+    again = llm.generate(prompts, params)
+    assert llm.stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in again) > 0
+    assert llm.stats.prefix_query_tokens == sum(len(p) - 1 for p in prompts)

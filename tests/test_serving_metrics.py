@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 
 import pytest
-from engine_fixtures import one_thread, save_tiny_hybrid  # noqa: F401  (a fixture)
+from engine_fixtures import one_thread, save_tiny_hybrid, save_tiny_model  # noqa: F401
 from serving_fixtures import metric_values
 
 from unikv.engine import LLM, SamplingParams
@@ -92,3 +92,24 @@ def test_lock_free_histograms_and_counters_export_as_prometheus_client_would():
     assert metric_values(text, "unikv_generation_tokens_total")[""] == 5
     done = metric_values(text, "unikv_request_success_total")
     assert done == {'{finish_reason="stop"}': 1, '{finish_reason="abort"}': 2}
+
+
+def test_prefix_cache_counters_reach_metrics(tmp_path):
+    """/metrics exports the allocator's prefix-cache counters: after the same
+    prompt twice, the hit tokens equal the second request's num_cached_tokens."""
+    from prometheus_client import generate_latest
+
+    from unikv.serving.metrics import ServingMetrics
+
+    save_tiny_model("llama", str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=64, max_num_seqs=2,
+              enable_prefix_caching=True)  # fmt: skip
+    metrics = ServingMetrics(llm.engine, llm)
+    prompt = list(range(10, 23))  # 13 tokens: 3 whole pages of 4
+    params = SamplingParams(max_tokens=3)
+    llm.generate([prompt], params)
+    second = llm.generate([prompt], params)[0]
+    text = generate_latest(metrics.registry).decode()
+    hits = metric_values(text, "unikv_prefix_cache_hit_tokens_total")[""]
+    assert hits == second.num_cached_tokens == 12
+    assert metric_values(text, "unikv_prefix_cache_pages")[""] >= 3

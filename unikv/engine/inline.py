@@ -18,6 +18,9 @@ class Stats:
     preemptions: int = 0
     seconds: float = 0.0
     peak_pages: dict[str, int] = field(default_factory=dict)
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it
+    prefix_evicted_pages: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -34,6 +37,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     stats.peak_pages = {name: 0 for name in llm.pool.subpools}
     sched = llm.scheduler
     preempted_before = sched.num_preemptions
+    prefix_before = llm.alloc.prefix_stats
     bar = None
     if use_tqdm:
         from tqdm import tqdm
@@ -57,6 +61,9 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
         loop.on_step = loop.on_schedule = None
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
+    prefix = llm.alloc.prefix_stats
+    for key in ("hit_tokens", "query_tokens", "evicted_pages"):
+        setattr(stats, f"prefix_{key}", prefix[key] - prefix_before[key])
     if bar is not None:
         bar.close()
     return stats

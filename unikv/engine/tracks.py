@@ -171,4 +171,5 @@ class RequestGroup:
             self.prompt,
             list(self.requests[0].prompt_ids),
             [t.completion() for t in self.tracks],
+            self.requests[0].num_cached_tokens,
         )

@@ -11,6 +11,7 @@ never sees the allocator mid-update:
     unikv_pool_bytes                          the pool's byte budget
     unikv_num_requests_running / _waiting
     unikv_num_preemptions_total
+    unikv_prefix_cache_{hit,query}_tokens_total, _evicted_pages_total, _pages
 
 Token counters and latency histograms are observed by the HTTP handlers as the
 deltas reach them (what a client sees): prompt and generation tokens, requests
@@ -50,6 +51,7 @@ def engine_snapshot(llm) -> dict:
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
+        "prefix": llm.alloc.prefix_stats,
     }
 
 
@@ -88,6 +90,18 @@ class _EngineCollector:
         )
         yield CounterMetricFamily(
             "unikv_num_preemptions", "Requests preempted (recompute)", snap["preemptions"]
+        )
+        prefix = snap["prefix"]
+        for key, text in (
+            ("hit_tokens", "Prompt tokens served from the prefix cache"),
+            ("query_tokens", "Prompt tokens looked up in the prefix cache"),
+            ("evicted_pages", "Prefix-cache pages evicted"),
+        ):
+            yield CounterMetricFamily(f"unikv_prefix_cache_{key}", text, prefix[key])
+        yield GaugeMetricFamily(
+            "unikv_prefix_cache_pages",
+            "Pages the prefix cache holds (evictable included)",
+            prefix["pages"],
         )
 
 
