@@ -1,14 +1,29 @@
 """Shared pieces of the engine's GPU tests (``-m gpu``): seeded prompts,
 transformers' models on the GPU (eager attention: its SDPA path drops Gemma-2's
-soft-capping; eager experts), teacher-forced logits, and the per-token record of
-a bf16 run against transformers in bf16 and fp32."""
+soft-capping; eager experts), teacher-forced logits, the per-token record of a
+bf16 run against transformers in bf16 and fp32, and what makes the GPU suite fit
+the device budget:
+
+- ``References``: one transformers model per (checkpoint, dtype) and its greedy
+  tokens per prompt, computed once per test module and reused by every test of
+  that checkpoint (the same weights and prompts give the same oracle);
+- ``gpu_llm``: an ``LLM`` on CUDA with the tests' shapes whose pool holds every
+  request at once (``roomy_bytes``, the CPU default rule) instead of 90 % of the
+  H200's free memory, which is ~10^8 pages of a tiny model at page size 1 (GBs of
+  host and device page tables per LLM) and leaves nothing for a second process.
+"""
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
 from engine_fixtures import VOCAB
+
+from unikv.engine.demo import hf_greedy
+
+MAX_NUM_SEQS, MAX_MODEL_LEN, CHUNK = 8, 256, 32
 
 
 def seeded_prompts(lens: list[int], seed: int = 7) -> list[list[int]]:
@@ -24,6 +39,145 @@ def hf_model(path: str, dtype: torch.dtype):
         path, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
     )
     return model.cuda().eval()
+
+
+class References:
+    """transformers' side of one checkpoint, built lazily and kept: ``model(dtype)``
+    loads once per dtype (with ``load(path, dtype)``, default ``hf_model``), and
+    ``greedy(prompts, n, dtype)`` runs ``hf_greedy`` once per (dtype, prompt, n).
+    ``close()`` frees the models (module teardown)."""
+
+    def __init__(self, path: str, load=hf_model) -> None:
+        self.path, self._load = path, load
+        self._models: dict[torch.dtype, object] = {}
+        self._greedy: dict[tuple, list[int]] = {}
+
+    def model(self, dtype: torch.dtype = torch.float32):
+        if dtype not in self._models:
+            self._models[dtype] = self._load(self.path, dtype)
+        return self._models[dtype]
+
+    def greedy(
+        self, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
+    ) -> list[list[int]]:
+        """transformers' greedy tokens of each prompt (lists of token ids)."""
+        out = []
+        for p in prompts:
+            key = (dtype, tuple(p), max_new_tokens)
+            if key not in self._greedy:
+                self._greedy[key] = hf_greedy(self.model(dtype), p, max_new_tokens)
+            out.append(list(self._greedy[key]))
+        return out
+
+    def close(self) -> None:
+        self._models.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def roomy_bytes(
+    path: str,
+    *,
+    page_size: int,
+    dtype: torch.dtype,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_model_len: int = MAX_MODEL_LEN,
+    chunk: int = CHUNK,
+) -> int:
+    """A pool budget holding ``max_num_seqs`` worst-case requests side by side (what
+    ``LLM`` takes on CPU): no preemption, and a few MB for the tiny test models."""
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.pool import pool_bytes_for, worst_case_pages
+
+    configs = specs_from_hf_config(path, page_size=page_size, dtype=dtype)
+    pages = {
+        c.name: max_num_seqs * worst_case_pages(c.spec, c.page_size, max_model_len, chunk)
+        for c in configs
+    }
+    return pool_bytes_for(configs, pages)
+
+
+def gpu_llm(path: str, dtype: torch.dtype, **kw):
+    """``unikv.LLM`` on CUDA with the engine tests' shapes (8 sequences, 256
+    tokens, 32-token chunks, page 16) unless ``kw`` says otherwise; the pool is
+    ``roomy_bytes`` unless ``kv_cache_bytes`` is given (None: sized from free
+    memory, the engine's CUDA default)."""
+    from unikv.engine import LLM
+
+    kw.setdefault("page_size", 16)
+    kw.setdefault("max_num_seqs", MAX_NUM_SEQS)
+    kw.setdefault("max_model_len", MAX_MODEL_LEN)
+    kw.setdefault("max_num_batched_tokens", CHUNK)
+    if "kv_cache_bytes" not in kw:
+        kw["kv_cache_bytes"] = roomy_bytes(
+            path,
+            page_size=kw["page_size"],
+            dtype=dtype,
+            max_num_seqs=kw["max_num_seqs"],
+            max_model_len=kw["max_model_len"],
+            chunk=kw["max_num_batched_tokens"],
+        )
+    return LLM(path, device="cuda", dtype=dtype, **kw)
+
+
+class LLMs:
+    """``gpu_llm``s of one checkpoint by configuration, built once and reused by the
+    tests that only read a run's results (``LLMs(path)(dtype, **kw)``); ``clear()``
+    drops them (module teardown)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._built: dict[tuple, object] = {}
+
+    def __call__(self, dtype: torch.dtype, **kw):
+        key = (dtype, *sorted(kw.items()))
+        if key not in self._built:
+            self._built[key] = gpu_llm(self.path, dtype, **kw)
+        return self._built[key]
+
+    def clear(self) -> None:
+        self._built.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def decode_without_host_sync(llm, prompts: list[list[int]], steps: int = 3) -> None:
+    """Prefill ``prompts`` (synchronous steps), then run ``steps`` decode steps in
+    the engine loop's order (schedule N, launch N, resolve N-1, complete_ahead N)
+    with ``torch.cuda.set_sync_debug_mode("error")`` around everything but the
+    resolve (the one intended sync); then run the rest synchronously to the end, so
+    the LLM is empty again. Asserts that each of those steps is a DECODE batch."""
+    from unikv.engine import SamplingParams
+    from unikv.engine.scheduler import BatchKind
+
+    sched, runner = llm.scheduler, llm.runner
+    for r in llm.make_requests(prompts, SamplingParams(max_tokens=steps + 5)):
+        sched.add(r)
+    while any(r.num_pending != 1 for r in sched.running) or sched.waiting:  # prefill first
+        batch = sched.schedule()
+        sched.complete(batch, runner.step(batch)[0])
+    prev = None
+    torch.cuda.synchronize()
+    for _ in range(steps):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batch = sched.schedule()
+            assert batch.is_decode and batch.kind is BatchKind.DECODE, "a decode batch"
+            launched = runner.launch(batch, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        if prev is not None:
+            sched.resolve(prev.batch, prev.tokens())
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sched.complete_ahead(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        prev = launched
+    sched.resolve(prev.batch, prev.tokens())
+    while sched.has_work():  # the rest, synchronously
+        batch = sched.schedule()
+        sched.complete(batch, runner.step(batch)[0])
 
 
 def teacher_forced(hf, seq: list[int]) -> torch.Tensor:

@@ -20,8 +20,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import hf_greedy, save_tiny_deepseek
-from gpu_fixtures import bf16_token_checks, hf_model, mean, seeded_prompts
+from engine_fixtures import save_tiny_deepseek
+from gpu_fixtures import (
+    LLMs,
+    References,
+    bf16_token_checks,
+    decode_without_host_sync,
+    gpu_llm,
+    mean,
+    seeded_prompts,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -55,34 +63,36 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-_hf = hf_model
+@pytest.fixture(scope="module")
+def refs(saved):
+    """transformers' models and greedy tokens of the checkpoint, shared by its tests."""
+    refs = References(saved[1])
+    yield refs
+    refs.close()
 
 
-def _llm(path, dtype, **kw):
-    from unikv.engine import LLM
-
-    kw.setdefault("page_size", 16)
-    kw.setdefault("max_num_batched_tokens", 32)
-    kw.setdefault("max_model_len", 256)
-    return LLM(path, device="cuda", dtype=dtype, max_num_seqs=8, **kw)
+@pytest.fixture(scope="module")
+def llms(saved):
+    """LLMs by configuration, reused by the tests that only read a run's results."""
+    llms = LLMs(saved[1])
+    yield llms
+    llms.clear()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_fp32_greedy_identical_with_triton_and_graphs(saved, page_size, graphs):
+def test_fp32_greedy_identical_with_triton_and_graphs(refs, llms, page_size, graphs):
     from unikv.engine import SamplingParams
 
-    _, path = saved
-    hf, prompts = _hf(path, torch.float32), _prompts()
-    llm = _llm(path, torch.float32, page_size=page_size, cuda_graphs=graphs)
+    llm = llms(torch.float32, page_size=page_size, cuda_graphs=graphs)
     assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     assert list(llm.pool.subpools) == ["mla"]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
     assert llm.stats.decode_steps > 0
 
 
-def test_fp32_graphs_under_preemption_and_tiny_chunks(saved):
+def test_fp32_graphs_under_preemption_and_tiny_chunks(saved, refs):
     from unikv.engine import SamplingParams
     from unikv.hf_config import specs_from_hf_config
     from unikv.pool import pool_bytes_for
@@ -91,21 +101,19 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(saved):
     configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
     prompts = _prompts(11)
     budget = pool_bytes_for(configs, {"mla": 12})  # 192 token slots for 451 tokens
-    llm = _llm(
+    llm = gpu_llm(
         path, torch.float32, kv_cache_bytes=budget, max_num_batched_tokens=7, max_model_len=160
     )
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    hf = _hf(path, torch.float32)
-    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert [o.output_ids for o in outputs] == refs.greedy(prompts, NEW_TOKENS)
     assert llm.stats.preemptions > 0
     llm.alloc.check_integrity()
-    assert llm.alloc.subpool("mla").num_live == 0
+    assert llm.alloc.parts.books["mla"].num_live == 0
 
 
-def test_bf16_teacher_forced(saved):
-    _, path = saved
-    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
-    llm = _llm(path, torch.bfloat16)
+def test_bf16_teacher_forced(refs, llms):
+    hf16, hf32 = refs.model(torch.bfloat16), refs.model(torch.float32)
+    llm = llms(torch.bfloat16)
     assert llm.runner.graphs is not None
     checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
     gap = max(c.gap for c in checks)
@@ -114,30 +122,11 @@ def test_bf16_teacher_forced(saved):
     assert ours_mean <= 1.5 * hf_mean + 0.02, (ours_mean, hf_mean)
 
 
-def test_decode_step_makes_no_host_sync(saved):
+def test_decode_step_makes_no_host_sync(llms):
     """Scheduling, the allocator's decode_step and the graph replay of MLA decode
-    steps run with sync debug mode set to error."""
-    from unikv.engine import SamplingParams
-    from unikv.engine.scheduler import BatchKind
-
-    _, path = saved
-    llm = _llm(path, torch.float32)
-    sched, runner = llm.scheduler, llm.runner
-    for r in llm.make_requests(_prompts()[:4], SamplingParams(max_tokens=8)):
-        sched.add(r)
-    while any(r.num_pending != 1 for r in sched.running) or sched.waiting:  # prefill first
-        batch = sched.schedule()
-        sched.complete(batch, runner.step(batch)[0])
-    prev = None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            batch = sched.schedule()
-            assert batch.is_decode and batch.kind is BatchKind.DECODE
-            launched = runner.launch(batch, prev)
-            sched.complete_ahead(batch)
-            prev = launched
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    sched.resolve(prev.batch, prev.tokens())
+    steps run with sync debug mode set to error (on the fp32 page-16 graph LLM of
+    the greedy test, run to the end and checked empty afterwards)."""
+    llm = llms(torch.float32, page_size=16, cuda_graphs=True)
+    decode_without_host_sync(llm, _prompts()[:4])
+    llm.alloc.check_integrity()
+    assert llm.alloc.parts.books["mla"].num_live == 0, "the LLM holds no pages after its run"

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import hf_greedy, save_tiny_gemma
-from gpu_fixtures import bf16_token_checks, hf_model, mean, seeded_prompts
+from engine_fixtures import save_tiny_gemma
+from gpu_fixtures import References, bf16_token_checks, gpu_llm, mean, seeded_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -48,44 +48,31 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-_hf = hf_model  # eager: transformers' SDPA path drops Gemma-2's attention soft-capping
-
-
-def _llm(path, dtype, **kw):
-    from unikv.engine import LLM
-
-    kw.setdefault("page_size", 16)
-    return LLM(
-        path,
-        device="cuda",
-        dtype=dtype,
-        max_num_seqs=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        **kw,
-    )
+@pytest.fixture(scope="module")
+def refs(saved):
+    """transformers' EAGER models (its SDPA path drops Gemma-2's attention
+    soft-capping) and greedy tokens of the checkpoint, shared by its tests."""
+    refs = References(saved[1])
+    yield refs
+    refs.close()
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_fp32_greedy_identical_with_triton_and_graphs(saved, page_size, graphs):
+def test_fp32_greedy_identical_with_triton_and_graphs(refs, page_size, graphs):
     from unikv.engine import SamplingParams
 
-    _, path = saved
-    hf, prompts = _hf(path, torch.float32), _prompts()
-    llm = _llm(path, torch.float32, page_size=page_size, cuda_graphs=graphs)
+    llm = gpu_llm(refs.path, torch.float32, page_size=page_size, cuda_graphs=graphs)
     assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     assert sorted(llm.pool.subpools) == ["full", "swa"]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert [o.output_ids for o in outputs] == expected
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
     assert llm.stats.decode_steps > 0
 
 
-def test_bf16_teacher_forced(saved):
-    _, path = saved
-    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
-    llm = _llm(path, torch.bfloat16)
+def test_bf16_teacher_forced(refs):
+    hf16, hf32 = refs.model(torch.bfloat16), refs.model(torch.float32)
+    llm = gpu_llm(refs.path, torch.bfloat16)
     assert llm.runner.graphs is not None
     checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
     for c in checks:
@@ -96,27 +83,27 @@ def test_bf16_teacher_forced(saved):
     assert ours_mean <= 1.5 * hf_mean + 0.02, (ours_mean, hf_mean)
 
 
-def test_graph_decode_equals_eager_decode_under_preemption(saved):
+def test_graph_decode_equals_eager_decode_under_preemption(refs):
     """A pool small enough to preempt: graphs replay over recycled pages and give
     the eager path's tokens and transformers' tokens (fp32)."""
     from unikv.engine import SamplingParams
     from unikv.hf_config import specs_from_hf_config
     from unikv.pool import pool_bytes_for
 
-    _, path = saved
-    configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
+    configs = specs_from_hf_config(refs.path, page_size=16, dtype=torch.float32)
     # the full band may grow into the SWA band's bytes (the moving boundary)
     budget = pool_bytes_for(configs, {c.name: 11 for c in configs})
     prompts = _prompts(11)
     prompts += prompts[::-1]  # 12 requests for 8 lanes (3-4 preemptions on CPU's schedule)
     params = SamplingParams(max_tokens=NEW_TOKENS)
-    eager = _llm(path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
-    graph = _llm(path, torch.float32, cuda_graphs=True, kv_cache_bytes=budget)
+    eager = gpu_llm(refs.path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
+    graph = gpu_llm(refs.path, torch.float32, cuda_graphs=True, kv_cache_bytes=budget)
     a = [o.output_ids for o in eager.generate(prompts, params)]
     b = [o.output_ids for o in graph.generate(prompts, params)]
-    hf = _hf(path, torch.float32)
-    assert a == b == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    want = refs.greedy(prompts, NEW_TOKENS)  # 6 distinct prompts: computed once each
+    assert a == want, "eager decode under preemption differs from transformers"
+    assert b == want, "graph decode under preemption differs from transformers"
     assert graph.stats.preemptions > 0
     for llm in (eager, graph):
         llm.alloc.check_integrity()
-        assert all(llm.alloc.subpool(n).num_live == 0 for n in llm.pool.subpools)
+        assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)

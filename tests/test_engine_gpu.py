@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, hf_greedy, save_tiny_model
+from gpu_fixtures import References, gpu_llm, roomy_bytes, seeded_prompts, teacher_forced
 
 pytestmark = pytest.mark.gpu
 
@@ -33,12 +33,13 @@ BF16_ATOL = 0.1
 
 
 def _prompts(seed=7):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return seeded_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def saved(request, tmp_path_factory):
+    from engine_fixtures import save_tiny_model
+
     path = str(tmp_path_factory.mktemp(request.param))
     save_tiny_model(request.param, path)
     return request.param, path
@@ -54,46 +55,39 @@ def _hf(path, dtype):
     return model.cuda().eval()
 
 
-def _llm(path, dtype, **kw):
-    from unikv.engine import LLM
-
-    kw.setdefault("page_size", 16)
-    return LLM(
-        path,
-        device="cuda",
-        dtype=dtype,
-        max_num_seqs=8,
-        max_model_len=256,
-        max_num_batched_tokens=32,
-        **kw,
-    )
+@pytest.fixture(scope="module")
+def refs(saved):
+    """transformers' models and greedy tokens of the checkpoint, shared by its tests."""
+    refs = References(saved[1], load=_hf)
+    yield refs
+    refs.close()
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_fp32_greedy_identical_with_triton_and_graphs(saved, page_size, graphs):
-    from unikv.engine import SamplingParams
-
-    _, path = saved
-    hf, prompts = _hf(path, torch.float32), _prompts()
-    llm = _llm(path, torch.float32, page_size=page_size, cuda_graphs=graphs)
-    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    assert [o.output_ids for o in outputs] == expected
-    assert llm.stats.decode_steps > 0
-
-
-def _teacher_forced(hf, seq):
-    with torch.no_grad():
-        return hf(torch.tensor([seq]).cuda()).logits[0].float().cpu()
-
-
-def test_bf16_teacher_forced(saved):
+def test_fp32_greedy_identical_with_triton_and_graphs(saved, refs, page_size, graphs):
+    """Also, for Llama at page 16 with graphs, the pool the engine sizes itself on
+    CUDA (a fraction of free memory, not the tests' roomy budget)."""
     from unikv.engine import SamplingParams
 
     arch, path = saved
-    hf16, hf32, prompts = _hf(path, torch.bfloat16), _hf(path, torch.float32), _prompts()
+    default_sized = arch == "llama" and page_size == 16 and graphs
+    kw = {"kv_cache_bytes": None, "memory_fraction": 0.25} if default_sized else {}
+    llm = gpu_llm(path, torch.float32, page_size=page_size, cuda_graphs=graphs, **kw)
+    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
+    if default_sized:
+        roomy = roomy_bytes(path, page_size=16, dtype=torch.float32)
+        assert llm.pool.total_bytes > 100 * roomy, "the CUDA default sizes from free memory"
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
+    assert llm.stats.decode_steps > 0
+
+
+def test_bf16_teacher_forced(saved, refs):
+    from unikv.engine import SamplingParams
+
+    arch, _ = saved
+    hf16, hf32, prompts = refs.model(torch.bfloat16), refs.model(torch.float32), _prompts()
     rows = {}
 
     def record(llm, batch, logits):
@@ -101,15 +95,16 @@ def test_bf16_teacher_forced(saved):
             if r.num_pending == 1:
                 rows[(r.request_id, r.seq_len - 1)] = logits[i].float().cpu()
 
-    llm = _llm(path, torch.bfloat16)
+    llm = gpu_llm(refs.path, torch.bfloat16)
     assert llm.runner.graphs is not None
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=record)
     first = llm._next_id - len(outputs)
+    greedy16 = refs.greedy([o.prompt_ids for o in outputs], NEW_TOKENS, torch.bfloat16)
     exact, ours_err, hf_err = 0, [], []
     for k, out in enumerate(outputs):
-        exact += out.output_ids == hf_greedy(hf16, out.prompt_ids, NEW_TOKENS)
+        exact += out.output_ids == greedy16[k]
         seq = out.prompt_ids + out.output_ids
-        ref16, ref32 = _teacher_forced(hf16, seq), _teacher_forced(hf32, seq)
+        ref16, ref32 = teacher_forced(hf16, seq), teacher_forced(hf32, seq)
         for j, token in enumerate(out.output_ids):
             p = len(out.prompt_ids) + j
             ours = rows[(first + k, p)]
@@ -128,7 +123,7 @@ def test_bf16_teacher_forced(saved):
         assert exact >= len(outputs) / 2, f"only {exact}/{len(outputs)} requests identical"
 
 
-def test_graph_decode_equals_eager_decode_under_preemption(saved):
+def test_graph_decode_equals_eager_decode_under_preemption(saved, refs):
     """A pool small enough to preempt: graphs replay over recycled pages and
     give the eager path's tokens (fp32, so padded batch shapes cannot flip a
     near-tie) and transformers' tokens."""
@@ -144,14 +139,15 @@ def test_graph_decode_equals_eager_decode_under_preemption(saved):
     budget = pool_bytes_for(configs, {c.name: pages for c in configs})
     prompts = _prompts(11)
     params = SamplingParams(max_tokens=NEW_TOKENS)
-    eager = _llm(path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
-    graph = _llm(path, torch.float32, cuda_graphs=True, kv_cache_bytes=budget)
+    eager = gpu_llm(path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
+    graph = gpu_llm(path, torch.float32, cuda_graphs=True, kv_cache_bytes=budget)
     a = [o.output_ids for o in eager.generate(prompts, params)]
     b = [o.output_ids for o in graph.generate(prompts, params)]
-    hf = _hf(path, torch.float32)
-    assert a == b == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    if saved[0] != "mistral":  # an SWA-only pool is admitted by its window: no preemption
+    want = refs.greedy(prompts, NEW_TOKENS)
+    assert a == want, "eager decode under preemption differs from transformers"
+    assert b == want, "graph decode under preemption differs from transformers"
+    if arch != "mistral":  # an SWA-only pool is admitted by its window: no preemption
         assert graph.stats.preemptions > 0
     for llm in (eager, graph):
         llm.alloc.check_integrity()
-        assert all(llm.alloc.subpool(n).num_live == 0 for n in llm.pool.subpools)
+        assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)

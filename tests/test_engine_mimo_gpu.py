@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import hf_greedy
-from gpu_fixtures import bf16_token_checks, hf_model, mean, seeded_prompts
+from gpu_fixtures import References, bf16_token_checks, gpu_llm, mean, seeded_prompts
 from test_engine_mimo import save_tiny_mimo
 
 pytestmark = pytest.mark.gpu
@@ -54,59 +53,54 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-_hf = hf_model
-
-
-def _llm(path, dtype, **kw):
-    from unikv.engine import LLM
-
-    kw.setdefault("page_size", 16)
-    kw.setdefault("max_num_batched_tokens", 32)
-    kw.setdefault("max_model_len", 256)
-    return LLM(path, device="cuda", dtype=dtype, max_num_seqs=8, **kw)
+@pytest.fixture(scope="module")
+def refs(saved):
+    """transformers' models and greedy tokens of the checkpoint, shared by its tests."""
+    refs = References(saved[1])
+    yield refs
+    refs.close()
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("graphs", [True, False])
-def test_fp32_greedy_identical_with_triton_and_graphs(saved, page_size, graphs):
+def test_fp32_greedy_identical_with_triton_and_graphs(refs, page_size, graphs):
     from unikv.engine import SamplingParams
 
-    _, path = saved
-    hf, prompts = _hf(path, torch.float32), _prompts()
-    llm = _llm(path, torch.float32, page_size=page_size, cuda_graphs=graphs)
+    llm = gpu_llm(refs.path, torch.float32, page_size=page_size, cuda_graphs=graphs)
     assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     assert sorted(llm.pool.subpools) == ["full", "swa"]
     assert all(s.spec.is_asymmetric for s in llm.pool.subpools.values())
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
     assert llm.stats.decode_steps > 0
 
 
-def test_fp32_graphs_under_preemption_and_tiny_chunks(saved):
+def test_fp32_graphs_under_preemption_and_tiny_chunks(refs):
     from unikv.engine import SamplingParams
     from unikv.hf_config import specs_from_hf_config
     from unikv.pool import pool_bytes_for
 
-    _, path = saved
-    configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
+    configs = specs_from_hf_config(refs.path, page_size=16, dtype=torch.float32)
     budget = pool_bytes_for(configs, {c.name: 12 for c in configs})
     prompts = _prompts(11)
-    llm = _llm(
-        path, torch.float32, kv_cache_bytes=budget, max_num_batched_tokens=7, max_model_len=160
+    llm = gpu_llm(
+        refs.path,
+        torch.float32,
+        kv_cache_bytes=budget,
+        max_num_batched_tokens=7,
+        max_model_len=160,
     )
     assert llm.runner.graphs is not None
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    hf = _hf(path, torch.float32)
-    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert [o.output_ids for o in outputs] == refs.greedy(prompts, NEW_TOKENS)
     assert llm.stats.preemptions > 0
     llm.alloc.check_integrity()
-    assert all(llm.alloc.subpool(n).num_live == 0 for n in llm.pool.subpools)
+    assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)
 
 
-def test_bf16_teacher_forced(saved):
-    _, path = saved
-    hf16, hf32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
-    llm = _llm(path, torch.bfloat16)
+def test_bf16_teacher_forced(refs):
+    hf16, hf32 = refs.model(torch.bfloat16), refs.model(torch.float32)
+    llm = gpu_llm(refs.path, torch.bfloat16)
     assert llm.runner.graphs is not None
     checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
     gap = max(c.gap for c in checks)
