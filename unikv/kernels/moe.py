@@ -55,8 +55,10 @@ def _weight_tile(
         value = tl.where((code & 8) != 0, -mag, mag)
         s_base = expert.to(tl.int64) * s_se + rows[None, :].to(tl.int64) * s_sn
         scale = tl.load(s_ptr + s_base + (ks[:, None] // 32) * s_sk, mask=mask, other=127)
-        return value * tl.exp2(scale.to(tl.float32) - 127.0)
-    return tl.load(w_ptr + base + ks[:, None].to(tl.int64) * s_wk, mask=mask, other=0.0)
+        tile = value * tl.exp2(scale.to(tl.float32) - 127.0)
+    else:  # one return: Triton compiles a return after a taken constexpr branch too
+        tile = tl.load(w_ptr + base + ks[:, None].to(tl.int64) * s_wk, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -64,8 +66,10 @@ def _dot(a, w, acc, IEEE: tl.constexpr):
     """acc + a @ w: fp32 products when IEEE (fp32 models; the interpreter, whose
     dot is wrong on bf16/fp16), else in a's dtype with fp32 accumulation."""
     if IEEE:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, w.to(a.dtype), acc)
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w.to(a.dtype), acc)
+    return acc
 
 
 @triton.jit
