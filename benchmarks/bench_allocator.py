@@ -182,7 +182,7 @@ def step_parts(alloc, slots: np.ndarray, lens: np.ndarray, device: str) -> dict:
 def fused_step(alloc, slots: np.ndarray, lens: np.ndarray, device: str):
     """``decode_step`` into reused buffers (what an engine with CUDA graphs does)."""
     batch, cols = len(slots), alloc.parts.requests.max_pages
-    names = alloc.token_names
+    names = alloc.parts.roles.token_names
     tables = {n: torch.zeros((batch, cols), dtype=torch.int32, device=device) for n in names}
     locs = {n: torch.zeros(batch, dtype=torch.int32, device=device) for n in names}
 

@@ -72,7 +72,7 @@ class SchemeAllocator:
         self.inner = np.full((max_requests, len(allocs)), -1, np.int64)  # outer -> inner slots
         self.has_mamba = np.zeros(max_requests, bool)
         self.free_slots = list(range(max_requests - 1, -1, -1))
-        self.token_allocs = [a for a in allocs if a.token_names]
+        self.token_allocs = [a for a in allocs if a.parts.roles.token_names]
         self.mamba_alloc = next((a for a in allocs if a.parts.roles.mamba_name), None)
 
     def _slots(self, slots: np.ndarray, alloc: PoolAllocator) -> np.ndarray:

@@ -342,7 +342,7 @@ class StepLog:
         context = sum(r.num_cached for r in reqs) if batch.is_decode else 0
         self.rows.append((batch.is_decode, len(reqs), len(llm.scheduler.running), context))
         for name, live in self.live.items():
-            sub = llm.alloc.subpool(name)
+            sub = llm.alloc.parts.books[name]
             live.append(sub.num_live * sub.page_bytes)
         lanes = [i for i, r in enumerate(reqs) if r.num_pending == 1]  # sampled this step
         if lanes:

@@ -88,7 +88,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
     llm = _llm(path, args, caching, max_len, n)
     warm = make_prompts(n, min(64, max_len // 2), vocab, seed=99)
     llm.generate(warm, None)  # compile every step shape (other tokens: the cache stays cold)
-    before = dict(llm.alloc.prefix_stats)
+    before = dict(llm.alloc.parts.prefix.counters())
     tokens, ttft, seconds, made = [], [], 0.0, 0
     turns = _system_turns(args, vocab) if not chat else None
     history = [[] for _ in range(n)]
@@ -104,7 +104,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         ttft += res["ttft"]
         seconds += res["seconds"]
         made += res["output_tokens"]
-    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.prefix_stats.items()}
+    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.parts.prefix.counters().items()}
     figures = {
         "hit_rate": stats["hit_tokens"] / max(stats["query_tokens"], 1),
         "prefill_tokens_saved": stats["hit_tokens"],

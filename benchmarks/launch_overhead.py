@@ -107,7 +107,7 @@ def profile(steps: int, batch: int, ps: int) -> str:
     rng = np.random.default_rng(0)
     alloc, slots, lens = bench.build(batch, ps, steps + 40, "cuda", rng)
     cols = alloc.parts.requests.max_pages
-    names = alloc.token_names
+    names = alloc.parts.roles.token_names
     tables = {n: torch.zeros((batch, cols), dtype=torch.int32, device="cuda") for n in names}
     locs = {n: torch.zeros(batch, dtype=torch.int32, device="cuda") for n in names}
 

@@ -75,7 +75,7 @@ def snapshot(alloc: PoolAllocator) -> str:
         alloc.parts.requests.pages,
         alloc.parts.vspace.owner,
         np.sort(alloc.parts.vspace.free_ids()),
-        alloc.req_to_token.cpu().numpy(),
+        alloc.parts.requests.req_to_token.cpu().numpy(),
     ]
     parts += list(alloc.parts.requests.window_lo.values())
     for sub in alloc.parts.books.values():
@@ -128,7 +128,8 @@ def churn(
             slots = np.array(open_)
             alloc.free_out_of_window(slots, alloc.parts.requests.lens[slots])
         elif op == 5 and pins:
-            sub = alloc.parts.books[alloc.token_names[int(rng.integers(len(alloc.token_names)))]]
+            names = alloc.parts.roles.token_names
+            sub = alloc.parts.books[names[int(rng.integers(len(names)))]]
             live = np.flatnonzero(sub.state == 2)
             if len(live):
                 alloc.parts.io.pin(

@@ -450,7 +450,7 @@ def check_engine_outputs(ref: GreedyReference, llm, outputs, rows=None, atol=1e-
     transformers' teacher-forced whole-sequence logits at that position."""
     assert [o.output_ids for o in outputs] == ref.greedy
     for name in llm.pool.subpools:
-        assert llm.alloc.subpool(name).num_live == 0
+        assert llm.alloc.parts.books[name].num_live == 0
     llm.alloc.check_integrity()
     if rows is None:
         return

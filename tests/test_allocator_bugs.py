@@ -58,7 +58,7 @@ class ClockEvent:
 
 def _fill(alloc, slot) -> int:
     held = 0
-    while alloc.can_admit({n: 1 for n in alloc.token_names})[0]:
+    while alloc.can_admit({n: 1 for n in alloc.parts.roles.token_names})[0]:
         alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([1]))
         held += 1
     return held

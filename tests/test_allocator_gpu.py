@@ -143,6 +143,6 @@ def test_decode_step_does_not_sync_and_equals_the_separate_verbs(ps):
         for name in ("full", "swa"):
             assert torch.equal(fused.parts.books[name].v2p, verbs.parts.books[name].v2p)
             assert torch.equal(fused.parts.books[name].p2v, verbs.parts.books[name].p2v)
-        assert torch.equal(fused.req_to_token, verbs.req_to_token)
+        assert torch.equal(fused.parts.requests.req_to_token, verbs.parts.requests.req_to_token)
     torch.cuda.synchronize()
     fused.check_integrity()

@@ -71,7 +71,7 @@ def test_a_pool_for_one_worst_case_request_completes_with_the_uncontended_tokens
     got = [list(o.outputs[0].token_ids) for o in tight.generate(prompts, params)]
     assert tight.stats.preemptions > 0, "the setup is meant to run under pressure"
     tight.alloc.check_integrity()
-    assert all(tight.alloc.subpool(n).num_live == 0 for n in tight.pool.subpools)
+    assert all(tight.alloc.parts.books[n].num_live == 0 for n in tight.pool.subpools)
 
     roomy = _llm(checkpoint, big)
     want = [list(o.outputs[0].token_ids) for o in roomy.generate(prompts, params)]

@@ -32,7 +32,7 @@ def test_request_pages_match_the_device_tables_and_the_window(ps):
     for slot, n in zip(slots, lens):
         got = alloc.request_pages(slot)
         num_pages = -(-n // ps)
-        first_tokens = alloc.req_to_token[slot, : num_pages * ps : ps].long()
+        first_tokens = alloc.parts.requests.req_to_token[slot, : num_pages * ps : ps].long()
         vpages = (first_tokens // ps).numpy()
         # SWA keeps the pages whose last position is >= n - window (docs/design.md section 5)
         last_pos = (np.arange(num_pages) + 1) * ps - 1
@@ -40,7 +40,7 @@ def test_request_pages_match_the_device_tables_and_the_window(ps):
         for name in ("full", "swa"):
             cols, physical = got[name]
             assert np.array_equal(cols, expect_cols[name]), (name, cols, expect_cols[name])
-            v2p = alloc.subpool(name).v2p.long().numpy()
+            v2p = alloc.parts.books[name].v2p.long().numpy()
             assert np.array_equal(physical, v2p[vpages[cols]])
             assert (physical >= pool[name].first_page).all()  # never the sink
         assert len(got["swa"][0]) < num_pages  # pages did leave the window

@@ -64,7 +64,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # request -> virtual ids by position
         self.gone: dict[int, int] = {}  # request -> SWA pages out of the window
         self.released: dict[str, dict[int, int]] = {
-            n: {} for n in self.alloc.token_names
+            n: {} for n in self.alloc.parts.roles.token_names
         }  # vpage -> slot
         self.mamba: set[int] = set()
         self.pinned: dict[tuple[str, int], int] = {}  # (sub, page) -> virtual page
@@ -109,7 +109,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         return ids, phys // self.ps, phys % self.ps
 
     def _write(self, rows, positions):
-        for name in self.alloc.token_names:
+        for name in self.alloc.parts.roles.token_names:
             keep = [i for i, (r, p) in enumerate(zip(rows, positions)) if self._visible(name, r, p)]
             if keep:
                 ids, pages, slots = self._markers(
@@ -167,7 +167,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         self._note_window(slots, prefix + 1)  # decode_step freed out-of-window pages too
         self._check_step(step, slots, prefix + 1)
-        for name in self.alloc.token_names:  # markers written at the returned kernel ids
+        for name in self.alloc.parts.roles.token_names:  # markers at the returned kernel ids
             lanes = [
                 i for i, (r, p) in enumerate(zip(rows, positions)) if self._visible(name, r, p)
             ]
@@ -182,7 +182,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         slots_dev = torch.tensor(slots, dtype=torch.int32)
         lens_dev = torch.tensor(lens, dtype=torch.int32)
         assert torch.equal(step.req_slots, slots_dev) and torch.equal(step.seq_lens, lens_dev)
-        for name in self.alloc.token_names:
+        for name in self.alloc.parts.roles.token_names:
             table = torch.full_like(step.block_tables[name].data, -7)
             window = self.alloc.parts.roles.windows.get(name, 0)
             self.alloc.block_table(slots_dev, lens_dev, name, table, window=window)
@@ -340,8 +340,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             (name, page), _ = self.pinned.popitem()
             self.alloc.parts.io.unpin(name, PhysicalPageIds(torch.tensor([page]), name))
             return
-        name = data.draw(st.sampled_from(self.alloc.token_names))
-        sub = self.alloc.subpool(name)
+        name = data.draw(st.sampled_from(self.alloc.parts.roles.token_names))
+        sub = self.alloc.parts.books[name]
         live = np.flatnonzero(sub.p2v_host[sub.first_page :] >= 0) + sub.first_page
         if len(live):
             page = int(data.draw(st.sampled_from(live.tolist())))
@@ -353,8 +353,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release_or_bind(self, data):
         OPS["count"] += 1
-        name = data.draw(st.sampled_from(self.alloc.token_names))
-        sub = self.alloc.subpool(name)
+        name = data.draw(st.sampled_from(self.alloc.parts.roles.token_names))
+        sub = self.alloc.parts.books[name]
         if self.released[name] and data.draw(st.booleans()):
             vpage = data.draw(st.sampled_from(sorted(self.released[name])))
             self.batch = [self.released[name][vpage]]
@@ -397,7 +397,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def markers_followed_the_data(self):
-        for name in self.alloc.token_names:
+        for name in self.alloc.parts.roles.token_names:
             rows = [
                 (r, p)
                 for r in self.tokens
@@ -420,7 +420,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def pinned_pages_never_move(self):
         for (name, page), vpage in self.pinned.items():
-            sub = self.alloc.subpool(name)
+            sub = self.alloc.parts.books[name]
             assert sub.p2v_host[page] in (vpage, -1), "a pinned page was moved or reused"
 
 

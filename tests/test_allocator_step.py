@@ -90,10 +90,11 @@ def test_decode_step_equals_the_separate_verbs(chain_name, ps, backend):
         prompts = rng.integers(1, 2 * ps + 1, 3)
         assert alloc.alloc_extend(slots, np.zeros(3, np.int64), prompts) is not None
         rng = np.random.default_rng(ps)  # the same prompts for both
-    windows = {n: verbs.parts.roles.windows.get(n, 0) for n in verbs.token_names}
+    names = verbs.parts.roles.token_names
+    windows = {n: verbs.parts.roles.windows.get(n, 0) for n in names}
     cols = verbs.parts.requests.max_pages
-    buffers = {n: torch.full((4, cols), -5, dtype=torch.int32) for n in verbs.token_names}
-    locs = {n: torch.full((4,), -5, dtype=torch.int64) for n in verbs.token_names}
+    buffers = {n: torch.full((4, cols), -5, dtype=torch.int32) for n in names}
+    locs = {n: torch.full((4,), -5, dtype=torch.int64) for n in names}
     done = 0
     for step in range(6 * ps + 12):
         batch = np.sort(rng.choice(3, int(rng.integers(1, 4)), replace=False))
@@ -117,7 +118,7 @@ def test_decode_step_equals_the_separate_verbs(chain_name, ps, backend):
         slots_dev = torch.tensor(batch, dtype=torch.int32)
         lens_dev = torch.tensor(lens + 1, dtype=torch.int32)
         assert torch.equal(got.seq_lens, lens_dev) and torch.equal(got.req_slots, slots_dev)
-        for name in verbs.token_names:
+        for name in verbs.parts.roles.token_names:
             table = torch.empty((len(batch), cols), dtype=torch.int32)
             verbs.block_table(slots_dev, lens_dev, name, table, window=windows[name])
             assert torch.equal(got.block_tables[name].data, table), (step, name)
@@ -134,7 +135,7 @@ def test_bad_buffers_are_refused_and_state_unchanged():
     alloc.alloc_extend(slots, np.zeros(2, np.int64), np.array([9, 4]))
     lens = alloc.parts.requests.lens[slots].copy()
     cols = alloc.parts.requests.max_pages
-    good = {n: torch.zeros((2, cols), dtype=torch.int32) for n in alloc.token_names}
+    good = {n: torch.zeros((2, cols), dtype=torch.int32) for n in alloc.parts.roles.token_names}
     cases = [
         ({"full": good["full"]}, None, "name every token sub-pool"),
         ({**good, "swa": torch.zeros((2, 2), dtype=torch.int32)}, None, "int32"),

@@ -23,7 +23,7 @@ def test_kernel_ids_hit_the_oracle_rows(ps):
     pool, alloc = build("full+swa", ps, requests=2)
     r = alloc.new_request()
     ids = alloc.alloc_extend(np.array([r]), np.array([0]), np.array([3 * ps - 1]))
-    for name in alloc.token_names:
+    for name in alloc.parts.roles.token_names:
         kernel = alloc.translate(ids, name).data.long()
         physical = alloc.translate(ids, name, physical=True).data
         assert torch.equal(
@@ -108,12 +108,12 @@ def test_block_table_matches_naive_loop(ps):
     alloc.free_out_of_window(np.array(slots), alloc.parts.requests.lens[slots])
     lens = alloc.parts.requests.lens[slots]
     cols = alloc.parts.requests.max_pages
-    for name in alloc.token_names:
+    for name in alloc.parts.roles.token_names:
         out = torch.full((3, cols), 99, dtype=torch.int32)
         alloc.block_table(
             torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), name, out
         )
-        sub, r2t = alloc.parts.books[name], alloc.req_to_token
+        sub, r2t = alloc.parts.books[name], alloc.parts.requests.req_to_token
         for b, s in enumerate(slots):
             for j in range(cols):
                 want = 0

@@ -73,7 +73,7 @@ def _pair(rank: int, device, path: str, **decode_options) -> dict:
         "tokens": [o.output_ids for o in outputs],
         "finish": [o.finish_reason for o in outputs],
         "recomputed": worker.num_recomputed,
-        "live": {n: llm.alloc.subpool(n).num_live for n in llm.pool.subpools},
+        "live": {n: llm.alloc.parts.books[n].num_live for n in llm.pool.subpools},
     }
 
 

@@ -248,7 +248,7 @@ def test_a_stop_seen_one_step_late_cuts_outputs_and_frees_pages(llama):
     assert [o.output_ids for o in outs[1:]] == refs[1:]
     assert all(t >= 0 for o in outs for t in o.output_ids)  # no placeholder leaks
     for name in llm.pool.subpools:
-        assert llm.alloc.subpool(name).num_live == 0
+        assert llm.alloc.parts.books[name].num_live == 0
     llm.alloc.check_integrity()
 
 

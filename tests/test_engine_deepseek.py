@@ -85,7 +85,7 @@ def test_tight_pool_preempts_with_same_tokens(ref):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.output_ids for o in outputs] == ref.greedy[::-1] + ref.greedy
     assert llm.stats.preemptions > 0
-    assert llm.alloc.subpool("mla").num_live == 0
+    assert llm.alloc.parts.books["mla"].num_live == 0
     llm.alloc.check_integrity()
 
 

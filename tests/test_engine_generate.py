@@ -86,7 +86,7 @@ def test_greedy_matches_transformers(ref, page_size):
     assert [o.output_ids for o in outputs] == ref.greedy
     _check_logits(ref, llm, outputs, recorder)
     for name in llm.pool.subpools:  # every page came back
-        assert llm.alloc.subpool(name).num_live == 0
+        assert llm.alloc.parts.books[name].num_live == 0
     llm.alloc.check_integrity()
 
 

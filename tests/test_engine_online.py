@@ -69,7 +69,7 @@ class Sink:
 def _live(llm) -> dict[str, int]:
     """Live pages (Mamba: slots) per sub-pool, read in the loop's thread."""
     return llm.engine.call(
-        lambda: {n: llm.alloc.subpool(n).num_live for n in llm.pool.subpools}
+        lambda: {n: llm.alloc.parts.books[n].num_live for n in llm.pool.subpools}
     ).result(timeout=WAIT_S)
 
 
@@ -168,7 +168,7 @@ def test_shutdown_aborts_or_drains_in_flight_requests(llama, drain):
     out = group.output().outputs[0]
     assert out.finish_reason == ("length" if drain else "abort")
     assert out.token_ids == hf_greedy(hf, prompt, len(out.token_ids))
-    assert {llm.alloc.subpool(n).num_live for n in llm.pool.subpools} == {0}
+    assert {llm.alloc.parts.books[n].num_live for n in llm.pool.subpools} == {0}
     with pytest.raises(EngineClosed):
         llm.engine.submit(llm.make_group(prompt, SamplingParams(max_tokens=2)))
 

@@ -150,7 +150,7 @@ def test_graph_replay_over_the_planners_buffers(family):
     outputs = llm.generate(family.prompts, params)
     assert [o.output_ids for o in outputs] == [g[:n] for g, n in zip(family.greedy, max_tokens)]
     for name in llm.pool.subpools:
-        assert llm.alloc.subpool(name).num_live == 0
+        assert llm.alloc.parts.books[name].num_live == 0
     llm.alloc.check_integrity()
     replays = llm.runner.graphs.replays
     assert replays[4] > 3, replays  # 4 lanes, then 3 decodes padded to 4

@@ -3,8 +3,8 @@ tokens with hits identical to the same run without the cache and to
 transformers' ``generate`` on the same weights, at page sizes 4 and 16, for
 repeated prompts, prompts sharing only part of a page, and a tight pool where
 cached pages are evicted and requests preempted (a recompute may hit the pages
-it cached when preempted). Models the prefix cache cannot serve yet (sliding
-window) are refused with a ValueError.
+it cached when preempted). Models the prefix cache cannot serve yet (recurrent
+state) are refused with a ValueError; sliding windows: test_prefix_swa.py.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def test_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
     full_pages = [(len(p) - 1) // ps * ps for p in prompts]
     assert [o.num_cached_tokens for o in again] == full_pages
     assert all(o.num_cached_tokens == 0 for o in plain)
-    stats = llm.alloc.prefix_stats
+    stats = llm.alloc.parts.prefix.counters()
     assert stats["hit_tokens"] >= sum(full_pages)
     for name in llm.pool.subpools:  # only cached pages outlive their requests
-        assert llm.alloc.subpool(name).num_live == stats["pages"] == stats["evictable"]
+        assert llm.alloc.parts.books[name].num_live == stats["pages"] == stats["evictable"]
     llm.alloc.check_integrity()
     fresh = _llm(path, ps, True)
     fresh.generate(prompts[:1], params)
@@ -85,14 +85,16 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert llm.scheduler.num_preemptions > 0
-    stats = llm.alloc.prefix_stats
+    stats = llm.alloc.parts.prefix.counters()
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
     llm.alloc.check_integrity()
 
 
-def test_sliding_window_models_are_refused(tmp_path):
-    save_tiny_model("mistral", str(tmp_path))
-    with pytest.raises(ValueError, match="full-attention and MLA models only"):
+def test_recurrent_models_are_refused(tmp_path):
+    from engine_fixtures import save_tiny_hybrid
+
+    save_tiny_hybrid("qwen3_5", str(tmp_path))
+    with pytest.raises(ValueError, match="attention models .full, MLA, sliding window. only"):
         LLM(str(tmp_path), device="cpu", max_model_len=64, enable_prefix_caching=True)
     with pytest.raises(TypeError, match="True or False"):
         LLM(str(tmp_path), device="cpu", max_model_len=64, enable_prefix_caching="yes")

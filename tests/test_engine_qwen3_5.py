@@ -82,7 +82,7 @@ class LogitRecorder:
 
 def _check_done(llm: LLM) -> None:
     for name in llm.pool.subpools:  # every page and state slot came back
-        assert llm.alloc.subpool(name).num_live == 0, name
+        assert llm.alloc.parts.books[name].num_live == 0, name
     llm.alloc.check_integrity()
 
 

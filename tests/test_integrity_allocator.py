@@ -188,8 +188,8 @@ CASES: dict[str, Callable[[PoolAllocator], None]] = {
         0, a.parts.requests.window_lo["swa"][0] + 1
     ),
     "no page the next query reads was freed out of the window": _free_window_page_early,
-    "req_to_token holds each request's virtual ids": lambda a: a.req_to_token.__setitem__(
-        (0, 0), a.req_to_token[0, 0] + 1
+    "req_to_token holds each request's virtual ids": lambda a: (
+        a.parts.requests.req_to_token.__setitem__((0, 0), a.parts.requests.req_to_token[0, 0] + 1)
     ),
     "only open requests hold a Mamba slot": lambda a: _bind_virtual(a, "mamba", 3),  # r2
     # the chain

@@ -80,9 +80,9 @@ CASES: dict[str, Callable[[Tiering], None]] = {
     "the tier and the allocator serve the same pool and sub-pool": lambda t: setattr(
         t, "name", "swa"
     ),
-    "the pages of a reload in flight are pinned": lambda t: t.alloc.subpool(
+    "the pages of a reload in flight are pinned": lambda t: t.alloc.parts.books[
         t.name
-    ).pins.__setitem__(t._pinned[0].pages.data.numpy(), 0),
+    ].pins.__setitem__(t._pinned[0].pages.data.numpy(), 0),
 }
 
 

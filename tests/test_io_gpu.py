@@ -74,11 +74,11 @@ def test_tiering_with_real_events() -> None:
     alloc = PoolAllocator(pool, max_requests=4, max_context=512)
     slot = alloc.new_request()
     assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([160])) is not None
-    vpages = VirtualPageIds(alloc.req_to_token[slot, :160:16].long() // 16, "kv")
+    vpages = VirtualPageIds(alloc.parts.requests.req_to_token[slot, :160:16].long() // 16, "kv")
     tiering = Tiering(alloc, HostTier(pool, "kv", 16))
     rows = _rows(pool)
     want = rows[
-        torch.from_numpy(alloc.subpool("kv").v2p_host[vpages.data.cpu().numpy()]).long()
+        torch.from_numpy(alloc.parts.books["kv"].v2p_host[vpages.data.cpu().numpy()]).long()
     ].clone()
     off = tiering.offload(vpages)
     off.copy.synchronize()
@@ -86,7 +86,7 @@ def test_tiering_with_real_events() -> None:
     copy = tiering.reload(off)
     assert copy is not None
     copy.wait()
-    phys = torch.from_numpy(alloc.subpool("kv").v2p_host[vpages.data.cpu().numpy()]).long()
+    phys = torch.from_numpy(alloc.parts.books["kv"].v2p_host[vpages.data.cpu().numpy()]).long()
     assert torch.equal(rows[phys.cuda()], want)
     copy.synchronize()
     assert tiering.num_in_flight == 0

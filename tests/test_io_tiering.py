@@ -54,11 +54,11 @@ def _vpages(alloc: PoolAllocator, slot: int, tokens: int, name: str) -> VirtualP
     """The request's virtual pages, from req_to_token (Mamba: slot + 1)."""
     if name == "mamba":
         return VirtualPageIds(torch.tensor([slot + 1]), name)
-    return VirtualPageIds(alloc.req_to_token[slot, :tokens:PS].long() // PS, name)
+    return VirtualPageIds(alloc.parts.requests.req_to_token[slot, :tokens:PS].long() // PS, name)
 
 
 def _contents(pool, alloc, vpages: VirtualPageIds, name: str) -> list[torch.Tensor]:
-    phys = alloc.subpool(name).v2p_host[vpages.data.numpy()]
+    phys = alloc.parts.books[name].v2p_host[vpages.data.numpy()]
     assert (phys > 0).all()
     return page_contents(pool, name, phys.tolist())
 
@@ -77,11 +77,11 @@ def test_offload_then_reload_elsewhere_keeps_every_byte() -> None:
     tiers = {n: Tiering(alloc, HostTier(pool, n, 8)) for n in ("full", "swa", "mamba")}
     vp = {n: _vpages(alloc, r0, 20, n) for n in tiers}
     before = {n: _contents(pool, alloc, vp[n], n) for n in tiers}
-    old_phys = {n: alloc.subpool(n).v2p_host[vp[n].data.numpy()].copy() for n in tiers}
+    old_phys = {n: alloc.parts.books[n].v2p_host[vp[n].data.numpy()].copy() for n in tiers}
     off = {n: tiers[n].offload(vp[n]) for n in tiers}
     for n in tiers:  # tombstones on host and device; the request still owns them
-        assert (alloc.subpool(n).v2p_host[vp[n].data.numpy()] == -1).all()
-        assert (alloc.subpool(n).v2p[vp[n].data] == -1).all()
+        assert (alloc.parts.books[n].v2p_host[vp[n].data.numpy()] == -1).all()
+        assert (alloc.parts.books[n].v2p[vp[n].data] == -1).all()
     alloc.check_integrity()
 
     _scramble(pool, 1)  # the freed pages get new bytes; reload must read the host
@@ -95,9 +95,9 @@ def test_offload_then_reload_elsewhere_keeps_every_byte() -> None:
     for n in tiers:
         assert_same_contents(_contents(pool, alloc, vp[n], n), before[n])
         assert_same_contents(_contents(pool, alloc, _vpages(alloc, r1, 12, n), n), others[n])
-        new_phys = alloc.subpool(n).v2p_host[vp[n].data.numpy()]
+        new_phys = alloc.parts.books[n].v2p_host[vp[n].data.numpy()]
         assert not np.array_equal(new_phys, old_phys[n])  # really other physical pages
-        assert (alloc.subpool(n).pins == 0).all()
+        assert (alloc.parts.books[n].pins == 0).all()
 
 
 def test_full_host_tier_or_full_pool_returns_none_and_changes_nothing() -> None:
@@ -152,9 +152,9 @@ def test_fences_and_pins_hold_until_the_copy_event_fires() -> None:
     assert not copy.done() and tiering.num_in_flight == 1
     assert alloc.parts.room.shortfall({}, 0).usage["full"]["pinned"] == 5
     assert tiering.tier.num_free == 7  # slots read by the running reload stay taken
-    pages = alloc.subpool("full").v2p_host[vp.data.numpy()].copy()
+    pages = alloc.parts.books["full"].v2p_host[vp.data.numpy()].copy()
     alloc.compact()
-    assert np.array_equal(alloc.subpool("full").v2p_host[vp.data.numpy()], pages)  # not moved
+    assert np.array_equal(alloc.parts.books["full"].v2p_host[vp.data.numpy()], pages)  # not moved
     with pytest.raises(ValueError, match="pinned"):
         tiering.offload(vp)  # a page still being written cannot leave again
     assert tiering.tier.num_free == 7  # the refused offload gave its slots back

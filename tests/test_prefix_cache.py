@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import full_config, mamba_config, swa_config
+from allocator_fixtures import full_config, mamba_config
 
 from unikv.allocator import PoolAllocator, PrefixHit
 from unikv.allocator import prefix as prefix_module
@@ -36,7 +36,7 @@ def kv(prefix: np.ndarray) -> float:
 
 
 def _rows(alloc: PoolAllocator, slot: int, start: int, stop: int):
-    ids = alloc.req_to_token[slot, start:stop].clone()
+    ids = alloc.parts.requests.req_to_token[slot, start:stop].clone()
     phys = alloc.translate(VirtualTokenIds(ids), "full", physical=True).data.long()
     ps = alloc.parts.roles.page_size
     return phys // ps, phys % ps
@@ -61,13 +61,13 @@ def serve(alloc: PoolAllocator, tokens, cache: bool = True) -> tuple[int, int]:
     """Admit a prompt as the engine does: match (all but the last token), open
     with the hit, extend and write the rest, cache. Returns (slot, hit tokens)."""
     tokens = np.asarray(tokens, np.int64)
-    hit = alloc.match_prefix(tokens[:-1])
+    hit = alloc.parts.prefix.match(tokens[:-1])
     slot = alloc.new_request(prefix=hit)
     rest = len(tokens) - hit.num_tokens
     assert alloc.alloc_extend(np.array([slot]), np.array([hit.num_tokens]), np.array([rest]))
     write(alloc, slot, tokens, hit.num_tokens)
     if cache:
-        alloc.cache_prefix(slot, tokens)
+        alloc.parts.prefix.insert(slot, tokens)
     return slot, hit.num_tokens
 
 
@@ -98,7 +98,7 @@ def test_repeated_prompt_shares_whole_pages_by_reference(ps):
     assert physical(alloc, a)[3] != physical(alloc, b)[3]  # each writes its own tail
     assert alloc.parts.prefix.refs[alloc.parts.requests.held_pages(b)[:3]].tolist() == [2] * 3
     torch.testing.assert_close(read(alloc, b, len(prompt)), expected(prompt), rtol=0, atol=0)
-    stats = alloc.prefix_stats
+    stats = alloc.parts.prefix.counters()
     assert stats["hit_tokens"] == 3 * ps and stats["query_tokens"] == 2 * (len(prompt) - 1)
 
 
@@ -114,15 +114,15 @@ def test_prompts_sharing_part_of_a_page_hit_only_whole_pages(ps):
     torch.testing.assert_close(read(alloc, b, len(other)), expected(other), rtol=0, atol=0)
     first_differs = base.copy()
     first_differs[0] += 1
-    assert alloc.match_prefix(first_differs).num_tokens == 0
+    assert alloc.parts.prefix.match(first_differs).num_tokens == 0
 
 
 def test_a_full_prompt_hit_leaves_the_last_token_to_compute():
     alloc = make(4)
     prompt = np.arange(8)
     serve(alloc, prompt)
-    assert alloc.match_prefix(prompt).num_tokens == 8
-    assert alloc.match_prefix(prompt[:-1]).num_tokens == 4  # what the engine asks
+    assert alloc.parts.prefix.match(prompt).num_tokens == 8
+    assert alloc.parts.prefix.match(prompt[:-1]).num_tokens == 4  # what the engine asks
 
 
 def test_released_pages_are_evicted_oldest_and_deepest_first():
@@ -139,9 +139,9 @@ def test_released_pages_are_evicted_oldest_and_deepest_first():
     c = alloc.new_request()  # needs the room plus 2 evictions
     free = room(alloc)
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([4 * (free + 2)]))
-    assert alloc.prefix_stats["evicted_pages"] == 2
-    assert alloc.match_prefix(old[:-1]).num_tokens == 4  # blocks 1 and 2 went, block 0 stays
-    assert alloc.match_prefix(new[:-1]).num_tokens == 12
+    assert alloc.parts.prefix.counters()["evicted_pages"] == 2
+    assert alloc.parts.prefix.match(old[:-1]).num_tokens == 4  # blocks 1 and 2 went, block 0 stays
+    assert alloc.parts.prefix.match(new[:-1]).num_tokens == 12
 
 
 def test_can_admit_counts_evictable_pages_and_agrees_with_allocation():
@@ -167,7 +167,7 @@ def test_referenced_pages_are_never_evicted():
     c = alloc.new_request()
     free = room(alloc)
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([4 * (free + 1)])) is None
-    assert physical(alloc, a) == held and alloc.prefix_stats["evicted_pages"] == 0
+    assert physical(alloc, a) == held and alloc.parts.prefix.counters()["evicted_pages"] == 0
 
 
 def test_compaction_moves_cached_pages_and_a_hit_reads_their_bytes():
@@ -189,9 +189,9 @@ def test_hash_collisions_are_caught_by_the_token_comparison(monkeypatch):
     monkeypatch.setattr(prefix_module, "hash", lambda _: 7, raising=False)
     alloc = make(4)
     serve(alloc, np.arange(9))  # block 0 takes key 7; block 1 collides and is not cached
-    assert alloc.prefix_stats["cached_pages"] == 1
-    assert alloc.match_prefix(np.arange(100, 109)).num_tokens == 0
-    assert alloc.match_prefix(np.arange(9)).num_tokens == 4
+    assert alloc.parts.prefix.counters()["cached_pages"] == 1
+    assert alloc.parts.prefix.match(np.arange(100, 109)).num_tokens == 0
+    assert alloc.parts.prefix.match(np.arange(9)).num_tokens == 4
 
 
 def test_a_stale_hit_is_refused_and_the_slot_closed():
@@ -199,7 +199,7 @@ def test_a_stale_hit_is_refused_and_the_slot_closed():
     prompt = np.arange(9)
     a, _ = serve(alloc, prompt)
     alloc.free_request(a)
-    hit = alloc.match_prefix(prompt[:-1])
+    hit = alloc.parts.prefix.match(prompt[:-1])
     c = alloc.new_request()
     free = room(alloc)
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([4 * (free + 2)]))
@@ -212,27 +212,25 @@ def test_a_stale_hit_is_refused_and_the_slot_closed():
     assert alloc.parts.requests.in_use.sum() == open_before
 
 
-@pytest.mark.parametrize(
-    "configs", [[full_config(4), swa_config(4)], [full_config(4), mamba_config()]]
-)
+@pytest.mark.parametrize("configs", [[full_config(4), mamba_config()]])
 def test_unsupported_pools_are_refused(configs):
     pages = {c.name: 8 for c in configs}
     alloc = PoolAllocator(UnifiedPool(configs, pool_bytes_for(configs, pages)), max_requests=2,
                           max_context=32)  # fmt: skip
-    with pytest.raises(ValueError, match="full-attention or MLA sub-pools only"):
-        alloc.match_prefix([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="attention sub-pools"):
+        alloc.parts.prefix.match([1, 2, 3, 4])
     slot = alloc.new_request()
-    with pytest.raises(ValueError, match="full-attention or MLA sub-pools only"):
-        alloc.cache_prefix(slot, [])
+    with pytest.raises(ValueError, match="attention sub-pools"):
+        alloc.parts.prefix.insert(slot, [])
 
 
 def test_bad_input_leaves_state_unchanged():
     alloc = make(4)
     a, _ = serve(alloc, np.arange(10))
     with pytest.raises(ValueError, match="holds 10 tokens"):
-        alloc.cache_prefix(a, np.arange(11))
+        alloc.parts.prefix.insert(a, np.arange(11))
     with pytest.raises(ValueError, match="1-D list of ints"):
-        alloc.match_prefix([[1, 2]])
+        alloc.parts.prefix.match([[1, 2]])
     with pytest.raises(ValueError, match="shared prefix-cache pages"):
         alloc.truncate(np.array([a]), np.array([6]))
     alloc.truncate(np.array([a]), np.array([4]))  # whole pages: fine

@@ -49,7 +49,7 @@ class PrefixMachine(RuleBasedStateMachine):
     # -- helpers ------------------------------------------------------------------
 
     def _rows(self, slot: int, start: int, stop: int):
-        ids = self.alloc.req_to_token[slot, start:stop].clone()
+        ids = self.alloc.parts.requests.req_to_token[slot, start:stop].clone()
         phys = self.alloc.translate(VirtualTokenIds(ids), "full", physical=True).data.long()
         return phys // self.PS, phys % self.PS
 
@@ -81,7 +81,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(base=st.sampled_from(BASES), cut=st.integers(5, 12), tail=st.lists(st.integers(0, 3)))
     def admit(self, base, cut, tail):
         prompt = (base[:cut] + tail)[:20] or [0]
-        hit = self.alloc.match_prefix(np.array(prompt[:-1]))
+        hit = self.alloc.parts.prefix.match(np.array(prompt[:-1]))
         slot = self.alloc.new_request(prefix=hit)
         pages = self.alloc.parts.requests.held_pages(slot)
         for i, vpage in enumerate(pages.tolist()):  # a hit: exactly the cached bytes and tokens
@@ -117,7 +117,7 @@ class PrefixMachine(RuleBasedStateMachine):
     def cache(self, data):
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
         before = self._cached()
-        self.alloc.cache_prefix(slot, np.array(self.tokens[slot]))
+        self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
         pages = self.alloc.parts.requests.held_pages(slot).tolist()
         for vpage in self._cached() - before:
             i = pages.index(vpage)
@@ -175,13 +175,14 @@ def test_prefix_cache_state_machine(ps):
     class Counted(machine):
         def teardown(self):
             runs["hits"] += self.hits
-            runs["evicted"] += self.alloc.prefix_stats["evicted_pages"]
+            runs["evicted"] += self.alloc.parts.prefix.counters()["evicted_pages"]
 
     Counted.TestCase.settings = settings(
         max_examples=100,
         stateful_step_count=40,
         deadline=None,
+        derandomize=True,  # the coverage check below must not depend on the seed
         suppress_health_check=[HealthCheck.too_slow],
     )
     Counted.TestCase().runTest()
-    assert runs["hits"] > 20 and runs["evicted"] > 20  # the runs shared and evicted
+    assert runs["hits"] > 20 and runs["evicted"] > 20, runs  # the runs shared and evicted

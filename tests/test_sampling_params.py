@@ -160,7 +160,7 @@ def test_stop_strings_cut_the_text_before_them(ckpt):
         ),
     )[0]
     assert kept.text == text[: cut + len(stop)]
-    assert {llm.alloc.subpool(name).num_live for name in llm.pool.subpools} == {0}
+    assert {llm.alloc.parts.books[name].num_live for name in llm.pool.subpools} == {0}
 
 
 @pytest.mark.parametrize(

@@ -99,7 +99,7 @@ def extend(alloc: PoolAllocator, slot: int, pages: int, markers: Markers | None 
     )
     if got is not None and markers is not None:
         new = request_vpages(alloc, slot)[-pages:]
-        for name in alloc.token_names:
+        for name in alloc.parts.roles.token_names:
             markers.stamp(name, new)
     return got is not None
 
@@ -319,7 +319,7 @@ def test_translation_clamps_tombstones_and_the_sink_survives_churn(ps):
     zeros = VirtualTokenIds(torch.zeros(4, dtype=torch.int32))
 
     def sink_ok():
-        for name in alloc.token_names:
+        for name in alloc.parts.roles.token_names:
             assert not alloc.translate(zeros, name).data.any()
 
     sink_ok()
@@ -329,7 +329,7 @@ def test_translation_clamps_tombstones_and_the_sink_survives_churn(ps):
     c = alloc.new_request()
     assert extend(alloc, c, 4)
     alloc.compact()
-    ids = alloc.req_to_token[b, : 6 * ps].clone()
+    ids = alloc.parts.requests.req_to_token[b, : 6 * ps].clone()
     want = alloc.translate(VirtualTokenIds(ids), "swa").data.clone()
     buf = ids.clone()
     got = alloc.translate(VirtualTokenIds(buf), "swa", out=buf)

@@ -16,6 +16,10 @@ The facade composes parts that own their state and never call up into it:
     tokens.Tokens       token verbs' host half        page_io.PageIO      I/O hooks
     mamba.MambaSlots    state slots                   step.StepBuffers    decode buffers
     prefix.PrefixCache  shared prefix pages, LRU
+
+Read state through ``parts`` (``parts.requests.req_to_token``, ``parts.books[name]``,
+``parts.roles.token_names``); prefix caching is ``parts.prefix`` (``match``, ``insert``,
+``counters``). Each verb's full contract is on the part that implements it.
 """
 
 from __future__ import annotations
@@ -80,31 +84,19 @@ class PoolAllocator:
         self.pool = pool
         self.parts = build_parts(
             pool, max_requests, max_context, num_virtual_pages, on_shortfall,
-            max_shortfall_rounds, backend,
+            max_shortfall_rounds, backend, debug,
         )  # fmt: skip
-        self.token_names = list(self.parts.roles.token_names)
         self._debug = debug
         self._translate_ids = backend.translate_ids
         self._build_block_table = backend.build_block_table
-        books = [self.parts.books[n] for n in self.token_names]
+        books = [self.parts.books[n] for n in self.parts.roles.token_names]
         self._ids = {b.name: IdMap(b.page_size, b.blocks_per_page) for b in books}
-
-    @property
-    def req_to_token(self) -> torch.Tensor:
-        """(max_requests, max_context) int32 device tensor of virtual token ids."""
-        return self.parts.requests.req_to_token
-
-    def subpool(self, name: str) -> PageBook:
-        """The page book of sub-pool ``name`` (read it; change it only through verbs)."""
-        if name not in self.parts.books:
-            raise KeyError(f"no sub-pool {name!r}; the allocator has {list(self.parts.books)}")
-        return self.parts.books[name]
 
     # -- allocating ---------------------------------------------------------------------
 
     def new_request(self, prefix: PrefixHit | None = None) -> int:
         """Open a request slot (host int) with no tokens, or holding the shared
-        pages of ``prefix`` (a ``match_prefix`` hit, taken right before: its
+        pages of ``prefix`` (a ``parts.prefix.match`` hit, taken right before: its
         ``num_tokens`` tokens; the request writes from its next page on)."""
         slot = self.parts.requests.open()
         if slot is None:
@@ -117,37 +109,12 @@ class PoolAllocator:
             self._after_verb()
         return slot
 
-    def match_prefix(self, token_ids: object) -> PrefixHit:
-        """The longest run of whole cached pages holding the first tokens of
-        ``token_ids`` (1-D host ints), compared token by token; no state change.
-        Pass a prompt without its last token, so a forward is left to run."""
-        return self.parts.prefix.match(token_ids)
-
-    def cache_prefix(self, slot: int, token_ids: object) -> int:
-        """Share the full pages of request ``slot`` that hold ``token_ids`` (its
-        first tokens, 1-D host ints, <= tokens held, keys and values written or
-        enqueued): read-only from now on, kept past the request while the pool
-        has room. Returns the pages newly cached."""
-        added = self.parts.prefix.insert(slot, token_ids)
-        self._after_verb()
-        return added
-
-    @property
-    def prefix_stats(self) -> dict[str, int]:
-        """Prefix-cache counters (``prefix.PrefixStats``) and the pages cached and
-        evictable now."""
-        return self.parts.prefix.counters()
-
     def alloc_extend(
         self, slots: object, prefix_lens: object, extend_lens: object
     ) -> VirtualTokenIds | None:
-        """Allocate ``extend_lens[i]`` tokens after ``prefix_lens[i]`` for each request.
-
-        slots, prefix_lens, extend_lens: (B,) host integer arrays; prefix_lens must
-        equal the tokens each request holds. Reuses each partly filled tail page,
-        writes ``req_to_token`` and returns the new virtual token ids, (sum ext,)
-        int32 on the device, request by request. None (state unchanged) when the
-        chain cannot hold them even after compaction and the shortfall callback."""
+        """``extend_lens[i]`` tokens after the ``prefix_lens[i]`` each request holds
+        ((B,) host ints): (sum ext,) int32 virtual token ids on the device, or None
+        (state unchanged). Contract: ``tokens.Tokens.stage_extend``."""
         return self._grow(self.parts.tokens.stage_extend(slots, prefix_lens, extend_lens))
 
     def alloc_decode(self, slots: object, seq_lens: object) -> VirtualTokenIds | None:
@@ -190,18 +157,9 @@ class PoolAllocator:
         block_tables: Mapping[str, torch.Tensor] | None = None,
         write_ids: Mapping[str, torch.Tensor] | None = None,
     ) -> DecodeStep | None:
-        """One decode token per request, plus every lookup the step's forward needs:
-        in effect ``alloc_decode``, ``free_out_of_window(slots, seq_lens + 1)``, then
-        ``block_table`` and ``translate`` per token sub-pool, in one upload and two
-        launches (``step.py``).
-
-        slots, seq_lens: (B,) host integer arrays; seq_lens[i] is the length BEFORE
-        the new token. block_tables: None, or per token sub-pool an int32 (>= B, C)
-        tensor with unit column stride and C * page_size >= max(seq_lens) + 1 (all
-        of one shape); write_ids: None, or per token sub-pool a 1-D int32/int64
-        tensor of >= B entries; none may alias another. Buffers are written in place
-        (stable ``data_ptr`` for CUDA graphs). Returns a ``DecodeStep``, or None
-        (state unchanged) when the chain cannot hold the new pages."""
+        """``alloc_decode``, ``free_out_of_window(slots, seq_lens + 1)``, ``block_table``
+        and ``translate`` per token sub-pool in one upload and two launches; a
+        ``DecodeStep``, or None (state unchanged). Buffers: ``step.StepBuffers.get``."""
         parts = self.parts
         if parts.roles.owner is None:
             raise ValueError("decode_step: this pool has no token sub-pool")
@@ -236,14 +194,9 @@ class PoolAllocator:
         self._after_verb()
 
     def free_out_of_window(self, slots: object, seq_lens: object) -> None:
-        """Free the sliding-window pages that no future query can see (tombstones;
-        the owner's virtual pages live on).
-
-        slots, seq_lens: (B,) host integer arrays, seq_lens <= tokens held; every
-        future query of request i sits at position >= seq_lens[i] - 1, so a page
-        whose last position is < seq_lens[i] - W is freed. Decode: pass the
-        lengths including the token being computed; chunked prefill: the prefix
-        length + 1 (or call after the chunk's forward)."""
+        """Free the sliding-window pages no query at position >= seq_lens[i] - 1 can
+        see ((B,) host ints; the owner's virtual pages live on). Contract:
+        ``tokens.Tokens.stage_out_of_window``."""
         self._write(self.parts.tokens.stage_out_of_window(slots, seq_lens))
         self._after_verb()
 
@@ -269,9 +222,8 @@ class PoolAllocator:
         physical: bool = False,
     ) -> KernelIds | PhysicalTokenIds:
         """Kernel ids (``physical``: physical token ids ``P * ps + tv % ps``) of token
-        sub-pool ``name`` for (n,) virtual token ids (device). Padding (negative) ids
-        and tombstones go to the sink; ``out`` (1-D int32/int64, >= n entries, may
-        alias the input) receives ``out[:n]``. One launch of the backend's op."""
+        sub-pool ``name`` for (n,) device virtual token ids; padding and tombstones
+        go to the sink. One launch; ``out`` rules: ``translate.translate``."""
         ids = expect(virtual_ids, VirtualTokenIds, "translate")
         book, idmap = self._token_book(name, "translate"), self._ids[name]
         if self._debug:
@@ -292,30 +244,27 @@ class PoolAllocator:
 
         req_slots, seq_lens: (B,) int32 device tensors (request slots, tokens in the
         cache). window: 0, or W to zero pages wholly before ``seq_len - W``."""
-        book = self._token_book(name, "block_table")
+        book, r2t = self._token_book(name, "block_table"), self.parts.requests.req_to_token
         self._build_block_table(
-            self.req_to_token, req_slots, seq_lens, book.v2p, page_size=book.page_size,
+            r2t, req_slots, seq_lens, book.v2p, page_size=book.page_size,
             blocks_per_page=book.blocks_per_page, out=out, window=window,
         )  # fmt: skip
         if self._debug:
             w = self.parts.roles.windows.get(name, 0)
-            check_block_table(
-                out, self.req_to_token, req_slots, seq_lens, book.v2p, book.page_size, w, name
-            )
+            check_block_table(out, r2t, req_slots, seq_lens, book.v2p, book.page_size, w, name)
         return KernelPageIds(out, name)
 
     def _token_book(self, name: str, what: str) -> PageBook:
-        book = self.subpool(name)
+        if name not in self.parts.books:
+            raise KeyError(f"no sub-pool {name!r}; the allocator has {list(self.parts.books)}")
+        book = self.parts.books[name]
         if name not in self._ids:
             raise ValueError(f"{what}: {name!r} is a Mamba sub-pool; use mamba_slots")
         return book
 
     def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per sub-pool: (page columns request ``slot`` still holds, their
-        physical pages), host int64, ascending columns; a sliding-window sub-pool
-        leaves out the columns that left the window; the Mamba sub-pool gives the
-        request's state slot as column 0, if it holds one (for transfers and
-        offload: a request's state travels with its pages)."""
+        """Per sub-pool: (page columns request ``slot`` still holds, their physical
+        pages), host int64 (``tokens.Tokens.request_pages``)."""
         return self.parts.tokens.request_pages(slot)
 
     # -- capacity and fences ---------------------------------------------------------------
@@ -329,10 +278,8 @@ class PoolAllocator:
         return self.parts.room.can_admit(new, new.get(owner, 0) if owner else 0)
 
     def mark_in_flight(self, event: Any = None) -> None:
-        """A forward that reads/writes the live pages was enqueued; ``event`` (e.g. a
-        torch.cuda.Event recorded after it, or None when it already ran) fires when
-        it is done. Until then freed pages are neither reused nor moved, and live
-        pages are not moved."""
+        """A forward over the live pages was enqueued; ``event`` (or None: it ran)
+        fires when it is done (``fences.FenceQueue.mark_in_flight``)."""
         self.parts.fences.mark_in_flight(event)
 
     def compact(self) -> int:

@@ -29,7 +29,10 @@ class FenceQueue:
         self._groups: list[tuple[tuple, bool, dict[str, list[np.ndarray]]]] = []
 
     def mark_in_flight(self, event: Any) -> None:
-        """The latest forward's done-event (None: it already ran)."""
+        """The latest forward's done-event: ``event`` (e.g. a torch.cuda.Event
+        recorded after a forward that reads/writes the live pages, or None when it
+        already ran) fires when it is done. Until then freed pages are neither
+        reused nor moved, and live pages are not moved."""
         if event is not None and not (hasattr(event, "query") and hasattr(event, "synchronize")):
             raise TypeError(
                 f"mark_in_flight takes an event with query()/synchronize() or None, got {event!r}"

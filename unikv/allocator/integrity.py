@@ -18,7 +18,7 @@ import torch
 from unikv.allocator.bands import disjoint
 from unikv.allocator.capacity import bands_disjoint
 from unikv.allocator.pages import FREE, LIVE, OUT, PENDING, PageBook
-from unikv.allocator.prefix import CACHED
+from unikv.allocator.prefix import CACHED, check_prefix_windows
 from unikv.pool import INT32_LIMIT, UnifiedPool, _build_views
 
 
@@ -152,7 +152,9 @@ def check_requests(parts) -> None:
         if name in roles.windows:
             lo = req.window_lo[name]
             gone = held & (cols[None, :] < lo[:, None])
-            assert (v2p[req.pages[gone]] == -1).all(), f"{name}: out-of-window pages are tombstones"
+            gone_pages = req.pages[gone]
+            gone_pages = gone_pages[vspace.owner[gone_pages] != CACHED]  # the cache's own
+            assert (v2p[gone_pages] == -1).all(), f"{name}: out-of-window pages are tombstones"
             first = np.maximum(req.lens + 1 - roles.windows[name], 0) // ps  # the next query's
             assert (lo <= first)[req.in_use & (npages > first)].all(), (
                 f"{name}: no page the next query reads was freed out of the window"
@@ -180,9 +182,12 @@ def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
     for name in parts.roles.token_names:
         book = parts.books[name]
         ppages = book.v2p_host[cached]
+        if name in parts.roles.windows:  # a page cached after it left its window: unbound
+            ppages = ppages[ppages != -1]
         assert (ppages > 0).all() and (book.state[ppages] == LIVE).all(), (
             f"{name}: cached pages are bound to LIVE pages, so never on the free stack"
         )
+    check_prefix_windows(parts)
     lru = np.fromiter(prefix.lru, np.int64, len(prefix.lru))
     assert np.array_equal(np.sort(lru), cached[prefix.refs[cached] == 0]), (
         "evictable prefix pages are exactly the cached pages with refcount 0"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from unikv.allocator.device import make_uploader
 from unikv.allocator.fences import FenceQueue
+from unikv.allocator.integrity import check_chain
 from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.page_io import PageIO
 from unikv.allocator.pages import PageBook
@@ -55,6 +56,7 @@ def build_parts(
     on_shortfall: Callable[[Shortfall], bool] | None,
     max_shortfall_rounds: int,
     backend: KernelBackend,
+    debug: bool = False,
 ) -> Parts:
     """Every part of a PoolAllocator over ``pool`` (arguments: the allocator's)."""
     for what, value in (("max_requests", max_requests), ("max_context", max_context)):
@@ -79,7 +81,11 @@ def build_parts(
     token_books = [books[n] for n in roles.token_names]
     upload = make_uploader(pool.device)
     writer = TableWriter(requests.req_to_token, token_books, upload, backend)
-    prefix = PrefixCache(roles, requests, vspace, books, fences, writer)
+
+    def check() -> None:  # debug mode: ``check_integrity`` after each prefix insert
+        check_chain(pool, parts)
+
+    prefix = PrefixCache(roles, requests, vspace, books, fences, writer, check if debug else None)
     room = Room(
         pool, books, requests, vspace, fences, writer, on_shortfall, max_shortfall_rounds, prefix
     )
@@ -89,12 +95,13 @@ def build_parts(
     steps = StepBuffers(
         requests.req_to_token, token_books, roles.windows, roles.page_size, backend.prepare_step
     )
-    return Parts(
+    parts = Parts(
         roles, requests, vspace, books, fences, writer, room,
         Tokens(roles, requests, vspace, books, fences, room, writer, prefix),
         PageIO(roles, requests, vspace, books, fences, room, writer),
         mamba, steps, prefix,
     )  # fmt: skip
+    return parts
 
 
 def _roles(pool: UnifiedPool) -> Roles:

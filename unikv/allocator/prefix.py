@@ -4,7 +4,7 @@
     key(i)  = hash((key(i-1), block tokens)),  key(-1) = 0
     node    = (node id, parent node id, key, virtual page, block tokens)
 
-A page is *cached* once ``cache_prefix`` gave it to the cache: its virtual
+A page is *cached* once ``insert`` gave it to the cache: its virtual
 space owner becomes ``CACHED``, ``refs[page]`` counts the request tables that
 hold it, and the page is never written again (a hit covers whole pages only; a
 request writes its own next page; ``truncate`` refuses to cut into one). At
@@ -15,13 +15,25 @@ node. A hit never trusts a hash: each block's tokens are compared, and each
 node names its parent by node id (ids are never reused), so a node found by a
 colliding key, or one whose parent was evicted, does not match.
 
-Pools with a sliding-window or a Mamba sub-pool are refused (full attention and
-MLA only this round).
+Sliding windows (every windowed token sub-pool, the owner included when all
+are windowed): a hit of k blocks serves a request only if the pages its first
+query reads are bound in every windowed sub-pool, blocks ``[first, k)`` with
+``first = max(k*ps + 1 - W, 0) // ps``; ``match`` returns the longest such k
+(a shorter intact prefix, or a miss). Policy: a cached page keeps its window
+bindings for as long as it is cached; a request's out-of-window frees skip
+cached pages (``Tokens.stage_window_frees``), so the window suffix of every
+cached prefix lives until its node is evicted (LRU, leaves first), while a
+request's private pages that left its window are freed at once, before any
+cached page. A page cached after its request freed it out of the window
+never regains its binding: hits ending where it is needed fall back.
+
+Pools with a Mamba sub-pool are refused (recurrent state is not cached yet).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,7 +104,12 @@ def stage_unbind(
 
 
 class PrefixCache:
-    """The hash chain of cached pages, their reference counts and the LRU."""
+    """The hash chain of cached pages, their reference counts and the LRU.
+
+    The allocator's prefix verbs (``alloc.parts.prefix``): ``match`` a prompt,
+    pass the hit to ``alloc.new_request(prefix=hit)``, ``insert`` a request's
+    written pages, read ``counters()``. ``check``: called after each ``insert``
+    (the allocator's debug-mode ``check_integrity``), or None."""
 
     def __init__(
         self,
@@ -102,9 +119,10 @@ class PrefixCache:
         books: dict[str, PageBook],
         fences: FenceQueue,
         writer: TableWriter,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
-        self.fences, self.writer = fences, writer
+        self.fences, self.writer, self.check = fences, writer, check
         self.refs = np.zeros(vspace.size, np.int32)  # request tables holding each cached page
         self.by_key: dict[int, _Node] = {}
         self.by_page: dict[int, _Node] = {}
@@ -118,15 +136,15 @@ class PrefixCache:
 
     def check_supported(self, what: str) -> None:
         roles = self.roles
-        if roles.owner is None or roles.windows or roles.mamba_name is not None:
-            kinds = {n: b.name for n, b in self.books.items()}
+        if roles.owner is None or roles.mamba_name is not None:
             raise ValueError(
-                f"{what}: prefix caching supports pools of full-attention or MLA sub-pools "
-                f"only; this pool has {list(kinds)} (windows {roles.windows}, Mamba "
+                f"{what}: prefix caching supports pools of attention sub-pools (full, MLA, "
+                f"sliding window) only; this pool has {list(self.books)} (Mamba "
                 f"{roles.mamba_name!r}); turn prefix caching off for this model"
             )
 
     def counters(self) -> dict[str, int]:
+        """Host-int counters (``PrefixStats``) and the pages cached and evictable now."""
         return {**self.stats.as_dict(), "pages": len(self.by_page), "evictable": len(self.lru)}
 
     def tokens(self, token_ids: object, what: str) -> np.ndarray:
@@ -151,8 +169,10 @@ class PrefixCache:
         return key, node
 
     def match(self, token_ids: object) -> PrefixHit:
-        """The longest cached run of whole blocks of ``token_ids`` (no state change)."""
-        tokens = self.tokens(token_ids, "match_prefix")
+        """The longest run of whole cached pages holding the first tokens of
+        ``token_ids`` (1-D host ints), compared token by token; no state change.
+        Pass a prompt without its last token, so a forward is left to run."""
+        tokens = self.tokens(token_ids, "prefix.match")
         ps, key, parent, found = self.roles.page_size, 0, 0, []
         for i in range(len(tokens) // ps):
             key, node = self._find(key, parent, tokens[i * ps : (i + 1) * ps])
@@ -161,8 +181,22 @@ class PrefixCache:
             found.append(node)
             parent = node.node_id
         pages = np.array([n.page for n in found], np.int32)
-        nodes = np.array([n.node_id for n in found], np.int64)
-        return PrefixHit(pages, nodes, len(found) * ps, len(tokens))
+        count = self.window_intact(pages)
+        nodes = np.array([n.node_id for n in found[:count]], np.int64)
+        return PrefixHit(pages[:count], nodes, count * ps, len(tokens))
+
+    def window_intact(self, pages: np.ndarray) -> int:
+        """The largest k <= len(pages) such that a request holding the cached
+        ``pages[:k]`` (host int32, block order) finds every page its next query
+        reads bound in each windowed sub-pool (module docstring)."""
+        ps, windows = self.roles.page_size, self.roles.windows
+        bound = {n: self.books[n].physical(pages) >= 0 for n in windows}
+        count = len(pages)
+        while count and not all(
+            bound[n][max(count * ps + 1 - w, 0) // ps : count].all() for n, w in windows.items()
+        ):
+            count -= 1
+        return count
 
     def attach(self, slot: int, hit: PrefixHit) -> TablePatch:
         """Give the empty request ``slot`` the pages of ``hit``: host state now, the
@@ -177,7 +211,7 @@ class PrefixCache:
             self.requests.close(slot)
             raise ValueError(
                 "new_request: the prefix hit is stale (a page it names was evicted since "
-                "match_prefix); call match_prefix again right before new_request"
+                "prefix.match); call prefix.match again right before new_request"
             )
         self.stats.queries += 1
         self.stats.query_tokens += hit.num_query_tokens
@@ -197,13 +231,15 @@ class PrefixCache:
         return patch
 
     def insert(self, slot: int, token_ids: object) -> int:
-        """Cache the full pages of request ``slot`` that hold ``token_ids`` (its
-        first tokens) and are not cached yet; returns the pages newly cached."""
-        tokens = self.tokens(token_ids, "cache_prefix")
-        slot = int(self.requests.check_slots(np.array([slot]), "cache_prefix")[0])
+        """Share the full pages of request ``slot`` that hold ``token_ids`` (its
+        first tokens, 1-D host ints, <= tokens held, keys and values written or
+        enqueued) and are not cached yet: read-only from now on, kept past the
+        request while the pool has room. Returns the pages newly cached."""
+        tokens = self.tokens(token_ids, "prefix.insert")
+        slot = int(self.requests.check_slots(np.array([slot]), "prefix.insert")[0])
         if len(tokens) > self.requests.lens[slot]:
             raise ValueError(
-                f"cache_prefix: {len(tokens)} token ids but request {slot} holds "
+                f"prefix.insert: {len(tokens)} token ids but request {slot} holds "
                 f"{int(self.requests.lens[slot])} tokens; pass at most those"
             )
         ps, key, parent, added = self.roles.page_size, 0, 0, 0
@@ -217,6 +253,8 @@ class PrefixCache:
                 added += 1
             parent = node.node_id  # cached already: this request's page or another's
         self.stats.cached_pages += added
+        if self.check is not None:
+            self.check()
         return added
 
     def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> _Node | None:
@@ -284,3 +322,20 @@ class PrefixCache:
         ppages = book.physical(np.fromiter(self.lru, np.int32, len(self.lru))).astype(np.int64)
         ppages = ppages[ppages > 0]
         return ppages[book.pins[ppages] == 0]
+
+
+def check_prefix_windows(parts) -> None:
+    """Invariant of windowed pools (``parts``: the allocator's ``Parts``): every
+    cached page that an open request's next query reads (columns from
+    ``max(len + 1 - W, 0) // ps`` on) is bound in that windowed sub-pool."""
+    req, roles, owner = parts.requests, parts.roles, parts.vspace.owner
+    npages = -(-req.lens // roles.page_size)
+    cols = np.arange(req.max_pages)[None, :]
+    for name, window in roles.windows.items():
+        first = np.maximum(req.lens + 1 - window, 0) // roles.page_size
+        read = (cols >= first[:, None]) & (cols < npages[:, None]) & req.in_use[:, None]
+        pages = req.pages[read]
+        pages = pages[owner[pages] == CACHED]
+        assert (parts.books[name].v2p_host[pages] >= 0).all(), (
+            f"{name}: cached pages an open request's window reads are bound"
+        )

@@ -84,7 +84,13 @@ class StepBuffers:
         write_ids: Mapping[str, torch.Tensor] | None,
     ) -> tuple[list[StepTarget], Callable[[torch.Tensor, torch.Tensor], None]]:
         """StepTargets for a step of ``bsz`` requests, the longest ``longest``
-        tokens (the new one included), and the launch that fills them."""
+        tokens (the new one included), and the launch that fills them.
+
+        block_tables: None, or per token sub-pool an int32 (>= B, C) tensor with
+        unit column stride and C * page_size >= longest (all of one shape);
+        write_ids: None, or per token sub-pool a 1-D int32/int64 tensor of >= B
+        entries; none may alias another. Given buffers are written in place
+        (stable ``data_ptr`` for CUDA graphs); None gives buffers of its own."""
         cols = -(-longest // self.page_size)
         checked, names = self._checked, self.names
         given = block_tables is not None and write_ids is not None

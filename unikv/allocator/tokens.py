@@ -87,7 +87,13 @@ class Tokens:
     # -- growing --------------------------------------------------------------------
 
     def stage_extend(self, slots: object, prefix_lens: object, extend_lens: object):
-        """``alloc_extend``'s host half: a StagedGrow, or None (state unchanged)."""
+        """``alloc_extend``'s host half: a StagedGrow, or None (state unchanged).
+
+        slots, prefix_lens, extend_lens: (B,) host integer arrays; prefix_lens must
+        equal the tokens each request holds. Reuses each partly filled tail page;
+        the staged patch writes ``req_to_token`` and holds the new virtual token
+        ids, (sum ext,) int32, request by request. None when the chain cannot hold
+        them even after compaction and the shortfall callback."""
         slots = self.requests.check_slots(slots, "alloc_extend")
         prefix = self.lens(slots, prefix_lens, "alloc_extend", "prefix_lens")
         ext = self.lens(slots, extend_lens, "alloc_extend", "extend_lens")
@@ -157,7 +163,14 @@ class Tokens:
         return self.free_pages(self.requests.held_pages(int(slot)))
 
     def stage_out_of_window(self, slots: object, seq_lens: object) -> TablePatch:
-        """``free_out_of_window``'s host half (checked arguments); the tombstones."""
+        """``free_out_of_window``'s host half (checked arguments); the tombstones.
+
+        slots, seq_lens: (B,) host integer arrays, seq_lens <= tokens held; every
+        future query of request i sits at position >= seq_lens[i] - 1, so a page
+        whose last position is < seq_lens[i] - W is freed (tombstones; the owner's
+        virtual pages live on). Decode: pass the lengths including the token being
+        computed; chunked prefill: the prefix length + 1 (or call after the chunk's
+        forward)."""
         slots = self.requests.check_slots(slots, "free_out_of_window")
         seq = self.lens(slots, seq_lens, "free_out_of_window", "seq_lens")
         if (seq > self.requests.lens[slots]).any() or (seq < 0).any():
@@ -192,7 +205,8 @@ class Tokens:
             else:  # decode: at most one page per request leaves
                 leaving = np.flatnonzero(gone)
                 vpages = self.requests.page_ids(slots[leaving], lo[leaving])
-            self._unbind((name,), vpages, patch)
+            # cached pages keep their window bindings while cached (prefix.py)
+            self._unbind((name,), vpages[~self.prefix.is_cached(vpages)], patch)
             first[slots] = lo + gone
 
     def stage_truncate(self, slots: object, new_lens: object) -> TablePatch:
@@ -247,7 +261,10 @@ class Tokens:
 
     def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Per sub-pool: (page columns request ``slot`` still holds, their physical
-        pages), host int64 (see ``PoolAllocator.request_pages``)."""
+        pages), host int64, ascending columns; a sliding-window sub-pool leaves out
+        the columns that left the window; the Mamba sub-pool gives the request's
+        state slot as column 0, if it holds one (for transfers and offload: a
+        request's state travels with its pages)."""
         vpages = self.requests.held_pages(slot)
         out = {}
         for name in self.roles.token_names:

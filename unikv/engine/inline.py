@@ -37,7 +37,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     stats.peak_pages = {name: 0 for name in llm.pool.subpools}
     sched = llm.scheduler
     preempted_before = sched.num_preemptions
-    prefix_before = llm.alloc.prefix_stats
+    prefix_before = llm.alloc.parts.prefix.counters()
     bar = None
     if use_tqdm:
         from tqdm import tqdm
@@ -61,7 +61,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
         loop.on_step = loop.on_schedule = None
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
-    prefix = llm.alloc.prefix_stats
+    prefix = llm.alloc.parts.prefix.counters()
     for key in ("hit_tokens", "query_tokens", "evicted_pages"):
         setattr(stats, f"prefix_{key}", prefix[key] - prefix_before[key])
     if bar is not None:
@@ -71,4 +71,4 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
 
 def _track_pages(llm, stats: Stats) -> None:
     for name in llm.pool.subpools:
-        stats.peak_pages[name] = max(stats.peak_pages[name], llm.alloc.subpool(name).num_live)
+        stats.peak_pages[name] = max(stats.peak_pages[name], llm.alloc.parts.books[name].num_live)

@@ -73,7 +73,7 @@ class LLM:
         debug: allocator debug mode (tombstone reads raise).
         enable_prefix_caching: share the KV pages of common prompt prefixes
             across requests (whole pages; full-attention and MLA models only
-            this round). Hit and eviction counters: ``llm.alloc.prefix_stats``.
+            this round). Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``.
         static_split: None (sub-pools share the pool's bytes, boundaries move), or
             ``{sub-pool name: fraction of the usable bytes}`` fixed at start-up,
             e.g. SGLang's hybrid default ``{"mamba": 0.9 / 1.9, "full": 1 / 1.9}``.

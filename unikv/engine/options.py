@@ -76,17 +76,17 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
 
 
 def check_prefix_caching(enabled, configs) -> None:
-    """Prefix caching needs every sub-pool to be full attention or MLA (the
-    allocator's prefix cache shares whole pages; windows and recurrent state
-    are not cached yet)."""
+    """Prefix caching needs attention sub-pools only: full, MLA or sliding window
+    (the allocator's prefix cache shares whole pages and keeps the window pages
+    of cached prefixes); recurrent state is not cached yet."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enable_prefix_caching must be True or False, got {enabled!r}")
-    other = {c.name: c.spec.kind for c in configs if c.spec.kind not in ("full", "mla")}
+    other = {c.name: c.spec.kind for c in configs if c.spec.kind not in ("full", "mla", "swa")}
     if enabled and other:
         raise ValueError(
-            f"enable_prefix_caching=True supports full-attention and MLA models only this "
-            f"round; this model has sub-pools {other}; leave prefix caching off "
-            "(enable_prefix_caching=False) for it"
+            f"enable_prefix_caching=True supports attention models (full, MLA, sliding "
+            f"window) only this round; this model has sub-pools {other}; leave prefix "
+            "caching off (enable_prefix_caching=False) for it"
         )
 
 

@@ -21,8 +21,11 @@ One step (``schedule``):
 
 Prefix caching (``prefix_caching``): a waiting request opens with the
 allocator's longest cached run of whole pages of its tokens (all but the last)
-and prefills from there; its full pages are shared (``cache_prefix``) when its
+and prefills from there; its full pages are shared (``alloc.parts.prefix.insert``) when its
 prompt is in, and again when it finishes or is preempted, so a recompute hits.
+With sliding windows every prefill chunk is shared once it is in, before
+``free_out_of_window`` runs, so the cached prefixes keep their window pages
+(a hit needs the pages its first query reads; ``allocator/prefix.py``).
 
 ``complete`` applies the sampled tokens, frees the pages of finished requests
 and the sliding-window pages that left the window.
@@ -213,7 +216,7 @@ class Scheduler:
         if not self.prefix_caching:
             r.slot = self.alloc.new_request()
             return
-        hit = self.alloc.match_prefix(r.token_slice(0, r.seq_len - 1))
+        hit = self.alloc.parts.prefix.match(r.token_slice(0, r.seq_len - 1))
         r.slot = self.alloc.new_request(prefix=hit)
         r.num_cached = hit.num_tokens
 
@@ -223,7 +226,7 @@ class Scheduler:
         if self.prefix_caching:
             ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
             unknown = np.flatnonzero(ids < 0)
-            self.alloc.cache_prefix(r.slot, ids[: unknown[0]] if len(unknown) else ids)
+            self.alloc.parts.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids)
 
     def _fits(self, num_tokens: int, chunk: int) -> bool:
         """Capacity oracle: can a request needing ``num_tokens`` more tokens, written
@@ -318,8 +321,11 @@ class Scheduler:
         appended = 0
         for r, n, token in zip(batch.requests, batch.num_new, tokens):
             r.num_cached += n
-            if self.prefix_caching and r.num_cached - n < len(r.prompt_ids) <= r.num_cached:
-                self._cache(r)  # the prompt is in: later requests may share it now
+            if self.prefix_caching and (
+                r.num_cached - n < len(r.prompt_ids) <= r.num_cached
+                or (self.has_window and r.num_cached < len(r.prompt_ids))
+            ):  # the prompt is in (later requests may share it now), or with windows
+                self._cache(r)  # a chunk of it, before its pages leave the window
             if r.num_cached == len(r.prompt_ids) + len(r.output_ids):
                 r.append(token)
                 appended += 1

@@ -53,7 +53,9 @@ class Tiering:
     def __init__(self, alloc: PoolAllocator, tier: HostTier) -> None:
         self.alloc, self.tier, self.name = alloc, tier, tier.name
         self.io = alloc.parts.io
-        alloc.subpool(tier.name)  # KeyError for a sub-pool the allocator lacks
+        if tier.name not in alloc.parts.books:
+            have = list(alloc.parts.books)
+            raise KeyError(f"no sub-pool {tier.name!r}; the allocator has {have}")
         self._pinned: list[HostCopy] = []  # reloads whose destination pages are pinned
 
     @property
@@ -80,7 +82,7 @@ class Tiering:
         assert same and self.io is self.alloc.parts.io, (
             "tiering: the tier and the allocator serve the same pool and sub-pool"
         )
-        book = self.alloc.subpool(self.name)
+        book = self.alloc.parts.books[self.name]
         for copy in self._pinned:
             pages = copy.pages.data.to("cpu", torch.int64).numpy()
             assert (book.pins[pages] > 0).all(), (

@@ -38,7 +38,7 @@ def engine_snapshot(llm) -> dict:
     sched = llm.scheduler
     subpools = {}
     for name, sub in llm.pool.subpools.items():
-        live = llm.alloc.subpool(name).num_live
+        live = llm.alloc.parts.books[name].num_live
         subpools[name] = {
             "kind": sub.spec.kind,
             "live_pages": live,
@@ -51,7 +51,7 @@ def engine_snapshot(llm) -> dict:
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
-        "prefix": llm.alloc.prefix_stats,
+        "prefix": llm.alloc.parts.prefix.counters(),
     }
 
 

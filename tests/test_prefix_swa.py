@@ -1,0 +1,202 @@
+"""Prefix caching of sliding-window models end to end on CPU (fp32, torch
+reference kernels): Mistral (SWA only, window 7) and gpt-oss (full and SWA
+layers, window 6), windows that are no multiple of the page size, pages 4 and
+16. Greedy tokens with hits equal the same run without the cache and
+transformers' ``generate`` on the same weights, for repeated prompts, prompts
+sharing only part of a page, and a tight pool with eviction and preemption.
+The allocator-level rules (a hit needs its window pages; a request's window
+frees skip cached pages; the invariant and its corruption test) follow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from allocator_fixtures import full_config
+from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
+
+from unikv.allocator import PoolAllocator, PrefixHit
+from unikv.allocator.prefix import stage_unbind
+from unikv.allocator.tables import TablePatch
+from unikv.engine import LLM, SamplingParams
+from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
+from unikv.specs import MHASpec
+
+NEW_TOKENS = 10
+ARCHS = ["mistral", "gpt_oss"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    return path, save_tiny_model(request.param, path)
+
+
+def _prompts(ps: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(0, VOCAB, (3 * ps + 2,), generator=g).tolist()
+    part = system[: 2 * ps + ps // 2] + [7, 8, 9]  # shares half of page 2 only
+    return [system + [1, 2], system + [5], system, part, system + [1, 2]]
+
+
+def _llm(path: str, ps: int, caching: bool, **kw) -> LLM:
+    kw.setdefault("max_num_batched_tokens", 16)
+    kw.setdefault("max_model_len", 96)
+    return LLM(path, device="cpu", max_num_seqs=4, page_size=ps,
+               enable_prefix_caching=caching, debug=True, **kw)  # fmt: skip
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("ps", [4, 16])
+def test_window_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
+    path, hf = tiny
+    prompts = _prompts(ps)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    plain = _llm(path, ps, False).generate(prompts, params)
+    assert [o.output_ids for o in plain] == want
+    llm = _llm(path, ps, True)
+    first = llm.generate(prompts, params)  # concurrent: later admissions may hit
+    again = llm.generate(prompts, params)  # every prompt's whole pages are cached now
+    assert [o.output_ids for o in first] == want
+    assert [o.output_ids for o in again] == want
+    # each prefill chunk was cached before its pages left the window: all hit
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // ps * ps for p in prompts]
+    llm.alloc.check_integrity()
+    fresh = _llm(path, ps, True)
+    fresh.generate(prompts[:1], params)
+    (part,) = fresh.generate(prompts[3:4], params)  # shares half of page 2 only
+    assert part.num_cached_tokens == 2 * ps and part.output_ids == want[3]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
+    from unikv.hf_config import specs_from_hf_config
+
+    path, hf = tiny
+    ps = 4
+    g = torch.Generator().manual_seed(6)
+    system = torch.randint(0, VOCAB, (17,), generator=g).tolist()
+    prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 4, 13)]
+    prompts += [torch.randint(0, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    budget = pool_bytes_for(configs, {c.name: 22 for c in configs})  # 88 tokens a band
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    llm = _llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
+    for _ in range(2):
+        assert [o.output_ids for o in llm.generate(prompts, params)] == want
+    stats = llm.alloc.parts.prefix.counters()
+    assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
+    llm.alloc.check_integrity()
+
+
+# -- the allocator's rules -------------------------------------------------------------
+
+PS, W = 4, 6  # a window that is no multiple of the page
+
+
+def _alloc() -> PoolAllocator:
+    swa = SubPoolConfig("swa", MHASpec(1, 1, 3, dtype=torch.float32, sliding_window=W), PS)
+    configs = [full_config(PS), swa]
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {c.name: 24 for c in configs}))
+    return PoolAllocator(pool, max_requests=4, max_context=64, debug=True)
+
+
+def _prefill(alloc: PoolAllocator, tokens: np.ndarray, chunk: int, cache_each: bool) -> int:
+    """A request holding ``tokens``, written ``chunk`` at a time, freed out of the
+    window after each chunk; with ``cache_each`` cached before each window free."""
+    slot, held = alloc.new_request(), 0
+    while held < len(tokens):
+        n = min(chunk, len(tokens) - held)
+        assert alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([n])) is not None
+        held += n
+        if cache_each:
+            alloc.parts.prefix.insert(slot, tokens[:held])
+        alloc.free_out_of_window(np.array([slot]), np.array([held]))
+    alloc.parts.prefix.insert(slot, tokens)
+    return slot
+
+
+def _swa_bound(alloc: PoolAllocator, pages: np.ndarray) -> np.ndarray:
+    return alloc.parts.books["swa"].physical(pages) >= 0
+
+
+def test_a_hit_falls_back_to_the_longest_prefix_whose_window_is_intact():
+    alloc = _alloc()
+    tokens = np.arange(100, 124)  # 6 pages
+    _prefill(alloc, tokens, chunk=24, cache_each=False)  # frees pages 0-3 before caching
+    hit = alloc.parts.prefix.match(tokens)
+    chain = np.array([alloc.parts.prefix.by_key[k].page for k in _keys(alloc, tokens)])
+    assert len(chain) == 6  # every block is cached ...
+    assert _swa_bound(alloc, chain).tolist() == [False] * 4 + [True] * 2  # ... 4 left the window
+    # a request at k pages reads positions >= 4k + 1 - W: k = 6 reads pages 4-5
+    assert hit.num_tokens == 24
+    # k = 5 needs page 3, k = 4 page 2, ... k = 1 page 0: all gone, a miss
+    assert alloc.parts.prefix.match(tokens[:20]).num_tokens == 0
+    b = alloc.new_request(prefix=hit)
+    assert alloc.alloc_extend(np.array([b]), np.array([24]), np.array([3])) is not None
+    alloc.check_integrity()
+
+
+def _keys(alloc: PoolAllocator, tokens: np.ndarray) -> list[int]:
+    cache, key, parent, keys = alloc.parts.prefix, 0, 0, []
+    for i in range(len(tokens) // PS):
+        key, node = cache._find(key, parent, tokens[i * PS : (i + 1) * PS])
+        if node is None:
+            break
+        keys.append(key)
+        parent = node.node_id
+    return keys
+
+
+def test_caching_each_chunk_keeps_every_window_and_window_frees_skip_cached_pages():
+    alloc = _alloc()
+    tokens = np.arange(200, 224)
+    a = _prefill(alloc, tokens, chunk=5, cache_each=True)
+    chain = alloc.parts.requests.pages[a, :6].copy()
+    assert _swa_bound(alloc, chain).all()  # the cache kept them past a's window
+    for k in range(1, 7):  # every prefix is a hit now
+        assert alloc.parts.prefix.match(tokens[: 4 * k]).num_tokens == 4 * k
+    b = alloc.new_request(prefix=alloc.parts.prefix.match(tokens[:8]))  # at 2 pages
+    c = alloc.new_request(prefix=alloc.parts.prefix.match(tokens[:20]))  # at 5 pages
+    assert alloc.alloc_extend(np.array([c]), np.array([20]), np.array([12])) is not None
+    alloc.free_out_of_window(np.array([c]), np.array([32]))  # c's window leaves pages 0-5
+    assert _swa_bound(alloc, chain).all()  # b still reads pages 0-1: none was unbound
+    assert alloc.alloc_extend(np.array([b]), np.array([8]), np.array([1])) is not None
+    for slot in (a, b, c):
+        alloc.free_request(slot)
+    assert alloc.parts.prefix.counters()["evictable"] >= 6
+    alloc.check_integrity()
+
+
+def test_a_window_page_a_request_reads_unbound_is_named():
+    """Corruption: a cached page that a live request's next query reads loses
+    its SWA binding behind the allocator's back."""
+    alloc = _alloc()
+    tokens = np.arange(300, 316)
+    _prefill(alloc, tokens, chunk=16, cache_each=True)
+    hit = alloc.parts.prefix.match(tokens)
+    b = alloc.new_request(prefix=hit)
+    page = int(hit.pages[-1])  # b's next query (position 16) reads page 3
+    parts, patch = alloc.parts, TablePatch()  # an unbind as a window free would do it
+    stage_unbind(parts.books, ("swa",), parts.fences, parts.writer, np.array([page]), patch)
+    parts.writer.write(patch)
+    with pytest.raises(AssertionError, match="cached pages an open request's window reads"):
+        alloc.check_integrity()
+    assert b >= 0
+
+
+def test_a_hit_longer_than_the_intact_window_breaks_the_invariant():
+    """A hand-made hit past the fallback (its window page unbound) would have the
+    request read a freed page: check_integrity names it."""
+    alloc = _alloc()
+    tokens = np.arange(400, 424)
+    _prefill(alloc, tokens, chunk=24, cache_each=False)
+    cache = alloc.parts.prefix
+    nodes = [cache.by_key[k] for k in _keys(alloc, tokens[:20])]
+    bad = PrefixHit(np.array([n.page for n in nodes], np.int32),
+                    np.array([n.node_id for n in nodes], np.int64), 20, 20)  # fmt: skip
+    with pytest.raises(AssertionError, match="cached pages an open request's window reads"):
+        alloc.new_request(prefix=bad)  # debug: check_integrity after the verb
