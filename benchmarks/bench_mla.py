@@ -120,8 +120,10 @@ def agreement(got, want) -> dict:
     return {"max_abs_err": diff, "rel_err": rel, "ok": rel < REL_TOL and diff <= ABS_TOL * scale}
 
 
-def run_unikv(q_lat, q_rope, kv: LatentPool, q_indptr, max_q_len, **kw):
-    return OPS.mla_attention(
+def run_unikv(q_lat, q_rope, kv: LatentPool, q_indptr, max_q_len, op=None, **kw):
+    """unikv's MLA attention: the backend's op, or ``op`` (the sweep passes
+    ``kernels.mla.mla_attention``, whose configs are (BLOCK_H, BLOCK_N, warps, stages))."""
+    return (op or OPS.mla_attention)(
         q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens,
         max_q_len=max_q_len, page_size=kv.page_size, sm_scale=SCALE, **kw,
     )  # fmt: skip
@@ -276,7 +278,9 @@ def extend_row(fi, bsz, cached, new, heads, ps) -> dict:
 
 
 def sweep(shapes) -> list:
-    """Tile configs x split counts on decode shapes (H 128, page 16)."""
+    """Tile configs x split counts of ``kernels.mla`` on decode shapes (H 128, page 16)."""
+    from unikv.kernels import mla
+
     rows = []
     for bsz, length in shapes:
         kv = LatentPool(bsz, length, 16)
@@ -286,7 +290,7 @@ def sweep(shapes) -> list:
         want = run_unikv(q_lat, q_rope, kv, q_indptr, 1)
         for config in SWEEP:
             for splits in (None, 1, 4, 16, 64):
-                kw = {"config": config, "num_splits": splits}
+                kw = {"config": config, "num_splits": splits, "op": mla.mla_attention}
                 try:
                     got = run_unikv(q_lat, q_rope, kv, q_indptr, 1, **kw)
                     assert rel_err(got, want) < 1e-2

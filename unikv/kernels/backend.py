@@ -123,6 +123,7 @@ def _triton() -> KernelBackend:
         elementwise,
         extend,
         mla,
+        mla_decode,
         page_copy,
         recurrent,
         step_tables,
@@ -146,7 +147,7 @@ def _triton() -> KernelBackend:
         gated_delta_rule=recurrent.gated_delta_rule,
         mamba2_ssd=recurrent.mamba2_ssd,
         store_mla=mla.store_mla,
-        mla_attention=mla.mla_attention,
+        mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
     )
 
