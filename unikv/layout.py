@@ -68,7 +68,7 @@ class IdMap:
         """Kernel ids of physical token ids ``t``: ``(t // ps) * ps * B + t % ps``."""
         pages = torch.div(physical_token_ids, self.page_size, rounding_mode="floor")
         slots = physical_token_ids - pages * self.page_size
-        return self.page_entries(pages) * self.page_size + slots
+        return entry_kernel_ids(self.page_entries(pages), slots, self.page_size)
 
     def kernel_ids_from_virtual(self, virtual_ids: torch.Tensor, v2p: torch.Tensor) -> torch.Tensor:
         """Translate virtual token ids through ``v2p`` (V,) int32 to int64 kernel ids:
@@ -77,11 +77,17 @@ class IdMap:
         tv = virtual_ids.long()
         page = torch.div(tv.clamp_min(0), self.page_size, rounding_mode="floor")
         phys = v2p.index_select(0, page).clamp_min(0).long()
-        return phys * self.multiplier + torch.remainder(tv, self.page_size)
+        slots = torch.remainder(tv, self.page_size)
+        return entry_kernel_ids(self.page_entries(phys), slots, self.page_size)
 
     def limit(self, num_pages: int) -> int:
         """One past the largest kernel id of ``num_pages`` pages: ``num_pages * ps * B``."""
         return num_pages * self.multiplier
+
+
+def entry_kernel_ids(entries: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Kernel ids of (block-table entry, slot in page) pairs, broadcast: ``e * ps + slot``."""
+    return entries * page_size + slots
 
 
 def kernel_page_entries(physical_pages: torch.Tensor, blocks_per_page: int) -> torch.Tensor:

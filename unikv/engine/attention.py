@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from unikv.engine.plan import StepPlan
 from unikv.kernels.backend import KernelBackend
+from unikv.layout import entry_kernel_ids
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class MLAContext:
         the rows of its latent views."""
         bsz, pages = block_table.shape
         slots = torch.arange(page_size, device=block_table.device)
-        row_ids = (block_table.long()[:, :, None] * page_size + slots).view(-1)  # (B*P*ps,)
+        row_ids = entry_kernel_ids(block_table.long()[:, :, None], slots, page_size).view(-1)
         row_ids.clamp_(0, num_rows - 1)
         table = torch.arange(bsz * pages, dtype=torch.int32, device=block_table.device)
         return cls(row_ids, table.view(bsz, pages), page_size)
