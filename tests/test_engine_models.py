@@ -215,3 +215,39 @@ def test_mxfp4_checkpoint_loads_dequantised_experts(tmp_path):
     assert len(expected) == 8  # 4 layers x (gate_up, down)
     for name, want in expected.items():
         assert torch.equal(params[name], want), name
+
+
+def test_mxfp4_checkpoint_with_quantization_config_keeps_experts_packed(tmp_path):
+    """A released gpt-oss checkpoint says ``quant_method: mxfp4``: its experts then
+    load packed (the uint8 blocks and scales are the model's parameters, byte for
+    byte) and give the logits of the same bytes loaded dequantised."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dense_dir, packed_dir = tmp_path / "dense", tmp_path / "packed"
+    save_tiny_model("gpt_oss", str(dense_dir))
+    tensors = load_file(str(dense_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(4)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(name).shape
+        tensors[name + "_blocks"] = torch.randint(
+            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
+        )
+        tensors[name + "_scales"] = torch.randint(
+            122, 128, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
+        )
+    save_file(tensors, str(dense_dir / "model.safetensors"))
+    shutil.copytree(dense_dir, packed_dir)
+    config = json.loads((packed_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (packed_dir / "config.json").write_text(json.dumps(config))
+    dense, packed = load_model(str(dense_dir)), load_model(str(packed_dir))
+    params = dict(packed.named_parameters())
+    blocks = [n for n in tensors if n.endswith(("_blocks", "_scales"))]
+    assert len(blocks) == 16 and not any(n.endswith("experts.down_proj") for n in params)
+    for name in blocks:
+        assert params[name].dtype == torch.uint8 and torch.equal(params[name], tensors[name]), name
+    tokens = torch.randint(0, VOCAB, (13,), generator=g).tolist()
+    diff = (_unikv_logits(packed, tokens) - _unikv_logits(dense, tokens)).abs().max()
+    assert diff < 1e-5, diff

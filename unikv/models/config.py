@@ -55,6 +55,7 @@ FAMILY_EXTRAS["gemma"] = lambda c: import_module("unikv.models.gemma").config_ex
 FAMILY_EXTRAS["mimo_v2"] = lambda c: import_module("unikv.models.mimo_v2").config_extras(c)
 FAMILY_EXTRAS["mixtral"] = lambda c: import_module("unikv.models.mixtral").config_extras(c)
 FAMILY_EXTRAS["qwen3_moe"] = lambda c: import_module("unikv.models.qwen3_moe").config_extras(c)
+FAMILY_EXTRAS["gpt_oss"] = lambda c: import_module("unikv.models.gpt_oss").config_extras(c)
 
 # HF layer types that hold no attention K/V of their own (recurrent mixers, MLP-only
 # layers): their window is None and their state, if any, lives in the Mamba sub-pool.

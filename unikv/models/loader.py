@@ -132,12 +132,14 @@ def _open_weights(path: str):
         ) from err
 
 
-def _sources(index: dict[str, str]) -> dict[str, tuple[str, ...]]:
+def _sources(index: dict[str, str], params=()) -> dict[str, tuple[str, ...]]:
     """Parameter name -> checkpoint tensor names: ``(name,)``, or ``(blocks,
-    scales)`` for an MXFP4 pair (gpt-oss experts)."""
-    sources = {n: (n,) for n in index if not n.endswith(("_blocks", "_scales"))}
+    scales)`` for an MXFP4 pair dequantised at load (gpt-oss experts); a pair the
+    model holds as parameters itself (``params``: experts kept packed) loads as is."""
+    packed = ("_blocks", "_scales")
+    sources = {n: (n,) for n in index if n in params or not n.endswith(packed)}
     for name in index:
-        if name.endswith("_blocks"):
+        if name.endswith("_blocks") and name not in params:
             base = name[: -len("_blocks")]
             if base + "_scales" not in index:
                 raise ValueError(
@@ -191,7 +193,7 @@ def _check_names(model, wanted: dict, sources: dict, index: dict, ignored: tuple
 def _checkpoint_sources(model, index: dict[str, str]) -> tuple[dict, tuple]:
     """(checkpoint parameter name -> tensor names, prefixes to ignore), after a
     wrapper's renaming and tied embeddings."""
-    sources = _sources(index)
+    sources = _sources(index, dict(model.named_parameters()))
     ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
     if model.config.architecture in TEXT_DECODERS:  # a wrapper's text decoder only
         theirs, ours, skipped = TEXT_DECODERS[model.config.architecture]
