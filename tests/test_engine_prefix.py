@@ -87,6 +87,9 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     assert llm.scheduler.num_preemptions > 0
     stats = llm.alloc.parts.prefix.counters()
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
+    # one lookup per admission: every request once per generate, once more per preemption
+    # (admissions the pool turned away and retried later are not counted)
+    assert stats["queries"] == 2 * len(prompts) + llm.scheduler.num_preemptions, stats
     llm.alloc.check_integrity()
 
 

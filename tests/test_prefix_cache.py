@@ -212,15 +212,14 @@ def test_a_stale_hit_is_refused_and_the_slot_closed():
     assert alloc.parts.requests.in_use.sum() == open_before
 
 
-@pytest.mark.parametrize("configs", [[full_config(4), mamba_config()]])
-def test_unsupported_pools_are_refused(configs):
-    pages = {c.name: 8 for c in configs}
-    alloc = PoolAllocator(UnifiedPool(configs, pool_bytes_for(configs, pages)), max_requests=2,
-                          max_context=32)  # fmt: skip
-    with pytest.raises(ValueError, match="attention sub-pools"):
+def test_pools_without_attention_are_refused():
+    configs = [mamba_config()]  # no attention sub-pool keys a prefix (hybrids: test_prefix_hybrid)
+    alloc = PoolAllocator(UnifiedPool(configs, pool_bytes_for(configs, {"mamba": 8})),
+                          max_requests=2, max_context=32)  # fmt: skip
+    with pytest.raises(ValueError, match="needs an attention sub-pool"):
         alloc.parts.prefix.match([1, 2, 3, 4])
     slot = alloc.new_request()
-    with pytest.raises(ValueError, match="attention sub-pools"):
+    with pytest.raises(ValueError, match="needs an attention sub-pool"):
         alloc.parts.prefix.insert(slot, [])
 
 

@@ -6,7 +6,7 @@ expects its name (docs/design.md section 10 lists them).
     check_pool      the buffer, the sink, each grid and view (the geometry)
     check_subpool   one sub-pool: band, states, free stack, counts, v2p/p2v
     check_requests  virtual space, request pages, windows, req_to_token
-    check_prefix    shared prefix pages: references, LRU, the hash map
+    check_prefix    shared prefix pages: references, LRU, the hash map, state checkpoints
     check_chain     all of them, plus bands byte-disjoint and static ranges
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from unikv.allocator.bands import disjoint
 from unikv.allocator.capacity import bands_disjoint
+from unikv.allocator.checkpoints import check_checkpoints
 from unikv.allocator.pages import FREE, LIVE, OUT, PENDING, PageBook
 from unikv.allocator.prefix import CACHED, check_prefix_windows
 from unikv.pool import INT32_LIMIT, UnifiedPool, _build_views
@@ -167,7 +168,7 @@ def check_requests(parts) -> None:
         "req_to_token holds each request's virtual ids"
     )
     if roles.mamba_name is not None:
-        has = parts.books[roles.mamba_name].v2p_host[1:] >= 0
+        has = parts.books[roles.mamba_name].v2p_host[1 : req.max_requests + 1] >= 0
         assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"
 
 
@@ -205,6 +206,8 @@ def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
     )
     ps = parts.roles.page_size
     assert all(len(n.tokens) == ps for n in nodes), "each prefix node holds one page of tokens"
+    if prefix.states is not None:
+        check_checkpoints(parts)
 
 
 def check_chain(pool: UnifiedPool, parts) -> None:

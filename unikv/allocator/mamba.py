@@ -1,6 +1,8 @@
 """Mamba state slots: one slot (page size 1) per request. The sub-pool's virtual
 id of request r is ``r + 1`` (0 is the sink), so compaction can move a slot and
-``slots`` still finds it through ``v2p``.
+``slots`` still finds it through ``v2p``. Ids from ``max_requests + 1`` on are
+prefix-cache state checkpoints (``checkpoints.py``); a request opened with a hit
+gets its checkpoint copied into its new slot here.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from unikv.allocator.checkpoints import StateCheckpoints
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
 from unikv.allocator.requests import RequestTable
@@ -28,14 +31,16 @@ class MambaSlots:
         fences: FenceQueue,
         room: Room,
         writer: TableWriter,
+        states: StateCheckpoints | None = None,
     ) -> None:
         self.pool, self.book, self.requests = pool, book, requests
-        self.fences, self.room, self.writer = fences, room, writer
+        self.fences, self.room, self.writer, self.states = fences, room, writer, states
 
     def alloc(self, slots: object) -> PhysicalPageIds | None:
         """One zeroed state slot for each request in ``slots`` ((B,) host ints,
-        requests without one): the (B,) physical slots on the device, or None
-        (state unchanged) when the chain cannot make room."""
+        requests without one), or the state checkpoint of the prefix hit it opened
+        with: the (B,) physical slots on the device, or None (state unchanged)
+        when the chain cannot make room."""
         book = self.book
         slots = self.requests.check_slots(slots, "alloc_mamba")
         vids = (slots + 1).astype(np.int32)
@@ -48,6 +53,8 @@ class MambaSlots:
         book.bind_host(vids, pages)
         phys = PhysicalPageIds(self.writer.bind(book, vids, pages), book.name)
         self.pool.zero_pages(book.name, phys)  # before any later forward, in stream order
+        if self.states is not None:
+            self.states.restore(slots, phys)
         return phys
 
     def free(self, slots: object) -> None:
@@ -61,6 +68,8 @@ class MambaSlots:
 
     def free_bound(self, vids: np.ndarray) -> None:
         """Free the slots of virtual ids ``vids`` that hold one (host int32)."""
+        if self.states is not None:
+            self.states.unpin((vids - 1).astype(np.int64))
         vids = vids[self.book.physical(vids) >= 0]
         self.writer.unbind(self.book, vids, self.fences.unbind(self.book, vids))
 

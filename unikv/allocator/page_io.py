@@ -70,7 +70,10 @@ class PageIO:
 
     def _check_owned(self, name: str, vpages: np.ndarray, what: str) -> None:
         if name == self.roles.mamba_name:
-            unowned = ~self.requests.in_use[vpages - 1]
+            slots = vpages - 1
+            inside = slots < self.requests.max_requests  # beyond: prefix-cache checkpoints
+            unowned = ~inside
+            unowned[inside] = ~self.requests.in_use[slots[inside]]
         else:
             cached = self.vspace.owner[vpages] == CACHED
             if cached.any():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unikv.allocator.checkpoints import StateCheckpoints
 from unikv.allocator.device import make_uploader
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.integrity import check_chain
@@ -72,8 +73,8 @@ def build_parts(
     requests = RequestTable(max_requests, max_context, roles.page_size, pool.device)
     vspace = VirtualSpace(num_virtual)
     books = {}
-    for s in pool.subpools.values():  # Mamba: one virtual id per request slot, plus the sink
-        size = max_requests + 1 if s.name == roles.mamba_name else num_virtual
+    for s in pool.subpools.values():  # Mamba: the sink, one id per request slot, checkpoints
+        size = max_requests + 1 + s.num_pages if s.name == roles.mamba_name else num_virtual
         books[s.name] = PageBook(s, size, pool.device)
     for name in roles.windows:
         requests.add_window(name)
@@ -85,13 +86,21 @@ def build_parts(
     def check() -> None:  # debug mode: ``check_integrity`` after each prefix insert
         check_chain(pool, parts)
 
-    prefix = PrefixCache(roles, requests, vspace, books, fences, writer, check if debug else None)
+    states = None
+    if roles.mamba_name is not None and roles.owner is not None:  # room: built below
+        states = StateCheckpoints(
+            pool, books[roles.mamba_name], max_requests + 1, fences, writer,
+            lambda new: room.reserve(new, callback=False),
+        )  # fmt: skip
+    prefix = PrefixCache(
+        roles, requests, vspace, books, fences, writer, check if debug else None, states
+    )
     room = Room(
         pool, books, requests, vspace, fences, writer, on_shortfall, max_shortfall_rounds, prefix
     )
     mamba = None
     if roles.mamba_name is not None:
-        mamba = MambaSlots(pool, books[roles.mamba_name], requests, fences, room, writer)
+        mamba = MambaSlots(pool, books[roles.mamba_name], requests, fences, room, writer, states)
     steps = StepBuffers(
         requests.req_to_token, token_books, roles.windows, roles.page_size, backend.prepare_step
     )

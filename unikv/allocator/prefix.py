@@ -27,7 +27,10 @@ request's private pages that left its window are freed at once, before any
 cached page. A page cached after its request freed it out of the window
 never regains its binding: hits ending where it is needed fall back.
 
-Pools with a Mamba sub-pool are refused (recurrent state is not cached yet).
+Recurrent state (a Mamba sub-pool): a hit of k blocks also needs a state
+checkpoint at block k-1's node; ``match`` returns the longest prefix that has
+one, ``attach`` pins it for ``alloc_mamba`` to restore (policy and cost:
+``checkpoints.py``), and a node's eviction drops its checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from unikv.allocator.checkpoints import StateCheckpoints
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
@@ -53,23 +57,27 @@ class PrefixHit:
 
     pages: (k,) host int32 virtual pages of blocks 0..k-1; nodes: (k,) host
     int64 node ids (a hit is stale once one of them is evicted); num_tokens:
-    k * page_size; num_query_tokens: the tokens looked up."""
+    k * page_size; num_query_tokens: the tokens looked up; num_page_tokens: the
+    tokens of the longest cached page run (>= num_tokens: a hybrid's hit also
+    needs a state checkpoint at its end)."""
 
     pages: np.ndarray
     nodes: np.ndarray
     num_tokens: int
     num_query_tokens: int
+    num_page_tokens: int = 0
 
 
 @dataclass
 class PrefixStats:
     """Counters since construction (host ints)."""
 
-    queries: int = 0  # requests opened with a prefix lookup
+    queries: int = 0  # admissions with a prefix lookup (a given-up one is uncounted)
     query_tokens: int = 0  # tokens those lookups covered
     hit_tokens: int = 0  # of them, tokens served from cached pages
     cached_pages: int = 0  # pages given to the cache
     evicted_pages: int = 0  # cached pages evicted
+    checkpoints: int = 0  # recurrent-state checkpoints taken (copies)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -108,8 +116,9 @@ class PrefixCache:
 
     The allocator's prefix verbs (``alloc.parts.prefix``): ``match`` a prompt,
     pass the hit to ``alloc.new_request(prefix=hit)``, ``insert`` a request's
-    written pages, read ``counters()``. ``check``: called after each ``insert``
-    (the allocator's debug-mode ``check_integrity``), or None."""
+    written pages, ``checkpoint`` a hybrid request's state, read ``counters()``.
+    ``check``: called after each ``insert`` (the allocator's debug-mode
+    ``check_integrity``), or None. ``states``: the Mamba sub-pool's checkpoints."""
 
     def __init__(
         self,
@@ -120,9 +129,10 @@ class PrefixCache:
         fences: FenceQueue,
         writer: TableWriter,
         check: Callable[[], None] | None = None,
+        states: StateCheckpoints | None = None,
     ) -> None:
         self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
-        self.fences, self.writer, self.check = fences, writer, check
+        self.fences, self.writer, self.check, self.states = fences, writer, check, states
         self.refs = np.zeros(vspace.size, np.int32)  # request tables holding each cached page
         self.by_key: dict[int, _Node] = {}
         self.by_page: dict[int, _Node] = {}
@@ -136,16 +146,19 @@ class PrefixCache:
 
     def check_supported(self, what: str) -> None:
         roles = self.roles
-        if roles.owner is None or roles.mamba_name is not None:
+        if roles.owner is None:
             raise ValueError(
-                f"{what}: prefix caching supports pools of attention sub-pools (full, MLA, "
-                f"sliding window) only; this pool has {list(self.books)} (Mamba "
-                f"{roles.mamba_name!r}); turn prefix caching off for this model"
+                f"{what}: prefix caching needs an attention sub-pool (full, MLA, sliding "
+                f"window); this pool has {list(self.books)} only; turn prefix caching off"
             )
 
     def counters(self) -> dict[str, int]:
         """Host-int counters (``PrefixStats``) and the pages cached and evictable now."""
-        return {**self.stats.as_dict(), "pages": len(self.by_page), "evictable": len(self.lru)}
+        states = {"checkpoints": len(self.states.by_node)} if self.states is not None else {}
+        return {
+            **self.stats.as_dict(), "pages": len(self.by_page), "evictable": len(self.lru),
+            **states,
+        }  # fmt: skip
 
     def tokens(self, token_ids: object, what: str) -> np.ndarray:
         """``token_ids`` (a 1-D host sequence, array or CPU tensor of ints) as int64,
@@ -181,9 +194,12 @@ class PrefixCache:
             found.append(node)
             parent = node.node_id
         pages = np.array([n.page for n in found], np.int32)
-        count = self.window_intact(pages)
+        count = intact = self.window_intact(pages)
+        if self.states is not None:  # a hybrid's hit ends at a block with a state checkpoint
+            while count and found[count - 1].node_id not in self.states.by_node:
+                count -= 1
         nodes = np.array([n.node_id for n in found[:count]], np.int64)
-        return PrefixHit(pages[:count], nodes, count * ps, len(tokens))
+        return PrefixHit(pages[:count], nodes, count * ps, len(tokens), intact * ps)
 
     def window_intact(self, pages: np.ndarray) -> int:
         """The largest k <= len(pages) such that a request holding the cached
@@ -198,6 +214,16 @@ class PrefixCache:
             count -= 1
         return count
 
+    def _count(self, hit: PrefixHit, sign: int) -> None:
+        self.stats.queries += sign
+        self.stats.query_tokens += sign * hit.num_query_tokens
+        self.stats.hit_tokens += sign * hit.num_tokens
+
+    def uncount(self, hit: PrefixHit) -> None:
+        """Take back the lookup counters of an attached ``hit`` whose admission was
+        given up (the caller frees the slot and looks up again later)."""
+        self._count(hit, -1)
+
     def attach(self, slot: int, hit: PrefixHit) -> TablePatch:
         """Give the empty request ``slot`` the pages of ``hit``: host state now, the
         req_to_token writes staged in the returned patch. On a bad hit the slot
@@ -207,15 +233,17 @@ class PrefixCache:
             raise TypeError(f"new_request: prefix must be a PrefixHit or None, got {hit!r}")
         pages, count = hit.pages, len(hit.pages)
         live = [self.by_page.get(int(p)) for p in pages]
-        if any(n is None or n.node_id != i for n, i in zip(live, hit.nodes.tolist())):
+        states = self.states
+        last = int(hit.nodes[-1]) if count else 0
+        if any(n is None or n.node_id != i for n, i in zip(live, hit.nodes.tolist())) or (
+            states is not None and count and last not in states.by_node
+        ):
             self.requests.close(slot)
             raise ValueError(
                 "new_request: the prefix hit is stale (a page it names was evicted since "
                 "prefix.match); call prefix.match again right before new_request"
             )
-        self.stats.queries += 1
-        self.stats.query_tokens += hit.num_query_tokens
-        self.stats.hit_tokens += hit.num_tokens
+        self._count(hit, 1)
         patch = TablePatch()
         if count == 0:
             return patch
@@ -224,6 +252,8 @@ class PrefixCache:
         np.add.at(self.refs, pages, 1)
         for page in pages.tolist():
             self.lru.pop(page, None)
+        if states is not None:
+            states.pin(slot, last)  # restored by alloc_mamba
         positions = np.arange(hit.num_tokens, dtype=np.int64)
         rows = np.full(hit.num_tokens, slot, np.int64)
         flat = rows * self.requests.max_context + positions
@@ -256,6 +286,29 @@ class PrefixCache:
         if self.check is not None:
             self.check()
         return added
+
+    def checkpoint(self, slot: int, token_ids: object) -> bool:
+        """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
+        node of the last block of ``token_ids`` (its first k * page_size tokens, all
+        prefilled and ``insert``-ed; the state must be the one after exactly them).
+        False when nothing was taken: no Mamba sub-pool, no node, or no room."""
+        tokens = self.tokens(token_ids, "prefix.checkpoint")
+        ps = self.roles.page_size
+        if self.states is None or not len(tokens) or len(tokens) % ps:
+            return False
+        key, parent, node = 0, 0, None
+        for i in range(len(tokens) // ps):
+            key, node = self._find(key, parent, tokens[i * ps : (i + 1) * ps])
+            if node is None:
+                return False
+            parent = node.node_id
+        saved = self.states.save(
+            int(slot), node.node_id, lambda: self.by_page.get(node.page) is node
+        )
+        self.stats.checkpoints = self.states.saved
+        if self.check is not None:
+            self.check()
+        return saved
 
     def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> _Node | None:
         """Give ``page`` to the cache under ``key``; None when the key is held by a
@@ -306,9 +359,13 @@ class PrefixCache:
         if count == 0:
             return patch
         stage_unbind(self.books, self.roles.token_names, self.fences, self.writer, pages, patch)
+        dropped = []
         for page in pages.tolist():
             node = self.by_page.pop(page)
             del self.by_key[node.key]
+            dropped.append(node.node_id)
+        if self.states is not None:
+            self.states.drop(dropped)
         self.vspace.retire(pages)
         self.stats.evicted_pages += count
         return patch

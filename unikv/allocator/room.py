@@ -3,14 +3,15 @@
 1. holes on each free stack (no band moves);
 2. ``Mode.NOW``: move frontiers over free bytes and trailing holes (no page moves);
 3. evict prefix-cache pages no request holds, oldest first (``prefix.py``): the
-   shortfall first, retrying 1-2;
+   shortfall first, retrying 1-2; recurrent-state checkpoints too
+   (``checkpoints.py``) when the Mamba sub-pool is short or no page is left;
 4. ``Mode.AFTER``: wait for the forward fences, move live pages into holes; if
    that does not pack either, evict twice as many and retry, until none is left;
 5. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
    the joint picture, and the allocator tries again.
 
 ``can_admit`` answers 2 and 4 with the same packer (``capacity.pack_bands``),
-counting every evictable page as a hole.
+counting every evictable page and evictable state checkpoint as a hole.
 Under pressure ``reserve`` waits for the fences its plan counted on, or says no;
 it never asserts on a packing that vanished (issue 16).
 """
@@ -100,8 +101,10 @@ class Room:
         held = reclaim = None
         if mode is Mode.AFTER:
             held = {n: self.fences.held(n, transfer_only=True) for n in self.books}
-        if evicted:  # as if every evictable prefix page were evicted
+        if evicted:  # as if every evictable prefix page (and state checkpoint) were evicted
             reclaim = {n: self.prefix.evictable_physical(n) for n in self.prefix.roles.token_names}
+            if self.prefix.states is not None:
+                reclaim[self.prefix.states.book.name] = self.prefix.states.evictable_physical()
         return bands.band_needs(self.books, self.frame, new, mode, held, reclaim)
 
     def can_admit(self, new: Mapping[str, int], virtual: int) -> tuple[bool, bool]:
@@ -115,18 +118,22 @@ class Room:
             self._fits_free(new, 0) or self.frame.pack(self._needs(new, Mode.NOW)) is not None
         ):
             return True, True
-        now = evictable and not self.fences.forward_outstanding()  # evicted pages: holes
+        now = self._evictable() and not self.fences.forward_outstanding()  # evicted: holes
         if now and self.frame.pack(self._needs(new, Mode.NOW, evicted=True)) is not None:
             return True, True
         return False, self.frame.pack(self._needs(new, Mode.AFTER, evicted=True)) is not None
 
     def reserve(
-        self, new: Mapping[str, int], virtual: int = 0, slots: np.ndarray | None = None
+        self,
+        new: Mapping[str, int],
+        virtual: int = 0,
+        slots: np.ndarray | None = None,
+        callback: bool = True,
     ) -> bool:
         """Make each free stack hold ``new[name]`` holes (and the virtual space
         ``virtual`` ids). False, with no page moved, when impossible (evictable
         prefix pages may be gone). ``slots``: the requests being served, which
-        the shortfall callback must not free."""
+        the shortfall callback must not free; ``callback=False``: never ask it."""
         self.drain()
         if self._fits_free(new, virtual):
             return True
@@ -136,7 +143,9 @@ class Room:
                     "reserve: a feasible plan left free stacks short"
                 )
                 return True
-            if self.on_shortfall is None or not self.on_shortfall(self.shortfall(new, virtual)):
+            if not callback or self.on_shortfall is None:
+                return False
+            if not self.on_shortfall(self.shortfall(new, virtual)):
                 return False
             if slots is not None and not self.requests.in_use[slots].all():
                 raise RuntimeError(
@@ -154,8 +163,7 @@ class Room:
             return True
         batch = self._deficit(new, virtual)
         while True:
-            if batch and self.prefix.num_evictable:
-                self.writer.write(self.prefix.evict(batch))
+            if batch and self._evict(new, batch):
                 self.drain()
                 if self._fits_free(new, virtual):
                     return True
@@ -163,9 +171,23 @@ class Room:
                     return True
             if virtual <= self.vspace.num_free and self._compact_for(new):
                 return True
-            if not self.prefix.num_evictable:
+            if not self._evictable():
                 return False
             batch = max(2 * batch, 1)
+
+    def _evictable(self) -> int:
+        states = self.prefix.states
+        return self.prefix.num_evictable + (states.num_evictable if states is not None else 0)
+
+    def _evict(self, new: Mapping[str, int], batch: int) -> bool:
+        """Evict ``batch`` cached pages, and ``batch`` state checkpoints when the
+        Mamba sub-pool is short or no page is left; False when nothing was."""
+        states, pages = self.prefix.states, self.prefix.num_evictable
+        if pages:
+            self.writer.write(self.prefix.evict(batch))
+        if states is not None and states.num_evictable and (new.get(states.book.name) or not pages):
+            return bool(states.evict(batch)) or bool(pages)
+        return bool(pages)
 
     def _deficit(self, new: Mapping[str, int], virtual: int) -> int:
         """Pages to evict first, a lower bound: what holes, fence-held pages and

@@ -26,6 +26,12 @@ prompt is in, and again when it finishes or is preempted, so a recompute hits.
 With sliding windows every prefill chunk is shared once it is in, before
 ``free_out_of_window`` runs, so the cached prefixes keep their window pages
 (a hit needs the pages its first query reads; ``allocator/prefix.py``).
+With recurrent state a hit also needs a state checkpoint at its last block: a
+request's prefill chunks end at the end of the cached page run it matched (if
+longer than its hit) and at its last whole page before its last token
+(``_state_at``); there its pages are shared and its state slot copied
+(``prefix.checkpoint``; policy and cost: ``allocator/checkpoints.py``);
+``alloc_mamba`` restores a hit's checkpoint.
 
 ``complete`` applies the sampled tokens, frees the pages of finished requests
 and the sliding-window pages that left the window.
@@ -125,6 +131,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
+        self._state_at: dict[int, list[int]] = {}  # slot -> tokens at its state checkpoints
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -186,7 +193,7 @@ class Scheduler:
         for r in prefilling:
             if budget <= 0:
                 return
-            n = min(budget, r.num_pending)
+            n = self._chunk(r, budget)
             ids = self._extend(r, n)
             if ids is None:
                 return
@@ -194,11 +201,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            self._open(r)
-            n = min(budget, r.num_pending)
+            hit = self._open(r)
+            n = self._chunk(r, budget)
             ok = self._fits(r.num_pending, n) and self._admit_state(r)
             ids = self._extend(r, n) if ok else None
             if ids is None:
+                if hit is not None:  # not admitted: its lookup is retried, counted then
+                    self.alloc.parts.prefix.uncount(hit)
                 self.alloc.free_request(r.slot)
                 r.slot, r.num_cached = None, 0
                 return
@@ -210,15 +219,41 @@ class Scheduler:
             batch.add(r, n, ids)
             budget -= n
 
-    def _open(self, r: Request) -> None:
+    def _open(self, r: Request):
         """A request slot for ``r``; with prefix caching it holds the cached pages
-        of ``r``'s longest cached prefix, and ``r.num_cached`` counts them."""
+        of ``r``'s longest cached prefix, and ``r.num_cached`` counts them.
+        Returns the prefix hit (None without caching)."""
         if not self.prefix_caching:
             r.slot = self.alloc.new_request()
-            return
+            return None
         hit = self.alloc.parts.prefix.match(r.token_slice(0, r.seq_len - 1))
         r.slot = self.alloc.new_request(prefix=hit)
         r.num_cached = hit.num_tokens
+        self._state_at.pop(r.slot, None)
+        if self.has_state:  # checkpoint the state after the last whole page before the end
+            ps = self.alloc.parts.roles.page_size
+            ends = sorted({hit.num_page_tokens, (r.seq_len - 1) // ps * ps})
+            ends = [n for n in ends if n > hit.num_tokens]
+            if ends:
+                self._state_at[r.slot] = ends
+        return hit
+
+    def _chunk(self, r: Request, budget: int) -> int:
+        """The tokens of ``r`` to prefill now: within ``budget``, ending at its state
+        checkpoint when that lies inside the chunk."""
+        n = min(budget, r.num_pending)
+        stop = self._state_at.get(r.slot, (0,))[0]
+        return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
+
+    def _checkpoint(self, r: Request) -> None:
+        """At ``r``'s state checkpoint: share its pages, copy its state slot."""
+        ends = self._state_at.get(r.slot)
+        if ends and ends[0] == r.num_cached:
+            ends.pop(0)
+            if not ends:
+                del self._state_at[r.slot]
+            self._cache(r)
+            self.alloc.parts.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
 
     def _cache(self, r: Request) -> None:
         """Share the full pages holding ``r``'s cached tokens (known ones: a
@@ -321,6 +356,8 @@ class Scheduler:
         appended = 0
         for r, n, token in zip(batch.requests, batch.num_new, tokens):
             r.num_cached += n
+            if self._state_at:
+                self._checkpoint(r)
             if self.prefix_caching and (
                 r.num_cached - n < len(r.prompt_ids) <= r.num_cached
                 or (self.has_window and r.num_cached < len(r.prompt_ids))

@@ -1,0 +1,184 @@
+"""Recurrent-state checkpoints of the prefix cache (hybrid models, issue 17).
+
+A Mamba / Gated DeltaNet request's state after ``k`` whole pages is what a
+prefix hit of ``k`` pages needs; one state slot (page size 1) is the conv and
+temporal state of every linear layer in ONE contiguous envelope, so a
+checkpoint is one envelope copy (``UnifiedPool.move_pages``, as compaction does;
+no host sync, no loop over layers).
+
+    Mamba virtual ids:  0 sink | 1..R request slots (slot + 1) | R+1.. checkpoints
+    checkpoint = (node id of the hash-chain node of block k-1, virtual id)
+
+Policy and cost: at most twice per admission, when a request's prefill reaches
+(a) the end of the cached page run it matched, if that run is longer than its
+hit (the point where it diverges from an earlier prompt: a shared system
+prompt), and (b) the last whole page before its last token (``k = (seq_len -
+1) // ps``, the longest hit a repeat of its tokens can take), the scheduler
+ends a prefill chunk there and the request's state slot is copied into a spare
+slot keyed by that block's node: one copy of ``spec.entry_bytes`` bytes and
+one Mamba slot per checkpoint, at most one extra prefill chunk per boundary. A hit restores
+it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
+prefills only the rest. A hit needs a checkpoint at its last block
+(``PrefixCache.match`` falls back to the longest such prefix, or a miss).
+
+A checkpoint is never read by a running request (a hit copies it), so it is
+evictable unless a request opened with a hit still waits for its restore
+(``pending``: pinned until ``alloc_mamba`` or ``free_request``). Evictable
+ones are LRU; the node's eviction drops its checkpoint; the room maker evicts
+them when the Mamba sub-pool is short (or nothing else is left), and the
+capacity oracle counts them as holes, as it counts cached pages.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from unikv.allocator.fences import FenceQueue
+from unikv.allocator.pages import LIVE, PageBook
+from unikv.allocator.tables import TableWriter
+from unikv.ids import PhysicalPageIds
+from unikv.pool import UnifiedPool
+
+
+class StateCheckpoints:
+    """Checkpoint slots of one Mamba sub-pool, keyed by prefix node id.
+
+    ``base``: the first checkpoint virtual id (max_requests + 1); ``reserve``:
+    ``new -> bool``, the room maker's reserve (no shortfall callback)."""
+
+    def __init__(
+        self,
+        pool: UnifiedPool,
+        book: PageBook,
+        base: int,
+        fences: FenceQueue,
+        writer: TableWriter,
+        reserve: Callable[[Mapping[str, int]], bool],
+    ) -> None:
+        self.pool, self.book, self.base = pool, book, base
+        self.fences, self.writer, self.reserve = fences, writer, reserve
+        self.by_node: dict[int, int] = {}  # node id -> checkpoint virtual id
+        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable node ids, oldest first
+        self.pending: dict[int, int] = {}  # request slot -> node id to restore
+        self.pins: Counter[int] = Counter()  # node id -> pending restores
+        self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
+        self.saved = self.restored = self.evicted = 0
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.lru)
+
+    def save(self, slot: int, node_id: int, alive: Callable[[], bool]) -> bool:
+        """Copy request ``slot``'s state slot into a checkpoint of ``node_id``;
+        False (nothing changed) when the chain has no room, the request holds no
+        slot, or ``alive()`` says the node was evicted while making room."""
+        if node_id in self.by_node:
+            if node_id in self.lru:
+                self.lru.move_to_end(node_id)
+            return True
+        held = self.book.physical(np.array([slot + 1], np.int32))[0] >= 0
+        if not held or not self.free_vids or not self.reserve({self.book.name: 1}):
+            return False
+        if not alive():
+            return False
+        src = self.book.physical(np.array([slot + 1], np.int32))  # reserve may have moved it
+        vid = np.array([self.free_vids.pop()], np.int32)
+        page = self.book.take(1)
+        self.book.bind_host(vid, page)
+        dst = PhysicalPageIds(self.writer.bind(self.book, vid, page), self.book.name)
+        self._copy(src.astype(np.int64), dst)
+        self.by_node[node_id] = int(vid[0])
+        self.lru[node_id] = None
+        self.saved += 1
+        return True
+
+    def pin(self, slot: int, node_id: int) -> None:
+        """Request ``slot`` opened with a hit ending at ``node_id``: keep its checkpoint
+        until ``restore`` (or ``unpin``)."""
+        self.pending[slot] = node_id
+        self.pins[node_id] += 1
+        self.lru.pop(node_id, None)
+
+    def unpin(self, slots: np.ndarray) -> None:
+        """Requests ``slots`` (host ints) no longer wait for a restore."""
+        for slot in slots.tolist():
+            node_id = self.pending.pop(slot, None)
+            if node_id is None:
+                continue
+            self.pins[node_id] -= 1
+            if not self.pins[node_id]:
+                del self.pins[node_id]
+                self.lru[node_id] = None  # the most recently used
+
+    def restore(self, slots: np.ndarray, dst: PhysicalPageIds) -> None:
+        """Copy the pinned checkpoints of ``slots`` ((B,) host ints) into their
+        freshly bound, zeroed state slots ``dst`` ((B,) device), then unpin them."""
+        lanes = [i for i, s in enumerate(slots.tolist()) if s in self.pending]
+        if not lanes:
+            return
+        vids = np.array([self.by_node[self.pending[int(slots[i])]] for i in lanes], np.int32)
+        src = self.book.physical(vids).astype(np.int64)
+        index = self.writer.upload(np.array(lanes, np.int64))
+        self._copy(src, PhysicalPageIds(dst.data.index_select(0, index.long()), self.book.name))
+        self.restored += len(lanes)
+        self.unpin(slots[lanes])
+
+    def _copy(self, src: np.ndarray, dst: PhysicalPageIds) -> None:
+        name = self.book.name
+        ids = PhysicalPageIds(self.writer.upload(src).to(dst.data.dtype), name)
+        self.pool.move_pages(name, ids, dst, check=False)
+
+    def drop(self, node_ids: list[int]) -> None:
+        """Free the checkpoints of ``node_ids`` that have one (their nodes are gone)."""
+        vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
+        for i in node_ids:
+            self.lru.pop(i, None)
+        if vids:
+            array = np.array(vids, np.int32)
+            self.writer.unbind(self.book, array, self.fences.unbind(self.book, array))
+            self.free_vids.extend(vids)
+            self.evicted += len(vids)
+
+    def evict(self, count: int) -> int:
+        """Drop the ``count`` oldest evictable checkpoints (at most all); returns how many."""
+        victims = list(self.lru)[:count]
+        self.drop(victims)
+        return len(victims)
+
+    def evictable_physical(self) -> np.ndarray:
+        """Physical slots evicting every evictable checkpoint frees (host int64, unpinned)."""
+        if not self.lru:
+            return np.zeros(0, np.int64)
+        vids = np.array([self.by_node[i] for i in self.lru], np.int32)
+        ppages = self.book.physical(vids).astype(np.int64)
+        return ppages[self.book.pins[ppages] == 0]
+
+
+def check_checkpoints(parts) -> None:
+    """Invariants of the state checkpoints (``parts``: the allocator's ``Parts``)."""
+    states, prefix = parts.prefix.states, parts.prefix
+    book = states.book
+    vids = np.array(sorted(states.by_node.values()), np.int64)
+    ppages = book.v2p_host[vids]
+    assert (ppages > 0).all() and (book.state[ppages] == LIVE).all(), (
+        "checkpoint slots are LIVE Mamba slots owned by the cache"
+    )
+    bound = np.flatnonzero(book.v2p_host[states.base :] >= 0) + states.base
+    assert np.array_equal(bound, vids) and len(set(states.free_vids) & set(vids.tolist())) == 0, (
+        "checkpoint virtual ids are bound exactly while the cache holds them"
+    )
+    live = {n.node_id for n in prefix.by_page.values()}
+    assert set(states.by_node) <= live, "each checkpoint's node exists"
+    held = book.v2p_host[1 : states.base]
+    assert not set(held[held >= 0].tolist()) & set(ppages.tolist()), (
+        "no request slot aliases a checkpoint slot"
+    )
+    assert set(states.lru) | set(states.pins) == set(states.by_node) and not (
+        set(states.lru) & set(states.pins)
+    ), "evictable checkpoints are exactly those no opening request waits to restore"
+    assert Counter(states.pending.values()) == states.pins, (
+        "checkpoint pins count the opening requests waiting to restore them"
+    )
