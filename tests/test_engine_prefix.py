@@ -3,8 +3,9 @@ tokens with hits identical to the same run without the cache and to
 transformers' ``generate`` on the same weights, at page sizes 4 and 16, for
 repeated prompts, prompts sharing only part of a page, and a tight pool where
 cached pages are evicted and requests preempted (a recompute may hit the pages
-it cached when preempted). Models the prefix cache cannot serve yet (recurrent
-state) are refused with a ValueError; sliding windows: test_prefix_swa.py.
+it cached when preempted). Hybrids with recurrent state are served (their
+tokens: test_prefix_hybrid.py); models with no attention sub-pool are refused
+with a ValueError; sliding windows: test_prefix_swa.py.
 """
 
 from __future__ import annotations
@@ -93,14 +94,18 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     llm.alloc.check_integrity()
 
 
-def test_recurrent_models_are_refused(tmp_path):
-    from engine_fixtures import save_tiny_hybrid
+def test_hybrids_are_served_and_models_without_attention_refused(tmp_path):
+    from engine_fixtures import save_tiny_hybrid, save_tiny_nemotron_h
 
-    save_tiny_hybrid("qwen3_5", str(tmp_path))
-    with pytest.raises(ValueError, match="attention models .full, MLA, sliding window. only"):
-        LLM(str(tmp_path), device="cpu", max_model_len=64, enable_prefix_caching=True)
+    hybrid, mamba = str(tmp_path / "hybrid"), str(tmp_path / "mamba")
+    save_tiny_hybrid("qwen3_5", hybrid)  # Gated DeltaNet + full attention: state checkpoints
+    llm = LLM(hybrid, device="cpu", max_model_len=64, enable_prefix_caching=True)
+    assert llm.alloc.parts.prefix.states is not None
+    save_tiny_nemotron_h(mamba, "M-M-")  # Mamba-2 and MLPs only: no page to share
+    with pytest.raises(ValueError, match="needs an attention sub-pool .full, MLA or sliding"):
+        LLM(mamba, device="cpu", max_model_len=64, enable_prefix_caching=True)
     with pytest.raises(TypeError, match="True or False"):
-        LLM(str(tmp_path), device="cpu", max_model_len=64, enable_prefix_caching="yes")
+        LLM(hybrid, device="cpu", max_model_len=64, enable_prefix_caching="yes")
 
 
 def test_llm_stats_count_the_hits_each_generate_made(tiny):

@@ -39,13 +39,6 @@ def _prompts(ps: int) -> list[list[int]]:
     return [system + [1, 2], system + [5], system, part, system + [1, 2]]
 
 
-@pytest.fixture(autouse=True)
-def _allow_hybrid_caching(monkeypatch):
-    """options.check_prefix_caching still refuses hybrids (the tight-pool case
-    below is not exact yet); these tests drive the path underneath it."""
-    monkeypatch.setattr("unikv.engine.llm.check_prefix_caching", lambda enabled, configs: None)
-
-
 def _llm(path: str, ps: int, caching: bool, **kw) -> LLM:
     kw.setdefault("max_num_batched_tokens", 16)
     kw.setdefault("max_model_len", 96)
@@ -81,7 +74,6 @@ def test_hybrid_hits_give_the_tokens_of_no_cache_and_of_transformers(hybrid, ps)
     assert out.output_ids == hf_greedy(hf, other, NEW_TOKENS)
 
 
-@pytest.mark.xfail(strict=True, reason="H16: concurrent hits with small chunks diverge (open)")
 def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     from unikv.hf_config import specs_from_hf_config
 
@@ -92,10 +84,10 @@ def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 4, 13)]
     prompts += [torch.randint(0, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    pages = {c.name: 22 if c.spec.kind != "mamba" else 5 for c in configs}
+    pages = {c.name: 14 if c.spec.kind != "mamba" else 5 for c in configs}
     budget = pool_bytes_for(configs, pages)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
-    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    params = SamplingParams(max_tokens=2 * NEW_TOKENS)  # decodes outgrow the pool: preemption
+    want = [hf_greedy(hf, p, 2 * NEW_TOKENS) for p in prompts]
     llm = _llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48, max_num_batched_tokens=7)
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
@@ -104,6 +96,28 @@ def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
     assert llm.alloc.parts.prefix.states.evicted > 0
     llm.alloc.check_integrity()
+
+
+def test_a_one_token_prefill_chunk_among_decodes_feeds_its_own_token(hybrid):
+    """Regression (the tight-pool case above): a prefill chunk cut to one token (at
+    a state checkpoint, or by the token budget) in a step where every other request
+    decodes makes a step of one token per request; that lane must feed the token at
+    its ``num_cached``, not its prompt's last token. Here the budget cuts it: 3
+    decodes + 1 token of the long prompt, without prefix caching."""
+    path, hf = hybrid
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 2, 2, 11)]
+    llm = LLM(path, device="cpu", max_num_seqs=4, page_size=4, max_model_len=32,
+              max_num_batched_tokens=4, debug=True)  # fmt: skip
+    cut = []
+
+    def watch(llm, batch, logits):
+        mid = [r.num_cached < len(r.prompt_ids) for r in batch.requests]  # after the step
+        cut.append(batch.is_decode and any(mid))
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=watch)
+    assert any(cut), "the schedule no longer makes a one-token mid-prompt chunk among decodes"
+    assert [o.output_ids for o in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
 # -- allocator level -------------------------------------------------------------------

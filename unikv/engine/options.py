@@ -76,16 +76,17 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
 
 
 def check_prefix_caching(enabled, configs) -> None:
-    """Prefix caching needs attention sub-pools only: full, MLA or sliding window
-    (the allocator's prefix cache shares whole pages and keeps the window pages
-    of cached prefixes); recurrent state is not cached yet."""
+    """Prefix caching needs an attention sub-pool: full, MLA or sliding window (the
+    allocator's prefix cache shares whole pages of it and keeps the window pages of
+    cached prefixes); recurrent state alongside one is cached as state checkpoints
+    (``allocator/checkpoints.py``). A model with no attention sub-pool is refused."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enable_prefix_caching must be True or False, got {enabled!r}")
-    other = {c.name: c.spec.kind for c in configs if c.spec.kind not in ("full", "mla", "swa")}
-    if enabled and other:
+    kinds = {c.name: c.spec.kind for c in configs}
+    if enabled and not any(k in ("full", "mla", "swa") for k in kinds.values()):
         raise ValueError(
-            f"enable_prefix_caching=True supports attention models (full, MLA, sliding "
-            f"window) only this round; this model has sub-pools {other}; leave prefix "
+            "enable_prefix_caching=True needs an attention sub-pool (full, MLA or sliding "
+            f"window) to share pages of; this model has sub-pools {kinds} only; leave prefix "
             "caching off (enable_prefix_caching=False) for it"
         )
 

@@ -201,10 +201,9 @@ class StepPlanner:
         num_new = np.asarray(batch.num_new + [1] * pad, dtype=np.int64)
         starts = np.fromiter((r.num_cached for r in reqs), np.int64, len(reqs))
         starts = np.concatenate([starts, np.zeros(pad, np.int64)])
-        if batch.is_decode:  # each request feeds its last token
-            tokens = [r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs]
-        else:
-            tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
+        # a one-token lane feeds its token at num_cached: a decode's last token, or a
+        # prefill chunk of one (a chunk cut at a state checkpoint, a budget's last token)
+        tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
         num_tokens = len(tokens) + pad
         assert num_tokens <= self.max_tokens, (
             f"step planner invariant: {num_tokens} tokens in a step, buffers hold {self.max_tokens}"
