@@ -216,6 +216,12 @@ def _corrupt(alloc: PoolAllocator, how: str) -> None:
         alloc.parts.requests.in_use[0] = True
     elif how == "lru":
         states.lru.clear()
+    elif how == "byid":
+        alloc.parts.prefix.by_id.pop(node)
+    elif how == "unreachable":  # the chain's first node gone, its page with it
+        prefix = alloc.parts.prefix
+        first = next(n for n in prefix.by_page.values() if n.parent_id == 0)
+        del prefix.by_page[first.page], prefix.by_id[first.node_id]
 
 
 @pytest.mark.parametrize(
@@ -225,6 +231,8 @@ def _corrupt(alloc: PoolAllocator, how: str) -> None:
         ("orphan", "each checkpoint's node exists"),
         ("alias", "no request slot aliases a checkpoint slot"),
         ("lru", "evictable checkpoints are exactly those no opening request waits"),
+        ("byid", "the prefix nodes by id are the live nodes"),
+        ("unreachable", "each checkpoint is reachable from the root"),
     ],
 )
 def test_each_checkpoint_invariant_names_its_corruption(how, message):
@@ -255,3 +263,32 @@ def test_restore_copies_through_the_pool_only():
     env = alloc.pool.page_envelope("mamba", ckpt).view(torch.float32)
     assert torch.equal(env, torch.full_like(env, 4.0))
     assert isinstance(alloc.mamba_slots(torch.tensor([a])), PhysicalPageIds)
+
+
+def test_a_checkpoint_whose_room_evicted_an_ancestor_is_not_taken():
+    """Making room for a checkpoint's slot may evict an unreferenced ANCESTOR page
+    of its chain (here: B's block-2 node hangs under A's freed blocks 0-1). Such a
+    checkpoint would be unreachable; it is refused, and a later lookup of a chain
+    whose ancestor was evicted finds no stale checkpoint (found by the hybrid
+    prefix state machine, tests/test_prefix_hybrid_stateful.py)."""
+    configs = [full_config(4), mamba_config()]
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": 8, "mamba": 3}))
+    alloc = PoolAllocator(pool, max_requests=4, max_context=32, debug=True)
+    prefix, t = alloc.parts.prefix, np.arange(13)
+    b = alloc.new_request()  # a miss: B holds private copies of blocks 0-1
+    alloc.alloc_mamba(np.array([b]))
+    alloc.alloc_extend(np.array([b]), np.array([0]), np.array([13]))
+    a = alloc.new_request()
+    alloc.alloc_extend(np.array([a]), np.array([0]), np.array([9]))
+    prefix.insert(a, t[:8])  # nodes of blocks 0-1 on A's pages
+    prefix.insert(b, t[:12])  # block 2's node on B's page, under A's nodes
+    alloc.free_request(a)  # A's pages evictable; B's node referenced
+    c = alloc.new_request()
+    for s in (c, alloc.new_request(), alloc.new_request()):
+        alloc.alloc_mamba(np.array([s]))  # the Mamba room is gone
+    alloc.alloc_extend(np.array([c]), np.array([0]), np.array([12]))
+    assert prefix.num_evictable == 2
+    taken = prefix.checkpoint(b, t[:12])  # its slot's room evicts blocks 0-1
+    assert not taken and not prefix.states.by_node, "an unreachable checkpoint was kept"
+    assert prefix.match(t[:12]).num_tokens == 0
+    alloc.check_integrity()

@@ -172,6 +172,12 @@ def check_checkpoints(parts) -> None:
     )
     live = {n.node_id for n in prefix.by_page.values()}
     assert set(states.by_node) <= live, "each checkpoint's node exists"
+    assert {n.node_id: n for n in prefix.by_page.values()} == prefix.by_id, (
+        "the prefix nodes by id are the live nodes"
+    )
+    assert all(prefix.reachable(n) for n in states.by_node), (
+        "each checkpoint is reachable from the root (every ancestor node is live)"
+    )
     held = book.v2p_host[1 : states.base]
     assert not set(held[held >= 0].tolist()) & set(ppages.tolist()), (
         "no request slot aliases a checkpoint slot"

@@ -136,6 +136,7 @@ class PrefixCache:
         self.refs = np.zeros(vspace.size, np.int32)  # request tables holding each cached page
         self.by_key: dict[int, _Node] = {}
         self.by_page: dict[int, _Node] = {}
+        self.by_id: dict[int, _Node] = {}  # the live nodes by node id
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
@@ -302,13 +303,21 @@ class PrefixCache:
             if node is None:
                 return False
             parent = node.node_id
-        saved = self.states.save(
-            int(slot), node.node_id, lambda: self.by_page.get(node.page) is node
-        )
+        # making room may evict any node of the chain: the checkpoint must stay reachable
+        saved = self.states.save(int(slot), node.node_id, lambda: self.reachable(node.node_id))
         self.stats.checkpoints = self.states.saved
         if self.check is not None:
             self.check()
         return saved
+
+    def reachable(self, node_id: int) -> bool:
+        """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
+        while node_id:
+            node = self.by_id.get(node_id)
+            if node is None:
+                return False
+            node_id = node.parent_id
+        return True
 
     def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> _Node | None:
         """Give ``page`` to the cache under ``key``; None when the key is held by a
@@ -320,7 +329,7 @@ class PrefixCache:
             return None
         node = _Node(self._next_id, parent, key, page, block.copy())
         self._next_id += 1
-        self.by_key[key] = self.by_page[page] = node
+        self.by_key[key] = self.by_page[page] = self.by_id[node.node_id] = node
         self.vspace.owner[page] = CACHED
         self.refs[page] = 1
         return node
@@ -362,10 +371,10 @@ class PrefixCache:
         dropped = []
         for page in pages.tolist():
             node = self.by_page.pop(page)
-            del self.by_key[node.key]
+            del self.by_key[node.key], self.by_id[node.node_id]
             dropped.append(node.node_id)
-        if self.states is not None:
-            self.states.drop(dropped)
+        if self.states is not None:  # and the checkpoints no lookup can reach any more
+            self.states.drop(dropped + [n for n in self.states.by_node if not self.reachable(n)])
         self.vspace.retire(pages)
         self.stats.evicted_pages += count
         return patch
