@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
+from prefix_fixtures import prefix_llm, run_without_and_with_cache, shared_prompts
 
 from unikv.engine import LLM, SamplingParams
 
@@ -27,33 +28,18 @@ def tiny(tmp_path_factory):
     return path, save_tiny_model("llama", path)
 
 
-def _prompts(ps: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    system = torch.randint(0, VOCAB, (3 * ps + 2,), generator=g).tolist()
-    part = system[: 2 * ps + ps // 2] + [7, 8, 9]  # shares half of page 2 only
-    return [system + [1, 2], system + [5], system, part, system + [1, 2]]
-
-
-def _llm(path: str, ps: int, caching: bool, **kw) -> LLM:
-    kw.setdefault("max_num_batched_tokens", 16)
-    kw.setdefault("max_model_len", 96)
-    return LLM(path, device="cpu", max_num_seqs=4, page_size=ps,
-               enable_prefix_caching=caching, debug=True, **kw)  # fmt: skip
-
-
 @pytest.mark.parametrize("ps", [4, 16])
 def test_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
     path, hf = tiny
-    prompts = _prompts(ps)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
-    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    plain = _llm(path, ps, False).generate(prompts, params)
-    assert [o.output_ids for o in plain] == want
-    llm = _llm(path, ps, True)
-    first = llm.generate(prompts, params)  # concurrent: later admissions may hit
-    again = llm.generate(prompts, params)  # every prompt's whole pages are cached now
-    assert [o.output_ids for o in first] == want
-    assert [o.output_ids for o in again] == want
+    run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)
+    llm, prompts, params, want, plain, again = (
+        run.llm,
+        run.prompts,
+        run.params,
+        run.want,
+        run.plain,
+        run.again,
+    )
     full_pages = [(len(p) - 1) // ps * ps for p in prompts]
     assert [o.num_cached_tokens for o in again] == full_pages
     assert all(o.num_cached_tokens == 0 for o in plain)
@@ -62,7 +48,7 @@ def test_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
     for name in llm.pool.subpools:  # only cached pages outlive their requests
         assert llm.alloc.parts.books[name].num_live == stats["pages"] == stats["evictable"]
     llm.alloc.check_integrity()
-    fresh = _llm(path, ps, True)
+    fresh = prefix_llm(path, ps, True)
     fresh.generate(prompts[:1], params)
     (part,) = fresh.generate(prompts[3:4], params)  # shares half of page 2 only
     assert part.num_cached_tokens == 2 * ps and part.output_ids == want[3]
@@ -82,7 +68,7 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     budget = pool_bytes_for(configs, {c.name: 22 for c in configs})  # 88 tokens
     params = SamplingParams(max_tokens=NEW_TOKENS)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    llm = _llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
+    llm = prefix_llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert llm.scheduler.num_preemptions > 0
@@ -112,8 +98,8 @@ def test_llm_stats_count_the_hits_each_generate_made(tiny):
     """``llm.stats`` after a ``generate`` carries that call's prefix hits: the sum
     of its outputs' ``num_cached_tokens`` (an independent per-request count)."""
     path, _ = tiny
-    llm = _llm(path, 4, True)
-    prompts = _prompts(4)
+    llm = prefix_llm(path, 4, True)
+    prompts = shared_prompts(4, seed=3)
     params = SamplingParams(max_tokens=4)
     llm.generate(prompts, params)
     again = llm.generate(prompts, params)

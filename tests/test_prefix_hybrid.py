@@ -17,6 +17,7 @@ import pytest
 import torch
 from allocator_fixtures import full_config, mamba_config
 from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_hybrid  # noqa: F401
+from prefix_fixtures import prefix_llm, run_without_and_with_cache
 
 from unikv.allocator import PoolAllocator
 from unikv.engine import LLM, SamplingParams
@@ -32,39 +33,17 @@ def hybrid(tmp_path_factory):
     return path, save_tiny_hybrid("qwen3_5", path)
 
 
-def _prompts(ps: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    system = torch.randint(0, VOCAB, (3 * ps + 2,), generator=g).tolist()
-    part = system[: 2 * ps + ps // 2] + [7, 8, 9]  # shares half of page 2 only
-    return [system + [1, 2], system + [5], system, part, system + [1, 2]]
-
-
-def _llm(path: str, ps: int, caching: bool, **kw) -> LLM:
-    kw.setdefault("max_num_batched_tokens", 16)
-    kw.setdefault("max_model_len", 96)
-    return LLM(path, device="cpu", max_num_seqs=4, page_size=ps,
-               enable_prefix_caching=caching, debug=True, **kw)  # fmt: skip
-
-
 @pytest.mark.parametrize("ps", [4, 16])
 def test_hybrid_hits_give_the_tokens_of_no_cache_and_of_transformers(hybrid, ps):
     path, hf = hybrid
-    prompts = _prompts(ps)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
-    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    plain = _llm(path, ps, False).generate(prompts, params)
-    assert [o.output_ids for o in plain] == want
-    llm = _llm(path, ps, True)
-    first = llm.generate(prompts, params)
-    again = llm.generate(prompts, params)  # every prompt's checkpoint is cached now
-    assert [o.output_ids for o in first] == want
-    assert [o.output_ids for o in again] == want
+    run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)
+    llm, prompts, params, want, again = run.llm, run.prompts, run.params, run.want, run.again
     full_pages = [(len(p) - 1) // ps * ps for p in prompts]
     assert [o.num_cached_tokens for o in again] == full_pages
     stats = llm.alloc.parts.prefix.counters()
     assert stats["checkpoints"] > 0 and stats["hit_tokens"] >= sum(full_pages)
     llm.alloc.check_integrity()
-    fresh = _llm(path, ps, True)
+    fresh = prefix_llm(path, ps, True)
     fresh.generate(prompts[:1], params)  # a checkpoint at 3 pages only
     (part,) = fresh.generate(prompts[3:4], params)  # shares 2.5 pages: no checkpoint at 2
     assert part.num_cached_tokens == 0 and part.output_ids == want[3]
@@ -88,7 +67,9 @@ def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     budget = pool_bytes_for(configs, pages)
     params = SamplingParams(max_tokens=2 * NEW_TOKENS)  # decodes outgrow the pool: preemption
     want = [hf_greedy(hf, p, 2 * NEW_TOKENS) for p in prompts]
-    llm = _llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48, max_num_batched_tokens=7)
+    llm = prefix_llm(
+        path, ps, True, kv_cache_bytes=budget, max_model_len=48, max_num_batched_tokens=7
+    )
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert llm.scheduler.num_preemptions > 0
