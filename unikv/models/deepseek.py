@@ -47,6 +47,7 @@ from torch import nn
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import DeepseekMoE, check_moe_fields
 from unikv.models.layers import GatedMLP, RMSNorm
+from unikv.models.parallel import refuse_tp
 from unikv.models.rope import Rotary
 
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -252,11 +253,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
         super().__init__()
-        if tp is not None:
-            raise ValueError(
-                f"{config.architecture} does not support tensor parallelism in unikv; "
-                "run it with tp=None (one device)"
-            )
+        refuse_tp(config, tp)
         if config.hidden_act != "silu":
             raise ValueError(
                 f"hidden_act {config.hidden_act!r}: unikv's DeepSeek MLPs run 'silu' only"

@@ -32,6 +32,7 @@ from torch import nn
 
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Attention, AttentionFn, GatedMLP
+from unikv.models.parallel import refuse_tp
 from unikv.models.qwen3_5 import ZeroCenteredRMSNorm as GemmaRMSNorm
 from unikv.models.rope import Rotary
 
@@ -161,11 +162,7 @@ class GemmaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
         super().__init__()
-        if tp is not None:
-            raise ValueError(
-                f"{config.architecture} does not support tensor parallelism in unikv; "
-                "run it with tp=None (one device)"
-            )
+        refuse_tp(config, tp)
         self.config, self.tp = config, None
         self.final_soft_cap = config.extra["final_soft_cap"]
         self.model = Backbone(config, max_positions)

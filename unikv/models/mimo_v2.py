@@ -39,6 +39,7 @@ from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import TopkRouter, check_moe_fields
 from unikv.models.layers import AttentionFn, GatedMLP, RMSNorm
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import refuse_tp
 from unikv.models.rope import Rotary
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -220,11 +221,7 @@ class MiMoV2FlashForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
         super().__init__()
-        if tp is not None:
-            raise ValueError(
-                f"{config.architecture} does not support tensor parallelism in unikv; "
-                "run it with tp=None (one device)"
-            )
+        refuse_tp(config, tp)
         self.config, self.tp = config, None
         self.model = Backbone(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -75,6 +75,15 @@ class TensorParallel:
 TP_FAMILIES = frozenset({"llama", "gpt_oss"})  # families whose layers shard by heads
 
 
+def refuse_tp(config: ModelConfig, tp) -> None:
+    """For families without a sharded implementation: ``tp`` must be None."""
+    if tp is not None:
+        raise ValueError(
+            f"{config.architecture} does not support tensor parallelism in unikv; "
+            "run it with tp=None (one device)"
+        )
+
+
 def check_tp_config(config: ModelConfig, size: int) -> None:
     """Raise ValueError unless ``config`` can be split over ``size`` ranks."""
     if config.family not in TP_FAMILIES:

@@ -25,6 +25,7 @@ from torch import nn
 
 from unikv.models.config import ModelConfig
 from unikv.models.layers import AttentionFn, GatedMLP, StateFn
+from unikv.models.parallel import refuse_tp
 from unikv.models.rope import Rotary
 
 LINEAR_FIELDS = (
@@ -237,11 +238,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
         super().__init__()
-        if tp is not None:
-            raise ValueError(
-                f"{config.architecture} does not support tensor parallelism in unikv; "
-                "run it with tp=None (one device)"
-            )
+        refuse_tp(config, tp)
         _check_layer_types(config)
         self.config, self.tp = config, None
         self.model = Backbone(config, max_positions, self.mixer, self.make_mlp)
