@@ -23,6 +23,7 @@ from engine_fixtures import save_tiny_hybrid, save_tiny_nemotron_h
 from gpu_fixtures import (
     LLMs,
     References,
+    assert_greedy_up_to_ties,
     bf16_token_checks,
     decode_without_host_sync,
     gpu_llm,
@@ -36,6 +37,7 @@ ARCHS = ["qwen3_5", "qwen3_next", "nemotron_h"]
 PROMPT_LENS = [3, 17, 30, 45, 64, 100]
 NEW_TOKENS = 32
 BF16_TIE = 0.1
+FP32_TIE = 2e-3  # TF32 accumulation in the chunked recurrent kernels
 
 
 def _prompts(seed=7):
@@ -95,7 +97,8 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(saved, refs):
     prompts = _prompts(11)
     llm = gpu_llm(path, torch.float32, kv_cache_bytes=budget, max_model_len=160)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == refs.greedy(prompts, NEW_TOKENS)
+    greedy = refs.greedy(prompts, NEW_TOKENS)
+    assert_greedy_up_to_ties(refs.model(torch.float32), prompts, outputs, greedy, FP32_TIE)
     assert llm.stats.preemptions > 0
     llm.alloc.check_integrity()
     assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)
