@@ -200,3 +200,105 @@ def test_triton_rejects_uint8_cache_and_wrong_table_dtype():
             page_size=4,
             sm_scale=1.0,
         )
+
+
+def _fused_qkv(num_tokens, hq, hkv, seed):
+    """q, k, v as (T, heads, D) fp16 views of one fused projection output (token
+    stride (hq + 2 hkv) D), the layout a model's QKV GEMM hands the attention."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.randn(num_tokens, (hq + 2 * hkv) * DIM, generator=gen).half()
+    q = buf[:, : hq * DIM].view(num_tokens, hq, DIM)
+    k = buf[:, hq * DIM : (hq + hkv) * DIM].view(num_tokens, hkv, DIM)
+    v = buf[:, (hq + hkv) * DIM :].view(num_tokens, hkv, DIM)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "config",
+    [(16, 16, 4, 1, False), (16, 32, 4, 2, False), (16, 16, 4, 2, True), (32, 16, 4, 2, True)],
+)
+@pytest.mark.parametrize(
+    "extra", [{}, {"window": 7}, {"sinks": "rand", "soft_cap": 3.0}], ids=["plain", "win", "sink"]
+)
+def test_triton_extend_fresh_matches_oracle(config, extra):
+    """fresh_kv: a batch without cached prefix reads its own K/V (pointer or TMA
+    loads), ragged requests straddling tiles, against the dense fp32 oracle."""
+    new = [5, 37, 18]
+    indptr = torch.tensor([0, 5, 42, 60], dtype=torch.int32)
+    q, k, v = _fused_qkv(60, 4, 2, seed=11)
+    kw = dict(extra)
+    if kw.get("sinks") == "rand":
+        kw["sinks"] = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    case = PagedCase(new, 2, DIM, 4, seed=2)  # a real (poisoned) pool the path must not read
+    got = _ops("triton").extend_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table,
+        indptr,
+        case.seq_lens,
+        max_q_len=37,
+        page_size=4,
+        sm_scale=DIM**-0.5,
+        config=config,
+        fresh_kv=(k, v),
+        **kw,
+    )
+    want = torch.cat(
+        [
+            oracle_attention(
+                q[s:e], k[s:e].float(), v[s:e].float(), list(range(e - s)), sm_scale=DIM**-0.5, **kw
+            )
+            for s, e in zip(indptr[:-1].tolist(), indptr[1:].tolist())
+        ]
+    )
+    torch.testing.assert_close(got.float(), want, atol=3e-3, rtol=3e-3)
+
+
+def test_triton_extend_paged_tile_wider_than_block():
+    """BLOCK_N > BLOCK_M: the diagonal loop starts below the q block's first row."""
+    lens, new = [70, 33], [40, 33]
+    case = PagedCase(lens, 1, DIM, 16, dtype=torch.float32, seed=6)
+    q = torch.randn(73, 2, DIM, generator=torch.Generator().manual_seed(2))
+    indptr = torch.tensor([0, 40, 73], dtype=torch.int32)
+    got = _ops("triton").extend_attention(
+        q,
+        case.k_cache,
+        case.v_cache,
+        case.block_table,
+        indptr,
+        case.seq_lens,
+        max_q_len=40,
+        page_size=16,
+        sm_scale=DIM**-0.5,
+        config=(16, 32, 4, 2),
+    )
+    want = torch.cat(
+        [
+            oracle_attention(
+                q[indptr[b] : indptr[b + 1]],
+                case.dense_k[b],
+                case.dense_v[b],
+                list(range(n - m, n)),
+                sm_scale=DIM**-0.5,
+            )
+            for b, (n, m) in enumerate(zip(lens, new))
+        ]
+    )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_extend_fresh_rejects_bad_kv():
+    from unikv.kernels.extend_fresh import extend_attention_fresh
+
+    q, k, v = _fused_qkv(8, 2, 1, seed=1)
+    indptr = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="rows of q"):
+        extend_attention_fresh(q, k[:7], v[:7], indptr, max_q_len=8, sm_scale=1.0)
+    with pytest.raises(ValueError, match="float16"):
+        extend_attention_fresh(q, k.float(), v, indptr, max_q_len=8, sm_scale=1.0)
+    head_major = torch.randn(1, 8, DIM).half().transpose(0, 1)  # stride(1) != D: no TMA
+    with pytest.raises(ValueError, match="TMA"):
+        extend_attention_fresh(
+            q, head_major, head_major, indptr, max_q_len=8, sm_scale=1.0, config=(16, 16, 4, 1, 1)
+        )

@@ -12,6 +12,7 @@ from kernel_cases import PagedCase, oracle_attention
 
 from unikv import layout
 from unikv.kernels import get_backend
+from unikv.kernels.extend_fresh import CANDIDATES as FRESH_CANDIDATES
 from unikv.kernels.reference import copy_pages as torch_copy_pages
 
 pytestmark = [
@@ -279,3 +280,33 @@ def test_asymmetric_192_128_heads_without_padding(ps):
         ),
     )
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("config", [None, *FRESH_CANDIDATES])
+def test_extend_fresh_against_sdpa(config):
+    """The fresh-prompt path (K/V read contiguous, every candidate tile, pointer and
+    TMA loads) on ragged prompts without prefix, against fp32 SDPA per request, and
+    against the paged path over the same K/V stored in the pool."""
+    import torch.nn.functional as F
+
+    lens = [4096, 1000, 77]
+    case = PagedCase(lens, HKV, DIM, 16, dtype=torch.bfloat16, device="cuda", seed=8)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lens), HQ, DIM, generator=gen).bfloat16().cuda()
+    k = torch.cat(case.dense_k).bfloat16().cuda()  # (T, Hkv, D): the values the pool holds
+    v = torch.cat(case.dense_v).bfloat16().cuda()
+    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (q, case.k_cache, case.v_cache, case.block_table, indptr.cuda(), case.seq_lens)
+    kw = {"max_q_len": max(lens), "page_size": 16, "sm_scale": DIM**-0.5}
+    ops = get_backend("cuda")
+    got = ops.extend_attention(*args, **kw, config=config, fresh_kv=(k, v)).float()
+    paged = ops.extend_attention(*args, **kw).float()
+    rows = []
+    for s, e in zip(indptr[:-1].tolist(), indptr[1:].tolist()):
+        qh = q[s:e].float().transpose(0, 1)  # (Hq, L, D)
+        kh = k[s:e].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+        vh = v[s:e].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
+        rows.append(F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1))
+    want = torch.cat(rows)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, paged, atol=2e-2, rtol=2e-2)

@@ -293,6 +293,8 @@ class ExtendAttention(DecodeAttention):
     def __call__(self, layer, q, k, v, sinks=None):
         """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D)."""
         cache, step = self._store(layer, k, v)
+        # a fresh step's rows are the ones just stored (an fp8 cache rounds them: read it)
+        fresh = (k, v) if self.plan.fresh and cache.k.dtype == q.dtype else None
         return self.backend.extend_attention(
             q,
             cache.k,
@@ -306,4 +308,5 @@ class ExtendAttention(DecodeAttention):
             window=cache.window,
             sinks=sinks,
             soft_cap=cache.soft_cap,
+            fresh_kv=fresh,
         )

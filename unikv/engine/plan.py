@@ -78,6 +78,8 @@ class StepPlan:
     decode: per attention sub-pool its DecodePlan (decode steps), else None.
     state_slots: (B,) int64 physical state slot of each request (hybrid models;
         0 = the sink for padded lanes), else None.
+    fresh: host bool, an extend step in which no request has cached tokens (every
+        seq_len is its q_len): extend attention may read the step's own K/V rows.
     """
 
     is_decode: bool
@@ -90,6 +92,7 @@ class StepPlan:
     subpools: dict[str, SubPoolStep]
     decode: dict[str, DecodePlan] | None = None
     state_slots: torch.Tensor | None = None
+    fresh: bool = False
 
 
 class StepPlanner:
@@ -192,6 +195,7 @@ class StepPlanner:
             subpools=self._tables(batch, dev, rows, longest, max_q_len),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
+            fresh=not is_decode and not any(r.num_cached for r in batch.requests),
         )
 
     def _upload(self, batch: Batch, rows: int) -> dict[str, torch.Tensor]:

@@ -83,17 +83,34 @@ def attn_tile(
         x = s * (qk_scale / 1.4426950408889634) / soft_cap
         e = tl.exp2(x * (2.0 * 1.4426950408889634))
         s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (e + 1.0))  # cap * tanh(x), base 2
+        scale = 1.0
     else:
-        s = s * qk_scale
+        scale = qk_scale  # folded into the exponent's FMA below
     if MASKED:
         s = tl.where(mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)  # scale > 0
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    else:
+        m_safe = m_new  # every row saw a live key: finite
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s * scale - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(qv.dtype), vt.to(qv.dtype), input_precision=PRECISION)
+    acc = tl.dot(p.to(qv.dtype), vt.to(qv.dtype), acc * alpha[:, None], input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def finish_rows(acc, m_i, l_i, sinks, h, HAS_SINKS: tl.constexpr):
+    """Normalised output rows (M, Dv) fp32 of one head ``h``: the online softmax's
+    ``acc / l``, with the head's sink logit (natural units) in the denominator."""
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        scale = tl.exp2(m_i - m_f)
+        l_i = l_i * scale + tl.exp2(sink - m_f)
+        acc = acc * scale[:, None]
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
 def dot_precision(q: torch.Tensor) -> str:
@@ -148,4 +165,11 @@ def check_attention_args(
     check_same_device(q, k_cache, v_cache, block_table, seq_lens, sinks)
 
 
-__all__ = ["attn_tile", "check_attention_args", "dot_precision", "load_rows", "triton"]
+__all__ = [
+    "attn_tile",
+    "check_attention_args",
+    "dot_precision",
+    "finish_rows",
+    "load_rows",
+    "triton",
+]

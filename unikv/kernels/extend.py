@@ -11,6 +11,8 @@ Request b's new token j sits at position ``prefix_b + j`` with
     (window W: lo = first_q - W + 1 and a mask key > pos - W)
 
 Q blocks are launched last-first, so the longest programs start first.
+A batch with no cached prefix may instead pass its new K/V (``fresh_kv``, a
+plan-time choice): ``extend_fresh`` then reads them contiguous.
 """
 
 from __future__ import annotations
@@ -19,11 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
+from unikv.kernels._attn import (
+    attn_tile,
+    check_attention_args,
+    dot_precision,
+    finish_rows,
+    load_rows,
+)
 from unikv.kernels._checks import next_pow2, view_strides
+from unikv.kernels.extend_fresh import extend_attention_fresh
 
 # (block_m, block_n, num_warps, num_stages) per head_dim; tuned on the H200
+# (benchmarks/bench_extend_long.py sweeps CANDIDATES and prints the pick)
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (64, 32, 4, 2)}
+CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4)]
 
 
 @triton.jit
@@ -170,84 +181,18 @@ def _extend_kernel(
     qk_scale = sm_scale * 1.4426950408889634
     bt_row = block_table + b.to(tl.int64) * bt_sb
     m_i, l_i, acc = _kv_loop(
-        qv,
-        m_i,
-        l_i,
-        acc,
-        k_cache,
-        v_cache,
-        bt_row,
-        kvh,
-        lo,
-        diag,
-        pos_m,
-        window,
-        qk_scale,
-        soft_cap,
-        k_sb,
-        k_sn,
-        k_sh,
-        v_sb,
-        v_sn,
-        v_sh,
-        offs_d,
-        offs_dv,
-        D,
-        DV,
-        PAGE_SIZE,
-        BLOCK_N,
-        False,
-        HAS_WINDOW,
-        HAS_CAP,
-        NUM_STAGES,
-        PRECISION,
-        HAS_WINDOW,  # no masks off-diagonal
-        BLOCK_D,
-        BLOCK_DV,
-    )
+        qv, m_i, l_i, acc, k_cache, v_cache, bt_row, kvh, lo, diag, pos_m, window,
+        qk_scale, soft_cap, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, offs_d, offs_dv,
+        D, DV, PAGE_SIZE, BLOCK_N, False, HAS_WINDOW, HAS_CAP, NUM_STAGES, PRECISION,
+        HAS_WINDOW, BLOCK_D, BLOCK_DV,  # no masks off-diagonal
+    )  # fmt: skip
     m_i, l_i, acc = _kv_loop(
-        qv,
-        m_i,
-        l_i,
-        acc,
-        k_cache,
-        v_cache,
-        bt_row,
-        kvh,
-        diag,
-        end,
-        pos_m,
-        window,
-        qk_scale,
-        soft_cap,
-        k_sb,
-        k_sn,
-        k_sh,
-        v_sb,
-        v_sn,
-        v_sh,
-        offs_d,
-        offs_dv,
-        D,
-        DV,
-        PAGE_SIZE,
-        BLOCK_N,
-        True,
-        HAS_WINDOW,
-        HAS_CAP,
-        1,
-        PRECISION,
-        True,
-        BLOCK_D,
-        BLOCK_DV,
-    )
-    if HAS_SINKS:
-        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        scale = tl.exp2(m_i - m_f)
-        l_i = l_i * scale + tl.exp2(sink - m_f)
-        acc = acc * scale[:, None]
-    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        qv, m_i, l_i, acc, k_cache, v_cache, bt_row, kvh, diag, end, pos_m, window,
+        qk_scale, soft_cap, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, offs_d, offs_dv,
+        D, DV, PAGE_SIZE, BLOCK_N, True, HAS_WINDOW, HAS_CAP, 1, PRECISION,
+        True, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
+    res = finish_rows(acc, m_i, l_i, sinks, h, HAS_SINKS)
     tl.store(
         out + tok[:, None] * o_st + h * o_sh + offs_dv[None, :],
         res.to(out.dtype.element_ty),
@@ -270,7 +215,8 @@ def extend_attention(
     sinks: torch.Tensor | None = None,
     soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged new tokens over their cached prefix and themselves.
 
@@ -278,9 +224,20 @@ def extend_attention(
     q_indptr: (B+1,) int32; seq_lens: (B,) int32 totals incl. the new tokens
     (whose K/V are already stored). k_cache/v_cache/block_table/window/sinks/
     soft_cap as in ``decode_attention``. max_q_len: host int >= every q length
-    (sizes the grid; no host sync). Returns out (T, Hq, Dv) in q's dtype.
+    (sizes the grid; no host sync). fresh_kv: the new tokens' own (k, v), (T, H, D)
+    and (T, H, Dv) in q's dtype, passed only when the step planner knows that no
+    request has a cached prefix (``seq_lens == q_lens``; not checked on device):
+    K/V are then read from them (``extend_fresh``), not through the block table.
+    config: ``CONFIGS``-style tiles of the path taken (``extend_fresh.CONFIGS``
+    when fresh). Returns out (T, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
+    if fresh_kv is not None:
+        k_new, v_new = fresh_kv
+        return extend_attention_fresh(
+            q, k_new, v_new, q_indptr, max_q_len=max_q_len, sm_scale=sm_scale, window=window,
+            sinks=sinks, soft_cap=soft_cap, out=out, config=config,
+        )  # fmt: skip
     if q_indptr.dtype != torch.int32 or q_indptr.shape != (block_table.shape[0] + 1,):
         raise ValueError(
             f"q_indptr must be ({block_table.shape[0] + 1},) int32, got {q_indptr.dtype} {tuple(q_indptr.shape)}"

@@ -145,6 +145,7 @@ def extend_attention(
     sinks: torch.Tensor | None = None,
     soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
+    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged new tokens over their cached prefix and themselves.
 
@@ -152,7 +153,9 @@ def extend_attention(
     ``q_indptr[b]:q_indptr[b+1]``; q_indptr: (B+1,) int32; seq_lens: (B,) int32 total
     tokens incl. the new ones (whose K/V are already stored). New token j of
     request b sits at position ``seq_lens[b] - q_len[b] + j``. block_table,
-    window, sinks, soft_cap as in ``decode_attention``. Returns (T, Hq, Dv).
+    window, sinks, soft_cap as in ``decode_attention``. fresh_kv: the Triton op's
+    fast path for a step without cached prefixes; ignored here (the cache holds
+    the same rows). Returns (T, Hq, Dv).
     """
     _check_group(q, k_cache)
     num_tokens = q.shape[0]
