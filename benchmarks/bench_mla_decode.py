@@ -16,9 +16,17 @@ buffers. Times: eager (``unikv_us``) and CUDA-graph replay (``graph_us``); the s
 for the current kernel (``old_*``) and FlashInfer (``flashinfer_*``, graph below 400
 us). Ratios: ``vs_flashinfer_*`` = FlashInfer / new (> 1: the new kernel is faster),
 ``graph_vs_flashinfer_*_graph`` the same on graph replays, ``vs_old`` = old / new.
-``--sweep`` also times other tile configs and split counts (to retune
-``mla_decode.CONFIGS`` and the split model). JSON: ``--out`` and ``$OUT/<name>``,
-rewritten after every shape.
+JSON: ``--out`` and ``$OUT/<name>``, rewritten after every shape.
+
+``--sweep`` (alone, ``--budget`` s of timing, < 120 s on an H200 with cold caches): at
+128 heads, B {1, 32, 128} x L {1k, 8k, 32k} on page 64 and B 32 x L 8k on page 1, every
+candidate of SWEEP_CANDIDATES (variant x BLOCK_N x warps x stages; ``mla_decode_plan``)
+under both split rules, each checked against the torch reference on the first
+REF_REQUESTS requests before it is timed (CUDA-graph replay), FlashInfer fa2 / fa3 on
+the same bytes. Compile or shared-memory failures, wrong outputs and budget cuts are
+recorded per candidate. Writes ``mla_decode_sweep_h200.json``; prints the best
+candidate per shape with its ratios (FlashInfer us / ours: > 1 is faster) and the
+``mla_decode_plan.TABLE`` entries it suggests.
 """
 
 # ruff: noqa: B023, BLE001  (lambdas are timed at once; a failing shape is recorded, not fatal)
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 import time
@@ -37,18 +46,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import bench_mla as peer
 from benchmarks.common import bench_us, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import mla, mla_decode, mla_ref
+from unikv.kernels import mla, mla_decode, mla_decode_fused, mla_decode_plan, mla_ref
 from unikv.kernels._checks import device_sms
 
 QUICK = [(1, 32768, 128), (32, 4096, 128), (128, 8192, 128), (1, 32768, 16), (128, 1024, 16),
          (128, 8192, 16)]  # fmt: skip
-SWEEP_SHAPES = [(1, 32768, 128), (32, 4096, 128), (128, 8192, 128), (1, 32768, 16), (128, 1024, 16)]
-SWEEP_CONFIGS = {  # (block_h, num_v, block_n, num_warps, num_stages): candidates by head count
-    128: [(128, 2, 32, 8, 2), (64, 2, 32, 4, 2), (64, 2, 64, 4, 2), (64, 1, 64, 8, 2),
-          (64, 1, 32, 8, 2), (128, 2, 16, 8, 3), (16, 1, 32, 4, 2)],
-    16: [(16, 1, 64, 8, 2), (16, 1, 32, 4, 2), (16, 1, 32, 8, 2), (16, 1, 64, 8, 3),
-         (16, 2, 32, 4, 2)],
-}  # fmt: skip
 
 
 class Step:
@@ -62,7 +64,7 @@ class Step:
         self.q_indptr = torch.arange(bsz + 1, dtype=torch.int32, device="cuda")
         max_len = kv.block_table.shape[1] * page_size
         self.config, self.splits, numel = mla_decode.decode_plan(
-            bsz, heads, peer.RANK, max_len, torch.bfloat16, self.q_lat.device
+            bsz, heads, peer.RANK, max_len, torch.bfloat16, self.q_lat.device, page_size
         )
         self.out = torch.empty_like(self.q_lat)
         self.workspace = torch.empty(numel, dtype=torch.float32, device="cuda")
@@ -71,15 +73,12 @@ class Step:
         kv = self.kv
         return (self.q_lat, self.q_rope, kv.cache, kv.block_table, self.q_indptr, kv.seq_lens)
 
-    def new(self, config=None, splits=None):
-        """The new kernel: planned config / splits unless given (sweep: own buffers)."""
-        kw = {"max_q_len": 1, "page_size": self.kv.page_size, "sm_scale": peer.SCALE}
-        if config is None:
-            kw.update(config=self.config, num_splits=self.splits, out=self.out,
-                      workspace=self.workspace)  # fmt: skip
-        else:
-            kw.update(config=config, num_splits=splits)
-        return mla_decode.mla_attention(*self.args(), **kw)
+    def new(self):
+        """The new kernel as planned, into the caller buffers."""
+        return mla_decode.mla_attention(
+            *self.args(), max_q_len=1, page_size=self.kv.page_size, sm_scale=peer.SCALE,
+            config=self.config, num_splits=self.splits, out=self.out, workspace=self.workspace,
+        )  # fmt: skip
 
     def old(self):
         kv = self.kv
@@ -124,29 +123,199 @@ def decode_row(fi, ceil, bsz, length, heads, ps) -> dict:
     return row
 
 
-def sweep_rows(shape) -> list:
-    """Every candidate config at the model's split count, half and double it."""
-    bsz, length, heads = shape
-    step, rows = Step(bsz, length, heads, 16), []
-    want = step.new().clone()
-    for config in SWEEP_CONFIGS[heads]:
-        cfg = mla_decode.Config(*config)
-        max_len = step.kv.block_table.shape[1] * 16
-        sms = device_sms(step.q_lat.device)
-        model = mla_decode.choose_num_splits(bsz, heads, peer.RANK, max_len, cfg, sms)
-        for splits in sorted({max(1, model // 2), model, min(mla_decode.MAX_SPLITS, model * 2)}):
-            row = {"B": bsz, "L": length, "H": heads, "config": config, "splits": splits,
-                   "model_splits": model}  # fmt: skip
-            try:
-                got = step.new(config, splits)
-                assert peer.rel_err(got, want) < 1e-2, "disagrees with the planned config"
-                row["us"] = bench_us(lambda: step.new(config, splits))
-                row["graph_us"] = graph_us(lambda: step.new(config, splits))
-            except Exception as exc:  # e.g. out of shared memory
-                row["error"] = repr(exc)[:300]
-            print(row, flush=True)
+# -- --sweep: every candidate at 128 heads (the lead fills mla_decode_plan.TABLE) ------
+
+SWEEP_BATCHES, SWEEP_LENS, SWEEP_PAGE1 = (1, 32, 128), (1024, 8192, 32768), (32, 8192)
+SWEEP_CANDIDATES = [  # (name, block_h, num_v, block_n, num_warps, num_stages, variant)
+    ("wide128", 128, 2, 32, 8, 2, "split"),  # today's kernel at 128 heads
+    ("fused_n32_s2", 64, 1, 32, 8, 2, "fused"),  # most promising first: a budget cut
+    ("fused_n64_s2", 64, 1, 64, 8, 2, "fused"),  # drops the tail of each shape's list
+    ("tma_n32_s2", 64, 1, 32, 8, 2, "tma"),
+    ("tma_n64_s2", 64, 1, 64, 8, 2, "tma"),
+    ("fused_n32_s3", 64, 1, 32, 8, 3, "fused"),
+    ("tma_n32_s3", 64, 1, 32, 8, 3, "tma"),
+    ("wide64", 64, 2, 32, 4, 2, "split"),
+]
+PAGE1_CANDIDATES = ("wide128", "fused_n32_s2", "fused_n64_s2")
+REF_REQUESTS = 2  # the torch reference checks the first requests of every shape
+DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU dry run of the sweep logic may change them
+
+
+class Prefix:
+    """The first ``length`` tokens of every request of a LatentPool: what
+    ``peer.flashinfer_runner`` reads (cache, block_table, seq_lens, page_size)."""
+
+    def __init__(self, kv: peer.LatentPool, length: int):
+        self.cache, self.page_size, self.bsz, self.length = kv.cache, kv.page_size, kv.bsz, length
+        self.block_table = kv.block_table[:, : -(-length // kv.page_size)].contiguous()
+        self.seq_lens = torch.full_like(kv.seq_lens, length)
+        self.parent = kv
+
+    def flashinfer_cache(self):
+        return self.parent.flashinfer_cache()
+
+
+def timed(fn) -> tuple[float, str]:
+    """(us, how): CUDA-graph replay, or eager when capture fails."""
+    try:
+        return graph_us(fn, warmup=5, rep=25), "graph"
+    except Exception:
+        return bench_us(fn, warmup=5, rep=25), "eager"
+
+
+def candidate_rows(kv: Prefix, q_lat, q_rope, names, t_end) -> list:
+    """Every candidate x split rule on one shape: checked against the torch reference on
+    the first REF_REQUESTS requests (nothing timed before), then timed. Failures
+    (compile, shared memory, wrong output) and budget cuts are recorded, never fatal."""
+    q_indptr = torch.arange(kv.bsz + 1, dtype=torch.int32, device=DEVICE)
+    n = min(kv.bsz, REF_REQUESTS)
+    ref = mla_ref.mla_attention(q_lat[:n], q_rope[:n], kv.cache, kv.block_table[:n],
+                                q_indptr[: n + 1], kv.seq_lens[:n], max_q_len=1,
+                                page_size=kv.page_size, sm_scale=peer.SCALE)  # fmt: skip
+    sms, rows, seen = device_sms(q_lat.device), [], {}
+    args = (q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens)
+    for name, *tile, variant in (c for c in SWEEP_CANDIDATES if c[0] in names):
+        for rule in mla_decode_plan.SPLIT_RULES:
+            cfg = mla_decode.Config(*tile, 1, 45.0 if variant != "split" else 70.0, variant, rule)
+            splits = mla_decode.choose_num_splits(kv.bsz, q_lat.shape[1], peer.RANK,
+                                                  kv.block_table.shape[1] * kv.page_size, cfg,
+                                                  sms)  # fmt: skip
+            row = {"candidate": name, "config": list(cfg), "splits": splits}
             rows.append(row)
+            if (name, splits) in seen:  # the other rule gave the same count: same kernel
+                row.update({k: v for k, v in seen[name, splits].items() if k not in row})
+                continue
+            seen[name, splits] = row
+            if variant == "tma" and not mla_decode_fused.tma_ok(
+                kv.cache, peer.RANK, kv.page_size, cfg.block_n
+            ):
+                row["error"] = "tma needs page_size % block_n == 0 and aligned rows"
+                continue
+            if time.time() > t_end:
+                row["error"] = "skipped: time budget"
+                continue
+            out = torch.empty_like(q_lat)
+            ws = torch.empty(mla_decode.workspace_numel(kv.bsz, q_lat.shape[1], peer.RANK,
+                                                        splits), device=DEVICE)  # fmt: skip
+            kw = {"max_q_len": 1, "page_size": kv.page_size, "sm_scale": peer.SCALE,
+                  "config": cfg, "num_splits": splits, "out": out, "workspace": ws}  # fmt: skip
+            try:
+                got = mla_decode.mla_attention(*args, **kw)
+                check = peer.agreement(got[:n], ref)
+                row.update(err_vs_reference=check["rel_err"], max_abs_err=check["max_abs_err"])
+                assert check["ok"] and torch.isfinite(got).all(), "disagrees with the reference"
+                row["us"], row["timing"] = timed(lambda: mla_decode.mla_attention(*args, **kw))
+            except Exception as exc:
+                row["error"] = repr(exc)[:300]
     return rows
+
+
+def sweep_shape(fi, kv: Prefix, heads: int, t_end: float, names) -> dict:
+    """One shape: FlashInfer fa2 / fa3 (checked against the reference via our best
+    agreeing output) and every candidate; the best candidate and its ratios."""
+    q_lat = torch.randn(kv.bsz, heads, peer.RANK, device=DEVICE, dtype=DTYPE)
+    q_rope = torch.randn(kv.bsz, heads, peer.ROPE, device=DEVICE, dtype=DTYPE)
+    shape = {"B": kv.bsz, "L": kv.length, "H": heads, "page_size": kv.page_size}
+    shape["candidates"] = rows = candidate_rows(kv, q_lat, q_rope, names, t_end)
+    q_indptr = torch.arange(kv.bsz + 1, dtype=torch.int32, device=DEVICE)
+    ours = mla_decode.mla_attention(q_lat, q_rope, kv.cache, kv.block_table, q_indptr,
+                                    kv.seq_lens, max_q_len=1, page_size=kv.page_size,
+                                    sm_scale=peer.SCALE, config=mla_decode.CONFIGS["wide128"])  # fmt: skip
+    for backend, run in peer.check_peers(fi, shape, q_lat, q_rope, kv, q_indptr, ours,
+                                         causal=False).items():  # fmt: skip
+        try:
+            shape[f"flashinfer_{backend}_us"], _ = timed(run)
+        except Exception as exc:
+            shape[f"flashinfer_{backend}_error"] = repr(exc)[:300]
+    timed_rows = [r for r in rows if "us" in r]
+    if timed_rows:
+        best = min(timed_rows, key=lambda r: r["us"])
+        shape.update(best=best["candidate"], best_config=best["config"], best_us=best["us"])
+        today = next((r["us"] for r in timed_rows if r["candidate"] == "wide128"), None)
+        shape["best_vs_today"] = today / best["us"] if today else None
+        for backend in ("fa2", "fa3"):
+            fi_us = shape.get(f"flashinfer_{backend}_us")
+            for r in timed_rows:
+                r[f"vs_{backend}"] = fi_us / r["us"] if fi_us else None
+            shape[f"best_vs_{backend}"] = best.get(f"vs_{backend}")
+    return shape
+
+
+def suggest(shapes: list) -> dict:
+    """Per (heads bucket, page bucket): the config with the best geometric-mean speed
+    over the shapes where it ran (against the fastest candidate of each shape)."""
+    groups: dict = {}
+    for shape in shapes:
+        timed_rows = [r for r in shape.get("candidates", []) if "us" in r]
+        if not timed_rows:
+            continue
+        fastest = min(r["us"] for r in timed_rows)
+        key = str((mla_decode_plan.heads_bucket(shape["H"]),
+                   mla_decode_plan.page_bucket(shape["page_size"])))  # fmt: skip
+        for r in timed_rows:  # a candidate under one split rule
+            cand = groups.setdefault(key, {}).setdefault((r["candidate"], r["config"][-1]), [])
+            cand.append((fastest / r["us"], r["config"]))
+    out = {}
+    for key, scores in groups.items():
+        most = max(len(v) for v in scores.values())  # candidates that ran on every shape
+        geo = {
+            c: math.exp(sum(math.log(x) for x, _ in v) / len(v))
+            for c, v in scores.items()
+            if len(v) == most
+        }
+        best = max(geo, key=geo.get)
+        out[key] = {"candidate": best[0], "config": scores[best][0][1],
+                    "geomean_of_fastest": geo[best], "shapes": most}  # fmt: skip
+    return out
+
+
+def run_sweep(fi, result: dict, outs: list, budget_s: float) -> None:
+    """128 heads, page 64: batch x context; page 1 at one shape. JSON after every shape."""
+    t_end = time.time() + budget_s
+    all_names = [c[0] for c in SWEEP_CANDIDATES]
+    jobs = [(b, 64, SWEEP_LENS, all_names) for b in SWEEP_BATCHES]
+    jobs.append((SWEEP_PAGE1[0], 1, (SWEEP_PAGE1[1],), PAGE1_CANDIDATES))
+    shapes = result["sweep"] = []
+    for bsz, ps, lens, names in jobs:
+        pool = peer.LatentPool(bsz, max(lens), ps)
+        for length in lens:
+            try:
+                shape = sweep_shape(fi, Prefix(pool, length), 128, t_end, names)
+            except Exception as exc:  # keep the other shapes' numbers
+                shape = {"B": bsz, "L": length, "page_size": ps, "error": repr(exc)[:1000]}
+            shapes.append(shape)
+            print(f"sweep B={bsz} L={length} ps={ps}: best {shape.get('best')} "
+                  f"{shape.get('best_us', float('nan')):.1f} us, vs fa3 "
+                  f"{shape.get('best_vs_fa3')}, vs fa2 {shape.get('best_vs_fa2')}, vs today "
+                  f"{shape.get('best_vs_today')}", flush=True)  # fmt: skip
+            result["suggested_table"] = suggest(shapes)
+            for out in outs:
+                save_json(out, result)
+        pool = None
+        torch.cuda.empty_cache()
+    for key, entry in result["suggested_table"].items():
+        print(f"suggest mla_decode_plan.TABLE[{key}] = Config{tuple(entry['config'])}  "
+              f"(geomean {entry['geomean_of_fastest']:.3f} of the fastest)", flush=True)  # fmt: skip
+
+
+def decode_section(fi, result: dict, outs: list, quick: bool) -> None:
+    """The planned kernel against the current one and FlashInfer on bench_mla's shapes."""
+    result["ceilings"] = ceil = copy_ceilings()
+    if quick:
+        jobs = [(b, n, h, 16) for b, n, h in QUICK]
+    else:
+        jobs = [(b, n, h, 16) for h in (128, 16) for b, n in peer.DECODE]
+        jobs += [(b, n, 128, ps) for ps in (1, 64) for b, n in peer.QUICK[:2]]
+    for shape in jobs:
+        try:
+            row = decode_row(fi, ceil, *shape)
+        except Exception as exc:  # keep the other shapes' numbers
+            row = {"shape": shape, "error": repr(exc)[:2000]}
+        print("decode", row, flush=True)
+        result.setdefault("decode", []).append(row)
+        torch.cuda.empty_cache()
+        for out in outs:
+            save_json(out, result)
 
 
 def main() -> None:
@@ -154,8 +323,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--backends", default="fa2,fa3", help="FlashInfer backends ('' for none)")
-    parser.add_argument("--out", default="benchmarks/results/mla_decode_h200.json")
+    parser.add_argument("--budget", type=float, default=100.0, help="--sweep: seconds of timing")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/mla_decode_"
+                        "h200.json (mla_decode_sweep_h200.json with --sweep)")  # fmt: skip
     args = parser.parse_args()
+    t0 = time.time()
+    if args.out is None:
+        name = "mla_decode_sweep_h200.json" if args.sweep else "mla_decode_h200.json"
+        args.out = f"benchmarks/results/{name}"
     torch.manual_seed(0)
     try:
         fi = importlib.import_module("flashinfer.mla")
@@ -172,29 +347,10 @@ def main() -> None:
     outs = [args.out]
     if os.environ.get("OUT"):  # the device runs collect $OUT
         outs.append(str(Path(os.environ["OUT"]) / Path(args.out).name))
-    result["ceilings"] = ceil = copy_ceilings()
-    t0 = time.time()
-    if args.quick:
-        jobs = [(b, n, h, 16) for b, n, h in QUICK]
+    if args.sweep:  # the sweep alone (one short device call)
+        run_sweep(fi, result, outs, args.budget - (time.time() - t0))
     else:
-        jobs = [(b, n, h, 16) for h in (128, 16) for b, n in peer.DECODE]
-        jobs += [(b, n, 128, ps) for ps in (1, 64) for b, n in peer.QUICK[:2]]
-    for shape in jobs:
-        try:
-            row = decode_row(fi, ceil, *shape)
-        except Exception as exc:  # keep the other shapes' numbers
-            row = {"shape": shape, "error": repr(exc)[:2000]}
-        print("decode", row, flush=True)
-        result.setdefault("decode", []).append(row)
-        torch.cuda.empty_cache()
-        for out in outs:
-            save_json(out, result)
-    if args.sweep:
-        for shape in SWEEP_SHAPES:
-            result.setdefault("sweep", []).extend(sweep_rows(shape))
-            torch.cuda.empty_cache()
-            for out in outs:
-                save_json(out, result)
+        decode_section(fi, result, outs, args.quick)
     result["wall_s"] = time.time() - t0
     print(f"[done at {result['wall_s']:.0f}s]", flush=True)
     for out in outs:

@@ -15,6 +15,10 @@ step shape first). The tokens of the two runs are compared before any figure
 is reported (a mismatch is an error, not a result). Reported per workload and
 run: prefix hit rate (hit tokens / looked-up tokens), prefill tokens saved,
 TTFT p50/p99, output tokens/s and wall time; and the ratios cache / no cache.
+``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
+pages of the model's pool evicted to the host tier and reloaded by a hit, timed
+(synchronised) against plain pinned copies of the same bytes in the same run;
+spill and reload bandwidth in GB/s and their ratio to the pinned copies.
 Saved as JSON (``--out``).
 
 Usage: ``python benchmarks/bench_prefix.py --device cuda [--out results.json]``;
@@ -119,11 +123,65 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
     return tokens, figures
 
 
+def spill_bandwidth(path: Path, args) -> dict:
+    """Spill ``args.spill_pages`` cached pages to the host tier and reload them by a
+    hit; GB/s of both against plain pinned D2H / H2D copies of the same bytes."""
+    import numpy as np
+
+    from unikv.allocator import PoolAllocator
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.io.prefix_host import ReloadPolicy
+    from unikv.io.prefix_host_setup import enable_prefix_host
+    from unikv.pool import UnifiedPool, pool_bytes_for
+
+    n, ps = args.spill_pages, args.page_size
+    configs = specs_from_hf_config(path, page_size=ps, dtype=args.dtype)
+    pool = UnifiedPool(
+        configs, pool_bytes_for(configs, {c.name: n + 2 for c in configs}), args.device
+    )
+    alloc = PoolAllocator(pool, max_requests=2, max_context=(n + 1) * ps)
+    page_bytes = sum(pool[c.name].page_bytes for c in configs)
+    host = enable_prefix_host(alloc.parts, (n + 1) * page_bytes, ReloadPolicy(mode="always"))
+    prefix, tokens = alloc.parts.prefix, np.arange(n * ps + 1)
+    slot = alloc.new_request()
+    alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([len(tokens)]))
+    prefix.insert(slot, tokens)
+    alloc.free_request(slot)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    alloc.parts.writer.write(prefix.evict(n))  # every page spills (one copy per envelope)
+    sync()
+    spill = time.perf_counter() - start
+    start = time.perf_counter()
+    hit = prefix.reload(prefix.match(tokens))
+    sync()
+    reload = time.perf_counter() - start
+    assert hit.num_tokens == n * ps, hit
+    total = n * page_bytes
+    dev = torch.empty(total, dtype=torch.uint8, device=args.device)
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=args.device == "cuda")
+    times = {}
+    for name, dst, src in (("d2h", pinned, dev), ("h2d", dev, pinned)):
+        dst.copy_(src)
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync()
+        times[name] = time.perf_counter() - start
+    gbs = {k: total / v / 1e9 for k, v in (("spill", spill), ("reload", reload), *times.items())}
+    return {
+        "pages": n, "bytes": total, "gb_per_s": gbs, "counters": host.counters(),
+        "spill_over_pinned_d2h": gbs["spill"] / gbs["d2h"],
+        "reload_over_pinned_h2d": gbs["reload"] / gbs["h2d"],
+    }  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny model and workloads (CPU)")
-    p.add_argument("--workloads", default="system,chat")
+    p.add_argument("--workloads", default="system,chat,spill")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--system-len", type=int, default=2048)
     p.add_argument("--suffix-len", type=int, default=32)
@@ -133,12 +191,13 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--spill-pages", type=int, default=512, help="pages the spill row moves")
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
     if args.tiny:
         args.requests, args.system_len, args.suffix_len = 6, 64, 8
         args.conversations, args.turns, args.message_len, args.new_tokens = 3, 3, 8, 8
-        args.page_size, args.chunk = 4, 64
+        args.page_size, args.chunk, args.spill_pages = 4, 64, 16
     args.dtype = torch.bfloat16 if args.device == "cuda" and not args.tiny else torch.float32
     results = {"args": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,6 +205,10 @@ def main(argv=None) -> int:
         save_model("llama", path, args.device, args.dtype, args.tiny)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         for workload in args.workloads.split(","):
+            if workload == "spill":
+                results["spill"] = spill_bandwidth(path, args)
+                print("spill", json.dumps(results["spill"], indent=1))
+                continue
             off_tokens, off = run(path, args, False, workload, vocab)
             on_tokens, on = run(path, args, True, workload, vocab)
             if on_tokens != off_tokens:

@@ -5,7 +5,9 @@ the test itself stored, under TRITON_INTERPRET=1 on CPU (GPU cases: ``-m gpu``).
 Latent rows live in a NaN-poisoned UnifiedPool (MLA sub-pool of 2 layers, layer 1
 read through its dense view) on randomly permuted pages; odd ranks and rope widths
 (not multiples of any tile), heads 1 / 16 / 20, pages 1 / 3 / 16, split-KV on, both
-V layouts (one program for all rank columns, or two programs of half each).
+V layouts (one program for all rank columns, or two programs of half each), and the
+fused / tma variants (``mla_decode_fused``: logits once, tiles addressed per key,
+per page, or by TMA descriptors).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import math
 import pytest
 import torch
 
-from unikv.kernels import mla_decode, mla_ref
+from unikv.kernels import mla_decode, mla_decode_fused, mla_decode_plan, mla_ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MLASpec
 
 SCALE = 0.3
 NARROW, TWO_PART, WIDE = (16, 1, 16, 4, 1), (16, 2, 16, 4, 1), (32, 2, 32, 4, 1)
+FUSED, TMA = (16, 1, 16, 4, 1, 1, 32.0, "fused"), (16, 1, 16, 4, 1, 1, 32.0, "tma")
+FUSED64 = (64, 1, 16, 8, 2, 1, 45.0, "fused", "fill")  # 128 heads in two blocks
 
 
 class Case:
@@ -111,13 +115,41 @@ def test_decode_matches_reference_and_definition(heads, rank, rope, ps, config, 
     torch.testing.assert_close(got, definition(case, q_lat, q_rope, [1] * 4), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("config", [NARROW, TWO_PART])
+@pytest.mark.parametrize(
+    "heads,rank,rope,ps,config,splits",
+    [
+        (16, 40, 8, 1, FUSED, 3),  # a tile gathers rows of 16 pages
+        (20, 33, 5, 3, FUSED, None),  # pages cut every tile; masked heads, odd widths
+        (16, 40, 12, 16, FUSED, 2),  # a tile is one page: one block-table entry
+        (20, 24, 8, 32, TMA, 3),  # full tiles by TMA descriptors, the tail by pointers
+        (16, 40, 8, 16, TMA, None),
+        (16, 40, 8, 3, TMA, 2),  # pages not a multiple of the tile: runs as fused
+        (128, 24, 8, 16, FUSED64, None),
+        (128, 24, 8, 1, FUSED64, 2),
+    ],
+)
+def test_fused_variants_match_reference_and_definition(heads, rank, rope, ps, config, splits):
+    """Ragged lengths (a full-tile-only lane, a lane shorter than a tile, partial last
+    tiles whose page rows past seq_len are NaN poison), split counts > 1 (some empty)."""
+    lens = [1, 32, 37, 50, 16]
+    case = Case(lens, rank, rope, ps, seed=heads + ps + rank)
+    if config is TMA and ps % 16 == 0:  # the descriptor path really runs
+        assert mla_decode_fused.tma_ok(case.cache, rank, ps, config[2])
+    q_lat, q_rope = queries(len(lens), heads, rank, rope, seed=rope)
+    got = run(mla_decode.mla_attention, case, q_lat, q_rope, [1] * 5, config=config,
+              num_splits=splits)  # fmt: skip
+    ref = run(mla_ref.mla_attention, case, q_lat, q_rope, [1] * 5)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, definition(case, q_lat, q_rope, [1] * 5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [NARROW, TWO_PART, FUSED, TMA])
 def test_lanes_without_a_token_and_caller_buffers(config):
     """Lanes 0 and 2 have no new token (T = 2 < B = 4): their rows are skipped and the
     merge reads only the two tokens' splits; out and workspace are the caller's and
     every element of out is written (it starts as NaN)."""
     lens, q_lens = [9, 30, 5, 44], [0, 1, 0, 1]
-    case = Case(lens, 40, 8, 3, seed=4)
+    case = Case(lens, 40, 8, 16 if config is TMA else 3, seed=4)
     q_lat, q_rope = queries(2, 20, 40, 8, seed=1)
     out = torch.full((2, 20, 40), float("nan"))
     workspace = torch.full((mla_decode.workspace_numel(2, 20, 40, 4),), float("nan"))
@@ -127,12 +159,13 @@ def test_lanes_without_a_token_and_caller_buffers(config):
     torch.testing.assert_close(out, definition(case, q_lat, q_rope, q_lens), atol=1e-5, rtol=1e-5)
 
 
-def test_half_precision_within_rounding():
+@pytest.mark.parametrize("config", [TWO_PART, TMA])
+def test_half_precision_within_rounding(config):
     """fp16: Triton 3.6's interpreter computes bf16 dots wrongly (bf16 runs on the GPU)."""
     lens = [17, 40, 3]
     case = Case(lens, 40, 8, 16, dtype=torch.float16, seed=2)
     q_lat, q_rope = queries(3, 16, 40, 8, dtype=torch.float16, seed=3)
-    got = run(mla_decode.mla_attention, case, q_lat, q_rope, [1] * 3, config=TWO_PART,
+    got = run(mla_decode.mla_attention, case, q_lat, q_rope, [1] * 3, config=config,
               num_splits=2)  # fmt: skip
     assert got.dtype == torch.float16
     want = definition(case, q_lat, q_rope, [1] * 3)
@@ -170,11 +203,31 @@ def test_plan_sizes_the_workspace():
     [(1, 128, 32768), (1, 16, 300), (1, 16, 511), (32, 16, 4096), (128, 128, 64), (3, 20, 10**6)],
 )
 def test_split_count_bounds(batch, heads, max_len):
-    """Every config: 1 <= S <= MAX_SPLITS, and chunks of >= MIN_SPLIT_TOKENS when S > 1."""
+    """Every config under both rules: 1 <= S <= MAX_SPLITS, and chunks of >=
+    MIN_SPLIT_TOKENS when S > 1; ``fill`` gives every SM a program with the fewest
+    splits, unless the chunk floor stops it first."""
     for config in mla_decode.CONFIGS.values():
-        splits = mla_decode.choose_num_splits(batch, heads, 512, max_len, config, 132)
-        assert 1 <= splits <= mla_decode.MAX_SPLITS
-        assert splits == 1 or max_len / splits >= mla_decode.MIN_SPLIT_TOKENS
+        for rule in ("model", "fill"):
+            cfg = config._replace(split_rule=rule)
+            splits = mla_decode.choose_num_splits(batch, heads, 512, max_len, cfg, 132)
+            assert 1 <= splits <= mla_decode.MAX_SPLITS
+            assert splits == 1 or max_len / splits >= mla_decode.MIN_SPLIT_TOKENS
+            if rule == "fill":
+                parts = cfg.num_v if cfg.variant == "split" else 1
+                programs = batch * -(-heads // cfg.block_h) * parts
+                capped = (splits + 1) * mla_decode.MIN_SPLIT_TOKENS > max_len
+                capped = capped or splits == mla_decode.MAX_SPLITS
+                assert programs * splits >= 132 * cfg.ctas_per_sm or capped
+                assert splits == 1 or programs * (splits - 1) < 132 * cfg.ctas_per_sm
+
+
+def test_table_covers_every_bucket():
+    """Every (heads bucket, page bucket) has a valid entry; the buckets of odd sizes."""
+    for heads in (1, 16, 63, 64, 127, 128, 200):
+        for ps in (1, 3, 16, 48, 64, 128):
+            key = (mla_decode_plan.heads_bucket(heads), mla_decode_plan.page_bucket(ps))
+            assert mla_decode_plan.check_config(mla_decode.TABLE[key]) == mla_decode.TABLE[key]
+    assert mla_decode_plan.page_bucket(48) == 16 and mla_decode_plan.page_bucket(3) == 1
 
 
 def test_bad_arguments_raise():
@@ -186,12 +239,21 @@ def test_bad_arguments_raise():
         run(mla_decode.mla_attention, case, q_lat, q_rope, [1], out=torch.empty(1, 2, 23))
     with pytest.raises(ValueError, match="num_v 1 or 2"):
         run(mla_decode.mla_attention, case, q_lat, q_rope, [1], config=(16, 3, 16, 4, 1))
+    with pytest.raises(ValueError, match="1 for fused"):
+        run(mla_decode.mla_attention, case, q_lat, q_rope, [1], config=(*TWO_PART, 1, 32.0, "tma"))
+    with pytest.raises(ValueError, match="variant in"):
+        run(mla_decode.mla_attention, case, q_lat, q_rope, [1], config=(*NARROW, 1, 32.0, "x"))
 
 
 # -- H200 (DeepSeek shapes: rank 512, rope 64) ----------------------------------------
 
-GPU_CASES = [(dtype, config, ps) for dtype in ("bf16", "fp32") for config in [None, *mla_decode.CONFIGS]
-             for ps in (16,)] + [(dtype, None, ps) for dtype in ("bf16", "fp32") for ps in (1, 64)]  # fmt: skip
+GPU_CASES = [
+    (dtype, config, ps)
+    for dtype in ("bf16", "fp32")
+    for config in [None, *mla_decode.CONFIGS]
+    for ps in (16,)
+] + [(dtype, None, ps) for dtype in ("bf16", "fp32") for ps in (1, 64)]
+GPU_CASES += [("bf16", config, ps) for config in ("fused64", "tma64") for ps in (1, 64)]  # fmt: skip
 
 
 def _rel_err(got, want):
@@ -224,19 +286,24 @@ def test_gpu_decode_matches_reference(dtype, config, ps, heads, lens, splits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("heads", [16, 128])
-def test_gpu_graph_replay_without_host_sync(heads):
+@pytest.mark.parametrize("heads,variant,ps", [(16, None, 16), (128, None, 16),
+                                               (128, "fused64", 64), (128, "tma64", 64)])  # fmt: skip
+def test_gpu_graph_replay_without_host_sync(heads, variant, ps):
     """Planned splits into caller-owned out / workspace: no host sync while launched, and
     a CUDA graph replayed after new lengths equals a fresh launch."""
     lens = [2000, 37, 900, 4000]
-    case = Case(lens, 512, 64, 16, dtype=torch.bfloat16, device="cuda", seed=9)
+    case = Case(lens, 512, 64, ps, dtype=torch.bfloat16, device="cuda", seed=9)
     q_lat, q_rope = queries(4, heads, 512, 64, dtype=torch.bfloat16, device="cuda", seed=1)
-    max_len = case.block_table.shape[1] * 16
+    max_len = case.block_table.shape[1] * ps
     config, splits, numel = mla_decode.decode_plan(
-        4, heads, 512, max_len, q_lat.dtype, q_lat.device
+        4, heads, 512, max_len, q_lat.dtype, q_lat.device, ps
     )
+    if variant:  # a variant the table may not pick yet, split as it would be
+        config = mla_decode.CONFIGS[variant]
+        splits = mla_decode.choose_num_splits(4, heads, 512, max_len, config, 132)
+        numel = mla_decode.workspace_numel(4, heads, 512, splits)
     args = (q_lat, q_rope, case.cache, case.block_table, indptr([1] * 4, "cuda"), case.seq_lens)
-    opts = {"max_q_len": 1, "page_size": 16, "sm_scale": SCALE, "config": config,
+    opts = {"max_q_len": 1, "page_size": ps, "sm_scale": SCALE, "config": config,
             "num_splits": splits}  # fmt: skip
     out = torch.empty(4, heads, 512, device="cuda", dtype=torch.bfloat16)
     mine = {"out": out, "workspace": torch.empty(numel, device="cuda")}

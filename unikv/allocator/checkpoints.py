@@ -27,6 +27,11 @@ evictable unless a request opened with a hit still waits for its restore
 ones are LRU; the node's eviction drops its checkpoint; the room maker evicts
 them when the Mamba sub-pool is short (or nothing else is left), and the
 capacity oracle counts them as holes, as it counts cached pages.
+
+With a host tier (``host``, ``io/prefix_host.py``) an evicted checkpoint of a
+reachable node spills to a host slot instead (one envelope copy) and a hit
+restores it from there straight into the request's slot (one copy); a node's
+checkpoint lives in one place, the device or the host.
 """
 
 from __future__ import annotations
@@ -66,6 +71,17 @@ class StateCheckpoints:
         self.pins: Counter[int] = Counter()  # node id -> pending restores
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
+        self.host = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
+
+    def has(self, node_id: int, host: bool) -> bool:
+        """Whether node ``node_id`` has a checkpoint (on the device, or ``host``: on either)."""
+        return node_id in self.by_node or (
+            host and self.host is not None and node_id in self.host.ckpts
+        )
+
+    def nodes(self) -> list[int]:
+        """The node ids with a checkpoint, on the device or the host."""
+        return list(self.by_node) + (list(self.host.ckpts) if self.host is not None else [])
 
     @property
     def num_evictable(self) -> int:
@@ -78,6 +94,8 @@ class StateCheckpoints:
         if node_id in self.by_node:
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
+            return True
+        if self.has(node_id, True):  # on the host: restored from there
             return True
         held = self.book.physical(np.array([slot + 1], np.int32))[0] >= 0
         if not held or not self.free_vids or not self.reserve({self.book.name: 1}):
@@ -111,7 +129,8 @@ class StateCheckpoints:
             self.pins[node_id] -= 1
             if not self.pins[node_id]:
                 del self.pins[node_id]
-                self.lru[node_id] = None  # the most recently used
+                if node_id in self.by_node:  # else on the host (its LRU there)
+                    self.lru[node_id] = None  # the most recently used
 
     def restore(self, slots: np.ndarray, dst: PhysicalPageIds) -> None:
         """Copy the pinned checkpoints of ``slots`` ((B,) host ints) into their
@@ -119,10 +138,18 @@ class StateCheckpoints:
         lanes = [i for i, s in enumerate(slots.tolist()) if s in self.pending]
         if not lanes:
             return
-        vids = np.array([self.by_node[self.pending[int(slots[i])]] for i in lanes], np.int32)
-        src = self.book.physical(vids).astype(np.int64)
-        index = self.writer.upload(np.array(lanes, np.int64))
-        self._copy(src, PhysicalPageIds(dst.data.index_select(0, index.long()), self.book.name))
+        nodes = [self.pending[int(slots[i])] for i in lanes]
+        here = [i for i, n in zip(lanes, nodes) if n in self.by_node]
+        if here:
+            vids = np.array([self.by_node[self.pending[int(slots[i])]] for i in here], np.int32)
+            src = self.book.physical(vids).astype(np.int64)
+            index = self.writer.upload(np.array(here, np.int64))
+            ppages = PhysicalPageIds(dst.data.index_select(0, index.long()), self.book.name)
+            self._copy(src, ppages)
+        away = [i for i, n in zip(lanes, nodes) if n not in self.by_node]
+        if away:  # host checkpoints, into the slots' physical pages (host mirror)
+            ppages = self.book.physical((slots[away] + 1).astype(np.int32))
+            self.host.restore_checkpoints([self.pending[int(slots[i])] for i in away], ppages)
         self.restored += len(lanes)
         self.unpin(slots[lanes])
 
@@ -133,6 +160,8 @@ class StateCheckpoints:
 
     def drop(self, node_ids: list[int]) -> None:
         """Free the checkpoints of ``node_ids`` that have one (their nodes are gone)."""
+        if self.host is not None:
+            self.host.drop_checkpoints(node_ids)
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
         for i in node_ids:
             self.lru.pop(i, None)
@@ -145,8 +174,24 @@ class StateCheckpoints:
     def evict(self, count: int) -> int:
         """Drop the ``count`` oldest evictable checkpoints (at most all); returns how many."""
         victims = list(self.lru)[:count]
+        if self.host is not None and victims:  # spill the reachable ones first
+            vids = np.array([self.by_node[i] for i in victims], np.int32)
+            self.host.spill_checkpoints(victims, vids)
+            spilled = [i for i in victims if i in self.host.ckpts]
+            for i in spilled:  # their device slots go; the host keeps the checkpoint
+                self.lru.pop(i)
+                self._free_device(i)
+            victims = [i for i in victims if i not in self.host.ckpts]
+            self.drop(victims)
+            return len(victims) + len(spilled)
         self.drop(victims)
         return len(victims)
+
+    def _free_device(self, node_id: int) -> None:
+        vid = np.array([self.by_node.pop(node_id)], np.int32)
+        self.writer.unbind(self.book, vid, self.fences.unbind(self.book, vid))
+        self.free_vids.append(int(vid[0]))
+        self.evicted += 1
 
     def evictable_physical(self) -> np.ndarray:
         """Physical slots evicting every evictable checkpoint frees (host int64, unpinned)."""
@@ -170,21 +215,26 @@ def check_checkpoints(parts) -> None:
     assert np.array_equal(bound, vids) and len(set(states.free_vids) & set(vids.tolist())) == 0, (
         "checkpoint virtual ids are bound exactly while the cache holds them"
     )
-    live = {n.node_id for n in prefix.by_page.values()}
-    assert set(states.by_node) <= live, "each checkpoint's node exists"
-    assert {n.node_id: n for n in prefix.by_page.values()} == prefix.by_id, (
-        "the prefix nodes by id are the live nodes"
+    host = prefix.host.nodes if prefix.host is not None else {}
+    device = {n.node_id: n for n in prefix.by_page.values()}
+    assert set(states.nodes()) <= set(device) | set(host), "each checkpoint's node exists"
+    assert set(device).isdisjoint(host) and set(device) | set(host) == set(prefix.by_id), (
+        "the prefix nodes by id are the live nodes (on the device or the host)"
     )
-    assert all(prefix.reachable(n) for n in states.by_node), (
+    assert all(prefix.reachable(n) for n in states.nodes()), (
         "each checkpoint is reachable from the root (every ancestor node is live)"
     )
     held = book.v2p_host[1 : states.base]
     assert not set(held[held >= 0].tolist()) & set(ppages.tolist()), (
         "no request slot aliases a checkpoint slot"
     )
-    assert set(states.lru) | set(states.pins) == set(states.by_node) and not (
+    pinned_here = set(states.pins) & set(states.by_node)
+    assert set(states.lru) | pinned_here == set(states.by_node) and not (
         set(states.lru) & set(states.pins)
     ), "evictable checkpoints are exactly those no opening request waits to restore"
+    assert set(states.pins) <= set(states.nodes()), (
+        "a checkpoint an opening request waits to restore exists (device or host)"
+    )
     assert Counter(states.pending.values()) == states.pins, (
         "checkpoint pins count the opening requests waiting to restore them"
     )

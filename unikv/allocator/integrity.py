@@ -193,10 +193,10 @@ def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
     assert np.array_equal(np.sort(lru), cached[prefix.refs[cached] == 0]), (
         "evictable prefix pages are exactly the cached pages with refcount 0"
     )
-    nodes = list(prefix.by_page.values())
     assert sorted(prefix.by_page) == cached.tolist() and all(
         n.page == p for p, n in prefix.by_page.items()
     ), "the prefix hash map and the cached pages agree (one node per cached page)"
+    nodes = list(prefix.by_id.values())  # on the device (by_page) and on the host tier
     assert len(prefix.by_key) == len(nodes) and all(prefix.by_key.get(n.key) is n for n in nodes), (
         "the prefix hash map and the cached pages agree (each node under its key)"
     )
@@ -208,6 +208,8 @@ def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
     assert all(len(n.tokens) == ps for n in nodes), "each prefix node holds one page of tokens"
     if prefix.states is not None:
         check_checkpoints(parts)
+    if prefix.host is not None:  # the host tier's own invariants (unikv.io.prefix_host)
+        prefix.host.check_integrity(parts)
 
 
 def check_chain(pool: UnifiedPool, parts) -> None:

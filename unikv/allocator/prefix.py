@@ -31,6 +31,11 @@ Recurrent state (a Mamba sub-pool): a hit of k blocks also needs a state
 checkpoint at block k-1's node; ``match`` returns the longest prefix that has
 one, ``attach`` pins it for ``alloc_mamba`` to restore (policy and cost:
 ``checkpoints.py``), and a node's eviction drops its checkpoint.
+
+Host tier (``io/prefix_host.py``, when ``host`` is set): eviction spills a
+reachable node's envelopes to host slots and keeps the node (``page = HOST``);
+``match`` walks device and host nodes alike, ``reload`` brings a hit's host part
+back (or chooses recompute by cost, or falls back to the device-only prefix).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
 from unikv.allocator.tables import TablePatch, TableWriter
 
 CACHED = -2  # VirtualSpace.owner of a page the prefix cache holds
+HOST = -1  # _Node.page of a node whose envelopes live on the host tier (io/prefix_host.py)
 
 
 @dataclass(frozen=True)
@@ -59,13 +65,17 @@ class PrefixHit:
     int64 node ids (a hit is stale once one of them is evicted); num_tokens:
     k * page_size; num_query_tokens: the tokens looked up; num_page_tokens: the
     tokens of the longest cached page run (>= num_tokens: a hybrid's hit also
-    needs a state checkpoint at its end)."""
+    needs a state checkpoint at its end); num_host_pages: pages of it on the host
+    tier (``pages`` holds HOST there: pass the hit through ``reload``);
+    host_state: its state checkpoint is on the host tier."""
 
     pages: np.ndarray
     nodes: np.ndarray
     num_tokens: int
     num_query_tokens: int
     num_page_tokens: int = 0
+    num_host_pages: int = 0
+    host_state: bool = False
 
 
 @dataclass
@@ -140,6 +150,7 @@ class PrefixCache:
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
+        self.host = None  # the host tier (io.prefix_host.PrefixHost), set by enable_prefix_host
 
     @property
     def num_evictable(self) -> int:
@@ -156,9 +167,10 @@ class PrefixCache:
     def counters(self) -> dict[str, int]:
         """Host-int counters (``PrefixStats``) and the pages cached and evictable now."""
         states = {"checkpoints": len(self.states.by_node)} if self.states is not None else {}
+        host = self.host.counters() if self.host is not None else {}
         return {
             **self.stats.as_dict(), "pages": len(self.by_page), "evictable": len(self.lru),
-            **states,
+            **states, **host,
         }  # fmt: skip
 
     def tokens(self, token_ids: object, what: str) -> np.ndarray:
@@ -194,20 +206,46 @@ class PrefixCache:
                 break
             found.append(node)
             parent = node.node_id
+        hit = self.chain_hit(found, len(tokens), host=self.host is not None)
+        if hit.num_host_pages or hit.host_state:  # reload or recompute the host part
+            hit = self.host.choose(hit, self.chain_hit(found, len(tokens), host=False))
+        return hit
+
+    def chain_hit(self, found: list[_Node], num_query: int, host: bool) -> PrefixHit:
+        """The longest usable prefix of chain nodes ``found`` (block order): window
+        pages intact, a state checkpoint at its end (hybrids); ``host``: host nodes
+        and host checkpoints count, else the chain stops at the first host node."""
+        if not host:
+            found = found[: next((i for i, n in enumerate(found) if n.page == HOST), len(found))]
         pages = np.array([n.page for n in found], np.int32)
-        count = intact = self.window_intact(pages)
-        if self.states is not None:  # a hybrid's hit ends at a block with a state checkpoint
-            while count and found[count - 1].node_id not in self.states.by_node:
+        bound = None
+        if host and self.host is not None:
+            bound = {n: self.host.bound(found, n) for n in self.roles.windows}
+        count = intact = self.window_intact(pages, bound)
+        states = self.states
+        if states is not None:  # a hybrid's hit ends at a block with a state checkpoint
+            while count and not states.has(found[count - 1].node_id, host):
                 count -= 1
         nodes = np.array([n.node_id for n in found[:count]], np.int64)
-        return PrefixHit(pages[:count], nodes, count * ps, len(tokens), intact * ps)
+        on_host = bool(count and states is not None and nodes[-1] not in states.by_node)
+        ps, num_host = self.roles.page_size, int((pages[:count] == HOST).sum())
+        return PrefixHit(
+            pages[:count], nodes, count * ps, num_query, intact * ps, num_host, on_host
+        )
 
-    def window_intact(self, pages: np.ndarray) -> int:
+    def reload(self, hit: PrefixHit) -> PrefixHit:
+        """The hit to pass to ``new_request``: ``hit`` with its host pages reloaded
+        (or its device-only prefix when the pool has no room: ``io/prefix_host.py``)."""
+        return self.host.reload(hit) if self.host is not None and len(hit.pages) else hit
+
+    def window_intact(self, pages: np.ndarray, bound: dict | None = None) -> int:
         """The largest k <= len(pages) such that a request holding the cached
         ``pages[:k]`` (host int32, block order) finds every page its next query
-        reads bound in each windowed sub-pool (module docstring)."""
+        reads bound in each windowed sub-pool (module docstring). ``bound``: per
+        windowed sub-pool, whether each page is bound (default: on the device)."""
         ps, windows = self.roles.page_size, self.roles.windows
-        bound = {n: self.books[n].physical(pages) >= 0 for n in windows}
+        if bound is None:
+            bound = {n: self.books[n].physical(pages) >= 0 for n in windows}
         count = len(pages)
         while count and not all(
             bound[n][max(count * ps + 1 - w, 0) // ps : count].all() for n, w in windows.items()
@@ -232,12 +270,18 @@ class PrefixCache:
         if not isinstance(hit, PrefixHit):
             self.requests.close(slot)
             raise TypeError(f"new_request: prefix must be a PrefixHit or None, got {hit!r}")
+        if hit.num_host_pages:
+            self.requests.close(slot)
+            raise ValueError(
+                f"new_request: {hit.num_host_pages} pages of the prefix hit are on the host "
+                "tier; pass prefix.reload(hit), which reloads them, instead"
+            )
         pages, count = hit.pages, len(hit.pages)
         live = [self.by_page.get(int(p)) for p in pages]
         states = self.states
         last = int(hit.nodes[-1]) if count else 0
         if any(n is None or n.node_id != i for n, i in zip(live, hit.nodes.tolist())) or (
-            states is not None and count and last not in states.by_node
+            states is not None and count and not states.has(last, True)
         ):
             self.requests.close(slot)
             raise ValueError(
@@ -277,8 +321,9 @@ class PrefixCache:
         for i in range(len(tokens) // ps):
             block = tokens[i * ps : (i + 1) * ps]
             key, node = self._find(key, parent, block)
+            page = int(self.requests.pages[slot, i])
             if node is None:
-                node = self._new_node(int(self.requests.pages[slot, i]), key, parent, block)
+                node = self._new_node(page, key, parent, block)
                 if node is None:
                     break
                 added += 1
@@ -323,16 +368,24 @@ class PrefixCache:
         """Give ``page`` to the cache under ``key``; None when the key is held by a
         node still referenced, or the page is cached already (under another chain)."""
         stale = self.by_key.get(key)
-        if stale is not None and not self._drop_evictable(stale.page):
+        if stale is not None and stale.page == HOST:
+            self.host.drop([stale.node_id])  # an orphan or a collision on the host
+        elif stale is not None and not self._drop_evictable(stale.page):
             return None  # an orphan or a collision holds the key
         if self.vspace.owner[page] == CACHED:
             return None
         node = _Node(self._next_id, parent, key, page, block.copy())
         self._next_id += 1
-        self.by_key[key] = self.by_page[page] = self.by_id[node.node_id] = node
+        self.by_key[key] = self.by_id[node.node_id] = node
+        self._own(node, page)
+        return node
+
+    def _own(self, node: _Node, page: int) -> None:
+        """``node`` caches the request page ``page`` (held by that one request)."""
+        node.page = page
+        self.by_page[page] = node
         self.vspace.owner[page] = CACHED
         self.refs[page] = 1
-        return node
 
     def _drop_evictable(self, page: int) -> bool:
         """Evict one evictable page now (its tombstones written); False if it is not."""
@@ -367,14 +420,20 @@ class PrefixCache:
         patch = TablePatch()
         if count == 0:
             return patch
+        nodes = [self.by_page.pop(page) for page in pages.tolist()]
+        spilled = self.host.spill(nodes) if self.host is not None else set()  # before unbinding
         stage_unbind(self.books, self.roles.token_names, self.fences, self.writer, pages, patch)
         dropped = []
-        for page in pages.tolist():
-            node = self.by_page.pop(page)
-            del self.by_key[node.key], self.by_id[node.node_id]
-            dropped.append(node.node_id)
-        if self.states is not None:  # and the checkpoints no lookup can reach any more
-            self.states.drop(dropped + [n for n in self.states.by_node if not self.reachable(n)])
+        for node in nodes:
+            if node.node_id in spilled:
+                node.page = HOST
+            else:
+                del self.by_key[node.key], self.by_id[node.node_id]
+                dropped.append(node.node_id)
+        if self.states is not None and dropped:  # the checkpoints no lookup can reach any more
+            self.states.drop(dropped + [n for n in self.states.nodes() if not self.reachable(n)])
+        if self.host is not None and dropped:
+            self.host.prune()  # host nodes below a dropped one
         self.vspace.retire(pages)
         self.stats.evicted_pages += count
         return patch

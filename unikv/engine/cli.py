@@ -45,6 +45,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="share KV pages of common prompt prefixes (full-attention and MLA models)",
     )
+    p.add_argument(
+        "--prefix-host-bytes",
+        default=None,
+        help="host bytes behind the prefix cache, e.g. 8GiB: evicted cached pages spill "
+        "there and reload on a hit (default 0: off)",
+    )
 
 
 def llm_from_args(args):
@@ -65,6 +71,9 @@ def llm_from_args(args):
         cuda_graphs=False if args.no_cuda_graphs else None,
         seed=args.engine_seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_host_bytes=(
+            parse_bytes(args.prefix_host_bytes) if args.prefix_host_bytes not in (None, "0") else 0
+        ),
     )
 
 

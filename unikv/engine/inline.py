@@ -21,10 +21,25 @@ class Stats:
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     prefix_query_tokens: int = 0  # prompt tokens looked up in it
     prefix_evicted_pages: int = 0
+    prefix_host_hit_tokens: int = 0  # hit tokens reloaded from the host tier
+    prefix_host_spilled_pages: int = 0
+    prefix_host_reloaded_pages: int = 0
+    prefix_host_evicted_pages: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+PREFIX_COUNTERS = (
+    "hit_tokens",
+    "query_tokens",
+    "evicted_pages",
+    "host_hit_tokens",
+    "host_spilled_pages",
+    "host_reloaded_pages",
+    "host_evicted_pages",
+)
 
 
 def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
@@ -62,8 +77,9 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
     prefix = llm.alloc.parts.prefix.counters()
-    for key in ("hit_tokens", "query_tokens", "evicted_pages"):
-        setattr(stats, f"prefix_{key}", prefix[key] - prefix_before[key])
+    for key in PREFIX_COUNTERS:  # the host tier's are there when one is attached
+        if key in prefix:
+            setattr(stats, f"prefix_{key}", prefix[key] - prefix_before.get(key, 0))
     if bar is not None:
         bar.close()
     return stats

@@ -28,6 +28,7 @@ from unikv.engine.options import (
     check_dtypes,
     check_kv_cache_bytes,
     check_prefix_caching,
+    check_prefix_host_bytes,
     derived_seed,
     merged_eos,
     model_dir_of,
@@ -74,6 +75,9 @@ class LLM:
         enable_prefix_caching: share the KV pages of common prompt prefixes
             across requests (whole pages; full-attention and MLA models only
             this round). Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``.
+        prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
+            pages and state checkpoints spill there and reload on a hit, when the cost
+            rule says reloading beats recomputing (``io/prefix_host.py``).
         static_split: None (sub-pools share the pool's bytes, boundaries move), or
             ``{sub-pool name: fraction of the usable bytes}`` fixed at start-up,
             e.g. SGLang's hybrid default ``{"mamba": 0.9 / 1.9, "full": 1 / 1.9}``.
@@ -109,6 +113,7 @@ class LLM:
         tp_group=None,
         static_split: Mapping[str, float] | None = None,
         enable_prefix_caching: bool = False,
+        prefix_host_bytes: int = 0,
     ) -> None:
         from unikv.allocator import PoolAllocator
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
@@ -149,6 +154,7 @@ class LLM:
             configs = shard_subpool_configs(configs, self.tp.size)
         self._check_windows(configs)
         check_prefix_caching(enable_prefix_caching, configs)
+        check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         self.backend = get_backend(self.device, backend)
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
@@ -177,6 +183,8 @@ class LLM:
             debug=debug,
             backend=self.backend,
         )
+        if prefix_host_bytes:
+            self._enable_prefix_host(prefix_host_bytes)
         use_graphs = self.device.type == "cuda" and self.tp is None
         use_graphs = use_graphs if cuda_graphs is None else cuda_graphs
         self.runner = ModelRunner(
@@ -202,6 +210,20 @@ class LLM:
         self.prompts = PromptMaker(self)
         self.engine = EngineLoop(self)
         self.stats = Stats()
+
+    def _enable_prefix_host(self, host_bytes: int) -> None:
+        """The prefix cache's host tier, its reload rule from the measured H2D
+        bandwidth and a prefill estimate of 2 FLOPs per weight per token."""
+        from unikv.io.prefix_host import ReloadPolicy
+        from unikv.io.prefix_host_setup import enable_prefix_host, measure_h2d_bytes_per_s
+
+        weights = sum(p.numel() for p in self.model.parameters())
+        flops = 3e14 if self.device.type == "cuda" else 3e10  # sustained, roughly
+        policy = ReloadPolicy(
+            h2d_bytes_per_s=measure_h2d_bytes_per_s(self.device),
+            prefill_tokens_per_s=flops / max(2 * weights, 1),
+        )
+        enable_prefix_host(self.alloc.parts, host_bytes, policy)
 
     def _check_windows(self, configs) -> None:
         for c in configs:

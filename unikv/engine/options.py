@@ -91,6 +91,29 @@ def check_prefix_caching(enabled, configs) -> None:
         )
 
 
+def check_prefix_host_bytes(host_bytes, caching: bool, configs) -> None:
+    """``prefix_host_bytes``: an int >= 0 (0: off) that, with prefix caching on,
+    holds at least one cached page's envelopes (every attention sub-pool) and, for
+    recurrent hybrids, one state checkpoint (``io/prefix_host.host_slots``)."""
+    from unikv.io.prefix_host_setup import host_slots
+
+    if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0:
+        raise ValueError(
+            f"prefix_host_bytes must be an int >= 0 (host bytes behind the prefix cache; "
+            f"0 turns the host tier off), got {host_bytes!r}"
+        )
+    if host_bytes and not caching:
+        raise ValueError(
+            f"prefix_host_bytes={host_bytes} is the host tier behind the prefix cache, which "
+            "is off; pass enable_prefix_caching=True (--enable-prefix-caching) or leave "
+            "prefix_host_bytes at 0"
+        )
+    if host_bytes:
+        token = {c.name: c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind != "mamba"}
+        state = [c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind == "mamba"]
+        host_slots(token, state[0] if state else None, host_bytes)
+
+
 def model_dir_of(model_dir: str | None, model: str | None) -> str:
     if (model_dir is None) == (model is None):
         raise ValueError(

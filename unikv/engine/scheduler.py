@@ -226,7 +226,8 @@ class Scheduler:
         if not self.prefix_caching:
             r.slot = self.alloc.new_request()
             return None
-        hit = self.alloc.parts.prefix.match(r.token_slice(0, r.seq_len - 1))
+        prefix = self.alloc.parts.prefix
+        hit = prefix.reload(prefix.match(r.token_slice(0, r.seq_len - 1)))  # host part back
         r.slot = self.alloc.new_request(prefix=hit)
         r.num_cached = hit.num_tokens
         self._state_at.pop(r.slot, None)

@@ -198,6 +198,10 @@ class HostTier:
                 by_event.setdefault(id(reader), (reader, []))[1].append(s)
         self._pending.extend(by_event.values())
 
+    def used_slots(self) -> list[int]:
+        """The USED slots (taken by ``offload``, not freed), ascending (host; for checks)."""
+        return [s for s in range(self.num_slots) if self._state[s] == _USED]
+
     def check_integrity(self) -> None:
         """Slot states against the free heap and the pending reloads (host only,
         O(num_slots); for tests and debug). AssertionError names the invariant."""

@@ -17,123 +17,43 @@ columns only feed them. Token rows are reached through the block table
 BLOCK_N-aligned chunks (split-KV); each split writes ``(acc / l, lse)`` to a fp32
 workspace and ``_merge_kernel`` combines the splits per (token, head, column block).
 S == 1 writes ``out`` directly. Config and S depend only on host ints (heads,
-batch, the block table's capacity, SM count, compute capability): no tuning, no
+batch, page size, the block table's capacity, SM count, compute capability): no tuning, no
 device reads, CUDA-graph safe; with ``out`` and ``workspace`` passed nothing is
 allocated. Steps with ``max_q_len > 1`` (prefill chunks) go to ``mla.mla_attention``.
+This is the ``split`` variant; ``mla_decode_plan`` holds the configs, the (heads, page
+size) table and the split rules, and ``mla_decode_fused`` the ``fused`` / ``tma``
+variants (logits once per tile), which share the workspace and the merge.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels import mla
+from unikv.kernels import mla, mla_decode_fused
 from unikv.kernels._attn import dot_precision
 from unikv.kernels._checks import device_sms, next_pow2
 from unikv.kernels._ids import kernel_row
 from unikv.kernels._interpret import patch_interpreter
+from unikv.kernels.mla_decode_plan import (  # noqa: F401  (the plan's public names, re-exported)
+    CONFIGS,
+    MAX_SPLITS,
+    MIN_SPLIT_TOKENS,
+    TABLE,
+    Config,
+    check_config,
+    choose_config,
+    choose_num_splits,
+    decode_plan,
+    workspace_numel,
+)
 from unikv.kernels.mla_ref import check_mla_args
 
 patch_interpreter()  # tl.range with run-time bounds under TRITON_INTERPRET=1
 
 
-class Config(NamedTuple):
-    """Tile config: heads per program, V parts (1 or 2), keys per tile, warps,
-    pipeline stages; programs an SM holds at once and ns a key per program (the
-    split model's estimates)."""
-
-    block_h: int
-    num_v: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    ctas_per_sm: int = 1
-    token_ns: float = 32.0
-
-
-# Untuned first guesses; ``benchmarks/bench_mla_decode.py --sweep`` times others. sm90
-# figures from ptxas (triton 3.6, rank 512 + rope 64, bf16): registers a thread, smem.
-# wide*: heads are the wgmma M rows (64 per warpgroup, warps along M), V in two programs
-#   of 256 columns (a 64 x 512 fp32 accumulator needs 256 registers a thread); Q and
-#   two latent stages in smem. wide128: 230 regs, 216 KB; wide64: 249 regs, 144 KB.
-# narrow*: 16 heads, whole V, mma.sync with the warps along keys / V columns (BLOCK_N >
-#   BLOCK_H, so no replicated rows). narrow90: 168 regs, 92 KB; narrow: 205 regs, 55 KB.
-# fp32: exact fp32 dots (no tensor cores), small tiles.
-CONFIGS = {
-    "wide128": Config(128, 2, 32, 8, 2, 1, 70.0),
-    "wide64": Config(64, 2, 32, 4, 2, 1, 35.0),
-    "narrow90": Config(16, 1, 64, 8, 2, 1, 32.0),
-    "narrow": Config(16, 1, 32, 4, 2, 2, 32.0),
-    "fp32": Config(16, 1, 16, 4, 1, 2, 64.0),
-}
-MIN_SPLIT_TOKENS = 256  # never cut a request's keys into chunks shorter than this
-MAX_SPLITS = 128
-# split-count model (ns, rough H200 figures): a program costs PROGRAM_NS plus token_ns
-# a key, in waves of sms * ctas_per_sm programs; splits > 1 add the merge (a launch and
-# the fp32 partials written and read once).
-PROGRAM_NS, MERGE_NS, HBM_BYTES_PER_NS = 2000.0, 4000.0, 3000.0
-
-
-@functools.cache
-def _capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def choose_config(heads: int, dtype: torch.dtype, device: torch.device) -> Config:
-    """The config for a head count and query dtype on a device (host only)."""
-    if dtype == torch.float32:
-        return CONFIGS["fp32"]
-    if device.type != "cuda":
-        return CONFIGS["narrow"]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if _capability(index) != 9:  # the wide tiles are wgmma (sm90) tiles
-        return CONFIGS["narrow"]
-    return CONFIGS["wide128" if heads >= 128 else "wide64" if heads >= 64 else "narrow90"]
-
-
-@functools.lru_cache(maxsize=1024)
-def choose_num_splits(
-    batch: int, heads: int, rank: int, max_len: int, config: Config, sms: int
-) -> int:
-    """Splits per request minimising a wave model of the split kernel plus the merge.
-
-    batch: requests; max_len: the block table's capacity in tokens (never seq_lens, so
-    the count is fixed for a CUDA graph); sms: streaming multiprocessors."""
-    programs = batch * triton.cdiv(heads, config.block_h) * config.num_v
-    slots = max(1, sms * config.ctas_per_sm)
-    cap = max(1, min(MAX_SPLITS, max_len // MIN_SPLIT_TOKENS))
-    best, best_ns = 1, float("inf")
-    for splits in range(1, cap + 1):
-        chunk = triton.cdiv(triton.cdiv(max_len, splits), config.block_n) * config.block_n
-        waves = triton.cdiv(programs * splits, slots)
-        ns = waves * (chunk * config.token_ns + PROGRAM_NS)
-        if splits > 1:
-            ns += MERGE_NS + 8.0 * batch * heads * splits * rank / HBM_BYTES_PER_NS
-        if ns < best_ns:
-            best, best_ns = splits, ns
-    return best
-
-
-def workspace_numel(num_tokens: int, heads: int, rank: int, num_splits: int) -> int:
-    """fp32 elements of the split-KV workspace (acc and lse of every split)."""
-    return num_tokens * heads * num_splits * (rank + 1)
-
-
-def decode_plan(
-    batch: int, heads: int, rank: int, max_len: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Config, int, int]:
-    """(config, num_splits, workspace fp32 elements) of a decode step of ``batch``
-    one-token requests over a block table of ``max_len`` tokens: once per step."""
-    config = choose_config(heads, dtype, device)
-    splits = choose_num_splits(batch, heads, rank, max_len, config, device_sms(device))
-    return config, splits, workspace_numel(batch, heads, rank, splits) if splits > 1 else 1
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
 def _split_kernel(
     q_lat, q_rope, cache, block_table, q_indptr, seq_lens, out, ws_acc, ws_lse, sm_scale,
     ql_st, ql_sh, qr_st, qr_sh, c_sn, bt_sb, o_st, o_sh, num_splits,
@@ -210,7 +130,7 @@ def _split_kernel(
         tl.store(ws_lse + row, lse, mask=mask_h & (v == 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     ws_acc, ws_lse, out, o_st, o_sh, num_splits, H: tl.constexpr, RANK: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -236,15 +156,23 @@ def _merge_kernel(
     tl.store(out + tok * o_st + h * o_sh + cols, res.to(out.dtype.element_ty), mask=mask_c)
 
 
-def _check_config(config) -> Config:
-    config = Config(*config)
-    pow2 = all(x >= 16 and x == next_pow2(x) for x in (config.block_h, config.block_n))
-    if not pow2 or config.num_v not in (1, 2) or config.num_warps < 1 or config.num_stages < 1:
-        raise ValueError(
-            f"config must be (block_h, num_v, block_n, num_warps, num_stages[, ctas_per_sm]) "
-            f"with powers of two >= 16 for block_h / block_n and num_v 1 or 2, got {config}"
-        )
-    return config
+def _launch_split(
+    q_latent, q_rope, cache, block_table, q_indptr, seq_lens, out, workspace, ws_lse,
+    sm_scale, page_size, splits, cfg,
+) -> None:  # fmt: skip
+    """The split kernel over checked ``mla_attention`` arguments."""
+    heads, rank = q_latent.shape[1:]
+    rope = q_rope.shape[2]
+    block_v = max(16, next_pow2(triton.cdiv(rank, cfg.num_v)))
+    _split_kernel[(triton.cdiv(heads, cfg.block_h) * cfg.num_v, block_table.shape[0], splits)](
+        q_latent, q_rope, cache, block_table, q_indptr, seq_lens, out, workspace, ws_lse,
+        sm_scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), block_table.stride(0), out.stride(0), out.stride(1), splits, H=heads,
+        RANK=rank, ROPE=rope, BLOCK_V=block_v, BLOCK_P=max(16, next_pow2(rope)),
+        NUM_V=cfg.num_v, PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        SPLIT=splits > 1, NUM_STAGES=cfg.num_stages, PRECISION=dot_precision(q_latent),
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
 
 
 def mla_attention(
@@ -281,7 +209,6 @@ def mla_attention(
         )  # fmt: skip
     check_mla_args(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens)
     num_tokens, heads, rank = q_latent.shape
-    rope = q_rope.shape[2]
     if out is None:
         out = torch.empty(num_tokens, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
     elif out.shape != (num_tokens, heads, rank) or out.stride(2) != 1:
@@ -293,9 +220,9 @@ def mla_attention(
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out
     if config is None:
-        cfg = choose_config(heads, q_latent.dtype, out.device)
+        cfg = choose_config(heads, q_latent.dtype, out.device, page_size)
     else:
-        cfg = _check_config(config)
+        cfg = check_config(config)
     max_len = block_table.shape[1] * page_size
     splits = num_splits or choose_num_splits(bsz, heads, rank, max_len, cfg, device_sms(out.device))
     need = workspace_numel(num_tokens, heads, rank, splits) if splits > 1 else 1
@@ -308,17 +235,14 @@ def mla_attention(
         )
     acc_numel = num_tokens * heads * splits * rank
     ws_lse = workspace[acc_numel:need] if splits > 1 else workspace
-    block_v = max(16, next_pow2(triton.cdiv(rank, cfg.num_v)))
-    _split_kernel[(triton.cdiv(heads, cfg.block_h) * cfg.num_v, bsz, splits)](
-        q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out, workspace,
-        ws_lse, sm_scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0),
-        q_rope.stride(1), latent_cache.stride(0), block_table.stride(0), out.stride(0),
-        out.stride(1), splits, H=heads, RANK=rank, ROPE=rope, BLOCK_V=block_v,
-        BLOCK_P=max(16, next_pow2(rope)), NUM_V=cfg.num_v, PAGE_SIZE=page_size,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SPLIT=splits > 1,
-        NUM_STAGES=cfg.num_stages, PRECISION=dot_precision(q_latent),
-        num_warps=cfg.num_warps,
-    )  # fmt: skip
+    if cfg.variant != "split":
+        mla_decode_fused.launch(
+            q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out, workspace,
+            ws_lse, sm_scale=sm_scale, page_size=page_size, num_splits=splits, config=cfg,
+        )  # fmt: skip
+    else:
+        _launch_split(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out,
+                      workspace, ws_lse, sm_scale, page_size, splits, cfg)  # fmt: skip
     if splits > 1:
         block_s = next_pow2(splits)
         block_c = max(16, min(next_pow2(rank), 8192 // block_s))  # <= 8192 fp32 a program

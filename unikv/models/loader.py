@@ -19,6 +19,14 @@ import torch
 
 from unikv.kernels.backend import get_backend
 from unikv.models.config import TEXT_DECODERS, ModelConfig, model_config_from_hf
+from unikv.models.fp8 import (
+    SCALE_SUFFIX,
+    Fp8Format,
+    check_unscaled,
+    dequantize_fp8,
+    fp8_format,
+    fp8_pairs,
+)
 from unikv.models.layers import use_elementwise_ops
 from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
@@ -52,6 +60,7 @@ def load_model_config(model_dir: str) -> tuple[ModelConfig, object]:
     except (ValueError, KeyError, StrictDataclassError) as err:  # e.g. kv_lora_rank: null
         raise ValueError(f"cannot read {model_dir}/config.json with transformers: {err}") from err
     legacy_rope_parameters(hf_config, model_dir)
+    fp8_format(hf_config)  # an unsupported quantization_config is refused here
     return model_config_from_hf(hf_config), hf_config
 
 
@@ -132,12 +141,15 @@ def _open_weights(path: str):
         ) from err
 
 
-def _sources(index: dict[str, str], params=()) -> dict[str, tuple[str, ...]]:
-    """Parameter name -> checkpoint tensor names: ``(name,)``, or ``(blocks,
-    scales)`` for an MXFP4 pair dequantised at load (gpt-oss experts); a pair the
-    model holds as parameters itself (``params``: experts kept packed) loads as is."""
-    packed = ("_blocks", "_scales")
+def _sources(index: dict[str, str], params=(), fp8=None) -> dict[str, tuple[str, ...]]:
+    """Parameter name -> checkpoint tensor names: ``(name,)``, ``(blocks, scales)``
+    for an MXFP4 pair dequantised at load (gpt-oss experts), or ``(weight,
+    weight_scale_inv)`` for an FP8 block-quantised weight (``models/fp8.py``); a
+    pair the model holds as parameters itself (``params``: experts kept packed)
+    loads as is."""
+    packed = ("_blocks", "_scales", SCALE_SUFFIX)
     sources = {n: (n,) for n in index if n in params or not n.endswith(packed)}
+    sources.update(fp8_pairs(index, params, fp8))
     for name in index:
         if name.endswith("_blocks") and name not in params:
             base = name[: -len("_blocks")]
@@ -190,10 +202,10 @@ def _check_names(model, wanted: dict, sources: dict, index: dict, ignored: tuple
         )
 
 
-def _checkpoint_sources(model, index: dict[str, str]) -> tuple[dict, tuple]:
+def _checkpoint_sources(model, index: dict[str, str], fp8=None) -> tuple[dict, tuple]:
     """(checkpoint parameter name -> tensor names, prefixes to ignore), after a
     wrapper's renaming and tied embeddings."""
-    sources = _sources(index, dict(model.named_parameters()))
+    sources = _sources(index, dict(model.named_parameters()), fp8)
     ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
     if model.config.architecture in TEXT_DECODERS:  # a wrapper's text decoder only
         theirs, ours, skipped = TEXT_DECODERS[model.config.architecture]
@@ -206,16 +218,17 @@ def _checkpoint_sources(model, index: dict[str, str]) -> tuple[dict, tuple]:
     return sources, ignored
 
 
-def load_weights(model: CausalLM, files: list[str]) -> None:
+def load_weights(model: CausalLM, files: list[str], fp8: Fp8Format | None = None) -> None:
     """Copy checkpoint tensors into ``model`` by name, one tensor at a time
-    (MXFP4 experts dequantised on the way; under ``model.tp`` each sharded
+    (MXFP4 experts, and FP8 weights of format ``fp8``, dequantised on the way, the
+    latter on the parameter's device in its dtype; under ``model.tp`` each sharded
     tensor narrowed to this rank's slice; a fused parameter is the concatenation
     of its checkpoint tensors, each narrowed first, so every rank holds its own
     q|k|v or gate|up rows); raise ValueError naming missing, unexpected or
     mis-shaped tensors."""
     params = dict(model.named_parameters())
     index = checkpoint_index(files)
-    sources, ignored = _checkpoint_sources(model, index)
+    sources, ignored = _checkpoint_sources(model, index, fp8)
     packed = packed_params(model)
     wanted = {n: packed.get(n, (n,)) for n in params}
     _check_names(model, wanted, sources, index, ignored)
@@ -227,7 +240,7 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
             parts = []
             for part in wanted[name]:
                 tensors = [_tensor(handles, index[n], n) for n in sources[part]]
-                source = tensors[0] if len(tensors) == 1 else dequantize_mxfp4(*tensors)
+                source = _source_tensor(sources[part], tensors, param, fp8)
                 if name in plan:  # tensor parallelism: this rank's slice
                     source = shard_tensor(source, plan[name], tp.rank, tp.size, part)
                 parts.append(source)
@@ -239,6 +252,16 @@ def load_weights(model: CausalLM, files: list[str]) -> None:
                     "config.json and the weights disagree"
                 )
             param.copy_(source)
+
+
+def _source_tensor(names: tuple, tensors: list, param: torch.Tensor, fp8) -> torch.Tensor:
+    """One checkpoint tensor as stored, or a quantised pair dequantised."""
+    if len(tensors) == 2 and names[1].endswith(SCALE_SUFFIX):
+        return dequantize_fp8(*tensors, fp8, param.dtype, param.device, name=names[0])
+    if len(tensors) == 2:
+        return dequantize_mxfp4(*tensors)
+    check_unscaled(names[0], tensors[0], param.dtype)
+    return tensors[0]
 
 
 def _tensor(handles: dict, path: str, name: str) -> torch.Tensor:
@@ -271,7 +294,7 @@ def load_model(
     ``"triton"`` or ``"torch"``, as ``kernels.get_backend`` (whose elementwise ops the
     modules then call)."""
     ops = get_backend(device, kernels)  # validated before anything is built
-    config, _ = load_model_config(model_dir)
+    config, hf_config = load_model_config(model_dir)
     if tp is not None:
         check_tp_config(config, tp.size)
     files = weight_files(model_dir)
@@ -283,7 +306,7 @@ def load_model(
         model.build(torch.device(device))
     else:
         model.model.rotary.build(torch.device(device))
-    load_weights(model, files)
+    load_weights(model, files, fp8_format(hf_config))
     _sinks_to_fp32(model)
     use_elementwise_ops(model, ops)
     return model.eval().requires_grad_(False)

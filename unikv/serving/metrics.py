@@ -96,8 +96,13 @@ class _EngineCollector:
             ("hit_tokens", "Prompt tokens served from the prefix cache"),
             ("query_tokens", "Prompt tokens looked up in the prefix cache"),
             ("evicted_pages", "Prefix-cache pages evicted"),
+            ("host_spilled_pages", "Prefix-cache pages spilled to the host tier"),
+            ("host_hit_tokens", "Prompt tokens served by reloading host-tier pages"),
+            ("host_reloaded_pages", "Host-tier pages reloaded on a hit"),
+            ("host_evicted_pages", "Host-tier pages dropped"),
         ):
-            yield CounterMetricFamily(f"unikv_prefix_cache_{key}", text, prefix[key])
+            if key in prefix:  # the host tier's counters exist when one is attached
+                yield CounterMetricFamily(f"unikv_prefix_cache_{key}", text, prefix[key])
         yield GaugeMetricFamily(
             "unikv_prefix_cache_pages",
             "Pages the prefix cache holds (evictable included)",

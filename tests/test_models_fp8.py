@@ -1,0 +1,297 @@
+"""Block-quantised FP8 checkpoints (DeepSeek-V3 / MiMo-V2-Flash format, ``models/fp8.py``).
+
+Tiny DeepSeek-V3 and MiMo-V2-Flash models (``engine_fixtures.save_tiny_deepseek``,
+``test_engine_mimo.save_tiny_mimo``) are quantised here, by a writer of this file, to
+float8_e4m3fn weights with fp32 ``weight_scale_inv`` per block of ``BLOCK`` = 16 rows x
+24 columns (not square, so rows and columns cannot be swapped unnoticed; the tiny dims
+24, 32, 40, 64, 72, 80, 144 leave partial edge blocks). Embeddings, norms, lm_head and
+router gates stay fp32, and so do a few linears (``NOT_CONVERTED``, as the releases'
+``modules_to_not_convert``): the loader finds quantised weights by their scales.
+
+The oracle is a second checkpoint: the same FP8 bytes dequantised by a naive loop over
+blocks and saved as plain fp32, which transformers loads.
+
+- unikv's engine on the FP8 checkpoint gives transformers' greedy tokens on the
+  dequantised one (24 new tokens, fp32, CPU);
+- every parameter unikv loads from the FP8 checkpoint equals, bit for bit, the naive
+  dequantisation (fp32, and rounded to bf16);
+- ``dequantize_fp8`` against the naive loop for random shapes, block sizes, leading
+  (expert) dims and chunk sizes (hypothesis);
+- bad input is a ValueError: an unsupported fmt, activation scheme, block size or
+  method; a scale of the wrong shape (expected vs given); a weight without its scale
+  or a scale without its weight; scales under a config that is not FP8.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from engine_fixtures import GreedyReference, one_thread, save_tiny_deepseek  # noqa: F401
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from test_engine_mimo import save_tiny_mimo
+
+from unikv.engine import LLM, SamplingParams
+from unikv.hf_config import model_specs_from_hf_config
+from unikv.models import load_model, load_model_config
+from unikv.models.fp8 import Fp8Format, dequantize_fp8, fp8_format
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = [16, 24]
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+UNQUANTISED = ("embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.weight")
+NOT_CONVERTED = {"deepseek_v3": ("kv_a_proj_with_mqa",), "mimo": ("layers.0.self_attn.o_proj",)}
+PROMPT_LENS = [9, 21]
+NEW_TOKENS = 24
+
+
+def quantise_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) fp32 -> (float8_e4m3fn (out, in), fp32 scale_inv (ceil(out/bn), ceil(in/bk))):
+    each block scaled so its largest |value| maps to FP8_MAX."""
+    bn, bk = block
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(math.ceil(w.shape[0] / bn), math.ceil(w.shape[1] / bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk]
+            scale[i, j] = blk.abs().max().clamp(min=1e-12) / FP8_MAX
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (
+                (blk / scale[i, j]).clamp(-FP8_MAX, FP8_MAX).to(q.dtype)
+            )
+    return q, scale
+
+
+def naive_dequant(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """The oracle: (..., out, in) FP8 -> fp32, one block at a time, one scalar scale each."""
+    bn, bk = block
+    qs, scales = q.reshape(-1, *q.shape[-2:]), scale.reshape(-1, *scale.shape[-2:])
+    out = torch.empty(qs.shape, dtype=torch.float32)
+    for e in range(qs.shape[0]):
+        for i in range(scales.shape[1]):
+            for j in range(scales.shape[2]):
+                rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+                out[e, rows, cols] = qs[e, rows, cols].float() * scales[e, i, j]
+    return out.reshape(q.shape)
+
+
+def _is_quantised(name: str, tensor: torch.Tensor, arch: str) -> bool:
+    skip = UNQUANTISED + NOT_CONVERTED[arch]
+    return name.endswith(".weight") and tensor.dim() == 2 and not any(s in name for s in skip)
+
+
+def _write(path: str, src: str, tensors: dict, quant: dict | None) -> None:
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".json") and name != "config.json":
+            shutil.copy(os.path.join(src, name), path)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    if quant is not None:
+        config["quantization_config"] = quant
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors")
+    )
+
+
+def quant_config(arch: str, **changes) -> dict:
+    quant = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": BLOCK,
+        "modules_to_not_convert": list(NOT_CONVERTED[arch]),
+    }
+    return quant | changes
+
+
+class Checkpoints:
+    """``fp8``: the quantised checkpoint dir; ``plain``: its naive dequantisation as fp32;
+    ``fp8_tensors`` / ``oracle``: their tensors by name; ``ref``: transformers' greedy
+    tokens on ``plain``."""
+
+    def __init__(self, arch: str, root) -> None:
+        import transformers as tf
+
+        src = str(root / "src")
+        save_tiny_deepseek(3, src) if arch == "deepseek_v3" else save_tiny_mimo(src)
+        self.fp8_tensors, self.oracle = {}, {}
+        for name, w in load_file(os.path.join(src, "model.safetensors")).items():
+            if _is_quantised(name, w, arch):
+                q, scale = quantise_blocks(w, BLOCK)
+                self.fp8_tensors |= {name: q, name + "_scale_inv": scale}
+                self.oracle[name] = naive_dequant(q, scale, BLOCK)
+            else:
+                self.fp8_tensors[name] = self.oracle[name] = w
+        self.arch, self.fp8, self.plain = arch, str(root / "fp8"), str(root / "plain")
+        _write(self.fp8, src, self.fp8_tensors, quant_config(arch))
+        _write(self.plain, src, self.oracle, None)
+        hf = tf.AutoModelForCausalLM.from_pretrained(
+            self.plain,
+            dtype=torch.float32,
+            attn_implementation="eager",
+            experts_implementation="eager",
+        ).eval()
+        self.ref = GreedyReference(hf, self.fp8, PROMPT_LENS, NEW_TOKENS)
+
+    def variant(self, path, tensors: dict | None = None, *, quant: dict | None) -> str:
+        """A copy of the FP8 checkpoint with other tensors and / or quantization_config."""
+        _write(str(path), self.fp8, self.fp8_tensors if tensors is None else tensors, quant)
+        return str(path)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "mimo"])
+def ckpt(request, tmp_path_factory) -> Checkpoints:
+    return Checkpoints(request.param, tmp_path_factory.mktemp(f"fp8_{request.param}"))
+
+
+def test_checkpoint_is_really_fp8(ckpt):
+    """The writer quantised most linears and left the excluded ones alone."""
+    scales = [n for n in ckpt.fp8_tensors if n.endswith("_scale_inv")]
+    assert len(scales) > 20
+    for name in scales:
+        assert ckpt.fp8_tensors[name[: -len("_scale_inv")]].dtype == torch.float8_e4m3fn
+    kept = [n for n in ckpt.fp8_tensors if any(s in n for s in NOT_CONVERTED[ckpt.arch])]
+    assert kept and all(ckpt.fp8_tensors[n].dtype == torch.float32 for n in kept)
+
+
+def test_greedy_tokens_match_transformers_on_the_dequantised_checkpoint(ckpt):
+    llm = LLM(ckpt.fp8, device="cpu", max_num_seqs=4, max_model_len=64, page_size=4)
+    outputs = llm.generate(ckpt.ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == ckpt.ref.greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loaded_weights_equal_the_naive_dequantisation(ckpt, dtype):
+    """Bit for bit: each parameter named as in the checkpoint equals the oracle tensor
+    (rounded to ``dtype``); every parameter (fused ones too) equals what the plain
+    loader reads from the dequantised checkpoint."""
+    model = dict(load_model(ckpt.fp8, dtype=dtype).named_parameters())
+    plain = dict(load_model(ckpt.plain, dtype=dtype).named_parameters())
+    assert model.keys() == plain.keys()
+    checked = 0
+    for name, param in model.items():
+        assert param.dtype == plain[name].dtype and torch.equal(param, plain[name]), name
+        if name in ckpt.oracle and ckpt.fp8_tensors[name].dtype == torch.float8_e4m3fn:
+            assert torch.equal(param, ckpt.oracle[name].to(param.dtype)), name
+            checked += 1
+    assert checked > 20
+
+
+def test_config_and_inspect_accept_fp8(ckpt, capsys):
+    """hf_config's sub-pools of the FP8 checkpoint are those of the plain one, and
+    ``unikv inspect`` plans it (and the DeepSeek-V3 preset, which carries the release's
+    quantization_config)."""
+    from unikv.inspect import main
+
+    assert model_specs_from_hf_config(ckpt.fp8) == model_specs_from_hf_config(ckpt.plain)
+    assert fp8_format(load_model_config(ckpt.fp8)[1]) == Fp8Format(block=(16, 24))
+    assert main([ckpt.fp8, "--budget", "64MiB"]) == 0
+    assert main(["deepseek-v3", "--budget", "8GiB"]) == 0
+    capsys.readouterr()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lead=st.sampled_from([(), (3,)]),
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    bn=st.integers(1, 17),
+    bk=st.integers(1, 17),
+    chunk_bytes=st.sampled_from([1, 100, 1 << 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_dequantize_matches_the_naive_loop(lead, rows, cols, bn, bk, chunk_bytes, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(*lead, rows, cols, generator=g) * 100).clamp(-FP8_MAX, FP8_MAX)
+    q = q.to(torch.float8_e4m3fn)
+    scale = torch.rand(*lead, math.ceil(rows / bn), math.ceil(cols / bk), generator=g) + 0.01
+    got = dequantize_fp8(
+        q, scale, Fp8Format(block=(bn, bk)), torch.float32, chunk_bytes=chunk_bytes
+    )
+    assert torch.equal(got, naive_dequant(q, scale, (bn, bk)))
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"fmt": "e5m2"}, "fmt"),
+        ({"activation_scheme": "static"}, "activation_scheme"),
+        ({"weight_block_size": [128]}, "weight_block_size"),
+        ({"weight_block_size": [0, 128]}, "weight_block_size"),
+        ({"weight_block_size": [128.0, 128]}, "weight_block_size"),
+        ({"weight_block_size": None}, "per-tensor"),
+        ({"scale_fmt": "int8"}, "scale_fmt"),
+        ({"quant_method": "awq"}, "quant_method"),
+    ],
+)
+def test_unsupported_quantization_config_is_refused(tmp_path, ckpt, changes, match):
+    path = ckpt.variant(tmp_path, quant=quant_config(ckpt.arch, **changes))
+    with pytest.raises(ValueError, match=match):
+        load_model_config(path)
+
+
+def test_scale_of_the_wrong_shape_says_expected_and_given(tmp_path, ckpt):
+    name = next(n for n in ckpt.fp8_tensors if n.endswith("o_proj.weight_scale_inv"))
+    bad = dict(ckpt.fp8_tensors)
+    bad[name] = bad[name][:-1]
+    given_shape = tuple(bad[name].shape)
+    expected = tuple(ckpt.fp8_tensors[name].shape)
+    path = ckpt.variant(tmp_path, bad, quant=quant_config(ckpt.arch))
+    with pytest.raises(ValueError, match="expected") as err:
+        load_model(path)
+    assert name in str(err.value)
+    assert str(expected) in str(err.value) and str(given_shape) in str(err.value)
+
+
+def test_block_size_disagreeing_with_the_scales_is_refused(tmp_path, ckpt):
+    path = ckpt.variant(tmp_path, quant=quant_config(ckpt.arch, weight_block_size=[24, 16]))
+    with pytest.raises(ValueError, match=r"weight_block_size disagree"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("drop", ["scale", "weight"])
+def test_broken_pair_is_refused(tmp_path, ckpt, drop):
+    scale = next(n for n in ckpt.fp8_tensors if n.endswith("_scale_inv"))
+    weight = scale[: -len("_scale_inv")]
+    bad = {k: v for k, v in ckpt.fp8_tensors.items() if k != (scale if drop == "scale" else weight)}
+    path = ckpt.variant(tmp_path, bad, quant=quant_config(ckpt.arch))
+    with pytest.raises(ValueError, match=scale if drop == "scale" else "pair is broken"):
+        load_model(path)
+
+
+def test_scales_without_an_fp8_config_are_refused(tmp_path, ckpt):
+    path = ckpt.variant(tmp_path, quant=None)
+    with pytest.raises(ValueError, match="quant_method 'fp8'"):
+        load_model(path)
+
+
+def test_scaled_weight_that_is_not_fp8_is_refused():
+    w, scale = torch.randn(40, 64), torch.ones(3, 3)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_fp8(w, scale, Fp8Format(block=(16, 24)), torch.float32)
+    with pytest.raises(ValueError, match=r"given torch.int32"):
+        dequantize_fp8(w.to(torch.float8_e4m3fn), scale.int(), Fp8Format((16, 24)), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dequantised_on_the_gpu_equals_the_cpu(ckpt):
+    """Weights dequantised on the GPU (the FP8 bytes moved, then scaled there) equal the
+    CPU's bit for bit, in bf16 (one fp32 product per element, then round to nearest)."""
+    gpu = dict(load_model(ckpt.fp8, device="cuda", dtype=torch.bfloat16).named_parameters())
+    cpu = dict(load_model(ckpt.fp8, dtype=torch.bfloat16).named_parameters())
+    for name, param in gpu.items():
+        assert param.device.type == "cuda" and torch.equal(param.cpu(), cpu[name]), name

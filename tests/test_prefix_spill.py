@@ -1,0 +1,184 @@
+"""The prefix cache's host tier (``io/prefix_host.py``, issue 17) end to end
+on CPU (fp32, torch reference kernels): on a pool too small to keep every cached
+prompt, evicted pages (and state checkpoints) spill to the host and later hits
+reload them. Greedy tokens equal the run without the cache and transformers'
+``generate``, for full attention (llama, pages 4 and 16), full + sliding window
+(gpt-oss, window 6, no multiple of the page) and a recurrent hybrid (Qwen3.5:
+checkpoint spill). The host path ran (host-hit counters > 0), and every reloaded
+page's bytes, read from the pool buffer after the reload, equal that page's
+bytes read from the buffer before it spilled (recorded independently of the host
+tier). Bad ``prefix_host_bytes`` are refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import (  # noqa: F401
+    VOCAB,
+    hf_greedy,
+    one_thread,
+    save_tiny_hybrid,
+    save_tiny_model,
+)
+from prefix_fixtures import prefix_llm
+
+from unikv.engine import SamplingParams
+from unikv.io.prefix_host import PrefixHost
+from unikv.pool import pool_bytes_for
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for arch in ("llama", "gpt_oss"):
+        path = str(tmp_path_factory.mktemp(arch))
+        out[arch] = (path, save_tiny_model(arch, path))
+    path = str(tmp_path_factory.mktemp("qwen3_5"))
+    out["qwen3_5"] = (path, save_tiny_hybrid("qwen3_5", path))
+    return out
+
+
+class ByteWitness:
+    """Records each spilled node's page envelopes from the pool buffer right
+    before the spill, and compares them with the envelopes of the fresh pages
+    right after each reload (both read with ``pool.page_envelope``)."""
+
+    def __init__(self, llm, monkeypatch) -> None:
+        self.llm, self.saved, self.compared = llm, {}, 0
+        spill, copy_in = PrefixHost.spill, PrefixHost._copy_in
+        witness = self
+
+        def spill_and_record(host, nodes):
+            before = {n.node_id: witness.envelopes(n.page) for n in nodes}
+            spilled = spill(host, nodes)
+            witness.saved.update({i: before[i] for i in spilled})
+            return spilled
+
+        def reload_and_compare(host, nodes, columns):
+            copy_in(host, nodes, columns)
+            for node in nodes:
+                got = witness.envelopes(node.page)
+                want = witness.saved.pop(node.node_id)
+                assert got.keys() == want.keys()
+                for name in want:
+                    assert torch.equal(got[name], want[name]), f"{name}: reloaded bytes differ"
+                witness.compared += 1
+
+        monkeypatch.setattr(PrefixHost, "spill", spill_and_record)
+        monkeypatch.setattr(PrefixHost, "_copy_in", reload_and_compare)
+
+    def envelopes(self, vpage: int) -> dict[str, torch.Tensor]:
+        books, pool = self.llm.alloc.parts.books, self.llm.pool
+        out = {}
+        for name in self.llm.alloc.parts.roles.token_names:
+            ppage = int(books[name].v2p_host[vpage])
+            if ppage > 0:
+                out[name] = pool.page_envelope(name, ppage).clone()
+        return out
+
+
+def distinct_prompts(ps: int, seed: int, count: int = 4) -> list[list[int]]:
+    """``count`` prompts of 2.5 to 3.5 pages that share nothing, and a repeat of the first."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3 * ps + 2, 2 * ps + 3)
+    ]
+    prompts += [
+        torch.randint(0, VOCAB, (3 * ps + ps // 2,), generator=g).tolist() for _ in range(count - 2)
+    ]
+    return prompts + [prompts[0]]
+
+
+def spill_run(models, monkeypatch, arch: str, ps: int, pages: int, host_pages: int, count=4):
+    """The prompts without the cache, then twice with a tight pool and a host tier
+    (reload forced): every run equals transformers; returns the cached LLM."""
+    from unikv.hf_config import specs_from_hf_config
+
+    path, hf = models[arch]
+    prompts = distinct_prompts(ps, seed=7, count=count)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    plain = prefix_llm(path, ps, False).generate(prompts, params)
+    assert [o.output_ids for o in plain] == want
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    budget = pool_bytes_for(
+        configs, {c.name: pages if c.spec.kind != "mamba" else 5 for c in configs}
+    )
+    token = sum(c.spec.page_bytes(ps) for c in configs if c.spec.kind != "mamba")
+    state = [c.spec.page_bytes(1) for c in configs if c.spec.kind == "mamba"]
+    host_bytes = host_pages * token + (4 * host_pages * state[0] if state else 0)
+    max_len = 8 * ps if ps == 4 else 5 * ps
+    llm = prefix_llm(
+        path, ps, True, kv_cache_bytes=budget, prefix_host_bytes=host_bytes,
+        max_model_len=max_len,
+    )  # fmt: skip
+    llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
+    witness = ByteWitness(llm, monkeypatch)
+    for _ in range(2):
+        assert [o.output_ids for o in llm.generate(prompts, params)] == want
+    stats = llm.alloc.parts.prefix.counters()
+    assert stats["host_spilled_pages"] > 0 and stats["host_hit_tokens"] > 0, str(stats)
+    assert stats["host_reloaded_pages"] > 0 and witness.compared == stats["host_reloaded_pages"]
+    llm.alloc.check_integrity()
+    return llm, stats
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("ps", [4, 16])
+def test_full_attention_hits_from_host_give_the_same_tokens(models, monkeypatch, ps):
+    spill_run(models, monkeypatch, "llama", ps, pages=10 if ps == 4 else 6, host_pages=16)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sliding_window_hits_from_host_give_the_same_tokens(models, monkeypatch):
+    spill_run(models, monkeypatch, "gpt_oss", 4, pages=10, host_pages=16)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_hybrid_checkpoints_spill_and_restore_from_host(models, monkeypatch):
+    _, stats = spill_run(models, monkeypatch, "qwen3_5", 4, pages=8, host_pages=16, count=8)
+    assert stats["host_spilled_checkpoints"] > 0 and stats["host_reloaded_checkpoints"] > 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_small_host_tier_drops_its_oldest_and_never_reload_recomputes(models):
+    """A host tier of 2 pages drops for real; mode "never" serves device-only hits."""
+    from unikv.hf_config import specs_from_hf_config
+
+    path, hf = models["llama"]
+    ps, prompts = 4, distinct_prompts(4, seed=8)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    token = sum(c.spec.page_bytes(ps) for c in configs)
+    for mode, host_pages in (("always", 2), ("never", 16)):
+        llm = prefix_llm(
+            path, ps, True, kv_cache_bytes=pool_bytes_for(configs, {"full": 10}),
+            prefix_host_bytes=host_pages * token, max_model_len=32,
+        )  # fmt: skip
+        llm.alloc.parts.prefix.host.policy.mode = mode
+        for _ in range(2):
+            assert [o.output_ids for o in llm.generate(prompts, params)] == want
+        stats = llm.alloc.parts.prefix.counters()
+        assert stats["host_spilled_pages"] > 0, stats
+        if mode == "always":
+            assert stats["host_evicted_pages"] > 0 and stats["host_pages"] <= 2, stats
+        else:
+            assert stats["host_hit_tokens"] == 0 and stats["host_reload_declined"] > 0, stats
+        llm.alloc.check_integrity()
+
+
+def test_bad_prefix_host_bytes_are_refused(models):
+    path, _ = models["llama"]
+    with pytest.raises(ValueError, match="enable_prefix_caching=True"):
+        prefix_llm(path, 4, False, prefix_host_bytes=1 << 20)
+    with pytest.raises(ValueError, match="int >= 0"):
+        prefix_llm(path, 4, True, prefix_host_bytes=-1)
+    with pytest.raises(ValueError, match="holds no whole page envelope"):
+        prefix_llm(path, 4, True, prefix_host_bytes=10)
+    with pytest.raises(ValueError, match="int >= 0"):
+        prefix_llm(path, 4, True, prefix_host_bytes=1.5)
+    assert prefix_llm(path, 4, True, prefix_host_bytes=0).alloc.parts.prefix.host is None
