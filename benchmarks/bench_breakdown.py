@@ -200,7 +200,10 @@ def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float]:
             clock["end"] = time.perf_counter()
             prof.stop()
 
-    tokens = args.warm + args.steps + SPARE_TOKENS
+    # requests finish prefill up to one chunk-step apart and stop that far apart: the
+    # full batch lasts max_tokens minus the prefill steps (127 of 144 at 256 x 512, H200)
+    lag = -(-len(prompts) * args.prompt_len // args.chunk) + 1
+    tokens = args.warm + args.steps + SPARE_TOKENS + lag
     try:
         llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), on_step=hook)
     finally:
@@ -254,7 +257,8 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
     try:
         e2e.save_model(name, workdir, args.device, args.dtype, args.tiny)
         prompts = e2e.make_prompts(args.requests, args.prompt_len, cfg["vocab_size"])
-        max_len = args.prompt_len + args.warm + args.steps + SPARE_TOKENS + 8
+        lag = -(-args.requests * args.prompt_len // args.chunk) + 1  # as in profile_steps
+        max_len = args.prompt_len + args.warm + args.steps + SPARE_TOKENS + lag + 8
         llm = e2e._unikv_llm(workdir, args.requests, max_len, args)
         llm.generate(prompts[:8], e2e_params(4))  # compile every kernel before timing
         kernels, wall_ms = profile_steps(llm, prompts, args)
