@@ -23,8 +23,14 @@ Schemes (same budget, same workload, same loop):
   (pages of any kind are interchangeable after compaction, as in one shared
   page pool), so the only difference to ``unified`` is the padding.
 
-Usage: ``python benchmarks/bench_capacity.py [--quick]`` -> ``benchmarks/results/capacity.json``
-and ``docs/occupancy_<model>_<scheme>.png`` (via ``plot_results.py``).
+Layout schemes (``capacity_models.py``), same pool policies over transformed specs:
+``unified_padded`` / ``static_split_padded`` (K and V rows padded to
+``max(D, Dv)``, MiMo-V2-Flash) and ``expanded_kv`` (per-head K/V instead of the
+MLA latent row, DeepSeek-V3).
+
+Usage: ``python benchmarks/bench_capacity.py [--quick] [--models a,b]`` ->
+``benchmarks/results/capacity.json`` (entries of models not run are kept) and
+``docs/occupancy_<model>_<scheme>.png`` (via ``plot_results.py``).
 """
 
 from __future__ import annotations
@@ -43,18 +49,24 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from capacity_models import (
+    MAMBA_FULL_MEMORY_RATIO,
+    MODELS,
+    SCHEME_RULES,
+    SWA_FULL_TOKENS_RATIO,
+    ModelCase,
+    equal_page_configs,
+    mixed_workload,
+    static_shares,
+)
+
 from unikv.allocator import DecodeStep, PoolAllocator
 from unikv.engine.request import Request
 from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import Scheduler
 from unikv.hf_config import model_specs_from_hf_config
-from unikv.pool import SubPoolConfig, UnifiedPool
-from unikv.specs import MambaSpec, MHASpec, StatePart
+from unikv.pool import UnifiedPool
 
-GIB = 1 << 30
-SWA_FULL_TOKENS_RATIO = 0.8  # SGLang ServerArgs default
-MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang ServerArgs default
-VLLM_PAGE_ALIGN = 16  # tokens: attention page sizes are multiples of this
 SCHEMES = ("unified", "static_split", "equal_pages")
 
 
@@ -169,92 +181,54 @@ class SchemeAllocator:
 # -- schemes ---------------------------------------------------------------------------
 
 
-def static_shares(configs: list[SubPoolConfig]) -> dict[str, float]:
-    """Byte share of each sub-pool in SGLang's default static split."""
-    by_kind = {c.spec.kind: c for c in configs}
-    if "mamba" in by_kind:
-        mamba = MAMBA_FULL_MEMORY_RATIO / (1 + MAMBA_FULL_MEMORY_RATIO)
-        return {c.name: (mamba if c.spec.kind == "mamba" else 1 - mamba) for c in configs}
-    full, swa = by_kind.get("full"), by_kind.get("swa")
-    if full is None or swa is None or len(configs) != 2:
-        raise ValueError(
-            f"static split needs full + swa or full + mamba sub-pools, got {[c.name for c in configs]}"
-        )
-    weight = {
-        full.name: full.spec.entry_bytes,
-        swa.name: SWA_FULL_TOKENS_RATIO * swa.spec.entry_bytes,
-    }
-    total = sum(weight.values())
-    return {n: w / total for n, w in weight.items()}
+def build_scheme(
+    scheme: str,
+    configs,
+    budget: int,
+    max_requests: int,
+    max_context: int,
+    *,
+    device: str = "cpu",
+    max_request_tokens: int | None = None,
+    chunk: int = 1,
+):
+    """(SchemeAllocator, the sub-pools the scheduler sizes demand with, region bytes).
 
-
-def equal_page_configs(configs: list[SubPoolConfig]) -> list[SubPoolConfig]:
-    """The sub-pools padded to equal page bytes (see the module docstring)."""
-    tokens = [c for c in configs if isinstance(c.spec, MHASpec)]
-    if len({c.spec.layer_bytes for c in tokens}) > 1:
-        raise ValueError(
-            "equal_pages pads layer counts; it needs one row width across attention sub-pools"
-        )
-    layers = max(c.spec.num_layers for c in tokens)
-    out = [
-        dataclasses.replace(c, spec=dataclasses.replace(c.spec, num_layers=layers), layers=())
-        for c in tokens
-    ]
-    mamba = [c for c in configs if isinstance(c.spec, MambaSpec)]
-    if not mamba:
-        return out
-    spec = mamba[0].spec
-    per_layer = spec.entry_bytes // spec.num_layers
-    token_row = tokens[0].spec.layer_bytes  # one layer's K + V of one token
-    ps = -(-per_layer // token_row)
-    ps = -(-ps // VLLM_PAGE_ALIGN) * VLLM_PAGE_ALIGN
-    out = [dataclasses.replace(c, page_size=ps) for c in out]
-    pad = ps * token_row - per_layer
-    group = sum(c.spec.num_layers for c in out)
-    padded = MambaSpec(
-        num_layers=-(-spec.num_layers // group) * group,
-        conv=(*spec.conv, StatePart((pad,), _uint8())) if pad else spec.conv,
-        temporal=spec.temporal,
-    )
-    return out + [dataclasses.replace(mamba[0], spec=padded, layers=())]
-
-
-def _uint8():
-    import torch
-
-    return torch.uint8
-
-
-def build_scheme(scheme: str, configs, budget: int, max_requests: int, max_context: int):
-    """(SchemeAllocator, the sub-pools the scheduler sizes demand with, region bytes)."""
+    device: ``"meta"`` builds buffers that take no memory (the simulation reads no
+    data; page copies are skipped). max_request_tokens: ValueError at build time
+    unless one request of that many tokens (prefilled ``chunk`` at a time) fits
+    alone, instead of a scheduler assertion mid-run."""
     configs = [dataclasses.replace(c, layers=()) for c in configs]
     kw = {"max_requests": max_requests, "max_context": max_context}
+    pool_kw = {"device": device, "max_request_tokens": max_request_tokens, "chunk_tokens": chunk}
+    if device == "meta":
+        pool_kw["copy_pages"] = _skip_copy
     if scheme == "static_split":
         shares = static_shares(configs)
-        pools = [UnifiedPool([c], int(budget * shares[c.name])) for c in configs]
+        pools = [UnifiedPool([c], int(budget * shares[c.name]), **pool_kw) for c in configs]
         regions = {c.name: int(budget * shares[c.name]) for c in configs}
     elif scheme in ("unified", "equal_pages"):
         cfgs = equal_page_configs(configs) if scheme == "equal_pages" else configs
-        pools, regions = [UnifiedPool(cfgs, budget)], {}
+        pools, regions = [UnifiedPool(cfgs, budget, **pool_kw)], {}
     else:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if device == "meta":  # no bytes to zero either (a fresh state slot's zero fill)
+        for p in pools:
+            p.zero_pages = _skip_zero
     allocs = [PoolAllocator(p, **kw) for p in pools]
     subpools = [s for p in pools for s in p.subpools.values()]
     return SchemeAllocator(allocs, max_requests), subpools, regions
 
 
+def _skip_copy(buffer, src, dst, page_bytes) -> None:
+    """Page copy on a meta buffer: there are no bytes to move."""
+
+
+def _skip_zero(name, pages) -> None:
+    """Zero fill on a meta buffer: there are no bytes to clear."""
+
+
 # -- workload and loop -----------------------------------------------------------------
-
-
-def mixed_workload(
-    num: int, seed: int, short=(32, 1024), long=(4096, 16384), long_frac=0.3, out=(128, 512)
-):
-    """(prompt_len, output_len) pairs: a ``long_frac`` share of long prompts."""
-    rng = np.random.default_rng(seed)
-    is_long = rng.random(num) < long_frac
-    prompts = np.where(is_long, rng.integers(*long, num), rng.integers(*short, num))
-    outputs = rng.integers(*out, num)
-    return [(int(p), int(o)) for p, o in zip(prompts, outputs)]
 
 
 def simulate(
@@ -320,11 +294,19 @@ def simulate(
 
 
 def run_model(
-    name: str, config_path: Path, budget: int, workload, *, chunk: int, max_num_seqs: int
+    case: ModelCase, budget: int, workload, *, chunk: int, max_num_seqs: int, device: str
 ) -> dict:
-    specs = model_specs_from_hf_config(config_path, page_size=16)
+    """Every scheme of ``case`` at ``budget`` bytes over ``workload``; ratios vs its baseline."""
+    specs = model_specs_from_hf_config(case.preset, page_size=16)
+    hf = case.hf()
     max_context = max(p + o for p, o in workload) + 1
-    result = {"model": name, "budget_bytes": budget, "subpools": {}, "schemes": {}}
+    result = {
+        "model": case.name,
+        "budget_bytes": budget,
+        "baseline": case.baseline,
+        "subpools": {},
+        "schemes": {},
+    }
     for c in specs.subpools:
         result["subpools"][c.name] = {
             "kind": c.spec.kind,
@@ -332,9 +314,19 @@ def run_model(
             "entry_bytes": c.spec.entry_bytes,
             "page_size": c.page_size,
         }
-    for scheme in SCHEMES:
+    for scheme in case.schemes:
+        policy, transform = SCHEME_RULES[scheme]
+        configs = list(specs.subpools)
+        configs = transform(configs, hf) if transform is not None else configs
         alloc, subpools, regions = build_scheme(
-            scheme, list(specs.subpools), budget, max_num_seqs, max_context
+            policy,
+            configs,
+            budget,
+            max_num_seqs,
+            max_context,
+            device=device,
+            max_request_tokens=max_context,
+            chunk=chunk,
         )
         res = simulate(
             alloc,
@@ -346,23 +338,22 @@ def run_model(
         )
         res["regions"] = regions
         res["page_bytes"] = {s.name: s.page_bytes for s in subpools}
+        res["entry_bytes"] = {s.name: s.spec.entry_bytes for s in subpools}
         result["schemes"][scheme] = res
         del alloc, subpools  # free this scheme's buffers before the next is built
         gc.collect()
         print(
-            f"{name:10s} {scheme:13s} max_conc {res['max_concurrent']:4d} mean_conc {res['mean_concurrent']:7.1f} "
-            f"max_tok {res['max_tokens_held']:8d} preempt {res['preemptions']:5d} steps {res['steps']:6d} "
+            f"{case.name:13s} {scheme:19s} max_conc {res['max_concurrent']:4d} "
+            f"mean_conc {res['mean_concurrent']:7.1f} max_tok {res['max_tokens_held']:8d} "
+            f"preempt {res['preemptions']:5d} steps {res['steps']:6d} "
             f"tok/step {res['output_tokens_per_step']:7.1f} ({res['sim_seconds']:.1f} s)"
         )
-    base = result["schemes"]["static_split"]
-    for scheme, res in result["schemes"].items():
-        for key in (
-            "mean_concurrent",
-            "mean_tokens_held",
-            "output_tokens_per_step",
-            "max_concurrent",
-        ):
-            res[f"{key}_vs_static"] = res[key] / base[key]
+    keys = ("mean_concurrent", "mean_tokens_held", "output_tokens_per_step", "max_concurrent")
+    for suffix, base_name in (("static", "static_split"), ("baseline", case.baseline)):
+        base = result["schemes"].get(base_name)
+        for res in result["schemes"].values() if base is not None else ():
+            for key in keys:
+                res[f"{key}_vs_{suffix}"] = res[key] / base[key]
     return result
 
 
@@ -381,29 +372,29 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, smaller budgets")
     parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument(
+        "--models",
+        default=",".join(c.name for c in MODELS),
+        help="comma-separated models to run; the others' entries in --out are kept",
+    )
+    parser.add_argument(
+        "--device",
+        default="meta",
+        choices=("meta", "cpu"),
+        help="pool buffers: meta takes no memory (same results: no data is read)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/capacity.json"))
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
+    by_name = {c.name: c for c in MODELS}
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise ValueError(f"--models must name some of {list(by_name)}, got {args.models!r}")
     num = args.requests or (64 if args.quick else 256)
-    scale = 0.25 if args.quick else 1.0
-    presets = ROOT / "unikv/presets"
-    models = [
-        (
-            "gpt-oss-20b",
-            presets / "gpt-oss-20b.json",
-            int(4 * GIB * scale),
-            mixed_workload(num, seed=0),
-        ),
-        (
-            "bamba-9b",
-            presets / "bamba-9b.json",
-            int(8 * GIB * scale),
-            mixed_workload(num, seed=1, long_frac=0.2),
-        ),
-    ]
     results = {
         "kind": "scheduler-level simulation (no model runs): the engine's Scheduler and the real "
-        "PoolAllocator over real CPU UnifiedPool buffers; throughput is per simulated step",
+        "PoolAllocator over real UnifiedPool buffers; throughput is per simulated step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "static_split_rule": f"SGLang defaults: swa_full_tokens_ratio {SWA_FULL_TOKENS_RATIO}, "
         f"mamba_full_memory_ratio {MAMBA_FULL_MEMORY_RATIO}",
@@ -412,8 +403,20 @@ def main(argv=None) -> dict:
         "quick": args.quick,
         "models": [],
     }
-    for name, path, budget, workload in models:
-        res = run_model(name, path, budget, workload, chunk=2048, max_num_seqs=512)
+    out = Path(args.out)
+    kept = json.loads(out.read_text()).get("models", []) if out.exists() else []
+    for name in names:
+        case = by_name[name]
+        workload = mixed_workload(num, **case.workload)
+        res = run_model(
+            case,
+            case.budget(args.quick),
+            workload,
+            chunk=2048,
+            max_num_seqs=512,
+            device=args.device,
+        )
+        res["num_requests"], res["quick"] = num, args.quick
         res["workload"] = {
             "prompt_lens": [p for p, _ in workload],
             "output_lens": [o for _, o in workload],
@@ -421,13 +424,22 @@ def main(argv=None) -> dict:
         for scheme in res["schemes"].values():
             _downsample(scheme)
         results["models"].append(res)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"saved {args.out}")
+    new = {m["model"] for m in results["models"]}
+    order = [c.name for c in MODELS]
+    merged = [m for m in kept if m["model"] not in new] + results["models"]
+    results["models"] = sorted(
+        merged, key=lambda m: order.index(m["model"]) if m["model"] in order else len(order)
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"saved {out}")
     if not args.no_plots:
         from plot_results import plot_occupancy
 
-        plot_occupancy(results, ROOT / "docs")
+        plot_occupancy(
+            {**results, "models": [m for m in results["models"] if m["model"] in new]},
+            ROOT / "docs",
+        )
     return results
 
 

@@ -5,11 +5,14 @@ step against a brute-force count from the requests' lengths (full: every page
 of the prefix; SWA: the pages holding a position the window still needs;
 Mamba: one slot per running request); the static split's holdings against
 its region's page count; the equal-page padding against arithmetic on the
-raw state shapes; and the all-or-nothing rollback of a split allocation.
+raw state shapes; the all-or-nothing rollback of a split allocation; the
+padded-K/V and expanded-MLA layouts' bytes per token against hand counts from
+the presets; and the meta-buffer runs against runs over real CPU buffers.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_capacity as bc
+import capacity_models as cm
 
+from unikv.hf_config import model_specs_from_hf_config
 from unikv.pool import SubPoolConfig
 from unikv.specs import MambaSpec, MHASpec, StatePart
 
@@ -130,3 +135,77 @@ def test_split_allocation_is_all_or_nothing():
     alloc.free_request(slot)
     alloc.free_request(hog)
     assert all(live == 0 for live, _ in alloc.usage().values())
+
+
+# -- layout schemes (benchmarks/capacity_models.py) ------------------------------------
+
+
+def _preset(name: str):
+    path = cm.PRESETS / f"{name}.json"
+    return model_specs_from_hf_config(path, page_size=16), json.loads(path.read_text())
+
+
+def test_padded_kv_costs_the_wider_row_by_hand():
+    """MiMo-V2-Flash: K 192 / V 128 bf16; full layers are the 0s of the hub's
+    hybrid_layer_pattern (4 KV heads), SWA layers the 1s (8 KV heads)."""
+    specs, hf = _preset("mimo-v2-flash")
+    full_layers = hf["hybrid_layer_pattern"].count(0)
+    swa_layers = hf["hybrid_layer_pattern"].count(1)
+    assert (full_layers, swa_layers) == (9, 39)
+    exact = {"full": 9 * 4 * (192 + 128) * 2, "swa": 39 * 8 * (192 + 128) * 2}
+    padded = {"full": 9 * 4 * (192 + 192) * 2, "swa": 39 * 8 * (192 + 192) * 2}
+    assert exact == {"full": 23040, "swa": 199680}
+    assert padded == {"full": 27648, "swa": 239616}
+    got_exact = {c.name: c.spec.entry_bytes for c in specs.subpools}
+    got_padded = {c.name: c.spec.entry_bytes for c in cm.pad_kv(list(specs.subpools), hf)}
+    assert got_exact == exact and got_padded == padded
+    for name, nbytes in exact.items():
+        assert padded[name] * (192 + 128) == nbytes * (192 + 192)  # (D + D) / (D + Dv)
+    # a second description of the same bytes: the pages a real pool builds
+    _, subpools, _ = bc.build_scheme(
+        "unified", cm.pad_kv(list(specs.subpools), hf), 1 << 30, 4, 64, device="meta"
+    )
+    assert {s.name: s.page_bytes for s in subpools} == {n: 16 * b for n, b in padded.items()}
+    assert all(isinstance(s.spec, MHASpec) and not s.spec.is_asymmetric for s in subpools)
+
+
+def test_expanded_kv_of_deepseek_v3_by_hand():
+    """61 layers, 128 heads, K = nope 128 + rope 64, V = 128, bf16; the latent
+    row is 512 + 64 wide, one per layer."""
+    specs, hf = _preset("deepseek-v3")
+    (mla,) = specs.subpools
+    assert mla.spec.entry_bytes == 61 * (512 + 64) * 2 == 70272
+    (expanded,) = cm.expand_mla(list(specs.subpools), hf)
+    assert expanded.name == mla.name
+    assert expanded.spec.entry_bytes == 61 * 128 * ((128 + 64) + 128) * 2 == 4_997_120
+    assert cm.pad_kv([mla], hf) == [mla]  # padding leaves MLA rows alone
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        cm.expanded_kv_spec(mla.spec, {k: v for k, v in hf.items() if k != "qk_rope_head_dim"})
+
+
+@pytest.mark.parametrize("configs", [[FULL, SWA], [FULL, MAMBA]], ids=["swa", "mamba"])
+def test_meta_buffers_give_the_cpu_run(configs):
+    """The benchmark's default meta buffers skip copies and zero fills; the run
+    (every step's trace) equals the one over a real CPU buffer."""
+    budget = 48 * PAGE if configs[1] is SWA else 30 * PAGE + 8 * MAMBA.spec.entry_bytes
+    workload = bc.mixed_workload(
+        12, seed=5, short=(2, 12), long=(20, 44), long_frac=0.4, out=(3, 9)
+    )
+    max_context = max(p + o for p, o in workload) + 1
+    runs = {}
+    for device in ("cpu", "meta"):
+        alloc, subpools, _ = bc.build_scheme(
+            "unified", configs, budget, 16, max_context, device=device
+        )
+        res = bc.simulate(
+            alloc, subpools, workload, max_context=max_context, chunk=16, max_num_seqs=16
+        )
+        runs[device] = {k: v for k, v in res.items() if k != "sim_seconds"}
+    assert runs["meta"] == runs["cpu"]
+    assert runs["cpu"]["preemptions"] + runs["cpu"]["max_concurrent"] > 1
+
+
+def test_a_request_that_cannot_run_alone_fails_at_build():
+    with pytest.raises(ValueError, match="cannot run alone"):
+        bc.build_scheme("unified", [FULL, SWA], 12 * PAGE, 4, 200, max_request_tokens=200)
+    bc.build_scheme("unified", [FULL, SWA], 12 * PAGE, 4, 20, max_request_tokens=20)
