@@ -3,6 +3,7 @@
 bf16 activations, at B = 1, 64, 256 tokens (the protocol of README.md, Results).
 
     python benchmarks/bench_moe.py [--quick] [--out benchmarks/results/moe_h200.json]
+    python benchmarks/bench_moe.py --sweep [--budget 85]   (alone; < 100 s on an H200)
 
 For each B, measured in the same process:
 - ``fused_us``: the Triton fused MoE (CUDA-graph replay, and eager ``do_bench``);
@@ -17,6 +18,15 @@ For each B, measured in the same process:
 Every fused output is checked against the torch reference first (max abs error
 over max |reference| recorded; a failed check is recorded, and the B is not timed).
 The JSON goes to ``--out`` and, when set, to ``$OUT/bench_moe.json``.
+
+``--sweep``: at B = 1, 8, 16, 64, 256, for MXFP4-packed and bf16 experts, every
+``moe.CANDIDATES`` config (small-T list for B <= 64, large-T list for B >= 16) and
+the dense loop on bf16 weights, each fused output checked against the torch
+reference first (compile errors and wrong outputs recorded, not fatal; a candidate
+past ``--budget`` seconds is recorded as skipped). Writes
+``benchmarks/results/moe_sweep_h200.json`` (and ``$OUT/moe_sweep.json``) and prints
+``INSTALL`` lines: the fastest config per (bucket, format) for ``moe.TABLE``, ``LOOP``
+for bf16 where the loop beat it.
 """
 
 # ruff: noqa: BLE001  (a failing section is recorded, not fatal)
@@ -26,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -37,6 +48,8 @@ from unikv.kernels.mxfp4_ref import dequantize_mxfp4
 
 SHAPE = {"experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 BATCHES = (1, 64, 256)
+SWEEP_BATCHES = (1, 8, 16, 64, 256)  # one per moe.BUCKETS entry
+KW = {"activation": "gpt_oss", "gate_up": "interleaved"}
 
 
 def make_experts(e: int, d: int, i: int, g: torch.Generator) -> dict:
@@ -106,13 +119,105 @@ def run_batch(t: int, packed: dict, dense: dict, ceilings: dict, g: torch.Genera
     return row
 
 
+def timed(fn) -> tuple[float, str]:
+    """(us, how): CUDA-graph replay, or eager when capture fails."""
+    try:
+        return graph_us(fn, warmup=3, rep=20), "graph"
+    except Exception:
+        return bench_us(fn, warmup=3, rep=20), "eager"
+
+
+def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
+    """Rows for one B: the dense loop, then every candidate on both formats."""
+    e, k, d = SHAPE["experts"], SHAPE["top_k"], SHAPE["hidden"]
+    x = torch.randn(t, d, generator=g).bfloat16().cuda()
+    top, ids = torch.topk(torch.randn(t, e, generator=g).cuda(), k, dim=-1)
+    weights = torch.softmax(top, dim=-1).bfloat16()
+    ref = moe_ref.fused_moe(x, weights, ids, **experts["mxfp4"], **KW).float()
+    scale = max(1.0, ref.abs().max().item())
+    base = {"B": t, "distinct_experts": int(ids.unique().numel())}
+    loop_us, how = timed(lambda: moe_ref.fused_moe(x, weights, ids, **experts["bf16"], **KW))
+    rows = [{**base, "format": "bf16", "candidate": "loop", "us": loop_us, "timing": how}]
+    lists = [n for n, on in (("small", t <= 64), ("large", t >= 16)) if on]
+    for fmt, w in experts.items():
+        nbytes = touched_bytes(w, ids, t, d)
+        roof = nbytes / (ceilings["d2d_GBps"] * 1e3)
+        for cfg in dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]):
+            row = {**base, "format": fmt, "candidate": list(cfg), "roofline_us": roof}
+            rows.append(row)
+            if time.time() > t_end:
+                row["error"] = "skipped: time budget"
+                continue
+            fn = lambda: moe.fused_moe(x, weights, ids, **w, **KW, config=cfg)  # noqa: B023
+            try:
+                err = (fn().float() - ref).abs().max().item() / scale
+                row["rel_err_vs_reference"] = err
+                if not err < 3e-2:
+                    row["error"] = "output differs from the reference; not timed"
+                    continue
+                row["us"], row["timing"] = timed(fn)
+                row["of_roofline"] = roof / row["us"]
+                row["vs_loop"] = loop_us / row["us"]
+            except Exception:
+                row["error"] = traceback.format_exc(limit=2)[-1500:]
+            torch.cuda.synchronize()
+    return rows
+
+
+def install_lines(rows: list) -> list:
+    """``TABLE[(bucket, mxfp4)] = ...`` from the fastest checked row of each (B, format);
+    bf16 takes LOOP where the loop was faster."""
+    lines = []
+    for t in SWEEP_BATCHES:
+        for fmt in ("mxfp4", "bf16"):
+            ok = [r for r in rows if r["B"] == t and r["format"] == fmt and "us" in r]
+            if not ok:
+                continue
+            best = min(ok, key=lambda r: r["us"])
+            if fmt == "mxfp4" and best["candidate"] == "loop":
+                best = min((r for r in ok if r["candidate"] != "loop"), key=lambda r: r["us"])
+            pick = "LOOP" if best["candidate"] == "loop" else f"Config{tuple(best['candidate'])}"
+            note = f"{best['us']:.1f} us, {best.get('of_roofline', 0) * 100:.1f} % of roofline"
+            lines.append(f"INSTALL TABLE[({t}, {fmt == 'mxfp4'})] = {pick}  # {note}")
+    return lines
+
+
+def run_sweep(budget_s: float) -> None:
+    t0 = time.time()
+    g = torch.Generator().manual_seed(0)
+    ceilings = copy_ceilings(GIB // 2, GIB // 16)
+    e, d, i = SHAPE["experts"], SHAPE["hidden"], SHAPE["intermediate"]
+    packed = make_experts(e, d, i, g)
+    experts = {"mxfp4": packed, "bf16": dequantised(packed)}
+    rows = []
+    for t in SWEEP_BATCHES:
+        try:
+            rows += sweep_batch(t, experts, ceilings, g, t0 + budget_s)
+        except Exception:
+            rows.append({"B": t, "error": traceback.format_exc(limit=3)})
+        torch.cuda.empty_cache()
+    lines = install_lines(rows)
+    payload = {"env": environment(), "shape": SHAPE, "ceilings": ceilings, "rows": rows,
+               "install": lines, "elapsed_s": time.time() - t0}  # fmt: skip
+    save_json("benchmarks/results/moe_sweep_h200.json", payload)
+    if os.environ.get("OUT"):
+        save_json(os.path.join(os.environ["OUT"], "moe_sweep.json"), payload)
+    for r in rows:
+        print({k: v for k, v in r.items() if k not in ("env",)})
+    print("\n".join(lines), f"\nsweep took {time.time() - t0:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller copy probe")
     parser.add_argument("--out", default="benchmarks/results/moe_h200.json")
+    parser.add_argument("--sweep", action="store_true", help="time moe.CANDIDATES (alone)")
+    parser.add_argument("--budget", type=float, default=85.0, help="sweep seconds")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU (the fused MoE is a Triton kernel)")
+    if args.sweep:
+        return run_sweep(args.budget)
     g = torch.Generator().manual_seed(0)
     ceilings = copy_ceilings(GIB if args.quick else 4 * GIB, GIB // 4)
     ceilings["bf16_TFLOPs"] = bf16_tflops()

@@ -166,6 +166,117 @@ def test_routed_experts_params_are_views_of_the_stack():
     assert experts.kernel is moe_ref.fused_moe
 
 
+ALL_CONFIGS = sorted(
+    {*moe.CANDIDATES["small"], *moe.CANDIDATES["large"], moe.FP32_CONFIG}
+    | {c for c in moe.TABLE.values() if c is not moe.LOOP}
+)
+
+
+def _packed_case(e, k, d, i, t, dtype, seed):
+    """gpt-oss-style MXFP4 experts (biased), their dense copy, routing."""
+    g = torch.Generator().manual_seed(seed)
+    w1, s1, w1_dense = _mxfp4(g, e, 2 * i, d)
+    w2, s2, w2_dense = _mxfp4(g, e, d, i)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    weights, ids = _routing(g, t, e, k)
+    b1, b2 = (torch.randn(e, n, generator=g).to(dtype) for n in (2 * i, d))
+    kw = {"activation": "gpt_oss", "gate_up": "interleaved", "b1": b1, "b2": b2}
+    dense = (x, weights, ids, w1_dense.to(dtype), w2_dense.to(dtype))
+    return (x, weights, ids, w1, w2), {"w1_scales": s1, "w2_scales": s2, **kw}, dense, kw
+
+
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_every_config_matches_reference(cfg):
+    """Every config the table or the sweep can install, dense (E 5, k 2, d 48, I 40,
+    T 17: odd, K and N below one tile) and MXFP4 (d 96, I 64, T 3: a partial K tile
+    and a partial scale group row), fp32, against the torch reference."""
+    args, kw = _dense_case("silu", "concat", 5, 2, 48, 40, 17, torch.float32)
+    ref = moe_ref.fused_moe(**args, **kw)
+    _close(moe.fused_moe(**args, **kw, config=cfg), ref, 1e-5)
+    packed, pkw, dense, dkw = _packed_case(5, 2, 96, 64, 3, torch.float32, seed=2)
+    _close(moe.fused_moe(*packed, **pkw, config=cfg), moe_ref.fused_moe(*dense, **dkw), 1e-5)
+
+
+SPLIT_CONFIGS = [moe.Config(16, 16, 32, 2, 4, 1), moe.Config(0, 32, 32, 3, 4, 2)]
+
+
+@pytest.mark.parametrize("cfg, t", [(SPLIT_CONFIGS[0], 1), (SPLIT_CONFIGS[0], 17),
+                                    (SPLIT_CONFIGS[1], 3)], ids=["2-t1", "2-t17", "3-t3"])  # fmt: skip
+@pytest.mark.parametrize("act, gate_up", [("silu", "concat"), ("gpt_oss", "interleaved"),
+                                          ("relu2", "concat")])  # fmt: skip
+def test_split_k_matches_reference(cfg, t, act, gate_up):
+    """K split in 2 or 3 slices (d 48: the third slice is empty; I 40 over 32-wide
+    K tiles), the activation and b1 applied in the down kernel's A tiles."""
+    args, kw = _dense_case(act, gate_up, 5, 2, 48, 40, t, torch.float32, seed=t)
+    if act == "gpt_oss":
+        args["b1"] = args["b1"] * 10  # large enough that a lost or doubled bias shows
+    _close(moe.fused_moe(**args, **kw, config=cfg), moe_ref.fused_moe(**args, **kw), 1e-5)
+
+
+@pytest.mark.parametrize("dtype, t", [(torch.float32, 1), (torch.float32, 17), (torch.bfloat16, 3)])
+def test_split_k_mxfp4_matches_dequantised(dtype, t):
+    """MXFP4 with a 2-way K split: bf16 rounds the activation before the down dot,
+    as the unsplit kernel does."""
+    packed, pkw, dense, dkw = _packed_case(5, 2, 96, 64, t, dtype, seed=t + 10)
+    out = moe.fused_moe(*packed, **pkw, config=moe.Config(16, 32, 64, 2, 4, 2))
+    _close(out, moe_ref.fused_moe(*dense, **dkw), 1e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize(
+    "t, want", [(1, 1), (2, 8), (8, 8), (9, 16), (16, 16), (17, 64), (64, 64), (65, 256),
+                (256, 256), (4096, 256)],
+)  # fmt: skip
+def test_plan_picks_the_table_entry(t, want):
+    """``plan`` returns the entry of T's bucket (the smallest bucket >= T, else the
+    largest), LOOP included; fp32 swaps a kernel entry for FP32_CONFIG."""
+    table = {(b, f): moe.Config(16 * (1 + f), 16 * b, 32, 1, 4, 1) for b in moe.BUCKETS
+             for f in (False, True)}  # fmt: skip
+    table[want, False] = moe.LOOP
+    assert moe.plan(t, True, torch.bfloat16, table) == table[want, True]
+    assert moe.plan(t, False, torch.bfloat16, table) is moe.LOOP
+    assert moe.plan(t, True, torch.float32, table) == moe.FP32_CONFIG
+    table[want, True] = moe.LOOP
+    with pytest.raises(AssertionError, match="MXFP4"):
+        moe.plan(t, True, torch.bfloat16, table)
+
+
+def test_mxfp4_never_goes_to_the_loop():
+    assert all(cfg is not moe.LOOP for (_, mxfp4), cfg in moe.TABLE.items() if mxfp4)
+    assert {b for b, _ in moe.TABLE} == set(moe.BUCKETS) and len(moe.TABLE) == 10
+
+
+@pytest.mark.parametrize("t", [1, 17])
+def test_moe_dispatch_runs_what_the_plan_says(t, monkeypatch):
+    """``moe`` (the CUDA MoE of every model) calls the dense loop exactly where the
+    table says LOOP, and the kernel with the table's config elsewhere."""
+    calls = []
+    loop, kernel = moe_ref.fused_moe, moe.fused_moe
+    monkeypatch.setattr(moe_ref, "fused_moe", lambda *a, **k: calls.append("loop") or loop(*a, **k))
+    monkeypatch.setattr(
+        moe, "fused_moe", lambda *a, config, **k: calls.append(config) or kernel(*a, **k)
+    )
+    table = {key: moe.Config(16, 32, 32, 1, 4, 1) for key in moe.TABLE}
+    table[moe.bucket(t), False] = moe.LOOP
+    monkeypatch.setattr(moe, "TABLE", table)
+    args, kw = _dense_case("silu", "concat", 5, 2, 48, 40, t, torch.bfloat16)
+    moe.moe(**args, **kw)
+    packed, pkw, _, _ = _packed_case(5, 2, 96, 64, t, torch.bfloat16, seed=3)
+    moe.moe(*packed, **pkw)
+    assert calls == ["loop", table[moe.bucket(t), True]]
+
+
+def test_models_run_the_dispatch_on_cuda():
+    from unikv.models.moe import moe_kernel
+
+    assert moe_kernel("cuda") is moe.moe and moe_kernel("cpu") is moe_ref.fused_moe
+
+
+def test_bad_config_raises():
+    args, kw = _dense_case("silu", "concat", 3, 1, 40, 24, 5, torch.float32)
+    with pytest.raises(ValueError, match="Config"):
+        moe.fused_moe(**args, **kw, config=moe.Config(16, 48, 64, 1, 4, 1))
+
+
 @pytest.mark.gpu
 def test_gpu_gpt_oss_shape_bf16_matches_reference():
     """gpt-oss's shape (32 experts, top-4, hidden/intermediate 2880) with MXFP4

@@ -1,167 +1,122 @@
 """Fused MoE in Triton: only the routed experts run, MXFP4 weights stay packed.
 
-Semantics and argument layouts: ``kernels/moe_ref.py`` (same signature).
+Semantics and argument layouts: ``kernels/moe_ref.py`` (same signature). Kernel
+bodies: ``kernels/moe_triton.py``.
 
     topk_ids (T, k) ──align──> sorted_ids (num_blocks * BLOCK_M,)  assignment ids t*k+j,
                                grouped by expert, each expert's run padded to BLOCK_M
                                (padding = M, the sentinel); block_experts (num_blocks,)
                                the expert of each BLOCK_M rows, -1 past the last block
-    _gate_up_kernel  grid (num_blocks, cdiv(I, BLOCK_N)): gathers x rows, one grouped
-                     GEMM tile for gate and up of the block's expert, the activation,
-                     -> act (num_blocks * BLOCK_M, I) in x.dtype (sorted order)
-    _down_kernel     grid (num_blocks, cdiv(d, BLOCK_N)): act @ W_down^T (+ bias), times
-                     the routing weight -> y (M, d) fp32 at the assignment's row
+    gate_up  grid (num_blocks, cdiv(I, BLOCK_N), SPLIT_K) -> act (rows, I) x.dtype, or
+             fp32 gate|up partial sums (rows, 2I) when SPLIT_K > 1
+    down     grid (num_blocks, cdiv(d, BLOCK_N), SPLIT_K) -> y (M, d) fp32
     out = y.view(T, k, d).sum(1).to(x.dtype)
 
-The alignment is torch ops with no host sync: ``num_blocks`` is an upper bound from
-the host ints (T, k, E), so shapes depend only on T (CUDA-graph safe). MXFP4 tiles
-are dequantised in registers: each element's byte (k // 2) and scale (k // 32) are
-loaded (repeated addresses hit the cache), never a dequantised copy in memory.
+Launch plan, host ints only (CUDA graphs capture one T each, so a per-T choice is
+fixed inside a graph): ``TABLE[(bucket(T), mxfp4)]`` is a ``Config`` or ``LOOP``;
+``LOOP`` runs the dense torch loop (``moe_ref.fused_moe``) instead, allowed only for
+unpacked experts (MXFP4 stays packed, so always fused). ``moe`` applies the rule;
+``fused_moe`` always runs the kernel. The alignment is torch ops with no host sync:
+``num_blocks`` is an upper bound from the host ints (T, k, E).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels import moe_ref
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.moe_ref import check_moe_args
+from unikv.kernels.moe_triton import _down_kernel, _gate_up_kernel
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import
 ACT_CODES = {"silu": 0, "gpt_oss": 1, "relu2": 2}
-BLOCK_N = 64
-BLOCK_K = 64  # a multiple of the MXFP4 group (32)
-NUM_WARPS = 4
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@triton.jit
-def _weight_tile(
-    w_ptr, s_ptr, expert, rows, ks, mask, s_we, s_wn, s_wk, s_se, s_sn, s_sk, MXFP4: tl.constexpr
-):
-    """(BLOCK_K, BLOCK_N) tile of expert's weight: W[rows[n], ks[k]] as fp32 (MXFP4)
-    or in the weight dtype; masked elements are 0."""
-    base = expert.to(tl.int64) * s_we + rows[None, :].to(tl.int64) * s_wn
-    if MXFP4:
-        byte = tl.load(w_ptr + base + (ks[:, None] // 2) * s_wk, mask=mask, other=0)
-        code = (byte.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0x0F
-        exp = (code >> 1) & 3
-        mant = (code & 1).to(tl.float32)
-        mag = tl.where(exp == 0, mant * 0.5, (2.0 + mant) * tl.exp2(exp.to(tl.float32) - 2.0))
-        value = tl.where((code & 8) != 0, -mag, mag)
-        s_base = expert.to(tl.int64) * s_se + rows[None, :].to(tl.int64) * s_sn
-        scale = tl.load(s_ptr + s_base + (ks[:, None] // 32) * s_sk, mask=mask, other=127)
-        tile = value * tl.exp2(scale.to(tl.float32) - 127.0)
-    else:  # one return: Triton compiles a return after a taken constexpr branch too
-        tile = tl.load(w_ptr + base + ks[:, None].to(tl.int64) * s_wk, mask=mask, other=0.0)
-    return tile
+class Config(NamedTuple):
+    """Rows per tile (0: by mean tokens per expert, ``block_m_for``), output features
+    and K per tile (block_k a multiple of 32, the MXFP4 group), K slices (> 1: fp32
+    atomics, not bit-deterministic), warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
 
 
-@triton.jit
-def _dot(a, w, acc, IEEE: tl.constexpr):
-    """acc + a @ w: fp32 products when IEEE (fp32 models; the interpreter, whose
-    dot is wrong on bf16/fp16), else in a's dtype with fp32 accumulation."""
-    if IEEE:
-        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, w.to(a.dtype), acc)
-    return acc
+LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
+BUCKETS = (1, 8, 16, 64, 256)  # T buckets: the smallest >= T, else the last
+FP32_CONFIG = Config(0, 64, 64, 1, 4, 3)  # fp32 models: exact fp32 dots, small tiles
+# 16-bit activations: (bucket, mxfp4) -> Config or LOOP. Until the H200 sweep
+# (``benchmarks/bench_moe.py --sweep``, which prints INSTALL lines) fills it: the
+# dense loop above T = 16 for unpacked experts (it beat the old kernel at B >= 64).
+_SMALL, _LARGE = Config(16, 64, 128, 1, 4, 3), Config(0, 128, 64, 1, 8, 3)
+# What the sweep times (and the interpreter tests run), most promising first: a time
+# budget cuts the tail. Small T: few rows, so narrow N tiles, long K tiles and K
+# splits give the 132 SMs enough programs; large T: wider tiles, more warps.
+CANDIDATES = {
+    "small": (
+        _SMALL,
+        Config(16, 32, 128, 1, 4, 4),
+        Config(16, 64, 128, 2, 4, 3),
+        Config(16, 32, 256, 1, 4, 3),
+        Config(16, 64, 64, 1, 4, 3),  # the old kernel's tiles
+        Config(16, 32, 128, 4, 4, 3),
+    ),
+    "large": (
+        _LARGE,
+        Config(0, 64, 128, 1, 4, 3),
+        Config(32, 128, 128, 1, 8, 3),
+        Config(64, 128, 64, 1, 8, 4),
+        Config(64, 64, 64, 1, 4, 3),
+        Config(16, 128, 64, 1, 4, 3),
+    ),
+}
+TABLE: dict[tuple[int, bool], Config | None] = {
+    (1, True): _SMALL,
+    (8, True): _SMALL,
+    (16, True): _SMALL,
+    (64, True): _SMALL,
+    (256, True): _LARGE,
+    (1, False): _SMALL,
+    (8, False): _SMALL,
+    (16, False): _SMALL,
+    (64, False): LOOP,
+    (256, False): LOOP,
+}
 
 
-@triton.jit
-def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, sorted_ids_ptr, block_experts_ptr,
-    num_assign, top_k, K, I,
-    s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_am, s_an,
-    row_step, up_offset, alpha, limit,
-    ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_experts_ptr + pid_m)
-    if expert < 0:
-        return
-    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(sorted_ids_ptr + pos)
-    valid = assign < num_assign
-    token = (assign // top_k).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate features j
-    col_ok = cols < I
-    gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(
-            x_ptr + token[:, None] * s_xm + ks[None, :] * s_xk,
-            mask=valid[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        wu = _weight_tile(w_ptr, s_ptr, expert, up_rows, ks, w_ok, s_we, s_wn, s_wk, s_se, s_sn,
-                          s_sk, MXFP4)  # fmt: skip
-        acc_u = _dot(a, wu, acc_u, IEEE)
-        if ACT != 2:
-            wg = _weight_tile(w_ptr, s_ptr, expert, gate_rows, ks, w_ok, s_we, s_wn, s_wk, s_se,
-                              s_sn, s_sk, MXFP4)  # fmt: skip
-            acc_g = _dot(a, wg, acc_g, IEEE)
-    if HAS_BIAS:
-        b_base = b_ptr + expert.to(tl.int64) * s_be
-        acc_u += tl.load(b_base + up_rows * s_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g += tl.load(b_base + gate_rows * s_bn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:  # silu(gate) * up
-        out = acc_g * tl.sigmoid(acc_g) * acc_u
-    elif ACT == 1:  # gpt-oss: clamped gate and up, (up + 1) * gate * sigmoid(alpha gate)
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        out = (u + 1.0) * (g * tl.sigmoid(g * alpha))
-    else:  # relu(up) ** 2
-        r = tl.maximum(acc_u, 0.0)
-        out = r * r
-    dst = act_ptr + pos[:, None].to(tl.int64) * s_am + cols[None, :] * s_an
-    tl.store(dst, out.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+def bucket(num_tokens: int) -> int:
+    """The table bucket of T tokens: the smallest of ``BUCKETS`` >= T, else the last."""
+    return next((b for b in BUCKETS if num_tokens <= b), BUCKETS[-1])
 
 
-@triton.jit
-def _down_kernel(
-    act_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, block_experts_ptr,
-    num_assign, N, K,
-    s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_be, s_bn, s_ym, s_yn,
-    MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_experts_ptr + pid_m)
-    if expert < 0:
-        return
-    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(sorted_ids_ptr + pos)
-    valid = assign < num_assign
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden features
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(
-            act_ptr + pos[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak,
-            mask=valid[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w = _weight_tile(w_ptr, s_ptr, expert, cols, ks, k_ok[:, None] & col_ok[None, :], s_we,
-                         s_wn, s_wk, s_se, s_sn, s_sk, MXFP4)  # fmt: skip
-        acc = _dot(a, w, acc, IEEE)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + expert.to(tl.int64) * s_be + cols * s_bn, mask=col_ok, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    weight = tl.load(tw_ptr + assign, mask=valid, other=0.0).to(tl.float32)
-    dst = y_ptr + assign[:, None].to(tl.int64) * s_ym + cols[None, :] * s_yn
-    tl.store(dst, acc * weight[:, None], mask=valid[:, None] & col_ok[None, :])
+def plan(num_tokens: int, mxfp4: bool, dtype: torch.dtype, table: dict | None = None):
+    """The launch for T tokens (host ints): a ``Config`` for the kernel, or ``LOOP``.
+    fp32 runs ``FP32_CONFIG`` where the table picks the kernel."""
+    cfg = (TABLE if table is None else table)[bucket(num_tokens), mxfp4]
+    assert cfg is not LOOP or not mxfp4, "MXFP4 experts stay packed: never the dense loop"
+    return cfg if cfg is LOOP or dtype != torch.float32 else FP32_CONFIG
+
+
+def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        w1: torch.Tensor, w2: torch.Tensor, **kw) -> torch.Tensor:  # fmt: skip
+    """``fused_moe`` or the dense loop (``moe_ref.fused_moe``), as ``plan`` says for
+    T = x.shape[0] and the experts' format; same arguments and result."""
+    cfg = plan(x.shape[0], kw.get("w1_scales") is not None, x.dtype)
+    if cfg is LOOP:
+        return moe_ref.fused_moe(x, topk_weights, topk_ids, w1, w2, **kw)
+    return fused_moe(x, topk_weights, topk_ids, w1, w2, config=cfg, **kw)
 
 
 def block_m_for(num_assign: int, num_experts: int) -> int:
@@ -196,16 +151,28 @@ def align_by_expert(
     return sorted_ids, block_experts.to(torch.int32)
 
 
-def _w_strides(w: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, tuple]:
-    """(scales or a dummy, strides (we, wn, wk, se, sn, sk)) in elements of one K step."""
+def _w_args(w: torch.Tensor, scales: torch.Tensor | None) -> tuple:
+    """(scales or a dummy, s_we, s_wn, s_wk, s_se, s_sn) in elements."""
     if scales is None:
-        return w, (*w.stride(), 0, 0, 0)
-    return scales, (w.stride(0), w.stride(1), 1, scales.stride(0), scales.stride(1), 1)
+        return (w, *w.stride(), 0, 0)
+    return (scales, w.stride(0), w.stride(1), 1, scales.stride(0), scales.stride(1))
 
 
 def _check_mxfp4_contiguous(w: torch.Tensor, scales: torch.Tensor | None) -> None:
     if scales is not None and (w.stride(3) != 1 or w.stride(2) != 16 or scales.stride(2) != 1):
         raise ValueError("MXFP4 blocks must have contiguous (G, 16) rows and scales (G,) rows")
+
+
+def check_config(cfg: Config) -> None:
+    """ValueError unless the tiles are powers of two >= 16 (block_k >= 32) and the
+    split, warps and stages positive."""
+    sizes_ok = all(v >= 16 and v & (v - 1) == 0 for v in cfg[1:3]) and cfg.block_k >= 32
+    bm_ok = cfg.block_m == 0 or (cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0)
+    if not (sizes_ok and bm_ok and min(cfg.split_k, cfg.num_warps, cfg.num_stages) >= 1):
+        raise ValueError(
+            f"a MoE Config needs block_m 0 or a power of two >= 16, block_n / block_k powers "
+            f"of two >= 16 / 32, split_k, num_warps, num_stages >= 1; got {cfg}"
+        )
 
 
 def fused_moe(
@@ -224,46 +191,78 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     sum_dtype: torch.dtype | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """x: (T, d) model dtype; topk_weights: (T, k); topk_ids: (T, k) int32/int64 in
     [0, E) -> (T, d) in x.dtype. Layouts: ``moe_ref.fused_moe``. Accumulates in fp32
-    whatever ``sum_dtype`` (kept for the reference's signature)."""
+    whatever ``sum_dtype`` (kept for the reference's signature). ``config``: the
+    launch (None: ``plan``'s kernel config for T, even where ``plan`` says LOOP)."""
     num_experts, inter = check_moe_args(
         x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, activation, gate_up
     )
     _check_mxfp4_contiguous(w1, w1_scales)
     _check_mxfp4_contiguous(w2, w2_scales)
-    t, d = x.shape
     m = topk_ids.numel()
     if m == 0:
         return torch.zeros_like(x)
-    block_m = block_m_for(m, num_experts)
+    cfg = config or plan(x.shape[0], w1_scales is not None, x.dtype)
+    if cfg is LOOP:  # asked for the kernel where the table runs the loop
+        cfg = FP32_CONFIG if x.dtype == torch.float32 else _LARGE
+    check_config(cfg)
+    block_m = cfg.block_m or block_m_for(m, num_experts)
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
-    num_blocks = block_experts.shape[0]
-    act = torch.empty(num_blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32 or INTERPRETED
-    s1, st1 = _w_strides(w1, w1_scales)
-    bias1 = b1 if b1 is not None else x
+    geo = (sorted_ids, block_experts, block_m, inter, INTERPRETED or x.dtype == torch.float32)
     interleaved = gate_up == "interleaved"
     row_step = 2 if interleaved and activation != "relu2" else 1
     up_offset = 0 if activation == "relu2" else (1 if interleaved else inter)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
-        x, w1, s1, bias1, act, sorted_ids, block_experts,
-        m, topk_ids.shape[1], d, inter,
-        *x.stride(), *st1, bias1.stride(0), bias1.stride(-1), *act.stride(),
-        row_step, up_offset, float(alpha), float(limit),
-        ACT=ACT_CODES[activation], MXFP4=w1_scales is not None, HAS_BIAS=b1 is not None,
-        IEEE=ieee, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    act_args = (row_step, up_offset, float(alpha), float(limit))
+    a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg)
+    y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg)
+    return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
+
+
+def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tensor:
+    """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
+    sums (rows, 2I) when ``cfg.split_k`` > 1."""
+    sorted_ids, block_experts, block_m, inter, ieee = geo
+    rows, split = sorted_ids.shape[0], cfg.split_k
+    if split > 1:
+        out = torch.zeros(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    bias = b1 if b1 is not None else x
+    grid = (block_experts.shape[0], triton.cdiv(inter, cfg.block_n), split)
+    _gate_up_kernel[grid](
+        x, w1, *_w_args(w1, s1)[:1], bias, out, sorted_ids, block_experts,
+        x.shape[0] * top_k, top_k, x.shape[1], inter,
+        *x.stride(), *_w_args(w1, s1)[1:], bias.stride(0), bias.stride(-1), *out.stride(),
+        *act_args,
+        ACT=ACT_CODES[activation], MXFP4=s1 is not None,
+        HAS_BIAS=b1 is not None, IEEE=ieee,
+        SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    y = torch.empty(m, d, dtype=torch.float32, device=x.device)
-    tw = topk_weights.reshape(-1)
-    s2, st2 = _w_strides(w2, w2_scales)
+    return out
+
+
+def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg) -> torch.Tensor:
+    """The down kernel -> y (M, d) fp32, each assignment's weighted expert output."""
+    sorted_ids, block_experts, block_m, inter, ieee = geo
+    m, d, split = topk_weights.numel(), x.shape[1], cfg.split_k
+    alloc = torch.zeros if split > 1 else torch.empty
+    y = alloc(m, d, dtype=torch.float32, device=x.device)
     bias2 = b2 if b2 is not None else x
-    _down_kernel[(num_blocks, triton.cdiv(d, BLOCK_N))](
-        act, w2, s2, bias2, tw, y, sorted_ids, block_experts,
-        m, d, inter,
-        *act.stride(), *st2, bias2.stride(0), bias2.stride(-1), *y.stride(),
-        MXFP4=w2_scales is not None, HAS_BIAS=b2 is not None, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+    bias1 = b1 if b1 is not None and split > 1 else x
+    grid = (block_experts.shape[0], triton.cdiv(d, cfg.block_n), split)
+    _down_kernel[grid](
+        a, w2, *_w_args(w2, s2)[:1], bias2, bias1, topk_weights.reshape(-1), y,
+        sorted_ids, block_experts, m, d, inter,
+        *a.stride(), *_w_args(w2, s2)[1:], bias2.stride(0), bias2.stride(-1),
+        bias1.stride(0), bias1.stride(-1), *y.stride(), *act_args,
+        MXFP4=s2 is not None, HAS_BIAS=b2 is not None,
+        IEEE=ieee, ACT_IN_A=split > 1,
+        ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,
+        DTYPE=TL_DTYPES[x.dtype], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return y.view(t, -1, d).sum(1).to(x.dtype)
+    return y

@@ -11,7 +11,8 @@ storage is two stacked tensors, the fused kernel's operands::
 
 The stacking is redone whenever the module's tensors are replaced (``to``,
 ``to_empty``, ``cuda``: torch routes them all through ``_apply``), and the kernel is
-picked there too, once per placement: Triton on CUDA, the torch reference
+picked there too, once per placement: on CUDA the Triton kernel (or the dense loop
+where ``kernels/moe.TABLE`` measured it faster), the torch reference
 (``kernels/moe_ref.py``, the routed loop these families ran before) elsewhere.
 """
 
@@ -31,12 +32,14 @@ SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def moe_kernel(device: torch.device | str) -> Callable[..., torch.Tensor]:
-    """The fused MoE for ``device``: Triton on CUDA, the torch reference elsewhere
-    (the rule of ``kernels/backend.get_backend``)."""
+    """The MoE for ``device``: on CUDA ``kernels/moe.moe`` (the Triton kernel, or the
+    dense loop for unpacked experts at the token counts where its table says the loop
+    is faster; host ints, fixed per CUDA graph), the torch reference elsewhere (the
+    rule of ``kernels/backend.get_backend``)."""
     if torch.device(device).type == "cuda":
         from unikv.kernels import moe  # Triton is only needed here
 
-        return moe.fused_moe
+        return moe.moe
     return moe_ref.fused_moe
 
 

@@ -1,0 +1,46 @@
+#!/bin/bash
+# One device call over the measurements still pending (see the README's "What is not done"),
+# each step capped, skipped when the call's deadline is near, its log and JSON kept.
+#
+# Usage (from a `git archive` snapshot carrying .whl/, .whl/serve/, .whl/fi/):
+#   UNIKV_GIT_COMMIT=<sha> BUDGET=560 bash benchmarks/device_pending.sh STEP[,STEP...]
+# Steps (in the order given): tests, breakdown, moe_sweep, mla_sweep, prefix, mla_prefill, e2e
+# What comes back under $OUT: results.tgz (every JSON and log), summary.txt, and the tail of
+# the tests' log. A step killed by its cap still leaves its log; the summary line says so.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+FINAL=${OUT:-/tmp/pending_out}; R=/tmp/pending_res; mkdir -p "$FINAL" $R/logs
+wheels=$(ls .whl/*.whl .whl/serve/*.whl .whl/fi/*.whl 2>/dev/null)
+[ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/site $wheels >$R/logs/pip.log 2>&1
+export PYTHONPATH=$PWD:/tmp/site CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=14
+mkdir -p /tmp/lcuda && ln -sf "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" /tmp/lcuda/libcuda.so
+export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/lcuda FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+END=$(($(date +%s) + ${BUDGET:-560}))
+step() {  # step NAME CAP CMD...
+  local name=$1 cap=$2; shift 2
+  local left=$((END - $(date +%s)))
+  if [ "$left" -lt 20 ]; then echo "[$(date +%T)] $name SKIPPED (deadline)" | tee -a $R/summary.txt; return; fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  local t=$(date +%s)
+  OUT=$R timeout "$cap" "$@" >$R/logs/$name.log 2>&1
+  local rc=$?
+  echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a $R/summary.txt
+  tar czf "$FINAL/results.tgz" -C $R . 2>/dev/null
+}
+# -x stops at the first failure so its report is written before any cap can kill the run
+TESTS=${TESTS:-"tests/test_engine_mimo_gpu.py tests/test_kernels_mla_decode.py tests/test_kernels_moe.py tests/test_preempt_swap.py tests/test_engine_planner.py"}
+for s in ${1//,/ }; do
+  case $s in
+    tests) step tests 240 python3 -m pytest -m gpu -x -q -rA -p no:cacheprovider --timeout=120 $TESTS ;;
+    breakdown) step breakdown 90 python3 benchmarks/bench_breakdown.py --device cuda --out $R/breakdown.json ;;
+    moe_sweep) step moe_sweep 120 python3 benchmarks/bench_moe.py --sweep ;;
+    mla_sweep) step mla_sweep 130 python3 benchmarks/bench_mla_decode.py --sweep --budget 100 --out $R/mla_sweep.json ;;
+    prefix) step prefix 160 python3 benchmarks/bench_prefix.py --device cuda --out $R/prefix.json ;;
+    mla_prefill) step mla_prefill 90 python3 benchmarks/bench_mla_prefill.py --out $R/mla_prefill.json ;;
+    e2e) step e2e 150 python3 benchmarks/bench_e2e.py --device cuda --quick --paths unikv,hf_dynamic,hf_static --out $R/e2e.json ;;
+    *) echo "unknown step $s" | tee -a $R/summary.txt ;;
+  esac
+done
+cp $R/summary.txt "$FINAL/summary.txt"; tail -80 $R/logs/tests.log > "$FINAL/tests_tail.txt" 2>/dev/null
+tar czf "$FINAL/results.tgz" -C $R .
+cat $R/summary.txt

@@ -1,0 +1,210 @@
+"""The Triton bodies of the fused MoE (launchers, configs and alignment: ``kernels/moe.py``).
+
+Each program owns BLOCK_M sorted rows of one expert (``block_experts[pid_m]``), BLOCK_N
+output features and, with SPLIT_K > 1, one of SPLIT_K slices of the K loop:
+
+    _gate_up_kernel  x rows (gathered by sorted assignment) @ W1[gate | up]^T
+                     SPLIT_K == 1: + b1, the activation -> act (rows, I) in x.dtype
+                     SPLIT_K  > 1: fp32 partial sums atomically added to gu (rows, 2I)
+                                   [gate (I) | up (I)], zeroed by the launcher
+    _down_kernel     A @ W2^T (+ b2 on split 0) times the routing weight -> y (M, d) fp32
+                     at the assignment's row; ACT_IN_A: A is gu, the bias and the
+                     activation applied as each (BLOCK_M, BLOCK_K) tile is loaded;
+                     SPLIT_K > 1: atomically added into a zeroed y
+
+Weight tiles are (BLOCK_N, BLOCK_K), contiguous along K for MXFP4 and K-major
+checkpoints, fed to ``tl.dot`` transposed. An MXFP4 tile is BLOCK_N x BLOCK_K / 2
+bytes loaded once (both nibbles unpacked and interleaved, low first) and BLOCK_N x
+BLOCK_K / 32 e8m0 scales broadcast over their groups of 32. An e2m1 code ``s e1 e0 m``
+becomes fp16 without a table: bits ``s << 15 | e1 e0 m << 9`` are the value times
+2^-14 (code 1, 0.5, is the fp16 subnormal 2^-15), so the fp32 scale is 2^(scale - 113),
+built from its exponent bits (exact for scales 1..240).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _act(g, u, ACT: tl.constexpr, alpha, limit):
+    """The gated activation on fp32 tiles: 0 silu(g) * u, 1 gpt-oss's clamped
+    (u + 1) * g * sigmoid(alpha g), 2 relu(u) ** 2 (g unused)."""
+    if ACT == 0:
+        out = g * tl.sigmoid(g) * u
+    elif ACT == 1:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (uc + 1.0) * (gc * tl.sigmoid(gc * alpha))
+    else:
+        r = tl.maximum(u, 0.0)
+        out = r * r
+    return out
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn,
+                 MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_K) tile W[rows, k0 : k0 + BLOCK_K] of one expert (``w_base`` /
+    ``s_base``: the expert's int64 offsets): fp32 for MXFP4, else the weight dtype;
+    0 outside ``row_ok`` and K."""
+    row_off = rows[:, None].to(tl.int64) * s_wn
+    if MXFP4:  # bytes (BLOCK_N, BLOCK_K / 2), k // 2 within a row; scales k // 32
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + w_base + row_off + kb[None, :],
+                       mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0)  # fmt: skip
+        code = tl.interleave(byte & 0x0F, byte >> 4).to(tl.uint16)  # (BLOCK_N, BLOCK_K)
+        half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.float16, bitcast=True)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s_off = rows[:, None].to(tl.int64) * s_sn + ks[None, :]
+        e8 = tl.load(s_ptr + s_base + s_off, mask=row_ok[:, None] & (ks[None, :] < K // 32),
+                     other=127)  # fmt: skip
+        scale = ((e8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 113)
+        grouped = tl.reshape(half.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+        tile = tl.reshape(grouped * scale[:, :, None], (BLOCK_N, BLOCK_K))
+    else:  # one return: Triton compiles a return after a taken constexpr branch too
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_ptr + w_base + row_off + ks[None, :].to(tl.int64) * s_wk,
+                       mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+    return tile
+
+
+@triton.jit
+def _dot_t(a, w, acc, IEEE: tl.constexpr):
+    """acc + a @ w^T (a (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)): fp32 products when
+    IEEE (fp32 models; the interpreter, whose bf16/fp16 dot is wrong), else in a's
+    dtype with fp32 accumulation."""
+    if IEEE:
+        acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _k_range(K, pid_k, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[lo, hi) of split pid_k: whole BLOCK_K tiles, the last split takes the rest."""
+    per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    lo = pid_k * per
+    return lo, tl.minimum(lo + per, K)
+
+
+@triton.jit(do_not_specialize=["num_assign"])  # one compile for every T
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+    num_assign, top_k, K, I,
+    s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_be, s_bn, s_om, s_on,
+    row_step, up_offset, alpha, limit,
+    ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + pos)
+    valid = assign < num_assign
+    x_rows = x_ptr + (assign // top_k).to(tl.int64)[:, None] * s_xm
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate features j
+    col_ok = cols < I
+    gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
+    w_base, s_base = expert.to(tl.int64) * s_we, expert.to(tl.int64) * s_se
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_rows + ks[None, :] * s_xk, mask=valid[:, None] & (ks[None, :] < K),
+                    other=0.0)  # fmt: skip
+        wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
+                          s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc_u = _dot_t(a, wu, acc_u, IEEE)
+        if ACT != 2:
+            wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
+                              s_wk, s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc_g = _dot_t(a, wg, acc_g, IEEE)
+    out_rows = out_ptr + pos[:, None].to(tl.int64) * s_om
+    mask = valid[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:  # partial sums; bias and activation in the down kernel
+        tl.atomic_add(out_rows + (I + cols[None, :]) * s_on, acc_u, mask=mask)
+        if ACT != 2:
+            tl.atomic_add(out_rows + cols[None, :] * s_on, acc_g, mask=mask)
+    else:
+        if HAS_BIAS:
+            b_base = b_ptr + expert.to(tl.int64) * s_be
+            acc_u += tl.load(b_base + up_rows * s_bn, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :
+            ]
+            acc_g += tl.load(b_base + gate_rows * s_bn, mask=col_ok, other=0.0).to(tl.float32)[
+                None, :
+            ]
+        out = _act(acc_g, acc_u, ACT, alpha, limit)
+        tl.store(out_rows + cols[None, :] * s_on, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_tile(a_rows, b_base, ks, mask, I, s_ak, s_bn, row_step, up_offset, alpha, limit,
+              ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Activation tile (BLOCK_M, BLOCK_K) in DTYPE from the fp32 gate|up sums at
+    rows ``a_rows``, columns ``ks`` (+ b1 when HAS_B1); 0 outside ``mask``."""
+    u = tl.load(a_rows + (I + ks[None, :]) * s_ak, mask=mask, other=0.0)
+    g = u
+    if ACT != 2:
+        g = tl.load(a_rows + ks[None, :] * s_ak, mask=mask, other=0.0)
+    if HAS_B1:
+        k_ok = ks < I
+        u += tl.load(b_base + (ks * row_step + up_offset) * s_bn, mask=k_ok, other=0.0).to(
+            tl.float32
+        )[None, :]
+        g += tl.load(b_base + ks * row_step * s_bn, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return tl.where(mask, _act(g, u, ACT, alpha, limit), 0.0).to(DTYPE)
+
+
+@triton.jit(do_not_specialize=["num_assign"])
+def _down_kernel(
+    a_ptr, w_ptr, s_ptr, b_ptr, b1_ptr, tw_ptr, y_ptr, sorted_ids_ptr, block_experts_ptr,
+    num_assign, N, K,
+    s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_be, s_bn, s_b1e, s_b1n, s_ym, s_yn,
+    row_step, up_offset, alpha, limit,
+    MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    ACT_IN_A: tl.constexpr,
+    ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + pos)
+    valid = assign < num_assign
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden features
+    col_ok = cols < N
+    a_rows = a_ptr + pos[:, None].to(tl.int64) * s_am
+    b1_base = b1_ptr + expert.to(tl.int64) * s_b1e
+    w_base, s_base = expert.to(tl.int64) * s_we, expert.to(tl.int64) * s_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = valid[:, None] & (ks[None, :] < K)
+        if ACT_IN_A:
+            a = _act_tile(a_rows, b1_base, ks, mask, K, s_ak, s_b1n, row_step, up_offset,
+                          alpha, limit, ACT, HAS_B1, DTYPE)  # fmt: skip
+        else:
+            a = tl.load(a_rows + ks[None, :] * s_ak, mask=mask, other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk, s_sn,
+                         MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = _dot_t(a, w, acc, IEEE)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + expert.to(tl.int64) * s_be + cols * s_bn, mask=col_ok, other=0.0)
+        acc += tl.where(pid_k == 0, bias.to(tl.float32), 0.0)[None, :]
+    weight = tl.load(tw_ptr + assign, mask=valid, other=0.0).to(tl.float32)
+    dst = y_ptr + assign[:, None].to(tl.int64) * s_ym + cols[None, :] * s_yn
+    if SPLIT_K > 1:
+        tl.atomic_add(dst, acc * weight[:, None], mask=valid[:, None] & col_ok[None, :])
+    else:
+        tl.store(dst, acc * weight[:, None], mask=valid[:, None] & col_ok[None, :])
