@@ -51,6 +51,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="host bytes behind the prefix cache, e.g. 8GiB: evicted cached pages spill "
         "there and reload on a hit (default 0: off)",
     )
+    p.add_argument(
+        "--swap-host-bytes",
+        default=None,
+        help="host bytes preempted requests swap into, e.g. 4GiB (default 0: recompute)",
+    )
+    p.add_argument(
+        "--preemption",
+        choices=("auto", "swap", "recompute"),
+        default="auto",
+        help="auto: swap when the copies cost less than recomputing (default), swap, recompute",
+    )
 
 
 def llm_from_args(args):
@@ -74,6 +85,10 @@ def llm_from_args(args):
         prefix_host_bytes=(
             parse_bytes(args.prefix_host_bytes) if args.prefix_host_bytes not in (None, "0") else 0
         ),
+        swap_host_bytes=(
+            parse_bytes(args.swap_host_bytes) if args.swap_host_bytes not in (None, "0") else 0
+        ),
+        preemption=args.preemption,
     )
 
 

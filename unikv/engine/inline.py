@@ -25,6 +25,10 @@ class Stats:
     prefix_host_spilled_pages: int = 0
     prefix_host_reloaded_pages: int = 0
     prefix_host_evicted_pages: int = 0
+    swapped_out: int = 0  # preempted requests swapped to the host tier (not recomputed)
+    swapped_in: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -53,6 +57,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     sched = llm.scheduler
     preempted_before = sched.num_preemptions
     prefix_before = llm.alloc.parts.prefix.counters()
+    swap_before = sched.swap.counters() if sched.swap is not None else {}
     bar = None
     if use_tqdm:
         from tqdm import tqdm
@@ -77,6 +82,10 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
     prefix = llm.alloc.parts.prefix.counters()
+    for key, value in (sched.swap.counters() if sched.swap is not None else {}).items():
+        name = key.removeprefix("swap_")
+        if hasattr(stats, name):
+            setattr(stats, name, value - swap_before.get(key, 0))
     for key in PREFIX_COUNTERS:  # the host tier's are there when one is attached
         if key in prefix:
             setattr(stats, f"prefix_{key}", prefix[key] - prefix_before.get(key, 0))

@@ -29,6 +29,7 @@ from unikv.engine.options import (
     check_kv_cache_bytes,
     check_prefix_caching,
     check_prefix_host_bytes,
+    check_swap,
     derived_seed,
     merged_eos,
     model_dir_of,
@@ -78,6 +79,11 @@ class LLM:
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
             pages and state checkpoints spill there and reload on a hit, when the cost
             rule says reloading beats recomputing (``io/prefix_host.py``).
+        swap_host_bytes: host bytes that preempted requests swap into (0: off);
+            their pages come back on readmission instead of being recomputed.
+        preemption: "auto" (swap when the copies cost less than the recompute,
+            ``io/swap.py``), "swap" (whenever the host slots have room) or
+            "recompute". Counters: ``llm.scheduler.swap.counters()``.
         static_split: None (sub-pools share the pool's bytes, boundaries move), or
             ``{sub-pool name: fraction of the usable bytes}`` fixed at start-up,
             e.g. SGLang's hybrid default ``{"mamba": 0.9 / 1.9, "full": 1 / 1.9}``.
@@ -114,6 +120,8 @@ class LLM:
         static_split: Mapping[str, float] | None = None,
         enable_prefix_caching: bool = False,
         prefix_host_bytes: int = 0,
+        swap_host_bytes: int = 0,
+        preemption: str = "auto",
     ) -> None:
         from unikv.allocator import PoolAllocator
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
@@ -155,6 +163,7 @@ class LLM:
         self._check_windows(configs)
         check_prefix_caching(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
+        check_swap(preemption, swap_host_bytes, configs, tp_group)
         self.backend = get_backend(self.device, backend)
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
@@ -204,6 +213,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
             prefix_caching=enable_prefix_caching,
+            swap=self._swap_space(swap_host_bytes, preemption),
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -217,13 +227,33 @@ class LLM:
         from unikv.io.prefix_host import ReloadPolicy
         from unikv.io.prefix_host_setup import enable_prefix_host, measure_h2d_bytes_per_s
 
-        weights = sum(p.numel() for p in self.model.parameters())
-        flops = 3e14 if self.device.type == "cuda" else 3e10  # sustained, roughly
         policy = ReloadPolicy(
             h2d_bytes_per_s=measure_h2d_bytes_per_s(self.device),
-            prefill_tokens_per_s=flops / max(2 * weights, 1),
+            prefill_tokens_per_s=self._prefill_tokens_per_s(),
         )
         enable_prefix_host(self.alloc.parts, host_bytes, policy)
+
+    def _prefill_tokens_per_s(self) -> float:
+        """A prefill estimate of 2 FLOPs per weight per token at a sustained rate."""
+        weights = sum(p.numel() for p in self.model.parameters())
+        flops = 3e14 if self.device.type == "cuda" else 3e10  # sustained, roughly
+        return flops / max(2 * weights, 1)
+
+    def _swap_space(self, host_bytes: int, preemption: str):
+        """The host slots preempted requests swap into (None: recompute only), with
+        the measured pinned-copy bandwidths in its cost rule."""
+        from unikv.io.prefix_host_setup import measure_h2d_bytes_per_s
+        from unikv.io.swap import SwapPolicy, build_swap_space
+
+        if not host_bytes or preemption == "recompute":
+            return None
+        policy = SwapPolicy(
+            preemption,
+            d2h_bytes_per_s=measure_h2d_bytes_per_s(self.device, to_device=False),
+            h2d_bytes_per_s=measure_h2d_bytes_per_s(self.device),
+            prefill_tokens_per_s=self._prefill_tokens_per_s(),
+        )
+        return build_swap_space(self.alloc, host_bytes, policy)
 
     def _check_windows(self, configs) -> None:
         for c in configs:

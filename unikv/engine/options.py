@@ -135,3 +135,35 @@ def merged_eos(config, model_dir: str, tokenizer) -> tuple[int, ...]:
     if isinstance(eos, int):
         ids.append(eos)
     return tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < config.vocab_size))
+
+
+def check_swap(preemption, swap_host_bytes, configs, tp_group=None) -> None:
+    """``preemption``: "auto" (swap to ``swap_host_bytes`` of host slots when the
+    cost rule says so, else recompute), "swap" (swap whenever the host slots have
+    room) or "recompute"; ``swap_host_bytes``: an int >= 0 (0: no swap) holding at
+    least one page of every token sub-pool (and a state slot for hybrids)."""
+    from unikv.io.prefix_host_setup import host_slots
+    from unikv.io.swap import MODES
+
+    if preemption not in MODES:
+        raise ValueError(
+            f"preemption must be one of {MODES} (auto: swap when cheaper than recomputing), "
+            f"got {preemption!r}"
+        )
+    bad = isinstance(swap_host_bytes, bool) or not isinstance(swap_host_bytes, int)
+    if bad or swap_host_bytes < 0:
+        raise ValueError(f"swap_host_bytes must be an int >= 0 (0: off), got {swap_host_bytes!r}")
+    if preemption == "swap" and not swap_host_bytes:
+        raise ValueError(
+            "preemption='swap' swaps preempted requests to host slots, but swap_host_bytes is "
+            "0; give swap_host_bytes (--swap-host-bytes) or use preemption='auto'/'recompute'"
+        )
+    if swap_host_bytes and tp_group is not None:
+        raise ValueError(
+            "swap_host_bytes is not supported under tensor parallelism yet (every rank must "
+            "make the same swap decisions); leave it at 0 with tp_group"
+        )
+    if swap_host_bytes:
+        token = {c.name: c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind != "mamba"}
+        state = [c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind == "mamba"]
+        host_slots(token, state[0] if state else None, swap_host_bytes, "swap_host_bytes")

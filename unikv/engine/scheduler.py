@@ -1,5 +1,6 @@
 """Continuous batching over the unified pool: chunked prefill, decode batching,
-admission by the allocator's capacity oracle, preemption by recompute.
+admission by the allocator's capacity oracle, preemption by recompute or by
+swap to host slots (``io/swap.py``).
 
 One step (``schedule``):
 
@@ -32,6 +33,12 @@ longer than its hit) and at its last whole page before its last token
 (``_state_at``); there its pages are shared and its state slot copied
 (``prefix.checkpoint``; policy and cost: ``allocator/checkpoints.py``);
 ``alloc_mamba`` restores a hit's checkpoint.
+
+Swap (``swap``, a ``SwapSpace``): a preempted request's pages (a window's live
+ones, its state slot) are copied to host slots when the cost rule says so and
+the slots are free, else it is recomputed. Readmission asks the oracle for the
+same pages a recompute would need, reserves pages for its computed tokens
+(``_reserve``), copies them back and resumes where it stopped.
 
 ``complete`` applies the sampled tokens, frees the pages of finished requests
 and the sliding-window pages that left the window.
@@ -109,6 +116,8 @@ class Scheduler:
             a capacity simulation): decode_step makes its own.
         prefix_caching: share full pages of prompts across requests (the pool
             must be one the allocator's prefix cache supports).
+        swap: None (preemption recomputes), or the ``io.swap.SwapSpace`` that
+            preempted requests may swap into.
     """
 
     def __init__(
@@ -120,8 +129,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         tables: StepTables | None = None,
         prefix_caching: bool = False,
+        swap=None,
     ):
         self.alloc, self.tables, self.prefix_caching = alloc, tables, prefix_caching
+        self.swap = swap
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
@@ -201,10 +212,13 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            hit = self._open(r)
-            n = self._chunk(r, budget)
-            ok = self._fits(r.num_pending, n) and self._admit_state(r)
-            ids = self._extend(r, n) if ok else None
+            if self.swap is not None and r.request_id in self.swap.held:
+                hit, (n, ids) = None, self._swap_in(r, budget)
+            else:
+                hit = self._open(r)
+                n = self._chunk(r, budget)
+                ok = self._fits(r.num_pending, n) and self._admit_state(r)
+                ids = self._extend(r, n) if ok else None
             if ids is None:
                 if hit is not None:  # not admitted: its lookup is retried, counted then
                     self.alloc.parts.prefix.uncount(hit)
@@ -286,9 +300,46 @@ class Scheduler:
             np.array([n], dtype=np.int64),
         )
 
+    def _swap_in(self, r: Request, budget: int):
+        """Readmit swapped-out ``r``: ``(n, virtual ids of its next n tokens)``, its
+        pages and state back from the host; ``(0, None)`` (its host copy kept; the
+        caller frees the slot) when the pool has no room."""
+        record = self.swap.held[r.request_id]
+        r.slot = self.alloc.new_request()
+        r.num_cached = record.num_cached
+        if record.state_at:
+            self._state_at[r.slot] = list(record.state_at)
+        n = self._chunk(r, budget)
+        ok = self._fits(r.seq_len, max(n, self.max_num_batched_tokens))
+        ok = ok and self._reserve(r) and self._admit_state(r)
+        ids = self._extend(r, n) if ok else None
+        if ids is None:
+            self._state_at.pop(r.slot, None)
+            return 0, None
+        self.swap.swap_in(r.request_id, r.slot)
+        return n, ids
+
+    def _reserve(self, r: Request) -> bool:
+        """Pages for ``r``'s first ``num_cached`` tokens, a chunk at a time, a
+        window's pages freed behind each (as its prefill left them)."""
+        step = self.max_num_batched_tokens if self.has_window else r.num_cached
+        slot = np.array([r.slot], dtype=np.int64)
+        for start in range(0, r.num_cached, step):
+            n = min(step, r.num_cached - start)
+            if self.alloc.alloc_extend(slot, np.array([start]), np.array([n])) is None:
+                return False
+            if self.has_window:
+                self.alloc.free_out_of_window(slot, np.array([start + n]))
+        return True
+
     def _preempt(self, r: Request) -> None:
-        """Recompute preemption: free every page, keep the tokens, requeue first."""
+        """Preemption: free every page, keep the tokens, requeue first; the pages
+        go to host slots first when ``swap`` takes them, else it is recomputed."""
         self._cache(r)
+        if self.swap is not None:
+            record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
+            if record is not None:
+                record.state_at = self._state_at.pop(r.slot, None)
         self.alloc.free_request(r.slot)
         self.running.remove(r)
         r.slot, r.num_cached, r.status = None, 0, Status.WAITING
@@ -307,6 +358,8 @@ class Scheduler:
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
             self.waiting.remove(r)
+            if self.swap is not None:
+                self.swap.drop(r.request_id)
         r.slot, r.status = None, Status.FINISHED
         if r.finish_reason is None or reason == "stop":
             r.finish_reason = reason
@@ -346,6 +399,8 @@ class Scheduler:
                     self.running.remove(r)
                 elif r.status is Status.WAITING:  # preempted meanwhile
                     self.waiting.remove(r)
+                    if self.swap is not None:
+                        self.swap.drop(r.request_id)
                 r.slot, r.status = None, Status.FINISHED
         return finished
 

@@ -14,35 +14,46 @@ from unikv.allocator.prefix import HOST
 from unikv.io.prefix_host import PrefixHost, ReloadPolicy
 
 
-def host_slots(token_bytes: Mapping[str, int], state_bytes: int | None, host_bytes: int):
-    """(page slots per token sub-pool, state checkpoint slots) of ``host_bytes``.
+def host_slots(
+    token_bytes: Mapping[str, int],
+    state_bytes: int | None,
+    host_bytes: int,
+    what: str = "prefix_host_bytes",
+):
+    """(page slots per token sub-pool, state slots) of ``host_bytes``.
 
     A host node takes one envelope of every token sub-pool (``token_bytes``: page
     bytes by name); with a state sub-pool (``state_bytes``: one slot's bytes) a
-    quarter of the bytes (at least one slot) holds checkpoints. ValueError when
-    that leaves no whole node."""
+    quarter of the bytes (at least one slot) holds states (checkpoints, or swapped
+    requests' states). ValueError, naming the option ``what``, when that leaves no
+    whole node."""
     if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0:
-        raise ValueError(f"prefix_host_bytes must be an int >= 0 (0: off), got {host_bytes!r}")
+        raise ValueError(f"{what} must be an int >= 0 (0: off), got {host_bytes!r}")
     node = sum(token_bytes.values())
     states = max(1, host_bytes // 4 // state_bytes) if state_bytes else 0
     pages = (host_bytes - states * (state_bytes or 0)) // node if node else 0
     if pages < 1:
         need = node + (state_bytes or 0)
         raise ValueError(
-            f"prefix_host_bytes={host_bytes} holds no whole page envelope: one cached page "
+            f"{what}={host_bytes} holds no whole page envelope: one page "
             f"takes {node} bytes ({dict(token_bytes)})"
-            + (f" and the state checkpoints at least {state_bytes}" if state_bytes else "")
+            + (f" and the states at least {state_bytes}" if state_bytes else "")
             + f"; give at least {need} bytes, or 0 to turn the host tier off"
         )
     return pages, states
 
 
-def measure_h2d_bytes_per_s(device: torch.device, num_bytes: int = 32 << 20) -> float:
-    """Host-to-device bandwidth of a pinned copy (CUDA) or a memcpy (CPU), one
-    warm-up and three timed copies (start-up only: it syncs)."""
+def measure_h2d_bytes_per_s(
+    device: torch.device, num_bytes: int = 32 << 20, *, to_device: bool = True
+) -> float:
+    """Host-to-device (``to_device=False``: device-to-host) bandwidth of a pinned
+    copy (CUDA) or a memcpy (CPU), one warm-up and three timed copies (start-up
+    only: it syncs)."""
     cuda = device.type == "cuda"
     src = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=cuda)
     dst = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    if not to_device:
+        src, dst = dst, src
     dst.copy_(src, non_blocking=cuda)
     if cuda:
         torch.cuda.synchronize(device)

@@ -89,7 +89,7 @@ class _EngineCollector:
             snap["waiting"] + len(self.loop._inbox),
         )
         yield CounterMetricFamily(
-            "unikv_num_preemptions", "Requests preempted (recompute)", snap["preemptions"]
+            "unikv_num_preemptions", "Requests preempted (recompute or swap)", snap["preemptions"]
         )
         prefix = snap["prefix"]
         for key, text in (
