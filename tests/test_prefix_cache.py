@@ -305,5 +305,6 @@ def test_each_broken_prefix_invariant_is_named(invariant):
         alloc.check_integrity()
 
 
-def test_prefix_hit_is_exported():
-    assert PrefixHit.__module__ == "unikv.allocator.prefix"
+def test_the_exported_prefix_hit_is_what_match_returns():
+    hit = busy().parts.prefix.match(np.arange(9, dtype=np.int64))
+    assert type(hit) is PrefixHit

@@ -8,41 +8,27 @@ A page is *cached* once ``insert`` gave it to the cache: its virtual
 space owner becomes ``CACHED``, ``refs[page]`` counts the request tables that
 hold it, and the page is never written again (a hit covers whole pages only; a
 request writes its own next page; ``truncate`` refuses to cut into one). At
-``refs == 0`` the page is *evictable*: in ``lru``, oldest first, deepest block
-first within one release, so leaves go before their parents. Eviction unbinds
-it everywhere (fenced like any free), retires the virtual page and drops its
-node. A hit never trusts a hash: each block's tokens are compared, and each
+``refs == 0`` the page is *evictable*; eviction (LRU, leaves first) unbinds it
+everywhere and drops its node (``prefix_evict.py``, this cache's base class).
+A hit never trusts a hash: each block's tokens are compared, and each
 node names its parent by node id (ids are never reused), so a node found by a
 colliding key, or one whose parent was evicted, does not match.
 
-Sliding windows (every windowed token sub-pool, the owner included when all
-are windowed): a hit of k blocks serves a request only if the pages its first
-query reads are bound in every windowed sub-pool, blocks ``[first, k)`` with
-``first = max(k*ps + 1 - W, 0) // ps``; ``match`` returns the longest such k
-(a shorter intact prefix, or a miss). Policy: a cached page keeps its window
-bindings for as long as it is cached; a request's out-of-window frees skip
-cached pages (``Tokens.stage_window_frees``), so the window suffix of every
-cached prefix lives until its node is evicted (LRU, leaves first), while a
-request's private pages that left its window are freed at once, before any
-cached page. A page cached after its request freed it out of the window
-never regains its binding: hits ending where it is needed fall back.
-
-Recurrent state (a Mamba sub-pool): a hit of k blocks also needs a state
-checkpoint at block k-1's node; ``match`` returns the longest prefix that has
-one, ``attach`` pins it for ``alloc_mamba`` to restore (policy and cost:
-``checkpoints.py``), and a node's eviction drops its checkpoint.
-
-Host tier (``io/prefix_host.py``, when ``host`` is set): eviction spills a
-reachable node's envelopes to host slots and keeps the node (``page = HOST``);
-``match`` walks device and host nodes alike, ``reload`` brings a hit's host part
-back (or chooses recompute by cost, or falls back to the device-only prefix).
+Which chain walks make a usable hit (sliding windows intact, a state
+checkpoint at its end) and the node records: ``prefix_chain.py``. Recurrent
+state: ``attach`` pins the hit's checkpoint for ``alloc_mamba`` to restore, and a
+node's eviction drops its checkpoint (``checkpoints.py``). Host tier
+(``io/prefix_host.py``, when ``host`` is set): eviction spills a reachable
+node's envelopes to host slots and keeps the node (``page = HOST``); ``match``
+walks device and host nodes alike, ``reload`` brings a hit's host part back (or
+chooses recompute by cost, or falls back to the device-only prefix).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,32 +36,26 @@ import torch
 from unikv.allocator.checkpoints import StateCheckpoints
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
+from unikv.allocator.prefix_chain import (
+    CACHED,
+    HOST,
+    ChainNode,
+    PrefixHit,
+    chain_hit,
+    check_prefix_windows,
+    reachable,
+)
+from unikv.allocator.prefix_evict import (
+    evict_pages,
+    evictable_physical,
+    release_pages,
+    stage_unbind,
+)
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
 from unikv.allocator.tables import TablePatch, TableWriter
 
-CACHED = -2  # VirtualSpace.owner of a page the prefix cache holds
-HOST = -1  # _Node.page of a node whose envelopes live on the host tier (io/prefix_host.py)
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """The cached pages of the longest cached prefix of some tokens.
-
-    pages: (k,) host int32 virtual pages of blocks 0..k-1; nodes: (k,) host
-    int64 node ids (a hit is stale once one of them is evicted); num_tokens:
-    k * page_size; num_query_tokens: the tokens looked up; num_page_tokens: the
-    tokens of the longest cached page run (>= num_tokens: a hybrid's hit also
-    needs a state checkpoint at its end); num_host_pages: pages of it on the host
-    tier (``pages`` holds HOST there: pass the hit through ``reload``);
-    host_state: its state checkpoint is on the host tier."""
-
-    pages: np.ndarray
-    nodes: np.ndarray
-    num_tokens: int
-    num_query_tokens: int
-    num_page_tokens: int = 0
-    num_host_pages: int = 0
-    host_state: bool = False
+# re-exported: the allocator, the host tier and tests import them from here
+__all__ = ["CACHED", "HOST", "PrefixCache", "PrefixHit", "check_prefix_windows", "stage_unbind"]
 
 
 @dataclass
@@ -91,34 +71,6 @@ class PrefixStats:
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
-
-
-@dataclass
-class _Node:
-    node_id: int
-    parent_id: int
-    key: int
-    page: int
-    tokens: np.ndarray = field(repr=False)  # (ps,) int64
-
-
-def stage_unbind(
-    books: dict[str, PageBook],
-    names: tuple[str, ...],
-    fences: FenceQueue,
-    writer: TableWriter,
-    vpages: np.ndarray,
-    patch: TablePatch,
-) -> None:
-    """Unbind the bound ones of ``vpages`` (host int32) in token sub-pools
-    ``names`` on the host (fenced); stage their tombstones in ``patch``."""
-    for name in names:
-        book = books[name]
-        bound = vpages[book.physical(vpages) >= 0]  # I/O or a window may have freed some
-        ppages = fences.unbind(book, bound)
-        if len(ppages):
-            patch.add_tombstones(writer.v2p_id[name], bound)
-            patch.add_tombstones(writer.p2v_id[name], ppages)
 
 
 class PrefixCache:
@@ -144,10 +96,10 @@ class PrefixCache:
         self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
         self.fences, self.writer, self.check, self.states = fences, writer, check, states
         self.refs = np.zeros(vspace.size, np.int32)  # request tables holding each cached page
-        self.by_key: dict[int, _Node] = {}
-        self.by_page: dict[int, _Node] = {}
-        self.by_id: dict[int, _Node] = {}  # the live nodes by node id
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
+        self.by_key: dict[int, ChainNode] = {}
+        self.by_page: dict[int, ChainNode] = {}
+        self.by_id: dict[int, ChainNode] = {}  # the live nodes by node id
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
         self.host = None  # the host tier (io.prefix_host.PrefixHost), set by enable_prefix_host
@@ -184,7 +136,9 @@ class PrefixCache:
             raise ValueError(f"{what}: token_ids must be a 1-D list of ints, got {token_ids!r}")
         return array.astype(np.int64)
 
-    def _find(self, parent_key: int, parent_id: int, block: np.ndarray) -> tuple[int, _Node | None]:
+    def _find(
+        self, parent_key: int, parent_id: int, block: np.ndarray
+    ) -> tuple[int, ChainNode | None]:
         """(key of ``block`` under its parent, the node caching it or None)."""
         key = hash((parent_key, block.tobytes()))
         node = self.by_key.get(key)
@@ -211,47 +165,17 @@ class PrefixCache:
             hit = self.host.choose(hit, self.chain_hit(found, len(tokens), host=False))
         return hit
 
-    def chain_hit(self, found: list[_Node], num_query: int, host: bool) -> PrefixHit:
-        """The longest usable prefix of chain nodes ``found`` (block order): window
-        pages intact, a state checkpoint at its end (hybrids); ``host``: host nodes
-        and host checkpoints count, else the chain stops at the first host node."""
-        if not host:
-            found = found[: next((i for i, n in enumerate(found) if n.page == HOST), len(found))]
-        pages = np.array([n.page for n in found], np.int32)
-        bound = None
-        if host and self.host is not None:
-            bound = {n: self.host.bound(found, n) for n in self.roles.windows}
-        count = intact = self.window_intact(pages, bound)
-        states = self.states
-        if states is not None:  # a hybrid's hit ends at a block with a state checkpoint
-            while count and not states.has(found[count - 1].node_id, host):
-                count -= 1
-        nodes = np.array([n.node_id for n in found[:count]], np.int64)
-        on_host = bool(count and states is not None and nodes[-1] not in states.by_node)
-        ps, num_host = self.roles.page_size, int((pages[:count] == HOST).sum())
-        return PrefixHit(
-            pages[:count], nodes, count * ps, num_query, intact * ps, num_host, on_host
-        )
+    def chain_hit(self, found: list[ChainNode], num_query: int, host: bool) -> PrefixHit:
+        """``prefix_chain.chain_hit`` over this cache's sub-pools, checkpoints and tier."""
+        return chain_hit(
+            found, num_query, host,
+            roles=self.roles, books=self.books, states=self.states, tier=self.host,
+        )  # fmt: skip
 
     def reload(self, hit: PrefixHit) -> PrefixHit:
         """The hit to pass to ``new_request``: ``hit`` with its host pages reloaded
         (or its device-only prefix when the pool has no room: ``io/prefix_host.py``)."""
         return self.host.reload(hit) if self.host is not None and len(hit.pages) else hit
-
-    def window_intact(self, pages: np.ndarray, bound: dict | None = None) -> int:
-        """The largest k <= len(pages) such that a request holding the cached
-        ``pages[:k]`` (host int32, block order) finds every page its next query
-        reads bound in each windowed sub-pool (module docstring). ``bound``: per
-        windowed sub-pool, whether each page is bound (default: on the device)."""
-        ps, windows = self.roles.page_size, self.roles.windows
-        if bound is None:
-            bound = {n: self.books[n].physical(pages) >= 0 for n in windows}
-        count = len(pages)
-        while count and not all(
-            bound[n][max(count * ps + 1 - w, 0) // ps : count].all() for n, w in windows.items()
-        ):
-            count -= 1
-        return count
 
     def _count(self, hit: PrefixHit, sign: int) -> None:
         self.stats.queries += sign
@@ -357,14 +281,9 @@ class PrefixCache:
 
     def reachable(self, node_id: int) -> bool:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
-        while node_id:
-            node = self.by_id.get(node_id)
-            if node is None:
-                return False
-            node_id = node.parent_id
-        return True
+        return reachable(self.by_id, node_id)
 
-    def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> _Node | None:
+    def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> ChainNode | None:
         """Give ``page`` to the cache under ``key``; None when the key is held by a
         node still referenced, or the page is cached already (under another chain)."""
         stale = self.by_key.get(key)
@@ -374,13 +293,13 @@ class PrefixCache:
             return None  # an orphan or a collision holds the key
         if self.vspace.owner[page] == CACHED:
             return None
-        node = _Node(self._next_id, parent, key, page, block.copy())
+        node = ChainNode(self._next_id, parent, key, page, block.copy())
         self._next_id += 1
         self.by_key[key] = self.by_id[node.node_id] = node
         self._own(node, page)
         return node
 
-    def _own(self, node: _Node, page: int) -> None:
+    def _own(self, node: ChainNode, page: int) -> None:
         """``node`` caches the request page ``page`` (held by that one request)."""
         node.page = page
         self.by_page[page] = node
@@ -396,71 +315,16 @@ class PrefixCache:
         return True
 
     def release(self, vpages: np.ndarray) -> np.ndarray:
-        """A request gives up ``vpages`` (host int32, block order): cached ones lose a
-        reference (evictable at none, deepest first); returns the private ones."""
-        cached = self.vspace.owner[vpages] == CACHED
-        if not cached.any():
-            return vpages
-        shared = vpages[cached]
-        np.subtract.at(self.refs, shared, 1)
-        for page in shared[::-1].tolist():
-            if self.refs[page] == 0:
-                self.lru[page] = None
-        return vpages[~cached]
+        """``prefix_evict.release_pages``: the private ones of ``vpages`` (host int32)."""
+        return release_pages(self, vpages)
 
     def is_cached(self, vpages: np.ndarray) -> np.ndarray:
         return self.vspace.owner[vpages] == CACHED
 
     def evict(self, count: int) -> TablePatch:
-        """Evict the ``count`` oldest evictable pages (at most all): unbound
-        everywhere (fenced), virtual pages retired, nodes dropped; the tombstones
-        are staged in the returned patch."""
-        count = min(count, len(self.lru))
-        pages = np.array([self.lru.popitem(last=False)[0] for _ in range(count)], np.int32)
-        patch = TablePatch()
-        if count == 0:
-            return patch
-        nodes = [self.by_page.pop(page) for page in pages.tolist()]
-        spilled = self.host.spill(nodes) if self.host is not None else set()  # before unbinding
-        stage_unbind(self.books, self.roles.token_names, self.fences, self.writer, pages, patch)
-        dropped = []
-        for node in nodes:
-            if node.node_id in spilled:
-                node.page = HOST
-            else:
-                del self.by_key[node.key], self.by_id[node.node_id]
-                dropped.append(node.node_id)
-        if self.states is not None and dropped:  # the checkpoints no lookup can reach any more
-            self.states.drop(dropped + [n for n in self.states.nodes() if not self.reachable(n)])
-        if self.host is not None and dropped:
-            self.host.prune()  # host nodes below a dropped one
-        self.vspace.retire(pages)
-        self.stats.evicted_pages += count
-        return patch
+        """``prefix_evict.evict_pages``: the ``count`` oldest evictable pages evicted."""
+        return evict_pages(self, count)
 
     def evictable_physical(self, name: str) -> np.ndarray:
-        """Physical pages of ``name`` that evicting every evictable page would free
-        (host int64; unpinned ones only)."""
-        book = self.books[name]
-        if not self.lru:
-            return np.zeros(0, np.int64)
-        ppages = book.physical(np.fromiter(self.lru, np.int32, len(self.lru))).astype(np.int64)
-        ppages = ppages[ppages > 0]
-        return ppages[book.pins[ppages] == 0]
-
-
-def check_prefix_windows(parts) -> None:
-    """Invariant of windowed pools (``parts``: the allocator's ``Parts``): every
-    cached page that an open request's next query reads (columns from
-    ``max(len + 1 - W, 0) // ps`` on) is bound in that windowed sub-pool."""
-    req, roles, owner = parts.requests, parts.roles, parts.vspace.owner
-    npages = -(-req.lens // roles.page_size)
-    cols = np.arange(req.max_pages)[None, :]
-    for name, window in roles.windows.items():
-        first = np.maximum(req.lens + 1 - window, 0) // roles.page_size
-        read = (cols >= first[:, None]) & (cols < npages[:, None]) & req.in_use[:, None]
-        pages = req.pages[read]
-        pages = pages[owner[pages] == CACHED]
-        assert (parts.books[name].v2p_host[pages] >= 0).all(), (
-            f"{name}: cached pages an open request's window reads are bound"
-        )
+        """``prefix_evict.evictable_physical``: (host int64) pages eviction would free."""
+        return evictable_physical(self, name)

@@ -10,13 +10,8 @@ and ``max_tokens`` tokens, on every device):
                    req_to_token + v2p --alloc.block_table--> block table (per sub-pool)
     hybrid models: request slots --alloc.mamba_slots--> physical state slots
 
-    host arrays --one copy--> one device byte buffer, typed views for (R rows, T tokens):
-        input_ids (T,) i64 | positions (T,) i64 | logits_indices (R,) i64 |
-        lanes (R,) i64 | seq_lens (R,) i32 | slots (R,) i32 | q_indptr (R+1,) i32
-
-``lanes``: in a one-token step whose every input is a placeholder (steady
-decoding), lane i's placeholder's lane, so input_ids[:B] = prev_tokens[lanes] is
-one gather (else ``Pending.fill``, or nothing when the host sees no placeholder).
+    host arrays --one copy--> one device byte buffer (``plan_upload.StepUpload``):
+        input_ids, positions, logits_indices, lanes, seq_lens, slots, q_indptr
 
 ``plan(batch, rows=R)`` pads the batch to R rows (CUDA graphs): a padded lane
 feeds token 0 at position 0 with seq_len 1, block-table row 0, write id 0 and
@@ -30,29 +25,17 @@ and sub-pool; every layer only reads the StepPlan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from unikv.engine.request import Pending
+from unikv.engine.plan_upload import StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
 from unikv.kernels.backend import DecodePlan, KernelBackend
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
-
-I64, I32 = 8, 4  # bytes per element of the two sections of the packed buffer
-_NUM_CACHED, _SLOT = attrgetter("num_cached"), attrgetter("slot")
-_ALL, _SOME, _NONE = "all", "some", "none"  # which input tokens are placeholders
-
-
-def _token_at(r, index: int) -> int:
-    """all_ids[index] of request ``r`` without building all_ids."""
-    n = len(r.prompt_ids)
-    return r.prompt_ids[index] if index < n else r.output_ids[index - n]
 
 
 @dataclass(frozen=True)
@@ -146,14 +129,7 @@ class StepPlanner:
             {s.name: torch.zeros(self.max_tokens, dtype=torch.int64, device=dev) for s in subs},
         )
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
-        nbytes = I64 * (2 * self.max_tokens + 2 * rows) + I32 * (3 * rows + 1)
-        self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-        staging = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
-        self._staging = [t.pin_memory() for t in staging] if pin else staging
-        self._host = [t.numpy() for t in self._staging]
-        self._num_plans = 0
-        self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
-        self._arange = np.arange(self.max_tokens + 1, dtype=np.int64)
+        self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
         self._q_per_kv = q_per_kv
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
 
@@ -188,15 +164,13 @@ class StepPlanner:
             "step planner invariant: a DECODE batch's tables are this planner's buffers "
             "(build the Scheduler with tables=StepPlanner.tables)"
         )
-        dev, host, pending = self._upload(batch, rows or num)
+        dev, host, pending = self.upload.upload(batch, rows or num)
         longest = None  # tokens the tables must span (None: the whole context)
         if rows is None:
             rows = num
             longest = int(host["seq_lens"].max()) if num else 1
-        if prev_tokens is not None and pending is _ALL:  # steady decoding: one gather
-            torch.index_select(prev_tokens, 0, dev["lanes"][:num], out=dev["input_ids"][:num])
-        elif prev_tokens is not None and pending is _SOME:
-            Pending.fill(dev["input_ids"], prev_tokens)
+        if prev_tokens is not None:
+            self.upload.fill(dev, pending, prev_tokens, num)
         max_q_len = max(batch.num_new, default=1)
         is_decode = batch.is_decode
         return StepPlan(
@@ -212,90 +186,6 @@ class StepPlanner:
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             fresh=not is_decode and not any(r.num_cached for r in batch.requests),
         )
-
-    def _upload(self, batch: Batch, rows: int) -> tuple[dict, dict, object]:
-        """The step's int arrays, padded to ``rows`` lanes, written into a host
-        staging buffer and copied to the device in one copy; (typed device views,
-        typed host views, which tokens are placeholders: _ALL, _SOME or _NONE).
-        One-token steps (decodes) take a path without per-token arrays: positions
-        are the starts, q_indptr an arange, and ``lanes`` the placeholders' lanes."""
-        reqs, num_new = batch.requests, batch.num_new
-        num = len(reqs)
-        starts = list(map(_NUM_CACHED, reqs))
-        one_token = len(num_new) == num_new.count(1)
-        if one_token:
-            # a one-token lane feeds its token at num_cached: a decode's last token, or
-            # a prefill chunk of one (a chunk cut at a state checkpoint, a budget's last)
-            tokens = [_token_at(r, s) for r, s in zip(reqs, starts)]
-            num_tokens = rows
-        else:
-            tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
-            num_tokens = len(tokens) + rows - num
-        assert num_tokens <= self.max_tokens, (
-            f"step planner invariant: {num_tokens} tokens in a step, buffers hold {self.max_tokens}"
-        )
-        slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
-        self._num_plans += 1
-        host, dev, nbytes = self._layout(slot, rows, num_tokens)
-        seq_lens, input_ids = host["seq_lens"], host["input_ids"]
-        seq_lens[:num] = starts
-        seq_lens[num:] = 0
-        input_ids[:num_tokens] = 0
-        input_ids[: len(tokens)] = tokens
-        host["slots"][:num] = list(map(_SLOT, reqs))
-        host["slots"][num:] = 0
-        q_indptr, positions = host["q_indptr"], host["positions"]
-        pending = _NONE if not tokens or input_ids[: len(tokens)].min() >= 0 else _SOME
-        if one_token:
-            positions[:] = seq_lens  # the starts, 0 on padded lanes
-            q_indptr[:] = self._arange[: rows + 1]
-            host["logits_indices"][:] = self._arange[:rows]
-            if pending is _SOME and input_ids[:num].max() < 0:  # -(1 + lane) -> lane
-                np.subtract(-1, input_ids[:num], out=host["lanes"][:num])
-                pending = _ALL
-        else:
-            counts = np.ones(rows, np.int64)
-            counts[:num] = num_new
-            q_indptr[0] = 0
-            np.cumsum(counts, out=q_indptr[1:])
-            positions[:] = self._arange[:num_tokens] - np.repeat(q_indptr[:-1] - seq_lens, counts)
-            host["logits_indices"][:] = q_indptr[1:] - 1
-        seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
-        self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
-        return dev, host, pending
-
-    def _layout(self, slot: int, rows: int, num_tokens: int) -> tuple[dict, dict, int]:
-        """(host views of staging slot ``slot``, device views, bytes) for ``rows``
-        requests and ``num_tokens`` tokens, built once per shape (views are cheap
-        to keep, slow to make on every step)."""
-        key = (slot, rows, num_tokens)
-        found = self._layouts.get(key)
-        if found is None:
-            host, nbytes = self._views(self._host[slot], rows, num_tokens)
-            with torch.inference_mode(False):  # kept views: usable in and out of it
-                dev = self._views(self._buffer, rows, num_tokens)[0]
-            found = host, dev, nbytes
-            if len(self._layouts) < 4 * self.max_seqs:  # decode shapes and some extends
-                self._layouts[key] = found
-        return found
-
-    @staticmethod
-    def _views(buffer, rows: int, num_tokens: int) -> tuple[dict, int]:
-        """Typed views of a byte buffer (numpy or torch) for ``rows`` requests and
-        ``num_tokens`` tokens (the layout in the module docstring), and its bytes."""
-        fields, views, start = [], {}, 0
-        fields += [("input_ids", I64, num_tokens), ("positions", I64, num_tokens)]
-        fields += [("logits_indices", I64, rows), ("lanes", I64, rows)]
-        fields += [("seq_lens", I32, rows), ("slots", I32, rows)]
-        fields += [("q_indptr", I32, rows + 1)]
-        for name, size, count in fields:
-            raw = buffer[start : start + size * count]
-            if isinstance(raw, np.ndarray):
-                views[name] = raw.view(np.int64 if size == I64 else np.int32)
-            else:
-                views[name] = raw.view(torch.int64 if size == I64 else torch.int32)
-            start += size * count
-        return views, start
 
     def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int) -> dict:
         """Per token sub-pool, the write ids and block table of the step: decode_step

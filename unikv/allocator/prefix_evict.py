@@ -1,0 +1,95 @@
+"""The prefix cache's references and LRU: release, eviction, the pages it would free.
+
+    refs[page]  request tables holding cached page ``page``
+    refs == 0   evictable: in ``lru``, oldest first, deepest block first within
+                one release, so leaves go before their parents
+
+Eviction unbinds a page in every token sub-pool (fenced like any free, the
+tombstones staged in a patch), retires its virtual page and drops its node and
+the checkpoints no lookup can reach any more; with a host tier a reachable
+node's envelopes are spilled first and the node kept (``page = HOST``).
+The functions here are ``prefix.PrefixCache``'s verbs of that kind, over the
+cache's state (``cache``: the ``PrefixCache``, which owns ``refs`` and ``lru``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from unikv.allocator.fences import FenceQueue
+from unikv.allocator.pages import PageBook
+from unikv.allocator.prefix_chain import CACHED, HOST, reachable
+from unikv.allocator.tables import TablePatch, TableWriter
+
+
+def stage_unbind(
+    books: dict[str, PageBook],
+    names: tuple[str, ...],
+    fences: FenceQueue,
+    writer: TableWriter,
+    vpages: np.ndarray,
+    patch: TablePatch,
+) -> None:
+    """Unbind the bound ones of ``vpages`` (host int32) in token sub-pools
+    ``names`` on the host (fenced); stage their tombstones in ``patch``."""
+    for name in names:
+        book = books[name]
+        bound = vpages[book.physical(vpages) >= 0]  # I/O or a window may have freed some
+        ppages = fences.unbind(book, bound)
+        if len(ppages):
+            patch.add_tombstones(writer.v2p_id[name], bound)
+            patch.add_tombstones(writer.p2v_id[name], ppages)
+
+
+def release_pages(cache, vpages: np.ndarray) -> np.ndarray:
+    """A request gives up ``vpages`` (host int32, block order): cached ones lose a
+    reference (evictable at none, deepest first); returns the private ones."""
+    cached = cache.vspace.owner[vpages] == CACHED
+    if not cached.any():
+        return vpages
+    shared = vpages[cached]
+    np.subtract.at(cache.refs, shared, 1)
+    for page in shared[::-1].tolist():
+        if cache.refs[page] == 0:
+            cache.lru[page] = None
+    return vpages[~cached]
+
+
+def evict_pages(cache, count: int) -> TablePatch:
+    """Evict the ``count`` oldest evictable pages (at most all): unbound
+    everywhere (fenced), virtual pages retired, nodes dropped; the tombstones
+    are staged in the returned patch."""
+    count = min(count, len(cache.lru))
+    pages = np.array([cache.lru.popitem(last=False)[0] for _ in range(count)], np.int32)
+    patch = TablePatch()
+    if count == 0:
+        return patch
+    nodes = [cache.by_page.pop(page) for page in pages.tolist()]
+    spilled = cache.host.spill(nodes) if cache.host is not None else set()  # before unbinding
+    stage_unbind(cache.books, cache.roles.token_names, cache.fences, cache.writer, pages, patch)
+    dropped = []
+    for node in nodes:
+        if node.node_id in spilled:
+            node.page = HOST
+        else:
+            del cache.by_key[node.key], cache.by_id[node.node_id]
+            dropped.append(node.node_id)
+    if cache.states is not None and dropped:  # the checkpoints no lookup can reach any more
+        unreachable = [n for n in cache.states.nodes() if not reachable(cache.by_id, n)]
+        cache.states.drop(dropped + unreachable)
+    if cache.host is not None and dropped:
+        cache.host.prune()  # host nodes below a dropped one
+    cache.vspace.retire(pages)
+    cache.stats.evicted_pages += count
+    return patch
+
+
+def evictable_physical(cache, name: str) -> np.ndarray:
+    """Physical pages of ``name`` that evicting every evictable page would free
+    (host int64; unpinned ones only)."""
+    book = cache.books[name]
+    if not cache.lru:
+        return np.zeros(0, np.int64)
+    ppages = book.physical(np.fromiter(cache.lru, np.int32, len(cache.lru))).astype(np.int64)
+    ppages = ppages[ppages > 0]
+    return ppages[book.pins[ppages] == 0]
