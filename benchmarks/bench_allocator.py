@@ -27,11 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this tree's unikv
 
 from unikv.allocator import PoolAllocator
 from unikv.kernels import get_backend

@@ -33,6 +33,7 @@ class PageState(IntEnum):
 
 
 OUT, FREE, LIVE, PENDING = PageState.OUT, PageState.FREE, PageState.LIVE, PageState.PENDING
+_LIVE = int(LIVE)  # a plain int: numpy stores it without the enum's conversion
 
 
 class PageBook:
@@ -112,7 +113,7 @@ class PageBook:
         """v2p[vpages] = ppages, p2v[ppages] = vpages; ppages were taken."""
         self.v2p_host[vpages] = ppages
         self.p2v_host[ppages] = vpages
-        self.state[ppages] = LIVE
+        self.state[ppages] = _LIVE
         self.num_live += len(ppages)
 
     def unbind_host(self, vpages: np.ndarray, held: bool) -> np.ndarray:

@@ -18,7 +18,7 @@ it never asserts on a packing that vanished (issue 16).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,23 @@ class Room:
 
     def drain(self) -> None:
         """Pages whose fences fired become holes."""
+        if not len(self.fences):  # nothing held: the common case, no dict built
+            return
         for name, pages in self.fences.drain().items():
             self.books[name].release_pending(pages)
+
+    def covers(self, books: Sequence[PageBook], count: int) -> bool:
+        """``reserve``'s first test for ``count`` new pages on each of ``books`` and
+        ``count`` virtual ids (fired fences drained first): True when the free
+        stacks hold them already, so ``reserve`` would return True moving nothing.
+        False says nothing (``reserve`` decides, under pressure)."""
+        self.drain()
+        if count > self.vspace.num_free:
+            return False
+        for book in books:
+            if book.num_free < count:
+                return False
+        return True
 
     def _fits_free(self, new: Mapping[str, int], virtual: int) -> bool:
         return virtual <= self.vspace.num_free and all(

@@ -53,6 +53,7 @@ class Tokens:
     ) -> None:
         self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
         self.fences, self.room, self.writer, self.prefix = fences, room, writer, prefix
+        self._token_books = [books[n] for n in roles.token_names]  # the fast path's test
 
     # -- checks ---------------------------------------------------------------------
 
@@ -62,7 +63,7 @@ class Tokens:
             raise ValueError(
                 f"{what}: {name} must be a host integer array of shape {slots.shape}, got {lens!r}"
             )
-        return array.astype(np.int64)
+        return array.astype(np.int64, copy=False)  # read only: the verbs never write it
 
     def check_held(self, slots: np.ndarray, lens: np.ndarray, what: str, name: str) -> None:
         held = self.requests.lens[slots]
@@ -124,7 +125,13 @@ class Tokens:
         if self.roles.owner is None:
             raise ValueError("this pool has no token sub-pool; use alloc_mamba")
         count, names = len(owners), self.roles.token_names
-        if count and not self.room.reserve({n: count for n in names}, count, slots):
+        # fast path: the free stacks hold the pages already (reserve would move
+        # nothing); otherwise reserve makes room, waits, or says no
+        if (
+            count
+            and not self.room.covers(self._token_books, count)
+            and not self.room.reserve({n: count for n in names}, count, slots)
+        ):
             return None
         patch = TablePatch()
         flat = patch.part(rows * self.requests.max_context + positions)

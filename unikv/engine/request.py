@@ -1,4 +1,4 @@
-"""One generation request and its host-side state.
+"""One generation request and its host-side state; a step's batch of requests.
 
     all_ids = prompt_ids + output_ids
               |<----- num_cached ----->|<-- not yet in the cache -->|
@@ -25,11 +25,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from unikv.engine.sampling import SamplingParams
+from unikv.ids import VirtualTokenIds
+
+if TYPE_CHECKING:
+    from unikv.engine.plan import StepTables
 
 
 class Pending:
@@ -144,3 +149,82 @@ class Request:
         self.finish_reason = "stop"
         del self.output_ids[index + 1 :]
         return stopped_now
+
+
+class BatchKind(enum.Enum):
+    """Who built a batch's block tables and write ids."""
+
+    DECODE = "decode"  # decode_step, for every request (into the scheduler's ``tables``)
+    EXTEND = "extend"  # nobody yet: the step planner translates (prefill chunks joined)
+
+
+@dataclass
+class Batch:
+    """A scheduled step: ``requests[i]`` feeds ``num_new[i]`` tokens whose
+    virtual ids are ``virtual_ids`` (all requests, batch order). ``kind``: see
+    ``BatchKind``; a DECODE batch's out-of-window pages are already freed and
+    ``tables`` are the buffers decode_step wrote (the step planner's; None when
+    the scheduler has none, then decode_step made its own)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    pieces: list[torch.Tensor] = field(default_factory=list)
+    kind: BatchKind = BatchKind.EXTEND
+    tables: StepTables | None = None
+    all_greedy: bool | None = None  # every sample a bare argmax (None: not known)
+    epoch: int = -1  # the scheduler's finish count when it was built
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per request: the decode kernels (and CUDA graphs) apply."""
+        return self.num_new.count(1) == len(self.num_new)
+
+    @property
+    def virtual_ids(self) -> VirtualTokenIds:
+        return VirtualTokenIds(torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0])
+
+    def add(self, request: Request, n: int, ids: VirtualTokenIds) -> None:
+        self.add_many([request], [n], ids)
+
+    def add_many(self, requests: list[Request], num_new: list[int], ids: VirtualTokenIds) -> None:
+        """Requests whose new tokens' virtual ids are ``ids`` (sum(num_new),), in order."""
+        self.requests.extend(requests)
+        self.num_new.extend(num_new)
+        self.pieces.append(ids.data)
+
+
+class DecodeSet:
+    """The running requests split into (decoding, prefilling), in admission order,
+    with the decoding ones' slots and lengths (B,) int64 host arrays for
+    ``decode_step``. ``running``: the running list it was built from (a copy)."""
+
+    def __init__(self, running: list[Request], decoding: list[Request], prefilling) -> None:
+        self.running, self.decoding, self.prefilling = running, decoding, prefilling
+        self.slots = np.fromiter((r.slot for r in decoding), np.int64, len(decoding))
+        self.lens = np.fromiter((r.num_cached for r in decoding), np.int64, len(decoding))
+        self.ones = [1] * len(decoding)
+        self.advanced = False  # a DECODE step advanced every decoding request by one
+        self._greedy = False
+
+    @classmethod
+    def of(cls, running: list[Request]) -> DecodeSet:
+        decoding, prefilling = [], []
+        for r in running:  # running requests: decoding iff one token is pending
+            if r.num_cached + 1 == len(r.prompt_ids) + len(r.output_ids):
+                decoding.append(r)
+            else:
+                prefilling.append(r)
+        return cls(list(running), decoding, prefilling)
+
+    def advance(self, num_requests: int) -> None:
+        """``complete`` of the DECODE step built from this set: one token each."""
+        if num_requests == len(self.decoding):
+            self.lens += 1
+            self.advanced = True
+
+    def greedy(self) -> bool:
+        """Every decoding request samples by argmax (once true, it stays true:
+        ``Request.plain_greedy`` only turns on as outputs grow)."""
+        if not self._greedy:
+            self._greedy = all(r.plain_greedy for r in self.decoding)
+        return self._greedy

@@ -195,6 +195,7 @@ class ModelRunner:
         through ``logits.sample_requests`` (penalties, min_tokens, min_p, logprobs;
         placeholders in the outputs read from ``prev_tokens`` on the device)."""
         reqs = batch.requests
-        if all(r.plain_greedy for r in reqs):
+        greedy = batch.all_greedy  # the scheduler's, when it knows (DECODE batches)
+        if greedy if greedy is not None else all(r.plain_greedy for r in reqs):
             return logits.argmax(dim=-1), None
         return sample_requests(reqs, logits.float(), prev_tokens, pin=self._pin)

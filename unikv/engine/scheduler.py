@@ -36,9 +36,11 @@ longer than its hit) and at its last whole page before its last token
 
 Swap (``swap``, a ``SwapSpace``): a preempted request's pages (a window's live
 ones, its state slot) are copied to host slots when the cost rule says so and
-the slots are free, else it is recomputed. Readmission asks the oracle for the
-same pages a recompute would need, reserves pages for its computed tokens
-(``_reserve``), copies them back and resumes where it stopped.
+the slots are free, else it is recomputed; readmission: ``swap_in.py``.
+
+Decodes without a host rebuild: the decoding requests' slots and lengths stay in
+numpy arrays (``_decodes``) while the running list is unchanged and each step
+was a DECODE batch (which advanced every one by one token).
 
 ``complete`` applies the sampled tokens, frees the pages of finished requests
 and the sliding-window pages that left the window.
@@ -46,61 +48,20 @@ and the sliding-window pages that left the window.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from unikv.engine.request import Pending, Request, Status
-from unikv.ids import VirtualTokenIds
+from unikv.engine.request import Batch, BatchKind, DecodeSet, Pending, Request, Status
+from unikv.engine.swap_in import swap_in
 from unikv.pool import worst_case_pages
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
     from unikv.engine.plan import StepTables
 
-
-class BatchKind(enum.Enum):
-    """Who built a batch's block tables and write ids."""
-
-    DECODE = "decode"  # decode_step, for every request (into the scheduler's ``tables``)
-    EXTEND = "extend"  # nobody yet: the step planner translates (prefill chunks joined)
-
-
-@dataclass
-class Batch:
-    """A scheduled step: ``requests[i]`` feeds ``num_new[i]`` tokens whose
-    virtual ids are ``virtual_ids`` (all requests, batch order). ``kind``: see
-    ``BatchKind``; a DECODE batch's out-of-window pages are already freed and
-    ``tables`` are the buffers decode_step wrote (the step planner's; None when
-    the scheduler has none, then decode_step made its own)."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new: list[int] = field(default_factory=list)
-    pieces: list[torch.Tensor] = field(default_factory=list)
-    kind: BatchKind = BatchKind.EXTEND
-    tables: StepTables | None = None
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per request: the decode kernels (and CUDA graphs) apply."""
-        return self.num_new.count(1) == len(self.num_new)
-
-    @property
-    def virtual_ids(self) -> VirtualTokenIds:
-        return VirtualTokenIds(torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0])
-
-    def add(self, request: Request, n: int, ids: VirtualTokenIds) -> None:
-        self.add_many([request], [n], ids)
-
-    def add_many(self, requests: list[Request], num_new: list[int], ids: VirtualTokenIds) -> None:
-        """Requests whose new tokens' virtual ids are ``ids`` (sum(num_new),), in order."""
-        self.requests.extend(requests)
-        self.num_new.extend(num_new)
-        self.pieces.append(ids.data)
+__all__ = ["Batch", "BatchKind", "Scheduler"]  # Batch, BatchKind: request.py
 
 
 class Scheduler:
@@ -143,6 +104,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
         self._state_at: dict[int, list[int]] = {}  # slot -> tokens at its state checkpoints
+        self._decodes: DecodeSet | None = None  # the decoding set, while still valid
+        self._epoch = 0  # requests finished so far (a batch with the same: none of its)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -161,7 +124,9 @@ class Scheduler:
             self._schedule_prefills(batch, prefilling, self.max_num_batched_tokens - num_decodes)
             if num_decodes and num_decodes == len(batch.requests):
                 batch.kind, batch.tables = BatchKind.DECODE, self.tables
+                batch.all_greedy = self._decodes.greedy()
             if batch.requests:
+                batch.epoch = self._epoch
                 return batch
             assert len(self.running) > 1, (
                 "scheduler invariant: one request alone always fits the pool (checked at "
@@ -169,35 +134,32 @@ class Scheduler:
             )
             self._preempt(self.running[-1])
 
-    def _split_running(self) -> tuple[list[Request], list[Request]]:
-        """Running requests in admission order: (decoding, still prefilling), one pass."""
-        decoding, prefilling = [], []
-        for r in self.running:  # running requests: decoding iff one token is pending
-            if r.num_cached + 1 == len(r.prompt_ids) + len(r.output_ids):
-                decoding.append(r)
-            else:
-                prefilling.append(r)
-        return decoding, prefilling
+    def _current_decodes(self) -> DecodeSet:
+        """The decoding set: kept from the last step when still valid, else rebuilt."""
+        d = self._decodes
+        if d is None or not d.advanced or self.running != d.running:  # identity compare
+            d = self._decodes = DecodeSet.of(self.running)
+        d.advanced = False
+        return d
 
     def _schedule_decodes(self, batch: Batch) -> list[Request]:
         """One token for every decoding request (preempting the newest until the
         chain holds them); returns the running requests still prefilling."""
         while True:
-            decoding, prefilling = self._split_running()
-            if not decoding:
-                return prefilling
-            slots = np.fromiter((r.slot for r in decoding), np.int64, len(decoding))
-            lens = np.fromiter((r.num_cached for r in decoding), np.int64, len(decoding))
+            d = self._current_decodes()
+            if not d.decoding:
+                return d.prefilling
             out = self.tables
             step = self.alloc.decode_step(
-                slots,
-                lens,
+                d.slots,
+                d.lens,
                 block_tables=out.block_tables if out is not None else None,
                 write_ids=out.write_ids if out is not None else None,
             )
             if step is not None:
-                batch.add_many(decoding, [1] * len(decoding), step.virtual_ids)
-                return prefilling
+                batch.add_many(d.decoding, d.ones, step.virtual_ids)
+                return d.prefilling
+            self._decodes = None
             self._preempt(self.running[-1])
 
     def _schedule_prefills(self, batch: Batch, prefilling: list[Request], budget: int) -> None:
@@ -213,7 +175,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
             if self.swap is not None and r.request_id in self.swap.held:
-                hit, (n, ids) = None, self._swap_in(r, budget)
+                hit, (n, ids) = None, swap_in(self, r, budget)
             else:
                 hit = self._open(r)
                 n = self._chunk(r, budget)
@@ -300,38 +262,6 @@ class Scheduler:
             np.array([n], dtype=np.int64),
         )
 
-    def _swap_in(self, r: Request, budget: int):
-        """Readmit swapped-out ``r``: ``(n, virtual ids of its next n tokens)``, its
-        pages and state back from the host; ``(0, None)`` (its host copy kept; the
-        caller frees the slot) when the pool has no room."""
-        record = self.swap.held[r.request_id]
-        r.slot = self.alloc.new_request()
-        r.num_cached = record.num_cached
-        if record.state_at:
-            self._state_at[r.slot] = list(record.state_at)
-        n = self._chunk(r, budget)
-        ok = self._fits(r.seq_len, max(n, self.max_num_batched_tokens))
-        ok = ok and self._reserve(r) and self._admit_state(r)
-        ids = self._extend(r, n) if ok else None
-        if ids is None:
-            self._state_at.pop(r.slot, None)
-            return 0, None
-        self.swap.swap_in(r.request_id, r.slot)
-        return n, ids
-
-    def _reserve(self, r: Request) -> bool:
-        """Pages for ``r``'s first ``num_cached`` tokens, a chunk at a time, a
-        window's pages freed behind each (as its prefill left them)."""
-        step = self.max_num_batched_tokens if self.has_window else r.num_cached
-        slot = np.array([r.slot], dtype=np.int64)
-        for start in range(0, r.num_cached, step):
-            n = min(step, r.num_cached - start)
-            if self.alloc.alloc_extend(slot, np.array([start]), np.array([n])) is None:
-                return False
-            if self.has_window:
-                self.alloc.free_out_of_window(slot, np.array([start + n]))
-        return True
-
     def _preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
         go to host slots first when ``swap`` takes them, else it is recomputed."""
@@ -361,6 +291,7 @@ class Scheduler:
             if self.swap is not None:
                 self.swap.drop(r.request_id)
         r.slot, r.status = None, Status.FINISHED
+        self._epoch += 1
         if r.finish_reason is None or reason == "stop":
             r.finish_reason = reason
 
@@ -372,10 +303,10 @@ class Scheduler:
         sample (lane ``i`` of the step's tokens), so the next step can be planned
         now; ``resolve`` writes the values later. Requests that a stop token
         already finished are skipped. Returns the requests finished by length."""
-        tokens = [Pending.of(i) for i in range(len(batch.requests))]
-        keep = [r.status is not Status.FINISHED for r in batch.requests]
-        if all(keep):
+        tokens = list(range(Pending.of(0), Pending.of(len(batch.requests)), -1))
+        if batch.epoch == self._epoch:  # none finished since it was built
             return self.complete(batch, tokens)
+        keep = [r.status is not Status.FINISHED for r in batch.requests]
         live = Batch(
             [r for r, k in zip(batch.requests, keep) if k],
             [n for n, k in zip(batch.num_new, keep) if k],
@@ -402,6 +333,7 @@ class Scheduler:
                     if self.swap is not None:
                         self.swap.drop(r.request_id)
                 r.slot, r.status = None, Status.FINISHED
+                self._epoch += 1
         return finished
 
     def complete(self, batch: Batch, tokens: list[int]) -> list[Request]:
@@ -425,6 +357,9 @@ class Scheduler:
                 if r.finish_reason is not None:
                     finished.append(r)
         self.num_appended = appended  # sampled tokens this step took (for counters)
+        if batch.kind is BatchKind.DECODE and self._decodes is not None:
+            self._decodes.advance(len(batch.requests))
+        self._epoch += len(finished)
         for r in finished:
             self._cache(r)
             self.alloc.free_request(r.slot)
