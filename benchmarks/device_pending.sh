@@ -28,10 +28,12 @@ step() {  # step NAME CAP CMD...
   tar czf "$FINAL/results.tgz" -C $R . 2>/dev/null
 }
 # -x stops at the first failure so its report is written before any cap can kill the run
-TESTS=${TESTS:-"tests/test_engine_mimo_gpu.py tests/test_kernels_mla_decode.py tests/test_kernels_moe.py tests/test_preempt_swap.py tests/test_engine_planner.py"}
+# the GPU tests of what changed after the last suite run: the host path under CUDA graphs
+# (smoke, engine), the MoE rewrite, the fused MLA variants, the wide MiMo
+TESTS=${TESTS:-"tests/test_gpu_smoke.py tests/test_kernels_moe.py tests/test_kernels_mla_decode.py tests/test_engine_gpu.py tests/test_engine_mimo_gpu.py"}
 for s in ${1//,/ }; do
   case $s in
-    tests) step tests 240 python3 -m pytest -m gpu -x -q -rA -p no:cacheprovider --timeout=120 $TESTS ;;
+    tests) step tests 330 python3 -m pytest -m gpu -x -q -rA -p no:cacheprovider --timeout=120 $TESTS ;;
     breakdown) step breakdown 90 python3 benchmarks/bench_breakdown.py --device cuda --out $R/breakdown.json ;;
     moe_sweep) step moe_sweep 120 python3 benchmarks/bench_moe.py --sweep ;;
     mla_sweep) step mla_sweep 130 python3 benchmarks/bench_mla_decode.py --sweep --budget 100 --out $R/mla_sweep.json ;;
