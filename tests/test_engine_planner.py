@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import pathlib
 from collections import Counter
@@ -95,6 +96,26 @@ def test_one_backend_reaches_the_pool_the_allocator_and_the_runner(llama, monkey
     pages = [PhysicalPageIds(torch.tensor([first + i]), name) for i in (0, 1)]
     llm.pool.move_pages(name, *pages)  # the pool's page copy is the backend's too
     assert rec.calls["copy_pages"] == 1
+
+
+def test_fresh_kv_is_passed_exactly_when_no_request_has_cached_tokens(llama, monkeypatch):
+    """Extend attention gets the step's own K/V (``fresh_kv``) iff every request's
+    length after the step is its new-token count, read off the op's own arguments;
+    16-token chunks make both kinds of step (a fresh first chunk, later chunks over a
+    cached prefix)."""
+    llm, rec = _recorded_llm(monkeypatch, llama.path, "torch")
+    inner, seen = rec.backend.extend_attention, []
+
+    def extend(q, k, v, table, q_indptr, seq_lens, **kw):
+        fresh = bool((seq_lens == q_indptr[1:] - q_indptr[:-1]).all())
+        seen.append((kw.get("fresh_kv") is not None, fresh))
+        return inner(q, k, v, table, q_indptr, seq_lens, **kw)
+
+    llm.runner.backend = dataclasses.replace(rec.backend, extend_attention=extend)
+    outputs = llm.generate(llama.prompts, SamplingParams(max_tokens=4))
+    assert [o.output_ids for o in outputs] == [g[:4] for g in llama.greedy]
+    assert {f for _, f in seen} == {True, False}, "both kinds of extend step ran"
+    assert all(passed == fresh for passed, fresh in seen), seen
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively (test_engine_gpu)")

@@ -184,7 +184,8 @@ class StepPlanner:
             subpools=self._tables(batch, dev, rows, longest, max_q_len),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
-            fresh=not is_decode and not any(r.num_cached for r in batch.requests),
+            # no cached tokens: the cache holds exactly the step's new tokens
+            fresh=not is_decode and int(host["seq_lens"][:num].sum()) == host["q_indptr"][num],
         )
 
     def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int) -> dict:
