@@ -1,4 +1,4 @@
-"""Launcher-side argument checks shared by the Triton kernels (host only, no syncs)."""
+"""Launcher-side argument checks and buffers shared by the Triton kernels (host only, no syncs)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,51 @@ def as_storage(name: str, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
             "spec's logical dtype (fp8 tensors are bit-copied into a uint8 cache)"
         )
     return x.view(cache.dtype)
+
+
+def out_buffer(
+    out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor
+) -> torch.Tensor:
+    """``out`` checked to be ``shape`` with unit last stride, or a new tensor of that
+    shape in ``like``'s dtype and device (an attention launcher's output)."""
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if out.shape != shape or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be {shape} with unit last stride, got {tuple(out.shape)} strides "
+            f"{out.stride()}"
+        )
+    return out
+
+
+def workspace_numel(rows: int, heads: int, width: int, num_splits: int) -> int:
+    """fp32 elements of a split-KV workspace: acc (``width``) and lse of every
+    (row, head, split); rows are decode requests or tokens."""
+    return rows * heads * num_splits * (width + 1)
+
+
+def split_workspace(
+    workspace: torch.Tensor | None,
+    rows: int,
+    heads: int,
+    width: int,
+    num_splits: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(acc, lse) fp32 parts of a split-KV workspace: acc (rows * heads * S * width,)
+    row-major over (row, head, split), then lse (rows * heads * S,). ``workspace``:
+    None (allocated here) or fp32 with >= ``workspace_numel`` elements (CUDA graphs).
+    With one split both parts are the whole (>= 1 element) buffer, a pointer the
+    kernels never read."""
+    need = workspace_numel(rows, heads, width, num_splits) if num_splits > 1 else 1
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.float32, device=device)
+    elif workspace.dtype != torch.float32 or workspace.numel() < need:
+        raise ValueError(
+            f"workspace must be fp32 with >= {need} elements (workspace_numel), got "
+            f"{workspace.dtype} x {workspace.numel()}"
+        )
+    if num_splits == 1:
+        return workspace, workspace
+    acc_numel = rows * heads * num_splits * width
+    return workspace[:acc_numel], workspace[acc_numel:need]

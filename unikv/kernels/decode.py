@@ -23,7 +23,14 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
-from unikv.kernels._checks import device_sms, next_pow2, view_strides
+from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, sizes buffers)
+    device_sms,
+    next_pow2,
+    out_buffer,
+    split_workspace,
+    view_strides,
+    workspace_numel,
+)
 
 MIN_SPLIT_TOKENS = 256  # never cut a request into chunks shorter than this
 CTAS_PER_SM = 4  # split until about this many programs per SM ...
@@ -55,11 +62,6 @@ def choose_config(dim: int, page_size: int, max_len: int, splits: int) -> tuple[
     if block_d <= 128 and triton.cdiv(max_len, splits * block_n) >= LONG_LOOP_TILES:
         stages = max(stages, LONG_LOOP_STAGES)
     return block_n, warps, stages
-
-
-def workspace_numel(batch: int, num_q_heads: int, v_head_dim: int, num_splits: int) -> int:
-    """fp32 elements of the workspace for a decode step (acc and lse of every split)."""
-    return batch * num_q_heads * num_splits * (v_head_dim + 1)
 
 
 @triton.jit
@@ -273,29 +275,16 @@ def decode_attention(
     bsz, hq, dim = q.shape
     heads, dim_v = k_cache.shape[-2], v_cache.shape[-1]
     group = hq // heads
-    if out is None:
-        out = torch.empty(bsz, hq, dim_v, dtype=q.dtype, device=q.device)
-    elif out.shape != (bsz, hq, dim_v) or out.stride(2) != 1:
-        raise ValueError(
-            f"out must be ({bsz}, {hq}, {dim_v}) with unit last stride, got {tuple(out.shape)}"
-        )
+    out = out_buffer(out, (bsz, hq, dim_v), q)
     if bsz == 0:
         return out
     max_len = block_table.shape[1] * page_size
     if window > 0:
         max_len = min(max_len, window)
     splits = num_splits or choose_num_splits(bsz, heads, max_len, q.device)
-    need = workspace_numel(bsz, hq, dim_v, splits) if splits > 1 else 1
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=q.device)
-    elif workspace.dtype != torch.float32 or workspace.numel() < need:
-        raise ValueError(
-            f"workspace must be fp32 with >= {need} elements, got {workspace.dtype} x {workspace.numel()}"
-        )
-    ws_acc = workspace[: bsz * hq * splits * dim_v] if splits > 1 else workspace
-    ws_lse = workspace[bsz * hq * splits * dim_v : need] if splits > 1 else workspace
+    ws_acc, ws_lse = split_workspace(workspace, bsz, hq, dim_v, splits, q.device)
     block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
-    sinks_arg = sinks if sinks is not None else workspace
+    sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
     _decode_split_kernel[(bsz, heads, splits)](
         q,
         k_cache,

@@ -28,7 +28,7 @@ from unikv.kernels._attn import (
     finish_rows,
     load_rows,
 )
-from unikv.kernels._checks import next_pow2, view_strides
+from unikv.kernels._checks import next_pow2, out_buffer, view_strides
 from unikv.kernels.extend_fresh import extend_attention_fresh
 
 # (block_m, block_n, num_warps, num_stages) per head_dim; tuned on the H200
@@ -244,12 +244,7 @@ def extend_attention(
         )
     num_tokens, hq, dim = q.shape
     heads, dim_v = k_cache.shape[-2], v_cache.shape[-1]
-    if out is None:
-        out = torch.empty(num_tokens, hq, dim_v, dtype=q.dtype, device=q.device)
-    elif out.shape != (num_tokens, hq, dim_v) or out.stride(2) != 1:
-        raise ValueError(
-            f"out must be ({num_tokens}, {hq}, {dim_v}) with unit last stride, got {tuple(out.shape)}"
-        )
+    out = out_buffer(out, (num_tokens, hq, dim_v), q)
     bsz = block_table.shape[0]
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._attn import attn_tile, dot_precision, finish_rows
-from unikv.kernels._checks import check_same_device, next_pow2
+from unikv.kernels._checks import check_same_device, next_pow2, out_buffer
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -224,12 +224,7 @@ def extend_attention_fresh(
     _check(q, k, v, q_indptr, sinks)
     num_tokens, hq, dim = q.shape
     heads, dim_v = k.shape[1], v.shape[2]
-    if out is None:
-        out = torch.empty(num_tokens, hq, dim_v, dtype=q.dtype, device=q.device)
-    elif out.shape != (num_tokens, hq, dim_v) or out.stride(2) != 1:
-        raise ValueError(
-            f"out must be ({num_tokens}, {hq}, {dim_v}) with unit last stride, got {tuple(out.shape)}"
-        )
+    out = out_buffer(out, (num_tokens, hq, dim_v), q)
     bsz = q_indptr.shape[0] - 1
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out

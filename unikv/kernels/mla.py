@@ -32,7 +32,13 @@ import triton.language as tl
 
 from unikv.kernels import store
 from unikv.kernels._attn import dot_precision
-from unikv.kernels._checks import device_sms, next_pow2
+from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, sizes buffers)
+    device_sms,
+    next_pow2,
+    out_buffer,
+    split_workspace,
+    workspace_numel,
+)
 from unikv.kernels._ids import kernel_row
 from unikv.kernels.decode import _decode_merge_kernel
 from unikv.kernels.mla_ref import check_mla_args, check_store_args, latent_parts
@@ -68,11 +74,6 @@ def choose_num_splits(row_programs: int, max_q_len: int, max_len: int, device: t
     want = triton.cdiv(sms * CTAS_PER_SM, max(row_programs, 1))
     cap = max(1, triton.cdiv(max_len, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
-
-
-def workspace_numel(num_tokens: int, heads: int, rank: int, num_splits: int) -> int:
-    """fp32 elements of the split-KV workspace (acc and lse of every split)."""
-    return num_tokens * heads * num_splits * (rank + 1)
 
 
 @triton.jit
@@ -227,13 +228,7 @@ def mla_attention(
     check_mla_args(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens)
     num_tokens, heads, rank = q_latent.shape
     rope = q_rope.shape[2]
-    if out is None:
-        out = torch.empty(num_tokens, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
-    elif out.shape != (num_tokens, heads, rank) or out.stride(2) != 1:
-        raise ValueError(
-            f"out must be ({num_tokens}, {heads}, {rank}) with unit last stride, got "
-            f"{tuple(out.shape)}"
-        )
+    out = out_buffer(out, (num_tokens, heads, rank), q_latent)
     bsz = block_table.shape[0]
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out
@@ -242,17 +237,7 @@ def mla_attention(
     row_blocks = triton.cdiv(rows, block_m)
     max_len = block_table.shape[1] * page_size
     splits = num_splits or choose_num_splits(row_blocks * bsz, max_q_len, max_len, out.device)
-    need = workspace_numel(num_tokens, heads, rank, splits) if splits > 1 else 1
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=out.device)
-    elif workspace.dtype != torch.float32 or workspace.numel() < need:
-        raise ValueError(
-            f"workspace must be fp32 with >= {need} elements, got {workspace.dtype} x "
-            f"{workspace.numel()}"
-        )
-    acc_numel = num_tokens * heads * splits * rank
-    ws_acc = workspace[:acc_numel] if splits > 1 else workspace
-    ws_lse = workspace[acc_numel:need] if splits > 1 else workspace
+    ws_acc, ws_lse = split_workspace(workspace, num_tokens, heads, rank, splits, out.device)
     _mla_kernel[(row_blocks, bsz, splits)](
         q_latent,
         q_rope,
@@ -289,7 +274,7 @@ def mla_attention(
         _decode_merge_kernel[(num_tokens, heads)](
             ws_acc,
             ws_lse,
-            workspace,  # no sinks
+            ws_acc,  # no sinks
             out,
             out.stride(0),
             out.stride(1),

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from unikv.kernels import mla, mla_decode_fused
 from unikv.kernels._attn import dot_precision
-from unikv.kernels._checks import device_sms, next_pow2
+from unikv.kernels._checks import device_sms, next_pow2, out_buffer, split_workspace
 from unikv.kernels._ids import kernel_row
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.mla_decode_plan import (  # noqa: F401  (the plan's public names, re-exported)
@@ -209,13 +209,7 @@ def mla_attention(
         )  # fmt: skip
     check_mla_args(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens)
     num_tokens, heads, rank = q_latent.shape
-    if out is None:
-        out = torch.empty(num_tokens, heads, rank, dtype=q_latent.dtype, device=q_latent.device)
-    elif out.shape != (num_tokens, heads, rank) or out.stride(2) != 1:
-        raise ValueError(
-            f"out must be ({num_tokens}, {heads}, {rank}) with unit last stride, got "
-            f"{tuple(out.shape)} strides {out.stride()}"
-        )
+    out = out_buffer(out, (num_tokens, heads, rank), q_latent)
     bsz = block_table.shape[0]
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out
@@ -225,29 +219,20 @@ def mla_attention(
         cfg = check_config(config)
     max_len = block_table.shape[1] * page_size
     splits = num_splits or choose_num_splits(bsz, heads, rank, max_len, cfg, device_sms(out.device))
-    need = workspace_numel(num_tokens, heads, rank, splits) if splits > 1 else 1
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=out.device)
-    elif workspace.dtype != torch.float32 or workspace.numel() < need:
-        raise ValueError(
-            f"workspace must be fp32 with >= {need} elements (workspace_numel), got "
-            f"{workspace.dtype} x {workspace.numel()}"
-        )
-    acc_numel = num_tokens * heads * splits * rank
-    ws_lse = workspace[acc_numel:need] if splits > 1 else workspace
+    ws_acc, ws_lse = split_workspace(workspace, num_tokens, heads, rank, splits, out.device)
     if cfg.variant != "split":
         mla_decode_fused.launch(
-            q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out, workspace,
+            q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out, ws_acc,
             ws_lse, sm_scale=sm_scale, page_size=page_size, num_splits=splits, config=cfg,
         )  # fmt: skip
     else:
         _launch_split(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out,
-                      workspace, ws_lse, sm_scale, page_size, splits, cfg)  # fmt: skip
+                      ws_acc, ws_lse, sm_scale, page_size, splits, cfg)  # fmt: skip
     if splits > 1:
         block_s = next_pow2(splits)
         block_c = max(16, min(next_pow2(rank), 8192 // block_s))  # <= 8192 fp32 a program
         _merge_kernel[(num_tokens, heads, triton.cdiv(rank, block_c))](
-            workspace, ws_lse, out, out.stride(0), out.stride(1), splits, H=heads, RANK=rank,
+            ws_acc, ws_lse, out, out.stride(0), out.stride(1), splits, H=heads, RANK=rank,
             BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
     return out

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from unikv.kernels._checks import device_sms, next_pow2
+from unikv.kernels._checks import device_sms, next_pow2, workspace_numel
 
 VARIANTS = ("split", "fused", "tma")
 SPLIT_RULES = ("model", "fill")
@@ -144,11 +144,6 @@ def choose_num_splits(
         if ns < best_ns:
             best, best_ns = splits, ns
     return best
-
-
-def workspace_numel(num_tokens: int, heads: int, rank: int, num_splits: int) -> int:
-    """fp32 elements of the split-KV workspace (acc and lse of every split)."""
-    return num_tokens * heads * num_splits * (rank + 1)
 
 
 def decode_plan(
