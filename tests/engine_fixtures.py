@@ -82,13 +82,17 @@ def tiny_hf_config(arch: str, **overrides):
 def save_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
     """Build a random-init transformers model of ``arch``, save it to ``path``,
     return the (fp32, eval) transformers model."""
+    return save_random_model(tiny_hf_config(arch, **overrides), path, seed)
+
+
+def save_random_model(config, path: str, seed: int = 0):
+    """A random-init (``torch.manual_seed(seed)``) fp32 transformers model of
+    ``config`` saved to ``path``; returns it in eval mode."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(arch, **overrides)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(path)
+    model.eval().save_pretrained(path)
     return model
 
 
@@ -185,15 +189,9 @@ def tiny_hybrid_config(arch: str, **overrides):
 
 def save_tiny_hybrid(arch: str, path: str, seed: int = 0, **overrides):
     """As ``save_tiny_model`` for ``tiny_hybrid_config(arch)``; eager attention."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
     config = tiny_hybrid_config(arch, **overrides)
     config._attn_implementation = "eager"
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(path)
-    return model
+    return save_random_model(config, path, seed)
 
 
 def _cached_attention(q, k, v, window, sinks, sm_scale):
@@ -417,12 +415,13 @@ class DenseMamba2Step:
 
 class GreedyReference:
     """A saved tiny model (``hf``, transformers' fp32 model saved at ``path``), random
-    prompts of ``prompt_lens`` tokens and transformers' greedy outputs for them."""
+    prompts of ``prompt_lens`` tokens and transformers' ``new_tokens`` greedy outputs
+    for them."""
 
     def __init__(self, hf, path: str, prompt_lens, new_tokens: int, seed: int = 7) -> None:
         from unikv.engine.demo import hf_greedy as greedy  # (module-level name: a re-export)
 
-        self.hf, self.path = hf, path
+        self.hf, self.path, self.new_tokens = hf, path, new_tokens
         g = torch.Generator().manual_seed(seed)
         self.prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in prompt_lens]
         self.greedy = [greedy(hf, p, new_tokens) for p in self.prompts]
@@ -462,6 +461,73 @@ def check_engine_outputs(ref: GreedyReference, llm, outputs, rows=None, atol=1e-
         for p, row in mine.items():
             err = (row - full[p - 1]).abs().max().item()
             assert err < atol, f"request {k} position {p}: logits differ by {err}"
+
+
+def engine_llm(ref: GreedyReference, **kw):
+    """``LLM`` on ``ref``'s model on CPU; unless ``kw`` says otherwise: 8 sequences,
+    32-token steps, 96 positions, 4-token pages."""
+    from unikv.engine import LLM
+
+    kw = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 96,
+        "page_size": 4,
+        **kw,
+    }
+    return LLM(ref.path, device="cpu", **kw)
+
+
+def check_greedy_run(ref: GreedyReference, llm) -> None:
+    """``llm`` generates ``ref``'s prompts greedily: transformers' tokens, and every
+    sampled logit row transformers' (``check_engine_outputs`` with a StepLogits)."""
+    from unikv.engine import SamplingParams
+
+    rows = StepLogits()
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=ref.new_tokens), on_step=rows)
+    check_engine_outputs(ref, llm, outputs, rows)
+
+
+def check_chunked_prefill(ref: GreedyReference, make_llm, step: int = 7) -> None:
+    """``step``-token steps (``make_llm(ref, max_num_batched_tokens=step)``): some
+    prompts end a step unfinished, and the tokens are transformers'."""
+    from unikv.engine import SamplingParams
+
+    rows = StepLogits()
+    llm = make_llm(ref, max_num_batched_tokens=step)
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=ref.new_tokens), on_step=rows)
+    assert rows.cut > 0 and llm.stats.steps > sum(map(len, ref.prompts)) // step
+    check_engine_outputs(ref, llm, outputs)
+
+
+def check_tight_pool(ref: GreedyReference, make_llm, pages: int = 24) -> None:
+    """``ref``'s prompts twice (reversed, then in order) in a pool of ``pages`` pages of
+    4 tokens per sub-pool: requests are preempted and recomputed, same tokens."""
+    from unikv.engine import SamplingParams
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.pool import pool_bytes_for
+
+    configs = specs_from_hf_config(ref.path, page_size=4, dtype=torch.float32)
+    budget = pool_bytes_for(configs, {c.name: pages for c in configs})
+    llm = make_llm(ref, kv_cache_bytes=budget, max_model_len=88, page_size=4)
+    prompts = ref.prompts[::-1] + ref.prompts
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=ref.new_tokens))
+    assert [o.output_ids for o in outputs] == ref.greedy[::-1] + ref.greedy
+    assert llm.stats.preemptions > 0
+    check_engine_outputs(ref, llm, outputs[len(ref.prompts) :])
+
+
+def model_forward_error(ref: GreedyReference, num_tokens: int = 40, seed: int = 3) -> float:
+    """Largest |logit| difference between ``load_model(ref.path)`` (``DenseAttention``,
+    no pool) and transformers on one sequence of ``num_tokens`` random tokens."""
+    from unikv.models import load_model
+
+    model = load_model(ref.path)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (num_tokens,), generator=g)
+    attn = DenseAttention(model.config.windows, model.config.sm_scale)
+    ours = model(tokens, torch.arange(num_tokens), attn)
+    return (ours - hf_logits(ref.hf, tokens.tolist())).abs().max().item()
 
 
 def state_slot_bytes(llm, request_slot: int, slot_bytes: int) -> torch.Tensor:

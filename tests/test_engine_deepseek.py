@@ -22,18 +22,22 @@ chunks absorb). Each form forced on its own: ``tests/test_mla_expanded.py``.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from engine_fixtures import (
     GreedyReference,
-    StepLogits,
-    check_engine_outputs,
+    check_chunked_prefill,
+    check_greedy_run,
+    check_tight_pool,
+    engine_llm,
     hf_greedy,
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_deepseek,
 )
 
-from unikv.engine import LLM, SamplingParams
+from unikv.engine import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,45 +52,26 @@ def ref(request, tmp_path_factory) -> GreedyReference:
     return GreedyReference(save_tiny_deepseek(request.param, path), path, PROMPT_LENS, NEW_TOKENS)
 
 
-def _llm(ref: GreedyReference, **kw) -> LLM:
-    kw.setdefault("max_num_batched_tokens", 32)
-    kw.setdefault("max_model_len", 128)
-    kw.setdefault("page_size", 4)
-    return LLM(ref.path, device="cpu", max_num_seqs=8, **kw)
+_llm = functools.partial(engine_llm, max_model_len=128)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_greedy_matches_transformers(ref, page_size):
     llm = _llm(ref, page_size=page_size)
     assert list(llm.pool.subpools) == ["mla"]
-    rows = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=rows)
-    check_engine_outputs(ref, llm, outputs, rows)
+    check_greedy_run(ref, llm)
 
 
 def test_chunked_prefill_cuts_prompts_mid_way(ref):
     """7-token steps: prompts are split across steps and share steps with other
     requests' chunks and decodes, so later chunks read earlier chunks' latents."""
-    llm = _llm(ref, max_num_batched_tokens=7)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    check_engine_outputs(ref, llm, outputs)
-    assert llm.stats.steps > sum(PROMPT_LENS) // 7
+    check_chunked_prefill(ref, _llm)
 
 
 def test_tight_pool_preempts_with_same_tokens(ref):
     """Eight requests (the prompts twice, 422 prompt + output tokens) in a pool of 24
     pages of 4 tokens: requests are preempted and recomputed, same tokens."""
-    from unikv.hf_config import specs_from_hf_config
-    from unikv.pool import pool_bytes_for
-
-    configs = specs_from_hf_config(ref.path, page_size=4, dtype=torch.float32)
-    llm = _llm(ref, kv_cache_bytes=pool_bytes_for(configs, {"mla": 24}), max_model_len=88)
-    prompts = ref.prompts[::-1] + ref.prompts
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == ref.greedy[::-1] + ref.greedy
-    assert llm.stats.preemptions > 0
-    assert llm.alloc.parts.books["mla"].num_live == 0
-    llm.alloc.check_integrity()
+    check_tight_pool(ref, _llm)
 
 
 class LatentCopier:

@@ -28,13 +28,15 @@ import torch
 from engine_fixtures import (
     TINY,
     GreedyReference,
-    StepLogits,
-    check_engine_outputs,
+    check_chunked_prefill,
+    check_greedy_run,
+    check_tight_pool,
+    engine_llm,
     hf_greedy,
     one_thread,  # noqa: F401  (a fixture)
 )
 
-from unikv.engine import LLM, SamplingParams
+from unikv.engine import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,51 +108,28 @@ def ref(tmp_path_factory) -> GreedyReference:
     return GreedyReference(save_tiny_mimo(path), path, PROMPT_LENS, NEW_TOKENS)
 
 
-def _llm(ref: GreedyReference, **kw) -> LLM:
-    kw.setdefault("max_num_batched_tokens", 32)
-    kw.setdefault("max_model_len", 96)
-    kw.setdefault("page_size", 4)
-    return LLM(ref.path, device="cpu", max_num_seqs=8, **kw)
-
-
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_greedy_matches_transformers(ref, page_size):
-    llm = _llm(ref, page_size=page_size)
+    llm = engine_llm(ref, page_size=page_size)
     full, swa = llm.pool.subpools["full"], llm.pool.subpools["swa"]
     assert sorted(llm.pool.subpools) == ["full", "swa"]
     assert (full.layers, swa.layers) == (FULL_LAYERS, SWA_LAYERS)
     facts = [(s.spec.num_kv_heads, s.spec.head_dim, s.spec.v_head_dim) for s in (full, swa)]
     assert facts == [(1, 36, 20), (2, 36, 20)]
     assert swa.spec.sliding_window == WINDOW and full.spec.sliding_window is None
-    rows = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=rows)
-    check_engine_outputs(ref, llm, outputs, rows)
+    check_greedy_run(ref, llm)
 
 
 def test_chunked_prefill_cuts_prompts_mid_way(ref):
     """7-token steps: prompts are split across steps (and share steps with other
     requests' chunks and decodes)."""
-    rows = StepLogits()
-    llm = _llm(ref, max_num_batched_tokens=7)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=rows)
-    assert rows.cut > 0 and llm.stats.steps > sum(PROMPT_LENS) // 7
-    check_engine_outputs(ref, llm, outputs)
+    check_chunked_prefill(ref, engine_llm)
 
 
 def test_tight_pool_preempts_with_same_tokens(ref):
     """Eight requests (the prompts twice) in a pool of 24 pages per sub-pool:
     requests are preempted and recomputed, and the tokens still match."""
-    from unikv.hf_config import specs_from_hf_config
-    from unikv.pool import pool_bytes_for
-
-    configs = specs_from_hf_config(ref.path, page_size=4, dtype=torch.float32)
-    budget = pool_bytes_for(configs, {c.name: 24 for c in configs})
-    llm = _llm(ref, kv_cache_bytes=budget, max_model_len=88)
-    prompts = ref.prompts[::-1] + ref.prompts
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == ref.greedy[::-1] + ref.greedy
-    assert llm.stats.preemptions > 0
-    check_engine_outputs(ref, llm, outputs[len(ref.prompts) :])
+    check_tight_pool(ref, engine_llm)
 
 
 class RowCopier:
@@ -183,7 +162,7 @@ def test_kv_rows_match_transformers_cache(ref):
     """Each request's pool rows hold transformers' cached keys (rope applied) and
     values (scaled) of every layer: all prompt positions for full layers, the last
     W - 1 (what transformers' sliding cache keeps) for sliding layers."""
-    llm = _llm(ref, page_size=4)
+    llm = engine_llm(ref, page_size=4)
     copier = RowCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2), on_step=copier)
     first_id = llm._next_id - len(ref.prompts)
@@ -208,7 +187,7 @@ def test_triton_kernels_under_the_interpreter(ref):
     """The engine on the Triton kernels (TRITON_INTERPRET=1 on CPU, set by conftest):
     decode and extend with asymmetric heads, the window and the sinks."""
     prompts = [ref.prompts[2][:20], ref.prompts[0][:3]]  # a chunked one and a short one
-    llm = _llm(ref, backend="triton", max_model_len=48, max_num_batched_tokens=12)
+    llm = engine_llm(ref, backend="triton", max_model_len=48, max_num_batched_tokens=12)
     assert llm.backend.name == "triton"
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8))
     assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 8) for p in prompts]

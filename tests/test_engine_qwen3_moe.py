@@ -17,22 +17,18 @@ both MLP kinds run.
 from __future__ import annotations
 
 import pytest
-import torch
 import transformers as tf
 from engine_fixtures import (
     TINY,
-    VOCAB,
-    DenseAttention,
     GreedyReference,
-    StepLogits,
-    check_engine_outputs,
-    hf_logits,
+    check_greedy_run,
+    model_forward_error,
     one_thread,  # noqa: F401  (a fixture)
+    save_random_model,
 )
 
-from unikv.engine import LLM, SamplingParams
+from unikv.engine import LLM
 from unikv.kernels import moe_ref
-from unikv.models import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,10 +53,7 @@ def save_tiny_qwen3_moe(path: str, seed: int = 0, **overrides):
         attn_implementation="eager",
     )
     kw.update(overrides)
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tf.Qwen3MoeConfig(**kw), dtype=torch.float32)
-    model.eval().save_pretrained(path)
-    return model
+    return save_random_model(tf.Qwen3MoeConfig(**kw), path, seed)
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +65,7 @@ def ref(tmp_path_factory) -> GreedyReference:
 def _generate_and_check(ref: GreedyReference, page_size: int) -> None:
     llm = LLM(ref.path, device="cpu", max_num_seqs=8, max_model_len=96, page_size=page_size)
     assert sorted(llm.pool.subpools) == ["full"]
-    rows = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=rows)
-    check_engine_outputs(ref, llm, outputs, rows)
+    check_greedy_run(ref, llm)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -91,8 +82,4 @@ def test_unnormalised_every_second_layer(tmp_path):
 
 def test_sparse_loop_matches_transformers(ref, monkeypatch):
     monkeypatch.setattr(moe_ref, "DENSE_MAX_TOKENS", 16)
-    model = load_model(ref.path)
-    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
-    attn = DenseAttention(model.config.windows, model.config.sm_scale)
-    ours = model(tokens, torch.arange(40), attn)
-    assert (ours - hf_logits(ref.hf, tokens.tolist())).abs().max() < 1e-4
+    assert model_forward_error(ref) < 1e-4

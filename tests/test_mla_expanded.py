@@ -34,8 +34,9 @@ import pytest
 import torch
 from engine_fixtures import (
     GreedyReference,
-    StepLogits,
     check_engine_outputs,
+    check_greedy_run,
+    engine_llm,
     hf_greedy,
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_deepseek,
@@ -65,11 +66,7 @@ def ref(request, tmp_path_factory) -> GreedyReference:
     return GreedyReference(save_tiny_deepseek(request.param, path), path, PROMPT_LENS, NEW_TOKENS)
 
 
-def _llm(ref: GreedyReference, **kw) -> LLM:
-    kw.setdefault("max_num_batched_tokens", 32)
-    kw.setdefault("max_model_len", 128)
-    kw.setdefault("page_size", 4)
-    return LLM(ref.path, device="cpu", max_num_seqs=8, **kw)
+_llm = functools.partial(engine_llm, max_model_len=128)
 
 
 def _force(monkeypatch, kind) -> None:
@@ -106,9 +103,7 @@ class CheckedExpanded(ExtendAttention):
 def test_both_forms_match_transformers(ref, monkeypatch, form, page_size):
     _force(monkeypatch, functools.partial(ExtendAttention, mla_form=form))
     llm = _llm(ref, page_size=page_size)
-    rows = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=rows)
-    check_engine_outputs(ref, llm, outputs, rows)
+    check_greedy_run(ref, llm)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
