@@ -7,6 +7,8 @@ the device budget:
 - ``References``: one transformers model per (checkpoint, dtype) and its greedy
   tokens per prompt, computed once per test module and reused by every test of
   that checkpoint (the same weights and prompts give the same oracle);
+- ``refs_fixture()`` / ``llms_fixture()``: the module-scoped ``refs`` and ``llms``
+  fixtures of a test module whose ``saved`` fixture yields ``(name, path)``;
 - ``gpu_llm``: an ``LLM`` on CUDA with the tests' shapes whose pool holds every
   request at once (``roomy_bytes``, the CPU default rule) instead of 90 % of the
   H200's free memory, which is ~10^8 pages of a tiny model at page size 1 (GBs of
@@ -18,17 +20,25 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
+import pytest
 import torch
 from engine_fixtures import VOCAB
 
 from unikv.engine.demo import hf_greedy
 
 MAX_NUM_SEQS, MAX_MODEL_LEN, CHUNK = 8, 256, 32
+PROMPT_LENS = [3, 17, 30, 45, 64, 100]  # the engine GPU tests' prompts
+NEW_TOKENS = 32
 
 
 def seeded_prompts(lens: list[int], seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def engine_prompts(seed: int = 7) -> list[list[int]]:
+    """``seeded_prompts`` of ``PROMPT_LENS`` (451 tokens)."""
+    return seeded_prompts(PROMPT_LENS, seed)
 
 
 def hf_model(path: str, dtype: torch.dtype):
@@ -73,6 +83,33 @@ class References:
         self._models.clear()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def refs_fixture():
+    """The module-scoped ``refs`` fixture (``refs = refs_fixture()`` in a test
+    module): ``References`` of the checkpoint of the module's ``saved`` fixture,
+    shared by its tests and closed at module teardown."""
+
+    @pytest.fixture(scope="module")
+    def refs(saved):
+        refs = References(saved[1])
+        yield refs
+        refs.close()
+
+    return refs
+
+
+def llms_fixture():
+    """The module-scoped ``llms`` fixture (``llms = llms_fixture()``): ``LLMs`` of the
+    ``saved`` checkpoint, reused by the tests that only read a run's results."""
+
+    @pytest.fixture(scope="module")
+    def llms(saved):
+        llms = LLMs(saved[1])
+        yield llms
+        llms.clear()
+
+    return llms
 
 
 def roomy_bytes(
@@ -139,6 +176,23 @@ class LLMs:
         self._built.clear()
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def assert_fp32_greedy(llm, refs: References, graphs: bool) -> None:
+    """``llm`` runs the Triton backend, with CUDA graphs iff ``graphs``, and its
+    greedy tokens of ``engine_prompts()`` are transformers' (fp32), with decode steps."""
+    from unikv.engine import SamplingParams
+
+    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
+    outputs = llm.generate(engine_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == refs.greedy(engine_prompts(), NEW_TOKENS)
+    assert llm.stats.decode_steps > 0
+
+
+def assert_pool_empty(llm) -> None:
+    """The allocator's invariants hold and no sub-pool has a live page after a run."""
+    llm.alloc.check_integrity()
+    assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools), "pages left"
 
 
 def decode_without_host_sync(llm, prompts: list[list[int]], steps: int = 3) -> None:

@@ -1,5 +1,7 @@
 """Shared fixtures for the kernel tests: paged K/V inside a real UnifiedPool and an
-independent fp32 oracle computed from a dense, un-paged copy of the same K/V.
+independent fp32 oracle computed from a dense, un-paged copy of the same K/V, and
+the decode / extend calls over such a case (``paged_decode``, ``paged_extend``) with
+the oracle of the same request positions (``paged_oracle``).
 
 The pool is poisoned (every never-written byte is NaN), its pages are handed to
 requests in a random permutation, and the rows are written with a naive indexed
@@ -8,6 +10,7 @@ write through the (page, slot) oracle view, never through the kernels under test
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -65,6 +68,7 @@ class PagedCase:
             self.dense_v.append(v.float())
         self.k_cache, self.v_cache = sub.views[layer]
         self.block_table = table.to(device)
+        self.lens = list(lens)
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         self.page_size, self.heads, self.dtype = page_size, heads, dtype
 
@@ -89,3 +93,42 @@ def oracle_attention(q, keys, values, positions, *, sm_scale, window=0, sinks=No
         w = torch.softmax(logits, dim=1)[:, : k.shape[0]]
         out[m] = torch.einsum("hn,nhd->hd", w, v)
     return out
+
+
+def indptr_of(new: list[int], device="cpu") -> torch.Tensor:
+    """(B + 1,) int32 row offsets of ragged chunks of ``new[b]`` query rows."""
+    return torch.tensor([0, *itertools.accumulate(new)], dtype=torch.int32, device=device)
+
+
+def paged_oracle(case: PagedCase, q, new=None, *, sm_scale, **kw) -> torch.Tensor:
+    """(sum(new), Hq, Dv) fp32 on the host: ``oracle_attention`` of request b's last
+    ``new[b]`` positions (default 1: a decode step) over its dense K/V. q: (sum(new),
+    Hq, D) on any device, rows of request b after those of the requests before it."""
+    new = new or [1] * len(case.lens)
+    rows, start = [], 0
+    for b, (n, m) in enumerate(zip(case.lens, new, strict=True)):
+        qb = q[start : start + m].cpu()
+        rows.append(
+            oracle_attention(
+                qb, case.dense_k[b], case.dense_v[b], list(range(n - m, n)), sm_scale=sm_scale, **kw
+            )
+        )
+        start += m
+    return torch.cat(rows)
+
+
+def paged_decode(ops, case: PagedCase, q, *, sm_scale, **kw) -> torch.Tensor:
+    """``ops.decode_attention`` of q (B, Hq, D) over the case's pages: (B, Hq, Dv)."""
+    return ops.decode_attention(
+        q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+        page_size=case.page_size, sm_scale=sm_scale, **kw,
+    )  # fmt: skip
+
+
+def paged_extend(ops, case: PagedCase, q, new: list[int], *, sm_scale, **kw) -> torch.Tensor:
+    """``ops.extend_attention`` of request b's last ``new[b]`` positions over the
+    case's pages (its prefix cached before them). q: (sum(new), Hq, D)."""
+    return ops.extend_attention(
+        q, case.k_cache, case.v_cache, case.block_table, indptr_of(new, q.device),
+        case.seq_lens, max_q_len=max(new), page_size=case.page_size, sm_scale=sm_scale, **kw,
+    )  # fmt: skip

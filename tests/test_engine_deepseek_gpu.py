@@ -24,37 +24,23 @@ import pytest
 import torch
 from engine_fixtures import save_tiny_deepseek
 from gpu_fixtures import (
-    LLMs,
-    References,
+    NEW_TOKENS,
     assert_bf16_close,
+    assert_fp32_greedy,
+    assert_pool_empty,
     bf16_token_checks,
     decode_without_host_sync,
+    engine_prompts,
     gpu_llm,
-    seeded_prompts,
+    llms_fixture,
+    refs_fixture,
 )
+from test_mla_expanded import WIDE  # DeepSeek's MLA widths, 16 heads
 
 pytestmark = pytest.mark.gpu
 
-WIDE = {
-    "hidden_size": 256,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "kv_lora_rank": 512,
-    "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 128,
-    "v_head_dim": 128,
-    "q_lora_rank": 96,
-    "num_hidden_layers": 2,
-    "initializer_range": 0.05,
-}
 MODELS = {"v2": (2, {}), "v3": (3, {}), "v3_wide": (3, WIDE)}
-PROMPT_LENS = [3, 17, 30, 45, 64, 100]
-NEW_TOKENS = 32
 BF16_TIE = 0.25
-
-
-def _prompts(seed=7):
-    return seeded_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -65,33 +51,16 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-@pytest.fixture(scope="module")
-def refs(saved):
-    """transformers' models and greedy tokens of the checkpoint, shared by its tests."""
-    refs = References(saved[1])
-    yield refs
-    refs.close()
-
-
-@pytest.fixture(scope="module")
-def llms(saved):
-    """LLMs by configuration, reused by the tests that only read a run's results."""
-    llms = LLMs(saved[1])
-    yield llms
-    llms.clear()
+refs = refs_fixture()
+llms = llms_fixture()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_fp32_greedy_identical_with_triton_and_graphs(refs, llms, page_size, graphs):
-    from unikv.engine import SamplingParams
-
     llm = llms(torch.float32, page_size=page_size, cuda_graphs=graphs)
-    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     assert list(llm.pool.subpools) == ["mla"]
-    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
-    assert llm.stats.decode_steps > 0
+    assert_fp32_greedy(llm, refs, graphs)
 
 
 def test_fp32_graphs_under_preemption_and_tiny_chunks(saved, refs):
@@ -101,7 +70,7 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(saved, refs):
 
     _, path = saved
     configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
-    prompts = _prompts(11)
+    prompts = engine_prompts(11)
     budget = pool_bytes_for(configs, {"mla": 12})  # 192 token slots for 451 tokens
     llm = gpu_llm(
         path, torch.float32, kv_cache_bytes=budget, max_num_batched_tokens=7, max_model_len=160
@@ -109,15 +78,14 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(saved, refs):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.output_ids for o in outputs] == refs.greedy(prompts, NEW_TOKENS)
     assert llm.stats.preemptions > 0
-    llm.alloc.check_integrity()
-    assert llm.alloc.parts.books["mla"].num_live == 0
+    assert_pool_empty(llm)
 
 
 def test_bf16_teacher_forced(refs, llms):
     hf16, hf32 = refs.model(torch.bfloat16), refs.model(torch.float32)
     llm = llms(torch.bfloat16)
     assert llm.runner.graphs is not None
-    checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
+    checks = bf16_token_checks(llm, hf16, hf32, engine_prompts(), NEW_TOKENS)
     assert_bf16_close(checks, BF16_TIE)
 
 
@@ -126,6 +94,5 @@ def test_decode_step_makes_no_host_sync(llms):
     steps run with sync debug mode set to error (on the fp32 page-16 graph LLM of
     the greedy test, run to the end and checked empty afterwards)."""
     llm = llms(torch.float32, page_size=16, cuda_graphs=True)
-    decode_without_host_sync(llm, _prompts()[:4])
-    llm.alloc.check_integrity()
-    assert llm.alloc.parts.books["mla"].num_live == 0, "the LLM holds no pages after its run"
+    decode_without_host_sync(llm, engine_prompts()[:4])
+    assert_pool_empty(llm)

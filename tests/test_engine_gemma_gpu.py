@@ -26,19 +26,22 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import save_tiny_gemma
-from gpu_fixtures import References, bf16_token_checks, gpu_llm, mean, seeded_prompts
+from gpu_fixtures import (
+    NEW_TOKENS,
+    assert_fp32_greedy,
+    assert_pool_empty,
+    bf16_token_checks,
+    engine_prompts,
+    gpu_llm,
+    mean,
+    refs_fixture,
+)
 
 pytestmark = pytest.mark.gpu
 
 ARCHS = ["gemma2", "gemma3"]
-PROMPT_LENS = [3, 17, 30, 45, 64, 100]
-NEW_TOKENS = 32
 BF16_TIE = 0.1
 BF16_ATOL = 0.2  # two bf16 implementations, each up to ~0.1 from fp32
-
-
-def _prompts(seed=7):
-    return seeded_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -48,33 +51,22 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-@pytest.fixture(scope="module")
-def refs(saved):
-    """transformers' EAGER models (its SDPA path drops Gemma-2's attention
-    soft-capping) and greedy tokens of the checkpoint, shared by its tests."""
-    refs = References(saved[1])
-    yield refs
-    refs.close()
+refs = refs_fixture()  # transformers' EAGER models (gpu_fixtures.hf_model)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_fp32_greedy_identical_with_triton_and_graphs(refs, page_size, graphs):
-    from unikv.engine import SamplingParams
-
     llm = gpu_llm(refs.path, torch.float32, page_size=page_size, cuda_graphs=graphs)
-    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     assert sorted(llm.pool.subpools) == ["full", "swa"]
-    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
-    assert llm.stats.decode_steps > 0
+    assert_fp32_greedy(llm, refs, graphs)
 
 
 def test_bf16_teacher_forced(refs):
     hf16, hf32 = refs.model(torch.bfloat16), refs.model(torch.float32)
     llm = gpu_llm(refs.path, torch.bfloat16)
     assert llm.runner.graphs is not None
-    checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
+    checks = bf16_token_checks(llm, hf16, hf32, engine_prompts(), NEW_TOKENS)
     for c in checks:
         assert c.gap <= BF16_TIE, f"request {c.request} token {c.index}: gap {c.gap}"
         assert c.ours_vs_bf16 < BF16_ATOL, f"request {c.request} token {c.index}: {c}"
@@ -93,7 +85,7 @@ def test_graph_decode_equals_eager_decode_under_preemption(refs):
     configs = specs_from_hf_config(refs.path, page_size=16, dtype=torch.float32)
     # the full band may grow into the SWA band's bytes (the moving boundary)
     budget = pool_bytes_for(configs, {c.name: 11 for c in configs})
-    prompts = _prompts(11)
+    prompts = engine_prompts(11)
     prompts += prompts[::-1]  # 12 requests for 8 lanes (3-4 preemptions on CPU's schedule)
     params = SamplingParams(max_tokens=NEW_TOKENS)
     eager = gpu_llm(refs.path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
@@ -105,5 +97,4 @@ def test_graph_decode_equals_eager_decode_under_preemption(refs):
     assert b == want, "graph decode under preemption differs from transformers"
     assert graph.stats.preemptions > 0
     for llm in (eager, graph):
-        llm.alloc.check_integrity()
-        assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)
+        assert_pool_empty(llm)

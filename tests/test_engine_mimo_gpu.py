@@ -23,11 +23,14 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_fixtures import (
-    References,
+    NEW_TOKENS,
     assert_bf16_close,
+    assert_fp32_greedy,
+    assert_pool_empty,
     bf16_token_checks,
+    engine_prompts,
     gpu_llm,
-    seeded_prompts,
+    refs_fixture,
 )
 from test_engine_mimo import save_tiny_mimo
 
@@ -43,13 +46,7 @@ WIDE = {
     "initializer_range": 0.05,
 }
 MODELS = {"tiny": {}, "wide": WIDE}
-PROMPT_LENS = [3, 17, 30, 45, 64, 100]
-NEW_TOKENS = 32
 BF16_TIE = 0.25
-
-
-def _prompts(seed=7):
-    return seeded_prompts(PROMPT_LENS, seed)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
@@ -59,26 +56,16 @@ def saved(request, tmp_path_factory):
     return request.param, path
 
 
-@pytest.fixture(scope="module")
-def refs(saved):
-    """transformers' models and greedy tokens of the checkpoint, shared by its tests."""
-    refs = References(saved[1])
-    yield refs
-    refs.close()
+refs = refs_fixture()
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_fp32_greedy_identical_with_triton_and_graphs(refs, page_size, graphs):
-    from unikv.engine import SamplingParams
-
     llm = gpu_llm(refs.path, torch.float32, page_size=page_size, cuda_graphs=graphs)
-    assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     assert sorted(llm.pool.subpools) == ["full", "swa"]
     assert all(s.spec.is_asymmetric for s in llm.pool.subpools.values())
-    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
-    assert llm.stats.decode_steps > 0
+    assert_fp32_greedy(llm, refs, graphs)
 
 
 def test_fp32_graphs_under_preemption_and_tiny_chunks(refs):
@@ -89,7 +76,7 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(refs):
     configs = specs_from_hf_config(refs.path, page_size=16, dtype=torch.float32)
     # 8 pages per sub-pool for 451 prompt tokens: preempts (12 did not on CPU or GPU)
     budget = pool_bytes_for(configs, {c.name: 8 for c in configs})
-    prompts = _prompts(11)
+    prompts = engine_prompts(11)
     llm = gpu_llm(
         refs.path,
         torch.float32,
@@ -101,13 +88,12 @@ def test_fp32_graphs_under_preemption_and_tiny_chunks(refs):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.output_ids for o in outputs] == refs.greedy(prompts, NEW_TOKENS)
     assert llm.stats.preemptions > 0
-    llm.alloc.check_integrity()
-    assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)
+    assert_pool_empty(llm)
 
 
 def test_bf16_teacher_forced(refs):
     hf16, hf32 = refs.model(torch.bfloat16), refs.model(torch.float32)
     llm = gpu_llm(refs.path, torch.bfloat16)
     assert llm.runner.graphs is not None
-    checks = bf16_token_checks(llm, hf16, hf32, _prompts(), NEW_TOKENS)
+    checks = bf16_token_checks(llm, hf16, hf32, engine_prompts(), NEW_TOKENS)
     assert_bf16_close(checks, BF16_TIE)

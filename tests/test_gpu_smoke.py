@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_cases import PagedCase, oracle_attention
+from kernel_cases import PagedCase, paged_decode, paged_extend, paged_oracle
 
 from unikv import layout
 from unikv.kernels import get_backend
@@ -41,17 +41,6 @@ NEW_TOKENS = 16
 
 def _ops(name: str):
     return get_backend("cuda", name)
-
-
-def _oracle(case, q, lens, new, scale):
-    """fp32 dense attention of the last ``new[b]`` positions of each request (host)."""
-    rows, start = [], 0
-    for b, (n, m) in enumerate(zip(lens, new)):
-        qb = q[start : start + m].float().cpu()
-        rows.append(oracle_attention(qb, case.dense_k[b], case.dense_v[b], list(range(n - m, n)),
-                                     sm_scale=scale))  # fmt: skip
-        start += m
-    return torch.cat(rows)
 
 
 def _case(geometry: str, ps: int) -> PagedCase:
@@ -79,22 +68,16 @@ def test_decode_and_extend_against_torch_and_oracle(geometry, ps):
     gen = torch.Generator().manual_seed(ps)
     scale = dim**-0.5
     q = torch.randn(len(lens), HKV * GROUP, dim, generator=gen).bfloat16().cuda()
-    want = _oracle(case, q, lens, [1] * len(lens), scale)
-    args = (case.k_cache, case.v_cache, case.block_table, case.seq_lens)
-    outs = {n: _ops(n).decode_attention(q, *args, page_size=ps, sm_scale=scale)
-            for n in ("triton", "torch")}  # fmt: skip
+    want = paged_oracle(case, q, sm_scale=scale)
+    outs = {n: paged_decode(_ops(n), case, q, sm_scale=scale) for n in ("triton", "torch")}
     for name, out in outs.items():
         _close_to(out, want, f"{name} decode vs the oracle")
     _close_to(outs["triton"], outs["torch"].float().cpu(), "Triton decode vs torch")
 
     qx = torch.randn(sum(new), HKV * GROUP, dim, generator=gen).bfloat16().cuda()
-    indptr = torch.tensor([0, *np.cumsum(new)], dtype=torch.int32, device="cuda")
-    want = _oracle(case, qx, lens, new, scale)
+    want = paged_oracle(case, qx, new, sm_scale=scale)
     for name in ("triton", "torch"):
-        got = _ops(name).extend_attention(
-            qx, case.k_cache, case.v_cache, case.block_table, indptr, case.seq_lens,
-            max_q_len=max(new), page_size=ps, sm_scale=scale,
-        )  # fmt: skip
+        got = paged_extend(_ops(name), case, qx, new, sm_scale=scale)
         _close_to(got, want, f"{name} extend vs the oracle")
 
 
@@ -194,21 +177,11 @@ def test_fused_moe_against_reference(dtype):
     close(moe.fused_moe(*args, **kw), moe_ref.fused_moe(*args, **kw), tol)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """fp32: within 1e-5; bf16: within one bf16 ulp, >= 97 % of elements bit-equal
-    (the kernels reproduce every rounding of the reference)."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    if want.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        return
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
-    equal = (got == want).float().mean().item()
-    assert equal >= 0.97, f"only {equal:.3f} of the bf16 elements are bit-equal"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_elementwise_against_reference(dtype):
     """Odd shapes: 37 rows of 200, GQA 6/2 heads of 40 with rotary dim 24, I 88."""
+    from test_kernels_elementwise import _close
+
     from unikv.kernels import elementwise
     from unikv.kernels import elementwise_ref as ref
 
@@ -273,7 +246,7 @@ def _mixed(batch) -> bool:
 
 def _tight_run(path: str, pages_of) -> tuple:
     """fp32 graphs at page 16 on a pool of ``pages_of(subpool config)`` pages."""
-    from gpu_fixtures import gpu_llm, seeded_prompts
+    from gpu_fixtures import engine_prompts, gpu_llm
 
     from unikv.engine import SamplingParams
     from unikv.hf_config import specs_from_hf_config
@@ -283,7 +256,7 @@ def _tight_run(path: str, pages_of) -> tuple:
     budget = pool_bytes_for(configs, {c.name: pages_of(c) for c in configs})
     llm = gpu_llm(path, torch.float32, kv_cache_bytes=budget, max_model_len=160, cuda_graphs=True)
     assert llm.backend.name == "triton" and llm.runner.graphs is not None
-    prompts, mixed = seeded_prompts([3, 17, 30, 45, 64, 100], seed=11), []
+    prompts, mixed = engine_prompts(11), []
     outputs = llm.generate(
         prompts,
         SamplingParams(max_tokens=NEW_TOKENS),
@@ -293,7 +266,7 @@ def _tight_run(path: str, pages_of) -> tuple:
 
 
 def _check_run(llm, prompts, got, path) -> None:
-    from gpu_fixtures import References
+    from gpu_fixtures import References, assert_pool_empty
 
     refs = References(path)
     try:
@@ -302,8 +275,7 @@ def _check_run(llm, prompts, got, path) -> None:
         refs.close()
     assert llm.stats.preemptions > 0, "the pool is meant to preempt"
     assert llm.stats.decode_steps > 0, "decode steps ran (under graphs)"
-    llm.alloc.check_integrity()
-    assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools), "pages left"
+    assert_pool_empty(llm)
 
 
 def test_llama_engine_fp32_graphs_mixed_batches_and_preemption(tmp_path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import PagedCase, oracle_attention
+from kernel_cases import PagedCase, oracle_attention, paged_decode, paged_extend, paged_oracle
 
 from unikv.kernels import get_backend
 
@@ -25,26 +25,9 @@ def _decode_case(backend, lens, heads, group, ps, *, dim_v=None, dtype=torch.flo
     case = PagedCase(lens, heads, DIM, ps, dim_v=dim_v, dtype=dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed + 7)
     q = torch.randn(len(lens), heads * group, DIM, generator=gen).to(dtype)
-    got = _ops(backend).decode_attention(
-        q,
-        case.k_cache,
-        case.v_cache,
-        case.block_table,
-        case.seq_lens,
-        page_size=ps,
-        sm_scale=DIM**-0.5,
-        **kw,
-    )
+    got = paged_decode(_ops(backend), case, q, sm_scale=DIM**-0.5, **kw)
     kw.pop("num_splits", None)
-    want = torch.cat(
-        [
-            oracle_attention(
-                q[b : b + 1], case.dense_k[b], case.dense_v[b], [n - 1], sm_scale=DIM**-0.5, **kw
-            )
-            for b, n in enumerate(lens)
-        ]
-    )
-    return got, want
+    return got, paged_oracle(case, q, sm_scale=DIM**-0.5, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -101,34 +84,9 @@ def test_extend_matches_dense_oracle(backend, ps, group, extra):
         kw["sinks"] = torch.randn(2 * group, generator=torch.Generator().manual_seed(5))
     case = PagedCase(lens, 2, DIM, ps, seed=2)
     q = torch.randn(sum(new), 2 * group, DIM, generator=torch.Generator().manual_seed(9)).half()
-    indptr = torch.tensor([0, 3, 24, 41], dtype=torch.int32)
     config = {"config": (16, 16, 4, 1)} if backend == "triton" else {}
-    got = _ops(backend).extend_attention(
-        q,
-        case.k_cache,
-        case.v_cache,
-        case.block_table,
-        indptr,
-        case.seq_lens,
-        max_q_len=21,
-        page_size=ps,
-        sm_scale=DIM**-0.5,
-        **kw,
-        **config,
-    )
-    want = torch.cat(
-        [
-            oracle_attention(
-                q[indptr[b] : indptr[b + 1]],
-                case.dense_k[b],
-                case.dense_v[b],
-                list(range(n - m, n)),
-                sm_scale=DIM**-0.5,
-                **kw,
-            )
-            for b, (n, m) in enumerate(zip(lens, new))
-        ]
-    )
+    got = paged_extend(_ops(backend), case, q, new, sm_scale=DIM**-0.5, **kw, **config)
+    want = paged_oracle(case, q, new, sm_scale=DIM**-0.5, **kw)
     torch.testing.assert_close(got.float(), want, atol=3e-3, rtol=3e-3)
 
 
@@ -137,30 +95,8 @@ def test_triton_extend_default_tiles():
     lens, new = [150, 70], [130, 70]
     case = PagedCase(lens, 1, DIM, 16, dtype=torch.float32, seed=4)
     q = torch.randn(200, 2, DIM, generator=torch.Generator().manual_seed(1))
-    indptr = torch.tensor([0, 130, 200], dtype=torch.int32)
-    got = _ops("triton").extend_attention(
-        q,
-        case.k_cache,
-        case.v_cache,
-        case.block_table,
-        indptr,
-        case.seq_lens,
-        max_q_len=130,
-        page_size=16,
-        sm_scale=DIM**-0.5,
-    )
-    want = torch.cat(
-        [
-            oracle_attention(
-                q[indptr[b] : indptr[b + 1]],
-                case.dense_k[b],
-                case.dense_v[b],
-                list(range(n - m, n)),
-                sm_scale=DIM**-0.5,
-            )
-            for b, (n, m) in enumerate(zip(lens, new))
-        ]
-    )
+    got = paged_extend(_ops("triton"), case, q, new, sm_scale=DIM**-0.5)
+    want = paged_oracle(case, q, new, sm_scale=DIM**-0.5)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -170,15 +106,7 @@ def test_attention_rejects_bad_input(backend):
     ops = _ops(backend)
     q = torch.randn(1, 3, DIM)  # 3 query heads over 2 KV heads
     with pytest.raises(ValueError, match="multiple"):
-        ops.decode_attention(
-            q,
-            case.k_cache,
-            case.v_cache,
-            case.block_table,
-            case.seq_lens,
-            page_size=4,
-            sm_scale=1.0,
-        )
+        paged_decode(ops, case, q, sm_scale=1.0)
 
 
 def test_triton_rejects_uint8_cache_and_wrong_table_dtype():
@@ -260,31 +188,8 @@ def test_triton_extend_paged_tile_wider_than_block():
     lens, new = [70, 33], [40, 33]
     case = PagedCase(lens, 1, DIM, 16, dtype=torch.float32, seed=6)
     q = torch.randn(73, 2, DIM, generator=torch.Generator().manual_seed(2))
-    indptr = torch.tensor([0, 40, 73], dtype=torch.int32)
-    got = _ops("triton").extend_attention(
-        q,
-        case.k_cache,
-        case.v_cache,
-        case.block_table,
-        indptr,
-        case.seq_lens,
-        max_q_len=40,
-        page_size=16,
-        sm_scale=DIM**-0.5,
-        config=(16, 32, 4, 2),
-    )
-    want = torch.cat(
-        [
-            oracle_attention(
-                q[indptr[b] : indptr[b + 1]],
-                case.dense_k[b],
-                case.dense_v[b],
-                list(range(n - m, n)),
-                sm_scale=DIM**-0.5,
-            )
-            for b, (n, m) in enumerate(zip(lens, new))
-        ]
-    )
+    got = paged_extend(_ops("triton"), case, q, new, sm_scale=DIM**-0.5, config=(16, 32, 4, 2))
+    want = paged_oracle(case, q, new, sm_scale=DIM**-0.5)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

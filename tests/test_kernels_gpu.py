@@ -6,9 +6,11 @@ naive indexed write for the store, the torch page copy for page moves.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from kernel_cases import PagedCase, oracle_attention
+from kernel_cases import PagedCase, indptr_of, paged_decode, paged_extend, paged_oracle
 
 from unikv import layout
 from unikv.kernels import get_backend
@@ -36,30 +38,6 @@ def _once(key: str, case, q, compute):
     return _ORACLES[key]
 
 
-def _decode(case, q, **kw):
-    ops = get_backend("cuda")
-    return ops.decode_attention(
-        q,
-        case.k_cache,
-        case.v_cache,
-        case.block_table,
-        case.seq_lens,
-        page_size=case.page_size,
-        sm_scale=DIM**-0.5,
-        **kw,
-    )
-
-
-def _decode_oracle(case, q, **kw):
-    rows = [
-        oracle_attention(
-            q[b : b + 1].cpu(), case.dense_k[b], case.dense_v[b], [n - 1], sm_scale=DIM**-0.5, **kw
-        )
-        for b, n in enumerate(case.seq_lens.tolist())
-    ]
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize("kw", [{}, {"window": 700}, {"sinks": "rand"}, {"soft_cap": 30.0}])
 def test_decode_page_size_parity(kw):
     """Page sizes 1, 16 and 64 give the same answer as the dense fp32 oracle."""
@@ -71,9 +49,10 @@ def test_decode_page_size_parity(kw):
     for ps in (1, 16, 64):
         case = PagedCase(LENS, HKV, DIM, ps, dtype=torch.bfloat16, device="cuda", seed=3)
         gkw = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()}
-        got = _decode(case, q.cuda(), **gkw).float().cpu()
+        got = paged_decode(get_backend("cuda"), case, q.cuda(), sm_scale=DIM**-0.5, **gkw)
+        got = got.float().cpu()
         if want is None:  # the case's dense K/V do not depend on the page size
-            want = _decode_oracle(case, q, **kw)
+            want = paged_oracle(case, q, sm_scale=DIM**-0.5, **kw)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
         outs.append(got)
     torch.testing.assert_close(outs[0], outs[2], atol=1e-2, rtol=1e-2)
@@ -83,28 +62,8 @@ def test_decode_page_size_parity(kw):
 def test_decode_shapes(group, dim):
     case = PagedCase([513, 77, 2048], 2, dim, 16, dtype=torch.float16, device="cuda", seed=5)
     q = torch.randn(3, 2 * group, dim, dtype=torch.float16)
-    got = (
-        get_backend("cuda")
-        .decode_attention(
-            q.cuda(),
-            case.k_cache,
-            case.v_cache,
-            case.block_table,
-            case.seq_lens,
-            page_size=16,
-            sm_scale=dim**-0.5,
-        )
-        .float()
-        .cpu()
-    )
-    want = torch.cat(
-        [
-            oracle_attention(
-                q[b : b + 1], case.dense_k[b], case.dense_v[b], [n - 1], sm_scale=dim**-0.5
-            )
-            for b, n in enumerate([513, 77, 2048])
-        ]
-    )
+    got = paged_decode(get_backend("cuda"), case, q.cuda(), sm_scale=dim**-0.5).float().cpu()
+    want = paged_oracle(case, q, sm_scale=dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
 
 
@@ -140,7 +99,7 @@ def test_decode_cuda_graph_replay():
     lens.copy_(case.seq_lens)
     graph.replay()
     torch.testing.assert_close(
-        out.float().cpu(), _decode_oracle(case, q.cpu()), atol=2e-2, rtol=2e-2
+        out.float().cpu(), paged_oracle(case, q, sm_scale=DIM**-0.5), atol=2e-2, rtol=2e-2
     )
 
 
@@ -153,42 +112,14 @@ def test_extend_against_oracle(ps, kw):
         kw = dict(kw, sinks=torch.randn(HQ, generator=gen))
     case = PagedCase(lens, HKV, DIM, ps, dtype=torch.bfloat16, device="cuda", seed=4)
     q = torch.randn(sum(new), HQ, DIM, generator=gen).bfloat16()
-    indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     gkw = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in kw.items()}
-    got = (
-        get_backend("cuda")
-        .extend_attention(
-            q.cuda(),
-            case.k_cache,
-            case.v_cache,
-            case.block_table,
-            indptr.cuda(),
-            case.seq_lens,
-            max_q_len=max(new),
-            page_size=ps,
-            sm_scale=DIM**-0.5,
-            **gkw,
-        )
-        .float()
-        .cpu()
-    )
+    got = paged_extend(get_backend("cuda"), case, q.cuda(), new, sm_scale=DIM**-0.5, **gkw)
+    got = got.float().cpu()
     want = _once(
         f"extend {sorted(kw)}",
         case,
         q,
-        lambda: torch.cat(
-            [
-                oracle_attention(
-                    q[indptr[b] : indptr[b + 1]],
-                    case.dense_k[b],
-                    case.dense_v[b],
-                    list(range(n - m, n)),
-                    sm_scale=DIM**-0.5,
-                    **kw,
-                )
-                for b, (n, m) in enumerate(zip(lens, new))
-            ]
-        ),
+        lambda: paged_oracle(case, q, new, sm_scale=DIM**-0.5, **kw),
     )
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
@@ -238,47 +169,12 @@ def test_asymmetric_192_128_heads_without_padding(ps):
     gen = torch.Generator().manual_seed(9)
     ops, scale = get_backend("cuda"), dim**-0.5
     q = torch.randn(len(lens), 16, dim, generator=gen).bfloat16()
-    got = ops.decode_attention(
-        q.cuda(), case.k_cache, case.v_cache, case.block_table, case.seq_lens,
-        page_size=ps, sm_scale=scale,
-    )  # fmt: skip
-    want = _once(
-        "asymmetric decode",
-        case,
-        q,
-        lambda: torch.cat(
-            [
-                oracle_attention(
-                    q[b : b + 1], case.dense_k[b], case.dense_v[b], [n - 1], sm_scale=scale
-                )
-                for b, n in enumerate(lens)
-            ]
-        ),
-    )
+    got = paged_decode(ops, case, q.cuda(), sm_scale=scale)
+    want = _once("asymmetric decode", case, q, lambda: paged_oracle(case, q, sm_scale=scale))
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
     qx = torch.randn(sum(new), 16, dim, generator=gen).bfloat16()
-    indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    got = ops.extend_attention(
-        qx.cuda(), case.k_cache, case.v_cache, case.block_table, indptr.cuda(), case.seq_lens,
-        max_q_len=max(new), page_size=ps, sm_scale=scale,
-    )  # fmt: skip
-    want = _once(
-        "asymmetric extend",
-        case,
-        qx,
-        lambda: torch.cat(
-            [
-                oracle_attention(
-                    qx[indptr[b] : indptr[b + 1]],
-                    case.dense_k[b],
-                    case.dense_v[b],
-                    list(range(n - m, n)),
-                    sm_scale=scale,
-                )
-                for b, (n, m) in enumerate(zip(lens, new))
-            ]
-        ),
-    )
+    got = paged_extend(ops, case, qx.cuda(), new, sm_scale=scale)
+    want = _once("asymmetric extend", case, qx, lambda: paged_oracle(case, qx, new, sm_scale=scale))
     torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -295,14 +191,12 @@ def test_extend_fresh_against_sdpa(config):
     q = torch.randn(sum(lens), HQ, DIM, generator=gen).bfloat16().cuda()
     k = torch.cat(case.dense_k).bfloat16().cuda()  # (T, Hkv, D): the values the pool holds
     v = torch.cat(case.dense_v).bfloat16().cuda()
-    indptr = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    args = (q, case.k_cache, case.v_cache, case.block_table, indptr.cuda(), case.seq_lens)
-    kw = {"max_q_len": max(lens), "page_size": 16, "sm_scale": DIM**-0.5}
     ops = get_backend("cuda")
-    got = ops.extend_attention(*args, **kw, config=config, fresh_kv=(k, v)).float()
-    paged = ops.extend_attention(*args, **kw).float()
+    got = paged_extend(ops, case, q, lens, sm_scale=DIM**-0.5, config=config, fresh_kv=(k, v))
+    got = got.float()
+    paged = paged_extend(ops, case, q, lens, sm_scale=DIM**-0.5).float()
     rows = []
-    for s, e in zip(indptr[:-1].tolist(), indptr[1:].tolist()):
+    for s, e in itertools.pairwise(indptr_of(lens).tolist()):
         qh = q[s:e].float().transpose(0, 1)  # (Hq, L, D)
         kh = k[s:e].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
         vh = v[s:e].float().transpose(0, 1).repeat_interleave(HQ // HKV, 0)
