@@ -1,16 +1,48 @@
-"""Shared pieces of the engine-level prefix-cache tests (full attention, sliding
-window, recurrent hybrids): prompts that share whole and partial pages, an LLM
-with the cache on or off, and the run every family repeats first: the same
-prompts without the cache, then twice with it, each checked against transformers."""
+"""Shared pieces of the engine-level prefix-cache, host-tier and swap tests (full
+attention, sliding window, recurrent hybrids): the tiny models, prompts that share
+whole and partial pages, tight-pool prompts and budgets, an LLM with the cache on
+or off, and the run every family repeats first: the same prompts without the
+cache, then twice with it, each checked against transformers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from engine_fixtures import VOCAB, hf_greedy
+from engine_fixtures import VOCAB, hf_greedy, save_tiny_hybrid, save_tiny_model
 
 from unikv.engine import LLM, SamplingParams
+from unikv.pool import SubPoolConfig, pool_bytes_for
+
+
+def save_tiny_models(tmp_path_factory) -> dict[str, tuple[str, object]]:
+    """arch -> (checkpoint path, transformers model): tiny llama, gpt-oss (full and
+    sliding window) and Qwen3.5 (Gated DeltaNet + full attention); the body of
+    the host-tier and swap tests' module-scoped ``models`` fixtures."""
+    out = {}
+    for arch in ("llama", "gpt_oss"):
+        path = str(tmp_path_factory.mktemp(arch))
+        out[arch] = (path, save_tiny_model(arch, path))
+    path = str(tmp_path_factory.mktemp("qwen3_5"))
+    out["qwen3_5"] = (path, save_tiny_hybrid("qwen3_5", path))
+    return out
+
+
+def tight_pool_prompts(seed: int) -> list[list[int]]:
+    """Four prompts over a 17-token system prompt (2, 9, 4 and 13 more tokens) and
+    two unrelated 20-token prompts: hits, evictions and preemptions in a tight pool."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, VOCAB, (17,), generator=g).tolist()
+    prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 4, 13)]
+    return prompts + [torch.randint(0, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
+
+
+def pool_budget(configs: list[SubPoolConfig], pages: int, state_slots: int = 5) -> int:
+    """Pool bytes for ``pages`` pages of every token sub-pool and ``state_slots``
+    slots of a Mamba sub-pool."""
+    return pool_bytes_for(
+        configs, {c.name: pages if c.spec.kind != "mamba" else state_slots for c in configs}
+    )
 
 
 def shared_prompts(ps: int, seed: int) -> list[list[int]]:
@@ -37,12 +69,14 @@ class CachedRuns:
     want: list[list[int]]  # transformers' greedy tokens
     plain: list  # RequestOutputs without the cache
     again: list  # RequestOutputs of the second run with the cache
+    whole_pages: list[int]  # each prompt's tokens in whole pages (its last token aside)
 
 
 def run_without_and_with_cache(path, hf, ps: int, new_tokens: int, seed: int) -> CachedRuns:
     """The prompts without the cache, then twice with it (the first run's later
     admissions may hit; in the second every prompt's whole pages are cached):
-    every run's greedy tokens equal transformers'."""
+    every run's greedy tokens equal transformers', and the second run's hits
+    cover each prompt's whole pages."""
     prompts = shared_prompts(ps, seed)
     params = SamplingParams(max_tokens=new_tokens)
     want = [hf_greedy(hf, p, new_tokens) for p in prompts]
@@ -53,4 +87,15 @@ def run_without_and_with_cache(path, hf, ps: int, new_tokens: int, seed: int) ->
     again = llm.generate(prompts, params)
     assert [o.output_ids for o in first] == want
     assert [o.output_ids for o in again] == want
-    return CachedRuns(llm, prompts, params, want, plain, again)
+    whole_pages = [(len(p) - 1) // ps * ps for p in prompts]
+    assert [o.num_cached_tokens for o in again] == whole_pages
+    return CachedRuns(llm, prompts, params, want, plain, again, whole_pages)
+
+
+def partial_hit(path: str, ps: int, run: CachedRuns):
+    """A fresh cached LLM that served prompt 0, then prompt 3 (it shares half of
+    page 2 only): (that LLM, prompt 3's RequestOutput)."""
+    fresh = prefix_llm(path, ps, True)
+    fresh.generate(run.prompts[:1], run.params)
+    (part,) = fresh.generate(run.prompts[3:4], run.params)
+    return fresh, part

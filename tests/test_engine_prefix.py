@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
-from prefix_fixtures import prefix_llm, run_without_and_with_cache, shared_prompts
+from engine_fixtures import hf_greedy, one_thread, save_tiny_model  # noqa: F401
+from prefix_fixtures import (
+    partial_hit,
+    pool_budget,
+    prefix_llm,
+    run_without_and_with_cache,
+    shared_prompts,
+    tight_pool_prompts,
+)
 
 from unikv.engine import LLM, SamplingParams
 
@@ -31,41 +38,26 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("ps", [4, 16])
 def test_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
     path, hf = tiny
-    run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)
-    llm, prompts, params, want, plain, again = (
-        run.llm,
-        run.prompts,
-        run.params,
-        run.want,
-        run.plain,
-        run.again,
-    )
-    full_pages = [(len(p) - 1) // ps * ps for p in prompts]
-    assert [o.num_cached_tokens for o in again] == full_pages
-    assert all(o.num_cached_tokens == 0 for o in plain)
+    run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)  # whole pages hit
+    llm = run.llm
+    assert all(o.num_cached_tokens == 0 for o in run.plain)
     stats = llm.alloc.parts.prefix.counters()
-    assert stats["hit_tokens"] >= sum(full_pages)
+    assert stats["hit_tokens"] >= sum(run.whole_pages)
     for name in llm.pool.subpools:  # only cached pages outlive their requests
         assert llm.alloc.parts.books[name].num_live == stats["pages"] == stats["evictable"]
     llm.alloc.check_integrity()
-    fresh = prefix_llm(path, ps, True)
-    fresh.generate(prompts[:1], params)
-    (part,) = fresh.generate(prompts[3:4], params)  # shares half of page 2 only
-    assert part.num_cached_tokens == 2 * ps and part.output_ids == want[3]
+    _, part = partial_hit(path, ps, run)
+    assert part.num_cached_tokens == 2 * ps and part.output_ids == run.want[3]
 
 
 def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     from unikv.hf_config import specs_from_hf_config
-    from unikv.pool import pool_bytes_for
 
     path, hf = tiny
     ps = 4
-    g = torch.Generator().manual_seed(5)
-    system = torch.randint(0, VOCAB, (17,), generator=g).tolist()
-    prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 4, 13)]
-    prompts += [torch.randint(0, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
+    prompts = tight_pool_prompts(seed=5)
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    budget = pool_bytes_for(configs, {c.name: 22 for c in configs})  # 88 tokens
+    budget = pool_budget(configs, 22)  # 88 tokens
     params = SamplingParams(max_tokens=NEW_TOKENS)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = prefix_llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)

@@ -16,17 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import (  # noqa: F401
-    VOCAB,
-    hf_greedy,
-    one_thread,
-    save_tiny_hybrid,
-    save_tiny_model,
-)
+from engine_fixtures import VOCAB, hf_greedy, one_thread  # noqa: F401
+from prefix_fixtures import pool_budget, save_tiny_models
 
 from unikv.engine import LLM, SamplingParams
 from unikv.io.swap import SwapSpace
-from unikv.pool import pool_bytes_for
 
 NEW_TOKENS = 10
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,13 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for arch in ("llama", "gpt_oss"):
-        path = str(tmp_path_factory.mktemp(arch))
-        out[arch] = (path, save_tiny_model(arch, path))
-    path = str(tmp_path_factory.mktemp("qwen3_5"))
-    out["qwen3_5"] = (path, save_tiny_hybrid("qwen3_5", path))
-    return out
+    return save_tiny_models(tmp_path_factory)
 
 
 class ByteWitness:
@@ -100,9 +88,7 @@ def tight_llm(path: str, ps: int, pages: int, preemption: str, caching=False, **
     from unikv.hf_config import specs_from_hf_config
 
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    budget = pool_bytes_for(
-        configs, {c.name: pages if c.spec.kind != "mamba" else 5 for c in configs}
-    )
+    budget = pool_budget(configs, pages)
     kw.setdefault("swap_host_bytes", 0 if preemption == "recompute" else 1 << 22)
     return LLM(
         path, device="cpu", max_num_seqs=4, page_size=ps, kv_cache_bytes=budget,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from allocator_fixtures import FakeEvent, full_config
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -30,7 +30,42 @@ from unikv.pool import UnifiedPool, pool_bytes_for
 BASES = [list(range(1, 13)), [1, 2, 3, 4, 5, 6, 70, 71, 72, 73], [9] * 11]
 
 
-class PrefixMachine(RuleBasedStateMachine):
+def derandomized(max_examples: int, steps: int, shrink: bool = True) -> settings:
+    """The prefix state machines' settings: derandomized (their coverage checks must
+    not depend on the seed); ``shrink=False``: no shrinking (minutes on a failure)."""
+    phases = {} if shrink else {"phases": [Phase.explicit, Phase.generate]}
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+        **phases,
+    )
+
+
+class FenceRules:
+    """The rules every prefix machine shares (``self.alloc``, ``self.event``):
+    compaction, a forward's fence, and that fence firing."""
+
+    @rule()
+    def compact(self):
+        self.alloc.compact()
+        self.event = None  # compaction waits for the fences
+
+    @rule()
+    def forward(self):
+        self.event = FakeEvent()
+        self.alloc.mark_in_flight(self.event)
+
+    @precondition(lambda self: self.event is not None)
+    @rule()
+    def fire(self):
+        self.event.fired = True
+        self.event = None
+
+
+class PrefixMachine(FenceRules, RuleBasedStateMachine):
     PS = 4
 
     def __init__(self) -> None:
@@ -89,18 +124,23 @@ class PrefixMachine(RuleBasedStateMachine):
             assert block == tuple(prompt[i * self.PS : (i + 1) * self.PS])
             assert torch.equal(self._page_bytes(vpage), saved)
         self.hits += len(pages) > 0
-        self.tokens[slot] = prompt[: hit.num_tokens]
-        self.values[slot] = self._read(slot, hit.num_tokens) if hit.num_tokens else []
-        rest = len(prompt) - hit.num_tokens
-        ids = self.alloc.alloc_extend(
-            np.array([slot]), np.array([hit.num_tokens]), np.array([rest])
-        )
-        if ids is None:
-            self.alloc.free_request(slot)
-            del self.tokens[slot], self.values[slot]
+        self._prefill(slot, prompt, hit.num_tokens)
+
+    def _prefill(self, slot: int, prompt: list[int], cached: int) -> None:
+        """Request ``slot`` opened with ``cached`` tokens of ``prompt`` hit: allocate
+        and write the rest, or free it when the pool has no room."""
+        self.tokens[slot] = prompt[:cached]
+        self.values[slot] = self._read(slot, cached) if cached else []
+        rest = len(prompt) - cached
+        if self.alloc.alloc_extend(np.array([slot]), np.array([cached]), np.array([rest])) is None:
+            self._free(slot)
             return
         self.tokens[slot] = prompt
-        self._write(slot, hit.num_tokens)
+        self._write(slot, cached)
+
+    def _free(self, slot: int) -> None:
+        self.alloc.free_request(slot)
+        del self.tokens[slot], self.values[slot]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), token=st.integers(0, 3))
@@ -127,25 +167,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
-        slot = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.alloc.free_request(slot)
-        del self.tokens[slot], self.values[slot]
-
-    @rule()
-    def compact(self):
-        self.alloc.compact()
-        self.event = None  # compaction waits for the fences
-
-    @rule()
-    def forward(self):
-        self.event = FakeEvent()
-        self.alloc.mark_in_flight(self.event)
-
-    @precondition(lambda self: self.event is not None)
-    @rule()
-    def fire(self):
-        self.event.fired = True
-        self.event = None
+        self._free(data.draw(st.sampled_from(sorted(self.tokens))))
 
     # -- invariants -----------------------------------------------------------------
 
@@ -177,12 +199,6 @@ def test_prefix_cache_state_machine(ps):
             runs["hits"] += self.hits
             runs["evicted"] += self.alloc.parts.prefix.counters()["evicted_pages"]
 
-    Counted.TestCase.settings = settings(
-        max_examples=100,
-        stateful_step_count=40,
-        deadline=None,
-        derandomize=True,  # the coverage check below must not depend on the seed
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    Counted.TestCase.settings = derandomized(max_examples=100, steps=40)
     Counted.TestCase().runTest()
     assert runs["hits"] > 20 and runs["evicted"] > 20, runs  # the runs shared and evicted

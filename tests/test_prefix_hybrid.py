@@ -17,7 +17,13 @@ import pytest
 import torch
 from allocator_fixtures import full_config, mamba_config
 from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_hybrid  # noqa: F401
-from prefix_fixtures import prefix_llm, run_without_and_with_cache
+from prefix_fixtures import (
+    partial_hit,
+    pool_budget,
+    prefix_llm,
+    run_without_and_with_cache,
+    tight_pool_prompts,
+)
 
 from unikv.allocator import PoolAllocator
 from unikv.engine import LLM, SamplingParams
@@ -36,19 +42,15 @@ def hybrid(tmp_path_factory):
 @pytest.mark.parametrize("ps", [4, 16])
 def test_hybrid_hits_give_the_tokens_of_no_cache_and_of_transformers(hybrid, ps):
     path, hf = hybrid
-    run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)
-    llm, prompts, params, want, again = run.llm, run.prompts, run.params, run.want, run.again
-    full_pages = [(len(p) - 1) // ps * ps for p in prompts]
-    assert [o.num_cached_tokens for o in again] == full_pages
-    stats = llm.alloc.parts.prefix.counters()
-    assert stats["checkpoints"] > 0 and stats["hit_tokens"] >= sum(full_pages)
-    llm.alloc.check_integrity()
-    fresh = prefix_llm(path, ps, True)
-    fresh.generate(prompts[:1], params)  # a checkpoint at 3 pages only
-    (part,) = fresh.generate(prompts[3:4], params)  # shares 2.5 pages: no checkpoint at 2
-    assert part.num_cached_tokens == 0 and part.output_ids == want[3]
-    other = prompts[3][: 2 * ps] + [11, 12, 13]  # the 2 pages prompts 0 and 3 share
-    (out,) = fresh.generate([other], params)
+    run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)  # whole pages hit
+    stats = run.llm.alloc.parts.prefix.counters()
+    assert stats["checkpoints"] > 0 and stats["hit_tokens"] >= sum(run.whole_pages)
+    run.llm.alloc.check_integrity()
+    # prompt 0 checkpoints at 3 pages only; prompt 3 shares 2.5 pages: no checkpoint at 2
+    fresh, part = partial_hit(path, ps, run)
+    assert part.num_cached_tokens == 0 and part.output_ids == run.want[3]
+    other = run.prompts[3][: 2 * ps] + [11, 12, 13]  # the 2 pages prompts 0 and 3 share
+    (out,) = fresh.generate([other], run.params)
     assert out.num_cached_tokens == 2 * ps  # prompt 3 checkpointed where it left prompt 0
     assert out.output_ids == hf_greedy(hf, other, NEW_TOKENS)
 
@@ -58,13 +60,9 @@ def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
 
     path, hf = hybrid
     ps = 4
-    g = torch.Generator().manual_seed(5)
-    system = torch.randint(0, VOCAB, (17,), generator=g).tolist()
-    prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 4, 13)]
-    prompts += [torch.randint(0, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
+    prompts = tight_pool_prompts(seed=5)
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    pages = {c.name: 14 if c.spec.kind != "mamba" else 5 for c in configs}
-    budget = pool_bytes_for(configs, pages)
+    budget = pool_budget(configs, 14)
     params = SamplingParams(max_tokens=2 * NEW_TOKENS)  # decodes outgrow the pool: preemption
     want = [hf_greedy(hf, p, 2 * NEW_TOKENS) for p in prompts]
     llm = prefix_llm(
@@ -110,9 +108,14 @@ def _alloc(ps: int = 4, pages: int = 12, slots: int = 6) -> PoolAllocator:
     return PoolAllocator(pool, max_requests=4, max_context=32, debug=True)
 
 
-def _state(alloc: PoolAllocator, slot: int) -> torch.Tensor:
+def _envelope(alloc: PoolAllocator, slot: int) -> torch.Tensor:
+    """Request ``slot``'s state slot envelope (a view of the pool buffer)."""
     phys = alloc.mamba_slots(torch.tensor([slot]))
-    return alloc.pool.page_envelope("mamba", int(phys.data[0])).clone()
+    return alloc.pool.page_envelope("mamba", int(phys.data[0]))
+
+
+def _state(alloc: PoolAllocator, slot: int) -> torch.Tensor:
+    return _envelope(alloc, slot).clone()
 
 
 def _serve(alloc: PoolAllocator, tokens: np.ndarray, fill: float) -> int:
@@ -122,9 +125,14 @@ def _serve(alloc: PoolAllocator, tokens: np.ndarray, fill: float) -> int:
     assert alloc.alloc_mamba(np.array([slot])) is not None
     n = len(tokens) - hit.num_tokens
     assert alloc.alloc_extend(np.array([slot]), np.array([hit.num_tokens]), np.array([n]))
-    phys = int(alloc.mamba_slots(torch.tensor([slot])).data[0])
-    alloc.pool.page_envelope("mamba", phys).view(torch.float32).fill_(fill)
+    _envelope(alloc, slot).view(torch.float32).fill_(fill)
     return slot
+
+
+def _checkpoint(alloc: PoolAllocator, slot: int, tokens: np.ndarray) -> bool:
+    """Cache request ``slot``'s pages holding ``tokens`` and checkpoint its state there."""
+    alloc.parts.prefix.insert(slot, tokens)
+    return alloc.parts.prefix.checkpoint(slot, tokens)
 
 
 def test_a_hit_restores_exactly_the_checkpointed_bytes():
@@ -132,10 +140,9 @@ def test_a_hit_restores_exactly_the_checkpointed_bytes():
     tokens = np.arange(11)
     a = _serve(alloc, tokens, 1.5)
     prefix = alloc.parts.prefix
-    prefix.insert(a, tokens[:8])
-    assert prefix.checkpoint(a, tokens[:8])
+    assert _checkpoint(alloc, a, tokens[:8])
     saved = _state(alloc, a)
-    alloc.pool.page_envelope("mamba", int(alloc.mamba_slots(torch.tensor([a])).data[0])).zero_()
+    _envelope(alloc, a).zero_()
     alloc.free_request(a)
     hit = prefix.match(tokens[:-1])
     assert hit.num_tokens == 8
@@ -153,8 +160,7 @@ def test_a_hit_falls_back_to_the_longest_prefix_with_a_checkpoint():
     tokens = np.arange(14)
     a = _serve(alloc, tokens, 2.0)
     prefix = alloc.parts.prefix
-    prefix.insert(a, tokens[:4])
-    assert prefix.checkpoint(a, tokens[:4])
+    assert _checkpoint(alloc, a, tokens[:4])
     prefix.insert(a, tokens[:12])  # pages 1-2 cached with no checkpoint at their end
     assert prefix.match(tokens[:-1]).num_tokens == 4
     assert not prefix.checkpoint(a, tokens[:6])  # not a whole-page boundary
@@ -169,8 +175,7 @@ def test_checkpoints_are_reclaimable_room_and_go_with_their_nodes():
     for i in range(6):
         tokens = np.arange(9) + 100 * i
         slot = _serve(alloc, tokens, float(i))
-        prefix.insert(slot, tokens[:8])
-        taken.append(prefix.checkpoint(slot, tokens[:8]))
+        taken.append(_checkpoint(alloc, slot, tokens[:8]))
         alloc.free_request(slot)
     assert all(taken)  # each took the room of an older one: LRU eviction
     assert states.evicted > 0 and len(states.by_node) >= 1
@@ -220,8 +225,7 @@ def test_each_checkpoint_invariant_names_its_corruption(how, message):
     alloc = _alloc()
     tokens = np.arange(9)
     slot = _serve(alloc, tokens, 3.0)
-    alloc.parts.prefix.insert(slot, tokens[:8])
-    alloc.parts.prefix.checkpoint(slot, tokens[:8])
+    _checkpoint(alloc, slot, tokens[:8])
     alloc.free_request(slot)
     alloc.check_integrity()
     _corrupt(alloc, how)
@@ -236,8 +240,7 @@ def test_restore_copies_through_the_pool_only():
     alloc = _alloc()
     tokens = np.arange(9)
     a = _serve(alloc, tokens, 4.0)
-    alloc.parts.prefix.insert(a, tokens[:8])
-    alloc.parts.prefix.checkpoint(a, tokens[:8])
+    _checkpoint(alloc, a, tokens[:8])
     vid = next(iter(alloc.parts.prefix.states.by_node.values()))
     ckpt = int(alloc.parts.books["mamba"].v2p_host[vid])
     assert ckpt != int(alloc.mamba_slots(torch.tensor([a])).data[0])
@@ -252,9 +255,7 @@ def test_a_checkpoint_whose_room_evicted_an_ancestor_is_not_taken():
     checkpoint would be unreachable; it is refused, and a later lookup of a chain
     whose ancestor was evicted finds no stale checkpoint (found by the hybrid
     prefix state machine, tests/test_prefix_hybrid_stateful.py)."""
-    configs = [full_config(4), mamba_config()]
-    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": 8, "mamba": 3}))
-    alloc = PoolAllocator(pool, max_requests=4, max_context=32, debug=True)
+    alloc = _alloc(pages=8, slots=3)
     prefix, t = alloc.parts.prefix, np.arange(13)
     b = alloc.new_request()  # a miss: B holds private copies of blocks 0-1
     alloc.alloc_mamba(np.array([b]))

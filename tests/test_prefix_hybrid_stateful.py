@@ -23,14 +23,13 @@ import numpy as np
 import pytest
 import torch
 from allocator_fixtures import FakeEvent, full_config, mamba_config
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_prefix_cache_stateful import BASES, FenceRules, derandomized
 
 from unikv.allocator import PoolAllocator
 from unikv.pool import UnifiedPool, pool_bytes_for
 
-BASES = [list(range(1, 13)), [1, 2, 3, 4, 5, 6, 70, 71, 72, 73], [9] * 11]
 CONTEXT = 24
 PROMPTS = st.builds(
     lambda base, cut, tail: (base[:cut] + tail)[:20],
@@ -40,7 +39,7 @@ PROMPTS = st.builds(
 )
 
 
-class HybridMachine(RuleBasedStateMachine):
+class HybridMachine(FenceRules, RuleBasedStateMachine):
     PS = 4
 
     def __init__(self) -> None:
@@ -196,22 +195,6 @@ class HybridMachine(RuleBasedStateMachine):
         for table in (self.prompt, self.held, self.key, self.state):
             del table[slot]
 
-    @rule()
-    def compact(self):
-        self.alloc.compact()
-        self.event = None  # compaction waits for the fences
-
-    @rule()
-    def forward(self):
-        self.event = FakeEvent()
-        self.alloc.mark_in_flight(self.event)
-
-    @precondition(lambda self: self.event is not None)
-    @rule()
-    def fire(self):
-        self.event.fired = True
-        self.event = None
-
     # -- invariants -----------------------------------------------------------------
 
     @invariant()
@@ -262,14 +245,7 @@ def test_prefix_hybrid_state_machine(ps):
             runs["evicted"] += self.states.evicted
             runs["evicted_pages"] += self.prefix.counters()["evicted_pages"]
 
-    Counted.TestCase.settings = settings(
-        max_examples=100,
-        stateful_step_count=40,
-        deadline=None,
-        derandomize=True,  # the coverage check below must not depend on the seed
-        suppress_health_check=[HealthCheck.too_slow],
-        phases=[Phase.explicit, Phase.generate],  # no shrinking: minutes on a failure
-    )
+    Counted.TestCase.settings = derandomized(max_examples=100, steps=40, shrink=False)
     Counted.TestCase().runTest()
     assert runs["hits"] > 20 and runs["restored"] == runs["hits"], runs
     assert runs["evicted"] > 10 and runs["evicted_pages"] > 10 and runs["misses"] > 20, runs

@@ -14,14 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import (  # noqa: F401
-    VOCAB,
-    hf_greedy,
-    one_thread,
-    save_tiny_hybrid,
-    save_tiny_model,
-)
-from prefix_fixtures import prefix_llm
+from engine_fixtures import VOCAB, hf_greedy, one_thread  # noqa: F401
+from prefix_fixtures import pool_budget, prefix_llm, save_tiny_models
 
 from unikv.engine import SamplingParams
 from unikv.io.prefix_host import PrefixHost
@@ -32,13 +26,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for arch in ("llama", "gpt_oss"):
-        path = str(tmp_path_factory.mktemp(arch))
-        out[arch] = (path, save_tiny_model(arch, path))
-    path = str(tmp_path_factory.mktemp("qwen3_5"))
-    out["qwen3_5"] = (path, save_tiny_hybrid("qwen3_5", path))
-    return out
+    return save_tiny_models(tmp_path_factory)
 
 
 class ByteWitness:
@@ -104,9 +92,7 @@ def spill_run(models, monkeypatch, arch: str, ps: int, pages: int, host_pages: i
     plain = prefix_llm(path, ps, False).generate(prompts, params)
     assert [o.output_ids for o in plain] == want
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    budget = pool_bytes_for(
-        configs, {c.name: pages if c.spec.kind != "mamba" else 5 for c in configs}
-    )
+    budget = pool_budget(configs, pages)
     token = sum(c.spec.page_bytes(ps) for c in configs if c.spec.kind != "mamba")
     state = [c.spec.page_bytes(1) for c in configs if c.spec.kind == "mamba"]
     host_bytes = host_pages * token + (4 * host_pages * state[0] if state else 0)

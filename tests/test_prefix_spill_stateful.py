@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 import torch
 from allocator_fixtures import full_config
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
-from test_prefix_cache_stateful import BASES, PrefixMachine
+from test_prefix_cache_stateful import BASES, PrefixMachine, derandomized
 
 from unikv.allocator import PoolAllocator
 from unikv.allocator.prefix import HOST
@@ -63,18 +62,7 @@ class SpillMachine(PrefixMachine):
             assert self.prefix.by_page[vpage].node_id == node_id
             assert torch.equal(self._envelope(vpage), self.node_bytes[node_id]), "hit bytes"
         self.hits += len(pages) > 0
-        self.tokens[slot] = prompt[: hit.num_tokens]
-        self.values[slot] = self._read(slot, hit.num_tokens) if hit.num_tokens else []
-        rest = len(prompt) - hit.num_tokens
-        ids = self.alloc.alloc_extend(
-            np.array([slot]), np.array([hit.num_tokens]), np.array([rest])
-        )
-        if ids is None:
-            self.alloc.free_request(slot)
-            del self.tokens[slot], self.values[slot]
-            return
-        self.tokens[slot] = prompt
-        self._write(slot, hit.num_tokens)
+        self._prefill(slot, prompt, hit.num_tokens)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -93,8 +81,7 @@ class SpillMachine(PrefixMachine):
         """Cache a request's pages and free it (the engine's end of a request)."""
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
         self.cache_slot(slot)
-        self.alloc.free_request(slot)
-        del self.tokens[slot], self.values[slot]
+        self._free(slot)
 
     @precondition(lambda self: self.prefix.num_evictable)
     @rule(count=st.integers(1, 6))
@@ -130,14 +117,7 @@ def test_prefix_spill_state_machine(ps):
             runs["dropped"] += stats["host_evicted_pages"]
             runs["spilled"] += stats["host_spilled_pages"]
 
-    Counted.TestCase.settings = settings(
-        max_examples=40,
-        stateful_step_count=30,
-        deadline=None,
-        derandomize=True,  # the coverage check below must not depend on the seed
-        suppress_health_check=[HealthCheck.too_slow],
-        phases=[Phase.explicit, Phase.generate],
-    )
+    Counted.TestCase.settings = derandomized(max_examples=40, steps=30, shrink=False)
     Counted.TestCase().runTest()
     assert runs["reloaded"] > 10 and runs["dropped"] > 5 and runs["spilled"] > 40, runs
 

@@ -14,8 +14,14 @@ import numpy as np
 import pytest
 import torch
 from allocator_fixtures import full_config
-from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
-from prefix_fixtures import prefix_llm, run_without_and_with_cache
+from engine_fixtures import hf_greedy, one_thread, save_tiny_model  # noqa: F401
+from prefix_fixtures import (
+    partial_hit,
+    pool_budget,
+    prefix_llm,
+    run_without_and_with_cache,
+    tight_pool_prompts,
+)
 
 from unikv.allocator import PoolAllocator, PrefixHit
 from unikv.allocator.prefix import stage_unbind
@@ -38,15 +44,11 @@ def tiny(request, tmp_path_factory):
 @pytest.mark.parametrize("ps", [4, 16])
 def test_window_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
     path, hf = tiny
+    # each prefill chunk was cached before its pages left the window: all whole pages hit
     run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=4)
-    llm, prompts, params, want, again = run.llm, run.prompts, run.params, run.want, run.again
-    # each prefill chunk was cached before its pages left the window: all hit
-    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // ps * ps for p in prompts]
-    llm.alloc.check_integrity()
-    fresh = prefix_llm(path, ps, True)
-    fresh.generate(prompts[:1], params)
-    (part,) = fresh.generate(prompts[3:4], params)  # shares half of page 2 only
-    assert part.num_cached_tokens == 2 * ps and part.output_ids == want[3]
+    run.llm.alloc.check_integrity()
+    _, part = partial_hit(path, ps, run)
+    assert part.num_cached_tokens == 2 * ps and part.output_ids == run.want[3]
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -55,12 +57,9 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
 
     path, hf = tiny
     ps = 4
-    g = torch.Generator().manual_seed(6)
-    system = torch.randint(0, VOCAB, (17,), generator=g).tolist()
-    prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 9, 4, 13)]
-    prompts += [torch.randint(0, VOCAB, (20,), generator=g).tolist() for _ in range(2)]
+    prompts = tight_pool_prompts(seed=6)
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    budget = pool_bytes_for(configs, {c.name: 22 for c in configs})  # 88 tokens a band
+    budget = pool_budget(configs, 22)  # 88 tokens a band
     params = SamplingParams(max_tokens=NEW_TOKENS)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = prefix_llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
@@ -107,7 +106,7 @@ def test_a_hit_falls_back_to_the_longest_prefix_whose_window_is_intact():
     tokens = np.arange(100, 124)  # 6 pages
     _prefill(alloc, tokens, chunk=24, cache_each=False)  # frees pages 0-3 before caching
     hit = alloc.parts.prefix.match(tokens)
-    chain = np.array([alloc.parts.prefix.by_key[k].page for k in _keys(alloc, tokens)])
+    chain = np.array([n.page for n in alloc.parts.prefix.walk(tokens)])  # before the fallback
     assert len(chain) == 6  # every block is cached ...
     assert _swa_bound(alloc, chain).tolist() == [False] * 4 + [True] * 2  # ... 4 left the window
     # a request at k pages reads positions >= 4k + 1 - W: k = 6 reads pages 4-5
@@ -117,17 +116,6 @@ def test_a_hit_falls_back_to_the_longest_prefix_whose_window_is_intact():
     b = alloc.new_request(prefix=hit)
     assert alloc.alloc_extend(np.array([b]), np.array([24]), np.array([3])) is not None
     alloc.check_integrity()
-
-
-def _keys(alloc: PoolAllocator, tokens: np.ndarray) -> list[int]:
-    cache, key, parent, keys = alloc.parts.prefix, 0, 0, []
-    for i in range(len(tokens) // PS):
-        key, node = cache._find(key, parent, tokens[i * PS : (i + 1) * PS])
-        if node is None:
-            break
-        keys.append(key)
-        parent = node.node_id
-    return keys
 
 
 def test_caching_each_chunk_keeps_every_window_and_window_frees_skip_cached_pages():
@@ -174,7 +162,7 @@ def test_a_hit_longer_than_the_intact_window_breaks_the_invariant():
     tokens = np.arange(400, 424)
     _prefill(alloc, tokens, chunk=24, cache_each=False)
     cache = alloc.parts.prefix
-    nodes = [cache.by_key[k] for k in _keys(alloc, tokens[:20])]
+    nodes = cache.walk(tokens[:20])
     bad = PrefixHit(np.array([n.page for n in nodes], np.int32),
                     np.array([n.node_id for n in nodes], np.int64), 20, 20)  # fmt: skip
     with pytest.raises(AssertionError, match="cached pages an open request's window reads"):

@@ -148,11 +148,10 @@ class PrefixCache:
             node = None  # a colliding key or an orphan: never trust the hash
         return key, node
 
-    def match(self, token_ids: object) -> PrefixHit:
-        """The longest run of whole cached pages holding the first tokens of
-        ``token_ids`` (1-D host ints), compared token by token; no state change.
-        Pass a prompt without its last token, so a forward is left to run."""
-        tokens = self.tokens(token_ids, "prefix.match")
+    def walk(self, tokens: np.ndarray) -> list[ChainNode]:
+        """The nodes (device or host) caching the leading whole blocks of ``tokens``
+        (1-D host int64), up to the first block not cached; no window or
+        checkpoint rule (``chain_hit`` applies those)."""
         ps, key, parent, found = self.roles.page_size, 0, 0, []
         for i in range(len(tokens) // ps):
             key, node = self._find(key, parent, tokens[i * ps : (i + 1) * ps])
@@ -160,6 +159,14 @@ class PrefixCache:
                 break
             found.append(node)
             parent = node.node_id
+        return found
+
+    def match(self, token_ids: object) -> PrefixHit:
+        """The longest run of whole cached pages holding the first tokens of
+        ``token_ids`` (1-D host ints), compared token by token; no state change.
+        Pass a prompt without its last token, so a forward is left to run."""
+        tokens = self.tokens(token_ids, "prefix.match")
+        found = self.walk(tokens)
         hit = self.chain_hit(found, len(tokens), host=self.host is not None)
         if hit.num_host_pages or hit.host_state:  # reload or recompute the host part
             hit = self.host.choose(hit, self.chain_hit(found, len(tokens), host=False))
@@ -266,12 +273,10 @@ class PrefixCache:
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
             return False
-        key, parent, node = 0, 0, None
-        for i in range(len(tokens) // ps):
-            key, node = self._find(key, parent, tokens[i * ps : (i + 1) * ps])
-            if node is None:
-                return False
-            parent = node.node_id
+        found = self.walk(tokens)
+        if len(found) < len(tokens) // ps:
+            return False
+        node = found[-1]
         # making room may evict any node of the chain: the checkpoint must stay reachable
         saved = self.states.save(int(slot), node.node_id, lambda: self.reachable(node.node_id))
         self.stats.checkpoints = self.states.saved
