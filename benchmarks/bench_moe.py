@@ -19,8 +19,9 @@ Every fused output is checked against the torch reference first (max abs error
 over max |reference| recorded; a failed check is recorded, and the B is not timed).
 The JSON goes to ``--out`` and, when set, to ``$OUT/bench_moe.json``.
 
-``--sweep``: at B = 1, 8, 16, 64, 256, for MXFP4-packed and bf16 experts, every
-``moe.CANDIDATES`` config (small-T list for B <= 64, large-T list for B >= 16) and
+``--sweep``: at each ``moe.BUCKETS`` B (1 ... 2048; ``--batches`` picks some), for
+MXFP4-packed and bf16 experts, every ``moe.CANDIDATES`` config (small-T list for
+B <= 64, large-T list for 16 <= B <= 256, prefill list above) and
 the dense loop on bf16 weights, each fused output checked against the torch
 reference first (compile errors and wrong outputs recorded, not fatal; a candidate
 past ``--budget`` seconds is recorded as skipped). Writes
@@ -48,7 +49,7 @@ from unikv.kernels.mxfp4_ref import dequantize_mxfp4
 
 SHAPE = {"experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 BATCHES = (1, 64, 256)
-SWEEP_BATCHES = (1, 8, 16, 64, 256)  # one per moe.BUCKETS entry
+SWEEP_BATCHES = moe.BUCKETS  # one B per table bucket
 KW = {"activation": "gpt_oss", "gate_up": "interleaved"}
 
 
@@ -138,7 +139,9 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
     base = {"B": t, "distinct_experts": int(ids.unique().numel())}
     loop_us, how = timed(lambda: moe_ref.fused_moe(x, weights, ids, **experts["bf16"], **KW))
     rows = [{**base, "format": "bf16", "candidate": "loop", "us": loop_us, "timing": how}]
-    lists = [n for n, on in (("small", t <= 64), ("large", t >= 16)) if on]
+    lists = [
+        n for n, on in (("small", t <= 64), ("large", 16 <= t <= 256), ("prefill", t > 256)) if on
+    ]
     for fmt, w in experts.items():
         nbytes = touched_bytes(w, ids, t, d)
         roof = nbytes / (ceilings["d2d_GBps"] * 1e3)
@@ -182,7 +185,7 @@ def install_lines(rows: list) -> list:
     return lines
 
 
-def run_sweep(budget_s: float) -> None:
+def run_sweep(budget_s: float, batches: tuple[int, ...] = SWEEP_BATCHES) -> None:
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
     ceilings = copy_ceilings(GIB // 2, GIB // 16)
@@ -190,7 +193,7 @@ def run_sweep(budget_s: float) -> None:
     packed = make_experts(e, d, i, g)
     experts = {"mxfp4": packed, "bf16": dequantised(packed)}
     rows = []
-    for t in SWEEP_BATCHES:
+    for t in batches:
         try:
             rows += sweep_batch(t, experts, ceilings, g, t0 + budget_s)
         except Exception:
@@ -199,7 +202,8 @@ def run_sweep(budget_s: float) -> None:
     lines = install_lines(rows)
     payload = {"env": environment(), "shape": SHAPE, "ceilings": ceilings, "rows": rows,
                "install": lines, "elapsed_s": time.time() - t0}  # fmt: skip
-    save_json("benchmarks/results/moe_sweep_h200.json", payload)
+    tag = "" if batches == SWEEP_BATCHES else "_B" + "_".join(map(str, batches))
+    save_json(f"benchmarks/results/moe_sweep_h200{tag}.json", payload)
     if os.environ.get("OUT"):
         save_json(os.path.join(os.environ["OUT"], "moe_sweep.json"), payload)
     for r in rows:
@@ -213,11 +217,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/moe_h200.json")
     parser.add_argument("--sweep", action="store_true", help="time moe.CANDIDATES (alone)")
     parser.add_argument("--budget", type=float, default=85.0, help="sweep seconds")
+    parser.add_argument("--batches", default="", help="sweep only these B (comma list)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU (the fused MoE is a Triton kernel)")
     if args.sweep:
-        return run_sweep(args.budget)
+        picked = tuple(int(b) for b in args.batches.split(",") if b) or SWEEP_BATCHES
+        return run_sweep(args.budget, picked)
     g = torch.Generator().manual_seed(0)
     ceilings = copy_ceilings(GIB if args.quick else 4 * GIB, GIB // 4)
     ceilings["bf16_TFLOPs"] = bf16_tflops()

@@ -45,6 +45,18 @@ def pool_budget(configs: list[SubPoolConfig], pages: int, state_slots: int = 5) 
     )
 
 
+def distinct_prompts(ps: int, seed: int, count: int = 4) -> list[list[int]]:
+    """``count`` prompts of 2.5 to 3.5 pages that share nothing, and a repeat of the first."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3 * ps + 2, 2 * ps + 3)
+    ]
+    prompts += [
+        torch.randint(0, VOCAB, (3 * ps + ps // 2,), generator=g).tolist() for _ in range(count - 2)
+    ]
+    return prompts + [prompts[0]]
+
+
 def shared_prompts(ps: int, seed: int) -> list[list[int]]:
     """Five prompts over a 3.5-page system prompt: two extensions, the system
     prompt alone, one sharing only half of page 2, and a repeat of the first."""
@@ -57,8 +69,9 @@ def shared_prompts(ps: int, seed: int) -> list[list[int]]:
 def prefix_llm(path: str, ps: int, caching: bool, **kw) -> LLM:
     kw.setdefault("max_num_batched_tokens", 16)
     kw.setdefault("max_model_len", 96)
-    return LLM(path, device="cpu", max_num_seqs=4, page_size=ps,
-               enable_prefix_caching=caching, debug=True, **kw)  # fmt: skip
+    kw.setdefault("debug", True)
+    return LLM(path, device=kw.pop("device", "cpu"), max_num_seqs=4, page_size=ps,
+               enable_prefix_caching=caching, **kw)  # fmt: skip
 
 
 @dataclass
@@ -99,3 +112,24 @@ def partial_hit(path: str, ps: int, run: CachedRuns):
     fresh.generate(run.prompts[:1], run.params)
     (part,) = fresh.generate(run.prompts[3:4], run.params)
     return fresh, part
+
+
+def tight_prompts(seed: int = 5) -> list[list[int]]:
+    """Six prompts of 19-30 tokens: the swap tests' preempting load."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (19, 26, 21, 30, 20, 20)]
+
+
+def tight_llm(path: str, ps: int, pages: int, preemption: str, caching=False, **kw) -> LLM:
+    """An fp32 LLM of ``pages`` token pages (5 state slots) that preempts by
+    ``preemption``, a 4 MB swap tier unless recomputing; CPU unless ``device``."""
+    from unikv.hf_config import specs_from_hf_config
+
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    budget = pool_budget(configs, pages)
+    kw.setdefault("swap_host_bytes", 0 if preemption == "recompute" else 1 << 22)
+    return LLM(
+        path, device=kw.pop("device", "cpu"), max_num_seqs=4, page_size=ps, kv_cache_bytes=budget,
+        max_model_len=48, max_num_batched_tokens=kw.pop("chunk", 16),
+        enable_prefix_caching=caching, preemption=preemption, **{"debug": True, **kw},
+    )  # fmt: skip

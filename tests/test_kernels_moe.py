@@ -167,7 +167,8 @@ def test_routed_experts_params_are_views_of_the_stack():
 
 
 ALL_CONFIGS = sorted(
-    {*moe.CANDIDATES["small"], *moe.CANDIDATES["large"], moe.FP32_CONFIG}
+    {c for cands in moe.CANDIDATES.values() for c in cands}
+    | {moe.FP32_CONFIG}
     | {c for c in moe.TABLE.values() if c is not moe.LOOP}
 )
 
@@ -224,7 +225,7 @@ def test_split_k_mxfp4_matches_dequantised(dtype, t):
 
 @pytest.mark.parametrize(
     "t, want", [(1, 1), (2, 8), (8, 8), (9, 16), (16, 16), (17, 64), (64, 64), (65, 256),
-                (256, 256), (4096, 256)],
+                (256, 256), (257, 2048), (2048, 2048), (8192, 2048)],
 )  # fmt: skip
 def test_plan_picks_the_table_entry(t, want):
     """``plan`` returns the entry of T's bucket (the smallest bucket >= T, else the
@@ -242,7 +243,7 @@ def test_plan_picks_the_table_entry(t, want):
 
 def test_mxfp4_never_goes_to_the_loop():
     assert all(cfg is not moe.LOOP for (_, mxfp4), cfg in moe.TABLE.items() if mxfp4)
-    assert {b for b, _ in moe.TABLE} == set(moe.BUCKETS) and len(moe.TABLE) == 10
+    assert set(moe.TABLE) == {(b, f) for b in moe.BUCKETS for f in (False, True)}
 
 
 @pytest.mark.parametrize("t", [1, 17])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, one_thread  # noqa: F401
-from prefix_fixtures import pool_budget, save_tiny_models
+from prefix_fixtures import save_tiny_models, tight_llm, tight_prompts
 
 from unikv.engine import LLM, SamplingParams
 from unikv.io.swap import SwapSpace
@@ -77,24 +77,6 @@ def hf_tokens(models, arch: str) -> list[list[int]]:
     if arch not in _WANT:
         _WANT[arch] = [hf_greedy(models[arch][1], p, NEW_TOKENS) for p in tight_prompts()]
     return _WANT[arch]
-
-
-def tight_prompts(seed: int = 5) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (19, 26, 21, 30, 20, 20)]
-
-
-def tight_llm(path: str, ps: int, pages: int, preemption: str, caching=False, **kw) -> LLM:
-    from unikv.hf_config import specs_from_hf_config
-
-    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    budget = pool_budget(configs, pages)
-    kw.setdefault("swap_host_bytes", 0 if preemption == "recompute" else 1 << 22)
-    return LLM(
-        path, device="cpu", max_num_seqs=4, page_size=ps, kv_cache_bytes=budget,
-        max_model_len=48, max_num_batched_tokens=kw.pop("chunk", 16),
-        enable_prefix_caching=caching, preemption=preemption, **{"debug": True, **kw},
-    )  # fmt: skip
 
 
 CASES = [  # arch, page size, token pages in the pool (sized to preempt), prefix caching

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, one_thread  # noqa: F401
-from prefix_fixtures import pool_budget, prefix_llm, save_tiny_models
+from prefix_fixtures import distinct_prompts, pool_budget, prefix_llm, save_tiny_models
 
 from unikv.engine import SamplingParams
 from unikv.io.prefix_host import PrefixHost
@@ -66,18 +66,6 @@ class ByteWitness:
             if ppage > 0:
                 out[name] = pool.page_envelope(name, ppage).clone()
         return out
-
-
-def distinct_prompts(ps: int, seed: int, count: int = 4) -> list[list[int]]:
-    """``count`` prompts of 2.5 to 3.5 pages that share nothing, and a repeat of the first."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [
-        torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3 * ps + 2, 2 * ps + 3)
-    ]
-    prompts += [
-        torch.randint(0, VOCAB, (3 * ps + ps // 2,), generator=g).tolist() for _ in range(count - 2)
-    ]
-    return prompts + [prompts[0]]
 
 
 def spill_run(models, monkeypatch, arch: str, ps: int, pages: int, host_pages: int, count=4):

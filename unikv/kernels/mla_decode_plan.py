@@ -64,14 +64,19 @@ CONFIGS = {
     "fp32": Config(16, 1, 16, 4, 1, 2, 64.0),
     "fused64": Config(64, 1, 32, 8, 2, 1, 45.0, "fused"),
     "tma64": Config(64, 1, 32, 8, 2, 1, 45.0, "tma"),
+    "fused64n64": Config(64, 1, 64, 8, 2, 1, 45.0, "fused"),
+    "tma64n64": Config(64, 1, 64, 8, 2, 1, 45.0, "tma"),
 }
-# sm90, 16-bit queries: (heads bucket, page bucket) -> config. Today's kernel until the
-# sweep (``benchmarks/bench_mla_decode.py --sweep``) says otherwise; it prints the
-# entries to paste here.
+# sm90, 16-bit queries: (heads bucket, page bucket) -> config. 128 heads: installed from
+# the H200 sweep at 89e80c5 (``benchmarks/bench_mla_decode.py --sweep``, results in
+# ``benchmarks/results/mla_decode_sweep_h200.json``; B 1-128 x 1k-32k at page 64, and
+# B 32 x 8k at page 1): 1.19-1.39x the split kernel (wide128) on every shape. Page 16
+# was not swept: it takes page 1's pick (tiles across pages, each key's entry looked
+# up). 64 and 16 heads: not swept, the split kernel.
 TABLE = {
-    (128, 1): CONFIGS["wide128"],
-    (128, 16): CONFIGS["wide128"],
-    (128, 64): CONFIGS["wide128"],
+    (128, 1): CONFIGS["fused64n64"],
+    (128, 16): CONFIGS["fused64n64"],
+    (128, 64): CONFIGS["tma64n64"],
     (64, 1): CONFIGS["wide64"],
     (64, 16): CONFIGS["wide64"],
     (64, 64): CONFIGS["wide64"],

@@ -55,18 +55,15 @@ class Config(NamedTuple):
 
 
 LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
-BUCKETS = (1, 8, 16, 64, 256)  # T buckets: the smallest >= T, else the last
+BUCKETS = (1, 8, 16, 64, 256, 2048)  # T buckets: the smallest >= T, else the last
 FP32_CONFIG = Config(0, 64, 64, 1, 4, 3)  # fp32 models: exact fp32 dots, small tiles
-# 16-bit activations: (bucket, mxfp4) -> Config or LOOP. Until the H200 sweep
-# (``benchmarks/bench_moe.py --sweep``, which prints INSTALL lines) fills it: the
-# dense loop above T = 16 for unpacked experts (it beat the old kernel at B >= 64).
-_SMALL, _LARGE = Config(16, 64, 128, 1, 4, 3), Config(0, 128, 64, 1, 8, 3)
 # What the sweep times (and the interpreter tests run), most promising first: a time
 # budget cuts the tail. Small T: few rows, so narrow N tiles, long K tiles and K
-# splits give the 132 SMs enough programs; large T: wider tiles, more warps.
+# splits give the 132 SMs enough programs; large T: wider tiles, more warps; prefill
+# T: tall tiles (hundreds of rows per expert).
 CANDIDATES = {
     "small": (
-        _SMALL,
+        Config(16, 64, 128, 1, 4, 3),
         Config(16, 32, 128, 1, 4, 4),
         Config(16, 64, 128, 2, 4, 3),
         Config(16, 32, 256, 1, 4, 3),
@@ -74,26 +71,39 @@ CANDIDATES = {
         Config(16, 32, 128, 4, 4, 3),
     ),
     "large": (
-        _LARGE,
+        Config(0, 128, 64, 1, 8, 3),
         Config(0, 64, 128, 1, 4, 3),
-        Config(32, 128, 128, 1, 8, 3),
         Config(64, 128, 64, 1, 8, 4),
         Config(64, 64, 64, 1, 4, 3),
         Config(16, 128, 64, 1, 4, 3),
     ),
+    "prefill": (
+        Config(128, 128, 64, 1, 8, 3),
+        Config(64, 128, 64, 1, 4, 3),
+        Config(128, 64, 64, 1, 4, 3),
+    ),
 }
+# 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from the H200 sweep
+# (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines; results in
+# ``benchmarks/results/moe_sweep_h200.json``, gpt-oss's expert shape, at 89e80c5). The
+# kernel beat the dense loop at every decode bucket (2.6-2.9x on bf16 experts).
+# Bucket 2048 (prefill chunks) is not swept yet: bf16 experts keep the dense loop
+# (cuBLAS at hundreds of rows per expert) and MXFP4 the large-T tiles.
 TABLE: dict[tuple[int, bool], Config | None] = {
-    (1, True): _SMALL,
-    (8, True): _SMALL,
-    (16, True): _SMALL,
-    (64, True): _SMALL,
-    (256, True): _LARGE,
-    (1, False): _SMALL,
-    (8, False): _SMALL,
-    (16, False): _SMALL,
-    (64, False): LOOP,
-    (256, False): LOOP,
+    (1, True): Config(16, 32, 128, 1, 4, 4),  # 137.9 us, 9.2 % of roofline
+    (1, False): Config(16, 32, 128, 1, 4, 4),  # 147.4 us, 32.5 %
+    (8, True): Config(16, 32, 128, 1, 4, 4),  # 327.0 us, 18.5 %
+    (8, False): Config(16, 64, 64, 1, 4, 3),  # 402.2 us, 56.6 %
+    (16, True): Config(16, 64, 128, 1, 4, 3),  # 451.3 us, 20.5 %
+    (16, False): Config(16, 128, 64, 1, 4, 3),  # 505.5 us, 68.8 %
+    (64, True): Config(0, 64, 128, 1, 4, 3),  # 510.2 us, 20.0 %
+    (64, False): Config(16, 128, 64, 1, 4, 3),  # 543.0 us, 70.7 %
+    (256, True): Config(64, 64, 64, 1, 4, 3),  # 671.2 us, 15.3 %
+    (256, False): Config(64, 64, 64, 1, 4, 3),  # 633.5 us, 60.7 %
+    (2048, True): Config(64, 64, 64, 1, 4, 3),
+    (2048, False): LOOP,
 }
+KERNEL_FOR_LOOP = TABLE[256, False]  # ``fused_moe`` where the table says LOOP
 
 
 def bucket(num_tokens: int) -> int:
@@ -207,7 +217,7 @@ def fused_moe(
         return torch.zeros_like(x)
     cfg = config or plan(x.shape[0], w1_scales is not None, x.dtype)
     if cfg is LOOP:  # asked for the kernel where the table runs the loop
-        cfg = FP32_CONFIG if x.dtype == torch.float32 else _LARGE
+        cfg = FP32_CONFIG if x.dtype == torch.float32 else KERNEL_FOR_LOOP
     check_config(cfg)
     block_m = cfg.block_m or block_m_for(m, num_experts)
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
