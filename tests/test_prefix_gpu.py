@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_fixtures import References, assert_greedy_up_to_ties
+from gpu_fixtures import References, assert_greedy_up_to_ties, roomy_bytes
 from prefix_fixtures import (
     distinct_prompts,
     pool_budget,
@@ -55,7 +55,9 @@ def test_hits_under_cuda_graphs_give_transformers_tokens(models, arch, ps):
     """Twice the shared-prefix prompts: the second run hits every prompt's whole pages."""
     path, refs = models[arch]
     prompts, params = shared_prompts(ps, seed=7), SamplingParams(max_tokens=NEW_TOKENS)
-    llm = prefix_llm(path, ps, True, device="cuda", debug=False)
+    room = roomy_bytes(path, page_size=ps, dtype=torch.float32, max_num_seqs=4,
+                       max_model_len=96, chunk=16)  # fmt: skip
+    llm = prefix_llm(path, ps, True, device="cuda", debug=False, kv_cache_bytes=room)
     assert llm.backend.name == "triton" and llm.runner.graphs is not None
     first, again = llm.generate(prompts, params), llm.generate(prompts, params)
     check_tokens(arch, refs, prompts, first)

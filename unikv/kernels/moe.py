@@ -86,9 +86,9 @@ CANDIDATES = {
 # 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from the H200 sweep
 # (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines; results in
 # ``benchmarks/results/moe_sweep_h200.json``, gpt-oss's expert shape, at 89e80c5). The
-# kernel beat the dense loop at every decode bucket (2.6-2.9x on bf16 experts).
-# Bucket 2048 (prefill chunks) is not swept yet: bf16 experts keep the dense loop
-# (cuBLAS at hundreds of rows per expert) and MXFP4 the large-T tiles.
+# kernel beat the dense loop at every bucket (2.6-2.9x on bf16 experts at decode,
+# 4.7x at 2048-token prefill chunks: ``moe_sweep_h200_B2048.json``), so no entry is
+# LOOP today; the dense loop stays the rule's other arm.
 TABLE: dict[tuple[int, bool], Config | None] = {
     (1, True): Config(16, 32, 128, 1, 4, 4),  # 137.9 us, 9.2 % of roofline
     (1, False): Config(16, 32, 128, 1, 4, 4),  # 147.4 us, 32.5 %
@@ -100,8 +100,8 @@ TABLE: dict[tuple[int, bool], Config | None] = {
     (64, False): Config(16, 128, 64, 1, 4, 3),  # 543.0 us, 70.7 %
     (256, True): Config(64, 64, 64, 1, 4, 3),  # 671.2 us, 15.3 %
     (256, False): Config(64, 64, 64, 1, 4, 3),  # 633.5 us, 60.7 %
-    (2048, True): Config(64, 64, 64, 1, 4, 3),
-    (2048, False): LOOP,
+    (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2106 us, 5.2 %
+    (2048, False): Config(128, 64, 64, 1, 4, 3),  # 1950 us, 20.1 %
 }
 KERNEL_FOR_LOOP = TABLE[256, False]  # ``fused_moe`` where the table says LOOP
 
