@@ -55,6 +55,27 @@ def test_hybrid_hits_give_the_tokens_of_no_cache_and_of_transformers(hybrid, ps)
     assert out.output_ids == hf_greedy(hf, other, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("ps", [4, 16])
+def test_a_chat_turn_hits_the_previous_prompt_and_answer(hybrid, ps):
+    """Three chat turns (each prompt = the previous prompt + answer + a message):
+    every later turn hits the whole pages of the previous prompt and answer (the
+    decode-time checkpoint), not only those of the previous prompt, with
+    transformers' tokens."""
+    path, hf = hybrid
+    g = torch.Generator().manual_seed(11)
+    llm = prefix_llm(path, ps, True, max_model_len=160)
+    history, params = [], SamplingParams(max_tokens=2 * ps + 3)
+    for turn in range(3):
+        prompt = history + torch.randint(0, VOCAB, (ps + 2,), generator=g).tolist()
+        (out,) = llm.generate([prompt], params)
+        assert out.output_ids == hf_greedy(hf, prompt, 2 * ps + 3)
+        assert out.num_cached_tokens == ((len(history) - 1) // ps * ps if turn else 0)
+        history = prompt + out.output_ids
+    llm.alloc.check_integrity()
+    (out,) = llm.generate([history[:-3] + [1, 2]], SamplingParams(max_tokens=1))
+    assert out.num_cached_tokens == (len(history) - 1) // ps * ps  # the last turn's, too
+
+
 def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     from unikv.hf_config import specs_from_hf_config
 

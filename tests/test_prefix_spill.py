@@ -156,3 +156,28 @@ def test_bad_prefix_host_bytes_are_refused(models):
     with pytest.raises(ValueError, match="int >= 0"):
         prefix_llm(path, 4, True, prefix_host_bytes=1.5)
     assert prefix_llm(path, 4, True, prefix_host_bytes=0).alloc.parts.prefix.host is None
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch,pages,count", [("llama", 10, 4), ("qwen3_5", 8, 8)])
+def test_reset_prefix_cache_drops_device_and_host_copies(models, monkeypatch, arch, pages, count):
+    """After runs with spills and reloads, ``reset_prefix_cache`` leaves no cached
+    page, checkpoint or host copy: every sub-pool's pages are free again (read off
+    the page books), the next run hits nothing and still gives transformers' tokens;
+    with caching off it refuses (False)."""
+    llm, _ = spill_run(models, monkeypatch, arch, 4, pages=pages, host_pages=16, count=count)
+    prefix = llm.alloc.parts.prefix
+    assert prefix.counters()["pages"] > 0 and prefix.host.nodes
+    assert llm.reset_prefix_cache() is True
+    counters = prefix.counters()
+    assert counters["pages"] == counters["evictable"] == counters["host_pages"] == 0, counters
+    assert counters.get("checkpoints", 0) == counters["host_checkpoints"] == 0, counters
+    assert not prefix.by_id and not prefix.host.nodes and not prefix.host.ckpts
+    assert all(book.num_live == 0 for book in llm.alloc.parts.books.values()), "pages left"
+    llm.alloc.check_integrity()
+    prompts = distinct_prompts(4, seed=7, count=count)
+    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    want = [hf_greedy(models[arch][1], p, NEW_TOKENS) for p in prompts[:2]]
+    assert [o.output_ids for o in outs] == want
+    assert prefix_llm(models[arch][0], 4, False).reset_prefix_cache() is False

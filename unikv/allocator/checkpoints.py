@@ -9,14 +9,18 @@ no host sync, no loop over layers).
     Mamba virtual ids:  0 sink | 1..R request slots (slot + 1) | R+1.. checkpoints
     checkpoint = (node id of the hash-chain node of block k-1, virtual id)
 
-Policy and cost: at most twice per admission, when a request's prefill reaches
-(a) the end of the cached page run it matched, if that run is longer than its
-hit (the point where it diverges from an earlier prompt: a shared system
-prompt), and (b) the last whole page before its last token (``k = (seq_len -
-1) // ps``, the longest hit a repeat of its tokens can take), the scheduler
-ends a prefill chunk there and the request's state slot is copied into a spare
-slot keyed by that block's node: one copy of ``spec.entry_bytes`` bytes and
-one Mamba slot per checkpoint, at most one extra prefill chunk per boundary. A hit restores
+Policy and cost: at most three times per admission: when a request's prefill
+reaches (a) the end of the cached page run it matched, if that run is longer
+than its hit (the point where it diverges from an earlier prompt: a shared
+system prompt), and (b) the last whole page before its last token (``k =
+(seq_len - 1) // ps``, the longest hit a repeat of its tokens can take), the
+scheduler ends a prefill chunk there; and (c) when its decode completes the last
+whole page before the end of its output (``(prompt + max_new_tokens - 1) //
+ps``: the next turn of a chat repeats prompt and answer; a request stopped
+earlier by a stop token takes none). There the request's state slot is copied
+into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
+bytes and one Mamba slot per checkpoint, at most one extra prefill chunk per
+boundary (none for (c)). A hit restores
 it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
 prefills only the rest. A hit needs a checkpoint at its last block
 (``PrefixCache.match`` falls back to the longest such prefix, or a miss).

@@ -49,6 +49,7 @@ from unikv.allocator.prefix_evict import (
     evict_pages,
     evictable_physical,
     release_pages,
+    reset_cache,
     stage_unbind,
 )
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
@@ -329,6 +330,10 @@ class PrefixCache:
     def evict(self, count: int) -> TablePatch:
         """``prefix_evict.evict_pages``: the ``count`` oldest evictable pages evicted."""
         return evict_pages(self, count)
+
+    def reset(self) -> int:
+        """``prefix_evict.reset_cache``: drop everything no request holds."""
+        return reset_cache(self)
 
     def evictable_physical(self, name: str) -> np.ndarray:
         """``prefix_evict.evictable_physical``: (host int64) pages eviction would free."""

@@ -93,3 +93,26 @@ def evictable_physical(cache, name: str) -> np.ndarray:
     ppages = book.physical(np.fromiter(cache.lru, np.int32, len(cache.lru))).astype(np.int64)
     ppages = ppages[ppages > 0]
     return ppages[book.pins[ppages] == 0]
+
+
+def reset_cache(cache) -> int:
+    """Drop every cached page, state checkpoint and host-tier copy that no request
+    holds (pages a running request references stay cached); returns the device
+    pages dropped. Evicted pages are dropped, not spilled to the host tier."""
+    states = cache.states
+    host, state_host = cache.host, states.host if states is not None else None
+    cache.host = None
+    if states is not None:
+        states.host = None
+    try:
+        count = len(cache.lru)
+        cache.writer.write(evict_pages(cache, count))
+        if states is not None:
+            states.evict(states.num_evictable)
+    finally:
+        cache.host = host
+        if states is not None:
+            states.host = state_host
+    if host is not None:
+        host.drop([i for i in host.nodes if i not in host.held])  # prunes their checkpoints
+    return count

@@ -340,6 +340,15 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix: pages, state checkpoints and host-tier copies
+        (vLLM's ``reset_prefix_cache``). False, with nothing dropped, while prefix
+        caching is off, requests are in flight or a server's loop runs."""
+        if not self.scheduler.prefix_caching or self.engine.running or self.scheduler.has_work():
+            return False
+        self.alloc.parts.prefix.reset()
+        return True
+
     def _output(self, r: Request) -> RequestOutput:
         """The RequestOutput of one finished request (e.g. handed off by P/D)."""
         return _output_of(RequestGroup([r], None, None, self.tokenizer))

@@ -29,10 +29,12 @@ With sliding windows every prefill chunk is shared once it is in, before
 (a hit needs the pages its first query reads; ``allocator/prefix.py``).
 With recurrent state a hit also needs a state checkpoint at its last block: a
 request's prefill chunks end at the end of the cached page run it matched (if
-longer than its hit) and at its last whole page before its last token
-(``_state_at``); there its pages are shared and its state slot copied
-(``prefix.checkpoint``; policy and cost: ``allocator/checkpoints.py``);
-``alloc_mamba`` restores a hit's checkpoint.
+longer than its hit) and at its last whole page before its last token, and the
+decode step that completes the last whole page before its output's end (the
+next turn of a chat extends prompt and answer) takes one too (``_state_at``);
+there its pages are shared and its state slot copied (``prefix.checkpoint``;
+policy and cost: ``allocator/checkpoints.py``); ``alloc_mamba`` restores a hit's
+checkpoint.
 
 Swap (``swap``, a ``SwapSpace``): a preempted request's pages (a window's live
 ones, its state slot) are copied to host slots when the cost rule says so and
@@ -209,7 +211,9 @@ class Scheduler:
         self._state_at.pop(r.slot, None)
         if self.has_state:  # checkpoint the state after the last whole page before the end
             ps = self.alloc.parts.roles.page_size
-            ends = sorted({hit.num_page_tokens, (r.seq_len - 1) // ps * ps})
+            final = len(r.prompt_ids) + r.max_new_tokens  # and before the end of its output
+            ends = {hit.num_page_tokens, (r.seq_len - 1) // ps * ps, (final - 1) // ps * ps}
+            ends = sorted(ends)
             ends = [n for n in ends if n > hit.num_tokens]
             if ends:
                 self._state_at[r.slot] = ends
