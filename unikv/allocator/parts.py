@@ -90,7 +90,7 @@ def build_parts(
     if roles.mamba_name is not None and roles.owner is not None:  # room: built below
         states = StateCheckpoints(
             pool, books[roles.mamba_name], max_requests + 1, fences, writer,
-            lambda new: room.reserve(new, callback=False),
+            lambda new: room.reserve(new, callback=False, evict_pages=False),
         )  # fmt: skip
     prefix = PrefixCache(
         roles, requests, vspace, books, fences, writer, check if debug else None, states

@@ -144,16 +144,19 @@ class Room:
         virtual: int = 0,
         slots: np.ndarray | None = None,
         callback: bool = True,
+        evict_pages: bool = True,
     ) -> bool:
         """Make each free stack hold ``new[name]`` holes (and the virtual space
         ``virtual`` ids). False, with no page moved, when impossible (evictable
         prefix pages may be gone). ``slots``: the requests being served, which
-        the shortfall callback must not free; ``callback=False``: never ask it."""
+        the shortfall callback must not free; ``callback=False``: never ask it;
+        ``evict_pages=False``: evict state checkpoints only, never cached pages (a
+        new checkpoint must not cost the cached prefixes it would extend)."""
         self.drain()
         if self._fits_free(new, virtual):
             return True
         for _ in range(self.max_rounds + 1):
-            if self._make_room(new, virtual):
+            if self._make_room(new, virtual, evict_pages):
                 assert self._fits_free(new, virtual), (
                     "reserve: a feasible plan left free stacks short"
                 )
@@ -172,13 +175,13 @@ class Room:
                 return True
         return False
 
-    def _make_room(self, new: Mapping[str, int], virtual: int) -> bool:
+    def _make_room(self, new: Mapping[str, int], virtual: int, evict_pages: bool = True) -> bool:
         """Steps 2-4 of the module docstring; True when the free stacks hold ``new``."""
         if virtual <= self.vspace.num_free and self._grow_now(new):
             return True
         batch = self._deficit(new, virtual)
         while True:
-            if batch and self._evict(new, batch):
+            if batch and self._evict(new, batch, evict_pages):
                 self.drain()
                 if self._fits_free(new, virtual):
                     return True
@@ -186,18 +189,21 @@ class Room:
                     return True
             if virtual <= self.vspace.num_free and self._compact_for(new):
                 return True
-            if not self._evictable():
+            if not self._evictable(evict_pages):
                 return False
             batch = max(2 * batch, 1)
 
-    def _evictable(self) -> int:
+    def _evictable(self, pages: bool = True) -> int:
         states = self.prefix.states
-        return self.prefix.num_evictable + (states.num_evictable if states is not None else 0)
+        held = states.num_evictable if states is not None else 0
+        return held + (self.prefix.num_evictable if pages else 0)
 
-    def _evict(self, new: Mapping[str, int], batch: int) -> bool:
-        """Evict ``batch`` cached pages, and ``batch`` state checkpoints when the
-        Mamba sub-pool is short or no page is left; False when nothing was."""
-        states, pages = self.prefix.states, self.prefix.num_evictable
+    def _evict(self, new: Mapping[str, int], batch: int, evict_pages: bool = True) -> bool:
+        """Evict ``batch`` cached pages (unless not ``evict_pages``), and ``batch``
+        state checkpoints when the Mamba sub-pool is short or no page is left;
+        False when nothing was."""
+        states = self.prefix.states
+        pages = self.prefix.num_evictable if evict_pages else 0
         if pages:
             self.writer.write(self.prefix.evict(batch))
         if states is not None and states.num_evictable and (new.get(states.book.name) or not pages):
