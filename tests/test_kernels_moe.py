@@ -327,3 +327,30 @@ def test_gpt_oss_mxfp4_experts_kept_packed(tmp_path):
     want = dense(tokens, torch.arange(12), attn)
     got = packed(tokens, torch.arange(12), attn)
     assert (got - want).abs().max() < 1e-4
+
+
+GPU_DENSE_CASES = [  # the tiny gpt-oss of the engine tests (E 4, k 2, d = I = 64), others
+    ("gpt_oss", "interleaved", 4, 2, 64, 64),
+    ("silu", "concat", 8, 2, 96, 80),
+    ("relu2", "concat", 5, 2, 48, 40),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_DENSE_CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("t", [1, 3, 16, 17, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_unpacked_experts_match_reference(case, t, dtype):
+    """Unpacked (dense) experts on the GPU through ``moe.moe`` (the table's pick for T,
+    FP32_CONFIG in fp32) and through every config the table installs, against the
+    torch reference: the path an fp32 / bf16 model's MoE layers take on CUDA."""
+    act, gate_up, e, k, d, i = case
+    args, kw = _dense_case(act, gate_up, e, k, d, i, t, dtype, seed=t)
+    args = {n: v.cuda() for n, v in args.items()}
+    ref = moe_ref.fused_moe(**args, **kw)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    _close(moe.moe(**args, **kw), ref, tol)
+    if dtype == torch.bfloat16:
+        for cfg in {c for c in moe.TABLE.values() if c is not moe.LOOP}:
+            _close(moe.fused_moe(**args, **kw, config=cfg), ref, tol)

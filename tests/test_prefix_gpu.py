@@ -52,14 +52,22 @@ def check_tokens(arch, refs: References, prompts, outputs) -> None:
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_5"])
 @pytest.mark.parametrize("ps", [4, 16])
 def test_hits_under_cuda_graphs_give_transformers_tokens(models, arch, ps):
-    """Twice the shared-prefix prompts: the second run hits every prompt's whole pages."""
+    """Twice the shared-prefix prompts: the second run hits every prompt's whole pages;
+    both runs give the tokens of the run without the cache on the same GPU (exact, but
+    for the hybrid, whose suffix-only prefill runs other chunked kernels) and
+    transformers' tokens."""
     path, refs = models[arch]
     prompts, params = shared_prompts(ps, seed=7), SamplingParams(max_tokens=NEW_TOKENS)
     room = roomy_bytes(path, page_size=ps, dtype=torch.float32, max_num_seqs=4,
                        max_model_len=96, chunk=16)  # fmt: skip
+    plain = prefix_llm(path, ps, False, device="cuda", debug=False, kv_cache_bytes=room)
+    plain = [o.output_ids for o in plain.generate(prompts, params)]
     llm = prefix_llm(path, ps, True, device="cuda", debug=False, kv_cache_bytes=room)
     assert llm.backend.name == "triton" and llm.runner.graphs is not None
     first, again = llm.generate(prompts, params), llm.generate(prompts, params)
+    if arch != "qwen3_5":  # the cache's own claim first: the tokens of the run without it
+        assert [o.output_ids for o in first] == plain
+        assert [o.output_ids for o in again] == plain
     check_tokens(arch, refs, prompts, first)
     check_tokens(arch, refs, prompts, again)
     assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // ps * ps for p in prompts]
