@@ -41,9 +41,9 @@ class ByteWitness:
 
         def spill_and_record(host, nodes):
             before = {n.node_id: witness.envelopes(n.page) for n in nodes}
-            spilled = spill(host, nodes)
+            spilled, copies = spill(host, nodes)
             witness.saved.update({i: before[i] for i in spilled})
-            return spilled
+            return spilled, copies
 
         def reload_and_compare(host, nodes, columns):
             copy_in(host, nodes, columns)
@@ -181,3 +181,73 @@ def test_reset_prefix_cache_drops_device_and_host_copies(models, monkeypatch, ar
     want = [hf_greedy(models[arch][1], p, NEW_TOKENS) for p in prompts[:2]]
     assert [o.output_ids for o in outs] == want
     assert prefix_llm(models[arch][0], 4, False).reset_prefix_cache() is False
+
+
+def test_a_spill_fences_its_pages_with_its_copy_instead_of_waiting():
+    """On CUDA a spill's copy runs on a side stream: its pages must not be reused
+    before the copy is done, and eviction must not wait for it (a host sync). With
+    the host tier's copies given done-events under test control (CPU), evicted pages
+    are held, not free, no event is synchronized, the pages become holes once the
+    copy's event fires, and the hit reloads the bytes that were cached (the pool
+    buffer read before the spill and after the reload)."""
+    import numpy as np
+    from allocator_fixtures import FakeEvent, full_config
+
+    from unikv.allocator import PoolAllocator
+    from unikv.io.prefix_host import ReloadPolicy
+    from unikv.io.prefix_host_setup import enable_prefix_host
+    from unikv.pool import UnifiedPool
+
+    ps, n = 4, 3
+    configs = [full_config(ps)]
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": n + 3}))
+    alloc = PoolAllocator(pool, max_requests=2, max_context=(n + 1) * ps)
+    host = enable_prefix_host(
+        alloc.parts, (n + 1) * pool["full"].page_bytes, ReloadPolicy("always")
+    )
+    events, synced = [], []
+
+    class CopyEvent(FakeEvent):
+        def synchronize(self) -> None:
+            synced.append(self)
+            super().synchronize()
+
+    tier = host.tiers["full"]
+    sync_launch = tier._launch
+
+    def launch_with_event(stream, copy, pages, slots, writers):
+        sync_launch(stream, copy, pages, slots, writers)  # the bytes move now (CPU) ...
+        if copy != tier._copy_out:
+            return None  # reloads: synchronous, as on CPU
+        events.append(CopyEvent())  # ... but the spill only knows from its event
+        return events[-1]
+
+    tier._launch = launch_with_event
+    prefix, tokens, book = alloc.parts.prefix, np.arange(n * ps + 1), alloc.parts.books["full"]
+    slot = alloc.new_request()
+    alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([len(tokens)]))
+    pages = book.physical(alloc.parts.requests.pages[slot, :n])
+    g = torch.Generator().manual_seed(0)
+    for p in pages.tolist():
+        pool.page_envelope("full", p).copy_(torch.randint(0, 256, (pool["full"].page_bytes,),
+                                                          dtype=torch.uint8, generator=g))  # fmt: skip
+    want = [pool.page_envelope("full", p).clone() for p in pages.tolist()]
+    prefix.insert(slot, tokens)
+    alloc.free_request(slot)
+    free_before = book.num_free
+    alloc.parts.writer.write(prefix.evict(n))
+    assert len(events) == 1 and not synced, "a spill must not wait for its copy"
+    assert host.counters()["host_pages"] == n
+    alloc.parts.room.drain()
+    assert book.num_free == free_before and book.num_pending == n, "reused before copied"
+    alloc.check_integrity()
+    events[0].fired = True
+    alloc.parts.room.drain()
+    assert book.num_free == free_before + n and book.num_pending == 0
+    hit = prefix.reload(prefix.match(tokens))
+    assert hit.num_tokens == n * ps and not synced
+    got = alloc.parts.books["full"].physical(np.asarray(hit.pages, np.int32))
+    assert [torch.equal(pool.page_envelope("full", int(p)), w) for p, w in zip(got, want)] == [
+        True
+    ] * n
+    alloc.check_integrity()

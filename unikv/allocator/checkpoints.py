@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -180,20 +181,22 @@ class StateCheckpoints:
         victims = list(self.lru)[:count]
         if self.host is not None and victims:  # spill the reachable ones first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
-            self.host.spill_checkpoints(victims, vids)
+            copy = self.host.spill_checkpoints(victims, vids)
             spilled = [i for i in victims if i in self.host.ckpts]
-            for i in spilled:  # their device slots go; the host keeps the checkpoint
+            for i in spilled:  # their device slots go (once copied); the host keeps them
                 self.lru.pop(i)
-                self._free_device(i)
+                self._free_device(i, copy)
             victims = [i for i in victims if i not in self.host.ckpts]
             self.drop(victims)
             return len(victims) + len(spilled)
         self.drop(victims)
         return len(victims)
 
-    def _free_device(self, node_id: int) -> None:
+    def _free_device(self, node_id: int, copy: Any = None) -> None:
+        """Free node ``node_id``'s device slot, fenced by ``copy`` (the done-event of
+        a copy still reading it) as well as by the forward."""
         vid = np.array([self.by_node.pop(node_id)], np.int32)
-        self.writer.unbind(self.book, vid, self.fences.unbind(self.book, vid))
+        self.writer.unbind(self.book, vid, self.fences.unbind(self.book, vid, copy, spill=True))
         self.free_vids.append(int(vid[0]))
         self.evicted += 1
 

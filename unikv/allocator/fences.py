@@ -44,14 +44,17 @@ class FenceQueue:
             self.forward = None
         return self.forward is not None
 
-    def hold(self, name: str, pages: np.ndarray, fence: Any = None) -> bool:
+    def hold(self, name: str, pages: np.ndarray, fence: Any = None, spill: bool = False) -> bool:
         """Hold ``pages`` (host int32) of sub-pool ``name`` until the forward fence
-        and ``fence`` have fired. False (nothing held) when neither is outstanding."""
+        and ``fence`` have fired. False (nothing held) when neither is outstanding.
+        ``spill``: ``fence`` is a copy queued right behind the forward (a prefix
+        spill to the host), so ``wait_forward`` waits for it too (it is not a
+        transfer fence)."""
         self.forward_outstanding()
         events = tuple(e for e in (self.forward, fence) if e is not None)
         if not events or len(pages) == 0:
             return False
-        transfer = fence is not None
+        transfer = fence is not None and not spill
         last = self._groups[-1] if self._groups else None
         if (
             last is not None
@@ -66,10 +69,13 @@ class FenceQueue:
         group.setdefault(name, []).append(pages)
         return True
 
-    def unbind(self, book: PageBook, vpages: np.ndarray, fence: Any = None) -> np.ndarray:
+    def unbind(
+        self, book: PageBook, vpages: np.ndarray, fence: Any = None, spill: bool = False
+    ) -> np.ndarray:
         """``book.unbind_host(vpages)``, its pages held while the forward fence or
-        ``fence`` is outstanding. Returns the physical pages (host int32)."""
-        held = self.hold(book.name, book.physical(vpages), fence)
+        ``fence`` is outstanding (``spill``: as ``hold``). Returns the physical pages
+        (host int32)."""
+        held = self.hold(book.name, book.physical(vpages), fence, spill)
         return book.unbind_host(vpages, held)
 
     def drain(self) -> dict[str, np.ndarray]:

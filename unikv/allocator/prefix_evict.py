@@ -14,6 +14,9 @@ cache's state (``cache``: the ``PrefixCache``, which owns ``refs`` and ``lru``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from unikv.allocator.fences import FenceQueue
@@ -29,13 +32,15 @@ def stage_unbind(
     writer: TableWriter,
     vpages: np.ndarray,
     patch: TablePatch,
+    copies: Mapping[str, Any] | None = None,
 ) -> None:
     """Unbind the bound ones of ``vpages`` (host int32) in token sub-pools
-    ``names`` on the host (fenced); stage their tombstones in ``patch``."""
+    ``names`` on the host (fenced, also by ``copies[name]``: the done-event of a
+    copy still reading them); stage their tombstones in ``patch``."""
     for name in names:
         book = books[name]
         bound = vpages[book.physical(vpages) >= 0]  # I/O or a window may have freed some
-        ppages = fences.unbind(book, bound)
+        ppages = fences.unbind(book, bound, (copies or {}).get(name), spill=True)
         if len(ppages):
             patch.add_tombstones(writer.v2p_id[name], bound)
             patch.add_tombstones(writer.p2v_id[name], ppages)
@@ -65,8 +70,9 @@ def evict_pages(cache, count: int) -> TablePatch:
     if count == 0:
         return patch
     nodes = [cache.by_page.pop(page) for page in pages.tolist()]
-    spilled = cache.host.spill(nodes) if cache.host is not None else set()  # before unbinding
-    stage_unbind(cache.books, cache.roles.token_names, cache.fences, cache.writer, pages, patch)
+    spilled, copies = cache.host.spill(nodes) if cache.host is not None else (set(), {})
+    names = cache.roles.token_names  # unbound after the spill, fenced by its copies
+    stage_unbind(cache.books, names, cache.fences, cache.writer, pages, patch, copies)
     dropped = []
     for node in nodes:
         if node.node_id in spilled:

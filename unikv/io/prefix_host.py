@@ -11,9 +11,13 @@ hit reloads them rather than recomputing their tokens.
 Spill (``PrefixCache.evict``, ``StateCheckpoints.evict``): the reachable victims'
 envelopes (one contiguous range per page and sub-pool, every layer: the
 page-major law) go to host slots, one copy each, batched per sub-pool through
-``io.host_tier.HostTier``; the spill waits for its copy (the eviction path is the
-slow path), so the freed pages are holes at once, as the capacity oracle counted
-them. The node stays in the hash chain. The host LRU (oldest first) is bounded by
+``io.host_tier.HostTier``, on its side stream behind the current one. The spill
+does not wait for its copy (no host sync): the unbound pages are fenced by the
+copy's done-event as well as by the forward (``FenceQueue.hold(spill=True)``), so
+they become holes when their bytes have left, and the slow path that waits for the
+forward waits for the copy too. A reload of a slot still being written waits for
+that copy on the device (``HostTier``'s writer events). The node stays in the hash
+chain. The host LRU (oldest first) is bounded by
 the slots: when full its oldest entries are dropped for real, and host nodes no
 lookup can reach any more (an ancestor dropped) and their checkpoints go too.
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,53 +114,61 @@ class PrefixHost:
 
     # -- spill ------------------------------------------------------------------------
 
-    def spill(self, nodes: list) -> set[int]:
+    def spill(self, nodes: list) -> tuple[set[int], dict[str, Any]]:
         """Copy the envelopes of the reachable ones of ``nodes`` (device nodes being
-        evicted, pages still bound) to host slots; returns their node ids (now on
-        the host: the caller unbinds every page and marks them ``HOST``)."""
+        evicted, pages still bound) to host slots. Returns their node ids (now on
+        the host: the caller unbinds every page and marks them ``HOST``) and, per
+        sub-pool, the copy's done-event (None on CPU): the caller fences the
+        unbound pages with it, so they are reused only once their bytes have left
+        (no host sync; a reload waits for the copy on the device)."""
         prefix = self.prefix
         count = sum(prefix.reachable(n.node_id) for n in nodes)
         free = self._room(count)
         alive = [n for n in nodes if prefix.reachable(n.node_id)][:free]
         if not alive:
-            return set()
+            return set(), {}
         vpages = np.array([n.page for n in alive], np.int32)
-        slots = {}
+        slots, fences = {}, {}
         for name, tier in self.tiers.items():
             ppages = prefix.books[name].physical(vpages)
-            slots[name] = self._offload(tier, ppages, ppages > 0)
+            slots[name], fences[name] = self._offload(tier, ppages, ppages > 0)
         for i, node in enumerate(alive):
             self.nodes[node.node_id] = {name: int(s[i]) for name, s in slots.items()}
         self.stats.spilled_pages += len(alive)
-        return {n.node_id for n in alive}
+        return {n.node_id for n in alive}, fences
 
-    def spill_checkpoints(self, node_ids: list[int], vids: np.ndarray) -> None:
+    def spill_checkpoints(self, node_ids: list[int], vids: np.ndarray) -> Any:
         """Copy the device checkpoints ``vids`` (host int32 Mamba virtual ids) of
-        ``node_ids``, being evicted, to host slots (the reachable ones, as room allows)."""
+        ``node_ids``, being evicted, to host slots (the reachable ones, as room
+        allows); returns the copy's done-event (None on CPU or when nothing moved),
+        the fence of the slots the caller frees."""
         states = self.prefix.states
         keep = [i for i, n in enumerate(node_ids) if self.prefix.reachable(n)]
         victims = [n for n in self.ckpts if n not in states.pins and n not in self.held]
         while victims and self.state_tier.num_free < len(keep):
             self._drop_checkpoints([victims.pop(0)])
         keep = keep[: self.state_tier.num_free]
-        if keep:
-            ppages = states.book.physical(vids[keep])
-            slots = self._offload(self.state_tier, ppages, ppages > 0)
-            for i, slot in zip(keep, slots.tolist()):
-                self.ckpts[node_ids[i]] = slot
-            self.stats.spilled_checkpoints += len(keep)
+        if not keep:
+            return None
+        ppages = states.book.physical(vids[keep])
+        slots, event = self._offload(self.state_tier, ppages, ppages > 0)
+        for i, slot in zip(keep, slots.tolist()):
+            self.ckpts[node_ids[i]] = slot
+        self.stats.spilled_checkpoints += len(keep)
+        return event
 
-    def _offload(self, tier, ppages: np.ndarray, bound: np.ndarray) -> np.ndarray:
-        """Host slots (-1 where unbound) holding copies of the bound ``ppages``."""
+    def _offload(self, tier, ppages: np.ndarray, bound: np.ndarray) -> tuple[np.ndarray, Any]:
+        """(host slots, -1 where unbound, that receive copies of the bound ``ppages``;
+        the copy's done-event, None on CPU or when nothing is bound). No host sync."""
         slots = np.full(len(ppages), -1, np.int64)
-        if bound.any():
-            ids = PhysicalPageIds(torch.from_numpy(ppages[bound].astype(np.int64)), tier.name)
-            copy = tier.offload(ids, check=False)
-            assert copy is not None, "prefix host: a spill finds the host slots it counted"
-            copy.synchronize()  # the freed pages are holes at once (the slow path)
-            slots[bound] = copy.host_slots.data.numpy()
-            self.stats.spilled_bytes += int(bound.sum()) * tier.page_bytes
-        return slots
+        if not bound.any():
+            return slots, None
+        ids = PhysicalPageIds(torch.from_numpy(ppages[bound].astype(np.int64)), tier.name)
+        copy = tier.offload(ids, check=False)
+        assert copy is not None, "prefix host: a spill finds the host slots it counted"
+        slots[bound] = copy.host_slots.data.numpy()
+        self.stats.spilled_bytes += int(bound.sum()) * tier.page_bytes
+        return slots, copy.event
 
     def _room(self, count: int) -> int:
         """Drop the oldest host nodes (not held) until ``count`` more fit; returns
