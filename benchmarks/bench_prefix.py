@@ -141,7 +141,7 @@ def run(
     turns = _system_turns(args, vocab) if not chat else None
     for timed in (False, True):  # the untimed pass compiles every step shape and path
         if timed and caching:
-            assert llm.reset_prefix_cache(), "the warm-up pass left requests in flight"
+            assert llm.reset_prefix_cache(), "the cache was built with prefix caching on"
         before = dict(llm.alloc.parts.prefix.counters())
         preempted = llm.scheduler.num_preemptions
         tokens, ttft, seconds, made = [], [], 0.0, 0

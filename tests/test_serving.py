@@ -276,3 +276,29 @@ def test_a_full_admission_queue_answers_503(ckpt):
         assert short.status_code == 200
     finally:
         proc.stop()
+
+
+def test_reset_prefix_cache_endpoint(ckpt, server):
+    """POST /reset_prefix_cache (vLLM's): with caching on, after a repeated prompt
+    hit, the cache holds no page afterwards (read off /metrics) and the next repeat
+    hits nothing new but gives the same text; without caching it is a 400 that
+    says how to turn caching on."""
+    refused = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+    assert refused.status_code == 400 and "--enable-prefix-caching" in refused.text
+    proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN), "--enable-prefix-caching")
+    try:
+        body = {"model": ckpt[0], "prompt": PROMPTS[0] * 3, "max_tokens": 4, "temperature": 0}
+        post = lambda: httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
+        stats = lambda name: metric_values(httpx.get(proc.url + "/metrics", timeout=30).text, name)[
+            ""
+        ]
+        texts = [post().json()["choices"][0]["text"] for _ in range(2)]
+        hits = stats("unikv_prefix_cache_hit_tokens_total")
+        assert hits > 0 and stats("unikv_prefix_cache_pages") > 0
+        reset = httpx.post(proc.url + "/reset_prefix_cache", timeout=30)
+        assert reset.status_code == 200 and reset.json() == {"reset": True}
+        assert stats("unikv_prefix_cache_pages") == 0
+        assert post().json()["choices"][0]["text"] == texts[0] == texts[1]
+        assert stats("unikv_prefix_cache_hit_tokens_total") == hits  # a miss after the reset
+    finally:
+        proc.stop()

@@ -341,12 +341,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix: pages, state checkpoints and host-tier copies
-        (vLLM's ``reset_prefix_cache``). False, with nothing dropped, while prefix
-        caching is off, requests are in flight or a server's loop runs."""
-        if not self.scheduler.prefix_caching or self.engine.running or self.scheduler.has_work():
+        """Drop every cached prefix no request holds: pages, state checkpoints and
+        host-tier copies (vLLM's ``reset_prefix_cache``); the pages running requests
+        reference stay cached. Runs between two steps of a serving loop (its thread
+        does it). False, with nothing dropped, when prefix caching is off."""
+        if not self.scheduler.prefix_caching:
             return False
-        self.alloc.parts.prefix.reset()
+        self.engine.call(self.alloc.parts.prefix.reset).result()
         return True
 
     def _output(self, r: Request) -> RequestOutput:

@@ -189,6 +189,13 @@ def create_app(llm, *, served_model_names: list[str], max_waiting: int | None = 
 
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    def reset_prefix_cache():  # sync: waits for the engine thread (a worker thread)
+        if not llm.reset_prefix_cache():
+            return _error("prefix caching is off; start the server with "
+                          "--enable-prefix-caching", "BadRequestError", None, 400)  # fmt: skip
+        return {"reset": True}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
