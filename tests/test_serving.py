@@ -280,9 +280,10 @@ def test_a_full_admission_queue_answers_503(ckpt):
 
 def test_reset_prefix_cache_endpoint(ckpt, server):
     """POST /reset_prefix_cache (vLLM's): with caching on, after a repeated prompt
-    hit, the cache holds no page afterwards (read off /metrics) and the next repeat
-    hits nothing new but gives the same text; without caching it is a 400 that
-    says how to turn caching on."""
+    hit (``usage.prompt_tokens_details.cached_tokens`` is the hit /metrics counted),
+    the cache holds no page afterwards (read off /metrics) and the next repeat hits
+    nothing but gives the same text; without caching it is a 400 that says how to
+    turn caching on."""
     refused = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
     assert refused.status_code == 400 and "--enable-prefix-caching" in refused.text
     proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN), "--enable-prefix-caching")
@@ -292,13 +293,18 @@ def test_reset_prefix_cache_endpoint(ckpt, server):
         stats = lambda name: metric_values(httpx.get(proc.url + "/metrics", timeout=30).text, name)[
             ""
         ]
-        texts = [post().json()["choices"][0]["text"] for _ in range(2)]
+        first, second = post().json(), post().json()
         hits = stats("unikv_prefix_cache_hit_tokens_total")
         assert hits > 0 and stats("unikv_prefix_cache_pages") > 0
+        cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in (first, second)]
+        assert cached == [0, hits]  # OpenAI's usage field: the second request's hit
         reset = httpx.post(proc.url + "/reset_prefix_cache", timeout=30)
         assert reset.status_code == 200 and reset.json() == {"reset": True}
         assert stats("unikv_prefix_cache_pages") == 0
-        assert post().json()["choices"][0]["text"] == texts[0] == texts[1]
+        third = post().json()
+        texts = [b["choices"][0]["text"] for b in (first, second, third)]
+        assert texts == [texts[0]] * 3
+        assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert stats("unikv_prefix_cache_hit_tokens_total") == hits  # a miss after the reset
     finally:
         proc.stop()

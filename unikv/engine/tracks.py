@@ -27,7 +27,8 @@ class Delta:
 
     logprobs: per new token (token id, logprob, rank, [(id, logprob, text)] of
     the top k, token text), or None; finish_reason: None while running; error: set when the
-    engine failed (the stream ends)."""
+    engine failed (the stream ends); cached_tokens: on the finishing delta, the prompt
+    tokens the request's first admission found in the prefix cache."""
 
     index: int
     token_ids: list[int]
@@ -36,6 +37,7 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    cached_tokens: int | None = None
 
 
 class Track:
@@ -118,7 +120,8 @@ class Track:
             return None
         reason = self.request.finish_reason if finished else None
         stop = self.stop_reason if finished else None
-        return Delta(self.index, new, text, entries, reason, stop)
+        cached = self.request.num_cached_tokens if finished else None
+        return Delta(self.index, new, text, entries, reason, stop, cached_tokens=cached)
 
     def completion(self) -> CompletionOutput:
         """The final CompletionOutput (a passive track decodes its text now)."""

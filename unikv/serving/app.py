@@ -138,7 +138,7 @@ class Server:
                 error = rsp.error_body(sub.error, "InternalServerError", None, 500)
                 yield event(error).encode()
             elif usage_tokens is not None:
-                yield writer.usage_event(usage_tokens).encode()
+                yield writer.usage_event(usage_tokens, n).encode()
         finally:
             self._aborted(sub)  # no-op when every completion finished
         yield b"data: [DONE]\n\n"

@@ -31,6 +31,7 @@ class Choices:
         self.token_ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, tuple[str | None, object]] = {}
+        self.cached: dict[int, int] = {}  # prompt tokens served from the prefix cache
 
     def index(self, prompt: int, delta: Delta) -> int:
         return prompt * self.n + delta.index
@@ -43,15 +44,29 @@ class Choices:
             self.logprobs.setdefault(i, []).extend(delta.logprobs)
         if delta.finish_reason is not None:
             self.finish[i] = (delta.finish_reason, delta.stop_reason)
+        if delta.cached_tokens is not None:
+            self.cached[i] = delta.cached_tokens
         return i
 
     def usage(self, prompt_tokens: int) -> dict:
         done = sum(len(t) for t in self.token_ids.values())
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": done,
-            "total_tokens": prompt_tokens + done,
-        }
+        return usage_body(prompt_tokens, done, cached_prompt_tokens(self.cached, self.n))
+
+
+def cached_prompt_tokens(cached: dict[int, int], n: int) -> int:
+    """Prompt tokens served from the prefix cache: each prompt's first choice's
+    (choice ``i * n``; the prompt counts once in ``prompt_tokens``, as here)."""
+    return sum(v for i, v in cached.items() if i % n == 0)
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's ``usage``, with ``prompt_tokens_details.cached_tokens``."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _name(token: int, text: str | None, as_ids: bool) -> str:

@@ -43,6 +43,7 @@ class EventWriter:
         self.chat, self.as_ids = chat, as_ids
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.num_tokens = 0
+        self.cached: dict[int, int] = {}  # choice -> prompt tokens from the prefix cache
         self._templates: dict[int, tuple[str, str]] = {}
         self._started: set[int] = set()  # chat choices whose role chunk was sent
 
@@ -63,6 +64,8 @@ class EventWriter:
 
     def write(self, index: int, delta: Delta) -> str:
         self.num_tokens += len(delta.token_ids)
+        if delta.cached_tokens is not None:
+            self.cached[index] = delta.cached_tokens
         simple = delta.finish_reason is None and delta.logprobs is None
         if simple and (not self.chat or index in self._started):
             if not delta.text:
@@ -90,15 +93,12 @@ class EventWriter:
             out.append(event(self._chat(index, {}, delta.finish_reason)))
         return "".join(out)
 
-    def usage_event(self, prompt_tokens: int) -> str:
+    def usage_event(self, prompt_tokens: int, n: int = 1) -> str:
+        """The final chunk with ``usage`` (``n``: completions per prompt)."""
         last = {"id": self.rid, "object": self.obj, "created": self.created}
         last |= {"model": self.model, "choices": []}
-        done = self.num_tokens
-        last["usage"] = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": done,
-            "total_tokens": prompt_tokens + done,
-        }
+        cached = rsp.cached_prompt_tokens(self.cached, n)
+        last["usage"] = rsp.usage_body(prompt_tokens, self.num_tokens, cached)
         return event(last)
 
 
