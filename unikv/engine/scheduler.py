@@ -20,21 +20,11 @@ One step (``schedule``):
    preempted and the step retried (no livelock: the pool was checked at
    start-up to hold one worst-case request alone).
 
-Prefix caching (``prefix_caching``): a waiting request opens with the
-allocator's longest cached run of whole pages of its tokens (all but the last)
-and prefills from there; its full pages are shared (``alloc.parts.prefix.insert``) when its
-prompt is in, and again when it finishes or is preempted, so a recompute hits.
-With sliding windows every prefill chunk is shared once it is in, before
-``free_out_of_window`` runs, so the cached prefixes keep their window pages
-(a hit needs the pages its first query reads; ``allocator/prefix.py``).
-With recurrent state a hit also needs a state checkpoint at its last block: a
-request's prefill chunks end at the end of the cached page run it matched (if
-longer than its hit) and at its last whole page before its last token, and the
-decode step that completes the last whole page before its output's end (the
-next turn of a chat extends prompt and answer) takes one too (``_state_at``);
-there its pages are shared and its state slot copied (``prefix.checkpoint``;
-policy and cost: ``allocator/checkpoints.py``); ``alloc_mamba`` restores a hit's
-checkpoint.
+Prefix caching (``prefix_caching``; ``prefix_policy.py``, chosen once): a waiting
+request opens with its longest cached prefix and prefills from there; its pages
+are shared once its prompt is in and again when it finishes or is preempted;
+hybrids take state checkpoints where their prefill chunks end and where a decode
+completes the last whole page before the output's end.
 
 Swap (``swap``, a ``SwapSpace``): a preempted request's pages (a window's live
 ones, its state slot) are copied to host slots when the cost rule says so and
@@ -55,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from unikv.engine.prefix_policy import prefix_policy
 from unikv.engine.request import Batch, BatchKind, DecodeSet, Pending, Request, Status
 from unikv.engine.swap_in import swap_in
 from unikv.pool import worst_case_pages
@@ -105,7 +96,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
-        self._state_at: dict[int, list[int]] = {}  # slot -> tokens at its state checkpoints
+        self.prefix = prefix_policy(alloc, prefix_caching, self.has_state, self.has_window)
         self._decodes: DecodeSet | None = None  # the decoding set, while still valid
         self._epoch = 0  # requests finished so far (a batch with the same: none of its)
 
@@ -168,7 +159,7 @@ class Scheduler:
         for r in prefilling:
             if budget <= 0:
                 return
-            n = self._chunk(r, budget)
+            n = self.prefix.chunk(r, budget)
             ids = self._extend(r, n)
             if ids is None:
                 return
@@ -179,8 +170,8 @@ class Scheduler:
             if self.swap is not None and r.request_id in self.swap.held:
                 hit, (n, ids) = None, swap_in(self, r, budget)
             else:
-                hit = self._open(r)
-                n = self._chunk(r, budget)
+                hit = self.prefix.open(r)
+                n = self.prefix.chunk(r, budget)
                 ok = self._fits(r.num_pending, n) and self._admit_state(r)
                 ids = self._extend(r, n) if ok else None
             if ids is None:
@@ -196,53 +187,6 @@ class Scheduler:
             self.running.append(r)
             batch.add(r, n, ids)
             budget -= n
-
-    def _open(self, r: Request):
-        """A request slot for ``r``; with prefix caching it holds the cached pages
-        of ``r``'s longest cached prefix, and ``r.num_cached`` counts them.
-        Returns the prefix hit (None without caching)."""
-        if not self.prefix_caching:
-            r.slot = self.alloc.new_request()
-            return None
-        prefix = self.alloc.parts.prefix
-        hit = prefix.reload(prefix.match(r.token_slice(0, r.seq_len - 1)))  # host part back
-        r.slot = self.alloc.new_request(prefix=hit)
-        r.num_cached = hit.num_tokens
-        self._state_at.pop(r.slot, None)
-        if self.has_state:  # checkpoint the state after the last whole page before the end
-            ps = self.alloc.parts.roles.page_size
-            final = len(r.prompt_ids) + r.max_new_tokens  # and before the end of its output
-            ends = {hit.num_page_tokens, (r.seq_len - 1) // ps * ps, (final - 1) // ps * ps}
-            ends = sorted(ends)
-            ends = [n for n in ends if n > hit.num_tokens]
-            if ends:
-                self._state_at[r.slot] = ends
-        return hit
-
-    def _chunk(self, r: Request, budget: int) -> int:
-        """The tokens of ``r`` to prefill now: within ``budget``, ending at its state
-        checkpoint when that lies inside the chunk."""
-        n = min(budget, r.num_pending)
-        stop = self._state_at.get(r.slot, (0,))[0]
-        return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
-
-    def _checkpoint(self, r: Request) -> None:
-        """At ``r``'s state checkpoint: share its pages, copy its state slot."""
-        ends = self._state_at.get(r.slot)
-        if ends and ends[0] == r.num_cached:
-            ends.pop(0)
-            if not ends:
-                del self._state_at[r.slot]
-            self._cache(r)
-            self.alloc.parts.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
-
-    def _cache(self, r: Request) -> None:
-        """Share the full pages holding ``r``'s cached tokens (known ones: a
-        ``Pending`` placeholder and what follows it stay out)."""
-        if self.prefix_caching:
-            ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
-            unknown = np.flatnonzero(ids < 0)
-            self.alloc.parts.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids)
 
     def _fits(self, num_tokens: int, chunk: int) -> bool:
         """Capacity oracle: can a request needing ``num_tokens`` more tokens, written
@@ -269,11 +213,11 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
         go to host slots first when ``swap`` takes them, else it is recomputed."""
-        self._cache(r)
+        self.prefix.share(r)
         if self.swap is not None:
             record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
             if record is not None:
-                record.state_at = self._state_at.pop(r.slot, None)
+                record.state_at = self.prefix.points.pop(r.slot, None)
         self.alloc.free_request(r.slot)
         self.running.remove(r)
         r.slot, r.num_cached, r.status = None, 0, Status.WAITING
@@ -287,7 +231,7 @@ class Scheduler:
         in-flight step still uses are fenced by the allocator). Its outputs stay;
         a placeholder left by the step in flight is resolved as usual."""
         if r.status is Status.RUNNING:
-            self._cache(r)
+            self.prefix.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
@@ -329,7 +273,7 @@ class Scheduler:
             if r.resolve(len(r.output_ids) - 1, tokens[i]):
                 finished.append(r)
                 if r.status is Status.RUNNING:
-                    self._cache(r)
+                    self.prefix.share(r)
                     self.alloc.free_request(r.slot)
                     self.running.remove(r)
                 elif r.status is Status.WAITING:  # preempted meanwhile
@@ -348,24 +292,18 @@ class Scheduler:
         appended = 0
         for r, n, token in zip(batch.requests, batch.num_new, tokens):
             r.num_cached += n
-            if self._state_at:
-                self._checkpoint(r)
-            if self.prefix_caching and (
-                r.num_cached - n < len(r.prompt_ids) <= r.num_cached
-                or (self.has_window and r.num_cached < len(r.prompt_ids))
-            ):  # the prompt is in (later requests may share it now), or with windows
-                self._cache(r)  # a chunk of it, before its pages leave the window
             if r.num_cached == len(r.prompt_ids) + len(r.output_ids):
                 r.append(token)
                 appended += 1
                 if r.finish_reason is not None:
                     finished.append(r)
         self.num_appended = appended  # sampled tokens this step took (for counters)
+        self.prefix.after_step(batch)  # checkpoints, shared pages (before any free)
         if batch.kind is BatchKind.DECODE and self._decodes is not None:
             self._decodes.advance(len(batch.requests))
         self._epoch += len(finished)
         for r in finished:
-            self._cache(r)
+            self.prefix.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED

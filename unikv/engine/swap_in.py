@@ -27,13 +27,13 @@ def swap_in(sched: Scheduler, r: Request, budget: int):
     r.slot = sched.alloc.new_request()
     r.num_cached = record.num_cached
     if record.state_at:
-        sched._state_at[r.slot] = list(record.state_at)
-    n = sched._chunk(r, budget)
+        sched.prefix.points[r.slot] = list(record.state_at)
+    n = sched.prefix.chunk(r, budget)
     ok = sched._fits(r.seq_len, max(n, sched.max_num_batched_tokens))
     ok = ok and reserve_computed(sched, r) and sched._admit_state(r)
     ids = sched._extend(r, n) if ok else None
     if ids is None:
-        sched._state_at.pop(r.slot, None)
+        sched.prefix.points.pop(r.slot, None)
         return 0, None
     sched.swap.swap_in(r.request_id, r.slot)
     return n, ids

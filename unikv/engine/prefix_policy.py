@@ -1,0 +1,129 @@
+"""The scheduler's prefix-caching hooks, chosen once at construction
+(``prefix_policy``): ``NoPrefixCache`` with caching off, ``PrefixCaching`` with it on.
+
+Prefix caching: a waiting request opens with the allocator's longest cached run
+of whole pages of its tokens (all but the last) and prefills from there
+(``open``); its full pages are shared (``alloc.parts.prefix.insert``) when its
+prompt is in, and again when it finishes or is preempted (``share``), so a
+recompute hits. With sliding windows every prefill chunk is shared once it is
+in, before ``free_out_of_window`` runs, so the cached prefixes keep their window
+pages (a hit needs the pages its first query reads; ``allocator/prefix.py``).
+
+With recurrent state a hit also needs a state checkpoint at its last block. A
+request takes one (its pages shared, its state slot copied: ``prefix.checkpoint``;
+policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
+(``points``, tokens):
+
+- the end of the cached page run it matched, if longer than its hit;
+- its last whole page before its last token;
+- the last whole page before its output's end (the next turn of a chat extends
+  prompt and answer; taken by the decode step that completes it).
+
+Prefill chunks end at the points (``chunk``); ``after_step`` takes the
+checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
+restores a hit's checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from unikv.allocator import PoolAllocator
+    from unikv.engine.request import Batch, Request
+
+
+class NoPrefixCache:
+    """Caching off: a plain slot per admission, whole chunks, nothing shared."""
+
+    enabled = False
+
+    def __init__(self, alloc: PoolAllocator) -> None:
+        self.alloc = alloc
+        self.points: dict[int, list[int]] = {}  # request slot -> its checkpoint points
+
+    def open(self, r: Request):
+        """A request slot for ``r`` (``r.slot``); returns the prefix hit (none here)."""
+        r.slot = self.alloc.new_request()
+
+    def chunk(self, r: Request, budget: int) -> int:
+        """The tokens of ``r`` to prefill now, within ``budget``."""
+        return min(budget, r.num_pending)
+
+    def after_step(self, batch: Batch) -> None:
+        """After a step's tokens are in (``num_cached`` advanced)."""
+
+    def share(self, r: Request) -> None:
+        """Share the full pages holding ``r``'s computed tokens."""
+
+
+class PrefixCaching(NoPrefixCache):
+    """Caching on (the module docstring); ``has_state``: the pool has a Mamba
+    sub-pool (checkpoints), ``has_window``: a sliding-window one."""
+
+    enabled = True
+
+    def __init__(self, alloc: PoolAllocator, has_state: bool, has_window: bool) -> None:
+        super().__init__(alloc)
+        self.prefix = alloc.parts.prefix
+        self.has_state, self.has_window = has_state, has_window
+        self.page_size = alloc.parts.roles.page_size
+
+    def open(self, r: Request):
+        """A request slot holding the cached pages of ``r``'s longest cached prefix
+        (its host part reloaded), ``r.num_cached`` counting them; returns the hit."""
+        prefix = self.prefix
+        hit = prefix.reload(prefix.match(r.token_slice(0, r.seq_len - 1)))
+        r.slot = self.alloc.new_request(prefix=hit)
+        r.num_cached = hit.num_tokens
+        self.points.pop(r.slot, None)
+        if self.has_state:
+            ps = self.page_size
+            final = len(r.prompt_ids) + r.max_new_tokens
+            ends = {hit.num_page_tokens, (r.seq_len - 1) // ps * ps, (final - 1) // ps * ps}
+            ends = [n for n in sorted(ends) if n > hit.num_tokens]
+            if ends:
+                self.points[r.slot] = ends
+        return hit
+
+    def chunk(self, r: Request, budget: int) -> int:
+        """Within ``budget``, ending at ``r``'s next checkpoint point when that lies
+        inside the chunk."""
+        n = min(budget, r.num_pending)
+        stop = self.points.get(r.slot, (0,))[0]
+        return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
+
+    def after_step(self, batch: Batch) -> None:
+        """Checkpoints at the points the step reached; pages shared where a prompt
+        is now in (later requests may hit it) or, with windows, each prompt chunk
+        (before its pages leave the window)."""
+        points, window = self.points, self.has_window
+        for r, n in zip(batch.requests, batch.num_new):
+            if points:
+                self._checkpoint(r)
+            prompt = len(r.prompt_ids)
+            if r.num_cached - n < prompt <= r.num_cached or (window and r.num_cached < prompt):
+                self.share(r)
+
+    def _checkpoint(self, r: Request) -> None:
+        ends = self.points.get(r.slot)
+        if ends and ends[0] == r.num_cached:
+            ends.pop(0)
+            if not ends:
+                del self.points[r.slot]
+            self.share(r)
+            self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
+
+    def share(self, r: Request) -> None:
+        """Share the full pages holding ``r``'s computed tokens (known ones: a
+        ``Pending`` placeholder and what follows it stay out)."""
+        ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
+        unknown = np.flatnonzero(ids < 0)
+        self.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids)
+
+
+def prefix_policy(alloc: PoolAllocator, caching: bool, has_state: bool, has_window: bool):
+    """``PrefixCaching`` when ``caching``, else ``NoPrefixCache``."""
+    return PrefixCaching(alloc, has_state, has_window) if caching else NoPrefixCache(alloc)
