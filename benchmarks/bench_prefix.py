@@ -34,8 +34,11 @@ pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 spill and reload bandwidth in GB/s and their ratio to the pinned copies.
 Saved as JSON (``--out``).
 
+Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the bytes
+of its requests' worst case at once (a hybrid's state checkpoints compete for it).
+
 Usage: ``python benchmarks/bench_prefix.py --device cuda [--models llama,hybrid]
-[--dtype bfloat16|float32] [--out results.json]``; ``--tiny`` on CPU.
+[--dtype bfloat16|float32] [--pool-factor 1.25] [--out results.json]``; ``--tiny`` on CPU.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def _llm(path: Path, args, caching: bool, max_len: int, n: int):
     }
     return LLM(
         str(path), device=args.device, dtype=args.dtype, page_size=args.page_size,
-        kv_cache_bytes=int(pool_bytes_for(configs, pages) * 1.25), max_num_seqs=n,
+        kv_cache_bytes=int(pool_bytes_for(configs, pages) * args.pool_factor), max_num_seqs=n,
         max_num_batched_tokens=args.chunk, max_model_len=max_len,
         enable_prefix_caching=caching,
     )  # fmt: skip
@@ -302,6 +305,9 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--spill-pages", type=int, default=512, help="pages the spill row moves")
+    p.add_argument(
+        "--pool-factor", type=float, default=1.25, help="pool bytes / the requests' worst case"
+    )
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
     if args.tiny:

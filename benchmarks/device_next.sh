@@ -34,6 +34,8 @@ step engine 150 $pt tests/test_engine_gpu.py
 step prefix_tests 150 $pt tests/test_prefix_gpu.py
 step prefix_bench 90 python3 benchmarks/bench_prefix.py --device cuda --models hybrid,llama \
   --workloads chat,spill --out $R/prefix_chat.json
+step prefix_bench_2x 60 python3 benchmarks/bench_prefix.py --device cuda --models hybrid \
+  --workloads chat --pool-factor 2 --out $R/prefix_chat_2x.json
 step mimo_wide 120 $pt --durations=10 tests/test_engine_mimo_gpu.py -k wide
 cp $R/summary.txt "$FINAL/summary.txt"
 tar czf "$FINAL/results.tgz" -C $R .
