@@ -185,8 +185,29 @@ def assert_fp32_greedy(llm, refs: References, graphs: bool) -> None:
 
     assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
     outputs = llm.generate(engine_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
-    assert [o.output_ids for o in outputs] == refs.greedy(engine_prompts(), NEW_TOKENS)
+    assert_same_greedy(refs, engine_prompts(), outputs, NEW_TOKENS)
     assert llm.stats.decode_steps > 0
+
+
+def assert_same_greedy(refs: References, prompts, outputs, max_new_tokens: int) -> None:
+    """The outputs' tokens are transformers' fp32 greedy tokens; on a mismatch the
+    message says where each request left them and how far its token lay below
+    transformers' argmax over the engine's own sequence (teacher-forced): a gap near
+    1e-6 is an fp32 near-tie, a large one a wrong computation."""
+    want = refs.greedy(prompts, max_new_tokens)
+    ours = [o.output_ids for o in outputs]
+    if ours == want:
+        return
+    report = []
+    for k, (prompt, out, ref) in enumerate(zip(prompts, ours, want, strict=True)):
+        if out == ref:
+            continue
+        first = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
+        rows = teacher_forced(refs.model(), prompt + out)[len(prompt) - 1 : -1]
+        gaps = rows.max(dim=-1).values - rows.gather(1, torch.tensor(out)[:, None])[:, 0]
+        report.append(f"request {k} (prompt {len(prompt)}): leaves at token {first}, "
+                      f"gap there {gaps[first].item():.3g}, worst {gaps.max().item():.3g}")  # fmt: skip
+    raise AssertionError("not transformers' greedy tokens:\n" + "\n".join(report))
 
 
 def assert_pool_empty(llm) -> None:
