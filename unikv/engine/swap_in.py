@@ -26,6 +26,7 @@ def swap_in(sched: Scheduler, r: Request, budget: int):
     record = sched.swap.held[r.request_id]
     r.slot = sched.alloc.new_request()
     r.num_cached = record.num_cached
+    sched.prefix.points.pop(r.slot, None)  # a former occupant's, if it stopped early
     if record.state_at:
         sched.prefix.points[r.slot] = list(record.state_at)
     n = sched.prefix.chunk(r, budget)
