@@ -1,0 +1,124 @@
+"""bench_prefix's hybrid chat in the scheduler-level simulation (NO MODEL RUNS):
+hit rate, prefill tokens saved and evictions of prefix caching on the Qwen3.5-shaped
+hybrid of ``bench_prefix.py`` (3 Gated DeltaNet + 1 full-attention layer, hidden 4096,
+bf16, page 16: a state slot is 50 pages' bytes), 16 conversations x 6 turns,
+64-token messages and answers, a pool of ``--pool-factor`` (1.25) times the
+requests' worst case, through ``bench_prefix_sim``'s loop (the engine's own
+Scheduler, PoolAllocator and PrefixCache on a CPU pool; each turn extends the
+conversation with its own planned answer).
+
+Rows: a fresh pool (the first pass), and a second pass of the same workload after
+``prefix.reset()`` on the same pool (what bench_prefix timed before it moved the
+timed pass to a fresh LLM).
+
+    python benchmarks/sim_prefix_hybrid_chat.py [--pool-factor 1.25] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_prefix_sim as sim
+from bench_hybrid import hf_config
+
+from unikv.engine.request import Request
+from unikv.engine.sampling import SamplingParams
+from unikv.hf_config import specs_from_hf_config
+from unikv.pool import pool_bytes_for, worst_case_pages
+
+CONVERSATIONS, TURNS, MESSAGE, ANSWER = 16, 6, 64, 64
+
+
+def hybrid_configs():
+    config = hf_config("qwen3_5", False)
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    cut = {"num_hidden_layers": 4, "layer_types": layers, "vocab_size": 32768}
+    config = type(config).from_dict({**config.to_dict(), **cut})
+    with tempfile.TemporaryDirectory() as d:
+        config.save_pretrained(d)
+        return specs_from_hf_config(d, page_size=sim.PAGE, dtype=torch.bfloat16)
+
+
+def chat_rounds(seed: int) -> list[list[sim.Turn]]:
+    rng = np.random.default_rng(seed)
+    history = [[] for _ in range(CONVERSATIONS)]
+    rounds = []
+    for _ in range(TURNS):
+        row = []
+        for c in range(CONVERSATIONS):
+            prompt = history[c] + sim._ids(rng, MESSAGE)
+            row.append(sim.Turn(prompt, sim._ids(rng, ANSWER), len(history[c])))
+            history[c] = prompt + row[-1].output
+        rounds.append(row)
+    return rounds
+
+
+class Engine:
+    """One pool, allocator and scheduler (``bench_prefix_sim._engine``) for several passes."""
+
+    def __init__(self, configs, budget: int, max_len: int) -> None:
+        sim.MAX_NUM_SEQS = CONVERSATIONS
+        specs = type("Specs", (), {"subpools": configs})
+        self.pool, self.alloc, self.sched = sim._engine(specs, budget, max_len)
+        self.max_len, self.next_id = max_len, 0
+
+    def run(self, rounds) -> dict:
+        plans, trace = {}, sim._Trace()
+        evicted = self.alloc.parts.prefix.counters()["evicted_pages"]
+        for round_ in rounds:
+            for turn in round_:
+                params = SamplingParams(max_tokens=len(turn.output), ignore_eos=True)
+                request = Request(self.next_id, list(turn.prompt), params, 0, frozenset(),
+                                  self.max_len)  # fmt: skip
+                plans[self.next_id], self.next_id = turn.output, self.next_id + 1
+                self.sched.add(request)
+            while self.sched.has_work():
+                sim._step(self.pool, self.alloc, self.sched, plans, trace)
+        return {
+            "hit_rate": trace.admit[1] / max(trace.admit[2], 1),
+            "prefill_tokens_saved": trace.admit[1],
+            "evicted_pages": self.alloc.parts.prefix.counters()["evicted_pages"] - evicted,
+            "preemptions": self.sched.num_preemptions,
+        }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pool-factor", type=float, default=1.25)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    configs = hybrid_configs()
+    max_len = TURNS * (MESSAGE + ANSWER) + 8
+    pages = {
+        c.name: CONVERSATIONS * worst_case_pages(c.spec, c.page_size, max_len, sim.CHUNK)
+        for c in configs
+    }
+    budget = int(pool_bytes_for(configs, pages) * args.pool_factor)
+    engine = Engine(configs, budget, max_len)
+    out = {
+        "pool_factor": args.pool_factor,
+        "pool_bytes": budget,
+        "fresh": engine.run(chat_rounds(0)),
+    }
+    if hasattr(engine.alloc.parts.prefix, "reset"):  # (older commits have none)
+        engine.alloc.parts.prefix.reset()
+        out["after_reset"] = engine.run(chat_rounds(0))
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
