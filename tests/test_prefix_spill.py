@@ -251,3 +251,41 @@ def test_a_spill_fences_its_pages_with_its_copy_instead_of_waiting():
         True
     ] * n
     alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen3_5"])
+def test_reset_between_steps_keeps_running_requests_exact(models, arch):
+    """``reset_prefix_cache`` every third step of a run with hits, spills and
+    reloads (a server's POST /reset_prefix_cache lands between two steps): the
+    pages running requests hold stay, the tokens are transformers', and the
+    allocator's invariants hold after every verb (debug) and at the end."""
+    from unikv.hf_config import specs_from_hf_config
+
+    path, hf = models[arch]
+    ps, prompts = 4, distinct_prompts(4, seed=9)
+    prompts = prompts + [p[: len(p) - 3] + [1, 2, 3] for p in prompts[:2]]  # partial hits
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    token = sum(c.spec.page_bytes(ps) for c in configs if c.spec.kind != "mamba")
+    state = [c.spec.page_bytes(1) for c in configs if c.spec.kind == "mamba"]
+    llm = prefix_llm(
+        path, ps, True, kv_cache_bytes=pool_budget(configs, 12),
+        prefix_host_bytes=16 * token + (64 * state[0] if state else 0), max_model_len=32,
+    )  # fmt: skip
+    llm.alloc.parts.prefix.host.policy.mode = "always"
+    steps, resets = [0], []
+
+    def reset_now_and_then(llm, batch, logits):
+        steps[0] += 1
+        if steps[0] % 3 == 0:
+            resets.append(llm.reset_prefix_cache())
+
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    for _ in range(2):
+        outs = llm.generate(prompts, params, on_step=reset_now_and_then)
+        assert [o.output_ids for o in outs] == want
+    assert resets and all(resets)
+    llm.alloc.check_integrity()
+    assert llm.reset_prefix_cache()  # idle now: nothing is left anywhere
+    assert all(book.num_live == 0 for book in llm.alloc.parts.books.values()), "pages left"
