@@ -176,10 +176,11 @@ class StateCheckpoints:
             self.free_vids.extend(vids)
             self.evicted += len(vids)
 
-    def evict(self, count: int) -> int:
-        """Drop the ``count`` oldest evictable checkpoints (at most all); returns how many."""
+    def evict(self, count: int, spill: bool = True) -> int:
+        """Drop the ``count`` oldest evictable checkpoints (at most all; with a host
+        tier and ``spill``, the reachable ones go to the host); returns how many."""
         victims = list(self.lru)[:count]
-        if self.host is not None and victims:  # spill the reachable ones first
+        if spill and self.host is not None and victims:  # spill the reachable ones first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
             copy = self.host.spill_checkpoints(victims, vids)
             spilled = [i for i in victims if i in self.host.ckpts]

@@ -60,17 +60,19 @@ def release_pages(cache, vpages: np.ndarray) -> np.ndarray:
     return vpages[~cached]
 
 
-def evict_pages(cache, count: int) -> TablePatch:
+def evict_pages(cache, count: int, spill: bool = True) -> TablePatch:
     """Evict the ``count`` oldest evictable pages (at most all): unbound
-    everywhere (fenced), virtual pages retired, nodes dropped; the tombstones
-    are staged in the returned patch."""
+    everywhere (fenced), virtual pages retired, nodes dropped (or, with a host
+    tier and ``spill``, kept on the host); the tombstones are staged in the
+    returned patch."""
     count = min(count, len(cache.lru))
     pages = np.array([cache.lru.popitem(last=False)[0] for _ in range(count)], np.int32)
     patch = TablePatch()
     if count == 0:
         return patch
     nodes = [cache.by_page.pop(page) for page in pages.tolist()]
-    spilled, copies = cache.host.spill(nodes) if cache.host is not None else (set(), {})
+    host = cache.host if spill else None
+    spilled, copies = host.spill(nodes) if host is not None else (set(), {})
     names = cache.roles.token_names  # unbound after the spill, fenced by its copies
     stage_unbind(cache.books, names, cache.fences, cache.writer, pages, patch, copies)
     dropped = []
@@ -105,20 +107,10 @@ def reset_cache(cache) -> int:
     """Drop every cached page, state checkpoint and host-tier copy that no request
     holds (pages a running request references stay cached); returns the device
     pages dropped. Evicted pages are dropped, not spilled to the host tier."""
-    states = cache.states
-    host, state_host = cache.host, states.host if states is not None else None
-    cache.host = None
+    states, host, count = cache.states, cache.host, len(cache.lru)
+    cache.writer.write(evict_pages(cache, count, spill=False))
     if states is not None:
-        states.host = None
-    try:
-        count = len(cache.lru)
-        cache.writer.write(evict_pages(cache, count))
-        if states is not None:
-            states.evict(states.num_evictable)
-    finally:
-        cache.host = host
-        if states is not None:
-            states.host = state_host
+        states.evict(states.num_evictable, spill=False)
     if host is not None:
         host.drop([i for i in host.nodes if i not in host.held])  # prunes their checkpoints
     return count
