@@ -85,31 +85,30 @@ class References:
         torch.cuda.empty_cache()
 
 
+def _module_fixture(name: str, make, teardown):
+    """The module-scoped fixture ``name``: ``make(path)`` of the module's ``saved``
+    fixture (``(name, path)``), ``teardown(value)`` at module end."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(saved):
+        value = make(saved[1])
+        yield value
+        teardown(value)
+
+    return fixture
+
+
 def refs_fixture():
     """The module-scoped ``refs`` fixture (``refs = refs_fixture()`` in a test
     module): ``References`` of the checkpoint of the module's ``saved`` fixture,
     shared by its tests and closed at module teardown."""
-
-    @pytest.fixture(scope="module")
-    def refs(saved):
-        refs = References(saved[1])
-        yield refs
-        refs.close()
-
-    return refs
+    return _module_fixture("refs", References, References.close)
 
 
 def llms_fixture():
     """The module-scoped ``llms`` fixture (``llms = llms_fixture()``): ``LLMs`` of the
     ``saved`` checkpoint, reused by the tests that only read a run's results."""
-
-    @pytest.fixture(scope="module")
-    def llms(saved):
-        llms = LLMs(saved[1])
-        yield llms
-        llms.clear()
-
-    return llms
+    return _module_fixture("llms", LLMs, LLMs.clear)
 
 
 def roomy_bytes(
@@ -203,8 +202,7 @@ def assert_same_greedy(refs: References, prompts, outputs, max_new_tokens: int) 
         if out == ref:
             continue
         first = next(j for j, (a, b) in enumerate(zip(out, ref)) if a != b)
-        rows = teacher_forced(refs.model(), prompt + out)[len(prompt) - 1 : -1]
-        gaps = rows.max(dim=-1).values - rows.gather(1, torch.tensor(out)[:, None])[:, 0]
+        gaps = teacher_forced_gaps(refs.model(), prompt, out)
         report.append(f"request {k} (prompt {len(prompt)}): leaves at token {first}, "
                       f"gap there {gaps[first].item():.3g}, worst {gaps.max().item():.3g}")  # fmt: skip
     raise AssertionError("not transformers' greedy tokens:\n" + "\n".join(report))
@@ -259,6 +257,13 @@ def teacher_forced(hf, seq: list[int]) -> torch.Tensor:
     """(len(seq), vocab) fp32 logits of one full forward over ``seq``, on the host."""
     with torch.no_grad():
         return hf(torch.tensor([seq]).cuda()).logits[0].float().cpu()
+
+
+def teacher_forced_gaps(hf, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """(len(out),) how far each token of ``out`` lies below transformers' argmax
+    given ``prompt`` and the tokens before it (0: it is the argmax)."""
+    rows = teacher_forced(hf, prompt + out)[len(prompt) - 1 : -1]
+    return rows.max(dim=-1).values - rows.gather(1, torch.tensor(out)[:, None])[:, 0]
 
 
 @dataclass
@@ -330,9 +335,7 @@ def assert_greedy_up_to_ties(hf32, prompts, outputs, refs_greedy, tie: float) ->
         return
     worst = []
     for prompt, out in zip(prompts, ours, strict=True):
-        rows = teacher_forced(hf32, prompt + out)[len(prompt) - 1 : -1]
-        gaps = rows.max(dim=-1).values - rows.gather(1, torch.tensor(out)[:, None])[:, 0]
-        worst.append(gaps.max().item())
+        worst.append(teacher_forced_gaps(hf32, prompt, out).max().item())
     flips = sum(o != r for o, r in zip(ours, refs_greedy, strict=True))
     print(f"{flips} request(s) left transformers' greedy path; worst teacher-forced gap "
           f"per request: {[round(w, 6) for w in worst]} (tie {tie})")  # fmt: skip

@@ -57,6 +57,14 @@ def distinct_prompts(ps: int, seed: int, count: int = 4) -> list[list[int]]:
     return prompts + [prompts[0]]
 
 
+def host_tier_bytes(configs: list[SubPoolConfig], ps: int, pages: int, slots: int = 0) -> int:
+    """Prefix host-tier bytes for ``pages`` whole nodes (one page of every token
+    sub-pool each) and ``slots`` state checkpoints (with a Mamba sub-pool)."""
+    token = sum(c.spec.page_bytes(ps) for c in configs if c.spec.kind != "mamba")
+    state = [c.spec.page_bytes(1) for c in configs if c.spec.kind == "mamba"]
+    return pages * token + (slots * state[0] if state else 0)
+
+
 def shared_prompts(ps: int, seed: int) -> list[list[int]]:
     """Five prompts over a 3.5-page system prompt: two extensions, the system
     prompt alone, one sharing only half of page 2, and a repeat of the first."""

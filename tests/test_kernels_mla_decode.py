@@ -108,11 +108,18 @@ def test_decode_matches_reference_and_definition(heads, rank, rope, ps, config, 
     lens = [1, 37, 20, 50]
     case = Case(lens, rank, rope, ps, seed=heads + ps)
     q_lat, q_rope = queries(len(lens), heads, rank, rope, seed=rank)
-    got = run(mla_decode.mla_attention, case, q_lat, q_rope, [1] * 4, config=config,
+    _check_decode(case, q_lat, q_rope, config, splits)
+
+
+def _check_decode(case, q_lat, q_rope, config, splits) -> None:
+    """One token per lane through ``mla_decode`` against the torch reference and the
+    definition."""
+    ones = [1] * q_lat.shape[0]
+    got = run(mla_decode.mla_attention, case, q_lat, q_rope, ones, config=config,
               num_splits=splits)  # fmt: skip
-    ref = run(mla_ref.mla_attention, case, q_lat, q_rope, [1] * 4)
+    ref = run(mla_ref.mla_attention, case, q_lat, q_rope, ones)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, definition(case, q_lat, q_rope, [1] * 4), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, definition(case, q_lat, q_rope, ones), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -136,11 +143,7 @@ def test_fused_variants_match_reference_and_definition(heads, rank, rope, ps, co
     if config is TMA and ps % 16 == 0:  # the descriptor path really runs
         assert mla_decode_fused.tma_ok(case.cache, rank, ps, config[2])
     q_lat, q_rope = queries(len(lens), heads, rank, rope, seed=rope)
-    got = run(mla_decode.mla_attention, case, q_lat, q_rope, [1] * 5, config=config,
-              num_splits=splits)  # fmt: skip
-    ref = run(mla_ref.mla_attention, case, q_lat, q_rope, [1] * 5)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, definition(case, q_lat, q_rope, [1] * 5), atol=1e-5, rtol=1e-5)
+    _check_decode(case, q_lat, q_rope, config, splits)
 
 
 @pytest.mark.parametrize("config", [NARROW, TWO_PART, FUSED, TMA])

@@ -104,21 +104,10 @@ def _mxfp4(g, e, rows, cols):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("e, k, d, i, t", [(4, 2, 64, 96, 7), (3, 1, 96, 32, 1)])
 def test_mxfp4_kept_packed_matches_dequantised(dtype, e, k, d, i, t):
-    g = torch.Generator().manual_seed(1)
-    w1, s1, w1_dense = _mxfp4(g, e, 2 * i, d)
-    w2, s2, w2_dense = _mxfp4(g, e, d, i)
-    x = torch.randn(t, d, generator=g).to(dtype)
-    weights, ids = _routing(g, t, e, k)
-    b1, b2 = (torch.randn(e, n, generator=g).to(dtype) for n in (2 * i, d))
-    kw = {"activation": "gpt_oss", "gate_up": "interleaved", "b1": b1, "b2": b2}
-    dense = moe_ref.fused_moe(x, weights, ids, w1_dense.to(dtype), w2_dense.to(dtype), **kw)
-    packed = {"w1_scales": s1, "w2_scales": s2, **kw}
-    assert torch.equal(moe_ref.fused_moe(x, weights, ids, w1, w2, **packed), dense)
-    _close(
-        moe.fused_moe(x, weights, ids, w1, w2, **packed),
-        dense,
-        1e-5 if dtype == torch.float32 else 3e-2,
-    )
+    packed, pkw, dense_args, kw = _packed_case(e, k, d, i, t, dtype, seed=1)
+    dense = moe_ref.fused_moe(*dense_args, **kw)
+    assert torch.equal(moe_ref.fused_moe(*packed, **pkw), dense)
+    _close(moe.fused_moe(*packed, **pkw), dense, 1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("t, k, e, block_m", [(1, 1, 3, 16), (37, 2, 5, 16), (300, 2, 8, 64)])

@@ -15,7 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, one_thread  # noqa: F401
-from prefix_fixtures import distinct_prompts, pool_budget, prefix_llm, save_tiny_models
+from prefix_fixtures import (
+    distinct_prompts,
+    host_tier_bytes,
+    pool_budget,
+    prefix_llm,
+    save_tiny_models,
+)
 
 from unikv.engine import SamplingParams
 from unikv.io.prefix_host import PrefixHost
@@ -81,9 +87,7 @@ def spill_run(models, monkeypatch, arch: str, ps: int, pages: int, host_pages: i
     assert [o.output_ids for o in plain] == want
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
     budget = pool_budget(configs, pages)
-    token = sum(c.spec.page_bytes(ps) for c in configs if c.spec.kind != "mamba")
-    state = [c.spec.page_bytes(1) for c in configs if c.spec.kind == "mamba"]
-    host_bytes = host_pages * token + (4 * host_pages * state[0] if state else 0)
+    host_bytes = host_tier_bytes(configs, ps, host_pages, 4 * host_pages)
     max_len = 8 * ps if ps == 4 else 5 * ps
     llm = prefix_llm(
         path, ps, True, kv_cache_bytes=budget, prefix_host_bytes=host_bytes,
@@ -266,11 +270,9 @@ def test_reset_between_steps_keeps_running_requests_exact(models, arch):
     ps, prompts = 4, distinct_prompts(4, seed=9)
     prompts = prompts + [p[: len(p) - 3] + [1, 2, 3] for p in prompts[:2]]  # partial hits
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    token = sum(c.spec.page_bytes(ps) for c in configs if c.spec.kind != "mamba")
-    state = [c.spec.page_bytes(1) for c in configs if c.spec.kind == "mamba"]
     llm = prefix_llm(
         path, ps, True, kv_cache_bytes=pool_budget(configs, 12),
-        prefix_host_bytes=16 * token + (64 * state[0] if state else 0), max_model_len=32,
+        prefix_host_bytes=host_tier_bytes(configs, ps, 16, 64), max_model_len=32,
     )  # fmt: skip
     llm.alloc.parts.prefix.host.policy.mode = "always"
     steps, resets = [0], []
