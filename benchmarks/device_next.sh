@@ -10,23 +10,8 @@
 # Run from a snapshot holding .whl/ (see device_pending.sh):
 #   UNIKV_GIT_COMMIT=<sha> bash benchmarks/device_next.sh
 # Back under $OUT: results.tgz (every log and JSON), summary.txt.
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-FINAL=${OUT:-/tmp/next_out}; R=/tmp/next_res; rm -rf $R; mkdir -p "$FINAL" $R/logs
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl .whl/serve/*.whl >$R/logs/pip.log 2>&1
-export PYTHONPATH=$PWD:/tmp/site
-END=$(($(date +%s) + ${BUDGET:-560}))
-step() {  # step NAME CAP CMD...
-  local name=$1 cap=$2; shift 2
-  local left=$((END - $(date +%s)))
-  if [ "$left" -lt 20 ]; then echo "[$(date +%T)] $name SKIPPED (deadline)" | tee -a $R/summary.txt; return; fi
-  [ "$cap" -gt "$left" ] && cap=$left
-  local t=$(date +%s)
-  OUT=$R timeout "$cap" "$@" >$R/logs/$name.log 2>&1
-  local rc=$?
-  echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a $R/summary.txt
-  tar czf "$FINAL/results.tgz" -C $R . 2>/dev/null
-}
+source "$(dirname "$0")/device_steps.sh"
+device_setup /tmp/next_res /tmp/next_out
 pt="python3 -m pytest -m gpu -q -rA -p no:cacheprovider --timeout=150"
 step moe_tests 60 $pt tests/test_kernels_moe.py
 step smoke 150 $pt -x tests/test_gpu_smoke.py
@@ -37,6 +22,4 @@ step prefix_bench 90 python3 benchmarks/bench_prefix.py --device cuda --models h
 step prefix_bench_2x 60 python3 benchmarks/bench_prefix.py --device cuda --models hybrid \
   --workloads chat --pool-factor 2 --out $R/prefix_chat_2x.json
 step mimo_wide 120 $pt --durations=10 tests/test_engine_mimo_gpu.py -k wide
-cp $R/summary.txt "$FINAL/summary.txt"
-tar czf "$FINAL/results.tgz" -C $R .
-cat $R/summary.txt
+device_finish

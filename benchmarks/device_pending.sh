@@ -9,26 +9,8 @@
 # seconds); MOE_BATCHES: the moe_sweep's B list (all buckets when empty).
 # What comes back under $OUT: results.tgz (every JSON and log), summary.txt, and the tail of
 # the tests' log. A step killed by its cap still leaves its log; the summary line says so.
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-FINAL=${OUT:-/tmp/pending_out}; R=/tmp/pending_res; mkdir -p "$FINAL" $R/logs
-wheels=$(ls .whl/*.whl .whl/serve/*.whl .whl/fi/*.whl 2>/dev/null)
-[ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --target /tmp/site $wheels >$R/logs/pip.log 2>&1
-export PYTHONPATH=$PWD:/tmp/site CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=14
-mkdir -p /tmp/lcuda && ln -sf "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" /tmp/lcuda/libcuda.so
-export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/lcuda FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-END=$(($(date +%s) + ${BUDGET:-560}))
-step() {  # step NAME CAP CMD...
-  local name=$1 cap=$2; shift 2
-  local left=$((END - $(date +%s)))
-  if [ "$left" -lt 20 ]; then echo "[$(date +%T)] $name SKIPPED (deadline)" | tee -a $R/summary.txt; return; fi
-  [ "$cap" -gt "$left" ] && cap=$left
-  local t=$(date +%s)
-  OUT=$R timeout "$cap" "$@" >$R/logs/$name.log 2>&1
-  local rc=$?
-  echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a $R/summary.txt
-  tar czf "$FINAL/results.tgz" -C $R . 2>/dev/null
-}
+source "$(dirname "$0")/device_steps.sh"
+device_setup /tmp/pending_res /tmp/pending_out
 # -x stops at the first failure so its report is written before any cap can kill the run
 # the GPU tests of what changed after the last suite run: the host path under CUDA graphs
 # (smoke, engine), the MoE rewrite, the fused MLA variants, the wide MiMo
@@ -46,7 +28,5 @@ for s in ${1//,/ }; do
     *) echo "unknown step $s" | tee -a $R/summary.txt ;;
   esac
 done
-cp $R/summary.txt "$FINAL/summary.txt"
 tail -80 $R/logs/tests.log $R/logs/tests_b.log > "$FINAL/tests_tail.txt" 2>/dev/null
-tar czf "$FINAL/results.tgz" -C $R .
-cat $R/summary.txt
+device_finish

@@ -1,0 +1,39 @@
+# Shared by the device scripts (sourced): set-up and capped steps.
+#   device_setup RES_DIR DEFAULT_OUT   wheels from .whl/ (serve/, fi/) into /tmp/site, the
+#                                      FlashInfer build environment, the BUDGET deadline
+#   [TREE=dir] step NAME CAP CMD...    CMD in TREE (default: here), its own package first on
+#                                      PYTHONPATH, capped at CAP s and by the deadline; its
+#                                      log in $R/logs/NAME.log, one summary line, results.tgz
+#   device_finish                      summary.txt and results.tgz under $FINAL
+device_setup() {
+  export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+  R=$1 FINAL=${OUT:-$2}
+  rm -rf "$R"; mkdir -p "$FINAL" "$R/logs"
+  local wheels
+  wheels=$(ls .whl/*.whl .whl/serve/*.whl .whl/fi/*.whl 2>/dev/null)
+  [ -n "$wheels" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site $wheels >"$R/logs/pip.log" 2>&1
+  export CUDA_HOME=/usr/local/cuda FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=14
+  mkdir -p /tmp/lcuda && ln -sf "$(ldconfig -p | awk '/libcuda.so.1 /{print $NF; exit}')" \
+    /tmp/lcuda/libcuda.so
+  export FLASHINFER_EXTRA_LDFLAGS=-L/tmp/lcuda FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+  END=$(($(date +%s) + ${BUDGET:-560}))
+}
+
+step() {
+  local name=$1 cap=$2 tree=${TREE:-$PWD}; shift 2
+  local left=$((END - $(date +%s)))
+  if [ "$left" -lt 20 ]; then echo "[$(date +%T)] $name SKIPPED (deadline)" | tee -a "$R/summary.txt"; return; fi
+  [ "$cap" -gt "$left" ] && cap=$left
+  local t=$(date +%s)
+  (cd "$tree" && OUT=$R PYTHONPATH=$tree:/tmp/site timeout "$cap" "$@") >"$R/logs/$name.log" 2>&1
+  local rc=$?
+  echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a "$R/summary.txt"
+  tar czf "$FINAL/results.tgz" -C "$R" . 2>/dev/null
+}
+
+device_finish() {
+  cp "$R/summary.txt" "$FINAL/summary.txt"
+  tar czf "$FINAL/results.tgz" -C "$R" .
+  cat "$R/summary.txt"
+}
