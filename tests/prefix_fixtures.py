@@ -65,6 +65,22 @@ def host_tier_bytes(configs: list[SubPoolConfig], ps: int, pages: int, slots: in
     return pages * token + (slots * state[0] if state else 0)
 
 
+def chat_turns(llm, ps: int, check, turns: int = 3, seed: int = 11) -> list[int]:
+    """``turns`` chat turns on ``llm`` (each prompt = the previous prompt + answer + a
+    ``ps + 2``-token message, ``2 ps + 3`` new tokens): ``check(prompt, outputs)``
+    judges each turn's tokens, and every later turn must hit the whole pages of the
+    previous prompt and answer. Returns the last prompt + answer."""
+    g = torch.Generator().manual_seed(seed)
+    history, params = [], SamplingParams(max_tokens=2 * ps + 3)
+    for turn in range(turns):
+        prompt = history + torch.randint(0, VOCAB, (ps + 2,), generator=g).tolist()
+        outputs = llm.generate([prompt], params)
+        check(prompt, outputs)
+        assert outputs[0].num_cached_tokens == ((len(history) - 1) // ps * ps if turn else 0)
+        history = prompt + outputs[0].output_ids
+    return history
+
+
 def shared_prompts(ps: int, seed: int) -> list[list[int]]:
     """Five prompts over a 3.5-page system prompt: two extensions, the system
     prompt alone, one sharing only half of page 2, and a repeat of the first."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gpu_fixtures import References, assert_greedy_up_to_ties, assert_same_greedy, roomy_bytes
 from prefix_fixtures import (
+    chat_turns,
     distinct_prompts,
     host_tier_bytes,
     pool_budget,
@@ -122,20 +123,15 @@ def test_a_hybrid_chat_turn_hits_prompt_and_answer(models, ps):
     prompt + answer + a message): each later turn hits the whole pages of the
     previous prompt and answer (the decode-time state checkpoint, taken on the
     device inside the pipelined loop), with transformers' tokens up to ties."""
-    from engine_fixtures import VOCAB
-
     path, refs = models["qwen3_5"]
-    g = torch.Generator().manual_seed(11)
     room = roomy_bytes(path, page_size=ps, dtype=torch.float32, max_num_seqs=4,
                        max_model_len=160, chunk=16)  # fmt: skip
     llm = prefix_llm(path, ps, True, device="cuda", debug=False, kv_cache_bytes=room,
                      max_model_len=160)  # fmt: skip
-    history, new = [], 2 * ps + 3
-    for turn in range(3):
-        prompt = history + torch.randint(0, VOCAB, (ps + 2,), generator=g).tolist()
-        outputs = llm.generate([prompt], SamplingParams(max_tokens=new))
-        want = refs.greedy([prompt], new)
+
+    def up_to_ties(prompt, outputs):
+        want = refs.greedy([prompt], 2 * ps + 3)
         assert_greedy_up_to_ties(refs.model(), [prompt], outputs, want, TIE)
-        assert outputs[0].num_cached_tokens == ((len(history) - 1) // ps * ps if turn else 0)
-        history = prompt + outputs[0].output_ids
+
+    chat_turns(llm, ps, up_to_ties)
     llm.alloc.check_integrity()

@@ -18,6 +18,7 @@ import torch
 from allocator_fixtures import full_config, mamba_config
 from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_hybrid  # noqa: F401
 from prefix_fixtures import (
+    chat_turns,
     partial_hit,
     pool_budget,
     prefix_llm,
@@ -62,15 +63,12 @@ def test_a_chat_turn_hits_the_previous_prompt_and_answer(hybrid, ps):
     decode-time checkpoint), not only those of the previous prompt, with
     transformers' tokens."""
     path, hf = hybrid
-    g = torch.Generator().manual_seed(11)
     llm = prefix_llm(path, ps, True, max_model_len=160)
-    history, params = [], SamplingParams(max_tokens=2 * ps + 3)
-    for turn in range(3):
-        prompt = history + torch.randint(0, VOCAB, (ps + 2,), generator=g).tolist()
-        (out,) = llm.generate([prompt], params)
-        assert out.output_ids == hf_greedy(hf, prompt, 2 * ps + 3)
-        assert out.num_cached_tokens == ((len(history) - 1) // ps * ps if turn else 0)
-        history = prompt + out.output_ids
+
+    def exact(prompt, outputs):
+        assert outputs[0].output_ids == hf_greedy(hf, prompt, 2 * ps + 3)
+
+    history = chat_turns(llm, ps, exact)
     llm.alloc.check_integrity()
     (out,) = llm.generate([history[:-3] + [1, 2]], SamplingParams(max_tokens=1))
     assert out.num_cached_tokens == (len(history) - 1) // ps * ps  # the last turn's, too
