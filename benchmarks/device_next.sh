@@ -14,6 +14,7 @@ source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/next_res /tmp/next_out
 pt="python3 -m pytest -m gpu -q -rA -p no:cacheprovider --timeout=150"
 step moe_tests 60 $pt tests/test_kernels_moe.py
+step diag_gpt_oss 120 python3 benchmarks/diag_gpt_oss.py
 step smoke 150 $pt -x tests/test_gpu_smoke.py
 step engine 150 $pt tests/test_engine_gpu.py
 step prefix_tests 150 $pt tests/test_prefix_gpu.py
