@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PATHS = ("unikv", "hf_dynamic", "hf_static", "hf_cb")
+CACHING = {"auto": None, "on": True, "off": False}  # --prefix-caching: LLM's argument
 MODELS = ("llama", "gpt-oss")
 PRESETS = ROOT / "unikv/presets"
 
@@ -229,6 +230,7 @@ def _unikv_llm(path: Path, n: int, max_len: int, args):
         max_num_batched_tokens=args.chunk,
         max_model_len=max_len,
         cuda_graphs=args.device == "cuda" and not getattr(args, "no_graphs", False),
+        enable_prefix_caching=CACHING[getattr(args, "prefix_caching", "auto")],
     )
 
 
@@ -288,6 +290,7 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
         "chunk_tokens": args.chunk,
         "page_size": args.page_size,
         "cuda_graphs": llm.runner.graphs is not None,
+        "prefix_caching": llm.prefix_caching,
         "full_batch_decode_step_ms_p50": float(np.median(full)) * 1e3 if full else None,
         "first_tokens": [o.output_ids[0] for o in outputs],
     }
@@ -551,6 +554,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--chunk", type=int, default=None, help="unikv max_num_batched_tokens")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--prefix-caching",
+        choices=tuple(CACHING),
+        default="auto",
+        help="unikv's enable_prefix_caching: auto (LLM's default: on for full attention), on, off",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.models, args.paths = args.models.split(","), args.paths.split(",")

@@ -4,6 +4,7 @@
 #   [TREE=dir] step NAME CAP CMD...    CMD in TREE (default: here), its own package first on
 #                                      PYTHONPATH, capped at CAP s and by the deadline; its
 #                                      log in $R/logs/NAME.log, one summary line, results.tgz
+#                                      (not while NO_TAR is set: parallel lanes); its rc
 #   device_finish                      summary.txt and results.tgz under $FINAL
 device_setup() {
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -29,7 +30,8 @@ step() {
   (cd "$tree" && OUT=$R PYTHONPATH=$tree:/tmp/site timeout "$cap" "$@") >"$R/logs/$name.log" 2>&1
   local rc=$?
   echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a "$R/summary.txt"
-  tar czf "$FINAL/results.tgz" -C "$R" . 2>/dev/null
+  [ -z "$NO_TAR" ] && tar czf "$FINAL/results.tgz" -C "$R" . 2>/dev/null
+  return $rc
 }
 
 device_finish() {

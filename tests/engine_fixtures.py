@@ -443,14 +443,22 @@ class StepLogits:
                 self.cut += 1
 
 
+def assert_pages_returned(llm) -> None:
+    """Every page and state slot came back after a run: with prefix caching on, the
+    cache alone holds pages, and dropping it (``reset_prefix_cache``, which keeps
+    what any request still references) empties every sub-pool."""
+    llm.reset_prefix_cache()
+    for name in llm.pool.subpools:
+        assert llm.alloc.parts.books[name].num_live == 0, f"{name}: pages left after the run"
+    llm.alloc.check_integrity()
+
+
 def check_engine_outputs(ref: GreedyReference, llm, outputs, rows=None, atol=1e-4) -> None:
     """The engine's tokens are transformers' greedy ones, every page and state slot
     came back, and (with ``rows``, a StepLogits) every sampled logit row equals
     transformers' teacher-forced whole-sequence logits at that position."""
     assert [o.output_ids for o in outputs] == ref.greedy
-    for name in llm.pool.subpools:
-        assert llm.alloc.parts.books[name].num_live == 0
-    llm.alloc.check_integrity()
+    assert_pages_returned(llm)
     if rows is None:
         return
     first_id = llm._next_id - len(outputs)

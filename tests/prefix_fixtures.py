@@ -94,6 +94,7 @@ def prefix_llm(path: str, ps: int, caching: bool, **kw) -> LLM:
     kw.setdefault("max_num_batched_tokens", 16)
     kw.setdefault("max_model_len", 96)
     kw.setdefault("debug", True)
+    kw.setdefault("dtype", torch.float32)  # CUDA's default is bf16; the oracle is fp32
     return LLM(path, device=kw.pop("device", "cpu"), max_num_seqs=4, page_size=ps,
                enable_prefix_caching=caching, **kw)  # fmt: skip
 
@@ -155,5 +156,6 @@ def tight_llm(path: str, ps: int, pages: int, preemption: str, caching=False, **
     return LLM(
         path, device=kw.pop("device", "cpu"), max_num_seqs=4, page_size=ps, kv_cache_bytes=budget,
         max_model_len=48, max_num_batched_tokens=kw.pop("chunk", 16),
-        enable_prefix_caching=caching, preemption=preemption, **{"debug": True, **kw},
+        enable_prefix_caching=caching, preemption=preemption,
+        **{"debug": True, "dtype": torch.float32, **kw},
     )  # fmt: skip

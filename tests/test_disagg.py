@@ -69,6 +69,7 @@ def _pair(rank: int, device, path: str, **decode_options) -> dict:
     worker = DecodeWorker(llm, 0, group=dist.group.WORLD)
     outputs = worker.run()
     llm.alloc.check_integrity()
+    llm.reset_prefix_cache()  # caching on (Llama's default): "live" counts what requests hold
     return {
         "tokens": [o.output_ids for o in outputs],
         "finish": [o.finish_reason for o in outputs],
@@ -147,3 +148,15 @@ def test_mismatched_instances_are_refused(runs):
     _, ranks = runs
     for rank in ranks:
         assert "differ" in rank["mismatch"] and "page_sizes" in rank["mismatch"], rank["mismatch"]
+
+
+def test_a_windowed_prefill_instance_with_prefix_caching_is_refused(tmp_path):
+    """Prefix caching keeps a sliding-window request's cached prompt pages in its window
+    sub-pool, so a hand-off would carry other SWA columns than the decode instance's
+    window rule keeps (the disagg invariant): refused when the worker is built, before any
+    message, saying what to change; caching off (gpt-oss's default) is accepted."""
+    path = str(tmp_path)
+    save_tiny_model("gpt_oss", path)
+    llm = LLM(path, device="cpu", enable_prefix_caching=True, **OPTIONS)
+    with pytest.raises(ValueError, match="needs prefix caching off.*enable_prefix_caching=False"):
+        PrefillWorker(llm, 1)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from engine_fixtures import (
     VOCAB,
+    assert_pages_returned,
     hf_greedy,
     hf_logits,
     one_thread,  # noqa: F401  (a fixture)
@@ -85,9 +86,7 @@ def test_greedy_matches_transformers(ref, page_size):
     outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
     assert [o.output_ids for o in outputs] == ref.greedy
     _check_logits(ref, llm, outputs, recorder)
-    for name in llm.pool.subpools:  # every page came back
-        assert llm.alloc.parts.books[name].num_live == 0
-    llm.alloc.check_integrity()
+    assert_pages_returned(llm)
 
 
 def test_small_pool_preempts_or_recycles_with_same_tokens(ref):

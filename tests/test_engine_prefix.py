@@ -82,7 +82,7 @@ def test_hybrids_are_served_and_models_without_attention_refused(tmp_path):
     save_tiny_nemotron_h(mamba, "M-M-")  # Mamba-2 and MLPs only: no page to share
     with pytest.raises(ValueError, match="needs an attention sub-pool .full, MLA or sliding"):
         LLM(mamba, device="cpu", max_model_len=64, enable_prefix_caching=True)
-    with pytest.raises(TypeError, match="True or False"):
+    with pytest.raises(TypeError, match="True, False or None"):
         LLM(hybrid, device="cpu", max_model_len=64, enable_prefix_caching="yes")
 
 
@@ -97,3 +97,53 @@ def test_llm_stats_count_the_hits_each_generate_made(tiny):
     again = llm.generate(prompts, params)
     assert llm.stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in again) > 0
     assert llm.stats.prefix_query_tokens == sum(len(p) - 1 for p in prompts)
+
+
+def test_on_by_default_for_full_attention_off_where_it_costs_memory(tiny, tmp_path):
+    """The default (None): a full-attention model caches (a repeated prompt hits with
+    transformers' tokens); a sliding-window model (gpt-oss) and a recurrent hybrid
+    (Qwen3.5) do not; False and True are kept as given."""
+    from engine_fixtures import save_tiny_hybrid
+
+    path, hf = tiny
+    prompt = shared_prompts(4, seed=3)[0]
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=64)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    (first,), (again,) = llm.generate([prompt], params), llm.generate([prompt], params)
+    assert llm.prefix_caching and llm.scheduler.prefix.enabled
+    assert again.num_cached_tokens == (len(prompt) - 1) // 4 * 4 > 0
+    assert first.output_ids == again.output_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+    off = LLM(path, device="cpu", page_size=4, max_model_len=64, enable_prefix_caching=False)
+    assert not off.prefix_caching and not off.scheduler.prefix.enabled
+    assert [off.generate([prompt], params)[0].num_cached_tokens for _ in range(2)] == [0, 0]
+    windowed, hybrid = str(tmp_path / "gpt_oss"), str(tmp_path / "qwen3_5")
+    save_tiny_model("gpt_oss", windowed)
+    save_tiny_hybrid("qwen3_5", hybrid)
+    for other in (windowed, hybrid):
+        assert not LLM(other, device="cpu", max_model_len=64).prefix_caching
+        assert LLM(other, device="cpu", max_model_len=64, enable_prefix_caching=True).prefix_caching
+
+
+def test_window_caching_is_refused_where_one_request_cannot_run_alone(tmp_path):
+    """With caching, a sliding-window request keeps its cached prompt pages bound in
+    the window sub-pool. Mistral (SWA only) in a pool of 10 pages of 4 tokens with
+    max_model_len 80 used to admit a 45-token prompt and then assert in the scheduler
+    (nothing schedulable with one request running); it is refused at start-up, saying
+    what to change. Without caching (the default) that pool serves it; with room for
+    one whole request, caching serves it with transformers' tokens."""
+    from unikv.hf_config import specs_from_hf_config
+
+    path = str(tmp_path)
+    hf = save_tiny_model("mistral", path)
+    configs = specs_from_hf_config(path, page_size=4, dtype=torch.float32)
+    prompt = torch.randint(0, 200, (45,), generator=torch.Generator().manual_seed(0)).tolist()
+    kw = {"device": "cpu", "page_size": 4, "max_model_len": 80, "max_num_batched_tokens": 16}
+    small = pool_budget(configs, 10)
+    with pytest.raises(ValueError, match=r"needs pages \{'swa': 20\}.*raise kv_cache_bytes"):
+        LLM(path, kv_cache_bytes=small, enable_prefix_caching=True, **kw)
+    want = hf_greedy(hf, prompt, NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    assert LLM(path, kv_cache_bytes=small, **kw).generate([prompt], params)[0].output_ids == want
+    roomy = LLM(path, kv_cache_bytes=pool_budget(configs, 21), enable_prefix_caching=True, **kw)
+    assert [roomy.generate([prompt], params)[0].output_ids for _ in range(2)] == [want, want]
+    assert roomy.alloc.parts.prefix.counters()["hit_tokens"] > 0

@@ -26,6 +26,7 @@ import pytest
 import torch
 from engine_fixtures import (
     VOCAB,
+    assert_pages_returned,
     hf_greedy,
     hf_logits,
     one_thread,  # noqa: F401  (a fixture)
@@ -81,9 +82,7 @@ class LogitRecorder:
 
 
 def _check_done(llm: LLM) -> None:
-    for name in llm.pool.subpools:  # every page and state slot came back
-        assert llm.alloc.parts.books[name].num_live == 0, name
-    llm.alloc.check_integrity()
+    assert_pages_returned(llm)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from engine_fixtures import one_thread  # noqa: F401  (a fixture)
+from engine_fixtures import assert_pages_returned, one_thread  # noqa: F401  (a fixture)
 from serving_fixtures import save_instruct_llama
 
 from unikv.engine import LLM, SamplingParams
@@ -160,7 +160,7 @@ def test_stop_strings_cut_the_text_before_them(ckpt):
         ),
     )[0]
     assert kept.text == text[: cut + len(stop)]
-    assert {llm.alloc.parts.books[name].num_live for name in llm.pool.subpools} == {0}
+    assert_pages_returned(llm)
 
 
 @pytest.mark.parametrize(

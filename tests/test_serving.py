@@ -43,7 +43,11 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(ckpt):
     path = ckpt[0]
-    proc = ServerProcess(path, "--max-model-len", str(MAX_LEN), "--served-model-name", "tiny")
+    # prefix caching off (its default is on for this attention-only model): the pool
+    # checks read live pages, which the cache would keep; test_reset_prefix_cache_endpoint
+    # runs a server with the default
+    proc = ServerProcess(path, "--max-model-len", str(MAX_LEN), "--served-model-name", "tiny",
+                         "--no-enable-prefix-caching")  # fmt: skip
     try:
         yield proc
     finally:
@@ -283,10 +287,11 @@ def test_reset_prefix_cache_endpoint(ckpt, server):
     hit (``usage.prompt_tokens_details.cached_tokens`` is the hit /metrics counted),
     the cache holds no page afterwards (read off /metrics) and the next repeat hits
     nothing but gives the same text; without caching it is a 400 that says how to
-    turn caching on."""
+    turn caching on. The server under test starts with the default: caching is on
+    for this attention-only model without --enable-prefix-caching."""
     refused = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
     assert refused.status_code == 400 and "--enable-prefix-caching" in refused.text
-    proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN), "--enable-prefix-caching")
+    proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN))  # caching on by default
     try:
         body = {"model": ckpt[0], "prompt": PROMPTS[0] * 3, "max_tokens": 4, "temperature": 0}
         post = lambda: httpx.post(proc.url + "/v1/completions", json=body, timeout=60)

@@ -42,8 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--enable-prefix-caching",
-        action="store_true",
-        help="share KV pages of common prompt prefixes (full-attention and MLA models)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share KV pages of common prompt prefixes (default: on for full-attention and "
+        "MLA models; off for sliding-window and recurrent ones, where it costs memory)",
     )
     p.add_argument(
         "--prefix-host-bytes",

@@ -27,12 +27,13 @@ from unikv.engine.options import (
     check_device,
     check_dtypes,
     check_kv_cache_bytes,
-    check_prefix_caching,
     check_prefix_host_bytes,
     check_swap,
+    check_window_caching,
     derived_seed,
     merged_eos,
     model_dir_of,
+    prefix_caching_for,
 )
 from unikv.engine.outputs import RequestOutput
 from unikv.engine.prompts import PromptMaker
@@ -74,8 +75,12 @@ class LLM:
         seed: seeds requests whose SamplingParams give none.
         debug: allocator debug mode (tombstone reads raise).
         enable_prefix_caching: share the KV pages of common prompt prefixes
-            across requests (whole pages; full-attention and MLA models only
-            this round). Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``.
+            across requests (whole pages; recurrent state through checkpoints).
+            None (default): on for full-attention and MLA models, off for
+            sliding-window and recurrent ones, where it costs memory
+            (``options.prefix_caching_for``).
+            Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``;
+            ``llm.prefix_caching`` says whether it is on.
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
             pages and state checkpoints spill there and reload on a hit, when the cost
             rule says reloading beats recomputing (``io/prefix_host.py``).
@@ -118,7 +123,7 @@ class LLM:
         debug: bool = False,
         tp_group=None,
         static_split: Mapping[str, float] | None = None,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool | None = None,
         prefix_host_bytes: int = 0,
         swap_host_bytes: int = 0,
         preemption: str = "auto",
@@ -161,7 +166,8 @@ class LLM:
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
         self._check_windows(configs)
-        check_prefix_caching(enable_prefix_caching, configs)
+        enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
+        self.prefix_caching = enable_prefix_caching
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
         self.backend = get_backend(self.device, backend)
@@ -185,6 +191,8 @@ class LLM:
             backend=self.backend,
             static_split=static_split,  # validated by the pool (unikv.static_split)
         )
+        if enable_prefix_caching:
+            check_window_caching(self.pool, self.max_model_len)
         self.alloc = PoolAllocator(
             self.pool,
             max_requests=max_num_seqs,

@@ -75,19 +75,61 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
         )
 
 
-def check_prefix_caching(enabled, configs) -> None:
-    """Prefix caching needs an attention sub-pool: full, MLA or sliding window (the
-    allocator's prefix cache shares whole pages of it and keeps the window pages of
-    cached prefixes); recurrent state alongside one is cached as state checkpoints
-    (``allocator/checkpoints.py``). A model with no attention sub-pool is refused."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enable_prefix_caching must be True or False, got {enabled!r}")
+ATTENTION_KINDS = ("full", "mla", "swa")
+DEFAULT_CACHED_KINDS = ("full", "mla")  # prefix caching on by default: a hit costs no copy
+
+
+def prefix_caching_for(enabled, configs) -> bool:
+    """Whether prefix caching is on: ``enabled`` True or False as given; None (the
+    default) on for models whose every sub-pool is full attention or MLA (a hit shares
+    pages: no copy, no extra bytes), off for the others, where caching costs memory:
+
+    - sliding window: a running request keeps the window bindings of the prompt pages
+      it shared (cached prefixes keep their window pages), so its window sub-pool holds
+      its whole prompt, not just the window (``check_window_caching``);
+    - recurrent hybrids: a hit needs a state checkpoint (one envelope copy each,
+      ``allocator/checkpoints.py``), which in a tight pool costs more than it saves
+      (bench_prefix's hybrid chat on the H200: 0.77x the tokens/s without the cache at
+      1.25x the pool it needs, 1.02x at 2x).
+
+    Pass True to cache them anyway. True needs an attention sub-pool to share pages of;
+    a model with none is refused."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(
+            f"enable_prefix_caching must be True, False or None (on for full-attention and "
+            f"MLA models), got {enabled!r}"
+        )
     kinds = {c.name: c.spec.kind for c in configs}
-    if enabled and not any(k in ("full", "mla", "swa") for k in kinds.values()):
+    if enabled is None:
+        return all(k in DEFAULT_CACHED_KINDS for k in kinds.values())
+    if enabled and not any(k in ATTENTION_KINDS for k in kinds.values()):
         raise ValueError(
             "enable_prefix_caching=True needs an attention sub-pool (full, MLA or sliding "
             f"window) to share pages of; this model has sub-pools {kinds} only; leave prefix "
             "caching off (enable_prefix_caching=False) for it"
+        )
+    return enabled
+
+
+def check_window_caching(pool, max_model_len: int) -> None:
+    """With prefix caching on, a request's shared prompt pages stay bound in its
+    sliding-window sub-pools (so cached prefixes keep their window pages): one request
+    alone may hold ``max_model_len`` tokens there, not just its window. The pool must
+    place that, or the scheduler could not run a lone request to its end."""
+    windowed = [s for s in pool.subpools.values() if s.spec.kind == "swa"]
+    if not windowed:
+        return
+    demand = {
+        s.name: 1 if s.spec.kind == "mamba" else -(-max_model_len // s.page_size)
+        for s in pool.subpools.values()
+    }
+    if not pool.fits(demand):
+        raise ValueError(
+            f"prefix caching on a sliding-window model: a request keeps its cached prompt "
+            f"pages bound in its window sub-pools, so one request of max_model_len "
+            f"{max_model_len} tokens needs pages {demand}, which the {pool.total_bytes}-byte "
+            "pool cannot place; raise kv_cache_bytes, lower max_model_len, or leave prefix "
+            "caching off (enable_prefix_caching=False, the default for this model)"
         )
 
 

@@ -1,0 +1,30 @@
+#!/bin/bash
+# The whole GPU suite (`pytest -m gpu`) in one device call: five lanes of test files run
+# side by side on the one GPU (the tiny models leave it mostly idle; the host has 16
+# cores), each file capped, each lane skipping what the call's deadline leaves no room for.
+#   UNIKV_GIT_COMMIT=<sha> BUDGET=540 bash benchmarks/device_suite.sh
+# Back under $OUT: results.tgz (a log per file), summary.txt (rc, time and pytest's last
+# line per file, then every FAILED line).
+source "$(dirname "$0")/device_steps.sh"
+device_setup /tmp/suite_res /tmp/suite_out
+export NO_TAR=1
+pt="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=240"
+lane() {
+  local cap=$1 f; shift
+  for f in "$@"; do
+    step "$(basename "$f" .py)" "$cap" $pt "$f"
+    echo "    $(basename "$f"): $(tail -1 "$R/logs/$(basename "$f" .py).log")" >>"$R/summary.txt"
+  done
+}
+lane 300 tests/test_prefix_gpu.py tests/test_engine_hybrid_gpu.py tests/test_launch_gpu.py \
+  tests/test_io_gpu.py &
+lane 240 tests/test_engine_gpu.py tests/test_engine_deepseek_gpu.py tests/test_engine_gemma_gpu.py \
+  tests/test_allocator_gpu.py &
+lane 240 tests/test_kernels_mla_gpu.py tests/test_kernels_gpu.py tests/test_kernels_recurrent_gpu.py \
+  tests/test_kernels_mla_decode.py &
+lane 200 tests/test_gpu_smoke.py tests/test_allocator_pressure_gpu.py tests/test_mla_expanded.py \
+  tests/test_kernels_elementwise.py tests/test_models_fp8.py tests/test_kernels_moe.py &
+lane 480 tests/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
+wait
+grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
+device_finish
