@@ -21,7 +21,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_fixtures import References, gpu_llm, roomy_bytes, seeded_prompts, teacher_forced
+from gpu_fixtures import (
+    References,
+    assert_pool_empty,
+    gpu_llm,
+    roomy_bytes,
+    seeded_prompts,
+    teacher_forced,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -149,5 +156,4 @@ def test_graph_decode_equals_eager_decode_under_preemption(saved, refs):
     if arch != "mistral":  # an SWA-only pool is admitted by its window: no preemption
         assert graph.stats.preemptions > 0
     for llm in (eager, graph):
-        llm.alloc.check_integrity()
-        assert all(llm.alloc.parts.books[n].num_live == 0 for n in llm.pool.subpools)
+        assert_pool_empty(llm)
