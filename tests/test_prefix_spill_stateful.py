@@ -64,12 +64,10 @@ class SpillMachine(PrefixMachine):
         self.hits += len(pages) > 0
         self._prefill(slot, prompt, hit.num_tokens)
 
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def cache(self, data):
-        self.cache_slot(data.draw(st.sampled_from(sorted(self.tokens))))
+    def _after_chains(self) -> None:  # the initial chains: 2 pages' worth to the host
+        self.spill(2)
 
-    def cache_slot(self, slot: int) -> None:
+    def _cache(self, slot: int) -> None:
         self.prefix.insert(slot, np.array(self.tokens[slot]))
         for vpage, node in self.prefix.by_page.items():
             if node.node_id not in self.node_bytes:
@@ -80,7 +78,7 @@ class SpillMachine(PrefixMachine):
     def finish(self, data):
         """Cache a request's pages and free it (the engine's end of a request)."""
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.cache_slot(slot)
+        self._cache(slot)
         self._free(slot)
 
     @precondition(lambda self: self.prefix.num_evictable)
