@@ -285,7 +285,7 @@ PREFIX_CASES = {
         a.parts.prefix, "_next_id", 1
     ),
     "each prefix node holds one page of tokens": lambda a: setattr(
-        a.parts.prefix.by_page[_cached(a, True)], "tokens", np.arange(3)
+        a.parts.prefix.by_page[_cached(a, True)], "tokens", bytes(3)
     ),
 }
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from allocator_fixtures import FakeEvent, full_config, mamba_config
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_prefix_cache_stateful import BASES, FenceRules, derandomized
 
 from unikv.allocator import PoolAllocator
@@ -86,6 +86,20 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         return int(self.book.v2p_host[self.states.by_node[node]])
 
     # -- rules --------------------------------------------------------------------
+
+    @initialize()
+    def served_chains(self):
+        """Every example starts with each base's first 12 tokens served and finished:
+        cached pages and a checkpoint at each page boundary, so its admissions hit,
+        restore and evict whatever the generated sequence (the coverage checks below
+        do not hang on the seed)."""
+        for base in BASES:
+            slot = self._admit(base[:12])
+            if self._restore(slot):
+                for stop in range(self.PS, 13, self.PS):
+                    if stop > self.held[slot] and not self._prefill(slot, stop, save=True):
+                        break
+            self._free(slot)
 
     @precondition(lambda self: len(self.prompt) < 4)
     @rule(prompt=PROMPTS)
@@ -190,7 +204,9 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
     @precondition(lambda self: self.prompt)
     @rule(data=st.data())
     def free(self, data):
-        slot = data.draw(st.sampled_from(sorted(self.prompt)))
+        self._free(data.draw(st.sampled_from(sorted(self.prompt))))
+
+    def _free(self, slot: int) -> None:
         self.alloc.free_request(slot)
         for table in (self.prompt, self.held, self.key, self.state):
             del table[slot]

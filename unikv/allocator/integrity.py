@@ -205,7 +205,7 @@ def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
         "prefix node ids are distinct and never reused"
     )
     ps = parts.roles.page_size
-    assert all(len(n.tokens) == ps for n in nodes), "each prefix node holds one page of tokens"
+    assert all(len(n.tokens) == 8 * ps for n in nodes), "each prefix node holds one page of tokens"
     if prefix.states is not None:
         check_checkpoints(parts)
     if prefix.host is not None:  # the host tier's own invariants (unikv.io.prefix_host)

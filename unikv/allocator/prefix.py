@@ -137,25 +137,30 @@ class PrefixCache:
             raise ValueError(f"{what}: token_ids must be a 1-D list of ints, got {token_ids!r}")
         return array.astype(np.int64)
 
-    def _find(
-        self, parent_key: int, parent_id: int, block: np.ndarray
-    ) -> tuple[int, ChainNode | None]:
-        """(key of ``block`` under its parent, the node caching it or None)."""
-        key = hash((parent_key, block.tobytes()))
+    def _find(self, parent_key: int, parent_id: int, block: bytes) -> tuple[int, ChainNode | None]:
+        """(key of ``block`` (one block's int64 tokens as bytes) under its parent, the
+        node caching it or None)."""
+        key = hash((parent_key, block))
         node = self.by_key.get(key)
-        if node is not None and (
-            node.parent_id != parent_id or not np.array_equal(node.tokens, block)
-        ):
+        if node is not None and (node.parent_id != parent_id or node.tokens != block):
             node = None  # a colliding key or an orphan: never trust the hash
         return key, node
+
+    def _blocks(self, tokens: np.ndarray) -> list[bytes]:
+        """The whole blocks of ``tokens`` (1-D ints), each as the bytes of its int64
+        tokens: one copy, then byte slices (a block's cost is its hash, not numpy calls)."""
+        ps = self.roles.page_size
+        whole = np.ascontiguousarray(tokens[: len(tokens) // ps * ps], dtype=np.int64)
+        raw, width = whole.tobytes(), ps * whole.itemsize
+        return [raw[i : i + width] for i in range(0, len(raw), width)]
 
     def walk(self, tokens: np.ndarray) -> list[ChainNode]:
         """The nodes (device or host) caching the leading whole blocks of ``tokens``
         (1-D host int64), up to the first block not cached; no window or
         checkpoint rule (``chain_hit`` applies those)."""
-        ps, key, parent, found = self.roles.page_size, 0, 0, []
-        for i in range(len(tokens) // ps):
-            key, node = self._find(key, parent, tokens[i * ps : (i + 1) * ps])
+        key, parent, found = 0, 0, []
+        for block in self._blocks(tokens):
+            key, node = self._find(key, parent, block)
             if node is None:
                 break
             found.append(node)
@@ -249,11 +254,11 @@ class PrefixCache:
                 f"prefix.insert: {len(tokens)} token ids but request {slot} holds "
                 f"{int(self.requests.lens[slot])} tokens; pass at most those"
             )
-        ps, key, parent, added = self.roles.page_size, 0, 0, 0
-        for i in range(len(tokens) // ps):
-            block = tokens[i * ps : (i + 1) * ps]
+        key, parent, added = 0, 0, 0
+        blocks = self._blocks(tokens)
+        pages = self.requests.pages[slot, : len(blocks)].tolist()
+        for block, page in zip(blocks, pages, strict=True):
             key, node = self._find(key, parent, block)
-            page = int(self.requests.pages[slot, i])
             if node is None:
                 node = self._new_node(page, key, parent, block)
                 if node is None:
@@ -289,7 +294,7 @@ class PrefixCache:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
         return reachable(self.by_id, node_id)
 
-    def _new_node(self, page: int, key: int, parent: int, block: np.ndarray) -> ChainNode | None:
+    def _new_node(self, page: int, key: int, parent: int, block: bytes) -> ChainNode | None:
         """Give ``page`` to the cache under ``key``; None when the key is held by a
         node still referenced, or the page is cached already (under another chain)."""
         stale = self.by_key.get(key)
@@ -299,7 +304,7 @@ class PrefixCache:
             return None  # an orphan or a collision holds the key
         if self.vspace.owner[page] == CACHED:
             return None
-        node = ChainNode(self._next_id, parent, key, page, block.copy())
+        node = ChainNode(self._next_id, parent, key, page, block)
         self._next_id += 1
         self.by_key[key] = self.by_id[node.node_id] = node
         self._own(node, page)

@@ -63,13 +63,14 @@ class PrefixHit:
 @dataclass
 class ChainNode:
     """One cached block: its id, its parent's id (0: the root), its key, its
-    virtual page (or HOST) and its (ps,) int64 tokens."""
+    virtual page (or HOST) and its block's ps int64 tokens as bytes (what its key
+    hashes and a lookup compares, with no numpy call)."""
 
     node_id: int
     parent_id: int
     key: int
     page: int
-    tokens: np.ndarray = field(repr=False)  # (ps,) int64
+    tokens: bytes = field(repr=False)  # ps * 8 bytes: np.frombuffer(tokens, np.int64)
 
 
 def reachable(by_id: dict[int, ChainNode], node_id: int) -> bool:
