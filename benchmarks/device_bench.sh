@@ -2,8 +2,8 @@
 # The benchmarks of one device call, run alone on the GPU (no tests beside them):
 #   - issue 16's same-run before/after: bench_e2e --quick (unikv path) and bench_allocator
 #     at BEFORE_COMMIT (the tree in ./before) and at this commit, interleaved
-#     after / before / after; then the Llama e2e with prefix caching off (its new default
-#     is on: what caching costs on distinct prompts);
+#     after / before / after; then the Llama e2e with prefix caching off and on (its
+#     default is on: what caching costs on distinct prompts, in one run);
 #   - bench_prefix's Llama workloads (system prompt, chat, spill) at this commit.
 # PRE_TESTS: GPU test files run first, side by side (one lane each, capped at TEST_CAP),
 # before any benchmark starts.
@@ -30,7 +30,9 @@ for run in after1 before after2; do
   [ "$run" = after2 ] && continue
   UNIKV_GIT_COMMIT=$commit TREE=$tree step e2e_$run 110 $e2e --out $R/e2e_$run.json
 done
-step e2e_llama_nocache 80 $e2e --models llama --prefix-caching off --out $R/e2e_llama_nocache.json
+for caching in off on; do  # what caching costs on distinct prompts, same run
+  step e2e_llama_$caching 80 $e2e --models llama --prefix-caching $caching --out $R/e2e_llama_$caching.json
+done
 step prefix_llama 150 python3 benchmarks/bench_prefix.py --device cuda --models llama \
   --workloads system,chat,spill --out $R/prefix_llama.json
 device_finish
