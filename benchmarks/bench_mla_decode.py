@@ -19,8 +19,9 @@ us). Ratios: ``vs_flashinfer_*`` = FlashInfer / new (> 1: the new kernel is fast
 JSON: ``--out`` and ``$OUT/<name>``, rewritten after every shape.
 
 ``--sweep`` (alone, ``--budget`` s of timing, < 120 s on an H200 with cold caches): at
-128 heads, B {1, 32, 128} x L {1k, 8k, 32k} on page 64 and B 32 x L 8k on page 1, every
-candidate of SWEEP_CANDIDATES (variant x BLOCK_N x warps x stages; ``mla_decode_plan``)
+each of ``--heads`` (128; 64 and 16 too: DeepSeek-V2-Lite's 16, a TP shard's 64),
+B {1, 32, 128} x L {1k, 8k, 32k} on page 64 and B 32 x L 8k on page 1, every candidate
+of SWEEP_CANDIDATES[heads bucket] (variant x BLOCK_N x warps x stages; ``mla_decode_plan``)
 under both split rules, each checked against the torch reference on the first
 REF_REQUESTS requests before it is timed (CUDA-graph replay), FlashInfer fa2 / fa3 on
 the same bytes. Compile or shared-memory failures, wrong outputs and budget cuts are
@@ -126,17 +127,38 @@ def decode_row(fi, ceil, bsz, length, heads, ps) -> dict:
 # -- --sweep: every candidate at 128 heads (the lead fills mla_decode_plan.TABLE) ------
 
 SWEEP_BATCHES, SWEEP_LENS, SWEEP_PAGE1 = (1, 32, 128), (1024, 8192, 32768), (32, 8192)
-SWEEP_CANDIDATES = [  # (name, block_h, num_v, block_n, num_warps, num_stages, variant)
-    ("wide128", 128, 2, 32, 8, 2, "split"),  # today's kernel at 128 heads
-    ("fused_n32_s2", 64, 1, 32, 8, 2, "fused"),  # most promising first: a budget cut
-    ("fused_n64_s2", 64, 1, 64, 8, 2, "fused"),  # drops the tail of each shape's list
-    ("tma_n32_s2", 64, 1, 32, 8, 2, "tma"),
-    ("tma_n64_s2", 64, 1, 64, 8, 2, "tma"),
-    ("fused_n32_s3", 64, 1, 32, 8, 3, "fused"),
-    ("tma_n32_s3", 64, 1, 32, 8, 3, "tma"),
-    ("wide64", 64, 2, 32, 4, 2, "split"),
-]
-PAGE1_CANDIDATES = ("wide128", "fused_n32_s2", "fused_n64_s2")
+# heads bucket -> [(name, block_h, num_v, block_n, num_warps, num_stages, variant)], most
+# promising first (a budget cut drops the tail of each shape's list); the first entry is
+# the bucket's kernel before any sweep installed one ("today": best_vs_today's base)
+SWEEP_CANDIDATES = {
+    128: [
+        ("wide128", 128, 2, 32, 8, 2, "split"),
+        ("fused_n32_s2", 64, 1, 32, 8, 2, "fused"),
+        ("fused_n64_s2", 64, 1, 64, 8, 2, "fused"),
+        ("tma_n32_s2", 64, 1, 32, 8, 2, "tma"),
+        ("tma_n64_s2", 64, 1, 64, 8, 2, "tma"),
+        ("fused_n32_s3", 64, 1, 32, 8, 3, "fused"),
+        ("tma_n32_s3", 64, 1, 32, 8, 3, "tma"),
+        ("wide64", 64, 2, 32, 4, 2, "split"),
+    ],
+    64: [
+        ("wide64", 64, 2, 32, 4, 2, "split"),
+        ("fused_n32_s2", 64, 1, 32, 8, 2, "fused"),
+        ("fused_n64_s2", 64, 1, 64, 8, 2, "fused"),
+        ("tma_n32_s2", 64, 1, 32, 8, 2, "tma"),
+        ("tma_n64_s2", 64, 1, 64, 8, 2, "tma"),
+        ("fused_n32_s3", 64, 1, 32, 8, 3, "fused"),
+    ],
+    16: [  # 16 heads: mma.sync tiles (wgmma needs 64 rows)
+        ("narrow90", 16, 1, 64, 8, 2, "split"),
+        ("narrow", 16, 1, 32, 4, 2, "split"),
+        ("fused16_n64_w4", 16, 1, 64, 4, 2, "fused"),
+        ("fused16_n32_w4", 16, 1, 32, 4, 2, "fused"),
+        ("tma16_n64_w4", 16, 1, 64, 4, 2, "tma"),
+        ("fused16_n64_w8", 16, 1, 64, 8, 2, "fused"),
+    ],
+}
+PAGE1_COUNT = 3  # page 1 times the first candidates of the bucket's list only
 REF_REQUESTS = 2  # the torch reference checks the first requests of every shape
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU dry run of the sweep logic may change them
 
@@ -163,7 +185,7 @@ def timed(fn) -> tuple[float, str]:
         return bench_us(fn, warmup=5, rep=25), "eager"
 
 
-def candidate_rows(kv: Prefix, q_lat, q_rope, names, t_end) -> list:
+def candidate_rows(kv: Prefix, q_lat, q_rope, candidates, t_end) -> list:
     """Every candidate x split rule on one shape: checked against the torch reference on
     the first REF_REQUESTS requests (nothing timed before), then timed. Failures
     (compile, shared memory, wrong output) and budget cuts are recorded, never fatal."""
@@ -174,7 +196,7 @@ def candidate_rows(kv: Prefix, q_lat, q_rope, names, t_end) -> list:
                                 page_size=kv.page_size, sm_scale=peer.SCALE)  # fmt: skip
     sms, rows, seen = device_sms(q_lat.device), [], {}
     args = (q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens)
-    for name, *tile, variant in (c for c in SWEEP_CANDIDATES if c[0] in names):
+    for name, *tile, variant in candidates:
         for rule in mla_decode_plan.SPLIT_RULES:
             cfg = mla_decode.Config(*tile, 1, 45.0 if variant != "split" else 70.0, variant, rule)
             splits = mla_decode.choose_num_splits(kv.bsz, q_lat.shape[1], peer.RANK,
@@ -210,17 +232,19 @@ def candidate_rows(kv: Prefix, q_lat, q_rope, names, t_end) -> list:
     return rows
 
 
-def sweep_shape(fi, kv: Prefix, heads: int, t_end: float, names) -> dict:
+def sweep_shape(fi, kv: Prefix, heads: int, t_end: float, candidates) -> dict:
     """One shape: FlashInfer fa2 / fa3 (checked against the reference via our best
     agreeing output) and every candidate; the best candidate and its ratios."""
     q_lat = torch.randn(kv.bsz, heads, peer.RANK, device=DEVICE, dtype=DTYPE)
     q_rope = torch.randn(kv.bsz, heads, peer.ROPE, device=DEVICE, dtype=DTYPE)
     shape = {"B": kv.bsz, "L": kv.length, "H": heads, "page_size": kv.page_size}
-    shape["candidates"] = rows = candidate_rows(kv, q_lat, q_rope, names, t_end)
+    shape["candidates"] = rows = candidate_rows(kv, q_lat, q_rope, candidates, t_end)
+    today_name, *today_tile, today_variant = candidates[0]
+    today_cfg = mla_decode.Config(*today_tile, 1, 70.0, today_variant)
     q_indptr = torch.arange(kv.bsz + 1, dtype=torch.int32, device=DEVICE)
     ours = mla_decode.mla_attention(q_lat, q_rope, kv.cache, kv.block_table, q_indptr,
                                     kv.seq_lens, max_q_len=1, page_size=kv.page_size,
-                                    sm_scale=peer.SCALE, config=mla_decode.CONFIGS["wide128"])  # fmt: skip
+                                    sm_scale=peer.SCALE, config=today_cfg)  # fmt: skip
     for backend, run in peer.check_peers(fi, shape, q_lat, q_rope, kv, q_indptr, ours,
                                          causal=False).items():  # fmt: skip
         try:
@@ -231,7 +255,7 @@ def sweep_shape(fi, kv: Prefix, heads: int, t_end: float, names) -> dict:
     if timed_rows:
         best = min(timed_rows, key=lambda r: r["us"])
         shape.update(best=best["candidate"], best_config=best["config"], best_us=best["us"])
-        today = next((r["us"] for r in timed_rows if r["candidate"] == "wide128"), None)
+        today = next((r["us"] for r in timed_rows if r["candidate"] == today_name), None)
         shape["best_vs_today"] = today / best["us"] if today else None
         for backend in ("fa2", "fa3"):
             fi_us = shape.get(f"flashinfer_{backend}_us")
@@ -269,30 +293,33 @@ def suggest(shapes: list) -> dict:
     return out
 
 
-def run_sweep(fi, result: dict, outs: list, budget_s: float) -> None:
-    """128 heads, page 64: batch x context; page 1 at one shape. JSON after every shape."""
+def run_sweep(fi, result: dict, outs: list, budget_s: float, heads_list=(128,)) -> None:
+    """Per head count, page 64: batch x context; page 1 at one shape. JSON after every
+    shape. The budget is shared: the later head counts get what the earlier left."""
     t_end = time.time() + budget_s
-    all_names = [c[0] for c in SWEEP_CANDIDATES]
-    jobs = [(b, 64, SWEEP_LENS, all_names) for b in SWEEP_BATCHES]
-    jobs.append((SWEEP_PAGE1[0], 1, (SWEEP_PAGE1[1],), PAGE1_CANDIDATES))
     shapes = result["sweep"] = []
-    for bsz, ps, lens, names in jobs:
-        pool = peer.LatentPool(bsz, max(lens), ps)
-        for length in lens:
-            try:
-                shape = sweep_shape(fi, Prefix(pool, length), 128, t_end, names)
-            except Exception as exc:  # keep the other shapes' numbers
-                shape = {"B": bsz, "L": length, "page_size": ps, "error": repr(exc)[:1000]}
-            shapes.append(shape)
-            print(f"sweep B={bsz} L={length} ps={ps}: best {shape.get('best')} "
-                  f"{shape.get('best_us', float('nan')):.1f} us, vs fa3 "
-                  f"{shape.get('best_vs_fa3')}, vs fa2 {shape.get('best_vs_fa2')}, vs today "
-                  f"{shape.get('best_vs_today')}", flush=True)  # fmt: skip
-            result["suggested_table"] = suggest(shapes)
-            for out in outs:
-                save_json(out, result)
-        pool = None
-        torch.cuda.empty_cache()
+    for heads in heads_list:
+        candidates = SWEEP_CANDIDATES[mla_decode_plan.heads_bucket(heads)]
+        jobs = [(b, 64, SWEEP_LENS, candidates) for b in SWEEP_BATCHES]
+        jobs.append((SWEEP_PAGE1[0], 1, (SWEEP_PAGE1[1],), candidates[:PAGE1_COUNT]))
+        for bsz, ps, lens, cands in jobs:
+            pool = peer.LatentPool(bsz, max(lens), ps)
+            for length in lens:
+                try:
+                    shape = sweep_shape(fi, Prefix(pool, length), heads, t_end, cands)
+                except Exception as exc:  # keep the other shapes' numbers
+                    shape = {"B": bsz, "L": length, "H": heads, "page_size": ps,
+                             "error": repr(exc)[:1000]}  # fmt: skip
+                shapes.append(shape)
+                print(f"sweep H={heads} B={bsz} L={length} ps={ps}: best {shape.get('best')} "
+                      f"{shape.get('best_us', float('nan')):.1f} us, vs fa3 "
+                      f"{shape.get('best_vs_fa3')}, vs fa2 {shape.get('best_vs_fa2')}, vs today "
+                      f"{shape.get('best_vs_today')}", flush=True)  # fmt: skip
+                result["suggested_table"] = suggest(shapes)
+                for out in outs:
+                    save_json(out, result)
+            pool = None
+            torch.cuda.empty_cache()
     for key, entry in result["suggested_table"].items():
         print(f"suggest mla_decode_plan.TABLE[{key}] = Config{tuple(entry['config'])}  "
               f"(geomean {entry['geomean_of_fastest']:.3f} of the fastest)", flush=True)  # fmt: skip
@@ -324,6 +351,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--backends", default="fa2,fa3", help="FlashInfer backends ('' for none)")
     parser.add_argument("--budget", type=float, default=100.0, help="--sweep: seconds of timing")
+    parser.add_argument("--heads", default="128", help="--sweep: head counts, e.g. 128,64,16")
     parser.add_argument("--out", default=None, help="default benchmarks/results/mla_decode_"
                         "h200.json (mla_decode_sweep_h200.json with --sweep)")  # fmt: skip
     args = parser.parse_args()
@@ -348,7 +376,8 @@ def main() -> None:
     if os.environ.get("OUT"):  # the device runs collect $OUT
         outs.append(str(Path(os.environ["OUT"]) / Path(args.out).name))
     if args.sweep:  # the sweep alone (one short device call)
-        run_sweep(fi, result, outs, args.budget - (time.time() - t0))
+        heads = tuple(int(h) for h in args.heads.split(","))
+        run_sweep(fi, result, outs, args.budget - (time.time() - t0), heads)
     else:
         decode_section(fi, result, outs, args.quick)
     result["wall_s"] = time.time() - t0
