@@ -223,6 +223,9 @@ def _corrupt(alloc: PoolAllocator, how: str) -> None:
         states.lru.clear()
     elif how == "byid":
         alloc.parts.prefix.by_id.pop(node)
+    elif how == "demoted":  # a checkpoint marked superseded that is not first to go
+        states.demoted.add(next(reversed(states.lru)))
+        states.demoted.add(10**7)
     elif how == "unreachable":  # the chain's first node gone, its page with it
         prefix = alloc.parts.prefix
         first = next(n for n in prefix.by_page.values() if n.parent_id == 0)
@@ -238,6 +241,7 @@ def _corrupt(alloc: PoolAllocator, how: str) -> None:
         ("lru", "evictable checkpoints are exactly those no opening request waits"),
         ("byid", "the prefix nodes by id are the live nodes"),
         ("unreachable", "each checkpoint is reachable from the root"),
+        ("demoted", "demoted checkpoints are evictable and the first of the LRU"),
     ],
 )
 def test_each_checkpoint_invariant_names_its_corruption(how, message):
@@ -293,3 +297,49 @@ def test_a_checkpoint_whose_room_evicted_an_ancestor_is_not_taken():
     assert not taken and not prefix.states.by_node, "an unreachable checkpoint was kept"
     assert prefix.match(t[:12]).num_tokens == 0
     alloc.check_integrity()
+
+
+def test_a_superseded_checkpoint_is_evicted_before_older_ones():
+    """``demote`` (the policy: a request's prompt-end checkpoint once its output-end one
+    is taken) sends a checkpoint to the front of the LRU: when the Mamba sub-pool is
+    short, it goes first, ahead of an older one, and the longer one stays."""
+    alloc = _alloc(slots=3)  # 3 Mamba slots (the sink aside: fewer)
+    prefix, states = alloc.parts.prefix, alloc.parts.prefix.states
+    old = np.arange(9) + 1000
+    slot = _serve(alloc, old, 1.0)
+    assert _checkpoint(alloc, slot, old[:8])
+    alloc.free_request(slot)
+    turn = np.arange(13)
+    slot = _serve(alloc, turn, 2.0)
+    assert _checkpoint(alloc, slot, turn[:4]) and _checkpoint(alloc, slot, turn[:12])
+    prefix.demote_checkpoint(turn[:4])
+    assert states.num_demoted == 1
+    alloc.check_integrity()
+    alloc.free_request(slot)
+    i = 0
+    while not states.evicted:  # more conversations' checkpoints until one must go
+        tokens = np.arange(9) + 100 * (i := i + 1)
+        slot = _serve(alloc, tokens, float(i))
+        assert _checkpoint(alloc, slot, tokens[:8])
+        alloc.free_request(slot)
+    assert states.evicted == 1 and states.num_demoted == 0
+    assert prefix.match(turn[:4]).num_tokens == 0  # the demoted one went
+    assert prefix.match(old[:8]).num_tokens == 8  # not the oldest
+    assert prefix.match(turn[:12]).num_tokens == 12
+    alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_finished_turn_demotes_its_prompt_end_checkpoint(hybrid):
+    """A request that checkpoints at its prompt's last whole page (8 tokens) and at its
+    output's (16) leaves the first demoted: the next turn of a chat hits the second."""
+    path, hf = hybrid
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8)).tolist()
+    llm = prefix_llm(path, 4, True)
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS))
+    assert out.output_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+    prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
+    first = prefix.walk(np.array(prompt[:8], np.int64))[-1].node_id
+    assert states.demoted == {first}
+    assert prefix.match(np.array(prompt + out.output_ids[:6], np.int64)).num_tokens == 16
+    llm.alloc.check_integrity()

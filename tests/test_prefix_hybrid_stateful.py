@@ -201,6 +201,14 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         self.held[slot] = held + 1
         self._write_state(slot)
 
+    @precondition(lambda self: self.shadow)
+    @rule(data=st.data())
+    def demote(self, data):
+        """A checkpoint superseded (the engine's policy: a request's prompt-end one once
+        its output-end one is taken): the first to go from now on."""
+        key = data.draw(st.sampled_from(sorted(self.shadow)))
+        self.prefix.demote_checkpoint(np.array(key, np.int64))
+
     @precondition(lambda self: self.prompt)
     @rule(data=st.data())
     def free(self, data):

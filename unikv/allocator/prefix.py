@@ -290,6 +290,15 @@ class PrefixCache:
             self.check()
         return saved
 
+    def demote_checkpoint(self, token_ids: object) -> None:
+        """The checkpoint at the last block of ``token_ids`` (whole pages) goes first
+        when the Mamba sub-pool is short: a longer one of the same conversation made
+        it the less likely hit (``allocator/checkpoints.py``, the policy)."""
+        tokens = self.tokens(token_ids, "prefix.demote_checkpoint")
+        found = self.walk(tokens) if self.states is not None else []
+        if found and len(found) == len(tokens) // self.roles.page_size:
+            self.states.demote(found[-1].node_id)
+
     def reachable(self, node_id: int) -> bool:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
         return reachable(self.by_id, node_id)

@@ -2,9 +2,10 @@
 
 1. holes on each free stack (no band moves);
 2. ``Mode.NOW``: move frontiers over free bytes and trailing holes (no page moves);
-3. evict prefix-cache pages no request holds, oldest first (``prefix.py``): the
-   shortfall first, retrying 1-2; recurrent-state checkpoints too
-   (``checkpoints.py``) when the Mamba sub-pool is short or no page is left;
+3. evict superseded (demoted) state checkpoints, then prefix-cache pages no request
+   holds, oldest first (``prefix.py``): the shortfall first, retrying 1-2; other
+   recurrent-state checkpoints too (``checkpoints.py``) when the Mamba sub-pool is
+   short or no page is left;
 4. ``Mode.AFTER``: wait for the forward fences, move live pages into holes; if
    that does not pack either, evict twice as many and retry, until none is left;
 5. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
@@ -179,6 +180,14 @@ class Room:
         """Steps 2-4 of the module docstring; True when the free stacks hold ``new``."""
         if virtual <= self.vspace.num_free and self._grow_now(new):
             return True
+        states = self.prefix.states
+        while states is not None and states.num_demoted:  # superseded checkpoints first,
+            states.evict(1)  # one at a time: each is a state slot's bytes, no hit lost
+            self.drain()
+            if self._fits_free(new, virtual) or (
+                virtual <= self.vspace.num_free and self._grow_now(new)
+            ):
+                return True
         batch = self._deficit(new, virtual)
         while True:
             if batch and self._evict(new, batch, evict_pages):

@@ -69,6 +69,9 @@ class PrefixCaching(NoPrefixCache):
         super().__init__(alloc)
         self.prefix = alloc.parts.prefix
         self.has_state, self.has_window = has_state, has_window
+        # request slot -> (prompt end, output end): the checkpoint at the prompt's last
+        # whole page is demoted once the one at the output's is taken
+        self.superseded: dict[int, tuple[int, int]] = {}
         self.page_size = alloc.parts.roles.page_size
 
     def open(self, r: Request):
@@ -82,10 +85,14 @@ class PrefixCaching(NoPrefixCache):
         if self.has_state:
             ps = self.page_size
             final = len(r.prompt_ids) + r.max_new_tokens
-            ends = {hit.num_page_tokens, (r.seq_len - 1) // ps * ps, (final - 1) // ps * ps}
+            prompt_end, output_end = (r.seq_len - 1) // ps * ps, (final - 1) // ps * ps
+            ends = {hit.num_page_tokens, prompt_end, output_end}
             ends = [n for n in sorted(ends) if n > hit.num_tokens]
             if ends:
                 self.points[r.slot] = ends
+            self.superseded.pop(r.slot, None)
+            if hit.num_tokens < prompt_end < output_end:
+                self.superseded[r.slot] = (prompt_end, output_end)
         return hit
 
     def chunk(self, r: Request, budget: int) -> int:
@@ -114,7 +121,11 @@ class PrefixCaching(NoPrefixCache):
             if not ends:
                 del self.points[r.slot]
             self.share(r)
-            self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
+            taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
+            prompt_end, output_end = self.superseded.get(r.slot, (0, -1))
+            if taken and r.num_cached == output_end:  # the next turn extends this one
+                self.prefix.demote_checkpoint(r.token_slice(0, prompt_end))
+                del self.superseded[r.slot]
 
     def share(self, r: Request) -> None:
         """Share the full pages holding ``r``'s computed tokens (known ones: a
