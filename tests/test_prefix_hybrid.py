@@ -330,16 +330,43 @@ def test_a_superseded_checkpoint_is_evicted_before_older_ones():
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_finished_turn_demotes_its_prompt_end_checkpoint(hybrid):
-    """A request that checkpoints at its prompt's last whole page (8 tokens) and at its
-    output's (16) leaves the first demoted: the next turn of a chat hits the second."""
+def test_a_decoding_request_keeps_one_rolling_checkpoint(hybrid):
+    """A 10-token prompt decoding 8 tokens at page 4 checkpoints at its prompt's last
+    whole page (8) and at each page its decode completes (12, 16): the first decode one
+    demotes the prompt-end one (a repeat of the prompt still hits it), the next drops
+    its predecessor, so the request holds one and the next turn hits it."""
     path, hf = hybrid
     prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8)).tolist()
     llm = prefix_llm(path, 4, True)
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS))
     assert out.output_ids == hf_greedy(hf, prompt, NEW_TOKENS)
     prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
-    first = prefix.walk(np.array(prompt[:8], np.int64))[-1].node_id
-    assert states.demoted == {first}
-    assert prefix.match(np.array(prompt + out.output_ids[:6], np.int64)).num_tokens == 16
+    seq = np.array(prompt + out.output_ids, np.int64)
+    node = {k: prefix.walk(seq[:k])[-1].node_id for k in (8, 12, 16)}
+    assert states.demoted == {node[8]} and node[12] not in states.by_node
+    assert node[16] in states.by_node and prefix.match(seq[:9]).num_tokens == 8
+    assert prefix.match(seq[:17]).num_tokens == 16
+    llm.alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("ps", [4, 16])
+def test_a_turn_stopped_by_eos_hits_its_answer_next_turn(hybrid, ps):
+    """A chat turn that stops at a stop token (as real chats stop at EOS), not at
+    max_tokens: its decode's rolling checkpoint lets the next turn hit the previous
+    prompt *and* answer up to its last whole page, with transformers' tokens."""
+    path, hf = hybrid
+    g = torch.Generator().manual_seed(4)
+    first = torch.randint(0, VOCAB, (ps + 2,), generator=g).tolist()
+    free_run = hf_greedy(hf, first, 3 * ps)
+    cut = next(j for j in range(ps + 3, 3 * ps) if free_run[j] not in free_run[:j])
+    llm = prefix_llm(path, ps, True)
+    stop = SamplingParams(max_tokens=3 * ps, stop_token_ids=(free_run[cut],))
+    (turn,) = llm.generate([first], stop)
+    assert turn.finish_reason == "stop" and turn.output_ids == free_run[: cut + 1]
+    second = first + turn.output_ids + torch.randint(0, VOCAB, (3,), generator=g).tolist()
+    (nxt,) = llm.generate([second], SamplingParams(max_tokens=NEW_TOKENS))
+    computed = len(first) + len(turn.output_ids) - 1  # the stop token was never fed
+    assert nxt.num_cached_tokens == computed // ps * ps > (len(first) - 1) // ps * ps
+    assert nxt.output_ids == hf_greedy(hf, second, NEW_TOKENS)
     llm.alloc.check_integrity()

@@ -14,10 +14,11 @@ reaches (a) the end of the cached page run it matched, if that run is longer
 than its hit (the point where it diverges from an earlier prompt: a shared
 system prompt), and (b) the last whole page before its last token (``k =
 (seq_len - 1) // ps``, the longest hit a repeat of its tokens can take), the
-scheduler ends a prefill chunk there; and (c) when its decode completes the last
-whole page before the end of its output (``(prompt + max_new_tokens - 1) //
-ps``: the next turn of a chat repeats prompt and answer; a request stopped
-earlier by a stop token takes none). There the request's state slot is copied
+scheduler ends a prefill chunk there; and (c) each time its decode completes a page,
+rolling: the new one drops the request's previous decode checkpoint, so however the
+request stops (EOS, a stop string, ``max_tokens``) its last whole page holds one and
+the next turn of a chat, which repeats prompt and answer, hits both. There the
+request's state slot is copied
 into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
 bytes and one Mamba slot per checkpoint, at most one extra prefill chunk per
 boundary (none for (c)). A hit restores
@@ -32,15 +33,16 @@ ones are LRU; the node's eviction drops its checkpoint; the room maker evicts
 them when the Mamba sub-pool is short (or nothing else is left), and the
 capacity oracle counts them as holes, as it counts cached pages.
 
-Superseded first: when a request takes (c), its (b) is ``demote``-d to the front of
-the LRU (the next turn of a chat hits (c); (b) serves only a repeat of that prompt),
-and the room maker evicts demoted checkpoints before any cached page, whatever
-sub-pool is short: one holds a state slot's bytes (50 pages' worth on the Qwen3.5
-shape), while an evicted page breaks a chain; one at a time, so no more go than the
-shortfall needs. On bench_prefix's hybrid chat in the scheduler-level simulation
-(``benchmarks/sim_prefix_hybrid_chat.py``) this raised the hit rate from 46.6 % to
-56.3 % at 1.25x the pool (evicted pages 747 -> 448) and from 75.0 % to 77.6 % at 2x
-(113 -> 56).
+Superseded first: when a request takes its first (c), its (b) is ``demote``-d to the
+front of the LRU (the next turn of a chat hits (c); (b) serves only a repeat of that
+prompt), and the room maker evicts demoted checkpoints before any cached page,
+whatever sub-pool is short: one holds a state slot's bytes (50 pages' worth on the
+Qwen3.5 shape), while an evicted page breaks a chain; one at a time, so no more go than
+the shortfall needs. On bench_prefix's hybrid chat in the scheduler-level simulation
+(``benchmarks/sim_prefix_hybrid_chat.py``; it ignores EOS, so the earlier rule, one (c)
+at the last page before ``max_tokens``, fared as well there) the hit rate went from
+46.6 % to 51.4 % at 1.25x the pool (evicted pages 747 -> 554) and from 75.0 % to
+80.1 % at 2x (113 -> 0, the whole-page ceiling of the workload).
 
 With a host tier (``host``, ``io/prefix_host.py``) an evicted checkpoint of a
 reachable node spills to a host slot instead (one envelope copy) and a hit

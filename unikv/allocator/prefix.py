@@ -290,14 +290,19 @@ class PrefixCache:
             self.check()
         return saved
 
-    def demote_checkpoint(self, token_ids: object) -> None:
+    def demote_checkpoint(self, token_ids: object, drop: bool = False) -> None:
         """The checkpoint at the last block of ``token_ids`` (whole pages) goes first
-        when the Mamba sub-pool is short: a longer one of the same conversation made
-        it the less likely hit (``allocator/checkpoints.py``, the policy)."""
+        when the Mamba sub-pool is short (``drop``: goes now, unless a request waits
+        to restore it): a longer one of the same conversation made it the less likely
+        hit (``allocator/checkpoints.py``, the policy)."""
         tokens = self.tokens(token_ids, "prefix.demote_checkpoint")
         found = self.walk(tokens) if self.states is not None else []
         if found and len(found) == len(tokens) // self.roles.page_size:
-            self.states.demote(found[-1].node_id)
+            node_id = found[-1].node_id
+            if drop and node_id in self.states.lru:
+                self.states.drop([node_id])
+            else:
+                self.states.demote(node_id)
 
     def reachable(self, node_id: int) -> bool:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""

@@ -16,8 +16,11 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 
 - the end of the cached page run it matched, if longer than its hit;
 - its last whole page before its last token;
-- the last whole page before its output's end (the next turn of a chat extends
-  prompt and answer; taken by the decode step that completes it).
+- while it decodes, every page boundary it completes, rolling: each one drops the
+  request's previous decode checkpoint (or demotes its prompt-end one:
+  ``prefix.demote_checkpoint``), so a request holds at most one, and when it finishes,
+  however it stops (EOS, a stop string, ``max_tokens``), its last whole page holds a
+  checkpoint and the next turn of a chat hits prompt and answer.
 
 Prefill chunks end at the points (``chunk``); ``after_step`` takes the
 checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
@@ -69,9 +72,9 @@ class PrefixCaching(NoPrefixCache):
         super().__init__(alloc)
         self.prefix = alloc.parts.prefix
         self.has_state, self.has_window = has_state, has_window
-        # request slot -> (prompt end, output end): the checkpoint at the prompt's last
-        # whole page is demoted once the one at the output's is taken
-        self.superseded: dict[int, tuple[int, int]] = {}
+        # request slot -> tokens of its latest prompt-end or decode checkpoint (the
+        # next decode checkpoint of the slot demotes it)
+        self.latest: dict[int, int] = {}
         self.page_size = alloc.parts.roles.page_size
 
     def open(self, r: Request):
@@ -84,15 +87,11 @@ class PrefixCaching(NoPrefixCache):
         self.points.pop(r.slot, None)
         if self.has_state:
             ps = self.page_size
-            final = len(r.prompt_ids) + r.max_new_tokens
-            prompt_end, output_end = (r.seq_len - 1) // ps * ps, (final - 1) // ps * ps
-            ends = {hit.num_page_tokens, prompt_end, output_end}
+            ends = {hit.num_page_tokens, (r.seq_len - 1) // ps * ps}
             ends = [n for n in sorted(ends) if n > hit.num_tokens]
             if ends:
                 self.points[r.slot] = ends
-            self.superseded.pop(r.slot, None)
-            if hit.num_tokens < prompt_end < output_end:
-                self.superseded[r.slot] = (prompt_end, output_end)
+            self.latest.pop(r.slot, None)
         return hit
 
     def chunk(self, r: Request, budget: int) -> int:
@@ -106,13 +105,15 @@ class PrefixCaching(NoPrefixCache):
         """Checkpoints at the points the step reached; pages shared where a prompt
         is now in (later requests may hit it) or, with windows, each prompt chunk
         (before its pages leave the window)."""
-        points, window = self.points, self.has_window
+        points, window, state, ps = self.points, self.has_window, self.has_state, self.page_size
         for r, n in zip(batch.requests, batch.num_new):
             if points:
                 self._checkpoint(r)
             prompt = len(r.prompt_ids)
             if r.num_cached - n < prompt <= r.num_cached or (window and r.num_cached < prompt):
                 self.share(r)
+            elif state and n == 1 and r.num_cached > prompt and r.num_cached % ps == 0:
+                self._take(r, rolling=True)  # a decode completed a page
 
     def _checkpoint(self, r: Request) -> None:
         ends = self.points.get(r.slot)
@@ -120,12 +121,22 @@ class PrefixCaching(NoPrefixCache):
             ends.pop(0)
             if not ends:
                 del self.points[r.slot]
-            self.share(r)
-            taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
-            prompt_end, output_end = self.superseded.get(r.slot, (0, -1))
-            if taken and r.num_cached == output_end:  # the next turn extends this one
-                self.prefix.demote_checkpoint(r.token_slice(0, prompt_end))
-                del self.superseded[r.slot]
+            self._take(r, rolling=not ends)  # the last point is the prompt's end
+
+    def _take(self, r: Request, rolling: bool) -> None:
+        """Share ``r``'s pages and checkpoint its state at ``r.num_cached`` tokens;
+        ``rolling`` (its prompt-end or a decode checkpoint): the request's previous
+        such checkpoint, superseded, is dropped (a decode one) or demoted (the
+        prompt-end one: a repeat of the prompt still hits it) and this one is its
+        latest."""
+        self.share(r)
+        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
+        if taken and rolling:
+            previous = self.latest.get(r.slot)
+            if previous:
+                drop = previous > len(r.prompt_ids)
+                self.prefix.demote_checkpoint(r.token_slice(0, previous), drop=drop)
+            self.latest[r.slot] = r.num_cached
 
     def share(self, r: Request) -> None:
         """Share the full pages holding ``r``'s computed tokens (known ones: a
