@@ -133,7 +133,7 @@ class PrefixCaching(NoPrefixCache):
         taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
         if taken and rolling:
             previous = self.latest.get(r.slot)
-            if previous:
+            if previous and previous != r.num_cached:  # (one point taken twice: keep it)
                 drop = previous > len(r.prompt_ids)
                 self.prefix.demote_checkpoint(r.token_slice(0, previous), drop=drop)
             self.latest[r.slot] = r.num_cached
