@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from engine_fixtures import save_tiny_model
+from engine_fixtures import StepLogits, save_tiny_model
 from gpu_fixtures import seeded_prompts
 
 from unikv.engine import LLM, SamplingParams
@@ -55,16 +55,10 @@ def engine_run(path, device, ps, ref_moe=False, **kw):
         for mod in llm.model.modules():
             if hasattr(mod, "kernel") and hasattr(mod, "operands"):
                 mod.kernel = moe_ref.fused_moe
-    rows = {}
-
-    def record(_llm, batch, logits):
-        for i, r in enumerate(batch.requests):
-            if r.num_pending == 1:
-                rows[(r.request_id, r.seq_len - 1)] = logits[i].float().cpu()
-
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW), on_step=record)
+    rows = StepLogits()  # each sampled token's logits row, by (request id, position)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW), on_step=rows)
     first = llm._next_id - len(outs)
-    return outs, rows, first
+    return outs, rows.rows, first
 
 
 def main():
@@ -87,7 +81,7 @@ def main():
             ref = teacher(cuda_hf, seq)
             for j in range(len(o.output_ids)):
                 p = len(o.prompt_ids) + j
-                err = (rows[(first + k, p)] - ref[p - 1]).abs().max().item()
+                err = (rows[(first + k, p)].float().cpu() - ref[p - 1]).abs().max().item()
                 if err > worst:
                     worst, where = err, (k, p)
         print(f"{device} ps {ps} ref_moe {ref_moe} {kw}: same {same} worst row err "

@@ -300,8 +300,8 @@ def test_a_checkpoint_whose_room_evicted_an_ancestor_is_not_taken():
 
 
 def test_a_superseded_checkpoint_is_evicted_before_older_ones():
-    """``demote`` (the policy: a request's prompt-end checkpoint once its output-end one
-    is taken) sends a checkpoint to the front of the LRU: when the Mamba sub-pool is
+    """``demote`` (the policy: a request's prompt-end checkpoint once its first decode
+    one is taken) sends a checkpoint to the front of the LRU: when the Mamba sub-pool is
     short, it goes first, ahead of an older one, and the longer one stays."""
     alloc = _alloc(slots=3)  # 3 Mamba slots (the sink aside: fewer)
     prefix, states = alloc.parts.prefix, alloc.parts.prefix.states

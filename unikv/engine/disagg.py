@@ -109,10 +109,9 @@ class PrefillWorker:
     :class:`DecodeWorker` on the same ``group``)."""
 
     def __init__(self, llm: LLM, dst: int, *, group=None) -> None:
-        windowed = [n for n, s in llm.pool.subpools.items() if s.spec.kind == "swa"]
-        if llm.prefix_caching and windowed:
+        if llm.prefix_caching and llm.scheduler.has_window:
             raise ValueError(
-                f"a prefill instance of a sliding-window model (sub-pools {windowed}) needs "
+                "a prefill instance of a sliding-window model needs "
                 "prefix caching off: its requests keep their cached prompt pages in the window "
                 "sub-pools, where the decode instance's window rule expects only the window; "
                 "build the prefill LLM with enable_prefix_caching=False (the default for it)"

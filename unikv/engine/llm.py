@@ -167,7 +167,6 @@ class LLM:
             configs = shard_subpool_configs(configs, self.tp.size)
         self._check_windows(configs)
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
-        self.prefix_caching = enable_prefix_caching
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
         self.backend = get_backend(self.device, backend)
@@ -348,12 +347,17 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (``enable_prefix_caching`` resolved)."""
+        return self.scheduler.prefix.enabled
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix no request holds: pages, state checkpoints and
         host-tier copies (vLLM's ``reset_prefix_cache``); the pages running requests
         reference stay cached. Runs between two steps of a serving loop (its thread
         does it). False, with nothing dropped, when prefix caching is off."""
-        if not self.scheduler.prefix_caching:
+        if not self.prefix_caching:
             return False
         self.engine.call(self.alloc.parts.prefix.reset).result()
         return True

@@ -23,8 +23,8 @@ One step (``schedule``):
 Prefix caching (``prefix_caching``; ``prefix_policy.py``, chosen once): a waiting
 request opens with its longest cached prefix and prefills from there; its pages
 are shared once its prompt is in and again when it finishes or is preempted;
-hybrids take state checkpoints where their prefill chunks end and where a decode
-completes the last whole page before the output's end.
+hybrids take state checkpoints where their prefill chunks end and, rolling, at each
+page a decode completes.
 
 Swap (``swap``, a ``SwapSpace``): a preempted request's pages (a window's live
 ones, its state slot) are copied to host slots when the cost rule says so and
@@ -85,7 +85,7 @@ class Scheduler:
         prefix_caching: bool = False,
         swap=None,
     ):
-        self.alloc, self.tables, self.prefix_caching = alloc, tables, prefix_caching
+        self.alloc, self.tables = alloc, tables
         self.swap = swap
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
