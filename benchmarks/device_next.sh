@@ -17,6 +17,11 @@ for caching in off on off; do  # off, on, off: the spread of the two offs bounds
   i=$((i + 1))
   step e2e_llama_${i}_$caching 80 $e2e --prefix-caching $caching --out $R/e2e_llama_${i}_$caching.json
 done
+# issue 15's "vs the best transformers path, same run": both models, unikv and transformers
+step e2e_hf 170 python3 benchmarks/bench_e2e.py --device cuda --quick \
+  --paths unikv,hf_dynamic,hf_static --out $R/e2e_hf_same_run.json
+step breakdown_b1 60 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
+  --requests 1 --out $R/breakdown_b1.json
 step mla_sweep_64_16 240 python3 benchmarks/bench_mla_decode.py --sweep --heads 64,16 \
   --budget 200 --out $R/mla_decode_sweep_64_16.json
 step mla_prefill 90 python3 benchmarks/bench_mla_prefill.py --out $R/mla_prefill.json
