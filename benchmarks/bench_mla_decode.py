@@ -141,23 +141,24 @@ SWEEP_CANDIDATES = {
         ("tma_n32_s3", 64, 1, 32, 8, 3, "tma"),
         ("wide64", 64, 2, 32, 4, 2, "split"),
     ],
-    64: [
-        ("wide64", 64, 2, 32, 4, 2, "split"),
-        ("fused_n32_s2", 64, 1, 32, 8, 2, "fused"),
-        ("fused_n64_s2", 64, 1, 64, 8, 2, "fused"),
-        ("tma_n32_s2", 64, 1, 32, 8, 2, "tma"),
+    64: [  # installed at cac53ea: tma_n64_s2 (page 64), fused_n64_s2 (pages 1 and 16)
         ("tma_n64_s2", 64, 1, 64, 8, 2, "tma"),
-        ("fused_n32_s3", 64, 1, 32, 8, 3, "fused"),
+        ("fused_n64_s2", 64, 1, 64, 8, 2, "fused"),
+        ("wide64", 64, 2, 32, 4, 2, "split"),
+        ("tma_n64_s3", 64, 1, 64, 8, 3, "tma"),
     ],
-    16: [  # 16 heads: mma.sync tiles (wgmma needs 64 rows)
-        ("narrow90", 16, 1, 64, 8, 2, "split"),
-        ("narrow", 16, 1, 32, 4, 2, "split"),
+    16: [  # 16 heads: mma.sync tiles (wgmma needs 64 rows); installed at cac53ea: the first
         ("fused16_n64_w4", 16, 1, 64, 4, 2, "fused"),
+        ("narrow90", 16, 1, 64, 8, 2, "split"),
         ("fused16_n32_w4", 16, 1, 32, 4, 2, "fused"),
+        ("fused16_n64_w4_s3", 16, 1, 64, 4, 3, "fused"),
         ("tma16_n64_w4", 16, 1, 64, 4, 2, "tma"),
         ("fused16_n64_w8", 16, 1, 64, 8, 2, "fused"),
     ],
 }
+# split rules x programs an SM holds (``Config.ctas_per_sm``: ``fill`` makes that many
+# programs per SM; more bytes in flight where the heads are few and the kernel reads)
+SWEEP_RULES = (("model", 1), ("fill", 1), ("fill", 2), ("fill", 4))
 PAGE1_COUNT = 3  # page 1 times the first candidates of the bucket's list only
 REF_REQUESTS = 2  # the torch reference checks the first requests of every shape
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU dry run of the sweep logic may change them
@@ -197,8 +198,9 @@ def candidate_rows(kv: Prefix, q_lat, q_rope, candidates, t_end) -> list:
     sms, rows, seen = device_sms(q_lat.device), [], {}
     args = (q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens)
     for name, *tile, variant in candidates:
-        for rule in mla_decode_plan.SPLIT_RULES:
-            cfg = mla_decode.Config(*tile, 1, 45.0 if variant != "split" else 70.0, variant, rule)
+        for rule, ctas in SWEEP_RULES:
+            token_ns = 45.0 if variant != "split" else 70.0
+            cfg = mla_decode.Config(*tile, ctas, token_ns, variant, rule)
             splits = mla_decode.choose_num_splits(kv.bsz, q_lat.shape[1], peer.RANK,
                                                   kv.block_table.shape[1] * kv.page_size, cfg,
                                                   sms)  # fmt: skip

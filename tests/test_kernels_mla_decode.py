@@ -256,8 +256,8 @@ GPU_CASES = [
     for config in [None, *mla_decode.CONFIGS]
     for ps in (16,)
 ] + [(dtype, None, ps) for dtype in ("bf16", "fp32") for ps in (1, 64)]
-GPU_CASES += [("bf16", config, ps) for config in ("fused64", "tma64", "fused64n64", "tma64n64")
-              for ps in (1, 64)]  # fmt: skip
+GPU_CASES += [("bf16", config, ps) for config in ("fused64", "tma64", "fused64n64", "tma64n64",
+                                                  "fused16n64") for ps in (1, 64)]  # fmt: skip
 
 
 def _rel_err(got, want):
@@ -267,7 +267,8 @@ def _rel_err(got, want):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,config,ps", GPU_CASES)
-@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4097, 33]), (128, [1, 300, 1500])])
+@pytest.mark.parametrize("heads,lens", [(16, [1, 700, 4097, 33]), (64, [2049, 5]),
+                                        (128, [1, 300, 1500])])  # fmt: skip
 @pytest.mark.parametrize("splits", [None, 7])
 def test_gpu_decode_matches_reference(dtype, config, ps, heads, lens, splits):
     """Every config of the table at every head count (16-bit tiles hold 16-bit
@@ -292,7 +293,9 @@ def test_gpu_decode_matches_reference(dtype, config, ps, heads, lens, splits):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("heads,variant,ps", [(16, None, 16), (128, None, 16),
                                                (128, "fused64", 64), (128, "tma64", 64),
-                                               (128, "fused64n64", 1), (128, "tma64n64", 64)])  # fmt: skip
+                                               (128, "fused64n64", 1), (128, "tma64n64", 64),
+                                               (64, None, 64), (16, "fused16n64", 64),
+                                               (16, "fused16n64", 1)])  # fmt: skip
 def test_gpu_graph_replay_without_host_sync(heads, variant, ps):
     """Planned splits into caller-owned out / workspace: no host sync while launched, and
     a CUDA graph replayed after new lengths equals a fresh launch."""

@@ -110,6 +110,36 @@ def test_mxfp4_kept_packed_matches_dequantised(dtype, e, k, d, i, t):
     _close(moe.fused_moe(*packed, **pkw), dense, 1e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("swap", [False, True])
+def test_mxfp4_scales_far_from_one_are_exact(swap):
+    """The in-kernel decode (integer bf16 bits, the scale added to the exponent) at
+    e8m0 scales 2^-67 .. 2^63 with every code pair in the bytes: fp32, top-1 routing,
+    each expert's scales in a band of its own, every token's output against the dense
+    reference on ``dequantize_mxfp4`` of the same bytes, relative to that token."""
+    g = torch.Generator().manual_seed(7)
+    e, d, i, t = 3, 64, 32, 12
+    w1, _, _ = _mxfp4(g, e, 2 * i, d)
+    w2, _, _ = _mxfp4(g, e, d, i)
+    assert set(w1.flatten().tolist()) == set(range(256))  # every code pair
+
+    def band(centres, shape):  # per expert: its centre +- 3
+        spread = torch.randint(-3, 4, shape, generator=g)
+        return (torch.tensor(centres)[:, None, None] + spread).to(torch.uint8)
+
+    s1 = band([100, 127, 150], (e, 2 * i, d // 32))
+    s2 = band([63, 190, 127], (e, d, i // 32))
+    x = torch.randn(t, d, generator=g)
+    ids = (torch.arange(t) % e)[:, None]
+    weights = torch.ones(t, 1)
+    dense = moe_ref.fused_moe(x, weights, ids, dequantize_mxfp4(w1, s1).transpose(1, 2),
+                              dequantize_mxfp4(w2, s2).transpose(1, 2))  # fmt: skip
+    out = moe.fused_moe(x, weights, ids, w1, w2, w1_scales=s1, w2_scales=s2,
+                        config=moe.Config(16, 32, 64, 1, 4, 1, swap))  # fmt: skip
+    err = (out - dense).abs().amax(1) / dense.abs().amax(1)
+    assert dense.abs().amax(1).max() / dense.abs().amax(1).min() > 2.0**100  # the span
+    assert (err <= 1e-5).all(), err
+
+
 @pytest.mark.parametrize("t, k, e, block_m", [(1, 1, 3, 16), (37, 2, 5, 16), (300, 2, 8, 64)])
 def test_align_groups_every_assignment_once(t, k, e, block_m):
     ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(t))

@@ -66,23 +66,27 @@ CONFIGS = {
     "tma64": Config(64, 1, 32, 8, 2, 1, 45.0, "tma"),
     "fused64n64": Config(64, 1, 64, 8, 2, 1, 45.0, "fused"),
     "tma64n64": Config(64, 1, 64, 8, 2, 1, 45.0, "tma"),
+    # fused16n64: 16 heads (mma.sync), whole V, 64 keys a program, 4 warps; splits fill
+    # the SMs (the 16-head decode reads its bytes: more programs in flight).
+    "fused16n64": Config(16, 1, 64, 4, 2, 1, 45.0, "fused", "fill"),
 }
-# sm90, 16-bit queries: (heads bucket, page bucket) -> config. 128 heads: installed from
-# the H200 sweep at 89e80c5 (``benchmarks/bench_mla_decode.py --sweep``, results in
-# ``benchmarks/results/mla_decode_sweep_h200.json``; B 1-128 x 1k-32k at page 64, and
-# B 32 x 8k at page 1): 1.19-1.39x the split kernel (wide128) on every shape. Page 16
-# was not swept: it takes page 1's pick (tiles across pages, each key's entry looked
-# up). 64 and 16 heads: not swept, the split kernel.
+# sm90, 16-bit queries: (heads bucket, page bucket) -> config, installed from H200 sweeps
+# (``benchmarks/bench_mla_decode.py --sweep``; B 1-128 x 1k-32k at page 64 and B 32 x 8k
+# at page 1). 128 heads at 89e80c5 (``mla_decode_sweep_h200.json``): 1.19-1.39x the split
+# kernel (wide128) on every shape. 64 and 16 heads at cac53ea
+# (``mla_decode_sweep_h200_64_16.json``): 64 heads 1.02-2.30x wide64, 16 heads
+# 1.00-1.67x narrow90 (narrow90 stays fastest at B 1 x 8k only, by 0.4 %). Page 16 was
+# not swept: it takes page 1's pick (tiles across pages, each key's entry looked up).
 TABLE = {
     (128, 1): CONFIGS["fused64n64"],
     (128, 16): CONFIGS["fused64n64"],
     (128, 64): CONFIGS["tma64n64"],
-    (64, 1): CONFIGS["wide64"],
-    (64, 16): CONFIGS["wide64"],
-    (64, 64): CONFIGS["wide64"],
-    (16, 1): CONFIGS["narrow90"],
-    (16, 16): CONFIGS["narrow90"],
-    (16, 64): CONFIGS["narrow90"],
+    (64, 1): CONFIGS["fused64n64"],
+    (64, 16): CONFIGS["fused64n64"],
+    (64, 64): CONFIGS["tma64n64"],
+    (16, 1): CONFIGS["fused16n64"],
+    (16, 16): CONFIGS["fused16n64"],
+    (16, 64): CONFIGS["fused16n64"],
 }
 MIN_SPLIT_TOKENS = 256  # never cut a request's keys into chunks shorter than this
 MAX_SPLITS = 128

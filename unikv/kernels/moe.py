@@ -44,7 +44,9 @@ TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 class Config(NamedTuple):
     """Rows per tile (0: by mean tokens per expert, ``block_m_for``), output features
     and K per tile (block_k a multiple of 32, the MXFP4 group), K slices (> 1: fp32
-    atomics, not bit-deterministic), warps, pipeline stages."""
+    atomics, not bit-deterministic), warps, pipeline stages; swap: the transposed
+    product, the output features as the MMA's M rows (for few rows an expert; needs
+    block_n >= 16 * num_warps on wgmma)."""
 
     block_m: int
     block_n: int
@@ -52,6 +54,7 @@ class Config(NamedTuple):
     split_k: int
     num_warps: int
     num_stages: int
+    swap: bool = False
 
 
 LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
@@ -63,6 +66,9 @@ FP32_CONFIG = Config(0, 64, 64, 1, 4, 3)  # fp32 models: exact fp32 dots, small 
 # T: tall tiles (hundreds of rows per expert).
 CANDIDATES = {
     "small": (
+        Config(16, 64, 128, 1, 4, 3, True),
+        Config(16, 64, 256, 1, 4, 3, True),
+        Config(16, 128, 128, 1, 8, 3, True),
         Config(16, 64, 128, 1, 4, 3),
         Config(16, 32, 128, 1, 4, 4),
         Config(16, 64, 128, 2, 4, 3),
@@ -71,6 +77,10 @@ CANDIDATES = {
         Config(16, 32, 128, 4, 4, 3),
     ),
     "large": (
+        Config(0, 64, 128, 1, 4, 3, True),
+        Config(0, 128, 128, 1, 8, 3, True),
+        Config(0, 64, 64, 1, 4, 4, True),
+        Config(64, 128, 64, 1, 8, 3, True),
         Config(0, 128, 64, 1, 8, 3),
         Config(0, 64, 128, 1, 4, 3),
         Config(64, 128, 64, 1, 8, 4),
@@ -78,6 +88,10 @@ CANDIDATES = {
         Config(16, 128, 64, 1, 4, 3),
     ),
     "prefill": (
+        Config(128, 128, 64, 1, 8, 4),
+        Config(128, 64, 64, 1, 4, 4),
+        Config(64, 128, 64, 1, 4, 4, True),
+        Config(128, 128, 64, 1, 8, 3, True),
         Config(128, 128, 64, 1, 8, 3),
         Config(64, 128, 64, 1, 4, 3),
         Config(128, 64, 64, 1, 4, 3),
@@ -250,7 +264,7 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tens
         ACT=ACT_CODES[activation], MXFP4=s1 is not None,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP=bool(cfg.swap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -273,6 +287,7 @@ def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg) ->
         IEEE=ieee, ACT_IN_A=split > 1,
         ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,
         DTYPE=TL_DTYPES[x.dtype], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

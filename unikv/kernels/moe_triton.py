@@ -13,12 +13,17 @@ output features and, with SPLIT_K > 1, one of SPLIT_K slices of the K loop:
                      SPLIT_K > 1: atomically added into a zeroed y
 
 Weight tiles are (BLOCK_N, BLOCK_K), contiguous along K for MXFP4 and K-major
-checkpoints, fed to ``tl.dot`` transposed. An MXFP4 tile is BLOCK_N x BLOCK_K / 2
-bytes loaded once (both nibbles unpacked and interleaved, low first) and BLOCK_N x
-BLOCK_K / 32 e8m0 scales broadcast over their groups of 32. An e2m1 code ``s e1 e0 m``
-becomes fp16 without a table: bits ``s << 15 | e1 e0 m << 9`` are the value times
-2^-14 (code 1, 0.5, is the fp16 subnormal 2^-15), so the fp32 scale is 2^(scale - 113),
-built from its exponent bits (exact for scales 1..240).
+checkpoints, fed to ``tl.dot`` transposed; SWAP (a Config's ``swap``) computes the
+transposed product instead, acc^T (BLOCK_N, BLOCK_M) += W @ A^T, so the weight
+features are the MMA's M rows (wgmma's 64) and the few rows of an expert its N, and
+transposes the accumulator once after the K loop.
+
+An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once; the low nibbles are the even
+K columns and the high nibbles the odd ones, so they meet two A tiles loaded at even
+and odd columns (two dots of BLOCK_K / 2, no interleave). A code ``s e1 e0 m`` with
+e8m0 scale E becomes bf16 bits with integer ops only: magnitude codes 2..7 (1 .. 6) are
+``0x3F00 + 64 * code`` and code 1 (0.5) is 0x3F00, the scale adds (E - 127) to the
+exponent field, code 0 stays zero, s is the sign bit: exact for scales 2..252.
 """
 
 from __future__ import annotations
@@ -44,42 +49,83 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn,
-                 MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """(BLOCK_N, BLOCK_K) tile W[rows, k0 : k0 + BLOCK_K] of one expert (``w_base`` /
-    ``s_base``: the expert's int64 offsets): fp32 for MXFP4, else the weight dtype;
-    0 outside ``row_ok`` and K."""
-    row_off = rows[:, None].to(tl.int64) * s_wn
-    if MXFP4:  # bytes (BLOCK_N, BLOCK_K / 2), k // 2 within a row; scales k // 32
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        byte = tl.load(w_ptr + w_base + row_off + kb[None, :],
-                       mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0)  # fmt: skip
-        code = tl.interleave(byte & 0x0F, byte >> 4).to(tl.uint16)  # (BLOCK_N, BLOCK_K)
-        half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.float16, bitcast=True)
-        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        s_off = rows[:, None].to(tl.int64) * s_sn + ks[None, :]
-        e8 = tl.load(s_ptr + s_base + s_off, mask=row_ok[:, None] & (ks[None, :] < K // 32),
-                     other=127)  # fmt: skip
-        scale = ((e8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 113)
-        grouped = tl.reshape(half.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
-        tile = tl.reshape(grouped * scale[:, :, None], (BLOCK_N, BLOCK_K))
-    else:  # one return: Triton compiles a return after a taken constexpr branch too
-        ks = k0 + tl.arange(0, BLOCK_K)
-        tile = tl.load(w_ptr + w_base + row_off + ks[None, :].to(tl.int64) * s_wk,
-                       mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
-    return tile
+def _weight_tile(w_ptr, w_base, rows, row_ok, k0, K, s_wn, s_wk, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K) tile W[rows, k0 : k0 + BLOCK_K] of one expert's 16-bit or
+    fp32 weights (``w_base``: the expert's int64 offset); 0 outside ``row_ok`` and K."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + w_base + rows[:, None].to(tl.int64) * s_wn + ks[None, :].to(tl.int64) * s_wk,
+                   mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
 
 
 @triton.jit
-def _dot_t(a, w, acc, IEEE: tl.constexpr):
-    """acc + a @ w^T (a (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)): fp32 products when
-    IEEE (fp32 models; the interpreter, whose bf16/fp16 dot is wrong), else in a's
-    dtype with fp32 accumulation."""
+def _e2m1_bf16(code, shift):
+    """bf16 of e2m1 codes (int32, 0..15) times 2^(E - 127), ``shift`` = (E - 127) * 128
+    broadcast to the codes' shape: integer ops only."""
+    mag = code & 7
+    bits = 0x3F00 + 64 * (mag - (mag == 1).to(tl.int32)) + shift
+    bits = tl.where(mag == 0, 0, bits) | ((code & 8) << 12)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_sn,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The even and odd K columns of W[rows, k0 : k0 + BLOCK_K] of one MXFP4 expert:
+    two (BLOCK_N, BLOCK_K / 2) bf16 tiles (low and high nibbles); 0 outside ``row_ok``
+    and K. Scales: one e8m0 byte per row and 32 columns (16 bytes)."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = tl.load(w_ptr + w_base + rows[:, None].to(tl.int64) * s_wn + kb[None, :],
+                   mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0).to(tl.int32)  # fmt: skip
+    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    e8 = tl.load(s_ptr + s_base + rows[:, None].to(tl.int64) * s_sn + ks[None, :],
+                 mask=row_ok[:, None] & (ks[None, :] < K // 32), other=127).to(tl.int32)  # fmt: skip
+    shift = tl.broadcast_to(((e8 - 127) * 128)[:, :, None], (BLOCK_N, BLOCK_K // 32, 16))
+    shift = tl.reshape(shift, (BLOCK_N, BLOCK_K // 2))
+    return _e2m1_bf16(byte & 0x0F, shift), _e2m1_bf16(byte >> 4, shift)
+
+
+@triton.jit
+def _dot_t(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
+    """acc + a @ w^T (a (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)), or with SWAP its
+    transpose acc^T + w @ a^T: fp32 products when IEEE (fp32 models; the interpreter,
+    whose bf16/fp16 dot is wrong), else in a's dtype with fp32 accumulation."""
     if IEEE:
-        acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        a, w = a.to(tl.float32), w.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
     else:
-        acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+        if SWAP:
+            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
     return acc
+
+
+@triton.jit
+def _acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A zero fp32 accumulator, (BLOCK_N, BLOCK_M) with SWAP, else (BLOCK_M, BLOCK_N)."""
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _unswap(acc, SWAP: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) accumulator: transposed back with SWAP."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
+def _a_tile(x_rows, valid, ks, K, s_xk):
+    """(BLOCK_M, len(ks)) activation rows at columns ``ks``; 0 outside ``valid`` and K."""
+    return tl.load(x_rows + ks[None, :] * s_xk, mask=valid[:, None] & (ks[None, :] < K),
+                   other=0.0)  # fmt: skip
 
 
 @triton.jit
@@ -98,7 +144,7 @@ def _gate_up_kernel(
     row_step, up_offset, alpha, limit,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -112,20 +158,28 @@ def _gate_up_kernel(
     col_ok = cols < I
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
     w_base, s_base = expert.to(tl.int64) * s_we, expert.to(tl.int64) * s_se
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g, acc_u = _acc(BLOCK_M, BLOCK_N, SWAP), _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_rows + ks[None, :] * s_xk, mask=valid[:, None] & (ks[None, :] < K),
-                    other=0.0)  # fmt: skip
-        wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
-                          s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-        acc_u = _dot_t(a, wu, acc_u, IEEE)
-        if ACT != 2:
-            wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
-                              s_wk, s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-            acc_g = _dot_t(a, wg, acc_g, IEEE)
+        if MXFP4:  # even / odd K columns against the low / high nibbles
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            a_lo = _a_tile(x_rows, valid, ke, K, s_xk)
+            a_hi = _a_tile(x_rows, valid, ke + 1, K, s_xk)
+            u_lo, u_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K,
+                                      s_wn, s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc_u = _dot_t(a_hi, u_hi, _dot_t(a_lo, u_lo, acc_u, IEEE, SWAP), IEEE, SWAP)
+            if ACT != 2:
+                g_lo, g_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0,
+                                          K, s_wn, s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc_g = _dot_t(a_hi, g_hi, _dot_t(a_lo, g_lo, acc_g, IEEE, SWAP), IEEE, SWAP)
+        else:
+            a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
+            wu = _weight_tile(w_ptr, w_base, up_rows, col_ok, k0, K, s_wn, s_wk, BLOCK_K)
+            acc_u = _dot_t(a, wu, acc_u, IEEE, SWAP)
+            if ACT != 2:
+                wg = _weight_tile(w_ptr, w_base, gate_rows, col_ok, k0, K, s_wn, s_wk, BLOCK_K)
+                acc_g = _dot_t(a, wg, acc_g, IEEE, SWAP)
+    acc_g, acc_u = _unswap(acc_g, SWAP), _unswap(acc_u, SWAP)
     out_rows = out_ptr + pos[:, None].to(tl.int64) * s_om
     mask = valid[:, None] & col_ok[None, :]
     if SPLIT_K > 1:  # partial sums; bias and activation in the down kernel
@@ -163,6 +217,21 @@ def _act_tile(a_rows, b_base, ks, mask, I, s_ak, s_bn, row_step, up_offset, alph
     return tl.where(mask, _act(g, u, ACT, alpha, limit), 0.0).to(DTYPE)
 
 
+@triton.jit
+def _down_a(a_rows, b1_base, valid, ks, K, s_ak, s_b1n, row_step, up_offset, alpha, limit,
+            ACT_IN_A: tl.constexpr, ACT: tl.constexpr, HAS_B1: tl.constexpr,
+            DTYPE: tl.constexpr):  # fmt: skip
+    """The down kernel's A tile at columns ``ks``: the activation rows, or with ACT_IN_A
+    the activation of the fp32 gate|up sums (``_act_tile``)."""
+    mask = valid[:, None] & (ks[None, :] < K)
+    if ACT_IN_A:
+        a = _act_tile(a_rows, b1_base, ks, mask, K, s_ak, s_b1n, row_step, up_offset, alpha,
+                      limit, ACT, HAS_B1, DTYPE)  # fmt: skip
+    else:
+        a = tl.load(a_rows + ks[None, :] * s_ak, mask=mask, other=0.0)
+    return a
+
+
 @triton.jit(do_not_specialize=["num_assign"])
 def _down_kernel(
     a_ptr, w_ptr, s_ptr, b_ptr, b1_ptr, tw_ptr, y_ptr, sorted_ids_ptr, block_experts_ptr,
@@ -172,7 +241,7 @@ def _down_kernel(
     MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     ACT_IN_A: tl.constexpr,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -186,19 +255,24 @@ def _down_kernel(
     a_rows = a_ptr + pos[:, None].to(tl.int64) * s_am
     b1_base = b1_ptr + expert.to(tl.int64) * s_b1e
     w_base, s_base = expert.to(tl.int64) * s_we, expert.to(tl.int64) * s_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = valid[:, None] & (ks[None, :] < K)
-        if ACT_IN_A:
-            a = _act_tile(a_rows, b1_base, ks, mask, K, s_ak, s_b1n, row_step, up_offset,
-                          alpha, limit, ACT, HAS_B1, DTYPE)  # fmt: skip
+        if MXFP4:  # even / odd K columns against the low / high nibbles
+            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            a_lo = _down_a(a_rows, b1_base, valid, ke, K, s_ak, s_b1n, row_step, up_offset,
+                           alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
+            a_hi = _down_a(a_rows, b1_base, valid, ke + 1, K, s_ak, s_b1n, row_step, up_offset,
+                           alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
+            w_lo, w_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn,
+                                      s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc = _dot_t(a_hi, w_hi, _dot_t(a_lo, w_lo, acc, IEEE, SWAP), IEEE, SWAP)
         else:
-            a = tl.load(a_rows + ks[None, :] * s_ak, mask=mask, other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk, s_sn,
-                         MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-        acc = _dot_t(a, w, acc, IEEE)
+            a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
+                        row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
+            w = _weight_tile(w_ptr, w_base, cols, col_ok, k0, K, s_wn, s_wk, BLOCK_K)
+            acc = _dot_t(a, w, acc, IEEE, SWAP)
+    acc = _unswap(acc, SWAP)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * s_be + cols * s_bn, mask=col_ok, other=0.0)
         acc += tl.where(pid_k == 0, bias.to(tl.float32), 0.0)[None, :]
