@@ -18,12 +18,20 @@ transposed product instead, acc^T (BLOCK_N, BLOCK_M) += W @ A^T, so the weight
 features are the MMA's M rows (wgmma's 64) and the few rows of an expert its N, and
 transposes the accumulator once after the K loop.
 
-An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once; the low nibbles are the even
-K columns and the high nibbles the odd ones, so they meet two A tiles loaded at even
-and odd columns (two dots of BLOCK_K / 2, no interleave). A code ``s e1 e0 m`` with
-e8m0 scale E becomes bf16 bits with integer ops only: magnitude codes 2..7 (1 .. 6) are
-``0x3F00 + 64 * code`` and code 1 (0.5) is 0x3F00, the scale adds (E - 127) to the
-exponent field, code 0 stays zero, s is the sign bit: exact for scales 2..252.
+An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once, decoded one of two ways:
+
+- default (measured on the H200): both nibbles unpacked and interleaved, low first,
+  and BLOCK_N x BLOCK_K / 32 e8m0 scales broadcast over their groups of 32. A code
+  ``s e1 e0 m`` becomes fp16 without a table: bits ``s << 15 | e1 e0 m << 9`` are the
+  value times 2^-14 (code 1, 0.5, is the fp16 subnormal 2^-15), so the fp32 scale is
+  2^(scale - 113), built from its exponent bits (exact for scales 1..240).
+- NIBBLE_DOTS (a Config's ``nibble_dots``; not yet compiled or timed on a GPU): the low
+  nibbles are the even K columns and the high nibbles the odd ones, so they meet two A
+  tiles loaded at even and odd columns (two dots of BLOCK_K / 2, no interleave), and a
+  code with e8m0 scale E becomes bf16 bits with integer ops only: magnitude codes 2..7
+  (1 .. 6) are ``0x3F00 + 64 * code``, code 1 (0.5) is 0x3F00, the scale adds (E - 127)
+  to the exponent field, code 0 stays zero, s is the sign bit (exact for scales 2..252;
+  no fp32 tile).
 """
 
 from __future__ import annotations
@@ -49,12 +57,30 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _weight_tile(w_ptr, w_base, rows, row_ok, k0, K, s_wn, s_wk, BLOCK_K: tl.constexpr):
-    """(BLOCK_N, BLOCK_K) tile W[rows, k0 : k0 + BLOCK_K] of one expert's 16-bit or
-    fp32 weights (``w_base``: the expert's int64 offset); 0 outside ``row_ok`` and K."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + w_base + rows[:, None].to(tl.int64) * s_wn + ks[None, :].to(tl.int64) * s_wk,
-                   mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn,
+                 MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_K) tile W[rows, k0 : k0 + BLOCK_K] of one expert (``w_base`` /
+    ``s_base``: the expert's int64 offsets): fp32 for MXFP4, else the weight dtype;
+    0 outside ``row_ok`` and K."""
+    row_off = rows[:, None].to(tl.int64) * s_wn
+    if MXFP4:  # bytes (BLOCK_N, BLOCK_K / 2), k // 2 within a row; scales k // 32
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + w_base + row_off + kb[None, :],
+                       mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0)  # fmt: skip
+        code = tl.interleave(byte & 0x0F, byte >> 4).to(tl.uint16)  # (BLOCK_N, BLOCK_K)
+        half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.float16, bitcast=True)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s_off = rows[:, None].to(tl.int64) * s_sn + ks[None, :]
+        e8 = tl.load(s_ptr + s_base + s_off, mask=row_ok[:, None] & (ks[None, :] < K // 32),
+                     other=127)  # fmt: skip
+        scale = ((e8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 113)
+        grouped = tl.reshape(half.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
+        tile = tl.reshape(grouped * scale[:, :, None], (BLOCK_N, BLOCK_K))
+    else:  # one return: Triton compiles a return after a taken constexpr branch too
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tile = tl.load(w_ptr + w_base + row_off + ks[None, :].to(tl.int64) * s_wk,
+                       mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+    return tile
 
 
 @triton.jit
@@ -144,7 +170,7 @@ def _gate_up_kernel(
     row_step, up_offset, alpha, limit,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -161,7 +187,7 @@ def _gate_up_kernel(
     acc_g, acc_u = _acc(BLOCK_M, BLOCK_N, SWAP), _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if MXFP4:  # even / odd K columns against the low / high nibbles
+        if MXFP4 and NIBBLE_DOTS:  # even / odd K columns against the low / high nibbles
             ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             a_lo = _a_tile(x_rows, valid, ke, K, s_xk)
             a_hi = _a_tile(x_rows, valid, ke + 1, K, s_xk)
@@ -174,10 +200,12 @@ def _gate_up_kernel(
                 acc_g = _dot_t(a_hi, g_hi, _dot_t(a_lo, g_lo, acc_g, IEEE, SWAP), IEEE, SWAP)
         else:
             a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
-            wu = _weight_tile(w_ptr, w_base, up_rows, col_ok, k0, K, s_wn, s_wk, BLOCK_K)
+            wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
+                              s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
             acc_u = _dot_t(a, wu, acc_u, IEEE, SWAP)
             if ACT != 2:
-                wg = _weight_tile(w_ptr, w_base, gate_rows, col_ok, k0, K, s_wn, s_wk, BLOCK_K)
+                wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
+                                  s_wk, s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc_g = _dot_t(a, wg, acc_g, IEEE, SWAP)
     acc_g, acc_u = _unswap(acc_g, SWAP), _unswap(acc_u, SWAP)
     out_rows = out_ptr + pos[:, None].to(tl.int64) * s_om
@@ -242,6 +270,7 @@ def _down_kernel(
     ACT_IN_A: tl.constexpr,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
+    NIBBLE_DOTS: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -258,7 +287,7 @@ def _down_kernel(
     acc = _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if MXFP4:  # even / odd K columns against the low / high nibbles
+        if MXFP4 and NIBBLE_DOTS:  # even / odd K columns against the low / high nibbles
             ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             a_lo = _down_a(a_rows, b1_base, valid, ke, K, s_ak, s_b1n, row_step, up_offset,
                            alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
@@ -270,7 +299,8 @@ def _down_kernel(
         else:
             a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
                         row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
-            w = _weight_tile(w_ptr, w_base, cols, col_ok, k0, K, s_wn, s_wk, BLOCK_K)
+            w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
+                             s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
             acc = _dot_t(a, w, acc, IEEE, SWAP)
     acc = _unswap(acc, SWAP)
     if HAS_BIAS:
