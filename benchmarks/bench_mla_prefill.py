@@ -10,7 +10,7 @@ rope, latent store, attention, W_UV / o_proj) over an ``ExtendAttention`` with
 "expanded" (one gather, one kv_b_proj GEMM, unikv's extend kernel), and with the
 rule (``mla_form`` None: ``engine.attention.mla_prefill_costs``) whose pick is
 recorded. Shapes: fresh prefills of 1k, 4k and 16k tokens; 8 requests of 4k cached
-+ 512 new tokens; and, to place the crossover the rule predicts (~30 new tokens per
++ 512 new tokens; and, to place the crossover the rule predicts (~55 new tokens per
 request at these widths), 8 x (4k cached + n new) for n in 8..128. The cached rows
 are random latent rows on randomly permuted pages of a one-layer MLA pool (page 16);
 a fresh step object per call (the gather index is built inside the timed region).

@@ -58,6 +58,7 @@ PROMPT_LENS = [5, 17, 33, 60]
 NEW_TOKENS = 24
 V3 = {"heads": 128, "rank": 512, "rope": 64, "nope": 128, "v_dim": 128}
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "mla_h200.json"
+PREFILL_RESULTS = RESULTS.with_name("mla_prefill_h200.json")
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -132,14 +133,17 @@ class RecordedRule(ExtendAttention):
 
 
 def test_rule_takes_both_forms_on_engine_steps(ref, monkeypatch):
-    """7-token steps: the first steps are all prefill (expanded); once requests
-    decode, steps of decodes plus a short chunk over a longer context absorb. The
-    tokens are transformers' either way."""
+    """7-token steps at page 1, the longest prompt first: its chunks run alone over
+    their own rows (expanded); then steps mixing its decodes or last chunk with other
+    requests' chunks, whose B x Lmax gathered rows outweigh the attention, absorb.
+    The tokens are transformers' either way."""
     _force(monkeypatch, RecordedRule)
     RecordedRule.forms = []
-    llm = _llm(ref, max_num_batched_tokens=7)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
-    check_engine_outputs(ref, llm, outputs)
+    llm = _llm(ref, max_num_batched_tokens=7, page_size=1)
+    order = sorted(range(len(ref.prompts)), key=lambda i: -len(ref.prompts[i]))
+    outputs = llm.generate([ref.prompts[i] for i in order], SamplingParams(max_tokens=NEW_TOKENS))
+    want = [hf_greedy(ref.hf, ref.prompts[i], NEW_TOKENS) for i in order]
+    assert [o.output_ids for o in outputs] == want
     assert RecordedRule.forms[0] == "expanded" and set(RecordedRule.forms) == set(MLA_FORMS)
 
 
@@ -183,16 +187,28 @@ def test_rule_on_deepseek_v3_widths():
     assert picks == sorted(picks) and picks[0] is False and picks[-1] is True
 
 
-def test_rule_reproduces_the_h200_anchor():
-    """At the measured shape (one 4k fresh prefill, 128 heads, page 16) the rule's
-    absorbed / expanded cost ratio is the measured time ratio within 10 %."""
-    (row,) = [r for r in json.loads(RESULTS.read_text())["extend"] if r["new"] == 4096]
-    assert (row["B"], row["cached"], row["H"]) == (1, 0, 128)
-    measured = row["absorbed_total_us"] / row["expanded_sdpa_us"]
-    absorbed, expanded = mla_prefill_costs(
-        num_tokens=4096, num_rows=4096, max_q_len=4096, max_len=4096, **V3
-    )
-    assert absorbed / expanded == pytest.approx(measured, rel=0.1)
+def test_rule_picks_the_faster_form_measured_on_the_h200():
+    """``bench_mla_prefill`` on the H200 (cac53ea: DeepSeek-V3's layer, 128 heads, page
+    16, both forms through unikv's kernels): at 8 x (4k cached + n new) for n 8..128
+    and on the 4k and 16k fresh prefills the rule picks the form that ran faster, and
+    around the crossover (n 32..128) its cost ratio is the measured time ratio within
+    15 %."""
+    rows = json.loads(PREFILL_RESULTS.read_text())["extend"]
+    checked = 0
+    for row in rows:
+        if (row["B"], row["cached"], row["new"]) == (1, 0, 1024):
+            continue  # launch-bound: both forms far from their FLOP rates
+        b, cached, new = row["B"], row["cached"], row["new"]
+        absorbed, expanded = mla_prefill_costs(
+            num_tokens=b * new, num_rows=b * (cached + new), max_q_len=new,
+            max_len=cached + new, **V3,
+        )  # fmt: skip
+        measured = row["expanded_us"] / row["absorbed_us"]
+        assert (expanded < absorbed) == (measured < 1.0), row
+        if cached and 32 <= new <= 128:
+            assert expanded / absorbed == pytest.approx(measured, rel=0.15), row
+        checked += 1
+    assert checked == 8
 
 
 def test_forms_and_decode_steps():

@@ -28,14 +28,18 @@ requests), and N = B * Lmax gathered rows:
     absorbed = S * 2P(2 rank + rope) + 2T rank (nope + v)    attention + W_UK, W_UV
     expanded = 2N rank (nope + v)    + 2P (nope + rope + v)  up-projection + attention
 
-S = ``ABSORBED_SLOWDOWN`` = 4.5, the anchor: on the H200 in bf16 a 4k fresh prefill
-of one DeepSeek-V3 layer (128 heads) took 24.6 ms absorbed (the MLA kernel at 95
-TFLOP/s) and 1.9 ms expanded (425 TFLOP/s), 13x (benchmarks/results/mla_h200.json,
-"extend"); S reproduces that ratio. (There the expanded attention was torch SDPA,
-here it is unikv's extend kernel: re-anchor S on ``benchmarks/bench_mla_prefill.py``.)
+S = ``ABSORBED_SLOWDOWN`` = 2.5, fitted to ``benchmarks/bench_mla_prefill.py`` on the
+H200 (cac53ea, ``benchmarks/results/mla_prefill_h200.json``; DeepSeek-V3's layer, 128
+heads, bf16, both forms through unikv's kernels): the absorbed MLA kernel ran at 83-96
+TFLOP/s, the expanded gather + GEMM + extend kernel at 175-225, and at 8 x (4k cached +
+n new) the measured time ratio crossed 1 between n = 32 (absorbed 1.57x faster) and
+64 (expanded 1.19x faster); S = 2.5 predicts 1.63x and 0.88 there (0.50 against 0.51
+at n = 128) and picks the faster form on every measured shape but the launch-bound
+1k fresh prefill, which it expands either way. (The first anchor, 4.5, was a 4k
+prefill whose expanded attention was torch SDPA.)
 Expanded runs when it costs less and its transient K/V (``N * H * (2 nope + rope +
 v)`` elements) fits ``EXPANDED_MAX_BYTES``. At DeepSeek-V3 widths: expanded once
-requests bring more than ~30 new tokens each over a 4k context; decodes and small
+requests bring more than ~55 new tokens each over a 4k context; decodes and small
 chunks over long contexts stay absorbed.
 """
 
@@ -79,7 +83,7 @@ class MLALayerCache:
     page_size: int
 
 
-ABSORBED_SLOWDOWN = 4.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
+ABSORBED_SLOWDOWN = 2.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
 EXPANDED_MAX_BYTES = 8 << 30  # transient K/V of one expanded layer at most
 MLA_FORMS = ("absorbed", "expanded")
 
