@@ -101,7 +101,7 @@ CANDIDATES = {
         Config(64, 128, 64, 1, 4, 4, True),
         Config(128, 128, 64, 1, 8, 3, True),
         Config(128, 64, 64, 1, 4, 3, False, True),
-        Config(64, 128, 64, 1, 4, 4, True, True),
+        Config(64, 128, 64, 1, 8, 3, True, True),
         Config(128, 128, 64, 1, 8, 3),
         Config(64, 128, 64, 1, 4, 3),
         Config(128, 64, 64, 1, 4, 3),

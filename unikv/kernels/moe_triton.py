@@ -26,8 +26,9 @@ An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once, decoded one of two way
   value times 2^-14 (code 1, 0.5, is the fp16 subnormal 2^-15), so the fp32 scale is
   2^(scale - 113), built from its exponent bits (exact for scales 1..240).
 - NIBBLE_DOTS (a Config's ``nibble_dots``; not yet compiled or timed on a GPU): the low
-  nibbles are the even K columns and the high nibbles the odd ones, so they meet two A
-  tiles loaded at even and odd columns (two dots of BLOCK_K / 2, no interleave), and a
+  nibbles are the even K columns and the high nibbles the odd ones, so they meet the
+  even and odd columns of the A tile (split in registers: two dots of BLOCK_K / 2, no
+  interleave of the larger weight tile), and a
   code with e8m0 scale E becomes bf16 bits with integer ops only: magnitude codes 2..7
   (1 .. 6) are ``0x3F00 + 64 * code``, code 1 (0.5) is 0x3F00, the scale adds (E - 127)
   to the exponent field, code 0 stays zero, s is the sign bit (exact for scales 2..252;
@@ -148,6 +149,16 @@ def _unswap(acc, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _even_odd(a):
+    """(BLOCK_M, BLOCK_K) -> its even and odd columns, two (BLOCK_M, BLOCK_K / 2)
+    tiles: the tile is loaded whole (contiguous rows, pipelined) and split in
+    registers."""
+    rows: tl.constexpr = a.shape[0]
+    cols: tl.constexpr = a.shape[1]
+    return tl.split(tl.reshape(a, (rows, cols // 2, 2)))
+
+
+@triton.jit
 def _a_tile(x_rows, valid, ks, K, s_xk):
     """(BLOCK_M, len(ks)) activation rows at columns ``ks``; 0 outside ``valid`` and K."""
     return tl.load(x_rows + ks[None, :] * s_xk, mask=valid[:, None] & (ks[None, :] < K),
@@ -188,9 +199,7 @@ def _gate_up_kernel(
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if MXFP4 and NIBBLE_DOTS:  # even / odd K columns against the low / high nibbles
-            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            a_lo = _a_tile(x_rows, valid, ke, K, s_xk)
-            a_hi = _a_tile(x_rows, valid, ke + 1, K, s_xk)
+            a_lo, a_hi = _even_odd(_a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk))
             u_lo, u_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K,
                                       s_wn, s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
             acc_u = _dot_t(a_hi, u_hi, _dot_t(a_lo, u_lo, acc_u, IEEE, SWAP), IEEE, SWAP)
@@ -288,11 +297,10 @@ def _down_kernel(
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if MXFP4 and NIBBLE_DOTS:  # even / odd K columns against the low / high nibbles
-            ke = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            a_lo = _down_a(a_rows, b1_base, valid, ke, K, s_ak, s_b1n, row_step, up_offset,
-                           alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
-            a_hi = _down_a(a_rows, b1_base, valid, ke + 1, K, s_ak, s_b1n, row_step, up_offset,
-                           alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
+            a_lo, a_hi = _even_odd(
+                _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
+                        row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)
+            )  # fmt: skip
             w_lo, w_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn,
                                       s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
             acc = _dot_t(a_hi, w_hi, _dot_t(a_lo, w_lo, acc, IEEE, SWAP), IEEE, SWAP)

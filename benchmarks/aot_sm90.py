@@ -1,0 +1,160 @@
+"""Compile Triton kernels for the H200 (sm_90a) on a host without a GPU.
+
+``triton.compile`` runs the whole NVIDIA pipeline on the CPU (TTIR -> TTGIR -> LLVM ->
+PTX) and the wheel's ``ptxas`` assembles it, so a kernel's registers, spills, shared
+memory, wgmma use and software pipelining (``async_copy_global_to_local`` in the
+TTGIR) are known before any device time is spent. The arguments are specialised as
+the JIT would at a given call: ints equal to 1 become constexprs, ints divisible by
+16 and every pointer get ``tt.divisibility`` 16 (without that, strides look
+unaligned and no load is pipelined), ``do_not_specialize`` ints get neither.
+
+    python benchmarks/aot_sm90.py            # every MoE config at gpt-oss's shape
+    python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true, false], true]]'
+        # the given (config, mxfp4) cases: one JSON list of [gate_up, down] results
+
+Run it without ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit`` functions,
+which then cannot be compiled): the tests start it in a subprocess.
+
+``moe_kernels(cfg, mxfp4)`` gives the two MoE launches at gpt-oss's expert shape
+(32 experts, d = I = 2880, top-4, interleaved gate/up, biases); the tests compile
+configs through it (``tests/test_kernels_sm90_compile.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``fn`` (a ``triton.jit`` function) for sm_90a. values: every non-constexpr
+    argument by name: a pointer as its Triton type string ("*bf16"), else an int or a
+    float (specialised as the JIT would). -> {regs, spill_bytes, smem, async_copies,
+    wgmma}."""
+    nospec = set(getattr(fn, "do_not_specialize", ()) or ())
+    nospec |= {fn.arg_names[i] for i in nospec if isinstance(i, int)}
+    sig, cons, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        value = values[name]
+        if isinstance(value, str):
+            sig[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        elif name not in nospec and value == 1:
+            sig[name], cons[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if name not in nospec and value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps,
+                                                         "num_stages": num_stages})  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp, "k.ptx")
+        ptx.write_text(kernel.asm["ptx"])
+        info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", str(ptx), "-o", f"{ptx}.o"],
+                              capture_output=True, text=True, check=True).stderr  # fmt: skip
+    ttgir = kernel.asm["ttgir"]
+    return {
+        "regs": int(re.search(r"Used (\d+) registers", info).group(1)),
+        "spill_bytes": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+        "smem": kernel.metadata.shared,
+        "async_copies": len(re.findall("async_copy_global_to_local", ttgir)),
+        "wgmma": "warp_group_dot" in ttgir,
+    }
+
+
+# gpt-oss's expert shape
+EXPERTS, HIDDEN, INTER, TOP_K, ROWS = 32, 2880, 2880, 4, 1024
+
+
+def _weights(mxfp4: bool, n: int, k: int) -> dict:
+    """Strides of one (E, n, k) expert weight: packed MXFP4 blocks and scales, or bf16."""
+    if mxfp4:
+        return {"w_ptr": "*u8", "s_ptr": "*u8", "s_we": n * k // 2, "s_wn": k // 2, "s_wk": 1,
+                "s_se": n * k // 32, "s_sn": k // 32}  # fmt: skip
+    return {"w_ptr": "*bf16", "s_ptr": "*bf16", "s_we": n * k, "s_wn": k, "s_wk": 1,
+            "s_se": 0, "s_sn": 0}  # fmt: skip
+
+
+def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
+    """[(kernel, values, constexprs, warps, stages)] of ``moe.fused_moe``'s gate/up and
+    down launches for ``cfg`` at gpt-oss's shape (gpt-oss activation, biases)."""
+    from unikv.kernels.moe import block_m_for
+    from unikv.kernels.moe_triton import _down_kernel, _gate_up_kernel
+
+    block_m = cfg.block_m or block_m_for(ROWS, EXPERTS)
+    common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+              "SPLIT_K": cfg.split_k, "SWAP": bool(cfg.swap),
+              "NIBBLE_DOTS": bool(cfg.nibble_dots), "MXFP4": mxfp4, "HAS_BIAS": True,
+              "IEEE": False, "ACT": 1}  # fmt: skip
+    act = {"row_step": 2, "up_offset": 1, "alpha": 1.702, "limit": 7.0}
+    ids = {"sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32", "num_assign": ROWS}
+    gate = {"x_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "top_k": TOP_K,
+            "K": HIDDEN, "I": INTER, "s_xm": HIDDEN, "s_xk": 1, "s_be": 2 * INTER, "s_bn": 1,
+            "s_om": INTER, "s_on": 1, **ids, **act, **_weights(mxfp4, 2 * INTER, HIDDEN)}  # fmt: skip
+    down = {"a_ptr": "*bf16", "b_ptr": "*bf16", "b1_ptr": "*bf16", "tw_ptr": "*bf16",
+            "y_ptr": "*fp32", "N": HIDDEN, "K": INTER, "s_am": INTER, "s_ak": 1,
+            "s_be": HIDDEN, "s_bn": 1, "s_b1e": HIDDEN, "s_b1n": 1, "s_ym": HIDDEN, "s_yn": 1,
+            **ids, **act, **_weights(mxfp4, HIDDEN, INTER)}  # fmt: skip
+    down_cons = {**common, "ACT_IN_A": cfg.split_k > 1, "HAS_B1": False, "DTYPE": tl.bfloat16}
+    return [
+        (_gate_up_kernel, gate, common, cfg.num_warps, cfg.num_stages),
+        (_down_kernel, down, down_cons, cfg.num_warps, cfg.num_stages),
+    ]
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    from unikv.kernels import moe
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="[[config, mxfp4], ...] -> JSON results")
+    args = parser.parse_args()
+    if args.json is not None:
+        cases = [(moe.Config(*cfg), bool(mx)) for cfg, mx in json.loads(args.json)]
+        out = []
+        for cfg, mxfp4 in cases:
+            try:
+                out.append([compile_sm90(*launch) for launch in moe_kernels(cfg, mxfp4)])
+            except Exception as exc:  # noqa: BLE001 - the caller reports it
+                out.append({"error": repr(exc)[:2000]})
+        print(json.dumps(out))
+        return
+    configs = sorted({c for cs in moe.CANDIDATES.values() for c in cs}
+                     | {c for c in moe.TABLE.values() if c is not moe.LOOP})  # fmt: skip
+    print("format config: gate_up | down  (registers, spill bytes, smem KiB, pipelined copies)")
+    for cfg in configs:
+        for mxfp4 in (True, False):
+            if cfg.nibble_dots and not mxfp4:
+                continue
+            try:
+                rows = [compile_sm90(*launch) for launch in moe_kernels(cfg, mxfp4)]
+                text = " | ".join(f"{r['regs']}r {r['spill_bytes']}sp {r['smem'] // 1024}K "
+                                  f"{r['async_copies']}a" for r in rows)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - reported, the others still compile
+                text = f"FAILED {exc!r:.300}"
+            print(f"{'mxfp4' if mxfp4 else 'bf16 '} {tuple(cfg)}: {text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

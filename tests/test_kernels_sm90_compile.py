@@ -1,0 +1,57 @@
+"""The MoE kernels compiled for the H200 (sm_90a) on this CPU host: every table entry
+and the swapped-operand / integer-MXFP4 candidates, at gpt-oss's shape, with the
+JIT's specialisation (``benchmarks/aot_sm90.py``, in a subprocess without the
+interpreter). The interpreter runs a kernel's semantics but never compiles it; this
+catches what only the GPU compile would (a layout or shape the NVIDIA backend refuses,
+ptxas errors) and a K loop whose loads stop being software-pipelined (no
+``async_copy_global_to_local``), before any device time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from unikv.kernels import moe
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import aot_sm90
+
+pytestmark = pytest.mark.skipif(not os.path.exists(aot_sm90.PTXAS), reason="needs Triton's ptxas")
+
+NEW = [c for cs in moe.CANDIDATES.values() for c in cs if c.swap or c.nibble_dots]
+CONFIGS = sorted(set(NEW) | {c for c in moe.TABLE.values() if c is not moe.LOOP})
+CASES = [(c, mx) for c in CONFIGS for mx in (True, False) if mx or not c.nibble_dots]
+
+
+def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
+    """One subprocess compiles every case (one test: a parametrized set would compile
+    them once per xdist worker)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # real compiles, not cache hits
+    cases = json.dumps([[list(c), mx] for c, mx in CASES])
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--json", cases],
+                         check=False, capture_output=True, text=True, env=env, timeout=1200)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    bad = []
+    for (cfg, mxfp4), result in zip(CASES, results, strict=True):
+        if not isinstance(result, list):
+            bad.append((cfg, mxfp4, result))  # the compile error
+            continue
+        block_m = cfg.block_m or moe.block_m_for(aot_sm90.ROWS, aot_sm90.EXPERTS)
+        for name, got in zip(("gate_up", "down"), result, strict=True):
+            ok = got["async_copies"] > 0  # the K loop is pipelined
+            ok &= got["smem"] <= 227 * 1024  # fits an H200 SM's shared memory
+            if cfg.swap or block_m >= 64:  # 64 MMA rows: a warpgroup's wgmma
+                ok &= got["wgmma"]
+            if not ok:
+                bad.append((cfg, mxfp4, name, got))
+    assert not bad, bad
+    assert len(results) == len(CASES) > 30
