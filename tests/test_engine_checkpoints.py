@@ -154,8 +154,8 @@ def test_bad_start_up_options_are_refused(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="bf16, fp16 or fp32.*kv_cache_dtype"):
         LLM(path, device="cpu", dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported"):
-        LLM(path, device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'"):
+        LLM(path, device="cpu", kv_cache_dtype="bf16")  # fp32 model: neither its dtype nor fp8
     with pytest.raises(ValueError, match="kv_cache_bytes must be None .* or an int > 0, got 0"):
         LLM(path, device="cpu", kv_cache_bytes=0)
     if not torch.cuda.is_available():

@@ -34,7 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="auto (= --dtype); fp8 is refused at start-up (not run by the engine yet)",
+        help="auto (= --dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: attention K/V stored as fp8 "
+        "(scale 1; twice bf16's tokens); MLA models refuse it",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument(

@@ -31,6 +31,7 @@ from unikv.engine.options import (
     check_swap,
     check_window_caching,
     derived_seed,
+    fp8_kv_configs,
     merged_eos,
     model_dir_of,
     prefix_caching_for,
@@ -60,8 +61,11 @@ class LLM:
         device: default CUDA when available, else CPU.
         dtype: weights and compute dtype (bf16, fp16 or fp32); default bf16 on
             CUDA, fp32 on CPU.
-        kv_cache_dtype: "auto" (the KV cache holds ``dtype``); "fp8" is refused
-            at start-up (the engine's attention step does not quantise K/V yet).
+        kv_cache_dtype: "auto" (the KV cache holds ``dtype``), or "fp8" (= "fp8_e4m3")
+            / "fp8_e5m2": attention K/V stored as fp8, half the bytes of bf16 (twice the
+            tokens), quantised at store with scale 1 (clamped to the format's range,
+            vLLM's default without checkpoint scales) and read back into ``dtype`` by
+            the attention kernels. Recurrent state keeps its dtypes; MLA models refuse it.
         kv_cache_bytes: the pool's byte budget (> 0); default (None) from free
             memory (CUDA: ``memory_fraction`` of free memory after the weights,
             less an activation reserve; CPU: enough for ``max_num_seqs`` full
@@ -140,7 +144,7 @@ class LLM:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
         check_kv_cache_bytes(kv_cache_bytes)
         self.device = check_device(device)
-        self.dtype = check_dtypes(dtype, kv_cache_dtype, self.device)
+        self.dtype, self.kv_cache_dtype = check_dtypes(dtype, kv_cache_dtype, self.device)
         self.config, hf_config = load_model_config(model_dir)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= limit:
@@ -163,6 +167,7 @@ class LLM:
         self.tokenizer_lock = threading.Lock()  # the engine thread decodes, callers encode
         self.eos_token_ids = merged_eos(self.config, model_dir, self.tokenizer)
         configs = specs_from_hf_config(hf_config, page_size=page_size, dtype=self.dtype)
+        configs = fp8_kv_configs(configs, self.kv_cache_dtype)
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
         self._check_windows(configs)

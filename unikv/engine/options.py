@@ -3,11 +3,13 @@ refused before any work, with what was expected and what to change."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 
 from unikv.models.loader import generation_eos_ids
+from unikv.specs import MHASpec
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,9 +37,15 @@ def check_device(device) -> torch.device:
     return device
 
 
-def check_dtypes(dtype, kv_cache_dtype: str, device: torch.device) -> torch.dtype:
-    """The compute (weights, activations, KV) dtype; refuses fp8 there and an fp8
-    KV cache (the engine's attention step does not quantise K/V yet)."""
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_dtypes(
+    dtype, kv_cache_dtype: str, device: torch.device
+) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the compute dtype: weights, activations, and the KV cache unless told
+    otherwise; the attention KV cache's fp8 dtype, or None for ``auto``). Refuses fp8
+    as the compute dtype and a KV dtype other than auto, the compute dtype or fp8."""
     from unikv.hf_config import parse_dtype
 
     if dtype is None:
@@ -46,19 +54,39 @@ def check_dtypes(dtype, kv_cache_dtype: str, device: torch.device) -> torch.dtyp
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(
             f"dtype is the weights' and activations' dtype and must be bf16, fp16 or fp32, got "
-            f"{dtype}; an fp8 KV cache is kv_cache_dtype='fp8' (--kv-cache-dtype), which "
-            "the engine does not run yet"
+            f"{dtype}; an fp8 KV cache is kv_cache_dtype='fp8' (--kv-cache-dtype)"
         )
-    if kv_cache_dtype != "auto":
-        kv = parse_dtype(kv_cache_dtype)  # a ValueError names the accepted names
-        if kv != dtype:
-            raise ValueError(
-                f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the engine yet: the pool "
-                "and the store/attention kernels hold fp8, but the engine's attention step does "
-                "not quantise K/V; use kv_cache_dtype='auto' (the KV cache holds the model "
-                f"dtype, {dtype})"
-            )
-    return dtype
+    if kv_cache_dtype == "auto":
+        return dtype, None
+    kv = parse_dtype(kv_cache_dtype)  # a ValueError names the accepted names
+    if kv == dtype:
+        return dtype, None
+    if kv not in FP8_KV_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' (the model dtype, {dtype}), the model dtype or an "
+            f"fp8 format ('fp8' = 'fp8_e4m3', 'fp8_e5m2'), got {kv_cache_dtype!r}"
+        )
+    return dtype, kv
+
+
+def fp8_kv_configs(configs: list, kv_dtype: torch.dtype | None) -> list:
+    """The sub-pool configs with every attention (full / sliding-window) sub-pool's
+    K/V held in ``kv_dtype`` (None: unchanged); recurrent state keeps its dtypes.
+    ValueError for an MLA sub-pool (its latent rows are not quantised yet)."""
+    if kv_dtype is None:
+        return configs
+    mla = [c.name for c in configs if c.spec.kind == "mla"]
+    if mla:
+        raise ValueError(
+            f"kv_cache_dtype {kv_dtype} holds attention K/V only; this model's MLA latent "
+            f"sub-pool {mla} is not quantised by the engine; use kv_cache_dtype='auto'"
+        )
+    return [
+        dataclasses.replace(c, spec=dataclasses.replace(c.spec, dtype=kv_dtype))
+        if isinstance(c.spec, MHASpec)
+        else c
+        for c in configs
+    ]
 
 
 def check_kv_cache_bytes(kv_cache_bytes) -> None:

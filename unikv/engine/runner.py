@@ -52,7 +52,9 @@ def layer_caches(
                 continue
             k, v = sub.views[index]
             window = sub.spec.sliding_window or 0
-            caches[layer] = LayerCache(sub.name, k, v, window, sub.page_size, soft_cap)
+            caches[layer] = LayerCache.of(
+                sub.name, k, v, sub.spec.dtype, window, sub.page_size, soft_cap
+            )
     return caches, states
 
 
