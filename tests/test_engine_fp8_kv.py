@@ -181,3 +181,18 @@ def test_recurrent_hybrid_keeps_its_state_dtypes(tmp_path):
     assert kinds["mamba"] == {s.spec.kind: s.spec for s in auto.pool.subpools.values()}["mamba"]
     out = fp8.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=8))
     assert len(out[0].output_ids) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_fp32_model_with_fp8_cache_matches_transformers(case, graphs):
+    """On CUDA with the Triton kernels (graphs on and off), an fp32 model over an fp8
+    cache gives transformers' fp8-rounded greedy tokens (computed on the CPU)."""
+    from gpu_fixtures import gpu_llm
+
+    ref, _, _, name = case
+    llm = gpu_llm(ref.path, torch.float32, kv_cache_dtype=name, cuda_graphs=graphs,
+                  max_model_len=96)  # fmt: skip
+    out = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in out] == ref.greedy
