@@ -170,8 +170,7 @@ def scheme_plan(hf: dict, scheme: str, budget: int, dtype: torch.dtype) -> dict:
         split = static_shares(configs)  # the layout's own shares (names are the exact ones)
     elif policy != "unified":
         raise ValueError(f"{scheme}: policy {policy!r} is not run with real forwards")
-    return {"kv_cache_bytes": int(budget * scale), "static_split": split, "byte_scale": scale,
-            "entry_bytes": exact}  # fmt: skip
+    return {"kv_cache_bytes": int(budget * scale), "static_split": split, "byte_scale": scale}
 
 
 def usable_pages(pool) -> dict[str, int]:

@@ -88,7 +88,7 @@ def test_greedy_and_logits_match_transformers_with_an_fp8_cache(case, page_size)
     with fp8_cache_rounding(ref.hf, module, FP8[name]):
         check_greedy_run(ref, llm)
     # the rounding is visible: the same model without it differs somewhere
-    assert ref.greedy != plain.greedy or name == "fp8_e5m2" or _logits_differ(ref, module, name)
+    assert ref.greedy != plain.greedy or _logits_differ(ref, module, name)
 
 
 def _logits_differ(ref, module, name) -> bool:
@@ -105,10 +105,11 @@ def test_chunked_prefill_prefix_hits_and_preemption_read_fp8_pages(case):
     and a second pass that hits the prefix cache (on by default for full attention):
     transformers' fp8-rounded tokens throughout."""
     ref, _, module, name = case
-    tokens = 30 if module.__name__.endswith("mistral") else 130  # a 7-token window: fewer
+    windowed = module.__name__.endswith("mistral")  # a 7-token window: far fewer pages
+    tokens, slack = (30, 0) if windowed else (130, 4096)
     tight = LLM(ref.path, device="cpu", kv_cache_dtype=name, max_num_seqs=4,
                 max_num_batched_tokens=7, max_model_len=96, page_size=4,
-                kv_cache_bytes=_bytes_for_tokens(ref.path, name, tokens))  # fmt: skip
+                kv_cache_bytes=_bytes_for_tokens(ref.path, name, tokens) + slack)  # fmt: skip
     params = SamplingParams(max_tokens=NEW_TOKENS)
     with fp8_cache_rounding(ref.hf, module, FP8[name]):
         first = tight.generate(ref.prompts, params)
@@ -116,7 +117,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_read_fp8_pages(case):
         assert [o.output_ids for o in first] == ref.greedy
         again = tight.generate(ref.prompts, params)
         check_engine_outputs(ref, tight, again)
-    if tokens == 130:
+    if not windowed:
         assert stats.preemptions > 0
     else:  # the window's few pages: admission waits instead, but the pool ran full
         (sub,) = tight.pool.subpools.values()
@@ -129,7 +130,7 @@ def _bytes_for_tokens(path: str, name: str, tokens: int) -> int:
     from unikv.hf_config import specs_from_hf_config
 
     configs = specs_from_hf_config(path, page_size=4, dtype=FP8[name])
-    return sum(c.spec.entry_bytes for c in configs) * (tokens + 8) + (4096 if tokens > 64 else 0)
+    return sum(c.spec.entry_bytes for c in configs) * (tokens + 8)  # + the sink page
 
 
 def test_fp8_pool_holds_four_times_the_fp32_tokens(case):

@@ -60,33 +60,32 @@ class LayerCache:
     """Where one model layer keeps its K/V (built once at start-up).
 
     k: (N, H, D), v: (N, H, D) dense per-layer views of the pool indexed by
-    kernel id, in the K/V dtype the attention kernels read; window: 0 = full
-    attention, else the sliding window W; soft_cap: attention logit soft-cap
-    ``cap * tanh(x / cap)`` (0 = off, Gemma-2). An fp8 cache (``LayerCache.of``):
-    k / v are its fp8 views, ``store_k`` / ``store_v`` the uint8 storage views the
-    store bit-copies into, and ``quantize`` casts the step's K/V to fp8 first."""
+    kernel id, in the K/V dtype the attention kernels read; store_k / store_v: the
+    same bytes in the storage dtype the store bit-copies into (uint8 for an fp8
+    cache, else k / v themselves); window: 0 = full attention, else the sliding
+    window W; soft_cap: attention logit soft-cap ``cap * tanh(x / cap)`` (0 = off,
+    Gemma-2). Built by ``LayerCache.of``."""
 
     subpool: str
     k: torch.Tensor
     v: torch.Tensor
+    store_k: torch.Tensor
+    store_v: torch.Tensor
     window: int
     page_size: int
     soft_cap: float = 0.0
-    store_k: torch.Tensor | None = None  # None: k (the cache holds the model dtype)
-    store_v: torch.Tensor | None = None
 
     @classmethod
     def of(cls, subpool, k, v, dtype, window, page_size, soft_cap=0.0) -> LayerCache:
         """From the sub-pool's storage views ``k`` / ``v`` and its spec's logical K/V
         ``dtype`` (fp8 is stored as uint8: attention reads an fp8 view)."""
-        if k.dtype == dtype:
-            return cls(subpool, k, v, window, page_size, soft_cap)
-        return cls(subpool, k.view(dtype), v.view(dtype), window, page_size, soft_cap, k, v)
+        return cls(subpool, k.view(dtype), v.view(dtype), k, v, window, page_size, soft_cap)
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """The step's K or V rows as the cache holds them: unchanged, or fp8 with
-        scale 1, clamped to the format's finite range (no NaN from overflow)."""
-        if self.store_k is None:
+        """The step's K or V rows as the cache holds them: unchanged in the model
+        dtype, or fp8 with scale 1, clamped to the format's finite range (no NaN from
+        overflow)."""
+        if x.dtype == self.k.dtype:
             return x
         bound = torch.finfo(self.k.dtype).max
         return x.clamp(-bound, bound).to(self.k.dtype)
@@ -241,11 +240,8 @@ class DecodeAttention:
         returns the layer's cache and its sub-pool's step metadata."""
         cache = self.layers[layer]
         step = self.plan.subpools[cache.subpool]
-        if cache.store_k is None:
-            self.backend.store_kv(cache.k, cache.v, step.write_ids.data, k, v)
-        else:  # fp8: quantised, bit-copied into the uint8 storage
-            k, v = cache.quantize(k), cache.quantize(v)
-            self.backend.store_kv(cache.store_k, cache.store_v, step.write_ids.data, k, v)
+        k, v = cache.quantize(k), cache.quantize(v)  # fp8: bit-copied into the uint8 bytes
+        self.backend.store_kv(cache.store_k, cache.store_v, step.write_ids.data, k, v)
         return cache, step
 
     def __call__(self, layer, q, k, v, sinks=None):
