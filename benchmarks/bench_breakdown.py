@@ -1,4 +1,4 @@
-"""Where one decode step's device time goes, per op class, beside each class's roofline.
+"""Where one decode (or prefill) step's device time goes, per op class, beside its roofline.
 
 For each model (bench_e2e's random-init Llama-3.2-1B and gpt-oss shapes, no
 download), ``--requests`` prompts of ``--prompt-len`` tokens are prefilled, then
@@ -134,13 +134,40 @@ def step_work(cfg: dict, batch: int, context: float, itemsize: int) -> dict:
     return work
 
 
+def prefill_work(cfg: dict, tokens: int, prompt: int, itemsize: int) -> dict:
+    """{class: (bytes, FLOPs)} of one prefill step of ``tokens`` prompt tokens, whole
+    fresh prompts of ``prompt`` tokens: a decode step's work at batch ``tokens`` and
+    mean context ``prompt / 2`` (causal attention), except that only the prompts'
+    last rows go through the lm_head and the sampler."""
+    s, it = _shape(cfg), itemsize
+    work = step_work(cfg, tokens, prompt / 2, it)
+    rows = -(-tokens // prompt)  # prompts ending in the step: their logits rows
+    vocab = s["vocab"] * s["h"]
+    nbytes, nflops = work["gemm"]
+    work["gemm"] = (nbytes, nflops - 2 * (tokens - rows) * vocab)
+    work["sampling"] = (rows * s["vocab"] * it, 0)
+    if s["experts"]:  # every expert is hit; the routed rows are already tokens * topk
+        n, e, expert = len(s["windows"]), s["experts"], 3 * s["h"] * s["inter"]
+        acts = n * tokens * s["topk"] * (2 * s["h"] + 3 * s["inter"]) * it
+        work["moe"] = (n * e * expert * it + acts, work["moe"][1])
+    return work
+
+
 def step_roofline(
-    cfg: dict, batch: int, context: float, itemsize: int, copy_bps: float, flops: float
+    cfg: dict,
+    batch: int,
+    context: float,
+    itemsize: int,
+    copy_bps: float,
+    flops: float,
+    work: dict | None = None,
 ) -> dict:
     """Per class {bytes, flops, ms, bound} and the step's total ``step_ms`` (the sum
-    over classes of max(bytes / copy_bps, flops / flops))."""
+    over classes of max(bytes / copy_bps, flops / flops)); ``work`` (``prefill_work``)
+    replaces the decode step's."""
     classes = {}
-    for cls, (nbytes, nflops) in step_work(cfg, batch, context, itemsize).items():
+    work = work or step_work(cfg, batch, context, itemsize)
+    for cls, (nbytes, nflops) in work.items():
         t_bytes, t_flops = nbytes / copy_bps, nflops / flops
         classes[cls] = {
             "bytes": nbytes,
@@ -187,8 +214,13 @@ def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float]:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     seen, clock = [0], {}
 
+    def wanted(batch) -> bool:
+        if args.phase == "prefill":  # a full chunk of prompt tokens
+            return not batch.is_decode and sum(batch.num_new) > args.chunk // 2
+        return batch.is_decode and len(batch.requests) == len(prompts)
+
     def hook(_llm, batch, _logits) -> None:
-        if not (batch.is_decode and len(batch.requests) == len(prompts)):
+        if not wanted(batch):
             return
         seen[0] += 1
         if seen[0] == args.warm:
@@ -210,7 +242,7 @@ def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float]:
         if "start" in clock and "end" not in clock:
             prof.stop()
     if "end" not in clock:
-        raise RuntimeError(f"only {seen[0]} full-batch decode steps ran; need warm + steps")
+        raise RuntimeError(f"only {seen[0]} full {args.phase} steps ran; need warm + steps")
     path = Path(tempfile.mkdtemp(prefix="unikv_trace_")) / "trace.json"
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
@@ -252,7 +284,13 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
     import bench_e2e as e2e
 
     cfg = e2e.model_config(name, args.tiny)
-    entry: dict = {"model": name, "requests": args.requests, "prompt_len": args.prompt_len}
+    entry: dict = {
+        "model": name,
+        "phase": args.phase,
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "chunk": args.chunk,
+    }
     workdir = Path(tempfile.mkdtemp(prefix=f"unikv_breakdown_{name}_"))
     try:
         e2e.save_model(name, workdir, args.device, args.dtype, args.tiny)
@@ -262,9 +300,13 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
         llm = e2e._unikv_llm(workdir, args.requests, max_len, args)
         llm.generate(prompts[:8], e2e_params(4))  # compile every kernel before timing
         kernels, wall_ms = profile_steps(llm, prompts, args)
-        context = args.prompt_len + args.warm + args.steps / 2
         itemsize = torch.empty((), dtype=args.dtype).element_size()
-        roof = step_roofline(cfg, args.requests, context, itemsize, copy_bps, flops)
+        if args.phase == "prefill":
+            context = args.prompt_len / 2
+            work = prefill_work(cfg, args.chunk, args.prompt_len, itemsize)
+        else:
+            context, work = args.prompt_len + args.warm + args.steps / 2, None
+        roof = step_roofline(cfg, args.requests, context, itemsize, copy_bps, flops, work)
         classes = breakdown(kernels, args.steps, roof)
         device_ms = sum(c["ms"] for c in classes.values())
         if not kernels:
@@ -300,7 +342,8 @@ def table(entry: dict) -> str:
     if "error" in entry:
         return f"{entry['model']}: FAILED {entry['error']}"
     head = (
-        f"{entry['model']}: B {entry['requests']}, mean context {entry['mean_context']:.0f}, "
+        f"{entry['model']} {entry['phase']}: B {entry['requests']}, chunk {entry['chunk']}, "
+        f"mean context {entry['mean_context']:.0f}, "
         f"step wall {entry['step_wall_ms']:.2f} ms, device {entry['step_device_ms']:.2f} ms, "
         f"roofline {entry['roofline_step_ms']:.2f} ms ({entry['step_x_roofline']:.2f}x), "
         f"{entry['kernels_per_step']:.0f} kernels"
@@ -326,21 +369,29 @@ def parse_args(argv=None):
     p.add_argument("--models", default="llama,gpt-oss")
     p.add_argument("--requests", type=int, default=None)
     p.add_argument("--prompt-len", type=int, default=None)
-    p.add_argument("--warm", type=int, default=None, help="decode steps before the profile")
-    p.add_argument("--steps", type=int, default=None, help="decode steps profiled")
+    p.add_argument(
+        "--phase",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="profile full-batch decode steps, or prefill steps of a full chunk",
+    )
+    p.add_argument("--warm", type=int, default=None, help="steps of the phase before the profile")
+    p.add_argument("--steps", type=int, default=None, help="steps of the phase profiled")
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.models = args.models.split(",")
-    args.requests = args.requests or (4 if args.tiny else 256)
+    prefill = args.phase == "prefill"
+    args.requests = args.requests or (16 if args.tiny and prefill else 4 if args.tiny else 256)
     args.prompt_len = args.prompt_len or (32 if args.tiny else 512)
-    args.warm = args.warm or (3 if args.tiny else 128)
-    args.steps = args.steps or (2 if args.tiny else 8)
+    args.warm = args.warm or (1 if prefill else 3 if args.tiny else 128)
+    args.steps = args.steps or (2 if args.tiny else 4 if prefill else 8)
     args.chunk = args.chunk or (64 if args.tiny else 8192)
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     suffix = "h200" if args.device == "cuda" and not args.tiny else f"{args.device}_tiny"
+    suffix += "_prefill" if prefill else ""
     args.out = args.out or str(ROOT / f"benchmarks/results/breakdown_{suffix}.json")
     return args
 

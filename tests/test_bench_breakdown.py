@@ -1,0 +1,48 @@
+"""bench_breakdown's prefill phase: its GEMM FLOPs against the model's own Linear
+weights, and the profile plumbing end to end on CPU (tiny models)."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_breakdown as bd  # noqa: E402
+import bench_e2e as e2e  # noqa: E402
+
+
+def _linear_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(weights of every Linear but the lm_head, the lm_head's) of a transformers model."""
+    body = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")
+    )
+    return body, model.lm_head.weight.numel()
+
+
+def test_prefill_gemm_flops_match_the_models_linear_weights():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = e2e.model_config("llama", tiny=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    body, head = _linear_params(model)
+    tokens, prompt = 96, 32  # three whole prompts: three logits rows
+    _, flops = bd.prefill_work(cfg, tokens, prompt, 4)["gemm"]
+    assert flops == 2 * tokens * body + 2 * 3 * head
+    # the decode step of the same batch sends every row through the lm_head
+    _, decode_flops = bd.step_work(cfg, tokens, prompt / 2, 4)["gemm"]
+    assert decode_flops == 2 * tokens * (body + head)
+
+
+def test_prefill_profile_runs_on_cpu(tmp_path):
+    out = tmp_path / "bd.json"
+    res = bd.main(
+        ["--device", "cpu", "--tiny", "--models", "llama", "--phase", "prefill", "--out", str(out)]
+    )
+    entry = res["models"][0]
+    assert "error" not in entry, entry.get("traceback")
+    assert entry["phase"] == "prefill" and entry["classes"]["gemm"]["kernels"] > 0
+    assert out.exists()
