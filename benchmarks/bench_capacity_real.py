@@ -253,7 +253,7 @@ def tiny_budget(hf: dict, workload, schemes, dtype) -> int:
     return int(budget)
 
 
-def run_model(name: str, args, tmp: str) -> dict:
+def run_model(name: str, args, tmp: str, save=lambda partial: None) -> dict:
     case = next(c for c in MODELS if c.name == name)
     hf = shrunk_config(name, args.tiny)
     layers = hf["num_hidden_layers"] / case.hf()["num_hidden_layers"]
@@ -270,6 +270,7 @@ def run_model(name: str, args, tmp: str) -> dict:
         plan = scheme_plan(hf, scheme, budget, args.dtype)
         row = run_scheme(path, plan, workload, args)
         result["schemes"][scheme] = row
+        save(result)  # a run cut short keeps the schemes done
         print(f"{name:13s} {scheme:19s} max_conc {row['max_concurrent']:4d} mean_conc "
               f"{row['mean_concurrent']:7.1f} preempt {row['preemptions']:4d} steps "
               f"{row['steps']:5d} tok/s {row['output_tokens_per_s']:9.1f}", flush=True)  # fmt: skip
@@ -293,13 +294,18 @@ def main(argv=None) -> dict:
     args.dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     payload = {"env": environment(), "device": args.device, "tiny": args.tiny,
                "requests": args.requests, "models": []}  # fmt: skip
+    out = args.out or f"benchmarks/results/capacity_real_{args.device}.json"
+
+    def save(partial: dict | None = None) -> None:
+        models = payload["models"] + ([partial] if partial is not None else [])
+        for path in [out] + ([os.path.join(os.environ["OUT"], Path(out).name)]
+                             if os.environ.get("OUT") else []):  # fmt: skip
+            save_json(path, {**payload, "models": models})
+
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            payload["models"].append(run_model(name, args, tmp))
-    out = args.out or f"benchmarks/results/capacity_real_{args.device}.json"
-    save_json(out, payload)
-    if os.environ.get("OUT"):
-        save_json(os.path.join(os.environ["OUT"], Path(out).name), payload)
+            payload["models"].append(run_model(name, args, tmp, save))
+    save()
     return payload
 
 

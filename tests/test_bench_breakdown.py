@@ -9,8 +9,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_breakdown as bd  # noqa: E402
-import bench_e2e as e2e  # noqa: E402
+import bench_breakdown as bd
+import bench_e2e as e2e
 
 
 def _linear_params(model: torch.nn.Module) -> tuple[int, int]:

@@ -47,8 +47,8 @@ class Config(NamedTuple):
     atomics, not bit-deterministic), warps, pipeline stages; swap: the transposed
     product, the output features as the MMA's M rows (for few rows an expert);
     nibble_dots: MXFP4 decoded by integer ops into bf16, the nibbles against even and
-    odd K columns (``moe_triton``; no effect on unpacked experts). Neither has been
-    compiled or timed on a GPU yet: no TABLE entry sets them."""
+    odd K columns (``moe_triton``; no effect on unpacked experts). Both were timed on
+    the H200 (92dff99): swap is in the table at 8-64 tokens, nibble_dots nowhere."""
 
     block_m: int
     block_n: int
@@ -64,8 +64,8 @@ LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked exp
 BUCKETS = (1, 8, 16, 64, 256, 2048)  # T buckets: the smallest >= T, else the last
 FP32_CONFIG = Config(0, 64, 64, 1, 4, 3)  # fp32 models: exact fp32 dots, small tiles
 # What the sweep times (and the interpreter tests run), most promising first: a time
-# budget cuts the tail. The swap / nibble_dots entries (sixth session) have not run on a
-# GPU; the sweep times nibble_dots on MXFP4 experts only (a no-op on unpacked ones). Small T: few rows, so narrow N tiles, long K tiles and K
+# budget cuts the tail. The sweep times nibble_dots on MXFP4 experts only (a no-op on
+# unpacked ones). Small T: few rows, so narrow N tiles, long K tiles and K
 # splits give the 132 SMs enough programs; large T: wider tiles, more warps; prefill
 # T: tall tiles (hundreds of rows per expert).
 CANDIDATES = {
@@ -107,25 +107,27 @@ CANDIDATES = {
         Config(128, 64, 64, 1, 4, 3),
     ),
 }
-# 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from the H200 sweep
-# (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines; results in
-# ``benchmarks/results/moe_sweep_h200.json``, gpt-oss's expert shape, at 89e80c5). The
-# kernel beat the dense loop at every bucket (2.6-2.9x on bf16 experts at decode,
-# 4.7x at 2048-token prefill chunks: ``moe_sweep_h200_B2048.json``), so no entry is
-# LOOP today; the dense loop stays the rule's other arm.
+# 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from H200 sweeps
+# (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines), gpt-oss's expert shape:
+# 89e80c5 (``moe_sweep_h200.json``), then 92dff99 with the swap / nibble_dots
+# candidates (``moe_sweep_h200_92dff99.json``): swap wins at 8-64 tokens (1.04-1.08x
+# the entry before), nibble_dots nowhere (0.6-0.9x the default decode). The kernel beat
+# the dense loop at every bucket (2.6-2.9x on bf16 experts at decode, 4.7-7.9x at
+# 2048-token prefill chunks), so no entry is LOOP today; the dense loop stays the
+# rule's other arm. Times: 92dff99's sweep.
 TABLE: dict[tuple[int, bool], Config | None] = {
-    (1, True): Config(16, 32, 128, 1, 4, 4),  # 137.9 us, 9.2 % of roofline
-    (1, False): Config(16, 32, 128, 1, 4, 4),  # 147.4 us, 32.5 %
-    (8, True): Config(16, 32, 128, 1, 4, 4),  # 327.0 us, 18.5 %
-    (8, False): Config(16, 64, 64, 1, 4, 3),  # 402.2 us, 56.6 %
-    (16, True): Config(16, 64, 128, 1, 4, 3),  # 451.3 us, 20.5 %
-    (16, False): Config(16, 128, 64, 1, 4, 3),  # 505.5 us, 68.8 %
-    (64, True): Config(0, 64, 128, 1, 4, 3),  # 510.2 us, 20.0 %
-    (64, False): Config(16, 128, 64, 1, 4, 3),  # 543.0 us, 70.7 %
-    (256, True): Config(64, 64, 64, 1, 4, 3),  # 671.2 us, 15.3 %
-    (256, False): Config(64, 64, 64, 1, 4, 3),  # 633.5 us, 60.7 %
-    (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2106 us, 5.2 %
-    (2048, False): Config(128, 64, 64, 1, 4, 3),  # 1950 us, 20.1 %
+    (1, True): Config(16, 32, 128, 1, 4, 4),  # 137.2 us, 9.3 % of roofline
+    (1, False): Config(16, 32, 128, 1, 4, 4),  # 148.1 us, 32.3 %
+    (8, True): Config(16, 32, 128, 1, 4, 4),  # 327.8 us, 18.4 %
+    (8, False): Config(16, 64, 128, 1, 4, 3, True),  # 372.5 us, 60.9 % (402.2 unswapped)
+    (16, True): Config(16, 64, 128, 1, 4, 3, True),  # 436.2 us, 21.1 % (452.2)
+    (16, False): Config(0, 64, 64, 1, 4, 4, True),  # 476.6 us, 72.7 % (505.5)
+    (64, True): Config(0, 64, 128, 1, 4, 3, True),  # 478.3 us, 21.3 % (511.3)
+    (64, False): Config(16, 128, 64, 1, 4, 3),  # 543.0 us, 70.4 %
+    (256, True): Config(64, 64, 64, 1, 4, 3),  # 669.8 us, 15.3 %
+    (256, False): Config(64, 64, 64, 1, 4, 3),  # 632.6 us, 60.6 %
+    (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2142.7 us, 5.0 %
+    (2048, False): Config(128, 64, 64, 1, 4, 3),  # 1963.4 us, 19.8 %
 }
 KERNEL_FOR_LOOP = TABLE[256, False]  # ``fused_moe`` where the table says LOOP
 

@@ -25,7 +25,7 @@ An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once, decoded one of two way
   ``s e1 e0 m`` becomes fp16 without a table: bits ``s << 15 | e1 e0 m << 9`` are the
   value times 2^-14 (code 1, 0.5, is the fp16 subnormal 2^-15), so the fp32 scale is
   2^(scale - 113), built from its exponent bits (exact for scales 1..240).
-- NIBBLE_DOTS (a Config's ``nibble_dots``; not yet compiled or timed on a GPU): the low
+- NIBBLE_DOTS (a Config's ``nibble_dots``; timed on the H200: slower, in no table entry): the low
   nibbles are the even K columns and the high nibbles the odd ones, so they meet the
   even and odd columns of the A tile (split in registers: two dots of BLOCK_K / 2, no
   interleave of the larger weight tile), and a
