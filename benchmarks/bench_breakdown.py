@@ -137,10 +137,13 @@ def step_work(cfg: dict, batch: int, context: float, itemsize: int) -> dict:
 def prefill_work(cfg: dict, tokens: int, prompt: int, itemsize: int) -> dict:
     """{class: (bytes, FLOPs)} of one prefill step of ``tokens`` prompt tokens, whole
     fresh prompts of ``prompt`` tokens: a decode step's work at batch ``tokens`` and
-    mean context ``prompt / 2`` (causal attention), except that only the prompts'
-    last rows go through the lm_head and the sampler."""
+    mean context ``prompt / 2`` (causal attention), except that attention moves each
+    token's q, k, v and output once (its K/V tiles are reused on chip, not re-read
+    per query) and only the prompts' last rows go through the lm_head and the sampler."""
     s, it = _shape(cfg), itemsize
     work = step_work(cfg, tokens, prompt / 2, it)
+    n, hq, hk, d = len(s["windows"]), s["hq"], s["hk"], s["d"]
+    work["attention"] = (n * tokens * 2 * (hq + hk) * d * it, work["attention"][1])
     rows = -(-tokens // prompt)  # prompts ending in the step: their logits rows
     vocab = s["vocab"] * s["h"]
     nbytes, nflops = work["gemm"]

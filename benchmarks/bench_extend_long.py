@@ -1,6 +1,7 @@
 """Long-prefill extend attention against torch SDPA, in one short device call (issue 15, item 4).
 
-For each shape (B, cached, new) and page size (16, 1), bf16, Hq 32 / Hkv 8 / D 128:
+For each shape (B, cached, new) and page size (16, 1), bf16, Hq 32 / Hkv 8 / D 128
+(``--dim 64 --shapes 16x0+512``: Llama-3.2-1B's heads and its e2e prefill chunk):
 every paged candidate tile (``extend.CANDIDATES``) and, for prompts without a cached
 prefix, every fresh-path candidate (``extend_fresh.CANDIDATES``: contiguous K/V,
 pointer or TMA loads) is checked against SDPA (max abs error) and timed with CUDA
@@ -9,7 +10,7 @@ K/V, causal (lower-right for a prefix), once with the flash backend forced (the
 ratio's denominator) and once with torch's default dispatch. Ratios are
 ``sdpa_ms / ours_ms`` (> 1: faster than SDPA). A candidate that fails to compile or
 gives a wrong result is recorded and left out of the picks. The JSON ends with
-"install": the tiles to put in ``extend.CONFIGS[128]`` and ``extend_fresh.CONFIGS[128]``
+"install": the tiles to put in ``extend.CONFIGS[D]`` and ``extend_fresh.CONFIGS[D]``
 (best geometric-mean ratio over the shapes). Run: ``python benchmarks/bench_extend_long.py``.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -57,7 +59,7 @@ def sdpa_fn(q, kv: PagedKV, cached: int, new: int):
     """SDPA over contiguous, head-repeated (B, Hq, L, D) K/V -> (B, Hq, new, D)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    qb = q.view(kv.bsz, new, HQ, DIM).transpose(1, 2)
+    qb = q.view(kv.bsz, new, HQ, q.shape[-1]).transpose(1, 2)
     k = kv.k.repeat_interleave(HQ // HKV, 1)
     v = kv.v.repeat_interleave(HQ // HKV, 1)
     if cached == 0:
@@ -82,7 +84,7 @@ def sdpa_times(fn, reps: int) -> tuple[torch.Tensor, dict]:
         if reps
         else {}
     )
-    return ref.transpose(1, 2).reshape(-1, HQ, DIM), out
+    return ref.transpose(1, 2).reshape(-1, HQ, ref.shape[-1]), out
 
 
 def run_candidate(fn, ref, sdpa: dict, reps: int, flops: int) -> dict:
@@ -119,11 +121,12 @@ def best_of(rows: dict) -> tuple[str, float] | None:
 
 
 def bench_shape(bsz, cached, new, args, t0) -> dict:
-    res = {"B": bsz, "cached": cached, "new": new, "paged": {}}
-    flops = 4 * DIM * HQ * bsz * (cached * new + new * (new + 1) // 2)
+    dim = args.dim
+    res = {"B": bsz, "cached": cached, "new": new, "dim": dim, "paged": {}}
+    flops = 4 * dim * HQ * bsz * (cached * new + new * (new + 1) // 2)
     for i, ps in enumerate(PAGE_SIZES):
-        kv = PagedKV(bsz, cached + new, ps)
-        q = torch.randn(bsz * new, HQ, DIM, device="cuda", dtype=torch.bfloat16)
+        kv = PagedKV(bsz, cached + new, ps, dim=dim)
+        q = torch.randn(bsz * new, HQ, dim, device="cuda", dtype=torch.bfloat16)
         q_indptr = torch.arange(0, bsz + 1, device="cuda", dtype=torch.int32) * new
         # SDPA sees contiguous K/V: the page size does not matter to it, time it once
         ref, sdpa = sdpa_times(sdpa_fn(q, kv, cached, new), args.reps if i == 0 else 0)
@@ -134,7 +137,7 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
         def paged(cfg):
             return lambda: OPS.extend_attention(
                 q, kv.k_cache, kv.v_cache, kv.block_table, q_indptr, kv.seq_lens,
-                max_q_len=new, page_size=ps, sm_scale=DIM**-0.5, config=cfg,
+                max_q_len=new, page_size=ps, sm_scale=dim**-0.5, config=cfg,
             )  # fmt: skip
 
         res["paged"][f"ps{ps}"] = sweep(
@@ -148,13 +151,13 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
             f"{bsz}x({cached}+{new}) ps{ps}",
         )
         if cached == 0 and i == 0:  # the fresh path never reads the pool
-            k_new = kv.k.transpose(1, 2).reshape(-1, HKV, DIM).contiguous()  # (T, Hkv, D)
-            v_new = kv.v.transpose(1, 2).reshape(-1, HKV, DIM).contiguous()
+            k_new = kv.k.transpose(1, 2).reshape(-1, HKV, dim).contiguous()  # (T, Hkv, D)
+            v_new = kv.v.transpose(1, 2).reshape(-1, HKV, dim).contiguous()
 
             def fresh(cfg):
                 return lambda: OPS.extend_attention(
                     q, kv.k_cache, kv.v_cache, kv.block_table, q_indptr, kv.seq_lens,
-                    max_q_len=new, page_size=ps, sm_scale=DIM**-0.5, config=cfg,
+                    max_q_len=new, page_size=ps, sm_scale=dim**-0.5, config=cfg,
                     fresh_kv=(k_new, v_new),
                 )  # fmt: skip
 
@@ -188,13 +191,13 @@ def summary(name: str, res: dict) -> str:
     return " | ".join(parts)
 
 
-def install(results: dict) -> dict:
+def install(results: dict, dim: int = 128) -> dict:
     """Per path, the candidate with the best geometric-mean ratio over every row it
     ran in (a candidate missing or failing anywhere is out)."""
     picks = {}
     for path, table, cands in (
-        ("paged", "extend.CONFIGS[128]", extend_mod.CANDIDATES),
-        ("fresh", "extend_fresh.CONFIGS[128]", fresh_mod.CANDIDATES),
+        ("paged", f"extend.CONFIGS[{dim}]", extend_mod.CANDIDATES),
+        ("fresh", f"extend_fresh.CONFIGS[{dim}]", fresh_mod.CANDIDATES),
     ):
         tables = [
             rows
@@ -217,15 +220,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--budget-s", type=float, default=70.0, help="skip candidates after this")
+    parser.add_argument("--dim", type=int, default=DIM, help="head dim (Hq 32, Hkv 8)")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(f"{b}x{c}+{n}" for b, c, n in SHAPES),
+        help="BxCACHED+NEW,... (requests x (cached + new tokens))",
+    )
     parser.add_argument("--out", default="benchmarks/results/extend_long_h200.json")
     args = parser.parse_args()
+    shapes = [tuple(map(int, re.split(r"[x+]", one))) for one in args.shapes.split(",")]
     t0 = time.perf_counter()
     torch.manual_seed(0)
-    payload = {"env": environment(), "reps": args.reps, "tol": TOL, "shapes": {}}
-    for bsz, cached, new in SHAPES:
+    payload = {"env": environment(), "reps": args.reps, "tol": TOL, "dim": args.dim, "shapes": {}}
+    for bsz, cached, new in shapes:
         name = f"{bsz}x({cached}+{new})"
         payload["shapes"][name] = bench_shape(bsz, cached, new, args, t0)
-        payload["install"] = install(payload["shapes"])
+        payload["install"] = install(payload["shapes"], args.dim)
         payload["elapsed_s"] = time.perf_counter() - t0
         save_json(args.out, payload)  # after every shape: a cut-off run keeps what it has
     for name, res in payload["shapes"].items():

@@ -37,6 +37,23 @@ def test_prefill_gemm_flops_match_the_models_linear_weights():
     assert decode_flops == 2 * tokens * (body + head)
 
 
+def test_prefill_attention_moves_each_tokens_rows_once():
+    """q, k, v in and the output out, once per token and layer: the widths of the
+    model's own projections (k/v tiles stay on chip across a prompt's queries)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = e2e.model_config("llama", tiny=True)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+    widths = sum(
+        a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
+        + a.o_proj.in_features
+        for a in (layer.self_attn for layer in model.model.layers)
+    )  # fmt: skip
+    tokens, prompt, itemsize = 96, 32, 2
+    nbytes, _ = bd.prefill_work(cfg, tokens, prompt, itemsize)["attention"]
+    assert nbytes == tokens * widths * itemsize
+
+
 def test_prefill_profile_runs_on_cpu(tmp_path):
     out = tmp_path / "bd.json"
     res = bd.main(

@@ -157,3 +157,24 @@ def test_graph_decode_equals_eager_decode_under_preemption(saved, refs):
         assert graph.stats.preemptions > 0
     for llm in (eager, graph):
         assert_pool_empty(llm)
+
+
+def test_fp32_mixed_steps_split_off_their_fresh_prompts(saved, refs):
+    """32-token chunks mix decodes, continued chunks and joining prompts in one step:
+    the joining prompts' attention runs on their own K/V (the fresh kernel), the rest
+    through the block table (the paged kernel), and the tokens stay transformers'."""
+    from unikv.engine import SamplingParams
+
+    _, path = saved
+    llm = gpu_llm(path, torch.float32, cuda_graphs=False)
+    plan, splits = llm.runner.planner.plan, []
+
+    def planned(batch, *args, **kw):
+        step = plan(batch, *args, **kw)
+        splits.append(step.split)
+        return step
+
+    llm.runner.planner.plan = planned
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
+    assert any(sp is not None for sp in splits), "a mixed step was split"

@@ -99,24 +99,56 @@ def test_one_backend_reaches_the_pool_the_allocator_and_the_runner(llama, monkey
     assert rec.calls["copy_pages"] == 1
 
 
-def test_fresh_kv_is_passed_exactly_when_no_request_has_cached_tokens(llama, monkeypatch):
-    """Extend attention gets the step's own K/V (``fresh_kv``) iff every request's
-    length after the step is its new-token count, read off the op's own arguments;
-    16-token chunks make both kinds of step (a fresh first chunk, later chunks over a
-    cached prefix)."""
-    llm, rec = _recorded_llm(monkeypatch, llama.path, "torch")
-    inner, seen = rec.backend.extend_attention, []
+def _record_extends(llm, rec) -> tuple[list, list]:
+    """Every extend attention call's (fresh_kv passed, its requests all fresh, its
+    last request fresh), and every planned extend step's split (None or FreshSplit)."""
+    inner, calls, splits = rec.backend.extend_attention, [], []
 
     def extend(q, k, v, table, q_indptr, seq_lens, **kw):
-        fresh = bool((seq_lens == q_indptr[1:] - q_indptr[:-1]).all())
-        seen.append((kw.get("fresh_kv") is not None, fresh))
+        q_lens = q_indptr[1:] - q_indptr[:-1]
+        fresh = seq_lens == q_lens
+        assert q_indptr[0] == 0 and q_indptr[-1] == q.shape[0], "rows of this call only"
+        calls.append((kw.get("fresh_kv") is not None, bool(fresh.all()), bool(fresh[-1])))
         return inner(q, k, v, table, q_indptr, seq_lens, **kw)
 
     llm.runner.backend = dataclasses.replace(rec.backend, extend_attention=extend)
-    outputs = llm.generate(llama.prompts, SamplingParams(max_tokens=4))
-    assert [o.output_ids for o in outputs] == [g[:4] for g in llama.greedy]
-    assert {f for _, f in seen} == {True, False}, "both kinds of extend step ran"
-    assert all(passed == fresh for passed, fresh in seen), seen
+    plan = llm.runner.planner.plan
+
+    def planned(batch, *args, **kw):
+        step = plan(batch, *args, **kw)
+        if not step.is_decode:
+            splits.append(step.split)
+        return step
+
+    llm.runner.planner.plan = planned
+    return calls, splits
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fresh_kv_is_passed_exactly_for_requests_without_cached_tokens(llama, monkeypatch, backend):
+    """Extend attention gets the step's own K/V (``fresh_kv``) iff every request of
+    the call has no cached token, read off the op's own arguments. 16-token chunks
+    make fresh steps, steps of continued chunks, and mixed steps whose joining
+    prompts are split off into a fresh call (after the cached part's call, which
+    then ends with a cached request). Tokens equal transformers' (the Triton kernels
+    under the interpreter on CPU)."""
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("GPU runs Triton natively (test_engine_gpu)")
+    llm, rec = _recorded_llm(monkeypatch, llama.path, backend)
+    calls, splits = _record_extends(llm, rec)
+    prompts = llama.prompts if backend == "torch" else llama.prompts[:3]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.output_ids for o in outputs] == [g[:4] for g in llama.greedy[: len(prompts)]]
+    assert all(passed == fresh for passed, fresh, _ in calls), calls
+    assert not any(last for passed, _, last in calls if not passed), (
+        "a call through the block table never ends with a fresh prompt",
+        calls,
+    )
+    assert {f for _, f, _ in calls} == {True, False}, "both kinds of extend call ran"
+    split = [sp for sp in splits if sp is not None]
+    assert split, "a mixed step was split"
+    layers = llm.model.config.num_layers
+    assert len(calls) == layers * (len(splits) + len(split)), "two calls a split step"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively (test_engine_gpu)")

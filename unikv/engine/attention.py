@@ -318,20 +318,28 @@ class ExtendAttention(DecodeAttention):
     def __call__(self, layer, q, k, v, sinks=None):
         """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D)."""
         cache, step = self._store(layer, k, v)
-        # a fresh step's rows are the ones just stored (an fp8 cache rounds them: read it)
-        fresh = (k, v) if self.plan.fresh and cache.k.dtype == q.dtype else None
-        return self.backend.extend_attention(
-            q,
-            cache.k,
-            cache.v,
-            step.block_table,
-            self.plan.q_indptr,
-            self.plan.seq_lens,
-            max_q_len=self.plan.max_q_len,
-            page_size=cache.page_size,
-            sm_scale=self.sm_scale,
-            window=cache.window,
-            sinks=sinks,
-            soft_cap=cache.soft_cap,
-            fresh_kv=fresh,
-        )
+        plan = self.plan
+        # a fresh prompt's rows are the ones just stored (an fp8 cache rounds them: read it)
+        own = cache.k.dtype == q.dtype
+        kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
+              "sinks": sinks, "soft_cap": cache.soft_cap}  # fmt: skip
+        split = plan.split if own else None
+        if split is None:
+            return self.backend.extend_attention(
+                q, cache.k, cache.v, step.block_table, plan.q_indptr, plan.seq_lens,
+                max_q_len=plan.max_q_len, fresh_kv=(k, v) if plan.fresh and own else None, **kw,
+            )  # fmt: skip
+        # two parts: requests with a cached prefix through the block table, then the
+        # fresh prompts (the last requests) over their own rows, into one output
+        first, row = split.first, split.row
+        out = q.new_empty(q.shape[0], q.shape[1], cache.v.shape[-1])
+        self.backend.extend_attention(
+            q[:row], cache.k, cache.v, step.block_table[:first], plan.q_indptr[: first + 1],
+            plan.seq_lens[:first], max_q_len=split.max_q_cached, out=out[:row], **kw,
+        )  # fmt: skip
+        self.backend.extend_attention(
+            q[row:], cache.k, cache.v, step.block_table[first:], split.q_indptr,
+            plan.seq_lens[first:], max_q_len=split.max_q_fresh, out=out[row:],
+            fresh_kv=(k[row:], v[row:]), **kw,
+        )  # fmt: skip
+        return out

@@ -25,8 +25,9 @@ and sub-pool; every layer only reads the StepPlan.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from unikv.engine.plan_upload import StepUpload
@@ -76,6 +77,9 @@ class StepPlan:
         0 = the sink for padded lanes), else None.
     fresh: host bool, an extend step in which no request has cached tokens (every
         seq_len is its q_len): extend attention may read the step's own K/V rows.
+    split: an extend step whose last requests, not all of them, have no cached
+        tokens (``FreshSplit``: prompts joining a step of decodes and continued
+        chunks): attention runs in two parts, else None.
     """
 
     is_decode: bool
@@ -89,6 +93,27 @@ class StepPlan:
     decode: dict[str, DecodePlan] | None = None
     state_slots: torch.Tensor | None = None
     fresh: bool = False
+    split: FreshSplit | None = None
+
+
+class FreshSplit(NamedTuple):
+    """Requests ``[first:]`` of an extend step (token rows ``[row:]``) have no cached
+    tokens, request ``first - 1`` has: extend attention reads the cached part through
+    the block table (``max_q_cached``: its longest q) and the fresh prompts from their
+    own K/V rows (``max_q_fresh``; ``q_indptr``: their (B - first + 1,) int32 row
+    offsets from ``row``, on the device). Host ints but q_indptr."""
+
+    first: int
+    row: int
+    max_q_cached: int
+    max_q_fresh: int
+    q_indptr: torch.Tensor
+
+
+def fresh_suffix(cached: np.ndarray) -> int:
+    """The first of the trailing requests with no cached tokens (len: none)."""
+    held = np.flatnonzero(cached)
+    return int(held[-1]) + 1 if held.size else 0
 
 
 class StepPlanner:
@@ -173,6 +198,7 @@ class StepPlanner:
             self.upload.fill(dev, pending, prev_tokens, num)
         max_q_len = max(batch.num_new, default=1)
         is_decode = batch.is_decode
+        split = None if is_decode or rows != num else self._split(batch, dev, host)
         return StepPlan(
             is_decode=is_decode,
             input_ids=dev["input_ids"],
@@ -186,6 +212,24 @@ class StepPlanner:
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             # no cached tokens: the cache holds exactly the step's new tokens
             fresh=not is_decode and int(host["seq_lens"][:num].sum()) == host["q_indptr"][num],
+            split=split,
+        )
+
+    @staticmethod
+    def _split(batch: Batch, dev: dict, host: dict) -> FreshSplit | None:
+        """The FreshSplit of an eager extend step, None unless both parts are there."""
+        num = len(batch.requests)
+        indptr = host["q_indptr"][: num + 1]
+        first = fresh_suffix(host["seq_lens"][:num] - np.diff(indptr))
+        if not 0 < first < num:
+            return None
+        row = int(indptr[first])
+        return FreshSplit(
+            first,
+            row,
+            max(batch.num_new[:first]),
+            max(batch.num_new[first:]),
+            dev["q_indptr"][first : num + 1] - row,
         )
 
     def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int) -> dict:

@@ -34,7 +34,7 @@ from unikv.kernels.extend_fresh import extend_attention_fresh
 # (block_m, block_n, num_warps, num_stages) per head_dim; tuned on the H200
 # (benchmarks/bench_extend_long.py sweeps CANDIDATES and prints the pick)
 CONFIGS = {64: (128, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)}
-CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4)]
+CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)]
 
 
 @triton.jit

@@ -43,6 +43,7 @@ CANDIDATES = [
     (128, 64, 4, 4, True),
     (128, 128, 8, 3, True),
     (128, 128, 8, 2, True),
+    (64, 64, 4, 3, False),  # short prompts: more programs, less of the diagonal masked
 ]
 
 
