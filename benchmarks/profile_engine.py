@@ -74,10 +74,13 @@ def main() -> None:
         )
         prof.disable()
         wall = time.perf_counter() - start
-        replay = graph_replay_ms(llm) if llm.runner.graphs is not None else None
-    full = [s for s, dec, b in clock.steps if dec and b == cli.requests]
+        full = [s for s, dec, b in clock.steps if dec and b == cli.requests]
+        # the graph's buffers hold the last step's inputs: a full-batch decode only
+        # (after a prefill-only run they hold a smaller step's lanes, out of range)
+        replay = graph_replay_ms(llm) if llm.runner.graphs is not None and full else None
+    p50 = f"{np.median(full) * 1e3:.2f} ms" if full else "- (none ran)"
     print(f"wall {wall:.2f} s under cProfile, {len(clock.steps)} steps, full-batch decode step "
-          f"p50 {np.median(full) * 1e3:.2f} ms")  # fmt: skip
+          f"p50 {p50}")  # fmt: skip
     if replay is not None:
         print(f"GPU time of the largest decode graph's replay alone: {replay:.2f} ms (median)")
     buf = io.StringIO()
