@@ -171,6 +171,11 @@ def test_bad_input_raises_and_leaves_the_engine_usable(llama, tmp_path):
         llm.generate([good, list(range(32))], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([good + [VOCAB]], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"in \[0, .*got \[-1\]"):
+        llm.generate([[-1] + good], SamplingParams(max_tokens=4))
+    for odd in (True, 2.0, None):  # a bool, a float, not an int: not token ids
+        with pytest.raises(TypeError, match="list of int token ids"):
+            llm.generate([good, [*good, odd]], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="empty"):

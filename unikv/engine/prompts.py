@@ -11,8 +11,10 @@ from unikv.engine.sampling import SamplingParams
 
 
 def _is_ids(prompt) -> bool:
+    """A list or tuple of ints (bools are not token ids). The element types are
+    collected in C (``set(map(type, ...))``): a 512-token prompt costs microseconds."""
     return isinstance(prompt, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        issubclass(t, int) and t is not bool for t in set(map(type, prompt))
     )
 
 
@@ -68,8 +70,8 @@ class PromptMaker:
         if not ids:
             raise ValueError("a prompt must hold at least one token, got an empty prompt")
         vocab = llm.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:8]}")
         if len(ids) >= llm.max_model_len:
             raise ValueError(
