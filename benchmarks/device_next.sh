@@ -1,34 +1,25 @@
 #!/bin/bash
-# The seventh session's second device call, after device_sweeps.sh (92dff99) and its MoE
-# picks installed in kernels/moe.TABLE:
-#   0. bench_capacity_real in the background (its figures are counts, not times), one
-#      process per model, while
-#   1. the GPU tests run of what had not run on a GPU: the MoE kernels (table entries,
-#      swap / nibble_dots), the MLA decode entries (fused16n64, 64 heads), the fp8 KV
-#      cache (fp32 model, graphs on and off);
-#   2. bench_e2e --quick (both models, unikv), alone on the GPU;
-#   3. where the time goes: full-chunk prefill steps (both models), the full-batch decode
-#      step (both models, B 256), and the Llama B 1 step.
-#   UNIKV_GIT_COMMIT=<sha> bash benchmarks/device_next.sh   (from a snapshot with .whl/)
-# (The sixth session's device_next.sh ran at cac53ea: logs/next_cac53ea/.)
+# The next session's first device call (written at the end of the seventh session, whose
+# budget ran out):
+#   1. the host profile of prefill steps (profile_engine.py --new-tokens 2: prefill only,
+#      the prefix cache reset after the warm-up): is the eager prefill step host-bound?
+#   2. a same-run A/B of the e2e: before/ (707e5f6: the split, 128-row head-dim-64 tiles)
+#      against HEAD (64-row tiles), after / before / after, unikv paths only (0216013's
+#      lease ran slower than 707e5f6's with no control);
+#   3. the prefill breakdown at HEAD (the fresh pointer tile at head dim 64 has not run
+#      inside the engine on the GPU).
+# Run from a snapshot holding .whl/ and before/ (git archive 707e5f6 | tar -x -C before):
+#   UNIKV_GIT_COMMIT=<sha> BEFORE_COMMIT=707e5f6 bash benchmarks/device_next.sh
+# (The seventh session's calls: device_sweeps.sh, device_split.sh, device_last.sh.)
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/next_res /tmp/next_out
-cap() {  # capacity of one model, in the background
-  OUT=$R PYTHONPATH=$PWD:/tmp/site timeout 330 python3 benchmarks/bench_capacity_real.py \
-    --device cuda --models "$1" --out "$R/capacity_real_$1.json" >"$R/logs/capacity_$1.log" 2>&1
-}
-cap mimo-v2-flash & P1=$!
-cap deepseek-v3 & P2=$!
-step gpu_tests 220 python3 -m pytest -q -m gpu tests/test_kernels_moe.py \
-  tests/test_kernels_mla_decode.py tests/test_engine_fp8_kv.py
-wait $P1 $P2
-echo "[$(date +%T)] capacity done" | tee -a "$R/summary.txt"
-step e2e 130 python3 benchmarks/bench_e2e.py --device cuda --quick --paths unikv \
-  --out $R/e2e.json
-step breakdown_prefill 80 python3 benchmarks/bench_breakdown.py --device cuda --phase prefill \
+step host_prefill 80 python3 benchmarks/profile_engine.py --model llama --new-tokens 2
+for run in after1 before after2; do
+  tree=$PWD commit=$UNIKV_GIT_COMMIT
+  [ "$run" = before ] && tree=$PWD/before commit=$BEFORE_COMMIT
+  UNIKV_GIT_COMMIT=$commit TREE=$tree step e2e_$run 90 python3 benchmarks/bench_e2e.py \
+    --device cuda --quick --paths unikv --out $R/e2e_$run.json
+done
+step breakdown_prefill 60 python3 benchmarks/bench_breakdown.py --device cuda --phase prefill \
   --out $R/breakdown_prefill.json
-step breakdown_b256 70 python3 benchmarks/bench_breakdown.py --device cuda \
-  --out $R/breakdown_b256.json
-step breakdown_b1 40 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
-  --requests 1 --out $R/breakdown_b1.json
 device_finish
