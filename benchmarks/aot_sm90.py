@@ -102,9 +102,8 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
 
     block_m = cfg.block_m or block_m_for(ROWS, EXPERTS)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-              "SPLIT_K": cfg.split_k, "SWAP": bool(cfg.swap),
-              "NIBBLE_DOTS": bool(cfg.nibble_dots), "MXFP4": mxfp4, "HAS_BIAS": True,
-              "IEEE": False, "ACT": 1}  # fmt: skip
+              "SPLIT_K": cfg.split_k, "SWAP": bool(cfg.swap), "MXFP4": mxfp4,
+              "HAS_BIAS": True, "IEEE": False, "ACT": 1}  # fmt: skip
     act = {"row_step": 2, "up_offset": 1, "alpha": 1.702, "limit": 7.0}
     ids = {"sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32", "num_assign": ROWS}
     gate = {"x_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "top_k": TOP_K,
@@ -145,8 +144,6 @@ def main() -> None:
     print("format config: gate_up | down  (registers, spill bytes, smem KiB, pipelined copies)")
     for cfg in configs:
         for mxfp4 in (True, False):
-            if cfg.nibble_dots and not mxfp4:
-                continue
             try:
                 rows = [compile_sm90(*launch) for launch in moe_kernels(cfg, mxfp4)]
                 text = " | ".join(f"{r['regs']}r {r['spill_bytes']}sp {r['smem'] // 1024}K "

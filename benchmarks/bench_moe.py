@@ -146,8 +146,6 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
         nbytes = touched_bytes(w, ids, t, d)
         roof = nbytes / (ceilings["d2d_GBps"] * 1e3)
         for cfg in dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]):
-            if cfg.nibble_dots and fmt != "mxfp4":
-                continue  # the same kernel as without it on unpacked experts
             row = {**base, "format": fmt, "candidate": list(cfg), "roofline_us": roof}
             rows.append(row)
             if time.time() > t_end:

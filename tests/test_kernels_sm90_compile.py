@@ -1,5 +1,5 @@
 """The MoE kernels compiled for the H200 (sm_90a) on this CPU host: every table entry
-and the swapped-operand / integer-MXFP4 candidates, at gpt-oss's shape, with the
+and the swapped-operand candidates, at gpt-oss's shape, with the
 JIT's specialisation (``benchmarks/aot_sm90.py``, in a subprocess without the
 interpreter). The interpreter runs a kernel's semantics but never compiles it; this
 catches what only the GPU compile would (a layout or shape the NVIDIA backend refuses,
@@ -25,9 +25,9 @@ import aot_sm90
 
 pytestmark = pytest.mark.skipif(not os.path.exists(aot_sm90.PTXAS), reason="needs Triton's ptxas")
 
-NEW = [c for cs in moe.CANDIDATES.values() for c in cs if c.swap or c.nibble_dots]
+NEW = [c for cs in moe.CANDIDATES.values() for c in cs if c.swap]
 CONFIGS = sorted(set(NEW) | {c for c in moe.TABLE.values() if c is not moe.LOOP})
-CASES = [(c, mx) for c in CONFIGS for mx in (True, False) if mx or not c.nibble_dots]
+CASES = [(c, mx) for c in CONFIGS for mx in (True, False)]
 
 
 def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
@@ -54,4 +54,4 @@ def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
             if not ok:
                 bad.append((cfg, mxfp4, name, got))
     assert not bad, bad
-    assert len(results) == len(CASES) > 30
+    assert len(results) == len(CASES) > 20  # every table entry and swap candidate, both formats

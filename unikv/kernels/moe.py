@@ -45,10 +45,8 @@ class Config(NamedTuple):
     """Rows per tile (0: by mean tokens per expert, ``block_m_for``), output features
     and K per tile (block_k a multiple of 32, the MXFP4 group), K slices (> 1: fp32
     atomics, not bit-deterministic), warps, pipeline stages; swap: the transposed
-    product, the output features as the MMA's M rows (for few rows an expert);
-    nibble_dots: MXFP4 decoded by integer ops into bf16, the nibbles against even and
-    odd K columns (``moe_triton``; no effect on unpacked experts). Both were timed on
-    the H200 (92dff99): swap is in the table at 8-64 tokens, nibble_dots nowhere."""
+    product, the output features as the MMA's M rows (for few rows an expert; in the
+    table at 8-64 tokens since 92dff99's sweep)."""
 
     block_m: int
     block_n: int
@@ -57,15 +55,13 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     swap: bool = False
-    nibble_dots: bool = False
 
 
 LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
 BUCKETS = (1, 8, 16, 64, 256, 2048)  # T buckets: the smallest >= T, else the last
 FP32_CONFIG = Config(0, 64, 64, 1, 4, 3)  # fp32 models: exact fp32 dots, small tiles
 # What the sweep times (and the interpreter tests run), most promising first: a time
-# budget cuts the tail. The sweep times nibble_dots on MXFP4 experts only (a no-op on
-# unpacked ones). Small T: few rows, so narrow N tiles, long K tiles and K
+# budget cuts the tail. Small T: few rows, so narrow N tiles, long K tiles and K
 # splits give the 132 SMs enough programs; large T: wider tiles, more warps; prefill
 # T: tall tiles (hundreds of rows per expert).
 CANDIDATES = {
@@ -73,8 +69,6 @@ CANDIDATES = {
         Config(16, 64, 128, 1, 4, 3, True),
         Config(16, 64, 256, 1, 4, 3, True),
         Config(16, 128, 128, 1, 8, 3, True),
-        Config(16, 64, 128, 1, 4, 3, True, True),
-        Config(16, 32, 128, 1, 4, 4, False, True),
         Config(16, 64, 128, 1, 4, 3),
         Config(16, 32, 128, 1, 4, 4),
         Config(16, 64, 128, 2, 4, 3),
@@ -87,8 +81,6 @@ CANDIDATES = {
         Config(0, 128, 128, 1, 8, 3, True),
         Config(0, 64, 64, 1, 4, 4, True),
         Config(64, 128, 64, 1, 8, 3, True),
-        Config(0, 64, 128, 1, 4, 3, True, True),
-        Config(64, 64, 64, 1, 4, 3, False, True),
         Config(0, 128, 64, 1, 8, 3),
         Config(0, 64, 128, 1, 4, 3),
         Config(64, 128, 64, 1, 8, 4),
@@ -100,8 +92,6 @@ CANDIDATES = {
         Config(128, 64, 64, 1, 4, 4),
         Config(64, 128, 64, 1, 4, 4, True),
         Config(128, 128, 64, 1, 8, 3, True),
-        Config(128, 64, 64, 1, 4, 3, False, True),
-        Config(64, 128, 64, 1, 8, 3, True, True),
         Config(128, 128, 64, 1, 8, 3),
         Config(64, 128, 64, 1, 4, 3),
         Config(128, 64, 64, 1, 4, 3),
@@ -109,9 +99,9 @@ CANDIDATES = {
 }
 # 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from H200 sweeps
 # (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines), gpt-oss's expert shape:
-# 89e80c5 (``moe_sweep_h200.json``), then 92dff99 with the swap / nibble_dots
-# candidates (``moe_sweep_h200_92dff99.json``): swap wins at 8-64 tokens (1.04-1.08x
-# the entry before), nibble_dots nowhere (0.6-0.9x the default decode). The kernel beat
+# 89e80c5 (``moe_sweep_h200.json``), then 92dff99 with swapped-operand candidates
+# (``moe_sweep_h200_92dff99.json``): swap wins at 8-64 tokens (1.04-1.08x the entry
+# before); an integer MXFP4 decode swept then ran 0.6-0.9x and was removed. The kernel beat
 # the dense loop at every bucket (2.6-2.9x on bf16 experts at decode, 4.7-7.9x at
 # 2048-token prefill chunks), so no entry is LOOP today; the dense loop stays the
 # rule's other arm. Times: 92dff99's sweep.
@@ -276,8 +266,7 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tens
         ACT=ACT_CODES[activation], MXFP4=s1 is not None,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SWAP=bool(cfg.swap), NIBBLE_DOTS=bool(cfg.nibble_dots), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        SWAP=bool(cfg.swap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -300,7 +289,7 @@ def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg) ->
         IEEE=ieee, ACT_IN_A=split > 1,
         ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,
         DTYPE=TL_DTYPES[x.dtype], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), NIBBLE_DOTS=bool(cfg.nibble_dots),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -18,21 +18,14 @@ transposed product instead, acc^T (BLOCK_N, BLOCK_M) += W @ A^T, so the weight
 features are the MMA's M rows (wgmma's 64) and the few rows of an expert its N, and
 transposes the accumulator once after the K loop.
 
-An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once, decoded one of two ways:
-
-- default (measured on the H200): both nibbles unpacked and interleaved, low first,
-  and BLOCK_N x BLOCK_K / 32 e8m0 scales broadcast over their groups of 32. A code
-  ``s e1 e0 m`` becomes fp16 without a table: bits ``s << 15 | e1 e0 m << 9`` are the
-  value times 2^-14 (code 1, 0.5, is the fp16 subnormal 2^-15), so the fp32 scale is
-  2^(scale - 113), built from its exponent bits (exact for scales 1..240).
-- NIBBLE_DOTS (a Config's ``nibble_dots``; timed on the H200: slower, in no table entry): the low
-  nibbles are the even K columns and the high nibbles the odd ones, so they meet the
-  even and odd columns of the A tile (split in registers: two dots of BLOCK_K / 2, no
-  interleave of the larger weight tile), and a
-  code with e8m0 scale E becomes bf16 bits with integer ops only: magnitude codes 2..7
-  (1 .. 6) are ``0x3F00 + 64 * code``, code 1 (0.5) is 0x3F00, the scale adds (E - 127)
-  to the exponent field, code 0 stays zero, s is the sign bit (exact for scales 2..252;
-  no fp32 tile).
+An MXFP4 tile is BLOCK_N x BLOCK_K / 2 bytes loaded once; both nibbles are unpacked
+and interleaved, low first, and BLOCK_N x BLOCK_K / 32 e8m0 scales broadcast over their
+groups of 32. A code ``s e1 e0 m`` becomes fp16 without a table: bits
+``s << 15 | e1 e0 m << 9`` are the value times 2^-14 (code 1, 0.5, is the fp16 subnormal
+2^-15), so the fp32 scale is 2^(scale - 113), built from its exponent bits (exact for
+scales 1..240). (An integer decode straight into bf16, the nibbles dotted against the
+even and odd K columns of the A tile, ran 0.6-0.9x this one at every bucket on the H200,
+92dff99's sweep, and was removed.)
 """
 
 from __future__ import annotations
@@ -85,33 +78,6 @@ def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, 
 
 
 @triton.jit
-def _e2m1_bf16(code, shift):
-    """bf16 of e2m1 codes (int32, 0..15) times 2^(E - 127), ``shift`` = (E - 127) * 128
-    broadcast to the codes' shape: integer ops only."""
-    mag = code & 7
-    bits = 0x3F00 + 64 * (mag - (mag == 1).to(tl.int32)) + shift
-    bits = tl.where(mag == 0, 0, bits) | ((code & 8) << 12)
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_sn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """The even and odd K columns of W[rows, k0 : k0 + BLOCK_K] of one MXFP4 expert:
-    two (BLOCK_N, BLOCK_K / 2) bf16 tiles (low and high nibbles); 0 outside ``row_ok``
-    and K. Scales: one e8m0 byte per row and 32 columns (16 bytes)."""
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(w_ptr + w_base + rows[:, None].to(tl.int64) * s_wn + kb[None, :],
-                   mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0).to(tl.int32)  # fmt: skip
-    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    e8 = tl.load(s_ptr + s_base + rows[:, None].to(tl.int64) * s_sn + ks[None, :],
-                 mask=row_ok[:, None] & (ks[None, :] < K // 32), other=127).to(tl.int32)  # fmt: skip
-    shift = tl.broadcast_to(((e8 - 127) * 128)[:, :, None], (BLOCK_N, BLOCK_K // 32, 16))
-    shift = tl.reshape(shift, (BLOCK_N, BLOCK_K // 2))
-    return _e2m1_bf16(byte & 0x0F, shift), _e2m1_bf16(byte >> 4, shift)
-
-
-@triton.jit
 def _dot_t(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
     """acc + a @ w^T (a (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)), or with SWAP its
     transpose acc^T + w @ a^T: fp32 products when IEEE (fp32 models; the interpreter,
@@ -149,16 +115,6 @@ def _unswap(acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _even_odd(a):
-    """(BLOCK_M, BLOCK_K) -> its even and odd columns, two (BLOCK_M, BLOCK_K / 2)
-    tiles: the tile is loaded whole (contiguous rows, pipelined) and split in
-    registers."""
-    rows: tl.constexpr = a.shape[0]
-    cols: tl.constexpr = a.shape[1]
-    return tl.split(tl.reshape(a, (rows, cols // 2, 2)))
-
-
-@triton.jit
 def _a_tile(x_rows, valid, ks, K, s_xk):
     """(BLOCK_M, len(ks)) activation rows at columns ``ks``; 0 outside ``valid`` and K."""
     return tl.load(x_rows + ks[None, :] * s_xk, mask=valid[:, None] & (ks[None, :] < K),
@@ -181,7 +137,7 @@ def _gate_up_kernel(
     row_step, up_offset, alpha, limit,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -198,24 +154,14 @@ def _gate_up_kernel(
     acc_g, acc_u = _acc(BLOCK_M, BLOCK_N, SWAP), _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if MXFP4 and NIBBLE_DOTS:  # even / odd K columns against the low / high nibbles
-            a_lo, a_hi = _even_odd(_a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk))
-            u_lo, u_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K,
-                                      s_wn, s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
-            acc_u = _dot_t(a_hi, u_hi, _dot_t(a_lo, u_lo, acc_u, IEEE, SWAP), IEEE, SWAP)
-            if ACT != 2:
-                g_lo, g_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0,
-                                          K, s_wn, s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
-                acc_g = _dot_t(a_hi, g_hi, _dot_t(a_lo, g_lo, acc_g, IEEE, SWAP), IEEE, SWAP)
-        else:
-            a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
-            wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
-                              s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-            acc_u = _dot_t(a, wu, acc_u, IEEE, SWAP)
-            if ACT != 2:
-                wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
-                                  s_wk, s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-                acc_g = _dot_t(a, wg, acc_g, IEEE, SWAP)
+        a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
+        wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
+                          s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc_u = _dot_t(a, wu, acc_u, IEEE, SWAP)
+        if ACT != 2:
+            wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
+                              s_wk, s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc_g = _dot_t(a, wg, acc_g, IEEE, SWAP)
     acc_g, acc_u = _unswap(acc_g, SWAP), _unswap(acc_u, SWAP)
     out_rows = out_ptr + pos[:, None].to(tl.int64) * s_om
     mask = valid[:, None] & col_ok[None, :]
@@ -279,7 +225,6 @@ def _down_kernel(
     ACT_IN_A: tl.constexpr,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    NIBBLE_DOTS: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -296,20 +241,11 @@ def _down_kernel(
     acc = _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if MXFP4 and NIBBLE_DOTS:  # even / odd K columns against the low / high nibbles
-            a_lo, a_hi = _even_odd(
-                _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
-                        row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)
-            )  # fmt: skip
-            w_lo, w_hi = _mxfp4_tiles(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn,
-                                      s_sn, BLOCK_N, BLOCK_K)  # fmt: skip
-            acc = _dot_t(a_hi, w_hi, _dot_t(a_lo, w_lo, acc, IEEE, SWAP), IEEE, SWAP)
-        else:
-            a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
-                        row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
-            w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
-                             s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-            acc = _dot_t(a, w, acc, IEEE, SWAP)
+        a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
+                    row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
+        w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
+                         s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = _dot_t(a, w, acc, IEEE, SWAP)
     acc = _unswap(acc, SWAP)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * s_be + cols * s_bn, mask=col_ok, other=0.0)
