@@ -198,7 +198,9 @@ class StepPlanner:
             self.upload.fill(dev, pending, prev_tokens, num)
         max_q_len = max(batch.num_new, default=1)
         is_decode = batch.is_decode
-        split = None if is_decode or rows != num else self._split(batch, dev, host)
+        # requests [first:] have no cached tokens: all of them (fresh) or a split step
+        first = -1 if is_decode else fresh_suffix(host["seq_lens"][:num] - batch.num_new)
+        split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
         return StepPlan(
             is_decode=is_decode,
             input_ids=dev["input_ids"],
@@ -210,20 +212,16 @@ class StepPlanner:
             subpools=self._tables(batch, dev, rows, longest, max_q_len),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
-            # no cached tokens: the cache holds exactly the step's new tokens
-            fresh=not is_decode and int(host["seq_lens"][:num].sum()) == host["q_indptr"][num],
+            fresh=first == 0,  # no cached tokens: the cache holds exactly the new ones
             split=split,
         )
 
     @staticmethod
-    def _split(batch: Batch, dev: dict, host: dict) -> FreshSplit | None:
-        """The FreshSplit of an eager extend step, None unless both parts are there."""
+    def _split(batch: Batch, dev: dict, host: dict, first: int) -> FreshSplit:
+        """The FreshSplit of an eager extend step whose requests ``[first:]`` (0 < first
+        < B) have no cached tokens."""
         num = len(batch.requests)
-        indptr = host["q_indptr"][: num + 1]
-        first = fresh_suffix(host["seq_lens"][:num] - np.diff(indptr))
-        if not 0 < first < num:
-            return None
-        row = int(indptr[first])
+        row = int(host["q_indptr"][first])
         return FreshSplit(
             first,
             row,

@@ -39,7 +39,7 @@ except ImportError:  # Triton without host tensor descriptors: pointer loads onl
 # (``logs/last_0216013/``), whose e2e then ran slower (not explained: another lease, no
 # same-run control)
 CONFIGS = {64: (64, 64, 4, 3, False), 128: (128, 128, 8, 3, True), 256: (64, 32, 4, 2, False)}
-# what bench_extend_long.py sweeps at head_dim 128 (the first is the default)
+# what bench_extend_long.py sweeps (at any --dim; a failing tile is recorded, not picked)
 CANDIDATES = [
     (128, 64, 4, 3, False),
     (128, 128, 8, 3, False),
