@@ -1,6 +1,8 @@
 #!/bin/bash
 # The next session's first device call (written at the end of the seventh session, whose
 # budget ran out):
+#   0. CUDA-event timelines of whole runs (Llama, gpt-oss): per step kind, host enqueue
+#      time, device span, the device's idle gap before each step;
 #   1. the host profile of prefill steps (profile_engine.py --new-tokens 2: prefill only,
 #      the prefix cache reset after the warm-up): is the eager prefill step host-bound?
 #   2. a same-run A/B of the e2e: before/ (707e5f6: the split, 128-row head-dim-64 tiles)
@@ -13,6 +15,10 @@
 # (The seventh session's calls: device_sweeps.sh, device_split.sh, device_last.sh.)
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/next_res /tmp/next_out
+for m in llama gpt-oss; do
+  step timeline_$m 70 python3 benchmarks/profile_engine.py --model $m --new-tokens 64 --timeline \
+    --out $R/timeline_$m.json
+done
 step host_prefill 80 python3 benchmarks/profile_engine.py --model llama --new-tokens 2
 for run in after1 before after2; do
   tree=$PWD commit=$UNIKV_GIT_COMMIT

@@ -7,6 +7,12 @@ cumulative time, with the full-batch decode step time (median) for scale and
 the device time of the largest decode CUDA graph replayed alone.
 
     python benchmarks/profile_engine.py [--model llama] [--requests 256] [--new-tokens 64]
+
+``--timeline`` replaces cProfile (which inflates host time several-fold) by CUDA
+events around every ``runner.launch``: per step kind (prefill / decode), the host
+time of the launch, the device span of its work, and the device's idle gap before
+it (the previous step's end event to this one's start: the host was late), so
+the question "is the eager prefill step host-bound?" gets a direct answer.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import sys
 import tempfile
@@ -43,6 +50,53 @@ def graph_replay_ms(llm, reps: int = 30) -> float:
     return float(np.median(times))
 
 
+class Timeline:
+    """Wraps ``llm.runner.launch``: CUDA events before and after each step's
+    enqueue, the host time of the enqueue, the step's kind and token count."""
+
+    def __init__(self, llm) -> None:
+        self.llm, self.inner, self.rows = llm, llm.runner.launch, []
+        llm.runner.launch = self
+
+    def __call__(self, batch, prev=None):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        launched = self.inner(batch, prev)
+        host = time.perf_counter() - t
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.rows.append((t, host, start, end, batch.is_decode, sum(batch.num_new)))
+        return launched
+
+    def close(self) -> None:
+        self.llm.runner.launch = self.inner
+
+    def report(self) -> dict:
+        """Per kind: steps, and medians / sums (ms) of the step's wall (launch to
+        next launch), host enqueue, device span and the idle gap before it."""
+        torch.cuda.synchronize()
+        out = {}
+        for i, (t, host, start, end, dec, tokens) in enumerate(self.rows):
+            kind = out.setdefault("decode" if dec else "prefill", {k: [] for k in KEYS})
+            nxt = self.rows[i + 1][0] if i + 1 < len(self.rows) else None
+            kind["wall"].append((nxt - t) * 1e3 if nxt is not None else float("nan"))
+            kind["host_launch"].append(host * 1e3)
+            kind["device_span"].append(start.elapsed_time(end))
+            gap = self.rows[i - 1][3].elapsed_time(start) if i else float("nan")
+            kind["idle_before"].append(gap)
+            kind["tokens"].append(tokens)
+        return {
+            name: {"steps": len(v["wall"])}
+            | {f"{k}_p50": float(np.nanmedian(v[k])) for k in KEYS}
+            | {f"{k}_sum": float(np.nansum(v[k])) for k in KEYS if k != "tokens"}
+            for name, v in out.items()
+        }
+
+
+KEYS = ("wall", "host_launch", "device_span", "idle_before", "tokens")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama")
@@ -50,6 +104,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny model, 32-token prompts")
+    parser.add_argument("--timeline", action="store_true", help="CUDA events, not cProfile")
+    parser.add_argument("--out", help="JSON of the timeline report")
     cli = parser.parse_args()
     tiny = ["--tiny"] if cli.tiny else []
     args = e2e.parse_args(["--device", cli.device, "--models", cli.model, *tiny])
@@ -64,6 +120,8 @@ def main() -> None:
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
         llm.reset_prefix_cache()  # else the profiled run's prefills are all cache hits
         clock = e2e._StepClock()
+        if cli.timeline:
+            return run_timeline(llm, prompts, cli, SamplingParams)
         prof = cProfile.Profile()
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -88,6 +146,22 @@ def main() -> None:
     stats.sort_stats("tottime").print_stats(35)
     stats.sort_stats("cumulative").print_stats(35)
     print(buf.getvalue())
+
+
+def run_timeline(llm, prompts, cli, params_type) -> None:
+    timeline = Timeline(llm)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        llm.generate(prompts, params_type(max_tokens=cli.new_tokens, ignore_eos=True))
+    finally:
+        timeline.close()
+    wall = time.perf_counter() - start
+    report = {"model": cli.model, "requests": cli.requests, "new_tokens": cli.new_tokens}
+    report |= {"wall_s": wall} | timeline.report()
+    print(json.dumps(report, indent=1))
+    if cli.out:
+        Path(cli.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
