@@ -258,6 +258,8 @@ class _StepClock:
 
 def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     """unikv's LLM over the whole workload, all requests at t0."""
+    from common import JitWatch
+
     from unikv.engine import SamplingParams
 
     n = len(prompts)
@@ -268,9 +270,10 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     warmup_s = time.perf_counter() - start - init_s
     llm.reset_prefix_cache()  # the timed run prefills the same prompts: no hits from warm-up
     clock = _StepClock()
-    outputs = llm.generate(
-        prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_step=clock
-    )
+    with JitWatch() as watch:  # a compile in the timed run: a stall the warm-up missed
+        outputs = llm.generate(
+            prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_step=clock
+        )
     wall = time.perf_counter() - clock.t0
     made = sum(len(o.output_ids) for o in outputs)
     full = [s for s, dec, b in clock.steps if dec and b == n]
@@ -294,6 +297,7 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
         "prefix_caching": llm.prefix_caching,
         "full_batch_decode_step_ms_p50": float(np.median(full)) * 1e3 if full else None,
         "first_tokens": [o.output_ids[0] for o in outputs],
+        "jit_compiles_in_run": watch.summary() if args.device == "cuda" else [],
     }
     ttft = [times[0] - clock.t0 for times in clock.stamps.values()]
     res.update(latency(ttft, _gaps(clock.stamps.values())))

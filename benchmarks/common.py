@@ -88,3 +88,36 @@ def save_json(path: str | Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, sort_keys=False))
     print(f"saved {path}")
+
+
+class JitWatch:
+    """Records every Triton compile (in-process specialisations, disk-cache loads
+    included) while active: (kernel name, seconds from the pre-compile hook to the
+    post-compile hook, ``tag``'s value at the time). A compile inside a timed run
+    is a stall the warm-up did not cover."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.clock, self.tag, self.compiles, self._open = time.perf_counter, None, [], {}
+
+    def _before(self, *, key, repr, fn, **_):
+        self._open[str(key)] = self.clock()
+
+    def _after(self, *, key, repr, fn, **_):
+        start = self._open.pop(str(key), self.clock())
+        self.compiles.append((fn.name, self.clock() - start, self.tag))
+
+    def __enter__(self):
+        knobs = triton.knobs.runtime
+        self._saved = knobs.jit_cache_hook, knobs.jit_post_compile_hook
+        knobs.jit_cache_hook, knobs.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc) -> None:
+        triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook = (
+            self._saved
+        )
+
+    def summary(self) -> list[dict]:
+        return [{"kernel": k, "seconds": round(s, 4), "at": t} for k, s, t in self.compiles]

@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_e2e as e2e
+from common import JitWatch
 
 
 def graph_replay_ms(llm, reps: int = 30) -> float:
@@ -55,10 +56,12 @@ class Timeline:
     enqueue, the host time of the enqueue, the step's kind and token count."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.inner, self.rows = llm, llm.runner.launch, []
+        self.llm, self.inner, self.rows, self.watch = llm, llm.runner.launch, [], None
         llm.runner.launch = self
 
     def __call__(self, batch, prev=None):
+        if self.watch is not None:
+            self.watch.tag = len(self.rows)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         t = time.perf_counter()
@@ -86,6 +89,11 @@ class Timeline:
             gap = self.rows[i - 1][3].elapsed_time(start) if i else float("nan")
             kind["idle_before"].append(gap)
             kind["tokens"].append(tokens)
+        self.per_step = [
+            {"decode": dec, "tokens": tokens, "host_ms": round(host * 1e3, 3),
+             "span_ms": round(start.elapsed_time(end), 3)}
+            for _, host, start, end, dec, tokens in self.rows
+        ]  # fmt: skip
         return {
             name: {"steps": len(v["wall"])}
             | {f"{k}_p50": float(np.nanmedian(v[k])) for k in KEYS}
@@ -153,12 +161,16 @@ def run_timeline(llm, prompts, cli, params_type) -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     try:
-        llm.generate(prompts, params_type(max_tokens=cli.new_tokens, ignore_eos=True))
+        with JitWatch() as watch:
+            timeline.watch = watch
+            llm.generate(prompts, params_type(max_tokens=cli.new_tokens, ignore_eos=True))
     finally:
         timeline.close()
     wall = time.perf_counter() - start
     report = {"model": cli.model, "requests": cli.requests, "new_tokens": cli.new_tokens}
     report |= {"wall_s": wall} | timeline.report()
+    report["jit_compiles_in_run"] = watch.summary()  # "at": the step index
+    report["steps"] = timeline.per_step
     print(json.dumps(report, indent=1))
     if cli.out:
         Path(cli.out).write_text(json.dumps(report, indent=1))
