@@ -51,6 +51,7 @@ SHAPE = {"experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 BATCHES = (1, 64, 256)
 SWEEP_BATCHES = moe.BUCKETS  # one B per table bucket
 KW = {"activation": "gpt_oss", "gate_up": "interleaved"}
+N_MAJOR = os.environ.get("MOE_SWEEP_N_MAJOR") == "1"  # also time the old dense layout
 
 
 def make_experts(e: int, d: int, i: int, g: torch.Generator) -> dict:
@@ -67,15 +68,19 @@ def make_experts(e: int, d: int, i: int, g: torch.Generator) -> dict:
     return {"w1": w1, "w2": w2, "w1_scales": s1, "w2_scales": s2, "b1": b1, "b2": b2}
 
 
-def dequantised(packed: dict) -> dict:
-    """The same experts as dense bf16 (E, N, K) views (what the loader made before)."""
+def dequantised(packed: dict, k_contiguous: bool = True) -> dict:
+    """The same experts as dense bf16 (E, N, K): contiguous along K, as a loaded
+    gpt-oss model holds them, or (``k_contiguous=False``) transformers' (E, K, N)
+    storage seen transposed, as the model held them before (the sweep's
+    ``bf16_n_major`` rows)."""
     out = {"b1": packed["b1"], "b2": packed["b2"]}
     for w, s in (("w1", "w1_scales"), ("w2", "w2_scales")):
         dense = [
             dequantize_mxfp4(packed[w][e : e + 1], packed[s][e : e + 1]).bfloat16()
             for e in range(packed[w].shape[0])
-        ]  # one expert at a time in fp32, on the GPU
-        out[w] = torch.cat(dense).transpose(1, 2)  # (E, N, K) view
+        ]  # one expert at a time in fp32, on the GPU: (1, K, N) each
+        view = torch.cat(dense).transpose(1, 2)  # (E, N, K), N-contiguous
+        out[w] = view.contiguous() if k_contiguous else view
     return out
 
 
@@ -171,7 +176,7 @@ def install_lines(rows: list) -> list:
     """``TABLE[(bucket, mxfp4)] = ...`` from the fastest checked row of each (B, format);
     bf16 takes LOOP where the loop was faster."""
     lines = []
-    for t in SWEEP_BATCHES:
+    for t in sorted({r["B"] for r in rows if "B" in r}):
         for fmt in ("mxfp4", "bf16"):
             ok = [r for r in rows if r["B"] == t and r["format"] == fmt and "us" in r]
             if not ok:
@@ -192,6 +197,8 @@ def run_sweep(budget_s: float, batches: tuple[int, ...] = SWEEP_BATCHES) -> None
     e, d, i = SHAPE["experts"], SHAPE["hidden"], SHAPE["intermediate"]
     packed = make_experts(e, d, i, g)
     experts = {"mxfp4": packed, "bf16": dequantised(packed)}
+    if N_MAJOR:
+        experts["bf16_n_major"] = dequantised(packed, k_contiguous=False)
     rows = []
     for t in batches:
         try:

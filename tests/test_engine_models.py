@@ -102,6 +102,23 @@ def test_gpt_oss_sparse_expert_loop_matches(tmp_path, monkeypatch):
     assert (_unikv_logits(model, tokens) - hf_logits(hf, tokens)).abs().max() < ATOL
 
 
+def test_gpt_oss_dense_experts_reach_the_kernel_k_contiguous(tmp_path):
+    """The fused MoE's (E, N, K) weight views of dense gpt-oss experts run along K in
+    memory (whole K runs a tile row, not a stride-2 gather of interleaved gate/up
+    columns), and hold the checkpoint's values: element [e, n, k] of the view is the
+    checkpoint tensor's [e, k, n]."""
+    from safetensors.torch import load_file
+
+    save_tiny_model("gpt_oss", str(tmp_path))
+    model = load_model(str(tmp_path))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    experts = model.model.layers[0].mlp.experts
+    ops = experts.operands()
+    for view, name in ((ops["w1"], "gate_up_proj"), (ops["w2"], "down_proj")):
+        assert view.stride(-1) == 1 and view.is_contiguous(), (name, view.stride())
+        torch.testing.assert_close(view, saved[f"model.layers.0.mlp.experts.{name}"].mT)
+
+
 def test_sharded_checkpoint_loads_like_single_file(tmp_path):
     hf = save_tiny_model("llama", str(tmp_path / "one"))
     hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")

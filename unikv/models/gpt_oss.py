@@ -41,8 +41,9 @@ class Experts(nn.Module):
     """gpt-oss's experts, run by the fused MoE (``kernels/moe.py``; the torch
     reference off CUDA), with gate and up interleaved (gate 2j, up 2j+1).
 
-    Dense (transformers' layout): ``gate_up_proj`` (E, hidden, 2I), ``down_proj``
-    (E, I, hidden), passed to the kernel as (E, N, K) transposed views, no copy.
+    Dense (transformers' shapes): ``gate_up_proj`` (E, hidden, 2I), ``down_proj``
+    (E, I, hidden), stored transposed, so the kernel's (E, N, K) views of them (no
+    copy) are contiguous along K.
     MXFP4 kept packed (``config.extra["mxfp4_experts"]``, a checkpoint quantised
     with ``quant_method`` "mxfp4"): the checkpoint's ``gate_up_proj_blocks`` (E, 2I,
     hidden / 32, 16) and ``_scales`` (E, 2I, hidden / 32), ``down_proj_blocks`` (E,
@@ -73,8 +74,11 @@ class Experts(nn.Module):
             shards = {"gate_up_proj_blocks": 1, "gate_up_proj_scales": 1}
             shards.update({"down_proj_blocks": 2, "down_proj_scales": 2})
         else:
-            self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
-            self.down_proj = nn.Parameter(torch.zeros(e, i, h))
+            # transformers' shapes, stored K-contiguous: the kernel's (E, N, K) views
+            # (``operands``) load whole K runs; N-contiguous storage made every weight
+            # tile a stride-2 gather (interleaved gate/up), 3x the FLOP time at prefill
+            self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h).transpose(1, 2))
+            self.down_proj = nn.Parameter(torch.zeros(e, h, i).transpose(1, 2))
             shards = {"gate_up_proj": 2, "down_proj": 1}
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
