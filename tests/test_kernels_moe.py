@@ -244,7 +244,8 @@ def test_split_k_mxfp4_matches_dequantised(dtype, t):
 
 @pytest.mark.parametrize(
     "t, want", [(1, 1), (2, 8), (8, 8), (9, 16), (16, 16), (17, 64), (64, 64), (65, 256),
-                (256, 256), (257, 2048), (2048, 2048), (8192, 2048)],
+                (256, 256), (257, 2048), (2048, 2048), (2049, 8192), (8192, 8192),
+                (40000, 8192)],
 )  # fmt: skip
 def test_plan_picks_the_table_entry(t, want):
     """``plan`` returns the entry of T's bucket (the smallest bucket >= T, else the

@@ -58,7 +58,7 @@ class Config(NamedTuple):
 
 
 LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
-BUCKETS = (1, 8, 16, 64, 256, 2048)  # T buckets: the smallest >= T, else the last
+BUCKETS = (1, 8, 16, 64, 256, 2048, 8192)  # T buckets: the smallest >= T, else the last
 FP32_CONFIG = Config(0, 64, 64, 1, 4, 3)  # fp32 models: exact fp32 dots, small tiles
 # What the sweep times (and the interpreter tests run), most promising first: a time
 # budget cuts the tail. Small T: few rows, so narrow N tiles, long K tiles and K
@@ -104,7 +104,10 @@ CANDIDATES = {
 # before); an integer MXFP4 decode swept then ran 0.6-0.9x and was removed. The kernel beat
 # the dense loop at every bucket (2.6-2.9x on bf16 experts at decode, 4.7-7.9x at
 # 2048-token prefill chunks), so no entry is LOOP today; the dense loop stays the
-# rule's other arm. Times: 92dff99's sweep.
+# rule's other arm. Times: 92dff99's sweep, except 256 tokens and up: d3af9f3's
+# (``moe_sweep_h200_B256_2048_8192.json``), dense experts stored K-contiguous, as gpt-oss
+# now loads them (1.24-1.90x the N-major storage's best tile); 8192 is the engine's
+# prefill chunk. Entries below 256 tokens were swept on N-major dense experts.
 TABLE: dict[tuple[int, bool], Config | None] = {
     (1, True): Config(16, 32, 128, 1, 4, 4),  # 137.2 us, 9.3 % of roofline
     (1, False): Config(16, 32, 128, 1, 4, 4),  # 148.1 us, 32.3 %
@@ -114,10 +117,12 @@ TABLE: dict[tuple[int, bool], Config | None] = {
     (16, False): Config(0, 64, 64, 1, 4, 4, True),  # 476.6 us, 72.7 % (505.5)
     (64, True): Config(0, 64, 128, 1, 4, 3, True),  # 478.3 us, 21.3 % (511.3)
     (64, False): Config(16, 128, 64, 1, 4, 3),  # 543.0 us, 70.4 %
-    (256, True): Config(64, 64, 64, 1, 4, 3),  # 669.8 us, 15.3 %
-    (256, False): Config(64, 64, 64, 1, 4, 3),  # 632.6 us, 60.6 %
-    (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2142.7 us, 5.0 %
-    (2048, False): Config(128, 64, 64, 1, 4, 3),  # 1963.4 us, 19.8 %
+    (256, True): Config(64, 64, 64, 1, 4, 3),  # 675.0 us, 15.3 % (d3af9f3)
+    (256, False): Config(64, 64, 64, 1, 4, 3),  # 508.9 us, 75.8 % (d3af9f3; 632.4 N-major)
+    (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2220.4 us, 4.9 % (d3af9f3)
+    (2048, False): Config(128, 128, 64, 1, 8, 3),  # 1194.0 us (d3af9f3; 2060.4 N-major)
+    (8192, True): Config(128, 64, 64, 1, 4, 3),  # 6974.5 us (d3af9f3)
+    (8192, False): Config(128, 128, 64, 1, 8, 4),  # 3681.3 us, 57 % of bf16 peak (d3af9f3)
 }
 KERNEL_FOR_LOOP = TABLE[256, False]  # ``fused_moe`` where the table says LOOP
 
