@@ -258,7 +258,7 @@ class _StepClock:
 
 def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     """unikv's LLM over the whole workload, all requests at t0."""
-    from common import JitWatch
+    from common import GcWatch, JitWatch, allocator_counts
 
     from unikv.engine import SamplingParams
 
@@ -270,10 +270,13 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     warmup_s = time.perf_counter() - start - init_s
     llm.reset_prefix_cache()  # the timed run prefills the same prompts: no hits from warm-up
     clock = _StepClock()
-    with JitWatch() as watch:  # a compile in the timed run: a stall the warm-up missed
+    cuda = args.device == "cuda"
+    alloc_before = allocator_counts() if cuda else {}
+    with JitWatch() as watch, GcWatch() as gcs:  # stalls the warm-up did not cover
         outputs = llm.generate(
             prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_step=clock
         )
+    alloc = {k: v - alloc_before[k] for k, v in allocator_counts().items()} if cuda else {}
     wall = time.perf_counter() - clock.t0
     made = sum(len(o.output_ids) for o in outputs)
     full = [s for s, dec, b in clock.steps if dec and b == n]
@@ -297,7 +300,9 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
         "prefix_caching": llm.prefix_caching,
         "full_batch_decode_step_ms_p50": float(np.median(full)) * 1e3 if full else None,
         "first_tokens": [o.output_ids[0] for o in outputs],
-        "jit_compiles_in_run": watch.summary() if args.device == "cuda" else [],
+        "jit_compiles_in_run": watch.summary() if cuda else [],
+        "gc_in_run": gcs.summary(),
+        "allocator_in_run": alloc,
     }
     ttft = [times[0] - clock.t0 for times in clock.stamps.values()]
     res.update(latency(ttft, _gaps(clock.stamps.values())))

@@ -52,6 +52,7 @@ BATCHES = (1, 64, 256)
 SWEEP_BATCHES = moe.BUCKETS  # one B per table bucket
 KW = {"activation": "gpt_oss", "gate_up": "interleaved"}
 N_MAJOR = os.environ.get("MOE_SWEEP_N_MAJOR") == "1"  # also time the old dense layout
+FORMATS = tuple(f for f in os.environ.get("MOE_SWEEP_FORMATS", "").split(",") if f)
 
 
 def make_experts(e: int, d: int, i: int, g: torch.Generator) -> dict:
@@ -139,7 +140,8 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
     x = torch.randn(t, d, generator=g).bfloat16().cuda()
     top, ids = torch.topk(torch.randn(t, e, generator=g).cuda(), k, dim=-1)
     weights = torch.softmax(top, dim=-1).bfloat16()
-    ref = moe_ref.fused_moe(x, weights, ids, **experts["mxfp4"], **KW).float()
+    ref_w = experts.get("mxfp4") or experts["bf16"]  # the same values (MXFP4 is exact in bf16)
+    ref = moe_ref.fused_moe(x, weights, ids, **ref_w, **KW).float()
     scale = max(1.0, ref.abs().max().item())
     base = {"B": t, "distinct_experts": int(ids.unique().numel())}
     loop_us, how = timed(lambda: moe_ref.fused_moe(x, weights, ids, **experts["bf16"], **KW))
@@ -197,6 +199,8 @@ def run_sweep(budget_s: float, batches: tuple[int, ...] = SWEEP_BATCHES) -> None
     e, d, i = SHAPE["experts"], SHAPE["hidden"], SHAPE["intermediate"]
     packed = make_experts(e, d, i, g)
     experts = {"mxfp4": packed, "bf16": dequantised(packed)}
+    if FORMATS:  # MOE_SWEEP_FORMATS=bf16: only those formats
+        experts = {f: w for f, w in experts.items() if f in FORMATS}
     if N_MAJOR:
         experts["bf16_n_major"] = dequantised(packed, k_contiguous=False)
     rows = []

@@ -121,3 +121,51 @@ class JitWatch:
 
     def summary(self) -> list[dict]:
         return [{"kernel": k, "seconds": round(s, 4), "at": t} for k, s, t in self.compiles]
+
+
+class GcWatch:
+    """Records every garbage-collector pass while active: (generation, seconds,
+    ``tag``'s value at its start), through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.clock, self.tag, self.passes, self._start = time.perf_counter, None, [], None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = (self.clock(), self.tag)
+        elif self._start is not None:
+            t, tag = self._start
+            self.passes.append((info["generation"], self.clock() - t, tag))
+
+    def __enter__(self):
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        """Per generation: passes and total ms; the longest pass (ms, tag)."""
+        out = {}
+        for gen, secs, tag in self.passes:
+            row = out.setdefault(f"gen{gen}", {"passes": 0, "ms": 0.0, "max_ms": 0.0})
+            row["passes"] += 1
+            row["ms"] = round(row["ms"] + secs * 1e3, 3)
+            if secs * 1e3 > row["max_ms"]:
+                row["max_ms"], row["max_at"] = round(secs * 1e3, 3), tag
+        return out
+
+
+ALLOC_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """The CUDA caching allocator's counters that mean driver calls or syncs."""
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ALLOC_KEYS}

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_e2e as e2e
-from common import JitWatch
+from common import GcWatch, JitWatch, allocator_counts
 
 
 def graph_replay_ms(llm, reps: int = 30) -> float:
@@ -56,12 +56,18 @@ class Timeline:
     enqueue, the host time of the enqueue, the step's kind and token count."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.inner, self.rows, self.watch = llm, llm.runner.launch, [], None
+        self.llm, self.inner, self.rows, self.watch, self.gc = (
+            llm,
+            llm.runner.launch,
+            [],
+            None,
+            None,
+        )
         llm.runner.launch = self
 
     def __call__(self, batch, prev=None):
         if self.watch is not None:
-            self.watch.tag = len(self.rows)
+            self.watch.tag = self.gc.tag = len(self.rows)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
         t = time.perf_counter()
@@ -91,8 +97,9 @@ class Timeline:
             kind["tokens"].append(tokens)
         self.per_step = [
             {"decode": dec, "tokens": tokens, "host_ms": round(host * 1e3, 3),
-             "span_ms": round(start.elapsed_time(end), 3)}
-            for _, host, start, end, dec, tokens in self.rows
+             "span_ms": round(start.elapsed_time(end), 3),
+             "idle_before_ms": round(self.rows[i - 1][3].elapsed_time(start), 3) if i else None}
+            for i, (_, host, start, end, dec, tokens) in enumerate(self.rows)
         ]  # fmt: skip
         return {
             name: {"steps": len(v["wall"])}
@@ -161,15 +168,19 @@ def run_timeline(llm, prompts, cli, params_type) -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     try:
-        with JitWatch() as watch:
-            timeline.watch = watch
+        alloc_before = allocator_counts()
+        with JitWatch() as watch, GcWatch() as gcs:
+            timeline.watch, timeline.gc = watch, gcs
             llm.generate(prompts, params_type(max_tokens=cli.new_tokens, ignore_eos=True))
+        alloc = {k: v - alloc_before[k] for k, v in allocator_counts().items()}
     finally:
         timeline.close()
     wall = time.perf_counter() - start
     report = {"model": cli.model, "requests": cli.requests, "new_tokens": cli.new_tokens}
     report |= {"wall_s": wall} | timeline.report()
     report["jit_compiles_in_run"] = watch.summary()  # "at": the step index
+    report["gc_in_run"] = gcs.summary()  # "max_at": the step index
+    report["allocator_in_run"] = alloc
     report["steps"] = timeline.per_step
     print(json.dumps(report, indent=1))
     if cli.out:
