@@ -166,6 +166,10 @@ ALLOC_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_s
 
 
 def allocator_counts() -> dict:
-    """The CUDA caching allocator's counters that mean driver calls or syncs."""
+    """The CUDA caching allocators' counters that mean driver calls or syncs: the
+    device allocator's, and the pinned host blocks created (``num_host_alloc``)."""
     stats = torch.cuda.memory_stats()
-    return {k: stats.get(k, 0) for k in ALLOC_KEYS}
+    host = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return {k: stats.get(k, 0) for k in ALLOC_KEYS} | {
+        "num_host_alloc": host.get("num_host_alloc", host.get("allocations.allocated", -1))
+    }

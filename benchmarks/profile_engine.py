@@ -56,26 +56,39 @@ class Timeline:
     enqueue, the host time of the enqueue, the step's kind and token count."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.inner, self.rows, self.watch, self.gc = (
-            llm,
-            llm.runner.launch,
-            [],
-            None,
-            None,
-        )
+        self.llm, self.inner, self.rows = llm, llm.runner.launch, []
+        self.watch = self.gc = None
         llm.runner.launch = self
+        self.phases: dict[str, float] = {}  # host ms inside this launch, by phase
+        self.step_phases: list[dict] = []
+        runner = llm.runner
+        for obj, name in ((runner.planner, "plan"), (runner, "forward"), (runner, "sample"),
+                          (runner, "_readback")):  # fmt: skip
+            setattr(obj, name, self._timed(getattr(obj, name), name.strip("_")))
+
+    def _timed(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phases[phase] = (time.perf_counter() - t) * 1e3
+
+        return timed
 
     def __call__(self, batch, prev=None):
         if self.watch is not None:
             self.watch.tag = self.gc.tag = len(self.rows)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        self.phases = {}
         t = time.perf_counter()
         launched = self.inner(batch, prev)
         host = time.perf_counter() - t
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self.rows.append((t, host, start, end, batch.is_decode, sum(batch.num_new)))
+        self.step_phases.append({k: round(v, 3) for k, v in self.phases.items()})
         return launched
 
     def close(self) -> None:
@@ -98,7 +111,8 @@ class Timeline:
         self.per_step = [
             {"decode": dec, "tokens": tokens, "host_ms": round(host * 1e3, 3),
              "span_ms": round(start.elapsed_time(end), 3),
-             "idle_before_ms": round(self.rows[i - 1][3].elapsed_time(start), 3) if i else None}
+             "idle_before_ms": round(self.rows[i - 1][3].elapsed_time(start), 3) if i else None,
+             "host_phases_ms": self.step_phases[i]}
             for i, (_, host, start, end, dec, tokens) in enumerate(self.rows)
         ]  # fmt: skip
         return {

@@ -178,3 +178,26 @@ def test_fp32_mixed_steps_split_off_their_fresh_prompts(saved, refs):
     outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
     assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
     assert any(sp is not None for sp in splits), "a mixed step was split"
+
+
+def _host_allocs() -> int:
+    """Pinned blocks the caching host allocator has created so far."""
+    stats = torch.cuda.host_memory_stats()
+    key = "num_host_alloc" if "num_host_alloc" in stats else "allocations.allocated"
+    assert key in stats, f"torch.cuda.host_memory_stats() has neither counter: {sorted(stats)}"
+    return int(stats[key])
+
+
+def test_steps_pin_no_host_memory(saved):
+    """Every pinned host buffer of the step path is made at construction: a generate
+    whose batches grow from 1 to 40 requests (prefill, mixed and decode steps, graphs
+    and eager) pins nothing more (a pinning call inside a step stalls its launches)."""
+    from unikv.engine import SamplingParams
+
+    _, path = saved
+    llm = gpu_llm(path, torch.bfloat16, max_num_seqs=48)
+    prompts = seeded_prompts([5 + i % 7 for i in range(40)], seed=3)
+    before = _host_allocs()
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4))
+    llm.generate(prompts, SamplingParams(max_tokens=12))
+    assert _host_allocs() == before

@@ -130,8 +130,12 @@ class ModelRunner:
             pin=self._pin,
         )
         # Two pinned host slots for the sampled tokens, used alternately: with one
-        # step in flight, a slot is rewritten only after its step was resolved.
-        self._tokens_host = [torch.empty(0, dtype=torch.int64)] * 2
+        # step in flight, a slot is rewritten only after its step was resolved. Sized
+        # for the largest step here, once: pinning on the step path (a slot grown as
+        # batches grew) is a driver call in the middle of a step's launches.
+        slot = max_num_seqs if self._pin else 0
+        self._tokens_host = [torch.empty(slot, dtype=torch.int64, pin_memory=self._pin)
+                             for _ in range(2)]  # fmt: skip
         self._readback = self._pinned_readback if self._pin else self._direct_readback
         self._launches = 0
         self.graphs = None
