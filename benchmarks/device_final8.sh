@@ -10,8 +10,7 @@ pt="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider"
 step gpu_tests 120 $pt -k "gpt_oss or gpt-oss or moe or MoE" tests/test_kernels_moe.py \
   tests/test_engine_gpu.py tests/test_gpu_smoke.py
 step e2e_all 200 python3 benchmarks/bench_e2e.py --device cuda --quick --out $R/e2e_same_run.json
-step timeline_llama 55 python3 benchmarks/profile_engine.py --model llama --new-tokens 64 \
-  --timeline --out $R/timeline_llama.json
+timelines 55 llama
 step breakdown_decode 60 python3 benchmarks/bench_breakdown.py --device cuda \
   --out $R/breakdown_decode.json
 MOE_SWEEP_FORMATS=bf16 step moe_sweep_small 70 python3 benchmarks/bench_moe.py --sweep \

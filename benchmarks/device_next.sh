@@ -15,10 +15,7 @@
 # (The seventh session's calls: device_sweeps.sh, device_split.sh, device_last.sh.)
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/next_res /tmp/next_out
-for m in llama gpt-oss; do
-  step timeline_$m 70 python3 benchmarks/profile_engine.py --model $m --new-tokens 64 --timeline \
-    --out $R/timeline_$m.json
-done
+timelines 70 llama gpt-oss
 step host_prefill 80 python3 benchmarks/profile_engine.py --model llama --new-tokens 2
 for run in after1 before after2; do
   tree=$PWD commit=$UNIKV_GIT_COMMIT

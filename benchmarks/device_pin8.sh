@@ -7,8 +7,7 @@ source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/pin8_res /tmp/pin8_out
 step gpu_tests 70 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -k pin_no_host \
   tests/test_engine_gpu.py
-step timeline_llama 45 python3 benchmarks/profile_engine.py --model llama --new-tokens 64 \
-  --timeline --out $R/timeline_llama.json
+timelines 45 llama
 step e2e 85 python3 benchmarks/bench_e2e.py --device cuda --quick --paths unikv \
   --out $R/e2e.json
 device_finish

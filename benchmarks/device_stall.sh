@@ -5,10 +5,7 @@
 #   UNIKV_GIT_COMMIT=<sha> bash benchmarks/device_stall.sh
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/stall_res /tmp/stall_out
-for m in llama gpt-oss; do
-  step timeline_$m 70 python3 benchmarks/profile_engine.py --model $m --new-tokens 64 --timeline \
-    --out $R/timeline_$m.json
-done
+timelines 70 llama gpt-oss
 for run in 1 2; do
   step e2e_$run 90 python3 benchmarks/bench_e2e.py --device cuda --quick --paths unikv \
     --out $R/e2e_$run.json

@@ -5,6 +5,8 @@
 #                                      PYTHONPATH, capped at CAP s and by the deadline; its
 #                                      log in $R/logs/NAME.log, one summary line, results.tgz
 #                                      (not while NO_TAR is set: parallel lanes); its rc
+#   timelines CAP MODEL...             profile_engine --timeline of each model (64 new
+#                                      tokens) into $R/timeline_MODEL.json, CAP s each
 #   device_finish                      summary.txt and results.tgz under $FINAL
 device_setup() {
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -32,6 +34,14 @@ step() {
   echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a "$R/summary.txt"
   [ -z "$NO_TAR" ] && tar czf "$FINAL/results.tgz" -C "$R" . 2>/dev/null
   return $rc
+}
+
+timelines() {
+  local cap=$1 m; shift
+  for m in "$@"; do
+    step timeline_$m "$cap" python3 benchmarks/profile_engine.py --model "$m" --new-tokens 64 \
+      --timeline --out "$R/timeline_$m.json"
+  done
 }
 
 device_finish() {

@@ -62,8 +62,9 @@ class Timeline:
         self.phases: dict[str, float] = {}  # host ms inside this launch, by phase
         self.step_phases: list[dict] = []
         runner = llm.runner
-        for obj, name in ((runner.planner, "plan"), (runner, "forward"), (runner, "sample"),
-                          (runner, "_readback")):  # fmt: skip
+        self.wrapped = ((runner.planner, "plan"), (runner, "forward"), (runner, "sample"),
+                        (runner, "_readback"))  # fmt: skip
+        for obj, name in self.wrapped:
             setattr(obj, name, self._timed(getattr(obj, name), name.strip("_")))
 
     def _timed(self, fn, phase: str):
@@ -92,38 +93,44 @@ class Timeline:
         return launched
 
     def close(self) -> None:
+        """Unwrap the launch and the phases (instance attributes over the methods)."""
         self.llm.runner.launch = self.inner
+        for obj, name in self.wrapped:
+            delattr(obj, name)
 
     def report(self) -> dict:
         """Per kind: steps, and medians / sums (ms) of the step's wall (launch to
-        next launch), host enqueue, device span and the idle gap before it."""
+        next launch), host enqueue, device span and the idle gap before it; each
+        step's record in ``per_step``."""
         torch.cuda.synchronize()
-        out = {}
-        for i, (t, host, start, end, dec, tokens) in enumerate(self.rows):
-            kind = out.setdefault("decode" if dec else "prefill", {k: [] for k in KEYS})
-            nxt = self.rows[i + 1][0] if i + 1 < len(self.rows) else None
-            kind["wall"].append((nxt - t) * 1e3 if nxt is not None else float("nan"))
-            kind["host_launch"].append(host * 1e3)
-            kind["device_span"].append(start.elapsed_time(end))
-            gap = self.rows[i - 1][3].elapsed_time(start) if i else float("nan")
-            kind["idle_before"].append(gap)
-            kind["tokens"].append(tokens)
+        nan = float("nan")
         self.per_step = [
-            {"decode": dec, "tokens": tokens, "host_ms": round(host * 1e3, 3),
-             "span_ms": round(start.elapsed_time(end), 3),
-             "idle_before_ms": round(self.rows[i - 1][3].elapsed_time(start), 3) if i else None,
+            {"decode": dec, "tokens": tokens,
+             "wall_ms": (self.rows[i + 1][0] - t) * 1e3 if i + 1 < len(self.rows) else nan,
+             "host_ms": host * 1e3, "span_ms": start.elapsed_time(end),
+             "idle_before_ms": self.rows[i - 1][3].elapsed_time(start) if i else nan,
              "host_phases_ms": self.step_phases[i]}
-            for i, (_, host, start, end, dec, tokens) in enumerate(self.rows)
+            for i, (t, host, start, end, dec, tokens) in enumerate(self.rows)
         ]  # fmt: skip
+        out = {}
+        for step in self.per_step:
+            out.setdefault("decode" if step["decode"] else "prefill", []).append(step)
         return {
-            name: {"steps": len(v["wall"])}
-            | {f"{k}_p50": float(np.nanmedian(v[k])) for k in KEYS}
-            | {f"{k}_sum": float(np.nansum(v[k])) for k in KEYS if k != "tokens"}
-            for name, v in out.items()
+            name: {"steps": len(steps)}
+            | {f"{k}_p50": float(np.nanmedian([s[f] for s in steps])) for k, f in KEYS}
+            | {f"{k}_sum": float(np.nansum([s[f] for s in steps])) for k, f in KEYS[:-1]}
+            for name, steps in out.items()
         }
 
 
-KEYS = ("wall", "host_launch", "device_span", "idle_before", "tokens")
+# (the report's name, the per-step record's key); tokens last: a median, no sum
+KEYS = (
+    ("wall", "wall_ms"),
+    ("host_launch", "host_ms"),
+    ("device_span", "span_ms"),
+    ("idle_before", "idle_before_ms"),
+    ("tokens", "tokens"),
+)
 
 
 def main() -> None:

@@ -185,11 +185,9 @@ class ModelRunner:
         """(pinned host copy of the tokens, its CUDA event, logprobs on the host),
         all enqueued without waiting."""
         logprobs = logprobs.to_host() if logprobs is not None else None
-        slot = self._launches % 2
-        if self._tokens_host[slot].numel() < tokens_dev.numel():
-            size = 2 * tokens_dev.numel()
-            self._tokens_host[slot] = torch.empty(size, dtype=torch.int64).pin_memory()
-        host = self._tokens_host[slot][: tokens_dev.numel()]
+        host = self._tokens_host[self._launches % 2]
+        assert tokens_dev.numel() <= host.numel(), "a step has at most max_num_seqs requests"
+        host = host[: tokens_dev.numel()]
         host.copy_(tokens_dev, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
