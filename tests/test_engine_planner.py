@@ -3,8 +3,9 @@
 - ``LLM`` builds one backend and the pool, the allocator and the runner all
   call it: a recording backend sees each one's ops, and the tokens still equal
   transformers' greedy ones.
-- Under ``backend="triton"`` (the CPU interpreter) the runner stores K/V with
-  ``kernels/store.py``'s ``store_kv`` and decode attention's launch plan is made
+- Under ``backend="triton"`` (the CPU interpreter) the runner rotates and stores
+  K/V with ``kernels/rope_store.py``'s ``rope_store_kv`` (one launch a layer),
+  samples greedy rows with ``kernels/argmax.py``, and decode attention's launch plan is made
   once per step, its workspace a view of the planner's buffer.
 - CUDA-graph replay simulated on CPU: each padded size's plan is built once,
   over an empty batch, and every later step of that size runs THAT plan. Only
@@ -89,7 +90,7 @@ def test_one_backend_reaches_the_pool_the_allocator_and_the_runner(llama, monkey
     assert llm.runner.backend is llm.backend is rec.backend
     outputs = llm.generate(llama.prompts, SamplingParams(max_tokens=12))
     check_engine_outputs(llama, llm, outputs)
-    runner_ops = {"store_kv", "decode_attention", "extend_attention", "plan_decode"}
+    runner_ops = {"rope_store_kv", "decode_attention", "extend_attention", "plan_decode", "argmax"}
     allocator_ops = {"update_tables", "prepare_step", "translate_ids", "build_block_table"}
     assert runner_ops | allocator_ops <= set(rec.calls), rec.calls
     name = next(iter(llm.pool.subpools))
@@ -153,14 +154,17 @@ def test_fresh_kv_is_passed_exactly_for_requests_without_cached_tokens(llama, mo
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively (test_engine_gpu)")
 def test_triton_store_and_one_decode_plan_per_step(llama, monkeypatch):
-    from unikv.kernels import store
+    from unikv.kernels import argmax, rope_store
 
     llm, rec = _recorded_llm(monkeypatch, llama.path, "triton")
     rec.calls.clear()  # construction sized the planner's workspace with plan_decode
     outputs = llm.generate(llama.prompts[:2], SamplingParams(max_tokens=4))
     assert [o.output_ids for o in outputs] == [g[:4] for g in llama.greedy[:2]]
-    assert rec.backend.store_kv.__wrapped__ is store.store_kv and rec.calls["store_kv"] > 0
+    assert rec.backend.rope_store_kv.__wrapped__ is rope_store.rope_store_kv
+    assert rec.backend.argmax.__wrapped__ is argmax.argmax
     num_layers = llm.model.config.num_layers
+    assert rec.calls["store_kv"] == 0 and rec.calls["rope_qk"] == 0  # one launch a layer
+    assert rec.calls["rope_store_kv"] == num_layers * llm.stats.steps
     assert num_layers > 1 and rec.calls["plan_decode"] == llm.stats.decode_steps > 0
     assert rec.calls["decode_attention"] == num_layers * llm.stats.decode_steps
     launch = rec.kwargs["decode_attention"]

@@ -235,18 +235,33 @@ class DecodeAttention:
 
     # -- attention (AttentionFn) ------------------------------------------------------
 
-    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Write the step's new K/V rows of ``layer`` at its sub-pool's write ids;
-        returns the layer's cache and its sub-pool's step metadata."""
+    fuses_rope = True  # __call__ takes rope=(rotary, positions): one launch rotates and stores
+
+    def _store(self, layer: int, q, k: torch.Tensor, v: torch.Tensor, rope=None):
+        """Write the step's new K/V rows of ``layer`` at its sub-pool's write ids,
+        rotating q and k first when ``rope`` = (a ``models.rope.Rotary``, positions)
+        is given (one launch, ``rope_store_kv``, unless the cache is fp8: that
+        rounds the rotated rows, so it rotates, then quantises and stores). Returns
+        the layer's cache, its sub-pool's step metadata and the (rotated) q and k."""
         cache = self.layers[layer]
         step = self.plan.subpools[cache.subpool]
-        k, v = cache.quantize(k), cache.quantize(v)  # fp8: bit-copied into the uint8 bytes
-        self.backend.store_kv(cache.store_k, cache.store_v, step.write_ids.data, k, v)
-        return cache, step
+        ids = step.write_ids.data
+        if rope is not None:
+            rotary, positions = rope
+            if cache.store_k.dtype == k.dtype:
+                q, k = self.backend.rope_store_kv(
+                    cache.store_k, cache.store_v, ids, q, k, v, rotary.cos, rotary.sin, positions
+                )
+                return cache, step, q, k
+            q, k = rotary(positions, q, k)
+        kq, vq = cache.quantize(k), cache.quantize(v)  # fp8: bit-copied into the uint8 bytes
+        self.backend.store_kv(cache.store_k, cache.store_v, ids, kq, vq)
+        return cache, step, q, k
 
-    def __call__(self, layer, q, k, v, sinks=None):
-        """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D)."""
-        cache, step = self._store(layer, k, v)
+    def __call__(self, layer, q, k, v, sinks=None, rope=None):
+        """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D); rope: None (q and k come
+        rotated) or (rotary, positions) to rotate them here."""
+        cache, step, q, k = self._store(layer, q, k, v, rope)
         return self.backend.decode_attention(
             q,
             cache.k,
@@ -315,9 +330,9 @@ class ExtendAttention(DecodeAttention):
             max_q_len=plan.max_q_len, page_size=ctx.page_size, sm_scale=sm_scale,
         )  # fmt: skip
 
-    def __call__(self, layer, q, k, v, sinks=None):
-        """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D)."""
-        cache, step = self._store(layer, k, v)
+    def __call__(self, layer, q, k, v, sinks=None, rope=None):
+        """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D); rope as in DecodeAttention."""
+        cache, step, q, k = self._store(layer, q, k, v, rope)
         plan = self.plan
         # a fresh prompt's rows are the ones just stored (an fp8 cache rounds them: read it)
         own = cache.k.dtype == q.dtype

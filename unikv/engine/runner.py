@@ -195,11 +195,11 @@ class ModelRunner:
 
     def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None):
         """(B,) int64 next tokens and the step's logprobs (a StepLogprobs or None).
-        All-plain-greedy batches (known on the host) are one argmax; others go
+        All-plain-greedy batches (known on the host) are the backend's argmax; others go
         through ``logits.sample_requests`` (penalties, min_tokens, min_p, logprobs;
         placeholders in the outputs read from ``prev_tokens`` on the device)."""
         reqs = batch.requests
         greedy = batch.all_greedy  # the scheduler's, when it knows (DECODE batches)
         if greedy if greedy is not None else all(r.plain_greedy for r in reqs):
-            return logits.argmax(dim=-1), None
+            return self.backend.argmax(logits), None
         return sample_requests(reqs, logits.float(), prev_tokens, pin=self._pin)

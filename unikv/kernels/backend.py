@@ -20,13 +20,14 @@ import torch
 
 Op = Callable[..., object]
 
-KV_OPS = ("store_kv", "decode_attention", "extend_attention", "copy_pages")
+KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "extend_attention", "copy_pages")
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
-OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
+SAMPLING_OPS = ("argmax",)
+OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class KernelBackend:
 
     name: str
     store_kv: Op
+    rope_store_kv: Op
     decode_attention: Op
     extend_attention: Op
     copy_pages: Op
@@ -53,6 +55,7 @@ class KernelBackend:
     add_rms_norm: Op
     rope_qk: Op
     silu_mul: Op
+    argmax: Op
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -118,6 +121,7 @@ def _triton() -> KernelBackend:
 
     patch_interpreter()
     from unikv.kernels import (  # imported lazily: Triton is only needed here
+        argmax,
         block_table,
         decode,
         elementwise,
@@ -126,6 +130,7 @@ def _triton() -> KernelBackend:
         mla_decode,
         page_copy,
         recurrent,
+        rope_store,
         step_tables,
         store,
         table_update,
@@ -134,6 +139,7 @@ def _triton() -> KernelBackend:
     return KernelBackend(
         name="triton",
         store_kv=store.store_kv,
+        rope_store_kv=rope_store.rope_store_kv,
         decode_attention=decode.decode_attention,
         extend_attention=extend.extend_attention,
         copy_pages=page_copy.copy_pages,
@@ -149,6 +155,7 @@ def _triton() -> KernelBackend:
         store_mla=mla.store_mla,
         mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
+        argmax=argmax.argmax,
     )
 
 
@@ -158,6 +165,7 @@ def _torch() -> KernelBackend:
     return KernelBackend(
         name="torch",
         store_kv=reference.store_kv,
+        rope_store_kv=reference.rope_store_kv,
         decode_attention=reference.decode_attention,
         extend_attention=reference.extend_attention,
         copy_pages=reference.copy_pages,
@@ -173,6 +181,7 @@ def _torch() -> KernelBackend:
         store_mla=mla_ref.store_mla,
         mla_attention=mla_ref.mla_attention,
         **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS},
+        argmax=reference.argmax,
     )
 
 

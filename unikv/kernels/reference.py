@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from unikv.kernels._checks import as_storage
+from unikv.kernels.elementwise_ref import rope_qk
 from unikv.layout import IdMap, as_paged
 
 
@@ -39,6 +40,29 @@ def store_kv(
     entries, slots = torch.div(ids, page_size, rounding_mode="floor"), ids % page_size
     as_paged(k_cache, page_size)[entries, slots] = as_storage("k", k, k_cache)
     as_paged(v_cache, page_size)[entries, slots] = as_storage("v", v, v_cache)
+
+
+def rope_store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kernel_ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope of q and k (``elementwise_ref.rope_qk``), then the rotated K and V rows
+    written at kernel ids (``store_kv``). Returns the new rotated (q, k)."""
+    q, k = rope_qk(q, k, cos, sin, positions)
+    store_kv(k_cache, v_cache, kernel_ids, k, v)
+    return q, k
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) float logits -> (B,) int64 first index of each row's maximum."""
+    return logits.argmax(dim=-1)
 
 
 def _gather_rows(

@@ -184,8 +184,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        out = attn(self.layer, q, k, v, self.sinks)  # (T, Hq, D)
+        if getattr(attn, "fuses_rope", False):  # the engine's: rope inside the K/V store
+            out = attn(self.layer, q, k, v, self.sinks, rope=(self.rotary[0], positions))
+        else:
+            q, k = self.rotary[0](positions, q, k)
+            out = attn(self.layer, q, k, v, self.sinks)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
