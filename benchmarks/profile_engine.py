@@ -18,6 +18,7 @@ the question "is the eager prefill step host-bound?" gets a direct answer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -25,6 +26,8 @@ import pstats
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -55,17 +58,32 @@ class Timeline:
     """Wraps ``llm.runner.launch``: CUDA events before and after each step's
     enqueue, the host time of the enqueue, the step's kind and token count."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, layers: bool = False) -> None:
         self.llm, self.inner, self.rows = llm, llm.runner.launch, []
         self.watch = self.gc = None
         llm.runner.launch = self
         self.phases: dict[str, float] = {}  # host ms inside this launch, by phase
         self.step_phases: list[dict] = []
+        self.layer_ms: list[float] = []  # host ms of each module call in this launch
+        self.step_layers: list[list[float]] = []
+        self.hooks = []
+        if layers:  # eager forwards only (a graph replay calls no module)
+            model = llm.model
+            mods = [model.model.embed_tokens, *model.model.layers, model.lm_head]
+            for mod in mods:
+                self.hooks.append(mod.register_forward_pre_hook(self._enter))
+                self.hooks.append(mod.register_forward_hook(self._leave))
         runner = llm.runner
         self.wrapped = ((runner.planner, "plan"), (runner, "forward"), (runner, "sample"),
                         (runner, "_readback"))  # fmt: skip
         for obj, name in self.wrapped:
             setattr(obj, name, self._timed(getattr(obj, name), name.strip("_")))
+
+    def _enter(self, _mod, _args) -> None:
+        self._t = time.perf_counter()
+
+    def _leave(self, _mod, _args, _out) -> None:
+        self.layer_ms.append(round((time.perf_counter() - self._t) * 1e3, 3))
 
     def _timed(self, fn, phase: str):
         def timed(*args, **kwargs):
@@ -82,7 +100,7 @@ class Timeline:
             self.watch.tag = self.gc.tag = len(self.rows)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        self.phases = {}
+        self.phases, self.layer_ms = {}, []
         t = time.perf_counter()
         launched = self.inner(batch, prev)
         host = time.perf_counter() - t
@@ -90,6 +108,7 @@ class Timeline:
         end.record()
         self.rows.append((t, host, start, end, batch.is_decode, sum(batch.num_new)))
         self.step_phases.append({k: round(v, 3) for k, v in self.phases.items()})
+        self.step_layers.append(self.layer_ms)
         return launched
 
     def close(self) -> None:
@@ -97,6 +116,8 @@ class Timeline:
         self.llm.runner.launch = self.inner
         for obj, name in self.wrapped:
             delattr(obj, name)
+        for hook in self.hooks:
+            hook.remove()
 
     def report(self) -> dict:
         """Per kind: steps, and medians / sums (ms) of the step's wall (launch to
@@ -110,6 +131,7 @@ class Timeline:
              "host_ms": host * 1e3, "span_ms": start.elapsed_time(end),
              "idle_before_ms": self.rows[i - 1][3].elapsed_time(start) if i else nan,
              "host_phases_ms": self.step_phases[i]}
+            | ({"modules_host_ms": self.step_layers[i]} if self.step_layers[i] else {})
             for i, (t, host, start, end, dec, tokens) in enumerate(self.rows)
         ]  # fmt: skip
         out = {}
@@ -142,6 +164,16 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model, 32-token prompts")
     parser.add_argument("--timeline", action="store_true", help="CUDA events, not cProfile")
     parser.add_argument("--out", help="JSON of the timeline report")
+    parser.add_argument(
+        "--layers",
+        action="store_true",
+        help="timeline: host ms of each module call (embedding, layers, lm_head)",
+    )
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="timeline: torch.cuda sync debug mode; each synchronising call's stack",
+    )
     cli = parser.parse_args()
     tiny = ["--tiny"] if cli.tiny else []
     args = e2e.parse_args(["--device", cli.device, "--models", cli.model, *tiny])
@@ -184,13 +216,42 @@ def main() -> None:
     print(buf.getvalue())
 
 
+class SyncWatch:
+    """torch.cuda's sync debug mode ("warn") over a run: every synchronising call
+    torch makes (``.item()``, a pageable copy, ``nonzero``...) is recorded with the
+    step index and its Python stack, once per distinct stack."""
+
+    def __init__(self, timeline) -> None:
+        self.timeline, self.seen = timeline, {}
+
+    def __enter__(self):
+        self._show = warnings.showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        stack = "".join(traceback.format_stack(limit=14)[:-2])
+        entry = self.seen.setdefault(stack, {"message": str(message)[:200], "steps": []})
+        entry["steps"].append(len(self.timeline.rows))
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = self._show
+
+    def summary(self) -> list[dict]:
+        return [{"stack": k, **v} for k, v in self.seen.items()]
+
+
 def run_timeline(llm, prompts, cli, params_type) -> None:
-    timeline = Timeline(llm)
+    timeline = Timeline(llm, layers=cli.layers)
+    syncs = SyncWatch(timeline) if cli.sync_debug else contextlib.nullcontext()
     torch.cuda.synchronize()
     start = time.perf_counter()
     try:
         alloc_before = allocator_counts()
-        with JitWatch() as watch, GcWatch() as gcs:
+        with JitWatch() as watch, GcWatch() as gcs, syncs:
             timeline.watch, timeline.gc = watch, gcs
             llm.generate(prompts, params_type(max_tokens=cli.new_tokens, ignore_eos=True))
         alloc = {k: v - alloc_before[k] for k, v in allocator_counts().items()}
@@ -202,6 +263,8 @@ def run_timeline(llm, prompts, cli, params_type) -> None:
     report["jit_compiles_in_run"] = watch.summary()  # "at": the step index
     report["gc_in_run"] = gcs.summary()  # "max_at": the step index
     report["allocator_in_run"] = alloc
+    if cli.sync_debug:
+        report["syncs_in_run"] = syncs.summary()  # "steps": the step index of each call
     report["steps"] = timeline.per_step
     print(json.dumps(report, indent=1))
     if cli.out:

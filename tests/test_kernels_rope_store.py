@@ -31,7 +31,9 @@ def _gen(seed: int) -> torch.Generator:
 def _pool(spec, ps, pages=6):
     cfg = [SubPoolConfig("full", spec, page_size=ps)]
     pool = UnifiedPool(cfg, pool_bytes_for(cfg, {"full": pages}), "cpu")
-    pool.buffer.copy_(torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=_gen(0)))
+    pool.buffer.copy_(
+        torch.randint(0, 256, pool.buffer.shape, dtype=torch.uint8, generator=_gen(0))
+    )
     return pool
 
 
