@@ -22,6 +22,7 @@ import contextlib
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import tempfile
@@ -170,6 +171,11 @@ def main() -> None:
         help="timeline: host ms of each module call (embedding, layers, lm_head)",
     )
     parser.add_argument(
+        "--no-warm-gemms",
+        action="store_true",
+        help="skip the engine's start-up GEMM warm-up (engine/warmup.py): the A/B",
+    )
+    parser.add_argument(
         "--sync-debug",
         action="store_true",
         help="timeline: torch.cuda sync debug mode; each synchronising call's stack",
@@ -178,6 +184,11 @@ def main() -> None:
     tiny = ["--tiny"] if cli.tiny else []
     args = e2e.parse_args(["--device", cli.device, "--models", cli.model, *tiny])
     from unikv.engine import SamplingParams
+
+    if cli.no_warm_gemms:
+        import unikv.engine.llm as llm_module
+
+        llm_module.warm_linears = lambda *a, **k: 0
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / cli.model
@@ -258,7 +269,9 @@ def run_timeline(llm, prompts, cli, params_type) -> None:
     finally:
         timeline.close()
     wall = time.perf_counter() - start
-    report = {"model": cli.model, "requests": cli.requests, "new_tokens": cli.new_tokens}
+    report = {"model": cli.model, "requests": cli.requests, "new_tokens": cli.new_tokens,
+              "warm_gemms": not cli.no_warm_gemms,
+              "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING")}  # fmt: skip
     report |= {"wall_s": wall} | timeline.report()
     report["jit_compiles_in_run"] = watch.summary()  # "at": the step index
     report["gc_in_run"] = gcs.summary()  # "max_at": the step index

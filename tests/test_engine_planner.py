@@ -285,3 +285,34 @@ def test_no_device_branch_per_step_and_no_graphs_in_the_scheduler():
         if isinstance(node, ast.Import | ast.ImportFrom):
             names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
             assert not any("graph" in n.lower() for n in names), names
+
+
+def test_warm_linears_runs_each_distinct_weight_at_every_row_count(monkeypatch):
+    """The GEMM warm-up (engine/warmup.py): one F.linear per distinct weight and
+    row count; lm_head up to the logits rows, the layers' up to the chunk; a
+    weight shared in shape with lm_head is warmed to the larger of the two."""
+    from torch import nn
+
+    from unikv.engine import warmup
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8, bias=False)])
+    model.lm_head = nn.Linear(8, 10, bias=False)
+    model.other = nn.Module()
+    model.other.lm_head = nn.Linear(12, 8, bias=False)  # the shape of layers[2]: one entry
+    seen: dict[tuple, list[int]] = {}
+    real = warmup.F.linear
+
+    def linear(x, weight, bias=None):
+        seen.setdefault((tuple(weight.shape), bias is not None), []).append(x.shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(warmup.F, "linear", linear)
+    launched = warmup.warm_linears(model, max_logit_rows=5, max_tokens=300)
+    grid = [*range(1, 257), 272, 288, 300]
+    assert seen == {
+        ((12, 8), True): grid,
+        ((8, 12), False): grid,
+        ((10, 8), False): [1, 2, 3, 4, 5],
+    }
+    assert launched == 2 * len(grid) + 5

@@ -42,7 +42,10 @@ def test_fused_rope_store_equals_rope_then_store(tokens):
     physical = torch.randperm(sub.usable_pages * PS, device="cuda")[:tokens] + sub.first_page * PS
     ids = layout.kernel_ids(physical, PS, sub.blocks_per_page)
     qkv = torch.randn(tokens, (HQ + 2 * HKV) * DIM, device="cuda", dtype=torch.bfloat16)
-    cos, sin = torch.randn(9000, DIM // 2, device="cuda"), torch.randn(9000, DIM // 2, device="cuda")
+    cos, sin = (
+        torch.randn(9000, DIM // 2, device="cuda"),
+        torch.randn(9000, DIM // 2, device="cuda"),
+    )
     pos = torch.randint(0, 9000, (tokens,), device="cuda")
     ops = get_backend("cuda", "triton")
 

@@ -43,6 +43,7 @@ from unikv.engine.runner import ModelRunner
 from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import Scheduler
 from unikv.engine.tracks import RequestGroup
+from unikv.engine.warmup import warm_linears
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
@@ -218,6 +219,8 @@ class LLM:
             cuda_graphs=use_graphs,
             max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         )
+        if self.device.type == "cuda":  # load the GEMM kernels now, not mid-step (warmup.py)
+            warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
         self.scheduler = Scheduler(
             self.alloc,
             self.pool.subpools.values(),

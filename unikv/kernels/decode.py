@@ -32,15 +32,19 @@ from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, siz
     workspace_numel,
 )
 
-MIN_SPLIT_TOKENS = 256  # never cut a request into chunks shorter than this
+MIN_SPLIT_TOKENS = 64  # never cut a request into chunks shorter than this (one 64-row tile)
 CTAS_PER_SM = 4  # split until about this many programs per SM ...
 NO_SPLIT_PROGRAMS_PER_SM = 2  # ... unless (B * H_kv) already gives this many per SM
 # (block_n, num_warps, num_stages) per head_dim, or per (head_dim, page_size) where that
 # differs; loops of LONG_LOOP_TILES or more tiles use LONG_LOOP_STAGES. Tuned on the
 # H200 (benchmarks/sweep_kernels.py, results in benchmarks/results/).
 CONFIGS = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 4, 2)}
+# without splits (a large batch): the e2e's decode batch at head dim 64 (B 256, 512-767
+# keys, page 16; bench_decode_ops.py, 76019ce) ran 128-key tiles 1.03x faster than 64
+NO_SPLIT_CONFIGS = {64: (128, 4, 2)}
 LONG_LOOP_TILES = 32
 LONG_LOOP_STAGES = 3
+HEADS_FIRST = False  # grid (H_kv, B, S): a request's KV heads launched side by side
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -60,7 +64,9 @@ def choose_config(dim: int, page_size: int, max_len: int, splits: int) -> tuple[
     block_d = next_pow2(dim)
     block_n, warps, stages = CONFIGS.get((block_d, page_size)) or CONFIGS.get(block_d, (32, 4, 2))
     if block_d <= 128 and triton.cdiv(max_len, splits * block_n) >= LONG_LOOP_TILES:
-        stages = max(stages, LONG_LOOP_STAGES)
+        return block_n, warps, max(stages, LONG_LOOP_STAGES)
+    if splits == 1 and block_d in NO_SPLIT_CONFIGS:  # short loops of a large batch
+        return NO_SPLIT_CONFIGS[block_d]
     return block_n, warps, stages
 
 
@@ -103,9 +109,14 @@ def _decode_split_kernel(
     HAS_CAP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(seq_lens + b)
     first = 0
@@ -184,7 +195,8 @@ def _decode_split_kernel(
             o_ptr, res.to(out.dtype.element_ty), mask=head_mask[:, None] & (offs_dv[None, :] < DV)
         )
     else:
-        row = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * NUM_SPLITS + split
+        num_kv = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
+        row = (b * (GROUP * num_kv) + heads).to(tl.int64) * NUM_SPLITS + split
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(
@@ -285,7 +297,8 @@ def decode_attention(
     ws_acc, ws_lse = split_workspace(workspace, bsz, hq, dim_v, splits, q.device)
     block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
     sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
-    _decode_split_kernel[(bsz, heads, splits)](
+    grid = (heads, bsz, splits) if HEADS_FIRST else (bsz, heads, splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -319,6 +332,7 @@ def decode_attention(
         HAS_CAP=soft_cap > 0,
         NUM_STAGES=stages,
         PRECISION=dot_precision(q),
+        HEADS_FIRST=HEADS_FIRST,
         num_warps=warps,
     )
     if splits > 1:
