@@ -127,7 +127,11 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
+def _rotated_halves(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
+    """(pointer to dims [0, HALF) of each head, mask, rotated first half, rotated
+    second half) of one token's heads, each product rounded to the dtype as the
+    reference rounds it; one thread loads both halves of a pair, so a caller may
+    store them in place (``rope_store.py`` also writes them into the cache)."""
     dt = ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_R)
@@ -137,8 +141,14 @@ def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.const
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
     a = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
     b = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
-    tl.store(p1, a.to(dt), mask=mask)
-    tl.store(p1 + HALF, b.to(dt), mask=mask)
+    return p1, mask, a.to(dt), b.to(dt)
+
+
+@triton.jit
+def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
+    p1, mask, a, b = _rotated_halves(ptr, s_head, H, c, s, BLOCK_H, BLOCK_R, HALF)
+    tl.store(p1, a, mask=mask)
+    tl.store(p1 + HALF, b, mask=mask)
 
 
 @triton.jit

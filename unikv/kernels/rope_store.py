@@ -28,23 +28,7 @@ from unikv.kernels._checks import (
     view_strides,
 )
 from unikv.kernels._ids import kernel_offset
-
-
-@triton.jit
-def _rotated_halves(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
-    """(pointer to dims [0, HALF) of each head, mask, rotated first half, rotated
-    second half) of one token's heads; the same thread loads both halves of a
-    pair, so the caller may store them in place."""
-    dt = ptr.dtype.element_ty
-    heads = tl.arange(0, BLOCK_H)
-    offs = tl.arange(0, BLOCK_R)
-    mask = (heads < H)[:, None] & (offs < HALF)[None, :]
-    p1 = ptr + heads.to(tl.int64)[:, None] * s_head + offs[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    a = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
-    b = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
-    return p1, mask, a.to(dt), b.to(dt)
+from unikv.kernels.elementwise import _rotated_halves
 
 
 @triton.jit
