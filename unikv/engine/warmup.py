@@ -26,6 +26,7 @@ from torch import nn
 
 EXACT_ROWS = 256  # every row count up to this one
 GRID_ROWS = 16  # then every GRID_ROWS-th
+GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what F.linear runs as it is
 
 
 def warm_rows(max_rows: int) -> list[int]:
@@ -44,7 +45,7 @@ def warm_linears(model: nn.Module, *, max_logit_rows: int, max_tokens: int) -> i
     zeros; returns the number of GEMMs launched. Nothing is kept."""
     shapes: dict[tuple, tuple[nn.Linear, int]] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and mod.weight.is_floating_point():
+        if isinstance(mod, nn.Linear) and mod.weight.dtype in GEMM_DTYPES:
             limit = max_logit_rows if name.split(".")[-1] == "lm_head" else max_tokens
             key = (tuple(mod.weight.shape), mod.weight.dtype, mod.bias is not None)
             if key not in shapes or shapes[key][1] < limit:

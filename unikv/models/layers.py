@@ -33,7 +33,12 @@ class AttentionFn(Protocol):
 
     q: (T, Hq, D), k: (T, H, D), v: (T, H, D) in the model dtype, T = tokens of
     the step in batch order; sinks: None or (Hq,) learned sink logits.
-    Returns (T, Hq, D)."""
+    Returns (T, Hq, D).
+
+    An implementation with ``fuses_rope = True`` (the engine's) also takes
+    ``rope=(rotary, positions)``: q and k come unrotated and it applies the
+    ``Rotary``'s tables itself, inside the K/V store (``kernels/rope_store.py``).
+    Without it, ``Attention`` rotates first (a model test's dense attention)."""
 
     def __call__(
         self,
