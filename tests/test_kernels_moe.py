@@ -141,9 +141,11 @@ def test_mxfp4_scales_far_from_one_are_exact(swap):
 
 
 @pytest.mark.parametrize("t, k, e, block_m", [(1, 1, 3, 16), (37, 2, 5, 16), (300, 2, 8, 64)])
-def test_align_groups_every_assignment_once(t, k, e, block_m):
+@pytest.mark.parametrize("form", ["kernel", "torch"])
+def test_align_groups_every_assignment_once(t, k, e, block_m, form):
     ids = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(t))
-    sorted_ids, block_experts = moe.align_by_expert(ids, e, block_m)
+    align = moe.align_by_expert if form == "kernel" else moe.align_by_expert_torch
+    sorted_ids, block_experts = align(ids, e, block_m)
     m = t * k
     real = sorted_ids[sorted_ids < m].long()
     assert sorted(real.tolist()) == list(range(m))  # each (token, slot) exactly once
@@ -154,6 +156,32 @@ def test_align_groups_every_assignment_once(t, k, e, block_m):
     used = int((block_experts >= 0).sum())
     want = sum(-(-int((ids == x).sum()) // block_m) for x in range(e))
     assert used == want and bool((block_experts[used:] == -1).all())
+
+
+@pytest.mark.parametrize(
+    "t, k, e, block_m",
+    [(256, 4, 32, 32), (3, 4, 32, 16), (700, 2, 6, 16), (64, 8, 128, 16), (40, 4, 256, 16)],
+)
+def test_align_kernel_equals_the_torch_form(t, k, e, block_m):
+    """The one-program Triton alignment against the torch form, element for element:
+    several one-hot chunks, experts left unused, E not a power of two, 256 experts."""
+    gen = torch.Generator().manual_seed(e + t)
+    ids = torch.randint(0, e, (t, k), generator=gen, dtype=torch.int32)
+    ids[: t // 2] = ids[: t // 2] % 3  # crowd a few experts: long runs, several blocks each
+    assert t * k <= moe.ALIGN_KERNEL_MAX
+    got = moe.align_by_expert(ids, e, block_m)
+    want = moe.align_by_expert_torch(ids, e, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_align_takes_the_torch_form_above_the_kernel_bound(monkeypatch):
+    ids = torch.randint(0, 8, (20, 2), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(moe, "ALIGN_KERNEL_MAX", 39)
+    calls = []
+    monkeypatch.setattr(moe, "align_by_expert_kernel", lambda *a: calls.append(a))
+    got = moe.align_by_expert(ids, 8, 16)
+    want = moe.align_by_expert_torch(ids, 8, 16)
+    assert not calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_bad_arguments_raise():

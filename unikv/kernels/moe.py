@@ -16,8 +16,9 @@ Launch plan, host ints only (CUDA graphs capture one T each, so a per-T choice i
 fixed inside a graph): ``TABLE[(bucket(T), mxfp4)]`` is a ``Config`` or ``LOOP``;
 ``LOOP`` runs the dense torch loop (``moe_ref.fused_moe``) instead, allowed only for
 unpacked experts (MXFP4 stays packed, so always fused). ``moe`` applies the rule;
-``fused_moe`` always runs the kernel. The alignment is torch ops with no host sync:
-``num_blocks`` is an upper bound from the host ints (T, k, E).
+``fused_moe`` always runs the kernel. The alignment has no host sync (``num_blocks``
+is an upper bound from the host ints T, k, E): one Triton program up to
+``ALIGN_KERNEL_MAX`` assignments (``moe_align.py``), torch ops above.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from unikv.kernels import moe_ref
 from unikv.kernels._interpret import patch_interpreter
+from unikv.kernels.moe_align import align_by_expert_kernel
 from unikv.kernels.moe_ref import check_moe_args
 from unikv.kernels.moe_triton import _down_kernel, _gate_up_kernel
 
@@ -157,7 +159,27 @@ def block_m_for(num_assign: int, num_experts: int) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
 
 
+ALIGN_KERNEL_MAX = 4096  # assignments (T * k) the one-program Triton alignment takes
+
+
+def num_blocks_for(m: int, num_experts: int, block_m: int) -> int:
+    """Host bound on the BLOCK_M blocks M assignments over E experts can fill."""
+    return max(1, min(m, (m + num_experts * (block_m - 1)) // block_m))
+
+
 def align_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align_by_expert_torch``'s result: one Triton launch (``moe_align.py``) up to
+    ALIGN_KERNEL_MAX assignments (decode steps), the torch form above (host ints)."""
+    m = topk_ids.numel()
+    if m <= ALIGN_KERNEL_MAX:
+        blocks = num_blocks_for(m, num_experts, block_m)
+        return align_by_expert_kernel(topk_ids, num_experts, block_m, blocks)
+    return align_by_expert_torch(topk_ids, num_experts, block_m)
+
+
+def align_by_expert_torch(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids: (T, k) expert ids -> (sorted_ids (num_blocks * block_m,) int32
@@ -166,7 +188,7 @@ def align_by_expert(
     Device ops only, no host sync; num_blocks is a host bound on the blocks used."""
     flat = topk_ids.reshape(-1).long()
     m = flat.numel()
-    num_blocks = max(1, min(m, (m + num_experts * (block_m - 1)) // block_m))
+    num_blocks = num_blocks_for(m, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
