@@ -316,3 +316,17 @@ def test_warm_linears_runs_each_distinct_weight_at_every_row_count(monkeypatch):
         ((10, 8), False): [1, 2, 3, 4, 5],
     }
     assert launched == 2 * len(grid) + 5
+
+
+def test_warm_sampling_runs_the_backend_argmax_over_a_full_batch():
+    from unikv.engine import warmup
+
+    calls = []
+
+    class Backend:
+        def argmax(self, logits):
+            calls.append((tuple(logits.shape), logits.dtype))
+            return logits.argmax(-1)
+
+    warmup.warm_sampling(Backend(), rows=7, vocab=11, dtype=torch.bfloat16, device="cpu")
+    assert calls == [((1, 11), torch.bfloat16), ((7, 11), torch.bfloat16)]

@@ -43,7 +43,7 @@ from unikv.engine.runner import ModelRunner
 from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import Scheduler
 from unikv.engine.tracks import RequestGroup
-from unikv.engine.warmup import warm_linears
+from unikv.engine.warmup import warm_linears, warm_sampling
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
@@ -219,8 +219,12 @@ class LLM:
             cuda_graphs=use_graphs,
             max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         )
-        if self.device.type == "cuda":  # load the GEMM kernels now, not mid-step (warmup.py)
+        if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
             warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
+            head = self.model.lm_head  # logits: fp32 unless the model returns lm_head's dtype
+            dtype = head.weight.dtype if getattr(self.model, "logits_dtype", 0) is None else None
+            warm_sampling(self.backend, rows=max_num_seqs, vocab=head.out_features,
+                          dtype=dtype or torch.float32, device=self.device)  # fmt: skip
         self.scheduler = Scheduler(
             self.alloc,
             self.pool.subpools.values(),

@@ -22,7 +22,7 @@ PROGRAMS_PER_SM = 8  # split rows until about this many programs per SM
 MERGE_BLOCK = 128  # chunk results the merge reads per iteration
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_row", "V", "chunk", "splits"])  # one compile per DIRECT
 def _argmax_chunk_kernel(x, s_row, V, chunk, best_v, best_i, out, splits,
                          DIRECT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -47,7 +47,7 @@ def _argmax_chunk_kernel(x, s_row, V, chunk, best_v, best_i, out, splits,
         tl.store(best_i + row * splits + part, first)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "splits"])
 def _argmax_merge_kernel(best_v, best_i, out, V, splits, BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK_S)
