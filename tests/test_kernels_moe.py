@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from unikv.kernels import moe, moe_ref
 from unikv.kernels.mxfp4_ref import dequantize_mxfp4
@@ -168,7 +169,7 @@ def test_align_kernel_equals_the_torch_form(t, k, e, block_m):
     gen = torch.Generator().manual_seed(e + t)
     ids = torch.randint(0, e, (t, k), generator=gen, dtype=torch.int32)
     ids[: t // 2] = ids[: t // 2] % 3  # crowd a few experts: long runs, several blocks each
-    assert t * k <= moe.ALIGN_KERNEL_MAX
+    assert t * k * triton.next_power_of_2(e) <= moe.ALIGN_KERNEL_MAX_WORK  # the kernel's
     got = moe.align_by_expert(ids, e, block_m)
     want = moe.align_by_expert_torch(ids, e, block_m)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -176,7 +177,7 @@ def test_align_kernel_equals_the_torch_form(t, k, e, block_m):
 
 def test_align_takes_the_torch_form_above_the_kernel_bound(monkeypatch):
     ids = torch.randint(0, 8, (20, 2), generator=torch.Generator().manual_seed(5))
-    monkeypatch.setattr(moe, "ALIGN_KERNEL_MAX", 39)
+    monkeypatch.setattr(moe, "ALIGN_KERNEL_MAX_WORK", 40 * 8 - 1)
     calls = []
     monkeypatch.setattr(moe, "align_by_expert_kernel", lambda *a: calls.append(a))
     got = moe.align_by_expert(ids, 8, 16)

@@ -16,8 +16,8 @@ time, over a (CHUNK, E) one-hot of their experts:
     pass 2  each assignment's rank among earlier ones of its expert (a cumsum down
             the one-hot, plus the counts of earlier chunks) -> its slot
 
-For small M only (``moe.ALIGN_KERNEL_MAX``; the prefill chunks keep the torch form,
-where one program would walk too far).
+For small M x E only (``moe.ALIGN_KERNEL_MAX_WORK``; prefill chunks and many-expert
+models at large batches keep the torch form, where one program would walk too far).
 """
 
 from __future__ import annotations
