@@ -145,6 +145,17 @@ def _rotated_halves(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.con
 
 
 @triton.jit
+def _cos_sin(cos, sin, pos, t, sc0, HALF, BLOCK_R: tl.constexpr, dt):
+    """(cos, sin) of token ``t``: its table rows rounded to the model dtype
+    ``dt`` (as the reference casts them), in fp32; lanes past HALF read 0."""
+    p = tl.load(pos + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_R)
+    c = tl.load(cos + p * sc0 + offs, mask=offs < HALF, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin + p * sc0 + offs, mask=offs < HALF, other=0.0).to(dt).to(tl.float32)
+    return c, s
+
+
+@triton.jit
 def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
     p1, mask, a, b = _rotated_halves(ptr, s_head, H, c, s, BLOCK_H, BLOCK_R, HALF)
     tl.store(p1, a, mask=mask)
@@ -171,12 +182,7 @@ def _rope_kernel(
     BLOCK_R: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    p = tl.load(pos + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK_R)
-    mr = offs < HALF
-    dt = q.dtype.element_ty
-    c = tl.load(cos + p * sc0 + offs, mask=mr, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin + p * sc0 + offs, mask=mr, other=0.0).to(dt).to(tl.float32)
+    c, s = _cos_sin(cos, sin, pos, t, sc0, HALF, BLOCK_R, q.dtype.element_ty)
     _rotate_heads(q + t * sq0, sq1, HQ, c, s, BLOCK_HQ, BLOCK_R, HALF)
     _rotate_heads(k + t * sk0, sk1, HK, c, s, BLOCK_HK, BLOCK_R, HALF)
 

@@ -28,7 +28,7 @@ from unikv.kernels._checks import (
     view_strides,
 )
 from unikv.kernels._ids import kernel_offset
-from unikv.kernels.elementwise import _rotated_halves
+from unikv.kernels.elementwise import _cos_sin, _rotate_heads, _rotated_halves
 
 
 @triton.jit
@@ -68,18 +68,12 @@ def _rope_store_kv_kernel(
     BLOCK_DV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    p = tl.load(pos + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK_R)
-    dt = q.dtype.element_ty
-    c = tl.load(cos + p * sc0 + offs, mask=offs < HALF, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin + p * sc0 + offs, mask=offs < HALF, other=0.0).to(dt).to(tl.float32)
-    # q: rotated in place
-    p1, mask, a, b = _rotated_halves(q + t * sq0, sq1, HQ, c, s, BLOCK_HQ, BLOCK_R, HALF)
-    tl.store(p1, a, mask=mask)
-    tl.store(p1 + HALF, b, mask=mask)
+    c, s = _cos_sin(cos, sin, pos, t, sc0, HALF, BLOCK_R, q.dtype.element_ty)
+    _rotate_heads(q + t * sq0, sq1, HQ, c, s, BLOCK_HQ, BLOCK_R, HALF)  # q: in place
     # k: rotated in place and into the cache row of the token's kernel id
     kid = tl.load(ids + t)
     heads = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_R)
     p1, mask, a, b = _rotated_halves(k + t * sk0, sk1, H, c, s, BLOCK_H, BLOCK_R, HALF)
     tl.store(p1, a, mask=mask)
     tl.store(p1 + HALF, b, mask=mask)
