@@ -80,11 +80,9 @@ def attention(copy_gbps: float) -> dict:
         default = decode_mod.choose_config(DIM, PS, kv.block_table.shape[1] * PS, auto)
         splits = (1, 2) if len(lens) > 1 else (1, 2, 4, 8, 16, 32, 64)
         rows = {}
-        cases = [(c, ns, hf) for c in (CONFIGS if len(lens) > 1 else [default])
-                 for ns in sorted({*splits, auto}) for hf in (False, True)]  # fmt: skip
-        for cfg, ns, heads_first in cases:
-            key = f"{cfg} splits={ns}{' heads-first' if heads_first else ''}"
-            decode_mod.HEADS_FIRST = heads_first
+        for cfg, ns in [(c, ns) for c in (CONFIGS if len(lens) > 1 else [default])
+                        for ns in sorted({*splits, auto})]:  # fmt: skip
+            key = f"{cfg} splits={ns}"
             try:
                 got = kv.run(q, cfg, ns)
                 err = (got.float() - want.float()).abs().max().item()
@@ -95,8 +93,6 @@ def attention(copy_gbps: float) -> dict:
             except Exception as exc:  # noqa: BLE001  (recorded, not fatal)
                 rows[key] = {"error": repr(exc)[:200]}
                 continue
-            finally:
-                decode_mod.HEADS_FIRST = False
             rows[key] = {"us": us, "bw_share": kv.kv_bytes / (us * 1e-6) / (copy_gbps * 1e9)}
         us_auto = graph_us(lambda: kv.run(q))
         best = min((r["us"], k) for k, r in rows.items() if "us" in r)

@@ -2,7 +2,9 @@
 
 Grid ``(H_kv, B, S)``: program (kv head, b, split) serves the GROUP query heads
 of one KV head (padded to 16 rows for the tensor-core dot), so each K/V row is
-read once per step. A request's visible keys ``[lo, seq_len)`` (lo = seq_len - W
+read once per step; heads first, so the programs of one request's KV heads run side
+by side over the same rows of its pages (1.04x the (B, H_kv, S) order at the e2e's
+decode batch: 102.2 against 106.3 us, ``decode_ops_grid_h200_f6ab973.json``). A request's visible keys ``[lo, seq_len)`` (lo = seq_len - W
 with a window, so only the window's pages are read) are cut into S equal,
 BLOCK_N-aligned chunks; S is fixed on the host from the SM count and the block
 table's capacity, so the grid never depends on device data (CUDA-graph safe).
@@ -44,10 +46,6 @@ CONFIGS = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 4, 2)}
 NO_SPLIT_CONFIGS = {64: (128, 4, 2)}
 LONG_LOOP_TILES = 32
 LONG_LOOP_STAGES = 3
-# grid (H_kv, B, S), not (B, H_kv, S): the programs of one request's KV heads launch side
-# by side and read the same rows of its pages together; 1.04x at the e2e's decode batch
-# (bench_decode_ops.py, f6ab973: 102.2 against 106.3 us, 77 % of copy bandwidth)
-HEADS_FIRST = True
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -112,14 +110,9 @@ def _decode_split_kernel(
     HAS_CAP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
 ):
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(seq_lens + b)
     first = 0
@@ -198,8 +191,7 @@ def _decode_split_kernel(
             o_ptr, res.to(out.dtype.element_ty), mask=head_mask[:, None] & (offs_dv[None, :] < DV)
         )
     else:
-        num_kv = tl.num_programs(0) if HEADS_FIRST else tl.num_programs(1)
-        row = (b * (GROUP * num_kv) + heads).to(tl.int64) * NUM_SPLITS + split
+        row = (b * (GROUP * tl.num_programs(0)) + heads).to(tl.int64) * NUM_SPLITS + split
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(
@@ -300,8 +292,7 @@ def decode_attention(
     ws_acc, ws_lse = split_workspace(workspace, bsz, hq, dim_v, splits, q.device)
     block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
     sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
-    grid = (heads, bsz, splits) if HEADS_FIRST else (bsz, heads, splits)
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(heads, bsz, splits)](
         q,
         k_cache,
         v_cache,
@@ -335,7 +326,6 @@ def decode_attention(
         HAS_CAP=soft_cap > 0,
         NUM_STAGES=stages,
         PRECISION=dot_precision(q),
-        HEADS_FIRST=HEADS_FIRST,
         num_warps=warps,
     )
     if splits > 1:
