@@ -328,5 +328,12 @@ def test_warm_sampling_runs_the_backend_argmax_over_a_full_batch():
             calls.append((tuple(logits.shape), logits.dtype))
             return logits.argmax(-1)
 
-    warmup.warm_sampling(Backend(), rows=7, vocab=11, dtype=torch.bfloat16, device="cpu")
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(4, 11, bias=False).to(torch.bfloat16)
+    model.logits_dtype = None  # logits in lm_head's dtype
+    warmup.warm_sampling(Backend(), model, rows=7)
     assert calls == [((1, 11), torch.bfloat16), ((7, 11), torch.bfloat16)]
+    del model.logits_dtype  # a model that returns fp32 logits
+    calls.clear()
+    warmup.warm_sampling(Backend(), model, rows=7)
+    assert calls == [((1, 11), torch.float32), ((7, 11), torch.float32)]

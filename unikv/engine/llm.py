@@ -221,10 +221,7 @@ class LLM:
         )
         if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
             warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
-            head = self.model.lm_head  # logits: fp32 unless the model returns lm_head's dtype
-            dtype = head.weight.dtype if getattr(self.model, "logits_dtype", 0) is None else None
-            warm_sampling(self.backend, rows=max_num_seqs, vocab=head.out_features,
-                          dtype=dtype or torch.float32, device=self.device)  # fmt: skip
+            warm_sampling(self.backend, self.model, rows=max_num_seqs)
         self.scheduler = Scheduler(
             self.alloc,
             self.pool.subpools.values(),

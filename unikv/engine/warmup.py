@@ -66,7 +66,12 @@ def warm_linears(model: nn.Module, *, max_logit_rows: int, max_tokens: int) -> i
 
 
 @torch.inference_mode()
-def warm_sampling(backend, *, rows: int, vocab: int, dtype: torch.dtype, device) -> None:
-    """Greedy argmax over (rows, vocab) and (1, vocab) zeros of the logits dtype."""
+def warm_sampling(backend, model: nn.Module, *, rows: int) -> None:
+    """The backend's argmax over (1, V) and (rows, V) zeros of the logits ``model``
+    returns: lm_head's dtype where it sets ``logits_dtype = None`` (the Llama
+    family in the engine), else fp32."""
+    head = model.lm_head
+    keeps = hasattr(model, "logits_dtype") and model.logits_dtype is None
+    dtype = head.weight.dtype if keeps else torch.float32
     for n in (1, rows):
-        backend.argmax(torch.zeros(n, vocab, dtype=dtype, device=device))
+        backend.argmax(torch.zeros(n, head.out_features, dtype=dtype, device=head.weight.device))
