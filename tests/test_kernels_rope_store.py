@@ -97,17 +97,29 @@ def test_fused_launch_writes_the_bytes_of_rope_then_store(dtype, hq, hk, d, dv, 
     assert torch.equal(pools[0].buffer, pools[2].buffer)
 
 
-def test_torch_reference_equals_rope_then_store():
-    spec = MHASpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
-    pools = [_pool(spec, 4) for _ in range(2)]
-    sub = pools[0]["full"]
-    ids = layout.kernel_ids(torch.arange(7) + sub.first_page * 4, 4, sub.blocks_per_page)
-    _, (q, k, v), cos, sin, pos = _step(torch.bfloat16, 4, 2, 16, 16, 8)
-    got_q, got_k = TORCH.rope_store_kv(*sub.views[0], ids, q, k, v, cos, sin, pos)
-    want_q, want_k = elementwise_ref.rope_qk(q, k, cos, sin, pos)
-    TORCH.store_kv(*pools[1]["full"].views[0], ids, want_k, v)
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert torch.equal(pools[0].buffer, pools[1].buffer)
+def test_torch_reference_is_a_complex_rotation_then_an_indexed_write():
+    """The torch twin against a second description: each (x1, x2) pair of a head is
+    the complex number x1 + i x2 turned by e^(i theta) (fp32), and the rows land
+    where a naive write through the (page, slot) view puts them."""
+    spec = MHASpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    pool = _pool(spec, 4)
+    sub = pool["full"]
+    physical = torch.arange(7) + sub.first_page * 4 + 3
+    ids = layout.kernel_ids(physical, 4, sub.blocks_per_page)
+    _, (q, k, v), cos, sin, pos = _step(torch.float32, 4, 2, 16, 16, 8)
+    got_q, got_k = TORCH.rope_store_kv(*sub.views[1], ids, q, k, v, cos, sin, pos)
+    turn = torch.complex(cos[pos], sin[pos])[:, None, :]  # (T, 1, R/2)
+
+    def rotated(x):
+        z = torch.complex(x[..., :8], x[..., 8:]) * turn
+        return torch.cat([z.real, z.imag], dim=-1)
+
+    torch.testing.assert_close(got_q, rotated(q), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, rotated(k), rtol=1e-6, atol=1e-6)
+    paged_k, paged_v = sub.paged_views[1]
+    page, slot = physical // 4, physical % 4
+    torch.testing.assert_close(paged_k[page, slot], rotated(k), rtol=1e-6, atol=1e-6)
+    assert torch.equal(paged_v[page, slot], v)
 
 
 def test_fused_rope_store_rejects_bad_input():
