@@ -368,7 +368,7 @@ def test_gpu_dot_scaled_matches_dequantised(cfg, t):
     b1, b2 = torch.randn(e, 2 * i, generator=g) * 0.1, torch.randn(e, d, generator=g) * 0.1
     x = torch.randn(t, d, generator=g).bfloat16()
     weights, ids = _routing(g, t, e, k)
-    cuda = lambda *vs: [v.cuda() for v in vs]  # noqa: E731
+    cuda = lambda *vs: [v.cuda() for v in vs]
     x, weights, ids, w1, w2, s1, s2 = cuda(x, weights.bfloat16(), ids, w1, w2, s1, s2)
     b1, b2, dense1, dense2 = cuda(b1.bfloat16(), b2.bfloat16(), dense1.bfloat16(),
                                   dense2.bfloat16())  # fmt: skip

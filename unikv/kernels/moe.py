@@ -41,7 +41,11 @@ patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op othe
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import
 ACT_CODES = {"silu": 0, "gpt_oss": 1, "relu2": 2}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "bf16"}  # unused in fp32
+DOT_FORMATS = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "bf16",
+}  # unused in fp32
 
 
 class Config(NamedTuple):
