@@ -9,7 +9,8 @@
   bandwidth / time.
 - ``chain``: the decode step's GEMM sequence (16 layers of qkv, o, gate_up, down, then
   lm_head; distinct weights, 2.47 GB) in one CUDA graph, as the step runs it: cuBLAS,
-  and the Triton GEMV at each shape's best config; ``of_bw`` as above.
+  and the Triton GEMV at each shape's best config; ``of_bw`` as above; at 1, 2 and 4
+  rows (``_m2``, ``_m4``: the same configs).
 Every Triton output is checked against cuBLAS first (a wrong one is recorded, not timed).
 """
 
@@ -65,13 +66,15 @@ def main() -> None:
             row = {"shape": name, "N": n, "K": k, "impl": "triton", "config": list(cfg)}
             rows.append(row)
             try:
-                got = gemv.gemv(xk, weights[0], cfg).float()
+                got = gemv.gemv(xk, weights[0], config=cfg).float()
                 err = ((got - want).abs().max() / want.abs().max()).item()
                 row["rel_err"] = err
                 if not err < 2e-2:
                     row["error"] = "differs from cuBLAS; not timed"
                     continue
-                row["us"] = time_over(lambda w, c=cfg: lambda a: gemv.gemv(a, w, c), weights, xk)
+                row["us"] = time_over(
+                    lambda w, c=cfg: lambda a: gemv.gemv(a, w, config=c), weights, xk
+                )
                 row["of_bw"] = ideal / row["us"]
                 if row["us"] < best[name][0]:
                     best[name] = (row["us"], cfg)
@@ -85,8 +88,8 @@ def main() -> None:
     head = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=torch.bfloat16) * 0.02
     total = sum(w.numel() * 2 for layer in layers for w in layer.values()) + head.numel() * 2
 
-    def chain(lin):
-        h = x[:, :HIDDEN]
+    def chain(lin, m=1):
+        h = xs[:m, :HIDDEN]
         for layer in layers:
             lin(h, layer["qkv"])
             h = lin(h, layer["o"])
@@ -97,10 +100,14 @@ def main() -> None:
     def triton_lin(a, w):
         shape = next(s for s, nk in SHAPES.items() if nk == tuple(w.shape))
         cfg = best[shape][1]
-        return F.linear(a, w) if cfg is None else gemv.gemv(a, w, cfg)
+        return F.linear(a, w) if cfg is None else gemv.gemv(a, w, config=cfg)
 
-    chains = {"cublas": graph_us(lambda: chain(F.linear), 3, 20),
-              "triton_best": graph_us(lambda: chain(triton_lin), 3, 20)}  # fmt: skip
+    xs = torch.randn(gemv.MAX_ROWS, INTER, device="cuda", dtype=torch.bfloat16)
+    chains = {}
+    for m in (1, 2, 4):  # the best M = 1 configs at more rows: where the GEMV stops paying
+        suffix = "" if m == 1 else f"_m{m}"
+        chains["cublas" + suffix] = graph_us(lambda m=m: chain(F.linear, m), 3, 20)
+        chains["triton_best" + suffix] = graph_us(lambda m=m: chain(triton_lin, m), 3, 20)
     ideal = total / bw
     payload = {
         "env": environment(), "ceilings": ceilings, "rows": rows,

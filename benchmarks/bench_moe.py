@@ -144,8 +144,10 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
     ref = moe_ref.fused_moe(x, weights, ids, **ref_w, **KW).float()
     scale = max(1.0, ref.abs().max().item())
     base = {"B": t, "distinct_experts": int(ids.unique().numel())}
-    loop_us, how = timed(lambda: moe_ref.fused_moe(x, weights, ids, **experts["bf16"], **KW))
-    rows = [{**base, "format": "bf16", "candidate": "loop", "us": loop_us, "timing": how}]
+    rows, loop_us = [], None
+    if "bf16" in experts:  # the dense loop runs on bf16 experts (MOE_SWEEP_FORMATS may drop them)
+        loop_us, how = timed(lambda: moe_ref.fused_moe(x, weights, ids, **experts["bf16"], **KW))
+        rows.append({**base, "format": "bf16", "candidate": "loop", "us": loop_us, "timing": how})
     lists = [
         n for n, on in (("small", t <= 64), ("large", 16 <= t <= 256), ("prefill", t > 256)) if on
     ]
@@ -170,7 +172,8 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
                     continue
                 row["us"], row["timing"] = timed(fn)
                 row["of_roofline"] = roof / row["us"]
-                row["vs_loop"] = loop_us / row["us"]
+                if loop_us is not None:
+                    row["vs_loop"] = loop_us / row["us"]
             except Exception:
                 row["error"] = traceback.format_exc(limit=2)[-1500:]
             torch.cuda.synchronize()
@@ -181,9 +184,9 @@ def install_lines(rows: list) -> list:
     """``TABLE[(bucket, mxfp4)] = ...`` from the fastest checked row of each (B, format);
     bf16 takes LOOP where the loop was faster."""
     lines = []
-    for t in sorted({r["B"] for r in rows if "B" in r}):
+    for t in sorted({r["B"] for r in rows if "format" in r}):
         for fmt in ("mxfp4", "bf16"):
-            ok = [r for r in rows if r["B"] == t and r["format"] == fmt and "us" in r]
+            ok = [r for r in rows if r.get("B") == t and r.get("format") == fmt and "us" in r]
             if not ok:
                 continue
             best = min(ok, key=lambda r: r["us"])

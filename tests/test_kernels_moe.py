@@ -33,7 +33,7 @@ CASES = [  # activation, gate_up, experts, top_k, hidden, intermediate, tokens
 
 
 def _routing(g, t, e, k):
-    logits = torch.randn(t, e, generator=g)
+    logits = torch.randn(t, e, generator=g, device=g.device)
     weights, ids = torch.topk(logits.softmax(-1), k, dim=-1)
     return weights, ids
 
@@ -97,8 +97,11 @@ def test_reference_matches_naive_loop(case, dense_max_tokens, monkeypatch):
 
 
 def _mxfp4(g, e, rows, cols):
-    blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(120, 128, (e, rows, cols // 32), dtype=torch.uint8, generator=g)
+    dev = g.device
+    blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g,
+                           device=dev)  # fmt: skip
+    scales = torch.randint(120, 128, (e, rows, cols // 32), dtype=torch.uint8, generator=g,
+                           device=dev)  # fmt: skip
     return blocks, scales, dequantize_mxfp4(blocks, scales).transpose(1, 2)  # (E, rows, cols)
 
 
@@ -361,17 +364,15 @@ def test_gpu_dot_scaled_matches_dequantised(cfg, t):
     none) at gpt-oss's expert shape, bf16 activations: against the dense reference on
     ``dequantize_mxfp4`` of the same bytes, and against the in-kernel decode of the same
     tile (``scaled`` off), whose bf16 products it shares."""
-    g = torch.Generator().manual_seed(t)
-    e, k, d, i = 32, 4, 2880, 2880
+    g = torch.Generator(device="cuda").manual_seed(t)  # built on the GPU: 8 full-size experts
+    e, k, d, i = 8, 4, 2880, 2880
     w1, s1, dense1 = _mxfp4(g, e, 2 * i, d)
     w2, s2, dense2 = _mxfp4(g, e, d, i)
-    b1, b2 = torch.randn(e, 2 * i, generator=g) * 0.1, torch.randn(e, d, generator=g) * 0.1
-    x = torch.randn(t, d, generator=g).bfloat16()
+    b1 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.1).bfloat16()
+    b2 = (torch.randn(e, d, generator=g, device="cuda") * 0.1).bfloat16()
+    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
     weights, ids = _routing(g, t, e, k)
-    cuda = lambda *vs: [v.cuda() for v in vs]
-    x, weights, ids, w1, w2, s1, s2 = cuda(x, weights.bfloat16(), ids, w1, w2, s1, s2)
-    b1, b2, dense1, dense2 = cuda(b1.bfloat16(), b2.bfloat16(), dense1.bfloat16(),
-                                  dense2.bfloat16())  # fmt: skip
+    weights, dense1, dense2 = weights.bfloat16(), dense1.bfloat16(), dense2.bfloat16()
     kw = {"activation": "gpt_oss", "gate_up": "interleaved", "b1": b1, "b2": b2}
     ref = moe_ref.fused_moe(x, weights, ids, dense1, dense2, **kw)
     packed = {"w1_scales": s1, "w2_scales": s2, **kw}

@@ -27,7 +27,9 @@ RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
 SAMPLING_OPS = ("argmax",)
-OPS = KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
+LINEAR_OPS = ("linear", "silu_mul_linear")
+OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
+       + LINEAR_OPS)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class KernelBackend:
     rope_qk: Op
     silu_mul: Op
     argmax: Op
+    linear: Op
+    silu_mul_linear: Op
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -126,6 +130,7 @@ def _triton() -> KernelBackend:
         decode,
         elementwise,
         extend,
+        gemv,
         mla,
         mla_decode,
         page_copy,
@@ -156,6 +161,7 @@ def _triton() -> KernelBackend:
         mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
         argmax=argmax.argmax,
+        **{op: getattr(gemv, op) for op in LINEAR_OPS},
     )
 
 
@@ -182,6 +188,7 @@ def _torch() -> KernelBackend:
         mla_attention=mla_ref.mla_attention,
         **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS},
         argmax=reference.argmax,
+        **{op: getattr(elementwise_ref, op) for op in LINEAR_OPS},
     )
 
 

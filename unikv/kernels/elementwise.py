@@ -230,8 +230,15 @@ def _silu_mul_kernel(gu, out, inter, s_gu, BLOCK: tl.constexpr):
     dt = out.dtype.element_ty
     g = tl.load(gu + t * s_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu + t * s_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + t * inter + offs, _silu_mul_f32(g, u, dt), mask=mask)
+
+
+@triton.jit
+def _silu_mul_f32(g, u, dt: tl.constexpr):
+    """silu(g) * u of fp32 gate/up values, in ``dt``: silu rounded to ``dt`` before
+    the product, as ``F.silu(g) * u`` in that dtype (also the GEMV's fused input)."""
     a = tl.div_rn(g, 1.0 + tl.exp(-g)).to(dt).to(tl.float32)
-    tl.store(out + t * inter + offs, (a * u).to(dt), mask=mask)
+    return (a * u).to(dt)
 
 
 SILU_BLOCK = 1024

@@ -104,3 +104,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     dtype before the product, as ``F.silu(g) * u``)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The linear layer: ``F.linear`` (the Triton backend's GEMV reference)."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """SwiGLU then the down projection: ``F.linear(silu_mul(gate_up), weight, bias)``."""
+    return torch.nn.functional.linear(silu_mul(gate_up), weight, bias)

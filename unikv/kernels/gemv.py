@@ -1,12 +1,20 @@
-"""Matrix-vector products for decode steps of one request: y = x @ W^T in Triton.
+"""Matrix-vector products for decode steps of few requests: y = x @ W^T (+ b) in Triton.
 
 At one row (a single request's decode step) a linear layer is a weight stream: every
 byte of W (N, K), contiguous along K, is read once and used once. Each program owns
 BLOCK_N output features and walks K in BLOCK_K tiles, multiplying in fp32 and
-reducing each row once at the end; rows of x are few (M <= 4), so x is re-read from
-L2 per tile. The torch reference is ``torch.nn.functional.linear``.
+reducing each row once at the end; rows of x are few (M <= MAX_ROWS), so x is
+re-read from L2 per tile. With ACT the input is a (M, 2K) ``[gate | up]`` row and the
+kernel multiplies ``silu(gate) * up`` (``elementwise.silu_mul``'s rounding) as it
+loads it: SwiGLU fused into the down projection.
 
     grid (cdiv(N, BLOCK_N),)   program n: y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
+
+``linear`` / ``silu_mul_linear`` are the backend ops: the kernel for 2-D 16-bit
+inputs of at most ``ROUTE_ROWS`` rows (the rows the H200 measured it faster than
+cuBLAS at, ``benchmarks/bench_gemv.py``), ``F.linear`` otherwise (a host decision
+from shapes; CUDA graphs fix it per captured batch size). The torch references are
+``F.linear`` and ``F.linear(elementwise_ref.silu_mul(gu))``.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.nn import functional as F
 
 from unikv.kernels._interpret import patch_interpreter
+from unikv.kernels.elementwise import _silu_mul_f32, silu_mul
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
@@ -30,52 +40,90 @@ CANDIDATES = [
     (32, 256, 8, 3),
 ]
 MAX_ROWS = 4
+ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
+DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_xm, s_wn, s_ym,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_xm, s_wn, s_ym,
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                 NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 ACT: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * s_wn
+    dt = y_ptr.dtype.element_ty
     for m in tl.static_range(M):
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
             if EVEN_K:
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-                x = tl.load(x_ptr + m * s_xm + ks)
             else:
-                k_ok = ks < K
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_ptr + m * s_xm + ks, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = tl.load(x_ptr + m * s_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if ACT:  # x is the gate half; the up half follows K columns later
+                up = tl.load(x_ptr + m * s_xm + K + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x = _silu_mul_f32(x, up, dt).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
-        tl.store(y_ptr + m * s_ym + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m * s_ym + rows, y.to(dt), mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous along K, same dtype ->
-    x @ weight^T (M, N) in x's dtype (fp32 products and sums, one rounding)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: tuple | None = None, *, silu_mul_input: bool = False) -> torch.Tensor:  # fmt: skip
+    """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous along K, bias (N,) or
+    None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
+    sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
+    is of ``silu(gate) * up`` (rounded as ``elementwise.silu_mul`` rounds it)."""
+    k = weight.shape[-1]
+    want_k = 2 * k if silu_mul_input else k
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != want_k:
         raise ValueError(
-            f"gemv needs x (M, K) and weight (N, K); got {tuple(x.shape)} and {tuple(weight.shape)}"
+            f"gemv needs x (M, {'2K' if silu_mul_input else 'K'}) and weight (N, K); got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
     if not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(
             f"gemv takes 1..{MAX_ROWS} rows with unit last strides; got x {tuple(x.shape)} "
             f"{x.stride()}, weight {weight.stride()}: use F.linear"
         )
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x is {x.dtype} but weight is {weight.dtype}: cast one")
-    m, k = x.shape
-    n = weight.shape[0]
+    if x.dtype != weight.dtype or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError(
+            f"gemv needs x, weight (and a ({weight.shape[0]},) bias) of one dtype; got "
+            f"{x.dtype}, {weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
+        )
+    m, n = x.shape[0], weight.shape[0]
     block_n, block_k, warps, stages = config or CONFIG
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0),
+        weight.stride(0), y.stride(0),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
-        num_warps=warps,
+        HAS_BIAS=bias is not None, ACT=silu_mul_input, num_warps=warps,
     )  # fmt: skip
     return y
+
+
+def _routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the backend ops take the kernel (host ints and dtypes only)."""
+    return (x.dim() == 2 and x.shape[0] <= ROUTE_ROWS and x.dtype in DTYPES
+            and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)  # fmt: skip
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(x, weight, bias)``: the GEMV for few 16-bit rows, else cuBLAS."""
+    if _routes(x, weight) and x.shape[0] > 0:
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear(silu_mul(gate_up), weight, bias)``, SwiGLU fused into the GEMV's
+    loads for few 16-bit rows."""
+    if _routes(gate_up, weight) and gate_up.shape[0] > 0:
+        return gemv(gate_up, weight, bias, silu_mul_input=True)
+    return F.linear(silu_mul(gate_up), weight, bias)

@@ -111,6 +111,20 @@ def use_elementwise_ops(model: nn.Module, ops: KernelBackend) -> None:
             module.ops = ops
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` through the kernel backend's ``linear`` (``ops``, set with the
+    other elementwise ops): the Triton backend runs a one-request decode step's
+    product as a GEMV (``kernels/gemv.py``), cuBLAS otherwise; the torch backend is
+    ``F.linear``. Same parameters and state-dict names as ``nn.Linear``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ops = get_backend("cpu", "torch")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32.
 
@@ -216,8 +230,12 @@ class GatedMLP(nn.Module):
             self.gate_up_proj = column(h, 2 * i, bias=bias)
             self.packed = {"gate_up_proj": ("gate_proj", "up_proj")}
         self.down_proj = row(i, h, bias=bias)
+        self.fused_down = type(self.down_proj) is Linear  # SwiGLU inside the down GEMV
         self.ops = get_backend("cpu", "torch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.fused_down:
+            return self.ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return self.down_proj(self.ops.silu_mul(gate_up))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
-from unikv.models.layers import Attention, AttentionFn, GatedMLP, RMSNorm
+from unikv.models.layers import Attention, AttentionFn, GatedMLP, Linear, RMSNorm
 from unikv.models.rope import Rotary
 
 
@@ -91,7 +91,7 @@ class CausalLM(nn.Module):
         else:
             make_mlp = GatedMLP
         self.model = Backbone(config, make_mlp, max_positions, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
 
     def forward(

@@ -130,9 +130,12 @@ class RowParallelLinear(nn.Linear):
 
 
 def linear_layers(tp: TensorParallel | None):
-    """(column linear, row linear) classes for ``tp`` (plain ``nn.Linear`` when None)."""
+    """(column linear, row linear) classes for ``tp`` (``layers.Linear`` when None: the
+    kernel backend's ``linear``)."""
     if tp is None:
-        return nn.Linear, nn.Linear
+        from unikv.models.layers import Linear
+
+        return Linear, Linear
     return ColumnParallelLinear, partial(RowParallelLinear, tp=tp)
 
 
