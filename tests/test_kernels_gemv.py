@@ -70,3 +70,65 @@ def test_backend_linear_ops_route_by_rows():
             want = getattr(ref, op)(arg, w).float()
             got = getattr(tri, op)(arg, w).float()
             assert (got - want).abs().max() <= 1e-2 * want.abs().max(), (op, rows)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("w_fp32", [False, True])
+def test_gemv_fused_norm_matches_norm_then_linear(m, residual, w_fp32):
+    """The pre-norm inside the GEMV (``add_rms_norm_linear``'s kernel path): the
+    product against the torch reference's add_rms_norm then F.linear (bf16 to 1e-2,
+    fp32 to 1e-5); the summed residual it returns bit-equal to ``residual + x``, and
+    x itself without a residual. K 100 (not a multiple of the K tile), 2 programs."""
+    from unikv.kernels import elementwise_ref
+
+    g = torch.Generator().manual_seed(m + 2 * residual + 4 * w_fp32)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x = torch.randn(m, 100, generator=g).to(dtype)
+        res = torch.randn(m, 100, generator=g).to(dtype) if residual else None
+        nw = (1 + 0.1 * torch.randn(100, generator=g)).to(dtype)
+        w = torch.randn(24, 100, generator=g).to(dtype)
+        norm = (res, nw, 1e-5, 0.0, w_fp32)
+        want, want_res = elementwise_ref.add_rms_norm_linear(
+            x, None if res is None else res.clone(), nw, 1e-5, w, weight_in_fp32=w_fp32
+        )
+        got, got_res = gemv.gemv(x, w, config=(16, 32, 4, 2), norm=norm)
+        assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+        assert torch.equal(got_res, want_res)
+        assert (got_res is x) == (res is None)
+
+
+def test_decoder_layer_fused_norms_match_the_unfused_layer(tmp_path):
+    """A Llama decoder layer at one bf16 token with the Triton backend's ops (the
+    pre-norms inside the qkv and gate/up GEMVs, SwiGLU inside down), first layer (no
+    residual) and second, then the final norm inside lm_head: against the same model
+    on the torch backend, within bf16 rounding, the residual stream too."""
+    from engine_fixtures import DenseAttention, save_tiny_model
+
+    from unikv.kernels.backend import get_backend
+    from unikv.models import load_model
+    from unikv.models.layers import use_elementwise_ops
+
+    save_tiny_model("llama", str(tmp_path))
+    model = load_model(str(tmp_path)).to(torch.bfloat16)
+    model.logits_dtype = None
+    assert all(layer.fuse_qkv and layer.fuse_mlp for layer in model.model.layers)
+    attn = DenseAttention(model.config.windows, model.config.sm_scale)
+    tokens, positions = torch.tensor([7]), torch.tensor([0])
+    outs = []
+    for name in ("torch", "triton"):
+        use_elementwise_ops(model, get_backend("cpu", name))
+        with torch.no_grad():
+            h, residual = model.model.embed_tokens(tokens), None
+            steps = []
+            for layer in model.model.layers:
+                h, residual = layer(h, residual, positions, attn)
+                steps.append((h, residual.clone()))
+            outs.append((steps, model(tokens, positions, attn)))
+    (want_steps, want_logits), (got_steps, got_logits) = outs
+    for (want, want_res), (got, got_res) in zip(want_steps, got_steps, strict=True):
+        assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+        scale = want_res.float().abs().max()
+        assert (got_res.float() - want_res.float()).abs().max() <= 2e-2 * scale
+    err = (got_logits.float() - want_logits.float()).abs().max()
+    assert err <= 3e-2 * want_logits.float().abs().max(), err

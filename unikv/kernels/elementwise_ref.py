@@ -114,3 +114,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """SwiGLU then the down projection: ``F.linear(silu_mul(gate_up), weight, bias)``."""
     return torch.nn.functional.linear(silu_mul(gate_up), weight, bias)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+    """A pre-norm then a linear layer: (F.linear(rms_norm(x + residual)), x + residual);
+    with residual None, (F.linear(rms_norm(x)), x) (a model's first layer)."""
+    kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
+    if residual is None:
+        h, residual = rms_norm(x, norm_weight, eps, **kw), x
+    else:
+        h, residual = add_rms_norm(x, residual, norm_weight, eps, **kw)
+    return torch.nn.functional.linear(h, weight, bias), residual

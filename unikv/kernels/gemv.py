@@ -19,13 +19,16 @@ from shapes; CUDA graphs fix it per captured batch size). The torch references a
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
 
 from unikv.kernels._interpret import patch_interpreter
-from unikv.kernels.elementwise import _silu_mul_f32, silu_mul
+from unikv.kernels.elementwise import _silu_mul_f32, add_rms_norm, rms_norm, silu_mul
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
@@ -42,18 +45,62 @@ CANDIDATES = [
 MAX_ROWS = 4
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
+PDL = os.environ.get("UNIKV_GEMV_PDL", "1") == "1"  # fixed at import; the A/B switch
+
+
+@triton.jit
+def _normed_tile(x_ptr, r_ptr, nw_ptr, ks, k_ok, rstd, offset, dt: tl.constexpr,
+                 HAS_RES: tl.constexpr, W_FP32: tl.constexpr):  # fmt: skip
+    """fp32 values of the normed input at columns ``ks``: ``elementwise``'s
+    ``_rms_norm_kernel`` rounding (sum rounded to dt, the product with the weight
+    in dt unless W_FP32)."""
+    h = _summed(x_ptr, r_ptr, ks, k_ok, dt, HAS_RES).to(tl.float32) * rstd
+    wv = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + offset
+    if W_FP32:
+        y = h * wv
+    else:
+        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
+    return y.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _summed(x_ptr, r_ptr, ks, k_ok, dt: tl.constexpr, HAS_RES: tl.constexpr):
+    """x (+ the residual, rounded to dt) at columns ``ks``, in dt."""
+    xv = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+    if HAS_RES:
+        xv = (tl.load(r_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + xv.to(tl.float32)).to(dt)
+    return xv
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_xm, s_wn, s_ym,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_xm, s_wn, s_ym,
+                 s_rm, eps, offset,
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 ACT: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                 W_FP32: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * s_wn
     dt = y_ptr.dtype.element_ty
+    if PDL:  # launched early (programmatic dependent launch): x is the last kernel's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for m in tl.static_range(M):
+        x_row, r_row = x_ptr + m * s_xm, r_ptr + m * s_rm
+        rstd = 0.0
+        if NORM:  # the row's statistics first; program 0 writes the summed residual
+            sq = tl.zeros((BLOCK_K,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                hv = _summed(x_row, r_row, ks, k_ok, dt, HAS_RES)
+                if HAS_RES:
+                    tl.store(r_out_ptr + m * s_rm + ks, hv, mask=k_ok & (pid == 0))
+                hf = hv.to(tl.float32)
+                sq += hf * hf
+            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -62,9 +109,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_xm, s_wn, s_ym,
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + m * s_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                x = _normed_tile(x_row, r_row, nw_ptr, ks, k_ok, rstd, offset, dt, HAS_RES,
+                                 W_FP32)  # fmt: skip
+            else:
+                x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
             if ACT:  # x is the gate half; the up half follows K columns later
-                up = tl.load(x_ptr + m * s_xm + K + ks, mask=k_ok, other=0.0).to(tl.float32)
+                up = tl.load(x_row + K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = _silu_mul_f32(x, up, dt).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
@@ -74,11 +125,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, s_xm, s_wn, s_ym,
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple | None = None, *, silu_mul_input: bool = False) -> torch.Tensor:  # fmt: skip
+         config: tuple | None = None, *, silu_mul_input: bool = False,
+         norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous along K, bias (N,) or
     None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
-    is of ``silu(gate) * up`` (rounded as ``elementwise.silu_mul`` rounds it)."""
+    is of ``silu(gate) * up`` (rounded as ``elementwise.silu_mul`` rounds it).
+    norm: ``(residual or None, norm_weight, eps, offset, weight_in_fp32)``: the
+    product is of ``rms_norm(x + residual)`` (``elementwise.add_rms_norm``'s
+    rounding) and the call returns (y, x + residual) (x itself without a residual)."""
     k = weight.shape[-1]
     want_k = 2 * k if silu_mul_input else k
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != want_k:
@@ -97,15 +152,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"{x.dtype}, {weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
         )
     m, n = x.shape[0], weight.shape[0]
+    residual, norm_w, eps, offset, w_fp32 = norm or (None, None, 0.0, 0.0, False)
+    if norm is not None and (norm_w.shape != (k,) or silu_mul_input or (
+            residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))):  # fmt: skip
+        raise ValueError(
+            f"gemv's norm needs a ({k},) weight and a residual of x's shape {tuple(x.shape)} "
+            f"with unit last stride (and no silu_mul_input); got {tuple(norm_w.shape)}, "
+            f"{None if residual is None else tuple(residual.shape)}"
+        )
     block_n, block_k, warps, stages = config or CONFIG
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else x
+    r_in = residual if residual is not None else x
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, x.stride(0),
-        weight.stride(0), y.stride(0),
+        x, weight, bias if bias is not None else weight, y, r_in,
+        norm_w if norm_w is not None else weight, r_out, n, k, x.stride(0),
+        weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
-        HAS_BIAS=bias is not None, ACT=silu_mul_input, num_warps=warps,
+        HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
+        HAS_RES=residual is not None, W_FP32=bool(w_fp32), PDL=_pdl(x), num_warps=warps,
+        **({"launch_pdl": True} if _pdl(x) else {}),
     )  # fmt: skip
-    return y
+    return y if norm is None else (y, r_out)
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch (Hopper and newer, CUDA; ``PDL`` switches it)."""
+    return PDL and x.is_cuda and _capability(x.device) >= 9
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def _routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -119,6 +197,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _routes(x, weight) and x.shape[0] > 0:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+    """(F.linear(rms_norm(x + residual)), x + residual) (residual None: of x, and x):
+    the norm inside the GEMV's loads for few 16-bit rows, else the two kernels."""
+    if _routes(x, weight) and x.shape[0] > 0 and (residual is None or residual.stride(-1) == 1):
+        return gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset, weight_in_fp32))
+    kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
+    if residual is None:
+        return F.linear(rms_norm(x, norm_weight, eps, **kw), weight, bias), x
+    h, residual = add_rms_norm(x, residual, norm_weight, eps, **kw)
+    return F.linear(h, weight, bias), residual
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

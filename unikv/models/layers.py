@@ -149,8 +149,19 @@ class RMSNorm(nn.Module):
             x, residual, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32
         )
 
+    def linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lin(norm(x + residual)), x + residual), or (lin(norm(x)), x) without a
+        residual: the norm fused into the GEMV where the backend runs one
+        (``add_rms_norm_linear``). ``residual`` may be overwritten."""
+        return self.ops.add_rms_norm_linear(
+            x, residual, self.weight, self.eps, lin.weight, lin.bias,
+            weight_in_fp32=self.weight_in_fp32,
+        )  # fmt: skip
 
-def _overrides_forward(module: nn.Module, base: type) -> bool:
+
+def overrides_forward(module: nn.Module, base: type) -> bool:
     """True for a subclass of ``base`` with its own ``forward`` (it may call the
     unfused projections by name, so it keeps them)."""
     return type(module).forward is not base.forward
@@ -178,7 +189,7 @@ class Attention(nn.Module):
         q, kv = self.num_heads * d, self.num_kv_heads * d
         self.split = (q, kv, kv)
         self.packed = {}
-        if _overrides_forward(self, Attention):
+        if overrides_forward(self, Attention):
             self.q_proj = column(hidden, q, bias=config.qkv_bias)
             self.k_proj = column(hidden, kv, bias=config.qkv_bias)
             self.v_proj = column(hidden, kv, bias=config.qkv_bias)
@@ -196,8 +207,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """x: (T, hidden); positions: (T,) int64 -> (T, hidden). q/k/v reach
         ``attn`` as strided views of the one GEMM's output."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        return self.attend(self.qkv_proj(x), positions, attn)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """``forward`` after the qkv GEMM: qkv (T, (Hq + 2 Hkv) D) -> (T, hidden)
+        (a caller that fused the pre-norm into that GEMM enters here)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -223,7 +239,7 @@ class GatedMLP(nn.Module):
         h, i, bias = config.hidden_size, config.intermediate_size // tp_size(tp), config.mlp_bias
         column, row = linear_layers(tp)
         self.packed = {}
-        if _overrides_forward(self, GatedMLP):
+        if overrides_forward(self, GatedMLP):
             self.gate_proj = column(h, i, bias=bias)
             self.up_proj = column(h, i, bias=bias)
         else:
@@ -235,7 +251,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``forward`` after the gate/up GEMM: (T, 2I) -> (T, hidden)."""
         if self.fused_down:
             return self.ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(self.ops.silu_mul(gate_up))

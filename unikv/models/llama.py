@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
-from unikv.models.layers import Attention, AttentionFn, GatedMLP, Linear, RMSNorm
+from unikv.models.layers import (
+    Attention,
+    AttentionFn,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    overrides_forward,
+)
 from unikv.models.rope import Rotary
 
 
@@ -29,6 +36,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fp32_norm)
         self.mlp = mlp
+        # each pre-norm inside the GEMM after it (the backend's add_rms_norm_linear), where
+        # that GEMM is a plain ``Linear`` of the stock blocks (not a subclass's, not tp)
+        attn_ = self.self_attn
+        self.fuse_qkv = not overrides_forward(attn_, Attention) and type(attn_.qkv_proj) is Linear
+        self.fuse_mlp = (isinstance(mlp, GatedMLP) and not overrides_forward(mlp, GatedMLP)
+                         and type(mlp.gate_up_proj) is Linear)  # fmt: skip
 
     def forward(
         self,
@@ -41,11 +54,20 @@ class DecoderLayer(nn.Module):
         first layer, whose ``residual`` is None); residual: (T, hidden), the sum
         of the outputs before it. Returns (this layer's MLP output, the residual
         stream before it): each residual add is fused into the next norm."""
-        if residual is None:  # the first layer: a structural None, not a device branch
-            residual, h = h, self.input_layernorm(h)
+        if self.fuse_qkv:
+            qkv, residual = self.input_layernorm.linear(h, residual, self.self_attn.qkv_proj)
+            h = self.self_attn.attend(qkv, positions, attn)
         else:
-            h, residual = self.input_layernorm.add(h, residual)
-        h = self.self_attn(h, positions, attn)
+            if residual is None:  # the first layer: a structural None, not a device branch
+                residual, h = h, self.input_layernorm(h)
+            else:
+                h, residual = self.input_layernorm.add(h, residual)
+            h = self.self_attn(h, positions, attn)
+        if self.fuse_mlp:
+            gate_up, residual = self.post_attention_layernorm.linear(
+                h, residual, self.mlp.gate_up_proj
+            )
+            return self.mlp.down(gate_up), residual
         h, residual = self.post_attention_layernorm.add(h, residual)
         return self.mlp(h), residual
 
@@ -112,6 +134,5 @@ class CausalLM(nn.Module):
                 h.index_select(0, logits_indices),
                 residual.index_select(0, logits_indices),
             )
-        h, _ = self.model.norm.add(h, residual)
-        logits = self.lm_head(h)
+        logits, _ = self.model.norm.linear(h, residual, self.lm_head)
         return logits if self.logits_dtype is None else logits.to(self.logits_dtype)

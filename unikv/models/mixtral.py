@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
-from unikv.models.layers import RMSNorm
+from unikv.models.layers import Linear, RMSNorm
 from unikv.models.llama import CausalLM, DecoderLayer
 from unikv.models.moe import RoutedExperts
 from unikv.models.rope import Rotary
@@ -111,7 +111,7 @@ class MoEDecoderLM(CausalLM):
         nn.Module.__init__(self)
         self.config, self.tp = config, None
         self.model = MoEBackbone(config, self.make_mlp, max_positions, self.layer_cls)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
 
     @staticmethod
