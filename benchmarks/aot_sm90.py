@@ -103,7 +103,6 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     block_m = cfg.block_m or block_m_for(ROWS, EXPERTS)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
               "SPLIT_K": cfg.split_k, "SWAP": bool(cfg.swap), "MXFP4": mxfp4,
-              "SCALED": bool(cfg.scaled) and mxfp4, "A_FMT": "bf16",
               "HAS_BIAS": True, "IEEE": False, "ACT": 1}  # fmt: skip
     act = {"row_step": 2, "up_offset": 1, "alpha": 1.702, "limit": 7.0}
     ids = {"sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32", "num_assign": ROWS}

@@ -154,10 +154,7 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
     for fmt, w in experts.items():
         nbytes = touched_bytes(w, ids, t, d)
         roof = nbytes / (ceilings["d2d_GBps"] * 1e3)
-        configs = dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n])
-        if fmt == "mxfp4":  # each tile both ways: tl.dot_scaled first, then the decode
-            configs = dict.fromkeys(v for c in configs for v in (c._replace(scaled=True), c))
-        for cfg in configs:
+        for cfg in dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]):
             row = {**base, "format": fmt, "candidate": list(cfg), "roofline_us": roof}
             rows.append(row)
             if time.time() > t_end:

@@ -346,42 +346,6 @@ def test_gpu_gpt_oss_shape_bf16_matches_reference():
     _close(moe.fused_moe(*args, **kw), moe_ref.fused_moe(*args, **kw), 3e-2)
 
 
-SCALED_CONFIGS = [  # tl.dot_scaled on the packed tiles: plain, swapped, K split, tall tiles
-    moe.Config(16, 32, 128, 1, 4, 3, False, True),
-    moe.Config(16, 64, 128, 1, 4, 3, True, True),
-    moe.Config(16, 64, 128, 2, 4, 3, False, True),
-    moe.Config(64, 64, 64, 1, 4, 3, False, True),
-    moe.Config(64, 64, 128, 1, 4, 3, True, True),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cfg", SCALED_CONFIGS, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("t", [1, 37, 256])
-def test_gpu_dot_scaled_matches_dequantised(cfg, t):
-    """MXFP4 tiles handed packed to ``tl.dot_scaled`` (GPU only: the interpreter has
-    none) at gpt-oss's expert shape, bf16 activations: against the dense reference on
-    ``dequantize_mxfp4`` of the same bytes, and against the in-kernel decode of the same
-    tile (``scaled`` off), whose bf16 products it shares."""
-    g = torch.Generator(device="cuda").manual_seed(t)  # built on the GPU: 8 full-size experts
-    e, k, d, i = 8, 4, 2880, 2880
-    w1, s1, dense1 = _mxfp4(g, e, 2 * i, d)
-    w2, s2, dense2 = _mxfp4(g, e, d, i)
-    b1 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.1).bfloat16()
-    b2 = (torch.randn(e, d, generator=g, device="cuda") * 0.1).bfloat16()
-    x = torch.randn(t, d, generator=g, device="cuda").bfloat16()
-    weights, ids = _routing(g, t, e, k)
-    weights, dense1, dense2 = weights.bfloat16(), dense1.bfloat16(), dense2.bfloat16()
-    kw = {"activation": "gpt_oss", "gate_up": "interleaved", "b1": b1, "b2": b2}
-    ref = moe_ref.fused_moe(x, weights, ids, dense1, dense2, **kw)
-    packed = {"w1_scales": s1, "w2_scales": s2, **kw}
-    out = moe.fused_moe(x, weights, ids, w1, w2, **packed, config=cfg)
-    _close(out, ref, 3e-2)
-    decoded = moe.fused_moe(x, weights, ids, w1, w2, **packed, config=cfg._replace(scaled=False))
-    _close(out, decoded, 1e-2)
-
-
 def test_gpt_oss_mxfp4_experts_kept_packed(tmp_path):
     """A gpt-oss model holding MXFP4 experts packed (``mxfp4_experts``) gives the
     logits of the same model holding ``dequantize_mxfp4`` of those bytes."""

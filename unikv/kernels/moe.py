@@ -41,11 +41,6 @@ patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op othe
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import
 ACT_CODES = {"silu": 0, "gpt_oss": 1, "relu2": 2}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-DOT_FORMATS = {
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float32: "bf16",
-}  # unused in fp32
 
 
 class Config(NamedTuple):
@@ -53,9 +48,7 @@ class Config(NamedTuple):
     and K per tile (block_k a multiple of 32, the MXFP4 group), K slices (> 1: fp32
     atomics, not bit-deterministic), warps, pipeline stages; swap: the transposed
     product, the output features as the MMA's M rows (for few rows an expert; in the
-    table at 8-64 tokens since 92dff99's sweep); scaled: MXFP4 tiles go packed to
-    ``tl.dot_scaled`` (on a GPU; the interpreter and fp32 keep the in-kernel decode,
-    and dense experts ignore it)."""
+    table at 8-64 tokens since 92dff99's sweep)."""
 
     block_m: int
     block_n: int
@@ -64,7 +57,6 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     swap: bool = False
-    scaled: bool = False
 
 
 LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
@@ -87,8 +79,6 @@ CANDIDATES = {
         Config(16, 32, 128, 4, 4, 3),
     ),
     "large": (
-        Config(64, 64, 128, 1, 4, 3, True),  # an expert's rows in one block: one decode
-        Config(64, 128, 128, 1, 8, 3, True),
         Config(0, 64, 128, 1, 4, 3, True),
         Config(0, 128, 128, 1, 8, 3, True),
         Config(0, 64, 64, 1, 4, 4, True),
@@ -288,12 +278,6 @@ def fused_moe(
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
 
 
-def _scaled(cfg: Config, scales: torch.Tensor | None, ieee: bool) -> bool:
-    """``tl.dot_scaled`` on the packed tiles: MXFP4 experts, a config that asks, and
-    16-bit dots compiled for a GPU (the interpreter has no dot_scaled)."""
-    return bool(cfg.scaled) and scales is not None and not ieee
-
-
 def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tensor:
     """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
     sums (rows, 2I) when ``cfg.split_k`` > 1."""
@@ -313,8 +297,7 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tens
         ACT=ACT_CODES[activation], MXFP4=s1 is not None,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SWAP=bool(cfg.swap), SCALED=_scaled(cfg, s1, ieee), A_FMT=DOT_FORMATS[x.dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP=bool(cfg.swap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -337,7 +320,7 @@ def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg) ->
         IEEE=ieee, ACT_IN_A=split > 1,
         ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,
         DTYPE=TL_DTYPES[x.dtype], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), SCALED=_scaled(cfg, s2, ieee),
-        A_FMT=DOT_FORMATS[x.dtype], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

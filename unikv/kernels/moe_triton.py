@@ -51,61 +51,30 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
-def _packed_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_sn,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
-    """The MXFP4 bytes (BLOCK_N, BLOCK_K / 2) of W[rows, k0 : k0 + BLOCK_K] (k // 2
-    within a row, low nibble first) and their e8m0 scales (BLOCK_N, BLOCK_K / 32);
-    code 0 and scale 127 outside ``row_ok`` and K."""
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(w_ptr + w_base + rows[:, None].to(tl.int64) * s_wn + kb[None, :],
-                   mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0)  # fmt: skip
-    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    e8 = tl.load(s_ptr + s_base + rows[:, None].to(tl.int64) * s_sn + ks[None, :],
-                 mask=row_ok[:, None] & (ks[None, :] < K // 32), other=127)  # fmt: skip
-    return byte, e8
-
-
-@triton.jit
 def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn,
                  MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """(BLOCK_N, BLOCK_K) tile W[rows, k0 : k0 + BLOCK_K] of one expert (``w_base`` /
     ``s_base``: the expert's int64 offsets): fp32 for MXFP4, else the weight dtype;
     0 outside ``row_ok`` and K."""
-    if MXFP4:
-        byte, e8 = _packed_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_sn,
-                                BLOCK_K)  # fmt: skip
+    row_off = rows[:, None].to(tl.int64) * s_wn
+    if MXFP4:  # bytes (BLOCK_N, BLOCK_K / 2), k // 2 within a row; scales k // 32
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(w_ptr + w_base + row_off + kb[None, :],
+                       mask=row_ok[:, None] & (kb[None, :] < K // 2), other=0)  # fmt: skip
         code = tl.interleave(byte & 0x0F, byte >> 4).to(tl.uint16)  # (BLOCK_N, BLOCK_K)
         half = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.float16, bitcast=True)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        s_off = rows[:, None].to(tl.int64) * s_sn + ks[None, :]
+        e8 = tl.load(s_ptr + s_base + s_off, mask=row_ok[:, None] & (ks[None, :] < K // 32),
+                     other=127)  # fmt: skip
         scale = ((e8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 113)
         grouped = tl.reshape(half.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32))
         tile = tl.reshape(grouped * scale[:, :, None], (BLOCK_N, BLOCK_K))
     else:  # one return: Triton compiles a return after a taken constexpr branch too
         ks = k0 + tl.arange(0, BLOCK_K)
-        tile = tl.load(w_ptr + w_base + rows[:, None].to(tl.int64) * s_wn
-                       + ks[None, :].to(tl.int64) * s_wk,
+        tile = tl.load(w_ptr + w_base + row_off + ks[None, :].to(tl.int64) * s_wk,
                        mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
     return tile
-
-
-@triton.jit
-def _mma(a, acc, w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn,
-         MXFP4: tl.constexpr, SCALED: tl.constexpr, A_FMT: tl.constexpr, IEEE: tl.constexpr,
-         SWAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """acc + a @ W[rows, k0 : k0 + BLOCK_K]^T (transposed with SWAP). SCALED (MXFP4 on a
-    GPU): the packed bytes and scales go to ``tl.dot_scaled`` as they are, which
-    upcasts them in the compiler's own e2m1 path; else ``_weight_tile``'s decode."""
-    if SCALED:
-        byte, e8 = _packed_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_sn,
-                                BLOCK_K)  # fmt: skip
-        if SWAP:
-            acc = tl.dot_scaled(byte, e8, "e2m1", tl.trans(a), None, A_FMT, acc)
-        else:
-            acc = tl.dot_scaled(a, None, A_FMT, tl.trans(byte), e8, "e2m1", acc)
-    else:
-        w = _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn,
-                         MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-        acc = _dot_t(a, w, acc, IEEE, SWAP)
-    return acc
 
 
 @triton.jit
@@ -168,7 +137,7 @@ def _gate_up_kernel(
     row_step, up_offset, alpha, limit,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, SCALED: tl.constexpr, A_FMT: tl.constexpr,
+    BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -186,12 +155,13 @@ def _gate_up_kernel(
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
-        acc_u = _mma(a, acc_u, w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn,
-                     s_wk, s_sn, MXFP4, SCALED, A_FMT, IEEE, SWAP, BLOCK_N, BLOCK_K)  # fmt: skip
+        wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
+                          s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc_u = _dot_t(a, wu, acc_u, IEEE, SWAP)
         if ACT != 2:
-            acc_g = _mma(a, acc_g, w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K,
-                         s_wn, s_wk, s_sn, MXFP4, SCALED, A_FMT, IEEE, SWAP, BLOCK_N,
-                         BLOCK_K)  # fmt: skip
+            wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
+                              s_wk, s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc_g = _dot_t(a, wg, acc_g, IEEE, SWAP)
     acc_g, acc_u = _unswap(acc_g, SWAP), _unswap(acc_u, SWAP)
     out_rows = out_ptr + pos[:, None].to(tl.int64) * s_om
     mask = valid[:, None] & col_ok[None, :]
@@ -255,7 +225,6 @@ def _down_kernel(
     ACT_IN_A: tl.constexpr,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    SCALED: tl.constexpr, A_FMT: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -274,8 +243,9 @@ def _down_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
                     row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE)  # fmt: skip
-        acc = _mma(a, acc, w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
-                   s_sn, MXFP4, SCALED, A_FMT, IEEE, SWAP, BLOCK_N, BLOCK_K)  # fmt: skip
+        w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
+                         s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc = _dot_t(a, w, acc, IEEE, SWAP)
     acc = _unswap(acc, SWAP)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * s_be + cols * s_bn, mask=col_ok, other=0.0)
