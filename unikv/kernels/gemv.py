@@ -6,15 +6,19 @@ BLOCK_N output features and walks K in BLOCK_K tiles, multiplying in fp32 and
 reducing each row once at the end; rows of x are few (M <= MAX_ROWS), so x is
 re-read from L2 per tile. With ACT the input is a (M, 2K) ``[gate | up]`` row and the
 kernel multiplies ``silu(gate) * up`` (``elementwise.silu_mul``'s rounding) as it
-loads it: SwiGLU fused into the down projection.
+loads it: SwiGLU fused into the down projection. With NORM the input is a pre-norm's
+``x (+ residual)``: the residual add and RMSNorm happen in the same loads (``gemv``'s
+``norm``), and program 0 writes the summed residual. On Hopper the kernel is launched
+with programmatic dependent launch (``PDL``): it may start while the kernel before it
+drains, and waits (``gdc_wait``) before its first load.
 
     grid (cdiv(N, BLOCK_N),)   program n: y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
 
-``linear`` / ``silu_mul_linear`` are the backend ops: the kernel for 2-D 16-bit
+``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` are the backend ops: the kernel for 2-D 16-bit
 inputs of at most ``ROUTE_ROWS`` rows (the rows the H200 measured it faster than
 cuBLAS at, ``benchmarks/bench_gemv.py``), ``F.linear`` otherwise (a host decision
 from shapes; CUDA graphs fix it per captured batch size). The torch references are
-``F.linear`` and ``F.linear(elementwise_ref.silu_mul(gu))``.
+``elementwise_ref``'s ``linear``, ``silu_mul_linear`` and ``add_rms_norm_linear``.
 """
 
 from __future__ import annotations
@@ -49,21 +53,6 @@ PDL = os.environ.get("UNIKV_GEMV_PDL", "1") == "1"  # fixed at import; the A/B s
 
 
 @triton.jit
-def _normed_tile(x_ptr, r_ptr, nw_ptr, ks, k_ok, rstd, offset, dt: tl.constexpr,
-                 HAS_RES: tl.constexpr, W_FP32: tl.constexpr):  # fmt: skip
-    """fp32 values of the normed input at columns ``ks``: ``elementwise``'s
-    ``_rms_norm_kernel`` rounding (sum rounded to dt, the product with the weight
-    in dt unless W_FP32)."""
-    h = _summed(x_ptr, r_ptr, ks, k_ok, dt, HAS_RES).to(tl.float32) * rstd
-    wv = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + offset
-    if W_FP32:
-        y = h * wv
-    else:
-        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
-    return y.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _summed(x_ptr, r_ptr, ks, k_ok, dt: tl.constexpr, HAS_RES: tl.constexpr):
     """x (+ the residual, rounded to dt) at columns ``ks``, in dt."""
     xv = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
@@ -78,29 +67,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 W_FP32: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * s_wn
     dt = y_ptr.dtype.element_ty
-    if PDL:  # launched early (programmatic dependent launch): x is the last kernel's
+    if PDL:  # launched before the last kernel ends (programmatic dependent launch): wait
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     for m in tl.static_range(M):
         x_row, r_row = x_ptr + m * s_xm, r_ptr + m * s_rm
-        rstd = 0.0
-        if NORM:  # the row's statistics first; program 0 writes the summed residual
-            sq = tl.zeros((BLOCK_K,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                hv = _summed(x_row, r_row, ks, k_ok, dt, HAS_RES)
-                if HAS_RES:
-                    tl.store(r_out_ptr + m * s_rm + ks, hv, mask=k_ok & (pid == 0))
-                hf = hv.to(tl.float32)
-                sq += hf * hf
-            rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        sq = tl.zeros((BLOCK_K,), tl.float32)  # NORM: the row's sum of squares
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -109,9 +86,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM:
-                x = _normed_tile(x_row, r_row, nw_ptr, ks, k_ok, rstd, offset, dt, HAS_RES,
-                                 W_FP32)  # fmt: skip
+            if NORM:  # h * norm weight now, times 1 / rms after the loop: one pass
+                hv = _summed(x_row, r_row, ks, k_ok, dt, HAS_RES)
+                if HAS_RES:  # program 0 writes the summed residual
+                    tl.store(r_out_ptr + m * s_rm + ks, hv, mask=k_ok & (pid == 0))
+                x = hv.to(tl.float32)
+                sq += x * x
+                x *= tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + offset
             else:
                 x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
             if ACT:  # x is the gate half; the up half follows K columns later
@@ -119,6 +100,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
                 x = _silu_mul_f32(x, up, dt).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
+        if NORM:
+            y *= tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * s_ym + rows, y.to(dt), mask=row_ok)
@@ -132,8 +115,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
     is of ``silu(gate) * up`` (rounded as ``elementwise.silu_mul`` rounds it).
     norm: ``(residual or None, norm_weight, eps, offset, weight_in_fp32)``: the
-    product is of ``rms_norm(x + residual)`` (``elementwise.add_rms_norm``'s
-    rounding) and the call returns (y, x + residual) (x itself without a residual)."""
+    product is of ``rms_norm(x + residual)`` and the call returns (y, x + residual)
+    (x itself without a residual). The sum is rounded to the dtype as
+    ``add_rms_norm`` rounds it; the norm is not: ``W (h * w) / rms(h)`` in fp32 in one
+    pass over K (the statistics need the whole row, and a first pass over it would
+    hold up the weight stream), so bf16 outputs differ from norm-then-GEMM within
+    bf16 rounding; both orders of the weight product agree (weight_in_fp32 unused)."""
     k = weight.shape[-1]
     want_k = 2 * k if silu_mul_input else k
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != want_k:
@@ -152,7 +139,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"{x.dtype}, {weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
         )
     m, n = x.shape[0], weight.shape[0]
-    residual, norm_w, eps, offset, w_fp32 = norm or (None, None, 0.0, 0.0, False)
+    residual, norm_w, eps, offset, _ = norm or (None, None, 0.0, 0.0, False)
     if norm is not None and (norm_w.shape != (k,) or silu_mul_input or (
             residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))):  # fmt: skip
         raise ValueError(
@@ -170,7 +157,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, W_FP32=bool(w_fp32), PDL=_pdl(x), num_warps=warps,
+        HAS_RES=residual is not None, PDL=_pdl(x), num_warps=warps,
         **({"launch_pdl": True} if _pdl(x) else {}),
     )  # fmt: skip
     return y if norm is None else (y, r_out)
