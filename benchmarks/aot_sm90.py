@@ -9,7 +9,8 @@ the JIT would at a given call: ints equal to 1 become constexprs, ints divisible
 unaligned and no load is pipelined), ``do_not_specialize`` ints get neither.
 
     python benchmarks/aot_sm90.py            # every MoE config at gpt-oss's shape
-    python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true, false], true]]'
+    python benchmarks/aot_sm90.py --gemv     # the one-request GEMV's launches (JSON)
+    python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true], true]]'
         # the given (config, mxfp4) cases: one JSON list of [gate_up, down] results
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit`` functions,
@@ -120,6 +121,29 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     ]
 
 
+def gemv_kernels() -> dict[str, tuple]:
+    """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
+    by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
+    a residual), each as the Hopper launch compiles it (PDL on)."""
+    from unikv.kernels import gemv
+
+    block_n, block_k, warps, stages = gemv.CONFIG
+    ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr",
+                                 "r_out_ptr")}  # fmt: skip
+    base = {"M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages,
+            "EVEN_K": True, "HAS_BIAS": False, "ACT": False, "NORM": False, "HAS_RES": False,
+            "PDL": True}  # fmt: skip
+    cases = {"qkv": (3072, 2048, {}), "down_silu": (2048, 8192, {"ACT": True}),
+             "qkv_norm": (3072, 2048, {"NORM": True}),
+             "qkv_add_norm": (3072, 2048, {"NORM": True, "HAS_RES": True})}  # fmt: skip
+    out = {}
+    for name, (n, k, flags) in cases.items():
+        values = {**ptrs, "N": n, "K": k, "s_xm": 2 * k if flags.get("ACT") else k,
+                  "s_wn": k, "s_ym": n, "s_rm": k, "eps": 1e-5, "offset": 0.0}  # fmt: skip
+        out[name] = (gemv._gemv_kernel, values, {**base, **flags}, warps, stages)
+    return out
+
+
 def main() -> None:
     import argparse
     import json
@@ -128,7 +152,11 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="[[config, mxfp4], ...] -> JSON results")
+    parser.add_argument("--gemv", action="store_true", help="the GEMV's launches -> JSON")
     args = parser.parse_args()
+    if args.gemv:
+        print(json.dumps({name: compile_sm90(*launch) for name, launch in gemv_kernels().items()}))
+        return
     if args.json is not None:
         cases = [(moe.Config(*cfg), bool(mx)) for cfg, mx in json.loads(args.json)]
         out = []

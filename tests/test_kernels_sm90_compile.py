@@ -1,6 +1,6 @@
-"""The MoE kernels compiled for the H200 (sm_90a) on this CPU host: every table entry
-and the swapped-operand candidates, at gpt-oss's shape, with the
-JIT's specialisation (``benchmarks/aot_sm90.py``, in a subprocess without the
+"""The MoE kernels and the one-request GEMV compiled for the H200 (sm_90a) on this CPU
+host: every MoE table entry and the swapped-operand candidates at gpt-oss's shape, the
+GEMV's variants at Llama-3.2-1B's, with the JIT's specialisation (``benchmarks/aot_sm90.py``, in a subprocess without the
 interpreter). The interpreter runs a kernel's semantics but never compiles it; this
 catches what only the GPU compile would (a layout or shape the NVIDIA backend refuses,
 ptxas errors) and a K loop whose loads stop being software-pipelined (no
@@ -55,3 +55,20 @@ def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
                 bad.append((cfg, mxfp4, name, got))
     assert not bad, bad
     assert len(results) == len(CASES) > 20  # every table entry and swap candidate, both formats
+
+
+def test_gemv_compiles_for_sm90_with_pipelined_weight_loads(tmp_path):
+    """The one-request GEMV (plain, SwiGLU inside, the pre-norm inside with and without
+    a residual; PDL's wait compiled in) for sm_90a at the Llama-3.2-1B shape: each
+    streams its weight tiles through pipelined async copies, spills nothing and fits
+    an SM's shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--gemv"],
+                         check=False, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    assert sorted(results) == ["down_silu", "qkv", "qkv_add_norm", "qkv_norm"]
+    bad = {name: r for name, r in results.items()
+           if not (r["async_copies"] > 0 and r["spill_bytes"] == 0 and r["smem"] <= 227 * 1024)}  # fmt: skip
+    assert not bad, bad
