@@ -1,10 +1,11 @@
 """The MoE kernels and the one-request GEMV compiled for the H200 (sm_90a) on this CPU
 host: every MoE table entry and the swapped-operand candidates at gpt-oss's shape, the
-GEMV's variants at Llama-3.2-1B's, with the JIT's specialisation (``benchmarks/aot_sm90.py``, in a subprocess without the
-interpreter). The interpreter runs a kernel's semantics but never compiles it; this
-catches what only the GPU compile would (a layout or shape the NVIDIA backend refuses,
-ptxas errors) and a K loop whose loads stop being software-pipelined (no
-``async_copy_global_to_local``), before any device time."""
+GEMV's variants at Llama-3.2-1B's, with the JIT's specialisation
+(``benchmarks/aot_sm90.py``, in a subprocess without the interpreter). The interpreter
+runs a kernel's semantics but never compiles it; this catches what only the GPU compile
+would (a layout or shape the NVIDIA backend refuses, ptxas errors) and a K loop whose
+loads stop being software-pipelined (no ``async_copy_global_to_local``), before any
+device time."""
 
 from __future__ import annotations
 
