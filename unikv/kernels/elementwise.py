@@ -127,11 +127,10 @@ def add_rms_norm(
 
 
 @triton.jit
-def _rotated_halves(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
-    """(pointer to dims [0, HALF) of each head, mask, rotated first half, rotated
-    second half) of one token's heads, each product rounded to the dtype as the
-    reference rounds it; one thread loads both halves of a pair, so a caller may
-    store them in place (``rope_store.py`` also writes them into the cache)."""
+def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
+    """Rotate one token's heads in place (dims [0, 2 * HALF)), each product rounded to
+    the dtype as the reference rounds it; returns (mask, rotated first half, rotated
+    second half), which ``rope_store.py`` also writes into the cache."""
     dt = ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_R)
@@ -139,9 +138,11 @@ def _rotated_halves(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.con
     p1 = ptr + heads.to(tl.int64)[:, None] * s_head + offs[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    a = (x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)
-    b = (x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)
-    return p1, mask, a.to(dt), b.to(dt)
+    a = ((x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)).to(dt)
+    b = ((x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)).to(dt)
+    tl.store(p1, a, mask=mask)
+    tl.store(p1 + HALF, b, mask=mask)
+    return mask, a, b
 
 
 @triton.jit
@@ -153,13 +154,6 @@ def _cos_sin(cos, sin, pos, t, sc0, HALF, BLOCK_R: tl.constexpr, dt):
     c = tl.load(cos + p * sc0 + offs, mask=offs < HALF, other=0.0).to(dt).to(tl.float32)
     s = tl.load(sin + p * sc0 + offs, mask=offs < HALF, other=0.0).to(dt).to(tl.float32)
     return c, s
-
-
-@triton.jit
-def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
-    p1, mask, a, b = _rotated_halves(ptr, s_head, H, c, s, BLOCK_H, BLOCK_R, HALF)
-    tl.store(p1, a, mask=mask)
-    tl.store(p1 + HALF, b, mask=mask)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from unikv.kernels._checks import (
     view_strides,
 )
 from unikv.kernels._ids import kernel_offset
-from unikv.kernels.elementwise import _cos_sin, _rotate_heads, _rotated_halves
+from unikv.kernels.elementwise import _cos_sin, _rotate_heads
 
 
 @triton.jit
@@ -74,9 +74,7 @@ def _rope_store_kv_kernel(
     kid = tl.load(ids + t)
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_R)
-    p1, mask, a, b = _rotated_halves(k + t * sk0, sk1, H, c, s, BLOCK_H, BLOCK_R, HALF)
-    tl.store(p1, a, mask=mask)
-    tl.store(p1 + HALF, b, mask=mask)
+    mask, a, b = _rotate_heads(k + t * sk0, sk1, H, c, s, BLOCK_H, BLOCK_R, HALF)
     k_row = k_cache + kernel_offset(kid, PS, kc_sb, kc_sn)
     c1 = k_row + heads.to(tl.int64)[:, None] * kc_sh + offs[None, :]
     tl.store(c1, a, mask=mask)
