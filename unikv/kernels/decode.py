@@ -4,10 +4,11 @@ Grid ``(H_kv, B, S)``: program (kv head, b, split) serves the GROUP query heads
 of one KV head (padded to 16 rows for the tensor-core dot), so each K/V row is
 read once per step; heads first, so the programs of one request's KV heads run side
 by side over the same rows of its pages (1.04x the (B, H_kv, S) order at the e2e's
-decode batch: 102.2 against 106.3 us, ``decode_ops_grid_h200_f6ab973.json``). A request's visible keys ``[lo, seq_len)`` (lo = seq_len - W
-with a window, so only the window's pages are read) are cut into S equal,
-BLOCK_N-aligned chunks; S is fixed on the host from the SM count and the block
-table's capacity, so the grid never depends on device data (CUDA-graph safe).
+decode batch: 102.2 against 106.3 us, ``decode_ops_grid_h200_f6ab973.json``). A
+request's visible keys ``[lo, seq_len)`` (lo = seq_len - W with a window, so only the
+window's pages are read) are cut into S equal, BLOCK_N-aligned chunks; S is fixed on
+the host from the SM count and the block table's capacity, so the grid never depends
+on device data (CUDA-graph safe).
 
     split s -> (acc_s / l_s, lse_s)  in a caller-ownable fp32 workspace
     merge    -> out = sum_s exp(lse_s - M) acc_s / (sum_s exp(lse_s - M) + exp(sink - M))
