@@ -94,7 +94,8 @@ def test_fp32_greedy_identical_with_triton_and_graphs(saved, refs, page_size, gr
 def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     """``one``: a single request, whose decode steps run the Triton GEMV
     (``kernels/gemv.py``, SwiGLU fused into the down projection) inside the graphs;
-    the per-token checks hold, and the GEMV ran at start-up (warm-up, capture)."""
+    the per-token checks hold, and the GEMV ran at start-up (graph capture: nothing
+    else calls it before the first step)."""
     from unikv.engine import SamplingParams
     from unikv.kernels import gemv
 

@@ -337,38 +337,3 @@ def test_warm_sampling_runs_the_backend_argmax_over_a_full_batch():
     calls.clear()
     warmup.warm_sampling(Backend(), model, rows=7)
     assert calls == [((1, 11), torch.float32), ((7, 11), torch.float32)]
-
-
-def test_warm_gemv_runs_the_backend_ops_once_per_weight():
-    """The GEMV warm-up (``warmup._warm_gemv``): each distinct weight of a module with
-    a backend ``linear`` at 1..ROUTE_ROWS rows, and a fused-down MLP's
-    ``silu_mul_linear`` on its (rows, 2I) input; modules without ops are skipped."""
-    from torch import nn
-
-    from unikv.engine import warmup
-    from unikv.kernels import gemv
-    from unikv.models.layers import Linear
-
-    calls = []
-
-    class Ops:
-        def linear(self, x, weight, bias=None):
-            calls.append(("linear", tuple(x.shape), tuple(weight.shape), bias is not None))
-
-        def silu_mul_linear(self, x, weight, bias=None):
-            calls.append(("silu_mul_linear", tuple(x.shape), tuple(weight.shape), bias is not None))
-
-    ops = Ops()
-    model = nn.Module()
-    model.a, model.b, model.plain = Linear(8, 12), Linear(8, 12), nn.Linear(8, 12)
-    model.mlp = nn.Module()
-    model.mlp.fused_down, model.mlp.ops = True, ops
-    model.mlp.down_proj = Linear(6, 8, bias=False)
-    for lin in (model.a, model.b, model.mlp.down_proj):
-        lin.ops = ops
-    launched = warmup._warm_gemv(model)
-    rows = range(1, gemv.ROUTE_ROWS + 1)
-    want = [("linear", (r, 8), (12, 8), True) for r in rows]
-    want += [("silu_mul_linear", (r, 12), (8, 6), False) for r in rows]
-    want += [("linear", (r, 6), (8, 6), False) for r in rows]
-    assert calls == want and launched == len(want)

@@ -62,32 +62,6 @@ def warm_linears(model: nn.Module, *, max_logit_rows: int, max_tokens: int) -> i
         for rows in warm_rows(limit):
             F.linear(x[:rows], mod.weight, mod.bias)
             launched += 1
-    return launched + _warm_gemv(model)
-
-
-def _warm_gemv(model: nn.Module) -> int:
-    """Each distinct weight's backend ``linear`` at 1..``gemv.ROUTE_ROWS`` rows, and
-    each fused-down MLP's ``silu_mul_linear``: the Triton GEMV compiles at start-up,
-    not in the first one-request step (modules without a backend op are skipped)."""
-    from unikv.kernels import gemv
-
-    seen, launched = set(), 0
-    for mod in model.modules():
-        fused = getattr(mod, "fused_down", False)
-        lin = mod.down_proj if fused else mod
-        ops = getattr(mod, "ops", None)
-        if not (isinstance(lin, nn.Linear) and hasattr(ops, "linear")):
-            continue
-        key = (tuple(lin.weight.shape), lin.weight.dtype, lin.bias is not None, fused)
-        if key in seen:
-            continue
-        seen.add(key)
-        width = lin.in_features * (2 if fused else 1)
-        x = torch.zeros(gemv.ROUTE_ROWS, width, dtype=lin.weight.dtype, device=lin.weight.device)
-        op = ops.silu_mul_linear if fused else ops.linear
-        for rows in range(1, gemv.ROUTE_ROWS + 1):
-            op(x[:rows], lin.weight, lin.bias)
-            launched += 1
     return launched
 
 
