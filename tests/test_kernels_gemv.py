@@ -88,7 +88,7 @@ def test_gemv_fused_norm_matches_norm_then_linear(m, residual, w_fp32):
         res = torch.randn(m, 100, generator=g).to(dtype) if residual else None
         nw = (1 + 0.1 * torch.randn(100, generator=g)).to(dtype)
         w = torch.randn(24, 100, generator=g).to(dtype)
-        norm = (res, nw, 1e-5, 0.0, w_fp32)
+        norm = (res, nw, 1e-5, 0.0)
         want, want_res = elementwise_ref.add_rms_norm_linear(
             x, None if res is None else res.clone(), nw, 1e-5, w, weight_in_fp32=w_fp32
         )

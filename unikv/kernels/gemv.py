@@ -114,13 +114,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
     is of ``silu(gate) * up`` (rounded as ``elementwise.silu_mul`` rounds it).
-    norm: ``(residual or None, norm_weight, eps, offset, weight_in_fp32)``: the
-    product is of ``rms_norm(x + residual)`` and the call returns (y, x + residual)
-    (x itself without a residual). The sum is rounded to the dtype as
-    ``add_rms_norm`` rounds it; the norm is not: ``W (h * w) / rms(h)`` in fp32 in one
-    pass over K (the statistics need the whole row, and a first pass over it would
-    hold up the weight stream), so bf16 outputs differ from norm-then-GEMM within
-    bf16 rounding; both orders of the weight product agree (weight_in_fp32 unused)."""
+    norm: ``(residual or None, norm_weight, eps, offset)``: the product is of
+    ``rms_norm(x + residual)`` and the call returns (y, x + residual) (x itself without
+    a residual). The sum is rounded to the dtype as ``add_rms_norm`` rounds it; the
+    norm is not: ``W (h * w) / rms(h)`` in fp32 in one pass over K (the statistics need
+    the whole row, and a first pass over it would hold up the weight stream), so bf16
+    outputs differ from norm-then-GEMM within bf16 rounding, whichever order the
+    weight product takes there (``weight_in_fp32``)."""
     k = weight.shape[-1]
     want_k = 2 * k if silu_mul_input else k
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != want_k:
@@ -139,7 +139,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"{x.dtype}, {weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
         )
     m, n = x.shape[0], weight.shape[0]
-    residual, norm_w, eps, offset, _ = norm or (None, None, 0.0, 0.0, False)
+    residual, norm_w, eps, offset = norm or (None, None, 0.0, 0.0)
     if norm is not None and (norm_w.shape != (k,) or silu_mul_input or (
             residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))):  # fmt: skip
         raise ValueError(
@@ -151,14 +151,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
     r_in = residual if residual is not None else x
+    pdl = _pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r_in,
         norm_w if norm_w is not None else weight, r_out, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, PDL=_pdl(x), num_warps=warps,
-        **({"launch_pdl": True} if _pdl(x) else {}),
+        HAS_RES=residual is not None, PDL=pdl, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return y if norm is None else (y, r_out)
 
@@ -192,7 +193,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     """(F.linear(rms_norm(x + residual)), x + residual) (residual None: of x, and x):
     the norm inside the GEMV's loads for few 16-bit rows, else the two kernels."""
     if _routes(x, weight) and x.shape[0] > 0 and (residual is None or residual.stride(-1) == 1):
-        return gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset, weight_in_fp32))
+        return gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset))
     kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
     if residual is None:
         return F.linear(rms_norm(x, norm_weight, eps, **kw), weight, bias), x

@@ -38,8 +38,7 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         # each pre-norm inside the GEMM after it (the backend's add_rms_norm_linear), where
         # that GEMM is a plain ``Linear`` of the stock blocks (not a subclass's, not tp)
-        attn_ = self.self_attn
-        self.fuse_qkv = not overrides_forward(attn_, Attention) and type(attn_.qkv_proj) is Linear
+        self.fuse_qkv = type(self.self_attn.qkv_proj) is Linear
         self.fuse_mlp = (isinstance(mlp, GatedMLP) and not overrides_forward(mlp, GatedMLP)
                          and type(mlp.gate_up_proj) is Linear)  # fmt: skip
 
