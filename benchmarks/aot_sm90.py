@@ -10,6 +10,7 @@ unaligned and no load is pipelined), ``do_not_specialize`` ints get neither.
 
     python benchmarks/aot_sm90.py            # every MoE config at gpt-oss's shape
     python benchmarks/aot_sm90.py --gemv     # the one-request GEMV's launches (JSON)
+    python benchmarks/aot_sm90.py --step     # the rest of its decode chain (JSON)
     python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true], true]]'
         # the given (config, mxfp4) cases: one JSON list of [gate_up, down] results
 
@@ -45,7 +46,8 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
     """Compile ``fn`` (a ``triton.jit`` function) for sm_90a. values: every non-constexpr
     argument by name: a pointer as its Triton type string ("*bf16"), else an int or a
     float (specialised as the JIT would). -> {regs, spill_bytes, smem, async_copies,
-    wgmma}."""
+    wgmma, pdl_wait / pdl_trigger / l2_prefetch: those PTX instructions' counts,
+    memory_ops_before_wait, trigger_before_wait}."""
     nospec = set(getattr(fn, "do_not_specialize", ()) or ())
     nospec |= {fn.arg_names[i] for i in nospec if isinstance(i, int)}
     sig, cons, attrs = {}, dict(constexprs), {}
@@ -72,14 +74,27 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
         ptx.write_text(kernel.asm["ptx"])
         info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", str(ptx), "-o", f"{ptx}.o"],
                               capture_output=True, text=True, check=True).stderr  # fmt: skip
-    ttgir = kernel.asm["ttgir"]
+    ttgir, ptx_text = kernel.asm["ttgir"], kernel.asm["ptx"]
     return {
         "regs": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
         "smem": kernel.metadata.shared,
         "async_copies": len(re.findall("async_copy_global_to_local", ttgir)),
         "wgmma": "warp_group_dot" in ttgir,
+        "pdl_wait": ptx_text.count("griddepcontrol.wait"),
+        "pdl_trigger": ptx_text.count("griddepcontrol.launch_dependents"),
+        "l2_prefetch": ptx_text.count("prefetch.global.L2"),
+        **_before_wait(ptx_text),
     }
+
+
+def _before_wait(ptx: str) -> dict:
+    """PDL's contract in the PTX (``kernels/pdl.py``): the global loads, async copies,
+    stores and triggers placed before the first ``griddepcontrol.wait`` (all of the
+    kernel's when it has none)."""
+    head = ptx.split("griddepcontrol.wait")[0]
+    return {"memory_ops_before_wait": len(re.findall(r"\b(?:ld\.global|st\.global|cp\.async\.c)", head)),
+            "trigger_before_wait": "griddepcontrol.launch_dependents" in head}  # fmt: skip
 
 
 # gpt-oss's expert shape
@@ -124,7 +139,8 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
 def gemv_kernels() -> dict[str, tuple]:
     """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
     by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
-    a residual), each as the Hopper launch compiles it (PDL on)."""
+    a residual), each as the Hopper launch compiles it (PDL on: the weight prefetch, the
+    wait and the trigger)."""
     from unikv.kernels import gemv
 
     block_n, block_k, warps, stages = gemv.CONFIG
@@ -132,7 +148,7 @@ def gemv_kernels() -> dict[str, tuple]:
                                  "r_out_ptr")}  # fmt: skip
     base = {"M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages,
             "EVEN_K": True, "HAS_BIAS": False, "ACT": False, "NORM": False, "HAS_RES": False,
-            "PDL": True}  # fmt: skip
+            "PDL": True, "PF_LINES": 32, "LINE": 64}  # fmt: skip
     cases = {"qkv": (3072, 2048, {}), "down_silu": (2048, 8192, {"ACT": True}),
              "qkv_norm": (3072, 2048, {"NORM": True}),
              "qkv_add_norm": (3072, 2048, {"NORM": True, "HAS_RES": True})}  # fmt: skip
@@ -144,6 +160,48 @@ def gemv_kernels() -> dict[str, tuple]:
     return out
 
 
+def step_kernels() -> dict[str, tuple]:
+    """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
+    head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
+    store, the decode split and merge, the argmax's chunk and merge."""
+    from unikv.kernels import argmax, decode, rope_store
+
+    bf16 = "*bf16"
+    rope = {"q": bf16, "k": bf16, "v": bf16, "k_cache": bf16, "v_cache": bf16,
+            "ids": "*i64", "cos": "*fp32", "sin": "*fp32", "pos": "*i64", "sq0": 3072,
+            "sq1": 64, "sk0": 3072, "sk1": 64, "sv0": 3072, "sv1": 64, "sc0": 32,
+            "kc_sb": 8192, "kc_sn": 512, "kc_sh": 64, "vc_sb": 8192, "vc_sn": 512,
+            "vc_sh": 64, "HQ": 32, "HALF": 32}  # fmt: skip
+    rope_cons = {"H": 8, "D": 64, "DV": 64, "PS": 16, "BLOCK_HQ": 32, "BLOCK_H": 8,
+                 "BLOCK_R": 32, "BLOCK_P": 0, "BLOCK_DV": 64, "PDL": True}  # fmt: skip
+    split = {"q": bf16, "k_cache": bf16, "v_cache": bf16, "block_table": "*i32",
+             "seq_lens": "*i32", "sinks": "*fp32", "out": bf16, "ws_acc": "*fp32",
+             "ws_lse": "*fp32", "sm_scale": 0.125, "soft_cap": 0.0, "window": 0,
+             "q_sb": 2048, "q_sh": 64, "k_sb": 8192, "k_sn": 512, "k_sh": 64, "v_sb": 8192,
+             "v_sn": 512, "v_sh": 64, "bt_sb": 64, "o_sb": 2048, "o_sh": 64}  # fmt: skip
+    block_n, warps, stages = decode.CONFIGS[64]
+    split_cons = {"GROUP": 4, "BLOCK_G": 16, "D": 64, "DV": 64, "BLOCK_D": 64, "BLOCK_DV": 64,
+                  "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
+                  "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
+                  "PRECISION": "tf32", "PDL": True}  # fmt: skip
+    merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
+             "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
+    merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 64, "BLOCK_S": 64, "CHUNK_S": 16,
+                  "HAS_SINKS": False, "PDL": True}  # fmt: skip
+    chunk = {"x": "*fp32", "s_row": 128256, "V": 128256, "chunk": 1024, "best_v": "*fp32",
+             "best_i": "*i32", "out": "*i64", "splits": 126}  # fmt: skip
+    pick = {"best_v": "*fp32", "best_i": "*i32", "out": "*i64", "V": 128256, "splits": 126}
+    chunk_cons = {"DIRECT": False, "BLOCK": argmax.BLOCK, "PDL": True}
+    pick_cons = {"BLOCK_S": argmax.MERGE_BLOCK, "PDL": True}
+    return {
+        "rope_store": (rope_store._rope_store_kv_kernel, rope, rope_cons, 4, 3),
+        "decode_split": (decode._decode_split_kernel, split, split_cons, warps, stages),
+        "decode_merge": (decode._decode_merge_kernel, merge, merge_cons, 4, 3),
+        "argmax_chunk": (argmax._argmax_chunk_kernel, chunk, chunk_cons, 4, 3),
+        "argmax_merge": (argmax._argmax_merge_kernel, pick, pick_cons, 1, 3),
+    }
+
+
 def main() -> None:
     import argparse
     import json
@@ -153,9 +211,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="[[config, mxfp4], ...] -> JSON results")
     parser.add_argument("--gemv", action="store_true", help="the GEMV's launches -> JSON")
+    parser.add_argument("--step", action="store_true",
+                        help="the rest of one request's decode chain -> JSON")  # fmt: skip
     args = parser.parse_args()
-    if args.gemv:
-        print(json.dumps({name: compile_sm90(*launch) for name, launch in gemv_kernels().items()}))
+    if args.gemv or args.step:
+        launches = gemv_kernels() if args.gemv else step_kernels()
+        print(json.dumps({name: compile_sm90(*launch) for name, launch in launches.items()}))
         return
     if args.json is not None:
         cases = [(moe.Config(*cfg), bool(mx)) for cfg, mx in json.loads(args.json)]

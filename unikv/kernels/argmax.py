@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels import pdl
 from unikv.kernels._checks import device_sms
 
 BLOCK = 1024  # logits a program reads per iteration
@@ -24,9 +25,11 @@ MERGE_BLOCK = 128  # chunk results the merge reads per iteration
 
 @triton.jit(do_not_specialize=["s_row", "V", "chunk", "splits"])  # one compile per DIRECT
 def _argmax_chunk_kernel(x, s_row, V, chunk, best_v, best_i, out, splits,
-                         DIRECT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                         DIRECT: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
+    pdl.wait(PDL)
     lo = part * chunk
     hi = tl.minimum(lo + chunk, V)
     lanes = tl.arange(0, BLOCK)
@@ -38,6 +41,7 @@ def _argmax_chunk_kernel(x, s_row, V, chunk, best_v, best_i, out, splits,
         better = val > top  # strict: each lane keeps its first maximum
         top = tl.where(better, val, top)
         arg = tl.where(better, idx, arg)
+    pdl.trigger(PDL)
     peak = tl.max(top, axis=0)
     first = tl.min(tl.where(top == peak, arg, V), axis=0)
     if DIRECT:
@@ -48,8 +52,10 @@ def _argmax_chunk_kernel(x, s_row, V, chunk, best_v, best_i, out, splits,
 
 
 @triton.jit(do_not_specialize=["V", "splits"])
-def _argmax_merge_kernel(best_v, best_i, out, V, splits, BLOCK_S: tl.constexpr):
+def _argmax_merge_kernel(best_v, best_i, out, V, splits, BLOCK_S: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    pdl.wait(PDL)
     lanes = tl.arange(0, BLOCK_S)
     top = tl.full([BLOCK_S], float("-inf"), tl.float32)
     arg = tl.full([BLOCK_S], V, tl.int32)
@@ -93,12 +99,14 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     best_v = torch.empty(rows * splits if splits > 1 else 1, dtype=torch.float32,
                          device=logits.device)  # fmt: skip
     best_i = torch.empty(best_v.shape, dtype=torch.int32, device=logits.device)
+    on = pdl.enabled(logits)
     _argmax_chunk_kernel[(rows, splits)](
         logits, logits.stride(0), vocab, chunk, best_v, best_i, out,
-        splits, DIRECT=splits == 1, BLOCK=BLOCK, num_warps=4,
+        splits, DIRECT=splits == 1, BLOCK=BLOCK, PDL=on, num_warps=4, **pdl.launch_options(on),
     )  # fmt: skip
     if splits > 1:
         _argmax_merge_kernel[(rows,)](
-            best_v, best_i, out, vocab, splits, BLOCK_S=MERGE_BLOCK, num_warps=1
-        )
+            best_v, best_i, out, vocab, splits, BLOCK_S=MERGE_BLOCK, PDL=on, num_warps=1,
+            **pdl.launch_options(on),
+        )  # fmt: skip
     return out

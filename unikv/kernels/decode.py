@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels import pdl
 from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
 from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, sizes buffers)
     device_sms,
@@ -111,10 +112,12 @@ def _decode_split_kernel(
     HAS_CAP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
     b = tl.program_id(1)
     split = tl.program_id(2)
+    pdl.wait(PDL)  # q and the step's K/V rows come from the kernels before
     seq = tl.load(seq_lens + b)
     first = 0
     if HAS_WINDOW:
@@ -177,6 +180,7 @@ def _decode_split_kernel(
             PRECISION,
             True,
         )
+    pdl.trigger(PDL)  # the keys are read: the merge (or the next kernel) may launch
     head_mask = mask_g
     if NUM_SPLITS == 1:
         if HAS_SINKS:
@@ -218,9 +222,11 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    pdl.wait(PDL)
     row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -244,6 +250,7 @@ def _decode_merge_kernel(
             other=0.0,
         )
         acc += tl.sum(part * w[:, None], axis=0)
+    pdl.trigger(PDL)
     res = acc / tl.where(denom > 0, denom, 1.0)
     o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
     tl.store(o_ptr, res.to(out.dtype.element_ty), mask=offs_dv < DV)
@@ -293,6 +300,7 @@ def decode_attention(
     ws_acc, ws_lse = split_workspace(workspace, bsz, hq, dim_v, splits, q.device)
     block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
     sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
+    on = pdl.enabled(q)
     _decode_split_kernel[(heads, bsz, splits)](
         q,
         k_cache,
@@ -327,7 +335,9 @@ def decode_attention(
         HAS_CAP=soft_cap > 0,
         NUM_STAGES=stages,
         PRECISION=dot_precision(q),
+        PDL=on,
         num_warps=warps,
+        **pdl.launch_options(on),
     )
     if splits > 1:
         _decode_merge_kernel[(bsz, hq)](
@@ -344,6 +354,8 @@ def decode_attention(
             BLOCK_S=next_pow2(splits),
             CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=sinks is not None,
+            PDL=on,
             num_warps=4,
+            **pdl.launch_options(on),
         )
     return out

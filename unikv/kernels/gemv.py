@@ -9,8 +9,9 @@ kernel multiplies ``silu(gate) * up`` (``elementwise.silu_mul``'s rounding) as i
 loads it: SwiGLU fused into the down projection. With NORM the input is a pre-norm's
 ``x (+ residual)``: the residual add and RMSNorm happen in the same loads (``gemv``'s
 ``norm``), and program 0 writes the summed residual. On Hopper the kernel is launched
-with programmatic dependent launch (``PDL``): it may start while the kernel before it
-drains, and waits (``gdc_wait``) before its first load.
+with programmatic dependent launch (``kernels/pdl.py``): it may start while the kernel
+before it drains, asks L2 for its first ``PREFETCH_COLS`` weight columns, waits, and
+lets the next kernel launch once its K loop is done.
 
     grid (cdiv(N, BLOCK_N),)   program n: y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
 
@@ -23,14 +24,12 @@ from shapes; CUDA graphs fix it per captured batch size). The torch references a
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from unikv.kernels import pdl
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.elementwise import _silu_mul_f32, add_rms_norm, rms_norm, silu_mul
 
@@ -49,7 +48,7 @@ CANDIDATES = [
 MAX_ROWS = 4
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
-PDL = os.environ.get("UNIKV_GEMV_PDL", "1") == "1"  # fixed at import; the A/B switch
+PREFETCH_COLS = 2048  # weight columns a program asks L2 for before it waits (PDL)
 
 
 @triton.jit
@@ -67,14 +66,17 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 PDL: tl.constexpr):  # fmt: skip
+                 PDL: tl.constexpr, PF_LINES: tl.constexpr, LINE: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * s_wn
     dt = y_ptr.dtype.element_ty
-    if PDL:  # launched before the last kernel ends (programmatic dependent launch): wait
-        tl.extra.cuda.gdc_wait()
+    # PDL: the weights are no kernel's output, so their first lines are asked for
+    # while the kernel before drains; then wait for it
+    pf = tl.arange(0, PF_LINES) * LINE
+    pdl.prefetch_l2(tl.where(row_ok[:, None] & (pf[None, :] < K), w_rows + pf[None, :], w_ptr), PDL)
+    pdl.wait(PDL)
     for m in tl.static_range(M):
         x_row, r_row = x_ptr + m * s_xm, r_ptr + m * s_rm
         sq = tl.zeros((BLOCK_K,), tl.float32)  # NORM: the row's sum of squares
@@ -99,6 +101,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
                 up = tl.load(x_row + K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = _silu_mul_f32(x, up, dt).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
+        if m == M - 1:  # the weight stream is issued: the next kernel may launch
+            pdl.trigger(PDL)
         y = tl.sum(acc, axis=1)
         if NORM:
             y *= tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
@@ -151,27 +155,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
     r_in = residual if residual is not None else x
-    pdl = _pdl(x)
+    on = pdl.enabled(x)
+    line = 128 // x.element_size()  # elements of a 128-byte line
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r_in,
         norm_w if norm_w is not None else weight, r_out, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, PDL=pdl, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        HAS_RES=residual is not None, PDL=on,
+        PF_LINES=triton.next_power_of_2(triton.cdiv(min(k, PREFETCH_COLS), line)), LINE=line,
+        num_warps=warps, **pdl.launch_options(on),
     )  # fmt: skip
     return y if norm is None else (y, r_out)
-
-
-def _pdl(x: torch.Tensor) -> bool:
-    """Programmatic dependent launch (Hopper and newer, CUDA; ``PDL`` switches it)."""
-    return PDL and x.is_cuda and _capability(x.device) >= 9
-
-
-@functools.cache
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
 
 
 def _routes(x: torch.Tensor, weight: torch.Tensor) -> bool:

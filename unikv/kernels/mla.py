@@ -285,6 +285,7 @@ def mla_attention(
             BLOCK_S=next_pow2(splits),
             CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=False,
+            PDL=False,  # the MLA split kernel launches plainly
             num_warps=4,
         )
     return out

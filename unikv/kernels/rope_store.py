@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels import pdl
 from unikv.kernels._checks import (
     check_cache,
     check_ids,
@@ -66,8 +67,11 @@ def _rope_store_kv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    pdl.wait(PDL)  # q, k and v are the projection's output
+    pdl.trigger(PDL)  # one short wave: the attention may launch and wait
     c, s = _cos_sin(cos, sin, pos, t, sc0, HALF, BLOCK_R, q.dtype.element_ty)
     _rotate_heads(q + t * sq0, sq1, HQ, c, s, BLOCK_HQ, BLOCK_R, HALF)  # q: in place
     # k: rotated in place and into the cache row of the token's kernel id
@@ -148,6 +152,7 @@ def rope_store_kv(
         return q, k
     page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1  # a dense view: one row per id
     rest = dim - 2 * half
+    on = pdl.enabled(q)
     _rope_store_kv_kernel[(num_tokens,)](
         q, k, v, k_cache, v_cache, kernel_ids, cos, sin, positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -158,6 +163,6 @@ def rope_store_kv(
         H=heads, D=dim, DV=dim_v, PS=page_size,
         BLOCK_HQ=next_pow2(q.shape[1]), BLOCK_H=next_pow2(heads), BLOCK_R=next_pow2(half),
         BLOCK_P=next_pow2(rest) if rest else 0, BLOCK_DV=next_pow2(dim_v),
-        num_warps=4, enable_fp_fusion=False,
+        PDL=on, num_warps=4, enable_fp_fusion=False, **pdl.launch_options(on),
     )  # fmt: skip
     return q, k

@@ -1,0 +1,73 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels on Hopper.
+
+A kernel launched with ``launch_pdl`` may start while the kernel before it in the
+stream drains; one request's decode step is a chain of about 120 short kernels, so
+every launch latency it hides is step time saved. Every kernel taking ``PDL`` keeps
+one contract, in each of its programs:
+
+    1. before ``wait``: reads of data no kernel of the step writes (weights), only;
+    2. ``wait`` (``gdc_wait``) before the first read of an earlier kernel's output and
+       before any store, so a kernel completes only after the one before it (the
+       chain is ordered transitively, however far back the data came from);
+    3. ``trigger`` (``gdc_launch_dependents``) only after ``wait``, once the program
+       has issued its long work: the next kernel's programs then launch, do their
+       step 1 and wait. A trigger before the wait would let every later kernel's
+       programs occupy the SMs waiting (measured at 20ac1b1: GEMMs 1.44 ms).
+
+A program that never triggers triggers when it exits. ``UNIKV_PDL=0`` launches
+everything plainly, ``UNIKV_PDL_TRIGGER=0`` drops the early triggers and
+``UNIKV_PDL_PREFETCH=0`` the weight prefetch (all fixed at import: the A/B switches).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("UNIKV_PDL", "1") == "1"
+TRIGGER = tl.constexpr(os.environ.get("UNIKV_PDL_TRIGGER", "1") == "1")
+PREFETCH = tl.constexpr(os.environ.get("UNIKV_PDL_PREFETCH", "1") == "1")
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device launch with PDL (CUDA, Hopper or newer)."""
+    return ENABLED and t.is_cuda and _capability(t.device) >= 9
+
+
+def launch_options(on: bool) -> dict:
+    """The launch keywords for ``kernel[grid](...)``: ``launch_pdl`` when ``on``."""
+    return {"launch_pdl": True} if on else {}
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Step 2: wait for the kernel before to complete (a no-op without PDL)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def trigger(PDL: tl.constexpr):
+    """Step 3: let the next kernel launch (a no-op without PDL or with TRIGGER off)."""
+    if PDL and TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, PDL: tl.constexpr):
+    """Step 1: ask L2 for the 128-byte lines at ``ptrs`` (any shape; every pointer
+    valid), without waiting for them (a no-op without PDL or with PREFETCH off)."""
+    if PDL and PREFETCH:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
