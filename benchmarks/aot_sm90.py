@@ -46,8 +46,8 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
     """Compile ``fn`` (a ``triton.jit`` function) for sm_90a. values: every non-constexpr
     argument by name: a pointer as its Triton type string ("*bf16"), else an int or a
     float (specialised as the JIT would). -> {regs, spill_bytes, smem, async_copies,
-    wgmma, pdl_wait / pdl_trigger / l2_prefetch: those PTX instructions' counts,
-    memory_ops_before_wait, trigger_before_wait}."""
+    wgmma, pdl_wait / pdl_trigger: those PTX instructions' counts,
+    loads_before_wait, stores_before_wait, trigger_before_wait}."""
     nospec = set(getattr(fn, "do_not_specialize", ()) or ())
     nospec |= {fn.arg_names[i] for i in nospec if isinstance(i, int)}
     sig, cons, attrs = {}, dict(constexprs), {}
@@ -83,17 +83,17 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
         "wgmma": "warp_group_dot" in ttgir,
         "pdl_wait": ptx_text.count("griddepcontrol.wait"),
         "pdl_trigger": ptx_text.count("griddepcontrol.launch_dependents"),
-        "l2_prefetch": ptx_text.count("prefetch.global.L2"),
         **_before_wait(ptx_text),
     }
 
 
 def _before_wait(ptx: str) -> dict:
-    """PDL's contract in the PTX (``kernels/pdl.py``): the global loads, async copies,
-    stores and triggers placed before the first ``griddepcontrol.wait`` (all of the
-    kernel's when it has none)."""
+    """PDL's contract in the PTX (``kernels/pdl.py``): the global loads (and async
+    copies), the stores (and atomics) and the triggers placed before the first
+    ``griddepcontrol.wait`` (all of the kernel's when it has none)."""
     head = ptx.split("griddepcontrol.wait")[0]
-    return {"memory_ops_before_wait": len(re.findall(r"\b(?:ld\.global|st\.global|cp\.async\.c)", head)),
+    return {"loads_before_wait": len(re.findall(r"\b(?:ld\.global|cp\.async\.c)", head)),
+            "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom\.global|red\.global)", head)),
             "trigger_before_wait": "griddepcontrol.launch_dependents" in head}  # fmt: skip
 
 
@@ -139,8 +139,8 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
 def gemv_kernels() -> dict[str, tuple]:
     """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
     by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
-    a residual), each as the Hopper launch compiles it (PDL on: the weight prefetch, the
-    wait and the trigger)."""
+    a residual), each as the Hopper launch compiles it (PDL on: the early weight tiles,
+    the wait and the trigger)."""
     from unikv.kernels import gemv
 
     block_n, block_k, warps, stages = gemv.CONFIG
@@ -148,7 +148,7 @@ def gemv_kernels() -> dict[str, tuple]:
                                  "r_out_ptr")}  # fmt: skip
     base = {"M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages,
             "EVEN_K": True, "HAS_BIAS": False, "ACT": False, "NORM": False, "HAS_RES": False,
-            "PDL": True, "PF_LINES": 32, "LINE": 64}  # fmt: skip
+            "EARLY": gemv.EARLY_TILES, "PDL": True}  # fmt: skip
     cases = {"qkv": (3072, 2048, {}), "down_silu": (2048, 8192, {"ACT": True}),
              "qkv_norm": (3072, 2048, {"NORM": True}),
              "qkv_add_norm": (3072, 2048, {"NORM": True, "HAS_RES": True})}  # fmt: skip

@@ -61,26 +61,37 @@ def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
 def test_gemv_compiles_for_sm90_with_pipelined_weight_loads(tmp_path):
     """The one-request GEMV (plain, SwiGLU inside, the pre-norm inside with and without
     a residual; PDL on) for sm_90a at the Llama-3.2-1B shape: each streams its weight
-    tiles through pipelined async copies, spills nothing, fits an SM's shared memory,
-    asks L2 for its first weight lines and keeps PDL's contract."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--gemv"],
-                         check=False, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.splitlines()[-1])
+    tiles through pipelined async copies, spills nothing, fits an SM's shared memory
+    and keeps PDL's contract, its early weight tile the only memory work before the
+    wait."""
+    from unikv.kernels import gemv
+
+    results = _compiled("--gemv", tmp_path)
     assert sorted(results) == ["down_silu", "qkv", "qkv_add_norm", "qkv_norm"]
+    early = gemv.EARLY_TILES > 0
     bad = {name: r for name, r in results.items()
            if not (r["async_copies"] > 0 and r["spill_bytes"] == 0 and r["smem"] <= 227 * 1024
-                   and r["l2_prefetch"] > 0 and _keeps_pdl_contract(r, trigger=True))}  # fmt: skip
+                   and (r["loads_before_wait"] > 0) == early
+                   and _keeps_pdl_contract(r, trigger=True, loads=r["loads_before_wait"]))}  # fmt: skip
     assert not bad, bad
 
 
-def _keeps_pdl_contract(result: dict, trigger: bool) -> bool:
-    """kernels/pdl.py's contract in a compiled kernel: one wait, no global load, store
-    or async copy before it, and (``trigger``) one trigger, placed after it."""
-    return (result["pdl_wait"] == 1 and result["memory_ops_before_wait"] == 0
-            and not result["trigger_before_wait"] and result["pdl_trigger"] == int(trigger))  # fmt: skip
+def _compiled(flag: str, tmp_path) -> dict:
+    """``aot_sm90.py FLAG``'s JSON, compiled in a subprocess without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), flag],
+                         check=False, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def _keeps_pdl_contract(result: dict, trigger: bool, loads: int = 0) -> bool:
+    """kernels/pdl.py's contract in a compiled kernel: one wait; before it no store and
+    ``loads`` global loads; (``trigger``) one trigger, placed after it."""
+    return (result["pdl_wait"] == 1 and result["stores_before_wait"] == 0
+            and result["loads_before_wait"] == loads and not result["trigger_before_wait"]
+            and result["pdl_trigger"] == int(trigger))  # fmt: skip
 
 
 def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
@@ -88,12 +99,7 @@ def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
     the argmax's two launches), compiled with PDL on for sm_90a: each program waits
     before its first global load or store, and the kernels a next one follows trigger
     only after that wait (the argmax's merge, last of the step, does not)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--step"],
-                         check=False, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.splitlines()[-1])
+    results = _compiled("--step", tmp_path)
     names = ["argmax_chunk", "argmax_merge", "decode_merge", "decode_split", "rope_store"]
     assert sorted(results) == names
     bad = {name: r for name, r in results.items()
