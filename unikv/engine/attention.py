@@ -260,20 +260,22 @@ class DecodeAttention:
 
     def __call__(self, layer, q, k, v, sinks=None, rope=None):
         """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D); rope: None (q and k come
-        rotated) or (rotary, positions) to rotate them here."""
+        rotated) or (rotary, positions) to rotate them here: inside the attention's
+        launch (``rope_store_decode_attention``) unless the cache is fp8."""
+        cache = self.layers[layer]
+        kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
+              "sinks": sinks, "soft_cap": cache.soft_cap,
+              **self.plan.decode[cache.subpool].launch}  # splits, workspace: once per step  # fmt: skip
+        if rope is not None and cache.store_k.dtype == k.dtype:
+            rotary, positions = rope
+            step = self.plan.subpools[cache.subpool]
+            return self.backend.rope_store_decode_attention(
+                cache.k, cache.v, step.write_ids.data, q, k, v, rotary.cos, rotary.sin,
+                positions, step.block_table, self.plan.seq_lens, **kw,
+            )  # fmt: skip
         cache, step, q, k = self._store(layer, q, k, v, rope)
         return self.backend.decode_attention(
-            q,
-            cache.k,
-            cache.v,
-            step.block_table,
-            self.plan.seq_lens,
-            page_size=cache.page_size,
-            sm_scale=self.sm_scale,
-            window=cache.window,
-            sinks=sinks,
-            soft_cap=cache.soft_cap,
-            **self.plan.decode[cache.subpool].launch,  # splits, workspace: once per step
+            q, cache.k, cache.v, step.block_table, self.plan.seq_lens, **kw
         )
 
 

@@ -20,7 +20,8 @@ import torch
 
 Op = Callable[..., object]
 
-KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "extend_attention", "copy_pages")
+KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
+          "extend_attention", "copy_pages")  # fmt: skip
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
@@ -40,6 +41,7 @@ class KernelBackend:
     store_kv: Op
     rope_store_kv: Op
     decode_attention: Op
+    rope_store_decode_attention: Op
     extend_attention: Op
     copy_pages: Op
     build_block_table: Op
@@ -147,6 +149,7 @@ def _triton() -> KernelBackend:
         store_kv=store.store_kv,
         rope_store_kv=rope_store.rope_store_kv,
         decode_attention=decode.decode_attention,
+        rope_store_decode_attention=decode.rope_store_decode_attention,
         extend_attention=extend.extend_attention,
         copy_pages=page_copy.copy_pages,
         build_block_table=block_table.build_block_table,
@@ -174,6 +177,7 @@ def _torch() -> KernelBackend:
         store_kv=reference.store_kv,
         rope_store_kv=reference.rope_store_kv,
         decode_attention=reference.decode_attention,
+        rope_store_decode_attention=reference.rope_store_decode_attention,
         extend_attention=reference.extend_attention,
         copy_pages=reference.copy_pages,
         build_block_table=reference.build_block_table,

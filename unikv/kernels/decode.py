@@ -28,6 +28,7 @@ import triton.language as tl
 from unikv.kernels import pdl
 from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
 from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, sizes buffers)
+    check_same_device,
     device_sms,
     next_pow2,
     out_buffer,
@@ -35,6 +36,8 @@ from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, siz
     view_strides,
     workspace_numel,
 )
+from unikv.kernels._ids import kernel_offset
+from unikv.kernels.rope_store import check_rope_store_args
 
 MIN_SPLIT_TOKENS = 64  # never cut a request into chunks shorter than this (one 64-row tile)
 CTAS_PER_SM = 4  # split until about this many programs per SM ...
@@ -74,6 +77,50 @@ def choose_config(dim: int, page_size: int, max_len: int, splits: int) -> tuple[
 
 
 @triton.jit
+def _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, dt: tl.constexpr):
+    """Per head-dim lane of request b's new token: its rotate-half partner lane and the
+    (cos, sin) it is rotated by, rounded to the model dtype ``dt`` as ``rope_store``
+    rounds them; lanes past 2 * HALF (partial rotary) are their own partner with
+    (1, 0), so they pass through."""
+    first = offs_d < HALF
+    rot = offs_d < 2 * HALF
+    partner = tl.where(rot, tl.where(first, offs_d + HALF, offs_d - HALF), offs_d)
+    lane = tl.where(first, offs_d, offs_d - HALF)
+    p = tl.load(pos + b).to(tl.int64)
+    c = tl.load(cos + p * sc0 + lane, mask=rot, other=1.0).to(dt).to(tl.float32)
+    sn = tl.load(sin + p * sc0 + lane, mask=rot, other=0.0).to(dt).to(tl.float32)
+    return partner, c, tl.where(first, -sn, sn)
+
+
+@triton.jit
+def _rotated(x, xp, c, sn):
+    """Rows x rotated: x * cos + its partner * (-/+)sin, each product rounded to x's
+    dtype and the sum too (``elementwise._rotate_heads``' roundings)."""
+    dt = x.dtype
+    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
+    return (a + (xp.to(tl.float32) * sn).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh, vn_sb,
+                   vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn, offs_d,
+                   offs_dv, D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """Request b's new K row of head kvh rotated, and its V row, written into the cache
+    at the token's kernel id (``rope_store``'s row)."""
+    kid = tl.load(write_ids + b)
+    k_src = k_new + b.to(tl.int64) * kn_sb + kvh * kn_sh
+    mask_d = offs_d < D
+    kx = tl.load(k_src + offs_d, mask=mask_d, other=0.0)
+    kr = _rotated(kx, tl.load(k_src + partner, mask=mask_d, other=0.0), c, sn)
+    tl.store(k_cache + kernel_offset(kid, PAGE_SIZE, k_sb, k_sn) + kvh * k_sh + offs_d, kr,
+             mask=mask_d)  # fmt: skip
+    mask_v = offs_dv < DV
+    vx = tl.load(v_new + b.to(tl.int64) * vn_sb + kvh * vn_sh + offs_dv, mask=mask_v)
+    tl.store(v_cache + kernel_offset(kid, PAGE_SIZE, v_sb, v_sn) + kvh * v_sh + offs_dv, vx,
+             mask=mask_v)  # fmt: skip
+
+
+@triton.jit
 def _decode_split_kernel(
     q,
     k_cache,
@@ -98,6 +145,18 @@ def _decode_split_kernel(
     bt_sb,
     o_sb,
     o_sh,
+    k_new,
+    v_new,
+    write_ids,
+    cos,
+    sin,
+    pos,
+    kn_sb,
+    kn_sh,
+    vn_sb,
+    vn_sh,
+    sc0,
+    HALF,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -112,6 +171,7 @@ def _decode_split_kernel(
     HAS_CAP: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     PRECISION: tl.constexpr,
+    ROPE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
@@ -131,11 +191,17 @@ def _decode_split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     heads = kvh * GROUP + offs_g
     mask_g = offs_g < GROUP
-    qv = tl.load(
-        q + b.to(tl.int64) * q_sb + heads[:, None] * q_sh + offs_d[None, :],
-        mask=mask_g[:, None] & (offs_d[None, :] < D),
-        other=0.0,
-    )
+    q_rows = q + b.to(tl.int64) * q_sb + heads[:, None] * q_sh
+    mask_q = mask_g[:, None] & (offs_d[None, :] < D)
+    qv = tl.load(q_rows + offs_d[None, :], mask=mask_q, other=0.0)
+    if ROPE:  # rope + store fused: q rotated here, the new K/V row stored by its split
+        partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, q.dtype.element_ty)
+        qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
+        if split == (seq - 1 - first) // chunk:  # this split reads the new token's row
+            _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh,
+                           vn_sb, vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn,
+                           offs_d, offs_dv, D, DV, PAGE_SIZE)  # fmt: skip
+        tl.debug_barrier()  # the row's stores are visible to this program's loads
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -272,6 +338,7 @@ def decode_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
+    rope: tuple | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request.
 
@@ -284,7 +351,8 @@ def decode_attention(
     sinks: None or (Hq,) fp32 sink logits. soft_cap: 0 = off. out: optional
     (B, Hq, Dv). workspace: optional fp32 tensor of >= ``workspace_numel(...)``
     elements (fixed buffers for CUDA graphs). num_splits / config override the
-    heuristics (benchmarks). Returns out (B, Hq, Dv) in q's dtype.
+    heuristics (benchmarks). rope: ``rope_store_decode_attention``'s (k, v, write_ids,
+    cos, sin, positions), checked there. Returns out (B, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     bsz, hq, dim = q.shape
@@ -301,6 +369,8 @@ def decode_attention(
     block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
     sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
     on = pdl.enabled(q)
+    k_new, v_new, ids, cos, sin, positions = rope or (q, q, seq_lens, ws_acc, ws_acc, seq_lens)
+    half = cos.shape[-1] if rope is not None else 0
     _decode_split_kernel[(heads, bsz, splits)](
         q,
         k_cache,
@@ -321,6 +391,18 @@ def decode_attention(
         block_table.stride(0),
         out.stride(0),
         out.stride(1),
+        k_new,
+        v_new,
+        ids,
+        cos,
+        sin,
+        positions,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        cos.stride(0),
+        half,
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         D=dim,
@@ -335,8 +417,11 @@ def decode_attention(
         HAS_CAP=soft_cap > 0,
         NUM_STAGES=stages,
         PRECISION=dot_precision(q),
+        ROPE=rope is not None,
         PDL=on,
         num_warps=warps,
+        # fp32 rope: products must not fuse into the sum (rope_store's rounding)
+        enable_fp_fusion=rope is None or q.dtype != torch.float32,
         **pdl.launch_options(on),
     )
     if splits > 1:
@@ -359,3 +444,30 @@ def decode_attention(
             **pdl.launch_options(on),
         )
     return out
+
+
+def rope_store_decode_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    **attention: object,
+) -> torch.Tensor:
+    """``rope_store.rope_store_kv`` then ``decode_attention`` in one launch (plus the
+    merge): each split program rotates its q heads as it loads them, and the split
+    holding a request's last key rotates that token's K row and writes it and the V
+    row at ``write_ids`` before it reads its keys. The same bytes as the two ops
+    (their roundings), except that q and k are not rotated in place. Arguments:
+    ``rope_store_kv``'s (k_cache / v_cache the attention's views, in k's dtype: an
+    fp8 cache takes the two-op path), then ``decode_attention``'s."""
+    check_rope_store_args(k_cache, v_cache, write_ids, q, k, v, cos, positions)
+    check_same_device(q, k, v, write_ids, cos, sin, positions)
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, **attention,
+                            rope=(k, v, write_ids, cos, sin, positions))  # fmt: skip

@@ -60,6 +60,26 @@ def rope_store_kv(
     return q, k
 
 
+def rope_store_decode_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    **attention: object,
+) -> torch.Tensor:
+    """``rope_store_kv`` then ``decode_attention`` of the rotated q (keywords:
+    ``decode_attention``'s). q and k are left as they are."""
+    q, _ = rope_store_kv(k_cache, v_cache, write_ids, q, k, v, cos, sin, positions)
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, **attention)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) float logits -> (B,) int64 first index of each row's maximum."""
     return logits.argmax(dim=-1)

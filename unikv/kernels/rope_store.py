@@ -98,25 +98,9 @@ def _rope_store_kv_kernel(
     tl.store(v_row + heads.to(tl.int64)[:, None] * vc_sh + offs_v[None, :], vals, mask=mask_v)
 
 
-def rope_store_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    kernel_ids: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rope of q and k at ``positions``, then K and V rows stored at kernel ids, in
-    one launch. q and k are rotated in place; returns (q, k), the same tensors.
-
-    k_cache / v_cache: (N, H, D) / (N, H, Dv) dense per-layer views or (E, ps, H, D) /
-    (E, ps, H, Dv) page-strided views, in k's dtype (an fp8 cache is quantised by
-    the caller: use ``rope_qk`` then ``store_kv`` there); kernel_ids: (T,) int32/int64;
-    q: (T, Hq, D), k: (T, H, D), v: (T, H, Dv), one float dtype, unit stride on
-    the last dim; cos, sin: (P, R/2) fp32, R <= D even; positions: (T,) int."""
+def check_rope_store_args(k_cache, v_cache, kernel_ids, q, k, v, cos, positions) -> None:
+    """ValueError unless the arguments fit ``rope_store_kv`` (shapes, one dtype, unit
+    head-dim strides, rotated dims within the head)."""
     check_ids("kernel_ids", kernel_ids)
     check_cache("k_cache", k_cache)
     check_cache("v_cache", v_cache, heads=k_cache.shape[-2])
@@ -147,7 +131,31 @@ def rope_store_kv(
             f"rope_store_kv needs unit stride on the head dim and 2 * {half} rotated dims <= "
             f"{dim}; got q {q.stride()}, k {k.stride()}, v {v.stride()}"
         )
+
+
+def rope_store_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kernel_ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rope of q and k at ``positions``, then K and V rows stored at kernel ids, in
+    one launch. q and k are rotated in place; returns (q, k), the same tensors.
+
+    k_cache / v_cache: (N, H, D) / (N, H, Dv) dense per-layer views or (E, ps, H, D) /
+    (E, ps, H, Dv) page-strided views, in k's dtype (an fp8 cache is quantised by
+    the caller: use ``rope_qk`` then ``store_kv`` there); kernel_ids: (T,) int32/int64;
+    q: (T, Hq, D), k: (T, H, D), v: (T, H, Dv), one float dtype, unit stride on
+    the last dim; cos, sin: (P, R/2) fp32, R <= D even; positions: (T,) int."""
+    check_rope_store_args(k_cache, v_cache, kernel_ids, q, k, v, cos, positions)
     check_same_device(k_cache, v_cache, kernel_ids, q, k, v, cos, sin, positions)
+    num_tokens, heads, dim = kernel_ids.shape[0], k_cache.shape[-2], k_cache.shape[-1]
+    dim_v, half = v_cache.shape[-1], cos.shape[-1]
     if num_tokens == 0:
         return q, k
     page_size = k_cache.shape[1] if k_cache.dim() == 4 else 1  # a dense view: one row per id

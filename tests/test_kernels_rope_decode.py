@@ -1,0 +1,118 @@
+"""Rope + store inside decode attention (``decode.rope_store_decode_attention``, Triton
+under the CPU interpreter, and its torch twin) against the two ops it replaces and an
+fp32 oracle.
+
+Each request's last cached row is the decode token's: before the call it is NaN
+(never written), so a split that read it before writing it would poison its output.
+The oracle rotates q and the new k with ``elementwise_ref.rope_qk`` and attends over
+the dense K/V with that row replaced (``kernel_cases.oracle_attention``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import PagedCase, oracle_attention
+
+from unikv.kernels import elementwise_ref, get_backend
+
+TRITON = get_backend("cpu", "triton")
+TORCH = get_backend("cpu", "torch")
+LENS = [1, 37, 20, 64]
+
+
+def _case(dtype, heads, group, dim, half, ps, seed=0):
+    """A paged case whose last rows are NaN, the step's q / k / v as strided views of
+    one projection output, cos / sin tables and the tokens' write ids."""
+    case = PagedCase(LENS, heads, dim, ps, dtype=dtype, seed=seed)
+    sub = case.pool["full"]
+    paged_k, paged_v = sub.paged_views[1]
+    gen = torch.Generator().manual_seed(seed + 5)
+    last = torch.tensor(LENS) - 1
+    entries = case.block_table[torch.arange(len(LENS)), last // ps].long()
+    write_ids = entries * ps + last % ps  # the kernel id of each request's last row
+    page = entries // sub.blocks_per_page
+    paged_k[page, last % ps], paged_v[page, last % ps] = float("nan"), float("nan")
+    b, hq = len(LENS), heads * group
+    proj = torch.randn(b, (hq + 2 * heads) * dim, generator=gen).to(dtype)
+    q, k, v = proj.split([hq * dim, heads * dim, heads * dim], dim=-1)
+    q, k, v = q.view(b, hq, dim), k.view(b, heads, dim), v.view(b, heads, dim)
+    cos, sin = torch.randn(80, half, generator=gen), torch.randn(80, half, generator=gen)
+    return case, (q, k, v), cos, sin, last + 3, write_ids  # positions: any table rows
+
+
+def _call(ops, case, qkv, cos, sin, positions, write_ids, **kw):
+    q, k, v = qkv
+    return ops.rope_store_decode_attention(
+        case.k_cache, case.v_cache, write_ids, q, k, v, cos, sin, positions,
+        case.block_table, case.seq_lens, page_size=case.page_size, sm_scale=0.3, **kw,
+    )  # fmt: skip
+
+
+# 16-bit cases in fp16: the interpreter's bf16 dot is wrong (its own decode attention too)
+CASES = [  # (dtype, H, group, D, rotated half, page size, decode keywords)
+    (torch.float16, 2, 4, 16, 8, 4, {"num_splits": 3}),
+    (torch.float16, 2, 2, 16, 8, 16, {"num_splits": 8}),  # empty splits at short requests
+    (torch.float16, 1, 3, 12, 4, 1, {"num_splits": 1}),  # partial rotary, 4 dims pass
+    (torch.float16, 2, 2, 16, 8, 4, {"window": 11, "num_splits": 2}),
+    (torch.float32, 2, 2, 16, 8, 4, {"sinks": "rand", "num_splits": 3}),
+]
+
+
+def _kw(extra, hq):
+    kw = dict(extra)
+    if kw.get("sinks") == "rand":
+        kw["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(3))
+    return kw
+
+
+@pytest.mark.parametrize("dtype,heads,group,dim,half,ps,extra", CASES)
+def test_fused_launch_equals_rope_store_then_decode(dtype, heads, group, dim, half, ps, extra):
+    """The pool's bytes after the fused launch equal those after Triton's rope + store
+    then decode attention, byte for byte; so does the output in 16-bit (fp32: the
+    fused launch keeps the products unfused, so within 1e-5). q and k stay unrotated."""
+    kw = _kw(extra, heads * group)
+    case, qkv, cos, sin, pos, ids = _case(dtype, heads, group, dim, half, ps)
+    before = [t.clone() for t in qkv]
+    got = _call(TRITON, case, qkv, cos, sin, pos, ids, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(qkv, before))
+    two, (q2, k2, v2), *_ = _case(dtype, heads, group, dim, half, ps)
+    q2, _ = TRITON.rope_store_kv(two.k_cache, two.v_cache, ids, q2, k2, v2, cos, sin, pos)
+    want = TRITON.decode_attention(q2, two.k_cache, two.v_cache, two.block_table, two.seq_lens,
+                                   page_size=ps, sm_scale=0.3, **kw)  # fmt: skip
+    assert torch.equal(case.pool.buffer, two.pool.buffer)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype,heads,group,dim,half,ps,extra", CASES)
+def test_fused_launch_matches_the_oracle(backend, dtype, heads, group, dim, half, ps, extra):
+    """Against fp32 attention over the dense K/V whose last row is the rotated new k
+    (and the new v), with q rotated by the torch rope; the last rows land in the pool."""
+    kw = _kw(extra, heads * group)
+    case, (q, k, v), cos, sin, pos, ids = _case(dtype, heads, group, dim, half, ps)
+    splits = {} if backend == "torch" else {"num_splits": kw["num_splits"]}
+    kw.pop("num_splits")
+    got = _call(get_backend("cpu", backend), case, (q, k, v), cos, sin, pos, ids, **kw, **splits)
+    rq, rk = elementwise_ref.rope_qk(q, k, cos, sin, pos)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    for b, n in enumerate(LENS):
+        keys, values = case.dense_k[b].clone(), case.dense_v[b].clone()
+        keys[-1], values[-1] = rk[b].float(), v[b].float()
+        want = oracle_attention(rq[b : b + 1], keys, values, [n - 1], sm_scale=0.3, **kw)
+        torch.testing.assert_close(got[b : b + 1].float(), want, rtol=tol, atol=tol)
+    stored = case.k_cache[ids]
+    torch.testing.assert_close(stored.float(), rk.float(), rtol=tol, atol=tol)
+    assert torch.equal(case.v_cache[ids], v)
+
+
+def test_fused_launch_rejects_bad_input():
+    """Mismatched dtypes (an fp8 cache takes the two-op path) and row counts."""
+    case, (q, k, v), cos, sin, pos, ids = _case(torch.float16, 2, 2, 16, 8, 4)
+    with pytest.raises(ValueError, match="one dtype"):
+        _call(TRITON, case, (q.float(), k, v), cos, sin, pos, ids)
+    with pytest.raises(ValueError, match="to match"):
+        _call(TRITON, case, (q, k, v), cos, sin, pos, ids[:2])
