@@ -163,7 +163,8 @@ def gemv_kernels() -> dict[str, tuple]:
 def step_kernels() -> dict[str, tuple]:
     """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
-    store, the decode split and merge, the argmax's chunk and merge."""
+    store, the decode split (and with rope + store inside), its merge, the argmax's chunk
+    and merge."""
     from unikv.kernels import argmax, decode, rope_store
 
     bf16 = "*bf16"
@@ -178,12 +179,16 @@ def step_kernels() -> dict[str, tuple]:
              "seq_lens": "*i32", "sinks": "*fp32", "out": bf16, "ws_acc": "*fp32",
              "ws_lse": "*fp32", "sm_scale": 0.125, "soft_cap": 0.0, "window": 0,
              "q_sb": 2048, "q_sh": 64, "k_sb": 8192, "k_sn": 512, "k_sh": 64, "v_sb": 8192,
-             "v_sn": 512, "v_sh": 64, "bt_sb": 64, "o_sb": 2048, "o_sh": 64}  # fmt: skip
+             "v_sn": 512, "v_sh": 64, "bt_sb": 64, "o_sb": 2048, "o_sh": 64, "k_new": bf16,
+             "v_new": bf16, "write_ids": "*i64", "cos": "*fp32", "sin": "*fp32",
+             "pos": "*i64", "kn_sb": 3072, "kn_sh": 64, "vn_sb": 3072, "vn_sh": 64,
+             "sc0": 32, "HALF": 32}  # fmt: skip
     block_n, warps, stages = decode.CONFIGS[64]
     split_cons = {"GROUP": 4, "BLOCK_G": 16, "D": 64, "DV": 64, "BLOCK_D": 64, "BLOCK_DV": 64,
                   "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
                   "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
-                  "PRECISION": "tf32", "PDL": True}  # fmt: skip
+                  "PRECISION": "tf32", "ROPE": False, "PDL": True}  # fmt: skip
+    rope_split = {**split_cons, "ROPE": True}
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
     merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 64, "BLOCK_S": 64, "CHUNK_S": 16,
@@ -196,6 +201,7 @@ def step_kernels() -> dict[str, tuple]:
     return {
         "rope_store": (rope_store._rope_store_kv_kernel, rope, rope_cons, 4, 3),
         "decode_split": (decode._decode_split_kernel, split, split_cons, warps, stages),
+        "decode_split_rope": (decode._decode_split_kernel, split, rope_split, warps, stages),
         "decode_merge": (decode._decode_merge_kernel, merge, merge_cons, 4, 3),
         "argmax_chunk": (argmax._argmax_chunk_kernel, chunk, chunk_cons, 4, 3),
         "argmax_merge": (argmax._argmax_merge_kernel, pick, pick_cons, 1, 3),

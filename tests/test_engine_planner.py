@@ -90,7 +90,8 @@ def test_one_backend_reaches_the_pool_the_allocator_and_the_runner(llama, monkey
     assert llm.runner.backend is llm.backend is rec.backend
     outputs = llm.generate(llama.prompts, SamplingParams(max_tokens=12))
     check_engine_outputs(llama, llm, outputs)
-    runner_ops = {"rope_store_kv", "decode_attention", "extend_attention", "plan_decode", "argmax"}
+    runner_ops = {"rope_store_kv", "rope_store_decode_attention", "extend_attention",
+                  "plan_decode", "argmax"}  # fmt: skip
     allocator_ops = {"update_tables", "prepare_step", "translate_ids", "build_block_table"}
     assert runner_ops | allocator_ops <= set(rec.calls), rec.calls
     name = next(iter(llm.pool.subpools))
@@ -164,10 +165,13 @@ def test_triton_store_and_one_decode_plan_per_step(llama, monkeypatch):
     assert rec.backend.argmax.__wrapped__ is argmax.argmax
     num_layers = llm.model.config.num_layers
     assert rec.calls["store_kv"] == 0 and rec.calls["rope_qk"] == 0  # one launch a layer
-    assert rec.calls["rope_store_kv"] == num_layers * llm.stats.steps
+    prefill_steps = llm.stats.steps - llm.stats.decode_steps
+    assert rec.calls["rope_store_kv"] == num_layers * prefill_steps
     assert num_layers > 1 and rec.calls["plan_decode"] == llm.stats.decode_steps > 0
-    assert rec.calls["decode_attention"] == num_layers * llm.stats.decode_steps
-    launch = rec.kwargs["decode_attention"]
+    # decode steps: rope + store inside the attention's launch, one call a layer
+    assert rec.calls["decode_attention"] == 0
+    assert rec.calls["rope_store_decode_attention"] == num_layers * llm.stats.decode_steps
+    launch = rec.kwargs["rope_store_decode_attention"]
     assert {"num_splits", "config", "workspace"} <= set(launch)
     storage = llm.runner.planner.workspace.untyped_storage()
     assert launch["workspace"].untyped_storage().data_ptr() == storage.data_ptr()

@@ -95,12 +95,13 @@ def _keeps_pdl_contract(result: dict, trigger: bool, loads: int = 0) -> bool:
 
 
 def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
-    """The rest of one request's decode chain (rope + store, the decode split and merge,
-    the argmax's two launches), compiled with PDL on for sm_90a: each program waits
+    """The rest of one request's decode chain (rope + store, the decode split, alone and
+    with rope + store inside, its merge, the argmax's two launches), compiled with PDL on for sm_90a: each program waits
     before its first global load or store, and the kernels a next one follows trigger
     only after that wait (the argmax's merge, last of the step, does not)."""
     results = _compiled("--step", tmp_path)
-    names = ["argmax_chunk", "argmax_merge", "decode_merge", "decode_split", "rope_store"]
+    names = ["argmax_chunk", "argmax_merge", "decode_merge", "decode_split",
+             "decode_split_rope", "rope_store"]  # fmt: skip
     assert sorted(results) == names
     bad = {name: r for name, r in results.items()
            if not _keeps_pdl_contract(r, trigger=name != "argmax_merge") or r["spill_bytes"]}  # fmt: skip

@@ -45,6 +45,7 @@ chunks over long contexts stay absorbed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,9 @@ class MLALayerCache:
     page_size: int
 
 
+# decode steps rotate and store inside the attention's launch (fixed at import; the A/B
+# switch: UNIKV_ROPE_DECODE=0 runs rope_store_kv, then decode_attention)
+ROPE_IN_DECODE = os.environ.get("UNIKV_ROPE_DECODE", "1") == "1"
 ABSORBED_SLOWDOWN = 2.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
 EXPANDED_MAX_BYTES = 8 << 30  # transient K/V of one expanded layer at most
 MLA_FORMS = ("absorbed", "expanded")
@@ -263,10 +267,10 @@ class DecodeAttention:
         rotated) or (rotary, positions) to rotate them here: inside the attention's
         launch (``rope_store_decode_attention``) unless the cache is fp8."""
         cache = self.layers[layer]
+        launch = self.plan.decode[cache.subpool].launch  # splits, workspace: once per step
         kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
-              "sinks": sinks, "soft_cap": cache.soft_cap,
-              **self.plan.decode[cache.subpool].launch}  # splits, workspace: once per step  # fmt: skip
-        if rope is not None and cache.store_k.dtype == k.dtype:
+              "sinks": sinks, "soft_cap": cache.soft_cap, **launch}  # fmt: skip
+        if rope is not None and ROPE_IN_DECODE and cache.store_k.dtype == k.dtype:
             rotary, positions = rope
             step = self.plan.subpools[cache.subpool]
             return self.backend.rope_store_decode_attention(
