@@ -116,3 +116,44 @@ def test_fused_launch_rejects_bad_input():
         _call(TRITON, case, (q.float(), k, v), cos, sin, pos, ids)
     with pytest.raises(ValueError, match="to match"):
         _call(TRITON, case, (q, k, v), cos, sin, pos, ids[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lens", [[644], [1, 300, 17, 4096, 64, 9, 700, 2000]])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_launch_on_the_gpu_equals_the_two_ops(lens, dtype):
+    """On the GPU at Llama-3.2-1B's heads (32 / 8, head dim 64, page 16) with the split
+    count the planner picks: the split holding the new row writes it while the other
+    splits run, then reads it back. The pool's bytes equal those of Triton's rope +
+    store then decode attention, and so does the output (bf16: bit for bit)."""
+    cuda = get_backend("cuda")
+
+    def run(fused: bool):
+        case = PagedCase(lens, 8, 64, 16, dtype=dtype, device="cuda", seed=4)
+        gen = torch.Generator().manual_seed(9)
+        last = torch.tensor(lens) - 1
+        entries = case.block_table.cpu()[torch.arange(len(lens)), last // 16].long()
+        ids = (entries * 16 + last % 16).cuda()
+        q, k, v = (torch.randn(len(lens), h, 64, generator=gen).to(dtype).cuda()
+                   for h in (32, 8, 8))  # fmt: skip
+        cos = torch.randn(8192, 32, generator=gen).cuda()
+        sin = torch.randn(8192, 32, generator=gen).cuda()
+        pos = last.cuda()
+        kw = {"page_size": 16, "sm_scale": 0.3}
+        if fused:
+            out = _call(cuda, case, (q, k, v), cos, sin, pos, ids)
+        else:
+            q, _ = cuda.rope_store_kv(case.k_cache, case.v_cache, ids, q, k, v, cos, sin, pos)
+            out = cuda.decode_attention(q, case.k_cache, case.v_cache, case.block_table,
+                                        case.seq_lens, **kw)  # fmt: skip
+        torch.cuda.synchronize()
+        return out, case.pool.buffer
+
+    got, got_pool = run(True)
+    want, want_pool = run(False)
+    assert torch.equal(got_pool, want_pool)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
