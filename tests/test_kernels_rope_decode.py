@@ -69,8 +69,8 @@ def _kw(extra, hq):
 @pytest.mark.parametrize("dtype,heads,group,dim,half,ps,extra", CASES)
 def test_fused_launch_equals_rope_store_then_decode(dtype, heads, group, dim, half, ps, extra):
     """The pool's bytes after the fused launch equal those after Triton's rope + store
-    then decode attention, byte for byte; so does the output in 16-bit (fp32: the
-    fused launch keeps the products unfused, so within 1e-5). q and k stay unrotated."""
+    then decode attention, byte for byte; the output within 1e-5 (fp32) or bit for bit
+    (fp16: the interpreter has no fp fusion to turn off). q and k stay unrotated."""
     kw = _kw(extra, heads * group)
     case, qkv, cos, sin, pos, ids = _case(dtype, heads, group, dim, half, ps)
     before = [t.clone() for t in qkv]
@@ -126,7 +126,8 @@ def test_fused_launch_on_the_gpu_equals_the_two_ops(lens, dtype):
     """On the GPU at Llama-3.2-1B's heads (32 / 8, head dim 64, page 16) with the split
     count the planner picks: the split holding the new row writes it while the other
     splits run, then reads it back. The pool's bytes equal those of Triton's rope +
-    store then decode attention, and so does the output (bf16: bit for bit)."""
+    store then decode attention; the output is theirs within rounding (the fused launch
+    compiles without fp fusion, the plain one with)."""
     cuda = get_backend("cuda")
 
     def run(fused: bool):
@@ -153,7 +154,5 @@ def test_fused_launch_on_the_gpu_equals_the_two_ops(lens, dtype):
     got, got_pool = run(True)
     want, want_pool = run(False)
     assert torch.equal(got_pool, want_pool)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:
-        assert torch.equal(got, want)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # the fused launch keeps fp fusion off
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
