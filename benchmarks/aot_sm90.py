@@ -139,8 +139,8 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
 def gemv_kernels() -> dict[str, tuple]:
     """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
     by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
-    a residual), each as the Hopper launch compiles it (PDL on: the early weight tiles,
-    the wait and the trigger)."""
+    a residual), each as the Hopper launch compiles it (PDL on: the wait and the
+    trigger)."""
     from unikv.kernels import gemv
 
     block_n, block_k, warps, stages = gemv.CONFIG
@@ -148,7 +148,7 @@ def gemv_kernels() -> dict[str, tuple]:
                                  "r_out_ptr")}  # fmt: skip
     base = {"M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages,
             "EVEN_K": True, "HAS_BIAS": False, "ACT": False, "NORM": False, "HAS_RES": False,
-            "EARLY": gemv.EARLY_TILES, "PDL": True}  # fmt: skip
+            "PDL": True}  # fmt: skip
     cases = {"qkv": (3072, 2048, {}), "down_silu": (2048, 8192, {"ACT": True}),
              "qkv_norm": (3072, 2048, {"NORM": True}),
              "qkv_add_norm": (3072, 2048, {"NORM": True, "HAS_RES": True})}  # fmt: skip

@@ -10,8 +10,9 @@ loads it: SwiGLU fused into the down projection. With NORM the input is a pre-no
 ``x (+ residual)``: the residual add and RMSNorm happen in the same loads (``gemv``'s
 ``norm``), and program 0 writes the summed residual. On Hopper the kernel is launched
 with programmatic dependent launch (``kernels/pdl.py``): it may start while the kernel
-before it drains, loads its first ``EARLY_TILES`` weight tiles, waits, and lets the
-next kernel launch once its K loop is done.
+before it drains, waits before its first load, and lets the next kernel launch once
+its K loop is done. (Loading the first one or two weight tiles before the wait lost on
+the H200: one request's ITL 0.978 / 0.965 ms against 0.906, 19f546b; removed.)
 
     grid (cdiv(N, BLOCK_N),)   program n: y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
 
@@ -23,8 +24,6 @@ from shapes; CUDA graphs fix it per captured batch size). The torch references a
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -50,10 +49,6 @@ CANDIDATES = [
 MAX_ROWS = 4
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
-# weight tiles each program loads before PDL's wait (0-2; fixed at import, the A/B switch).
-# 0: one request's ITL on the H200 (19f546b, one run) was 0.906 ms at 0, 0.978 at 1 and
-# 0.965 at 2 (0.893 / 0.961 / 0.957 with rope + store inside the decode attention)
-EARLY_TILES = int(os.environ.get("UNIKV_GEMV_EARLY", "0"))
 
 
 @triton.jit
@@ -65,82 +60,43 @@ def _summed(x_ptr, r_ptr, ks, k_ok, dt: tl.constexpr, HAS_RES: tl.constexpr):
     return xv
 
 
-@triton.jit
-def _w_tile(w_rows, ks, row_ok, k_ok, MASK_K: tl.constexpr):
-    """The (BLOCK_N, BLOCK_K) weight tile at columns ``ks`` (K masked when MASK_K)."""
-    if MASK_K:
-        w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    else:
-        w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-    return w
-
-
-@triton.jit
-def _x_tile(x_row, r_row, r_out_row, nw_ptr, ks, k_ok, K, offset, write_res,
-            dt: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """(x, x * x) at columns ``ks`` in fp32: SwiGLU's product with ACT; with NORM the
-    summed residual (written where ``write_res``) times the norm weight, and the squares
-    of the sum (the row's statistics; unused without NORM)."""
-    if NORM:  # h * norm weight now, times 1 / rms after the loop: one pass
-        hv = _summed(x_row, r_row, ks, k_ok, dt, HAS_RES)
-        if HAS_RES:
-            tl.store(r_out_row + ks, hv, mask=k_ok & write_res)
-        x = hv.to(tl.float32)
-        sq = x * x
-        x *= tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + offset
-    else:
-        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-        sq = x
-    if ACT:  # x is the gate half; the up half follows K columns later
-        up = tl.load(x_row + K + ks, mask=k_ok, other=0.0).to(tl.float32)
-        x = _silu_mul_f32(x, up, dt).to(tl.float32)
-    return x, sq
-
-
 @triton.jit(do_not_specialize=["N"])
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_xm, s_wn, s_ym,
                  s_rm, eps, offset,
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 EARLY: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * s_wn
     dt = y_ptr.dtype.element_ty
-    # the first EARLY weight tiles (no kernel's output) load before PDL's wait, while
-    # the kernel before drains; every row's product reuses them
-    ks0 = tl.arange(0, BLOCK_K)
-    ks1 = BLOCK_K + ks0
-    if EARLY >= 1:
-        w0 = _w_tile(w_rows, ks0, row_ok, ks0 < K, True)
-    if EARLY >= 2:
-        w1 = _w_tile(w_rows, ks1, row_ok, ks1 < K, True)
     pdl.wait(PDL)
-    write_res = pid == 0  # NORM with a residual: program 0 writes the summed residual
     for m in tl.static_range(M):
-        x_row, r_row, r_out_row = x_ptr + m * s_xm, r_ptr + m * s_rm, r_out_ptr + m * s_rm
+        x_row, r_row = x_ptr + m * s_xm, r_ptr + m * s_rm
         sq = tl.zeros((BLOCK_K,), tl.float32)  # NORM: the row's sum of squares
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        if EARLY >= 1:
-            x, x2 = _x_tile(x_row, r_row, r_out_row, nw_ptr, ks0, ks0 < K, K, offset,
-                            write_res, dt, ACT, NORM, HAS_RES)  # fmt: skip
-            acc += w0.to(tl.float32) * x[None, :]
-            sq += x2
-        if EARLY >= 2:
-            x, x2 = _x_tile(x_row, r_row, r_out_row, nw_ptr, ks1, ks1 < K, K, offset,
-                            write_res, dt, ACT, NORM, HAS_RES)  # fmt: skip
-            acc += w1.to(tl.float32) * x[None, :]
-            sq += x2
-        for k0 in tl.range(EARLY * BLOCK_K, K, BLOCK_K, num_stages=NUM_STAGES):
-            ks = k0 + ks0
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            w = _w_tile(w_rows, ks, row_ok, k_ok, not EVEN_K)
-            x, x2 = _x_tile(x_row, r_row, r_out_row, nw_ptr, ks, k_ok, K, offset, write_res,
-                            dt, ACT, NORM, HAS_RES)  # fmt: skip
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:  # h * norm weight now, times 1 / rms after the loop: one pass
+                hv = _summed(x_row, r_row, ks, k_ok, dt, HAS_RES)
+                if HAS_RES:  # program 0 writes the summed residual
+                    tl.store(r_out_ptr + m * s_rm + ks, hv, mask=k_ok & (pid == 0))
+                x = hv.to(tl.float32)
+                sq += x * x
+                x *= tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + offset
+            else:
+                x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if ACT:  # x is the gate half; the up half follows K columns later
+                up = tl.load(x_row + K + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x = _silu_mul_f32(x, up, dt).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
-            sq += x2
         if m == M - 1:  # the weight stream is issued: the next kernel may launch
             pdl.trigger(PDL)
         y = tl.sum(acc, axis=1)
@@ -202,7 +158,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, EARLY=EARLY_TILES, PDL=on, num_warps=warps,
+        HAS_RES=residual is not None, PDL=on, num_warps=warps,
         **pdl.launch_options(on),
     )  # fmt: skip
     return y if norm is None else (y, r_out)
