@@ -37,6 +37,7 @@ from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, siz
     workspace_numel,
 )
 from unikv.kernels._ids import kernel_offset
+from unikv.kernels.elementwise import _rotated
 from unikv.kernels.rope_store import check_rope_store_args
 
 MIN_SPLIT_TOKENS = 64  # never cut a request into chunks shorter than this (one 64-row tile)
@@ -90,15 +91,6 @@ def _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, dt: tl.constexpr):
     c = tl.load(cos + p * sc0 + lane, mask=rot, other=1.0).to(dt).to(tl.float32)
     sn = tl.load(sin + p * sc0 + lane, mask=rot, other=0.0).to(dt).to(tl.float32)
     return partner, c, tl.where(first, -sn, sn)
-
-
-@triton.jit
-def _rotated(x, xp, c, sn):
-    """Rows x rotated: x * cos + its partner * (-/+)sin, each product rounded to x's
-    dtype and the sum too (``elementwise._rotate_heads``' roundings)."""
-    dt = x.dtype
-    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
-    return (a + (xp.to(tl.float32) * sn).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit

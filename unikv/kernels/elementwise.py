@@ -127,19 +127,28 @@ def add_rms_norm(
 
 
 @triton.jit
+def _rotated(x, xp, c, sn):
+    """x * cos + its rotate-half partner xp * sn (sn = -sin for the first half, +sin
+    for the second), each product rounded to x's dtype and the sum too: the roundings
+    ``elementwise_ref.rope_qk`` takes. fp32 models need the launch's fp fusion off."""
+    dt = x.dtype
+    a = (x.to(tl.float32) * c).to(dt).to(tl.float32)
+    return (a + (xp.to(tl.float32) * sn).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _rotate_heads(ptr, s_head, H, c, s, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HALF):
     """Rotate one token's heads in place (dims [0, 2 * HALF)), each product rounded to
     the dtype as the reference rounds it; returns (mask, rotated first half, rotated
-    second half), which ``rope_store.py`` also writes into the cache."""
-    dt = ptr.dtype.element_ty
+    second half), which ``rope_store.py`` also writes into the cache (``_rotated``)."""
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_R)
     mask = (heads < H)[:, None] & (offs < HALF)[None, :]
     p1 = ptr + heads.to(tl.int64)[:, None] * s_head + offs[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    a = ((x1 * c[None, :]).to(dt).to(tl.float32) - (x2 * s[None, :]).to(dt).to(tl.float32)).to(dt)
-    b = ((x2 * c[None, :]).to(dt).to(tl.float32) + (x1 * s[None, :]).to(dt).to(tl.float32)).to(dt)
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    a = _rotated(x1, x2, c[None, :], -s[None, :])
+    b = _rotated(x2, x1, c[None, :], s[None, :])
     tl.store(p1, a, mask=mask)
     tl.store(p1 + HALF, b, mask=mask)
     return mask, a, b
