@@ -25,7 +25,8 @@ B <= 64, large-T list for 16 <= B <= 256, prefill list above) and
 the dense loop on bf16 weights, each fused output checked against the torch
 reference first (compile errors and wrong outputs recorded, not fatal; a candidate
 past ``--budget`` seconds is recorded as skipped). Writes
-``benchmarks/results/moe_sweep_h200.json`` (and ``$OUT/moe_sweep.json``) and prints
+``benchmarks/results/moe_sweep_h200.json`` (and ``$OUT/moe_sweep.json``; ``MOE_SWEEP_TAG``
+is appended to both names) and prints
 ``INSTALL`` lines: the fastest config per (bucket, format) for ``moe.TABLE``, ``LOOP``
 for bf16 where the loop beat it.
 """
@@ -215,11 +216,13 @@ def run_sweep(budget_s: float, batches: tuple[int, ...] = SWEEP_BATCHES) -> None
         torch.cuda.empty_cache()
     lines = install_lines(rows)
     payload = {"env": environment(), "shape": SHAPE, "ceilings": ceilings, "rows": rows,
-               "install": lines, "elapsed_s": time.time() - t0}  # fmt: skip
+               "install": lines, "elapsed_s": time.time() - t0,
+               "mxfp4_decode": os.environ.get("UNIKV_MXFP4_DECODE", "halves")}  # fmt: skip
     tag = "" if batches == SWEEP_BATCHES else "_B" + "_".join(map(str, batches))
+    tag += os.environ.get("MOE_SWEEP_TAG", "")  # e.g. the MXFP4 decode of an A/B
     save_json(f"benchmarks/results/moe_sweep_h200{tag}.json", payload)
     if os.environ.get("OUT"):
-        save_json(os.path.join(os.environ["OUT"], "moe_sweep.json"), payload)
+        save_json(os.path.join(os.environ["OUT"], f"moe_sweep{tag}.json"), payload)
     for r in rows:
         print({k: v for k, v in r.items() if k not in ("env",)})
     print("\n".join(lines), f"\nsweep took {time.time() - t0:.0f} s")

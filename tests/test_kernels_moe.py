@@ -114,9 +114,57 @@ def test_mxfp4_kept_packed_matches_dequantised(dtype, e, k, d, i, t):
     _close(moe.fused_moe(*packed, **pkw), dense, 1e-5 if dtype == torch.float32 else 3e-2)
 
 
+def _every_code_and_scale(device="cpu"):
+    """Blocks holding every byte value under every e8m0 scale 0..254 (one row each)."""
+    blocks = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).expand(255, 16, 16)
+    scales = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 16)
+    return blocks.contiguous().to(device), scales.contiguous().to(device)
+
+
+def test_decode_mxfp4_is_exact_for_every_code_and_scale():
+    """The kernels' decode (``moe.decode_mxfp4``, the interpreter's Triton-op route)
+    equals ``dequantize_mxfp4`` rounded to bf16 bit for bit: every code pair under every
+    scale 0..254, the subnormal codes and scale 0 included."""
+    blocks, scales = _every_code_and_scale()
+    want = dequantize_mxfp4(blocks[None], scales[None])[0].t().bfloat16()  # (rows, K)
+    got = moe.decode_mxfp4(blocks, scales)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_decode_mxfp4_is_exact_for_every_code_and_scale():
+    """The inline-PTX decode (prmt, shifts, two bf16x2 multiplies) on the GPU: bit for
+    bit ``dequantize_mxfp4`` in bf16 for every code pair under every scale 0..254."""
+    blocks, scales = _every_code_and_scale("cuda")
+    want = dequantize_mxfp4(blocks[None].cpu(), scales[None].cpu())[0].t().bfloat16()
+    got = moe.decode_mxfp4(blocks, scales).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_permute_groups_puts_even_columns_first():
+    """``permute_groups``: each group of 32 columns becomes its 16 even columns, then
+    its 16 odd ones (a naive indexed gather), as ``perm_col`` / ``unperm_col`` say."""
+    x = torch.randn(3, 96)
+    got = moe.permute_groups(x)
+    order = [32 * g + 2 * i + h for g in range(3) for h in range(2) for i in range(16)]
+    assert torch.equal(got, x[:, order])
+    perm = [(j // 32) * 32 + (j % 2) * 16 + (j % 32) // 2 for j in range(96)]  # perm_col
+    assert sorted(perm) == list(range(96)) and all(order[perm[j]] == j for j in range(96))
+
+
+def test_decode_mxfp4_bad_input_raises():
+    with pytest.raises(ValueError, match="uint8"):
+        moe.decode_mxfp4(torch.zeros(2, 3, 16), torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scales"):
+        moe.decode_mxfp4(
+            torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8)
+        )
+
+
 @pytest.mark.parametrize("swap", [False, True])
 def test_mxfp4_scales_far_from_one_are_exact(swap):
-    """The in-kernel decode (fp16 bits times an fp32 scale), plain and swapped, at e8m0
+    """The in-kernel decode (two halves; plain and swapped), at e8m0
     scales 2^-67 .. 2^63 with every code pair in the bytes: fp32, top-1 routing,
     each expert's scales in a band of its own, every token's output against the dense
     reference on ``dequantize_mxfp4`` of the same bytes, relative to that token."""

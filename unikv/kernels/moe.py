@@ -34,11 +34,18 @@ from unikv.kernels import moe_ref
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.moe_align import align_by_expert_kernel
 from unikv.kernels.moe_ref import check_moe_args
-from unikv.kernels.moe_triton import _down_kernel, _gate_up_kernel
+from unikv.kernels.moe_triton import _decode_kernel, _down_kernel, _gate_up_kernel
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import
+# MXFP4 decode (``moe_triton``'s docstring): 1 the two-halves decode (default), 2 the
+# interleaved one before it (``UNIKV_MXFP4_DECODE=interleave``, kept for the A/B)
+MXFP4_DECODES = {"halves": 1, "interleave": 2}
+_decode = os.environ.get("UNIKV_MXFP4_DECODE", "halves")
+if _decode not in MXFP4_DECODES:
+    raise ValueError(f"UNIKV_MXFP4_DECODE must be one of {list(MXFP4_DECODES)}, got {_decode!r}")
+MXFP4_DECODE = MXFP4_DECODES[_decode]
 ACT_CODES = {"silu": 0, "gpt_oss": 1, "relu2": 2}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -88,6 +95,11 @@ CANDIDATES = {
         Config(64, 128, 64, 1, 8, 4),
         Config(64, 64, 64, 1, 4, 3),
         Config(16, 128, 64, 1, 4, 3),
+        # the two-halves MXFP4 decode: 64-value halves (block_k 128) keep 128-byte rows
+        Config(64, 128, 128, 1, 8, 3),
+        Config(64, 64, 256, 1, 4, 3),
+        Config(0, 64, 128, 1, 4, 4),
+        Config(64, 128, 128, 1, 4, 3),
     ),
     "prefill": (
         Config(128, 128, 64, 1, 8, 4),
@@ -97,6 +109,8 @@ CANDIDATES = {
         Config(128, 128, 64, 1, 8, 3),
         Config(64, 128, 64, 1, 4, 3),
         Config(128, 64, 64, 1, 4, 3),
+        Config(128, 128, 128, 1, 8, 3),
+        Config(128, 64, 128, 1, 4, 3),
     ),
 }
 # 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from H200 sweeps
@@ -273,14 +287,42 @@ def fused_moe(
     row_step = 2 if interleaved and activation != "relu2" else 1
     up_offset = 0 if activation == "relu2" else (1 if interleaved else inter)
     act_args = (row_step, up_offset, float(alpha), float(limit))
-    a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg)
-    y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg)
+    mode = 0 if w1_scales is None else MXFP4_DECODE
+    a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode)
+    y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode)
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
 
 
-def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tensor:
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks (..., G, 16) uint8 and scales (..., G) -> bf16 (..., G * 32) in k
+    order, through the fused MoE's own decode (``moe_triton._decode_mxfp4``: its inline
+    PTX on CUDA); ``mxfp4_ref.dequantize_mxfp4`` is the reference (transposed)."""
+    if blocks.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks must be uint8 (..., G, 16) with uint8 scales (..., G); got "
+            f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}"
+        )
+    groups = scales.shape[-1]
+    rows = scales.numel() // max(groups, 1)
+    out = torch.empty(*scales.shape[:-1], groups * 32, dtype=torch.bfloat16, device=blocks.device)
+    if out.numel():
+        grid = (triton.cdiv(rows, 32), triton.cdiv(groups, 4))
+        _decode_kernel[grid](blocks.contiguous(), scales.contiguous(), out, rows, groups,
+                             ASM=not INTERPRETED, BLOCK_R=32, BLOCK_G=4)  # fmt: skip
+    return out
+
+
+def permute_groups(x: torch.Tensor) -> torch.Tensor:
+    """x (T, d) with each group of 32 columns reordered [even | odd] (``perm_col``:
+    column 32g + 2i + h at 32g + 16h + i): the two-halves MXFP4 decode's A order."""
+    t, d = x.shape
+    return x.view(t, d // 32, 16, 2).transpose(2, 3).reshape(t, d)
+
+
+def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode) -> torch.Tensor:
     """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
-    sums (rows, 2I) when ``cfg.split_k`` > 1."""
+    sums (rows, 2I) when ``cfg.split_k`` > 1; with the two-halves MXFP4 decode (mode
+    1) it reads x permuted (``permute_groups``) and writes its columns permuted."""
     sorted_ids, block_experts, block_m, inter, ieee = geo
     rows, split = sorted_ids.shape[0], cfg.split_k
     if split > 1:
@@ -288,21 +330,24 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg) -> torch.Tens
     else:
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias = b1 if b1 is not None else x
+    if mode == 1:
+        x = permute_groups(x)
     grid = (block_experts.shape[0], triton.cdiv(inter, cfg.block_n), split)
     _gate_up_kernel[grid](
         x, w1, *_w_args(w1, s1)[:1], bias, out, sorted_ids, block_experts,
         x.shape[0] * top_k, top_k, x.shape[1], inter,
         *x.stride(), *_w_args(w1, s1)[1:], bias.stride(0), bias.stride(-1), *out.stride(),
         *act_args,
-        ACT=ACT_CODES[activation], MXFP4=s1 is not None,
+        ACT=ACT_CODES[activation], MXFP4=mode,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SWAP=bool(cfg.swap), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SWAP=bool(cfg.swap), ASM=not INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
-def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg) -> torch.Tensor:
+def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mode):
     """The down kernel -> y (M, d) fp32, each assignment's weighted expert output."""
     sorted_ids, block_experts, block_m, inter, ieee = geo
     m, d, split = topk_weights.numel(), x.shape[1], cfg.split_k
@@ -316,11 +361,11 @@ def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg) ->
         sorted_ids, block_experts, m, d, inter,
         *a.stride(), *_w_args(w2, s2)[1:], bias2.stride(0), bias2.stride(-1),
         bias1.stride(0), bias1.stride(-1), *y.stride(), *act_args,
-        MXFP4=s2 is not None, HAS_BIAS=b2 is not None,
+        MXFP4=mode, HAS_BIAS=b2 is not None,
         IEEE=ieee, ACT_IN_A=split > 1,
         ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,
         DTYPE=TL_DTYPES[x.dtype], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), ASM=not INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
