@@ -394,6 +394,32 @@ def test_gpu_gpt_oss_shape_bf16_matches_reference():
     _close(moe.fused_moe(*args, **kw), moe_ref.fused_moe(*args, **kw), 3e-2)
 
 
+GPU_MXFP4_CONFIGS = sorted(
+    {c for (_, mx), c in moe.TABLE.items() if mx}
+    | {moe.Config(64, 64, 128, 1, 4, 3), moe.Config(0, 64, 128, 1, 4, 3, True),
+       moe.Config(64, 64, 256, 1, 4, 3), moe.Config(16, 128, 64, 1, 4, 3),
+       moe.Config(64, 128, 128, 1, 8, 3), moe.Config(128, 64, 128, 1, 4, 3)}
+)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cfg", GPU_MXFP4_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_mxfp4_configs_match_dequantised(cfg):
+    """Compiled MXFP4 tiles (the table's and block_k 64-256, plain and swapped, 4 and 8
+    warps: the register layouts the inline-PTX decode runs in differ between them) on
+    K = 352 (11 groups: a partial K tile), 40 tokens, against the dense reference on
+    ``dequantize_mxfp4`` of the same bytes."""
+    packed, pkw, dense_args, kw = _packed_case(8, 2, 352, 288, 40, torch.bfloat16, seed=3)
+    dense = moe_ref.fused_moe(*[a.cuda() for a in dense_args], **_cuda(kw))
+    out = moe.fused_moe(*[a.cuda() for a in packed], **_cuda(pkw), config=cfg)
+    _close(out, dense, 3e-2)
+
+
+def _cuda(kw: dict) -> dict:
+    return {n: v.cuda() if isinstance(v, torch.Tensor) else v for n, v in kw.items()}
+
+
 def test_gpt_oss_mxfp4_experts_kept_packed(tmp_path):
     """A gpt-oss model holding MXFP4 experts packed (``mxfp4_experts``) gives the
     logits of the same model holding ``dequantize_mxfp4`` of those bytes."""

@@ -64,7 +64,8 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 # four bytes (one register, $4) -> the bf16x2 pairs of their low nibbles ($0: bytes 0, 1;
-# $1: bytes 2, 3) and of their high nibbles ($2, $3), times the bf16x2 scale pair $5
+# $1: bytes 2, 3) and of their high nibbles ($2, $3), times each byte's own bf16 scale
+# ($5: bytes 0, 1; $6: bytes 2, 3; the four bytes of a pack need not share a group)
 _MXFP4_PTX = tl.constexpr(
     """
 {
@@ -92,14 +93,14 @@ shl.b32 u, p, 12;
 or.b32 t, t, u;
 and.b32 t, t, 0x81C081C0;
 fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 $1, t, $5, nz;
+fma.rn.bf16x2 $1, t, $6, nz;
 shl.b32 t, p, 2;
 shl.b32 u, p, 8;
 and.b32 t, t, 0x01C001C0;
 and.b32 u, u, 0x80008000;
 or.b32 t, t, u;
 fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 $3, t, $5, nz;
+fma.rn.bf16x2 $3, t, $6, nz;
 }
 """
 )
@@ -118,10 +119,10 @@ def _decode_mxfp4(byte, e8, ASM: tl.constexpr):
     0..254: inline PTX four bytes at a time (``_MXFP4_PTX``) when ASM, else Triton ops
     (the interpreter)."""
     if ASM:
-        e8 = e8.to(tl.uint32)
-        pair = tl.where(e8 == 0, 0x00400040, (e8 << 7) | (e8 << 23))  # bf16x2 2^(e8 - 127)
+        e8 = e8.to(tl.uint16)
+        scale = tl.where(e8 == 0, 0x0040, e8 << 7).to(tl.bfloat16, bitcast=True)  # 2^(e8 - 127)
         lo, hi = tl.inline_asm_elementwise(
-            _MXFP4_PTX, "=r,=r,=r,=r,r,r,r,r,r", [byte, tl.broadcast_to(pair, byte.shape)],
+            _MXFP4_PTX, "=r,=r,=r,=r,r,r,r", [byte, tl.broadcast_to(scale, byte.shape)],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
         )  # fmt: skip
     else:  # fp32 2^(e8 - 127) (2^-127, subnormal, for 0) times the codes times 2^-14
