@@ -130,17 +130,18 @@ CANDIDATES = {
 # (``moe_sweep_h200_B256_2048_8192.json``), dense experts stored K-contiguous, as gpt-oss
 # now loads them (1.24-1.90x the N-major storage's best tile); 8192 is the engine's
 # prefill chunk; bf16 below 256 tokens: 760d23a's (``moe_sweep_h200_B1_8_16_64.json``),
-# 1-7 % over the entries before, timed on the same layout.
+# 1-7 % over the entries before, timed on the same layout. MXFP4 at 1-256 tokens: the
+# two-halves decode's sweep at 60d445b (``logs/mx12b_60d445b/``).
 TABLE: dict[tuple[int, bool], Config | None] = {
-    (1, True): Config(16, 32, 128, 1, 4, 4),  # 137.2 us, 9.3 % of roofline
+    (1, True): Config(16, 32, 128, 1, 4, 4),  # 93.0 us, 13.7 % of roofline (60d445b)
     (1, False): Config(16, 32, 128, 1, 4, 4),  # 123.2 us, 38.9 % (760d23a, K-major)
-    (8, True): Config(16, 32, 128, 1, 4, 4),  # 327.8 us, 18.4 %
+    (8, True): Config(16, 64, 64, 1, 4, 3),  # 320.0 us, 24.0 % (60d445b)
     (8, False): Config(16, 128, 128, 1, 8, 3, True),  # 301.7 us, 75.6 % (760d23a, K-major)
-    (16, True): Config(16, 64, 128, 1, 4, 3, True),  # 436.2 us, 21.1 % (452.2)
+    (16, True): Config(32, 64, 64, 1, 4, 3, True),  # 329.9 us, 28.1 % (60d445b)
     (16, False): Config(16, 64, 128, 1, 4, 3, True),  # 412.2 us, 84.4 % (760d23a, K-major)
-    (64, True): Config(0, 64, 128, 1, 4, 3, True),  # 478.3 us, 21.3 % (511.3)
+    (64, True): Config(0, 64, 64, 1, 4, 4, True),  # 362.8 us, 28.2 % (60d445b)
     (64, False): Config(16, 64, 128, 1, 4, 3, True),  # 473.2 us, 81.2 % (760d23a; 505.0 before)
-    (256, True): Config(64, 64, 64, 1, 4, 3),  # 675.0 us, 15.3 % (d3af9f3)
+    (256, True): Config(64, 64, 64, 1, 4, 3),  # 512.2 us, 20.1 % (60d445b)
     (256, False): Config(64, 64, 64, 1, 4, 3),  # 508.9 us, 75.8 % (d3af9f3; 632.4 N-major)
     (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2220.4 us, 4.9 % (d3af9f3)
     (2048, False): Config(128, 128, 64, 1, 8, 3),  # 1194.0 us (d3af9f3; 2060.4 N-major)
