@@ -156,6 +156,8 @@ def sweep_batch(t: int, experts: dict, ceilings: dict, g, t_end: float) -> list:
         nbytes = touched_bytes(w, ids, t, d)
         roof = nbytes / (ceilings["d2d_GBps"] * 1e3)
         for cfg in dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]):
+            if fmt == "mxfp4":  # the decode a forced UNIKV_MXFP4_DECODE runs, as a Config says it
+                cfg = cfg._replace(interleave=moe.MXFP4_DECODE == 2)
             row = {**base, "format": fmt, "candidate": list(cfg), "roofline_us": roof}
             rows.append(row)
             if time.time() > t_end:

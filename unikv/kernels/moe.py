@@ -39,10 +39,13 @@ from unikv.kernels.moe_triton import _decode_kernel, _down_kernel, _gate_up_kern
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import
-# MXFP4 decode (``moe_triton``'s docstring): 1 the two-halves decode (default), 2 the
-# interleaved one before it (``UNIKV_MXFP4_DECODE=interleave``, kept for the A/B)
-MXFP4_DECODES = {"halves": 1, "interleave": 2}
-_decode = os.environ.get("UNIKV_MXFP4_DECODE", "halves")
+# MXFP4 decode (``moe_triton``'s docstring): 1 the two-halves decode, 2 the interleaved
+# one before it; "table" (the default, 0): as each Config's ``interleave`` says (the
+# two halves at 1-256 tokens, interleaved for prefill chunks, where it ran 1.13-1.23x
+# the halves in 6d30bb3's same-run A/B); ``UNIKV_MXFP4_DECODE=halves`` or
+# ``=interleave`` forces one everywhere (the A/B)
+MXFP4_DECODES = {"table": 0, "halves": 1, "interleave": 2}
+_decode = os.environ.get("UNIKV_MXFP4_DECODE", "table")
 if _decode not in MXFP4_DECODES:
     raise ValueError(f"UNIKV_MXFP4_DECODE must be one of {list(MXFP4_DECODES)}, got {_decode!r}")
 MXFP4_DECODE = MXFP4_DECODES[_decode]
@@ -55,7 +58,8 @@ class Config(NamedTuple):
     and K per tile (block_k a multiple of 32, the MXFP4 group), K slices (> 1: fp32
     atomics, not bit-deterministic), warps, pipeline stages; swap: the transposed
     product, the output features as the MMA's M rows (for few rows an expert; in the
-    table at 8-64 tokens since 92dff99's sweep)."""
+    table at 8-64 tokens since 92dff99's sweep); interleave: MXFP4 tiles through the
+    interleaved decode instead of the two halves (``MXFP4_DECODES``)."""
 
     block_m: int
     block_n: int
@@ -64,6 +68,7 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     swap: bool = False
+    interleave: bool = False
 
 
 LOOP = None  # a TABLE entry: the dense torch loop, not the kernel (unpacked experts only)
@@ -141,11 +146,11 @@ TABLE: dict[tuple[int, bool], Config | None] = {
     (16, False): Config(16, 64, 128, 1, 4, 3, True),  # 412.2 us, 84.4 % (760d23a, K-major)
     (64, True): Config(0, 64, 64, 1, 4, 4, True),  # 362.8 us, 28.2 % (60d445b)
     (64, False): Config(16, 64, 128, 1, 4, 3, True),  # 473.2 us, 81.2 % (760d23a; 505.0 before)
-    (256, True): Config(64, 64, 64, 1, 4, 3),  # 512.2 us, 20.1 % (60d445b)
+    (256, True): Config(64, 64, 64, 1, 4, 3),  # 511.9 us, 20.1 % (6d30bb3; interleaved 594.3)
     (256, False): Config(64, 64, 64, 1, 4, 3),  # 508.9 us, 75.8 % (d3af9f3; 632.4 N-major)
-    (2048, True): Config(128, 64, 64, 1, 4, 3),  # 2220.4 us, 4.9 % (d3af9f3)
+    (2048, True): Config(128, 64, 64, 1, 4, 3, interleave=True),  # 2202.2 us, 4.9 % (6d30bb3)
     (2048, False): Config(128, 128, 64, 1, 8, 3),  # 1194.0 us (d3af9f3; 2060.4 N-major)
-    (8192, True): Config(128, 64, 64, 1, 4, 3),  # 6974.5 us (d3af9f3)
+    (8192, True): Config(128, 64, 64, 1, 4, 3, interleave=True),  # 6949.3 us (6d30bb3)
     (8192, False): Config(128, 128, 64, 1, 8, 4),  # 3681.3 us, 57 % of the matmul rate (d3af9f3)
 }
 KERNEL_FOR_LOOP = TABLE[256, False]  # ``fused_moe`` where the table says LOOP
@@ -294,7 +299,7 @@ def fused_moe(
     row_step = 2 if interleaved and activation != "relu2" else 1
     up_offset = 0 if activation == "relu2" else (1 if interleaved else inter)
     act_args = (row_step, up_offset, float(alpha), float(limit))
-    mode = 0 if w1_scales is None else MXFP4_DECODE
+    mode = 0 if w1_scales is None else MXFP4_DECODE or (2 if cfg.interleave else 1)
     a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode)
     y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode)
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
