@@ -63,46 +63,36 @@ def _act(g, u, ACT: tl.constexpr, alpha, limit):
     return out
 
 
+def _pair_ptx(select: str, lo: str, hi: str, scale: str) -> str:
+    """Two bytes of $4 (``select``: prmt's byte selector placing them in the low bytes
+    of two 16-bit lanes) -> their low nibbles' bf16x2 (``lo``) and high nibbles' (``hi``),
+    times the bf16x2 ``scale``."""
+    return f"""
+prmt.b32 p, $4, z, {select};
+shl.b32 t, p, 6;
+shl.b32 u, p, 12;
+or.b32 t, t, u;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 t, t, big, nz;
+fma.rn.bf16x2 {lo}, t, {scale}, nz;
+shl.b32 t, p, 2;
+shl.b32 u, p, 8;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+fma.rn.bf16x2 t, t, big, nz;
+fma.rn.bf16x2 {hi}, t, {scale}, nz;"""
+
+
 # four bytes (one register, $4) -> the bf16x2 pairs of their low nibbles ($0: bytes 0, 1;
 # $1: bytes 2, 3) and of their high nibbles ($2, $3), times each byte's own bf16 scale
 # ($5: bytes 0, 1; $6: bytes 2, 3; the four bytes of a pack need not share a group)
 _MXFP4_PTX = tl.constexpr(
-    """
-{
-.reg .b32 p, t, u, z, big, nz;
-mov.b32 z, 0;
-mov.b32 big, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-prmt.b32 p, $4, z, 0x4140;
-shl.b32 t, p, 6;
-shl.b32 u, p, 12;
-or.b32 t, t, u;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 $0, t, $5, nz;
-shl.b32 t, p, 2;
-shl.b32 u, p, 8;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 $2, t, $5, nz;
-prmt.b32 p, $4, z, 0x4342;
-shl.b32 t, p, 6;
-shl.b32 u, p, 12;
-or.b32 t, t, u;
-and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 $1, t, $6, nz;
-shl.b32 t, p, 2;
-shl.b32 u, p, 8;
-and.b32 t, t, 0x01C001C0;
-and.b32 u, u, 0x80008000;
-or.b32 t, t, u;
-fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 $3, t, $6, nz;
-}
-"""
+    "{\n.reg .b32 p, t, u, z, big, nz;\nmov.b32 z, 0;\nmov.b32 big, 0x7E807E80;\n"
+    "mov.b32 nz, 0x80008000;"
+    + _pair_ptx("0x4140", "$0", "$2", "$5")
+    + _pair_ptx("0x4342", "$1", "$3", "$6")
+    + "\n}"
 )
 
 
