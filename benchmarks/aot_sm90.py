@@ -113,13 +113,13 @@ def _weights(mxfp4: bool, n: int, k: int) -> dict:
 def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     """[(kernel, values, constexprs, warps, stages)] of ``moe.fused_moe``'s gate/up and
     down launches for ``cfg`` at gpt-oss's shape (gpt-oss activation, biases)."""
-    from unikv.kernels.moe import MXFP4_DECODE, block_m_for
+    from unikv.kernels.moe import block_m_for, mxfp4_mode
     from unikv.kernels.moe_triton import _down_kernel, _gate_up_kernel
 
     block_m = cfg.block_m or block_m_for(ROWS, EXPERTS)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
               "SPLIT_K": cfg.split_k, "SWAP": bool(cfg.swap), "ASM": True,
-              "MXFP4": (MXFP4_DECODE or (2 if cfg.interleave else 1)) if mxfp4 else 0,
+              "MXFP4": mxfp4_mode(cfg, mxfp4),
               "HAS_BIAS": True, "IEEE": False, "ACT": 1}  # fmt: skip
     act = {"row_step": 2, "up_offset": 1, "alpha": 1.702, "limit": 7.0}
     ids = {"sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32", "num_assign": ROWS}

@@ -219,7 +219,7 @@ def run_sweep(budget_s: float, batches: tuple[int, ...] = SWEEP_BATCHES) -> None
     lines = install_lines(rows)
     payload = {"env": environment(), "shape": SHAPE, "ceilings": ceilings, "rows": rows,
                "install": lines, "elapsed_s": time.time() - t0,
-               "mxfp4_decode": os.environ.get("UNIKV_MXFP4_DECODE", "halves")}  # fmt: skip
+               "mxfp4_decode": os.environ.get("UNIKV_MXFP4_DECODE", "table")}  # fmt: skip
     tag = "" if batches == SWEEP_BATCHES else "_B" + "_".join(map(str, batches))
     tag += os.environ.get("MOE_SWEEP_TAG", "")  # e.g. the MXFP4 decode of an A/B
     save_json(f"benchmarks/results/moe_sweep_h200{tag}.json", payload)

@@ -144,13 +144,11 @@ def test_gpu_decode_mxfp4_is_exact_for_every_code_and_scale():
 
 def test_permute_groups_puts_even_columns_first():
     """``permute_groups``: each group of 32 columns becomes its 16 even columns, then
-    its 16 odd ones (a naive indexed gather), as ``perm_col`` / ``unperm_col`` say."""
+    its 16 odd ones (a naive indexed gather). The kernels' ``perm_col`` / ``unperm_col``
+    are checked through the fused MoE's outputs (the MXFP4 tests above and below)."""
     x = torch.randn(3, 96)
-    got = moe.permute_groups(x)
     order = [32 * g + 2 * i + h for g in range(3) for h in range(2) for i in range(16)]
-    assert torch.equal(got, x[:, order])
-    perm = [(j // 32) * 32 + (j % 2) * 16 + (j % 32) // 2 for j in range(96)]  # perm_col
-    assert sorted(perm) == list(range(96)) and all(order[perm[j]] == j for j in range(96))
+    assert torch.equal(moe.permute_groups(x), x[:, order])
 
 
 def test_decode_mxfp4_bad_input_raises():

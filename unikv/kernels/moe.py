@@ -49,6 +49,14 @@ _decode = os.environ.get("UNIKV_MXFP4_DECODE", "table")
 if _decode not in MXFP4_DECODES:
     raise ValueError(f"UNIKV_MXFP4_DECODE must be one of {list(MXFP4_DECODES)}, got {_decode!r}")
 MXFP4_DECODE = MXFP4_DECODES[_decode]
+
+
+def mxfp4_mode(cfg: Config, mxfp4: bool) -> int:
+    """The kernels' MXFP4 constexpr for a launch: 0 dense experts, 1 the two halves,
+    2 interleaved (``UNIKV_MXFP4_DECODE`` if forced, else ``cfg.interleave``)."""
+    return (MXFP4_DECODE or (2 if cfg.interleave else 1)) if mxfp4 else 0
+
+
 ACT_CODES = {"silu": 0, "gpt_oss": 1, "relu2": 2}
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -299,7 +307,7 @@ def fused_moe(
     row_step = 2 if interleaved and activation != "relu2" else 1
     up_offset = 0 if activation == "relu2" else (1 if interleaved else inter)
     act_args = (row_step, up_offset, float(alpha), float(limit))
-    mode = 0 if w1_scales is None else MXFP4_DECODE or (2 if cfg.interleave else 1)
+    mode = mxfp4_mode(cfg, w1_scales is not None)
     a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode)
     y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode)
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)

@@ -103,6 +103,13 @@ def _fp16_code(code):
 
 
 @triton.jit
+def _e8m0(e8):
+    """e8m0 exponents -> fp32 2^(e8 - 127), exact for 0..254 (0: the subnormal 2^-127)."""
+    e8 = e8.to(tl.int32)
+    return tl.where(e8 == 0, 0x00400000, e8 << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_mxfp4(byte, e8, ASM: tl.constexpr):
     """bytes (uint8) and their e8m0 scales (uint8, broadcastable to the bytes) -> (low
     nibbles, high nibbles) as bf16 tensors of the bytes' shape, exact for scales
@@ -115,9 +122,8 @@ def _decode_mxfp4(byte, e8, ASM: tl.constexpr):
             _MXFP4_PTX, "=r,=r,=r,=r,r,r,r", [byte, tl.broadcast_to(scale, byte.shape)],
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
         )  # fmt: skip
-    else:  # fp32 2^(e8 - 127) (2^-127, subnormal, for 0) times the codes times 2^-14
-        e8 = e8.to(tl.int32)
-        scale = tl.where(e8 == 0, 0x00400000, e8 << 23).to(tl.float32, bitcast=True)
+    else:  # the codes times 2^-14, times 2^14, times the scale (in that order: no overflow)
+        scale = _e8m0(e8)
         lo = (_fp16_code((byte & 0x0F).to(tl.uint16)) * 16384.0 * scale).to(tl.bfloat16)
         hi = (_fp16_code((byte >> 4).to(tl.uint16)) * 16384.0 * scale).to(tl.bfloat16)
     return lo, hi
@@ -152,10 +158,9 @@ def _mxfp4_halves(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_sn,
     row_off = rows[:, None].to(tl.int64) * s_wn + grp[None, :] * 16
     byte = tl.load(w_ptr + w_base + row_off[:, :, None] + tl.arange(0, 16)[None, None, :],
                    mask=ok[:, :, None], other=0)  # fmt: skip
-    s_off = rows[:, None].to(tl.int64) * s_sn + grp[None, :]  # loaded (BLOCK_N, G, 1): the
-    e8 = tl.load(
-        s_ptr + s_base + s_off[:, :, None], mask=ok[:, :, None], other=127
-    )  # bytes' layout
+    # the scales loaded (BLOCK_N, G, 1), in the bytes' layout (2-D, they went through smem)
+    s_off = rows[:, None].to(tl.int64) * s_sn + grp[None, :]
+    e8 = tl.load(s_ptr + s_base + s_off[:, :, None], mask=ok[:, :, None], other=127)
     lo, hi = _decode_mxfp4(byte, e8, ASM)
     return tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)), tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
 
@@ -196,7 +201,7 @@ def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, 
         s_off = rows[:, None].to(tl.int64) * s_sn + ks[None, :]
         e8 = tl.load(s_ptr + s_base + s_off, mask=row_ok[:, None] & (ks[None, :] < K // 32),
                      other=127)  # fmt: skip
-        scale = ((e8.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)  # 2^(e8 - 113)
+        scale = _e8m0(e8) * 16384.0  # 2^(e8 - 113): the fp16 codes are the values times 2^-14
         grouped = tl.reshape(_fp16_code(code), (BLOCK_N, BLOCK_K // 32, 32))
         tile = tl.reshape(grouped * scale[:, :, None], (BLOCK_N, BLOCK_K))
     else:  # one return: Triton compiles a return after a taken constexpr branch too
