@@ -12,6 +12,15 @@
   and the Triton GEMV at each shape's best config; ``of_bw`` as above; at 1, 2 and 4
   rows (``_m2``, ``_m4``: the same configs).
 Every Triton output is checked against cuBLAS first (a wrong one is recorded, not timed).
+
+    python benchmarks/bench_gemv.py --chain-sweep [--out ...]
+
+- ``chain_sweep``: the step's GEMV chain as the engine runs it (qkv with the pre-norm
+  and residual, o, gate_up with add + norm, down with SwiGLU inside, lm_head with the
+  final norm), one shape's config swept over ``gemv.CANDIDATES`` at a time, the others
+  at ``gemv.config_for``; the base chain is timed again before each shape. ``table``:
+  each shape's fastest config where it beat the base by more than 0.5 %, as
+  ``UNIKV_GEMV_TABLE`` takes it (also written to ``$OUT/gemv_table.json``).
 """
 
 # ruff: noqa: BLE001  (a failing config is recorded, not fatal)
@@ -45,10 +54,77 @@ def time_over(fn_for, weights, x) -> float:
     return graph_us(lambda: [fn_for(w)(x) for w in weights], warmup=3, rep=20) / len(weights)
 
 
+def step_chain(layers, head, nw, x, res, cfgs) -> torch.Tensor:
+    """The decode step's GEMVs with the engine's fusions (no attention: o reads q's
+    columns of the qkv output in its place)."""
+    h, r = x, res
+    for layer in layers:
+        qkv, r = gemv.gemv(h, layer["qkv"], config=cfgs["qkv"], norm=(r, nw, 1e-5, 0.0))
+        o = gemv.gemv(qkv[:, :HIDDEN], layer["o"], config=cfgs["o"])
+        gate_up, r = gemv.gemv(o, layer["gate_up"], config=cfgs["gate_up"],
+                               norm=(r, nw, 1e-5, 0.0))  # fmt: skip
+        h = gemv.gemv(gate_up, layer["down"], config=cfgs["down"], silu_mul_input=True)
+    return gemv.gemv(h, head, config=cfgs["lm_head"], norm=(r, nw, 1e-5, 0.0))[0]
+
+
+def chain_sweep(out: str) -> None:
+    ceilings = copy_ceilings(GIB, GIB // 16)
+    bw = ceilings["d2d_GBps"] * 1e3  # bytes per us
+    layers = [{s: torch.randn(*SHAPES[s], device="cuda", dtype=torch.bfloat16) * 0.02
+               for s in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]  # fmt: skip
+    head = torch.randn(*SHAPES["lm_head"], device="cuda", dtype=torch.bfloat16) * 0.02
+    total = sum(w.numel() * 2 for layer in layers for w in layer.values()) + head.numel() * 2
+    nw = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    base = {s: gemv.config_for(*nk) for s, nk in SHAPES.items()}
+    want = step_chain(layers, head, nw, x, res, base).float()
+
+    def timed(cfgs) -> float:
+        got = step_chain(layers, head, nw, x, res, cfgs).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if not err < 2e-2:
+            raise AssertionError(f"chain output differs from the base configs' by {err:.3g}")
+        return graph_us(lambda: step_chain(layers, head, nw, x, res, cfgs), 3, 20)
+
+    rows, table, bases = [], {}, []
+    for shape, (n, k) in SHAPES.items():
+        base_us = timed(base)
+        bases.append(base_us)
+        best = (base_us, base[shape])
+        for cfg in gemv.CANDIDATES:
+            row = {"shape": shape, "config": list(cfg)}
+            try:
+                row["us"] = timed({**base, shape: cfg})
+                row["vs_base"] = base_us / row["us"]
+                best = min(best, (row["us"], cfg))
+            except Exception as exc:
+                row["error"] = repr(exc)[:500]
+            rows.append(row)
+        if best[1] != base[shape] and best[0] < base_us / 1.005:
+            table[f"{n},{k}"] = list(best[1])
+        print(shape, base_us, best, flush=True)
+    chosen = {**base, **{s: tuple(table[f"{n},{k}"]) for s, (n, k) in SHAPES.items()
+                         if f"{n},{k}" in table}}  # fmt: skip
+    ends = {"base_us": timed(base), "table_us": timed(chosen), "base_again_us": timed(base)}
+    payload = {"env": environment(), "ceilings": ceilings, "chain_bytes": total,
+               "chain_ideal_us": total / bw, "bases_us": bases, "rows": rows,
+               "table": table, **ends,
+               "table_of_bw": total / bw / ends["table_us"]}  # fmt: skip
+    print({k: v for k, v in payload.items() if k not in ("rows", "env")})
+    save_json(out, payload)
+    if os.environ.get("OUT"):
+        save_json(os.path.join(os.environ["OUT"], "gemv_table.json"), table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/gemv_h200.json")
+    parser.add_argument("--chain-sweep", action="store_true", help="per-shape configs in the chain")
     args = parser.parse_args()
+    if args.chain_sweep:
+        chain_sweep(args.out)
+        return
     ceilings = copy_ceilings(GIB, GIB // 16)
     bw = ceilings["d2d_GBps"] * 1e3  # bytes per us
     x = torch.randn(1, INTER, device="cuda", dtype=torch.bfloat16)

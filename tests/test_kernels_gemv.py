@@ -133,3 +133,45 @@ def test_decoder_layer_fused_norms_match_the_unfused_layer(tmp_path):
         assert (got_res.float() - want_res.float()).abs().max() <= 2e-2 * scale
     err = (got_logits.float() - want_logits.float()).abs().max()
     assert err <= 3e-2 * want_logits.float().abs().max(), err
+
+
+def test_gemv_table_from_the_environment(tmp_path):
+    """``UNIKV_GEMV_TABLE`` (JSON, "N,K" -> config) replaces the per-shape table at
+    import; shapes it does not name take CONFIG. In a subprocess: the table is fixed at
+    import."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "UNIKV_GEMV_TABLE": json.dumps({"2048,8192": [4, 1024, 4, 3]})}
+    code = ("from unikv.kernels import gemv; "
+            "print(gemv.config_for(2048, 8192), gemv.config_for(3072, 2048) == gemv.CONFIG)")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert run.stdout.split() == ["(4,", "1024,", "4,", "3)", "True"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cfg", gemv.CANDIDATES)
+def test_gemv_candidates_on_the_gpu(cfg):
+    """Every candidate config, compiled for the GPU, at Llama-3.2-1B's qkv (with the
+    pre-norm and residual) and down (SwiGLU inside) shapes against the torch
+    references in fp32 arithmetic, bf16 operands."""
+    from unikv.kernels import elementwise_ref
+
+    g = torch.Generator().manual_seed(sum(cfg))
+    x = torch.randn(1, 2048, generator=g).bfloat16().cuda()
+    res = torch.randn(1, 2048, generator=g).bfloat16().cuda()
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).bfloat16().cuda()
+    w = (0.02 * torch.randn(3072, 2048, generator=g)).bfloat16().cuda()
+    want, want_res = elementwise_ref.add_rms_norm_linear(x, res.clone(), nw, 1e-5, w)
+    got, got_res = gemv.gemv(x, w, config=cfg, norm=(res, nw, 1e-5, 0.0))
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    assert torch.equal(got_res, want_res)
+    gate_up = torch.randn(1, 16384, generator=g).bfloat16().cuda()
+    wd = (0.02 * torch.randn(2048, 8192, generator=g)).bfloat16().cuda()
+    want = elementwise_ref.silu_mul_linear(gate_up, wd)
+    got = gemv.gemv(gate_up, wd, config=cfg, silu_mul_input=True)
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()

@@ -90,14 +90,19 @@ def _keeps_pdl_contract(result: dict, trigger: bool) -> bool:
 
 
 def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
-    """The rest of one request's decode chain (rope + store, the decode split, alone and
-    with rope + store inside, its merge, the argmax's two launches), compiled with PDL on for sm_90a: each program waits
+    """The rest of one request's decode chain (rope + store, the decode split, alone,
+    with rope + store inside, and with the fused merge and the L2 hint too, its merge,
+    the argmax's two launches), compiled with PDL on for sm_90a: each program waits
     before its first global load or store, and the kernels a next one follows trigger
     only after that wait (the argmax's merge, last of the step, does not)."""
     results = _compiled("--step", tmp_path)
     names = ["argmax_chunk", "argmax_merge", "decode_merge", "decode_split",
-             "decode_split_rope", "rope_store"]  # fmt: skip
+             "decode_split_rope", "decode_split_rope_fused", "rope_store"]  # fmt: skip
     assert sorted(results) == names
+    # the fused merge's ticket is its one atomic; its L2 hint comes before the wait
+    fused, plain = results["decode_split_rope_fused"], results["decode_split_rope"]
+    assert fused["atomics"] == 1 and fused["prefetches_before_wait"] == 1, fused
+    assert plain["atomics"] == 0 and plain["prefetches_before_wait"] == 0, plain
     bad = {name: r for name, r in results.items()
            if not _keeps_pdl_contract(r, trigger=name != "argmax_merge") or r["spill_bytes"]}  # fmt: skip
     assert not bad, bad

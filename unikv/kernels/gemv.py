@@ -25,6 +25,9 @@ from shapes; CUDA graphs fix it per captured batch size). The torch references a
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -45,7 +48,23 @@ CANDIDATES = [
     (4, 1024, 4, 2),
     (8, 1024, 8, 2),
     (32, 256, 8, 3),
+    # deeper pipelines and narrower row blocks (more bytes in flight per SM)
+    (8, 512, 4, 4),
+    (8, 512, 4, 5),
+    (8, 256, 4, 6),
+    (4, 512, 4, 4),
+    (4, 1024, 4, 3),
+    (4, 512, 2, 4),
+    (2, 1024, 4, 3),
+    (16, 512, 8, 4),
 ]
+# per weight shape (N, K): the config the decode chain ran fastest at (bench_gemv
+# --chain-sweep); other shapes take CONFIG. UNIKV_GEMV_TABLE='{"N,K": [cfg], ...}'
+# replaces it (fixed at import: the A/B switch).
+TABLE: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+if os.environ.get("UNIKV_GEMV_TABLE"):
+    TABLE = {tuple(int(v) for v in key.split(",")): tuple(cfg)
+             for key, cfg in json.loads(os.environ["UNIKV_GEMV_TABLE"]).items()}  # fmt: skip
 MAX_ROWS = 4
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -147,7 +166,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"with unit last stride (and no silu_mul_input); got {tuple(norm_w.shape)}, "
             f"{None if residual is None else tuple(residual.shape)}"
         )
-    block_n, block_k, warps, stages = config or CONFIG
+    block_n, block_k, warps, stages = config or config_for(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
     r_in = residual if residual is not None else x
@@ -162,6 +181,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         **pdl.launch_options(on),
     )  # fmt: skip
     return y if norm is None else (y, r_out)
+
+
+def config_for(n: int, k: int) -> tuple[int, int, int, int]:
+    """The GEMV's config for an (N, K) weight: its ``TABLE`` entry, else ``CONFIG``."""
+    return TABLE.get((n, k), CONFIG)
 
 
 def _routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
