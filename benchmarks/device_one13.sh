@@ -7,11 +7,10 @@
 #   UNIKV_GIT_COMMIT=<sha> bash benchmarks/device_one13.sh
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/one13_res /tmp/one13_out
-step gpu_tests 200 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+step gpu_tests 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
   tests/test_kernels_decode_merge_gpu.py tests/test_kernels_rope_decode.py \
-  tests/test_kernels_gemv.py tests/test_kernels_mla_gpu.py tests/test_kernels_gpu.py -k \
-  "merge or rope or gemv or candidates or decode or mla"
-step gemv_sweep 200 python3 benchmarks/bench_gemv.py --chain-sweep --out $R/gemv_chain.json
+  tests/test_kernels_gemv.py tests/test_kernels_gpu.py -k "merge or rope or gemv or candidates or decode"
+step gemv_sweep 150 python3 benchmarks/bench_gemv.py --chain-sweep --out $R/gemv_chain.json
 TABLE=$(cat $R/gemv_table.json 2>/dev/null || echo '{}')
 echo "table: $TABLE" | tee -a $R/summary.txt
 e2e() {
