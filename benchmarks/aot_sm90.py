@@ -167,8 +167,9 @@ def gemv_kernels() -> dict[str, tuple]:
 def step_kernels() -> dict[str, tuple]:
     """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
-    store, the decode split (and with rope + store inside), its merge, the argmax's chunk
-    and merge."""
+    store, the decode split (and with rope + store inside, and with the fused merge and
+    the pre-wait loads of one request's step too), its merge, the argmax's chunk and
+    merge."""
     from unikv.kernels import argmax, decode, rope_store
 
     bf16 = "*bf16"
@@ -193,11 +194,11 @@ def step_kernels() -> dict[str, tuple]:
                   "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
                   "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
                   "PRECISION": "tf32", "ROPE": False, "PDL": True, "FUSED_MERGE": False,
-                  "BLOCK_GM": 1, "BLOCK_S": 1, "CHUNK_S": 1, "PREFETCH": False,
-                  "num_warps_": warps}  # fmt: skip
+                  "BLOCK_GM": 1, "BLOCK_S": 1, "CHUNK_S": 1, "PREFETCH": 0,
+                  "num_warps_": warps, "PRELOAD": False}  # fmt: skip
     rope_split = {**split_cons, "ROPE": True}
     fused = {"FUSED_MERGE": True, "BLOCK_GM": 4, "BLOCK_S": 64,
-             "CHUNK_S": decode.merge_chunk(4, 64, 64), "PREFETCH": True}  # fmt: skip
+             "CHUNK_S": decode.merge_chunk(4, 64, 64), "PRELOAD": True}  # fmt: skip
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
     merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 64, "BLOCK_S": 64, "CHUNK_S": 16,

@@ -151,7 +151,9 @@ class ModelRunner:
         """fp32 logits (B, vocab) of each request's last token in the step."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
-        return self.model(plan.input_ids, plan.positions, attn, plan.logits_indices)
+        # a decode step's rows are its requests' last tokens: no gather before the head
+        rows = None if plan.is_decode else plan.logits_indices
+        return self.model(plan.input_ids, plan.positions, attn, rows)
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> tuple[list[int], torch.Tensor]:

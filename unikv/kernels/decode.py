@@ -59,11 +59,15 @@ LONG_LOOP_STAGES = 3
 # kernel (fixed at import: the A/B switch). Both give the same bytes.
 FUSED_MERGE = os.environ.get("UNIKV_DECODE_MERGE", "fused") == "fused"
 MERGE_TILE = 8192  # fp32 values of one merge loop step's (G, C, Dv) tile at most
-# a decode step of at most PREFETCH_ROWS requests (one request's GEMV chain) has its
-# split programs ask L2 for the o projection's weight before they wait (the A/B
-# switch: UNIKV_DECODE_PREFETCH=0; fixed at import)
-PREFETCH = os.environ.get("UNIKV_DECODE_PREFETCH", "1") == "1"
-PREFETCH_ROWS = 4
+# decode steps of at most PRELOAD_ROWS requests (one request's GEMV chain, whose kernels
+# keep pdl.py's contract) load seq_lens, the block table and each split's first tile of
+# K/V rows older than the step's before the PDL wait: every kernel but the one just
+# before has completed by then (UNIKV_DECODE_PRELOAD=0 turns it off). Their split
+# programs may also ask L2 for the o projection's weight: UNIKV_DECODE_PREFETCH=before
+# (the wait) or after (the key loop); 0 by default. Both fixed at import (A/B switches).
+PRELOAD = os.environ.get("UNIKV_DECODE_PRELOAD", "1") == "1"
+PREFETCH = {"0": 0, "before": 1, "after": 2}[os.environ.get("UNIKV_DECODE_PREFETCH", "0")]
+PRELOAD_ROWS = 4
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -108,20 +112,46 @@ def _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, dt: tl.constexpr):
 @triton.jit
 def _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh, vn_sb,
                    vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn, offs_d,
-                   offs_dv, D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr):  # fmt: skip
-    """Request b's new K row of head kvh rotated, and its V row, written into the cache
-    at the token's kernel id (``rope_store``'s row)."""
+                   offs_dv, D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   owner):  # fmt: skip
+    """Request b's new K row of head kvh rotated, and its V row, in the cache's dtype,
+    written into the cache at the token's kernel id (``rope_store``'s row) where
+    ``owner`` (the split whose keys hold it). Returns the two rows."""
     kid = tl.load(write_ids + b)
     k_src = k_new + b.to(tl.int64) * kn_sb + kvh * kn_sh
     mask_d = offs_d < D
     kx = tl.load(k_src + offs_d, mask=mask_d, other=0.0)
     kr = _rotated(kx, tl.load(k_src + partner, mask=mask_d, other=0.0), c, sn)
+    kr = kr.to(k_cache.dtype.element_ty)
     tl.store(k_cache + kernel_offset(kid, PAGE_SIZE, k_sb, k_sn) + kvh * k_sh + offs_d, kr,
-             mask=mask_d)  # fmt: skip
+             mask=mask_d & owner)  # fmt: skip
     mask_v = offs_dv < DV
-    vx = tl.load(v_new + b.to(tl.int64) * vn_sb + kvh * vn_sh + offs_dv, mask=mask_v)
+    vx = tl.load(v_new + b.to(tl.int64) * vn_sb + kvh * vn_sh + offs_dv, mask=mask_v, other=0.0)
+    vx = vx.to(v_cache.dtype.element_ty)
     tl.store(v_cache + kernel_offset(kid, PAGE_SIZE, v_sb, v_sn) + kvh * v_sh + offs_dv, vx,
-             mask=mask_v)  # fmt: skip
+             mask=mask_v & owner)  # fmt: skip
+    return kr, vx
+
+
+@triton.jit
+def _split_range(seq_lens, b, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):  # fmt: skip
+    """(seq, first visible key, chunk, lo, hi) of request b's split ``split``."""
+    seq = tl.load(seq_lens + b)
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(seq - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
+    return seq, first, chunk, lo, tl.minimum(lo + chunk, seq)
+
+
+@triton.jit
+def _prefetch_share(prefetch, nbytes, kvh, b, split, LANES: tl.constexpr):
+    """This program's share of ``prefetch``'s bytes asked of L2 (``pdl.prefetch_l2``)."""
+    n0, n1 = tl.num_programs(0), tl.num_programs(1)
+    pdl.prefetch_l2(prefetch, nbytes, kvh + n0 * (b + n1 * split), n0 * n1 * tl.num_programs(2),
+                    32 * LANES)  # fmt: skip
 
 
 @triton.jit
@@ -184,46 +214,73 @@ def _decode_split_kernel(
     BLOCK_GM: tl.constexpr = 1,
     BLOCK_S: tl.constexpr = 1,
     CHUNK_S: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
     num_warps_: tl.constexpr = 4,
+    PRELOAD: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
     b = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:  # the next GEMV's weight into L2 while this step's q and K/V arrive
-        nprog0, nprog1 = tl.num_programs(0), tl.num_programs(1)
-        pdl.prefetch_l2(prefetch, prefetch_bytes, kvh + nprog0 * (b + nprog1 * split),
-                        nprog0 * nprog1 * tl.num_programs(2), 32 * num_warps_)  # fmt: skip
-    pdl.wait(PDL)  # q and the step's K/V rows come from the kernels before
-    seq = tl.load(seq_lens + b)
-    first = 0
-    if HAS_WINDOW:
-        first = tl.maximum(seq - window, 0)
-    chunk = tl.cdiv(tl.cdiv(seq - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = first + split * chunk
-    hi = tl.minimum(lo + chunk, seq)
-
+    if PRELOAD:  # the kernel before is still running: every load but q's and the new row's
+        seq, first, chunk, lo, hi = _split_range(seq_lens, b, split, window, NUM_SPLITS,
+                                                 BLOCK_N, HAS_WINDOW)  # fmt: skip
+    if PREFETCH == 1:  # the next GEMV's weight into L2 while this step's q and K/V arrive
+        _prefetch_share(prefetch, prefetch_bytes, kvh, b, split, num_warps_)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    bt_row = block_table + b.to(tl.int64) * bt_sb
+    if PRELOAD:  # the first tile's rows older than the step's: written steps ago
+        offs_n0 = lo + tl.arange(0, BLOCK_N)
+        kt0, vt0 = load_rows(k_cache, v_cache, bt_row, offs_n0,
+                             offs_n0 < tl.minimum(hi, seq - 1), kvh, k_sb, k_sn, k_sh, v_sb,
+                             v_sn, v_sh, offs_d, offs_dv, D, DV, PAGE_SIZE, True, BLOCK_D,
+                             BLOCK_DV)  # fmt: skip
+        if ROPE:
+            partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d,
+                                         q.dtype.element_ty)  # fmt: skip
+    pdl.wait(PDL)  # q and the step's K/V rows come from the kernels before
+    if not PRELOAD:
+        seq, first, chunk, lo, hi = _split_range(seq_lens, b, split, window, NUM_SPLITS,
+                                                 BLOCK_N, HAS_WINDOW)  # fmt: skip
     heads = kvh * GROUP + offs_g
     mask_g = offs_g < GROUP
     q_rows = q + b.to(tl.int64) * q_sb + heads[:, None] * q_sh
     mask_q = mask_g[:, None] & (offs_d[None, :] < D)
     qv = tl.load(q_rows + offs_d[None, :], mask=mask_q, other=0.0)
-    if ROPE:  # rope + store fused: q rotated here, the new K/V row stored by its split
-        partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, q.dtype.element_ty)
-        qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
-        if split == (seq - 1 - first) // chunk:  # this split reads the new token's row
-            _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh,
-                           vn_sb, vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn,
-                           offs_d, offs_dv, D, DV, PAGE_SIZE)  # fmt: skip
-        tl.debug_barrier()  # the row's stores are visible to this program's loads
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
-    bt_row = block_table + b.to(tl.int64) * bt_sb
+    owner = (seq > 0) & (split == (seq - 1 - first) // tl.maximum(chunk, 1))  # holds the new row
+    if PRELOAD:  # the new row joins the preloaded tile from registers (or one reload)
+        new_row = (offs_n0 == seq - 1)[:, None]
+        if ROPE:
+            qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c,
+                          sn)  # fmt: skip
+            kr, vr = _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb,
+                                    kn_sh, vn_sb, vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh,
+                                    partner, c, sn, offs_d, offs_dv, D, DV, PAGE_SIZE,
+                                    owner)  # fmt: skip
+            tl.debug_barrier()  # a later tile of the loop may read the stored row
+            kt0 = tl.where(new_row, kr[None, :], kt0)
+            vt0 = tl.where(new_row, vr[None, :], vt0)
+        else:
+            ktn, vtn = load_rows(k_cache, v_cache, bt_row, offs_n0, (offs_n0 == seq - 1) & owner,
+                                 kvh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, offs_d, offs_dv, D,
+                                 DV, PAGE_SIZE, True, BLOCK_D, BLOCK_DV)  # fmt: skip
+            kt0 = tl.where(new_row, ktn, kt0)
+            vt0 = tl.where(new_row, vtn, vt0)
+        m_i, l_i, acc = attn_tile(qv, kt0, vt0, (offs_n0 < hi)[None, :], m_i, l_i, acc,
+                                  qk_scale, soft_cap, HAS_CAP, PRECISION, True)  # fmt: skip
+        lo = lo + BLOCK_N
+    elif ROPE:  # rope + store fused: q rotated here, the new K/V row stored by its split
+        partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, q.dtype.element_ty)
+        qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
+        _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh, vn_sb,
+                       vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn, offs_d,
+                       offs_dv, D, DV, PAGE_SIZE, owner)  # fmt: skip
+        tl.debug_barrier()  # the row's stores are visible to this program's loads
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -263,6 +320,8 @@ def _decode_split_kernel(
             PRECISION,
             True,
         )
+    if PREFETCH == 2:  # the keys are read: the next GEMV's weight into L2
+        _prefetch_share(prefetch, prefetch_bytes, kvh, b, split, num_warps_)
     pdl.trigger(PDL)  # the keys are read: the merge (or the next kernel) may launch
     head_mask = mask_g
     if NUM_SPLITS == 1:
@@ -401,6 +460,7 @@ def decode_attention(
     counters: torch.Tensor | None = None,
     fused_merge: bool | None = None,
     prefetch: torch.Tensor | None = None,
+    preload: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request.
 
@@ -420,9 +480,11 @@ def decode_attention(
     ``counters_numel(B, H)`` elements that are zero and left zero (None: allocated
     here; CUDA graphs pass a fixed zeroed buffer). The same bytes either way.
     prefetch: a tensor no kernel of the step writes (the o projection's weight),
-    whose bytes the split programs ask L2 for before they wait for q (a hint, used
-    under PDL at most ``PREFETCH_ROWS`` requests, where the GPU idles through
-    attention). Returns out (B, Hq, Dv) in q's dtype.
+    whose bytes the split programs ask L2 for (a hint, ``PREFETCH``'s placement, under
+    PDL at most ``PRELOAD_ROWS`` requests). preload (None: ``PRELOAD`` under PDL at
+    most ``PRELOAD_ROWS`` requests): load seq_lens, the block table and the first
+    tile's rows but the new one before the PDL wait (the same bytes). Returns out
+    (B, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     bsz, hq, dim = q.shape
@@ -443,13 +505,9 @@ def decode_attention(
     group_block = next_pow2(group)
     merge = {"BLOCK_S": next_pow2(splits), "CHUNK_S": merge_chunk(group_block, dim_v, splits)}
     on = pdl.enabled(q)
-    prefetching = (
-        on
-        and PREFETCH
-        and prefetch is not None
-        and bsz <= PREFETCH_ROWS
-        and prefetch.is_contiguous()
-    )
+    small = on and bsz <= PRELOAD_ROWS
+    preload = (PRELOAD and small) if preload is None else preload
+    prefetching = small and PREFETCH > 0 and prefetch is not None and prefetch.is_contiguous()
     if prefetching:
         check_same_device(q, prefetch)
     hint = prefetch.view(-1).view(torch.uint8) if prefetching else ws_acc
@@ -509,7 +567,8 @@ def decode_attention(
         FUSED_MERGE=fused,
         BLOCK_GM=group_block,
         **merge,
-        PREFETCH=prefetching,
+        PREFETCH=PREFETCH if prefetching else 0,
+        PRELOAD=bool(preload),
         num_warps_=warps,
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion

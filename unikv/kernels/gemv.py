@@ -57,11 +57,25 @@ CANDIDATES = [
     (4, 512, 2, 4),
     (2, 1024, 4, 3),
     (16, 512, 8, 4),
+    # around the first chain sweep's picks (a11af81)
+    (4, 1024, 4, 4),
+    (4, 2048, 4, 2),
+    (4, 1024, 8, 3),
+    (2, 2048, 4, 3),
+    (16, 256, 4, 4),
+    (16, 128, 4, 4),
+    (32, 128, 4, 3),
+    (16, 256, 8, 3),
+    (8, 256, 4, 3),
+    (8, 256, 2, 3),
 ]
 # per weight shape (N, K): the config the decode chain ran fastest at (bench_gemv
 # --chain-sweep); other shapes take CONFIG. UNIKV_GEMV_TABLE='{"N,K": [cfg], ...}'
 # replaces it (fixed at import: the A/B switch).
-TABLE: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+TABLE: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (16384, 2048): (16, 256, 4, 3),  # Llama-3.2-1B's gate/up: chain 1.027x CONFIG's (a11af81)
+    (2048, 8192): (4, 1024, 4, 3),  # its down (SwiGLU inside): 1.035x
+}
 if os.environ.get("UNIKV_GEMV_TABLE"):
     TABLE = {tuple(int(v) for v in key.split(",")): tuple(cfg)
              for key, cfg in json.loads(os.environ["UNIKV_GEMV_TABLE"]).items()}  # fmt: skip

@@ -6,6 +6,11 @@ every launch latency it hides is step time saved. Every kernel taking ``PDL`` ke
 one contract, in each of its programs:
 
     1. before ``wait``: reads of data no kernel of the step writes (weights), only;
+       or, in a kernel that says so (one request's decode attention, ``decode.PRELOAD``),
+       of data only kernels two or more launches back wrote: this kernel's programs
+       run only once the kernel just before has triggered, which is after its own
+       wait, so every kernel before that one has completed (the step's tables, the
+       cache rows of earlier steps);
     2. ``wait`` (``gdc_wait``) before the first read of an earlier kernel's output and
        before any store, so a kernel completes only after the one before it (the
        chain is ordered transitively, however far back the data came from);
