@@ -90,12 +90,9 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
 def _before_wait(ptx: str) -> dict:
     """PDL's contract in the PTX (``kernels/pdl.py``): the global loads (and async
     copies), the stores (and atomics) and the triggers placed before the first
-    ``griddepcontrol.wait`` (all of the kernel's when it has none); the L2 prefetches
-    before it (the hint step 1 may issue) and the kernel's global atomics."""
+    ``griddepcontrol.wait`` (all of the kernel's when it has none)."""
     head = ptx.split("griddepcontrol.wait")[0]
     return {"loads_before_wait": len(re.findall(r"\b(?:ld\.global|cp\.async\.c)", head)),
-            "prefetches_before_wait": head.count("prefetch.global.L2"),
-            "atomics": ptx.count("atom.global"),
             "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom\.global|red\.global)", head)),
             "trigger_before_wait": "griddepcontrol.launch_dependents" in head}  # fmt: skip
 
@@ -167,9 +164,8 @@ def gemv_kernels() -> dict[str, tuple]:
 def step_kernels() -> dict[str, tuple]:
     """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
-    store, the decode split (and with rope + store inside, and with the fused merge and
-    the pre-wait loads of one request's step too), its merge, the argmax's chunk and
-    merge."""
+    store, the decode split (and with rope + store inside, and with the pre-wait loads
+    of one request's step too), its merge, the argmax's chunk and merge."""
     from unikv.kernels import argmax, decode, rope_store
 
     bf16 = "*bf16"
@@ -187,22 +183,18 @@ def step_kernels() -> dict[str, tuple]:
              "v_sn": 512, "v_sh": 64, "bt_sb": 64, "o_sb": 2048, "o_sh": 64, "k_new": bf16,
              "v_new": bf16, "write_ids": "*i64", "cos": "*fp32", "sin": "*fp32",
              "pos": "*i64", "kn_sb": 3072, "kn_sh": 64, "vn_sb": 3072, "vn_sh": 64,
-             "sc0": 32, "HALF": 32, "counters": "*i32", "prefetch": "*u8",
-             "prefetch_bytes": 2048 * 2048 * 2}  # fmt: skip
+             "sc0": 32, "HALF": 32}  # fmt: skip
     block_n, warps, stages = decode.CONFIGS[64]
     split_cons = {"GROUP": 4, "BLOCK_G": 16, "D": 64, "DV": 64, "BLOCK_D": 64, "BLOCK_DV": 64,
                   "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
                   "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
-                  "PRECISION": "tf32", "ROPE": False, "PDL": True, "FUSED_MERGE": False,
-                  "BLOCK_GM": 1, "BLOCK_S": 1, "CHUNK_S": 1, "PREFETCH": 0,
-                  "num_warps_": warps, "PRELOAD": False}  # fmt: skip
+                  "PRECISION": "tf32", "ROPE": False, "PDL": True,
+                  "PRELOAD": False}  # fmt: skip
     rope_split = {**split_cons, "ROPE": True}
-    fused = {"FUSED_MERGE": True, "BLOCK_GM": 4, "BLOCK_S": 64,
-             "CHUNK_S": decode.merge_chunk(4, 64, 64), "PRELOAD": True}  # fmt: skip
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
     merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 64, "BLOCK_S": 64, "CHUNK_S": 16,
-                  "HAS_SINKS": False, "PDL": True, "GROUP": 4, "BLOCK_G": 4}  # fmt: skip
+                  "HAS_SINKS": False, "PDL": True}  # fmt: skip
     chunk = {"x": "*fp32", "s_row": 128256, "V": 128256, "chunk": 1024, "best_v": "*fp32",
              "best_i": "*i32", "out": "*i64", "splits": 126}  # fmt: skip
     pick = {"best_v": "*fp32", "best_i": "*i32", "out": "*i64", "V": 128256, "splits": 126}
@@ -212,10 +204,10 @@ def step_kernels() -> dict[str, tuple]:
         "rope_store": (rope_store._rope_store_kv_kernel, rope, rope_cons, 4, 3),
         "decode_split": (decode._decode_split_kernel, split, split_cons, warps, stages),
         "decode_split_rope": (decode._decode_split_kernel, split, rope_split, warps, stages),
-        "decode_split_rope_fused": (
+        "decode_split_rope_preload": (
             decode._decode_split_kernel,
             split,
-            {**rope_split, **fused},
+            {**rope_split, "PRELOAD": True},
             warps,
             stages,
         ),

@@ -1,6 +1,6 @@
 """The pre-wait loads of one request's decode attention on the GPU, in the chain they
 run in: a PDL GEMV writes the step's q / k / v (its pre-norm inside, as the engine
-runs it), then the attention (rope + store inside, the fused merge) waits for it. With
+runs it), then the attention (rope + store inside) waits for it. With
 and without the preload, call after call and in a CUDA graph, the output and the
 pool are the same bytes; the new rows are NaN before the first call."""
 

@@ -91,21 +91,20 @@ def _keeps_pdl_contract(result: dict, trigger: bool) -> bool:
 
 def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
     """The rest of one request's decode chain (rope + store, the decode split, alone,
-    with rope + store inside, and with the fused merge and the L2 hint too, its merge,
-    the argmax's two launches), compiled with PDL on for sm_90a: each program waits
+    with rope + store inside, and with the pre-wait loads too, its merge, the argmax's
+    two launches), compiled with PDL on for sm_90a: each program waits
     before its first global load or store, and the kernels a next one follows trigger
     only after that wait (the argmax's merge, last of the step, does not)."""
     results = _compiled("--step", tmp_path)
     names = ["argmax_chunk", "argmax_merge", "decode_merge", "decode_split",
-             "decode_split_rope", "decode_split_rope_fused", "rope_store"]  # fmt: skip
+             "decode_split_rope", "decode_split_rope_preload", "rope_store"]  # fmt: skip
     assert sorted(results) == names
-    # the fused merge's ticket is its one atomic; one request's step loads the split's
-    # range and first tile before the wait (decode.PRELOAD), and stores nothing there
-    fused = results.pop("decode_split_rope_fused")
-    assert fused["atomics"] == 1 and fused["loads_before_wait"] > 0, fused
-    assert fused["stores_before_wait"] == 0 and not fused["trigger_before_wait"], fused
-    assert fused["pdl_wait"] == 1 and fused["pdl_trigger"] == 1 and not fused["spill_bytes"]
-    assert results["decode_split_rope"]["atomics"] == 0
+    # one request's step loads its split's range and first tile before the wait
+    # (decode.PRELOAD, pdl.py's step 1 exception) and stores nothing there
+    pre = results.pop("decode_split_rope_preload")
+    assert pre["loads_before_wait"] > 0 and pre["stores_before_wait"] == 0, pre
+    assert pre["pdl_wait"] == 1 and pre["pdl_trigger"] == 1 and not pre["trigger_before_wait"]
+    assert not pre["spill_bytes"], pre
     bad = {name: r for name, r in results.items()
            if not _keeps_pdl_contract(r, trigger=name != "argmax_merge") or r["spill_bytes"]}  # fmt: skip
     assert not bad, bad

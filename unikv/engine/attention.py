@@ -262,15 +262,14 @@ class DecodeAttention:
         self.backend.store_kv(cache.store_k, cache.store_v, ids, kq, vq)
         return cache, step, q, k
 
-    def __call__(self, layer, q, k, v, sinks=None, rope=None, prefetch=None):
+    def __call__(self, layer, q, k, v, sinks=None, rope=None):
         """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D); rope: None (q and k come
         rotated) or (rotary, positions) to rotate them here: inside the attention's
-        launch (``rope_store_decode_attention``) unless the cache is fp8. prefetch:
-        the weight the layer reads next (``decode_attention``'s L2 hint)."""
+        launch (``rope_store_decode_attention``) unless the cache is fp8."""
         cache = self.layers[layer]
         launch = self.plan.decode[cache.subpool].launch  # splits, workspace: once per step
         kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
-              "sinks": sinks, "soft_cap": cache.soft_cap, "prefetch": prefetch, **launch}  # fmt: skip
+              "sinks": sinks, "soft_cap": cache.soft_cap, **launch}  # fmt: skip
         if rope is not None and ROPE_IN_DECODE and cache.store_k.dtype == k.dtype:
             rotary, positions = rope
             step = self.plan.subpools[cache.subpool]
@@ -337,9 +336,8 @@ class ExtendAttention(DecodeAttention):
             max_q_len=plan.max_q_len, page_size=ctx.page_size, sm_scale=sm_scale,
         )  # fmt: skip
 
-    def __call__(self, layer, q, k, v, sinks=None, rope=None, prefetch=None):
-        """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D); rope as in DecodeAttention
-        (``prefetch``, a decode step's hint, is not used here)."""
+    def __call__(self, layer, q, k, v, sinks=None, rope=None):
+        """q: (T, Hq, D), k/v: (T, H, D) -> (T, Hq, D); rope as in DecodeAttention."""
         cache, step, q, k = self._store(layer, q, k, v, rope)
         plan = self.plan
         # a fresh prompt's rows are the ones just stored (an fp8 cache rounds them: read it)

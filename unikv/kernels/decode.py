@@ -54,19 +54,12 @@ CONFIGS = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 4, 2)}
 NO_SPLIT_CONFIGS = {64: (128, 4, 2)}
 LONG_LOOP_TILES = 32
 LONG_LOOP_STAGES = 3
-# with splits, the last split program of each (request, KV head) merges them (a ticket
-# per pair) instead of a second launch; UNIKV_DECODE_MERGE=kernel keeps the merge
-# kernel (fixed at import: the A/B switch). Both give the same bytes.
-FUSED_MERGE = os.environ.get("UNIKV_DECODE_MERGE", "fused") == "fused"
-MERGE_TILE = 8192  # fp32 values of one merge loop step's (G, C, Dv) tile at most
 # decode steps of at most PRELOAD_ROWS requests (one request's GEMV chain, whose kernels
 # keep pdl.py's contract) load seq_lens, the block table and each split's first tile of
 # K/V rows older than the step's before the PDL wait: every kernel but the one just
-# before has completed by then (UNIKV_DECODE_PRELOAD=0 turns it off). Their split
-# programs may also ask L2 for the o projection's weight: UNIKV_DECODE_PREFETCH=before
-# (the wait) or after (the key loop); 0 by default. Both fixed at import (A/B switches).
+# before has completed by then (UNIKV_DECODE_PRELOAD=0 turns it off; fixed at import,
+# the A/B switch).
 PRELOAD = os.environ.get("UNIKV_DECODE_PRELOAD", "1") == "1"
-PREFETCH = {"0": 0, "before": 1, "after": 2}[os.environ.get("UNIKV_DECODE_PREFETCH", "0")]
 PRELOAD_ROWS = 4
 
 
@@ -147,14 +140,6 @@ def _split_range(seq_lens, b, split, window, NUM_SPLITS: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _prefetch_share(prefetch, nbytes, kvh, b, split, LANES: tl.constexpr):
-    """This program's share of ``prefetch``'s bytes asked of L2 (``pdl.prefetch_l2``)."""
-    n0, n1 = tl.num_programs(0), tl.num_programs(1)
-    pdl.prefetch_l2(prefetch, nbytes, kvh + n0 * (b + n1 * split), n0 * n1 * tl.num_programs(2),
-                    32 * LANES)  # fmt: skip
-
-
-@triton.jit
 def _decode_split_kernel(
     q,
     k_cache,
@@ -191,9 +176,6 @@ def _decode_split_kernel(
     vn_sh,
     sc0,
     HALF,
-    counters,
-    prefetch,
-    prefetch_bytes,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -210,12 +192,6 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False,
-    BLOCK_GM: tl.constexpr = 1,
-    BLOCK_S: tl.constexpr = 1,
-    CHUNK_S: tl.constexpr = 1,
-    PREFETCH: tl.constexpr = 0,
-    num_warps_: tl.constexpr = 4,
     PRELOAD: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
@@ -224,8 +200,6 @@ def _decode_split_kernel(
     if PRELOAD:  # the kernel before is still running: every load but q's and the new row's
         seq, first, chunk, lo, hi = _split_range(seq_lens, b, split, window, NUM_SPLITS,
                                                  BLOCK_N, HAS_WINDOW)  # fmt: skip
-    if PREFETCH == 1:  # the next GEMV's weight into L2 while this step's q and K/V arrive
-        _prefetch_share(prefetch, prefetch_bytes, kvh, b, split, num_warps_)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -320,8 +294,6 @@ def _decode_split_kernel(
             PRECISION,
             True,
         )
-    if PREFETCH == 2:  # the keys are read: the next GEMV's weight into L2
-        _prefetch_share(prefetch, prefetch_bytes, kvh, b, split, num_warps_)
     pdl.trigger(PDL)  # the keys are read: the merge (or the next kernel) may launch
     head_mask = mask_g
     if NUM_SPLITS == 1:
@@ -347,68 +319,6 @@ def _decode_split_kernel(
             mask=head_mask[:, None] & (offs_dv[None, :] < DV),
         )
         tl.store(ws_lse + row, lse, mask=head_mask)
-        if FUSED_MERGE:  # the last split of (b, kvh) to finish merges them: no 2nd launch
-            tl.debug_barrier()  # every thread's rows are written before the ticket's release
-            ticket_at = counters + b * tl.num_programs(0) + kvh
-            ticket = tl.atomic_add(ticket_at, 1, sem="acq_rel", scope="gpu")
-            if ticket == NUM_SPLITS - 1:
-                g0 = kvh * GROUP
-                used = tl.cdiv(seq - first, tl.maximum(chunk, 1))  # splits holding keys
-                heads_m, merged = _merge_group(
-                    ws_acc, ws_lse, sinks, b, g0, GROUP * tl.num_programs(0), used, GROUP,
-                    BLOCK_GM, DV, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_S, HAS_SINKS,
-                )  # fmt: skip
-                _store_merged(out, o_sb, o_sh, b, heads_m, merged, GROUP, g0, DV, BLOCK_DV)
-                tl.store(ticket_at, 0)  # every split has taken its ticket: reset for reuse
-
-
-@triton.jit
-def _merge_group(ws_acc, ws_lse, sinks, b, g0, HQ, used, GROUP: tl.constexpr,
-                 BLOCK_G: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                 HAS_SINKS: tl.constexpr):  # fmt: skip
-    """Heads ``g0 .. g0 + GROUP`` of row b merged from their split rows: (heads
-    (BLOCK_G,), out (BLOCK_G, BLOCK_DV) fp32). Chunks of splits at or past ``used``
-    hold no keys (acc 0, lse -inf: they add exact zeros) and are not read; the loads
-    bypass L1 (``.cg``), as the fused merge reads rows other SMs just wrote."""
-    offs_g = tl.arange(0, BLOCK_G)
-    heads = g0 + offs_g
-    mask_g = offs_g < GROUP
-    rows = (b * HQ + heads).to(tl.int64) * NUM_SPLITS
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    lse = tl.load(ws_lse + rows[:, None] + offs_s[None, :],
-                  mask=mask_g[:, None] & (offs_s[None, :] < NUM_SPLITS), other=float("-inf"),
-                  cache_modifier=".cg")  # fmt: skip
-    peak = tl.max(lse, axis=1)
-    if HAS_SINKS:
-        sink = tl.load(sinks + heads, mask=mask_g, other=0.0).to(tl.float32) * 1.4426950408889634
-        peak = tl.maximum(peak, sink)
-    peak = tl.where(peak == float("-inf"), 0.0, peak)
-    denom = tl.sum(tl.exp2(lse - peak[:, None]), axis=1)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - peak)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    for s0 in range(0, used, CHUNK_S):  # a few splits at a time: small register tiles
-        offs_c = s0 + tl.arange(0, CHUNK_S)
-        mask_c = mask_g[:, None] & (offs_c[None, :] < NUM_SPLITS)  # (G, C)
-        at = rows[:, None] + offs_c[None, :]
-        w = tl.exp2(tl.load(ws_lse + at, mask=mask_c, other=float("-inf"), cache_modifier=".cg")
-                    - peak[:, None])  # fmt: skip
-        part = tl.load(ws_acc + at[:, :, None] * DV + offs_dv[None, None, :],
-                       mask=mask_c[:, :, None] & (offs_dv[None, None, :] < DV), other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
-        acc += tl.sum(part * w[:, :, None], axis=1)
-    return heads, acc / tl.where(denom > 0, denom, 1.0)[:, None]
-
-
-@triton.jit
-def _store_merged(out, o_sb, o_sh, b, heads, res, GROUP: tl.constexpr, g0, DV: tl.constexpr,
-                  BLOCK_DV: tl.constexpr):  # fmt: skip
-    offs_dv = tl.arange(0, BLOCK_DV)
-    o_ptr = out + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + offs_dv[None, :]
-    mask = ((heads - g0) < GROUP)[:, None] & (offs_dv[None, :] < DV)
-    tl.store(o_ptr, res.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -427,17 +337,37 @@ def _decode_merge_kernel(
     CHUNK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
-    GROUP: tl.constexpr = 1,
-    BLOCK_G: tl.constexpr = 1,
 ):
-    """Program (row b, head group j): heads ``j * GROUP ..`` merged from all splits."""
     b = tl.program_id(0)
-    g0 = tl.program_id(1) * GROUP
+    h = tl.program_id(1)
     pdl.wait(PDL)
-    heads, res = _merge_group(ws_acc, ws_lse, sinks, b, g0, HQ, NUM_SPLITS, GROUP, BLOCK_G, DV,
-                              BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_S, HAS_SINKS)  # fmt: skip
+    row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(ws_lse + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    peak = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        peak = tl.maximum(peak, sink)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    denom = tl.sum(tl.exp2(lse - peak), axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - peak)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
+        offs_c = s0 + tl.arange(0, CHUNK_S)
+        mask_c = offs_c < NUM_SPLITS
+        w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
+        part = tl.load(
+            ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
+            mask=mask_c[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
+        acc += tl.sum(part * w[:, None], axis=0)
     pdl.trigger(PDL)
-    _store_merged(out, o_sb, o_sh, b, heads, res, GROUP, g0, DV, BLOCK_DV)
+    res = acc / tl.where(denom > 0, denom, 1.0)
+    o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
+    tl.store(o_ptr, res.to(out.dtype.element_ty), mask=offs_dv < DV)
 
 
 def decode_attention(
@@ -457,9 +387,6 @@ def decode_attention(
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
     rope: tuple | None = None,
-    counters: torch.Tensor | None = None,
-    fused_merge: bool | None = None,
-    prefetch: torch.Tensor | None = None,
     preload: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request.
@@ -474,16 +401,9 @@ def decode_attention(
     (B, Hq, Dv). workspace: optional fp32 tensor of >= ``workspace_numel(...)``
     elements (fixed buffers for CUDA graphs). num_splits / config override the
     heuristics (benchmarks). rope: ``rope_store_decode_attention``'s (k, v, write_ids,
-    cos, sin, positions), checked there. fused_merge (None: ``FUSED_MERGE``): with
-    splits, the last split program of each (request, KV head) merges the splits
-    instead of a second launch; it takes a ticket in ``counters``, int32 of >=
-    ``counters_numel(B, H)`` elements that are zero and left zero (None: allocated
-    here; CUDA graphs pass a fixed zeroed buffer). The same bytes either way.
-    prefetch: a tensor no kernel of the step writes (the o projection's weight),
-    whose bytes the split programs ask L2 for (a hint, ``PREFETCH``'s placement, under
-    PDL at most ``PRELOAD_ROWS`` requests). preload (None: ``PRELOAD`` under PDL at
-    most ``PRELOAD_ROWS`` requests): load seq_lens, the block table and the first
-    tile's rows but the new one before the PDL wait (the same bytes). Returns out
+    cos, sin, positions), checked there. preload (None: ``PRELOAD`` under PDL at most
+    ``PRELOAD_ROWS`` requests): load seq_lens, the block table and each split's first
+    tile of rows but the new one before the PDL wait (the same bytes). Returns out
     (B, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
@@ -500,17 +420,8 @@ def decode_attention(
     ws_acc, ws_lse = split_workspace(workspace, bsz, hq, dim_v, splits, q.device)
     block_n, warps, stages = config or choose_config(dim, page_size, max_len, splits)
     sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
-    fused = splits > 1 and (FUSED_MERGE if fused_merge is None else fused_merge)
-    counters = merge_counters(counters, bsz, heads, q.device) if fused else ws_acc
-    group_block = next_pow2(group)
-    merge = {"BLOCK_S": next_pow2(splits), "CHUNK_S": merge_chunk(group_block, dim_v, splits)}
     on = pdl.enabled(q)
-    small = on and bsz <= PRELOAD_ROWS
-    preload = (PRELOAD and small) if preload is None else preload
-    prefetching = small and PREFETCH > 0 and prefetch is not None and prefetch.is_contiguous()
-    if prefetching:
-        check_same_device(q, prefetch)
-    hint = prefetch.view(-1).view(torch.uint8) if prefetching else ws_acc
+    preload = (PRELOAD and on and bsz <= PRELOAD_ROWS) if preload is None else preload
     k_new, v_new, ids, cos, sin, positions = rope or (q, q, seq_lens, ws_acc, ws_acc, seq_lens)
     half = cos.shape[-1] if rope is not None else 0
     _decode_split_kernel[(heads, bsz, splits)](
@@ -545,9 +456,6 @@ def decode_attention(
         v_new.stride(1),
         cos.stride(0),
         half,
-        counters,
-        hint,
-        hint.numel() if prefetching else 0,
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         D=dim,
@@ -564,20 +472,15 @@ def decode_attention(
         PRECISION=dot_precision(q),
         ROPE=rope is not None,
         PDL=on,
-        FUSED_MERGE=fused,
-        BLOCK_GM=group_block,
-        **merge,
-        PREFETCH=PREFETCH if prefetching else 0,
         PRELOAD=bool(preload),
-        num_warps_=warps,
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion
         # on, the H200 fused bf16's narrowed multiply-add: 19f546b's GPU test)
         enable_fp_fusion=rope is None,
         **pdl.launch_options(on),
     )
-    if splits > 1 and not fused:
-        _decode_merge_kernel[(bsz, heads)](
+    if splits > 1:
+        _decode_merge_kernel[(bsz, hq)](
             ws_acc,
             ws_lse,
             sinks_arg,
@@ -588,38 +491,14 @@ def decode_attention(
             DV=dim_v,
             BLOCK_DV=next_pow2(dim_v),
             NUM_SPLITS=splits,
+            BLOCK_S=next_pow2(splits),
+            CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=sinks is not None,
             PDL=on,
-            GROUP=group,
-            BLOCK_G=group_block,
-            **merge,
             num_warps=4,
             **pdl.launch_options(on),
         )
     return out
-
-
-def merge_chunk(block_g: int, dim_v: int, splits: int) -> int:
-    """Splits the merge reads per loop step: a (G, C, Dv) fp32 tile of <= 8192 values."""
-    return max(1, min(16, next_pow2(splits), MERGE_TILE // (block_g * next_pow2(dim_v))))
-
-
-def counters_numel(batch: int, kv_heads: int) -> int:
-    """int32 tickets the fused merge takes: one per (request, KV head)."""
-    return batch * kv_heads
-
-
-def merge_counters(counters, batch: int, kv_heads: int, device) -> torch.Tensor:
-    """The fused merge's tickets: ``counters`` checked, or a zeroed buffer."""
-    need = counters_numel(batch, kv_heads)
-    if counters is None:
-        return torch.zeros(need, dtype=torch.int32, device=device)
-    if counters.dtype != torch.int32 or counters.numel() < need or counters.device != device:
-        raise ValueError(
-            f"counters must be int32 on {device} with >= {need} elements (counters_numel), "
-            f"zeroed; got {counters.dtype} x {counters.numel()} on {counters.device}"
-        )
-    return counters
 
 
 def rope_store_decode_attention(

@@ -38,9 +38,6 @@ import triton.language as tl
 
 ENABLED = os.environ.get("UNIKV_PDL", "1") == "1"
 TRIGGER = tl.constexpr(os.environ.get("UNIKV_PDL_TRIGGER", "1") == "1")
-# inline PTX needs a compiled kernel: the interpreter skips the prefetch (a hint only)
-ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
-LINE = tl.constexpr(128)  # bytes of an L2 line request
 
 
 def enabled(t: torch.Tensor) -> bool:
@@ -70,21 +67,3 @@ def trigger(PDL: tl.constexpr):
     """Step 3: let the next kernel launch (a no-op without PDL or with TRIGGER off)."""
     if PDL and TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(base, nbytes, pid, programs, LANES: tl.constexpr):
-    """Step 1's one other use: ask L2 for program ``pid``'s share (of ``programs``) of
-    bytes ``[0, nbytes)`` at ``base`` (a uint8 pointer to data no kernel of the step
-    writes, e.g. the next GEMV's weight), ``prefetch.global.L2::evict_last`` per
-    128-byte line, LANES lines per instruction. A hint: nothing waits for it, and
-    it compiles to nothing under the interpreter."""
-    if ASM:
-        share = tl.cdiv(tl.cdiv(nbytes, programs), LINE * LANES) * (LINE * LANES)
-        lanes = tl.arange(0, LANES).to(tl.int64) * LINE
-        for off in range(0, share, LINE * LANES):
-            at = tl.minimum(pid.to(tl.int64) * share + off + lanes, nbytes - 1)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                [base + at], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip

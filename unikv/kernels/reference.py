@@ -148,7 +148,6 @@ def decode_attention(
     soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention of one query token per request.
 
@@ -157,8 +156,8 @@ def decode_attention(
     block_table: (B, max_pages) int32 kernel page entries; seq_lens: (B,) int32
     tokens in the cache, the query being the last one. window: 0 = full, W > 0 =
     the last W keys. sinks: None or (Hq,) fp32 sink logits. soft_cap: 0 = off.
-    ``workspace`` and ``prefetch`` (an L2 hint) are accepted for signature parity and
-    unused. Returns out: (B, Hq, Dv) in q's dtype.
+    ``workspace`` is accepted for signature parity and unused.
+    Returns out: (B, Hq, Dv) in q's dtype.
     """
     _check_group(q, k_cache)
     k = _gather_rows(k_cache, block_table, seq_lens, page_size)  # (B, Lmax, H, D)

@@ -37,9 +37,8 @@ class AttentionFn(Protocol):
 
     An implementation with ``fuses_rope = True`` (the engine's) also takes
     ``rope=(rotary, positions)``: q and k come unrotated and it applies the
-    ``Rotary``'s tables itself, inside the K/V store (``kernels/rope_store.py``),
-    and ``prefetch``: the weight the layer reads next (o_proj's), a hint it may ask
-    L2 for. Without it, ``Attention`` rotates first (a model test's dense attention)."""
+    ``Rotary``'s tables itself, inside the K/V store (``kernels/rope_store.py``).
+    Without it, ``Attention`` rotates first (a model test's dense attention)."""
 
     def __call__(
         self,
@@ -221,8 +220,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if getattr(attn, "fuses_rope", False):  # the engine's: rope inside the K/V store
-            out = attn(self.layer, q, k, v, self.sinks, rope=(self.rotary[0], positions),
-                       prefetch=getattr(self.o_proj, "weight", None))  # fmt: skip
+            out = attn(self.layer, q, k, v, self.sinks, rope=(self.rotary[0], positions))
         else:
             q, k = self.rotary[0](positions, q, k)
             out = attn(self.layer, q, k, v, self.sinks)  # (T, Hq, D)
