@@ -192,10 +192,9 @@ def step_kernels() -> dict[str, tuple]:
                   "PRELOAD": False}  # fmt: skip
     rope_split = {**split_cons, "ROPE": True}
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
-             "o_sb": 2048, "o_sh": 64, "HQ": 32, "seq_lens": "*i32", "window": 0}  # fmt: skip
+             "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
     merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 64, "BLOCK_S": 64, "CHUNK_S": 16,
-                  "HAS_SINKS": False, "PDL": True, "LENS": True, "BLOCK_N": block_n,
-                  "HAS_WINDOW": False}  # fmt: skip
+                  "HAS_SINKS": False, "PDL": True}  # fmt: skip
     chunk = {"x": "*fp32", "s_row": 128256, "V": 128256, "chunk": 1024, "best_v": "*fp32",
              "best_i": "*i32", "out": "*i64", "splits": 126}  # fmt: skip
     pick = {"best_v": "*fp32", "best_i": "*i32", "out": "*i64", "V": 128256, "splits": 126}

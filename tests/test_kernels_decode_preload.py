@@ -58,33 +58,3 @@ def test_preload_without_rope_writes_the_same_bytes(lens, group, ps, extra):
     kw.pop("num_splits")
     oracle = paged_oracle(case, q, sm_scale=0.25, **kw)
     torch.testing.assert_close(got.float(), oracle, atol=3e-3, rtol=3e-3)
-
-
-@pytest.mark.parametrize(
-    "lens,group,ps,extra",
-    [
-        ([70, 5, 1], 2, 2, {"num_splits": 40}),  # most splits empty: chunks skipped
-        ([40, 33, 1], 3, 4, {"num_splits": 20, "window": 9}),
-        ([1200, 29], 2, 8, {"num_splits": 40, "sinks": "rand"}),  # 38 splits hold keys
-    ],
-)
-def test_merge_over_the_splits_holding_keys_writes_the_same_bytes(lens, group, ps, extra,
-                                                                  monkeypatch):  # fmt: skip
-    """``decode.MERGE_LENS``: the merge reads only the chunks of splits holding keys; the
-    bytes equal those of the merge over every split, and the oracle's values."""
-    from unikv.kernels import decode
-
-    case = PagedCase(lens, 2, 16, ps, dtype=torch.float16)
-    gen = torch.Generator().manual_seed(8)
-    q = torch.randn(len(lens), 2 * group, 16, generator=gen).half()
-    kw = dict(extra)
-    if kw.get("sinks") == "rand":
-        kw["sinks"] = torch.randn(2 * group, generator=gen)
-    outs = []
-    for lens_on in (True, False):
-        monkeypatch.setattr(decode, "MERGE_LENS", lens_on)
-        outs.append(paged_decode(TRITON, case, q, sm_scale=0.25, **kw))
-    assert torch.equal(outs[0], outs[1])
-    kw.pop("num_splits")
-    torch.testing.assert_close(outs[0].float(), paged_oracle(case, q, sm_scale=0.25, **kw),
-                               atol=3e-3, rtol=3e-3)  # fmt: skip

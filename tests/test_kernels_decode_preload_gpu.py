@@ -64,22 +64,3 @@ def test_preload_on_the_gpu_writes_the_same_bytes(lens):
     (want, want_pool), (got, got_pool) = results
     assert not want.isnan().any()
     assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
-
-
-@pytest.mark.parametrize("lens", [[644], [1, 300, 17, 4096, 64, 9, 700, 2000]])
-def test_merge_over_the_splits_holding_keys_on_the_gpu(lens, monkeypatch):
-    """``decode.MERGE_LENS`` at the planner's split count: the same bytes as the merge
-    over every split (bf16, with sinks)."""
-    from kernel_cases import paged_decode
-
-    from unikv.kernels import decode
-
-    case = PagedCase(lens, 8, 64, 16, dtype=torch.bfloat16, device="cuda", seed=5)
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(len(lens), 32, 64, generator=gen).bfloat16().cuda()
-    sinks = torch.randn(32, generator=gen).cuda()
-    outs = []
-    for lens_on in (True, False):
-        monkeypatch.setattr(decode, "MERGE_LENS", lens_on)
-        outs.append(paged_decode(get_backend("cuda"), case, q, sm_scale=0.125, sinks=sinks))
-    assert torch.equal(outs[0], outs[1]) and not outs[0].isnan().any()

@@ -61,9 +61,6 @@ LONG_LOOP_STAGES = 3
 # the A/B switch).
 PRELOAD = os.environ.get("UNIKV_DECODE_PRELOAD", "1") == "1"
 PRELOAD_ROWS = 4
-# the merge reads only the splits holding keys (UNIKV_DECODE_MERGE_LENS=0: all of them;
-# read at each launch, the A/B switch)
-MERGE_LENS = os.environ.get("UNIKV_DECODE_MERGE_LENS", "1") == "1"
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -333,8 +330,6 @@ def _decode_merge_kernel(
     o_sb,
     o_sh,
     HQ,
-    seq_lens,
-    window,
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -342,22 +337,10 @@ def _decode_merge_kernel(
     CHUNK_S: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,
-    LENS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
 ):
-    """Program (row b, head h). LENS: rows are decode requests, split as the split
-    kernel splits them (``BLOCK_N``, window), and only the chunks of splits holding keys
-    are read: the rest hold acc 0 and lse -inf, which add exact zeros (the same bytes
-    as reading them; at one request's 644 keys, 1 chunk of 16 splits instead of 5)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl.wait(PDL)
-    used = NUM_SPLITS
-    if LENS:
-        seq, first, chunk, _, _ = _split_range(seq_lens, b, 0, window, NUM_SPLITS, BLOCK_N,
-                                               HAS_WINDOW)  # fmt: skip
-        used = tl.cdiv(seq - first, tl.maximum(chunk, 1))
     row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -371,7 +354,7 @@ def _decode_merge_kernel(
     if HAS_SINKS:
         denom += tl.exp2(sink - peak)
     acc = tl.zeros([BLOCK_DV], tl.float32)
-    for s0 in range(0, used, CHUNK_S):  # a few splits at a time: small register tiles
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
         offs_c = s0 + tl.arange(0, CHUNK_S)
         mask_c = offs_c < NUM_SPLITS
         w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
@@ -505,8 +488,6 @@ def decode_attention(
             out.stride(0),
             out.stride(1),
             hq,
-            seq_lens,
-            int(window),
             DV=dim_v,
             BLOCK_DV=next_pow2(dim_v),
             NUM_SPLITS=splits,
@@ -514,9 +495,6 @@ def decode_attention(
             CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=sinks is not None,
             PDL=on,
-            LENS=MERGE_LENS,
-            BLOCK_N=block_n,
-            HAS_WINDOW=window > 0,
             num_warps=4,
             **pdl.launch_options(on),
         )

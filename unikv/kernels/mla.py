@@ -279,8 +279,6 @@ def mla_attention(
             out.stride(0),
             out.stride(1),
             heads,
-            ws_acc,  # no lengths: every split is read
-            0,
             DV=rank,
             BLOCK_DV=next_pow2(rank),
             NUM_SPLITS=splits,
@@ -288,9 +286,6 @@ def mla_attention(
             CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=False,
             PDL=False,  # the MLA split kernel launches plainly
-            LENS=False,
-            BLOCK_N=1,
-            HAS_WINDOW=False,
             num_warps=4,
         )
     return out
