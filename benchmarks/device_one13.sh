@@ -1,4 +1,5 @@
 #!/bin/bash
+# (Ran at a11af81; the fused merge and the L2 hint it switches were removed in bf40d77.)
 # The thirteenth session's first call, one request's decode step: the GPU tests of the
 # fused split merge, the L2 hint and the GEMV candidates; the GEMV chain's per-shape
 # sweep; one request's e2e with the merge kernel / fused merge / + the L2 hint / + the
@@ -13,15 +14,11 @@ step gpu_tests 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
 step gemv_sweep 150 python3 benchmarks/bench_gemv.py --chain-sweep --out $R/gemv_chain.json
 TABLE=$(cat $R/gemv_table.json 2>/dev/null || echo '{}')
 echo "table: $TABLE" | tee -a $R/summary.txt
-e2e() {
-  step e2e_b1_$1 45 env "${@:2}" python3 benchmarks/bench_e2e.py --device cuda --models llama \
-    --paths unikv --requests 1 --out $R/e2e_b1_$1.json
-}
-e2e base1 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PREFETCH=0
-e2e fused UNIKV_DECODE_PREFETCH=0
-e2e hint UNIKV_DECODE_PREFETCH=1
-e2e table UNIKV_GEMV_TABLE="$TABLE"
-e2e base2 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PREFETCH=0
+e2e_b1 base1 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PREFETCH=0
+e2e_b1 fused UNIKV_DECODE_PREFETCH=0
+e2e_b1 hint UNIKV_DECODE_PREFETCH=1
+e2e_b1 table UNIKV_GEMV_TABLE="$TABLE"
+e2e_b1 base2 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PREFETCH=0
 step breakdown_b1 35 env UNIKV_GEMV_TABLE="$TABLE" python3 benchmarks/bench_breakdown.py \
   --device cuda --models llama --requests 1 --out $R/breakdown_b1.json
 step engine_tests 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \

@@ -1,4 +1,5 @@
 #!/bin/bash
+# (Ran at af8316c; the fused merge and the L2 hint it switches were removed in bf40d77.)
 # The thirteenth session's second call, one request's decode step: the GPU tests of the
 # pre-wait loads, the fused merge, rope inside decode and the GEMV candidates; a second
 # GEMV chain sweep (around the installed table); one request's e2e: the eleventh
@@ -20,16 +21,12 @@ t = {f'{n},{k}': list(c) for (n, k), c in gemv.TABLE.items()}
 t.update(json.load(open('$R/gemv_table.json')))
 print(json.dumps(t))" 2>/dev/null || echo '{}')
 echo "table: $TABLE" | tee -a $R/summary.txt
-e2e() {
-  step e2e_b1_$1 45 env "${@:2}" python3 benchmarks/bench_e2e.py --device cuda --models llama \
-    --paths unikv --requests 1 --out $R/e2e_b1_$1.json
-}
-e2e old1 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PRELOAD=0
-e2e new UNIKV_DECODE_PRELOAD=1
-e2e preload_kernel UNIKV_DECODE_MERGE=kernel
-e2e hint_after UNIKV_DECODE_PREFETCH=after
-e2e table2 UNIKV_GEMV_TABLE="$TABLE"
-e2e old2 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PRELOAD=0
+e2e_b1 old1 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PRELOAD=0
+e2e_b1 new UNIKV_DECODE_PRELOAD=1
+e2e_b1 preload_kernel UNIKV_DECODE_MERGE=kernel
+e2e_b1 hint_after UNIKV_DECODE_PREFETCH=after
+e2e_b1 table2 UNIKV_GEMV_TABLE="$TABLE"
+e2e_b1 old2 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PRELOAD=0
 step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
   --requests 1 --out $R/breakdown_b1.json
 step e2e_b256 60 python3 benchmarks/bench_e2e.py --device cuda --quick --models llama \

@@ -6,15 +6,11 @@
 #   UNIKV_GIT_COMMIT=<sha> bash benchmarks/device_one13c.sh
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/one13c_res /tmp/one13c_out
-e2e() {
-  step e2e_b1_$1 45 env "${@:2}" python3 benchmarks/bench_e2e.py --device cuda --models llama \
-    --paths unikv --requests 1 --out $R/e2e_b1_$1.json
-}
 for round in 1 2; do
-  e2e p1t1_$round UNIKV_DECODE_PRELOAD=1
-  e2e p0t0_$round UNIKV_DECODE_PRELOAD=0 UNIKV_GEMV_TABLE='{}'
-  e2e p1t0_$round UNIKV_DECODE_PRELOAD=1 UNIKV_GEMV_TABLE='{}'
-  e2e p0t1_$round UNIKV_DECODE_PRELOAD=0
+  e2e_b1 p1t1_$round UNIKV_DECODE_PRELOAD=1
+  e2e_b1 p0t0_$round UNIKV_DECODE_PRELOAD=0 UNIKV_GEMV_TABLE='{}'
+  e2e_b1 p1t0_$round UNIKV_DECODE_PRELOAD=1 UNIKV_GEMV_TABLE='{}'
+  e2e_b1 p0t1_$round UNIKV_DECODE_PRELOAD=0
 done
 step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
   --requests 1 --out $R/breakdown_b1.json

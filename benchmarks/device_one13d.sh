@@ -1,4 +1,5 @@
 #!/bin/bash
+# (Ran at 97f0529; the merge over the splits holding keys was removed after it.)
 # The thirteenth session's last call: the merge over the splits holding keys
 # (decode.MERGE_LENS) on and off, alternating twice, one request's e2e; the breakdown;
 # the GPU tests of decode attention (merge, pre-wait loads, rope inside) and MLA's
@@ -6,13 +7,9 @@
 #   UNIKV_GIT_COMMIT=<sha> bash benchmarks/device_one13d.sh
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/one13d_res /tmp/one13d_out
-e2e() {
-  step e2e_b1_$1 45 env "${@:2}" python3 benchmarks/bench_e2e.py --device cuda --models llama \
-    --paths unikv --requests 1 --out $R/e2e_b1_$1.json
-}
 for round in 1 2; do
-  e2e lens1_$round UNIKV_DECODE_MERGE_LENS=1
-  e2e lens0_$round UNIKV_DECODE_MERGE_LENS=0
+  e2e_b1 lens1_$round UNIKV_DECODE_MERGE_LENS=1
+  e2e_b1 lens0_$round UNIKV_DECODE_MERGE_LENS=0
 done
 step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
   --requests 1 --out $R/breakdown_b1.json

@@ -5,6 +5,8 @@
 #                                      PYTHONPATH, capped at CAP s and by the deadline; its
 #                                      log in $R/logs/NAME.log, one summary line, results.tgz
 #                                      (not while NO_TAR is set: parallel lanes); its rc
+#   e2e_b1 NAME [VAR=x ...]            one request's Llama e2e (bench_e2e --requests 1) with
+#                                      those environment variables, into $R/e2e_b1_NAME.json
 #   timelines CAP MODEL...             profile_engine --timeline of each model (64 new
 #                                      tokens) into $R/timeline_MODEL.json, CAP s each
 #   device_finish                      summary.txt and results.tgz under $FINAL
@@ -34,6 +36,11 @@ step() {
   echo "[$(date +%T)] $name rc=$rc $(($(date +%s) - t))s (cap $cap)$([ $rc = 124 ] && echo ' TIMED OUT')" | tee -a "$R/summary.txt"
   [ -z "$NO_TAR" ] && tar czf "$FINAL/results.tgz" -C "$R" . 2>/dev/null
   return $rc
+}
+
+e2e_b1() {
+  step e2e_b1_$1 45 env "${@:2}" python3 benchmarks/bench_e2e.py --device cuda --models llama \
+    --paths unikv --requests 1 --out $R/e2e_b1_$1.json
 }
 
 timelines() {

@@ -150,6 +150,9 @@ def test_gemv_table_from_the_environment(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip
     assert run.stdout.split() == ["(4,", "1024,", "4,", "3)", "True"]
+    for bad in ("not json", '{"2048": [4, 1024, 4, 3]}', '{"2048,8192": [4, 1024]}'):
+        with pytest.raises(ValueError, match="UNIKV_GEMV_TABLE"):
+            gemv._table_from(bad)
 
 
 @pytest.mark.gpu

@@ -76,9 +76,26 @@ TABLE: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (16384, 2048): (16, 256, 4, 3),  # Llama-3.2-1B's gate/up: chain 1.027x CONFIG's (a11af81)
     (2048, 8192): (4, 1024, 4, 3),  # its down (SwiGLU inside): 1.035x
 }
+
+
+def _table_from(text: str) -> dict[tuple[int, int], tuple[int, int, int, int]]:
+    """``UNIKV_GEMV_TABLE``'s JSON ({"N,K": [block_n, block_k, warps, stages]}) parsed."""
+    try:
+        table = {tuple(int(v) for v in key.split(",")): tuple(int(v) for v in cfg)
+                 for key, cfg in json.loads(text).items()}  # fmt: skip
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f'UNIKV_GEMV_TABLE must be JSON like {{"2048,8192": [4, 1024, 4, 3]}} (weight '
+            f"N,K -> block_n, block_k, num_warps, num_stages); got {text!r}: {exc}"
+        ) from None
+    bad = {k: c for k, c in table.items() if len(k) != 2 or len(c) != 4}
+    if bad:
+        raise ValueError(f"UNIKV_GEMV_TABLE entries need 'N,K' keys and 4-int configs; got {bad}")
+    return table
+
+
 if os.environ.get("UNIKV_GEMV_TABLE"):
-    TABLE = {tuple(int(v) for v in key.split(",")): tuple(cfg)
-             for key, cfg in json.loads(os.environ["UNIKV_GEMV_TABLE"]).items()}  # fmt: skip
+    TABLE = _table_from(os.environ["UNIKV_GEMV_TABLE"])
 MAX_ROWS = 4
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
