@@ -27,8 +27,7 @@ e2e_b1 preload_kernel UNIKV_DECODE_MERGE=kernel
 e2e_b1 hint_after UNIKV_DECODE_PREFETCH=after
 e2e_b1 table2 UNIKV_GEMV_TABLE="$TABLE"
 e2e_b1 old2 UNIKV_DECODE_MERGE=kernel UNIKV_DECODE_PRELOAD=0
-step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
-  --requests 1 --out $R/breakdown_b1.json
+breakdown_b1
 step e2e_b256 60 python3 benchmarks/bench_e2e.py --device cuda --quick --models llama \
   --paths unikv --out $R/e2e_b256.json
 device_finish

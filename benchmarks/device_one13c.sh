@@ -12,8 +12,7 @@ for round in 1 2; do
   e2e_b1 p1t0_$round UNIKV_DECODE_PRELOAD=1 UNIKV_GEMV_TABLE='{}'
   e2e_b1 p0t1_$round UNIKV_DECODE_PRELOAD=0
 done
-step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
-  --requests 1 --out $R/breakdown_b1.json
+breakdown_b1
 step kernel_tests 120 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
   tests/test_kernels_decode_preload_gpu.py tests/test_kernels_rope_decode.py \
   tests/test_kernels_gpu.py -k "preload or rope or decode"

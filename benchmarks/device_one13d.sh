@@ -11,8 +11,7 @@ for round in 1 2; do
   e2e_b1 lens1_$round UNIKV_DECODE_MERGE_LENS=1
   e2e_b1 lens0_$round UNIKV_DECODE_MERGE_LENS=0
 done
-step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
-  --requests 1 --out $R/breakdown_b1.json
+breakdown_b1
 step kernel_tests 120 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
   tests/test_kernels_decode_preload_gpu.py tests/test_kernels_rope_decode.py \
   tests/test_kernels_mla_gpu.py tests/test_kernels_gpu.py -k "preload or merge or rope or decode or mla"

@@ -7,6 +7,7 @@
 #                                      (not while NO_TAR is set: parallel lanes); its rc
 #   e2e_b1 NAME [VAR=x ...]            one request's Llama e2e (bench_e2e --requests 1) with
 #                                      those environment variables, into $R/e2e_b1_NAME.json
+#   breakdown_b1                       one request's Llama breakdown into $R/breakdown_b1.json
 #   timelines CAP MODEL...             profile_engine --timeline of each model (64 new
 #                                      tokens) into $R/timeline_MODEL.json, CAP s each
 #   device_finish                      summary.txt and results.tgz under $FINAL
@@ -41,6 +42,11 @@ step() {
 e2e_b1() {
   step e2e_b1_$1 45 env "${@:2}" python3 benchmarks/bench_e2e.py --device cuda --models llama \
     --paths unikv --requests 1 --out $R/e2e_b1_$1.json
+}
+
+breakdown_b1() {
+  step breakdown_b1 35 python3 benchmarks/bench_breakdown.py --device cuda --models llama \
+    --requests 1 --out $R/breakdown_b1.json
 }
 
 timelines() {

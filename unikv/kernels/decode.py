@@ -227,16 +227,18 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     owner = (seq > 0) & (split == (seq - 1 - first) // tl.maximum(chunk, 1))  # holds the new row
+    if ROPE:  # rope + store fused: q rotated here, the new K/V row stored by its split
+        if not PRELOAD:
+            partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d,
+                                         q.dtype.element_ty)  # fmt: skip
+        qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
+        kr, vr = _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh,
+                                vn_sb, vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn,
+                                offs_d, offs_dv, D, DV, PAGE_SIZE, owner)  # fmt: skip
+        tl.debug_barrier()  # the row's stores are visible to this program's loads
     if PRELOAD:  # the new row joins the preloaded tile from registers (or one reload)
         new_row = (offs_n0 == seq - 1)[:, None]
         if ROPE:
-            qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c,
-                          sn)  # fmt: skip
-            kr, vr = _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb,
-                                    kn_sh, vn_sb, vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh,
-                                    partner, c, sn, offs_d, offs_dv, D, DV, PAGE_SIZE,
-                                    owner)  # fmt: skip
-            tl.debug_barrier()  # a later tile of the loop may read the stored row
             kt0 = tl.where(new_row, kr[None, :], kt0)
             vt0 = tl.where(new_row, vr[None, :], vt0)
         else:
@@ -248,13 +250,6 @@ def _decode_split_kernel(
         m_i, l_i, acc = attn_tile(qv, kt0, vt0, (offs_n0 < hi)[None, :], m_i, l_i, acc,
                                   qk_scale, soft_cap, HAS_CAP, PRECISION, True)  # fmt: skip
         lo = lo + BLOCK_N
-    elif ROPE:  # rope + store fused: q rotated here, the new K/V row stored by its split
-        partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, q.dtype.element_ty)
-        qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
-        _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh, vn_sb,
-                       vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn, offs_d,
-                       offs_dv, D, DV, PAGE_SIZE, owner)  # fmt: skip
-        tl.debug_barrier()  # the row's stores are visible to this program's loads
     for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
