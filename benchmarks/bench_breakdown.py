@@ -210,14 +210,56 @@ def _kernels(trace: dict, device: str) -> list[tuple[str, float]]:
     ]
 
 
-def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float]:
+def idle_gaps(trace: dict, steps: int, limit: int = 12) -> dict:
+    """Where the device sat idle between the profiled steps' kernels and copies: per
+    step, the span from the first start to the last end, the busy time (the union of
+    the intervals), the overlap PDL bought (durations summed minus busy), and the idle
+    gaps longer than 0.2 us summed by (the op before, the op after)."""
+    evs = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e["name"][:70])
+        for e in trace["traceEvents"]
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"
+    )
+    if not evs:
+        return {}
+    busy, total, end, last, pairs = 0.0, 0.0, evs[0][1], evs[0][2], {}
+    start = evs[0][0]
+    busy_lo = start
+    for lo, hi, name in evs[1:]:
+        total += hi - lo
+        if lo > end:
+            busy += end - busy_lo
+            if lo - end > 0.2:
+                pairs.setdefault((last, name), []).append(lo - end)
+            busy_lo = lo
+        if hi > end:
+            end, last = hi, name
+    busy += end - busy_lo
+    total += evs[0][1] - evs[0][0]
+    ranked = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:limit]
+    return {
+        "span_us": (end - start) / steps,
+        "busy_us": busy / steps,
+        "idle_us": (end - start - busy) / steps,
+        "overlap_us": (total - busy) / steps,
+        "gaps": [
+            {"before": a, "after": b, "us": sum(v) / steps, "per_step": len(v) / steps}
+            for (a, b), v in ranked
+        ],
+    }
+
+
+def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float, dict]:
     """Kernels of ``args.steps`` full-batch decode steps after ``args.warm`` of
-    them, and the wall ms per profiled step (GPU synchronised at both ends)."""
+    them, the wall ms per profiled step (GPU synchronised at both ends) and the idle
+    gaps between them (``idle_gaps``). ``--gaps`` records the device only (the host's
+    op records slow it, so that its gaps would show the profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     from unikv.engine import SamplingParams
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    acts = [] if args.gaps and args.device == "cuda" else [ProfilerActivity.CPU]
+    acts += [ProfilerActivity.CUDA] if args.device == "cuda" else []
     prof = profile(activities=acts)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     seen, clock = [0], {}
@@ -256,7 +298,8 @@ def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float]:
     trace = json.loads(path.read_text())
     shutil.rmtree(path.parent, ignore_errors=True)
     wall = (clock["end"] - clock["start"]) * 1e3 / args.steps
-    return _kernels(trace, args.device), wall
+    gaps = idle_gaps(trace, args.steps) if args.device == "cuda" else {}
+    return _kernels(trace, args.device), wall, gaps
 
 
 def breakdown(kernels, steps: int, roof: dict) -> dict:
@@ -307,7 +350,7 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
         max_len = args.prompt_len + args.warm + args.steps + SPARE_TOKENS + lag + 8
         llm = e2e._unikv_llm(workdir, args.requests, max_len, args)
         llm.generate(prompts[:8], e2e_params(4))  # compile every kernel before timing
-        kernels, wall_ms = profile_steps(llm, prompts, args)
+        kernels, wall_ms, gaps = profile_steps(llm, prompts, args)
         itemsize = torch.empty((), dtype=args.dtype).element_size()
         if args.phase == "prefill":
             context = args.prompt_len / 2
@@ -330,6 +373,7 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
             device_x_roofline=device_ms / roof["step_ms"],
             classes=classes,
             top_other=top_other(kernels, args.steps),
+            idle=gaps,
         )
         del llm
     except Exception as err:  # noqa: BLE001 - recorded; the next model still runs
@@ -367,6 +411,14 @@ def table(entry: dict) -> str:
             f"| {cls} | {c['ms']:.3f} | {c['kernels']:.0f} | "
             f"{c['roofline_ms']:.3f} ({c['roofline_bound']}) | {x} |"
         )
+    idle = entry.get("idle") or {}
+    if idle:
+        lines.append(
+            f"device span {idle['span_us']:.1f} us a step: busy {idle['busy_us']:.1f}, idle "
+            f"{idle['idle_us']:.1f}, PDL overlap {idle['overlap_us']:.1f}; idle gaps:"
+        )
+        lines += [f"  {g['us']:6.2f} us ({g['per_step']:.1f}x) {g['before']} -> {g['after']}"
+                  for g in idle["gaps"]]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -388,6 +440,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--gaps", action="store_true", help="record the device only (idle gaps)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.models = args.models.split(",")
