@@ -193,8 +193,9 @@ def step_kernels() -> dict[str, tuple]:
     rope_split = {**split_cons, "ROPE": True}
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
-    merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 64, "BLOCK_S": 64, "CHUNK_S": 16,
-                  "HAS_SINKS": False, "PDL": True}  # fmt: skip
+    merge_tiles = decode.merge_launch(66, 64)  # one request's 66 splits
+    merge_cons = {"DV": 64, "BLOCK_DV": 64, "NUM_SPLITS": 66, "HAS_SINKS": False, "PDL": True,
+                  "BLOCK_S": merge_tiles["BLOCK_S"], "CHUNK_S": merge_tiles["CHUNK_S"]}  # fmt: skip
     chunk = {"x": "*fp32", "s_row": 128256, "V": 128256, "chunk": 1024, "best_v": "*fp32",
              "best_i": "*i32", "out": "*i64", "splits": 126}  # fmt: skip
     pick = {"best_v": "*fp32", "best_i": "*i32", "out": "*i64", "V": 128256, "splits": 126}
@@ -211,7 +212,8 @@ def step_kernels() -> dict[str, tuple]:
             warps,
             stages,
         ),
-        "decode_merge": (decode._decode_merge_kernel, merge, merge_cons, 4, 3),
+        "decode_merge": (decode._decode_merge_kernel, merge, merge_cons,
+                         merge_tiles["num_warps"], 3),  # fmt: skip
         "argmax_chunk": (argmax._argmax_chunk_kernel, chunk, chunk_cons, 4, 3),
         "argmax_merge": (argmax._argmax_merge_kernel, pick, pick_cons, 1, 3),
     }

@@ -52,6 +52,24 @@ def test_decode_matches_dense_oracle(backend, ps, group, extra):
     torch.testing.assert_close(got.float(), want, atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("tile", [16384, 64])  # every split in one pass; 4 splits a pass
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_merge_passes_match_oracle(monkeypatch, tile, sinks):
+    """The split merge, reading all 9 splits in one pass or 4 at a time (the last pass
+    partly masked), against the dense oracle; splits past a short request's keys are
+    empty (lse -inf)."""
+    from unikv.kernels import decode
+
+    monkeypatch.setattr(decode, "MERGE_TILE", tile)
+    launch = decode.merge_launch(9, DIM)
+    assert (launch["CHUNK_S"] == launch["BLOCK_S"]) == (tile == 16384)
+    kw = {"num_splits": 9}
+    if sinks:
+        kw["sinks"] = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    got, want = _decode_case("triton", [3, 70, 41], 2, 2, 4, dtype=torch.float32, **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_fp32_asymmetric_heads(backend):
     """D != Dv: the dense views are strided with row stride H * max(D, Dv)."""

@@ -61,6 +61,9 @@ LONG_LOOP_STAGES = 3
 # the A/B switch).
 PRELOAD = os.environ.get("UNIKV_DECODE_PRELOAD", "1") == "1"
 PRELOAD_ROWS = 4
+# fp32 elements of the (splits, Dv) tile the merge reads per pass (``merge_launch``;
+# UNIKV_DECODE_MERGE_TILE, fixed at import, is the A/B switch: 1024 was 16 splits a pass)
+MERGE_TILE = int(os.environ.get("UNIKV_DECODE_MERGE_TILE", "16384"))
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -340,6 +343,12 @@ def _decode_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     lse = tl.load(ws_lse + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    if CHUNK_S == BLOCK_S:  # one pass: every split's row loaded beside the lse
+        part = tl.load(
+            ws_acc + (row + offs_s)[:, None] * DV + offs_dv[None, :],
+            mask=(offs_s < NUM_SPLITS)[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
     peak = tl.max(lse, axis=0)
     if HAS_SINKS:
         sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
@@ -348,17 +357,20 @@ def _decode_merge_kernel(
     denom = tl.sum(tl.exp2(lse - peak), axis=0)
     if HAS_SINKS:
         denom += tl.exp2(sink - peak)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
-    for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
-        offs_c = s0 + tl.arange(0, CHUNK_S)
-        mask_c = offs_c < NUM_SPLITS
-        w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
-        part = tl.load(
-            ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
-            mask=mask_c[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
-        acc += tl.sum(part * w[:, None], axis=0)
+    if CHUNK_S == BLOCK_S:
+        acc = tl.sum(part * tl.exp2(lse - peak)[:, None], axis=0)
+    else:
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
+            offs_c = s0 + tl.arange(0, CHUNK_S)
+            mask_c = offs_c < NUM_SPLITS
+            w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
+            part = tl.load(
+                ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
+                mask=mask_c[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+            )
+            acc += tl.sum(part * w[:, None], axis=0)
     pdl.trigger(PDL)
     res = acc / tl.where(denom > 0, denom, 1.0)
     o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
@@ -486,14 +498,22 @@ def decode_attention(
             DV=dim_v,
             BLOCK_DV=next_pow2(dim_v),
             NUM_SPLITS=splits,
-            BLOCK_S=next_pow2(splits),
-            CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=sinks is not None,
             PDL=on,
-            num_warps=4,
+            **merge_launch(splits, dim_v),
             **pdl.launch_options(on),
         )
     return out
+
+
+def merge_launch(splits: int, dim_v: int) -> dict:
+    """The merge kernel's split tiling for S splits of Dv columns: every split in one
+    pass while S x Dv fits ``MERGE_TILE`` fp32 elements (each pass is a dependent L2
+    round trip: one request's merge ran 5 of them at S = 66), else CHUNK_S at a time."""
+    block_s = next_pow2(splits)
+    chunk = max(1, min(block_s, MERGE_TILE // next_pow2(dim_v)))
+    tile = chunk * next_pow2(dim_v)
+    return {"BLOCK_S": block_s, "CHUNK_S": chunk, "num_warps": 8 if tile > 4096 else 4}
 
 
 def rope_store_decode_attention(

@@ -40,7 +40,7 @@ from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, siz
     workspace_numel,
 )
 from unikv.kernels._ids import kernel_row
-from unikv.kernels.decode import _decode_merge_kernel
+from unikv.kernels.decode import _decode_merge_kernel, merge_launch
 from unikv.kernels.mla_ref import check_mla_args, check_store_args, latent_parts
 
 MIN_SPLIT_TOKENS = 256  # never cut a request's keys into chunks shorter than this
@@ -282,10 +282,8 @@ def mla_attention(
             DV=rank,
             BLOCK_DV=next_pow2(rank),
             NUM_SPLITS=splits,
-            BLOCK_S=next_pow2(splits),
-            CHUNK_S=min(16, next_pow2(splits)),
             HAS_SINKS=False,
             PDL=False,  # the MLA split kernel launches plainly
-            num_warps=4,
+            **merge_launch(splits, rank),
         )
     return out
