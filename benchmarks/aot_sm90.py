@@ -212,8 +212,13 @@ def step_kernels() -> dict[str, tuple]:
             warps,
             stages,
         ),
-        "decode_merge": (decode._decode_merge_kernel, merge, merge_cons,
-                         merge_tiles["num_warps"], 3),  # fmt: skip
+        "decode_merge": (
+            decode._decode_merge_kernel,
+            merge,
+            merge_cons,
+            merge_tiles["num_warps"],
+            3,
+        ),
         "argmax_chunk": (argmax._argmax_chunk_kernel, chunk, chunk_cons, 4, 3),
         "argmax_merge": (argmax._argmax_merge_kernel, pick, pick_cons, 1, 3),
     }
