@@ -43,7 +43,7 @@ def graph_replay_ms(llm, reps: int = 30) -> float:
     """Median device time (CUDA events) of replaying the largest decode graph: the
     forward of a full decode step without the host in the way (its buffers hold
     the last step's inputs)."""
-    graph, _ = llm.runner.graphs.graphs[llm.runner.graphs.sizes[-1]]
+    graph = llm.runner.graphs.graphs[llm.runner.graphs.sizes[-1], False][0]
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

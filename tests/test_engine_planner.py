@@ -41,7 +41,7 @@ from engine_fixtures import (
 )
 
 import unikv.engine.llm as llm_module
-from unikv.engine import LLM, SamplingParams
+from unikv.engine import LLM, SamplingParams, graphs
 from unikv.engine.graphs import DecodeGraphs
 from unikv.engine.request import Pending
 from unikv.engine.scheduler import Batch, BatchKind
@@ -179,16 +179,19 @@ def test_triton_store_and_one_decode_plan_per_step(llama, monkeypatch):
 
 class CPUGraphs(DecodeGraphs):
     """DecodeGraphs with capture and replay done eagerly: each size's plan is
-    built once at capture, over an empty batch, and replayed as it is."""
+    built once at capture, over an empty batch, and replayed as it is (the greedy
+    graphs' argmax after the forward)."""
 
-    def _capture(self, forward, planner) -> None:
-        self.forward, self.plans, self.replays = forward, {}, Counter()
+    def _capture(self, forward, planner, argmax) -> None:
+        self.forward, self.argmax, self.plans, self.replays = forward, argmax, {}, Counter()
         for rows in self.sizes:
             self.plans[rows] = planner.plan(Batch(), rows=rows)
 
-    def replay(self, rows: int) -> torch.Tensor:
-        self.replays[rows] += 1
-        return self.forward(self.plans[rows])
+    def replay(self, rows: int, greedy: bool = False):
+        greedy = greedy and rows in self.greedy_sizes
+        self.replays[rows, greedy] += 1
+        logits = self.forward(self.plans[rows])
+        return logits, (self.argmax(logits) if greedy else None)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt_oss", "qwen3_5"])
@@ -201,19 +204,23 @@ def family(request, tmp_path_factory):
     return GreedyReference(hf, path, [3, 11, 19, 5], 10, seed=4)
 
 
-def test_graph_replay_over_the_planners_buffers(family):
+@pytest.mark.parametrize("greedy_rows", [8, 0])  # the argmax inside the graphs, or after
+def test_graph_replay_over_the_planners_buffers(family, monkeypatch, greedy_rows):
     """Four requests decode at 4 lanes, then one stops early: the three left run
     padded to 4 lanes, the sink lane where the fourth request's row was (its
     stale write id, table row or state slot would corrupt a live request)."""
+    monkeypatch.setattr(graphs, "GREEDY_ROWS", greedy_rows)
     llm = LLM(family.path, device="cpu", page_size=4, max_model_len=64, max_num_seqs=8)
-    llm.runner.graphs = CPUGraphs(llm.runner.forward, llm.runner.planner, 8)
+    runner = llm.runner
+    runner.graphs = CPUGraphs(runner.forward, runner.planner, 8, argmax=runner.backend.argmax)
     max_tokens = [10, 2, 10, 10]
     params = [SamplingParams(max_tokens=n) for n in max_tokens]
     outputs = llm.generate(family.prompts, params)
     assert [o.output_ids for o in outputs] == [g[:n] for g, n in zip(family.greedy, max_tokens)]
     assert_pages_returned(llm)
     replays = llm.runner.graphs.replays
-    assert replays[4] > 3, replays  # 4 lanes, then 3 decodes padded to 4
+    assert replays[4, greedy_rows >= 4] > 3, replays  # 4 lanes, then 3 decodes padded to 4
+    assert not replays[4, greedy_rows < 4], replays
 
 
 def test_decode_tables_equal_the_allocators_lookups(tmp_path):

@@ -99,6 +99,45 @@ def test_gemv_fused_norm_matches_norm_then_linear(m, residual, w_fp32):
         assert (got_res is x) == (res is None)
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_gathers_embedding_rows(m):
+    """The embedding inside the first layer's GEMV (``gather``): the same bytes as the
+    GEMV over the rows ``table[ids]`` gathered first, the rows returned bit-equal to
+    them (a fresh buffer, not the table); K 100, 2 programs, a repeated id."""
+    g = torch.Generator().manual_seed(m)
+    table = torch.randn(50, 100, generator=g).bfloat16()
+    ids = torch.tensor([7, 49, 7][:m])
+    nw = (1 + 0.1 * torch.randn(100, generator=g)).bfloat16()
+    w = torch.randn(24, 100, generator=g).bfloat16()
+    norm = (None, nw, 1e-5, 0.0)
+    want, _ = gemv.gemv(table[ids], w, config=(16, 32, 4, 2), norm=norm)
+    got, rows = gemv.gemv(table, w, config=(16, 32, 4, 2), norm=norm, gather=ids)
+    assert torch.equal(got, want)
+    assert torch.equal(rows, table[ids]) and rows.data_ptr() != table.data_ptr()
+    with pytest.raises(ValueError, match="without residual"):
+        gemv.gemv(table, w, norm=(table[ids], nw, 1e-5, 0.0), gather=ids)
+    with pytest.raises(ValueError, match="1..4 rows"):
+        gemv.gemv(table, w, norm=norm, gather=torch.arange(5))
+
+
+def test_backend_embed_op_routes_by_rows():
+    """``embed_rms_norm_linear`` of the Triton backend against the torch backend's
+    (F.embedding, then the norm and F.linear) at one token (the gathering GEMV) and at
+    more than ROUTE_ROWS (the embedding, then ``add_rms_norm_linear``)."""
+    from unikv.kernels.backend import get_backend
+
+    tri, ref = get_backend("cpu", "triton"), get_backend("cpu", "torch")
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(30, 64, generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+    w = torch.randn(24, 64, generator=g).bfloat16()
+    for ids in (torch.tensor([5]), torch.tensor([5, 0, 29, 5])):
+        want, want_rows = ref.embed_rms_norm_linear(ids, table, nw, 1e-5, w)
+        got, got_rows = tri.embed_rms_norm_linear(ids, table, nw, 1e-5, w)
+        assert torch.equal(got_rows, want_rows)
+        assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+
+
 def test_decoder_layer_fused_norms_match_the_unfused_layer(tmp_path):
     """A Llama decoder layer at one bf16 token with the Triton backend's ops (the
     pre-norms inside the qkv and gate/up GEMVs, SwiGLU inside down), first layer (no
@@ -178,3 +217,19 @@ def test_gemv_candidates_on_the_gpu(cfg):
     want = elementwise_ref.silu_mul_linear(gate_up, wd)
     got = gemv.gemv(gate_up, wd, config=cfg, silu_mul_input=True)
     assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemv_gather_on_the_gpu():
+    """The gathering GEMV on the GPU at Llama-3.2-1B's embedding and qkv shapes (PDL
+    on): the same bytes as the GEMV over ``table[ids]``, the rows returned equal."""
+    g = torch.Generator().manual_seed(11)
+    table = torch.randn(128256, 2048, generator=g).bfloat16().cuda()
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).bfloat16().cuda()
+    w = (0.02 * torch.randn(3072, 2048, generator=g)).bfloat16().cuda()
+    for token in (0, 128255, 90001):
+        ids = torch.tensor([token], device="cuda")
+        want, _ = gemv.gemv(table[ids], w, norm=(None, nw, 1e-5, 0.0))
+        got, rows = gemv.gemv(table, w, norm=(None, nw, 1e-5, 0.0), gather=ids)
+        assert torch.equal(got, want) and torch.equal(rows, table[ids])

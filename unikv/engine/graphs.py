@@ -5,10 +5,17 @@ One graph per padded batch size R, captured over ``planner.plan(Batch(), rows=R)
 every step (``StepPlanner.plan``), so a replay after ``planner.plan(batch,
 rows=R)`` reads that batch: translation, padding and placeholder tokens all
 happen in the planner, outside the graph.
+
+Sizes of at most ``GREEDY_ROWS`` rows get a second graph with the greedy argmax
+captured after the forward, for all-greedy batches: its first launch then overlaps
+the LM head's tail (PDL) instead of waiting for a launch after the graph (one
+request's step: two launches of 6 us). Its tokens live in the graph's own buffer,
+rewritten by its next replay.
 """
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from collections.abc import Callable
 
@@ -16,6 +23,10 @@ import torch
 
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
+
+# decode graphs of at most this many rows also come with the argmax inside
+# (UNIKV_GRAPH_GREEDY_ROWS, fixed at import: 0 turns it off, the A/B switch)
+GREEDY_ROWS = int(os.environ.get("UNIKV_GRAPH_GREEDY_ROWS", "8"))
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -32,32 +43,46 @@ class DecodeGraphs:
         forward: the runner's forward, StepPlan -> fp32 logits (R, vocab).
         planner: the StepPlanner whose buffers the graphs read.
         max_batch: the largest decode batch run under a graph (<= planner.max_seqs).
+        argmax: logits (R, vocab) -> (R,) int64, the greedy sampler captured after
+            the forward at sizes of at most ``GREEDY_ROWS`` rows (None: none).
     """
 
     def __init__(
-        self, forward: Callable[[StepPlan], torch.Tensor], planner: StepPlanner, max_batch: int
+        self,
+        forward: Callable[[StepPlan], torch.Tensor],
+        planner: StepPlanner,
+        max_batch: int,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_batch)
+        self.greedy_sizes = [r for r in self.sizes if r <= GREEDY_ROWS] if argmax else []
         self.device = planner.device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._capture(forward, planner)
+        # (rows, greedy) -> (graph, logits, tokens or None)
+        self.graphs: dict[tuple[int, bool], tuple] = {}
+        self._capture(forward, planner, argmax)
 
     @torch.inference_mode()
-    def _capture(self, forward: Callable[[StepPlan], torch.Tensor], planner: StepPlanner) -> None:
+    def _capture(self, forward, planner: StepPlanner, argmax) -> None:
         pool, stream = None, torch.cuda.current_stream(self.device)
-        for rows in reversed(self.sizes):
+        cases = [(r, False) for r in self.sizes] + [(r, True) for r in self.greedy_sizes]
+        for rows, greedy in sorted(cases, reverse=True):
+
+            def run(plan, greedy=greedy):
+                logits = forward(plan)
+                return logits, (argmax(logits) if greedy else None)
+
             plan = planner.plan(Batch(), rows=rows)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(stream)
             with torch.cuda.stream(side):  # warm up: compile kernels, settle allocations
-                forward(plan)
+                run(plan)
             stream.wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(plan)
+                logits, tokens = run(plan)
             pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
+            self.graphs[rows, greedy] = (graph, logits, tokens)
         torch.cuda.synchronize(self.device)
 
     def rows_for(self, batch: Batch) -> int | None:
@@ -67,9 +92,10 @@ class DecodeGraphs:
             return None
         return self.sizes[bisect_left(self.sizes, len(batch.requests))]
 
-    def replay(self, rows: int) -> torch.Tensor:
+    def replay(self, rows: int, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the graph of ``rows`` over the planner's current plan of that many
-        rows; fp32 logits (rows, vocab), a view of the graph's output."""
-        graph, logits = self.graphs[rows]
+        rows: (logits (rows, vocab), the graph's output; its greedy tokens (rows,)
+        int64 where ``greedy`` and the size has a greedy graph, else None)."""
+        graph, logits, tokens = self.graphs[rows, greedy and rows in self.greedy_sizes]
         graph.replay()
-        return logits
+        return logits, tokens

@@ -5,12 +5,15 @@ and window), the ``StepPlanner`` (the step buffers) and, when asked, the decode
 CUDA graphs over its buffers; the device decides, at construction only, whether
 host copies are pinned and sampled tokens read back asynchronously. Per step:
 plan (one packed host-to-device copy, one translation per sub-pool) -> forward
-(or a graph replay) -> sample -> one device-to-host copy of the tokens.
+(or a graph replay, the greedy argmax inside for small all-greedy batches) ->
+sample -> one device-to-host copy of the tokens, on a side stream where
+``SIDE_READBACK`` (so the next step's uploads and launches need not queue behind it).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +34,10 @@ from unikv.models.llama import CausalLM
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
     from unikv.pool import UnifiedPool
+
+# CUDA: the sampled tokens' copy to the host on a side stream (UNIKV_SIDE_READBACK=0:
+# on the step's stream; fixed at import, the A/B switch)
+SIDE_READBACK = os.environ.get("UNIKV_SIDE_READBACK", "1") == "1"
 
 
 def layer_caches(
@@ -137,12 +144,15 @@ class ModelRunner:
         self._tokens_host = [torch.empty(slot, dtype=torch.int64, pin_memory=self._pin)
                              for _ in range(2)]  # fmt: skip
         self._readback = self._pinned_readback if self._pin else self._direct_readback
+        self._copy_stream = torch.cuda.Stream(self.device) if self._pin and SIDE_READBACK else None
         self._launches = 0
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.forward, self.planner, max_graph_batch)
+            self.graphs = DecodeGraphs(
+                self.forward, self.planner, max_graph_batch, argmax=backend.argmax
+            )
 
     # -- running -------------------------------------------------------------------
 
@@ -169,39 +179,68 @@ class ModelRunner:
         prev_tokens = prev.tokens_dev if prev is not None else None
         rows = self.graphs.rows_for(batch) if self.graphs is not None else None
         plan = self.planner.plan(batch, prev_tokens, rows=rows)
+        greedy = self._greedy(batch)
+        tokens_dev = None
         if rows is None:
             logits = self.forward(plan)
         else:
-            logits = self.graphs.replay(rows)[: len(batch.requests)]
-        tokens_dev, logprobs = self.sample(batch, logits, prev_tokens)
-        host, event, logprobs = self._readback(tokens_dev, logprobs)
+            if (
+                self._copy_stream is not None
+                and prev is not None
+                and greedy
+                and (rows in self.graphs.greedy_sizes)
+            ):
+                # a greedy graph rewrites its token buffer: prev's copy of it comes first
+                torch.cuda.current_stream(self.device).wait_event(prev._event)
+            logits, tokens_dev = self.graphs.replay(rows, greedy)
+            logits = logits[: len(batch.requests)]
+        owned = tokens_dev is None  # not the greedy graph's own buffer
+        if owned:
+            tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy)
+        else:
+            tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
+        host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
         return Launched(batch, logits, tokens_dev, host, event, logprobs)
 
-    def _direct_readback(self, tokens_dev: torch.Tensor, logprobs):
+    def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host."""
         return tokens_dev, None, logprobs
 
-    def _pinned_readback(self, tokens_dev: torch.Tensor, logprobs):
+    def _pinned_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(pinned host copy of the tokens, its CUDA event, logprobs on the host),
-        all enqueued without waiting."""
+        all enqueued without waiting. owned: ``tokens_dev`` came from the caching
+        allocator (not a graph's buffer), so a side-stream copy records its use."""
         logprobs = logprobs.to_host() if logprobs is not None else None
         host = self._tokens_host[self._launches % 2]
         assert tokens_dev.numel() <= host.numel(), "a step has at most max_num_seqs requests"
         host = host[: tokens_dev.numel()]
-        host.copy_(tokens_dev, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        side = self._copy_stream
+        if side is None:
+            host.copy_(tokens_dev, non_blocking=True)
+            event.record()
+            return host, event, logprobs
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # the event covers the step: side waited for it
+            host.copy_(tokens_dev, non_blocking=True)
+            event.record()
+        if owned:
+            tokens_dev.record_stream(side)  # not reused by the allocator before the copy
         return host, event, logprobs
 
-    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None):
+    @staticmethod
+    def _greedy(batch: Batch) -> bool:
+        """Whether every sample of the batch is a bare argmax (host knowledge only)."""
+        greedy = batch.all_greedy  # the scheduler's, when it knows (DECODE batches)
+        return greedy if greedy is not None else all(r.plain_greedy for r in batch.requests)
+
+    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None, greedy=None):
         """(B,) int64 next tokens and the step's logprobs (a StepLogprobs or None).
         All-plain-greedy batches (known on the host) are the backend's argmax; others go
         through ``logits.sample_requests`` (penalties, min_tokens, min_p, logprobs;
         placeholders in the outputs read from ``prev_tokens`` on the device)."""
-        reqs = batch.requests
-        greedy = batch.all_greedy  # the scheduler's, when it knows (DECODE batches)
-        if greedy if greedy is not None else all(r.plain_greedy for r in reqs):
+        if greedy if greedy is not None else self._greedy(batch):
             return self.backend.argmax(logits), None
-        return sample_requests(reqs, logits.float(), prev_tokens, pin=self._pin)
+        return sample_requests(batch.requests, logits.float(), prev_tokens, pin=self._pin)

@@ -127,3 +127,13 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     else:
         h, residual = add_rms_norm(x, residual, norm_weight, eps, **kw)
     return torch.nn.functional.linear(h, weight, bias), residual
+
+
+def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+    """A model's embedding, its first pre-norm and the linear layer after it:
+    (F.linear(rms_norm(table[ids])), table[ids])."""
+    h = torch.nn.functional.embedding(ids, table)
+    return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
+                               weight_in_fp32=weight_in_fp32)  # fmt: skip

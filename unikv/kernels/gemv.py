@@ -16,7 +16,11 @@ the H200: one request's ITL 0.978 / 0.965 ms against 0.906, 19f546b; removed.)
 
     grid (cdiv(N, BLOCK_N),)   program n: y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
 
-``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` are the backend ops: the kernel for 2-D 16-bit
+With GATHER, x is an embedding table and row m is token ``ids[m]``'s: the model's
+embedding inside its first GEMV's loads (program 0 writes the rows out, the residual).
+
+``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` / ``embed_rms_norm_linear``
+are the backend ops: the kernel for 2-D 16-bit
 inputs of at most ``ROUTE_ROWS`` rows (the rows the H200 measured it faster than
 cuBLAS at, ``benchmarks/bench_gemv.py``), ``F.linear`` otherwise (a host decision
 from shapes; CUDA graphs fix it per captured batch size). The torch references are
@@ -97,6 +101,9 @@ def _table_from(text: str) -> dict[tuple[int, int], tuple[int, int, int, int]]:
 if os.environ.get("UNIKV_GEMV_TABLE"):
     TABLE = _table_from(os.environ["UNIKV_GEMV_TABLE"])
 MAX_ROWS = 4
+# the first layer's GEMV gathers its embedding rows itself (UNIKV_GEMV_EMBED=0: an
+# embedding launch before it; fixed at import, the A/B switch)
+EMBED = os.environ.get("UNIKV_GEMV_EMBED", "1") == "1"
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -111,12 +118,12 @@ def _summed(x_ptr, r_ptr, ks, k_ok, dt: tl.constexpr, HAS_RES: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_xm, s_wn, s_ym,
-                 s_rm, eps, offset,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, N, K, s_xm, s_wn,
+                 s_ym, s_rm, eps, offset,
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 PDL: tl.constexpr):  # fmt: skip
+                 GATHER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -125,6 +132,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
     pdl.wait(PDL)
     for m in tl.static_range(M):
         x_row, r_row = x_ptr + m * s_xm, r_ptr + m * s_rm
+        if GATHER:  # x is an embedding table: row m is token ids[m]'s
+            x_row = x_ptr + tl.load(ids_ptr + m).to(tl.int64) * s_xm
         sq = tl.zeros((BLOCK_K,), tl.float32)  # NORM: the row's sum of squares
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -136,7 +145,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
                 w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if NORM:  # h * norm weight now, times 1 / rms after the loop: one pass
                 hv = _summed(x_row, r_row, ks, k_ok, dt, HAS_RES)
-                if HAS_RES:  # program 0 writes the summed residual
+                if HAS_RES or GATHER:  # program 0 writes the summed residual (or the row)
                     tl.store(r_out_ptr + m * s_rm + ks, hv, mask=k_ok & (pid == 0))
                 x = hv.to(tl.float32)
                 sq += x * x
@@ -159,7 +168,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, N, K, s_x
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple | None = None, *, silu_mul_input: bool = False,
-         norm: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         norm: tuple | None = None,
+         gather: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous along K, bias (N,) or
     None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
@@ -170,7 +180,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     norm is not: ``W (h * w) / rms(h)`` in fp32 in one pass over K (the statistics need
     the whole row, and a first pass over it would hold up the weight stream), so bf16
     outputs differ from norm-then-GEMM within bf16 rounding, whichever order the
-    weight product takes there (``weight_in_fp32``)."""
+    weight product takes there (``weight_in_fp32``). gather: (M,) integer token ids,
+    with a norm without residual: x is an embedding table (V, K) and the rows are
+    ``x[gather]`` (returned as the second output): the embedding inside the loads."""
+    if gather is not None:
+        if norm is None or norm[0] is not None or gather.dim() != 1 or gather.is_floating_point():
+            raise ValueError(
+                "gemv's gather needs (M,) integer token ids and a norm without residual (the "
+                f"first layer's); got ids {tuple(gather.shape)} {gather.dtype}, norm "
+                f"{'None' if norm is None else 'with a residual'}"
+            )
+        if not 1 <= gather.numel() <= MAX_ROWS:
+            raise ValueError(f"gemv gathers 1..{MAX_ROWS} rows; got {gather.numel()} ids")
     k = weight.shape[-1]
     want_k = 2 * k if silu_mul_input else k
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != want_k:
@@ -178,7 +199,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"gemv needs x (M, {'2K' if silu_mul_input else 'K'}) and weight (N, K); got "
             f"{tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if not 1 <= x.shape[0] <= MAX_ROWS or x.stride(1) != 1 or weight.stride(1) != 1:
+    if not (1 <= x.shape[0] <= MAX_ROWS or gather is not None) or x.stride(1) != 1 or (
+            weight.stride(1) != 1):  # fmt: skip
         raise ValueError(
             f"gemv takes 1..{MAX_ROWS} rows with unit last strides; got x {tuple(x.shape)} "
             f"{x.stride()}, weight {weight.stride()}: use F.linear"
@@ -188,7 +210,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"gemv needs x, weight (and a ({weight.shape[0]},) bias) of one dtype; got "
             f"{x.dtype}, {weight.dtype}, bias {None if bias is None else tuple(bias.shape)}"
         )
-    m, n = x.shape[0], weight.shape[0]
+    m, n = (x.shape[0] if gather is None else gather.numel()), weight.shape[0]
     residual, norm_w, eps, offset = norm or (None, None, 0.0, 0.0)
     if norm is not None and (norm_w.shape != (k,) or silu_mul_input or (
             residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))):  # fmt: skip
@@ -199,16 +221,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         )
     block_n, block_k, warps, stages = config or config_for(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    r_out = torch.empty_like(x) if residual is not None else x
-    r_in = residual if residual is not None else x
+    if gather is not None:  # the gathered rows come back in a buffer of their own
+        r_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    else:
+        r_out = torch.empty_like(x) if residual is not None else x
+    r_in = residual if residual is not None else r_out
     on = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r_in,
-        norm_w if norm_w is not None else weight, r_out, n, k, x.stride(0),
+        norm_w if norm_w is not None else weight, r_out,
+        gather if gather is not None else weight, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, PDL=on, num_warps=warps,
+        HAS_RES=residual is not None, GATHER=gather is not None, PDL=on, num_warps=warps,
         **pdl.launch_options(on),
     )  # fmt: skip
     return y if norm is None else (y, r_out)
@@ -244,6 +270,21 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         return F.linear(rms_norm(x, norm_weight, eps, **kw), weight, bias), x
     h, residual = add_rms_norm(x, residual, norm_weight, eps, **kw)
     return F.linear(h, weight, bias), residual
+
+
+def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
+                          eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+    """(F.linear(rms_norm(table[ids])), table[ids]): a model's embedding, its first
+    pre-norm and the GEMM after it, the gather inside the GEMV's loads for few 16-bit
+    rows (``EMBED``), else the embedding then ``add_rms_norm_linear``."""
+    if (EMBED and ids.dim() == 1 and 0 < ids.numel() <= ROUTE_ROWS and table.dim() == 2
+            and table.dtype in DTYPES and table.dtype == weight.dtype
+            and table.stride(-1) == 1 and weight.stride(-1) == 1):  # fmt: skip
+        return gemv(table, weight, bias, norm=(None, norm_weight, eps, offset), gather=ids)
+    h = F.embedding(ids, table)
+    return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
+                               weight_in_fp32=weight_in_fp32)  # fmt: skip
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -160,6 +160,17 @@ class RMSNorm(nn.Module):
             weight_in_fp32=self.weight_in_fp32,
         )  # fmt: skip
 
+    def embed_linear(
+        self, ids: torch.Tensor, table: torch.Tensor, lin: nn.Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lin(norm(table[ids])), table[ids]): a model's embedding, its first pre-norm
+        and the GEMM after it, the gather inside the GEMV where the backend runs one
+        (``embed_rms_norm_linear``)."""
+        return self.ops.embed_rms_norm_linear(
+            ids, table, self.weight, self.eps, lin.weight, lin.bias,
+            weight_in_fp32=self.weight_in_fp32,
+        )  # fmt: skip
+
 
 def overrides_forward(module: nn.Module, base: type) -> bool:
     """True for a subclass of ``base`` with its own ``forward`` (it may call the

@@ -55,13 +55,21 @@ class DecoderLayer(nn.Module):
         stream before it): each residual add is fused into the next norm."""
         if self.fuse_qkv:
             qkv, residual = self.input_layernorm.linear(h, residual, self.self_attn.qkv_proj)
-            h = self.self_attn.attend(qkv, positions, attn)
+            return self.after_qkv(qkv, residual, positions, attn)
+        if residual is None:  # the first layer: a structural None, not a device branch
+            residual, h = h, self.input_layernorm(h)
         else:
-            if residual is None:  # the first layer: a structural None, not a device branch
-                residual, h = h, self.input_layernorm(h)
-            else:
-                h, residual = self.input_layernorm.add(h, residual)
-            h = self.self_attn(h, positions, attn)
+            h, residual = self.input_layernorm.add(h, residual)
+        return self._mlp(self.self_attn(h, positions, attn), residual)
+
+    def after_qkv(
+        self, qkv: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, attn: AttentionFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its fused q|k|v projection on (``fuse_qkv``): attention and
+        the MLP; returns what ``forward`` returns."""
+        return self._mlp(self.self_attn.attend(qkv, positions, attn), residual)
+
+    def _mlp(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fuse_mlp:
             gate_up, residual = self.post_attention_layernorm.linear(
                 h, residual, self.mlp.gate_up_proj
@@ -125,8 +133,17 @@ class CausalLM(nn.Module):
         """input_ids: (T,) int64 token ids; positions: (T,) int64;
         logits_indices: (N,) int64 rows of the step whose logits are wanted
         (None: all). Returns logits (N, vocab) in ``logits_dtype`` (fp32 unless set)."""
-        h, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        layers = self.model.layers
+        if layers[0].fuse_qkv:  # the embedding inside the first q|k|v GEMM's loads
+            first = layers[0]
+            qkv, residual = first.input_layernorm.embed_linear(
+                input_ids, self.model.embed_tokens.weight, first.self_attn.qkv_proj
+            )
+            h, residual = first.after_qkv(qkv, residual, positions, attn)
+            layers = layers[1:]
+        else:
+            h, residual = self.model.embed_tokens(input_ids), None
+        for layer in layers:
             h, residual = layer(h, residual, positions, attn)
         if logits_indices is not None:
             h, residual = (
