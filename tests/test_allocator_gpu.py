@@ -146,3 +146,31 @@ def test_decode_step_does_not_sync_and_equals_the_separate_verbs(ps):
         assert torch.equal(fused.parts.requests.req_to_token, verbs.parts.requests.req_to_token)
     torch.cuda.synchronize()
     fused.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("side", [True, False])
+def test_pinned_ring_uploads_are_seen_in_stream_order(monkeypatch, side):
+    """The ring's copies (on a side stream or on the caller's) against the arrays they
+    were given: 200 uploads through 8 slots, read on the caller's stream, alternately
+    behind a sleeping kernel there (a slot or device block rewritten under a pending
+    reader reads wrong values) and with the side stream asleep (a reader not made to
+    wait for its copy reads them before they land)."""
+    from unikv.allocator import device
+
+    monkeypatch.setattr(device, "SIDE_COPY", side)
+    ring = device.PinnedRing(torch.device("cuda"), slots=8, capacity=64)
+    gen = np.random.default_rng(0)
+    arrays = [gen.integers(-(2**30), 2**30, size=int(gen.integers(1, 300))) for _ in range(200)]
+    reads = []
+    for i, array in enumerate(arrays):
+        if i % 2 or ring._side is None:
+            torch.cuda._sleep(20_000)  # the caller's stream is busy when the copy is enqueued
+        else:
+            with torch.cuda.stream(ring._side):
+                torch.cuda._sleep(20_000)  # the copy lands late
+        reads.append(ring(array.copy()).to(torch.int64) + 0)
+    torch.cuda.synchronize()
+    for array, got in zip(arrays, reads, strict=True):
+        assert np.array_equal(got.cpu().numpy(), array)

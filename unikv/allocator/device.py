@@ -5,7 +5,10 @@ updates to the device. On CUDA an update is staged in a persistent ring of
 pinned buffers (``PinnedRing``; no pinning or allocation per call) and copied
 with ``non_blocking=True``; a CUDA event per ring slot, recorded after its copy,
 guards reuse: the ring only waits when every slot is still in flight. On CPU
-the array is wrapped without a copy. The choice is made once, at construction
+the array is wrapped without a copy. With ``SIDE_COPY`` the copy runs on a side
+stream and the caller's stream waits for it (an event wait): a decode step's upload,
+enqueued while the step before still runs, is done by the time the stream reaches
+it, instead of queueing there as a copy of its own. The choice is made once, at construction
 (``make_uploader``); device tables are then written by one fused launch per
 verb (``tables.TableWriter``) from device-resident values, never
 ``t[idx] = scalar`` (docs/lessons.md bug 6: a Python scalar becomes a blocking
@@ -14,6 +17,7 @@ pageable host-to-device copy).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -22,6 +26,9 @@ import torch
 from unikv.kernels._private import current_raw_stream, record_event
 
 Uploader = Callable[[np.ndarray | list], torch.Tensor]
+# CUDA: uploads on a side stream the caller's stream waits for (UNIKV_SIDE_UPLOAD=0: on
+# the caller's stream; fixed at import, the A/B switch)
+SIDE_COPY = os.environ.get("UNIKV_SIDE_UPLOAD", "1") == "1"
 
 
 def make_uploader(device: torch.device) -> Uploader:
@@ -62,6 +69,7 @@ class PinnedRing:
         self._index = self.device.index
         self._raw = None  # the current stream, as a raw handle (cheap to read) ...
         self._stream = None  # ... and as the Stream object events record on
+        self._side = torch.cuda.Stream(self.device) if SIDE_COPY else None
 
     def __call__(self, array: np.ndarray | list) -> torch.Tensor:
         i = self.next
@@ -80,11 +88,18 @@ class PinnedRing:
             np.concatenate(parts, out=self.views[i][:n], casting="unsafe")
         else:
             self.views[i][:n] = array  # casts to int32
-        out = self.pinned[i][:n].to(self.device, non_blocking=True)
         if event is None:
             event = self.events[i] = torch.cuda.Event()
         raw = current_raw_stream(self._index)
         if raw != self._raw:  # torch.cuda.current_stream() costs microseconds: only on change
             self._raw, self._stream = raw, torch.cuda.current_stream(self.device)
-        record_event(event, self._stream)  # the stream of the copy
+        if self._side is None:
+            out = self.pinned[i][:n].to(self.device, non_blocking=True)
+            record_event(event, self._stream)  # the stream of the copy
+            return out
+        with torch.cuda.stream(self._side):  # out from the side stream's blocks: no
+            out = self.pinned[i][:n].to(self.device, non_blocking=True)  # pending reader
+            record_event(event, self._side)
+        self._stream.wait_event(event)  # the caller's work after this sees the copy
+        out.record_stream(self._stream)  # not reused before the caller's stream used it
         return out
