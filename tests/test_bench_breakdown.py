@@ -63,3 +63,31 @@ def test_prefill_profile_runs_on_cpu(tmp_path):
     assert "error" not in entry, entry.get("traceback")
     assert entry["phase"] == "prefill" and entry["classes"]["gemm"]["kernels"] > 0
     assert out.exists()
+
+
+def test_idle_gaps_against_a_time_grid():
+    """``idle_gaps`` on random overlapping intervals against a 0.01 us time grid: the
+    busy time is the grid points some interval covers, the overlap the durations
+    summed minus it, and each reported gap lies between the op that ended last and the
+    op that starts next."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    starts = np.sort(rng.uniform(0, 200, 60)).round(2)
+    durs = rng.uniform(0.5, 6, 60).round(2)
+    names = [f"k{i % 7}" for i in range(60)]
+    trace = {"traceEvents": [{"cat": "kernel", "ph": "X", "ts": float(s), "dur": float(d),
+                              "name": n} for s, d, n in zip(starts, durs, names)]}  # fmt: skip
+    got = bd.idle_gaps(trace, steps=2, limit=100)
+    grid = np.arange(0, 220, 0.01)
+    covered = np.zeros(len(grid), bool)
+    for s, d in zip(starts, durs):
+        covered |= (grid >= s) & (grid < s + d)
+    busy = covered.sum() * 0.01
+    span = (starts + durs).max() - starts[0]
+    assert abs(got["busy_us"] * 2 - busy) < 0.5
+    assert abs(got["span_us"] * 2 - span) < 1e-6
+    assert abs((got["overlap_us"] + got["busy_us"]) * 2 - durs.sum()) < 1e-6
+    assert abs(got["idle_us"] * 2 - (span - busy)) < 0.5
+    idle = sum(g["us"] for g in got["gaps"]) * 2
+    assert idle <= got["idle_us"] * 2 + 1e-6 and got["idle_us"] * 2 - idle < 0.2 * 60
