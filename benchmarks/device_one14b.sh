@@ -12,7 +12,5 @@ done
 step kernel_tests 150 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
   tests/test_kernels_decode_preload_gpu.py tests/test_kernels_rope_decode.py \
   tests/test_kernels_mla_gpu.py tests/test_kernels_gpu.py -k "preload or merge or rope or decode or mla"
-for f in $R/e2e_b1_*.json; do
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); p=d['models'][0]['paths']['unikv']; print(sys.argv[1].split('/')[-1], round(p['itl_p50_ms'],4), round(p['decode_step_fraction_of_roofline'],4))" $f
-done | tee -a $R/summary.txt
+itl_summary
 device_finish

@@ -19,7 +19,5 @@ done
 step gemv_tests 90 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_kernels_gemv.py \
   -k "gather or candidates"
 step engine_tests 240 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_engine_gpu.py
-for f in $R/e2e_b1_*.json; do
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); p=d['models'][0]['paths']['unikv']; print(sys.argv[1].split('/')[-1], round(p['itl_p50_ms'],4), round(p['decode_step_fraction_of_roofline'],4))" $f
-done | tee -a $R/summary.txt
+itl_summary
 device_finish

@@ -15,7 +15,5 @@ breakdown_b1
 step e2e_b256 90 python3 benchmarks/bench_e2e.py --device cuda --quick --models llama --paths unikv \
   --out $R/e2e_b256.json
 step engine_tests 200 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_engine_gpu.py
-for f in $R/e2e_*.json; do
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); p=d['models'][0]['paths']['unikv']; print(sys.argv[1].split('/')[-1], round(p['itl_p50_ms'],4), round(p['decode_step_fraction_of_roofline'],4), round(p.get('decode_step_x_roofline',0),3), round(p['output_tokens_per_s']))" $f
-done | tee -a $R/summary.txt
+itl_summary
 device_finish

@@ -10,6 +10,8 @@
 #   breakdown_b1                       one request's Llama breakdown into $R/breakdown_b1.json
 #   timelines CAP MODEL...             profile_engine --timeline of each model (64 new
 #                                      tokens) into $R/timeline_MODEL.json, CAP s each
+#   itl_summary                        one line per $R/e2e_*.json: ITL p50, the decode step's
+#                                      fraction of its roofline, x roofline, tok/s
 #   device_finish                      summary.txt and results.tgz under $FINAL
 device_setup() {
   export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -55,6 +57,13 @@ timelines() {
     step timeline_$m "$cap" python3 benchmarks/profile_engine.py --model "$m" --new-tokens 64 \
       --timeline --out "$R/timeline_$m.json"
   done
+}
+
+itl_summary() {
+  local f
+  for f in "$R"/e2e_*.json; do
+    python3 -c "import json,sys; p=json.load(open(sys.argv[1]))['models'][0]['paths']['unikv']; print(sys.argv[1].split('/')[-1], round(p['itl_p50_ms'],4), round(p['decode_step_fraction_of_roofline'],4), round(p['decode_step_x_roofline'],3), round(p['output_tokens_per_s']))" "$f"
+  done | tee -a "$R/summary.txt"
 }
 
 device_finish() {
