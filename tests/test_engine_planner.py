@@ -188,7 +188,7 @@ class CPUGraphs(DecodeGraphs):
             self.plans[rows] = planner.plan(Batch(), rows=rows)
 
     def replay(self, rows: int, greedy: bool = False):
-        greedy = greedy and rows in self.greedy_sizes
+        assert not greedy or self.has_greedy(rows), "the runner asks for graphs that exist"
         self.replays[rows, greedy] += 1
         logits = self.forward(self.plans[rows])
         return logits, (self.argmax(logits) if greedy else None)

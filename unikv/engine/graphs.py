@@ -92,10 +92,14 @@ class DecodeGraphs:
             return None
         return self.sizes[bisect_left(self.sizes, len(batch.requests))]
 
+    def has_greedy(self, rows: int) -> bool:
+        """Whether the size ``rows`` has a graph with the greedy argmax inside."""
+        return rows in self.greedy_sizes
+
     def replay(self, rows: int, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay the graph of ``rows`` over the planner's current plan of that many
         rows: (logits (rows, vocab), the graph's output; its greedy tokens (rows,)
-        int64 where ``greedy`` and the size has a greedy graph, else None)."""
-        graph, logits, tokens = self.graphs[rows, greedy and rows in self.greedy_sizes]
+        int64 where ``greedy`` (the size has a greedy graph: ``has_greedy``), else None)."""
+        graph, logits, tokens = self.graphs[rows, greedy]
         graph.replay()
         return logits, tokens

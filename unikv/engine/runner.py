@@ -184,15 +184,11 @@ class ModelRunner:
         if rows is None:
             logits = self.forward(plan)
         else:
-            if (
-                self._copy_stream is not None
-                and prev is not None
-                and greedy
-                and (rows in self.graphs.greedy_sizes)
-            ):
-                # a greedy graph rewrites its token buffer: prev's copy of it comes first
+            in_graph = greedy and self.graphs.has_greedy(rows)  # the argmax inside
+            if in_graph and self._copy_stream is not None and prev is not None:
+                # the graph rewrites its token buffer: prev's copy of it comes first
                 torch.cuda.current_stream(self.device).wait_event(prev._event)
-            logits, tokens_dev = self.graphs.replay(rows, greedy)
+            logits, tokens_dev = self.graphs.replay(rows, in_graph)
             logits = logits[: len(batch.requests)]
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:

@@ -245,9 +245,11 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
     return TABLE.get((n, k), CONFIG)
 
 
-def _routes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the backend ops take the kernel (host ints and dtypes only)."""
-    return (x.dim() == 2 and x.shape[0] <= ROUTE_ROWS and x.dtype in DTYPES
+def _routes(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether the backend ops take the kernel for ``rows`` rows (None: x's) of the 2-D
+    x (host ints and dtypes only)."""
+    rows = x.shape[0] if rows is None and x.dim() == 2 else rows
+    return (x.dim() == 2 and rows is not None and rows <= ROUTE_ROWS and x.dtype in DTYPES
             and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)  # fmt: skip
 
 
@@ -278,9 +280,7 @@ def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: t
     """(F.linear(rms_norm(table[ids])), table[ids]): a model's embedding, its first
     pre-norm and the GEMM after it, the gather inside the GEMV's loads for few 16-bit
     rows (``EMBED``), else the embedding then ``add_rms_norm_linear``."""
-    if (EMBED and ids.dim() == 1 and 0 < ids.numel() <= ROUTE_ROWS and table.dim() == 2
-            and table.dtype in DTYPES and table.dtype == weight.dtype
-            and table.stride(-1) == 1 and weight.stride(-1) == 1):  # fmt: skip
+    if EMBED and ids.dim() == 1 and ids.numel() > 0 and _routes(table, weight, ids.numel()):
         return gemv(table, weight, bias, norm=(None, norm_weight, eps, offset), gather=ids)
     h = F.embedding(ids, table)
     return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
