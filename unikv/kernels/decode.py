@@ -64,6 +64,26 @@ PRELOAD_ROWS = 4
 # fp32 elements of the (splits, Dv) tile the merge reads per pass (``merge_launch``;
 # UNIKV_DECODE_MERGE_TILE, fixed at import, is the A/B switch: 1024 was 16 splits a pass)
 MERGE_TILE = int(os.environ.get("UNIKV_DECODE_MERGE_TILE", "16384"))
+# the split merge inside the split launch where the caller hands arrival counters
+# (``decode_attention(counters=)``; the step planner owns them): the last split program
+# of each (request, KV head) to finish merges that head group's splits, so no merge
+# kernel follows (UNIKV_DECODE_FUSED_MERGE=0: the merge kernel always; fixed at import,
+# the A/B switch)
+FUSED_MERGE = os.environ.get("UNIKV_DECODE_FUSED_MERGE", "1") == "1"
+# fp32 elements a pass of the merge inside the split launch reads (its registers are the
+# split kernel's; only the splits holding keys are read)
+FUSED_TILE = 4096
+
+
+def check_counters(counters: torch.Tensor, need: int, device: torch.device) -> None:
+    """ValueError unless ``counters`` is an int32 tensor of >= ``need`` elements on
+    ``device`` (one arrival counter per request and KV head)."""
+    if counters.dtype != torch.int32 or counters.numel() < need or counters.device != device:
+        raise ValueError(
+            f"decode counters must be int32 zeros with >= {need} elements (requests x KV "
+            f"heads) on {device}, got {counters.dtype} x {counters.numel()} on "
+            f"{counters.device}; allocate them with torch.zeros(..., dtype=torch.int32)"
+        )
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -179,6 +199,7 @@ def _decode_split_kernel(
     vn_sh,
     sc0,
     HALF,
+    counters,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -196,6 +217,9 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,
+    FUSED: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,
+    CHUNK_S: tl.constexpr = 1,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
     b = tl.program_id(1)
@@ -317,6 +341,83 @@ def _decode_split_kernel(
             mask=head_mask[:, None] & (offs_dv[None, :] < DV),
         )
         tl.store(ws_lse + row, lse, mask=head_mask)
+        if FUSED:  # the last of the request's KV-head splits to arrive merges them
+            _merge_if_last(ws_acc, ws_lse, sinks, out, counters, b, kvh, seq, first, chunk,
+                           o_sb, o_sh, GROUP, DV, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_S,
+                           HAS_SINKS)  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(ws_acc, ws_lse, sinks, out, counters, b, kvh, seq, first, chunk, o_sb,
+                   o_sh, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):  # fmt: skip
+    """Count this split program's arrival at (b, kvh)'s counter once its partial rows
+    are stored (every thread's: the barrier; then the counter's release); the program
+    that arrives last (acquire) merges the GROUP heads' splits into ``out`` and leaves
+    the counter zero for the next launch. Splits past the request's keys hold
+    (0, -inf) and are not read (the same sums: those terms are exact zeros)."""
+    tl.debug_barrier()
+    slot = counters + b * tl.num_programs(0) + kvh
+    if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+        tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
+        used = tl.where(chunk > 0, tl.cdiv(seq - first, tl.maximum(chunk, 1)), 0)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        hq = GROUP * tl.num_programs(0)
+        for g in tl.static_range(GROUP):
+            h = kvh * GROUP + g
+            acc, denom = _merge_splits(ws_acc, ws_lse, sinks, (b * hq + h).to(tl.int64)
+                                       * NUM_SPLITS, h, used, DV, BLOCK_DV, NUM_SPLITS,
+                                       BLOCK_S, CHUNK_S, HAS_SINKS)  # fmt: skip
+            res = acc / tl.where(denom > 0, denom, 1.0)
+            o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
+            tl.store(o_ptr, res.to(out.dtype.element_ty), mask=offs_dv < DV)
+
+
+@triton.jit
+def _merge_splits(ws_acc, ws_lse, sinks, row, h, used, DV: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                  CHUNK_S: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
+    """(sum_s exp(lse_s - M) acc_s, its denominator with the sink) over the first
+    ``used`` splits of head h's workspace rows ``row..``: every split in one pass
+    (CHUNK_S == BLOCK_S) or CHUNK_S at a time. The rows come from other programs:
+    read through L2 (``.cg``), never from a stale L1 line."""
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_s = offs_s < used
+    lse = tl.load(ws_lse + row + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    if CHUNK_S == BLOCK_S:  # one pass: every split's row loaded beside the lse
+        part = tl.load(
+            ws_acc + (row + offs_s)[:, None] * DV + offs_dv[None, :],
+            mask=mask_s[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+    peak = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        peak = tl.maximum(peak, sink)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    denom = tl.sum(tl.exp2(lse - peak), axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - peak)
+    if CHUNK_S == BLOCK_S:
+        acc = tl.sum(part * tl.exp2(lse - peak)[:, None], axis=0)
+    else:
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s0 in range(0, used, CHUNK_S):  # a few splits at a time: small register tiles
+            offs_c = s0 + tl.arange(0, CHUNK_S)
+            mask_c = offs_c < used
+            w = tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf"),
+                        cache_modifier=".cg")  # fmt: skip
+            part = tl.load(
+                ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
+                mask=mask_c[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            acc += tl.sum(part * tl.exp2(w - peak)[:, None], axis=0)
+    return acc, denom
 
 
 @triton.jit
@@ -339,38 +440,10 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl.wait(PDL)
-    row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    lse = tl.load(ws_lse + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
-    if CHUNK_S == BLOCK_S:  # one pass: every split's row loaded beside the lse
-        part = tl.load(
-            ws_acc + (row + offs_s)[:, None] * DV + offs_dv[None, :],
-            mask=(offs_s < NUM_SPLITS)[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-        )
-    peak = tl.max(lse, axis=0)
-    if HAS_SINKS:
-        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
-        peak = tl.maximum(peak, sink)
-    peak = tl.where(peak == float("-inf"), 0.0, peak)
-    denom = tl.sum(tl.exp2(lse - peak), axis=0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - peak)
-    if CHUNK_S == BLOCK_S:
-        acc = tl.sum(part * tl.exp2(lse - peak)[:, None], axis=0)
-    else:
-        acc = tl.zeros([BLOCK_DV], tl.float32)
-        for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
-            offs_c = s0 + tl.arange(0, CHUNK_S)
-            mask_c = offs_c < NUM_SPLITS
-            w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
-            part = tl.load(
-                ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
-                mask=mask_c[:, None] & (offs_dv[None, :] < DV),
-                other=0.0,
-            )
-            acc += tl.sum(part * w[:, None], axis=0)
+    row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
+    acc, denom = _merge_splits(ws_acc, ws_lse, sinks, row, h, NUM_SPLITS, DV, BLOCK_DV,
+                               NUM_SPLITS, BLOCK_S, CHUNK_S, HAS_SINKS)  # fmt: skip
     pdl.trigger(PDL)
     res = acc / tl.where(denom > 0, denom, 1.0)
     o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
@@ -395,6 +468,7 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,
     rope: tuple | None = None,
     preload: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request.
 
@@ -410,8 +484,11 @@ def decode_attention(
     heuristics (benchmarks). rope: ``rope_store_decode_attention``'s (k, v, write_ids,
     cos, sin, positions), checked there. preload (None: ``PRELOAD`` under PDL at most
     ``PRELOAD_ROWS`` requests): load seq_lens, the block table and each split's first
-    tile of rows but the new one before the PDL wait (the same bytes). Returns out
-    (B, Hq, Dv) in q's dtype.
+    tile of rows but the new one before the PDL wait (the same bytes). counters: None
+    (a merge kernel follows the splits) or int32 zeros of >= B * H elements, one per
+    (request, KV head), used when there are splits: the last split program to finish
+    merges in the split launch (the same bytes) and leaves them zero; one set per
+    stream of launches (the step planner's). Returns out (B, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     bsz, hq, dim = q.shape
@@ -431,6 +508,10 @@ def decode_attention(
     preload = (PRELOAD and on and bsz <= PRELOAD_ROWS) if preload is None else preload
     k_new, v_new, ids, cos, sin, positions = rope or (q, q, seq_lens, ws_acc, ws_acc, seq_lens)
     half = cos.shape[-1] if rope is not None else 0
+    fused = splits > 1 and counters is not None
+    if fused:
+        check_counters(counters, bsz * heads, q.device)
+    merge = merge_launch(splits, dim_v, FUSED_TILE if fused else MERGE_TILE)
     _decode_split_kernel[(heads, bsz, splits)](
         q,
         k_cache,
@@ -463,6 +544,7 @@ def decode_attention(
         v_new.stride(1),
         cos.stride(0),
         half,
+        counters if fused else seq_lens,  # never touched unless FUSED
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         D=dim,
@@ -480,13 +562,16 @@ def decode_attention(
         ROPE=rope is not None,
         PDL=on,
         PRELOAD=bool(preload),
+        FUSED=fused,
+        BLOCK_S=merge["BLOCK_S"],
+        CHUNK_S=merge["CHUNK_S"],
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion
         # on, the H200 fused bf16's narrowed multiply-add: 19f546b's GPU test)
         enable_fp_fusion=rope is None,
         **pdl.launch_options(on),
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         _decode_merge_kernel[(bsz, hq)](
             ws_acc,
             ws_lse,
@@ -500,18 +585,19 @@ def decode_attention(
             NUM_SPLITS=splits,
             HAS_SINKS=sinks is not None,
             PDL=on,
-            **merge_launch(splits, dim_v),
+            **merge,
             **pdl.launch_options(on),
         )
     return out
 
 
-def merge_launch(splits: int, dim_v: int) -> dict:
-    """The merge kernel's split tiling for S splits of Dv columns: every split in one
-    pass while S x Dv fits ``MERGE_TILE`` fp32 elements (each pass is a dependent L2
-    round trip: one request's merge ran 5 of them at S = 66), else CHUNK_S at a time."""
+def merge_launch(splits: int, dim_v: int, tile: int | None = None) -> dict:
+    """The merge's split tiling for S splits of Dv columns: every split in one pass
+    while S x Dv fits ``tile`` (None: ``MERGE_TILE``) fp32 elements (each pass is a
+    dependent L2 round trip: one request's merge ran 5 of them at S = 66), else
+    CHUNK_S at a time (num_warps: the merge kernel's)."""
     block_s = next_pow2(splits)
-    chunk = max(1, min(block_s, MERGE_TILE // next_pow2(dim_v)))
+    chunk = max(1, min(block_s, (tile or MERGE_TILE) // next_pow2(dim_v)))
     tile = chunk * next_pow2(dim_v)
     return {"BLOCK_S": block_s, "CHUNK_S": chunk, "num_warps": 8 if tile > 4096 else 4}
 
