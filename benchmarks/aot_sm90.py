@@ -223,7 +223,7 @@ def step_kernels() -> dict[str, tuple]:
             fused,
             warps,
             stages,
-        ),  # fmt: skip
+        ),
         "decode_merge": (
             decode._decode_merge_kernel,
             merge,

@@ -78,8 +78,8 @@ def test_plan_hands_counters_only_with_splits():
     case = PagedCase([50, 3], 2, 16, 4, dtype=torch.float16)
     q = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1)).half()
     counters = torch.zeros(16, dtype=torch.int32)
-    geometry = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16, page_size=4,
-                    device=torch.device("cpu"))  # fmt: skip
+    geometry = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16, "v_head_dim": 16,
+                "page_size": 4, "device": torch.device("cpu")}  # fmt: skip
     plan = TRITON.plan_decode(2, max_len=4096, counters=counters, **geometry)
     assert plan.num_splits > 1 and plan.launch["counters"].numel() == 4
     got = paged_decode(TRITON, case, q, sm_scale=0.25, **plan.launch)
