@@ -101,3 +101,13 @@ def test_bad_counters_are_refused(counters, what):
     q = torch.zeros(2, 4, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match=what):
         paged_decode(TRITON, case, q, sm_scale=0.25, num_splits=2, counters=counters)
+
+
+def test_counters_on_the_device_by_type_or_index():
+    """Counters on the device (named as the planner names it) are accepted, on
+    another device type refused (the index rule, ``cuda`` against ``cuda:0``, is
+    exercised on the GPU by every engine test)."""
+    counters = torch.zeros(4, dtype=torch.int32)
+    decode.check_counters(counters, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="on meta"):
+        decode.check_counters(counters, 4, torch.device("meta"))

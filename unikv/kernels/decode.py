@@ -77,8 +77,10 @@ FUSED_TILE = 4096
 
 def check_counters(counters: torch.Tensor, need: int, device: torch.device) -> None:
     """ValueError unless ``counters`` is an int32 tensor of >= ``need`` elements on
-    ``device`` (one arrival counter per request and KV head)."""
-    if counters.dtype != torch.int32 or counters.numel() < need or counters.device != device:
+    ``device`` (one arrival counter per request and KV head; ``cuda`` is any index)."""
+    here = counters.device
+    elsewhere = here.type != device.type or device.index not in (None, here.index)
+    if counters.dtype != torch.int32 or counters.numel() < need or elsewhere:
         raise ValueError(
             f"decode counters must be int32 zeros with >= {need} elements (requests x KV "
             f"heads) on {device}, got {counters.dtype} x {counters.numel()} on "
