@@ -191,11 +191,10 @@ def step_kernels() -> dict[str, tuple]:
                   "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
                   "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
                   "PRECISION": "tf32", "ROPE": False, "PDL": True,
-                  "PRELOAD": False, "FUSED": False, "BLOCK_S": 1, "CHUNK_S": 1}  # fmt: skip
+                  "PRELOAD": False, "FUSED": False, "MERGE_G": 1, "CHUNK_S": 1}  # fmt: skip
     rope_split = {**split_cons, "ROPE": True}
-    fused_tiles = decode.merge_launch(64, 64, decode.FUSED_TILE)
-    fused = {**rope_split, "PRELOAD": True, "FUSED": True, "BLOCK_S": fused_tiles["BLOCK_S"],
-             "CHUNK_S": fused_tiles["CHUNK_S"]}  # fmt: skip
+    fused = {**rope_split, "PRELOAD": True, "FUSED": True, "MERGE_G": 4,
+             "CHUNK_S": decode.FUSED_TILE // (4 * 64)}  # fmt: skip
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
     merge_tiles = decode.merge_launch(66, 64)  # one request's 66 splits

@@ -70,8 +70,9 @@ MERGE_TILE = int(os.environ.get("UNIKV_DECODE_MERGE_TILE", "16384"))
 # kernel follows (UNIKV_DECODE_FUSED_MERGE=0: the merge kernel always; fixed at import,
 # the A/B switch)
 FUSED_MERGE = os.environ.get("UNIKV_DECODE_FUSED_MERGE", "1") == "1"
-# fp32 elements a pass of the merge inside the split launch reads (its registers are the
-# split kernel's; only the splits holding keys are read)
+# fp32 elements a pass of the merge inside the split launch reads, every head of the KV
+# head's group at once (its registers are the split kernel's; only the splits holding
+# keys are read; one request of Llama-3.2-1B at 640 keys: 10 splits, one pass)
 FUSED_TILE = 4096
 
 
@@ -220,7 +221,7 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,
     FUSED: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 1,
+    MERGE_G: tl.constexpr = 1,
     CHUNK_S: tl.constexpr = 1,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
@@ -345,81 +346,64 @@ def _decode_split_kernel(
         tl.store(ws_lse + row, lse, mask=head_mask)
         if FUSED:  # the last of the request's KV-head splits to arrive merges them
             _merge_if_last(ws_acc, ws_lse, sinks, out, counters, b, kvh, seq, first, chunk,
-                           o_sb, o_sh, GROUP, DV, BLOCK_DV, NUM_SPLITS, BLOCK_S, CHUNK_S,
+                           o_sb, o_sh, GROUP, DV, BLOCK_DV, NUM_SPLITS, MERGE_G, CHUNK_S,
                            HAS_SINKS)  # fmt: skip
 
 
 @triton.jit
 def _merge_if_last(ws_acc, ws_lse, sinks, out, counters, b, kvh, seq, first, chunk, o_sb,
                    o_sh, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
                    HAS_SINKS: tl.constexpr):  # fmt: skip
     """Count this split program's arrival at (b, kvh)'s counter once its partial rows
     are stored (every thread's: the barrier; then the counter's release); the program
     that arrives last (acquire) merges the GROUP heads' splits into ``out`` and leaves
-    the counter zero for the next launch. Splits past the request's keys hold
-    (0, -inf) and are not read (the same sums: those terms are exact zeros)."""
+    the counter zero for the next launch. Only the splits holding keys are read, all
+    GROUP heads' rows of CHUNK_S splits in one (MERGE_G, CHUNK_S, Dv) tile a pass, the
+    lse beside the rows (one dependent L2 round trip a pass; passes merge online)."""
     tl.debug_barrier()
     slot = counters + b * tl.num_programs(0) + kvh
     if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
         tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
         used = tl.where(chunk > 0, tl.cdiv(seq - first, tl.maximum(chunk, 1)), 0)
+        offs_g = tl.arange(0, MERGE_G)
         offs_dv = tl.arange(0, BLOCK_DV)
-        hq = GROUP * tl.num_programs(0)
-        for g in tl.static_range(GROUP):
-            h = kvh * GROUP + g
-            acc, denom = _merge_splits(ws_acc, ws_lse, sinks, (b * hq + h).to(tl.int64)
-                                       * NUM_SPLITS, h, used, DV, BLOCK_DV, NUM_SPLITS,
-                                       BLOCK_S, CHUNK_S, HAS_SINKS)  # fmt: skip
-            res = acc / tl.where(denom > 0, denom, 1.0)
-            o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
-            tl.store(o_ptr, res.to(out.dtype.element_ty), mask=offs_dv < DV)
-
-
-@triton.jit
-def _merge_splits(ws_acc, ws_lse, sinks, row, h, used, DV: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  CHUNK_S: tl.constexpr, HAS_SINKS: tl.constexpr):  # fmt: skip
-    """(sum_s exp(lse_s - M) acc_s, its denominator with the sink) over the first
-    ``used`` splits of head h's workspace rows ``row..``: every split in one pass
-    (CHUNK_S == BLOCK_S) or CHUNK_S at a time. The rows come from other programs:
-    read through L2 (``.cg``), never from a stale L1 line."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_s = offs_s < used
-    lse = tl.load(ws_lse + row + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    if CHUNK_S == BLOCK_S:  # one pass: every split's row loaded beside the lse
-        part = tl.load(
-            ws_acc + (row + offs_s)[:, None] * DV + offs_dv[None, :],
-            mask=mask_s[:, None] & (offs_dv[None, :] < DV),
-            other=0.0,
-            cache_modifier=".cg",
-        )
-    peak = tl.max(lse, axis=0)
-    if HAS_SINKS:
-        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
-        peak = tl.maximum(peak, sink)
-    peak = tl.where(peak == float("-inf"), 0.0, peak)
-    denom = tl.sum(tl.exp2(lse - peak), axis=0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - peak)
-    if CHUNK_S == BLOCK_S:
-        acc = tl.sum(part * tl.exp2(lse - peak)[:, None], axis=0)
-    else:
-        acc = tl.zeros([BLOCK_DV], tl.float32)
-        for s0 in range(0, used, CHUNK_S):  # a few splits at a time: small register tiles
+        heads = kvh * GROUP + offs_g
+        mask_g = offs_g < GROUP
+        base = (b * (GROUP * tl.num_programs(0)) + heads).to(tl.int64) * NUM_SPLITS
+        m_i = tl.full([MERGE_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([MERGE_G], tl.float32)
+        acc = tl.zeros([MERGE_G, BLOCK_DV], tl.float32)
+        for s0 in range(0, used, CHUNK_S):
             offs_c = s0 + tl.arange(0, CHUNK_S)
-            mask_c = offs_c < used
-            w = tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf"),
-                        cache_modifier=".cg")  # fmt: skip
+            mask = mask_g[:, None] & (offs_c < used)[None, :]
+            rows = base[:, None] + offs_c[None, :]  # (MERGE_G, CHUNK_S)
+            lse = tl.load(ws_lse + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
             part = tl.load(
-                ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
-                mask=mask_c[:, None] & (offs_dv[None, :] < DV),
+                ws_acc + rows[:, :, None] * DV + offs_dv[None, None, :],
+                mask=mask[:, :, None] & (offs_dv < DV)[None, None, :],
                 other=0.0,
                 cache_modifier=".cg",
             )
-            acc += tl.sum(part * tl.exp2(w - peak)[:, None], axis=0)
-    return acc, denom
+            m_new = tl.maximum(m_i, tl.max(lse, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.exp2(lse - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(w, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+            m_i = m_new
+        if HAS_SINKS:
+            sink = tl.load(sinks + heads, mask=mask_g, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptr = out + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + offs_dv[None, :]
+        tl.store(
+            o_ptr, res.to(out.dtype.element_ty), mask=mask_g[:, None] & (offs_dv < DV)[None, :]
+        )
 
 
 @triton.jit
@@ -442,10 +426,38 @@ def _decode_merge_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     pdl.wait(PDL)
-    offs_dv = tl.arange(0, BLOCK_DV)
     row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
-    acc, denom = _merge_splits(ws_acc, ws_lse, sinks, row, h, NUM_SPLITS, DV, BLOCK_DV,
-                               NUM_SPLITS, BLOCK_S, CHUNK_S, HAS_SINKS)  # fmt: skip
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    lse = tl.load(ws_lse + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    if CHUNK_S == BLOCK_S:  # one pass: every split's row loaded beside the lse
+        part = tl.load(
+            ws_acc + (row + offs_s)[:, None] * DV + offs_dv[None, :],
+            mask=(offs_s < NUM_SPLITS)[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
+    peak = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634
+        peak = tl.maximum(peak, sink)
+    peak = tl.where(peak == float("-inf"), 0.0, peak)
+    denom = tl.sum(tl.exp2(lse - peak), axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - peak)
+    if CHUNK_S == BLOCK_S:
+        acc = tl.sum(part * tl.exp2(lse - peak)[:, None], axis=0)
+    else:
+        acc = tl.zeros([BLOCK_DV], tl.float32)
+        for s0 in range(0, NUM_SPLITS, CHUNK_S):  # a few splits at a time: small register tiles
+            offs_c = s0 + tl.arange(0, CHUNK_S)
+            mask_c = offs_c < NUM_SPLITS
+            w = tl.exp2(tl.load(ws_lse + row + offs_c, mask=mask_c, other=float("-inf")) - peak)
+            part = tl.load(
+                ws_acc + (row + offs_c)[:, None] * DV + offs_dv[None, :],
+                mask=mask_c[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+            )
+            acc += tl.sum(part * w[:, None], axis=0)
     pdl.trigger(PDL)
     res = acc / tl.where(denom > 0, denom, 1.0)
     o_ptr = out + b.to(tl.int64) * o_sb + h * o_sh + offs_dv
@@ -513,7 +525,10 @@ def decode_attention(
     fused = splits > 1 and counters is not None
     if fused:
         check_counters(counters, bsz * heads, q.device)
-    merge = merge_launch(splits, dim_v, FUSED_TILE if fused else MERGE_TILE)
+    merge = merge_launch(splits, dim_v)
+    fused_chunk = max(
+        1, min(next_pow2(splits), FUSED_TILE // (next_pow2(group) * next_pow2(dim_v)))
+    )
     _decode_split_kernel[(heads, bsz, splits)](
         q,
         k_cache,
@@ -565,8 +580,8 @@ def decode_attention(
         PDL=on,
         PRELOAD=bool(preload),
         FUSED=fused,
-        BLOCK_S=merge["BLOCK_S"],
-        CHUNK_S=merge["CHUNK_S"],
+        MERGE_G=next_pow2(group),
+        CHUNK_S=fused_chunk,
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion
         # on, the H200 fused bf16's narrowed multiply-add: 19f546b's GPU test)
@@ -593,13 +608,12 @@ def decode_attention(
     return out
 
 
-def merge_launch(splits: int, dim_v: int, tile: int | None = None) -> dict:
-    """The merge's split tiling for S splits of Dv columns: every split in one pass
-    while S x Dv fits ``tile`` (None: ``MERGE_TILE``) fp32 elements (each pass is a
-    dependent L2 round trip: one request's merge ran 5 of them at S = 66), else
-    CHUNK_S at a time (num_warps: the merge kernel's)."""
+def merge_launch(splits: int, dim_v: int) -> dict:
+    """The merge kernel's split tiling for S splits of Dv columns: every split in one
+    pass while S x Dv fits ``MERGE_TILE`` fp32 elements (each pass is a dependent L2
+    round trip: one request's merge ran 5 of them at S = 66), else CHUNK_S at a time."""
     block_s = next_pow2(splits)
-    chunk = max(1, min(block_s, (tile or MERGE_TILE) // next_pow2(dim_v)))
+    chunk = max(1, min(block_s, MERGE_TILE // next_pow2(dim_v)))
     tile = chunk * next_pow2(dim_v)
     return {"BLOCK_S": block_s, "CHUNK_S": chunk, "num_warps": 8 if tile > 4096 else 4}
 
