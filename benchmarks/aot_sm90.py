@@ -167,7 +167,7 @@ def step_kernels() -> dict[str, tuple]:
     """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
     store, the decode split (and with rope + store inside, and with the pre-wait loads
-    of one request's step too, and with the merge inside as well), its merge, the argmax's chunk and merge."""
+    of one request's step too), its merge, the argmax's chunk and merge."""
     from unikv.kernels import argmax, decode, rope_store
 
     bf16 = "*bf16"
@@ -185,16 +185,14 @@ def step_kernels() -> dict[str, tuple]:
              "v_sn": 512, "v_sh": 64, "bt_sb": 64, "o_sb": 2048, "o_sh": 64, "k_new": bf16,
              "v_new": bf16, "write_ids": "*i64", "cos": "*fp32", "sin": "*fp32",
              "pos": "*i64", "kn_sb": 3072, "kn_sh": 64, "vn_sb": 3072, "vn_sh": 64,
-             "sc0": 32, "HALF": 32, "counters": "*i32"}  # fmt: skip
+             "sc0": 32, "HALF": 32}  # fmt: skip
     block_n, warps, stages = decode.CONFIGS[64]
     split_cons = {"GROUP": 4, "BLOCK_G": 16, "D": 64, "DV": 64, "BLOCK_D": 64, "BLOCK_DV": 64,
                   "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
                   "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
                   "PRECISION": "tf32", "ROPE": False, "PDL": True,
-                  "PRELOAD": False, "FUSED": False, "MERGE_G": 1, "CHUNK_S": 1}  # fmt: skip
+                  "PRELOAD": False}  # fmt: skip
     rope_split = {**split_cons, "ROPE": True}
-    fused = {**rope_split, "PRELOAD": True, "FUSED": True, "MERGE_G": 4,
-             "CHUNK_S": decode.FUSED_TILE // (4 * 64)}  # fmt: skip
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
     merge_tiles = decode.merge_launch(66, 64)  # one request's 66 splits
@@ -213,13 +211,6 @@ def step_kernels() -> dict[str, tuple]:
             decode._decode_split_kernel,
             split,
             {**rope_split, "PRELOAD": True},
-            warps,
-            stages,
-        ),
-        "decode_split_rope_preload_fused": (
-            decode._decode_split_kernel,
-            split,
-            fused,
             warps,
             stages,
         ),

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The fifteenth session's first call: the split merge inside decode attention's split
+# The fifteenth session's first calls (the fused merge was removed after them, slower): the split merge inside decode attention's split
 # launch (decode.FUSED_MERGE) on and off, alternating twice, one request's e2e; the
 # decode GPU test of the chain (fused and not, preload and not, graphs); the breakdown
 # at the defaults; the engine's GPU tests (fp32 token-exact, graphs on and off).

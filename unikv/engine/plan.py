@@ -157,9 +157,6 @@ class StepPlanner:
         self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
         self._q_per_kv = q_per_kv
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
-        # decode attention's arrival counters (zeros; every launch leaves them so)
-        heads = max([s.spec.num_kv_heads for s in self.attention] + [1])
-        self.counters = torch.zeros(rows * heads, dtype=torch.int32, device=dev)
 
     def _workspace_numel(self) -> int:
         """fp32 elements of decode attention's workspace for every step this planner
@@ -274,7 +271,6 @@ class StepPlanner:
             max_len=max_len,
             device=self.device,
             workspace=workspace,
-            counters=self.counters if workspace is not None else None,
         )
 
     def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:

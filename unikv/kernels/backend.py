@@ -96,14 +96,11 @@ def plan_decode_triton(
     max_len: int,
     device: torch.device,
     workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> DecodePlan:
     """The split count, tile config and workspace of the Triton ``decode_attention``
     for ``batch`` requests whose visible keys number at most ``max_len`` (the block
     table's capacity, capped by the window). Host ints only: no device access.
-    workspace: None, or an fp32 buffer of >= ``workspace_numel`` elements. counters:
-    None, or int32 zeros of >= batch x num_kv_heads elements the launches leave zero:
-    with splits (and ``decode.FUSED_MERGE``) the split launch merges them itself."""
+    workspace: None, or an fp32 buffer of >= ``workspace_numel`` elements."""
     from unikv.kernels import decode
 
     splits = decode.choose_num_splits(batch, num_kv_heads, max_len, device) if batch else 1
@@ -118,9 +115,6 @@ def plan_decode_triton(
             )
         workspace = workspace[: max(need, 1)]
         launch["workspace"] = workspace
-    if counters is not None and splits > 1 and decode.FUSED_MERGE:
-        decode.check_counters(counters, batch * num_kv_heads, device)
-        launch["counters"] = counters[: batch * num_kv_heads]
     return DecodePlan(splits, need, workspace, launch)
 
 

@@ -64,29 +64,6 @@ PRELOAD_ROWS = 4
 # fp32 elements of the (splits, Dv) tile the merge reads per pass (``merge_launch``;
 # UNIKV_DECODE_MERGE_TILE, fixed at import, is the A/B switch: 1024 was 16 splits a pass)
 MERGE_TILE = int(os.environ.get("UNIKV_DECODE_MERGE_TILE", "16384"))
-# the split merge inside the split launch where the caller hands arrival counters
-# (``decode_attention(counters=)``; the step planner owns them): the last split program
-# of each (request, KV head) to finish merges that head group's splits, so no merge
-# kernel follows (UNIKV_DECODE_FUSED_MERGE=0: the merge kernel always; fixed at import,
-# the A/B switch)
-FUSED_MERGE = os.environ.get("UNIKV_DECODE_FUSED_MERGE", "1") == "1"
-# fp32 elements a pass of the merge inside the split launch reads, every head of the KV
-# head's group at once (its registers are the split kernel's; only the splits holding
-# keys are read; one request of Llama-3.2-1B at 640 keys: 10 splits, one pass)
-FUSED_TILE = 4096
-
-
-def check_counters(counters: torch.Tensor, need: int, device: torch.device) -> None:
-    """ValueError unless ``counters`` is an int32 tensor of >= ``need`` elements on
-    ``device`` (one arrival counter per request and KV head; ``cuda`` is any index)."""
-    here = counters.device
-    elsewhere = here.type != device.type or device.index not in (None, here.index)
-    if counters.dtype != torch.int32 or counters.numel() < need or elsewhere:
-        raise ValueError(
-            f"decode counters must be int32 zeros with >= {need} elements (requests x KV "
-            f"heads) on {device}, got {counters.dtype} x {counters.numel()} on "
-            f"{counters.device}; allocate them with torch.zeros(..., dtype=torch.int32)"
-        )
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
@@ -202,7 +179,6 @@ def _decode_split_kernel(
     vn_sh,
     sc0,
     HALF,
-    counters,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -220,9 +196,6 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,
-    FUSED: tl.constexpr = False,
-    MERGE_G: tl.constexpr = 1,
-    CHUNK_S: tl.constexpr = 1,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
     b = tl.program_id(1)
@@ -344,66 +317,6 @@ def _decode_split_kernel(
             mask=head_mask[:, None] & (offs_dv[None, :] < DV),
         )
         tl.store(ws_lse + row, lse, mask=head_mask)
-        if FUSED:  # the last of the request's KV-head splits to arrive merges them
-            _merge_if_last(ws_acc, ws_lse, sinks, out, counters, b, kvh, seq, first, chunk,
-                           o_sb, o_sh, GROUP, DV, BLOCK_DV, NUM_SPLITS, MERGE_G, CHUNK_S,
-                           HAS_SINKS)  # fmt: skip
-
-
-@triton.jit
-def _merge_if_last(ws_acc, ws_lse, sinks, out, counters, b, kvh, seq, first, chunk, o_sb,
-                   o_sh, GROUP: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, MERGE_G: tl.constexpr, CHUNK_S: tl.constexpr,
-                   HAS_SINKS: tl.constexpr):  # fmt: skip
-    """Count this split program's arrival at (b, kvh)'s counter once its partial rows
-    are stored (every thread's: the barrier; then the counter's release); the program
-    that arrives last (acquire) merges the GROUP heads' splits into ``out`` and leaves
-    the counter zero for the next launch. Only the splits holding keys are read, all
-    GROUP heads' rows of CHUNK_S splits in one (MERGE_G, CHUNK_S, Dv) tile a pass, the
-    lse beside the rows (one dependent L2 round trip a pass; passes merge online)."""
-    tl.debug_barrier()
-    slot = counters + b * tl.num_programs(0) + kvh
-    if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-        tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
-        used = tl.where(chunk > 0, tl.cdiv(seq - first, tl.maximum(chunk, 1)), 0)
-        offs_g = tl.arange(0, MERGE_G)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        heads = kvh * GROUP + offs_g
-        mask_g = offs_g < GROUP
-        base = (b * (GROUP * tl.num_programs(0)) + heads).to(tl.int64) * NUM_SPLITS
-        m_i = tl.full([MERGE_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([MERGE_G], tl.float32)
-        acc = tl.zeros([MERGE_G, BLOCK_DV], tl.float32)
-        for s0 in range(0, used, CHUNK_S):
-            offs_c = s0 + tl.arange(0, CHUNK_S)
-            mask = mask_g[:, None] & (offs_c < used)[None, :]
-            rows = base[:, None] + offs_c[None, :]  # (MERGE_G, CHUNK_S)
-            lse = tl.load(ws_lse + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
-            part = tl.load(
-                ws_acc + rows[:, :, None] * DV + offs_dv[None, None, :],
-                mask=mask[:, :, None] & (offs_dv < DV)[None, None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m_i, tl.max(lse, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.exp2(lse - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(w, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
-            m_i = m_new
-        if HAS_SINKS:
-            sink = tl.load(sinks + heads, mask=mask_g, other=0.0).to(tl.float32)
-            sink = sink * 1.4426950408889634
-            m_fin = tl.maximum(m_i, sink)
-            alpha = tl.exp2(m_i - m_fin)
-            l_i = l_i * alpha + tl.exp2(sink - m_fin)
-            acc = acc * alpha[:, None]
-        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptr = out + b.to(tl.int64) * o_sb + heads[:, None] * o_sh + offs_dv[None, :]
-        tl.store(
-            o_ptr, res.to(out.dtype.element_ty), mask=mask_g[:, None] & (offs_dv < DV)[None, :]
-        )
 
 
 @triton.jit
@@ -482,7 +395,6 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,
     rope: tuple | None = None,
     preload: bool | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention, one query token per request.
 
@@ -498,11 +410,8 @@ def decode_attention(
     heuristics (benchmarks). rope: ``rope_store_decode_attention``'s (k, v, write_ids,
     cos, sin, positions), checked there. preload (None: ``PRELOAD`` under PDL at most
     ``PRELOAD_ROWS`` requests): load seq_lens, the block table and each split's first
-    tile of rows but the new one before the PDL wait (the same bytes). counters: None
-    (a merge kernel follows the splits) or int32 zeros of >= B * H elements, one per
-    (request, KV head), used when there are splits: the last split program to finish
-    merges in the split launch (the same bytes) and leaves them zero; one set per
-    stream of launches (the step planner's). Returns out (B, Hq, Dv) in q's dtype.
+    tile of rows but the new one before the PDL wait (the same bytes). Returns out
+    (B, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     bsz, hq, dim = q.shape
@@ -522,13 +431,6 @@ def decode_attention(
     preload = (PRELOAD and on and bsz <= PRELOAD_ROWS) if preload is None else preload
     k_new, v_new, ids, cos, sin, positions = rope or (q, q, seq_lens, ws_acc, ws_acc, seq_lens)
     half = cos.shape[-1] if rope is not None else 0
-    fused = splits > 1 and counters is not None
-    if fused:
-        check_counters(counters, bsz * heads, q.device)
-    merge = merge_launch(splits, dim_v)
-    fused_chunk = max(
-        1, min(next_pow2(splits), FUSED_TILE // (next_pow2(group) * next_pow2(dim_v)))
-    )
     _decode_split_kernel[(heads, bsz, splits)](
         q,
         k_cache,
@@ -561,7 +463,6 @@ def decode_attention(
         v_new.stride(1),
         cos.stride(0),
         half,
-        counters if fused else seq_lens,  # never touched unless FUSED
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         D=dim,
@@ -579,16 +480,13 @@ def decode_attention(
         ROPE=rope is not None,
         PDL=on,
         PRELOAD=bool(preload),
-        FUSED=fused,
-        MERGE_G=next_pow2(group),
-        CHUNK_S=fused_chunk,
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion
         # on, the H200 fused bf16's narrowed multiply-add: 19f546b's GPU test)
         enable_fp_fusion=rope is None,
         **pdl.launch_options(on),
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         _decode_merge_kernel[(bsz, hq)](
             ws_acc,
             ws_lse,
@@ -602,7 +500,7 @@ def decode_attention(
             NUM_SPLITS=splits,
             HAS_SINKS=sinks is not None,
             PDL=on,
-            **merge,
+            **merge_launch(splits, dim_v),
             **pdl.launch_options(on),
         )
     return out
