@@ -4,7 +4,8 @@ For each shape (B, cached, new) and page size (16, 1), bf16, Hq 32 / Hkv 8 / D 1
 (``--dim 64 --shapes 16x0+512``: Llama-3.2-1B's heads and its e2e prefill chunk):
 every paged candidate tile (``extend.CANDIDATES``) and, for prompts without a cached
 prefix, every fresh-path candidate (``extend_fresh.CANDIDATES``: contiguous K/V,
-pointer or TMA loads) is checked against SDPA (max abs error) and timed with CUDA
+pointer or TMA loads) and the engine's op as the runner calls it ("engine": one prompt
+goes to SDPA's cuDNN attention, ``extend_sdpa``; several to the Triton kernel) are checked against SDPA (max abs error) and timed with CUDA
 events (median of ``--reps`` after warm-up). SDPA runs on contiguous, head-repeated
 K/V, causal (lower-right for a prefix), once with the flash backend forced (the
 ratio's denominator) and once with torch's default dispatch. Ratios are
@@ -34,6 +35,7 @@ from benchmarks.bench_kernels import DIM, HKV, HQ, OPS, PagedKV
 from benchmarks.common import environment, save_json
 from unikv.kernels import extend as extend_mod
 from unikv.kernels import extend_fresh as fresh_mod
+from unikv.kernels import extend_sdpa
 
 SHAPES = [(1, 0, 16384), (8, 4096, 512), (1, 0, 4096)]  # the headline shape first
 PAGE_SIZES = (16, 1)
@@ -171,6 +173,17 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
                 t0,
                 f"{bsz}x({cached}+{new}) fresh",
             )
+            # the engine's op as the runner calls it: one prompt goes to SDPA (cuDNN)
+            engine = lambda: OPS.extend_attention(
+                q, kv.k_cache, kv.v_cache, kv.block_table, q_indptr, kv.seq_lens,
+                max_q_len=new, page_size=ps, sm_scale=dim**-0.5, fresh_kv=(k_new, v_new),
+            )  # fmt: skip
+            res["engine"] = run_candidate(engine, ref, sdpa, args.reps, flops)
+            sdpa_path = extend_sdpa.ENABLED and extend_sdpa.takes_sdpa(
+                q, (k_new, v_new), new, 0, None, 0.0, None
+            )
+            res["engine"]["path"] = "sdpa" if sdpa_path else "triton"
+            print(f"  {bsz}x({cached}+{new}) engine: {res['engine']}", flush=True)
         kv = q = ref = None
         torch.cuda.empty_cache()
     res["best"] = {
@@ -188,6 +201,10 @@ def summary(name: str, res: dict) -> str:
     for path, pick in res["best"].items():
         rows = res["fresh"] if path == "fresh" else res["paged"][path]
         parts.append(f"{path} {pick[0]} {rows[pick[0]]['ms']:.3f} ms = {pick[1]:.2f}x SDPA")
+    engine = res.get("engine", {})
+    if "ms" in engine:
+        parts.append(f"engine ({engine['path']}) {engine['ms']:.3f} ms = "
+                     f"{engine['vs_sdpa_default']:.2f}x SDPA default")  # fmt: skip
     return " | ".join(parts)
 
 

@@ -204,3 +204,37 @@ def test_extend_fresh_against_sdpa(config):
     want = torch.cat(rows)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, paged, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dim", [128, 64])
+def test_extend_one_fresh_prompt_through_sdpa(dim):
+    """A step of one fresh prompt: the CUDA backend's op runs SDPA's fused attention
+    (no Triton attention kernel launches), against fp32 SDPA on repeated K/V and the
+    Triton fresh kernel (a tile override keeps it on Triton)."""
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from unikv.kernels import extend_sdpa
+
+    if not extend_sdpa.ENABLED:
+        pytest.skip("UNIKV_EXTEND_SDPA=0")
+    lens = [4096]
+    case = PagedCase(lens, HKV, dim, 16, dtype=torch.bfloat16, device="cuda", seed=9)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(4096, HQ, dim, generator=gen).bfloat16().cuda()
+    k = torch.cat(case.dense_k).bfloat16().cuda()
+    v = torch.cat(case.dense_v).bfloat16().cuda()
+    ops = get_backend("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        got = paged_extend(ops, case, q, lens, sm_scale=dim**-0.5, fresh_kv=(k, v))
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert not [n for n in names if "_fresh_kernel" in n or "_extend_kernel" in n], names
+    triton = paged_extend(ops, case, q, lens, sm_scale=dim**-0.5, fresh_kv=(k, v),
+                          config=FRESH_CANDIDATES[-1])  # fmt: skip
+    qh, kh, vh = (x.float().transpose(0, 1) for x in (q, k, v))
+    g = HQ // HKV
+    want = F.scaled_dot_product_attention(qh, kh.repeat_interleave(g, 0), vh.repeat_interleave(g, 0),
+                                          is_causal=True, scale=dim**-0.5).transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), triton.float(), atol=2e-2, rtol=2e-2)

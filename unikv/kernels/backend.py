@@ -124,7 +124,7 @@ def plan_decode_torch(batch: int, **geometry: object) -> DecodePlan:
     return DecodePlan()
 
 
-def _triton() -> KernelBackend:
+def _triton(cuda: bool = False) -> KernelBackend:
     from unikv.kernels._interpret import patch_interpreter
 
     patch_interpreter()
@@ -134,6 +134,7 @@ def _triton() -> KernelBackend:
         decode,
         elementwise,
         extend,
+        extend_sdpa,
         gemv,
         mla,
         mla_decode,
@@ -151,7 +152,12 @@ def _triton() -> KernelBackend:
         rope_store_kv=rope_store.rope_store_kv,
         decode_attention=decode.decode_attention,
         rope_store_decode_attention=decode.rope_store_decode_attention,
-        extend_attention=extend.extend_attention,
+        # on CUDA a step of one fresh prompt goes to SDPA (cuDNN), the rest to Triton
+        extend_attention=(
+            extend_sdpa.extend_attention
+            if cuda and extend_sdpa.ENABLED
+            else extend.extend_attention
+        ),
         copy_pages=page_copy.copy_pages,
         build_block_table=block_table.build_block_table,
         export_flashinfer=block_table.export_flashinfer,
@@ -198,7 +204,7 @@ def _torch() -> KernelBackend:
     )
 
 
-_CACHE: dict[str, KernelBackend] = {}
+_CACHE: dict[tuple[str, bool], KernelBackend] = {}  # (name, on CUDA)
 
 
 def get_backend(device: torch.device | str, backend: str | None = None) -> KernelBackend:
@@ -215,6 +221,7 @@ def get_backend(device: torch.device | str, backend: str | None = None) -> Kerne
             f"backend must be None, 'triton' or 'torch', got {name!r}; "
             "None picks Triton on CUDA and the torch references elsewhere"
         )
-    if name not in _CACHE:
-        _CACHE[name] = _triton() if name == "triton" else _torch()
-    return _CACHE[name]
+    key = (name, torch.device(device).type == "cuda")  # Triton on CUDA: extend_sdpa too
+    if key not in _CACHE:
+        _CACHE[key] = _triton(key[1]) if name == "triton" else _torch()
+    return _CACHE[key]

@@ -174,7 +174,9 @@ def _descriptor(x: torch.Tensor, block_n: int):
     return TensorDescriptor(x, [rows, heads * dim], [x.stride(0), 1], [block_n, dim])
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_indptr, sinks) -> None:
+def check_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_indptr, sinks) -> None:
+    """ValueError unless q / k / v are a fresh step's (T, H*, D) rows, q_indptr
+    (B+1,) int32 and sinks None or (Hq,) fp32, all on one device."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3 or x.stride(2) != 1 or x.dtype != q.dtype:
             raise ValueError(
@@ -226,7 +228,7 @@ def extend_attention_fresh(
     for k and v (a host decision from shapes, strides and the device), an explicit
     one must be allowed. Returns out (T, Hq, Dv) in q's dtype.
     """
-    _check(q, k, v, q_indptr, sinks)
+    check_fresh(q, k, v, q_indptr, sinks)
     num_tokens, hq, dim = q.shape
     heads, dim_v = k.shape[1], v.shape[2]
     out = out_buffer(out, (num_tokens, hq, dim_v), q)

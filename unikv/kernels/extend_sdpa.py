@@ -1,0 +1,87 @@
+"""A fresh prompt's attention through torch's SDPA (cuDNN's fused attention on Hopper).
+
+A step that holds one prompt and no cached prefix needs plain causal attention over
+the prompt's own K/V rows, which the model just computed (``extend_fresh``'s case
+with one request). There cuDNN's attention, torch SDPA's default dispatch on the
+H200, runs 1.25x the Triton fresh kernel at 16k tokens (3.59 against 4.49 ms,
+``extend_long_h200_253ceed.json``): it overlaps loads, both matmuls and the softmax
+in warp-specialised pipelines, which Triton 3.6 does not compile for sm_90a. So the
+CUDA backend's ``extend_attention`` hands such a step to SDPA, the way vLLM hands
+prefill to FlashAttention; everything else keeps the Triton kernels:
+
+    taken when   fresh_kv is given, one request (max_q_len == T), no config override,
+                 16-bit q, no window / sinks / soft-cap, D == Dv in ``DIMS``,
+                 at least ``MIN_TOKENS`` tokens
+    else         ``extend.extend_attention`` (the Triton kernels)
+
+All of it is host knowledge (dtypes, shapes, host ints): no sync. The query heads
+are grouped over the KV heads with ``enable_gqa`` (the K/V are not repeated).
+``UNIKV_EXTEND_SDPA=0`` (fixed at import; the A/B switch) keeps every step on Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from unikv.kernels import extend, extend_fresh
+from unikv.kernels._attn import check_attention_args
+from unikv.kernels._checks import out_buffer
+
+ENABLED = os.environ.get("UNIKV_EXTEND_SDPA", "1") == "1"
+DIMS = (64, 128)  # head dims cuDNN's fused attention takes on sm_90 (and the engine's)
+MIN_TOKENS = 1  # measured faster at every fresh length benchmarked (512 to 16k)
+
+
+def takes_sdpa(q: torch.Tensor, fresh_kv, max_q_len: int, window: int, sinks, soft_cap: float,
+               config) -> bool:  # fmt: skip
+    """Whether the step is one fresh prompt SDPA computes exactly as asked (host only)."""
+    if fresh_kv is None or config is not None or max_q_len != q.shape[0]:
+        return False
+    k, v = fresh_kv
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and window == 0
+        and sinks is None
+        and soft_cap == 0
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+        and q.shape[-1] in DIMS
+        and q.shape[0] >= MIN_TOKENS
+    )
+
+
+def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Causal attention of one prompt over its own rows: q (T, Hq, D), k / v (T, H, D)
+    with Hq a multiple of H -> out (T, Hq, D) in q's dtype (written into ``out`` when
+    given). Shapes are the caller's to check (``extend_attention`` here checks them as
+    ``extend_fresh`` does)."""
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+        scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    o = o.transpose(0, 1)  # (T, Hq, D)
+    if out is None:
+        return o if o.is_contiguous() else o.contiguous()
+    return out_buffer(out, tuple(o.shape), q).copy_(o)
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, q_indptr: torch.Tensor, seq_lens: torch.Tensor,
+                     *, max_q_len: int, page_size: int, sm_scale: float, window: int = 0,
+                     sinks: torch.Tensor | None = None, soft_cap: float = 0.0,
+                     out: torch.Tensor | None = None, config: tuple | None = None,
+                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """``extend.extend_attention``, with a step of one fresh prompt through SDPA
+    (``takes_sdpa``): the CUDA backend's op. Arguments and result as there."""
+    check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
+    if takes_sdpa(q, fresh_kv, max_q_len, window, sinks, soft_cap, config):
+        extend_fresh.check_fresh(q, *fresh_kv, q_indptr, sinks)
+        return fresh_attention(q, *fresh_kv, sm_scale=sm_scale, out=out)
+    return extend.extend_attention(
+        q, k_cache, v_cache, block_table, q_indptr, seq_lens, max_q_len=max_q_len,
+        page_size=page_size, sm_scale=sm_scale, window=window, sinks=sinks, soft_cap=soft_cap,
+        out=out, config=config, fresh_kv=fresh_kv,
+    )  # fmt: skip
