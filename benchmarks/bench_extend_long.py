@@ -183,6 +183,14 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
                 q, (k_new, v_new), new, 0, None, 0.0, None
             )
             res["engine"]["path"] = "sdpa" if sdpa_path else "triton"
+            if sdpa_path:  # the other way to group the KV heads (enable_gqa)
+                other = not extend_sdpa.REPEAT_KV
+                fn = lambda: extend_sdpa.fresh_attention(
+                    q, k_new, v_new, sm_scale=dim**-0.5, repeat=other
+                )
+                res["engine_other_gqa"] = run_candidate(fn, ref, sdpa, args.reps, flops)
+                res["engine_other_gqa"]["repeat"] = other
+                print(f"  engine, repeat={other}: {res['engine_other_gqa']}", flush=True)
             print(f"  {bsz}x({cached}+{new}) engine: {res['engine']}", flush=True)
         kv = q = ref = None
         torch.cuda.empty_cache()

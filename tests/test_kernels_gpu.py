@@ -230,6 +230,9 @@ def test_extend_one_fresh_prompt_through_sdpa(dim):
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages()]
     assert not [n for n in names if "_fresh_kernel" in n or "_extend_kernel" in n], names
+    # a fused attention kernel, not SDPA's math path (a softmax between two GEMMs)
+    assert not [n for n in names if "softmax" in n.lower()], names
+    assert [n for n in names if any(w in n.lower() for w in ("sdpa", "fmha", "flash"))], names
     triton = paged_extend(ops, case, q, lens, sm_scale=dim**-0.5, fresh_kv=(k, v),
                           config=FRESH_CANDIDATES[-1])  # fmt: skip
     qh, kh, vh = (x.float().transpose(0, 1) for x in (q, k, v))

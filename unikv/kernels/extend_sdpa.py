@@ -14,8 +14,10 @@ prefill to FlashAttention; everything else keeps the Triton kernels:
                  at least ``MIN_TOKENS`` tokens
     else         ``extend.extend_attention`` (the Triton kernels)
 
-All of it is host knowledge (dtypes, shapes, host ints): no sync. The query heads
-are grouped over the KV heads with ``enable_gqa`` (the K/V are not repeated).
+All of it is host knowledge (dtypes, shapes, host ints): no sync. SDPA's fused
+backends take 4-D inputs only: it gets (1, heads, T, D) views of the rows (3-D ones
+ran its math path, 199 ms at 16k, 3fa3841), and by default K/V with their heads
+repeated over the query heads (``REPEAT_KV``).
 ``UNIKV_EXTEND_SDPA=0`` (fixed at import; the A/B switch) keeps every step on Triton.
 """
 
@@ -33,6 +35,9 @@ from unikv.kernels._checks import out_buffer
 ENABLED = os.environ.get("UNIKV_EXTEND_SDPA", "1") == "1"
 DIMS = (64, 128)  # head dims cuDNN's fused attention takes on sm_90 (and the engine's)
 MIN_TOKENS = 1  # measured faster at every fresh length benchmarked (512 to 16k)
+# the KV heads repeated over their query heads before SDPA (UNIKV_EXTEND_SDPA_GQA=native:
+# SDPA's enable_gqa on the KV heads as they are; fixed at import, the A/B switch)
+REPEAT_KV = os.environ.get("UNIKV_EXTEND_SDPA_GQA", "repeat") != "native"
 
 
 def takes_sdpa(q: torch.Tensor, fresh_kv, max_q_len: int, window: int, sinks, soft_cap: float,
@@ -53,16 +58,21 @@ def takes_sdpa(q: torch.Tensor, fresh_kv, max_q_len: int, window: int, sinks, so
 
 
 def fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                    out: torch.Tensor | None = None, repeat: bool | None = None) -> torch.Tensor:  # fmt: skip
     """Causal attention of one prompt over its own rows: q (T, Hq, D), k / v (T, H, D)
     with Hq a multiple of H -> out (T, Hq, D) in q's dtype (written into ``out`` when
-    given). Shapes are the caller's to check (``extend_attention`` here checks them as
-    ``extend_fresh`` does)."""
+    given). SDPA sees (1, heads, T, D) views of the token-major rows (its fused
+    backends take 4-D inputs only); repeat (None: ``REPEAT_KV``): the KV heads
+    repeated over their query heads first, else SDPA's ``enable_gqa``. Shapes are the
+    caller's to check (``extend_attention`` here checks them as ``extend_fresh`` does)."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1 and (REPEAT_KV if repeat is None else repeat):
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-        scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1],
+        q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
+        is_causal=True, scale=sm_scale, enable_gqa=q.shape[1] != k.shape[1],
     )  # fmt: skip
-    o = o.transpose(0, 1)  # (T, Hq, D)
+    o = o[0].transpose(0, 1)  # (T, Hq, D)
     if out is None:
         return o if o.is_contiguous() else o.contiguous()
     return out_buffer(out, tuple(o.shape), q).copy_(o)
