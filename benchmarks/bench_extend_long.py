@@ -4,8 +4,9 @@ For each shape (B, cached, new) and page size (16, 1), bf16, Hq 32 / Hkv 8 / D 1
 (``--dim 64 --shapes 16x0+512``: Llama-3.2-1B's heads and its e2e prefill chunk):
 every paged candidate tile (``extend.CANDIDATES``) and, for prompts without a cached
 prefix, every fresh-path candidate (``extend_fresh.CANDIDATES``: contiguous K/V,
-pointer or TMA loads) and the engine's op as the runner calls it ("engine": one prompt
-goes to SDPA's cuDNN attention, ``extend_sdpa``; several to the Triton kernel) are checked against SDPA (max abs error) and timed with CUDA
+pointer or TMA loads), the engine's op as the runner calls it ("engine") and, for one
+prompt, ``extend_sdpa``'s SDPA op (cuDNN; KV heads grouped by ``enable_gqa`` or
+repeated) are checked against SDPA (max abs error) and timed with CUDA
 events (median of ``--reps`` after warm-up). SDPA runs on contiguous, head-repeated
 K/V, causal (lower-right for a prefix), once with the flash backend forced (the
 ratio's denominator) and once with torch's default dispatch. Ratios are
@@ -173,25 +174,22 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
                 t0,
                 f"{bsz}x({cached}+{new}) fresh",
             )
-            # the engine's op as the runner calls it: one prompt goes to SDPA (cuDNN)
+            # the engine's op as the runner calls it (one prompt: SDPA where enabled)
             engine = lambda: OPS.extend_attention(
                 q, kv.k_cache, kv.v_cache, kv.block_table, q_indptr, kv.seq_lens,
                 max_q_len=new, page_size=ps, sm_scale=dim**-0.5, fresh_kv=(k_new, v_new),
             )  # fmt: skip
             res["engine"] = run_candidate(engine, ref, sdpa, args.reps, flops)
-            sdpa_path = extend_sdpa.ENABLED and extend_sdpa.takes_sdpa(
-                q, (k_new, v_new), new, 0, None, 0.0, None
-            )
-            res["engine"]["path"] = "sdpa" if sdpa_path else "triton"
-            if sdpa_path:  # the other way to group the KV heads (enable_gqa)
-                other = not extend_sdpa.REPEAT_KV
-                fn = lambda: extend_sdpa.fresh_attention(
-                    q, k_new, v_new, sm_scale=dim**-0.5, repeat=other
-                )
-                res["engine_other_gqa"] = run_candidate(fn, ref, sdpa, args.reps, flops)
-                res["engine_other_gqa"]["repeat"] = other
-                print(f"  engine, repeat={other}: {res['engine_other_gqa']}", flush=True)
+            fits = extend_sdpa.takes_sdpa(q, (k_new, v_new), new, 0, None, 0.0, None)
+            res["engine"]["path"] = "sdpa" if extend_sdpa.ENABLED and fits else "triton"
             print(f"  {bsz}x({cached}+{new}) engine: {res['engine']}", flush=True)
+            for repeat in (False, True) if fits else ():  # the SDPA op, enabled or not
+                fn = lambda: extend_sdpa.fresh_attention(
+                    q, k_new, v_new, sm_scale=dim**-0.5, repeat=repeat
+                )
+                name = "sdpa_op_repeat" if repeat else "sdpa_op_gqa"
+                res[name] = run_candidate(fn, ref, sdpa, args.reps, flops)
+                print(f"  {bsz}x({cached}+{new}) {name}: {res[name]}", flush=True)
         kv = q = ref = None
         torch.cuda.empty_cache()
     res["best"] = {

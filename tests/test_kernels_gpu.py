@@ -208,23 +208,24 @@ def test_extend_fresh_against_sdpa(config):
 
 @pytest.mark.parametrize("dim", [128, 64])
 def test_extend_one_fresh_prompt_through_sdpa(dim):
-    """A step of one fresh prompt: the CUDA backend's op runs SDPA's fused attention
-    (no Triton attention kernel launches), against fp32 SDPA on repeated K/V and the
-    Triton fresh kernel (a tile override keeps it on Triton)."""
+    """A step of one fresh prompt through ``extend_sdpa``'s op (the CUDA backend's
+    where ``UNIKV_EXTEND_SDPA=1``): SDPA's fused attention runs (no Triton attention
+    kernel, no softmax kernel), against fp32 SDPA on repeated K/V and the Triton fresh
+    kernel (a tile override keeps the op on Triton)."""
+    import dataclasses
+
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
     from unikv.kernels import extend_sdpa
 
-    if not extend_sdpa.ENABLED:
-        pytest.skip("UNIKV_EXTEND_SDPA=0")
     lens = [4096]
     case = PagedCase(lens, HKV, dim, 16, dtype=torch.bfloat16, device="cuda", seed=9)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(4096, HQ, dim, generator=gen).bfloat16().cuda()
     k = torch.cat(case.dense_k).bfloat16().cuda()
     v = torch.cat(case.dense_v).bfloat16().cuda()
-    ops = get_backend("cuda")
+    ops = dataclasses.replace(get_backend("cuda"), extend_attention=extend_sdpa.extend_attention)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         got = paged_extend(ops, case, q, lens, sm_scale=dim**-0.5, fresh_kv=(k, v))
         torch.cuda.synchronize()

@@ -3,10 +3,10 @@
 A step that holds one prompt and no cached prefix needs plain causal attention over
 the prompt's own K/V rows, which the model just computed (``extend_fresh``'s case
 with one request). There cuDNN's attention, torch SDPA's default dispatch on the
-H200, runs 1.25x the Triton fresh kernel at 16k tokens (3.59 against 4.49 ms,
-``extend_long_h200_253ceed.json``): it overlaps loads, both matmuls and the softmax
+H200, ran 1.26x the Triton fresh kernel at 16k tokens (3.55 against 4.46 ms,
+``extend_long_h200_5ff46ff.json``): it overlaps loads, both matmuls and the softmax
 in warp-specialised pipelines, which Triton 3.6 does not compile for sm_90a. So the
-CUDA backend's ``extend_attention`` hands such a step to SDPA, the way vLLM hands
+CUDA backend's ``extend_attention`` can hand such a step to SDPA, the way vLLM hands
 prefill to FlashAttention; everything else keeps the Triton kernels:
 
     taken when   fresh_kv is given, one request (max_q_len == T), no config override,
@@ -18,7 +18,14 @@ All of it is host knowledge (dtypes, shapes, host ints): no sync. SDPA's fused
 backends take 4-D inputs only: it gets (1, heads, T, D) views of the rows (3-D ones
 ran its math path, 199 ms at 16k, 3fa3841), with ``enable_gqa`` over the KV heads
 (``REPEAT_KV``: repeated first instead).
-``UNIKV_EXTEND_SDPA=0`` (fixed at import; the A/B switch) keeps every step on Triton.
+
+**Off by default** (``UNIKV_EXTEND_SDPA=1`` turns it on; fixed at import). torch's
+cuDNN attention builds and caches an execution graph per sequence length unless
+``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` (torch's opt-in ragged path for this BSHD
+layout), and a graph build has been reported at tens to hundreds of milliseconds. The
+benchmarks above repeat one length; a server sees a new length with nearly every
+prompt. Until the first call of new lengths is measured on the H200, with and without
+that switch (``benchmarks/bench_extend_sdpa_lengths.py``), every step stays on Triton.
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ from unikv.kernels import extend, extend_fresh
 from unikv.kernels._attn import check_attention_args
 from unikv.kernels._checks import out_buffer
 
-ENABLED = os.environ.get("UNIKV_EXTEND_SDPA", "1") == "1"
+ENABLED = os.environ.get("UNIKV_EXTEND_SDPA", "0") == "1"
 DIMS = (64, 128)  # head dims cuDNN's fused attention takes on sm_90 (and the engine's)
-MIN_TOKENS = 1  # measured faster at every fresh length benchmarked (512 to 16k)
+MIN_TOKENS = 1  # faster than the Triton kernel at both lengths benchmarked, 4k and 16k
 # SDPA's enable_gqa over the KV heads as they are (cuDNN takes it), or the KV heads
 # repeated over their query heads first (UNIKV_EXTEND_SDPA_GQA=repeat; fixed at import,
 # the A/B switch): 3.55 against 3.62 ms at 16k, 0.257 against 0.330 at 4k (5ff46ff)
