@@ -33,7 +33,6 @@ def child(lengths: list[int], dim: int) -> dict:
     """{"sdpa": [[T, first_ms, second_ms], ...], "triton": [...]} in this process."""
     import torch
 
-    sys.path.insert(0, ROOT)
     from unikv.kernels import extend_fresh, extend_sdpa
 
     def wall(fn) -> float:

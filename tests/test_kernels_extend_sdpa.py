@@ -90,12 +90,15 @@ def test_bad_fresh_rows_are_refused_before_sdpa():
         _call(extend_sdpa.extend_attention, q[:, :7], k, v, case, indptr, 12)
 
 
-def test_the_cuda_backend_routes_through_it():
-    """The Triton backend built for CUDA carries this op; for the CPU interpreter the
-    Triton kernel itself (``get_backend`` decides once, per device type)."""
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cuda_backend_routes_through_it_when_enabled(monkeypatch, enabled):
+    """The Triton backend built for CUDA carries the SDPA op only with
+    ``UNIKV_EXTEND_SDPA=1``; the one built for the CPU interpreter never does
+    (``get_backend`` decides once, per device type)."""
     from unikv.kernels import backend
 
-    assert backend._triton(cuda=True).extend_attention is (
-        extend_sdpa.extend_attention if extend_sdpa.ENABLED else extend.extend_attention
-    )
+    monkeypatch.setattr(extend_sdpa, "ENABLED", enabled)
+    want = extend_sdpa.extend_attention if enabled else extend.extend_attention
+    assert backend._triton(cuda=True).extend_attention is want
+    assert backend._triton(cuda=False).extend_attention is extend.extend_attention
     assert TRITON.extend_attention is extend.extend_attention

@@ -94,11 +94,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
     """``extend.extend_attention``, with a step of one fresh prompt through SDPA
     (``takes_sdpa``): the CUDA backend's op. Arguments and result as there."""
-    check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     if takes_sdpa(q, fresh_kv, max_q_len, window, sinks, soft_cap, config):
+        check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
         extend_fresh.check_fresh(q, *fresh_kv, q_indptr, sinks)
         return fresh_attention(q, *fresh_kv, sm_scale=sm_scale, out=out)
-    return extend.extend_attention(
+    return extend.extend_attention(  # checks its arguments itself
         q, k_cache, v_cache, block_table, q_indptr, seq_lens, max_q_len=max_q_len,
         page_size=page_size, sm_scale=sm_scale, window=window, sinks=sinks, soft_cap=soft_cap,
         out=out, config=config, fresh_kv=fresh_kv,
