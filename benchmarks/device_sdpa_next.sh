@@ -8,6 +8,10 @@
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/sdpa_next_res /tmp/sdpa_next_out
 step lengths 120 python3 benchmarks/bench_extend_sdpa_lengths.py --out $R/extend_sdpa_lengths.json
+step extlong_avoid 100 env UNIKV_EXTEND_SDPA=1 TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 \
+  python3 benchmarks/bench_extend_long.py --shapes 1x0+16384,1x0+16000,1x0+4096 --budget-s 45 \
+  --out $R/extend_long_avoid.json
+grep -E "SUMMARY|engine|sdpa" "$R/logs/extlong_avoid.log" | tee -a "$R/summary.txt"
 step sdpa_tests 60 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_kernels_gpu.py \
   -k "sdpa"
 step engine_bf16 150 env UNIKV_EXTEND_SDPA=1 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
