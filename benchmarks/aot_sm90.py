@@ -63,7 +63,7 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
         elif name not in nospec and value == 1:
             sig[name], cons[name] = "constexpr", 1
         else:
-            sig[name] = "i32"
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"  # as the JIT types it
             if name not in nospec and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
@@ -140,21 +140,24 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
 def gemv_kernels() -> dict[str, tuple]:
     """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
     by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
-    a residual, and with the embedding gathered inside), each as the Hopper launch compiles it (PDL on: the wait and the
+    a residual, and with the embedding gathered inside), the LM head with the greedy
+    argmax inside, each as the Hopper launch compiles it (PDL on: the wait and the
     trigger)."""
     from unikv.kernels import gemv
 
     block_n, block_k, warps, stages = gemv.CONFIG
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr",
                                  "r_out_ptr")}  # fmt: skip
-    ptrs["ids_ptr"] = "*i64"
+    ptrs["ids_ptr"] = ptrs["keys_ptr"] = "*i64"
     base = {"M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages,
             "EVEN_K": True, "HAS_BIAS": False, "ACT": False, "NORM": False, "HAS_RES": False,
-            "GATHER": False, "PDL": True}  # fmt: skip
+            "GATHER": False, "ARGMAX": False, "PDL": True}  # fmt: skip
     cases = {"qkv": (3072, 2048, {}), "down_silu": (2048, 8192, {"ACT": True}),
              "qkv_norm": (3072, 2048, {"NORM": True}),
              "qkv_add_norm": (3072, 2048, {"NORM": True, "HAS_RES": True}),
-             "qkv_embed_norm": (3072, 2048, {"NORM": True, "GATHER": True})}  # fmt: skip
+             "qkv_embed_norm": (3072, 2048, {"NORM": True, "GATHER": True}),
+             "lm_head_norm_argmax": (128256, 2048, {"NORM": True, "HAS_RES": True,
+                                                     "ARGMAX": True})}  # fmt: skip
     out = {}
     for name, (n, k, flags) in cases.items():
         values = {**ptrs, "N": n, "K": k, "s_xm": 2 * k if flags.get("ACT") else k,
@@ -167,7 +170,7 @@ def step_kernels() -> dict[str, tuple]:
     """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
     store, the decode split (and with rope + store inside, and with the pre-wait loads
-    of one request's step too), its merge, the argmax's chunk and merge."""
+    of one request's step too), its merge, the argmax's chunk and merge, and the fused argmax's finish."""
     from unikv.kernels import argmax, decode, rope_store
 
     bf16 = "*bf16"
@@ -203,6 +206,7 @@ def step_kernels() -> dict[str, tuple]:
     pick = {"best_v": "*fp32", "best_i": "*i32", "out": "*i64", "V": 128256, "splits": 126}
     chunk_cons = {"DIRECT": False, "BLOCK": argmax.BLOCK, "PDL": True}
     pick_cons = {"BLOCK_S": argmax.MERGE_BLOCK, "PDL": True}
+    finish = {"keys": "*i64", "out": "*i64", "rows": 1, "init": argmax.KEY_INIT}
     return {
         "rope_store": (rope_store._rope_store_kv_kernel, rope, rope_cons, 4, 3),
         "decode_split": (decode._decode_split_kernel, split, split_cons, warps, stages),
@@ -223,6 +227,7 @@ def step_kernels() -> dict[str, tuple]:
         ),
         "argmax_chunk": (argmax._argmax_chunk_kernel, chunk, chunk_cons, 4, 3),
         "argmax_merge": (argmax._argmax_merge_kernel, pick, pick_cons, 1, 3),
+        "argmax_finish": (argmax._argmax_finish_kernel, finish, {"BLOCK": 16, "PDL": True}, 1, 3),
     }
 
 

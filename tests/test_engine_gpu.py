@@ -95,9 +95,11 @@ def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     """``one``: a single request, whose decode steps run the Triton GEMV
     (``kernels/gemv.py``, SwiGLU fused into the down projection) inside the graphs;
     the per-token checks hold, and the GEMV ran at start-up (graph capture: nothing
-    else calls it before the first step)."""
+    else calls it before the first step). Both: every token is the first argmax of
+    the logits its step returned, and the one-request greedy graph took its argmax
+    from the LM head's GEMV (``argmax.finish_keys`` captured)."""
     from unikv.engine import SamplingParams
-    from unikv.kernels import gemv
+    from unikv.kernels import argmax, gemv
 
     arch, _ = saved
     hf16, hf32, prompts = refs.model(torch.bfloat16), refs.model(torch.float32), _prompts()
@@ -106,6 +108,8 @@ def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     launches = []
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    finishes, finish = [], argmax.finish_keys
+    monkeypatch.setattr(argmax, "finish_keys", lambda *a: finishes.append(1) or finish(*a))
     rows = {}
 
     def record(llm, batch, logits):
@@ -116,6 +120,7 @@ def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     llm = gpu_llm(refs.path, torch.bfloat16)
     assert llm.runner.graphs is not None
     assert launches, "the one-request graphs never launched the GEMV"
+    assert finishes, "the one-request greedy graph took its argmax after the LM head"
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=record)
     first = llm._next_id - len(outputs)
     greedy16 = refs.greedy([o.prompt_ids for o in outputs], NEW_TOKENS, torch.bfloat16)
@@ -127,6 +132,7 @@ def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
         for j, token in enumerate(out.output_ids):
             p = len(out.prompt_ids) + j
             ours = rows[(first + k, p)]
+            assert token == int(ours.argmax()), f"request {k} token {j}: not its logits' argmax"
             ours_err.append((ours - ref32[p - 1]).abs().max().item())
             hf_err.append((ref16[p - 1] - ref32[p - 1]).abs().max().item())
             if arch == "gpt_oss":

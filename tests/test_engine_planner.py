@@ -180,18 +180,21 @@ def test_triton_store_and_one_decode_plan_per_step(llama, monkeypatch):
 class CPUGraphs(DecodeGraphs):
     """DecodeGraphs with capture and replay done eagerly: each size's plan is
     built once at capture, over an empty batch, and replayed as it is (the greedy
-    graphs' argmax after the forward)."""
+    graphs' forward_greedy)."""
 
-    def _capture(self, forward, planner, argmax) -> None:
-        self.forward, self.argmax, self.plans, self.replays = forward, argmax, {}, Counter()
+    def _capture(self, forward, planner, forward_greedy) -> None:
+        self.forward, self.forward_greedy, self.plans, self.replays = (
+            forward, forward_greedy, {}, Counter()
+        )  # fmt: skip
         for rows in self.sizes:
             self.plans[rows] = planner.plan(Batch(), rows=rows)
 
     def replay(self, rows: int, greedy: bool = False):
         assert not greedy or self.has_greedy(rows), "the runner asks for graphs that exist"
         self.replays[rows, greedy] += 1
-        logits = self.forward(self.plans[rows])
-        return logits, (self.argmax(logits) if greedy else None)
+        if greedy:
+            return self.forward_greedy(self.plans[rows])
+        return self.forward(self.plans[rows]), None
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt_oss", "qwen3_5"])
@@ -212,7 +215,7 @@ def test_graph_replay_over_the_planners_buffers(family, monkeypatch, greedy_rows
     monkeypatch.setattr(graphs, "GREEDY_ROWS", greedy_rows)
     llm = LLM(family.path, device="cpu", page_size=4, max_model_len=64, max_num_seqs=8)
     runner = llm.runner
-    runner.graphs = CPUGraphs(runner.forward, runner.planner, 8, argmax=runner.backend.argmax)
+    runner.graphs = CPUGraphs(runner.forward, runner.planner, 8, runner.forward_greedy)
     max_tokens = [10, 2, 10, 10]
     params = [SamplingParams(max_tokens=n) for n in max_tokens]
     outputs = llm.generate(family.prompts, params)

@@ -194,6 +194,65 @@ def test_gemv_table_from_the_environment(tmp_path):
             gemv._table_from(bad)
 
 
+def _argmax_cases(g: torch.Generator, dtype: torch.dtype) -> list:
+    """(x, w) pairs over 37 output rows (5 programs of 8, the last partial): random;
+    equal maxima in different programs (rows 3 and 20); a -0.0 maximum before a +0.0
+    one (rows 2 and 5, the rest negative); every logit negative with the maximum in
+    the last partial program (row 36); one row per argument m."""
+    cases = []
+    for m in (1, 3):
+        cases.append((torch.randn(m, 64, generator=g), torch.randn(37, 64, generator=g)))
+    x, w = torch.ones(1, 64), torch.randn(37, 64, generator=g) - 3
+    w[3], w[20] = 1.0, 1.0
+    cases.append((x, w))
+    w = torch.full((37, 64), -1.0)
+    w[2], w[5] = -0.0, 0.0
+    cases.append((x, w))
+    w = torch.rand(37, 64, generator=g) + 1
+    w[36] = 0.5
+    cases.append((-x, w))
+    return [(a.to(dtype), b.to(dtype)) for a, b in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_argmax_is_the_first_maximum_of_the_logits(dtype):
+    """The greedy argmax inside the GEMV (``argmax_out``): each row's token is
+    ``torch.argmax`` of the logits the same call returned (the first maximal index),
+    over ties across programs, signed zeros and all-negative rows; the key buffer is
+    reset after each call (the cases run in sequence on one buffer, the last three
+    maxima falling, 64 then 0 then -32: a stale key would win)."""
+    g = torch.Generator().manual_seed(9)
+    nw = torch.ones(64).to(dtype)
+    for x, w in _argmax_cases(g, dtype):
+        tokens = torch.full((x.shape[0],), -7, dtype=torch.int64)
+        y, _ = gemv.gemv(x, w, config=(8, 32, 4, 2), norm=(None, nw, 1e-5, 0.0),
+                         argmax_out=tokens)  # fmt: skip
+        assert torch.equal(tokens, y.float().argmax(dim=-1)), (tokens, y)
+    with pytest.raises(ValueError, match=r"\(1,\) int64"):
+        gemv.gemv(x, w, argmax_out=torch.zeros(1, dtype=torch.int32))
+
+
+def test_backend_norm_linear_argmax_routes_by_rows():
+    """``add_rms_norm_linear_argmax`` of the Triton backend against the torch backend's
+    (the norm, F.linear, then ``argmax``) at one row (the GEMV's epilogue) and at more
+    than ROUTE_ROWS (``argmax.argmax`` after the product), with a residual."""
+    from unikv.kernels.backend import get_backend
+
+    tri, ref = get_backend("cpu", "triton"), get_backend("cpu", "torch")
+    g = torch.Generator().manual_seed(5)
+    nw = (1 + 0.1 * torch.randn(64, generator=g)).bfloat16()
+    w = torch.randn(50, 64, generator=g).bfloat16()
+    for rows in (1, gemv.ROUTE_ROWS + 2):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        res = torch.randn(rows, 64, generator=g).bfloat16()
+        want, want_res, want_tok = ref.add_rms_norm_linear_argmax(x, res.clone(), nw, 1e-5, w)
+        got, got_res, got_tok = tri.add_rms_norm_linear_argmax(x, res.clone(), nw, 1e-5, w)
+        assert torch.equal(got_res, want_res)
+        assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+        assert torch.equal(got_tok, got.float().argmax(dim=-1)), rows
+        assert torch.equal(want_tok, want.float().argmax(dim=-1)), rows
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cfg", gemv.CANDIDATES)
@@ -233,3 +292,25 @@ def test_gemv_gather_on_the_gpu():
         want, _ = gemv.gemv(table[ids], w, norm=(None, nw, 1e-5, 0.0))
         got, rows = gemv.gemv(table, w, norm=(None, nw, 1e-5, 0.0), gather=ids)
         assert torch.equal(got, want) and torch.equal(rows, table[ids])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemv_argmax_on_the_gpu():
+    """The argmax inside the LM head's GEMV on the GPU (PDL on, the atomics racing) at
+    Llama-3.2-1B's vocabulary: ``torch.argmax`` of the logits it returned, for random
+    rows and for a maximum planted twice (the first copy wins) in programs far apart."""
+    g = torch.Generator().manual_seed(12)
+    w = (0.02 * torch.randn(128256, 2048, generator=g)).bfloat16().cuda()
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).bfloat16().cuda()
+    for trial in range(4):
+        x = torch.randn(1, 2048, generator=g).bfloat16().cuda()
+        if trial >= 2:  # a planted maximum in rows 100001 and 777 (trial 3: 5 and 100001)
+            w[[777, 100001, 5]] = w[0]
+            first = 777 if trial == 2 else 5
+            w[first] = w[100001] = x[0] * 4
+        tokens = torch.empty(1, dtype=torch.int64, device="cuda")
+        y, _ = gemv.gemv(x, w, norm=(None, nw, 1e-5, 0.0), argmax_out=tokens)
+        assert torch.equal(tokens, y.float().argmax(dim=-1)), trial
+        if trial >= 2:
+            assert tokens.item() == (777 if trial == 2 else 5)

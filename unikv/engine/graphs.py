@@ -7,10 +7,12 @@ rows=R)`` reads that batch: translation, padding and placeholder tokens all
 happen in the planner, outside the graph.
 
 Sizes of at most ``GREEDY_ROWS`` rows get a second graph with the greedy argmax
-captured after the forward, for all-greedy batches: its first launch then overlaps
-the LM head's tail (PDL) instead of waiting for a launch after the graph (one
-request's step: two launches of 6 us). Its tokens live in the graph's own buffer,
-rewritten by its next replay.
+captured with the forward (``forward_greedy``), for all-greedy batches: inside the
+LM head's GEMV where the model and backend fuse it (one request: the GEMV's
+programs pack their best logits into one key per row, and one launch unpacks it),
+else a launch after the head that overlaps its tail (PDL), instead of waiting for
+a launch after the graph (one request's step: two launches of 6 us). Its tokens
+live in the graph's own buffer, rewritten by its next replay.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class DecodeGraphs:
         forward: the runner's forward, StepPlan -> fp32 logits (R, vocab).
         planner: the StepPlanner whose buffers the graphs read.
         max_batch: the largest decode batch run under a graph (<= planner.max_seqs).
-        argmax: logits (R, vocab) -> (R,) int64, the greedy sampler captured after
-            the forward at sizes of at most ``GREEDY_ROWS`` rows (None: none).
+        forward_greedy: StepPlan -> (logits (R, vocab), (R,) int64 greedy tokens),
+            captured at sizes of at most ``GREEDY_ROWS`` rows (None: none).
     """
 
     def __init__(
@@ -52,24 +54,23 @@ class DecodeGraphs:
         forward: Callable[[StepPlan], torch.Tensor],
         planner: StepPlanner,
         max_batch: int,
-        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        forward_greedy: Callable[[StepPlan], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         self.sizes = graph_batch_sizes(max_batch)
-        self.greedy_sizes = [r for r in self.sizes if r <= GREEDY_ROWS] if argmax else []
+        self.greedy_sizes = [r for r in self.sizes if r <= GREEDY_ROWS] if forward_greedy else []
         self.device = planner.device
         # (rows, greedy) -> (graph, logits, tokens or None)
         self.graphs: dict[tuple[int, bool], tuple] = {}
-        self._capture(forward, planner, argmax)
+        self._capture(forward, planner, forward_greedy)
 
     @torch.inference_mode()
-    def _capture(self, forward, planner: StepPlanner, argmax) -> None:
+    def _capture(self, forward, planner: StepPlanner, forward_greedy) -> None:
         pool, stream = None, torch.cuda.current_stream(self.device)
         cases = [(r, False) for r in self.sizes] + [(r, True) for r in self.greedy_sizes]
         for rows, greedy in sorted(cases, reverse=True):
 
             def run(plan, greedy=greedy):
-                logits = forward(plan)
-                return logits, (argmax(logits) if greedy else None)
+                return forward_greedy(plan) if greedy else (forward(plan), None)
 
             plan = planner.plan(Batch(), rows=rows)
             side = torch.cuda.Stream(self.device)

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 # CUDA: the sampled tokens' copy to the host on a side stream (UNIKV_SIDE_READBACK=0:
 # on the step's stream; fixed at import, the A/B switch)
 SIDE_READBACK = os.environ.get("UNIKV_SIDE_READBACK", "1") == "1"
+# greedy graphs: the argmax inside the model's LM head where it fuses one
+# (UNIKV_GREEDY_IN_HEAD=0: the backend's argmax after the forward; fixed at import,
+# the A/B switch)
+GREEDY_IN_HEAD = os.environ.get("UNIKV_GREEDY_IN_HEAD", "1") == "1"
 
 
 def layer_caches(
@@ -146,12 +150,16 @@ class ModelRunner:
         self._readback = self._pinned_readback if self._pin else self._direct_readback
         self._copy_stream = torch.cuda.Stream(self.device) if self._pin and SIDE_READBACK else None
         self._launches = 0
+        # the model's forward returns (logits, greedy tokens) when asked (decided once)
+        self._fused_greedy = (
+            GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
+        )
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(
-                self.forward, self.planner, max_graph_batch, argmax=backend.argmax
+                self.forward, self.planner, max_graph_batch, forward_greedy=self.forward_greedy
             )
 
     # -- running -------------------------------------------------------------------
@@ -164,6 +172,17 @@ class ModelRunner:
         # a decode step's rows are its requests' last tokens: no gather before the head
         rows = None if plan.is_decode else plan.logits_indices
         return self.model(plan.input_ids, plan.positions, attn, rows)
+
+    @torch.inference_mode()
+    def forward_greedy(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's (fp32 logits (B, vocab), (B,) int64 greedy tokens): the
+        argmax inside the model's LM head where it fuses one (``greedy=True``), else
+        the backend's argmax after ``forward``."""
+        if not self._fused_greedy:
+            logits = self.forward(plan)
+            return logits, self.backend.argmax(logits)
+        attn = DecodeAttention(self.layers, plan, self.backend, self.sm_scale, self.states)
+        return self.model(plan.input_ids, plan.positions, attn, None, greedy=True)
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> tuple[list[int], torch.Tensor]:

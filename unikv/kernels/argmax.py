@@ -7,6 +7,14 @@ CUDA graph may hold it), one program a chunk keeps the best (value, first
 index) of each lane, and a second launch picks, per row, the largest value and
 the smallest index holding it: the first maximal index, as ``torch.argmax``
 returns. With S == 1 the first launch writes the result itself.
+
+A GEMV that computes the logits can take the first launch's place
+(``gemv``'s ``argmax_out``, one request's LM head): each of its programs packs
+its best (value, first index) into one int64 ``pack_key`` orders as the pair,
+(value, then the smaller index), and ``atomic_max``-es it into a per-row key;
+``finish_keys`` unpacks the keys into the tokens and resets them. The keys live
+in ``argmax_keys``'s buffer, one per (device, rows), at ``KEY_INIT`` between
+calls; calls on one device run on one stream (the engine's), never two at once.
 """
 
 from __future__ import annotations
@@ -21,6 +29,61 @@ from unikv.kernels._checks import device_sms
 BLOCK = 1024  # logits a program reads per iteration
 PROGRAMS_PER_SM = 8  # split rows until about this many programs per SM
 MERGE_BLOCK = 128  # chunk results the merge reads per iteration
+KEY_INIT = torch.iinfo(torch.int64).min  # below every packed key
+LOW = tl.constexpr(0xFFFFFFFF)  # the packed key's low half: LOW - index
+
+
+@triton.jit
+def pack_key(v, idx, n):
+    """The best (value, first index) of a block, packed into one int64 whose signed
+    order is the pair's: the value's (-0.0 taken as +0.0), then the smaller index.
+    v: fp32 candidates (-inf off the block), idx: their int32 indices, n: the
+    vocabulary (a block without a lane equal to its maximum, a NaN, keeps n - 1)."""
+    peak = tl.max(v, axis=0)
+    first = tl.min(tl.where(v == peak, idx, n - 1), axis=0)
+    peak = tl.where(peak == 0.0, 0.0, peak)
+    bits = peak.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed order of the floats
+    return (order.to(tl.int64) << 32) + (LOW - first.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["rows", "init"])
+def _argmax_finish_kernel(keys, out, rows, init, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    mask = i < rows
+    pdl.wait(PDL)
+    key = tl.load(keys + i, mask=mask, other=0)
+    tl.store(out + i, LOW - (key & LOW), mask=mask)
+    tl.store(keys + i, tl.zeros([BLOCK], tl.int64) + init, mask=mask)
+
+
+_KEYS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def argmax_keys(rows: int, device: torch.device) -> torch.Tensor:
+    """The (rows,) int64 key buffer of fused argmaxes on ``device``, at ``KEY_INIT``
+    (made on first use, which must not be inside a CUDA graph capture: warm up first)."""
+    key = (torch.device(device), rows)
+    keys = _KEYS.get(key)
+    if keys is None:
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the fused argmax's key buffer for {rows} rows is made on first use, "
+                "outside a CUDA graph capture; run the step once before capturing it"
+            )
+        keys = _KEYS[key] = torch.full((rows,), KEY_INIT, dtype=torch.int64, device=device)
+    return keys
+
+
+def finish_keys(keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (rows,) int64 = the indices packed in ``keys`` (``pack_key``), and the keys
+    reset to ``KEY_INIT``: one launch after the kernel that filled them."""
+    on = pdl.enabled(keys)
+    _argmax_finish_kernel[(1,)](
+        keys, out, keys.numel(), KEY_INIT, BLOCK=max(16, triton.next_power_of_2(keys.numel())),
+        PDL=on, num_warps=1, **pdl.launch_options(on),
+    )  # fmt: skip
+    return out
 
 
 @triton.jit(do_not_specialize=["s_row", "V", "chunk", "splits"])  # one compile per DIRECT

@@ -28,7 +28,8 @@ RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
 SAMPLING_OPS = ("argmax",)
-LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear")
+LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
+              "add_rms_norm_linear_argmax")  # fmt: skip
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
        + LINEAR_OPS)  # fmt: skip
 
@@ -64,6 +65,7 @@ class KernelBackend:
     silu_mul_linear: Op
     add_rms_norm_linear: Op
     embed_rms_norm_linear: Op
+    add_rms_norm_linear_argmax: Op
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"

@@ -129,6 +129,17 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     return torch.nn.functional.linear(h, weight, bias), residual
 
 
+def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
+                               norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None, *, offset: float = 0.0,
+                               weight_in_fp32: bool = False):  # fmt: skip
+    """``add_rms_norm_linear``'s (logits, x + residual) and each row's greedy token:
+    (logits, summed, logits.argmax(-1))."""
+    y, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, offset=offset,
+                                    weight_in_fp32=weight_in_fp32)  # fmt: skip
+    return y, summed, y.argmax(dim=-1)
+
+
 def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
                           eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                           *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip

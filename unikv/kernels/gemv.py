@@ -18,9 +18,13 @@ the H200: one request's ITL 0.978 / 0.965 ms against 0.906, 19f546b; removed.)
 
 With GATHER, x is an embedding table and row m is token ``ids[m]``'s: the model's
 embedding inside its first GEMV's loads (program 0 writes the rows out, the residual).
+With ARGMAX (the LM head of a greedy step), each program also packs its best logit
+and index into row m's key (``argmax.pack_key``, one atomic max a program); one
+launch after the GEMV unpacks the keys into tokens (``argmax.finish_keys``), in place
+of the argmax's two launches over the logits.
 
-``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` / ``embed_rms_norm_linear``
-are the backend ops: the kernel for 2-D 16-bit
+``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` / ``embed_rms_norm_linear`` /
+``add_rms_norm_linear_argmax`` are the backend ops: the kernel for 2-D 16-bit
 inputs of at most ``ROUTE_ROWS`` rows (the rows the H200 measured it faster than
 cuBLAS at, ``benchmarks/bench_gemv.py``), ``F.linear`` otherwise (a host decision
 from shapes; CUDA graphs fix it per captured batch size). The torch references are
@@ -37,6 +41,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from unikv.kernels import argmax as greedy
 from unikv.kernels import pdl
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.elementwise import _silu_mul_f32, add_rms_norm, rms_norm, silu_mul
@@ -118,12 +123,12 @@ def _summed(x_ptr, r_ptr, ks, k_ok, dt: tl.constexpr, HAS_RES: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, N, K, s_xm, s_wn,
-                 s_ym, s_rm, eps, offset,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, keys_ptr, N, K,
+                 s_xm, s_wn, s_ym, s_rm, eps, offset,
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 GATHER: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 GATHER: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -164,12 +169,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, 
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + m * s_ym + rows, y.to(dt), mask=row_ok)
+        if ARGMAX:  # this block's best logit (as stored) into row m's key
+            v = tl.where(row_ok, y.to(dt).to(tl.float32), float("-inf"))
+            tl.atomic_max(keys_ptr + m, greedy.pack_key(v, rows, N), sem="relaxed")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple | None = None, *, silu_mul_input: bool = False,
-         norm: tuple | None = None,
-         gather: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         norm: tuple | None = None, gather: torch.Tensor | None = None,
+         argmax_out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous along K, bias (N,) or
     None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
@@ -182,7 +190,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     outputs differ from norm-then-GEMM within bf16 rounding, whichever order the
     weight product takes there (``weight_in_fp32``). gather: (M,) integer token ids,
     with a norm without residual: x is an embedding table (V, K) and the rows are
-    ``x[gather]`` (returned as the second output): the embedding inside the loads."""
+    ``x[gather]`` (returned as the second output): the embedding inside the loads.
+    argmax_out: an (M,) int64 tensor that receives each row's greedy token, the first
+    index of its maximum over the rounded outputs (``argmax.argmax`` of y), from
+    the programs' packed keys (``argmax.pack_key``) and one launch after."""
     if gather is not None:
         if norm is None or norm[0] is not None or gather.dim() != 1 or gather.is_floating_point():
             raise ValueError(
@@ -219,8 +230,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             f"with unit last stride (and no silu_mul_input); got {tuple(norm_w.shape)}, "
             f"{None if residual is None else tuple(residual.shape)}"
         )
+    if argmax_out is not None and (argmax_out.shape != (m,) or argmax_out.dtype != torch.int64
+                                   or argmax_out.device != x.device):  # fmt: skip
+        raise ValueError(
+            f"gemv's argmax_out must be ({m},) int64 on {x.device}; got "
+            f"{tuple(argmax_out.shape)} {argmax_out.dtype} on {argmax_out.device}"
+        )
     block_n, block_k, warps, stages = config or config_for(n, k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    keys = greedy.argmax_keys(m, x.device) if argmax_out is not None else weight
     if gather is not None:  # the gathered rows come back in a buffer of their own
         r_out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     else:
@@ -230,13 +248,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r_in,
         norm_w if norm_w is not None else weight, r_out,
-        gather if gather is not None else weight, n, k, x.stride(0),
+        gather if gather is not None else weight, keys, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, GATHER=gather is not None, PDL=on, num_warps=warps,
-        **pdl.launch_options(on),
+        HAS_RES=residual is not None, GATHER=gather is not None, ARGMAX=argmax_out is not None,
+        PDL=on, num_warps=warps, **pdl.launch_options(on),
     )  # fmt: skip
+    if argmax_out is not None:
+        greedy.finish_keys(keys, argmax_out)
     return y if norm is None else (y, r_out)
 
 
@@ -272,6 +292,24 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
         return F.linear(rms_norm(x, norm_weight, eps, **kw), weight, bias), x
     h, residual = add_rms_norm(x, residual, norm_weight, eps, **kw)
     return F.linear(h, weight, bias), residual
+
+
+def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
+                               norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None, *, offset: float = 0.0,
+                               weight_in_fp32: bool = False):  # fmt: skip
+    """``add_rms_norm_linear``'s (logits, x + residual) and each row's greedy token
+    (the first index of its maximum, int64): the argmax inside the GEMV's epilogue
+    (``ARGMAX``) where the GEMV runs (one request's LM head), else ``argmax.argmax``
+    after the product."""
+    if _routes(x, weight) and x.shape[0] > 0 and (residual is None or residual.stride(-1) == 1):
+        tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        y, summed = gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset),
+                         argmax_out=tokens)  # fmt: skip
+        return y, summed, tokens
+    y, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, offset=offset,
+                                    weight_in_fp32=weight_in_fp32)  # fmt: skip
+    return y, summed, greedy.argmax(y)
 
 
 def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,

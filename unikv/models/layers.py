@@ -160,6 +160,18 @@ class RMSNorm(nn.Module):
             weight_in_fp32=self.weight_in_fp32,
         )  # fmt: skip
 
+    def linear_argmax(
+        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lin(norm(x + residual)), each row's greedy token): ``linear`` with the
+        argmax inside the GEMV's epilogue where the backend runs one
+        (``add_rms_norm_linear_argmax``). ``residual`` may be overwritten."""
+        logits, _, tokens = self.ops.add_rms_norm_linear_argmax(
+            x, residual, self.weight, self.eps, lin.weight, lin.bias,
+            weight_in_fp32=self.weight_in_fp32,
+        )  # fmt: skip
+        return logits, tokens
+
     def embed_linear(
         self, ids: torch.Tensor, table: torch.Tensor, lin: nn.Linear
     ) -> tuple[torch.Tensor, torch.Tensor]:

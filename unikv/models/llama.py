@@ -129,10 +129,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionFn,
         logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        greedy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids: (T,) int64 token ids; positions: (T,) int64;
         logits_indices: (N,) int64 rows of the step whose logits are wanted
-        (None: all). Returns logits (N, vocab) in ``logits_dtype`` (fp32 unless set)."""
+        (None: all). Returns logits (N, vocab) in ``logits_dtype`` (fp32 unless set);
+        greedy: (logits, (N,) int64 greedy tokens), the argmax of the logits as
+        lm_head wrote them, inside its GEMV where the backend runs one."""
         layers = self.model.layers
         if layers[0].fuse_qkv:  # the embedding inside the first q|k|v GEMM's loads
             first = layers[0]
@@ -150,5 +153,9 @@ class CausalLM(nn.Module):
                 h.index_select(0, logits_indices),
                 residual.index_select(0, logits_indices),
             )
-        logits, _ = self.model.norm.linear(h, residual, self.lm_head)
-        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
+        if greedy:
+            logits, tokens = self.model.norm.linear_argmax(h, residual, self.lm_head)
+        else:
+            (logits, _), tokens = self.model.norm.linear(h, residual, self.lm_head), None
+        logits = logits if self.logits_dtype is None else logits.to(self.logits_dtype)
+        return (logits, tokens) if greedy else logits
