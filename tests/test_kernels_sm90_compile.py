@@ -60,11 +60,13 @@ def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
 
 def test_gemv_compiles_for_sm90_with_pipelined_weight_loads(tmp_path):
     """The one-request GEMV (plain, SwiGLU inside, the pre-norm inside with and without
-    a residual, the embedding gathered inside; PDL on) for sm_90a at the Llama-3.2-1B shape: each streams its weight
+    a residual, the embedding gathered inside, the LM head with the greedy argmax
+    inside; PDL on) for sm_90a at the Llama-3.2-1B shape: each streams its weight
     tiles through pipelined async copies, spills nothing, fits an SM's shared memory
     and keeps PDL's contract."""
     results = _compiled("--gemv", tmp_path)
-    assert sorted(results) == ["down_silu", "qkv", "qkv_add_norm", "qkv_embed_norm", "qkv_norm"]
+    assert sorted(results) == ["down_silu", "lm_head_norm_argmax", "qkv", "qkv_add_norm",
+                               "qkv_embed_norm", "qkv_norm"]  # fmt: skip
     bad = {name: r for name, r in results.items()
            if not (r["async_copies"] > 0 and r["spill_bytes"] == 0 and r["smem"] <= 227 * 1024
                    and _keeps_pdl_contract(r, trigger=True))}  # fmt: skip
@@ -92,11 +94,12 @@ def _keeps_pdl_contract(result: dict, trigger: bool) -> bool:
 def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
     """The rest of one request's decode chain (rope + store, the decode split, alone,
     with rope + store inside, and with the pre-wait loads too, its merge, the argmax's
-    two launches), compiled with PDL on for sm_90a: each program waits
-    before its first global load or store, and the kernels a next one follows trigger
-    only after that wait (the argmax's merge, last of the step, does not)."""
+    two launches and the fused argmax's finish), compiled with PDL on for sm_90a: each
+    program waits before its first global load or store, and the kernels a next one
+    follows trigger only after that wait (the argmax's merge and finish, last of the
+    step, do not)."""
     results = _compiled("--step", tmp_path)
-    names = ["argmax_chunk", "argmax_merge", "decode_merge", "decode_split",
+    names = ["argmax_chunk", "argmax_finish", "argmax_merge", "decode_merge", "decode_split",
              "decode_split_rope", "decode_split_rope_preload", "rope_store"]  # fmt: skip
     assert sorted(results) == names
     # one request's step loads its split's range and first tile before the wait
@@ -106,5 +109,5 @@ def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
     assert pre["pdl_wait"] == 1 and pre["pdl_trigger"] == 1 and not pre["trigger_before_wait"]
     assert not pre["spill_bytes"], pre
     bad = {name: r for name, r in results.items()
-           if not _keeps_pdl_contract(r, trigger=name != "argmax_merge") or r["spill_bytes"]}  # fmt: skip
+           if not _keeps_pdl_contract(r, trigger=name not in ("argmax_merge", "argmax_finish")) or r["spill_bytes"]}  # fmt: skip
     assert not bad, bad
