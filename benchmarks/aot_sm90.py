@@ -140,7 +140,8 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
 def gemv_kernels() -> dict[str, tuple]:
     """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
     by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
-    a residual, and with the embedding gathered inside), the LM head with the greedy
+    a residual, and with the embedding gathered inside, also through the feedback
+    buffer), the LM head with the greedy
     argmax inside, each as the Hopper launch compiles it (PDL on: the wait and the
     trigger)."""
     from unikv.kernels import gemv
@@ -148,14 +149,15 @@ def gemv_kernels() -> dict[str, tuple]:
     block_n, block_k, warps, stages = gemv.CONFIG
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr",
                                  "r_out_ptr")}  # fmt: skip
-    ptrs["ids_ptr"] = ptrs["keys_ptr"] = "*i64"
+    ptrs["ids_ptr"] = ptrs["keys_ptr"] = ptrs["feed_ptr"] = "*i64"
     base = {"M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k, "NUM_STAGES": stages,
             "EVEN_K": True, "HAS_BIAS": False, "ACT": False, "NORM": False, "HAS_RES": False,
-            "GATHER": False, "ARGMAX": False, "PDL": True}  # fmt: skip
+            "GATHER": False, "FEED": False, "ARGMAX": False, "PDL": True}  # fmt: skip
     cases = {"qkv": (3072, 2048, {}), "down_silu": (2048, 8192, {"ACT": True}),
              "qkv_norm": (3072, 2048, {"NORM": True}),
              "qkv_add_norm": (3072, 2048, {"NORM": True, "HAS_RES": True}),
              "qkv_embed_norm": (3072, 2048, {"NORM": True, "GATHER": True}),
+             "qkv_embed_norm_feed": (3072, 2048, {"NORM": True, "GATHER": True, "FEED": True}),
              "lm_head_norm_argmax": (128256, 2048, {"NORM": True, "HAS_RES": True,
                                                      "ARGMAX": True})}  # fmt: skip
     out = {}

@@ -226,6 +226,37 @@ def test_graph_replay_over_the_planners_buffers(family, monkeypatch, greedy_rows
     assert not replays[4, greedy_rows < 4], replays
 
 
+@pytest.mark.parametrize("feed", [True, False])
+def test_one_row_graphs_read_the_last_token_from_the_feedback_buffer(family, monkeypatch, feed):
+    """One request decodes under the one-row greedy graph with ``feed_graphs`` on: its
+    steps after the first skip the token gather (the graph reads the placeholder's
+    token from the planner's feedback buffer, where the last greedy step wrote it),
+    and the tokens stay transformers' greedy ones; then two requests (a two-row graph:
+    gathers) and one again. Off (``feed``: False), every step gathers. Models without
+    ``resolves_feedback`` (Qwen3.5 here) keep the gather."""
+    from unikv.engine.plan_upload import StepUpload
+
+    llm = LLM(family.path, device="cpu", page_size=4, max_model_len=64, max_num_seqs=8)
+    runner = llm.runner
+    runner.planner.feed_graphs = feed and getattr(runner.model, "resolves_feedback", False)
+    runner.graphs = CPUGraphs(runner.forward, runner.planner, 8, runner.forward_greedy)
+    fills, fill = [], StepUpload.fill
+    monkeypatch.setattr(StepUpload, "fill", staticmethod(lambda *a: fills.append(1) or fill(*a)))
+    one = llm.generate(family.prompts[:1], SamplingParams(max_tokens=10))
+    gathers = len(fills)
+    assert one[0].output_ids == family.greedy[0][:10]
+    if runner.planner.feed_graphs:
+        assert gathers <= 2, gathers  # the first decode reads the prefill's samples
+        assert torch.equal(runner.planner.feedback[:1], torch.tensor(one[0].output_ids[-1:]))
+    else:
+        assert gathers >= 8, gathers
+    two = llm.generate(family.prompts[:2], SamplingParams(max_tokens=6))
+    assert [o.output_ids for o in two] == [g[:6] for g in family.greedy[:2]]
+    again = llm.generate(family.prompts[2:3], SamplingParams(max_tokens=8))
+    assert again[0].output_ids == family.greedy[2][:8]
+    assert_pages_returned(llm)
+
+
 def test_decode_tables_equal_the_allocators_lookups(tmp_path):
     """gpt-oss: a full and a sliding-window sub-pool, page size 4, window 6."""
     save_tiny_model("gpt_oss", str(tmp_path))

@@ -120,6 +120,32 @@ def test_gemv_gathers_embedding_rows(m):
         gemv.gemv(table, w, norm=norm, gather=torch.arange(5))
 
 
+def test_gemv_gather_resolves_placeholders_from_the_feedback():
+    """Placeholder ids -(1 + lane) in the gathering GEMV (``feedback``): the same bytes
+    as the GEMV over ``table[ids]`` with each placeholder replaced by hand by
+    ``feedback[lane]``; real ids pass through; the torch backend's op agrees."""
+    from unikv.kernels.backend import get_backend
+
+    g = torch.Generator().manual_seed(6)
+    table = torch.randn(50, 100, generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(100, generator=g)).bfloat16()
+    w = torch.randn(24, 100, generator=g).bfloat16()
+    feedback = torch.tensor([31, 4, 49, 0])
+    norm = (None, nw, 1e-5, 0.0)
+    ids = torch.tensor([-3, 7, -1])  # lane 2, a real id, lane 0
+    by_hand = torch.tensor([49, 7, 31])
+    want, want_rows = gemv.gemv(table, w, config=(16, 32, 4, 2), norm=norm, gather=by_hand)
+    got, rows = gemv.gemv(table, w, config=(16, 32, 4, 2), norm=norm, gather=ids,
+                          feedback=feedback)  # fmt: skip
+    assert torch.equal(got, want) and torch.equal(rows, want_rows)
+    ref = get_backend("cpu", "torch").embed_rms_norm_linear
+    ref_out, ref_rows = ref(ids, table, nw, 1e-5, w, feedback=feedback)
+    assert torch.equal(ref_rows, table[by_hand])
+    assert (ref_out.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    with pytest.raises(ValueError, match="int64 tokens"):
+        gemv.gemv(table, w, norm=norm, gather=ids, feedback=feedback.int())
+
+
 def test_backend_embed_op_routes_by_rows():
     """``embed_rms_norm_linear`` of the Triton backend against the torch backend's
     (F.embedding, then the norm and F.linear) at one token (the gathering GEMV) and at

@@ -166,7 +166,8 @@ class LayerState:
 class DecodeAttention:
     """AttentionFn and StateFn of a decode step: one query per request (q rows =
     requests). ``layers[i]`` / ``states[i]``: model layer i's K/V cache or
-    recurrent state (None where the layer has none)."""
+    recurrent state (None where the layer has none). ``feedback``: the plan's buffer
+    of the previous step's tokens (``StepPlan.feedback``), or None."""
 
     def __init__(
         self,
@@ -178,6 +179,7 @@ class DecodeAttention:
     ):
         self.layers, self.plan, self.backend, self.sm_scale = layers, plan, backend, sm_scale
         self.states = states
+        self.feedback = plan.feedback
 
     # -- recurrent state (StateFn) ----------------------------------------------------
 

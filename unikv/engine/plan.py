@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
-from unikv.engine.plan_upload import StepUpload
+from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
 from unikv.kernels.backend import DecodePlan, KernelBackend
@@ -80,6 +80,9 @@ class StepPlan:
     split: an extend step whose last requests, not all of them, have no cached
         tokens (``FreshSplit``: prompts joining a step of decodes and continued
         chunks): attention runs in two parts, else None.
+    feedback: the planner's (max_seqs,) int64 buffer of the previous step's tokens,
+        in the plans of one-row graphs when ``StepPlanner.feed_graphs`` (a model
+        that resolves placeholders from it: ``CausalLM.resolves_feedback``), else None.
     """
 
     is_decode: bool
@@ -94,6 +97,7 @@ class StepPlan:
     state_slots: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
+    feedback: torch.Tensor | None = None
 
 
 class FreshSplit(NamedTuple):
@@ -154,6 +158,11 @@ class StepPlanner:
             {s.name: torch.zeros(self.max_tokens, dtype=torch.int64, device=dev) for s in subs},
         )
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        # one-row graphs read placeholder tokens from here and a greedy one writes its
+        # token here, so a steady single request's step needs no token gather (the
+        # runner turns it on for a model that resolves them: ``feed_graphs``)
+        self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.feed_graphs = False
         self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
         self._q_per_kv = q_per_kv
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
@@ -194,7 +203,10 @@ class StepPlanner:
         if rows is None:
             rows = num
             longest = int(host["seq_lens"].max()) if num else 1
-        if prev_tokens is not None:
+        feed = self.feed_graphs and rows == 1  # a one-row graph: it reads self.feedback
+        if prev_tokens is not None and not (
+            feed and pending is ALL and prev_tokens.data_ptr() == self.feedback.data_ptr()
+        ):  # (there the graph resolves the placeholders of its last step's tokens itself)
             self.upload.fill(dev, pending, prev_tokens, num)
         max_q_len = max(batch.num_new, default=1)
         is_decode = batch.is_decode
@@ -214,6 +226,7 @@ class StepPlanner:
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             fresh=first == 0,  # no cached tokens: the cache holds exactly the new ones
             split=split,
+            feedback=self.feedback if feed else None,
         )
 
     @staticmethod

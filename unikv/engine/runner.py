@@ -42,6 +42,10 @@ SIDE_READBACK = os.environ.get("UNIKV_SIDE_READBACK", "1") == "1"
 # (UNIKV_GREEDY_IN_HEAD=0: the backend's argmax after the forward; fixed at import,
 # the A/B switch)
 GREEDY_IN_HEAD = os.environ.get("UNIKV_GREEDY_IN_HEAD", "1") == "1"
+# one-row graphs of a model that resolves placeholder tokens itself read them from the
+# planner's feedback buffer (no token gather before a steady request's step;
+# UNIKV_GRAPH_FEEDBACK=0: the gather before each replay; fixed at import, the A/B switch)
+GRAPH_FEEDBACK = os.environ.get("UNIKV_GRAPH_FEEDBACK", "1") == "1"
 
 
 def layer_caches(
@@ -155,6 +159,9 @@ class ModelRunner:
             GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
         )
         self.graphs = None
+        self.planner.feed_graphs = (
+            GRAPH_FEEDBACK and cuda_graphs and getattr(model, "resolves_feedback", False)
+        )
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
 
@@ -220,8 +227,9 @@ class ModelRunner:
         return Launched(batch, logits, tokens_dev, host, event, logprobs)
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
-        """(host tokens, no event, logprobs): the device is the host."""
-        return tokens_dev, None, logprobs
+        """(host tokens, no event, logprobs): the device is the host (a copy of a
+        buffer the next step rewrites: not ``owned``, e.g. the feedback buffer)."""
+        return (tokens_dev if owned else tokens_dev.clone()), None, logprobs
 
     def _pinned_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(pinned host copy of the tokens, its CUDA event, logprobs on the host),

@@ -132,19 +132,30 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
                                norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                                bias: torch.Tensor | None = None, *, offset: float = 0.0,
-                               weight_in_fp32: bool = False):  # fmt: skip
+                               weight_in_fp32: bool = False, out: torch.Tensor | None = None):  # fmt: skip
     """``add_rms_norm_linear``'s (logits, x + residual) and each row's greedy token:
-    (logits, summed, logits.argmax(-1))."""
+    (logits, summed, logits.argmax(-1)), the tokens written into ``out`` when given."""
     y, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, offset=offset,
                                     weight_in_fp32=weight_in_fp32)  # fmt: skip
-    return y, summed, y.argmax(dim=-1)
+    tokens = y.argmax(dim=-1)
+    return y, summed, tokens if out is None else out.copy_(tokens)
+
+
+def resolve_feedback(ids: torch.Tensor, feedback: torch.Tensor | None) -> torch.Tensor:
+    """Token ids with each placeholder -(1 + lane) replaced by ``feedback[lane]``, the
+    previous step's token of that lane (feedback None: ids as they are)."""
+    if feedback is None:
+        return ids
+    return torch.where(ids < 0, feedback[(-1 - ids).clamp(min=0)], ids)
 
 
 def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
                           eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                          *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+                          *, offset: float = 0.0, weight_in_fp32: bool = False,
+                          feedback: torch.Tensor | None = None):  # fmt: skip
     """A model's embedding, its first pre-norm and the linear layer after it:
-    (F.linear(rms_norm(table[ids])), table[ids])."""
-    h = torch.nn.functional.embedding(ids, table)
+    (F.linear(rms_norm(table[ids])), table[ids]), placeholder ids resolved from
+    ``feedback`` first (``resolve_feedback``)."""
+    h = torch.nn.functional.embedding(resolve_feedback(ids, feedback), table)
     return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
                                weight_in_fp32=weight_in_fp32)  # fmt: skip

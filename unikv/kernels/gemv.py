@@ -45,6 +45,7 @@ from unikv.kernels import argmax as greedy
 from unikv.kernels import pdl
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.elementwise import _silu_mul_f32, add_rms_norm, rms_norm, silu_mul
+from unikv.kernels.elementwise_ref import resolve_feedback
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
@@ -123,12 +124,13 @@ def _summed(x_ptr, r_ptr, ks, k_ok, dt: tl.constexpr, HAS_RES: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, keys_ptr, N, K,
-                 s_xm, s_wn, s_ym, s_rm, eps, offset,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, keys_ptr,
+                 feed_ptr, N, K, s_xm, s_wn, s_ym, s_rm, eps, offset,
                  M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  NUM_STAGES: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 GATHER: tl.constexpr, ARGMAX: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                 GATHER: tl.constexpr, FEED: tl.constexpr, ARGMAX: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -138,7 +140,11 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, 
     for m in tl.static_range(M):
         x_row, r_row = x_ptr + m * s_xm, r_ptr + m * s_rm
         if GATHER:  # x is an embedding table: row m is token ids[m]'s
-            x_row = x_ptr + tl.load(ids_ptr + m).to(tl.int64) * s_xm
+            tok = tl.load(ids_ptr + m).to(tl.int64)
+            if FEED:  # a placeholder -(1 + lane): the previous step's token of that lane
+                fed = tl.load(feed_ptr + tl.maximum(-1 - tok, 0)).to(tl.int64)
+                tok = tl.where(tok < 0, fed, tok)
+            x_row = x_ptr + tok * s_xm
         sq = tl.zeros((BLOCK_K,), tl.float32)  # NORM: the row's sum of squares
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
@@ -177,7 +183,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple | None = None, *, silu_mul_input: bool = False,
          norm: tuple | None = None, gather: torch.Tensor | None = None,
-         argmax_out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         argmax_out: torch.Tensor | None = None,
+         feedback: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous along K, bias (N,) or
     None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
@@ -193,13 +200,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``x[gather]`` (returned as the second output): the embedding inside the loads.
     argmax_out: an (M,) int64 tensor that receives each row's greedy token, the first
     index of its maximum over the rounded outputs (``argmax.argmax`` of y), from
-    the programs' packed keys (``argmax.pack_key``) and one launch after."""
+    the programs' packed keys (``argmax.pack_key``) and one launch after.
+    feedback: with gather, an int64 tensor of the previous step's tokens: an id
+    -(1 + lane) (a placeholder) is token ``feedback[lane]`` (``resolve_feedback``)."""
     if gather is not None:
         if norm is None or norm[0] is not None or gather.dim() != 1 or gather.is_floating_point():
             raise ValueError(
                 "gemv's gather needs (M,) integer token ids and a norm without residual (the "
                 f"first layer's); got ids {tuple(gather.shape)} {gather.dtype}, norm "
                 f"{'None' if norm is None else 'with a residual'}"
+            )
+        if feedback is not None and (feedback.dtype != torch.int64 or feedback.dim() != 1):
+            raise ValueError(
+                f"gemv's feedback must be 1-D int64 tokens; got {tuple(feedback.shape)} "
+                f"{feedback.dtype}"
             )
         if not 1 <= gather.numel() <= MAX_ROWS:
             raise ValueError(f"gemv gathers 1..{MAX_ROWS} rows; got {gather.numel()} ids")
@@ -248,11 +262,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, r_in,
         norm_w if norm_w is not None else weight, r_out,
-        gather if gather is not None else weight, keys, n, k, x.stride(0),
+        gather if gather is not None else weight, keys,
+        feedback if feedback is not None else weight, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
-        HAS_RES=residual is not None, GATHER=gather is not None, ARGMAX=argmax_out is not None,
+        HAS_RES=residual is not None, GATHER=gather is not None,
+        FEED=gather is not None and feedback is not None, ARGMAX=argmax_out is not None,
         PDL=on, num_warps=warps, **pdl.launch_options(on),
     )  # fmt: skip
     if argmax_out is not None:
@@ -297,30 +313,36 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
                                norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                                bias: torch.Tensor | None = None, *, offset: float = 0.0,
-                               weight_in_fp32: bool = False):  # fmt: skip
+                               weight_in_fp32: bool = False, out: torch.Tensor | None = None):  # fmt: skip
     """``add_rms_norm_linear``'s (logits, x + residual) and each row's greedy token
-    (the first index of its maximum, int64): the argmax inside the GEMV's epilogue
-    (``ARGMAX``) where the GEMV runs (one request's LM head), else ``argmax.argmax``
-    after the product."""
+    (the first index of its maximum, int64; written into ``out`` when given): the
+    argmax inside the GEMV's epilogue (``ARGMAX``) where the GEMV runs (one request's
+    LM head), else ``argmax.argmax`` after the product."""
     if _routes(x, weight) and x.shape[0] > 0 and (residual is None or residual.stride(-1) == 1):
-        tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        tokens = out if out is not None else torch.empty(x.shape[0], dtype=torch.int64,
+                                                          device=x.device)  # fmt: skip
         y, summed = gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset),
                          argmax_out=tokens)  # fmt: skip
         return y, summed, tokens
     y, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, offset=offset,
                                     weight_in_fp32=weight_in_fp32)  # fmt: skip
-    return y, summed, greedy.argmax(y)
+    tokens = greedy.argmax(y)
+    return y, summed, tokens if out is None else out.copy_(tokens)
 
 
 def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
                           eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                          *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+                          *, offset: float = 0.0, weight_in_fp32: bool = False,
+                          feedback: torch.Tensor | None = None):  # fmt: skip
     """(F.linear(rms_norm(table[ids])), table[ids]): a model's embedding, its first
     pre-norm and the GEMM after it, the gather inside the GEMV's loads for few 16-bit
-    rows (``EMBED``), else the embedding then ``add_rms_norm_linear``."""
+    rows (``EMBED``), else the embedding then ``add_rms_norm_linear``. feedback: the
+    previous step's tokens, which placeholder ids -(1 + lane) stand for
+    (``elementwise_ref.resolve_feedback``; inside the gather where it runs)."""
     if EMBED and ids.dim() == 1 and ids.numel() > 0 and _routes(table, weight, ids.numel()):
-        return gemv(table, weight, bias, norm=(None, norm_weight, eps, offset), gather=ids)
-    h = F.embedding(ids, table)
+        return gemv(table, weight, bias, norm=(None, norm_weight, eps, offset), gather=ids,
+                    feedback=feedback)  # fmt: skip
+    h = F.embedding(resolve_feedback(ids, feedback), table)
     return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
                                weight_in_fp32=weight_in_fp32)  # fmt: skip
 

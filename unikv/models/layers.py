@@ -161,26 +161,28 @@ class RMSNorm(nn.Module):
         )  # fmt: skip
 
     def linear_argmax(
-        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lin(norm(x + residual)), each row's greedy token): ``linear`` with the
-        argmax inside the GEMV's epilogue where the backend runs one
-        (``add_rms_norm_linear_argmax``). ``residual`` may be overwritten."""
+        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(lin(norm(x + residual)), each row's greedy token, into ``out`` when given):
+        ``linear`` with the argmax inside the GEMV's epilogue where the backend runs
+        one (``add_rms_norm_linear_argmax``). ``residual`` may be overwritten."""
         logits, _, tokens = self.ops.add_rms_norm_linear_argmax(
             x, residual, self.weight, self.eps, lin.weight, lin.bias,
-            weight_in_fp32=self.weight_in_fp32,
+            weight_in_fp32=self.weight_in_fp32, out=out,
         )  # fmt: skip
         return logits, tokens
 
     def embed_linear(
-        self, ids: torch.Tensor, table: torch.Tensor, lin: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, ids: torch.Tensor, table: torch.Tensor, lin: nn.Linear,
+        feedback: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(lin(norm(table[ids])), table[ids]): a model's embedding, its first pre-norm
         and the GEMM after it, the gather inside the GEMV where the backend runs one
-        (``embed_rms_norm_linear``)."""
+        (``embed_rms_norm_linear``); placeholder ids -(1 + lane) read ``feedback``."""
         return self.ops.embed_rms_norm_linear(
             ids, table, self.weight, self.eps, lin.weight, lin.bias,
-            weight_in_fp32=self.weight_in_fp32,
+            weight_in_fp32=self.weight_in_fp32, feedback=feedback,
         )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from unikv.kernels.elementwise_ref import resolve_feedback
 from unikv.models.config import ModelConfig
 from unikv.models.layers import (
     Attention,
@@ -109,7 +110,14 @@ class CausalLM(nn.Module):
     ``logits_dtype``: the dtype ``forward`` returns logits in (fp32 by default);
     None keeps lm_head's (the model dtype), so that a greedy argmax needs no
     full-vocabulary fp32 copy. Set once, before the step runs.
+
+    ``resolves_feedback``: ``forward`` reads ``attn.feedback`` when the attention has
+    one (a step planner's buffer of the previous step's tokens, in one request's
+    decode graphs): placeholder ids -(1 + lane) are the tokens there, resolved inside
+    the first GEMV's gather, and a greedy step writes its tokens into it.
     """
+
+    resolves_feedback = True
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
         super().__init__()
@@ -135,17 +143,20 @@ class CausalLM(nn.Module):
         logits_indices: (N,) int64 rows of the step whose logits are wanted
         (None: all). Returns logits (N, vocab) in ``logits_dtype`` (fp32 unless set);
         greedy: (logits, (N,) int64 greedy tokens), the argmax of the logits as
-        lm_head wrote them, inside its GEMV where the backend runs one."""
+        lm_head wrote them, inside its GEMV where the backend runs one (into
+        ``attn.feedback`` when the attention has one: ``resolves_feedback``)."""
         layers = self.model.layers
+        feedback = getattr(attn, "feedback", None)  # placeholder ids' tokens (graphs)
         if layers[0].fuse_qkv:  # the embedding inside the first q|k|v GEMM's loads
             first = layers[0]
             qkv, residual = first.input_layernorm.embed_linear(
-                input_ids, self.model.embed_tokens.weight, first.self_attn.qkv_proj
+                input_ids, self.model.embed_tokens.weight, first.self_attn.qkv_proj, feedback
             )
             h, residual = first.after_qkv(qkv, residual, positions, attn)
             layers = layers[1:]
         else:
-            h, residual = self.model.embed_tokens(input_ids), None
+            h = self.model.embed_tokens(resolve_feedback(input_ids, feedback))
+            residual = None
         for layer in layers:
             h, residual = layer(h, residual, positions, attn)
         if logits_indices is not None:
@@ -153,8 +164,9 @@ class CausalLM(nn.Module):
                 h.index_select(0, logits_indices),
                 residual.index_select(0, logits_indices),
             )
-        if greedy:
-            logits, tokens = self.model.norm.linear_argmax(h, residual, self.lm_head)
+        if greedy:  # the tokens into the feedback buffer where the step reads one
+            out = None if feedback is None else feedback[: h.shape[0]]
+            logits, tokens = self.model.norm.linear_argmax(h, residual, self.lm_head, out)
         else:
             (logits, _), tokens = self.model.norm.linear(h, residual, self.lm_head), None
         logits = logits if self.logits_dtype is None else logits.to(self.logits_dtype)
