@@ -179,7 +179,7 @@ class DecodeAttention:
     ):
         self.layers, self.plan, self.backend, self.sm_scale = layers, plan, backend, sm_scale
         self.states = states
-        self.feedback = plan.feedback
+        self.feedback = getattr(plan, "feedback", None)  # (a test's plan may lack it)
 
     # -- recurrent state (StateFn) ----------------------------------------------------
 

@@ -183,12 +183,19 @@ class StepPlanner:
         return -(-(longest or self.max_context) // sub.page_size)
 
     def plan(
-        self, batch: Batch, prev_tokens: torch.Tensor | None = None, *, rows: int | None = None
+        self,
+        batch: Batch,
+        prev_tokens: torch.Tensor | None = None,
+        *,
+        rows: int | None = None,
+        prev_fed: bool = False,
     ) -> StepPlan:
         """The StepPlan of ``batch``; placeholders (``Pending``) in its tokens are
         read from ``prev_tokens`` (B_prev,) int64, the previous step's samples on the
         device. rows: None (eager: B rows, tables as wide as the longest request),
-        or R >= B (CUDA graphs: padded to R sink lanes, full-width tables)."""
+        or R >= B (CUDA graphs: padded to R sink lanes, full-width tables).
+        prev_fed: those samples are in ``self.feedback`` (a one-row greedy graph wrote
+        them), where a one-row graph reads them itself."""
         num = len(batch.requests)
         assert num <= (rows or num) <= self.max_seqs, (
             f"step planner invariant: {num} requests in a step of {rows} rows, buffers "
@@ -204,9 +211,8 @@ class StepPlanner:
             rows = num
             longest = int(host["seq_lens"].max()) if num else 1
         feed = self.feed_graphs and rows == 1  # a one-row graph: it reads self.feedback
-        if prev_tokens is not None and not (
-            feed and pending is ALL and prev_tokens.data_ptr() == self.feedback.data_ptr()
-        ):  # (there the graph resolves the placeholders of its last step's tokens itself)
+        if prev_tokens is not None and not (feed and pending is ALL and prev_fed):
+            # (else the graph resolves the placeholders of its last step's tokens itself)
             self.upload.fill(dev, pending, prev_tokens, num)
         max_q_len = max(batch.num_new, default=1)
         is_decode = batch.is_decode

@@ -91,11 +91,12 @@ class Launched:
     on the device (B,) int64 and their host copy, valid once ``event`` fired, and
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
-    __slots__ = ("_event", "_host", "_logprobs", "batch", "logits", "tokens_dev")
+    __slots__ = ("_event", "_host", "_logprobs", "batch", "fed", "logits", "tokens_dev")
 
-    def __init__(self, batch, logits, tokens_dev, host, event, logprobs=None) -> None:
+    def __init__(self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False) -> None:
         self.batch, self.logits, self.tokens_dev = batch, logits, tokens_dev
         self._host, self._event, self._logprobs = host, event, logprobs
+        self.fed = fed  # the tokens are in the planner's feedback buffer
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host; waits for this step only."""
@@ -204,9 +205,10 @@ class ModelRunner:
         (``Pending``) are read from ``prev``'s sampled tokens on the device."""
         prev_tokens = prev.tokens_dev if prev is not None else None
         rows = self.graphs.rows_for(batch) if self.graphs is not None else None
-        plan = self.planner.plan(batch, prev_tokens, rows=rows)
+        prev_fed = prev is not None and prev.fed
+        plan = self.planner.plan(batch, prev_tokens, rows=rows, prev_fed=prev_fed)
         greedy = self._greedy(batch)
-        tokens_dev = None
+        tokens_dev, fed = None, False
         if rows is None:
             logits = self.forward(plan)
         else:
@@ -216,6 +218,8 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).wait_event(prev._event)
             logits, tokens_dev = self.graphs.replay(rows, in_graph)
             logits = logits[: len(batch.requests)]
+            # the model's argmax wrote them into the plan's feedback buffer
+            fed = in_graph and self._fused_greedy and plan.feedback is not None
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy)
@@ -224,7 +228,7 @@ class ModelRunner:
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
-        return Launched(batch, logits, tokens_dev, host, event, logprobs)
+        return Launched(batch, logits, tokens_dev, host, event, logprobs, fed)
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host (a copy of a

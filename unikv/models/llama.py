@@ -14,7 +14,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from unikv.kernels.elementwise_ref import resolve_feedback
 from unikv.models.config import ModelConfig
 from unikv.models.layers import (
     Attention,
@@ -23,6 +22,7 @@ from unikv.models.layers import (
     Linear,
     RMSNorm,
     overrides_forward,
+    resolve_feedback,
 )
 from unikv.models.rope import Rotary
 
