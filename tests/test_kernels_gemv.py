@@ -332,7 +332,7 @@ def test_gemv_argmax_on_the_gpu():
     for trial in range(4):
         x = torch.randn(1, 2048, generator=g).bfloat16().cuda()
         if trial >= 2:  # a planted maximum in rows 100001 and 777 (trial 3: 5 and 100001)
-            w[[777, 100001, 5]] = w[0]
+            w[[777, 100001, 5]] = w[0].clone()
             first = 777 if trial == 2 else 5
             w[first] = w[100001] = x[0] * 4
         tokens = torch.empty(1, dtype=torch.int64, device="cuda")
