@@ -271,12 +271,11 @@ def test_backend_norm_linear_argmax_routes_by_rows():
     for rows in (1, gemv.ROUTE_ROWS + 2):
         x = torch.randn(rows, 64, generator=g).bfloat16()
         res = torch.randn(rows, 64, generator=g).bfloat16()
-        want, want_res, want_tok = ref.add_rms_norm_linear_argmax(x, res.clone(), nw, 1e-5, w)
+        want, want_res, _ = ref.add_rms_norm_linear_argmax(x, res.clone(), nw, 1e-5, w)
         got, got_res, got_tok = tri.add_rms_norm_linear_argmax(x, res.clone(), nw, 1e-5, w)
         assert torch.equal(got_res, want_res)
         assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
         assert torch.equal(got_tok, got.float().argmax(dim=-1)), rows
-        assert torch.equal(want_tok, want.float().argmax(dim=-1)), rows
 
 
 @pytest.mark.gpu

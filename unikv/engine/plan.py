@@ -130,6 +130,8 @@ class StepPlanner:
         max_seqs: requests per step at most; max_tokens: tokens per step at most.
         q_per_kv: query heads per KV head (sizes decode attention's workspace).
         pin: stage host arrays in pinned memory (CUDA), decided once.
+        feed_graphs: one-row graph plans carry ``feedback`` (the model resolves
+            placeholder tokens from it and writes its greedy tokens there).
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class StepPlanner:
         max_tokens: int,
         q_per_kv: int,
         pin: bool = False,
+        feed_graphs: bool = False,
     ) -> None:
         pool = alloc.pool
         self.alloc, self.backend, self.device = alloc, backend, pool.device
@@ -159,10 +162,9 @@ class StepPlanner:
         )
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
         # one-row graphs read placeholder tokens from here and a greedy one writes its
-        # token here, so a steady single request's step needs no token gather (the
-        # runner turns it on for a model that resolves them: ``feed_graphs``)
+        # token here, so a steady single request's step needs no token gather
         self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.feed_graphs = False
+        self.feed_graphs = feed_graphs
         self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
         self._q_per_kv = q_per_kv
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)

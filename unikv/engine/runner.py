@@ -144,6 +144,9 @@ class ModelRunner:
             max_tokens=max_num_batched_tokens,
             q_per_kv=model.config.num_heads // model.config.num_kv_heads,
             pin=self._pin,
+            feed_graphs=(
+                GRAPH_FEEDBACK and cuda_graphs and getattr(model, "resolves_feedback", False)
+            ),
         )
         # Two pinned host slots for the sampled tokens, used alternately: with one
         # step in flight, a slot is rewritten only after its step was resolved. Sized
@@ -160,9 +163,6 @@ class ModelRunner:
             GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
         )
         self.graphs = None
-        self.planner.feed_graphs = (
-            GRAPH_FEEDBACK and cuda_graphs and getattr(model, "resolves_feedback", False)
-        )
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
 
@@ -173,24 +173,25 @@ class ModelRunner:
     # -- running -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> torch.Tensor:
-        """fp32 logits (B, vocab) of each request's last token in the step."""
+    def forward(self, plan: StepPlan, greedy: bool = False):
+        """fp32 logits (B, vocab) of each request's last token in the step; greedy:
+        (logits, the model's (B,) int64 greedy tokens) from a model that fuses them."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         # a decode step's rows are its requests' last tokens: no gather before the head
         rows = None if plan.is_decode else plan.logits_indices
-        return self.model(plan.input_ids, plan.positions, attn, rows)
+        extra = {"greedy": True} if greedy else {}
+        return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
 
     @torch.inference_mode()
     def forward_greedy(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step's (fp32 logits (B, vocab), (B,) int64 greedy tokens): the
         argmax inside the model's LM head where it fuses one (``greedy=True``), else
         the backend's argmax after ``forward``."""
-        if not self._fused_greedy:
-            logits = self.forward(plan)
-            return logits, self.backend.argmax(logits)
-        attn = DecodeAttention(self.layers, plan, self.backend, self.sm_scale, self.states)
-        return self.model(plan.input_ids, plan.positions, attn, None, greedy=True)
+        if self._fused_greedy:
+            return self.forward(plan, greedy=True)
+        logits = self.forward(plan)
+        return logits, self.backend.argmax(logits)
 
     @torch.inference_mode()
     def step(self, batch: Batch) -> tuple[list[int], torch.Tensor]:

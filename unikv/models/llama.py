@@ -164,10 +164,9 @@ class CausalLM(nn.Module):
                 h.index_select(0, logits_indices),
                 residual.index_select(0, logits_indices),
             )
-        if greedy:  # the tokens into the feedback buffer where the step reads one
-            out = None if feedback is None else feedback[: h.shape[0]]
-            logits, tokens = self.model.norm.linear_argmax(h, residual, self.lm_head, out)
-        else:
-            (logits, _), tokens = self.model.norm.linear(h, residual, self.lm_head), None
-        logits = logits if self.logits_dtype is None else logits.to(self.logits_dtype)
-        return (logits, tokens) if greedy else logits
+        if not greedy:
+            logits, _ = self.model.norm.linear(h, residual, self.lm_head)
+            return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
+        out = None if feedback is None else feedback[: h.shape[0]]  # where the step reads it
+        logits, tokens = self.model.norm.linear_argmax(h, residual, self.lm_head, out)
+        return (logits if self.logits_dtype is None else logits.to(self.logits_dtype)), tokens
