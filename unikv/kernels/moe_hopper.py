@@ -1,0 +1,355 @@
+"""The fused MoE's MXFP4 path for Hopper, in Gluon: weights decoded in registers.
+
+``moe_triton``'s kernels decode each weight tile into shared memory for wgmma's B
+operand; at 256 tokens that ran at 20 % of the packed bytes' roofline, the decode, the
+shared-memory round trip and the MMA taking turns. Here the product is transposed (the
+weight features are wgmma's 64-row A operand, an expert's tokens its N) and the A
+operand is built in registers: each thread loads the 16 bytes its A fragment needs in
+one load (the weights re-packed at load time, ``mxfp4_frag``), decodes them in place
+(inline PTX, two bf16 per byte) and hands them to wgmma. Only the activation tiles go
+through shared memory.
+
+    gate_up  grid (blocks of BLOCK_T sorted rows, I / 64)   -> act (rows, I) x.dtype
+             gate and up tiles of 64 features (rows [gate | up], ``gate_up_row_order``)
+             + b1, the activation, stored at the sorted rows
+    down     grid (blocks, d / 64)                          -> y (M, d) fp32
+             (A + b2) times the routing weight at the assignment's row
+
+Per K block of 64: the low nibbles hold k0 .. k0 + 31 (one scale group), the high
+nibbles k0 + 32 .. k0 + 63, so the two decoded halves are dotted with contiguous
+activation columns. Layouts and launch: ``moe_hopper_launch``. Gluon runs only on a
+GPU (no interpreter): the CPU tests cover the packing (``mxfp4_frag``) and this file
+runs in the GPU tests against the dequantised reference.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from unikv.kernels.mxfp4_frag import gate_up_row_order, pack_fragments
+
+
+def _pair(select: str, lo: str, hi: str, scale_lo: str, scale_hi: str) -> str:
+    """Two bytes of $4 (prmt ``select`` puts them in the low bytes of two 16-bit lanes)
+    -> bf16x2 of their low nibbles times ``scale_lo`` and of their high nibbles times
+    ``scale_hi`` (a code's bits placed as bf16's sign / lowest exponent / top mantissa
+    bits are its value times 2^-126; times 2^126, then the scale: exact)."""
+    return f"""
+prmt.b32 p, $4, 0, {select};
+shl.b32 t, p, 6;
+shl.b32 u, p, 12;
+or.b32 t, t, u;
+and.b32 t, t, 0x81C081C0;
+fma.rn.bf16x2 t, t, big, nz;
+fma.rn.bf16x2 {lo}, t, {scale_lo}, nz;
+shl.b32 t, p, 2;
+shl.b32 u, p, 8;
+and.b32 t, t, 0x01C001C0;
+and.b32 u, u, 0x80008000;
+or.b32 t, t, u;
+fma.rn.bf16x2 t, t, big, nz;
+fma.rn.bf16x2 {hi}, t, {scale_hi}, nz;"""
+
+
+# four bytes ($4: bytes 0, 1 of one row, 2, 3 of the row 8 below) -> low-nibble pairs $0
+# (bytes 0, 1) and $1 (2, 3), high-nibble pairs $2, $3; scales (bf16x2, each input
+# broadcast over the pack, so its first operand): $5 (row, group 0), $9 (row, group 1),
+# $13 (row + 8, group 0), $17 (row + 8, group 1)
+_DECODE = gl.constexpr(
+    "{\n.reg .b32 p, t, u, big, nz;\nmov.b32 big, 0x7E807E80;\nmov.b32 nz, 0x80008000;"
+    + _pair("0x4140", "$0", "$2", "$5", "$9")
+    + _pair("0x4342", "$1", "$3", "$13", "$17")
+    + "\n}"
+)
+
+# one scale word (4 e8m0 bytes) -> four bf16x2 scales 2^(e - 127), e = 0 the subnormal
+_SCALES = gl.constexpr(
+    "{\n.reg .b32 t, m;\nmov.b32 m, 0x00400040;\n"
+    + "".join(
+        f"prmt.b32 t, $4, 0, 0x4{q}4{q};\nshl.b32 t, t, 7;\nmax.u16x2 ${q}, t, m;\n"
+        for q in range(4)
+    )
+    + "}"
+)
+
+
+@gluon.jit
+def _act(g, u, ACT: gl.constexpr, alpha, limit):
+    """The gated activation on fp32 tiles: 0 silu(g) * u, 1 gpt-oss's clamped
+    (u + 1) * g * sigmoid(alpha g)."""
+    if ACT == 0:
+        out = g / (1.0 + gl.exp(-g)) * u
+    else:
+        gc = gl.minimum(g, limit)
+        uc = gl.minimum(gl.maximum(u, -limit), limit)
+        out = (uc + 1.0) * (gc / (1.0 + gl.exp(-alpha * gc)))
+    return out
+
+
+@gluon.jit
+def _frag_offsets(BL: gl.constexpr, SLABS: gl.constexpr):
+    """(SLABS, 32, 16) byte offsets of one K block's fragments (slab stride 1: the
+    caller scales it) and the (SLABS, 32) lane-quad index of the scale words."""
+    s = gl.arange(0, SLABS, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+    i = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+    s3 = gl.expand_dims(gl.expand_dims(s, 1), 2)
+    l3 = gl.expand_dims(gl.expand_dims(lane, 0), 2)
+    i3 = gl.expand_dims(gl.expand_dims(i, 0), 1)
+    return s3, l3 * 16 + i3, gl.expand_dims(s, 1), gl.expand_dims(lane, 0) // 4
+
+
+@gluon.jit
+def _decode_frag(byte, word, BL: gl.constexpr, DOT: gl.constexpr, F: gl.constexpr):
+    """Fragment bytes (SLABS, 32, 16) and their scale words (SLABS, 32, 1) -> the A
+    operands (F, 32) of the block's low and high halves, in wgmma's register layout."""
+    sa, sb, sc, sd = gl.inline_asm_elementwise(
+        _SCALES, "=r,=r,=r,=r,r", [word], dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
+        is_pure=True, pack=1,
+    )  # fmt: skip
+    sa, sb = gl.broadcast(sa, byte)[0], gl.broadcast(sb, byte)[0]
+    sc, sd = gl.broadcast(sc, byte)[0], gl.broadcast(sd, byte)[0]
+    lo, hi = gl.inline_asm_elementwise(
+        _DECODE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [byte, sa, sb, sc, sd],
+        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+    return _to_dot(lo, DOT, F), _to_dot(hi, DOT, F)
+
+
+@gluon.jit
+def _to_dot(v, DOT: gl.constexpr, F: gl.constexpr):
+    """(SLABS, 32 lanes, 16 bytes) -> (F rows, 32 k'): row = 16 s + 8 i1 + lq, k' =
+    i0 + 2 lr + 8 i2 + 16 i3 (lane = 4 lq + lr, byte = i0 + 2 i1 + 4 i2 + 8 i3): the
+    same registers, so the layout change is free."""
+    v = gl.reshape(v, [F // 16, 8, 4, 2, 2, 2, 2])  # s, lq, lr, i3, i2, i1, i0
+    v = gl.permute(v, [0, 5, 1, 3, 4, 2, 6])  # s, i1, lq, i3, i2, lr, i0
+    v = gl.reshape(v, [F, 32])
+    return gl.convert_layout(v, DOT, assert_trivial=True)
+
+
+@gluon.jit
+def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xs, ws, ss, stage,
+           NW: gl.constexpr, XL: gl.constexpr):  # fmt: skip
+    """Start K block kb's copies into ring stage ``stage``: the two activation halves
+    (BLOCK_T, 32), and for each of the NW weight tiles its fragments and scale words."""
+    ks = kb * 64 + gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
+    mask = gl.expand_dims(valid, 1) & gl.expand_dims(ks < K, 0)
+    x_ptrs = x_rows + gl.expand_dims(ks, 0) * s_xk
+    async_copy.async_copy_global_to_shared(xs.index(2 * stage), x_ptrs, mask=mask)
+    async_copy.async_copy_global_to_shared(xs.index(2 * stage + 1), x_ptrs + 32 * s_xk, mask=mask)
+    for t in gl.static_range(NW):
+        async_copy.async_copy_global_to_shared(ws.index(NW * stage + t), w_tiles[t] + kb * 512)
+        async_copy.async_copy_global_to_shared(ss.index(NW * stage + t), s_tiles[t] + kb * 8)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, accs,
+            NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
+            DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr):  # fmt: skip
+    """accs[t] += W_t @ x^T over every K block, the copies STAGES - 1 blocks ahead."""
+    xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_T, 32], SMEM)
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ws = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 4, 32, 16], plain3)
+    ss = gl.allocate_shared_memory(gl.int32, [NW * STAGES, 4, 32], plain2)
+    for st in gl.static_range(STAGES - 1):
+        _issue(x_rows, valid, w_tiles, s_tiles, gl.minimum(st, KB - 1), K, s_xk, xs, ws, ss, st,
+               NW, XL)  # fmt: skip
+    for kb in range(0, KB):
+        stage = kb % STAGES
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of block kb are in
+        gl.thread_barrier()  # everyone's are; and block kb - 1's stage is free again
+        nxt = gl.minimum(kb + STAGES - 1, KB - 1)  # past the end: the last block again
+        _issue(x_rows, valid, w_tiles, s_tiles, nxt, K, s_xk, xs, ws, ss,
+               (kb + STAGES - 1) % STAGES, NW, XL)  # fmt: skip
+        fence_async_shared()  # the copies, seen by wgmma (the async proxy)
+        b_lo = xs.index(2 * stage).permute((1, 0))
+        b_hi = xs.index(2 * stage + 1).permute((1, 0))
+        new_accs = ()
+        for t in gl.static_range(NW):
+            byte = ws.index(NW * stage + t).load(BL)
+            word = ss.index(NW * stage + t).load(gl.SliceLayout(2, BL))
+            a_lo, a_hi = _decode_frag(byte, gl.expand_dims(word, 2), BL, DOT, 64)
+            new_accs = new_accs + (warpgroup_mma(a_hi, b_hi, warpgroup_mma(a_lo, b_lo, accs[t])),)
+        accs = new_accs
+    async_copy.wait_group(0)
+    return accs
+
+
+@gluon.jit(do_not_specialize=["num_assign"])
+def gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+    num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on,
+    row_step, up_offset, alpha, limit,
+    ACT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
+    BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
+    SMEM: gl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+    expert = gl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    rows_x = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, XL))
+    assign_x = gl.load(sorted_ids_ptr + pid_m * BLOCK_T + rows_x)
+    valid_x = assign_x < num_assign
+    x_rows = x_ptr + gl.expand_dims((assign_x // top_k).to(gl.int64) * s_xm, 1)
+    # fragments: the gate slabs of features 64 pid_n .., the up slabs I rows below
+    s3, off3, s2, quad = _frag_offsets(BL, 4)
+    gate_slab = expert.to(gl.int64) * (I // 8) + pid_n * 4  # 2I rows in slabs of 16
+    up_slab = gate_slab + I // 16
+    w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
+    s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
+    acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
+    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, (acc0, acc0), 2,
+                           STAGES, BLOCK_T, BL, DOT, XL, SMEM)  # fmt: skip
+    feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    f_ok = feats < I
+    if HAS_BIAS:
+        b_base = b_ptr + expert.to(gl.int64) * s_be
+        bg = gl.load(b_base + feats * row_step * s_bn, mask=f_ok, other=0.0)
+        bu = gl.load(b_base + (feats * row_step + up_offset) * s_bn, mask=f_ok, other=0.0)
+        acc_g += gl.expand_dims(bg.to(gl.float32), 1)
+        acc_u += gl.expand_dims(bu.to(gl.float32), 1)
+    out = _act(acc_g, acc_u, ACT, alpha, limit)
+    pos = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+    assign = gl.load(sorted_ids_ptr + pos)
+    mask = gl.expand_dims(f_ok, 1) & gl.expand_dims(assign < num_assign, 0)
+    dst = out_ptr + gl.expand_dims(pos.to(gl.int64) * s_om, 0) + gl.expand_dims(feats * s_on, 1)
+    gl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["num_assign"])
+def down_kernel(
+    a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, block_experts_ptr,
+    num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn,
+    HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
+    BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
+    SMEM: gl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+    expert = gl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    rows_x = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, XL))
+    valid_x = gl.load(sorted_ids_ptr + rows_x) < num_assign
+    a_rows = a_ptr + gl.expand_dims(rows_x.to(gl.int64) * s_am, 1)
+    s3, off3, s2, quad = _frag_offsets(BL, 4)
+    slab = expert.to(gl.int64) * (N // 16) + pid_n * 4
+    w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
+    s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
+    acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
+    (acc,) = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, (acc0,), 1, STAGES,
+                     BLOCK_T, BL, DOT, XL, SMEM)  # fmt: skip
+    feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    f_ok = feats < N
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + expert.to(gl.int64) * s_be + feats * s_bn, mask=f_ok, other=0.0)
+        acc += gl.expand_dims(bias.to(gl.float32), 1)
+    pos = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+    assign = gl.load(sorted_ids_ptr + pos)
+    ok = assign < num_assign
+    weight = gl.load(tw_ptr + assign, mask=ok, other=0.0).to(gl.float32)
+    dst = y_ptr + gl.expand_dims(assign.to(gl.int64) * s_ym, 0) + gl.expand_dims(feats * s_yn, 1)
+    mask = gl.expand_dims(f_ok, 1) & gl.expand_dims(ok, 0)
+    gl.store(dst, acc * gl.expand_dims(weight, 0), mask=mask)
+
+
+def layouts(block_t: int) -> dict:
+    """The kernels' layout constexprs for BLOCK_T tokens a block (4 warps, 64 features)."""
+    frag = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]],
+        block_bases=[],
+        shape=[4, 32, 16],
+    )
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                    instr_shape=[16, block_t, 16])  # fmt: skip
+    return {
+        "BL": frag,
+        "DOT": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
+        "MMA": mma,
+        "XL": gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]),
+        "SMEM": gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2),
+    }
+
+
+def fused_moe_hopper(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    frags: "Mxfp4Fragments",
+    *,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+    gate_up: str = "concat",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    block_t: int = 64,
+    stages: int = 3,
+) -> torch.Tensor:
+    """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
+    x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
+    from unikv.kernels.moe import align_by_expert
+
+    t, d = x.shape
+    top_k = topk_ids.shape[1]
+    m = topk_ids.numel()
+    inter = frags.inter
+    sorted_ids, block_experts = align_by_expert(topk_ids, frags.num_experts, block_t)
+    rows = sorted_ids.shape[0]
+    lay = layouts(block_t)
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    bias1 = b1 if b1 is not None else x
+    interleaved = gate_up == "interleaved"
+    row_step, up_offset = (2, 1) if interleaved else (1, inter)
+    grid = (block_experts.shape[0], inter // 64)
+    gate_up_kernel[grid](
+        x, frags.w1, frags.s1, bias1, act, sorted_ids, block_experts,
+        m, top_k, d, inter, d // 64, *x.stride(), bias1.stride(0), bias1.stride(-1),
+        *act.stride(), row_step, up_offset, float(alpha), float(limit),
+        ACT=0 if activation == "silu" else 1, HAS_BIAS=b1 is not None, BLOCK_T=block_t,
+        STAGES=stages, num_warps=4, **lay,
+    )  # fmt: skip
+    y = torch.empty(m, d, dtype=torch.float32, device=x.device)
+    bias2 = b2 if b2 is not None else x
+    down_kernel[(block_experts.shape[0], d // 64)](
+        act, frags.w2, frags.s2, bias2, topk_weights.reshape(-1), y, sorted_ids, block_experts,
+        m, d, inter, inter // 64, *act.stride(), bias2.stride(0), bias2.stride(-1), *y.stride(),
+        HAS_BIAS=b2 is not None, BLOCK_T=block_t, STAGES=stages, num_warps=4, **lay,
+    )  # fmt: skip
+    return y.view(t, top_k, d).sum(1).to(x.dtype)
+
+
+class Mxfp4Fragments(NamedTuple):
+    """An MoE layer's MXFP4 experts in the fragment order (``mxfp4_frag``): gate/up rows
+    [gate (I) | up (I)], scales as int32 words."""
+
+    w1: torch.Tensor  # (E, 2I / 16, d / 64, 512) uint8
+    s1: torch.Tensor  # (E, 2I / 16, d / 64, 8) int32
+    w2: torch.Tensor  # (E, d / 16, I / 64, 512) uint8
+    s2: torch.Tensor  # (E, d / 16, I / 64, 8) int32
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.w1.shape[1] * 8
+
+
+def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
+    """Checkpoint MXFP4 experts (``moe_ref``'s layouts) -> ``Mxfp4Fragments``."""
+    order = gate_up_row_order(w1.shape[1], gate_up == "interleaved", w1.device)
+    f1, g1 = pack_fragments(w1, s1, order)
+    f2, g2 = pack_fragments(w2, s2)
+    return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32))
