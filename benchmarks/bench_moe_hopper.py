@@ -25,7 +25,9 @@ from benchmarks.bench_moe import KW, SHAPE, make_experts, touched_bytes
 from benchmarks.common import copy_ceilings, environment, graph_us, save_json
 from unikv.kernels import moe, moe_hopper, moe_ref
 
-CANDIDATES = ((64, 3), (64, 4), (32, 3), (32, 4), (16, 4), (64, 2))
+# (block_t, stages, one_mul): the one-multiply decode where the scales allow (these do)
+CANDIDATES = ((64, 4, True), (64, 4, False), (64, 3, True), (64, 5, True), (32, 4, True),
+              (16, 4, True), (16, 3, True))
 
 
 def main() -> None:
@@ -52,11 +54,11 @@ def main() -> None:
                "triton_err": (triton_fn().float() - ref).abs().max().item() / scale}  # fmt: skip
         row["triton_us"] = graph_us(triton_fn)
         row["triton_of_roofline"] = roof / row["triton_us"]
-        for bt, st in CANDIDATES:
-            name = f"gluon_t{bt}_s{st}"
+        for bt, st, one in CANDIDATES:
+            name = f"gluon_t{bt}_s{st}{'_one' if one else ''}"
             fn = lambda: moe_hopper.fused_moe_hopper(
                 x, weights, ids, frags, b1=packed["b1"], b2=packed["b2"], **KW,
-                block_t=bt, stages=st,
+                block_t=bt, stages=st, one_mul=one,
             )  # fmt: skip
             try:
                 err = (fn().float() - ref).abs().max().item() / scale

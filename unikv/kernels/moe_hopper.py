@@ -30,53 +30,67 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
 
 from unikv.kernels.mxfp4_frag import gate_up_row_order, pack_fragments
 
 
-def _pair(select: str, lo: str, hi: str, scale_lo: str, scale_hi: str) -> str:
+def _pair(select: str, lo: str, hi: str, scale_lo: str, scale_hi: str, one_mul: bool) -> str:
     """Two bytes of $4 (prmt ``select`` puts them in the low bytes of two 16-bit lanes)
     -> bf16x2 of their low nibbles times ``scale_lo`` and of their high nibbles times
-    ``scale_hi`` (a code's bits placed as bf16's sign / lowest exponent / top mantissa
-    bits are its value times 2^-126; times 2^126, then the scale: exact)."""
+    ``scale_hi``. A code's bits placed as bf16's sign / lowest exponent / top mantissa
+    bits are its value times 2^-126 (code 1, 0.5, the subnormal 2^-127); times 2^126,
+    then the scale, is exact for any scale; ``one_mul``: one multiply by the scale times
+    2^126, the scales' bf16 holding it (e8m0 exponents <= 128)."""
+    mul = "" if one_mul else "fma.rn.bf16x2 t, t, big, nz;\n"
     return f"""
 prmt.b32 p, $4, 0, {select};
 shl.b32 t, p, 6;
 shl.b32 u, p, 12;
 or.b32 t, t, u;
 and.b32 t, t, 0x81C081C0;
-fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 {lo}, t, {scale_lo}, nz;
+{mul}fma.rn.bf16x2 {lo}, t, {scale_lo}, nz;
 shl.b32 t, p, 2;
 shl.b32 u, p, 8;
 and.b32 t, t, 0x01C001C0;
 and.b32 u, u, 0x80008000;
 or.b32 t, t, u;
-fma.rn.bf16x2 t, t, big, nz;
-fma.rn.bf16x2 {hi}, t, {scale_hi}, nz;"""
+{mul}fma.rn.bf16x2 {hi}, t, {scale_hi}, nz;"""
 
 
-# four bytes ($4: bytes 0, 1 of one row, 2, 3 of the row 8 below) -> low-nibble pairs $0
-# (bytes 0, 1) and $1 (2, 3), high-nibble pairs $2, $3; scales (bf16x2, each input
-# broadcast over the pack, so its first operand): $5 (row, group 0), $9 (row, group 1),
-# $13 (row + 8, group 0), $17 (row + 8, group 1)
-_DECODE = gl.constexpr(
-    "{\n.reg .b32 p, t, u, big, nz;\nmov.b32 big, 0x7E807E80;\nmov.b32 nz, 0x80008000;"
-    + _pair("0x4140", "$0", "$2", "$5", "$9")
-    + _pair("0x4342", "$1", "$3", "$13", "$17")
-    + "\n}"
-)
-
-# one scale word (4 e8m0 bytes) -> four bf16x2 scales 2^(e - 127), e = 0 the subnormal
-_SCALES = gl.constexpr(
-    "{\n.reg .b32 t, m;\nmov.b32 m, 0x00400040;\n"
-    + "".join(
-        f"prmt.b32 t, $4, 0, 0x4{q}4{q};\nshl.b32 t, t, 7;\nmax.u16x2 ${q}, t, m;\n"
-        for q in range(4)
+def _decode_asm(one_mul: bool) -> str:
+    """Four bytes ($4: bytes 0, 1 of one row, 2, 3 of the row 8 below) -> low-nibble
+    pairs $0 (bytes 0, 1) and $1 (2, 3), high-nibble pairs $2, $3. Scales (bf16x2; each
+    input is broadcast over the pack, so its first operand): $5 (row, group 0), $9 (row,
+    group 1), $13 (row + 8, group 0), $17 (row + 8, group 1)."""
+    return (
+        "{\n.reg .b32 p, t, u, big, nz;\nmov.b32 big, 0x7E807E80;\nmov.b32 nz, 0x80008000;"
+        + _pair("0x4140", "$0", "$2", "$5", "$9", one_mul)
+        + _pair("0x4342", "$1", "$3", "$13", "$17", one_mul)
+        + "\n}"
     )
-    + "}"
-)
+
+
+def _scales_asm(one_mul: bool) -> str:
+    """One scale word (four e8m0 bytes e) -> four bf16x2 scales: 2^(e - 127) (e = 0 the
+    subnormal 2^-127), or with ``one_mul`` 2^(e - 1) (exponent field e + 126)."""
+    fix = "add.u32 t, t, 0x007E007E;\nshl.b32 ${q}, t, 7;\n" if one_mul else (
+        "shl.b32 t, t, 7;\nmax.u16x2 ${q}, t, m;\n"
+    )  # fmt: skip
+    body = "".join(f"prmt.b32 t, $4, 0, 0x4{q}4{q};\n" + fix.format(q=q) for q in range(4))
+    return "{\n.reg .b32 t, m;\nmov.b32 m, 0x00400040;\n" + body + "}"
+
+
+_DECODE = gl.constexpr(_decode_asm(False))
+_DECODE_ONE = gl.constexpr(_decode_asm(True))
+_SCALES = gl.constexpr(_scales_asm(False))
+_SCALES_ONE = gl.constexpr(_scales_asm(True))
+ONE_MUL_MAX_SCALE = 128  # e8m0 exponents up to this: the scale times 2^126 fits bf16
 
 
 @gluon.jit
@@ -106,17 +120,24 @@ def _frag_offsets(BL: gl.constexpr, SLABS: gl.constexpr):
 
 
 @gluon.jit
-def _decode_frag(byte, word, BL: gl.constexpr, DOT: gl.constexpr, F: gl.constexpr):
+def _decode_frag(byte, word, BL: gl.constexpr, DOT: gl.constexpr, F: gl.constexpr,
+                 ONE_MUL: gl.constexpr):  # fmt: skip
     """Fragment bytes (SLABS, 32, 16) and their scale words (SLABS, 32, 1) -> the A
     operands (F, 32) of the block's low and high halves, in wgmma's register layout."""
+    if ONE_MUL:
+        scales_asm: gl.constexpr = _SCALES_ONE
+        decode_asm: gl.constexpr = _DECODE_ONE
+    else:
+        scales_asm: gl.constexpr = _SCALES
+        decode_asm: gl.constexpr = _DECODE
     sa, sb, sc, sd = gl.inline_asm_elementwise(
-        _SCALES, "=r,=r,=r,=r,r", [word], dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32),
-        is_pure=True, pack=1,
+        scales_asm, "=r,=r,=r,=r,r", [word],
+        dtype=(gl.uint32, gl.uint32, gl.uint32, gl.uint32), is_pure=True, pack=1,
     )  # fmt: skip
     sa, sb = gl.broadcast(sa, byte)[0], gl.broadcast(sb, byte)[0]
     sc, sd = gl.broadcast(sc, byte)[0], gl.broadcast(sd, byte)[0]
     lo, hi = gl.inline_asm_elementwise(
-        _DECODE, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [byte, sa, sb, sc, sd],
+        decode_asm, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r", [byte, sa, sb, sc, sd],
         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4,
     )  # fmt: skip
     return _to_dot(lo, DOT, F), _to_dot(hi, DOT, F)
@@ -134,53 +155,80 @@ def _to_dot(v, DOT: gl.constexpr, F: gl.constexpr):
 
 
 @gluon.jit
-def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xs, ws, ss, stage,
+def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xlo, xhi, ws, ss, stage,
            NW: gl.constexpr, XL: gl.constexpr):  # fmt: skip
     """Start K block kb's copies into ring stage ``stage``: the two activation halves
-    (BLOCK_T, 32), and for each of the NW weight tiles its fragments and scale words."""
+    (BLOCK_T, 32), and for each of the NW weight tiles its fragments and scale words
+    (each tile its own buffers: the barrier analysis sees them apart)."""
     ks = kb * 64 + gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
     mask = gl.expand_dims(valid, 1) & gl.expand_dims(ks < K, 0)
     x_ptrs = x_rows + gl.expand_dims(ks, 0) * s_xk
-    async_copy.async_copy_global_to_shared(xs.index(2 * stage), x_ptrs, mask=mask)
-    async_copy.async_copy_global_to_shared(xs.index(2 * stage + 1), x_ptrs + 32 * s_xk, mask=mask)
+    async_copy.async_copy_global_to_shared(xlo.index(stage), x_ptrs, mask=mask)
+    async_copy.async_copy_global_to_shared(xhi.index(stage), x_ptrs + 32 * s_xk, mask=mask)
     for t in gl.static_range(NW):
-        async_copy.async_copy_global_to_shared(ws.index(NW * stage + t), w_tiles[t] + kb * 512)
-        async_copy.async_copy_global_to_shared(ss.index(NW * stage + t), s_tiles[t] + kb * 8)
+        async_copy.async_copy_global_to_shared(ws[t].index(stage), w_tiles[t] + kb * 512)
+        async_copy.async_copy_global_to_shared(ss[t].index(stage), s_tiles[t] + kb * 8)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, accs,
+def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
             NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
-            DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr):  # fmt: skip
-    """accs[t] += W_t @ x^T over every K block, the copies STAGES - 1 blocks ahead."""
-    xs = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, BLOCK_T, 32], SMEM)
+            DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
+            ONE_MUL: gl.constexpr):  # fmt: skip
+    """NW accumulators W_t @ x^T over every K block. A ring of STAGES buffers, the copies
+    STAGES - 2 blocks ahead; block kb's weights are decoded while block kb - 1's MMAs
+    run (wgmma is asynchronous; its register operands stay alive until the wait)."""
+    AHEAD: gl.constexpr = STAGES - 2
+    xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
+    xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
     plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    ws = gl.allocate_shared_memory(gl.uint8, [NW * STAGES, 4, 32, 16], plain3)
-    ss = gl.allocate_shared_memory(gl.int32, [NW * STAGES, 4, 32], plain2)
-    for st in gl.static_range(STAGES - 1):
-        _issue(x_rows, valid, w_tiles, s_tiles, gl.minimum(st, KB - 1), K, s_xk, xs, ws, ss, st,
-               NW, XL)  # fmt: skip
+    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
+    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+    if NW == 2:
+        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
+        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+    for st in gl.static_range(AHEAD):
+        _issue(x_rows, valid, w_tiles, s_tiles, gl.minimum(st, KB - 1), K, s_xk, xlo, xhi, ws,
+               ss, st, NW, XL)  # fmt: skip
+    zero_a = gl.zeros([64, 32], gl.bfloat16, DOT)
+    acc_a = warpgroup_mma_init(acc0)
+    acc_b = warpgroup_mma_init(acc0)
+    prev = (zero_a, zero_a, zero_a, zero_a)
     for kb in range(0, KB):
         stage = kb % STAGES
-        async_copy.wait_group(STAGES - 2)  # this thread's copies of block kb are in
-        gl.thread_barrier()  # everyone's are; and block kb - 1's stage is free again
-        nxt = gl.minimum(kb + STAGES - 1, KB - 1)  # past the end: the last block again
-        _issue(x_rows, valid, w_tiles, s_tiles, nxt, K, s_xk, xs, ws, ss,
-               (kb + STAGES - 1) % STAGES, NW, XL)  # fmt: skip
+        async_copy.wait_group(AHEAD - 1)  # this thread's copies of block kb are in
+        # everyone's are, and everyone waited for block kb - 2's MMAs: its stage is free
+        gl.thread_barrier()
+        nxt = gl.minimum(kb + AHEAD, KB - 1)  # past the end: the last block again
+        _issue(x_rows, valid, w_tiles, s_tiles, nxt, K, s_xk, xlo, xhi, ws, ss,
+               (kb + AHEAD) % STAGES, NW, XL)  # fmt: skip
         fence_async_shared()  # the copies, seen by wgmma (the async proxy)
-        b_lo = xs.index(2 * stage).permute((1, 0))
-        b_hi = xs.index(2 * stage + 1).permute((1, 0))
-        new_accs = ()
-        for t in gl.static_range(NW):
-            byte = ws.index(NW * stage + t).load(BL)
-            word = ss.index(NW * stage + t).load(gl.SliceLayout(2, BL))
-            a_lo, a_hi = _decode_frag(byte, gl.expand_dims(word, 2), BL, DOT, 64)
-            new_accs = new_accs + (warpgroup_mma(a_hi, b_hi, warpgroup_mma(a_lo, b_lo, accs[t])),)
-        accs = new_accs
+        b_lo = xlo.index(stage).permute((1, 0))
+        b_hi = xhi.index(stage).permute((1, 0))
+        byte = ws[0].index(stage).load(BL)
+        word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
+        a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+        b_lo2, b_hi2 = a_lo, a_hi
+        if NW == 2:
+            byte = ws[1].index(stage).load(BL)
+            word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
+            b_lo2, b_hi2 = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+        acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
+            num_outstanding=0, deps=(acc_a, acc_b, prev[0], prev[1], prev[2], prev[3]))
+        acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
+        acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
+        if NW == 2:
+            acc_b = warpgroup_mma(b_lo2, b_lo, acc_b, is_async=True)
+            acc_b = warpgroup_mma(b_hi2, b_hi, acc_b, is_async=True)
+        else:
+            acc_b = warpgroup_mma_init(acc_b)
+        prev = (a_lo, a_hi, b_lo2, b_hi2)
+    acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
+        num_outstanding=0, deps=(acc_a, acc_b, prev[0], prev[1], prev[2], prev[3]))
     async_copy.wait_group(0)
-    return accs
+    return acc_a, acc_b
 
 
 @gluon.jit(do_not_specialize=["num_assign"])
@@ -190,7 +238,7 @@ def gate_up_kernel(
     row_step, up_offset, alpha, limit,
     ACT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-    SMEM: gl.constexpr,
+    SMEM: gl.constexpr, ONE_MUL: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
@@ -207,8 +255,8 @@ def gate_up_kernel(
     w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
     s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, (acc0, acc0), 2,
-                           STAGES, BLOCK_T, BL, DOT, XL, SMEM)  # fmt: skip
+    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2, STAGES,
+                           BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < I
     if HAS_BIAS:
@@ -231,7 +279,7 @@ def down_kernel(
     num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn,
     HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-    SMEM: gl.constexpr,
+    SMEM: gl.constexpr, ONE_MUL: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
@@ -245,8 +293,8 @@ def down_kernel(
     w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
     s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    (acc,) = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, (acc0,), 1, STAGES,
-                     BLOCK_T, BL, DOT, XL, SMEM)  # fmt: skip
+    acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES, BLOCK_T,
+                     BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < N
     if HAS_BIAS:
@@ -294,7 +342,8 @@ def fused_moe_hopper(
     alpha: float = 1.702,
     limit: float = 7.0,
     block_t: int = 64,
-    stages: int = 3,
+    stages: int = 4,
+    one_mul: bool | None = None,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
@@ -307,6 +356,7 @@ def fused_moe_hopper(
     sorted_ids, block_experts = align_by_expert(topk_ids, frags.num_experts, block_t)
     rows = sorted_ids.shape[0]
     lay = layouts(block_t)
+    lay["ONE_MUL"] = frags.one_mul if one_mul is None else one_mul
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias1 = b1 if b1 is not None else x
     interleaved = gate_up == "interleaved"
@@ -337,6 +387,7 @@ class Mxfp4Fragments(NamedTuple):
     s1: torch.Tensor  # (E, 2I / 16, d / 64, 8) int32
     w2: torch.Tensor  # (E, d / 16, I / 64, 512) uint8
     s2: torch.Tensor  # (E, d / 16, I / 64, 8) int32
+    one_mul: bool  # every scale exponent <= ONE_MUL_MAX_SCALE: the one-multiply decode
 
     @property
     def num_experts(self) -> int:
@@ -352,4 +403,5 @@ def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
     order = gate_up_row_order(w1.shape[1], gate_up == "interleaved", w1.device)
     f1, g1 = pack_fragments(w1, s1, order)
     f2, g2 = pack_fragments(w2, s2)
-    return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32))
+    one_mul = max(int(s1.max()), int(s2.max())) <= ONE_MUL_MAX_SCALE  # once, at load
+    return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32), one_mul)
