@@ -33,7 +33,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -176,10 +175,9 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
             NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
             DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
             ONE_MUL: gl.constexpr):  # fmt: skip
-    """NW accumulators W_t @ x^T over every K block. A ring of STAGES buffers, the copies
-    STAGES - 2 blocks ahead; block kb's weights are decoded while block kb - 1's MMAs
-    run (wgmma is asynchronous; its register operands stay alive until the wait)."""
-    AHEAD: gl.constexpr = STAGES - 2
+    """NW accumulators W_t @ x^T over every K block: a ring of STAGES buffers, the
+    copies STAGES - 1 blocks ahead."""
+    AHEAD: gl.constexpr = STAGES - 1
     xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
     xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
     plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
@@ -192,14 +190,11 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
     for st in gl.static_range(AHEAD):
         _issue(x_rows, valid, w_tiles, s_tiles, gl.minimum(st, KB - 1), K, s_xk, xlo, xhi, ws,
                ss, st, NW, XL)  # fmt: skip
-    zero_a = gl.zeros([64, 32], gl.bfloat16, DOT)
-    acc_a = warpgroup_mma_init(acc0)
-    acc_b = warpgroup_mma_init(acc0)
-    prev = (zero_a, zero_a, zero_a, zero_a)
+    acc_a, acc_b = acc0, acc0
     for kb in range(0, KB):
         stage = kb % STAGES
         async_copy.wait_group(AHEAD - 1)  # this thread's copies of block kb are in
-        # everyone's are, and everyone waited for block kb - 2's MMAs: its stage is free
+        # everyone's are, and every warp is past block kb - 1: its stage is free
         gl.thread_barrier()
         nxt = gl.minimum(kb + AHEAD, KB - 1)  # past the end: the last block again
         _issue(x_rows, valid, w_tiles, s_tiles, nxt, K, s_xk, xlo, xhi, ws, ss,
@@ -210,23 +205,22 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
         byte = ws[0].index(stage).load(BL)
         word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
         a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
-        b_lo2, b_hi2 = a_lo, a_hi
         if NW == 2:
             byte = ws[1].index(stage).load(BL)
             word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
-            b_lo2, b_hi2 = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
-        acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
-            num_outstanding=0, deps=(acc_a, acc_b, prev[0], prev[1], prev[2], prev[3]))
-        acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
-        acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
-        if NW == 2:
-            acc_b = warpgroup_mma(b_lo2, b_lo, acc_b, is_async=True)
-            acc_b = warpgroup_mma(b_hi2, b_hi, acc_b, is_async=True)
+            c_lo, c_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+            acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
+            acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
+            acc_b = warpgroup_mma(c_lo, b_lo, acc_b, is_async=True)
+            acc_b = warpgroup_mma(c_hi, b_hi, acc_b, is_async=True)
+            # all four done before anything else runs: their register operands are live
+            # up to here (loop-carried copies would not keep the registers wgmma reads)
+            acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi))
         else:
-            acc_b = warpgroup_mma_init(acc_b)
-        prev = (a_lo, a_hi, b_lo2, b_hi2)
-    acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
-        num_outstanding=0, deps=(acc_a, acc_b, prev[0], prev[1], prev[2], prev[3]))
+            acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
+            acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
+            acc_a, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, a_lo, a_hi))
     async_copy.wait_group(0)
     return acc_a, acc_b
 
