@@ -24,6 +24,7 @@ runs in the GPU tests against the dequantised reference.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -191,7 +192,7 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
         _issue(x_rows, valid, w_tiles, s_tiles, gl.minimum(st, KB - 1), K, s_xk, xlo, xhi, ws,
                ss, st, NW, XL)  # fmt: skip
     acc_a, acc_b = acc0, acc0
-    for kb in range(0, KB):
+    for kb in range(KB):
         stage = kb % STAGES
         async_copy.wait_group(AHEAD - 1)  # this thread's copies of block kb are in
         # everyone's are, and every warp is past block kb - 1: its stage is free
@@ -216,7 +217,8 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
             # all four done before anything else runs: their register operands are live
             # up to here (loop-carried copies would not keep the registers wgmma reads)
             acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
-                num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi))
+                num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi)
+            )
         else:
             acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
             acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
@@ -327,7 +329,7 @@ def fused_moe_hopper(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    frags: "Mxfp4Fragments",
+    frags: Mxfp4Fragments,
     *,
     b1: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
@@ -399,3 +401,31 @@ def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
     f2, g2 = pack_fragments(w2, s2)
     one_mul = max(int(s1.max()), int(s2.max())) <= ONE_MUL_MAX_SCALE  # once, at load
     return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32), one_mul)
+
+
+# (block_t, stages) per ``moe.BUCKETS`` bucket of T, 16-bit MXFP4 experts at gpt-oss's
+# shape on the H200 (``benchmarks/bench_moe_hopper.py``; the README's MXFP4 section)
+TABLE = {1: (16, 4), 8: (16, 4), 16: (16, 4), 64: (16, 4), 256: (64, 4), 2048: (128, 3),
+         8192: (128, 3)}  # fmt: skip
+
+
+def usable(device: torch.device | str, dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether this path runs experts of that shape for a model of ``dtype`` on
+    ``device``: an sm_90 GPU, bf16 activations (wgmma's operands share a type), hidden
+    and intermediate sizes in whole K blocks of 64; ``UNIKV_MOE_HOPPER=0`` turns it off
+    (the Triton kernel on the checkpoint's layout, for A/Bs)."""
+    device = torch.device(device)
+    if os.environ.get("UNIKV_MOE_HOPPER", "1") == "0" or device.type != "cuda":
+        return False
+    if dtype != torch.bfloat16 or hidden % 64 or inter % 64:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:
+    """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints)."""
+    from unikv.kernels.moe import bucket
+
+    block_t, stages = TABLE[bucket(x.shape[0])]
+    return fused_moe_hopper(x, topk_weights, topk_ids, frags, **kw, block_t=block_t,
+                            stages=stages)  # fmt: skip

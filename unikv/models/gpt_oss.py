@@ -86,8 +86,42 @@ class Experts(nn.Module):
         if tp is not None:
             self.tp_shards = {**shards, "gate_up_proj_bias": 1}
         self.kernel = moe_kernel(self.down_proj_bias.device)
+        self.fragments = None  # the MXFP4 bytes re-packed for Hopper (``finish_loading``)
+
+    def finish_loading(self) -> None:
+        """After the checkpoint is in (``loader.load_model``): on an H200 with bf16
+        activations, re-pack the MXFP4 experts in place into the Hopper kernel's order
+        (``kernels/moe_hopper.py``: same bytes, one pass, one layer's copy at a time);
+        the parameters then hold that order and only that kernel reads them."""
+        from unikv.kernels import moe_hopper
+
+        h, i2 = self.down_proj_bias.shape[1], self.gate_up_proj_bias.shape[1]
+        dtype, device = self.down_proj_bias.dtype, self.down_proj_bias.device
+        if not self.mxfp4 or self.fragments is not None:
+            return
+        if not moe_hopper.usable(device, dtype, h, i2 // 2):
+            return
+        params = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.down_proj_blocks,
+                  self.down_proj_scales)  # fmt: skip
+        frags = moe_hopper.pack_experts(*params, "interleaved")
+        with torch.no_grad():
+            for param, packed in zip(params, frags[:4], strict=True):
+                param.copy_(packed.view(torch.uint8).reshape(param.shape))
+        self.fragments = moe_hopper.Mxfp4Fragments(
+            self.gate_up_proj_blocks.view(frags.w1.shape),
+            self.gate_up_proj_scales.view(frags.s1.shape[:-1] + (32,)).view(torch.int32),
+            self.down_proj_blocks.view(frags.w2.shape),
+            self.down_proj_scales.view(frags.s2.shape[:-1] + (32,)).view(torch.int32),
+            frags.one_mul,
+        )
 
     def _apply(self, fn, recurse=True):  # to / to_empty / cuda: the kernel of the new device
+        if self.fragments is not None:
+            raise RuntimeError(
+                "gpt-oss's MXFP4 experts were re-packed for the Hopper kernel and cannot be "
+                "moved or cast; load the model on its final device and dtype (or set "
+                "UNIKV_MOE_HOPPER=0 to keep the checkpoint's layout)"
+            )
         super()._apply(fn, recurse)
         self.kernel = moe_kernel(self.down_proj_bias.device)
         return self
@@ -104,6 +138,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
         """x: (T, hidden); scores/indices: (T, k) -> (T, hidden) in x.dtype."""
+        if self.fragments is not None:  # fixed at load: the Hopper kernel
+            from unikv.kernels import moe_hopper
+
+            b2 = self.down_proj_bias if self.add_down_bias else None
+            return moe_hopper.moe(x, scores, indices, self.fragments, b1=self.gate_up_proj_bias,
+                                  b2=b2, activation="gpt_oss", gate_up="interleaved",
+                                  alpha=self.alpha, limit=self.limit)  # fmt: skip
         return self.kernel(
             x,
             scores,

@@ -307,6 +307,9 @@ def load_model(
     else:
         model.model.rotary.build(torch.device(device))
     load_weights(model, files, fp8_format(hf_config))
+    for module in model.modules():  # e.g. MXFP4 experts re-packed for the device's kernel
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
     _sinks_to_fp32(model)
     use_elementwise_ops(model, ops)
     return model.eval().requires_grad_(False)
