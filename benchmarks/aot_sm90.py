@@ -11,6 +11,7 @@ unaligned and no load is pipelined), ``do_not_specialize`` ints get neither.
     python benchmarks/aot_sm90.py            # every MoE config at gpt-oss's shape
     python benchmarks/aot_sm90.py --gemv     # the one-request GEMV's launches (JSON)
     python benchmarks/aot_sm90.py --step     # the rest of its decode chain (JSON)
+    python benchmarks/aot_sm90.py --hopper   # the Hopper MXFP4 MoE's table (JSON)
     python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true], true]]'
         # the given (config, mxfp4) cases: one JSON list of [gate_up, down] results
 
@@ -66,7 +67,12 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
             sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"  # as the JIT types it
             if name not in nospec and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (kernels/moe_hopper.py)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    else:
+        src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
     kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps,
                                                          "num_stages": num_stages})  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +140,27 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     return [
         (_gate_up_kernel, gate, common, cfg.num_warps, cfg.num_stages),
         (_down_kernel, down, down_cons, cfg.num_warps, cfg.num_stages),
+    ]
+
+
+def hopper_kernels(block_t: int, stages: int, one_mul: bool) -> list[tuple]:
+    """The Hopper MXFP4 MoE's two launches (``kernels/moe_hopper.py``) at gpt-oss's
+    expert shape, 256 tokens: (fn, values, constexprs, num_warps, num_stages) each."""
+    from unikv.kernels import moe_hopper
+
+    d = i = 2880
+    cons = {**moe_hopper.layouts(block_t), "BLOCK_T": block_t, "STAGES": stages,
+            "ONE_MUL": one_mul, "HAS_BIAS": True}  # fmt: skip
+    common = {"w_ptr": "*u8", "s_ptr": "*i32", "b_ptr": "*bf16", "sorted_ids_ptr": "*i32",
+              "block_experts_ptr": "*i32", "num_assign": ROWS, "s_be": 2 * i, "s_bn": 1}  # fmt: skip
+    gate_up = {**common, "x_ptr": "*bf16", "out_ptr": "*bf16", "top_k": 4, "K": d, "I": i,
+               "KB": d // 64, "s_xm": d, "s_xk": 1, "s_om": i, "s_on": 1, "row_step": 2,
+               "up_offset": 1, "alpha": 1.702, "limit": 7.0}  # fmt: skip
+    down = {**common, "a_ptr": "*bf16", "tw_ptr": "*bf16", "y_ptr": "*fp32", "N": d, "K": i,
+            "KB": i // 64, "s_am": i, "s_ak": 1, "s_be": d, "s_ym": d, "s_yn": 1}  # fmt: skip
+    return [
+        (moe_hopper.gate_up_kernel, gate_up, {**cons, "ACT": 1}, 4, 1),
+        (moe_hopper.down_kernel, down, cons, 4, 1),
     ]
 
 
@@ -242,12 +269,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="[[config, mxfp4], ...] -> JSON results")
     parser.add_argument("--gemv", action="store_true", help="the GEMV's launches -> JSON")
+    parser.add_argument("--hopper", action="store_true",
+                        help="the Hopper MXFP4 MoE's table entries -> JSON")  # fmt: skip
     parser.add_argument("--step", action="store_true",
                         help="the rest of one request's decode chain -> JSON")  # fmt: skip
     args = parser.parse_args()
     if args.gemv or args.step:
         launches = gemv_kernels() if args.gemv else step_kernels()
         print(json.dumps({name: compile_sm90(*launch) for name, launch in launches.items()}))
+        return
+    if args.hopper:
+        from unikv.kernels import moe_hopper
+
+        out = {}
+        for bucket, (block_t, stages) in moe_hopper.TABLE.items():
+            for one_mul in (True, False):
+                launches = hopper_kernels(block_t, stages, one_mul)
+                key = f"{bucket}:{block_t}x{stages}{':one' if one_mul else ''}"
+                out[key] = [compile_sm90(*launch) for launch in launches]
+        print(json.dumps(out))
         return
     if args.json is not None:
         cases = [(moe.Config(*cfg), bool(mx)) for cfg, mx in json.loads(args.json)]
