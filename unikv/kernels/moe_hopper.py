@@ -165,9 +165,10 @@ def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xlo, xhi, ws, ss, stage
     x_ptrs = x_rows + gl.expand_dims(ks, 0) * s_xk
     async_copy.async_copy_global_to_shared(xlo.index(stage), x_ptrs, mask=mask)
     async_copy.async_copy_global_to_shared(xhi.index(stage), x_ptrs + 32 * s_xk, mask=mask)
+    kw = gl.minimum(kb, K // 64 - 1)  # past K: zero activations, the last block's weights
     for t in gl.static_range(NW):
-        async_copy.async_copy_global_to_shared(ws[t].index(stage), w_tiles[t] + kb * 512)
-        async_copy.async_copy_global_to_shared(ss[t].index(stage), s_tiles[t] + kb * 8)
+        async_copy.async_copy_global_to_shared(ws[t].index(stage), w_tiles[t] + kw * 512)
+        async_copy.async_copy_global_to_shared(ss[t].index(stage), s_tiles[t] + kw * 8)
     async_copy.commit_group()
 
 
@@ -227,6 +228,92 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
     return acc_a, acc_b
 
 
+@gluon.jit
+def _decode_stage(ws, ss, stage, NW: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr,
+                  ONE_MUL: gl.constexpr):  # fmt: skip
+    """Ring stage ``stage``'s weight tiles decoded: (lo, hi) of tile 0 and of tile 1
+    (tile 0 again when NW == 1)."""
+    byte = ws[0].index(stage).load(BL)
+    word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
+    a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+    c_lo, c_hi = a_lo, a_hi
+    if NW == 2:
+        byte = ws[1].index(stage).load(BL)
+        word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
+        c_lo, c_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+    return a_lo, a_hi, c_lo, c_hi
+
+
+@gluon.jit
+def _overlap_step(j, a_lo, a_hi, c_lo, c_hi, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles,
+                  K, s_xk, xlo, xhi, ws, ss, NW: gl.constexpr, STAGES: gl.constexpr,
+                  BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr,
+                  ONE_MUL: gl.constexpr):  # fmt: skip
+    """Block j's MMAs on its decoded operands (a: tile 0, c: tile 1), block j + 1
+    decoded meanwhile -> (accumulators, block j + 1's operands)."""
+    AHEAD: gl.constexpr = STAGES - 2
+    stage = j % STAGES  # in since step j - 1's barrier and fence
+    b_lo = xlo.index(stage).permute((1, 0))
+    b_hi = xhi.index(stage).permute((1, 0))
+    acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
+    acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
+    if NW == 2:
+        acc_b = warpgroup_mma(c_lo, b_lo, acc_b, is_async=True)
+        acc_b = warpgroup_mma(c_hi, b_hi, acc_b, is_async=True)
+    async_copy.wait_group(AHEAD - 1)  # this thread's copies of block j + 1 are in
+    # everyone's are, and every warp is past step j - 1 (its MMAs waited for)
+    gl.thread_barrier()
+    _issue(x_rows, valid, w_tiles, s_tiles, j + 1 + AHEAD, K, s_xk, xlo, xhi, ws, ss,
+           (j + 1 + AHEAD) % STAGES, NW, XL)  # fmt: skip
+    fence_async_shared()
+    n_lo, n_hi, m_lo, m_hi = _decode_stage(ws, ss, (j + 1) % STAGES, NW, BL, DOT, ONE_MUL)
+    if NW == 2:
+        acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
+            num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi)
+        )
+    else:
+        acc_a, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, a_lo, a_hi))
+    return acc_a, acc_b, n_lo, n_hi, m_lo, m_hi
+
+
+@gluon.jit
+def _k_loop_overlap(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
+                    NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr,
+                    BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
+                    ONE_MUL: gl.constexpr):  # fmt: skip
+    """``_k_loop`` with block kb + 1 decoded while block kb's MMAs run. Two steps an
+    iteration, their operands in two sets of registers: an in-flight wgmma reads its
+    register operands, so the decode must not write them, and a loop-carried operand
+    would (ptxas then waits before the decode). An odd K block count ends on a zero
+    block (activations masked to 0). Copies STAGES - 2 blocks beyond the decoded one."""
+    AHEAD: gl.constexpr = STAGES - 2
+    xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
+    xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
+    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+    if NW == 2:
+        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
+        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+    for st in gl.static_range(AHEAD + 1):  # blocks 0 .. AHEAD
+        _issue(x_rows, valid, w_tiles, s_tiles, st, K, s_xk, xlo, xhi, ws, ss, st, NW, XL)
+    async_copy.wait_group(AHEAD)  # block 0 is in
+    gl.thread_barrier()
+    fence_async_shared()
+    a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, 0, NW, BL, DOT, ONE_MUL)
+    acc_a, acc_b = acc0, acc0
+    for kb in range(0, KB, 2):
+        acc_a, acc_b, e_lo, e_hi, f_lo, f_hi = _overlap_step(
+            kb, a_lo, a_hi, c_lo, c_hi, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles, K,
+            s_xk, xlo, xhi, ws, ss, NW, STAGES, BL, DOT, XL, ONE_MUL)  # fmt: skip
+        acc_a, acc_b, a_lo, a_hi, c_lo, c_hi = _overlap_step(
+            kb + 1, e_lo, e_hi, f_lo, f_hi, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles, K,
+            s_xk, xlo, xhi, ws, ss, NW, STAGES, BL, DOT, XL, ONE_MUL)  # fmt: skip
+    async_copy.wait_group(0)
+    return acc_a, acc_b
+
+
 @gluon.jit(do_not_specialize=["num_assign"])
 def gate_up_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
@@ -234,7 +321,7 @@ def gate_up_kernel(
     row_step, up_offset, alpha, limit,
     ACT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-    SMEM: gl.constexpr, ONE_MUL: gl.constexpr,
+    SMEM: gl.constexpr, ONE_MUL: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
@@ -251,8 +338,12 @@ def gate_up_kernel(
     w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
     s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2, STAGES,
-                           BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    if OVERLAP:
+        acc_g, acc_u = _k_loop_overlap(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
+                                       STAGES, BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    else:
+        acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2, STAGES,
+                               BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < I
     if HAS_BIAS:
@@ -275,7 +366,7 @@ def down_kernel(
     num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn,
     HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-    SMEM: gl.constexpr, ONE_MUL: gl.constexpr,
+    SMEM: gl.constexpr, ONE_MUL: gl.constexpr, OVERLAP: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
@@ -289,8 +380,12 @@ def down_kernel(
     w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
     s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES, BLOCK_T,
-                     BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    if OVERLAP:
+        acc, _ = _k_loop_overlap(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
+                                 BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    else:
+        acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
+                         BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < N
     if HAS_BIAS:
@@ -340,6 +435,7 @@ def fused_moe_hopper(
     block_t: int = 64,
     stages: int = 4,
     one_mul: bool | None = None,
+    overlap: bool = False,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
@@ -353,6 +449,7 @@ def fused_moe_hopper(
     rows = sorted_ids.shape[0]
     lay = layouts(block_t)
     lay["ONE_MUL"] = frags.one_mul if one_mul is None else one_mul
+    lay["OVERLAP"] = overlap
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias1 = b1 if b1 is not None else x
     interleaved = gate_up == "interleaved"
