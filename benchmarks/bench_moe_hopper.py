@@ -64,7 +64,7 @@ def main() -> None:
         row["triton_us"] = graph_us(triton_fn)
         row["triton_of_roofline"] = roof / row["triton_us"]
         for bt, st, one, ov in CANDIDATES:
-            name = f"gluon_t{bt}_s{st}{'_one' if one else ''}{'_ov' if ov else ''}"
+            name = f"gluon_t{bt}_s{st}{'_one' if one else ''}{f'_ov{ov}' if ov else ''}"
             fn = partial(moe_hopper.fused_moe_hopper, x, weights, ids, frags, b1=packed["b1"],
                          b2=packed["b2"], **KW, block_t=bt, stages=st, one_mul=one,
                          overlap=ov)  # fmt: skip

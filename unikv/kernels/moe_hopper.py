@@ -314,6 +314,68 @@ def _k_loop_overlap(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
     return acc_a, acc_b
 
 
+@gluon.jit
+def _k_loop_smem(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
+                 NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr,
+                 BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
+                 ONE_MUL: gl.constexpr):  # fmt: skip
+    """``_k_loop`` with the decoded operands stored to shared memory (two buffers), so
+    the MMAs of block kb stay in flight while block kb + 1 is decoded: wgmma's shared
+    operands are safe where its register operands were not (``_k_loop_overlap``). Copies
+    STAGES - 2 blocks ahead (the stage of the MMAs in flight is not overwritten)."""
+    AHEAD: gl.constexpr = STAGES - 2
+    xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
+    xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    a_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16,
+                                                rank=2)  # fmt: skip
+    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
+    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+    alo = (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
+    ahi = (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
+    if NW == 2:
+        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
+        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+        alo = alo + (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
+        ahi = ahi + (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
+    for st in gl.static_range(AHEAD):
+        _issue(x_rows, valid, w_tiles, s_tiles, st, K, s_xk, xlo, xhi, ws, ss, st, NW, XL)
+    acc_a, acc_b = acc0, acc0
+    for kb in range(KB):
+        stage = kb % STAGES
+        buf = kb % 2  # the buffers of block kb - 2, whose MMAs are done
+        async_copy.wait_group(AHEAD - 1)  # this thread's copies of block kb are in
+        gl.thread_barrier()  # everyone's; every warp waited for block kb - 2's MMAs
+        _issue(x_rows, valid, w_tiles, s_tiles, kb + AHEAD, K, s_xk, xlo, xhi, ws, ss,
+               (kb + AHEAD) % STAGES, NW, XL)  # fmt: skip
+        a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, stage, NW, BL, DOT, ONE_MUL)
+        alo[0].index(buf).store(a_lo)
+        ahi[0].index(buf).store(a_hi)
+        if NW == 2:
+            alo[1].index(buf).store(c_lo)
+            ahi[1].index(buf).store(c_hi)
+        fence_async_shared()  # the copies and the stores, seen by wgmma
+        gl.thread_barrier()  # every warp's rows of the operands are in
+        b_lo = xlo.index(stage).permute((1, 0))
+        b_hi = xhi.index(stage).permute((1, 0))
+        acc_a = warpgroup_mma(alo[0].index(buf), b_lo, acc_a, is_async=True)
+        acc_a = warpgroup_mma(ahi[0].index(buf), b_hi, acc_a, is_async=True)
+        if NW == 2:
+            acc_b = warpgroup_mma(alo[1].index(buf), b_lo, acc_b, is_async=True)
+            acc_b = warpgroup_mma(ahi[1].index(buf), b_hi, acc_b, is_async=True)
+            # block kb - 1's four MMA groups are done once only this block's are pending
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=4, deps=(acc_a, acc_b))
+        else:
+            acc_a = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a,))
+    if NW == 2:
+        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+    else:
+        acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+    async_copy.wait_group(0)
+    return acc_a, acc_b
+
+
 @gluon.jit(do_not_specialize=["num_assign"])
 def gate_up_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
@@ -338,7 +400,10 @@ def gate_up_kernel(
     w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
     s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    if OVERLAP:
+    if OVERLAP == 2:
+        acc_g, acc_u = _k_loop_smem(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
+                                    STAGES, BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    elif OVERLAP == 1:
         acc_g, acc_u = _k_loop_overlap(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
                                        STAGES, BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     else:
@@ -380,7 +445,10 @@ def down_kernel(
     w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
     s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    if OVERLAP:
+    if OVERLAP == 2:
+        acc, _ = _k_loop_smem(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
+                              BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    elif OVERLAP == 1:
         acc, _ = _k_loop_overlap(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
                                  BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     else:
@@ -435,7 +503,7 @@ def fused_moe_hopper(
     block_t: int = 64,
     stages: int = 4,
     one_mul: bool | None = None,
-    overlap: bool = False,
+    overlap: int = 0,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
@@ -449,7 +517,7 @@ def fused_moe_hopper(
     rows = sorted_ids.shape[0]
     lay = layouts(block_t)
     lay["ONE_MUL"] = frags.one_mul if one_mul is None else one_mul
-    lay["OVERLAP"] = overlap
+    lay["OVERLAP"] = int(overlap)
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias1 = b1 if b1 is not None else x
     interleaved = gate_up == "interleaved"
