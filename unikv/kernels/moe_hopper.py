@@ -568,10 +568,11 @@ def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
     return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32), one_mul)
 
 
-# (block_t, stages) per ``moe.BUCKETS`` bucket of T, 16-bit MXFP4 experts at gpt-oss's
-# shape on the H200 (``benchmarks/bench_moe_hopper.py``; the README's MXFP4 section)
-TABLE = {1: (16, 4), 8: (16, 4), 16: (16, 4), 64: (16, 4), 256: (64, 4), 2048: (128, 3),
-         8192: (128, 3)}  # fmt: skip
+# (block_t, stages, overlap) per ``moe.BUCKETS`` bucket of T, bf16 MXFP4 experts at
+# gpt-oss's shape on the H200 (``benchmarks/bench_moe_hopper.py``; the README's MXFP4
+# section); overlap: ``fused_moe_hopper``'s K loop
+TABLE = {1: (16, 4, 0), 8: (16, 4, 0), 16: (16, 4, 0), 64: (16, 4, 0), 256: (64, 4, 0),
+         2048: (128, 3, 0), 8192: (128, 3, 0)}  # fmt: skip
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, hidden: int, inter: int) -> bool:
@@ -591,6 +592,6 @@ def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:
     """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints)."""
     from unikv.kernels.moe import bucket
 
-    block_t, stages = TABLE[bucket(x.shape[0])]
+    block_t, stages, overlap = TABLE[bucket(x.shape[0])]
     return fused_moe_hopper(x, topk_weights, topk_ids, frags, **kw, block_t=block_t,
-                            stages=stages)  # fmt: skip
+                            stages=stages, overlap=overlap)  # fmt: skip
