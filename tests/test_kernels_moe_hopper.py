@@ -66,14 +66,6 @@ def test_pack_fragments_refuses_shapes_it_cannot_tile():
         mxfp4_frag.pack_fragments(blocks, torch.zeros(1, 16, 3, dtype=torch.uint8))
 
 
-def _logits(model, tokens):
-    from engine_fixtures import DenseAttention
-
-    attn = DenseAttention(model.config.windows, model.config.sm_scale)
-    with torch.no_grad():
-        return model(torch.tensor(tokens).cuda(), torch.arange(len(tokens)).cuda(), attn)
-
-
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -133,9 +125,9 @@ def test_hopper_moe_two_multiply_decode_beyond_the_one_multiply_range():
 @pytest.mark.gpu
 @needs_hopper
 def test_gpt_oss_mxfp4_checkpoint_on_the_hopper_kernel(tmp_path, monkeypatch):
-    """A packed gpt-oss checkpoint loaded in bf16 on the H200: its experts re-packed in
-    place for the Hopper kernel give the logits of the same checkpoint on the Triton
-    kernel (``UNIKV_MOE_HOPPER=0``, the checkpoint's layout), and refuse to move."""
+    """A packed gpt-oss checkpoint loaded in bf16 on the H200: its experts, re-packed in
+    place for the Hopper kernel, give what the same checkpoint's experts give on the
+    Triton kernel (``UNIKV_MOE_HOPPER=0``, the checkpoint's layout), and refuse to move."""
     import json
 
     from engine_fixtures import save_tiny_model
@@ -165,8 +157,17 @@ def test_gpt_oss_mxfp4_checkpoint_on_the_hopper_kernel(tmp_path, monkeypatch):
     experts = [m for m in hopper.modules() if type(m).__name__ == "Experts"]
     assert experts and all(m.fragments is not None for m in experts)
     assert all(m.fragments is None for m in triton_model.modules() if type(m).__name__ == "Experts")
-    tokens = torch.randint(0, config["vocab_size"], (40,), generator=g).tolist()
-    a, b = (_logits(m, tokens).float() for m in (hopper, triton_model))
-    _close(a, b, 3e-2)
+    # each layer's experts on the same routed tokens: the Hopper kernel on the re-packed
+    # bytes against the Triton kernel on the checkpoint's
+    pairs = [(a, b) for a, b in zip(hopper.modules(), triton_model.modules(), strict=True)
+             if type(a).__name__ == "Experts"]  # fmt: skip
+    assert len(pairs) == config["num_hidden_layers"]
+    for t in (1, 37, 300):
+        x = torch.randn(t, 128, generator=g).bfloat16().cuda()
+        weights, ids = _routing(g, t, config["num_local_experts"], 2)
+        weights, ids = weights.cuda().bfloat16(), ids.cuda()
+        for a, b in pairs:
+            with torch.no_grad():
+                _close(a(x, weights, ids), b(x, weights, ids), 3e-2)
     with pytest.raises(RuntimeError, match="re-packed"):
         hopper.to("cpu")
