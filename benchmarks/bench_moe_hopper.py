@@ -26,22 +26,21 @@ from benchmarks.bench_moe import KW, SHAPE, make_experts, touched_bytes
 from benchmarks.common import copy_ceilings, environment, graph_us, save_json
 from unikv.kernels import moe, moe_hopper, moe_ref
 
-# (block_t, stages, one_mul, overlap): the one-multiply decode where the scales allow
-# (these do); overlap 1: the next block decoded in registers while this one's MMAs run,
-# 2: the decoded operands through shared memory, the MMAs in flight across blocks
+# (block_t, stages, one_mul, loop): the one-multiply decode where the scales allow
+# (these do); loop (``fused_moe_hopper``'s ``overlap``): 0 a ring of ``stages`` buffers,
+# 1 the next block decoded in registers meanwhile, 2 the decoded operands through shared
+# memory, 3 two buffer sets (one barrier a block; ``stages`` unused)
 CANDIDATES = (
     (64, 4, True, 0),
     (64, 4, False, 0),
-    (64, 3, True, 0),
-    (64, 4, True, 1),
-    (64, 4, True, 2),
-    (64, 5, True, 2),
-    (32, 4, True, 2),
-    (32, 4, True, 0),
+    (64, 2, True, 3),
+    (64, 2, False, 3),
+    (32, 2, True, 3),
     (16, 4, True, 0),
-    (16, 4, True, 2),
+    (16, 2, True, 3),
     (128, 3, True, 0),
-    (128, 4, True, 2),
+    (128, 2, True, 3),
+    (64, 4, True, 2),
 )
 
 

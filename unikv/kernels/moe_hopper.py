@@ -198,10 +198,10 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
         async_copy.wait_group(AHEAD - 1)  # this thread's copies of block kb are in
         # everyone's are, and every warp is past block kb - 1: its stage is free
         gl.thread_barrier()
+        fence_async_shared()  # the copies, seen by wgmma (the async proxy)
         nxt = gl.minimum(kb + AHEAD, KB - 1)  # past the end: the last block again
         _issue(x_rows, valid, w_tiles, s_tiles, nxt, K, s_xk, xlo, xhi, ws, ss,
                (kb + AHEAD) % STAGES, NW, XL)  # fmt: skip
-        fence_async_shared()  # the copies, seen by wgmma (the async proxy)
         b_lo = xlo.index(stage).permute((1, 0))
         b_hi = xhi.index(stage).permute((1, 0))
         byte = ws[0].index(stage).load(BL)
@@ -224,6 +224,71 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
             acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
             acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
             acc_a, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, a_lo, a_hi))
+    async_copy.wait_group(0)
+    return acc_a, acc_b
+
+
+@gluon.jit
+def _buffers(NW: gl.constexpr, BLOCK_T: gl.constexpr, SMEM: gl.constexpr):
+    """One set of a K block's buffers, each its own allocation (one stage each): the
+    activation halves, and per weight tile its fragments and scale words."""
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    xlo = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_T, 32], SMEM)
+    xhi = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_T, 32], SMEM)
+    ws = (gl.allocate_shared_memory(gl.uint8, [1, 4, 32, 16], plain3),)
+    ss = (gl.allocate_shared_memory(gl.int32, [1, 4, 32], plain2),)
+    if NW == 2:
+        ws = ws + (gl.allocate_shared_memory(gl.uint8, [1, 4, 32, 16], plain3),)
+        ss = ss + (gl.allocate_shared_memory(gl.int32, [1, 4, 32], plain2),)
+    return xlo, xhi, ws, ss
+
+
+@gluon.jit
+def _pair_step(j, cur, nxt, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles, K, s_xk,
+               NW: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr,
+               ONE_MUL: gl.constexpr):  # fmt: skip
+    """Block j from buffer set ``cur`` while block j + 1's copies go into ``nxt``: one
+    barrier a block (the two sets are separate allocations, so the barrier analysis
+    adds none between the copies and the reads)."""
+    async_copy.wait_group(0)  # this thread's copies of block j are in
+    gl.thread_barrier()  # everyone's are, and every warp is done with ``nxt``'s block
+    fence_async_shared()  # the copies, seen by wgmma (the async proxy)
+    _issue(x_rows, valid, w_tiles, s_tiles, j + 1, K, s_xk, nxt[0], nxt[1], nxt[2], nxt[3], 0,
+           NW, XL)  # fmt: skip
+    a_lo, a_hi, c_lo, c_hi = _decode_stage(cur[2], cur[3], 0, NW, BL, DOT, ONE_MUL)
+    b_lo = cur[0].index(0).permute((1, 0))
+    b_hi = cur[1].index(0).permute((1, 0))
+    acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
+    acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
+    if NW == 2:
+        acc_b = warpgroup_mma(c_lo, b_lo, acc_b, is_async=True)
+        acc_b = warpgroup_mma(c_hi, b_hi, acc_b, is_async=True)
+        acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
+            num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi)
+        )
+    else:
+        acc_a, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, a_lo, a_hi))
+    return acc_a, acc_b
+
+
+@gluon.jit
+def _k_loop_pair(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
+                 NW: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
+                 DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
+                 ONE_MUL: gl.constexpr):  # fmt: skip
+    """``_k_loop`` on two buffer sets, two blocks an iteration (an odd block count ends
+    on a zero block: its activations masked to 0), the copies one block ahead."""
+    set_a = _buffers(NW, BLOCK_T, SMEM)
+    set_b = _buffers(NW, BLOCK_T, SMEM)
+    _issue(x_rows, valid, w_tiles, s_tiles, 0, K, s_xk, set_a[0], set_a[1], set_a[2], set_a[3],
+           0, NW, XL)  # fmt: skip
+    acc_a, acc_b = acc0, acc0
+    for kb in range(0, KB, 2):
+        acc_a, acc_b = _pair_step(kb, set_a, set_b, acc_a, acc_b, x_rows, valid, w_tiles,
+                                  s_tiles, K, s_xk, NW, BL, DOT, XL, ONE_MUL)  # fmt: skip
+        acc_a, acc_b = _pair_step(kb + 1, set_b, set_a, acc_a, acc_b, x_rows, valid, w_tiles,
+                                  s_tiles, K, s_xk, NW, BL, DOT, XL, ONE_MUL)  # fmt: skip
     async_copy.wait_group(0)
     return acc_a, acc_b
 
@@ -400,7 +465,10 @@ def gate_up_kernel(
     w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
     s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    if OVERLAP == 2:
+    if OVERLAP == 3:
+        acc_g, acc_u = _k_loop_pair(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
+                                    BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    elif OVERLAP == 2:
         acc_g, acc_u = _k_loop_smem(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
                                     STAGES, BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     elif OVERLAP == 1:
@@ -445,7 +513,10 @@ def down_kernel(
     w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
     s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
     acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    if OVERLAP == 2:
+    if OVERLAP == 3:
+        acc, _ = _k_loop_pair(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, BLOCK_T,
+                              BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    elif OVERLAP == 2:
         acc, _ = _k_loop_smem(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
                               BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     elif OVERLAP == 1:
