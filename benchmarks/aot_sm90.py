@@ -143,14 +143,14 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     ]
 
 
-def hopper_kernels(block_t: int, stages: int, one_mul: bool, overlap: int = 0) -> list[tuple]:
+def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False) -> list[tuple]:
     """The Hopper MXFP4 MoE's two launches (``kernels/moe_hopper.py``) at gpt-oss's
     expert shape, 256 tokens: (fn, values, constexprs, num_warps, num_stages) each."""
     from unikv.kernels import moe_hopper
 
     d = i = 2880
     cons = {**moe_hopper.layouts(block_t), "BLOCK_T": block_t, "STAGES": stages,
-            "ONE_MUL": one_mul, "OVERLAP": overlap, "HAS_BIAS": True}  # fmt: skip
+            "ONE_MUL": one_mul, "HALF": half, "HAS_BIAS": True}  # fmt: skip
     common = {"w_ptr": "*u8", "s_ptr": "*i32", "b_ptr": "*bf16", "sorted_ids_ptr": "*i32",
               "block_experts_ptr": "*i32", "num_assign": ROWS, "s_be": 2 * i, "s_bn": 1}  # fmt: skip
     gate_up = {**common, "x_ptr": "*bf16", "out_ptr": "*bf16", "top_k": 4, "K": d, "I": i,
@@ -282,10 +282,10 @@ def main() -> None:
         from unikv.kernels import moe_hopper
 
         out = {}
-        for bucket, (block_t, stages, overlap) in moe_hopper.TABLE.items():
+        for bucket, (block_t, stages, half) in moe_hopper.TABLE.items():
             for one_mul in (True, False):
-                launches = hopper_kernels(block_t, stages, one_mul, overlap)
-                key = f"{bucket}:{block_t}x{stages}:{overlap}{':one' if one_mul else ''}"
+                launches = hopper_kernels(block_t, stages, one_mul, half)
+                key = f"{bucket}:{block_t}x{stages}{':half' if half else ''}{':one' if one_mul else ''}"
                 out[key] = [compile_sm90(*launch) for launch in launches]
         print(json.dumps(out))
         return

@@ -89,10 +89,10 @@ def _case(e, k, d, i, t, seed, scale_lo=120, scale_hi=128, bias=True):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("block_t, stages", [(16, 3), (64, 4), (128, 2)])
+@pytest.mark.parametrize("block_t, stages, half", [(16, 3, False), (64, 4, True), (128, 2, True)])
 @pytest.mark.parametrize("activation, gate_up", [("gpt_oss", "interleaved"), ("silu", "concat")])
 @pytest.mark.parametrize("t", [1, 37, 300])
-def test_hopper_moe_matches_the_reference(block_t, stages, activation, gate_up, t):
+def test_hopper_moe_matches_the_reference(block_t, stages, half, activation, gate_up, t):
     from unikv.kernels import moe_hopper, moe_ref
 
     x, weights, ids, w1, s1, w2, s2, b1, b2 = _case(6, 2, 128, 192, t, seed=t)
@@ -102,7 +102,7 @@ def test_hopper_moe_matches_the_reference(block_t, stages, activation, gate_up, 
     assert frags.one_mul  # exponents 120..127
     for one_mul in (True, False):
         out = moe_hopper.fused_moe_hopper(x, weights, ids, frags, **kw, block_t=block_t,
-                                          stages=stages, one_mul=one_mul)  # fmt: skip
+                                          stages=stages, one_mul=one_mul, half=half)  # fmt: skip
         _close(out, ref, 3e-2)
 
 

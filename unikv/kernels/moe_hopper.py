@@ -173,6 +173,22 @@ def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xlo, xhi, ws, ss, stage
 
 
 @gluon.jit
+def _decode_stage(ws, ss, stage, NW: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr,
+                  ONE_MUL: gl.constexpr):  # fmt: skip
+    """Ring stage ``stage``'s weight tiles decoded: (lo, hi) of tile 0 and of tile 1
+    (tile 0 again when NW == 1)."""
+    byte = ws[0].index(stage).load(BL)
+    word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
+    a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+    c_lo, c_hi = a_lo, a_hi
+    if NW == 2:
+        byte = ws[1].index(stage).load(BL)
+        word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
+        c_lo, c_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+    return a_lo, a_hi, c_lo, c_hi
+
+
+@gluon.jit
 def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
             NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
             DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
@@ -204,13 +220,8 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
                (kb + AHEAD) % STAGES, NW, XL)  # fmt: skip
         b_lo = xlo.index(stage).permute((1, 0))
         b_hi = xhi.index(stage).permute((1, 0))
-        byte = ws[0].index(stage).load(BL)
-        word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
-        a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+        a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, stage, NW, BL, DOT, ONE_MUL)
         if NW == 2:
-            byte = ws[1].index(stage).load(BL)
-            word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
-            c_lo, c_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
             acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
             acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
             acc_b = warpgroup_mma(c_lo, b_lo, acc_b, is_async=True)
@@ -229,233 +240,16 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
 
 
 @gluon.jit
-def _buffers(NW: gl.constexpr, BLOCK_T: gl.constexpr, SMEM: gl.constexpr):
-    """One set of a K block's buffers, each its own allocation (one stage each): the
-    activation halves, and per weight tile its fragments and scale words."""
-    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    xlo = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_T, 32], SMEM)
-    xhi = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_T, 32], SMEM)
-    ws = (gl.allocate_shared_memory(gl.uint8, [1, 4, 32, 16], plain3),)
-    ss = (gl.allocate_shared_memory(gl.int32, [1, 4, 32], plain2),)
-    if NW == 2:
-        ws = ws + (gl.allocate_shared_memory(gl.uint8, [1, 4, 32, 16], plain3),)
-        ss = ss + (gl.allocate_shared_memory(gl.int32, [1, 4, 32], plain2),)
-    return xlo, xhi, ws, ss
-
-
-@gluon.jit
-def _pair_step(j, cur, nxt, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles, K, s_xk,
-               NW: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr,
-               ONE_MUL: gl.constexpr):  # fmt: skip
-    """Block j from buffer set ``cur`` while block j + 1's copies go into ``nxt``: one
-    barrier a block (the two sets are separate allocations, so the barrier analysis
-    adds none between the copies and the reads)."""
-    async_copy.wait_group(0)  # this thread's copies of block j are in
-    gl.thread_barrier()  # everyone's are, and every warp is done with ``nxt``'s block
-    fence_async_shared()  # the copies, seen by wgmma (the async proxy)
-    _issue(x_rows, valid, w_tiles, s_tiles, j + 1, K, s_xk, nxt[0], nxt[1], nxt[2], nxt[3], 0,
-           NW, XL)  # fmt: skip
-    a_lo, a_hi, c_lo, c_hi = _decode_stage(cur[2], cur[3], 0, NW, BL, DOT, ONE_MUL)
-    b_lo = cur[0].index(0).permute((1, 0))
-    b_hi = cur[1].index(0).permute((1, 0))
-    acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
-    acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
-    if NW == 2:
-        acc_b = warpgroup_mma(c_lo, b_lo, acc_b, is_async=True)
-        acc_b = warpgroup_mma(c_hi, b_hi, acc_b, is_async=True)
-        acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
-            num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi)
-        )
-    else:
-        acc_a, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, a_lo, a_hi))
-    return acc_a, acc_b
-
-
-@gluon.jit
-def _k_loop_pair(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
-                 NW: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
-                 DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
-                 ONE_MUL: gl.constexpr):  # fmt: skip
-    """``_k_loop`` on two buffer sets, two blocks an iteration (an odd block count ends
-    on a zero block: its activations masked to 0), the copies one block ahead."""
-    set_a = _buffers(NW, BLOCK_T, SMEM)
-    set_b = _buffers(NW, BLOCK_T, SMEM)
-    _issue(x_rows, valid, w_tiles, s_tiles, 0, K, s_xk, set_a[0], set_a[1], set_a[2], set_a[3],
-           0, NW, XL)  # fmt: skip
-    acc_a, acc_b = acc0, acc0
-    for kb in range(0, KB, 2):
-        acc_a, acc_b = _pair_step(kb, set_a, set_b, acc_a, acc_b, x_rows, valid, w_tiles,
-                                  s_tiles, K, s_xk, NW, BL, DOT, XL, ONE_MUL)  # fmt: skip
-        acc_a, acc_b = _pair_step(kb + 1, set_b, set_a, acc_a, acc_b, x_rows, valid, w_tiles,
-                                  s_tiles, K, s_xk, NW, BL, DOT, XL, ONE_MUL)  # fmt: skip
-    async_copy.wait_group(0)
-    return acc_a, acc_b
-
-
-@gluon.jit
-def _decode_stage(ws, ss, stage, NW: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr,
-                  ONE_MUL: gl.constexpr):  # fmt: skip
-    """Ring stage ``stage``'s weight tiles decoded: (lo, hi) of tile 0 and of tile 1
-    (tile 0 again when NW == 1)."""
-    byte = ws[0].index(stage).load(BL)
-    word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
-    a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
-    c_lo, c_hi = a_lo, a_hi
-    if NW == 2:
-        byte = ws[1].index(stage).load(BL)
-        word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
-        c_lo, c_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
-    return a_lo, a_hi, c_lo, c_hi
-
-
-@gluon.jit
-def _overlap_step(j, a_lo, a_hi, c_lo, c_hi, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles,
-                  K, s_xk, xlo, xhi, ws, ss, NW: gl.constexpr, STAGES: gl.constexpr,
-                  BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr,
-                  ONE_MUL: gl.constexpr):  # fmt: skip
-    """Block j's MMAs on its decoded operands (a: tile 0, c: tile 1), block j + 1
-    decoded meanwhile -> (accumulators, block j + 1's operands)."""
-    AHEAD: gl.constexpr = STAGES - 2
-    stage = j % STAGES  # in since step j - 1's barrier and fence
-    b_lo = xlo.index(stage).permute((1, 0))
-    b_hi = xhi.index(stage).permute((1, 0))
-    acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
-    acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
-    if NW == 2:
-        acc_b = warpgroup_mma(c_lo, b_lo, acc_b, is_async=True)
-        acc_b = warpgroup_mma(c_hi, b_hi, acc_b, is_async=True)
-    async_copy.wait_group(AHEAD - 1)  # this thread's copies of block j + 1 are in
-    # everyone's are, and every warp is past step j - 1 (its MMAs waited for)
-    gl.thread_barrier()
-    _issue(x_rows, valid, w_tiles, s_tiles, j + 1 + AHEAD, K, s_xk, xlo, xhi, ws, ss,
-           (j + 1 + AHEAD) % STAGES, NW, XL)  # fmt: skip
-    fence_async_shared()
-    n_lo, n_hi, m_lo, m_hi = _decode_stage(ws, ss, (j + 1) % STAGES, NW, BL, DOT, ONE_MUL)
-    if NW == 2:
-        acc_a, acc_b, _, _, _, _ = warpgroup_mma_wait(
-            num_outstanding=0, deps=(acc_a, acc_b, a_lo, a_hi, c_lo, c_hi)
-        )
-    else:
-        acc_a, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, a_lo, a_hi))
-    return acc_a, acc_b, n_lo, n_hi, m_lo, m_hi
-
-
-@gluon.jit
-def _k_loop_overlap(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
-                    NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr,
-                    BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
-                    ONE_MUL: gl.constexpr):  # fmt: skip
-    """``_k_loop`` with block kb + 1 decoded while block kb's MMAs run. Two steps an
-    iteration, their operands in two sets of registers: an in-flight wgmma reads its
-    register operands, so the decode must not write them, and a loop-carried operand
-    would (ptxas then waits before the decode). An odd K block count ends on a zero
-    block (activations masked to 0). Copies STAGES - 2 blocks beyond the decoded one."""
-    AHEAD: gl.constexpr = STAGES - 2
-    xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
-    xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
-    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
-    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
-    if NW == 2:
-        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
-        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
-    for st in gl.static_range(AHEAD + 1):  # blocks 0 .. AHEAD
-        _issue(x_rows, valid, w_tiles, s_tiles, st, K, s_xk, xlo, xhi, ws, ss, st, NW, XL)
-    async_copy.wait_group(AHEAD)  # block 0 is in
-    gl.thread_barrier()
-    fence_async_shared()
-    a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, 0, NW, BL, DOT, ONE_MUL)
-    acc_a, acc_b = acc0, acc0
-    for kb in range(0, KB, 2):
-        acc_a, acc_b, e_lo, e_hi, f_lo, f_hi = _overlap_step(
-            kb, a_lo, a_hi, c_lo, c_hi, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles, K,
-            s_xk, xlo, xhi, ws, ss, NW, STAGES, BL, DOT, XL, ONE_MUL)  # fmt: skip
-        acc_a, acc_b, a_lo, a_hi, c_lo, c_hi = _overlap_step(
-            kb + 1, e_lo, e_hi, f_lo, f_hi, acc_a, acc_b, x_rows, valid, w_tiles, s_tiles, K,
-            s_xk, xlo, xhi, ws, ss, NW, STAGES, BL, DOT, XL, ONE_MUL)  # fmt: skip
-    async_copy.wait_group(0)
-    return acc_a, acc_b
-
-
-@gluon.jit
-def _k_loop_smem(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
-                 NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr,
-                 BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
-                 ONE_MUL: gl.constexpr):  # fmt: skip
-    """``_k_loop`` with the decoded operands stored to shared memory (two buffers), so
-    the MMAs of block kb stay in flight while block kb + 1 is decoded: wgmma's shared
-    operands are safe where its register operands were not (``_k_loop_overlap``). Copies
-    STAGES - 2 blocks ahead (the stage of the MMAs in flight is not overwritten)."""
-    AHEAD: gl.constexpr = STAGES - 2
-    xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
-    xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
-    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    a_smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16,
-                                                rank=2)  # fmt: skip
-    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
-    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
-    alo = (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
-    ahi = (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
-    if NW == 2:
-        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
-        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
-        alo = alo + (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
-        ahi = ahi + (gl.allocate_shared_memory(gl.bfloat16, [2, 64, 32], a_smem),)
-    for st in gl.static_range(AHEAD):
-        _issue(x_rows, valid, w_tiles, s_tiles, st, K, s_xk, xlo, xhi, ws, ss, st, NW, XL)
-    acc_a, acc_b = acc0, acc0
-    for kb in range(KB):
-        stage = kb % STAGES
-        buf = kb % 2  # the buffers of block kb - 2, whose MMAs are done
-        async_copy.wait_group(AHEAD - 1)  # this thread's copies of block kb are in
-        gl.thread_barrier()  # everyone's; every warp waited for block kb - 2's MMAs
-        _issue(x_rows, valid, w_tiles, s_tiles, kb + AHEAD, K, s_xk, xlo, xhi, ws, ss,
-               (kb + AHEAD) % STAGES, NW, XL)  # fmt: skip
-        a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, stage, NW, BL, DOT, ONE_MUL)
-        alo[0].index(buf).store(a_lo)
-        ahi[0].index(buf).store(a_hi)
-        if NW == 2:
-            alo[1].index(buf).store(c_lo)
-            ahi[1].index(buf).store(c_hi)
-        fence_async_shared()  # the copies and the stores, seen by wgmma
-        gl.thread_barrier()  # every warp's rows of the operands are in
-        b_lo = xlo.index(stage).permute((1, 0))
-        b_hi = xhi.index(stage).permute((1, 0))
-        acc_a = warpgroup_mma(alo[0].index(buf), b_lo, acc_a, is_async=True)
-        acc_a = warpgroup_mma(ahi[0].index(buf), b_hi, acc_a, is_async=True)
-        if NW == 2:
-            acc_b = warpgroup_mma(alo[1].index(buf), b_lo, acc_b, is_async=True)
-            acc_b = warpgroup_mma(ahi[1].index(buf), b_hi, acc_b, is_async=True)
-            # block kb - 1's four MMA groups are done once only this block's are pending
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=4, deps=(acc_a, acc_b))
-        else:
-            acc_a = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a,))
-    if NW == 2:
-        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-    else:
-        acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-    async_copy.wait_group(0)
-    return acc_a, acc_b
-
-
-@gluon.jit(do_not_specialize=["num_assign"])
-def gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
-    num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on,
-    row_step, up_offset, alpha, limit,
-    ACT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
-    BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-    SMEM: gl.constexpr, ONE_MUL: gl.constexpr, OVERLAP: gl.constexpr,
-):  # fmt: skip
-    pid_m, pid_n = gl.program_id(0), gl.program_id(1)
-    expert = gl.load(block_experts_ptr + pid_m)
-    if expert < 0:
-        return
-    rows_x = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, XL))
-    assign_x = gl.load(sorted_ids_ptr + pid_m * BLOCK_T + rows_x)
+def _gate_up_block(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, expert, row0, pid_n,
+                   num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on,
+                   row_step, up_offset, alpha, limit, ACT: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
+                   BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
+                   SMEM: gl.constexpr, ONE_MUL: gl.constexpr):  # fmt: skip
+    """T sorted rows from row0 of one expert, 64 intermediate features: gate and up,
+    the activation, stored at the sorted rows."""
+    rows_x = gl.arange(0, T, layout=gl.SliceLayout(1, XL))
+    assign_x = gl.load(sorted_ids_ptr + row0 + rows_x)
     valid_x = assign_x < num_assign
     x_rows = x_ptr + gl.expand_dims((assign_x // top_k).to(gl.int64) * s_xm, 1)
     # fragments: the gate slabs of features 64 pid_n .., the up slabs I rows below
@@ -464,19 +258,9 @@ def gate_up_kernel(
     up_slab = gate_slab + I // 16
     w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
     s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
-    acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    if OVERLAP == 3:
-        acc_g, acc_u = _k_loop_pair(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
-                                    BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    elif OVERLAP == 2:
-        acc_g, acc_u = _k_loop_smem(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
-                                    STAGES, BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    elif OVERLAP == 1:
-        acc_g, acc_u = _k_loop_overlap(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2,
-                                       STAGES, BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    else:
-        acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2, STAGES,
-                               BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    acc0 = gl.zeros([64, T], gl.float32, MMA)
+    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2, STAGES, T,
+                           BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
     feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < I
     if HAS_BIAS:
@@ -486,11 +270,69 @@ def gate_up_kernel(
         acc_g += gl.expand_dims(bg.to(gl.float32), 1)
         acc_u += gl.expand_dims(bu.to(gl.float32), 1)
     out = _act(acc_g, acc_u, ACT, alpha, limit)
-    pos = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
+    pos = row0 + gl.arange(0, T, layout=gl.SliceLayout(0, MMA))
     assign = gl.load(sorted_ids_ptr + pos)
     mask = gl.expand_dims(f_ok, 1) & gl.expand_dims(assign < num_assign, 0)
     dst = out_ptr + gl.expand_dims(pos.to(gl.int64) * s_om, 0) + gl.expand_dims(feats * s_on, 1)
     gl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["num_assign"])
+def gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
+    num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on,
+    row_step, up_offset, alpha, limit,
+    ACT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
+    BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
+    SMEM: gl.constexpr, ONE_MUL: gl.constexpr, HALF: gl.constexpr, DOT_H: gl.constexpr,
+    MMA_H: gl.constexpr,
+):  # fmt: skip
+    pid_m, pid_n = gl.program_id(0), gl.program_id(1)
+    expert = gl.load(block_experts_ptr + pid_m)
+    if expert < 0:
+        return
+    row0 = pid_m * BLOCK_T
+    args = (x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, expert, row0, pid_n,
+            num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on, row_step,
+            up_offset, alpha, limit)  # fmt: skip
+    # HALF: a block whose second half is padding runs BLOCK_T / 2 rows (half the MMA)
+    if HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign:
+        _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T // 2, STAGES, BL, DOT_H, MMA_H, XL, SMEM,
+                       ONE_MUL)  # fmt: skip
+    else:
+        _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T, STAGES, BL, DOT, MMA, XL, SMEM, ONE_MUL)
+
+
+@gluon.jit
+def _down_block(a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, expert, row0,
+                pid_n, num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn,
+                HAS_BIAS: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
+                BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
+                SMEM: gl.constexpr, ONE_MUL: gl.constexpr):  # fmt: skip
+    """T sorted rows from row0 of one expert, 64 output features: the down projection
+    (+ b2) times the routing weight, at each assignment's row of y."""
+    rows_x = row0 + gl.arange(0, T, layout=gl.SliceLayout(1, XL))
+    valid_x = gl.load(sorted_ids_ptr + rows_x) < num_assign
+    a_rows = a_ptr + gl.expand_dims(rows_x.to(gl.int64) * s_am, 1)
+    s3, off3, s2, quad = _frag_offsets(BL, 4)
+    slab = expert.to(gl.int64) * (N // 16) + pid_n * 4
+    w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
+    s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
+    acc0 = gl.zeros([64, T], gl.float32, MMA)
+    acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES, T, BL,
+                     DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    f_ok = feats < N
+    if HAS_BIAS:
+        bias = gl.load(b_ptr + expert.to(gl.int64) * s_be + feats * s_bn, mask=f_ok, other=0.0)
+        acc += gl.expand_dims(bias.to(gl.float32), 1)
+    pos = row0 + gl.arange(0, T, layout=gl.SliceLayout(0, MMA))
+    assign = gl.load(sorted_ids_ptr + pos)
+    ok = assign < num_assign
+    weight = gl.load(tw_ptr + assign, mask=ok, other=0.0).to(gl.float32)
+    dst = y_ptr + gl.expand_dims(assign.to(gl.int64) * s_ym, 0) + gl.expand_dims(feats * s_yn, 1)
+    mask = gl.expand_dims(f_ok, 1) & gl.expand_dims(ok, 0)
+    gl.store(dst, acc * gl.expand_dims(weight, 0), mask=mask)
 
 
 @gluon.jit(do_not_specialize=["num_assign"])
@@ -499,44 +341,20 @@ def down_kernel(
     num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn,
     HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-    SMEM: gl.constexpr, ONE_MUL: gl.constexpr, OVERLAP: gl.constexpr,
+    SMEM: gl.constexpr, ONE_MUL: gl.constexpr, HALF: gl.constexpr, DOT_H: gl.constexpr,
+    MMA_H: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
     if expert < 0:
         return
-    rows_x = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, XL))
-    valid_x = gl.load(sorted_ids_ptr + rows_x) < num_assign
-    a_rows = a_ptr + gl.expand_dims(rows_x.to(gl.int64) * s_am, 1)
-    s3, off3, s2, quad = _frag_offsets(BL, 4)
-    slab = expert.to(gl.int64) * (N // 16) + pid_n * 4
-    w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
-    s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
-    acc0 = gl.zeros([64, BLOCK_T], gl.float32, MMA)
-    if OVERLAP == 3:
-        acc, _ = _k_loop_pair(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, BLOCK_T,
-                              BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    elif OVERLAP == 2:
-        acc, _ = _k_loop_smem(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
-                              BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    elif OVERLAP == 1:
-        acc, _ = _k_loop_overlap(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
-                                 BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    row0 = pid_m * BLOCK_T
+    args = (a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, expert, row0, pid_n,
+            num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn)  # fmt: skip
+    if HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign:
+        _down_block(*args, HAS_BIAS, BLOCK_T // 2, STAGES, BL, DOT_H, MMA_H, XL, SMEM, ONE_MUL)
     else:
-        acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES,
-                         BLOCK_T, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
-    f_ok = feats < N
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + expert.to(gl.int64) * s_be + feats * s_bn, mask=f_ok, other=0.0)
-        acc += gl.expand_dims(bias.to(gl.float32), 1)
-    pos = pid_m * BLOCK_T + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, MMA))
-    assign = gl.load(sorted_ids_ptr + pos)
-    ok = assign < num_assign
-    weight = gl.load(tw_ptr + assign, mask=ok, other=0.0).to(gl.float32)
-    dst = y_ptr + gl.expand_dims(assign.to(gl.int64) * s_ym, 0) + gl.expand_dims(feats * s_yn, 1)
-    mask = gl.expand_dims(f_ok, 1) & gl.expand_dims(ok, 0)
-    gl.store(dst, acc * gl.expand_dims(weight, 0), mask=mask)
+        _down_block(*args, HAS_BIAS, BLOCK_T, STAGES, BL, DOT, MMA, XL, SMEM, ONE_MUL)
 
 
 def layouts(block_t: int) -> dict:
@@ -550,7 +368,11 @@ def layouts(block_t: int) -> dict:
     )
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                     instr_shape=[16, block_t, 16])  # fmt: skip
+    half = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, max(block_t // 2, 8), 16])  # fmt: skip
     return {
+        "MMA_H": half,
+        "DOT_H": gl.DotOperandLayout(operand_index=0, parent=half, k_width=2),
         "BL": frag,
         "DOT": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         "MMA": mma,
@@ -574,7 +396,7 @@ def fused_moe_hopper(
     block_t: int = 64,
     stages: int = 4,
     one_mul: bool | None = None,
-    overlap: int = 0,
+    half: bool = False,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
@@ -588,7 +410,7 @@ def fused_moe_hopper(
     rows = sorted_ids.shape[0]
     lay = layouts(block_t)
     lay["ONE_MUL"] = frags.one_mul if one_mul is None else one_mul
-    lay["OVERLAP"] = int(overlap)
+    lay["HALF"] = bool(half) and block_t >= 16
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias1 = b1 if b1 is not None else x
     interleaved = gate_up == "interleaved"
@@ -639,11 +461,11 @@ def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
     return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32), one_mul)
 
 
-# (block_t, stages, overlap) per ``moe.BUCKETS`` bucket of T, bf16 MXFP4 experts at
+# (block_t, stages, half) per ``moe.BUCKETS`` bucket of T, bf16 MXFP4 experts at
 # gpt-oss's shape on the H200 (``benchmarks/bench_moe_hopper.py``; the README's MXFP4
-# section); overlap: ``fused_moe_hopper``'s K loop
-TABLE = {1: (16, 4, 0), 8: (16, 4, 0), 16: (16, 4, 0), 64: (16, 4, 0), 256: (64, 4, 0),
-         2048: (128, 3, 0), 8192: (128, 3, 0)}  # fmt: skip
+# section); half: blocks half padding run half the rows
+TABLE = {1: (16, 4, False), 8: (16, 4, False), 16: (16, 4, False), 64: (16, 4, False),
+         256: (64, 4, False), 2048: (128, 3, False), 8192: (128, 3, False)}  # fmt: skip
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, hidden: int, inter: int) -> bool:
@@ -663,6 +485,6 @@ def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:
     """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints)."""
     from unikv.kernels.moe import bucket
 
-    block_t, stages, overlap = TABLE[bucket(x.shape[0])]
+    block_t, stages, half = TABLE[bucket(x.shape[0])]
     return fused_moe_hopper(x, topk_weights, topk_ids, frags, **kw, block_t=block_t,
-                            stages=stages, overlap=overlap)  # fmt: skip
+                            stages=stages, half=half)  # fmt: skip
