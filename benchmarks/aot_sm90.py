@@ -143,13 +143,14 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     ]
 
 
-def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False) -> list[tuple]:
+def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False,
+                   warps: int = 4) -> list[tuple]:  # fmt: skip
     """The Hopper MXFP4 MoE's two launches (``kernels/moe_hopper.py``) at gpt-oss's
     expert shape, 256 tokens: (fn, values, constexprs, num_warps, num_stages) each."""
     from unikv.kernels import moe_hopper
 
     d = i = 2880
-    cons = {**moe_hopper.layouts(block_t), "BLOCK_T": block_t, "STAGES": stages,
+    cons = {**moe_hopper.layouts(block_t, warps), "BLOCK_T": block_t, "STAGES": stages,
             "ONE_MUL": one_mul, "HALF": half, "HAS_BIAS": True}  # fmt: skip
     common = {"w_ptr": "*u8", "s_ptr": "*i32", "b_ptr": "*bf16", "sorted_ids_ptr": "*i32",
               "block_experts_ptr": "*i32", "num_assign": ROWS, "s_be": 2 * i, "s_bn": 1}  # fmt: skip
@@ -159,8 +160,8 @@ def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False)
     down = {**common, "a_ptr": "*bf16", "tw_ptr": "*bf16", "y_ptr": "*fp32", "N": d, "K": i,
             "KB": i // 64, "s_am": i, "s_ak": 1, "s_be": d, "s_ym": d, "s_yn": 1}  # fmt: skip
     return [
-        (moe_hopper.gate_up_kernel, gate_up, {**cons, "ACT": 1}, 4, 1),
-        (moe_hopper.down_kernel, down, cons, 4, 1),
+        (moe_hopper.gate_up_kernel, gate_up, {**cons, "ACT": 1}, warps, 1),
+        (moe_hopper.down_kernel, down, cons, warps, 1),
     ]
 
 
@@ -282,10 +283,10 @@ def main() -> None:
         from unikv.kernels import moe_hopper
 
         out = {}
-        for bucket, (block_t, stages, half) in moe_hopper.TABLE.items():
+        for bucket, (block_t, stages, half, warps) in moe_hopper.TABLE.items():
             for one_mul in (True, False):
-                launches = hopper_kernels(block_t, stages, one_mul, half)
-                key = f"{bucket}:{block_t}x{stages}{':half' if half else ''}{':one' if one_mul else ''}"
+                launches = hopper_kernels(block_t, stages, one_mul, half, warps)
+                key = f"{bucket}:{block_t}x{stages}x{warps}{':half' * half}{':one' * one_mul}"
                 out[key] = [compile_sm90(*launch) for launch in launches]
         print(json.dumps(out))
         return

@@ -26,19 +26,20 @@ from benchmarks.bench_moe import KW, SHAPE, make_experts, touched_bytes
 from benchmarks.common import copy_ceilings, environment, graph_us, save_json
 from unikv.kernels import moe, moe_hopper, moe_ref
 
-# (block_t, stages, one_mul, half): the one-multiply decode where the scales allow
-# (these do); half: a block whose second half is padding runs half the rows
+# (block_t, stages, one_mul, half, warps): the one-multiply decode where the scales
+# allow (these do); half: a block whose second half is padding runs half the rows;
+# warps: 16 feature rows each (4: 64 features a program, 8: 128)
 CANDIDATES = (
-    (64, 4, True, False),
-    (64, 4, True, True),
-    (64, 4, False, True),
-    (64, 3, True, True),
-    (32, 4, True, False),
-    (32, 4, True, True),
-    (16, 4, True, False),
-    (16, 4, True, True),
-    (128, 3, True, False),
-    (128, 3, True, True),
+    (64, 4, True, True, 4),
+    (64, 4, True, True, 8),
+    (64, 3, True, True, 8),
+    (64, 4, False, True, 8),
+    (32, 4, True, True, 4),
+    (32, 4, True, True, 8),
+    (16, 4, True, True, 4),
+    (16, 4, True, True, 8),
+    (128, 3, True, True, 4),
+    (128, 3, True, True, 8),
 )
 
 
@@ -66,11 +67,11 @@ def main() -> None:
                "triton_err": (triton_fn().float() - ref).abs().max().item() / scale}  # fmt: skip
         row["triton_us"] = graph_us(triton_fn)
         row["triton_of_roofline"] = roof / row["triton_us"]
-        for bt, st, one, ov in CANDIDATES:
-            name = f"gluon_t{bt}_s{st}{'_one' if one else ''}{'_half' if ov else ''}"
+        for bt, st, one, half, warps in CANDIDATES:
+            name = f"gluon_t{bt}_s{st}_w{warps}{'_one' * one}{'_half' * half}"
             fn = partial(moe_hopper.fused_moe_hopper, x, weights, ids, frags, b1=packed["b1"],
                          b2=packed["b2"], **KW, block_t=bt, stages=st, one_mul=one,
-                         half=ov)  # fmt: skip
+                         half=half, warps=warps)  # fmt: skip
             try:
                 err = (fn().float() - ref).abs().max().item() / scale
                 row[f"{name}_err"] = err

@@ -89,10 +89,14 @@ def _case(e, k, d, i, t, seed, scale_lo=120, scale_hi=128, bias=True):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("block_t, stages, half", [(16, 3, False), (64, 4, True), (128, 2, True)])
+@pytest.mark.parametrize(
+    "block_t, stages, half, warps",
+    [(16, 3, False, 4), (64, 4, True, 4), (64, 4, True, 8), (128, 2, True, 8)],
+)
 @pytest.mark.parametrize("activation, gate_up", [("gpt_oss", "interleaved"), ("silu", "concat")])
 @pytest.mark.parametrize("t", [1, 37, 300])
-def test_hopper_moe_matches_the_reference(block_t, stages, half, activation, gate_up, t):
+def test_hopper_moe_matches_the_reference(block_t, stages, half, warps, activation, gate_up, t):
+    """I = 192 on 8 warps (128 features a program): the last tile half past the matrix."""
     from unikv.kernels import moe_hopper, moe_ref
 
     x, weights, ids, w1, s1, w2, s2, b1, b2 = _case(6, 2, 128, 192, t, seed=t)
@@ -102,7 +106,8 @@ def test_hopper_moe_matches_the_reference(block_t, stages, half, activation, gat
     assert frags.one_mul  # exponents 120..127
     for one_mul in (True, False):
         out = moe_hopper.fused_moe_hopper(x, weights, ids, frags, **kw, block_t=block_t,
-                                          stages=stages, one_mul=one_mul, half=half)  # fmt: skip
+                                          stages=stages, one_mul=one_mul, half=half,
+                                          warps=warps)  # fmt: skip
         _close(out, ref, 3e-2)
 
 

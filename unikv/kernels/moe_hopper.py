@@ -28,6 +28,7 @@ import os
 from typing import NamedTuple
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -155,11 +156,12 @@ def _to_dot(v, DOT: gl.constexpr, F: gl.constexpr):
 
 
 @gluon.jit
-def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xlo, xhi, ws, ss, stage,
+def _issue(x_rows, valid, w_tiles, s_tiles, slab_ok, kb, K, s_xk, xlo, xhi, ws, ss, stage,
            NW: gl.constexpr, XL: gl.constexpr):  # fmt: skip
     """Start K block kb's copies into ring stage ``stage``: the two activation halves
     (BLOCK_T, 32), and for each of the NW weight tiles its fragments and scale words
-    (each tile its own buffers: the barrier analysis sees them apart)."""
+    (each tile its own buffers: the barrier analysis sees them apart; slabs past the
+    matrix, ``slab_ok`` false, are zero-filled)."""
     ks = kb * 64 + gl.arange(0, 32, layout=gl.SliceLayout(0, XL))
     mask = gl.expand_dims(valid, 1) & gl.expand_dims(ks < K, 0)
     x_ptrs = x_rows + gl.expand_dims(ks, 0) * s_xk
@@ -167,47 +169,50 @@ def _issue(x_rows, valid, w_tiles, s_tiles, kb, K, s_xk, xlo, xhi, ws, ss, stage
     async_copy.async_copy_global_to_shared(xhi.index(stage), x_ptrs + 32 * s_xk, mask=mask)
     kw = gl.minimum(kb, K // 64 - 1)  # past K: zero activations, the last block's weights
     for t in gl.static_range(NW):
-        async_copy.async_copy_global_to_shared(ws[t].index(stage), w_tiles[t] + kw * 512)
-        async_copy.async_copy_global_to_shared(ss[t].index(stage), s_tiles[t] + kw * 8)
+        async_copy.async_copy_global_to_shared(ws[t].index(stage), w_tiles[t] + kw * 512,
+                                               mask=gl.expand_dims(slab_ok, 2))  # fmt: skip
+        async_copy.async_copy_global_to_shared(ss[t].index(stage), s_tiles[t] + kw * 8,
+                                               mask=slab_ok)  # fmt: skip
     async_copy.commit_group()
 
 
 @gluon.jit
-def _decode_stage(ws, ss, stage, NW: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr,
-                  ONE_MUL: gl.constexpr):  # fmt: skip
-    """Ring stage ``stage``'s weight tiles decoded: (lo, hi) of tile 0 and of tile 1
-    (tile 0 again when NW == 1)."""
+def _decode_stage(ws, ss, stage, NW: gl.constexpr, F: gl.constexpr, BL: gl.constexpr,
+                  DOT: gl.constexpr, ONE_MUL: gl.constexpr):  # fmt: skip
+    """Ring stage ``stage``'s weight tiles (F rows each) decoded: (lo, hi) of tile 0
+    and of tile 1 (tile 0 again when NW == 1)."""
     byte = ws[0].index(stage).load(BL)
     word = gl.expand_dims(ss[0].index(stage).load(gl.SliceLayout(2, BL)), 2)
-    a_lo, a_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+    a_lo, a_hi = _decode_frag(byte, word, BL, DOT, F, ONE_MUL)
     c_lo, c_hi = a_lo, a_hi
     if NW == 2:
         byte = ws[1].index(stage).load(BL)
         word = gl.expand_dims(ss[1].index(stage).load(gl.SliceLayout(2, BL)), 2)
-        c_lo, c_hi = _decode_frag(byte, word, BL, DOT, 64, ONE_MUL)
+        c_lo, c_hi = _decode_frag(byte, word, BL, DOT, F, ONE_MUL)
     return a_lo, a_hi, c_lo, c_hi
 
 
 @gluon.jit
-def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
-            NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr, BL: gl.constexpr,
-            DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
+def _k_loop(x_rows, valid, w_tiles, s_tiles, slab_ok, K, KB, s_xk, acc0,
+            NW: gl.constexpr, STAGES: gl.constexpr, BLOCK_T: gl.constexpr, F: gl.constexpr,
+            BL: gl.constexpr, DOT: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
             ONE_MUL: gl.constexpr):  # fmt: skip
-    """NW accumulators W_t @ x^T over every K block: a ring of STAGES buffers, the
-    copies STAGES - 1 blocks ahead."""
+    """NW accumulators W_t @ x^T (F rows each) over every K block: a ring of STAGES
+    buffers, the copies STAGES - 1 blocks ahead."""
     AHEAD: gl.constexpr = STAGES - 1
+    SLABS: gl.constexpr = F // 16
     xlo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
     xhi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_T, 32], SMEM)
     plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
-    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+    ws = (gl.allocate_shared_memory(gl.uint8, [STAGES, SLABS, 32, 16], plain3),)
+    ss = (gl.allocate_shared_memory(gl.int32, [STAGES, SLABS, 32], plain2),)
     if NW == 2:
-        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, 4, 32, 16], plain3),)
-        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, 4, 32], plain2),)
+        ws = ws + (gl.allocate_shared_memory(gl.uint8, [STAGES, SLABS, 32, 16], plain3),)
+        ss = ss + (gl.allocate_shared_memory(gl.int32, [STAGES, SLABS, 32], plain2),)
     for st in gl.static_range(AHEAD):
-        _issue(x_rows, valid, w_tiles, s_tiles, gl.minimum(st, KB - 1), K, s_xk, xlo, xhi, ws,
-               ss, st, NW, XL)  # fmt: skip
+        _issue(x_rows, valid, w_tiles, s_tiles, slab_ok, gl.minimum(st, KB - 1), K, s_xk, xlo,
+               xhi, ws, ss, st, NW, XL)  # fmt: skip
     acc_a, acc_b = acc0, acc0
     for kb in range(KB):
         stage = kb % STAGES
@@ -216,11 +221,11 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
         gl.thread_barrier()
         fence_async_shared()  # the copies, seen by wgmma (the async proxy)
         nxt = gl.minimum(kb + AHEAD, KB - 1)  # past the end: the last block again
-        _issue(x_rows, valid, w_tiles, s_tiles, nxt, K, s_xk, xlo, xhi, ws, ss,
+        _issue(x_rows, valid, w_tiles, s_tiles, slab_ok, nxt, K, s_xk, xlo, xhi, ws, ss,
                (kb + AHEAD) % STAGES, NW, XL)  # fmt: skip
         b_lo = xlo.index(stage).permute((1, 0))
         b_hi = xhi.index(stage).permute((1, 0))
-        a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, stage, NW, BL, DOT, ONE_MUL)
+        a_lo, a_hi, c_lo, c_hi = _decode_stage(ws, ss, stage, NW, F, BL, DOT, ONE_MUL)
         if NW == 2:
             acc_a = warpgroup_mma(a_lo, b_lo, acc_a, is_async=True)
             acc_a = warpgroup_mma(a_hi, b_hi, acc_a, is_async=True)
@@ -243,25 +248,27 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, K, KB, s_xk, acc0,
 def _gate_up_block(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, expert, row0, pid_n,
                    num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on,
                    row_step, up_offset, alpha, limit, ACT: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
-                   BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-                   SMEM: gl.constexpr, ONE_MUL: gl.constexpr):  # fmt: skip
-    """T sorted rows from row0 of one expert, 64 intermediate features: gate and up,
+                   HAS_BIAS: gl.constexpr, T: gl.constexpr, F: gl.constexpr,
+                   STAGES: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr,
+                   MMA: gl.constexpr, XL: gl.constexpr, SMEM: gl.constexpr,
+                   ONE_MUL: gl.constexpr):  # fmt: skip
+    """T sorted rows from row0 of one expert, F intermediate features: gate and up,
     the activation, stored at the sorted rows."""
     rows_x = gl.arange(0, T, layout=gl.SliceLayout(1, XL))
     assign_x = gl.load(sorted_ids_ptr + row0 + rows_x)
     valid_x = assign_x < num_assign
     x_rows = x_ptr + gl.expand_dims((assign_x // top_k).to(gl.int64) * s_xm, 1)
     # fragments: the gate slabs of features 64 pid_n .., the up slabs I rows below
-    s3, off3, s2, quad = _frag_offsets(BL, 4)
-    gate_slab = expert.to(gl.int64) * (I // 8) + pid_n * 4  # 2I rows in slabs of 16
+    s3, off3, s2, quad = _frag_offsets(BL, F // 16)
+    slab_ok = pid_n * F + 16 * s2 < I  # (F / 16, 1): the last tile may pass I
+    gate_slab = expert.to(gl.int64) * (I // 8) + pid_n * (F // 16)  # 2I rows, slabs of 16
     up_slab = gate_slab + I // 16
     w_tiles = (w_ptr + (gate_slab + s3) * KB * 512 + off3, w_ptr + (up_slab + s3) * KB * 512 + off3)
     s_tiles = (s_ptr + (gate_slab + s2) * KB * 8 + quad, s_ptr + (up_slab + s2) * KB * 8 + quad)
-    acc0 = gl.zeros([64, T], gl.float32, MMA)
-    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, K, KB, s_xk, acc0, 2, STAGES, T,
-                           BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    acc0 = gl.zeros([F, T], gl.float32, MMA)
+    acc_g, acc_u = _k_loop(x_rows, valid_x, w_tiles, s_tiles, slab_ok, K, KB, s_xk, acc0, 2,
+                           STAGES, T, F, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    feats = pid_n * F + gl.arange(0, F, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < I
     if HAS_BIAS:
         b_base = b_ptr + expert.to(gl.int64) * s_be
@@ -285,7 +292,7 @@ def gate_up_kernel(
     ACT: gl.constexpr, HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
     SMEM: gl.constexpr, ONE_MUL: gl.constexpr, HALF: gl.constexpr, DOT_H: gl.constexpr,
-    MMA_H: gl.constexpr,
+    MMA_H: gl.constexpr, F: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
@@ -297,31 +304,33 @@ def gate_up_kernel(
             up_offset, alpha, limit)  # fmt: skip
     # HALF: a block whose second half is padding runs BLOCK_T / 2 rows (half the MMA)
     if HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign:
-        _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T // 2, STAGES, BL, DOT_H, MMA_H, XL, SMEM,
-                       ONE_MUL)  # fmt: skip
+        _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T // 2, F, STAGES, BL, DOT_H, MMA_H, XL,
+                       SMEM, ONE_MUL)  # fmt: skip
     else:
-        _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T, STAGES, BL, DOT, MMA, XL, SMEM, ONE_MUL)
+        _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T, F, STAGES, BL, DOT, MMA, XL, SMEM,
+                       ONE_MUL)  # fmt: skip
 
 
 @gluon.jit
 def _down_block(a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, expert, row0,
                 pid_n, num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn,
-                HAS_BIAS: gl.constexpr, T: gl.constexpr, STAGES: gl.constexpr,
-                BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
-                SMEM: gl.constexpr, ONE_MUL: gl.constexpr):  # fmt: skip
-    """T sorted rows from row0 of one expert, 64 output features: the down projection
+                HAS_BIAS: gl.constexpr, T: gl.constexpr, F: gl.constexpr,
+                STAGES: gl.constexpr, BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr,
+                XL: gl.constexpr, SMEM: gl.constexpr, ONE_MUL: gl.constexpr):  # fmt: skip
+    """T sorted rows from row0 of one expert, F output features: the down projection
     (+ b2) times the routing weight, at each assignment's row of y."""
     rows_x = row0 + gl.arange(0, T, layout=gl.SliceLayout(1, XL))
     valid_x = gl.load(sorted_ids_ptr + rows_x) < num_assign
     a_rows = a_ptr + gl.expand_dims(rows_x.to(gl.int64) * s_am, 1)
-    s3, off3, s2, quad = _frag_offsets(BL, 4)
-    slab = expert.to(gl.int64) * (N // 16) + pid_n * 4
+    s3, off3, s2, quad = _frag_offsets(BL, F // 16)
+    slab_ok = pid_n * F + 16 * s2 < N
+    slab = expert.to(gl.int64) * (N // 16) + pid_n * (F // 16)
     w_tiles = (w_ptr + (slab + s3) * KB * 512 + off3,)
     s_tiles = (s_ptr + (slab + s2) * KB * 8 + quad,)
-    acc0 = gl.zeros([64, T], gl.float32, MMA)
-    acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, K, KB, s_ak, acc0, 1, STAGES, T, BL,
-                     DOT, XL, SMEM, ONE_MUL)  # fmt: skip
-    feats = pid_n * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, MMA))
+    acc0 = gl.zeros([F, T], gl.float32, MMA)
+    acc, _ = _k_loop(a_rows, valid_x, w_tiles, s_tiles, slab_ok, K, KB, s_ak, acc0, 1, STAGES,
+                     T, F, BL, DOT, XL, SMEM, ONE_MUL)  # fmt: skip
+    feats = pid_n * F + gl.arange(0, F, layout=gl.SliceLayout(1, MMA))
     f_ok = feats < N
     if HAS_BIAS:
         bias = gl.load(b_ptr + expert.to(gl.int64) * s_be + feats * s_bn, mask=f_ok, other=0.0)
@@ -342,7 +351,7 @@ def down_kernel(
     HAS_BIAS: gl.constexpr, BLOCK_T: gl.constexpr, STAGES: gl.constexpr,
     BL: gl.constexpr, DOT: gl.constexpr, MMA: gl.constexpr, XL: gl.constexpr,
     SMEM: gl.constexpr, ONE_MUL: gl.constexpr, HALF: gl.constexpr, DOT_H: gl.constexpr,
-    MMA_H: gl.constexpr,
+    MMA_H: gl.constexpr, F: gl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = gl.program_id(0), gl.program_id(1)
     expert = gl.load(block_experts_ptr + pid_m)
@@ -352,23 +361,25 @@ def down_kernel(
     args = (a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, expert, row0, pid_n,
             num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn)  # fmt: skip
     if HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign:
-        _down_block(*args, HAS_BIAS, BLOCK_T // 2, STAGES, BL, DOT_H, MMA_H, XL, SMEM, ONE_MUL)
+        _down_block(*args, HAS_BIAS, BLOCK_T // 2, F, STAGES, BL, DOT_H, MMA_H, XL, SMEM,
+                    ONE_MUL)  # fmt: skip
     else:
-        _down_block(*args, HAS_BIAS, BLOCK_T, STAGES, BL, DOT, MMA, XL, SMEM, ONE_MUL)
+        _down_block(*args, HAS_BIAS, BLOCK_T, F, STAGES, BL, DOT, MMA, XL, SMEM, ONE_MUL)
 
 
-def layouts(block_t: int) -> dict:
-    """The kernels' layout constexprs for BLOCK_T tokens a block (4 warps, 64 features)."""
+def layouts(block_t: int, warps: int = 4) -> dict:
+    """The kernels' layout constexprs for BLOCK_T tokens a block and ``warps`` warps (a
+    slab of 16 feature rows each: F = 16 warps features a program)."""
     frag = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
         lane_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
-        warp_bases=[[1, 0, 0], [2, 0, 0]],
+        warp_bases=[[1 << w, 0, 0] for w in range(warps.bit_length() - 1)],
         block_bases=[],
-        shape=[4, 32, 16],
+        shape=[warps, 32, 16],
     )
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                     instr_shape=[16, block_t, 16])  # fmt: skip
-    half = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    half = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                      instr_shape=[16, max(block_t // 2, 8), 16])  # fmt: skip
     return {
         "MMA_H": half,
@@ -376,7 +387,8 @@ def layouts(block_t: int) -> dict:
         "BL": frag,
         "DOT": gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         "MMA": mma,
-        "XL": gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]),
+        "XL": gl.BlockedLayout([1, 8], [8, 4], [warps, 1], [1, 0]),
+        "F": 16 * warps,
         "SMEM": gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2),
     }
 
@@ -397,6 +409,7 @@ def fused_moe_hopper(
     stages: int = 4,
     one_mul: bool | None = None,
     half: bool = False,
+    warps: int = 4,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
@@ -408,27 +421,28 @@ def fused_moe_hopper(
     inter = frags.inter
     sorted_ids, block_experts = align_by_expert(topk_ids, frags.num_experts, block_t)
     rows = sorted_ids.shape[0]
-    lay = layouts(block_t)
+    lay = layouts(block_t, warps)
+    f = lay["F"]
     lay["ONE_MUL"] = frags.one_mul if one_mul is None else one_mul
     lay["HALF"] = bool(half) and block_t >= 16
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias1 = b1 if b1 is not None else x
     interleaved = gate_up == "interleaved"
     row_step, up_offset = (2, 1) if interleaved else (1, inter)
-    grid = (block_experts.shape[0], inter // 64)
+    grid = (block_experts.shape[0], triton.cdiv(inter, f))
     gate_up_kernel[grid](
         x, frags.w1, frags.s1, bias1, act, sorted_ids, block_experts,
         m, top_k, d, inter, d // 64, *x.stride(), bias1.stride(0), bias1.stride(-1),
         *act.stride(), row_step, up_offset, float(alpha), float(limit),
         ACT=0 if activation == "silu" else 1, HAS_BIAS=b1 is not None, BLOCK_T=block_t,
-        STAGES=stages, num_warps=4, **lay,
+        STAGES=stages, num_warps=warps, **lay,
     )  # fmt: skip
     y = torch.empty(m, d, dtype=torch.float32, device=x.device)
     bias2 = b2 if b2 is not None else x
-    down_kernel[(block_experts.shape[0], d // 64)](
+    down_kernel[(block_experts.shape[0], triton.cdiv(d, f))](
         act, frags.w2, frags.s2, bias2, topk_weights.reshape(-1), y, sorted_ids, block_experts,
         m, d, inter, inter // 64, *act.stride(), bias2.stride(0), bias2.stride(-1), *y.stride(),
-        HAS_BIAS=b2 is not None, BLOCK_T=block_t, STAGES=stages, num_warps=4, **lay,
+        HAS_BIAS=b2 is not None, BLOCK_T=block_t, STAGES=stages, num_warps=warps, **lay,
     )  # fmt: skip
     return y.view(t, top_k, d).sum(1).to(x.dtype)
 
@@ -461,11 +475,11 @@ def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
     return Mxfp4Fragments(f1, g1.view(torch.int32), f2, g2.view(torch.int32), one_mul)
 
 
-# (block_t, stages, half) per ``moe.BUCKETS`` bucket of T, bf16 MXFP4 experts at
+# (block_t, stages, half, warps) per ``moe.BUCKETS`` bucket of T, bf16 MXFP4 experts at
 # gpt-oss's shape on the H200 (``benchmarks/bench_moe_hopper.py``; the README's MXFP4
 # section); half: blocks half padding run half the rows
-TABLE = {1: (16, 4, False), 8: (16, 4, False), 16: (16, 4, False), 64: (16, 4, False),
-         256: (64, 4, False), 2048: (128, 3, False), 8192: (128, 3, False)}  # fmt: skip
+TABLE = {1: (16, 4, True, 4), 8: (16, 4, True, 4), 16: (16, 4, True, 4), 64: (32, 4, True, 4),
+         256: (64, 4, True, 4), 2048: (128, 3, True, 4), 8192: (128, 3, True, 4)}  # fmt: skip
 
 
 def usable(device: torch.device | str, dtype: torch.dtype, hidden: int, inter: int) -> bool:
@@ -485,6 +499,6 @@ def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:
     """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints)."""
     from unikv.kernels.moe import bucket
 
-    block_t, stages, half = TABLE[bucket(x.shape[0])]
+    block_t, stages, half, warps = TABLE[bucket(x.shape[0])]
     return fused_moe_hopper(x, topk_weights, topk_ids, frags, **kw, block_t=block_t,
-                            stages=stages, half=half)  # fmt: skip
+                            stages=stages, half=half, warps=warps)  # fmt: skip
