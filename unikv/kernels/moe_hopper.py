@@ -478,7 +478,7 @@ def pack_experts(w1, s1, w2, s2, gate_up: str) -> Mxfp4Fragments:
 # (block_t, stages, half, warps) per ``moe.BUCKETS`` bucket of T, bf16 MXFP4 experts at
 # gpt-oss's shape on the H200 (``benchmarks/bench_moe_hopper.py``; the README's MXFP4
 # section); half: blocks half padding run half the rows
-TABLE = {1: (16, 4, True, 4), 8: (16, 4, True, 4), 16: (16, 4, True, 4), 64: (32, 4, True, 4),
+TABLE = {1: (32, 4, True, 4), 8: (32, 4, True, 4), 16: (32, 4, True, 4), 64: (32, 4, True, 4),
          256: (64, 4, True, 4), 2048: (128, 3, True, 4), 8192: (128, 3, True, 4)}  # fmt: skip
 
 
