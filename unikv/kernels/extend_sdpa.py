@@ -5,7 +5,8 @@ the prompt's own K/V rows, which the model just computed (``extend_fresh``'s cas
 with one request). There cuDNN's attention, torch SDPA's default dispatch on the
 H200, ran 1.26x the Triton fresh kernel at 16k tokens (3.55 against 4.46 ms,
 ``extend_long_h200_5ff46ff.json``): it overlaps loads, both matmuls and the softmax
-in warp-specialised pipelines, which Triton 3.6 does not compile for sm_90a. So the
+in warp-specialised pipelines, which Triton 3.6's ``tl`` does not compile for sm_90a
+(its Gluon dialect can; no Gluon attention kernel exists here yet). So the
 CUDA backend's ``extend_attention`` can hand such a step to SDPA, the way vLLM hands
 prefill to FlashAttention; everything else keeps the Triton kernels:
 

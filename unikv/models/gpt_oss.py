@@ -48,7 +48,8 @@ class Experts(nn.Module):
     with ``quant_method`` "mxfp4"): the checkpoint's ``gate_up_proj_blocks`` (E, 2I,
     hidden / 32, 16) and ``_scales`` (E, 2I, hidden / 32), ``down_proj_blocks`` (E,
     hidden, I / 32, 16) and ``_scales``, uint8 (``models/mxfp4.py``), dequantised
-    inside the kernel's tiles. Biases ``gate_up_proj_bias`` (E, 2I), ``down_proj_bias``
+    inside the kernel's tiles. On an H200 in bf16, ``finish_loading`` re-packs them in
+    place for the Hopper kernel (``kernels/moe_hopper.py``), which then runs every step. Biases ``gate_up_proj_bias`` (E, 2I), ``down_proj_bias``
     (E, hidden) in the model dtype either way.
 
     With ``tp`` every expert holds intermediate rows [r*I/tp, (r+1)*I/tp): a
