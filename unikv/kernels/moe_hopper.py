@@ -410,7 +410,6 @@ def fused_moe_hopper(
     one_mul: bool | None = None,
     half: bool = False,
     warps: int = 4,
-    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
@@ -436,7 +435,7 @@ def fused_moe_hopper(
         m, top_k, d, inter, d // 64, *x.stride(), bias1.stride(0), bias1.stride(-1),
         *act.stride(), row_step, up_offset, float(alpha), float(limit),
         ACT=0 if activation == "silu" else 1, HAS_BIAS=b1 is not None, BLOCK_T=block_t,
-        STAGES=stages, num_warps=warps, **lay, **({"maxnreg": maxnreg} if maxnreg else {}),
+        STAGES=stages, num_warps=warps, **lay,
     )  # fmt: skip
     y = torch.empty(m, d, dtype=torch.float32, device=x.device)
     bias2 = b2 if b2 is not None else x
