@@ -85,6 +85,28 @@ def save_tiny_model(arch: str, path: str, seed: int = 0, **overrides):
     return save_random_model(tiny_hf_config(arch, **overrides), path, seed)
 
 
+def pack_gpt_oss_experts(path: str, seed: int, scales: tuple[int, int] = (122, 128)) -> dict:
+    """Replace a saved gpt-oss checkpoint's dense experts (``save_tiny_model``) by
+    random MXFP4 pairs, as released checkpoints store them (``*_blocks``: uniform codes;
+    ``*_scales``: exponents in [lo, hi)); rewrites the safetensors file and returns its
+    tensors."""
+    from safetensors.torch import load_file, save_file
+
+    file = f"{path}/model.safetensors"
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, cols, rows = tensors.pop(name).shape  # transformers' (E, in, out)
+        tensors[name + "_blocks"] = torch.randint(
+            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
+        )
+        tensors[name + "_scales"] = torch.randint(
+            *scales, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
+        )
+    save_file(tensors, file)
+    return tensors
+
+
 def save_random_model(config, path: str, seed: int = 0):
     """A random-init (``torch.manual_seed(seed)``) fp32 transformers model of
     ``config`` saved to ``path``; returns it in eval mode."""

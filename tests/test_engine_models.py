@@ -19,6 +19,7 @@ from engine_fixtures import (
     DenseAttention,
     hf_logits,
     one_thread,  # noqa: F401  (a fixture)
+    pack_gpt_oss_experts,
     save_tiny_model,
     tiny_hf_config,
 )
@@ -210,24 +211,14 @@ def test_mismatched_weights_raise(tmp_path):
 def test_mxfp4_checkpoint_loads_dequantised_experts(tmp_path):
     """A gpt-oss checkpoint whose experts are stored as MXFP4 pairs (as released
     gpt-oss checkpoints are) loads to transformers' dequantisation of them."""
-    from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     save_tiny_model("gpt_oss", str(tmp_path))
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    g = torch.Generator().manual_seed(3)
+    tensors = pack_gpt_oss_experts(str(tmp_path), seed=3)
     expected = {}
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, cols, rows = tensors.pop(name).shape  # transformers' (E, in, out)
-        blocks = torch.randint(
-            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
-        )
-        scales = torch.randint(
-            122, 128, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
-        )
-        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    for name in [n[: -len("_blocks")] for n in tensors if n.endswith("_blocks")]:
+        blocks, scales = tensors[name + "_blocks"], tensors[name + "_scales"]
         expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    save_file(tensors, str(tmp_path / "model.safetensors"))
     params = dict(load_model(str(tmp_path)).named_parameters())
     assert len(expected) == 8  # 4 layers x (gate_up, down)
     for name, want in expected.items():
@@ -240,21 +231,10 @@ def test_mxfp4_checkpoint_with_quantization_config_keeps_experts_packed(tmp_path
     byte) and give the logits of the same bytes loaded dequantised."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
     dense_dir, packed_dir = tmp_path / "dense", tmp_path / "packed"
     save_tiny_model("gpt_oss", str(dense_dir))
-    tensors = load_file(str(dense_dir / "model.safetensors"))
+    tensors = pack_gpt_oss_experts(str(dense_dir), seed=4)
     g = torch.Generator().manual_seed(4)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, cols, rows = tensors.pop(name).shape
-        tensors[name + "_blocks"] = torch.randint(
-            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
-        )
-        tensors[name + "_scales"] = torch.randint(
-            122, 128, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
-        )
-    save_file(tensors, str(dense_dir / "model.safetensors"))
     shutil.copytree(dense_dir, packed_dir)
     config = json.loads((packed_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}

@@ -135,24 +135,14 @@ def test_gpt_oss_mxfp4_checkpoint_on_the_hopper_kernel(tmp_path, monkeypatch):
     Triton kernel (``UNIKV_MOE_HOPPER=0``, the checkpoint's layout), and refuse to move."""
     import json
 
-    from engine_fixtures import save_tiny_model
-    from safetensors.torch import load_file, save_file
+    from engine_fixtures import pack_gpt_oss_experts, save_tiny_model
 
     from unikv.models.loader import load_model
 
     save_tiny_model("gpt_oss", str(tmp_path), hidden_size=128, intermediate_size=128,
                     head_dim=32)  # fmt: skip
-    tensors = load_file(str(tmp_path / "model.safetensors"))
-    g = torch.Generator().manual_seed(4)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, cols, rows = tensors.pop(name).shape
-        tensors[name + "_blocks"] = torch.randint(
-            0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8, generator=g
-        )
-        tensors[name + "_scales"] = torch.randint(
-            118, 124, (experts, rows, cols // 32), dtype=torch.uint8, generator=g
-        )
-    save_file(tensors, str(tmp_path / "model.safetensors"))
+    pack_gpt_oss_experts(str(tmp_path), seed=4, scales=(118, 124))
+    g = torch.Generator().manual_seed(5)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "config.json").write_text(json.dumps(config))

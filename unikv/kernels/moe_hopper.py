@@ -4,22 +4,24 @@
 operand; at 256 tokens that ran at 20 % of the packed bytes' roofline, the decode, the
 shared-memory round trip and the MMA taking turns. Here the product is transposed (the
 weight features are wgmma's 64-row A operand, an expert's tokens its N) and the A
-operand is built in registers: each thread loads the 16 bytes its A fragment needs in
-one load (the weights re-packed at load time, ``mxfp4_frag``), decodes them in place
-(inline PTX, two bf16 per byte) and hands them to wgmma. Only the activation tiles go
-through shared memory.
+operand is built in registers: each thread loads the 16 bytes its A fragment needs (the
+weights re-packed at load time, ``mxfp4_frag``), decodes them in place (inline PTX, two
+bf16 per byte) and hands them to wgmma. The activation tiles, fragments and scale words
+come through a cp.async ring in shared memory.
 
-    gate_up  grid (blocks of BLOCK_T sorted rows, I / 64)   -> act (rows, I) x.dtype
-             gate and up tiles of 64 features (rows [gate | up], ``gate_up_row_order``)
-             + b1, the activation, stored at the sorted rows
-    down     grid (blocks, d / 64)                          -> y (M, d) fp32
+    gate_up  grid (blocks of BLOCK_T sorted rows, I / F)   -> act (rows, I) x.dtype
+             gate and up tiles of F = 16 num_warps features (rows [gate | up],
+             ``gate_up_row_order``) + b1, the activation, stored at the sorted rows
+    down     grid (blocks, d / F)                          -> y (M, d) fp32
              (A + b2) times the routing weight at the assignment's row
 
 Per K block of 64: the low nibbles hold k0 .. k0 + 31 (one scale group), the high
 nibbles k0 + 32 .. k0 + 63, so the two decoded halves are dotted with contiguous
-activation columns. Layouts and launch: ``moe_hopper_launch``. Gluon runs only on a
-GPU (no interpreter): the CPU tests cover the packing (``mxfp4_frag``) and this file
-runs in the GPU tests against the dequantised reference.
+activation columns. A block whose second half is padding can run half the rows
+(``HALF``). ``moe`` picks the tiles from ``TABLE``; ``usable`` says where this path
+runs. Gluon runs only on a GPU (no interpreter): the CPU tests cover the packing
+(``mxfp4_frag``) and the sm_90a compile (``benchmarks/aot_sm90.py --hopper``), the GPU
+tests this file against the dequantised reference.
 """
 
 from __future__ import annotations
