@@ -66,6 +66,31 @@ def test_pack_fragments_refuses_shapes_it_cannot_tile():
         mxfp4_frag.pack_fragments(blocks, torch.zeros(1, 16, 3, dtype=torch.uint8))
 
 
+def test_hopper_moe_refuses_bad_arguments():
+    """Checked before any launch (so on the CPU too): the activations' dtype and width,
+    the routing's shape, the activation."""
+    from unikv.kernels import moe_hopper
+
+    g = torch.Generator().manual_seed(2)
+    w1 = torch.randint(0, 256, (2, 128, 2, 16), dtype=torch.uint8, generator=g)
+    w2 = torch.randint(0, 256, (2, 64, 2, 16), dtype=torch.uint8, generator=g)
+    s1, s2 = (
+        torch.full((2, 128, 2), 127, dtype=torch.uint8),
+        torch.full((2, 64, 2), 127, dtype=torch.uint8),
+    )
+    frags = moe_hopper.pack_experts(w1, s1, w2, s2, "concat")
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    weights, ids = torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="bf16 activations"):
+        moe_hopper.fused_moe_hopper(x.float(), weights, ids, frags)
+    with pytest.raises(ValueError, match=r"\(T, 64\)"):
+        moe_hopper.fused_moe_hopper(x[:, :32], weights, ids, frags)
+    with pytest.raises(ValueError, match="topk_ids"):
+        moe_hopper.fused_moe_hopper(x, weights[:2], ids[:2], frags)
+    with pytest.raises(ValueError, match="relu2"):
+        moe_hopper.fused_moe_hopper(x, weights, ids, frags, activation="relu2")
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

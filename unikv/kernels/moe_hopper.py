@@ -421,6 +421,9 @@ def fused_moe_hopper(
     top_k = topk_ids.shape[1]
     m = topk_ids.numel()
     inter = frags.inter
+    check_args(x, topk_weights, topk_ids, frags, activation)
+    if m == 0:
+        return torch.zeros_like(x)
     sorted_ids, block_experts = align_by_expert(topk_ids, frags.num_experts, block_t)
     rows = sorted_ids.shape[0]
     lay = layouts(block_t, warps)
@@ -447,6 +450,24 @@ def fused_moe_hopper(
         HAS_BIAS=b2 is not None, BLOCK_T=block_t, STAGES=stages, num_warps=warps, **lay,
     )  # fmt: skip
     return y.view(t, top_k, d).sum(1).to(x.dtype)
+
+
+def check_args(x, topk_weights, topk_ids, frags: Mxfp4Fragments, activation: str) -> None:
+    """ValueError unless x is bf16 (T, d) with d the experts' hidden size, the routing
+    (T, k) pairs and the activation a gated one this path runs."""
+    d = frags.w1.shape[2] * 64
+    routed = topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != d:
+        raise ValueError(
+            f"the Hopper MoE takes bf16 activations (T, {d}); got {x.dtype} {tuple(x.shape)}"
+        )
+    if not routed or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids and topk_weights must both be (T={x.shape[0]}, k); got "
+            f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+        )
+    if activation not in ("silu", "gpt_oss"):
+        raise ValueError(f"the Hopper MoE runs 'silu' or 'gpt_oss', got {activation!r}")
 
 
 class Mxfp4Fragments(NamedTuple):
