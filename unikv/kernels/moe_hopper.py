@@ -26,6 +26,7 @@ tests this file against the dequantised reference.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from unikv.kernels.moe import align_by_expert, bucket
 from unikv.kernels.mxfp4_frag import gate_up_row_order, pack_fragments
 
 
@@ -247,6 +249,13 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, slab_ok, K, KB, s_xk, acc0,
 
 
 @gluon.jit
+def _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T: gl.constexpr, HALF: gl.constexpr):
+    """With HALF, whether the block's second half is padding (an expert's rows come
+    first in its block): it then runs BLOCK_T / 2 rows, half the MMA."""
+    return HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign
+
+
+@gluon.jit
 def _gate_up_block(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, expert, row0, pid_n,
                    num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on,
                    row_step, up_offset, alpha, limit, ACT: gl.constexpr,
@@ -304,8 +313,7 @@ def gate_up_kernel(
     args = (x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, expert, row0, pid_n,
             num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on, row_step,
             up_offset, alpha, limit)  # fmt: skip
-    # HALF: a block whose second half is padding runs BLOCK_T / 2 rows (half the MMA)
-    if HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign:
+    if _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T, HALF):
         _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T // 2, F, STAGES, BL, DOT_H, MMA_H, XL,
                        SMEM, ONE_MUL)  # fmt: skip
     else:
@@ -362,16 +370,18 @@ def down_kernel(
     row0 = pid_m * BLOCK_T
     args = (a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, expert, row0, pid_n,
             num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn)  # fmt: skip
-    if HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign:
+    if _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T, HALF):
         _down_block(*args, HAS_BIAS, BLOCK_T // 2, F, STAGES, BL, DOT_H, MMA_H, XL, SMEM,
                     ONE_MUL)  # fmt: skip
     else:
         _down_block(*args, HAS_BIAS, BLOCK_T, F, STAGES, BL, DOT, MMA, XL, SMEM, ONE_MUL)
 
 
+@functools.cache  # built once per tile shape, not per call
 def layouts(block_t: int, warps: int = 4) -> dict:
     """The kernels' layout constexprs for BLOCK_T tokens a block and ``warps`` warps (a
-    slab of 16 feature rows each: F = 16 warps features a program)."""
+    slab of 16 feature rows each: F = 16 warps features a program); shared, not to be
+    mutated."""
     frag = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
         lane_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0], [0, 16, 0]],
@@ -415,8 +425,6 @@ def fused_moe_hopper(
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
     x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
-    from unikv.kernels.moe import align_by_expert
-
     t, d = x.shape
     top_k = topk_ids.shape[1]
     m = topk_ids.numel()
@@ -426,10 +434,9 @@ def fused_moe_hopper(
         return torch.zeros_like(x)
     sorted_ids, block_experts = align_by_expert(topk_ids, frags.num_experts, block_t)
     rows = sorted_ids.shape[0]
-    lay = layouts(block_t, warps)
+    one_mul = frags.one_mul if one_mul is None else one_mul
+    lay = {**layouts(block_t, warps), "ONE_MUL": one_mul, "HALF": bool(half) and block_t >= 16}
     f = lay["F"]
-    lay["ONE_MUL"] = frags.one_mul if one_mul is None else one_mul
-    lay["HALF"] = bool(half) and block_t >= 16
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     bias1 = b1 if b1 is not None else x
     interleaved = gate_up == "interleaved"
@@ -520,8 +527,6 @@ def usable(device: torch.device | str, dtype: torch.dtype, hidden: int, inter: i
 
 def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:
     """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints)."""
-    from unikv.kernels.moe import bucket
-
     block_t, stages, half, warps = TABLE[bucket(x.shape[0])]
     return fused_moe_hopper(x, topk_weights, topk_ids, frags, **kw, block_t=block_t,
                             stages=stages, half=half, warps=warps)  # fmt: skip

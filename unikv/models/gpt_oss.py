@@ -94,13 +94,12 @@ class Experts(nn.Module):
         activations, re-pack the MXFP4 experts in place into the Hopper kernel's order
         (``kernels/moe_hopper.py``: same bytes, one pass, one layer's copy at a time);
         the parameters then hold that order and only that kernel reads them."""
-        from unikv.kernels import moe_hopper
-
-        h, i2 = self.down_proj_bias.shape[1], self.gate_up_proj_bias.shape[1]
-        dtype, device = self.down_proj_bias.dtype, self.down_proj_bias.device
         if not self.mxfp4 or self.fragments is not None:
             return
-        if not moe_hopper.usable(device, dtype, h, i2 // 2):
+        from unikv.kernels import moe_hopper  # Triton is only needed here
+
+        h, i2 = self.down_proj_bias.shape[1], self.gate_up_proj_bias.shape[1]
+        if not moe_hopper.usable(self.down_proj_bias.device, self.down_proj_bias.dtype, h, i2 // 2):
             return
         params = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.down_proj_blocks,
                   self.down_proj_scales)  # fmt: skip
@@ -115,6 +114,7 @@ class Experts(nn.Module):
             self.down_proj_scales.view(frags.s2.shape[:-1] + (32,)).view(torch.int32),
             frags.one_mul,
         )
+        self.kernel = moe_hopper.moe  # ``operands`` hands it the fragments
 
     def _apply(self, fn, recurse=True):  # to / to_empty / cuda: the kernel of the new device
         if self.fragments is not None:
@@ -128,8 +128,11 @@ class Experts(nn.Module):
         return self
 
     def operands(self) -> dict:
-        """The fused MoE's weight arguments (views, no copy)."""
-        if self.mxfp4:  # a host bool fixed at construction
+        """The MoE kernel's weight arguments (views, no copy): the re-packed fragments
+        for the Hopper kernel, else the checkpoint's layout for ``moe_kernel``'s."""
+        if self.fragments is not None:  # fixed at load
+            w = {"frags": self.fragments}
+        elif self.mxfp4:  # a host bool fixed at construction
             w = {"w1": self.gate_up_proj_blocks, "w2": self.down_proj_blocks}
             w.update(w1_scales=self.gate_up_proj_scales, w2_scales=self.down_proj_scales)
         else:
@@ -139,13 +142,6 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
         """x: (T, hidden); scores/indices: (T, k) -> (T, hidden) in x.dtype."""
-        if self.fragments is not None:  # fixed at load: the Hopper kernel
-            from unikv.kernels import moe_hopper
-
-            b2 = self.down_proj_bias if self.add_down_bias else None
-            return moe_hopper.moe(x, scores, indices, self.fragments, b1=self.gate_up_proj_bias,
-                                  b2=b2, activation="gpt_oss", gate_up="interleaved",
-                                  alpha=self.alpha, limit=self.limit)  # fmt: skip
         return self.kernel(
             x,
             scores,
