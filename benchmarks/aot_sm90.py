@@ -43,7 +43,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def compile_sm90(
+    fn, values: dict, constexprs: dict, num_warps: int, num_stages: int, **options
+) -> dict:
     """Compile ``fn`` (a ``triton.jit`` function) for sm_90a. values: every non-constexpr
     argument by name: a pointer as its Triton type string ("*bf16"), else an int or a
     float (specialised as the JIT would). -> {regs, spill_bytes, smem, async_copies,
@@ -57,8 +59,10 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
             sig[name] = "constexpr"
             continue
         value = values[name]
-        if isinstance(value, str):
-            sig[name], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        if isinstance(value, str):  # a pointer ("*bf16") or a tensor descriptor's type
+            sig[name] = value
+            if value.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             sig[name] = "fp32"
         elif name not in nospec and value == 1:
@@ -73,8 +77,8 @@ def compile_sm90(fn, values: dict, constexprs: dict, num_warps: int, num_stages:
         src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
     else:
         src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
-    kernel = triton.compile(src, target=TARGET, options={"num_warps": num_warps,
-                                                         "num_stages": num_stages})  # fmt: skip
+    options = {"num_warps": num_warps, "num_stages": num_stages, **options}
+    kernel = triton.compile(src, target=TARGET, options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp, "k.ptx")
         ptx.write_text(kernel.asm["ptx"])
@@ -163,6 +167,23 @@ def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False,
         (moe_hopper.gate_up_kernel, gate_up, {**cons, "ACT": 1}, warps, 1),
         (moe_hopper.down_kernel, down, cons, warps, 1),
     ]
+
+
+def extend_hopper_kernel(dim: int = 128, sinks: bool = False) -> tuple:
+    """The Hopper fresh-prompt attention (``kernels/extend_hopper.py``) at 32 / 8 heads:
+    (fn, values, constexprs, num_warps, num_stages, maxnreg)."""
+    from unikv.kernels import extend_hopper as eh
+
+    def desc(rows: int) -> str:
+        layout = eh.gl.NVMMASharedLayout.get_default_for([rows, dim], eh.gl.bfloat16)
+        return f"tensordesc<bf16[{rows}, {dim}],{layout}>"
+
+    values = {"q_desc": desc(64), "k_desc": desc(eh.BLOCK_N), "v_desc": desc(eh.BLOCK_N),
+              "q_indptr": "*i32", "sinks": "*fp32", "out": "*bf16", "o_st": 32 * dim,
+              "o_sh": dim, "qk_scale": 0.5}  # fmt: skip
+    cons = {"GROUP": 4, "D": dim, "DV": dim, "BLOCK_N": eh.BLOCK_N, "STAGES": eh.STAGES,
+            "HAS_SINKS": sinks}  # fmt: skip
+    return eh.fresh_kernel, values, cons, 4, 1, eh.MAXNREG
 
 
 def gemv_kernels() -> dict[str, tuple]:
@@ -272,12 +293,22 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true", help="the GEMV's launches -> JSON")
     parser.add_argument("--hopper", action="store_true",
                         help="the Hopper MXFP4 MoE's table entries -> JSON")  # fmt: skip
+    parser.add_argument("--extend", action="store_true",
+                        help="the Hopper fresh-prompt attention (D 64, 128) -> JSON")  # fmt: skip
     parser.add_argument("--step", action="store_true",
                         help="the rest of one request's decode chain -> JSON")  # fmt: skip
     args = parser.parse_args()
     if args.gemv or args.step:
         launches = gemv_kernels() if args.gemv else step_kernels()
         print(json.dumps({name: compile_sm90(*launch) for name, launch in launches.items()}))
+        return
+    if args.extend:
+        out = {}
+        for dim in (64, 128):
+            for sinks in (False, True):
+                *launch, maxnreg = extend_hopper_kernel(dim, sinks)
+                out[f"d{dim}{':sinks' * sinks}"] = compile_sm90(*launch, maxnreg=maxnreg)
+        print(json.dumps(out))
         return
     if args.hopper:
         from unikv.kernels import moe_hopper

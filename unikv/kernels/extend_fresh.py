@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from unikv.kernels import extend_hopper
 from unikv.kernels._attn import attn_tile, dot_precision, finish_rows
 from unikv.kernels._checks import check_same_device, next_pow2, out_buffer
 
@@ -226,7 +227,9 @@ def extend_attention_fresh(
     length. config: ``(block_m, block_n, warps, stages[, tma])``, default
     ``CONFIGS[head_dim]``; a default asking for TMA is used where ``tma_ok`` holds
     for k and v (a host decision from shapes, strides and the device), an explicit
-    one must be allowed. Returns out (T, Hq, Dv) in q's dtype.
+    one must be allowed. On an sm_90 GPU without a config, where
+    ``extend_hopper.usable`` holds, the Gluon kernel runs instead (16-bit, D == Dv in
+    (64, 128), no window or soft-cap). Returns out (T, Hq, Dv) in q's dtype.
     """
     check_fresh(q, k, v, q_indptr, sinks)
     num_tokens, hq, dim = q.shape
@@ -235,6 +238,10 @@ def extend_attention_fresh(
     bsz = q_indptr.shape[0] - 1
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out
+    if config is None and extend_hopper.usable(q, k, v, window, soft_cap):
+        return extend_hopper.fresh_attention(
+            q, k, v, q_indptr, out, max_q_len=max_q_len, sm_scale=sm_scale, sinks=sinks
+        )
     block_m, block_n, warps, stages, *rest = config or CONFIGS.get(
         next_pow2(dim), (64, 32, 4, 2, False)
     )
