@@ -5,7 +5,8 @@ prefix) at Hq / Hkv heads and head dim D, the rows are views of one fused QKV
 output, as the model hands them over. Timed with CUDA events (median of ``--reps``
 after warm-up), each checked first against SDPA (max abs error):
 
-- ``hopper``: ``extend_attention_fresh`` at its defaults (the Gluon kernel on sm_90);
+- ``hopper``: the Gluon kernel (``extend_hopper.fresh_attention``, at every length:
+  ``extend_attention_fresh`` takes it from ``MIN_Q_LEN`` tokens);
 - ``triton``: the same call with the Triton kernel's installed tile
   (``extend_fresh.CONFIGS[D]``);
 - ``sdpa_default``: torch SDPA's default dispatch (cuDNN on this build) on contiguous
@@ -57,13 +58,14 @@ def bench_shape(bsz: int, tokens: int, hq: int, hkv: int, dim: int, reps: int) -
     v = qkv[:, (hq + hkv) * dim :].view(total, hkv, dim)
     indptr = torch.arange(0, total + 1, tokens, dtype=torch.int32, device="cuda")
     scale = dim**-0.5
+    out = torch.empty_like(q)
     qb = q.view(bsz, tokens, hq, dim).transpose(1, 2).contiguous()
     kb = k.view(bsz, tokens, hkv, dim).transpose(1, 2).contiguous()
     vb = v.view(bsz, tokens, hkv, dim).transpose(1, 2).contiguous()
     kr, vr = kb.repeat_interleave(hq // hkv, 1), vb.repeat_interleave(hq // hkv, 1)
     runs = {
-        "hopper": lambda: extend_fresh.extend_attention_fresh(
-            q, k, v, indptr, max_q_len=tokens, sm_scale=scale
+        "hopper": lambda: extend_hopper.fresh_attention(
+            q, k, v, indptr, out, max_q_len=tokens, sm_scale=scale
         ),
         "triton": lambda: extend_fresh.extend_attention_fresh(
             q, k, v, indptr, max_q_len=tokens, sm_scale=scale, config=extend_fresh.CONFIGS[dim]
@@ -76,7 +78,7 @@ def bench_shape(bsz: int, tokens: int, hq: int, hkv: int, dim: int, reps: int) -
     ref = runs["sdpa_default"]().transpose(1, 2).reshape(total, hq, dim).float()
     flops = 4 * bsz * hq * dim * tokens * (tokens + 1) / 2
     res = {"shape": f"{bsz}x{tokens}", "hq": hq, "hkv": hkv, "dim": dim,
-           "hopper_taken": extend_hopper.usable(q, k, v, 0, 0.0)}  # fmt: skip
+           "hopper_taken": extend_hopper.usable(q, k, v, 0, 0.0, tokens)}  # fmt: skip
     for name, fn in runs.items():
         out = fn()
         if out.dim() == 4:

@@ -229,7 +229,7 @@ def extend_attention_fresh(
     for k and v (a host decision from shapes, strides and the device), an explicit
     one must be allowed. On an sm_90 GPU without a config, where
     ``extend_hopper.usable`` holds, the Gluon kernel runs instead (16-bit, D == Dv in
-    (64, 128), no window or soft-cap). Returns out (T, Hq, Dv) in q's dtype.
+    (64, 128), no window or soft-cap, max_q_len >= ``extend_hopper.MIN_Q_LEN``). Returns out (T, Hq, Dv) in q's dtype.
     """
     check_fresh(q, k, v, q_indptr, sinks)
     num_tokens, hq, dim = q.shape
@@ -238,7 +238,7 @@ def extend_attention_fresh(
     bsz = q_indptr.shape[0] - 1
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out
-    if config is None and extend_hopper.usable(q, k, v, window, soft_cap):
+    if config is None and extend_hopper.usable(q, k, v, window, soft_cap, max_q_len):
         return extend_hopper.fresh_attention(
             q, k, v, q_indptr, out, max_q_len=max_q_len, sm_scale=sm_scale, sinks=sinks
         )
