@@ -180,7 +180,7 @@ def extend_hopper_kernel(dim: int = 128, sinks: bool = False) -> tuple:
 
     values = {"q_desc": desc(64), "k_desc": desc(eh.BLOCK_N), "v_desc": desc(eh.BLOCK_N),
               "q_indptr": "*i32", "sinks": "*fp32", "out": "*bf16", "o_st": 32 * dim,
-              "o_sh": dim, "qk_scale": 0.5, "num_tiles": 4096, "n_qblocks": 128, "hq": 32}  # fmt: skip
+              "o_sh": dim, "qk_scale": 0.5}  # fmt: skip
     cons = {"GROUP": 4, "D": dim, "DV": dim, "BLOCK_N": eh.BLOCK_N, "STAGES": eh.STAGES,
             "HAS_SINKS": sinks}  # fmt: skip
     return eh.fresh_kernel, values, cons, 4, 1, eh.MAXNREG

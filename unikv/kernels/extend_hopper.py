@@ -63,16 +63,17 @@ def _softmax(s, m_i, l_i, rows, cols, qk_scale, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _step(g, j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p16, m_i, l_i,
-          rows, cols, qk_scale, zero_s, O_ROWS: gl.constexpr, P_LAYOUT: gl.constexpr,
-          STAGES: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
-    """Tile j (the ring's g-th): S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight
-    together, S_j's softmax while the PV MMA runs, then O rescaled and P_j made."""
-    sj = g % STAGES
-    sp = (g - 1) % STAGES
-    mbarrier.wait(k_ready.index(sj), (g // STAGES) & 1)
+def _step(j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, zero_s,
+          O_ROWS: gl.constexpr, P_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
+          BLOCK_N: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+    """Tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, S_j's softmax
+    while the PV MMA runs, then O rescaled and P_j made."""
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    sj = j % STAGES
+    sp = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(sj), (j // STAGES) & 1)
     s = warpgroup_mma(q, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((g - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=[s])
     mbarrier.arrive(k_empty.index(sj), count=1)
@@ -85,25 +86,12 @@ def _step(g, j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p16,
 
 
 @gluon.jit
-def _tile(t, q_indptr, n_qblocks, hq):
-    """Tile t -> its head, its request's first row and length, its q block's first row
-    (tiles by q block fastest, longest first, then head, then request)."""
-    mb = n_qblocks - 1 - t % n_qblocks
-    h = (t // n_qblocks) % hq
-    b = t // (n_qblocks * hq)
-    q_start = gl.load(q_indptr + b)
-    return h, q_start, gl.load(q_indptr + b + 1) - q_start, mb * 128
-
-
-@gluon.jit
 def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, GROUP: gl.constexpr,
-              WG: gl.constexpr):  # fmt: skip
-    """One warpgroup's 64 query rows of each of the program's tiles: the tile's keys
-    through the pipeline, then its output rows stored."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, q_indptr, o_st, o_sh,
-     qk_scale, num_tiles, n_qblocks, hq) = args  # fmt: skip
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """One warpgroup's 64 query rows over the block's keys; stores its output rows."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
+     q_start, q_len, m0, h, kvh, n_blocks, qk_scale) = args  # fmt: skip
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -112,141 +100,110 @@ def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
     )
     P_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     O_ROWS: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    row0 = m0 + WG * 64
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
     q = q_smem.index(WG)
-    g = 0  # the K/V ring's running block count
-    tc = 0  # tiles done (Q's barrier phase)
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        h, q_start, q_len, m0 = _tile(t, q_indptr, n_qblocks, hq)
-        if m0 < q_len:
-            n_blocks = (gl.minimum(m0 + 128, q_len) + BLOCK_N - 1) // BLOCK_N
-            row0 = m0 + WG * 64
-            rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))
-            m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
-            l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, S_LAYOUT))
-            mbarrier.wait(q_ready.index(0), tc & 1)
-            s0 = g % STAGES
-            mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)  # fmt: skip
-            s = warpgroup_mma_wait(0, deps=[s])
-            mbarrier.arrive(k_empty.index(s0), count=1)
-            if n_blocks == 1:
-                mbarrier.arrive(q_empty.index(0), count=1)
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, True)
-            else:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, False)
-            acc = gl.zeros([64, DV], gl.float32, O_LAYOUT)
-            p16 = gl.convert_layout(p.to(q_desc.dtype), P_LAYOUT)
-            for j in range(1, n_blocks - 1):
-                acc, p16, m_i, l_i = _step(
-                    g + j, j, q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, acc, p16,
-                    m_i, l_i, rows, cols, qk_scale, zero_s, O_ROWS, P_LAYOUT, STAGES, BLOCK_N,
-                    False,
-                )  # fmt: skip
-            if n_blocks > 1:
-                acc, p16, m_i, l_i = _step(
-                    g + n_blocks - 1, n_blocks - 1, q, k_smem, v_smem, k_ready, k_empty,
-                    v_ready, v_empty, acc, p16, m_i, l_i, rows, cols, qk_scale, zero_s, O_ROWS,
-                    P_LAYOUT, STAGES, BLOCK_N, True,
-                )  # fmt: skip
-                mbarrier.arrive(q_empty.index(0), count=1)  # Q's last MMA has been read
-            last = g + n_blocks - 1
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(p16, v_smem.index(last % STAGES), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-            if HAS_SINKS:  # gpt-oss: a per-head logit in the denominator only
-                l_i = l_i + gl.exp2(gl.load(sinks + h) * 1.4426950408889634 - m_i)
-            res = acc / gl.expand_dims(gl.convert_layout(l_i, O_ROWS), 1)
-            orow = row0 + gl.arange(0, 64, layout=O_ROWS)
-            ocol = gl.arange(0, DV, layout=gl.SliceLayout(0, O_LAYOUT))
-            tok = (q_start + orow).to(gl.int64)
-            ptr = out + gl.expand_dims(tok * o_st + h * o_sh, 1) + gl.expand_dims(ocol, 0)
-            gl.store(ptr, res.to(out.dtype.element_ty), mask=gl.expand_dims(orow < q_len, 1))
-            g += n_blocks
-            tc += 1
+    mbarrier.wait(q_bar.index(0), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_blocks == 1:
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, True)
+    else:
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, False)
+    acc = gl.zeros([64, DV], gl.float32, O_LAYOUT)
+    p16 = gl.convert_layout(p.to(q_desc.dtype), P_LAYOUT)
+    for j in range(1, n_blocks - 1):
+        acc, p16, m_i, l_i = _step(
+            j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, zero_s,
+            O_ROWS, P_LAYOUT, STAGES, BLOCK_N, False,
+        )  # fmt: skip
+    if n_blocks > 1:
+        acc, p16, m_i, l_i = _step(
+            n_blocks - 1, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale,
+            zero_s, O_ROWS, P_LAYOUT, STAGES, BLOCK_N, True,
+        )  # fmt: skip
+    last = n_blocks - 1
+    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+    acc = warpgroup_mma(p16, v_smem.index(last % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    if HAS_SINKS:  # gpt-oss: a per-head logit in the denominator only
+        l_i = l_i + gl.exp2(gl.load(sinks + h) * 1.4426950408889634 - m_i)
+    res = acc / gl.expand_dims(gl.convert_layout(l_i, O_ROWS), 1)
+    orow = row0 + gl.arange(0, 64, layout=O_ROWS)
+    ocol = gl.arange(0, DV, layout=gl.SliceLayout(0, O_LAYOUT))
+    tok = (q_start + orow).to(gl.int64)
+    ptr = out + gl.expand_dims(tok * o_st + h * o_sh, 1) + gl.expand_dims(ocol, 0)
+    gl.store(ptr, res.to(out.dtype.element_ty), mask=gl.expand_dims(orow < q_len, 1))
 
 
 @gluon.jit
 def _producer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, GROUP: gl.constexpr,
-              WG: gl.constexpr):  # fmt: skip
-    """Each tile's Q halves, then every K and V tile of its keys, by TMA; the next
-    tile's loads start while the consumers finish this one."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, q_indptr, o_st, o_sh,
-     qk_scale, num_tiles, n_qblocks, hq) = args  # fmt: skip
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    g = 0
-    tc = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        h, q_start, q_len, m0 = _tile(t, q_indptr, n_qblocks, hq)
-        if m0 < q_len:
-            n_blocks = (gl.minimum(m0 + 128, q_len) + BLOCK_N - 1) // BLOCK_N
-            kvh = h // GROUP
-            mbarrier.wait(q_empty.index(0), (tc & 1) ^ 1)
-            mbarrier.expect(q_ready.index(0), 2 * q_desc.block_type.nbytes)
-            for half in gl.static_range(2):
-                tma.async_copy_global_to_shared(
-                    q_desc, [q_start + m0 + 64 * half, h * D], q_ready.index(0),
-                    q_smem.index(half),
-                )  # fmt: skip
-            for j in range(n_blocks):
-                s = (g + j) % STAGES
-                phase = ((g + j) // STAGES) & 1
-                key = q_start + j * BLOCK_N
-                mbarrier.wait(k_empty.index(s), phase ^ 1)
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    k_desc, [key, kvh * D], k_ready.index(s), k_smem.index(s)
-                )
-                mbarrier.wait(v_empty.index(s), phase ^ 1)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    v_desc, [key, kvh * DV], v_ready.index(s), v_smem.index(s)
-                )
-            g += n_blocks
-            tc += 1
+              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+    """Q's two halves, then every K and V tile of the block, by TMA."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
+     q_start, q_len, m0, h, kvh, n_blocks, qk_scale) = args  # fmt: skip
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * D], q_bar.index(0), q_smem.index(0))
+    tma.async_copy_global_to_shared(
+        q_desc, [q_start + m0 + 64, h * D], q_bar.index(0), q_smem.index(1)
+    )
+    for j in range(n_blocks):
+        s = j % STAGES
+        phase = (j // STAGES) & 1
+        key = q_start + j * BLOCK_N
+        mbarrier.wait(k_empty.index(s), phase ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [key, kvh * D], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), phase ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [key, kvh * DV], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
 def fresh_kernel(q_desc, k_desc, v_desc, q_indptr, sinks, out, o_st, o_sh, qk_scale,
-                 num_tiles, n_qblocks, hq, GROUP: gl.constexpr, D: gl.constexpr,
-                 DV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 HAS_SINKS: gl.constexpr):  # fmt: skip
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready.index(0), count=1)
-    mbarrier.init(q_empty.index(0), count=2)  # one arrival per consumer warpgroup
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
-    args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, q_indptr,
-            o_st, o_sh, qk_scale, num_tiles, n_qblocks, hq)  # fmt: skip
-    gl.warp_specialize(
-        [(_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, GROUP, 0)),
-         (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, GROUP, 1)),
-         (_producer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, GROUP, 0))],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )  # fmt: skip
-
-
-@functools.cache
-def _programs(device: torch.device) -> int:
-    """One persistent program an SM (the pipeline's registers and shared memory)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+                 GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr):  # fmt: skip
+    mb = gl.num_programs(0) - 1 - gl.program_id(0)  # longest blocks first
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(q_indptr + b)
+    q_len = gl.load(q_indptr + b + 1) - q_start
+    m0 = mb * 128
+    if m0 < q_len:
+        n_blocks = (gl.minimum(m0 + 128, q_len) + BLOCK_N - 1) // BLOCK_N
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, 64, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, DV], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar.index(0), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
+        bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
+        args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
+                q_start, q_len, m0, h, h // GROUP, n_blocks, qk_scale)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, 0)),
+                (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, 1)),
+                (_producer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, 0)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
 
 
 @functools.cache
@@ -312,12 +269,12 @@ def fresh_attention(
     """``extend_fresh.extend_attention_fresh``'s contract where ``usable`` holds (the
     caller checked the arguments): out (T, Hq, D) written in place and returned."""
     hq, dim = q.shape[1], q.shape[2]
-    n_qblocks = (max_q_len + BLOCK_M - 1) // BLOCK_M
-    num_tiles = n_qblocks * hq * (q_indptr.shape[0] - 1)
-    fresh_kernel[(min(num_tiles, _programs(q.device)),)](
+    bsz = q_indptr.shape[0] - 1
+    grid = ((max_q_len + BLOCK_M - 1) // BLOCK_M, hq, bsz)
+    fresh_kernel[grid](
         _descriptor(q, 64), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), q_indptr,
         sinks if sinks is not None else q, out, out.stride(0), out.stride(1),
-        sm_scale * 1.4426950408889634, num_tiles, n_qblocks, hq,
+        sm_scale * 1.4426950408889634,
         GROUP=hq // k.shape[1], D=dim, DV=v.shape[2], BLOCK_N=BLOCK_N, STAGES=STAGES,
         HAS_SINKS=sinks is not None, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
