@@ -91,10 +91,28 @@ def compile_sm90(
         "smem": kernel.metadata.shared,
         "async_copies": len(re.findall("async_copy_global_to_local", ttgir)),
         "wgmma": "warp_group_dot" in ttgir,
+        "setmaxnreg": sorted(
+            {int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx_text)}
+        ),
+        "unsynced_arrives": _unsynced_arrives(ptx_text),
         "pdl_wait": ptx_text.count("griddepcontrol.wait"),
         "pdl_trigger": ptx_text.count("griddepcontrol.launch_dependents"),
         **_before_wait(ptx_text),
     }
+
+
+def _unsynced_arrives(ptx: str) -> int:
+    """Plain mbarrier arrivals (one thread's, releasing a buffer) not preceded within a
+    few instructions by a barrier over the partition's warps (``bar.sync id, n``): one
+    thread arriving while other warps may still read the buffer."""
+    lines = [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith("//")]
+    bad = 0
+    for i, line in enumerate(lines):
+        if "mbarrier.arrive.shared::cta.b64" in line and "expect_tx" not in line:
+            bad += not any(
+                x.startswith(("bar.sync", "barrier.sync")) for x in lines[max(0, i - 4) : i]
+            )
+    return bad
 
 
 def _before_wait(ptx: str) -> dict:

@@ -6,7 +6,7 @@ output, as the model hands them over. Timed with CUDA events (median of ``--reps
 after warm-up), each checked first against SDPA (max abs error):
 
 - ``hopper``: the Gluon kernel (``extend_hopper.fresh_attention``, at every length:
-  ``extend_attention_fresh`` takes it from ``MIN_Q_LEN`` tokens);
+  ``extend_attention_fresh`` takes it from ``MIN_Q_LEN[D]`` tokens);
 - ``triton``: the same call with the Triton kernel's installed tile
   (``extend_fresh.CONFIGS[D]``);
 - ``sdpa_default``: torch SDPA's default dispatch (cuDNN on this build) on contiguous

@@ -2,8 +2,8 @@
 attention (``kernels/extend_hopper.py``, taken from ``MIN_Q_LEN`` tokens), and the
 run is checked against transformers on the same weights (``pytest -m gpu``).
 
-The tiny models get head dim 64 (the kernel takes 64 and 128) and room for a
-2,100-token prompt in one chunk. gpt-oss's full-attention layers carry its sinks
+The tiny models get head dim 128 (the kernel takes 128 from 1,024 tokens, 64 from
+8,192) and room for a 2,100-token prompt in one chunk. gpt-oss's full-attention layers carry its sinks
 (its sliding layers keep the Triton kernel). The check is teacher-forced, as in
 ``test_engine_gpu``: every token is its row's argmax, within a near-tie of
 transformers-bf16's argmax (Llama), and the engine's bf16 rows are as close to
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.gpu
 
 PROMPT, NEW, CHUNK = 2100, 6, 2304
 OVERRIDES = {
-    "llama": {"hidden_size": 256, "max_position_embeddings": 4096},  # 4 heads of 64
-    "gpt_oss": {"head_dim": 64, "max_position_embeddings": 4096},
+    "llama": {"hidden_size": 512, "max_position_embeddings": 4096},  # 4 heads of 128
+    "gpt_oss": {"head_dim": 128, "max_position_embeddings": 4096},
 }
 
 

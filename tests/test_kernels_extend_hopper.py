@@ -67,20 +67,20 @@ def test_usable_refuses_what_the_kernel_does_not_run(monkeypatch):
     """The CPU is never Hopper; on a faked sm_90 each excluded case is refused by
     its own reason, and the base case is taken."""
     q, k, v = _rows(16, 4, 2, 64, torch.bfloat16, "cpu")
-    assert not extend_hopper.usable(q, k, v, 0, 0.0, 4096)  # not a GPU
+    assert not extend_hopper.usable(q, k, v, 0, 0.0, 8192)  # not a GPU
     monkeypatch.setattr(extend_hopper, "_hopper", lambda device: True)
-    assert extend_hopper.usable(q, k, v, 0, 0.0, 4096)
-    assert not extend_hopper.usable(q.float(), k.float(), v.float(), 0, 0.0, 4096)
-    assert not extend_hopper.usable(q, k, v, 8, 0.0, 4096)  # a window
-    assert not extend_hopper.usable(q, k, v, 0, 30.0, 4096)  # soft-cap
+    assert extend_hopper.usable(q, k, v, 0, 0.0, 8192)
+    assert not extend_hopper.usable(q.float(), k.float(), v.float(), 0, 0.0, 8192)
+    assert not extend_hopper.usable(q, k, v, 8, 0.0, 8192)  # a window
+    assert not extend_hopper.usable(q, k, v, 0, 30.0, 8192)  # soft-cap
     q96, k96, v96 = _rows(16, 4, 2, 96, torch.bfloat16, "cpu")
-    assert not extend_hopper.usable(q96, k96, v96, 0, 0.0, 4096)  # D not 64 / 128
+    assert not extend_hopper.usable(q96, k96, v96, 0, 0.0, 8192)  # D not 64 / 128
     kt = torch.randn(2, 16, 64, dtype=torch.bfloat16).transpose(0, 1)  # head-major rows
-    assert not extend_hopper.usable(q, kt, kt, 0, 0.0, 4096)
-    short = extend_hopper.MIN_Q_LEN - 1  # a short step keeps the Triton kernel
+    assert not extend_hopper.usable(q, kt, kt, 0, 0.0, 8192)
+    short = extend_hopper.MIN_Q_LEN[64] - 1  # a short step keeps the Triton kernel
     assert not extend_hopper.usable(q, k, v, 0, 0.0, short)
     monkeypatch.setenv("UNIKV_EXTEND_HOPPER", "0")
-    assert not extend_hopper.usable(q, k, v, 0, 0.0, 4096)
+    assert not extend_hopper.usable(q, k, v, 0, 0.0, 8192)
 
 
 def test_fresh_attention_keeps_triton_with_a_config(monkeypatch):
@@ -94,7 +94,7 @@ def test_fresh_attention_keeps_triton_with_a_config(monkeypatch):
     q, k, v = _rows(
         sum(lens), 4, 2, 64, torch.float16, "cpu"
     )  # the interpreter's bf16 dots are not
-    assert extend_hopper.usable(q, k, v, 0, 0.0, 4096)
+    assert extend_hopper.usable(q, k, v, 0, 0.0, 8192)
     out = extend_fresh.extend_attention_fresh(
         q, k, v, _indptr(lens, "cpu"), max_q_len=9, sm_scale=0.125, config=(16, 16, 4, 1, False)
     )
@@ -126,7 +126,7 @@ CASES = [
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_hopper_fresh_matches_reference(lens, hq, hkv, dim, dtype, fused, with_sinks):
     q, k, v = _rows(sum(lens), hq, hkv, dim, dtype, "cuda", fused)
-    assert extend_hopper.usable(q, k, v, 0, 0.0, extend_hopper.MIN_Q_LEN)
+    assert extend_hopper.usable(q, k, v, 0, 0.0, extend_hopper.MIN_Q_LEN[dim])
     sm_scale = 1 / math.sqrt(dim)
     sinks = torch.randn(hq, device="cuda") if with_sinks else None
     out = torch.full((sum(lens), hq, dim), float("nan"), dtype=dtype, device="cuda")

@@ -129,3 +129,25 @@ def test_hopper_moe_compiles_for_sm90(tmp_path):
         for got in launches:
             ok = got["spill_bytes"] == 0 and got["async_copies"] > 0 and got["wgmma"]
             assert ok and got["smem"] <= 227 * 1024, (key, got)
+
+
+def test_hopper_extend_compiles_for_sm90(tmp_path):
+    """The Hopper fresh-prompt attention (Gluon, ``kernels/extend_hopper.py``) at D 64 and
+    128, with and without sinks: it compiles for sm_90a without spills, its products
+    wgmma, its shared memory within an SM's, the registers split between the consumer
+    warpgroups (240) and the producer (24), and every buffer release (one thread's
+    mbarrier arrival) after a barrier over its warpgroup, so no warp of it still reads
+    the buffer the producer refills."""
+    from unikv.kernels import extend_hopper
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--extend"],
+                         check=False, capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    assert sorted(results) == ["d128", "d128:sinks", "d64", "d64:sinks"]
+    regs = {int(extend_hopper.CONSUMER_REGS), int(extend_hopper.PRODUCER_REGS)}
+    for key, got in results.items():
+        ok = got["spill_bytes"] == 0 and got["wgmma"] and got["smem"] <= 227 * 1024
+        assert ok and regs <= set(got["setmaxnreg"]) and got["unsynced_arrives"] == 0, (key, got)

@@ -229,7 +229,8 @@ def extend_attention_fresh(
     for k and v (a host decision from shapes, strides and the device), an explicit
     one must be allowed. On an sm_90 GPU without a config, where
     ``extend_hopper.usable`` holds, the Gluon kernel runs instead (16-bit, D == Dv in
-    (64, 128), no window or soft-cap, max_q_len >= ``extend_hopper.MIN_Q_LEN``). Returns out (T, Hq, Dv) in q's dtype.
+    (64, 128), no window or soft-cap, max_q_len >= ``extend_hopper.MIN_Q_LEN[D]``).
+    Returns out (T, Hq, Dv) in q's dtype.
     """
     check_fresh(q, k, v, q_indptr, sinks)
     num_tokens, hq, dim = q.shape

@@ -45,10 +45,12 @@ STAGES = 2  # K and V ring depth
 CONSUMER_REGS = gl.constexpr(240)  # each consumer warpgroup's registers (setmaxnreg)
 PRODUCER_REGS = gl.constexpr(24)
 MAXNREG = 168  # the launch's: 12 warps x 168 <= 64k; the split above fits the same file
-# shorter steps keep the Triton kernel: one program an SM (the registers and shared
-# memory of the pipeline) leaves each program's prologue and epilogue exposed; H200,
-# 5ad9cef: 8 x 2048 1.30x Triton, 4 x 1000 0.94x, 16 x 512 (D 64) 0.53x
-MIN_Q_LEN = 2048
+# the shortest prompt a step hands this kernel, by head dim; shorter steps keep the
+# Triton kernel (H200, one lease, the kernels' device time, 32c471c against Triton's
+# installed tile): D 128 1.12-1.31x from 1 x 2048 to 16 x 1024 and 4 x 1000; D 64 1.06x at
+# 1 x 8192 but 0.71-0.93x from 16 x 512 to 4 x 2048 (the softmax's exponentials, the same
+# per tile at either D, outweigh half the MMA there)
+MIN_Q_LEN = {128: 1024, 64: 8192}
 
 
 @gluon.jit
@@ -68,7 +70,7 @@ def _step(j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, 
           BLOCK_N: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
     """Tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, S_j's softmax
     while the PV MMA runs, then O rescaled and P_j made."""
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    _q_bar, k_ready, k_empty, v_ready, v_empty = bars
     sj = j % STAGES
     sp = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(sj), (j // STAGES) & 1)
@@ -89,9 +91,9 @@ def _step(j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, 
 def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """One warpgroup's 64 query rows over the block's keys; stores its output rows."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
-     q_start, q_len, m0, h, kvh, n_blocks, qk_scale) = args  # fmt: skip
-    q_bar, k_ready, k_empty, v_ready, v_empty = bars
+    (q_desc, _k_desc, _v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
+     q_start, q_len, m0, h, _kvh, n_blocks, qk_scale) = args  # fmt: skip
+    q_bar, k_ready, k_empty, v_ready, _v_empty = bars
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -113,9 +115,9 @@ def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
     s = warpgroup_mma_wait(0, deps=[s])
     mbarrier.arrive(k_empty.index(0), count=1)
     if n_blocks == 1:
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, True)
+        p, _alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, True)
     else:
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, False)
+        p, _alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols, qk_scale, False)
     acc = gl.zeros([64, DV], gl.float32, O_LAYOUT)
     p16 = gl.convert_layout(p.to(q_desc.dtype), P_LAYOUT)
     for j in range(1, n_blocks - 1):
@@ -146,8 +148,8 @@ def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
 def _producer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Q's two halves, then every K and V tile of the block, by TMA."""
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
-     q_start, q_len, m0, h, kvh, n_blocks, qk_scale) = args  # fmt: skip
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, _out, _sinks, _o_st, _o_sh,
+     q_start, _q_len, m0, h, kvh, n_blocks, _qk_scale) = args  # fmt: skip
     q_bar, k_ready, k_empty, v_ready, v_empty = bars
     mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * D], q_bar.index(0), q_smem.index(0))
@@ -227,9 +229,9 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, soft_
            max_q_len: int) -> bool:  # fmt: skip
     """Whether a fresh step's attention runs here (host ints and strides only): an
     sm_90 GPU, 16-bit q/k/v, D == Dv in (64, 128), no window or soft-cap, rows TMA can
-    address, a prompt of at least ``MIN_Q_LEN``; ``UNIKV_EXTEND_HOPPER=0`` turns it off."""
+    address, a prompt of at least ``MIN_Q_LEN[D]``; ``UNIKV_EXTEND_HOPPER=0`` turns it off."""
     return (
-        max_q_len >= MIN_Q_LEN
+        max_q_len >= MIN_Q_LEN.get(q.shape[2], 1 << 62)
         and os.environ.get("UNIKV_EXTEND_HOPPER", "1") != "0"
         and _hopper(q.device)
         and q.dtype in (torch.bfloat16, torch.float16)
