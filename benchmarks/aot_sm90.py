@@ -200,7 +200,7 @@ def extend_hopper_kernel(dim: int = 128, sinks: bool = False) -> tuple:
               "q_indptr": "*i32", "sinks": "*fp32", "out": "*bf16", "o_st": 32 * dim,
               "o_sh": dim, "qk_scale": 0.5}  # fmt: skip
     cons = {"GROUP": 4, "D": dim, "DV": dim, "BLOCK_N": eh.BLOCK_N, "STAGES": eh.STAGES,
-            "HAS_SINKS": sinks, "PINGPONG": eh.PINGPONG}  # fmt: skip
+            "HAS_SINKS": sinks}  # fmt: skip
     return eh.fresh_kernel, values, cons, 4, 1, eh.MAXNREG
 
 

@@ -7,8 +7,6 @@ after warm-up), each checked first against SDPA (max abs error):
 
 - ``hopper``: the Gluon kernel (``extend_hopper.fresh_attention``, at every length:
   ``extend_attention_fresh`` takes it from ``MIN_Q_LEN[D]`` tokens);
-- ``hopper_pingpong`` / ``hopper_no_pingpong``: the same with the consumers' turns
-  forced on / off (the A/B of ``extend_hopper.PINGPONG``);
 - ``triton``: the same call with the Triton kernel's installed tile
   (``extend_fresh.CONFIGS[D]``);
 - ``sdpa_default``: torch SDPA's default dispatch (cuDNN on this build) on contiguous
@@ -83,12 +81,6 @@ def bench_shape(bsz: int, tokens: int, hq: int, hkv: int, dim: int, reps: int) -
         "hopper": lambda: extend_hopper.fresh_attention(
             q, k, v, indptr, out, max_q_len=tokens, sm_scale=scale
         ),
-        "hopper_pingpong": lambda: extend_hopper.fresh_attention(
-            q, k, v, indptr, out, max_q_len=tokens, sm_scale=scale, pingpong=True
-        ),
-        "hopper_no_pingpong": lambda: extend_hopper.fresh_attention(
-            q, k, v, indptr, out, max_q_len=tokens, sm_scale=scale, pingpong=False
-        ),
         "triton": lambda: extend_fresh.extend_attention_fresh(
             q, k, v, indptr, max_q_len=tokens, sm_scale=scale, config=extend_fresh.CONFIGS[dim]
         ),
@@ -139,7 +131,7 @@ def main() -> None:
         line = " ".join(
             f"{n} {res[n].get('ms', float('nan')):.3f}ms"
             f"({res[n].get('kernel_ms', float('nan')):.3f})/{res[n]['max_abs_err']:.1e}"
-            for n in ("hopper", "hopper_pingpong", "hopper_no_pingpong", "triton", "sdpa_default")
+            for n in ("hopper", "triton", "sdpa_default", "sdpa_gqa")
         )
         print(f"{shape} D{dim}: {line} | x sdpa {res.get('hopper_vs_sdpa_default', 0):.3f} "
               f"x triton {res.get('hopper_vs_triton', 0):.3f} "

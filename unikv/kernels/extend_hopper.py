@@ -44,7 +44,6 @@ BLOCK_N = 128  # keys a tile (the diagonal is one tile: BLOCK_N == BLOCK_M)
 STAGES = 2  # K and V ring depth
 CONSUMER_REGS = gl.constexpr(240)  # each consumer warpgroup's registers (setmaxnreg)
 PRODUCER_REGS = gl.constexpr(24)
-PINGPONG = False  # the consumers' turns (A/B)
 MAXNREG = 168  # the launch's: 12 warps x 168 <= 64k; the split above fits the same file
 # the shortest prompt a step hands this kernel, by head dim; shorter steps keep the
 # Triton kernel (H200, one lease, the kernels' device time, 32c471c against Triton's
@@ -68,22 +67,16 @@ def _softmax(s, m_i, l_i, rows, cols, qk_scale, MASKED: gl.constexpr):
 @gluon.jit
 def _step(j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, zero_s,
           O_ROWS: gl.constexpr, P_LAYOUT: gl.constexpr, STAGES: gl.constexpr,
-          BLOCK_N: gl.constexpr, MASKED: gl.constexpr, WG: gl.constexpr,
-          PINGPONG: gl.constexpr):  # fmt: skip
+          BLOCK_N: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
     """Tile j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, S_j's softmax
-    while the PV MMA runs, then O rescaled and P_j made. PINGPONG: the two warpgroups
-    take turns issuing their MMAs (one's softmax under the other's products)."""
-    _q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    while the PV MMA runs, then O rescaled and P_j made."""
+    _q_bar, k_ready, k_empty, v_ready, v_empty = bars
     sj = j % STAGES
     sp = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(sj), (j // STAGES) & 1)
-    if PINGPONG:  # warpgroup 0 goes first: a fresh barrier passes parity 1
-        mbarrier.wait(turn.index(WG), ((j - 1) & 1) ^ (1 - WG))
     s = warpgroup_mma(q, k_smem.index(sj).permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
     acc = warpgroup_mma(p16, v_smem.index(sp), acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
     s = warpgroup_mma_wait(1, deps=[s])
     mbarrier.arrive(k_empty.index(sj), count=1)
     p, alpha, m_i, l_i = _softmax(s, m_i, l_i, rows, cols + j * BLOCK_N, qk_scale, MASKED)
@@ -96,12 +89,11 @@ def _step(j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, 
 
 @gluon.jit
 def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """One warpgroup's 64 query rows over the block's keys; stores its output rows."""
     (q_desc, _k_desc, _v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
      q_start, q_len, m0, h, _kvh, n_blocks, qk_scale) = args  # fmt: skip
-    q_bar, k_ready, k_empty, v_ready, _v_empty, _turn = bars
+    q_bar, k_ready, k_empty, v_ready, _v_empty = bars
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -131,12 +123,12 @@ def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
     for j in range(1, n_blocks - 1):
         acc, p16, m_i, l_i = _step(
             j, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale, zero_s,
-            O_ROWS, P_LAYOUT, STAGES, BLOCK_N, False, WG, PINGPONG,
+            O_ROWS, P_LAYOUT, STAGES, BLOCK_N, False,
         )  # fmt: skip
     if n_blocks > 1:
         acc, p16, m_i, l_i = _step(
             n_blocks - 1, q, k_smem, v_smem, bars, acc, p16, m_i, l_i, rows, cols, qk_scale,
-            zero_s, O_ROWS, P_LAYOUT, STAGES, BLOCK_N, True, WG, PINGPONG,
+            zero_s, O_ROWS, P_LAYOUT, STAGES, BLOCK_N, True,
         )  # fmt: skip
     last = n_blocks - 1
     mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -154,12 +146,11 @@ def _consumer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def _producer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr):  # fmt: skip
+              STAGES: gl.constexpr, HAS_SINKS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
     """Q's two halves, then every K and V tile of the block, by TMA."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, _out, _sinks, _o_st, _o_sh,
      q_start, _q_len, m0, h, kvh, n_blocks, _qk_scale) = args  # fmt: skip
-    q_bar, k_ready, k_empty, v_ready, v_empty, _turn = bars
+    q_bar, k_ready, k_empty, v_ready, v_empty = bars
     mbarrier.expect(q_bar.index(0), 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_start + m0, h * D], q_bar.index(0), q_smem.index(0))
     tma.async_copy_global_to_shared(
@@ -180,8 +171,7 @@ def _producer(args, D: gl.constexpr, DV: gl.constexpr, BLOCK_N: gl.constexpr,
 @gluon.jit
 def fresh_kernel(q_desc, k_desc, v_desc, q_indptr, sinks, out, o_st, o_sh, qk_scale,
                  GROUP: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr,
-                 PINGPONG: gl.constexpr):  # fmt: skip
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_SINKS: gl.constexpr):  # fmt: skip
     mb = gl.num_programs(0) - 1 - gl.program_id(0)  # longest blocks first
     h = gl.program_id(1)
     b = gl.program_id(2)
@@ -198,23 +188,20 @@ def fresh_kernel(q_desc, k_desc, v_desc, q_indptr, sinks, out, o_st, o_sh, qk_sc
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar.index(0), count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
             mbarrier.init(v_empty.index(i), count=2)
-        bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
+        bars = (q_bar, k_ready, k_empty, v_ready, v_empty)
         args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, out, sinks, o_st, o_sh,
                 q_start, q_len, m0, h, h // GROUP, n_blocks, qk_scale)  # fmt: skip
         gl.warp_specialize(
             [
-                (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, PINGPONG, 0)),
-                (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, PINGPONG, 1)),
-                (_producer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, PINGPONG, 0)),
+                (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, 0)),
+                (_consumer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, 1)),
+                (_producer, (args, D, DV, BLOCK_N, STAGES, HAS_SINKS, 0)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -280,11 +267,9 @@ def fresh_attention(
     max_q_len: int,
     sm_scale: float,
     sinks: torch.Tensor | None = None,
-    pingpong: bool | None = None,
 ) -> torch.Tensor:
     """``extend_fresh.extend_attention_fresh``'s contract where ``usable`` holds (the
-    caller checked the arguments): out (T, Hq, D) written in place and returned.
-    pingpong: the consumers take turns issuing their MMAs (default ``PINGPONG``)."""
+    caller checked the arguments): out (T, Hq, D) written in place and returned."""
     hq, dim = q.shape[1], q.shape[2]
     bsz = q_indptr.shape[0] - 1
     grid = ((max_q_len + BLOCK_M - 1) // BLOCK_M, hq, bsz)
@@ -293,7 +278,6 @@ def fresh_attention(
         sinks if sinks is not None else q, out, out.stride(0), out.stride(1),
         sm_scale * 1.4426950408889634,
         GROUP=hq // k.shape[1], D=dim, DV=v.shape[2], BLOCK_N=BLOCK_N, STAGES=STAGES,
-        HAS_SINKS=sinks is not None, PINGPONG=PINGPONG if pingpong is None else pingpong,
-        num_warps=4, maxnreg=MAXNREG,
+        HAS_SINKS=sinks is not None, num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return out
