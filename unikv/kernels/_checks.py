@@ -6,6 +6,11 @@ import functools
 
 import torch
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton without host tensor descriptors: pointer loads only
+    TensorDescriptor = None
+
 ID_DTYPES = (torch.int32, torch.int64)
 
 
@@ -136,3 +141,26 @@ def split_workspace(
         return workspace, workspace
     acc_numel = rows * heads * num_splits * width
     return workspace[:acc_numel], workspace[acc_numel:need]
+
+
+@functools.cache
+def _tma_device(device: torch.device) -> bool:
+    """TMA exists on Hopper and newer; the CPU interpreter emulates it."""
+    return device.type == "cpu" or (
+        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
+def tma_ok(x: torch.Tensor) -> bool:
+    """Whether a (T, H, D) tensor can back a ``(T, H * D)`` TMA descriptor (host only)."""
+    size = x.element_size()
+    return (
+        TensorDescriptor is not None
+        and _tma_device(x.device)
+        and x.shape[0] > 0
+        and x.shape[2] == next_pow2(x.shape[2])
+        and x.shape[2] * size >= 16
+        and x.stride(1) == x.shape[2]
+        and x.data_ptr() % 16 == 0
+        and (x.stride(0) * size) % 16 == 0
+    )

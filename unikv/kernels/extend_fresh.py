@@ -18,20 +18,19 @@ rows of the next request are masked off by causality).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from unikv.kernels import extend_hopper
 from unikv.kernels._attn import attn_tile, dot_precision, finish_rows
-from unikv.kernels._checks import check_same_device, next_pow2, out_buffer
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # Triton without host tensor descriptors: pointer loads only
-    TensorDescriptor = None
+from unikv.kernels._checks import (
+    TensorDescriptor,
+    check_same_device,
+    next_pow2,
+    out_buffer,
+    tma_ok,
+)
 
 # (block_m, block_n, num_warps, num_stages, tma) per head_dim; the H200 pick comes
 # from benchmarks/bench_extend_long.py (its "install" lines). head_dim 64 takes the best
@@ -144,29 +143,6 @@ def _fresh_kernel(
         out + tok[:, None] * o_st + h * o_sh + offs_dv[None, :],
         res.to(out.dtype.element_ty),
         mask=mask_m[:, None] & (offs_dv[None, :] < DV),
-    )
-
-
-@functools.cache
-def _tma_device(device: torch.device) -> bool:
-    """TMA exists on Hopper and newer; the CPU interpreter emulates it."""
-    return device.type == "cpu" or (
-        device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    )
-
-
-def tma_ok(x: torch.Tensor) -> bool:
-    """Whether a (T, H, D) tensor can back a ``(T, H * D)`` TMA descriptor (host only)."""
-    size = x.element_size()
-    return (
-        TensorDescriptor is not None
-        and _tma_device(x.device)
-        and x.shape[0] > 0
-        and x.shape[2] == next_pow2(x.shape[2])
-        and x.shape[2] * size >= 16
-        and x.stride(1) == x.shape[2]
-        and x.data_ptr() % 16 == 0
-        and (x.stride(0) * size) % 16 == 0
     )
 
 

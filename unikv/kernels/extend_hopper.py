@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from unikv.kernels._checks import tma_ok
+
 BLOCK_M = 128  # query rows a program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys a tile (the diagonal is one tile: BLOCK_N == BLOCK_M)
 STAGES = 2  # K and V ring depth
@@ -213,18 +215,6 @@ def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _tma_rows(x: torch.Tensor) -> bool:
-    """(T, H, D) rows a ``(T, H * D)`` descriptor can cover: unit head stride of D,
-    16-byte aligned base and token stride."""
-    size = x.element_size()
-    return (
-        x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
-        and x.data_ptr() % 16 == 0
-        and (x.stride(0) * size) % 16 == 0
-    )
-
-
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, soft_cap: float,
            max_q_len: int) -> bool:  # fmt: skip
     """Whether a fresh step's attention runs here (host ints and strides only): an
@@ -240,7 +230,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, soft_
         and window <= 0
         and soft_cap <= 0
         and q.shape[0] > 0
-        and all(_tma_rows(x) for x in (q, k, v))
+        and all(tma_ok(x) for x in (q, k, v))
     )
 
 
