@@ -27,17 +27,14 @@ from benchmarks.bench_moe import KW, SHAPE, make_experts, touched_bytes
 from benchmarks.common import copy_ceilings, environment, graph_us, save_json
 from unikv.kernels import moe, moe_hopper, moe_ref
 
-# (block_t, stages, one_mul, half, warps, maxnreg): the one-multiply decode where the
-# scales allow (these do); half: a block whose second half is padding runs half the
-# rows; warps: 16 feature rows each (4: 64 features a program, 8: 128); maxnreg: gate/up's
-# register cap (96 with 3 stages: five programs an SM instead of four, 24 bytes spilled)
+# (block_t, stages, one_mul, half, warps): the one-multiply decode where the scales
+# allow (these do); half: a block whose second half is padding runs half the rows;
+# warps: 16 feature rows each (4: 64 features a program, 8: 128)
 CANDIDATES = (
-    (64, 4, True, True, 4, None),
-    (64, 3, True, True, 4, 96),
-    (64, 4, True, True, 4, 96),
-    (32, 4, True, True, 4, None),
-    (32, 3, True, True, 4, 96),
-    (128, 3, True, True, 4, None),
+    (64, 4, True, True, 4),
+    (32, 4, True, True, 4),
+    (16, 4, True, True, 4),
+    (128, 3, True, True, 4),
 )
 
 
@@ -72,11 +69,11 @@ def main() -> None:
             row["table_us"] = graph_us(table_fn)
             row["table_of_roofline"] = roof / row["table_us"]
             row["table_vs_triton"] = row["triton_us"] / row["table_us"]
-        for bt, st, one, half, warps, regs in CANDIDATES:
-            name = f"gluon_t{bt}_s{st}_w{warps}{'_one' * one}{'_half' * half}_r{regs}"
+        for bt, st, one, half, warps in CANDIDATES:
+            name = f"gluon_t{bt}_s{st}_w{warps}{'_one' * one}{'_half' * half}"
             fn = partial(moe_hopper.fused_moe_hopper, x, weights, ids, frags, b1=packed["b1"],
                          b2=packed["b2"], **KW, block_t=bt, stages=st, one_mul=one,
-                         half=half, warps=warps, maxnreg=regs)  # fmt: skip
+                         half=half, warps=warps)  # fmt: skip
             try:
                 err = (fn().float() - ref).abs().max().item() / scale
                 row[f"{name}_err"] = err

@@ -140,12 +140,7 @@ def test_hopper_extend_compiles_for_sm90(tmp_path):
     the buffer the producer refills."""
     from unikv.kernels import extend_hopper
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--extend"],
-                         check=False, capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.splitlines()[-1])
+    results = _compiled("--extend", tmp_path)
     assert sorted(results) == ["d128", "d128:sinks", "d64", "d64:sinks"]
     regs = {int(extend_hopper.CONSUMER_REGS), int(extend_hopper.PRODUCER_REGS)}
     for key, got in results.items():

@@ -422,11 +422,9 @@ def fused_moe_hopper(
     one_mul: bool | None = None,
     half: bool = False,
     warps: int = 4,
-    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """``moe.fused_moe`` for MXFP4 experts re-packed by ``pack_experts`` (16-bit x only):
-    x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype. maxnreg: a register
-    cap for the gate/up launch (more programs an SM), None: the compiler's count."""
+    x (T, d), topk_weights / topk_ids (T, k) -> (T, d) in x.dtype."""
     t, d = x.shape
     top_k = topk_ids.shape[1]
     m = topk_ids.numel()
@@ -449,7 +447,7 @@ def fused_moe_hopper(
         m, top_k, d, inter, d // 64, *x.stride(), bias1.stride(0), bias1.stride(-1),
         *act.stride(), row_step, up_offset, float(alpha), float(limit),
         ACT=0 if activation == "silu" else 1, HAS_BIAS=b1 is not None, BLOCK_T=block_t,
-        STAGES=stages, num_warps=warps, **lay, **({"maxnreg": maxnreg} if maxnreg else {}),
+        STAGES=stages, num_warps=warps, **lay,
     )  # fmt: skip
     y = torch.empty(m, d, dtype=torch.float32, device=x.device)
     bias2 = b2 if b2 is not None else x
