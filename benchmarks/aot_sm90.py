@@ -165,6 +165,10 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     ]
 
 
+# the GPU tests' 16-row, whole-block tile (tests/test_kernels_moe_hopper.py), beside the table
+TEST_TILE = (16, 3, False, 4)
+
+
 def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False,
                    warps: int = 4) -> list[tuple]:  # fmt: skip
     """The Hopper MXFP4 MoE's two launches (``kernels/moe_hopper.py``) at gpt-oss's
@@ -332,7 +336,8 @@ def main() -> None:
         from unikv.kernels import moe_hopper
 
         out = {}
-        for bucket, (block_t, stages, half, warps) in moe_hopper.TABLE.items():
+        tiles = {**moe_hopper.TABLE, "gpu_tests": TEST_TILE}  # + the GPU tests' 16-row tile
+        for bucket, (block_t, stages, half, warps) in tiles.items():
             for one_mul in (True, False):
                 launches = hopper_kernels(block_t, stages, one_mul, half, warps)
                 key = f"{bucket}:{block_t}x{stages}x{warps}{':half' * half}{':one' * one_mul}"

@@ -114,17 +114,17 @@ def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
 
 
 def test_hopper_moe_compiles_for_sm90(tmp_path):
-    """The Hopper MXFP4 MoE (Gluon) at every table entry, both decodes: it compiles for
-    sm_90a (the fragments' register layout equal to wgmma's A operand, or the compile
-    fails), without spills, its copies asynchronous, its products wgmma, its shared
-    memory within an H200 SM's."""
+    """The Hopper MXFP4 MoE (Gluon) at every table entry and the GPU tests' 16-row tile,
+    both decodes: it compiles for sm_90a (the fragments' register layout equal to
+    wgmma's A operand, or the compile fails), without spills, its copies asynchronous,
+    its products wgmma, its shared memory within an H200 SM's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_sm90.py"), "--hopper"],
                          check=False, capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.splitlines()[-1])
-    assert len(results) == 2 * len(moe_hopper.TABLE)
+    assert len(results) == 2 * (len(moe_hopper.TABLE) + 1)  # + the GPU tests' 16-row tile
     for key, launches in results.items():
         for got in launches:
             ok = got["spill_bytes"] == 0 and got["async_copies"] > 0 and got["wgmma"]

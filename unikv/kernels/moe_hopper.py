@@ -249,10 +249,13 @@ def _k_loop(x_rows, valid, w_tiles, s_tiles, slab_ok, K, KB, s_xk, acc0,
 
 
 @gluon.jit
-def _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T: gl.constexpr, HALF: gl.constexpr):
-    """With HALF, whether the block's second half is padding (an expert's rows come
-    first in its block): it then runs BLOCK_T / 2 rows, half the MMA."""
-    return HALF and gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign
+def _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T: gl.constexpr):
+    """Whether the block's second half is padding (an expert's rows come first in its
+    block): with HALF it then runs BLOCK_T / 2 rows, half the MMA. Callers test
+    ``HALF and _runs_half(...)``, so without HALF the half-block branch is not
+    compiled (a call's result is a run-time value: ``if _runs_half(..., HALF)`` built
+    both branches, and 16-row tiles then failed to compile an 8-row half)."""
+    return gl.load(sorted_ids_ptr + row0 + BLOCK_T // 2) >= num_assign
 
 
 @gluon.jit
@@ -313,7 +316,7 @@ def gate_up_kernel(
     args = (x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, expert, row0, pid_n,
             num_assign, top_k, K, I, KB, s_xm, s_xk, s_be, s_bn, s_om, s_on, row_step,
             up_offset, alpha, limit)  # fmt: skip
-    if _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T, HALF):
+    if HALF and _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T):
         _gate_up_block(*args, ACT, HAS_BIAS, BLOCK_T // 2, F, STAGES, BL, DOT_H, MMA_H, XL,
                        SMEM, ONE_MUL)  # fmt: skip
     else:
@@ -370,7 +373,7 @@ def down_kernel(
     row0 = pid_m * BLOCK_T
     args = (a_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, sorted_ids_ptr, expert, row0, pid_n,
             num_assign, N, K, KB, s_am, s_ak, s_be, s_bn, s_ym, s_yn)  # fmt: skip
-    if _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T, HALF):
+    if HALF and _runs_half(sorted_ids_ptr, row0, num_assign, BLOCK_T):
         _down_block(*args, HAS_BIAS, BLOCK_T // 2, F, STAGES, BL, DOT_H, MMA_H, XL, SMEM,
                     ONE_MUL)  # fmt: skip
     else:
