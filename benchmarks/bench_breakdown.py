@@ -287,7 +287,11 @@ def profile_steps(llm, prompts, args) -> tuple[list[tuple[str, float]], float, d
     lag = -(-len(prompts) * args.prompt_len // args.chunk) + 1
     tokens = args.warm + args.steps + SPARE_TOKENS + lag
     try:
-        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True), on_step=hook)
+        llm.generate(
+            prompts,
+            SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0),
+            on_step=hook,
+        )
     finally:
         if "start" in clock and "end" not in clock:
             prof.stop()
@@ -387,7 +391,7 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
 def e2e_params(tokens: int):
     from unikv.engine import SamplingParams
 
-    return SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
 
 
 def table(entry: dict) -> str:

@@ -249,7 +249,12 @@ def simulate(
     )
     requests = [
         Request(
-            i, [1] * p, SamplingParams(max_tokens=o, ignore_eos=True), 0, frozenset(), max_context
+            i,
+            [1] * p,
+            SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0),
+            0,
+            frozenset(),
+            max_context,
         )
         for i, (p, o) in enumerate(workload)
     ]

@@ -202,13 +202,15 @@ def run_scheme(path: str, plan: dict, workload, args) -> dict:
     rng = np.random.default_rng(0)
     vocab = llm.model.config.vocab_size
     prompts = [rng.integers(0, vocab, p).tolist() for p, _ in workload]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in workload]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for _, o in workload]
     running: list[int] = []
 
     def on_step(llm_, batch, logits) -> None:
         running.append(len(llm_.scheduler.running))
 
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=2, ignore_eos=True)] * 2)  # warm-up
+    llm.generate(
+        prompts[:2], [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)] * 2
+    )  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=on_step)
     seconds = time.perf_counter() - start

@@ -266,7 +266,9 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     start = time.perf_counter()
     llm = _unikv_llm(path, n, len(prompts[0]) + new_tokens + 8, args)
     init_s = time.perf_counter() - start
-    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # JIT: every step shape
+    llm.generate(
+        prompts, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    )  # JIT: every step shape
     warmup_s = time.perf_counter() - start - init_s
     llm.reset_prefix_cache()  # the timed run prefills the same prompts: no hits from warm-up
     clock = _StepClock()
@@ -274,7 +276,9 @@ def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     alloc_before = allocator_counts() if cuda else {}
     with JitWatch() as watch, GcWatch() as gcs:  # stalls the warm-up did not cover
         outputs = llm.generate(
-            prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_step=clock
+            prompts,
+            SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0),
+            on_step=clock,
         )
     alloc = {k: v - alloc_before[k] for k, v in allocator_counts().items()} if cuda else {}
     wall = time.perf_counter() - clock.t0

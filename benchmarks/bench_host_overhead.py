@@ -152,8 +152,8 @@ def measure(path: pathlib.Path, batch: int, new_tokens: int, device: str, args) 
     cfg = e2e.model_config("llama", True)
     prompts = e2e.make_prompts(batch, 16, cfg["vocab_size"], seed=batch)
     llm = e2e._unikv_llm(path, batch, 16 + new_tokens + 8, args)
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))  # warm up
     clock, steps = PhaseClock(), []
     undo = instrument(llm, clock, steps)
     try:

@@ -384,7 +384,7 @@ def run_scheme(llm, prompts, max_tokens, args) -> tuple[dict, list, dict]:
     which compacts). Returns (result, outputs, margins)."""
     from unikv.engine import SamplingParams
 
-    params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in max_tokens]
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in max_tokens]
     llm.generate(prompts, params)  # warm-up (untimed)
     log = StepLog(llm)
     _sync(args.device)
@@ -429,7 +429,9 @@ def run_subset(llm, prompts, new_tokens: int, args) -> tuple[dict, list]:
 
     _sync(args.device)
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0)
+    )
     _sync(args.device)
     wall = time.perf_counter() - start
     made = sum(len(o.output_ids) for o in outs)

@@ -89,7 +89,9 @@ def _timed(llm, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
 
     clock = _StepClock()
     outputs = llm.generate(
-        prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), on_step=clock
+        prompts,
+        SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0),
+        on_step=clock,
     )
     wall = time.perf_counter() - clock.t0
     ttft = [times[0] - clock.t0 for times in clock.stamps.values()]

@@ -166,7 +166,7 @@ def simulate(specs, budget: int, rounds: list[list[Turn]], window: int | None) -
     requests, trace, start = [], _Trace(), time.perf_counter()
     for round_ in rounds:
         for turn in round_:
-            params = SamplingParams(max_tokens=len(turn.output), ignore_eos=True)
+            params = SamplingParams(max_tokens=len(turn.output), ignore_eos=True, temperature=0.0)
             requests.append(
                 Request(len(requests), list(turn.prompt), params, 0, frozenset(), max_len)
             )

@@ -175,8 +175,10 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
         max_model_len=max_len, kv_cache_bytes=args.kv_cache_mib << 20,
     )  # fmt: skip
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    llm.generate(prompts[: args.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True))
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0)
+    llm.generate(
+        prompts[: args.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+    )
     stamps: dict[int, list[float]] = {}
 
     def clock(_llm, batch, _logits) -> None:  # a token is stamped when its value is known

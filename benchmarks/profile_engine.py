@@ -196,7 +196,7 @@ def main() -> None:
         cfg = e2e.model_config(cli.model, cli.tiny)
         prompts = e2e.make_prompts(cli.requests, args.prompt_len, cfg["vocab_size"])
         llm = e2e._unikv_llm(path, cli.requests, args.prompt_len + cli.new_tokens + 8, args)
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
         llm.reset_prefix_cache()  # else the profiled run's prefills are all cache hits
         clock = e2e._StepClock()
         if cli.timeline:
@@ -207,7 +207,9 @@ def main() -> None:
         start = time.perf_counter()
         prof.enable()
         llm.generate(
-            prompts, SamplingParams(max_tokens=cli.new_tokens, ignore_eos=True), on_step=clock
+            prompts,
+            SamplingParams(max_tokens=cli.new_tokens, ignore_eos=True, temperature=0.0),
+            on_step=clock,
         )
         prof.disable()
         wall = time.perf_counter() - start

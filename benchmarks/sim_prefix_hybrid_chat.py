@@ -78,7 +78,9 @@ class Engine:
         evicted = self.alloc.parts.prefix.counters()["evicted_pages"]
         for round_ in rounds:
             for turn in round_:
-                params = SamplingParams(max_tokens=len(turn.output), ignore_eos=True)
+                params = SamplingParams(
+                    max_tokens=len(turn.output), ignore_eos=True, temperature=0.0
+                )
                 request = Request(self.next_id, list(turn.prompt), params, 0, frozenset(),
                                   self.max_len)  # fmt: skip
                 plans[self.next_id], self.next_id = turn.output, self.next_id + 1

@@ -514,7 +514,9 @@ def check_greedy_run(ref: GreedyReference, llm) -> None:
     from unikv.engine import SamplingParams
 
     rows = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=ref.new_tokens), on_step=rows)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=ref.new_tokens, temperature=0.0), on_step=rows
+    )
     check_engine_outputs(ref, llm, outputs, rows)
 
 
@@ -525,7 +527,9 @@ def check_chunked_prefill(ref: GreedyReference, make_llm, step: int = 7) -> None
 
     rows = StepLogits()
     llm = make_llm(ref, max_num_batched_tokens=step)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=ref.new_tokens), on_step=rows)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=ref.new_tokens, temperature=0.0), on_step=rows
+    )
     assert rows.cut > 0 and llm.stats.steps > sum(map(len, ref.prompts)) // step
     check_engine_outputs(ref, llm, outputs)
 
@@ -541,7 +545,7 @@ def check_tight_pool(ref: GreedyReference, make_llm, pages: int = 24) -> None:
     budget = pool_bytes_for(configs, {c.name: pages for c in configs})
     llm = make_llm(ref, kv_cache_bytes=budget, max_model_len=88, page_size=4)
     prompts = ref.prompts[::-1] + ref.prompts
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=ref.new_tokens))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=ref.new_tokens, temperature=0.0))
     assert [o.output_ids for o in outputs] == ref.greedy[::-1] + ref.greedy
     assert llm.stats.preemptions > 0
     check_engine_outputs(ref, llm, outputs[len(ref.prompts) :])

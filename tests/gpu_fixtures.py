@@ -183,7 +183,7 @@ def assert_fp32_greedy(llm, refs: References, graphs: bool) -> None:
     from unikv.engine import SamplingParams
 
     assert llm.backend.name == "triton" and (llm.runner.graphs is not None) == graphs
-    outputs = llm.generate(engine_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(engine_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert_same_greedy(refs, engine_prompts(), outputs, NEW_TOKENS)
     assert llm.stats.decode_steps > 0
 
@@ -224,7 +224,7 @@ def decode_without_host_sync(llm, prompts: list[list[int]], steps: int = 3) -> N
     from unikv.engine.scheduler import BatchKind
 
     sched, runner = llm.scheduler, llm.runner
-    for r in llm.make_requests(prompts, SamplingParams(max_tokens=steps + 5)):
+    for r in llm.make_requests(prompts, SamplingParams(max_tokens=steps + 5, temperature=0.0)):
         sched.add(r)
     while any(r.num_pending != 1 for r in sched.running) or sched.waiting:  # prefill first
         batch = sched.schedule()
@@ -293,7 +293,9 @@ def bf16_token_checks(llm, hf16, hf32, prompts, max_tokens: int) -> list[TokenCh
             if r.num_pending == 1:
                 rows[(r.request_id, r.seq_len - 1)] = logits[i].float().cpu()
 
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens), on_step=record)
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), on_step=record
+    )
     first = llm._next_id - len(outputs)
     checks = []
     for k, out in enumerate(outputs):

@@ -71,7 +71,7 @@ def chat_turns(llm, ps: int, check, turns: int = 3, seed: int = 11) -> list[int]
     judges each turn's tokens, and every later turn must hit the whole pages of the
     previous prompt and answer. Returns the last prompt + answer."""
     g = torch.Generator().manual_seed(seed)
-    history, params = [], SamplingParams(max_tokens=2 * ps + 3)
+    history, params = [], SamplingParams(max_tokens=2 * ps + 3, temperature=0.0)
     for turn in range(turns):
         prompt = history + torch.randint(0, VOCAB, (ps + 2,), generator=g).tolist()
         outputs = llm.generate([prompt], params)
@@ -116,7 +116,7 @@ def run_without_and_with_cache(path, hf, ps: int, new_tokens: int, seed: int) ->
     every run's greedy tokens equal transformers', and the second run's hits
     cover each prompt's whole pages."""
     prompts = shared_prompts(ps, seed)
-    params = SamplingParams(max_tokens=new_tokens)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
     want = [hf_greedy(hf, p, new_tokens) for p in prompts]
     plain = prefix_llm(path, ps, False).generate(prompts, params)
     assert [o.output_ids for o in plain] == want

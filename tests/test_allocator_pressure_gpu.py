@@ -62,7 +62,7 @@ def test_a_pool_for_one_worst_case_request_completes_with_the_uncontended_tokens
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 101, 10)]
-    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.0)
     spec = MHASpec(3, 3, 40, dtype=torch.float32)  # 3 layers, 3 KV heads, head_dim 40
     one_request = pool_bytes_for([SubPoolConfig("full", spec, PAGE)], {"full": MAX_LEN // PAGE})
     big = 64 * one_request  # every request at once, many times over

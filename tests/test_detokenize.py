@@ -274,7 +274,9 @@ def test_stop_strings_across_updates_cut_the_streamed_text(view, text, stop, inc
     stream's deltas concatenate to the full text cut at its first occurrence."""
     tok = TOKENIZERS["byte_bpe"]
     prompt, outputs = tok.encode("Hello,"), tok.encode(text)
-    params = SamplingParams(max_tokens=64, stop=[stop], include_stop_str_in_output=include)
+    params = SamplingParams(
+        max_tokens=64, stop=[stop], include_stop_str_in_output=include, temperature=0.0
+    )
     request = Request(0, prompt, params, 0, frozenset(), 1000)
     group = RequestGroup([request], None, sink=[].append, tokenizer=view(tok))
     track, sent = request.track, []

@@ -54,9 +54,9 @@ def _prompts() -> list[list[int]]:
 
 def _params() -> list[SamplingParams]:
     """Greedy, except prompt 1 (seeded sampling) and prompt 4 (one token only)."""
-    params = [SamplingParams(max_tokens=NEW_TOKENS) for _ in PROMPT_LENS]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0) for _ in PROMPT_LENS]
     params[1] = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_k=20, seed=11)
-    params[4] = SamplingParams(max_tokens=1)
+    params[4] = SamplingParams(max_tokens=1, temperature=0.0)
     return params
 
 

@@ -73,7 +73,7 @@ def test_seeded_sampling_does_not_depend_on_batch_or_preemption(llama):
     assert tight.stats.preemptions > 0
     assert batched == alone == squeezed
     assert len({tuple(o) for o in batched}) == len(batched)
-    greedy = roomy.generate(prompts, SamplingParams(max_tokens=24))
+    greedy = roomy.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     assert [o.output_ids for o in greedy] != batched  # sampling did sample
 
 
@@ -92,12 +92,14 @@ def test_stop_tokens_max_tokens_and_context_end(llama):
     stop = ref[6]
     cut = ref.index(stop) + 1
     llm = LLM(path, device="cpu", page_size=4, max_model_len=64)
-    out = llm.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=(stop,)))[0]
+    out = llm.generate(
+        prompt, SamplingParams(max_tokens=20, stop_token_ids=(stop,), temperature=0.0)
+    )[0]
     assert out.output_ids == ref[:cut] and out.finish_reason == "stop"
-    out = llm.generate(prompt, SamplingParams(max_tokens=7))[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=7, temperature=0.0))[0]
     assert out.output_ids == ref[:7] and out.finish_reason == "length"
     short = LLM(path, device="cpu", page_size=4, max_model_len=16)
-    out = short.generate(prompt, SamplingParams(max_tokens=20))[0]
+    out = short.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert out.output_ids == ref[:6] and out.finish_reason == "length"  # 10 + 6 = 16
 
 
@@ -109,10 +111,10 @@ def test_eos_from_config_stops_unless_ignored(tmp_path, llama):
     hf.save_pretrained(str(tmp_path))
     llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=64)
     assert (
-        llm.generate(prompt, SamplingParams(max_tokens=20))[0].output_ids
+        llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0.0))[0].output_ids
         == ref[: ref.index(ref[4]) + 1]
     )
-    free = llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))[0]
     assert free.output_ids == ref
 
 
@@ -141,7 +143,7 @@ def test_window_pages_leave_the_pool(gpt_oss):
             assert held["swa"] <= -(-(window - 1) // ps) + 1, (held, r.num_cached)
             seen.append(held["swa"] < held["full"])
 
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=32), on_step=check)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0), on_step=check)
     assert any(seen)  # pages did leave the window (not vacuous)
     assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 32) for p in prompts]
     assert chunk == llm.scheduler.max_num_batched_tokens
@@ -157,7 +159,7 @@ def test_text_prompts_use_the_checkpoint_tokenizer(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(tmp_path))
     llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=64)
-    out = llm.generate("w5 w17 w200 w3", SamplingParams(max_tokens=8))[0]
+    out = llm.generate("w5 w17 w200 w3", SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert out.prompt_ids == [5, 17, 200, 3]
     assert out.output_ids == hf_greedy(hf, [5, 17, 200, 3], 8)
     assert out.text.split() == [f"w{t}" for t in out.output_ids]
@@ -168,20 +170,20 @@ def test_bad_input_raises_and_leaves_the_engine_usable(llama, tmp_path):
     llm = LLM(path, device="cpu", page_size=4, max_model_len=32)
     good = _prompts([5])[0]
     with pytest.raises(ValueError, match="too long"):
-        llm.generate([good, list(range(32))], SamplingParams(max_tokens=4))
+        llm.generate([good, list(range(32))], SamplingParams(max_tokens=4, temperature=0.0))
     with pytest.raises(ValueError, match="token ids"):
-        llm.generate([good + [VOCAB]], SamplingParams(max_tokens=4))
+        llm.generate([good + [VOCAB]], SamplingParams(max_tokens=4, temperature=0.0))
     with pytest.raises(ValueError, match=r"in \[0, .*got \[-1\]"):
-        llm.generate([[-1] + good], SamplingParams(max_tokens=4))
+        llm.generate([[-1] + good], SamplingParams(max_tokens=4, temperature=0.0))
     for odd in (True, 2.0, None):  # a bool, a float, not an int: not token ids
         with pytest.raises(TypeError, match="list of int token ids"):
-            llm.generate([good, [*good, odd]], SamplingParams(max_tokens=4))
+            llm.generate([good, [*good, odd]], SamplingParams(max_tokens=4, temperature=0.0))
     with pytest.raises(ValueError, match="no tokenizer"):
-        llm.generate("hello", SamplingParams(max_tokens=4))
+        llm.generate("hello", SamplingParams(max_tokens=4, temperature=0.0))
     with pytest.raises(ValueError, match="empty"):
-        llm.generate([[]], SamplingParams(max_tokens=4))
+        llm.generate([[]], SamplingParams(max_tokens=4, temperature=0.0))
     assert not llm.scheduler.has_work()
-    assert len(llm.generate(good, SamplingParams(max_tokens=4))[0].output_ids) == 4
+    assert len(llm.generate(good, SamplingParams(max_tokens=4, temperature=0.0))[0].output_ids) == 4
     with pytest.raises(ValueError, match="cannot run alone"):
         LLM(
             path, device="cpu", page_size=4, max_model_len=64, kv_cache_bytes=_tight_budget(path, 8)
@@ -252,8 +254,8 @@ def test_a_stop_seen_one_step_late_cuts_outputs_and_frees_pages(llama):
     refs = [hf_greedy(hf, p, 20) for p in prompts]
     stop = refs[0][3]
     llm = LLM(path, device="cpu", page_size=4, max_model_len=64)
-    params = [SamplingParams(max_tokens=20, stop_token_ids=(stop,))] + [
-        SamplingParams(max_tokens=20)
+    params = [SamplingParams(max_tokens=20, stop_token_ids=(stop,), temperature=0.0)] + [
+        SamplingParams(max_tokens=20, temperature=0.0)
     ] * 2
     outs = llm.generate(prompts, params)
     assert outs[0].output_ids == refs[0][: refs[0].index(stop) + 1]
@@ -272,5 +274,5 @@ def test_debug_mode_generates_the_same_tokens(gpt_oss):
     llm = LLM(
         path, device="cpu", page_size=4, max_model_len=128, max_num_batched_tokens=5, debug=True
     )
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 16) for p in prompts]

@@ -50,9 +50,11 @@ def test_generation_config_eos_ids_stop_as_in_transformers(tmp_path, ckpt):
     assert want == free[:3]  # transformers stops after 3 tokens
     llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=128)
     assert extra in llm.eos_token_ids
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=20))[0]
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0.0))[0]
     assert out.output_ids == want and out.finish_reason == "stop"
-    free_out = llm.generate(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    free_out = llm.generate(
+        PROMPT, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
+    )[0]
     assert free_out.output_ids == free
 
 
@@ -61,10 +63,10 @@ def test_chat_applies_the_tokenizer_template(ckpt):
     llm = LLM(path, device="cpu", page_size=4, max_model_len=128)
     want_ids = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     want_ids = want_ids if isinstance(want_ids, list) else want_ids["input_ids"]
-    out = llm.chat(MESSAGES, SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    out = llm.chat(MESSAGES, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))[0]
     assert out.prompt_ids == list(want_ids)
     assert out.output_ids == hf_greedy(hf, list(want_ids), 8)
-    both = llm.chat([MESSAGES, MESSAGES[1:]], SamplingParams(max_tokens=3))
+    both = llm.chat([MESSAGES, MESSAGES[1:]], SamplingParams(max_tokens=3, temperature=0.0))
     assert both[0].prompt_ids == out.prompt_ids and len(both) == 2
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"content": "no role"}])
@@ -83,12 +85,13 @@ def test_special_tokens_are_left_out_of_the_text(tmp_path):
     want = hf_greedy(hf, ids, 12)
     assert 1 in want  # the special token is emitted now
     llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=128)
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))[0]
     assert out.output_ids == want
     assert out.text == tok.decode(want, skip_special_tokens=True)
     assert "<|im_start|>" not in out.text
     raw = llm.generate(
-        PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, skip_special_tokens=False)
+        PROMPT,
+        SamplingParams(max_tokens=12, ignore_eos=True, skip_special_tokens=False, temperature=0.0),
     )
     assert raw[0].text == tok.decode(want, skip_special_tokens=False)
 
@@ -174,8 +177,10 @@ def test_bad_prompts_get_clear_errors(ckpt):
     with pytest.raises(TypeError, match="a prompt is a str or a list of int token ids"):
         llm.generate([PROMPT, 3.5])
     with pytest.raises(ValueError, match="stop_token_ids must hold int token ids"):
-        llm.generate(PROMPT, SamplingParams(stop_token_ids=["a"]))
-    assert len(llm.generate(PROMPT, SamplingParams(max_tokens=2))[0].output_ids) <= 2
+        llm.generate(PROMPT, SamplingParams(stop_token_ids=["a"], temperature=0.0))
+    assert (
+        len(llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0.0))[0].output_ids) <= 2
+    )
 
 
 def test_a_truncated_weights_file_is_named(ckpt, tmp_path):
@@ -242,7 +247,9 @@ def test_cli_generate_chat_and_stop(ckpt, capsys):
 
     path, _ = ckpt
     llm = LLM(path, device="cpu", page_size=4, max_model_len=64)
-    want = llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=6))[0]
+    want = llm.chat(
+        [{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=6, temperature=0.0)
+    )[0]
     argv = ["generate", "--model", path, "--prompt", "Hello!", "--chat", "--max-tokens", "6"]
     assert main(argv + ["--page-size", "4", "--max-model-len", "64"]) == 0
     out = capsys.readouterr().out

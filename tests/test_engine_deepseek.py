@@ -107,7 +107,7 @@ def test_latent_rows_match_transformers_cache(ref, max_batched):
     assert sub.spec.kv_lora_rank == rank and sub.spec.rope_dim == ref.hf.config.qk_rope_head_dim
     assert sub.spec.dtype == torch.float32 and list(sub.layers) == [0, 1, 2]
     copier = LatentCopier()
-    llm.generate(ref.prompts, SamplingParams(max_tokens=2), on_step=copier)
+    llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
     first_id = llm._next_id - len(ref.prompts)
     assert sorted(copier.rows) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
@@ -128,5 +128,5 @@ def test_triton_kernels_under_the_interpreter(ref):
     prompts = [ref.prompts[2][:30], ref.prompts[0][:3]]  # a chunked one and a short one
     llm = _llm(ref, backend="triton", max_model_len=64, max_num_batched_tokens=16)
     assert llm.backend.name == "triton"
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 8) for p in prompts]

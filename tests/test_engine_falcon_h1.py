@@ -49,7 +49,9 @@ def _llm(ref: GreedyReference, **kw) -> LLM:
 def test_greedy_matches_transformers(ref, page_size):
     llm = _llm(ref, page_size=page_size)
     recorder = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
+    )
     layers = {name: list(llm.pool[name].layers) for name in llm.pool.subpools}
     assert layers == {"full": [0, 1, 2], "mamba": [0, 1, 2]}
     check_engine_outputs(ref, llm, outputs, recorder)
@@ -58,7 +60,9 @@ def test_greedy_matches_transformers(ref, page_size):
 def test_chunked_prefill_cuts_prompts_mid_way(ref):
     llm = _llm(ref, page_size=4, max_num_batched_tokens=7)
     recorder = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
+    )
     assert recorder.cut >= sum(n // 7 for n in PROMPT_LENS)
     check_engine_outputs(ref, llm, outputs, recorder)
 
@@ -70,7 +74,7 @@ def test_tight_pool_preempts_with_same_tokens(ref):
     configs = specs_from_hf_config(ref.path, page_size=4, dtype=torch.float32)
     budget = pool_bytes_for(configs, {"full": 24, "mamba": 2})
     llm = _llm(ref, page_size=4, kv_cache_bytes=budget, max_model_len=96)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert llm.stats.preemptions > 0
     check_engine_outputs(ref, llm, outputs)
 
@@ -95,7 +99,7 @@ def test_state_bytes_after_prefill_match_transformers_cache(ref):
 
     llm = _llm(ref, page_size=4)
     assert llm.pool["mamba"].page_bytes == slot_bytes
-    llm.generate(ref.prompts, SamplingParams(max_tokens=2), on_step=grab)
+    llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=grab)
     assert sorted(seen) == PROMPT_LENS and llm.stats.preemptions == 0
     for prompt in ref.prompts:
         with torch.no_grad():
@@ -125,5 +129,5 @@ def test_triton_kernels_under_the_interpreter(ref):
         max_model_len=64,
         max_num_batched_tokens=16,
     )
-    outputs = llm.generate(ref.prompts[:2], SamplingParams(max_tokens=8))
+    outputs = llm.generate(ref.prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [g[:8] for g in ref.greedy[:2]]

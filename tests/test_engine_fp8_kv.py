@@ -110,7 +110,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_read_fp8_pages(case):
     tight = LLM(ref.path, device="cpu", kv_cache_dtype=name, max_num_seqs=4,
                 max_num_batched_tokens=7, max_model_len=96, page_size=4,
                 kv_cache_bytes=_bytes_for_tokens(ref.path, name, tokens) + slack)  # fmt: skip
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     with fp8_cache_rounding(ref.hf, module, FP8[name]):
         first = tight.generate(ref.prompts, params)
         stats = tight.stats
@@ -163,7 +163,7 @@ def test_fp8_cache_on_triton_under_the_interpreter(case):
     prompts = [ref.prompts[1], ref.prompts[0]]
     llm = engine_llm(ref, backend="triton", max_model_len=48, kv_cache_dtype=name)
     with fp8_cache_rounding(ref.hf, module, FP8[name]):
-        out = llm.generate(prompts, SamplingParams(max_tokens=6))
+        out = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
         want = [ref.greedy[1][:6], ref.greedy[0][:6]]
     assert [o.output_ids for o in out] == want
 
@@ -180,7 +180,7 @@ def test_recurrent_hybrid_keeps_its_state_dtypes(tmp_path):
     kinds = {s.spec.kind: s.spec for s in fp8.pool.subpools.values()}
     assert kinds["full"].dtype == torch.float8_e4m3fn
     assert kinds["mamba"] == {s.spec.kind: s.spec for s in auto.pool.subpools.values()}["mamba"]
-    out = fp8.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=8))
+    out = fp8.generate([[3, 1, 4, 1, 5, 9, 2, 6]], SamplingParams(max_tokens=8, temperature=0.0))
     assert len(out[0].output_ids) == 8
 
 
@@ -195,5 +195,5 @@ def test_gpu_fp32_model_with_fp8_cache_matches_transformers(case, graphs):
     ref, _, _, name = case
     llm = gpu_llm(ref.path, torch.float32, kv_cache_dtype=name, cuda_graphs=graphs,
                   max_model_len=96)  # fmt: skip
-    out = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    out = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.output_ids for o in out] == ref.greedy

@@ -87,7 +87,7 @@ def test_graph_decode_equals_eager_decode_under_preemption(refs):
     budget = pool_bytes_for(configs, {c.name: 11 for c in configs})
     prompts = engine_prompts(11)
     prompts += prompts[::-1]  # 12 requests for 8 lanes (3-4 preemptions on CPU's schedule)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     eager = gpu_llm(refs.path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
     graph = gpu_llm(refs.path, torch.float32, cuda_graphs=True, kv_cache_bytes=budget)
     a = [o.output_ids for o in eager.generate(prompts, params)]

@@ -83,7 +83,9 @@ def _llm(ref: Reference, **kw) -> LLM:
 def test_greedy_matches_transformers(ref, page_size):
     llm = _llm(ref, page_size=page_size)
     recorder = LogitRecorder()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
+    )
     assert [o.output_ids for o in outputs] == ref.greedy
     _check_logits(ref, llm, outputs, recorder)
     assert_pages_returned(llm)
@@ -101,7 +103,7 @@ def test_small_pool_preempts_or_recycles_with_same_tokens(ref):
     pages = 10 if ref.arch == "mistral" else 30  # 40 or 120 tokens per band
     budget = pool_bytes_for(configs, {c.name: pages for c in configs})
     llm = _llm(ref, page_size=4, kv_cache_bytes=budget, max_model_len=80)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.output_ids for o in outputs] == ref.greedy
     served = sum(PROMPT_LENS) + len(PROMPT_LENS) * NEW_TOKENS
     entry = sum(s.spec.entry_bytes for s in llm.pool.subpools.values())  # one token, all layers
@@ -130,5 +132,5 @@ def test_triton_kernels_under_the_interpreter(arch, tmp_path):
         max_num_batched_tokens=16,
     )
     assert llm.backend.name == "triton"
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 8) for p in prompts]

@@ -85,7 +85,7 @@ def test_fp32_greedy_identical_with_triton_and_graphs(saved, refs, page_size, gr
     if default_sized:
         roomy = roomy_bytes(path, page_size=16, dtype=torch.float32)
         assert llm.pool.total_bytes > 100 * roomy, "the CUDA default sizes from free memory"
-    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
     assert llm.stats.decode_steps > 0
 
@@ -121,7 +121,9 @@ def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     assert llm.runner.graphs is not None
     assert launches, "the one-request graphs never launched the GEMV"
     assert finishes, "the one-request greedy graph took its argmax after the LM head"
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=record)
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=record
+    )
     first = llm._next_id - len(outputs)
     greedy16 = refs.greedy([o.prompt_ids for o in outputs], NEW_TOKENS, torch.bfloat16)
     exact, ours_err, hf_err = 0, [], []
@@ -163,7 +165,7 @@ def test_graph_decode_equals_eager_decode_under_preemption(saved, refs):
     pages = 11 if arch == "gpt_oss" else 20
     budget = pool_bytes_for(configs, {c.name: pages for c in configs})
     prompts = _prompts(11)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     eager = gpu_llm(path, torch.float32, cuda_graphs=False, kv_cache_bytes=budget)
     graph = gpu_llm(path, torch.float32, cuda_graphs=True, kv_cache_bytes=budget)
     a = [o.output_ids for o in eager.generate(prompts, params)]
@@ -193,7 +195,7 @@ def test_fp32_mixed_steps_split_off_their_fresh_prompts(saved, refs):
         return step
 
     llm.runner.planner.plan = planned
-    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.output_ids for o in outputs] == refs.greedy(_prompts(), NEW_TOKENS)
     assert any(sp is not None for sp in splits), "a mixed step was split"
 
@@ -216,6 +218,6 @@ def test_steps_pin_no_host_memory(saved):
     llm = gpu_llm(path, torch.bfloat16, max_num_seqs=48)
     prompts = seeded_prompts([5 + i % 7 for i in range(40)], seed=3)
     before = _host_allocs()
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4))
-    llm.generate(prompts, SamplingParams(max_tokens=12))
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))
+    llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert _host_allocs() == before

@@ -53,7 +53,7 @@ def test_long_fresh_prompt_through_the_hopper_attention(arch, tmp_path, monkeypa
     llm = gpu_llm(str(tmp_path), torch.bfloat16, max_num_seqs=1, max_model_len=CHUNK,
                   max_num_batched_tokens=CHUNK)  # fmt: skip
     prompt = seeded_prompts([PROMPT])[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=NEW), on_step=record)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=NEW, temperature=0.0), on_step=record)[0]
     assert calls, "the 2,100-token prefill never ran the Hopper attention"
     seq = out.prompt_ids + out.output_ids
 

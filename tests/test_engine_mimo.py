@@ -164,7 +164,7 @@ def test_kv_rows_match_transformers_cache(ref):
     W - 1 (what transformers' sliding cache keeps) for sliding layers."""
     llm = engine_llm(ref, page_size=4)
     copier = RowCopier()
-    llm.generate(ref.prompts, SamplingParams(max_tokens=2), on_step=copier)
+    llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
     first_id = llm._next_id - len(ref.prompts)
     assert sorted(copier.rows) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
@@ -189,5 +189,5 @@ def test_triton_kernels_under_the_interpreter(ref):
     prompts = [ref.prompts[2][:20], ref.prompts[0][:3]]  # a chunked one and a short one
     llm = engine_llm(ref, backend="triton", max_model_len=48, max_num_batched_tokens=12)
     assert llm.backend.name == "triton"
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 8) for p in prompts]

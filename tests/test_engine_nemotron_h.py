@@ -63,7 +63,9 @@ def _llm(ref: GreedyReference, **kw) -> LLM:
 def test_greedy_matches_transformers(ref, page_size):
     llm = _llm(ref, page_size=page_size)
     recorder = StepLogits()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
+    )
     assert sorted(llm.pool.subpools) == ["full", "mamba"]
     check_engine_outputs(ref, llm, outputs, recorder)
 
@@ -74,7 +76,9 @@ def test_chunked_prefill_cuts_prompts_mid_way(hybrid):
     exactly where the previous chunk left it."""
     llm = _llm(hybrid, page_size=4, max_num_batched_tokens=7)
     recorder = StepLogits()
-    outputs = llm.generate(hybrid.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
+    outputs = llm.generate(
+        hybrid.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
+    )
     assert recorder.cut >= sum(n // 7 for n in PROMPT_LENS)
     check_engine_outputs(hybrid, llm, outputs, recorder)
 
@@ -90,7 +94,7 @@ def test_tight_pool_preempts_with_same_tokens(hybrid):
     configs = specs_from_hf_config(hybrid.path, page_size=4, dtype=torch.float32)
     budget = pool_bytes_for(configs, {"full": 24, "mamba": 2})
     llm = _llm(hybrid, page_size=4, kv_cache_bytes=budget, max_model_len=96)
-    outputs = llm.generate(hybrid.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(hybrid.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert llm.stats.preemptions > 0
     check_engine_outputs(hybrid, llm, outputs)
 
@@ -107,7 +111,7 @@ def test_triton_kernels_under_the_interpreter(hybrid):
         max_model_len=64,
         max_num_batched_tokens=16,
     )
-    outputs = llm.generate(hybrid.prompts[:2], SamplingParams(max_tokens=8))
+    outputs = llm.generate(hybrid.prompts[:2], SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [g[:8] for g in hybrid.greedy[:2]]
 
 
@@ -147,7 +151,7 @@ def test_state_bytes_after_prefill_match_transformers_cache(hybrid):
 
     llm = _llm(hybrid, page_size=4)
     assert llm.pool["mamba"].page_bytes == slot_bytes
-    llm.generate(prompts, SamplingParams(max_tokens=2), on_step=grab)
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=grab)
     assert sorted(seen) == sorted(map(len, prompts)) and llm.stats.preemptions == 0
     c = hf_config
     conv_shape = (conv_bytes // 4 // c.conv_kernel, c.conv_kernel)

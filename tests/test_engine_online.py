@@ -88,10 +88,12 @@ def test_a_request_submitted_mid_run_joins_the_batch(llama):
     llm.engine.start()
     try:
         a_sink, b_sink = Sink(), Sink()
-        long = SamplingParams(max_tokens=60, ignore_eos=True)
+        long = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)
         a = llm.engine.submit(llm.make_group(first, long, sink=a_sink))
         a_deltas = a_sink.until(lambda d: len(d.token_ids) > 0)  # A is decoding
-        b = llm.engine.submit(llm.make_group(second, SamplingParams(max_tokens=8), sink=b_sink))
+        b = llm.engine.submit(
+            llm.make_group(second, SamplingParams(max_tokens=8, temperature=0.0), sink=b_sink)
+        )
         b_deltas = b_sink.until(lambda d: d.finish_reason is not None)
         a_deltas += a_sink.until(lambda d: d.finish_reason is not None)
     finally:
@@ -113,7 +115,7 @@ def test_abort_frees_pages_and_state_slots(family, llama, qwen):
     llm.engine.start()
     try:
         r_sink, w_sink = Sink(), Sink()
-        long = SamplingParams(max_tokens=100, ignore_eos=True)
+        long = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.0)
         r = llm.engine.submit(llm.make_group(running, long, sink=r_sink))
         w = llm.engine.submit(llm.make_group(waiting, long, sink=w_sink))
         seen = []
@@ -131,7 +133,7 @@ def test_abort_frees_pages_and_state_slots(family, llama, qwen):
         assert 3 <= len(tokens) < 100 and tokens == hf_greedy(hf, running, len(tokens))
         assert _tokens(w_end) == [] and w.output().outputs[0].finish_reason == "abort"
         # the engine goes on serving
-        again = llm.generate(running, SamplingParams(max_tokens=5))
+        again = llm.generate(running, SamplingParams(max_tokens=5, temperature=0.0))
         assert again[0].output_ids == hf_greedy(hf, running, 5)
     finally:
         llm.engine.shutdown()
@@ -142,12 +144,16 @@ def test_admission_queue_is_bounded(llama):
     llm = LLM(path, device="cpu", page_size=4, max_model_len=64, max_num_seqs=1)
     llm.engine.max_waiting = 2
     prompt = _prompts([5])[0]
-    groups = [llm.make_group(prompt, SamplingParams(max_tokens=4)) for _ in range(3)]
+    groups = [
+        llm.make_group(prompt, SamplingParams(max_tokens=4, temperature=0.0)) for _ in range(3)
+    ]
     llm.engine.submit(groups[0])
     llm.engine.submit(groups[1])
     with pytest.raises(QueueFull, match="max_waiting=2"):
         llm.engine.submit(groups[2])
-    outputs = llm.generate(prompt, SamplingParams(max_tokens=4))  # unbounded: the API's own
+    outputs = llm.generate(
+        prompt, SamplingParams(max_tokens=4, temperature=0.0)
+    )  # unbounded: the API's own
     assert len(outputs[0].output_ids) == 4
     assert [g.output().outputs[0].finish_reason for g in groups[:2]] == ["length"] * 2
 
@@ -160,7 +166,9 @@ def test_shutdown_aborts_or_drains_in_flight_requests(llama, drain):
     llm.engine.start()
     sink = Sink()
     group = llm.engine.submit(
-        llm.make_group(prompt, SamplingParams(max_tokens=40, ignore_eos=True), sink=sink)
+        llm.make_group(
+            prompt, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0), sink=sink
+        )
     )
     sink.until(lambda d: len(d.token_ids) > 0)
     llm.engine.shutdown(drain=drain, timeout=WAIT_S)
@@ -173,7 +181,7 @@ def test_shutdown_aborts_or_drains_in_flight_requests(llama, drain):
         llm.alloc.parts.prefix.reset()
     assert {llm.alloc.parts.books[n].num_live for n in llm.pool.subpools} == {0}
     with pytest.raises(EngineClosed):
-        llm.engine.submit(llm.make_group(prompt, SamplingParams(max_tokens=2)))
+        llm.engine.submit(llm.make_group(prompt, SamplingParams(max_tokens=2, temperature=0.0)))
 
 
 def test_generate_from_threads_while_the_loop_serves(llama):
@@ -188,7 +196,10 @@ def test_generate_from_threads_while_the_loop_serves(llama):
 
         def run(i: int) -> None:
             mine = prompts[2 * i : 2 * i + 2]
-            results[i] = [o.output_ids for o in llm.generate(mine, SamplingParams(max_tokens=12))]
+            results[i] = [
+                o.output_ids
+                for o in llm.generate(mine, SamplingParams(max_tokens=12, temperature=0.0))
+            ]
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
         for t in threads:
@@ -216,7 +227,9 @@ def test_a_loop_that_dies_fails_its_requests_and_reports_down(llama):
     llm.engine.step = broken_step
     sink = Sink()
     llm.engine.start()
-    llm.engine.submit(llm.make_group(_prompts([5])[0], SamplingParams(max_tokens=4), sink=sink))
+    llm.engine.submit(
+        llm.make_group(_prompts([5])[0], SamplingParams(max_tokens=4, temperature=0.0), sink=sink)
+    )
     last = sink.until(lambda d: d.finish_reason is not None)[-1]
     llm.engine._thread.join(WAIT_S)
     assert last.finish_reason == "abort" and "injected step failure" in (last.error or "")

@@ -88,7 +88,7 @@ def _recorded_llm(monkeypatch, path: str, backend: str, **kw) -> tuple[LLM, Reco
 def test_one_backend_reaches_the_pool_the_allocator_and_the_runner(llama, monkeypatch):
     llm, rec = _recorded_llm(monkeypatch, llama.path, "torch")
     assert llm.runner.backend is llm.backend is rec.backend
-    outputs = llm.generate(llama.prompts, SamplingParams(max_tokens=12))
+    outputs = llm.generate(llama.prompts, SamplingParams(max_tokens=12, temperature=0.0))
     check_engine_outputs(llama, llm, outputs)
     runner_ops = {"rope_store_kv", "rope_store_decode_attention", "extend_attention",
                   "plan_decode", "argmax"}  # fmt: skip
@@ -139,7 +139,7 @@ def test_fresh_kv_is_passed_exactly_for_requests_without_cached_tokens(llama, mo
     llm, rec = _recorded_llm(monkeypatch, llama.path, backend)
     calls, splits = _record_extends(llm, rec)
     prompts = llama.prompts if backend == "torch" else llama.prompts[:3]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=4))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     assert [o.output_ids for o in outputs] == [g[:4] for g in llama.greedy[: len(prompts)]]
     assert all(passed == fresh for passed, fresh, _ in calls), calls
     assert not any(last for passed, _, last in calls if not passed), (
@@ -159,7 +159,7 @@ def test_triton_store_and_one_decode_plan_per_step(llama, monkeypatch):
 
     llm, rec = _recorded_llm(monkeypatch, llama.path, "triton")
     rec.calls.clear()  # construction sized the planner's workspace with plan_decode
-    outputs = llm.generate(llama.prompts[:2], SamplingParams(max_tokens=4))
+    outputs = llm.generate(llama.prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
     assert [o.output_ids for o in outputs] == [g[:4] for g in llama.greedy[:2]]
     assert rec.backend.rope_store_kv.__wrapped__ is rope_store.rope_store_kv
     assert rec.backend.argmax.__wrapped__ is argmax.argmax
@@ -217,7 +217,7 @@ def test_graph_replay_over_the_planners_buffers(family, monkeypatch, greedy_rows
     runner = llm.runner
     runner.graphs = CPUGraphs(runner.forward, runner.planner, 8, runner.forward_greedy)
     max_tokens = [10, 2, 10, 10]
-    params = [SamplingParams(max_tokens=n) for n in max_tokens]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
     outputs = llm.generate(family.prompts, params)
     assert [o.output_ids for o in outputs] == [g[:n] for g, n in zip(family.greedy, max_tokens)]
     assert_pages_returned(llm)
@@ -242,7 +242,7 @@ def test_one_row_graphs_read_the_last_token_from_the_feedback_buffer(family, mon
     runner.graphs = CPUGraphs(runner.forward, runner.planner, 8, runner.forward_greedy)
     fills, fill = [], StepUpload.fill
     monkeypatch.setattr(StepUpload, "fill", staticmethod(lambda *a: fills.append(1) or fill(*a)))
-    one = llm.generate(family.prompts[:1], SamplingParams(max_tokens=10))
+    one = llm.generate(family.prompts[:1], SamplingParams(max_tokens=10, temperature=0.0))
     gathers = len(fills)
     assert one[0].output_ids == family.greedy[0][:10]
     if runner.planner.feed_graphs:
@@ -250,9 +250,9 @@ def test_one_row_graphs_read_the_last_token_from_the_feedback_buffer(family, mon
         assert torch.equal(runner.planner.feedback[:1], torch.tensor(one[0].output_ids[-1:]))
     else:
         assert gathers >= 8, gathers
-    two = llm.generate(family.prompts[:2], SamplingParams(max_tokens=6))
+    two = llm.generate(family.prompts[:2], SamplingParams(max_tokens=6, temperature=0.0))
     assert [o.output_ids for o in two] == [g[:6] for g in family.greedy[:2]]
-    again = llm.generate(family.prompts[2:3], SamplingParams(max_tokens=8))
+    again = llm.generate(family.prompts[2:3], SamplingParams(max_tokens=8, temperature=0.0))
     assert again[0].output_ids == family.greedy[2][:8]
     assert_pages_returned(llm)
 
@@ -262,7 +262,9 @@ def test_decode_tables_equal_the_allocators_lookups(tmp_path):
     save_tiny_model("gpt_oss", str(tmp_path))
     llm = LLM(str(tmp_path), device="cpu", page_size=4, max_model_len=64, max_num_seqs=4)
     sched, planner, alloc = llm.scheduler, llm.runner.planner, llm.alloc
-    for r in llm.make_requests([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=14)):
+    for r in llm.make_requests(
+        [[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=14, temperature=0.0)
+    ):
         sched.add(r)
     kinds = Counter()
     while sched.has_work():

@@ -58,7 +58,7 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     prompts = tight_pool_prompts(seed=5)
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
     budget = pool_budget(configs, 22)  # 88 tokens
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = prefix_llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
     for _ in range(2):
@@ -92,7 +92,7 @@ def test_llm_stats_count_the_hits_each_generate_made(tiny):
     path, _ = tiny
     llm = prefix_llm(path, 4, True)
     prompts = shared_prompts(4, seed=3)
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
     llm.generate(prompts, params)
     again = llm.generate(prompts, params)
     assert llm.stats.prefix_hit_tokens == sum(o.num_cached_tokens for o in again) > 0
@@ -108,7 +108,7 @@ def test_on_by_default_for_full_attention_off_where_it_costs_memory(tiny, tmp_pa
     path, hf = tiny
     prompt = shared_prompts(4, seed=3)[0]
     llm = LLM(path, device="cpu", page_size=4, max_model_len=64)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     (first,), (again,) = llm.generate([prompt], params), llm.generate([prompt], params)
     assert llm.prefix_caching and llm.scheduler.prefix.enabled
     assert again.num_cached_tokens == (len(prompt) - 1) // 4 * 4 > 0
@@ -142,7 +142,7 @@ def test_window_caching_is_refused_where_one_request_cannot_run_alone(tmp_path):
     with pytest.raises(ValueError, match=r"needs pages \{'swa': 20\}.*raise kv_cache_bytes"):
         LLM(path, kv_cache_bytes=small, enable_prefix_caching=True, **kw)
     want = hf_greedy(hf, prompt, NEW_TOKENS)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     assert LLM(path, kv_cache_bytes=small, **kw).generate([prompt], params)[0].output_ids == want
     roomy = LLM(path, kv_cache_bytes=pool_budget(configs, 21), enable_prefix_caching=True, **kw)
     assert [roomy.generate([prompt], params)[0].output_ids for _ in range(2)] == [want, want]

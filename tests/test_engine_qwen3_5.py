@@ -90,7 +90,9 @@ def test_greedy_matches_transformers(ref, page_size):
     llm = _llm(ref, page_size=page_size)
     assert sorted(llm.pool.subpools) == ["full", "mamba"]
     recorder = LogitRecorder()
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=recorder)
+    outputs = llm.generate(
+        ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
+    )
     assert [o.output_ids for o in outputs] == ref.greedy
     first_id = llm._next_id - len(outputs)
     for k, out in enumerate(outputs):
@@ -107,7 +109,7 @@ def test_chunked_prefill_cuts_prompts_mid_way(ref):
     """7-token steps: every prompt but the first is split across steps (and
     across requests within a step), so states are read and written per chunk."""
     llm = _llm(ref, max_num_batched_tokens=7)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.output_ids for o in outputs] == ref.greedy
     assert llm.stats.steps > sum(PROMPT_LENS) // 7
     _check_done(llm)
@@ -125,7 +127,7 @@ def test_tight_pool_preempts_with_same_tokens(ref):
     budget = pool_bytes_for(configs, {"full": 24, "mamba": 2})
     llm = _llm(ref, kv_cache_bytes=budget, max_model_len=88)
     prompts = ref.prompts[::-1] + ref.prompts
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.output_ids for o in outputs] == ref.greedy[::-1] + ref.greedy
     served = sum(map(len, prompts)) + len(prompts) * NEW_TOKENS
     full = next(c for c in configs if c.name == "full")
@@ -141,7 +143,7 @@ def test_triton_kernels_under_the_interpreter(ref):
     prompts = [ref.prompts[2][:30], ref.prompts[0][:3]]  # a chunked one and a short one
     llm = _llm(ref, backend="triton", max_model_len=64, max_num_batched_tokens=16)
     assert llm.backend.name == "triton"
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=8))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 8) for p in prompts]
 
 
@@ -203,7 +205,7 @@ def test_state_slot_bytes_match_transformers_cache(ref, max_batched):
     assert sub.spec.temporal.shape == temporal_shape
     assert sub.spec.temporal.dtype == torch.float32
     copier = SlotCopier()
-    llm.generate(ref.prompts, SamplingParams(max_tokens=2), on_step=copier)
+    llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
     first_id = llm._next_id - len(ref.prompts)
     assert sorted(copier.raw) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
@@ -245,5 +247,5 @@ def test_released_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33)]
     llm = LLM(str(tmp_path), page_size=4, max_num_batched_tokens=7)
     assert isinstance(llm.model, Qwen3_5ForCausalLM)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=24))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 24) for p in prompts]

@@ -259,7 +259,7 @@ def _tight_run(path: str, pages_of) -> tuple:
     prompts, mixed = engine_prompts(11), []
     outputs = llm.generate(
         prompts,
-        SamplingParams(max_tokens=NEW_TOKENS),
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
         on_step=lambda llm, batch, logits: mixed.append(_mixed(batch)),
     )
     return llm, prompts, [o.output_ids for o in outputs], any(mixed)

@@ -114,7 +114,7 @@ def test_expanded_equals_absorbed_on_engine_plans(ref, monkeypatch, page_size):
     _force(monkeypatch, CheckedExpanded)
     CheckedExpanded.errors, CheckedExpanded.shapes = [], []
     llm = _llm(ref, page_size=page_size, max_num_batched_tokens=7)
-    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     check_engine_outputs(ref, llm, outputs)
     assert any(b > 1 and cached > 0 for b, cached in CheckedExpanded.shapes)
     assert max(CheckedExpanded.errors) < 1e-5
@@ -141,7 +141,9 @@ def test_rule_takes_both_forms_on_engine_steps(ref, monkeypatch):
     RecordedRule.forms = []
     llm = _llm(ref, max_num_batched_tokens=7, page_size=1)
     order = sorted(range(len(ref.prompts)), key=lambda i: -len(ref.prompts[i]))
-    outputs = llm.generate([ref.prompts[i] for i in order], SamplingParams(max_tokens=NEW_TOKENS))
+    outputs = llm.generate(
+        [ref.prompts[i] for i in order], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    )
     want = [hf_greedy(ref.hf, ref.prompts[i], NEW_TOKENS) for i in order]
     assert [o.output_ids for o in outputs] == want
     assert RecordedRule.forms[0] == "expanded" and set(RecordedRule.forms) == set(MLA_FORMS)
@@ -154,7 +156,7 @@ def test_expanded_on_triton_under_the_interpreter(ref, monkeypatch):
     _force(monkeypatch, functools.partial(ExtendAttention, mla_form="expanded"))
     prompts = [ref.prompts[2][:30], ref.prompts[0][:3]]  # a chunked one and a short one
     llm = _llm(ref, backend="triton", max_model_len=64, max_num_batched_tokens=16)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=6))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 6) for p in prompts]
 
 
@@ -252,5 +254,5 @@ def test_gpu_fp32_both_forms_at_deepseek_widths(tmp_path, monkeypatch, form):
         max_model_len=160, max_num_batched_tokens=64, cuda_graphs=True,
     )  # fmt: skip
     assert llm.backend.name == "triton"
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=16))
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
     assert [o.output_ids for o in outputs] == want

@@ -96,7 +96,7 @@ def test_swapped_requests_resume_with_the_same_tokens(
     models, monkeypatch, arch, ps, pages, caching
 ):
     path, want = models[arch][0], hf_tokens(models, arch)
-    prompts, params = tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS)
+    prompts, params = tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     again = tight_llm(path, ps, pages, "recompute", caching, debug=False).generate(prompts, params)
     assert [o.output_ids for o in again] == want
     llm = tight_llm(path, ps, pages, "swap", caching)
@@ -130,7 +130,7 @@ def test_windowed_swap_moves_only_the_live_window(models, monkeypatch):
         return record
 
     monkeypatch.setattr(SwapSpace, "swap_out", out_and_count)
-    llm.generate(tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS))
+    llm.generate(tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert sizes and witness.compared == len(sizes)
     windowed = [c.name for c in llm.pool.subpools.values() if c.spec.sliding_window]
     full = [c.name for c in llm.pool.subpools.values() if not c.spec.sliding_window]
@@ -146,7 +146,7 @@ def test_a_host_tier_without_room_recomputes(models):
 
     configs = specs_from_hf_config(path, page_size=4, dtype=torch.float32)
     one_page = sum(c.spec.page_bytes(4) for c in configs)
-    prompts, params = tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS)
+    prompts, params = tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     llm = tight_llm(path, 4, 20, "swap", swap_host_bytes=2 * one_page)
     assert [o.output_ids for o in llm.generate(prompts, params)] == hf_tokens(models, "llama")
     counters = llm.scheduler.swap.counters()

@@ -59,7 +59,10 @@ def test_hits_under_cuda_graphs_give_transformers_tokens(models, arch, ps):
     for the hybrid, whose suffix-only prefill runs other chunked kernels) and
     transformers' tokens."""
     path, refs = models[arch]
-    prompts, params = shared_prompts(ps, seed=7), SamplingParams(max_tokens=NEW_TOKENS)
+    prompts, params = (
+        shared_prompts(ps, seed=7),
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0),
+    )
     room = roomy_bytes(path, page_size=ps, dtype=torch.float32, max_num_seqs=4,
                        max_model_len=96, chunk=16)  # fmt: skip
     plain = prefix_llm(path, ps, False, device="cuda", debug=False, kv_cache_bytes=room)
@@ -91,7 +94,7 @@ def test_hits_reloaded_from_the_host_tier(models, arch, pages):
         prefix_host_bytes=host_tier_bytes(configs, ps, 16, 64), max_model_len=32,
     )  # fmt: skip
     llm.alloc.parts.prefix.host.policy.mode = "always"
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     for _ in range(2):
         check_tokens(arch, refs, prompts, llm.generate(prompts, params))
     stats = llm.alloc.parts.prefix.counters()
@@ -107,7 +110,7 @@ def test_swapped_requests_resume_on_the_gpu(models, arch, ps, pages):
     """A pool that preempts, preemption by swap: the swapped requests resume from
     their reloaded pages (and state slot) with transformers' tokens."""
     path, refs = models[arch]
-    prompts, params = tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS)
+    prompts, params = tight_prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     llm = tight_llm(path, ps, pages, "swap", device="cuda", debug=False)
     check_tokens(arch, refs, prompts, llm.generate(prompts, params))
     counters = llm.scheduler.swap.counters()

@@ -70,7 +70,7 @@ def test_a_chat_turn_hits_the_previous_prompt_and_answer(hybrid, ps):
 
     history = chat_turns(llm, ps, exact)
     llm.alloc.check_integrity()
-    (out,) = llm.generate([history[:-3] + [1, 2]], SamplingParams(max_tokens=1))
+    (out,) = llm.generate([history[:-3] + [1, 2]], SamplingParams(max_tokens=1, temperature=0.0))
     assert out.num_cached_tokens == (len(history) - 1) // ps * ps  # the last turn's, too
 
 
@@ -82,7 +82,9 @@ def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     prompts = tight_pool_prompts(seed=5)
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
     budget = pool_budget(configs, 14)
-    params = SamplingParams(max_tokens=2 * NEW_TOKENS)  # decodes outgrow the pool: preemption
+    params = SamplingParams(
+        max_tokens=2 * NEW_TOKENS, temperature=0.0
+    )  # decodes outgrow the pool: preemption
     want = [hf_greedy(hf, p, 2 * NEW_TOKENS) for p in prompts]
     llm = prefix_llm(
         path, ps, True, kv_cache_bytes=budget, max_model_len=48, max_num_batched_tokens=7
@@ -113,7 +115,9 @@ def test_a_one_token_prefill_chunk_among_decodes_feeds_its_own_token(hybrid):
         mid = [r.num_cached < len(r.prompt_ids) for r in batch.requests]  # after the step
         cut.append(batch.is_decode and any(mid))
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=watch)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=watch
+    )
     assert any(cut), "the schedule no longer makes a one-token mid-prompt chunk among decodes"
     assert [o.output_ids for o in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
@@ -338,7 +342,7 @@ def test_a_decoding_request_keeps_one_rolling_checkpoint(hybrid):
     path, hf = hybrid
     prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8)).tolist()
     llm = prefix_llm(path, 4, True)
-    (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert out.output_ids == hf_greedy(hf, prompt, NEW_TOKENS)
     prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
     seq = np.array(prompt + out.output_ids, np.int64)
@@ -361,11 +365,11 @@ def test_a_turn_stopped_by_eos_hits_its_answer_next_turn(hybrid, ps):
     free_run = hf_greedy(hf, first, 3 * ps)
     cut = next(j for j in range(ps + 3, 3 * ps) if free_run[j] not in free_run[:j])
     llm = prefix_llm(path, ps, True)
-    stop = SamplingParams(max_tokens=3 * ps, stop_token_ids=(free_run[cut],))
+    stop = SamplingParams(max_tokens=3 * ps, stop_token_ids=(free_run[cut],), temperature=0.0)
     (turn,) = llm.generate([first], stop)
     assert turn.finish_reason == "stop" and turn.output_ids == free_run[: cut + 1]
     second = first + turn.output_ids + torch.randint(0, VOCAB, (3,), generator=g).tolist()
-    (nxt,) = llm.generate([second], SamplingParams(max_tokens=NEW_TOKENS))
+    (nxt,) = llm.generate([second], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     computed = len(first) + len(turn.output_ids) - 1  # the stop token was never fed
     assert nxt.num_cached_tokens == computed // ps * ps > (len(first) - 1) // ps * ps
     assert nxt.output_ids == hf_greedy(hf, second, NEW_TOKENS)

@@ -81,7 +81,7 @@ def spill_run(models, monkeypatch, arch: str, ps: int, pages: int, host_pages: i
 
     path, hf = models[arch]
     prompts = distinct_prompts(ps, seed=7, count=count)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     plain = prefix_llm(path, ps, False).generate(prompts, params)
     assert [o.output_ids for o in plain] == want
@@ -128,7 +128,7 @@ def test_a_small_host_tier_drops_its_oldest_and_never_reload_recomputes(models):
 
     path, hf = models["llama"]
     ps, prompts = 4, distinct_prompts(4, seed=8)
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
     token = sum(c.spec.page_bytes(ps) for c in configs)
@@ -180,7 +180,7 @@ def test_reset_prefix_cache_drops_device_and_host_copies(models, monkeypatch, ar
     assert all(book.num_live == 0 for book in llm.alloc.parts.books.values()), "pages left"
     llm.alloc.check_integrity()
     prompts = distinct_prompts(4, seed=7, count=count)
-    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=NEW_TOKENS))
+    outs = llm.generate(prompts[:2], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     want = [hf_greedy(models[arch][1], p, NEW_TOKENS) for p in prompts[:2]]
     assert [o.output_ids for o in outs] == want
@@ -282,7 +282,7 @@ def test_reset_between_steps_keeps_running_requests_exact(models, arch):
         if steps[0] % 3 == 0:
             resets.append(llm.reset_prefix_cache())
 
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     for _ in range(2):
         outs = llm.generate(prompts, params, on_step=reset_now_and_then)

@@ -60,7 +60,7 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     prompts = tight_pool_prompts(seed=6)
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
     budget = pool_budget(configs, 22)  # 88 tokens a band
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     llm = prefix_llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
     for _ in range(2):

@@ -41,17 +41,22 @@ def _hf_generate(hf, ids: list[int], max_new_tokens: int, **kw) -> list[int]:
 def test_repetition_penalty_and_min_tokens_match_transformers(ckpt):
     _path, hf, llm = ckpt
     ids = llm.tokenizer.encode(PROMPT)
-    params = SamplingParams(max_tokens=24, repetition_penalty=1.7)
+    params = SamplingParams(max_tokens=24, repetition_penalty=1.7, temperature=0.0)
     out = llm.generate(PROMPT, params)[0]
     assert out.output_ids == _hf_generate(hf, ids, 24, repetition_penalty=1.7)
-    assert out.output_ids != llm.generate(PROMPT, SamplingParams(max_tokens=24))[0].output_ids
+    assert (
+        out.output_ids
+        != llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0))[0].output_ids
+    )
     # min_tokens masks the EOS until then: transformers' min_new_tokens
-    free = llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True))[0].output_ids
+    free = llm.generate(PROMPT, SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))[
+        0
+    ].output_ids
     eos = free[2]
     llm.eos_token_ids = (eos,)  # (a local EOS the greedy run meets at step 3)
     try:
-        early = llm.generate(PROMPT, SamplingParams(max_tokens=24))[0]
-        late = llm.generate(PROMPT, SamplingParams(max_tokens=24, min_tokens=9))[0]
+        early = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0))[0]
+        late = llm.generate(PROMPT, SamplingParams(max_tokens=24, min_tokens=9, temperature=0.0))[0]
     finally:
         llm.eos_token_ids = (2,)
     assert early.output_ids == free[:3] and early.finish_reason == "stop"
@@ -70,9 +75,13 @@ def test_frequency_and_presence_penalties_follow_vllms_definition():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, vocab, generator=g) * 3
     reqs = [
-        _request([1, 2], [3, 3, 5], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)),
-        _request([4], [4, 7, 7, 7], SamplingParams(repetition_penalty=1.5)),
-        _request([9], [8], SamplingParams()),  # no penalty: untouched
+        _request(
+            [1, 2],
+            [3, 3, 5],
+            SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, temperature=0.0),
+        ),
+        _request([4], [4, 7, 7, 7], SamplingParams(repetition_penalty=1.5, temperature=0.0)),
+        _request([9], [8], SamplingParams(temperature=0.0)),  # no penalty: untouched
     ]
     got = logits.clone()
     apply_penalties(got, reqs, None, pin=False)
@@ -93,7 +102,7 @@ def test_placeholder_outputs_are_read_from_the_previous_step():
     """A penalised request whose newest token is still on the device (-(1 + lane))."""
     logits = torch.zeros(1, 6)
     prev = torch.tensor([4, 2])  # lane 1 sampled token 2
-    r = _request([0], [5, -2], SamplingParams(presence_penalty=1.0))
+    r = _request([0], [5, -2], SamplingParams(presence_penalty=1.0, temperature=0.0))
     apply_penalties(logits, [r], prev, pin=False)
     assert logits[0].tolist() == [0, 0, -1, 0, 0, -1]
 
@@ -139,11 +148,13 @@ def test_n_completions_share_the_prompt_with_reproducible_seeds(ckpt):
 
 def test_stop_strings_cut_the_text_before_them(ckpt):
     _, _, llm = ckpt
-    free = llm.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    free = llm.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0))[0]
     text = free.text
     stop = text[7:9]  # two characters from the middle of the greedy text
     cut = text.find(stop)
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=30, ignore_eos=True, stop=stop))[0]
+    out = llm.generate(
+        PROMPT, SamplingParams(max_tokens=30, ignore_eos=True, stop=stop, temperature=0.0)
+    )[0]
     c = out.outputs[0]
     assert c.text == text[:cut] and c.finish_reason == "stop" and c.stop_reason == stop
     # the tokens end at the one that completed the stop string
@@ -156,7 +167,11 @@ def test_stop_strings_cut_the_text_before_them(ckpt):
     kept = llm.generate(
         PROMPT,
         SamplingParams(
-            max_tokens=30, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+            max_tokens=30,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
+            temperature=0.0,
         ),
     )[0]
     assert kept.text == text[: cut + len(stop)]
@@ -188,5 +203,5 @@ def test_bad_params_name_the_field(kwargs, field):
 def test_max_tokens_none_runs_to_the_context_end(ckpt):
     _, _, llm = ckpt
     ids = llm.tokenizer.encode(PROMPT)
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0))[0]
     assert len(out.output_ids) == llm.max_model_len - len(ids) and out.finish_reason == "length"

@@ -66,7 +66,7 @@ def test_models_and_health(server, client):
 
 def test_greedy_completion_equals_generate_and_streams_the_same_text(ckpt, client):
     _, _, llm = ckpt
-    want = llm.generate(PROMPTS, SamplingParams(max_tokens=16))
+    want = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
     for prompt, ref in zip(PROMPTS, want):
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
         choice = got.choices[0]
@@ -88,7 +88,7 @@ def test_greedy_completion_equals_generate_and_streams_the_same_text(ckpt, clien
 def test_chat_plain_and_streamed_agree(ckpt, client):
     _, _, llm = ckpt
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    want = llm.chat(messages, SamplingParams(max_tokens=12))[0]
+    want = llm.chat(messages, SamplingParams(max_tokens=12, temperature=0.0))[0]
     plain = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=12, temperature=0
     )
@@ -127,7 +127,9 @@ def test_n_with_a_seed_is_reproducible(ckpt, client):
 
 def test_stop_strings_cut_at_the_right_place(ckpt, client):
     _, _, llm = ckpt
-    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))[0].text
+    full = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    )[0].text
     stop = full[5:8]
     want = full[: full.find(stop)]
     kw = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "stop": [stop]}
@@ -139,7 +141,9 @@ def test_stop_strings_cut_at_the_right_place(ckpt, client):
 
 def test_logprobs_match_the_models_logits(ckpt, client):
     _, hf, llm = ckpt
-    ref = llm.generate(PROMPTS[2], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    ref = llm.generate(PROMPTS[2], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))[
+        0
+    ]
     got = client.completions.create(
         model="tiny", prompt=PROMPTS[2], max_tokens=6, temperature=0, logprobs=2,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
@@ -165,7 +169,9 @@ def test_logprobs_match_the_models_logits(ckpt, client):
 def test_32_concurrent_clients_get_the_text_they_get_alone(ckpt, server):
     _, _, llm = ckpt
     prompts = [f"{PROMPTS[i % 4]} {'x' * (i % 7)}" for i in range(32)]
-    alone = [llm.generate(p, SamplingParams(max_tokens=8))[0].text for p in prompts]
+    alone = [
+        llm.generate(p, SamplingParams(max_tokens=8, temperature=0.0))[0].text for p in prompts
+    ]
 
     async def run() -> list[str]:
         aclient = openai.AsyncOpenAI(

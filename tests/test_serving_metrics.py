@@ -33,7 +33,7 @@ def test_hybrid_pool_gauges_count_pages_and_state_slots(tmp_path):
     llm.engine.start()
     try:
         group = llm.make_group(
-            prompt, SamplingParams(max_tokens=40, ignore_eos=True), sink=deltas.put
+            prompt, SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0), sink=deltas.put
         )
         llm.engine.submit(group)
         deltas.get(timeout=60)
@@ -106,7 +106,7 @@ def test_prefix_cache_counters_reach_metrics(tmp_path):
               enable_prefix_caching=True)  # fmt: skip
     metrics = ServingMetrics(llm.engine, llm)
     prompt = list(range(10, 23))  # 13 tokens: 3 whole pages of 4
-    params = SamplingParams(max_tokens=3)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
     llm.generate([prompt], params)
     second = llm.generate([prompt], params)[0]
     text = generate_latest(metrics.registry).decode()

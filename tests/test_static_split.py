@@ -291,7 +291,9 @@ def _generate(path, prompts, split):
             ok = inside(llm.alloc, ranges)
             assert all(ok.values()), f"a band left its static range: {ok}"
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS), on_step=on_step)
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=on_step
+    )
     return [o.output_ids for o in outs], max(running), llm
 
 

@@ -70,7 +70,9 @@ def _generate(llm: LLM) -> dict:
             if r.num_pending == 1:
                 rows[(r.request_id, r.seq_len - 1)] = logits[i].cpu()
 
-    outputs = llm.generate(_prompts(), SamplingParams(max_tokens=NEW_TOKENS), on_step=record)
+    outputs = llm.generate(
+        _prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=record
+    )
     return {
         "tokens": [o.output_ids for o in outputs],
         "rows": rows,

@@ -105,7 +105,9 @@ def run_demo(
         )
         prompts = demo_prompts(num_prompts, llm.config.vocab_size, seed)
         frames = _Frames(llm)
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens), on_step=frames)
+        outputs = llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), on_step=frames
+        )
         expected = [hf_greedy(hf, p, max_tokens) for p in prompts]
     _report(name, llm, prompts, outputs, expected, frames, out)
     return all(o.output_ids == e for o, e in zip(outputs, expected))

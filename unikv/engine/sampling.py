@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 MASK32 = 0xFFFFFFFF
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds (vLLM bounds them the same way)
+MAX_INT_PARAM = 2**31 - 1  # top_k, max_tokens, min_tokens at most (int32 in any kernel)
+_MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP floor for a positive temperature
 
 
 def _check_range(name: str, value, low: float, high: float, hint: str) -> None:
@@ -31,9 +34,15 @@ def _int_tuple(name: str, values) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise ValueError(f"{name} must be a list of int token ids, got {values!r}")
     values = tuple(values)
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+    bad = [
+        v
+        for v in values
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_INT_PARAM
+    ]
     if bad:
-        raise ValueError(f"{name} must hold int token ids >= 0, got {bad[:4]} in {values!r}")
+        raise ValueError(
+            f"{name} must hold int token ids in [0, {MAX_INT_PARAM}], got {bad[:4]} in {values!r:.200}"
+        )
     return values
 
 
@@ -47,19 +56,24 @@ def _str_tuple(stop) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the tokens of one request (vLLM's names and defaults).
+    """How to pick the tokens of one request (vLLM's names and defaults: the default
+    temperature is 1.0, i.e. sampling, as in vLLM and the OpenAI API; pass
+    ``temperature=0`` for greedy decoding).
 
     n: completions of the prompt (n requests sharing it; seeds derived from ``seed``).
-    temperature: 0 = greedy (argmax); > 0 scales the logits.
-    top_k: 0 = off; k keeps the k most likely tokens.
+    temperature: 0 = greedy (argmax); > 0 scales the logits (default 1.0). A
+        temperature in (0, 0.01) is raised to 0.01, as vLLM does (smaller ones
+        overflow the scaled logits).
+    top_k: 0 or -1 = off (vLLM's -1 is stored as 0); k keeps the k most likely tokens.
     top_p: 1.0 = off; p keeps the smallest set of most likely tokens whose
         probability reaches p.
     min_p: 0 = off; keeps tokens whose probability is >= min_p * the top one's.
-    max_tokens: new tokens to generate at most; None = up to the context's end.
+    max_tokens: new tokens to generate at most (<= 2**31 - 1); None = up to the
+        context's end.
     min_tokens: EOS and stop ids cannot end generation before this many tokens
         (they are masked out of the logits), nor can stop strings.
-    seed: None = drawn from the engine's generator; an int makes the request
-        reproducible on its own.
+    seed: None = drawn from the engine's generator; an int in int64's range
+        ([-2**63, 2**63 - 1], as vLLM) makes the request reproducible on its own.
     stop: strings that end generation; the text is cut before the first one
         (kept with ``include_stop_str_in_output``). The tokens are kept up to the
         one that completed it.
@@ -75,7 +89,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    temperature: float = 0.0
+    temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -95,18 +109,31 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1 (completions per prompt), got {self.n!r}")
-        if isinstance(self.temperature, bool) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < _MIN_TEMPERATURE:  # vLLM's floor: smaller ones overflow logits / T
+            object.__setattr__(self, "temperature", _MIN_TEMPERATURE)
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or not -1 <= k <= MAX_INT_PARAM:
+            raise ValueError(
+                f"top_k must be an int in [-1, {MAX_INT_PARAM}] (0 or -1 = off), got {k!r}"
+            )
+        object.__setattr__(self, "top_k", max(k, 0))
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0, "0 = off")
         self._check_lengths()
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        seed = self.seed
+        if seed is not None and (
+            isinstance(seed, bool)
+            or not isinstance(seed, int)
+            or not INT64_MIN <= seed <= INT64_MAX
         ):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+            raise ValueError(
+                f"seed must be None or an int in [-2**63, 2**63 - 1] (int64), got {seed!r}"
+            )
         object.__setattr__(self, "stop", _str_tuple(self.stop))
         object.__setattr__(
             self, "stop_token_ids", _int_tuple("stop_token_ids", self.stop_token_ids)
@@ -124,8 +151,12 @@ class SamplingParams:
 
     def _check_lengths(self) -> None:
         mt = self.max_tokens
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
-            raise ValueError(f"max_tokens must be None or an int >= 1, got {mt!r}")
+        if mt is not None and (
+            isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= MAX_INT_PARAM
+        ):
+            raise ValueError(
+                f"max_tokens must be None or an int in [1, {MAX_INT_PARAM}], got {mt!r}"
+            )
         m = self.min_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 0 or (mt is not None and m > mt):
             raise ValueError(f"min_tokens must be an int in [0, max_tokens={mt}], got {m!r}")
