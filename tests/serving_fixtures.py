@@ -190,6 +190,10 @@ class ScriptedLoop:
             self.groups.append(group)
         return group
 
+    def submit_all(self, groups, bounded: bool = True) -> None:
+        for group in groups:
+            self.submit(group, bounded)
+
     def abort(self, group) -> None:
         group.aborted = True
 

@@ -171,7 +171,6 @@ class LLM:
         configs = fp8_kv_configs(configs, self.kv_cache_dtype)
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
-        self._check_windows(configs)
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
@@ -271,14 +270,6 @@ class LLM:
         )
         return build_swap_space(self.alloc, host_bytes, policy)
 
-    def _check_windows(self, configs) -> None:
-        for c in configs:
-            for layer in c.layers:
-                assert self.config.windows[layer] == c.spec.sliding_window, (
-                    f"layer {layer}: model window {self.config.windows[layer]} != sub-pool "
-                    f"{c.name!r} window {c.spec.sliding_window} (hf_config and models disagree)"
-                )
-
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""
         return self.tokenizer
@@ -310,6 +301,10 @@ class LLM:
     def make_group(self, ids: list[int], params: SamplingParams, *, text=None, sink=None):
         """A RequestGroup of ``params.n`` requests sharing the (validated) prompt ids.
         Completion i > 0 of a seeded prompt gets a seed derived from (seed, i)."""
+        vocab = self.config.vocab_size
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            bad = [t for t in params.stop_token_ids if t >= vocab]
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:4]}")
         base = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seeds = [base] + [derived_seed(base, i) for i in range(1, params.n)]
         requests = [self._request(list(ids), params, seed) for seed in seeds]
@@ -327,7 +322,10 @@ class LLM:
         either); returns one RequestOutput per prompt, in order, with
         ``SamplingParams.n`` completions each. Bad prompts or parameters raise
         before any work starts. ``on_step(llm, batch, logits)``, if given, is
-        called after every step (the demo draws the pool with it)."""
+        called after every step (the demo draws the pool with it). An exception
+        in a step ends this call's requests (their pages freed) and is re-raised:
+        the LLM serves the next call as usual. ``sampling_params`` None: vLLM's
+        defaults (``SamplingParams()``: temperature 1.0, sampled)."""
         serving = self.engine.running  # a server's loop runs: submit and wait
         if serving and on_step is not None:
             raise ValueError("on_step needs the loop in this thread; the engine is serving")
@@ -335,7 +333,11 @@ class LLM:
         if serving:
             self._wait_for(groups)
         else:
-            self.stats = run_inline(self, groups, use_tqdm, on_step)
+            try:
+                self.stats = run_inline(self, groups, use_tqdm, on_step)
+            except BaseException:
+                self.engine.recover()  # this call's requests end; the LLM stays usable
+                raise
         return [_output_of(g) for g in groups]
 
     def chat(

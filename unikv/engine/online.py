@@ -15,13 +15,38 @@ One step keeps one step in flight (as ``LLM`` always did):
        published to the streams) -> complete_ahead N (placeholders) -> next
 
 The admission queue is bounded (``max_waiting`` requests not yet running); a
-submission beyond it raises ``QueueFull`` at once. ``shutdown`` either drains
-the work or aborts it, then joins the thread.
+submission made while it is full raises ``QueueFull`` at once. ``submit_all``
+admits the groups of one caller together: one HTTP request of 300 prompts is
+queued whole when the queue has room, even past the bound. ``shutdown`` either
+drains the work or aborts it, then joins the thread.
+
+Failures stay with their request (the loop's own thread, ``isolate``): a step
+whose launch raises (the forward, the sampler) settles the step before it, sends
+every request of the failed step back to the waiting queue (recompute: pages
+freed, tokens kept; none of the failed step's tokens are kept or shared) and
+looks for the culprit by bisection. Everything else is held back while the
+suspects are probed, half of them at a time, ALONE in the batch: a half whose
+requests all get past the point where the step failed (the tokens that step fed
+are now computed) is innocent; a half that fails again is split again; a single
+request that fails is the culprit and only it ends, with ``finish_reason``
+"error" and ``Delta.error`` set (its stream ends with the error). The held
+requests then resume where they were (preempted ones are recomputed). A
+per-request failure after the forward (detokenizing one request's tokens) ends
+that request alone. Only what cannot be attributed is fatal: a failure to
+schedule or to settle a step, a CUDA error (the context is lost), or more failed
+launches in a row than a bisection of ``max_num_seqs`` requests needs. Then the
+loop ends, every request gets the error, ``error`` is set and ``on_death`` is
+called (``unikv serve`` exits non-zero so that a supervisor restarts it).
+Inline ``LLM.generate`` (``isolate`` off) re-raises the step's exception after
+``recover`` has ended its requests, so the ``LLM`` stays usable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -37,6 +62,23 @@ class QueueFull(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The loop was shut down, or failed (``EngineLoop.error`` says why)."""
+
+
+class InjectedFault(RuntimeError):
+    """The test-only fault of ``EngineLoop.die_after_steps`` (``unikv serve`` reads
+    it from the environment variable ``FAULT_ENV`` once at start-up)."""
+
+
+FAULT_ENV = "UNIKV_TEST_ENGINE_FAULT"  # "die-after-steps:N": the loop dies at step N
+
+
+def _fatal(err: BaseException) -> bool:
+    """An exception no request can be blamed for: not an Exception (interrupts,
+    exits), or a CUDA error (the device context is unusable afterwards)."""
+    if not isinstance(err, Exception):
+        return True
+    text = f"{type(err).__name__}: {err}"
+    return "AcceleratorError" in text or "CUDA error" in text or "device-side assert" in text
 
 
 def deliver_each(pairs: list[tuple[object, Delta]]) -> None:
@@ -65,7 +107,18 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.publish: Callable[[list], None] = deliver_each
         self.on_step = self.on_schedule = None
+        self.on_death: Callable[[BaseException], None] | None = None  # loop thread
         self.error: BaseException | None = None
+        self.isolate = False  # on in the loop's own thread (see the module docstring)
+        self.die_after_steps: int | None = None  # test-only fault injection (FAULT_ENV)
+        self.num_failed_steps = 0  # launches that raised (each isolated)
+        self.num_failed_requests = 0  # requests ended with finish_reason "error"
+        self._failures_in_a_row = 0
+        self._max_failures_in_a_row = 2 * math.ceil(math.log2(llm.scheduler.max_num_seqs + 1)) + 4
+        self._held: list = []  # requests kept out of the scheduler while suspects are probed
+        self._suspects: deque[list] = deque()  # groups of requests still to probe
+        self._probe: list = []  # the group being probed (alone in the scheduler)
+        self._marks: dict[int, int] = {}  # request id -> tokens its probe must compute
         self._cv = threading.Condition()
         self._inbox: list[RequestGroup] = []
         self._aborts: list[RequestGroup] = []
@@ -86,18 +139,32 @@ class EngineLoop:
         """Queue ``group`` (made by ``LLM.make_group``); it joins the batch at the
         next step. Raises QueueFull past ``max_waiting``, EngineClosed after
         shutdown or a failure."""
+        self.submit_all([group], bounded=bounded)
+        return group
+
+    def submit_all(self, groups: list[RequestGroup], *, bounded: bool = True) -> None:
+        """Queue ``groups`` together, all or none: when the queue has room (fewer
+        than ``max_waiting`` requests wait), every group is queued, even past the
+        bound (one caller's request is never too large to be queued); else
+        QueueFull. EngineClosed after shutdown or a failure."""
         with self._cv:
             if self._stopping or self.error is not None:
                 raise EngineClosed(f"the engine loop is closed ({self.error or 'shut down'})")
-            waiting = len(self._inbox) + len(self.scheduler.waiting)
-            if bounded and self.max_waiting is not None and waiting >= self.max_waiting:
-                raise QueueFull(
-                    f"the admission queue is full ({waiting} requests waiting, max_waiting="
-                    f"{self.max_waiting}); retry later or raise max_waiting"
-                )
-            self._inbox.append(group)
+            if bounded and self.max_waiting is not None:
+                waiting = self.num_waiting
+                if waiting >= self.max_waiting:
+                    raise QueueFull(
+                        f"the admission queue is full ({waiting} requests waiting, "
+                        f"max_waiting={self.max_waiting}); retry later"
+                    )
+            self._inbox.extend(groups)
             self._cv.notify()
-        return group
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not running (approximate from other threads)."""
+        inbox = sum(len(g.requests) for g in self._inbox)
+        return inbox + len(self.scheduler.waiting) + len(self._held)
 
     def abort(self, group: RequestGroup) -> None:
         """End every completion of ``group`` not yet done (finish_reason "abort");
@@ -136,16 +203,27 @@ class EngineLoop:
     # -- the loop's thread ---------------------------------------------------------------
 
     def _serve(self) -> None:
+        self.isolate = True
+        steps = 0
         try:
             if self.llm.device.type == "cuda":  # the caller's device: "cuda" has no index
                 index = self.llm.device.index
                 torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
             while self._wait_for_work():
+                steps += 1
+                if self.die_after_steps is not None and steps >= self.die_after_steps:
+                    raise InjectedFault(f"injected engine fault at step {steps} ({FAULT_ENV})")
                 self.step()
         except BaseException as err:
             self.error = err
-            self._fail_all(f"{type(err).__name__}: {err}")
+            try:
+                self._fail_all(f"{type(err).__name__}: {err}")
+            finally:
+                if self.on_death is not None:
+                    self.on_death(err)
             raise
+        finally:
+            self.isolate = False
 
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False when the loop should end."""
@@ -160,7 +238,14 @@ class EngineLoop:
         return True
 
     def _has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+        return bool(
+            self._inbox
+            or self._aborts
+            or self.scheduler.has_work()
+            or self._held
+            or self._suspects
+            or self._probe
+        )
 
     def _run_calls(self) -> None:
         with self._cv:
@@ -181,7 +266,10 @@ class EngineLoop:
                 self._live.add(group)
                 self._num_watched += 1
             for r in group.requests:
-                self.scheduler.add(r)
+                if self._quarantined:  # new work waits until the suspects are probed
+                    self._held.append(r)
+                else:
+                    self.scheduler.add(r)
         for group in aborts:
             self._end(group, "abort")
 
@@ -190,6 +278,8 @@ class EngineLoop:
         Returns (batch, launched, requests finished by length) or None when idle
         (the step in flight, if any, was settled)."""
         self._take_inbox()
+        if self._quarantined:
+            self._probe_next()
         sched = self.scheduler
         if not sched.has_work():
             self._settle_last()
@@ -197,7 +287,14 @@ class EngineLoop:
         batch = sched.schedule()
         if self.on_schedule is not None:
             self.on_schedule(batch)
-        launched = self.runner.launch(batch, self._prev)
+        try:
+            launched = self.runner.launch(batch, self._prev)
+        except Exception as err:
+            if not self.isolate or _fatal(err):
+                raise
+            self._failed_launch(batch, err)
+            return batch, None, []
+        self._failures_in_a_row = 0
         if self._prev is not None:
             self._settle(self._prev)
         finished = sched.complete_ahead(batch)
@@ -224,7 +321,13 @@ class EngineLoop:
                 track = r.track
                 if track is None or track.passive or track.done:
                     continue
-                delta = track.advance(lane, step_logprobs, self.scheduler.finish)
+                try:
+                    delta = track.advance(lane, step_logprobs, self.scheduler.finish)
+                except Exception as err:  # this request's text or logprobs: it alone fails
+                    if not self.isolate:
+                        raise
+                    self._fail(r, err, pairs)
+                    continue
                 if delta is not None:
                     self._collect(track, delta, pairs)
         if pairs:
@@ -250,15 +353,136 @@ class EngineLoop:
             if track.done:
                 continue
             r = track.request
-            if r.status is not Status.FINISHED:
-                self.scheduler.finish(r, reason)
-            elif r.finish_reason is None:
-                r.finish_reason = reason
+            self._finish(r, reason)
             track.done = True
             delta = Delta(track.index, [], "", None, r.finish_reason, None)
             self._collect(track, delta, pairs)
         if pairs:
             self.publish(pairs)
+
+    def _finish(self, r, reason: str) -> None:
+        """End ``r`` wherever it is: running or waiting in the scheduler, or held
+        out of it by the failure isolation (its host swap slots are dropped)."""
+        sched = self.scheduler
+        if r.status is Status.FINISHED:
+            if r.finish_reason is None:
+                r.finish_reason = reason
+            return
+        outside = r.status is Status.WAITING and r not in sched.waiting
+        if r.status is Status.WAITING and r.slot is not None:  # half-admitted (a failure)
+            self.llm.alloc.free_request(r.slot)
+            r.slot = None
+        sched.finish(r, reason)
+        if outside and sched.swap is not None:
+            sched.swap.drop(r.request_id)
+
+    # -- failure isolation (the loop's thread; see the module docstring) -------------------
+
+    @property
+    def _quarantined(self) -> bool:
+        return bool(self._probe or self._suspects)
+
+    def _failed_launch(self, batch, err: Exception) -> None:
+        """Step ``batch``'s launch raised: its requests go back to the waiting queue
+        and the culprit is searched for among them (or, alone, it fails)."""
+        self.num_failed_steps += 1
+        self._failures_in_a_row += 1
+        if self._failures_in_a_row > self._max_failures_in_a_row:
+            raise RuntimeError(
+                f"{self._failures_in_a_row} step launches failed in a row; the last: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        self._settle_last()  # the step before it ran: its tokens are good
+        sched = self.scheduler
+        live = [(r, n) for r, n in zip(batch.requests, batch.num_new) if r.status is Status.RUNNING]
+        for r, n in live:
+            self._marks[r.request_id] = r.num_cached + n
+        self._hold_everything()
+        suspects = [r for r, _ in live]
+        self._probe = []
+        pairs: list = []
+        if len(suspects) == 1:
+            self._fail(suspects[0], err, pairs)
+        elif suspects:
+            half = (len(suspects) + 1) // 2
+            self._suspects.appendleft(suspects[half:])
+            self._suspects.appendleft(suspects[:half])
+        self._held = [r for r in self._held if r not in suspects]
+        if pairs:
+            self.publish(pairs)
+        assert not sched.running and not sched.waiting, "failure isolation: scheduler emptied"
+
+    def _hold_everything(self) -> None:
+        """Every request of the scheduler back out of it: running ones preempted
+        (recompute, or swap when the rule says so), all of them onto ``_held``
+        ahead of what was held already, in their queue order."""
+        sched = self.scheduler
+        for r in list(reversed(sched.running)):
+            sched._preempt(r)  # the scheduler's own preemption (pages freed, tokens kept)
+        self._held[:0] = list(sched.waiting)
+        sched.waiting.clear()
+
+    def _probe_next(self) -> None:
+        """Between steps while suspects are probed: when the probe got past its
+        marks, hold it again and start the next group; when none is left, put the
+        held requests back into the scheduler (the queue resumes)."""
+        sched = self.scheduler
+        while True:
+            probe = [r for r in self._probe if r.status is not Status.FINISHED]
+            if probe and any(r.num_cached < self._marks.get(r.request_id, 0) for r in probe):
+                return  # still probing
+            for r in self._probe:
+                self._marks.pop(r.request_id, None)
+            self._probe = []
+            if not self._suspects:  # innocent, all of them: everyone resumes
+                sched.waiting.extend(r for r in self._held if r.status is not Status.FINISHED)
+                self._held = []
+                return
+            self._hold_everything()  # a passed probe must not share the next one's batch
+            self._probe = [r for r in self._suspects.popleft() if r.status is not Status.FINISHED]
+            self._held = [r for r in self._held if r not in self._probe]
+            sched.waiting.extend(self._probe)
+
+    def _fail(self, r, err: Exception, pairs: list) -> None:
+        """End request ``r`` with finish_reason "error"; its stream gets the error."""
+        self.num_failed_requests += 1
+        self._finish(r, "error")
+        r.finish_reason = "error"
+        self._marks.pop(r.request_id, None)
+        track = r.track
+        if track is None or track.done:
+            return
+        track.done = True
+        message = f"{type(err).__name__}: {err}"
+        self._collect(track, Delta(track.index, [], "", None, "error", error=message), pairs)
+
+    def recover(self) -> None:
+        """After an exception escaped ``step`` in the caller's thread (inline
+        ``generate``): end every request the loop holds (finish_reason "abort"),
+        free their pages and state slots, so that the LLM serves again."""
+        prev, self._prev = self._prev, None
+        if prev is not None:
+            with contextlib.suppress(Exception):  # its requests end below either way
+                self.scheduler.resolve(prev.batch, prev.tokens())
+        sched = self.scheduler
+        with self._cv:
+            groups, self._inbox, self._aborts = self._inbox, [], []
+        requests = list(sched.running) + list(sched.waiting) + self._held + self._probe
+        requests += [r for g in self._suspects for r in g]
+        requests += [r for g in groups for r in g.requests]
+        for g in self._live:
+            requests += g.requests
+        self._held, self._probe, self._marks = [], [], {}
+        self._suspects.clear()
+        for r in {id(r): r for r in requests}.values():
+            self._finish(r, "abort")
+            if r.track is not None:
+                r.track.done = True
+        for g in list(self._live):
+            if g.on_done is not None:
+                g.on_done(g)
+        self._live.clear()
+        self._num_watched = 0
 
     def _abort_all(self) -> None:
         with self._cv:
@@ -267,6 +491,8 @@ class EngineLoop:
             self._end(group, "abort")
 
     def _fail_all(self, message: str) -> None:
+        """The loop died: every stream not ended gets the error (nothing is freed:
+        the engine is not used again)."""
         with self._cv:
             groups = list(self._live) + self._inbox + self._aborts
             self._inbox, self._aborts = [], []

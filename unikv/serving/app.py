@@ -7,8 +7,22 @@ A request becomes one request group per prompt on the engine loop (``n``
 completions each); its deltas stream back through an asyncio queue. A client
 that goes away (a closed stream, or a dropped connection while a non-streamed
 request runs) aborts its completions: their pages and state slots are freed at
-the next step. Errors are OpenAI-shaped JSON: 400 for a bad request (naming the
-field), 503 when the admission queue is full or the engine is down.
+the next step. Errors are OpenAI-shaped JSON (``{"error": {"message", "type",
+"param", "code"}}``), malformed bodies and unknown routes included:
+
+- 400 ``invalid_request_error`` for a bad request: the body is parsed here (not
+  UTF-8 JSON, or not an object, is a 400) and validated strictly
+  (``protocol.py``); the message names the field, what it expects and what it got;
+- 500 for a request the engine failed: the engine isolates the failure to the
+  request that raised (``engine/online.py``) and goes on serving the others; a
+  stream gets the error as its last event;
+- 503 with ``Retry-After`` when the admission queue is full (a request is
+  admitted whole when there is room, however many prompts it has), and when
+  the engine loop is down. Memory pressure never fails a request: it waits.
+
+If the engine loop dies (an exception nothing could be blamed on), ``/health``
+answers 503 at once and ``on_engine_death`` is called (``unikv serve`` exits
+non-zero within seconds, so that a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -20,25 +34,47 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv.engine.online import EngineClosed, QueueFull
 from unikv.serving import responses as rsp
-from unikv.serving.async_engine import AsyncEngine, Submission
+from unikv.serving.async_engine import AsyncEngine, RequestFailed, Submission
 from unikv.serving.metrics import RequestClock, ServingMetrics
-from unikv.serving.protocol import BadRequest, ChatCompletionRequest, CompletionRequest
+from unikv.serving.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_message,
+)
 from unikv.serving.sse import EventStream, EventWriter, event
 
+INVALID = "invalid_request_error"  # OpenAI's error type of a 400
+RETRY_AFTER_S = "1"  # a full queue's 503: when to retry
 
-def _error(message: str, kind: str, param, code: int) -> JSONResponse:
-    return JSONResponse(rsp.error_body(message, kind, param, code), status_code=code)
+
+def _error(message: str, kind: str, param, code: int, headers=None) -> JSONResponse:
+    return JSONResponse(
+        rsp.error_body(message, kind, param, code), status_code=code, headers=headers
+    )
+
+
+async def _body(request: Request, model):
+    """The request body as ``model`` (strict pydantic), or BadRequest."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        message, param = validation_message(err)
+        raise BadRequest(message, param) from None
 
 
 class Server:
     """The app's state: the engine, the served model names and the metrics."""
 
-    def __init__(self, llm, names: list[str], max_waiting: int | None) -> None:
+    def __init__(self, llm, names: list[str], max_waiting: int | None, on_death=None) -> None:
         self.llm, self.names = llm, names
-        self.engine = AsyncEngine(llm, max_waiting=max_waiting)
+        self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
         self.metrics = ServingMetrics(llm.engine, llm)
 
     def check_model(self, model: str) -> None:
@@ -50,8 +86,8 @@ class Server:
     def completion_item(self, prompt, params):
         try:
             ids = self.llm.prompts.token_ids(prompt)
-        except (ValueError, TypeError) as err:
-            raise BadRequest(str(err), "prompt") from err
+        except Exception as err:  # a tokenizer's own errors included
+            raise BadRequest(f"prompt: {err}", "prompt") from err
         return ids, prompt if isinstance(prompt, str) else None, params
 
     def chat_item(self, body: ChatCompletionRequest, params):
@@ -61,8 +97,8 @@ class Server:
             )
         except BadRequest:
             raise
-        except (ValueError, TypeError) as err:
-            raise BadRequest(str(err), "messages") from err
+        except Exception as err:  # the chat template's own errors too
+            raise BadRequest(f"messages: {err}", "messages") from err
         return ids, text, params
 
     async def respond(self, request: Request, body, items, chat: bool):
@@ -80,7 +116,11 @@ class Server:
             )
             events = self._events(sub, clock, writer, body.n, prompt_tokens if usage else None)
             return EventStream(events, on_close=lambda: self._aborted(sub))
-        choices = await self._collect(request, sub, clock, body.n)
+        try:
+            choices = await self._collect(request, sub, clock, body.n)
+        except RequestFailed as err:
+            self.metrics.finished("error")
+            return _error(str(err), "InternalServerError", None, 500)
         if choices is None:
             return Response(status_code=499)  # the client went away
         make = rsp.chat_body if chat else rsp.completion_body
@@ -152,9 +192,13 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def create_app(llm, *, served_model_names: list[str], max_waiting: int | None = 256) -> FastAPI:
-    """The FastAPI app serving ``llm`` (its engine loop starts with the app)."""
-    server = Server(llm, list(served_model_names), max_waiting)
+def create_app(
+    llm, *, served_model_names: list[str], max_waiting: int | None = 256, on_engine_death=None
+) -> FastAPI:
+    """The FastAPI app serving ``llm`` (its engine loop starts with the app).
+    ``max_waiting``: the admission bound (None: no bound); ``on_engine_death(err)``:
+    called on the event loop if the engine loop dies."""
+    server = Server(llm, list(served_model_names), max_waiting, on_engine_death)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -193,18 +237,20 @@ def create_app(llm, *, served_model_names: list[str], max_waiting: int | None = 
     def reset_prefix_cache():  # sync: waits for the engine thread (a worker thread)
         if not llm.reset_prefix_cache():
             return _error("prefix caching is off; start the server with "
-                          "--enable-prefix-caching", "BadRequestError", None, 400)  # fmt: skip
+                          "--enable-prefix-caching", INVALID, None, 400)  # fmt: skip
         return {"reset": True}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await _body(request, CompletionRequest)
         server.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         items = [server.completion_item(p, params) for p in body.prompts()]
         return await server.respond(request, body, items, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await _body(request, ChatCompletionRequest)
         server.check_model(body.model)
         params = body.sampling_params(*body.limits())
         items = [server.chat_item(body, params)]
@@ -217,20 +263,29 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
-        loc = [p for p in first.get("loc", ()) if p != "body"]
-        param = str(loc[0]) if loc else None
-        where = ".".join(str(p) for p in loc) or "body"
-        message = f"{where}: {first.get('msg', 'invalid request')}"
-        return _error(message, "BadRequestError", param, 400)
+        loc = [p for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        param = str(loc[0]) if loc and first.get("type") != "json_invalid" else None
+        where = ".".join(map(str, loc)) if param else "body"
+        return _error(f"{where}: {first.get('msg', 'invalid request')}", INVALID, param, 400)
 
     @app.exception_handler(BadRequest)
     async def bad(request: Request, err: BadRequest):
-        return _error(str(err), "BadRequestError", err.param, 400)
+        return _error(str(err), INVALID, err.param, 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http(request: Request, err: StarletteHTTPException):
+        kind = INVALID if err.status_code < 500 else "InternalServerError"
+        return _error(str(err.detail), kind, None, err.status_code, getattr(err, "headers", None))
 
     @app.exception_handler(QueueFull)
     async def full(request: Request, err: QueueFull):
-        return _error(str(err), "ServiceUnavailable", None, 503)
+        return _error(str(err), "ServiceUnavailable", None, 503, {"Retry-After": RETRY_AFTER_S})
 
     @app.exception_handler(EngineClosed)
     async def closed(request: Request, err: EngineClosed):
         return _error(str(err), "ServiceUnavailable", None, 503)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception):
+        message = f"internal error: {type(err).__name__}: {err}"
+        return _error(message, "InternalServerError", None, 500)

@@ -21,6 +21,11 @@ from collections.abc import AsyncIterator
 from unikv.engine.tracks import Delta
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed one of this submission's completions (the step that
+    raised was isolated to it; the engine goes on): HTTP 500 for this request."""
+
+
 class Submission:
     """The request groups of one HTTP request (one per prompt) and the deltas
     that arrived for them, tagged by prompt index. Event-loop thread only."""
@@ -53,7 +58,8 @@ class Submission:
         batch, self.items = self.items, []
         for k, (_, delta) in enumerate(batch):
             if delta.error is not None:
-                self.error, self.left = f"the engine failed: {delta.error}", 0
+                self.error = f"the engine failed on this request: {delta.error}"
+                self.abort()  # its other completions stop too
                 return batch[:k]
             if delta.finish_reason is not None:
                 self.left -= 1
@@ -61,14 +67,14 @@ class Submission:
 
     async def batches(self) -> AsyncIterator[list[tuple[int, Delta]]]:
         """``take``'s batches until every completion has finished; an engine
-        failure raises RuntimeError (after the deltas that came before it)."""
+        failure raises RequestFailed (after the deltas that came before it)."""
         while self.left:
             await self.wait()
             batch = self.take()
             if batch:
                 yield batch
         if self.error is not None:
-            raise RuntimeError(self.error)
+            raise RequestFailed(self.error)
 
     def abort(self) -> int:
         """Abort every completion not finished (a client that went away); returns
@@ -94,10 +100,12 @@ class AsyncEngine:
         max_waiting: the loop's admission bound (requests not yet running).
     """
 
-    def __init__(self, llm, *, max_waiting: int | None = None) -> None:
+    def __init__(self, llm, *, max_waiting: int | None = None, on_death=None) -> None:
         self.llm, self.loop = llm, llm.engine
         self.loop.max_waiting = max_waiting
         self.loop.publish = self._publish
+        self.loop.on_death = self._died
+        self.on_death = on_death  # called on the event loop when the engine loop dies
         self._aloop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -112,22 +120,33 @@ class AsyncEngine:
         return self.loop.running and self.loop.error is None
 
     def submit(self, items) -> Submission:
-        """Submit (token ids, text or None, SamplingParams) per prompt; raises
-        QueueFull / EngineClosed (nothing of this request is queued then)."""
+        """Submit (token ids, text or None, SamplingParams) per prompt, all together
+        (``EngineLoop.submit_all``); raises BadRequest (parameters the model
+        refuses), QueueFull or EngineClosed, and nothing of this request is queued."""
+        from unikv.serving.protocol import BadRequest
+
         sub = Submission(self)
-        groups = [
-            self.llm.make_group(ids, params, text=text, sink=(sub, i))
-            for i, (ids, text, params) in enumerate(items)
-        ]
         try:
-            for group in groups:
-                self.loop.submit(group)
-                sub.groups.append(group)
-                sub.left += len(group.tracks)
-        except Exception:
-            sub.abort()
-            raise
+            groups = [
+                self.llm.make_group(ids, params, text=text, sink=(sub, i))
+                for i, (ids, text, params) in enumerate(items)
+            ]
+        except ValueError as err:
+            field = str(err).split(" ", 1)[0]
+            raise BadRequest(str(err), field if field == "stop_token_ids" else None) from err
+        self.loop.submit_all(groups)
+        sub.groups = groups
+        sub.left = sum(len(g.tracks) for g in groups)
         return sub
+
+    def _died(self, err: BaseException) -> None:
+        """Engine thread: the loop died; tell the event loop (``on_death``)."""
+        aloop = self._aloop
+        if self.on_death is not None and aloop is not None and not aloop.is_closed():
+            try:
+                aloop.call_soon_threadsafe(self.on_death, err)
+            except RuntimeError:  # the event loop closed meanwhile
+                pass
 
     def _publish(self, pairs: list) -> None:
         """Engine thread: hand one step's (sink, delta) pairs to the event loop."""

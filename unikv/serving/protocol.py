@@ -3,17 +3,53 @@
 The fields are OpenAI's, plus vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``).
-Unknown fields are ignored, as vLLM does. Ranges are checked here so that a bad
-value is a 400 naming its field; ``SamplingParams`` checks them again.
+Unknown fields are ignored, as vLLM does. Types are strict (pydantic's strict
+mode on the JSON body: ``"10"`` is not an int, ``"yes"`` not a bool, ``true``
+not a token id; an int is a float), floats must be finite, and ranges are
+checked here so that a bad value is a 400 naming its field, what it expects
+and what it got (``validation_message``); ``SamplingParams`` checks them again.
 """
 
 from __future__ import annotations
 
-import math
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from unikv.engine.sampling import INT64_MAX, INT64_MIN, MAX_INT_PARAM, SamplingParams
 
-from unikv.engine.sampling import SamplingParams
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+# what a field whose type is a union expects (pydantic names one member only)
+EXPECTED = {
+    "prompt": "a string, a list of strings, a list of int token ids or a list of such lists",
+    "stop": "a string, a list of strings or null",
+    "content": "a string, a list of content parts or null",
+}
+
+
+def _is_type_tag(part) -> bool:
+    """pydantic's name of a union member in an error's location ('list[int]')."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+def validation_message(err: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of pydantic's first error on a request body: the field's
+    path, what it expects and what it got."""
+    errors = err.errors(include_url=False)
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON (UTF-8): {first.get('msg', '')}", None
+    if not loc:
+        return f"the body must be a JSON object: {first.get('msg', '')}", None
+    path = ".".join(str(p) for p in loc if not _is_type_tag(p))
+    field = next((str(p) for p in reversed(loc) if str(p) in EXPECTED), None)
+    msg = first.get("msg", "invalid value")
+    if field is not None and first.get("type", "").endswith("_type"):
+        msg = f"expected {EXPECTED[field]}"
+    given = first.get("input")
+    got = "" if first.get("type") == "missing" else f" (got {given!r:.80})"
+    return f"{path or loc[0]}: {msg}{got}", str(loc[0])
 
 
 class BadRequest(ValueError):
@@ -25,13 +61,15 @@ class BadRequest(ValueError):
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
     n: int = Field(1, ge=1, le=64)
@@ -40,15 +78,15 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's int64 bounds
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT_PARAM)
     min_p: float = Field(0.0, ge=0, le=1)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT_PARAM)
     ignore_eos: bool = False
     repetition_penalty: float = Field(1.0, gt=0)
     stop_token_ids: list[int] | None = None
@@ -56,25 +94,17 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p")
-    @classmethod
-    def _finite(cls, value):
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _finite_penalty(cls, value):
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported by unikv", "logit_bias")
-        if max_tokens is not None and min(max_tokens, 10**9) < self.min_tokens:
+        bad_ids = [t for t in self.stop_token_ids or () if not 0 <= t <= MAX_INT_PARAM]
+        if bad_ids:
+            raise BadRequest(
+                f"stop_token_ids: expected token ids in [0, {MAX_INT_PARAM}], got {bad_ids[:4]}",
+                "stop_token_ids",
+            )
+        if max_tokens is not None and max_tokens < self.min_tokens:
             raise BadRequest(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})",
                 "min_tokens",
@@ -108,11 +138,11 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT_PARAM)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=64)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a str or a list of token ids (at least one)."""
@@ -133,7 +163,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: str
     content: str | list[dict] | None = None
@@ -159,8 +189,8 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT_PARAM)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT_PARAM)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
