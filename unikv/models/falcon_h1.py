@@ -25,23 +25,13 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
+from unikv.models.hf import Fields, as_float
 from unikv.models.layers import Attention, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.rope import Rotary
 
 # FalconH1Config fields copied into ModelConfig.extra (name -> default)
 _EXTRA_FIELDS = {
-    "mamba_n_heads": 128,
-    "mamba_d_head": 8,
-    "mamba_n_groups": 1,
-    "mamba_d_state": 256,
-    "mamba_d_conv": 4,
-    "mamba_conv_bias": True,
-    "mamba_proj_bias": False,
-    "mamba_norm_before_gate": True,
-    "mamba_rms_norm": False,
-    "projectors_bias": False,
-    "time_step_limit": None,
     "ssm_in_multiplier": 1.0,
     "ssm_out_multiplier": 1.0,
     "ssm_multipliers": None,
@@ -57,32 +47,41 @@ _EXTRA_FIELDS = {
 
 def config_extras(hf_config) -> dict:
     """Falcon-H1's own fields of a transformers ``FalconH1Config`` (for
-    ``ModelConfig.extra``): the Mamba sizes and every multiplier."""
+    ``ModelConfig.extra``): every multiplier (the Mamba dims: ``mamba_dims``)."""
     e = {name: getattr(hf_config, name, default) for name, default in _EXTRA_FIELDS.items()}
-    limit = e["time_step_limit"]
-    e["time_step_limit"] = (0.0, float("inf")) if limit is None else tuple(map(float, limit))
     e["ssm_multipliers"] = tuple(map(float, e["ssm_multipliers"] or (1.0,) * 5))
     e["mlp_multipliers"] = tuple(map(float, e["mlp_multipliers"] or (1.0, 1.0)))
     return e
 
 
-def mamba_dims(config: ModelConfig) -> Mamba2Dims:
-    e = config.extra
+def mamba_dims(cfg: Fields) -> Mamba2Dims:
+    """The Mamba-2 mixer dims of a Falcon-H1 config (the pool's state spec and the
+    model's mixer both come from here); defaults are transformers' FalconH1Config's.
+    The inner width is ``mamba_d_ssm``, or ``mamba_expand * hidden_size`` when it is
+    explicitly null (1024 when the field is absent); ``mamba_d_head`` "auto" is the
+    inner width over ``mamba_n_heads``."""
+    if cfg.is_dict and not cfg.has("mamba_d_ssm"):
+        d_ssm = 1024
+    else:
+        d_ssm = cfg.get("mamba_d_ssm") or cfg.get("mamba_expand", 2) * cfg.need("hidden_size")
+    heads = cfg.get("mamba_n_heads", 128)
+    d_head = cfg.get("mamba_d_head", "auto")
+    limit = cfg.get("time_step_limit")
     return Mamba2Dims(
-        hidden_size=config.hidden_size,
-        num_heads=e["mamba_n_heads"],
-        head_dim=e["mamba_d_head"],
-        n_groups=e["mamba_n_groups"],
-        state_size=e["mamba_d_state"],
-        conv_kernel=e["mamba_d_conv"],
-        conv_bias=bool(e["mamba_conv_bias"]),
-        proj_bias=bool(e["mamba_proj_bias"]),
-        out_bias=bool(e["projectors_bias"]),
-        activation=config.hidden_act,
-        eps=config.rms_norm_eps,
-        dt_limit=e["time_step_limit"],
-        norm=bool(e["mamba_rms_norm"]),
-        norm_before_gate=bool(e["mamba_norm_before_gate"]),
+        hidden_size=cfg.need("hidden_size"),
+        num_heads=heads,
+        head_dim=d_ssm // heads if d_head == "auto" else d_head,
+        n_groups=cfg.get("mamba_n_groups", 1),
+        state_size=cfg.get("mamba_d_state", 256),
+        conv_kernel=cfg.get("mamba_d_conv", 4),
+        conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        out_bias=bool(cfg.get("projectors_bias", False)),
+        activation=cfg.get("hidden_act", "silu"),
+        eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        dt_limit=(0.0, float("inf")) if limit is None else tuple(map(as_float, limit)),
+        norm=bool(cfg.get("mamba_rms_norm", False)),
+        norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
         norm_weight_in_fp32=True,
     )
 
@@ -91,7 +90,7 @@ class FalconMixer(Mamba2Mixer):
     """The Mamba-2 mixer with Falcon-H1's input multiplier and muP projection scale."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__(mamba_dims(config), layer)
+        super().__init__(config.state_dims, layer)
         self.in_multiplier = config.extra["ssm_in_multiplier"]
         self.register_buffer("mup_vector", torch.ones(self.in_proj.out_features), persistent=False)
 

@@ -57,6 +57,11 @@ class Mamba2Dims:
     def conv_dim(self) -> int:
         return self.intermediate_size + 2 * self.n_groups * self.state_size
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """The SSM state of one request: (heads, head dim, state size)."""
+        return (self.num_heads, self.head_dim, self.state_size)
+
     def check(self) -> None:
         """Raise ValueError on dims the mixer cannot run."""
         if self.activation not in ACTIVATIONS:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
+from unikv.models.hf import Fields
 from unikv.models.layers import AttentionFn, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts
@@ -35,15 +36,6 @@ _EXTRA_FIELDS = {
     "layer_norm_epsilon": 1e-5,
     "mlp_hidden_act": "relu2",
     "mlp_bias": False,
-    "mamba_num_heads": 128,
-    "mamba_head_dim": 64,
-    "n_groups": 8,
-    "ssm_state_size": 128,
-    "conv_kernel": 4,
-    "use_conv_bias": True,
-    "use_bias": False,
-    "mamba_hidden_act": "silu",
-    "time_step_min": 0.001,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 7688,
@@ -61,28 +53,31 @@ def config_extras(hf_config) -> dict:
     ``ModelConfig.extra``): the layer types and the Mamba/MLP/MoE sizes."""
     extra = {name: getattr(hf_config, name, default) for name, default in _EXTRA_FIELDS.items()}
     extra["layer_types"] = tuple(hf_config.layers_block_type)
-    for key in ("routed_scaling_factor", "layer_norm_epsilon", "time_step_min"):
+    for key in ("routed_scaling_factor", "layer_norm_epsilon"):
         extra[key] = float(extra[key])
     return extra
 
 
-def mamba_dims(config: ModelConfig) -> Mamba2Dims:
-    """The Mamba-2 mixer dims of a NemotronH config. transformers' NemotronH clamps
-    the step size to ``(time_step_min, inf)`` (not ``config.time_step_limit``)."""
-    e = config.extra
+def mamba_dims(cfg: Fields) -> Mamba2Dims:
+    """The Mamba-2 mixer dims of a NemotronH config (the pool's state spec and the
+    model's mixer both come from here); defaults are transformers' NemotronHConfig's,
+    and the legacy field names (``mamba_n_groups``, ``mamba_d_conv``) are read too.
+    transformers' NemotronH clamps the step size to ``(time_step_min, inf)`` (not
+    ``config.time_step_limit``)."""
+    bias = bool(cfg.get("use_bias", False))
     return Mamba2Dims(
-        hidden_size=config.hidden_size,
-        num_heads=e["mamba_num_heads"],
-        head_dim=e["mamba_head_dim"],
-        n_groups=e["n_groups"],
-        state_size=e["ssm_state_size"],
-        conv_kernel=e["conv_kernel"],
-        conv_bias=bool(e["use_conv_bias"]),
-        proj_bias=bool(e["use_bias"]),
-        out_bias=bool(e["use_bias"]),
-        activation=e["mamba_hidden_act"],
-        eps=e["layer_norm_epsilon"],
-        dt_limit=(e["time_step_min"], float("inf")),
+        hidden_size=cfg.need("hidden_size"),
+        num_heads=cfg.get("mamba_num_heads", 128),
+        head_dim=cfg.get("mamba_head_dim", 64),
+        n_groups=cfg.get("n_groups") or cfg.get("mamba_n_groups", 8),
+        state_size=cfg.get("ssm_state_size", 128),
+        conv_kernel=cfg.get("conv_kernel") or cfg.get("mamba_d_conv", 4),
+        conv_bias=bool(cfg.get("use_conv_bias", True)),
+        proj_bias=bias,
+        out_bias=bias,
+        activation=cfg.get("mamba_hidden_act", "silu"),
+        eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        dt_limit=(float(cfg.get("time_step_min", 0.001)), float("inf")),
     )
 
 
@@ -192,7 +187,7 @@ class Block(nn.Module):
         self.block_type = e["layer_types"][layer]
         self.norm = RMSNorm(config.hidden_size, e["layer_norm_epsilon"])
         if self.block_type == MAMBA:
-            self.mixer = Mamba2Mixer(mamba_dims(config), layer)
+            self.mixer = Mamba2Mixer(config.state_dims, layer)
         elif self.block_type == ATTENTION:
             self.mixer = NoRopeAttention(config, layer)
         elif self.block_type == MLP_TYPE:

@@ -20,36 +20,71 @@ checkpoint loads by name. Tokens of a step are flattened over the batch:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from unikv.models.config import ModelConfig
+from unikv.models.hf import Fields
 from unikv.models.layers import AttentionFn, GatedMLP, StateFn
 from unikv.models.parallel import refuse_tp
 from unikv.models.rope import Rotary
 
-LINEAR_FIELDS = (
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "linear_conv_kernel_dim",
-)
+
+@dataclass(frozen=True)
+class GatedDeltaNetDims:
+    """One Gated DeltaNet mixer's heads: Hk key heads of Dk, Hv value heads of Dv, a
+    causal conv of ``conv_kernel`` taps over q, k and v."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """The delta-rule state of one request: (Hv, Dk, Dv)."""
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+
+def gdn_dims(cfg: Fields) -> GatedDeltaNetDims:
+    """The Gated DeltaNet dims of a Qwen3.5 / Qwen3-Next config (the pool's state spec
+    and the model's mixer both come from here); defaults are transformers'."""
+    return GatedDeltaNetDims(
+        num_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+        head_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+        head_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
 
 
 def config_extras(hf_config) -> dict:
-    """Qwen3.5's own fields (into ``ModelConfig.extra``): ``layer_types`` and the
-    Gated DeltaNet shapes. ValueError when the value heads are not a multiple of
-    the key heads."""
-    extra = {name: int(getattr(hf_config, name)) for name in LINEAR_FIELDS}
-    extra["layer_types"] = tuple(hf_config.layer_types)
-    hk, hv = extra["linear_num_key_heads"], extra["linear_num_value_heads"]
+    """Qwen3.5's own fields (into ``ModelConfig.extra``): ``layer_types`` (the Gated
+    DeltaNet shapes: ``gdn_dims``). ValueError when the value heads are not a
+    multiple of the key heads."""
+    dims = gdn_dims(Fields(hf_config))
+    hk, hv = dims.num_k_heads, dims.num_v_heads
     if hv % hk:
         raise ValueError(
             f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk}); "
             "fix config.json"
         )
-    return extra
+    return {"layer_types": tuple(hf_config.layer_types)}
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -120,18 +155,16 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        e, hidden = config.extra, config.hidden_size
+        d, hidden = config.state_dims, config.hidden_size
         if config.hidden_act != "silu":
             raise ValueError(
                 f"hidden_act {config.hidden_act!r}: the Gated DeltaNet conv runs 'silu' only"
             )
         self.layer = layer
-        self.num_k_heads, self.num_v_heads = e["linear_num_key_heads"], e["linear_num_value_heads"]
-        self.head_k_dim, self.head_v_dim = e["linear_key_head_dim"], e["linear_value_head_dim"]
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        kernel = e["linear_conv_kernel_dim"]
+        self.num_k_heads, self.num_v_heads = d.num_k_heads, d.num_v_heads
+        self.head_k_dim, self.head_v_dim = d.head_k_dim, d.head_v_dim
+        self.key_dim, self.value_dim, self.conv_dim = d.key_dim, d.value_dim, d.conv_dim
+        kernel = d.conv_kernel
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False
         )  # weight (C, 1, K); only the weight is used, by the step's causal conv
