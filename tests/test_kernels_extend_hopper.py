@@ -67,8 +67,9 @@ def test_usable_refuses_what_the_kernel_does_not_run(monkeypatch):
     """The CPU is never Hopper; on a faked sm_90 each excluded case is refused by
     its own reason, and the base case is taken."""
     q, k, v = _rows(16, 4, 2, 64, torch.bfloat16, "cpu")
-    assert not extend_hopper.usable(q, k, v, 0, 0.0, 8192)  # not a GPU
+    assert not extend_hopper.runs_on(q.device)  # not a GPU
     monkeypatch.setattr(extend_hopper, "_hopper", lambda device: True)
+    assert extend_hopper.runs_on(q.device)
     assert extend_hopper.usable(q, k, v, 0, 0.0, 8192)
     assert not extend_hopper.usable(q.float(), k.float(), v.float(), 0, 0.0, 8192)
     assert not extend_hopper.usable(q, k, v, 8, 0.0, 8192)  # a window
@@ -79,8 +80,8 @@ def test_usable_refuses_what_the_kernel_does_not_run(monkeypatch):
     assert not extend_hopper.usable(q, kt, kt, 0, 0.0, 8192)
     short = extend_hopper.MIN_Q_LEN[64] - 1  # a short step keeps the Triton kernel
     assert not extend_hopper.usable(q, k, v, 0, 0.0, short)
-    monkeypatch.setenv("UNIKV_EXTEND_HOPPER", "0")
-    assert not extend_hopper.usable(q, k, v, 0, 0.0, 8192)
+    monkeypatch.setattr(extend_hopper, "ENABLED", False)  # UNIKV_EXTEND_HOPPER=0, at import
+    assert not extend_hopper.runs_on(q.device)
 
 
 def test_fresh_attention_keeps_triton_with_a_config(monkeypatch):

@@ -98,7 +98,10 @@ def test_the_cuda_backend_routes_through_it_when_enabled(monkeypatch, enabled):
     from unikv.kernels import backend
 
     monkeypatch.setattr(extend_sdpa, "ENABLED", enabled)
+    monkeypatch.setattr(backend, "_sm90", lambda device: False)  # no Gluon attention
     want = extend_sdpa.extend_attention if enabled else extend.extend_attention
-    assert backend._triton(cuda=True).extend_attention is want
-    assert backend._triton(cuda=False).extend_attention is extend.extend_attention
+    assert backend._triton(backend.flags_for("cuda", "triton")).extend_attention is want
+    assert backend._triton(backend.flags_for("cpu", "triton")).extend_attention is (
+        extend.extend_attention
+    )
     assert TRITON.extend_attention is extend.extend_attention

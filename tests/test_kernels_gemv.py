@@ -171,19 +171,17 @@ def test_decoder_layer_fused_norms_match_the_unfused_layer(tmp_path):
     on the torch backend, within bf16 rounding, the residual stream too."""
     from engine_fixtures import DenseAttention, save_tiny_model
 
-    from unikv.kernels.backend import get_backend
     from unikv.models import load_model
-    from unikv.models.layers import use_elementwise_ops
 
     save_tiny_model("llama", str(tmp_path))
-    model = load_model(str(tmp_path)).to(torch.bfloat16)
-    model.logits_dtype = None
-    assert all(layer.fuse_qkv and layer.fuse_mlp for layer in model.model.layers)
-    attn = DenseAttention(model.config.windows, model.config.sm_scale)
-    tokens, positions = torch.tensor([7]), torch.tensor([0])
     outs = []
-    for name in ("torch", "triton"):
-        use_elementwise_ops(model, get_backend("cpu", name))
+    for name in ("torch", "triton"):  # the same checkpoint built on each backend
+        model = load_model(str(tmp_path), kernels=name).to(torch.bfloat16)
+        model.logits_dtype = None
+        assert model.model.norm.ops.name == name
+        assert all(layer.fuse_qkv and layer.fuse_mlp for layer in model.model.layers)
+        attn = DenseAttention(model.config.windows, model.config.sm_scale)
+        tokens, positions = torch.tensor([7]), torch.tensor([0])
         with torch.no_grad():
             h, residual = model.model.embed_tokens(tokens), None
             steps = []

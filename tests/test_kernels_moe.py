@@ -260,7 +260,7 @@ def test_routed_experts_params_are_views_of_the_stack():
             (experts.w1[e, 24:] == -e - 1).all()
         )
         assert bool((experts.w2[e] == 10.0 * e).all())
-    assert experts.kernel is moe_ref.fused_moe
+    assert experts.kernel is moe_ref.fused_moe  # built outside the loader: the torch backend's
 
 
 ALL_CONFIGS = sorted(
@@ -365,9 +365,12 @@ def test_moe_dispatch_runs_what_the_plan_says(t, monkeypatch):
 
 
 def test_models_run_the_dispatch_on_cuda():
-    from unikv.models.moe import moe_kernel
+    """The backend carries the MoE: Triton's (the table's dispatch) on the Triton
+    backend, on CUDA or the interpreter alike; the reference on the torch backend."""
+    from unikv.kernels.backend import Flags, _torch, _triton
 
-    assert moe_kernel("cuda") is moe.moe and moe_kernel("cpu") is moe_ref.fused_moe
+    assert _triton(Flags(cuda=True)).moe is moe.moe and _triton(Flags()).moe is moe.moe
+    assert _torch().moe is moe_ref.fused_moe
 
 
 def test_bad_config_raises():

@@ -27,7 +27,7 @@ import torch
 from unikv.allocator.pages import PageBook
 from unikv.allocator.translate import check_block_table
 from unikv.ids import KernelIds, KernelPageIds, VirtualTokenIds
-from unikv.kernels.step_tables import StepTarget
+from unikv.kernels.tables_ref import StepTarget
 
 
 @dataclass

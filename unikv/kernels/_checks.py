@@ -6,10 +6,18 @@ import functools
 
 import torch
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # Triton without host tensor descriptors: pointer loads only
-    TensorDescriptor = None
+
+@functools.cache
+def has_tensor_descriptor() -> bool:
+    """Whether Triton has host tensor descriptors (else pointer loads only); asked on
+    the first TMA question, so that importing these checks (the torch references do)
+    loads no Triton."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 ID_DTYPES = (torch.int32, torch.int64)
 
@@ -155,7 +163,7 @@ def tma_ok(x: torch.Tensor) -> bool:
     """Whether a (T, H, D) tensor can back a ``(T, H * D)`` TMA descriptor (host only)."""
     size = x.element_size()
     return (
-        TensorDescriptor is not None
+        has_tensor_descriptor()
         and _tma_device(x.device)
         and x.shape[0] > 0
         and x.shape[2] == next_pow2(x.shape[2])

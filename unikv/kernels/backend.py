@@ -9,14 +9,27 @@ signature in both backends, so the per-step path never branches on device.
 ``plan_decode`` is decode attention's launch plan, FlashInfer's plan/run split:
 the step planner makes it once per step and sub-pool (from host ints only), and
 every layer hands ``DecodePlan.launch`` to ``decode_attention``.
+
+Every variant below the backend is decided here, once per ``get_backend``, from the
+device and the A/B switches read then (``Flags``): the MoE (Triton, the Hopper
+kernel for MXFP4 experts, or the torch reference), the fresh-prompt attention
+(Triton, SDPA or the Hopper kernel). A model never picks a kernel: its modules take
+the backend at construction (``building``, set by the loader) and call its ops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import contextvars
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
+
+from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
 
 Op = Callable[..., object]
 
@@ -30,8 +43,26 @@ ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
+MOE_OPS = ("moe", "moe_repacked")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
-       + LINEAR_OPS)  # fmt: skip
+       + LINEAR_OPS + MOE_OPS)  # fmt: skip
+
+__all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "building",
+           "get_backend", "model_ops"]  # fmt: skip
+
+
+class MoERepacked(NamedTuple):
+    """A fused MoE that runs MXFP4 experts re-packed once, at load, into its own order
+    (``KernelBackend.moe_repacked``).
+
+    name: the variant ("hopper"); pack(gate_up_blocks, gate_up_scales, down_blocks,
+    down_scales, gate_up) re-packs the four uint8 tensors in place and returns the
+    kernel's operand (their views); run(x, topk_weights, topk_ids, packed, **kw) takes
+    ``moe``'s keywords (b1, b2, activation, gate_up, alpha, limit)."""
+
+    name: str
+    pack: Op
+    run: Op
 
 
 @dataclass(frozen=True)
@@ -66,6 +97,14 @@ class KernelBackend:
     add_rms_norm_linear: Op
     embed_rms_norm_linear: Op
     add_rms_norm_linear_argmax: Op
+    # the fused MoE over experts in the checkpoint's layout (``moe_ref.fused_moe``'s
+    # signature): Triton (``kernels/moe.moe``: the kernel, or the dense loop where its
+    # table says) or the torch reference
+    moe: Op
+    # (dtype, hidden, intermediate) of an MXFP4 expert layer -> the ``MoERepacked``
+    # variant that runs it, or None (``moe`` on the checkpoint's layout); asked once per
+    # layer at load, from what ``get_backend`` decided
+    moe_repacked: Callable[[torch.dtype, int, int], MoERepacked | None]
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -126,7 +165,63 @@ def plan_decode_torch(batch: int, **geometry: object) -> DecodePlan:
     return DecodePlan()
 
 
-def _triton(cuda: bool = False) -> KernelBackend:
+@dataclass(frozen=True)
+class Flags:
+    """What a backend's variants are decided from, read once per ``get_backend`` (never
+    on the per-step path).
+
+    cuda: the device is a GPU; sm90: an sm_90 GPU (the Gluon kernels compile for it
+    only; probed here, once per device); moe_hopper: ``UNIKV_MOE_HOPPER`` is not "0"
+    (off: MXFP4 experts stay in the checkpoint's layout on the Triton kernel, the A/B);
+    extend_hopper: ``extend_hopper.ENABLED`` (``UNIKV_EXTEND_HOPPER``, read at import);
+    extend_sdpa: ``extend_sdpa.ENABLED`` (``UNIKV_EXTEND_SDPA``, read at import)."""
+
+    cuda: bool = False
+    sm90: bool = False
+    moe_hopper: bool = True
+    extend_hopper: bool = True
+    extend_sdpa: bool = False
+
+
+@functools.cache
+def _sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def flags_for(device: torch.device | str, name: str) -> Flags:
+    """The ``Flags`` of a ``name`` backend on ``device``: the capability is probed (and
+    the Triton modules' switches read) only for Triton on CUDA."""
+    device = torch.device(device)
+    if name != "triton" or device.type != "cuda":
+        return Flags()
+    from unikv.kernels import extend_hopper, extend_sdpa
+
+    return Flags(
+        cuda=True,
+        sm90=_sm90(device),
+        moe_hopper=os.environ.get("UNIKV_MOE_HOPPER", "1") != "0",
+        extend_hopper=extend_hopper.ENABLED,
+        extend_sdpa=extend_sdpa.ENABLED,
+    )
+
+
+def _no_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | None:
+    """The torch reference and the Triton kernel run MXFP4 experts as the checkpoint
+    stores them: nothing to re-pack."""
+    return None
+
+
+def _hopper_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | None:
+    """On an sm_90 GPU: the Gluon kernel (``moe_hopper``) for bf16 activations and
+    hidden / intermediate sizes in whole K blocks of 64, else None (the Triton kernel)."""
+    from unikv.kernels import moe_hopper
+
+    if not moe_hopper.usable(dtype, hidden, inter):
+        return None
+    return MoERepacked("hopper", moe_hopper.repack_in_place, moe_hopper.moe)
+
+
+def _triton(flags: Flags) -> KernelBackend:
     from unikv.kernels._interpret import patch_interpreter
 
     patch_interpreter()
@@ -140,6 +235,7 @@ def _triton(cuda: bool = False) -> KernelBackend:
         gemv,
         mla,
         mla_decode,
+        moe,
         page_copy,
         recurrent,
         rope_store,
@@ -148,18 +244,18 @@ def _triton(cuda: bool = False) -> KernelBackend:
         table_update,
     )
 
+    # on CUDA a step of one fresh prompt may go to SDPA (cuDNN), the rest to Triton; on
+    # sm_90 fresh prompts the Gluon kernel takes go there (``extend_hopper.usable``)
+    extend_op = extend_sdpa.extend_attention if flags.extend_sdpa else extend.extend_attention
+    if flags.sm90 and flags.extend_hopper:
+        extend_op = functools.partial(extend_op, hopper=True)
     return KernelBackend(
         name="triton",
         store_kv=store.store_kv,
         rope_store_kv=rope_store.rope_store_kv,
         decode_attention=decode.decode_attention,
         rope_store_decode_attention=decode.rope_store_decode_attention,
-        # on CUDA a step of one fresh prompt goes to SDPA (cuDNN), the rest to Triton
-        extend_attention=(
-            extend_sdpa.extend_attention
-            if cuda and extend_sdpa.ENABLED
-            else extend.extend_attention
-        ),
+        extend_attention=extend_op,
         copy_pages=page_copy.copy_pages,
         build_block_table=block_table.build_block_table,
         export_flashinfer=block_table.export_flashinfer,
@@ -175,11 +271,20 @@ def _triton(cuda: bool = False) -> KernelBackend:
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
         argmax=argmax.argmax,
         **{op: getattr(gemv, op) for op in LINEAR_OPS},
+        moe=moe.moe,
+        moe_repacked=_hopper_repack if flags.sm90 and flags.moe_hopper else _no_repack,
     )
 
 
 def _torch() -> KernelBackend:
-    from unikv.kernels import elementwise_ref, mla_ref, recurrent_ref, reference, tables_ref
+    from unikv.kernels import (
+        elementwise_ref,
+        mla_ref,
+        moe_ref,
+        recurrent_ref,
+        reference,
+        tables_ref,
+    )
 
     return KernelBackend(
         name="torch",
@@ -203,18 +308,20 @@ def _torch() -> KernelBackend:
         **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS},
         argmax=reference.argmax,
         **{op: getattr(elementwise_ref, op) for op in LINEAR_OPS},
+        moe=moe_ref.fused_moe,
+        moe_repacked=_no_repack,
     )
 
 
-_CACHE: dict[tuple[str, bool], KernelBackend] = {}  # (name, on CUDA)
+_CACHE: dict[tuple[str, Flags], KernelBackend] = {}
 
 
 def get_backend(device: torch.device | str, backend: str | None = None) -> KernelBackend:
-    """The kernel backend for ``device``.
+    """The kernel backend for ``device``, every variant decided here (``Flags``).
 
     backend: None (by device: ``"triton"`` on CUDA, ``"torch"`` elsewhere), ``"triton"``
     (force Triton, e.g. under ``TRITON_INTERPRET=1`` on CPU) or ``"torch"`` (force
-    the references, on any device)."""
+    the references, on any device: no Triton module is imported, the MoE included)."""
     name = backend
     if name is None:
         name = "triton" if torch.device(device).type == "cuda" else "torch"
@@ -223,7 +330,36 @@ def get_backend(device: torch.device | str, backend: str | None = None) -> Kerne
             f"backend must be None, 'triton' or 'torch', got {name!r}; "
             "None picks Triton on CUDA and the torch references elsewhere"
         )
-    key = (name, torch.device(device).type == "cuda")  # Triton on CUDA: extend_sdpa too
+    flags = flags_for(device, name)
+    key = (name, flags)
     if key not in _CACHE:
-        _CACHE[key] = _triton(key[1]) if name == "triton" else _torch()
+        _CACHE[key] = _triton(flags) if name == "triton" else _torch()
     return _CACHE[key]
+
+
+# -- the backend a model's modules are built with ---------------------------------------
+
+_BUILDING: contextvars.ContextVar[KernelBackend | None] = contextvars.ContextVar(
+    "unikv_building_ops", default=None
+)
+
+
+@contextlib.contextmanager
+def building(ops: KernelBackend | None) -> Iterator[KernelBackend]:
+    """Build a model inside this: every module made in it takes ``ops`` (``model_ops``),
+    fixed for its life. The loader wraps each model's construction in it; None keeps
+    the enclosing one (the torch references outside any)."""
+    if ops is None:
+        yield model_ops()
+        return
+    token = _BUILDING.set(ops)
+    try:
+        yield ops
+    finally:
+        _BUILDING.reset(token)
+
+
+def model_ops(ops: KernelBackend | None = None) -> KernelBackend:
+    """The backend a module being built calls: ``ops`` when given, else the enclosing
+    ``building``'s, else the torch references (a model built outside the loader)."""
+    return ops or _BUILDING.get() or get_backend("cpu", "torch")

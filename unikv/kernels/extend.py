@@ -220,6 +220,7 @@ def extend_attention(
     out: torch.Tensor | None = None,
     config: tuple | None = None,
     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hopper: bool = False,
 ) -> torch.Tensor:
     """Causal attention of ragged new tokens over their cached prefix and themselves.
 
@@ -232,14 +233,15 @@ def extend_attention(
     request has a cached prefix (``seq_lens == q_lens``; not checked on device):
     K/V are then read from them (``extend_fresh``), not through the block table.
     config: ``CONFIGS``-style tiles of the path taken (``extend_fresh.CONFIGS``
-    when fresh). Returns out (T, Hq, Dv) in q's dtype.
+    when fresh). hopper: fresh prompts may take the Gluon kernel (``extend_fresh``;
+    decided once, by ``get_backend``). Returns out (T, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     if fresh_kv is not None:
         k_new, v_new = fresh_kv
         return extend_attention_fresh(
             q, k_new, v_new, q_indptr, max_q_len=max_q_len, sm_scale=sm_scale, window=window,
-            sinks=sinks, soft_cap=soft_cap, out=out, config=config,
+            sinks=sinks, soft_cap=soft_cap, out=out, config=config, hopper=hopper,
         )  # fmt: skip
     if q_indptr.dtype != torch.int32 or q_indptr.shape != (block_table.shape[0] + 1,):
         raise ValueError(

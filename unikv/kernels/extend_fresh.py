@@ -24,13 +24,12 @@ import triton.language as tl
 
 from unikv.kernels import extend_hopper
 from unikv.kernels._attn import attn_tile, dot_precision, finish_rows
-from unikv.kernels._checks import (
-    TensorDescriptor,
-    check_same_device,
-    next_pow2,
-    out_buffer,
-    tma_ok,
-)
+from unikv.kernels._checks import check_same_device, next_pow2, out_buffer, tma_ok
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton without host tensor descriptors: tma_ok never holds
+    TensorDescriptor = None
 
 # (block_m, block_n, num_warps, num_stages, tma) per head_dim; the H200 pick comes
 # from benchmarks/bench_extend_long.py (its "install" lines). head_dim 64 takes the best
@@ -193,6 +192,7 @@ def extend_attention_fresh(
     soft_cap: float = 0.0,
     out: torch.Tensor | None = None,
     config: tuple | None = None,
+    hopper: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged fresh prompts over themselves (no cached prefix).
 
@@ -203,9 +203,11 @@ def extend_attention_fresh(
     length. config: ``(block_m, block_n, warps, stages[, tma])``, default
     ``CONFIGS[head_dim]``; a default asking for TMA is used where ``tma_ok`` holds
     for k and v (a host decision from shapes, strides and the device), an explicit
-    one must be allowed. On an sm_90 GPU without a config, where
-    ``extend_hopper.usable`` holds, the Gluon kernel runs instead (16-bit, D == Dv in
-    (64, 128), no window or soft-cap, max_q_len >= ``extend_hopper.MIN_Q_LEN[D]``).
+    one must be allowed. hopper: the device runs the Gluon kernel (``extend_hopper.
+    runs_on``: the backend decides it once and passes it; None asks ``runs_on`` here,
+    for direct callers); there, without a config, where ``extend_hopper.usable``
+    holds, the Gluon kernel runs instead (16-bit, D == Dv in (64, 128), no window or
+    soft-cap, max_q_len >= ``extend_hopper.MIN_Q_LEN[D]``).
     Returns out (T, Hq, Dv) in q's dtype.
     """
     check_fresh(q, k, v, q_indptr, sinks)
@@ -215,7 +217,9 @@ def extend_attention_fresh(
     bsz = q_indptr.shape[0] - 1
     if num_tokens == 0 or bsz == 0 or max_q_len <= 0:
         return out
-    if config is None and extend_hopper.usable(q, k, v, window, soft_cap, max_q_len):
+    if hopper is None:
+        hopper = extend_hopper.runs_on(q.device)
+    if hopper and config is None and extend_hopper.usable(q, k, v, window, soft_cap, max_q_len):
         return extend_hopper.fresh_attention(
             q, k, v, q_indptr, out, max_q_len=max_q_len, sm_scale=sm_scale, sinks=sinks
         )

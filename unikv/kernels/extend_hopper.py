@@ -16,8 +16,9 @@ FlashAttention-3 shape, written in Gluon:
 
 Only the diagonal block (the last) is masked. Keys past a request's rows are
 masked by causality (a row's position bounds its keys), rows past it are not
-stored; TMA reads rows past the tensor as zeros. ``usable`` says where this path
-runs (sm_90, 16-bit, D == Dv in (64, 128), no window / soft-cap; sinks allowed);
+stored; TMA reads rows past the tensor as zeros. ``runs_on`` says on which device
+this path runs (sm_90, ``ENABLED``: decided once, by ``get_backend``), ``usable``
+for which step (16-bit, D == Dv in (64, 128), no window / soft-cap; sinks allowed);
 ``extend_fresh`` takes it there. Gluon does not run in the interpreter: the CPU
 tests compile it for sm_90a (``benchmarks/aot_sm90.py --extend``), the GPU tests
 check it against SDPA.
@@ -53,6 +54,9 @@ MAXNREG = 168  # the launch's: 12 warps x 168 <= 64k; the split above fits the s
 # 1 x 8192 but 0.71-0.93x from 16 x 512 to 4 x 2048 (the softmax's exponentials, the same
 # per tile at either D, outweigh half the MMA there)
 MIN_Q_LEN = {128: 1024, 64: 8192}
+# ``UNIKV_EXTEND_HOPPER=0`` keeps every fresh prompt on the Triton kernel (the A/B
+# switch; fixed at import)
+ENABLED = os.environ.get("UNIKV_EXTEND_HOPPER", "1") != "0"
 
 
 @gluon.jit
@@ -215,15 +219,20 @@ def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether this path runs on ``device`` at all: an sm_90 GPU, ``ENABLED``. Asked
+    once, where a backend is built (``get_backend``), or by a direct caller of
+    ``extend_fresh.extend_attention_fresh`` that leaves ``hopper`` to it."""
+    return ENABLED and _hopper(device)
+
+
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, soft_cap: float,
            max_q_len: int) -> bool:  # fmt: skip
-    """Whether a fresh step's attention runs here (host ints and strides only): an
-    sm_90 GPU, 16-bit q/k/v, D == Dv in (64, 128), no window or soft-cap, rows TMA can
-    address, a prompt of at least ``MIN_Q_LEN[D]``; ``UNIKV_EXTEND_HOPPER=0`` turns it off."""
+    """Whether a fresh step's attention runs here, on a device ``runs_on`` (host ints
+    and strides only): 16-bit q/k/v, D == Dv in (64, 128), no window or soft-cap, rows
+    TMA can address, a prompt of at least ``MIN_Q_LEN[D]``."""
     return (
         max_q_len >= MIN_Q_LEN.get(q.shape[2], 1 << 62)
-        and os.environ.get("UNIKV_EXTEND_HOPPER", "1") != "0"
-        and _hopper(q.device)
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[2] == k.shape[2] == v.shape[2]
         and q.shape[2] in (64, 128)

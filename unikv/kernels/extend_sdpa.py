@@ -93,7 +93,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      *, max_q_len: int, page_size: int, sm_scale: float, window: int = 0,
                      sinks: torch.Tensor | None = None, soft_cap: float = 0.0,
                      out: torch.Tensor | None = None, config: tuple | None = None,
-                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                     fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     hopper: bool = False) -> torch.Tensor:  # fmt: skip
     """``extend.extend_attention``, with a step of one fresh prompt through SDPA
     (``takes_sdpa``): the CUDA backend's op. Arguments and result as there."""
     if takes_sdpa(q, fresh_kv, max_q_len, window, sinks, soft_cap, config):
@@ -103,5 +104,5 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return extend.extend_attention(  # checks its arguments itself
         q, k_cache, v_cache, block_table, q_indptr, seq_lens, max_q_len=max_q_len,
         page_size=page_size, sm_scale=sm_scale, window=window, sinks=sinks, soft_cap=soft_cap,
-        out=out, config=config, fresh_kv=fresh_kv,
+        out=out, config=config, fresh_kv=fresh_kv, hopper=hopper,
     )  # fmt: skip

@@ -27,7 +27,6 @@ tests this file against the dequantised reference.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -515,17 +514,32 @@ TABLE = {1: (32, 4, True, 4), 8: (32, 4, True, 4), 16: (32, 4, True, 4), 64: (32
          256: (64, 4, True, 4), 2048: (128, 3, True, 4), 8192: (128, 3, True, 4)}  # fmt: skip
 
 
-def usable(device: torch.device | str, dtype: torch.dtype, hidden: int, inter: int) -> bool:
-    """Whether this path runs experts of that shape for a model of ``dtype`` on
-    ``device``: an sm_90 GPU, bf16 activations (wgmma's operands share a type), hidden
-    and intermediate sizes in whole K blocks of 64; ``UNIKV_MOE_HOPPER=0`` turns it off
-    (the Triton kernel on the checkpoint's layout, for A/Bs)."""
-    device = torch.device(device)
-    if os.environ.get("UNIKV_MOE_HOPPER", "1") == "0" or device.type != "cuda":
-        return False
-    if dtype != torch.bfloat16 or hidden % 64 or inter % 64:
-        return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
+def usable(dtype: torch.dtype, hidden: int, inter: int) -> bool:
+    """Whether this path runs experts of that shape for a model of ``dtype``, on a
+    device where it runs at all (sm_90 with ``UNIKV_MOE_HOPPER`` not "0": decided once,
+    by ``get_backend``, whose ``moe_repacked`` asks this): bf16 activations (wgmma's
+    operands share a type), hidden and intermediate sizes in whole K blocks of 64."""
+    return dtype == torch.bfloat16 and hidden % 64 == 0 and inter % 64 == 0
+
+
+def repack_in_place(w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                    gate_up: str) -> Mxfp4Fragments:  # fmt: skip
+    """Re-pack a layer's MXFP4 experts, as the checkpoint stores them (uint8 blocks w1
+    (E, 2I, d / 32, 16), scales s1 (E, 2I, d / 32), w2 / s2 likewise), in place into
+    this kernel's order (``pack_experts``: same bytes, one pass, one layer's copy at a
+    time); returns the fragments as views of those four tensors, which then hold that
+    order and only this kernel reads."""
+    frags = pack_experts(w1, s1, w2, s2, gate_up)
+    with torch.no_grad():
+        for param, packed in zip((w1, s1, w2, s2), frags[:4], strict=True):
+            param.copy_(packed.view(torch.uint8).reshape(param.shape))
+    return Mxfp4Fragments(
+        w1.view(frags.w1.shape),
+        s1.view(frags.s1.shape[:-1] + (32,)).view(torch.int32),
+        w2.view(frags.w2.shape),
+        s2.view(frags.s2.shape[:-1] + (32,)).view(torch.int32),
+        frags.one_mul,
+    )
 
 
 def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:

@@ -15,9 +15,9 @@ Routing, in fp32 on fp32 logits ``x @ gate.weight^T`` (E experts, k per token):
   the chosen experts, renormalised (sum + 1e-20) when ``norm_topk_prob``, times
   ``routed_scaling_factor``.
 
-The routed experts run in the fused MoE (``models/moe.RoutedExperts``: Triton on
-CUDA, the torch reference loop elsewhere, which adds the experts in index order, as
-transformers does).
+The routed experts run in the model's backend's fused MoE (``models/moe.RoutedExperts``:
+the Triton MoE on the Triton backend; on the torch backend the reference loop, which
+adds the experts in index order, as transformers does).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from unikv.kernels.backend import KernelBackend
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP
 from unikv.models.moe import RoutedExperts
@@ -79,9 +80,10 @@ class TopkRouter(nn.Module):
 
 class DeepseekMoE(nn.Module):
     """Routed experts plus shared experts (one SwiGLU of ``n_shared_experts *
-    moe_intermediate_size``), added to every token."""
+    moe_intermediate_size``), added to every token; ``ops``: the backend (None:
+    ``model_ops()``)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelBackend | None = None) -> None:
         super().__init__()
         e = config.extra
         self.gate = TopkRouter(config)
@@ -89,14 +91,14 @@ class DeepseekMoE(nn.Module):
             config, intermediate_size=e["moe_intermediate_size"], mlp_bias=False
         )
         self.experts = RoutedExperts(
-            e["n_routed_experts"], config.hidden_size, routed.intermediate_size
+            e["n_routed_experts"], config.hidden_size, routed.intermediate_size, ops=ops
         )
         shared = dataclasses.replace(
             config,
             intermediate_size=e["moe_intermediate_size"] * e["n_shared_experts"],
             mlp_bias=e["mlp_bias"],
         )
-        self.shared_experts = GatedMLP(shared)
+        self.shared_experts = GatedMLP(shared, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""

@@ -5,8 +5,9 @@ its expert weights dense or MXFP4 kept packed.
 The rest of gpt-oss (alternating sliding/full layers, attention sinks, yarn
 rope, biased projections, fp32 norms) is the shared decoder in ``llama.py``.
 
-Off CUDA the experts run the fused MoE's torch reference: dense (every expert on
-every token, zero weight when not routed; no host sync) for T <=
+The MoE kernel is the model's backend's (``kernels/backend.py``, taken at
+construction): the Triton MoE, or on the torch backend its torch reference: dense
+(every expert on every token, zero weight when not routed; no host sync) for T <=
 ``DENSE_MAX_TOKENS``, sparse (each expert on its tokens, as transformers) above;
 both add the experts in index order, as transformers' loop does.
 """
@@ -16,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unikv.kernels.backend import KernelBackend, model_ops
 from unikv.models.config import ModelConfig
-from unikv.models.moe import DENSE_MAX_TOKENS, moe_kernel  # noqa: F401  (the bound: a re-export)
+from unikv.models.moe import DENSE_MAX_TOKENS  # noqa: F401  (the bound: a re-export)
 from unikv.models.parallel import tp_size
 
 
@@ -38,8 +40,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """gpt-oss's experts, run by the fused MoE (``kernels/moe.py``; the torch
-    reference off CUDA), with gate and up interleaved (gate 2j, up 2j+1).
+    """gpt-oss's experts, run by the backend's fused MoE (``ops``, None:
+    ``model_ops()``; fixed at construction), with gate and up interleaved (gate 2j,
+    up 2j+1).
 
     Dense (transformers' shapes): ``gate_up_proj`` (E, hidden, 2I), ``down_proj``
     (E, I, hidden), stored transposed, so the kernel's (E, N, K) views of them (no
@@ -48,9 +51,10 @@ class Experts(nn.Module):
     with ``quant_method`` "mxfp4"): the checkpoint's ``gate_up_proj_blocks`` (E, 2I,
     hidden / 32, 16) and ``_scales`` (E, 2I, hidden / 32), ``down_proj_blocks`` (E,
     hidden, I / 32, 16) and ``_scales``, uint8 (``models/mxfp4.py``), dequantised
-    inside the kernel's tiles. On an H200 in bf16, ``finish_loading`` re-packs them in
-    place for the Hopper kernel (``kernels/moe_hopper.py``), which then runs every step. Biases ``gate_up_proj_bias`` (E, 2I), ``down_proj_bias``
-    (E, hidden) in the model dtype either way.
+    inside the kernel's tiles. Where the backend runs such experts re-packed (its
+    ``moe_repacked``: the Hopper kernel on an H200 in bf16), ``finish_loading`` re-packs
+    them in place, and that kernel then runs every step. Biases ``gate_up_proj_bias``
+    (E, 2I), ``down_proj_bias`` (E, hidden) in the model dtype either way.
 
     With ``tp`` every expert holds intermediate rows [r*I/tp, (r+1)*I/tp): a
     contiguous slice of 2I/tp gate_up columns keeps each (gate, up) pair whole.
@@ -60,7 +64,7 @@ class Experts(nn.Module):
     alpha = 1.702
     limit = 7.0
 
-    def __init__(self, config: ModelConfig, tp=None) -> None:
+    def __init__(self, config: ModelConfig, tp=None, ops: KernelBackend | None = None) -> None:
         super().__init__()
         e, h = config.num_experts, config.hidden_size
         i = config.intermediate_size // tp_size(tp)
@@ -86,50 +90,39 @@ class Experts(nn.Module):
         self.add_down_bias = tp is None or tp.rank == 0
         if tp is not None:
             self.tp_shards = {**shards, "gate_up_proj_bias": 1}
-        self.kernel = moe_kernel(self.down_proj_bias.device)
-        self.fragments = None  # the MXFP4 bytes re-packed for Hopper (``finish_loading``)
+        self.ops = model_ops(ops)
+        self.kernel = self.ops.moe  # the backend's MoE on the checkpoint's layout
+        self.fragments = None  # the MXFP4 bytes re-packed for the backend (``finish_loading``)
 
     def finish_loading(self) -> None:
-        """After the checkpoint is in (``loader.load_model``): on an H200 with bf16
-        activations, re-pack the MXFP4 experts in place into the Hopper kernel's order
-        (``kernels/moe_hopper.py``: same bytes, one pass, one layer's copy at a time);
-        the parameters then hold that order and only that kernel reads them."""
+        """After the checkpoint is in (``loader.load_model``): where the backend runs
+        MXFP4 experts of this dtype and shape re-packed (``ops.moe_repacked``: the Hopper
+        kernel on an H200 with bf16 activations), re-pack them in place into that
+        kernel's order (same bytes, one pass, one layer's copy at a time); the
+        parameters then hold that order and only that kernel reads them."""
         if not self.mxfp4 or self.fragments is not None:
             return
-        from unikv.kernels import moe_hopper  # Triton is only needed here
-
         h, i2 = self.down_proj_bias.shape[1], self.gate_up_proj_bias.shape[1]
-        if not moe_hopper.usable(self.down_proj_bias.device, self.down_proj_bias.dtype, h, i2 // 2):
+        variant = self.ops.moe_repacked(self.down_proj_bias.dtype, h, i2 // 2)
+        if variant is None:
             return
         params = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.down_proj_blocks,
                   self.down_proj_scales)  # fmt: skip
-        frags = moe_hopper.pack_experts(*params, "interleaved")
-        with torch.no_grad():
-            for param, packed in zip(params, frags[:4], strict=True):
-                param.copy_(packed.view(torch.uint8).reshape(param.shape))
-        self.fragments = moe_hopper.Mxfp4Fragments(
-            self.gate_up_proj_blocks.view(frags.w1.shape),
-            self.gate_up_proj_scales.view(frags.s1.shape[:-1] + (32,)).view(torch.int32),
-            self.down_proj_blocks.view(frags.w2.shape),
-            self.down_proj_scales.view(frags.s2.shape[:-1] + (32,)).view(torch.int32),
-            frags.one_mul,
-        )
-        self.kernel = moe_hopper.moe  # ``operands`` hands it the fragments
+        self.fragments = variant.pack(*params, "interleaved")
+        self.kernel = variant.run  # ``operands`` hands it the fragments
 
-    def _apply(self, fn, recurse=True):  # to / to_empty / cuda: the kernel of the new device
+    def _apply(self, fn, recurse=True):  # to / to_empty / cuda
         if self.fragments is not None:
             raise RuntimeError(
                 "gpt-oss's MXFP4 experts were re-packed for the Hopper kernel and cannot be "
                 "moved or cast; load the model on its final device and dtype (or set "
                 "UNIKV_MOE_HOPPER=0 to keep the checkpoint's layout)"
             )
-        super()._apply(fn, recurse)
-        self.kernel = moe_kernel(self.down_proj_bias.device)
-        return self
+        return super()._apply(fn, recurse)
 
     def operands(self) -> dict:
         """The MoE kernel's weight arguments (views, no copy): the re-packed fragments
-        for the Hopper kernel, else the checkpoint's layout for ``moe_kernel``'s."""
+        for the re-packed variant, else the checkpoint's layout for the backend's ``moe``."""
         if self.fragments is not None:  # fixed at load
             w = {"frags": self.fragments}
         elif self.mxfp4:  # a host bool fixed at construction
@@ -180,10 +173,10 @@ class MoE(nn.Module):
     """gpt-oss MLP block: ``mlp.router`` (replicated under ``tp``) and
     ``mlp.experts`` (sharded on the intermediate dim, one all-reduce)."""
 
-    def __init__(self, config: ModelConfig, tp=None) -> None:
+    def __init__(self, config: ModelConfig, tp=None, ops: KernelBackend | None = None) -> None:
         super().__init__()
         self.router = Router(config)
-        self.experts = Experts(config, tp)
+        self.experts = Experts(config, tp, ops)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,11 @@ to ``forward`` for each step, already planned (write locations and block
 tables translated once for the whole step). A model never sees the pool.
 
 The elementwise work (RMSNorm with the residual add, rope, SwiGLU) goes
-through the elementwise ops of one ``KernelBackend`` chosen once per model (``use_elementwise_ops``,
-called by the loader): Triton kernels on CUDA, their torch references
-elsewhere; a module built without it runs the references. Attention and the
+through the elementwise ops of one ``KernelBackend`` chosen once per model and taken
+by each module at construction (an ``ops`` argument, else ``backend.model_ops()``:
+the loader builds the model inside ``backend.building(ops)``): Triton kernels on
+CUDA, their torch references elsewhere; a module built outside any runs the
+references. Attention and the
 gated MLP run one GEMM for q|k|v and one for gate|up; their weights are
 concatenated at load (``packed``: fused module -> the checkpoint's modules).
 """
@@ -21,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, get_backend
+from unikv.kernels.backend import KernelBackend, model_ops
 from unikv.kernels.elementwise_ref import resolve_feedback  # noqa: F401  (the models' use)
 from unikv.models.config import ModelConfig
 from unikv.models.parallel import linear_layers, tp_size
@@ -104,23 +106,15 @@ class StateFn(Protocol):
         ...
 
 
-def use_elementwise_ops(model: nn.Module, ops: KernelBackend) -> None:
-    """Set ``ops`` on every module of ``model`` that runs elementwise ops (those
-    with an ``ops`` attribute); done once, after the model is built."""
-    for module in model.modules():
-        if hasattr(module, "ops"):
-            module.ops = ops
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` through the kernel backend's ``linear`` (``ops``, set with the
-    other elementwise ops): the Triton backend runs a one-request decode step's
-    product as a GEMV (``kernels/gemv.py``), cuBLAS otherwise; the torch backend is
-    ``F.linear``. Same parameters and state-dict names as ``nn.Linear``."""
+    """``nn.Linear`` through the kernel backend's ``linear`` (``ops``, None:
+    ``model_ops()``): the Triton backend runs a one-request decode step's product as a
+    GEMV (``kernels/gemv.py``), cuBLAS otherwise; the torch backend is ``F.linear``.
+    Same parameters and state-dict names as ``nn.Linear``."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, ops: KernelBackend | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = get_backend("cpu", "torch")
+        self.ops = model_ops(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self.weight, self.bias)
@@ -130,14 +124,17 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32.
 
     ``weight_in_fp32``: gpt-oss multiplies by the weight before casting back
-    (``(w * x).to(dtype)``); Llama casts first (``w * x.to(dtype)``)."""
+    (``(w * x).to(dtype)``); Llama casts first (``w * x.to(dtype)``). ``ops``: the
+    backend (None: ``model_ops()``)."""
 
-    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
+    def __init__(
+        self, dim: int, eps: float, weight_in_fp32: bool = False, ops: KernelBackend | None = None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
-        self.ops = get_backend("cpu", "torch")
+        self.ops = model_ops(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> normed, same shape and dtype."""
@@ -260,7 +257,7 @@ class GatedMLP(nn.Module):
     projections. With ``tp``: gate/up column-parallel on the intermediate dim
     (concatenated per shard), down row-parallel."""
 
-    def __init__(self, config: ModelConfig, tp=None) -> None:
+    def __init__(self, config: ModelConfig, tp=None, ops: KernelBackend | None = None) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size // tp_size(tp), config.mlp_bias
         column, row = linear_layers(tp)
@@ -273,7 +270,7 @@ class GatedMLP(nn.Module):
             self.packed = {"gate_up_proj": ("gate_proj", "up_proj")}
         self.down_proj = row(i, h, bias=bias)
         self.fused_down = type(self.down_proj) is Linear  # SwiGLU inside the down GEMV
-        self.ops = get_backend("cpu", "torch")
+        self.ops = model_ops(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""

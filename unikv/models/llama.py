@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from unikv.kernels.backend import KernelBackend, building
 from unikv.models.config import ModelConfig
 from unikv.models.layers import (
     Attention,
@@ -106,6 +107,8 @@ class CausalLM(nn.Module):
         max_positions: length of the rope table (the engine's max context).
         tp: None, or a ``models.parallel.TensorParallel``: this rank's shard of
             every layer (embeddings and lm_head replicated).
+        ops: the kernel backend every module calls, fixed at construction (None: the
+            enclosing ``backend.building``'s, the torch references outside any).
 
     ``logits_dtype``: the dtype ``forward`` returns logits in (fp32 by default);
     None keeps lm_head's (the model dtype), so that a greedy argmax needs no
@@ -119,7 +122,9 @@ class CausalLM(nn.Module):
 
     resolves_feedback = True
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
@@ -127,8 +132,9 @@ class CausalLM(nn.Module):
             from unikv.models.gpt_oss import MoE as make_mlp
         else:
             make_mlp = GatedMLP
-        self.model = Backbone(config, make_mlp, max_positions, tp)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        with building(ops):
+            self.model = Backbone(config, make_mlp, max_positions, tp)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
 
     def forward(

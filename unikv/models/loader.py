@@ -6,8 +6,9 @@ comes from the same directory. Parameters are matched by name (unikv's modules
 mirror transformers' names); a missing or unexpected tensor is an error, except
 ``lm_head.weight`` when the embeddings are tied. A fused projection (one GEMM
 for q|k|v, one for gate|up) is filled with its checkpoint tensors concatenated
-(``packed_params``). The model is then set to run the elementwise ops of its
-device (``layers.use_elementwise_ops``).
+(``packed_params``). The model is built inside ``backend.building(ops)``: every
+module takes the kernel backend of its device at construction (the elementwise ops,
+the MoE, each variant decided once by ``get_backend``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 
 import torch
 
-from unikv.kernels.backend import get_backend
+from unikv.kernels.backend import building, get_backend
 from unikv.models.config import TEXT_DECODERS, ModelConfig, model_config_from_hf
 from unikv.models.fp8 import (
     SCALE_SUFFIX,
@@ -27,7 +28,6 @@ from unikv.models.fp8 import (
     fp8_format,
     fp8_pairs,
 )
-from unikv.models.layers import use_elementwise_ops
 from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
@@ -290,16 +290,16 @@ def load_model(
     ``max_positions``: rope table length (default: the config's
     ``max_position_embeddings``). ``tp``: None, or a
     ``models.parallel.TensorParallel``: load only this rank's shard.
-    ``kernels``: the elementwise ops, None (Triton on CUDA, torch elsewhere),
-    ``"triton"`` or ``"torch"``, as ``kernels.get_backend`` (whose elementwise ops the
-    modules then call)."""
+    ``kernels``: the kernel backend the modules call, None (Triton on CUDA, torch
+    elsewhere), ``"triton"`` or ``"torch"``, as ``kernels.get_backend`` (its
+    elementwise ops and its MoE, taken by each module at construction)."""
     ops = get_backend(device, kernels)  # validated before anything is built
     config, hf_config = load_model_config(model_dir)
     if tp is not None:
         check_tp_config(config, tp.size)
     files = weight_files(model_dir)
     max_positions = max_positions or config.max_position_embeddings
-    with torch.device("meta"):
+    with torch.device("meta"), building(ops):
         model = model_class(config.family)(config, max_positions, tp)
     model = model.to(dtype).to_empty(device=device)  # no full-precision copy on the device
     if hasattr(model, "build"):  # a family's own tables (rope, fp32 parameters)
@@ -307,11 +307,10 @@ def load_model(
     else:
         model.model.rotary.build(torch.device(device))
     load_weights(model, files, fp8_format(hf_config))
-    for module in model.modules():  # e.g. MXFP4 experts re-packed for the device's kernel
+    for module in model.modules():  # e.g. MXFP4 experts re-packed for the backend's kernel
         if hasattr(module, "finish_loading"):
             module.finish_loading()
     _sinks_to_fp32(model)
-    use_elementwise_ops(model, ops)
     return model.eval().requires_grad_(False)
 
 

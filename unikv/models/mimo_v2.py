@@ -35,6 +35,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from unikv.kernels.backend import KernelBackend, building
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import TopkRouter, check_moe_fields
 from unikv.models.layers import AttentionFn, GatedMLP, RMSNorm
@@ -217,13 +218,18 @@ class MiMoV2FlashForCausalLM(nn.Module):
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope tables (the engine's max context).
         tp: must be None (tensor parallelism is not implemented for MiMo-V2-Flash).
+        ops: the kernel backend every module calls, fixed at construction (None: the
+            enclosing ``backend.building``'s, the torch references outside any).
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
+    ) -> None:
         super().__init__()
         refuse_tp(config, tp)
         self.config, self.tp = config, None
-        self.model = Backbone(config, max_positions)
+        with building(ops):
+            self.model = Backbone(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.ignore_checkpoint_prefixes = ("model.mtp.",)  # multi-token-prediction head
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from unikv.kernels.backend import KernelBackend, building
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
 from unikv.models.llama import CausalLM, DecoderLayer
@@ -101,17 +102,20 @@ class MoEBackbone(nn.Module):
 
 class MoEDecoderLM(CausalLM):
     """A Llama-layout causal LM whose MLPs come from ``make_mlp`` (tp must be None);
-    ``forward`` is ``llama.CausalLM``'s."""
+    ``forward`` is ``llama.CausalLM``'s; ``ops`` as there."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
+    ) -> None:
         if tp is not None:
             raise ValueError(f"{config.architecture} runs without tensor parallelism (tp=None)")
         nn.Module.__init__(self)
         self.config, self.tp = config, None
-        self.model = MoEBackbone(config, self.make_mlp, max_positions, self.layer_cls)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        with building(ops):
+            self.model = MoEBackbone(config, self.make_mlp, max_positions, self.layer_cls)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
 
     @staticmethod

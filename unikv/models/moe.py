@@ -10,37 +10,23 @@ storage is two stacked tensors, the fused kernel's operands::
     experts[e].gate_proj.weight is the view w1[e, :I], up_proj w1[e, I:], down w2[e]
 
 The stacking is redone whenever the module's tensors are replaced (``to``,
-``to_empty``, ``cuda``: torch routes them all through ``_apply``), and the kernel is
-picked there too, once per placement: on CUDA the Triton kernel (or the dense loop
-where ``kernels/moe.TABLE`` measured it faster), the torch reference
-(``kernels/moe_ref.py``, the routed loop these families ran before) elsewhere.
+``to_empty``, ``cuda``: torch routes them all through ``_apply``). The kernel is the
+backend's ``moe`` (``kernels/backend.py``), taken at construction (``model_ops``: the
+loader builds the model inside ``building(ops)``) and fixed for the module's life:
+the Triton MoE for the Triton backend, the torch reference (``kernels/moe_ref.py``,
+the routed loop these families ran before) for the torch backend, whatever the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from unikv.kernels import moe_ref
-from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the engine's graph bound (re-exported)
+from unikv.kernels.backend import DENSE_MAX_TOKENS, KernelBackend, model_ops
 
-__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "moe_kernel", "routed_experts"]
+__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
 
 SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
-
-
-def moe_kernel(device: torch.device | str) -> Callable[..., torch.Tensor]:
-    """The MoE for ``device``: on CUDA ``kernels/moe.moe`` (the Triton kernel, or the
-    dense loop for unpacked experts at the token counts where its table says the loop
-    is faster; host ints, fixed per CUDA graph), the torch reference elsewhere (the
-    rule of ``kernels/backend.get_backend``)."""
-    if torch.device(device).type == "cuda":
-        from unikv.kernels import moe  # Triton is only needed here
-
-        return moe.moe
-    return moe_ref.fused_moe
 
 
 class Expert(nn.Module):
@@ -55,7 +41,8 @@ class Expert(nn.Module):
 
 class RoutedExperts(nn.ModuleList):
     """E experts of one MoE layer (``activation`` "silu": SwiGLU, ``names`` (gate, up,
-    down); "relu2": ``down(relu(up(x)) ** 2)``, ``names`` (up, down)).
+    down); "relu2": ``down(relu(up(x)) ** 2)``, ``names`` (up, down)); ``ops``: the
+    backend whose ``moe`` runs them (None: ``model_ops()``).
 
     forward(x (T, d), weights (T, k), indices (T, k) int64) -> (T, d) in x.dtype:
     the sum of each token's k experts, weighted (``moe_ref.fused_moe``)."""
@@ -68,6 +55,7 @@ class RoutedExperts(nn.ModuleList):
         *,
         activation: str = "silu",
         names: tuple[str, ...] = SWIGLU_NAMES,
+        ops: KernelBackend | None = None,
     ) -> None:
         gated = activation != "relu2"
         if activation not in ("silu", "relu2") or len(names) != 2 + gated:
@@ -79,9 +67,10 @@ class RoutedExperts(nn.ModuleList):
         shapes[names[-1]] = (intermediate, hidden)
         super().__init__(Expert(shapes) for _ in range(num_experts))
         self.activation, self.names, self.intermediate = activation, names, intermediate
+        self.kernel = model_ops(ops).moe  # the backend's MoE, fixed at construction
         self._stack()
 
-    def _apply(self, fn, recurse=True):  # to / to_empty / cuda: restack, re-pick the kernel
+    def _apply(self, fn, recurse=True):  # to / to_empty / cuda: restack
         super()._apply(fn, recurse)
         self._stack()
         return self
@@ -97,7 +86,6 @@ class RoutedExperts(nn.ModuleList):
             for j, name in enumerate(ins):
                 getattr(expert, name).weight.data = self.w1[e, j * i : (j + 1) * i]
             getattr(expert, out).weight.data = self.w2[e]
-        self.kernel = moe_kernel(self.w1.device)
 
     def forward(
         self,

@@ -15,6 +15,7 @@ import dataclasses
 
 from torch import nn
 
+from unikv.kernels.backend import KernelBackend
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP
 from unikv.models.mixtral import MoEDecoderLM, SparseMoE
@@ -35,8 +36,10 @@ def config_extras(hf_config) -> dict:
 class Qwen3MoeForCausalLM(MoEDecoderLM):
     """Qwen3-MoE over unikv's paged attention (tp must be None)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__(dataclasses.replace(config, qk_norm=True), max_positions, tp)
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
+    ) -> None:
+        super().__init__(dataclasses.replace(config, qk_norm=True), max_positions, tp, ops=ops)
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer: int) -> nn.Module:

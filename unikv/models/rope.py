@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from unikv.kernels.backend import get_backend
+from unikv.kernels.backend import model_ops
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -128,7 +128,7 @@ class Rotary(nn.Module):
         self.params, self.head_dim, self.max_positions = params, head_dim, max_positions
         self.rotary_dim = rotary_dim(params, head_dim)
         rope_inv_freq(params, head_dim, max_positions)  # validate the rope type now
-        self.ops = get_backend("cpu", "torch")  # set once by layers.use_elementwise_ops
+        self.ops = model_ops()  # the backend the model is built with (``building``)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         if torch.empty(0).device.type != "meta":
