@@ -278,7 +278,7 @@ class EngineLoop:
         Returns (batch, launched, requests finished by length) or None when idle
         (the step in flight, if any, was settled)."""
         self._take_inbox()
-        if self._quarantined:
+        if self._held or self._quarantined:
             self._probe_next()
         sched = self.scheduler
         if not sched.has_work():
