@@ -171,7 +171,6 @@ class LLM:
         configs = fp8_kv_configs(configs, self.kv_cache_dtype)
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
-        self._check_windows(configs)
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
@@ -270,14 +269,6 @@ class LLM:
             prefill_tokens_per_s=self._prefill_tokens_per_s(),
         )
         return build_swap_space(self.alloc, host_bytes, policy)
-
-    def _check_windows(self, configs) -> None:
-        for c in configs:
-            for layer in c.layers:
-                assert self.config.windows[layer] == c.spec.sliding_window, (
-                    f"layer {layer}: model window {self.config.windows[layer]} != sub-pool "
-                    f"{c.name!r} window {c.spec.sliding_window} (hf_config and models disagree)"
-                )
 
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""
