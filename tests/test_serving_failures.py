@@ -174,3 +174,25 @@ def test_max_waiting_zero_is_no_bound_and_a_negative_one_is_refused(ckpt):
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
     finally:
         proc.stop()
+
+
+def test_memory_pressure_makes_requests_wait_never_fail(ckpt):
+    """A pool about one request's worth of pages, twelve concurrent requests:
+    each gets 200 and the text of an unconstrained ``LLM.generate`` (the
+    scheduler preempts and requeues; nobody gets a 500 or a 503)."""
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(12)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].text for o in _llm(ckpt).generate(prompts, params)]
+    llm = LLM(ckpt, device="cpu", page_size=4, max_model_len=MAX_LEN, max_num_seqs=8,
+              kv_cache_bytes=40960, enable_prefix_caching=False)  # fmt: skip
+    app = AppThread(create_app(llm, served_model_names=["tiny"], max_waiting=None))
+    body = {"model": "tiny", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda p: httpx.post(app.url + "/v1/completions",
+                                    json=dict(body, prompt=p), timeout=120), prompts))  # fmt: skip
+        assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers]
+        assert [r.json()["choices"][0]["text"] for r in answers] == want
+        assert llm.scheduler.num_preemptions > 0  # the pool was short
+    finally:
+        app.stop()
