@@ -140,7 +140,10 @@ def test_hash32_matches_a_python_reference():
     "kwargs",
     [
         {"temperature": -1.0},
-        {"top_k": -1},
+        {"temperature": float("inf")},
+        {"top_k": -2},  # -1 = off, as vLLM
+        {"seed": 2**63},  # int64 at most, as vLLM
+        {"seed": -(2**63) - 1},
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"max_tokens": 0},
