@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from unikv.kernels.elementwise_ref import resolve_feedback  # placeholder ids (every backend)
 from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
 
 Op = Callable[..., object]
@@ -47,8 +48,9 @@ MOE_OPS = ("moe", "moe_repacked")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
        + LINEAR_OPS + MOE_OPS)  # fmt: skip
 
+# what models take from the kernels: this module only
 __all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "building",
-           "get_backend", "model_ops"]  # fmt: skip
+           "get_backend", "model_ops", "resolve_feedback"]  # fmt: skip
 
 
 class MoERepacked(NamedTuple):

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from unikv.kernels.backend import KernelBackend, model_ops
-from unikv.kernels.elementwise_ref import resolve_feedback  # noqa: F401  (the models' use)
 from unikv.models.config import ModelConfig
 from unikv.models.parallel import linear_layers, tp_size
 from unikv.models.rope import Rotary

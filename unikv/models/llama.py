@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, building
+from unikv.kernels.backend import KernelBackend, building, resolve_feedback
 from unikv.models.config import ModelConfig
 from unikv.models.layers import (
     Attention,
@@ -23,7 +23,6 @@ from unikv.models.layers import (
     Linear,
     RMSNorm,
     overrides_forward,
-    resolve_feedback,
 )
 from unikv.models.rope import Rotary
 
