@@ -1,7 +1,7 @@
 """The Hopper fresh-prompt attention (``kernels/extend_hopper.py``, Gluon).
 
-On the CPU: where the path is taken (``usable``: the device, dtypes, head dims,
-window / soft-cap, strides a TMA descriptor can address) and that
+On the CPU: where the path is taken (``runs_on``: the device and the switch;
+``usable``: dtypes, head dims, window / soft-cap, strides a TMA descriptor can address) and that
 ``extend_attention_fresh`` keeps the Triton kernel everywhere else. The sm_90a
 compile is in ``test_kernels_sm90_compile.py``. On the H200 (``-m gpu``): the kernel
 against causal SDPA in fp32 on the same rows (ragged batches that end inside and on
