@@ -437,6 +437,7 @@ class EngineLoop:
             if not self._suspects:  # innocent, all of them: everyone resumes
                 sched.waiting.extend(r for r in self._held if r.status is not Status.FINISHED)
                 self._held = []
+                self._marks.clear()  # (suspects a budget-limited failed step left out)
                 return
             self._hold_everything()  # a passed probe must not share the next one's batch
             self._probe = [r for r in self._suspects.popleft() if r.status is not Status.FINISHED]
