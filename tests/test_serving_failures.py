@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from engine_fixtures import one_thread  # noqa: F401  (a fixture)
-from serving_fixtures import AppThread, ServerProcess, save_instruct_llama
+from serving_fixtures import AppThread, ScriptedLLM, ServerProcess, save_instruct_llama
 
 from unikv.engine import LLM, SamplingParams
 from unikv.serving.app import create_app
@@ -167,6 +167,11 @@ def test_max_waiting_zero_is_no_bound_and_a_negative_one_is_refused(ckpt):
         check=False,
     )
     assert bad.returncode == 2 and "--max-waiting" in bad.stderr and ">= 0" in bad.stderr
+    scripted = ScriptedLLM()
+    create_app(scripted, served_model_names=["x"], max_waiting=0)
+    assert scripted.engine.max_waiting is None  # create_app's 0: no bound too
+    with pytest.raises(ValueError, match="max_waiting"):
+        create_app(ScriptedLLM(), served_model_names=["x"], max_waiting=-1)
     proc = ServerProcess(ckpt, "--max-model-len", str(MAX_LEN), "--max-waiting", "0")
     try:
         body = {"model": ckpt, "prompt": ["a", "b", "c"], "max_tokens": 2, "temperature": 0}

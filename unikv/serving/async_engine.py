@@ -97,12 +97,19 @@ class AsyncEngine:
 
     Args:
         llm: the LLM (its loop is started here).
-        max_waiting: the loop's admission bound (requests not yet running).
+        max_waiting: the loop's admission bound (requests not yet running);
+            None or 0: no bound.
     """
 
     def __init__(self, llm, *, max_waiting: int | None = None, on_death=None) -> None:
+        if max_waiting is not None and (
+            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0
+        ):
+            raise ValueError(
+                f"max_waiting must be None or an int >= 0 (0 = no bound), got {max_waiting!r}"
+            )
         self.llm, self.loop = llm, llm.engine
-        self.loop.max_waiting = max_waiting
+        self.loop.max_waiting = max_waiting or None  # 0: no bound, as --max-waiting 0
         self.loop.publish = self._publish
         self.loop.on_death = self._died
         self.on_death = on_death  # called on the event loop when the engine loop dies
