@@ -46,6 +46,7 @@ from unikv.engine.tracks import RequestGroup
 from unikv.engine.warmup import warm_linears, warm_sampling
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
+from unikv.kernels.widths import fit_backend
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
 from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.pool import UnifiedPool
@@ -174,7 +175,9 @@ class LLM:
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
-        self.backend = get_backend(self.device, backend)
+        # the kernels' width and alignment rules, once: torch ops where Triton cannot
+        # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
+        self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
             self.model,

@@ -39,7 +39,7 @@ from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, siz
     split_workspace,
     workspace_numel,
 )
-from unikv.kernels._ids import kernel_row
+from unikv.kernels._ids import row_offset
 from unikv.kernels.decode import _decode_merge_kernel, merge_launch
 from unikv.kernels.mla_ref import check_mla_args, check_store_args, latent_parts
 
@@ -149,14 +149,15 @@ def _mla_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        rows = kernel_row(entry, offs_n, PAGE_SIZE)
+        # entry * (ps * c_sn) + slot * c_sn, never kernel_row(...) * c_sn (_ids.row_offset)
+        row_ptr = cache + row_offset(entry, offs_n, PAGE_SIZE, PAGE_SIZE * c_sn, c_sn)[:, None]
         kc = tl.load(
-            cache + rows[:, None] * c_sn + offs_r[None, :],
+            row_ptr + offs_r[None, :],
             mask=mask_n[:, None] & mask_r[None, :],
             other=0.0,
         ).to(ql.dtype)
         kr = tl.load(
-            cache + rows[:, None] * c_sn + RANK + offs_p[None, :],
+            row_ptr + RANK + offs_p[None, :],
             mask=mask_n[:, None] & mask_p[None, :],
             other=0.0,
         ).to(ql.dtype)

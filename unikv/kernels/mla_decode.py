@@ -13,7 +13,7 @@ so each latent tile is loaded once per head block (not once per head):
 512-wide V is cut in two programs of 256 columns (a 64 x 512 fp32 accumulator does
 not fit one warpgroup's registers); both compute the full logits, the "other"
 columns only feed them. Token rows are reached through the block table
-(``_ids.kernel_row``, int64). A request's keys ``[0, seq_len)`` are cut into S
+(``_ids.row_offset``, int64). A request's keys ``[0, seq_len)`` are cut into S
 BLOCK_N-aligned chunks (split-KV); each split writes ``(acc / l, lse)`` to a fp32
 workspace and ``_merge_kernel`` combines the splits per (token, head, column block).
 S == 1 writes ``out`` directly. Config and S depend only on host ints (heads,
@@ -34,7 +34,7 @@ import triton.language as tl
 from unikv.kernels import mla, mla_decode_fused
 from unikv.kernels._attn import dot_precision
 from unikv.kernels._checks import device_sms, next_pow2, out_buffer, split_workspace
-from unikv.kernels._ids import kernel_row
+from unikv.kernels._ids import row_offset
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.mla_decode_plan import (  # noqa: F401  (the plan's public names, re-exported)
     CONFIGS,
@@ -100,7 +100,7 @@ def _split_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        rows = cache + (kernel_row(entry, offs_n, PAGE_SIZE) * c_sn)[:, None]
+        rows = cache + row_offset(entry, offs_n, PAGE_SIZE, PAGE_SIZE * c_sn, c_sn)[:, None]
         cv = tl.load(rows + cols[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
         cv = cv.to(qv.dtype)
         s = tl.dot(qv, tl.trans(cv), input_precision=PRECISION)

@@ -14,7 +14,7 @@ With 64 heads on 8 warps the two warpgroups share N, so the 64 x 512 accumulator
 Tiles of full keys run unmasked; the last, partial tile alone is masked (its rows past
 ``seq_len`` may hold anything: they load as 0). Row addresses:
 
-    gather  (page_size % BLOCK_N != 0): entry per key, ``_ids.kernel_row``
+    gather  (page_size % BLOCK_N != 0): entry per key, ``_ids.row_offset``
     contig  (page_size % BLOCK_N == 0): a tile lies in one page: one block-table entry
     tma     (contig, ``tma_ok``): full tiles by TMA descriptors over ``cache[:, :rank]``
             and ``cache[:, rank:]`` (box BLOCK_N x BLOCK_V / BLOCK_P; zero past a view)
@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from unikv.kernels._attn import dot_precision
 from unikv.kernels._checks import next_pow2
-from unikv.kernels._ids import kernel_row
+from unikv.kernels._ids import row_offset
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.mla_decode_plan import Config
 
@@ -57,12 +57,11 @@ def _load_tile(
         c1 = c_desc.load([first, BLOCK_V])
         kr = r_desc.load([first, 0])
     else:
-        if CONTIG:
-            rows = first.to(tl.int64) + tl.arange(0, BLOCK_N)
-        else:
+        if not CONTIG:  # CONTIG: the tile's one entry (its keys' slots are start % ps + i)
             entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-            rows = kernel_row(entry, offs_n, PAGE_SIZE)
-        ptr = cache + (rows * c_sn)[:, None]
+        # entry * (ps * c_sn) + slot * c_sn: never a row index times c_sn, whose
+        # alignment Triton overstates at row strides that are not a 16-byte multiple
+        ptr = cache + row_offset(entry, offs_n, PAGE_SIZE, PAGE_SIZE * c_sn, c_sn)[:, None]
         cols = tl.arange(0, BLOCK_V)
         offs_p = tl.arange(0, BLOCK_P)
         keep = mask_n[:, None] if MASKED else tl.full([BLOCK_N, 1], 1, tl.int1)
@@ -173,10 +172,12 @@ def block_sizes(rank: int, rope: int) -> tuple[int, int]:
 
 def tma_ok(cache: torch.Tensor, rank: int, page_size: int, block_n: int) -> bool:
     """TMA descriptors can read this view with page-aligned tiles: rows and both column
-    offsets 16-byte aligned, ``page_size % block_n == 0`` and int32 row indices."""
+    offsets 16-byte aligned, boxes of at most 256 columns (rank <= 512, rope <= 256),
+    ``page_size % block_n == 0`` and int32 row indices."""
     item = cache.element_size()
     return (
         page_size % block_n == 0
+        and max(block_sizes(rank, cache.shape[1] - rank)) <= 256
         and cache.data_ptr() % 16 == 0
         and (cache.stride(0) * item) % 16 == 0
         and (rank * item) % 16 == 0

@@ -1,0 +1,121 @@
+"""Odd cache widths never crash (issue 38, item 6), on CPU.
+
+- Every cache reader and writer, compiled for sm_90a here (``tests/ptx_alignment.py``,
+  a subprocess without the interpreter), loads no wider than its strides allow: at rows
+  of 26, 30 and 31 elements (MLA) and head dims 6 and 40 (MHA) no 8- or 16-byte vector
+  load lands on a row that is not that aligned. The MLA kernels did before the fix
+  (16-byte loads at 120-byte rows: the GPU's ``misaligned address``). Aligned rows keep
+  their vector loads.
+- The start-up check (``kernels/widths.py``): the MHA attention kernels that do not
+  compile at head_dim 6 are exactly the ops it moves to the torch references; odd widths
+  they take keep the Triton backend untouched; an odd rope width is refused naming
+  ``qk_rope_head_dim``.
+- ``LLM`` on the Triton backend (interpreter) at the odd widths: greedy tokens equal
+  transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_fixtures import one_thread  # noqa: F401  (a fixture)
+from odd_width_cases import engine_tokens, hf_tokens, save_case
+
+from unikv.kernels import get_backend
+from unikv.kernels import widths as W
+from unikv.placement import SubPoolConfig
+from unikv.specs import MHASpec, MLASpec
+
+HERE = Path(__file__).resolve().parent
+PTXAS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="needs Triton's ptxas")
+def test_cache_readers_load_no_wider_than_their_strides_allow(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, str(HERE / "ptx_alignment.py"), "all"], env=env,
+                         capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.splitlines()[-1])
+    unsound, refused, widest = [], set(), {}
+    for name, stride, item, got in results:
+        if isinstance(got, str):  # did not compile
+            refused.add(name.split("/")[0] + "/" + name.split("/")[2])
+            continue
+        widest[name, stride] = got
+        if got > max(4, math.gcd(16, stride * item)):
+            unsound.append((name, stride, item, got))
+    assert not unsound, unsound
+    # what does not compile is the attention at head_dim 6, which widths.py moves to torch
+    assert refused == {"extend/d6", "decode/d6", "decode_rope/d6"}, refused
+    assert W.MIN_DOT_K > W._pow2(6) and W.MIN_DOT_K <= W._pow2(40)
+    # aligned rows (32 fp32 = 128 bytes) still get 16-byte loads, odd ones none
+    assert widest["mla_extend/fp32/ps4", 32] == 16 and widest["mla_extend/fp32/ps4", 30] == 4
+    assert widest["mla_decode_split1/fp32/ps16", 32] == 16
+    assert len(results) == 192  # every case compiled or was refused (none skipped)
+
+
+def _mha(head_dim: int, ps: int = 4) -> list[SubPoolConfig]:
+    return [SubPoolConfig("full", MHASpec(2, 2, head_dim, dtype=torch.float32), page_size=ps)]
+
+
+def _mla(rank: int, rope: int, ps: int = 4) -> list[SubPoolConfig]:
+    return [SubPoolConfig("mla", MLASpec(3, rank, rope, dtype=torch.float32), page_size=ps)]
+
+
+class _Model:  # the fields of ModelConfig that widths.py reads
+    def __init__(self, **extra) -> None:
+        self.extra = extra
+
+
+def test_widths_the_kernels_take_keep_the_backend():
+    tri = get_backend("cpu", "triton")
+    for configs, model in [
+        (_mla(24, 6), _Model(qk_nope_head_dim=12, qk_rope_head_dim=6)),
+        (_mla(20, 6, ps=16), _Model(qk_nope_head_dim=12, qk_rope_head_dim=6)),
+        (_mha(40), None),
+        (_mha(9, ps=1), None),
+    ]:
+        assert W.triton_fallbacks(configs, model) == {}
+        assert W.fit_backend(tri, configs, model) is tri
+
+
+def test_head_dims_the_attention_kernels_cannot_tile_run_the_references():
+    tri, ref = get_backend("cpu", "triton"), get_backend("cpu", "torch")
+    fitted = W.fit_backend(tri, _mha(6), None)
+    assert fitted.name == "triton"
+    for op in W.ATTENTION_OPS:
+        assert getattr(fitted, op) is getattr(ref, op)
+        assert "head_dim 6" in W.triton_fallbacks(_mha(6))[op]
+    for op in ("store_kv", "rope_store_kv", "copy_pages", "store_mla", "mla_attention"):
+        assert getattr(fitted, op) is getattr(tri, op)
+    # the expanded MLA prefill's head (nope + rope) follows the same rule
+    small = W.triton_fallbacks(_mla(24, 4), _Model(qk_nope_head_dim=2, qk_rope_head_dim=4))
+    assert "qk_nope_head_dim + qk_rope_head_dim 6" in small["extend_attention"]
+    assert W.fit_backend(ref, _mha(6), None) is ref  # the references take anything
+
+
+def test_odd_rope_width_is_refused_naming_the_field():
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"qk_rope_head_dim is 7.*even.*config\.json"):
+            W.fit_backend(get_backend("cpu", backend), _mla(24, 7), None)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("case", "page_size"), [("mla30", 4), ("mla26", 16), ("mha6", 4)])
+def test_triton_engine_at_odd_widths_matches_transformers(tmp_path, case, page_size):
+    path = str(tmp_path)
+    save_case(case, path)
+    ours, info = engine_tokens(
+        path, device="cpu", dtype=torch.float32, page_size=page_size, backend="triton"
+    )
+    assert ours == hf_tokens(path, "cpu", torch.float32)
+    assert info["torch_ops"] == (["decode_attention", "extend_attention"] if case == "mha6" else [])
