@@ -14,6 +14,7 @@ share its batch or on preemption and recompute.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ class SamplingParams:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an int >= 1 (completions per prompt), got {self.n!r}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if 0 < t < _MIN_TEMPERATURE:  # vLLM's floor: smaller ones overflow logits / T
             object.__setattr__(self, "temperature", _MIN_TEMPERATURE)
@@ -121,7 +122,7 @@ class SamplingParams:
             )
         object.__setattr__(self, "top_k", max(k, 0))
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0, "0 = off")
         self._check_lengths()
