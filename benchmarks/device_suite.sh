@@ -25,6 +25,7 @@ lane 240 tests/test_kernels_mla_gpu.py tests/test_kernels_gpu.py tests/test_kern
 lane 200 tests/test_gpu_smoke.py tests/test_allocator_pressure_gpu.py tests/test_mla_expanded.py \
   tests/test_kernels_elementwise.py tests/test_models_fp8.py tests/test_kernels_moe.py &
 lane 480 tests/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
+lane 300 tests/test_odd_widths_gpu.py &  # odd cache widths (issue 38 item 6): 4 processes
 wait
 grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
 device_finish
