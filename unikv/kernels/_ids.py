@@ -39,7 +39,9 @@ def page_entry(phys, B: tl.constexpr):
 
 @triton.jit
 def kernel_row(entry, pos, PS: tl.constexpr):
-    """Row of a dense view: page entry ``entry``, token position ``pos``."""
+    """Row of a dense view: page entry ``entry``, token position ``pos``. An id, not
+    an address: address rows with ``row_offset`` (Triton 3.6 takes ``kernel_row(...) *
+    stride`` to be ps-aligned for every row: misaligned vector loads at odd row widths)."""
     return entry.to(tl.int64) * PS + pos % PS
 
 
