@@ -119,3 +119,22 @@ def test_triton_engine_at_odd_widths_matches_transformers(tmp_path, case, page_s
     )
     assert ours == hf_tokens(path, "cpu", torch.float32)
     assert info["torch_ops"] == (["decode_attention", "extend_attention"] if case == "mha6" else [])
+
+
+def test_tma_rules_refuse_boxes_wider_than_256_columns():
+    """A TMA box is at most 256 columns: the launchers' host checks take the pointer path
+    for wider heads or latent halves (a descriptor would fail to build)."""
+    from unikv.kernels import _checks, mla_decode_fused
+
+    if not _checks.has_tensor_descriptor():
+        pytest.skip("Triton without host tensor descriptors")
+    assert _checks.tma_ok(torch.zeros(4, 2, 256, dtype=torch.bfloat16))
+    assert not _checks.tma_ok(torch.zeros(4, 1, 512, dtype=torch.bfloat16))
+    assert not _checks.tma_ok(torch.zeros(4, 2, 40, dtype=torch.bfloat16))  # not a power of 2
+    wide = torch.zeros(64, 512 + 64, dtype=torch.bfloat16)  # DeepSeek's rank 512 + rope 64
+    assert mla_decode_fused.tma_ok(wide, 512, 64, 64)
+    assert not mla_decode_fused.tma_ok(
+        torch.zeros(64, 1024 + 64, dtype=torch.bfloat16), 1024, 64, 64
+    )
+    odd = torch.zeros(64, 30, dtype=torch.float32)  # 120-byte rows: no TMA
+    assert not mla_decode_fused.tma_ok(odd, 24, 64, 64)

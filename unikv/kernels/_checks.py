@@ -160,13 +160,16 @@ def _tma_device(device: torch.device) -> bool:
 
 
 def tma_ok(x: torch.Tensor) -> bool:
-    """Whether a (T, H, D) tensor can back a ``(T, H * D)`` TMA descriptor (host only)."""
+    """Whether a (T, H, D) tensor can back a ``(T, H * D)`` TMA descriptor with boxes of
+    one head's D columns (host only): D a power of two of 16 bytes to 256 columns (a TMA
+    box's widest), 16-byte-aligned base and row stride, heads contiguous."""
     size = x.element_size()
     return (
         has_tensor_descriptor()
         and _tma_device(x.device)
         and x.shape[0] > 0
         and x.shape[2] == next_pow2(x.shape[2])
+        and x.shape[2] <= 256
         and x.shape[2] * size >= 16
         and x.stride(1) == x.shape[2]
         and x.data_ptr() % 16 == 0
