@@ -37,13 +37,18 @@ class DecodeStep:
     virtual_ids: (B,) the new tokens' virtual ids; req_slots, seq_lens: (B,)
     int32 (lengths include the new token); block_tables[n]: (B, C) kernel page
     entries of sub-pool n; write_ids[n]: (B,) kernel ids where n stores the new
-    token (views of the caller's buffers when given)."""
+    token (views of the caller's buffers when given). moves: the allocator's page
+    moves when the tables were built (``TableWriter.moves``); rebuild: the launch
+    that builds them again from the allocator's tables (``PoolAllocator.refresh_step``
+    calls it once pages moved since)."""
 
     virtual_ids: VirtualTokenIds
     req_slots: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: dict[str, KernelPageIds]
     write_ids: dict[str, KernelIds]
+    moves: int = 0
+    rebuild: Callable[[], None] | None = None
 
 
 @dataclass
