@@ -112,6 +112,76 @@ def test_a_hybrid_hit_at_a_checkpoint_whose_window_is_bound_is_taken():
     assert prefix.match(toks[:41]).num_tokens == 24  # the checkpoint's block, window bound
 
 
+# -- R5, R6: engine runs on the smallest pool that starts ---------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = {}
+    for arch in ("gpt_oss", "mistral"):
+        path = str(tmp_path_factory.mktemp(arch))
+        save_tiny_model(arch, path)
+        out[arch] = path
+    return out
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Ten prompts over a 13-token system prompt: 5 to 13 shared tokens, 3 to 21 own."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, 256, (13,), generator=g).tolist()
+    return [
+        system[: 5 + i] + torch.randint(0, 256, (3 + 2 * i,), generator=g).tolist()
+        for i in range(10)
+    ]
+
+
+def _smallest(path: str, ps: int, pages: int, **kw):
+    """The LLM on ``pages`` pages of every sub-pool, checked to be the smallest that
+    starts (one page fewer is refused at start-up)."""
+    from unikv.hf_config import specs_from_hf_config
+
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    with pytest.raises(ValueError):
+        prefix_llm(path, ps, True, kv_cache_bytes=pool_budget(configs, pages - 1), **kw)
+    return prefix_llm(path, ps, True, kv_cache_bytes=pool_budget(configs, pages), **kw), configs
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_dropped_reload_admission_leaves_the_decode_batch_exact(tiny):
+    """R5: the host tier's reload reserved room by compaction after decode_step, the
+    admission was then dropped, and the decode-only step ran on the old tables."""
+    from unikv.hf_config import specs_from_hf_config
+
+    path, ps = tiny["gpt_oss"], 2
+    prompts, params = _prompts(1), SamplingParams(max_tokens=12, temperature=0)
+    big = prefix_llm(path, ps, False, max_model_len=48)
+    want = [o.output_ids for o in big.generate(prompts, params)]
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    host = host_tier_bytes(configs, ps, 16)
+    llm, _ = _smallest(path, ps, 23, max_model_len=48, debug=False, prefix_host_bytes=host)
+    llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
+    moves = []
+    refresh = llm.alloc.refresh_step
+    llm.alloc.refresh_step = lambda step: moves.append(refresh(step)) or moves[-1]
+    assert [o.output_ids for o in llm.generate(prompts, params)] == want
+    assert any(moves), "the run has a decode step whose pages moved after decode_step"
+    llm.alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ["mistral", "gpt_oss"])
+def test_swap_in_after_a_window_prefix_hit_neither_asserts_nor_changes_tokens(tiny, arch):
+    """R6: swap-out recorded cached prompt pages below the window, which swap-in
+    (reserving chunk by chunk, the window freed behind) does not hold."""
+    path, ps = tiny[arch], 4
+    prompts, params = _prompts(3), SamplingParams(max_tokens=12, temperature=0)
+    want = [o.output_ids for o in prefix_llm(path, ps, False).generate(prompts, params)]
+    llm, _ = _smallest(path, ps, 11, max_model_len=48, swap_host_bytes=8 << 20, preemption="swap")
+    assert [o.output_ids for o in llm.generate(prompts, params)] == want
+    assert llm.scheduler.swap.stats.swapped_in > 0
+    llm.alloc.check_integrity()
+
+
 # -- R7 ---------------------------------------------------------------------------------
 
 
@@ -132,7 +202,7 @@ def _retype(key: str, value):
         from safetensors.torch import save_file
 
         with safe_open(str(path), framework="pt") as f:
-            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         subpools = json.loads(meta["subpools"])
         subpools["full"][key] = value
         save_file(tensors, str(path), metadata={**meta, "subpools": json.dumps(subpools)})
