@@ -115,8 +115,10 @@ def _check_entries(path, subpools: object) -> None:
             )
         for key, kind in ENTRY.items():
             value = entry.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool) or (
-                kind is int and value < 0
+            if (
+                not isinstance(value, kind)
+                or isinstance(value, bool)
+                or (kind is int and value < 0)
             ):
                 raise PageIntegrityError(
                     f"{path}: damaged 'subpools' metadata: sub-pool {name!r} needs "
