@@ -19,11 +19,11 @@ from unikv.hf_config import specs_from_hf_config
 
 PS, MAX_LEN = 4, 48
 OPTIONS = {
-    "cache": dict(caching=True),
-    "cache+host": dict(caching=True, host=True),
-    "swap": dict(caching=False, swap=True),
-    "cache+swap": dict(caching=True, swap=True),
-    "cache+host+swap": dict(caching=True, host=True, swap=True),
+    "cache": {"caching": True},
+    "cache+host": {"caching": True, "host": True},
+    "swap": {"caching": False, "swap": True},
+    "cache+swap": {"caching": True, "swap": True},
+    "cache+host+swap": {"caching": True, "host": True, "swap": True},
 }
 ARCHS = ["llama", "mistral", "gpt_oss", "qwen3_5"]
 
@@ -49,7 +49,7 @@ def prompts(seed: int = 5) -> list[list[int]]:
 
 
 def _llm(path, pages, caching=False, host=False, swap=False, configs=None):
-    kw = dict(kv_cache_bytes=pool_budget(configs, pages, state_slots=2), max_model_len=MAX_LEN)
+    kw = {"kv_cache_bytes": pool_budget(configs, pages, state_slots=2), "max_model_len": MAX_LEN}
     if host:
         kw["prefix_host_bytes"] = host_tier_bytes(configs, PS, 12, 12)
     if swap:
