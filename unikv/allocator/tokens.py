@@ -233,22 +233,23 @@ class Tokens:
             )
         for name, window in self.roles.windows.items():
             # the next token (position keep) is written on page keep // ps and its
-            # query reads from position keep + 1 - W: every kept page from there on
-            # must still be bound in this sub-pool. A request's own pages lose their
-            # binding when they leave its window; shared prefix pages that came from
-            # the cache may have lost theirs in the request that cached them.
+            # query reads from position keep + 1 - W: kept pages from there on must
+            # still be bound: not freed out of this request's window, and, for shared
+            # prefix pages it opened with, not freed in the request that cached them
             first = np.maximum(keep + 1 - window, 0) // ps
+            freed = self.requests.window_lo[name][slots]
+            bad = (first < lo) & (freed > first)
             reads = np.maximum(lo - first, 0)
             vpages = self.requests.page_ids(np.repeat(slots, reads), ragged(first, reads))
-            unbound = np.repeat(np.arange(len(slots)), reads)[self.books[name].physical(vpages) < 0]
-            if len(unbound):
-                bad = np.unique(unbound)
+            lost = self.prefix.is_cached(vpages) & (self.books[name].physical(vpages) < 0)
+            bad[np.repeat(np.arange(len(slots)), reads)[lost]] = True
+            if bad.any():
                 raise ValueError(
                     f"truncate: new_lens {keep[bad].tolist()} of requests {slots[bad].tolist()} "
-                    f"keep pages of {name!r} that are no longer bound (freed out of the window, "
-                    f"by this request or by the one that cached them): the next query would "
-                    f"read freed keys from position {(keep[bad] + 1 - window).tolist()} on; "
-                    "keep more tokens (a cut whose window is still bound), or none"
+                    f"keep pages of {name!r} already freed out of the window (by this request, "
+                    f"or by the one that cached them): the next query would read freed keys "
+                    f"from position {(keep[bad] + 1 - window).tolist()} on; keep more tokens "
+                    "(a cut whose window is still bound), or none"
                 )
         for name in self.roles.windows:  # no kept page lies beyond the freed ones
             window_lo = self.requests.window_lo[name]
