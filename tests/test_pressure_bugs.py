@@ -20,7 +20,7 @@ from allocator_fixtures import full_config, mamba_config
 from engine_fixtures import one_thread, save_tiny_model  # noqa: F401
 from prefix_fixtures import host_tier_bytes, pool_budget, prefix_llm
 
-from unikv.allocator import PoolAllocator
+from unikv.allocator import DecodeStep, PoolAllocator
 from unikv.engine import SamplingParams
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
@@ -147,7 +147,7 @@ def _smallest(path: str, ps: int, pages: int, **kw):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_dropped_reload_admission_leaves_the_decode_batch_exact(tiny):
+def test_a_dropped_reload_admission_leaves_the_decode_batch_exact(tiny, monkeypatch):
     """R5: the host tier's reload reserved room by compaction after decode_step, the
     admission was then dropped, and the decode-only step ran on the old tables."""
     from unikv.hf_config import specs_from_hf_config
@@ -161,8 +161,10 @@ def test_a_dropped_reload_admission_leaves_the_decode_batch_exact(tiny):
     llm, _ = _smallest(path, ps, 23, max_model_len=48, debug=False, prefix_host_bytes=host)
     llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
     moves = []
-    refresh = llm.alloc.refresh_step
-    llm.alloc.refresh_step = lambda step: moves.append(refresh(step)) or moves[-1]
+    refresh = DecodeStep.refresh
+    monkeypatch.setattr(
+        DecodeStep, "refresh", lambda step: moves.append(refresh(step)) or moves[-1]
+    )
     assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert any(moves), "the run has a decode step whose pages moved after decode_step"
     llm.alloc.check_integrity()

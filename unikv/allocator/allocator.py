@@ -176,31 +176,14 @@ class PoolAllocator:
         slot_part, lens_part = patch.part(slots), patch.part(new_lens)
         written = parts.writer.write(patch)
         req_slots, lens_dev = written[slot_part], written[lens_part]
-
-        def build() -> None:  # the tables from req_to_token and v2p as they are now
-            run(req_slots, lens_dev)
-            if self._debug:
-                parts.steps.check(targets, req_slots, lens_dev)
-
+        build = parts.steps.builder(run, targets, req_slots, lens_dev, self._debug)
         build()
         self._after_verb()
         virtual_ids = VirtualTokenIds(written[staged.token_ids])
         step = parts.steps.result(virtual_ids, req_slots, lens_dev, targets)
         step.moves, step.rebuild = parts.writer.moves, build
+        step.count_moves = lambda: parts.writer.moves  # pages moved since: step.refresh()
         return step
-
-    def refresh_step(self, step: DecodeStep) -> bool:
-        """Rebuild ``step``'s block tables and write ids if pages moved since they were
-        built (compaction after ``decode_step``: a reserve for a reload or a swap-in
-        that then did not admit). One launch, no host sync; True if it rebuilt. A
-        step's tables must be refreshed right before the forward that reads them."""
-        moves = self.parts.writer.moves
-        if step.moves == moves:
-            return False
-        assert step.rebuild is not None, "decode step invariant: a step knows its rebuild"
-        step.rebuild()
-        step.moves = moves
-        return True
 
     # -- freeing ------------------------------------------------------------------------
 
