@@ -176,12 +176,14 @@ class PoolAllocator:
         slot_part, lens_part = patch.part(slots), patch.part(new_lens)
         written = parts.writer.write(patch)
         req_slots, lens_dev = written[slot_part], written[lens_part]
-        run(req_slots, lens_dev)
-        if self._debug:
-            parts.steps.check(targets, req_slots, lens_dev)
+        build = parts.steps.builder(run, targets, req_slots, lens_dev, self._debug)
+        build()
         self._after_verb()
         virtual_ids = VirtualTokenIds(written[staged.token_ids])
-        return parts.steps.result(virtual_ids, req_slots, lens_dev, targets)
+        step = parts.steps.result(virtual_ids, req_slots, lens_dev, targets)
+        step.moves, step.rebuild = parts.writer.moves, build
+        step.count_moves = lambda: parts.writer.moves  # pages moved since: step.refresh()
+        return step
 
     # -- freeing ------------------------------------------------------------------------
 

@@ -119,13 +119,16 @@ def chain_hit(
     if not host:
         found = found[: next((i for i, n in enumerate(found) if n.page == HOST), len(found))]
     pages = np.array([n.page for n in found], np.int32)
-    bound = None
     if host and tier is not None:
         bound = {n: tier.bound(found, n) for n in roles.windows}
+    else:
+        bound = {n: books[n].physical(pages) >= 0 for n in roles.windows}
     count = intact = window_intact(roles, books, pages, bound)
     if states is not None:  # a hybrid's hit ends at a block with a state checkpoint
+        # stepping back to a checkpoint moves the first query back, so its window
+        # must be re-checked: step back until both rules hold
         while count and not states.has(found[count - 1].node_id, host):
-            count -= 1
+            count = window_intact(roles, books, pages[: count - 1], bound)
     nodes = np.array([n.node_id for n in found[:count]], np.int64)
     on_host = bool(count and states is not None and nodes[-1] not in states.by_node)
     ps, num_host = roles.page_size, int((pages[:count] == HOST).sum())

@@ -37,13 +37,30 @@ class DecodeStep:
     virtual_ids: (B,) the new tokens' virtual ids; req_slots, seq_lens: (B,)
     int32 (lengths include the new token); block_tables[n]: (B, C) kernel page
     entries of sub-pool n; write_ids[n]: (B,) kernel ids where n stores the new
-    token (views of the caller's buffers when given)."""
+    token (views of the caller's buffers when given). moves: the allocator's page
+    moves when the tables were built (``TableWriter.moves``, read by ``count_moves``);
+    rebuild: the launch that builds them again from the allocator's tables
+    (``refresh`` runs it once pages moved since)."""
 
     virtual_ids: VirtualTokenIds
     req_slots: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: dict[str, KernelPageIds]
     write_ids: dict[str, KernelIds]
+    moves: int = 0
+    rebuild: Callable[[], None] | None = None
+    count_moves: Callable[[], int] | None = None
+
+    def refresh(self) -> bool:
+        """Rebuild the tables and write ids if pages moved since they were built
+        (compaction after ``decode_step``: a reserve for a prefix reload or a swap-in
+        that then did not admit); one launch, no host sync. True if it rebuilt. Call
+        it right before the forward that reads them (the step planner does)."""
+        if self.count_moves is None or self.count_moves() == self.moves:
+            return False
+        self.rebuild()
+        self.moves = self.count_moves()
+        return True
 
 
 @dataclass
@@ -108,6 +125,17 @@ class StepBuffers:
             rows = min(min(t.table.shape[0], t.loc.shape[0]) for t in targets)
             self._checked = _Checked(rows, targets[0].table.shape[1], targets, run)
         return targets, run
+
+    def builder(self, run, targets, req_slots, seq_lens, debug: bool) -> Callable[[], None]:
+        """The launch that builds a step's tables from ``req_to_token`` and ``v2p`` as
+        they are when it runs (debug: then checks them)."""
+
+        def build() -> None:
+            run(req_slots, seq_lens)
+            if debug:
+                self.check(targets, req_slots, seq_lens)
+
+        return build
 
     def check(self, targets: list[StepTarget], req_slots: torch.Tensor, seq_lens: torch.Tensor):
         """Debug mode: no live block-table page of the step maps to a tombstone."""

@@ -100,6 +100,7 @@ class TableWriter:
     ) -> None:
         self.upload = upload
         self._update = backend.update_tables
+        self.moves = 0  # page-move writes so far: tables built before one are stale
         self.tables = [req_to_token.view(-1)]
         self.v2p_id: dict[str, int] = {}
         self.p2v_id: dict[str, int] = {}
@@ -134,7 +135,8 @@ class TableWriter:
 
     def move(self, book: PageBook, vpages: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         """Device half of ``book.apply_moves``: v2p[vpages] = dst, p2v[dst] = vpages,
-        p2v[src] = -1 (src and dst are disjoint: dst were holes)."""
+        p2v[src] = -1 (src and dst are disjoint: dst were holes). Counts in ``moves``."""
+        self.moves += 1
         patch = TablePatch()
         v, d = patch.part(vpages), patch.part(dst)
         patch.add(0, v, d)

@@ -234,16 +234,22 @@ class Tokens:
         for name, window in self.roles.windows.items():
             # the next token (position keep) is written on page keep // ps and its
             # query reads from position keep + 1 - W: kept pages from there on must
-            # still be bound, i.e. not yet freed out of the window
+            # still be bound: not freed out of this request's window, and, for shared
+            # prefix pages it opened with, not freed in the request that cached them
             first = np.maximum(keep + 1 - window, 0) // ps
             freed = self.requests.window_lo[name][slots]
             bad = (first < lo) & (freed > first)
+            reads = np.maximum(lo - first, 0)
+            vpages = self.requests.page_ids(np.repeat(slots, reads), ragged(first, reads))
+            lost = self.prefix.is_cached(vpages) & (self.books[name].physical(vpages) < 0)
+            bad[np.repeat(np.arange(len(slots)), reads)[lost]] = True
             if bad.any():
                 raise ValueError(
                     f"truncate: new_lens {keep[bad].tolist()} of requests {slots[bad].tolist()} "
-                    f"cut into pages of {name!r} already freed out of the window (the first "
-                    f"{freed[bad].tolist()} pages): the next query would read freed keys; "
-                    f"keep at least {(freed[bad] * ps + window - 1).tolist()} tokens or none"
+                    f"keep pages of {name!r} already freed out of the window (by this request, "
+                    f"or by the one that cached them): the next query would read freed keys "
+                    f"from position {(keep[bad] + 1 - window).tolist()} on; keep more tokens "
+                    "(a cut whose window is still bound), or none"
                 )
         for name in self.roles.windows:  # no kept page lies beyond the freed ones
             window_lo = self.requests.window_lo[name]
@@ -271,11 +277,15 @@ class Tokens:
         pages), host int64, ascending columns; a sliding-window sub-pool leaves out
         the columns that left the window; the Mamba sub-pool gives the request's
         state slot as column 0, if it holds one (for transfers and offload: a
-        request's state travels with its pages)."""
+        request's state travels with its pages). Shared prefix pages below the
+        window stay bound while cached (``stage_window_frees``) but are left out:
+        the request no longer reads them, and a readmission does not hold them."""
         vpages = self.requests.held_pages(slot)
         out = {}
         for name in self.roles.token_names:
             physical = self.books[name].physical(vpages).astype(np.int64)
+            if name in self.roles.windows:
+                physical[: self.requests.window_lo[name][slot]] = -1
             cols = np.flatnonzero(physical >= 0)
             out[name] = (cols, physical[cols])
         if self.roles.mamba_name is not None:

@@ -258,6 +258,8 @@ class StepPlanner:
         num_tokens = dev["input_ids"].shape[0]
         real = num_tokens - (rows - num)  # tokens of real requests (padded lanes: 1 each)
         virtual_ids = batch.virtual_ids if num and batch.kind is BatchKind.EXTEND else None
+        if virtual_ids is None and batch.step is not None:  # pages moved since decode_step?
+            batch.step.refresh()
         for sub in self.subpools:
             table = self.tables.block_tables[sub.name][:rows, : self._pages(sub, longest)]
             write = self.tables.write_ids[sub.name][:num_tokens]

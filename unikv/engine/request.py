@@ -34,6 +34,7 @@ from unikv.engine.sampling import SamplingParams
 from unikv.ids import VirtualTokenIds
 
 if TYPE_CHECKING:
+    from unikv.allocator import DecodeStep
     from unikv.engine.plan import StepTables
 
 
@@ -173,6 +174,7 @@ class Batch:
     tables: StepTables | None = None
     all_greedy: bool | None = None  # every sample a bare argmax (None: not known)
     epoch: int = -1  # the scheduler's finish count when it was built
+    step: DecodeStep | None = None  # decode_step's result (its tables may need a refresh)
 
     @property
     def is_decode(self) -> bool:

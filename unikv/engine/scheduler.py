@@ -151,6 +151,7 @@ class Scheduler:
             )
             if step is not None:
                 batch.add_many(d.decoding, d.ones, step.virtual_ids)
+                batch.step = step
                 return d.prefilling
             self._decodes = None
             self._preempt(self.running[-1])

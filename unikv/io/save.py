@@ -88,8 +88,43 @@ def load_manifest(path: str | os.PathLike) -> tuple[dict, dict]:
         subpools = json.loads(header["subpools"])
     except (KeyError, ValueError) as e:
         raise PageIntegrityError(f"{path}: damaged 'subpools' metadata: {e}") from e
+    _check_entries(path, subpools)
     user = {k[len("user.") :]: v for k, v in header.items() if k.startswith("user.")}
     return subpools, user
+
+
+# every sub-pool entry of a page file's manifest: key -> the JSON types it may hold
+ENTRY = {"fingerprint": str, "page_size": int, "page_bytes": int, "kind": str, "spec": str,
+         "num_pages": int}  # fmt: skip
+
+
+def _check_entries(path, subpools: object) -> None:
+    """PageIntegrityError unless ``subpools`` maps names to entries with every key
+    of ``ENTRY``, each of its type (ints non-negative): a damaged header is named,
+    never a KeyError or TypeError from a later read."""
+    if not isinstance(subpools, dict):
+        raise PageIntegrityError(
+            f"{path}: damaged 'subpools' metadata: expected a JSON object of sub-pools, "
+            f"got {type(subpools).__name__}"
+        )
+    for name, entry in subpools.items():
+        if not isinstance(entry, dict):
+            raise PageIntegrityError(
+                f"{path}: damaged 'subpools' metadata: sub-pool {name!r} is "
+                f"{type(entry).__name__}, expected an object with keys {sorted(ENTRY)}"
+            )
+        for key, kind in ENTRY.items():
+            value = entry.get(key)
+            if (
+                not isinstance(value, kind)
+                or isinstance(value, bool)
+                or (kind is int and value < 0)
+            ):
+                raise PageIntegrityError(
+                    f"{path}: damaged 'subpools' metadata: sub-pool {name!r} needs "
+                    f"{key!r} as a{'' if kind is str else ' non-negative'} "
+                    f"{kind.__name__}, got {value!r}; the file is corrupt, nothing was restored"
+                )
 
 
 def restore_pages(
