@@ -123,28 +123,30 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in fp32.
 
     ``weight_in_fp32``: gpt-oss multiplies by the weight before casting back
-    (``(w * x).to(dtype)``); Llama casts first (``w * x.to(dtype)``). ``ops``: the
-    backend (None: ``model_ops()``)."""
+    (``(w * x).to(dtype)``); Llama casts first (``w * x.to(dtype)``). ``offset``: the
+    weight is ``offset + w`` (1.0: the zero-centred norms of Gemma and Qwen3.5, which
+    also multiply in fp32: ``ZeroCenteredRMSNorm``). ``ops``: the backend (None:
+    ``model_ops()``)."""
 
     def __init__(
-        self, dim: int, eps: float, weight_in_fp32: bool = False, ops: KernelBackend | None = None
-    ) -> None:
+        self, dim: int, eps: float, weight_in_fp32: bool = False, ops: KernelBackend | None = None,
+        offset: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32
         self.ops = model_ops(ops)
+        self.kw = {"weight_in_fp32": weight_in_fp32, "offset": offset}  # the ops' keywords
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., dim) -> normed, same shape and dtype."""
-        return self.ops.rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32)
+        return self.ops.rms_norm(x, self.weight, self.eps, **self.kw)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual: (T, dim) -> (norm(x + residual), x + residual); ``residual``
         may be overwritten: use only the returned tensors."""
-        return self.ops.add_rms_norm(
-            x, residual, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32
-        )
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.kw)
 
     def linear(
         self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear
@@ -153,9 +155,8 @@ class RMSNorm(nn.Module):
         residual: the norm fused into the GEMV where the backend runs one
         (``add_rms_norm_linear``). ``residual`` may be overwritten."""
         return self.ops.add_rms_norm_linear(
-            x, residual, self.weight, self.eps, lin.weight, lin.bias,
-            weight_in_fp32=self.weight_in_fp32,
-        )  # fmt: skip
+            x, residual, self.weight, self.eps, lin.weight, lin.bias, **self.kw
+        )
 
     def linear_argmax(
         self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear,
@@ -165,9 +166,8 @@ class RMSNorm(nn.Module):
         ``linear`` with the argmax inside the GEMV's epilogue where the backend runs
         one (``add_rms_norm_linear_argmax``). ``residual`` may be overwritten."""
         logits, _, tokens = self.ops.add_rms_norm_linear_argmax(
-            x, residual, self.weight, self.eps, lin.weight, lin.bias,
-            weight_in_fp32=self.weight_in_fp32, out=out,
-        )  # fmt: skip
+            x, residual, self.weight, self.eps, lin.weight, lin.bias, out=out, **self.kw
+        )
         return logits, tokens
 
     def embed_linear(
@@ -178,9 +178,8 @@ class RMSNorm(nn.Module):
         and the GEMM after it, the gather inside the GEMV where the backend runs one
         (``embed_rms_norm_linear``); placeholder ids -(1 + lane) read ``feedback``."""
         return self.ops.embed_rms_norm_linear(
-            ids, table, self.weight, self.eps, lin.weight, lin.bias,
-            weight_in_fp32=self.weight_in_fp32, feedback=feedback,
-        )  # fmt: skip
+            ids, table, self.weight, self.eps, lin.weight, lin.bias, feedback=feedback, **self.kw
+        )
 
 
 def overrides_forward(module: nn.Module, base: type) -> bool:
@@ -231,6 +230,17 @@ class Attention(nn.Module):
         ``attn`` as strided views of the one GEMM's output."""
         return self.attend(self.qkv_proj(x), positions, attn)
 
+    def input_linear(self) -> nn.Linear | None:
+        """The GEMM a decoder may fuse this block's pre-norm into (``decoder.Block``):
+        the q|k|v projection where it is a plain ``Linear`` (not under tp, not a
+        subclass keeping the three projections), else None."""
+        qkv = getattr(self, "qkv_proj", None)
+        return qkv if type(qkv) is Linear and not overrides_forward(self, Attention) else None
+
+    def from_input(self, qkv: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """``forward`` after ``input_linear``'s GEMM."""
+        return self.attend(qkv, positions, attn)
+
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """``forward`` after the qkv GEMM: qkv (T, (Hq + 2 Hkv) D) -> (T, hidden)
         (a caller that fused the pre-norm into that GEMM enters here)."""
@@ -274,6 +284,17 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         return self.down(self.gate_up_proj(x))
+
+    def input_linear(self) -> nn.Linear | None:
+        """The gate|up GEMM a decoder may fuse the pre-norm into (``decoder.Block``),
+        where it is a plain ``Linear`` of the stock forward, else None."""
+        gate_up = getattr(self, "gate_up_proj", None)
+        stock = not overrides_forward(self, GatedMLP)
+        return gate_up if stock and type(gate_up) is Linear else None
+
+    def from_input(self, gate_up: torch.Tensor, positions=None, attn=None) -> torch.Tensor:
+        """``forward`` after ``input_linear``'s GEMM."""
+        return self.down(gate_up)
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward`` after the gate/up GEMM: (T, 2I) -> (T, hidden)."""

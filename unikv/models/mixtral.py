@@ -13,17 +13,12 @@ Qwen3-MoE (``qwen3_moe.py``) shares it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, building
 from unikv.models.config import ModelConfig
-from unikv.models.layers import Linear, RMSNorm
-from unikv.models.llama import CausalLM, DecoderLayer
+from unikv.models.llama import CausalLM
 from unikv.models.moe import RoutedExperts
-from unikv.models.rope import Rotary
 
 
 def config_extras(hf_config) -> dict:
@@ -81,67 +76,26 @@ class SparseMoE(nn.Module):
         return self.experts(x, weights, indices)
 
 
-class MoEBackbone(nn.Module):
-    """``llama.Backbone`` with ``make_mlp(config, layer)`` per layer and a layer class."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        make_mlp: Callable[[ModelConfig, int], nn.Module],
-        max_positions: int,
-        layer_cls: type[DecoderLayer] = DecoderLayer,
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
-        self.layers = nn.ModuleList(
-            layer_cls(config, i, self.rotary, make_mlp(config, i)) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class MoEDecoderLM(CausalLM):
     """A Llama-layout causal LM whose MLPs come from ``make_mlp`` (tp must be None);
-    ``forward`` is ``llama.CausalLM``'s; ``ops`` as there."""
+    everything else is ``llama.CausalLM``'s (the shared decoder); ``ops`` as there."""
 
-    layer_cls: type[DecoderLayer] = DecoderLayer
+    tensor_parallel = False
 
-    def __init__(
-        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
-    ) -> None:
+    def check(self, config: ModelConfig, tp) -> None:
         if tp is not None:
             raise ValueError(f"{config.architecture} runs without tensor parallelism (tp=None)")
-        nn.Module.__init__(self)
-        self.config, self.tp = config, None
-        with building(ops):
-            self.model = MoEBackbone(config, self.make_mlp, max_positions, self.layer_cls)
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logits_dtype: torch.dtype | None = torch.float32
 
-    @staticmethod
-    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, layer: int, tp) -> nn.Module:
         raise NotImplementedError
 
 
-class MixtralDecoderLayer(DecoderLayer):
-    """``llama.DecoderLayer`` whose MLP is named ``block_sparse_moe`` (the
-    checkpoint's name); ``forward`` reads it as ``self.mlp``."""
-
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, mlp: nn.Module) -> None:
-        super().__init__(config, layer, rotary, mlp)
-        self._modules["block_sparse_moe"] = self._modules.pop("mlp")
-
-    @property
-    def mlp(self) -> nn.Module:
-        return self._modules["block_sparse_moe"]
-
-
 class MixtralForCausalLM(MoEDecoderLM):
-    """Mixtral over unikv's paged attention."""
+    """Mixtral over unikv's paged attention; its MLP is named ``block_sparse_moe`` (the
+    checkpoint's name)."""
 
-    layer_cls = MixtralDecoderLayer
+    mlp_name = "block_sparse_moe"
 
-    @staticmethod
-    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, layer: int, tp) -> nn.Module:
         names = ("w1", "w3", "w2")  # gate, up, down
         return SparseMoE(config, config.intermediate_size, names, True, False)

@@ -41,8 +41,7 @@ class Qwen3MoeForCausalLM(MoEDecoderLM):
     ) -> None:
         super().__init__(dataclasses.replace(config, qk_norm=True), max_positions, tp, ops=ops)
 
-    @staticmethod
-    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, config: ModelConfig, layer: int, tp) -> nn.Module:
         e = config.extra
         sparse = e["num_experts"] > 0 and (layer + 1) % e["decoder_sparse_step"] == 0
         if sparse and layer not in e["mlp_only_layers"]:

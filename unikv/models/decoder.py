@@ -1,0 +1,268 @@
+"""The one decoder every model family runs on: ``DecoderLM``.
+
+A family gives its layers (``make_layers``) and, optionally, hooks; the decoder
+gives the rest, the same for every family:
+
+- the embedding, inside the first layer's first GEMM where that GEMM takes its
+  pre-norm (``embed_rms_norm_linear``: the gather inside the GEMV's loads at small
+  batch), placeholder ids of the step's feedback buffer resolved there;
+- the layer loop, each residual add fused into the next pre-norm (``RMSNorm.add``),
+  or into the GEMM after it where the block has one (``RMSNorm.linear``);
+- logits only for the rows sampled (``logits_indices``);
+- the final norm inside the LM head's GEMM, and with ``greedy=True`` the argmax
+  inside it too (written into the feedback buffer when the step has one).
+
+A layer is a list of residual ``Block`` s, each ``x + post(body(norm(x)))``: a token
+mixer (attention, gated attention, MLA, Gated DeltaNet, Mamba-2) or an MLP (dense
+or MoE). The residual stream is carried beside each block's output (``h``) and added
+inside the next norm, so a layer maps ``(h, residual) -> (h, residual)``.
+
+Hooks (host values fixed at construction, never per step):
+
+- ``scale_embedding(h)`` where ``scales_embedding`` (Gemma's sqrt(hidden), Falcon-H1's
+  muP multiplier): the first GEMM then takes the embedding unfused;
+- ``finish_logits(logits)`` where ``finishes_logits`` (Gemma's final soft-cap,
+  Falcon-H1's LM head multiplier): the greedy argmax then runs after it (the
+  backend's ``argmax``), not inside the head, since the soft-capped logits may tie;
+- ``fp32_params``: parameter-name suffixes kept fp32 in every model dtype (``build``).
+
+Tensor parallelism: a family that shards (``tensor_parallel``) passes ``tp`` to its
+blocks (``models/parallel.py``); the embedding, norms and LM head are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unikv.kernels.backend import KernelBackend, building, resolve_feedback
+from unikv.models.config import ModelConfig
+from unikv.models.layers import Linear, RMSNorm
+from unikv.models.parallel import refuse_tp
+
+
+class Block:
+    """One residual block of a layer: ``out = post(body(norm(h + residual)))``.
+
+    norm: the pre-norm (an ``RMSNorm``); body: the mixer or MLP module; ``mixes``:
+    the body is called ``body(x, positions, attn)`` (a token mixer), else ``body(x)``;
+    post: None or a norm of the body's output (Gemma's sandwich norms). Where the
+    body offers ``input_linear()`` (a plain ``Linear``: q|k|v, gate|up), the norm runs
+    inside that GEMM and ``body.from_input`` does the rest. A plain object: the
+    modules are registered under the family's names by its layer."""
+
+    __slots__ = ("body", "linear", "mixes", "norm", "post")
+
+    def __init__(
+        self, norm: RMSNorm, body: nn.Module, *, mixes: bool, post: nn.Module | None = None
+    ) -> None:
+        self.norm, self.body, self.post, self.mixes = norm, body, post, mixes
+        fused = getattr(body, "input_linear", None)
+        self.linear = fused() if fused is not None else None
+
+    def __call__(self, h, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: (T, hidden), the previous block's output (the embeddings with residual
+        None); residual: (T, hidden) or None -> (this block's output, the residual
+        stream before it)."""
+        if self.linear is not None:
+            y, residual = self.norm.linear(h, residual, self.linear)
+            return self.after(y, residual, positions, attn)
+        if residual is None:  # the first block: a structural None, not a device branch
+            residual, x = h, self.norm(h)
+        else:
+            x, residual = self.norm.add(h, residual)
+        out = self.body(x, positions, attn) if self.mixes else self.body(x)
+        return (out if self.post is None else self.post(out)), residual
+
+    def after(self, y, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block from its ``input_linear`` GEMM's output ``y`` on."""
+        out = self.body.from_input(y, positions, attn)
+        return (out if self.post is None else self.post(out)), residual
+
+
+class DecoderLayer(nn.Module):
+    """A layer of residual blocks. A family's layer registers its modules under the
+    checkpoint's names and sets ``blocks`` (in order) from them."""
+
+    blocks: list[Block]
+
+    def forward(self, h, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) as ``Block``: the previous layer's last block output and the
+        residual stream before it -> this layer's."""
+        for block in self.blocks:
+            h, residual = block(h, residual, positions, attn)
+        return h, residual
+
+    def after_input(self, y, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its first block's ``input_linear`` output on (the decoder's
+        embedding inside that GEMM)."""
+        h, residual = self.blocks[0].after(y, residual, positions, attn)
+        for block in self.blocks[1:]:
+            h, residual = block(h, residual, positions, attn)
+        return h, residual
+
+
+class Backbone(nn.Module):
+    """The embedding, the layers and the final norm, under the family's names
+    (``names``: the embedding's and the final norm's; the layers are ``layers``);
+    ``rotary``: the rope table (a module), tables by layer type (a dict, kept out of
+    the parameters) or None."""
+
+    def __init__(
+        self,
+        embed: nn.Embedding,
+        layers: list[nn.Module],
+        norm: RMSNorm,
+        rotary: nn.Module | dict | None = None,
+        names: tuple[str, str] = ("embed_tokens", "norm"),
+    ) -> None:
+        super().__init__()
+        self.names = names
+        self.add_module(names[0], embed)
+        if rotary is not None:
+            self.rotary = rotary
+        self.layers = nn.ModuleList(layers)
+        self.add_module(names[1], norm)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self._modules[self.names[0]]
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return self._modules[self.names[1]]
+
+    def rotaries(self) -> list[nn.Module]:
+        rotary = getattr(self, "rotary", None)
+        if isinstance(rotary, dict):
+            return list(rotary.values())
+        return [] if rotary is None else [rotary]
+
+
+class DecoderLM(nn.Module):
+    """A causal LM on the shared decoder (module docstring).
+
+    Args:
+        config: the model's hyper-parameters.
+        max_positions: length of the rope tables (the engine's max context).
+        tp: None, or a ``models.parallel.TensorParallel`` for a family that shards
+            (``tensor_parallel``); the others refuse it.
+        ops: the kernel backend every module calls, fixed at construction (None: the
+            enclosing ``backend.building``'s, the torch references outside any).
+
+    A family sets ``backbone_name`` (its checkpoint's prefix, "model") and gives
+    ``make_backbone``. ``logits_dtype``: the dtype ``forward`` returns logits in (fp32
+    by default); None keeps lm_head's. ``resolves_feedback``: ``forward`` reads
+    ``attn.feedback`` when the step has one (placeholder ids -(1 + lane) are the
+    tokens there) and a greedy step writes its tokens into it.
+    """
+
+    resolves_feedback = True
+    tensor_parallel = False
+    backbone_name = "model"
+    scales_embedding = False
+    finishes_logits = False
+    fp32_params: tuple[str, ...] = ()
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
+    ) -> None:
+        super().__init__()
+        self.check(config, tp)
+        self.config, self.tp = config, tp
+        with building(ops):
+            backbone = self.make_backbone(config, max_positions, tp)
+            self.add_module(self.backbone_name, backbone)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_dtype: torch.dtype | None = torch.float32
+        self.ops = backbone.final_norm.ops
+        # the embedding inside the first GEMM: where that GEMM takes its pre-norm and
+        # the embedding is not scaled first
+        first = backbone.layers[0].blocks[0]
+        self.embeds_in_gemm = first.linear is not None and not self.scales_embedding
+
+    # -- the family's part ---------------------------------------------------------
+
+    def check(self, config: ModelConfig, tp) -> None:
+        """ValueError for what the family cannot run (before anything is built)."""
+        if not self.tensor_parallel:
+            refuse_tp(config, tp)
+
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> Backbone:
+        raise NotImplementedError
+
+    def scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    # -- shared ----------------------------------------------------------------------
+
+    @property
+    def backbone(self) -> Backbone:
+        return self._modules[self.backbone_name]
+
+    def build(self, device: torch.device) -> None:
+        """After ``to(dtype).to_empty``, before the weights load: the rope tables on
+        ``device``; the ``fp32_params`` back to fp32."""
+        for rotary in self.backbone.rotaries():
+            rotary.build(device)
+        if self.fp32_params:
+            for name, param in self.named_parameters():
+                if name.endswith(self.fp32_params):
+                    param.data = param.data.float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn,
+        logits_indices: torch.Tensor | None = None,
+        greedy: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids: (T,) int64 token ids; positions: (T,) int64; attn: the step
+        object (``AttentionFn``, and ``StateFn`` / MLA ops where the family needs them);
+        logits_indices: (N,) int64 rows of the step whose logits are wanted (None: all).
+        Returns logits (N, vocab) in ``logits_dtype``; greedy: (logits, (N,) int64
+        greedy tokens), into ``attn.feedback`` when the step has one."""
+        backbone = self.backbone
+        layers = backbone.layers
+        feedback = getattr(attn, "feedback", None)  # placeholder ids' tokens (graphs)
+        if self.embeds_in_gemm:  # the embedding inside the first GEMM's loads
+            first = layers[0].blocks[0]
+            y, residual = first.norm.embed_linear(
+                input_ids, backbone.embed.weight, first.linear, feedback
+            )
+            h, residual = layers[0].after_input(y, residual, positions, attn)
+            layers = layers[1:]
+        else:
+            h = backbone.embed(resolve_feedback(input_ids, feedback))
+            if self.scales_embedding:  # a host bool of the family
+                h = self.scale_embedding(h)
+            residual = None
+        for layer in layers:
+            h, residual = layer(h, residual, positions, attn)
+        if logits_indices is not None:
+            h, residual = (
+                h.index_select(0, logits_indices),
+                residual.index_select(0, logits_indices),
+            )
+        norm = backbone.final_norm
+        if greedy and not self.finishes_logits:  # the argmax inside the head's GEMV
+            out = None if feedback is None else feedback[: h.shape[0]]  # where the step reads it
+            logits, tokens = norm.linear_argmax(h, residual, self.lm_head, out)
+            return self._cast(logits), tokens
+        logits, _ = norm.linear(h, residual, self.lm_head)
+        if self.finishes_logits:
+            logits = self.finish_logits(logits)
+        logits = self._cast(logits)
+        if not greedy:
+            return logits
+        tokens = self.ops.argmax(logits)
+        if feedback is not None:
+            tokens = feedback[: h.shape[0]].copy_(tokens)
+        return logits, tokens
+
+    def _cast(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.logits_dtype is None else logits.to(self.logits_dtype)
