@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
-from unikv.models.layers import AttentionFn, GatedMLP, StateFn
-from unikv.models.parallel import refuse_tp
+from unikv.models.layers import AttentionFn, GatedMLP, Linear, RMSNorm, StateFn
 from unikv.models.rope import Rotary
 
 
@@ -87,19 +87,13 @@ def config_extras(hf_config) -> dict:
     return {"layer_types": tuple(hf_config.layer_types)}
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm with weight ``1 + w`` (w stored zero-centred), multiplied in fp32
-    before the cast back (transformers' ``Qwen3_5RMSNorm``)."""
+    before the cast back (transformers' ``Qwen3_5RMSNorm``), through the backend's
+    norm ops (``offset`` 1), so the decoder fuses the residual add into it."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        super().__init__(dim, eps, weight_in_fp32=True, offset=1.0)
 
 
 class GatedRMSNorm(nn.Module):
@@ -128,10 +122,10 @@ class GatedAttention(nn.Module):
         self.layer, self.head_dim = layer, d
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         bias = config.qkv_bias
-        self.q_proj = nn.Linear(hidden, 2 * self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=config.o_bias)
+        self.q_proj = Linear(hidden, 2 * self.num_heads * d, bias=bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_bias)
         self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.rotary = [rotary]  # shared, kept out of this module's parameters
@@ -171,14 +165,14 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
         self.make_projections(hidden)
 
     def make_projections(self, hidden: int) -> None:
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden, self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor):
         """x: (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv),
@@ -209,9 +203,9 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, self.value_dim))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(decoder.DecoderLayer):
     """One hybrid layer: a token mixer (``linear_attn`` or ``self_attn``) and an MLP,
-    each behind a zero-centred pre-norm and a residual."""
+    each behind a zero-centred pre-norm and a residual (``decoder.Block``)."""
 
     def __init__(
         self, config: ModelConfig, layer: int, rotary: Rotary, mixer: type, mlp: nn.Module
@@ -220,29 +214,15 @@ class DecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         if config.extra["layer_types"][layer] == "linear_attention":
-            self.linear_attn = mixer(config, layer)
-            self.mixer = [self.linear_attn]  # an alias, kept out of the parameter names
+            self.linear_attn = body = mixer(config, layer)
         else:
-            self.self_attn = GatedAttention(config, layer, rotary)
-            self.mixer = [self.self_attn]
+            self.self_attn = body = GatedAttention(config, layer, rotary)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         self.mlp = mlp
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        x = x + self.mixer[0](self.input_layernorm(x), positions, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, mixer: type, make_mlp) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary, mixer, make_mlp(config, i))
-            for i in range(config.num_layers)
-        )
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.blocks = [
+            decoder.Block(self.input_layernorm, body, mixes=True),
+            decoder.Block(self.post_attention_layernorm, mlp, mixes=False),
+        ]
 
 
 def _check_layer_types(config: ModelConfig) -> None:
@@ -255,13 +235,16 @@ def _check_layer_types(config: ModelConfig) -> None:
         )
 
 
-class Qwen3_5ForCausalLM(nn.Module):
-    """Qwen3.5 (text) over unikv's paged attention and recurrent-state slots.
+class Qwen3_5ForCausalLM(decoder.DecoderLM):
+    """Qwen3.5 (text) over unikv's paged attention and recurrent-state slots, on the
+    shared decoder (``decoder.DecoderLM``: residual adds inside the zero-centred norms,
+    the dense MLP's pre-norm inside its gate|up GEMM, the head's fast path).
 
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope table (the engine's max context).
         tp: must be None (tensor parallelism is not implemented for hybrid models).
+        ops: as ``decoder.DecoderLM``.
     """
 
     mixer: type = GatedDeltaNet
@@ -269,35 +252,20 @@ class Qwen3_5ForCausalLM(nn.Module):
     # transformers' _keys_to_ignore_on_load_unexpected; needs loader support
     ignore_checkpoint_prefixes = ("mtp.",)
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__()
-        refuse_tp(config, tp)
+    def check(self, config: ModelConfig, tp) -> None:
+        super().check(config, tp)
         _check_layer_types(config)
-        self.config, self.tp = config, None
-        self.model = Backbone(config, max_positions, self.mixer, self.make_mlp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
+        rotary = Rotary(config.rope, config.head_dim, max_positions)
+        layers = [
+            DecoderLayer(config, i, rotary, self.mixer, self.make_mlp(config, i))
+            for i in range(config.num_layers)
+        ]
+        norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        return decoder.Backbone(embed, layers, norm, rotary)
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
         return GatedMLP(config)
-
-    def build(self, device: torch.device) -> None:
-        """Non-parameter tables on ``device`` (the rope cos/sin)."""
-        self.model.rotary.build(device)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids: (T,) int64; positions: (T,) int64; attn: the step object
-        (``AttentionFn`` and ``StateFn``); logits_indices: (N,) int64 rows whose
-        logits are wanted (None: all). Returns fp32 logits (N, vocab)."""
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, attn)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()

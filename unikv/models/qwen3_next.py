@@ -23,7 +23,7 @@ from torch import nn
 
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
-from unikv.models.layers import GatedMLP
+from unikv.models.layers import GatedMLP, Linear
 from unikv.models.moe import RoutedExperts
 
 MOE_FIELDS = (
@@ -48,8 +48,8 @@ class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
     """Gated DeltaNet with Qwen3-Next's per-key-head packed projections."""
 
     def make_projections(self, hidden: int) -> None:
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * self.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor):
         """x: (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv),
