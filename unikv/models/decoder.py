@@ -200,13 +200,14 @@ class DecoderLM(nn.Module):
     # -- shared ----------------------------------------------------------------------
 
     @property
-    def backbone(self) -> Backbone:
+    def stack(self) -> Backbone:
+        """The backbone, under ``backbone_name``."""
         return self._modules[self.backbone_name]
 
     def build(self, device: torch.device) -> None:
         """After ``to(dtype).to_empty``, before the weights load: the rope tables on
         ``device``; the ``fp32_params`` back to fp32."""
-        for rotary in self.backbone.rotaries():
+        for rotary in self.stack.rotaries():
             rotary.build(device)
         if self.fp32_params:
             for name, param in self.named_parameters():
@@ -226,7 +227,7 @@ class DecoderLM(nn.Module):
         logits_indices: (N,) int64 rows of the step whose logits are wanted (None: all).
         Returns logits (N, vocab) in ``logits_dtype``; greedy: (logits, (N,) int64
         greedy tokens), into ``attn.feedback`` when the step has one."""
-        backbone = self.backbone
+        backbone = self.stack
         layers = backbone.layers
         feedback = getattr(attn, "feedback", None)  # placeholder ids' tokens (graphs)
         if self.embeds_in_gemm:  # the embedding inside the first GEMM's loads

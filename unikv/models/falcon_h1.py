@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, as_float
-from unikv.models.layers import Attention, RMSNorm
+from unikv.models.layers import Attention, Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.rope import Rotary
 
@@ -131,9 +132,9 @@ class ScaledMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, bool(config.extra["mlp_bias"])
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self.gate_multiplier, self.down_multiplier = config.extra["mlp_multipliers"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,10 @@ class ScaledMLP(nn.Module):
         return self.down_proj(y) * self.down_multiplier
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(decoder.DecoderLayer):
+    """Mamba-2 and attention side by side behind ``input_layernorm`` (one block whose
+    body is ``mix``), then the MLP behind ``pre_ff_layernorm`` (``decoder.Block`` s)."""
+
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
         e, eps = config.extra, config.rms_norm_eps
@@ -152,37 +156,38 @@ class DecoderLayer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps)
         self.ssm_out = e["ssm_out_multiplier"]
         self.attn_in, self.attn_out = e["attention_in_multiplier"], e["attention_out_multiplier"]
+        self.blocks = [
+            decoder.Block(self.input_layernorm, self.mix, mixes=True),
+            decoder.Block(self.pre_ff_layernorm, self.feed_forward, mixes=False),
+        ]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        m = self.mamba(h, attn) * self.ssm_out
+    def mix(self, h: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """The mixers' muP-scaled sum on the normed stream h: (T, hidden) -> (T, hidden)."""
+        m = self.mamba(h, positions, attn) * self.ssm_out
         a = self.self_attn(h * self.attn_in, positions, attn) * self.attn_out
-        x = x + (m + a)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        return m + a
 
 
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = Rotary(config.rope, config.head_dim, max_positions)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
-        )
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class FalconH1ForCausalLM(decoder.DecoderLM):
+    """Falcon-H1 over unikv's step object (paged attention + recurrent-state ops), on the
+    shared decoder (``decoder.DecoderLM``: each residual add inside the next norm).
 
-
-class FalconH1ForCausalLM(nn.Module):
-    """Falcon-H1 over unikv's step object (paged attention + recurrent-state ops).
+    Its muP multipliers opt out of two fused pieces: the embedding is scaled before the
+    first norm (``scale_embedding``: no gather inside a GEMM; the first block has none
+    anyway) and the logits after the head (``finish_logits``: the greedy argmax runs
+    on the scaled logits, after the head, as the sampler would).
 
     Args:
         config: ModelConfig with Falcon-H1's fields in ``extra`` (``config_extras``).
         max_positions: length of the rope table.
         tp: must be None.
+        ops: as ``decoder.DecoderLM``.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__()
+    scales_embedding = True
+    finishes_logits = True
+
+    def check(self, config: ModelConfig, tp) -> None:
         if tp is not None:
             raise ValueError(
                 "Falcon-H1 runs without tensor parallelism in unikv (its Mamba-2 state is not "
@@ -190,31 +195,23 @@ class FalconH1ForCausalLM(nn.Module):
             )
         if config.hidden_act != "silu":
             raise ValueError(f"Falcon-H1 hidden_act must be 'silu', got {config.hidden_act!r}")
-        self.config, self.tp = config, tp
-        self.model = Backbone(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
+        rotary = Rotary(config.rope, config.head_dim, max_positions)
+        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        return decoder.Backbone(embed, layers, norm, rotary, ("embed_tokens", "final_layernorm"))
 
     def build(self, device: torch.device) -> None:
         """After ``to(dtype).to_empty``: the rope table and every mixer's ``mup_vector``."""
-        self.model.rotary.build(device)
+        super().build(device)
         with torch.no_grad():
             for layer in self.model.layers:
                 layer.mamba.build(self.config.extra["ssm_multipliers"])
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) int64; attn: the step object (``AttentionFn``
-        + ``StateFn``); logits_indices: (N,) int64 rows whose logits are wanted
-        (None: all). Returns fp32 (N, vocab)."""
-        e = self.config.extra
-        x = self.model.embed_tokens(input_ids) * e["embedding_multiplier"]
-        for layer in self.model.layers:
-            x = layer(x, positions, attn)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return (self.lm_head(self.model.final_layernorm(x)) * e["lm_head_multiplier"]).float()
+    def scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.config.extra["embedding_multiplier"]
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits * self.config.extra["lm_head_multiplier"]

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from unikv.models.layers import Linear
+
 ACTIVATIONS = ("silu",)
 
 
@@ -122,7 +124,7 @@ class Mamba2Mixer(nn.Module):
         dims.check()
         self.dims, self.layer = dims, layer
         h, inner = dims.num_heads, dims.intermediate_size
-        self.in_proj = nn.Linear(dims.hidden_size, inner + dims.conv_dim + h, bias=dims.proj_bias)
+        self.in_proj = Linear(dims.hidden_size, inner + dims.conv_dim + h, bias=dims.proj_bias)
         self.conv1d = Conv1dWeights(dims.conv_dim, dims.conv_kernel, dims.conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(h))
         self.A_log = nn.Parameter(torch.zeros(h))
@@ -131,15 +133,15 @@ class Mamba2Mixer(nn.Module):
             self.norm = GatedRMSNorm(
                 inner, dims.n_groups, dims.eps, dims.norm_before_gate, dims.norm_weight_in_fp32
             )
-        self.out_proj = nn.Linear(inner, dims.hidden_size, bias=dims.out_bias)
+        self.out_proj = Linear(inner, dims.hidden_size, bias=dims.out_bias)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, I + C + H): [z | xBC | dt] (Falcon-H1 scales it)."""
         return self.in_proj(x)
 
-    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
-        """x: (T, hidden) model dtype; attn: the step object (``layers.StateFn``)
-        -> (T, hidden)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None, attn) -> torch.Tensor:
+        """x: (T, hidden) model dtype; positions: unused (a token mixer's signature);
+        attn: the step object (``layers.StateFn``) -> (T, hidden)."""
         d, t = self.dims, x.shape[0]
         inner, gn = d.intermediate_size, d.n_groups * d.state_size
         z, xbc, dt = self.project(x).split([inner, d.conv_dim, d.num_heads], dim=-1)

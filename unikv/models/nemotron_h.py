@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
-from unikv.models.layers import AttentionFn, RMSNorm
+from unikv.models.layers import AttentionFn, Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts
 
@@ -89,13 +90,13 @@ class NoRopeAttention(nn.Module):
         hidden, d = config.hidden_size, config.head_dim
         self.layer, self.head_dim = layer, d
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.num_heads * d, bias=False)
+        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.num_heads * d, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """x: (T, hidden) -> (T, hidden)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+        """x: (T, hidden); positions: unused (no rope) -> (T, hidden)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -109,8 +110,8 @@ class Relu2MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(x)).square())
@@ -178,8 +179,9 @@ class MoE(nn.Module):
         return h + self.shared_experts(x)
 
 
-class Block(nn.Module):
-    """``x + mixer(norm(x))``; the mixer is picked by the layer's type."""
+class Block(decoder.DecoderLayer):
+    """One layer, ``x + mixer(norm(x))`` (one ``decoder.Block``); the mixer is picked
+    by the layer's type."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -194,20 +196,8 @@ class Block(nn.Module):
             self.mixer = Relu2MLP(config.hidden_size, config.intermediate_size, e["mlp_bias"])
         else:
             self.mixer = MoE(config)
-
-    def forward(self, x: torch.Tensor, attn) -> torch.Tensor:
-        h = self.norm(x)
-        if self.block_type in (MAMBA, ATTENTION):  # a host str fixed at construction
-            return x + self.mixer(h, attn)
-        return x + self.mixer(h)
-
-
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        self.norm_f = RMSNorm(config.hidden_size, config.extra["layer_norm_epsilon"])
+        mixes = self.block_type in (MAMBA, ATTENTION)  # a host str fixed at construction
+        self.blocks = [decoder.Block(self.norm, self.mixer, mixes=mixes)]
 
 
 def _check(config: ModelConfig, tp) -> None:
@@ -238,42 +228,27 @@ def _check(config: ModelConfig, tp) -> None:
         )
 
 
-class NemotronHForCausalLM(nn.Module):
-    """NemotronH over unikv's step object (paged attention + recurrent-state ops).
+class NemotronHForCausalLM(decoder.DecoderLM):
+    """NemotronH over unikv's step object (paged attention + recurrent-state ops), on
+    the shared decoder (``decoder.DecoderLM``: each residual add inside the next norm,
+    the head's fast path).
 
     Args:
         config: ModelConfig with NemotronH's fields in ``extra`` (``config_extras``).
         max_positions: unused (no rope); kept for the registry's signature.
         tp: must be None.
+        ops: as ``decoder.DecoderLM``.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__()
+    backbone_name = "backbone"
+    # the MoE routers' score-correction biases: transformers keeps them fp32 in every dtype
+    fp32_params = ("e_score_correction_bias",)
+
+    def check(self, config: ModelConfig, tp) -> None:
         _check(config, tp)
-        self.config, self.tp = config, tp
-        self.backbone = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def build(self, device: torch.device) -> None:
-        """After ``to(dtype).to_empty``: the MoE routers' score-correction biases
-        back to fp32 (transformers keeps them fp32 in every model dtype)."""
-        for name, param in self.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                param.data = param.data.float()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: (T,) int64 (positions unused: no rope); attn:
-        the step object (``AttentionFn`` + ``StateFn``); logits_indices: (N,)
-        int64 rows whose logits are wanted (None: all). Returns fp32 (N, vocab)."""
-        x = self.backbone.embeddings(input_ids)
-        for layer in self.backbone.layers:
-            x = layer(x, attn)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.backbone.norm_f(x)).float()
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
+        layers = [Block(config, i) for i in range(config.num_layers)]
+        norm = RMSNorm(config.hidden_size, config.extra["layer_norm_epsilon"])
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        return decoder.Backbone(embed, layers, norm, names=("embeddings", "norm_f"))
