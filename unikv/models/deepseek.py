@@ -44,10 +44,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import DeepseekMoE, check_moe_fields
-from unikv.models.layers import GatedMLP, RMSNorm
-from unikv.models.parallel import refuse_tp
+from unikv.models.layers import GatedMLP, Linear, RMSNorm
 from unikv.models.rope import Rotary
 
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -174,15 +174,15 @@ class MLAttention(nn.Module):
         self.sm_scale, self.q_lora = e["mla_sm_scale"], e["q_lora_rank"] is not None
         qk, heads, bias = self.nope + self.rope, self.num_heads, e["attention_bias"]
         if e["q_lora_rank"] is None:
-            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
+            self.q_proj = Linear(hidden, heads * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, e["q_lora_rank"], bias=bias)
+            self.q_a_proj = Linear(hidden, e["q_lora_rank"], bias=bias)
             self.q_a_layernorm = RMSNorm(e["q_lora_rank"], LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(e["q_lora_rank"], heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
+            self.q_b_proj = Linear(e["q_lora_rank"], heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
         self.rotary = [rotary]  # shared, kept out of this module's parameters
         self.widths = {"heads": heads, "rank": self.rank, "rope": self.rope}
         self.widths.update(nope=self.nope, v_dim=self.v_dim)  # the step's expands_mla inputs
@@ -211,7 +211,11 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(t, heads * self.v_dim))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(decoder.DecoderLayer):
+    """MLA then an MLP (dense for the first ``first_k_dense_replace`` layers, else the
+    MoE), each behind a pre-norm (``decoder.Block``: the dense MLP's inside its gate|up
+    GEMM)."""
+
     def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary) -> None:
         super().__init__()
         e, eps = config.extra, config.rms_norm_eps
@@ -222,69 +226,42 @@ class DecoderLayer(nn.Module):
             self.mlp = DeepseekMoE(config)
         else:
             self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=e["mlp_bias"]))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: MLAFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        e = config.extra
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = DeepseekRotary(
-            config.rope, e["qk_rope_head_dim"], max_positions, e["rope_layout"]
-        )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.blocks = [
+            decoder.Block(self.input_layernorm, self.self_attn, mixes=True),
+            decoder.Block(self.post_attention_layernorm, self.mlp, mixes=False),
+        ]
 
 
-class DeepseekForCausalLM(nn.Module):
-    """DeepSeek-V2 / V3 over unikv's MLA sub-pool.
+class DeepseekForCausalLM(decoder.DecoderLM):
+    """DeepSeek-V2 / V3 over unikv's MLA sub-pool, on the shared decoder
+    (``decoder.DecoderLM``).
 
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope table (the engine's max context).
         tp: must be None (tensor parallelism is not implemented for MLA models).
+        ops: as ``decoder.DecoderLM``.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__()
-        refuse_tp(config, tp)
+    # the V3 routers' score-correction biases: transformers keeps them fp32 in every dtype
+    fp32_params = ("e_score_correction_bias",)
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None, **kw) -> None:
+        super().__init__(config, max_positions, tp, **kw)
+        # V3 checkpoints append their multi-token-prediction layer(s) after the last one
+        self.ignore_checkpoint_prefixes = (f"model.layers.{config.num_layers}.",)
+
+    def check(self, config: ModelConfig, tp) -> None:
+        super().check(config, tp)
         if config.hidden_act != "silu":
             raise ValueError(
                 f"hidden_act {config.hidden_act!r}: unikv's DeepSeek MLPs run 'silu' only"
             )
-        self.config, self.tp = config, None
-        self.model = Backbone(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # V3 checkpoints append their multi-token-prediction layer(s) after the last one
-        self.ignore_checkpoint_prefixes = (f"model.layers.{config.num_layers}.",)
 
-    def build(self, device: torch.device) -> None:
-        """The rope tables on ``device``; the V3 routers' ``e_score_correction_bias``
-        back to fp32 (transformers keeps it fp32 in every model dtype)."""
-        self.model.rotary.build(device)
-        for name, param in self.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                param.data = param.data.float()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: MLAFn,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids: (T,) int64; positions: (T,) int64; attn: the step object (its
-        ``mla``); logits_indices: (N,) int64 rows whose logits are wanted (None:
-        all). Returns fp32 logits (N, vocab)."""
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, attn)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
+        e = config.extra
+        rotary = DeepseekRotary(config.rope, e["qk_rope_head_dim"], max_positions, e["rope_layout"])
+        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        return decoder.Backbone(embed, layers, norm, rotary)
