@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unikv.models import decoder
 from unikv.models.config import ModelConfig
-from unikv.models.layers import Attention, AttentionFn, GatedMLP
-from unikv.models.parallel import refuse_tp
+from unikv.models.layers import Attention, GatedMLP
 from unikv.models.qwen3_5 import ZeroCenteredRMSNorm as GemmaRMSNorm
 from unikv.models.rope import Rotary
 
@@ -116,8 +116,10 @@ class GeluMLP(GatedMLP):
         return self.down_proj(gate * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    """Attention and MLP, each between a pre-norm and a post-norm (sandwich norms)."""
+class DecoderLayer(decoder.DecoderLayer):
+    """Attention and MLP, each between a pre-norm and a post-norm (sandwich norms:
+    ``decoder.Block``'s ``post``; the residual add still goes inside the next pre-norm,
+    after the post-norm, as Gemma adds it)."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
@@ -126,74 +128,68 @@ class DecoderLayer(nn.Module):
         self.self_attn = GemmaAttention(config, layer, rotary)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        # GeLU-tanh, not SwiGLU: its gate and up stay two GEMMs, the pre-norm outside them
         self.mlp = GeluMLP(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
-        h = self.self_attn(self.input_layernorm(x), positions, attn)
-        x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
-
-
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        ropes = config.extra["rope_by_type"]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # one rope table per layer type, kept out of the parameter names
-        self.rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
-        types = config.extra["layer_types"]
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary[types[i]]) for i in range(config.num_layers)
-        )
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.blocks = [
+            decoder.Block(
+                self.input_layernorm, self.self_attn, mixes=True, post=self.post_attention_layernorm
+            ),
+            decoder.Block(
+                self.pre_feedforward_layernorm, self.mlp, mixes=False,
+                post=self.post_feedforward_layernorm,
+            ),
+        ]  # fmt: skip
 
 
-class GemmaForCausalLM(nn.Module):
-    """Gemma-2 / Gemma-3 (text) over unikv's paged attention.
+class GemmaForCausalLM(decoder.DecoderLM):
+    """Gemma-2 / Gemma-3 (text) over unikv's paged attention, on the shared decoder
+    (``decoder.DecoderLM``: residual adds inside the next pre-norm, each pre-norm of
+    attention inside its q|k|v GEMM).
+
+    Two fused pieces are off, where Gemma's math differs: the embedding is scaled by
+    sqrt(hidden) before the first norm (``scale_embedding``: no gather inside the first
+    GEMM), and with a final soft-cap the greedy argmax runs on the capped logits after
+    the head (``finish_logits``: tanh's rounding may tie logits the head kept apart).
 
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope tables (the engine's max context).
         tp: must be None (tensor parallelism is not implemented for Gemma).
+        ops: as ``decoder.DecoderLM``.
     """
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__()
-        refuse_tp(config, tp)
-        self.config, self.tp = config, None
+    scales_embedding = True
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp=None, **kw) -> None:
+        super().__init__(config, max_positions, tp, **kw)
         self.final_soft_cap = config.extra["final_soft_cap"]
-        self.model = Backbone(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("embed_scale", torch.empty(()), persistent=False)
+
+    @property
+    def finishes_logits(self) -> bool:  # a host float fixed at construction
+        return self.final_soft_cap > 0
+
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
+        ropes, types = config.extra["rope_by_type"], config.extra["layer_types"]
+        # one rope table per layer type, kept out of the parameter names
+        rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
+        layers = [DecoderLayer(config, i, rotary[types[i]]) for i in range(config.num_layers)]
+        norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        return decoder.Backbone(embed, layers, norm, rotary)
 
     def build(self, device: torch.device) -> None:
         """Non-parameter tables on ``device``: the rope cos/sin per layer type and
         the embedding scale sqrt(hidden), rounded to the model dtype as transformers
         does (an fp32 scalar cast to the embedding's dtype)."""
-        for rotary in self.model.rotary.values():
-            rotary.build(device)
+        super().build(device)
         scale = torch.tensor(self.config.hidden_size**0.5)  # fp32
         self.embed_scale = scale.to(self.model.embed_tokens.weight.dtype).to(device)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionFn,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids: (T,) int64; positions: (T,) int64; attn: the step's
-        ``AttentionFn``; logits_indices: (N,) int64 rows whose logits are wanted
-        (None: all). Returns fp32 logits (N, vocab), soft-capped in the model dtype."""
-        x = self.model.embed_tokens(input_ids) * self.embed_scale
-        for layer in self.model.layers:
-            x = layer(x, positions, attn)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        logits = self.lm_head(self.model.norm(x))
-        if self.final_soft_cap > 0:  # a host float fixed at construction
-            logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
-        return logits.float()
+    def scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.embed_scale
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Final soft-capping, in the model dtype."""
+        return torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap
