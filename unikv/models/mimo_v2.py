@@ -35,12 +35,11 @@ import dataclasses
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, building
+from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import TopkRouter, check_moe_fields
-from unikv.models.layers import AttentionFn, GatedMLP, RMSNorm
+from unikv.models.layers import AttentionFn, GatedMLP, Linear, RMSNorm
 from unikv.models.moe import RoutedExperts
-from unikv.models.parallel import refuse_tp
 from unikv.models.rope import Rotary
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -142,10 +141,10 @@ class MiMoAttention(nn.Module):
         self.head_dim, self.v_head_dim = config.head_dim, e["v_head_dim"]
         self.v_scale = e["v_scale"]
         heads, kv, bias = self.num_heads, self.num_kv_heads, e["attention_bias"]
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv * self.v_head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, kv * self.v_head_dim, bias=bias)
+        self.o_proj = Linear(heads * self.v_head_dim, hidden, bias=False)
         # (Hq,) sink logits; kept fp32 (``build``), as the attention kernels take them
         self.attention_sink_bias = nn.Parameter(torch.zeros(heads)) if sliding else None
         self.rotary = [rotary]  # shared, kept out of this module's parameters
@@ -179,7 +178,10 @@ class MiMoMoE(nn.Module):
         return self.experts(x, weights, indices)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(decoder.DecoderLayer):
+    """Attention then an MLP (dense or MoE per ``mlp_layer_types``), each behind a
+    pre-norm (``decoder.Block``: the dense MLP's inside its gate|up GEMM)."""
+
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
         e, h, eps = config.extra, config.hidden_size, config.rms_norm_eps
@@ -191,71 +193,34 @@ class DecoderLayer(nn.Module):
             self.mlp = MiMoMoE(config)
         else:
             self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=False))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        ropes, types = config.extra["rope_by_type"], config.extra["layer_types"]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # one rope table per layer type, kept out of the parameter names
-        self.rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, self.rotary[types[i]]) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.blocks = [
+            decoder.Block(self.input_layernorm, self.self_attn, mixes=True),
+            decoder.Block(self.post_attention_layernorm, self.mlp, mixes=False),
+        ]
 
 
-class MiMoV2FlashForCausalLM(nn.Module):
-    """MiMo-V2-Flash over unikv's "full" and "swa" sub-pools.
+class MiMoV2FlashForCausalLM(decoder.DecoderLM):
+    """MiMo-V2-Flash over unikv's "full" and "swa" sub-pools, on the shared decoder
+    (``decoder.DecoderLM``).
 
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope tables (the engine's max context).
         tp: must be None (tensor parallelism is not implemented for MiMo-V2-Flash).
-        ops: the kernel backend every module calls, fixed at construction (None: the
-            enclosing ``backend.building``'s, the torch references outside any).
+        ops: as ``decoder.DecoderLM``.
     """
 
-    def __init__(
-        self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
-    ) -> None:
-        super().__init__()
-        refuse_tp(config, tp)
-        self.config, self.tp = config, None
-        with building(ops):
-            self.model = Backbone(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.ignore_checkpoint_prefixes = ("model.mtp.",)  # multi-token-prediction head
+    # before the weights load (``build``): the routers' ``e_score_correction_bias``
+    # (transformers keeps it fp32 in every model dtype) and the attention sinks (the
+    # kernels take fp32 sinks) as fp32 parameters
+    fp32_params = ("e_score_correction_bias", "attention_sink_bias")
+    ignore_checkpoint_prefixes = ("model.mtp.",)  # multi-token-prediction head
 
-    def build(self, device: torch.device) -> None:
-        """Before the weights load: the rope tables on ``device``; the routers'
-        ``e_score_correction_bias`` (transformers keeps it fp32 in every model dtype)
-        and the attention sinks (the kernels take fp32 sinks) as fp32 parameters."""
-        for rotary in self.model.rotary.values():
-            rotary.build(device)
-        for name, param in self.named_parameters():
-            if name.endswith(("e_score_correction_bias", "attention_sink_bias")):
-                param.data = param.data.float()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionFn,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids: (T,) int64; positions: (T,) int64; attn: the step's
-        ``AttentionFn``; logits_indices: (N,) int64 rows whose logits are wanted
-        (None: all). Returns fp32 logits (N, vocab)."""
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, positions, attn)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+    def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
+        ropes, types = config.extra["rope_by_type"], config.extra["layer_types"]
+        # one rope table per layer type, kept out of the parameter names
+        rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
+        layers = [DecoderLayer(config, i, rotary[types[i]]) for i in range(config.num_layers)]
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        return decoder.Backbone(embed, layers, norm, rotary)
