@@ -20,6 +20,7 @@ import torch
 
 from unikv.kernels.backend import building, get_backend
 from unikv.models.config import TEXT_DECODERS, ModelConfig, model_config_from_hf
+from unikv.models.decoder import DecoderLM
 from unikv.models.fp8 import (
     SCALE_SUFFIX,
     Fp8Format,
@@ -28,7 +29,6 @@ from unikv.models.fp8 import (
     fp8_format,
     fp8_pairs,
 )
-from unikv.models.llama import CausalLM
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
 from unikv.models.registry import model_class
@@ -161,7 +161,7 @@ def _sources(index: dict[str, str], params=(), fp8=None) -> dict[str, tuple[str,
     return sources
 
 
-def _sinks_to_fp32(model: CausalLM) -> None:
+def _sinks_to_fp32(model: DecoderLM) -> None:
     """Attention sinks feed the kernels as fp32 (Hq,) vectors; they keep the
     model dtype's rounding (transformers holds them in the model dtype)."""
     for name, param in model.named_parameters():
@@ -218,7 +218,7 @@ def _checkpoint_sources(model, index: dict[str, str], fp8=None) -> tuple[dict, t
     return sources, ignored
 
 
-def load_weights(model: CausalLM, files: list[str], fp8: Fp8Format | None = None) -> None:
+def load_weights(model: DecoderLM, files: list[str], fp8: Fp8Format | None = None) -> None:
     """Copy checkpoint tensors into ``model`` by name, one tensor at a time
     (MXFP4 experts, and FP8 weights of format ``fp8``, dequantised on the way, the
     latter on the parameter's device in its dtype; under ``model.tp`` each sharded
@@ -284,7 +284,7 @@ def load_model(
     max_positions: int | None = None,
     tp=None,
     kernels: str | None = None,
-) -> CausalLM:
+) -> DecoderLM:
     """Build the model of a checkpoint directory and load its weights.
 
     ``max_positions``: rope table length (default: the config's
@@ -302,10 +302,7 @@ def load_model(
     with torch.device("meta"), building(ops):
         model = model_class(config.family)(config, max_positions, tp)
     model = model.to(dtype).to_empty(device=device)  # no full-precision copy on the device
-    if hasattr(model, "build"):  # a family's own tables (rope, fp32 parameters)
-        model.build(torch.device(device))
-    else:
-        model.model.rotary.build(torch.device(device))
+    model.build(torch.device(device))  # the rope tables, fp32 parameters (decoder.DecoderLM)
     load_weights(model, files, fp8_format(hf_config))
     for module in model.modules():  # e.g. MXFP4 experts re-packed for the backend's kernel
         if hasattr(module, "finish_loading"):

@@ -1,0 +1,135 @@
+"""The shared decoder (``models/decoder.py``) under every family.
+
+- every family's model class is a ``DecoderLM``, and ``class Backbone`` is defined
+  once, in ``decoder.py``;
+- ``forward(greedy=True)`` of each family returns the logits of a plain forward and
+  their argmax, and resolves a placeholder id -(1 + lane) from the step's feedback
+  buffer, into which it writes its tokens (the engine's decode graphs use both);
+- the families whose math differs opt out of the fused pieces they say they do:
+  Gemma (scaled embedding, final soft-cap) and Falcon-H1 (muP multipliers) take the
+  embedding unfused and their argmax after the head; Llama takes both fused.
+
+Each family's tiny checkpoint and dense step object come from the model tests'
+fixtures; the logits of the model itself are the reference here (each family's
+logits against transformers' are its own test file's).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from engine_fixtures import (
+    VOCAB,
+    DenseAttention,
+    DenseMamba2Step,
+    DenseStepFn,
+    one_thread,  # noqa: F401  (a fixture)
+    save_tiny_deepseek,
+    save_tiny_falcon_h1,
+    save_tiny_gemma,
+    save_tiny_hybrid,
+    save_tiny_model,
+    save_tiny_nemotron_h,
+)
+
+from unikv.models import load_model
+from unikv.models.decoder import DecoderLM
+from unikv.models.family import FAMILIES
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class _AbsorbedMLA:
+    """DeepSeek's dense MLA step, absorbed form (test_models_deepseek's)."""
+
+    def __new__(cls):
+        from test_models_deepseek import AbsorbedStep
+
+        return AbsorbedStep()
+
+
+def _dense(model):
+    return DenseAttention(model.config.windows, model.config.sm_scale)
+
+
+def _hybrid(model):
+    return DenseStepFn(model.config.windows, model.config.sm_scale)
+
+
+def _mamba(model):
+    return DenseMamba2Step(model.config.sm_scale)
+
+
+# family case -> (save the tiny checkpoint into a path, a fresh step object for a model)
+CASES = {
+    "llama": (lambda p: save_tiny_model("llama", p), _dense),
+    "gpt_oss": (lambda p: save_tiny_model("gpt_oss", p), _dense),
+    "qwen3_5": (lambda p: save_tiny_hybrid("qwen3_5", p), _hybrid),
+    "qwen3_next": (lambda p: save_tiny_hybrid("qwen3_next", p), _hybrid),
+    "nemotron_h": (lambda p: save_tiny_nemotron_h(p, "ME*M-E"), _mamba),
+    "falcon_h1": (lambda p: save_tiny_falcon_h1(p), _mamba),
+    "gemma2": (lambda p: save_tiny_gemma("gemma2", p), _dense),
+    "deepseek_v3": (lambda p: save_tiny_deepseek(3, p), lambda m: _AbsorbedMLA()),
+}
+
+
+class _WithFeedback:
+    """A step object with the planner's feedback buffer beside it."""
+
+    def __init__(self, step, feedback: torch.Tensor) -> None:
+        self._step, self.feedback = step, feedback
+
+    def __call__(self, *args, **kwargs):
+        return self._step(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+
+def test_every_family_runs_on_the_decoder():
+    for family in FAMILIES:
+        if family.model is not None:
+            assert issubclass(family.model_class(), DecoderLM), family.name
+    models = pathlib.Path(__file__).parents[1] / "unikv" / "models"
+    defined = [p.name for p in models.rglob("*.py") if "class Backbone" in p.read_text()]
+    assert defined == ["decoder.py"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_forward_reads_and_writes_the_feedback_buffer(case, tmp_path):
+    save, make_step = CASES[case]
+    save(str(tmp_path))
+    model = load_model(str(tmp_path))
+    tokens = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(tokens.numel())
+    rows = torch.tensor([4, 8])
+    with torch.no_grad():
+        want = model(tokens, positions, make_step(model), rows)
+        ids = tokens.clone()
+        ids[8] = -2  # lane 1's token, from the buffer
+        feedback = torch.tensor([0, int(tokens[8]), 0])
+        step = _WithFeedback(make_step(model), feedback)
+        logits, greedy = model(ids, positions, step, rows, greedy=True)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(feedback[:2], greedy)  # the step's tokens, where it reads them
+
+
+def test_fused_pieces_are_decided_once_per_family(tmp_path):
+    """Llama: embedding inside its first GEMM, argmax inside its head; Gemma and
+    Falcon-H1 opt out of both (scaled embeddings, finished logits); Qwen3.5's first
+    block (a Gated DeltaNet or gated attention) has no fused GEMM, its MLPs do."""
+    built = {}
+    for case in ("llama", "gemma2", "falcon_h1", "qwen3_5"):
+        CASES[case][0](str(tmp_path / case))
+        built[case] = load_model(str(tmp_path / case))
+    assert built["llama"].embeds_in_gemm and not built["llama"].finishes_logits
+    for case in ("gemma2", "falcon_h1"):
+        model = built[case]
+        assert model.scales_embedding and model.finishes_logits and not model.embeds_in_gemm
+    qwen = built["qwen3_5"]
+    assert not qwen.embeds_in_gemm
+    assert all(layer.blocks[1].linear is not None for layer in qwen.model.layers)
+    assert all(layer.blocks[0].linear is None for layer in qwen.model.layers)
