@@ -119,8 +119,9 @@ def test_greedy_forward_reads_and_writes_the_feedback_buffer(case, tmp_path):
 
 def test_fused_pieces_are_decided_once_per_family(tmp_path):
     """Llama: embedding inside its first GEMM, argmax inside its head; Gemma and
-    Falcon-H1 opt out of both (scaled embeddings, finished logits); Qwen3.5's first
-    block (a Gated DeltaNet or gated attention) has no fused GEMM, its MLPs do."""
+    Falcon-H1 opt out of both (scaled embeddings, finished logits); Qwen3.5 takes
+    every pre-norm inside a GEMM (the Gated DeltaNet's one input GEMM, the gated
+    attention's q|k|v, the MLP's gate|up), so its embedding too."""
     built = {}
     for case in ("llama", "gemma2", "falcon_h1", "qwen3_5"):
         CASES[case][0](str(tmp_path / case))
@@ -130,6 +131,7 @@ def test_fused_pieces_are_decided_once_per_family(tmp_path):
         model = built[case]
         assert model.scales_embedding and model.finishes_logits and not model.embeds_in_gemm
     qwen = built["qwen3_5"]
-    assert not qwen.embeds_in_gemm
-    assert all(layer.blocks[1].linear is not None for layer in qwen.model.layers)
-    assert all(layer.blocks[0].linear is None for layer in qwen.model.layers)
+    assert qwen.embeds_in_gemm and not qwen.finishes_logits
+    kinds = {type(layer.blocks[0].body).__name__ for layer in qwen.model.layers}
+    assert kinds == {"GatedDeltaNet", "GatedAttention"}
+    assert all(b.linear is not None for layer in qwen.model.layers for b in layer.blocks)

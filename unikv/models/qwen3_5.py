@@ -4,7 +4,9 @@
 Qwen3-Next (``qwen3_next.py``) shares everything here but its packed input
 projections and its MoE block. Module and parameter names mirror transformers
 (``model.layers.i.linear_attn.in_proj_qkv``, ``...self_attn.q_proj``), so a
-checkpoint loads by name. Tokens of a step are flattened over the batch:
+checkpoint loads by name, except that each mixer's input projections run as one
+GEMM (``in_proj``, ``qkv_proj``), filled at load with the checkpoint's tensors
+concatenated (their ``packed`` maps), and the decoder fuses the pre-norm into it. Tokens of a step are flattened over the batch:
 ``input_ids``/``positions`` are (T,).
 
 - Norms are zero-centred: ``x_hat * (1 + w)`` in fp32, then cast (``ZeroCenteredRMSNorm``).
@@ -114,17 +116,18 @@ class GatedRMSNorm(nn.Module):
 
 class GatedAttention(nn.Module):
     """Full attention with a per-head sigmoid output gate; ``q_proj`` packs, per
-    head, D query dims then D gate dims."""
+    head, D query dims then D gate dims. q, k and v come from one GEMM,
+    ``qkv_proj``, loaded from the checkpoint's ``q_proj``, ``k_proj``, ``v_proj``
+    (``packed``), into which the decoder fuses the pre-norm (``input_linear``)."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.layer, self.head_dim = layer, d
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        bias = config.qkv_bias
-        self.q_proj = Linear(hidden, 2 * self.num_heads * d, bias=bias)
-        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=bias)
-        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.split = (2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        self.qkv_proj = Linear(hidden, sum(self.split), bias=config.qkv_bias)
+        self.packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
         self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_bias)
         self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
@@ -132,20 +135,30 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
-        t, h, d = x.shape[0], self.num_heads, self.head_dim
-        q, gate = self.q_proj(x).view(t, h, 2 * d).chunk(2, dim=-1)  # (T, H, D) each
+        return self.from_input(self.qkv_proj(x), positions, attn)
+
+    def input_linear(self) -> nn.Linear:
+        return self.qkv_proj
+
+    def from_input(self, qkv: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """``forward`` after the q|k|v GEMM: qkv (T, 2 Hq D + 2 Hkv D) -> (T, hidden)."""
+        t, h, d = qkv.shape[0], self.num_heads, self.head_dim
+        q_gate, k, v = qkv.split(self.split, dim=-1)
+        q, gate = q_gate.view(t, h, 2 * d).chunk(2, dim=-1)  # (T, H, D) each
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        k = self.k_norm(k.view(t, self.num_kv_heads, d))
+        v = v.view(t, self.num_kv_heads, d)
         q, k = self.rotary[0](positions, q, k)
         out = attn(self.layer, q, k, v).reshape(t, h * d)  # (T, H * D)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3.5's Gated DeltaNet mixer with separate input projections
-    (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). Subclasses
-    change ``project`` only (Qwen3-Next packs them per key head)."""
+    """Qwen3.5's Gated DeltaNet mixer. Its input projections run as one GEMM,
+    ``in_proj``, loaded from the checkpoint's ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a`` (``packed``), into which the decoder fuses the
+    pre-norm (``input_linear``). Subclasses change ``make_projections`` and ``unpack``
+    only (Qwen3-Next's checkpoint packs them per key head)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -169,22 +182,28 @@ class GatedDeltaNet(nn.Module):
         self.make_projections(hidden)
 
     def make_projections(self, hidden: int) -> None:
-        self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = Linear(hidden, self.num_v_heads, bias=False)
+        self.split = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
+        self.in_proj = Linear(hidden, sum(self.split), bias=False)
+        self.packed = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
 
-    def project(self, x: torch.Tensor):
-        """x: (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv),
-        b (T, Hv), a (T, Hv))."""
-        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+    def unpack(self, y: torch.Tensor):
+        """The one input GEMM's output y (T, conv_dim + Hv Dv + 2 Hv) -> (qkv (T,
+        conv_dim) as [q | k | v], z (T, Hv, Dv), b (T, Hv), a (T, Hv)), views of y."""
+        qkv, z, b, a = y.split(self.split, dim=-1)
+        return qkv, z.view(y.shape[0], self.num_v_heads, self.head_v_dim), b, a
+
+    def input_linear(self) -> nn.Linear:
+        return self.in_proj
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: StateFn) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); reads and updates this layer's conv and
         delta-rule states through ``attn``."""
-        t = x.shape[0]
-        qkv, z, b, a = self.project(x)
+        return self.from_input(self.in_proj(x), positions, attn)
+
+    def from_input(self, y: torch.Tensor, positions: torch.Tensor, attn: StateFn) -> torch.Tensor:
+        """``forward`` after the input GEMM (``input_linear``)."""
+        t = y.shape[0]
+        qkv, z, b, a = self.unpack(y)
         weight = self.conv1d.weight.view(self.conv_dim, -1)  # (C, K)
         qkv = attn.causal_conv1d(self.layer, qkv, weight, None, "silu")  # (T, C)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

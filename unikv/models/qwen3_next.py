@@ -45,21 +45,23 @@ def config_extras(hf_config) -> dict:
 
 
 class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
-    """Gated DeltaNet with Qwen3-Next's per-key-head packed projections."""
+    """Gated DeltaNet with Qwen3-Next's per-key-head packed projections, run as one
+    GEMM (``in_proj``: ``in_proj_qkvz`` then ``in_proj_ba``, ``packed``)."""
 
     def make_projections(self, hidden: int) -> None:
-        self.in_proj_qkvz = Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.split = (2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads)
+        self.in_proj = Linear(hidden, sum(self.split), bias=False)
+        self.packed = {"in_proj": ("in_proj_qkvz", "in_proj_ba")}
 
-    def project(self, x: torch.Tensor):
-        """x: (T, hidden) -> (qkv (T, conv_dim) as [q | k | v], z (T, Hv, Dv),
-        b (T, Hv), a (T, Hv)), unpacked from the per-key-head groups."""
-        t, hk, dk = x.shape[0], self.num_k_heads, self.head_k_dim
+    def unpack(self, y: torch.Tensor):
+        """y (T, 2 Hk Dk + 2 Hv Dv + 2 Hv) -> (qkv (T, conv_dim) as [q | k | v], z (T,
+        Hv, Dv), b (T, Hv), a (T, Hv)), unpacked from the per-key-head groups."""
+        t, hk, dk = y.shape[0], self.num_k_heads, self.head_k_dim
         rv = self.num_v_heads // hk * self.head_v_dim  # value dims per key head
         r = self.num_v_heads // hk
-        qkvz = self.in_proj_qkvz(x).view(t, hk, 2 * dk + 2 * rv)
-        q, k, v, z = qkvz.split([dk, dk, rv, rv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, hk, 2 * r).split([r, r], dim=-1)
+        qkvz, ba = y.split(self.split, dim=-1)
+        q, k, v, z = qkvz.view(t, hk, 2 * dk + 2 * rv).split([dk, dk, rv, rv], dim=-1)
+        b, a = ba.view(t, hk, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         z = z.reshape(t, self.num_v_heads, self.head_v_dim)
         return qkv, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
