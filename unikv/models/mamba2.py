@@ -139,12 +139,21 @@ class Mamba2Mixer(nn.Module):
         """x: (T, hidden) -> (T, I + C + H): [z | xBC | dt] (Falcon-H1 scales it)."""
         return self.in_proj(x)
 
+    def input_linear(self) -> nn.Linear | None:
+        """``in_proj``, the GEMM a decoder may fuse the pre-norm into, where ``project``
+        is the plain projection (not Falcon-H1's scaled one), else None."""
+        return self.in_proj if type(self).project is Mamba2Mixer.project else None
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None, attn) -> torch.Tensor:
         """x: (T, hidden) model dtype; positions: unused (a token mixer's signature);
         attn: the step object (``layers.StateFn``) -> (T, hidden)."""
-        d, t = self.dims, x.shape[0]
+        return self.from_input(self.project(x), positions, attn)
+
+    def from_input(self, proj: torch.Tensor, positions: torch.Tensor | None, attn) -> torch.Tensor:
+        """``forward`` after the input projection: proj (T, I + C + H) -> (T, hidden)."""
+        d, t = self.dims, proj.shape[0]
         inner, gn = d.intermediate_size, d.n_groups * d.state_size
-        z, xbc, dt = self.project(x).split([inner, d.conv_dim, d.num_heads], dim=-1)
+        z, xbc, dt = proj.split([inner, d.conv_dim, d.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)  # (C, K)
         xbc = attn.causal_conv1d(self.layer, xbc, weight, self.conv1d.bias, d.activation)
         xs, b, c = xbc.split([inner, gn, gn], dim=-1)
@@ -165,4 +174,4 @@ class Mamba2Mixer(nn.Module):
             y = self.norm(y, z)
         else:
             y = y * nn.functional.silu(z)
-        return self.out_proj(y.to(x.dtype))
+        return self.out_proj(y.to(proj.dtype))

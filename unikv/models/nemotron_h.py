@@ -114,7 +114,15 @@ class Relu2MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.relu(self.up_proj(x)).square())
+        return self.from_input(self.up_proj(x))
+
+    def input_linear(self) -> nn.Linear:
+        """``up_proj``: the decoder fuses the pre-norm into it (a layer's MLP; the MoE's
+        shared expert is called whole)."""
+        return self.up_proj
+
+    def from_input(self, up: torch.Tensor, positions=None, attn=None) -> torch.Tensor:
+        return self.down_proj(torch.relu(up).square())
 
 
 class TopkRouter(nn.Module):
