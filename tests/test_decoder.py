@@ -135,3 +135,22 @@ def test_fused_pieces_are_decided_once_per_family(tmp_path):
     kinds = {type(layer.blocks[0].body).__name__ for layer in qwen.model.layers}
     assert kinds == {"GatedDeltaNet", "GatedAttention"}
     assert all(b.linear is not None for layer in qwen.model.layers for b in layer.blocks)
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "nemotron_h", "gemma2"])
+def test_triton_ops_on_the_decoder_match_the_torch_ops(case, tmp_path):
+    """A family's model built with the Triton backend's ops (CPU interpreter): the
+    residual adds fused into zero-centred norms (Qwen3.5, Gemma; offset 1, fp32
+    weight), the pre-norms inside GEMMs, Gemma's post-norms, the rope, gives the
+    logits of the same checkpoint on the torch references (which match transformers:
+    each family's model tests), with the same dense step object."""
+    save, make_step = CASES[case]
+    save(str(tmp_path))
+    tokens = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(6))
+    logits = {}
+    for name in ("torch", "triton"):
+        model = load_model(str(tmp_path), kernels=name)
+        assert model.ops.name == name and model.stack.layers[0].blocks[0].norm.ops.name == name
+        with torch.no_grad():
+            logits[name] = model(tokens, torch.arange(tokens.numel()), make_step(model))
+    assert (logits["triton"] - logits["torch"]).abs().max() < 1e-4
