@@ -1,8 +1,9 @@
 """Prometheus metrics of ``unikv serve`` (prometheus-client, one registry per app).
 
-vLLM's names and labels where the meaning is the same, each with a
-``model_name`` label (the first served name), so vLLM's dashboards and
-autoscalers read them unchanged; unikv's own pool figures under ``unikv:``.
+vLLM's names and labels where the meaning is the same, so vLLM's dashboards
+and autoscalers read them unchanged; unikv's own pool figures under ``unikv:``.
+Every series has a ``model_name`` label (the first served name).
+``docs/grafana-unikv.json``: a dashboard over them.
 
 Read at scrape time by a function that runs in the engine loop's thread between
 two steps (``EngineLoop.call``), so a scrape never sees the allocator mid-update:
@@ -125,7 +126,7 @@ class _EngineCollector:
                        model, prefix["query_tokens"])  # fmt: skip
         yield _counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache",
                        model, prefix["hit_tokens"])  # fmt: skip
-        labels = ["subpool", "kind"]
+        labels = ["subpool", "kind", "model_name"]
         families = {
             key: GaugeMetricFamily(f"unikv:subpool_{key}", text, labels=labels)
             for key, text in (
@@ -139,9 +140,9 @@ class _EngineCollector:
         for name, s in snap["subpools"].items():
             values = dict(s, usage_ratio=s["live_bytes"] / pool_bytes)
             for key, family in families.items():
-                family.add_metric([name, s["kind"]], values[key])
+                family.add_metric([name, s["kind"], model], values[key])
         yield from families.values()
-        yield GaugeMetricFamily("unikv:pool_bytes", "The pool's byte budget", snap["pool_bytes"])
+        yield _gauge("unikv:pool_bytes", "The pool's byte budget", model, snap["pool_bytes"])
         for key, text in (
             ("evicted_pages", "Prefix-cache pages evicted"),
             ("host_spilled_pages", "Prefix-cache pages spilled to the host tier"),
@@ -150,12 +151,9 @@ class _EngineCollector:
             ("host_evicted_pages", "Host-tier pages dropped"),
         ):
             if key in prefix:  # the host tier's counters exist when one is attached
-                yield CounterMetricFamily(f"unikv:prefix_cache_{key}", text, prefix[key])
-        yield GaugeMetricFamily(
-            "unikv:prefix_cache_pages",
-            "Pages the prefix cache holds (evictable included)",
-            prefix["pages"],
-        )
+                yield _counter(f"unikv:prefix_cache_{key}", text, model, prefix[key])
+        yield _gauge("unikv:prefix_cache_pages", "Pages the prefix cache holds (evictable included)",
+                     model, prefix["pages"])  # fmt: skip
 
 
 class Histogram:
