@@ -12,8 +12,9 @@ servers on 127.0.0.1 (uvicorn in a thread, and one ``unikv serve`` subprocess).
   queries exported, and tokenization off the event loop (``/health`` answers
   while a 1 MB prompt is tokenized).
 - SIGTERM on a subprocess: a short stream finishes, a long one gets a final
-  ``finish_reason: "abort"`` chunk and ``[DONE]`` after ``--shutdown-timeout``,
-  exit status 0; the key from ``UNIKV_API_KEY`` and the request log lines.
+  ``finish_reason: "abort"`` chunk and ``[DONE]`` after ``--shutdown-timeout``, a
+  long JSON request its text so far; exit status 0; the key from
+  ``UNIKV_API_KEY`` and the request log lines.
 """
 
 from __future__ import annotations
@@ -296,19 +297,25 @@ def test_sigterm_drains_streams_then_ends_them_with_a_final_chunk(tmp_path, monk
             with httpx.stream("POST", url, json=body, headers=AUTH, timeout=60) as r:
                 results[name] = _events(r.iter_lines())
 
+        def plain() -> None:
+            body = dict(base, stream=False, max_tokens=4000)
+            results["plain"] = httpx.post(url, json=body, headers=AUTH, timeout=60)
+
         long = threading.Thread(target=stream, args=("long", 4000))
         long.start()
+        whole = threading.Thread(target=plain)
+        whole.start()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # the long stream is running
             m = httpx.get(proc.url + "/metrics", timeout=10).text
-            if metric_values(m, "vllm:num_requests_running")[""] == 1:
+            if metric_values(m, "vllm:num_requests_running")[""] == 2:
                 break
             time.sleep(0.05)
         short = threading.Thread(target=stream, args=("short", 4))
         short.start()
         while time.monotonic() < deadline and "short" not in results:  # both are running
             m = httpx.get(proc.url + "/metrics", timeout=10).text
-            if metric_values(m, "vllm:num_requests_running")[""] == 2:
+            if metric_values(m, "vllm:num_requests_running")[""] == 3:
                 break
             time.sleep(0.02)
         sent = time.monotonic()
@@ -320,8 +327,8 @@ def test_sigterm_drains_streams_then_ends_them_with_a_final_chunk(tmp_path, monk
             assert r.status_code == 503, r.text
         except httpx.TransportError:
             pass
-        long.join(60)
-        short.join(60)
+        for thread in (long, short, whole):
+            thread.join(60)
         rc = proc.proc.wait(timeout=30)
         took = time.monotonic() - sent
     finally:
@@ -335,4 +342,9 @@ def test_sigterm_drains_streams_then_ends_them_with_a_final_chunk(tmp_path, monk
         assert [e["choices"][0]["finish_reason"] for e in finals] == [reason], name
         assert finals[0] is events[-2]
     assert len(results["long"]) < 4000
+    plain = results["plain"]  # a JSON body in flight: its text so far, finish_reason abort
+    assert plain.status_code == 200, plain.text
+    choice = plain.json()["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"]
+    assert 0 < plain.json()["usage"]["completion_tokens"] < 4000
     assert re.search(r"request \S+ POST /v1/completions -> 200", out), out

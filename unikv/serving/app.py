@@ -96,7 +96,7 @@ class Server:
         self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
         self.metrics = ServingMetrics(llm.engine, llm, model_name=names[0])
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="unikv-tokenize")
-        self.draining = False
+        self.draining = self.cut_done = False
         self.live: set[Submission] = set()  # submissions not finished (cut at drain's end)
 
     async def off_loop(self, fn, *args):
@@ -111,11 +111,12 @@ class Server:
 
     def cut_all(self) -> None:
         """End every running submission now (each ends with finish_reason 'abort')."""
+        self.cut_done = True  # a request still being tokenized is ended once submitted
         for sub in list(self.live):
             sub.cut = True
             self._aborted(sub)
 
-    def check_limits(self, body, items, max_tokens: int | None, field: str) -> None:
+    def check_limits(self, items, max_tokens: int | None, field: str) -> None:
         """``max_tokens`` (given by the client) must leave the prompt room in the context."""
         if max_tokens is None:
             return
@@ -158,6 +159,9 @@ class Server:
         """Run ``items`` on the engine; a JSON body or an event stream."""
         sub = self.engine.submit(items, cache_salt=body.cache_salt)
         self.live.add(sub)
+        if self.cut_done:
+            sub.cut = True
+            self._aborted(sub)
         clock = RequestClock(self.metrics, start)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         prompt_tokens = sum(len(ids) for ids, _, _ in items)
@@ -353,7 +357,7 @@ def create_app(
                              f"{opts.max_prompts} (--max-prompts-per-request)", "prompt")  # fmt: skip
         items = await server.off_loop(lambda: [server.completion_item(p, params) for p in prompts])
         if "max_tokens" in body.model_fields_set:
-            server.check_limits(body, items, body.max_tokens, "max_tokens")
+            server.check_limits(items, body.max_tokens, "max_tokens")
         return await server.respond(request, body, items, chat=False, start=start)
 
     @app.post("/v1/chat/completions")
@@ -365,7 +369,7 @@ def create_app(
         params = body.sampling_params(max_tokens, logprobs)
         items = [await server.off_loop(server.chat_item, body, params)]
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        server.check_limits(body, items, max_tokens, field)
+        server.check_limits(items, max_tokens, field)
         return await server.respond(request, body, items, chat=True, start=start)
 
     return app
