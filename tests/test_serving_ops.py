@@ -348,3 +348,26 @@ def test_sigterm_drains_streams_then_ends_them_with_a_final_chunk(tmp_path, monk
     assert choice["finish_reason"] == "abort" and choice["text"]
     assert 0 < plain.json()["usage"]["completion_tokens"] < 4000
     assert re.search(r"request \S+ POST /v1/completions -> 200", out), out
+
+
+def test_cli_flags_map_to_serve_options(monkeypatch):
+    from unikv.serving.cli import _options, _parser
+
+    monkeypatch.setenv("UNIKV_API_KEY", "from-env")
+    args = _parser().parse_args(["--model", "m", "--allowed-origins", '["https://a.b", "*"]',
+                                 "--allowed-hosts", "localhost, *.corp", "--enable-admin-routes",
+                                 "--enable-log-requests", "--max-body-bytes", "1000",
+                                 "--shutdown-timeout", "7.5"])  # fmt: skip
+    opts = _options(args)
+    assert opts.api_key == "from-env" and opts.allowed_origins == ["https://a.b", "*"]
+    assert opts.allowed_hosts == ["localhost", "*.corp"] and opts.max_body_bytes == 1000
+    assert opts.enable_admin_routes and opts.log_requests and opts.shutdown_timeout_s == 7.5
+    assert _options(_parser().parse_args(["--model", "m", "--api-key", "k"])).api_key == "k"
+    monkeypatch.delenv("UNIKV_API_KEY")
+    defaults = _options(_parser().parse_args(["--model", "m"]))
+    assert defaults == ServeOptions()  # open, no CORS, no admin routes, sane limits
+    for bad in (["--max-body-bytes", "0"], ["--allowed-origins", "[1]"], ["--body-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--model", "m", *bad])
+    with pytest.raises(ValueError, match="shutdown_timeout_s"):
+        _options(_parser().parse_args(["--model", "m", "--shutdown-timeout", "-1"]))

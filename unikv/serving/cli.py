@@ -108,7 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="unikv serve",
         description="Serve a local Hugging Face checkpoint over an OpenAI-compatible HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; "
+        "POST /reset_prefix_cache with --enable-admin-routes). Requests may carry vLLM's "
+        "cache_salt: requests of different salts share no prefix-cache page. /metrics uses "
+        "vLLM's metric names (vllm:*, with model_name) and unikv:* for the pool; a Grafana "
+        "dashboard is in docs/grafana-unikv.json.",
     )
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
