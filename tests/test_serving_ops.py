@@ -26,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -264,6 +265,41 @@ def test_tokenization_does_not_block_health(real):
     during = [t for t in answered if done["start"] < t < done["end"]]
     assert len(during) >= 3, (len(during), took)
     assert slowest < took / 2, (slowest, took)
+
+
+def test_a_huge_prompt_does_not_stall_other_streams(real):
+    """While a 1 MB prompt is tokenized, another client's stream keeps getting
+    tokens (the tokenizer pool works on its own copy of the tokenizer, so the
+    engine thread's detokenizer never waits for it)."""
+    _, app = real
+    prompt = "Hello, how are you today? I am fine, thank you. " * (1_000_000 // 49)
+    big: dict = {}
+
+    def send_big() -> None:
+        big["start"] = time.monotonic()
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        big["r"] = httpx.post(app.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+        big["end"] = time.monotonic()
+
+    thread = threading.Thread(target=send_big)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "temperature": 0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    arrivals = []
+    with httpx.stream("POST", app.url + "/v1/completions", json=body, headers=AUTH,
+                      timeout=120) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream runs
+        thread.start()
+        for line in lines:
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+    thread.join(120)
+    assert _error(big["r"], 400)["param"] == "prompt"
+    took = big["end"] - big["start"]
+    during = [t for t in arrivals if big["start"] < t < big["end"]]
+    assert len(during) >= 3 or arrivals[-1] < big["start"] + took / 2, (len(during), took)
+    gaps = [b - a for a, b in pairwise(arrivals) if big["start"] < b < big["end"]]
+    assert max(gaps, default=0) < took / 2, (max(gaps), took)
 
 
 # -- SIGTERM ----------------------------------------------------------------------------

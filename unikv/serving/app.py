@@ -96,6 +96,7 @@ class Server:
         self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
         self.metrics = ServingMetrics(llm.engine, llm, model_name=names[0])
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="unikv-tokenize")
+        self.prompts = _own_prompts(llm)
         self.draining = self.cut_done = False
         self.live: set[Submission] = set()  # submissions not finished (cut at drain's end)
 
@@ -139,14 +140,14 @@ class Server:
 
     def completion_item(self, prompt, params):
         try:
-            ids = self.llm.prompts.token_ids(prompt)
+            ids = self.prompts.token_ids(prompt)
         except Exception as err:  # a tokenizer's own errors included
             raise BadRequest(f"prompt: {err}", "prompt") from err
         return ids, prompt if isinstance(prompt, str) else None, params
 
     def chat_item(self, body: ChatCompletionRequest, params):
         try:
-            text, ids = self.llm.prompts.chat(
+            text, ids = self.prompts.chat(
                 body.conversation(), add_generation_prompt=body.add_generation_prompt
             )
         except BadRequest:
@@ -259,6 +260,26 @@ class Server:
             self.live.discard(sub)
             self._aborted(sub)  # no-op when every completion finished
         yield b"data: [DONE]\n\n"
+
+
+def _own_prompts(llm):
+    """A PromptMaker over a copy of ``llm``'s tokenizer with a lock of its own, for
+    the tokenizer pool: a huge prompt being tokenized does not hold the engine
+    thread's ``tokenizer_lock`` (which its detokenizer takes every step), so other
+    clients' streams go on. ``llm.prompts`` itself when there is no tokenizer."""
+    import copy
+    import threading
+    from types import SimpleNamespace
+
+    from unikv.engine.prompts import PromptMaker
+
+    if not isinstance(getattr(llm, "prompts", None), PromptMaker) or llm.tokenizer is None:
+        return llm.prompts
+    with llm.tokenizer_lock:
+        tokenizer = copy.deepcopy(llm.tokenizer)
+    own = SimpleNamespace(tokenizer=tokenizer, tokenizer_lock=threading.Lock(),
+                          config=llm.config, max_model_len=llm.max_model_len)  # fmt: skip
+    return PromptMaker(own)
 
 
 async def _disconnected(request: Request) -> None:
