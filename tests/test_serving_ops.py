@@ -384,6 +384,7 @@ def test_sigterm_drains_streams_then_ends_them_with_a_final_chunk(tmp_path, monk
     assert choice["finish_reason"] == "abort" and choice["text"]
     assert 0 < plain.json()["usage"]["completion_tokens"] < 4000
     assert re.search(r"request \S+ POST /v1/completions -> 200", out), out
+    assert "CancelledError" not in out and "Traceback" not in out, out
 
 
 def test_cli_flags_map_to_serve_options(monkeypatch):
