@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -142,8 +143,9 @@ class ServerProcess:
         return self.proc.stdout.read() if self.proc.stdout else ""
 
 
-def metric_values(text: str, name: str) -> dict[str, float]:
-    """{label string: value} of one Prometheus metric in exposition ``text``."""
+def metric_values(text: str, name: str, model_name: str | None = None) -> dict[str, float]:
+    """{label string: value} of one Prometheus metric in exposition ``text``; the
+    ``model_name`` label is left out of the key (given: a sample must carry it)."""
     out = {}
     for line in text.splitlines():
         if line.startswith(name) and not line.startswith("#"):
@@ -151,7 +153,12 @@ def metric_values(text: str, name: str) -> dict[str, float]:
             rest = key[len(name) :]
             if rest and not rest.startswith("{"):
                 continue  # another metric sharing the prefix
-            out[rest] = float(value)
+            found = re.search(r'model_name="([^"]*)",?', rest)
+            if model_name is not None:
+                assert found and found.group(1) == model_name, (line, model_name)
+            if found:
+                rest = rest.replace(found.group(0), "").replace(",}", "}")
+            out["" if rest == "{}" else rest] = float(value)
     return out
 
 

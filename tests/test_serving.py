@@ -47,7 +47,7 @@ def server(ckpt):
     # checks read live pages, which the cache would keep; test_reset_prefix_cache_endpoint
     # runs a server with the default
     proc = ServerProcess(path, "--max-model-len", str(MAX_LEN), "--served-model-name", "tiny",
-                         "--no-enable-prefix-caching")  # fmt: skip
+                         "--no-enable-prefix-caching", "--enable-admin-routes")  # fmt: skip
     try:
         yield proc
     finally:
@@ -189,8 +189,8 @@ def test_32_concurrent_clients_get_the_text_they_get_alone(ckpt, server):
 
 def _pool_metrics(server) -> tuple[dict, float]:
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    return metric_values(text, "unikv_subpool_live_pages"), metric_values(
-        text, "unikv_num_requests_running"
+    return metric_values(text, "unikv:subpool_live_pages"), metric_values(
+        text, "vllm:num_requests_running"
     )[""]
 
 
@@ -211,7 +211,7 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_live_pages(server, clien
         time.sleep(0.1)
     assert running == 0 and set(live.values()) == {0.0} and live
     text = httpx.get(server.url + "/metrics", timeout=30).text
-    assert metric_values(text, "unikv_request_success_total").get('{finish_reason="abort"}') == 1
+    assert metric_values(text, "vllm:request_success_total").get('{finished_reason="abort"}') == 1
     ok = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
 
@@ -295,9 +295,9 @@ def test_reset_prefix_cache_endpoint(ckpt, server):
     nothing but gives the same text; without caching it is a 400 that says how to
     turn caching on. The server under test starts with the default: caching is on
     for this attention-only model without --enable-prefix-caching."""
-    refused = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+    refused = httpx.post(server.url + "/reset_prefix_cache", json={}, timeout=30)
     assert refused.status_code == 400 and "--enable-prefix-caching" in refused.text
-    proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN))  # caching on by default
+    proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN), "--enable-admin-routes")
     try:
         body = {"model": ckpt[0], "prompt": PROMPTS[0] * 3, "max_tokens": 4, "temperature": 0}
         post = lambda: httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
@@ -305,17 +305,17 @@ def test_reset_prefix_cache_endpoint(ckpt, server):
             ""
         ]
         first, second = post().json(), post().json()
-        hits = stats("unikv_prefix_cache_hit_tokens_total")
-        assert hits > 0 and stats("unikv_prefix_cache_pages") > 0
+        hits = stats("vllm:prefix_cache_hits_total")
+        assert hits > 0 and stats("unikv:prefix_cache_pages") > 0
         cached = [b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in (first, second)]
         assert cached == [0, hits]  # OpenAI's usage field: the second request's hit
-        reset = httpx.post(proc.url + "/reset_prefix_cache", timeout=30)
+        reset = httpx.post(proc.url + "/reset_prefix_cache", json={}, timeout=30)
         assert reset.status_code == 200 and reset.json() == {"reset": True}
-        assert stats("unikv_prefix_cache_pages") == 0
+        assert stats("unikv:prefix_cache_pages") == 0
         third = post().json()
         texts = [b["choices"][0]["text"] for b in (first, second, third)]
         assert texts == [texts[0]] * 3
         assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert stats("unikv_prefix_cache_hit_tokens_total") == hits  # a miss after the reset
+        assert stats("vllm:prefix_cache_hits_total") == hits  # a miss after the reset
     finally:
         proc.stop()

@@ -44,20 +44,20 @@ def test_hybrid_pool_gauges_count_pages_and_state_slots(tmp_path):
             return generate_latest(metrics.registry).decode()
 
         text = llm.engine.call(read).result(timeout=60)
-        live = metric_values(text, "unikv_subpool_live_pages")
+        live = metric_values(text, "unikv:subpool_live_pages")
         assert live['{kind="mamba",subpool="mamba"}'] == 1
         held = live['{kind="full",subpool="full"}']
         # the step in flight was allocated too: cached tokens plus up to one more
         assert -(-seen["cached"] // 4) <= held <= -(-(seen["cached"] + 1) // 4)
-        ratio = metric_values(text, "unikv_subpool_usage_ratio")['{kind="mamba",subpool="mamba"}']
+        ratio = metric_values(text, "unikv:subpool_usage_ratio")['{kind="mamba",subpool="mamba"}']
         sub = llm.pool.subpools["mamba"]
         assert ratio == pytest.approx(sub.page_bytes / llm.pool.total_bytes)
-        assert metric_values(text, "unikv_num_requests_running")[""] == 1
+        assert metric_values(text, "vllm:num_requests_running")[""] == 1
         llm.engine.abort(group)
         while deltas.get(timeout=60).finish_reason is None:
             pass
         text = llm.engine.call(lambda: generate_latest(metrics.registry).decode()).result(60)
-        assert set(metric_values(text, "unikv_subpool_live_pages").values()) == {0.0}
+        assert set(metric_values(text, "unikv:subpool_live_pages").values()) == {0.0}
     finally:
         llm.engine.shutdown()
 
@@ -73,8 +73,9 @@ def test_lock_free_histograms_and_counters_export_as_prometheus_client_would():
     ours = ServingMetrics(None, None)  # no engine: the handler figures alone
     ref = CollectorRegistry()
     want = PromHistogram(
-        "unikv_inter_token_latency_seconds", "x", buckets=LATENCY_BUCKETS, registry=ref
-    )
+        "vllm:inter_token_latency_seconds", "x", ["model_name"], buckets=LATENCY_BUCKETS,
+        registry=ref,
+    ).labels("unikv")  # fmt: skip
     values = [0.0, 0.001, 0.0010001, 0.05, 0.2, 3.0, 80.0, 81.0] + list(LATENCY_BUCKETS)
     for v in values:
         ours.itl.observe(v)
@@ -87,11 +88,11 @@ def test_lock_free_histograms_and_counters_export_as_prometheus_client_would():
         return [ln for ln in text.splitlines() if ln.startswith(name)]
 
     text = generate_latest(ours.registry).decode()
-    name = "unikv_inter_token_latency_seconds"
+    name = "vllm:inter_token_latency_seconds"
     assert samples(text, name) == samples(generate_latest(ref).decode(), name)
-    assert metric_values(text, "unikv_generation_tokens_total")[""] == 5
-    done = metric_values(text, "unikv_request_success_total")
-    assert done == {'{finish_reason="stop"}': 1, '{finish_reason="abort"}': 2}
+    assert metric_values(text, "vllm:generation_tokens_total")[""] == 5
+    done = metric_values(text, "vllm:request_success_total")
+    assert done == {'{finished_reason="stop"}': 1, '{finished_reason="abort"}': 2}
 
 
 def test_prefix_cache_counters_reach_metrics(tmp_path):
@@ -110,6 +111,6 @@ def test_prefix_cache_counters_reach_metrics(tmp_path):
     llm.generate([prompt], params)
     second = llm.generate([prompt], params)[0]
     text = generate_latest(metrics.registry).decode()
-    hits = metric_values(text, "unikv_prefix_cache_hit_tokens_total")[""]
+    hits = metric_values(text, "vllm:prefix_cache_hits_total")[""]
     assert hits == second.num_cached_tokens == 12
-    assert metric_values(text, "unikv_prefix_cache_pages")[""] >= 3
+    assert metric_values(text, "unikv:prefix_cache_pages")[""] >= 3

@@ -1,7 +1,7 @@
 """Prefix caching: full pages of a prompt shared by reference across requests.
 
     block i of a request = tokens [i*ps, (i+1)*ps) = virtual page pages[r, i]
-    key(i)  = hash((key(i-1), block tokens)),  key(-1) = 0
+    key(i)  = hash((key(i-1), block tokens)),  key(-1) = 0 (or the salt's key)
     node    = (node id, parent node id, key, virtual page, block tokens)
 
 A page is *cached* once ``insert`` gave it to the cache: its virtual
@@ -13,6 +13,11 @@ everywhere and drops its node (``prefix_evict.py``, this cache's base class).
 A hit never trusts a hash: each block's tokens are compared, and each
 node names its parent by node id (ids are never reused), so a node found by a
 colliding key, or one whose parent was evicted, does not match.
+
+Cache salt (vLLM's per-request ``cache_salt``, a tenant's secret): the chain
+verbs take ``salt`` (None: unsalted). It is hashed into key(-1) and a first
+block's node keeps it and is compared to it, so chains of different salts never
+share a node, and the nodes below a first block inherit its salt by parent id.
 
 Which chain walks make a usable hit (sliding windows intact, a state
 checkpoint at its end) and the node records: ``prefix_chain.py``. Recurrent
@@ -137,14 +142,29 @@ class PrefixCache:
             raise ValueError(f"{what}: token_ids must be a 1-D list of ints, got {token_ids!r}")
         return array.astype(np.int64)
 
-    def _find(self, parent_key: int, parent_id: int, block: bytes) -> tuple[int, ChainNode | None]:
+    def _find(
+        self, parent_key: int, parent_id: int, block: bytes, salt: str | None = None
+    ) -> tuple[int, ChainNode | None]:
         """(key of ``block`` (one block's int64 tokens as bytes) under its parent, the
-        node caching it or None)."""
+        node caching it or None); ``salt``: the cache salt (first blocks compare it)."""
         key = hash((parent_key, block))
         node = self.by_key.get(key)
-        if node is not None and (node.parent_id != parent_id or node.tokens != block):
-            node = None  # a colliding key or an orphan: never trust the hash
+        if node is not None and (
+            node.parent_id != parent_id
+            or node.tokens != block
+            or (parent_id == 0 and node.salt != salt)
+        ):
+            node = None  # a colliding key, an orphan or another salt: never trust the hash
         return key, node
+
+    @staticmethod
+    def _root_key(salt: str | None) -> int:
+        """key(-1): 0 unsalted, else the salt's own hash (``salt``: a str or None)."""
+        if salt is None:
+            return 0
+        if not isinstance(salt, str):
+            raise TypeError(f"prefix cache salt must be a str or None, got {salt!r:.40}")
+        return hash(("unikv-cache-salt", salt))
 
     def _blocks(self, tokens: np.ndarray) -> list[bytes]:
         """The whole blocks of ``tokens`` (1-D ints), each as the bytes of its int64
@@ -154,25 +174,26 @@ class PrefixCache:
         raw, width = whole.tobytes(), ps * whole.itemsize
         return [raw[i : i + width] for i in range(0, len(raw), width)]
 
-    def walk(self, tokens: np.ndarray) -> list[ChainNode]:
+    def walk(self, tokens: np.ndarray, salt: str | None = None) -> list[ChainNode]:
         """The nodes (device or host) caching the leading whole blocks of ``tokens``
-        (1-D host int64), up to the first block not cached; no window or
-        checkpoint rule (``chain_hit`` applies those)."""
-        key, parent, found = 0, 0, []
+        (1-D host int64) under ``salt``, up to the first block not cached; no window
+        or checkpoint rule (``chain_hit`` applies those)."""
+        key, parent, found = self._root_key(salt), 0, []
         for block in self._blocks(tokens):
-            key, node = self._find(key, parent, block)
+            key, node = self._find(key, parent, block, salt)
             if node is None:
                 break
             found.append(node)
             parent = node.node_id
         return found
 
-    def match(self, token_ids: object) -> PrefixHit:
+    def match(self, token_ids: object, salt: str | None = None) -> PrefixHit:
         """The longest run of whole cached pages holding the first tokens of
-        ``token_ids`` (1-D host ints), compared token by token; no state change.
-        Pass a prompt without its last token, so a forward is left to run."""
+        ``token_ids`` (1-D host ints) under cache salt ``salt``, compared token by
+        token; no state change. Pass a prompt without its last token, so a forward
+        is left to run."""
         tokens = self.tokens(token_ids, "prefix.match")
-        found = self.walk(tokens)
+        found = self.walk(tokens, salt)
         hit = self.chain_hit(found, len(tokens), host=self.host is not None)
         if hit.num_host_pages or hit.host_state:  # reload or recompute the host part
             hit = self.host.choose(hit, self.chain_hit(found, len(tokens), host=False))
@@ -242,11 +263,12 @@ class PrefixCache:
         patch.add(TableWriter.REQ_TO_TOKEN, flat, self.requests.token_ids(rows, positions))
         return patch
 
-    def insert(self, slot: int, token_ids: object) -> int:
+    def insert(self, slot: int, token_ids: object, salt: str | None = None) -> int:
         """Share the full pages of request ``slot`` that hold ``token_ids`` (its
         first tokens, 1-D host ints, <= tokens held, keys and values written or
         enqueued) and are not cached yet: read-only from now on, kept past the
-        request while the pool has room. Returns the pages newly cached."""
+        request while the pool has room; ``salt``: the request's cache salt. Returns
+        the pages newly cached."""
         tokens = self.tokens(token_ids, "prefix.insert")
         slot = int(self.requests.check_slots(np.array([slot]), "prefix.insert")[0])
         if len(tokens) > self.requests.lens[slot]:
@@ -254,13 +276,13 @@ class PrefixCache:
                 f"prefix.insert: {len(tokens)} token ids but request {slot} holds "
                 f"{int(self.requests.lens[slot])} tokens; pass at most those"
             )
-        key, parent, added = 0, 0, 0
+        key, parent, added = self._root_key(salt), 0, 0
         blocks = self._blocks(tokens)
         pages = self.requests.pages[slot, : len(blocks)].tolist()
         for block, page in zip(blocks, pages, strict=True):
-            key, node = self._find(key, parent, block)
+            key, node = self._find(key, parent, block, salt)
             if node is None:
-                node = self._new_node(page, key, parent, block)
+                node = self._new_node(page, key, parent, block, salt if parent == 0 else None)
                 if node is None:
                     break
                 added += 1
@@ -270,7 +292,7 @@ class PrefixCache:
             self.check()
         return added
 
-    def checkpoint(self, slot: int, token_ids: object) -> bool:
+    def checkpoint(self, slot: int, token_ids: object, salt: str | None = None) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
         prefilled and ``insert``-ed; the state must be the one after exactly them).
@@ -279,7 +301,7 @@ class PrefixCache:
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
             return False
-        found = self.walk(tokens)
+        found = self.walk(tokens, salt)
         if len(found) < len(tokens) // ps:
             return False
         node = found[-1]
@@ -290,13 +312,15 @@ class PrefixCache:
             self.check()
         return saved
 
-    def demote_checkpoint(self, token_ids: object, drop: bool = False) -> None:
+    def demote_checkpoint(
+        self, token_ids: object, drop: bool = False, salt: str | None = None
+    ) -> None:
         """The checkpoint at the last block of ``token_ids`` (whole pages) goes first
         when the Mamba sub-pool is short (``drop``: goes now, unless a request waits
         to restore it): a longer one of the same conversation made it the less likely
         hit (``allocator/checkpoints.py``, the policy)."""
         tokens = self.tokens(token_ids, "prefix.demote_checkpoint")
-        found = self.walk(tokens) if self.states is not None else []
+        found = self.walk(tokens, salt) if self.states is not None else []
         if found and len(found) == len(tokens) // self.roles.page_size:
             node_id = found[-1].node_id
             if drop and node_id in self.states.lru:
@@ -308,7 +332,9 @@ class PrefixCache:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
         return reachable(self.by_id, node_id)
 
-    def _new_node(self, page: int, key: int, parent: int, block: bytes) -> ChainNode | None:
+    def _new_node(
+        self, page: int, key: int, parent: int, block: bytes, salt: str | None = None
+    ) -> ChainNode | None:
         """Give ``page`` to the cache under ``key``; None when the key is held by a
         node still referenced, or the page is cached already (under another chain)."""
         stale = self.by_key.get(key)
@@ -318,7 +344,7 @@ class PrefixCache:
             return None  # an orphan or a collision holds the key
         if self.vspace.owner[page] == CACHED:
             return None
-        node = ChainNode(self._next_id, parent, key, page, block)
+        node = ChainNode(self._next_id, parent, key, page, block, salt)
         self._next_id += 1
         self.by_key[key] = self.by_id[node.node_id] = node
         self._own(node, page)

@@ -64,13 +64,15 @@ class PrefixHit:
 class ChainNode:
     """One cached block: its id, its parent's id (0: the root), its key, its
     virtual page (or HOST) and its block's ps int64 tokens as bytes (what its key
-    hashes and a lookup compares, with no numpy call)."""
+    hashes and a lookup compares, with no numpy call); a first block also names
+    its request's cache salt (compared like the tokens)."""
 
     node_id: int
     parent_id: int
     key: int
     page: int
     tokens: bytes = field(repr=False)  # ps * 8 bytes: np.frombuffer(tokens, np.int64)
+    salt: str | None = None  # a first block's cache salt (children inherit it by parent id)
 
 
 def reachable(by_id: dict[int, ChainNode], node_id: int) -> bool:

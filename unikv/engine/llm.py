@@ -279,11 +279,14 @@ class LLM:
 
     # -- requests --------------------------------------------------------------------
 
-    def _request(self, ids: list[int], params: SamplingParams, seed: int) -> Request:
+    def _request(
+        self, ids: list[int], params: SamplingParams, seed: int, cache_salt: str | None = None
+    ) -> Request:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= set(self.eos_token_ids)
         request = Request(self._next_id, ids, params, seed, frozenset(stop), self.max_model_len)
+        request.cache_salt = cache_salt
         self._next_id += 1
         return request
 
@@ -301,16 +304,22 @@ class LLM:
         items = self.prompts.normalize(prompts, sampling_params)
         return [self.make_group(ids, sp, text=text, sink=sink) for ids, text, sp in items]
 
-    def make_group(self, ids: list[int], params: SamplingParams, *, text=None, sink=None):
+    def make_group(
+        self, ids: list[int], params: SamplingParams, *, text=None, sink=None, cache_salt=None
+    ):
         """A RequestGroup of ``params.n`` requests sharing the (validated) prompt ids.
-        Completion i > 0 of a seeded prompt gets a seed derived from (seed, i)."""
+        Completion i > 0 of a seeded prompt gets a seed derived from (seed, i).
+        ``cache_salt`` (a non-empty str or None, vLLM's): the prefix cache shares
+        pages only between requests of the same salt."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.40}")
         vocab = self.config.vocab_size
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             bad = [t for t in params.stop_token_ids if t >= vocab]
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:4]}")
         base = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seeds = [base] + [derived_seed(base, i) for i in range(1, params.n)]
-        requests = [self._request(list(ids), params, seed) for seed in seeds]
+        requests = [self._request(list(ids), params, seed, cache_salt) for seed in seeds]
         return RequestGroup(requests, text, sink, self.tokenizer)
 
     def generate(

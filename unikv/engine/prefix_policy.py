@@ -1,8 +1,9 @@
 """The scheduler's prefix-caching hooks, chosen once at construction
 (``prefix_policy``): ``NoPrefixCache`` with caching off, ``PrefixCaching`` with it on.
 
-Prefix caching: a waiting request opens with the allocator's longest cached run
-of whole pages of its tokens (all but the last) and prefills from there
+Prefix caching (within a request's ``cache_salt``): a waiting request opens with
+the allocator's longest cached run of whole pages of its tokens (all but the
+last) and prefills from there
 (``open``); its full pages are shared (``alloc.parts.prefix.insert``) when its
 prompt is in, and again when it finishes or is preempted (``share``), so a
 recompute hits. With sliding windows every prefill chunk is shared once it is
@@ -81,7 +82,7 @@ class PrefixCaching(NoPrefixCache):
         """A request slot holding the cached pages of ``r``'s longest cached prefix
         (its host part reloaded), ``r.num_cached`` counting them; returns the hit."""
         prefix = self.prefix
-        hit = prefix.reload(prefix.match(r.token_slice(0, r.seq_len - 1)))
+        hit = prefix.reload(prefix.match(r.token_slice(0, r.seq_len - 1), r.cache_salt))
         r.slot = self.alloc.new_request(prefix=hit)
         r.num_cached = hit.num_tokens
         self.points.pop(r.slot, None)
@@ -130,12 +131,14 @@ class PrefixCaching(NoPrefixCache):
         prompt-end one: a repeat of the prompt still hits it) and this one is its
         latest."""
         self.share(r)
-        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached))
+        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached), r.cache_salt)
         if taken and rolling:
             previous = self.latest.get(r.slot)
             if previous and previous != r.num_cached:  # (one point taken twice: keep it)
                 drop = previous > len(r.prompt_ids)
-                self.prefix.demote_checkpoint(r.token_slice(0, previous), drop=drop)
+                self.prefix.demote_checkpoint(
+                    r.token_slice(0, previous), drop=drop, salt=r.cache_salt
+                )
             self.latest[r.slot] = r.num_cached
 
     def share(self, r: Request) -> None:
@@ -143,7 +146,7 @@ class PrefixCaching(NoPrefixCache):
         ``Pending`` placeholder and what follows it stay out)."""
         ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
         unknown = np.flatnonzero(ids < 0)
-        self.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids)
+        self.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids, r.cache_salt)
 
 
 def prefix_policy(alloc: PoolAllocator, caching: bool, has_state: bool, has_window: bool):

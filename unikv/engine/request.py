@@ -90,6 +90,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     finish_reason: str | None = None
     track: Any = None
+    cache_salt: str | None = None  # prefix-cache salt: requests of other salts share no page
 
     @property
     def max_new_tokens(self) -> int:

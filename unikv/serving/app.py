@@ -2,6 +2,19 @@
 
     POST /v1/completions, /v1/chat/completions  (``stream: true``: server-sent events)
     GET  /v1/models, /health, /metrics
+    POST /reset_prefix_cache  (only with ``enable_admin_routes``)
+
+Access, limits, request ids and logs: ``ops.py`` (``ServeOptions``). Prompts
+are tokenized (and chat templates rendered) in a thread pool, off the event
+loop, so a huge prompt does not stall other clients. A completion's
+``max_tokens`` beyond the context left after its prompt is a 400 naming it
+(vLLM's message), not a silent clamp. ``cache_salt`` (vLLM's): requests of
+different salts share no prefix-cache page.
+
+Graceful shutdown (``begin_drain``, on SIGTERM): new requests get 503 and
+``/health`` 503; in-flight requests run on for ``shutdown_timeout_s``, then each
+one still running is ended: a stream gets a final chunk per unfinished choice
+(``finish_reason: "abort"``) and ``[DONE]``, a JSON body its text so far.
 
 A request becomes one request group per prompt on the engine loop (``n``
 completions each); its deltas stream back through an asyncio queue. A client
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -38,9 +52,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv.engine.online import EngineClosed, QueueFull
+from unikv.engine.tracks import Delta
 from unikv.serving import responses as rsp
 from unikv.serving.async_engine import AsyncEngine, RequestFailed, Submission
 from unikv.serving.metrics import RequestClock, ServingMetrics
+from unikv.serving.ops import Gate, HTTPError, ServeOptions, read_body
 from unikv.serving.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -59,9 +75,10 @@ def _error(message: str, kind: str, param, code: int, headers=None) -> JSONRespo
     )
 
 
-async def _body(request: Request, model):
-    """The request body as ``model`` (strict pydantic), or BadRequest."""
-    raw = await request.body()
+async def _body(request: Request, model, options: ServeOptions):
+    """The request body as ``model`` (strict pydantic), or BadRequest (HTTPError
+    for a body too large or too slow)."""
+    raw = await read_body(request, options)
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:
@@ -72,10 +89,48 @@ async def _body(request: Request, model):
 class Server:
     """The app's state: the engine, the served model names and the metrics."""
 
-    def __init__(self, llm, names: list[str], max_waiting: int | None, on_death=None) -> None:
+    def __init__(self, llm, names: list[str], max_waiting: int | None, on_death=None,
+                 options: ServeOptions | None = None) -> None:  # fmt: skip
         self.llm, self.names = llm, names
+        self.options = options or ServeOptions()
         self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
-        self.metrics = ServingMetrics(llm.engine, llm)
+        self.metrics = ServingMetrics(llm.engine, llm, model_name=names[0])
+        self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="unikv-tokenize")
+        self.prompts = _own_prompts(llm)
+        self.draining = self.cut_done = False
+        self.live: set[Submission] = set()  # submissions not finished (cut at drain's end)
+
+    async def off_loop(self, fn, *args):
+        """``fn(*args)`` in the tokenizer pool (a thread), awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Event loop: refuse new requests, and end the running ones after ``timeout_s``."""
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().call_later(timeout_s, self.cut_all)
+
+    def cut_all(self) -> None:
+        """End every running submission now (each ends with finish_reason 'abort')."""
+        self.cut_done = True  # a request still being tokenized is ended once submitted
+        for sub in list(self.live):
+            sub.cut = True
+            self._aborted(sub)
+
+    def check_limits(self, items, max_tokens: int | None, field: str) -> None:
+        """``max_tokens`` (given by the client) must leave the prompt room in the context."""
+        if max_tokens is None:
+            return
+        context = self.llm.max_model_len
+        for ids, _, _ in items:
+            if len(ids) + max_tokens > context:
+                raise BadRequest(
+                    f"This model's maximum context length is {context} tokens. However, you "
+                    f"requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                    f"{max_tokens} in the completion). Please reduce the length of the prompt "
+                    f"or {field}.",
+                    field,
+                )
 
     def check_model(self, model: str) -> None:
         if model not in self.names:
@@ -85,14 +140,14 @@ class Server:
 
     def completion_item(self, prompt, params):
         try:
-            ids = self.llm.prompts.token_ids(prompt)
+            ids = self.prompts.token_ids(prompt)
         except Exception as err:  # a tokenizer's own errors included
             raise BadRequest(f"prompt: {err}", "prompt") from err
         return ids, prompt if isinstance(prompt, str) else None, params
 
     def chat_item(self, body: ChatCompletionRequest, params):
         try:
-            text, ids = self.llm.prompts.chat(
+            text, ids = self.prompts.chat(
                 body.conversation(), add_generation_prompt=body.add_generation_prompt
             )
         except BadRequest:
@@ -101,12 +156,15 @@ class Server:
             raise BadRequest(f"messages: {err}", "messages") from err
         return ids, text, params
 
-    async def respond(self, request: Request, body, items, chat: bool):
+    async def respond(self, request: Request, body, items, chat: bool, start: float):
         """Run ``items`` on the engine; a JSON body or an event stream."""
-        start = time.perf_counter()
-        sub = self.engine.submit(items)
+        sub = self.engine.submit(items, cache_salt=body.cache_salt)
+        self.live.add(sub)
+        if self.cut_done:
+            sub.cut = True
+            self._aborted(sub)
         clock = RequestClock(self.metrics, start)
-        rid = rsp.new_id("chatcmpl" if chat else "cmpl")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         prompt_tokens = sum(len(ids) for ids, _, _ in items)
         self.metrics.prompt_tokens += prompt_tokens * body.n
         if body.stream:
@@ -114,15 +172,23 @@ class Server:
             writer = EventWriter(
                 rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids
             )
-            events = self._events(sub, clock, writer, body.n, prompt_tokens if usage else None)
+            events = self._events(
+                sub, clock, writer, body.n, len(items), prompt_tokens if usage else None
+            )
             return EventStream(events, on_close=lambda: self._aborted(sub))
         try:
             choices = await self._collect(request, sub, clock, body.n)
         except RequestFailed as err:
             self.metrics.finished("error")
             return _error(str(err), "InternalServerError", None, 500)
+        finally:
+            self.live.discard(sub)
         if choices is None:
             return Response(status_code=499)  # the client went away
+        if sub.cut:  # ended by a shutdown: the text so far
+            for i in range(len(items) * body.n):
+                choices.text.setdefault(i, [])
+                choices.finish.setdefault(i, ("abort", None))
         make = rsp.chat_body if chat else rsp.completion_body
         as_ids = body.return_tokens_as_token_ids
         return JSONResponse(make(rid, body.model, choices, prompt_tokens, as_ids))
@@ -159,29 +225,61 @@ class Server:
     def _observe(clock: RequestClock, prompt: int, delta, now: float) -> None:
         clock.tokens((prompt, delta.index), len(delta.token_ids), now)
         if delta.finish_reason is not None:
-            clock.finished(delta.finish_reason, now)
+            clock.finished(delta.finish_reason, now, (prompt, delta.index))
 
-    async def _events(self, sub: Submission, clock, writer: EventWriter, n: int, usage_tokens):
+    async def _events(
+        self, sub: Submission, clock, writer: EventWriter, n: int, prompts: int, usage_tokens
+    ):
         """The event stream: one bytes chunk per batch of deltas (each batch: what
-        arrived since the client was last written to)."""
+        arrived since the client was last written to); a shutdown's cut ends each
+        unfinished choice with finish_reason 'abort'."""
+        done: set[int] = set()
         try:
             while sub.left:
                 await sub.wait()
                 batch, now, parts = sub.take(), time.perf_counter(), []
                 for prompt, delta in batch:
                     self._observe(clock, prompt, delta, now)
-                    parts.append(writer.write(prompt * n + delta.index, delta))
+                    index = prompt * n + delta.index
+                    if delta.finish_reason is not None:
+                        done.add(index)
+                    parts.append(writer.write(index, delta))
                 out = "".join(parts)
                 if out:
                     yield out.encode()
+            if sub.cut:
+                cut = [Delta(i % n, [], "", finish_reason="abort") for i in range(prompts * n)]
+                parts = [writer.write(i, d) for i, d in enumerate(cut) if i not in done]
+                yield "".join(parts).encode()
             if sub.error is not None:  # the engine failed mid-stream
                 error = rsp.error_body(sub.error, "InternalServerError", None, 500)
                 yield event(error).encode()
             elif usage_tokens is not None:
                 yield writer.usage_event(usage_tokens, n).encode()
         finally:
+            self.live.discard(sub)
             self._aborted(sub)  # no-op when every completion finished
         yield b"data: [DONE]\n\n"
+
+
+def _own_prompts(llm):
+    """A PromptMaker over a copy of ``llm``'s tokenizer with a lock of its own, for
+    the tokenizer pool: a huge prompt being tokenized does not hold the engine
+    thread's ``tokenizer_lock`` (which its detokenizer takes every step), so other
+    clients' streams go on. ``llm.prompts`` itself when there is no tokenizer."""
+    import copy
+    import threading
+    from types import SimpleNamespace
+
+    from unikv.engine.prompts import PromptMaker
+
+    if not isinstance(getattr(llm, "prompts", None), PromptMaker) or llm.tokenizer is None:
+        return llm.prompts
+    with llm.tokenizer_lock:
+        tokenizer = copy.deepcopy(llm.tokenizer)
+    own = SimpleNamespace(tokenizer=tokenizer, tokenizer_lock=threading.Lock(),
+                          config=llm.config, max_model_len=llm.max_model_len)  # fmt: skip
+    return PromptMaker(own)
 
 
 async def _disconnected(request: Request) -> None:
@@ -193,12 +291,19 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(
-    llm, *, served_model_names: list[str], max_waiting: int | None = 256, on_engine_death=None
+    llm,
+    *,
+    served_model_names: list[str],
+    max_waiting: int | None = 256,
+    on_engine_death=None,
+    options: ServeOptions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` (its engine loop starts with the app).
     ``max_waiting``: the admission bound (None: no bound); ``on_engine_death(err)``:
-    called on the event loop if the engine loop dies."""
-    server = Server(llm, list(served_model_names), max_waiting, on_engine_death)
+    called on the event loop if the engine loop dies; ``options``: access and
+    limits (``ops.ServeOptions``; default: open, no admin routes)."""
+    server = Server(llm, list(served_model_names), max_waiting, on_engine_death, options)
+    opts = server.options
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -207,14 +312,27 @@ def create_app(
             yield
         finally:
             server.engine.shutdown()
+            server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="unikv", lifespan=lifespan)
     app.state.server = server
     _error_handlers(app)
+    app.add_middleware(Gate, options=opts, state=server)
+    if opts.allowed_origins:  # outermost: preflights answered, refusals readable
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=opts.allowed_origins,
+            allow_credentials=opts.allow_credentials,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-request-id"],
+        )
 
     @app.get("/health")
     async def health():
-        if server.engine.healthy:
+        if server.engine.healthy and not server.draining:
             return Response(status_code=200)
         return _error("the engine loop is not running", "ServiceUnavailable", None, 503)
 
@@ -233,28 +351,47 @@ def create_app(
 
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/reset_prefix_cache")
-    def reset_prefix_cache():  # sync: waits for the engine thread (a worker thread)
-        if not llm.reset_prefix_cache():
-            return _error("prefix caching is off; start the server with "
-                          "--enable-prefix-caching", INVALID, None, 400)  # fmt: skip
-        return {"reset": True}
+    if opts.enable_admin_routes:
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request):
+            # a JSON content type: a cross-site page cannot send it without a preflight
+            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return _error("send Content-Type: application/json (an empty body or {})",
+                              INVALID, None, 415)  # fmt: skip
+            await read_body(request, opts)
+            if not await asyncio.to_thread(llm.reset_prefix_cache):  # waits for the engine
+                return _error("prefix caching is off; start the server with "
+                              "--enable-prefix-caching", INVALID, None, 400)  # fmt: skip
+            return {"reset": True}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _body(request, CompletionRequest)
+        start = time.perf_counter()
+        body = await _body(request, CompletionRequest, opts)
         server.check_model(body.model)
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        items = [server.completion_item(p, params) for p in body.prompts()]
-        return await server.respond(request, body, items, chat=False)
+        prompts = body.prompts()
+        if len(prompts) > opts.max_prompts:
+            raise BadRequest(f"prompt: {len(prompts)} prompts in one request; at most "
+                             f"{opts.max_prompts} (--max-prompts-per-request)", "prompt")  # fmt: skip
+        items = await server.off_loop(lambda: [server.completion_item(p, params) for p in prompts])
+        if "max_tokens" in body.model_fields_set:
+            server.check_limits(items, body.max_tokens, "max_tokens")
+        return await server.respond(request, body, items, chat=False, start=start)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _body(request, ChatCompletionRequest)
+        start = time.perf_counter()
+        body = await _body(request, ChatCompletionRequest, opts)
         server.check_model(body.model)
-        params = body.sampling_params(*body.limits())
-        items = [server.chat_item(body, params)]
-        return await server.respond(request, body, items, chat=True)
+        max_tokens, logprobs = body.limits()
+        params = body.sampling_params(max_tokens, logprobs)
+        items = [await server.off_loop(server.chat_item, body, params)]
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        server.check_limits(items, max_tokens, field)
+        return await server.respond(request, body, items, chat=True, start=start)
 
     return app
 
@@ -271,6 +408,10 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BadRequest)
     async def bad(request: Request, err: BadRequest):
         return _error(str(err), INVALID, err.param, 400)
+
+    @app.exception_handler(HTTPError)
+    async def refused(request: Request, err: HTTPError):
+        return _error(str(err), err.kind, err.param, err.status, err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http(request: Request, err: StarletteHTTPException):

@@ -37,6 +37,7 @@ class Submission:
         self.groups: list = []
         self.left = 0  # completions not finished
         self.error: str | None = None  # set when the engine failed
+        self.cut = False  # ended by the server's shutdown (``Server.cut_all``)
 
     def push(self, prompt: int, delta: Delta) -> None:
         """A delta of prompt ``prompt``'s group arrived (``_dispatch``)."""
@@ -126,16 +127,18 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.loop.running and self.loop.error is None
 
-    def submit(self, items) -> Submission:
+    def submit(self, items, cache_salt: str | None = None) -> Submission:
         """Submit (token ids, text or None, SamplingParams) per prompt, all together
         (``EngineLoop.submit_all``); raises BadRequest (parameters the model
-        refuses), QueueFull or EngineClosed, and nothing of this request is queued."""
+        refuses), QueueFull or EngineClosed, and nothing of this request is queued.
+        ``cache_salt``: the prefix cache shares pages only within one salt."""
         from unikv.serving.protocol import BadRequest
 
         sub = Submission(self)
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
         try:
             groups = [
-                self.llm.make_group(ids, params, text=text, sink=(sub, i))
+                self.llm.make_group(ids, params, text=text, sink=(sub, i), **salt)
                 for i, (ids, text, params) in enumerate(items)
             ]
         except ValueError as err:

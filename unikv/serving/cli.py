@@ -3,7 +3,10 @@
 options of ``unikv generate``.
 
 If the engine loop dies, the process exits with status 1 within seconds (after
-the failed requests got their errors), so that a supervisor restarts it.
+the failed requests got their errors), so that a supervisor restarts it. On
+SIGTERM (or Ctrl-C) the server stops accepting, lets in-flight requests run for
+``--shutdown-timeout`` seconds, then ends each with finish_reason "abort" (a
+stream: a final chunk and ``[DONE]``) and exits 0.
 Test-only fault injection: the environment variable ``UNIKV_TEST_ENGINE_FAULT``
 (``online.FAULT_ENV``), read once at start-up; ``die-after-steps:N`` makes the
 engine loop die at its N-th step.
@@ -19,6 +22,31 @@ import threading
 EXIT_ENGINE_DEATH = 1
 DEATH_FLUSH_S = 0.5  # the failed requests' answers go out before uvicorn stops
 DEATH_HARD_EXIT_S = 10.0  # if the graceful stop hangs, the process ends anyway
+DRAIN_GRACE_S = 5.0  # after --shutdown-timeout, the ended streams' last writes
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, whose SIGTERM/SIGINT also starts the app's drain (``Server.begin_drain``)."""
+
+        def __init__(self, config, app_server) -> None:
+            super().__init__(config)
+            self.app_server = app_server
+
+        def handle_exit(self, sig, frame) -> None:
+            app, loop = self.app_server, self.app_server.engine._aloop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(app.begin_drain, app.options.shutdown_timeout_s)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # drained: exit 0, not by re-raising the signal
+
+    return DrainingServer
+
+
+def _draining_server(config, app_server):
+    return _draining_server_class()(config, app_server)
 
 
 def _max_waiting(text: str) -> int | None:
@@ -30,6 +58,35 @@ def _max_waiting(text: str) -> int | None:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an int >= 0 (0 = no bound), got {value}")
     return value or None
+
+
+def _origins(text: str) -> list[str]:
+    """--allowed-origins / --allowed-hosts: a JSON list (vLLM's form) or comma-separated."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {err}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def _fault_steps(environ) -> int | None:
@@ -51,7 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="unikv serve",
         description="Serve a local Hugging Face checkpoint over an OpenAI-compatible HTTP API "
-        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).",
+        "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; "
+        "POST /reset_prefix_cache with --enable-admin-routes). Requests may carry vLLM's "
+        "cache_salt: requests of different salts share no prefix-cache page. /metrics uses "
+        "vLLM's metric names (vllm:*, with model_name) and unikv:* for the pool; a Grafana "
+        "dashboard is in docs/grafana-unikv.json.",
     )
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -71,7 +132,78 @@ def _parser() -> argparse.ArgumentParser:
         "together, however many); 0 = no bound (default 256)",
     )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    a = p.add_argument_group("access and operations")
+    a.add_argument(
+        "--api-key",
+        default=os.environ.get("UNIKV_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        "(default: $UNIKV_API_KEY; unset: no key)",
+    )
+    a.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=[],
+        help='CORS origins, a JSON list or comma-separated (e.g. \'["https://a.b"]\' or "*"); '
+        "default: none (no CORS headers)",
+    )
+    a.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    a.add_argument(
+        "--allowed-hosts",
+        type=_origins,
+        default=[],
+        help="Host headers served (names or *.domain; against DNS rebinding); default: any",
+    )
+    a.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one line per request (id, route, status, time) to stderr",
+    )
+    a.add_argument(
+        "--enable-admin-routes",
+        action="store_true",
+        help="mount POST /reset_prefix_cache (needs Content-Type: application/json, and the "
+        "API key when one is set)",
+    )
+    a.add_argument(
+        "--max-body-bytes", type=_positive(int), default=16 << 20,
+        help="request bodies above this get 413 (default 16 MiB)",
+    )  # fmt: skip
+    a.add_argument(
+        "--max-header-bytes", type=_positive(int), default=32 << 10,
+        help="requests with more header bytes get 431 (default 32 KiB)",
+    )  # fmt: skip
+    a.add_argument(
+        "--body-timeout", type=_positive(float), default=30.0,
+        help="a body not received within this many seconds gets 408 (default 30)",
+    )  # fmt: skip
+    a.add_argument(
+        "--max-prompts-per-request", type=_positive(int), default=1024,
+        help="prompts in one completions request at most (default 1024)",
+    )  # fmt: skip
+    a.add_argument(
+        "--shutdown-timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds in-flight requests may run before they are ended "
+        "(finish_reason 'abort'; default 30)",
+    )  # fmt: skip
     return p
+
+
+def _options(args):
+    from unikv.serving.ops import ServeOptions
+
+    return ServeOptions(
+        api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allowed_hosts=args.allowed_hosts,
+        max_body_bytes=args.max_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        body_timeout_s=args.body_timeout,
+        max_prompts=args.max_prompts_per_request,
+        log_requests=args.enable_log_requests,
+        enable_admin_routes=args.enable_admin_routes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
 
 
 def serve_main(argv: list[str]) -> int:
@@ -102,11 +234,13 @@ def serve_main(argv: list[str]) -> int:
         llm = llm_from_args(args)
         llm.engine.die_after_steps = fault
         names = args.served_model_name or [args.model]
+        options = _options(args)
         app = create_app(
             llm,
             served_model_names=names,
             max_waiting=args.max_waiting,
             on_engine_death=on_engine_death,
+            options=options,
         )
     except (ValueError, TypeError) as err:
         print(f"unikv serve: error: {err}", file=sys.stderr)
@@ -116,14 +250,23 @@ def serve_main(argv: list[str]) -> int:
         f"(pool {llm.pool.total_bytes} bytes, {llm.device})",
         flush=True,
     )
+    if options.log_requests:
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        log = logging.getLogger("unikv.serving")
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=options.shutdown_timeout_s + DRAIN_GRACE_S,
+        h11_max_incomplete_event_size=options.max_header_bytes,
     )
-    server = holder["server"] = uvicorn.Server(config)
+    server = holder["server"] = _draining_server(config, app.state.server)
     server.run()
     if died:
         return EXIT_ENGINE_DEATH

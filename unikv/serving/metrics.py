@@ -1,21 +1,34 @@
 """Prometheus metrics of ``unikv serve`` (prometheus-client, one registry per app).
 
-Pool and scheduler gauges are read at scrape time by a function that runs in
-the engine loop's thread between two steps (``EngineLoop.call``), so a scrape
-never sees the allocator mid-update:
+vLLM's names and labels where the meaning is the same, so vLLM's dashboards
+and autoscalers read them unchanged; unikv's own pool figures under ``unikv:``.
+Every series has a ``model_name`` label (the first served name).
+``docs/grafana-unikv.json``: a dashboard over them.
 
-    unikv_subpool_live_pages{subpool,kind}    pages in use (Mamba: state slots)
-    unikv_subpool_usable_pages{subpool,kind}  pages the sub-pool could hold alone
-    unikv_subpool_live_bytes{subpool,kind}    bytes of the live pages
-    unikv_subpool_usage_ratio{subpool,kind}   live bytes / the pool's bytes
-    unikv_pool_bytes                          the pool's byte budget
-    unikv_num_requests_running / _waiting
-    unikv_num_preemptions_total
-    unikv_prefix_cache_{hit,query}_tokens_total, _evicted_pages_total, _pages
+Read at scrape time by a function that runs in the engine loop's thread between
+two steps (``EngineLoop.call``), so a scrape never sees the allocator mid-update:
 
-Token counters and latency histograms are observed by the HTTP handlers as the
-deltas reach them (what a client sees): prompt and generation tokens, requests
-by finish reason, time to first token, inter-token latency, end-to-end latency.
+    vllm:num_requests_running, vllm:num_requests_waiting
+    vllm:kv_cache_usage_perc              bytes in use / the pool's bytes (0..1)
+    vllm:num_preemptions_total
+    vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   (tokens)
+    unikv:subpool_live_pages{subpool,kind}    pages in use (Mamba: state slots)
+    unikv:subpool_cached_pages{subpool,kind}  evictable prefix-cache pages (free)
+    unikv:subpool_usable_pages / _live_bytes / _usage_ratio {subpool,kind}
+    unikv:pool_bytes, unikv:prefix_cache_pages, unikv:prefix_cache_evicted_pages_total,
+    unikv:prefix_cache_host_* (with a host tier)
+
+A cached page no request holds can be evicted at once, so it counts as free
+(as vLLM counts unreferenced cached blocks): ``live_pages`` and the usage leave
+it out, and ``cached_pages`` shows it. An idle server reads 0 in use.
+
+Observed by the HTTP handlers as the deltas reach them (what a client sees):
+
+    vllm:prompt_tokens_total, vllm:generation_tokens_total
+    vllm:request_success_total{finished_reason}
+    vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+    vllm:request_time_per_output_token_seconds, vllm:e2e_request_latency_seconds
+
 They are plain ints and bucket lists kept by the event loop's thread (no lock
 per token), exported at scrape time under prometheus-client's names.
 """
@@ -33,17 +46,30 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 LATENCY_BUCKETS += (0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+def _cached_pages(llm, name: str, kind: str) -> int:
+    """Pages of sub-pool ``name`` that only the prefix cache holds (evictable)."""
+    prefix = llm.alloc.parts.prefix
+    states = prefix.states
+    if states is not None and states.book.name == name:
+        return states.num_evictable  # checkpoint slots no request restores
+    if kind == "mamba":
+        return 0
+    return len(prefix.evictable_physical(name))
+
+
 def engine_snapshot(llm) -> dict:
     """Pool and scheduler counts; call in the engine loop's thread."""
     sched = llm.scheduler
     subpools = {}
     for name, sub in llm.pool.subpools.items():
-        live = llm.alloc.parts.books[name].num_live
+        held = llm.alloc.parts.books[name].num_live
+        cached = min(_cached_pages(llm, name, sub.spec.kind), held)
         subpools[name] = {
             "kind": sub.spec.kind,
-            "live_pages": live,
+            "live_pages": held - cached,
+            "cached_pages": cached,
             "usable_pages": sub.usable_pages,
-            "live_bytes": live * sub.page_bytes,
+            "live_bytes": (held - cached) * sub.page_bytes,
         }
     return {
         "subpools": subpools,
@@ -55,46 +81,69 @@ def engine_snapshot(llm) -> dict:
     }
 
 
+def _gauge(name: str, doc: str, model: str, value) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _counter(name: str, doc: str, model: str, value) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
 class _EngineCollector:
-    def __init__(self, loop, llm) -> None:
-        self.loop, self.llm = loop, llm
+    def __init__(self, loop, llm, model: str) -> None:
+        self.loop, self.llm, self.model = loop, llm, model
 
     def describe(self):
         return []  # gauges are made at scrape time
 
     def collect(self):
         snap = self.loop.call(lambda: engine_snapshot(self.llm)).result(timeout=10)
-        labels = ["subpool", "kind"]
-        families = {
-            key: GaugeMetricFamily(f"unikv_subpool_{key}", text, labels=labels)
-            for key, text in (
-                ("live_pages", "Pages in use per sub-pool (Mamba: recurrent-state slots)"),
-                ("usable_pages", "Pages a sub-pool could hold with the whole pool"),
-                ("live_bytes", "Bytes of the live pages per sub-pool"),
-                ("usage_ratio", "Live bytes of a sub-pool over the pool's bytes"),
-            )
-        }
-        for name, s in snap["subpools"].items():
-            values = dict(s, usage_ratio=s["live_bytes"] / max(snap["pool_bytes"], 1))
-            for key, family in families.items():
-                family.add_metric([name, s["kind"]], values[key])
-        yield from families.values()
-        yield GaugeMetricFamily("unikv_pool_bytes", "The pool's byte budget", snap["pool_bytes"])
-        yield GaugeMetricFamily(
-            "unikv_num_requests_running", "Requests holding pages", snap["running"]
-        )
-        yield GaugeMetricFamily(
-            "unikv_num_requests_waiting",
+        model, pool_bytes = self.model, max(snap["pool_bytes"], 1)
+        used = sum(s["live_bytes"] for s in snap["subpools"].values())
+        yield _gauge("vllm:num_requests_running", "Requests holding pages", model,
+                     snap["running"])  # fmt: skip
+        yield _gauge(
+            "vllm:num_requests_waiting",
             "Requests waiting for admission (new or preempted)",
+            model,
             snap["waiting"] + len(self.loop._inbox),
         )
-        yield CounterMetricFamily(
-            "unikv_num_preemptions", "Requests preempted (recompute or swap)", snap["preemptions"]
+        yield _gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage: bytes in use (evictable cached pages excluded) over the pool's, "
+            "1 = full",
+            model,
+            used / pool_bytes,
         )
+        yield _counter("vllm:num_preemptions", "Requests preempted (recompute or swap)", model,
+                       snap["preemptions"])  # fmt: skip
         prefix = snap["prefix"]
+        yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                       model, prefix["query_tokens"])  # fmt: skip
+        yield _counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                       model, prefix["hit_tokens"])  # fmt: skip
+        labels = ["subpool", "kind", "model_name"]
+        families = {
+            key: GaugeMetricFamily(f"unikv:subpool_{key}", text, labels=labels)
+            for key, text in (
+                ("live_pages", "Pages in use per sub-pool (Mamba: state slots), cached excluded"),
+                ("cached_pages", "Evictable prefix-cache pages per sub-pool (free on demand)"),
+                ("usable_pages", "Pages a sub-pool could hold with the whole pool"),
+                ("live_bytes", "Bytes of the pages in use per sub-pool"),
+                ("usage_ratio", "Bytes in use of a sub-pool over the pool's bytes"),
+            )
+        }  # fmt: skip
+        for name, s in snap["subpools"].items():
+            values = dict(s, usage_ratio=s["live_bytes"] / pool_bytes)
+            for key, family in families.items():
+                family.add_metric([name, s["kind"], model], values[key])
+        yield from families.values()
+        yield _gauge("unikv:pool_bytes", "The pool's byte budget", model, snap["pool_bytes"])
         for key, text in (
-            ("hit_tokens", "Prompt tokens served from the prefix cache"),
-            ("query_tokens", "Prompt tokens looked up in the prefix cache"),
             ("evicted_pages", "Prefix-cache pages evicted"),
             ("host_spilled_pages", "Prefix-cache pages spilled to the host tier"),
             ("host_hit_tokens", "Prompt tokens served by reloading host-tier pages"),
@@ -102,20 +151,18 @@ class _EngineCollector:
             ("host_evicted_pages", "Host-tier pages dropped"),
         ):
             if key in prefix:  # the host tier's counters exist when one is attached
-                yield CounterMetricFamily(f"unikv_prefix_cache_{key}", text, prefix[key])
-        yield GaugeMetricFamily(
-            "unikv_prefix_cache_pages",
-            "Pages the prefix cache holds (evictable included)",
-            prefix["pages"],
-        )
+                yield _counter(f"unikv:prefix_cache_{key}", text, model, prefix[key])
+        yield _gauge("unikv:prefix_cache_pages", "Pages the prefix cache holds (evictable included)",
+                     model, prefix["pages"])  # fmt: skip
 
 
 class Histogram:
     """Bucket counts of one histogram, written by one thread (the event loop):
     plain ints, no lock (prometheus-client takes two per observation)."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
-        self.name, self.doc, self.bounds = name, doc, tuple(buckets)
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS,
+                 model: str | None = None):  # fmt: skip
+        self.name, self.doc, self.bounds, self.model = name, doc, tuple(buckets), model
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
 
@@ -126,8 +173,10 @@ class Histogram:
     def family(self) -> HistogramMetricFamily:
         counts, total = list(self.counts), self.sum  # a copy: the loop keeps writing
         les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
-        family = HistogramMetricFamily(self.name, self.doc)
-        family.add_metric([], list(zip(les, accumulate(counts))), total)
+        labels = [] if self.model is None else ["model_name"]
+        family = HistogramMetricFamily(self.name, self.doc, labels=labels)
+        values = [] if self.model is None else [self.model]
+        family.add_metric(values, list(zip(les, accumulate(counts))), total)
         return family
 
 
@@ -137,20 +186,29 @@ class ServingMetrics:
     The handlers' figures are plain ints and bucket lists updated by the event
     loop's thread only (no lock per token) and exported at scrape time."""
 
-    def __init__(self, loop, llm) -> None:
+    def __init__(self, loop, llm, model_name: str = "unikv") -> None:
         disable_created_metrics()  # no *_created series (as vLLM)
         self.registry = CollectorRegistry()
+        self.model = model_name
         self.prompt_tokens = 0  # of accepted completions
         self.generation_tokens = 0  # sent to clients
         self.requests: dict[str, int] = {}  # finished completions by finish reason
-        self.ttft = Histogram("unikv_time_to_first_token_seconds", "Arrival to first token")
+        m = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token",
+                              model=m)  # fmt: skip
         self.itl = Histogram(
-            "unikv_inter_token_latency_seconds", "Time between two tokens of a completion"
+            "vllm:inter_token_latency_seconds", "Time between two tokens of a completion", model=m
         )
-        self.e2e = Histogram("unikv_e2e_request_latency_seconds", "Arrival to the last token")
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per completion: (last token - first token) / (tokens - 1)",
+            model=m,
+        )
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token",
+                             model=m)  # fmt: skip
         self.registry.register(_HandlerCollector(self))
         if loop is not None:  # None: the handler figures alone (tests)
-            self.registry.register(_EngineCollector(loop, llm))
+            self.registry.register(_EngineCollector(loop, llm, model_name))
 
     def finished(self, reason: str, num: int = 1) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + num
@@ -165,19 +223,17 @@ class _HandlerCollector:
 
     def collect(self):
         m = self.m
-        yield CounterMetricFamily(
-            "unikv_prompt_tokens", "Prompt tokens of accepted completions", m.prompt_tokens
-        )
-        yield CounterMetricFamily(
-            "unikv_generation_tokens", "Generated tokens sent to clients", m.generation_tokens
-        )
+        yield _counter("vllm:prompt_tokens", "Prompt tokens of accepted completions", m.model,
+                       m.prompt_tokens)  # fmt: skip
+        yield _counter("vllm:generation_tokens", "Generated tokens sent to clients", m.model,
+                       m.generation_tokens)  # fmt: skip
         done = CounterMetricFamily(
-            "unikv_request_success", "Finished completions", labels=["finish_reason"]
+            "vllm:request_success", "Finished completions", labels=["finished_reason", "model_name"]
         )
         for reason, num in dict(m.requests).items():
-            done.add_metric([reason], num)
+            done.add_metric([reason, m.model], num)
         yield done
-        for hist in (m.ttft, m.itl, m.e2e):
+        for hist in (m.ttft, m.itl, m.tpot, m.e2e):
             yield hist.family()
 
 
@@ -187,6 +243,7 @@ class RequestClock:
     def __init__(self, metrics: ServingMetrics, start: float) -> None:
         self.metrics, self.start = metrics, start
         self.last: dict[tuple[int, int], float] = {}  # (prompt, index) -> last token time
+        self.first: dict[tuple[int, int], tuple[float, int]] = {}  # -> (first time, tokens)
 
     def tokens(self, key: tuple[int, int], num: int, now: float) -> None:
         """``num`` tokens of completion ``key`` reached the client at ``now``."""
@@ -197,10 +254,16 @@ class RequestClock:
         last = self.last.get(key)
         if last is None:
             m.ttft.observe(now - self.start)
+            self.first[key] = (now, num)
         else:
             m.itl.observe((now - last) / num)
+            first, count = self.first[key]
+            self.first[key] = (first, count + num)
         self.last[key] = now
 
-    def finished(self, reason: str, now: float) -> None:
+    def finished(self, reason: str, now: float, key: tuple[int, int] | None = None) -> None:
         self.metrics.finished(reason)
         self.metrics.e2e.observe(now - self.start)
+        first, count = self.first.get(key, (now, 0))
+        if count > 1:
+            self.metrics.tpot.observe((self.last[key] - first) / (count - 1))

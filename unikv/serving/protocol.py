@@ -93,6 +93,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # prefix-cache tenant
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
