@@ -1,0 +1,312 @@
+"""The elastic pool (issue 44, docs/design.md section 4): the emulated backing,
+``UnifiedPool.resize`` and ``Room.resize`` (``alloc.parts.room.resize``).
+
+The state machine interleaves grow, shrink, admit (open + extend), decode,
+window frees, finish, compaction and forward fences on 2- and 3-sub-pool chains,
+with ``check_integrity`` after every step and a byte shadow: every bound page's
+whole envelope is filled with random bytes when it is first seen bound and must
+read them back after every later step, wherever compaction moved it, so a shrink
+that drops, overlaps or releases a held byte fails. Released chunks of the
+emulated backing are poisoned (0xFF), and every bound page must lie in committed
+chunks. A refused shrink must leave every piece of state (bytes included)
+unchanged, and may only happen when the occupied pages cannot fit by a bound
+derived here, not by the packer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from allocator_fixtures import CHAINS, PAGES, FakeEvent, snapshot
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from unikv.allocator import PoolAllocator
+from unikv.backing import POISON_BYTE, EmulatedBacking, make_backing
+from unikv.pool import Grow, UnifiedPool, pool_bytes_for
+
+CHUNK = 256  # small chunks: resizes cross many chunk edges
+
+
+def elastic(chain: str, ps: int, scale: float = 1.0, grow: float = 3.0, **kwargs):
+    configs = CHAINS[chain](ps)
+    base = pool_bytes_for(configs, {c.name: PAGES[c.name] for c in configs})
+    total = int(base * scale)
+    pool = UnifiedPool(
+        configs, total, max_bytes=int(base * grow), backing=EmulatedBacking(CHUNK), **kwargs
+    )
+    return pool
+
+
+# -- the backing --------------------------------------------------------------------------
+
+
+def test_backing_commits_releases_and_poisons():
+    b = EmulatedBacking(chunk=64)
+    t = b.reserve(1000)
+    assert b.reserved == 1024 and t.numel() == 1024 and b.committed == []
+    assert (t == POISON_BYTE).all(), "never-committed memory reads as poison"
+    base = t.data_ptr()
+    assert b.commit(0, 256) == 256 and b.commit(128, 384) == 128
+    assert b.committed == [(0, 384)] and b.committed_bytes == 384
+    assert (t[:384] == 0).all()
+    t[:384] = 7
+    assert b.release(64, 128) == 64 and b.committed == [(0, 64), (128, 384)]
+    assert (t[64:128] == POISON_BYTE).all() and (t[:64] == 7).all() and (t[128:384] == 7).all()
+    assert not b.is_committed(60, 70) and b.is_committed(0, 64) and b.is_committed(130, 384)
+    assert b.tensor.data_ptr() == base, "the base never moves"
+    for lo, hi in ((1, 64), (0, 2048), (64, 0)):
+        with pytest.raises(ValueError, match="chunk-aligned"):
+            b.commit(lo, hi)
+    with pytest.raises(ValueError, match="already"):
+        b.reserve(10)
+    b.close()
+    assert b.committed == [] and b.reserved == 0
+    assert isinstance(make_backing("cpu"), EmulatedBacking)
+
+
+def test_pool_geometry_grows_and_shrinks_in_place():
+    pool = elastic("full+swa+mamba", 4)
+    total = pool.total_bytes
+    views = {n: [t.data_ptr() for t in _flat(s.views)] for n, s in pool.subpools.items()}
+    base = pool.buffer.data_ptr()
+    pool.buffer[pool.sink_bytes :] = 3
+    pool.resize(2 * total)
+    assert pool.total_bytes == 2 * total and pool.buffer.numel() == 2 * total + pool.tail_pad_bytes
+    assert pool.buffer.data_ptr() == base
+    assert pool.backing.committed == [(0, -(-(2 * total + pool.tail_pad_bytes) // CHUNK) * CHUNK)]
+    for name, sub in pool.subpools.items():
+        assert sub.num_pages == 2 * total // sub.page_bytes
+        assert [t.data_ptr() for t in _flat(sub.views)] == views[name], "views never change"
+    assert (pool.buffer[pool.sink_bytes : total] == 3).all(), "growth keeps the bytes"
+    pool.resize(total)
+    end = -(-(total + pool.tail_pad_bytes) // CHUNK) * CHUNK
+    assert pool.backing.committed == [(0, end)]
+    assert (pool.whole[end:] == POISON_BYTE).all(), "released chunks are poisoned"
+    with pytest.raises(ValueError, match="max_bytes"):
+        pool.resize(pool.max_bytes + 1)
+    with pytest.raises(ValueError, match="fits no real page"):
+        pool.resize(pool.sink_bytes)
+    fixed = UnifiedPool(CHAINS["full+swa"](4), total)
+    with pytest.raises(ValueError, match="elastic"):
+        fixed.resize(total)
+    with pytest.raises(ValueError, match="static_split"):
+        elastic("full+swa", 4, static_split={"full": 0.5, "swa": 0.5})
+
+
+def test_resize_refuses_below_one_worst_case_request():
+    pool = elastic("full+swa", 4, max_request_tokens=40)
+    with pytest.raises(ValueError, match="worst-case request of 40 tokens"):
+        pool.resize(pool.sink_bytes + 2 * pool["full"].page_bytes)
+
+
+def _flat(views):
+    if isinstance(views, torch.Tensor):
+        return [views]
+    if isinstance(views, dict):
+        return [t for k in sorted(views) for t in _flat(views[k])]
+    return [t for v in views for t in _flat(v)]
+
+
+# -- the allocator over an elastic pool: a state machine --------------------------------------
+
+
+class ElasticMachine(RuleBasedStateMachine):
+    CHAIN, PS = "full+swa", 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = elastic(self.CHAIN, self.PS, scale=1.0, grow=4.0)
+        self.alloc = PoolAllocator(self.pool, max_requests=4, max_context=12 * self.PS)
+        self.parts = self.alloc.parts
+        self.rng = np.random.default_rng(0)
+        self.shadow: dict[tuple[str, int], torch.Tensor] = {}  # (name, vpage) -> envelope
+        self.event: FakeEvent | None = None
+        self.counts = {"grow": 0, "shrink": 0, "refused": 0, "moved": 0}
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _open(self) -> list[int]:
+        return [int(s) for s in np.flatnonzero(self.parts.requests.in_use)]
+
+    def _bound(self) -> dict[tuple[str, int], int]:
+        """(name, virtual page) -> physical page of every bound page."""
+        out = {}
+        for name, book in self.parts.books.items():
+            for v in np.flatnonzero(book.v2p_host[1:] > 0) + 1:
+                out[(name, int(v))] = int(book.v2p_host[v])
+        return out
+
+    def _sync_shadow(self) -> None:
+        """Fill pages first seen bound with random bytes; forget unbound ones."""
+        bound = self._bound()
+        for key in [k for k in self.shadow if k not in bound]:
+            del self.shadow[key]
+        for key, page in bound.items():
+            if key not in self.shadow:
+                envelope = self.pool.page_envelope(key[0], page)
+                data = torch.from_numpy(self.rng.integers(0, 255, envelope.numel(), np.uint8))
+                envelope.copy_(data)
+                self.shadow[key] = data
+
+    def _min_bytes(self) -> int:
+        """A size that surely holds every occupied page (each band rounded by one
+        page of its grid): an independent bound, not the packer."""
+        books = self.parts.books.values()
+        return self.pool.sink_bytes + sum(
+            (b.num_live + b.num_pending + 1) * b.page_bytes for b in books
+        )
+
+    # -- rules ------------------------------------------------------------------------------
+
+    @rule()
+    def open_request(self):
+        if len(self._open()) < self.parts.requests.max_requests:
+            self.alloc.new_request()
+
+    @precondition(lambda self: bool(self._open()))
+    @rule(data=st.data())
+    def extend(self, data):
+        slot = data.draw(st.sampled_from(self._open()))
+        held = int(self.parts.requests.lens[slot])
+        ext = data.draw(st.integers(1, 3 * self.PS))
+        if held + ext <= self.parts.requests.max_context:
+            self.alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([ext]))
+            if self.parts.mamba is not None and self.parts.books["mamba"].v2p_host[slot + 1] < 0:
+                self.alloc.alloc_mamba(np.array([slot]))
+
+    @precondition(lambda self: bool(self._open()))
+    @rule()
+    def decode(self):
+        slots = np.array(self._open())
+        lens = self.parts.requests.lens[slots]
+        keep = lens + 1 <= self.parts.requests.max_context
+        if keep.any():
+            self.alloc.alloc_decode(slots[keep], lens[keep])
+
+    @precondition(lambda self: bool(self._open()) and "swa" in self.parts.books)
+    @rule()
+    def free_out_of_window(self):
+        slots = np.array(self._open())
+        self.alloc.free_out_of_window(slots, self.parts.requests.lens[slots])
+
+    @precondition(lambda self: bool(self._open()))
+    @rule(data=st.data())
+    def finish(self, data):
+        self.alloc.free_request(data.draw(st.sampled_from(self._open())))
+
+    @rule()
+    def start_forward(self):
+        self.event = FakeEvent()
+        self.alloc.mark_in_flight(self.event)
+
+    @precondition(lambda self: self.event is not None)
+    @rule()
+    def finish_forward(self):
+        self.event.fired = True
+        self.event = None
+
+    @rule()
+    def compact(self):
+        self.alloc.compact()
+
+    @rule(data=st.data())
+    def grow(self, data):
+        old = self.pool.total_bytes
+        if old >= self.pool.max_bytes:
+            return
+        new = data.draw(st.integers(old + 1, self.pool.max_bytes))
+        assert self.parts.room.resize(new) == 0, "growth moves no page"
+        self.counts["grow"] += 1
+        gained = {n: b.num_pages for n, b in self.parts.books.items()}
+        down = next((b for b in self.parts.books.values() if b.grow == Grow.DOWN), None)
+        up = next((b for b in self.parts.books.values() if b.grow == Grow.UP), None)
+        if down is not None and down.name != self.parts.roles.owner:
+            return
+        if down is not None:  # the new top pages are the DOWN band's at once, no page moved
+            extra = (new - old) // down.page_bytes
+            vfree = self.parts.vspace.num_free
+            assert self.alloc.can_admit({down.name: min(extra, vfree)}) == (True, True), gained
+        if up is not None:  # and any band's after compaction
+            extra = max(0, (new - old) // up.page_bytes - 2)
+            assert self.alloc.can_admit({up.name: extra})[1], (extra, gained)
+
+    @rule(data=st.data())
+    def shrink(self, data):
+        old = self.pool.total_bytes
+        low = self.pool.sink_bytes + 2 * max(s.page_bytes for s in self.pool.subpools.values())
+        if old <= low:
+            return
+        tight = self._min_bytes()  # near what the occupied pages need: moves and refusals
+        big = max(b.page_bytes for b in self.parts.books.values())
+        lo, hi = max(low, tight - 6 * big), max(low, min(old - 1, tight + 2 * big))
+        near = st.integers(min(lo, hi), hi)
+        new = data.draw(st.one_of(near, near, st.integers(low, old - 1)))
+        before = snapshot(self.alloc)
+        try:
+            self.counts["moved"] += self.parts.room.resize(new)
+        except ValueError as e:
+            assert "cannot hold what the running requests need" in str(e), str(e)
+            assert snapshot(self.alloc) == before, "a refused shrink changed the state"
+            assert self._min_bytes() > new, (
+                f"refused {new} bytes though {self._min_bytes()} surely hold the occupied pages"
+            )
+            self.counts["refused"] += 1
+            return
+        self.counts["shrink"] += 1
+        assert self.pool.total_bytes == new
+        assert self.pool.backing.committed_bytes < (new + self.pool.tail_pad_bytes) + CHUNK
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def integrity_and_shadow(self):
+        self.alloc.check_integrity()
+        self._sync_shadow()
+        backing = self.pool.backing
+        for (name, v), data in self.shadow.items():
+            page = int(self.parts.books[name].v2p_host[v])
+            pb = self.pool[name].page_bytes
+            assert page < self.pool[name].num_pages
+            assert backing.is_committed(page * pb, (page + 1) * pb), f"{name}: page uncommitted"
+            assert torch.equal(self.pool.page_envelope(name, page), data), (
+                f"{name}: virtual page {v} lost its bytes (now at page {page})"
+            )
+
+
+SETTINGS = settings(
+    max_examples=25,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,
+    phases=(Phase.explicit, Phase.generate),
+)
+
+
+@pytest.mark.parametrize(
+    ("chain", "ps"), [("full+swa", 4), ("full+swa+mamba", 1), ("mla+swa", 4), ("swa+mamba", 1)]
+)
+def test_elastic_state_machine(chain, ps):
+    counts: dict[str, int] = {}
+
+    class Machine(ElasticMachine):
+        CHAIN, PS = chain, ps
+
+        def teardown(self):
+            for k, v in self.counts.items():
+                counts[k] = counts.get(k, 0) + v
+
+    run_state_machine_as_test(Machine, settings=SETTINGS)
+    print(chain, ps, counts)
+    assert counts["grow"] >= 20 and counts["shrink"] >= 20 and counts["refused"] >= 1, counts
+    if chain != "swa+mamba":  # a DOWN band: a shrink moves its pages below the new top
+        assert counts["moved"] >= 1, counts
