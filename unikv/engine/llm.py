@@ -72,6 +72,9 @@ class LLM:
             memory (CUDA: ``memory_fraction`` of free memory after the weights,
             less an activation reserve; CPU: enough for ``max_num_seqs`` full
             contexts, at most 1 GiB).
+        kv_cache_max_bytes: None (a fixed pool), or the most bytes
+            ``resize_kv_cache`` may give the pool: its address range is reserved
+            once and committed in chunks (an elastic pool, ``unikv.backing``).
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -118,6 +121,7 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         kv_cache_dtype: str = "auto",
         kv_cache_bytes: int | None = None,
+        kv_cache_max_bytes: int | None = None,
         memory_fraction: float = 0.9,
         page_size: int = 16,
         max_num_seqs: int = 64,
@@ -189,6 +193,11 @@ class LLM:
         )
         if self.tp is not None:  # one pool geometry on every rank: identical schedules
             total = self.tp.min_int(total, self.device)
+        if kv_cache_max_bytes is not None and (swap_host_bytes or prefix_host_bytes):
+            raise ValueError(  # their host tiers keep (num_pages, page_bytes) row views
+                "kv_cache_max_bytes (an elastic pool) does not yet combine with "
+                "swap_host_bytes or prefix_host_bytes"
+            )
         self.pool = UnifiedPool(
             configs,
             total,
@@ -197,6 +206,7 @@ class LLM:
             chunk_tokens=max_num_batched_tokens,
             backend=self.backend,
             static_split=static_split,  # validated by the pool (unikv.static_split)
+            max_bytes=kv_cache_max_bytes,  # validated by the pool
         )
         if enable_prefix_caching:
             check_window_caching(self.pool, self.max_model_len)
@@ -375,6 +385,15 @@ class LLM:
             return False
         self.engine.call(self.alloc.parts.prefix.reset).result()
         return True
+
+    def resize_kv_cache(self, total_bytes: int) -> int:
+        """Give the pool ``total_bytes`` (at most ``kv_cache_max_bytes``), between
+        two steps of the loop (its thread does it); returns the pages moved.
+        Growing commits chunks at the top; shrinking compacts the bands below the
+        new top (waiting for the forward in flight) and releases the chunks above.
+        A size below what the running requests hold raises ValueError with
+        nothing changed (``allocator.room.Room.resize``)."""
+        return self.engine.call(lambda: self.alloc.parts.room.resize(total_bytes)).result()
 
     def _output(self, r: Request) -> RequestOutput:
         """The RequestOutput of one finished request (e.g. handed off by P/D)."""
