@@ -69,9 +69,12 @@ class Backing:
         """Back the chunks of ``[lo, hi)`` (chunk-aligned) with memory; chunks
         already committed are kept. Returns the bytes newly committed."""
         new = [c for c in self._span(lo, hi, "commit") if c not in self._chunks]
-        for c in new:
-            self._commit(c * self.chunk)
-            self._chunks.add(c)
+        start = 0
+        for i in range(1, len(new) + 1):  # one call per run of adjacent new chunks
+            if i == len(new) or new[i] != new[i - 1] + 1:
+                self._commit_run(new[start] * self.chunk, (new[i - 1] + 1) * self.chunk)
+                self._chunks.update(new[start:i])
+                start = i
         return len(new) * self.chunk
 
     def release(self, lo: int, hi: int) -> int:
@@ -126,6 +129,11 @@ class Backing:
 
     def _reserve(self, size: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _commit_run(self, lo: int, hi: int) -> None:
+        """Back the chunks of ``[lo, hi)`` (none committed yet)."""
+        for offset in range(lo, hi, self.chunk):
+            self._commit(offset)
 
     def _commit(self, offset: int) -> None:
         raise NotImplementedError
@@ -210,7 +218,8 @@ class _Mapping:
 
 class CudaBacking(Backing):
     """The CUDA driver's virtual memory (module docstring). ``chunk`` is rounded up
-    to the device's allocation granularity. Needs the ``gpu`` extra (cuda-bindings)."""
+    to the device's allocation granularity; ``reserve`` commits chunk 0 (torch
+    needs a mapped pointer to wrap). Needs the ``gpu`` extra (cuda-bindings)."""
 
     def __init__(self, device: torch.device | str = "cuda", chunk: int = CHUNK_BYTES) -> None:
         try:
@@ -243,19 +252,32 @@ class CudaBacking(Backing):
         d = self._driver
         ptr = _check(d.cuMemAddressReserve(size, self.chunk, 0, 0), "cuMemAddressReserve")
         self._map.base, self._map.size = int(ptr), size
+        # torch asks the driver which device a pointer is on, which an unmapped
+        # address cannot answer: the first chunk is committed before the wrap
+        self._commit_run(0, self.chunk)
+        self._chunks.add(0)
         return torch.as_tensor(_CudaRange(self._map.base, size, self._map), device=self.device)
 
-    def _commit(self, offset: int) -> None:
+    def _commit_run(self, lo: int, hi: int) -> None:
+        """Create and map one physical chunk per chunk of ``[lo, hi)``, then set
+        access once for the whole run (one driver call instead of one per chunk)."""
         d = self._driver
-        handle = _check(d.cuMemCreate(self.chunk, self._prop, 0), "cuMemCreate")
         try:
-            _check(d.cuMemMap(self._map.base + offset, self.chunk, 0, handle, 0), "cuMemMap")
-        except RuntimeError:
-            _check(d.cuMemRelease(handle), "cuMemRelease")
+            for offset in range(lo, hi, self.chunk):
+                handle = _check(d.cuMemCreate(self.chunk, self._prop, 0), "cuMemCreate")
+                try:
+                    _check(d.cuMemMap(self._map.base + offset, self.chunk, 0, handle, 0), "map")
+                except RuntimeError:
+                    _check(d.cuMemRelease(handle), "cuMemRelease")
+                    raise
+                self._map.handles[offset] = handle
+            base = self._map.base + lo
+            _check(d.cuMemSetAccess(base, hi - lo, [self._access], 1), "cuMemSetAccess")
+        except RuntimeError:  # out of memory midway: unmap this run, nothing committed
+            for offset in range(lo, hi, self.chunk):
+                if offset in self._map.handles:
+                    self._map.unmap(offset, self.chunk)
             raise
-        self._map.handles[offset] = handle
-        base = self._map.base + offset
-        _check(d.cuMemSetAccess(base, self.chunk, [self._access], 1), "cuMemSetAccess")
 
     def _release(self, offset: int) -> None:
         self._map.unmap(offset, self.chunk)
