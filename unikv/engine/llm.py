@@ -74,7 +74,9 @@ class LLM:
             contexts, at most 1 GiB).
         kv_cache_max_bytes: None (a fixed pool), or the most bytes
             ``resize_kv_cache`` may give the pool: its address range is reserved
-            once and committed in chunks (an elastic pool, ``unikv.backing``).
+            once and committed in chunks (an elastic pool, ``unikv.backing``);
+            ``kv_cache_bytes`` (default: the budget below, capped at this) is the
+            starting size. Not yet with host tiers or tensor parallelism.
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -193,11 +195,13 @@ class LLM:
         )
         if self.tp is not None:  # one pool geometry on every rank: identical schedules
             total = self.tp.min_int(total, self.device)
-        if kv_cache_max_bytes is not None and (swap_host_bytes or prefix_host_bytes):
-            raise ValueError(  # their host tiers keep (num_pages, page_bytes) row views
-                "kv_cache_max_bytes (an elastic pool) does not yet combine with "
-                "swap_host_bytes or prefix_host_bytes"
+        if kv_cache_max_bytes is not None and (swap_host_bytes or prefix_host_bytes or self.tp):
+            raise ValueError(  # host tiers keep (num_pages, page_bytes) row views; TP ranks
+                "kv_cache_max_bytes (an elastic pool) does not yet combine with "  # resize alike
+                "swap_host_bytes, prefix_host_bytes or tp_group"
             )
+        if kv_cache_max_bytes is not None and kv_cache_bytes is None:  # the default, capped
+            total = min(total, kv_cache_max_bytes)
         self.pool = UnifiedPool(
             configs,
             total,
