@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 
 from unikv.allocator import PoolAllocator
 from unikv.backing import POISON_BYTE, EmulatedBacking, make_backing
+from unikv.engine.budget import one_request_bytes, size_after_capture, window_caching_demand
 from unikv.pool import Grow, UnifiedPool, pool_bytes_for
 
 CHUNK = 256  # small chunks: resizes cross many chunk edges
@@ -104,8 +105,28 @@ def test_pool_geometry_grows_and_shrinks_in_place():
 
 def test_resize_refuses_below_one_worst_case_request():
     pool = elastic("full+swa", 4, max_request_tokens=40)
-    with pytest.raises(ValueError, match="worst-case request of 40 tokens"):
+    with pytest.raises(ValueError, match="one worst-case request"):
         pool.resize(pool.sink_bytes + 2 * pool["full"].page_bytes)
+    pool.alone_demand = {"full": 12, "swa": 12}  # a stricter rule (prefix caching's windows)
+    with pytest.raises(ValueError, match="one worst-case request"):
+        pool.resize(pool_bytes_for(CHAINS["full+swa"](4), {"full": 10, "swa": 10}))
+    pool.resize(pool_bytes_for(CHAINS["full+swa"](4), {"full": 12, "swa": 12}))
+
+
+def test_size_after_capture_arithmetic():
+    configs = CHAINS["full+swa"](4)
+    least = one_request_bytes(configs, 40, 8)
+    UnifiedPool(configs, least, max_request_tokens=40, chunk_tokens=8)  # runs one alone
+    with pytest.raises(ValueError, match="cannot run alone"):
+        UnifiedPool(configs, least - 200, max_request_tokens=40, chunk_tokens=8)
+    cached = one_request_bytes(configs, 40, 8, caching=True)  # window pages stay bound
+    assert cached == pool_bytes_for(configs, window_caching_demand(configs, 40)) > least
+    pool = UnifiedPool(configs, least, max_bytes=10 * least, backing=EmulatedBacking(CHUNK))
+    assert size_after_capture(pool, free=5 * CHUNK + 7, margin=2 * CHUNK) == least + 3 * CHUNK
+    assert size_after_capture(pool, free=CHUNK, margin=2 * CHUNK) == least, "never below"
+    assert size_after_capture(pool, free=1 << 40, margin=0) == 10 * least, "never above max"
+    with pytest.raises(ValueError, match="margin"):
+        size_after_capture(pool, free=0, margin=-1)
 
 
 def _flat(views):

@@ -215,7 +215,10 @@ class UnifiedPool:
         if elastic and static_split is not None:
             raise ValueError("an elastic pool (max_bytes, backing) cannot take a static_split")
         self.max_bytes = max_bytes
-        self.max_request_tokens, self.chunk_tokens = max_request_tokens, chunk_tokens
+        # pages one request holds alone at its peak (None: unchecked): start-up and
+        # resize refuse a size that cannot place them; a caller with a stricter rule
+        # (prefix caching keeps window pages bound) may raise it after construction
+        self.alone_demand: dict[str, int] | None = None
 
         page_bytes = [c.spec.page_bytes(c.page_size) for c in configs]
         self.sink_bytes = max(page_bytes)  # page 0 of every sub-pool lies below it
@@ -281,6 +284,7 @@ class UnifiedPool:
                 s.name: worst_case_pages(s.spec, s.page_size, max_request_tokens, chunk_tokens)
                 for s in self.subpools.values()
             }
+            self.alone_demand = demand
             if self.band_limits is not None:
                 check_alone(self, demand, split, max_request_tokens)
             elif not self.fits(demand):
@@ -364,18 +368,12 @@ class UnifiedPool:
                     f"resize: at {total_bytes} bytes sub-pool {name!r} fits no real page; "
                     f"the least is {(sub.first_page + 1) * sub.page_bytes}"
                 )
-        if self.max_request_tokens is not None:
-            demand = {
-                s.name: worst_case_pages(
-                    s.spec, s.page_size, self.max_request_tokens, self.chunk_tokens
-                )
-                for s in self.subpools.values()
-            }
-            if not self.fits(demand, down_ceiling=total_bytes):
-                raise ValueError(
-                    f"resize: one worst-case request of {self.max_request_tokens} tokens "
-                    f"(pages {demand}) could not run alone in {total_bytes} bytes"
-                )
+        demand = self.alone_demand
+        if demand is not None and not self.fits(demand, down_ceiling=total_bytes):
+            raise ValueError(
+                f"resize: one worst-case request (pages {demand}) could not run alone in "
+                f"{total_bytes} bytes"
+            )
         return pages
 
     def resize(self, total_bytes: int) -> None:

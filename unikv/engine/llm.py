@@ -20,7 +20,12 @@ from collections.abc import Mapping
 
 import torch
 
-from unikv.engine.budget import kv_budget_bytes
+from unikv.engine.budget import (
+    kv_budget_bytes,
+    one_request_bytes,
+    size_after_capture,
+    window_caching_demand,
+)
 from unikv.engine.inline import Stats, run_inline
 from unikv.engine.online import EngineLoop
 from unikv.engine.options import (
@@ -77,6 +82,11 @@ class LLM:
             once and committed in chunks (an elastic pool, ``unikv.backing``);
             ``kv_cache_bytes`` (default: the budget below, capped at this) is the
             starting size. Not yet with host tiers or tensor parallelism.
+        kv_cache_margin_bytes: None, or size the pool after capture (CUDA, an
+            elastic pool): it starts as small as one worst-case request needs and,
+            once the model is loaded, warmed up and its graphs captured, grows by
+            the memory then free less this margin (up to ``kv_cache_max_bytes``,
+            default the GPU's memory). Excludes ``kv_cache_bytes``.
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -124,6 +134,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         kv_cache_bytes: int | None = None,
         kv_cache_max_bytes: int | None = None,
+        kv_cache_margin_bytes: int | None = None,
         memory_fraction: float = 0.9,
         page_size: int = 16,
         max_num_seqs: int = 64,
@@ -184,6 +195,17 @@ class LLM:
         # the kernels' width and alignment rules, once: torch ops where Triton cannot
         # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
         self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
+        if kv_cache_margin_bytes is not None:  # sized after capture (issue 44 item 2)
+            if self.device.type != "cuda" or kv_cache_bytes is not None:
+                raise ValueError(
+                    "kv_cache_margin_bytes sizes the pool after capture: CUDA only, and "
+                    "without kv_cache_bytes"
+                )
+            kv_cache_bytes = one_request_bytes(
+                configs, self.max_model_len, max_num_batched_tokens, enable_prefix_caching
+            )
+            if kv_cache_max_bytes is None:
+                kv_cache_max_bytes = torch.cuda.mem_get_info(self.device)[1]
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
             self.model,
@@ -214,6 +236,8 @@ class LLM:
         )
         if enable_prefix_caching:
             check_window_caching(self.pool, self.max_model_len)
+            if any(c.spec.kind == "swa" for c in configs):  # the same rule binds resizes
+                self.pool.alone_demand = window_caching_demand(configs, self.max_model_len)
         self.alloc = PoolAllocator(
             self.pool,
             max_requests=max_num_seqs,
@@ -238,6 +262,10 @@ class LLM:
         if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
             warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
             warm_sampling(self.backend, self.model, rows=max_num_seqs)
+        if kv_cache_margin_bytes is not None:  # what the graphs and warm-ups left, measured
+            torch.cuda.synchronize(self.device)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            self.alloc.parts.room.resize(size_after_capture(self.pool, free, kv_cache_margin_bytes))
         self.scheduler = Scheduler(
             self.alloc,
             self.pool.subpools.values(),
