@@ -142,3 +142,39 @@ def test_allocator_resizes_on_cuda_and_times_1_gib():
     with pytest.raises(ValueError, match="running requests need"):
         alloc.parts.room.resize(pool.sink_bytes + 4 * full.page_bytes + 4 * pool["swa"].page_bytes)
     pool.backing.close()
+
+
+def test_llm_sized_after_capture_then_resized_with_same_tokens(tmp_path):
+    """``kv_cache_margin_bytes``: after load, warm-up and graph capture, free memory
+    is the margin (within the chunk rounding and small later allocations); tokens
+    equal a fixed-pool run on the same GPU while the pool shrinks and grows."""
+    pytest.importorskip("cuda.bindings")
+    import gc
+
+    from engine_fixtures import VOCAB, save_tiny_model
+
+    from unikv.engine import LLM, SamplingParams
+
+    save_tiny_model("llama", str(tmp_path))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 40, 90, 130)]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    kw = {"device": "cuda", "max_num_seqs": 8, "max_model_len": 256, "page_size": 16}
+    fixed = LLM(str(tmp_path), kv_cache_bytes=256 * MIB, **kw)
+    want = [o.output_ids for o in fixed.generate(prompts, params)]
+    del fixed
+    gc.collect()
+    torch.cuda.empty_cache()
+    margin = _free() - 3 * (1 << 30)  # about 3 GiB less what loading and capture take
+    llm = LLM(str(tmp_path), kv_cache_margin_bytes=margin, **kw)
+    free, chunk = _free(), llm.pool.backing.chunk
+    assert llm.pool.total_bytes > 1 << 30, llm.pool.total_bytes
+    assert margin - chunk <= free <= margin + 64 * MIB, (free, margin)
+    sizes = iter([256 * MIB, llm.pool.total_bytes, 128 * MIB] * 100)
+
+    def resize(llm_, batch, logits):
+        llm_.resize_kv_cache(next(sizes))
+        llm_.alloc.check_integrity()
+
+    got = [o.output_ids for o in llm.generate(prompts, params, on_step=resize)]
+    assert got == want
