@@ -15,6 +15,9 @@ derived here, not by the packer.
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -331,3 +334,144 @@ def test_elastic_state_machine(chain, ps):
     assert counts["grow"] >= 20 and counts["shrink"] >= 20 and counts["refused"] >= 1, counts
     if chain != "swa+mamba":  # a DOWN band: a shrink moves its pages below the new top
         assert counts["moved"] >= 1, counts
+
+
+# -- CudaBacking's driver protocol, against a fake driver (the real one: -m gpu) ------------
+
+
+class FakeDriver:
+    """Just enough of ``cuda.bindings.driver`` to check CudaBacking's bookkeeping:
+    every map lies in the reservation on unmapped chunks, access is set only on
+    mapped ranges, every handle is released once, and nothing leaks."""
+
+    CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+    CUmemAllocationType = types.SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = types.SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+    CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+    GRANULE = 4096
+
+    def __init__(self) -> None:
+        self.reserved: dict[int, int] = {}
+        self.mapped: dict[int, int] = {}  # address -> handle, one granule each
+        self.handles: set[int] = set()
+        self.next_handle = 1
+        self.fail_create_after: int | None = None
+
+    @staticmethod
+    def CUmemAllocationProp():
+        return types.SimpleNamespace(location=types.SimpleNamespace())
+
+    CUmemAccessDesc = CUmemAllocationProp
+
+    def cuInit(self, flags):
+        return (0,)
+
+    def cuDeviceGet(self, index):
+        return (0, index)
+
+    def cuDevicePrimaryCtxRetain(self, device):
+        return (0, "ctx")
+
+    def cuCtxSetCurrent(self, ctx):
+        assert ctx == "ctx"
+        return (0,)
+
+    def cuGetErrorName(self, err):
+        return (0, b"CUDA_ERROR_OUT_OF_MEMORY")
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        return (0, self.GRANULE)
+
+    def cuMemAddressReserve(self, size, align, addr, flags):
+        assert size % self.GRANULE == 0 and align % self.GRANULE == 0
+        base = (1 << 40) + len(self.reserved) * (1 << 36)
+        self.reserved[base] = size
+        return (0, base)
+
+    def cuMemAddressFree(self, ptr, size):
+        assert self.reserved.pop(ptr) == size
+        assert not any(ptr <= a < ptr + size for a in self.mapped), "freed a mapped range"
+        return (0,)
+
+    def cuMemCreate(self, size, prop, flags):
+        assert size == self.GRANULE * (size // self.GRANULE) and prop.location.id == 0
+        if self.fail_create_after is not None:
+            if self.fail_create_after == 0:
+                return (2, None)
+            self.fail_create_after -= 1
+        handle, self.next_handle = self.next_handle, self.next_handle + 1
+        self.handles.add(handle)
+        return (0, handle)
+
+    def cuMemRelease(self, handle):
+        self.handles.remove(handle)
+        assert handle not in self.mapped.values(), "released a mapped handle"
+        return (0,)
+
+    def _inside(self, ptr, size):
+        return any(b <= ptr and ptr + size <= b + s for b, s in self.reserved.items())
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        assert self._inside(ptr, size) and size == self.GRANULE and handle in self.handles
+        assert ptr not in self.mapped, "mapped twice"
+        self.mapped[ptr] = handle
+        return (0,)
+
+    def cuMemSetAccess(self, ptr, size, descs, count):
+        assert count == len(descs) == 1 and descs[0].flags == 3
+        for a in range(ptr, ptr + size, self.GRANULE):
+            assert a in self.mapped, "access set on an unmapped address"
+        return (0,)
+
+    def cuMemUnmap(self, ptr, size):
+        assert size == self.GRANULE and ptr in self.mapped, "unmapped an unmapped chunk"
+        del self.mapped[ptr]
+        return (0,)
+
+
+def test_cuda_backing_protocol_against_a_fake_driver(monkeypatch):
+    from unikv.backing import CudaBacking
+
+    fake = FakeDriver()
+    package = types.ModuleType("cuda")
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = fake
+    package.bindings = bindings
+    monkeypatch.setitem(sys.modules, "cuda", package)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
+
+    class HostWrapped(CudaBacking):
+        def _start_torch(self):
+            pass
+
+        def _wrap(self, memory):
+            self.memory = memory
+            return torch.zeros(memory.__cuda_array_interface__["shape"], dtype=torch.uint8)
+
+    b = HostWrapped("cuda", chunk=3000)  # rounded up to the granularity
+    g = FakeDriver.GRANULE
+    assert b.chunk == g
+    b.reserve(10 * g + 1)
+    base = b.memory.__cuda_array_interface__["data"][0]
+    assert b.reserved == 11 * g and b.committed == [(0, g)], "chunk 0 mapped for the wrap"
+    assert set(fake.mapped) == {base}
+    b.commit(0, 5 * g)
+    b.release(g, 3 * g)
+    b.commit(2 * g, 8 * g)
+    assert b.committed == [(0, g), (2 * g, 8 * g)]
+    assert set(fake.mapped) == {base + i * g for i in (0, 2, 3, 4, 5, 6, 7)}
+    fake.fail_create_after = 1  # out of memory on the second chunk of a run
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        b.commit(8 * g, 11 * g)
+    assert b.committed == [(0, g), (2 * g, 8 * g)], "a failed run commits nothing"
+    assert set(fake.mapped) == {base + i * g for i in (0, 2, 3, 4, 5, 6, 7)}
+    assert len(fake.handles) == 7
+    fake.fail_create_after = None
+    for _ in range(50):  # resize cycles: no handle leaks
+        b.commit(8 * g, 11 * g)
+        b.release(4 * g, 11 * g)
+        b.commit(4 * g, 8 * g)
+    b.close()
+    assert not fake.mapped and not fake.handles and not fake.reserved, "everything went back"

@@ -194,24 +194,31 @@ class _Mapping:
     by the backing and by every tensor over the range (no cycle), so the memory
     goes back when the last of them goes, or at ``CudaBacking.close``."""
 
-    def __init__(self, driver: Any) -> None:
-        self.driver, self.base, self.size = driver, 0, 0
+    def __init__(self, driver: Any, context: Any) -> None:
+        self.driver, self.context, self.base, self.size, self.chunk = driver, context, 0, 0, 0
         self.handles: dict[int, Any] = {}  # chunk offset -> physical allocation handle
 
-    def unmap(self, offset: int, chunk: int) -> None:
-        _check(self.driver.cuMemUnmap(self.base + offset, chunk), "cuMemUnmap")
+    def enter(self) -> None:
+        """Make the device's primary context (torch's) current on this thread: a
+        resize may run on the serving loop's thread, not the one that built the pool."""
+        _check(self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def unmap(self, offset: int) -> None:
+        self.enter()
+        _check(self.driver.cuMemUnmap(self.base + offset, self.chunk), "cuMemUnmap")
         _check(self.driver.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
 
-    def free(self, chunk: int) -> None:
+    def free(self) -> None:
         for offset in list(self.handles):
-            self.unmap(offset, chunk)
+            self.unmap(offset)
         if self.size:
+            self.enter()
             _check(self.driver.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
             self.base = self.size = 0
 
     def __del__(self) -> None:  # every view and the backing are gone: hand the memory back
         try:
-            self.free(0)
+            self.free()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
             pass
 
@@ -228,10 +235,10 @@ class CudaBacking(Backing):
             raise ImportError("CudaBacking needs cuda-bindings: pip install 'unikv[gpu]'") from e
         device = torch.device(device)
         self.device = torch.device("cuda", device.index if device.index is not None else 0)
-        torch.cuda.init()  # torch's primary context is the driver's current context
-        with torch.cuda.device(self.device):
-            torch.empty(0, device=self.device)  # make the context current on this thread
+        self._start_torch()
         _check(driver.cuInit(0), "cuInit")
+        cu_device = _check(driver.cuDeviceGet(self.device.index), "cuDeviceGet")
+        context = _check(driver.cuDevicePrimaryCtxRetain(cu_device), "cuDevicePrimaryCtxRetain")
         self._driver = driver
         prop = driver.CUmemAllocationProp()
         prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -245,23 +252,35 @@ class CudaBacking(Backing):
         access.location.id = self.device.index
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = access
-        self._map = _Mapping(driver)
+        self._map = _Mapping(driver, context)
         super().__init__(round_up(chunk, granularity))
 
     def _reserve(self, size: int) -> torch.Tensor:
         d = self._driver
+        self._map.enter()
         ptr = _check(d.cuMemAddressReserve(size, self.chunk, 0, 0), "cuMemAddressReserve")
-        self._map.base, self._map.size = int(ptr), size
+        self._map.base, self._map.size, self._map.chunk = int(ptr), size, self.chunk
         # torch asks the driver which device a pointer is on, which an unmapped
         # address cannot answer: the first chunk is committed before the wrap
         self._commit_run(0, self.chunk)
         self._chunks.add(0)
-        return torch.as_tensor(_CudaRange(self._map.base, size, self._map), device=self.device)
+        return self._wrap(_CudaRange(self._map.base, size, self._map))
+
+    def _start_torch(self) -> None:
+        """torch's primary context exists and is current on this thread."""
+        torch.cuda.init()
+        with torch.cuda.device(self.device):
+            torch.empty(0, device=self.device)
+
+    def _wrap(self, memory: _CudaRange) -> torch.Tensor:
+        """The range as a (size,) uint8 tensor, no copy (it keeps ``memory`` alive)."""
+        return torch.as_tensor(memory, device=self.device)
 
     def _commit_run(self, lo: int, hi: int) -> None:
         """Create and map one physical chunk per chunk of ``[lo, hi)``, then set
         access once for the whole run (one driver call instead of one per chunk)."""
         d = self._driver
+        self._map.enter()
         try:
             for offset in range(lo, hi, self.chunk):
                 handle = _check(d.cuMemCreate(self.chunk, self._prop, 0), "cuMemCreate")
@@ -276,17 +295,17 @@ class CudaBacking(Backing):
         except RuntimeError:  # out of memory midway: unmap this run, nothing committed
             for offset in range(lo, hi, self.chunk):
                 if offset in self._map.handles:
-                    self._map.unmap(offset, self.chunk)
+                    self._map.unmap(offset)
             raise
 
     def _release(self, offset: int) -> None:
-        self._map.unmap(offset, self.chunk)
+        self._map.unmap(offset)
 
     def _unreserve(self) -> None:
         """Views still alive would point at freed addresses: close only a pool no
         one reads any more."""
-        self.tensor = torch.empty(0, dtype=torch.uint8, device=self.device)
-        self._map.free(self.chunk)
+        self.tensor = self.tensor[:0]
+        self._map.free()
 
 
 def make_backing(device: torch.device | str, chunk: int = CHUNK_BYTES) -> Backing:
