@@ -275,6 +275,7 @@ class ElasticMachine(RuleBasedStateMachine):
         lo, hi = max(low, tight - 6 * big), max(low, min(old - 1, tight + 2 * big))
         near = st.integers(min(lo, hi), hi)
         new = data.draw(st.one_of(near, near, st.integers(low, old - 1)))
+        self.parts.room.drain()  # fired fences' pages become holes (resize drains first)
         before = snapshot(self.alloc)
         try:
             self.counts["moved"] += self.parts.room.resize(new)
@@ -482,3 +483,39 @@ def test_cuda_backing_protocol_against_a_fake_driver(monkeypatch):
         b.commit(4 * g, 8 * g)
     b.close()
     assert not fake.mapped and not fake.handles and not fake.reserved, "everything went back"
+
+
+@pytest.mark.parametrize("held", ["pin", "transfer"])
+def test_shrink_keeps_pinned_and_transfer_held_pages_in_place(held):
+    """A pinned page, or one a transfer fence still holds, is never moved: a
+    shrink below it is refused with nothing changed, and accepted once it goes."""
+    from unikv.ids import PhysicalPageIds, VirtualPageIds
+
+    pool = elastic("full+swa", 4, scale=2.0, grow=2.0)
+    alloc = PoolAllocator(pool, max_requests=4, max_context=48, debug=True)
+    full = alloc.parts.books["full"]
+    a, b = alloc.new_request(), alloc.new_request()
+    for slot in (a, b):
+        alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([16]))
+    vpages = alloc.parts.requests.held_pages(a)
+    vpage = int(vpages[np.argmax(full.v2p_host[vpages])])
+    top = int(full.v2p_host[vpage])  # a's highest page, above the half
+    assert top * full.page_bytes >= pool.total_bytes // 2
+    event = FakeEvent()
+    if held == "pin":
+        alloc.parts.io.pin("full", PhysicalPageIds(torch.tensor([top]), "full"))
+    else:
+        alloc.parts.io.release_physical("full", VirtualPageIds(torch.tensor([vpage])), event)
+    alloc.free_request(b)  # holes below: everything else could move down
+    small = pool.total_bytes // 2
+    before = snapshot(alloc)
+    with pytest.raises(ValueError, match="running requests need"):
+        alloc.parts.room.resize(small)
+    assert snapshot(alloc) == before
+    if held == "pin":
+        alloc.parts.io.unpin("full", PhysicalPageIds(torch.tensor([top]), "full"))
+    else:
+        event.fired = True
+    assert alloc.parts.room.resize(small) >= 0
+    alloc.check_integrity()
+    assert pool.total_bytes == small

@@ -272,7 +272,8 @@ class Room:
         prefix pages no request holds only if it must; waiting for the forward
         fences; one envelope copy per live page moved), then releases the chunks
         above. It never frees a page a request holds: when the occupied pages do
-        not pack below ``total_bytes`` it raises ValueError with nothing changed.
+        not pack below ``total_bytes`` it raises ValueError with nothing changed
+        (beyond draining fences that already fired).
         A slow path (host syncs): call it between steps."""
         pool = self.pool
         pages = pool.check_resize(total_bytes)  # ValueError: nothing changed
@@ -280,6 +281,7 @@ class Room:
             pool.resize(total_bytes)
             self._regrid(pages)
             return 0
+        self.drain()  # fired fences first: their pages are holes, not kept in place
         frame = Frame(pool.sink_bytes, total_bytes)
 
         def needs(mode: Mode, evicted: bool = False) -> dict[str, bands.BandNeed]:
