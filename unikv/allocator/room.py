@@ -314,6 +314,14 @@ class Room:
                 self.writer.tables[self.writer.p2v_id[name]] = book.p2v
         self.frame = Frame(self.pool.sink_bytes, self.pool.total_bytes, self.pool.band_limits)
 
+    def _may_take(self, total_bytes: int) -> bool:
+        """Whether the pool's geometry and floor allow ``total_bytes`` (no state read)."""
+        try:
+            self.pool.check_resize(total_bytes)
+        except ValueError:
+            return False
+        return True
+
     def _refusal(self, total_bytes: int, needs: Mapping[str, bands.BandNeed]) -> str:
         """The message of a refused shrink: what is held and the least size that packs."""
         pool = self.pool
@@ -321,9 +329,7 @@ class Room:
         while hi - lo > 1:  # the least top that packs (packing is monotone in the top)
             mid = (lo + hi) // 2
             grids = {n: replace(d, num_pages=mid // d.page_bytes) for n, d in needs.items()}
-            if all(mid // d.page_bytes > d.first_page for d in needs.values()) and (
-                Frame(pool.sink_bytes, mid).pack(grids) is not None
-            ):
+            if self._may_take(mid) and Frame(pool.sink_bytes, mid).pack(grids) is not None:
                 hi = mid
             else:
                 lo = mid
