@@ -108,3 +108,16 @@ def test_tokens_equal_across_grow_and_shrink(arch, tmp_path, monkeypatch):
     assert_pages_returned(llm)
     with pytest.raises(ValueError, match="max_bytes"):
         llm.resize_kv_cache(most + 1)
+
+
+def test_elastic_options_refused_where_not_supported(tmp_path):
+    save_tiny_model("llama", str(tmp_path))
+    kw = {"device": "cpu", "max_model_len": 64, "max_num_seqs": 2}
+    with pytest.raises(ValueError, match="does not yet combine"):
+        LLM(str(tmp_path), kv_cache_max_bytes=1 << 24, swap_host_bytes=1 << 20, **kw)
+    with pytest.raises(ValueError, match="CUDA only"):
+        LLM(str(tmp_path), kv_cache_margin_bytes=1 << 20, **kw)
+    with pytest.raises(ValueError, match="elastic pool"):
+        LLM(str(tmp_path), kv_cache_bytes=1 << 22, **kw).resize_kv_cache(1 << 21)
+    llm = LLM(str(tmp_path), kv_cache_max_bytes=1 << 22, **kw)  # the default budget, capped
+    assert llm.pool.total_bytes <= 1 << 22 and llm.pool.max_bytes == 1 << 22
