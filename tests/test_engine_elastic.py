@@ -121,3 +121,41 @@ def test_elastic_options_refused_where_not_supported(tmp_path):
         LLM(str(tmp_path), kv_cache_bytes=1 << 22, **kw).resize_kv_cache(1 << 21)
     llm = LLM(str(tmp_path), kv_cache_max_bytes=1 << 22, **kw)  # the default budget, capped
     assert llm.pool.total_bytes <= 1 << 22 and llm.pool.max_bytes == 1 << 22
+
+
+def test_resize_while_serving(tmp_path, monkeypatch):
+    """``resize_kv_cache`` from another thread while the serving loop runs: each
+    resize runs between two steps in the loop's thread; tokens equal transformers'."""
+    import threading
+
+    monkeypatch.setattr(unikv.pool, "make_backing", lambda device: EmulatedBacking(CHUNK))
+    hf = save_tiny_model("llama", str(tmp_path))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    greedy = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    configs = specs_from_hf_config(str(tmp_path), page_size=PS, dtype=torch.float32)
+    most = pool_bytes_for(configs, {c.name: 120 for c in configs})
+    least = pool_bytes_for(configs, {c.name: 24 for c in configs})
+    llm = LLM(str(tmp_path), device="cpu", page_size=PS, max_num_seqs=8, max_model_len=72,
+              max_num_batched_tokens=16, kv_cache_bytes=least, kv_cache_max_bytes=most)  # fmt: skip
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    out: dict = {}
+    llm.engine.start()
+    try:
+        worker = threading.Thread(target=lambda: out.setdefault("o", llm.generate(prompts, params)))
+        worker.start()
+        done = {"grow": 0, "shrink": 0, "refused": 0}
+        while worker.is_alive() or not done["shrink"]:
+            for size, kind in ((most, "grow"), (least, "shrink")):
+                try:
+                    llm.resize_kv_cache(size)
+                    done[kind] += 1
+                except ValueError as e:
+                    assert "running requests need" in str(e), str(e)
+                    done["refused"] += 1
+            llm.engine.call(llm.alloc.check_integrity).result()
+        worker.join()
+    finally:
+        llm.engine.shutdown()
+    assert [o.output_ids for o in out["o"]] == greedy
+    assert done["grow"] >= 2 and done["shrink"] >= 1, done
