@@ -208,6 +208,16 @@ class ElasticMachine(RuleBasedStateMachine):
             if self.parts.mamba is not None and self.parts.books["mamba"].v2p_host[slot + 1] < 0:
                 self.alloc.alloc_mamba(np.array([slot]))
 
+    @rule()
+    def fill(self):
+        """Open a request if a slot is free, then give every request two more pages."""
+        self.open_request()
+        for slot in self._open():
+            held = int(self.parts.requests.lens[slot])
+            ext = min(2 * self.PS, self.parts.requests.max_context - held)
+            if ext > 0:
+                self.alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([ext]))
+
     @precondition(lambda self: bool(self._open()))
     @rule()
     def decode(self):
@@ -292,6 +302,7 @@ class ElasticMachine(RuleBasedStateMachine):
                 self.parts.room.resize(least - 1)
             assert snapshot(self.alloc) == before
             self.counts["moved"] += self.parts.room.resize(least)  # the message's size holds
+            self.counts["shrink"] += least < old
             return
         self.counts["shrink"] += 1
         assert self.pool.total_bytes == new
@@ -315,7 +326,7 @@ class ElasticMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=25,
+    max_examples=40,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=list(HealthCheck),
@@ -339,9 +350,8 @@ def test_elastic_state_machine(chain, ps):
 
     run_state_machine_as_test(Machine, settings=SETTINGS)
     print(chain, ps, counts)
-    assert counts["grow"] >= 20 and counts["shrink"] >= 20 and counts["refused"] >= 1, counts
-    if chain != "swa+mamba":  # a DOWN band: a shrink moves its pages below the new top
-        assert counts["moved"] >= 1, counts
+    assert counts["grow"] >= 20 and counts["shrink"] >= 20 and counts["refused"] >= 5, counts
+    assert counts["moved"] >= 10, counts  # shrinks moved live pages below the new top
 
 
 # -- CudaBacking's driver protocol, against a fake driver (the real one: -m gpu) ------------
