@@ -35,7 +35,13 @@ from hypothesis.stateful import (
 
 from unikv.allocator import PoolAllocator
 from unikv.backing import POISON_BYTE, EmulatedBacking, make_backing
-from unikv.engine.budget import one_request_bytes, size_after_capture, window_caching_demand
+from unikv.engine.budget import (
+    addressable_bytes,
+    one_request_bytes,
+    size_after_capture,
+    window_caching_demand,
+)
+from unikv.layout import INT32_LIMIT, IdMap
 from unikv.pool import Grow, UnifiedPool, pool_bytes_for
 
 CHUNK = 256  # small chunks: resizes cross many chunk edges
@@ -131,6 +137,17 @@ def test_size_after_capture_arithmetic():
     assert size_after_capture(pool, free=1 << 40, margin=0) == 10 * least, "never above max"
     with pytest.raises(ValueError, match="margin"):
         size_after_capture(pool, free=0, margin=-1)
+    most = addressable_bytes(configs)  # kernel ids of the largest grid fit int32, no more
+    for c in configs:
+        ids, pb = IdMap.of(c.spec, c.page_size), c.spec.page_bytes(c.page_size)
+        assert ids.limit(most // pb) <= INT32_LIMIT
+    assert any(
+        IdMap.of(c.spec, c.page_size).limit(most // c.spec.page_bytes(c.page_size) + 1)
+        > INT32_LIMIT
+        for c in configs
+    )
+    with pytest.raises(ValueError, match="kernel ids reach"):  # checked before reserving
+        UnifiedPool(configs, least, max_bytes=most + (1 << 20), backing=EmulatedBacking(CHUNK))
 
 
 def _flat(views):

@@ -16,6 +16,7 @@ import gc
 
 import torch
 
+from unikv.layout import INT32_LIMIT, IdMap
 from unikv.pool import pool_bytes_for, worst_case_pages
 
 CPU_MAX_BYTES = 1 << 30
@@ -90,3 +91,12 @@ def size_after_capture(pool, free: int, margin: int) -> int:
     chunk = pool.backing.chunk
     grown = pool.total_bytes + max(0, free - margin) // chunk * chunk
     return min(grown, pool.max_bytes)
+
+
+def addressable_bytes(configs) -> int:
+    """The largest pool whose kernel ids fit int32 in every sub-pool (the most an
+    elastic pool may reserve)."""
+    return min(
+        INT32_LIMIT // IdMap.of(c.spec, c.page_size).limit(1) * c.spec.page_bytes(c.page_size)
+        for c in configs
+    )

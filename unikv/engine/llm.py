@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from unikv.engine.budget import (
+    addressable_bytes,
     kv_budget_bytes,
     one_request_bytes,
     size_after_capture,
@@ -204,8 +205,9 @@ class LLM:
             kv_cache_bytes = one_request_bytes(
                 configs, self.max_model_len, max_num_batched_tokens, enable_prefix_caching
             )
-            if kv_cache_max_bytes is None:
-                kv_cache_max_bytes = torch.cuda.mem_get_info(self.device)[1]
+            if kv_cache_max_bytes is None:  # the GPU's memory, as far as kernel ids reach
+                device_bytes = torch.cuda.mem_get_info(self.device)[1]
+                kv_cache_max_bytes = min(device_bytes, addressable_bytes(configs))
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
             self.model,
