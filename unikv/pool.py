@@ -10,6 +10,13 @@ frontiers, not because of fixed regions: the allocator moves the boundaries at
 run time. The bytes below ``sink_bytes`` belong to no sub-pool; page 0 of every
 sub-pool lies there, so padded lanes, tombstones and dummy ids hit harmless
 bytes. The tail pad lets the last row-block's dense view run past the last page.
+
+An elastic pool (``max_bytes``) reserves ``max_bytes`` of address space in a
+``backing.Backing`` and commits only ``[0, total_bytes + tail pad)``, in chunks;
+``resize`` moves the top (docs/design.md section 4). Its views span the whole
+reservation (``max_pages`` per grid) and never change, so kernels, captured graphs
+and the runner's caches stay valid across resizes; only pages below ``num_pages``
+are ever in a band.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from unikv import layout
+from unikv.backing import Backing, make_backing, round_up
 from unikv.ids import PhysicalPageIds, expect
 from unikv.kernels.reference import copy_pages as torch_copy_pages  # moved; importable here
 from unikv.placement import (  # re-exported: the pool's public vocabulary
@@ -66,6 +74,10 @@ class SubPool:
     first_page: int  # lowest page wholly above the sink floor
     views: object = field(repr=False)  # [(K, V)] per layer | [latent] | {part: state}
     paged_views: object = field(repr=False)  # (page, slot) oracle, None for Mamba
+    max_pages: int = 0  # pages inside max_bytes: what the views span (0: num_pages)
+
+    def __post_init__(self) -> None:
+        self.max_pages = self.max_pages or self.num_pages
 
     @property
     def blocks_per_page(self) -> int | None:
@@ -155,6 +167,12 @@ class UnifiedPool:
         static_split: None (boundaries move), or ``{sub-pool name: fraction of the
             usable bytes}``: each sub-pool stays inside a fixed byte range
             (``band_limits``, see ``unikv.static_split``).
+        max_bytes: None (a fixed pool, one plain tensor), or the largest
+            ``total_bytes`` that ``resize`` may reach: an elastic pool whose
+            address range is reserved once in ``backing`` (default
+            ``backing.make_backing(device)``) and committed up to the tail pad.
+        backing: the ``backing.Backing`` of an elastic pool (an empty one: the pool
+            reserves it); giving one makes the pool elastic.
     """
 
     def __init__(
@@ -169,6 +187,8 @@ class UnifiedPool:
         backend: KernelBackend | None = None,
         copy_pages: Callable[..., None] | None = None,
         static_split: Mapping[str, float] | None = None,
+        max_bytes: int | None = None,
+        backing: Backing | None = None,
     ) -> None:
         configs = list(configs)
         if not 1 <= len(configs) <= 3:
@@ -186,6 +206,19 @@ class UnifiedPool:
                 )
         if not isinstance(total_bytes, int) or total_bytes <= 0:
             raise ValueError(f"total_bytes must be a positive int, got {total_bytes!r}")
+        elastic = max_bytes is not None or backing is not None
+        max_bytes = total_bytes if max_bytes is None else max_bytes
+        if not isinstance(max_bytes, int) or max_bytes < total_bytes:
+            raise ValueError(
+                f"max_bytes must be an int >= total_bytes ({total_bytes}), got {max_bytes!r}"
+            )
+        if elastic and static_split is not None:
+            raise ValueError("an elastic pool (max_bytes, backing) cannot take a static_split")
+        self.max_bytes = max_bytes
+        # pages one request holds alone at its peak (None: unchecked): start-up and
+        # resize refuse a size that cannot place them; a caller with a stricter rule
+        # (prefix caching keeps window pages bound) may raise it after construction
+        self.alone_demand: dict[str, int] | None = None
 
         page_bytes = [c.spec.page_bytes(c.page_size) for c in configs]
         self.sink_bytes = max(page_bytes)  # page 0 of every sub-pool lies below it
@@ -201,7 +234,7 @@ class UnifiedPool:
 
         self.subpools: dict[str, SubPool] = {}
         for config, grow, pb in zip(configs, grows, page_bytes):
-            num_pages = total_bytes // pb
+            num_pages, max_pages = total_bytes // pb, max_bytes // pb
             first_page = -(-self.sink_bytes // pb)
             if num_pages <= first_page:
                 raise ValueError(
@@ -222,13 +255,16 @@ class UnifiedPool:
                 first_page,
                 views,
                 paged,
+                max_pages,
             )
-            if subpool.kernel_id_limit > INT32_LIMIT:
-                max_bytes = INT32_LIMIT // subpool.ids.limit(1) * pb
+            reach = subpool.ids.limit(max_pages)  # the largest grid resize may reach
+            if reach > INT32_LIMIT:
+                limit = INT32_LIMIT // subpool.ids.limit(1) * pb
+                what = "max_bytes" if elastic else "total_bytes"
                 raise ValueError(
-                    f"sub-pool {config.name!r}: kernel ids reach {subpool.kernel_id_limit} > 2**31 "
-                    f"({num_pages} pages x {config.spec.blocks_per_page} blocks x page_size "
-                    f"{config.page_size}); lower total_bytes to at most {max_bytes} or split the "
+                    f"sub-pool {config.name!r}: kernel ids reach {reach} > 2**31 "
+                    f"({max_pages} pages x {config.spec.blocks_per_page} blocks x page_size "
+                    f"{config.page_size}); lower {what} to at most {limit} or split the "
                     "layers over more sub-pools"
                 )
             self.subpools[config.name] = subpool
@@ -248,6 +284,7 @@ class UnifiedPool:
                 s.name: worst_case_pages(s.spec, s.page_size, max_request_tokens, chunk_tokens)
                 for s in self.subpools.values()
             }
+            self.alone_demand = demand
             if self.band_limits is not None:
                 check_alone(self, demand, split, max_request_tokens)
             elif not self.fits(demand):
@@ -258,12 +295,23 @@ class UnifiedPool:
                     f"raise total_bytes to about {need + self.sink_bytes} or lower max_request_tokens"
                 )
 
-        fill = POISON_BYTE if poison else 0
-        self.buffer = torch.full(
-            (total_bytes + self.tail_pad_bytes,), fill, dtype=torch.uint8, device=self.device
-        )
+        self.fill = POISON_BYTE if poison else 0
+        self.backing: Backing | None = None
+        if elastic:
+            self.backing = backing if backing is not None else make_backing(self.device)
+            # the whole reservation: the views' base, fixed for the pool's lifetime
+            self.whole = self.backing.reserve(max_bytes + self.tail_pad_bytes)
+            self._end = 0  # committed bytes: [0, _end), chunk-aligned
+            self._commit_to(total_bytes)
+            self.buffer = self.whole[: total_bytes + self.tail_pad_bytes]
+        else:
+            self.buffer = torch.full(
+                (total_bytes + self.tail_pad_bytes,), self.fill, dtype=torch.uint8,
+                device=self.device,
+            )  # fmt: skip
+            self.whole = self.buffer
         for s in self.subpools.values():
-            s.views, s.paged_views = _build_views(self.buffer, s.spec, s.page_size, s.num_pages)
+            s.views, s.paged_views = _build_views(self.whole, s.spec, s.page_size, s.max_pages)
 
     # -- geometry ---------------------------------------------------------------
 
@@ -295,6 +343,63 @@ class UnifiedPool:
         if flt is not None and demand.get(flt.name, 0):
             lo = (-(-lo // flt.page_bytes) + demand[flt.name]) * flt.page_bytes
         return lo <= hi
+
+    # -- resizing (elastic pools; the allocator's ``resize`` calls this) ----------
+
+    def check_resize(self, total_bytes: int) -> dict[str, int]:
+        """ValueError unless this elastic pool may take ``total_bytes`` as its size
+        (geometry only: what the bands hold is the allocator's question). Returns
+        each grid's ``num_pages`` at that size."""
+        if self.backing is None:
+            raise ValueError(
+                "resize needs an elastic pool: build it with max_bytes= (a reserved range)"
+            )
+        ok = isinstance(total_bytes, int) and not isinstance(total_bytes, bool)
+        if not ok or not 0 < total_bytes <= self.max_bytes:
+            raise ValueError(
+                f"resize: total_bytes must be an int in (0, {self.max_bytes}] (max_bytes, the "
+                f"reservation), got {total_bytes!r}"
+            )
+        pages = {}
+        for name, sub in self.subpools.items():
+            pages[name] = total_bytes // sub.page_bytes
+            if pages[name] <= sub.first_page:
+                raise ValueError(
+                    f"resize: at {total_bytes} bytes sub-pool {name!r} fits no real page; "
+                    f"the least is {(sub.first_page + 1) * sub.page_bytes}"
+                )
+        demand = self.alone_demand
+        if demand is not None and not self.fits(demand, down_ceiling=total_bytes):
+            raise ValueError(
+                f"resize: one worst-case request (pages {demand}) could not run alone in "
+                f"{total_bytes} bytes"
+            )
+        return pages
+
+    def resize(self, total_bytes: int) -> None:
+        """Move the top to ``total_bytes``: commit the chunks up to it plus the tail
+        pad, or release those above (after the device finished every queued copy).
+        The caller (``allocator.resize``) has emptied the bytes a shrink gives up."""
+        pages = self.check_resize(total_bytes)
+        if total_bytes >= self.total_bytes:
+            self._commit_to(total_bytes)
+        else:
+            end = round_up(total_bytes + self.tail_pad_bytes, self.backing.chunk)
+            if self.device.type == "cuda":  # compaction copies may still read the chunks
+                torch.cuda.synchronize(self.device)
+            self.backing.release(end, self._end)
+            self._end = end
+        self.total_bytes = total_bytes
+        self.buffer = self.whole[: total_bytes + self.tail_pad_bytes]
+        for name, sub in self.subpools.items():
+            sub.num_pages = pages[name]
+
+    def _commit_to(self, total_bytes: int) -> None:
+        end = round_up(total_bytes + self.tail_pad_bytes, self.backing.chunk)
+        if end > self._end:
+            self.backing.commit(self._end, end)
+            self.whole[self._end : end].fill_(self.fill)
+            self._end = end
 
     # -- page moves -------------------------------------------------------------
 

@@ -73,6 +73,8 @@ def pack_bands(needs: Mapping[str, BandNeed], sink_bytes: int, total_bytes: int)
         name, need = by_grow[Grow.DOWN]
         lo = need.num_pages - need.pages
         if need.keeps:
+            if need.keep_hi >= need.num_pages:  # a kept page above the top (a shrink)
+                return None
             lo = min(lo, need.keep_lo)
         if lo < need.first_page:
             return None

@@ -56,8 +56,10 @@ def check_pool(pool: UnifiedPool) -> None:
         assert sub.num_pages * pb <= pool.total_bytes < (sub.num_pages + 1) * pb, (
             f"{name}: num_pages counts the whole pages inside total_bytes"
         )
-        assert sub.kernel_id_limit <= INT32_LIMIT, f"{name}: kernel ids fit int32"
-        dense, paged = _build_views(buffer, sub.spec, sub.page_size, sub.num_pages)
+        assert sub.num_pages <= sub.max_pages and sub.ids.limit(sub.max_pages) <= INT32_LIMIT, (
+            f"{name}: kernel ids fit int32 (up to max_pages, an elastic pool's reach)"
+        )
+        dense, paged = _build_views(pool.whole, sub.spec, sub.page_size, sub.max_pages)
         want = [_layout(t) for t in _tensors(dense) + _tensors(paged)]
         got = [_layout(t) for t in _tensors(sub.views) + _tensors(sub.paged_views)]
         assert got == want, f"{name}: the views are the layout's views of the pool's buffer"

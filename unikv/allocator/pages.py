@@ -62,7 +62,11 @@ class PageBook:
         start = self.num_pages if self.grow == Grow.DOWN else self.first_page
         self.lo = self.hi = start
         self.v2p = torch.from_numpy(self.v2p_host.copy()).to(device)  # (V,) int32 device
-        self.p2v = torch.from_numpy(self.p2v_host.copy()).to(device)  # (num_pages,) int32
+        # (max_pages,) int32 device, allocated once for the largest grid of an elastic
+        # pool; ``p2v`` is its first num_pages entries (the rest stay -1)
+        self.p2v_all = torch.full((subpool.max_pages,), -1, dtype=torch.int32, device=device)
+        self.p2v_all[0] = 0
+        self.p2v = self.p2v_all[: self.num_pages]
 
     # -- lookups ------------------------------------------------------------------
 
@@ -178,6 +182,37 @@ class PageBook:
         self.state[src] = FREE
         self.state[dst] = LIVE
         return vpages
+
+    # -- the grid (an elastic pool's resize) -------------------------------------------
+
+    def resize(self, num_pages: int) -> None:
+        """Make the grid ``num_pages`` pages long (host arrays re-sized, ``p2v`` a new
+        view of ``p2v_all``). A shrink needs every page it cuts off OUT (the band
+        already below it). Host work, never on the per-step path."""
+        old = self.num_pages
+        if self.lo == self.hi:  # an empty band has no position: the DOWN one waits at the top
+            self.lo = self.hi = num_pages if self.grow == Grow.DOWN else min(self.lo, num_pages)
+        assert self.first_page < num_pages <= len(self.p2v_all), (
+            f"{self.name!r}: grid of {num_pages} pages off the reservation"
+        )
+        assert num_pages >= old or (self.hi <= num_pages and not self.state[num_pages:].any()), (
+            f"{self.name!r}: a shrink to {num_pages} pages cuts off pages of the band"
+        )
+        keep = min(old, num_pages)
+
+        def fit(array: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full(num_pages, fill, array.dtype)
+            out[:keep] = array[:keep]
+            return out
+
+        self.p2v_host, self.state, self.pins = (
+            fit(self.p2v_host, -1),
+            fit(self.state, OUT),
+            fit(self.pins, 0),
+        )
+        self.stack = fit(self.stack, 0)  # the holes lie in the band, below both sizes
+        self.num_pages = num_pages
+        self.p2v = self.p2v_all[:num_pages]
 
     # -- band ------------------------------------------------------------------
 

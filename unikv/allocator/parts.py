@@ -74,7 +74,7 @@ def build_parts(
     vspace = VirtualSpace(num_virtual)
     books = {}
     for s in pool.subpools.values():  # Mamba: the sink, one id per request slot, checkpoints
-        size = max_requests + 1 + s.num_pages if s.name == roles.mamba_name else num_virtual
+        size = max_requests + 1 + s.max_pages if s.name == roles.mamba_name else num_virtual
         books[s.name] = PageBook(s, size, pool.device)
     for name in roles.windows:
         requests.add_window(name)
@@ -139,7 +139,7 @@ def _virtual_size(pool, roles: Roles, given, max_requests: int, max_context: int
     owner = pool.subpools[roles.owner]
     if given is None:
         pages = -(-max_context // owner.page_size)
-        given = max_requests * pages + 1 if owner.spec.sliding_window else owner.num_pages
+        given = max_requests * pages + 1 if owner.spec.sliding_window else owner.max_pages
     if not isinstance(given, int) or given < 2 or given * owner.page_size >= INT32_LIMIT:
         raise ValueError(
             f"num_virtual_pages must be an int in [2, 2**31 / page_size), got {given!r}"

@@ -20,7 +20,7 @@ it never asserts on a packing that vanished (issue 16).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -260,6 +260,86 @@ class Room:
         targets = self.frame.pack(self._needs({}, Mode.ACTUAL))
         assert targets is not None, "compaction: the current occupancy does not pack"
         return compact_to(self.pool, self.books, self.writer, targets)
+
+    # -- resizing an elastic pool (docs/design.md section 4) ----------------------------
+
+    def resize(self, total_bytes: int) -> int:
+        """Move the pool's top to ``total_bytes``; returns the pages moved.
+
+        Growing commits the new chunks and the planner sees the room at once: the
+        DOWN band may take the new top pages as holes now, any band after
+        compaction. Shrinking packs every band below the new top (evicting cached
+        prefix pages no request holds only if it must; waiting for the forward
+        fences; one envelope copy per live page moved), then releases the chunks
+        above. It never frees a page a request holds: when the occupied pages do
+        not pack below ``total_bytes`` it raises ValueError with nothing changed
+        (beyond draining fences that already fired).
+        A slow path (host syncs): call it between steps."""
+        pool = self.pool
+        pages = pool.check_resize(total_bytes)  # ValueError: nothing changed
+        if total_bytes >= pool.total_bytes:
+            pool.resize(total_bytes)
+            self._regrid(pages)
+            return 0
+        self.drain()  # fired fences first: their pages are holes, not kept in place
+        frame = Frame(pool.sink_bytes, total_bytes)
+
+        def needs(mode: Mode, evicted: bool = False) -> dict[str, bands.BandNeed]:
+            got = self._needs({}, mode, evicted)
+            return {n: replace(need, num_pages=pages[n]) for n, need in got.items()}
+
+        if frame.pack(needs(Mode.AFTER, evicted=True)) is None:
+            raise ValueError(self._refusal(total_bytes, needs(Mode.AFTER, evicted=True)))
+        batch = 1
+        while frame.pack(needs(Mode.AFTER)) is None:  # cached pages no request holds go
+            if not self._evict({}, batch):
+                raise RuntimeError("resize: eviction stalled before the bands packed")
+            self.drain()
+            batch *= 2
+        self.fences.wait_forward()  # no forward reads a page while it moves
+        self.drain()
+        targets = frame.pack(needs(Mode.ACTUAL))
+        if targets is None:  # cannot happen once the fences fired
+            raise RuntimeError("resize: the occupied pages no longer pack after the fences")
+        moved = compact_to(pool, self.books, self.writer, targets)
+        self._regrid(pages)
+        pool.resize(total_bytes)
+        return moved
+
+    def _regrid(self, pages: Mapping[str, int]) -> None:
+        """Each book's grid to ``pages[name]`` pages; the writer and the frame follow."""
+        for name, book in self.books.items():
+            book.resize(pages[name])
+            if name in self.writer.p2v_id:
+                self.writer.tables[self.writer.p2v_id[name]] = book.p2v
+        self.frame = Frame(self.pool.sink_bytes, self.pool.total_bytes, self.pool.band_limits)
+
+    def _may_take(self, total_bytes: int) -> bool:
+        """Whether the pool's geometry and floor allow ``total_bytes`` (no state read)."""
+        try:
+            self.pool.check_resize(total_bytes)
+        except ValueError:
+            return False
+        return True
+
+    def _refusal(self, total_bytes: int, needs: Mapping[str, bands.BandNeed]) -> str:
+        """The message of a refused shrink: what is held and the least size that packs."""
+        pool = self.pool
+        lo, hi = pool.sink_bytes, pool.total_bytes  # hi packs (the pool holds it now)
+        while hi - lo > 1:  # the least top that packs (packing is monotone in the top)
+            mid = (lo + hi) // 2
+            grids = {n: replace(d, num_pages=mid // d.page_bytes) for n, d in needs.items()}
+            if self._may_take(mid) and Frame(pool.sink_bytes, mid).pack(grids) is not None:
+                hi = mid
+            else:
+                lo = mid
+        held = {n: d.pages for n, d in needs.items()}
+        return (
+            f"resize: {total_bytes} bytes cannot hold what the running requests need: pages "
+            f"{held} (cached prefix pages no request holds counted as free; pinned and "
+            f"transfer-held pages stay where they are); the least size that holds them is "
+            f"{hi} bytes. Nothing was changed; finish or preempt requests first"
+        )
 
     def shortfall(self, new: Mapping[str, int], virtual: int) -> Shortfall:
         """The joint picture (see :class:`Shortfall`); ``shortfall({}, 0).usage``

@@ -4,6 +4,10 @@ CUDA: ``memory_fraction`` of the memory free after the weights were loaded,
 less a reserve for activations (a generous estimate from the step size).
 CPU: enough for ``max_num_seqs`` requests of ``max_model_len`` tokens each
 (a sliding-window sub-pool needs only its window), at most ``CPU_MAX_BYTES``.
+
+Size after capture (an elastic pool, issue 44 item 2): start at
+``one_request_bytes`` (the least pool one worst-case request runs in), load,
+warm up and capture, then ``size_after_capture`` measures what is left.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import gc
 
 import torch
 
+from unikv.layout import INT32_LIMIT, IdMap
 from unikv.pool import pool_bytes_for, worst_case_pages
 
 CPU_MAX_BYTES = 1 << 30
@@ -57,3 +62,41 @@ def kv_budget_bytes(
         for c in configs
     }
     return min(pool_bytes_for(configs, pages), CPU_MAX_BYTES)
+
+
+def window_caching_demand(configs, max_model_len: int) -> dict[str, int]:
+    """Pages one request holds alone when prefix caching keeps its prompt pages bound
+    in the sliding-window sub-pools (``options.check_window_caching``'s rule)."""
+    return {
+        c.name: 1 if c.spec.kind == "mamba" else -(-max_model_len // c.page_size) for c in configs
+    }
+
+
+def one_request_bytes(configs, max_model_len: int, chunk: int, caching: bool = False) -> int:
+    """The least budget in which one request of ``max_model_len`` tokens runs
+    alone (each sub-pool's worst case side by side, plus the sink; ``caching``:
+    with prefix caching, whose window pages stay bound)."""
+    pages = {c.name: worst_case_pages(c.spec, c.page_size, max_model_len, chunk) for c in configs}
+    if caching and any(c.spec.kind == "swa" for c in configs):
+        pages = window_caching_demand(configs, max_model_len)
+    return pool_bytes_for(configs, pages)
+
+
+def size_after_capture(pool, free: int, margin: int) -> int:
+    """The elastic ``pool``'s size once ``free`` bytes are measured free (after the
+    weights, the warm-up's cached activations and the CUDA graphs): its size plus
+    ``free - margin``, rounded down to a chunk, within ``[total_bytes, max_bytes]``."""
+    if not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"the KV cache margin must be a non-negative int, got {margin!r}")
+    chunk = pool.backing.chunk
+    grown = pool.total_bytes + max(0, free - margin) // chunk * chunk
+    return min(grown, pool.max_bytes)
+
+
+def addressable_bytes(configs) -> int:
+    """The largest pool whose kernel ids fit int32 in every sub-pool (the most an
+    elastic pool may reserve)."""
+    return min(
+        INT32_LIMIT // IdMap.of(c.spec, c.page_size).limit(1) * c.spec.page_bytes(c.page_size)
+        for c in configs
+    )

@@ -20,7 +20,13 @@ from collections.abc import Mapping
 
 import torch
 
-from unikv.engine.budget import kv_budget_bytes
+from unikv.engine.budget import (
+    addressable_bytes,
+    kv_budget_bytes,
+    one_request_bytes,
+    size_after_capture,
+    window_caching_demand,
+)
 from unikv.engine.inline import Stats, run_inline
 from unikv.engine.online import EngineLoop
 from unikv.engine.options import (
@@ -72,6 +78,16 @@ class LLM:
             memory (CUDA: ``memory_fraction`` of free memory after the weights,
             less an activation reserve; CPU: enough for ``max_num_seqs`` full
             contexts, at most 1 GiB).
+        kv_cache_max_bytes: None (a fixed pool), or the most bytes
+            ``resize_kv_cache`` may give the pool: its address range is reserved
+            once and committed in chunks (an elastic pool, ``unikv.backing``);
+            ``kv_cache_bytes`` (default: the budget below, capped at this) is the
+            starting size. Not yet with host tiers or tensor parallelism.
+        kv_cache_margin_bytes: None, or size the pool after capture (CUDA, an
+            elastic pool): it starts as small as one worst-case request needs and,
+            once the model is loaded, warmed up and its graphs captured, grows by
+            the memory then free less this margin (up to ``kv_cache_max_bytes``,
+            default the GPU's memory). Excludes ``kv_cache_bytes``.
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -118,6 +134,8 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         kv_cache_dtype: str = "auto",
         kv_cache_bytes: int | None = None,
+        kv_cache_max_bytes: int | None = None,
+        kv_cache_margin_bytes: int | None = None,
         memory_fraction: float = 0.9,
         page_size: int = 16,
         max_num_seqs: int = 64,
@@ -178,6 +196,18 @@ class LLM:
         # the kernels' width and alignment rules, once: torch ops where Triton cannot
         # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
         self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
+        if kv_cache_margin_bytes is not None:  # sized after capture (issue 44 item 2)
+            if self.device.type != "cuda" or kv_cache_bytes is not None:
+                raise ValueError(
+                    "kv_cache_margin_bytes sizes the pool after capture: CUDA only, and "
+                    "without kv_cache_bytes"
+                )
+            kv_cache_bytes = one_request_bytes(
+                configs, self.max_model_len, max_num_batched_tokens, enable_prefix_caching
+            )
+            if kv_cache_max_bytes is None:  # the GPU's memory, as far as kernel ids reach
+                device_bytes = torch.cuda.mem_get_info(self.device)[1]
+                kv_cache_max_bytes = min(device_bytes, addressable_bytes(configs))
         total = kv_cache_bytes or kv_budget_bytes(
             configs,
             self.model,
@@ -189,6 +219,13 @@ class LLM:
         )
         if self.tp is not None:  # one pool geometry on every rank: identical schedules
             total = self.tp.min_int(total, self.device)
+        if kv_cache_max_bytes is not None and (swap_host_bytes or prefix_host_bytes or self.tp):
+            raise ValueError(  # host tiers keep (num_pages, page_bytes) row views; TP ranks
+                "kv_cache_max_bytes (an elastic pool) does not yet combine with "  # resize alike
+                "swap_host_bytes, prefix_host_bytes or tp_group"
+            )
+        if kv_cache_max_bytes is not None and kv_cache_bytes is None:  # the default, capped
+            total = min(total, kv_cache_max_bytes)
         self.pool = UnifiedPool(
             configs,
             total,
@@ -197,9 +234,12 @@ class LLM:
             chunk_tokens=max_num_batched_tokens,
             backend=self.backend,
             static_split=static_split,  # validated by the pool (unikv.static_split)
+            max_bytes=kv_cache_max_bytes,  # validated by the pool
         )
         if enable_prefix_caching:
             check_window_caching(self.pool, self.max_model_len)
+            if any(c.spec.kind == "swa" for c in configs):  # the same rule binds resizes
+                self.pool.alone_demand = window_caching_demand(configs, self.max_model_len)
         self.alloc = PoolAllocator(
             self.pool,
             max_requests=max_num_seqs,
@@ -224,6 +264,10 @@ class LLM:
         if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
             warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
             warm_sampling(self.backend, self.model, rows=max_num_seqs)
+        if kv_cache_margin_bytes is not None:  # what the graphs and warm-ups left, measured
+            torch.cuda.synchronize(self.device)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            self.alloc.parts.room.resize(size_after_capture(self.pool, free, kv_cache_margin_bytes))
         self.scheduler = Scheduler(
             self.alloc,
             self.pool.subpools.values(),
@@ -384,6 +428,15 @@ class LLM:
             return False
         self.engine.call(self.alloc.parts.prefix.reset).result()
         return True
+
+    def resize_kv_cache(self, total_bytes: int) -> int:
+        """Give the pool ``total_bytes`` (at most ``kv_cache_max_bytes``), between
+        two steps of the loop (its thread does it); returns the pages moved.
+        Growing commits chunks at the top; shrinking compacts the bands below the
+        new top (waiting for the forward in flight) and releases the chunks above.
+        A size below what the running requests hold raises ValueError with
+        nothing changed (``allocator.room.Room.resize``)."""
+        return self.engine.call(lambda: self.alloc.parts.room.resize(total_bytes)).result()
 
     def _output(self, r: Request) -> RequestOutput:
         """The RequestOutput of one finished request (e.g. handed off by P/D)."""
