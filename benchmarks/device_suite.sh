@@ -17,15 +17,19 @@ lane() {
   done
 }
 lane 300 tests/test_prefix_gpu.py tests/test_engine_hybrid_gpu.py tests/test_launch_gpu.py \
-  tests/test_io_gpu.py &
-lane 240 tests/test_engine_gpu.py tests/test_engine_deepseek_gpu.py tests/test_engine_gemma_gpu.py \
-  tests/test_allocator_gpu.py &
-lane 240 tests/test_kernels_mla_gpu.py tests/test_kernels_gpu.py tests/test_kernels_recurrent_gpu.py \
-  tests/test_kernels_mla_decode.py &
-lane 200 tests/test_gpu_smoke.py tests/test_allocator_pressure_gpu.py tests/test_mla_expanded.py \
-  tests/test_kernels_elementwise.py tests/test_models_fp8.py tests/test_kernels_moe.py &
+  tests/test_io_gpu.py tests/test_allocator_gpu.py tests/test_engine_gemma_gpu.py &
+lane 240 tests/test_engine_gpu.py tests/test_allocator_pressure_gpu.py &
+lane 240 tests/test_kernels_mla_gpu.py tests/test_kernels_mla_decode.py \
+  tests/test_kernels_recurrent_gpu.py &
+lane 240 tests/test_kernels_gpu.py tests/test_engine_deepseek_gpu.py &
+lane 200 tests/test_gpu_smoke.py tests/test_mla_expanded.py tests/test_kernels_elementwise.py \
+  tests/test_models_fp8.py tests/test_kernels_moe.py &
 lane 480 tests/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
-lane 300 tests/test_odd_widths_gpu.py &  # odd cache widths (issue 38 item 6): 4 processes
+# odd cache widths (issue 38 item 6), the shared decoder's GEMV and fused step
+lane 200 tests/test_odd_widths_gpu.py tests/test_kernels_gemv.py \
+  tests/test_kernels_fused_step_gpu.py &
 wait
+# the elastic pool's CUDA backing (issue 44) alone: it measures free memory
+lane 120 tests/test_backing_gpu.py
 grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
 device_finish
