@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv.engine.online import EngineClosed, QueueFull
 from unikv.serving import responses as rsp
+from unikv.serving import routes
 from unikv.serving.async_engine import AsyncEngine, RequestFailed, Submission
 from unikv.serving.metrics import RequestClock, ServingMetrics
 from unikv.serving.protocol import (
@@ -92,9 +93,7 @@ class Server:
 
     def chat_item(self, body: ChatCompletionRequest, params):
         try:
-            text, ids = self.llm.prompts.chat(
-                body.conversation(), add_generation_prompt=body.add_generation_prompt
-            )
+            text, ids = self.llm.prompts.chat(body.conversation(), **body.template_kwargs())
         except BadRequest:
             raise
         except Exception as err:  # the chat template's own errors too
@@ -211,6 +210,7 @@ def create_app(
     app = FastAPI(title="unikv", lifespan=lifespan)
     app.state.server = server
     _error_handlers(app)
+    routes.register(app, server)
 
     @app.get("/health")
     async def health():

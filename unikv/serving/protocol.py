@@ -2,8 +2,10 @@
 
 The fields are OpenAI's, plus vLLM's extra sampling fields (``top_k``,
 ``min_p``, ``min_tokens``, ``ignore_eos``, ``repetition_penalty``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``).
-Unknown fields are ignored, as vLLM does. Types are strict (pydantic's strict
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``prompt_logprobs``) and chat template fields (``chat_template``,
+``chat_template_kwargs``, ``continue_final_message``, ``add_generation_prompt``,
+``tools``). An unknown field is a 400 naming it (never silently ignored). Types are strict (pydantic's strict
 mode on the JSON body: ``"10"`` is not an int, ``"yes"`` not a bool, ``true``
 not a token id; an int is a float), floats must be finite, and ranges are
 checked here so that a bad value is a 400 naming its field, what it expects
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unikv.engine.sampling import INT64_MAX, INT64_MIN, MAX_INT_PARAM, SamplingParams
 
-STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # what a field whose type is a union expects (pydantic names one member only)
 EXPECTED = {
     "prompt": "a string, a list of strings, a list of int token ids or a list of such lists",
@@ -45,6 +47,8 @@ def validation_message(err: ValidationError) -> tuple[str, str | None]:
     path = ".".join(str(p) for p in loc if not _is_type_tag(p))
     field = next((str(p) for p in reversed(loc) if str(p) in EXPECTED), None)
     msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        return f"{path}: unknown field (unikv does not support it)", str(loc[0])
     if field is not None and first.get("type", "").endswith("_type"):
         msg = f"expected {EXPECTED[field]}"
     given = first.get("input")
@@ -58,6 +62,51 @@ class BadRequest(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def parse_body(raw: bytes, model):
+    """``raw`` JSON as ``model`` (strict pydantic), or BadRequest naming the field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        message, param = validation_message(err)
+        raise BadRequest(message, param) from None
+
+
+class ChatTemplateFields(BaseModel):
+    """vLLM's per-request chat template fields (chat completions and /tokenize)."""
+
+    model_config = STRICT
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None
+
+    def template_kwargs(self) -> dict:
+        """Keyword arguments of ``PromptMaker.chat``."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise BadRequest(
+                "continue_final_message and add_generation_prompt cannot both be true "
+                "(pass add_generation_prompt: false to continue the last message)",
+                "continue_final_message",
+            )
+        extra = dict(self.chat_template_kwargs or {})
+        reserved = {"messages", "tools", "add_generation_prompt", "continue_final_message",
+                    "chat_template", "tokenize"} & set(extra)  # fmt: skip
+        if reserved:
+            raise BadRequest(
+                f"chat_template_kwargs: {sorted(reserved)} are set by their own fields",
+                "chat_template_kwargs",
+            )
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "chat_template": self.chat_template,
+            "tools": self.tools,
+            "extra": extra,
+        }
 
 
 class StreamOptions(BaseModel):
@@ -163,10 +212,16 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    """A message: its other fields (``tool_calls``, ``tool_call_id``, ``name``,
+    ``reasoning_content``) reach the chat template as they are."""
+
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: str
     content: str | list[dict] | None = None
+
+    def as_dict(self) -> dict:
+        return {**(self.model_extra or {}), "role": self.role, "content": self.text()}
 
     def text(self) -> str:
         """The message's text (a list of content parts: their "text" parts joined)."""
@@ -185,7 +240,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -193,13 +248,17 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT_PARAM)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def conversation(self) -> list[dict]:
-        if self.tools:
-            raise BadRequest("tools are not supported by unikv", "tools")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        if self.tool_choice not in (None, "none", "auto"):
+            raise BadRequest(
+                "tool_choice: only 'none' and 'auto' are supported by unikv, got "
+                f"{self.tool_choice!r:.80}",
+                "tool_choice",
+            )
+        return [m.as_dict() for m in self.messages]
 
     def limits(self) -> tuple[int | None, int | None]:
         """(max_tokens, logprobs) for SamplingParams."""

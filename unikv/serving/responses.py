@@ -75,14 +75,17 @@ def _name(token: int, text: str | None, as_ids: bool) -> str:
     return f"token_id:{token}" if as_ids else (text or "")
 
 
-def completion_logprobs(entries: list, as_ids: bool = False) -> dict:
+def completion_logprobs(entries: list, as_ids: bool = False, offset: int = 0) -> dict:
     """The legacy completions ``logprobs`` object of (id, logprob, rank, top, text)
-    entries."""
-    tokens, values, tops, offsets, offset = [], [], [], [], 0
+    entries. Each ``top_logprobs`` dict holds the sampled token as well as the top
+    k (OpenAI's and vLLM's: the chosen token always appears); ``text_offset``
+    starts at ``offset`` (a stream's characters already sent)."""
+    tokens, values, tops, offsets = [], [], [], []
     for token, lp, _, top, text in entries:
-        tokens.append(_name(token, text, as_ids))
+        name = _name(token, text, as_ids)
+        tokens.append(name)
         values.append(lp)
-        tops.append({_name(i, s, as_ids): v for i, v, s in top})
+        tops.append({_name(i, s, as_ids): v for i, v, s in top} | {name: lp})
         offsets.append(offset)
         offset += len(text or "")
     return {
@@ -151,8 +154,10 @@ def chat_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids
     return _body(rid, model, "chat.completion", choices, prompt_tokens, choice)
 
 
-def completion_chunk(rid: str, model: str, index: int, delta: Delta, as_ids=False) -> dict:
-    lp = completion_logprobs(delta.logprobs, as_ids) if delta.logprobs is not None else None
+def completion_chunk(
+    rid: str, model: str, index: int, delta: Delta, as_ids=False, offset: int = 0
+) -> dict:
+    lp = completion_logprobs(delta.logprobs, as_ids, offset) if delta.logprobs is not None else None
     choice = {
         "index": index,
         "text": delta.text,

@@ -46,6 +46,7 @@ class EventWriter:
         self.cached: dict[int, int] = {}  # choice -> prompt tokens from the prefix cache
         self._templates: dict[int, tuple[str, str]] = {}
         self._started: set[int] = set()  # chat choices whose role chunk was sent
+        self._offsets: dict[int, int] = {}  # choice -> text_offset of its next logprob
 
     def _template(self, index: int) -> tuple[str, str]:
         if self.chat:
@@ -77,8 +78,11 @@ class EventWriter:
     def completion_event(self, index: int, delta: Delta) -> str:
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):
             return ""
-        chunk = rsp.completion_chunk(self.rid, self.model, index, delta, self.as_ids)
+        offset = self._offsets.get(index, 0)
+        chunk = rsp.completion_chunk(self.rid, self.model, index, delta, self.as_ids, offset)
         chunk["created"] = self.created
+        if delta.logprobs:
+            self._offsets[index] = offset + sum(len(e[4] or "") for e in delta.logprobs)
         return event(chunk)
 
     def chat_events(self, index: int, delta: Delta) -> str:

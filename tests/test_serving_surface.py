@@ -1,0 +1,185 @@
+"""vLLM's serving surface beyond the basics, against ``unikv serve`` in a
+subprocess driven by the official ``openai`` client (and httpx for the routes the
+client has no method for).
+
+Oracles: the checkpoint's tokenizer (``/tokenize``, ``/detokenize``, chat
+templates rendered by transformers' ``apply_chat_template``), ``LLM.generate``
+in-process (tokens and logprobs), transformers' own log_softmax of the prompt
+(``echo`` and ``prompt_logprobs``), a JSON parse of structured outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+from engine_fixtures import one_thread  # noqa: F401  (a fixture)
+from serving_fixtures import ServerProcess, save_instruct_llama
+
+from unikv.engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+openai = pytest.importorskip("openai")
+MAX_LEN = 128
+THINK_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    "{% if tools %}<tools>{{ tools | length }}</tools>{% endif %}"
+    "{% if add_generation_prompt %}[assistant]{% if enable_thinking %}<think>{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("surface"))
+    hf = save_instruct_llama(path)
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=MAX_LEN)
+    return path, hf, llm
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    proc = ServerProcess(ckpt[0], "--max-model-len", str(MAX_LEN), "--served-model-name", "tiny")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def _post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + route, json=body, timeout=60)
+
+
+def test_tokenize_detokenize_version(ckpt, server):
+    tok = ckpt[2].tokenizer
+    text = "The quick brown fox"
+    r = _post(server, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tok.encode(text)
+    assert body == {"count": len(ids), "max_model_len": MAX_LEN, "tokens": ids,
+                    "token_strs": tok.convert_ids_to_tokens(ids)}  # fmt: skip
+    messages = [{"role": "user", "content": "Hi!"}]
+    r = _post(server, "/tokenize", {"messages": messages})
+    want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.json()["tokens"] == tok.encode(want, add_special_tokens=False)
+    assert r.json()["token_strs"] is None
+    r = _post(server, "/detokenize", {"model": "tiny", "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+    r = _post(server, "/detokenize", {"tokens": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = _post(server, "/tokenize", {"prompt": "x", "model": "other"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    r = httpx.get(server.url + "/version", timeout=10)
+    assert r.status_code == 200 and isinstance(r.json()["version"], str)
+
+
+def test_per_request_chat_template_and_its_kwargs(ckpt, server, client):
+    _, _, llm = ckpt
+    tok = llm.tokenizer
+    messages = [{"role": "user", "content": "Hello, how are you"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kwargs in ({}, {"enable_thinking": True}):
+        rendered = tok.apply_chat_template(
+            messages, chat_template=THINK_TEMPLATE, tokenize=False, add_generation_prompt=True,
+            tools=tools, **kwargs,
+        )  # fmt: skip
+        assert ("<think>" in rendered) == bool(kwargs) and "<tools>1</tools>" in rendered
+        body = {"messages": messages, "chat_template": THINK_TEMPLATE, "tools": tools,
+                "chat_template_kwargs": kwargs}  # fmt: skip
+        got = _post(server, "/tokenize", body).json()["tokens"]
+        assert got == tok.encode(rendered, add_special_tokens=False)
+        want = llm.generate(got, SamplingParams(max_tokens=8, temperature=0.0))[0]
+        out = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0,
+            extra_body={"chat_template": THINK_TEMPLATE, "chat_template_kwargs": kwargs,
+                        "tools": tools, "tool_choice": "none"},
+        )  # fmt: skip
+        assert out.choices[0].message.content == want.text
+        assert out.usage.prompt_tokens == len(got)
+    # continue_final_message: the last (assistant) message is left open
+    partial = messages + [{"role": "assistant", "content": "I am"}]
+    rendered = tok.apply_chat_template(
+        partial, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert rendered.endswith("I am")
+    body = {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
+    assert _post(server, "/tokenize", body).json()["tokens"] == tok.encode(
+        rendered, add_special_tokens=False
+    )
+    want = llm.generate(rendered, SamplingParams(max_tokens=6, temperature=0.0))[0]
+    out = client.chat.completions.create(
+        model="tiny", messages=partial, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    assert out.choices[0].message.content == want.text
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": partial,
+                                               "continue_final_message": True})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_unknown_fields_are_a_400_naming_them(server):
+    for route, body in (
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of_n_beams": 2}),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "guided_foo": "a"},
+        ),
+    ):
+        r = _post(server, route, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] in body and "unknown field" in error["message"], error
+
+
+def test_completion_logprobs_hold_the_sampled_token_and_offsets_continue(ckpt, client):
+    _, _, llm = ckpt
+    prompt = "Hello, how are you"
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=1, ignore_eos=True)
+    ref = llm.generate(prompt, sp)[0].outputs[0]
+    kw = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 5,
+          "logprobs": 1, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    plain = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    streamed_offsets = [o for c in chunks if c.choices[0].logprobs
+                        for o in c.choices[0].logprobs.text_offset]  # fmt: skip
+    assert streamed_offsets == plain.text_offset
+    offset = 0
+    for k, (token, lps) in enumerate(zip(ref.token_ids, ref.logprobs)):
+        chosen = plain.tokens[k]
+        top = plain.top_logprobs[k]
+        assert chosen in top and math.isclose(top[chosen], lps[token].logprob, abs_tol=1e-4)
+        assert math.isclose(plain.token_logprobs[k], lps[token].logprob, abs_tol=1e-4)
+        assert plain.text_offset[k] == offset
+        offset += len(chosen)
+    assert len({len(t) for t in plain.top_logprobs} - {1, 2}) == 0
+
+
+def test_include_usage_on_completions(ckpt, client):
+    _, _, llm = ckpt
+    want = llm.generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0.0))[0]
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(want.output_ids)
+    assert last.usage.prompt_tokens == len(want.prompt_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == want.text
+
+
+def _hf_prompt_logprobs(hf, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]

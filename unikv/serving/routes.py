@@ -1,0 +1,129 @@
+"""vLLM's extra routes: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+
+Shapes are vLLM's:
+
+- ``/tokenize`` takes a completion body (``prompt``, ``add_special_tokens``
+  default true) or a chat body (``messages``, ``add_generation_prompt``,
+  ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``,
+  ``tools``, ``add_special_tokens`` default false), both with an optional
+  ``model`` and ``return_token_strs``; it answers ``{"count", "max_model_len",
+  "tokens", "token_strs"}``.
+- ``/detokenize`` takes ``{"model"?, "tokens": [int]}`` and answers ``{"prompt"}``.
+- ``/version`` answers ``{"version"}``.
+
+The handlers are sync (FastAPI runs them on its thread pool): tokenization never
+blocks the event loop.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from unikv.serving.protocol import (
+    STRICT,
+    BadRequest,
+    ChatMessage,
+    ChatTemplateFields,
+    parse_body,
+)
+
+
+def unikv_version() -> str:
+    try:
+        return version("unikv")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
+class TokenizeCompletion(ChatTemplateFields):
+    model_config = STRICT
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(ChatTemplateFields):
+    model_config = STRICT
+
+    model: str | None = None
+    messages: list[dict] = Field(min_length=1)
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class Detokenize(BaseModel):
+    model_config = STRICT
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def register(app: FastAPI, server) -> None:
+    """Mount the routes on ``app`` (``server``: app.py's Server)."""
+    llm = server.llm
+
+    def tokenizer():
+        tok = llm.tokenizer
+        if tok is None:
+            raise BadRequest("this checkpoint has no tokenizer", None)
+        return tok
+
+    def check(model) -> None:
+        if model is not None:
+            server.check_model(model)
+
+    def do_tokenize(raw: bytes) -> dict:
+        chat = b'"messages"' in raw
+        body = parse_body(raw, TokenizeChat if chat else TokenizeCompletion)
+        check(body.model)
+        tok = tokenizer()
+        if chat:
+            msgs = [ChatMessage.model_validate(m).as_dict() for m in body.messages]
+            text = chat_text(llm, msgs, body)
+        else:
+            text = body.prompt
+        with llm.tokenizer_lock:
+            ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
+            strs = tok.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
+                "token_strs": strs}  # fmt: skip
+
+    def do_detokenize(raw: bytes) -> dict:
+        body = parse_body(raw, Detokenize)
+        check(body.model)
+        tok = tokenizer()
+        vocab = llm.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"tokens: ids must be in [0, {vocab}), got {bad[:8]}", "tokens")
+        with llm.tokenizer_lock:
+            return {"prompt": tok.decode(body.tokens)}
+
+    @app.get("/version")
+    async def get_version():
+        return {"version": unikv_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await run_in_threadpool(do_tokenize, await request.body())
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await run_in_threadpool(do_detokenize, await request.body())
+
+
+def chat_text(llm, messages: list[dict], body) -> str:
+    """The chat template's text of ``messages`` with ``body``'s template fields."""
+    try:
+        text, _ = llm.prompts.chat(messages, **body.template_kwargs(), check=False)
+    except BadRequest:
+        raise
+    except Exception as err:  # the template's own errors
+        raise BadRequest(f"messages: {err}", "messages") from err
+    return text
