@@ -183,3 +183,59 @@ def _hf_prompt_logprobs(hf, ids: list[int]) -> list[float]:
         logits = hf(torch.tensor([ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)
     return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+def test_echo_and_prompt_logprobs_equal_transformers(ckpt, server):
+    _, hf, llm = ckpt
+    tok = llm.tokenizer
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hello, how are you today?"]
+    ids = [tok.encode(t) for t in texts]
+    # lm-eval's local-completions loglikelihood request, as it sends it
+    body = {"model": "tiny", "prompt": ids, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}  # fmt: skip
+    got = _post(server, "/v1/completions", body).json()
+    choices = sorted(got["choices"], key=lambda c: c["index"])
+    for p, choice in zip(ids, choices):
+        want = _hf_prompt_logprobs(hf, p)
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(p) + 1 and lp["token_logprobs"][0] is None
+        for a, b in zip(lp["token_logprobs"][1 : len(p)], want):
+            assert math.isclose(a, b, abs_tol=1e-4), (a, b)
+        assert lp["tokens"][: len(p)] == [tok.decode([t]) for t in p]
+        assert choice["text"].startswith(tok.decode(p))
+        nxt = llm.generate(p, SamplingParams(max_tokens=1, temperature=0.0))[0].output_ids
+        assert lp["tokens"][-1] == tok.decode(nxt)
+        for k in range(1, len(p)):  # the chosen token is in its top dict
+            assert lp["tokens"][k] in lp["top_logprobs"][k]
+    # max_tokens 0: the prompt alone; prompt_logprobs: vLLM's per-token dicts
+    body = {"model": "tiny", "prompt": texts[1], "max_tokens": 0, "echo": True, "logprobs": 0,
+            "prompt_logprobs": 2, "temperature": 0}  # fmt: skip
+    got = _post(server, "/v1/completions", body).json()
+    choice, p = got["choices"][0], ids[1]
+    assert choice["text"] == texts[1] and got["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["tokens"]) == len(p)
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(p)
+    want = _hf_prompt_logprobs(hf, p)
+    for k in range(1, len(p)):
+        assert math.isclose(plp[k][str(p[k])]["logprob"], want[k - 1], abs_tol=1e-4)
+        assert len(plp[k]) in (2, 3)
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_llm_prompt_logprobs_with_chunks_and_the_prefix_cache(ckpt):
+    path, hf, _ = ckpt
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=MAX_LEN, max_num_batched_tokens=8,
+              enable_prefix_caching=True)  # fmt: skip
+    prompt = "The quick brown fox jumps over the lazy dog."
+    plain = SamplingParams(max_tokens=4, temperature=0.0)
+    first = llm.generate(prompt, plain)[0]  # its pages are cached now
+    out = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1))[0]
+    ids = out.prompt_token_ids
+    assert out.output_ids == first.output_ids and out.num_cached_tokens == 0
+    want = _hf_prompt_logprobs(hf, ids)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for k in range(1, len(ids)):
+        assert math.isclose(out.prompt_logprobs[k][ids[k]].logprob, want[k - 1], abs_tol=1e-4)
+    assert llm.generate(prompt, plain)[0].prompt_logprobs is None

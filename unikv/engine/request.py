@@ -100,14 +100,15 @@ class Request:
 
     @property
     def plain_greedy(self) -> bool:
-        """The next sample is a bare argmax (greedy; no penalty, logprobs or
-        min-tokens mask applies any more)."""
+        """The next sample is a bare argmax (greedy; no penalty, logprobs, prompt
+        logprobs or min-tokens mask applies any more)."""
         p = self.params
         return p.plain_greedy or (
             p.temperature == 0
             and not p.has_penalties
             and p.logprobs is None
             and len(self.output_ids) >= p.min_tokens
+            and (p.prompt_logprobs is None or self.num_cached >= len(self.prompt_ids))
         )
 
     @property

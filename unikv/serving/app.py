@@ -122,9 +122,13 @@ class Server:
             return _error(str(err), "InternalServerError", None, 500)
         if choices is None:
             return Response(status_code=499)  # the client went away
-        make = rsp.chat_body if chat else rsp.completion_body
         as_ids = body.return_tokens_as_token_ids
-        return JSONResponse(make(rid, body.model, choices, prompt_tokens, as_ids))
+        if chat:
+            return JSONResponse(rsp.chat_body(rid, body.model, choices, prompt_tokens, as_ids))
+        echo = rsp.Echo.of(body, items, self.llm) if body.echo or body.prompt_logprobs else None
+        return JSONResponse(
+            rsp.completion_body(rid, body.model, choices, prompt_tokens, as_ids, echo)
+        )
 
     async def _collect(self, request: Request, sub: Submission, clock, n: int):
         """Every delta into Choices, or None (and the request aborted) when the
@@ -244,7 +248,7 @@ def create_app(
     async def completions(request: Request):
         body = await _body(request, CompletionRequest)
         server.check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.params()
         items = [server.completion_item(p, params) for p in body.prompts()]
         return await server.respond(request, body, items, chat=False)
 

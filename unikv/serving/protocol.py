@@ -143,7 +143,9 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported by unikv", "logit_bias")
@@ -173,6 +175,7 @@ class _Sampling(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
@@ -187,17 +190,32 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT_PARAM)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT_PARAM)  # 0: echo only
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=64)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def params(self) -> SamplingParams:
+        """SamplingParams: ``echo`` with ``logprobs`` asks for the prompt's logprobs
+        too; ``max_tokens`` 0 (echo only) samples one token, dropped from the answer."""
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens: 0 is only allowed with echo: true", "max_tokens")
+        if self.echo and self.stream:
+            raise BadRequest("echo is not supported with stream: true by unikv", "echo")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest(
+                "prompt_logprobs is not supported with stream: true", "prompt_logprobs"
+            )
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)]
+        wanted = [k for k in wanted if k is not None]
+        plp = max(wanted) if wanted else None
+        return self.sampling_params(self.max_tokens or 1, self.logprobs, plp)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a str or a list of token ids (at least one)."""
         p = self.prompt
-        if self.echo:
-            raise BadRequest("echo is not supported by unikv", "echo")
         if self.suffix:
             raise BadRequest("suffix is not supported by unikv", "suffix")
         if self.best_of not in (None, self.n):

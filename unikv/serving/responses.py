@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from unikv.engine.tracks import Delta
 
@@ -32,6 +33,7 @@ class Choices:
         self.logprobs: dict[int, list] = {}
         self.finish: dict[int, tuple[str | None, object]] = {}
         self.cached: dict[int, int] = {}  # prompt tokens served from the prefix cache
+        self.prompt_logprobs: dict[int, list] = {}  # choice -> its prompt's entries
 
     def index(self, prompt: int, delta: Delta) -> int:
         return prompt * self.n + delta.index
@@ -46,6 +48,8 @@ class Choices:
             self.finish[i] = (delta.finish_reason, delta.stop_reason)
         if delta.cached_tokens is not None:
             self.cached[i] = delta.cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = delta.prompt_logprobs
         return i
 
     def usage(self, prompt_tokens: int) -> dict:
@@ -133,12 +137,95 @@ def _body(rid: str, model: str, obj: str, choices: Choices, prompt_tokens: int, 
     }
 
 
-def completion_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
+@dataclass
+class Echo:
+    """What a completions answer adds of its prompts: ``echo`` (the prompt's text
+    and tokens before the completion's), ``prompt_logprobs`` (vLLM's field),
+    ``drop``: max_tokens 0 (the one sampled token is left out)."""
+
+    texts: list[str]  # per prompt
+    first: list[tuple[int, str]]  # per prompt: its first token and that token's text
+    echo: bool
+    prompt_logprobs: bool
+    drop: bool
+    n: int
+
+    @classmethod
+    def of(cls, body, items, llm) -> Echo:
+        tok = llm.tokenizer
+        texts, first = [], []
+        with llm.tokenizer_lock:
+            for ids, text, _ in items:
+                texts.append(text if text is not None else tok.decode(ids))
+                first.append((ids[0], tok.decode([ids[0]], skip_special_tokens=False)))
+        drop = body.max_tokens == 0
+        return cls(texts, first, body.echo, body.prompt_logprobs is not None, drop, body.n)
+
+    def prompt_entries(self, i: int, choices: Choices) -> list:
+        """(first token, None logprob) then the entries of choice ``i``'s prompt."""
+        return choices.prompt_logprobs.get(i - i % self.n) or [None]
+
+
+def _echo_logprobs(first: tuple[int, str], entries: list, out, as_ids, end: int) -> dict:
+    """The legacy logprobs of an echoed prompt (its first token has no logprob),
+    then the completion's entries ``out`` (or None), whose offsets start at ``end``
+    (the prompt text's length)."""
+    token, text = first
+    rest = completion_logprobs(entries[1:], as_ids, len(text))
+    lp = {
+        "tokens": [_name(token, text, as_ids), *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }
+    if out is not None:
+        more = completion_logprobs(out, as_ids, end)
+        for key in lp:
+            lp[key] += more[key]
+    return lp
+
+
+def prompt_logprob_dicts(entries: list, as_ids: bool = False) -> list:
+    """vLLM's ``prompt_logprobs``: None, then {token id: {logprob, rank,
+    decoded_token}} per prompt token (the token and the top k)."""
+    out = [None]
+    for token, lp, rank, top, text in entries[1:]:
+        d = {str(token): {"logprob": lp, "rank": rank, "decoded_token": _name(token, text, as_ids)}}
+        for k, (i, v, s) in enumerate(top):
+            d.setdefault(
+                str(i), {"logprob": v, "rank": k + 1, "decoded_token": _name(i, s, as_ids)}
+            )
+        out.append(d)
+    return out
+
+
+def completion_body(
+    rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False, echo=None
+):
+    index = iter(sorted(choices.text))
+
     def choice(text, lp):
-        return {
+        i = next(index)
+        if echo is not None and echo.drop:  # max_tokens 0: the sampled token left out
+            text, lp = "", [] if lp is not None else None
+            choices.token_ids[i] = []
+        out = {
             "text": text,
             "logprobs": completion_logprobs(lp, as_ids) if lp is not None else None,
         }
+        if echo is None:
+            return out
+        entries = echo.prompt_entries(i, choices)
+        if echo.echo:
+            out["text"] = echo.texts[i // echo.n] + text
+            if lp is not None:
+                j = i // echo.n
+                out["logprobs"] = _echo_logprobs(
+                    echo.first[j], entries, lp, as_ids, len(echo.texts[j])
+                )
+        if echo.prompt_logprobs:
+            out["prompt_logprobs"] = prompt_logprob_dicts(entries, as_ids)
+        return out
 
     return _body(rid, model, "text_completion", choices, prompt_tokens, choice)
 
