@@ -63,8 +63,7 @@ metric_list:
 
 def _write(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def _loglikelihood(llm, tok, context: str, continuation: str) -> float:
