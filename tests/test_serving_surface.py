@@ -239,3 +239,65 @@ def test_llm_prompt_logprobs_with_chunks_and_the_prefix_cache(ckpt):
     for k in range(1, len(ids)):
         assert math.isclose(out.prompt_logprobs[k][ids[k]].logprob, want[k - 1], abs_tol=1e-4)
     assert llm.generate(prompt, plain)[0].prompt_logprobs is None
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["fox", "dog", "cat"]}},
+    "required": ["ok", "pick"],
+    "additionalProperties": False,
+}
+
+
+def _check_schema(value) -> None:
+    assert isinstance(value, dict) and set(value) == {"ok", "pick"}, value
+    assert isinstance(value["ok"], bool) and value["pick"] in ("fox", "dog", "cat"), value
+
+
+def test_structured_outputs(ckpt, client):
+    import json
+    import re
+
+    pytest.importorskip("xgrammar")
+    rf = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+    for seed in range(3):  # sampled at temperature 1: the grammar alone keeps it valid
+        out = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Pick one"}], max_tokens=40,
+            temperature=1.0, seed=seed, response_format=rf,
+        )  # fmt: skip
+        _check_schema(json.loads(out.choices[0].message.content))
+        assert out.choices[0].finish_reason == "stop"
+    for extra in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": SCHEMA}):
+        out = client.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=40, temperature=1.0, seed=7,
+            extra_body=extra,
+        )  # fmt: skip
+        _check_schema(json.loads(out.choices[0].text))
+    out = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=10, temperature=1.0, seed=3, n=3,
+        extra_body={"structured_outputs": {"regex": "(yes|no)-[0-9]"}},
+    )  # fmt: skip
+    assert all(re.fullmatch("(yes|no)-[0-9]", c.text) for c in out.choices), out.choices
+    out = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=10, temperature=1.0, seed=1,
+        extra_body={"guided_choice": ["alpha", "beta gamma"]},
+    )  # fmt: skip
+    assert out.choices[0].text in ("alpha", "beta gamma")
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=12,
+        temperature=0, response_format={"type": "json_object"},
+    )  # fmt: skip
+    text = out.choices[0].message.content
+    assert text.lstrip().startswith(("{", "[")) or text.strip() == "", text
+    if out.choices[0].finish_reason == "stop":
+        json.loads(text)
+    # a bad schema, two constraints at once: a 400 naming the field
+    for body, field in (
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
+        assert err.value.body["param"] == field, err.value.body

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from unikv.engine.sampling import sample
+from unikv.engine.structured import mask_structured
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
@@ -129,15 +130,22 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs, pin: bool):
     return StepLogprobs(rows, chosen[:, 0], rank, top_values, top_ids)
 
 
-def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool):
+def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool, prev_host=None):
     """(B,) int64 next tokens of ``reqs`` (batch order) from logits (B, V) fp32,
-    and their StepLogprobs (None if no row asks). ``logits`` is not modified."""
+    and their StepLogprobs (None if no row asks). ``logits`` is not modified.
+    prev_host: None, or a callable giving the previous step's tokens on the host
+    (called, a wait, only when a structured-output request is in the batch)."""
     dev = logits.device
     processed = logits
-    if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs):
+    structured = any(r.params.structured is not None for r in reqs)
+    if structured or any(
+        r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs
+    ):
         processed = logits.clone()
         apply_penalties(processed, reqs, prev_tokens, pin)
         mask_early_stops(processed, reqs, pin)
+        if structured:
+            mask_structured(processed, reqs, prev_host() if prev_host is not None else None)
     floats = _to_device(
         [(r.params.temperature, r.params.top_p, r.params.min_p) for r in reqs],
         torch.float32,

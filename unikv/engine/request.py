@@ -90,6 +90,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     finish_reason: str | None = None
     track: Any = None
+    grammar: Any = None  # structured outputs: [xgrammar matcher, output tokens it accepted]
 
     @property
     def max_new_tokens(self) -> int:
@@ -109,6 +110,7 @@ class Request:
             and p.logprobs is None
             and len(self.output_ids) >= p.min_tokens
             and (p.prompt_logprobs is None or self.num_cached >= len(self.prompt_ids))
+            and p.structured is None
         )
 
     @property

@@ -247,7 +247,7 @@ class ModelRunner:
             fed = in_graph and self._fused_greedy and plan.feedback is not None
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
-            tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy)
+            tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
@@ -288,11 +288,14 @@ class ModelRunner:
         greedy = batch.all_greedy  # the scheduler's, when it knows (DECODE batches)
         return greedy if greedy is not None else all(r.plain_greedy for r in batch.requests)
 
-    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None, greedy=None):
+    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None, greedy=None, prev=None):
         """(B,) int64 next tokens and the step's logprobs (a StepLogprobs or None).
         All-plain-greedy batches (known on the host) are the backend's argmax; others go
         through ``logits.sample_requests`` (penalties, min_tokens, min_p, logprobs;
         placeholders in the outputs read from ``prev_tokens`` on the device)."""
         if greedy if greedy is not None else self._greedy(batch):
             return self.backend.argmax(logits), None
-        return sample_requests(batch.requests, logits.float(), prev_tokens, pin=self._pin)
+        prev_host = prev.tokens if prev is not None else None  # structured outputs' sync
+        return sample_requests(
+            batch.requests, logits.float(), prev_tokens, pin=self._pin, prev_host=prev_host
+        )

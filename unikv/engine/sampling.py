@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,6 +87,9 @@ class SamplingParams:
         given the tokens before it, and the k most likely tokens' there (the first
         prompt token has none). Such a request takes no prefix-cache hit: every
         prompt row is computed.
+    structured: None, or a ``structured.StructuredOutputs`` (``compile_structured``:
+        a JSON schema, any JSON object, a regex, a grammar or a choice) that the
+        tokens must follow.
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logits
         of tokens already generated (once / per occurrence).
     repetition_penalty: > 0, 1 = off; divides positive (multiplies negative)
@@ -107,6 +111,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -188,6 +193,7 @@ class SamplingParams:
             and not self.has_penalties
             and self.logprobs is None
             and self.prompt_logprobs is None
+            and self.structured is None
             and self.min_tokens == 0
         )
 

@@ -35,6 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv.engine.online import EngineClosed, QueueFull
@@ -248,7 +249,7 @@ def create_app(
     async def completions(request: Request):
         body = await _body(request, CompletionRequest)
         server.check_model(body.model)
-        params = body.params()
+        params = await run_in_threadpool(body.params, llm)  # compiles a grammar
         items = [server.completion_item(p, params) for p in body.prompts()]
         return await server.respond(request, body, items, chat=False)
 
@@ -256,7 +257,7 @@ def create_app(
     async def chat_completions(request: Request):
         body = await _body(request, ChatCompletionRequest)
         server.check_model(body.model)
-        params = body.sampling_params(*body.limits())
+        params = await run_in_threadpool(body.sampling_params, *body.limits(), None, llm)
         items = [server.chat_item(body, params)]
         return await server.respond(request, body, items, chat=True)
 

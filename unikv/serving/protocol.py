@@ -14,6 +14,9 @@ and what it got (``validation_message``); ``SamplingParams`` checks them again.
 
 from __future__ import annotations
 
+import json
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from unikv.engine.sampling import INT64_MAX, INT64_MIN, MAX_INT_PARAM, SamplingParams
@@ -115,6 +118,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = STRICT
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text, json_object or json_schema."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs``: one of json (a schema), regex, choice,
+    grammar (EBNF), json_object."""
+
+    model_config = STRICT
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _schema_text(schema) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -142,11 +180,82 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+
+    def structured_spec(self) -> tuple[str, str, str] | None:
+        """(kind, spec, field) of the request's one structured-output constraint."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("json_object", "", "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise BadRequest(
+                    "response_format: type json_schema needs a json_schema", "response_format"
+                )
+            found.append(("json", _schema_text(rf.json_schema.schema_), "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            for kind, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar)):  # fmt: skip
+                if value is not None:
+                    found.append((kind, value, "structured_outputs"))
+            if so.json_object:
+                found.append(("json_object", "", "structured_outputs"))
+        for kind, name in (("json", "guided_json"), ("regex", "guided_regex"),
+                           ("choice", "guided_choice"), ("grammar", "guided_grammar")):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None:
+                found.append((kind, value, name))
+        if len(found) > 1:
+            raise BadRequest(
+                f"only one structured-output constraint per request, got {[f[2] for f in found]}",
+                found[1][2],
+            )
+        if not found:
+            return None
+        kind, value, name = found[0]
+        if kind == "json":
+            value = _schema_text(value)
+        elif kind == "choice":
+            value = json.dumps(value)
+        return kind, value, name
+
+    def structured(self, llm):
+        """The compiled constraint (``engine.structured.StructuredOutputs``) or None."""
+        spec = self.structured_spec()
+        if spec is None:
+            return None
+        kind, value, name = spec
+        try:
+            from unikv.engine.structured import compile_structured
+
+            return compile_structured(llm, kind, value)
+        except ImportError as err:
+            raise BadRequest(f"{name}: structured outputs need xgrammar ({err})", name) from err
+        except Exception as err:  # xgrammar's own errors on a bad schema, regex or grammar
+            raise BadRequest(f"{name}: invalid {kind}: {err}", name) from err
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        llm=None,
     ) -> SamplingParams:
-        """The engine's SamplingParams (OpenAI's defaults: temperature 1, top_p 1)."""
+        """The engine's SamplingParams (OpenAI's defaults: temperature 1, top_p 1);
+        ``llm``: compiles a structured-output constraint (else one is refused)."""
+        structured = None
+        if llm is not None:
+            structured = self.structured(llm)
+        elif self.structured_spec() is not None:
+            raise BadRequest("structured outputs are not available here", "response_format")
         if self.logit_bias:
             raise BadRequest("logit_bias is not supported by unikv", "logit_bias")
         bad_ids = [t for t in self.stop_token_ids or () if not 0 <= t <= MAX_INT_PARAM]
@@ -176,6 +285,7 @@ class _Sampling(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured=structured,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
                 repetition_penalty=self.repetition_penalty,
@@ -197,7 +307,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1, le=64)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
-    def params(self) -> SamplingParams:
+    def params(self, llm=None) -> SamplingParams:
         """SamplingParams: ``echo`` with ``logprobs`` asks for the prompt's logprobs
         too; ``max_tokens`` 0 (echo only) samples one token, dropped from the answer."""
         if self.max_tokens == 0 and not self.echo:
@@ -211,7 +321,7 @@ class CompletionRequest(_Sampling):
         wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)]
         wanted = [k for k in wanted if k is not None]
         plp = max(wanted) if wanted else None
-        return self.sampling_params(self.max_tokens or 1, self.logprobs, plp)
+        return self.sampling_params(self.max_tokens or 1, self.logprobs, plp, llm)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a str or a list of token ids (at least one)."""
