@@ -11,6 +11,7 @@ in-process (tokens and logprobs), transformers' own log_softmax of the prompt
 from __future__ import annotations
 
 import math
+import re
 
 import httpx
 import pytest
@@ -22,7 +23,7 @@ from unikv.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 openai = pytest.importorskip("openai")
-MAX_LEN = 128
+MAX_LEN = 256
 THINK_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
     "{% if tools %}<tools>{{ tools | length }}</tools>{% endif %}"
@@ -102,7 +103,11 @@ def test_per_request_chat_template_and_its_kwargs(ckpt, server, client):
             extra_body={"chat_template": THINK_TEMPLATE, "chat_template_kwargs": kwargs,
                         "tools": tools, "tool_choice": "none"},
         )  # fmt: skip
-        assert out.choices[0].message.content == want.text
+        message = out.choices[0].message
+        if kwargs:  # the template opened a think block: the text is reasoning
+            assert message.content is None and message.reasoning_content == want.text
+        else:
+            assert message.content == want.text
         assert out.usage.prompt_tokens == len(got)
     # continue_final_message: the last (assistant) message is left open
     partial = messages + [{"role": "assistant", "content": "I am"}]
@@ -301,3 +306,88 @@ def test_structured_outputs(ckpt, client):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
         assert err.value.body["param"] == field, err.value.body
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }}{% endfor %}</tools>"
+    "{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}<tool_call>{{ c['function']['name'] }}"
+    "</tool_call>{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+def _sse(server, body: dict) -> list[dict]:
+    import json
+
+    r = httpx.post(server.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60)
+    lines = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]", r.text
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_tool_calls_and_reasoning_are_parsed(ckpt, server, client):
+    import json
+
+    pytest.importorskip("xgrammar")
+    # the tiny model is steered by a regex into the text a tool-calling model writes
+    forced = ('<think>\nHm.\n</think>\n\nOk. <tool_call>\n'
+              '{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>')  # fmt: skip
+    regex = re.escape(forced)
+    messages = [{"role": "user", "content": "Paris?"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 110, "temperature": 1.0,
+            "seed": 2, "tools": [WEATHER], "chat_template": TOOL_TEMPLATE,
+            "structured_outputs": {"regex": regex}}  # fmt: skip
+    out = _post(server, "/v1/chat/completions", body).json()
+    choice = out["choices"][0]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls", out
+    assert msg["reasoning_content"] == "Hm.\n" and msg["content"] == "Ok. "
+    (call,) = msg["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    # the openai client reads them; a tool result goes back through the template
+    got = client.chat.completions.create(**{k: v for k, v in body.items() if k not in (
+        "chat_template", "structured_outputs")}, extra_body={"chat_template": TOOL_TEMPLATE,
+        "structured_outputs": {"regex": regex}})  # fmt: skip
+    assert got.choices[0].message.tool_calls[0].function.name == "weather"
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": msg["tool_calls"]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+    ]
+    r = _post(server, "/tokenize", {"messages": follow, "chat_template": TOOL_TEMPLATE})
+    assert r.status_code == 200, r.text
+    text = ckpt[2].tokenizer.decode(r.json()["tokens"])
+    assert "<tool_call>weather</tool_call>[tool]sunny" in text
+    # streamed: the same reasoning, content and call
+    chunks = _sse(server, body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+    calls = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert [(t["index"], t["function"]["name"], json.loads(t["function"]["arguments"]))
+            for t in calls] == [(0, "weather", {"city": "Paris"})]  # fmt: skip
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # tool_choice "none" and no tools: no parsing; a template with no tags: none either
+    plain = _post(server, "/v1/chat/completions", body | {"tool_choice": "none"}).json()
+    assert "tool_calls" not in plain["choices"][0]["message"]
+    assert plain["choices"][0]["message"]["reasoning_content"] == "Hm.\n"
+    bare = _post(server, "/v1/chat/completions", {**body, "chat_template": THINK_TEMPLATE.replace(
+        "<think>", "")}).json()  # fmt: skip
+    assert bare["choices"][0]["message"]["content"] == forced
+
+
+def test_reasoning_opened_by_the_template(server):
+    pytest.importorskip("xgrammar")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60,
+            "temperature": 0, "chat_template": TOOL_TEMPLATE,
+            "chat_template_kwargs": {"enable_thinking": True},
+            "structured_outputs": {"regex": re.escape("hmm\n</think>\n\nHello")}}  # fmt: skip
+    msg = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": "Hello", "reasoning_content": "hmm\n"}
+    deltas = [c["choices"][0]["delta"] for c in _sse(server, body) if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello"

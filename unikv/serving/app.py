@@ -99,6 +99,7 @@ class Server:
             raise
         except Exception as err:  # the chat template's own errors too
             raise BadRequest(f"messages: {err}", "messages") from err
+        body.use_parser(self.llm, text)
         return ids, text, params
 
     async def respond(self, request: Request, body, items, chat: bool):
@@ -112,8 +113,9 @@ class Server:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             writer = EventWriter(
-                rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids
-            )
+                rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids,
+                body.parser,
+            )  # fmt: skip
             events = self._events(sub, clock, writer, body.n, prompt_tokens if usage else None)
             return EventStream(events, on_close=lambda: self._aborted(sub))
         try:
@@ -125,7 +127,8 @@ class Server:
             return Response(status_code=499)  # the client went away
         as_ids = body.return_tokens_as_token_ids
         if chat:
-            return JSONResponse(rsp.chat_body(rid, body.model, choices, prompt_tokens, as_ids))
+            made = rsp.chat_body(rid, body.model, choices, prompt_tokens, as_ids, body.parser)
+            return JSONResponse(made)
         echo = rsp.Echo.of(body, items, self.llm) if body.echo or body.prompt_logprobs else None
         return JSONResponse(
             rsp.completion_body(rid, body.model, choices, prompt_tokens, as_ids, echo)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from unikv.engine.sampling import INT64_MAX, INT64_MIN, MAX_INT_PARAM, SamplingParams
 
@@ -187,6 +187,12 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    _parser: object = PrivateAttr(default=None)  # chat: parsers.OutputParser, or None
+
+    @property
+    def parser(self):
+        """The chat output parser (reasoning, tool calls) of this request, or None."""
+        return self._parser
 
     def structured_spec(self) -> tuple[str, str, str] | None:
         """(kind, spec, field) of the request's one structured-output constraint."""
@@ -378,6 +384,16 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+
+    def use_parser(self, llm, prompt: str) -> None:
+        """Choose the output parser from the chat template in use."""
+        from unikv.serving.parsers import OutputParser
+
+        tok = getattr(llm, "tokenizer", None)
+        template = self.chat_template or getattr(tok, "chat_template", None)
+        if isinstance(template, dict):  # named templates: the default, or all of them
+            template = template.get("default") or " ".join(template.values())
+        self._parser = OutputParser.for_request(template, prompt, self)
 
     def conversation(self) -> list[dict]:
         if self.tool_choice not in (None, "none", "auto"):

@@ -230,15 +230,25 @@ def completion_body(
     return _body(rid, model, "text_completion", choices, prompt_tokens, choice)
 
 
-def chat_body(rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False):
+def chat_body(
+    rid: str, model: str, choices: Choices, prompt_tokens: int, as_ids=False, parser=None
+):
+    """``parser``: a ``parsers.OutputParser`` (reasoning, tool calls) or None."""
+
     def choice(text, lp):
         message = {"role": "assistant", "content": text}
+        if parser is not None:
+            message |= parser.parse(text)[0]
         return {
             "message": message,
             "logprobs": chat_logprobs(lp, as_ids) if lp is not None else None,
         }
 
-    return _body(rid, model, "chat.completion", choices, prompt_tokens, choice)
+    body = _body(rid, model, "chat.completion", choices, prompt_tokens, choice)
+    for c in body["choices"]:  # OpenAI: a choice that called a tool finishes "tool_calls"
+        if c["message"].get("tool_calls") and c["finish_reason"] == "stop":
+            c["finish_reason"] = "tool_calls"
+    return body
 
 
 def completion_chunk(

@@ -38,9 +38,13 @@ class EventWriter:
     choice ``index``; it also counts the completion tokens (for ``usage``).
     """
 
-    def __init__(self, rid: str, model: str, created: int, chat: bool, as_ids: bool) -> None:
+    def __init__(
+        self, rid: str, model: str, created: int, chat: bool, as_ids: bool, parser=None
+    ) -> None:
         self.rid, self.model, self.created = rid, model, created
         self.chat, self.as_ids = chat, as_ids
+        self.parser = parser  # chat: a parsers.OutputParser (reasoning, tool calls), or None
+        self._states: dict = {}  # choice -> its parsers.StreamState
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.num_tokens = 0
         self.cached: dict[int, int] = {}  # choice -> prompt tokens from the prefix cache
@@ -67,7 +71,7 @@ class EventWriter:
         self.num_tokens += len(delta.token_ids)
         if delta.cached_tokens is not None:
             self.cached[index] = delta.cached_tokens
-        simple = delta.finish_reason is None and delta.logprobs is None
+        simple = delta.finish_reason is None and delta.logprobs is None and self.parser is None
         if simple and (not self.chat or index in self._started):
             if not delta.text:
                 return ""
@@ -91,10 +95,22 @@ class EventWriter:
             self._started.add(index)
             out.append(event(self._chat(index, {"role": "assistant", "content": ""})))
         lp = rsp.chat_logprobs(delta.logprobs, self.as_ids) if delta.logprobs else None
-        if delta.text or lp:
-            out.append(event(self._chat(index, {"content": delta.text}, None, lp)))
-        if delta.finish_reason is not None:
-            out.append(event(self._chat(index, {}, delta.finish_reason)))
+        reason = delta.finish_reason
+        if self.parser is None:
+            if delta.text or lp:
+                out.append(event(self._chat(index, {"content": delta.text}, None, lp)))
+        else:
+            state = self._states.get(index) or self._states.setdefault(index, self.parser.stream())
+            parts = state.feed(delta.text) if delta.text else []
+            if reason is not None:
+                parts += state.finish()
+                reason = "tool_calls" if state.called and reason == "stop" else reason
+            if lp and not parts:
+                parts = [{"content": ""}]
+            for k, part in enumerate(parts):
+                out.append(event(self._chat(index, part, None, lp if k == 0 else None)))
+        if reason is not None:
+            out.append(event(self._chat(index, {}, reason)))
         return "".join(out)
 
     def usage_event(self, prompt_tokens: int, n: int = 1) -> str:

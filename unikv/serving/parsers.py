@@ -1,0 +1,200 @@
+"""Chat output parsers: reasoning separated from the answer (Qwen3's
+``<think>...</think>``) and Hermes / Qwen-style tool calls
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) into OpenAI's
+``tool_calls``.
+
+Which apply is read from the chat template in use (the request's
+``chat_template`` or the tokenizer's): a template that writes ``<think>`` gets
+reasoning separation, one that writes ``<tool_call>`` gets tool-call parsing
+when the request passes ``tools`` (and ``tool_choice`` is not "none").
+
+``OutputParser.parse(text)`` gives a whole message's fields; ``stream()`` a
+``StreamState`` that turns text deltas into chat delta dicts: reasoning and
+content as they come (holding back a tail that may begin a tag), a tool call
+once the stream ends (its arguments whole, in one chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+_TOOL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def _held(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]] | None:
+    """(content outside the blocks, OpenAI tool_calls) of Hermes-style text, or
+    None when it holds no parsable tool call."""
+    calls = []
+    for block in _TOOL_BLOCK.findall(text):
+        try:
+            call = json.loads(block.strip())
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", call.get("parameters", {}))
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+        )
+    if not calls:
+        return None
+    content = text[: text.index(TOOL_OPEN)]
+    return (content if content.strip() else ""), calls
+
+
+@dataclass
+class OutputParser:
+    """reasoning: split ``<think>`` blocks off; tools: parse tool calls;
+    opened: the prompt already opened the think block (the template wrote
+    ``<think>`` at the end of the generation prompt)."""
+
+    reasoning: bool
+    tools: bool
+    opened: bool = False
+
+    @classmethod
+    def for_request(cls, template: str | None, prompt: str, body) -> OutputParser | None:
+        template = template or ""
+        reasoning = THINK_OPEN in template or THINK_CLOSE in template
+        tools = TOOL_OPEN in template and bool(body.tools) and body.tool_choice != "none"
+        if not (reasoning or tools):
+            return None
+        return cls(reasoning, tools, reasoning and prompt.rstrip().endswith(THINK_OPEN))
+
+    def parse(self, text: str) -> tuple[dict, bool]:
+        """(message fields: content, reasoning_content, tool_calls; whether it
+        called a tool)."""
+        reasoning, content = None, text
+        if self.reasoning:
+            body = text.lstrip()
+            opened = self.opened or body.startswith(THINK_OPEN)
+            if opened:
+                body = body.removeprefix(THINK_OPEN)
+                if THINK_CLOSE in body:
+                    reasoning, content = body.split(THINK_CLOSE, 1)
+                    content = content.lstrip("\n")
+                else:
+                    reasoning, content = body, ""
+        message = {"content": content or None if reasoning is not None else content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning.lstrip("\n")
+        called = False
+        if self.tools and content and TOOL_OPEN in content:
+            parsed = parse_tool_calls(content)
+            if parsed is not None:
+                message["content"] = parsed[0] or None
+                message["tool_calls"] = parsed[1]
+                called = True
+        return message, called
+
+    def stream(self) -> StreamState:
+        return StreamState(self)
+
+
+class StreamState:
+    """One streamed choice's parser state: ``feed(text)`` and ``finish()`` return
+    chat delta dicts; ``called`` once a tool call was sent."""
+
+    def __init__(self, parser: OutputParser) -> None:
+        self.parser = parser
+        self.pending = ""
+        self.phase = "start" if parser.reasoning else "content"
+        if parser.reasoning and parser.opened:
+            self.phase = "reasoning"
+        self.tool_text = ""
+        self.called = False
+        self.started_reasoning = False
+        self.started_content = not parser.reasoning  # after </think>: newlines dropped
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        self.pending += text
+        out: list[dict] = []
+        while True:
+            before = (self.phase, len(self.pending))
+            if self.phase == "start":
+                head = self.pending.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.pending = head[len(THINK_OPEN) :]
+                    self.phase = "reasoning"
+                elif THINK_OPEN.startswith(head) and not final:
+                    return out  # may still become the open tag
+                else:
+                    self.phase = "content"
+            elif self.phase == "reasoning":
+                i = self.pending.find(THINK_CLOSE)
+                if i >= 0:
+                    self._reasoning(out, self.pending[:i])
+                    self.pending = self.pending[i + len(THINK_CLOSE) :].lstrip("\n")
+                    self.phase = "content"
+                else:
+                    keep = 0 if final else _held(self.pending, THINK_CLOSE)
+                    self._reasoning(out, self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return out
+            elif self.phase == "content":
+                if not self.started_content:
+                    self.pending = self.pending.lstrip("\n")
+                    if not self.pending:
+                        return out
+                    self.started_content = True
+                i = self.pending.find(TOOL_OPEN) if self.parser.tools else -1
+                if i >= 0:
+                    if self.pending[:i].strip():
+                        out.append({"content": self.pending[:i]})
+                    self.tool_text, self.pending = self.pending[i:], ""
+                    self.phase = "tool"
+                else:
+                    tag = TOOL_OPEN if self.parser.tools else ""
+                    keep = 0 if final or not tag else _held(self.pending, tag)
+                    sent = self.pending[: len(self.pending) - keep]
+                    if sent:
+                        out.append({"content": sent})
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return out
+            else:  # tool: everything is kept for the end
+                self.tool_text += self.pending
+                self.pending = ""
+                return out
+            if (self.phase, len(self.pending)) == before:
+                return out
+
+    def _reasoning(self, out: list, text: str) -> None:
+        if not self.started_reasoning:
+            text = text.lstrip("\n")
+        if text:
+            self.started_reasoning = True
+            out.append({"reasoning_content": text})
+
+    def finish(self) -> list[dict]:
+        """The deltas still held (a tool call's, whole) when the stream ends."""
+        out = self.feed("", final=True)
+        if self.tool_text:
+            parsed = parse_tool_calls(self.tool_text)
+            if parsed is None:
+                out.append({"content": self.tool_text})
+            else:
+                self.called = True
+                calls = [{"index": k, **c} for k, c in enumerate(parsed[1])]
+                out.append({"tool_calls": calls})
+            self.tool_text = ""
+        return out
