@@ -391,3 +391,41 @@ def test_reasoning_opened_by_the_template(server):
     deltas = [c["choices"][0]["delta"] for c in _sse(server, body) if c["choices"]]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "hmm\n"
     assert "".join(d.get("content") or "" for d in deltas) == "Hello"
+
+
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}{% if m['role'] == 'assistant' %}"
+    "<|channel|>final{% endif %}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_harmony_channels_and_tool_calls(server):
+    import json
+
+    pytest.importorskip("xgrammar")
+    forced = ("<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>"
+              'commentary to=functions.weather <|constrain|>json<|message|>{"city": "P"}<|call|>')  # fmt: skip
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "P?"}], "max_tokens": 150,
+            "temperature": 0, "chat_template": HARMONY_TEMPLATE, "tools": [WEATHER],
+            "structured_outputs": {"regex": re.escape(forced)}}  # fmt: skip
+    choice = _post(server, "/v1/chat/completions", body).json()["choices"][0]
+    msg = choice["message"]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert msg["reasoning_content"] == "Need it." and msg["content"] is None
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "P"}
+    deltas = [c["choices"][0]["delta"] for c in _sse(server, body) if c["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Need it."
+    assert not "".join(d.get("content") or "" for d in deltas)
+    calls = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert [t["function"]["name"] for t in calls] == ["weather"]
+    forced = (
+        "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    )
+    body |= {"structured_outputs": {"regex": re.escape(forced)}, "tools": None}
+    msg = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": "Hi!", "reasoning_content": "Hm."}
+    deltas = [c["choices"][0]["delta"] for c in _sse(server, body) if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hi!"

@@ -99,8 +99,7 @@ class Server:
             raise
         except Exception as err:  # the chat template's own errors too
             raise BadRequest(f"messages: {err}", "messages") from err
-        body.use_parser(self.llm, text)
-        return ids, text, params
+        return ids, text, body.use_parser(self.llm, text, params)
 
     async def respond(self, request: Request, body, items, chat: bool):
         """Run ``items`` on the engine; a JSON body or an event stream."""

@@ -12,6 +12,13 @@ when the request passes ``tools`` (and ``tool_choice`` is not "none").
 ``StreamState`` that turns text deltas into chat delta dicts: reasoning and
 content as they come (holding back a tail that may begin a tag), a tool call
 once the stream ends (its arguments whole, in one chunk).
+
+gpt-oss's harmony format (a template that writes ``<|channel|>``) has its own
+parser, ``HarmonyParser``: the output's messages (``<|channel|>analysis``:
+reasoning, ``final``: the answer, ``commentary to=functions.NAME``: a tool call)
+are read from the text decoded with its special tokens kept. It reads the text
+itself: the ``openai-harmony`` package needs its vocabulary file downloaded
+before it parses anything, which an offline server cannot do.
 """
 
 from __future__ import annotations
@@ -72,9 +79,14 @@ class OutputParser:
     tools: bool
     opened: bool = False
 
+    harmony = False
+
     @classmethod
-    def for_request(cls, template: str | None, prompt: str, body) -> OutputParser | None:
+    def for_request(cls, template: str | None, prompt: str, body):
+        """The parser of a request (an OutputParser, a HarmonyParser or None)."""
         template = template or ""
+        if CHANNEL in template:
+            return HarmonyParser(bool(body.tools) and body.tool_choice != "none")
         reasoning = THINK_OPEN in template or THINK_CLOSE in template
         tools = TOOL_OPEN in template and bool(body.tools) and body.tool_choice != "none"
         if not (reasoning or tools):
@@ -197,4 +209,120 @@ class StreamState:
                 calls = [{"index": k, **c} for k, c in enumerate(parsed[1])]
                 out.append({"tool_calls": calls})
             self.tool_text = ""
+        return out
+
+
+CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
+_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+_TRAILING_SPECIAL = re.compile(r"<\|[^|<>]*\|>$")
+_TAIL_TAG = re.compile(r"<\|[^|<>]*(\|>?)?")  # a tag (maybe still arriving) at a body's end
+
+
+def _harmony_messages(text: str) -> list[tuple[str, str | None, str, bool]]:
+    """(channel, tool name or None, body, complete) of each message of harmony text
+    (the assistant's output: its first header follows the prompt's ``<|start|>assistant``)."""
+    out = []
+    pos = 0
+    while pos < len(text):
+        m = text.find(MESSAGE, pos)
+        if m < 0:
+            break
+        header = text[pos:m]
+        end, stop = len(text), None
+        for tag in _ENDS:
+            i = text.find(tag, m)
+            if i >= 0 and i < end:
+                end, stop = i, tag
+        channel = ""
+        if CHANNEL in header:
+            channel = header.split(CHANNEL, 1)[1].split(" ", 1)[0].split("<|", 1)[0].strip()
+        tool = _RECIPIENT.search(header)
+        out.append((channel, tool.group(1) if tool else None, text[m + len(MESSAGE) : end],
+                    stop is not None))  # fmt: skip
+        if stop is None:
+            break
+        pos = end + len(stop)
+        nxt = text.find(START, pos)
+        pos = len(text) if nxt < 0 else nxt + len(START)
+    return out
+
+
+@dataclass
+class HarmonyParser:
+    """gpt-oss's output: reasoning (analysis), content (final) and tool calls
+    (commentary to=functions.NAME). ``tools``: tool calls are parsed."""
+
+    tools: bool
+    harmony = True
+
+    def fields(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
+        """(reasoning, content, tool calls) of ``text``; while streaming
+        (``final`` False) an open message's tail that may begin a tag is held back."""
+        reasoning, content, calls = [], [], []
+        for channel, tool, body, complete in _harmony_messages(text):
+            if not complete and not final:  # hold back a tag that may be arriving
+                i = body.rfind("<|")
+                tail = i >= 0 and _TAIL_TAG.fullmatch(body[i:]) is not None
+                cut = i if tail else len(body) - _held(body, "<|")
+                body = body[:cut]
+            elif not complete:  # the stop token's text (decoded with the specials kept)
+                body = _TRAILING_SPECIAL.sub("", body)
+            if tool is not None and self.tools:
+                if complete or final:
+                    calls.append((tool, body.strip()))
+            elif channel == "analysis":
+                reasoning.append(body)
+            elif channel == "final" or (tool is None and channel != "commentary"):
+                content.append(body)
+            else:  # commentary to the user: part of the answer
+                content.append(body)
+        tool_calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+            for name, args in calls
+        ]
+        return "".join(reasoning), "".join(content), tool_calls
+
+    def parse(self, text: str) -> tuple[dict, bool]:
+        reasoning, content, calls = self.fields(text, True)
+        message = {"content": content or None, "reasoning_content": reasoning or None}
+        if calls:
+            message["tool_calls"] = calls
+        return message, bool(calls)
+
+    def stream(self) -> HarmonyStream:
+        return HarmonyStream(self)
+
+
+class HarmonyStream:
+    """A streamed choice of ``HarmonyParser``: each feed re-reads the text so far
+    and sends what grew (reasoning, content); tool calls at the end."""
+
+    def __init__(self, parser: HarmonyParser) -> None:
+        self.parser, self.text = parser, ""
+        self.sent = {"reasoning_content": 0, "content": 0}
+        self.called = False
+
+    def _grown(self, final: bool) -> tuple[list[dict], list[dict]]:
+        reasoning, content, calls = self.parser.fields(self.text, final)
+        out = []
+        for key, value in (("reasoning_content", reasoning), ("content", content)):
+            if len(value) > self.sent[key]:
+                out.append({key: value[self.sent[key] :]})
+                self.sent[key] = len(value)
+        return out, calls
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        return self._grown(False)[0]
+
+    def finish(self) -> list[dict]:
+        out, calls = self._grown(True)
+        if calls:
+            self.called = True
+            out.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
         return out

@@ -14,6 +14,7 @@ and what it got (``validation_message``); ``SamplingParams`` checks them again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Literal
 
@@ -385,8 +386,9 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
 
-    def use_parser(self, llm, prompt: str) -> None:
-        """Choose the output parser from the chat template in use."""
+    def use_parser(self, llm, prompt: str, params: SamplingParams) -> SamplingParams:
+        """Choose the output parser from the chat template in use; the params to
+        run with (harmony's parser reads the special tokens: they are kept)."""
         from unikv.serving.parsers import OutputParser
 
         tok = getattr(llm, "tokenizer", None)
@@ -394,6 +396,9 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
         if isinstance(template, dict):  # named templates: the default, or all of them
             template = template.get("default") or " ".join(template.values())
         self._parser = OutputParser.for_request(template, prompt, self)
+        if self._parser is not None and self._parser.harmony:
+            return dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def conversation(self) -> list[dict]:
         if self.tool_choice not in (None, "none", "auto"):
