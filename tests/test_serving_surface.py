@@ -429,3 +429,26 @@ def test_harmony_channels_and_tool_calls(server):
     assert msg == {"role": "assistant", "content": "Hi!", "reasoning_content": "Hm."}
     deltas = [c["choices"][0]["delta"] for c in _sse(server, body) if c["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "Hi!"
+
+
+def test_only_the_requests_that_ask_are_constrained_or_scored(ckpt):
+    """A batch mixing a structured request, a prompt-logprobs one and plain ones:
+    the plain ones' tokens equal their tokens alone; the structured one parses."""
+    import json
+
+    pytest.importorskip("xgrammar")
+    from unikv.engine.structured import compile_structured
+
+    _, _, llm = ckpt
+    prompts = ["The quick brown fox", "Hello, how are you", "A stop string", "unikv serves"]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True)
+    alone = [llm.generate(prompts[0], greedy)[0], llm.generate(prompts[1], sampled)[0]]
+    schema = compile_structured(llm, "json", json.dumps(SCHEMA))
+    params = [greedy, sampled,
+              SamplingParams(max_tokens=40, temperature=1.0, seed=1, structured=schema),
+              SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=1)]  # fmt: skip
+    outs = llm.generate(prompts, params)
+    assert [o.output_ids for o in outs[:2]] == [a.output_ids for a in alone]
+    _check_schema(json.loads(outs[2].text))
+    assert outs[3].prompt_logprobs is not None and outs[0].prompt_logprobs is None
