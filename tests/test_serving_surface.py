@@ -452,3 +452,23 @@ def test_only_the_requests_that_ask_are_constrained_or_scored(ckpt):
     assert [o.output_ids for o in outs[:2]] == [a.output_ids for a in alone]
     _check_schema(json.loads(outs[2].text))
     assert outs[3].prompt_logprobs is not None and outs[0].prompt_logprobs is None
+
+
+def test_streamed_echo_equals_the_plain_answer(server):
+    import json
+
+    body = {"model": "tiny", "prompt": "Hello, how are you", "max_tokens": 6, "temperature": 0,
+            "echo": True, "logprobs": 1, "ignore_eos": True}  # fmt: skip
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]
+    r = httpx.post(server.url + "/v1/completions", json=body | {"stream": True}, timeout=60)
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == plain["text"]
+    lps = [c["logprobs"] for c in choices if c["logprobs"]]
+    for key in ("tokens", "token_logprobs", "text_offset", "top_logprobs"):
+        assert [v for lp in lps for v in lp[key]] == plain["logprobs"][key], key
+    body |= {"max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == body["prompt"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0

@@ -109,11 +109,13 @@ class Server:
         rid = rsp.new_id("chatcmpl" if chat else "cmpl")
         prompt_tokens = sum(len(ids) for ids, _, _ in items)
         self.metrics.prompt_tokens += prompt_tokens * body.n
+        echoed = not chat and (body.echo or body.prompt_logprobs is not None)
+        echo = rsp.Echo.of(body, items, self.llm) if echoed else None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             writer = EventWriter(
                 rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids,
-                body.parser,
+                body.parser, echo,
             )  # fmt: skip
             events = self._events(sub, clock, writer, body.n, prompt_tokens if usage else None)
             return EventStream(events, on_close=lambda: self._aborted(sub))
@@ -128,7 +130,6 @@ class Server:
         if chat:
             made = rsp.chat_body(rid, body.model, choices, prompt_tokens, as_ids, body.parser)
             return JSONResponse(made)
-        echo = rsp.Echo.of(body, items, self.llm) if body.echo or body.prompt_logprobs else None
         return JSONResponse(
             rsp.completion_body(rid, body.model, choices, prompt_tokens, as_ids, echo)
         )

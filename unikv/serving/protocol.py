@@ -319,8 +319,6 @@ class CompletionRequest(_Sampling):
         too; ``max_tokens`` 0 (echo only) samples one token, dropped from the answer."""
         if self.max_tokens == 0 and not self.echo:
             raise BadRequest("max_tokens: 0 is only allowed with echo: true", "max_tokens")
-        if self.echo and self.stream:
-            raise BadRequest("echo is not supported with stream: true by unikv", "echo")
         if self.prompt_logprobs is not None and self.stream:
             raise BadRequest(
                 "prompt_logprobs is not supported with stream: true", "prompt_logprobs"

@@ -166,7 +166,7 @@ class Echo:
         return choices.prompt_logprobs.get(i - i % self.n) or [None]
 
 
-def _echo_logprobs(first: tuple[int, str], entries: list, out, as_ids, end: int) -> dict:
+def echo_logprobs(first: tuple[int, str], entries: list, out, as_ids, end: int) -> dict:
     """The legacy logprobs of an echoed prompt (its first token has no logprob),
     then the completion's entries ``out`` (or None), whose offsets start at ``end``
     (the prompt text's length)."""
@@ -220,7 +220,7 @@ def completion_body(
             out["text"] = echo.texts[i // echo.n] + text
             if lp is not None:
                 j = i // echo.n
-                out["logprobs"] = _echo_logprobs(
+                out["logprobs"] = echo_logprobs(
                     echo.first[j], entries, lp, as_ids, len(echo.texts[j])
                 )
         if echo.prompt_logprobs:

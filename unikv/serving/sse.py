@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from json.encoder import encode_basestring_ascii
 
 from starlette.responses import StreamingResponse
@@ -39,12 +40,21 @@ class EventWriter:
     """
 
     def __init__(
-        self, rid: str, model: str, created: int, chat: bool, as_ids: bool, parser=None
+        self,
+        rid: str,
+        model: str,
+        created: int,
+        chat: bool,
+        as_ids: bool,
+        parser=None,
+        echo=None,
     ) -> None:
         self.rid, self.model, self.created = rid, model, created
         self.chat, self.as_ids = chat, as_ids
         self.parser = parser  # chat: a parsers.OutputParser (reasoning, tool calls), or None
         self._states: dict = {}  # choice -> its parsers.StreamState
+        self.echo = echo  # completions: a responses.Echo (the prompt goes first), or None
+        self._echoed: set[int] = set()  # choices whose first chunk (the prompt) was sent
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.num_tokens = 0
         self.cached: dict[int, int] = {}  # choice -> prompt tokens from the prefix cache
@@ -68,6 +78,8 @@ class EventWriter:
         return chunk
 
     def write(self, index: int, delta: Delta) -> str:
+        if self.echo is not None:
+            return self.echo_event(index, delta)
         self.num_tokens += len(delta.token_ids)
         if delta.cached_tokens is not None:
             self.cached[index] = delta.cached_tokens
@@ -87,6 +99,38 @@ class EventWriter:
         chunk["created"] = self.created
         if delta.logprobs:
             self._offsets[index] = offset + sum(len(e[4] or "") for e in delta.logprobs)
+        return event(chunk)
+
+    def echo_event(self, index: int, delta: Delta) -> str:
+        """A completions chunk of an echoing request: its first chunk starts with
+        the prompt (its text, and its tokens' logprobs when logprobs are asked);
+        max_tokens 0 leaves the sampled token out."""
+        echo = self.echo
+        if delta.cached_tokens is not None:
+            self.cached[index] = delta.cached_tokens
+        if echo.drop:
+            delta = replace(delta, token_ids=[], text="", logprobs=[] if delta.logprobs else None)
+        self.num_tokens += len(delta.token_ids)
+        first = index not in self._echoed
+        self._echoed.add(index)
+        prompt = echo.texts[index // echo.n] if first and echo.echo else ""
+        if not (prompt or delta.text or delta.finish_reason is not None or delta.logprobs):
+            return ""
+        offset = self._offsets.get(index, 0)
+        plain = replace(delta, text=prompt + delta.text, logprobs=None)
+        chunk = rsp.completion_chunk(self.rid, self.model, index, plain, self.as_ids)
+        chunk["created"] = self.created
+        if delta.logprobs is not None:
+            if prompt:
+                entries = delta.prompt_logprobs or [None]
+                lp = rsp.echo_logprobs(
+                    echo.first[index // echo.n], entries, delta.logprobs, self.as_ids, len(prompt)
+                )
+                offset = len(prompt)
+            else:
+                lp = rsp.completion_logprobs(delta.logprobs, self.as_ids, offset)
+            self._offsets[index] = offset + sum(len(e[4] or "") for e in delta.logprobs)
+            chunk["choices"][0]["logprobs"] = lp
         return event(chunk)
 
     def chat_events(self, index: int, delta: Delta) -> str:
