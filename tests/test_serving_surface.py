@@ -472,3 +472,38 @@ def test_streamed_echo_equals_the_plain_answer(server):
     chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == body["prompt"]
     assert chunks[-1]["usage"]["completion_tokens"] == 0
+
+
+CITY = {"type": "function", "function": {"name": "city", "parameters": {
+    "type": "object", "properties": {"name": {"enum": ["Paris", "Rome"]}}, "required": ["name"],
+    "additionalProperties": False}}}  # fmt: skip
+
+
+def test_tool_choice_named_and_required_force_a_valid_call(server):
+    import json
+
+    pytest.importorskip("xgrammar")
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "Go"}], "max_tokens": 60,
+            "temperature": 1.0, "tools": [WEATHER, CITY]}  # fmt: skip
+    named = base | {"tool_choice": {"type": "function", "function": {"name": "city"}}}
+    for seed in range(2):
+        choice = _post(server, "/v1/chat/completions", named | {"seed": seed}).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "city"
+        assert json.loads(call["function"]["arguments"])["name"] in ("Paris", "Rome")
+    deltas = [c["choices"][0]["delta"] for c in _sse(server, named | {"seed": 0}) if c["choices"]]
+    calls = [t for d in deltas for t in d.get("tool_calls") or ()]
+    assert [t["function"]["name"] for t in calls] == ["city"]
+    required = base | {"tool_choice": "required", "tools": [CITY], "seed": 3,
+                       "parallel_tool_calls": False}  # fmt: skip
+    choice = _post(server, "/v1/chat/completions", required).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    for call in choice["message"]["tool_calls"]:
+        assert call["function"]["name"] == "city"
+        assert json.loads(call["function"]["arguments"])["name"] in ("Paris", "Rome")
+    for bad in ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                {"tool_choice": "required", "tools": None},
+                {"tool_choice": "required", "response_format": {"type": "json_object"}}):  # fmt: skip
+        r = _post(server, "/v1/chat/completions", base | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text

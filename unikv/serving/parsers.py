@@ -326,3 +326,52 @@ class HarmonyStream:
             self.called = True
             out.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
         return out
+
+
+@dataclass
+class ForcedToolParser:
+    """A call that ``tool_choice`` forced through a JSON-schema grammar: the output
+    is the named function's arguments (``names``: that one name), or with
+    ``required`` a list of {"name", "parameters"}."""
+
+    names: list[str]
+    required: bool
+    harmony = False
+
+    def parse(self, text: str) -> tuple[dict, bool]:
+        if self.required:
+            try:
+                calls = [(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+            except (ValueError, TypeError, KeyError):  # cut short: not parsable
+                return {"content": text}, False
+        else:
+            calls = [(self.names[0], text)]
+        tool_calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+            for name, args in calls
+        ]
+        return {"content": None, "tool_calls": tool_calls}, True
+
+    def stream(self) -> ForcedToolStream:
+        return ForcedToolStream(self)
+
+
+class ForcedToolStream:
+    """A streamed forced call: the whole call once the stream ends."""
+
+    def __init__(self, parser: ForcedToolParser) -> None:
+        self.parser, self.text, self.called = parser, "", False
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        return []
+
+    def finish(self) -> list[dict]:
+        message, self.called = self.parser.parse(self.text)
+        if not self.called:
+            return [{"content": self.text}]
+        return [{"tool_calls": [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]}]

@@ -387,8 +387,12 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     def use_parser(self, llm, prompt: str, params: SamplingParams) -> SamplingParams:
         """Choose the output parser from the chat template in use; the params to
         run with (harmony's parser reads the special tokens: they are kept)."""
-        from unikv.serving.parsers import OutputParser
+        from unikv.serving.parsers import ForcedToolParser, OutputParser
 
+        forced = self.forced_tools()
+        if forced is not None:  # the grammar wrote the call: parse it as such
+            self._parser = ForcedToolParser(forced[0], self.tool_choice == "required")
+            return params
         tok = getattr(llm, "tokenizer", None)
         template = self.chat_template or getattr(tok, "chat_template", None)
         if isinstance(template, dict):  # named templates: the default, or all of them
@@ -398,13 +402,53 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
 
-    def conversation(self) -> list[dict]:
-        if self.tool_choice not in (None, "none", "auto"):
+    def forced_tools(self) -> tuple[list[str], dict] | None:
+        """(tool names, the JSON schema of the output) when ``tool_choice`` forces a
+        call: a named function (the output is its arguments) or "required" (a list
+        of {"name", "parameters"}, vLLM's form; one call at most without
+        ``parallel_tool_calls``); None for none / auto."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return None
+        tools = {}
+        for t in self.tools or ():
+            fn = t.get("function") if isinstance(t, dict) else None
+            if t.get("type") != "function" or not isinstance(fn, dict) or "name" not in fn:
+                raise BadRequest(f"tools: each tool is a function with a name, got {t!r:.80}",
+                                 "tools")  # fmt: skip
+            tools[fn["name"]] = fn.get("parameters") or {"type": "object"}
+        if choice == "required":
+            if not tools:
+                raise BadRequest("tool_choice: 'required' needs tools", "tool_choice")
+            items = [{"type": "object", "properties": {"name": {"enum": [name]},
+                      "parameters": schema}, "required": ["name", "parameters"]}
+                     for name, schema in tools.items()]  # fmt: skip
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+            if not self.parallel_tool_calls:
+                schema["maxItems"] = 1
+            return list(tools), schema
+        name = None
+        if isinstance(choice, dict) and choice.get("type") == "function":
+            name = (choice.get("function") or {}).get("name")
+        if name is None or name not in tools:
             raise BadRequest(
-                "tool_choice: only 'none' and 'auto' are supported by unikv, got "
-                f"{self.tool_choice!r:.80}",
+                "tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', "
+                f"'function': {{'name': one of {sorted(tools)}}}}}, got {choice!r:.80}",
                 "tool_choice",
             )
+        return [name], tools[name]
+
+    def structured_spec(self) -> tuple[str, str, str] | None:
+        spec = super().structured_spec()
+        forced = self.forced_tools()
+        if forced is None:
+            return spec
+        if spec is not None:
+            raise BadRequest(f"tool_choice cannot be combined with {spec[2]}", "tool_choice")
+        return "json", json.dumps(forced[1]), "tool_choice"
+
+    def conversation(self) -> list[dict]:
+        self.forced_tools()  # a bad tool_choice is a 400 before the template runs
         return [m.as_dict() for m in self.messages]
 
     def limits(self) -> tuple[int | None, int | None]:
