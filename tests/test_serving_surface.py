@@ -80,6 +80,7 @@ def test_tokenize_detokenize_version(ckpt, server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     r = httpx.get(server.url + "/version", timeout=10)
     assert r.status_code == 200 and isinstance(r.json()["version"], str)
+    assert httpx.get(server.url + "/ping", timeout=10).status_code == 200
 
 
 def test_per_request_chat_template_and_its_kwargs(ckpt, server, client):
@@ -115,6 +116,12 @@ def test_per_request_chat_template_and_its_kwargs(ckpt, server, client):
         partial, tokenize=False, add_generation_prompt=False, continue_final_message=True
     )
     assert rendered.endswith("I am")
+    got = llm.chat(partial, SamplingParams(max_tokens=4, temperature=0.0),
+                   add_generation_prompt=False, continue_final_message=True)[0]  # fmt: skip
+    assert got.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    got = llm.chat(messages, chat_template=THINK_TEMPLATE, tools=tools,
+                   chat_template_kwargs={"enable_thinking": True})[0]  # fmt: skip
+    assert tok.decode(got.prompt_token_ids).endswith("<tools>1</tools>[assistant]<think>")
     body = {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
     assert _post(server, "/tokenize", body).json()["tokens"] == tok.encode(
         rendered, add_special_tokens=False

@@ -1,4 +1,5 @@
-"""vLLM's extra routes: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+"""vLLM's extra routes: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET|POST /ping``.
 
 Shapes are vLLM's:
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -104,6 +106,12 @@ def register(app: FastAPI, server) -> None:
             raise BadRequest(f"tokens: ids must be in [0, {vocab}), got {bad[:8]}", "tokens")
         with llm.tokenizer_lock:
             return {"prompt": tok.decode(body.tokens)}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (SageMaker's) liveness route: /health's answer
+        if server.engine.healthy:
+            return Response(status_code=200)
+        return Response(status_code=503)
 
     @app.get("/version")
     async def get_version():
