@@ -514,3 +514,40 @@ def test_tool_choice_named_and_required_force_a_valid_call(server):
                 {"tool_choice": "required", "response_format": {"type": "json_object"}}):  # fmt: skip
         r = _post(server, "/v1/chat/completions", base | bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+
+
+def test_fuzz_tokenize_and_detokenize_fields(server):
+    """Each field of /tokenize (both forms) and /detokenize set to a value of any
+    JSON type: a 200 or an OpenAI-shaped 400, never a 5xx."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                        st.floats(allow_nan=True), st.text(max_size=12))  # fmt: skip
+    values = st.recursive(scalars, lambda v: st.lists(v, max_size=3) | st.dictionaries(
+        st.text(max_size=5), v, max_size=3), max_leaves=6)  # fmt: skip
+    bases = {
+        "/tokenize": [{"prompt": "Hi"}, {"messages": [{"role": "user", "content": "Hi"}]}],
+        "/detokenize": [{"tokens": [5, 6]}],
+    }
+    fields = {"/tokenize": ["model", "prompt", "add_special_tokens", "return_token_strs",
+                            "messages", "add_generation_prompt", "continue_final_message",
+                            "chat_template", "chat_template_kwargs", "tools", "junk"],
+              "/detokenize": ["model", "tokens", "junk"]}  # fmt: skip
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def check(data):
+        route = data.draw(st.sampled_from(sorted(bases)))
+        body = dict(data.draw(st.sampled_from(bases[route])))
+        body[data.draw(st.sampled_from(fields[route]))] = data.draw(values)
+        raw = json.dumps(body).encode("utf-8", "surrogatepass")
+        r = httpx.post(server.url + route, content=raw, timeout=30,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code in (200, 400), (body, r.status_code, r.text[:200])
+        if r.status_code == 400:
+            assert r.json()["error"]["type"] == "invalid_request_error"
+
+    check()

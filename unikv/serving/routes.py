@@ -18,6 +18,7 @@ blocks the event loop.
 
 from __future__ import annotations
 
+import json
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
@@ -81,7 +82,7 @@ def register(app: FastAPI, server) -> None:
             server.check_model(model)
 
     def do_tokenize(raw: bytes) -> dict:
-        chat = b'"messages"' in raw
+        chat = _has_messages(raw)
         body = parse_body(raw, TokenizeChat if chat else TokenizeCompletion)
         check(body.model)
         tok = tokenizer()
@@ -124,6 +125,15 @@ def register(app: FastAPI, server) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         return await run_in_threadpool(do_detokenize, await request.body())
+
+
+def _has_messages(raw: bytes) -> bool:
+    """Whether the body is a JSON object with "messages" (vLLM's chat form)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return False  # the strict parse names the error
+    return isinstance(obj, dict) and "messages" in obj
 
 
 def chat_text(llm, messages: list[dict], body) -> str:
