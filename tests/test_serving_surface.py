@@ -551,3 +551,18 @@ def test_fuzz_tokenize_and_detokenize_fields(server):
             assert r.json()["error"]["type"] == "invalid_request_error"
 
     check()
+
+
+def test_chat_prompt_logprobs_equal_transformers(ckpt, server):
+    hf = ckpt[1]
+    messages = [{"role": "user", "content": "Hello, how are you"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 1}  # fmt: skip
+    got = _post(server, "/v1/chat/completions", body).json()
+    ids = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    plp = got["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids) == got["usage"]["prompt_tokens"]
+    for k, want in enumerate(_hf_prompt_logprobs(hf, ids), start=1):
+        assert math.isclose(plp[k][str(ids[k])]["logprob"], want, abs_tol=1e-4)
+    r = _post(server, "/v1/chat/completions", body | {"stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

@@ -260,7 +260,7 @@ def create_app(
     async def chat_completions(request: Request):
         body = await _body(request, ChatCompletionRequest)
         server.check_model(body.model)
-        params = await run_in_threadpool(body.sampling_params, *body.limits(), None, llm)
+        params = await run_in_threadpool(body.sampling_params, *body.limits(), llm)
         items = [server.chat_item(body, params)]
         return await server.respond(request, body, items, chat=True)
 

@@ -383,6 +383,7 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the answer's top level
 
     def use_parser(self, llm, prompt: str, params: SamplingParams) -> SamplingParams:
         """Choose the output parser from the chat template in use; the params to
@@ -451,9 +452,14 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
         self.forced_tools()  # a bad tool_choice is a 400 before the template runs
         return [m.as_dict() for m in self.messages]
 
-    def limits(self) -> tuple[int | None, int | None]:
-        """(max_tokens, logprobs) for SamplingParams."""
+    def limits(self) -> tuple[int | None, int | None, int | None]:
+        """(max_tokens, logprobs, prompt_logprobs) for SamplingParams."""
         max_tokens = self.max_completion_tokens or self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        return max_tokens, (self.top_logprobs or 0) if self.logprobs else None
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequest(
+                "prompt_logprobs is not supported with stream: true", "prompt_logprobs"
+            )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return max_tokens, logprobs, self.prompt_logprobs

@@ -245,6 +245,8 @@ def chat_body(
         }
 
     body = _body(rid, model, "chat.completion", choices, prompt_tokens, choice)
+    if choices.prompt_logprobs:  # vLLM's prompt_logprobs: the (one) prompt's, top level
+        body["prompt_logprobs"] = prompt_logprob_dicts(choices.prompt_logprobs[0], as_ids)
     for c in body["choices"]:  # OpenAI: a choice that called a tool finishes "tool_calls"
         if c["message"].get("tool_calls") and c["finish_reason"] == "stop":
             c["finish_reason"] = "tool_calls"
