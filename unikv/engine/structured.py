@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
+CACHE_SIZE = 256  # compiled constraints kept per LLM
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class _Compiler:
         out = StructuredOutputs(kind, spec, compiled)
         with self.lock:
             self.cache[key] = out
+            while len(self.cache) > CACHE_SIZE:  # oldest first: many distinct schemas
+                del self.cache[next(iter(self.cache))]
         return out
 
 
