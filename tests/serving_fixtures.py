@@ -249,7 +249,7 @@ class ScriptedLLM:
     def token_ids(self, prompt) -> list[int]:
         return list(prompt)
 
-    def chat(self, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def chat(self, messages, add_generation_prompt: bool = True, **kw) -> tuple[str, list[int]]:
         """(prompt text, token ids): one id per message."""
         return "".join(m["content"] for m in messages), [len(m["content"]) for m in messages]
 

@@ -402,16 +402,21 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """``generate`` on conversations rendered by the tokenizer's chat template:
-        ``messages`` is one conversation (a list of {"role", "content"} dicts) or a
-        list of them."""
+        """``generate`` on conversations rendered by the tokenizer's chat template
+        (or ``chat_template``, with ``tools`` and ``chat_template_kwargs`` given to
+        it; ``continue_final_message`` leaves the last message open): ``messages``
+        is one conversation (a list of {"role", "content"} dicts) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.prompts.chat(c, add_generation_prompt=add_generation_prompt)[1]
-            for c in conversations
-        ]
+        kw = {"add_generation_prompt": add_generation_prompt, "chat_template": chat_template,
+              "continue_final_message": continue_final_message, "tools": tools,
+              "extra": chat_template_kwargs}  # fmt: skip
+        prompts = [self.prompts.chat(c, **kw)[1] for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @property

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from unikv.engine.sampling import sample
+from unikv.engine.structured import mask_structured
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
@@ -129,15 +130,22 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs, pin: bool):
     return StepLogprobs(rows, chosen[:, 0], rank, top_values, top_ids)
 
 
-def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool):
+def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool, prev_host=None):
     """(B,) int64 next tokens of ``reqs`` (batch order) from logits (B, V) fp32,
-    and their StepLogprobs (None if no row asks). ``logits`` is not modified."""
+    and their StepLogprobs (None if no row asks). ``logits`` is not modified.
+    prev_host: None, or a callable giving the previous step's tokens on the host
+    (called, a wait, only when a structured-output request is in the batch)."""
     dev = logits.device
     processed = logits
-    if any(r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs):
+    structured = any(r.params.structured is not None for r in reqs)
+    if structured or any(
+        r.params.has_penalties or len(r.output_ids) < r.params.min_tokens for r in reqs
+    ):
         processed = logits.clone()
         apply_penalties(processed, reqs, prev_tokens, pin)
         mask_early_stops(processed, reqs, pin)
+        if structured:
+            mask_structured(processed, reqs, prev_host() if prev_host is not None else None)
     floats = _to_device(
         [(r.params.temperature, r.params.top_p, r.params.min_p) for r in reqs],
         torch.float32,
@@ -152,3 +160,92 @@ def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool):
         processed, floats[:, 0], ints[:, 0], floats[:, 1], ints[:, 1], ints[:, 2], min_p
     )
     return tokens, step_logprobs(logits, tokens, reqs, pin)
+
+
+@dataclass
+class PromptRows:
+    """The prompt rows of one step whose logits its requests asked for
+    (``SamplingParams.prompt_logprobs``): ``rows`` (E,) int64 device token rows of
+    the step (appended to the forward's logits rows), ``targets`` (E,) the prompt
+    tokens they predict, ``spans`` (lane, first prompt position, count) host ints,
+    ``k`` the top tokens to return."""
+
+    rows: torch.Tensor
+    targets: torch.Tensor
+    spans: list[tuple[int, int, int]]
+    k: int
+
+
+def prompt_rows(batch, device, pin: bool) -> PromptRows | None:
+    """PromptRows of ``batch`` (None when no request asks, or none of its prompt
+    positions is in this step). A request's lane ``j`` feeds tokens ``[s, s + n)``
+    (``s``: its computed tokens); the logits of its token ``s + t`` predict prompt
+    position ``s + t + 1``, wanted while that is a prompt position."""
+    reqs, num_new = batch.requests, batch.num_new
+    asks = [j for j, r in enumerate(reqs) if r.params.prompt_logprobs is not None]
+    if not asks:
+        return None
+    one_token = batch.is_decode  # one token per lane: lane j is token row j
+    offsets = [0]
+    for n in num_new:
+        offsets.append(offsets[-1] + n)
+    rows, targets, spans, k = [], [], [], 0
+    for j in asks:
+        r = reqs[j]
+        first, last = r.num_cached + 1, min(r.num_cached + num_new[j], len(r.prompt_ids) - 1)
+        if last < first:
+            continue
+        base = j if one_token else offsets[j]
+        rows.extend(range(base, base + last - first + 1))
+        targets.extend(r.prompt_ids[first : last + 1])
+        spans.append((j, first, last - first + 1))
+        k = max(k, r.params.prompt_logprobs)
+    if not rows:
+        return None
+    rows_t = _to_device(rows, torch.int64, device, pin)
+    return PromptRows(rows_t, _to_device(targets, torch.int64, device, pin), spans, k)
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of a step's prompt rows (``PromptRows``): chosen (E,),
+    rank (E,), top_values / top_ids (E, k), and the rows' spans."""
+
+    spans: list[tuple[int, int, int]]
+    chosen: torch.Tensor
+    rank: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+    def to_host(self) -> PromptLogprobs:
+        """Pinned host copies, enqueued without waiting (read after the step's event)."""
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        parts = (self.chosen, self.rank, self.top_values, self.top_ids)
+        return PromptLogprobs(self.spans, *(copy(t) for t in parts))
+
+    def lists(self) -> dict[int, tuple[int, list]]:
+        """lane -> (first prompt position, [(logprob, rank, [(id, logprob)] of the
+        top k)] of its positions in order)."""
+        chosen, rank = self.chosen.tolist(), self.rank.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        out, e = {}, 0
+        for lane, first, count in self.spans:
+            out[lane] = (
+                first,
+                [(chosen[i], rank[i], list(zip(ids[i], values[i]))) for i in range(e, e + count)],
+            )
+            e += count
+        return out
+
+
+def prompt_logprobs(logits: torch.Tensor, pr: PromptRows) -> PromptLogprobs:
+    """PromptLogprobs of the prompt rows' raw logits (E, V)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, pr.targets[:, None])
+    rank = (lp > chosen).sum(dim=-1) + 1
+    top_values, top_ids = lp.topk(pr.k, dim=-1) if pr.k else (lp[:, :0], pr.rows[:, None][:, :0])
+    return PromptLogprobs(pr.spans, chosen[:, 0], rank, top_values, top_ids)

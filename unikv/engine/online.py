@@ -314,7 +314,7 @@ class EngineLoop:
         self.scheduler.resolve(batch, launched.tokens())
         if not self._num_watched:  # plain generate: text is decoded at the end
             return
-        step_logprobs = launched.logprobs()
+        step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         pairs = []
         with self.llm.tokenizer_lock:
             for lane, r in enumerate(batch.requests):
@@ -322,7 +322,9 @@ class EngineLoop:
                 if track is None or track.passive or track.done:
                     continue
                 try:
-                    delta = track.advance(lane, step_logprobs, self.scheduler.finish)
+                    delta = track.advance(
+                        lane, step_logprobs, self.scheduler.finish, prompt_logprobs
+                    )
                 except Exception as err:  # this request's text or logprobs: it alone fails
                     if not self.isolate:
                         raise

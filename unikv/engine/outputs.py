@@ -43,14 +43,17 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The result of one prompt: its token ids (and text, if it was given as
-    text), its ``n`` completions, and ``num_cached_tokens``: prompt tokens the
-    prefix cache served to completion 0 (0 with prefix caching off)."""
+    text), its ``n`` completions, ``num_cached_tokens``: prompt tokens the
+    prefix cache served to completion 0 (0 with prefix caching off), and
+    ``prompt_logprobs`` when ``SamplingParams.prompt_logprobs`` asked: None for the
+    first prompt token, then {token id: Logprob} (the token and the top k) each."""
 
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -82,7 +82,9 @@ class PrefixCaching(NoPrefixCache):
         """A request slot holding the cached pages of ``r``'s longest cached prefix
         (its host part reloaded), ``r.num_cached`` counting them; returns the hit."""
         prefix = self.prefix
-        hit = prefix.reload(prefix.match(r.token_slice(0, r.seq_len - 1), r.cache_salt))
+        # prompt logprobs need every prompt row computed: such a request takes no hit
+        end = r.seq_len - 1 if r.params.prompt_logprobs is None else 0
+        hit = prefix.reload(prefix.match(r.token_slice(0, end), r.cache_salt))
         r.slot = self.alloc.new_request(prefix=hit)
         r.num_cached = hit.num_tokens
         self.points.pop(r.slot, None)

@@ -81,11 +81,27 @@ class PromptMaker:
             )
         return ids
 
-    def chat(self, messages, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def chat(
+        self,
+        messages,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
+        extra: dict | None = None,
+        check: bool = True,
+    ) -> tuple[str, list[int]]:
         """(rendered text, validated token ids) of one conversation: a list of
         {"role": str, "content": str} dicts, rendered by the tokenizer's chat
         template (``apply_chat_template``) and tokenized without adding special
-        tokens again."""
+        tokens again.
+
+        continue_final_message: the last message is left open (no end-of-turn), for
+        the model to continue; chat_template: a Jinja template used instead of the
+        tokenizer's; tools: JSON schemas of the tools, given to the template;
+        extra: more template variables (e.g. ``enable_thinking``); check: False
+        returns the ids unchecked (no length limit)."""
         tok = self._tokenizer("chat needs a tokenizer with a chat template")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.60}")
@@ -94,17 +110,23 @@ class PromptMaker:
                 raise ValueError(
                     f"messages[{i}] must be a dict with a str 'role' and a 'content', got {m!r:.60}"
                 )
-        if getattr(tok, "chat_template", None) is None:
+        if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise ValueError(
                 "the checkpoint's tokenizer has no chat template (tokenizer_config.json "
                 "'chat_template' or chat_template.jinja); pass the formatted prompt instead"
             )
         with self.llm.tokenizer_lock:
             text = tok.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                tools=tools,
+                **(extra or {}),
             )
             ids = tok.encode(text, add_special_tokens=False)
-        return text, self.check(ids)
+        return text, self.check(ids) if check else ids
 
     def _tokenizer(self, why: str):
         tok = self.llm.tokenizer

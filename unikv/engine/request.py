@@ -91,6 +91,7 @@ class Request:
     finish_reason: str | None = None
     track: Any = None
     cache_salt: str | None = None  # prefix-cache salt: requests of other salts share no page
+    grammar: Any = None  # structured outputs: [xgrammar matcher, output tokens it accepted]
 
     @property
     def max_new_tokens(self) -> int:
@@ -101,14 +102,16 @@ class Request:
 
     @property
     def plain_greedy(self) -> bool:
-        """The next sample is a bare argmax (greedy; no penalty, logprobs or
-        min-tokens mask applies any more)."""
+        """The next sample is a bare argmax (greedy; no penalty, logprobs, prompt
+        logprobs or min-tokens mask applies any more)."""
         p = self.params
         return p.plain_greedy or (
             p.temperature == 0
             and not p.has_penalties
             and p.logprobs is None
             and len(self.output_ids) >= p.min_tokens
+            and (p.prompt_logprobs is None or self.num_cached >= len(self.prompt_ids))
+            and p.structured is None
         )
 
     @property

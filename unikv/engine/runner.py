@@ -25,7 +25,7 @@ from unikv.engine.attention import (
     LayerState,
     MLALayerCache,
 )
-from unikv.engine.logits import sample_requests
+from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
 from unikv.kernels.backend import KernelBackend
@@ -91,12 +91,24 @@ class Launched:
     on the device (B,) int64 and their host copy, valid once ``event`` fired, and
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
-    __slots__ = ("_event", "_host", "_logprobs", "batch", "fed", "logits", "tokens_dev")
+    __slots__ = ("_event", "_host", "_logprobs", "_prompt", "batch", "fed", "logits", "tokens_dev")
 
-    def __init__(self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False) -> None:
+    def __init__(
+        self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False, prompt=None
+    ) -> None:
         self.batch, self.logits, self.tokens_dev = batch, logits, tokens_dev
         self._host, self._event, self._logprobs = host, event, logprobs
         self.fed = fed  # the tokens are in the planner's feedback buffer
+        self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
+
+    def prompt_logprobs(self) -> dict | None:
+        """lane -> (first position, entries) of the prompt rows its requests asked
+        for (``PromptLogprobs.lists``), or None; waits for this step only."""
+        if self._prompt is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        return self._prompt.lists()
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host; waits for this step only."""
@@ -173,13 +185,16 @@ class ModelRunner:
     # -- running -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, greedy: bool = False):
+    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None):
         """fp32 logits (B, vocab) of each request's last token in the step; greedy:
-        (logits, the model's (B,) int64 greedy tokens) from a model that fuses them."""
+        (logits, the model's (B,) int64 greedy tokens) from a model that fuses them.
+        extra_rows: (E,) int64 more token rows whose logits follow (B + E rows)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         # a decode step's rows are its requests' last tokens: no gather before the head
         rows = None if plan.is_decode else plan.logits_indices
+        if extra_rows is not None:
+            rows = torch.cat([plan.logits_indices, extra_rows])  # an eager plan: B rows
         extra = {"greedy": True} if greedy else {}
         return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
 
@@ -205,12 +220,21 @@ class ModelRunner:
         """Enqueue one step without waiting for it. Placeholder tokens in the batch
         (``Pending``) are read from ``prev``'s sampled tokens on the device."""
         prev_tokens = prev.tokens_dev if prev is not None else None
-        rows = self.graphs.rows_for(batch) if self.graphs is not None else None
+        greedy = self._greedy(batch)
+        # prompt logprobs (only where a request asks; never in a plain-greedy batch)
+        wanted = None if greedy else prompt_rows(batch, self.device, self._pin)
+        graphed = self.graphs is not None and wanted is None
+        rows = self.graphs.rows_for(batch) if graphed else None
         prev_fed = prev is not None and prev.fed
         plan = self.planner.plan(batch, prev_tokens, rows=rows, prev_fed=prev_fed)
-        greedy = self._greedy(batch)
-        tokens_dev, fed = None, False
-        if rows is None:
+        tokens_dev, fed, prompt = None, False, None
+        if wanted is not None:
+            logits = self.forward(plan, extra_rows=wanted.rows)
+            num = len(batch.requests)
+            prompt = prompt_logprobs(logits[num:], wanted)
+            prompt = prompt.to_host() if self._pin else prompt
+            logits = logits[:num]
+        elif rows is None:
             logits = self.forward(plan)
         else:
             in_graph = greedy and self.graphs.has_greedy(rows)  # the argmax inside
@@ -223,13 +247,13 @@ class ModelRunner:
             fed = in_graph and self._fused_greedy and plan.feedback is not None
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
-            tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy)
+            tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
-        return Launched(batch, logits, tokens_dev, host, event, logprobs, fed)
+        return Launched(batch, logits, tokens_dev, host, event, logprobs, fed, prompt)
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host (a copy of a
@@ -264,11 +288,14 @@ class ModelRunner:
         greedy = batch.all_greedy  # the scheduler's, when it knows (DECODE batches)
         return greedy if greedy is not None else all(r.plain_greedy for r in batch.requests)
 
-    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None, greedy=None):
+    def sample(self, batch: Batch, logits: torch.Tensor, prev_tokens=None, greedy=None, prev=None):
         """(B,) int64 next tokens and the step's logprobs (a StepLogprobs or None).
         All-plain-greedy batches (known on the host) are the backend's argmax; others go
         through ``logits.sample_requests`` (penalties, min_tokens, min_p, logprobs;
         placeholders in the outputs read from ``prev_tokens`` on the device)."""
         if greedy if greedy is not None else self._greedy(batch):
             return self.backend.argmax(logits), None
-        return sample_requests(batch.requests, logits.float(), prev_tokens, pin=self._pin)
+        prev_host = prev.tokens if prev is not None else None  # structured outputs' sync
+        return sample_requests(
+            batch.requests, logits.float(), prev_tokens, pin=self._pin, prev_host=prev_host
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,6 +83,13 @@ class SamplingParams:
         in the output ids). The model's EOS ids are added unless ``ignore_eos``.
     logprobs: None = off; k returns the sampled token's log-probability and the
         k most likely tokens' (of the model's raw distribution), per token.
+    prompt_logprobs: None = off; k returns each prompt token's log-probability
+        given the tokens before it, and the k most likely tokens' there (the first
+        prompt token has none). Such a request takes no prefix-cache hit: every
+        prompt row is computed.
+    structured: None, or a ``structured.StructuredOutputs`` (``compile_structured``:
+        a JSON schema, any JSON object, a regex, a grammar or a choice) that the
+        tokens must follow.
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logits
         of tokens already generated (once / per occurrence).
     repetition_penalty: > 0, 1 = off; divides positive (multiplies negative)
@@ -102,6 +110,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -144,6 +154,11 @@ class SamplingParams:
             isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20
         ):
             raise ValueError(f"logprobs must be None or an int in [0, 20], got {lp!r}")
+        plp = self.prompt_logprobs
+        if plp is not None and (
+            isinstance(plp, bool) or not isinstance(plp, int) or not 0 <= plp <= 20
+        ):
+            raise ValueError(f"prompt_logprobs must be None or an int in [0, 20], got {plp!r}")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "0 = off")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "0 = off")
         rp = self.repetition_penalty
@@ -177,6 +192,8 @@ class SamplingParams:
             self.temperature == 0
             and not self.has_penalties
             and self.logprobs is None
+            and self.prompt_logprobs is None
+            and self.structured is None
             and self.min_tokens == 0
         )
 

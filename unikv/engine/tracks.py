@@ -28,7 +28,9 @@ class Delta:
     logprobs: per new token (token id, logprob, rank, [(id, logprob, text)] of
     the top k, token text), or None; finish_reason: None while running; error: set when the
     engine failed (the stream ends); cached_tokens: on the finishing delta, the prompt
-    tokens the request's first admission found in the prefix cache."""
+    tokens the request's first admission found in the prefix cache; prompt_logprobs:
+    on the first delta of a request that asked (``SamplingParams.prompt_logprobs``),
+    None then one entry (as ``logprobs``') per prompt token after the first."""
 
     index: int
     token_ids: list[int]
@@ -38,6 +40,7 @@ class Delta:
     stop_reason: int | str | None = None
     error: str | None = None
     cached_tokens: int | None = None
+    prompt_logprobs: list | None = None  # on a request's first delta, when it asked
 
 
 class Track:
@@ -55,12 +58,20 @@ class Track:
         self.stops = p.stop if tokenizer is not None else ()
         self.include = p.include_stop_str_in_output
         self.hold = 0 if self.include else max(map(len, self.stops), default=1) - 1
-        self.passive = group.sink is None and not self.stops and p.logprobs is None
+        self.passive = (
+            group.sink is None
+            and not self.stops
+            and p.logprobs is None
+            and p.prompt_logprobs is None
+        )
         self.num_sent = 0  # output tokens processed
         self.text_sent = 0  # characters of the text delivered
         self.text_end: int | None = None  # the cut of a stop string
         self.stop_reason: int | str | None = None
         self.logprobs: list | None = [] if p.logprobs is not None else None
+        # prompt position p's entry at [p - 1] (filled as prefill chunks settle)
+        self.prompt_logprobs: list | None = [] if p.prompt_logprobs is not None else None
+        self.prompt_sent = False
         self.done = False
 
     @property
@@ -68,6 +79,15 @@ class Track:
         if self.detok is None:
             return None
         return self.detok.text[: self.text_end]
+
+    def _add_prompt(self, span) -> None:
+        """Record the prompt positions of one step (a recompute's are known)."""
+        first, rows = span
+        ids, have = self.request.prompt_ids, len(self.prompt_logprobs)
+        for p, row in enumerate(rows, start=first):
+            if p == have + 1:
+                self.prompt_logprobs.append(self._logprob_entry(ids[p], row))
+                have += 1
 
     def _logprob_entry(self, token: int, row) -> tuple:
         """(token, logprob, rank, [(id, logprob, text)] of the top k, text) of one
@@ -80,11 +100,16 @@ class Track:
 
         return token, chosen, rank, [(i, lp, text(i)) for i, lp in top], text(token)
 
-    def advance(self, lane: int, step_logprobs: dict | None, finish) -> Delta | None:
+    def advance(
+        self, lane: int, step_logprobs: dict | None, finish, prompt_logprobs=None
+    ) -> Delta | None:
         """Process the request's newest tokens (it sat in ``lane`` of the settled
-        step); ``finish(request, reason)`` ends it early (a stop string). Returns
-        the delta for its stream, or None when there is nothing to send."""
+        step); ``finish(request, reason)`` ends it early (a stop string);
+        ``prompt_logprobs``: the step's ``Launched.prompt_logprobs``. Returns the
+        delta for its stream, or None when there is nothing to send."""
         r = self.request
+        if prompt_logprobs and lane in prompt_logprobs and self.prompt_logprobs is not None:
+            self._add_prompt(prompt_logprobs[lane])
         new = r.output_ids[self.num_sent :]
         self.num_sent = len(r.output_ids)
         entries = None
@@ -121,7 +146,27 @@ class Track:
         reason = self.request.finish_reason if finished else None
         stop = self.stop_reason if finished else None
         cached = self.request.num_cached_tokens if finished else None
-        return Delta(self.index, new, text, entries, reason, stop, cached_tokens=cached)
+        prompt = None
+        if self.prompt_logprobs is not None and not self.prompt_sent:
+            self.prompt_sent = True
+            prompt = [None, *self.prompt_logprobs]
+        return Delta(
+            self.index,
+            new,
+            text,
+            entries,
+            reason,
+            stop,
+            cached_tokens=cached,
+            prompt_logprobs=prompt,
+        )
+
+    def prompt_logprob_dicts(self) -> list | None:
+        """vLLM's ``RequestOutput.prompt_logprobs``: None for the first prompt token,
+        then {token id: Logprob} per prompt token; None when not asked."""
+        if self.prompt_logprobs is None:
+            return None
+        return [None, *map(logprob_dict, self.prompt_logprobs)]
 
     def completion(self) -> CompletionOutput:
         """The final CompletionOutput (a passive track decodes its text now)."""
@@ -132,11 +177,7 @@ class Track:
             self.num_sent = len(r.output_ids)
         logprobs = None
         if self.logprobs is not None:
-            logprobs = [
-                {tok: Logprob(lp, rank, text)}
-                | {i: Logprob(v, k + 1, s) for k, (i, v, s) in enumerate(top) if i != tok}
-                for tok, lp, rank, top, text in self.logprobs
-            ]
+            logprobs = list(map(logprob_dict, self.logprobs))
         return CompletionOutput(
             self.index,
             self.text,
@@ -146,6 +187,14 @@ class Track:
             logprobs,
             r.num_preemptions,
         )
+
+
+def logprob_dict(entry) -> dict[int, Logprob]:
+    """{token id: Logprob} of one entry: the token first, then the top k."""
+    tok, lp, rank, top, text = entry
+    return {tok: Logprob(lp, rank, text)} | {
+        i: Logprob(v, k + 1, s) for k, (i, v, s) in enumerate(top) if i != tok
+    }
 
 
 class RequestGroup:
@@ -175,4 +224,5 @@ class RequestGroup:
             list(self.requests[0].prompt_ids),
             [t.completion() for t in self.tracks],
             self.requests[0].num_cached_tokens,
+            self.tracks[0].prompt_logprob_dicts(),
         )

@@ -54,6 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from unikv.engine.online import EngineClosed, QueueFull
 from unikv.engine.tracks import Delta
 from unikv.serving import responses as rsp
+from unikv.serving import routes
 from unikv.serving.async_engine import AsyncEngine, RequestFailed, Submission
 from unikv.serving.metrics import RequestClock, ServingMetrics
 from unikv.serving.ops import Gate, HTTPError, ServeOptions, read_body
@@ -147,14 +148,12 @@ class Server:
 
     def chat_item(self, body: ChatCompletionRequest, params):
         try:
-            text, ids = self.prompts.chat(
-                body.conversation(), add_generation_prompt=body.add_generation_prompt
-            )
+            text, ids = self.prompts.chat(body.conversation(), **body.template_kwargs())
         except BadRequest:
             raise
         except Exception as err:  # the chat template's own errors too
             raise BadRequest(f"messages: {err}", "messages") from err
-        return ids, text, params
+        return ids, text, body.use_parser(self.llm, text, params)
 
     async def respond(self, request: Request, body, items, chat: bool, start: float):
         """Run ``items`` on the engine; a JSON body or an event stream."""
@@ -167,11 +166,14 @@ class Server:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         prompt_tokens = sum(len(ids) for ids, _, _ in items)
         self.metrics.prompt_tokens += prompt_tokens * body.n
+        echoed = not chat and (body.echo or body.prompt_logprobs is not None)
+        echo = rsp.Echo.of(body, items, self.llm) if echoed else None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             writer = EventWriter(
-                rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids
-            )
+                rid, body.model, int(time.time()), chat, body.return_tokens_as_token_ids,
+                body.parser, echo,
+            )  # fmt: skip
             events = self._events(
                 sub, clock, writer, body.n, len(items), prompt_tokens if usage else None
             )
@@ -189,9 +191,13 @@ class Server:
             for i in range(len(items) * body.n):
                 choices.text.setdefault(i, [])
                 choices.finish.setdefault(i, ("abort", None))
-        make = rsp.chat_body if chat else rsp.completion_body
         as_ids = body.return_tokens_as_token_ids
-        return JSONResponse(make(rid, body.model, choices, prompt_tokens, as_ids))
+        if chat:
+            made = rsp.chat_body(rid, body.model, choices, prompt_tokens, as_ids, body.parser)
+            return JSONResponse(made)
+        return JSONResponse(
+            rsp.completion_body(rid, body.model, choices, prompt_tokens, as_ids, echo)
+        )
 
     async def _collect(self, request: Request, sub: Submission, clock, n: int):
         """Every delta into Choices, or None (and the request aborted) when the
@@ -329,6 +335,7 @@ def create_app(
             allow_headers=["*"],
             expose_headers=["x-request-id"],
         )
+    routes.register(app, server)
 
     @app.get("/health")
     async def health():
@@ -371,7 +378,7 @@ def create_app(
         start = time.perf_counter()
         body = await _body(request, CompletionRequest, opts)
         server.check_model(body.model)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = await server.off_loop(body.params, llm)  # compiles a grammar
         prompts = body.prompts()
         if len(prompts) > opts.max_prompts:
             raise BadRequest(f"prompt: {len(prompts)} prompts in one request; at most "
@@ -386,8 +393,10 @@ def create_app(
         start = time.perf_counter()
         body = await _body(request, ChatCompletionRequest, opts)
         server.check_model(body.model)
-        max_tokens, logprobs = body.limits()
-        params = body.sampling_params(max_tokens, logprobs)
+        max_tokens, logprobs, prompt_logprobs = body.limits()
+        params = await server.off_loop(
+            body.sampling_params, max_tokens, logprobs, prompt_logprobs, llm
+        )  # compiles a grammar
         items = [await server.off_loop(server.chat_item, body, params)]
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         server.check_limits(items, max_tokens, field)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from json.encoder import encode_basestring_ascii
 
 from starlette.responses import StreamingResponse
@@ -38,14 +39,28 @@ class EventWriter:
     choice ``index``; it also counts the completion tokens (for ``usage``).
     """
 
-    def __init__(self, rid: str, model: str, created: int, chat: bool, as_ids: bool) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        created: int,
+        chat: bool,
+        as_ids: bool,
+        parser=None,
+        echo=None,
+    ) -> None:
         self.rid, self.model, self.created = rid, model, created
         self.chat, self.as_ids = chat, as_ids
+        self.parser = parser  # chat: a parsers.OutputParser (reasoning, tool calls), or None
+        self._states: dict = {}  # choice -> its parsers.StreamState
+        self.echo = echo  # completions: a responses.Echo (the prompt goes first), or None
+        self._echoed: set[int] = set()  # choices whose first chunk (the prompt) was sent
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.num_tokens = 0
         self.cached: dict[int, int] = {}  # choice -> prompt tokens from the prefix cache
         self._templates: dict[int, tuple[str, str]] = {}
         self._started: set[int] = set()  # chat choices whose role chunk was sent
+        self._offsets: dict[int, int] = {}  # choice -> text_offset of its next logprob
 
     def _template(self, index: int) -> tuple[str, str]:
         if self.chat:
@@ -63,10 +78,12 @@ class EventWriter:
         return chunk
 
     def write(self, index: int, delta: Delta) -> str:
+        if self.echo is not None:
+            return self.echo_event(index, delta)
         self.num_tokens += len(delta.token_ids)
         if delta.cached_tokens is not None:
             self.cached[index] = delta.cached_tokens
-        simple = delta.finish_reason is None and delta.logprobs is None
+        simple = delta.finish_reason is None and delta.logprobs is None and self.parser is None
         if simple and (not self.chat or index in self._started):
             if not delta.text:
                 return ""
@@ -77,8 +94,43 @@ class EventWriter:
     def completion_event(self, index: int, delta: Delta) -> str:
         if not (delta.text or delta.finish_reason is not None or delta.logprobs):
             return ""
-        chunk = rsp.completion_chunk(self.rid, self.model, index, delta, self.as_ids)
+        offset = self._offsets.get(index, 0)
+        chunk = rsp.completion_chunk(self.rid, self.model, index, delta, self.as_ids, offset)
         chunk["created"] = self.created
+        if delta.logprobs:
+            self._offsets[index] = offset + sum(len(e[4] or "") for e in delta.logprobs)
+        return event(chunk)
+
+    def echo_event(self, index: int, delta: Delta) -> str:
+        """A completions chunk of an echoing request: its first chunk starts with
+        the prompt (its text, and its tokens' logprobs when logprobs are asked);
+        max_tokens 0 leaves the sampled token out."""
+        echo = self.echo
+        if delta.cached_tokens is not None:
+            self.cached[index] = delta.cached_tokens
+        if echo.drop:
+            delta = replace(delta, token_ids=[], text="", logprobs=[] if delta.logprobs else None)
+        self.num_tokens += len(delta.token_ids)
+        first = index not in self._echoed
+        self._echoed.add(index)
+        prompt = echo.texts[index // echo.n] if first and echo.echo else ""
+        if not (prompt or delta.text or delta.finish_reason is not None or delta.logprobs):
+            return ""
+        offset = self._offsets.get(index, 0)
+        plain = replace(delta, text=prompt + delta.text, logprobs=None)
+        chunk = rsp.completion_chunk(self.rid, self.model, index, plain, self.as_ids)
+        chunk["created"] = self.created
+        if delta.logprobs is not None:
+            if prompt:
+                entries = delta.prompt_logprobs or [None]
+                lp = rsp.echo_logprobs(
+                    echo.first[index // echo.n], entries, delta.logprobs, self.as_ids, len(prompt)
+                )
+                offset = len(prompt)
+            else:
+                lp = rsp.completion_logprobs(delta.logprobs, self.as_ids, offset)
+            self._offsets[index] = offset + sum(len(e[4] or "") for e in delta.logprobs)
+            chunk["choices"][0]["logprobs"] = lp
         return event(chunk)
 
     def chat_events(self, index: int, delta: Delta) -> str:
@@ -87,10 +139,22 @@ class EventWriter:
             self._started.add(index)
             out.append(event(self._chat(index, {"role": "assistant", "content": ""})))
         lp = rsp.chat_logprobs(delta.logprobs, self.as_ids) if delta.logprobs else None
-        if delta.text or lp:
-            out.append(event(self._chat(index, {"content": delta.text}, None, lp)))
-        if delta.finish_reason is not None:
-            out.append(event(self._chat(index, {}, delta.finish_reason)))
+        reason = delta.finish_reason
+        if self.parser is None:
+            if delta.text or lp:
+                out.append(event(self._chat(index, {"content": delta.text}, None, lp)))
+        else:
+            state = self._states.get(index) or self._states.setdefault(index, self.parser.stream())
+            parts = state.feed(delta.text) if delta.text else []
+            if reason is not None:
+                parts += state.finish()
+                reason = "tool_calls" if state.called and reason == "stop" else reason
+            if lp and not parts:
+                parts = [{"content": ""}]
+            for k, part in enumerate(parts):
+                out.append(event(self._chat(index, part, None, lp if k == 0 else None)))
+        if reason is not None:
+            out.append(event(self._chat(index, {}, reason)))
         return "".join(out)
 
     def usage_event(self, prompt_tokens: int, n: int = 1) -> str:
