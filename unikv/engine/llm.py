@@ -199,7 +199,7 @@ class LLM:
             static_split=static_split,  # validated by the pool (unikv.static_split)
         )
         if enable_prefix_caching:
-            check_window_caching(self.pool, self.max_model_len)
+            check_window_caching(self.pool, self.max_model_len, max_num_batched_tokens)
         self.alloc = PoolAllocator(
             self.pool,
             max_requests=max_num_seqs,
