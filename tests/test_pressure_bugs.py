@@ -159,9 +159,10 @@ def test_a_dropped_reload_admission_leaves_the_decode_batch_exact(tiny, monkeypa
     want = [o.output_ids for o in big.generate(prompts, params)]
     configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
     host = host_tier_bytes(configs, ps, 16)
-    # the smallest pool (23 pages before issue 41: a windowed request held its cached
-    # prompt's window bindings); two passes, the second reloading host hits
-    llm, _ = _smallest(path, ps, 17, max_model_len=48, debug=False, prefix_host_bytes=host)
+    # 18 pages, one above the smallest (23 was the smallest before issue 41: a windowed
+    # request held its cached prompt's window bindings); two passes, the second
+    # reloading host hits: this run has the decode step whose pages moved
+    llm, _ = _smallest(path, ps, 18, False, max_model_len=48, debug=False, prefix_host_bytes=host)
     llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
     moves = []
     refresh = DecodeStep.refresh

@@ -93,12 +93,13 @@ def evict_pages(cache, count: int, spill: bool = True) -> TablePatch:
     return patch
 
 
-def window_suffixes(cache, name: str) -> np.ndarray:
+def window_suffixes(cache, name: str, insert_ends: bool = True) -> np.ndarray:
     """Cached pages (host int32) in the window suffix of a chain end in windowed
     sub-pool ``name``: the blocks the first query of a hit ending there reads. Chain
     ends: device nodes with no device child (a chain's end), with several (where
     prompts diverge: a shared system prompt), with a state checkpoint, or where an
-    insert ended (a prompt's end: a repeat of the prompt hits there)."""
+    insert ended (a prompt's end: a repeat of the prompt hits there), unless not
+    ``insert_ends``."""
     nodes = cache.by_page.values()
     children: dict[int, int] = {}
     for node in nodes:
@@ -110,7 +111,7 @@ def window_suffixes(cache, name: str) -> np.ndarray:
         if (
             children.get(node.node_id, 0) == 1
             and node.node_id not in states
-            and node.node_id not in cache.ends
+            and not (insert_ends and node.node_id in cache.ends)
         ):
             continue
         walk = node
@@ -125,19 +126,22 @@ def window_suffixes(cache, name: str) -> np.ndarray:
 def evict_windows(cache, count: int, suffixes: bool = True) -> tuple[TablePatch, int]:
     """Unbind up to ``count`` window bindings per windowed sub-pool that only the
     cache holds (``PrefixCache.window_evictable``): those outside every chain end's
-    window suffix (``window_suffixes``) first, then, if ``suffixes``, the suffixes',
-    each oldest first (the window LRU, ``wtime``). The nodes stay; a hit that needs
-    a binding gone falls back (``prefix_chain.window_intact``). Returns (the
-    tombstones, the most unbound in one sub-pool)."""
+    window suffix (``window_suffixes``) first, then those only in the suffix of an
+    insert's end (a prompt's end inside a chain: only a repeat of that prompt hits
+    there), then, if ``suffixes``, the suffixes of the other chain ends; each oldest
+    first (the window LRU, ``wtime``). The nodes stay; a hit that needs a binding gone
+    falls back (``prefix_chain.window_intact``). Returns (the tombstones, the most
+    unbound in one sub-pool)."""
     patch, done = TablePatch(), 0
     for name in cache.roles.windows:
         pages = cache.window_evictable(name)
         if not len(pages) or count <= 0:
             continue
-        suffix = np.isin(pages, window_suffixes(cache, name))
+        rank = np.isin(pages, window_suffixes(cache, name)).astype(np.int64)
+        rank += np.isin(pages, window_suffixes(cache, name, insert_ends=False))
         if not suffixes:
-            pages, suffix = pages[~suffix], suffix[~suffix]
-        order = np.lexsort((cache.wtime[name][pages], suffix))[:count]
+            pages, rank = pages[rank < 2], rank[rank < 2]
+        order = np.lexsort((cache.wtime[name][pages], rank))[:count]
         stage_unbind(cache.books, (name,), cache.fences, cache.writer, pages[order], patch)
         cache.stats.evicted_windows += len(order)
         done = max(done, len(order))
