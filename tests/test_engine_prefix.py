@@ -10,6 +10,7 @@ with a ValueError; sliding windows: test_prefix_swa.py.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from engine_fixtures import hf_greedy, one_thread, save_tiny_model  # noqa: F401
@@ -124,14 +125,17 @@ def test_on_by_default_for_full_attention_off_where_it_costs_memory(tiny, tmp_pa
         assert LLM(other, device="cpu", max_model_len=64, enable_prefix_caching=True).prefix_caching
 
 
-def test_window_caching_is_refused_where_one_request_cannot_run_alone(tmp_path):
-    """With caching, a sliding-window request keeps its cached prompt pages bound in
-    the window sub-pool. Mistral (SWA only) in a pool of 10 pages of 4 tokens with
-    max_model_len 80 used to admit a 45-token prompt and then assert in the scheduler
-    (nothing schedulable with one request running); it is refused at start-up, saying
-    what to change. Without caching (the default) that pool serves it; with room for
-    one whole request, caching serves it with transformers' tokens."""
+def test_window_caching_runs_where_the_old_rule_refused_it(tmp_path):
+    """Mistral (SWA only, window 7) in a pool of 10 pages of 4 tokens with
+    max_model_len 80: the old rule (a request kept its cached prompt pages bound in
+    its window sub-pool) refused caching there, as one 80-token request could not run
+    alone. Now a request holds only its window; the window bindings that left it are
+    the cache's, evicted alone under pressure. The 45-token prompt, served three
+    times with caching, gives transformers' tokens each time, the window bindings are
+    evicted alone, and no request's window ever holds more pages than the window plus
+    a chunk needs (sampled after every verb of the allocator, debug mode)."""
     from unikv.hf_config import specs_from_hf_config
+    from unikv.placement import worst_case_pages
 
     path = str(tmp_path)
     hf = save_tiny_model("mistral", path)
@@ -139,11 +143,29 @@ def test_window_caching_is_refused_where_one_request_cannot_run_alone(tmp_path):
     prompt = torch.randint(0, 200, (45,), generator=torch.Generator().manual_seed(0)).tolist()
     kw = {"device": "cpu", "page_size": 4, "max_model_len": 80, "max_num_batched_tokens": 16}
     small = pool_budget(configs, 10)
-    with pytest.raises(ValueError, match=r"needs pages \{'swa': 20\}.*raise kv_cache_bytes"):
-        LLM(path, kv_cache_bytes=small, enable_prefix_caching=True, **kw)
     want = hf_greedy(hf, prompt, NEW_TOKENS)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    llm = LLM(path, kv_cache_bytes=small, enable_prefix_caching=True, debug=True, **kw)
+    alloc = llm.alloc
+    swa = next(c for c in configs if c.spec.kind == "swa")
+    bound = worst_case_pages(swa.spec, 4, 80, 16)
+    peaks = []
+    check = alloc.check_integrity
+
+    def sampled():  # debug mode runs it after every mutating verb
+        check()
+        req, wrefs = alloc.parts.requests, alloc.parts.prefix.wrefs
+        for slot in np.flatnonzero(req.in_use):
+            held = req.held_pages(int(slot))
+            peaks.append(len(held) - int(req.window_lo[swa.name][slot]))
+        assert wrefs[swa.name].max(initial=0) <= int(req.in_use.sum())
+
+    alloc.check_integrity = sampled
+    outs = [llm.generate([prompt], params)[0] for _ in range(3)]
+    assert [o.output_ids for o in outs] == [want] * 3
     assert LLM(path, kv_cache_bytes=small, **kw).generate([prompt], params)[0].output_ids == want
-    roomy = LLM(path, kv_cache_bytes=pool_budget(configs, 21), enable_prefix_caching=True, **kw)
-    assert [roomy.generate([prompt], params)[0].output_ids for _ in range(2)] == [want, want]
-    assert roomy.alloc.parts.prefix.counters()["hit_tokens"] > 0
+    stats = alloc.parts.prefix.counters()
+    assert stats["evicted_windows"] > 0 and stats["evicted_pages"] == 0
+    # the chain end's window suffix was kept: the repeats hit 11 of 11 whole pages
+    assert [o.num_cached_tokens for o in outs] == [0, 44, 44]
+    assert peaks and max(peaks) <= bound < -(-len(prompt) // 4)

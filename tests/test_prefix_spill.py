@@ -112,7 +112,33 @@ def test_full_attention_hits_from_host_give_the_same_tokens(models, monkeypatch,
 
 @pytest.mark.usefixtures("one_thread")
 def test_sliding_window_hits_from_host_give_the_same_tokens(models, monkeypatch):
-    spill_run(models, monkeypatch, "gpt_oss", 4, pages=10, host_pages=16)
+    """gpt-oss in a tight pool with a host tier, a chat's second turn (each prompt, its
+    answer and a new message): the first turns' chains spill with their chain ends'
+    window suffixes (issue 41: a prompt's end inside a chain keeps its suffix only
+    while nodes are left to evict, so a plain repeat of the prompts no longer reloads
+    from the host here), and the second turns reload them with transformers' tokens."""
+    from unikv.hf_config import specs_from_hf_config
+
+    path, hf = models["gpt_oss"]
+    ps = 4
+    prompts = distinct_prompts(ps, seed=7, count=4)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    llm = prefix_llm(
+        path, ps, True, kv_cache_bytes=pool_budget(configs, 10),
+        prefix_host_bytes=host_tier_bytes(configs, ps, 16, 64), max_model_len=8 * ps,
+    )  # fmt: skip
+    llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
+    witness = ByteWitness(llm, monkeypatch)
+    first = llm.generate(prompts, params)
+    assert [o.output_ids for o in first] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    turns = [p + o.output_ids + [7, 8, 9] for p, o in zip(prompts, first)]
+    want = [hf_greedy(hf, t, NEW_TOKENS) for t in turns]
+    assert [o.output_ids for o in llm.generate(turns, params)] == want
+    stats = llm.alloc.parts.prefix.counters()
+    assert stats["host_spilled_pages"] > 0 and stats["host_hit_tokens"] > 0, str(stats)
+    assert stats["host_reloaded_pages"] > 0 and witness.compared == stats["host_reloaded_pages"]
+    llm.alloc.check_integrity()
 
 
 @pytest.mark.usefixtures("one_thread")

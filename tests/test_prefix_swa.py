@@ -5,7 +5,8 @@ layers, window 6), windows that are no multiple of the page size, pages 4 and
 transformers' ``generate`` on the same weights, for repeated prompts, prompts
 sharing only part of a page, and a tight pool with eviction and preemption.
 The allocator-level rules (a hit needs its window pages; a request's window
-frees skip cached pages; the invariant and its corruption test) follow.
+frees release cached pages to the cache, which evicts window bindings alone under
+pressure, suffixes last; the invariants and their corruption tests) follow.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def test_a_hit_falls_back_to_the_longest_prefix_whose_window_is_intact():
     alloc.check_integrity()
 
 
-def test_caching_each_chunk_keeps_every_window_and_window_frees_skip_cached_pages():
+def test_caching_each_chunk_keeps_every_window_until_pressure():
     alloc = _alloc()
     tokens = np.arange(200, 224)
     a = _prefill(alloc, tokens, chunk=5, cache_each=True)
@@ -128,9 +129,13 @@ def test_caching_each_chunk_keeps_every_window_and_window_frees_skip_cached_page
         assert alloc.parts.prefix.match(tokens[: 4 * k]).num_tokens == 4 * k
     b = alloc.new_request(prefix=alloc.parts.prefix.match(tokens[:8]))  # at 2 pages
     c = alloc.new_request(prefix=alloc.parts.prefix.match(tokens[:20]))  # at 5 pages
+    wrefs = alloc.parts.prefix.wrefs["swa"]
+    # windows hold: a (24 tokens) pages 4-5; b (8) pages 0-1 (reads from 3); c (20) 3-4
+    assert wrefs[chain].tolist() == [1, 1, 0, 1, 2, 1]
     assert alloc.alloc_extend(np.array([c]), np.array([20]), np.array([12])) is not None
     alloc.free_out_of_window(np.array([c]), np.array([32]))  # c's window leaves pages 0-5
-    assert _swa_bound(alloc, chain).all()  # b still reads pages 0-1: none was unbound
+    assert wrefs[chain].tolist() == [1, 1, 0, 0, 1, 1]
+    assert _swa_bound(alloc, chain).all()  # no pressure: the cache keeps them all
     assert alloc.alloc_extend(np.array([b]), np.array([8]), np.array([1])) is not None
     for slot in (a, b, c):
         alloc.free_request(slot)
@@ -167,3 +172,53 @@ def test_a_hit_longer_than_the_intact_window_breaks_the_invariant():
                     np.array([n.node_id for n in nodes], np.int64), 20, 20)  # fmt: skip
     with pytest.raises(AssertionError, match="cached pages an open request's window reads"):
         alloc.new_request(prefix=bad)  # debug: check_integrity after the verb
+
+
+def test_window_bindings_no_window_holds_go_alone_under_pressure_suffix_last():
+    """Pages that left every request's window are the cache's: ``evict`` unbinds them
+    in the window sub-pool alone (nodes stay), those outside the chain end's window
+    suffix first; a hit then falls back to where its window is still bound."""
+    alloc = _alloc()
+    cache = alloc.parts.prefix
+    tokens = np.arange(500, 524)  # 6 pages, each chunk cached before its window frees
+    a = _prefill(alloc, tokens, chunk=4, cache_each=True)
+    chain = alloc.parts.requests.pages[a, :6].copy()
+    alloc.free_request(a)
+    assert (cache.wrefs["swa"][chain] == 0).all() and _swa_bound(alloc, chain).all()
+    # ends: every insert's last block (pages 0..5) -> every page is some end's suffix;
+    # forget the chunk ends but the last: pages 4-5 are the suffix, 0-3 are not
+    cache.ends = {cache.by_page[int(chain[-1])].node_id}
+    alloc._write(cache.evict(3))
+    assert _swa_bound(alloc, chain).tolist() == [False] * 3 + [True] * 3
+    assert cache.counters()["evicted_windows"] == 3 and len(cache.by_page) == 6  # nodes stay
+    assert cache.match(tokens).num_tokens == 24  # the chain end still hits
+    assert cache.match(tokens[:16]).num_tokens == 0  # k = 4 needs page 3: gone, then a miss
+    alloc.check_integrity()
+
+
+def test_a_window_refcount_off_by_one_is_named():
+    """Corruption: one cached page's window refcount disagrees with the request
+    windows that hold it."""
+    alloc = _alloc()
+    tokens = np.arange(600, 616)
+    _prefill(alloc, tokens, chunk=4, cache_each=True)
+    page = int(alloc.parts.prefix.match(tokens).pages[0])
+    alloc.parts.prefix.wrefs["swa"][page] += 1
+    with pytest.raises(AssertionError, match="window refcount equals the open request windows"):
+        alloc.check_integrity()
+
+
+def test_a_held_window_page_unbound_is_named():
+    """Corruption: a cached page inside a request's window (columns from window_lo),
+    not read by its next query, loses its binding: the window hold is broken."""
+    alloc = _alloc()
+    tokens = np.arange(700, 716)
+    slot = alloc.new_request()
+    assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([16])) is not None
+    alloc.parts.prefix.insert(slot, tokens)  # no window free yet: window_lo is 0
+    page = int(alloc.parts.requests.pages[slot, 0])  # the next query reads pages 2-3 only
+    parts, patch = alloc.parts, TablePatch()
+    stage_unbind(parts.books, ("swa",), parts.fences, parts.writer, np.array([page]), patch)
+    parts.writer.write(patch)
+    with pytest.raises(AssertionError, match="cached pages a request window holds are bound"):
+        alloc.check_integrity()

@@ -52,6 +52,7 @@ from unikv.allocator.prefix_chain import (
 )
 from unikv.allocator.prefix_evict import (
     evict_pages,
+    evict_windows,
     evictable_physical,
     release_pages,
     reset_cache,
@@ -73,6 +74,7 @@ class PrefixStats:
     hit_tokens: int = 0  # of them, tokens served from cached pages
     cached_pages: int = 0  # pages given to the cache
     evicted_pages: int = 0  # cached pages evicted
+    evicted_windows: int = 0  # window bindings of cached pages evicted alone
     checkpoints: int = 0  # recurrent-state checkpoints taken (copies)
 
     def as_dict(self) -> dict[str, int]:
@@ -106,6 +108,12 @@ class PrefixCache:
         self.by_key: dict[int, ChainNode] = {}
         self.by_page: dict[int, ChainNode] = {}
         self.by_id: dict[int, ChainNode] = {}  # the live nodes by node id
+        # per windowed sub-pool: open requests whose window holds each cached page
+        # (column >= window_lo), and when it last dropped to none (the window LRU)
+        self.wrefs = {n: np.zeros(vspace.size, np.int32) for n in roles.windows}
+        self.wtime = {n: np.zeros(vspace.size, np.int64) for n in roles.windows}
+        self.ends: set[int] = set()  # node ids where an insert ended (a prompt's end)
+        self._tick = 0
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
         self.host = None  # the host tier (io.prefix_host.PrefixHost), set by enable_prefix_host
@@ -255,6 +263,12 @@ class PrefixCache:
         np.add.at(self.refs, pages, 1)
         for page in pages.tolist():
             self.lru.pop(page, None)
+        ps = self.roles.page_size
+        for name, window in self.roles.windows.items():
+            # the request holds the window its first query reads (bound: window_intact)
+            first = max(hit.num_tokens + 1 - window, 0) // ps
+            self.requests.window_lo[name][slot] = first
+            np.add.at(self.wrefs[name], pages[first:], 1)
         if states is not None:
             states.pin(slot, last)  # restored by alloc_mamba
         positions = np.arange(hit.num_tokens, dtype=np.int64)
@@ -279,14 +293,18 @@ class PrefixCache:
         key, parent, added = self._root_key(salt), 0, 0
         blocks = self._blocks(tokens)
         pages = self.requests.pages[slot, : len(blocks)].tolist()
-        for block, page in zip(blocks, pages, strict=True):
+        for col, (block, page) in enumerate(zip(blocks, pages, strict=True)):
             key, node = self._find(key, parent, block, salt)
             if node is None:
                 node = self._new_node(page, key, parent, block, salt if parent == 0 else None)
                 if node is None:
                     break
                 added += 1
+                for name, lo in self.requests.window_lo.items():  # in its window: held
+                    self.wrefs[name][page] = int(col >= lo[slot])
             parent = node.node_id  # cached already: this request's page or another's
+        if parent and self.roles.windows:  # a hit may end here: keep its window suffix
+            self.ends.add(parent)
         self.stats.cached_pages += added
         if self.check is not None:
             self.check()
@@ -362,8 +380,41 @@ class PrefixCache:
         if page not in self.lru:
             return False
         self.lru.move_to_end(page, last=False)
-        self.writer.write(self.evict(1))
+        self.writer.write(evict_pages(self, 1))
         return True
+
+    def leave_window(self, name: str, vpages: np.ndarray) -> None:
+        """Cached ``vpages`` (host int32, one entry per request) left a request's
+        window in sub-pool ``name``: that request's hold goes; at none the binding is
+        the cache's, evictable alone (``prefix_evict.evict_windows``)."""
+        if not len(vpages):
+            return
+        wrefs = self.wrefs[name]
+        np.subtract.at(wrefs, vpages, 1)
+        self._tick += 1
+        self.wtime[name][vpages[wrefs[vpages] == 0]] = self._tick
+
+    def release_window(self, slot: int, lo: int, hi: int) -> None:
+        """Request ``slot`` gives up its page columns ``[lo, hi)``: its holds on the
+        cached ones in its windows go (call before ``window_lo`` moves)."""
+        for name in self.roles.windows:
+            start = max(lo, int(self.requests.window_lo[name][slot]))
+            if start < hi:
+                vpages = self.requests.pages[slot, start:hi]
+                self.leave_window(name, vpages[self.is_cached(vpages)])
+
+    def window_evictable(self, name: str) -> np.ndarray:
+        """Cached pages (host int32) whose binding in windowed sub-pool ``name`` only
+        the cache holds: bound, no request window holds them."""
+        pages = np.fromiter(self.by_page, np.int32, len(self.by_page))
+        pages = pages[self.wrefs[name][pages] == 0]
+        return pages[self.books[name].physical(pages) >= 0]
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Evictable pages plus window bindings evictable alone (the room maker's)."""
+        windows = sum(len(self.window_evictable(n)) for n in self.roles.windows)
+        return len(self.lru) + windows
 
     def release(self, vpages: np.ndarray) -> np.ndarray:
         """``prefix_evict.release_pages``: the private ones of ``vpages`` (host int32)."""
@@ -373,8 +424,20 @@ class PrefixCache:
         return self.vspace.owner[vpages] == CACHED
 
     def evict(self, count: int) -> TablePatch:
-        """``prefix_evict.evict_pages``: the ``count`` oldest evictable pages evicted."""
-        return evict_pages(self, count)
+        """Under pressure, ``count`` of, cheapest first: window bindings no request
+        holds outside every chain end's window suffix (no hit lost); the oldest
+        evictable pages (``prefix_evict.evict_pages``; their window bindings go with
+        them); when no page is evictable, the suffix bindings of pages requests hold
+        below their windows (``prefix_evict.evict_windows``)."""
+        patch, done = evict_windows(self, count, suffixes=False)
+        if done >= count:
+            return patch
+        count -= done
+        if self.lru:
+            self.writer.write(patch)
+            return evict_pages(self, count)
+        self.writer.write(patch)
+        return evict_windows(self, count)[0]
 
     def reset(self) -> int:
         """``prefix_evict.reset_cache``: drop everything no request holds."""

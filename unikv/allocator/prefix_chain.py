@@ -12,13 +12,17 @@ Sliding windows (every windowed token sub-pool, the owner included when all
 are windowed): a hit of k blocks serves a request only if the pages its first
 query reads are bound in every windowed sub-pool, blocks ``[first, k)`` with
 ``first = max(k*ps + 1 - W, 0) // ps``; the hit is the longest such k (a
-shorter intact prefix, or a miss). Policy: a cached page keeps its window
-bindings for as long as it is cached; a request's out-of-window frees skip
-cached pages (``Tokens.stage_window_frees``), so the window suffix of every
-cached prefix lives until its node is evicted (LRU, leaves first), while a
-request's private pages that left its window are freed at once, before any
-cached page. A page cached after its request freed it out of the window
-never regains its binding: hits ending where it is needed fall back.
+shorter intact prefix, or a miss). Policy: ``wrefs[name][page]`` counts the open
+requests whose window (page columns from ``window_lo`` on; a hit opens with the
+window its first query reads) holds a cached page; as a page slides out of a
+request's window that hold goes (``Tokens.stage_window_frees``), and at none the
+binding is the cache's: kept while the pool has room, evicted alone under
+pressure before any node (``prefix_evict.evict_windows``: bindings outside every
+chain end's window suffix first, then the suffixes, oldest first). So a request
+holds no more window pages than its window, cache or not. A request's private
+pages that left its window are freed at once. A page cached after its request
+freed it out of the window never regains its binding: hits ending where it is
+needed fall back.
 
 Recurrent state (a Mamba sub-pool): a hit of k blocks also needs a state
 checkpoint at block k-1's node (``checkpoints.py``); the hit is the longest
@@ -151,4 +155,14 @@ def check_prefix_windows(parts) -> None:
         pages = pages[owner[pages] == CACHED]
         assert (parts.books[name].v2p_host[pages] >= 0).all(), (
             f"{name}: cached pages an open request's window reads are bound"
+        )
+        held = (cols >= req.window_lo[name][:, None]) & (cols < npages[:, None])
+        held = req.pages[held & req.in_use[:, None]]
+        held = held[owner[held] == CACHED]
+        wrefs = parts.prefix.wrefs[name]
+        assert np.array_equal(wrefs, np.bincount(held, minlength=len(wrefs))), (
+            f"{name}: window refcount equals the open request windows holding each cached page"
+        )
+        assert (parts.books[name].v2p_host[wrefs > 0] >= 0).all(), (
+            f"{name}: cached pages a request window holds are bound"
         )

@@ -81,6 +81,7 @@ def evict_pages(cache, count: int, spill: bool = True) -> TablePatch:
             node.page = HOST
         else:
             del cache.by_key[node.key], cache.by_id[node.node_id]
+            cache.ends.discard(node.node_id)
             dropped.append(node.node_id)
     if cache.states is not None and dropped:  # the checkpoints no lookup can reach any more
         unreachable = [n for n in cache.states.nodes() if not reachable(cache.by_id, n)]
@@ -92,13 +93,72 @@ def evict_pages(cache, count: int, spill: bool = True) -> TablePatch:
     return patch
 
 
+def window_suffixes(cache, name: str, insert_ends: bool = True) -> np.ndarray:
+    """Cached pages (host int32) in the window suffix of a chain end in windowed
+    sub-pool ``name``: the blocks the first query of a hit ending there reads. Chain
+    ends: device nodes with no device child (a chain's end), with several (where
+    prompts diverge: a shared system prompt), with a state checkpoint, or where an
+    insert ended (a prompt's end: a repeat of the prompt hits there), unless not
+    ``insert_ends``."""
+    nodes = cache.by_page.values()
+    children: dict[int, int] = {}
+    for node in nodes:
+        children[node.parent_id] = children.get(node.parent_id, 0) + 1
+    states = cache.states.by_node if cache.states is not None else {}
+    span = -(-(cache.roles.windows[name] - 1) // cache.roles.page_size)  # blocks read
+    keep: set[int] = set()
+    for node in nodes:
+        if (
+            children.get(node.node_id, 0) == 1
+            and node.node_id not in states
+            and not (insert_ends and node.node_id in cache.ends)
+        ):
+            continue
+        walk = node
+        for _ in range(span):
+            if walk is None or walk.page == HOST or walk.page in keep:
+                break
+            keep.add(walk.page)
+            walk = cache.by_id.get(walk.parent_id)
+    return np.fromiter(keep, np.int32, len(keep))
+
+
+def evict_windows(cache, count: int, suffixes: bool = True) -> tuple[TablePatch, int]:
+    """Unbind up to ``count`` window bindings per windowed sub-pool that only the
+    cache holds (``PrefixCache.window_evictable``): those outside every chain end's
+    window suffix (``window_suffixes``) first, then those only in the suffix of an
+    insert's end (a prompt's end inside a chain: only a repeat of that prompt hits
+    there), then, if ``suffixes``, the suffixes of the other chain ends; each oldest
+    first (the window LRU, ``wtime``). The nodes stay; a hit that needs a binding gone
+    falls back (``prefix_chain.window_intact``). Returns (the tombstones, the most
+    unbound in one sub-pool)."""
+    patch, done = TablePatch(), 0
+    for name in cache.roles.windows:
+        pages = cache.window_evictable(name)
+        if not len(pages) or count <= 0:
+            continue
+        rank = np.isin(pages, window_suffixes(cache, name)).astype(np.int64)
+        rank += np.isin(pages, window_suffixes(cache, name, insert_ends=False))
+        if not suffixes:
+            pages, rank = pages[rank < 2], rank[rank < 2]
+        order = np.lexsort((cache.wtime[name][pages], rank))[:count]
+        stage_unbind(cache.books, (name,), cache.fences, cache.writer, pages[order], patch)
+        cache.stats.evicted_windows += len(order)
+        done = max(done, len(order))
+    return patch, done
+
+
 def evictable_physical(cache, name: str) -> np.ndarray:
-    """Physical pages of ``name`` that evicting every evictable page would free
-    (host int64; unpinned ones only)."""
+    """Physical pages of ``name`` that evicting every evictable page (and, in a
+    windowed sub-pool, every window binding only the cache holds) would free (host
+    int64; unpinned ones only)."""
     book = cache.books[name]
-    if not cache.lru:
+    vpages = np.fromiter(cache.lru, np.int32, len(cache.lru))
+    if name in cache.roles.windows:
+        vpages = np.union1d(vpages, cache.window_evictable(name)).astype(np.int32)
+    if not len(vpages):
         return np.zeros(0, np.int64)
-    ppages = book.physical(np.fromiter(cache.lru, np.int32, len(cache.lru))).astype(np.int64)
+    ppages = book.physical(vpages).astype(np.int64)
     ppages = ppages[ppages > 0]
     return ppages[book.pins[ppages] == 0]
 
@@ -109,6 +169,7 @@ def reset_cache(cache) -> int:
     pages dropped. Evicted pages are dropped, not spilled to the host tier."""
     states, host, count = cache.states, cache.host, len(cache.lru)
     cache.writer.write(evict_pages(cache, count, spill=False))
+    cache.writer.write(evict_windows(cache, cache.vspace.size)[0])  # bindings no one holds
     if states is not None:
         states.evict(states.num_evictable, spill=False)
     if host is not None:

@@ -205,14 +205,14 @@ class Room:
     def _evictable(self, pages: bool = True) -> int:
         states = self.prefix.states
         held = states.num_evictable if states is not None else 0
-        return held + (self.prefix.num_evictable if pages else 0)
+        return held + (self.prefix.num_reclaimable if pages else 0)
 
     def _evict(self, new: Mapping[str, int], batch: int, evict_pages: bool = True) -> bool:
         """Evict ``batch`` cached pages (unless not ``evict_pages``), and ``batch``
         state checkpoints when the Mamba sub-pool is short or no page is left;
         False when nothing was."""
         states = self.prefix.states
-        pages = self.prefix.num_evictable if evict_pages else 0
+        pages = self.prefix.num_reclaimable if evict_pages else 0
         if pages:
             self.writer.write(self.prefix.evict(batch))
         if states is not None and states.num_evictable and (new.get(states.book.name) or not pages):

@@ -167,7 +167,9 @@ class Tokens:
             raise ValueError(
                 f"free_request: request {slot} is not open (double free or never opened)"
             )
-        return self.free_pages(self.requests.held_pages(int(slot)))
+        held = self.requests.held_pages(int(slot))
+        self.prefix.release_window(int(slot), 0, len(held))
+        return self.free_pages(held)
 
     def stage_out_of_window(self, slots: object, seq_lens: object) -> TablePatch:
         """``free_out_of_window``'s host half (checked arguments); the tombstones.
@@ -212,8 +214,11 @@ class Tokens:
             else:  # decode: at most one page per request leaves
                 leaving = np.flatnonzero(gone)
                 vpages = self.requests.page_ids(slots[leaving], lo[leaving])
-            # cached pages keep their window bindings while cached (prefix.py)
-            self._unbind((name,), vpages[~self.prefix.is_cached(vpages)], patch)
+            # a cached page loses this request's hold; at none the binding is the
+            # cache's, evictable alone (prefix.py); private pages are unbound now
+            cached = self.prefix.is_cached(vpages)
+            self.prefix.leave_window(name, vpages[cached])
+            self._unbind((name,), vpages[~cached], patch)
             first[slots] = lo + gone
 
     def stage_truncate(self, slots: object, new_lens: object) -> TablePatch:
@@ -251,6 +256,8 @@ class Tokens:
                     f"from position {(keep[bad] + 1 - window).tolist()} on; keep more tokens "
                     "(a cut whose window is still bound), or none"
                 )
+        for slot, start, end in zip(slots.tolist(), lo.tolist(), hi.tolist()):
+            self.prefix.release_window(slot, start, end)  # the cut pages' window holds
         for name in self.roles.windows:  # no kept page lies beyond the freed ones
             window_lo = self.requests.window_lo[name]
             window_lo[slots] = np.minimum(window_lo[slots], lo)

@@ -64,21 +64,12 @@ def kv_budget_bytes(
     return min(pool_bytes_for(configs, pages), CPU_MAX_BYTES)
 
 
-def window_caching_demand(configs, max_model_len: int) -> dict[str, int]:
-    """Pages one request holds alone when prefix caching keeps its prompt pages bound
-    in the sliding-window sub-pools (``options.check_window_caching``'s rule)."""
-    return {
-        c.name: 1 if c.spec.kind == "mamba" else -(-max_model_len // c.page_size) for c in configs
-    }
-
-
-def one_request_bytes(configs, max_model_len: int, chunk: int, caching: bool = False) -> int:
+def one_request_bytes(configs, max_model_len: int, chunk: int) -> int:
     """The least budget in which one request of ``max_model_len`` tokens runs
-    alone (each sub-pool's worst case side by side, plus the sink; ``caching``:
-    with prefix caching, whose window pages stay bound)."""
+    alone (each sub-pool's worst case side by side, plus the sink; with prefix
+    caching too: a windowed request holds its window's bindings only,
+    ``options.check_window_caching``)."""
     pages = {c.name: worst_case_pages(c.spec, c.page_size, max_model_len, chunk) for c in configs}
-    if caching and any(c.spec.kind == "swa" for c in configs):
-        pages = window_caching_demand(configs, max_model_len)
     return pool_bytes_for(configs, pages)
 
 

@@ -25,7 +25,6 @@ from unikv.engine.budget import (
     kv_budget_bytes,
     one_request_bytes,
     size_after_capture,
-    window_caching_demand,
 )
 from unikv.engine.inline import Stats, run_inline
 from unikv.engine.online import EngineLoop
@@ -202,9 +201,7 @@ class LLM:
                     "kv_cache_margin_bytes sizes the pool after capture: CUDA only, and "
                     "without kv_cache_bytes"
                 )
-            kv_cache_bytes = one_request_bytes(
-                configs, self.max_model_len, max_num_batched_tokens, enable_prefix_caching
-            )
+            kv_cache_bytes = one_request_bytes(configs, self.max_model_len, max_num_batched_tokens)
             if kv_cache_max_bytes is None:  # the GPU's memory, as far as kernel ids reach
                 device_bytes = torch.cuda.mem_get_info(self.device)[1]
                 kv_cache_max_bytes = min(device_bytes, addressable_bytes(configs))
@@ -237,9 +234,7 @@ class LLM:
             max_bytes=kv_cache_max_bytes,  # validated by the pool
         )
         if enable_prefix_caching:
-            check_window_caching(self.pool, self.max_model_len)
-            if any(c.spec.kind == "swa" for c in configs):  # the same rule binds resizes
-                self.pool.alone_demand = window_caching_demand(configs, self.max_model_len)
+            check_window_caching(self.pool, self.max_model_len, max_num_batched_tokens)
         self.alloc = PoolAllocator(
             self.pool,
             max_requests=max_num_seqs,

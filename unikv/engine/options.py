@@ -112,9 +112,9 @@ def prefix_caching_for(enabled, configs) -> bool:
     default) on for models whose every sub-pool is full attention or MLA (a hit shares
     pages: no copy, no extra bytes), off for the others, where caching costs memory:
 
-    - sliding window: a running request keeps the window bindings of the prompt pages
-      it shared (cached prefixes keep their window pages), so its window sub-pool holds
-      its whole prompt, not just the window (``check_window_caching``);
+    - sliding window: the cache keeps window bindings that left every request's
+      window (evicted alone under pressure), and hits end where a chain's window
+      suffix is still bound; not yet measured on the GPU against no cache (issue 41);
     - recurrent hybrids: a hit needs a state checkpoint (one envelope copy each,
       ``allocator/checkpoints.py``), which in a tight pool costs more than it saves
       (bench_prefix's hybrid chat on the H200: 0.77x the tokens/s without the cache at
@@ -139,25 +139,26 @@ def prefix_caching_for(enabled, configs) -> bool:
     return enabled
 
 
-def check_window_caching(pool, max_model_len: int) -> None:
-    """With prefix caching on, a request's shared prompt pages stay bound in its
-    sliding-window sub-pools (so cached prefixes keep their window pages): one request
-    alone may hold ``max_model_len`` tokens there, not just its window. The pool must
-    place that, or the scheduler could not run a lone request to its end."""
-    windowed = [s for s in pool.subpools.values() if s.spec.kind == "swa"]
-    if not windowed:
+def check_window_caching(pool, max_model_len: int, chunk_tokens: int = 1) -> None:
+    """With prefix caching on, a windowed request holds the window bindings of the
+    cached pages in its window only: those that slid out go to the cache, which evicts
+    them alone under pressure (``allocator/prefix_evict.evict_windows``). So caching
+    needs no more than a lone request does: its window plus the chunk being written
+    (``placement.worst_case_pages``), which the pool must place."""
+    from unikv.placement import worst_case_pages
+
+    if not any(s.spec.kind == "swa" for s in pool.subpools.values()):
         return
     demand = {
-        s.name: 1 if s.spec.kind == "mamba" else -(-max_model_len // s.page_size)
+        s.name: worst_case_pages(s.spec, s.page_size, max_model_len, chunk_tokens)
         for s in pool.subpools.values()
     }
     if not pool.fits(demand):
         raise ValueError(
-            f"prefix caching on a sliding-window model: a request keeps its cached prompt "
-            f"pages bound in its window sub-pools, so one request of max_model_len "
-            f"{max_model_len} tokens needs pages {demand}, which the {pool.total_bytes}-byte "
-            "pool cannot place; raise kv_cache_bytes, lower max_model_len, or leave prefix "
-            "caching off (enable_prefix_caching=False, the default for this model)"
+            f"prefix caching on a sliding-window model: one request of max_model_len "
+            f"{max_model_len} tokens needs pages {demand} (its window plus a chunk), which "
+            f"the {pool.total_bytes}-byte pool cannot place; raise kv_cache_bytes or lower "
+            "max_model_len"
         )
 
 

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from unikv.placement import worst_case_pages
+
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
     from unikv.engine.request import Batch, Request
@@ -61,6 +63,10 @@ class NoPrefixCache:
 
     def share(self, r: Request) -> None:
         """Share the full pages holding ``r``'s computed tokens."""
+
+    def window_demand(self, r: Request, demand: dict, subpools, chunk: int) -> dict:
+        """``demand`` (new pages per sub-pool for ``r``'s pending tokens) as is."""
+        return demand
 
 
 class PrefixCaching(NoPrefixCache):
@@ -142,6 +148,23 @@ class PrefixCaching(NoPrefixCache):
                     r.token_slice(0, previous), drop=drop, salt=r.cache_salt
                 )
             self.latest[r.slot] = r.num_cached
+
+    def window_demand(self, r: Request, demand: dict, subpools, chunk: int) -> dict:
+        """``demand`` with each windowed sub-pool's capped by ``r``'s worst case over
+        all its tokens less the cached window pages its hit holds already (bound, not
+        evictable): a hit's window is part of the window a lone request may hold, so a
+        request that runs alone also runs alone with a hit (issue 41)."""
+        if r.slot is None or not r.num_cached:
+            return demand
+        out, ps = dict(demand), self.page_size
+        req = self.alloc.parts.requests
+        for s in subpools:
+            if s.spec.sliding_window is None or s.spec.kind == "mamba":
+                continue
+            held = -(-r.num_cached // ps) - int(req.window_lo[s.name][r.slot])
+            whole = worst_case_pages(s.spec, ps, r.num_cached + r.num_pending, chunk)
+            out[s.name] = min(out[s.name], max(whole - held, 0))
+        return out
 
     def share(self, r: Request) -> None:
         """Share the full pages holding ``r``'s computed tokens (known ones: a

@@ -173,7 +173,7 @@ class Scheduler:
             else:
                 hit = self.prefix.open(r)
                 n = self.prefix.chunk(r, budget)
-                ok = self._fits(r.num_pending, n) and self._admit_state(r)
+                ok = self._fits(r.num_pending, n, r) and self._admit_state(r)
                 ids = self._extend(r, n) if ok else None
             if ids is None:
                 if hit is not None:  # not admitted: its lookup is retried, counted then
@@ -189,12 +189,16 @@ class Scheduler:
             batch.add(r, n, ids)
             budget -= n
 
-    def _fits(self, num_tokens: int, chunk: int) -> bool:
+    def _fits(self, num_tokens: int, chunk: int, r: Request | None = None) -> bool:
         """Capacity oracle: can a request needing ``num_tokens`` more tokens, written
-        ``chunk`` at a time, get its pages now (after compaction if need be)?"""
+        ``chunk`` at a time, get its pages now (after compaction if need be)? ``r``:
+        the request, opened with a prefix hit: the window pages it holds already count
+        toward its window's worst case (``prefix_policy.window_demand``)."""
         demand = {
             s.name: worst_case_pages(s.spec, s.page_size, num_tokens, chunk) for s in self.subpools
         }
+        if r is not None:
+            demand = self.prefix.window_demand(r, demand, self.subpools, chunk)
         return bool(self.alloc.can_admit(demand)[1])
 
     def _admit_state(self, r: Request) -> bool:

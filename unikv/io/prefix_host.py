@@ -282,6 +282,8 @@ class PrefixHost:
         np.add.at(prefix.refs, pages, 1)
         for page in pages.tolist():
             prefix.lru.pop(page, None)
+        for wrefs in prefix.wrefs.values():  # and their window bindings (issue 41)
+            np.add.at(wrefs, pages, 1)
         last = nodes[-1].node_id
         self.held = {nodes[i].node_id for i in columns} | {last}
         was_evictable = states is not None and states.lru.pop(last, 0) is None
@@ -293,6 +295,8 @@ class PrefixHost:
             return bool(self.reserve(need, len(columns)))
         finally:
             np.subtract.at(prefix.refs, pages, 1)
+            for wrefs in prefix.wrefs.values():
+                np.subtract.at(wrefs, pages, 1)
             for page in pages[::-1].tolist():
                 if prefix.refs[page] == 0:
                     prefix.lru[page] = None
