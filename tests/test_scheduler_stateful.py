@@ -71,8 +71,9 @@ def prefix_values(tokens: list[int]) -> list[int]:
 
 def smallest_pages(configs: list[SubPoolConfig], ps: int) -> dict[str, int]:
     """Pages per sub-pool of the smallest pool that places one request of MAX_LEN
-    tokens (the scheduler's start-up condition; with windows and caching a request
-    keeps its prompt's window pages bound, ``options.check_window_caching``)."""
+    tokens (the scheduler's start-up condition), every sub-pool sized for the whole
+    request (more than a window needs since issue 41: a request holds only its
+    window, cache on)."""
     need = {c.name: 2 if c.spec.kind == "mamba" else -(-MAX_LEN // ps) + 1 for c in configs}
     return need
 
