@@ -277,7 +277,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=120,
+    max_examples=200,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,
