@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unikv.engine.request import BatchKind
 from unikv.engine.sampling import sample
 from unikv.engine.structured import mask_structured
 
@@ -181,6 +182,8 @@ def prompt_rows(batch, device, pin: bool) -> PromptRows | None:
     positions is in this step). A request's lane ``j`` feeds tokens ``[s, s + n)``
     (``s``: its computed tokens); the logits of its token ``s + t`` predict prompt
     position ``s + t + 1``, wanted while that is a prompt position."""
+    if batch.kind is BatchKind.DECODE:  # every lane feeds its last token: no prompt row
+        return None  # (and the decode hot path keeps no loop over its requests here)
     reqs, num_new = batch.requests, batch.num_new
     asks = [j for j, r in enumerate(reqs) if r.params.prompt_logprobs is not None]
     if not asks:
