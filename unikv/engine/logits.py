@@ -84,6 +84,26 @@ def mask_early_stops(logits: torch.Tensor, reqs, pin: bool) -> None:
     logits[r_idx, toks] = float("-inf")
 
 
+def _pinned(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Pinned host copies of ``tensors``, enqueued without waiting."""
+    out = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.append(host.copy_(t, non_blocking=True))
+    return out
+
+
+def _logprob_parts(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """(chosen (R,), rank (R,), top_values (R, k), top_ids (R, k)) of raw logits (R, V)
+    against the tokens ``targets`` (R,) int64: log-softmax, the targets' logprobs and
+    ranks (1 = the most likely), the k most likely."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets[:, None])
+    rank = (lp > chosen).sum(dim=-1) + 1
+    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], targets[:, None][:, :0])
+    return chosen[:, 0], rank, top_values, top_ids
+
+
 @dataclass
 class StepLogprobs:
     """Log-probabilities of one step, for the rows in ``rows`` (host ints, batch
@@ -99,12 +119,9 @@ class StepLogprobs:
     def to_host(self) -> StepLogprobs:
         """Pinned host copies, enqueued without waiting (read after the step's event)."""
 
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-
-        parts = (self.chosen, self.rank, self.top_values, self.top_ids)
-        return StepLogprobs(self.rows, *(copy(t) for t in parts))
+        return StepLogprobs(
+            self.rows, *_pinned(self.chosen, self.rank, self.top_values, self.top_ids)
+        )
 
     def lists(self) -> dict[int, tuple[float, int, list[tuple[int, float]]]]:
         """lane -> (chosen logprob, rank, [(token id, logprob)] of the top k)."""
@@ -124,11 +141,8 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, reqs, pin: bool):
         return None
     k = max(reqs[i].params.logprobs for i in rows)
     rows_t = _to_device(rows, torch.int64, logits.device, pin)
-    lp = torch.log_softmax(logits.index_select(0, rows_t), dim=-1)  # (R, V)
-    chosen = lp.gather(1, tokens.index_select(0, rows_t)[:, None])  # (R, 1)
-    rank = (lp > chosen).sum(dim=-1) + 1
-    top_values, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], rows_t[:, None][:, :0])
-    return StepLogprobs(rows, chosen[:, 0], rank, top_values, top_ids)
+    parts = _logprob_parts(logits.index_select(0, rows_t), tokens.index_select(0, rows_t), k)
+    return StepLogprobs(rows, *parts)
 
 
 def sample_requests(reqs, logits: torch.Tensor, prev_tokens, *, pin: bool, prev_host=None):
@@ -223,12 +237,9 @@ class PromptLogprobs:
     def to_host(self) -> PromptLogprobs:
         """Pinned host copies, enqueued without waiting (read after the step's event)."""
 
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=True)
-
-        parts = (self.chosen, self.rank, self.top_values, self.top_ids)
-        return PromptLogprobs(self.spans, *(copy(t) for t in parts))
+        return PromptLogprobs(
+            self.spans, *_pinned(self.chosen, self.rank, self.top_values, self.top_ids)
+        )
 
     def lists(self) -> dict[int, tuple[int, list]]:
         """lane -> (first prompt position, [(logprob, rank, [(id, logprob)] of the
@@ -247,8 +258,4 @@ class PromptLogprobs:
 
 def prompt_logprobs(logits: torch.Tensor, pr: PromptRows) -> PromptLogprobs:
     """PromptLogprobs of the prompt rows' raw logits (E, V)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, pr.targets[:, None])
-    rank = (lp > chosen).sum(dim=-1) + 1
-    top_values, top_ids = lp.topk(pr.k, dim=-1) if pr.k else (lp[:, :0], pr.rows[:, None][:, :0])
-    return PromptLogprobs(pr.spans, chosen[:, 0], rank, top_values, top_ids)
+    return PromptLogprobs(pr.spans, *_logprob_parts(logits, pr.targets, pr.k))

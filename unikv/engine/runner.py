@@ -101,29 +101,25 @@ class Launched:
         self.fed = fed  # the tokens are in the planner's feedback buffer
         self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
 
+    def _ready(self, host):
+        """``host`` (this step's host copies) once the step is done; waits for it only."""
+        if self._event is not None:
+            self._event.synchronize()
+        return host
+
     def prompt_logprobs(self) -> dict | None:
         """lane -> (first position, entries) of the prompt rows its requests asked
         for (``PromptLogprobs.lists``), or None; waits for this step only."""
-        if self._prompt is None:
-            return None
-        if self._event is not None:
-            self._event.synchronize()
-        return self._prompt.lists()
+        return None if self._prompt is None else self._ready(self._prompt).lists()
 
     def tokens(self) -> list[int]:
         """The sampled tokens on the host; waits for this step only."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+        return self._ready(self._host).tolist()
 
     def logprobs(self) -> dict | None:
         """lane -> (logprob, rank, top [(id, logprob)]) of the rows that asked for
         logprobs (``StepLogprobs.lists``), or None; waits for this step only."""
-        if self._logprobs is None:
-            return None
-        if self._event is not None:
-            self._event.synchronize()
-        return self._logprobs.lists()
+        return None if self._logprobs is None else self._ready(self._logprobs).lists()
 
 
 class ModelRunner:

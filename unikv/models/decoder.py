@@ -39,6 +39,7 @@ from unikv.kernels.backend import KernelBackend, building, resolve_feedback
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
 from unikv.models.parallel import refuse_tp
+from unikv.models.rope import Rotary
 
 
 class Block:
@@ -137,6 +138,18 @@ class Backbone(nn.Module):
         if isinstance(rotary, dict):
             return list(rotary.values())
         return [] if rotary is None else [rotary]
+
+
+def typed_rope_backbone(
+    config: ModelConfig, max_positions: int, layer_types, make_layer, norm: RMSNorm
+) -> Backbone:
+    """A Backbone whose layers take one rope table per layer type (Gemma-3, MiMo):
+    ``make_layer(config, i, rotary)``; the tables are kept out of the parameter names."""
+    ropes, types = config.extra["rope_by_type"], config.extra["layer_types"]
+    rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in layer_types}
+    layers = [make_layer(config, i, rotary[types[i]]) for i in range(config.num_layers)]
+    embed = nn.Embedding(config.vocab_size, config.hidden_size)
+    return Backbone(embed, layers, norm, rotary)
 
 
 class DecoderLM(nn.Module):

@@ -171,13 +171,8 @@ class GemmaForCausalLM(decoder.DecoderLM):
         return self.final_soft_cap > 0
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
-        ropes, types = config.extra["rope_by_type"], config.extra["layer_types"]
-        # one rope table per layer type, kept out of the parameter names
-        rotary = {t: Rotary(ropes[t], config.head_dim, max_positions) for t in LAYER_TYPES}
-        layers = [DecoderLayer(config, i, rotary[types[i]]) for i in range(config.num_layers)]
         norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        return decoder.Backbone(embed, layers, norm, rotary)
+        return decoder.typed_rope_backbone(config, max_positions, LAYER_TYPES, DecoderLayer, norm)
 
     def build(self, device: torch.device) -> None:
         """Non-parameter tables on ``device``: the rope cos/sin per layer type and
