@@ -1,7 +1,8 @@
 """Two-process torch.distributed tests on CPU: gloo over loopback, bounded.
 
 ``run_two(worker, args)`` spawns ``worker(rank, port, out_dir, *args)`` in two
-processes, waits at most ``deadline_s`` (then kills them and fails), and
+processes (``run_n(n, ...)`` in ``n``; its worker passes ``world_size=n`` to
+``init_group``), waits at most ``deadline_s`` (then kills them and fails), and
 returns each rank's ``torch.load``-ed result file ``out_dir/rank{r}.pt``. A
 worker calls ``init_group(rank, port, backend)`` first and ``save_result`` at the end;
 collectives time out after ``TIMEOUT_S`` so a broken peer never hangs CI.
@@ -47,8 +48,8 @@ def rank_device(backend: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
-def init_group(rank: int, port: int, backend: str = "gloo") -> torch.device:
-    """Join the two-rank group on 127.0.0.1; returns this rank's device. gloo
+def init_group(rank: int, port: int, backend: str = "gloo", world_size: int = 2) -> torch.device:
+    """Join the ``world_size``-rank group on 127.0.0.1; returns this rank's device. gloo
     ranks use one intra-op thread; NCCL keeps NVLink multicast off."""
     device = rank_device(backend, rank)
     if backend == "nccl":
@@ -60,7 +61,7 @@ def init_group(rank: int, port: int, backend: str = "gloo") -> torch.device:
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         timeout=timedelta(seconds=TIMEOUT_S),
     )
     return device
@@ -70,18 +71,23 @@ def save_result(out_dir: str, rank: int, result: dict) -> None:
     torch.save(result, Path(out_dir, f"rank{rank}.pt"))
 
 
-def run_two(worker, out_dir: str, *args, deadline_s: float = 2 * TIMEOUT_S) -> list[dict]:
-    """Run ``worker(rank, port, out_dir, *args)`` on ranks 0 and 1; their results."""
+def run_n(n: int, worker, out_dir: str, *args, deadline_s: float = 2 * TIMEOUT_S) -> list[dict]:
+    """Run ``worker(rank, port, out_dir, *args)`` on ranks 0 .. n-1; their results."""
     ctx = mp.start_processes(
-        worker, args=(free_port(), out_dir, *args), nprocs=2, join=False, start_method="spawn"
+        worker, args=(free_port(), out_dir, *args), nprocs=n, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=2):
-            assert time.monotonic() < deadline, "the two ranks did not finish in time"
+            assert time.monotonic() < deadline, f"the {n} ranks did not finish in time"
     finally:
         for process in ctx.processes:
             if process.is_alive():
                 process.kill()
-    files = [Path(out_dir, f"rank{r}.pt") for r in (0, 1)]
+    files = [Path(out_dir, f"rank{r}.pt") for r in range(n)]
     return [torch.load(f, weights_only=False, map_location="cpu") for f in files]
+
+
+def run_two(worker, out_dir: str, *args, deadline_s: float = 2 * TIMEOUT_S) -> list[dict]:
+    """Run ``worker(rank, port, out_dir, *args)`` on ranks 0 and 1; their results."""
+    return run_n(2, worker, out_dir, *args, deadline_s=deadline_s)

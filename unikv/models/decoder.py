@@ -204,6 +204,17 @@ class DecoderLM(nn.Module):
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> Backbone:
         raise NotImplementedError
 
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """HF field name -> its value, for every field a tensor-parallel size must
+        divide (``parallel.check_tp_config``, before any weight loads). A family that
+        shards more (recurrent heads, experts, MLA heads) extends this."""
+        return {
+            "num_attention_heads": config.num_heads,
+            "num_key_value_heads": config.num_kv_heads,
+            "intermediate_size": config.intermediate_size,
+        }
+
     def scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
         return h
 

@@ -72,9 +72,6 @@ class TensorParallel:
         return int(t.item())
 
 
-TP_FAMILIES = frozenset({"llama", "gpt_oss"})  # families whose layers shard by heads
-
-
 def refuse_tp(config: ModelConfig, tp) -> None:
     """For families without a sharded implementation: ``tp`` must be None."""
     if tp is not None:
@@ -85,19 +82,19 @@ def refuse_tp(config: ModelConfig, tp) -> None:
 
 
 def check_tp_config(config: ModelConfig, size: int) -> None:
-    """Raise ValueError unless ``config`` can be split over ``size`` ranks."""
-    if config.family not in TP_FAMILIES:
+    """Raise ValueError unless ``config`` can be split over ``size`` ranks: its model
+    class shards (``tensor_parallel``) and ``size`` divides every field its
+    ``tp_dims(config)`` names (HF field name -> value). Runs before any weight loads."""
+    from unikv.models.family import named
+
+    model = named(config.family).model_class()
+    if not getattr(model, "tensor_parallel", False):
         raise ValueError(
-            f"tensor parallelism runs the {sorted(TP_FAMILIES)} families; {config.family!r} "
-            "(a hybrid with recurrent state) is not sharded yet: build the LLM with "
-            "tp_group=None"
+            f"tensor parallelism is not implemented for the {config.family!r} family "
+            f"({config.architecture}) yet: build the LLM with tp_group=None "
+            "(tensor_parallel_size=1)"
         )
-    dims = {
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    bad = {name: value for name, value in dims.items() if value % size}
+    bad = {name: value for name, value in model.tp_dims(config).items() if value % size}
     if bad:
         raise ValueError(
             f"tensor parallelism of {size} needs {sorted(bad)} divisible by {size}, got "
