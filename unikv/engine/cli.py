@@ -70,10 +70,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def llm_from_args(args):
     """The LLM of ``add_engine_args``'s options (ValueError on bad values)."""
     from unikv.engine.llm import LLM
+
+    kwargs = llm_kwargs(args)
+    return LLM(kwargs.pop("model"), **kwargs)
+
+
+def llm_kwargs(args) -> dict:
+    """``LLM``'s keyword arguments (``model`` among them) of ``add_engine_args``'s
+    options: plain data, so ``unikv serve`` passes them to its engine process."""
     from unikv.inspect import parse_bytes
 
-    return LLM(
-        args.model,
+    return dict(
+        model=args.model,
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,

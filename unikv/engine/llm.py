@@ -344,12 +344,21 @@ class LLM:
         return [self.make_group(ids, sp, text=text, sink=sink) for ids, text, sp in items]
 
     def make_group(
-        self, ids: list[int], params: SamplingParams, *, text=None, sink=None, cache_salt=None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        text=None,
+        sink=None,
+        cache_salt=None,
+        detokenize: bool = True,
     ):
         """A RequestGroup of ``params.n`` requests sharing the (validated) prompt ids.
         Completion i > 0 of a seeded prompt gets a seed derived from (seed, i).
         ``cache_salt`` (a non-empty str or None, vLLM's): the prefix cache shares
-        pages only between requests of the same salt."""
+        pages only between requests of the same salt. ``detokenize`` False: the
+        group's tracks carry token ids alone (no text, no stop strings: the API
+        process of ``unikv serve`` does those)."""
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.40}")
         vocab = self.config.vocab_size
@@ -359,7 +368,7 @@ class LLM:
         base = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seeds = [base] + [derived_seed(base, i) for i in range(1, params.n)]
         requests = [self._request(list(ids), params, seed, cache_salt) for seed in seeds]
-        return RequestGroup(requests, text, sink, self.tokenizer)
+        return RequestGroup(requests, text, sink, self.tokenizer if detokenize else None)
 
     def generate(
         self,

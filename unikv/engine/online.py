@@ -173,6 +173,25 @@ class EngineLoop:
             self._aborts.append(group)
             self._cv.notify()
 
+    def stop_completion(self, group: RequestGroup, index: int) -> None:
+        """End completion ``index`` of ``group`` with finish_reason "stop" between two
+        steps (a stop string found outside the engine: ``unikv serve``'s API
+        process); its pages are freed, the group's other completions go on."""
+
+        def end() -> None:
+            track = group.tracks[index]
+            if track.done:
+                return
+            pairs: list = []
+            self._finish(track.request, "stop")
+            track.done = True
+            r = track.request
+            self._collect(track, Delta(index, [], "", None, r.finish_reason, None), pairs)
+            if pairs:
+                self.publish(pairs)
+
+        self.call(end)
+
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn()`` between two steps in the loop's thread (now when no thread
         runs, or when called from that thread); its result comes back through the

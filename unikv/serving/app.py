@@ -92,12 +92,20 @@ class Server:
 
     def __init__(self, llm, names: list[str], max_waiting: int | None, on_death=None,
                  options: ServeOptions | None = None) -> None:  # fmt: skip
-        self.llm, self.names = llm, names
-        self.options = options or ServeOptions()
-        self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
-        self.metrics = ServingMetrics(llm.engine, llm, model_name=names[0])
+        from unikv.serving.engine_client import ProcEngine
+
+        self.names, self.options = names, options or ServeOptions()
+        if isinstance(llm, ProcEngine):  # the engine in its own process
+            llm.on_death = on_death
+            self.engine, self.llm = llm, llm.front
+            self.metrics = ServingMetrics(None, None, names[0], snapshot=llm.snapshot)
+            self.prompts = _own_prompts(llm.front)
+        else:
+            self.llm = llm
+            self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
+            self.metrics = ServingMetrics(llm.engine, llm, model_name=names[0])
+            self.prompts = _own_prompts(llm)
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="unikv-tokenize")
-        self.prompts = _own_prompts(llm)
         self.draining = self.cut_done = False
         self.live: set[Submission] = set()  # submissions not finished (cut at drain's end)
 
@@ -157,7 +165,7 @@ class Server:
 
     async def respond(self, request: Request, body, items, chat: bool, start: float):
         """Run ``items`` on the engine; a JSON body or an event stream."""
-        sub = self.engine.submit(items, cache_salt=body.cache_salt)
+        sub = await self.engine.asubmit(items, cache_salt=body.cache_salt)
         self.live.add(sub)
         if self.cut_done:
             sub.cut = True
@@ -310,6 +318,7 @@ def create_app(
     limits (``ops.ServeOptions``; default: open, no admin routes)."""
     server = Server(llm, list(served_model_names), max_waiting, on_engine_death, options)
     opts = server.options
+    llm = server.llm  # the LLM, or the engine process's tokenizer side (``ProcEngine.front``)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -368,7 +377,7 @@ def create_app(
                 return _error("send Content-Type: application/json (an empty body or {})",
                               INVALID, None, 415)  # fmt: skip
             await read_body(request, opts)
-            if not await asyncio.to_thread(llm.reset_prefix_cache):  # waits for the engine
+            if not await asyncio.to_thread(server.engine.reset_prefix_cache):  # waits for it
                 return _error("prefix caching is off; start the server with "
                               "--enable-prefix-caching", INVALID, None, 400)  # fmt: skip
             return {"reset": True}

@@ -87,9 +87,7 @@ class Submission:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
         if left:
-            for group in self.groups:
-                if not group.done:
-                    self.engine.loop.abort(group)
+            self.engine.abort_submission(self)
         return left
 
 
@@ -148,6 +146,19 @@ class AsyncEngine:
         sub.groups = groups
         sub.left = sum(len(g.tracks) for g in groups)
         return sub
+
+    async def asubmit(self, items, cache_salt: str | None = None) -> Submission:
+        """``submit`` as the app calls it (``ProcEngine.asubmit`` waits for the
+        engine process's answer)."""
+        return self.submit(items, cache_salt)
+
+    def abort_submission(self, sub: Submission) -> None:
+        for group in sub.groups:
+            if not group.done:
+                self.loop.abort(group)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm.reset_prefix_cache()
 
     def _died(self, err: BaseException) -> None:
         """Engine thread: the loop died; tell the event loop (``on_death``)."""

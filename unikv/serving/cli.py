@@ -2,14 +2,21 @@
 ``unikv/cli.py``): the OpenAI-compatible server on uvicorn, with the engine
 options of ``unikv generate``.
 
-If the engine loop dies, the process exits with status 1 within seconds (after
-the failed requests got their errors), so that a supervisor restarts it. On
+The engine (scheduler and forward) runs in its own process by default
+(``engine_core``, fed over ZeroMQ by ``engine_client.ProcEngine``); this
+process does HTTP, tokenization, chat templates and detokenization.
+``--in-process-engine`` keeps the engine loop in a thread of this process.
+
+If the engine loop or its process dies, this process exits with status 1
+within seconds (after the failed requests got their errors), so that a
+supervisor restarts it. On
 SIGTERM (or Ctrl-C) the server stops accepting, lets in-flight requests run for
 ``--shutdown-timeout`` seconds, then ends each with finish_reason "abort" (a
 stream: a final chunk and ``[DONE]``) and exits 0.
 Test-only fault injection: the environment variable ``UNIKV_TEST_ENGINE_FAULT``
 (``online.FAULT_ENV``), read once at start-up; ``die-after-steps:N`` makes the
-engine loop die at its N-th step.
+engine loop die at its N-th step; ``poison-token:ID`` (process mode) makes the
+forward raise for a step that feeds token ID.
 """
 
 from __future__ import annotations
@@ -132,6 +139,13 @@ def _parser() -> argparse.ArgumentParser:
         "together, however many); 0 = no bound (default 256)",
     )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument(
+        "--in-process-engine",
+        action="store_true",
+        help="run the engine (scheduler and forward) in a thread of the API server's process, "
+        "as before; default: its own process (vLLM's engine core), fed over ZeroMQ, so HTTP, "
+        "tokenization and detokenization do not share a GIL with the engine loop",
+    )
     a = p.add_argument_group("access and operations")
     a.add_argument(
         "--api-key",
@@ -210,8 +224,10 @@ def serve_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     import uvicorn
 
-    from unikv.engine.cli import llm_from_args
+    from unikv.engine.cli import llm_from_args, llm_kwargs
+    from unikv.engine.online import FAULT_ENV
     from unikv.serving.app import create_app
+    from unikv.serving.engine_client import EngineStartError, ProcEngine
 
     died: list[BaseException] = []
     holder: dict = {}
@@ -227,12 +243,21 @@ def serve_main(argv: list[str]) -> int:
         hard.daemon = True
         hard.start()
 
+    llm = None
     try:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
-        fault = _fault_steps(os.environ)
-        llm = llm_from_args(args)
-        llm.engine.die_after_steps = fault
+        if args.in_process_engine:
+            fault = _fault_steps(os.environ)
+            llm = llm_from_args(args)
+            llm.engine.die_after_steps = fault
+            where = f"pool {llm.pool.total_bytes} bytes, {llm.device}, engine in this process"
+        else:  # the engine process (its fault spec is checked there)
+            llm = ProcEngine(llm_kwargs(args), max_waiting=args.max_waiting,
+                             fault=os.environ.get(FAULT_ENV) or None)  # fmt: skip
+            info = llm.info
+            where = (f"pool {info['pool_bytes']} bytes, {info['device']}, engine process "
+                     f"{info['pid']}")  # fmt: skip
         names = args.served_model_name or [args.model]
         options = _options(args)
         app = create_app(
@@ -242,14 +267,12 @@ def serve_main(argv: list[str]) -> int:
             on_engine_death=on_engine_death,
             options=options,
         )
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, EngineStartError) as err:
+        if isinstance(llm, ProcEngine):
+            llm.close()
         print(f"unikv serve: error: {err}", file=sys.stderr)
         return 2
-    print(
-        f"unikv serve: {names[0]} on http://{args.host}:{args.port}/v1 "
-        f"(pool {llm.pool.total_bytes} bytes, {llm.device})",
-        flush=True,
-    )
+    print(f"unikv serve: {names[0]} on http://{args.host}:{args.port}/v1 ({where})", flush=True)
     if options.log_requests:
         import logging
 

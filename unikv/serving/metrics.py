@@ -94,14 +94,14 @@ def _counter(name: str, doc: str, model: str, value) -> CounterMetricFamily:
 
 
 class _EngineCollector:
-    def __init__(self, loop, llm, model: str) -> None:
-        self.loop, self.llm, self.model = loop, llm, model
+    def __init__(self, snapshot, model: str) -> None:
+        self.snapshot, self.model = snapshot, model
 
     def describe(self):
         return []  # gauges are made at scrape time
 
     def collect(self):
-        snap = self.loop.call(lambda: engine_snapshot(self.llm)).result(timeout=10)
+        snap = self.snapshot()
         model, pool_bytes = self.model, max(snap["pool_bytes"], 1)
         used = sum(s["live_bytes"] for s in snap["subpools"].values())
         yield _gauge("vllm:num_requests_running", "Requests holding pages", model,
@@ -110,7 +110,7 @@ class _EngineCollector:
             "vllm:num_requests_waiting",
             "Requests waiting for admission (new or preempted)",
             model,
-            snap["waiting"] + len(self.loop._inbox),
+            snap["waiting"],
         )
         yield _gauge(
             "vllm:kv_cache_usage_perc",
@@ -186,7 +186,7 @@ class ServingMetrics:
     The handlers' figures are plain ints and bucket lists updated by the event
     loop's thread only (no lock per token) and exported at scrape time."""
 
-    def __init__(self, loop, llm, model_name: str = "unikv") -> None:
+    def __init__(self, loop, llm, model_name: str = "unikv", snapshot=None) -> None:
         disable_created_metrics()  # no *_created series (as vLLM)
         self.registry = CollectorRegistry()
         self.model = model_name
@@ -207,8 +207,15 @@ class ServingMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token",
                              model=m)  # fmt: skip
         self.registry.register(_HandlerCollector(self))
-        if loop is not None:  # None: the handler figures alone (tests)
-            self.registry.register(_EngineCollector(loop, llm, model_name))
+        if snapshot is None and loop is not None:  # the engine loop of this process
+
+            def snapshot():
+                snap = loop.call(lambda: engine_snapshot(llm)).result(timeout=10)
+                snap["waiting"] += len(loop._inbox)
+                return snap
+
+        if snapshot is not None:  # None: the handler figures alone (tests)
+            self.registry.register(_EngineCollector(snapshot, model_name))
 
     def finished(self, reason: str, num: int = 1) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + num

@@ -1,0 +1,328 @@
+"""The API process's view of the engine process (``engine_core``): ``ProcEngine``.
+
+``ProcEngine.launch`` binds the two ZeroMQ sockets, starts the engine process
+and waits for its ``ready`` (or its failure). It offers the app what
+``AsyncEngine`` offers (``asubmit``, ``Submission``s fed once per engine step,
+``healthy``, ``snapshot``, ``reset_prefix_cache``), and ``front``: the
+tokenizer side of an LLM (tokenizer, context length, vocabulary size) that the
+app tokenizes, renders chat templates and detokenizes with.
+
+A reader thread receives the engine's messages. An ``out`` message (one engine
+step) is turned into Deltas by each completion's ``TextStage`` (text, stop
+strings, logprob texts) in that thread, then handed to the event loop with ONE
+``call_soon_threadsafe``, as ``AsyncEngine`` does. A stop string found here
+aborts the completion in the engine. If the engine process exits (a ``dead``
+message, or the process is found gone: a kill -9 sends nothing), every live
+completion gets an error delta, pending submissions fail with EngineClosed,
+``healthy`` turns False and ``on_death`` is called on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from types import SimpleNamespace
+
+import msgspec
+
+from unikv.engine.online import EngineClosed, QueueFull
+from unikv.serving.async_engine import Submission, _dispatch
+from unikv.serving.engine_core import encode_params
+from unikv.serving.text_stage import TextStage
+
+POLL_MS = 100
+READY_TIMEOUT_S = 900.0  # loading a large checkpoint (and TP workers) takes minutes
+CALL_TIMEOUT_S = 30.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process failed to start (its message says why)."""
+
+
+def front_of(model: str, info: dict):
+    """The tokenizer side of the LLM the engine process built (``ready``'s info)."""
+    import threading as th
+
+    from unikv.engine.prompts import PromptMaker
+    from unikv.models.loader import load_tokenizer
+
+    front = SimpleNamespace(
+        tokenizer=load_tokenizer(model),
+        tokenizer_lock=th.Lock(),
+        config=SimpleNamespace(vocab_size=info["vocab_size"]),
+        max_model_len=info["max_model_len"],
+        eos_token_ids=set(info["eos_token_ids"]),
+        prefix_caching=info["prefix_caching"],
+    )
+    front.prompts = PromptMaker(front)
+    return front
+
+
+class ProcEngine:
+    """The engine in its own process. Args: ``kwargs`` the ``LLM``'s keyword
+    arguments (``model`` among them; passed on unchanged), ``max_waiting`` the
+    admission bound (None or 0: none), ``on_death(err)`` called on the event loop
+    when the engine process dies, ``fault`` the test-only fault spec."""
+
+    def __init__(self, kwargs: dict, *, max_waiting=None, on_death=None, fault=None) -> None:
+        import zmq
+
+        if max_waiting is not None and (
+            isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0
+        ):
+            raise ValueError(
+                f"max_waiting must be None or an int >= 0 (0 = no bound), got {max_waiting!r}"
+            )
+        self.on_death = on_death
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+        self._dir = tempfile.mkdtemp(prefix="unikv-ipc-")
+        tag = uuid.uuid4().hex[:8]
+        self.addr_in = f"ipc://{self._dir}/in-{tag}"
+        self.addr_out = f"ipc://{self._dir}/out-{tag}"
+        self.ctx = zmq.Context()
+        self.inputs = self.ctx.socket(zmq.PUSH)
+        self.inputs.setsockopt(zmq.LINGER, 0)
+        self.inputs.bind(self.addr_in)
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.bind(self.addr_out)
+        self._send_lock = threading.Lock()  # the event loop and the reader both send
+        self.subs: dict[int, tuple[Submission, list[list[TextStage]]]] = {}
+        self._acks: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[threading.Event, list]] = {}
+        self._next = 0
+        self.error: str | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        setup = {"kwargs": kwargs, "inputs": self.addr_in, "outputs": self.addr_out,
+                 "max_waiting": max_waiting or None, "fault": fault}  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "unikv.serving.engine_core"], stdin=subprocess.PIPE
+        )
+        self.proc.stdin.write(self.enc.encode(setup))
+        self.proc.stdin.close()
+        self.info = self._wait_ready(READY_TIMEOUT_S)
+        self.front = front_of(kwargs["model"], self.info)
+        self._reader = threading.Thread(target=self._read, name="unikv-engine-io", daemon=True)
+
+    def _wait_ready(self, timeout_s: float) -> dict:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.outputs.poll(POLL_MS):
+                msg = self.dec.decode(self.outputs.recv())
+                if msg[0] == "ready":
+                    return msg[1]
+                self.close()
+                raise ValueError(msg[1]) if msg[0] == "failed" else EngineStartError(str(msg))
+            if self.proc.poll() is not None:
+                self.close()
+                raise EngineStartError(f"the engine process exited with {self.proc.returncode}")
+        self.close()
+        raise EngineStartError(f"the engine process was not ready within {timeout_s} s")
+
+    # -- the event loop ------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self.proc.poll() is None
+
+    def start(self) -> None:
+        self._aloop = asyncio.get_running_loop()
+        self._reader.start()
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            self.inputs.send(self.enc.encode(msg), copy=False)
+
+    async def asubmit(self, items, cache_salt: str | None = None) -> Submission:
+        """Submit (token ids, text, SamplingParams) per prompt, all or none; raises
+        BadRequest (the engine refused the parameters), QueueFull or EngineClosed."""
+        from unikv.serving.protocol import BadRequest
+
+        if self.error is not None:
+            raise EngineClosed(f"the engine process died: {self.error}")
+        sub = Submission(self)
+        key, self._next = self._next, self._next + 1
+        tok, lock = self.front.tokenizer, self.front.tokenizer_lock
+        stages = [
+            [TextStage(i, ids, params, tok, lock) for i in range(params.n)]
+            for ids, _, params in items
+        ]
+        sub.key, sub.left = key, sum(len(s) for s in stages)
+        ack = self._aloop.create_future()
+        self._acks[key] = ack
+        self.subs[key] = (sub, stages)
+        payload = [(list(ids), encode_params(params)) for ids, _, params in items]
+        self._send(("add", key, payload, cache_salt))
+        try:
+            kind, message = await ack
+        finally:
+            self._acks.pop(key, None)
+        if kind is None:
+            return sub
+        self.subs.pop(key, None)
+        if kind == "QueueFull":
+            raise QueueFull(message)
+        if kind == "EngineClosed":
+            raise EngineClosed(message)
+        field = message.split(" ", 1)[0]
+        raise BadRequest(message, field if field == "stop_token_ids" else None)
+
+    def abort_submission(self, sub: Submission) -> None:
+        self.subs.pop(sub.key, None)
+        if self.error is None:
+            self._send(("abort", [sub.key]))
+
+    def call(self, name: str):
+        """Run ``name`` ("snapshot", "reset_prefix_cache") in the engine process
+        (any thread but the reader's); its value, or RuntimeError."""
+        if self.error is not None:
+            raise EngineClosed(f"the engine process died: {self.error}")
+        done, box = threading.Event(), []
+        with self._send_lock:
+            cid, self._next = self._next, self._next + 1
+            self._calls[cid] = (done, box)
+        self._send(("call", cid, name))
+        if not done.wait(CALL_TIMEOUT_S):
+            self._calls.pop(cid, None)
+            raise TimeoutError(f"the engine did not answer {name!r} within {CALL_TIMEOUT_S} s")
+        ok, value = box
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def snapshot(self) -> dict:
+        return self.call("snapshot")
+
+    def reset_prefix_cache(self) -> bool:
+        return self.call("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        if self.proc.poll() is None:
+            try:
+                self._send(("stop",))
+                self.proc.wait(timeout=15)
+            except Exception:  # noqa: BLE001  (it is killed below)
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self._reader.is_alive():
+            self._reader.join(2)
+        self.close()
+
+    def close(self) -> None:
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.kill()
+        for s in (self.inputs, self.outputs):
+            s.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- the reader thread ------------------------------------------------------------
+
+    def _read(self) -> None:
+        import zmq
+
+        try:
+            while not self._stopping:
+                try:
+                    ready = self.outputs.poll(POLL_MS)
+                except zmq.ZMQError:
+                    return  # closed at shutdown
+                if not ready:
+                    if self.proc.poll() is not None:
+                        code = self.proc.returncode
+                        return self._died(f"the engine process exited with status {code}")
+                    continue
+                msg = self.dec.decode(self.outputs.recv())
+                kind = msg[0]
+                if kind == "out":
+                    self._out(msg[1])
+                elif kind == "ack":
+                    self._later(_resolve, self._acks.get(msg[1]), (msg[2], msg[3]))
+                elif kind == "ret":
+                    call = self._calls.pop(msg[1], None)
+                    if call is not None:
+                        call[1].extend((msg[2], msg[3]))
+                        call[0].set()
+                elif kind == "dead":
+                    return self._died(f"the engine loop died: {msg[1]}")
+        except Exception as err:  # noqa: BLE001  (the server cannot go on without it)
+            self._died(f"the engine client failed: {type(err).__name__}: {err}")
+
+    def _later(self, fn, *args) -> None:
+        aloop = self._aloop
+        if aloop is not None and not aloop.is_closed():
+            try:
+                aloop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the event loop closed meanwhile
+                pass
+
+    def _out(self, rows: list) -> None:
+        pairs, cut = [], []
+        for key, prompt, index, *raw in rows:
+            entry = self.subs.get(key)
+            if entry is None:
+                continue  # aborted
+            sub, stages = entry
+            stage = stages[prompt][index]
+            delta = stage.advance(raw)
+            if delta is None:
+                continue
+            if stage.hit_stop:  # a stop string: the engine ends this completion
+                stage.hit_stop = False
+                if raw[2] is None:
+                    cut.append((key, prompt, index))
+            pairs.append(((sub, prompt), delta))
+            if delta.finish_reason is not None and all(s.done for r in stages for s in r):
+                self.subs.pop(key, None)
+        if cut:
+            self._send(("cut", cut))
+        if pairs:
+            self._later(_dispatch, pairs)
+
+    def _died(self, message: str) -> None:
+        if self._stopping:
+            return
+        self.error = message
+        pairs = []
+        for sub, stages in list(self.subs.values()):
+            for prompt, row in enumerate(stages):
+                for stage in row:
+                    delta = stage.failed(message)
+                    if delta is not None:
+                        pairs.append(((sub, prompt), delta))
+        self.subs.clear()
+        for call in list(self._calls.values()):
+            call[1].extend((False, message))
+            call[0].set()
+        for key, ack in list(self._acks.items()):
+            self._later(_resolve, ack, ("EngineClosed", f"the engine process died: {message}"))
+        if pairs:
+            self._later(_dispatch, pairs)
+        if self.on_death is not None:
+            self._later(self.on_death, RuntimeError(message))
+
+
+def _resolve(future, value) -> None:
+    if future is not None and not future.done():
+        future.set_result(value)
+
+
+def kill_engine(engine: ProcEngine) -> None:
+    """Test helper: SIGKILL the engine process (nothing is sent)."""
+    os.kill(engine.pid, 9)

@@ -1,0 +1,266 @@
+"""The engine process of ``unikv serve`` (vLLM's engine core): the scheduler and
+the forward of one ``LLM``, fed over ZeroMQ by the API server process.
+
+The API process (``engine_client.ProcEngine``) binds two ZeroMQ sockets and
+starts ``python -m unikv.serving.engine_core``, writing its setup (the LLM's
+keyword arguments, passed to ``LLM`` unchanged, the socket addresses, the
+admission bound) to the child's stdin as msgpack. The child connects:
+
+    API process                                   engine process
+    PUSH (inputs)  --add / abort / cut / call / stop-->  PULL  (main thread)
+    PULL (outputs) <--ready / ack / ret--------  PUSH  (main thread)
+                   <--out (one per step)--------  PUSH  (the loop's thread)
+
+Inputs are token ids and SamplingParams (a structured-output constraint as its
+(kind, spec) source, compiled here); the engine does not tokenize or
+detokenize (its groups carry no tokenizer). Each engine step sends ONE ``out``
+message with every request's new tokens, logprob rows (texts None), finish
+and stop reasons, errors and cached-token counts. A stop STRING is found by the
+API process, which then ends that completion here (``cut``).
+
+If the loop dies (``EngineLoop``'s fatal errors), its streams get their error
+deltas, a ``dead`` message follows and the process exits with status 1; the
+API process also watches the process itself (a kill -9 sends nothing). The
+process exits when its parent dies (it polls its parent pid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+
+import msgspec
+
+EXIT_DEATH = 1
+POLL_MS = 100
+FAULT_POISON = "poison-token"  # test-only: the forward raises when this token id is fed
+
+
+def encode_params(params) -> dict:
+    """SamplingParams as plain data (a compiled constraint as its source)."""
+    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    s = out["structured"]
+    out["structured"] = None if s is None else [s.kind, s.spec]
+    return out
+
+
+def decode_params(data: dict, llm):
+    from unikv.engine.sampling import SamplingParams
+
+    data = dict(data)
+    s = data.get("structured")
+    if s is not None:
+        from unikv.engine.structured import compile_structured
+
+        data["structured"] = compile_structured(llm, s[0], s[1])
+    for key in ("stop", "stop_token_ids"):
+        if isinstance(data.get(key), list):
+            data[key] = tuple(data[key])
+    return SamplingParams(**data)
+
+
+class Poison:
+    """Test-only (``UNIKV_TEST_ENGINE_FAULT=poison-token:ID``): the forward raises
+    when token ``marker`` is fed, so one request fails and the others go on."""
+
+    def __init__(self, model, marker: int) -> None:
+        self.model, self.marker = model, marker
+
+    def __call__(self, input_ids, *args, **kwargs):
+        if bool((input_ids == self.marker).any()):
+            raise RuntimeError("poisoned input")
+        return self.model(input_ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def _fault(llm, spec: str | None) -> None:
+    from unikv.engine.online import FAULT_ENV
+
+    if not spec:
+        return
+    kind, _, num = spec.partition(":")
+    if not num.isdigit():
+        raise ValueError(f"{FAULT_ENV}: expected KIND:N, got {spec!r}")
+    if kind == "die-after-steps":
+        llm.engine.die_after_steps = int(num)
+    elif kind == FAULT_POISON:
+        llm.runner.model = Poison(llm.runner.model, int(num))
+    else:
+        raise ValueError(f"{FAULT_ENV}: unknown fault {spec!r}")
+
+
+class Core:
+    """The engine process's state: the LLM, its loop and the sockets."""
+
+    def __init__(self, llm, ctx, outputs: str, max_waiting) -> None:
+        import zmq
+
+        self.llm, self.loop = llm, llm.engine
+        self.enc = msgspec.msgpack.Encoder()
+        self.main_out = ctx.socket(zmq.PUSH)  # main thread only
+        self.step_out = ctx.socket(zmq.PUSH)  # the loop's thread only
+        for s in (self.main_out, self.step_out):
+            s.setsockopt(zmq.LINGER, 2000)
+            s.connect(outputs)
+        self.groups: dict[int, list] = {}  # submission id -> its request groups
+        self.dead = threading.Event()
+        self.loop.max_waiting = max_waiting or None
+        self.loop.publish = self._publish
+        self.loop.on_death = self._died
+
+    def send(self, msg) -> None:
+        self.main_out.send(self.enc.encode(msg), copy=False)
+
+    # -- the loop's thread ---------------------------------------------------------
+
+    def _publish(self, pairs: list) -> None:
+        rows = []
+        for (key, prompt, group), d in pairs:
+            cached = group.requests[d.index].num_cached_tokens
+            rows.append((key, prompt, d.index, d.token_ids, d.logprobs, d.finish_reason,
+                         d.stop_reason, d.error, cached, d.prompt_logprobs))  # fmt: skip
+        self.step_out.send(self.enc.encode(("out", rows)), copy=False)
+
+    def _died(self, err: BaseException) -> None:
+        self.step_out.send(self.enc.encode(("dead", f"{type(err).__name__}: {err}")))
+        self.dead.set()
+
+    # -- the main thread --------------------------------------------------------------
+
+    def add(self, key: int, items: list, salt) -> None:
+        from unikv.engine.online import EngineClosed, QueueFull
+
+        llm = self.llm
+        try:
+            groups = []
+            for i, (ids, params) in enumerate(items):
+                sp = decode_params(params, llm)
+                group = llm.make_group(ids, sp, sink=True, cache_salt=salt, detokenize=False)
+                group.sink = (key, i, group)
+                groups.append(group)
+            self.groups[key] = groups
+            for group in groups:
+                group.on_done = lambda g, key=key: self._done(key)
+            self.loop.submit_all(groups)
+        except (QueueFull, EngineClosed, ValueError) as err:
+            self.groups.pop(key, None)
+            self.send(("ack", key, type(err).__name__, str(err)))
+            return
+        self.send(("ack", key, None, None))
+
+    def _done(self, key: int) -> None:
+        groups = self.groups.get(key)
+        if groups is not None and all(g.done for g in groups):
+            self.groups.pop(key, None)
+
+    def abort(self, keys: list[int]) -> None:
+        for key in keys:
+            for group in self.groups.pop(key, ()):
+                if not group.done:
+                    self.loop.abort(group)
+
+    def cut(self, items: list) -> None:
+        """Stop strings the API process found: end those completions."""
+        for key, prompt, index in items:
+            groups = self.groups.get(key)
+            if groups is not None:
+                self.loop.stop_completion(groups[prompt], index)
+
+    def call(self, cid: int, name: str) -> None:
+        try:
+            if name == "snapshot":
+                from unikv.serving.metrics import engine_snapshot
+
+                value = self.loop.call(lambda: engine_snapshot(self.llm)).result(timeout=10)
+                value["waiting"] += len(self.loop._inbox)
+            elif name == "reset_prefix_cache":
+                value = self.llm.reset_prefix_cache()
+            else:
+                raise ValueError(f"unknown call {name!r}")
+        except Exception as err:  # noqa: BLE001  (returned to the API process)
+            self.send(("ret", cid, False, f"{type(err).__name__}: {err}"))
+            return
+        self.send(("ret", cid, True, value))
+
+    def serve(self, inputs) -> int:
+        import zmq
+
+        dec = msgspec.msgpack.Decoder()
+        parent = os.getppid()
+        poller = zmq.Poller()
+        poller.register(inputs, zmq.POLLIN)
+        self.loop.start()
+        while True:
+            if self.dead.is_set():
+                return EXIT_DEATH
+            if os.getppid() != parent:  # the API process is gone
+                self.loop.shutdown(drain=False, timeout=5)
+                return 0
+            if not poller.poll(POLL_MS):
+                continue
+            msg = dec.decode(inputs.recv(copy=False))
+            kind = msg[0]
+            if kind == "add":
+                self.add(msg[1], msg[2], msg[3])
+            elif kind == "abort":
+                self.abort(msg[1])
+            elif kind == "cut":
+                self.cut(msg[1])
+            elif kind == "call":
+                self.call(msg[1], msg[2])
+            elif kind == "stop":
+                self.loop.shutdown(drain=False, timeout=10)
+                return 0
+            else:
+                raise AssertionError(f"engine protocol: unknown message {kind!r}")
+
+
+def ready_info(llm) -> dict:
+    """What the API process needs of the engine (it loads only the tokenizer)."""
+    return {
+        "max_model_len": llm.max_model_len,
+        "vocab_size": llm.config.vocab_size,
+        "eos_token_ids": sorted(llm.eos_token_ids),
+        "pool_bytes": llm.pool.total_bytes,
+        "device": str(llm.device),
+        "prefix_caching": bool(llm.prefix_caching),
+        "pid": os.getpid(),
+    }
+
+
+def main() -> int:
+    import zmq
+
+    setup = msgspec.msgpack.decode(sys.stdin.buffer.read())
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(setup["inputs"])
+    boot = ctx.socket(zmq.PUSH)
+    boot.setsockopt(zmq.LINGER, 2000)
+    boot.connect(setup["outputs"])
+    try:
+        from unikv.engine.llm import LLM
+
+        kwargs = dict(setup["kwargs"])
+        llm = LLM(kwargs.pop("model"), **kwargs)
+        _fault(llm, setup.get("fault"))
+        core = Core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
+    except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
+        boot.send(msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
+        boot.close()
+        return 2
+    boot.send(msgspec.msgpack.encode(("ready", ready_info(llm))))
+    boot.close()
+    rc = core.serve(inputs)
+    for s in (core.main_out, core.step_out, inputs):
+        s.close()
+    ctx.term()
+    return rc
+
+
+if __name__ == "__main__":
+    os._exit(main())
