@@ -99,14 +99,18 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``unikv serve`` in a subprocess on 127.0.0.1; ``stop()`` always kills it."""
+    """``unikv serve`` in a subprocess on 127.0.0.1; ``stop()`` always kills it.
+    The engine runs in its own process (the default) unless ``extra`` holds
+    ``--in-process-engine``; ``env``: more environment variables (a test fault)."""
 
-    def __init__(self, model_dir: str, *extra: str, startup_s: float = 120.0) -> None:
+    def __init__(
+        self, model_dir: str, *extra: str, startup_s: float = 120.0, env: dict | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "unikv.cli", "serve", "--model", model_dir]
         cmd += ["--port", str(self.port), "--device", "cpu", "--page-size", "4", *extra]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
         )
@@ -130,6 +134,16 @@ class ServerProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def engine_pid(self) -> int:
+        """The pid of the server's engine process (process mode; Linux /proc)."""
+        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
+            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
+                for pid in f.read().split():
+                    with open(f"/proc/{pid}/cmdline", "rb") as c:
+                        if b"unikv.serving.engine_core" in c.read():
+                            return int(pid)
+        raise AssertionError("the server has no engine process")
 
     def stop(self) -> str:
         """Terminate (then kill) the server; returns its output."""

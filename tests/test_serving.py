@@ -46,8 +46,12 @@ def server(ckpt):
     # prefix caching off (its default is on for this attention-only model): the pool
     # checks read live pages, which the cache would keep; test_reset_prefix_cache_endpoint
     # runs a server with the default
+    # the engine in its own process (the default), each step 10 ms at least: the
+    # disconnect test's 100-token stream is still running when the client has read two
+    # events (an engine process of its own finishes a tiny model's stream at once)
     proc = ServerProcess(path, "--max-model-len", str(MAX_LEN), "--served-model-name", "tiny",
-                         "--no-enable-prefix-caching", "--enable-admin-routes")  # fmt: skip
+                         "--no-enable-prefix-caching", "--enable-admin-routes",
+                         env={"UNIKV_TEST_ENGINE_FAULT": "step-delay-ms:10"})  # fmt: skip
     try:
         yield proc
     finally:

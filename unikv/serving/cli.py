@@ -220,14 +220,32 @@ def _options(args):
     )
 
 
+def _spawn_engine(args):
+    """The engine process, started before this process's own imports (they load in
+    parallel); None with --in-process-engine or a bad port."""
+    if args.in_process_engine or not 0 <= args.port < 65536:
+        return None
+    from unikv.engine.cli import llm_kwargs
+    from unikv.engine.online import FAULT_ENV
+    from unikv.serving.engine_client import ProcEngine
+
+    try:
+        kwargs = llm_kwargs(args)
+    except (ValueError, TypeError):
+        return None  # reported below, by the in-process path's check
+    return ProcEngine(kwargs, max_waiting=args.max_waiting,
+                      fault=os.environ.get(FAULT_ENV) or None, wait=False)  # fmt: skip
+
+
 def serve_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    from unikv.serving.engine_client import EngineStartError, ProcEngine
+
+    llm = _spawn_engine(args)
     import uvicorn
 
     from unikv.engine.cli import llm_from_args, llm_kwargs
-    from unikv.engine.online import FAULT_ENV
     from unikv.serving.app import create_app
-    from unikv.serving.engine_client import EngineStartError, ProcEngine
 
     died: list[BaseException] = []
     holder: dict = {}
@@ -243,19 +261,18 @@ def serve_main(argv: list[str]) -> int:
         hard.daemon = True
         hard.start()
 
-    llm = None
     try:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+        if llm is None and not args.in_process_engine:
+            llm_kwargs(args)  # raises: the options are bad
         if args.in_process_engine:
             fault = _fault_steps(os.environ)
             llm = llm_from_args(args)
             llm.engine.die_after_steps = fault
             where = f"pool {llm.pool.total_bytes} bytes, {llm.device}, engine in this process"
         else:  # the engine process (its fault spec is checked there)
-            llm = ProcEngine(llm_kwargs(args), max_waiting=args.max_waiting,
-                             fault=os.environ.get(FAULT_ENV) or None)  # fmt: skip
-            info = llm.info
+            info = llm.wait_ready().info
             where = (f"pool {info['pool_bytes']} bytes, {info['device']}, engine process "
                      f"{info['pid']}")  # fmt: skip
         names = args.served_model_name or [args.model]

@@ -44,15 +44,14 @@ class EngineStartError(RuntimeError):
     """The engine process failed to start (its message says why)."""
 
 
-def front_of(model: str, info: dict):
+def front_of(tokenizer, info: dict):
     """The tokenizer side of the LLM the engine process built (``ready``'s info)."""
     import threading as th
 
     from unikv.engine.prompts import PromptMaker
-    from unikv.models.loader import load_tokenizer
 
     front = SimpleNamespace(
-        tokenizer=load_tokenizer(model),
+        tokenizer=tokenizer,
         tokenizer_lock=th.Lock(),
         config=SimpleNamespace(vocab_size=info["vocab_size"]),
         max_model_len=info["max_model_len"],
@@ -67,9 +66,12 @@ class ProcEngine:
     """The engine in its own process. Args: ``kwargs`` the ``LLM``'s keyword
     arguments (``model`` among them; passed on unchanged), ``max_waiting`` the
     admission bound (None or 0: none), ``on_death(err)`` called on the event loop
-    when the engine process dies, ``fault`` the test-only fault spec."""
+    when the engine process dies, ``fault`` the test-only fault spec; ``wait``
+    False: return once the process is started (``wait_ready`` before use)."""
 
-    def __init__(self, kwargs: dict, *, max_waiting=None, on_death=None, fault=None) -> None:
+    def __init__(
+        self, kwargs: dict, *, max_waiting=None, on_death=None, fault=None, wait: bool = True
+    ) -> None:
         import zmq
 
         if max_waiting is not None and (
@@ -106,9 +108,23 @@ class ProcEngine:
         )
         self.proc.stdin.write(self.enc.encode(setup))
         self.proc.stdin.close()
-        self.info = self._wait_ready(READY_TIMEOUT_S)
-        self.front = front_of(kwargs["model"], self.info)
+        self.model = kwargs["model"]
+        self.info: dict | None = None
+        self.front = None
         self._reader = threading.Thread(target=self._read, name="unikv-engine-io", daemon=True)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProcEngine:
+        """Until the engine process has built its LLM (ValueError with its message
+        when that failed, EngineStartError when it died or took too long)."""
+        if self.info is None:
+            from unikv.models.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(self.model)  # while the engine loads
+            self.info = self._wait_ready(timeout_s)
+            self.front = front_of(tokenizer, self.info)
+        return self
 
     def _wait_ready(self, timeout_s: float) -> dict:
         import time

@@ -30,6 +30,7 @@ import dataclasses
 import os
 import sys
 import threading
+import time
 
 import msgspec
 
@@ -78,19 +79,22 @@ class Poison:
 
 
 def _fault(llm, spec: str | None) -> None:
+    """Test-only faults, comma-separated: die-after-steps:N, poison-token:ID,
+    step-delay-ms:MS (each step sleeps: a slow engine)."""
     from unikv.engine.online import FAULT_ENV
 
-    if not spec:
-        return
-    kind, _, num = spec.partition(":")
-    if not num.isdigit():
-        raise ValueError(f"{FAULT_ENV}: expected KIND:N, got {spec!r}")
-    if kind == "die-after-steps":
-        llm.engine.die_after_steps = int(num)
-    elif kind == FAULT_POISON:
-        llm.runner.model = Poison(llm.runner.model, int(num))
-    else:
-        raise ValueError(f"{FAULT_ENV}: unknown fault {spec!r}")
+    for one in filter(None, (spec or "").split(",")):
+        kind, _, num = one.partition(":")
+        if not num.isdigit():
+            raise ValueError(f"{FAULT_ENV}: expected KIND:N[,KIND:N], got {spec!r}")
+        if kind == "die-after-steps":
+            llm.engine.die_after_steps = int(num)
+        elif kind == FAULT_POISON:
+            llm.runner.model = Poison(llm.runner.model, int(num))
+        elif kind == "step-delay-ms":
+            llm.engine.on_step = lambda *_, s=int(num) / 1000: time.sleep(s)
+        else:
+            raise ValueError(f"{FAULT_ENV}: unknown fault {one!r}")
 
 
 class Core:
