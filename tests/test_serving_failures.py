@@ -131,8 +131,11 @@ def test_engine_death_gives_503_and_a_non_zero_exit(ckpt):
 
 
 def test_a_request_larger_than_the_queue_is_queued_and_a_full_queue_says_retry_after(ckpt):
+    # each engine step 10 ms at least: the first 200-token stream still runs while the
+    # next three are sent (an engine process of its own would finish it at once)
     proc = ServerProcess(ckpt, "--max-model-len", "256", "--max-num-seqs", "1",
-                         "--max-waiting", "2")  # fmt: skip
+                         "--max-waiting", "2",
+                         env={"UNIKV_TEST_ENGINE_FAULT": "step-delay-ms:10"})  # fmt: skip
     try:
         url = proc.url + "/v1/completions"
         many = {"model": ckpt, "prompt": [f"hi {i}" for i in range(300)], "max_tokens": 1}

@@ -80,27 +80,27 @@ def llm_kwargs(args) -> dict:
     options: plain data, so ``unikv serve`` passes them to its engine process."""
     from unikv.inspect import parse_bytes
 
-    return dict(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_bytes=parse_bytes(args.kv_cache) if args.kv_cache else None,
-        page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.chunk,
-        max_model_len=args.max_model_len,
-        cuda_graphs=False if args.no_cuda_graphs else None,
-        seed=args.engine_seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-        prefix_host_bytes=(
+    return {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_bytes": parse_bytes(args.kv_cache) if args.kv_cache else None,
+        "page_size": args.page_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.chunk,
+        "max_model_len": args.max_model_len,
+        "cuda_graphs": False if args.no_cuda_graphs else None,
+        "seed": args.engine_seed,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "prefix_host_bytes": (
             parse_bytes(args.prefix_host_bytes) if args.prefix_host_bytes not in (None, "0") else 0
         ),
-        swap_host_bytes=(
+        "swap_host_bytes": (
             parse_bytes(args.swap_host_bytes) if args.swap_host_bytes not in (None, "0") else 0
         ),
-        preemption=args.preemption,
-    )
+        "preemption": args.preemption,
+    }
 
 
 def _generate_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ completion gets an error delta, pending submissions fail with EngineClosed,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -227,11 +228,9 @@ class ProcEngine:
     def shutdown(self) -> None:
         self._stopping = True
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(Exception):  # (it is killed below)
                 self._send(("stop",))
                 self.proc.wait(timeout=15)
-            except Exception:  # noqa: BLE001  (it is killed below)
-                pass
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
