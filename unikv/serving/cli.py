@@ -111,6 +111,7 @@ def _fault_steps(environ) -> int | None:
 
 def _parser() -> argparse.ArgumentParser:
     from unikv.engine.cli import add_engine_args
+    from unikv.serving.parsers import REASONING_PARSERS, TOOL_PARSERS
 
     p = argparse.ArgumentParser(
         prog="unikv serve",
@@ -199,6 +200,27 @@ def _parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests may run before they are ended "
         "(finish_reason 'abort'; default 30)",
     )  # fmt: skip
+    t = p.add_argument_group("tool calls and reasoning (vLLM's flags)")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice 'auto' is always served (a "
+        "request's tools are parsed when a tool-call format applies)",
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the tool-call format of the output: hermes (<tool_call>{json}</tool_call>, "
+        "Qwen's too), openai (gpt-oss harmony); default: read off the chat template",
+    )
+    t.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="the reasoning format: qwen3 / deepseek_r1 (<think>...</think>), openai_gptoss "
+        "(harmony's analysis channel); default: read off the chat template",
+    )
     return p
 
 
@@ -217,6 +239,8 @@ def _options(args):
         log_requests=args.enable_log_requests,
         enable_admin_routes=args.enable_admin_routes,
         shutdown_timeout_s=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

@@ -46,7 +46,9 @@ class ServeOptions:
     any). max_body_bytes, max_header_bytes, body_timeout_s: request limits;
     max_prompts: prompts in one completions request; log_requests: per-request
     logs; enable_admin_routes: mount POST /reset_prefix_cache; shutdown_timeout_s:
-    how long in-flight requests may run after SIGTERM before they are ended."""
+    how long in-flight requests may run after SIGTERM before they are ended.
+    tool_call_parser, reasoning_parser: vLLM's flags (``parsers.TOOL_PARSERS``,
+    ``parsers.REASONING_PARSERS``); None: chosen from the chat template in use."""
 
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
@@ -59,8 +61,17 @@ class ServeOptions:
     log_requests: bool = False
     enable_admin_routes: bool = False
     shutdown_timeout_s: float = 30.0
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        from unikv.serving.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+        for name, known in (("tool_call_parser", TOOL_PARSERS),
+                            ("reasoning_parser", REASONING_PARSERS)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                raise ValueError(f"{name} must be one of {sorted(known)}, got {value!r}")
         for name in ("max_body_bytes", "max_header_bytes", "max_prompts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

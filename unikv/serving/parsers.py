@@ -6,12 +6,15 @@
 Which apply is read from the chat template in use (the request's
 ``chat_template`` or the tokenizer's): a template that writes ``<think>`` gets
 reasoning separation, one that writes ``<tool_call>`` gets tool-call parsing
-when the request passes ``tools`` (and ``tool_choice`` is not "none").
+when the request passes ``tools`` (and ``tool_choice`` is not "none"). vLLM's
+``--tool-call-parser`` / ``--reasoning-parser`` choose them instead
+(``TOOL_PARSERS``, ``REASONING_PARSERS``).
 
 ``OutputParser.parse(text)`` gives a whole message's fields; ``stream()`` a
 ``StreamState`` that turns text deltas into chat delta dicts: reasoning and
-content as they come (holding back a tail that may begin a tag), a tool call
-once the stream ends (its arguments whole, in one chunk).
+content as they come (holding back a tail that may begin a tag), and tool
+calls as OpenAI streams them (``ToolStream``: a call's id and name first, then
+its arguments in pieces).
 
 gpt-oss's harmony format (a template that writes ``<|channel|>``) has its own
 parser, ``HarmonyParser``: the output's messages (``<|channel|>analysis``:
@@ -29,6 +32,9 @@ import uuid
 from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# vLLM's --tool-call-parser / --reasoning-parser names -> the format parsed here
+TOOL_PARSERS = {"hermes": "hermes", "openai": "harmony"}
+REASONING_PARSERS = {"qwen3": "think", "deepseek_r1": "think", "openai_gptoss": "harmony"}
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -41,32 +47,123 @@ def _held(text: str, tag: str) -> int:
     return 0
 
 
+_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _raw_arguments(block: str) -> tuple[str, str] | None:
+    """(name, arguments text) of a whole block whose call is written name first with
+    its arguments an object: the arguments exactly as the model wrote them (what
+    the stream sends piece by piece); None for any other form."""
+    head = _HEAD.match(block)
+    if head is None or block[head.end() : head.end() + 1] != "{":
+        return None
+    try:
+        call, _ = json.JSONDecoder().raw_decode(block.strip())
+        _, end = json.JSONDecoder().raw_decode(block, head.end())
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return call["name"], block[head.end() : end]
+
+
+def _one_call(block: str) -> tuple[str, str] | None:
+    """(name, arguments text) of one block's call, or None when not parsable."""
+    raw = _raw_arguments(block)
+    if raw is not None:
+        return raw
+    try:
+        call = json.loads(block.strip())
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    args = call.get("arguments", call.get("parameters", {}))
+    return call["name"], args if isinstance(args, str) else json.dumps(args)
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[dict]] | None:
     """(content outside the blocks, OpenAI tool_calls) of Hermes-style text, or
     None when it holds no parsable tool call."""
     calls = []
     for block in _TOOL_BLOCK.findall(text):
-        try:
-            call = json.loads(block.strip())
-        except ValueError:
+        call = _one_call(block)
+        if call is None:
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return None
-        args = call.get("arguments", call.get("parameters", {}))
         calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": args if isinstance(args, str) else json.dumps(args),
-                },
-            }
-        )
+            {"id": _call_id(), "type": "function",
+             "function": {"name": call[0], "arguments": call[1]}}
+        )  # fmt: skip
     if not calls:
         return None
     content = text[: text.index(TOOL_OPEN)]
     return (content if content.strip() else ""), calls
+
+
+class ToolStream:
+    """Hermes tool calls streamed as OpenAI streams them: per call (``index``) a
+    first delta with its id, type and name (arguments ""), then the arguments'
+    text in pieces as it arrives (a trailing run of ``}`` and spaces, which may
+    close the call rather than its arguments, held back until the block
+    closes). The pieces concatenate to the non-streamed call's arguments."""
+
+    def __init__(self) -> None:
+        self.text = ""  # from the first <tool_call> on
+        self.calls: list[dict] = []  # per block: id, name, args start, sent, done
+
+    def _blocks(self, final: bool) -> list[tuple[str, bool]]:
+        parts = self.text.split(TOOL_OPEN)[1:]
+        out = []
+        for k, part in enumerate(parts):
+            body, closed, _ = part.partition(TOOL_CLOSE)
+            out.append((body, bool(closed) or final or k + 1 < len(parts)))
+        return out
+
+    def feed(self, text: str, final: bool = False) -> list[dict]:
+        self.text += text
+        out = []
+        for k, (body, closed) in enumerate(self._blocks(final)):
+            if k == len(self.calls):
+                head = _HEAD.match(body)
+                if head is None or body[head.end() : head.end() + 1] != "{":
+                    if not closed:
+                        return out  # the name (or the arguments' form) is still arriving
+                    call = _one_call(body)
+                    if call is None:
+                        continue  # not parsable: left out (finish decides)
+                    self.calls.append({"start": None, "sent": 0, "done": True})
+                    out.append(self._delta(k, _call_id(), call[0], call[1]))
+                    continue
+                name = json.loads(f'"{head.group(1)}"')
+                self.calls.append({"start": head.end(), "sent": 0, "done": False})
+                out.append(self._delta(k, _call_id(), name, ""))
+            state = self.calls[k] if k < len(self.calls) else None
+            if state is None or state["done"]:
+                continue
+            if closed:
+                raw = _raw_arguments(body)
+                args = raw[1] if raw is not None else body[state["start"] :].rstrip()
+                state["done"] = True
+            else:
+                args = body[state["start"] : len(body) - _held(body, TOOL_CLOSE)]
+                args = args.rstrip("} \n\t\r")
+            if len(args) > state["sent"]:
+                out.append(self._delta(k, None, None, args[state["sent"] :]))
+                state["sent"] = len(args)
+        return out
+
+    @staticmethod
+    def _delta(index: int, cid, name, args: str) -> dict:
+        if cid is None:
+            return {"index": index, "function": {"arguments": args}}
+        return {"index": index, "id": cid, "type": "function",
+                "function": {"name": name, "arguments": args}}  # fmt: skip
 
 
 @dataclass
@@ -82,13 +179,19 @@ class OutputParser:
     harmony = False
 
     @classmethod
-    def for_request(cls, template: str | None, prompt: str, body):
-        """The parser of a request (an OutputParser, a HarmonyParser or None)."""
+    def for_request(cls, template: str | None, prompt: str, body, tool_parser=None,
+                    reasoning_parser=None):  # fmt: skip
+        """The parser of a request (an OutputParser, a HarmonyParser or None):
+        ``tool_parser`` / ``reasoning_parser`` (vLLM's flag values, None: read
+        off the chat template) choose the formats."""
         template = template or ""
-        if CHANNEL in template:
-            return HarmonyParser(bool(body.tools) and body.tool_choice != "none")
-        reasoning = THINK_OPEN in template or THINK_CLOSE in template
-        tools = TOOL_OPEN in template and bool(body.tools) and body.tool_choice != "none"
+        wants_tools = bool(body.tools) and body.tool_choice != "none"
+        tool = TOOL_PARSERS.get(tool_parser)
+        think = REASONING_PARSERS.get(reasoning_parser)
+        if "harmony" in (tool, think) or (tool is think is None and CHANNEL in template):
+            return HarmonyParser(wants_tools)
+        reasoning = think == "think" if think else THINK_OPEN in template or THINK_CLOSE in template
+        tools = wants_tools and (tool == "hermes" if tool else TOOL_OPEN in template)
         if not (reasoning or tools):
             return None
         return cls(reasoning, tools, reasoning and prompt.rstrip().endswith(THINK_OPEN))
@@ -133,7 +236,7 @@ class StreamState:
         self.phase = "start" if parser.reasoning else "content"
         if parser.reasoning and parser.opened:
             self.phase = "reasoning"
-        self.tool_text = ""
+        self.tools = ToolStream()
         self.called = False
         self.started_reasoning = False
         self.started_content = not parser.reasoning  # after </think>: newlines dropped
@@ -173,7 +276,7 @@ class StreamState:
                 if i >= 0:
                     if self.pending[:i].strip():
                         out.append({"content": self.pending[:i]})
-                    self.tool_text, self.pending = self.pending[i:], ""
+                    self.pending = self.pending[i:]
                     self.phase = "tool"
                 else:
                     tag = TOOL_OPEN if self.parser.tools else ""
@@ -183,9 +286,12 @@ class StreamState:
                         out.append({"content": sent})
                     self.pending = self.pending[len(self.pending) - keep :]
                     return out
-            else:  # tool: everything is kept for the end
-                self.tool_text += self.pending
-                self.pending = ""
+            else:  # tool: each call's name, then its arguments as they come
+                text, self.pending = self.pending, ""
+                calls = self.tools.feed(text, final)
+                if calls:
+                    self.called = True
+                    out.append({"tool_calls": calls})
                 return out
             if (self.phase, len(self.pending)) == before:
                 return out
@@ -198,17 +304,11 @@ class StreamState:
             out.append({"reasoning_content": text})
 
     def finish(self) -> list[dict]:
-        """The deltas still held (a tool call's, whole) when the stream ends."""
+        """The deltas still held when the stream ends (a tool block that never
+        gave a call: its text as content)."""
         out = self.feed("", final=True)
-        if self.tool_text:
-            parsed = parse_tool_calls(self.tool_text)
-            if parsed is None:
-                out.append({"content": self.tool_text})
-            else:
-                self.called = True
-                calls = [{"index": k, **c} for k, c in enumerate(parsed[1])]
-                out.append({"tool_calls": calls})
-            self.tool_text = ""
+        if self.phase == "tool" and not self.called:
+            out.append({"content": self.tools.text})
         return out
 
 

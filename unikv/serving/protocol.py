@@ -386,7 +386,7 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
     parallel_tool_calls: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the answer's top level
 
-    def use_parser(self, llm, prompt: str, params: SamplingParams) -> SamplingParams:
+    def use_parser(self, llm, prompt: str, params: SamplingParams, options=None) -> SamplingParams:
         """Choose the output parser from the chat template in use; the params to
         run with (harmony's parser reads the special tokens: they are kept)."""
         from unikv.serving.parsers import ForcedToolParser, OutputParser
@@ -399,7 +399,10 @@ class ChatCompletionRequest(ChatTemplateFields, _Sampling):
         template = self.chat_template or getattr(tok, "chat_template", None)
         if isinstance(template, dict):  # named templates: the default, or all of them
             template = template.get("default") or " ".join(template.values())
-        self._parser = OutputParser.for_request(template, prompt, self)
+        self._parser = OutputParser.for_request(
+            template, prompt, self, getattr(options, "tool_call_parser", None),
+            getattr(options, "reasoning_parser", None),
+        )  # fmt: skip
         if self._parser is not None and self._parser.harmony:
             return dataclasses.replace(params, skip_special_tokens=False)
         return params
