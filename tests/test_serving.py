@@ -143,6 +143,26 @@ def test_stop_strings_cut_at_the_right_place(ckpt, client):
     assert "".join(c.choices[0].text for c in stream) == want
 
 
+def test_a_default_max_tokens_is_clamped_to_the_context_left(ckpt, client):
+    """No max_tokens: completions' default 16 and chat's none become the room the
+    prompt leaves (vLLM's), with the text of LLM.generate given that budget."""
+    _, _, llm = ckpt
+    vocab = llm.config.vocab_size
+    ids = [3 + (7 * i) % (vocab - 3) for i in range(MAX_LEN - 5)]  # no special ids
+    want = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    got = client.completions.create(model="tiny", prompt=ids, temperature=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert got.usage.completion_tokens == 5 and got.choices[0].finish_reason == "length"
+    assert got.choices[0].text == want[0].outputs[0].text
+    messages = [{"role": "user", "content": "The quick brown fox"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    room = MAX_LEN - chat.usage.prompt_tokens
+    ref = llm.chat(messages, SamplingParams(max_tokens=room, temperature=0.0, ignore_eos=True))
+    assert chat.usage.completion_tokens == room and chat.choices[0].finish_reason == "length"
+    assert chat.choices[0].message.content == ref[0].outputs[0].text
+
+
 def test_logprobs_match_the_models_logits(ckpt, client):
     _, hf, llm = ckpt
     ref = llm.generate(PROMPTS[2], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))[

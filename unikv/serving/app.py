@@ -9,7 +9,8 @@ are tokenized (and chat templates rendered) in a thread pool, off the event
 loop, so a huge prompt does not stall other clients. A completion's
 ``max_tokens`` beyond the context left after its prompt is a 400 naming it
 (vLLM's message), not a silent clamp; with none given, the default (16 for
-completions, none for chat) is clamped to the context left, as vLLM does.
+completions, none for chat) ends at the context left, as vLLM's does (the
+engine ends a request at ``max_model_len`` with finish_reason "length").
 ``cache_salt`` (vLLM's): requests of different salts share no prefix-cache page.
 
 Graceful shutdown (``begin_drain``, on SIGTERM): new requests get 503 and
@@ -42,7 +43,6 @@ non-zero within seconds, so that a supervisor restarts it).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -142,17 +142,6 @@ class Server:
                     f"or {field}.",
                     field,
                 )
-
-    def clamp(self, items):
-        """Items whose max_tokens (the request's default: none given) is at most
-        the context left after each prompt (vLLM's default: the room left)."""
-        out = []
-        for ids, text, params in items:
-            room = self.llm.max_model_len - len(ids)
-            if params.max_tokens is None or params.max_tokens > room:
-                params = dataclasses.replace(params, max_tokens=room)
-            out.append((ids, text, params))
-        return out
 
     def check_model(self, model: str) -> None:
         if model not in self.names:
@@ -408,8 +397,6 @@ def create_app(
         items = await server.off_loop(lambda: [server.completion_item(p, params) for p in prompts])
         if "max_tokens" in body.model_fields_set:
             server.check_limits(items, body.max_tokens, "max_tokens")
-        else:  # the default 16: at most the context left
-            items = server.clamp(items)
         return await server.respond(request, body, items, chat=False, start=start)
 
     @app.post("/v1/chat/completions")
@@ -424,7 +411,6 @@ def create_app(
         items = [await server.off_loop(server.chat_item, body, params)]
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         server.check_limits(items, max_tokens, field)
-        items = server.clamp(items)  # none given: the context left
         return await server.respond(request, body, items, chat=True, start=start)
 
     return app
