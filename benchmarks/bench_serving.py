@@ -4,8 +4,9 @@ Model: Llama-3.2-1B-shaped, random init (``bench_e2e.model_config``), bf16 on
 CUDA, saved with a word-level tokenizer over its whole vocabulary (token i is
 the word ``wi``, so every token is one streamed text chunk). No download.
 
-1. ``unikv serve`` runs in a subprocess (the engine options below; its own
-   event loop and engine thread). A small async client (httpx, one connection
+1. ``unikv serve`` runs in a subprocess, once per ``--modes`` entry: its
+   engine in its own process (the default) and in a thread of the server
+   (``--in-process-engine``). A small async client (httpx, one connection
    per request) sends streamed ``/v1/completions`` requests of ``--prompt-len``
    random token ids, ``--new-tokens`` greedy tokens each, EOS ignored, arriving
    as a Poisson process at each ``--rates`` (requests/s; fixed seed). Per rate:
@@ -14,7 +15,9 @@ the word ``wi``, so every token is one streamed text chunk). No download.
 2. The same work with every request at t0, once over HTTP and once through
    ``LLM.generate`` in this process (the server stopped; same pool bytes, same
    options): tokens/s ratio HTTP / generate, and the ITL added per token by the
-   HTTP path (p50 and mean differences).
+   HTTP path (p50 and mean differences), per server mode.
+3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
+   the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
 Usage: ``python benchmarks/bench_serving.py --device cuda --out
 benchmarks/results/serving_h200.json``;
@@ -73,12 +76,17 @@ def engine_args(args, max_len: int) -> list[str]:
     ]  # fmt: skip
 
 
+MODES = {"process": [], "in-process": ["--in-process-engine"]}  # unikv serve's engine modes
+
+
 class Server:
-    def __init__(self, model: Path, args, max_len: int, port: int = 8357) -> None:
+    def __init__(self, model: Path, args, max_len: int, mode: str, port: int = 8357) -> None:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "unikv.cli", "serve", "--model", str(model)]
         cmd += ["--port", str(port), "--served-model-name", "bench", "--max-waiting", "100000"]
-        self.log = open(args.log, "w") if args.log else subprocess.DEVNULL  # noqa: SIM115
+        cmd += MODES[mode]
+        log = f"{args.log}.{mode}" if args.log else None
+        self.log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
         path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))  # keep carried wheels
         self.proc = subprocess.Popen(cmd + engine_args(args, max_len), stdout=self.log,
@@ -201,7 +209,7 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
 
 FULL = {"rates": "8,32,128", "requests_per_rate": 256, "burst": 128, "prompt_len": 256,
         "new_tokens": 128, "max_num_seqs": 128, "kv_cache_mib": 16384}  # fmt: skip
-TINY = {"rates": "2,8", "requests_per_rate": 8, "burst": 8, "prompt_len": 32, "new_tokens": 16,
+TINY = {"rates": "2,32", "requests_per_rate": 8, "burst": 8, "prompt_len": 32, "new_tokens": 16,
         "max_num_seqs": 8, "kv_cache_mib": 16}  # fmt: skip
 
 
@@ -220,6 +228,12 @@ def main() -> None:
     p.add_argument("--kv-cache-mib", type=int, default=None)
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
+    p.add_argument(
+        "--modes",
+        default="process,in-process",
+        help="unikv serve's engine modes to run, comma-separated: process (the default "
+        "engine process), in-process (--in-process-engine); LLM.generate runs too",
+    )
     args = p.parse_args()
     tiny = args.tiny
     defaults = TINY if tiny else FULL
@@ -246,39 +260,74 @@ def main() -> None:
         save_word_tokenizer(model, model_config("llama", tiny)["vocab_size"])
         result["build_s"] = time.perf_counter() - start
         vocab = model_config("llama", tiny)["vocab_size"]
-        server = Server(model, args, max_len)
-        try:
-            result["server_start_s"] = server.wait(600)
-            warm = make_prompts(args.max_num_seqs, args.prompt_len, vocab, seed=99)
-            asyncio.run(run_load(server.url, warm, 4, [0.0] * len(warm)))  # JIT, graphs
-            result["rates"] = []
-            rng = np.random.default_rng(0)
-            for rate in rates:
-                n = args.requests_per_rate
-                arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
-                prompts = make_prompts(n, args.prompt_len, vocab, seed=int(rate))
-                res = summarize(
-                    asyncio.run(run_load(server.url, prompts, args.new_tokens, arrivals))
-                )
-                result["rates"].append({"rate_rps": rate, **res})
-                print(json.dumps(result["rates"][-1]), flush=True)
-                save_json(args.out, result)  # a timeout keeps what ran
-            burst = make_prompts(args.burst, args.prompt_len, vocab, seed=7)
-            http = summarize(
-                asyncio.run(run_load(server.url, burst, args.new_tokens, [0.0] * len(burst)))
-            )
-        finally:
-            server.stop()
+        burst = make_prompts(args.burst, args.prompt_len, vocab, seed=7)
+        result["modes"] = {}
+        for k, mode in enumerate(args.modes.split(",")):
+            out = result["modes"][mode] = run_server(model, args, max_len, mode, 8357 + k,
+                                                     rates, burst, vocab, result)  # fmt: skip
+            print(mode, json.dumps(out["burst_http"]), flush=True)
         gen = run_generate(model, burst, args, max_len)
-    result["burst"] = {"requests": args.burst, "http": http, "generate": gen}
-    if http.get("requests") and gen.get("requests"):
-        result["http_overhead"] = {
-            "tokens_per_s_ratio": http["output_tokens_per_s"] / gen["output_tokens_per_s"],
-            "itl_added_p50_ms": http["itl_p50_ms"] - gen["itl_p50_ms"],
-            "itl_added_mean_ms": http["itl_mean_ms"] - gen["itl_mean_ms"],
-        }
-    print(json.dumps(result["burst"]), json.dumps(result.get("http_overhead")), flush=True)
+    result["burst"] = {"requests": args.burst, "generate": gen}
+    result["http_overhead"], result["targets"] = {}, {}
+    for mode, out in result["modes"].items():
+        http = out["burst_http"]
+        if http.get("requests") and gen.get("requests"):
+            result["http_overhead"][mode] = {
+                "tokens_per_s_ratio": http["output_tokens_per_s"] / gen["output_tokens_per_s"],
+                "itl_added_p50_ms": http["itl_p50_ms"] - gen["itl_p50_ms"],
+                "itl_added_mean_ms": http["itl_mean_ms"] - gen["itl_mean_ms"],
+            }
+        result["targets"][mode] = targets(out, result["http_overhead"].get(mode))
+    print(json.dumps(result["burst"]), json.dumps(result["http_overhead"]), flush=True)
+    print("targets:", json.dumps(result["targets"]), flush=True)
     save_json(args.out, result)
+
+
+def targets(out: dict, overhead: dict | None) -> dict:
+    """Issue 40's targets: HTTP >= 0.9x LLM.generate on the burst; at 32 req/s TTFT
+    p99 <= 3x p50 and ITL p99 <= 3x p50 (None where not measured)."""
+    at32 = next((r for r in out["rates"] if r["rate_rps"] == 32 and r.get("requests")), None)
+
+    def ratio(key: str):
+        if at32 is None:
+            return None
+        return at32[f"{key}_p99_ms"] / max(at32[f"{key}_p50_ms"], 1e-9)
+
+    ttft, itl = ratio("ttft"), ratio("itl")
+    speed = overhead["tokens_per_s_ratio"] if overhead else None
+    return {
+        "http_over_generate": speed, "http_over_generate_ok": None if speed is None else speed >= 0.9,
+        "ttft_p99_over_p50_at_32": ttft, "ttft_ok": None if ttft is None else ttft <= 3,
+        "itl_p99_over_p50_at_32": itl, "itl_ok": None if itl is None else itl <= 3,
+    }  # fmt: skip
+
+
+def run_server(model: Path, args, max_len: int, mode: str, port: int, rates, burst, vocab,
+               result: dict) -> dict:  # fmt: skip
+    """One server mode: the Poisson rates, then the burst; its figures."""
+    from common import save_json
+
+    server = Server(model, args, max_len, mode, port)
+    out = result["modes"][mode] = {"rates": []}
+    try:
+        out["server_start_s"] = server.wait(600)
+        warm = make_prompts(args.max_num_seqs, args.prompt_len, vocab, seed=99)
+        asyncio.run(run_load(server.url, warm, 4, [0.0] * len(warm)))  # JIT, graphs
+        rng = np.random.default_rng(0)
+        for rate in rates:
+            n = args.requests_per_rate
+            arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
+            prompts = make_prompts(n, args.prompt_len, vocab, seed=int(rate))
+            res = summarize(asyncio.run(run_load(server.url, prompts, args.new_tokens, arrivals)))
+            out["rates"].append({"rate_rps": rate, **res})
+            print(mode, json.dumps(out["rates"][-1]), flush=True)
+            save_json(args.out, result)  # a timeout keeps what ran
+        out["burst_http"] = summarize(
+            asyncio.run(run_load(server.url, burst, args.new_tokens, [0.0] * len(burst)))
+        )
+    finally:
+        server.stop()
+    return out
 
 
 if __name__ == "__main__":

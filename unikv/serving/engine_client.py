@@ -193,6 +193,8 @@ class ProcEngine:
             raise QueueFull(message)
         if kind == "EngineClosed":
             raise EngineClosed(message)
+        if kind != "ValueError":  # the engine could not take it: a 500 for this request
+            raise RuntimeError(f"the engine refused the request: {message}")
         field = message.split(" ", 1)[0]
         raise BadRequest(message, field if field == "stop_token_ids" else None)
 

@@ -150,9 +150,11 @@ class Core:
             for group in groups:
                 group.on_done = lambda g, key=key: self._done(key)
             self.loop.submit_all(groups)
-        except (QueueFull, EngineClosed, ValueError) as err:
+        except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
             self.groups.pop(key, None)
-            self.send(("ack", key, type(err).__name__, str(err)))
+            known = isinstance(err, (QueueFull, EngineClosed, ValueError))
+            kind = type(err).__name__ if known else "Error"
+            self.send(("ack", key, kind, str(err) if known else f"{type(err).__name__}: {err}"))
             return
         self.send(("ack", key, None, None))
 
