@@ -105,3 +105,34 @@ def test_failure_isolation_then_engine_kill(tmp_path):
     finally:
         out = proc.stop()
     assert "exited with status -9" in out, out[-2000:]
+
+
+def test_stop_completion_ends_one_completion_and_frees_its_pages(tmp_path):
+    """``EngineLoop.stop_completion`` (the engine process's answer to a stop string
+    the API process found): that completion ends with "stop" and a prefix of its
+    tokens, its sibling runs on to the tokens ``LLM.generate`` gives it, and no
+    page stays live."""
+    from unikv.serving.metrics import engine_snapshot
+
+    path = str(tmp_path)
+    save_instruct_llama(path)
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=MAX_LEN, enable_prefix_caching=False)
+    params = SamplingParams(n=2, max_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    want = llm.generate(PROMPTS[0], params)[0].outputs
+    got: list = []
+    (group,) = llm.make_groups(PROMPTS[0], params, sink=got.append)
+    loop = llm.engine
+    loop.submit_all([group])
+    for _ in range(4):
+        loop.step()
+    loop.stop_completion(group, 0)
+    while loop.step() is not None:
+        pass
+    ids = {i: [t for d in got if d.index == i for t in d.token_ids] for i in (0, 1)}
+    reasons = {d.index: d.finish_reason for d in got if d.finish_reason is not None}
+    assert reasons == {0: "stop", 1: "length"}
+    assert 0 < len(ids[0]) < 20 and ids[0] == want[0].token_ids[: len(ids[0])]
+    assert ids[1] == want[1].token_ids
+    snap = engine_snapshot(llm)
+    assert snap["running"] == 0 and snap["waiting"] == 0
+    assert all(s["live_pages"] == 0 for s in snap["subpools"].values())
