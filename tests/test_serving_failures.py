@@ -175,13 +175,18 @@ def test_max_waiting_zero_is_no_bound_and_a_negative_one_is_refused(ckpt):
     assert scripted.engine.max_waiting is None  # create_app's 0: no bound too
     with pytest.raises(ValueError, match="max_waiting"):
         create_app(ScriptedLLM(), served_model_names=["x"], max_waiting=-1)
-    proc = ServerProcess(ckpt, "--max-model-len", str(MAX_LEN), "--max-waiting", "0")
+    # the engine in a thread of the server (--in-process-engine): the CLI's other mode
+    proc = ServerProcess(ckpt, "--max-model-len", str(MAX_LEN), "--max-waiting", "0",
+                         "--in-process-engine")  # fmt: skip
     try:
         body = {"model": ckpt, "prompt": ["a", "b", "c"], "max_tokens": 2, "temperature": 0}
         r = httpx.post(proc.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and len(r.json()["choices"]) == 3
+        with pytest.raises(AssertionError, match="no engine process"):
+            proc.engine_pid()
     finally:
-        proc.stop()
+        out = proc.stop()
+    assert "engine in this process" in out
 
 
 def test_memory_pressure_makes_requests_wait_never_fail(ckpt):
