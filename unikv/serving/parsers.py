@@ -237,6 +237,7 @@ class StreamState:
         if parser.reasoning and parser.opened:
             self.phase = "reasoning"
         self.tools = ToolStream()
+        self.sent_content = False
         self.called = False
         self.started_reasoning = False
         self.started_content = not parser.reasoning  # after </think>: newlines dropped
@@ -274,8 +275,9 @@ class StreamState:
                     self.started_content = True
                 i = self.pending.find(TOOL_OPEN) if self.parser.tools else -1
                 if i >= 0:
-                    if self.pending[:i].strip():
-                        out.append({"content": self.pending[:i]})
+                    head = self.pending[:i]  # (blank before any content: none, as parse's)
+                    if head.strip() or (head and self.sent_content):
+                        out.append({"content": head})
                     self.pending = self.pending[i:]
                     self.phase = "tool"
                 else:
@@ -284,6 +286,7 @@ class StreamState:
                     sent = self.pending[: len(self.pending) - keep]
                     if sent:
                         out.append({"content": sent})
+                        self.sent_content = True
                     self.pending = self.pending[len(self.pending) - keep :]
                     return out
             else:  # tool: each call's name, then its arguments as they come
