@@ -269,4 +269,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os._exit(main())
+    sys.exit(main())  # (a normal exit: atexit hooks run, e.g. a TP launcher's worker cleanup)
