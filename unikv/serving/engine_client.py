@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -98,7 +99,8 @@ class ProcEngine:
         self.subs: dict[int, tuple[Submission, list[list[TextStage]]]] = {}
         self._acks: dict[int, asyncio.Future] = {}
         self._calls: dict[int, tuple[threading.Event, list]] = {}
-        self._next = 0
+        self._keys = itertools.count()  # submission ids (the event loop's thread)
+        self._call_ids = itertools.count()  # call ids (any thread, under _send_lock)
         self.error: str | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -170,7 +172,7 @@ class ProcEngine:
         if self.error is not None:
             raise EngineClosed(f"the engine process died: {self.error}")
         sub = Submission(self)
-        key, self._next = self._next, self._next + 1
+        key = next(self._keys)
         tok, lock = self.front.tokenizer, self.front.tokenizer_lock
         stages = [
             [TextStage(i, ids, params, tok, lock) for i in range(params.n)]
@@ -184,6 +186,10 @@ class ProcEngine:
         self._send(("add", key, payload, cache_salt))
         try:
             kind, message = await ack
+        except asyncio.CancelledError:  # the client went away before the engine answered
+            if self.subs.pop(key, None) is not None and self.error is None:
+                self._send(("abort", [key]))
+            raise
         finally:
             self._acks.pop(key, None)
         if kind is None:
@@ -210,7 +216,7 @@ class ProcEngine:
             raise EngineClosed(f"the engine process died: {self.error}")
         done, box = threading.Event(), []
         with self._send_lock:
-            cid, self._next = self._next, self._next + 1
+            cid = next(self._call_ids)
             self._calls[cid] = (done, box)
         self._send(("call", cid, name))
         if not done.wait(CALL_TIMEOUT_S):
