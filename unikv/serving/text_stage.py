@@ -52,14 +52,21 @@ class TextStage:
         new, logprobs, reason, stop, error, cached, prompt = raw
         if self.done:
             return None
+        first = self.num_out  # the index of new[0] in the outputs
         self.num_out += len(new)
         with self.lock:
             entries = None if logprobs is None else [self._entry(r) for r in logprobs]
             if prompt is not None:
                 prompt = [None] + [self._entry(r) for r in prompt[1:]]
             finished = reason is not None
-            if self.detok is not None:
-                added = self.detok.update(new) if new else ""
+            rest = new  # the tokens still to detokenize
+            if len(new) > 1 and self.stops and self.text_end is None and self.detok is not None:
+                new, rest, hit = self._stop_within(new, first)
+                if hit is not None:
+                    self.text_end, stop = hit
+                    reason, finished, error = "stop", True, None
+            if self.detok is not None and (rest or finished):
+                added = self.detok.update(rest) if rest else ""
                 if finished:
                     added += self.detok.flush()
                 if self.stops and self.text_end is None and self.num_out >= self.min_tokens:
@@ -67,7 +74,7 @@ class TextStage:
                     if hit is not None:
                         self.text_end, stop = hit
                         reason, finished, error = "stop", True, None
-                        self.hit_stop = True
+            self.hit_stop = self.text_end is not None and not self.done
         text = ""
         if self.detok is not None:
             size = len(self.detok.text) if self.text_end is None else self.text_end
@@ -89,6 +96,21 @@ class TextStage:
             cached_tokens=cached if finished else None,
             prompt_logprobs=prompt,
         )
+
+    def _stop_within(self, new: list[int], first: int):
+        """Several tokens at once (a speculative verify step): a stop string one of
+        them completes ends the outputs at that token, as one token at a time
+        (``Track._stop_within``). Detokenizes all but the last; returns (the tokens
+        kept, those left to detokenize, the hit or None)."""
+        for i, token in enumerate(new[:-1]):
+            added = self.detok.update([token])
+            if first + i + 1 < self.min_tokens:
+                continue
+            hit = find_stop(self.detok.text, len(added), self.stops, self.include)
+            if hit is not None:
+                self.num_out = first + i + 1
+                return new[: i + 1], [], hit
+        return new, new[-1:], None
 
     def failed(self, message: str) -> Delta | None:
         """The engine died: this completion's last delta (None if it had ended)."""
