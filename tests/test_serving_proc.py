@@ -136,3 +136,44 @@ def test_stop_completion_ends_one_completion_and_frees_its_pages(tmp_path):
     snap = engine_snapshot(llm)
     assert snap["running"] == 0 and snap["waiting"] == 0
     assert all(s["live_pages"] == 0 for s in snap["subpools"].values())
+
+
+def test_the_engine_process_ends_when_the_server_process_dies(tmp_path):
+    """The server process dies (os._exit) once its engine process has read its
+    setup and is loading the model (its ZeroMQ threads are up): the engine, whose
+    'ready' nobody takes, ends by itself instead of hanging on as an orphan
+    holding the device."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path)
+    save_instruct_llama(path)
+    parent = (
+        "import sys, os\n"
+        "from unikv.serving.engine_client import ProcEngine\n"
+        f"e = ProcEngine({{'model': {path!r}, 'device': 'cpu', 'page_size': 4, "
+        "'max_model_len': 64}, wait=False)\n"
+        "print(e.pid, flush=True)\n"
+        "import time\n"
+        "end = time.monotonic() + 60\n"
+        "while time.monotonic() < end and not any(\n"
+        "        open(f'/proc/{e.pid}/task/{t}/comm').read().startswith('ZMQbg')\n"
+        "        for t in os.listdir(f'/proc/{e.pid}/task')):\n"
+        "    time.sleep(0.05)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 90  # its start-up, then one send timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split(")")[-1].split()[0] == "Z":
+                return  # ended; a zombie until init reaps it
+        time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the orphaned engine process did not end")

@@ -105,7 +105,8 @@ class ProcEngine:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         setup = {"kwargs": kwargs, "inputs": self.addr_in, "outputs": self.addr_out,
-                 "max_waiting": max_waiting or None, "fault": fault}  # fmt: skip
+                 "max_waiting": max_waiting or None, "fault": fault,
+                 "parent": os.getpid()}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "unikv.serving.engine_core"], stdin=subprocess.PIPE
         )

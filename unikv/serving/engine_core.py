@@ -21,7 +21,8 @@ API process, which then ends that completion here (``cut``).
 If the loop dies (``EngineLoop``'s fatal errors), its streams get their error
 deltas, a ``dead`` message follows and the process exits with status 1; the
 API process also watches the process itself (a kill -9 sends nothing). The
-process exits when its parent dies (it polls its parent pid).
+process exits when its parent dies (it polls its parent pid, and a send the API
+process does not take within a second checks it too).
 """
 
 from __future__ import annotations
@@ -36,6 +37,35 @@ import msgspec
 
 EXIT_DEATH = 1
 POLL_MS = 100
+SEND_TIMEOUT_MS = 1000  # a send waits this long, then checks that the API process lives
+PARENT = [os.getppid()]  # the API process's pid (its own word, from the setup, in main)
+
+
+def send_or_exit(sock, data) -> None:
+    """Send ``data``; while the API process does not take it, wait, and end this
+    process at once if the API process is gone (a PUSH socket blocks without a
+    reader: it would hang forever)."""
+    import zmq
+
+    while True:
+        try:
+            sock.send(data, copy=False)
+            return
+        except zmq.Again:
+            if os.getppid() != PARENT[0]:
+                os._exit(0)
+
+
+def _push(ctx, address: str):
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    sock.connect(address)
+    return sock
+
+
 FAULT_POISON = "poison-token"  # test-only: the forward raises when this token id is fed
 
 
@@ -101,15 +131,11 @@ class Core:
     """The engine process's state: the LLM, its loop and the sockets."""
 
     def __init__(self, llm, ctx, outputs: str, max_waiting) -> None:
-        import zmq
 
         self.llm, self.loop = llm, llm.engine
         self.enc = msgspec.msgpack.Encoder()
-        self.main_out = ctx.socket(zmq.PUSH)  # main thread only
-        self.step_out = ctx.socket(zmq.PUSH)  # the loop's thread only
-        for s in (self.main_out, self.step_out):
-            s.setsockopt(zmq.LINGER, 2000)
-            s.connect(outputs)
+        self.main_out = _push(ctx, outputs)  # main thread only
+        self.step_out = _push(ctx, outputs)  # the loop's thread only
         self.groups: dict[int, list] = {}  # submission id -> its request groups
         self.dead = threading.Event()
         self.loop.max_waiting = max_waiting or None
@@ -117,7 +143,7 @@ class Core:
         self.loop.on_death = self._died
 
     def send(self, msg) -> None:
-        self.main_out.send(self.enc.encode(msg), copy=False)
+        send_or_exit(self.main_out, self.enc.encode(msg))
 
     # -- the loop's thread ---------------------------------------------------------
 
@@ -127,10 +153,10 @@ class Core:
             cached = group.requests[d.index].num_cached_tokens
             rows.append((key, prompt, d.index, d.token_ids, d.logprobs, d.finish_reason,
                          d.stop_reason, d.error, cached, d.prompt_logprobs))  # fmt: skip
-        self.step_out.send(self.enc.encode(("out", rows)), copy=False)
+        send_or_exit(self.step_out, self.enc.encode(("out", rows)))
 
     def _died(self, err: BaseException) -> None:
-        self.step_out.send(self.enc.encode(("dead", f"{type(err).__name__}: {err}")))
+        send_or_exit(self.step_out, self.enc.encode(("dead", f"{type(err).__name__}: {err}")))
         self.dead.set()
 
     # -- the main thread --------------------------------------------------------------
@@ -196,16 +222,14 @@ class Core:
         import zmq
 
         dec = msgspec.msgpack.Decoder()
-        parent = os.getppid()
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         self.loop.start()
         while True:
             if self.dead.is_set():
                 return EXIT_DEATH
-            if os.getppid() != parent:  # the API process is gone
-                self.loop.shutdown(drain=False, timeout=5)
-                return 0
+            if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
+                os._exit(0)
             if not poller.poll(POLL_MS):
                 continue
             msg = dec.decode(inputs.recv(copy=False))
@@ -242,12 +266,13 @@ def main() -> int:
     import zmq
 
     setup = msgspec.msgpack.decode(sys.stdin.buffer.read())
+    PARENT[0] = setup["parent"]  # (when it died before this started, getppid() is not it)
+    if os.getppid() != PARENT[0]:
+        return 0
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(setup["inputs"])
-    boot = ctx.socket(zmq.PUSH)
-    boot.setsockopt(zmq.LINGER, 2000)
-    boot.connect(setup["outputs"])
+    boot = _push(ctx, setup["outputs"])
     try:
         from unikv.engine.llm import LLM
 
@@ -256,10 +281,10 @@ def main() -> int:
         _fault(llm, setup.get("fault"))
         core = Core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
     except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
-        boot.send(msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
+        send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
         boot.close()
         return 2
-    boot.send(msgspec.msgpack.encode(("ready", ready_info(llm))))
+    send_or_exit(boot, msgspec.msgpack.encode(("ready", ready_info(llm))))
     boot.close()
     rc = core.serve(inputs)
     for s in (core.main_out, core.step_out, inputs):
