@@ -1,0 +1,529 @@
+"""``LLM(model, tensor_parallel_size=N)``: the caller's process is rank 0 and
+starts ranks 1 .. N-1 itself.
+
+Start-up, all in ``launch`` before rank 0 builds anything:
+
+    checks (no process, no weight yet): the size, no ``tp_group`` too, no
+        torch.distributed group already in this process, no host tier or elastic
+        pool, ``parallel.check_tp_config`` on the model's config, enough GPUs
+    a TCPStore on a free loopback port (the OS picks it: no race)
+    N-1 processes (torch.multiprocessing, spawn), each with a pipe to rank 0
+    every rank joins the group: NCCL with GPU ``base + rank`` per rank when the
+        device is CUDA, gloo on the CPU; collectives time out (``TIMEOUT_S``)
+    every rank builds the same LLM over ``tp_group=WORLD`` (its shard, its pool)
+    rank 0 waits for each worker's "ready" (or its error, which it raises)
+
+Mirroring: the workers run the same SPMD steps as rank 0 because they run the
+same engine loop (``online.EngineLoop``) over the same inputs. The loop's state
+changes only through its inputs, so rank 0's loop (``LeaderLoop``) sends each
+input, in the order it applies it, to every worker's pipe as one small pickled
+message, and each worker (``_follow``) applies it to its own loop:
+
+    ("step", isolate, new groups, aborted group ids)   at the start of each step
+    ("call", LLM method name, args)                    a state-changing call
+                                                       (resize_kv_cache, reset_prefix_cache)
+    ("recover",)  ("stop",)  ("close",)
+
+Everything a step does after its inputs is deterministic on every rank: the
+schedule, the allocator, the forward (whose all-reduces pair up), the sampler
+(every rank has the same logits and seeds), stop tokens and stop strings (every
+rank detokenizes), and the failure isolation. Rank 0 sends without waiting:
+the collectives inside the forward keep the ranks in step, and a pipe write
+costs microseconds. Only rank 0 has streams, futures and outputs; a worker's
+groups get a sink that drops their deltas (so that they are watched exactly
+when rank 0's are). Requests travel as their ids, prompt, parameters and seeds
+(a structured-output constraint as its source, compiled again by the worker).
+
+Failures: a worker that dies (or fails to start) gives rank 0 a
+``TensorParallelError`` naming its rank, its exit code and its last error, never
+a hang: a watcher thread notices the exit at once, the next send or the failed
+collective raises (gloo fails a collective with a closed peer at once; NCCL's
+collectives are aborted by the watcher, and time out otherwise). Any failed
+collective is fatal for the engine (the ranks are out of step): the serving loop
+dies (``unikv serve`` exits non-zero); ``generate`` raises each time. A worker
+whose rank 0 went away (its pipe closed) exits. ``LLM.close()``, ``with``, or
+the interpreter's exit (``atexit``) stops the workers: "close", a bounded join,
+then kill; rank 0 then destroys its process group, so a second TP LLM can start.
+
+A script that builds a TP LLM at import must guard it with
+``if __name__ == "__main__":`` (spawned workers import the main module).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+import weakref
+from dataclasses import replace
+from datetime import timedelta
+from functools import partial
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from unikv.engine.online import EngineLoop
+from unikv.engine.request import Request
+from unikv.engine.tracks import RequestGroup
+
+TIMEOUT_ENV = "UNIKV_TP_TIMEOUT_S"  # collectives' and start-up's timeout, seconds
+TIMEOUT_S = 300.0  # long enough for a rank's first Triton compiles
+JOIN_S = 10.0  # close(): how long a worker may take to exit before it is killed
+DEATH_GRACE_S = 2.0  # a failed collective: how long to wait for a worker's exit to show
+# LLM options that do not combine with tensor parallelism (yet), and their defaults
+REFUSED = {
+    "swap_host_bytes": 0,  # every rank must make the same swap decisions
+    "prefix_host_bytes": 0,  # the reload rule measures each rank's own bandwidth
+    "kv_cache_max_bytes": None,  # an elastic pool: every rank would have to resize alike
+    "kv_cache_margin_bytes": None,
+}
+
+
+class TensorParallelError(RuntimeError):
+    """A worker died or a collective failed: the ranks are out of step and this
+    LLM cannot go on (close it; a new one can be built)."""
+
+
+def timeout_s() -> float:
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        value = float(text) if text else TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def check_launch(options: dict, size) -> list[torch.device]:
+    """Refuse what cannot start, before any process or weight: returns each rank's device."""
+    from unikv.engine.options import check_device, model_dir_of
+    from unikv.models.loader import load_model_config
+    from unikv.models.parallel import check_tp_config
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
+    if options["tp_group"] is not None:
+        raise ValueError(
+            "give tensor_parallel_size (unikv starts the ranks) or tp_group (you started "
+            "them and build the LLM in every rank), not both"
+        )
+    if not dist.is_available():
+        raise ValueError("tensor_parallel_size > 1 needs torch.distributed, absent in this torch")
+    if dist.is_initialized():
+        raise ValueError(
+            "tensor_parallel_size starts its own process group, but torch.distributed is "
+            "already initialised in this process; pass tp_group=<your group> instead (and "
+            "build the LLM in every rank), or destroy the group first"
+        )
+    for name, default in REFUSED.items():
+        if options[name] != default:
+            raise ValueError(
+                f"{name}={options[name]!r} is not supported with tensor parallelism yet; "
+                f"leave it at {default!r} with tensor_parallel_size={size}"
+            )
+    config, _ = load_model_config(model_dir_of(options["model_dir"], options["model"]))
+    check_tp_config(config, size)
+    device = check_device(options["device"])
+    if device.type != "cuda":
+        return [device] * size
+    base = device.index if device.index is not None else torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if base + size > count:
+        raise ValueError(
+            f"tensor_parallel_size={size} on {device} needs GPUs {base}..{base + size - 1} "
+            f"(one per rank), but {count} are visible; lower it or pick device='cuda:0'"
+        )
+    return [torch.device("cuda", base + r) for r in range(size)]
+
+
+def launch(llm, options: dict) -> None:
+    """Build ``llm`` (an ``LLM``) as rank 0 of ``options['tensor_parallel_size']``
+    ranks: check, spawn the workers, build every rank, mirror rank 0's loop."""
+    from unikv.engine.llm import LLM
+
+    options = {k: v for k, v in options.items() if k != "self"}
+    size = options.pop("tensor_parallel_size")
+    devices = check_launch(options, size)
+    options.pop("device")
+    options.pop("tp_group")
+    workers = Workers(devices, options)
+    try:
+        workers.join_group()
+        LLM.__init__(llm, **options, device=devices[0], tp_group=dist.group.WORLD)
+        workers.wait_ready()
+    except BaseException as err:
+        if _collective_error(err):  # a worker failed first: its error is the one to show
+            workers.collect_failure()
+        workers.close()
+        if workers.failure is not None and not isinstance(err, TensorParallelError):
+            raise TensorParallelError(workers.failure) from err
+        raise
+    llm.workers = workers
+    llm.engine = LeaderLoop(llm, workers)
+    weakref.finalize(llm, workers.close).atexit = False  # dropped unclosed: closed when collected
+
+
+class Workers:
+    """Ranks 1 .. N-1 of a launched LLM: processes, pipes, the watcher thread."""
+
+    def __init__(self, devices: list[torch.device], options: dict) -> None:
+        self.size, self.timeout_s = len(devices), timeout_s()
+        self.backend = "nccl" if devices[0].type == "cuda" else "gloo"
+        self.failure: str | None = None  # why a worker failed or died (set once)
+        self.dead = threading.Event()
+        self._closed = False
+        self._lock = threading.Lock()  # one sender at a time
+        timeout = timedelta(seconds=self.timeout_s)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, self.size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        threads = torch.get_num_threads()
+        for rank in range(1, self.size):
+            parent, child = ctx.Pipe()
+            args = (rank, self.size, self.store.port, self.backend, devices[rank], options, child)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(*args, self.timeout_s, threads),
+                name=f"unikv-tp-rank{rank}",
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        _LIVE.add(self)
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (rank 1 first)."""
+        return [p.pid for p in self.procs]
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def _expect(self, kind: str, what: str) -> None:
+        """Wait for every worker's ``kind`` message; a worker's error, exit or
+        silence past the timeout raises."""
+        waiting = dict(enumerate(self.conns, start=1))
+        while waiting:
+            sentinels = {self.procs[r - 1].sentinel: r for r in waiting}
+            ready = wait([*waiting.values(), *sentinels], timeout=self.timeout_s)
+            if not ready:
+                self.failure = (
+                    f"tensor-parallel ranks {sorted(waiting)} did not finish {what} within "
+                    f"{self.timeout_s:.0f} s ({TIMEOUT_ENV})"
+                )
+                raise TensorParallelError(self.failure)
+            for rank, conn in list(waiting.items()):
+                if conn in ready or conn.poll():
+                    message = _receive(conn)
+                    if message is not None and message[0] == kind:
+                        del waiting[rank]
+                        continue
+                    self._failed(rank, message)
+                elif self.procs[rank - 1].sentinel in ready:
+                    self._failed(rank, None)
+
+    def _failed(self, rank: int, message) -> None:
+        proc = self.procs[rank - 1]
+        if message is None or message[0] != "failed":
+            proc.join(DEATH_GRACE_S)
+            detail = f"exited with code {proc.exitcode}"
+        else:
+            detail = f"failed:\n{message[1]}"
+        self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) {detail}"
+        raise TensorParallelError(self.failure)
+
+    def collect_failure(self) -> None:
+        """After rank 0's build failed in a collective: the first worker error that
+        arrives within ``DEATH_GRACE_S``, if any, becomes ``failure``."""
+        ready = wait(self.conns, timeout=DEATH_GRACE_S)
+        for rank, conn in enumerate(self.conns, start=1):
+            message = _receive(conn) if conn in ready else None
+            if message is not None and message[0] == "failed":
+                self.failure = f"tensor-parallel worker rank {rank} failed:\n{message[1]}"
+                return
+
+    def join_group(self) -> None:
+        """Rank 0 joins the process group once every worker is about to."""
+        self._expect("joining", "starting")
+        dist.init_process_group(
+            self.backend,
+            store=self.store,
+            rank=0,
+            world_size=self.size,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+
+    def wait_ready(self) -> None:
+        """Every worker built its LLM; then the watcher starts."""
+        self._expect("ready", "building the engine")
+        threading.Thread(target=self._watch, name="unikv-tp-watcher", daemon=True).start()
+
+    # -- running -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Until a worker exits: then record why, and abort NCCL's collectives."""
+        ready = wait([p.sentinel for p in self.procs])
+        if self._closed:
+            return
+        rank = next(r for r, p in enumerate(self.procs, start=1) if p.sentinel in ready)
+        proc, conn = self.procs[rank - 1], self.conns[rank - 1]
+        proc.join(DEATH_GRACE_S)
+        last = None
+        with contextlib.suppress(Exception):
+            while conn.poll():
+                last = _receive(conn) or last
+        why = f":\n{last[1]}" if last is not None and last[0] == "failed" else ""
+        self.failure = (
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code "
+            f"{proc.exitcode}){why}; this LLM cannot go on: close it and build a new one"
+        )
+        self.dead.set()
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if self.backend == "nccl" and abort is not None:
+            with contextlib.suppress(Exception):
+                abort()  # rank 0's pending NCCL collectives fail instead of waiting
+
+    def send(self, message: tuple) -> None:
+        """One message to every worker; TensorParallelError once one is gone."""
+        if self.dead.is_set() or self._closed:
+            raise TensorParallelError(self.failure or "the tensor-parallel workers are closed")
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(data)
+                except OSError as err:  # a worker's end closed: it is exiting
+                    self.dead.wait(DEATH_GRACE_S)
+                    raise TensorParallelError(
+                        self.failure or f"a worker went away ({err})"
+                    ) from err
+
+    def check(self, err: BaseException) -> None:
+        """After ``err`` escaped a step: raise TensorParallelError if a worker died
+        or ``err`` is a failed collective (the ranks are out of step)."""
+        if isinstance(err, TensorParallelError):
+            return
+        collective = _collective_error(err)
+        if collective:
+            self.dead.wait(DEATH_GRACE_S)  # its exit shows a moment after the socket closed
+        if self.dead.is_set():
+            raise TensorParallelError(self.failure) from err
+        if collective:
+            raise TensorParallelError(
+                f"a tensor-parallel collective failed ({type(err).__name__}: {err}); the "
+                "ranks are out of step: close this LLM and build a new one"
+            ) from err
+
+    def close(self) -> None:
+        """Stop the workers (a bounded join, then kill) and leave the process group."""
+        if self._closed:
+            return
+        with contextlib.suppress(TensorParallelError):
+            self.send(("close",))
+        self._closed = True
+        for proc in self.procs:
+            proc.join(JOIN_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(JOIN_S)
+        for conn in self.conns:
+            conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _LIVE.discard(self)
+
+
+_LIVE: set[Workers] = set()  # started and not closed
+
+
+@atexit.register
+def _close_all() -> None:
+    """The interpreter exits: stop every launched worker (before multiprocessing
+    joins its children, whose atexit hook was registered earlier and runs later)."""
+    for workers in list(_LIVE):
+        with contextlib.suppress(Exception):
+            workers.close()
+
+
+class LeaderLoop(EngineLoop):
+    """Rank 0's engine loop: every input it applies goes to the workers first
+    (the module docstring)."""
+
+    def __init__(self, llm, workers: Workers) -> None:
+        super().__init__(llm)
+        self.workers = workers
+
+    def _drain_inbox(self):
+        groups, aborts = super()._drain_inbox()
+        try:
+            new = [_group_message(g) for g in groups]
+            self.workers.send(("step", self.isolate, new, [g.request_id for g in aborts]))
+        except BaseException:
+            with self._cv:  # nothing was taken: a dying loop still ends them
+                self._inbox[:0], self._aborts[:0] = groups, aborts
+            raise
+        return groups, aborts
+
+    def _invoke(self, fn):
+        method = _llm_method(fn, self.llm)
+        if method is not None:
+            self.workers.send(("call", *method))
+        return fn()
+
+    def _stop_work(self) -> None:
+        with contextlib.suppress(TensorParallelError):
+            self.workers.send(("stop",))
+        super()._stop_work()
+
+    def recover(self) -> None:
+        with contextlib.suppress(TensorParallelError):
+            self.workers.send(("recover",))
+        super().recover()
+
+    def step(self):
+        try:
+            return super().step()
+        except Exception as err:
+            self.workers.check(err)
+            raise
+
+    def _failed_launch(self, batch, err: Exception) -> None:
+        self.workers.check(err)  # a dead worker or a failed collective is fatal
+        super()._failed_launch(batch, err)
+
+
+def _llm_method(fn, llm) -> tuple[str, tuple] | None:
+    """(name, args) when ``fn`` is a method of ``llm`` (bound, or a partial of one)."""
+    args: tuple = ()
+    if isinstance(fn, partial):
+        assert not fn.keywords, "tp_launch protocol: a mirrored call takes positional args"
+        fn, args = fn.func, fn.args
+    if getattr(fn, "__self__", None) is llm:
+        return fn.__name__, args
+    return None
+
+
+def _group_message(group: RequestGroup) -> tuple:
+    """What a worker needs to make the same RequestGroup."""
+    first = group.requests[0]
+    params, structured = first.params, None
+    if params.structured is not None:  # a compiled grammar does not pickle: its source does
+        structured = (params.structured.kind, params.structured.spec)
+        params = replace(params, structured=None)
+    seeds = [(r.request_id, r.seed) for r in group.requests]
+    return (first.prompt_ids, params, structured, seeds, first.stop_ids, first.cache_salt,
+            group.sink is not None)  # fmt: skip
+
+
+def _drop(delta) -> None:
+    """A worker group's sink: only rank 0 has streams."""
+
+
+def _rebuild(llm, message: tuple) -> RequestGroup:
+    ids, params, structured, seeds, stop_ids, cache_salt, has_sink = message
+    if structured is not None:
+        from unikv.engine.structured import compile_structured
+
+        params = replace(params, structured=compile_structured(llm, *structured))
+    requests = []
+    for request_id, seed in seeds:
+        r = Request(request_id, list(ids), params, seed, stop_ids, llm.max_model_len)
+        r.cache_salt = cache_salt
+        requests.append(r)
+    return RequestGroup(requests, None, _drop if has_sink else None, llm.tokenizer)
+
+
+def _collective_error(err: BaseException) -> bool:
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return any(s in text for s in ("gloo", "NCCL", "Connection closed by peer", "ProcessGroup"))
+
+
+def _receive(conn):
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
+def _send(conn, message: tuple) -> None:
+    with contextlib.suppress(OSError):
+        conn.send_bytes(pickle.dumps(message))
+
+
+# -- the worker process ------------------------------------------------------------------
+
+
+def _worker_main(rank, size, port, backend, device, options, conn, timeout, threads) -> None:
+    """Rank ``rank``: join the group, build the LLM, then follow rank 0's messages."""
+    from unikv.engine.llm import LLM
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it closes us
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(threads)
+        _send(conn, ("joining",))
+        limit = timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=limit)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=limit)
+        llm = LLM(**options, device=device, tp_group=dist.group.WORLD)
+    except Exception:  # noqa: BLE001  (sent to rank 0, which raises it)
+        _send(conn, ("failed", traceback.format_exc()))
+        sys.exit(1)
+    _send(conn, ("ready",))
+    try:
+        _follow(llm, conn, rank)
+    except Exception:  # noqa: BLE001  (sent to rank 0, which raises it)
+        _send(conn, ("failed", traceback.format_exc()))
+        sys.exit(1)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def _follow(llm, conn, rank: int) -> None:
+    """Apply rank 0's messages to this rank's loop until "close" or rank 0 is gone."""
+    loop = llm.engine
+    groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> live group
+    while True:
+        message = _receive(conn)
+        if message is None or message[0] == "close":  # None: rank 0 went away
+            return
+        op = message[0]
+        try:
+            if op == "step":
+                isolate, new, aborts = message[1:]
+                made = [_rebuild(llm, m) for m in new]
+                for g in made:
+                    groups[g.request_id] = g
+                loop.submit_all(made, bounded=False)
+                for request_id in aborts:
+                    if (g := groups.get(request_id)) is not None:
+                        loop.abort(g)
+                loop.isolate = isolate
+                loop.step()
+            elif op == "call":
+                getattr(llm, message[1])(*message[2])
+            elif op == "recover":
+                loop.recover()
+            elif op == "stop":
+                loop._stop_work()
+            else:
+                raise AssertionError(f"tp_launch protocol: unknown message {op!r}")
+        except Exception as err:
+            if _collective_error(err) or isinstance(err, AssertionError):
+                raise  # out of step with rank 0: exit (rank 0 is told)
+            print(f"unikv tensor-parallel rank {rank}: {op} raised {type(err).__name__}: "
+                  f"{err} (rank 0 meets the same)", file=sys.stderr, flush=True)  # fmt: skip
