@@ -278,10 +278,10 @@ class Workers:
         rank = next(r for r, p in enumerate(self.procs, start=1) if p.sentinel in ready)
         proc, conn = self.procs[rank - 1], self.conns[rank - 1]
         proc.join(DEATH_GRACE_S)
-        last = None
+        last = message = None
         with contextlib.suppress(Exception):
-            while conn.poll():
-                last = _receive(conn) or last
+            while conn.poll() and (message := _receive(conn)) is not None:  # None: at its end
+                last = message
         why = f":\n{last[1]}" if last is not None and last[0] == "failed" else ""
         self.failure = (
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code "
