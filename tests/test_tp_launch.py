@@ -79,7 +79,10 @@ def llama(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("llama"))
     hf = save_tiny_model("llama", path)
     tp1 = LLM(path, device="cpu", **OPTIONS)
-    greedy, sampled = _ids(tp1.generate(_prompts(), GREEDY)), _ids(tp1.generate(_prompts(), SAMPLED))
+    greedy, sampled = (
+        _ids(tp1.generate(_prompts(), GREEDY)),
+        _ids(tp1.generate(_prompts(), SAMPLED)),
+    )
     return path, [hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()], greedy, sampled
 
 
@@ -104,6 +107,7 @@ def test_a_killed_worker_is_a_clear_error_and_a_second_llm_starts(llama):
     llm = LLM(path, device="cpu", tensor_parallel_size=2, **OPTIONS)
     try:
         (pid,) = llm.workers.pids
+        assert _ids(llm.generate(_prompts()[:1], GREEDY)) == greedy[:1]  # the second one works
 
         def kill_at_step_3(_, batch, logits, steps=[]):  # noqa: B006  (a step counter)
             steps.append(1)
@@ -192,7 +196,9 @@ def test_bad_launch_options_are_refused(refused, kw, match):
 
 def test_an_existing_process_group_is_refused(refused, monkeypatch):
     store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=10))
+    dist.init_process_group(
+        "gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=10)
+    )
     try:
         with pytest.raises(ValueError, match="already initialised"):
             LLM(refused["good"], device="cpu", tensor_parallel_size=2)
