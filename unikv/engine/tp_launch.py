@@ -17,7 +17,7 @@ Mirroring: the workers run the same SPMD steps as rank 0 because they run the
 same engine loop (``online.EngineLoop``) over the same inputs. The loop's state
 changes only through its inputs, so rank 0's loop (``LeaderLoop``) sends each
 input, in the order it applies it, to every worker's pipe as one small pickled
-message, and each worker (``_follow``) applies it to its own loop:
+message, and each worker (``tp_worker.follow``) applies it to its own loop:
 
     ("step", isolate, new groups, aborted group ids)   at the start of each step
     ("call", LLM method name, args)                    a state-changing call
@@ -55,12 +55,8 @@ import atexit
 import contextlib
 import os
 import pickle
-import signal
-import sys
 import threading
-import traceback
 import weakref
-from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from multiprocessing.connection import wait
@@ -70,8 +66,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from unikv.engine.online import EngineLoop
-from unikv.engine.request import Request
-from unikv.engine.tracks import RequestGroup
+from unikv.engine.tp_worker import collective_error, group_message, receive, worker_main
 
 TIMEOUT_ENV = "UNIKV_TP_TIMEOUT_S"  # collectives' and start-up's timeout, seconds
 TIMEOUT_S = 300.0  # long enough for a rank's first Triton compiles
@@ -156,11 +151,11 @@ def launch(llm, options: dict) -> None:
     options.pop("tp_group")
     workers = Workers(devices, options)
     try:
-        workers.join_group()
+        workers.join_group(devices[0])
         LLM.__init__(llm, **options, device=devices[0], tp_group=dist.group.WORLD)
         workers.wait_ready()
     except BaseException as err:
-        if _collective_error(err):  # a worker failed first: its error is the one to show
+        if collective_error(err):  # a worker failed first: its error is the one to show
             workers.collect_failure()
         workers.close()
         if workers.failure is not None and not isinstance(err, TensorParallelError):
@@ -192,7 +187,7 @@ class Workers:
             parent, child = ctx.Pipe()
             args = (rank, self.size, self.store.port, self.backend, devices[rank], options, child)
             proc = ctx.Process(
-                target=_worker_main,
+                target=worker_main,
                 args=(*args, self.timeout_s, threads),
                 name=f"unikv-tp-rank{rank}",
             )
@@ -224,7 +219,7 @@ class Workers:
                 raise TensorParallelError(self.failure)
             for rank, conn in list(waiting.items()):
                 if conn in ready or conn.poll():
-                    message = _receive(conn)
+                    message = receive(conn)
                     if message is not None and message[0] == kind:
                         del waiting[rank]
                         continue
@@ -247,12 +242,12 @@ class Workers:
         arrives within ``DEATH_GRACE_S``, if any, becomes ``failure``."""
         ready = wait(self.conns, timeout=DEATH_GRACE_S)
         for rank, conn in enumerate(self.conns, start=1):
-            message = _receive(conn) if conn in ready else None
+            message = receive(conn) if conn in ready else None
             if message is not None and message[0] == "failed":
                 self.failure = f"tensor-parallel worker rank {rank} failed:\n{message[1]}"
                 return
 
-    def join_group(self) -> None:
+    def join_group(self, device: torch.device) -> None:
         """Rank 0 joins the process group once every worker is about to."""
         self._expect("joining", "starting")
         dist.init_process_group(
@@ -261,6 +256,7 @@ class Workers:
             rank=0,
             world_size=self.size,
             timeout=timedelta(seconds=self.timeout_s),
+            device_id=device if self.backend == "nccl" else None,  # NCCL: bound to its GPU
         )
 
     def wait_ready(self) -> None:
@@ -280,7 +276,7 @@ class Workers:
         proc.join(DEATH_GRACE_S)
         last = message = None
         with contextlib.suppress(Exception):
-            while conn.poll() and (message := _receive(conn)) is not None:  # None: at its end
+            while conn.poll() and (message := receive(conn)) is not None:  # None: at its end
                 last = message
         why = f":\n{last[1]}" if last is not None and last[0] == "failed" else ""
         self.failure = (
@@ -313,7 +309,7 @@ class Workers:
         or ``err`` is a failed collective (the ranks are out of step)."""
         if isinstance(err, TensorParallelError):
             return
-        collective = _collective_error(err)
+        collective = collective_error(err)
         if collective:
             self.dead.wait(DEATH_GRACE_S)  # its exit shows a moment after the socket closed
         if self.dead.is_set():
@@ -366,7 +362,7 @@ class LeaderLoop(EngineLoop):
     def _drain_inbox(self):
         groups, aborts = super()._drain_inbox()
         try:
-            new = [_group_message(g) for g in groups]
+            new = [group_message(g) for g in groups]
             self.workers.send(("step", self.isolate, new, [g.request_id for g in aborts]))
         except BaseException:
             with self._cv:  # nothing was taken: a dying loop still ends them
@@ -411,119 +407,3 @@ def _llm_method(fn, llm) -> tuple[str, tuple] | None:
     if getattr(fn, "__self__", None) is llm:
         return fn.__name__, args
     return None
-
-
-def _group_message(group: RequestGroup) -> tuple:
-    """What a worker needs to make the same RequestGroup."""
-    first = group.requests[0]
-    params, structured = first.params, None
-    if params.structured is not None:  # a compiled grammar does not pickle: its source does
-        structured = (params.structured.kind, params.structured.spec)
-        params = replace(params, structured=None)
-    seeds = [(r.request_id, r.seed) for r in group.requests]
-    return (first.prompt_ids, params, structured, seeds, first.stop_ids, first.cache_salt,
-            group.sink is not None)  # fmt: skip
-
-
-def _drop(delta) -> None:
-    """A worker group's sink: only rank 0 has streams."""
-
-
-def _rebuild(llm, message: tuple) -> RequestGroup:
-    ids, params, structured, seeds, stop_ids, cache_salt, has_sink = message
-    if structured is not None:
-        from unikv.engine.structured import compile_structured
-
-        params = replace(params, structured=compile_structured(llm, *structured))
-    requests = []
-    for request_id, seed in seeds:
-        r = Request(request_id, list(ids), params, seed, stop_ids, llm.max_model_len)
-        r.cache_salt = cache_salt
-        requests.append(r)
-    return RequestGroup(requests, None, _drop if has_sink else None, llm.tokenizer)
-
-
-def _collective_error(err: BaseException) -> bool:
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    return any(s in text for s in ("gloo", "NCCL", "Connection closed by peer", "ProcessGroup"))
-
-
-def _receive(conn):
-    try:
-        return pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return None
-
-
-def _send(conn, message: tuple) -> None:
-    with contextlib.suppress(OSError):
-        conn.send_bytes(pickle.dumps(message))
-
-
-# -- the worker process ------------------------------------------------------------------
-
-
-def _worker_main(rank, size, port, backend, device, options, conn, timeout, threads) -> None:
-    """Rank ``rank``: join the group, build the LLM, then follow rank 0's messages."""
-    from unikv.engine.llm import LLM
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it closes us
-    try:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(threads)
-        _send(conn, ("joining",))
-        limit = timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=limit)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=limit)
-        llm = LLM(**options, device=device, tp_group=dist.group.WORLD)
-    except Exception:  # noqa: BLE001  (sent to rank 0, which raises it)
-        _send(conn, ("failed", traceback.format_exc()))
-        sys.exit(1)
-    _send(conn, ("ready",))
-    try:
-        _follow(llm, conn, rank)
-    except Exception:  # noqa: BLE001  (sent to rank 0, which raises it)
-        _send(conn, ("failed", traceback.format_exc()))
-        sys.exit(1)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-def _follow(llm, conn, rank: int) -> None:
-    """Apply rank 0's messages to this rank's loop until "close" or rank 0 is gone."""
-    loop = llm.engine
-    groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> live group
-    while True:
-        message = _receive(conn)
-        if message is None or message[0] == "close":  # None: rank 0 went away
-            return
-        op = message[0]
-        try:
-            if op == "step":
-                isolate, new, aborts = message[1:]
-                made = [_rebuild(llm, m) for m in new]
-                for g in made:
-                    groups[g.request_id] = g
-                loop.submit_all(made, bounded=False)
-                for request_id in aborts:
-                    if (g := groups.get(request_id)) is not None:
-                        loop.abort(g)
-                loop.isolate = isolate
-                loop.step()
-            elif op == "call":
-                getattr(llm, message[1])(*message[2])
-            elif op == "recover":
-                loop.recover()
-            elif op == "stop":
-                loop._stop_work()
-            else:
-                raise AssertionError(f"tp_launch protocol: unknown message {op!r}")
-        except Exception as err:
-            if _collective_error(err) or isinstance(err, AssertionError):
-                raise  # out of step with rank 0: exit (rank 0 is told)
-            print(f"unikv tensor-parallel rank {rank}: {op} raised {type(err).__name__}: "
-                  f"{err} (rank 0 meets the same)", file=sys.stderr, flush=True)  # fmt: skip
