@@ -4,6 +4,8 @@
   and pid within a bounded time, and so does every later call; ``close()`` then
   leaves no child process and no process group;
 - a second TP LLM starts after the first closed, and its first batch equals TP 1;
+- an option every rank refuses while building (after the spawn) is raised as it
+  is (a ValueError, not a worker's error), and no process or group is left;
 - a script that never calls ``close()`` exits on its own (no hang in
   multiprocessing's exit hook) and its worker is gone; its tokens equal TP 1's.
 """
@@ -98,3 +100,11 @@ def test_the_interpreter_exit_stops_the_workers(llama, tmp_path):
     while not gone(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(int(pid))
+
+
+def test_a_bad_option_every_rank_refuses_is_raised_as_is(llama):
+    path, *_ = llama
+    with pytest.raises(ValueError, match="max_model_len must be in"):
+        LLM(path, device="cpu", tensor_parallel_size=2, max_model_len=10**6)
+    assert multiprocessing.active_children() == []
+    assert not dist.is_initialized()

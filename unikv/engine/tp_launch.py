@@ -335,7 +335,8 @@ class Workers:
         for conn in self.conns:
             conn.close()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            with contextlib.suppress(Exception):  # (a group the watcher aborted)
+                dist.destroy_process_group()
         _LIVE.discard(self)
 
 
