@@ -24,6 +24,10 @@ message, and each worker (``tp_worker.follow``) applies it to its own loop:
                                                        (resize_kv_cache, reset_prefix_cache)
     ("recover",)  ("stop",)  ("close",)
 
+Pipes rather than a broadcast on a side gloo group: an idle server leaves the
+workers waiting for minutes or days, which a pipe allows (a collective would
+time out), and a pipe tells a worker that rank 0 is gone (end of file).
+
 Everything a step does after its inputs is deterministic on every rank: the
 schedule, the allocator, the forward (whose all-reduces pair up), the sampler
 (every rank has the same logits and seeds), stop tokens and stop strings (every
