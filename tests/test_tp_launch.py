@@ -6,7 +6,8 @@ Checked against independent derivations made in this process:
 - greedy tokens of a mixed-length batch (chunked prefill, GQA 4/2 heads) at TP 2
   equal transformers' ``generate`` and a TP-1 ``LLM``; seeded sampling (``n`` 2)
   equals TP 1's; a second batch after ``reset_prefix_cache`` (a call the workers
-  repeat) equals it too; TP 4 (4 KV heads) equals transformers;
+  repeat) and a refused ``resize_kv_cache`` (refused on every rank) equals it too;
+  TP 4 (4 KV heads) equals transformers;
 - the ``with`` block leaves no child process and no process group;
 - refusals come before any process is spawned or any weight loaded (the
   checkpoints hold a config only): indivisible Llama heads (the error names the
@@ -62,6 +63,8 @@ def test_tp2_equals_tp1_and_transformers_and_close_leaves_nothing(llama):
         assert ids(llm.generate(prompts(), GREEDY)) == greedy
         assert ids(llm.generate(prompts(), SAMPLED)) == sampled
         assert llm.reset_prefix_cache()  # on every rank, or the next schedules differ
+        with pytest.raises(ValueError, match="elastic pool"):  # every rank refuses it alike
+            llm.resize_kv_cache(1 << 20)
         assert ids(llm.generate(prompts()[::-1], GREEDY)) == greedy[::-1]
         assert llm.pool.subpools["full"].spec.num_kv_heads == 1  # rank 0's shard of 2
     assert all(gone(pid) for pid in pids)
