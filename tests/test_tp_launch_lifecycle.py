@@ -1,5 +1,8 @@
 """The launched ranks' lifecycle (``engine/tp_launch.py``), gloo on the CPU:
 
+- a worker killed while a serving loop idles ends that loop within a bounded
+  time (``error`` a ``TensorParallelError`` naming rank 1, ``on_death`` called: a
+  server exits non-zero);
 - a worker killed mid-run gives rank 0 a ``TensorParallelError`` naming its rank
   and pid within a bounded time, and so does every later call; ``close()`` then
   leaves no child process and no process group;
@@ -17,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -39,10 +43,18 @@ def llama(tmp_path_factory):
     return build_llama(tmp_path_factory.mktemp("llama"))
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's
 def test_a_killed_worker_is_a_clear_error_and_a_second_llm_starts(llama):
     path, _, greedy, _ = llama
     with LLM(path, device="cpu", tensor_parallel_size=2, **OPTIONS) as first:
+        died = threading.Event()
+        first.engine.on_death = lambda err: died.set()
+        first.engine.start()  # serving: generate submits to the loop's thread
         assert ids(first.generate(prompts()[:1], GREEDY)) == greedy[:1]
+        os.kill(first.workers.pids[0], signal.SIGKILL)  # while the loop idles
+        assert died.wait(KILL_DEADLINE_S), "an idle serving loop did not notice the death"
+        assert isinstance(first.engine.error, TensorParallelError)
+        assert "rank 1" in str(first.engine.error)
     llm = LLM(path, device="cpu", tensor_parallel_size=2, **OPTIONS)  # after the first closed
     try:
         (pid,) = llm.workers.pids

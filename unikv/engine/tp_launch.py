@@ -178,6 +178,7 @@ class Workers:
         self.backend = "nccl" if devices[0].type == "cuda" else "gloo"
         self.failure: str | None = None  # why a worker failed or died (set once)
         self.dead = threading.Event()
+        self.on_death: list = []  # called (watcher thread) once a worker died
         self._closed = False
         self._lock = threading.Lock()  # one sender at a time
         timeout = timedelta(seconds=self.timeout_s)
@@ -288,6 +289,8 @@ class Workers:
             f"{proc.exitcode}){why}; this LLM cannot go on: close it and build a new one"
         )
         self.dead.set()
+        for callback in self.on_death:
+            callback()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if self.backend == "nccl" and abort is not None:
             with contextlib.suppress(Exception):
@@ -363,6 +366,16 @@ class LeaderLoop(EngineLoop):
     def __init__(self, llm, workers: Workers) -> None:
         super().__init__(llm)
         self.workers = workers
+        workers.on_death.append(self._wake)
+
+    def _wake(self) -> None:
+        """A worker died: an idle serving loop wakes, and its next step raises
+        (the loop dies, ``unikv serve`` exits non-zero, a supervisor restarts it)."""
+        with self._cv:
+            self._cv.notify()
+
+    def _has_work(self) -> bool:
+        return self.workers.dead.is_set() or super()._has_work()
 
     def _drain_inbox(self):
         groups, aborts = super()._drain_inbox()
