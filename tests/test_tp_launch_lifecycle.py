@@ -43,7 +43,8 @@ def llama(tmp_path_factory):
     return build_llama(tmp_path_factory.mktemp("llama"))
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop's
+# the serving loop's thread ends by raising the error (as designed): not a warning here
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_killed_worker_is_a_clear_error_and_a_second_llm_starts(llama):
     path, _, greedy, _ = llama
     with LLM(path, device="cpu", tensor_parallel_size=2, **OPTIONS) as first:
