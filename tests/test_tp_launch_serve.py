@@ -6,7 +6,8 @@ TP 2 over gloo on the CPU; the openai client's answers are checked against a
 TP-1 ``LLM`` in this process: greedy text and token counts (one prompt per
 request and three in one request, plain and streamed), a stop string (the
 workers find it too, by detokenizing: the next answers prove the ranks stayed
-in step), seeded sampling with ``n`` 2, and a greedy answer after a client hung
+in step), seeded sampling with ``n`` 2, seeded sampling under a regex
+constraint (the worker compiles it again), and a greedy answer after a client hung
 up mid-stream (the abort reached the worker). The server's worker process is
 gone once the server is stopped.
 """
@@ -14,6 +15,7 @@ gone once the server is stopped.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -100,6 +102,24 @@ def test_a_stop_string_and_sampling_equal_tp1(ckpt, client):
         model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=0.9, seed=5, n=2
     )
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+
+
+def test_structured_outputs_equal_tp1(ckpt, client):
+    """The worker compiles the constraint again from its source (a compiled
+    grammar does not travel): sampled under it, the texts equal TP 1's."""
+    pytest.importorskip("xgrammar")
+    from unikv.engine.structured import compile_structured
+
+    llm, regex = ckpt[1], "(yes|no)-[0-9]+"
+    structured = compile_structured(llm, "regex", regex)
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3, structured=structured)
+    want = [c.text for c in llm.generate("Hello", params)[0].outputs]
+    got = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=10, temperature=1.0, seed=3, n=3,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )  # fmt: skip
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert texts == want and all(re.fullmatch(regex, t) for t in texts), (texts, want)
 
 
 def test_a_client_hanging_up_keeps_the_ranks_in_step(ckpt, client, server):
