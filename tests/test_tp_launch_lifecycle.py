@@ -7,6 +7,8 @@
   and pid within a bounded time, and so does every later call; ``close()`` then
   leaves no child process and no process group;
 - a second TP LLM starts after the first closed, and its first batch equals TP 1;
+- after a step interrupted on rank 0 alone (Ctrl-C), the next call is a
+  ``TensorParallelError`` saying so;
 - an option every rank refuses while building (after the spawn) is raised as it
   is (a ValueError, not a worker's error), and no process or group is left;
 - a script that never calls ``close()`` exits on its own (no hang in
@@ -113,6 +115,22 @@ def test_the_interpreter_exit_stops_the_workers(llama, tmp_path):
     while not gone(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(int(pid))
+
+
+def test_an_interrupted_step_is_refused_afterwards(llama):
+    """Ctrl-C mid-step leaves the worker inside the step: the next call must be a
+    clear error, not collectives paired with the wrong step."""
+    path, *_ = llama
+
+    def interrupt(_, batch, logits):
+        raise KeyboardInterrupt
+
+    with LLM(path, device="cpu", tensor_parallel_size=2, **OPTIONS) as llm:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts(), GREEDY, on_step=interrupt)
+        with pytest.raises(TensorParallelError, match="interrupted on rank 0"):
+            llm.generate(prompts(), GREEDY)
+    assert multiprocessing.active_children() == []
 
 
 def test_a_bad_option_every_rank_refuses_is_raised_as_is(llama):

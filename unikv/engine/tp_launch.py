@@ -43,8 +43,9 @@ Failures: a worker that dies (or fails to start) gives rank 0 a
 a hang: a watcher thread notices the exit at once, the next send or the failed
 collective raises (gloo fails a collective with a closed peer at once; NCCL's
 collectives are aborted by the watcher, and time out otherwise). Any failed
-collective is fatal for the engine (the ranks are out of step): the serving loop
-dies (``unikv serve`` exits non-zero); ``generate`` raises each time. A worker
+collective is fatal for the engine (the ranks are out of step), and so is a step
+that rank 0 alone leaves (Ctrl-C): the serving loop dies (``unikv serve`` exits
+non-zero); ``generate`` raises each time. A worker
 whose rank 0 went away (its pipe closed) exits. ``LLM.close()``, ``with``, or
 the interpreter's exit (``atexit``) stops the workers: "close", a bounded join,
 then kill; rank 0 then destroys its process group, so a second TP LLM can start.
@@ -71,6 +72,7 @@ import torch.multiprocessing as mp
 
 from unikv.engine.online import EngineLoop
 from unikv.engine.tp_worker import collective_error, group_message, receive, worker_main
+from unikv.engine.tp_worker import send as send_one
 
 TIMEOUT_ENV = "UNIKV_TP_TIMEOUT_S"  # collectives' and start-up's timeout, seconds
 TIMEOUT_S = 300.0  # long enough for a rank's first Triton compiles
@@ -177,7 +179,7 @@ class Workers:
         self.size, self.timeout_s = len(devices), timeout_s()
         self.backend = "nccl" if devices[0].type == "cuda" else "gloo"
         self.failure: str | None = None  # why a worker failed or died (set once)
-        self.dead = threading.Event()
+        self.broken = threading.Event()  # a worker died, or the ranks fell out of step
         self.on_death: list = []  # called (watcher thread) once a worker died
         self._closed = False
         self._lock = threading.Lock()  # one sender at a time
@@ -288,7 +290,7 @@ class Workers:
             f"tensor-parallel worker rank {rank} (pid {proc.pid}) died (exit code "
             f"{proc.exitcode}){why}; this LLM cannot go on: close it and build a new one"
         )
-        self.dead.set()
+        self.broken.set()
         for callback in self.on_death:
             callback()
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -298,7 +300,7 @@ class Workers:
 
     def send(self, message: tuple) -> None:
         """One message to every worker; TensorParallelError once one is gone."""
-        if self.dead.is_set() or self._closed:
+        if self.broken.is_set() or self._closed:
             raise TensorParallelError(self.failure or "the tensor-parallel workers are closed")
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
@@ -306,7 +308,7 @@ class Workers:
                 try:
                     conn.send_bytes(data)
                 except OSError as err:  # a worker's end closed: it is exiting
-                    self.dead.wait(DEATH_GRACE_S)
+                    self.broken.wait(DEATH_GRACE_S)
                     raise TensorParallelError(
                         self.failure or f"a worker went away ({err})"
                     ) from err
@@ -318,8 +320,8 @@ class Workers:
             return
         collective = collective_error(err)
         if collective:
-            self.dead.wait(DEATH_GRACE_S)  # its exit shows a moment after the socket closed
-        if self.dead.is_set():
+            self.broken.wait(DEATH_GRACE_S)  # its exit shows a moment after the socket closed
+        if self.broken.is_set():
             raise TensorParallelError(self.failure) from err
         if collective:
             raise TensorParallelError(
@@ -327,13 +329,20 @@ class Workers:
                 "ranks are out of step: close this LLM and build a new one"
             ) from err
 
+    def out_of_step(self, why: str) -> None:
+        """Rank 0 left a step the workers may still be in: nothing can follow."""
+        if self.failure is None:
+            self.failure = f"{why}; the ranks are out of step: close this LLM and build a new one"
+        self.broken.set()
+
     def close(self) -> None:
         """Stop the workers (a bounded join, then kill) and leave the process group."""
         if self._closed:
             return
-        with contextlib.suppress(TensorParallelError):
-            self.send(("close",))
         self._closed = True
+        with self._lock:
+            for conn in self.conns:  # also when broken: a worker that still reads ends now
+                send_one(conn, ("close",))
         for proc in self.procs:
             proc.join(JOIN_S)
             if proc.is_alive():
@@ -375,7 +384,7 @@ class LeaderLoop(EngineLoop):
             self._cv.notify()
 
     def _has_work(self) -> bool:
-        return self.workers.dead.is_set() or super()._has_work()
+        return self.workers.broken.is_set() or super()._has_work()
 
     def _drain_inbox(self):
         groups, aborts = super()._drain_inbox()
@@ -407,8 +416,11 @@ class LeaderLoop(EngineLoop):
     def step(self):
         try:
             return super().step()
-        except Exception as err:
+        except Exception as err:  # the same on every rank, unless check says otherwise
             self.workers.check(err)
+            raise
+        except BaseException as err:  # Ctrl-C: this rank alone left the step
+            self.workers.out_of_step(f"a step was interrupted on rank 0 ({type(err).__name__})")
             raise
 
     def _failed_launch(self, batch, err: Exception) -> None:
