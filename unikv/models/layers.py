@@ -83,8 +83,10 @@ class StateFn(Protocol):
         *,
         scale: float,
         use_qk_l2norm: bool,
+        gating: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv) in v.dtype."""
+        """q, k: (T, Hk, Dk) (Hk dividing H), v: (T, H, Dv), g, beta: (T, H) (the raw
+        a, b with ``gating`` = (A_log, dt_bias), gated by the op) -> (T, H, Dv)."""
         ...
 
     def mamba2_ssd(
