@@ -136,18 +136,6 @@ def _mla(cfg: Fields, num_layers: int, dtype: torch.dtype) -> MLASpec:
     )
 
 
-def bamba_dims(cfg: Fields) -> StateDims:
-    """Bamba's Mamba-2 mixer: conv over x, B and C ``(I + 2 G N, d_conv)``; SSM state
-    ``(n_heads, d_head, d_state)`` (transformers' BambaMixer)."""
-    intermediate = cfg.get("mamba_expand", 2) * cfg.need("hidden_size")
-    n_heads = cfg.get("mamba_n_heads", 128)
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = intermediate // n_heads if d_head == "auto" else d_head
-    d_state = cfg.get("mamba_d_state", 256)
-    conv_dim = intermediate + 2 * cfg.get("mamba_n_groups", 1) * d_state
-    return StateDims(conv_dim, cfg.get("mamba_d_conv", 4), (n_heads, d_head, d_state))
-
-
 def jamba_dims(cfg: Fields) -> StateDims:
     """Jamba's Mamba-1 mixer: conv over x ``(I, d_conv)``, SSM state ``(I, d_state)``,
     ``I = mamba_expand * hidden_size`` (transformers' JambaMambaMixer)."""
