@@ -127,6 +127,20 @@ def mha_mimo_v2_flash(
     )
 
 
+def mha_zamba2(cfg: Fields, num_layers: int, dtype: torch.dtype, window: int | None) -> MHASpec:
+    """Zamba2's hybrid layers: the shared attention runs on [stream | embeddings], 2
+    hidden wide, so its heads are ``2 hidden / heads`` wide (transformers derives
+    ``attention_head_dim`` so; the hub's config.json may omit it)."""
+    heads = cfg.need("num_attention_heads")
+    return MHASpec(
+        num_layers=num_layers,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("attention_head_dim") or 2 * cfg.need("hidden_size") // heads,
+        dtype=dtype,
+        sliding_window=window,
+    )
+
+
 def _mla(cfg: Fields, num_layers: int, dtype: torch.dtype) -> MLASpec:
     return MLASpec(
         num_layers=num_layers,

@@ -182,7 +182,7 @@ FAMILIES: tuple[Family, ...] = (
         model="unikv.models.zamba2:Zamba2ForCausalLM",
         extras="unikv.models.zamba2:config_extras",
         state_dims="unikv.models.zamba2:mamba_dims",
-        attention_spec="unikv.models.zamba2:attention_spec",
+        attention_spec="unikv.hf_config:mha_zamba2",
     ),
     # pool specs only: unikv has no model for this yet
     Family("jamba", {"jamba": hf.kinds_jamba}, state_dims="unikv.hf_config:jamba_dims"),

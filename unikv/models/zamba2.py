@@ -41,7 +41,6 @@ from unikv.models.hf import Fields, kinds_zamba2
 from unikv.models.layers import Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.rope import Rotary
-from unikv.specs import MHASpec
 
 ACTIVATIONS = {
     "gelu": nn.functional.gelu,
@@ -73,30 +72,13 @@ def mamba_dims(cfg: Fields) -> Mamba2Dims:
     )
 
 
-def head_dim(cfg: Fields) -> int:
-    """The shared attention's head width: 2 hidden / heads (its input is 2 hidden)."""
-    return cfg.get("attention_head_dim") or 2 * cfg.need("hidden_size") // cfg.need(
-        "num_attention_heads"
-    )
-
-
-def attention_spec(cfg: Fields, num_layers: int, dtype: torch.dtype, window) -> MHASpec:
-    """The hybrid layers' K/V: ``num_key_value_heads`` heads of ``head_dim(cfg)``."""
-    heads = cfg.need("num_attention_heads")
-    return MHASpec(
-        num_layers=num_layers,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=head_dim(cfg),
-        dtype=dtype,
-        sliding_window=window,
-    )
-
-
 def config_extras(hf_config) -> dict:
     """Zamba2's own fields (for ``ModelConfig.extra``): which layers are hybrid, the
     shared blocks' count and adapters, the attention's width and softmax scale."""
     cfg = Fields(hf_config)
-    d = head_dim(cfg)
+    d = cfg.get("attention_head_dim") or 2 * cfg.need("hidden_size") // cfg.need(
+        "num_attention_heads"
+    )
     return {
         "hybrid": tuple(k == "full+mamba" for k in kinds_zamba2(cfg)),
         "num_mem_blocks": int(cfg.get("num_mem_blocks", 1)),
