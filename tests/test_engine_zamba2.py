@@ -98,6 +98,41 @@ def test_state_and_kv_bytes_after_prefill_match_transformers_cache(ref):
     check_prefill_bytes(ref, HYBRID)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively")
+def test_triton_kernels_under_the_interpreter(ref):
+    """The engine on the Triton ops (TRITON_INTERPRET=1 on CPU, set by conftest):
+    the shared block's rope inside the K/V store of three layers' caches."""
+    from unikv.engine import LLM, SamplingParams
+
+    llm = LLM(ref.path, device="cpu", backend="triton", page_size=4, max_model_len=64,
+              max_num_batched_tokens=16)  # fmt: skip
+    # one 17-token prompt (a 16-token chunk, then 1) and 5 tokens: the interpreter is slow
+    outputs = llm.generate(ref.prompts[1:2], SamplingParams(max_tokens=5, temperature=0.0))
+    assert outputs[0].output_ids == ref.greedy[1][:5]
+
+
+def test_tied_copies_in_a_checkpoint_are_ignored(ref, tmp_path):
+    """A checkpoint that also stores the tied copy of a shared block (layer 4's, of
+    block 0) loads, the copy unused: the same logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{ref.path}/{name}", tmp_path / name)
+    tensors = load_file(tmp_path / "model.safetensors")
+    prefix = "model.layers.1.shared_transformer."
+    for name in [n for n in tensors if n.startswith(prefix)]:
+        tensors[name.replace("layers.1.", "layers.4.")] = tensors[name].clone()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tokens = torch.tensor(ref.prompts[1])
+    logits = [
+        load_model(path)(tokens, torch.arange(len(tokens)), DenseMamba2Step(12**-0.5))
+        for path in (ref.path, str(tmp_path))
+    ]
+    assert torch.equal(*logits)
+
+
 def test_shared_block_weights_load_once_and_adapters_per_layer(ref):
     """Layers 1 and 4 run one block's weights (the same tensors) but their own
     adapters, which equal the checkpoint's at their hybrid index (0 and 2)."""
