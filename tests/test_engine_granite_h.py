@@ -2,10 +2,11 @@
 Granite's embedding / attention / residual / logits multipliers and a MoE MLP) in
 unikv against transformers on the same weights (fp32 CPU, torch reference ops).
 
-Three tiny variants, every multiplier away from 1:
+Four tiny variants, every multiplier away from 1:
 - "moe": 4 experts (top 2) beside a shared MLP, rope attention;
 - "dense": no experts (the shared MLP alone), attention without positional embedding;
-- "moe_only": experts without a shared MLP (``shared_intermediate_size`` 0), no rope.
+- "moe_only": experts without a shared MLP (``shared_intermediate_size`` 0), no rope;
+- "attention_only": every layer attention with rope, dense (Granite-4.0-1B's layout).
 
 Each: the model alone gives transformers' logits (1e-4) and the engine transformers'
 greedy tokens for a batch of mixed lengths. On "moe", the engine runs page sizes 1,
@@ -40,6 +41,8 @@ VARIANTS = {
     "moe": {},
     "dense": {"num_local_experts": 0, "position_embedding_type": None},
     "moe_only": {"shared_intermediate_size": 0, "position_embedding_type": None},
+    # Granite-4.0-1B / 350M's layout: every layer attention (rope), dense; no Mamba sub-pool
+    "attention_only": {"num_local_experts": 0, "layer_types": ["attention"] * 5},
 }
 
 

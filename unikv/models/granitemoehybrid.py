@@ -211,7 +211,7 @@ class GraniteMoeHybridForCausalLM(decoder.DecoderLM):
             raise ValueError(f"Granite-4.0-H hidden_act must be 'silu', got {config.hidden_act!r}")
         if e["position_embedding_type"] not in (None, "rope", "nope"):
             raise ValueError(
-                f"Granite-4.0-H position_embedding_type must be 'rope' or null, got "
+                f"Granite-4.0-H position_embedding_type must be 'rope', 'nope' or null, got "
                 f"{e['position_embedding_type']!r}"
             )
         if e["num_local_experts"] == 0 and e["shared_intermediate_size"] == 0:
