@@ -6,8 +6,8 @@ model config (``models/config.py``) read every field through it, and both take a
 layer's kind and window from the same rules here, so they cannot disagree.
 
 Layer kinds (docs/design.md section 4): "full", "swa", "mla", "mamba" (recurrent
-state), "none" (no cached state), "full+mamba" (attention and a Mamba mixer side by
-side). Where a dict lacks a field that transformers' config class derives, the
+state), "none" (no cached state), "full+mamba" (attention and a Mamba mixer in one
+layer: side by side in Falcon-H1, one feeding the other in Zamba2's hybrid layers). Where a dict lacks a field that transformers' config class derives, the
 class's own rule is reproduced (e.g. Gemma-2's alternating layer pattern).
 """
 
