@@ -6,9 +6,10 @@ with the few overrides TP needs (MiMo: 2 full-layer KV heads, so 4 on sliding
 layers; DeepSeek-V2: attention and MLP biases, so o_proj's and the shared experts'
 row-parallel biases are counted once or the logits are off). Every bias is drawn
 at random (transformers initialises them to zero, which would hide a bias added on
-every rank). One spawn of two ranks runs every family (``TP2``); one spawn of four
-runs the two whose tiny widths allow it (``TP4``: DeepSeek-V3's 4 MLA heads, and
-Gemma-3 given 4 KV heads). Each rank builds ``LLM(..., tp_group=WORLD)`` and
+every rank). One spawn of four ranks (imports dominate a spawn's CPU time) runs
+them all: two TP-2 groups, {0, 1} and {2, 3}, each one half of the families, then
+one TP-4 group for the two whose tiny widths allow it (DeepSeek-V3's 4 MLA heads,
+and Gemma-3 given 4 KV heads). Each rank builds ``LLM(..., tp_group=group)`` and
 generates a batch with chunked prefill. Checked:
 
 - greedy tokens equal transformers' ``generate`` (eager) and a TP-1 ``LLM``, on
@@ -31,7 +32,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from dist_fixtures import init_group, run_n, run_two, save_result
+from dist_fixtures import init_group, run_n, save_result
 from engine_fixtures import (
     VOCAB,
     hf_greedy,
@@ -77,12 +78,14 @@ MODELS = {
 
 
 def _randomise_biases(hf, path: str) -> None:
+    """Draw every linear bias at random (transformers' are zero) and save again."""
     g = torch.Generator().manual_seed(4)
+    biases = [p for n, p in hf.named_parameters() if n.endswith(".bias")]
     with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("bias") and not name.endswith("correction_bias"):
-                param.copy_(0.2 * torch.randn(param.shape, generator=g))
-    hf.save_pretrained(path)
+        for param in biases:
+            param.copy_(0.2 * torch.randn(param.shape, generator=g))
+    if biases:
+        hf.save_pretrained(path)
 
 
 def _prompts() -> list[list[int]]:
@@ -142,16 +145,24 @@ def _generate(llm: LLM) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str, paths: dict, size: int) -> None:
-    device = init_group(rank, port, "gloo", world_size=size)
-    tp = {"tp_group": dist.group.WORLD, "device": device, **OPTIONS}
-    save_result(out_dir, rank, {name: _generate(LLM(path, **tp)) for name, path in paths.items()})
+def _worker(rank: int, port: int, out_dir: str, tp2: list[dict], tp4: dict) -> None:
+    """Four ranks, one spawn: ranks {0, 1} and {2, 3} are two TP-2 groups, each running
+    its half of the TP-2 models (``tp2[rank // 2]``), then all four run ``tp4``."""
+    device = init_group(rank, port, "gloo", world_size=4)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    result = {}
+    for size, group, paths in ((2, pairs[rank // 2], tp2[rank // 2]), (4, None, tp4)):
+        tp = {"tp_group": group or dist.group.WORLD, "device": device, **OPTIONS}
+        for name, path in paths.items():
+            result[name, size] = (dist.get_rank(tp["tp_group"]), _generate(LLM(path, **tp)))
+    save_result(out_dir, rank, result)
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """name -> {"hf": transformers' tokens, "tp1": the TP-1 run, size: [rank results]}."""
+    """name -> {"hf": transformers' tokens, "tp1": the TP-1 run, size: [results by
+    rank in the TP group]}."""
     root = tmp_path_factory.mktemp("tp_families")
     torch.set_num_threads(1)
     paths, refs = {}, {}
@@ -163,13 +174,16 @@ def runs(tmp_path_factory):
             "hf": [hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()],
             "tp1": _generate(LLM(paths[name], device="cpu", **OPTIONS)),
         }
-    for size, spawn in ((2, run_two), (4, lambda *a: run_n(4, *a))):
-        mine = {n: p for n, p in paths.items() if size in MODELS[n][1]}
-        out = root / f"tp{size}"
-        out.mkdir()
-        ranks = spawn(_worker, str(out), mine, size)
-        for name in mine:
-            refs[name][size] = [rank[name] for rank in ranks]
+    tp2 = [n for n in MODELS if 2 in MODELS[n][1]]
+    halves = [{n: paths[n] for n in tp2[k::2]} for k in (0, 1)]
+    tp4 = {n: paths[n] for n in MODELS if 4 in MODELS[n][1]}
+    for rank_result in run_n(4, _worker, str(root), halves, tp4):
+        for (name, size), (group_rank, result) in rank_result.items():
+            refs[name].setdefault(size, {})[group_rank] = result
+    for ref in refs.values():
+        for size in (2, 4):
+            if size in ref:
+                ref[size] = [ref[size][r] for r in range(size)]
     return refs
 
 
