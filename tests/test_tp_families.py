@@ -10,7 +10,8 @@ every rank). One spawn of four ranks (imports dominate a spawn's CPU time) runs
 them all: two TP-2 groups, {0, 1} and {2, 3}, each one half of the families, then
 one TP-4 group for the two whose tiny widths allow it (DeepSeek-V3's 4 MLA heads,
 and Gemma-3 given 4 KV heads). Each rank builds ``LLM(..., tp_group=group)`` and
-generates a batch with chunked prefill. Checked:
+generates a batch with chunked prefill (the same over NCCL, one GPU per rank, on a
+4-GPU machine: ``-m gpu``). Checked:
 
 - greedy tokens equal transformers' ``generate`` (eager) and a TP-1 ``LLM``, on
   every rank; every sampled logit row within ``ATOL`` of TP 1's (the all-reduce
@@ -32,7 +33,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from dist_fixtures import init_group, run_n, save_result
+from dist_fixtures import init_group, rank_device, run_n, save_result
 from engine_fixtures import (
     VOCAB,
     hf_greedy,
@@ -145,10 +146,10 @@ def _generate(llm: LLM) -> dict:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str, tp2: list[dict], tp4: dict) -> None:
+def _worker(rank: int, port: int, out_dir: str, backend: str, tp2: list[dict], tp4: dict) -> None:
     """Four ranks, one spawn: ranks {0, 1} and {2, 3} are two TP-2 groups, each running
     its half of the TP-2 models (``tp2[rank // 2]``), then all four run ``tp4``."""
-    device = init_group(rank, port, "gloo", world_size=4)
+    device = init_group(rank, port, backend, world_size=4)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     result = {}
     for size, group, paths in ((2, pairs[rank // 2], tp2[rank // 2]), (4, None, tp4)):
@@ -159,11 +160,26 @@ def _worker(rank: int, port: int, out_dir: str, tp2: list[dict], tp4: dict) -> N
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+# gloo on CPU always; NCCL with one GPU per rank only on a 4-GPU machine (-m gpu)
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, tmp_path_factory):
     """name -> {"hf": transformers' tokens, "tp1": the TP-1 run, size: [results by
     rank in the TP group]}."""
+    backend = request.param
     root = tmp_path_factory.mktemp("tp_families")
+    device = rank_device(backend, 0)
     torch.set_num_threads(1)
     paths, refs = {}, {}
     for name, (save, _) in MODELS.items():
@@ -172,12 +188,12 @@ def runs(tmp_path_factory):
         _randomise_biases(hf, paths[name])
         refs[name] = {
             "hf": [hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()],
-            "tp1": _generate(LLM(paths[name], device="cpu", **OPTIONS)),
+            "tp1": _generate(LLM(paths[name], device=device, **OPTIONS)),
         }
     tp2 = [n for n in MODELS if 2 in MODELS[n][1]]
     halves = [{n: paths[n] for n in tp2[k::2]} for k in (0, 1)]
     tp4 = {n: paths[n] for n in MODELS if 4 in MODELS[n][1]}
-    for rank_result in run_n(4, _worker, str(root), halves, tp4):
+    for rank_result in run_n(4, _worker, str(root), backend, halves, tp4):
         for (name, size), (group_rank, result) in rank_result.items():
             refs[name].setdefault(size, {})[group_rank] = result
     for ref in refs.values():

@@ -5,20 +5,39 @@ see the same tokens:
 
     attention  q/k/v_proj  column-parallel by heads   rank r: q heads [r*Hq/tp, (r+1)*Hq/tp),
                                                        kv heads [r*H/tp, (r+1)*H/tp)
+                                                       (MiMo: each layer type's own H)
                sinks       sliced like the q heads
                o_proj      row-parallel: partial sum on each rank, all-reduce, + bias
+    MLA        q_proj or q_b_proj, kv_b_proj (each head's W_UK and W_UV rows):
+                           column-parallel by heads; o_proj row-parallel
+               q_a_proj, kv_a_proj_with_mqa and their norms: replicated, so every
+                           rank computes the whole latent row [c | k_rope] and caches
+                           it (the MLA sub-pool is not split); the absorbed and the
+                           expanded forms attend with the rank's heads only
     MLP        gate/up     column-parallel on the intermediate dim
                down_proj   row-parallel + all-reduce
-    MoE        experts     every expert sharded on its intermediate dim (gate_up
-                           columns, interleaved gate/up pairs stay together;
-                           down_proj rows); the router is replicated, so every
-                           rank routes alike; one all-reduce after the experts,
-                           whose down bias is added by rank 0 only
+    MoE        experts     every expert sharded on its intermediate dim (gate/up
+                           rows, or gpt-oss's interleaved gate_up columns with each
+                           pair kept together; down_proj columns); the router is
+                           replicated, so every rank routes alike; shared experts
+                           (DeepSeek) sharded the same way; the routed and shared
+                           partial sums are added, then ONE all-reduce; a down bias
+                           is added by rank 0 only (``RowParallelLinear(reduce=False)``)
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
+Experts are split tensor-parallel, not expert-parallel, in every family: the fused
+MoE then runs unchanged on each rank (all experts, 1/tp of their width), routing
+stays replicated, and no token is exchanged (one all-reduce, as a dense MLP's).
+
 Each rank therefore stores K/V only for its own KV heads: its unified pool is
-built from specs with ``num_kv_heads / tp`` (:func:`shard_subpool_configs`).
+built from specs with ``num_kv_heads / tp`` (:func:`shard_subpool_configs`); an MLA
+spec is kept whole (per-rank MLA bytes equal TP 1's).
+
+A family opts in with ``tensor_parallel = True`` on its model class and names the
+HF fields a TP size must divide in its ``tp_dims(config)`` (heads, KV heads of each
+layer type, each MLP kind's intermediate size); :func:`check_tp_config` refuses any
+other size before a weight loads, naming those fields.
 
 Parameter names stay transformers' (``q_proj.weight`` ...): a module that is
 sharded says how in ``tp_shards`` (parameter name -> dim), and the loader
