@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from unikv.kernels.backend import model_ops
-from unikv.models.layers import Linear
+from unikv.models.layers import Linear, model_ops
 
 ACTIVATIONS = ("silu",)
 
