@@ -54,6 +54,7 @@ import torch
 
 from unikv.engine.request import Status
 from unikv.engine.tracks import Delta, RequestGroup
+from unikv.env import FAULT_ENV  # "die-after-steps:N": the loop dies at step N
 
 
 class QueueFull(RuntimeError):
@@ -67,9 +68,6 @@ class EngineClosed(RuntimeError):
 class InjectedFault(RuntimeError):
     """The test-only fault of ``EngineLoop.die_after_steps`` (``unikv serve`` reads
     it from the environment variable ``FAULT_ENV`` once at start-up)."""
-
-
-FAULT_ENV = "UNIKV_TEST_ENGINE_FAULT"  # "die-after-steps:N": the loop dies at step N
 
 
 def _fatal(err: BaseException) -> bool:

@@ -13,7 +13,6 @@ sample -> one device-to-host copy of the tokens, on a side stream where
 from __future__ import annotations
 
 import inspect
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +27,7 @@ from unikv.engine.attention import (
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
+from unikv.env import FLAGS
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
 
@@ -37,15 +37,15 @@ if TYPE_CHECKING:
 
 # CUDA: the sampled tokens' copy to the host on a side stream (UNIKV_SIDE_READBACK=0:
 # on the step's stream; fixed at import, the A/B switch)
-SIDE_READBACK = os.environ.get("UNIKV_SIDE_READBACK", "1") == "1"
+SIDE_READBACK = FLAGS.side_readback
 # greedy graphs: the argmax inside the model's LM head where it fuses one
 # (UNIKV_GREEDY_IN_HEAD=0: the backend's argmax after the forward; fixed at import,
 # the A/B switch)
-GREEDY_IN_HEAD = os.environ.get("UNIKV_GREEDY_IN_HEAD", "1") == "1"
+GREEDY_IN_HEAD = FLAGS.greedy_in_head
 # one-row graphs of a model that resolves placeholder tokens itself read them from the
 # planner's feedback buffer (no token gather before a steady request's step;
 # UNIKV_GRAPH_FEEDBACK=0: the gather before each replay; fixed at import, the A/B switch)
-GRAPH_FEEDBACK = os.environ.get("UNIKV_GRAPH_FEEDBACK", "1") == "1"
+GRAPH_FEEDBACK = FLAGS.graph_feedback
 
 
 def layer_caches(
