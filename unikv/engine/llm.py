@@ -119,6 +119,12 @@ class LLM:
             same arguments and calls ``generate`` with the same prompts; each
             holds 1/tp of the heads and a pool for its KV-head shard
             (``unikv.models.parallel``). CUDA graphs default to off under TP.
+        speculative_config: None, or vLLM's speculative config (a dict or its JSON),
+            e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``: pure decode
+            steps verify draft tokens through the pool (``unikv.speculative``; built:
+            ``ngram``). Greedy outputs equal decoding without it; sampled ones keep
+            the target's distribution (rejection sampling). Counters: ``llm.stats``
+            (``spec_*``). Refused for models with recurrent state and under TP.
 
     Generation stops at the config's EOS ids, those of ``generation_config.json``
     and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.
@@ -150,9 +156,11 @@ class LLM:
         prefix_host_bytes: int = 0,
         swap_host_bytes: int = 0,
         preemption: str = "auto",
+        speculative_config: Mapping | str | None = None,
     ) -> None:
         from unikv.allocator import PoolAllocator
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
+        from unikv.speculative.config import check_speculation, speculative_config_of
 
         model_dir = model_dir_of(model_dir, model)
         for what, value in (
@@ -162,6 +170,7 @@ class LLM:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
         check_kv_cache_bytes(kv_cache_bytes)
+        self.speculative_config = speculative_config_of(speculative_config)
         self.device = check_device(device)
         self.dtype, self.kv_cache_dtype = check_dtypes(dtype, kv_cache_dtype, self.device)
         self.config, hf_config = load_model_config(model_dir)
@@ -192,6 +201,7 @@ class LLM:
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
+        check_speculation(self.speculative_config, configs, tp_group)
         # the kernels' width and alignment rules, once: torch ops where Triton cannot
         # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
         self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
@@ -271,6 +281,7 @@ class LLM:
             tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
             prefix_caching=enable_prefix_caching,
             swap=self._swap_space(swap_host_bytes, preemption),
+            speculator=self._speculator(max_num_batched_tokens),
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -311,6 +322,13 @@ class LLM:
             prefill_tokens_per_s=self._prefill_tokens_per_s(),
         )
         return build_swap_space(self.alloc, host_bytes, policy)
+
+    def _speculator(self, max_num_batched_tokens: int):
+        """The scheduler's speculation hook (None without ``speculative_config``)."""
+        from unikv.speculative.engine import Speculator
+
+        config = self.speculative_config
+        return None if config is None else Speculator(config, max_num_batched_tokens)
 
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""

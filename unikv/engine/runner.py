@@ -30,6 +30,7 @@ from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
+from unikv.speculative.step import verify_step
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -91,7 +92,9 @@ class Launched:
     on the device (B,) int64 and their host copy, valid once ``event`` fired, and
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
-    __slots__ = ("_event", "_host", "_logprobs", "_prompt", "batch", "fed", "logits", "tokens_dev")
+    __slots__ = (
+        "_event", "_host", "_logprobs", "_prompt", "batch", "emitted", "fed", "logits", "tokens_dev"
+    )  # fmt: skip
 
     def __init__(
         self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False, prompt=None
@@ -100,6 +103,7 @@ class Launched:
         self._host, self._event, self._logprobs = host, event, logprobs
         self.fed = fed  # the tokens are in the planner's feedback buffer
         self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
+        self.emitted: list[list[int]] | None = None  # a verify step's tokens per request
 
     def _ready(self, host):
         """``host`` (this step's host copies) once the step is done; waits for it only."""
@@ -181,14 +185,15 @@ class ModelRunner:
     # -- running -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None):
+    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None, every_row=False):
         """fp32 logits (B, vocab) of each request's last token in the step; greedy:
         (logits, the model's (B,) int64 greedy tokens) from a model that fuses them.
-        extra_rows: (E,) int64 more token rows whose logits follow (B + E rows)."""
+        extra_rows: (E,) int64 more token rows whose logits follow (B + E rows);
+        every_row: the logits of every token row (T, vocab) (a verify step)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         # a decode step's rows are its requests' last tokens: no gather before the head
-        rows = None if plan.is_decode else plan.logits_indices
+        rows = None if plan.is_decode or every_row else plan.logits_indices
         if extra_rows is not None:
             rows = torch.cat([plan.logits_indices, extra_rows])  # an eager plan: B rows
         extra = {"greedy": True} if greedy else {}
@@ -215,6 +220,8 @@ class ModelRunner:
     def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
         """Enqueue one step without waiting for it. Placeholder tokens in the batch
         (``Pending``) are read from ``prev``'s sampled tokens on the device."""
+        if batch.drafts is not None:
+            return self._launch_verify(batch)
         prev_tokens = prev.tokens_dev if prev is not None else None
         greedy = self._greedy(batch)
         # prompt logprobs (only where a request asks; never in a plain-greedy batch)
@@ -250,6 +257,20 @@ class ModelRunner:
         self.alloc.mark_in_flight(event)
         self._launches += 1
         return Launched(batch, logits, tokens_dev, host, event, logprobs, fed, prompt)
+
+    def _launch_verify(self, batch: Batch) -> Launched:
+        """A verify step (speculative decoding), run to the end: every row scored, the
+        drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
+        tokens read back (``Launched.emitted``): the next step's drafts need them."""
+        plan = self.planner.plan(batch)  # eager: no placeholders (the loop settles each step)
+        logits = self.forward(plan, every_row=True)
+        tokens, accepted = verify_step(batch, logits, self._pin)
+        host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
+        self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
+        self._launches += 1
+        launched = Launched(batch, logits, None, None, None)
+        launched.emitted = [row[: row[-1] + 1] for row in host]
+        return launched
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host (a copy of a
