@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from unikv.speculative import speculative_config_of
-from unikv.speculative.ngram import propose_ngram
-from unikv.speculative.verify import greedy_accept, rejection_accept
+from unikv.engine.speculative import speculative_config_of
+from unikv.engine.speculative.ngram import propose_ngram
+from unikv.engine.speculative.verify import greedy_accept, rejection_accept
 
 
 def naive_ngram(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:

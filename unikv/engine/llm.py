@@ -121,7 +121,7 @@ class LLM:
             (``unikv.models.parallel``). CUDA graphs default to off under TP.
         speculative_config: None, or vLLM's speculative config (a dict or its JSON),
             e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``: pure decode
-            steps verify draft tokens through the pool (``unikv.speculative``; built:
+            steps verify draft tokens through the pool (``unikv.engine.speculative``; built:
             ``ngram``). Greedy outputs equal decoding without it; sampled ones keep
             the target's distribution (rejection sampling). Counters: ``llm.stats``
             (``spec_*``). Refused for models with recurrent state and under TP.
@@ -159,8 +159,8 @@ class LLM:
         speculative_config: Mapping | str | None = None,
     ) -> None:
         from unikv.allocator import PoolAllocator
+        from unikv.engine.speculative.config import check_speculation, speculative_config_of
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
-        from unikv.speculative.config import check_speculation, speculative_config_of
 
         model_dir = model_dir_of(model_dir, model)
         for what, value in (
@@ -325,7 +325,7 @@ class LLM:
 
     def _speculator(self, max_num_batched_tokens: int):
         """The scheduler's speculation hook (None without ``speculative_config``)."""
-        from unikv.speculative.engine import Speculator
+        from unikv.engine.speculative.engine import Speculator
 
         config = self.speculative_config
         return None if config is None else Speculator(config, max_num_batched_tokens)

@@ -28,9 +28,9 @@ from unikv.engine.attention import (
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
+from unikv.engine.speculative.step import verify_step
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
-from unikv.speculative.step import verify_step
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator

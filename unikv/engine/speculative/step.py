@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from unikv.speculative.verify import greedy_accept, rejection_accept
+from unikv.engine.speculative.verify import greedy_accept, rejection_accept
 
 
 def verify_step(batch, logits: torch.Tensor, pin: bool = False):

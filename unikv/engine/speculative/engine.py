@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from unikv.speculative.config import SpeculativeConfig
-from unikv.speculative.ngram import propose_ngram
+from unikv.engine.speculative.config import SpeculativeConfig
+from unikv.engine.speculative.ngram import propose_ngram
 
 if TYPE_CHECKING:
     from unikv.engine.request import Request

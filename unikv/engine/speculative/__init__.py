@@ -12,6 +12,6 @@ through the allocator's ``truncate`` (rows trimmed, emptied pages freed, window
 bookkeeping restored).
 """
 
-from unikv.speculative.config import SpeculativeConfig, speculative_config_of
+from unikv.engine.speculative.config import SpeculativeConfig, speculative_config_of
 
 __all__ = ["SpeculativeConfig", "speculative_config_of"]
