@@ -140,3 +140,59 @@ def test_refusals(tmp_path):
         LLM(
             path, device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}
         )
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("llama"))
+    save_tiny_model("llama", path)
+    return path
+
+
+def test_batch_size_rule_turns_speculation_off(llama):
+    """disable_by_batch_size=1: steps with several decoding requests do not speculate
+    (counted), the last request alone does; tokens equal plain decoding."""
+    items = prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (6, 8, 24)]
+    want = [o.output_ids for o in make_llm(llama, 4, 0).generate(items, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "disable_by_batch_size": 1}  # fmt: skip
+    llm = LLM(llama, device="cpu", dtype=torch.float32, page_size=4, max_num_seqs=4,
+              max_model_len=64, debug=True, speculative_config=spec)  # fmt: skip
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    counters = llm.scheduler.spec.counters
+    assert counters.skipped_by_batch_size >= 5 and counters.verify_steps > 0
+    assert llm.stats.spec_verify_requests == llm.stats.spec_verify_steps  # one at a time
+
+
+def test_sampled_speculation_is_seeded_and_served(llama):
+    """temperature > 0 (rejection sampling): a seed gives the same tokens twice, the
+    tokens are the vocabulary's, drafts were verified; /metrics exports the counters
+    as ``llm.stats`` counted them; ``--speculative-config`` builds the same engine."""
+    import argparse
+
+    from prometheus_client import generate_latest
+    from serving_fixtures import metric_values
+
+    from unikv.engine.cli import add_engine_args, llm_from_args
+    from unikv.serving.metrics import ServingMetrics
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--model", llama, "--device", "cpu", "--dtype", "fp32", "--page-size", "4",
+         "--max-num-seqs", "4", "--max-model-len", "64", "--speculative-config",
+         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']
+    )  # fmt: skip
+    llm = llm_from_args(args)
+    assert llm.speculative_config.num_speculative_tokens == 3
+    metrics = ServingMetrics(llm.engine, llm)
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=5)
+    first = [o.output_ids for o in llm.generate(prompts(), params)]
+    stats = llm.stats
+    assert first == [o.output_ids for o in llm.generate(prompts(), params)]
+    assert all(len(t) == 16 and 0 <= min(t) and max(t) < VOCAB for t in first)
+    assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0
+    text = generate_latest(metrics.registry).decode()
+    drafted = metric_values(text, "vllm:spec_decode_num_draft_tokens_total")
+    assert list(drafted.values()) == [stats.spec_draft_tokens + llm.stats.spec_draft_tokens]
