@@ -154,3 +154,17 @@ def test_config_validation():
         with pytest.raises(ValueError, match=None) as err:
             speculative_config_of(value)
         assert message in str(err.value), (value, str(err.value))
+
+
+def test_forced_acceptance_takes_every_draft():
+    """The benchmark mode: every draft accepted, then the target's argmax after it."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 4, 9, generator=g)
+    drafts = torch.randint(0, 9, (8, 3), generator=g)
+    num = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])
+    tokens, accepted = greedy_accept(logits, drafts, num, force=True)
+    assert torch.equal(accepted, num)
+    for b in range(8):
+        n = int(num[b])
+        assert tokens[b, :n].tolist() == drafts[b, :n].tolist()
+        assert int(tokens[b, n]) == int(logits[b, n].argmax())

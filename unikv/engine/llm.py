@@ -328,7 +328,10 @@ class LLM:
         from unikv.engine.speculative.engine import Speculator
 
         config = self.speculative_config
-        return None if config is None else Speculator(config, max_num_batched_tokens)
+        if config is None:
+            return None
+        self.runner.force_accept = config.force_accept  # benchmarks only
+        return Speculator(config, max_num_batched_tokens)
 
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""

@@ -174,6 +174,7 @@ class ModelRunner:
         self._fused_greedy = (
             GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
         )
+        self.force_accept = False  # speculative decoding's benchmark mode (LLM sets it)
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
@@ -264,7 +265,7 @@ class ModelRunner:
         tokens read back (``Launched.emitted``): the next step's drafts need them."""
         plan = self.planner.plan(batch)  # eager: no placeholders (the loop settles each step)
         logits = self.forward(plan, every_row=True)
-        tokens, accepted = verify_step(batch, logits, self._pin)
+        tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
         host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
         self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
         self._launches += 1

@@ -16,9 +16,10 @@ import torch
 from unikv.engine.speculative.verify import greedy_accept, rejection_accept
 
 
-def verify_step(batch, logits: torch.Tensor, pin: bool = False):
+def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = False):
     """(tokens (B, K+1) int64 with -1 past each request's emitted ones, num_accepted
-    (B,) int64), both on ``logits``' device; logits: (T, V), every row of the step."""
+    (B,) int64), both on ``logits``' device; logits: (T, V), every row of the step.
+    ``force`` (the benchmark mode ``force_accept``): every draft accepted, greedily."""
     reqs, drafts = batch.requests, batch.drafts
     bsz = len(reqs)
     counts = np.fromiter((len(d) for d in drafts), np.int64, bsz)
@@ -31,7 +32,7 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False):
     for b, d in enumerate(drafts):  # ragged drafts into the padded block
         block[b, width + 1 : width + 1 + len(d)] = d
     block[:, 2 * width + 1] = counts
-    greedy = all(r.params.temperature == 0 for r in reqs)
+    greedy = force or all(r.params.temperature == 0 for r in reqs)
     if not greedy:
         block[:, 2 * width + 2] = [r.seed for r in reqs]
         block[:, 2 * width + 3] = [len(r.output_ids) for r in reqs]
@@ -42,7 +43,7 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False):
     num = dev[:, 2 * width + 1]
     scored = logits[rows.reshape(-1)].reshape(bsz, width + 1, -1)
     if greedy:
-        return greedy_accept(scored, draft_ids, num)
+        return greedy_accept(scored, draft_ids, num, force)
     floats = torch.tensor(
         [(r.params.temperature, r.params.top_p, r.params.min_p) for r in reqs],
         dtype=torch.float32,

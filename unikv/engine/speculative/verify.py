@@ -35,13 +35,15 @@ def accept_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_accept(
-    logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor
+    logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, force: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: logits (B, K+1, V), drafts (B, K) int64, num_drafts (B,)
     int64. Returns (tokens (B, K+1) int64: the accepted drafts then the target's
-    argmax at the first mismatch or the bonus, num_accepted (B,) int64)."""
+    argmax at the first mismatch or the bonus, num_accepted (B,) int64). ``force``
+    (benchmarks only): every draft is accepted, whatever the target says."""
     target = logits.argmax(dim=-1)  # (B, K+1)
-    return _emit(target, drafts, num_drafts, (target[:, :-1] == drafts))
+    accepted = torch.ones_like(drafts, dtype=torch.bool) if force else target[:, :-1] == drafts
+    return _emit(target, drafts, num_drafts, accepted)
 
 
 def _emit(final_rows, drafts, num_drafts, accepted):
