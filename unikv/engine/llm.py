@@ -198,10 +198,12 @@ class LLM:
         configs = fp8_kv_configs(configs, self.kv_cache_dtype)
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
+        check_speculation(self.speculative_config, configs, tp_group)
+        draft = self._draft_configs(configs, page_size)  # a draft model's sub-pools join
+        configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
-        check_speculation(self.speculative_config, configs, tp_group)
         # the kernels' width and alignment rules, once: torch ops where Triton cannot
         # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
         self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
@@ -265,6 +267,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             cuda_graphs=use_graphs,
             max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
+            q_per_kv_of={c.name: self._draft_q_per_kv for c in draft},
         )
         if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
             warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
@@ -281,7 +284,7 @@ class LLM:
             tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
             prefix_caching=enable_prefix_caching,
             swap=self._swap_space(swap_host_bytes, preemption),
-            speculator=self._speculator(max_num_batched_tokens),
+            speculator=self._speculator(max_num_batched_tokens, backend),
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -323,15 +326,51 @@ class LLM:
         )
         return build_swap_space(self.alloc, host_bytes, policy)
 
-    def _speculator(self, max_num_batched_tokens: int):
-        """The scheduler's speculation hook (None without ``speculative_config``)."""
+    def _draft_configs(self, configs, page_size: int) -> list:
+        """A draft model's sub-pool configs (method "draft_model"), else []; checks
+        its vocabulary, context and heads against the target's."""
+        from unikv.engine.speculative.draft import draft_subpool_configs
+
+        config = self.speculative_config
+        if config is None or config.method != "draft_model":
+            return []
+        draft, _ = load_model_config(config.model)
+        if draft.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary ({draft.vocab_size}) must "
+                f"be the target's ({self.config.vocab_size})"
+            )
+        if draft.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"speculative_config: the draft model's context ({draft.max_position_embeddings})"
+                f" is shorter than max_model_len ({self.max_model_len}); lower max_model_len"
+            )
+        self._draft_q_per_kv = draft.num_heads // draft.num_kv_heads
+        return draft_subpool_configs(config.model, configs, page_size, self.dtype)
+
+    def _speculator(self, max_num_batched_tokens: int, backend: str | None):
+        """The scheduler's speculation hook (None without ``speculative_config``), and
+        a draft model over its sub-pools (method "draft_model")."""
+        from unikv.engine.runner import check_soft_cap, layer_caches
+        from unikv.engine.speculative.draft import DraftModel
         from unikv.engine.speculative.engine import Speculator
 
         config = self.speculative_config
         if config is None:
             return None
         self.runner.force_accept = config.force_accept  # benchmarks only
-        return Speculator(config, max_num_batched_tokens)
+        spec = Speculator(config, max_num_batched_tokens)
+        if config.method == "draft_model":
+            model = load_model(config.model, device=self.device, dtype=self.dtype,
+                               max_positions=self.max_model_len, kernels=backend)  # fmt: skip
+            if hasattr(model, "logits_dtype"):  # argmax drafts without an fp32 vocab copy
+                model.logits_dtype = None
+            cap = check_soft_cap(self.backend, model.config.extra.get("attn_soft_cap", 0.0))
+            caches, _ = layer_caches(self.pool, model.config.num_layers, cap, draft=True)
+            spec.draft = self.runner.draft = DraftModel(
+                model, caches, self.runner.planner, self.backend, model.config.sm_scale
+            )
+        return spec
 
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""

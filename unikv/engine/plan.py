@@ -128,7 +128,9 @@ class StepPlanner:
             block_table and mamba_slots fill them otherwise).
         backend: the KernelBackend (its ``plan_decode``).
         max_seqs: requests per step at most; max_tokens: tokens per step at most.
-        q_per_kv: query heads per KV head (sizes decode attention's workspace).
+        q_per_kv: query heads per KV head (sizes decode attention's workspace);
+            ``q_per_kv_of``: per sub-pool name, where another model's differs (a
+            speculative draft model's sub-pools).
         pin: stage host arrays in pinned memory (CUDA), decided once.
         feed_graphs: one-row graph plans carry ``feedback`` (the model resolves
             placeholder tokens from it and writes its greedy tokens there).
@@ -142,6 +144,7 @@ class StepPlanner:
         max_seqs: int,
         max_tokens: int,
         q_per_kv: int,
+        q_per_kv_of: dict[str, int] | None = None,
         pin: bool = False,
         feed_graphs: bool = False,
     ) -> None:
@@ -166,7 +169,7 @@ class StepPlanner:
         self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.feed_graphs = feed_graphs
         self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
-        self._q_per_kv = q_per_kv
+        self._q_per_kv = {s.name: q_per_kv for s in subs} | dict(q_per_kv_of or {})
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
 
     def _workspace_numel(self) -> int:
@@ -286,7 +289,7 @@ class StepPlanner:
             max_len = min(max_len, spec.sliding_window)
         return self.backend.plan_decode(
             rows,
-            num_q_heads=spec.num_kv_heads * self._q_per_kv,
+            num_q_heads=spec.num_kv_heads * self._q_per_kv[sub.name],
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             v_head_dim=spec.v_head_dim,

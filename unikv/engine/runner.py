@@ -29,6 +29,8 @@ from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
 from unikv.engine.speculative.step import verify_step
+
+DRAFT_PREFIX = "draft_"  # a speculative draft model's sub-pools (speculative/draft.py)
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
 
@@ -50,15 +52,18 @@ GRAPH_FEEDBACK = os.environ.get("UNIKV_GRAPH_FEEDBACK", "1") == "1"
 
 
 def layer_caches(
-    pool: UnifiedPool, num_layers: int, soft_cap: float = 0.0
+    pool: UnifiedPool, num_layers: int, soft_cap: float = 0.0, draft: bool = False
 ) -> tuple[list[LayerCache | None], list[LayerState | None]]:
     """Per model layer, from the sub-pools' ``layers`` lists: its attention cache
     (a LayerCache, with the model's attention ``soft_cap``, 0 = off) and its
     recurrent state (a LayerState), None where it has none (a layer may have
-    both, e.g. Falcon-H1, or neither, an MLP-only layer)."""
+    both, e.g. Falcon-H1, or neither, an MLP-only layer). ``draft``: the layers of
+    a speculative draft model's sub-pools (``draft_*``) instead of the target's."""
     caches: list[LayerCache | None] = [None] * num_layers
     states: list[LayerState | None] = [None] * num_layers
     for sub in pool.subpools.values():
+        if sub.name.startswith(DRAFT_PREFIX) != draft:
+            continue
         for index, layer in enumerate(sub.layers):
             if sub.spec.kind == "mamba":  # views: {part: (num_layers, S, *shape)}
                 states[layer] = LayerState(sub.views["conv0"][index], sub.views["temporal"][index])
@@ -142,6 +147,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         cuda_graphs: bool = False,
         max_graph_batch: int = 0,
+        q_per_kv_of: dict[str, int] | None = None,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
@@ -155,6 +161,7 @@ class ModelRunner:
             max_seqs=max_num_seqs,
             max_tokens=max_num_batched_tokens,
             q_per_kv=model.config.num_heads // model.config.num_kv_heads,
+            q_per_kv_of=q_per_kv_of,
             pin=self._pin,
             feed_graphs=(
                 GRAPH_FEEDBACK and cuda_graphs and getattr(model, "resolves_feedback", False)
@@ -175,6 +182,7 @@ class ModelRunner:
             GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
         )
         self.force_accept = False  # speculative decoding's benchmark mode (LLM sets it)
+        self.draft = None  # a speculative draft model (``speculative.draft.DraftModel``)
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
@@ -249,6 +257,8 @@ class ModelRunner:
             logits = logits[: len(batch.requests)]
             # the model's argmax wrote them into the plan's feedback buffer
             fed = in_graph and self._fused_greedy and plan.feedback is not None
+        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
+            self.draft.forward_plan(plan)
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
@@ -265,6 +275,8 @@ class ModelRunner:
         tokens read back (``Launched.emitted``): the next step's drafts need them."""
         plan = self.planner.plan(batch)  # eager: no placeholders (the loop settles each step)
         logits = self.forward(plan, every_row=True)
+        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
+            self.draft.forward_plan(plan)
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
         host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
         self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)

@@ -169,13 +169,11 @@ class Scheduler:
         changed) when it does not, or when the pool cannot hold the drafts now."""
         if d.prefilling or (self.waiting and len(self.running) < self.max_num_seqs):
             return False
-        drafts = self.spec.drafts(d.decoding)
-        if drafts is None:
+        found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
+        if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False
+        drafts, ids = found
         num_new = 1 + np.fromiter((len(x) for x in drafts), np.int64, len(drafts))
-        ids = self.alloc.alloc_extend(d.slots, d.lens, num_new)
-        if ids is None:  # no room for the drafts: a plain decode step (it may preempt)
-            return False
         for r, draft in zip(d.decoding, drafts):
             r.draft_ids = draft.tolist()
         batch.add_many(d.decoding, num_new.tolist(), ids)

@@ -9,8 +9,9 @@ speculate; default 32 here, vLLM's default is off). unikv adds ``force_accept``
 (benchmarks only: every draft is accepted, so the outputs are NOT the model's; it
 measures the verify step at full acceptance).
 
-Built today: ``ngram``. ``draft_model``, ``mtp`` and ``eagle3`` are refused with a
-message saying so, as are models with recurrent state (Mamba-2 / Gated DeltaNet
+Built today: ``ngram`` and ``draft_model`` (a full-attention draft of the same
+vocabulary, its K/V in sub-pools of the same pool: ``draft.py``). ``mtp`` and
+``eagle3`` are refused with a message saying so, as are models with recurrent state (Mamba-2 / Gated DeltaNet
 layers: a rejected draft would need the state before it, and per-draft-position
 state slots are not built yet) and tensor parallelism.
 """
@@ -21,7 +22,7 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
-BUILT = ("ngram",)
+BUILT = ("ngram", "draft_model")
 KEYS = (
     "method",
     "num_speculative_tokens",
@@ -86,13 +87,17 @@ def speculative_config_of(value) -> SpeculativeConfig | None:
         )
     if method not in BUILT:
         what = {
-            "draft_model": "a draft model's K/V as sub-pools of the same unified pool",
             "mtp": "the checkpoint's MTP layers (the loader drops them today)",
             "eagle3": "an EAGLE-3 head",
         }[method]
         raise ValueError(
             f"speculative_config: method {method!r} is not built yet in unikv ({what}, "
-            f"issue 42); use method 'ngram'"
+            f"issue 42); use method 'ngram' or 'draft_model'"
+        )
+    if method == "draft_model" and model is None:
+        raise ValueError(
+            "speculative_config: method 'draft_model' needs 'model', the draft checkpoint's "
+            "directory (a small model of the same vocabulary)"
         )
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config needs 'num_speculative_tokens' (k, e.g. 3)")

@@ -64,11 +64,14 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.max_tokens = max_num_batched_tokens
         self.counters = SpecCounters()
+        self.draft = None  # method "draft_model": its ``draft.DraftModel`` (LLM sets it)
 
-    def drafts(self, decoding: list[Request]) -> list[np.ndarray] | None:
-        """Per decoding request its draft tokens ((k_i,) int64, maybe empty), or None
-        when the step does not speculate. Drafts stop before the request's last
-        allowed token (the bonus may be it) and fit the step's token budget."""
+    def drafts(self, decoding: list[Request], allocate):
+        """(per decoding request its draft tokens ((k_i,) int64, maybe empty), the
+        verify rows' virtual ids from ``allocate(num_new)`` ((B,) int64 host array:
+        ``1 + k_i``; None when the pool cannot hold them)), or None when the step does
+        not speculate. Drafts stop before the request's last allowed token (the bonus
+        may be it) and fit the step's token budget."""
         cfg = self.config
         if len(decoding) > cfg.disable_by_batch_size:
             self.counters.skipped_by_batch_size += 1
@@ -76,15 +79,30 @@ class Speculator:
         if not all(spec_eligible(r) for r in decoding):
             return None
         start = time.perf_counter()
+        try:
+            return self._drafts(decoding, allocate)
+        finally:
+            self.counters.draft_seconds += time.perf_counter() - start
+
+    def _drafts(self, decoding: list[Request], allocate):
         spare = self.max_tokens - len(decoding)  # every request feeds its pending token
-        out = []
-        for r in decoding:  # per request: its own history (numpy inside)
-            room = min(self.k, r.max_new_tokens - len(r.output_ids) - 1, max(spare, 0))
-            draft = self._propose(r, room) if room > 0 else np.zeros(0, np.int64)
-            spare -= len(draft)
-            out.append(draft)
-        self.counters.draft_seconds += time.perf_counter() - start
-        return out if any(len(d) for d in out) else None
+        rooms = np.zeros(len(decoding), np.int64)
+        for i, r in enumerate(decoding):
+            rooms[i] = max(min(self.k, r.max_new_tokens - len(r.output_ids) - 1, spare), 0)
+            spare -= rooms[i]
+        if self.draft is not None:  # a draft model: its rows are allocated first
+            if not rooms.any():
+                return None
+            ids = allocate(1 + rooms)
+            return None if ids is None else (self.draft.propose(decoding, rooms, ids.data), ids)
+        out = [
+            self._propose(r, int(room)) if room > 0 else np.zeros(0, np.int64)
+            for r, room in zip(decoding, rooms)
+        ]  # per request: its own history (numpy inside)
+        if not any(len(d) for d in out):
+            return None
+        ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
+        return None if ids is None else (out, ids)
 
     def _propose(self, r: Request, room: int) -> np.ndarray:
         cfg = self.config
