@@ -135,3 +135,41 @@ def test_llama_draft_under_other_families(models, family, tmp_path):
     assert [o.output_ids for o in llm.generate(items, params)] == want
     assert llm.stats.spec_draft_tokens > llm.stats.spec_accepted_tokens
     assert_pages_returned(llm)
+
+
+def test_stop_string_inside_a_verify_step(tmp_path):
+    """Several tokens accepted in one step (the target as its own draft): a stop
+    string one of them completes ends the outputs at that token, ids and text as
+    decoding one token at a time gives them; an abort-free serving loop thread runs
+    the same (``engine.start``)."""
+    from serving_fixtures import save_instruct_llama
+
+    path = str(tmp_path)
+    save_instruct_llama(path)
+    kw = {"device": "cpu", "dtype": torch.float32, "page_size": 4, "max_model_len": 96}
+    plain = LLM(path, **kw)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 5}
+    llm = LLM(path, speculative_config=spec, **kw)
+    base = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    (free,) = plain.generate(["hello there"], base)
+    tokenizer = plain.get_tokenizer()
+    stops = []  # the first new text of a token at output 2 to 15 (not seen before it)
+    for end in range(2, 16):
+        before = tokenizer.decode(free.output_ids[:end])
+        piece = tokenizer.decode(free.output_ids[: end + 1])[len(before) :]
+        if piece.strip() and piece.isprintable() and piece not in before and len(stops) < 3:
+            stops.append(piece)
+    assert stops, "no usable stop string in the free run"
+    for stop in stops:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+        (want,) = plain.generate(["hello there"], params)
+        (got,) = llm.generate(["hello there"], params)
+        assert got.output_ids == want.output_ids and got.outputs[0].text == want.outputs[0].text
+        assert got.outputs[0].finish_reason == "stop"
+        assert llm.stats.spec_mean_accepted_length > 2
+    llm.engine.start()  # the serving loop's own thread
+    try:
+        (got,) = llm.generate(["hello there"], base)
+    finally:
+        llm.engine.shutdown()
+    assert got.output_ids == free.output_ids
