@@ -196,3 +196,29 @@ def test_sampled_speculation_is_seeded_and_served(llama):
     text = generate_latest(metrics.registry).decode()
     drafted = metric_values(text, "vllm:spec_decode_num_draft_tokens_total")
     assert list(drafted.values()) == [stats.spec_draft_tokens + llm.stats.spec_draft_tokens]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_padded_verify_plans_equal_plain_decoding(llama, k):
+    """The verify graphs' plans (every lane k + 1 rows, drafts padded to k, padded
+    lanes at the sink, full-width tables), run eagerly on CPU: same tokens."""
+    items = prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [o.output_ids for o in make_llm(llama, 4, 0).generate(items, params)]
+    llm = make_llm(llama, 4, k)
+    llm.runner.capture_verify(k + 1, 4, capture=False)  # sizes 1, 2, 4
+    llm.scheduler.spec.pad_drafts = True
+    used = []  # (requests, padded rows) of each verify step a "graph" ran
+    rows_for = llm.runner.verify_graphs.rows_for
+
+    def watch(batch):
+        rows = rows_for(batch)
+        used.append((len(batch.requests), rows)) if rows is not None else None
+        return rows
+
+    llm.runner.verify_graphs.rows_for = watch
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    assert used and {rows for _, rows in used} <= {1, 2, 4}
+    assert any(num < rows for num, rows in used)  # padded lanes at the sink took part
+    check_speculated(llm)
+    assert_pages_returned(llm)

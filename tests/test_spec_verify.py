@@ -138,12 +138,15 @@ def test_config_validation():
         {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}
     )
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    cfg = speculative_config_of({"model": "/x", "num_speculative_tokens": 2})  # vLLM's inference
+    assert (cfg.method, cfg.model, cfg.disable_by_batch_size) == ("draft_model", "/x", 32)
     cases = [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an int >= 1"),
         ({"method": "medusa", "num_speculative_tokens": 2}, "must be one of"),
         ({"method": "mtp", "num_speculative_tokens": 2}, "not built yet"),
-        ({"model": "/tmp/x", "num_speculative_tokens": 2}, "'draft_model' is not built"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "force_accept": 1}, "must be a bool"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys ['k']"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, "must be <= prompt_lookup_max"),

@@ -14,6 +14,7 @@ its own and submits requests as they arrive.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Mapping
@@ -57,6 +58,10 @@ from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.pool import UnifiedPool
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "Stats"]
+
+# speculative verify steps of up to this many requests run under CUDA graphs
+# (UNIKV_VERIFY_GRAPH_ROWS, fixed at import: 0 runs them eagerly, the A/B switch)
+VERIFY_GRAPH_ROWS = int(os.environ.get("UNIKV_VERIFY_GRAPH_ROWS", "8"))
 
 
 class LLM:
@@ -370,6 +375,13 @@ class LLM:
             spec.draft = self.runner.draft = DraftModel(
                 model, caches, self.runner.planner, self.backend, model.config.sm_scale
             )
+        if self.runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
+            q = config.num_speculative_tokens + 1
+            rows = min(VERIFY_GRAPH_ROWS, config.disable_by_batch_size, self.runner.planner.max_seqs,
+                       DENSE_MAX_TOKENS // q)  # fmt: skip
+            if rows >= 1 and rows * q <= self.runner.planner.max_tokens:
+                self.runner.capture_verify(q, rows)
+                spec.pad_drafts = True
         return spec
 
     def get_tokenizer(self):

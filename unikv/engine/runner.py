@@ -183,6 +183,7 @@ class ModelRunner:
         )
         self.force_accept = False  # speculative decoding's benchmark mode (LLM sets it)
         self.draft = None  # a speculative draft model (``speculative.draft.DraftModel``)
+        self.verify_graphs = None  # speculative verify steps' graphs (``capture_verify``)
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
@@ -273,8 +274,14 @@ class ModelRunner:
         """A verify step (speculative decoding), run to the end: every row scored, the
         drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
         tokens read back (``Launched.emitted``): the next step's drafts need them."""
-        plan = self.planner.plan(batch)  # eager: no placeholders (the loop settles each step)
-        logits = self.forward(plan, every_row=True)
+        graphs = self.verify_graphs  # no placeholders: the loop settles each step first
+        rows = graphs.rows_for(batch) if graphs is not None else None
+        if rows is None:
+            plan = self.planner.plan(batch)
+            logits = self.forward(plan, every_row=True)
+        else:
+            plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
+            logits = graphs.run(plan, rows)[: sum(batch.num_new)]
         if self.draft is not None:  # the rows kept after the rollback are the true tokens'
             self.draft.forward_plan(plan)
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
@@ -284,6 +291,15 @@ class ModelRunner:
         launched = Launched(batch, logits, None, None, None)
         launched.emitted = [row[: row[-1] + 1] for row in host]
         return launched
+
+    def capture_verify(self, q: int, max_rows: int, capture: bool = True) -> None:
+        """Verify steps of ``q`` rows per request, up to ``max_rows`` requests, under
+        CUDA graphs (``speculative.graphs.VerifyGraphs``; ``capture=False``: the same
+        padded plans run eagerly)."""
+        from unikv.engine.speculative.graphs import VerifyGraphs
+
+        forward = lambda plan: self.forward(plan, every_row=True)
+        self.verify_graphs = VerifyGraphs(forward, self.planner, max_rows, q, capture)
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host (a copy of a

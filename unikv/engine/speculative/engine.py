@@ -65,6 +65,7 @@ class Speculator:
         self.max_tokens = max_num_batched_tokens
         self.counters = SpecCounters()
         self.draft = None  # method "draft_model": its ``draft.DraftModel`` (LLM sets it)
+        self.pad_drafts = False  # verify graphs: every request k drafts where it has room
 
     def drafts(self, decoding: list[Request], allocate):
         """(per decoding request its draft tokens ((k_i,) int64, maybe empty), the
@@ -101,6 +102,8 @@ class Speculator:
         ]  # per request: its own history (numpy inside)
         if not any(len(d) for d in out):
             return None
+        if self.pad_drafts and (rooms == self.k).all():  # a verify graph's shape: k each
+            out = [_padded(d, self.k, r) for d, r in zip(out, decoding)]
         ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
         return None if ids is None else (out, ids)
 
@@ -108,10 +111,7 @@ class Speculator:
         cfg = self.config
         history = np.array(r.prompt_ids + r.output_ids, dtype=np.int64)
         draft = propose_ngram(history, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        if cfg.force_accept and len(draft) < room:  # benchmark mode: always k drafts
-            fill = draft[-1] if len(draft) else history[-1]
-            draft = np.concatenate([draft, np.full(room - len(draft), fill, np.int64)])
-        return draft
+        return _padded(draft, room, r) if cfg.force_accept else draft  # benchmarks: k
 
     def record(self, drafted: int, accepted: np.ndarray, requests: int) -> None:
         """A verify step's counts: drafts scored, accepted per request."""
@@ -121,3 +121,12 @@ class Speculator:
         c.draft_tokens += drafted
         c.accepted_tokens += int(accepted.sum())
         c.emitted_tokens += int(accepted.sum()) + requests
+
+
+def _padded(draft: np.ndarray, k: int, r: Request) -> np.ndarray:
+    """``draft`` filled up to ``k`` tokens by repeating its last (the request's last
+    token when empty): any tokens are valid drafts, verification keeps the outputs."""
+    if len(draft) >= k:
+        return draft
+    fill = draft[-1] if len(draft) else r.output_ids[-1]
+    return np.concatenate([draft, np.full(k - len(draft), fill, np.int64)])
