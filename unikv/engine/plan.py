@@ -217,7 +217,7 @@ class StepPlanner:
         if rows is None:
             rows = num
             longest = int(host["seq_lens"].max()) if num else 1
-        feed = self.feed_graphs and rows == 1  # a one-row graph: it reads self.feedback
+        feed = self.feed_graphs and rows == 1 and pad_q == 1  # a one-row decode graph
         if prev_tokens is not None and not (feed and pending is ALL and prev_fed):
             # (else the graph resolves the placeholders of its last step's tokens itself)
             self.upload.fill(dev, pending, prev_tokens, num)
