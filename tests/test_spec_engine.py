@@ -222,3 +222,20 @@ def test_padded_verify_plans_equal_plain_decoding(llama, k):
     assert any(num < rows for num, rows in used)  # padded lanes at the sink took part
     check_speculated(llm)
     assert_pages_returned(llm)
+
+
+def test_preemption_by_swap_with_speculation(llama):
+    """A pool that preempts, preempted requests swapped to host slots and back:
+    speculating, the tokens equal plain decoding's and the swap path ran."""
+    items = prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [o.output_ids for o in make_llm(llama, 4, 0).generate(items, params)]
+    configs = specs_from_hf_config(llama, page_size=4, dtype=torch.float32)
+    pages = {c.name: worst_case_pages(c.spec, 4, 64, 32) + 1 for c in configs}
+    llm = make_llm(llama, 4, 3, kv_cache_bytes=pool_bytes_for(configs, pages),
+                   swap_host_bytes=1 << 22, preemption="swap")  # fmt: skip
+    out = llm.generate(items + items[::-1], params)
+    assert [o.output_ids for o in out] == want + want[::-1]
+    assert llm.stats.swapped_out > 0 and llm.stats.swapped_in > 0
+    check_speculated(llm)
+    assert_pages_returned(llm)
