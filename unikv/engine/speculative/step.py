@@ -29,8 +29,10 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = Fa
     # one int64 host block: rows (B, K+1) | drafts (B, K) | counts | seeds | steps | top_k
     block = np.zeros((bsz, 2 * width + 5), np.int64)
     block[:, : width + 1] = starts[:, None] + np.minimum(np.arange(width + 1), counts[:, None])
-    for b, d in enumerate(drafts):  # ragged drafts into the padded block
-        block[b, width + 1 : width + 1 + len(d)] = d
+    if counts.sum():  # the ragged drafts into the padded block, one scatter
+        owner = np.repeat(np.arange(bsz), counts)
+        column = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        block[owner, width + 1 + column] = np.concatenate(drafts)
     block[:, 2 * width + 1] = counts
     greedy = force or all(r.params.temperature == 0 for r in reqs)
     if not greedy:
