@@ -12,8 +12,9 @@ decoding), lane i's placeholder's lane, so input_ids[:B] = prev_tokens[lanes] is
 one gather (else ``Pending.fill``, or nothing when the host sees no placeholder).
 
 A padded lane (rows R > B requests) feeds token 0 at position 0 with seq_len 1
-and state slot 0 (a verify graph's, ``pad_q`` tokens at positions 0 .. pad_q - 1). For a given (R, T) the device views lie at the same addresses
-every step (CUDA-graph inputs). The two staging slots alternate, so one may
+and state slot 0 (a verify graph's: ``pad_q`` tokens at positions 0 .. pad_q - 1).
+For a given (R, T) the device views lie at the same addresses every step
+(CUDA-graph inputs). The two staging slots alternate, so one may
 still be copying while the next step is staged.
 """
 

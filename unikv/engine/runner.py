@@ -29,10 +29,10 @@ from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
 from unikv.engine.speculative.step import verify_step
-
-DRAFT_PREFIX = "draft_"  # a speculative draft model's sub-pools (speculative/draft.py)
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
+
+DRAFT_PREFIX = "draft_"  # a speculative draft model's sub-pools (speculative/draft.py)
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
