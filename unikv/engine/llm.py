@@ -126,8 +126,9 @@ class LLM:
             (``unikv.models.parallel``). CUDA graphs default to off under TP.
         speculative_config: None, or vLLM's speculative config (a dict or its JSON),
             e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``: pure decode
-            steps verify draft tokens through the pool (``unikv.engine.speculative``; built:
-            ``ngram``). Greedy outputs equal decoding without it; sampled ones keep
+            steps verify draft tokens through the pool (``unikv.engine.speculative``;
+            built: ``ngram`` and ``draft_model``, whose K/V are ``draft_*`` sub-pools of
+            the same pool). Greedy outputs equal decoding without it; sampled ones keep
             the target's distribution (rejection sampling). Counters: ``llm.stats``
             (``spec_*``). Refused for models with recurrent state and under TP.
 
@@ -204,7 +205,7 @@ class LLM:
         if self.tp is not None:  # each rank caches its own KV heads
             configs = shard_subpool_configs(configs, self.tp.size)
         check_speculation(self.speculative_config, configs, tp_group)
-        draft = self._draft_configs(configs, page_size)  # a draft model's sub-pools join
+        draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
         configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
@@ -289,7 +290,7 @@ class LLM:
             tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
             prefix_caching=enable_prefix_caching,
             swap=self._swap_space(swap_host_bytes, preemption),
-            speculator=self._speculator(max_num_batched_tokens, backend),
+            speculator=self._speculator(max_num_batched_tokens),
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -331,9 +332,10 @@ class LLM:
         )
         return build_swap_space(self.alloc, host_bytes, policy)
 
-    def _draft_configs(self, configs, page_size: int) -> list:
+    def _draft_configs(self, configs, page_size: int, backend: str | None) -> list:
         """A draft model's sub-pool configs (method "draft_model"), else []; checks
-        its vocabulary, context and heads against the target's."""
+        its vocabulary and context against the target's and loads it (before the
+        pool is sized from the memory left)."""
         from unikv.engine.speculative.draft import draft_subpool_configs
 
         config = self.speculative_config
@@ -351,9 +353,14 @@ class LLM:
                 f" is shorter than max_model_len ({self.max_model_len}); lower max_model_len"
             )
         self._draft_q_per_kv = draft.num_heads // draft.num_kv_heads
-        return draft_subpool_configs(config.model, configs, page_size, self.dtype)
+        out = draft_subpool_configs(config.model, configs, page_size, self.dtype)
+        self._draft_model = load_model(config.model, device=self.device, dtype=self.dtype,
+                                       max_positions=self.max_model_len, kernels=backend)  # fmt: skip
+        if hasattr(self._draft_model, "logits_dtype"):  # argmax drafts, no fp32 vocab copy
+            self._draft_model.logits_dtype = None
+        return out
 
-    def _speculator(self, max_num_batched_tokens: int, backend: str | None):
+    def _speculator(self, max_num_batched_tokens: int):
         """The scheduler's speculation hook (None without ``speculative_config``), and
         a draft model over its sub-pools (method "draft_model")."""
         from unikv.engine.runner import check_soft_cap, layer_caches
@@ -366,10 +373,7 @@ class LLM:
         self.runner.force_accept = config.force_accept  # benchmarks only
         spec = Speculator(config, max_num_batched_tokens)
         if config.method == "draft_model":
-            model = load_model(config.model, device=self.device, dtype=self.dtype,
-                               max_positions=self.max_model_len, kernels=backend)  # fmt: skip
-            if hasattr(model, "logits_dtype"):  # argmax drafts without an fp32 vocab copy
-                model.logits_dtype = None
+            model = self._draft_model  # loaded with its sub-pools' configs
             cap = check_soft_cap(self.backend, model.config.extra.get("attn_soft_cap", 0.0))
             caches, _ = layer_caches(self.pool, model.config.num_layers, cap, draft=True)
             spec.draft = self.runner.draft = DraftModel(
