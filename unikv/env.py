@@ -70,6 +70,7 @@ class Flags:
     graph_feedback: bool = True  # UNIKV_GRAPH_FEEDBACK: decode graphs read the feedback buffer
     rope_decode: bool = True  # UNIKV_ROPE_DECODE: rope + store + decode attention, one launch
     graph_greedy_rows: int = 8  # UNIKV_GRAPH_GREEDY_ROWS: rows of the greedy-in-head graphs
+    verify_graph_rows: int = 8  # UNIKV_VERIFY_GRAPH_ROWS: requests of captured verify steps
     gemv_table: str | None = None  # UNIKV_GEMV_TABLE: GEMV configs overriding the tuned table
     gemv_embed: bool = True  # UNIKV_GEMV_EMBED: the first GEMV gathers its embedding rows
     extend_hopper: bool = True  # UNIKV_EXTEND_HOPPER (0 off): sm_90 extend attention
@@ -103,6 +104,7 @@ PARSERS: dict[str, tuple[str, Callable]] = {
     "graph_feedback": ("UNIKV_GRAPH_FEEDBACK", _on("1")),
     "rope_decode": ("UNIKV_ROPE_DECODE", _on("1")),
     "graph_greedy_rows": ("UNIKV_GRAPH_GREEDY_ROWS", _int(8)),
+    "verify_graph_rows": ("UNIKV_VERIFY_GRAPH_ROWS", _int(8)),
     "gemv_table": ("UNIKV_GEMV_TABLE", _text),
     "gemv_embed": ("UNIKV_GEMV_EMBED", _on("1")),
     "extend_hopper": ("UNIKV_EXTEND_HOPPER", _not_zero),
