@@ -13,7 +13,8 @@ Checked against independent derivations made in this process:
   checkpoints hold a config only): indivisible Llama heads (the error names the
   fields), a family that cannot shard this way (qwen3_5, with head counts 3 does
   not divide either, so it is refused whether or not the family shards), both
-  ``tp_group`` and ``tensor_parallel_size``, a host tier, a bad size, and
+  ``tp_group`` and ``tensor_parallel_size``, a host tier, speculation, a bad size,
+  and
   torch.distributed already initialised.
 
 The lifecycle (a killed worker, the interpreter's exit) is in
@@ -128,6 +129,7 @@ def test_a_family_that_cannot_shard_is_refused(refused):
         ({"tensor_parallel_size": 2, "tp_group": object()}, "not both"),
         ({"tensor_parallel_size": 2, "swap_host_bytes": 1 << 20}, "swap_host_bytes"),
         ({"tensor_parallel_size": 2, "prefix_host_bytes": 1 << 20}, "prefix_host_bytes"),
+        ({"tensor_parallel_size": 2, "speculative_config": {"method": "ngram"}}, "speculative"),
         ({"tensor_parallel_size": 0}, "int >= 1"),
         ({"tensor_parallel_size": "2"}, "int >= 1"),
     ],

@@ -6,11 +6,13 @@ timeout for the launched ranks' collectives and start-up."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 from engine_fixtures import VOCAB, hf_greedy, save_tiny_model
 
+from unikv import env
 from unikv.engine import LLM, SamplingParams
 
 PROMPT_LENS = [3, 19, 33]
@@ -29,7 +31,8 @@ SAMPLED = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_k=20, seed=
 def bound_the_ranks(monkeypatch) -> None:
     """Collectives and start-up time out after 60 s (a broken test never hangs CI);
     one intra-op thread (the workers take rank 0's count)."""
-    monkeypatch.setenv("UNIKV_TP_TIMEOUT_S", "60")
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, tp_timeout_s=60.0))
+    monkeypatch.setenv("UNIKV_TP_TIMEOUT_S", "60")  # (subprocesses read it at import)
     torch.set_num_threads(1)
 
 

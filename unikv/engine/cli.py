@@ -73,6 +73,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: swap when the copies cost less than recomputing (default), swap, recompute",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\' (built: ngram)',
+    )
 
 
 def llm_from_args(args):
@@ -101,6 +107,7 @@ def llm_from_args(args):
         ),
         preemption=args.preemption,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=args.speculative_config,
     )
 
 

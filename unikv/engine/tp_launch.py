@@ -9,7 +9,8 @@ Start-up, all in ``launch`` before rank 0 builds anything:
     a TCPStore on a free loopback port (the OS picks it: no race)
     N-1 processes (torch.multiprocessing, spawn), each with a pipe to rank 0
     every rank joins the group: NCCL with GPU ``base + rank`` per rank when the
-        device is CUDA, gloo on the CPU; collectives time out (``TIMEOUT_S``)
+        device is CUDA, gloo on the CPU; collectives time out (``UNIKV_TP_TIMEOUT_S``,
+        300 s: a rank's first Triton compiles fit)
     every rank builds the same LLM over ``tp_group=WORLD`` (its shard, its pool)
     rank 0 waits for each worker's "ready" (or its error, which it raises)
 
@@ -58,7 +59,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import pickle
 import threading
 import weakref
@@ -74,12 +74,12 @@ from unikv.engine.online import EngineLoop
 from unikv.engine.tp_worker import collective_error, group_message, receive, worker_main
 from unikv.engine.tp_worker import send as send_one
 
-TIMEOUT_ENV = "UNIKV_TP_TIMEOUT_S"  # collectives' and start-up's timeout, seconds
-TIMEOUT_S = 300.0  # long enough for a rank's first Triton compiles
+TIMEOUT_ENV = "UNIKV_TP_TIMEOUT_S"  # start-up's and collectives' limit (env.FLAGS.tp_timeout_s)
 JOIN_S = 10.0  # close(): how long a worker may take to exit before it is killed
 DEATH_GRACE_S = 2.0  # a failed collective: how long to wait for a worker's exit to show
 # LLM options that do not combine with tensor parallelism (yet), and their defaults
 REFUSED = {
+    "speculative_config": None,  # refused under TP (engine/speculative)
     "swap_host_bytes": 0,  # every rank must make the same swap decisions
     "prefix_host_bytes": 0,  # the reload rule measures each rank's own bandwidth
     "kv_cache_max_bytes": None,  # an elastic pool: every rank would have to resize alike
@@ -93,14 +93,11 @@ class TensorParallelError(RuntimeError):
 
 
 def timeout_s() -> float:
-    text = os.environ.get(TIMEOUT_ENV, "")
-    try:
-        value = float(text) if text else TIMEOUT_S
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
-    return value
+    """Start-up's and each collective's limit (``UNIKV_TP_TIMEOUT_S``, read by
+    ``unikv.env``; the workers get rank 0's value)."""
+    from unikv import env
+
+    return env.FLAGS.tp_timeout_s
 
 
 def check_launch(options: dict, size) -> list[torch.device]:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 
+from unikv import env
 from unikv.kernels.elementwise_ref import resolve_feedback  # placeholder ids (every backend)
 from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
 
@@ -40,7 +40,7 @@ TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "transla
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
-ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gated_rms_norm")
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
@@ -93,6 +93,7 @@ class KernelBackend:
     add_rms_norm: Op
     rope_qk: Op
     silu_mul: Op
+    gated_rms_norm: Op
     argmax: Op
     linear: Op
     silu_mul_linear: Op
@@ -201,7 +202,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
     return Flags(
         cuda=True,
         sm90=_sm90(device),
-        moe_hopper=os.environ.get("UNIKV_MOE_HOPPER", "1") != "0",
+        moe_hopper=env.FLAGS.moe_hopper,
         extend_hopper=extend_hopper.ENABLED,
         extend_sdpa=extend_sdpa.ENABLED,
     )
