@@ -126,7 +126,7 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         "num_heads": num_heads,
         "num_kv_heads": cfg.get("num_key_value_heads") or num_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(cfg.first("rms_norm_eps", "layer_norm_epsilon")),
+        "rms_norm_eps": float(cfg.first("rms_norm_eps", "layer_norm_epsilon", "norm_eps")),
         "max_position_embeddings": cfg.need("max_position_embeddings"),
         "rope": rope,
         "windows": windows(cfg, kinds),

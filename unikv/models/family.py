@@ -172,6 +172,14 @@ FAMILIES: tuple[Family, ...] = (
         model="unikv.models.qwen3_moe:Qwen3MoeForCausalLM",
         extras="unikv.models.qwen3_moe:config_extras",
     ),
+    Family(
+        "lfm2",
+        {"lfm2": hf.kinds_lfm2},
+        ("Lfm2ForCausalLM",),
+        model="unikv.models.lfm2:Lfm2ForCausalLM",
+        extras="unikv.models.lfm2:config_extras",
+        state_dims="unikv.models.lfm2:conv_dims",
+    ),
     # pool specs only: unikv has no model for these yet
     Family("bamba", {"bamba": hf.kinds_bamba}, state_dims="unikv.hf_config:bamba_dims"),
     Family("jamba", {"jamba": hf.kinds_jamba}, state_dims="unikv.hf_config:jamba_dims"),
