@@ -62,7 +62,7 @@ def env(monkeypatch, cached):
 def test_a_cached_repo_id_runs_its_snapshot(env, cached):
     from unikv.models.hub import resolve_model
 
-    home, snapshot, hf = cached
+    _, snapshot, hf = cached
     assert os.path.realpath(resolve_model(REPO)) == os.path.realpath(snapshot)
     llm = LLM(model=REPO, device="cpu", page_size=4, max_model_len=64, max_num_seqs=2)
     prompt = [5, 17, 33, 60, 2, 9, 100]
