@@ -32,9 +32,8 @@ from engine_fixtures import (
     check_tight_pool,
     engine_llm,
     one_thread,  # noqa: F401  (a fixture)
-    tiny_gemma_config,
 )
-from family_fixtures import AfterPrefill, kv_rows
+from family_fixtures import AfterPrefill, kv_rows, save_tiny_gemma3_mm
 
 from unikv.engine import SamplingParams
 
@@ -43,34 +42,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT_LENS = [5, 17, 33, 60]
 NEW_TOKENS = 24
 WINDOW = 7
-
-
-def save_tiny_gemma3_mm(path: str, seed: int = 0):
-    """A random-init transformers Gemma3ForConditionalGeneration (one-layer SigLIP
-    tower) saved to ``path``; the fp32 eval wrapper with eager attention."""
-    import transformers as tf
-
-    text = tiny_gemma_config("gemma3", tie_word_embeddings=False)
-    vision = tf.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        image_size=32, patch_size=8,
-    )  # fmt: skip
-    config = tf.Gemma3Config(
-        text_config=text.to_dict(),
-        vision_config=vision.to_dict(),
-        mm_tokens_per_image=4,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = tf.Gemma3ForConditionalGeneration._from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "language_model" in name and name.endswith("norm.weight"):
-                p.copy_(torch.randn(p.shape) * 0.5)
-    model.eval().save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -27,15 +27,15 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import (
-    VOCAB,
     GreedyReference,
     check_chunked_prefill,
     check_greedy_run,
     check_tight_pool,
     engine_llm,
+    hf_greedy,
     one_thread,  # noqa: F401  (a fixture)
 )
-from family_fixtures import AfterPrefill, kv_rows, state_slot
+from family_fixtures import LFM2_LAYERS, AfterPrefill, kv_rows, save_tiny_lfm2, state_slot
 
 from unikv.engine import SamplingParams
 
@@ -43,30 +43,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT_LENS = [5, 17, 33, 60]
 NEW_TOKENS = 24
-LAYERS = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
-
-
-def save_tiny_lfm2(path: str, seed: int = 0):
-    import transformers as tf
-
-    config = tf.Lfm2Config(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=108, num_hidden_layers=len(LAYERS),
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        layer_types=list(LAYERS), conv_L_cache=3, conv_bias=True, block_multiple_of=8,
-        initializer_range=0.1, tie_word_embeddings=False, rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0},
-        eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation="eager"
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + torch.randn(p.shape) * 0.5)
-    model.eval().save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +82,8 @@ def tight_llm(ref, kv_cache_bytes, **kw):
 
 def test_conv_slot_and_kv_bytes_match_transformers_cache(ref):
     c = ref.hf.config
-    conv_layers = [i for i, t in enumerate(LAYERS) if t == "conv"]
-    full_layers = [i for i, t in enumerate(LAYERS) if t == "full_attention"]
+    conv_layers = [i for i, t in enumerate(LFM2_LAYERS) if t == "conv"]
+    full_layers = [i for i, t in enumerate(LFM2_LAYERS) if t == "full_attention"]
     conv_bytes = c.hidden_size * c.conv_L_cache * 4  # fp32, (C, K) per layer
     slot_bytes = len(conv_layers) * conv_bytes  # no temporal part
     heads, d = c.num_key_value_heads, c.hidden_size // c.num_attention_heads
@@ -150,8 +126,8 @@ def test_the_capacity_oracle_counts_the_conv_only_slot(ref):
     from unikv.pool import UnifiedPool, worst_case_pages
 
     c = ref.hf.config
-    slot = LAYERS.count("conv") * c.hidden_size * c.conv_L_cache * 2
-    page = 4 * LAYERS.count("full_attention") * c.num_key_value_heads * 2 * 12 * 2
+    slot = LFM2_LAYERS.count("conv") * c.hidden_size * c.conv_L_cache * 2
+    page = 4 * LFM2_LAYERS.count("full_attention") * c.num_key_value_heads * 2 * 12 * 2
     assert (slot, page) == (1152, 768)
     configs = specs_from_hf_config(ref.path, page_size=4, dtype=torch.bfloat16)
     state = next(s.spec for s in configs if s.name == "mamba")
@@ -161,3 +137,14 @@ def test_the_capacity_oracle_counts_the_conv_only_slot(ref):
     assert pool.sink_bytes == slot
     assert pool.fits({"mamba": 9}) and not pool.fits({"mamba": 10})
     assert pool.fits({"full": 13}) and not pool.fits({"full": 14})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively")
+def test_triton_kernels_under_the_interpreter(ref):
+    """The engine on the Triton ops (TRITON_INTERPRET=1 on CPU, set by conftest): the
+    causal conv with a bias and no activation over a conv-only slot, chunked."""
+    prompts = [ref.prompts[2][:20], ref.prompts[0][:3]]  # a chunked one and a short one
+    llm = engine_llm(ref, backend="triton", max_model_len=48, max_num_batched_tokens=12)
+    assert llm.backend.name == "triton"
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 8) for p in prompts]

@@ -29,10 +29,9 @@ from engine_fixtures import (
     engine_llm,
     hf_greedy,
     one_thread,  # noqa: F401  (a fixture)
-    save_random_model,
     state_slot_bytes,
-    tiny_hybrid_config,
 )
+from family_fixtures import MOE, save_tiny_qwen3_5_moe, tiny_qwen3_5_moe_config
 
 from unikv.engine import LLM, SamplingParams
 
@@ -40,35 +39,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT_LENS = [5, 17, 33, 60]
 NEW_TOKENS = 24
-MOE = {
-    "num_experts": 5,
-    "num_experts_per_tok": 3,
-    "moe_intermediate_size": 24,
-    "shared_expert_intermediate_size": 40,
-}
-
-
-def tiny_moe_config(**overrides):
-    """Qwen3.5's tiny text config as a ``Qwen3_5MoeTextConfig`` plus ``MOE``."""
-    import transformers as tf
-
-    fields = tiny_hybrid_config("qwen3_5").to_dict()
-    kept = {k: fields[k] for k in ("rope_parameters", "layer_types", "head_dim")}
-    names = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-    names += ("num_key_value_heads", "max_position_embeddings", "initializer_range")
-    names += tuple(k for k in fields if k.startswith("linear_"))
-    kept.update({k: fields[k] for k in names})
-    kept.update(eos_token_id=None, bos_token_id=None, pad_token_id=None, **MOE, **overrides)
-    return tf.Qwen3_5MoeTextConfig(**kept)
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory) -> GreedyReference:
     path = str(tmp_path_factory.mktemp("qwen3_5_moe"))
-    config = tiny_moe_config()
-    config._attn_implementation = "eager"
-    hf = save_random_model(config, path)
+    hf = save_tiny_qwen3_5_moe(path)
     assert type(hf).__name__ == "Qwen3_5MoeForCausalLM"
+    assert hf.config.num_experts == MOE["num_experts"]
     return GreedyReference(hf, path, PROMPT_LENS, NEW_TOKENS)
 
 
@@ -156,7 +134,7 @@ def test_released_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
         patch_size=4, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
     )  # fmt: skip
     config = tf.Qwen3_5MoeConfig(
-        text_config=tiny_moe_config().to_dict(), vision_config=vision.to_dict()
+        text_config=tiny_qwen3_5_moe_config().to_dict(), vision_config=vision.to_dict()
     )
     torch.manual_seed(0)
     hf = tf.Qwen3_5MoeForConditionalGeneration(config).eval()
