@@ -107,3 +107,14 @@ def test_serve_resolves_the_repo_id_and_reports_an_uncached_one(env, cached, cap
     assert llm.config.architecture == "LlamaForCausalLM"
     assert serve_main(["--model", "acme/absent", "--device", "cpu"]) == 2
     assert "models--acme--absent" in capsys.readouterr().err
+
+
+def test_inspect_plans_a_cached_repo_id(env, cached, capsys):
+    from unikv.inspect import main
+
+    assert main([REPO, "--budget", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"model {REPO} (llama): 2 layers: 2 full")
+    assert "engine: runs it (family 'llama')" in out
+    assert main(["acme/absent"]) == 2
+    assert "models--acme--absent" in capsys.readouterr().err

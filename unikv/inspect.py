@@ -4,7 +4,8 @@
                   [--max-tokens N] [--plot FILE] [--json]
 
 MODEL is a built-in preset name (``unikv/presets/*.json``), a model directory
-holding config.json, or a config JSON file; default ``gpt-oss-20b``. The pool is
+holding config.json, a config JSON file, or a Hugging Face repo id (org/name) in the
+local cache; default ``gpt-oss-20b``. The pool is
 built on the ``meta`` device, so no budget-sized memory is allocated.
 
 Every plan says whether the engine runs the model, and why not when it does not
@@ -74,14 +75,20 @@ def human(num_bytes: float) -> str:
 
 
 def resolve_model(model: str) -> tuple[str, Any]:
-    """(display name, config dict) for a preset name, a model directory or a JSON file."""
+    """(display name, config dict) for a preset name, a model directory, a JSON file or
+    a Hugging Face repo id in the local cache (``models/hub.py``: never downloaded)."""
+    from unikv.models.hub import REPO_ID
+    from unikv.models.hub import resolve_model as snapshot_of
+
     if os.path.exists(model):
         return model, load_config(model)
     if model in presets():
         return model, load_config(PRESET_DIR / f"{model}.json")
+    if REPO_ID.fullmatch(model):  # ValueError naming where it looked, when not cached
+        return model, load_config(snapshot_of(model))
     raise ValueError(
         f"no model {model!r}: give a directory with config.json, a config JSON file, "
-        f"or one of the presets {presets()}"
+        f"a Hugging Face repo id in the local cache, or one of the presets {presets()}"
     )
 
 
