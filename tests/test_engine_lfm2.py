@@ -19,7 +19,9 @@ Its pool has a "full" K/V sub-pool and a "mamba" sub-pool of conv-only slots (a
   transformers' cache (``conv_states``; ``keys``/``values``), a 2-token prompt
   (shorter than the window) checking the zero left padding;
 - the capacity oracle counts the slot: a spec with no temporal part sizes it as
-  its conv parts alone.
+  its conv parts alone;
+- the Triton ops under the interpreter, and prefix-cache hits restoring a
+  checkpoint of the conv-only slot: same tokens.
 """
 
 from __future__ import annotations
@@ -148,3 +150,13 @@ def test_triton_kernels_under_the_interpreter(ref):
     assert llm.backend.name == "triton"
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(ref.hf, p, 8) for p in prompts]
+
+
+def test_prefix_cache_hits_restore_the_conv_only_slot(ref):
+    """Prefix caching on: a hit restores a checkpoint of the conv-only slot (a copy of
+    its bytes) and the tokens stay transformers', with every whole page reused."""
+    from prefix_fixtures import run_without_and_with_cache
+
+    run = run_without_and_with_cache(ref.path, ref.hf, 4, 8, seed=3)
+    assert run.llm.alloc.parts.prefix.counters()["checkpoints"] > 0
+    run.llm.alloc.check_integrity()
