@@ -120,6 +120,27 @@ def test_images_are_refused_at_the_llm_and_the_engine_keeps_serving(ref):
     assert [o.output_ids for o in out] == ref.greedy[:2]
 
 
+def test_an_image_placeholder_token_is_refused(ref):
+    """The wrapper's image placeholder id (``image_token_index``) stands for an image
+    the vision tower would fill: a prompt holding it is refused. The tiny vocabulary
+    is below Gemma-3's 262144, so the check is shown with a placeholder moved into it
+    (the model config is replaced for that one call)."""
+    import dataclasses
+
+    llm = engine_llm(ref)
+    assert ref.hf.config.image_token_index == 262144
+    assert llm.config.media_token_ids == (262144,)
+    config = llm.config
+    llm.config = dataclasses.replace(config, media_token_ids=(ref.prompts[1][3],))
+    try:
+        with pytest.raises(ValueError, match=r"image placeholder token .*vision tower"):
+            llm.generate(ref.prompts[1], SamplingParams(max_tokens=2))
+    finally:
+        llm.config = config
+    (out,) = llm.generate([ref.prompts[1]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    assert out.output_ids == ref.greedy[1]
+
+
 def test_images_are_refused_by_the_server_parser():
     """The server's chat parser answers 400 on ``messages`` for an image part, with
     the same words (``serving/protocol.py``; the 400 mapping is test_serving's)."""

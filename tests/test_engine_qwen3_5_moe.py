@@ -143,5 +143,6 @@ def test_released_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 33)]
     llm = LLM(str(tmp_path), page_size=4, max_num_batched_tokens=7, max_model_len=96)
     assert isinstance(llm.model, Qwen3_5MoeForCausalLM)
+    assert llm.config.media_token_ids == (config.image_token_id, config.video_token_id)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 12) for p in prompts]

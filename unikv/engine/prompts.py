@@ -96,6 +96,9 @@ class PromptMaker:
         llm = self.llm
         if not ids:
             raise ValueError("a prompt must hold at least one token, got an empty prompt")
+        media = set(llm.config.media_token_ids).intersection(ids)
+        if media:
+            raise ValueError(media_refusal("prompt", f"image placeholder token {sorted(media)}"))
         vocab = llm.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             bad = [t for t in ids if not 0 <= t < vocab]
