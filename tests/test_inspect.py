@@ -103,6 +103,10 @@ HAND = {
         ("full", MHASpec(8, 8, 64), 16),
         ("mamba", MambaSpec(22, (StatePart((2048, 3), BF16),), None), 1),
     ],
+    "granite-4.0-h-small": [  # attention on 5, 15, 25, 35 (8 KV heads of 128); 36 Mamba-2
+        ("full", MHASpec(4, 8, 128), 16),  # layers of 128 heads x 64, state 128, 1 group
+        ("mamba", MambaSpec(36, (StatePart((8192 + 2 * 128, 4), BF16),), F32((128, 64, 128))), 1),
+    ],
     "falcon-h1-7b": [  # all 44 layers in both sub-pools; Mamba-2 d_ssm 3072 = 24 x 128, state 256
         ("full", MHASpec(44, 2, 128), 16),
         ("mamba", MambaSpec(44, (StatePart((3072 + 2 * 256, 4), BF16),), F32((24, 128, 256))), 1),
@@ -307,6 +311,13 @@ def _mamba_numbers(preset: str) -> dict:
         )
         conv, state = c["hidden_size"] * c["conv_L_cache"], 0
         kv_heads, head_dim = c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"]
+    elif t == "granitemoehybrid":
+        attn_layers = c["layer_types"].count("attention")
+        layers, inner = c["num_hidden_layers"] - attn_layers, c["mamba_n_heads"] * c["mamba_d_head"]
+        conv = (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * c["mamba_d_conv"]
+        state = inner * c["mamba_d_state"]
+        kv_heads = c["num_key_value_heads"]
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
     else:  # falcon_h1: every layer has both
         layers = attn_layers = c["num_hidden_layers"]
         conv = (c["mamba_d_ssm"] + 2 * c["mamba_d_state"]) * c["mamba_d_conv"]
@@ -474,10 +485,10 @@ def test_presets_list_says_whether_the_engine_runs_each(capsys) -> None:
         assert words in line and ("does not run it" not in line) == runs, (preset, line)
     for preset in ("qwen3.5-35b-a3b", "lfm2-2.6b", "gemma-3-27b"):  # this families
         assert "runs it" in lines[preset]
-    assert "pool specs only" in lines["bamba-9b"] and "pool specs only" in lines["jamba-v0.1"]
+    assert "pool specs only" in lines["jamba-v0.1"]  # a family with no model class
 
 
-@pytest.mark.parametrize("preset", ["lfm2-2.6b", "bamba-9b", "gemma-3-27b"])
+@pytest.mark.parametrize("preset", ["lfm2-2.6b", "jamba-v0.1", "gemma-3-27b"])
 def test_every_plan_carries_the_verdict(capsys, preset) -> None:
     raw = json.loads((PRESET_DIR / f"{preset}.json").read_text())
     runs, words = _table_verdict(raw)

@@ -12,8 +12,9 @@ Every plan says whether the engine runs the model, and why not when it does not
 (``models/support.py``, from the family table); ``unikv inspect --presets`` says it
 for every preset, one line each.
 
-Hybrid models (Qwen3.5, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba) have a
-Mamba sub-pool of page size 1: one slot per request holds every recurrent layer's
+Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba,
+Granite-4.0-H, Zamba2, LFM2) have a Mamba sub-pool of page size 1: one slot per
+request holds every recurrent layer's
 conv and SSM state, whatever the request's length. Its numbers are slots (=
 requests), and its slot is usually the largest page, so the sink is one slot.
 """

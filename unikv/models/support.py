@@ -5,7 +5,7 @@ preset and config.
 A config is refused when
 - no family of the table names its architecture (nor its ``model_type``): unikv
   knows nothing of it (no pool plan either);
-- its family has no model class (Bamba, Jamba: the table gives their pool specs only);
+- its family has no model class (Jamba: the table gives its pool specs only);
 - its family runs other architectures of the same ``model_type``;
 - the family's own reading of the config refuses a feature (``config_extras``, the
   model config, the FP8 format): only where transformers is installed to read the
