@@ -71,7 +71,8 @@ def test_a_cached_repo_id_runs_its_snapshot(env, cached):
 
 
 def test_hf_hub_cache_wins_over_hf_home(env, cached, tmp_path):
-    from unikv.models.hub import hub_cache_dir, resolve_model
+    from unikv.env import hub_cache_dir
+    from unikv.models.hub import resolve_model
 
     assert hub_cache_dir() == os.path.join(cached[0], "hub")
     env.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: the repo is not there

@@ -14,18 +14,9 @@ from __future__ import annotations
 import os
 import re
 
+from unikv import env
+
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def hub_cache_dir() -> str:
-    """The Hugging Face hub cache directory, from the environment as now."""
-    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(name):
-            return os.path.expanduser(os.environ[name])
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
-    )
-    return os.path.join(os.path.expanduser(home), "hub")
 
 
 def resolve_model(model: str) -> str:
@@ -36,7 +27,7 @@ def resolve_model(model: str) -> str:
         return model
     from huggingface_hub import snapshot_download
 
-    cache = hub_cache_dir()
+    cache = env.hub_cache_dir()
     try:
         return snapshot_download(model, cache_dir=cache, local_files_only=True)
     except OSError as err:  # LocalEntryNotFoundError: not cached (or no refs/main)
