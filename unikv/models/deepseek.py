@@ -165,6 +165,10 @@ def _pairs_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 class MLAttention(nn.Module):
     """DeepSeek's multi-head latent attention; see the module docstring."""
 
+    # read as matrices (absorbed into the queries, or the expanded form's up-projection):
+    # an FP8 checkpoint's kv_b_proj is dequantised at load (``fp8_linear``)
+    dense_linears = ("kv_b_proj",)
+
     def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary) -> None:
         super().__init__()
         e, hidden = config.extra, config.hidden_size
