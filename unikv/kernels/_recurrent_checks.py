@@ -66,7 +66,9 @@ def check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len) -> None:
         ("v", v, (num_tokens, heads, dim_v)),
     ):
         _want(name, t, shape)
-    _want("g", g, (num_tokens, heads), unit_last=False)
+    per_channel = g is not None and g.dim() == 3  # KDA: a decay per key channel
+    _want("g", g, (num_tokens, heads, dim_k) if per_channel else (num_tokens, heads),
+          unit_last=False)  # fmt: skip
     _want("beta", beta, (num_tokens, heads), unit_last=False)
     _check_batch(
         "gated_delta_rule", num_tokens, state, slots, q_indptr, max_q_len, q, k, v, g, beta
