@@ -205,3 +205,15 @@ def test_config_without_layer_types_reads_the_releases_linear_attn_config(tmp_pa
     specs = model_specs_from_hf_config(str(tmp_path))
     assert specs.layer_kinds == ("mamba", "mla", "mamba", "mamba", "mla")
     assert {s.name: s.layers for s in specs.subpools} == {"mla": (1, 4), "mamba": (0, 2, 3)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_on_the_gpu(ref):
+    """fp32 on the GPU: the Triton kernels (the per-channel delta rule, MLA) and CUDA
+    graphs give transformers' greedy tokens, chunked prefill included."""
+    llm = LLM(ref.path, device="cuda", max_num_seqs=8, page_size=16, max_model_len=96,
+              max_num_batched_tokens=16)  # fmt: skip
+    assert llm.backend.name == "triton"
+    outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    assert [o.output_ids for o in outputs] == ref.greedy

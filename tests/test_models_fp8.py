@@ -338,3 +338,27 @@ def test_dequantised_on_the_gpu_equals_the_cpu(ckpt):
     cpu = dict(load_model(ckpt.fp8, dtype=torch.bfloat16).named_parameters())
     for name, param in gpu.items():
         assert param.device.type == "cuda" and torch.equal(param.cpu(), cpu[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_tokens_and_logits_on_the_gpu(ckpt):
+    """fp32 on the GPU (the Triton FP8 GEMM's IEEE w8a16 path, CUDA graphs): the FP8
+    linears stay FP8 on the device, the tokens are transformers' on the dequantised
+    checkpoint and every sampled logit row is within 1e-4 of its teacher-forced one."""
+    from engine_fixtures import hf_logits
+
+    llm = LLM(ckpt.fp8, device="cuda", max_num_seqs=4, max_model_len=64, page_size=4)
+    fp8 = [m for m in llm.model.modules() if isinstance(m, Fp8BlockLinear)]
+    assert llm.backend.name == "triton" and len(fp8) >= 8
+    assert all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    rows = StepLogits()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outputs = llm.generate(ckpt.ref.prompts, params, on_step=rows)
+    assert [o.output_ids for o in outputs] == ckpt.ref.greedy
+    first_id = llm._next_id - len(outputs)
+    for k, out in enumerate(outputs):
+        full = hf_logits(ckpt.ref.hf, out.prompt_ids + out.output_ids)
+        for (rid, p), row in rows.rows.items():
+            if rid == first_id + k:
+                assert (row.cpu() - full[p - 1]).abs().max().item() < 1e-4, (k, p)

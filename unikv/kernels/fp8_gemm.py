@@ -40,6 +40,7 @@ patch_interpreter()
 W8A8_MIN_ROWS = 256  # below: the weight stream dominates; x stays 16-bit
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100: split K below this
 MIN_K_PER_SPLIT = 512
+QUANT_ROWS = 16  # rows of x a program of the activation quantisation takes
 
 
 class Fp8Plan(NamedTuple):
@@ -85,17 +86,22 @@ def plan(m: int, n: int, k: int, block: tuple[int, int], fp32: bool) -> Fp8Plan:
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """One program per (row, group): xs = max(amax / 448, 1e-12), xq = fp8(x / xs)."""
-    row, grp = tl.program_id(0), tl.program_id(1)
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """One program per ROWS rows and one group: xs = max(amax / 448, 1e-12),
+    xq = fp8(x / xs)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1)
     cols = grp * GROUP + tl.arange(0, BLOCK)
-    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_sm + grp, scale)
+    col_ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)  # (ROWS,)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+    tl.store(s_ptr + rows * stride_sm + grp, scale, mask=rows < M)
 
 
 @triton.jit
@@ -163,10 +169,11 @@ def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
-        block = triton.next_power_of_2(group)
-        _act_quant_kernel[(m, groups)](
-            x, xq, xs, k, x.stride(0), xq.stride(0), xs.stride(0), GROUP=group, BLOCK=block
-        )
+        block, rows = triton.next_power_of_2(group), QUANT_ROWS
+        _act_quant_kernel[(triton.cdiv(m, rows), groups)](
+            x, xq, xs, m, k, x.stride(0), xq.stride(0), xs.stride(0),
+            GROUP=group, BLOCK=block, ROWS=rows,
+        )  # fmt: skip
     return xq, xs
 
 
