@@ -212,7 +212,7 @@ def test_config_without_layer_types_reads_the_releases_linear_attn_config(tmp_pa
 def test_greedy_on_the_gpu(ref):
     """fp32 on the GPU: the Triton kernels (the per-channel delta rule, MLA) and CUDA
     graphs give transformers' greedy tokens, chunked prefill included."""
-    llm = LLM(ref.path, device="cuda", max_num_seqs=8, page_size=16, max_model_len=96,
+    llm = LLM(ref.path, device="cuda", dtype=torch.float32, max_num_seqs=8, page_size=16, max_model_len=96,
               max_num_batched_tokens=16)  # fmt: skip
     assert llm.backend.name == "triton"
     outputs = llm.generate(ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))

@@ -348,7 +348,9 @@ def test_greedy_tokens_and_logits_on_the_gpu(ckpt):
     checkpoint and every sampled logit row is within 1e-4 of its teacher-forced one."""
     from engine_fixtures import hf_logits
 
-    llm = LLM(ckpt.fp8, device="cuda", max_num_seqs=4, max_model_len=64, page_size=4)
+    llm = LLM(
+        ckpt.fp8, device="cuda", dtype=torch.float32, max_num_seqs=4, max_model_len=64, page_size=4
+    )
     fp8 = [m for m in llm.model.modules() if isinstance(m, Fp8BlockLinear)]
     assert llm.backend.name == "triton" and len(fp8) >= 8
     assert all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in fp8)
