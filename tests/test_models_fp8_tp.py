@@ -9,8 +9,9 @@ slice is whole blocks, so the weights stay FP8 and the scales shard with them.
 - each rank's ``Fp8BlockLinear`` holds exactly its slice of the file's bytes: column
   linears rows [r * out / 2, (r + 1) * out / 2) of each part (parts concatenated) and
   their block rows, row linears the matching columns and block columns;
-- in one process (no collective runs while loading): blocks of 24 columns, which a
-  row-parallel rank's 64 columns would cut, are refused before any weight loads.
+- in one process (no collective runs while loading): blocks that a rank's slice would
+  cut (24 columns of a row-parallel rank's 64; 64 rows of a column-parallel rank's 32
+  k_proj rows) are refused before any weight loads.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ OPTIONS = {"dtype": torch.float32, "page_size": 4, "max_num_seqs": 4, "max_model
 
 def _quantised(root, block) -> tuple[str, str, dict]:
     """(FP8 checkpoint, its dequantisation as fp32, the FP8 tensors) of a tiny Qwen3."""
-    src, fp8, plain = (str(root / n) for n in ("src", f"fp8_{block[1]}", f"plain_{block[1]}"))
+    tag = f"{block[0]}x{block[1]}"
+    src, fp8, plain = (str(root / n) for n in ("src", f"fp8_{tag}", f"plain_{tag}"))
     if not os.path.isdir(src):
         save_tiny_model("qwen3", src)
     tensors, oracle = {}, {}
@@ -134,10 +136,14 @@ class _FakeTP:
     rank, size = 0, 2
 
 
-def test_tp_size_that_cuts_a_block_is_refused_before_loading(run):
+@pytest.mark.parametrize(
+    ("block", "width", "dim"),
+    [([16, 24], 24, 1), ([64, 32], 64, 0)],  # o/down_proj's 64 columns; k_proj's 32 rows
+)
+def test_tp_size_that_cuts_a_block_is_refused_before_loading(run, block, width, dim):
     *_, root = run
-    cut, _, _ = _quantised(root, [16, 24])  # a row-parallel rank holds 64 of 128 columns
-    with pytest.raises(ValueError, match=r"cuts the FP8 weight's 24-wide scale blocks") as err:
+    cut, _, _ = _quantised(root, block)
+    with pytest.raises(ValueError, match=rf"cuts the FP8 weight's {width}-wide scale blocks "
+                       rf"along dim {dim}") as err:  # fmt: skip
         load_model(cut, tp=_FakeTP())
-    assert "o_proj" in str(err.value) or "down_proj" in str(err.value)
     assert "tensor-parallel size" in str(err.value)

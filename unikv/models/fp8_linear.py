@@ -136,7 +136,7 @@ def keep_fp8(
         if not all(has(p) and has(p + SCALE_SUFFIX) for p in parts):
             continue
         full = [shape(p)[0] for p in parts]
-        if _cuts_blocks(full if tp is None else [r // tp.size for r in full], fp8.block[0]):
+        if _cuts_blocks(full, fp8.block[0]):  # dequantised at load (a rank's cut: refused)
             continue
         parallel = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(module))
         bias = None if module.bias is None else module.bias.data
