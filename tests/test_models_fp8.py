@@ -364,3 +364,20 @@ def test_greedy_tokens_and_logits_on_the_gpu(ckpt):
         for (rid, p), row in rows.rows.items():
             if rid == first_id + k:
                 assert (row.cpu() - full[p - 1]).abs().max().item() < 1e-4, (k, p)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively")
+def test_triton_fp8_gemm_in_the_engine_under_the_interpreter(ckpt):
+    """The engine on the Triton backend (the FP8 GEMM, attention, MLA under
+    TRITON_INTERPRET=1 on CPU): transformers' greedy tokens on the dequantised model."""
+    if ckpt.arch != "qwen3":
+        pytest.skip("one family is enough for the interpreter's time")
+    from engine_fixtures import hf_greedy
+
+    prompts = [ckpt.ref.prompts[1][:12], ckpt.ref.prompts[0][:4]]
+    llm = LLM(ckpt.fp8, device="cpu", backend="triton", max_num_seqs=4, max_model_len=32,
+              page_size=4)  # fmt: skip
+    assert llm.backend.name == "triton"
+    assert any(isinstance(m, Fp8BlockLinear) for m in llm.model.modules())
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    assert [o.output_ids for o in outputs] == [hf_greedy(ckpt.ref.hf, p, 6) for p in prompts]
