@@ -140,18 +140,13 @@ def keep_fp8(
             continue
         parallel = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(module))
         bias = None if module.bias is None else module.bias.data
+        ops = getattr(module, "ops", None) or model.ops  # a tensor-parallel linear has none
         new = Fp8BlockLinear(
-            module.in_features, module.out_features, bias, fp8.block, module.ops
-            if hasattr(module, "ops") else _ops(model), device=module.weight.device,
-            parallel=parallel, tp=tp,
+            module.in_features, module.out_features, bias, fp8.block, ops,
+            device=module.weight.device, parallel=parallel, tp=tp,
         )  # fmt: skip
         if parallel is not None:
             _check_tp(name, new, tp, full if parallel == "column" else [shape(parts[0])[1]])
         setattr(owner, attr, new)
         kept.append(name)
     return kept
-
-
-def _ops(model: nn.Module) -> KernelBackend:
-    """The model's backend (a tensor-parallel linear does not hold one)."""
-    return model.ops
