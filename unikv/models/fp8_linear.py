@@ -45,8 +45,9 @@ class Fp8BlockLinear(nn.Module):
     """y = x @ W^T (+ bias), W = ``weight`` (out, in) float8_e4m3fn times
     ``weight_scale_inv`` (ceil(out / bn), ceil(in / bk)) fp32 per block (``block`` =
     (bn, bk)); ``bias`` in the model dtype. ``parallel``: None, "column" (this rank's
-    rows) or "row" (this rank's columns; the partial products are all-reduced over
-    ``tp``, then the bias is added once)."""
+    rows) or "row" (this rank's columns: as ``parallel.RowParallelLinear``, the partial
+    products all-reduced over ``tp`` unless ``reduce`` is False, the bias added where
+    ``adds_bias``, so the group's sum counts it once)."""
 
     def __init__(
         self,
@@ -59,6 +60,8 @@ class Fp8BlockLinear(nn.Module):
         device: torch.device,
         parallel: str | None = None,
         tp=None,
+        reduce: bool = True,
+        adds_bias: bool = True,
     ) -> None:
         super().__init__()
         bn, bk = block
@@ -71,6 +74,7 @@ class Fp8BlockLinear(nn.Module):
         self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.ops, self.parallel, self.tp = ops, parallel, tp
+        self.reduce, self.adds_bias = reduce, adds_bias and bias is not None  # host bools
         if parallel == "column":
             self.tp_shards = {"weight": 0, "weight_scale_inv": 0, "bias": 0}
         elif parallel == "row":
@@ -79,8 +83,9 @@ class Fp8BlockLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row":  # a host str fixed at construction
             out = self.ops.fp8_linear(x, self.weight, self.weight_scale_inv, block=self.block)
-            out = self.tp.all_reduce(out)
-            return out if self.bias is None else out + self.bias
+            if self.reduce:
+                out = self.tp.all_reduce(out)
+            return out + self.bias if self.adds_bias else out
         return self.ops.fp8_linear(
             x, self.weight, self.weight_scale_inv, self.bias, block=self.block
         )
@@ -144,6 +149,7 @@ def keep_fp8(
         new = Fp8BlockLinear(
             module.in_features, module.out_features, bias, fp8.block, ops,
             device=module.weight.device, parallel=parallel, tp=tp,
+            reduce=getattr(module, "reduce", True), adds_bias=getattr(module, "adds_bias", True),
         )  # fmt: skip
         if parallel is not None:
             _check_tp(name, new, tp, full if parallel == "column" else [shape(parts[0])[1]])
