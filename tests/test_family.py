@@ -131,6 +131,8 @@ def _state_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _hf_state(mixer) -> tuple[tuple[int, int], tuple[int, ...]]:
     """transformers' mixer: (conv state shape, temporal state shape)."""
     c, _, k = mixer.conv1d.weight.shape
+    if hasattr(mixer, "forget_gate"):  # Kimi Delta Attention: H heads of D for q, k, v
+        return (c, k), (mixer.num_heads, mixer.head_dim, mixer.head_dim)
     if hasattr(mixer, "num_v_heads"):  # Gated DeltaNet
         return (c, k), (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
     if hasattr(mixer, "num_heads"):  # Mamba-2
@@ -173,8 +175,12 @@ def test_preset_state_dims_agree_between_specs_model_and_transformers(path: Path
     assert len(ours) == len(theirs)
     for mine, hf_mixer in zip(ours, theirs):
         shapes = {n: p.shape for n, p in mine.named_parameters()}
-        hf_shapes = {n: p.shape for n, p in hf_mixer.named_parameters() if n in shapes}
-        assert {"conv1d.weight", "A_log", "out_proj.weight"} <= set(hf_shapes)
+        # Kimi's checkpoint keeps the decay's parameters where transformers nests them
+        # under forget_gate (its conversion mapping), and names the output o_proj
+        hf_named = {n.removeprefix("forget_gate."): p.shape for n, p in hf_mixer.named_parameters()}
+        hf_shapes = {n: s for n, s in hf_named.items() if n in shapes}
+        assert {"conv1d.weight", "A_log"} <= set(hf_shapes)
+        assert {"out_proj.weight", "o_proj.weight"} & set(hf_shapes)
         assert hf_shapes == {n: shapes[n] for n in hf_shapes}, type(mine).__name__
 
 
