@@ -18,7 +18,10 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The options that build an LLM (generate and serve)."""
     p.add_argument(
-        "--model", required=True, help="checkpoint directory (config.json + safetensors)"
+        "--model",
+        required=True,
+        help="checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+        "(org/name) already in the local HF cache (HF_HUB_CACHE or $HF_HOME/hub)",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument(
@@ -65,6 +68,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: swap when the copies cost less than recomputing (default), swap, recompute",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\' (built: ngram)',
+    )
 
 
 def llm_from_args(args):
@@ -92,6 +101,7 @@ def llm_from_args(args):
             parse_bytes(args.swap_host_bytes) if args.swap_host_bytes not in (None, "0") else 0
         ),
         preemption=args.preemption,
+        speculative_config=args.speculative_config,
     )
 
 

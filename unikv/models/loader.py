@@ -14,6 +14,7 @@ the MoE, each variant decided once by ``get_backend``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -33,6 +34,8 @@ from unikv.models.fp8_linear import keep_fp8
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
 from unikv.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -222,8 +225,19 @@ def _checkpoint_sources(model, index: dict[str, str], wanted: dict, fp8=None) ->
     known = {c for names in wanted.values() for c in names}
     sources = _sources(index, {n for n in index if rename(n) in known}, fp8)
     sources = {rename(n): v for n, v in sources.items()}
+    arch = model.config.architecture
+    if arch in TEXT_DECODERS:  # a wrapper's text decoder only
+        skipped = TEXT_DECODERS[arch][2]
+        left = sum(n.startswith(skipped) for n in sources)
+        if left:
+            logger.info(
+                "%s: loading its text decoder only; %d checkpoint tensors under %s (the "
+                "vision tower) are not loaded, and requests carrying images are refused",
+                arch, left, ", ".join(skipped),
+            )  # fmt: skip
     if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
-        sources["lm_head.weight"] = ("model.embed_tokens.weight",)
+        embed = "model.embed_tokens.weight"  # a wrapper's embedding keeps its own name
+        sources["lm_head.weight"] = sources.get(embed, (embed,))
     return sources, ignored
 
 
