@@ -45,13 +45,13 @@ chunks over long contexts stay absorbed.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from unikv.engine.plan import StepPlan
+from unikv.env import FLAGS
 from unikv.kernels.backend import KernelBackend
 from unikv.layout import entry_kernel_ids
 
@@ -106,7 +106,7 @@ class MLALayerCache:
 
 # decode steps rotate and store inside the attention's launch (fixed at import; the A/B
 # switch: UNIKV_ROPE_DECODE=0 runs rope_store_kv, then decode_attention)
-ROPE_IN_DECODE = os.environ.get("UNIKV_ROPE_DECODE", "1") == "1"
+ROPE_IN_DECODE = FLAGS.rope_decode
 ABSORBED_SLOWDOWN = 2.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
 EXPANDED_MAX_BYTES = 8 << 30  # transient K/V of one expanded layer at most
 MLA_FORMS = ("absorbed", "expanded")
@@ -157,10 +157,11 @@ class LayerState:
     """Where one recurrent model layer keeps its state (built once at start-up).
 
     conv: (S, C, K) and temporal: (S, *shape) per-layer views of the Mamba
-    sub-pool, indexed by physical state slot."""
+    sub-pool, indexed by physical state slot; temporal None for a conv-only slot
+    (LFM2's short convolutions)."""
 
     conv: torch.Tensor
-    temporal: torch.Tensor
+    temporal: torch.Tensor | None
 
 
 class DecodeAttention:
@@ -197,13 +198,14 @@ class DecodeAttention:
             activation=activation,
         )
 
-    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm):
-        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv)."""
+    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm, gating=None):
+        """q, k: (T, Hk, Dk), v: (T, H, Dv), g, beta: (T, H) (raw a, b with ``gating``)
+        -> (T, H, Dv)."""
         plan = self.plan
         state = self.states[layer].temporal
         return self.backend.gated_delta_rule(
             q, k, v, g, beta, state, plan.state_slots, plan.q_indptr,
-            max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm,
+            max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
         )  # fmt: skip
 
     def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):

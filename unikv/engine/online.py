@@ -7,7 +7,9 @@ start of each step, so the scheduler and the allocator are only ever touched
 by the thread that runs the steps: the loop's own thread after ``start()``, or
 the caller of ``LLM.generate`` (``run_inline``).
 
-One step keeps one step in flight (as ``LLM`` always did):
+One step keeps one step in flight (as ``LLM`` always did; with speculative decoding
+on, each step is settled before the next is planned, since drafts read the tokens,
+and a verify step is applied at once: ``Scheduler.complete_verify``):
 
     drain inbox (new requests, aborts) -> schedule N -> launch N
     -> settle N-1 (its tokens reach the host; stop tokens cut; each tracked
@@ -54,6 +56,7 @@ import torch
 
 from unikv.engine.request import Status
 from unikv.engine.tracks import Delta, RequestGroup
+from unikv.env import FAULT_ENV  # "die-after-steps:N": the loop dies at step N
 
 
 class QueueFull(RuntimeError):
@@ -67,9 +70,6 @@ class EngineClosed(RuntimeError):
 class InjectedFault(RuntimeError):
     """The test-only fault of ``EngineLoop.die_after_steps`` (``unikv serve`` reads
     it from the environment variable ``FAULT_ENV`` once at start-up)."""
-
-
-FAULT_ENV = "UNIKV_TEST_ENGINE_FAULT"  # "die-after-steps:N": the loop dies at step N
 
 
 def _fatal(err: BaseException) -> bool:
@@ -195,10 +195,12 @@ class EngineLoop:
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn()`` between two steps in the loop's thread (now when no thread
         runs, or when called from that thread); its result comes back through the
-        Future."""
+        Future. A call that changes the engine's state is a method of the LLM (bound,
+        or a ``functools.partial`` of one): tensor-parallel workers repeat it by name
+        (``tp_launch``); any other ``fn`` only reads."""
         future: Future = Future()
         if not self.running or threading.current_thread() is self._thread:
-            future.set_result(fn())
+            future.set_result(self._invoke(fn))
             return future
         with self._cv:
             self._calls.append((fn, future))
@@ -251,10 +253,14 @@ class EngineLoop:
                 self._cv.wait()
         self._run_calls()
         if self._stopping and not (self._drain and self._has_work()):
-            self._abort_all()
-            self._settle_last()
+            self._stop_work()
             return False
         return True
+
+    def _stop_work(self) -> None:
+        """The loop ends: live requests are aborted, the step in flight settled."""
+        self._abort_all()
+        self._settle_last()
 
     def _has_work(self) -> bool:
         return bool(
@@ -271,14 +277,25 @@ class EngineLoop:
             calls, self._calls = self._calls, []
         for fn, future in calls:
             try:
-                future.set_result(fn())
+                future.set_result(self._invoke(fn))
             except Exception as err:  # noqa: BLE001  (returned to the caller)
                 future.set_exception(err)
 
-    def _take_inbox(self) -> None:
+    def _invoke(self, fn: Callable[[], object]):
+        """Run one ``call`` between steps (the tensor-parallel leader also sends it
+        to the workers, ``tp_launch``)."""
+        return fn()
+
+    def _drain_inbox(self) -> tuple[list[RequestGroup], list[RequestGroup]]:
+        """Take the submitted groups and the aborted ones (the tensor-parallel
+        leader also sends them to the workers, ``tp_launch``)."""
         with self._cv:
             groups, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        return groups, aborts
+
+    def _take_inbox(self) -> None:
+        groups, aborts = self._drain_inbox()
         for group in groups:
             group.watched = not all(t.passive for t in group.tracks)
             if group.watched:  # passive groups (inline generate) are read at the end
@@ -300,6 +317,8 @@ class EngineLoop:
         if self._held or self._quarantined:
             self._probe_next()
         sched = self.scheduler
+        if sched.spec is not None:  # drafts read the tokens: the last step settles first
+            self._settle_last()
         if not sched.has_work():
             self._settle_last()
             return None
@@ -316,8 +335,13 @@ class EngineLoop:
         self._failures_in_a_row = 0
         if self._prev is not None:
             self._settle(self._prev)
-        finished = sched.complete_ahead(batch)
-        self._prev = launched
+        if launched.emitted is not None:  # a verify step ran to its end: applied now
+            self._prev = None
+            finished = sched.complete_verify(batch, launched.emitted)
+            self._publish(launched)
+        else:
+            finished = sched.complete_ahead(batch)
+            self._prev = launched
         if self.on_step is not None:
             self.on_step(self.llm, batch, launched.logits)
         return batch, launched, finished
@@ -329,8 +353,12 @@ class EngineLoop:
 
     def _settle(self, launched) -> None:
         """Step ``launched``'s tokens into its requests, then publish the deltas."""
+        self.scheduler.resolve(launched.batch, launched.tokens())
+        self._publish(launched)
+
+    def _publish(self, launched) -> None:
+        """Publish the deltas of step ``launched``'s requests (its tokens are in)."""
         batch = launched.batch
-        self.scheduler.resolve(batch, launched.tokens())
         if not self._num_watched:  # plain generate: text is decoded at the end
             return
         step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()

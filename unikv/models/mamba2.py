@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from unikv.models.layers import Linear
+from unikv.models.layers import Linear, model_ops
 
 ACTIVATIONS = ("silu",)
 
@@ -91,19 +91,15 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.n_groups, self.eps, self.norm_before_gate = n_groups, eps, norm_before_gate
         self.weight_in_fp32 = weight_in_fp32
+        self.ops = model_ops(None)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype, (t, dim) = x.dtype, x.shape
-        h, gate = x.float(), nn.functional.silu(z.float())
-        if not self.norm_before_gate:
-            h = h * gate
-        h = h.view(t, self.n_groups, dim // self.n_groups)  # (T, G, I / G)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view(t, dim)
-        if self.weight_in_fp32:
-            h = self.weight * h
-        if self.norm_before_gate:
-            h = h * gate
-        return h.to(dtype) if self.weight_in_fp32 else self.weight * h.to(dtype)
+        """x, z: (T, I) -> (T, I): one backend op (``gated_rms_norm``)."""
+        return self.ops.gated_rms_norm(
+            x, z, self.weight, self.eps, group_size=x.shape[1] // self.n_groups,
+            norm_before_gate=self.norm_before_gate,
+            weight_mode="fp32" if self.weight_in_fp32 else "dtype_after_gate",
+        )  # fmt: skip
 
 
 class Conv1dWeights(nn.Module):

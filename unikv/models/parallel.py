@@ -5,20 +5,39 @@ see the same tokens:
 
     attention  q/k/v_proj  column-parallel by heads   rank r: q heads [r*Hq/tp, (r+1)*Hq/tp),
                                                        kv heads [r*H/tp, (r+1)*H/tp)
+                                                       (MiMo: each layer type's own H)
                sinks       sliced like the q heads
                o_proj      row-parallel: partial sum on each rank, all-reduce, + bias
+    MLA        q_proj or q_b_proj, kv_b_proj (each head's W_UK and W_UV rows):
+                           column-parallel by heads; o_proj row-parallel
+               q_a_proj, kv_a_proj_with_mqa and their norms: replicated, so every
+                           rank computes the whole latent row [c | k_rope] and caches
+                           it (the MLA sub-pool is not split); the absorbed and the
+                           expanded forms attend with the rank's heads only
     MLP        gate/up     column-parallel on the intermediate dim
                down_proj   row-parallel + all-reduce
-    MoE        experts     every expert sharded on its intermediate dim (gate_up
-                           columns, interleaved gate/up pairs stay together;
-                           down_proj rows); the router is replicated, so every
-                           rank routes alike; one all-reduce after the experts,
-                           whose down bias is added by rank 0 only
+    MoE        experts     every expert sharded on its intermediate dim (gate/up
+                           rows, or gpt-oss's interleaved gate_up columns with each
+                           pair kept together; down_proj columns); the router is
+                           replicated, so every rank routes alike; shared experts
+                           (DeepSeek) sharded the same way; the routed and shared
+                           partial sums are added, then ONE all-reduce; a down bias
+                           is added by rank 0 only (``RowParallelLinear(reduce=False)``)
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
+Experts are split tensor-parallel, not expert-parallel, in every family: the fused
+MoE then runs unchanged on each rank (all experts, 1/tp of their width), routing
+stays replicated, and no token is exchanged (one all-reduce, as a dense MLP's).
+
 Each rank therefore stores K/V only for its own KV heads: its unified pool is
-built from specs with ``num_kv_heads / tp`` (:func:`shard_subpool_configs`).
+built from specs with ``num_kv_heads / tp`` (:func:`shard_subpool_configs`); an MLA
+spec is kept whole (per-rank MLA bytes equal TP 1's).
+
+A family opts in with ``tensor_parallel = True`` on its model class and names the
+HF fields a TP size must divide in its ``tp_dims(config)`` (heads, KV heads of each
+layer type, each MLP kind's intermediate size); :func:`check_tp_config` refuses any
+other size before a weight loads, naming those fields.
 
 Parameter names stay transformers' (``q_proj.weight`` ...): a module that is
 sharded says how in ``tp_shards`` (parameter name -> dim), and the loader
@@ -113,27 +132,43 @@ class RowParallelLinear(nn.Linear):
     """``nn.Linear`` holding columns [r*in/tp, (r+1)*in/tp) of the full weight.
 
     x: (T, in/tp), this rank's slice -> (T, out), the full product: the partial
-    products are all-reduced, then the (replicated) bias is added once."""
+    products are all-reduced, then the (replicated) bias is added once.
+
+    ``reduce=False``: the output stays this rank's partial sum, for a block that adds
+    several partial sums and all-reduces them once (a MoE's routed and shared
+    experts); the bias is then added by rank 0 only, so the sum counts it once."""
 
     tp_shards: ClassVar[dict[str, int]] = {"weight": 1}
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, tp, reduce: bool = True
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
+        self.adds_bias = bias and (reduce or tp.rank == 0)  # host bools, fixed here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        out = nn.functional.linear(x, self.weight)
+        if self.reduce:
+            out = self.tp.all_reduce(out)
+        return out + self.bias if self.adds_bias else out
 
 
-def linear_layers(tp: TensorParallel | None):
+def linear_layers(tp: TensorParallel | None, reduce: bool = True):
     """(column linear, row linear) classes for ``tp`` (``layers.Linear`` when None: the
-    kernel backend's ``linear``)."""
+    kernel backend's ``linear``); ``reduce=False``: the row linear leaves its partial
+    sum for the caller's one all-reduce (``RowParallelLinear``)."""
     if tp is None:
         from unikv.models.layers import Linear
 
         return Linear, Linear
-    return ColumnParallelLinear, partial(RowParallelLinear, tp=tp)
+    return ColumnParallelLinear, partial(RowParallelLinear, tp=tp, reduce=reduce)
+
+
+def reduce_partial(tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the group (a block's partial sums, one all-reduce), or ``x``
+    unchanged without tensor parallelism."""
+    return x if tp is None else tp.all_reduce(x)
 
 
 def tp_size(tp: TensorParallel | None) -> int:
@@ -162,19 +197,24 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, name: str) 
 
 
 def shard_subpool_configs(configs: Sequence, size: int) -> list:
-    """The SubPoolConfigs of one rank: each attention spec with ``num_kv_heads / size``.
+    """The SubPoolConfigs of one rank: each attention spec with ``num_kv_heads / size``;
+    an MLA spec unchanged (its latent row is shared by every head, so every rank
+    caches it whole: per-rank MLA bytes equal TP 1's).
 
-    Raises ValueError for specs that cannot be split by heads (MLA, Mamba) or
+    Raises ValueError for specs that cannot be split by heads (Mamba) or
     whose KV heads ``size`` does not divide."""
     if size == 1:
         return list(configs)
     out = []
     for c in configs:
+        if c.spec.kind == "mla":  # kv_a_proj is replicated: every rank stores the latent
+            out.append(c)
+            continue
         heads = getattr(c.spec, "num_kv_heads", None)
         if c.spec.kind not in ("full", "swa") or heads is None:
             raise ValueError(
                 f"sub-pool {c.name!r} ({c.spec.kind}) cannot be sharded by KV heads; tensor "
-                "parallelism supports full and sliding-window attention only"
+                "parallelism supports full, sliding-window and MLA attention only"
             )
         if heads % size:
             raise ValueError(

@@ -14,9 +14,10 @@ SIGTERM (or Ctrl-C) the server stops accepting, lets in-flight requests run for
 ``--shutdown-timeout`` seconds, then ends each with finish_reason "abort" (a
 stream: a final chunk and ``[DONE]``) and exits 0.
 Test-only fault injection: the environment variable ``UNIKV_TEST_ENGINE_FAULT``
-(``online.FAULT_ENV``), read once at start-up; ``die-after-steps:N`` makes the
+(``env.FAULT_ENV``), read once at start-up; ``die-after-steps:N`` makes the
 engine loop die at its N-th step; ``poison-token:ID`` (process mode) makes the
-forward raise for a step that feeds token ID.
+forward raise for a step that feeds token ID; ``step-delay-ms:MS`` (process
+mode) makes every engine step sleep; several are comma-separated.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import argparse
 import os
 import sys
 import threading
+
+from unikv.env import FAULT_ENV, serve_environ
 
 EXIT_ENGINE_DEATH = 1
 DEATH_FLUSH_S = 0.5  # the failed requests' answers go out before uvicorn stops
@@ -96,11 +99,8 @@ def _positive(kind):
     return parse
 
 
-def _fault_steps(environ) -> int | None:
+def _fault_steps(spec: str | None) -> int | None:
     """The step at which the injected fault kills the engine loop, or None."""
-    from unikv.engine.online import FAULT_ENV
-
-    spec = environ.get(FAULT_ENV, "")
     if not spec:
         return None
     kind, _, num = spec.partition(":")
@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("access and operations")
     a.add_argument(
         "--api-key",
-        default=os.environ.get("UNIKV_API_KEY") or None,
+        default=serve_environ().api_key,
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
         "(default: $UNIKV_API_KEY; unset: no key)",
     )
@@ -250,7 +250,6 @@ def _spawn_engine(args):
     if args.in_process_engine or not 0 <= args.port < 65536:
         return None
     from unikv.engine.cli import llm_kwargs
-    from unikv.engine.online import FAULT_ENV
     from unikv.serving.engine_client import ProcEngine
 
     try:
@@ -258,7 +257,7 @@ def _spawn_engine(args):
     except (ValueError, TypeError):
         return None  # reported below, by the in-process path's check
     return ProcEngine(kwargs, max_waiting=args.max_waiting,
-                      fault=os.environ.get(FAULT_ENV) or None, wait=False)  # fmt: skip
+                      fault=serve_environ().engine_fault, wait=False)  # fmt: skip
 
 
 def serve_main(argv: list[str]) -> int:
@@ -291,7 +290,7 @@ def serve_main(argv: list[str]) -> int:
         if llm is None and not args.in_process_engine:
             llm_kwargs(args)  # raises: the options are bad
         if args.in_process_engine:
-            fault = _fault_steps(os.environ)
+            fault = _fault_steps(serve_environ().engine_fault)
             llm = llm_from_args(args)
             llm.engine.die_after_steps = fault
             where = f"pool {llm.pool.total_bytes} bytes, {llm.device}, engine in this process"
@@ -331,7 +330,10 @@ def serve_main(argv: list[str]) -> int:
         h11_max_incomplete_event_size=options.max_header_bytes,
     )
     server = holder["server"] = _draining_server(config, app.state.server)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.close()  # tensor-parallel workers stop with the server
     if died:
         return EXIT_ENGINE_DEATH
     return 0 if server.started else 3

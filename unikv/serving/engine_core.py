@@ -111,7 +111,7 @@ class Poison:
 def _fault(llm, spec: str | None) -> None:
     """Test-only faults, comma-separated: die-after-steps:N, poison-token:ID,
     step-delay-ms:MS (each step sleeps: a slow engine)."""
-    from unikv.engine.online import FAULT_ENV
+    from unikv.env import FAULT_ENV
 
     for one in filter(None, (spec or "").split(",")):
         kind, _, num = one.partition(":")
