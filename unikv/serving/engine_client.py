@@ -46,16 +46,18 @@ class EngineStartError(RuntimeError):
     """The engine process failed to start (its message says why)."""
 
 
-def front_of(tokenizer, info: dict):
-    """The tokenizer side of the LLM the engine process built (``ready``'s info)."""
+def front_of(tokenizer, config, info: dict):
+    """The tokenizer side of the LLM the engine process built (``ready``'s info;
+    ``config`` the checkpoint's model config, as ``LLM`` reads it)."""
     import threading as th
 
     from unikv.engine.prompts import PromptMaker
 
+    assert config.vocab_size == info["vocab_size"], "engine process: one checkpoint, one vocab"
     front = SimpleNamespace(
         tokenizer=tokenizer,
         tokenizer_lock=th.Lock(),
-        config=SimpleNamespace(vocab_size=info["vocab_size"]),
+        config=config,
         max_model_len=info["max_model_len"],
         eos_token_ids=set(info["eos_token_ids"]),
         prefix_caching=info["prefix_caching"],
@@ -123,11 +125,14 @@ class ProcEngine:
         """Until the engine process has built its LLM (ValueError with its message
         when that failed, EngineStartError when it died or took too long)."""
         if self.info is None:
-            from unikv.models.loader import load_tokenizer
+            from unikv.models.hub import resolve_model
+            from unikv.models.loader import load_model_config, load_tokenizer
 
-            tokenizer = load_tokenizer(self.model)  # while the engine loads
+            model_dir = resolve_model(self.model)  # (a repo id: as LLM resolves it)
+            tokenizer = load_tokenizer(model_dir)  # while the engine loads
+            config = load_model_config(model_dir)[0]
             self.info = self._wait_ready(timeout_s)
-            self.front = front_of(tokenizer, self.info)
+            self.front = front_of(tokenizer, config, self.info)
         return self
 
     def _wait_ready(self, timeout_s: float) -> dict:
