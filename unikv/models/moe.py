@@ -24,7 +24,7 @@ from torch import nn
 
 from unikv.kernels.backend import DENSE_MAX_TOKENS, KernelBackend, model_ops
 
-__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
+__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts", "shard_experts"]
 
 SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -100,6 +100,19 @@ class RoutedExperts(nn.ModuleList):
         return self.kernel(
             x, weights, indices, self.w1, self.w2, activation=self.activation, sum_dtype=sum_dtype
         )
+
+
+def shard_experts(experts: RoutedExperts) -> RoutedExperts:
+    """Tensor parallelism for ``experts`` built with intermediate / tp: the loader
+    narrows each expert's gate/up rows and down columns to this rank's slice of the
+    intermediate dim (``parallel.shard_plan``); the output is then a partial sum,
+    which the caller all-reduces."""
+    *ins, out = experts.names
+    for expert in experts:
+        for name in ins:
+            getattr(expert, name).tp_shards = {"weight": 0}
+        getattr(expert, out).tp_shards = {"weight": 1}
+    return experts
 
 
 def routed_experts(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
 
@@ -84,7 +85,8 @@ def refuse_tp(config: ModelConfig, tp) -> None:
 def check_tp_config(config: ModelConfig, size: int) -> None:
     """Raise ValueError unless ``config`` can be split over ``size`` ranks: its model
     class shards (``tensor_parallel``) and ``size`` divides every field its
-    ``tp_dims(config)`` names (HF field name -> value). Runs before any weight loads."""
+    ``tp_dims(config)`` names (HF field name -> value), and its recurrent dims split
+    (``state_dims.shard(size)``). Runs before any weight loads."""
     from unikv.models.family import named
 
     model = named(config.family).model_class()
@@ -100,6 +102,8 @@ def check_tp_config(config: ModelConfig, size: int) -> None:
             f"tensor parallelism of {size} needs {sorted(bad)} divisible by {size}, got "
             f"{bad}; use a tensor-parallel size that divides them (1 always does)"
         )
+    if hasattr(config.state_dims, "shard"):  # the recurrent dims' own rule (Mamba-2 groups)
+        config.state_dims.shard(size)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -140,18 +144,77 @@ def tp_size(tp: TensorParallel | None) -> int:
     return 1 if tp is None else tp.size
 
 
-def shard_plan(model: nn.Module) -> dict[str, int]:
-    """Full parameter name -> the dim it is sharded on, from modules' ``tp_shards``."""
+@dataclass(frozen=True)
+class Segments:
+    """How to shard a tensor made of segments along ``dim`` (a packed projection, a
+    conv over [x | B | C]): each segment ``(length, groups)`` is split on its own.
+
+    A segment whose ``groups`` the TP size divides is split into ``size`` equal slices
+    (rank r: slice r); one whose ``groups`` divides the size (Mamba-2's B and C with
+    fewer groups than ranks) gives rank r the one group its heads use, group
+    ``r * groups // size``; the rank's slices are concatenated in segment order."""
+
+    dim: int
+    segments: tuple[tuple[int, int], ...]
+
+    def slices(self, rank: int, size: int, name: str) -> list[tuple[int, int]]:
+        """(start, length) of each of the rank's slices, in order."""
+        out, start = [], 0
+        for length, groups in self.segments:
+            if groups % size == 0:
+                step = length // size
+                out.append((start + rank * step, step))
+            elif size % groups == 0:
+                step = length // groups
+                out.append((start + (rank * groups // size) * step, step))
+            else:
+                raise ValueError(
+                    f"tensor {name}: a segment of {groups} groups can be neither split over "
+                    f"nor shared by {size} ranks; use a tensor-parallel size that divides "
+                    "the group count or that it divides"
+                )
+            start += length
+        return out
+
+
+def shard_rows(module: nn.Module, spec: int | Segments = 0) -> nn.Module:
+    """Mark a plain ``Linear`` (or conv) as column-parallel: the loader narrows its
+    ``weight`` and ``bias`` by ``spec`` (dim 0, or ``Segments``). No communication, and
+    the module stays a plain ``Linear``, so a decoder may still fuse a pre-norm into it."""
+    module.tp_shards = {"weight": spec, "bias": spec}
+    return module
+
+
+def shard_plan(model: nn.Module) -> dict[str, int | Segments]:
+    """Full parameter name -> how it is sharded (a dim or ``Segments``), from modules'
+    ``tp_shards``. A module may also name a part of one of its ``packed`` (fused)
+    projections (``"in_proj_qkv.weight"``): that checkpoint tensor is narrowed on its
+    own before the parts are concatenated (``loader.load_weights``)."""
     plan = {}
     for prefix, module in model.named_modules():
+        parts = {p for names in getattr(module, "packed", {}).values() for p in names}
         for name, dim in getattr(module, "tp_shards", {}).items():
-            if getattr(module, name, None) is not None:
+            owner = name.split(".", 1)[0]
+            if getattr(module, name, None) is not None or owner in parts:
                 plan[f"{prefix}.{name}" if prefix else name] = dim
     return plan
 
 
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
-    """Rank ``rank``'s contiguous 1/size slice of ``full`` along ``dim``."""
+def shard_tensor(
+    full: torch.Tensor, dim: int | Segments, rank: int, size: int, name: str
+) -> torch.Tensor:
+    """Rank ``rank``'s contiguous 1/size slice of ``full`` along ``dim``, or its
+    slices of each segment (``Segments``), concatenated."""
+    if isinstance(dim, Segments):
+        total = sum(length for length, _ in dim.segments)
+        if full.shape[dim.dim] != total:
+            raise ValueError(
+                f"tensor {name}: dim {dim.dim} of shape {tuple(full.shape)} is not the "
+                f"{total} its segments {dim.segments} add up to; config.json and the "
+                "weights disagree"
+            )
+        parts = [full.narrow(dim.dim, s, n) for s, n in dim.slices(rank, size, name)]
+        return torch.cat(parts, dim=dim.dim)
     if full.shape[dim] % size:
         raise ValueError(
             f"tensor {name}: dim {dim} of shape {tuple(full.shape)} is not divisible by the "
@@ -161,20 +224,25 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, name: str) 
     return full.narrow(dim, rank * step, step)
 
 
-def shard_subpool_configs(configs: Sequence, size: int) -> list:
-    """The SubPoolConfigs of one rank: each attention spec with ``num_kv_heads / size``.
+def shard_subpool_configs(configs: Sequence, size: int, state_dims=None) -> list:
+    """The SubPoolConfigs of one rank: each attention spec with ``num_kv_heads / size``;
+    each recurrent (Mamba / Gated DeltaNet) spec with the rank's conv channels and SSM
+    heads (``shard_state_spec``).
 
-    Raises ValueError for specs that cannot be split by heads (MLA, Mamba) or
-    whose KV heads ``size`` does not divide."""
+    Raises ValueError for specs that cannot be split by heads (MLA) or whose heads
+    ``size`` does not divide."""
     if size == 1:
         return list(configs)
     out = []
     for c in configs:
+        if c.spec.kind == "mamba":
+            out.append(dataclasses.replace(c, spec=shard_state_spec(c, size, state_dims)))
+            continue
         heads = getattr(c.spec, "num_kv_heads", None)
         if c.spec.kind not in ("full", "swa") or heads is None:
             raise ValueError(
                 f"sub-pool {c.name!r} ({c.spec.kind}) cannot be sharded by KV heads; tensor "
-                "parallelism supports full and sliding-window attention only"
+                "parallelism supports attention and recurrent (Mamba) sub-pools only"
             )
         if heads % size:
             raise ValueError(
@@ -184,3 +252,34 @@ def shard_subpool_configs(configs: Sequence, size: int) -> list:
         spec = dataclasses.replace(c.spec, num_kv_heads=heads // size)
         out.append(dataclasses.replace(c, spec=spec))
     return out
+
+
+def shard_state_spec(c, size: int, state_dims=None):
+    """One rank's MambaSpec of sub-pool config ``c``: conv (C_r, K) and temporal
+    (H / size, ...). With the family's recurrent dims (``state_dims``, whose
+    ``shard(size)`` gives the rank's own: Mamba-2's B and C may stay whole on every
+    rank), C_r is theirs; without, C / size."""
+    from unikv.specs import MambaSpec, StatePart
+
+    spec = c.spec
+    (conv,), temporal = spec.conv, spec.temporal
+    if state_dims is not None and hasattr(state_dims, "shard"):
+        assert conv.shape == (state_dims.conv_dim, state_dims.conv_kernel), (
+            f"sub-pool {c.name!r}: the conv part {conv.shape} is not the family's dims'"
+        )
+        local = state_dims.shard(size)
+        conv_shape, temporal_shape = (local.conv_dim, local.conv_kernel), local.state_shape
+    else:
+        channels, heads = conv.shape[0], temporal.shape[0]
+        if channels % size or heads % size:
+            raise ValueError(
+                f"sub-pool {c.name!r}: conv channels {channels} and state heads {heads} must "
+                f"be divisible by the tensor-parallel size {size}"
+            )
+        conv_shape = (channels // size, *conv.shape[1:])
+        temporal_shape = (heads // size, *temporal.shape[1:])
+    return MambaSpec(
+        num_layers=spec.num_layers,
+        conv=(StatePart(tuple(conv_shape), conv.dtype),),
+        temporal=StatePart(tuple(temporal_shape), temporal.dtype),
+    )
