@@ -2,10 +2,11 @@
 fp32: Qwen3.5 and Qwen3-Next (Gated DeltaNet + gated attention, Qwen3-Next's MoE with a
 shared expert), NemotronH (Mamba-2, attention, MLP and MoE layers) and Falcon-H1
 (Mamba-2 beside attention, muP multipliers; one Mamba group shared by both ranks, its
-gated norm on, random projection biases). TP 2 for all four in one spawn; TP 4 for
-Qwen3.5 (2 key heads for 4 ranks: each rank reads one key head) and NemotronH (2 Mamba
-groups for 4 ranks: the gated norm's group spans two ranks) in another. Checked
-against independent derivations in this process:
+gated norm on, random projection biases) at TP 2; Qwen3.5 (2 key heads for 4 ranks:
+each rank reads one key head) and NemotronH (2 Mamba groups for 4 ranks: the gated
+norm's group spans two ranks) at TP 4. One spawn of four ranks runs both sizes (TP 2
+on two pairs of ranks at once), since starting processes costs more than the tiny
+models. Checked against independent derivations in this process:
 
 - greedy tokens equal transformers' (eager) and a TP-1 ``LLM``'s, on every rank, and
   every sampled logit row is within ``ATOL`` of TP 1's;
@@ -132,63 +133,63 @@ def _generate(llm: LLM) -> dict:
     }
 
 
-def _worker(rank, port, out_dir, size, paths: dict, bad: str | None) -> None:
-    init_group(rank, port, world_size=size)
-    tp = {"tp_group": dist.group.WORLD, "device": "cpu", **OPTIONS}
-    result = {family: _generate(LLM(path, **tp)) for family, path in paths.items()}
-    if bad is not None:
-        try:
-            LLM(bad, **tp)
-            result["bad"] = "no error"
-        except ValueError as e:
-            result["bad"] = str(e)
+def _worker(rank, port, out_dir, paths: dict, bad: str) -> None:
+    """Four ranks: the TP-2 models on two pairs of them at once (ranks 0, 1 and 2, 3:
+    one spawn for both sizes), then the TP-4 models on all four."""
+    init_group(rank, port, world_size=4)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    result = {}
+    for (family, size), path in paths.items():
+        group = pairs[rank // 2] if size == 2 else dist.group.WORLD
+        tp = {"tp_group": group, "device": "cpu", **OPTIONS}
+        result[(family, size)] = _generate(LLM(path, **tp))
+        if family == "nemotron_h" and size == 2:
+            try:  # 3 Mamba groups split over 2 ranks no way: refused before loading
+                LLM(bad, **tp)
+                result["bad"] = "no error"
+            except ValueError as e:
+                result["bad"] = str(e)
     save_result(out_dir, rank, result)
     dist.destroy_process_group()
 
 
-def _spawn(size: int, root) -> dict:
-    """Per family at TP ``size``: transformers' greedy tokens, the TP-1 run, the
-    transformers config, and every rank's run."""
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per (family, TP size): transformers' greedy tokens, the TP-1 run and the
+    transformers config; and every rank's runs."""
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("tp")
     paths, refs = {}, {}
-    for (family, tp), save in MODELS.items():
-        if tp != size:
-            continue
-        paths[family] = str(root / f"{family}{size}")
-        hf = save(paths[family])
-        refs[family] = {
+    for (family, size), save in MODELS.items():
+        paths[(family, size)] = str(root / f"{family}{size}")
+        hf = save(paths[(family, size)])
+        refs[(family, size)] = {
             "hf": [hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()],
-            "tp1": _generate(LLM(paths[family], device="cpu", **OPTIONS)),
+            "tp1": _generate(LLM(paths[(family, size)], device="cpu", **OPTIONS)),
             "config": hf.config,
         }
-    bad = None
-    if size == 2:  # 3 Mamba groups split over 2 ranks no way: refused before loading
-        bad = root / "bad"
-        save_tiny_nemotron_h(str(bad), "M*", n_groups=3)
-        (bad / "model.safetensors").unlink()
-    ranks = run_n(size, _worker, str(root), size, paths, None if bad is None else str(bad))
-    return {"refs": refs, "ranks": ranks, "size": size}
+    bad = root / "bad"
+    save_tiny_nemotron_h(str(bad), "M*", n_groups=3)
+    (bad / "model.safetensors").unlink()  # the refusal comes before any weight loads
+    return {"refs": refs, "ranks": run_n(4, _worker, str(root), paths, str(bad))}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
-def runs(request, tmp_path_factory):
-    torch.set_num_threads(1)
-    return _spawn(request.param, tmp_path_factory.mktemp(f"tp{request.param}"))
-
-
-def _families(runs):
-    return sorted(runs["refs"])
+def _cases(runs):
+    """(family, size, ranks as (rank within the group, result)) of every TP run."""
+    for family, size in sorted(runs["refs"]):
+        ranks = [(r % size, rank[(family, size)]) for r, rank in enumerate(runs["ranks"])]
+        yield family, size, runs["refs"][(family, size)], ranks
 
 
 def test_tokens_match_transformers_and_logits_match_tp1(runs):
-    for family in _families(runs):
-        ref = runs["refs"][family]
+    for family, size, ref, ranks in _cases(runs):
         assert ref["tp1"]["tokens"] == ref["hf"], family
-        for r, rank in enumerate(runs["ranks"]):
-            assert rank[family]["tokens"] == ref["hf"], (family, r)
-            rows, tp1 = rank[family]["rows"], ref["tp1"]["rows"]
+        for r, got in ranks:
+            assert got["tokens"] == ref["hf"], (family, size, r)
+            rows, tp1 = got["rows"], ref["tp1"]["rows"]
             assert sorted(rows) == sorted(tp1)
             err = max((rows[k] - tp1[k]).abs().max().item() for k in tp1)
-            assert err < ATOL, f"{family} rank {r}: logits differ from TP 1 by {err}"
+            assert err < ATOL, f"{family} TP {size} rank {r}: logits differ from TP 1 by {err}"
 
 
 def _recurrent_shard(config, family: str, rank: int, size: int):
@@ -219,12 +220,9 @@ def _recurrent_shard(config, family: str, rank: int, size: int):
 
 
 def test_each_rank_holds_only_its_state_shard(runs):
-    size = runs["size"]
-    for family in _families(runs):
-        ref = runs["refs"][family]
+    for family, size, ref, ranks in _cases(runs):
         tp1 = ref["tp1"]["states"]
-        for r, rank in enumerate(runs["ranks"]):
-            got = rank[family]
+        for r, got in ranks:
             assert got["slot_bytes"] < ref["tp1"]["slot_bytes"]
             channels, heads = _recurrent_shard(ref["config"], family, r, size)
             assert sorted(got["states"]) == sorted(tp1)
@@ -237,35 +235,31 @@ def test_each_rank_holds_only_its_state_shard(runs):
                     err_conv = (my_conv - conv[channels]).abs().max().item()
                     err_state = (my_state - state[heads]).abs().max().item()
                     scale = state.abs().max().item()
-                    where = f"{family} rank {r} request {rid} layer {layer}"
+                    where = f"{family} TP {size} rank {r} request {rid} layer {layer}"
                     assert err_conv < ATOL, f"{where}: conv off by {err_conv}"
                     assert err_state <= 1e-5 * scale, f"{where}: state off by {err_state}"
                     assert scale > 0  # a state that took the prompt in
 
 
 def test_each_rank_caches_its_own_kv_heads(runs):
-    size = runs["size"]
-    for family in _families(runs):
-        tp1 = runs["refs"][family]["tp1"]["kv"]
-        for r, rank in enumerate(runs["ranks"]):
-            got = rank[family]["kv"]
-            assert sorted(got) == sorted(tp1)
+    for family, size, ref, ranks in _cases(runs):
+        tp1 = ref["tp1"]["kv"]
+        for r, got in ranks:
+            assert sorted(got["kv"]) == sorted(tp1)
             for rid, layers in tp1.items():
-                assert sorted(got[rid]) == sorted(layers) and layers
+                assert sorted(got["kv"][rid]) == sorted(layers) and layers
                 for layer, (k1, v1) in layers.items():
-                    k, v = got[rid][layer]
+                    k, v = got["kv"][rid][layer]
                     h = k1.shape[1] // size
                     assert k.shape == (k1.shape[0], h, k1.shape[2])
                     for mine, full in ((k, k1), (v, v1)):
                         err = (mine - full[:, r * h : (r + 1) * h]).abs().max().item()
-                        where = f"{family} rank {r} request {rid} layer {layer}"
+                        where = f"{family} TP {size} rank {r} request {rid} layer {layer}"
                         assert err < ATOL, f"{where}: K/V off by {err}"
                         assert full.abs().max() > 0
 
 
 def test_indivisible_groups_refused_before_loading(runs):
-    if runs["size"] != 2:
-        pytest.skip("checked at TP 2")
     for rank in runs["ranks"]:
         message = rank["bad"]
         assert "n_groups (3)" in message and "mamba_num_heads" in message, message
