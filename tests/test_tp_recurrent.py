@@ -6,7 +6,8 @@ gated norm on, random projection biases) at TP 2; Qwen3.5 (2 key heads for 4 ran
 each rank reads one key head) and NemotronH (2 Mamba groups for 4 ranks: the gated
 norm's group spans two ranks) at TP 4. One spawn of four ranks runs both sizes (TP 2
 on two pairs of ranks at once), since starting processes costs more than the tiny
-models. Checked against independent derivations in this process:
+models. The same over NCCL with one GPU per rank on a 4-GPU machine (``-m gpu``).
+Checked against independent derivations in this process:
 
 - greedy tokens equal transformers' (eager) and a TP-1 ``LLM``'s, on every rank, and
   every sampled logit row is within ``ATOL`` of TP 1's;
@@ -29,7 +30,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from dist_fixtures import init_group, run_n, save_result
+from dist_fixtures import init_group, rank_device, run_n, save_result
 from engine_fixtures import (
     VOCAB,
     hf_greedy,
@@ -96,7 +97,7 @@ def _prefilled(llm, r) -> tuple[dict, dict]:
     allocator's table)."""
     slot = int(llm.alloc.mamba_slots(torch.tensor([r.slot])).data[0])
     states = {
-        layer: (s.conv[slot].clone(), s.temporal[slot].clone())
+        layer: (s.conv[slot].cpu(), s.temporal[slot].cpu())
         for layer, s in enumerate(llm.runner.states)
         if s is not None
     }
@@ -105,7 +106,7 @@ def _prefilled(llm, r) -> tuple[dict, dict]:
     for layer, c in enumerate(llm.runner.layers):
         if c is not None:
             ids = llm.alloc.translate(VirtualTokenIds(virtual), c.subpool).data.long()
-            kv[layer] = (c.k[ids].clone(), c.v[ids].clone())
+            kv[layer] = (c.k[ids].cpu(), c.v[ids].cpu())
     return states, kv
 
 
@@ -133,15 +134,15 @@ def _generate(llm: LLM) -> dict:
     }
 
 
-def _worker(rank, port, out_dir, paths: dict, bad: str) -> None:
+def _worker(rank, port, out_dir, backend: str, paths: dict, bad: str) -> None:
     """Four ranks: the TP-2 models on two pairs of them at once (ranks 0, 1 and 2, 3:
     one spawn for both sizes), then the TP-4 models on all four."""
-    init_group(rank, port, world_size=4)
+    device = init_group(rank, port, backend, world_size=4)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
     result = {}
     for (family, size), path in paths.items():
         group = pairs[rank // 2] if size == 2 else dist.group.WORLD
-        tp = {"tp_group": group, "device": "cpu", **OPTIONS}
+        tp = {"tp_group": group, "device": device, **OPTIONS}
         result[(family, size)] = _generate(LLM(path, **tp))
         if family == "nemotron_h" and size == 2:
             try:  # 3 Mamba groups split over 2 ranks no way: refused before loading
@@ -153,11 +154,25 @@ def _worker(rank, port, out_dir, paths: dict, bad: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+# gloo on CPU always; NCCL with one GPU per rank only on a 4-GPU machine (-m gpu)
+BACKENDS = [
+    "gloo",
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runs(request, tmp_path_factory):
     """Per (family, TP size): transformers' greedy tokens, the TP-1 run and the
     transformers config; and every rank's runs."""
     torch.set_num_threads(1)
+    device = rank_device(request.param, 0)
     root = tmp_path_factory.mktemp("tp")
     paths, refs = {}, {}
     for (family, size), save in MODELS.items():
@@ -165,13 +180,14 @@ def runs(tmp_path_factory):
         hf = save(paths[(family, size)])
         refs[(family, size)] = {
             "hf": [hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()],
-            "tp1": _generate(LLM(paths[(family, size)], device="cpu", **OPTIONS)),
+            "tp1": _generate(LLM(paths[(family, size)], device=device, **OPTIONS)),
             "config": hf.config,
         }
     bad = root / "bad"
     save_tiny_nemotron_h(str(bad), "M*", n_groups=3)
     (bad / "model.safetensors").unlink()  # the refusal comes before any weight loads
-    return {"refs": refs, "ranks": run_n(4, _worker, str(root), paths, str(bad))}
+    ranks = run_n(4, _worker, str(root), request.param, paths, str(bad))
+    return {"refs": refs, "ranks": ranks}
 
 
 def _cases(runs):

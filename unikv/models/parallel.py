@@ -14,15 +14,41 @@ see the same tokens:
                            down_proj rows); the router is replicated, so every
                            rank routes alike; one all-reduce after the experts,
                            whose down bias is added by rank 0 only
+    Gated      in_proj     by heads, one GEMM still (a plain Linear: the pre-norm
+    DeltaNet               fuses into it): [q | k | v] rows by key / value heads
+    (Qwen3.5,              (``Segments``), z, b, a by value heads; Qwen3-Next's
+    Qwen3-Next)            per-key-head packing by key heads
+               conv1d      the channels of the rank's q, k, v heads
+               dt_bias, A_log  by value heads; the per-head gated norm replicated
+               out_proj    row-parallel + all-reduce
+               key heads   fewer than ranks (tp a multiple of them): each rank takes
+                           the one key head its value heads read
+    Mamba-2    in_proj     [z | x | B | C | dt]: z, x, dt by heads, B and C by
+    (NemotronH,            groups where tp divides n_groups, else (tp a multiple
+    Falcon-H1)             of n_groups) the one group the rank's heads use
+               conv1d      [x | B | C] channels likewise; dt_bias, A_log, D by heads
+               norm        the gated RMSNorm per group; a group spanning ranks has
+                           its mean square summed over them (one small all-reduce)
+               out_proj    row-parallel + all-reduce
+    MoE with   shared      sharded like the routed experts (its own all-reduce);
+    a shared   expert      gates, routers, latent projections replicated
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
-Each rank therefore stores K/V only for its own KV heads: its unified pool is
-built from specs with ``num_kv_heads / tp`` (:func:`shard_subpool_configs`).
+Each rank therefore stores K/V only for its own KV heads, and recurrent state only
+for its own heads: its unified pool is built from specs with ``num_kv_heads / tp``
+and, for a Mamba sub-pool, the rank's conv channels and ``heads / tp`` state heads
+(:func:`shard_subpool_configs`, from the family's ``state_dims.shard``), so per-rank
+state bytes fall with tp.
 
 Parameter names stay transformers' (``q_proj.weight`` ...): a module that is
-sharded says how in ``tp_shards`` (parameter name -> dim), and the loader
-narrows each checkpoint tensor with :func:`shard_tensor` before copying it.
+sharded says how in ``tp_shards`` (parameter name -> dim, or ``Segments`` for a
+tensor of segments split each on its own; a part of a packed projection may have
+its own entry), and the loader narrows each checkpoint tensor with
+:func:`shard_tensor` before copying it. A family opts in with ``tensor_parallel``
+and names the HF fields a tp size must divide in ``tp_dims``;
+:func:`check_tp_config` checks them (and the recurrent dims' own rule) before any
+weight loads.
 
 The all-reduce sums partial products in another order than one big matmul, so
 fp32 logits differ from TP 1 by rounding only (about 1e-6 here).
