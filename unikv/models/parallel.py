@@ -285,8 +285,6 @@ def shard_state_spec(c, size: int, state_dims=None):
     (H / size, ...). With the family's recurrent dims (``state_dims``, whose
     ``shard(size)`` gives the rank's own: Mamba-2's B and C may stay whole on every
     rank), C_r is theirs; without, C / size."""
-    from unikv.specs import MambaSpec, StatePart
-
     spec = c.spec
     (conv,), temporal = spec.conv, spec.temporal
     if state_dims is not None and hasattr(state_dims, "shard"):
@@ -304,8 +302,8 @@ def shard_state_spec(c, size: int, state_dims=None):
             )
         conv_shape = (channels // size, *conv.shape[1:])
         temporal_shape = (heads // size, *temporal.shape[1:])
-    return MambaSpec(
-        num_layers=spec.num_layers,
-        conv=(StatePart(tuple(conv_shape), conv.dtype),),
-        temporal=StatePart(tuple(temporal_shape), temporal.dtype),
+    return dataclasses.replace(
+        spec,
+        conv=(dataclasses.replace(conv, shape=tuple(conv_shape)),),
+        temporal=dataclasses.replace(temporal, shape=tuple(temporal_shape)),
     )
