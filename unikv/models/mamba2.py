@@ -11,6 +11,11 @@ I = H * P (heads times head dim), G groups, N the state size. The recurrent stat
 Mamba sub-pool; the model only calls the step object's ops (``layers.StateFn``).
 Parameter names follow transformers (``in_proj``, ``conv1d.weight`` (C, 1, K),
 ``conv1d.bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``).
+
+Under tensor parallelism (``models/parallel.py``) a rank runs ``dims.shard(tp)``: its
+heads, and B/C of its groups (or of the one group its heads use, shared with other
+ranks, whose gated-norm mean square is then summed over them); ``in_proj`` stays one
+plain GEMM (the pre-norm fuses into it), ``out_proj`` is row-parallel.
 """
 
 from __future__ import annotations
@@ -87,13 +92,10 @@ class Mamba2Dims:
     def segments(self) -> tuple[Segments, Segments]:
         """How ``in_proj`` ([z | x | B | C | dt], dim 0) and the conv ([x | B | C]) split
         over ranks: z, x and dt by heads, B and C by groups."""
-        inner, gn, h, g = self.intermediate_size, self.n_groups * self.state_size, *self.counts
+        inner, gn = self.intermediate_size, self.n_groups * self.state_size
+        h, g = self.num_heads, self.n_groups
         xbc = ((inner, h), (gn, g), (gn, g))
         return Segments(0, ((inner, h), *xbc, (h, h))), Segments(0, xbc)
-
-    @property
-    def counts(self) -> tuple[int, int]:
-        return self.num_heads, self.n_groups
 
     def check(self) -> None:
         """Raise ValueError on dims the mixer cannot run."""

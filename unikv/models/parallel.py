@@ -280,30 +280,28 @@ def shard_subpool_configs(configs: Sequence, size: int, state_dims=None) -> list
     return out
 
 
-def shard_state_spec(c, size: int, state_dims=None):
+def shard_state_spec(c, size: int, state_dims):
     """One rank's MambaSpec of sub-pool config ``c``: conv (C_r, K) and temporal
-    (H / size, ...). With the family's recurrent dims (``state_dims``, whose
-    ``shard(size)`` gives the rank's own: Mamba-2's B and C may stay whole on every
-    rank), C_r is theirs; without, C / size."""
+    (H / size, ...) from the family's recurrent dims split over the ranks
+    (``state_dims.shard(size)``: C_r holds the channels of the rank's heads, and of
+    the Mamba-2 group(s) they use, which other ranks may share)."""
+    if not hasattr(state_dims, "shard"):
+        raise ValueError(
+            f"sub-pool {c.name!r} (recurrent state) can be sharded only with its family's "
+            "recurrent dims (ModelConfig.state_dims with a shard method); this family "
+            "runs without tensor parallelism"
+        )
     spec = c.spec
     (conv,), temporal = spec.conv, spec.temporal
-    if state_dims is not None and hasattr(state_dims, "shard"):
-        assert conv.shape == (state_dims.conv_dim, state_dims.conv_kernel), (
-            f"sub-pool {c.name!r}: the conv part {conv.shape} is not the family's dims'"
-        )
-        local = state_dims.shard(size)
-        conv_shape, temporal_shape = (local.conv_dim, local.conv_kernel), local.state_shape
-    else:
-        channels, heads = conv.shape[0], temporal.shape[0]
-        if channels % size or heads % size:
-            raise ValueError(
-                f"sub-pool {c.name!r}: conv channels {channels} and state heads {heads} must "
-                f"be divisible by the tensor-parallel size {size}"
-            )
-        conv_shape = (channels // size, *conv.shape[1:])
-        temporal_shape = (heads // size, *temporal.shape[1:])
+    assert conv.shape == (state_dims.conv_dim, state_dims.conv_kernel), (
+        f"sub-pool {c.name!r}: the conv part {conv.shape} is not the family's dims'"
+    )
+    assert temporal.shape == tuple(state_dims.state_shape), (
+        f"sub-pool {c.name!r}: the temporal part {temporal.shape} is not the family's dims'"
+    )
+    local = state_dims.shard(size)
     return dataclasses.replace(
         spec,
-        conv=(dataclasses.replace(conv, shape=tuple(conv_shape)),),
-        temporal=dataclasses.replace(temporal, shape=tuple(temporal_shape)),
+        conv=(dataclasses.replace(conv, shape=(local.conv_dim, local.conv_kernel)),),
+        temporal=dataclasses.replace(temporal, shape=tuple(local.state_shape)),
     )

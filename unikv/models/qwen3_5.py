@@ -18,6 +18,9 @@ concatenated (their ``packed`` maps), and the decoder fuses the pre-norm into it
   (``repeat_interleave``), the gated delta rule (l2-normed q/k, scale Dk**-0.5),
   a gated RMSNorm with z, out_proj. The conv and the recurrence go through the
   step object (``StateFn``): their state lives in the request's pool slot.
+- Tensor parallelism (``models/parallel.py``): a rank runs ``state_dims.shard(tp)``,
+  its value heads and the key heads they read, the one input GEMM narrowed per
+  checkpoint part (``projection_shards``), out_proj row-parallel; attention by heads.
 """
 
 from __future__ import annotations
