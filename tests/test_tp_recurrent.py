@@ -4,9 +4,9 @@ shared expert), NemotronH (Mamba-2, attention, MLP and MoE layers) and Falcon-H1
 (Mamba-2 beside attention, muP multipliers; one Mamba group shared by both ranks, its
 gated norm on, random projection biases) at TP 2; Qwen3.5 (2 key heads for 4 ranks:
 each rank reads one key head) and NemotronH (2 Mamba groups for 4 ranks: the gated
-norm's group spans two ranks; a MoE in a latent space) at TP 4. One spawn of four ranks runs both sizes (TP 2
-on two pairs of ranks at once), since starting processes costs more than the tiny
-models. The same over NCCL with one GPU per rank on a 4-GPU machine (``-m gpu``).
+norm's group spans two ranks; a MoE in a latent space) at TP 4. One spawn of four
+ranks runs both sizes (TP 2 on two pairs of ranks at once), since starting processes
+costs more than the tiny models. The same over NCCL with one GPU per rank on a 4-GPU machine (``-m gpu``).
 Checked against independent derivations in this process:
 
 - greedy tokens equal transformers' (eager) and a TP-1 ``LLM``'s, on every rank, and
