@@ -29,7 +29,7 @@ from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, as_float
 from unikv.models.layers import Attention, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from unikv.models.parallel import linear_layers, tp_size
+from unikv.models.parallel import linear_layers, partial_row, tp_size
 from unikv.models.rope import Rotary
 
 # FalconH1Config fields copied into ModelConfig.extra (name -> default)
@@ -159,6 +159,10 @@ class DecoderLayer(decoder.DecoderLayer):
         self.feed_forward = ScaledMLP(config, tp)
         self.mamba = FalconMixer(config, layer, tp)
         self.self_attn = KeyScaledAttention(config, layer, rotary, tp)
+        self.tp = tp
+        if tp is not None:  # both mixers' partial sums, scaled and added, reduced once
+            self.mamba.out_proj = partial_row(self.mamba.out_proj, tp)
+            self.self_attn.o_proj = partial_row(self.self_attn.o_proj, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps)
         self.ssm_out = e["ssm_out_multiplier"]
@@ -172,7 +176,7 @@ class DecoderLayer(decoder.DecoderLayer):
         """The mixers' muP-scaled sum on the normed stream h: (T, hidden) -> (T, hidden)."""
         m = self.mamba(h, positions, attn) * self.ssm_out
         a = self.self_attn(h * self.attn_in, positions, attn) * self.attn_out
-        return m + a
+        return m + a if self.tp is None else self.tp.all_reduce(m + a)
 
 
 class FalconH1ForCausalLM(decoder.DecoderLM):
@@ -188,8 +192,8 @@ class FalconH1ForCausalLM(decoder.DecoderLM):
         config: ModelConfig with Falcon-H1's fields in ``extra`` (``config_extras``).
         max_positions: length of the rope table.
         tp: None, or a ``models.parallel.TensorParallel``: this rank's Mamba-2 heads
-            (and their state), attention heads and MLP columns; each of the two mixers
-            and the MLP all-reduce once.
+            (and their state), attention heads and MLP columns; the two mixers' sum
+            and the MLP all-reduce once each.
         ops: as ``decoder.DecoderLM``.
     """
 

@@ -27,7 +27,7 @@ from unikv.models.hf import Fields
 from unikv.models.layers import AttentionFn, Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts, shard_experts
-from unikv.models.parallel import linear_layers, shard_rows, tp_size
+from unikv.models.parallel import linear_layers, partial_row, shard_rows, tp_size
 
 MAMBA, ATTENTION, MLP_TYPE, MOE = "linear_attention", "full_attention", "mlp", "moe"
 LAYER_TYPES = (MAMBA, ATTENTION, MLP_TYPE, MOE)
@@ -171,8 +171,9 @@ class MoE(nn.Module):
 
     The routed experts run in the fused MoE (``models/moe.RoutedExperts``). Under
     ``tp`` the router and the latent projections are replicated, the routed and shared
-    experts sharded on their intermediate dims; the routed sum is all-reduced (before
-    ``fc2_latent_proj``), the shared expert all-reduces its own."""
+    experts sharded on their intermediate dims; their partial sums are added and
+    all-reduced once (with a latent space: the routed sum before ``fc2_latent_proj``,
+    the shared expert its own)."""
 
     def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
@@ -187,6 +188,9 @@ class MoE(nn.Module):
             shard_experts(self.experts)
         self.tp = tp
         self.shared_experts = Relu2MLP(hidden, e["moe_shared_expert_intermediate_size"], bias, tp)
+        if tp is not None and latent is None:  # routed + shared partials, reduced once
+            shared = self.shared_experts
+            shared.down_proj = partial_row(shared.down_proj, tp)
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
@@ -196,10 +200,11 @@ class MoE(nn.Module):
         weights, indices = self.gate(x)
         h = self.fc1_latent_proj(x) if self.latent else x
         h = self.experts(h, weights, indices, sum_dtype=weights.dtype)
-        if self.tp is not None:  # fixed at construction
-            h = self.tp.all_reduce(h)
-        h = self.fc2_latent_proj(h) if self.latent else h
-        return h + self.shared_experts(x)
+        if self.latent:  # a host bool fixed at construction
+            h = self.fc2_latent_proj(h if self.tp is None else self.tp.all_reduce(h))
+            return h + self.shared_experts(x)  # (its own all-reduce under tp)
+        h = h + self.shared_experts(x)
+        return h if self.tp is None else self.tp.all_reduce(h)
 
 
 class Block(decoder.DecoderLayer):

@@ -30,8 +30,11 @@ see the same tokens:
                norm        the gated RMSNorm per group; a group spanning ranks has
                            its mean square summed over them (one small all-reduce)
                out_proj    row-parallel + all-reduce
-    MoE with   shared      sharded like the routed experts (its own all-reduce);
-    a shared   expert      gates, routers, latent projections replicated
+    MoE with   shared      sharded like the routed experts, its partial sum added
+    a shared   expert      to theirs before the one all-reduce (``reduce=False``);
+                           gates, routers, latent projections replicated
+    Falcon-H1  mixers      Mamba-2 and attention side by side: their scaled partial
+                           sums added, then one all-reduce
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
@@ -143,17 +146,32 @@ class RowParallelLinear(nn.Linear):
     """``nn.Linear`` holding columns [r*in/tp, (r+1)*in/tp) of the full weight.
 
     x: (T, in/tp), this rank's slice -> (T, out), the full product: the partial
-    products are all-reduced, then the (replicated) bias is added once."""
+    products are all-reduced, then the (replicated) bias is added once.
+
+    ``reduce=False``: the rank's partial product (the bias added by rank 0 only), for
+    a caller that sums several such partials linearly and all-reduces once (Falcon-H1's
+    two mixers, a MoE's routed and shared experts)."""
 
     tp_shards: ClassVar[dict[str, int]] = {"weight": 1}
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, tp, reduce: bool = True
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
+        self.adds_bias = bias and (reduce or tp.rank == 0)  # host bools, fixed here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(nn.functional.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
+        out = nn.functional.linear(x, self.weight)
+        if self.reduce:
+            out = self.tp.all_reduce(out)
+        return out + self.bias if self.adds_bias else out
+
+
+def partial_row(linear: nn.Linear, tp) -> RowParallelLinear:
+    """A ``reduce=False`` twin of row-parallel ``linear`` (same shape and bias flag)."""
+    bias = linear.bias is not None
+    return RowParallelLinear(linear.in_features, linear.out_features, bias, tp=tp, reduce=False)
 
 
 def linear_layers(tp: TensorParallel | None):

@@ -25,7 +25,7 @@ from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP, Linear
 from unikv.models.moe import RoutedExperts, shard_experts
-from unikv.models.parallel import tp_size
+from unikv.models.parallel import partial_row, tp_size
 
 MOE_FIELDS = (
     "num_experts",
@@ -105,16 +105,17 @@ class SparseMoE(nn.Module):
             shard_experts(self.experts)
         self.tp = tp
         shared = dataclasses.replace(config, intermediate_size=e["shared_expert_intermediate_size"])
-        self.shared_expert = GatedMLP(shared, tp)  # its own all-reduce under tp
+        self.shared_expert = GatedMLP(shared, tp)
+        if tp is not None:  # routed and gated shared partials added, reduced once
+            self.shared_expert.down_proj = partial_row(self.shared_expert.down_proj, tp)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
         out = self.experts(x, weights, indices)
-        if self.tp is not None:  # fixed at construction
-            out = self.tp.all_reduce(out)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class Qwen3NextForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
