@@ -272,8 +272,15 @@ class DenseStepFn:
         self.conv[layer] = seq[:, -kernel:].clone()
         return out.to(x.dtype)
 
-    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm):
-        """q, k: (T, H, Dk); v: (T, H, Dv); g, beta: (T, H) -> (T, H, Dv), token by token."""
+    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm, gating=None):
+        """q, k: (T, Hk, Dk); v: (T, H, Dv); g, beta: (T, H) (raw a, b with ``gating`` =
+        (A_log, dt_bias)) -> (T, H, Dv), token by token."""
+        if gating is not None:  # transformers' gates, written out here
+            a_log, dt_bias = gating
+            g = -a_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias)
+            beta = beta.sigmoid()
+        rep = v.shape[1] // q.shape[1]
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         h, dk, dv = q.shape[1], q.shape[2], v.shape[2]
         s = self.ssm.get(layer, torch.zeros(h, dk, dv))
         outs = []

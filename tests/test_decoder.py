@@ -6,8 +6,9 @@
   their argmax, and resolves a placeholder id -(1 + lane) from the step's feedback
   buffer, into which it writes its tokens (the engine's decode graphs use both);
 - the families whose math differs opt out of the fused pieces they say they do:
-  Gemma (scaled embedding, final soft-cap) and Falcon-H1 (muP multipliers) take the
-  embedding unfused and their argmax after the head; Llama takes both fused.
+  Gemma (scaled embedding, final soft-cap), Falcon-H1 and Granite-4.0-H (multipliers)
+  take the embedding unfused and their argmax after the head, Zamba2 (its shared
+  blocks read the embeddings) the embedding unfused; Llama and Bamba take both fused.
 
 Each family's tiny checkpoint and dense step object come from the model tests'
 fixtures; the logits of the model itself are the reference here (each family's
@@ -33,6 +34,7 @@ from engine_fixtures import (
     save_tiny_model,
     save_tiny_nemotron_h,
 )
+from mamba_hybrid_fixtures import bamba_config, granite_config, save_hf, zamba2_config
 
 from unikv.models import load_model
 from unikv.models.decoder import DecoderLM
@@ -72,6 +74,9 @@ CASES = {
     "falcon_h1": (lambda p: save_tiny_falcon_h1(p), _mamba),
     "gemma2": (lambda p: save_tiny_gemma("gemma2", p), _dense),
     "deepseek_v3": (lambda p: save_tiny_deepseek(3, p), lambda m: _AbsorbedMLA()),
+    "bamba": (lambda p: save_hf(bamba_config(), p), _mamba),
+    "granitemoehybrid": (lambda p: save_hf(granite_config(), p), _mamba),
+    "zamba2": (lambda p: save_hf(zamba2_config(), p), _mamba),
 }
 
 
@@ -135,6 +140,23 @@ def test_fused_pieces_are_decided_once_per_family(tmp_path):
     kinds = {type(layer.blocks[0].body).__name__ for layer in qwen.model.layers}
     assert kinds == {"GatedDeltaNet", "GatedAttention"}
     assert all(b.linear is not None for layer in qwen.model.layers for b in layer.blocks)
+
+
+def test_mamba_hybrids_fuse_what_their_math_allows(tmp_path):
+    """Bamba takes every fused piece (its first layer's in_proj takes the embedding);
+    Granite-4.0-H scales its embedding and logits (unfused both ends) but keeps each
+    pre-norm inside its block's GEMM; Zamba2 keeps its embeddings for the shared
+    blocks (unfused) and its argmax inside the head."""
+    built = {}
+    for case in ("bamba", "granitemoehybrid", "zamba2"):
+        CASES[case][0](str(tmp_path / case))
+        built[case] = load_model(str(tmp_path / case))
+    bamba, granite, zamba2 = built.values()
+    assert bamba.embeds_in_gemm and not bamba.finishes_logits
+    assert all(b.linear is not None for layer in bamba.model.layers for b in layer.blocks)
+    assert granite.finishes_logits and not granite.embeds_in_gemm
+    assert all(layer.blocks[0].linear is not None for layer in granite.model.layers)
+    assert not zamba2.embeds_in_gemm and not zamba2.finishes_logits
 
 
 @pytest.mark.parametrize("case", ["qwen3_5", "nemotron_h", "gemma2"])

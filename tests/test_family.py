@@ -88,8 +88,8 @@ def test_a_family_added_to_the_table_is_resolved_everywhere(monkeypatch) -> None
 
 
 def test_a_specs_only_family_has_no_model_class() -> None:
-    with pytest.raises(ValueError, match="family 'bamba' has no unikv model"):
-        model_class("bamba")
+    with pytest.raises(ValueError, match="family 'jamba' has no unikv model"):
+        model_class("jamba")
 
 
 def test_the_table_names_each_key_once() -> None:
@@ -161,7 +161,7 @@ def test_preset_state_dims_agree_between_specs_model_and_transformers(path: Path
 
     fam = family.of_model_type(Fields(text).get("model_type"))
     if fam.model is None:
-        return  # a specs-only family (Bamba, Jamba): no unikv model to compare
+        return  # a specs-only family (Jamba): no unikv model to compare
     config = model_config_from_hf(hf_config)
     assert (config.state_dims.conv_dim, config.state_dims.conv_kernel) == conv
     assert tuple(config.state_dims.state_shape) == temporal

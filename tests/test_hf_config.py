@@ -156,6 +156,36 @@ CASES = {
             **SMALL,
         ),
     ),
+    "granitemoehybrid": (  # hub-style layer names; no rope; experts beside a shared MLP
+        T.GraniteMoeHybridForCausalLM,
+        lambda: T.GraniteMoeHybridConfig(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "attention"],
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=3,
+            shared_intermediate_size=24,
+            **MOE,
+            **SMALL,
+        ),
+    ),
+    "zamba2": (  # hybrid layers keep K/V (head 2 hidden / heads) and a Mamba-2 state
+        T.Zamba2ForCausalLM,
+        lambda: T.Zamba2Config(
+            num_hidden_layers=4,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            n_mamba_heads=8,
+            mamba_d_state=16,
+            mamba_ngroups=2,
+            mamba_d_conv=3,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            **SMALL,
+        ),
+    ),
     # hybrids: Gated DeltaNet (Qwen3.5 / Qwen3-Next), Mamba-2 (NemotronH, Falcon-H1), Mamba-1
     # (Jamba). Odd sizes everywhere, so that a swapped field shows up as a wrong shape.
     "qwen3_5": (
@@ -256,7 +286,8 @@ CASES = {
 }
 
 
-EXPLICIT_LAYER_TYPES = {"qwen3_next"}  # an irregular pattern, not derivable from an interval
+# an irregular pattern, not derivable from an interval (Granite's is its layer_types field)
+EXPLICIT_LAYER_TYPES = {"qwen3_next", "granitemoehybrid"}
 
 
 def cache_facts(model_cls, config) -> list[dict]:
@@ -350,6 +381,17 @@ def test_a_config_dict_without_derived_fields_gives_the_same_specs(case: str, tm
     assert specs_from_hf_config(raw) == want
     assert specs_from_hf_config(tmp_path) == want
     assert specs_from_hf_config(str(tmp_path / "config.json")) == want
+
+
+def test_zamba2_dict_without_derived_widths_and_with_hub_layer_names() -> None:
+    """A Zamba2 config.json as the hub writes it: layers "mamba" / "hybrid", none of
+    the widths transformers derives (attention_head_dim = 2 hidden / heads)."""
+    config = CASES["zamba2"][1]()
+    raw = json.loads(config.to_json_string(use_diff=False))
+    for derived in ("attention_head_dim", "attention_hidden_size", "mamba_headdim", "head_dim"):
+        raw.pop(derived, None)
+    raw["layers_block_type"] = ["mamba", "hybrid", "mamba", "hybrid"]
+    assert specs_from_hf_config(raw) == specs_from_hf_config(config)
 
 
 def test_multimodal_gemma3_reads_its_text_config() -> None:

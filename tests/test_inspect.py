@@ -91,6 +91,10 @@ HAND = {
         ("full", MHASpec(4, 8, 128), 16),
         ("mamba", MambaSpec(28, (StatePart((8192, 4), BF16),), F32((8192, 16))), 1),
     ],
+    "granite-4.0-h-small": [  # attention on 5, 15, 25, 35 (8 KV heads of 128); 36 Mamba-2
+        ("full", MHASpec(4, 8, 128), 16),  # layers of 128 heads x 64, state 128, 1 group
+        ("mamba", MambaSpec(36, (StatePart((8192 + 2 * 128, 4), BF16),), F32((128, 64, 128))), 1),
+    ],
     "falcon-h1-7b": [  # all 44 layers in both sub-pools; Mamba-2 d_ssm 3072 = 24 x 128, state 256
         ("full", MHASpec(44, 2, 128), 16),
         ("mamba", MambaSpec(44, (StatePart((3072 + 2 * 256, 4), BF16),), F32((24, 128, 256))), 1),
@@ -270,6 +274,13 @@ def _mamba_numbers(preset: str) -> dict:
     elif t == "bamba":
         attn_layers = len(c["attn_layer_indices"])
         layers, inner = c["num_hidden_layers"] - attn_layers, c["mamba_expand"] * c["hidden_size"]
+        conv = (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * c["mamba_d_conv"]
+        state = inner * c["mamba_d_state"]
+        kv_heads = c["num_key_value_heads"]
+        head_dim = c["hidden_size"] // c["num_attention_heads"]
+    elif t == "granitemoehybrid":
+        attn_layers = c["layer_types"].count("attention")
+        layers, inner = c["num_hidden_layers"] - attn_layers, c["mamba_n_heads"] * c["mamba_d_head"]
         conv = (inner + 2 * c["mamba_n_groups"] * c["mamba_d_state"]) * c["mamba_d_conv"]
         state = inner * c["mamba_d_state"]
         kv_heads = c["num_key_value_heads"]

@@ -150,6 +150,29 @@ def test_gated_delta_rule_matches_reference(lens, dtype, use_qk_l2norm):
     _run_both(pool, "gated_delta_rule", args, lens, dtype)
 
 
+@pytest.mark.parametrize("lens", [DECODE_LENS, PREFILL_LENS], ids=["decode", "prefill"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_delta_rule_gates_and_gqa_in_the_kernel(lens, dtype):
+    """``gating``: the kernel takes the raw a, b and (A_log, dt_bias), and q/k with
+    half the value heads; the reference computes the gates and repeats the heads."""
+    heads, dim_k, dim_v, gen = 4, 5, 7, torch.Generator().manual_seed(8)
+    used = _batch(lens, seed=7)[0][:-1].tolist()
+    pool = SlotPool((4, 2), (heads, dim_k, dim_v), torch.float32, used, seed=4)
+    t = sum(lens)
+    q, k = (_randn(gen, t, heads // 2, dim_k, dtype=dtype) for _ in range(2))
+    v = _randn(gen, t, heads, dim_v, dtype=dtype)
+    a = _randn(gen, t, heads, dtype=dtype) * 4
+    a[0, 0] = 30.0  # softplus' identity branch (x > 20)
+    b = _randn(gen, t, heads, dtype=dtype) * 2
+    gating = (_randn(gen, heads) * 0.5, _randn(gen, heads, dtype=dtype))
+
+    def args(conv, temporal, slots, q_indptr):
+        kwargs = {"scale": dim_k**-0.5, "use_qk_l2norm": True, "gating": gating}
+        return (q, k, v, a, b, temporal, slots, q_indptr), kwargs
+
+    _run_both(pool, "gated_delta_rule", args, lens, dtype)
+
+
 def _ssd_inputs(gen, num_tokens, heads, groups, dim_p, dim_n, dtype):
     x = _randn(gen, num_tokens, heads, dim_p, dtype=dtype)
     dt = _randn(gen, num_tokens, heads, dtype=dtype)

@@ -37,7 +37,6 @@ from engine_fixtures import (
 
 from unikv.hf_config import specs_from_hf_config
 from unikv.models import load_model, model_config_from_hf, moe
-from unikv.models.deepseek import DeepseekForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -207,10 +206,15 @@ def test_bad_routing_raises():
         model_config_from_hf(_arch_config(3, n_group=4, topk_group=2))
 
 
-def test_tensor_parallel_is_refused():
+def test_tensor_parallel_refuses_indivisible_heads():
+    """TP shards the MLA heads (``test_tp_families.py`` runs it); a size that does not
+    divide the 4 query heads is refused, naming the field."""
+    from unikv.models.parallel import check_tp_config
+
     config = model_config_from_hf(_arch_config(3))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        DeepseekForCausalLM(config, 64, tp=object())
+    check_tp_config(config, 2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        check_tp_config(config, 3)
 
 
 def test_mla_subpool_spec_from_config():

@@ -141,9 +141,11 @@ def test_bad_config_is_refused(tmp_path, saved, changes, match):
         load_model_config(_config_dir(tmp_path, saved, **changes))
 
 
-def test_tensor_parallel_is_refused(saved):
-    from unikv.models.mimo_v2 import MiMoV2FlashForCausalLM
+def test_tensor_parallel_refuses_indivisible_kv_heads(saved):
+    """TP shards MiMo's heads (``test_tp_families.py`` runs it); the tiny model's one
+    full-layer KV head cannot be split in two, and the error names the field."""
+    from unikv.models.parallel import check_tp_config
 
     config, _ = load_model_config(saved[0])
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        MiMoV2FlashForCausalLM(config, 64, tp=object())
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_tp_config(config, 2)

@@ -127,6 +127,20 @@ def mha_mimo_v2_flash(
     )
 
 
+def mha_zamba2(cfg: Fields, num_layers: int, dtype: torch.dtype, window: int | None) -> MHASpec:
+    """Zamba2's hybrid layers: the shared attention runs on [stream | embeddings], 2
+    hidden wide, so its heads are ``2 hidden / heads`` wide (transformers derives
+    ``attention_head_dim`` so; the hub's config.json may omit it)."""
+    heads = cfg.need("num_attention_heads")
+    return MHASpec(
+        num_layers=num_layers,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("attention_head_dim") or 2 * cfg.need("hidden_size") // heads,
+        dtype=dtype,
+        sliding_window=window,
+    )
+
+
 def _mla(cfg: Fields, num_layers: int, dtype: torch.dtype) -> MLASpec:
     return MLASpec(
         num_layers=num_layers,
@@ -134,18 +148,6 @@ def _mla(cfg: Fields, num_layers: int, dtype: torch.dtype) -> MLASpec:
         rope_dim=cfg.need("qk_rope_head_dim"),
         dtype=dtype,
     )
-
-
-def bamba_dims(cfg: Fields) -> StateDims:
-    """Bamba's Mamba-2 mixer: conv over x, B and C ``(I + 2 G N, d_conv)``; SSM state
-    ``(n_heads, d_head, d_state)`` (transformers' BambaMixer)."""
-    intermediate = cfg.get("mamba_expand", 2) * cfg.need("hidden_size")
-    n_heads = cfg.get("mamba_n_heads", 128)
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = intermediate // n_heads if d_head == "auto" else d_head
-    d_state = cfg.get("mamba_d_state", 256)
-    conv_dim = intermediate + 2 * cfg.get("mamba_n_groups", 1) * d_state
-    return StateDims(conv_dim, cfg.get("mamba_d_conv", 4), (n_heads, d_head, d_state))
 
 
 def jamba_dims(cfg: Fields) -> StateDims:

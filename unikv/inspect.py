@@ -7,8 +7,8 @@ MODEL is a built-in preset name (``unikv/presets/*.json``), a model directory
 holding config.json, or a config JSON file; default ``gpt-oss-20b``. The pool is
 built on the ``meta`` device, so no budget-sized memory is allocated.
 
-Hybrid models (Qwen3.5, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba) have a
-Mamba sub-pool of page size 1: one slot per request holds every recurrent layer's
+Hybrid models (Qwen3.5, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba,
+Granite-4.0-H, Zamba2) have a Mamba sub-pool of page size 1: one slot per request holds every recurrent layer's
 conv and SSM state, whatever the request's length. Its numbers are slots (=
 requests), and its slot is usually the largest page, so the sink is one slot.
 """

@@ -197,13 +197,14 @@ class DecodeAttention:
             activation=activation,
         )
 
-    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm):
-        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv)."""
+    def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm, gating=None):
+        """q, k: (T, Hk, Dk), v: (T, H, Dv), g, beta: (T, H) (raw a, b with ``gating``)
+        -> (T, H, Dv)."""
         plan = self.plan
         state = self.states[layer].temporal
         return self.backend.gated_delta_rule(
             q, k, v, g, beta, state, plan.state_slots, plan.q_indptr,
-            max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm,
+            max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
         )  # fmt: skip
 
     def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):

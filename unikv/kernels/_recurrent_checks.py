@@ -54,15 +54,20 @@ def check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, act
     )
 
 
-def check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len) -> None:
+def check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len, gating=None) -> None:
     if state.dim() != 4:
         raise ValueError(f"state must be an (S, H, Dk, Dv) view, got {tuple(state.shape)}")
     _, heads, dim_k, dim_v = state.shape
     num_tokens = q.shape[0] if q.dim() == 3 else -1
+    qk_heads = q.shape[1] if q.dim() == 3 else -1
+    if qk_heads <= 0 or heads % qk_heads:
+        raise ValueError(
+            f"q must be (T, Hk, Dk) with Hk dividing the state's H = {heads}, got {tuple(q.shape)}"
+        )
     _want("state", state, state.shape, unit_last=False)
     for name, t, shape in (
-        ("q", q, (num_tokens, heads, dim_k)),
-        ("k", k, (num_tokens, heads, dim_k)),
+        ("q", q, (num_tokens, qk_heads, dim_k)),
+        ("k", k, (num_tokens, qk_heads, dim_k)),
         ("v", v, (num_tokens, heads, dim_v)),
     ):
         _want(name, t, shape)
@@ -71,6 +76,11 @@ def check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len) -> None:
     _check_batch(
         "gated_delta_rule", num_tokens, state, slots, q_indptr, max_q_len, q, k, v, g, beta
     )
+    if gating is not None:
+        if len(gating) != 2:
+            raise ValueError(f"gating must be (A_log, dt_bias), got {len(gating)} tensors")
+        for name, t in zip(("A_log", "dt_bias"), gating):
+            _want(name, t, (heads,), unit_last=False)
 
 
 def check_ssd_args(x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, max_q_len, dt_limit) -> None:

@@ -40,7 +40,7 @@ TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "transla
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
-ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul")
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gated_rms_norm")
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
@@ -93,6 +93,7 @@ class KernelBackend:
     add_rms_norm: Op
     rope_qk: Op
     silu_mul: Op
+    gated_rms_norm: Op
     argmax: Op
     linear: Op
     silu_mul_linear: Op

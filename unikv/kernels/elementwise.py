@@ -7,6 +7,8 @@ the signatures and rounding of their torch references (``elementwise_ref.py``):
 - ``rope_qk``: one program per token rotates every q and k head in place,
   reading cos/sin by position from the fp32 tables (no gather or cast kernels).
 - ``silu_mul``: ``silu(gate) * up`` over a concatenated ``[gate | up]`` row.
+- ``gated_rms_norm``: one program per (row, group): the recurrent mixers' gated
+  output norm in one launch (the unfused formula is about ten kernels).
 
 Each intermediate the unfused torch formula rounds to the model dtype is
 rounded here too, so bf16 outputs agree with the references to the last bit
@@ -21,6 +23,9 @@ import triton
 import triton.language as tl
 
 from unikv.kernels._checks import check_same_device, next_pow2
+from unikv.kernels._interpret import patch_interpreter
+
+patch_interpreter()  # the interpreter's bf16 casts round as the GPU's do
 
 MAX_ROW = 65536  # widest row one rms_norm program holds in registers
 
@@ -264,4 +269,83 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[grid](
         gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False
     )
+    return out
+
+
+_GATED_MODES = {"dtype_after_gate": 0, "fp32": 1, "dtype_before_gate": 2}
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x, z, w, out, sx, sz, I, G, eps,
+    NORM_BEFORE_GATE: tl.constexpr, MODE: tl.constexpr, SHARED_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    dt = out.dtype.element_ty
+    cols = grp * G + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < G
+    h = tl.load(x + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    zf = tl.load(z + row * sz + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = zf * tl.sigmoid(zf)
+    if not NORM_BEFORE_GATE:
+        h = h * gate
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / G + eps)
+    if SHARED_W:  # one (G,) weight for every group
+        wv = tl.load(w + tl.arange(0, BLOCK), mask=mask, other=0.0)
+    else:
+        wv = tl.load(w + cols, mask=mask, other=0.0)
+    if MODE == 2:  # w * h.to(dt) in dt, then times the fp32 gate
+        y = (wv.to(tl.float32) * h.to(dt).to(tl.float32)).to(dt).to(tl.float32) * gate
+    elif MODE == 1:  # fp32 weight, then the gate
+        y = wv.to(tl.float32) * h
+        if NORM_BEFORE_GATE:
+            y = y * gate
+    else:  # the gate, cast, then the weight in dt
+        if NORM_BEFORE_GATE:
+            h = h * gate
+        y = wv.to(tl.float32) * h.to(dt).to(tl.float32)
+    tl.store(out + row * I + cols, y.to(dt), mask=mask)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    group_size: int,
+    norm_before_gate: bool = True,
+    weight_mode: str = "dtype_after_gate",
+) -> torch.Tensor:
+    """Gated grouped RMSNorm (``elementwise_ref.gated_rms_norm``), one launch.
+
+    x, z: (T, I), unit stride on I (rows may be strided); weight: (I,) or
+    (group_size,). Returns a new contiguous (T, I) tensor in x.dtype."""
+    t, dim = x.shape
+    if z.shape != x.shape or weight.shape not in ((dim,), (group_size,)) or dim % group_size:
+        raise ValueError(
+            f"gated_rms_norm needs x, z of one (T, I) shape, weight (I,) or (group_size,) and "
+            f"I a multiple "
+            f"of group_size {group_size}; got {tuple(x.shape)}, {tuple(z.shape)}, "
+            f"{tuple(weight.shape)}"
+        )
+    if weight_mode not in _GATED_MODES:
+        raise ValueError(f"weight_mode must be one of {sorted(_GATED_MODES)}, got {weight_mode!r}")
+    if weight_mode == "dtype_before_gate" and not norm_before_gate:
+        raise ValueError("weight_mode 'dtype_before_gate' normalises before the gate")
+    check_same_device(x, z, weight)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    out = torch.empty((t, dim), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    block = next_pow2(group_size)
+    _gated_rms_norm_kernel[(t, dim // group_size)](
+        x, z, weight, out, x.stride(0), z.stride(0), dim, group_size, float(eps),
+        NORM_BEFORE_GATE=bool(norm_before_gate), MODE=_GATED_MODES[weight_mode],
+        SHARED_W=weight.shape[0] != dim, BLOCK=block,
+        num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False,
+    )  # fmt: skip
     return out

@@ -12,12 +12,15 @@ stays token-exact against transformers:
 - ``rope_qk``: NeoX "rotate half" rope of the first ``rotary_dim`` dims of q and
   k, cos/sin read by position from fp32 tables and cast to the model dtype.
 - ``silu_mul``: ``silu(gate) * up`` over a concatenated gate|up GEMM output.
+- ``gated_rms_norm``: the recurrent mixers' output norm, RMSNorm over groups of
+  the last dim gated by ``silu(z)`` (Gated DeltaNet, Mamba-2), in each family's
+  order of casts (``weight_mode``).
 
 Each returns new tensors and leaves its inputs unchanged; the Triton versions
 may update some inputs in place (stated per op), so callers use only the
 returned tensors.
 
-The four ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``):
+The five ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``):
 the model is built with the backend the engine chose, once.
 """
 
@@ -48,6 +51,50 @@ def rms_norm(
         return (h * w).to(dtype)
     w = weight if offset == 0.0 else offset + weight
     return w * h.to(dtype)
+
+
+GATED_WEIGHT_MODES = ("dtype_after_gate", "fp32", "dtype_before_gate")
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    group_size: int,
+    norm_before_gate: bool = True,
+    weight_mode: str = "dtype_after_gate",
+) -> torch.Tensor:
+    """RMSNorm over groups of ``group_size`` along the last dim, gated by silu(z).
+
+    x, z: (T, I) (any strides), I a multiple of ``group_size``; weight: (I,), or
+    (group_size,) shared by every group (Qwen3.5's per-head norm). In
+    fp32, with gate = silu(z): h = x (times the gate first unless
+    ``norm_before_gate``), normalised per group; then by ``weight_mode``:
+    ``"dtype_after_gate"`` (Mamba-2, Zamba2): h * gate, cast, times w in x.dtype;
+    ``"fp32"`` (Falcon-H1): w * h, times the gate, cast; ``"dtype_before_gate"``
+    (Qwen3.5, Qwen3-Next): w * h.to(dtype) in x.dtype, times the gate, cast.
+    Returns a new (T, I) tensor in x.dtype."""
+    dtype, (t, dim) = x.dtype, x.shape
+    shared = weight.shape[0] != dim
+    if shared:  # Qwen3.5 lays the heads out as rows (T * H, Dv), as transformers does:
+        x, z = x.reshape(-1, group_size), z.reshape(-1, group_size)  # the same fp32 ops
+    h, gate = x.float(), torch.nn.functional.silu(z.float())
+    if not norm_before_gate:
+        h = h * gate
+    h = h if shared else h.reshape(t, dim // group_size, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h if shared else h.view(t, dim)
+    if weight_mode == "dtype_before_gate":
+        out = ((weight * h.to(dtype)) * gate).to(dtype)
+    else:
+        if weight_mode == "fp32":
+            h = weight * h
+        if norm_before_gate:
+            h = h * gate
+        out = h.to(dtype) if weight_mode == "fp32" else weight * h.to(dtype)
+    return out.reshape(t, dim)
 
 
 def add_rms_norm(

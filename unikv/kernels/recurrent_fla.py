@@ -18,6 +18,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from unikv.kernels.recurrent_ref import gdn_gates
+
 INSTALL_HINT = "pip install 'unikv[gpu]' (fla-core==0.6.0)"
 
 
@@ -64,9 +66,17 @@ def _scatter(state, slots, q_indptr, initial, final) -> None:
     state[slots] = torch.where(keep, final, initial).to(state.dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, slots, q_indptr, *, scale, use_qk_l2norm):
-    """q, k: (T, H, Dk); v: (T, H, Dv); g, beta: (T, H); state: (S, H, Dk, Dv) view;
-    slots: (B,); q_indptr: (B+1,). Returns (T, H, Dv) in v.dtype; state updated."""
+def gated_delta_rule(
+    q, k, v, g, beta, state, slots, q_indptr, *, scale, use_qk_l2norm, gating=None
+):
+    """q, k: (T, Hk, Dk), Hk dividing H; v: (T, H, Dv); g, beta: (T, H) (the raw a, b
+    with ``gating`` = (A_log, dt_bias)); state: (S, H, Dk, Dv) view; slots: (B,);
+    q_indptr: (B+1,). Returns (T, H, Dv) in v.dtype; state updated."""
+    if gating is not None:
+        g, beta = gdn_gates(g, beta, *gating)
+    groups = v.shape[1] // q.shape[1]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     chunk_gated_delta_rule, _ = _fla()
     initial = state[slots].float()  # (B, H, Dk, Dv) gather
     out, final = chunk_gated_delta_rule(

@@ -86,6 +86,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates from the input projection's raw a, b (T, H):
+    g = -exp(A_log) * softplus(a + dt_bias) in fp32 (the log decay), beta =
+    sigmoid(b) in b's dtype (transformers' Qwen3.5 / Qwen3-Next order of casts)."""
+    return -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,14 +108,22 @@ def gated_delta_rule(
     max_q_len: int,
     scale: float,
     use_qk_l2norm: bool,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Gated delta rule (Gated DeltaNet) over each request's new tokens.
 
-    q, k: (T, H, Dk); v: (T, H, Dv); g: (T, H) log decay; beta: (T, H);
-    state: (S, H, Dk, Dv) view. Per token, in fp32: q, k l2-normalised if
-    ``use_qk_l2norm``; q *= scale; S *= exp(g); delta = (v - k S) * beta;
-    S += k^T delta; o = q S. Returns (T, H, Dv) in v.dtype.
+    q, k: (T, Hk, Dk) with Hk dividing H (value head h reads q/k head h // (H / Hk));
+    v: (T, H, Dv); g: (T, H) log decay; beta: (T, H); state: (S, H, Dk, Dv) view.
+    ``gating`` = (A_log, dt_bias), each (H,): g and beta are the raw a and b, and the
+    gates are ``gdn_gates(g, beta, A_log, dt_bias)``. Per token, in fp32: q, k
+    l2-normalised if ``use_qk_l2norm``; q *= scale; S *= exp(g); delta = (v - k S) *
+    beta; S += k^T delta; o = q S. Returns (T, H, Dv) in v.dtype.
     """
+    if gating is not None:
+        g, beta = gdn_gates(g, beta, *gating)
+    groups = v.shape[1] // q.shape[1]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
     num_lanes = slots.numel()
     lane, pos = _lanes(q_indptr, q.shape[0])
     qs, ks = q.float(), k.float()

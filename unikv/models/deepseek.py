@@ -48,6 +48,7 @@ from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import DeepseekMoE, check_moe_fields
 from unikv.models.layers import GatedMLP, Linear, RMSNorm
+from unikv.models.parallel import linear_layers, tp_size
 from unikv.models.rope import Rotary
 
 MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -163,26 +164,33 @@ def _pairs_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 
 
 class MLAttention(nn.Module):
-    """DeepSeek's multi-head latent attention; see the module docstring."""
+    """DeepSeek's multi-head latent attention; see the module docstring.
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary) -> None:
+    With ``tp`` this rank holds 1/tp of the heads: q_proj (or q_b_proj), kv_b_proj
+    (each head's W_UK and W_UV rows) column-parallel by heads, o_proj row-parallel;
+    q_a_proj, kv_a_proj_with_mqa and their norms replicated, so every rank computes
+    and caches the whole latent row (the MLA sub-pool is not sharded) and attends
+    with its own heads only, in either form."""
+
+    def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary, tp=None) -> None:
         super().__init__()
         e, hidden = config.extra, config.hidden_size
-        self.layer, self.num_heads = layer, config.num_heads
+        column, row = linear_layers(tp)
+        self.layer, self.num_heads = layer, config.num_heads // tp_size(tp)
         self.nope, self.rope = e["qk_nope_head_dim"], e["qk_rope_head_dim"]
         self.rank, self.v_dim = e["kv_lora_rank"], e["v_head_dim"]
         self.sm_scale, self.q_lora = e["mla_sm_scale"], e["q_lora_rank"] is not None
         qk, heads, bias = self.nope + self.rope, self.num_heads, e["attention_bias"]
         if e["q_lora_rank"] is None:
-            self.q_proj = Linear(hidden, heads * qk, bias=False)
+            self.q_proj = column(hidden, heads * qk, bias=False)
         else:
             self.q_a_proj = Linear(hidden, e["q_lora_rank"], bias=bias)
             self.q_a_layernorm = RMSNorm(e["q_lora_rank"], LATENT_NORM_EPS)
-            self.q_b_proj = Linear(e["q_lora_rank"], heads * qk, bias=False)
+            self.q_b_proj = column(e["q_lora_rank"], heads * qk, bias=False)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = column(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = row(heads * self.v_dim, hidden, bias=bias)
         self.rotary = [rotary]  # shared, kept out of this module's parameters
         self.widths = {"heads": heads, "rank": self.rank, "rope": self.rope}
         self.widths.update(nope=self.nope, v_dim=self.v_dim)  # the step's expands_mla inputs
@@ -214,18 +222,18 @@ class MLAttention(nn.Module):
 class DecoderLayer(decoder.DecoderLayer):
     """MLA then an MLP (dense for the first ``first_k_dense_replace`` layers, else the
     MoE), each behind a pre-norm (``decoder.Block``: the dense MLP's inside its gate|up
-    GEMM)."""
+    GEMM); ``tp``: this rank's shard of each."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary, tp=None) -> None:
         super().__init__()
         e, eps = config.extra, config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = MLAttention(config, layer, rotary)
+        self.self_attn = MLAttention(config, layer, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         if layer >= e["first_k_dense_replace"]:
-            self.mlp = DeepseekMoE(config)
+            self.mlp = DeepseekMoE(config, tp=tp)
         else:
-            self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=e["mlp_bias"]))
+            self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=e["mlp_bias"]), tp)
         self.blocks = [
             decoder.Block(self.input_layernorm, self.self_attn, mixes=True),
             decoder.Block(self.post_attention_layernorm, self.mlp, mixes=False),
@@ -239,9 +247,13 @@ class DeepseekForCausalLM(decoder.DecoderLM):
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope table (the engine's max context).
-        tp: must be None (tensor parallelism is not implemented for MLA models).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's heads (the latent
+            row whole on every rank, ``MLAttention``), dense MLP columns, routed and
+            shared expert rows (``DeepseekMoE``); ``tp_dims`` names the fields.
         ops: as ``decoder.DecoderLM``.
     """
+
+    tensor_parallel = True
 
     # the V3 routers' score-correction biases: transformers keeps them fp32 in every dtype
     fp32_params = ("e_score_correction_bias",)
@@ -258,10 +270,23 @@ class DeepseekForCausalLM(decoder.DecoderLM):
                 f"hidden_act {config.hidden_act!r}: unikv's DeepSeek MLPs run 'silu' only"
             )
 
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """The query heads (the KV side is the one shared latent: nothing to divide), and
+        the intermediate size of each MLP kind the model has (the shared experts' is a
+        multiple of ``moe_intermediate_size``)."""
+        e = config.extra
+        dims = {"num_attention_heads": config.num_heads}
+        if e["first_k_dense_replace"] > 0:
+            dims["intermediate_size"] = config.intermediate_size
+        if e["first_k_dense_replace"] < config.num_layers:
+            dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+        return dims
+
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         e = config.extra
         rotary = DeepseekRotary(config.rope, e["qk_rope_head_dim"], max_positions, e["rope_layout"])
-        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm, rotary)

@@ -31,6 +31,7 @@ from unikv.kernels.backend import KernelBackend
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import reduce_partial
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -81,9 +82,13 @@ class TopkRouter(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts plus shared experts (one SwiGLU of ``n_shared_experts *
     moe_intermediate_size``), added to every token; ``ops``: the backend (None:
-    ``model_ops()``)."""
+    ``model_ops()``).
 
-    def __init__(self, config: ModelConfig, ops: KernelBackend | None = None) -> None:
+    With ``tp``: the router replicated; the routed experts and the shared SwiGLU both
+    sharded on their intermediate dim, their partial sums added, then ONE all-reduce
+    (the shared down bias, V2's ``mlp_bias``, added by rank 0 only)."""
+
+    def __init__(self, config: ModelConfig, ops: KernelBackend | None = None, tp=None) -> None:
         super().__init__()
         e = config.extra
         self.gate = TopkRouter(config)
@@ -91,19 +96,21 @@ class DeepseekMoE(nn.Module):
             config, intermediate_size=e["moe_intermediate_size"], mlp_bias=False
         )
         self.experts = RoutedExperts(
-            e["n_routed_experts"], config.hidden_size, routed.intermediate_size, ops=ops
+            e["n_routed_experts"], config.hidden_size, routed.intermediate_size, ops=ops, tp=tp
         )
         shared = dataclasses.replace(
             config,
             intermediate_size=e["moe_intermediate_size"] * e["n_shared_experts"],
             mlp_bias=e["mlp_bias"],
         )
-        self.shared_experts = GatedMLP(shared, ops=ops)
+        self.shared_experts = GatedMLP(shared, tp, ops=ops, reduce=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
-        return self.experts(x, weights, indices) + self.shared_experts(x)
+        out = self.experts(x, weights, indices) + self.shared_experts(x)
+        return reduce_partial(self.tp, out)
 
 
 def check_moe_fields(extra: dict, model_type: str) -> None:

@@ -4,7 +4,7 @@ An entry names everything unikv needs to know about a family, under its one key
 (``Family.name``, which is ``ModelConfig.family``):
 
 - ``architectures``: the HF architectures unikv runs with this family's model
-  (none: a family known to the pool specs only, e.g. Bamba and Jamba);
+  (none: a family known to the pool specs only, e.g. Jamba);
 - ``model_types``: HF ``model_type`` -> the function giving its layer kinds
   (``models/hf.py``), which the pool specs and the model's windows both use;
 - ``state_dims``: the ONE function deriving its recurrent state's dims from the HF
@@ -159,8 +159,32 @@ FAMILIES: tuple[Family, ...] = (
         model="unikv.models.qwen3_moe:Qwen3MoeForCausalLM",
         extras="unikv.models.qwen3_moe:config_extras",
     ),
-    # pool specs only: unikv has no model for these yet
-    Family("bamba", {"bamba": hf.kinds_bamba}, state_dims="unikv.hf_config:bamba_dims"),
+    Family(
+        "bamba",
+        {"bamba": hf.kinds_bamba},
+        ("BambaForCausalLM",),
+        model="unikv.models.bamba:BambaForCausalLM",
+        extras="unikv.models.bamba:config_extras",
+        state_dims="unikv.models.bamba:mamba_dims",
+    ),
+    Family(
+        "granitemoehybrid",
+        {"granitemoehybrid": hf.kinds_granite_h},
+        ("GraniteMoeHybridForCausalLM",),
+        model="unikv.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+        extras="unikv.models.granitemoehybrid:config_extras",
+        state_dims="unikv.models.bamba:mamba_dims",
+    ),
+    Family(
+        "zamba2",
+        {"zamba2": hf.kinds_zamba2},
+        ("Zamba2ForCausalLM",),
+        model="unikv.models.zamba2:Zamba2ForCausalLM",
+        extras="unikv.models.zamba2:config_extras",
+        state_dims="unikv.models.zamba2:mamba_dims",
+        attention_spec="unikv.hf_config:mha_zamba2",
+    ),
+    # pool specs only: unikv has no model for this yet
     Family("jamba", {"jamba": hf.kinds_jamba}, state_dims="unikv.hf_config:jamba_dims"),
 )
 

@@ -27,6 +27,8 @@ Names mirror transformers (``model.layers.i.self_attn.q_proj``,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -99,10 +101,11 @@ def config_extras(hf_config) -> dict:
 
 class GemmaAttention(Attention):
     """unikv's attention block (q/k/v/o projections, rope, ``attn``) with Gemma-3's
-    per-head ``(1 + w)`` q/k norms before the rope."""
+    per-head ``(1 + w)`` q/k norms before the rope; ``tp`` shards the heads as
+    ``layers.Attention`` (the per-head norms and soft-cap need nothing more)."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
-        super().__init__(config, layer, rotary)
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
+        super().__init__(config, layer, rotary, tp)
         if config.extra["qk_norm"]:
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
@@ -119,17 +122,18 @@ class GeluMLP(GatedMLP):
 class DecoderLayer(decoder.DecoderLayer):
     """Attention and MLP, each between a pre-norm and a post-norm (sandwich norms:
     ``decoder.Block``'s ``post``; the residual add still goes inside the next pre-norm,
-    after the post-norm, as Gemma adds it)."""
+    after the post-norm, as Gemma adds it). ``tp``: this rank's heads and MLP columns;
+    the norms act on the whole (all-reduced) hidden state, so they stay replicated."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = GemmaAttention(config, layer, rotary)
+        self.self_attn = GemmaAttention(config, layer, rotary, tp)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         # GeLU-tanh, not SwiGLU: its gate and up stay two GEMMs, the pre-norm outside them
-        self.mlp = GeluMLP(config)
+        self.mlp = GeluMLP(config, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.blocks = [
             decoder.Block(
@@ -155,11 +159,14 @@ class GemmaForCausalLM(decoder.DecoderLM):
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope tables (the engine's max context).
-        tp: must be None (tensor parallelism is not implemented for Gemma).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's heads and MLP
+            columns (``parallel.py``); the default ``tp_dims`` (heads, KV heads,
+            ``intermediate_size``) are Gemma's sharded fields.
         ops: as ``decoder.DecoderLM``.
     """
 
     scales_embedding = True
+    tensor_parallel = True
 
     def __init__(self, config: ModelConfig, max_positions: int, tp=None, **kw) -> None:
         super().__init__(config, max_positions, tp, **kw)
@@ -172,7 +179,8 @@ class GemmaForCausalLM(decoder.DecoderLM):
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        return decoder.typed_rope_backbone(config, max_positions, LAYER_TYPES, DecoderLayer, norm)
+        layer = functools.partial(DecoderLayer, tp=tp)
+        return decoder.typed_rope_backbone(config, max_positions, LAYER_TYPES, layer, norm)
 
     def build(self, device: torch.device) -> None:
         """Non-parameter tables on ``device``: the rope cos/sin per layer type and

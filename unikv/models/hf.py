@@ -6,8 +6,8 @@ model config (``models/config.py``) read every field through it, and both take a
 layer's kind and window from the same rules here, so they cannot disagree.
 
 Layer kinds (docs/design.md section 4): "full", "swa", "mla", "mamba" (recurrent
-state), "none" (no cached state), "full+mamba" (attention and a Mamba mixer side by
-side). Where a dict lacks a field that transformers' config class derives, the
+state), "none" (no cached state), "full+mamba" (attention and a Mamba mixer in one
+layer: side by side in Falcon-H1, one feeding the other in Zamba2's hybrid layers). Where a dict lacks a field that transformers' config class derives, the
 class's own rule is reproduced (e.g. Gemma-2's alternating layer pattern).
 """
 
@@ -150,6 +150,40 @@ def kinds_nemotron_h(cfg: Fields) -> list[str]:
 def kinds_bamba(cfg: Fields) -> list[str]:
     attn = set(cfg.get("attn_layer_indices", []))
     return ["full" if i in attn else "mamba" for i in range(cfg.need("num_hidden_layers"))]
+
+
+# transformers' legacy layer-type names (its remap_legacy_layer_types)
+_LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+
+
+def kinds_granite_h(cfg: Fields) -> list[str]:
+    """Granite-4.0-H: ``layer_types`` ("mamba" / "attention", or transformers' names),
+    every layer Mamba-2 when absent (GraniteMoeHybridConfig's default)."""
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if types is None:
+        return ["mamba"] * cfg.need("num_hidden_layers")
+    types = [_LEGACY_TYPES.get(t, t) for t in types]
+    return kinds_from(Fields({"layer_types": types}), lambda i: "full")
+
+
+def _zamba2_default_types() -> list[str]:  # Zamba2Config's pattern when none is given
+    types = ["mamba"] + (["mamba"] * 5 + ["hybrid"]) * 7 + ["mamba"] * 4 + ["hybrid"]
+    return types + ["mamba"] * 3 + ["hybrid"] + ["mamba"] * 2
+
+
+def kinds_zamba2(cfg: Fields) -> list[str]:
+    """Zamba2: ``layers_block_type``, "mamba" (Mamba-2) or "hybrid" (a shared attention
+    block, with its own K/V cache, feeding the layer's Mamba-2 mixer: kind
+    "full+mamba")."""
+    types = cfg.get("layers_block_type") or cfg.get("layer_types") or _zamba2_default_types()
+    kinds = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "full+mamba"}
+    n = cfg.get("num_hidden_layers", len(types))
+    if len(types) != n or set(types) - set(kinds):
+        raise ValueError(
+            f"a zamba2 config must list {n} layers of 'mamba' or 'hybrid', got layer types "
+            f"{list(types)}; fix layers_block_type"
+        )
+    return [kinds[t] for t in types]
 
 
 def kinds_jamba(cfg: Fields) -> list[str]:

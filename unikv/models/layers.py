@@ -83,8 +83,10 @@ class StateFn(Protocol):
         *,
         scale: float,
         use_qk_l2norm: bool,
+        gating: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q, k: (T, H, Dk), v: (T, H, Dv), g, beta: (T, H) -> (T, H, Dv) in v.dtype."""
+        """q, k: (T, Hk, Dk) (Hk dividing H), v: (T, H, Dv), g, beta: (T, H) (the raw
+        a, b with ``gating`` = (A_log, dt_bias), gated by the op) -> (T, H, Dv)."""
         ...
 
     def mamba2_ssd(
@@ -264,12 +266,15 @@ class GatedMLP(nn.Module):
     GEMM (``gate_up_proj``, loaded from ``gate_proj`` and ``up_proj``) and one
     fused ``silu_mul``. A subclass overriding ``forward`` keeps the two
     projections. With ``tp``: gate/up column-parallel on the intermediate dim
-    (concatenated per shard), down row-parallel."""
+    (concatenated per shard), down row-parallel; ``reduce=False``: its output is this
+    rank's partial sum, all-reduced by the caller (a MoE's shared experts)."""
 
-    def __init__(self, config: ModelConfig, tp=None, ops: KernelBackend | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, tp=None, ops: KernelBackend | None = None, reduce: bool = True
+    ) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size // tp_size(tp), config.mlp_bias
-        column, row = linear_layers(tp)
+        column, row = linear_layers(tp, reduce)
         self.packed = {}
         if overrides_forward(self, GatedMLP):
             self.gate_proj = column(h, i, bias=bias)

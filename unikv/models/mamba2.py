@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from unikv.kernels.backend import model_ops
 from unikv.models.layers import Linear
 from unikv.models.parallel import RowParallelLinear, Segments, shard_rows, tp_size
 
@@ -125,25 +126,35 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.n_groups, self.eps, self.norm_before_gate = n_groups, eps, norm_before_gate
         self.weight_in_fp32 = weight_in_fp32
+        self.ops = model_ops(None)
         # under tp with fewer groups than ranks: (tp, full groups, this rank's group,
         # group width) - the rank holds a slice of one group, whose mean square is
-        # summed over the ranks sharing it
+        # summed over the ranks sharing it (``shared_group``)
         self.shared = shared
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype, (t, dim) = x.dtype, x.shape
+        """x, z: (T, I) -> (T, I): one backend op (``gated_rms_norm``), or with a group
+        shared by ranks the torch form with one all-reduce of the sums of squares."""
+        if self.shared is not None:  # a host value fixed at construction
+            return self.across_ranks(x, z)
+        return self.ops.gated_rms_norm(
+            x, z, self.weight, self.eps, group_size=x.shape[1] // self.n_groups,
+            norm_before_gate=self.norm_before_gate,
+            weight_mode="fp32" if self.weight_in_fp32 else "dtype_after_gate",
+        )  # fmt: skip
+
+    def across_ranks(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``forward`` where this rank holds a slice of one group (the op's reference
+        math, the mean square over the whole group)."""
+        tp, groups, mine, width = self.shared
+        dtype, t = x.dtype, x.shape[0]
         h, gate = x.float(), nn.functional.silu(z.float())
         if not self.norm_before_gate:
             h = h * gate
-        h = h.view(t, self.n_groups, dim // self.n_groups)  # (T, G, I / G)
-        if self.shared is None:
-            square = h.pow(2).mean(-1, keepdim=True)
-        else:  # a host value fixed at construction
-            tp, groups, mine, width = self.shared
-            sums = h.new_zeros(t, groups)
-            sums[:, mine] = h.pow(2).sum((1, 2))
-            square = tp.all_reduce(sums)[:, mine, None, None] / width  # (T, 1, 1)
-        h = (h * torch.rsqrt(square + self.eps)).view(t, dim)
+        sums = h.new_zeros(t, groups)
+        sums[:, mine] = h.pow(2).sum(-1)
+        square = tp.all_reduce(sums)[:, mine, None] / width  # (T, 1)
+        h = h * torch.rsqrt(square + self.eps)
         if self.weight_in_fp32:
             h = self.weight * h
         if self.norm_before_gate:

@@ -31,6 +31,7 @@ so a checkpoint loads by name.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -38,8 +39,9 @@ from torch import nn
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.deepseek_moe import TopkRouter, check_moe_fields
-from unikv.models.layers import AttentionFn, GatedMLP, Linear, RMSNorm
+from unikv.models.layers import AttentionFn, GatedMLP, RMSNorm
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import linear_layers, reduce_partial, tp_size
 from unikv.models.rope import Rotary
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -131,22 +133,32 @@ def config_extras(hf_config) -> dict:
 
 class MiMoAttention(nn.Module):
     """q/k/v/o projections, partial rope, ``attn`` over the layer's sub-pool; see the
-    module docstring. ``sliding``: a sliding layer (twice the KV heads, sinks)."""
+    module docstring. ``sliding``: a sliding layer (twice the KV heads, sinks).
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, sliding: bool) -> None:
+    With ``tp`` this rank holds 1/tp of the query heads and of the layer's KV heads
+    (q/k/v column-parallel by heads, the sinks sliced like the q heads), o_proj
+    row-parallel (``models/parallel.py``)."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: Rotary, sliding: bool, tp=None
+    ) -> None:
         super().__init__()
-        e, hidden = config.extra, config.hidden_size
-        self.layer, self.num_heads = layer, config.num_heads
-        self.num_kv_heads = e["swa_num_kv_heads"] if sliding else config.num_kv_heads
+        e, hidden, n = config.extra, config.hidden_size, tp_size(tp)
+        column, row = linear_layers(tp)
+        self.layer, self.num_heads = layer, config.num_heads // n
+        kv_heads = e["swa_num_kv_heads"] if sliding else config.num_kv_heads
+        self.num_kv_heads = kv_heads // n
         self.head_dim, self.v_head_dim = config.head_dim, e["v_head_dim"]
         self.v_scale = e["v_scale"]
         heads, kv, bias = self.num_heads, self.num_kv_heads, e["attention_bias"]
-        self.q_proj = Linear(hidden, heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(hidden, kv * self.head_dim, bias=bias)
-        self.v_proj = Linear(hidden, kv * self.v_head_dim, bias=bias)
-        self.o_proj = Linear(heads * self.v_head_dim, hidden, bias=False)
+        self.q_proj = column(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = column(hidden, kv * self.head_dim, bias=bias)
+        self.v_proj = column(hidden, kv * self.v_head_dim, bias=bias)
+        self.o_proj = row(heads * self.v_head_dim, hidden, bias=False)
         # (Hq,) sink logits; kept fp32 (``build``), as the attention kernels take them
         self.attention_sink_bias = nn.Parameter(torch.zeros(heads)) if sliding else None
+        if tp is not None and sliding:
+            self.tp_shards = {"attention_sink_bias": 0}  # the sinks follow the q heads
         self.rotary = [rotary]  # shared, kept out of this module's parameters
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
@@ -162,37 +174,40 @@ class MiMoAttention(nn.Module):
 
 class MiMoMoE(nn.Module):
     """``mlp.gate`` (DeepSeek-V3 router) and ``mlp.experts.{e}`` (SwiGLU), no shared
-    experts."""
+    experts. With ``tp``: the router replicated, the experts sharded on
+    ``moe_intermediate_size``, one all-reduce."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
         e = config.extra
         self.gate = TopkRouter(config)
         self.experts = RoutedExperts(
-            e["n_routed_experts"], config.hidden_size, e["moe_intermediate_size"]
+            e["n_routed_experts"], config.hidden_size, e["moe_intermediate_size"], tp=tp
         )
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)  # (T, k) fp32, (T, k) int64
-        return self.experts(x, weights, indices)
+        return reduce_partial(self.tp, self.experts(x, weights, indices))
 
 
 class DecoderLayer(decoder.DecoderLayer):
     """Attention then an MLP (dense or MoE per ``mlp_layer_types``), each behind a
-    pre-norm (``decoder.Block``: the dense MLP's inside its gate|up GEMM)."""
+    pre-norm (``decoder.Block``: the dense MLP's inside its gate|up GEMM); ``tp``: this
+    rank's shard of each."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
         e, h, eps = config.extra, config.hidden_size, config.rms_norm_eps
         sliding = e["layer_types"][layer] == "sliding_attention"
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = MiMoAttention(config, layer, rotary, sliding)
+        self.self_attn = MiMoAttention(config, layer, rotary, sliding, tp)
         self.post_attention_layernorm = RMSNorm(h, eps)
         if e["mlp_layer_types"][layer] == "sparse":
-            self.mlp = MiMoMoE(config)
+            self.mlp = MiMoMoE(config, tp)
         else:
-            self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=False))
+            self.mlp = GatedMLP(dataclasses.replace(config, mlp_bias=False), tp)
         self.blocks = [
             decoder.Block(self.input_layernorm, self.self_attn, mixes=True),
             decoder.Block(self.post_attention_layernorm, self.mlp, mixes=False),
@@ -206,9 +221,13 @@ class MiMoV2FlashForCausalLM(decoder.DecoderLM):
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope tables (the engine's max context).
-        tp: must be None (tensor parallelism is not implemented for MiMo-V2-Flash).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's query heads, KV
+            heads of both layer types, sinks, dense MLP columns and expert rows
+            (``tp_dims`` names the fields the size must divide).
         ops: as ``decoder.DecoderLM``.
     """
+
+    tensor_parallel = True
 
     # before the weights load (``build``): the routers' ``e_score_correction_bias``
     # (transformers keeps it fp32 in every model dtype) and the attention sinks (the
@@ -216,6 +235,24 @@ class MiMoV2FlashForCausalLM(decoder.DecoderLM):
     fp32_params = ("e_score_correction_bias", "attention_sink_bias")
     ignore_checkpoint_prefixes = ("model.mtp.",)  # multi-token-prediction head
 
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Query heads, both layer types' KV heads, and the intermediate size of each
+        MLP kind the model has."""
+        e = config.extra
+        dims = {"num_attention_heads": config.num_heads}
+        types = set(e["layer_types"])
+        if "full_attention" in types:
+            dims["num_key_value_heads"] = config.num_kv_heads
+        if "sliding_attention" in types:
+            dims["swa_num_key_value_heads"] = e["swa_num_kv_heads"]
+        if "dense" in e["mlp_layer_types"]:
+            dims["intermediate_size"] = config.intermediate_size
+        if "sparse" in e["mlp_layer_types"]:
+            dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+        return dims
+
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        return decoder.typed_rope_backbone(config, max_positions, LAYER_TYPES, DecoderLayer, norm)
+        layer = functools.partial(DecoderLayer, tp=tp)
+        return decoder.typed_rope_backbone(config, max_positions, LAYER_TYPES, layer, norm)

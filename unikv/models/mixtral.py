@@ -19,6 +19,7 @@ from torch import nn
 from unikv.models.config import ModelConfig
 from unikv.models.llama import CausalLM
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import reduce_partial
 
 
 def config_extras(hf_config) -> dict:
@@ -54,7 +55,10 @@ class Router(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """``gate`` (router) and ``experts`` (fused): x (T, hidden) -> (T, hidden)."""
+    """``gate`` (router) and ``experts`` (fused): x (T, hidden) -> (T, hidden).
+
+    With ``tp``: the router replicated (every rank routes alike), the experts sharded
+    on their intermediate dim (``moe.RoutedExperts``), one all-reduce after them."""
 
     def __init__(
         self,
@@ -63,28 +67,25 @@ class SparseMoE(nn.Module):
         names: tuple[str, str, str],
         norm_topk_prob: bool,
         to_model_dtype: bool,
+        tp=None,
     ) -> None:
         super().__init__()
         e, hidden = config.extra, config.hidden_size
         self.gate = Router(
             hidden, e["num_experts"], e["num_experts_per_tok"], norm_topk_prob, to_model_dtype
         )
-        self.experts = RoutedExperts(e["num_experts"], hidden, intermediate, names=names)
+        self.experts = RoutedExperts(e["num_experts"], hidden, intermediate, names=names, tp=tp)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)
-        return self.experts(x, weights, indices)
+        return reduce_partial(self.tp, self.experts(x, weights, indices))
 
 
 class MoEDecoderLM(CausalLM):
-    """A Llama-layout causal LM whose MLPs come from ``make_mlp`` (tp must be None);
-    everything else is ``llama.CausalLM``'s (the shared decoder); ``ops`` as there."""
-
-    tensor_parallel = False
-
-    def check(self, config: ModelConfig, tp) -> None:
-        if tp is not None:
-            raise ValueError(f"{config.architecture} runs without tensor parallelism (tp=None)")
+    """A Llama-layout causal LM whose MLPs come from ``make_mlp``; everything else is
+    ``llama.CausalLM``'s (the shared decoder, tensor parallelism included); ``ops`` as
+    there."""
 
     def make_mlp(self, config: ModelConfig, layer: int, tp) -> nn.Module:
         raise NotImplementedError
@@ -92,10 +93,11 @@ class MoEDecoderLM(CausalLM):
 
 class MixtralForCausalLM(MoEDecoderLM):
     """Mixtral over unikv's paged attention; its MLP is named ``block_sparse_moe`` (the
-    checkpoint's name)."""
+    checkpoint's name). Under tensor parallelism its experts shard on
+    ``intermediate_size`` (the default ``tp_dims``: heads, KV heads, that)."""
 
     mlp_name = "block_sparse_moe"
 
     def make_mlp(self, config: ModelConfig, layer: int, tp) -> nn.Module:
         names = ("w1", "w3", "w2")  # gate, up, down
-        return SparseMoE(config, config.intermediate_size, names, True, False)
+        return SparseMoE(config, config.intermediate_size, names, True, False, tp)

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from unikv.kernels.backend import DENSE_MAX_TOKENS, KernelBackend, model_ops
+from unikv.models.parallel import tp_size
 
-__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts", "shard_experts"]
+__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
 
 SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -45,7 +46,12 @@ class RoutedExperts(nn.ModuleList):
     backend whose ``moe`` runs them (None: ``model_ops()``).
 
     forward(x (T, d), weights (T, k), indices (T, k) int64) -> (T, d) in x.dtype:
-    the sum of each token's k experts, weighted (``moe_ref.fused_moe``)."""
+    the sum of each token's k experts, weighted (``moe_ref.fused_moe``).
+
+    With ``tp`` (``models/parallel.py``) every expert holds intermediate rows
+    [r*I/tp, (r+1)*I/tp) (gate and up rows, down columns): ``intermediate`` is the
+    full I, the stacks hold I/tp, and the output is this rank's partial sum, which
+    the owning MoE block all-reduces once (after adding its shared experts')."""
 
     def __init__(
         self,
@@ -56,6 +62,7 @@ class RoutedExperts(nn.ModuleList):
         activation: str = "silu",
         names: tuple[str, ...] = SWIGLU_NAMES,
         ops: KernelBackend | None = None,
+        tp=None,
     ) -> None:
         gated = activation != "relu2"
         if activation not in ("silu", "relu2") or len(names) != 2 + gated:
@@ -63,9 +70,15 @@ class RoutedExperts(nn.ModuleList):
                 f"RoutedExperts runs 'silu' (names gate, up, down) or 'relu2' (up, down), "
                 f"got {activation!r} with names {names}"
             )
+        intermediate //= tp_size(tp)
         shapes = {name: (hidden, intermediate) for name in names[:-1]}
         shapes[names[-1]] = (intermediate, hidden)
         super().__init__(Expert(shapes) for _ in range(num_experts))
+        if tp is not None:  # the loader narrows gate/up rows and down columns
+            for expert in self:
+                for name in names[:-1]:
+                    getattr(expert, name).tp_shards = {"weight": 0}
+                getattr(expert, names[-1]).tp_shards = {"weight": 1}
         self.activation, self.names, self.intermediate = activation, names, intermediate
         self.kernel = model_ops(ops).moe  # the backend's MoE, fixed at construction
         self._stack()
@@ -100,19 +113,6 @@ class RoutedExperts(nn.ModuleList):
         return self.kernel(
             x, weights, indices, self.w1, self.w2, activation=self.activation, sum_dtype=sum_dtype
         )
-
-
-def shard_experts(experts: RoutedExperts) -> RoutedExperts:
-    """Tensor parallelism for ``experts`` built with intermediate / tp: the loader
-    narrows each expert's gate/up rows and down columns to this rank's slice of the
-    intermediate dim (``parallel.shard_plan``); the output is then a partial sum,
-    which the caller all-reduces."""
-    *ins, out = experts.names
-    for expert in experts:
-        for name in ins:
-            getattr(expert, name).tp_shards = {"weight": 0}
-        getattr(expert, out).tp_shards = {"weight": 1}
-    return experts
 
 
 def routed_experts(

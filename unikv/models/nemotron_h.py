@@ -26,8 +26,8 @@ from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
 from unikv.models.layers import AttentionFn, Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from unikv.models.moe import RoutedExperts, shard_experts
-from unikv.models.parallel import linear_layers, partial_row, shard_rows, tp_size
+from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import linear_layers, shard_rows, tp_size
 
 MAMBA, ATTENTION, MLP_TYPE, MOE = "linear_attention", "full_attention", "mlp", "moe"
 LAYER_TYPES = (MAMBA, ATTENTION, MLP_TYPE, MOE)
@@ -113,12 +113,15 @@ class Relu2MLP(nn.Module):
     column-parallel (still a plain ``Linear``: the pre-norm fuses into it), down
     row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool, tp=None) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, tp=None, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden, intermediate // tp_size(tp), bias=bias)
+        inter = intermediate // tp_size(tp)
+        self.up_proj = Linear(hidden, inter, bias=bias)
         if tp is not None:
             shard_rows(self.up_proj)
-        self.down_proj = linear_layers(tp)[1](intermediate // tp_size(tp), hidden, bias=bias)
+        self.down_proj = linear_layers(tp, reduce)[1](inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_input(self.up_proj(x))
@@ -179,18 +182,16 @@ class MoE(nn.Module):
         super().__init__()
         e, hidden = config.extra, config.hidden_size
         latent, bias = e["moe_latent_size"], bool(e["mlp_bias"])
-        dim, inter = latent or hidden, e["moe_intermediate_size"] // tp_size(tp)
+        dim, inter = latent or hidden, e["moe_intermediate_size"]
         self.gate = TopkRouter(config)
+        names = ("up_proj", "down_proj")
         self.experts = RoutedExperts(
-            e["n_routed_experts"], dim, inter, activation="relu2", names=("up_proj", "down_proj")
+            e["n_routed_experts"], dim, inter, activation="relu2", names=names, tp=tp
         )
-        if tp is not None:
-            shard_experts(self.experts)
         self.tp = tp
-        self.shared_experts = Relu2MLP(hidden, e["moe_shared_expert_intermediate_size"], bias, tp)
-        if tp is not None and latent is None:  # routed + shared partials, reduced once
-            shared = self.shared_experts
-            shared.down_proj = partial_row(shared.down_proj, tp)
+        shared = e["moe_shared_expert_intermediate_size"]
+        # without a latent space the routed and shared partial sums are reduced once
+        self.shared_experts = Relu2MLP(hidden, shared, bias, tp, reduce=latent is not None)
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)

@@ -5,15 +5,26 @@ see the same tokens:
 
     attention  q/k/v_proj  column-parallel by heads   rank r: q heads [r*Hq/tp, (r+1)*Hq/tp),
                                                        kv heads [r*H/tp, (r+1)*H/tp)
+                                                       (MiMo: each layer type's own H)
                sinks       sliced like the q heads
                o_proj      row-parallel: partial sum on each rank, all-reduce, + bias
+    MLA        q_proj or q_b_proj, kv_b_proj (each head's W_UK and W_UV rows):
+                           column-parallel by heads; o_proj row-parallel
+               q_a_proj, kv_a_proj_with_mqa and their norms: replicated, so every
+                           rank computes the whole latent row [c | k_rope] and caches
+                           it (the MLA sub-pool is not split); the absorbed and the
+                           expanded forms attend with the rank's heads only
     MLP        gate/up     column-parallel on the intermediate dim
                down_proj   row-parallel + all-reduce
-    MoE        experts     every expert sharded on its intermediate dim (gate_up
-                           columns, interleaved gate/up pairs stay together;
-                           down_proj rows); the router is replicated, so every
-                           rank routes alike; one all-reduce after the experts,
-                           whose down bias is added by rank 0 only
+    MoE        experts     every expert sharded on its intermediate dim (gate/up
+                           rows, or gpt-oss's interleaved gate_up columns with each
+                           pair kept together; down_proj columns); the router is
+                           replicated, so every rank routes alike; shared experts
+                           (DeepSeek, Qwen3-Next, NemotronH) sharded the same way;
+                           the routed and shared partial sums are added, then ONE
+                           all-reduce; a down bias is added by rank 0 only
+                           (``RowParallelLinear(reduce=False)``); gates and
+                           NemotronH's latent projections replicated
     Gated      in_proj     by heads, one GEMM still (a plain Linear: the pre-norm
     DeltaNet               fuses into it): [q | k | v] rows by key / value heads
     (Qwen3.5,              (``Segments``), z, b, a by value heads; Qwen3-Next's
@@ -30,19 +41,21 @@ see the same tokens:
                norm        the gated RMSNorm per group; a group spanning ranks has
                            its mean square summed over them (one small all-reduce)
                out_proj    row-parallel + all-reduce
-    MoE with   shared      sharded like the routed experts, its partial sum added
-    a shared   expert      to theirs before the one all-reduce (``reduce=False``);
-                           gates, routers, latent projections replicated
     Falcon-H1  mixers      Mamba-2 and attention side by side: their scaled partial
                            sums added, then one all-reduce
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
+Experts are split tensor-parallel, not expert-parallel, in every family: the fused
+MoE then runs unchanged on each rank (all experts, 1/tp of their width), routing
+stays replicated, and no token is exchanged (one all-reduce, as a dense MLP's).
+
 Each rank therefore stores K/V only for its own KV heads, and recurrent state only
-for its own heads: its unified pool is built from specs with ``num_kv_heads / tp``
-and, for a Mamba sub-pool, the rank's conv channels and ``heads / tp`` state heads
-(:func:`shard_subpool_configs`, from the family's ``state_dims.shard``), so per-rank
-state bytes fall with tp.
+for its own heads: its unified pool is built from specs with ``num_kv_heads / tp``;
+an MLA spec is kept whole (per-rank MLA bytes equal TP 1's); a Mamba sub-pool gets
+the rank's conv channels and ``heads / tp`` state heads (from the family's
+``state_dims.shard``), so per-rank state bytes fall with tp
+(:func:`shard_subpool_configs`).
 
 Parameter names stay transformers' (``q_proj.weight`` ...): a module that is
 sharded says how in ``tp_shards`` (parameter name -> dim, or ``Segments`` for a
@@ -148,9 +161,10 @@ class RowParallelLinear(nn.Linear):
     x: (T, in/tp), this rank's slice -> (T, out), the full product: the partial
     products are all-reduced, then the (replicated) bias is added once.
 
-    ``reduce=False``: the rank's partial product (the bias added by rank 0 only), for
-    a caller that sums several such partials linearly and all-reduces once (Falcon-H1's
-    two mixers, a MoE's routed and shared experts)."""
+    ``reduce=False``: the output stays this rank's partial sum, for a block that adds
+    several partial sums and all-reduces them once (a MoE's routed and shared
+    experts, Falcon-H1's two mixers); the bias is then added by rank 0 only, so the
+    sum counts it once."""
 
     tp_shards: ClassVar[dict[str, int]] = {"weight": 1}
 
@@ -174,14 +188,21 @@ def partial_row(linear: nn.Linear, tp) -> RowParallelLinear:
     return RowParallelLinear(linear.in_features, linear.out_features, bias, tp=tp, reduce=False)
 
 
-def linear_layers(tp: TensorParallel | None):
+def linear_layers(tp: TensorParallel | None, reduce: bool = True):
     """(column linear, row linear) classes for ``tp`` (``layers.Linear`` when None: the
-    kernel backend's ``linear``)."""
+    kernel backend's ``linear``); ``reduce=False``: the row linear leaves its partial
+    sum for the caller's one all-reduce (``RowParallelLinear``)."""
     if tp is None:
         from unikv.models.layers import Linear
 
         return Linear, Linear
-    return ColumnParallelLinear, partial(RowParallelLinear, tp=tp)
+    return ColumnParallelLinear, partial(RowParallelLinear, tp=tp, reduce=reduce)
+
+
+def reduce_partial(tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the group (a block's partial sums, one all-reduce), or ``x``
+    unchanged without tensor parallelism."""
+    return x if tp is None else tp.all_reduce(x)
 
 
 def tp_size(tp: TensorParallel | None) -> int:
@@ -270,15 +291,19 @@ def shard_tensor(
 
 def shard_subpool_configs(configs: Sequence, size: int, state_dims=None) -> list:
     """The SubPoolConfigs of one rank: each attention spec with ``num_kv_heads / size``;
-    each recurrent (Mamba / Gated DeltaNet) spec with the rank's conv channels and SSM
-    heads (``shard_state_spec``).
+    an MLA spec unchanged (its latent row is shared by every head, so every rank
+    caches it whole: per-rank MLA bytes equal TP 1's); a recurrent (Mamba / Gated
+    DeltaNet) spec with the rank's conv channels and state heads (``shard_state_spec``,
+    from the family's ``state_dims``).
 
-    Raises ValueError for specs that cannot be split by heads (MLA) or whose heads
-    ``size`` does not divide."""
+    Raises ValueError for specs whose heads ``size`` does not divide."""
     if size == 1:
         return list(configs)
     out = []
     for c in configs:
+        if c.spec.kind == "mla":  # kv_a_proj is replicated: every rank stores the latent
+            out.append(c)
+            continue
         if c.spec.kind == "mamba":
             out.append(dataclasses.replace(c, spec=shard_state_spec(c, size, state_dims)))
             continue
@@ -286,7 +311,7 @@ def shard_subpool_configs(configs: Sequence, size: int, state_dims=None) -> list
         if c.spec.kind not in ("full", "swa") or heads is None:
             raise ValueError(
                 f"sub-pool {c.name!r} ({c.spec.kind}) cannot be sharded by KV heads; tensor "
-                "parallelism supports attention and recurrent (Mamba) sub-pools only"
+                "parallelism supports attention, MLA and recurrent (Mamba) sub-pools only"
             )
         if heads % size:
             raise ValueError(

@@ -14,8 +14,9 @@ concatenated (their ``packed`` maps), and the decoder fuses the pre-norm into it
   q/k norms; partial rotary; ``attn(layer, q, k, v)``; ``out * sigmoid(gate)``; o_proj.
 - Gated DeltaNet: q/k/v through a depthwise causal conv (silu) over
   ``conv_dim = 2 Hk Dk + Hv Dv`` channels, beta = sigmoid(b),
-  g = -exp(A_log) * softplus(a + dt_bias) (fp32), q/k heads repeated to Hv
-  (``repeat_interleave``), the gated delta rule (l2-normed q/k, scale Dk**-0.5),
+  g = -exp(A_log) * softplus(a + dt_bias) (fp32), value head h reading q/k head
+  h // (Hv / Hk) (the gates and the GQA mapping inside the op: ``gating``), the
+  gated delta rule (l2-normed q/k, scale Dk**-0.5),
   a gated RMSNorm with z, out_proj. The conv and the recurrence go through the
   step object (``StateFn``): their state lives in the request's pool slot.
 - Tensor parallelism (``models/parallel.py``): a rank runs ``state_dims.shard(tp)``,
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from unikv.kernels.backend import model_ops
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
@@ -126,19 +128,22 @@ class ZeroCenteredRMSNorm(RMSNorm):
 
 
 class GatedRMSNorm(nn.Module):
-    """``w * rmsnorm(x) * silu(gate)`` over the last dim (transformers'
-    ``Qwen3_5RMSNormGated``): norm in fp32, weight in x's dtype, gate in fp32."""
+    """``w * rmsnorm(x) * silu(gate)`` over each head's ``dim`` values (transformers'
+    ``Qwen3_5RMSNormGated``): norm in fp32, weight in x's dtype, gate in fp32; one
+    backend op (``gated_rms_norm``, ``weight_mode="dtype_before_gate"``)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = model_ops(None)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (h * nn.functional.silu(gate.float())).to(dtype)
+        """x, gate: (T, H * dim) -> (T, H * dim), each head normalised on its own."""
+        return self.ops.gated_rms_norm(  # the (dim,) weight serves every head
+            x, gate, self.weight, self.eps, group_size=self.weight.shape[0],
+            weight_mode="dtype_before_gate",
+        )  # fmt: skip
 
 
 class GatedAttention(nn.Module):
@@ -252,16 +257,12 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)
-        groups = self.num_v_heads // self.num_k_heads
-        if groups > 1:  # a host int fixed by the config
-            q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
-        out = attn.gated_delta_rule(
-            self.layer, q, k, v, g, beta, scale=self.head_k_dim**-0.5, use_qk_l2norm=True
-        )  # (T, Hv, Dv)
-        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.reshape(t, self.value_dim))
+        out = attn.gated_delta_rule(  # the gates and the GQA heads inside the op
+            self.layer, q, k, v, a, b, scale=self.head_k_dim**-0.5, use_qk_l2norm=True,
+            gating=(self.A_log, self.dt_bias),
+        )  # (T, Hv, Dv)  # fmt: skip
+        out = self.norm(out.reshape(t, self.value_dim), z.reshape(t, self.value_dim))
+        return self.out_proj(out)
 
 
 class DecoderLayer(decoder.DecoderLayer):

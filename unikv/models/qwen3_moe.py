@@ -33,18 +33,38 @@ def config_extras(hf_config) -> dict:
     return extra
 
 
+def _sparse(extra: dict, layer: int) -> bool:
+    """Whether ``layer`` runs the MoE (else the dense SwiGLU)."""
+    on_grid = extra["num_experts"] > 0 and (layer + 1) % extra["decoder_sparse_step"] == 0
+    return on_grid and layer not in extra["mlp_only_layers"]
+
+
 class Qwen3MoeForCausalLM(MoEDecoderLM):
-    """Qwen3-MoE over unikv's paged attention (tp must be None)."""
+    """Qwen3-MoE over unikv's paged attention; under tensor parallelism the heads shard
+    as Llama's, the experts on ``moe_intermediate_size``, the dense layers' SwiGLU on
+    ``intermediate_size``."""
 
     def __init__(
         self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
     ) -> None:
         super().__init__(dataclasses.replace(config, qk_norm=True), max_positions, tp, ops=ops)
 
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Heads, KV heads, and the intermediate size of each MLP kind the model has."""
+        e = config.extra
+        sparse = [_sparse(e, i) for i in range(config.num_layers)]
+        dims = {"num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads}
+        if any(sparse):
+            dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+        if not all(sparse):
+            dims["intermediate_size"] = config.intermediate_size
+        return dims
+
     def make_mlp(self, config: ModelConfig, layer: int, tp) -> nn.Module:
         e = config.extra
-        sparse = e["num_experts"] > 0 and (layer + 1) % e["decoder_sparse_step"] == 0
-        if sparse and layer not in e["mlp_only_layers"]:
+        if _sparse(e, layer):
             names = ("gate_proj", "up_proj", "down_proj")
-            return SparseMoE(config, e["moe_intermediate_size"], names, e["norm_topk_prob"], True)
-        return GatedMLP(config)
+            intermediate, norm = e["moe_intermediate_size"], e["norm_topk_prob"]
+            return SparseMoE(config, intermediate, names, norm, True, tp)
+        return GatedMLP(config, tp)

@@ -24,8 +24,8 @@ from torch import nn
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP, Linear
-from unikv.models.moe import RoutedExperts, shard_experts
-from unikv.models.parallel import partial_row, tp_size
+from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import reduce_partial
 
 MOE_FIELDS = (
     "num_experts",
@@ -98,16 +98,13 @@ class SparseMoE(nn.Module):
         super().__init__()
         e = config.extra
         self.gate = Router(config)  # replicated under tp: every rank routes alike
-        self.experts = RoutedExperts(
-            e["num_experts"], config.hidden_size, e["moe_intermediate_size"] // tp_size(tp)
+        self.experts = RoutedExperts(  # under tp: each expert's intermediate slice
+            e["num_experts"], config.hidden_size, e["moe_intermediate_size"], tp=tp
         )
-        if tp is not None:  # every expert on its intermediate dim; partial sums
-            shard_experts(self.experts)
         self.tp = tp
         shared = dataclasses.replace(config, intermediate_size=e["shared_expert_intermediate_size"])
-        self.shared_expert = GatedMLP(shared, tp)
-        if tp is not None:  # routed and gated shared partials added, reduced once
-            self.shared_expert.down_proj = partial_row(self.shared_expert.down_proj, tp)
+        # routed and gated shared partial sums added, then reduced once
+        self.shared_expert = GatedMLP(shared, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +112,7 @@ class SparseMoE(nn.Module):
         weights, indices = self.gate(x)
         out = self.experts(x, weights, indices)
         out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return reduce_partial(self.tp, out)
 
 
 class Qwen3NextForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
