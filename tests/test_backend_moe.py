@@ -64,11 +64,12 @@ def test_torch_backend_on_cuda_picks_the_torch_reference(monkeypatch, fresh_cach
 def test_triton_backend_variants_follow_the_device_and_the_switch(monkeypatch, fresh_cache):
     """The Triton backend on a faked CUDA device: Triton's MoE (the table's dispatch);
     the Hopper variant only on sm_90, for bf16 experts in whole 64-blocks, and not with
-    ``UNIKV_MOE_HOPPER=0`` (read when the backend is built)."""
+    ``UNIKV_MOE_HOPPER=0`` (``env.FLAGS.moe_hopper``, read when the backend is built)."""
+    from unikv import env
     from unikv.kernels import moe, moe_hopper
 
     monkeypatch.setattr(kb, "_sm90", lambda device: True)
-    monkeypatch.delenv("UNIKV_MOE_HOPPER", raising=False)
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, moe_hopper=True))
     ops = kb.get_backend("cuda", "triton")
     assert ops.name == "triton" and ops.moe is moe.moe
     variant = ops.moe_repacked(torch.bfloat16, 128, 192)
@@ -79,11 +80,11 @@ def test_triton_backend_variants_follow_the_device_and_the_switch(monkeypatch, f
     assert ops.moe_repacked(torch.bfloat16, 96, 128) is None  # hidden not 64-blocks
     assert ops.moe_repacked(torch.bfloat16, 128, 96) is None
     assert kb.get_backend("cuda", "triton") is ops  # decided once
-    monkeypatch.setenv("UNIKV_MOE_HOPPER", "0")
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, moe_hopper=False))
     off = kb.get_backend("cuda", "triton")
     assert off is not ops and off.moe is moe.moe
     assert off.moe_repacked(torch.bfloat16, 128, 192) is None
-    monkeypatch.setenv("UNIKV_MOE_HOPPER", "1")
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, moe_hopper=True))
     monkeypatch.setattr(kb, "_sm90", lambda device: False)  # an A100, say
     kb._CACHE.clear()
     assert kb.get_backend("cuda", "triton").moe_repacked(torch.bfloat16, 128, 192) is None

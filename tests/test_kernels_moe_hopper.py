@@ -8,6 +8,8 @@ Gluon kernels against the torch reference on the checkpoint's packed experts
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_kernels_moe import _close, _mxfp4, _routing
@@ -172,7 +174,9 @@ def test_gpt_oss_mxfp4_checkpoint_on_the_hopper_kernel(tmp_path, monkeypatch):
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     hopper = load_model(str(tmp_path), device="cuda", dtype=torch.bfloat16)
-    monkeypatch.setenv("UNIKV_MOE_HOPPER", "0")
+    from unikv import env
+
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, moe_hopper=False))
     triton_model = load_model(str(tmp_path), device="cuda", dtype=torch.bfloat16)
     experts = [m for m in hopper.modules() if type(m).__name__ == "Experts"]
     assert experts and all(m.fragments is not None for m in experts)

@@ -17,18 +17,18 @@ pageable host-to-device copy).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from unikv.env import FLAGS
 from unikv.kernels._private import current_raw_stream, record_event
 
 Uploader = Callable[[np.ndarray | list], torch.Tensor]
 # CUDA: uploads on a side stream the caller's stream waits for (UNIKV_SIDE_UPLOAD=0: on
 # the caller's stream; fixed at import, the A/B switch)
-SIDE_COPY = os.environ.get("UNIKV_SIDE_UPLOAD", "1") == "1"
+SIDE_COPY = FLAGS.side_upload
 
 
 def make_uploader(device: torch.device) -> Uploader:

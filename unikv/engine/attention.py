@@ -45,13 +45,13 @@ chunks over long contexts stay absorbed.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from unikv.engine.plan import StepPlan
+from unikv.env import FLAGS
 from unikv.kernels.backend import KernelBackend
 from unikv.layout import entry_kernel_ids
 
@@ -106,7 +106,7 @@ class MLALayerCache:
 
 # decode steps rotate and store inside the attention's launch (fixed at import; the A/B
 # switch: UNIKV_ROPE_DECODE=0 runs rope_store_kv, then decode_attention)
-ROPE_IN_DECODE = os.environ.get("UNIKV_ROPE_DECODE", "1") == "1"
+ROPE_IN_DECODE = FLAGS.rope_decode
 ABSORBED_SLOWDOWN = 2.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
 EXPANDED_MAX_BYTES = 8 << 30  # transient K/V of one expanded layer at most
 MLA_FORMS = ("absorbed", "expanded")

@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: swap when the copies cost less than recomputing (default), swap, recompute",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\' (built: ngram)',
+    )
 
 
 def llm_from_args(args):
@@ -92,6 +98,7 @@ def llm_from_args(args):
             parse_bytes(args.swap_host_bytes) if args.swap_host_bytes not in (None, "0") else 0
         ),
         preemption=args.preemption,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -17,7 +17,6 @@ live in the graph's own buffer, rewritten by its next replay.
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_left
 from collections.abc import Callable
 
@@ -25,10 +24,11 @@ import torch
 
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
+from unikv.env import FLAGS
 
 # decode graphs of at most this many rows also come with the argmax inside
 # (UNIKV_GRAPH_GREEDY_ROWS, fixed at import: 0 turns it off, the A/B switch)
-GREEDY_ROWS = int(os.environ.get("UNIKV_GRAPH_GREEDY_ROWS", "8"))
+GREEDY_ROWS = FLAGS.graph_greedy_rows
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:

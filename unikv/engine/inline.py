@@ -29,6 +29,28 @@ class Stats:
     swapped_in: int = 0
     swapped_out_bytes: int = 0
     swapped_in_bytes: int = 0
+    spec_verify_steps: int = 0  # speculative decoding: steps that verified drafts
+    spec_draft_tokens: int = 0  # drafts scored
+    spec_accepted_tokens: int = 0  # drafts accepted
+    spec_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + bonus)
+    spec_verify_requests: int = 0  # (request, verify step) pairs
+    spec_draft_seconds: float = 0.0  # host time proposing drafts
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafts accepted / drafts scored (0 when none was scored)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a request emits per verify step (accepted drafts + the bonus)."""
+        n = self.spec_verify_requests
+        return self.spec_emitted_tokens / n if n else 0.0
+
+    @property
+    def spec_draft_time_share(self) -> float:
+        """Host time proposing drafts / the call's wall time."""
+        return self.spec_draft_seconds / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -58,6 +80,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     preempted_before = sched.num_preemptions
     prefix_before = llm.alloc.parts.prefix.counters()
     swap_before = sched.swap.counters() if sched.swap is not None else {}
+    spec_before = sched.spec.counters.as_dict() if sched.spec is not None else {}
     bar = None
     if use_tqdm:
         from tqdm import tqdm
@@ -86,6 +109,9 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
         name = key.removeprefix("swap_")
         if hasattr(stats, name):
             setattr(stats, name, value - swap_before.get(key, 0))
+    for key, value in (sched.spec.counters.as_dict() if sched.spec is not None else {}).items():
+        if hasattr(stats, f"spec_{key}"):
+            setattr(stats, f"spec_{key}", value - spec_before[key])
     for key in PREFIX_COUNTERS:  # the host tier's are there when one is attached
         if key in prefix:
             setattr(stats, f"prefix_{key}", prefix[key] - prefix_before.get(key, 0))

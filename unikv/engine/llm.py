@@ -49,6 +49,7 @@ from unikv.engine.sampling import SamplingParams
 from unikv.engine.scheduler import Scheduler
 from unikv.engine.tracks import RequestGroup
 from unikv.engine.warmup import warm_linears, warm_sampling
+from unikv.env import FLAGS
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
 from unikv.kernels.widths import fit_backend
@@ -57,6 +58,10 @@ from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.pool import UnifiedPool
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "Stats"]
+
+# speculative verify steps of up to this many requests run under CUDA graphs
+# (UNIKV_VERIFY_GRAPH_ROWS, fixed at import: 0 runs them eagerly, the A/B switch)
+VERIFY_GRAPH_ROWS = FLAGS.verify_graph_rows
 
 
 class LLM:
@@ -119,6 +124,13 @@ class LLM:
             same arguments and calls ``generate`` with the same prompts; each
             holds 1/tp of the heads and a pool for its KV-head shard
             (``unikv.models.parallel``). CUDA graphs default to off under TP.
+        speculative_config: None, or vLLM's speculative config (a dict or its JSON),
+            e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``: pure decode
+            steps verify draft tokens through the pool (``unikv.engine.speculative``;
+            built: ``ngram`` and ``draft_model``, whose K/V are ``draft_*`` sub-pools of
+            the same pool). Greedy outputs equal decoding without it; sampled ones keep
+            the target's distribution (rejection sampling). Counters: ``llm.stats``
+            (``spec_*``). Refused for models with recurrent state and under TP.
 
     Generation stops at the config's EOS ids, those of ``generation_config.json``
     and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.
@@ -150,8 +162,10 @@ class LLM:
         prefix_host_bytes: int = 0,
         swap_host_bytes: int = 0,
         preemption: str = "auto",
+        speculative_config: Mapping | str | None = None,
     ) -> None:
         from unikv.allocator import PoolAllocator
+        from unikv.engine.speculative.config import check_speculation, speculative_config_of
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
 
         model_dir = model_dir_of(model_dir, model)
@@ -162,6 +176,7 @@ class LLM:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{what} must be a positive int, got {value!r}")
         check_kv_cache_bytes(kv_cache_bytes)
+        self.speculative_config = speculative_config_of(speculative_config)
         self.device = check_device(device)
         self.dtype, self.kv_cache_dtype = check_dtypes(dtype, kv_cache_dtype, self.device)
         self.config, hf_config = load_model_config(model_dir)
@@ -189,6 +204,9 @@ class LLM:
         configs = fp8_kv_configs(configs, self.kv_cache_dtype)
         if self.tp is not None:  # each rank caches its own KV heads and recurrent heads
             configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
+        check_speculation(self.speculative_config, configs, tp_group)
+        draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
+        configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
@@ -255,6 +273,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             cuda_graphs=use_graphs,
             max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
+            q_per_kv_of={c.name: self._draft_q_per_kv for c in draft},
         )
         if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
             warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
@@ -271,6 +290,7 @@ class LLM:
             tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
             prefix_caching=enable_prefix_caching,
             swap=self._swap_space(swap_host_bytes, preemption),
+            speculator=self._speculator(max_num_batched_tokens),
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -311,6 +331,62 @@ class LLM:
             prefill_tokens_per_s=self._prefill_tokens_per_s(),
         )
         return build_swap_space(self.alloc, host_bytes, policy)
+
+    def _draft_configs(self, configs, page_size: int, backend: str | None) -> list:
+        """A draft model's sub-pool configs (method "draft_model"), else []; checks
+        its vocabulary and context against the target's and loads it (before the
+        pool is sized from the memory left)."""
+        from unikv.engine.speculative.draft import draft_subpool_configs
+
+        config = self.speculative_config
+        if config is None or config.method != "draft_model":
+            return []
+        draft, _ = load_model_config(config.model)
+        if draft.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model's vocabulary ({draft.vocab_size}) must "
+                f"be the target's ({self.config.vocab_size})"
+            )
+        if draft.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"speculative_config: the draft model's context ({draft.max_position_embeddings})"
+                f" is shorter than max_model_len ({self.max_model_len}); lower max_model_len"
+            )
+        self._draft_q_per_kv = draft.num_heads // draft.num_kv_heads
+        out = draft_subpool_configs(config.model, configs, page_size, self.dtype)
+        self._draft_model = load_model(config.model, device=self.device, dtype=self.dtype,
+                                       max_positions=self.max_model_len, kernels=backend)  # fmt: skip
+        if hasattr(self._draft_model, "logits_dtype"):  # argmax drafts, no fp32 vocab copy
+            self._draft_model.logits_dtype = None
+        return out
+
+    def _speculator(self, max_num_batched_tokens: int):
+        """The scheduler's speculation hook (None without ``speculative_config``), and
+        a draft model over its sub-pools (method "draft_model")."""
+        from unikv.engine.runner import check_soft_cap, layer_caches
+        from unikv.engine.speculative.draft import DraftModel
+        from unikv.engine.speculative.engine import Speculator
+
+        config = self.speculative_config
+        if config is None:
+            return None
+        self.runner.force_accept = config.force_accept  # benchmarks only
+        spec = Speculator(config, max_num_batched_tokens)
+        if config.method == "draft_model":
+            model = self._draft_model  # loaded with its sub-pools' configs
+            cap = check_soft_cap(self.backend, model.config.extra.get("attn_soft_cap", 0.0))
+            caches, _ = layer_caches(self.pool, model.config.num_layers, cap, draft=True)
+            spec.draft = self.runner.draft = DraftModel(
+                model, caches, self.runner.planner, self.backend, model.config.sm_scale
+            )
+        if self.runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
+            q = config.num_speculative_tokens + 1
+            rows = min(VERIFY_GRAPH_ROWS, config.disable_by_batch_size, self.runner.planner.max_seqs,
+                       DENSE_MAX_TOKENS // q)  # fmt: skip
+            if rows >= 1 and rows * q <= self.runner.planner.max_tokens:
+                self.runner.capture_verify(q, rows)
+                spec.pad_drafts = True
+        return spec
 
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""

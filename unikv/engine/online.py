@@ -7,7 +7,9 @@ start of each step, so the scheduler and the allocator are only ever touched
 by the thread that runs the steps: the loop's own thread after ``start()``, or
 the caller of ``LLM.generate`` (``run_inline``).
 
-One step keeps one step in flight (as ``LLM`` always did):
+One step keeps one step in flight (as ``LLM`` always did; with speculative decoding
+on, each step is settled before the next is planned, since drafts read the tokens,
+and a verify step is applied at once: ``Scheduler.complete_verify``):
 
     drain inbox (new requests, aborts) -> schedule N -> launch N
     -> settle N-1 (its tokens reach the host; stop tokens cut; each tracked
@@ -54,6 +56,7 @@ import torch
 
 from unikv.engine.request import Status
 from unikv.engine.tracks import Delta, RequestGroup
+from unikv.env import FAULT_ENV  # "die-after-steps:N": the loop dies at step N
 
 
 class QueueFull(RuntimeError):
@@ -67,9 +70,6 @@ class EngineClosed(RuntimeError):
 class InjectedFault(RuntimeError):
     """The test-only fault of ``EngineLoop.die_after_steps`` (``unikv serve`` reads
     it from the environment variable ``FAULT_ENV`` once at start-up)."""
-
-
-FAULT_ENV = "UNIKV_TEST_ENGINE_FAULT"  # "die-after-steps:N": the loop dies at step N
 
 
 def _fatal(err: BaseException) -> bool:
@@ -281,6 +281,8 @@ class EngineLoop:
         if self._held or self._quarantined:
             self._probe_next()
         sched = self.scheduler
+        if sched.spec is not None:  # drafts read the tokens: the last step settles first
+            self._settle_last()
         if not sched.has_work():
             self._settle_last()
             return None
@@ -297,8 +299,13 @@ class EngineLoop:
         self._failures_in_a_row = 0
         if self._prev is not None:
             self._settle(self._prev)
-        finished = sched.complete_ahead(batch)
-        self._prev = launched
+        if launched.emitted is not None:  # a verify step ran to its end: applied now
+            self._prev = None
+            finished = sched.complete_verify(batch, launched.emitted)
+            self._publish(launched)
+        else:
+            finished = sched.complete_ahead(batch)
+            self._prev = launched
         if self.on_step is not None:
             self.on_step(self.llm, batch, launched.logits)
         return batch, launched, finished
@@ -310,8 +317,12 @@ class EngineLoop:
 
     def _settle(self, launched) -> None:
         """Step ``launched``'s tokens into its requests, then publish the deltas."""
+        self.scheduler.resolve(launched.batch, launched.tokens())
+        self._publish(launched)
+
+    def _publish(self, launched) -> None:
+        """Publish the deltas of step ``launched``'s requests (its tokens are in)."""
         batch = launched.batch
-        self.scheduler.resolve(batch, launched.tokens())
         if not self._num_watched:  # plain generate: text is decoded at the end
             return
         step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()

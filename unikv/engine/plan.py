@@ -128,7 +128,9 @@ class StepPlanner:
             block_table and mamba_slots fill them otherwise).
         backend: the KernelBackend (its ``plan_decode``).
         max_seqs: requests per step at most; max_tokens: tokens per step at most.
-        q_per_kv: query heads per KV head (sizes decode attention's workspace).
+        q_per_kv: query heads per KV head (sizes decode attention's workspace);
+            ``q_per_kv_of``: per sub-pool name, where another model's differs (a
+            speculative draft model's sub-pools).
         pin: stage host arrays in pinned memory (CUDA), decided once.
         feed_graphs: one-row graph plans carry ``feedback`` (the model resolves
             placeholder tokens from it and writes its greedy tokens there).
@@ -142,6 +144,7 @@ class StepPlanner:
         max_seqs: int,
         max_tokens: int,
         q_per_kv: int,
+        q_per_kv_of: dict[str, int] | None = None,
         pin: bool = False,
         feed_graphs: bool = False,
     ) -> None:
@@ -166,7 +169,7 @@ class StepPlanner:
         self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.feed_graphs = feed_graphs
         self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
-        self._q_per_kv = q_per_kv
+        self._q_per_kv = {s.name: q_per_kv for s in subs} | dict(q_per_kv_of or {})
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
 
     def _workspace_numel(self) -> int:
@@ -191,13 +194,15 @@ class StepPlanner:
         *,
         rows: int | None = None,
         prev_fed: bool = False,
+        pad_q: int = 1,
     ) -> StepPlan:
         """The StepPlan of ``batch``; placeholders (``Pending``) in its tokens are
         read from ``prev_tokens`` (B_prev,) int64, the previous step's samples on the
         device. rows: None (eager: B rows, tables as wide as the longest request),
         or R >= B (CUDA graphs: padded to R sink lanes, full-width tables).
         prev_fed: those samples are in ``self.feedback`` (a one-row greedy graph wrote
-        them), where a one-row graph reads them itself."""
+        them), where a one-row graph reads them itself. pad_q: tokens per padded
+        lane (a speculative verify graph's: every lane feeds k + 1)."""
         num = len(batch.requests)
         assert num <= (rows or num) <= self.max_seqs, (
             f"step planner invariant: {num} requests in a step of {rows} rows, buffers "
@@ -207,19 +212,21 @@ class StepPlanner:
             "step planner invariant: a DECODE batch's tables are this planner's buffers "
             "(build the Scheduler with tables=StepPlanner.tables)"
         )
-        dev, host, pending = self.upload.upload(batch, rows or num)
+        dev, host, pending = self.upload.upload(batch, rows or num, pad_q)
         longest = None  # tokens the tables must span (None: the whole context)
         if rows is None:
             rows = num
             longest = int(host["seq_lens"].max()) if num else 1
-        feed = self.feed_graphs and rows == 1  # a one-row graph: it reads self.feedback
+        feed = self.feed_graphs and rows == 1 and pad_q == 1  # a one-row decode graph
         if prev_tokens is not None and not (feed and pending is ALL and prev_fed):
             # (else the graph resolves the placeholders of its last step's tokens itself)
             self.upload.fill(dev, pending, prev_tokens, num)
-        max_q_len = max(batch.num_new, default=1)
-        is_decode = batch.is_decode
-        # requests [first:] have no cached tokens: all of them (fresh) or a split step
+        max_q_len = max(batch.num_new, default=pad_q)
+        is_decode = batch.is_decode and pad_q == 1
+        # requests [first:] have no cached tokens: all of them (fresh) or a split step;
+        # a verify graph's plan (pad_q > 1) never: its requests are decoding ones
         first = -1 if is_decode else fresh_suffix(host["seq_lens"][:num] - batch.num_new)
+        first = num if pad_q > 1 else first
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
         return StepPlan(
             is_decode=is_decode,
@@ -229,10 +236,10 @@ class StepPlanner:
             seq_lens=dev["seq_lens"],
             q_indptr=dev["q_indptr"],
             max_q_len=max_q_len,
-            subpools=self._tables(batch, dev, rows, longest, max_q_len),
+            subpools=self._tables(batch, dev, rows, longest, max_q_len, pad_q),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
-            fresh=first == 0,  # no cached tokens: the cache holds exactly the new ones
+            fresh=first == 0 and pad_q == 1,  # no cached tokens: the cache holds the new ones
             split=split,
             feedback=self.feedback if feed else None,
         )
@@ -251,12 +258,12 @@ class StepPlanner:
             dev["q_indptr"][first : num + 1] - row,
         )
 
-    def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int) -> dict:
+    def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int, pad_q=1):
         """Per token sub-pool, the write ids and block table of the step: decode_step
         wrote them (DECODE), else translated here; padded rows point at the sink."""
         num, steps = len(batch.requests), {}
         num_tokens = dev["input_ids"].shape[0]
-        real = num_tokens - (rows - num)  # tokens of real requests (padded lanes: 1 each)
+        real = num_tokens - (rows - num) * pad_q  # tokens of real requests (padded lanes: pad_q)
         virtual_ids = batch.virtual_ids if num and batch.kind is BatchKind.EXTEND else None
         if virtual_ids is None and batch.step is not None:  # pages moved since decode_step?
             batch.step.refresh()
@@ -286,7 +293,7 @@ class StepPlanner:
             max_len = min(max_len, spec.sliding_window)
         return self.backend.plan_decode(
             rows,
-            num_q_heads=spec.num_kv_heads * self._q_per_kv,
+            num_q_heads=spec.num_kv_heads * self._q_per_kv[sub.name],
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             v_head_dim=spec.v_head_dim,

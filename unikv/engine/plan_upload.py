@@ -12,8 +12,9 @@ decoding), lane i's placeholder's lane, so input_ids[:B] = prev_tokens[lanes] is
 one gather (else ``Pending.fill``, or nothing when the host sees no placeholder).
 
 A padded lane (rows R > B requests) feeds token 0 at position 0 with seq_len 1
-and state slot 0. For a given (R, T) the device views lie at the same addresses
-every step (CUDA-graph inputs). The two staging slots alternate, so one may
+and state slot 0 (a verify graph's: ``pad_q`` tokens at positions 0 .. pad_q - 1).
+For a given (R, T) the device views lie at the same addresses every step
+(CUDA-graph inputs). The two staging slots alternate, so one may
 still be copying while the next step is staged.
 """
 
@@ -75,16 +76,17 @@ class StepUpload:
         self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
 
-    def upload(self, batch: Batch, rows: int) -> tuple[dict, dict, str]:
+    def upload(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
         """The step's int arrays, padded to ``rows`` lanes, written into a host
         staging buffer and copied to the device in one copy; (typed device views,
         typed host views, which tokens are placeholders: ALL, SOME or NONE).
         One-token steps (decodes) take a path without per-token arrays: positions
-        are the starts, q_indptr an arange, and ``lanes`` the placeholders' lanes."""
+        are the starts, q_indptr an arange, and ``lanes`` the placeholders' lanes.
+        ``pad_q``: tokens per padded lane (a verify graph's lanes all feed k + 1)."""
         reqs, num_new = batch.requests, batch.num_new
         num = len(reqs)
         starts = list(map(_NUM_CACHED, reqs))
-        one_token = len(num_new) == num_new.count(1)
+        one_token = len(num_new) == num_new.count(1) and pad_q == 1
         if one_token:
             # a one-token lane feeds its token at num_cached: a decode's last token, or
             # a prefill chunk of one (a chunk cut at a state checkpoint, a budget's last)
@@ -92,7 +94,7 @@ class StepUpload:
             num_tokens = rows
         else:
             tokens = [t for r, s, n in zip(reqs, starts, num_new) for t in r.token_slice(s, s + n)]
-            num_tokens = len(tokens) + rows - num
+            num_tokens = len(tokens) + (rows - num) * pad_q
         assert num_tokens <= self.max_tokens, (
             f"step planner invariant: {num_tokens} tokens in a step, buffers hold {self.max_tokens}"
         )
@@ -116,7 +118,7 @@ class StepUpload:
                 np.subtract(-1, input_ids[:num], out=host["lanes"][:num])
                 pending = ALL
         else:
-            counts = np.ones(rows, np.int64)
+            counts = np.full(rows, pad_q, np.int64)
             counts[:num] = num_new
             q_indptr[0] = 0
             np.cumsum(counts, out=q_indptr[1:])

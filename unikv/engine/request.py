@@ -92,6 +92,7 @@ class Request:
     track: Any = None
     cache_salt: str | None = None  # prefix-cache salt: requests of other salts share no page
     grammar: Any = None  # structured outputs: [xgrammar matcher, output tokens it accepted]
+    draft_ids: list[int] = field(default_factory=list)  # speculative drafts a verify step feeds
 
     @property
     def max_new_tokens(self) -> int:
@@ -124,7 +125,11 @@ class Request:
         return self.seq_len - self.num_cached
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """all_ids[start:stop] without building all_ids."""
+        """all_ids[start:stop] without building all_ids; past the end, the draft
+        tokens a verify step feeds after them (``draft_ids``)."""
+        if stop > self.seq_len and self.draft_ids:
+            end = self.seq_len
+            return self.token_slice(start, end) + self.draft_ids[max(start - end, 0) : stop - end]
         n = len(self.prompt_ids)
         if stop <= n:
             return self.prompt_ids[start:stop]
@@ -179,6 +184,7 @@ class Batch:
     all_greedy: bool | None = None  # every sample a bare argmax (None: not known)
     epoch: int = -1  # the scheduler's finish count when it was built
     step: DecodeStep | None = None  # decode_step's result (its tables may need a refresh)
+    drafts: list | None = None  # a verify step: per request its (k_i,) int64 draft tokens
 
     @property
     def is_decode(self) -> bool:

@@ -13,7 +13,6 @@ sample -> one device-to-host copy of the tokens, on a side stream where
 from __future__ import annotations
 
 import inspect
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,8 +27,12 @@ from unikv.engine.attention import (
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
+from unikv.engine.speculative.step import verify_step
+from unikv.env import FLAGS
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
+
+DRAFT_PREFIX = "draft_"  # a speculative draft model's sub-pools (speculative/draft.py)
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -37,27 +40,30 @@ if TYPE_CHECKING:
 
 # CUDA: the sampled tokens' copy to the host on a side stream (UNIKV_SIDE_READBACK=0:
 # on the step's stream; fixed at import, the A/B switch)
-SIDE_READBACK = os.environ.get("UNIKV_SIDE_READBACK", "1") == "1"
+SIDE_READBACK = FLAGS.side_readback
 # greedy graphs: the argmax inside the model's LM head where it fuses one
 # (UNIKV_GREEDY_IN_HEAD=0: the backend's argmax after the forward; fixed at import,
 # the A/B switch)
-GREEDY_IN_HEAD = os.environ.get("UNIKV_GREEDY_IN_HEAD", "1") == "1"
+GREEDY_IN_HEAD = FLAGS.greedy_in_head
 # one-row graphs of a model that resolves placeholder tokens itself read them from the
 # planner's feedback buffer (no token gather before a steady request's step;
 # UNIKV_GRAPH_FEEDBACK=0: the gather before each replay; fixed at import, the A/B switch)
-GRAPH_FEEDBACK = os.environ.get("UNIKV_GRAPH_FEEDBACK", "1") == "1"
+GRAPH_FEEDBACK = FLAGS.graph_feedback
 
 
 def layer_caches(
-    pool: UnifiedPool, num_layers: int, soft_cap: float = 0.0
+    pool: UnifiedPool, num_layers: int, soft_cap: float = 0.0, draft: bool = False
 ) -> tuple[list[LayerCache | None], list[LayerState | None]]:
     """Per model layer, from the sub-pools' ``layers`` lists: its attention cache
     (a LayerCache, with the model's attention ``soft_cap``, 0 = off) and its
     recurrent state (a LayerState), None where it has none (a layer may have
-    both, e.g. Falcon-H1, or neither, an MLP-only layer)."""
+    both, e.g. Falcon-H1, or neither, an MLP-only layer). ``draft``: the layers of
+    a speculative draft model's sub-pools (``draft_*``) instead of the target's."""
     caches: list[LayerCache | None] = [None] * num_layers
     states: list[LayerState | None] = [None] * num_layers
     for sub in pool.subpools.values():
+        if sub.name.startswith(DRAFT_PREFIX) != draft:
+            continue
         for index, layer in enumerate(sub.layers):
             if sub.spec.kind == "mamba":  # views: {part: (num_layers, S, *shape)}
                 states[layer] = LayerState(sub.views["conv0"][index], sub.views["temporal"][index])
@@ -91,7 +97,9 @@ class Launched:
     on the device (B,) int64 and their host copy, valid once ``event`` fired, and
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
-    __slots__ = ("_event", "_host", "_logprobs", "_prompt", "batch", "fed", "logits", "tokens_dev")
+    __slots__ = (
+        "_event", "_host", "_logprobs", "_prompt", "batch", "emitted", "fed", "logits", "tokens_dev"
+    )  # fmt: skip
 
     def __init__(
         self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False, prompt=None
@@ -100,6 +108,7 @@ class Launched:
         self._host, self._event, self._logprobs = host, event, logprobs
         self.fed = fed  # the tokens are in the planner's feedback buffer
         self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
+        self.emitted: list[list[int]] | None = None  # a verify step's tokens per request
 
     def _ready(self, host):
         """``host`` (this step's host copies) once the step is done; waits for it only."""
@@ -138,6 +147,7 @@ class ModelRunner:
         max_num_batched_tokens: int,
         cuda_graphs: bool = False,
         max_graph_batch: int = 0,
+        q_per_kv_of: dict[str, int] | None = None,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
@@ -151,6 +161,7 @@ class ModelRunner:
             max_seqs=max_num_seqs,
             max_tokens=max_num_batched_tokens,
             q_per_kv=model.config.num_heads // model.config.num_kv_heads,
+            q_per_kv_of=q_per_kv_of,
             pin=self._pin,
             feed_graphs=(
                 GRAPH_FEEDBACK and cuda_graphs and getattr(model, "resolves_feedback", False)
@@ -170,6 +181,9 @@ class ModelRunner:
         self._fused_greedy = (
             GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
         )
+        self.force_accept = False  # speculative decoding's benchmark mode (LLM sets it)
+        self.draft = None  # a speculative draft model (``speculative.draft.DraftModel``)
+        self.verify_graphs = None  # speculative verify steps' graphs (``capture_verify``)
         self.graphs = None
         if cuda_graphs:
             from unikv.engine.graphs import DecodeGraphs
@@ -181,14 +195,15 @@ class ModelRunner:
     # -- running -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None):
+    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None, every_row=False):
         """fp32 logits (B, vocab) of each request's last token in the step; greedy:
         (logits, the model's (B,) int64 greedy tokens) from a model that fuses them.
-        extra_rows: (E,) int64 more token rows whose logits follow (B + E rows)."""
+        extra_rows: (E,) int64 more token rows whose logits follow (B + E rows);
+        every_row: the logits of every token row (T, vocab) (a verify step)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         # a decode step's rows are its requests' last tokens: no gather before the head
-        rows = None if plan.is_decode else plan.logits_indices
+        rows = None if plan.is_decode or every_row else plan.logits_indices
         if extra_rows is not None:
             rows = torch.cat([plan.logits_indices, extra_rows])  # an eager plan: B rows
         extra = {"greedy": True} if greedy else {}
@@ -215,6 +230,8 @@ class ModelRunner:
     def launch(self, batch: Batch, prev: Launched | None = None) -> Launched:
         """Enqueue one step without waiting for it. Placeholder tokens in the batch
         (``Pending``) are read from ``prev``'s sampled tokens on the device."""
+        if batch.drafts is not None:
+            return self._launch_verify(batch)
         prev_tokens = prev.tokens_dev if prev is not None else None
         greedy = self._greedy(batch)
         # prompt logprobs (only where a request asks; never in a plain-greedy batch)
@@ -241,6 +258,8 @@ class ModelRunner:
             logits = logits[: len(batch.requests)]
             # the model's argmax wrote them into the plan's feedback buffer
             fed = in_graph and self._fused_greedy and plan.feedback is not None
+        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
+            self.draft.forward_plan(plan)
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
@@ -250,6 +269,37 @@ class ModelRunner:
         self.alloc.mark_in_flight(event)
         self._launches += 1
         return Launched(batch, logits, tokens_dev, host, event, logprobs, fed, prompt)
+
+    def _launch_verify(self, batch: Batch) -> Launched:
+        """A verify step (speculative decoding), run to the end: every row scored, the
+        drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
+        tokens read back (``Launched.emitted``): the next step's drafts need them."""
+        graphs = self.verify_graphs  # no placeholders: the loop settles each step first
+        rows = graphs.rows_for(batch) if graphs is not None else None
+        if rows is None:
+            plan = self.planner.plan(batch)
+            logits = self.forward(plan, every_row=True)
+        else:
+            plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
+            logits = graphs.run(plan, rows)[: sum(batch.num_new)]
+        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
+            self.draft.forward_plan(plan)
+        tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
+        host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
+        self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
+        self._launches += 1
+        launched = Launched(batch, logits, None, None, None)
+        launched.emitted = [row[: row[-1] + 1] for row in host]
+        return launched
+
+    def capture_verify(self, q: int, max_rows: int, capture: bool = True) -> None:
+        """Verify steps of ``q`` rows per request, up to ``max_rows`` requests, under
+        CUDA graphs (``speculative.graphs.VerifyGraphs``; ``capture=False``: the same
+        padded plans run eagerly)."""
+        from unikv.engine.speculative.graphs import VerifyGraphs
+
+        forward = lambda plan: self.forward(plan, every_row=True)
+        self.verify_graphs = VerifyGraphs(forward, self.planner, max_rows, q, capture)
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host (a copy of a

@@ -72,6 +72,8 @@ class Scheduler:
             must be one the allocator's prefix cache supports).
         swap: None (preemption recomputes), or the ``io.swap.SwapSpace`` that
             preempted requests may swap into.
+        speculator: None, or a ``speculative.engine.Speculator``: pure decode steps
+            may verify drafts (``_verify``; applied by ``complete_verify``).
     """
 
     def __init__(
@@ -84,9 +86,11 @@ class Scheduler:
         tables: StepTables | None = None,
         prefix_caching: bool = False,
         swap=None,
+        speculator=None,
     ):
         self.alloc, self.tables = alloc, tables
         self.swap = swap
+        self.spec = speculator  # speculative decoding (``speculative.engine.Speculator``)
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
@@ -115,7 +119,7 @@ class Scheduler:
             prefilling = self._schedule_decodes(batch)
             num_decodes = len(batch.requests)
             self._schedule_prefills(batch, prefilling, self.max_num_batched_tokens - num_decodes)
-            if num_decodes and num_decodes == len(batch.requests):
+            if num_decodes and num_decodes == len(batch.requests) and batch.drafts is None:
                 batch.kind, batch.tables = BatchKind.DECODE, self.tables
                 batch.all_greedy = self._decodes.greedy()
             if batch.requests:
@@ -142,6 +146,8 @@ class Scheduler:
             d = self._current_decodes()
             if not d.decoding:
                 return d.prefilling
+            if self.spec is not None and self._verify(batch, d):
+                return d.prefilling
             out = self.tables
             step = self.alloc.decode_step(
                 d.slots,
@@ -155,6 +161,25 @@ class Scheduler:
                 return d.prefilling
             self._decodes = None
             self._preempt(self.running[-1])
+
+    def _verify(self, batch: Batch, d: DecodeSet) -> bool:
+        """Make ``batch`` a verify step when the step speculates (no prefill chunk
+        to schedule, the speculator's rules): each decoding request feeds its pending
+        token and its drafts (``1 + k_i`` rows, ``alloc_extend``). False (nothing
+        changed) when it does not, or when the pool cannot hold the drafts now."""
+        if d.prefilling or (self.waiting and len(self.running) < self.max_num_seqs):
+            return False
+        found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
+        if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
+            return False
+        drafts, ids = found
+        num_new = 1 + np.fromiter((len(x) for x in drafts), np.int64, len(drafts))
+        for r, draft in zip(d.decoding, drafts):
+            r.draft_ids = draft.tolist()
+        batch.add_many(d.decoding, num_new.tolist(), ids)
+        batch.drafts = drafts
+        self._decodes = None  # lengths advance unevenly: rebuilt next step
+        return True
 
     def _schedule_prefills(self, batch: Batch, prefilling: list[Request], budget: int) -> None:
         for r in prefilling:
@@ -287,6 +312,50 @@ class Scheduler:
                         self.swap.drop(r.request_id)
                 r.slot, r.status = None, Status.FINISHED
                 self._epoch += 1
+        return finished
+
+    def complete_verify(self, batch: Batch, emitted: list[list[int]]) -> list[Request]:
+        """Apply a verify step (``_verify``): request i takes ``emitted[i]`` (its
+        accepted drafts and one token of the target's) until a stop rule ends it; the
+        rows of its pending token and accepted drafts stay in the cache and the
+        rejected rows are rolled back (``alloc.truncate``: pages emptied are freed, a
+        window's bookkeeping restored) before out-of-window pages are freed. Returns
+        the requests finished."""
+        reqs, finished, appended = batch.requests, [], 0
+        keep = np.empty(len(reqs), np.int64)
+        kept = []
+        for i, (r, tokens) in enumerate(zip(reqs, emitted)):
+            assert r.status is Status.RUNNING and r.num_cached + 1 == r.seq_len, (
+                "verify invariant: a verify step's requests are decoding when it completes"
+            )
+            start = r.num_cached
+            for token in tokens:
+                r.append(token)
+                appended += 1
+                if r.finish_reason is not None:
+                    finished.append(r)
+                    break
+            r.num_cached = keep[i] = min(start + len(tokens), r.seq_len - 1)
+            kept.append(int(keep[i] - start))
+            r.draft_ids = []
+        self.alloc.truncate(np.fromiter((r.slot for r in reqs), np.int64, len(reqs)), keep)
+        accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
+        self.spec.record(sum(len(x) for x in batch.drafts), accepted, len(reqs))
+        self.num_appended = appended
+        self.prefix.after_step(Batch(list(reqs), kept))
+        self._epoch += len(finished)
+        for r in finished:
+            self.prefix.share(r)
+            self.alloc.free_request(r.slot)
+            self.running.remove(r)
+            r.slot, r.status = None, Status.FINISHED
+        if self.has_window:
+            live = [r for r in reqs if r.status is Status.RUNNING]
+            if live:
+                self.alloc.free_out_of_window(
+                    np.fromiter((r.slot for r in live), np.int64, len(live)),
+                    np.fromiter((r.num_cached for r in live), np.int64, len(live)),
+                )
         return finished
 
     def complete(self, batch: Batch, tokens: list[int]) -> list[Request]:

@@ -117,8 +117,11 @@ class Track:
             entries = [self._logprob_entry(new[-1], step_logprobs[lane])]
             self.logprobs.extend(entries)
         finished = r.status is Status.FINISHED
+        rest = new  # the tokens still to detokenize
+        if len(new) > 1 and self.stops and self.text_end is None and self.detok is not None:
+            new, rest, finished = self._stop_within(new, finish, finished)
         if self.detok is not None and (not self.passive or finished):
-            added = self.detok.update(new) if new else ""
+            added = self.detok.update(rest) if rest else ""
             if finished:
                 added += self.detok.flush()
             if self.stops and self.text_end is None and len(r.output_ids) >= r.params.min_tokens:
@@ -133,6 +136,26 @@ class Track:
                 last = r.output_ids[-1]
                 self.stop_reason = last if last in r.params.stop_token_ids else None
         return self._delta(new, entries, finished)
+
+    def _stop_within(self, new: list[int], finish, finished: bool):
+        """Several new tokens at once (a speculative verify step): a stop string that
+        one of them completes ends the outputs at that token, as it would one token
+        at a time. Detokenizes all but the last (``advance`` does the rest); returns
+        (the new tokens kept, those left to detokenize, finished)."""
+        r, min_tokens = self.request, self.request.params.min_tokens
+        first = len(r.output_ids) - len(new)  # the index of new[0] in the outputs
+        for i, token in enumerate(new[:-1]):
+            added = self.detok.update([token])
+            if first + i + 1 < min_tokens:
+                continue
+            hit = find_stop(self.detok.text, len(added), self.stops, self.include)
+            if hit is not None:
+                self.text_end, self.stop_reason = hit
+                del r.output_ids[first + i + 1 :]
+                self.num_sent = len(r.output_ids)
+                finish(r, "stop")
+                return new[: i + 1], [], True
+        return new, new[-1:], finished
 
     def _delta(self, new: list[int], entries, finished: bool) -> Delta | None:
         text = ""

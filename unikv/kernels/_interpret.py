@@ -11,13 +11,13 @@ see the GPU's rounding. Compiled kernels are untouched.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+
+from unikv.env import FLAGS
 
 
 def patch_interpreter() -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not FLAGS.triton_interpret:
         return
     from unikv.kernels._private import triton_interpreter
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import torch
 
+from unikv import env
 from unikv.kernels.elementwise_ref import resolve_feedback  # placeholder ids (every backend)
 from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
 
@@ -202,7 +202,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
     return Flags(
         cuda=True,
         sm90=_sm90(device),
-        moe_hopper=os.environ.get("UNIKV_MOE_HOPPER", "1") != "0",
+        moe_hopper=env.FLAGS.moe_hopper,
         extend_hopper=extend_hopper.ENABLED,
         extend_sdpa=extend_sdpa.ENABLED,
     )

@@ -21,12 +21,11 @@ int64 and every stride is passed in.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from unikv.env import FLAGS
 from unikv.kernels import pdl
 from unikv.kernels._attn import attn_tile, check_attention_args, dot_precision, load_rows
 from unikv.kernels._checks import (  # noqa: F401  (workspace_numel: public, sizes buffers)
@@ -59,11 +58,11 @@ LONG_LOOP_STAGES = 3
 # K/V rows older than the step's before the PDL wait: every kernel but the one just
 # before has completed by then (UNIKV_DECODE_PRELOAD=0 turns it off; fixed at import,
 # the A/B switch).
-PRELOAD = os.environ.get("UNIKV_DECODE_PRELOAD", "1") == "1"
+PRELOAD = FLAGS.decode_preload
 PRELOAD_ROWS = 4
 # fp32 elements of the (splits, Dv) tile the merge reads per pass (``merge_launch``;
 # UNIKV_DECODE_MERGE_TILE, fixed at import, is the A/B switch: 1024 was 16 splits a pass)
-MERGE_TILE = int(os.environ.get("UNIKV_DECODE_MERGE_TILE", "16384"))
+MERGE_TILE = FLAGS.decode_merge_tile
 
 
 def choose_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:

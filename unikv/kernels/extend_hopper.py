@@ -27,7 +27,6 @@ check it against SDPA.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from triton.experimental import gluon
@@ -40,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from unikv.env import FLAGS
 from unikv.kernels._checks import tma_ok
 
 BLOCK_M = 128  # query rows a program: two consumer warpgroups of 64
@@ -56,7 +56,7 @@ MAXNREG = 168  # the launch's: 12 warps x 168 <= 64k; the split above fits the s
 MIN_Q_LEN = {128: 1024, 64: 8192}
 # ``UNIKV_EXTEND_HOPPER=0`` keeps every fresh prompt on the Triton kernel (the A/B
 # switch; fixed at import)
-ENABLED = os.environ.get("UNIKV_EXTEND_HOPPER", "1") != "0"
+ENABLED = FLAGS.extend_hopper
 
 
 @gluon.jit

@@ -32,22 +32,21 @@ every step stays on Triton unless a deployment that sees few lengths turns it on
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from unikv.env import FLAGS
 from unikv.kernels import extend, extend_fresh
 from unikv.kernels._attn import check_attention_args
 from unikv.kernels._checks import out_buffer
 
-ENABLED = os.environ.get("UNIKV_EXTEND_SDPA", "0") == "1"
+ENABLED = FLAGS.extend_sdpa
 DIMS = (64, 128)  # head dims cuDNN's fused attention takes on sm_90 (and the engine's)
 MIN_TOKENS = 1  # faster than the Triton kernel at both lengths benchmarked, 4k and 16k
 # SDPA's enable_gqa over the KV heads as they are (cuDNN takes it), or the KV heads
 # repeated over their query heads first (UNIKV_EXTEND_SDPA_GQA=repeat; fixed at import,
 # the A/B switch): 3.55 against 3.62 ms at 16k, 0.257 against 0.330 at 4k (5ff46ff)
-REPEAT_KV = os.environ.get("UNIKV_EXTEND_SDPA_GQA", "native") == "repeat"
+REPEAT_KV = FLAGS.extend_sdpa_gqa == "repeat"
 
 
 def takes_sdpa(q: torch.Tensor, fresh_kv, max_q_len: int, window: int, sinks, soft_cap: float,

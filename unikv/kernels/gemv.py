@@ -34,13 +34,13 @@ from shapes; CUDA graphs fix it per captured batch size). The torch references a
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from unikv.env import FLAGS
 from unikv.kernels import argmax as greedy
 from unikv.kernels import pdl
 from unikv.kernels._interpret import patch_interpreter
@@ -104,12 +104,12 @@ def _table_from(text: str) -> dict[tuple[int, int], tuple[int, int, int, int]]:
     return table
 
 
-if os.environ.get("UNIKV_GEMV_TABLE"):
-    TABLE = _table_from(os.environ["UNIKV_GEMV_TABLE"])
+if FLAGS.gemv_table:
+    TABLE = _table_from(FLAGS.gemv_table)
 MAX_ROWS = 4
 # the first layer's GEMV gathers its embedding rows itself (UNIKV_GEMV_EMBED=0: an
 # embedding launch before it; fixed at import, the A/B switch)
-EMBED = os.environ.get("UNIKV_GEMV_EMBED", "1") == "1"
+EMBED = FLAGS.gemv_embed
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
 

@@ -23,13 +23,13 @@ steps (``ALIGN_KERNEL_MAX_WORK``, ``moe_align.py``), torch ops above.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from unikv.env import FLAGS
 from unikv.kernels import moe_ref
 from unikv.kernels._interpret import patch_interpreter
 from unikv.kernels.moe_align import align_by_expert_kernel
@@ -38,16 +38,14 @@ from unikv.kernels.moe_triton import _decode_kernel, _down_kernel, _gate_up_kern
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # fixed at import
+INTERPRETED = FLAGS.triton_interpret  # fixed at import
 # MXFP4 decode (``moe_triton``'s docstring): 1 the two-halves decode, 2 the interleaved
 # one before it; "table" (the default, 0): as each Config's ``interleave`` says (the
 # two halves at 1-256 tokens, interleaved for prefill chunks, where it ran 1.13-1.23x
 # the halves in 6d30bb3's same-run A/B); ``UNIKV_MXFP4_DECODE=halves`` or
 # ``=interleave`` forces one everywhere (the A/B)
 MXFP4_DECODES = {"table": 0, "halves": 1, "interleave": 2}
-_decode = os.environ.get("UNIKV_MXFP4_DECODE", "table")
-if _decode not in MXFP4_DECODES:
-    raise ValueError(f"UNIKV_MXFP4_DECODE must be one of {list(MXFP4_DECODES)}, got {_decode!r}")
+_decode = FLAGS.mxfp4_decode  # validated by unikv.env
 MXFP4_DECODE = MXFP4_DECODES[_decode]
 
 

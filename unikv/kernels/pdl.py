@@ -30,14 +30,15 @@ first 2048 weight columns before the wait (``prefetch.global.L2``) made it 1.016
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("UNIKV_PDL", "1") == "1"
-TRIGGER = tl.constexpr(os.environ.get("UNIKV_PDL_TRIGGER", "1") == "1")
+from unikv.env import FLAGS
+
+ENABLED = FLAGS.pdl
+TRIGGER = tl.constexpr(FLAGS.pdl_trigger)
 
 
 def enabled(t: torch.Tensor) -> bool:

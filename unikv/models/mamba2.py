@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from unikv.kernels.backend import model_ops
-from unikv.models.layers import Linear
+from unikv.models.layers import Linear, model_ops
 from unikv.models.parallel import RowParallelLinear, Segments, shard_rows, tp_size
 
 ACTIVATIONS = ("silu",)

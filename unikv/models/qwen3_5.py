@@ -32,11 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from unikv.kernels.backend import model_ops
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
-from unikv.models.layers import AttentionFn, GatedMLP, Linear, RMSNorm, StateFn
+from unikv.models.layers import AttentionFn, GatedMLP, Linear, RMSNorm, StateFn, model_ops
 from unikv.models.parallel import Segments, linear_layers, shard_rows, tp_size
 from unikv.models.rope import Rotary
 

@@ -8,7 +8,7 @@ SIGTERM (or Ctrl-C) the server stops accepting, lets in-flight requests run for
 ``--shutdown-timeout`` seconds, then ends each with finish_reason "abort" (a
 stream: a final chunk and ``[DONE]``) and exits 0.
 Test-only fault injection: the environment variable ``UNIKV_TEST_ENGINE_FAULT``
-(``online.FAULT_ENV``), read once at start-up; ``die-after-steps:N`` makes the
+(``env.FAULT_ENV``), read once at start-up; ``die-after-steps:N`` makes the
 engine loop die at its N-th step.
 """
 
@@ -18,6 +18,8 @@ import argparse
 import os
 import sys
 import threading
+
+from unikv.env import FAULT_ENV, serve_environ
 
 EXIT_ENGINE_DEATH = 1
 DEATH_FLUSH_S = 0.5  # the failed requests' answers go out before uvicorn stops
@@ -89,11 +91,8 @@ def _positive(kind):
     return parse
 
 
-def _fault_steps(environ) -> int | None:
+def _fault_steps(spec: str | None) -> int | None:
     """The step at which the injected fault kills the engine loop, or None."""
-    from unikv.engine.online import FAULT_ENV
-
-    spec = environ.get(FAULT_ENV, "")
     if not spec:
         return None
     kind, _, num = spec.partition(":")
@@ -135,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("access and operations")
     a.add_argument(
         "--api-key",
-        default=os.environ.get("UNIKV_API_KEY") or None,
+        default=serve_environ().api_key,
         help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
         "(default: $UNIKV_API_KEY; unset: no key)",
     )
@@ -230,7 +229,7 @@ def serve_main(argv: list[str]) -> int:
     try:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
-        fault = _fault_steps(os.environ)
+        fault = _fault_steps(serve_environ().engine_fault)
         llm = llm_from_args(args)
         llm.engine.die_after_steps = fault
         names = args.served_model_name or [args.model]

@@ -17,6 +17,9 @@ two steps (``EngineLoop.call``), so a scrape never sees the allocator mid-update
     unikv:subpool_usable_pages / _live_bytes / _usage_ratio {subpool,kind}
     unikv:pool_bytes, unikv:prefix_cache_pages, unikv:prefix_cache_evicted_pages_total,
     unikv:prefix_cache_host_* (with a host tier)
+    vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total,
+    unikv:spec_decode_draft_seconds_total, unikv:spec_decode_verify_steps_total
+        (with speculative decoding: acceptance rate = accepted / draft tokens)
 
 A cached page no request holds can be evicted at once, so it counts as free
 (as vLLM counts unreferenced cached blocks): ``live_pages`` and the usage leave
@@ -44,6 +47,16 @@ from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
 LATENCY_BUCKETS += (0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+# speculative decoding (with ``--speculative-config``): vLLM's names, then unikv's
+SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "verify_requests", "Requests' verify steps (draft runs)"),
+    ("vllm:spec_decode_num_draft_tokens", "draft_tokens", "Draft tokens scored"),
+    ("vllm:spec_decode_num_accepted_tokens", "accepted_tokens", "Draft tokens accepted"),
+    ("unikv:spec_decode_draft_seconds", "draft_seconds", "Host seconds proposing drafts"),
+    ("unikv:spec_decode_verify_steps", "verify_steps", "Steps that verified drafts"),
+)
 
 
 def _cached_pages(llm, name: str, kind: str) -> int:
@@ -78,6 +91,7 @@ def engine_snapshot(llm) -> dict:
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
         "prefix": llm.alloc.parts.prefix.counters(),
+        "spec": sched.spec.counters.as_dict() if sched.spec is not None else None,
     }
 
 
@@ -154,6 +168,9 @@ class _EngineCollector:
                 yield _counter(f"unikv:prefix_cache_{key}", text, model, prefix[key])
         yield _gauge("unikv:prefix_cache_pages", "Pages the prefix cache holds (evictable included)",
                      model, prefix["pages"])  # fmt: skip
+        spec = snap["spec"]
+        for name, key, text in () if spec is None else SPEC_COUNTERS:
+            yield _counter(name, text, model, spec[key])
 
 
 class Histogram:

@@ -1,0 +1,139 @@
+"""``LLM(speculative_config={...})`` / ``unikv serve --speculative-config '<json>'``.
+
+vLLM's keys: ``method`` ("ngram", "draft_model", "mtp", "eagle3"),
+``num_speculative_tokens`` (k), ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram:
+the n-gram sizes tried, longest first; one given sets the other, none gives 5 and 5
+as vLLM does), ``model`` (draft_model / eagle3: a checkpoint path) and
+``disable_by_batch_size`` (a step with more decoding requests than this does not
+speculate; default 32 here, vLLM's default is off). unikv adds ``force_accept``
+(benchmarks only: every draft is accepted, so the outputs are NOT the model's; it
+measures the verify step at full acceptance).
+
+Built today: ``ngram`` and ``draft_model`` (a full-attention draft of the same
+vocabulary, its K/V in sub-pools of the same pool: ``draft.py``). ``mtp`` and
+``eagle3`` are refused with a message saying so, as are models with recurrent state (Mamba-2 / Gated DeltaNet
+layers: a rejected draft would need the state before it, and per-draft-position
+state slots are not built yet) and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+BUILT = ("ngram", "draft_model")
+KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "model",
+    "disable_by_batch_size",
+    "force_accept",
+)
+MAX_SPECULATIVE_TOKENS = 64
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A validated speculative config (see the module docstring)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    force_accept: bool = False
+
+
+def _positive_int(key: str, value, hint: str, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config[{key!r}] must be an int >= 1 ({hint}), got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(
+            f"speculative_config[{key!r}] must be at most {high} ({hint}), got {value}"
+        )
+    return value
+
+
+def speculative_config_of(value) -> SpeculativeConfig | None:
+    """``value`` (None, a dict of vLLM's keys, its JSON text, or a SpeculativeConfig)
+    validated; ValueError naming the key, what it got and what it takes."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"speculative_config must be a JSON object, e.g. "
+                f'\'{{"method": "ngram", "num_speculative_tokens": 3}}\'; got {value!r:.80} ({err})'
+            ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a dict (vLLM's keys), got {value!r:.80}")  # noqa: TRY004
+    unknown = sorted(set(value) - set(KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {unknown}; the keys are {list(KEYS)}")
+    model = value.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"speculative_config['model'] must be a checkpoint path, got {model!r}")
+    method = value.get("method", "draft_model" if model is not None else None)
+    if method not in METHODS:
+        raise ValueError(
+            f"speculative_config['method'] must be one of {list(METHODS)}, got {method!r}"
+        )
+    if method not in BUILT:
+        what = {
+            "mtp": "the checkpoint's MTP layers (the loader drops them today)",
+            "eagle3": "an EAGLE-3 head",
+        }[method]
+        raise ValueError(
+            f"speculative_config: method {method!r} is not built yet in unikv ({what}, "
+            f"issue 42); use method 'ngram' or 'draft_model'"
+        )
+    if method == "draft_model" and model is None:
+        raise ValueError(
+            "speculative_config: method 'draft_model' needs 'model', the draft checkpoint's "
+            "directory (a small model of the same vocabulary)"
+        )
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config needs 'num_speculative_tokens' (k, e.g. 3)")
+    k = _positive_int(
+        "num_speculative_tokens",
+        value["num_speculative_tokens"],
+        "draft tokens per step",
+        MAX_SPECULATIVE_TOKENS,
+    )
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+    lo = _positive_int("prompt_lookup_min", lo, "the shortest n-gram matched")
+    hi = _positive_int("prompt_lookup_max", hi, "the longest n-gram matched")
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+        )
+    limit = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    limit = _positive_int("disable_by_batch_size", limit, "decoding requests a step speculates for")
+    force = value.get("force_accept", False)
+    if not isinstance(force, bool):
+        raise ValueError(f"speculative_config['force_accept'] must be a bool, got {force!r}")  # noqa: TRY004
+    return SpeculativeConfig(method, k, lo, hi, model, limit, force)
+
+
+def check_speculation(config: SpeculativeConfig | None, subpool_configs, tp_group) -> None:
+    """Refuse what speculation cannot serve yet, once at start-up."""
+    if config is None:
+        return
+    state = [c.name for c in subpool_configs if c.spec.kind == "mamba"]
+    if state:
+        raise ValueError(
+            "speculative_config: this model keeps recurrent state (Mamba-2 / Gated DeltaNet "
+            f"layers, sub-pool {state[0]!r}); a rejected draft token would need the state "
+            "before it, and per-draft-position state slots are not built yet (issue 42 "
+            "item 3). Serve it without speculative_config"
+        )
+    if tp_group is not None:
+        raise ValueError("speculative_config does not yet combine with tp_group")

@@ -1,0 +1,128 @@
+"""``method: "draft_model"``: a small model's K/V as more sub-pools of the same pool.
+
+The draft's sub-pools (``draft_`` + its own names; full attention only) join the
+target's in the one UnifiedPool, placed on the band direction the target leaves
+free (``draft_subpool_configs``): they bind the owner's virtual pages like any
+other token sub-pool, so every allocation, rollback (``truncate``), preemption,
+swap and prefix-cache page covers the draft's rows too, and the step planner
+builds their tables in every plan.
+
+Invariant: the draft holds K/V for every token the target has cached
+(``num_cached``). The runner keeps it: after each target forward the draft runs
+over the same plan (``forward_plan``; a verify step's rows included, so the kept
+rows after a rollback are the true tokens'). Proposing (``propose``) then feeds
+each request's pending token and its drafts one position at a time (positions
+``L .. L + c - 1``, inside the rows the verify step allocated), argmax on the
+device, the next step's token read from the previous step's lane (``Pending``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from unikv.engine.attention import DecodeAttention, ExtendAttention
+from unikv.engine.request import Batch, Pending
+from unikv.engine.runner import DRAFT_PREFIX as PREFIX
+from unikv.placement import Grow, default_grow
+
+
+def draft_subpool_configs(draft_dir: str, target_configs, page_size: int, dtype) -> list:
+    """The draft checkpoint's sub-pool configs renamed ``draft_*``, on the band
+    direction the target's sub-pools leave free; ValueError when the draft keeps
+    anything but full attention or no direction is free."""
+    from unikv.hf_config import specs_from_hf_config
+
+    configs = specs_from_hf_config(draft_dir, page_size=page_size, dtype=dtype)
+    kinds = sorted({c.spec.kind for c in configs})
+    if kinds != ["full"]:
+        raise ValueError(
+            f"speculative_config: a draft model must be full attention only (one sub-pool); "
+            f"{draft_dir} keeps {kinds}"
+        )
+    used = set(default_grow(target_configs))
+    free = [g for g in (Grow.UP, Grow.DOWN) if g not in used]
+    free += [Grow.FLOAT] if not free and Grow.FLOAT not in used else []
+    if not free or len(target_configs) > 2:
+        raise ValueError(
+            "speculative_config: the pool holds at most three sub-pools; the target has "
+            f"{[c.name for c in target_configs]}, no room for a draft model's"
+        )
+    return [replace(c, name=PREFIX + c.name, grow=free[0]) for c in configs]
+
+
+class DraftModel:
+    """The draft model over its sub-pools, run through the target's step planner.
+
+    Args:
+        model: the loaded draft (a ``DecoderLM``); caches: its ``LayerCache`` list
+            (``runner.layer_caches`` over the draft sub-pools); planner: the target
+            runner's ``StepPlanner``; backend: the kernel ops; sm_scale: the draft's.
+    """
+
+    def __init__(self, model, caches, planner, backend, sm_scale) -> None:
+        self.model, self.caches, self.planner = model, caches, planner
+        self.backend, self.sm_scale = backend, sm_scale
+        self.states = [None] * len(caches)
+
+    @torch.inference_mode()
+    def forward_plan(self, plan) -> None:
+        """Write the draft's K/V of every row of a target plan (its logits unused)."""
+        kind = DecodeAttention if plan.is_decode else ExtendAttention
+        attn = kind(self.caches, plan, self.backend, self.sm_scale, self.states)
+        rows = None if plan.is_decode else plan.logits_indices
+        self.model(plan.input_ids, plan.positions, attn, rows)
+
+    @torch.inference_mode()
+    def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> list[np.ndarray]:
+        """``counts[b]`` greedy draft tokens for each decoding request b (its pending
+        token at position L_b = num_cached); ``virtual_ids``: the verify step's
+        (sum(1 + counts),) ids, request b's ``1 + counts[b]`` in order."""
+        starts = np.zeros(len(requests), np.int64)
+        np.cumsum(1 + counts[:-1], out=starts[1:])
+        steps, prev, prev_lane = [], None, {}
+        for j in range(int(counts.max())):
+            live = np.flatnonzero(counts > j)
+            rows = []
+            for b in live.tolist():  # the host rows of this step (lanes of the previous)
+                r = requests[b]
+                token = r.output_ids[-1] if j == 0 else Pending.of(prev_lane[b])
+                rows.append(_row(r.slot, r.num_cached + j, token))
+            index = torch.as_tensor(starts[live] + j, device=virtual_ids.device)
+            batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
+            plan = self.planner.plan(batch, prev)
+            attn = DecodeAttention(self.caches, plan, self.backend, self.sm_scale, self.states)
+            prev = self.backend.argmax(self.model(plan.input_ids, plan.positions, attn, None))
+            if prev.is_cuda:  # the planner's two host staging slots: none reused in flight
+                torch.cuda.current_stream(prev.device).synchronize()
+            steps.append(prev)
+            prev_lane = {b: lane for lane, b in enumerate(live.tolist())}
+        flat = torch.cat(steps).tolist()  # the one host read of the proposal
+        out, pos = [[] for _ in requests], 0
+        for j, step in enumerate(steps):
+            for lane, b in enumerate(np.flatnonzero(counts > j).tolist()):
+                out[b].append(flat[pos + lane])
+            pos += step.shape[0]
+        return [np.asarray(x, np.int64) for x in out]
+
+
+def _row(slot: int, position: int, token: int):
+    """A one-token row of a draft step, shaped as the step upload reads a request:
+    ``slot``, ``num_cached`` (the position fed) and the token there."""
+    return SimpleNamespace(
+        slot=slot, num_cached=position, prompt_ids=(), output_ids=_At(position, token)
+    )
+
+
+class _At:
+    """``output_ids`` of a draft row: the one token at its position."""
+
+    def __init__(self, position: int, token: int) -> None:
+        self.position, self.token = position, token
+
+    def __getitem__(self, index: int) -> int:
+        assert index == self.position, "draft row invariant: only its own position is read"
+        return self.token

@@ -1,0 +1,132 @@
+"""The scheduler's speculation hook: who speculates in a step, their drafts, the
+verify batch's pages, and the rollback of what was rejected.
+
+A step speculates when it is a pure decode step (no prefill chunk to schedule),
+with at most ``disable_by_batch_size`` decoding requests, each of which samples
+without a per-token rule the drafts would bypass (penalties, logprobs, structured
+outputs, a min-tokens mask), and some request has a draft. Each request then feeds
+``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
+like a prefill chunk. After the step (``Scheduler.complete_verify``) the accepted
+rows stay, the rest are trimmed by ``alloc.truncate`` (pages emptied are freed, a
+window's ``window_lo`` restored) before any out-of-window free runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from unikv.engine.speculative.config import SpeculativeConfig
+from unikv.engine.speculative.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from unikv.engine.request import Request
+
+
+@dataclass
+class SpecCounters:
+    """Speculation counters since start-up (``llm.stats`` reports a call's deltas)."""
+
+    verify_steps: int = 0  # steps that verified drafts
+    verify_requests: int = 0  # (request, verify step) pairs
+    draft_tokens: int = 0  # drafts scored
+    accepted_tokens: int = 0  # drafts accepted
+    emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + bonus)
+    draft_seconds: float = 0.0  # host time spent proposing
+    skipped_by_batch_size: int = 0  # steps the batch-size rule kept from speculating
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def spec_eligible(r: Request) -> bool:
+    """Whether ``r``'s next samples may come from verification: no rule that reads
+    each sampled token before the next (penalties, logprobs, structured outputs,
+    the min-tokens mask) applies; temperature, top-k, top-p and min-p are kept by
+    rejection sampling."""
+    p = r.params
+    return (
+        not p.has_penalties
+        and p.logprobs is None
+        and p.structured is None
+        and len(r.output_ids) >= p.min_tokens
+    )
+
+
+class Speculator:
+    """Drafts for a step's decoding requests (``drafts``) and the counters."""
+
+    def __init__(self, config: SpeculativeConfig, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_tokens = max_num_batched_tokens
+        self.counters = SpecCounters()
+        self.draft = None  # method "draft_model": its ``draft.DraftModel`` (LLM sets it)
+        self.pad_drafts = False  # verify graphs: every request k drafts where it has room
+
+    def drafts(self, decoding: list[Request], allocate):
+        """(per decoding request its draft tokens ((k_i,) int64, maybe empty), the
+        verify rows' virtual ids from ``allocate(num_new)`` ((B,) int64 host array:
+        ``1 + k_i``; None when the pool cannot hold them)), or None when the step does
+        not speculate. Drafts stop before the request's last allowed token (the bonus
+        may be it) and fit the step's token budget."""
+        cfg = self.config
+        if len(decoding) > cfg.disable_by_batch_size:
+            self.counters.skipped_by_batch_size += 1
+            return None
+        if not all(spec_eligible(r) for r in decoding):
+            return None
+        start = time.perf_counter()
+        try:
+            return self._drafts(decoding, allocate)
+        finally:
+            self.counters.draft_seconds += time.perf_counter() - start
+
+    def _drafts(self, decoding: list[Request], allocate):
+        spare = self.max_tokens - len(decoding)  # every request feeds its pending token
+        rooms = np.zeros(len(decoding), np.int64)
+        for i, r in enumerate(decoding):
+            rooms[i] = max(min(self.k, r.max_new_tokens - len(r.output_ids) - 1, spare), 0)
+            spare -= rooms[i]
+        if self.draft is not None:  # a draft model: its rows are allocated first
+            if not rooms.any():
+                return None
+            ids = allocate(1 + rooms)
+            return None if ids is None else (self.draft.propose(decoding, rooms, ids.data), ids)
+        out = [
+            self._propose(r, int(room)) if room > 0 else np.zeros(0, np.int64)
+            for r, room in zip(decoding, rooms)
+        ]  # per request: its own history (numpy inside)
+        if not any(len(d) for d in out):
+            return None
+        if self.pad_drafts and (rooms == self.k).all():  # a verify graph's shape: k each
+            out = [_padded(d, self.k, r) for d, r in zip(out, decoding)]
+        ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
+        return None if ids is None else (out, ids)
+
+    def _propose(self, r: Request, room: int) -> np.ndarray:
+        cfg = self.config
+        history = np.array(r.prompt_ids + r.output_ids, dtype=np.int64)
+        draft = propose_ngram(history, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return _padded(draft, room, r) if cfg.force_accept else draft  # benchmarks: k
+
+    def record(self, drafted: int, accepted: np.ndarray, requests: int) -> None:
+        """A verify step's counts: drafts scored, accepted per request."""
+        c = self.counters
+        c.verify_steps += 1
+        c.verify_requests += requests
+        c.draft_tokens += drafted
+        c.accepted_tokens += int(accepted.sum())
+        c.emitted_tokens += int(accepted.sum()) + requests
+
+
+def _padded(draft: np.ndarray, k: int, r: Request) -> np.ndarray:
+    """``draft`` filled up to ``k`` tokens by repeating its last (the request's last
+    token when empty): any tokens are valid drafts, verification keeps the outputs."""
+    if len(draft) >= k:
+        return draft
+    fill = draft[-1] if len(draft) else r.output_ids[-1]
+    return np.concatenate([draft, np.full(k - len(draft), fill, np.int64)])

@@ -1,0 +1,140 @@
+"""Every environment variable unikv reads, in one place (the only reader of
+``os.environ`` in the package; ``docs/env.md`` lists them).
+
+``FLAGS`` holds the engine's and the kernels' switches, read once when unikv is
+imported: each is an A/B switch of a tuned path (the default is the measured
+winner; ``docs/history.md`` says where it was measured) or a
+tuning override. Code reads ``env.FLAGS.<name>`` where it decides, once, at import
+or at construction; no per-step code reads it. A test that needs another value
+replaces ``env.FLAGS`` (``dataclasses.replace``) or runs a subprocess with the
+variable set.
+
+``serve_environ()`` is read when ``unikv serve`` starts: the API key and the
+test-only engine-fault hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+MXFP4_DECODES = ("table", "halves", "interleave")
+SDPA_GQA = ("native", "repeat")
+
+
+def _on(default: str) -> Callable[[str | None], bool]:
+    """'1' on, anything else off (``default`` when unset)."""
+    return lambda raw: (default if raw is None else raw) == "1"
+
+
+def _not_zero(raw: str | None) -> bool:
+    """On unless '0'."""
+    return raw != "0"
+
+
+def _int(default: int) -> Callable[[str | None], int]:
+    def parse(raw: str | None) -> int:
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+
+    return parse
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str | None], str]:
+    def parse(raw: str | None) -> str:
+        value = options[0] if raw is None else raw
+        if value not in options:
+            raise ValueError(f"expected one of {list(options)}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _text(raw: str | None) -> str | None:
+    return raw or None
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The switches (field: environment variable, default, meaning)."""
+
+    side_upload: bool = True  # UNIKV_SIDE_UPLOAD: the step tables' upload on a side stream
+    side_readback: bool = True  # UNIKV_SIDE_READBACK: sampled tokens read back on a side stream
+    greedy_in_head: bool = True  # UNIKV_GREEDY_IN_HEAD: greedy argmax fused into the lm_head
+    graph_feedback: bool = True  # UNIKV_GRAPH_FEEDBACK: decode graphs read the feedback buffer
+    rope_decode: bool = True  # UNIKV_ROPE_DECODE: rope + store + decode attention, one launch
+    graph_greedy_rows: int = 8  # UNIKV_GRAPH_GREEDY_ROWS: rows of the greedy-in-head graphs
+    verify_graph_rows: int = 8  # UNIKV_VERIFY_GRAPH_ROWS: requests of captured verify steps
+    gemv_table: str | None = None  # UNIKV_GEMV_TABLE: GEMV configs overriding the tuned table
+    gemv_embed: bool = True  # UNIKV_GEMV_EMBED: the first GEMV gathers its embedding rows
+    extend_hopper: bool = True  # UNIKV_EXTEND_HOPPER (0 off): sm_90 extend attention
+    extend_sdpa: bool = False  # UNIKV_EXTEND_SDPA (1 on): torch SDPA for fresh prefills
+    extend_sdpa_gqa: str = "native"  # UNIKV_EXTEND_SDPA_GQA: "native" or "repeat" K/V heads
+    moe_hopper: bool = True  # UNIKV_MOE_HOPPER (0 off): sm_90 fused MoE
+    mxfp4_decode: str = "table"  # UNIKV_MXFP4_DECODE: "table", "halves" or "interleave"
+    pdl: bool = True  # UNIKV_PDL: programmatic dependent launch on sm_90
+    pdl_trigger: bool = True  # UNIKV_PDL_TRIGGER: kernels trigger their dependents early
+    decode_preload: bool = True  # UNIKV_DECODE_PRELOAD: decode loads before the PDL wait
+    decode_merge_tile: int = 16384  # UNIKV_DECODE_MERGE_TILE: split-K merge tile
+    triton_interpret: bool = False  # TRITON_INTERPRET: Triton's CPU interpreter is on
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Flags:
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            var, parse = PARSERS[field.name]
+            try:
+                values[field.name] = parse(environ.get(var))
+            except ValueError as err:
+                raise ValueError(f"environment variable {var}: {err}") from None
+        return cls(**values)
+
+
+PARSERS: dict[str, tuple[str, Callable]] = {
+    "side_upload": ("UNIKV_SIDE_UPLOAD", _on("1")),
+    "side_readback": ("UNIKV_SIDE_READBACK", _on("1")),
+    "greedy_in_head": ("UNIKV_GREEDY_IN_HEAD", _on("1")),
+    "graph_feedback": ("UNIKV_GRAPH_FEEDBACK", _on("1")),
+    "rope_decode": ("UNIKV_ROPE_DECODE", _on("1")),
+    "graph_greedy_rows": ("UNIKV_GRAPH_GREEDY_ROWS", _int(8)),
+    "verify_graph_rows": ("UNIKV_VERIFY_GRAPH_ROWS", _int(8)),
+    "gemv_table": ("UNIKV_GEMV_TABLE", _text),
+    "gemv_embed": ("UNIKV_GEMV_EMBED", _on("1")),
+    "extend_hopper": ("UNIKV_EXTEND_HOPPER", _not_zero),
+    "extend_sdpa": ("UNIKV_EXTEND_SDPA", _on("0")),
+    "extend_sdpa_gqa": ("UNIKV_EXTEND_SDPA_GQA", _choice(SDPA_GQA)),
+    "moe_hopper": ("UNIKV_MOE_HOPPER", _not_zero),
+    "mxfp4_decode": ("UNIKV_MXFP4_DECODE", _choice(MXFP4_DECODES)),
+    "pdl": ("UNIKV_PDL", _on("1")),
+    "pdl_trigger": ("UNIKV_PDL_TRIGGER", _on("1")),
+    "decode_preload": ("UNIKV_DECODE_PRELOAD", _on("1")),
+    "decode_merge_tile": ("UNIKV_DECODE_MERGE_TILE", _int(16384)),
+    "triton_interpret": ("TRITON_INTERPRET", _on("0")),
+}
+
+FLAGS = Flags.from_environ()
+
+API_KEY_ENV = "UNIKV_API_KEY"
+FAULT_ENV = "UNIKV_TEST_ENGINE_FAULT"  # test-only: "die-after-steps:N" kills the loop
+
+
+@dataclass(frozen=True)
+class ServeEnviron:
+    """What ``unikv serve`` reads from the environment when it starts."""
+
+    api_key: str | None = None  # UNIKV_API_KEY: the default of --api-key
+    engine_fault: str | None = None  # UNIKV_TEST_ENGINE_FAULT (tests only)
+
+
+def serve_environ(environ: Mapping[str, str] | None = None) -> ServeEnviron:
+    environ = os.environ if environ is None else environ
+    return ServeEnviron(
+        api_key=environ.get(API_KEY_ENV) or None, engine_fault=environ.get(FAULT_ENV) or None
+    )
