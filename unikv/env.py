@@ -10,7 +10,9 @@ replaces ``env.FLAGS`` (``dataclasses.replace``) or runs a subprocess with the
 variable set.
 
 ``serve_environ()`` is read when ``unikv serve`` starts: the API key and the
-test-only engine-fault hook.
+test-only engine-fault hook. ``hub_cache_dir()`` reads Hugging Face's cache
+variables at each call, as ``huggingface_hub`` does (a process that sets them late
+is honoured).
 """
 
 from __future__ import annotations
@@ -138,3 +140,20 @@ def serve_environ(environ: Mapping[str, str] | None = None) -> ServeEnviron:
     return ServeEnviron(
         api_key=environ.get(API_KEY_ENV) or None, engine_fault=environ.get(FAULT_ENV) or None
     )
+
+
+HUB_CACHE_ENV = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def hub_cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face hub cache directory: ``HF_HUB_CACHE`` (or the legacy
+    ``HUGGINGFACE_HUB_CACHE``), else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub`` (``~/.cache`` by default)."""
+    environ = os.environ if environ is None else environ
+    for name in HUB_CACHE_ENV[:2]:
+        if environ.get(name):
+            return os.path.expanduser(environ[name])
+    home = environ.get("HF_HOME") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return os.path.join(os.path.expanduser(home), "hub")

@@ -18,7 +18,10 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The options that build an LLM (generate and serve)."""
     p.add_argument(
-        "--model", required=True, help="checkpoint directory (config.json + safetensors)"
+        "--model",
+        required=True,
+        help="checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+        "(org/name) already in the local HF cache (HF_HUB_CACHE or $HF_HOME/hub)",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument(

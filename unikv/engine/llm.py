@@ -68,8 +68,10 @@ class LLM:
     """A model served over unikv's unified pool.
 
     Args:
-        model_dir: local Hugging Face checkpoint (config.json + safetensors);
-            ``model=`` is the same (vLLM's name).
+        model_dir: local Hugging Face checkpoint (config.json + safetensors), or a
+            repo id ("org/name") found in the local Hugging Face cache (HF_HUB_CACHE,
+            else $HF_HOME/hub; never downloaded: ``models/hub.py``); ``model=`` is
+            the same (vLLM's name).
         device: default CUDA when available, else CPU.
         dtype: weights and compute dtype (bf16, fp16 or fp32); default bf16 on
             CUDA, fp32 on CPU.

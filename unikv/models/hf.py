@@ -64,7 +64,7 @@ def as_float(value: Any) -> float:
 @dataclass(frozen=True)
 class StateDims:
     """A recurrent mixer's state: conv window ``(conv_dim, conv_kernel)`` and the
-    temporal state ``state_shape``. Family dims classes (``mamba2.Mamba2Dims``,
+    temporal state ``state_shape`` (``()``: none, a conv-only mixer such as LFM2's). Family dims classes (``mamba2.Mamba2Dims``,
     ``qwen3_5.GatedDeltaNetDims``) offer the same three names."""
 
     conv_dim: int
@@ -83,6 +83,7 @@ HF_KIND = {
     "mamba": "mamba",
     "mlp": "none",
     "moe": "none",
+    "conv": "mamba",  # LFM2's short convolution: a conv window alone, in a state slot
 }
 
 
@@ -150,6 +151,13 @@ def kinds_nemotron_h(cfg: Fields) -> list[str]:
 def kinds_bamba(cfg: Fields) -> list[str]:
     attn = set(cfg.get("attn_layer_indices", []))
     return ["full" if i in attn else "mamba" for i in range(cfg.need("num_hidden_layers"))]
+
+
+def kinds_lfm2(cfg: Fields) -> list[str]:
+    """LFM2: ``layer_types`` ("conv" a short-conv state slot, "full_attention"), else
+    attention on ``full_attn_idxs`` (transformers' Lfm2Config: every layer when unset)."""
+    idxs = cfg.get("full_attn_idxs")
+    return kinds_from(cfg, lambda i: "full" if idxs is None or i in idxs else "mamba")
 
 
 # transformers' legacy layer-type names (its remap_legacy_layer_types)

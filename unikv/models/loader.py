@@ -14,6 +14,7 @@ the MoE, each variant decided once by ``get_backend``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -32,6 +33,8 @@ from unikv.models.fp8 import (
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
 from unikv.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -207,14 +210,23 @@ def _checkpoint_sources(model, index: dict[str, str], fp8=None) -> tuple[dict, t
     wrapper's renaming and tied embeddings."""
     sources = _sources(index, dict(model.named_parameters()), fp8)
     ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
-    if model.config.architecture in TEXT_DECODERS:  # a wrapper's text decoder only
-        theirs, ours, skipped = TEXT_DECODERS[model.config.architecture]
+    arch = model.config.architecture
+    if arch in TEXT_DECODERS:  # a wrapper's text decoder only
+        theirs, ours, skipped = TEXT_DECODERS[arch]
         sources = {
             ours + n[len(theirs) :] if n.startswith(theirs) else n: v for n, v in sources.items()
         }
         ignored += skipped
+        left = sum(n.startswith(skipped) for n in sources)
+        if left:
+            logger.info(
+                "%s: loading its text decoder only; %d checkpoint tensors under %s (the "
+                "vision tower) are not loaded, and requests carrying images are refused",
+                arch, left, ", ".join(skipped),
+            )  # fmt: skip
     if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
-        sources["lm_head.weight"] = ("model.embed_tokens.weight",)
+        embed = "model.embed_tokens.weight"  # a wrapper's embedding keeps its own name
+        sources["lm_head.weight"] = sources.get(embed, (embed,))
     return sources, ignored
 
 
