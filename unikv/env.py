@@ -62,6 +62,21 @@ def _text(raw: str | None) -> str | None:
     return raw or None
 
 
+def _seconds(default: float) -> Callable[[str | None], float]:
+    def parse(raw: str | None) -> float:
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"expected a number of seconds > 0, got {raw!r}")
+        return value
+
+    return parse
+
+
 @dataclass(frozen=True)
 class Flags:
     """The switches (field: environment variable, default, meaning)."""
@@ -85,6 +100,7 @@ class Flags:
     decode_preload: bool = True  # UNIKV_DECODE_PRELOAD: decode loads before the PDL wait
     decode_merge_tile: int = 16384  # UNIKV_DECODE_MERGE_TILE: split-K merge tile
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton's CPU interpreter is on
+    tp_timeout_s: float = 300.0  # UNIKV_TP_TIMEOUT_S: launched TP ranks' start-up and collectives
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Flags:
@@ -119,6 +135,7 @@ PARSERS: dict[str, tuple[str, Callable]] = {
     "decode_preload": ("UNIKV_DECODE_PRELOAD", _on("1")),
     "decode_merge_tile": ("UNIKV_DECODE_MERGE_TILE", _int(16384)),
     "triton_interpret": ("TRITON_INTERPRET", _on("0")),
+    "tp_timeout_s": ("UNIKV_TP_TIMEOUT_S", _seconds(300.0)),
 }
 
 FLAGS = Flags.from_environ()
