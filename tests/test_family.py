@@ -140,6 +140,8 @@ def _hf_state(mixer) -> tuple[tuple[int, int], tuple[int, ...]]:
         c, _, k = mixer.conv.weight.shape
         return (c, k), ()
     c, _, k = mixer.conv1d.weight.shape
+    if hasattr(mixer, "forget_gate"):  # Kimi Delta Attention: H heads of D for q, k, v
+        return (c, k), (mixer.num_heads, mixer.head_dim, mixer.head_dim)
     if hasattr(mixer, "num_v_heads"):  # Gated DeltaNet
         return (c, k), (mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
     if hasattr(mixer, "num_heads"):  # Mamba-2
@@ -187,9 +189,13 @@ def test_preset_state_dims_agree_between_specs_model_and_transformers(path: Path
     assert len(ours) == len(theirs)
     for mine, hf_mixer in zip(ours, theirs):
         shapes = {n: p.shape for n, p in mine.named_parameters()}
-        hf_shapes = {n: p.shape for n, p in hf_mixer.named_parameters() if n in shapes}
+        # Kimi's checkpoint keeps the decay's parameters where transformers nests them
+        # under forget_gate (its conversion mapping), and names the output o_proj
+        hf_named = {n.removeprefix("forget_gate."): p.shape for n, p in hf_mixer.named_parameters()}
+        hf_shapes = {n: s for n, s in hf_named.items() if n in shapes}
         named = {"conv.weight", "in_proj.weight"} if temporal == () else {"conv1d.weight", "A_log"}
-        assert named | {"out_proj.weight"} <= set(hf_shapes)
+        assert named <= set(hf_shapes)
+        assert {"out_proj.weight", "o_proj.weight"} & set(hf_shapes)
         assert hf_shapes == {n: shapes[n] for n in hf_shapes}, type(mine).__name__
 
 

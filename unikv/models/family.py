@@ -143,6 +143,14 @@ FAMILIES: tuple[Family, ...] = (
         extras="unikv.models.deepseek:config_extras",
     ),
     Family(
+        "kimi_linear",
+        {"kimi_linear": hf.kinds_kimi_linear},
+        ("KimiLinearForCausalLM",),
+        model="unikv.models.kimi_linear:KimiLinearForCausalLM",
+        extras="unikv.models.kimi_linear:config_extras",
+        state_dims="unikv.models.kimi_linear:kda_dims",
+    ),
+    Family(
         "gemma",
         {"gemma2": hf.kinds_every(2), "gemma3_text": hf.kinds_every(6)},
         ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),

@@ -128,6 +128,31 @@ def kinds_linear(cfg: Fields) -> list[str]:  # Qwen3.5 / Qwen3-Next: linear, eve
     return kinds_from(cfg, lambda i: "mamba" if (i + 1) % interval else "full")
 
 
+def kinds_kimi_linear(cfg: Fields) -> list[str]:
+    """Kimi-Linear: MLA ("full_attention") and Kimi Delta Attention ("linear_attention")
+    layers, from ``layer_types``, else the release's ``linear_attn_config`` (1-based
+    ``full_attn_layers`` / ``kda_layers``), else transformers' default (every 4th from
+    layer 4 on is MLA)."""
+    n = cfg.need("num_hidden_layers")
+    types = cfg.get("layer_types")
+    lin = cfg.get("linear_attn_config") or {}
+    if types is None and "full_attn_layers" in lin and "kda_layers" in lin:
+        types = [None] * n
+        for i in lin["full_attn_layers"]:
+            types[i - 1] = "full_attention"
+        for i in lin["kda_layers"]:
+            types[i - 1] = "linear_attention"
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    kinds = {"full_attention": "mla", "linear_attention": "mamba"}
+    if len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(
+            f"kimi_linear layer types must list {n} entries, each 'full_attention' or "
+            f"'linear_attention', got {list(types)}; fix layer_types / linear_attn_config"
+        )
+    return [kinds[t] for t in types]
+
+
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
