@@ -97,7 +97,7 @@ def static_shares(configs: list[SubPoolConfig]) -> dict[str, float]:
 
 def equal_page_configs(configs: list[SubPoolConfig]) -> list[SubPoolConfig]:
     """The sub-pools padded to equal page bytes (see the module docstring)."""
-    tokens = [c for c in configs if isinstance(c.spec, MHASpec)]
+    tokens = [c for c in configs if isinstance(c.spec, (MHASpec, MLASpec))]
     if len({c.spec.layer_bytes for c in tokens}) > 1:
         raise ValueError(
             "equal_pages pads layer counts; it needs one row width across attention sub-pools"
@@ -208,6 +208,18 @@ MODELS = (
     # Expanded K/V is 4,997,120 bytes per token (71x the latent row): 12 GiB holds
     # 2,578 expanded tokens, so the workload is short prompts only (at most 1,536
     # tokens a request) or no expanded request could run alone.
+    # Kimi-Linear: 7 MLA layers (one 1,152-byte latent row each per token in bf16) and
+    # 20 KDA layers (a 41.9 MiB state slot a request): MLA latents beside recurrent
+    # state. equal_pages raises the MLA page to the tokens whose latent rows hold one
+    # KDA layer's state (2.1 MiB: 1,920 tokens a page, a multiple of 16).
+    ModelCase(
+        "kimi-linear-48b-a3b",
+        8,
+        4,
+        {"seed": 4, "long_frac": 0.2},
+        ("unified", "static_split", "equal_pages"),
+        "static_split",
+    ),
     ModelCase(
         "deepseek-v3",
         12,

@@ -28,9 +28,13 @@ lane 480 tests/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
 # odd cache widths (issue 38 item 6), the shared decoder's GEMV and fused step
 lane 200 tests/test_odd_widths_gpu.py tests/test_kernels_gemv.py \
   tests/test_kernels_fused_step_gpu.py &
+# the twentieth session's families (Bamba, Granite-4.0-H, Zamba2; Qwen3.5-MoE, Gemma-3
+# multimodal, LFM2; Kimi-Linear), FP8 block weights, speculative decoding
+lane 240 tests/test_engine_mamba_hybrids_gpu.py tests/test_engine_new_families_gpu.py &
+lane 240 tests/test_engine_kimi_linear_gpu.py tests/test_kernels_fp8_gemm.py \
+  tests/test_spec_gpu.py &
 wait
-# Not in the suite yet: tests/test_backing_gpu.py (the elastic pool's CUDA backing, issue 44;
-# run it alone, it measures free memory). At b59e498 on an H100 its first two tests passed
-# and test_views_and_graphs_valid_across_growth failed (the run's deadline cut the report).
+# the elastic pool's CUDA backing (issue 44) measures free memory: alone, after the lanes
+lane 150 tests/test_backing_gpu.py
 grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
 device_finish

@@ -44,6 +44,7 @@ def test_only_env_reads_the_environment():
 
 def test_the_docs_list_every_variable():
     read = {var for var, _ in env.PARSERS.values()} | {env.API_KEY_ENV, env.FAULT_ENV}
+    read |= set(env.HUB_CACHE_ENV)
     documented = set(
         re.findall(r"^\| `([A-Z0-9_]+)` \|", (ROOT / "docs/env.md").read_text(), re.MULTILINE)
     )

@@ -156,6 +156,17 @@ CASES = {
             **SMALL,
         ),
     ),
+    # LFM2: short convolutions (a conv window alone, no recurrent state) beside attention
+    "lfm2": (
+        T.Lfm2ForCausalLM,
+        lambda: T.Lfm2Config(
+            num_hidden_layers=5,
+            num_key_value_heads=2,
+            full_attn_idxs=[1, 4],
+            conv_L_cache=3,
+            **SMALL,
+        ),
+    ),
     "granitemoehybrid": (  # hub-style layer names; no rope; experts beside a shared MLP
         T.GraniteMoeHybridForCausalLM,
         lambda: T.GraniteMoeHybridConfig(
@@ -307,7 +318,8 @@ def cache_facts(model_cls, config) -> list[dict]:
             conv, ssm = layer.conv_states[0], layer.recurrent_states[0]
             fact["state"] = {
                 "conv": (tuple(conv.shape[1:]), conv.dtype),
-                "ssm": (tuple(ssm.shape[1:]), ssm.dtype),
+                # None: a conv window alone (LFM2 never fills its recurrent state)
+                "ssm": (tuple(ssm.shape[1:]), ssm.dtype) if torch.is_tensor(ssm) else None,
             }
         if getattr(layer, "keys", None) is not None and torch.is_tensor(layer.keys):
             fact["attention"] = {
@@ -347,7 +359,10 @@ def test_specs_match_what_transformers_caches(case: str) -> None:
         for sub in subs:
             if isinstance(sub.spec, MambaSpec):
                 (conv,), ssm = sub.spec.conv, sub.spec.temporal
-                want = {"conv": (conv.shape, conv.dtype), "ssm": (ssm.shape, ssm.dtype)}
+                want = {
+                    "conv": (conv.shape, conv.dtype),
+                    "ssm": None if ssm is None else (ssm.shape, ssm.dtype),
+                }
                 assert fact["state"] == want, (i, fact, sub.spec)
             else:
                 _check_attention(sub.spec, fact["attention"], (i, fact, sub.spec))

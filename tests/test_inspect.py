@@ -91,6 +91,18 @@ HAND = {
         ("full", MHASpec(4, 8, 128), 16),
         ("mamba", MambaSpec(28, (StatePart((8192, 4), BF16),), F32((8192, 16))), 1),
     ],
+    "qwen3.5-35b-a3b": [  # 40 layers, every 4th full; DeltaNet 16 key / 32 value heads of 128
+        ("full", MHASpec(10, 2, 256), 16),
+        (
+            "mamba",
+            MambaSpec(30, (StatePart((2 * 16 * 128 + 32 * 128, 4), BF16),), F32((32, 128, 128))),
+            1,
+        ),
+    ],
+    "lfm2-2.6b": [  # 22 short-conv layers (a conv window alone) + 8 attention, 8 KV heads of 64
+        ("full", MHASpec(8, 8, 64), 16),
+        ("mamba", MambaSpec(22, (StatePart((2048, 3), BF16),), None), 1),
+    ],
     "granite-4.0-h-small": [  # attention on 5, 15, 25, 35 (8 KV heads of 128); 36 Mamba-2
         ("full", MHASpec(4, 8, 128), 16),  # layers of 128 heads x 64, state 128, 1 group
         ("mamba", MambaSpec(36, (StatePart((8192 + 2 * 128, 4), BF16),), F32((128, 64, 128))), 1),
@@ -235,7 +247,21 @@ def test_presets_are_valid_transformers_configs(preset: str) -> None:
     raw = json.loads((PRESET_DIR / f"{preset}.json").read_text())
     fields = {k: v for k, v in raw.items() if not k.startswith("_")}
     config = transformers.AutoConfig.for_model(**fields)
+    if not _in_the_table(raw):  # a preset ahead of its family (Kimi-Linear): refused alike
+        for source in (config, raw):
+            with pytest.raises(ValueError, match="unknown architecture"):
+                specs_from_hf_config(source)
+        return
     assert specs_from_hf_config(config) == specs_from_hf_config(raw)
+
+
+def _in_the_table(raw: dict) -> bool:
+    """Whether the family table knows the preset's model_type (its text config's, for a
+    multimodal wrapper)."""
+    from unikv.models import family
+
+    types = [raw.get("model_type"), raw.get("text_config", {}).get("model_type")]
+    return any(family.of_model_type(t) for t in types if t)
 
 
 # -- hybrids: the Mamba sub-pool -------------------------------------------------------
@@ -247,7 +273,7 @@ def _mamba_numbers(preset: str) -> dict:
     c = json.loads((PRESET_DIR / f"{preset}.json").read_text())
     c = c.get("text_config", c)
     t = c.get("model_type")
-    if t in ("qwen3_5_text", "qwen3_next"):
+    if t in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
         kinds = c.get("layer_types") or [
             "full_attention" if (i + 1) % c["full_attention_interval"] == 0 else "x"
             for i in range(c["num_hidden_layers"])
@@ -278,6 +304,13 @@ def _mamba_numbers(preset: str) -> dict:
         state = inner * c["mamba_d_state"]
         kv_heads = c["num_key_value_heads"]
         head_dim = c["hidden_size"] // c["num_attention_heads"]
+    elif t == "lfm2":  # short convs: a conv window of L_cache inputs, no temporal state
+        layers, attn_layers = (
+            c["layer_types"].count("conv"),
+            c["layer_types"].count("full_attention"),
+        )
+        conv, state = c["hidden_size"] * c["conv_L_cache"], 0
+        kv_heads, head_dim = c["num_key_value_heads"], c["hidden_size"] // c["num_attention_heads"]
     elif t == "granitemoehybrid":
         attn_layers = c["layer_types"].count("attention")
         layers, inner = c["num_hidden_layers"] - attn_layers, c["mamba_n_heads"] * c["mamba_d_head"]
@@ -418,3 +451,97 @@ def test_a_symmetric_model_prints_no_padding_section(capsys) -> None:
     code, out, _ = run(capsys, "deepseek-v3", "--budget", "8GiB", "--json")
     layout = json.loads(out)["kv_layout"]
     assert layout["bytes_per_token"] == dict.fromkeys(("padded", "exact", "stored"), 61 * 576 * 2)
+
+
+# -- whether the engine runs it -------------------------------------------------------
+
+
+def _table_verdict(raw: dict) -> tuple[bool, str]:
+    """(runs, the family table's words) for a preset, read from models/family.py's
+    entries here: a family listing the architecture with a model class runs it; a
+    family of its model_type without a model gives pool specs only; else none knows it."""
+    from unikv.models import family
+
+    arch = raw["architectures"][0]
+    for f in family.FAMILIES:
+        if arch in f.architectures and f.model is not None:
+            return True, f"runs it (family {f.name!r}"
+    types = [raw.get("model_type"), raw.get("text_config", {}).get("model_type")]
+    for f in family.FAMILIES:
+        if any(t in f.model_types for t in types) and f.model is None:
+            return False, f"family {f.name!r} has no unikv model"
+    return False, f"no family in models/family.py knows architecture {arch!r}"
+
+
+def test_presets_list_says_whether_the_engine_runs_each(capsys) -> None:
+    code, out, _ = run(capsys, "--presets")
+    assert code == 0
+    lines = dict(line.split(": ", 1) for line in out.splitlines())
+    assert sorted(lines) == presets()
+    for preset, line in lines.items():
+        raw = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+        runs, words = _table_verdict(raw)
+        assert line.startswith(raw["architectures"][0] + ": ")
+        assert words in line and ("does not run it" not in line) == runs, (preset, line)
+    for preset in ("qwen3.5-35b-a3b", "lfm2-2.6b", "gemma-3-27b"):  # this issue's families
+        assert "runs it" in lines[preset]
+    assert "pool specs only" in lines["jamba-v0.1"]  # a family with no model class
+
+
+@pytest.mark.parametrize("preset", ["lfm2-2.6b", "jamba-v0.1", "gemma-3-27b"])
+def test_every_plan_carries_the_verdict(capsys, preset) -> None:
+    raw = json.loads((PRESET_DIR / f"{preset}.json").read_text())
+    runs, words = _table_verdict(raw)
+    code, out, _ = run(capsys, preset, "--json")
+    assert code == 0
+    engine = json.loads(out)["engine"]
+    assert engine["runs"] == runs and (engine["why_not"] is None) == runs
+    code, out, _ = run(capsys, preset)
+    line = out.splitlines()[1]
+    assert code == 0 and line.startswith("engine: " + ("runs it" if runs else "does")), line
+    assert words in line
+
+
+def test_a_config_ahead_of_its_family_says_why_and_plans_nothing(capsys, tmp_path) -> None:
+    """A config no family of the table knows (as Kimi-Linear's preset was before its
+    family): the verdict names the table, and no pool can be planned (exit 2)."""
+    raw = {"architectures": ["AcmeLinearForCausalLM"], "model_type": "acme_linear"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    code, out, err = run(capsys, str(tmp_path))
+    assert code == 2
+    assert out.strip() == (
+        "engine: does not run it: no family in models/family.py knows architecture "
+        "'AcmeLinearForCausalLM' or model_type 'acme_linear'"
+    )
+    assert "unknown architecture 'acme_linear'" in err
+
+
+def test_the_verdict_follows_the_table_when_it_changes(capsys, monkeypatch) -> None:
+    """A family whose model class is taken out of the table (a copy): the same preset
+    is then refused for it, by the table's words."""
+    import dataclasses
+
+    from unikv.models import family
+
+    table = tuple(
+        dataclasses.replace(f, model=None, architectures=()) if f.name == "lfm2" else f
+        for f in family.FAMILIES
+    )
+    monkeypatch.setattr(family, "FAMILIES", table)
+    code, out, _ = run(capsys, "lfm2-2.6b", "--budget", "1GiB")
+    assert code == 0
+    assert "engine: does not run it: family 'lfm2' has no unikv model" in out
+
+
+def test_a_refused_feature_is_the_why_not(capsys, tmp_path) -> None:
+    """The family's own config checks: a Gemma-3 text config with bidirectional
+    attention is planned (its pool is known) but not run, with the family's reason."""
+    pytest.importorskip("transformers")
+    raw = json.loads((PRESET_DIR / "gemma-3-27b.json").read_text())["text_config"]
+    raw.update(architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    code, out, _ = run(capsys, str(tmp_path), "--json")
+    assert code == 0
+    engine = json.loads(out)["engine"]
+    assert not engine["runs"] and engine["family"] == "gemma"
+    assert "use_bidirectional_attention=True" in engine["why_not"]

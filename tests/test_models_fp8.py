@@ -1,7 +1,8 @@
-"""Block-quantised FP8 checkpoints (DeepSeek-V3 / MiMo-V2-Flash format, ``models/fp8.py``).
+"""Block-quantised FP8 checkpoints (DeepSeek-V3 / MiMo-V2-Flash / Qwen3-FP8 format,
+``models/fp8.py``), kept in FP8 (``models/fp8_linear.py``).
 
-Tiny DeepSeek-V3 and MiMo-V2-Flash models (``engine_fixtures.save_tiny_deepseek``,
-``test_engine_mimo.save_tiny_mimo``) are quantised here, by a writer of this file, to
+Tiny DeepSeek-V3, MiMo-V2-Flash and Qwen3 models (``engine_fixtures.save_tiny_deepseek``,
+``test_engine_mimo.save_tiny_mimo``, ``save_tiny_model("qwen3")``) are quantised here, by a writer of this file, to
 float8_e4m3fn weights with fp32 ``weight_scale_inv`` per block of ``BLOCK`` = 16 rows x
 24 columns (not square, so rows and columns cannot be swapped unnoticed; the tiny dims
 24, 32, 40, 64, 72, 80, 144 leave partial edge blocks). Embeddings, norms, lm_head and
@@ -12,9 +13,12 @@ The oracle is a second checkpoint: the same FP8 bytes dequantised by a naive loo
 blocks and saved as plain fp32, which transformers loads.
 
 - unikv's engine on the FP8 checkpoint gives transformers' greedy tokens on the
-  dequantised one (24 new tokens, fp32, CPU);
-- every parameter unikv loads from the FP8 checkpoint equals, bit for bit, the naive
-  dequantisation (fp32, and rounded to bf16);
+  dequantised one (24 new tokens, fp32, CPU), and every sampled logit row equals
+  transformers' teacher-forced logits to 1e-4;
+- bytes: each ``Fp8BlockLinear`` holds the file's FP8 bytes and scales (a fused one:
+  its parts' concatenated), whose naive dequantisation is the plain loader's weight;
+  every other parameter (experts, DeepSeek's kv_b_proj, the unconverted linears)
+  equals the plain loader's bit for bit (fp32, and rounded to bf16);
 - ``dequantize_fp8`` against the naive loop for random shapes, block sizes, leading
   (expert) dims and chunk sizes (hypothesis);
 - bad input is a ValueError: an unsupported fmt, activation scheme, block size or
@@ -31,7 +35,14 @@ import shutil
 
 import pytest
 import torch
-from engine_fixtures import GreedyReference, one_thread, save_tiny_deepseek  # noqa: F401
+from engine_fixtures import (  # noqa: F401
+    GreedyReference,
+    StepLogits,
+    check_engine_outputs,
+    one_thread,
+    save_tiny_deepseek,
+    save_tiny_model,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -41,13 +52,24 @@ from unikv.engine import LLM, SamplingParams
 from unikv.hf_config import model_specs_from_hf_config
 from unikv.models import load_model, load_model_config
 from unikv.models.fp8 import Fp8Format, dequantize_fp8, fp8_format
+from unikv.models.fp8_linear import Fp8BlockLinear
+from unikv.models.loader import packed_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = [16, 24]
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 UNQUANTISED = ("embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.weight")
-NOT_CONVERTED = {"deepseek_v3": ("kv_a_proj_with_mqa",), "mimo": ("layers.0.self_attn.o_proj",)}
+NOT_CONVERTED = {
+    "deepseek_v3": ("kv_a_proj_with_mqa",),
+    "mimo": ("layers.0.self_attn.o_proj",),
+    "qwen3": ("layers.1.mlp.down_proj",),
+}
+SAVE = {
+    "deepseek_v3": lambda path: save_tiny_deepseek(3, path),
+    "mimo": save_tiny_mimo,
+    "qwen3": lambda path: save_tiny_model("qwen3", path, num_hidden_layers=4),
+}
 PROMPT_LENS = [9, 21]
 NEW_TOKENS = 24
 
@@ -123,7 +145,7 @@ class Checkpoints:
         import transformers as tf
 
         src = str(root / "src")
-        save_tiny_deepseek(3, src) if arch == "deepseek_v3" else save_tiny_mimo(src)
+        SAVE[arch](src)
         self.fp8_tensors, self.oracle = {}, {}
         for name, w in load_file(os.path.join(src, "model.safetensors")).items():
             if _is_quantised(name, w, arch):
@@ -149,7 +171,7 @@ class Checkpoints:
         return str(path)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "mimo"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "mimo", "qwen3"])
 def ckpt(request, tmp_path_factory) -> Checkpoints:
     return Checkpoints(request.param, tmp_path_factory.mktemp(f"fp8_{request.param}"))
 
@@ -164,27 +186,48 @@ def test_checkpoint_is_really_fp8(ckpt):
     assert kept and all(ckpt.fp8_tensors[n].dtype == torch.float32 for n in kept)
 
 
-def test_greedy_tokens_match_transformers_on_the_dequantised_checkpoint(ckpt):
+def test_greedy_tokens_and_logits_match_transformers_on_the_dequantised_checkpoint(ckpt):
     llm = LLM(ckpt.fp8, device="cpu", max_num_seqs=4, max_model_len=64, page_size=4)
-    outputs = llm.generate(ckpt.ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
-    assert [o.output_ids for o in outputs] == ckpt.ref.greedy
+    assert sum(isinstance(m, Fp8BlockLinear) for m in llm.model.modules()) >= 8
+    rows = StepLogits()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outputs = llm.generate(ckpt.ref.prompts, params, on_step=rows)
+    check_engine_outputs(ckpt.ref, llm, outputs, rows, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_loaded_weights_equal_the_naive_dequantisation(ckpt, dtype):
-    """Bit for bit: each parameter named as in the checkpoint equals the oracle tensor
-    (rounded to ``dtype``); every parameter (fused ones too) equals what the plain
-    loader reads from the dequantised checkpoint."""
-    model = dict(load_model(ckpt.fp8, dtype=dtype).named_parameters())
+def test_fp8_linears_hold_the_files_bytes_and_the_rest_the_dequantisation(ckpt, dtype):
+    """Changed when FP8 linears stopped being dequantised at load: each ``Fp8BlockLinear``
+    holds the checkpoint's FP8 bytes and fp32 scales as stored (a fused q|k|v or gate|up:
+    its parts concatenated), and their naive dequantisation is the plain loader's
+    weight (rounded to ``dtype``); every other parameter equals the plain loader's bit
+    for bit, and each one whose checkpoint tensor is FP8 (experts, kv_b_proj) equals
+    the oracle rounded to ``dtype``."""
+    model = load_model(ckpt.fp8, dtype=dtype)
     plain = dict(load_model(ckpt.plain, dtype=dtype).named_parameters())
-    assert model.keys() == plain.keys()
+    packed = packed_params(model)
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    assert len(kept) >= 8
+    for name, module in kept.items():
+        parts = packed.get(f"{name}.weight", (f"{name}.weight",))
+        file_w = torch.cat([ckpt.fp8_tensors[p] for p in parts])
+        file_s = torch.cat([ckpt.fp8_tensors[p + "_scale_inv"] for p in parts])
+        assert module.weight.dtype == torch.float8_e4m3fn, name
+        assert torch.equal(module.weight.view(torch.uint8), file_w.view(torch.uint8)), name
+        assert module.weight_scale_inv.dtype == torch.float32, name
+        assert torch.equal(module.weight_scale_inv, file_s), name
+        real = naive_dequant(module.weight, module.weight_scale_inv, BLOCK).to(dtype)
+        assert torch.equal(real, plain[f"{name}.weight"]), name
+    fp8_params = {f"{n}.{p}" for n in kept for p in ("weight", "weight_scale_inv")}
+    rest = {n: p for n, p in model.named_parameters() if n not in fp8_params}
+    assert rest.keys() == plain.keys() - fp8_params
     checked = 0
-    for name, param in model.items():
+    for name, param in rest.items():
         assert param.dtype == plain[name].dtype and torch.equal(param, plain[name]), name
         if name in ckpt.oracle and ckpt.fp8_tensors[name].dtype == torch.float8_e4m3fn:
             assert torch.equal(param, ckpt.oracle[name].to(param.dtype)), name
             checked += 1
-    assert checked > 20
+    assert checked >= (8 if ckpt.arch == "deepseek_v3" else 0)  # experts, kv_b_proj
 
 
 def test_config_and_inspect_accept_fp8(ckpt, capsys):
@@ -194,7 +237,7 @@ def test_config_and_inspect_accept_fp8(ckpt, capsys):
     from unikv.inspect import main
 
     assert model_specs_from_hf_config(ckpt.fp8) == model_specs_from_hf_config(ckpt.plain)
-    assert fp8_format(load_model_config(ckpt.fp8)[1]) == Fp8Format(block=(16, 24))
+    assert fp8_format(load_model_config(ckpt.fp8)[1]) == Fp8Format(block=tuple(BLOCK))
     assert main([ckpt.fp8, "--budget", "64MiB"]) == 0
     assert main(["deepseek-v3", "--budget", "8GiB"]) == 0
     capsys.readouterr()
@@ -295,3 +338,46 @@ def test_dequantised_on_the_gpu_equals_the_cpu(ckpt):
     cpu = dict(load_model(ckpt.fp8, dtype=torch.bfloat16).named_parameters())
     for name, param in gpu.items():
         assert param.device.type == "cuda" and torch.equal(param.cpu(), cpu[name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_tokens_and_logits_on_the_gpu(ckpt):
+    """fp32 on the GPU (the Triton FP8 GEMM's IEEE w8a16 path, CUDA graphs): the FP8
+    linears stay FP8 on the device, the tokens are transformers' on the dequantised
+    checkpoint and every sampled logit row is within 1e-4 of its teacher-forced one."""
+    from engine_fixtures import hf_logits
+
+    llm = LLM(
+        ckpt.fp8, device="cuda", dtype=torch.float32, max_num_seqs=4, max_model_len=64, page_size=4
+    )
+    fp8 = [m for m in llm.model.modules() if isinstance(m, Fp8BlockLinear)]
+    assert llm.backend.name == "triton" and len(fp8) >= 8
+    assert all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    rows = StepLogits()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    outputs = llm.generate(ckpt.ref.prompts, params, on_step=rows)
+    assert [o.output_ids for o in outputs] == ckpt.ref.greedy
+    first_id = llm._next_id - len(outputs)
+    for k, out in enumerate(outputs):
+        full = hf_logits(ckpt.ref.hf, out.prompt_ids + out.output_ids)
+        for (rid, p), row in rows.rows.items():
+            if rid == first_id + k:
+                assert (row.cpu() - full[p - 1]).abs().max().item() < 1e-4, (k, p)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively")
+def test_triton_fp8_gemm_in_the_engine_under_the_interpreter(ckpt):
+    """The engine on the Triton backend (the FP8 GEMM, attention, MLA under
+    TRITON_INTERPRET=1 on CPU): transformers' greedy tokens on the dequantised model."""
+    if ckpt.arch != "qwen3":
+        pytest.skip("one family is enough for the interpreter's time")
+    from engine_fixtures import hf_greedy
+
+    prompts = [ckpt.ref.prompts[1][:12], ckpt.ref.prompts[0][:4]]
+    llm = LLM(ckpt.fp8, device="cpu", backend="triton", max_num_seqs=4, max_model_len=32,
+              page_size=4)  # fmt: skip
+    assert llm.backend.name == "triton"
+    assert any(isinstance(m, Fp8BlockLinear) for m in llm.model.modules())
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    assert [o.output_ids for o in outputs] == [hf_greedy(ckpt.ref.hf, p, 6) for p in prompts]

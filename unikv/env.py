@@ -10,7 +10,9 @@ replaces ``env.FLAGS`` (``dataclasses.replace``) or runs a subprocess with the
 variable set.
 
 ``serve_environ()`` is read when ``unikv serve`` starts: the API key and the
-test-only engine-fault hook.
+test-only engine-fault hook. ``hub_cache_dir()`` reads Hugging Face's cache
+variables at each call, as ``huggingface_hub`` does (a process that sets them late
+is honoured).
 """
 
 from __future__ import annotations
@@ -60,6 +62,21 @@ def _text(raw: str | None) -> str | None:
     return raw or None
 
 
+def _seconds(default: float) -> Callable[[str | None], float]:
+    def parse(raw: str | None) -> float:
+        if raw is None:
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"expected a number of seconds > 0, got {raw!r}")
+        return value
+
+    return parse
+
+
 @dataclass(frozen=True)
 class Flags:
     """The switches (field: environment variable, default, meaning)."""
@@ -83,6 +100,7 @@ class Flags:
     decode_preload: bool = True  # UNIKV_DECODE_PRELOAD: decode loads before the PDL wait
     decode_merge_tile: int = 16384  # UNIKV_DECODE_MERGE_TILE: split-K merge tile
     triton_interpret: bool = False  # TRITON_INTERPRET: Triton's CPU interpreter is on
+    tp_timeout_s: float = 300.0  # UNIKV_TP_TIMEOUT_S: launched TP ranks' start-up and collectives
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Flags:
@@ -117,6 +135,7 @@ PARSERS: dict[str, tuple[str, Callable]] = {
     "decode_preload": ("UNIKV_DECODE_PRELOAD", _on("1")),
     "decode_merge_tile": ("UNIKV_DECODE_MERGE_TILE", _int(16384)),
     "triton_interpret": ("TRITON_INTERPRET", _on("0")),
+    "tp_timeout_s": ("UNIKV_TP_TIMEOUT_S", _seconds(300.0)),
 }
 
 FLAGS = Flags.from_environ()
@@ -138,3 +157,20 @@ def serve_environ(environ: Mapping[str, str] | None = None) -> ServeEnviron:
     return ServeEnviron(
         api_key=environ.get(API_KEY_ENV) or None, engine_fault=environ.get(FAULT_ENV) or None
     )
+
+
+HUB_CACHE_ENV = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+def hub_cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face hub cache directory: ``HF_HUB_CACHE`` (or the legacy
+    ``HUGGINGFACE_HUB_CACHE``), else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub`` (``~/.cache`` by default)."""
+    environ = os.environ if environ is None else environ
+    for name in HUB_CACHE_ENV[:2]:
+        if environ.get(name):
+            return os.path.expanduser(environ[name])
+    home = environ.get("HF_HOME") or os.path.join(
+        environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return os.path.join(os.path.expanduser(home), "hub")

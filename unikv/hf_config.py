@@ -6,8 +6,9 @@ one kind form one sub-pool (docs/design.md section 4):
     full   full attention K/V            -> MHASpec                 (page_size ps)
     swa    sliding-window attention K/V  -> MHASpec(sliding_window) (page_size ps)
     mla    multi-head latent attention   -> MLASpec                 (page_size ps)
-    mamba  recurrent state: Mamba-2 conv + SSM state, or Gated DeltaNet conv +
-           delta-rule state                 -> MambaSpec               (page_size 1)
+    mamba  recurrent state: Mamba-2 conv + SSM state, Gated DeltaNet conv +
+           delta-rule state, or an LFM2 short-conv window alone
+                                            -> MambaSpec               (page_size 1)
     none   no cached state (MLP-only or MoE-only layers of NemotronH)
 
 The family table (``models/family.py``) says, per HF ``model_type``, how its layers
@@ -160,11 +161,12 @@ def jamba_dims(cfg: Fields) -> StateDims:
 
 
 def _state(dims, num_layers: int, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> MambaSpec:
-    """The MambaSpec of a family's recurrent dims (``StateDims`` or the same names)."""
+    """The MambaSpec of a family's recurrent dims (``StateDims`` or the same names);
+    an empty ``state_shape`` gives a conv-only slot (LFM2)."""
     return MambaSpec(
         num_layers=num_layers,
         conv=(StatePart((dims.conv_dim, dims.conv_kernel), conv_dtype),),
-        temporal=StatePart(tuple(dims.state_shape), ssm_dtype),
+        temporal=StatePart(tuple(dims.state_shape), ssm_dtype) if dims.state_shape else None,
     )
 
 

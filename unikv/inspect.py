@@ -4,11 +4,17 @@
                   [--max-tokens N] [--plot FILE] [--json]
 
 MODEL is a built-in preset name (``unikv/presets/*.json``), a model directory
-holding config.json, or a config JSON file; default ``gpt-oss-20b``. The pool is
+holding config.json, a config JSON file, or a Hugging Face repo id (org/name) in the
+local cache; default ``gpt-oss-20b``. The pool is
 built on the ``meta`` device, so no budget-sized memory is allocated.
 
-Hybrid models (Qwen3.5, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba,
-Granite-4.0-H, Zamba2) have a Mamba sub-pool of page size 1: one slot per request holds every recurrent layer's
+Every plan says whether the engine runs the model, and why not when it does not
+(``models/support.py``, from the family table); ``unikv inspect --presets`` says it
+for every preset, one line each.
+
+Hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, NemotronH, Falcon-H1, Jamba, Bamba,
+Granite-4.0-H, Zamba2, LFM2) have a Mamba sub-pool of page size 1: one slot per
+request holds every recurrent layer's
 conv and SSM state, whatever the request's length. Its numbers are slots (=
 requests), and its slot is usually the largest page, so the sink is one slot.
 """
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unikv.hf_config import ModelSpecs, load_config, model_specs_from_hf_config
+from unikv.models.support import Support, engine_support
 from unikv.pool import INT32_LIMIT, Grow, UnifiedPool, worst_case_pages
 from unikv.specs import MambaSpec, MHASpec
 
@@ -69,14 +76,20 @@ def human(num_bytes: float) -> str:
 
 
 def resolve_model(model: str) -> tuple[str, Any]:
-    """(display name, config dict) for a preset name, a model directory or a JSON file."""
+    """(display name, config dict) for a preset name, a model directory, a JSON file or
+    a Hugging Face repo id in the local cache (``models/hub.py``: never downloaded)."""
+    from unikv.models.hub import REPO_ID
+    from unikv.models.hub import resolve_model as snapshot_of
+
     if os.path.exists(model):
         return model, load_config(model)
     if model in presets():
         return model, load_config(PRESET_DIR / f"{model}.json")
+    if REPO_ID.fullmatch(model):  # ValueError naming where it looked, when not cached
+        return model, load_config(snapshot_of(model))
     raise ValueError(
         f"no model {model!r}: give a directory with config.json, a config JSON file, "
-        f"or one of the presets {presets()}"
+        f"a Hugging Face repo id in the local cache, or one of the presets {presets()}"
     )
 
 
@@ -309,6 +322,7 @@ def format_plan(name: str, plan: dict) -> str:
     counts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
     out = [
         f"model {name} ({plan['model_type']}): {len(kinds)} layers: {counts}",
+        *([_engine_line(plan["engine"])] if "engine" in plan else []),
         (
             f"budget {plan['budget_bytes']} B ({human(plan['budget_bytes'])}) + tail pad "
             f"{plan['tail_pad_bytes']} B; sink {plan['sink_bytes']} B ({human(plan['sink_bytes'])})"
@@ -347,6 +361,23 @@ def format_plan(name: str, plan: dict) -> str:
     return "\n".join(out)
 
 
+def _engine_line(engine: dict) -> str:
+    if engine["runs"]:
+        return f"engine: runs it (family {engine['family']!r})"
+    return f"engine: does not run it: {engine['why_not']}"
+
+
+def preset_lines() -> list[str]:
+    """One line per preset: its architecture and the engine's verdict."""
+    lines = []
+    for name in presets():
+        config = load_config(PRESET_DIR / f"{name}.json")
+        arch = (config.get("architectures") or ["(no architecture)"])[0]
+        verdict = engine_support(config).line().removeprefix("engine: ")
+        lines.append(f"{name}: {arch}: {verdict}")
+    return lines
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="unikv inspect", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -366,18 +397,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", default=None, help="write the byte map as a PNG to this file")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--presets",
+        action="store_true",
+        help="list every preset and whether the engine runs it (why not, where it does not)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.presets:
+        print("\n".join(preset_lines()))
+        return 0
+    support: Support | None = None
     try:
         name, config = resolve_model(args.model)
+        support = engine_support(config)
         model = model_specs_from_hf_config(config, page_size=args.page_size, dtype=args.dtype)
         plan = build_plan(model, parse_bytes(args.budget), args.max_tokens)
     except ValueError as error:
+        if support is not None:  # the verdict still holds where no pool can be planned
+            print(support.line())
         print(f"unikv inspect: error: {error}", file=sys.stderr)
         return 2
+    plan["engine"] = support.as_dict()
     print(json.dumps(plan, indent=2) if args.json else format_plan(name, plan))
     if args.plot:
         from unikv.inspect_plot import plot_plan  # matplotlib only when asked

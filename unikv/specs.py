@@ -249,16 +249,25 @@ class StatePart:
 
 @dataclass(frozen=True)
 class MambaSpec:
-    """Mamba / linear-attention state: one slot per request (page size 1).
+    """Mamba / linear-attention / short-convolution state: one slot per request
+    (page size 1).
 
     Slot layout: ``[conv part 0, all layers][conv part 1, all layers]...[temporal,
     all layers]``; each part starts at a multiple of its itemsize and the slot is
     a multiple of the largest itemsize, so every part has a typed view.
+
+    ``temporal`` None: a conv-only slot (LFM2's short convolutions keep the last
+    ``L_cache`` inputs of each layer and no recurrent state). It is the same kind of
+    state as a Mamba slot, fixed-size, one per request, read and written by the same
+    ``causal_conv1d`` op at the same slot index, so it stays a ``MambaSpec`` with one
+    part fewer rather than a new kind: the allocator, the capacity oracle, the
+    prefix-cache checkpoints and the I/O paths, which all see a slot as
+    ``entry_bytes`` of one contiguous range, take it unchanged.
     """
 
     num_layers: int
     conv: tuple[StatePart, ...]
-    temporal: StatePart
+    temporal: StatePart | None
 
     def __post_init__(self) -> None:
         _check_positive("MambaSpec", "num_layers", self.num_layers)
@@ -268,8 +277,11 @@ class MambaSpec:
                 f"MambaSpec.conv must be a non-empty tuple of StatePart, got {self.conv!r}"
             )
         object.__setattr__(self, "conv", conv)
-        if not isinstance(self.temporal, StatePart):  # bad input: ValueError
-            raise ValueError(f"MambaSpec.temporal must be a StatePart, got {self.temporal!r}")  # noqa: TRY004
+        if self.temporal is not None and not isinstance(self.temporal, StatePart):
+            raise ValueError(
+                f"MambaSpec.temporal must be a StatePart or None (a conv-only slot), "
+                f"got {self.temporal!r}"
+            )
 
     kind = "mamba"
     sliding_window = None
@@ -277,11 +289,12 @@ class MambaSpec:
 
     @property
     def state_parts(self) -> tuple[StatePart, ...]:
-        return (*self.conv, self.temporal)
+        return self.conv if self.temporal is None else (*self.conv, self.temporal)
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return tuple(f"conv{i}" for i in range(len(self.conv))) + ("temporal",)
+        conv = tuple(f"conv{i}" for i in range(len(self.conv)))
+        return conv if self.temporal is None else (*conv, "temporal")
 
     def _part_offsets(self) -> tuple[list[int], int]:
         offsets, cursor = [], 0

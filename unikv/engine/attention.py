@@ -157,10 +157,11 @@ class LayerState:
     """Where one recurrent model layer keeps its state (built once at start-up).
 
     conv: (S, C, K) and temporal: (S, *shape) per-layer views of the Mamba
-    sub-pool, indexed by physical state slot."""
+    sub-pool, indexed by physical state slot; temporal None for a conv-only slot
+    (LFM2's short convolutions)."""
 
     conv: torch.Tensor
-    temporal: torch.Tensor
+    temporal: torch.Tensor | None
 
 
 class DecodeAttention:

@@ -3,7 +3,7 @@
 unikv generate --model DIR --prompt "..." [--prompt ...] [--chat] [--max-tokens N]
                [--temperature T --top-k K --top-p P --min-p P --seed S -n N]
                [--stop STR ...] [--page-size 16] [--kv-cache 4GiB] [--max-num-seqs 64]
-               [--chunk 512] [--device cuda] [--dtype bf16]
+               [--chunk 512] [--device cuda] [--dtype bf16] [-tp N]
 unikv demo [--model llama|gpt-oss|qwen3.5|all] [--seed 0]
 
 ``add_engine_args`` / ``llm_from_args`` are shared with ``unikv serve``.
@@ -18,7 +18,10 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The options that build an LLM (generate and serve)."""
     p.add_argument(
-        "--model", required=True, help="checkpoint directory (config.json + safetensors)"
+        "--model",
+        required=True,
+        help="checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
+        "(org/name) already in the local HF cache (HF_HUB_CACHE or $HF_HOME/hub)",
     )
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument(
@@ -30,6 +33,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is split over (default 1): this process is rank 0 and starts "
+        "the others (one GPU each from --device's on, or gloo on the CPU)",
+    )
     p.add_argument("--dtype", default=None, help="weights and compute dtype: bf16, fp16 or fp32")
     p.add_argument(
         "--kv-cache-dtype",
@@ -98,6 +109,7 @@ def llm_from_args(args):
             parse_bytes(args.swap_host_bytes) if args.swap_host_bytes not in (None, "0") else 0
         ),
         preemption=args.preemption,
+        tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=args.speculative_config,
     )
 
@@ -217,7 +229,10 @@ def generate_main(argv: list[str]) -> int:
         params = _params(args)  # bad sampling values fail before the model loads
         llm = llm_from_args(args)
         peak = _PeakPicture()
-        outputs = llm.generate(_prompts(args, llm), params, use_tqdm=True, on_step=peak)
+        try:
+            outputs = llm.generate(_prompts(args, llm), params, use_tqdm=True, on_step=peak)
+        finally:
+            llm.close()  # tensor-parallel workers stop (the summary reads the host side)
     except (ValueError, TypeError) as err:
         print(f"unikv generate: error: {err}", file=sys.stderr)
         return 2

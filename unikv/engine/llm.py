@@ -17,6 +17,8 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Mapping
+from functools import partial
+from typing import Self
 
 import torch
 
@@ -68,8 +70,10 @@ class LLM:
     """A model served over unikv's unified pool.
 
     Args:
-        model_dir: local Hugging Face checkpoint (config.json + safetensors);
-            ``model=`` is the same (vLLM's name).
+        model_dir: local Hugging Face checkpoint (config.json + safetensors), or a
+            repo id ("org/name") found in the local Hugging Face cache (HF_HUB_CACHE,
+            else $HF_HOME/hub; never downloaded: ``models/hub.py``); ``model=`` is
+            the same (vLLM's name).
         device: default CUDA when available, else CPU.
         dtype: weights and compute dtype (bf16, fp16 or fp32); default bf16 on
             CUDA, fp32 on CPU.
@@ -124,6 +128,13 @@ class LLM:
             same arguments and calls ``generate`` with the same prompts; each
             holds 1/tp of the heads and a pool for its KV-head shard
             (``unikv.models.parallel``). CUDA graphs default to off under TP.
+        tensor_parallel_size: 1 (one process), or N: this process is rank 0 and
+            starts N-1 worker processes itself (torch.multiprocessing, spawn; NCCL
+            with GPUs ``device``'s index .. + N-1, gloo on CPU), each building this
+            LLM; every call made here runs on all ranks, and only this one returns
+            outputs (``unikv.engine.tp_launch``). Refused before anything is spawned
+            when the model cannot be split N ways. ``close()`` (or ``with LLM(...)``,
+            or the interpreter's exit) stops the workers. Not with ``tp_group``.
         speculative_config: None, or vLLM's speculative config (a dict or its JSON),
             e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``: pure decode
             steps verify draft tokens through the pool (``unikv.engine.speculative``;
@@ -157,6 +168,7 @@ class LLM:
         seed: int = 0,
         debug: bool = False,
         tp_group=None,
+        tensor_parallel_size: int = 1,
         static_split: Mapping[str, float] | None = None,
         enable_prefix_caching: bool | None = None,
         prefix_host_bytes: int = 0,
@@ -164,10 +176,17 @@ class LLM:
         preemption: str = "auto",
         speculative_config: Mapping | str | None = None,
     ) -> None:
+        if tensor_parallel_size != 1:  # spawn ranks 1.., then build rank 0 (tp_launch)
+            options = dict(locals())  # the arguments, first: every rank builds with them
+            from unikv.engine.tp_launch import launch
+
+            launch(self, options)
+            return
         from unikv.allocator import PoolAllocator
         from unikv.engine.speculative.config import check_speculation, speculative_config_of
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
 
+        self.workers = None  # the tensor-parallel worker processes this LLM started
         model_dir = model_dir_of(model_dir, model)
         for what, value in (
             ("max_num_seqs", max_num_seqs),
@@ -202,8 +221,8 @@ class LLM:
         self.eos_token_ids = merged_eos(self.config, model_dir, self.tokenizer)
         configs = specs_from_hf_config(hf_config, page_size=page_size, dtype=self.dtype)
         configs = fp8_kv_configs(configs, self.kv_cache_dtype)
-        if self.tp is not None:  # each rank caches its own KV heads
-            configs = shard_subpool_configs(configs, self.tp.size)
+        if self.tp is not None:  # each rank caches its own KV heads and recurrent heads
+            configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
         check_speculation(self.speculative_config, configs, tp_group)
         draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
         configs = configs + draft
@@ -502,8 +521,11 @@ class LLM:
         does it). False, with nothing dropped, when prefix caching is off."""
         if not self.prefix_caching:
             return False
-        self.engine.call(self.alloc.parts.prefix.reset).result()
+        self.engine.call(self._reset_prefix_now).result()
         return True
+
+    def _reset_prefix_now(self) -> None:
+        self.alloc.parts.prefix.reset()
 
     def resize_kv_cache(self, total_bytes: int) -> int:
         """Give the pool ``total_bytes`` (at most ``kv_cache_max_bytes``), between
@@ -512,7 +534,25 @@ class LLM:
         new top (waiting for the forward in flight) and releases the chunks above.
         A size below what the running requests hold raises ValueError with
         nothing changed (``allocator.room.Room.resize``)."""
-        return self.engine.call(lambda: self.alloc.parts.room.resize(total_bytes)).result()
+        return self.engine.call(partial(self._resize_now, total_bytes)).result()
+
+    def _resize_now(self, total_bytes: int) -> int:
+        return self.alloc.parts.room.resize(total_bytes)
+
+    def close(self) -> None:
+        """Stop the serving loop if one runs and the tensor-parallel workers if this
+        LLM started any (``tensor_parallel_size``); idempotent. ``with LLM(...) as
+        llm:`` closes at the block's end."""
+        if self.engine.running:
+            self.engine.shutdown()
+        if self.workers is not None:
+            self.workers.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _output(self, r: Request) -> RequestOutput:
         """The RequestOutput of one finished request (e.g. handed off by P/D)."""

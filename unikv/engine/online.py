@@ -176,10 +176,12 @@ class EngineLoop:
     def call(self, fn: Callable[[], object]) -> Future:
         """Run ``fn()`` between two steps in the loop's thread (now when no thread
         runs, or when called from that thread); its result comes back through the
-        Future."""
+        Future. A call that changes the engine's state is a method of the LLM (bound,
+        or a ``functools.partial`` of one): tensor-parallel workers repeat it by name
+        (``tp_launch``); any other ``fn`` only reads."""
         future: Future = Future()
         if not self.running or threading.current_thread() is self._thread:
-            future.set_result(fn())
+            future.set_result(self._invoke(fn))
             return future
         with self._cv:
             self._calls.append((fn, future))
@@ -232,10 +234,14 @@ class EngineLoop:
                 self._cv.wait()
         self._run_calls()
         if self._stopping and not (self._drain and self._has_work()):
-            self._abort_all()
-            self._settle_last()
+            self._stop_work()
             return False
         return True
+
+    def _stop_work(self) -> None:
+        """The loop ends: live requests are aborted, the step in flight settled."""
+        self._abort_all()
+        self._settle_last()
 
     def _has_work(self) -> bool:
         return bool(
@@ -252,14 +258,25 @@ class EngineLoop:
             calls, self._calls = self._calls, []
         for fn, future in calls:
             try:
-                future.set_result(fn())
+                future.set_result(self._invoke(fn))
             except Exception as err:  # noqa: BLE001  (returned to the caller)
                 future.set_exception(err)
 
-    def _take_inbox(self) -> None:
+    def _invoke(self, fn: Callable[[], object]):
+        """Run one ``call`` between steps (the tensor-parallel leader also sends it
+        to the workers, ``tp_launch``)."""
+        return fn()
+
+    def _drain_inbox(self) -> tuple[list[RequestGroup], list[RequestGroup]]:
+        """Take the submitted groups and the aborted ones (the tensor-parallel
+        leader also sends them to the workers, ``tp_launch``)."""
         with self._cv:
             groups, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        return groups, aborts
+
+    def _take_inbox(self) -> None:
+        groups, aborts = self._drain_inbox()
         for group in groups:
             group.watched = not all(t.passive for t in group.tracks)
             if group.watched:  # passive groups (inline generate) are read at the end

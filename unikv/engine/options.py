@@ -191,7 +191,9 @@ def model_dir_of(model_dir: str | None, model: str | None) -> str:
             "give the checkpoint directory once: LLM(model_dir) or LLM(model=model_dir), got "
             f"model_dir={model_dir!r}, model={model!r}"
         )
-    return model_dir if model_dir is not None else model
+    from unikv.models.hub import resolve_model  # a repo id: its snapshot in the HF cache
+
+    return resolve_model(model_dir if model_dir is not None else model)
 
 
 def derived_seed(seed: int, index: int) -> int:

@@ -9,6 +9,31 @@ from __future__ import annotations
 
 from unikv.engine.sampling import SamplingParams
 
+TEXT_ONLY = (
+    "unikv runs the text decoder only (a multimodal checkpoint's vision tower is not "
+    "loaded), so images and other media are refused; send the text alone"
+)
+
+
+def media_refusal(where: str, what) -> str:
+    """The one message refusing a prompt part that is not text (LLM and server)."""
+    return f"{where}: {what!r:.60} is not text: {TEXT_ONLY}"
+
+
+def check_text_parts(messages) -> None:
+    """ValueError for a message whose content is a list holding a part that is not
+    {"type": "text", "text": str} (an image, audio, a video): chat templates of
+    multimodal checkpoints would render it as placeholder tokens with no pixels."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        for part in content if isinstance(content, (list, tuple)) else ():
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise ValueError(media_refusal(f"messages[{i}].content", part))
+
 
 def _is_ids(prompt) -> bool:
     """A list or tuple of ints (bools are not token ids). The element types are
@@ -32,7 +57,7 @@ class PromptMaker:
 
         prompts: a str, a list of int token ids, or a non-empty list of either;
         sampling_params: None (defaults), one SamplingParams, or one per prompt."""
-        if isinstance(prompts, str) or (_is_ids(prompts) and prompts):
+        if isinstance(prompts, (str, dict)) or (_is_ids(prompts) and prompts):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise TypeError(
@@ -59,6 +84,8 @@ class PromptMaker:
                 ids = tok.encode(prompt)
         elif _is_ids(prompt):
             ids = list(prompt)
+        elif isinstance(prompt, dict) and prompt.keys() & {"multi_modal_data", "images", "image"}:
+            raise ValueError(media_refusal("prompt", sorted(prompt)))
         else:
             raise TypeError(
                 f"a prompt is a str or a list of int token ids, got {type(prompt).__name__}"
@@ -69,6 +96,9 @@ class PromptMaker:
         llm = self.llm
         if not ids:
             raise ValueError("a prompt must hold at least one token, got an empty prompt")
+        media = set(llm.config.media_token_ids).intersection(ids)
+        if media:
+            raise ValueError(media_refusal("prompt", f"image placeholder token {sorted(media)}"))
         vocab = llm.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -102,7 +132,6 @@ class PromptMaker:
         tokenizer's; tools: JSON schemas of the tools, given to the template;
         extra: more template variables (e.g. ``enable_thinking``); check: False
         returns the ids unchecked (no length limit)."""
-        tok = self._tokenizer("chat needs a tokenizer with a chat template")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r:.60}")
         for i, m in enumerate(messages):
@@ -110,6 +139,8 @@ class PromptMaker:
                 raise ValueError(
                     f"messages[{i}] must be a dict with a str 'role' and a 'content', got {m!r:.60}"
                 )
+        check_text_parts(messages)
+        tok = self._tokenizer("chat needs a tokenizer with a chat template")
         if chat_template is None and getattr(tok, "chat_template", None) is None:
             raise ValueError(
                 "the checkpoint's tokenizer has no chat template (tokenizer_config.json "

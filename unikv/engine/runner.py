@@ -66,7 +66,10 @@ def layer_caches(
             continue
         for index, layer in enumerate(sub.layers):
             if sub.spec.kind == "mamba":  # views: {part: (num_layers, S, *shape)}
-                states[layer] = LayerState(sub.views["conv0"][index], sub.views["temporal"][index])
+                temporal = sub.views.get("temporal")  # None: a conv-only slot (LFM2)
+                states[layer] = LayerState(
+                    sub.views["conv0"][index], None if temporal is None else temporal[index]
+                )
                 continue
             if sub.spec.kind == "mla":  # views: [latent (N, rank + rope)] per layer
                 caches[layer] = MLALayerCache(sub.name, sub.views[index], sub.page_size)

@@ -71,12 +71,19 @@ def check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len, gating=N
         ("v", v, (num_tokens, heads, dim_v)),
     ):
         _want(name, t, shape)
-    _want("g", g, (num_tokens, heads), unit_last=False)
+    per_channel = g is not None and g.dim() == 3  # KDA: a decay per key channel
+    _want("g", g, (num_tokens, heads, dim_k) if per_channel else (num_tokens, heads),
+          unit_last=False)  # fmt: skip
     _want("beta", beta, (num_tokens, heads), unit_last=False)
     _check_batch(
         "gated_delta_rule", num_tokens, state, slots, q_indptr, max_q_len, q, k, v, g, beta
     )
     if gating is not None:
+        if per_channel:
+            raise ValueError(
+                "gating (A_log, dt_bias) gates a per-head decay; a per-channel g (T, H, Dk), "
+                "Kimi Delta Attention's, is passed already computed, without gating"
+            )
         if len(gating) != 2:
             raise ValueError(f"gating must be (A_log, dt_bias), got {len(gating)} tensors")
         for name, t in zip(("A_log", "dt_bias"), gating):

@@ -45,8 +45,9 @@ SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
+QUANT_OPS = ("fp8_linear",)
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
-       + LINEAR_OPS + MOE_OPS)  # fmt: skip
+       + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
 
 # what models take from the kernels: this module only
 __all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "building",
@@ -108,6 +109,10 @@ class KernelBackend:
     # variant that runs it, or None (``moe`` on the checkpoint's layout); asked once per
     # layer at load, from what ``get_backend`` decided
     moe_repacked: Callable[[torch.dtype, int, int], MoERepacked | None]
+    # a linear whose weight is kept in block-scaled FP8 (``fp8_gemm_ref.fp8_linear``'s
+    # signature): the Triton GEMM (its variant planned per row count, ``fp8_gemm.plan``)
+    # or the torch reference (dequantise, then multiply in fp32)
+    fp8_linear: Op
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -235,6 +240,7 @@ def _triton(flags: Flags) -> KernelBackend:
         elementwise,
         extend,
         extend_sdpa,
+        fp8_gemm,
         gemv,
         mla,
         mla_decode,
@@ -276,12 +282,14 @@ def _triton(flags: Flags) -> KernelBackend:
         **{op: getattr(gemv, op) for op in LINEAR_OPS},
         moe=moe.moe,
         moe_repacked=_hopper_repack if flags.sm90 and flags.moe_hopper else _no_repack,
+        fp8_linear=fp8_gemm.fp8_linear,
     )
 
 
 def _torch() -> KernelBackend:
     from unikv.kernels import (
         elementwise_ref,
+        fp8_gemm_ref,
         mla_ref,
         moe_ref,
         recurrent_ref,
@@ -313,6 +321,7 @@ def _torch() -> KernelBackend:
         **{op: getattr(elementwise_ref, op) for op in LINEAR_OPS},
         moe=moe_ref.fused_moe,
         moe_repacked=_no_repack,
+        fp8_linear=fp8_gemm_ref.fp8_linear,
     )
 
 

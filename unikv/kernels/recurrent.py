@@ -132,11 +132,11 @@ def _conv_state_kernel(
 @triton.jit
 def _gdn_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slots, q_indptr,
-    q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, g_sh, b_st, b_sh, o_st, o_sh,
+    q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, g_sh, g_sk, b_st, b_sh, o_st, o_sh,
     s_s, s_h, s_k, s_v, scale,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     USE_L2NORM: tl.constexpr, DECODE: tl.constexpr, GATING: tl.constexpr,
-    GROUPS: tl.constexpr,
+    GROUPS: tl.constexpr, PER_CHANNEL: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -161,18 +161,26 @@ def _gdn_kernel(
         qt = tl.load(q + t * q_st + hk * q_sh + ok, mask=mk, other=0.0).to(tl.float32)
         kt = tl.load(k + t * k_st + hk * k_sh + ok, mask=mk, other=0.0).to(tl.float32)
         vt = tl.load(v + t * v_st + h * v_sh + ov, mask=mv, other=0.0).to(tl.float32)
-        gt = tl.load(g + t * g_st + h * g_sh).to(tl.float32)
         braw = tl.load(beta + t * b_st + h * b_sh)
-        if GATING:  # torch's softplus (identity above 20); sigmoid rounded to b's dtype
-            x = gt + bias
-            gt = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-            bt = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)
-        else:
+        if PER_CHANNEL:  # KDA: a log decay per key channel, given as computed
+            gt = tl.load(g + t * g_st + h * g_sh + ok * g_sk, mask=mk, other=0.0)
+            gt = gt.to(tl.float32)
             bt = braw.to(tl.float32)
+        else:
+            gt = tl.load(g + t * g_st + h * g_sh).to(tl.float32)
+            if GATING:  # torch's softplus (identity above 20); sigmoid rounded to b's dtype
+                x = gt + bias
+                gt = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+                bt = tl.sigmoid(braw.to(tl.float32)).to(braw.dtype).to(tl.float32)
+            else:
+                bt = braw.to(tl.float32)
         if USE_L2NORM:
             qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6)
             kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
-        s = s * tl.exp(gt)
+        if PER_CHANNEL:  # KDA: row i of the state decays by exp(g[i])
+            s = s * tl.exp(gt)[:, None]
+        else:
+            s = s * tl.exp(gt)
         delta = (vt - tl.sum(s * kt[:, None], axis=0)) * bt  # (BLOCK_V,)
         s = s + kt[:, None] * delta[None, :]
         o = tl.sum(s * (qt * scale)[:, None], axis=0)
@@ -288,13 +296,15 @@ def gated_delta_rule(
     """Gated delta rule over each request's new tokens (see ``recurrent_ref``).
 
     q, k: (T, Hk, Dk), Hk dividing H; v: (T, H, Dv) (unit stride on the last dim);
-    g: (T, H) fp32 log decay; beta: (T, H) (with ``gating`` = (A_log, dt_bias): the
-    raw a and b, gated in the kernel); state: (S, H, Dk, Dv) strided pool view
-    (fp32); slots: (B,) physical slots; q_indptr: (B+1,). Returns (T, H, Dv) in
+    g: (T, H) fp32 log decay, or (T, H, Dk) a log decay per key channel (KDA, without
+    ``gating``; never through fla-core); beta: (T, H) (with ``gating`` = (A_log,
+    dt_bias): the raw a and b, gated in the kernel); state: (S, H, Dk, Dv) strided pool
+    view (fp32); slots: (B,) physical slots; q_indptr: (B+1,). Returns (T, H, Dv) in
     v.dtype.
     """
     check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len, gating)
-    if max_q_len > 1 and recurrent_fla.use_fla(q.device, v.dtype):
+    per_channel = g.dim() == 3  # KDA (fla-core's chunked GDN takes per-head decay only)
+    if max_q_len > 1 and not per_channel and recurrent_fla.use_fla(q.device, v.dtype):
         return recurrent_fla.gated_delta_rule(
             q, k, v, g, beta, state, slots, q_indptr, scale=scale, use_qk_l2norm=use_qk_l2norm,
             gating=gating,
@@ -307,11 +317,12 @@ def gated_delta_rule(
     a_log, dt_bias = gating if gating is not None else (g, g)  # unread without GATING
     _gdn_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, out, state, slots, q_indptr,
-        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride(), *beta.stride(),
-        *out.stride()[:2], *state.stride(), float(scale),
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2],
+        g.stride(2) if per_channel else 0, *beta.stride(), *out.stride()[:2], *state.stride(),
+        float(scale),
         DK=dim_k, DV=dim_v, BLOCK_K=next_pow2(dim_k), BLOCK_V=min(GDN_BLOCK_V, next_pow2(dim_v)),
         USE_L2NORM=bool(use_qk_l2norm), DECODE=max_q_len == 1, GATING=gating is not None,
-        GROUPS=heads // q.shape[1], num_warps=NUM_WARPS,
+        GROUPS=heads // q.shape[1], PER_CHANNEL=per_channel, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 

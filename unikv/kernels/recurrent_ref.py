@@ -113,11 +113,13 @@ def gated_delta_rule(
     """Gated delta rule (Gated DeltaNet) over each request's new tokens.
 
     q, k: (T, Hk, Dk) with Hk dividing H (value head h reads q/k head h // (H / Hk));
-    v: (T, H, Dv); g: (T, H) log decay; beta: (T, H); state: (S, H, Dk, Dv) view.
-    ``gating`` = (A_log, dt_bias), each (H,): g and beta are the raw a and b, and the
-    gates are ``gdn_gates(g, beta, A_log, dt_bias)``. Per token, in fp32: q, k
-    l2-normalised if ``use_qk_l2norm``; q *= scale; S *= exp(g); delta = (v - k S) *
-    beta; S += k^T delta; o = q S. Returns (T, H, Dv) in v.dtype.
+    v: (T, H, Dv); g: (T, H) log decay, or (T, H, Dk) a decay per key channel (Kimi
+    Delta Attention, given as computed: no ``gating``); beta: (T, H); state: (S, H, Dk,
+    Dv) view. ``gating`` = (A_log, dt_bias), each (H,): g and beta are the raw a and b,
+    and the gates are ``gdn_gates(g, beta, A_log, dt_bias)``. Per token, in fp32: q, k
+    l2-normalised if ``use_qk_l2norm``; q *= scale; S *= exp(g) (row i of S by
+    exp(g[i]) per channel); delta = (v - k S) * beta; S += k^T delta; o = q S. Returns
+    (T, H, Dv) in v.dtype.
     """
     if gating is not None:
         g, beta = gdn_gates(g, beta, *gating)
@@ -132,11 +134,13 @@ def gated_delta_rule(
     qs = qs * scale
     grids = [_grid(t, lane, pos, num_lanes, max_q_len) for t in (qs, ks, v, g, beta)]
     qg, kg, vg, gg, bg = grids
-    live = _grid(torch.ones_like(g[:, 0]), lane, pos, num_lanes, max_q_len) > 0  # (B, L)
+    live = _grid(torch.ones_like(beta[:, 0]), lane, pos, num_lanes, max_q_len) > 0  # (B, L)
     s = state[slots].float()  # (B, H, Dk, Dv)
     out = torch.zeros_like(vg)
+    per_channel = g.dim() == 3  # a host bool from the shape (fixed per model)
     for i in range(max_q_len):
-        decayed = s * gg[:, i].exp()[..., None, None]
+        decay = gg[:, i].exp()  # (B, H) or (B, H, Dk)
+        decayed = s * (decay[..., None] if per_channel else decay[..., None, None])
         kv = (decayed * kg[:, i, :, :, None]).sum(-2)  # (B, H, Dv)
         delta = (vg[:, i] - kv) * bg[:, i, :, None]
         new = decayed + kg[:, i, :, :, None] * delta[:, :, None, :]

@@ -64,6 +64,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     attention_sinks: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # a multimodal wrapper's placeholder ids of an image or video in a prompt: refused,
+    # since unikv runs the text decoder only (no vision tower fills them)
+    media_token_ids: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)
     state_dims: Any = None  # the family's recurrent dims (``Family.state_dims``), or None
 
@@ -88,6 +91,15 @@ def _family(cfg: Fields) -> tuple[str, families.Family]:
             "Pick a checkpoint of one of these families"
         )
     return archs[0], fam
+
+
+MEDIA_FIELDS = ("image_token_index", "image_token_id", "video_token_id")
+
+
+def media_ids(outer: Fields) -> tuple[int, ...]:
+    """The wrapper config's image / video placeholder token ids (Gemma-3:
+    ``image_token_index``; Qwen3.5: ``image_token_id``, ``video_token_id``)."""
+    return tuple(dict.fromkeys(int(outer.get(n)) for n in MEDIA_FIELDS if outer.get(n) is not None))
 
 
 def model_config_from_hf(hf_config) -> ModelConfig:
@@ -126,13 +138,14 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         "num_heads": num_heads,
         "num_kv_heads": cfg.get("num_key_value_heads") or num_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(cfg.first("rms_norm_eps", "layer_norm_epsilon")),
+        "rms_norm_eps": float(cfg.first("rms_norm_eps", "layer_norm_epsilon", "norm_eps")),
         "max_position_embeddings": cfg.need("max_position_embeddings"),
         "rope": rope,
         "windows": windows(cfg, kinds),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "hidden_act": act,
         "eos_token_ids": eos_ids(cfg) or eos_ids(outer),
+        "media_token_ids": media_ids(outer) if arch in fam.text_decoders else (),
         "extra": fam.config_extras(hf_config),
         "state_dims": families.load(fam.state_dims)(cfg) if fam.state_dims else None,
     }

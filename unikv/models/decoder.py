@@ -38,7 +38,7 @@ from torch import nn
 from unikv.kernels.backend import KernelBackend, building, resolve_feedback
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
-from unikv.models.parallel import refuse_tp
+from unikv.models.parallel import check_tp_config, refuse_tp
 from unikv.models.rope import Rotary
 
 
@@ -58,8 +58,14 @@ class Block:
         self, norm: RMSNorm, body: nn.Module, *, mixes: bool, post: nn.Module | None = None
     ) -> None:
         self.norm, self.body, self.post, self.mixes = norm, body, post, mixes
-        fused = getattr(body, "input_linear", None)
-        self.linear = fused() if fused is not None else None
+        self.bind()
+
+    def bind(self) -> None:
+        """Take the body's ``input_linear`` (again, after its modules were replaced):
+        a plain ``nn.Linear`` (the norm reads its weight), else None."""
+        fused = getattr(self.body, "input_linear", None)
+        linear = fused() if fused is not None else None
+        self.linear = linear if isinstance(linear, nn.Linear) else None
 
     def __call__(self, h, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """h: (T, hidden), the previous block's output (the embeddings with residual
@@ -176,6 +182,7 @@ class DecoderLM(nn.Module):
     scales_embedding = False
     finishes_logits = False
     fp32_params: tuple[str, ...] = ()
+    dense_linears = ("lm_head",)  # read as a matrix (the final norm's GEMV): never FP8
 
     def __init__(
         self, config: ModelConfig, max_positions: int, tp=None, *, ops: KernelBackend | None = None
@@ -189,17 +196,30 @@ class DecoderLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
         self.ops = backbone.final_norm.ops
-        # the embedding inside the first GEMM: where that GEMM takes its pre-norm and
-        # the embedding is not scaled first
-        first = backbone.layers[0].blocks[0]
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Re-derive what depends on the modules' kinds, after the loader replaced some
+        (``fp8_linear.keep_fp8``): each block's fused GEMM, each module's own (its
+        ``rebind``), and the embedding inside the first GEMM (where that GEMM takes its
+        pre-norm and the embedding is not scaled first)."""
+        for module in self.modules():
+            for block in getattr(module, "blocks", ()):
+                block.bind()
+            if module is not self and hasattr(module, "rebind"):
+                module.rebind()
+        first = self.stack.layers[0].blocks[0]
         self.embeds_in_gemm = first.linear is not None and not self.scales_embedding
 
     # -- the family's part ---------------------------------------------------------
 
     def check(self, config: ModelConfig, tp) -> None:
-        """ValueError for what the family cannot run (before anything is built)."""
+        """ValueError for what the family cannot run (before anything is built): tp
+        where the family does not shard, or a tp size its head counts refuse."""
         if not self.tensor_parallel:
             refuse_tp(config, tp)
+        elif tp is not None:
+            check_tp_config(config, tp.size)
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> Backbone:
         raise NotImplementedError

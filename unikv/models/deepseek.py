@@ -172,6 +172,10 @@ class MLAttention(nn.Module):
     and caches the whole latent row (the MLA sub-pool is not sharded) and attends
     with its own heads only, in either form."""
 
+    # read as matrices (absorbed into the queries, or the expanded form's up-projection):
+    # an FP8 checkpoint's kv_b_proj is dequantised at load (``fp8_linear``)
+    dense_linears = ("kv_b_proj",)
+
     def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary, tp=None) -> None:
         super().__init__()
         e, hidden = config.extra, config.hidden_size

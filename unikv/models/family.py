@@ -70,6 +70,9 @@ def load(ref: Ref) -> Any:
 
 
 _QWEN3_5_VL = ("model.language_model.", "model.", ("model.visual.",))
+# released Gemma-3 (4B and up): the decoder under language_model.model., a tied or
+# untied language_model.lm_head, a SigLIP tower and its projector beside them
+_GEMMA3_VL = ("language_model.", "", ("vision_tower.", "multi_modal_projector."))
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -92,12 +95,21 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "qwen3_5",
-        {"qwen3_5_text": hf.kinds_linear, "qwen3_5_moe_text": hf.kinds_linear},
+        {"qwen3_5_text": hf.kinds_linear},
         ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
         model="unikv.models.qwen3_5:Qwen3_5ForCausalLM",
         extras="unikv.models.qwen3_5:config_extras",
         state_dims="unikv.models.qwen3_5:gdn_dims",
         text_decoders={"Qwen3_5ForConditionalGeneration": _QWEN3_5_VL},
+    ),
+    Family(
+        "qwen3_5_moe",
+        {"qwen3_5_moe_text": hf.kinds_linear},
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        model="unikv.models.qwen3_5_moe:Qwen3_5MoeForCausalLM",
+        extras="unikv.models.qwen3_5_moe:config_extras",
+        state_dims="unikv.models.qwen3_5:gdn_dims",
+        text_decoders={"Qwen3_5MoeForConditionalGeneration": _QWEN3_5_VL},
     ),
     Family(
         "qwen3_next",
@@ -131,11 +143,20 @@ FAMILIES: tuple[Family, ...] = (
         extras="unikv.models.deepseek:config_extras",
     ),
     Family(
+        "kimi_linear",
+        {"kimi_linear": hf.kinds_kimi_linear},
+        ("KimiLinearForCausalLM",),
+        model="unikv.models.kimi_linear:KimiLinearForCausalLM",
+        extras="unikv.models.kimi_linear:config_extras",
+        state_dims="unikv.models.kimi_linear:kda_dims",
+    ),
+    Family(
         "gemma",
         {"gemma2": hf.kinds_every(2), "gemma3_text": hf.kinds_every(6)},
-        ("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+        ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
         model="unikv.models.gemma:GemmaForCausalLM",
         extras="unikv.models.gemma:config_extras",
+        text_decoders={"Gemma3ForConditionalGeneration": _GEMMA3_VL},
     ),
     Family(
         "mimo_v2",
@@ -158,6 +179,14 @@ FAMILIES: tuple[Family, ...] = (
         ("Qwen3MoeForCausalLM",),
         model="unikv.models.qwen3_moe:Qwen3MoeForCausalLM",
         extras="unikv.models.qwen3_moe:config_extras",
+    ),
+    Family(
+        "lfm2",
+        {"lfm2": hf.kinds_lfm2},
+        ("Lfm2ForCausalLM",),
+        model="unikv.models.lfm2:Lfm2ForCausalLM",
+        extras="unikv.models.lfm2:config_extras",
+        state_dims="unikv.models.lfm2:conv_dims",
     ),
     Family(
         "bamba",

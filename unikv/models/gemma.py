@@ -1,5 +1,8 @@
 """Gemma-2 (``Gemma2ForCausalLM``) and Gemma-3 text (``Gemma3ForCausalLM``) on
-unikv's layers.
+unikv's layers; also the text decoder of the multimodal ``Gemma3ForConditionalGeneration``
+(the ``text_decoders`` entry of ``models/family.py``: weights under
+``language_model.``, the vision tower not loaded, no final soft-cap, as transformers'
+wrapper).
 
     x = embed(ids) * sqrt(hidden)                   (the scale rounded to the model dtype)
     per layer:
@@ -171,6 +174,11 @@ class GemmaForCausalLM(decoder.DecoderLM):
     def __init__(self, config: ModelConfig, max_positions: int, tp=None, **kw) -> None:
         super().__init__(config, max_positions, tp, **kw)
         self.final_soft_cap = config.extra["final_soft_cap"]
+        if config.architecture == "Gemma3ForConditionalGeneration":
+            # transformers' multimodal wrapper never applies text_config's
+            # final_logit_softcapping (Gemma3ForCausalLM does); released Gemma-3
+            # configs leave it null, so the two agree on every released checkpoint
+            self.final_soft_cap = 0.0
         self.register_buffer("embed_scale", torch.empty(()), persistent=False)
 
     @property

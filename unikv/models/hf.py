@@ -64,7 +64,7 @@ def as_float(value: Any) -> float:
 @dataclass(frozen=True)
 class StateDims:
     """A recurrent mixer's state: conv window ``(conv_dim, conv_kernel)`` and the
-    temporal state ``state_shape``. Family dims classes (``mamba2.Mamba2Dims``,
+    temporal state ``state_shape`` (``()``: none, a conv-only mixer such as LFM2's). Family dims classes (``mamba2.Mamba2Dims``,
     ``qwen3_5.GatedDeltaNetDims``) offer the same three names."""
 
     conv_dim: int
@@ -83,6 +83,7 @@ HF_KIND = {
     "mamba": "mamba",
     "mlp": "none",
     "moe": "none",
+    "conv": "mamba",  # LFM2's short convolution: a conv window alone, in a state slot
 }
 
 
@@ -127,6 +128,31 @@ def kinds_linear(cfg: Fields) -> list[str]:  # Qwen3.5 / Qwen3-Next: linear, eve
     return kinds_from(cfg, lambda i: "mamba" if (i + 1) % interval else "full")
 
 
+def kinds_kimi_linear(cfg: Fields) -> list[str]:
+    """Kimi-Linear: MLA ("full_attention") and Kimi Delta Attention ("linear_attention")
+    layers, from ``layer_types``, else the release's ``linear_attn_config`` (1-based
+    ``full_attn_layers`` / ``kda_layers``), else transformers' default (every 4th from
+    layer 4 on is MLA)."""
+    n = cfg.need("num_hidden_layers")
+    types = cfg.get("layer_types")
+    lin = cfg.get("linear_attn_config") or {}
+    if types is None and "full_attn_layers" in lin and "kda_layers" in lin:
+        types = [None] * n
+        for i in lin["full_attn_layers"]:
+            types[i - 1] = "full_attention"
+        for i in lin["kda_layers"]:
+            types[i - 1] = "linear_attention"
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    kinds = {"full_attention": "mla", "linear_attention": "mamba"}
+    if len(types) != n or any(t not in kinds for t in types):
+        raise ValueError(
+            f"kimi_linear layer types must list {n} entries, each 'full_attention' or "
+            f"'linear_attention', got {list(types)}; fix layer_types / linear_attn_config"
+        )
+    return [kinds[t] for t in types]
+
+
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
@@ -150,6 +176,13 @@ def kinds_nemotron_h(cfg: Fields) -> list[str]:
 def kinds_bamba(cfg: Fields) -> list[str]:
     attn = set(cfg.get("attn_layer_indices", []))
     return ["full" if i in attn else "mamba" for i in range(cfg.need("num_hidden_layers"))]
+
+
+def kinds_lfm2(cfg: Fields) -> list[str]:
+    """LFM2: ``layer_types`` ("conv" a short-conv state slot, "full_attention"), else
+    attention on ``full_attn_idxs`` (transformers' Lfm2Config: every layer when unset)."""
+    idxs = cfg.get("full_attn_idxs")
+    return kinds_from(cfg, lambda i: "full" if idxs is None or i in idxs else "mamba")
 
 
 # transformers' legacy layer-type names (its remap_legacy_layer_types)

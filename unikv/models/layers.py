@@ -283,8 +283,13 @@ class GatedMLP(nn.Module):
             self.gate_up_proj = column(h, 2 * i, bias=bias)
             self.packed = {"gate_up_proj": ("gate_proj", "up_proj")}
         self.down_proj = row(i, h, bias=bias)
-        self.fused_down = type(self.down_proj) is Linear  # SwiGLU inside the down GEMV
         self.ops = model_ops(ops)
+        self.rebind()
+
+    def rebind(self) -> None:
+        """SwiGLU inside the down GEMV where ``down_proj`` is a plain ``Linear`` (again
+        after the loader replaced it, ``DecoderLM.rebind``)."""
+        self.fused_down = type(self.down_proj) is Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""

@@ -14,6 +14,7 @@ the MoE, each variant decided once by ``get_backend``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
@@ -29,9 +30,12 @@ from unikv.models.fp8 import (
     fp8_format,
     fp8_pairs,
 )
+from unikv.models.fp8_linear import keep_fp8
 from unikv.models.mxfp4 import dequantize_mxfp4
 from unikv.models.parallel import check_tp_config, shard_plan, shard_tensor
 from unikv.models.registry import model_class
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -141,17 +145,18 @@ def _open_weights(path: str):
         ) from err
 
 
-def _sources(index: dict[str, str], params=(), fp8=None) -> dict[str, tuple[str, ...]]:
+def _sources(index: dict[str, str], raw=(), fp8=None) -> dict[str, tuple[str, ...]]:
     """Parameter name -> checkpoint tensor names: ``(name,)``, ``(blocks, scales)``
     for an MXFP4 pair dequantised at load (gpt-oss experts), or ``(weight,
-    weight_scale_inv)`` for an FP8 block-quantised weight (``models/fp8.py``); a
-    pair the model holds as parameters itself (``params``: experts kept packed)
-    loads as is."""
+    weight_scale_inv)`` for an FP8 block-quantised weight dequantised at load
+    (``models/fp8.py``); a pair the model holds as parameters itself (``raw``: the
+    checkpoint names it loads as they are: experts kept packed, FP8 weights and scales
+    of ``fp8_linear.Fp8BlockLinear`` s) loads as is."""
     packed = ("_blocks", "_scales", SCALE_SUFFIX)
-    sources = {n: (n,) for n in index if n in params or not n.endswith(packed)}
-    sources.update(fp8_pairs(index, params, fp8))
+    sources = {n: (n,) for n in index if n in raw or not n.endswith(packed)}
+    sources.update(fp8_pairs(index, raw, fp8))
     for name in index:
-        if name.endswith("_blocks") and name not in params:
+        if name.endswith("_blocks") and name not in raw:
             base = name[: -len("_blocks")]
             if base + "_scales" not in index:
                 raise ValueError(
@@ -202,37 +207,73 @@ def _check_names(model, wanted: dict, sources: dict, index: dict, ignored: tuple
         )
 
 
-def _checkpoint_sources(model, index: dict[str, str], fp8=None) -> tuple[dict, tuple]:
-    """(checkpoint parameter name -> tensor names, prefixes to ignore), after a
-    wrapper's renaming and tied embeddings."""
-    sources = _sources(index, dict(model.named_parameters()), fp8)
+def _renamer(model):
+    """(checkpoint name -> the model's name, prefixes to ignore): a wrapper's text
+    decoder renamed (``TEXT_DECODERS``), every other name as it is."""
     ignored = tuple(getattr(model, "ignore_checkpoint_prefixes", ()))  # e.g. MTP heads
-    if model.config.architecture in TEXT_DECODERS:  # a wrapper's text decoder only
-        theirs, ours, skipped = TEXT_DECODERS[model.config.architecture]
-        sources = {
-            ours + n[len(theirs) :] if n.startswith(theirs) else n: v for n, v in sources.items()
-        }
-        ignored += skipped
+    if model.config.architecture not in TEXT_DECODERS:
+        return (lambda n: n), ignored
+    theirs, ours, skipped = TEXT_DECODERS[model.config.architecture]
+    return (lambda n: ours + n[len(theirs) :] if n.startswith(theirs) else n), ignored + skipped
+
+
+def _checkpoint_sources(model, index: dict[str, str], wanted: dict, fp8=None) -> tuple:
+    """(checkpoint parameter name -> tensor names, prefixes to ignore), after a
+    wrapper's renaming and tied embeddings; ``wanted``: parameter -> the (model-named)
+    checkpoint parameters it is made of."""
+    rename, ignored = _renamer(model)
+    known = {c for names in wanted.values() for c in names}
+    sources = _sources(index, {n for n in index if rename(n) in known}, fp8)
+    sources = {rename(n): v for n, v in sources.items()}
+    arch = model.config.architecture
+    if arch in TEXT_DECODERS:  # a wrapper's text decoder only
+        skipped = TEXT_DECODERS[arch][2]
+        left = sum(n.startswith(skipped) for n in sources)
+        if left:
+            logger.info(
+                "%s: loading its text decoder only; %d checkpoint tensors under %s (the "
+                "vision tower) are not loaded, and requests carrying images are refused",
+                arch, left, ", ".join(skipped),
+            )  # fmt: skip
     if model.config.tie_word_embeddings and "lm_head.weight" not in sources:
-        sources["lm_head.weight"] = ("model.embed_tokens.weight",)
+        embed = "model.embed_tokens.weight"  # a wrapper's embedding keeps its own name
+        sources["lm_head.weight"] = sources.get(embed, (embed,))
     return sources, ignored
+
+
+def _keep_fp8(model, index: dict[str, str], handles: dict, fp8) -> None:
+    """The model's linears whose checkpoint weights are FP8 become ``Fp8BlockLinear`` s
+    (``fp8_linear.keep_fp8``), then the model re-derives its fused paths (``rebind``)."""
+    rename, _ = _renamer(model)
+    theirs = {rename(n): n for n in index}
+
+    def shape(name: str) -> tuple[int, ...]:
+        return tuple(handles[index[theirs[name]]].get_slice(theirs[name]).get_shape())
+
+    if keep_fp8(model, theirs.__contains__, shape, packed_params(model), fp8):
+        model.rebind()
 
 
 def load_weights(model: DecoderLM, files: list[str], fp8: Fp8Format | None = None) -> None:
     """Copy checkpoint tensors into ``model`` by name, one tensor at a time
-    (MXFP4 experts, and FP8 weights of format ``fp8``, dequantised on the way, the
+    (FP8 weights of format ``fp8`` kept as they are, with their scales, in the
+    ``Fp8BlockLinear`` s that replace the linears holding them, ``_keep_fp8``; MXFP4
+    experts and the FP8 weights left to dense modules dequantised on the way, the
     latter on the parameter's device in its dtype; under ``model.tp`` each sharded
     tensor narrowed to this rank's slice; a fused parameter is the concatenation
-    of its checkpoint tensors, each narrowed first, so every rank holds its own
-    q|k|v or gate|up rows); raise ValueError naming missing, unexpected or
+    of its checkpoint tensors, each narrowed first (by the part's own entry of the
+    shard plan where it has one, e.g. Gated DeltaNet's [q | k | v] segments), so every
+    rank holds its own q|k|v or gate|up rows); raise ValueError naming missing, unexpected or
     mis-shaped tensors."""
-    params = dict(model.named_parameters())
     index = checkpoint_index(files)
-    sources, ignored = _checkpoint_sources(model, index, fp8)
+    handles = {path: _open_weights(path) for path in files}
+    if fp8 is not None:
+        _keep_fp8(model, index, handles, fp8)
+    params = dict(model.named_parameters())
     packed = packed_params(model)
     wanted = {n: packed.get(n, (n,)) for n in params}
+    sources, ignored = _checkpoint_sources(model, index, wanted, fp8)
     _check_names(model, wanted, sources, index, ignored)
-    handles = {path: _open_weights(path) for path in files}
     tp = model.tp
     plan = shard_plan(model) if tp is not None else {}
     with torch.no_grad():
@@ -241,16 +282,20 @@ def load_weights(model: DecoderLM, files: list[str], fp8: Fp8Format | None = Non
             for part in wanted[name]:
                 tensors = [_tensor(handles, index[n], n) for n in sources[part]]
                 source = _source_tensor(sources[part], tensors, param, fp8)
-                if name in plan:  # tensor parallelism: this rank's slice
-                    source = shard_tensor(source, plan[name], tp.rank, tp.size, part)
+                spec = plan.get(part, plan.get(name))  # a packed part's own, else its param's
+                if spec is not None:  # tensor parallelism: this rank's slice
+                    source = shard_tensor(source, spec, tp.rank, tp.size, part)
                 parts.append(source)
             source = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tuple(source.shape) != tuple(param.shape):
+                scale = name.endswith(SCALE_SUFFIX)  # an FP8 linear's block scales
                 raise ValueError(
-                    f"tensor {name}: checkpoint shape {tuple(source.shape)} (from "
-                    f"{list(wanted[name])}) != model shape {tuple(param.shape)}; "
-                    "config.json and the weights disagree"
-                )
+                    f"tensor {name}: expected shape {tuple(param.shape)} (the model's"
+                    f"{', in blocks of weight_block_size' if scale else ''}), given "
+                    f"{tuple(source.shape)} (from {list(wanted[name])}); "
+                    + ("the checkpoint's scales and weight_block_size disagree" if scale
+                       else "config.json and the weights disagree")
+                )  # fmt: skip
             param.copy_(source)
 
 

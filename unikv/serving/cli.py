@@ -266,7 +266,10 @@ def serve_main(argv: list[str]) -> int:
         h11_max_incomplete_event_size=options.max_header_bytes,
     )
     server = holder["server"] = _draining_server(config, app.state.server)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.close()  # tensor-parallel workers stop with the server
     if died:
         return EXIT_ENGINE_DEATH
     return 0 if server.started else 3

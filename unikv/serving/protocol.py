@@ -20,6 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
+from unikv.engine.prompts import media_refusal
 from unikv.engine.sampling import INT64_MAX, INT64_MIN, MAX_INT_PARAM, SamplingParams
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -367,7 +368,8 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise BadRequest(
-                    f"messages: only text content parts are supported, got {part!r:.60}",
+                    f"messages: only text content parts are supported; "
+                    f"{media_refusal('a content part', part)}",
                     "messages",
                 )
             parts.append(part["text"])

@@ -1,0 +1,158 @@
+"""Linears kept in block-scaled FP8 (``Fp8BlockLinear``), and the pass that makes them.
+
+A quantised checkpoint (``models/fp8.py``) stores a linear as float8_e4m3fn
+``<prefix>.weight`` (out, in) beside fp32 ``<prefix>.weight_scale_inv`` (ceil(out / bn),
+ceil(in / bk)). ``keep_fp8`` replaces, before the weights load, every plain linear of
+the model (``layers.Linear`` and the tensor-parallel column / row linears) whose
+checkpoint weights all carry scales by an ``Fp8BlockLinear`` of the same shape: it
+holds those bytes as they are (one byte a weight, the scales beside them) and runs the
+kernel backend's ``fp8_linear`` (the Triton block-scaled GEMM on CUDA, the torch
+reference elsewhere). A fused projection (q|k|v, gate|up) is kept in FP8 when each part
+but the last spans whole row blocks, so the parts' scales concatenate as their rows do.
+
+Dequantised at load instead (``loader._source_tensor``), as before:
+
+- linears a module reads as a matrix: its class lists them in ``dense_linears``
+  (DeepSeek's ``kv_b_proj``, absorbed into the queries; the LM head, fused with the
+  final norm and argmax);
+- a fused projection whose parts split a row block;
+- routed experts (``models/moe.RoutedExperts``): the fused MoE kernels take 16-bit or
+  MXFP4 experts, not block-scaled FP8.
+
+Tensor parallelism: a column-parallel FP8 linear shards its weight and scales by rows,
+a row-parallel one by columns; a rank's slice must be whole blocks (a size that cuts a
+scale block is refused here, before any weight loads). The scales then shard like the
+weight (``parallel.shard_tensor``), one block row or column per bn rows or bk columns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from unikv.kernels.backend import KernelBackend
+from unikv.models.fp8 import SCALE_SUFFIX, Fp8Format
+from unikv.models.layers import Linear
+from unikv.models.parallel import ColumnParallelLinear, RowParallelLinear
+
+PLAIN_LINEARS = (Linear, ColumnParallelLinear, RowParallelLinear)
+
+
+class Fp8BlockLinear(nn.Module):
+    """y = x @ W^T (+ bias), W = ``weight`` (out, in) float8_e4m3fn times
+    ``weight_scale_inv`` (ceil(out / bn), ceil(in / bk)) fp32 per block (``block`` =
+    (bn, bk)); ``bias`` in the model dtype. ``parallel``: None, "column" (this rank's
+    rows) or "row" (this rank's columns: as ``parallel.RowParallelLinear``, the partial
+    products all-reduced over ``tp`` unless ``reduce`` is False, the bias added where
+    ``adds_bias``, so the group's sum counts it once)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None,
+        block: tuple[int, int],
+        ops: KernelBackend,
+        *,
+        device: torch.device,
+        parallel: str | None = None,
+        tp=None,
+        reduce: bool = True,
+        adds_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        bn, bk = block
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        fp8 = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        scales = torch.empty(
+            math.ceil(out_features / bn), math.ceil(in_features / bk), device=device
+        )
+        self.weight = nn.Parameter(fp8, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.ops, self.parallel, self.tp = ops, parallel, tp
+        self.reduce, self.adds_bias = reduce, adds_bias and bias is not None  # host bools
+        if parallel == "column":
+            self.tp_shards = {"weight": 0, "weight_scale_inv": 0, "bias": 0}
+        elif parallel == "row":
+            self.tp_shards = {"weight": 1, "weight_scale_inv": 1}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row":  # a host str fixed at construction
+            out = self.ops.fp8_linear(x, self.weight, self.weight_scale_inv, block=self.block)
+            if self.reduce:
+                out = self.tp.all_reduce(out)
+            return out + self.bias if self.adds_bias else out
+        return self.ops.fp8_linear(
+            x, self.weight, self.weight_scale_inv, self.bias, block=self.block
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"block={list(self.block)}, bias={self.bias is not None}"
+        )
+
+
+def _cuts_blocks(rows: list[int], bn: int) -> bool:
+    """Parts of a fused projection that split a row block (all but the last must be
+    whole blocks, or the concatenated scales would not line up with the rows)."""
+    return any(r % bn for r in rows[:-1])
+
+
+def _check_tp(name: str, module: Fp8BlockLinear, tp, full: list[int]) -> None:
+    """ValueError where the tensor-parallel size cuts an FP8 scale block."""
+    (bn, bk), size = module.block, tp.size
+    dim, block = (0, bn) if module.parallel == "column" else (1, bk)
+    bad = [n for n in full if n % size or (n // size) % block]
+    if bad:
+        raise ValueError(
+            f"{name}: tensor parallelism of {size} cuts the FP8 weight's {block}-wide scale "
+            f"blocks along dim {dim} (full sizes {full}, {[n / size for n in full]} a rank); "
+            f"use a tensor-parallel size that leaves every rank whole blocks of {block}"
+        )
+
+
+def keep_fp8(
+    model: nn.Module,
+    has: Callable[[str], bool],
+    shape: Callable[[str], tuple[int, ...]],
+    packed: Mapping[str, tuple[str, ...]],
+    fp8: Fp8Format,
+) -> list[str]:
+    """Replace the model's plain linears whose checkpoint weights are all quantised by
+    ``Fp8BlockLinear`` s (module docstring); returns their names. ``has(name)``: the
+    checkpoint holds tensor ``name`` (under the model's names); ``shape(name)``: its
+    shape; ``packed``: ``loader.packed_params``. Before the weights load, after the
+    model is on its device; the caller rebinds the model (``DecoderLM.rebind``)."""
+    kept = []
+    tp = getattr(model, "tp", None)
+    for name, module in list(model.named_modules()):
+        if type(module) not in PLAIN_LINEARS:
+            continue
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attr in getattr(owner, "dense_linears", ()):
+            continue
+        parts = packed.get(f"{name}.weight", (f"{name}.weight",))
+        if not all(has(p) and has(p + SCALE_SUFFIX) for p in parts):
+            continue
+        full = [shape(p)[0] for p in parts]
+        if _cuts_blocks(full, fp8.block[0]):  # dequantised at load (a rank's cut: refused)
+            continue
+        parallel = {ColumnParallelLinear: "column", RowParallelLinear: "row"}.get(type(module))
+        bias = None if module.bias is None else module.bias.data
+        ops = getattr(module, "ops", None) or model.ops  # a tensor-parallel linear has none
+        new = Fp8BlockLinear(
+            module.in_features, module.out_features, bias, fp8.block, ops,
+            device=module.weight.device, parallel=parallel, tp=tp,
+            reduce=getattr(module, "reduce", True), adds_bias=getattr(module, "adds_bias", True),
+        )  # fmt: skip
+        if parallel is not None:
+            _check_tp(name, new, tp, full if parallel == "column" else [shape(parts[0])[1]])
+        setattr(owner, attr, new)
+        kept.append(name)
+    return kept
