@@ -38,7 +38,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # class -> lower-case substrings of kernel names; the first class that matches wins
 CLASSES = {
@@ -73,7 +72,7 @@ def matmul_rate(device: str) -> float:
     measurement read 716 against 785-788 TFLOP/s in the same lease), fp32 1024^3
     on CPU."""
     if device == "cuda":
-        from common import bench_us
+        from benchmarks.common import bench_us
 
         n = 8192
         a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
@@ -336,7 +335,7 @@ def top_other(kernels, steps: int, limit: int = 15) -> list[dict]:
 
 
 def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
-    import bench_e2e as e2e
+    from benchmarks import bench_e2e as e2e
 
     cfg = e2e.model_config(name, args.tiny)
     entry: dict = {
@@ -462,8 +461,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from bench_e2e import copy_bandwidth
-    from common import environment
+    from benchmarks.bench_e2e import copy_bandwidth
+    from benchmarks.common import environment
 
     args = parse_args(argv)
     copy_bps, flops = copy_bandwidth(args.device), matmul_rate(args.device)

@@ -49,7 +49,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from capacity_models import (
+from benchmarks.capacity_models import (
     MAMBA_FULL_MEMORY_RATIO,
     MODELS,
     SCHEME_RULES,
@@ -59,7 +59,6 @@ from capacity_models import (
     mixed_workload,
     static_shares,
 )
-
 from unikv.allocator import DecodeStep, PoolAllocator
 from unikv.engine.request import Request
 from unikv.engine.sampling import SamplingParams
@@ -439,7 +438,7 @@ def main(argv=None) -> dict:
     out.write_text(json.dumps(results, indent=1))
     print(f"saved {out}")
     if not args.no_plots:
-        from plot_results import plot_occupancy
+        from benchmarks.plot_results import plot_occupancy
 
         plot_occupancy(
             {**results, "models": [m for m in results["models"] if m["model"] in new]},

@@ -48,10 +48,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from capacity_models import MODELS, SCHEME_RULES, mixed_workload, static_shares
-
+from benchmarks.capacity_models import MODELS, SCHEME_RULES, mixed_workload, static_shares
 from benchmarks.common import environment, save_json
 from unikv.hf_config import model_specs_from_hf_config
 

@@ -46,7 +46,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PATHS = ("unikv", "hf_dynamic", "hf_static", "hf_cb")
 CACHING = {"auto": None, "on": True, "off": False}  # --prefix-caching: LLM's argument
@@ -137,7 +136,7 @@ def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[
 def copy_bandwidth(device: str) -> float:
     """Device-to-device copy in bytes/s (bytes read + written), measured now."""
     if device == "cuda":
-        from common import bench_us
+        from benchmarks.common import bench_us
 
         a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
         b = torch.empty_like(a)
@@ -165,7 +164,7 @@ def roofline(
     FLOPs / bf16 matmul rate), ``rates`` = (copy B/s, matmul FLOP/s) measured in
     this run; MoE experts read once per step (those the batch hits). The whole
     run adds the prefill's FLOPs at the matmul rate."""
-    from bench_breakdown import prefill_roofline_ms, step_roofline
+    from benchmarks.bench_breakdown import prefill_roofline_ms, step_roofline
 
     copy_bps, flops = rates
     context = prompt + new_tokens / 2
@@ -258,8 +257,7 @@ class _StepClock:
 
 def run_unikv(path: Path, prompts, new_tokens: int, args) -> dict:
     """unikv's LLM over the whole workload, all requests at t0."""
-    from common import GcWatch, JitWatch, allocator_counts
-
+    from benchmarks.common import GcWatch, JitWatch, allocator_counts
     from unikv.engine import SamplingParams
 
     n = len(prompts)
@@ -597,8 +595,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     import transformers
-    from bench_breakdown import matmul_rate
-    from common import environment
+
+    from benchmarks.bench_breakdown import matmul_rate
+    from benchmarks.common import environment
 
     args = parse_args(argv)
     copy_bps, flops = copy_bandwidth(args.device), matmul_rate(args.device)

@@ -25,7 +25,7 @@ B <= 64, large-T list for 16 <= B <= 256, prefill list above) and
 the dense loop on bf16 weights, each fused output checked against the torch
 reference first (compile errors and wrong outputs recorded, not fatal; a candidate
 past ``--budget`` seconds is recorded as skipped). Writes
-``benchmarks/results/moe_sweep_h200.json`` (and ``$OUT/moe_sweep.json``; ``MOE_SWEEP_TAG``
+benchmarks/results/moe_sweep_h200.json (and ``$OUT/moe_sweep.json``; ``MOE_SWEEP_TAG``
 is appended to both names) and prints
 ``INSTALL`` lines: the fastest config per (bucket, format) for ``moe.TABLE``, ``LOOP``
 for bf16 where the loop beat it.

@@ -59,9 +59,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_e2e import _free, _StepClock, latency, make_prompts, save_model
+from benchmarks.bench_e2e import _free, _StepClock, latency, make_prompts, save_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 MIN_FIRST_TOKEN_AGREEMENT = 0.9  # bf16: below this the cache is wrong, not rounding
@@ -111,7 +110,8 @@ def save_hybrid(path: Path, args) -> None:
     """``bench_hybrid.py``'s Qwen3.5-shaped config, 4 layers and a 32k vocab
     (``--tiny``: its few-KB twin), random init (seed 0), saved to ``path``."""
     import transformers as tf
-    from bench_hybrid import hf_config
+
+    from benchmarks.bench_hybrid import hf_config
 
     config = hf_config("qwen3_5", args.tiny)
     if not args.tiny:

@@ -32,13 +32,13 @@ whose reusable prefix is longer than the window (128; 0 for Llama), plus that hi
 as a share of the ideal (whole pages of the reusable prefix).
 
 Usage: ``python benchmarks/bench_prefix_sim.py [--quick]`` ->
-``benchmarks/results/prefix_sim_cpu.json`` and ``docs/prefix_hit_rate.png``.
+benchmarks/results/prefix_sim_cpu.json (the last committed one at a3ee091) and ``docs/prefix_hit_rate.png``.
 
 ``--compare-vllm``: a policy-level model of unikv's prefix cache against vLLM's hybrid
 "align" mode (and its shared-prefix checkpoint) at equal memory, Qwen3.5, NemotronH
 and gpt-oss shapes, chat / system prompt / few-shot with branching / agentic 8k-32k
 workloads (issue 41, item 5; the comment above ``SIM_MODELS``) ->
-``benchmarks/results/prefix_sim_vs_vllm_align.json``.
+benchmarks/results/prefix_sim_vs_vllm_align.json (the last committed one at a3ee091).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Pictures from the saved benchmark results (matplotlib, PNG under ``docs/``).
 
 - ``docs/decode_sweep.png``: the decode-kernel sweep against its peers
-  (``benchmarks/results/kernels_h200.json``): effective TB/s of unikv (CUDA
+  (benchmarks/results/kernels_h200.json, written by
+  ``benchmarks/bench_kernels.py``; the last committed one is at a3ee091): effective TB/s of unikv (CUDA
   graph replay where measured, else do_bench), torch SDPA on contiguous KV,
   FlashInfer paged and FlexAttention, per (B x L) shape and page size, with
   the device-copy ceiling measured in the same run.

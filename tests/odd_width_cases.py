@@ -18,14 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from engine_fixtures import save_tiny_deepseek, save_tiny_model
 
 CASES = {

@@ -27,9 +27,6 @@ import json
 import math
 import re
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DTYPES = {"fp32": 4, "bf16": 2}
 

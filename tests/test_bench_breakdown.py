@@ -1,16 +1,14 @@
 """bench_breakdown's prefill phase: its GEMM FLOPs against the model's own Linear
 weights, and the profile plumbing end to end on CPU (tiny models)."""
 
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_breakdown as bd
-import bench_e2e as e2e
+from benchmarks import bench_breakdown as bd
+from benchmarks import bench_e2e as e2e
 
 
 def _linear_params(model: torch.nn.Module) -> tuple[int, int]:

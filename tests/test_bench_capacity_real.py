@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_capacity_real as bench
-from capacity_models import SCHEME_RULES, static_shares
-
+from benchmarks import bench_capacity_real as bench
+from benchmarks.capacity_models import SCHEME_RULES, static_shares
 from unikv.hf_config import model_specs_from_hf_config
 from unikv.pool import UnifiedPool
 

@@ -6,18 +6,14 @@ spill row (cached pages through the host tier and back, byte counts of both)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from engine_fixtures import one_thread  # noqa: F401  (a fixture)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
 
 @pytest.mark.usefixtures("one_thread")
 def test_tiny_bench_prefix_runs_exact_and_hits(tmp_path):
-    import bench_prefix
+    from benchmarks import bench_prefix
 
     out = tmp_path / "prefix.json"
     argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--out", str(out)]

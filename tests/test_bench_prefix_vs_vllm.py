@@ -3,14 +3,9 @@ sizes, with hand-derived expectations of the two policies' rules."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_prefix_sim as sim
+from benchmarks import bench_prefix_sim as sim
 
 HYBRID = sim.Shape("hybrid", full=1000, swa=0, window=0, state=100_000)  # 100 tokens/state
 SWA = sim.Shape("swa", full=1000, swa=1000, window=40, state=0)

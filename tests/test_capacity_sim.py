@@ -13,18 +13,13 @@ the presets; and the meta-buffer runs against runs over real CPU buffers.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import bench_capacity as bc
-import capacity_models as cm
-
+from benchmarks import bench_capacity as bc
+from benchmarks import capacity_models as cm
 from unikv.hf_config import model_specs_from_hf_config
 from unikv.pool import SubPoolConfig
 from unikv.specs import MambaSpec, MHASpec, StatePart

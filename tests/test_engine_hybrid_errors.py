@@ -1,7 +1,6 @@
 """Bad input to the engine on hybrid models gets a clear error, and state stays
-unchanged: a budget too small for one request's state slot, tensor parallelism
-(not sharded for recurrent layers yet), a layer pattern the config does not
-define."""
+unchanged: a budget too small for one request's state slot, a tensor-parallel size
+the recurrent heads do not split, a layer pattern the config does not define."""
 
 from __future__ import annotations
 
@@ -35,12 +34,13 @@ def test_budget_below_one_state_slot_names_the_state(qwen35):
         LLM(qwen35, kv_cache_bytes=budget, max_model_len=64, page_size=16)
 
 
-def test_tensor_parallel_refused_for_recurrent_state(qwen35):
+def test_tensor_parallel_refused_where_the_recurrent_heads_do_not_split(qwen35):
+    """The recurrent state is sharded by heads (``tests/test_tp_recurrent.py``): TP 2
+    splits 4 value / 2 key heads, TP 3 splits neither and is refused naming them."""
     config, _ = load_model_config(qwen35)
-    with pytest.raises(
-        ValueError, match=r"not implemented for the .qwen3_5. family.*tp_group=None"
-    ):
-        check_tp_config(config, 2)
+    check_tp_config(config, 2)
+    with pytest.raises(ValueError, match=r"tensor parallelism of 3 needs .*linear_num_value_heads"):
+        check_tp_config(config, 3)
 
 
 def test_layer_pattern_the_config_does_not_define(qwen35, tmp_path):

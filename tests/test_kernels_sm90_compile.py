@@ -20,9 +20,8 @@ import pytest
 from unikv.kernels import moe, moe_hopper
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import aot_sm90
+from benchmarks import aot_sm90
 
 pytestmark = pytest.mark.skipif(not os.path.exists(aot_sm90.PTXAS), reason="needs Triton's ptxas")
 

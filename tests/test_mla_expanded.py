@@ -17,7 +17,7 @@ form (the runner's ExtendAttention replaced by one with ``mla_form`` set):
 - the rule on DeepSeek-V3's widths: decode-like steps and small chunks over long
   contexts absorb, large prefills expand, the memory cap holds, and its predicted
   absorbed / expanded ratio at the H200 anchor shape is the measured one
-  (benchmarks/results/mla_h200.json);
+  (benchmarks/results/mla_prefill_h200.json);
 - on a CUDA GPU (``-m gpu``): fp32 greedy tokens of a V3 at DeepSeek's MLA widths
   (rank 512, rope 64, nope 128, v 128) with each form forced, on the Triton kernels.
 """
@@ -57,8 +57,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT_LENS = [5, 17, 33, 60]
 NEW_TOKENS = 24
 V3 = {"heads": 128, "rank": 512, "rope": 64, "nope": 128, "v_dim": 128}
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "mla_h200.json"
-PREFILL_RESULTS = RESULTS.with_name("mla_prefill_h200.json")
+PREFILL_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/mla_prefill_h200.json"
 
 
 @pytest.fixture(scope="module", params=[2, 3])

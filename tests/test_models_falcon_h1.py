@@ -13,6 +13,7 @@ clamp that binds. Tolerance: fp32, max abs error 1e-4.
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -75,8 +76,8 @@ def test_bad_configs_raise(tmp_path):
 
     save_tiny_falcon_h1(str(tmp_path))
     config, _ = load_model_config(str(tmp_path))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        FalconH1ForCausalLM(config, 64, tp=object())
+    with pytest.raises(ValueError, match="tensor parallelism of 4.*num_key_value_heads"):
+        FalconH1ForCausalLM(config, 64, tp=types.SimpleNamespace(size=4, rank=0))
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "hidden_act": "gelu"}))
     with pytest.raises(ValueError, match="hidden_act"):

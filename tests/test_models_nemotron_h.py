@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 
 import pytest
 import torch
@@ -108,8 +109,8 @@ def test_bad_configs_raise(tmp_path):
 
     save_nemotron(str(tmp_path), PATTERNS["hybrid"])
     config, _ = load_model_config(str(tmp_path))
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        NemotronHForCausalLM(config, 64, tp=object())
+    with pytest.raises(ValueError, match="tensor parallelism of 4.*mamba_num_heads"):
+        NemotronHForCausalLM(config, 64, tp=types.SimpleNamespace(size=4, rank=0))
     _edit_config(tmp_path, mlp_hidden_act="gelu")
     with pytest.raises(ValueError, match="mlp_hidden_act"):
         load_model(str(tmp_path))

@@ -18,6 +18,7 @@ by up to ~3e-5.
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -162,12 +163,14 @@ def test_odd_rotary_dim_raises():
         rope_inv_freq(config.rope_parameters, 24, 64)
 
 
-def test_tensor_parallel_is_refused():
+def test_tensor_parallel_size_the_heads_do_not_split_is_refused():
+    """Qwen3.5 shards (``tests/test_tp_recurrent.py``); a size its 4 value heads do not
+    split is refused at construction, naming the field."""
     config = model_config_from_hf(
         tiny_hybrid_config("qwen3_5", architectures=["Qwen3_5ForCausalLM"])
     )
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        Qwen3_5ForCausalLM(config, 64, tp=object())
+    with pytest.raises(ValueError, match="tensor parallelism of 3.*linear_num_value_heads"):
+        Qwen3_5ForCausalLM(config, 64, tp=types.SimpleNamespace(size=3, rank=0))
 
 
 def test_value_heads_not_a_multiple_of_key_heads_raise():

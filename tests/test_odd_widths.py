@@ -41,6 +41,9 @@ PTXAS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bi
 def test_cache_readers_load_no_wider_than_their_strides_allow(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE.parent), env.get("PYTHONPATH", "")]
+    )  # this tree's unikv
     run = subprocess.run([sys.executable, str(HERE / "ptx_alignment.py"), "all"], env=env,
                          capture_output=True, text=True, timeout=1200, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

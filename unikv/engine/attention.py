@@ -29,7 +29,7 @@ requests), and N = B * Lmax gathered rows:
     expanded = 2N rank (nope + v)    + 2P (nope + rope + v)  up-projection + attention
 
 S = ``ABSORBED_SLOWDOWN`` = 2.5, fitted to ``benchmarks/bench_mla_prefill.py`` on the
-H200 (cac53ea, ``benchmarks/results/mla_prefill_h200.json``; DeepSeek-V3's layer, 128
+H200 (docs/perf.md, ``benchmarks/results/mla_prefill_h200.json``; DeepSeek-V3's layer, 128
 heads, bf16, both forms through unikv's kernels): the absorbed MLA kernel ran at 83-96
 TFLOP/s, the expanded gather + GEMM + extend kernel at 175-225, and at 8 x (4k cached +
 n new) the measured time ratio crossed 1 between n = 32 (absorbed 1.57x faster) and

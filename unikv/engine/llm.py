@@ -221,8 +221,8 @@ class LLM:
         self.eos_token_ids = merged_eos(self.config, model_dir, self.tokenizer)
         configs = specs_from_hf_config(hf_config, page_size=page_size, dtype=self.dtype)
         configs = fp8_kv_configs(configs, self.kv_cache_dtype)
-        if self.tp is not None:  # each rank caches its own KV heads
-            configs = shard_subpool_configs(configs, self.tp.size)
+        if self.tp is not None:  # each rank caches its own KV heads and recurrent heads
+            configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
         check_speculation(self.speculative_config, configs, tp_group)
         draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
         configs = configs + draft

@@ -5,7 +5,7 @@ sets), and that load may wait for the device to drain. cuBLAS picks its kernel
 by the problem's shape, so the first step with a row count no earlier step had
 can launch a kernel not loaded yet: its launch then blocks the host until the
 device is idle, and the host's lead over the device is lost. On the H200 the
-e2e's prefill showed it (``profile_engine.py --timeline --layers``, 76019ce):
+e2e's prefill showed it (``profile_engine.py --timeline --layers``; docs/perf.md):
 ``lm_head``'s launch took 14-35 ms of host time in the three steps where the
 logits rows first grew past about 190, and the first layer's GEMMs 13 ms in the
 last, shorter chunk; the device then idled 11-12 ms before each next step.
@@ -19,7 +19,7 @@ the rows): the timeline is the check.
 
 ``warm_sampling`` runs the backend's greedy argmax once over a full batch of
 logits, so its Triton kernels compile at start-up rather than in the first
-decode step (bfb5ca1's gpt-oss e2e compiled them inside the timed run: 0.25 s,
+decode step (gpt-oss's e2e once compiled them inside the timed run, docs/perf.md: 0.25 s,
 about 0.2 s of the run's wall; the argmax kernels no longer specialise on the
 row count since).
 """

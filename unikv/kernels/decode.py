@@ -46,10 +46,10 @@ CTAS_PER_SM = 4  # split until about this many programs per SM ...
 NO_SPLIT_PROGRAMS_PER_SM = 2  # ... unless (B * H_kv) already gives this many per SM
 # (block_n, num_warps, num_stages) per head_dim, or per (head_dim, page_size) where that
 # differs; loops of LONG_LOOP_TILES or more tiles use LONG_LOOP_STAGES. Tuned on the
-# H200 (benchmarks/sweep_kernels.py, results in benchmarks/results/).
+# H200 (benchmarks/sweep_kernels.py; docs/perf.md).
 CONFIGS = {64: (64, 4, 2), 128: (64, 4, 2), 256: (32, 4, 2)}
 # without splits (a large batch): the e2e's decode batch at head dim 64 (B 256, 512-767
-# keys, page 16; bench_decode_ops.py, 76019ce) ran 128-key tiles 1.03x faster than 64
+# keys, page 16; bench_decode_ops.py, docs/perf.md) ran 128-key tiles 1.03x faster than 64
 NO_SPLIT_CONFIGS = {64: (128, 4, 2)}
 LONG_LOOP_TILES = 32
 LONG_LOOP_STAGES = 3
@@ -481,7 +481,7 @@ def decode_attention(
         PRELOAD=bool(preload),
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion
-        # on, the H200 fused bf16's narrowed multiply-add: 19f546b's GPU test)
+        # on, the H200 fused bf16's narrowed multiply-add: a GPU test, docs/perf.md)
         enable_fp_fusion=rope is None,
         **pdl.launch_options(on),
     )

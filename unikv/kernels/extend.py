@@ -32,10 +32,10 @@ from unikv.kernels._checks import next_pow2, out_buffer, view_strides
 from unikv.kernels.extend_fresh import extend_attention_fresh
 
 # (block_m, block_n, num_warps, num_stages) per head_dim; tuned on the H200
-# (benchmarks/bench_extend_long.py sweeps CANDIDATES and prints the pick; head_dim 64 at
-# 707e5f6 over 16 x 512 fresh, 1 x 8k fresh and 8 x (512 + 512): 1.22x SDPA geomean,
-# 1.10x the 128-row tile before, ``extend_long_h200_d64.json``; inside Llama-3.2-1B's
-# mixed prefill steps, decode rows with continued chunks: 1.85x, ``logs/last_0216013/``)
+# (benchmarks/bench_extend_long.py sweeps CANDIDATES and prints the pick; head_dim 64
+# over 16 x 512 fresh, 1 x 8k fresh and 8 x (512 + 512): 1.22x SDPA geomean, 1.10x the
+# 128-row tile before; inside Llama-3.2-1B's mixed prefill steps, decode rows with
+# continued chunks: 1.85x; the runs: docs/perf.md)
 CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 3), 256: (64, 32, 4, 2)}
 CANDIDATES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3)]
 

@@ -33,9 +33,9 @@ except ImportError:  # Triton without host tensor descriptors: tma_ok never hold
 
 # (block_m, block_n, num_warps, num_stages, tma) per head_dim; the H200 pick comes
 # from benchmarks/bench_extend_long.py (its "install" lines). head_dim 64 takes the best
-# pointer-load tile of the 707e5f6 sweep (``extend_long_h200_d64.json``: 64 rows, 1.07x
-# the 128-row tile): TMA was 1.16x alone but 1.02x inside Llama-3.2-1B's prefill steps
-# (``logs/last_0216013/``), whose e2e then ran slower (not explained: another lease, no
+# pointer-load tile of that sweep (docs/perf.md: 64 rows, 1.07x the 128-row tile):
+# TMA was 1.16x alone but 1.02x inside Llama-3.2-1B's prefill steps, whose e2e then
+# ran slower (not explained: another lease, no
 # same-run control)
 CONFIGS = {64: (64, 64, 4, 3, False), 128: (128, 128, 8, 3, True), 256: (64, 32, 4, 2, False)}
 # what bench_extend_long.py sweeps (at any --dim; a failing tile is recorded, not picked)

@@ -49,7 +49,7 @@ CONSUMER_REGS = gl.constexpr(240)  # each consumer warpgroup's registers (setmax
 PRODUCER_REGS = gl.constexpr(24)
 MAXNREG = 168  # the launch's: 12 warps x 168 <= 64k; the split above fits the same file
 # the shortest prompt a step hands this kernel, by head dim; shorter steps keep the
-# Triton kernel (H200, one lease, the kernels' device time, 32c471c against Triton's
+# Triton kernel (H200, one lease, the kernels' device time, docs/perf.md, against Triton's
 # installed tile): D 128 1.12-1.31x from 1 x 2048 to 16 x 1024 and 4 x 1000; D 64 1.06x at
 # 1 x 8192 but 0.71-0.93x from 16 x 512 to 4 x 2048 (the softmax's exponentials, the same
 # per tile at either D, outweigh half the MMA there)

@@ -17,7 +17,7 @@ prefill to FlashAttention; everything else keeps the Triton kernels:
 
 All of it is host knowledge (dtypes, shapes, host ints): no sync. SDPA's fused
 backends take 4-D inputs only: it gets (1, heads, T, D) views of the rows (3-D ones
-ran its math path, 199 ms at 16k, 3fa3841), with ``enable_gqa`` over the KV heads
+ran its math path, 199 ms at 16k, docs/perf.md), with ``enable_gqa`` over the KV heads
 (``REPEAT_KV``: repeated first instead).
 
 **Off by default** (``UNIKV_EXTEND_SDPA=1`` turns it on; fixed at import). torch's
@@ -45,7 +45,7 @@ DIMS = (64, 128)  # head dims cuDNN's fused attention takes on sm_90 (and the en
 MIN_TOKENS = 1  # faster than the Triton kernel at both lengths benchmarked, 4k and 16k
 # SDPA's enable_gqa over the KV heads as they are (cuDNN takes it), or the KV heads
 # repeated over their query heads first (UNIKV_EXTEND_SDPA_GQA=repeat; fixed at import,
-# the A/B switch): 3.55 against 3.62 ms at 16k, 0.257 against 0.330 at 4k (5ff46ff)
+# the A/B switch): 3.55 against 3.62 ms at 16k, 0.257 against 0.330 at 4k (docs/perf.md)
 REPEAT_KV = FLAGS.extend_sdpa_gqa == "repeat"
 
 

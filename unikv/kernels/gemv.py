@@ -12,7 +12,7 @@ loads it: SwiGLU fused into the down projection. With NORM the input is a pre-no
 with programmatic dependent launch (``kernels/pdl.py``): it may start while the kernel
 before it drains, waits before its first load, and lets the next kernel launch once
 its K loop is done. (Loading the first one or two weight tiles before the wait lost on
-the H200: one request's ITL 0.978 / 0.965 ms against 0.906, 19f546b; removed.)
+the H200: one request's ITL 0.978 / 0.965 ms against 0.906, docs/perf.md; removed.)
 
     grid (cdiv(N, BLOCK_N),)   program n: y[:, n * BLOCK_N : (n + 1) * BLOCK_N]
 
@@ -67,7 +67,7 @@ CANDIDATES = [
     (4, 512, 2, 4),
     (2, 1024, 4, 3),
     (16, 512, 8, 4),
-    # around the first chain sweep's picks (a11af81)
+    # around the first chain sweep's picks (docs/perf.md)
     (4, 1024, 4, 4),
     (4, 2048, 4, 2),
     (4, 1024, 8, 3),
@@ -83,7 +83,7 @@ CANDIDATES = [
 # --chain-sweep); other shapes take CONFIG. UNIKV_GEMV_TABLE='{"N,K": [cfg], ...}'
 # replaces it (fixed at import: the A/B switch).
 TABLE: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (16384, 2048): (16, 256, 4, 3),  # Llama-3.2-1B's gate/up: chain 1.027x CONFIG's (a11af81)
+    (16384, 2048): (16, 256, 4, 3),  # Llama-3.2-1B's gate/up: chain 1.027x CONFIG's (docs/perf.md)
     (2048, 8192): (4, 1024, 4, 3),  # its down (SwiGLU inside): 1.035x
 }
 

@@ -72,9 +72,8 @@ CONFIGS = {
 }
 # sm90, 16-bit queries: (heads bucket, page bucket) -> config, installed from H200 sweeps
 # (``benchmarks/bench_mla_decode.py --sweep``; B 1-128 x 1k-32k at page 64 and B 32 x 8k
-# at page 1). 128 heads at 89e80c5 (``mla_decode_sweep_h200.json``): 1.19-1.39x the split
-# kernel (wide128) on every shape. 64 and 16 heads at cac53ea
-# (``mla_decode_sweep_h200_64_16.json``): 64 heads 1.02-2.30x wide64, 16 heads
+# at page 1; the runs: docs/perf.md). 128 heads: 1.19-1.39x the split kernel (wide128)
+# on every shape. 64 and 16 heads: 64 heads 1.02-2.30x wide64, 16 heads
 # 1.00-1.67x narrow90 (narrow90 stays fastest at B 1 x 8k only, by 0.4 %). Page 16 was
 # not swept: it takes page 1's pick (tiles across pages, each key's entry looked up).
 TABLE = {

@@ -42,7 +42,7 @@ INTERPRETED = FLAGS.triton_interpret  # fixed at import
 # MXFP4 decode (``moe_triton``'s docstring): 1 the two-halves decode, 2 the interleaved
 # one before it; "table" (the default, 0): as each Config's ``interleave`` says (the
 # two halves at 1-256 tokens, interleaved for prefill chunks, where it ran 1.13-1.23x
-# the halves in 6d30bb3's same-run A/B); ``UNIKV_MXFP4_DECODE=halves`` or
+# the halves in a same-run A/B, docs/perf.md); ``UNIKV_MXFP4_DECODE=halves`` or
 # ``=interleave`` forces one everywhere (the A/B)
 MXFP4_DECODES = {"table": 0, "halves": 1, "interleave": 2}
 _decode = FLAGS.mxfp4_decode  # validated by unikv.env
@@ -64,7 +64,7 @@ class Config(NamedTuple):
     and K per tile (block_k a multiple of 32, the MXFP4 group), K slices (> 1: fp32
     atomics, not bit-deterministic), warps, pipeline stages; swap: the transposed
     product, the output features as the MMA's M rows (for few rows an expert; in the
-    table at 8-64 tokens since 92dff99's sweep); interleave: MXFP4 tiles through the
+    table at 8-64 tokens since a sweep, docs/perf.md); interleave: MXFP4 tiles through the
     interleaved decode instead of the two halves (``MXFP4_DECODES``)."""
 
     block_m: int
@@ -131,33 +131,31 @@ CANDIDATES = {
     ),
 }
 # 16-bit activations: (bucket, mxfp4) -> Config or LOOP, installed from H200 sweeps
-# (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines), gpt-oss's expert shape:
-# 89e80c5 (``moe_sweep_h200.json``), then 92dff99 with swapped-operand candidates
-# (``moe_sweep_h200_92dff99.json``): swap wins at 8-64 tokens (1.04-1.08x the entry
-# before); an integer MXFP4 decode swept then ran 0.6-0.9x and was removed. The kernel beat
-# the dense loop at every bucket (2.6-2.9x on bf16 experts at decode, 4.7-7.9x at
-# 2048-token prefill chunks), so no entry is LOOP today; the dense loop stays the
-# rule's other arm. Times: 92dff99's sweep, except 256 tokens and up: d3af9f3's
-# (``moe_sweep_h200_B256_2048_8192.json``), dense experts stored K-contiguous, as gpt-oss
-# now loads them (1.24-1.90x the N-major storage's best tile); 8192 is the engine's
-# prefill chunk; bf16 below 256 tokens: 760d23a's (``moe_sweep_h200_B1_8_16_64.json``),
-# 1-7 % over the entries before, timed on the same layout. MXFP4 at 1-256 tokens: the
-# two-halves decode's sweep at 60d445b (``logs/mx12b_60d445b/``).
+# (``benchmarks/bench_moe.py --sweep`` prints INSTALL lines), gpt-oss's expert shape;
+# the sweeps, by commit, with each entry's time: docs/perf.md. Swapped operands win at
+# 8-64 tokens (1.04-1.08x the entry before); an integer MXFP4 decode swept then ran
+# 0.6-0.9x and was removed. The kernel beat the dense loop at every bucket (2.6-2.9x on
+# bf16 experts at decode, 4.7-7.9x at 2048-token prefill chunks), so no entry is LOOP
+# today; the dense loop stays the rule's other arm. From 256 tokens up, dense experts
+# are stored K-contiguous, as gpt-oss now loads them (1.24-1.90x the N-major storage's
+# best tile); 8192 is the engine's prefill chunk; bf16 below 256 tokens: 1-7 % over the
+# entries before, timed on the same layout. MXFP4 at 1-256 tokens: the two-halves
+# decode's own sweep. Per entry: its time and fraction of the roofline.
 TABLE: dict[tuple[int, bool], Config | None] = {
-    (1, True): Config(16, 32, 128, 1, 4, 4),  # 93.0 us, 13.7 % of roofline (60d445b)
-    (1, False): Config(16, 32, 128, 1, 4, 4),  # 123.2 us, 38.9 % (760d23a, K-major)
-    (8, True): Config(16, 64, 64, 1, 4, 3),  # 320.0 us, 24.0 % (60d445b)
-    (8, False): Config(16, 128, 128, 1, 8, 3, True),  # 301.7 us, 75.6 % (760d23a, K-major)
-    (16, True): Config(32, 64, 64, 1, 4, 3, True),  # 329.9 us, 28.1 % (60d445b)
-    (16, False): Config(16, 64, 128, 1, 4, 3, True),  # 412.2 us, 84.4 % (760d23a, K-major)
-    (64, True): Config(0, 64, 64, 1, 4, 4, True),  # 362.8 us, 28.2 % (60d445b)
-    (64, False): Config(16, 64, 128, 1, 4, 3, True),  # 473.2 us, 81.2 % (760d23a; 505.0 before)
-    (256, True): Config(64, 64, 64, 1, 4, 3),  # 511.9 us, 20.1 % (6d30bb3; interleaved 594.3)
-    (256, False): Config(64, 64, 64, 1, 4, 3),  # 508.9 us, 75.8 % (d3af9f3; 632.4 N-major)
-    (2048, True): Config(128, 64, 64, 1, 4, 3, interleave=True),  # 2202.2 us, 4.9 % (6d30bb3)
-    (2048, False): Config(128, 128, 64, 1, 8, 3),  # 1194.0 us (d3af9f3; 2060.4 N-major)
-    (8192, True): Config(128, 64, 64, 1, 4, 3, interleave=True),  # 6949.3 us (6d30bb3)
-    (8192, False): Config(128, 128, 64, 1, 8, 4),  # 3681.3 us, 57 % of the matmul rate (d3af9f3)
+    (1, True): Config(16, 32, 128, 1, 4, 4),  # 93.0 us, 13.7 % of roofline
+    (1, False): Config(16, 32, 128, 1, 4, 4),  # 123.2 us, 38.9 % (K-major)
+    (8, True): Config(16, 64, 64, 1, 4, 3),  # 320.0 us, 24.0 %
+    (8, False): Config(16, 128, 128, 1, 8, 3, True),  # 301.7 us, 75.6 % (K-major)
+    (16, True): Config(32, 64, 64, 1, 4, 3, True),  # 329.9 us, 28.1 %
+    (16, False): Config(16, 64, 128, 1, 4, 3, True),  # 412.2 us, 84.4 % (K-major)
+    (64, True): Config(0, 64, 64, 1, 4, 4, True),  # 362.8 us, 28.2 %
+    (64, False): Config(16, 64, 128, 1, 4, 3, True),  # 473.2 us, 81.2 % (505.0 before)
+    (256, True): Config(64, 64, 64, 1, 4, 3),  # 511.9 us, 20.1 % (interleaved 594.3)
+    (256, False): Config(64, 64, 64, 1, 4, 3),  # 508.9 us, 75.8 % (632.4 N-major)
+    (2048, True): Config(128, 64, 64, 1, 4, 3, interleave=True),  # 2202.2 us, 4.9 %
+    (2048, False): Config(128, 128, 64, 1, 8, 3),  # 1194.0 us (2060.4 N-major)
+    (8192, True): Config(128, 64, 64, 1, 4, 3, interleave=True),  # 6949.3 us
+    (8192, False): Config(128, 128, 64, 1, 8, 4),  # 3681.3 us, 57 % of the matmul rate
 }
 KERNEL_FOR_LOOP = TABLE[256, False]  # ``fused_moe`` where the table says LOOP
 
@@ -193,7 +191,7 @@ def block_m_for(num_assign: int, num_experts: int) -> int:
 
 # the one-program Triton alignment takes steps with M * next_pow2(E) <= this (its one-hot
 # work): gpt-oss at B 256 (1,024 x 32) ran in 14 us against about 62 for the torch form
-# (bfb5ca1); 4x that work is about where the two would meet, if the time scales with it
+# (docs/perf.md); 4x that work is about where the two would meet, if the time scales with it
 ALIGN_KERNEL_MAX_WORK = 1 << 17
 
 

@@ -8,7 +8,7 @@ the expert of each BLOCK_M rows, -1 past the last used block.
 
 The torch form is about twenty launches a layer (a stable radix sort, scatters,
 scans, searchsorted): 0.25 of gpt-oss's 2.86 ms decode step at B 256 on the H200
-(e7b9019's breakdown). Here one program walks the assignments twice, CHUNK at a
+(a breakdown, docs/perf.md). Here one program walks the assignments twice, CHUNK at a
 time, over a (CHUNK, E) one-hot of their experts:
 
     pass 1  counts per expert -> padded run lengths -> run starts (a cumsum over E);

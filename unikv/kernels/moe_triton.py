@@ -38,7 +38,7 @@ both nibbles unpacked and interleaved, a code becoming fp16 bits
 ``s << 15 | e1 e0 m << 9`` (the value times 2^-14) scaled in fp32 by 2^(scale - 113).
 (An integer decode straight into bf16, the nibbles dotted against the even and odd K
 columns of the A tile loaded with stride 2, ran 0.6-0.9x the interleaved one at every
-bucket on the H200, 92dff99's sweep, and was removed.)
+bucket on the H200 (docs/perf.md) and was removed.)
 """
 
 from __future__ import annotations

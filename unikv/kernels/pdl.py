@@ -17,11 +17,11 @@ one contract, in each of its programs:
     3. ``trigger`` (``gdc_launch_dependents``) only after ``wait``, once the program
        has issued its long work: the next kernel's programs then launch, do their
        step 1 and wait. A trigger before the wait would let every later kernel's
-       programs occupy the SMs waiting (measured at 20ac1b1: GEMMs 1.44 ms).
+       programs occupy the SMs waiting (measured, docs/perf.md: GEMMs 1.44 ms).
 
 A program that never triggers triggers when it exits. ``UNIKV_PDL=0`` launches
 everything plainly and ``UNIKV_PDL_TRIGGER=0`` drops the early triggers (both fixed at
-import: the A/B switches). One request's ITL on the H200 (d3e964b, one run): 0.983 ms
+import: the A/B switches). One request's ITL on the H200 (one run, docs/perf.md): 0.983 ms
 plain, 0.919 waiting only, 0.907 with the triggers. Asking L2 for each GEMV program's
 first 2048 weight columns before the wait (``prefetch.global.L2``) made it 1.016 ms,
 1.035 without the triggers, and was removed.

@@ -38,7 +38,7 @@ from torch import nn
 from unikv.kernels.backend import KernelBackend, building, resolve_feedback
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
-from unikv.models.parallel import refuse_tp
+from unikv.models.parallel import check_tp_config, refuse_tp
 from unikv.models.rope import Rotary
 
 
@@ -214,9 +214,12 @@ class DecoderLM(nn.Module):
     # -- the family's part ---------------------------------------------------------
 
     def check(self, config: ModelConfig, tp) -> None:
-        """ValueError for what the family cannot run (before anything is built)."""
+        """ValueError for what the family cannot run (before anything is built): tp
+        where the family does not shard, or a tp size its head counts refuse."""
         if not self.tensor_parallel:
             refuse_tp(config, tp)
+        elif tp is not None:
+            check_tp_config(config, tp.size)
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> Backbone:
         raise NotImplementedError

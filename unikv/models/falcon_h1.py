@@ -27,8 +27,9 @@ from torch import nn
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, as_float
-from unikv.models.layers import Attention, Linear, RMSNorm
+from unikv.models.layers import Attention, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from unikv.models.parallel import linear_layers, partial_row, tp_size
 from unikv.models.rope import Rotary
 
 # FalconH1Config fields copied into ModelConfig.extra (name -> default)
@@ -84,20 +85,22 @@ def mamba_dims(cfg: Fields) -> Mamba2Dims:
         norm=bool(cfg.get("mamba_rms_norm", False)),
         norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
         norm_weight_in_fp32=True,
+        fields=("mamba_n_heads", "mamba_n_groups"),
     )
 
 
 class FalconMixer(Mamba2Mixer):
     """The Mamba-2 mixer with Falcon-H1's input multiplier and muP projection scale."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
-        super().__init__(config.state_dims, layer)
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
+        super().__init__(config.state_dims, layer, tp)
         self.in_multiplier = config.extra["ssm_in_multiplier"]
         self.register_buffer("mup_vector", torch.ones(self.in_proj.out_features), persistent=False)
 
     def build(self, multipliers: tuple[float, ...]) -> None:
         """Fill ``mup_vector`` (I + C + H,): [z (I) | x (I) | B (G N) | C (G N) | dt (H)]
-        scaled by ``multipliers[0..4]`` (transformers' compute_mup_vector)."""
+        scaled by ``multipliers[0..4]`` (transformers' compute_mup_vector); under tp
+        the rank's own widths (``dims`` are its share)."""
         d = self.dims
         inner, gn = d.intermediate_size, d.n_groups * d.state_size
         sizes = [inner, inner, gn, gn, d.num_heads]
@@ -109,10 +112,11 @@ class FalconMixer(Mamba2Mixer):
 
 
 class KeyScaledAttention(Attention):
-    """Rope attention with keys scaled by ``key_multiplier`` after k_proj."""
+    """Rope attention with keys scaled by ``key_multiplier`` after k_proj (under ``tp``
+    this rank's heads, as ``layers.Attention``)."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
-        super().__init__(config, layer, rotary)
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
+        super().__init__(config, layer, rotary, tp)
         self.key_multiplier = config.extra["key_multiplier"]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -127,14 +131,17 @@ class KeyScaledAttention(Attention):
 
 
 class ScaledMLP(nn.Module):
-    """``down(up(x) * silu(gate(x) * m_gate)) * m_down``."""
+    """``down(up(x) * silu(gate(x) * m_gate)) * m_down`` (under ``tp``: gate and up
+    column-parallel, down row-parallel)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, bool(config.extra["mlp_bias"])
-        self.gate_proj = Linear(h, i, bias=bias)
-        self.up_proj = Linear(h, i, bias=bias)
-        self.down_proj = Linear(i, h, bias=bias)
+        h, bias = config.hidden_size, bool(config.extra["mlp_bias"])
+        i = config.intermediate_size // tp_size(tp)
+        column, row = linear_layers(tp)
+        self.gate_proj = column(h, i, bias=bias)
+        self.up_proj = column(h, i, bias=bias)
+        self.down_proj = row(i, h, bias=bias)
         self.gate_multiplier, self.down_multiplier = config.extra["mlp_multipliers"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,12 +153,16 @@ class DecoderLayer(decoder.DecoderLayer):
     """Mamba-2 and attention side by side behind ``input_layernorm`` (one block whose
     body is ``mix``), then the MLP behind ``pre_ff_layernorm`` (``decoder.Block`` s)."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
         e, eps = config.extra, config.rms_norm_eps
-        self.feed_forward = ScaledMLP(config)
-        self.mamba = FalconMixer(config, layer)
-        self.self_attn = KeyScaledAttention(config, layer, rotary)
+        self.feed_forward = ScaledMLP(config, tp)
+        self.mamba = FalconMixer(config, layer, tp)
+        self.self_attn = KeyScaledAttention(config, layer, rotary, tp)
+        self.tp = tp
+        if tp is not None:  # both mixers' partial sums, scaled and added, reduced once
+            self.mamba.out_proj = partial_row(self.mamba.out_proj, tp)
+            self.self_attn.o_proj = partial_row(self.self_attn.o_proj, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps)
         self.ssm_out = e["ssm_out_multiplier"]
@@ -165,7 +176,7 @@ class DecoderLayer(decoder.DecoderLayer):
         """The mixers' muP-scaled sum on the normed stream h: (T, hidden) -> (T, hidden)."""
         m = self.mamba(h, positions, attn) * self.ssm_out
         a = self.self_attn(h * self.attn_in, positions, attn) * self.attn_out
-        return m + a
+        return m + a if self.tp is None else self.tp.all_reduce(m + a)
 
 
 class FalconH1ForCausalLM(decoder.DecoderLM):
@@ -180,25 +191,24 @@ class FalconH1ForCausalLM(decoder.DecoderLM):
     Args:
         config: ModelConfig with Falcon-H1's fields in ``extra`` (``config_extras``).
         max_positions: length of the rope table.
-        tp: must be None.
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's Mamba-2 heads
+            (and their state), attention heads and MLP columns; the two mixers' sum
+            and the MLP all-reduce once each.
         ops: as ``decoder.DecoderLM``.
     """
 
+    tensor_parallel = True
     scales_embedding = True
     finishes_logits = True
 
     def check(self, config: ModelConfig, tp) -> None:
-        if tp is not None:
-            raise ValueError(
-                "Falcon-H1 runs without tensor parallelism in unikv (its Mamba-2 state is not "
-                "sharded); load it with tp=None"
-            )
+        super().check(config, tp)
         if config.hidden_act != "silu":
             raise ValueError(f"Falcon-H1 hidden_act must be 'silu', got {config.hidden_act!r}")
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rotary = Rotary(config.rope, config.head_dim, max_positions)
-        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm, rotary, ("embed_tokens", "final_layernorm"))
@@ -209,6 +219,12 @@ class FalconH1ForCausalLM(decoder.DecoderLM):
         with torch.no_grad():
             for layer in self.model.layers:
                 layer.mamba.build(self.config.extra["ssm_multipliers"])
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Attention heads, the MLP's columns and ``mamba_n_heads`` (the groups:
+        ``Mamba2Dims.shard``)."""
+        return {**super().tp_dims(config), "mamba_n_heads": config.state_dims.num_heads}
 
     def scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
         return h * self.config.extra["embedding_multiplier"]

@@ -261,8 +261,9 @@ def load_weights(model: DecoderLM, files: list[str], fp8: Fp8Format | None = Non
     experts and the FP8 weights left to dense modules dequantised on the way, the
     latter on the parameter's device in its dtype; under ``model.tp`` each sharded
     tensor narrowed to this rank's slice; a fused parameter is the concatenation
-    of its checkpoint tensors, each narrowed first, so every rank holds its own
-    q|k|v or gate|up rows); raise ValueError naming missing, unexpected or
+    of its checkpoint tensors, each narrowed first (by the part's own entry of the
+    shard plan where it has one, e.g. Gated DeltaNet's [q | k | v] segments), so every
+    rank holds its own q|k|v or gate|up rows); raise ValueError naming missing, unexpected or
     mis-shaped tensors."""
     index = checkpoint_index(files)
     handles = {path: _open_weights(path) for path in files}
@@ -281,8 +282,9 @@ def load_weights(model: DecoderLM, files: list[str], fp8: Fp8Format | None = Non
             for part in wanted[name]:
                 tensors = [_tensor(handles, index[n], n) for n in sources[part]]
                 source = _source_tensor(sources[part], tensors, param, fp8)
-                if name in plan:  # tensor parallelism: this rank's slice
-                    source = shard_tensor(source, plan[name], tp.rank, tp.size, part)
+                spec = plan.get(part, plan.get(name))  # a packed part's own, else its param's
+                if spec is not None:  # tensor parallelism: this rank's slice
+                    source = shard_tensor(source, spec, tp.rank, tp.size, part)
                 parts.append(source)
             source = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tuple(source.shape) != tuple(param.shape):

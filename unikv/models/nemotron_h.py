@@ -27,6 +27,7 @@ from unikv.models.hf import Fields
 from unikv.models.layers import AttentionFn, Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import linear_layers, shard_rows, tp_size
 
 MAMBA, ATTENTION, MLP_TYPE, MOE = "linear_attention", "full_attention", "mlp", "moe"
 LAYER_TYPES = (MAMBA, ATTENTION, MLP_TYPE, MOE)
@@ -83,17 +84,19 @@ def mamba_dims(cfg: Fields) -> Mamba2Dims:
 
 
 class NoRopeAttention(nn.Module):
-    """q/k/v/o projections without bias, no positional embedding, paged attention."""
+    """q/k/v/o projections without bias, no positional embedding, paged attention;
+    under ``tp`` this rank's heads (q/k/v column-parallel, o_proj row-parallel)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
-        hidden, d = config.hidden_size, config.head_dim
+        hidden, d, n = config.hidden_size, config.head_dim, tp_size(tp)
+        column, row = linear_layers(tp)
         self.layer, self.head_dim = layer, d
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.q_proj = Linear(hidden, self.num_heads * d, bias=False)
-        self.k_proj = Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.v_proj = Linear(hidden, self.num_kv_heads * d, bias=False)
-        self.o_proj = Linear(self.num_heads * d, hidden, bias=False)
+        self.num_heads, self.num_kv_heads = config.num_heads // n, config.num_kv_heads // n
+        self.q_proj = column(hidden, self.num_heads * d, bias=False)
+        self.k_proj = column(hidden, self.num_kv_heads * d, bias=False)
+        self.v_proj = column(hidden, self.num_kv_heads * d, bias=False)
+        self.o_proj = row(self.num_heads * d, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """x: (T, hidden); positions: unused (no rope) -> (T, hidden)."""
@@ -106,12 +109,19 @@ class NoRopeAttention(nn.Module):
 
 
 class Relu2MLP(nn.Module):
-    """``down(relu(up(x)) ** 2)`` (NemotronH's MLP and shared expert)."""
+    """``down(relu(up(x)) ** 2)`` (NemotronH's MLP and shared expert); under ``tp`` up
+    column-parallel (still a plain ``Linear``: the pre-norm fuses into it), down
+    row-parallel (one all-reduce)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, tp=None, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        inter = intermediate // tp_size(tp)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        if tp is not None:
+            shard_rows(self.up_proj)
+        self.down_proj = linear_layers(tp, reduce)[1](inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_input(self.up_proj(x))
@@ -162,18 +172,26 @@ class MoE(nn.Module):
     ``shared_experts``; x: (T, hidden) -> (T, hidden). Routed outputs accumulate
     in fp32, expert by expert in index order, as transformers' loop does.
 
-    The routed experts run in the fused MoE (``models/moe.RoutedExperts``)."""
+    The routed experts run in the fused MoE (``models/moe.RoutedExperts``). Under
+    ``tp`` the router and the latent projections are replicated, the routed and shared
+    experts sharded on their intermediate dims; their partial sums are added and
+    all-reduced once (with a latent space: the routed sum before ``fc2_latent_proj``,
+    the shared expert its own)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
         e, hidden = config.extra, config.hidden_size
         latent, bias = e["moe_latent_size"], bool(e["mlp_bias"])
         dim, inter = latent or hidden, e["moe_intermediate_size"]
         self.gate = TopkRouter(config)
+        names = ("up_proj", "down_proj")
         self.experts = RoutedExperts(
-            e["n_routed_experts"], dim, inter, activation="relu2", names=("up_proj", "down_proj")
+            e["n_routed_experts"], dim, inter, activation="relu2", names=names, tp=tp
         )
-        self.shared_experts = Relu2MLP(hidden, e["moe_shared_expert_intermediate_size"], bias)
+        self.tp = tp
+        shared = e["moe_shared_expert_intermediate_size"]
+        # without a latent space the routed and shared partial sums are reduced once
+        self.shared_experts = Relu2MLP(hidden, shared, bias, tp, reduce=latent is not None)
         if latent is not None:
             self.fc1_latent_proj = nn.Linear(hidden, latent, bias=bias)
             self.fc2_latent_proj = nn.Linear(latent, hidden, bias=bias)
@@ -183,37 +201,36 @@ class MoE(nn.Module):
         weights, indices = self.gate(x)
         h = self.fc1_latent_proj(x) if self.latent else x
         h = self.experts(h, weights, indices, sum_dtype=weights.dtype)
-        h = self.fc2_latent_proj(h) if self.latent else h
-        return h + self.shared_experts(x)
+        if self.latent:  # a host bool fixed at construction
+            h = self.fc2_latent_proj(h if self.tp is None else self.tp.all_reduce(h))
+            return h + self.shared_experts(x)  # (its own all-reduce under tp)
+        h = h + self.shared_experts(x)
+        return h if self.tp is None else self.tp.all_reduce(h)
 
 
 class Block(decoder.DecoderLayer):
     """One layer, ``x + mixer(norm(x))`` (one ``decoder.Block``); the mixer is picked
     by the layer's type."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
         e = config.extra
         self.block_type = e["layer_types"][layer]
         self.norm = RMSNorm(config.hidden_size, e["layer_norm_epsilon"])
         if self.block_type == MAMBA:
-            self.mixer = Mamba2Mixer(config.state_dims, layer)
+            self.mixer = Mamba2Mixer(config.state_dims, layer, tp)
         elif self.block_type == ATTENTION:
-            self.mixer = NoRopeAttention(config, layer)
+            self.mixer = NoRopeAttention(config, layer, tp)
         elif self.block_type == MLP_TYPE:
-            self.mixer = Relu2MLP(config.hidden_size, config.intermediate_size, e["mlp_bias"])
+            inter = config.intermediate_size
+            self.mixer = Relu2MLP(config.hidden_size, inter, e["mlp_bias"], tp)
         else:
-            self.mixer = MoE(config)
+            self.mixer = MoE(config, tp)
         mixes = self.block_type in (MAMBA, ATTENTION)  # a host str fixed at construction
         self.blocks = [decoder.Block(self.norm, self.mixer, mixes=mixes)]
 
 
-def _check(config: ModelConfig, tp) -> None:
-    if tp is not None:
-        raise ValueError(
-            "NemotronH runs without tensor parallelism in unikv (its Mamba-2 state is not "
-            "sharded); load it with tp=None"
-        )
+def _check(config: ModelConfig) -> None:
     e = config.extra
     types = e["layer_types"]
     bad = sorted(set(types) - set(LAYER_TYPES))
@@ -244,19 +261,40 @@ class NemotronHForCausalLM(decoder.DecoderLM):
     Args:
         config: ModelConfig with NemotronH's fields in ``extra`` (``config_extras``).
         max_positions: unused (no rope); kept for the registry's signature.
-        tp: must be None.
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's Mamba-2 heads
+            (and their state), attention heads, MLP and expert columns.
         ops: as ``decoder.DecoderLM``.
     """
 
+    tensor_parallel = True
     backbone_name = "backbone"
     # the MoE routers' score-correction biases: transformers keeps them fp32 in every dtype
     fp32_params = ("e_score_correction_bias",)
 
     def check(self, config: ModelConfig, tp) -> None:
-        _check(config, tp)
+        super().check(config, tp)
+        _check(config)
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """The fields of the layer types present: attention heads, ``mamba_num_heads``
+        (the groups: ``Mamba2Dims.shard``), the MLP's and the experts' widths."""
+        e, types = config.extra, set(config.extra["layer_types"])
+        dims = {}
+        if ATTENTION in types:
+            dims["num_attention_heads"] = config.num_heads
+            dims["num_key_value_heads"] = config.num_kv_heads
+        if MAMBA in types:
+            dims["mamba_num_heads"] = config.state_dims.num_heads
+        if MLP_TYPE in types:
+            dims["intermediate_size"] = config.intermediate_size
+        if MOE in types:
+            dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+            dims["moe_shared_expert_intermediate_size"] = e["moe_shared_expert_intermediate_size"]
+        return dims
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
-        layers = [Block(config, i) for i in range(config.num_layers)]
+        layers = [Block(config, i, tp) for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.extra["layer_norm_epsilon"])
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm, names=("embeddings", "norm_f"))

@@ -20,9 +20,29 @@ see the same tokens:
                            rows, or gpt-oss's interleaved gate_up columns with each
                            pair kept together; down_proj columns); the router is
                            replicated, so every rank routes alike; shared experts
-                           (DeepSeek) sharded the same way; the routed and shared
-                           partial sums are added, then ONE all-reduce; a down bias
-                           is added by rank 0 only (``RowParallelLinear(reduce=False)``)
+                           (DeepSeek, Qwen3-Next, NemotronH) sharded the same way;
+                           the routed and shared partial sums are added, then ONE
+                           all-reduce; a down bias is added by rank 0 only
+                           (``RowParallelLinear(reduce=False)``); gates and
+                           NemotronH's latent projections replicated
+    Gated      in_proj     by heads, one GEMM still (a plain Linear: the pre-norm
+    DeltaNet               fuses into it): [q | k | v] rows by key / value heads
+    (Qwen3.5,              (``Segments``), z, b, a by value heads; Qwen3-Next's
+    Qwen3-Next)            per-key-head packing by key heads
+               conv1d      the channels of the rank's q, k, v heads
+               dt_bias, A_log  by value heads; the per-head gated norm replicated
+               out_proj    row-parallel + all-reduce
+               key heads   fewer than ranks (tp a multiple of them): each rank takes
+                           the one key head its value heads read
+    Mamba-2    in_proj     [z | x | B | C | dt]: z, x, dt by heads, B and C by
+    (NemotronH,            groups where tp divides n_groups, else (tp a multiple
+    Falcon-H1)             of n_groups) the one group the rank's heads use
+               conv1d      [x | B | C] channels likewise; dt_bias, A_log, D by heads
+               norm        the gated RMSNorm per group; a group spanning ranks has
+                           its mean square summed over them (one small all-reduce)
+               out_proj    row-parallel + all-reduce
+    Falcon-H1  mixers      Mamba-2 and attention side by side: their scaled partial
+                           sums added, then one all-reduce
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
@@ -30,18 +50,21 @@ Experts are split tensor-parallel, not expert-parallel, in every family: the fus
 MoE then runs unchanged on each rank (all experts, 1/tp of their width), routing
 stays replicated, and no token is exchanged (one all-reduce, as a dense MLP's).
 
-Each rank therefore stores K/V only for its own KV heads: its unified pool is
-built from specs with ``num_kv_heads / tp`` (:func:`shard_subpool_configs`); an MLA
-spec is kept whole (per-rank MLA bytes equal TP 1's).
-
-A family opts in with ``tensor_parallel = True`` on its model class and names the
-HF fields a TP size must divide in its ``tp_dims(config)`` (heads, KV heads of each
-layer type, each MLP kind's intermediate size); :func:`check_tp_config` refuses any
-other size before a weight loads, naming those fields.
+Each rank therefore stores K/V only for its own KV heads, and recurrent state only
+for its own heads: its unified pool is built from specs with ``num_kv_heads / tp``;
+an MLA spec is kept whole (per-rank MLA bytes equal TP 1's); a Mamba sub-pool gets
+the rank's conv channels and ``heads / tp`` state heads (from the family's
+``state_dims.shard``), so per-rank state bytes fall with tp
+(:func:`shard_subpool_configs`).
 
 Parameter names stay transformers' (``q_proj.weight`` ...): a module that is
-sharded says how in ``tp_shards`` (parameter name -> dim), and the loader
-narrows each checkpoint tensor with :func:`shard_tensor` before copying it.
+sharded says how in ``tp_shards`` (parameter name -> dim, or ``Segments`` for a
+tensor of segments split each on its own; a part of a packed projection may have
+its own entry), and the loader narrows each checkpoint tensor with
+:func:`shard_tensor` before copying it. A family opts in with ``tensor_parallel``
+and names the HF fields a tp size must divide in ``tp_dims``;
+:func:`check_tp_config` checks them (and the recurrent dims' own rule) before any
+weight loads.
 
 The all-reduce sums partial products in another order than one big matmul, so
 fp32 logits differ from TP 1 by rounding only (about 1e-6 here).
@@ -51,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import ClassVar
 
@@ -103,7 +127,8 @@ def refuse_tp(config: ModelConfig, tp) -> None:
 def check_tp_config(config: ModelConfig, size: int) -> None:
     """Raise ValueError unless ``config`` can be split over ``size`` ranks: its model
     class shards (``tensor_parallel``) and ``size`` divides every field its
-    ``tp_dims(config)`` names (HF field name -> value). Runs before any weight loads."""
+    ``tp_dims(config)`` names (HF field name -> value), and its recurrent dims split
+    (``state_dims.shard(size)``). Runs before any weight loads."""
     from unikv.models.family import named
 
     model = named(config.family).model_class()
@@ -119,6 +144,8 @@ def check_tp_config(config: ModelConfig, size: int) -> None:
             f"tensor parallelism of {size} needs {sorted(bad)} divisible by {size}, got "
             f"{bad}; use a tensor-parallel size that divides them (1 always does)"
         )
+    if hasattr(config.state_dims, "shard"):  # the recurrent dims' own rule (Mamba-2 groups)
+        config.state_dims.shard(size)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -136,7 +163,8 @@ class RowParallelLinear(nn.Linear):
 
     ``reduce=False``: the output stays this rank's partial sum, for a block that adds
     several partial sums and all-reduces them once (a MoE's routed and shared
-    experts); the bias is then added by rank 0 only, so the sum counts it once."""
+    experts, Falcon-H1's two mixers); the bias is then added by rank 0 only, so the
+    sum counts it once."""
 
     tp_shards: ClassVar[dict[str, int]] = {"weight": 1}
 
@@ -152,6 +180,12 @@ class RowParallelLinear(nn.Linear):
         if self.reduce:
             out = self.tp.all_reduce(out)
         return out + self.bias if self.adds_bias else out
+
+
+def partial_row(linear: nn.Linear, tp) -> RowParallelLinear:
+    """A ``reduce=False`` twin of row-parallel ``linear`` (same shape and bias flag)."""
+    bias = linear.bias is not None
+    return RowParallelLinear(linear.in_features, linear.out_features, bias, tp=tp, reduce=False)
 
 
 def linear_layers(tp: TensorParallel | None, reduce: bool = True):
@@ -175,18 +209,77 @@ def tp_size(tp: TensorParallel | None) -> int:
     return 1 if tp is None else tp.size
 
 
-def shard_plan(model: nn.Module) -> dict[str, int]:
-    """Full parameter name -> the dim it is sharded on, from modules' ``tp_shards``."""
+@dataclass(frozen=True)
+class Segments:
+    """How to shard a tensor made of segments along ``dim`` (a packed projection, a
+    conv over [x | B | C]): each segment ``(length, groups)`` is split on its own.
+
+    A segment whose ``groups`` the TP size divides is split into ``size`` equal slices
+    (rank r: slice r); one whose ``groups`` divides the size (Mamba-2's B and C with
+    fewer groups than ranks) gives rank r the one group its heads use, group
+    ``r * groups // size``; the rank's slices are concatenated in segment order."""
+
+    dim: int
+    segments: tuple[tuple[int, int], ...]
+
+    def slices(self, rank: int, size: int, name: str) -> list[tuple[int, int]]:
+        """(start, length) of each of the rank's slices, in order."""
+        out, start = [], 0
+        for length, groups in self.segments:
+            if groups % size == 0:
+                step = length // size
+                out.append((start + rank * step, step))
+            elif size % groups == 0:
+                step = length // groups
+                out.append((start + (rank * groups // size) * step, step))
+            else:
+                raise ValueError(
+                    f"tensor {name}: a segment of {groups} groups can be neither split over "
+                    f"nor shared by {size} ranks; use a tensor-parallel size that divides "
+                    "the group count or that it divides"
+                )
+            start += length
+        return out
+
+
+def shard_rows(module: nn.Module, spec: int | Segments = 0) -> nn.Module:
+    """Mark a plain ``Linear`` (or conv) as column-parallel: the loader narrows its
+    ``weight`` and ``bias`` by ``spec`` (dim 0, or ``Segments``). No communication, and
+    the module stays a plain ``Linear``, so a decoder may still fuse a pre-norm into it."""
+    module.tp_shards = {"weight": spec, "bias": spec}
+    return module
+
+
+def shard_plan(model: nn.Module) -> dict[str, int | Segments]:
+    """Full parameter name -> how it is sharded (a dim or ``Segments``), from modules'
+    ``tp_shards``. A module may also name a part of one of its ``packed`` (fused)
+    projections (``"in_proj_qkv.weight"``): that checkpoint tensor is narrowed on its
+    own before the parts are concatenated (``loader.load_weights``)."""
     plan = {}
     for prefix, module in model.named_modules():
+        parts = {p for names in getattr(module, "packed", {}).values() for p in names}
         for name, dim in getattr(module, "tp_shards", {}).items():
-            if getattr(module, name, None) is not None:
+            owner = name.split(".", 1)[0]
+            if getattr(module, name, None) is not None or owner in parts:
                 plan[f"{prefix}.{name}" if prefix else name] = dim
     return plan
 
 
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
-    """Rank ``rank``'s contiguous 1/size slice of ``full`` along ``dim``."""
+def shard_tensor(
+    full: torch.Tensor, dim: int | Segments, rank: int, size: int, name: str
+) -> torch.Tensor:
+    """Rank ``rank``'s contiguous 1/size slice of ``full`` along ``dim``, or its
+    slices of each segment (``Segments``), concatenated."""
+    if isinstance(dim, Segments):
+        total = sum(length for length, _ in dim.segments)
+        if full.shape[dim.dim] != total:
+            raise ValueError(
+                f"tensor {name}: dim {dim.dim} of shape {tuple(full.shape)} is not the "
+                f"{total} its segments {dim.segments} add up to; config.json and the "
+                "weights disagree"
+            )
+        parts = [full.narrow(dim.dim, s, n) for s, n in dim.slices(rank, size, name)]
+        return torch.cat(parts, dim=dim.dim)
     if full.shape[dim] % size:
         raise ValueError(
             f"tensor {name}: dim {dim} of shape {tuple(full.shape)} is not divisible by the "
@@ -196,13 +289,14 @@ def shard_tensor(full: torch.Tensor, dim: int, rank: int, size: int, name: str) 
     return full.narrow(dim, rank * step, step)
 
 
-def shard_subpool_configs(configs: Sequence, size: int) -> list:
+def shard_subpool_configs(configs: Sequence, size: int, state_dims=None) -> list:
     """The SubPoolConfigs of one rank: each attention spec with ``num_kv_heads / size``;
     an MLA spec unchanged (its latent row is shared by every head, so every rank
-    caches it whole: per-rank MLA bytes equal TP 1's).
+    caches it whole: per-rank MLA bytes equal TP 1's); a recurrent (Mamba / Gated
+    DeltaNet) spec with the rank's conv channels and state heads (``shard_state_spec``,
+    from the family's ``state_dims``).
 
-    Raises ValueError for specs that cannot be split by heads (Mamba) or
-    whose KV heads ``size`` does not divide."""
+    Raises ValueError for specs whose heads ``size`` does not divide."""
     if size == 1:
         return list(configs)
     out = []
@@ -210,11 +304,14 @@ def shard_subpool_configs(configs: Sequence, size: int) -> list:
         if c.spec.kind == "mla":  # kv_a_proj is replicated: every rank stores the latent
             out.append(c)
             continue
+        if c.spec.kind == "mamba":
+            out.append(dataclasses.replace(c, spec=shard_state_spec(c, size, state_dims)))
+            continue
         heads = getattr(c.spec, "num_kv_heads", None)
         if c.spec.kind not in ("full", "swa") or heads is None:
             raise ValueError(
                 f"sub-pool {c.name!r} ({c.spec.kind}) cannot be sharded by KV heads; tensor "
-                "parallelism supports full, sliding-window and MLA attention only"
+                "parallelism supports attention, MLA and recurrent (Mamba) sub-pools only"
             )
         if heads % size:
             raise ValueError(
@@ -224,3 +321,30 @@ def shard_subpool_configs(configs: Sequence, size: int) -> list:
         spec = dataclasses.replace(c.spec, num_kv_heads=heads // size)
         out.append(dataclasses.replace(c, spec=spec))
     return out
+
+
+def shard_state_spec(c, size: int, state_dims):
+    """One rank's MambaSpec of sub-pool config ``c``: conv (C_r, K) and temporal
+    (H / size, ...) from the family's recurrent dims split over the ranks
+    (``state_dims.shard(size)``: C_r holds the channels of the rank's heads, and of
+    the Mamba-2 group(s) they use, which other ranks may share)."""
+    if not hasattr(state_dims, "shard"):
+        raise ValueError(
+            f"sub-pool {c.name!r} (recurrent state) can be sharded only with its family's "
+            "recurrent dims (ModelConfig.state_dims with a shard method); this family "
+            "runs without tensor parallelism"
+        )
+    spec = c.spec
+    (conv,), temporal = spec.conv, spec.temporal
+    assert conv.shape == (state_dims.conv_dim, state_dims.conv_kernel), (
+        f"sub-pool {c.name!r}: the conv part {conv.shape} is not the family's dims'"
+    )
+    assert temporal.shape == tuple(state_dims.state_shape), (
+        f"sub-pool {c.name!r}: the temporal part {temporal.shape} is not the family's dims'"
+    )
+    local = state_dims.shard(size)
+    return dataclasses.replace(
+        spec,
+        conv=(dataclasses.replace(conv, shape=(local.conv_dim, local.conv_kernel)),),
+        temporal=dataclasses.replace(temporal, shape=tuple(local.state_shape)),
+    )

@@ -19,10 +19,14 @@ concatenated (their ``packed`` maps), and the decoder fuses the pre-norm into it
   gated delta rule (l2-normed q/k, scale Dk**-0.5),
   a gated RMSNorm with z, out_proj. The conv and the recurrence go through the
   step object (``StateFn``): their state lives in the request's pool slot.
+- Tensor parallelism (``models/parallel.py``): a rank runs ``state_dims.shard(tp)``,
+  its value heads and the key heads they read, the one input GEMM narrowed per
+  checkpoint part (``projection_shards``), out_proj row-parallel; attention by heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +36,7 @@ from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
 from unikv.models.layers import AttentionFn, GatedMLP, Linear, RMSNorm, StateFn, model_ops
+from unikv.models.parallel import Segments, linear_layers, shard_rows, tp_size
 from unikv.models.rope import Rotary
 
 
@@ -62,6 +67,28 @@ class GatedDeltaNetDims:
     def state_shape(self) -> tuple[int, int, int]:
         """The delta-rule state of one request: (Hv, Dk, Dv)."""
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def shard(self, size: int) -> GatedDeltaNetDims:
+        """One of ``size`` tensor-parallel ranks' dims: value heads / size; key heads /
+        size, or (``size`` a multiple of them) the one key head the rank's value heads
+        read. ValueError naming the fields otherwise."""
+        if size == 1:
+            return self
+        hk, hv = self.num_k_heads, self.num_v_heads
+        if hv % size or (hk % size and size % hk):
+            raise ValueError(
+                f"tensor parallelism of {size} needs linear_num_value_heads ({hv}) divisible "
+                f"by {size} and linear_num_key_heads ({hk}) divisible by {size} or dividing "
+                "it; use a tensor-parallel size that splits the Gated DeltaNet heads"
+            )
+        local_k = hk // size if hk % size == 0 else 1
+        return dataclasses.replace(self, num_k_heads=local_k, num_v_heads=hv // size)
+
+    def segments(self) -> Segments:
+        """How [q | k | v] (the conv's channels, ``in_proj_qkv``'s rows) split over ranks:
+        q and k by key heads, v by value heads."""
+        hk, hv = self.num_k_heads, self.num_v_heads
+        return Segments(0, ((self.key_dim, hk), (self.key_dim, hk), (self.value_dim, hv)))
 
 
 def gdn_dims(cfg: Fields) -> GatedDeltaNetDims:
@@ -124,15 +151,17 @@ class GatedAttention(nn.Module):
     ``qkv_proj``, loaded from the checkpoint's ``q_proj``, ``k_proj``, ``v_proj``
     (``packed``), into which the decoder fuses the pre-norm (``input_linear``)."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
-        hidden, d = config.hidden_size, config.head_dim
+        hidden, d, n = config.hidden_size, config.head_dim, tp_size(tp)
         self.layer, self.head_dim = layer, d
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads = config.num_heads // n, config.num_kv_heads // n
         self.split = (2 * self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = Linear(hidden, sum(self.split), bias=config.qkv_bias)
         self.packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-        self.o_proj = Linear(self.num_heads * d, hidden, bias=config.o_bias)
+        if tp is not None:  # q|gate, k, v each by heads (q_proj packs q and gate per head)
+            shard_rows(self.qkv_proj)
+        self.o_proj = linear_layers(tp)[1](self.num_heads * d, hidden, bias=config.o_bias)
         self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.rotary = [rotary]  # shared, kept out of this module's parameters
@@ -164,9 +193,10 @@ class GatedDeltaNet(nn.Module):
     pre-norm (``input_linear``). Subclasses change ``make_projections`` and ``unpack``
     only (Qwen3-Next's checkpoint packs them per key head)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
-        d, hidden = config.state_dims, config.hidden_size
+        full, hidden = config.state_dims, config.hidden_size
+        d = full.shard(tp_size(tp))  # this rank's heads
         if config.hidden_act != "silu":
             raise ValueError(
                 f"hidden_act {config.hidden_act!r}: the Gated DeltaNet conv runs 'silu' only"
@@ -181,14 +211,26 @@ class GatedDeltaNet(nn.Module):
         )  # weight (C, 1, K); only the weight is used, by the step's causal conv
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, hidden, bias=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)  # per head: replicated
+        self.out_proj = linear_layers(tp)[1](self.value_dim, hidden, bias=False)
         self.make_projections(hidden)
+        if tp is not None:
+            # tensor parallelism: the rank's heads of every input projection (the one
+            # GEMM stays a plain Linear: the pre-norm fuses into it), the conv's channels,
+            # dt_bias and A_log; out_proj row-parallel (one all-reduce)
+            shard_rows(self.conv1d, full.segments())
+            self.tp_shards = {**self.projection_shards(full), "dt_bias": 0, "A_log": 0}
 
     def make_projections(self, hidden: int) -> None:
         self.split = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
         self.in_proj = Linear(hidden, sum(self.split), bias=False)
         self.packed = {"in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+
+    def projection_shards(self, full: GatedDeltaNetDims) -> dict:
+        """How each checkpoint input projection splits over ranks (``parallel.shard_plan``):
+        [q | k | v] by segments, z, b and a by value heads."""
+        return {"in_proj_qkv.weight": full.segments(), "in_proj_z.weight": 0,
+                "in_proj_b.weight": 0, "in_proj_a.weight": 0}  # fmt: skip
 
     def unpack(self, y: torch.Tensor):
         """The one input GEMM's output y (T, conv_dim + Hv Dv + 2 Hv) -> (qkv (T,
@@ -227,15 +269,15 @@ class DecoderLayer(decoder.DecoderLayer):
     each behind a zero-centred pre-norm and a residual (``decoder.Block``)."""
 
     def __init__(
-        self, config: ModelConfig, layer: int, rotary: Rotary, mixer: type, mlp: nn.Module
+        self, config: ModelConfig, layer: int, rotary: Rotary, mixer: type, mlp: nn.Module, tp=None
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         if config.extra["layer_types"][layer] == "linear_attention":
-            self.linear_attn = body = mixer(config, layer)
+            self.linear_attn = body = mixer(config, layer, tp)
         else:
-            self.self_attn = body = GatedAttention(config, layer, rotary)
+            self.self_attn = body = GatedAttention(config, layer, rotary, tp)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps)
         self.mlp = mlp
         self.blocks = [
@@ -262,10 +304,12 @@ class Qwen3_5ForCausalLM(decoder.DecoderLM):
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: length of the rope table (the engine's max context).
-        tp: must be None (tensor parallelism is not implemented for hybrid models).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's Gated DeltaNet
+            heads (and their state), attention heads and MLP columns.
         ops: as ``decoder.DecoderLM``.
     """
 
+    tensor_parallel = True
     mixer: type = GatedDeltaNet
     # checkpoint tensors unikv does not run (the multi-token-prediction head), as
     # transformers' _keys_to_ignore_on_load_unexpected; needs loader support
@@ -278,13 +322,22 @@ class Qwen3_5ForCausalLM(decoder.DecoderLM):
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rotary = Rotary(config.rope, config.head_dim, max_positions)
         layers = [
-            DecoderLayer(config, i, rotary, self.mixer, self.make_mlp(config, i))
+            DecoderLayer(config, i, rotary, self.mixer, self.make_mlp(config, i, tp), tp)
             for i in range(config.num_layers)
         ]
         norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm, rotary)
 
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Attention heads, the dense MLP's columns and the value heads (the key heads:
+        ``GatedDeltaNetDims.shard``)."""
+        return {
+            **super().tp_dims(config),
+            "linear_num_value_heads": config.state_dims.num_v_heads,
+        }
+
     @staticmethod
-    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
-        return GatedMLP(config)
+    def make_mlp(config: ModelConfig, layer: int, tp=None) -> nn.Module:
+        return GatedMLP(config, tp)

@@ -54,10 +54,11 @@ def config_extras(hf_config) -> dict:
 
 class Qwen3_5MoeForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
     """Qwen3.5-MoE over unikv's paged attention and recurrent-state slots, on the
-    shared decoder (tp must be None: tensor parallelism is not implemented for it)."""
+    shared decoder (tp must be None: its pieces shard as Qwen3.5's and Qwen3-Next's do,
+    but no test runs it under tensor parallelism yet, so it stays refused)."""
 
     tensor_parallel = False
 
     @staticmethod
-    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
-        return SparseMoE(config)
+    def make_mlp(config: ModelConfig, layer: int, tp=None) -> nn.Module:
+        return SparseMoE(config, tp)

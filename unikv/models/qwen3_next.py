@@ -25,6 +25,7 @@ from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP, Linear
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import reduce_partial
 
 MOE_FIELDS = (
     "num_experts",
@@ -52,6 +53,11 @@ class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
         self.split = (2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads)
         self.in_proj = Linear(hidden, sum(self.split), bias=False)
         self.packed = {"in_proj": ("in_proj_qkvz", "in_proj_ba")}
+
+    def projection_shards(self, full) -> dict:
+        """Both checkpoint projections are grouped by key head: the rank's contiguous
+        key heads (``tp_dims`` asks linear_num_key_heads divisible)."""
+        return {"in_proj_qkvz.weight": 0, "in_proj_ba.weight": 0}
 
     def unpack(self, y: torch.Tensor):
         """y (T, 2 Hk Dk + 2 Hv Dv + 2 Hv) -> (qkv (T, conv_dim) as [q | k | v], z (T,
@@ -88,33 +94,58 @@ class SparseMoE(nn.Module):
     """``mlp.gate`` (router), ``mlp.experts.{e}`` (SwiGLU each, the
     checkpoint's per-expert names), ``mlp.shared_expert``, ``mlp.shared_expert_gate``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
         e = config.extra
-        self.gate = Router(config)
-        self.experts = RoutedExperts(
-            e["num_experts"], config.hidden_size, e["moe_intermediate_size"]
+        self.gate = Router(config)  # replicated under tp: every rank routes alike
+        self.experts = RoutedExperts(  # under tp: each expert's intermediate slice
+            e["num_experts"], config.hidden_size, e["moe_intermediate_size"], tp=tp
         )
+        self.tp = tp
         shared = dataclasses.replace(config, intermediate_size=e["shared_expert_intermediate_size"])
-        self.shared_expert = GatedMLP(shared)
+        # routed and gated shared partial sums added, then reduced once
+        self.shared_expert = GatedMLP(shared, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
         out = self.experts(x, weights, indices)
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return reduce_partial(self.tp, out)
 
 
 class Qwen3NextForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
-    """Qwen3-Next over unikv's paged attention and recurrent-state slots (tp must be None)."""
+    """Qwen3-Next over unikv's paged attention and recurrent-state slots; under ``tp``
+    as Qwen3.5, the routed and shared experts sharded on their intermediate dims."""
 
     mixer = PackedGatedDeltaNet
 
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Qwen3.5's, the key heads (the packed projections are grouped by key head),
+        the expert widths where a layer is sparse, ``intermediate_size`` only where
+        one is dense."""
+        e, types = config.extra, range(config.num_layers)
+        dims = {
+            **super().tp_dims(config),
+            "linear_num_key_heads": config.state_dims.num_k_heads,
+        }
+        if not any(_sparse(config, i) for i in types):
+            return dims
+        if all(_sparse(config, i) for i in types):
+            dims.pop("intermediate_size")
+        dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+        dims["shared_expert_intermediate_size"] = e["shared_expert_intermediate_size"]
+        return dims
+
     @staticmethod
-    def make_mlp(config: ModelConfig, layer: int) -> nn.Module:
-        e = config.extra
-        sparse = e["num_experts"] > 0 and (layer + 1) % e["decoder_sparse_step"] == 0
-        if sparse and layer not in e["mlp_only_layers"]:
-            return SparseMoE(config)
-        return GatedMLP(config)
+    def make_mlp(config: ModelConfig, layer: int, tp=None) -> nn.Module:
+        return SparseMoE(config, tp) if _sparse(config, layer) else GatedMLP(config, tp)
+
+
+def _sparse(config: ModelConfig, layer: int) -> bool:
+    """Whether ``layer``'s MLP is the sparse MoE block."""
+    e = config.extra
+    sparse = e["num_experts"] > 0 and (layer + 1) % e["decoder_sparse_step"] == 0
+    return sparse and layer not in e["mlp_only_layers"]

@@ -1,0 +1,1 @@
+"""unikv's benchmarks: ``python -m benchmarks SUITE`` (see benchmarks/run.py)."""
