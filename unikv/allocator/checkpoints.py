@@ -87,6 +87,9 @@ class StateCheckpoints:
         self.demoted: set[int] = set()  # superseded node ids (``demote``), first in ``lru``
         self.pending: dict[int, int] = {}  # request slot -> node id to restore
         self.pins: Counter[int] = Counter()  # node id -> pending restores
+        # node id -> tokens the state had seen when copied (a hit restores it only at
+        # that length: ``pin``; stale entries of host-dropped ones are pruned on save)
+        self.position: dict[int, int] = {}
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
         self.host = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
@@ -105,10 +108,11 @@ class StateCheckpoints:
     def num_evictable(self) -> int:
         return len(self.lru)
 
-    def save(self, slot: int, node_id: int, alive: Callable[[], bool]) -> bool:
-        """Copy request ``slot``'s state slot into a checkpoint of ``node_id``;
-        False (nothing changed) when the chain has no room, the request holds no
-        slot, or ``alive()`` says the node was evicted while making room."""
+    def save(self, slot: int, node_id: int, alive: Callable[[], bool], tokens: int) -> bool:
+        """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
+        a checkpoint of ``node_id``; False (nothing changed) when the chain has no
+        room, the request holds no slot, or ``alive()`` says the node was evicted
+        while making room."""
         if node_id in self.by_node:
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
@@ -129,6 +133,9 @@ class StateCheckpoints:
         self._copy(src.astype(np.int64), dst)
         self.by_node[node_id] = int(vid[0])
         self.lru[node_id] = None
+        if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
+            self.position = {n: self.position[n] for n in self.nodes() if n in self.position}
+        self.position[node_id] = tokens
         self.saved += 1
         return True
 
@@ -144,9 +151,14 @@ class StateCheckpoints:
         """Evictable checkpoints a longer one superseded: the first of the LRU."""
         return len(self.demoted)
 
-    def pin(self, slot: int, node_id: int) -> None:
-        """Request ``slot`` opened with a hit ending at ``node_id``: keep its checkpoint
-        until ``restore`` (or ``unpin``)."""
+    def pin(self, slot: int, node_id: int, tokens: int) -> None:
+        """Request ``slot`` opened with a hit of ``tokens`` tokens ending at
+        ``node_id``: keep its checkpoint until ``restore`` (or ``unpin``)."""
+        assert self.position.get(node_id) == tokens, (
+            f"a hit restores a checkpoint taken at its own length: the hit has {tokens} "
+            f"tokens, the checkpoint of node {node_id} was taken at "
+            f"{self.position.get(node_id)}"
+        )
         self.pending[slot] = node_id
         self.pins[node_id] += 1
         self.lru.pop(node_id, None)
@@ -196,6 +208,7 @@ class StateCheckpoints:
             self.host.drop_checkpoints(node_ids)
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
         for i in node_ids:
+            self.position.pop(i, None)
             self.lru.pop(i, None)
             self.demoted.discard(i)
         if vids:
@@ -278,3 +291,11 @@ def check_checkpoints(parts) -> None:
     assert set(list(states.lru)[: len(states.demoted)]) == states.demoted, (
         "demoted checkpoints are evictable and the first of the LRU"
     )
+    ps, by_id = prefix.roles.page_size, prefix.by_id
+    for node_id in states.nodes():
+        depth, walk = 0, node_id
+        while walk:
+            depth, walk = depth + 1, by_id[walk].parent_id
+        assert states.position.get(node_id) == depth * ps, (
+            "each checkpoint was taken at its node's position (its chain's tokens)"
+        )

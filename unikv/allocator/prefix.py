@@ -270,7 +270,7 @@ class PrefixCache:
             self.requests.window_lo[name][slot] = first
             np.add.at(self.wrefs[name], pages[first:], 1)
         if states is not None:
-            states.pin(slot, last)  # restored by alloc_mamba
+            states.pin(slot, last, hit.num_tokens)  # restored by alloc_mamba
         positions = np.arange(hit.num_tokens, dtype=np.int64)
         rows = np.full(hit.num_tokens, slot, np.int64)
         flat = rows * self.requests.max_context + positions
@@ -324,7 +324,8 @@ class PrefixCache:
             return False
         node = found[-1]
         # making room may evict any node of the chain: the checkpoint must stay reachable
-        saved = self.states.save(int(slot), node.node_id, lambda: self.reachable(node.node_id))
+        alive = lambda: self.reachable(node.node_id)
+        saved = self.states.save(int(slot), node.node_id, alive, len(tokens))
         self.stats.checkpoints = self.states.saved
         if self.check is not None:
             self.check()
