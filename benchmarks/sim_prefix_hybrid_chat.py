@@ -10,9 +10,10 @@ conversation with its own planned answer).
 Rows: a fresh pool (the first pass), and a second pass of the same workload after
 ``prefix.reset()`` on the same pool (what bench_prefix timed before it moved the
 timed pass to a fresh LLM); each for the decode-checkpoint rules of ``--rules``
-(same run): ``every_page`` (a checkpoint at each decode page boundary, the earlier
-rule) and ``cost`` (``engine/checkpoint_rule.py`` with the H100 estimates
-``gpu_rule`` makes for this shape). Each row: hit rate, prefill tokens saved,
+(same run): ``before`` (a checkpoint at each decode page boundary, the earlier
+rule), ``cost`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_rule``
+makes for this shape) and ``after`` (the cost rule, and a previous turn's end
+checkpoint demoted once the next turn takes its own: ``engine/prefix_policy.py``). Each row: hit rate, prefill tokens saved,
 evicted pages, checkpoint copies, and the checkpoints' bytes held (mean and peak
 over steps).
 
@@ -139,7 +140,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pool-factor", type=float, default=1.25)
     p.add_argument("--out", default=None)
-    p.add_argument("--rules", default="every_page,cost", help="comma-separated, same run")
+    p.add_argument("--rules", default="before,cost,after", help="comma-separated, same run")
     args = p.parse_args()
     configs = hybrid_configs()
     max_len = TURNS * (MESSAGE + ANSWER) + 8
@@ -149,10 +150,14 @@ def main() -> int:
     }
     budget = int(pool_bytes_for(configs, pages) * args.pool_factor)
     cost = gpu_rule(configs)
-    rules = {"every_page": CheckpointRule(every_page=True), "cost": cost}
+    # before: every decode page, a previous turn's end kept; after: the cost rule and
+    # superseded turn ends demoted
+    every = CheckpointRule(every_page=True)
+    rules = {"before": (every, False), "cost": (cost, False), "after": (cost, True)}
     out = {"pool_factor": args.pool_factor, "pool_bytes": budget, "cost_rule": vars(cost)}
     for name in args.rules.split(","):
-        engine = Engine(configs, budget, max_len, rules[name])
+        engine = Engine(configs, budget, max_len, rules[name][0])
+        engine.sched.prefix.supersede_turns = rules[name][1]
         out[name] = {"fresh": engine.run(chat_rounds(0))}
         engine.alloc.parts.prefix.reset()
         out[name]["after_reset"] = engine.run(chat_rounds(0))

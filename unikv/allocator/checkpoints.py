@@ -90,6 +90,7 @@ class StateCheckpoints:
         # node id -> tokens the state had seen when copied (a hit restores it only at
         # that length: ``pin``; stale entries of host-dropped ones are pruned on save)
         self.position: dict[int, int] = {}
+        self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
         self.host = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
@@ -108,11 +109,18 @@ class StateCheckpoints:
     def num_evictable(self) -> int:
         return len(self.lru)
 
-    def save(self, slot: int, node_id: int, alive: Callable[[], bool], tokens: int) -> bool:
+    def save(
+        self,
+        slot: int,
+        node_id: int,
+        alive: Callable[[], bool],
+        tokens: int,
+        turn_end: bool = False,
+    ) -> bool:
         """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
         a checkpoint of ``node_id``; False (nothing changed) when the chain has no
         room, the request holds no slot, or ``alive()`` says the node was evicted
-        while making room."""
+        while making room; ``turn_end``: a decode checkpoint (``turn_ends``)."""
         if node_id in self.by_node:
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
@@ -135,7 +143,10 @@ class StateCheckpoints:
         self.lru[node_id] = None
         if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
             self.position = {n: self.position[n] for n in self.nodes() if n in self.position}
+            self.turn_ends &= set(self.position)
         self.position[node_id] = tokens
+        if turn_end:
+            self.turn_ends.add(node_id)
         self.saved += 1
         return True
 
@@ -209,6 +220,7 @@ class StateCheckpoints:
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
         for i in node_ids:
             self.position.pop(i, None)
+            self.turn_ends.discard(i)
             self.lru.pop(i, None)
             self.demoted.discard(i)
         if vids:

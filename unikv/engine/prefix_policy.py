@@ -23,7 +23,11 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   at the last boundary its ``max_tokens`` reaches), rolling: each one drops the
   request's previous decode checkpoint (or demotes its prompt-end one:
   ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
-  a chat hits prompt and answer up to it.
+  a chat hits prompt and answer up to it. A request that opened with a hit at a
+  previous turn's end demotes that checkpoint once it takes one of its own (the
+  conversation moved on: a regenerate of that turn may still hit it, if not evicted
+  first); a junction or prompt-end checkpoint (shared system prompts) is never
+  demoted for that.
 
 Prefill chunks end at the points (``chunk``); ``after_step`` takes the
 checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
@@ -94,6 +98,10 @@ class PrefixCaching(NoPrefixCache):
         self.latest: dict[int, int] = {}
         # request slot -> tokens of its latest checkpoint of any kind, or of its hit
         self.since: dict[int, int] = {}
+        # request slot -> tokens of its hit when that ended at a previous turn's end
+        # (demoted once the request takes a checkpoint of its own: superseded)
+        self.extends: dict[int, int] = {}
+        self.supersede_turns = True  # (off: the earlier placement, for A/B in the sim)
         self.page_size = alloc.parts.roles.page_size
 
     def open(self, r: Request):
@@ -114,6 +122,11 @@ class PrefixCaching(NoPrefixCache):
                 self.points[r.slot] = ends
             self.latest.pop(r.slot, None)
             self.since[r.slot] = hit.num_tokens
+            ends_turn = hit.num_tokens and int(hit.nodes[-1]) in prefix.states.turn_ends
+            if ends_turn and self.supersede_turns:
+                self.extends[r.slot] = hit.num_tokens
+            else:
+                self.extends.pop(r.slot, None)
         return hit
 
     def chunk(self, r: Request, budget: int) -> int:
@@ -163,9 +176,15 @@ class PrefixCaching(NoPrefixCache):
         prompt-end one: a repeat of the prompt still hits it) and this one is its
         latest."""
         self.share(r)
-        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached), r.cache_salt)
+        turn_end = r.num_cached > len(r.prompt_ids)
+        taken = self.prefix.checkpoint(
+            r.slot, r.token_slice(0, r.num_cached), r.cache_salt, turn_end
+        )
         if taken:
             self.since[r.slot] = r.num_cached
+            extended = self.extends.pop(r.slot, None)
+            if extended:  # the previous turn's end: this conversation has moved on
+                self.prefix.demote_checkpoint(r.token_slice(0, extended), salt=r.cache_salt)
         if taken and rolling:
             previous = self.latest.get(r.slot)
             if previous and previous != r.num_cached:  # (one point taken twice: keep it)
