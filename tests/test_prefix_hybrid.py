@@ -420,3 +420,27 @@ def test_the_cost_rule_skips_a_decode_boundary_and_keeps_the_turn_end(hybrid):
     assert states.demoted == {node[8]} and states.saved == 2  # 8 and 16 only
     assert prefix.match(seq[:17]).num_tokens == 16
     llm.alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_next_turn_demotes_the_turn_end_it_extended(hybrid):
+    """Turn 1 (10-token prompt, 8 new tokens, page 4) ends with a decode checkpoint at
+    16; turn 2 (its prompt and answer and 3 more tokens) hits 16 and takes its own
+    prompt-end checkpoint at 20: the turn end at 16, superseded, is demoted (first to
+    go), the answers those of transformers; the prompt-end one at 20 is no turn end."""
+    path, hf = hybrid
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, VOCAB, (10,), generator=g).tolist()
+    llm = prefix_llm(path, 4, True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    (one,) = llm.generate([prompt], params)
+    second = prompt + one.output_ids + torch.randint(0, VOCAB, (3,), generator=g).tolist()
+    prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
+    node16 = prefix.walk(np.array(second[:16], np.int64))[-1].node_id
+    assert node16 in states.turn_ends and node16 not in states.demoted
+    (two,) = llm.generate([second], params)
+    assert two.num_cached_tokens == 16 and two.output_ids == hf_greedy(hf, second, NEW_TOKENS)
+    assert node16 in states.demoted
+    node20 = prefix.walk(np.array(second[:20], np.int64))[-1].node_id
+    assert node20 in states.by_node and node20 not in states.turn_ends
+    llm.alloc.check_integrity()

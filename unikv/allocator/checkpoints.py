@@ -14,12 +14,13 @@ reaches (a) the end of the cached page run it matched, if that run is longer
 than its hit (the point where it diverges from an earlier prompt: a shared
 system prompt), and (b) the last whole page before its last token (``k =
 (seq_len - 1) // ps``, the longest hit a repeat of its tokens can take), the
-scheduler ends a prefill chunk there; and (c) each time its decode completes a page,
-rolling: the new one drops the request's previous decode checkpoint, so however the
-request stops (EOS, a stop string, ``max_tokens``) its last whole page holds one and
-the next turn of a chat, which repeats prompt and answer, hits both. There the
-request's state slot is copied
-into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
+scheduler ends a prefill chunk there; and (c) when its decode completes a page and
+the cost rule says it pays (``engine/checkpoint_rule.py``; always at the last page
+``max_tokens`` reaches), rolling: the new one drops the request's previous decode
+checkpoint, so the next turn of a chat, which repeats prompt and answer, hits both up
+to the last one taken (a turn end, ``turn_ends``; the next turn demotes it once it
+takes its own). Each records the tokens it was taken after (``position``). There the
+request's state slot is copied into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
 bytes and one Mamba slot per checkpoint, at most one extra prefill chunk per
 boundary (none for (c)). A hit restores
 it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
