@@ -11,9 +11,10 @@ Rows: a fresh pool (the first pass), and a second pass of the same workload afte
 ``prefix.reset()`` on the same pool (what bench_prefix timed before it moved the
 timed pass to a fresh LLM); each for the decode-checkpoint rules of ``--rules``
 (same run): ``before`` (a checkpoint at each decode page boundary, the earlier
-rule), ``cost`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_rule``
-makes for this shape) and ``after`` (the cost rule, and a previous turn's end
-checkpoint demoted once the next turn takes its own: ``engine/prefix_policy.py``). Each row: hit rate, prefill tokens saved,
+rule), ``after`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_rule``
+makes for this shape) and ``supersede`` (the cost rule, and a previous turn's end
+checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
+``engine/prefix_policy.py``, off by default). Each row: hit rate, prefill tokens saved,
 evicted pages, checkpoint copies, and the checkpoints' bytes held (mean and peak
 over steps).
 
@@ -140,7 +141,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pool-factor", type=float, default=1.25)
     p.add_argument("--out", default=None)
-    p.add_argument("--rules", default="before,cost,after", help="comma-separated, same run")
+    p.add_argument("--rules", default="before,after,supersede", help="comma-separated")
     args = p.parse_args()
     configs = hybrid_configs()
     max_len = TURNS * (MESSAGE + ANSWER) + 8
@@ -150,10 +151,10 @@ def main() -> int:
     }
     budget = int(pool_bytes_for(configs, pages) * args.pool_factor)
     cost = gpu_rule(configs)
-    # before: every decode page, a previous turn's end kept; after: the cost rule and
-    # superseded turn ends demoted
+    # before: every decode page; after: the cost rule (the default); supersede: the
+    # cost rule with superseded turn ends demoted (``supersede_turns``, off by default)
     every = CheckpointRule(every_page=True)
-    rules = {"before": (every, False), "cost": (cost, False), "after": (cost, True)}
+    rules = {"before": (every, False), "after": (cost, False), "supersede": (cost, True)}
     out = {"pool_factor": args.pool_factor, "pool_bytes": budget, "cost_rule": vars(cost)}
     for name in args.rules.split(","):
         engine = Engine(configs, budget, max_len, rules[name][0])

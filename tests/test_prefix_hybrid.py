@@ -424,14 +424,16 @@ def test_the_cost_rule_skips_a_decode_boundary_and_keeps_the_turn_end(hybrid):
 
 @pytest.mark.usefixtures("one_thread")
 def test_the_next_turn_demotes_the_turn_end_it_extended(hybrid):
-    """Turn 1 (10-token prompt, 8 new tokens, page 4) ends with a decode checkpoint at
-    16; turn 2 (its prompt and answer and 3 more tokens) hits 16 and takes its own
-    prompt-end checkpoint at 20: the turn end at 16, superseded, is demoted (first to
-    go), the answers those of transformers; the prompt-end one at 20 is no turn end."""
+    """With ``supersede_turns``: turn 1 (10-token prompt, 8 new tokens, page 4) ends
+    with a decode checkpoint at 16; turn 2 (its prompt and answer and 3 more tokens)
+    hits 16 and takes its own prompt-end checkpoint at 20: the turn end at 16,
+    superseded, is demoted (first to go), the answers those of transformers; the
+    prompt-end one at 20 is no turn end."""
     path, hf = hybrid
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, VOCAB, (10,), generator=g).tolist()
     llm = prefix_llm(path, 4, True)
+    llm.scheduler.prefix.supersede_turns = True  # (off by default)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     (one,) = llm.generate([prompt], params)
     second = prompt + one.output_ids + torch.randint(0, VOCAB, (3,), generator=g).tolist()

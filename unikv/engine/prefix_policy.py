@@ -23,11 +23,10 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   at the last boundary its ``max_tokens`` reaches), rolling: each one drops the
   request's previous decode checkpoint (or demotes its prompt-end one:
   ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
-  a chat hits prompt and answer up to it. A request that opened with a hit at a
-  previous turn's end demotes that checkpoint once it takes one of its own (the
-  conversation moved on: a regenerate of that turn may still hit it, if not evicted
-  first); a junction or prompt-end checkpoint (shared system prompts) is never
-  demoted for that.
+  a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
+  it lost hit rate at 2x in ``sim_prefix_hybrid_chat``), a request that opened with a
+  hit at a previous turn's end demotes that checkpoint once it takes one of its own;
+  a junction or prompt-end checkpoint is never demoted for that.
 
 Prefill chunks end at the points (``chunk``); ``after_step`` takes the
 checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
@@ -101,7 +100,9 @@ class PrefixCaching(NoPrefixCache):
         # request slot -> tokens of its hit when that ended at a previous turn's end
         # (demoted once the request takes a checkpoint of its own: superseded)
         self.extends: dict[int, int] = {}
-        self.supersede_turns = True  # (off: the earlier placement, for A/B in the sim)
+        # demote a previous turn's end once the next turn takes its own: off (in the
+        # simulation it cost hit rate at 2x the working set; not understood yet)
+        self.supersede_turns = False
         self.page_size = alloc.parts.roles.page_size
 
     def open(self, r: Request):
