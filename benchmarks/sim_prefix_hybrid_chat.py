@@ -9,7 +9,14 @@ conversation with its own planned answer).
 
 Rows: a fresh pool (the first pass), and a second pass of the same workload after
 ``prefix.reset()`` on the same pool (what bench_prefix timed before it moved the
-timed pass to a fresh LLM).
+timed pass to a fresh LLM); each for the decode-checkpoint rules of ``--rules``
+(same run): ``before`` (a checkpoint at each decode page boundary, the earlier
+rule), ``after`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_rule``
+makes for this shape) and ``supersede`` (the cost rule, and a previous turn's end
+checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
+``engine/prefix_policy.py``, off by default). Each row: hit rate, prefill tokens saved,
+evicted pages, checkpoint copies, and the checkpoints' bytes held (mean and peak
+over steps).
 
     python benchmarks/sim_prefix_hybrid_chat.py [--pool-factor 1.25] [--out results.json]
 """
@@ -32,12 +39,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_prefix_sim as sim
 from bench_hybrid import hf_config
 
+from unikv.engine.checkpoint_rule import LAUNCH_S, CheckpointRule, state_tokens
 from unikv.engine.request import Request
 from unikv.engine.sampling import SamplingParams
 from unikv.hf_config import specs_from_hf_config
 from unikv.pool import pool_bytes_for, worst_case_pages
 
 CONVERSATIONS, TURNS, MESSAGE, ANSWER = 16, 6, 64, 64
+H100_COPY_BYTES_PER_S, H100_FLOPS = 2e12, 3e14  # device copy; sustained (as llm.py)
 
 
 def hybrid_configs():
@@ -48,6 +57,30 @@ def hybrid_configs():
     with tempfile.TemporaryDirectory() as d:
         config.save_pretrained(d)
         return specs_from_hf_config(d, page_size=sim.PAGE, dtype=torch.bfloat16)
+
+
+def model_weights() -> int:
+    """Parameters of the bench's hybrid (meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config("qwen3_5", False)
+    layers = ["linear_attention"] * 3 + ["full_attention"]
+    cut = {"num_hidden_layers": 4, "layer_types": layers, "vocab_size": 32768}
+    config = type(config).from_dict({**config.to_dict(), **cut})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def gpu_rule(configs) -> CheckpointRule:
+    """The cost rule with what ``LLM`` would measure on an H100 for this shape: a
+    state-slot copy at 2 TB/s plus ``LAUNCH_S``, prefill at 3e14 FLOP/s / 2 per weight."""
+    slot = max(c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind == "mamba")
+    return CheckpointRule(
+        copy_s=slot / H100_COPY_BYTES_PER_S + LAUNCH_S,
+        prefill_tokens_per_s=H100_FLOPS / (2 * model_weights()),
+        state_tokens=state_tokens(configs),
+    )
 
 
 def chat_rounds(seed: int) -> list[list[sim.Turn]]:
@@ -67,15 +100,20 @@ def chat_rounds(seed: int) -> list[list[sim.Turn]]:
 class Engine:
     """One pool, allocator and scheduler (``bench_prefix_sim._engine``) for several passes."""
 
-    def __init__(self, configs, budget: int, max_len: int) -> None:
+    def __init__(self, configs, budget: int, max_len: int, rule: CheckpointRule) -> None:
         sim.MAX_NUM_SEQS = CONVERSATIONS
         specs = type("Specs", (), {"subpools": configs})
         self.pool, self.alloc, self.sched = sim._engine(specs, budget, max_len)
+        self.sched.prefix.rule = rule
         self.max_len, self.next_id = max_len, 0
+        self.slot_bytes = max(c.spec.page_bytes(c.page_size) for c in configs
+                              if c.spec.kind == "mamba")  # fmt: skip
 
     def run(self, rounds) -> dict:
-        plans, trace = {}, sim._Trace()
+        plans, trace, held = {}, sim._Trace(), []
         evicted = self.alloc.parts.prefix.counters()["evicted_pages"]
+        states = self.alloc.parts.prefix.states
+        saved = states.saved
         for round_ in rounds:
             for turn in round_:
                 params = SamplingParams(
@@ -87,11 +125,15 @@ class Engine:
                 self.sched.add(request)
             while self.sched.has_work():
                 sim._step(self.pool, self.alloc, self.sched, plans, trace)
+                held.append(len(states.by_node))
         return {
             "hit_rate": trace.admit[1] / max(trace.admit[2], 1),
             "prefill_tokens_saved": trace.admit[1],
             "evicted_pages": self.alloc.parts.prefix.counters()["evicted_pages"] - evicted,
             "preemptions": self.sched.num_preemptions,
+            "checkpoint_copies": states.saved - saved,
+            "checkpoint_bytes_held_mean": float(np.mean(held)) * self.slot_bytes,
+            "checkpoint_bytes_held_peak": int(max(held)) * self.slot_bytes,
         }
 
 
@@ -99,6 +141,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pool-factor", type=float, default=1.25)
     p.add_argument("--out", default=None)
+    p.add_argument("--rules", default="before,after,supersede", help="comma-separated")
     args = p.parse_args()
     configs = hybrid_configs()
     max_len = TURNS * (MESSAGE + ANSWER) + 8
@@ -107,15 +150,18 @@ def main() -> int:
         for c in configs
     }
     budget = int(pool_bytes_for(configs, pages) * args.pool_factor)
-    engine = Engine(configs, budget, max_len)
-    out = {
-        "pool_factor": args.pool_factor,
-        "pool_bytes": budget,
-        "fresh": engine.run(chat_rounds(0)),
-    }
-    if hasattr(engine.alloc.parts.prefix, "reset"):  # (older commits have none)
+    cost = gpu_rule(configs)
+    # before: every decode page; after: the cost rule (the default); supersede: the
+    # cost rule with superseded turn ends demoted (``supersede_turns``, off by default)
+    every = CheckpointRule(every_page=True)
+    rules = {"before": (every, False), "after": (cost, False), "supersede": (cost, True)}
+    out = {"pool_factor": args.pool_factor, "pool_bytes": budget, "cost_rule": vars(cost)}
+    for name in args.rules.split(","):
+        engine = Engine(configs, budget, max_len, rules[name][0])
+        engine.sched.prefix.supersede_turns = rules[name][1]
+        out[name] = {"fresh": engine.run(chat_rounds(0))}
         engine.alloc.parts.prefix.reset()
-        out["after_reset"] = engine.run(chat_rounds(0))
+        out[name]["after_reset"] = engine.run(chat_rounds(0))
     print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -227,6 +227,8 @@ def _corrupt(alloc: PoolAllocator, how: str) -> None:
         states.lru.clear()
     elif how == "byid":
         alloc.parts.prefix.by_id.pop(node)
+    elif how == "position":  # recorded one page later than its node's chain
+        states.position[node] += alloc.parts.prefix.roles.page_size
     elif how == "demoted":  # a checkpoint marked superseded that is not first to go
         states.demoted.add(next(reversed(states.lru)))
         states.demoted.add(10**7)
@@ -246,6 +248,7 @@ def _corrupt(alloc: PoolAllocator, how: str) -> None:
         ("byid", "the prefix nodes by id are the live nodes"),
         ("unreachable", "each checkpoint is reachable from the root"),
         ("demoted", "demoted checkpoints are evictable and the first of the LRU"),
+        ("position", "each checkpoint was taken at its node's position"),
     ],
 )
 def test_each_checkpoint_invariant_names_its_corruption(how, message):
@@ -260,6 +263,25 @@ def test_each_checkpoint_invariant_names_its_corruption(how, message):
         from unikv.allocator.checkpoints import check_checkpoints
 
         check_checkpoints(alloc.parts)
+
+
+def test_a_checkpoint_restored_at_another_position_is_caught():
+    """A checkpoint whose recorded position disagrees with the hit restoring it (a
+    state after 12 tokens under the node of 8, say) stops the hit with an assert
+    naming it, before any restore is staged."""
+    alloc = _alloc()
+    tokens = np.arange(11)
+    a = _serve(alloc, tokens, 1.5)
+    assert _checkpoint(alloc, a, tokens[:8])
+    alloc.free_request(a)
+    states = alloc.parts.prefix.states
+    node = next(iter(states.by_node))
+    assert states.position[node] == 8
+    states.position[node] = 12
+    hit = alloc.parts.prefix.match(tokens[:-1])
+    assert hit.num_tokens == 8
+    with pytest.raises(AssertionError, match="a hit restores a checkpoint taken at its own"):
+        alloc.new_request(prefix=hit)
 
 
 def test_restore_copies_through_the_pool_only():
@@ -373,4 +395,54 @@ def test_a_turn_stopped_by_eos_hits_its_answer_next_turn(hybrid, ps):
     computed = len(first) + len(turn.output_ids) - 1  # the stop token was never fed
     assert nxt.num_cached_tokens == computed // ps * ps > (len(first) - 1) // ps * ps
     assert nxt.output_ids == hf_greedy(hf, second, NEW_TOKENS)
+    llm.alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_cost_rule_skips_a_decode_boundary_and_keeps_the_turn_end(hybrid):
+    """With a copy that costs 4.5 tokens of prefill (``CheckpointRule``), a 10-token
+    prompt decoding 8 tokens at page 4 (it computes 17 tokens at most) declines the
+    boundary at 12 (a 4/5 chance to be the turn end x 4 tokens = 3.2 < 4.5) and takes
+    the one at 16 (its last: 1 x 8 tokens since the prompt-end checkpoint at 8 > 4.5):
+    one decode copy instead of two, the same tokens, and the next turn hits 16."""
+    from unikv.engine.checkpoint_rule import CheckpointRule
+
+    path, hf = hybrid
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(8)).tolist()
+    llm = prefix_llm(path, 4, True)
+    llm.scheduler.prefix.rule = CheckpointRule(copy_s=0.0045, prefill_tokens_per_s=1000.0)
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    assert out.output_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+    prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
+    seq = np.array(prompt + out.output_ids, np.int64)
+    node = {k: prefix.walk(seq[:k])[-1].node_id for k in (8, 12, 16)}
+    assert node[12] not in states.by_node and node[16] in states.by_node
+    assert states.demoted == {node[8]} and states.saved == 2  # 8 and 16 only
+    assert prefix.match(seq[:17]).num_tokens == 16
+    llm.alloc.check_integrity()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_next_turn_demotes_the_turn_end_it_extended(hybrid):
+    """With ``supersede_turns``: turn 1 (10-token prompt, 8 new tokens, page 4) ends
+    with a decode checkpoint at 16; turn 2 (its prompt and answer and 3 more tokens)
+    hits 16 and takes its own prompt-end checkpoint at 20: the turn end at 16,
+    superseded, is demoted (first to go), the answers those of transformers; the
+    prompt-end one at 20 is no turn end."""
+    path, hf = hybrid
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, VOCAB, (10,), generator=g).tolist()
+    llm = prefix_llm(path, 4, True)
+    llm.scheduler.prefix.supersede_turns = True  # (off by default)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    (one,) = llm.generate([prompt], params)
+    second = prompt + one.output_ids + torch.randint(0, VOCAB, (3,), generator=g).tolist()
+    prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
+    node16 = prefix.walk(np.array(second[:16], np.int64))[-1].node_id
+    assert node16 in states.turn_ends and node16 not in states.demoted
+    (two,) = llm.generate([second], params)
+    assert two.num_cached_tokens == 16 and two.output_ids == hf_greedy(hf, second, NEW_TOKENS)
+    assert node16 in states.demoted
+    node20 = prefix.walk(np.array(second[:20], np.int64))[-1].node_id
+    assert node20 in states.by_node and node20 not in states.turn_ends
     llm.alloc.check_integrity()

@@ -11,7 +11,12 @@ pages and checkpoints are evicted. After every rule, ``check_integrity()`` and:
   miss starts from zeros;
 - a checkpoint's bytes never change while it exists; no checkpoint slot is a
   live request's slot; a pinned checkpoint (restore pending) is never evicted;
-- every live request's slot holds the last state it wrote.
+- every live request's slot holds the last state it wrote;
+- a decode that completes a page checkpoints there only where the cost rule
+  (``engine/checkpoint_rule.py``; a copy worth 0.5 tokens of prefill at page 1, 1.5
+  at page 4) says so, from the tokens since the request's previous checkpoint and
+  its chance to end there; each checkpoint records the length of the prefix it was taken after
+  (``position``), and a corrupted one is caught (``test_a_misplaced_...``).
 
 Each "prefill" chunk writes values used once (a counter) through the pool's
 Mamba views, so a slot read through the wrong id cannot look right.
@@ -28,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_prefix_cache_stateful import BASES, FenceRules, derandomized
 
 from unikv.allocator import PoolAllocator
+from unikv.engine.checkpoint_rule import CheckpointRule
 from unikv.pool import UnifiedPool, pool_bytes_for
 
 CONTEXT = 24
@@ -59,6 +65,8 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         self.counter = 1
         self.event: FakeEvent | None = None
         self.hits = self.misses = 0
+        self.since: dict[int, int] = {}  # request -> tokens of its latest checkpoint or hit
+        self.decisions = [0, 0]  # decode boundaries declined, taken by the rule
 
     # -- helpers ------------------------------------------------------------------
 
@@ -130,6 +138,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         key = tuple(prompt[: hit.num_tokens])
         assert not key or key in self.shadow, f"a hit of {key} with no checkpoint taken"
         self.prompt[slot], self.held[slot], self.key[slot] = list(prompt), hit.num_tokens, key
+        self.since[slot] = hit.num_tokens
         self.state[slot] = None
         return slot
 
@@ -177,6 +186,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         existed = self._node(key) is not None
         if self.prefix.checkpoint(slot, np.array(key)):
             assert self._node(key) is not None, f"checkpoint of {key} taken but not matched"
+            self.since[slot] = len(key)
             if not existed:
                 self.shadow[key] = self.state[slot].clone()
 
@@ -200,6 +210,14 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         self.prompt[slot].append(token)
         self.held[slot] = held + 1
         self._write_state(slot)
+        if self.held[slot] % self.PS == 0:  # a page completed: the cost rule decides
+            reuse = CheckpointRule.reuse_at(self.held[slot], CONTEXT, self.PS)
+            copy = {1: 0.5, 4: 1.5}[self.PS]  # tokens of prefill: both decisions occur
+            rule = CheckpointRule(copy_s=copy, prefill_tokens_per_s=1.0)
+            take = rule.take(reuse, self.held[slot] - self.since[slot], False, 0.0)
+            self.decisions[take] += 1
+            if take:
+                self._checkpoint(slot, tuple(self.prompt[slot]))
 
     @precondition(lambda self: self.shadow)
     @rule(data=st.data())
@@ -216,7 +234,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
 
     def _free(self, slot: int) -> None:
         self.alloc.free_request(slot)
-        for table in (self.prompt, self.held, self.key, self.state):
+        for table in (self.prompt, self.held, self.key, self.state, self.since):
             del table[slot]
 
     # -- invariants -----------------------------------------------------------------
@@ -241,6 +259,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
             assert torch.equal(self._bytes(self._ckpt_phys(node)), self.shadow[key]), (
                 f"checkpoint of {key} written"
             )
+            assert self.states.position[node] == len(key), f"checkpoint of {key}: its position"
         live = {self._phys(s) for s, v in self.state.items() if v is not None}
         assert not live & ckpts, "a checkpoint slot is a live request's slot"
         for slot, key in self.key.items():
@@ -260,6 +279,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
 def test_prefix_hybrid_state_machine(ps):
     machine = type(f"HybridMachine{ps}", (HybridMachine,), {"PS": ps})
     runs = {"hits": 0, "misses": 0, "restored": 0, "evicted": 0, "evicted_pages": 0}
+    runs |= {"declined": 0, "taken": 0}
 
     class Counted(machine):
         def teardown(self):
@@ -268,8 +288,28 @@ def test_prefix_hybrid_state_machine(ps):
             runs["restored"] += self.states.restored
             runs["evicted"] += self.states.evicted
             runs["evicted_pages"] += self.prefix.counters()["evicted_pages"]
+            runs["declined"] += self.decisions[0]
+            runs["taken"] += self.decisions[1]
 
     Counted.TestCase.settings = derandomized(max_examples=100, steps=40, shrink=False)
     Counted.TestCase().runTest()
     assert runs["hits"] > 20 and runs["restored"] == runs["hits"], runs
     assert runs["evicted"] > 10 and runs["evicted_pages"] > 10 and runs["misses"] > 20, runs
+    assert runs["declined"] > 5 and runs["taken"] > 0, runs  # the rule both ways
+
+
+def test_a_misplaced_checkpoint_is_caught():
+    """A checkpoint recorded one page off its node (a state restored from the wrong
+    position) fails the integrity check and stops the hit that would restore it."""
+    machine = HybridMachine()
+    machine.served_chains()
+    states = machine.states
+    key = next(k for k in machine.shadow if len(k) == 8)
+    node = machine._node(key)
+    states.position[node] += HybridMachine.PS
+    with pytest.raises(AssertionError, match="taken at its node's position"):
+        machine.alloc.check_integrity()
+    hit = machine.prefix.match(np.array(key + (0,), np.int64))
+    assert hit.num_tokens == 8
+    with pytest.raises(AssertionError, match="a hit restores a checkpoint taken at its own"):
+        machine.alloc.new_request(prefix=hit)

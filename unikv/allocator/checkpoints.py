@@ -14,12 +14,13 @@ reaches (a) the end of the cached page run it matched, if that run is longer
 than its hit (the point where it diverges from an earlier prompt: a shared
 system prompt), and (b) the last whole page before its last token (``k =
 (seq_len - 1) // ps``, the longest hit a repeat of its tokens can take), the
-scheduler ends a prefill chunk there; and (c) each time its decode completes a page,
-rolling: the new one drops the request's previous decode checkpoint, so however the
-request stops (EOS, a stop string, ``max_tokens``) its last whole page holds one and
-the next turn of a chat, which repeats prompt and answer, hits both. There the
-request's state slot is copied
-into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
+scheduler ends a prefill chunk there; and (c) when its decode completes a page and
+the cost rule says it pays (``engine/checkpoint_rule.py``; always at the last page
+``max_tokens`` reaches), rolling: the new one drops the request's previous decode
+checkpoint, so the next turn of a chat, which repeats prompt and answer, hits both up
+to the last one taken (a turn end, ``turn_ends``; the next turn demotes it once it
+takes its own). Each records the tokens it was taken after (``position``). There the
+request's state slot is copied into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
 bytes and one Mamba slot per checkpoint, at most one extra prefill chunk per
 boundary (none for (c)). A hit restores
 it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
@@ -87,6 +88,10 @@ class StateCheckpoints:
         self.demoted: set[int] = set()  # superseded node ids (``demote``), first in ``lru``
         self.pending: dict[int, int] = {}  # request slot -> node id to restore
         self.pins: Counter[int] = Counter()  # node id -> pending restores
+        # node id -> tokens the state had seen when copied (a hit restores it only at
+        # that length: ``pin``; stale entries of host-dropped ones are pruned on save)
+        self.position: dict[int, int] = {}
+        self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
         self.host = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
@@ -105,10 +110,18 @@ class StateCheckpoints:
     def num_evictable(self) -> int:
         return len(self.lru)
 
-    def save(self, slot: int, node_id: int, alive: Callable[[], bool]) -> bool:
-        """Copy request ``slot``'s state slot into a checkpoint of ``node_id``;
-        False (nothing changed) when the chain has no room, the request holds no
-        slot, or ``alive()`` says the node was evicted while making room."""
+    def save(
+        self,
+        slot: int,
+        node_id: int,
+        alive: Callable[[], bool],
+        tokens: int,
+        turn_end: bool = False,
+    ) -> bool:
+        """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
+        a checkpoint of ``node_id``; False (nothing changed) when the chain has no
+        room, the request holds no slot, or ``alive()`` says the node was evicted
+        while making room; ``turn_end``: a decode checkpoint (``turn_ends``)."""
         if node_id in self.by_node:
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
@@ -129,6 +142,12 @@ class StateCheckpoints:
         self._copy(src.astype(np.int64), dst)
         self.by_node[node_id] = int(vid[0])
         self.lru[node_id] = None
+        if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
+            self.position = {n: self.position[n] for n in self.nodes() if n in self.position}
+            self.turn_ends &= set(self.position)
+        self.position[node_id] = tokens
+        if turn_end:
+            self.turn_ends.add(node_id)
         self.saved += 1
         return True
 
@@ -144,9 +163,14 @@ class StateCheckpoints:
         """Evictable checkpoints a longer one superseded: the first of the LRU."""
         return len(self.demoted)
 
-    def pin(self, slot: int, node_id: int) -> None:
-        """Request ``slot`` opened with a hit ending at ``node_id``: keep its checkpoint
-        until ``restore`` (or ``unpin``)."""
+    def pin(self, slot: int, node_id: int, tokens: int) -> None:
+        """Request ``slot`` opened with a hit of ``tokens`` tokens ending at
+        ``node_id``: keep its checkpoint until ``restore`` (or ``unpin``)."""
+        assert self.position.get(node_id) == tokens, (
+            f"a hit restores a checkpoint taken at its own length: the hit has {tokens} "
+            f"tokens, the checkpoint of node {node_id} was taken at "
+            f"{self.position.get(node_id)}"
+        )
         self.pending[slot] = node_id
         self.pins[node_id] += 1
         self.lru.pop(node_id, None)
@@ -196,6 +220,8 @@ class StateCheckpoints:
             self.host.drop_checkpoints(node_ids)
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
         for i in node_ids:
+            self.position.pop(i, None)
+            self.turn_ends.discard(i)
             self.lru.pop(i, None)
             self.demoted.discard(i)
         if vids:
@@ -278,3 +304,11 @@ def check_checkpoints(parts) -> None:
     assert set(list(states.lru)[: len(states.demoted)]) == states.demoted, (
         "demoted checkpoints are evictable and the first of the LRU"
     )
+    ps, by_id = prefix.roles.page_size, prefix.by_id
+    for node_id in states.nodes():
+        depth, walk = 0, node_id
+        while walk:
+            depth, walk = depth + 1, by_id[walk].parent_id
+        assert states.position.get(node_id) == depth * ps, (
+            "each checkpoint was taken at its node's position (its chain's tokens)"
+        )

@@ -270,7 +270,7 @@ class PrefixCache:
             self.requests.window_lo[name][slot] = first
             np.add.at(self.wrefs[name], pages[first:], 1)
         if states is not None:
-            states.pin(slot, last)  # restored by alloc_mamba
+            states.pin(slot, last, hit.num_tokens)  # restored by alloc_mamba
         positions = np.arange(hit.num_tokens, dtype=np.int64)
         rows = np.full(hit.num_tokens, slot, np.int64)
         flat = rows * self.requests.max_context + positions
@@ -310,11 +310,14 @@ class PrefixCache:
             self.check()
         return added
 
-    def checkpoint(self, slot: int, token_ids: object, salt: str | None = None) -> bool:
+    def checkpoint(
+        self, slot: int, token_ids: object, salt: str | None = None, turn_end: bool = False
+    ) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
         prefilled and ``insert``-ed; the state must be the one after exactly them).
-        False when nothing was taken: no Mamba sub-pool, no node, or no room."""
+        False when nothing was taken: no Mamba sub-pool, no node, or no room.
+        ``turn_end``: a decode checkpoint (the next turn of a chat extends it)."""
         tokens = self.tokens(token_ids, "prefix.checkpoint")
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
@@ -324,7 +327,8 @@ class PrefixCache:
             return False
         node = found[-1]
         # making room may evict any node of the chain: the checkpoint must stay reachable
-        saved = self.states.save(int(slot), node.node_id, lambda: self.reachable(node.node_id))
+        alive = lambda: self.reachable(node.node_id)
+        saved = self.states.save(int(slot), node.node_id, alive, len(tokens), turn_end)
         self.stats.checkpoints = self.states.saved
         if self.check is not None:
             self.check()

@@ -310,6 +310,7 @@ class LLM:
             prefix_caching=enable_prefix_caching,
             swap=self._swap_space(swap_host_bytes, preemption),
             speculator=self._speculator(max_num_batched_tokens),
+            checkpoint_rule=self._checkpoint_rule() if enable_prefix_caching else None,
         )
         self._rng = random.Random(seed)
         self._next_id = 0
@@ -334,6 +335,21 @@ class LLM:
         weights = sum(p.numel() for p in self.model.parameters())
         flops = 3e14 if self.device.type == "cuda" else 3e10  # sustained, roughly
         return flops / max(2 * weights, 1)
+
+    def _checkpoint_rule(self):
+        """The decode-checkpoint cost rule of a hybrid's prefix cache, its state-slot
+        copy time measured once (``engine/checkpoint_rule.py``); None without state."""
+        from unikv.engine.checkpoint_rule import CheckpointRule, measure_copy_s, state_tokens
+
+        configs = list(self.pool.subpools.values())  # each with its spec and page size
+        slot = [c.page_bytes for c in configs if c.spec.kind == "mamba"]
+        if not slot:
+            return None
+        return CheckpointRule(
+            copy_s=measure_copy_s(self.device, max(slot)),
+            prefill_tokens_per_s=self._prefill_tokens_per_s(),
+            state_tokens=state_tokens(configs),
+        )
 
     def _swap_space(self, host_bytes: int, preemption: str):
         """The host slots preempted requests swap into (None: recompute only), with

@@ -17,11 +17,16 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 
 - the end of the cached page run it matched, if longer than its hit;
 - its last whole page before its last token;
-- while it decodes, every page boundary it completes, rolling: each one drops the
+- while it decodes, the page boundaries it completes where the cost rule says a
+  checkpoint pays (``engine/checkpoint_rule.py``: the chance it is the turn end x the
+  tokens since its previous checkpoint, against the copy and the bytes held; always
+  at the last boundary its ``max_tokens`` reaches), rolling: each one drops the
   request's previous decode checkpoint (or demotes its prompt-end one:
-  ``prefix.demote_checkpoint``), so a request holds at most one, and when it finishes,
-  however it stops (EOS, a stop string, ``max_tokens``), its last whole page holds a
-  checkpoint and the next turn of a chat hits prompt and answer.
+  ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
+  a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
+  it lost hit rate at 2x in ``sim_prefix_hybrid_chat``), a request that opened with a
+  hit at a previous turn's end demotes that checkpoint once it takes one of its own;
+  a junction or prompt-end checkpoint is never demoted for that.
 
 Prefill chunks end at the points (``chunk``); ``after_step`` takes the
 checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
@@ -34,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from unikv.engine.checkpoint_rule import CheckpointRule
 from unikv.placement import worst_case_pages
 
 if TYPE_CHECKING:
@@ -75,13 +81,28 @@ class PrefixCaching(NoPrefixCache):
 
     enabled = True
 
-    def __init__(self, alloc: PoolAllocator, has_state: bool, has_window: bool) -> None:
+    def __init__(
+        self,
+        alloc: PoolAllocator,
+        has_state: bool,
+        has_window: bool,
+        rule: CheckpointRule | None = None,
+    ) -> None:
         super().__init__(alloc)
         self.prefix = alloc.parts.prefix
         self.has_state, self.has_window = has_state, has_window
+        self.rule = CheckpointRule() if rule is None else rule
         # request slot -> tokens of its latest prompt-end or decode checkpoint (the
         # next decode checkpoint of the slot demotes it)
         self.latest: dict[int, int] = {}
+        # request slot -> tokens of its latest checkpoint of any kind, or of its hit
+        self.since: dict[int, int] = {}
+        # request slot -> tokens of its hit when that ended at a previous turn's end
+        # (demoted once the request takes a checkpoint of its own: superseded)
+        self.extends: dict[int, int] = {}
+        # demote a previous turn's end once the next turn takes its own: off (in the
+        # simulation it cost hit rate at 2x the working set; not understood yet)
+        self.supersede_turns = False
         self.page_size = alloc.parts.roles.page_size
 
     def open(self, r: Request):
@@ -101,6 +122,12 @@ class PrefixCaching(NoPrefixCache):
             if ends:
                 self.points[r.slot] = ends
             self.latest.pop(r.slot, None)
+            self.since[r.slot] = hit.num_tokens
+            ends_turn = hit.num_tokens and int(hit.nodes[-1]) in prefix.states.turn_ends
+            if ends_turn and self.supersede_turns:
+                self.extends[r.slot] = hit.num_tokens
+            else:
+                self.extends.pop(r.slot, None)
         return hit
 
     def chunk(self, r: Request, budget: int) -> int:
@@ -121,8 +148,19 @@ class PrefixCaching(NoPrefixCache):
             prompt = len(r.prompt_ids)
             if r.num_cached - n < prompt <= r.num_cached or (window and r.num_cached < prompt):
                 self.share(r)
-            elif state and n == 1 and r.num_cached > prompt and r.num_cached % ps == 0:
-                self._take(r, rolling=True)  # a decode completed a page
+            elif (  # a decode completed a page where the cost rule says it pays
+                state and n == 1 and r.num_cached > prompt and r.num_cached % ps == 0
+            ) and self._pays(r):
+                self._take(r, rolling=True)
+
+    def _pays(self, r: Request) -> bool:
+        """The cost rule at the decode boundary ``r.num_cached`` (host ints only)."""
+        ps, prefix = self.page_size, self.prefix
+        end = len(r.prompt_ids) + r.max_new_tokens - 1  # tokens it computes at most
+        reuse = CheckpointRule.reuse_at(r.num_cached, end, ps)
+        tokens = r.num_cached - self.since.get(r.slot, 0)
+        pressure = 1.0 if prefix.stats.evicted_pages or prefix.states.evicted else 0.0
+        return self.rule.take(reuse, tokens, r.slot not in self.latest, pressure)
 
     def _checkpoint(self, r: Request) -> None:
         ends = self.points.get(r.slot)
@@ -139,7 +177,15 @@ class PrefixCaching(NoPrefixCache):
         prompt-end one: a repeat of the prompt still hits it) and this one is its
         latest."""
         self.share(r)
-        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, r.num_cached), r.cache_salt)
+        turn_end = r.num_cached > len(r.prompt_ids)
+        taken = self.prefix.checkpoint(
+            r.slot, r.token_slice(0, r.num_cached), r.cache_salt, turn_end
+        )
+        if taken:
+            self.since[r.slot] = r.num_cached
+            extended = self.extends.pop(r.slot, None)
+            if extended:  # the previous turn's end: this conversation has moved on
+                self.prefix.demote_checkpoint(r.token_slice(0, extended), salt=r.cache_salt)
         if taken and rolling:
             previous = self.latest.get(r.slot)
             if previous and previous != r.num_cached:  # (one point taken twice: keep it)
@@ -174,6 +220,15 @@ class PrefixCaching(NoPrefixCache):
         self.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids, r.cache_salt)
 
 
-def prefix_policy(alloc: PoolAllocator, caching: bool, has_state: bool, has_window: bool):
-    """``PrefixCaching`` when ``caching``, else ``NoPrefixCache``."""
-    return PrefixCaching(alloc, has_state, has_window) if caching else NoPrefixCache(alloc)
+def prefix_policy(
+    alloc: PoolAllocator,
+    caching: bool,
+    has_state: bool,
+    has_window: bool,
+    rule: CheckpointRule | None = None,
+):
+    """``PrefixCaching`` (with the decode-checkpoint ``rule``, default
+    ``CheckpointRule()``) when ``caching``, else ``NoPrefixCache``."""
+    if caching:
+        return PrefixCaching(alloc, has_state, has_window, rule)
+    return NoPrefixCache(alloc)

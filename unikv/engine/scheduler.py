@@ -74,6 +74,8 @@ class Scheduler:
             preempted requests may swap into.
         speculator: None, or a ``speculative.engine.Speculator``: pure decode steps
             may verify drafts (``_verify``; applied by ``complete_verify``).
+        checkpoint_rule: the decode-checkpoint cost rule of a hybrid's prefix cache
+            (``engine/checkpoint_rule.py``); None: its CPU defaults.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Scheduler:
         prefix_caching: bool = False,
         swap=None,
         speculator=None,
+        checkpoint_rule=None,
     ):
         self.alloc, self.tables = alloc, tables
         self.swap = swap
@@ -100,7 +103,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.num_appended = 0  # tokens the last complete()/complete_ahead() appended
-        self.prefix = prefix_policy(alloc, prefix_caching, self.has_state, self.has_window)
+        self.prefix = prefix_policy(
+            alloc, prefix_caching, self.has_state, self.has_window, checkpoint_rule
+        )
         self._decodes: DecodeSet | None = None  # the decoding set, while still valid
         self._epoch = 0  # requests finished so far (a batch with the same: none of its)
 

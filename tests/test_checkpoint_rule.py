@@ -1,0 +1,73 @@
+"""The decode-checkpoint cost rule (``engine/checkpoint_rule.py``), a pure function:
+a table of inputs and the decisions worked out by hand, the chance a boundary is the
+turn end, a state slot's bytes as displaced tokens, and the rule inside the prefix
+policy (a boundary it declines is not checkpointed; the last one is)."""
+
+from __future__ import annotations
+
+import pytest
+from allocator_fixtures import full_config, mamba_config
+
+from unikv.engine.checkpoint_rule import CheckpointRule, measure_copy_s, state_tokens
+
+# prefill 1000 tok/s, a copy 10 ms, a state slot 50 tokens of pages:
+# gain = reuse * tokens / 1000; cost = 0.010 (+ 0.050 when held under pressure)
+RULE = CheckpointRule(copy_s=0.010, prefill_tokens_per_s=1000.0, state_tokens=50.0)
+
+
+@pytest.mark.parametrize(
+    "reuse, tokens, held, pressure, take",
+    [
+        (1.0, 16, False, 0.0, True),  # 0.016 > 0.010
+        (0.5, 16, False, 0.0, False),  # 0.008 < 0.010: declined ...
+        (0.5, 32, False, 0.0, True),  # ... the gap grew: 0.016 > 0.010
+        (1.0, 10, False, 1.0, False),  # 0.010 = 0.010: not strictly worth it
+        (1.0, 16, True, 0.0, True),  # a new slot, but the pool has room
+        (1.0, 16, True, 1.0, False),  # 0.016 < 0.010 + 0.050
+        (1.0, 64, True, 1.0, True),  # 0.064 > 0.060
+        (0.25, 64, True, 0.5, False),  # 0.016 < 0.010 + 0.025
+        (0.0, 1000, False, 0.0, False),  # never hit: never worth a copy
+    ],
+)
+def test_the_rule_decides_as_worked_out_by_hand(reuse, tokens, held, pressure, take):
+    assert RULE.take(reuse, tokens, held, pressure) is take
+
+
+def test_every_page_takes_each_boundary_and_bad_inputs_are_refused():
+    every = CheckpointRule(copy_s=1.0, prefill_tokens_per_s=1.0, every_page=True)
+    assert every.take(0.0, 0, True, 1.0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s > 0"):
+        CheckpointRule(prefill_tokens_per_s=0.0)
+    with pytest.raises(ValueError, match="copy_s >= 0"):
+        CheckpointRule(copy_s=-1.0)
+
+
+@pytest.mark.parametrize(
+    "boundary, end, ps, reuse",
+    [
+        (112, 127, 16, 1.0),  # max_tokens ends before 128: the turn end
+        (96, 127, 16, 16 / 31),  # 31 tokens left, a stop uniform over them
+        (80, 127, 16, 16 / 47),
+        (111, 127, 16, 1.0),  # exactly one page left
+        (12, 17, 4, 4 / 5),
+        (16, 17, 4, 1.0),
+    ],
+)
+def test_the_chance_a_boundary_is_the_turn_end(boundary, end, ps, reuse):
+    assert CheckpointRule.reuse_at(boundary, end, ps) == pytest.approx(reuse)
+
+
+def test_a_state_slot_in_displaced_tokens():
+    # full: 1 layer, 1 KV head of dim 2, fp32, K and V: 16 bytes a token; the Mamba
+    # slot holds a conv state of 3 and a temporal state of 5 fp32: 32 bytes
+    assert state_tokens([full_config(4), mamba_config()]) == pytest.approx(32 / 16)
+    assert state_tokens([full_config(4)]) == 0.0
+    assert state_tokens([mamba_config()]) == 0.0  # nothing to displace
+
+
+def test_cpu_copy_cost_is_the_fixed_default():
+    import torch
+
+    from unikv.engine.checkpoint_rule import CPU_COPY_S
+
+    assert measure_copy_s(torch.device("cpu"), 1 << 20) == CPU_COPY_S

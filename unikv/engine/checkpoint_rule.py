@@ -1,0 +1,102 @@
+"""When a decode page boundary of a hybrid request earns a state checkpoint (issue 41).
+
+A checkpoint at a decode boundary ``b`` is what the next turn of a chat hits when
+the request stops before its next boundary (a later one supersedes it otherwise).
+A hit there instead of at the request's previous checkpoint ``p`` saves
+recomputing ``b - p`` tokens. So (``CheckpointRule.take``, a pure function):
+
+    take  <=>  reuse * tokens / prefill_tokens_per_s
+                 >  copy_s + held * pressure * state_tokens / prefill_tokens_per_s
+
+- ``reuse``: the chance it is the request's last boundary (``reuse_at``): 1 when
+  its ``max_tokens`` ends before the next one (the turn end), else ``page_size``
+  over the tokens it may still decode (a stop point uniform over what is left);
+- ``tokens``: the tokens since the request's previous checkpoint (or its hit):
+  the rule declines a boundary, the gap grows, and a later one pays;
+- ``copy_s``: one state-slot copy with its launches and host work, measured once at
+  start-up (``measure_copy_s``; CPU: ``CPU_COPY_S``, fixed, so tests are
+  deterministic);
+- ``held``: the checkpoint adds a slot the cache keeps (a request's first decode
+  checkpoint with no prompt-end one to supersede; a rolling one replaces its
+  predecessor); ``pressure``: 1 once the cache has evicted (what a slot displaces
+  would have been reused), 0 while the pool has room; ``state_tokens``: one state
+  slot's bytes as tokens of the token sub-pools' pages it displaces.
+
+``every_page``: the earlier rule (a checkpoint at every decode boundary), kept for
+same-run A/B in the simulation. The other checkpoint points (the junction where a
+prompt leaves the cached run it matched, the prompt's last whole page) are placed
+unconditionally: reuse there is likely (``engine/prefix_policy.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+CPU_COPY_S = 0.0  # a memcpy of a state slot: nothing next to a CPU forward
+LAUNCH_S = 20e-6  # host work and launches of one checkpoint (share, walk, bind, copy)
+
+
+@dataclass(frozen=True)
+class CheckpointRule:
+    """The decode-checkpoint cost rule (module docstring)."""
+
+    copy_s: float = CPU_COPY_S
+    prefill_tokens_per_s: float = 1e4
+    state_tokens: float = 0.0
+    every_page: bool = False
+
+    def __post_init__(self) -> None:
+        if self.copy_s < 0 or self.prefill_tokens_per_s <= 0 or self.state_tokens < 0:
+            raise ValueError(
+                "CheckpointRule needs copy_s >= 0, prefill_tokens_per_s > 0 and "
+                f"state_tokens >= 0, got {self.copy_s}, {self.prefill_tokens_per_s}, "
+                f"{self.state_tokens}"
+            )
+
+    def take(self, reuse: float, tokens: int, held: bool, pressure: float) -> bool:
+        """Whether a checkpoint hit with probability ``reuse``, saving ``tokens`` of
+        recompute, is worth its copy and (``held``) the bytes it keeps under
+        ``pressure`` (0..1)."""
+        if self.every_page:
+            return True
+        gain = reuse * tokens / self.prefill_tokens_per_s
+        hold = pressure * self.state_tokens / self.prefill_tokens_per_s if held else 0.0
+        return gain > self.copy_s + hold
+
+    @staticmethod
+    def reuse_at(boundary: int, end: int, page_size: int) -> float:
+        """The chance that ``boundary`` (tokens computed) is a request's last whole
+        page: it computes ``end`` tokens at most (prompt + max new tokens - 1) and
+        stops uniformly over what is left."""
+        left = end - boundary
+        return 1.0 if left < page_size else page_size / left
+
+
+def state_tokens(configs) -> float:
+    """One state slot's bytes as tokens of the token sub-pools' pages (``configs``:
+    the pool's sub-pools or their configs: a spec and a page size each): the cached tokens a checkpoint displaces."""
+    state = sum(c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind == "mamba")
+    per_token = sum(
+        c.spec.page_bytes(c.page_size) / c.page_size for c in configs if c.spec.kind != "mamba"
+    )
+    return state / per_token if per_token else 0.0
+
+
+def measure_copy_s(device: torch.device, num_bytes: int) -> float:
+    """One state-slot copy of ``num_bytes`` on ``device`` plus ``LAUNCH_S`` (CUDA:
+    one warm-up and ten timed device copies, start-up only: it syncs); on CPU
+    ``CPU_COPY_S``."""
+    if device.type != "cuda" or num_bytes <= 0:
+        return CPU_COPY_S
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / 10 + LAUNCH_S
