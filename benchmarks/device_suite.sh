@@ -30,7 +30,8 @@ lane 200 tests/test_odd_widths_gpu.py tests/test_kernels_gemv.py \
   tests/test_kernels_fused_step_gpu.py &
 # the twentieth session's families (Bamba, Granite-4.0-H, Zamba2; Qwen3.5-MoE, Gemma-3
 # multimodal, LFM2; Kimi-Linear), FP8 block weights, speculative decoding
-lane 240 tests/test_engine_mamba_hybrids_gpu.py tests/test_engine_new_families_gpu.py &
+lane 240 tests/test_engine_mamba_hybrids_gpu.py tests/test_engine_new_families_gpu.py \
+  tests/test_prefix_checkpoint_gpu.py &
 lane 240 tests/test_engine_kimi_linear_gpu.py tests/test_kernels_fp8_gemm.py \
   tests/test_spec_gpu.py &
 wait
