@@ -8,6 +8,8 @@ compare up to fp32 near-ties: a hit prefills only the suffix, through other
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from gpu_fixtures import References, assert_greedy_up_to_ties, assert_same_greedy, roomy_bytes
@@ -131,6 +133,11 @@ def test_a_hybrid_chat_turn_hits_prompt_and_answer(models, ps):
                        max_model_len=160, chunk=16)  # fmt: skip
     llm = prefix_llm(path, ps, True, device="cuda", debug=False, kv_cache_bytes=room,
                      max_model_len=160)  # fmt: skip
+    # the mechanism under test, not the cost rule: on a tiny model recomputing a page
+    # costs less than a measured copy, so the rule (engine/checkpoint_rule.py, tested
+    # on its own) would take no decode checkpoint; pin the every-page placement
+    policy = llm.scheduler.prefix
+    policy.rule = dataclasses.replace(policy.rule, every_page=True)
 
     def up_to_ties(prompt, outputs):
         want = refs.greedy([prompt], 2 * ps + 3)
