@@ -190,6 +190,8 @@ class EngineLoop:
             if pairs:
                 self.publish(pairs)
 
+        # tensor-parallel workers end the same completion at the same step boundary
+        end.mirror = ("stop_completion", group.request_id, index)  # type: ignore[attr-defined]
         self.call(end)
 
     def call(self, fn: Callable[[], object]) -> Future:

@@ -398,6 +398,8 @@ class LeaderLoop(EngineLoop):
         method = _llm_method(fn, self.llm)
         if method is not None:
             self.workers.send(("call", *method))
+        elif (mirror := getattr(fn, "mirror", None)) is not None:  # a loop-level change
+            self.workers.send(mirror)  # ("stop_completion", request id, index)
         return fn()
 
     def _stop_work(self) -> None:

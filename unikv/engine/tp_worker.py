@@ -36,8 +36,9 @@ def group_message(group: RequestGroup) -> tuple:
         structured = (params.structured.kind, params.structured.spec)
         params = replace(params, structured=None)
     seeds = [(r.request_id, r.seed) for r in group.requests]
+    detokenizes = first.track.tokenizer is not None  # stop strings matched in the engine
     return (first.prompt_ids, params, structured, seeds, first.stop_ids, first.cache_salt,
-            group.sink is not None)  # fmt: skip
+            group.sink is not None, detokenizes)  # fmt: skip
 
 
 def _drop(delta) -> None:
@@ -45,7 +46,7 @@ def _drop(delta) -> None:
 
 
 def rebuild(llm, message: tuple) -> RequestGroup:
-    ids, params, structured, seeds, stop_ids, cache_salt, has_sink = message
+    ids, params, structured, seeds, stop_ids, cache_salt, has_sink, detokenizes = message
     if structured is not None:
         from unikv.engine.structured import compile_structured
 
@@ -55,7 +56,10 @@ def rebuild(llm, message: tuple) -> RequestGroup:
         r = Request(request_id, list(ids), params, seed, stop_ids, llm.max_model_len)
         r.cache_salt = cache_salt
         requests.append(r)
-    return RequestGroup(requests, None, _drop if has_sink else None, llm.tokenizer)
+    # as rank 0's group: without its tokenizer, stop strings are the API process's to
+    # find (``unikv serve``'s engine process), and they come back as stop_completion
+    tokenizer = llm.tokenizer if detokenizes else None
+    return RequestGroup(requests, None, _drop if has_sink else None, tokenizer)
 
 
 def collective_error(err: BaseException) -> bool:
@@ -135,6 +139,9 @@ def _follow(llm, conn, rank: int) -> None:
                 loop.step()
             elif op == "call":
                 getattr(llm, message[1])(*message[2])
+            elif op == "stop_completion":  # a stop string the API process found
+                if (g := groups.get(message[1])) is not None:
+                    loop.stop_completion(g, message[2])
             elif op == "recover":
                 loop.recover()
             elif op == "stop":
