@@ -214,6 +214,31 @@ def assert_pool_empty(llm) -> None:
     assert_pages_returned(llm)
 
 
+def run_preempting(path: str, refs, tie: float, **kw):
+    """fp32 on CUDA (graphs on) in a pool that holds two requests of 160 tokens (each
+    sub-pool's worst case: full pages, a window, a state slot), so the batch of
+    ``engine_prompts(11)`` (6 prompts of up to 100 + NEW_TOKENS tokens) must preempt:
+    transformers' greedy tokens up to ``tie``, at least one preemption, the pool empty
+    after. ``kw`` goes to ``gpu_llm``; returns the LLM."""
+    from unikv.engine import SamplingParams
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.placement import worst_case_pages
+    from unikv.pool import pool_bytes_for
+
+    chunk = kw.setdefault("max_num_batched_tokens", CHUNK)
+    configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
+    pages = {c.name: 2 * worst_case_pages(c.spec, 16, 160, chunk) for c in configs}
+    prompts = engine_prompts(11)
+    llm = gpu_llm(path, torch.float32, kv_cache_bytes=pool_bytes_for(configs, pages),
+                  max_model_len=160, **kw)  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+    greedy = refs.greedy(prompts, NEW_TOKENS)
+    assert_greedy_up_to_ties(refs.model(torch.float32), prompts, outputs, greedy, tie)
+    assert llm.stats.preemptions > 0
+    assert_pool_empty(llm)
+    return llm
+
+
 def decode_without_host_sync(llm, prompts: list[list[int]], steps: int = 3) -> None:
     """Prefill ``prompts`` (synchronous steps), then run ``steps`` decode steps in
     the engine loop's order (schedule N, launch N, resolve N-1, complete_ahead N)

@@ -21,14 +21,13 @@ from gpu_fixtures import (
     NEW_TOKENS,
     assert_bf16_close,
     assert_fp32_greedy,
-    assert_greedy_up_to_ties,
     assert_pool_empty,
     bf16_token_checks,
     decode_without_host_sync,
     engine_prompts,
-    gpu_llm,
     llms_fixture,
     refs_fixture,
+    run_preempting,
 )
 from mamba_hybrid_fixtures import bamba_config, granite_config, save_hf, zamba2_config
 
@@ -57,24 +56,7 @@ def test_fp32_greedy_identical_with_triton_and_graphs(refs, llms, page_size, gra
 
 
 def test_fp32_graphs_under_preemption_and_tiny_chunks(saved, refs):
-    from unikv.engine import SamplingParams
-    from unikv.hf_config import specs_from_hf_config
-    from unikv.pool import pool_bytes_for
-
-    _, path = saved
-    configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
-    # two requests of max_model_len (160 tokens, 10 pages) and their state slots
-    budget = pool_bytes_for(
-        configs, {c.name: (2 if c.spec.kind == "mamba" else 20) for c in configs}
-    )
-    prompts = engine_prompts(11)
-    llm = gpu_llm(path, torch.float32, kv_cache_bytes=budget, max_model_len=160,
-                  max_num_batched_tokens=24)  # fmt: skip
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
-    greedy = refs.greedy(prompts, NEW_TOKENS)
-    assert_greedy_up_to_ties(refs.model(torch.float32), prompts, outputs, greedy, FP32_TIE)
-    assert llm.stats.preemptions > 0
-    assert_pool_empty(llm)
+    run_preempting(saved[1], refs, FP32_TIE, max_num_batched_tokens=24)
 
 
 def test_bf16_teacher_forced(saved, refs, llms):

@@ -19,13 +19,11 @@ from gpu_fixtures import (
     NEW_TOKENS,
     assert_bf16_close,
     assert_fp32_greedy,
-    assert_greedy_up_to_ties,
-    assert_pool_empty,
     bf16_token_checks,
     engine_prompts,
-    gpu_llm,
     llms_fixture,
     refs_fixture,
+    run_preempting,
 )
 
 pytestmark = pytest.mark.gpu
@@ -57,28 +55,10 @@ def test_fp32_greedy_identical_with_triton_and_graphs(refs, llms, page_size, gra
 
 
 def test_fp32_graphs_under_preemption(saved, refs):
-    from unikv.engine import SamplingParams
-    from unikv.hf_config import specs_from_hf_config
-    from unikv.placement import worst_case_pages
-    from unikv.pool import pool_bytes_for
-
-    _, path = saved
-    configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
-    # two requests of max_model_len (160 tokens: 10 full-attention pages, a window's
-    # pages, a state slot each): the batch (6 prompts of up to 100 + 32 tokens) must
-    # preempt (Gemma-3's sliding sub-pool holds only its windows: 20 pages there left
-    # the full-attention band room for the whole batch, and nothing preempted)
-    budget = pool_bytes_for(
-        configs, {c.name: 2 * worst_case_pages(c.spec, 16, 160, 32) for c in configs}
-    )
-    prompts = engine_prompts(11)
-    llm = gpu_llm(path, torch.float32, kv_cache_bytes=budget, max_model_len=160)
+    # each sub-pool's worst case: Gemma-3's sliding sub-pool holds only its windows (20
+    # pages there left the full-attention band room for the whole batch)
+    llm = run_preempting(saved[1], refs, FP32_TIE)
     assert llm.runner.graphs is not None
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
-    greedy = refs.greedy(prompts, NEW_TOKENS)
-    assert_greedy_up_to_ties(refs.model(torch.float32), prompts, outputs, greedy, FP32_TIE)
-    assert llm.stats.preemptions > 0
-    assert_pool_empty(llm)
 
 
 def test_bf16_teacher_forced(saved, refs, llms):
