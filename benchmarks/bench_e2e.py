@@ -111,12 +111,15 @@ def model_config(name: str, tiny: bool) -> dict:
     return cfg
 
 
-def save_model(name: str, path: Path, device: str, dtype: torch.dtype, tiny: bool) -> None:
-    """Random-init transformers model ``name`` (seed 0), saved to ``path``."""
+def save_model(
+    name: str, path: Path, device: str, dtype: torch.dtype, tiny: bool, cfg: dict | None = None
+) -> None:
+    """Random-init transformers model ``name`` (seed 0), saved to ``path``; ``cfg``: its
+    config.json (default: ``model_config(name, tiny)``)."""
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model_config(name, tiny)))
+    (path / "config.json").write_text(json.dumps(cfg or model_config(name, tiny)))
     config = tf.AutoConfig.from_pretrained(path)
     torch.manual_seed(0)
     with torch.device(device):

@@ -21,8 +21,8 @@ The roofline is read from the loaded unikv model and its pool, so it holds for a
 family: per class max(bytes / copy bandwidth, FLOPs / bf16 matmul rate), both
 measured in this run, summed:
 
-- ``weights``: every parameter but the experts (the input embedding only when tied
-  to the head), read once; FLOPs 2 x batch x those of the linears;
+- ``weights``: every parameter but the experts (the input embedding only where it
+  is the head's own tensor), read once; FLOPs 2 x batch x those of the linears;
 - ``experts``: the routed experts a batch hits, E (1 - (1 - k/E)^B) of E per layer;
 - ``kv``: per attention sub-pool, its bytes per token (all its layers) x the tokens
   a request reads there (min(context, window)) x batch;
@@ -129,17 +129,10 @@ def model_config(name: str, tiny: bool) -> dict:
 
 def save_model(name: str, path: Path, device: str, dtype: torch.dtype, tiny: bool) -> dict:
     """Random-init transformers model of shape ``name`` (seed 0) saved to ``path``."""
-    import transformers as tf
+    import bench_e2e
 
     cfg = model_config(name, tiny)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    config = tf.AutoConfig.from_pretrained(path)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(path)
-    del model
+    bench_e2e.save_model(name, path, device, dtype, tiny, cfg=cfg)
     return cfg
 
 
@@ -157,14 +150,15 @@ def work(llm, cfg: dict, batch: int, context: float) -> dict:
     """{class: (bytes, FLOPs)} one decode step of ``batch`` requests at mean
     ``context`` must move and do, from the loaded model and its pool (module doc)."""
     model = llm.model
-    tied = bool(cfg.get("tie_word_embeddings", False))
+    head = getattr(model, "lm_head", None)
+    head_ptr = head.weight.data_ptr() if head is not None else None
     dense_bytes = expert_bytes = linear_params = 0
     for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".experts." in name or name.endswith(".experts"):
             expert_bytes += nbytes
-        elif "embed_tokens" in name and not tied:
-            continue  # a lookup of B rows
+        elif "embed_tokens" in name and p.data_ptr() != head_ptr:
+            continue  # a lookup of B rows (the head reads its own copy of a tied table)
         else:
             dense_bytes += nbytes
     for m in model.modules():
@@ -192,23 +186,14 @@ def work(llm, cfg: dict, batch: int, context: float) -> dict:
 
 
 def roofline(llm, cfg: dict, batch: int, context: float, rates: tuple) -> dict:
+    """bench_breakdown's per-class roofline over ``work``, with the step's bytes and
+    their time at copy bandwidth."""
+    import bench_breakdown as bd
+
     copy_bps, flops = rates
-    classes = {}
-    for cls, (nbytes, nflops) in work(llm, cfg, batch, context).items():
-        t_bytes, t_flops = nbytes / copy_bps, nflops / flops
-        classes[cls] = {
-            "bytes": nbytes,
-            "flops": nflops,
-            "ms": max(t_bytes, t_flops) * 1e3,
-            "bound": "flops" if t_flops > t_bytes else "bytes",
-        }
-    total_bytes = sum(c["bytes"] for c in classes.values())
-    return {
-        "classes": classes,
-        "step_ms": sum(c["ms"] for c in classes.values()),
-        "bytes": total_bytes,
-        "bytes_ms": total_bytes / copy_bps * 1e3,
-    }
+    roof = bd.step_roofline(cfg, batch, context, 0, copy_bps, flops, work(llm, cfg, batch, context))
+    total_bytes = sum(c["bytes"] for c in roof["classes"].values())
+    return {**roof, "bytes": total_bytes, "bytes_ms": total_bytes / copy_bps * 1e3}
 
 
 # -- the runs ------------------------------------------------------------------------------
