@@ -30,17 +30,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# gloo on CPU always; NCCL with one GPU per rank only on a 2-GPU machine (-m gpu)
-BACKENDS = [
-    "gloo",
-    pytest.param(
-        "nccl",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-        ],
-    ),
-]
+def backends(ranks: int) -> list:
+    """gloo on CPU always; NCCL with one GPU per rank only on a machine with ``ranks``
+    GPUs (-m gpu)."""
+    return [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < ranks, reason=f"needs {ranks} GPUs"),
+            ],
+        ),
+    ]
+
+
+BACKENDS = backends(2)
 
 
 def rank_device(backend: str, rank: int) -> torch.device:

@@ -30,7 +30,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from dist_fixtures import init_group, rank_device, run_n, save_result
+from dist_fixtures import backends, init_group, rank_device, run_n, save_result
 from engine_fixtures import (
     VOCAB,
     hf_greedy,
@@ -154,17 +154,7 @@ def _worker(rank, port, out_dir, backend: str, paths: dict, bad: str) -> None:
     dist.destroy_process_group()
 
 
-# gloo on CPU always; NCCL with one GPU per rank only on a 4-GPU machine (-m gpu)
-BACKENDS = [
-    "gloo",
-    pytest.param(
-        "nccl",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs"),
-        ],
-    ),
-]
+BACKENDS = backends(4)  # gloo; NCCL on a 4-GPU machine (-m gpu)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
