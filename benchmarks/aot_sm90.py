@@ -20,7 +20,7 @@ which then cannot be compiled): the tests start it in a subprocess.
 
 ``moe_kernels(cfg, mxfp4)`` gives the two MoE launches at gpt-oss's expert shape
 (32 experts, d = I = 2880, top-4, interleaved gate/up, biases); the tests compile
-configs through it (``tests/test_kernels_sm90_compile.py``).
+configs through it (``tests/kernels/test_kernels_sm90_compile.py``).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     ]
 
 
-# the GPU tests' 16-row, whole-block tile (tests/test_kernels_moe_hopper.py), beside the table
+# the GPU tests' 16-row, whole-block tile (tests/kernels/test_kernels_moe_hopper.py), beside the table
 TEST_TILE = (16, 3, False, 4)
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call: the two-minute GPU smoke (tests/test_gpu_smoke.py, `-m smoke`), then,
+# One device call: the two-minute GPU smoke (tests/engine/test_gpu_smoke.py, `-m smoke`), then,
 # optionally, the whole GPU suite with a wall-clock cap, one pytest process per file.
 #
 # Usage: bash benchmarks/device_smoke.sh [SUITE_S]
@@ -43,7 +43,7 @@ if [ "$smoke_s" -gt 0 ]; then
   echo "=== smoke ($(date +%T))"
   start=$(date +%s)
   timeout "$smoke_s" python3 -m pytest -m smoke -x -q -rA $(per_test 100) -p no:cacheprovider \
-    --junitxml="$OUT/smoke.xml" tests/test_gpu_smoke.py 2>&1 | tee "$OUT/smoke.log"
+    --junitxml="$OUT/smoke.xml" tests/engine/test_gpu_smoke.py 2>&1 | tee "$OUT/smoke.log"
   smoke_rc=${PIPESTATUS[0]}
   echo "=== smoke exit $smoke_rc in $(($(date +%s) - start)) s ($(date +%T))"
   [ "$smoke_rc" = 124 ] && echo "=== smoke TIMED OUT after ${smoke_s}s: see the last test in smoke.log"
@@ -62,7 +62,7 @@ files=(${FILES:-})
 [ -n "${FILES:-}" ] && first=()
 for name in "${first[@]}"; do [ -f "tests/$name.py" ] && files+=("tests/$name.py"); done
 for f in $([ -n "${FILES:-}" ] || grep -l "mark.gpu" tests/test_*.py | sort); do
-  [ "$f" = tests/test_gpu_smoke.py ] && continue
+  [ "$f" = tests/engine/test_gpu_smoke.py ] && continue
   case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
 done
 

@@ -16,26 +16,26 @@ lane() {
     echo "    $(basename "$f"): $(tail -1 "$R/logs/$(basename "$f" .py).log")" >>"$R/summary.txt"
   done
 }
-lane 300 tests/test_prefix_gpu.py tests/test_engine_hybrid_gpu.py tests/test_launch_gpu.py \
-  tests/test_io_gpu.py tests/test_allocator_gpu.py tests/test_engine_gemma_gpu.py &
-lane 240 tests/test_engine_gpu.py tests/test_allocator_pressure_gpu.py &
-lane 240 tests/test_kernels_mla_gpu.py tests/test_kernels_mla_decode.py \
-  tests/test_kernels_recurrent_gpu.py &
-lane 240 tests/test_kernels_gpu.py tests/test_engine_deepseek_gpu.py &
-lane 200 tests/test_gpu_smoke.py tests/test_mla_expanded.py tests/test_kernels_elementwise.py \
-  tests/test_models_fp8.py tests/test_kernels_moe.py &
-lane 480 tests/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
+lane 300 tests/engine/test_prefix_gpu.py tests/engine/test_engine_hybrid_gpu.py tests/engine/test_launch_gpu.py \
+  tests/io/test_io_gpu.py tests/allocator/test_allocator_gpu.py tests/engine/test_engine_gemma_gpu.py &
+lane 240 tests/engine/test_engine_gpu.py tests/allocator/test_allocator_pressure_gpu.py &
+lane 240 tests/kernels/test_kernels_mla_gpu.py tests/kernels/test_kernels_mla_decode.py \
+  tests/kernels/test_kernels_recurrent_gpu.py &
+lane 240 tests/kernels/test_kernels_gpu.py tests/engine/test_engine_deepseek_gpu.py &
+lane 200 tests/engine/test_gpu_smoke.py tests/kernels/test_mla_expanded.py tests/kernels/test_kernels_elementwise.py \
+  tests/models/test_models_fp8.py tests/kernels/test_kernels_moe.py &
+lane 480 tests/engine/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
 # odd cache widths (issue 38 item 6), the shared decoder's GEMV and fused step
-lane 200 tests/test_odd_widths_gpu.py tests/test_kernels_gemv.py \
-  tests/test_kernels_fused_step_gpu.py &
+lane 200 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \
+  tests/kernels/test_kernels_fused_step_gpu.py &
 # the twentieth session's families (Bamba, Granite-4.0-H, Zamba2; Qwen3.5-MoE, Gemma-3
 # multimodal, LFM2; Kimi-Linear), FP8 block weights, speculative decoding
-lane 240 tests/test_engine_mamba_hybrids_gpu.py tests/test_engine_new_families_gpu.py \
-  tests/test_prefix_checkpoint_gpu.py &
-lane 240 tests/test_engine_kimi_linear_gpu.py tests/test_kernels_fp8_gemm.py \
-  tests/test_spec_gpu.py &
+lane 240 tests/engine/test_engine_mamba_hybrids_gpu.py tests/engine/test_engine_new_families_gpu.py \
+  tests/engine/test_prefix_checkpoint_gpu.py &
+lane 240 tests/engine/test_engine_kimi_linear_gpu.py tests/kernels/test_kernels_fp8_gemm.py \
+  tests/engine/test_spec_gpu.py &
 wait
 # the elastic pool's CUDA backing (issue 44) measures free memory: alone, after the lanes
-lane 150 tests/test_backing_gpu.py
+lane 150 tests/core/test_backing_gpu.py
 grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
 device_finish

@@ -1,5 +1,5 @@
 """Models whose cache rows are not a multiple of 16 bytes (issue 38, item 6): the
-cases of ``tests/test_odd_widths.py`` (CPU) and ``tests/test_odd_widths_gpu.py``.
+cases of ``tests/kernels/test_odd_widths.py`` (CPU) and ``tests/kernels/test_odd_widths_gpu.py``.
 
 A case is a tiny transformers checkpoint with one odd width:
 

@@ -15,7 +15,7 @@ set to ``stride`` elements, and reports the widest ``ld.global`` in bytes. A loa
 sound iff it is at most ``max(4, gcd(16, stride * itemsize))`` bytes (a 4-byte load
 is one int32 table entry or one fp32 / two 16-bit elements of a 4-byte-aligned row).
 
-Run without ``TRITON_INTERPRET`` (``tests/test_odd_widths.py`` starts it in a
+Run without ``TRITON_INTERPRET`` (``tests/kernels/test_odd_widths.py`` starts it in a
 subprocess): ``python tests/ptx_alignment.py`` prints one JSON list of
 ``[name, stride, itemsize, widest_bytes]`` (widest_bytes is the error's text where
 the kernel does not compile: ``python tests/ptx_alignment.py mla|mha|all``).

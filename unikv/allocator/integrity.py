@@ -1,6 +1,6 @@
 """check_integrity: every invariant of the chain, checked on host mirrors and
 device tables (host syncs; for tests and debug mode). Each assert names its
-invariant; ``tests/test_integrity_allocator.py`` breaks each one alone and
+invariant; ``tests/allocator/test_integrity_allocator.py`` breaks each one alone and
 expects its name (docs/design.md section 10 lists them).
 
     check_pool      the buffer, the sink, each grid and view (the geometry)

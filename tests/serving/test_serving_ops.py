@@ -49,7 +49,7 @@ from unikv.serving.ops import ServeOptions
 pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "sekret-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana-unikv.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-unikv.json"
 
 
 def _error(r: httpx.Response, status: int) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks import bench_capacity_real as bench
 from benchmarks.capacity_models import SCHEME_RULES, static_shares

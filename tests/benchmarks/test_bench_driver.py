@@ -10,7 +10,7 @@ from pathlib import Path
 
 from benchmarks import run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _driver(*args: str) -> subprocess.CompletedProcess:

@@ -97,7 +97,7 @@ def test_every_family_runs_on_the_decoder():
     for family in FAMILIES:
         if family.model is not None:
             assert issubclass(family.model_class(), DecoderLM), family.name
-    models = pathlib.Path(__file__).parents[1] / "unikv" / "models"
+    models = pathlib.Path(__file__).parents[2] / "unikv" / "models"
     defined = [p.name for p in models.rglob("*.py") if "class Backbone" in p.read_text()]
     assert defined == ["decoder.py"]
 

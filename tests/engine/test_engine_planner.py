@@ -49,7 +49,7 @@ from unikv.ids import PhysicalPageIds
 from unikv.kernels import OPS, KernelBackend, get_backend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-ENGINE = pathlib.Path(__file__).resolve().parents[1] / "unikv" / "engine"
+ENGINE = pathlib.Path(__file__).resolve().parents[2] / "unikv" / "engine"
 
 
 @pytest.fixture(scope="module")

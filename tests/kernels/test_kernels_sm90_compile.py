@@ -19,7 +19,7 @@ import pytest
 
 from unikv.kernels import moe, moe_hopper
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks import aot_sm90
 

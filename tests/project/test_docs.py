@@ -26,7 +26,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STRUCTURE = ROOT / "docs" / "structure.md"
 SUBPACKAGES = {p.parent.name for p in (ROOT / "unikv").glob("*/__init__.py")}
 
@@ -146,7 +146,7 @@ def test_every_cited_section_exists():
 
 def test_every_path_and_test_a_document_names_exists():
     """Backticked repo paths in README.md and docs/*.md (``unikv/pool.py``,
-    ``tests/test_layout.py::test_name``) name files, and tests, that exist."""
+    ``tests/core/test_layout.py::test_name``) name files, and tests, that exist."""
     missing = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text(encoding="utf-8")

@@ -57,7 +57,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT_LENS = [5, 17, 33, 60]
 NEW_TOKENS = 24
 V3 = {"heads": 128, "rank": 512, "rope": 64, "nope": 128, "v_dim": 128}
-PREFILL_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/mla_prefill_h200.json"
+PREFILL_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results/mla_prefill_h200.json"
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -223,7 +223,7 @@ def test_forms_and_decode_steps():
         ExtendAttention([None], None, None, 1.0, mla_form="fast")
 
 
-WIDE = {  # DeepSeek's MLA widths, 16 heads (as tests/test_engine_deepseek_gpu.py)
+WIDE = {  # DeepSeek's MLA widths, 16 heads (as tests/engine/test_engine_deepseek_gpu.py)
     "hidden_size": 256,
     "num_attention_heads": 16,
     "num_key_value_heads": 16,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from benchmarks import bench_breakdown as bd
 from benchmarks import bench_e2e as e2e

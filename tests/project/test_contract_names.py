@@ -23,7 +23,7 @@ import torch
 from unikv.io.prefix_host import HostStats
 from unikv.io.swap import SwapStats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 NOT_CODE = {"L", "l", "gpu"}  # lengths in formulas; the pytest marker
 FOREIGN = ("torch.", "tl.", "triton.", "np.")  # other projects' names

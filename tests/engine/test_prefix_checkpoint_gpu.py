@@ -4,7 +4,7 @@ request run under ``set_sync_debug_mode("error")`` (any sync raises), and the
 checkpoint's bytes, read after a sync, are the request's state at that moment (a
 second description: the slot's envelope cloned before it changed).
 
-    pytest -q -p no:xdist -m gpu tests/test_prefix_checkpoint_gpu.py
+    pytest -q -p no:xdist -m gpu tests/engine/test_prefix_checkpoint_gpu.py
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Checked against independent derivations made in this process:
   torch.distributed already initialised.
 
 The lifecycle (a killed worker, the interpreter's exit) is in
-``tests/test_tp_launch_lifecycle.py``, the server in ``tests/test_tp_launch_serve.py``.
+``tests/models/test_tp_launch_lifecycle.py``, the server in ``tests/models/test_tp_launch_serve.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # 7-40 hex digits with at least one letter and one digit: a short or full commit id.
 # (An all-digit id cannot be told from a number; an all-letter word is not an id.)
 COMMIT = re.compile(r"(?<![\w.])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?!\w)")

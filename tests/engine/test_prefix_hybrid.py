@@ -303,7 +303,7 @@ def test_a_checkpoint_whose_room_evicted_an_ancestor_is_not_taken():
     of its chain (here: B's block-2 node hangs under A's freed blocks 0-1). Such a
     checkpoint would be unreachable; it is refused, and a later lookup of a chain
     whose ancestor was evicted finds no stale checkpoint (found by the hybrid
-    prefix state machine, tests/test_prefix_hybrid_stateful.py)."""
+    prefix state machine, tests/allocator/test_prefix_hybrid_stateful.py)."""
     alloc = _alloc(pages=8, slots=3)
     prefix, t = alloc.parts.prefix, np.arange(13)
     b = alloc.new_request()  # a miss: B holds private copies of blocks 0-1

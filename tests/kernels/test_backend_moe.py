@@ -35,7 +35,7 @@ from unikv.kernels import backend as kb
 from unikv.kernels import moe_ref
 from unikv.kernels.mxfp4_ref import dequantize_mxfp4
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -164,7 +164,7 @@ def test_odd_rotary_dim_raises():
 
 
 def test_tensor_parallel_size_the_heads_do_not_split_is_refused():
-    """Qwen3.5 shards (``tests/test_tp_recurrent.py``); a size its 4 value heads do not
+    """Qwen3.5 shards (``tests/models/test_tp_recurrent.py``); a size its 4 value heads do not
     split is refused at construction, naming the field."""
     config = model_config_from_hf(
         tiny_hybrid_config("qwen3_5", architectures=["Qwen3_5ForCausalLM"])

@@ -17,7 +17,7 @@ import pytest
 
 from unikv import env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _reads_environ(path: Path) -> list[int]:

@@ -33,7 +33,7 @@ from unikv.kernels import widths as W
 from unikv.placement import SubPoolConfig
 from unikv.specs import MHASpec, MLASpec
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 PTXAS = Path(__import__("triton").__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 

@@ -24,7 +24,7 @@ from unikv.models import family, model_config_from_hf
 from unikv.models.hf import Fields, StateDims, kinds_from
 from unikv.models.registry import model_class
 
-PRESETS = sorted((Path(__file__).parents[1] / "unikv" / "presets").glob("*.json"))
+PRESETS = sorted((Path(__file__).parents[2] / "unikv" / "presets").glob("*.json"))
 
 
 # -- a family is one entry ----------------------------------------------------------------

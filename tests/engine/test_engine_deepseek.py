@@ -6,7 +6,7 @@ nope 12, v_head_dim 20, a dense first layer then MoE) hold one "mla" sub-pool:
 one latent row ``[c | k_rope]`` per layer and token. Decode steps read it in the
 absorbed form; extend steps in the form the step's rule picks (``ExtendAttention.
 expands_mla``: here the prefill-only steps expand, steps mixing decodes with short
-chunks absorb). Each form forced on its own: ``tests/test_mla_expanded.py``.
+chunks absorb). Each form forced on its own: ``tests/kernels/test_mla_expanded.py``.
 
 - greedy tokens identical to transformers' ``generate`` for 24 new tokens over a
   batch of prompts of 5, 17, 33 and 60 tokens, at page sizes 1, 4 and 16, and

@@ -35,7 +35,7 @@ def test_budget_below_one_state_slot_names_the_state(qwen35):
 
 
 def test_tensor_parallel_refused_where_the_recurrent_heads_do_not_split(qwen35):
-    """The recurrent state is sharded by heads (``tests/test_tp_recurrent.py``): TP 2
+    """The recurrent state is sharded by heads (``tests/models/test_tp_recurrent.py``): TP 2
     splits 4 value / 2 key heads, TP 3 splits neither and is refused naming them."""
     config, _ = load_model_config(qwen35)
     check_tp_config(config, 2)

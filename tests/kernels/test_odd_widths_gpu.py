@@ -30,7 +30,7 @@ from odd_width_cases import CASES, NEW_TOKENS, PROMPT_LENS
 
 pytestmark = pytest.mark.gpu
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 PAGE_SIZES = (1, 4, 16)
 DTYPES = ("fp32", "bf16")
 TIMEOUT_S = int(os.environ.get("UNIKV_ODD_WIDTHS_TIMEOUT", "420"))
