@@ -38,6 +38,22 @@ def _check_batch(name: str, num_tokens: int, state, slots, q_indptr, max_q_len, 
     check_same_device(state, slots, q_indptr, *tensors)
 
 
+def check_draft_slots(draft_slots, slots) -> None:
+    """``draft_slots``: None, or (B, k) int32/int64 physical slots, k >= 1, on the
+    slots' device (a speculative verify step's per-draft-position states)."""
+    if draft_slots is None:
+        return
+    check_ids("draft_slots", draft_slots, dim=2)
+    if draft_slots.shape[0] != slots.shape[0] or not draft_slots.shape[1]:
+        raise ValueError(
+            f"draft_slots must be (B, k) = ({slots.shape[0]}, k >= 1) physical slots, one row "
+            f"per lane, got {tuple(draft_slots.shape)}"
+        )
+    if draft_slots.stride(1) != 1:
+        raise ValueError(f"draft_slots needs unit stride on k, got strides {draft_slots.stride()}")
+    check_same_device(slots, draft_slots)
+
+
 def check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation) -> None:
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")

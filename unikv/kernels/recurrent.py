@@ -18,6 +18,14 @@ and writes the state back in place; every stride is passed in, offsets are int64
 State tiles stay in fp32 registers for the whole request: GDN program (b, h, Dv
 block) holds S[:, v0:v0+BLOCK_V] (Dk x BLOCK_V); SSD program (b, h, P block) holds
 S[p0:p0+BLOCK_P, :] (BLOCK_P x N).
+
+Speculative verify steps (``draft_slots`` (B, k), ``recurrent_ref``'s docstring): the
+GDN / SSD programs also store their tile after token j of lane b into slot
+``draft_slots[b, j]`` (j < k, j < the lane's tokens - 1), the same tile of another
+slot, so no program reads what another writes; the conv writes each draft window in
+a launch of its own (program (b, C block, j)) before the live window's launch
+overwrites the state both read. Such steps never take fla-core's chunked kernels
+(they keep no per-token state): the fused-recurrent ones run them (k + 1 tokens).
 """
 
 from __future__ import annotations
@@ -29,7 +37,12 @@ import triton.language as tl
 from unikv.kernels import recurrent_fla
 from unikv.kernels._checks import next_pow2
 from unikv.kernels._interpret import patch_interpreter
-from unikv.kernels._recurrent_checks import check_conv_args, check_gdn_args, check_ssd_args
+from unikv.kernels._recurrent_checks import (
+    check_conv_args,
+    check_draft_slots,
+    check_gdn_args,
+    check_ssd_args,
+)
 
 patch_interpreter()  # tl.range with run-time bounds under TRITON_INTERPRET=1
 
@@ -107,36 +120,48 @@ def _conv_prefill_kernel(
 
 @triton.jit
 def _conv_state_kernel(
-    x, state, slots, q_indptr, x_st, s_s, s_c, s_k, C,
-    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    x, state, slots, q_indptr, draft_slots, x_st, s_s, s_c, s_k, d_st, C,
+    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DRAFT: tl.constexpr,
 ):  # fmt: skip
-    """State of request b <- the last K entries of [state | x_b] (unchanged if empty)."""
-    b = tl.program_id(0)
+    """State of request b <- the last K entries of [state | x_b] (unchanged if empty).
+    DRAFT: program (b, C block, j) writes the window after token j (j < length - 1)
+    into slot draft_slots[b, j] instead; it reads the live state only."""
+    b = tl.program_id(0).to(tl.int64)
     start = tl.load(q_indptr + b).to(tl.int64)
     length = tl.load(q_indptr + b + 1).to(tl.int64) - start
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     k = tl.arange(0, BLOCK_K)
-    idx = length + k  # index into seq = [state (K) | x_b (length)]
-    live = (c < C)[:, None] & (k < K)[None, :] & (length > 0)
     slot = tl.load(slots + b).to(tl.int64)
     row = state + slot * s_s + c.to(tl.int64)[:, None] * s_c
+    if DRAFT:
+        j = tl.program_id(2).to(tl.int64)
+        end = j + 1
+        ok = j < length - 1
+        dst_slot = tl.load(draft_slots + b * d_st + j, mask=ok, other=0).to(tl.int64)
+        dst = state + dst_slot * s_s + c.to(tl.int64)[:, None] * s_c
+    else:
+        end = length
+        ok = length > 0
+        dst = row
+    idx = end + k  # index into seq = [state (K) | x_b (length)]
+    live = (c < C)[:, None] & (k < K)[None, :] & ok
     xv = tl.load(
         x + (start + idx - K)[None, :] * x_st + c[:, None], mask=live & (idx >= K)[None, :]
     )
     sv = tl.load(row + idx[None, :] * s_k, mask=live & (idx < K)[None, :])
     new = tl.where((idx >= K)[None, :], xv.to(tl.float32), sv.to(tl.float32))
     tl.debug_barrier()  # the whole old window is read before it is overwritten
-    tl.store(row + k[None, :] * s_k, new.to(state.dtype.element_ty), mask=live)
+    tl.store(dst + k[None, :] * s_k, new.to(state.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def _gdn_kernel(
-    q, k, v, g, beta, A_log, dt_bias, out, state, slots, q_indptr,
+    q, k, v, g, beta, A_log, dt_bias, out, state, slots, q_indptr, draft_slots,
     q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, g_sh, g_sk, b_st, b_sh, o_st, o_sh,
-    s_s, s_h, s_k, s_v, scale,
+    s_s, s_h, s_k, s_v, d_st, num_draft, scale,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     USE_L2NORM: tl.constexpr, DECODE: tl.constexpr, GATING: tl.constexpr,
-    GROUPS: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    GROUPS: tl.constexpr, PER_CHANNEL: tl.constexpr, DRAFT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -185,17 +210,23 @@ def _gdn_kernel(
         s = s + kt[:, None] * delta[None, :]
         o = tl.sum(s * (qt * scale)[:, None], axis=0)
         tl.store(out + t * o_st + h * o_sh + ov, o.to(out.dtype.element_ty), mask=mv)
+        if DRAFT:  # the state after token j into its draft slot (speculative verify)
+            j = t - start
+            keep = (j < end - start - 1) & (j < num_draft)
+            dslot = tl.load(draft_slots + b * d_st + j, mask=keep, other=0).to(tl.int64)
+            dp = state + dslot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
+            tl.store(dp, s.to(state.dtype.element_ty), mask=m2 & keep)
     tl.store(sp, s.to(state.dtype.element_ty), mask=m2 & (end > start))
 
 
 @triton.jit
 def _ssd_kernel(
-    x, dt, A, Bm, Cm, D, dt_bias, out, state, slots, q_indptr,
+    x, dt, A, Bm, Cm, D, dt_bias, out, state, slots, q_indptr, draft_slots,
     x_st, x_sh, dt_st, dt_sh, b_st, b_sg, c_st, c_sg, o_st, o_sh,
-    s_s, s_h, s_p, s_n, dt_lo, dt_hi,
+    s_s, s_h, s_p, s_n, d_st, num_draft, dt_lo, dt_hi,
     HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, DECODE: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, DECODE: tl.constexpr, DRAFT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -227,6 +258,12 @@ def _ssd_kernel(
         s = s * tl.exp(step * a) + (step * xt)[:, None] * bt[None, :]
         y = tl.sum(s * ct[None, :], axis=1) + skip * xt
         tl.store(out + t * o_st + h * o_sh + op, y.to(out.dtype.element_ty), mask=mp)
+        if DRAFT:  # the state after token j into its draft slot (speculative verify)
+            j = t - start
+            keep = (j < end - start - 1) & (j < num_draft)
+            dslot = tl.load(draft_slots + b * d_st + j, mask=keep, other=0).to(tl.int64)
+            dp = state + dslot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
+            tl.store(dp, s.to(state.dtype.element_ty), mask=m2 & keep)
     tl.store(sp, s.to(state.dtype.element_ty), mask=m2 & (end > start))
 
 
@@ -240,15 +277,19 @@ def causal_conv1d(
     *,
     max_q_len: int,
     activation: str | None,
+    draft_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv continuing each request's state (see ``recurrent_ref``).
 
     x: (T, C) model dtype, unit stride on C; conv_state: (S, C, K) strided pool view
     indexed by physical slot; slots: (B,) int32/int64 physical slots (0 = sink);
     q_indptr: (B+1,) int32/int64; weight: (C, K); bias: (C,) or None; activation:
-    None or "silu". Returns (T, C) in x.dtype; conv_state updated in place.
+    None or "silu"; draft_slots: None or (B, k) (a verify step: the window after each
+    token j < k but the lane's last into slot ``draft_slots[b, j]``). Returns (T, C) in
+    x.dtype; conv_state updated in place.
     """
     check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation)
+    check_draft_slots(draft_slots, slots)
     num_lanes, (channels, width) = slots.shape[0], conv_state.shape[1:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or num_lanes == 0:
@@ -271,9 +312,16 @@ def causal_conv1d(
         x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
         BLOCK_T=CONV_BLOCK_T, SILU=activation == "silu", num_warps=NUM_WARPS, **common,
     )  # fmt: skip
+    state_args = {"K": width, "BLOCK_C": CONV_BLOCK_C, "BLOCK_K": next_pow2(width),
+                  "num_warps": NUM_WARPS}  # fmt: skip
+    if draft_slots is not None:  # every draft window first: they read the live one
+        _conv_state_kernel[(num_lanes, blocks_c, draft_slots.shape[1])](
+            x, conv_state, slots, q_indptr, draft_slots, x.stride(0), s_s, s_c, s_k,
+            draft_slots.stride(0), channels, DRAFT=True, **state_args,
+        )  # fmt: skip
     _conv_state_kernel[(num_lanes, blocks_c)](
-        x, conv_state, slots, q_indptr, x.stride(0), s_s, s_c, s_k, channels,
-        K=width, BLOCK_C=CONV_BLOCK_C, BLOCK_K=next_pow2(width), num_warps=NUM_WARPS,
+        x, conv_state, slots, q_indptr, slots, x.stride(0), s_s, s_c, s_k, 0, channels,
+        DRAFT=False, **state_args,
     )  # fmt: skip
     return out
 
@@ -292,6 +340,7 @@ def gated_delta_rule(
     scale: float,
     use_qk_l2norm: bool,
     gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    draft_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over each request's new tokens (see ``recurrent_ref``).
 
@@ -299,12 +348,15 @@ def gated_delta_rule(
     g: (T, H) fp32 log decay, or (T, H, Dk) a log decay per key channel (KDA, without
     ``gating``; never through fla-core); beta: (T, H) (with ``gating`` = (A_log,
     dt_bias): the raw a and b, gated in the kernel); state: (S, H, Dk, Dv) strided pool
-    view (fp32); slots: (B,) physical slots; q_indptr: (B+1,). Returns (T, H, Dv) in
-    v.dtype.
+    view (fp32); slots: (B,) physical slots; q_indptr: (B+1,); draft_slots: None or
+    (B, k) (a verify step: the state after each token j < k but the lane's last into
+    slot ``draft_slots[b, j]``). Returns (T, H, Dv) in v.dtype.
     """
     check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len, gating)
+    check_draft_slots(draft_slots, slots)
     per_channel = g.dim() == 3  # KDA (fla-core's chunked GDN takes per-head decay only)
-    if max_q_len > 1 and not per_channel and recurrent_fla.use_fla(q.device, v.dtype):
+    chunked = max_q_len > 1 and not per_channel and draft_slots is None
+    if chunked and recurrent_fla.use_fla(q.device, v.dtype):
         return recurrent_fla.gated_delta_rule(
             q, k, v, g, beta, state, slots, q_indptr, scale=scale, use_qk_l2norm=use_qk_l2norm,
             gating=gating,
@@ -315,14 +367,16 @@ def gated_delta_rule(
         return out
     grid = (slots.shape[0], heads, triton.cdiv(dim_v, GDN_BLOCK_V))
     a_log, dt_bias = gating if gating is not None else (g, g)  # unread without GATING
+    draft = draft_slots is not None and max_q_len > 1
     _gdn_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, out, state, slots, q_indptr,
+        draft_slots if draft else slots,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2],
         g.stride(2) if per_channel else 0, *beta.stride(), *out.stride()[:2], *state.stride(),
-        float(scale),
+        *((draft_slots.stride(0), draft_slots.shape[1]) if draft else (0, 0)), float(scale),
         DK=dim_k, DV=dim_v, BLOCK_K=next_pow2(dim_k), BLOCK_V=min(GDN_BLOCK_V, next_pow2(dim_v)),
         USE_L2NORM=bool(use_qk_l2norm), DECODE=max_q_len == 1, GATING=gating is not None,
-        GROUPS=heads // q.shape[1], PER_CHANNEL=per_channel, num_warps=NUM_WARPS,
+        GROUPS=heads // q.shape[1], PER_CHANNEL=per_channel, DRAFT=draft, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -342,15 +396,18 @@ def mamba2_ssd(
     max_q_len: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
+    draft_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba-2 selective scan over each request's new tokens (see ``recurrent_ref``).
 
     x: (T, H, P); dt: (T, H) raw; A: (H,) fp32 (negative); B, C: (T, G, N) (head h
     reads group h // (H // G)); D, dt_bias: (H,); state: (S, H, P, N) strided pool
-    view (fp32); slots: (B,); q_indptr: (B+1,). Returns (T, H, P) in x.dtype.
+    view (fp32); slots: (B,); q_indptr: (B+1,); draft_slots: None or (B, k) (as
+    ``gated_delta_rule``). Returns (T, H, P) in x.dtype.
     """
     check_ssd_args(x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, max_q_len, dt_limit)
-    if max_q_len > 1 and recurrent_fla.use_fla(x.device, x.dtype):
+    check_draft_slots(draft_slots, slots)
+    if max_q_len > 1 and draft_slots is None and recurrent_fla.use_fla(x.device, x.dtype):
         return recurrent_fla.mamba2_ssd(
             x, dt, A, B, C, D, dt_bias, state, slots, q_indptr,
             dt_softplus=dt_softplus, dt_limit=dt_limit,
@@ -360,12 +417,16 @@ def mamba2_ssd(
     if x.shape[0] == 0 or slots.shape[0] == 0:
         return out
     grid = (slots.shape[0], heads, triton.cdiv(dim_p, SSD_BLOCK_P))
+    draft = draft_slots is not None and max_q_len > 1
     _ssd_kernel[grid](
         x, dt, A, B, C, D, dt_bias, out, state, slots, q_indptr,
+        draft_slots if draft else slots,
         *x.stride()[:2], *dt.stride(), *B.stride()[:2], *C.stride()[:2], *out.stride()[:2],
-        *state.stride(), float(dt_limit[0]), float(dt_limit[1]),
+        *state.stride(), *((draft_slots.stride(0), draft_slots.shape[1]) if draft else (0, 0)),
+        float(dt_limit[0]), float(dt_limit[1]),
         HEADS_PER_GROUP=heads // B.shape[1], P=dim_p, N=dim_n,
         BLOCK_P=min(SSD_BLOCK_P, next_pow2(dim_p)), BLOCK_N=next_pow2(dim_n),
-        DT_SOFTPLUS=bool(dt_softplus), DECODE=max_q_len == 1, num_warps=NUM_WARPS,
+        DT_SOFTPLUS=bool(dt_softplus), DECODE=max_q_len == 1, DRAFT=draft,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

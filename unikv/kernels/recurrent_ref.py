@@ -10,6 +10,13 @@ the final state back in place (docs/design.md section 8):
     state (S, ...)     strided per-layer view of the Mamba sub-pool, indexed by
                        PHYSICAL slot; slots (B,) int64 (0 = the sink, padded lanes)
 
+    draft_slots (B, k)  None, or (a speculative verify step) per lane the physical
+                       slots that receive the state after each of its first k
+                       tokens: column j the state after token j, for j < the
+                       lane's token count - 1 (the state after its last token goes
+                       to ``slots`` as always). Accepting j drafts then selects
+                       the slot of position j by index (``allocator/mamba.py``).
+
 The requests are handled together: tokens are scattered into a padded
 (B, max_q_len) grid, time is a loop of ``max_q_len`` steps (a host int) and
 lanes past their own length keep their state. Math runs in fp32. No host
@@ -39,6 +46,22 @@ def _grid(x: torch.Tensor, lane, pos, num_lanes: int, max_q_len: int) -> torch.T
     return grid
 
 
+def draft_targets(
+    draft_slots: torch.Tensor | None, q_indptr: torch.Tensor, max_q_len: int
+) -> torch.Tensor | None:
+    """(B, max_q_len) int64: the physical slot that receives lane b's state after its
+    token i (``draft_slots[b, i]`` where i < k and i < the lane's tokens - 1), else 0,
+    the sink (a harmless write); None without ``draft_slots`` ((B, k), k >= 1)."""
+    if draft_slots is None:
+        return None
+    lens = (q_indptr[1:] - q_indptr[:-1]).long()
+    width = draft_slots.shape[1]
+    cols = torch.arange(max_q_len, device=draft_slots.device)
+    picked = draft_slots.long()[:, cols.clamp(max=width - 1)]
+    live = (cols[None, :] < lens[:, None] - 1) & (cols[None, :] < width)
+    return torch.where(live, picked, torch.zeros_like(picked))
+
+
 def _check_activation(activation: str | None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -54,6 +77,7 @@ def causal_conv1d(
     *,
     max_q_len: int,
     activation: str | None,
+    draft_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv over each request's new tokens, continuing its state.
 
@@ -61,7 +85,8 @@ def causal_conv1d(
     first; slots: (B,) int64; q_indptr: (B+1,) int32; weight: (C, K); bias: (C,)
     or None; activation: None or "silu". Per request, with seq = [state | x_b]
     along time: out[j] = act(sum_k weight[:, k] * seq[j + 1 + k] + bias), and the
-    state becomes the last K entries of seq. Returns (T, C) in x.dtype.
+    state becomes the last K entries of seq (``draft_slots``: the module docstring;
+    the window after token j goes there). Returns (T, C) in x.dtype.
     """
     _check_activation(activation)
     num_lanes, width = slots.numel(), conv_state.shape[-1]
@@ -76,6 +101,9 @@ def causal_conv1d(
         out = out + bias.float()
     if activation == "silu":
         out = F.silu(out)
+    targets = draft_targets(draft_slots, q_indptr, max_q_len)
+    if targets is not None:  # the window after each row, into its draft slot (or the sink)
+        conv_state[targets[lane, pos]] = windows.transpose(1, 2).to(conv_state.dtype)
     lens = (q_indptr[1:] - q_indptr[:-1]).long()
     last = seq[torch.arange(num_lanes, device=x.device)[:, None], lens[:, None] + taps]
     conv_state[slots] = last.transpose(1, 2).to(conv_state.dtype)  # (B, C, K)
@@ -109,6 +137,7 @@ def gated_delta_rule(
     scale: float,
     use_qk_l2norm: bool,
     gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    draft_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule (Gated DeltaNet) over each request's new tokens.
 
@@ -118,8 +147,8 @@ def gated_delta_rule(
     Dv) view. ``gating`` = (A_log, dt_bias), each (H,): g and beta are the raw a and b,
     and the gates are ``gdn_gates(g, beta, A_log, dt_bias)``. Per token, in fp32: q, k
     l2-normalised if ``use_qk_l2norm``; q *= scale; S *= exp(g) (row i of S by
-    exp(g[i]) per channel); delta = (v - k S) * beta; S += k^T delta; o = q S. Returns
-    (T, H, Dv) in v.dtype.
+    exp(g[i]) per channel); delta = (v - k S) * beta; S += k^T delta; o = q S.
+    ``draft_slots``: the module docstring. Returns (T, H, Dv) in v.dtype.
     """
     if gating is not None:
         g, beta = gdn_gates(g, beta, *gating)
@@ -138,6 +167,7 @@ def gated_delta_rule(
     s = state[slots].float()  # (B, H, Dk, Dv)
     out = torch.zeros_like(vg)
     per_channel = g.dim() == 3  # a host bool from the shape (fixed per model)
+    targets = draft_targets(draft_slots, q_indptr, max_q_len)
     for i in range(max_q_len):
         decay = gg[:, i].exp()  # (B, H) or (B, H, Dk)
         decayed = s * (decay[..., None] if per_channel else decay[..., None, None])
@@ -146,6 +176,8 @@ def gated_delta_rule(
         new = decayed + kg[:, i, :, :, None] * delta[:, :, None, :]
         s = torch.where(live[:, i, None, None, None], new, s)
         out[:, i] = (s * qg[:, i, :, :, None]).sum(-2)
+        if targets is not None:  # the state after token i, into its draft slot (or the sink)
+            state[targets[:, i]] = s.to(state.dtype)
     state[slots] = s.to(state.dtype)
     return out[lane, pos].to(v.dtype)
 
@@ -165,13 +197,15 @@ def mamba2_ssd(
     max_q_len: int,
     dt_softplus: bool,
     dt_limit: tuple[float, float],
+    draft_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba-2 selective state space scan over each request's new tokens.
 
     x: (T, H, P); dt: (T, H) raw step sizes; A: (H,) (negative); B, C: (T, G, N),
     head h reads group h // (H // G); D, dt_bias: (H,); state: (S, H, P, N) view.
     Per token, in fp32: dt = clamp(softplus(dt + dt_bias), *dt_limit);
-    S = S * exp(dt A) + (dt x) B^T; y = S C + D x. Returns (T, H, P) in x.dtype.
+    S = S * exp(dt A) + (dt x) B^T; y = S C + D x. ``draft_slots``: the module
+    docstring. Returns (T, H, P) in x.dtype.
     """
     num_lanes, heads = slots.numel(), x.shape[1]
     lane, pos = _lanes(q_indptr, x.shape[0])
@@ -190,6 +224,7 @@ def mamba2_ssd(
     bg, cg = _grid(bh, lane, pos, num_lanes, max_q_len), _grid(ch, lane, pos, num_lanes, max_q_len)
     live = _grid(torch.ones_like(step[:, 0]), lane, pos, num_lanes, max_q_len) > 0
     a = A.float()
+    targets = draft_targets(draft_slots, q_indptr, max_q_len)
     s = state[slots].float()  # (B, H, P, N)
     out = torch.zeros_like(xs)
     for i in range(max_q_len):
@@ -197,6 +232,8 @@ def mamba2_ssd(
         inject = (step_g[:, i, :, None] * xs[:, i])[..., None] * bg[:, i, :, None, :]
         s = torch.where(live[:, i, None, None, None], s * decay + inject, s)
         out[:, i] = (s * cg[:, i, :, None, :]).sum(-1)
+        if targets is not None:  # the state after token i, into its draft slot (or the sink)
+            state[targets[:, i]] = s.to(state.dtype)
     state[slots] = s.to(state.dtype)
     y = out[lane, pos] + D.float()[:, None] * x.float()
     return y.to(x.dtype)
