@@ -74,12 +74,15 @@ def default_grow(configs: Sequence[SubPoolConfig]) -> list[Grow]:
     return grows
 
 
-def worst_case_pages(spec: Spec, page_size: int, max_tokens: int, chunk_tokens: int = 1) -> int:
+def worst_case_pages(
+    spec: Spec, page_size: int, max_tokens: int, chunk_tokens: int = 1, state_slots: int = 1
+) -> int:
     """Pages one request of ``max_tokens`` tokens holds at its peak. A sliding
     window keeps only the window plus the chunk being written, plus one page
-    for misalignment."""
+    for misalignment. A Mamba sub-pool: ``state_slots`` (its live slot, plus k
+    per-draft-position slots under speculative decoding)."""
     if isinstance(spec, MambaSpec):
-        return 1
+        return state_slots
     full = -(-max_tokens // page_size)
     if spec.sliding_window is None:
         return full

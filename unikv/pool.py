@@ -160,6 +160,8 @@ class UnifiedPool:
         max_request_tokens: if given, start-up fails unless one request of this
             many tokens fits alone in the empty pool.
         chunk_tokens: prefill chunk size used for the sliding-window worst case.
+        state_slots: Mamba slots one request holds (1; 1 + k with k per-draft-position
+            slots under speculative decoding), for the same check.
         backend: the kernel backend whose ``copy_pages`` moves envelopes, chosen
             once (default: ``kernels.get_backend(device)``).
         copy_pages: a bare page-copy op instead of ``backend`` (kept for callers
@@ -184,6 +186,7 @@ class UnifiedPool:
         poison: bool = False,
         max_request_tokens: int | None = None,
         chunk_tokens: int = 1,
+        state_slots: int = 1,
         backend: KernelBackend | None = None,
         copy_pages: Callable[..., None] | None = None,
         static_split: Mapping[str, float] | None = None,
@@ -281,7 +284,9 @@ class UnifiedPool:
                     f"max_request_tokens must be a positive int or None, got {max_request_tokens!r}"
                 )
             demand = {
-                s.name: worst_case_pages(s.spec, s.page_size, max_request_tokens, chunk_tokens)
+                s.name: worst_case_pages(
+                    s.spec, s.page_size, max_request_tokens, chunk_tokens, state_slots
+                )
                 for s in self.subpools.values()
             }
             self.alone_demand = demand

@@ -134,8 +134,8 @@ def test_refusals(tmp_path):
 
     path = str(tmp_path)
     save_tiny_hybrid("qwen3_5", path)
-    with pytest.raises(ValueError, match="recurrent state"):
-        make_llm(path, 4, 3)
+    # recurrent state is served now: k per-draft-position state slots per request
+    assert make_llm(path, 4, 3).alloc.parts.mamba.k == 3  # (test_spec_recurrent.py)
     with pytest.raises(ValueError, match="not built yet"):
         LLM(
             path, device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}

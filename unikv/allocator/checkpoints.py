@@ -117,11 +117,14 @@ class StateCheckpoints:
         alive: Callable[[], bool],
         tokens: int,
         turn_end: bool = False,
+        source: int | None = None,
     ) -> bool:
         """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
         a checkpoint of ``node_id``; False (nothing changed) when the chain has no
         room, the request holds no slot, or ``alive()`` says the node was evicted
-        while making room; ``turn_end``: a decode checkpoint (``turn_ends``)."""
+        while making room; ``turn_end``: a decode checkpoint (``turn_ends``);
+        ``source``: the virtual id of the slot holding that state, when not the
+        request's live one (a per-draft-position slot of a verify step)."""
         if node_id in self.by_node:
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
@@ -129,12 +132,13 @@ class StateCheckpoints:
             return True
         if self.has(node_id, True):  # on the host: restored from there
             return True
-        held = self.book.physical(np.array([slot + 1], np.int32))[0] >= 0
+        vid_src = np.array([slot + 1 if source is None else source], np.int32)
+        held = self.book.physical(vid_src)[0] >= 0
         if not held or not self.free_vids or not self.reserve({self.book.name: 1}):
             return False
         if not alive():
             return False
-        src = self.book.physical(np.array([slot + 1], np.int32))  # reserve may have moved it
+        src = self.book.physical(vid_src)  # reserve may have moved it
         vid = np.array([self.free_vids.pop()], np.int32)
         page = self.book.take(1)
         self.book.bind_host(vid, page)

@@ -170,8 +170,14 @@ def check_requests(parts) -> None:
         "req_to_token holds each request's virtual ids"
     )
     if roles.mamba_name is not None:
-        has = parts.books[roles.mamba_name].v2p_host[1 : req.max_requests + 1] >= 0
+        v2p = parts.books[roles.mamba_name].v2p_host
+        has = v2p[1 : req.max_requests + 1] >= 0
         assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"
+        k = parts.mamba.k
+        drafts = v2p[req.max_requests + 1 : req.max_requests * (1 + k) + 1] >= 0
+        assert (drafts.reshape(req.max_requests, k) == has[:, None]).all(), (
+            "a request holds its k draft state slots exactly while it holds a Mamba slot"
+        )
 
 
 def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:

@@ -1,8 +1,21 @@
 """Mamba state slots: one slot (page size 1) per request. The sub-pool's virtual
 id of request r is ``r + 1`` (0 is the sink), so compaction can move a slot and
-``slots`` still finds it through ``v2p``. Ids from ``max_requests + 1`` on are
-prefix-cache state checkpoints (``checkpoints.py``); a request opened with a hit
-gets its checkpoint copied into its new slot here.
+``slots`` still finds it through ``v2p``. With speculative decoding (``k`` =
+``draft_slots`` > 0) request r also holds k per-draft-position slots, virtual ids
+``R + 1 + r * k + j`` (R = max_requests, j < k), taken and freed with its slot and
+counted wherever it is (admission's ``reserve``, the capacity oracle's demand, the
+pool's one-request floor): a verify step writes the state after its token j into
+slot j (``draft_slots``), and accepting j drafts makes slot j the request's live
+one by exchanging the two bindings (``select``: v2p/p2v entries, no state copied;
+the old live slot becomes draft slot j). Ids above them are prefix-cache state
+checkpoints (``checkpoints.py``); a request opened with a hit gets its checkpoint
+copied into its new slot here.
+
+    Mamba virtual ids:  0 sink | 1..R request slots | R+1..R+R*k draft slots | checkpoints
+
+Cost: ``k * spec.entry_bytes`` more per request (``docs/design.md`` section 13 gives
+the figures per family), paid from the same buffer as any state slot: the Mamba band
+grows into free bytes or takes them from the attention bands (section 6).
 """
 
 from __future__ import annotations
@@ -15,7 +28,7 @@ from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
 from unikv.allocator.requests import RequestTable
 from unikv.allocator.room import Room
-from unikv.allocator.tables import TableWriter
+from unikv.allocator.tables import TablePatch, TableWriter
 from unikv.ids import PhysicalPageIds
 from unikv.pool import UnifiedPool
 
@@ -32,9 +45,17 @@ class MambaSlots:
         room: Room,
         writer: TableWriter,
         states: StateCheckpoints | None = None,
+        draft_slots: int = 0,
     ) -> None:
         self.pool, self.book, self.requests = pool, book, requests
         self.fences, self.room, self.writer, self.states = fences, room, writer, states
+        self.k = draft_slots  # per-draft-position slots per request (speculation)
+        self.draft_base = requests.max_requests + 1
+
+    def draft_vids(self, slots: np.ndarray) -> np.ndarray:
+        """(B, k) int32 virtual ids of the draft slots of requests ``slots`` (host)."""
+        base = self.draft_base + np.asarray(slots, np.int64)[:, None] * self.k
+        return (base + np.arange(self.k)).astype(np.int32)
 
     def alloc(self, slots: object) -> PhysicalPageIds | None:
         """One zeroed state slot for each request in ``slots`` ((B,) host ints,
@@ -47,11 +68,16 @@ class MambaSlots:
         if (book.physical(vids) >= 0).any():
             held = slots[book.physical(vids) >= 0].tolist()
             raise ValueError(f"alloc_mamba: requests {held} already hold a slot")
-        if len(vids) and not self.room.reserve({book.name: len(vids)}, 0, slots):
+        every = np.concatenate([vids, self.draft_vids(slots).reshape(-1)])  # + k each
+        assert not (book.physical(every) >= 0).any(), (
+            "draft-state invariant: a request without a state slot holds no draft slot"
+        )
+        if len(vids) and not self.room.reserve({book.name: len(every)}, 0, slots):
             return None
-        pages = book.take(len(vids))
-        book.bind_host(vids, pages)
-        phys = PhysicalPageIds(self.writer.bind(book, vids, pages), book.name)
+        pages = book.take(len(every))
+        book.bind_host(every, pages)
+        bound = self.writer.bind(book, every, pages)
+        phys = PhysicalPageIds(bound[: len(vids)], book.name)
         self.pool.zero_pages(book.name, phys)  # before any later forward, in stream order
         if self.states is not None:
             self.states.restore(slots, phys)
@@ -67,11 +93,42 @@ class MambaSlots:
         self.free_bound(vids)
 
     def free_bound(self, vids: np.ndarray) -> None:
-        """Free the slots of virtual ids ``vids`` that hold one (host int32)."""
+        """Free the slots of request virtual ids ``vids`` (host int32) that hold one,
+        with their draft slots."""
         if self.states is not None:
             self.states.unpin((vids - 1).astype(np.int64))
+        if self.k:
+            vids = np.concatenate([vids, self.draft_vids(vids - 1).reshape(-1)])
         vids = vids[self.book.physical(vids) >= 0]
         self.writer.unbind(self.book, vids, self.fences.unbind(self.book, vids))
+
+    def select(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        """After a verify step: request ``slots[i]``'s state is the one its draft slot
+        ``positions[i]`` holds (host ints; -1: its live slot's, nothing to do). That
+        slot becomes the live one and the live one that draft slot: two bindings
+        exchanged per request, one table write, no state copied."""
+        moved = positions >= 0
+        if not moved.any():
+            return
+        slots, positions = np.asarray(slots)[moved], positions[moved]
+        assert (positions < self.k).all(), "draft-state invariant: a position below k"
+        live = (slots + 1).astype(np.int32)
+        draft = self.draft_vids(slots)[np.arange(len(slots)), positions]
+        pa, pb = self.book.exchange_host(live, draft)
+        patch = TablePatch()
+        v = patch.part(np.concatenate([live, draft]))
+        p = patch.part(np.concatenate([pb, pa]))
+        patch.add(0, v, p)
+        patch.add(1, p, v)
+        self.writer.write(patch, (self.book.v2p, self.book.p2v))
+
+    def draft_slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
+        """(B, k) physical draft slots of (B,) device request slots (0, the sink, for
+        requests without them). No host sync."""
+        ids = (req_slots.long() * self.k + self.draft_base)[:, None]
+        ids = ids + torch.arange(self.k, device=req_slots.device)
+        found = self.book.v2p.index_select(0, ids.view(-1)).clamp_min(0)
+        return PhysicalPageIds(found.view(-1, self.k), self.book.name)
 
     def slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
         """Current physical state slots of (B,) int32/int64 device request slots

@@ -120,6 +120,16 @@ class PageBook:
         self.state[ppages] = _LIVE
         self.num_live += len(ppages)
 
+    def exchange_host(self, va: np.ndarray, vb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Swap the physical pages of bound virtual pages ``va[i]`` and ``vb[i]`` (host
+        int32, disjoint); returns their pages before, (pa, pb). Nothing is freed or
+        taken; the caller writes v2p/p2v on the device."""
+        pa, pb = self.v2p_host[va], self.v2p_host[vb]
+        assert (pa > 0).all() and (pb > 0).all(), f"{self.name!r}: exchanging unbound pages"
+        self.v2p_host[va], self.v2p_host[vb] = pb, pa
+        self.p2v_host[pb], self.p2v_host[pa] = va, vb
+        return pa, pb
+
     def unbind_host(self, vpages: np.ndarray, held: bool) -> np.ndarray:
         """Unbind bound virtual pages (host int32, v2p > 0) and return their physical
         pages. ``held``: a fence holds them (PENDING until ``release_pending``);

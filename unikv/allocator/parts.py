@@ -58,6 +58,7 @@ def build_parts(
     max_shortfall_rounds: int,
     backend: KernelBackend,
     debug: bool = False,
+    draft_state_slots: int = 0,
 ) -> Parts:
     """Every part of a PoolAllocator over ``pool`` (arguments: the allocator's)."""
     for what, value in (("max_requests", max_requests), ("max_context", max_context)):
@@ -73,8 +74,14 @@ def build_parts(
     requests = RequestTable(max_requests, max_context, roles.page_size, pool.device)
     vspace = VirtualSpace(num_virtual)
     books = {}
-    for s in pool.subpools.values():  # Mamba: the sink, one id per request slot, checkpoints
-        size = max_requests + 1 + s.max_pages if s.name == roles.mamba_name else num_virtual
+    if not isinstance(draft_state_slots, int) or draft_state_slots < 0:
+        raise ValueError(
+            f"PoolAllocator draft_state_slots must be an int >= 0, got {draft_state_slots!r}"
+        )
+    # Mamba ids: the sink, one per request slot, k draft slots per request, checkpoints
+    ckpt_base = max_requests * (1 + draft_state_slots) + 1
+    for s in pool.subpools.values():
+        size = ckpt_base + s.max_pages if s.name == roles.mamba_name else num_virtual
         books[s.name] = PageBook(s, size, pool.device)
     for name in roles.windows:
         requests.add_window(name)
@@ -89,7 +96,7 @@ def build_parts(
     states = None
     if roles.mamba_name is not None and roles.owner is not None:  # room: built below
         states = StateCheckpoints(
-            pool, books[roles.mamba_name], max_requests + 1, fences, writer,
+            pool, books[roles.mamba_name], ckpt_base, fences, writer,
             lambda new: room.reserve(new, callback=False, evict_pages=False),
         )  # fmt: skip
     prefix = PrefixCache(
@@ -100,7 +107,10 @@ def build_parts(
     )
     mamba = None
     if roles.mamba_name is not None:
-        mamba = MambaSlots(pool, books[roles.mamba_name], requests, fences, room, writer, states)
+        mamba = MambaSlots(
+            pool, books[roles.mamba_name], requests, fences, room, writer, states,
+            draft_state_slots,
+        )  # fmt: skip
     steps = StepBuffers(
         requests.req_to_token, token_books, roles.windows, roles.page_size, backend.prepare_step
     )

@@ -311,13 +311,20 @@ class PrefixCache:
         return added
 
     def checkpoint(
-        self, slot: int, token_ids: object, salt: str | None = None, turn_end: bool = False
+        self,
+        slot: int,
+        token_ids: object,
+        salt: str | None = None,
+        turn_end: bool = False,
+        source: int | None = None,
     ) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
         prefilled and ``insert``-ed; the state must be the one after exactly them).
         False when nothing was taken: no Mamba sub-pool, no node, or no room.
-        ``turn_end``: a decode checkpoint (the next turn of a chat extends it)."""
+        ``turn_end``: a decode checkpoint (the next turn of a chat extends it);
+        ``source``: the Mamba virtual id holding that state when not the request's
+        live slot (a per-draft-position slot after a speculative verify step)."""
         tokens = self.tokens(token_ids, "prefix.checkpoint")
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
@@ -328,7 +335,7 @@ class PrefixCache:
         node = found[-1]
         # making room may evict any node of the chain: the checkpoint must stay reachable
         alive = lambda: self.reachable(node.node_id)
-        saved = self.states.save(int(slot), node.node_id, alive, len(tokens), turn_end)
+        saved = self.states.save(int(slot), node.node_id, alive, len(tokens), turn_end, source)
         self.stats.checkpoints = self.states.saved
         if self.check is not None:
             self.check()

@@ -181,6 +181,8 @@ class DecodeAttention:
         self.layers, self.plan, self.backend, self.sm_scale = layers, plan, backend, sm_scale
         self.states = states
         self.feedback = getattr(plan, "feedback", None)  # (a test's plan may lack it)
+        # a verify step's per-draft-position state slots (B, k), else None
+        self.draft_slots = getattr(plan, "draft_slots", None)
 
     # -- recurrent state (StateFn) ----------------------------------------------------
 
@@ -196,6 +198,7 @@ class DecodeAttention:
             bias,
             max_q_len=plan.max_q_len,
             activation=activation,
+            draft_slots=self.draft_slots,
         )
 
     def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm, gating=None):
@@ -206,6 +209,7 @@ class DecodeAttention:
         return self.backend.gated_delta_rule(
             q, k, v, g, beta, state, plan.state_slots, plan.q_indptr,
             max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
+            draft_slots=self.draft_slots,
         )  # fmt: skip
 
     def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):
@@ -215,6 +219,7 @@ class DecodeAttention:
         return self.backend.mamba2_ssd(
             x, dt, A, B, C, D, dt_bias, state, plan.state_slots, plan.q_indptr,
             max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            draft_slots=self.draft_slots,
         )  # fmt: skip
 
     # -- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------

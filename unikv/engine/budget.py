@@ -40,8 +40,10 @@ def kv_budget_bytes(
     max_model_len: int,
     chunk: int,
     memory_fraction: float,
+    state_slots: int = 1,
 ) -> int:
-    """The default ``total_bytes`` of the unified pool (see the module docstring)."""
+    """The default ``total_bytes`` of the unified pool (see the module docstring);
+    ``state_slots``: Mamba slots per request (``placement.worst_case_pages``)."""
     if device.type == "cuda":
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -58,18 +60,22 @@ def kv_budget_bytes(
             )
         return budget
     pages = {
-        c.name: max_num_seqs * worst_case_pages(c.spec, c.page_size, max_model_len, chunk)
+        c.name: max_num_seqs
+        * worst_case_pages(c.spec, c.page_size, max_model_len, chunk, state_slots)
         for c in configs
     }
     return min(pool_bytes_for(configs, pages), CPU_MAX_BYTES)
 
 
-def one_request_bytes(configs, max_model_len: int, chunk: int) -> int:
+def one_request_bytes(configs, max_model_len: int, chunk: int, state_slots: int = 1) -> int:
     """The least budget in which one request of ``max_model_len`` tokens runs
     alone (each sub-pool's worst case side by side, plus the sink; with prefix
     caching too: a windowed request holds its window's bindings only,
     ``options.check_window_caching``)."""
-    pages = {c.name: worst_case_pages(c.spec, c.page_size, max_model_len, chunk) for c in configs}
+    pages = {
+        c.name: worst_case_pages(c.spec, c.page_size, max_model_len, chunk, state_slots)
+        for c in configs
+    }
     return pool_bytes_for(configs, pages)
 
 

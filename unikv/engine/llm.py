@@ -141,7 +141,8 @@ class LLM:
             built: ``ngram`` and ``draft_model``, whose K/V are ``draft_*`` sub-pools of
             the same pool). Greedy outputs equal decoding without it; sampled ones keep
             the target's distribution (rejection sampling). Counters: ``llm.stats``
-            (``spec_*``). Refused for models with recurrent state and under TP.
+            (``spec_*``). Models with recurrent state hold k per-draft-position
+            state slots per request. Refused under TP.
 
     Generation stops at the config's EOS ids, those of ``generation_config.json``
     and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.
@@ -183,7 +184,11 @@ class LLM:
             launch(self, options)
             return
         from unikv.allocator import PoolAllocator
-        from unikv.engine.speculative.config import check_speculation, speculative_config_of
+        from unikv.engine.speculative.config import (
+            check_speculation,
+            draft_state_slots,
+            speculative_config_of,
+        )
         from unikv.models.parallel import TensorParallel, shard_subpool_configs
 
         self.workers = None  # the tensor-parallel worker processes this LLM started
@@ -224,6 +229,7 @@ class LLM:
         if self.tp is not None:  # each rank caches its own KV heads and recurrent heads
             configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
         check_speculation(self.speculative_config, configs, tp_group)
+        state_k = draft_state_slots(self.speculative_config, configs)  # per request
         draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
         configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
@@ -238,7 +244,9 @@ class LLM:
                     "kv_cache_margin_bytes sizes the pool after capture: CUDA only, and "
                     "without kv_cache_bytes"
                 )
-            kv_cache_bytes = one_request_bytes(configs, self.max_model_len, max_num_batched_tokens)
+            kv_cache_bytes = one_request_bytes(
+                configs, self.max_model_len, max_num_batched_tokens, 1 + state_k
+            )
             if kv_cache_max_bytes is None:  # the GPU's memory, as far as kernel ids reach
                 device_bytes = torch.cuda.mem_get_info(self.device)[1]
                 kv_cache_max_bytes = min(device_bytes, addressable_bytes(configs))
@@ -250,6 +258,7 @@ class LLM:
             max_model_len=self.max_model_len,
             chunk=max_num_batched_tokens,
             memory_fraction=memory_fraction,
+            state_slots=1 + state_k,
         )
         if self.tp is not None:  # one pool geometry on every rank: identical schedules
             total = self.tp.min_int(total, self.device)
@@ -266,6 +275,7 @@ class LLM:
             self.device,
             max_request_tokens=self.max_model_len,
             chunk_tokens=max_num_batched_tokens,
+            state_slots=1 + state_k,
             backend=self.backend,
             static_split=static_split,  # validated by the pool (unikv.static_split)
             max_bytes=kv_cache_max_bytes,  # validated by the pool
@@ -278,6 +288,7 @@ class LLM:
             max_context=self.max_model_len,
             debug=debug,
             backend=self.backend,
+            draft_state_slots=state_k,
         )
         if prefix_host_bytes:
             self._enable_prefix_host(prefix_host_bytes)

@@ -9,6 +9,8 @@ and ``max_tokens`` tokens, on every device):
     EXTEND batch:  virtual ids --alloc.translate--> write kernel ids    (per sub-pool)
                    req_to_token + v2p --alloc.block_table--> block table (per sub-pool)
     hybrid models: request slots --alloc.mamba_slots--> physical state slots
+                   (verify steps also --alloc.mamba_draft_slots--> per-draft-position
+                   slots, (B, k): the state after each draft token is written there)
 
     host arrays --one copy--> one device byte buffer (``plan_upload.StepUpload``):
         input_ids, positions, logits_indices, lanes, seq_lens, slots, q_indptr
@@ -75,6 +77,9 @@ class StepPlan:
     decode: per attention sub-pool its DecodePlan (decode steps), else None.
     state_slots: (B,) int64 physical state slot of each request (hybrid models;
         0 = the sink for padded lanes), else None.
+    draft_slots: (B, k) int64 physical per-draft-position state slots of each request
+        in a speculative verify step of a hybrid model (0 = the sink for padded
+        lanes), else None.
     fresh: host bool, an extend step in which no request has cached tokens (every
         seq_len is its q_len): extend attention may read the step's own K/V rows.
     split: an extend step whose last requests, not all of them, have no cached
@@ -95,6 +100,7 @@ class StepPlan:
     subpools: dict[str, SubPoolStep]
     decode: dict[str, DecodePlan] | None = None
     state_slots: torch.Tensor | None = None
+    draft_slots: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
     feedback: torch.Tensor | None = None
@@ -164,6 +170,9 @@ class StepPlanner:
             {s.name: torch.zeros(self.max_tokens, dtype=torch.int64, device=dev) for s in subs},
         )
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        mamba = alloc.parts.mamba if self.has_state else None
+        self.draft_k = mamba.k if mamba is not None else 0  # verify steps: (B, k) slots
+        self.draft_slots = torch.zeros((rows, max(self.draft_k, 1)), dtype=torch.int64, device=dev)
         # one-row graphs read placeholder tokens from here and a greedy one writes its
         # token here, so a steady single request's step needs no token gather
         self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -227,6 +236,7 @@ class StepPlanner:
         # a verify graph's plan (pad_q > 1) never: its requests are decoding ones
         first = -1 if is_decode else fresh_suffix(host["seq_lens"][:num] - batch.num_new)
         first = num if pad_q > 1 else first
+        verify = self.draft_k > 0 and (pad_q > 1 or batch.drafts is not None)
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
         return StepPlan(
             is_decode=is_decode,
@@ -239,6 +249,7 @@ class StepPlanner:
             subpools=self._tables(batch, dev, rows, longest, max_q_len, pad_q),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
+            draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
             fresh=first == 0 and pad_q == 1,  # no cached tokens: the cache holds the new ones
             split=split,
             feedback=self.feedback if feed else None,
@@ -302,6 +313,15 @@ class StepPlanner:
             device=self.device,
             workspace=workspace,
         )
+
+    def _draft_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
+        """(R, k) int64 per-draft-position state slots of a verify step's rows (padded
+        rows: 0, the sink), at fixed addresses (verify graphs read them)."""
+        out = self.draft_slots[: slots.shape[0]]
+        if num:
+            out[:num].copy_(self.alloc.mamba_draft_slots(slots[:num]).data)
+        out[num:].zero_()
+        return out
 
     def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
         """(R,) int64 physical state slots of the rows (padded rows: 0, the sink),

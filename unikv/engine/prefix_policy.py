@@ -64,8 +64,9 @@ class NoPrefixCache:
         """The tokens of ``r`` to prefill now, within ``budget``."""
         return min(budget, r.num_pending)
 
-    def after_step(self, batch: Batch) -> None:
-        """After a step's tokens are in (``num_cached`` advanced)."""
+    def after_step(self, batch: Batch, verify: bool = False) -> None:
+        """After a step's tokens are in (``num_cached`` advanced); ``verify``: a
+        speculative verify step (``num_new``: the rows each request kept)."""
 
     def share(self, r: Request) -> None:
         """Share the full pages holding ``r``'s computed tokens."""
@@ -137,28 +138,38 @@ class PrefixCaching(NoPrefixCache):
         stop = self.points.get(r.slot, (0,))[0]
         return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
 
-    def after_step(self, batch: Batch) -> None:
+    def after_step(self, batch: Batch, verify: bool = False) -> None:
         """Checkpoints at the points the step reached; pages shared where a prompt
         is now in (later requests may hit it) or, with windows, each prompt chunk
-        (before its pages leave the window)."""
+        (before its pages leave the window). ``verify``: a speculative verify step,
+        whose kept rows (``num_new``) may complete a page before the last: its state
+        is in the per-draft-position slot of that row (``allocator/mamba.py``)."""
         points, window, state, ps = self.points, self.has_window, self.has_state, self.page_size
         for r, n in zip(batch.requests, batch.num_new):
             if points:
                 self._checkpoint(r)
             prompt = len(r.prompt_ids)
+            # the last page boundary a decode (one row, or a verify step's kept rows) reached
+            at = r.num_cached // ps * ps if verify else r.num_cached
             if r.num_cached - n < prompt <= r.num_cached or (window and r.num_cached < prompt):
                 self.share(r)
             elif (  # a decode completed a page where the cost rule says it pays
-                state and n == 1 and r.num_cached > prompt and r.num_cached % ps == 0
-            ) and self._pays(r):
-                self._take(r, rolling=True)
+                state and (n == 1 or verify) and at > max(prompt, r.num_cached - n) and at % ps == 0
+            ) and self._pays(r, at):
+                row = at - (r.num_cached - n) - 1  # the kept row after which it holds
+                source = None if row == n - 1 else self._draft_vid(r.slot, row)
+                self._take(r, rolling=True, at=at, source=source)
 
-    def _pays(self, r: Request) -> bool:
-        """The cost rule at the decode boundary ``r.num_cached`` (host ints only)."""
+    def _draft_vid(self, slot: int, row: int) -> int:
+        """The Mamba virtual id of request ``slot``'s draft slot ``row``."""
+        return int(self.alloc.parts.mamba.draft_vids(np.array([slot]))[0, row])
+
+    def _pays(self, r: Request, at: int) -> bool:
+        """The cost rule at the decode boundary ``at`` tokens (host ints only)."""
         ps, prefix = self.page_size, self.prefix
         end = len(r.prompt_ids) + r.max_new_tokens - 1  # tokens it computes at most
-        reuse = CheckpointRule.reuse_at(r.num_cached, end, ps)
-        tokens = r.num_cached - self.since.get(r.slot, 0)
+        reuse = CheckpointRule.reuse_at(at, end, ps)
+        tokens = at - self.since.get(r.slot, 0)
         pressure = 1.0 if prefix.stats.evicted_pages or prefix.states.evicted else 0.0
         return self.rule.take(reuse, tokens, r.slot not in self.latest, pressure)
 
@@ -170,30 +181,32 @@ class PrefixCaching(NoPrefixCache):
                 del self.points[r.slot]
             self._take(r, rolling=not ends)  # the last point is the prompt's end
 
-    def _take(self, r: Request, rolling: bool) -> None:
-        """Share ``r``'s pages and checkpoint its state at ``r.num_cached`` tokens;
-        ``rolling`` (its prompt-end or a decode checkpoint): the request's previous
-        such checkpoint, superseded, is dropped (a decode one) or demoted (the
-        prompt-end one: a repeat of the prompt still hits it) and this one is its
-        latest."""
+    def _take(
+        self, r: Request, rolling: bool, at: int | None = None, source: int | None = None
+    ) -> None:
+        """Share ``r``'s pages and checkpoint its state at ``at`` tokens (default
+        ``r.num_cached``; ``source``: the Mamba virtual id holding that state when not
+        its live slot); ``rolling`` (its prompt-end or a decode checkpoint): the
+        request's previous such checkpoint, superseded, is dropped (a decode one) or
+        demoted (the prompt-end one: a repeat of the prompt still hits it) and this
+        one is its latest."""
         self.share(r)
-        turn_end = r.num_cached > len(r.prompt_ids)
-        taken = self.prefix.checkpoint(
-            r.slot, r.token_slice(0, r.num_cached), r.cache_salt, turn_end
-        )
+        at = r.num_cached if at is None else at
+        turn_end = at > len(r.prompt_ids)
+        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, at), r.cache_salt, turn_end, source)
         if taken:
-            self.since[r.slot] = r.num_cached
+            self.since[r.slot] = at
             extended = self.extends.pop(r.slot, None)
             if extended:  # the previous turn's end: this conversation has moved on
                 self.prefix.demote_checkpoint(r.token_slice(0, extended), salt=r.cache_salt)
         if taken and rolling:
             previous = self.latest.get(r.slot)
-            if previous and previous != r.num_cached:  # (one point taken twice: keep it)
+            if previous and previous != at:  # (one point taken twice: keep it)
                 drop = previous > len(r.prompt_ids)
                 self.prefix.demote_checkpoint(
                     r.token_slice(0, previous), drop=drop, salt=r.cache_salt
                 )
-            self.latest[r.slot] = r.num_cached
+            self.latest[r.slot] = at
 
     def window_demand(self, r: Request, demand: dict, subpools, chunk: int) -> dict:
         """``demand`` with each windowed sub-pool's capped by ``r``'s worst case over

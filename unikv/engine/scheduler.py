@@ -97,6 +97,10 @@ class Scheduler:
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
+        # Mamba slots per request: its live one, and k per-draft-position ones when
+        # speculating (``allocator/mamba.py``), admitted and counted together
+        mamba = alloc.parts.mamba
+        self.state_slots = 1 + (mamba.k if mamba is not None else 0)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -225,15 +229,17 @@ class Scheduler:
         the request, opened with a prefix hit: the window pages it holds already count
         toward its window's worst case (``prefix_policy.window_demand``)."""
         demand = {
-            s.name: worst_case_pages(s.spec, s.page_size, num_tokens, chunk) for s in self.subpools
+            s.name: worst_case_pages(s.spec, s.page_size, num_tokens, chunk, self.state_slots)
+            for s in self.subpools
         }
         if r is not None:
             demand = self.prefix.window_demand(r, demand, self.subpools, chunk)
         return bool(self.alloc.can_admit(demand)[1])
 
     def _admit_state(self, r: Request) -> bool:
-        """A zeroed recurrent-state slot for a newly admitted request (hybrid models);
-        False when the chain cannot make room for it."""
+        """A zeroed recurrent-state slot for a newly admitted request (hybrid models;
+        with its per-draft-position slots when speculating); False when the chain
+        cannot make room for them."""
         if not self.has_state:
             return True
         return self.alloc.alloc_mamba(np.array([r.slot], dtype=np.int64)) is not None
@@ -325,7 +331,9 @@ class Scheduler:
         rows of its pending token and accepted drafts stay in the cache and the
         rejected rows are rolled back (``alloc.truncate``: pages emptied are freed, a
         window's bookkeeping restored) before out-of-window pages are freed. Returns
-        the requests finished."""
+        the requests finished. A recurrent model's request continues from the state
+        after its last kept row: its live slot's when it kept every row, else that of
+        draft slot ``kept - 1``, which becomes its live slot (``alloc.select_state``)."""
         reqs, finished, appended = batch.requests, [], 0
         keep = np.empty(len(reqs), np.int64)
         kept = []
@@ -343,11 +351,16 @@ class Scheduler:
             r.num_cached = keep[i] = min(start + len(tokens), r.seq_len - 1)
             kept.append(int(keep[i] - start))
             r.draft_ids = []
-        self.alloc.truncate(np.fromiter((r.slot for r in reqs), np.int64, len(reqs)), keep)
+        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        if self.state_slots > 1:  # the state after the last kept row: select its slot
+            rows = np.asarray(kept, np.int64)
+            fed = np.asarray(batch.num_new, np.int64)
+            self.alloc.select_state(slots, np.where(rows < fed, rows - 1, -1))
+        self.alloc.truncate(slots, keep)
         accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
         self.spec.record(sum(len(x) for x in batch.drafts), accepted, len(reqs))
         self.num_appended = appended
-        self.prefix.after_step(Batch(list(reqs), kept))
+        self.prefix.after_step(Batch(list(reqs), kept), verify=True)
         self._epoch += len(finished)
         for r in finished:
             self.prefix.share(r)

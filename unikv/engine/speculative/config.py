@@ -10,10 +10,10 @@ speculate; default 32 here, vLLM's default is off). unikv adds ``force_accept``
 measures the verify step at full acceptance).
 
 Built today: ``ngram`` and ``draft_model`` (a full-attention draft of the same
-vocabulary, its K/V in sub-pools of the same pool: ``draft.py``). ``mtp`` and
-``eagle3`` are refused with a message saying so, as are models with recurrent state (Mamba-2 / Gated DeltaNet
-layers: a rejected draft would need the state before it, and per-draft-position
-state slots are not built yet) and tensor parallelism.
+vocabulary, its K/V in sub-pools of the same pool: ``draft.py``), for attention and
+recurrent models alike (Mamba-2 / Gated DeltaNet / KDA / short-conv layers: each
+request holds k per-draft-position state slots, ``draft_state_slots``). ``mtp`` and
+``eagle3`` are refused with a message saying so, as is tensor parallelism.
 """
 
 from __future__ import annotations
@@ -123,17 +123,20 @@ def speculative_config_of(value) -> SpeculativeConfig | None:
     return SpeculativeConfig(method, k, lo, hi, model, limit, force)
 
 
+def draft_state_slots(config: SpeculativeConfig | None, subpool_configs) -> int:
+    """Per-draft-position state slots each request holds: k with speculation on a
+    model with recurrent state (a Mamba sub-pool), else 0. A verify step writes the
+    state after each draft there, and accepting j drafts selects slot j by index
+    (``allocator/mamba.py``); cost: k state slots per request (``docs/design.md``
+    section 13)."""
+    if config is None or not any(c.spec.kind == "mamba" for c in subpool_configs):
+        return 0
+    return config.num_speculative_tokens
+
+
 def check_speculation(config: SpeculativeConfig | None, subpool_configs, tp_group) -> None:
     """Refuse what speculation cannot serve yet, once at start-up."""
     if config is None:
         return
-    state = [c.name for c in subpool_configs if c.spec.kind == "mamba"]
-    if state:
-        raise ValueError(
-            "speculative_config: this model keeps recurrent state (Mamba-2 / Gated DeltaNet "
-            f"layers, sub-pool {state[0]!r}); a rejected draft token would need the state "
-            "before it, and per-draft-position state slots are not built yet (issue 42 "
-            "item 3). Serve it without speculative_config"
-        )
     if tp_group is not None:
         raise ValueError("speculative_config does not yet combine with tp_group")
