@@ -1,7 +1,9 @@
 """Speculative decoding: one request's decode tokens/s with and without it (issue 42).
 
-Three runs on the same random-init model (bench_e2e's Llama-3.2-1B shape), greedy,
-one request, ``--new-tokens`` tokens after a ``--prompt-len`` prompt:
+Three runs on the same random-init model (``--model llama``: bench_e2e's Llama-3.2-1B
+shape; ``--model qwen3_5``: bench_hybrid's Qwen3.5 shape, Gated DeltaNet + gated
+attention, whose verify steps write per-draft-position state slots), greedy, one
+request, ``--new-tokens`` tokens after a ``--prompt-len`` prompt:
 
 - ``plain``: no speculation (CUDA graphs, the overlapped loop);
 - ``forced``: ``{"method": "ngram", "num_speculative_tokens": k, "force_accept": true}``
@@ -14,6 +16,7 @@ one request, ``--new-tokens`` tokens after a ``--prompt-len`` prompt:
 Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
 
     python benchmarks/bench_spec.py                 # GPU, the Llama shape
+    python benchmarks/bench_spec.py --model qwen3_5 # GPU, the Qwen3.5 shape
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
 """
 
@@ -60,10 +63,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a few-KB model (smoke test)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="llama", choices=["llama", "qwen3_5"])
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/spec_decode.json"))
+    p.add_argument("--out", default=None, help="default: results/spec_decode[_MODEL].json")
     return p.parse_args(argv)
 
 
@@ -71,8 +75,19 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     workdir = Path(tempfile.mkdtemp(prefix="bench_spec_"))
-    save_model("llama", workdir, args.device, dtype, args.tiny)
-    vocab = 256 if args.tiny else 128256
+    if args.model == "llama":
+        save_model("llama", workdir, args.device, dtype, args.tiny)
+        vocab = 256 if args.tiny else 128256
+        label = "llama-3.2-1b shape (random init)" if not args.tiny else "tiny llama"
+    else:  # bench_hybrid's Qwen3.5 shape: k state slots per request besides its own
+        from bench_hybrid import build_model, hf_config
+
+        model = build_model("qwen3_5", workdir, args.device, dtype, args.tiny)
+        del model  # (saved: the engine loads it)
+        vocab = hf_config("qwen3_5", args.tiny).vocab_size
+        label = "qwen3.5 shape, bench_hybrid (random init)" + (" tiny" if args.tiny else "")
+    suffix = "" if args.model == "llama" else f"_{args.model}"
+    out = args.out or str(ROOT / f"benchmarks/results/spec_decode{suffix}.json")
     g = torch.Generator().manual_seed(0)
     plain_prompt = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
     block = torch.randint(0, vocab, (max(args.prompt_len // 4, 8),), generator=g).tolist()
@@ -107,7 +122,7 @@ def main(argv=None) -> dict:
     base_rep = runs["plain"]["repetitive"]["decode_tokens_per_s"]
     result = {
         "environment": environment(),
-        "model": "llama-3.2-1b shape (random init)" if not args.tiny else "tiny llama",
+        "model": label,
         "k": k,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -121,7 +136,7 @@ def main(argv=None) -> dict:
     print(f"forced acceptance, k={k}: {forced / base:.2f}x (target 2.5x); "
           f"ngram: {ngram / base_rep:.2f}x at acceptance "
           f"{result['ngram_acceptance_rate']:.2f}")  # fmt: skip
-    save_json(args.out, result)
+    save_json(out, result)
     return result
 
 
