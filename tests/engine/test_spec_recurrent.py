@@ -174,3 +174,25 @@ def test_real_drafts(models, family):
     assert [o.output_ids for o in llm.generate(items, params)] == hf_tokens
     assert llm.stats.spec_draft_tokens > 0
     assert_pages_returned(llm)
+
+
+def test_padded_verify_plans_and_triton_ops(models):
+    """The verify graphs' plans run eagerly (every lane k + 1 rows, padded lanes at
+    the sink, their draft slots too), with the torch ops (three requests run as four
+    lanes, k = 3) and with the Triton recurrent ops under the interpreter (one short
+    request, k = 4: a step that rejects a draft and one that accepts all):
+    Qwen3.5's tokens equal transformers'."""
+    path, hf_tokens = models["qwen3_5"]
+    runs = {"torch": ([0, 1, 2], 6, 3), "triton": ([1], 6, 4)}  # (prompts, tokens, k)
+    for backend, (which, new, k) in runs.items():
+        items = [prompts()[i] for i in which]
+        llm = make_llm(path, 4, ngram(k), backend=backend)
+        llm.runner.capture_verify(k + 1, 4, capture=False)  # sizes 1, 2, 4
+        llm.scheduler.spec.pad_drafts = True
+        Oracle(llm, {tuple(p): w for p, w in zip(prompts(), hf_tokens)})
+        params = SamplingParams(max_tokens=new, temperature=0.0)
+        assert [o.output_ids for o in llm.generate(items, params)] == [
+            hf_tokens[i][:new] for i in which
+        ]
+        check_speculated(llm)
+        assert_pages_returned(llm)
