@@ -161,7 +161,8 @@ class UnifiedPool:
             many tokens fits alone in the empty pool.
         chunk_tokens: prefill chunk size used for the sliding-window worst case.
         state_slots: Mamba slots one request holds (1; 1 + k with k per-draft-position
-            slots under speculative decoding), for the same check.
+            slots under speculative decoding): the same check, and the allocator's
+            layout of the Mamba ids (``allocator/mamba.py``).
         backend: the kernel backend whose ``copy_pages`` moves envelopes, chosen
             once (default: ``kernels.get_backend(device)``).
         copy_pages: a bare page-copy op instead of ``backend`` (kept for callers
@@ -222,6 +223,9 @@ class UnifiedPool:
         # resize refuse a size that cannot place them; a caller with a stricter rule
         # (prefix caching keeps window pages bound) may raise it after construction
         self.alone_demand: dict[str, int] | None = None
+        if not isinstance(state_slots, int) or isinstance(state_slots, bool) or state_slots < 1:
+            raise ValueError(f"state_slots must be an int >= 1, got {state_slots!r}")
+        self.state_slots = state_slots  # Mamba slots one request holds (the allocator's layout)
 
         page_bytes = [c.spec.page_bytes(c.page_size) for c in configs]
         self.sink_bytes = max(page_bytes)  # page 0 of every sub-pool lies below it

@@ -1,6 +1,7 @@
-"""Per-draft-position state slots (``PoolAllocator(draft_state_slots=k)``): each request
-holds k Mamba slots besides its own, taken, counted and freed with it; ``select_state``
-makes draft slot j the live one by exchanging bindings, no byte copied.
+"""Per-draft-position state slots (``UnifiedPool(state_slots=1 + k)``): each request
+holds k Mamba slots besides its own, taken, counted and freed with it;
+``MambaSlots.select`` makes draft slot j the live one by exchanging bindings, no byte
+copied.
 
 The oracle is the pool's raw bytes: every slot is stamped with its own pattern through
 the buffer (page p of the Mamba grid at byte ``p * entry_bytes``), and after a
@@ -12,15 +13,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import build, snapshot
+from allocator_fixtures import CHAINS, PAGES, snapshot
+
+from unikv.allocator import PoolAllocator
+from unikv.pool import UnifiedPool, pool_bytes_for
 
 K = 2
 
 
 @pytest.fixture
 def alloc():
-    _, alloc = build("full+mamba", 4, draft_state_slots=K, debug=True)
-    return alloc
+    configs = CHAINS["full+mamba"](4)
+    total = pool_bytes_for(configs, {c.name: PAGES[c.name] for c in configs})
+    pool = UnifiedPool(configs, total, state_slots=1 + K)
+    return PoolAllocator(pool, max_requests=4, max_context=40, debug=True)
 
 
 def _bytes(alloc, phys: int) -> torch.Tensor:
@@ -32,7 +38,7 @@ def _slots(alloc, r: int) -> tuple[int, list[int]]:
     """(live physical slot, draft physical slots) of request r, from the device."""
     req = torch.tensor([r])
     live = int(alloc.mamba_slots(req).data[0])
-    return live, alloc.mamba_draft_slots(req).data[0].tolist()
+    return live, alloc.mamba_slots(req, drafts=True).data[0].tolist()
 
 
 def test_slots_are_taken_selected_and_freed_with_the_request(alloc):
@@ -47,7 +53,7 @@ def test_slots_are_taken_selected_and_freed_with_the_request(alloc):
         _bytes(alloc, p).fill_(i + 1)
     stamp = {p: i + 1 for i, p in enumerate(every)}
 
-    alloc.select_state(np.array([r0, r1]), np.array([1, -1]))
+    alloc.parts.mamba.select(np.array([r0, r1]), np.array([1, -1]))
     live0, drafts0 = _slots(alloc, r0)
     assert live0 == layout[r0][1][1] and drafts0 == [layout[r0][1][0], layout[r0][0]]
     assert torch.all(_bytes(alloc, live0) == stamp[layout[r0][1][1]])  # no copy: the slot
@@ -84,10 +90,13 @@ def test_bad_selections_are_value_errors(alloc):
     r0, r1 = alloc.new_request(), alloc.new_request()
     alloc.alloc_mamba(np.array([r0]))
     before = snapshot(alloc)
+    select = alloc.parts.mamba.select
     with pytest.raises(ValueError, match=r"positions must be 1 ints in \[-1, 2\)"):
-        alloc.select_state(np.array([r0]), np.array([K]))
+        select(np.array([r0]), np.array([K]))
     with pytest.raises(ValueError, match="positions must be 1 ints"):
-        alloc.select_state(np.array([r0]), np.array([0, 1]))
+        select(np.array([r0]), np.array([0, 1]))
     with pytest.raises(ValueError, match=f"requests \\[{r1}\\] hold no state slot"):
-        alloc.select_state(np.array([r1]), np.array([0]))
+        select(np.array([r1]), np.array([0]))
+    with pytest.raises(ValueError, match="state_slots must be an int >= 1"):
+        UnifiedPool(CHAINS["full+mamba"](4), alloc.pool.total_bytes, state_slots=0)
     assert snapshot(alloc) == before

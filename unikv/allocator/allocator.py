@@ -79,13 +79,12 @@ class PoolAllocator:
         on_shortfall: Callable[[Shortfall], bool] | None = None,
         max_shortfall_rounds: int = 8,
         backend: KernelBackend | None = None,
-        draft_state_slots: int = 0,
     ) -> None:
         backend = backend or get_backend(pool.device)  # decided once
         self.pool = pool
         self.parts = build_parts(
             pool, max_requests, max_context, num_virtual_pages, on_shortfall,
-            max_shortfall_rounds, backend, debug, draft_state_slots,
+            max_shortfall_rounds, backend, debug,
         )  # fmt: skip
         self._debug = debug
         self._translate_ids = backend.translate_ids
@@ -140,34 +139,10 @@ class PoolAllocator:
             self._after_verb()
         return phys
 
-    def mamba_slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
-        """Physical state slots of (B,) int32/int64 device request slots (0, the
-        sink, for requests without one). No host sync."""
-        return self._mamba("mamba_slots").slots(req_slots)
-
-    def mamba_draft_slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
-        """(B, k) physical per-draft-position state slots of (B,) device request slots
-        (``draft_state_slots`` = k > 0; 0, the sink, where a request has none). No
-        host sync."""
-        return self._mamba("mamba_draft_slots").draft_slots(req_slots)
-
-    def select_state(self, slots: object, positions: object) -> None:
-        """After a speculative verify step: request ``slots[i]`` continues from the
-        state its draft slot ``positions[i]`` holds ((B,) host ints; -1: its live
-        slot's). The two slots exchange roles (bindings only, nothing copied)."""
-        mamba = self._mamba("select_state")
-        slots = self.parts.requests.check_slots(slots, "select_state")
-        positions = np.asarray(positions, np.int64)
-        if positions.shape != slots.shape or ((positions < -1) | (positions >= mamba.k)).any():
-            raise ValueError(
-                f"select_state: positions must be {slots.shape[0]} ints in [-1, {mamba.k}) "
-                f"(the allocator's draft_state_slots), got {positions.tolist()}"
-            )
-        held = mamba.book.physical((slots + 1).astype(np.int32)) > 0
-        if not held.all():
-            raise ValueError(f"select_state: requests {slots[~held].tolist()} hold no state slot")
-        mamba.select(slots, positions)
-        self._after_verb()
+    def mamba_slots(self, req_slots: torch.Tensor, drafts: bool = False) -> PhysicalPageIds:
+        """Physical state slots of (B,) device request slots (0, the sink, for none); with
+        ``drafts`` their (B, k) per-draft-position slots (``MambaSlots``). No host sync."""
+        return self._mamba("mamba_slots").slots(req_slots, drafts)
 
     def _mamba(self, what: str) -> MambaSlots:
         if self.parts.mamba is None:

@@ -102,15 +102,33 @@ class MambaSlots:
         vids = vids[self.book.physical(vids) >= 0]
         self.writer.unbind(self.book, vids, self.fences.unbind(self.book, vids))
 
+    def _check_select(self, slots: object, positions: object) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, positions) as int64 arrays once valid for ``select`` (ValueError
+        otherwise, nothing changed): one position per request in ``slots``, each in
+        [-1, k), every request holding a state slot."""
+        slots = self.requests.check_slots(slots, "select")
+        positions = np.asarray(positions, np.int64)
+        if positions.shape != slots.shape or ((positions < -1) | (positions >= self.k)).any():
+            raise ValueError(
+                f"select: positions must be {slots.shape[0]} ints in [-1, {self.k}) (the "
+                f"draft state slots per request), got {positions.tolist()}"
+            )
+        held = self.book.physical((slots + 1).astype(np.int32)) > 0
+        if not held.all():
+            raise ValueError(f"select: requests {slots[~held].tolist()} hold no state slot")
+        return slots, positions
+
     def select(self, slots: np.ndarray, positions: np.ndarray) -> None:
         """After a verify step: request ``slots[i]``'s state is the one its draft slot
         ``positions[i]`` holds (host ints; -1: its live slot's, nothing to do). That
         slot becomes the live one and the live one that draft slot: two bindings
-        exchanged per request, one table write, no state copied."""
+        exchanged per request, one table write, no state copied. (The scheduler's
+        ``complete_verify`` calls it after ``truncate``: the speculative rollback.)"""
+        slots, positions = self._check_select(slots, positions)
         moved = positions >= 0
         if not moved.any():
             return
-        slots, positions = np.asarray(slots)[moved], positions[moved]
+        slots, positions = slots[moved], positions[moved]
         assert (positions < self.k).all(), "draft-state invariant: a position below k"
         live = (slots + 1).astype(np.int32)
         draft = self.draft_vids(slots)[np.arange(len(slots)), positions]
@@ -130,9 +148,12 @@ class MambaSlots:
         found = self.book.v2p.index_select(0, ids.view(-1)).clamp_min(0)
         return PhysicalPageIds(found.view(-1, self.k), self.book.name)
 
-    def slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
+    def slots(self, req_slots: torch.Tensor, drafts: bool = False) -> PhysicalPageIds:
         """Current physical state slots of (B,) int32/int64 device request slots
-        (0, the sink, for requests without one). No host sync."""
+        (0, the sink, for requests without one); ``drafts``: their (B, k) draft
+        slots (``draft_slots``). No host sync."""
+        if drafts:
+            return self.draft_slots(req_slots)
         v2p = self.book.v2p
         return PhysicalPageIds(
             v2p.index_select(0, req_slots.long() + 1).clamp_min(0), self.book.name

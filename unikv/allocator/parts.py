@@ -58,7 +58,6 @@ def build_parts(
     max_shortfall_rounds: int,
     backend: KernelBackend,
     debug: bool = False,
-    draft_state_slots: int = 0,
 ) -> Parts:
     """Every part of a PoolAllocator over ``pool`` (arguments: the allocator's)."""
     for what, value in (("max_requests", max_requests), ("max_context", max_context)):
@@ -74,10 +73,9 @@ def build_parts(
     requests = RequestTable(max_requests, max_context, roles.page_size, pool.device)
     vspace = VirtualSpace(num_virtual)
     books = {}
-    if not isinstance(draft_state_slots, int) or draft_state_slots < 0:
-        raise ValueError(
-            f"PoolAllocator draft_state_slots must be an int >= 0, got {draft_state_slots!r}"
-        )
+    # the pool's Mamba slots per request beyond the live one: speculative decoding's
+    # per-draft-position slots (``UnifiedPool(state_slots=1 + k)``, ``mamba.py``)
+    draft_state_slots = pool.state_slots - 1
     # Mamba ids: the sink, one per request slot, k draft slots per request, checkpoints
     ckpt_base = max_requests * (1 + draft_state_slots) + 1
     for s in pool.subpools.values():

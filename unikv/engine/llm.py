@@ -288,7 +288,6 @@ class LLM:
             max_context=self.max_model_len,
             debug=debug,
             backend=self.backend,
-            draft_state_slots=state_k,
         )
         if prefix_host_bytes:
             self._enable_prefix_host(prefix_host_bytes)

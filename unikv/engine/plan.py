@@ -9,7 +9,7 @@ and ``max_tokens`` tokens, on every device):
     EXTEND batch:  virtual ids --alloc.translate--> write kernel ids    (per sub-pool)
                    req_to_token + v2p --alloc.block_table--> block table (per sub-pool)
     hybrid models: request slots --alloc.mamba_slots--> physical state slots
-                   (verify steps also --alloc.mamba_draft_slots--> per-draft-position
+                   (verify steps also --mamba_slots(drafts=True)--> per-draft-position
                    slots, (B, k): the state after each draft token is written there)
 
     host arrays --one copy--> one device byte buffer (``plan_upload.StepUpload``):
@@ -319,7 +319,7 @@ class StepPlanner:
         rows: 0, the sink), at fixed addresses (verify graphs read them)."""
         out = self.draft_slots[: slots.shape[0]]
         if num:
-            out[:num].copy_(self.alloc.mamba_draft_slots(slots[:num]).data)
+            out[:num].copy_(self.alloc.mamba_slots(slots[:num], drafts=True).data)
         out[num:].zero_()
         return out
 

@@ -333,7 +333,7 @@ class Scheduler:
         window's bookkeeping restored) before out-of-window pages are freed. Returns
         the requests finished. A recurrent model's request continues from the state
         after its last kept row: its live slot's when it kept every row, else that of
-        draft slot ``kept - 1``, which becomes its live slot (``alloc.select_state``)."""
+        draft slot ``kept - 1``, which becomes its live slot (``MambaSlots.select``)."""
         reqs, finished, appended = batch.requests, [], 0
         keep = np.empty(len(reqs), np.int64)
         kept = []
@@ -352,11 +352,10 @@ class Scheduler:
             kept.append(int(keep[i] - start))
             r.draft_ids = []
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
-        if self.state_slots > 1:  # the state after the last kept row: select its slot
-            rows = np.asarray(kept, np.int64)
-            fed = np.asarray(batch.num_new, np.int64)
-            self.alloc.select_state(slots, np.where(rows < fed, rows - 1, -1))
         self.alloc.truncate(slots, keep)
+        if self.state_slots > 1:  # the state after the last kept row: select its slot
+            rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
+            self.alloc.parts.mamba.select(slots, np.where(rows < fed, rows - 1, -1))
         accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
         self.spec.record(sum(len(x) for x in batch.drafts), accepted, len(reqs))
         self.num_appended = appended
