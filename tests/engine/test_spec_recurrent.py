@@ -14,7 +14,9 @@ moves with the request's length, so every accepted length 0 .. k occurs and each
 selects a different state slot; a run must accept some drafts and reject some, and
 give every page and state slot back (the allocator checks its invariants after every
 verb, the draft slots' included). Then the real n-gram lookup and a draft model (a
-tiny Llama of the same vocabulary, its K/V in ``draft_*`` sub-pools) on both families.
+tiny Llama of the same vocabulary, its K/V in ``draft_*`` sub-pools) on both families;
+the verify graphs' padded plans and the Triton ops (interpreter) on Qwen3.5; and LFM2
+(conv-only state) and Kimi-Linear (KDA, MLA) with prefix caching.
 """
 
 from __future__ import annotations
@@ -196,3 +198,26 @@ def test_padded_verify_plans_and_triton_ops(models):
         ]
         check_speculated(llm)
         assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "kimi_linear"])
+def test_conv_only_and_kda_families(family, tmp_path):
+    """The same slots cover LFM2's short convolutions (a conv-only state slot) and
+    Kimi-Linear's KDA (a decay per key channel, MLA attention): k = 3, page size 4,
+    prefix caching on; greedy tokens equal transformers'."""
+    path = str(tmp_path)
+    if family == "lfm2":
+        from family_fixtures import save_tiny_lfm2
+
+        hf = save_tiny_lfm2(path)
+    else:
+        from test_engine_kimi_linear import save_tiny_kimi
+
+        hf = save_tiny_kimi(path)
+    items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in items]
+    llm = make_llm(path, 4, ngram(3), enable_prefix_caching=True)
+    Oracle(llm, {tuple(p): w for p, w in zip(items, want)})
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    check_speculated(llm)
+    assert_pages_returned(llm)
