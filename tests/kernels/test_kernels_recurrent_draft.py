@@ -7,7 +7,8 @@ Mamba-2's scan, Triton (``TRITON_INTERPRET=1``) against the torch reference, and
 against an independent oracle: the reference run on lane b's first j + 1 tokens alone
 (no draft slots), whose final state must be what slot ``draft_slots[b, j]`` holds.
 Every slot no lane should write (unused draft slots included) keeps its bytes; the
-lanes' outputs and final states equal a run without draft slots.
+lanes' outputs and final states equal a run without draft slots. The same checks run
+on a CUDA GPU with ``-m gpu`` (the Triton kernels compiled).
 """
 
 from __future__ import annotations
@@ -78,16 +79,20 @@ def _rows(tensors, start, end):
             for t in tensors]  # fmt: skip
 
 
-def _check(pool, op, make_inputs):
-    slots, draft, q_indptr = _layout()
+def _check(pool, op, make_inputs, device="cpu"):
+    """The module docstring's checks of ``op`` on ``device`` (the pool copied there)."""
+    slots, draft, q_indptr = (t.to(device) for t in _layout())
     live = slots[:-1].tolist()
     tensors, extra = make_inputs()
+    tensors = [t.to(device) for t in tensors]
+    extra = {n: tuple(t.to(device) for t in v) if n == "gating" else v for n, v in extra.items()}
+    initial = pool.buffer.to(device)
 
     def inputs_of(rows):
         return lambda state, s, qi: op_args(op, rows, state, s, qi, extra)
 
     every = inputs_of(tensors)
-    buffers = {n: pool.buffer.clone() for n in ("triton", "torch", "plain")}
+    buffers = {n: initial.clone() for n in ("triton", "torch", "plain")}
     outs = {
         "triton": _run(pool, recurrent, op, every, slots, q_indptr, buffers["triton"], draft),
         "torch": _run(pool, recurrent_ref, op, every, slots, q_indptr, buffers["torch"], draft),
@@ -105,8 +110,8 @@ def _check(pool, op, make_inputs):
                 want = pool.slot(buffers["plain"], s).view(torch.float32)
                 torch.testing.assert_close(got, want, **TOL)
         for j in range(min(n - 1, K)):  # the oracle: lane b's first j + 1 tokens alone
-            alone = pool.buffer.clone()
-            one = torch.tensor([0, j + 1], dtype=torch.int32)
+            alone = initial.clone()
+            one = torch.tensor([0, j + 1], dtype=torch.int32, device=device)
             rows = _rows(tensors, start, start + j + 1)
             _run(pool, recurrent_ref, op, inputs_of(rows), slots[b : b + 1], one, alone)
             want = pool.part(op, alone)[int(slots[b])]
@@ -119,7 +124,7 @@ def _check(pool, op, make_inputs):
     assert len(untouched) >= K + 2  # lane 1's draft slots, lane 2's last, the padded lane's
     for s in untouched:
         for name in ("triton", "torch"):
-            assert torch.equal(pool.slot(buffers[name], s), pool.slot(pool.buffer, s)), (
+            assert torch.equal(pool.slot(buffers[name], s), pool.slot(initial, s)), (
                 f"{name} wrote slot {s}, which no lane's draft position names"
             )
 
@@ -139,7 +144,11 @@ def _randn(gen, *shape):
     return torch.randn(*shape, generator=gen)
 
 
-def test_conv_draft_windows():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # cpu: the interpreter
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv_draft_windows(device):
     channels, width, gen = 13, 4, torch.Generator().manual_seed(1)
     slots = _layout()[0][:-1].tolist()
     pool = Pool((channels, width), None, slots, seed=2)
@@ -148,11 +157,12 @@ def test_conv_draft_windows():
         return [_randn(gen, sum(LENS), channels), _randn(gen, channels, width),
                 _randn(gen, channels)], {}  # fmt: skip
 
-    _check(pool, "causal_conv1d", inputs)
+    _check(pool, "causal_conv1d", inputs, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gates", ["gating", "per_channel"])
-def test_gated_delta_rule_draft_states(gates):
+def test_gated_delta_rule_draft_states(gates, device):
     heads, dim_k, dim_v, gen = 4, 5, 7, torch.Generator().manual_seed(3)
     slots = _layout()[0][:-1].tolist()
     pool = Pool((3, 2), (heads, dim_k, dim_v), slots, seed=4)
@@ -172,10 +182,11 @@ def test_gated_delta_rule_draft_states(gates):
             )
         return [q, k, v, g, beta], extra
 
-    _check(pool, "gated_delta_rule", inputs)
+    _check(pool, "gated_delta_rule", inputs, device)
 
 
-def test_mamba2_ssd_draft_states():
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba2_ssd_draft_states(device):
     heads, groups, dim_p, dim_n, gen = 6, 3, 6, 5, torch.Generator().manual_seed(5)
     slots = _layout()[0][:-1].tolist()
     pool = Pool((3, 2), (heads, dim_p, dim_n), slots, seed=6)
@@ -188,7 +199,7 @@ def test_mamba2_ssd_draft_states():
         D, dt_bias = _randn(gen, heads), _randn(gen, heads)
         return [x, dt, A, B, C, D, dt_bias], {"dt_softplus": True, "dt_limit": (0.0, 1e9)}
 
-    _check(pool, "mamba2_ssd", inputs)
+    _check(pool, "mamba2_ssd", inputs, device)
 
 
 def test_bad_draft_slots_are_a_value_error():
