@@ -127,8 +127,12 @@ def draft_state_slots(config: SpeculativeConfig | None, subpool_configs) -> int:
     """Per-draft-position state slots each request holds: k with speculation on a
     model with recurrent state (a Mamba sub-pool), else 0. A verify step writes the
     state after each draft there, and accepting j drafts selects slot j by index
-    (``allocator/mamba.py``); cost: k state slots per request (``docs/design.md``
-    section 13)."""
+    (``allocator/mamba.py``). Cost: ``k * spec.entry_bytes`` per request, from the
+    same pool (admission asks for 1 + k slots). At k = 3, bf16 weights and fp32 state
+    (the presets; one slot in brackets): Qwen3.5-27B 443 MiB (148), Qwen3.5-35B-A3B 186
+    (62), Qwen3-Next-80B 223 (74), NemotronH-8B 294 (98), Nemotron-3-Nano-30B 141
+    (47), Falcon-H1-7B 400 (133), Bamba-9B 354 (118), Granite-4.0-H-Small 439 (146),
+    Kimi-Linear-48B 126 (42), LFM2-2.6B 0.8 (0.26)."""
     if config is None or not any(c.spec.kind == "mamba" for c in subpool_configs):
         return 0
     return config.num_speculative_tokens
