@@ -2,9 +2,9 @@
 the forward of one ``LLM``, fed over ZeroMQ by the API server process.
 
 The API process (``engine_client.ProcEngine``) binds two ZeroMQ sockets and
-starts ``python -m unikv.serving.engine_core``, writing its setup (the LLM's
-keyword arguments, passed to ``LLM`` unchanged, the socket addresses, the
-admission bound) to the child's stdin as msgpack. The child connects:
+starts ``python -m unikv.serving.engine_core``, writing its setup (the engine's
+``EngineConfig``, pickled, the socket addresses, the admission bound) to the
+child's stdin as msgpack. The child connects:
 
     API process                                   engine process
     PUSH (inputs)  --add / abort / cut / call / stop-->  PULL  (main thread)
@@ -207,8 +207,8 @@ class Core:
             if name == "snapshot":
                 from unikv.serving.metrics import engine_snapshot
 
-                value = self.loop.call(lambda: engine_snapshot(self.llm)).result(timeout=10)
-                value["waiting"] += len(self.loop._inbox)
+                value = self.loop.call(lambda: engine_snapshot(self.llm.core)).result(timeout=10)
+                value["waiting"] += self.loop.num_queued
             elif name == "reset_prefix_cache":
                 value = self.llm.reset_prefix_cache()
             else:
@@ -274,10 +274,11 @@ def main() -> int:
     inputs.connect(setup["inputs"])
     boot = _push(ctx, setup["outputs"])
     try:
+        import pickle
+
         from unikv.engine.llm import LLM
 
-        kwargs = dict(setup["kwargs"])
-        llm = LLM(kwargs.pop("model"), **kwargs)
+        llm = LLM(pickle.loads(setup["config"]))  # the API process's own config
         _fault(llm, setup.get("fault"))
         core = Core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
     except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
