@@ -167,7 +167,7 @@ class EngineConfig:
     # -- making one ----------------------------------------------------------------------
 
     @classmethod
-    def of(cls, model=None, **options) -> EngineConfig:
+    def of(cls, model=None, /, **options) -> EngineConfig:
         """A config from ``LLM``'s arguments: ``model`` (or ``model_dir=``, once) and
         the fields by name; an unknown name raises a TypeError naming the fields."""
         for old, new in KWARG_ALIASES.items():
