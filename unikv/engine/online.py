@@ -477,7 +477,7 @@ class EngineLoop:
         ahead of what was held already, in their queue order."""
         sched = self.scheduler
         for r in list(reversed(sched.running)):
-            sched._preempt(r)  # the scheduler's own preemption (pages freed, tokens kept)
+            sched.preempt(r)  # the scheduler's own preemption (pages freed, tokens kept)
         self._held[:0] = list(sched.waiting)
         sched.waiting.clear()
 

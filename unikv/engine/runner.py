@@ -101,22 +101,22 @@ class Launched:
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
     __slots__ = (
-        "_event", "_host", "_logprobs", "_prompt", "batch", "emitted", "fed", "logits", "tokens_dev"
+        "_host", "_logprobs", "_prompt", "batch", "emitted", "event", "fed", "logits", "tokens_dev"
     )  # fmt: skip
 
     def __init__(
         self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False, prompt=None
     ) -> None:
         self.batch, self.logits, self.tokens_dev = batch, logits, tokens_dev
-        self._host, self._event, self._logprobs = host, event, logprobs
+        self._host, self.event, self._logprobs = host, event, logprobs
         self.fed = fed  # the tokens are in the planner's feedback buffer
         self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
         self.emitted: list[list[int]] | None = None  # a verify step's tokens per request
 
     def _ready(self, host):
         """``host`` (this step's host copies) once the step is done; waits for it only."""
-        if self._event is not None:
-            self._event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return host
 
     def prompt_logprobs(self) -> dict | None:
@@ -256,7 +256,7 @@ class ModelRunner:
             in_graph = greedy and self.graphs.has_greedy(rows)  # the argmax inside
             if in_graph and self._copy_stream is not None and prev is not None:
                 # the graph rewrites its token buffer: prev's copy of it comes first
-                torch.cuda.current_stream(self.device).wait_event(prev._event)
+                torch.cuda.current_stream(self.device).wait_event(prev.event)
             logits, tokens_dev = self.graphs.replay(rows, in_graph)
             logits = logits[: len(batch.requests)]
             # the model's argmax wrote them into the plan's feedback buffer

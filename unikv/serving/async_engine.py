@@ -118,6 +118,11 @@ class AsyncEngine:
         self.on_death = on_death  # called on the event loop when the engine loop dies
         self._aloop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the app runs on (set by ``start``; None before)."""
+        return self._aloop
+
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
         self.loop.start()

@@ -46,7 +46,7 @@ def _draining_server_class():
             self.app_server = app_server
 
         def handle_exit(self, sig, frame) -> None:
-            app, loop = self.app_server, self.app_server.engine._aloop
+            app, loop = self.app_server, self.app_server.engine.event_loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(app.begin_drain, app.options.shutdown_timeout_s)
             super().handle_exit(sig, frame)

@@ -170,6 +170,11 @@ class ProcEngine:
     def healthy(self) -> bool:
         return self.error is None and self.proc.poll() is None
 
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the app runs on (set by ``start``; None before)."""
+        return self._aloop
+
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
         self._reader.start()
