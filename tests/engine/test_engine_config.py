@@ -56,7 +56,11 @@ BAD = [
 
 
 def test_every_field_has_a_bad_value_case():
+    from unikv.engine.config import PREEMPTION_MODES
+    from unikv.io.swap import MODES
+
     assert {f.name for f in dataclasses.fields(EngineConfig)} == {b[0] for b in BAD}
+    assert PREEMPTION_MODES == MODES  # the config refuses what the swap policy would
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from typing import Any
 from unikv.engine.speculative.config import SpeculativeConfig
 
 BACKENDS = (None, "torch", "triton")
-PREEMPTION_MODES = ("auto", "swap", "recompute")  # io/swap.MODES (checked by a test)
+PREEMPTION_MODES = ("auto", "swap", "recompute")  # io/swap.MODES (test_engine_config)
 # old keyword names of ``LLM(...)`` -> the field they set
 KWARG_ALIASES = {"model_dir": "model"}
 # flag (besides ``--<field>``) -> field; the older unikv names and vLLM's
@@ -125,9 +125,8 @@ class EngineConfig:
         if self.max_model_len is not None and not _int(self.max_model_len, 2):
             raise _bad("max_model_len", "None (the model's context) or an int >= 2",
                        self.max_model_len)  # fmt: skip
-        for name in ("cuda_graphs",):
-            if getattr(self, name) not in (None, True, False):
-                raise _bad(name, "True, False or None (on with CUDA)", getattr(self, name))
+        if self.cuda_graphs not in (None, True, False):
+            raise _bad("cuda_graphs", "True, False or None (on with CUDA)", self.cuda_graphs)
         if not isinstance(self.debug, bool):
             raise _bad("debug", "True or False", self.debug)
         if self.backend not in BACKENDS:
