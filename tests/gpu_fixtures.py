@@ -326,7 +326,7 @@ def bf16_token_checks(llm, hf16, hf32, prompts, max_tokens: int) -> list[TokenCh
     outputs = llm.generate(
         prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), on_step=record
     )
-    first = llm._next_id - len(outputs)
+    first = llm.requests.next_id - len(outputs)
     checks = []
     for k, out in enumerate(outputs):
         seq = out.prompt_ids + out.output_ids

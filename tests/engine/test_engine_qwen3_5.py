@@ -93,7 +93,7 @@ def test_greedy_matches_transformers(ref, page_size):
         ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
     )
     assert [o.output_ids for o in outputs] == ref.greedy
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V), teacher-forced
         rows = {p: row for (rid, p), row in recorder.rows.items() if rid == first_id + k}
@@ -205,7 +205,7 @@ def test_state_slot_bytes_match_transformers_cache(ref, max_batched):
     assert sub.spec.temporal.dtype == torch.float32
     copier = SlotCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
-    first_id = llm._next_id - len(ref.prompts)
+    first_id = llm.requests.next_id - len(ref.prompts)
     assert sorted(copier.raw) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
         convs, temporals = _slot_states(copier.raw[first_id + k], sub.spec)
