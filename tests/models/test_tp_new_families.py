@@ -1,6 +1,6 @@
 """Tensor parallelism of issue 39's families over gloo (CPU processes on loopback), fp32:
-Bamba (Mamba-2 + rope attention), Granite-4.0-H (its multipliers, MoE beside a shared
-MLP), Zamba2 (Mamba-2 + shared attention blocks with per-layer LoRA adapters), LFM2
+Bamba (Mamba-2 + rope attention), Granite-4.0-H (its multipliers; MoE beside a shared
+MLP with rope, a dense shared MLP without rope, MoE alone without rope), Zamba2 (Mamba-2 + shared attention blocks with per-layer LoRA adapters), LFM2
 (short-convolution windows sharded by channels, projection biases drawn at random),
 Qwen3.5-MoE (Gated DeltaNet + gated attention + routed and shared experts) and
 Kimi-Linear (KDA heads beside MLA, the latent row whole) at TP 2; Qwen3.5-MoE (4 KV
@@ -35,6 +35,7 @@ from dist_fixtures import init_group, run_n, save_result
 from engine_fixtures import hf_greedy, save_random_model
 from family_fixtures import save_tiny_lfm2, tiny_qwen3_5_moe_config
 from mamba_hybrid_fixtures import _hf_mixers, bamba_config, granite_config, save_hf, zamba2_config
+from test_engine_granite_h import VARIANTS as GRANITE
 from test_engine_kimi_linear import save_tiny_kimi, tiny_kimi_config
 from test_tp_recurrent import (
     ATOL,
@@ -59,16 +60,22 @@ def _qwen3_5_moe(path: str, **overrides):
     return save_random_model(config, path)
 
 
-# (family, tp) -> (which TP-2 pair runs it, how the tiny model is saved)
+def _granite(variant: str):
+    return lambda p: save_hf(granite_config(**GRANITE[variant]), p)
+
+
+# (model, tp) -> (which TP-2 pair runs it, its family, how the tiny model is saved)
 MODELS = {
-    ("bamba", 2): (0, lambda p: save_hf(bamba_config(), p)),
-    ("granitemoehybrid", 2): (0, lambda p: save_hf(granite_config(), p)),
-    ("zamba2", 2): (0, lambda p: save_hf(zamba2_config(), p)),
-    ("lfm2", 2): (1, lambda p: _random_biases(save_tiny_lfm2(p), p)),
-    ("qwen3_5_moe", 2): (1, _qwen3_5_moe),
-    ("kimi_linear", 2): (1, lambda p: save_tiny_kimi(p, linear_num_heads=4)),
-    ("qwen3_5_moe", 4): (None, lambda p: _qwen3_5_moe(p, num_key_value_heads=4)),
-    ("kimi_linear", 4): (None, lambda p: save_tiny_kimi(p, linear_num_heads=4)),
+    ("bamba", 2): (0, "bamba", lambda p: save_hf(bamba_config(), p)),
+    ("granite_moe", 2): (0, "granitemoehybrid", _granite("moe")),
+    ("granite_dense", 2): (0, "granitemoehybrid", _granite("dense")),
+    ("zamba2", 2): (0, "zamba2", lambda p: save_hf(zamba2_config(), p)),
+    ("granite_moe_only", 2): (1, "granitemoehybrid", _granite("moe_only")),
+    ("lfm2", 2): (1, "lfm2", lambda p: _random_biases(save_tiny_lfm2(p), p)),
+    ("qwen3_5_moe", 2): (1, "qwen3_5_moe", _qwen3_5_moe),
+    ("kimi_linear", 2): (1, "kimi_linear", lambda p: save_tiny_kimi(p, linear_num_heads=4)),
+    ("qwen3_5_moe", 4): (None, "qwen3_5_moe", lambda p: _qwen3_5_moe(p, num_key_value_heads=4)),
+    ("kimi_linear", 4): (None, "kimi_linear", lambda p: save_tiny_kimi(p, linear_num_heads=4)),
 }
 
 
@@ -77,12 +84,12 @@ def _worker(rank, port, out_dir, paths: dict) -> None:
     device = init_group(rank, port, "gloo", world_size=4)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
     result = {}
-    for (family, size), path in paths.items():
-        pair = MODELS[(family, size)][0]
+    for (name, size), path in paths.items():
+        pair = MODELS[(name, size)][0]
         if size == 2 and pair != rank // 2:
             continue
         group = pairs[pair] if size == 2 else dist.group.WORLD
-        result[(family, size)] = _generate(LLM(path, tp_group=group, device=device, **OPTIONS))
+        result[(name, size)] = _generate(LLM(path, tp_group=group, device=device, **OPTIONS))
     save_result(out_dir, rank, result)
     dist.destroy_process_group()
 
@@ -94,7 +101,7 @@ def runs(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("tp_new")
     paths, refs = {}, {}
-    for key, (_, save) in MODELS.items():
+    for key, (_, _, save) in MODELS.items():
         paths[key] = str(root / f"{key[0]}{key[1]}")
         hf = save(paths[key])
         refs[key] = {
@@ -108,8 +115,8 @@ def runs(tmp_path_factory):
 
 def _cases(runs):
     """(family, size, reference, [(rank within the group, result)]) of every TP run."""
-    for key in MODELS:
-        family, size = key
+    for key, (_, family, _) in MODELS.items():
+        size = key[1]
         ranks = [(r % size, got[key]) for r, got in enumerate(runs["ranks"]) if key in got]
         assert len(ranks) == size, key
         yield family, size, runs["refs"][key], ranks
