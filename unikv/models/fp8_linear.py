@@ -130,14 +130,17 @@ def keep_fp8(
     """Replace the model's plain linears whose checkpoint weights are all quantised by
     ``Fp8BlockLinear`` s (module docstring); returns their names. ``has(name)``: the
     checkpoint holds tensor ``name`` (under the model's names); ``shape(name)``: its
-    shape; ``packed``: ``loader.packed_params``. Before the weights load, after the
-    model is on its device; the caller rebinds the model (``DecoderLM.rebind``)."""
+    shape; ``packed``: ``loader.packed_params``. Before the weights load: on the meta
+    device before ``to_empty`` (``loader.load_model``: the 16-bit twins are never
+    allocated), or on the model's device; the caller rebinds the model
+    (``DecoderLM.rebind``)."""
     kept = []
     tp = getattr(model, "tp", None)
     for name, module in list(model.named_modules()):
         if isinstance(module, RoutedExperts):
             weights = [f"{name}.{e}.{n}.weight" for e in range(len(module)) for n in module.names]
-            if all(has(w) and has(w + SCALE_SUFFIX) for w in weights):
+            fresh = module.fp8_block is None  # (a second pass finds nothing new)
+            if fresh and all(has(w) and has(w + SCALE_SUFFIX) for w in weights):
                 module.keep_fp8(fp8.block)  # (a tp size that cuts a block: refused there)
                 kept.append(name)
             continue
