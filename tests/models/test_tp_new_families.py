@@ -8,7 +8,8 @@ heads) and Kimi-Linear (4 KDA and 4 MLA heads) at TP 4.
 
 One spawn of four ranks runs them all (starting processes costs more than the tiny
 models): the TP-2 families split between the rank pairs {0, 1} and {2, 3}, then the
-TP-4 ones on all four. Checked against independent derivations in this process, with
+TP-4 ones on all four (the same over NCCL, one GPU per rank, on a 4-GPU machine:
+``-m gpu``). Checked against independent derivations in this process, with
 the byte oracles of ``test_tp_recurrent.py``:
 
 - greedy tokens equal transformers' (eager) and a TP-1 ``LLM``'s, on every rank;
@@ -31,7 +32,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from dist_fixtures import init_group, run_n, save_result
+from dist_fixtures import backends, init_group, rank_device, run_n, save_result
 from engine_fixtures import hf_greedy, save_random_model
 from family_fixtures import save_tiny_lfm2, tiny_qwen3_5_moe_config
 from mamba_hybrid_fixtures import _hf_mixers, bamba_config, granite_config, save_hf, zamba2_config
@@ -79,9 +80,9 @@ MODELS = {
 }
 
 
-def _worker(rank, port, out_dir, paths: dict) -> None:
+def _worker(rank, port, out_dir, backend: str, paths: dict) -> None:
     """Four ranks: each pair its half of the TP-2 models, then the TP-4 ones."""
-    device = init_group(rank, port, "gloo", world_size=4)
+    device = init_group(rank, port, backend, world_size=4)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
     result = {}
     for (name, size), path in paths.items():
@@ -94,11 +95,12 @@ def _worker(rank, port, out_dir, paths: dict) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=backends(4))  # gloo; NCCL on 4 GPUs (-m gpu)
+def runs(request, tmp_path_factory):
     """Per (family, TP size): transformers' greedy tokens, the TP-1 run and the model;
     every rank's runs."""
     torch.set_num_threads(1)
+    device = rank_device(request.param, 0)
     root = tmp_path_factory.mktemp("tp_new")
     paths, refs = {}, {}
     for key, (_, _, save) in MODELS.items():
@@ -106,10 +108,11 @@ def runs(tmp_path_factory):
         hf = save(paths[key])
         refs[key] = {
             "hf": [hf_greedy(hf, p, NEW_TOKENS) for p in _prompts()],
-            "tp1": _generate(LLM(paths[key], device="cpu", **OPTIONS)),
+            "tp1": _generate(LLM(paths[key], device=device, **OPTIONS)),
             "model": hf,
         }
-    ranks = run_n(4, _worker, str(root), paths, deadline_s=300)
+    deadline = 600 if request.param == "nccl" else 300  # GPU ranks JIT their kernels
+    ranks = run_n(4, _worker, str(root), request.param, paths, deadline_s=deadline)
     return {"refs": refs, "ranks": ranks}
 
 
