@@ -83,7 +83,7 @@ def tiny_qwen3_5_moe_config(**overrides):
     names += ("num_key_value_heads", "max_position_embeddings", "initializer_range")
     names += tuple(k for k in fields if k.startswith("linear_"))
     kept.update({k: fields[k] for k in names})
-    kept.update(eos_token_id=None, bos_token_id=None, pad_token_id=None, **MOE, **overrides)
+    kept.update(eos_token_id=None, bos_token_id=None, pad_token_id=None, **{**MOE, **overrides})
     return tf.Qwen3_5MoeTextConfig(**kept)
 
 

@@ -58,13 +58,14 @@ def tiny_kimi_config(**overrides):
     return tf.KimiLinearConfig(**kw)
 
 
-def save_tiny_kimi(path: str, seed: int = 0):
+def save_tiny_kimi(path: str, seed: int = 0, **overrides):
     """The tiny transformers Kimi-Linear (random init, a random router bias that
-    matters for the choice) saved to ``path``; returns it (fp32, eval)."""
+    matters for the choice; ``overrides``: config fields) saved to ``path``; returns it
+    (fp32, eval)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    hf = tf.AutoModelForCausalLM.from_config(tiny_kimi_config(), dtype=torch.float32)
+    hf = tf.AutoModelForCausalLM.from_config(tiny_kimi_config(**overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, buf in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
