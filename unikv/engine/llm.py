@@ -36,7 +36,6 @@ from unikv.engine.options import (
     check_kv_cache_bytes,
     check_prefix_host_bytes,
     check_swap,
-    check_window_caching,
     derived_seed,
     fp8_kv_configs,
     merged_eos,
@@ -106,9 +105,10 @@ class LLM:
         debug: allocator debug mode (tombstone reads raise).
         enable_prefix_caching: share the KV pages of common prompt prefixes
             across requests (whole pages; recurrent state through checkpoints).
-            None (default): on for full-attention and MLA models, off for
-            sliding-window and recurrent ones, where it costs memory
-            (``options.prefix_caching_for``).
+            None (default): the model family's row of
+            ``options.PREFIX_CACHING_DEFAULT``: on for full-attention and MLA
+            models, off for sliding-window and recurrent ones, where it has not
+            yet paid on the GPU (issue 41).
             Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``;
             ``llm.prefix_caching`` says whether it is on.
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
@@ -226,7 +226,9 @@ class LLM:
         check_speculation(self.speculative_config, configs, tp_group)
         draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
         configs = configs + draft
-        enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
+        enable_prefix_caching = prefix_caching_for(
+            enable_prefix_caching, configs, self.config.family
+        )
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
         # the kernels' width and alignment rules, once: torch ops where Triton cannot
@@ -270,8 +272,6 @@ class LLM:
             static_split=static_split,  # validated by the pool (unikv.static_split)
             max_bytes=kv_cache_max_bytes,  # validated by the pool
         )
-        if enable_prefix_caching:
-            check_window_caching(self.pool, self.max_model_len, max_num_batched_tokens)
         self.alloc = PoolAllocator(
             self.pool,
             max_requests=max_num_seqs,
