@@ -271,13 +271,14 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         for slot, key in self.key.items():
             if self.state[slot] is None and key:
                 assert key in nodes, f"pinned checkpoint of {key} evicted before its restore"
+        self.pool_fractions_match_the_shadow(len(nodes))
 
-    @invariant()
-    def pool_fractions_match_the_shadow(self):
+    def pool_fractions_match_the_shadow(self, ckpts: int):
+        """(Called by ``checkpoints_hold_what_was_copied`` with the shadow's live
+        checkpoints, counted there.)"""
         got = self.policy.pool_fractions()
         parts, total = self.alloc.parts, self.pool.total_bytes
         slot_bytes, page_bytes = self.pool["mamba"].page_bytes, self.pool["full"].page_bytes
-        ckpts = sum(self._node(k) is not None for k in self.shadow)
         batch = 0
         for slot in self.held:
             pages = parts.requests.held_pages(slot)
@@ -340,7 +341,7 @@ def test_a_slot_counted_twice_is_caught():
     still counted): the batch fraction the cost rule weighs is off, and named."""
     machine = HybridMachine()
     machine.served_chains()
-    machine.pool_fractions_match_the_shadow()
+    machine.checkpoints_hold_what_was_copied()
     machine.book.num_live += 1
     with pytest.raises(AssertionError, match="pool fractions"):
-        machine.pool_fractions_match_the_shadow()
+        machine.checkpoints_hold_what_was_copied()
