@@ -19,8 +19,10 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 - its last whole page before its last token;
 - while it decodes, the page boundaries it completes where the cost rule says a
   checkpoint pays (``engine/checkpoint_rule.py``: the chance it is the turn end x the
-  tokens since its previous checkpoint, against the copy and the bytes held; always
-  at the last boundary its ``max_tokens`` reaches), rolling: each one drops the
+  tokens since its previous checkpoint, against the copy and the bytes held, weighed
+  by the pool fractions the checkpoints and the running requests hold:
+  ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
+  rolling: each one drops the
   request's previous decode checkpoint (or demotes its prompt-end one:
   ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
   a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
