@@ -29,7 +29,6 @@ from unikv.engine.options import (
     check_dtypes,
     check_prefix_host_bytes,
     check_swap,
-    check_window_caching,
     fp8_kv_configs,
     merged_eos,
     model_dir_of,
@@ -121,7 +120,7 @@ def build_engine(config: EngineConfig, tp_group=None) -> Engine:
     check_speculation(c.speculative_config, configs, tp_group)
     draft = _Draft.load(c, model_config, max_model_len, dtype, configs)  # its sub-pools join
     configs = configs + draft.configs
-    caching = prefix_caching_for(c.enable_prefix_caching, configs)
+    caching = prefix_caching_for(c.enable_prefix_caching, configs, model_config.family)
     check_prefix_host_bytes(c.prefix_host_bytes, caching, configs)
     check_swap(c.preemption, c.swap_host_bytes, configs, tp_group)
     # the kernels' width and alignment rules, once: torch ops where Triton cannot
@@ -138,8 +137,6 @@ def build_engine(config: EngineConfig, tp_group=None) -> Engine:
         static_split=c.static_split,  # validated by the pool (unikv.static_split)
         max_bytes=max_bytes,  # validated by the pool
     )
-    if caching:
-        check_window_caching(pool, max_model_len, c.max_num_batched_tokens)
     alloc = PoolAllocator(pool, max_requests=c.max_num_seqs, max_context=max_model_len,
                           debug=c.debug, backend=backend)  # fmt: skip
     prefill_rate = _prefill_tokens_per_s(model, device)

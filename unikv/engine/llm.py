@@ -82,9 +82,10 @@ class LLM:
         debug: allocator debug mode (tombstone reads raise).
         enable_prefix_caching: share the KV pages of common prompt prefixes
             across requests (whole pages; recurrent state through checkpoints).
-            None (default): on for full-attention and MLA models, off for
-            sliding-window and recurrent ones, where it costs memory
-            (``options.prefix_caching_for``).
+            None (default): the model family's row of
+            ``options.PREFIX_CACHING_DEFAULT``: on for full-attention and MLA
+            models, off for sliding-window and recurrent ones, where it has not
+            yet paid on the GPU (issue 41).
             Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``;
             ``llm.prefix_caching`` says whether it is on.
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
