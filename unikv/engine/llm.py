@@ -224,7 +224,7 @@ class LLM:
         if self.tp is not None:  # each rank caches its own KV heads and recurrent heads
             configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
         check_speculation(self.speculative_config, configs, tp_group)
-        draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
+        draft = self._draft_configs(configs, page_size, backend, model_dir, hf_config)
         configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
@@ -367,13 +367,15 @@ class LLM:
         )
         return build_swap_space(self.alloc, host_bytes, policy)
 
-    def _draft_configs(self, configs, page_size: int, backend: str | None) -> list:
-        """A draft model's sub-pool configs (method "draft_model"), else []; checks
-        its vocabulary and context against the target's and loads it (before the
-        pool is sized from the memory left)."""
+    def _draft_configs(self, configs, page_size: int, backend, model_dir, hf_config) -> list:
+        """A draft's sub-pool configs (methods "draft_model" and "mtp"), else [],
+        which join the pool; a draft model's vocabulary and context checked against
+        the target's; the draft loaded (before the pool is sized from the memory left)."""
         from unikv.engine.speculative.draft import draft_subpool_configs
 
         config = self.speculative_config
+        if config is not None and config.method == "mtp":
+            return self._mtp_configs(configs, model_dir, hf_config)
         if config is None or config.method != "draft_model":
             return []
         draft, _ = load_model_config(config.model)
@@ -395,6 +397,24 @@ class LLM:
             self._draft_model.logits_dtype = None
         return out
 
+    def _mtp_configs(self, configs, model_dir, hf_config) -> list:
+        """Method "mtp": the checkpoint's MTP layer loaded (``models/mtp.py``) and its
+        sub-pool (``speculative/mtp.py``); ValueError where the checkpoint has none."""
+        from unikv.engine.speculative.mtp import mtp_subpool_configs
+        from unikv.models.fp8 import fp8_format
+        from unikv.models.mtp import load_mtp, mtp_count
+
+        if not mtp_count(hf_config):
+            raise ValueError(
+                f"speculative_config: method 'mtp' needs the checkpoint's MTP layers; "
+                f"{model_dir}'s config declares none (num_nextn_predict_layers / "
+                "num_mtp_layers); use 'ngram' or 'draft_model'"
+            )
+        out = mtp_subpool_configs(configs)
+        self._mtp_layer = load_mtp(model_dir, self.model, fp8_format(hf_config))
+        self._draft_q_per_kv = self.config.num_heads // self.config.num_kv_heads
+        return out
+
     def _speculator(self, max_num_batched_tokens: int):
         """The scheduler's speculation hook (None without ``speculative_config``), and
         a draft model over its sub-pools (method "draft_model")."""
@@ -414,6 +434,14 @@ class LLM:
             spec.draft = self.runner.draft = DraftModel(
                 model, caches, self.runner.planner, self.backend, model.config.sm_scale
             )
+        if config.method == "mtp":
+            from unikv.engine.speculative.mtp import MTPDraft
+
+            caches, _ = layer_caches(self.pool, 1, 0.0, draft=True)
+            spec.draft = self.runner.draft = MTPDraft(
+                self.model, self._mtp_layer, caches, self.runner.planner, self.backend,
+                self.model.config.sm_scale, self.runner.planner.max_seqs,
+            )  # fmt: skip
         if self.runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
             q = config.num_speculative_tokens + 1
             rows = min(VERIFY_GRAPH_ROWS, config.disable_by_batch_size, self.runner.planner.max_seqs,

@@ -261,13 +261,13 @@ class ModelRunner:
             logits = logits[: len(batch.requests)]
             # the model's argmax wrote them into the plan's feedback buffer
             fed = in_graph and self._fused_greedy and plan.feedback is not None
-        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
-            self.draft.forward_plan(plan)
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
+        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
+            self.draft.forward_plan(plan, batch, tokens_dev)
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
@@ -285,10 +285,12 @@ class ModelRunner:
         else:
             plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
-        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
-            self.draft.forward_plan(plan)
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
+        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
+            self.draft.forward_verify(plan, batch, tokens, accepted)
         host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
+        if self.draft is not None:
+            self.draft.settled(batch, [row[-1] for row in host])
         self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
         self._launches += 1
         launched = Launched(batch, logits, None, None, None)

@@ -195,6 +195,9 @@ class DecoderLM(nn.Module):
             self.add_module(self.backbone_name, backbone)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
+        # (max_tokens, hidden) or None: every row's final hidden state (after the final
+        # norm) is copied here, for a speculative draft that reads it (MTP); set once
+        self.hidden_out: torch.Tensor | None = None
         self.ops = backbone.final_norm.ops
         self.rebind()
 
@@ -288,6 +291,8 @@ class DecoderLM(nn.Module):
             residual = None
         for layer in layers:
             h, residual = layer(h, residual, positions, attn)
+        if self.hidden_out is not None:  # a host attribute fixed at start-up
+            self.hidden_out[: h.shape[0]].copy_(backbone.final_norm(h + residual))
         if logits_indices is not None:
             h, residual = (
                 h.index_select(0, logits_indices),

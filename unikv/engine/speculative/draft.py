@@ -43,15 +43,22 @@ def draft_subpool_configs(draft_dir: str, target_configs, page_size: int, dtype)
             f"speculative_config: a draft model must be full attention only (one sub-pool); "
             f"{draft_dir} keeps {kinds}"
         )
+    grow = free_grow(target_configs)
+    return [replace(c, name=PREFIX + c.name, grow=grow) for c in configs]
+
+
+def free_grow(target_configs) -> Grow:
+    """The band direction the target's sub-pools leave free for a draft's (one
+    sub-pool); ValueError when none is."""
     used = set(default_grow(target_configs))
     free = [g for g in (Grow.UP, Grow.DOWN) if g not in used]
     free += [Grow.FLOAT] if not free and Grow.FLOAT not in used else []
     if not free or len(target_configs) > 2:
         raise ValueError(
             "speculative_config: the pool holds at most three sub-pools; the target has "
-            f"{[c.name for c in target_configs]}, no room for a draft model's"
+            f"{[c.name for c in target_configs]}, no room for a draft's"
         )
-    return [replace(c, name=PREFIX + c.name, grow=free[0]) for c in configs]
+    return free[0]
 
 
 class DraftModel:
@@ -69,12 +76,19 @@ class DraftModel:
         self.states = [None] * len(caches)
 
     @torch.inference_mode()
-    def forward_plan(self, plan) -> None:
+    def forward_plan(self, plan, batch=None, tokens=None) -> None:
         """Write the draft's K/V of every row of a target plan (its logits unused)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.caches, plan, self.backend, self.sm_scale, self.states)
         rows = None if plan.is_decode else plan.logits_indices
         self.model(plan.input_ids, plan.positions, attn, rows)
+
+    def forward_verify(self, plan, batch, tokens, accepted) -> None:
+        """After a verify step: its rows' K/V (the kept rows are the true tokens')."""
+        self.forward_plan(plan)
+
+    def settled(self, batch, accepted) -> None:
+        """A verify step's accepted counts on the host (nothing to keep here)."""
 
     @torch.inference_mode()
     def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> list[np.ndarray]:

@@ -92,6 +92,8 @@ class Speculator:
             rooms[i] = max(min(self.k, r.max_new_tokens - len(r.output_ids) - 1, spare), 0)
             spare -= rooms[i]
         if self.draft is not None:  # a draft model: its rows are allocated first
+            limit = getattr(self.draft, "limit", None)  # MTP: requests with a first draft
+            rooms = rooms if limit is None else limit(decoding, rooms)
             if not rooms.any():
                 return None
             ids = allocate(1 + rooms)

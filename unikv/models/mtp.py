@@ -1,0 +1,158 @@
+"""A checkpoint's multi-token-prediction (MTP) layer, built and loaded as a draft.
+
+DeepSeek-V3 (``num_nextn_predict_layers``; transformers calls it ``num_mtp_layers``)
+keeps MTP layer i after the last decoder layer, at ``model.layers.{N + i}.*``
+(N = ``num_hidden_layers``):
+
+    enorm, hnorm        RMSNorms of the token's embedding and the previous hidden state
+    eh_proj             (hidden, 2 * hidden): the projection of [enorm(e) | hnorm(h)]
+    (a decoder layer)   the family's own layer under its usual names (MLA, MoE, norms)
+    shared_head.norm    the output norm
+    shared_head.head    a copy of lm_head; embed_tokens: a copy of the embedding
+
+The embedding and the head are the target's (as transformers' ``MtpModel`` ties them);
+the copies under the MTP prefix are not read. One row of the layer, for the target's
+hidden state ``h_p`` (after its final norm) and the token ``t_{p+1}`` after it:
+
+    x   = eh_proj([enorm(embed(t_{p+1})) | hnorm(h_p)])
+    g_p = shared_head.norm(layer(x))          (the layer's residual stream out)
+    logits = lm_head(g_p)                     (a guess at t_{p+2})
+
+Chained drafts feed ``g_p`` back as the next row's hidden state (transformers'
+``MtpModel`` passes its post-normed output on the same way). Its K/V (the layer's
+attention) sit at position p, in the draft's own sub-pools; the attention is causal
+over the layer's rows 0..p (rope is relative, so rows at p instead of
+transformers' p + 1 attend identically).
+
+Only the first MTP layer is built (DeepSeek-V3 ships one): every draft position
+chains it, as vLLM does with one layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from unikv.kernels.backend import building
+from unikv.models.layers import Linear, RMSNorm
+
+
+class MTPLayer(nn.Module):
+    """One MTP layer (module docstring); ``block``: the family's decoder layer (its
+    attention reads cache layer 0 of the draft's sub-pools)."""
+
+    def __init__(self, hidden: int, eps: float, block: nn.Module) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False)
+        self.block = block
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, eps)
+
+    def forward(self, embeds, hidden, positions, attn) -> torch.Tensor:
+        """embeds: (T, hidden) the next tokens' embeddings; hidden: (T, hidden) the
+        previous hidden states; positions: (T,) int64 -> (T, hidden) post-normed g."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        h, residual = self.block(x, None, positions, attn)
+        return self.shared_head.norm(h + residual)
+
+
+def mtp_count(hf_config) -> int:
+    """The MTP layers a checkpoint's config declares (0: none)."""
+    for name in ("num_nextn_predict_layers", "num_mtp_layers"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def mtp_layout(target) -> tuple[str, callable]:
+    """(the checkpoint prefix of MTP layer 0, a builder of its decoder layer) for a
+    target model; ValueError for a family whose MTP layout unikv does not know."""
+    from unikv.models import deepseek
+
+    config = target.config
+    if isinstance(target, deepseek.DeepseekForCausalLM) and config.extra["version"] == 3:
+        n = config.num_layers
+        extra = dict(config.extra, first_k_dense_replace=0)  # MTP layers are MoE layers
+        layer_config = dataclasses.replace(config, extra=extra)
+        rotary = target.stack.rotary
+
+        def make():
+            block = deepseek.DecoderLayer(layer_config, n, rotary)
+            block.self_attn.layer = 0  # the draft's cache layer, not the target's
+            return block
+
+        return f"model.layers.{n}.", make
+    raise ValueError(
+        f"speculative_config: method 'mtp' knows DeepSeek-V3's MTP layout only; "
+        f"{config.architecture} is not built (Qwen3.5 / Qwen3-Next MTP needs per-draft "
+        "recurrent state; MiMo's layout is not built yet): use 'ngram' or 'draft_model'"
+    )
+
+
+def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
+    """MTP layer 0 of the checkpoint at ``model_dir``, on the target's device and
+    dtype, its weights read from the checkpoint (FP8 weights dequantised);
+    ValueError naming the tensors missing."""
+    from unikv.models.loader import (
+        _open_weights,
+        _source_tensor,
+        _sources,
+        _tensor,
+        checkpoint_index,
+        packed_params,
+        weight_files,
+    )
+
+    prefix, make = mtp_layout(target)
+    param = next(target.parameters())
+    config = target.config
+    with torch.device("meta"), building(target.ops):
+        layer = MTPLayer(config.hidden_size, config.rms_norm_eps, make())
+    layer = layer.to(param.dtype).to_empty(device=param.device)
+    for name, p in layer.named_parameters():
+        if name.endswith(tuple(getattr(target, "fp32_params", ()))):
+            p.data = p.data.float()
+    files = weight_files(model_dir)
+    index = checkpoint_index(files)
+    sources = _sources(index, (), fp8)
+    packed = packed_params(layer)
+
+    def ckpt(name: str) -> str:
+        return prefix + (name[len("block.") :] if name.startswith("block.") else name)
+
+    params = dict(layer.named_parameters())
+    wanted = {n: [ckpt(part) for part in packed.get(n, (n,))] for n in params}
+    missing = sorted(c for parts in wanted.values() for c in parts if c not in sources)
+    if missing:
+        raise ValueError(
+            f"speculative_config: method 'mtp' needs the checkpoint's MTP layer under "
+            f"{prefix!r}; {model_dir} lacks {missing[:6]}{'...' if len(missing) > 6 else ''}"
+        )
+    handles = {path: _open_weights(path) for path in files}
+    with torch.no_grad():
+        for name, p in params.items():
+            parts = []
+            for part in wanted[name]:
+                tensors = [_tensor(handles, index[n], n) for n in sources[part]]
+                parts.append(_source_tensor(sources[part], tensors, p, fp8))
+            source = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if tuple(source.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"MTP tensor {ckpt(name)}: expected shape {tuple(p.shape)}, given "
+                    f"{tuple(source.shape)}; config.json and the weights disagree"
+                )
+            p.copy_(source)
+    for module in layer.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
+    for module in layer.modules():  # fused paths re-derived, as DecoderLM.rebind does
+        for block in getattr(module, "blocks", ()):
+            block.bind()
+        if module is not layer and hasattr(module, "rebind"):
+            module.rebind()
+    return layer.eval().requires_grad_(False)
