@@ -123,7 +123,7 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
     packed = packed_params(layer)
 
     def ckpt(name: str) -> str:
-        return prefix + (name[len("block.") :] if name.startswith("block.") else name)
+        return prefix + name.removeprefix("block.")
 
     params = dict(layer.named_parameters())
     wanted = {n: [ckpt(part) for part in packed.get(n, (n,))] for n in params}
