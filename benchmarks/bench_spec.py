@@ -11,19 +11,29 @@ one request, ``--new-tokens`` tokens after a ``--prompt-len`` prompt:
   repeated, as in code editing), with its acceptance rate and speed-up over
   ``plain`` on the same prompt.
 
+With ``--mtp``: the DeepSeek-V3 shape of bench_families (MLA, 4 layers) with one MTP
+layer in the released layout (``model.layers.4.*``: a MoE decoder layer plus enorm,
+hnorm, eh_proj and shared_head, random init), two runs: ``plain`` and ``mtp_forced``
+(``{"method": "mtp", "num_speculative_tokens": k, "force_accept": true}``: the MTP
+layer drafts, every draft is accepted: the draft's chain plus the verify step at
+full acceptance).
+
 Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
 
     python benchmarks/bench_spec.py                 # GPU, the Llama shape
+    python benchmarks/bench_spec.py --mtp           # GPU, the DeepSeek-V3 shape, MTP
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
 
+import bench_e2e
 import torch
 from bench_e2e import save_model
 from common import environment, save_json
@@ -63,13 +73,94 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/spec_decode.json"))
+    p.add_argument("--mtp", action="store_true", help="the DeepSeek-V3 shape: plain vs MTP")
+    p.add_argument("--out", default=None, help="JSON path (default: results/spec_*.json)")
     return p.parse_args(argv)
+
+
+def add_mtp_layer(path: Path, dtype: torch.dtype) -> None:
+    """A checkpoint saved with one layer more than its config will say: that last
+    layer becomes MTP layer 0 (released layout), with random enorm, hnorm, eh_proj
+    and shared_head.norm beside it (another safetensors file, in the index)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_hidden_layers"] - 1
+    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(cfg))
+    index_path = path / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}
+    hidden, g = cfg["hidden_size"], torch.Generator().manual_seed(1)
+    extra = {
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "eh_proj.weight": 0.02 * torch.randn(hidden, 2 * hidden, generator=g),
+        "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+    }
+    extra = {f"model.layers.{n}.{k}": v.to(dtype).contiguous() for k, v in extra.items()}
+    save_file(extra, str(path / "mtp-extra.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(extra, "mtp-extra.safetensors"))
+    index_path.write_text(json.dumps(index))
+
+
+def save_mtp_model(path: Path, device: str, dtype: torch.dtype, tiny: bool) -> None:
+    """bench_families' DeepSeek-V3 shape, saved with one MTP layer (``add_mtp_layer``)."""
+    import bench_families
+
+    cfg = bench_families.model_config("deepseek_v3", tiny)
+    cfg["num_hidden_layers"] += 1  # the MTP layer's decoder layer, saved as the last
+    bench_e2e.save_model("deepseek_v3", path, device, dtype, tiny, cfg=cfg)
+    add_mtp_layer(path, dtype)
+
+
+def main_mtp(args, dtype, kw) -> dict:
+    """Plain decoding vs MTP drafts at forced acceptance, the DeepSeek-V3 shape."""
+    workdir = Path(tempfile.mkdtemp(prefix="bench_spec_mtp_"))
+    save_mtp_model(workdir, args.device, dtype, args.tiny)
+    vocab = json.loads((workdir / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+    k = args.k
+    configs = {
+        "plain": None,
+        "mtp_forced": {"method": "mtp", "num_speculative_tokens": k, "force_accept": True},
+    }
+    runs = {}
+    for name, spec in configs.items():
+        llm = LLM(str(workdir), speculative_config=spec, **kw)
+        rate, counters = decode_rate(llm, prompt, args.new_tokens)
+        runs[name] = {"decode_tokens_per_s": rate, **counters}
+        print(f"{name:10s} {rate:9.1f} tok/s  {counters}")
+        del llm
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+    speedup = runs["mtp_forced"]["decode_tokens_per_s"] / runs["plain"]["decode_tokens_per_s"]
+    result = {
+        "environment": environment(),
+        "model": "deepseek-v3 shape, 4 layers + 1 MTP layer (random init)"
+        if not args.tiny else "tiny deepseek-v3 + MTP",
+        "k": k, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": runs,
+        "mtp_forced_speedup": speedup, "target": 2.5, "meets_target": speedup >= 2.5,
+    }  # fmt: skip
+    print(f"MTP at forced acceptance, k={k}: {speedup:.2f}x (target 2.5x)")
+    save_json(args.out or str(ROOT / "benchmarks/results/spec_decode_mtp.json"), result)
+    return result
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    if args.mtp:
+        max_len = args.prompt_len + args.new_tokens + 16
+        kw = {"device": args.device, "dtype": dtype, "max_num_seqs": 4, "max_model_len": max_len,
+              "kv_cache_bytes": 1 << 30, "max_num_batched_tokens": 512}  # fmt: skip
+        return main_mtp(args, dtype, kw)
     workdir = Path(tempfile.mkdtemp(prefix="bench_spec_"))
     save_model("llama", workdir, args.device, dtype, args.tiny)
     vocab = 256 if args.tiny else 128256
@@ -121,7 +212,7 @@ def main(argv=None) -> dict:
     print(f"forced acceptance, k={k}: {forced / base:.2f}x (target 2.5x); "
           f"ngram: {ngram / base_rep:.2f}x at acceptance "
           f"{result['ngram_acceptance_rate']:.2f}")  # fmt: skip
-    save_json(args.out, result)
+    save_json(args.out or str(ROOT / "benchmarks/results/spec_decode.json"), result)
     return result
 
 

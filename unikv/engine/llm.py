@@ -225,6 +225,12 @@ class LLM:
             configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
         check_speculation(self.speculative_config, configs, tp_group)
         draft = self._draft_configs(configs, page_size, backend, model_dir, hf_config)
+        if self.speculative_config is not None and self.speculative_config.method == "mtp":
+            # every row's final hidden state, copied by the target's forward (in its
+            # graphs too: set before they are captured); the MTP draft reads it
+            rows = max(max_num_batched_tokens, max_num_seqs)
+            self.model.hidden_out = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
+                                                device=self.device)  # fmt: skip
         configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)

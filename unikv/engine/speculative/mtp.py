@@ -65,7 +65,10 @@ class MTPDraft:
         self.backend, self.sm_scale = backend, sm_scale
         param = next(target.parameters())
         hidden, dev = target.config.hidden_size, param.device
-        target.hidden_out = torch.zeros(planner.max_tokens, hidden, dtype=param.dtype, device=dev)
+        assert target.hidden_out is not None and len(target.hidden_out) >= planner.max_tokens, (
+            "MTP invariant: the target copies every row's final hidden state (hidden_out, "
+            "set before its graphs are captured)"
+        )
         self.first = torch.zeros(max_slots, dtype=torch.int64, device=dev)  # per slot: d_1
         self.hidden = torch.zeros(max_slots, hidden, dtype=param.dtype, device=dev)
         self.kept: dict[int, tuple[int, int]] = {}  # slot -> (request id, its num_cached)
