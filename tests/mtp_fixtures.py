@@ -92,3 +92,108 @@ def mtp_rows(hf, mtp, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
     rope = mtp.rotary_emb(x, position_ids=pos)
     mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
     return layer(x, hidden[None], rope, mask, pos, None)[0]
+
+
+# -- EAGLE-3 heads ---------------------------------------------------------------------
+
+
+def save_tiny_eagle3(path: str, target_config, draft_vocab: int = 128, seed: int = 0) -> dict:
+    """A random EAGLE-3 head for a tiny Llama target, saved to ``path`` in the
+    released layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``;
+    a one-layer Llama-shaped config.json of architectures LlamaForCausalLMEagle3);
+    returns its tensors. ``d2t`` maps the draft vocabulary onto a random subset of
+    the target's."""
+    import json
+
+    g = torch.Generator().manual_seed(seed)
+    hidden, heads, kv = target_config.hidden_size, 4, 2
+    head_dim, inter, vocab = hidden // heads, 96, target_config.vocab_size
+
+    def w(*shape, scale=0.1):
+        return scale * torch.randn(*shape, generator=g)
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    targets = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[targets] = True
+    tensors = {
+        "fc.weight": w(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": norm(hidden),
+        "midlayer.hidden_norm.weight": norm(hidden),
+        "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": w(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": w(kv * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": norm(hidden),
+        "midlayer.mlp.gate_proj.weight": w(inter, hidden),
+        "midlayer.mlp.up_proj.weight": w(inter, hidden),
+        "midlayer.mlp.down_proj.weight": w(hidden, inter),
+        "norm.weight": norm(hidden),
+        "lm_head.weight": w(draft_vocab, hidden, scale=0.5),
+        "d2t": targets - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "rms_norm_eps": target_config.rms_norm_eps, "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab, "max_position_embeddings": 512,
+        "rope_theta": 10000.0, "torch_dtype": "float32",
+    }  # fmt: skip
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, WEIGHTS))
+    return tensors
+
+
+def _rms(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, positions, theta=10000.0):
+    """NeoX rotate-half rope of x (T, H, D) at positions (T,), written out here."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = positions[:, None].float() * inv[None, :]
+    cos, sin = (
+        torch.cat([angles.cos()] * 2, -1)[:, None],
+        torch.cat([angles.sin()] * 2, -1)[:, None],
+    )
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+@torch.no_grad()
+def eagle3_rows(t: dict, embeds, hidden, eps: float, heads=4, kv=2):
+    """The EAGLE-3 layer over one sequence, from its definition: row j takes the
+    token embedding ``embeds[j]`` and the hidden input ``hidden[j]``, at position
+    j, causal -> its outputs g (T, hidden) (before the final norm)."""
+    n = embeds.shape[0]
+    x = torch.cat(
+        [_rms(embeds, t["midlayer.input_layernorm.weight"], eps),
+         _rms(hidden, t["midlayer.hidden_norm.weight"], eps)], dim=-1,
+    )  # fmt: skip
+    q = (x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, -1)
+    k = (x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, -1)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, -1)
+    pos = torch.arange(n)
+    q, k = _rope(q, pos), _rope(k, pos)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(n, -1)
+    r = hidden + out @ t["midlayer.self_attn.o_proj.weight"].T
+    y = _rms(r, t["midlayer.post_attention_layernorm.weight"], eps)
+    gate = y @ t["midlayer.mlp.gate_proj.weight"].T
+    up = y @ t["midlayer.mlp.up_proj.weight"].T
+    return r + (torch.nn.functional.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T
+
+
+def eagle3_token(t: dict, g: torch.Tensor, eps: float) -> int:
+    """The head's greedy target id for one output row g (hidden,)."""
+    draft = int((_rms(g, t["norm.weight"], eps) @ t["lm_head.weight"].T).argmax())
+    return draft + int(t["d2t"][draft])

@@ -225,12 +225,11 @@ class LLM:
             configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
         check_speculation(self.speculative_config, configs, tp_group)
         draft = self._draft_configs(configs, page_size, backend, model_dir, hf_config)
-        if self.speculative_config is not None and self.speculative_config.method == "mtp":
-            # every row's final hidden state, copied by the target's forward (in its
-            # graphs too: set before they are captured); the MTP draft reads it
+        if draft and self.speculative_config.method in ("mtp", "eagle3"):
+            # every row's hidden states, copied by the target's forward (in its graphs
+            # too: set before they are captured), read by the draft
             rows = max(max_num_batched_tokens, max_num_seqs)
-            self.model.hidden_out = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype,
-                                                device=self.device)  # fmt: skip
+            self.model.export_hidden(rows, self._draft_head.export_layers)
         configs = configs + draft
         enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
@@ -382,6 +381,13 @@ class LLM:
         config = self.speculative_config
         if config is not None and config.method == "mtp":
             return self._mtp_configs(configs, model_dir, hf_config)
+        if config is not None and config.method == "eagle3":
+            from unikv.engine.speculative.mtp import eagle3_subpool_configs
+            from unikv.models.eagle3 import load_eagle3
+
+            self._draft_head = load_eagle3(config.model, self.model, self.max_model_len)
+            self._draft_q_per_kv = self._draft_head.q_per_kv
+            return eagle3_subpool_configs(self._draft_head, configs, page_size, self.dtype)
         if config is None or config.method != "draft_model":
             return []
         draft, _ = load_model_config(config.model)
@@ -417,7 +423,7 @@ class LLM:
                 "num_mtp_layers); use 'ngram' or 'draft_model'"
             )
         out = mtp_subpool_configs(configs)
-        self._mtp_layer = load_mtp(model_dir, self.model, fp8_format(hf_config))
+        self._draft_head = load_mtp(model_dir, self.model, fp8_format(hf_config))
         self._draft_q_per_kv = self.config.num_heads // self.config.num_kv_heads
         return out
 
@@ -440,13 +446,14 @@ class LLM:
             spec.draft = self.runner.draft = DraftModel(
                 model, caches, self.runner.planner, self.backend, model.config.sm_scale
             )
-        if config.method == "mtp":
-            from unikv.engine.speculative.mtp import MTPDraft
+        if config.method in ("mtp", "eagle3"):
+            from unikv.engine.speculative.mtp import HiddenDraft
 
             caches, _ = layer_caches(self.pool, 1, 0.0, draft=True)
-            spec.draft = self.runner.draft = MTPDraft(
-                self.model, self._mtp_layer, caches, self.runner.planner, self.backend,
-                self.model.config.sm_scale, self.runner.planner.max_seqs,
+            head = self._draft_head
+            spec.draft = self.runner.draft = HiddenDraft(
+                self.model, head, caches, self.runner.planner, self.backend, head.sm_scale,
+                self.runner.planner.max_seqs,
             )  # fmt: skip
         if self.runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
             q = config.num_speculative_tokens + 1

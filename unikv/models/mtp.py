@@ -41,10 +41,17 @@ from unikv.models.layers import Linear, RMSNorm
 
 class MTPLayer(nn.Module):
     """One MTP layer (module docstring); ``block``: the family's decoder layer (its
-    attention reads cache layer 0 of the draft's sub-pools)."""
+    attention reads cache layer 0 of the draft's sub-pools).
 
-    def __init__(self, hidden: int, eps: float, block: nn.Module) -> None:
+    The draft-head interface (``speculative/mtp.HiddenDraft``): ``export_layers``
+    (None: the target's final hidden state), ``project`` (the target's exported rows
+    to the layer's hidden input), ``forward`` and ``tokens`` (greedy draft ids)."""
+
+    export_layers = None
+
+    def __init__(self, hidden: int, eps: float, block: nn.Module, sm_scale: float) -> None:
         super().__init__()
+        self.sm_scale = sm_scale
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False)
@@ -58,6 +65,13 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         h, residual = self.block(x, None, positions, attn)
         return self.shared_head.norm(h + residual)
+
+    def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return target_hidden
+
+    def tokens(self, g: torch.Tensor, target, backend) -> torch.Tensor:
+        """(N,) int64 greedy target ids from outputs g (N, hidden): the target's head."""
+        return backend.argmax(target.lm_head(g))
 
 
 def mtp_count(hf_config) -> int:
@@ -98,6 +112,23 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
     """MTP layer 0 of the checkpoint at ``model_dir``, on the target's device and
     dtype, its weights read from the checkpoint (FP8 weights dequantised);
     ValueError naming the tensors missing."""
+    prefix, make = mtp_layout(target)
+    param = next(target.parameters())
+    config = target.config
+    with torch.device("meta"), building(target.ops):
+        layer = MTPLayer(config.hidden_size, config.rms_norm_eps, make(), config.sm_scale)
+    layer = layer.to(param.dtype).to_empty(device=param.device)
+    for name, p in layer.named_parameters():
+        if name.endswith(tuple(getattr(target, "fp32_params", ()))):
+            p.data = p.data.float()
+    load_named(layer, model_dir, lambda name: prefix + name.removeprefix("block."), fp8)
+    return layer.eval().requires_grad_(False)
+
+
+def load_named(layer: nn.Module, model_dir: str, ckpt, fp8=None, what="MTP layer") -> None:
+    """Every parameter of ``layer`` from checkpoint tensor ``ckpt(name)`` (a fused
+    parameter from its parts, FP8 pairs dequantised), then the modules' fused paths
+    re-derived; ValueError naming what is missing or mis-shaped."""
     from unikv.models.loader import (
         _open_weights,
         _source_tensor,
@@ -108,30 +139,19 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
         weight_files,
     )
 
-    prefix, make = mtp_layout(target)
-    param = next(target.parameters())
-    config = target.config
-    with torch.device("meta"), building(target.ops):
-        layer = MTPLayer(config.hidden_size, config.rms_norm_eps, make())
-    layer = layer.to(param.dtype).to_empty(device=param.device)
-    for name, p in layer.named_parameters():
-        if name.endswith(tuple(getattr(target, "fp32_params", ()))):
-            p.data = p.data.float()
     files = weight_files(model_dir)
     index = checkpoint_index(files)
     sources = _sources(index, (), fp8)
     packed = packed_params(layer)
-
-    def ckpt(name: str) -> str:
-        return prefix + name.removeprefix("block.")
-
     params = dict(layer.named_parameters())
     wanted = {n: [ckpt(part) for part in packed.get(n, (n,))] for n in params}
     missing = sorted(c for parts in wanted.values() for c in parts if c not in sources)
     if missing:
+        where = ckpt("")
         raise ValueError(
-            f"speculative_config: method 'mtp' needs the checkpoint's MTP layer under "
-            f"{prefix!r}; {model_dir} lacks {missing[:6]}{'...' if len(missing) > 6 else ''}"
+            f"speculative_config: the draft needs the checkpoint's {what}"
+            + (f" under {where!r}" if where else "")
+            + f"; {model_dir} lacks {missing[:6]}{'...' if len(missing) > 6 else ''}"
         )
     handles = {path: _open_weights(path) for path in files}
     with torch.no_grad():
@@ -143,7 +163,7 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
             source = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tuple(source.shape) != tuple(p.shape):
                 raise ValueError(
-                    f"MTP tensor {ckpt(name)}: expected shape {tuple(p.shape)}, given "
+                    f"{what} tensor {ckpt(name)}: expected shape {tuple(p.shape)}, given "
                     f"{tuple(source.shape)}; config.json and the weights disagree"
                 )
             p.copy_(source)
@@ -155,4 +175,3 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
             block.bind()
         if module is not layer and hasattr(module, "rebind"):
             module.rebind()
-    return layer.eval().requires_grad_(False)

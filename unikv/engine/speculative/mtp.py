@@ -1,4 +1,7 @@
-"""``method: "mtp"``: the checkpoint's own MTP layer as the draft (``models/mtp.py``).
+"""Drafts from a head over the target's hidden states: ``method: "mtp"`` (the
+checkpoint's own MTP layer, ``models/mtp.py``) and ``method: "eagle3"`` (an EAGLE-3
+head, ``models/eagle3.py``; its input is ``fc`` of three target hidden states, its
+tokens mapped from a draft vocabulary). Below, "the layer" is either head.
 
 The layer's K/V live in ``draft_*`` sub-pools of the one pool (as a draft model's,
 ``draft.py``), so allocation, rollback, preemption, swap and prefix caching cover
@@ -8,7 +11,8 @@ token ``t_{p+1}`` after it, so it is written once that token is known:
 - after every target step (``forward_plan``): over the step's own rows, each row's
   next token the row after it, a request's last row's the token sampled in the step
   (or the next prompt token, a prefill chunk that is not the last); ``h`` from the
-  target's ``hidden_out`` (every row's final hidden state, ``DecoderLM``);
+  target's ``hidden_out`` (every row's exported hidden states, ``DecoderLM.export_hidden``),
+  through the head's ``project``;
 - after a verify step (``forward_verify``): over its ``1 + k`` rows per request,
   the last kept row's next token the target's emitted one (on the device); rows
   past it are rejected and trimmed with the target's.
@@ -36,6 +40,16 @@ from unikv.engine.speculative.draft import _row, free_grow
 from unikv.kernels.elementwise_ref import resolve_feedback
 
 
+def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
+    """An EAGLE-3 head's one full-attention layer as a ``draft_full`` sub-pool, on
+    the band direction the target's leave free."""
+    from unikv.hf_config import specs_from_hf_config
+
+    (config,) = specs_from_hf_config(head.hf_config, page_size=page_size, dtype=dtype)
+    grow = free_grow(target_configs)
+    return [replace(config, name=DRAFT_PREFIX + config.name, grow=grow)]
+
+
 def mtp_subpool_configs(target_configs) -> list:
     """The MTP layer's sub-pool: the target's MLA sub-pool config for one layer,
     renamed ``draft_*``, on the band direction the target's leave free."""
@@ -50,12 +64,13 @@ def mtp_subpool_configs(target_configs) -> list:
     return [replace(mla[0], name=DRAFT_PREFIX + mla[0].name, spec=spec, layers=(0,), grow=grow)]
 
 
-class MTPDraft:
+class HiddenDraft:
     """The MTP layer over its sub-pools (module docstring).
 
     Args:
         target: the target ``DecoderLM`` (its embedding, LM head and ``hidden_out``);
-        layer: the loaded ``models.mtp.MTPLayer``; caches: its LayerCache list (the
+        layer: the draft head, ``models.mtp.MTPLayer`` or ``models.eagle3.Eagle3Head``
+        (``project`` the target's exported rows, ``forward``, ``tokens``); caches: its LayerCache list (the
         ``draft_*`` sub-pools); planner: the target runner's StepPlanner; backend:
         the kernel ops; sm_scale: the target's; max_slots: request slots.
     """
@@ -66,8 +81,8 @@ class MTPDraft:
         param = next(target.parameters())
         hidden, dev = target.config.hidden_size, param.device
         assert target.hidden_out is not None and len(target.hidden_out) >= planner.max_tokens, (
-            "MTP invariant: the target copies every row's final hidden state (hidden_out, "
-            "set before its graphs are captured)"
+            "draft invariant: the target copies every row's hidden states (hidden_out, "
+            "set before its graphs are captured: DecoderLM.export_hidden)"
         )
         self.first = torch.zeros(max_slots, dtype=torch.int64, device=dev)  # per slot: d_1
         self.hidden = torch.zeros(max_slots, hidden, dtype=param.dtype, device=dev)
@@ -84,12 +99,15 @@ class MTPDraft:
         embeds = self.target.stack.embed(ids)
         return self.layer(embeds, hidden, plan.positions, attn)
 
+    def _target_hidden(self, rows: int) -> torch.Tensor:
+        """The layer's hidden input of the step's ``rows`` target rows."""
+        return self.layer.project(self.target.hidden_out[:rows])
+
     def _keep(self, plan, num: int, g_last: torch.Tensor) -> None:
         """The first draft of each of the step's ``num`` requests and its hidden
         state, into their slots (device only)."""
-        logits = self.target.lm_head(g_last)
         slots = plan.slots[:num].long()
-        self.first.index_copy_(0, slots, self.backend.argmax(logits))
+        self.first.index_copy_(0, slots, self.layer.tokens(g_last, self.target, self.backend))
         self.hidden.index_copy_(0, slots, g_last)
 
     @torch.inference_mode()
@@ -111,7 +129,7 @@ class MTPDraft:
         else:
             next_last = tokens[:num]
         nxt.index_copy_(0, last, next_last)
-        g = self._run(plan, nxt, self.target.hidden_out[:total])
+        g = self._run(plan, nxt, self._target_hidden(total))
         self._keep(plan, num, g.index_select(0, last))
         for r, e in zip(reqs, ends):
             self.kept[r.slot] = (r.request_id, e)
@@ -125,7 +143,7 @@ class MTPDraft:
         last = plan.q_indptr[:num].long() + accepted  # each request's last kept row
         nxt = torch.roll(ids, -1)
         nxt.index_copy_(0, last, tokens.gather(1, accepted[:, None])[:, 0])
-        g = self._run(plan, nxt, self.target.hidden_out[: ids.shape[0]])
+        g = self._run(plan, nxt, self._target_hidden(ids.shape[0]))
         self._keep(plan, num, g.index_select(0, last))
 
     def settled(self, batch, accepted: list[int]) -> None:
@@ -169,7 +187,7 @@ class MTPDraft:
             batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
             plan = self.planner.plan(batch, steps[-1])
             hidden = self._run(plan, plan.input_ids, hidden)
-            token = self.backend.argmax(self.target.lm_head(hidden))
+            token = self.layer.tokens(hidden, self.target, self.backend)
             if token.is_cuda:  # the planner's two host staging slots: none reused in flight
                 torch.cuda.current_stream(token.device).synchronize()
             steps.append(token)
