@@ -23,6 +23,10 @@ Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
     python benchmarks/bench_spec.py                 # GPU, the Llama shape
     python benchmarks/bench_spec.py --mtp           # GPU, the DeepSeek-V3 shape, MTP
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
+
+``--phases``: each run also reports the host milliseconds per step spent in each part
+of the loop (schedule, drafts, plan, forward, launch, verify_step, complete_*), from
+one more timed run (the timers cost a little: the rates come from the untimed runs).
 """
 
 from __future__ import annotations
@@ -43,6 +47,43 @@ from unikv.engine import LLM, SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PHASES = {  # host time per step of each part of the loop (``--phases``)
+    "schedule": ("unikv.engine.scheduler", "Scheduler", "schedule"),
+    "drafts": ("unikv.engine.speculative.engine", "Speculator", "drafts"),
+    "plan": ("unikv.engine.plan", "StepPlanner", "plan"),
+    "forward": ("unikv.engine.runner", "ModelRunner", "forward"),
+    "launch": ("unikv.engine.runner", "ModelRunner", "launch"),
+    "verify_step": ("unikv.engine.runner", None, "verify_step"),
+    "complete_verify": ("unikv.engine.scheduler", "Scheduler", "complete_verify"),
+    "complete_ahead": ("unikv.engine.scheduler", "Scheduler", "complete_ahead"),
+    "resolve": ("unikv.engine.scheduler", "Scheduler", "resolve"),
+    "step": ("unikv.engine.online", "EngineLoop", "step"),
+}
+_SPENT: dict[str, float] = {}
+
+
+def time_phases() -> None:
+    """Wrap each ``PHASES`` function with a host timer (into ``_SPENT``). ``launch``
+    includes the verify step's readback, so on CUDA launch - forward - verify_step is
+    mostly the wait for the device; ``step`` is the loop's whole step."""
+    import functools
+    import importlib
+
+    for label, (module, cls, name) in PHASES.items():
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        inner = getattr(owner, name)
+
+        def timed(*a, _inner=inner, _label=label, **k):
+            start = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                _SPENT[_label] = _SPENT.get(_label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, functools.wraps(inner)(timed))
+
+
 def decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
     """(decode tokens/s, the N-token run's speculation counters) of one request."""
 
@@ -55,6 +96,9 @@ def decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, di
     run(8)  # warm-up (compiles, graphs)
     one = min(run(1) for _ in range(2))
     full = min(run(new_tokens) for _ in range(2))
+    _SPENT.clear()
+    run(new_tokens)  # the phases of one more run (only where ``time_phases`` wrapped them)
+    phases = {k: v / max(llm.stats.steps, 1) * 1e3 for k, v in _SPENT.items()}
     s = llm.stats
     spec = {
         "acceptance_rate": s.spec_acceptance_rate,
@@ -63,6 +107,8 @@ def decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, di
         "verify_steps": s.spec_verify_steps,
         "steps": s.steps,
     }
+    if phases:
+        spec["host_ms_per_step"] = phases
     return (new_tokens - 1) / max(full - one, 1e-9), spec
 
 
@@ -74,6 +120,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--mtp", action="store_true", help="the DeepSeek-V3 shape: plain vs MTP")
+    p.add_argument("--phases", action="store_true", help="host ms per step of each loop part")
     p.add_argument("--out", default=None, help="JSON path (default: results/spec_*.json)")
     return p.parse_args(argv)
 
@@ -156,6 +203,8 @@ def main_mtp(args, dtype, kw) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    if args.phases:
+        time_phases()
     if args.mtp:
         max_len = args.prompt_len + args.new_tokens + 16
         kw = {"device": args.device, "dtype": dtype, "max_num_seqs": 4, "max_model_len": max_len,

@@ -286,12 +286,26 @@ class ModelRunner:
             plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
+        packed = torch.cat([tokens, accepted[:, None]], dim=1)
+        copied = None
+        if self._pin:  # the emitted tokens' copy, enqueued before the draft's forward
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            packed = host
+        done = None  # the step ran when the readback returned, but a draft's forward
         if self.draft is not None:  # the rows kept after the rollback are the true tokens'
-            self.draft.forward_verify(plan, batch, tokens, accepted)
-        host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
+            self.draft.forward_verify(plan, batch, tokens, accepted)  # runs under the host's work
+            if copied is not None:  # its pages stay fenced until it is done
+                done = torch.cuda.Event()
+                done.record()
+        if copied is not None:
+            copied.synchronize()
+        host = packed.tolist()
         if self.draft is not None:
             self.draft.settled(batch, [row[-1] for row in host])
-        self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
+        self.alloc.mark_in_flight(done)
         self._launches += 1
         launched = Launched(batch, logits, None, None, None)
         launched.emitted = [row[: row[-1] + 1] for row in host]

@@ -105,13 +105,11 @@ class DraftModel:
                 r = requests[b]
                 token = r.output_ids[-1] if j == 0 else Pending.of(prev_lane[b])
                 rows.append(_row(r.slot, r.num_cached + j, token))
-            index = torch.as_tensor(starts[live] + j, device=virtual_ids.device)
+            index = to_device(starts[live] + j, virtual_ids.device)
             batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
             plan = self.planner.plan(batch, prev)
             attn = DecodeAttention(self.caches, plan, self.backend, self.sm_scale, self.states)
             prev = self.backend.argmax(self.model(plan.input_ids, plan.positions, attn, None))
-            if prev.is_cuda:  # the planner's two host staging slots: none reused in flight
-                torch.cuda.current_stream(prev.device).synchronize()
             steps.append(prev)
             prev_lane = {b: lane for lane, b in enumerate(live.tolist())}
         flat = torch.cat(steps).tolist()  # the one host read of the proposal
@@ -121,6 +119,15 @@ class DraftModel:
                 out[b].append(flat[pos + lane])
             pos += step.shape[0]
         return [np.asarray(x, np.int64) for x in out]
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host int64 array on ``device`` without a stream sync (pinned on CUDA: a
+    copy from pageable memory would wait for the queued work)."""
+    host = torch.as_tensor(np.ascontiguousarray(values, np.int64))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _row(slot: int, position: int, token: int):

@@ -36,7 +36,7 @@ import torch
 from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, Pending
 from unikv.engine.runner import DRAFT_PREFIX
-from unikv.engine.speculative.draft import _row, free_grow
+from unikv.engine.speculative.draft import _row, free_grow, to_device
 from unikv.kernels.elementwise_ref import resolve_feedback
 
 
@@ -123,8 +123,8 @@ class HiddenDraft:
         last = plan.logits_indices[:num]
         if any(known):
             host = [r.token_slice(e, e + 1)[0] if k else 0 for r, e, k in zip(reqs, ends, known)]
-            mask = torch.tensor(known).to(ids.device, non_blocking=True)
-            given = torch.tensor(host, dtype=torch.int64).to(ids.device, non_blocking=True)
+            mask = to_device(np.asarray(known, np.int64), ids.device).bool()
+            given = to_device(np.asarray(host, np.int64), ids.device)
             next_last = torch.where(mask, given, tokens[:num])
         else:
             next_last = tokens[:num]
@@ -167,8 +167,7 @@ class HiddenDraft:
         steps, lanes_of = [], []
         live = np.flatnonzero(counts > 0)
         if live.size:
-            slots = torch.as_tensor([requests[b].slot for b in live.tolist()])
-            slots = slots.to(self.first.device, non_blocking=True)
+            slots = to_device([requests[b].slot for b in live.tolist()], self.first.device)
             steps.append(self.first.index_select(0, slots))
             hidden = self.hidden.index_select(0, slots)
             lanes_of.append(live)
@@ -177,19 +176,17 @@ class HiddenDraft:
             prev = lanes_of[-1]
             keep = np.searchsorted(prev, now)  # lanes of the previous step
             if now.size != prev.size:
-                index = torch.as_tensor(keep).to(hidden.device, non_blocking=True)
+                index = to_device(keep, hidden.device)
                 hidden = hidden.index_select(0, index)
             rows = [
                 _row(requests[b].slot, requests[b].num_cached + j - 1, Pending.of(int(lane)))
                 for b, lane in zip(now.tolist(), keep.tolist())
             ]
-            index = torch.as_tensor(starts[now] + j - 1, device=virtual_ids.device)
+            index = to_device(starts[now] + j - 1, virtual_ids.device)
             batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
             plan = self.planner.plan(batch, steps[-1])
             hidden = self._run(plan, plan.input_ids, hidden)
             token = self.layer.tokens(hidden, self.target, self.backend)
-            if token.is_cuda:  # the planner's two host staging slots: none reused in flight
-                torch.cuda.current_stream(token.device).synchronize()
             steps.append(token)
             lanes_of.append(now)
         out = [[] for _ in requests]
