@@ -197,3 +197,85 @@ def eagle3_token(t: dict, g: torch.Tensor, eps: float) -> int:
     """The head's greedy target id for one output row g (hidden,)."""
     draft = int((_rms(g, t["norm.weight"], eps) @ t["lm_head.weight"].T).argmax())
     return draft + int(t["d2t"][draft])
+
+
+# -- MiMo-V2-Flash ---------------------------------------------------------------------
+
+MIMO_PREFIX = "model.mtp.layers.0."
+
+
+def mimo_mtp_block_config(config):
+    """The transformers config of MiMo's MTP decoder layer: one sliding-window layer
+    with a dense MLP (the released MTP layers' kind)."""
+    import copy
+
+    c = copy.deepcopy(config)
+    c.layer_types, c.mlp_layer_types, c.num_hidden_layers = ["sliding_attention"], ["dense"], 1
+    return c
+
+
+def save_tiny_mimo_mtp(path: str, seed: int = 0):
+    """A tiny transformers MiMo-V2-Flash (``test_engine_mimo.save_tiny_mimo``) saved
+    to ``path`` with one MTP layer in the released layout (``model.mtp.layers.0.*``:
+    enorm, hnorm, eh_proj, input_layernorm, self_attn.{q,k,v,o}_proj and
+    attention_sink_bias, pre_mlp_layernorm, mlp.{gate,up,down}_proj,
+    final_layernorm) and ``num_nextn_predict_layers`` 1 in config.json; returns
+    (the transformers model, the MTP layer's transformers decoder layer, the MTP
+    tensors by released name)."""
+    import json
+
+    import transformers as tf
+    from test_engine_mimo import save_tiny_mimo
+
+    hf = save_tiny_mimo(path, seed)
+    torch.manual_seed(seed + 1)
+    cfg = mimo_mtp_block_config(hf.config)
+    block = tf.models.mimo_v2_flash.modeling_mimo_v2_flash.MiMoV2FlashDecoderLayer(cfg, 0)
+    block = block.float().eval()
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    names = {"self_attn.sinks": "self_attn.attention_sink_bias",
+             "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}  # fmt: skip
+    hidden = hf.config.hidden_size
+    mtp = {names.get(k, k): v.detach().clone() for k, v in block.state_dict().items()}
+    mtp.update({
+        "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+        "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
+        "final_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+    })  # fmt: skip
+    tensors = _tensors(path)
+    tensors.update({MIMO_PREFIX + k: v.contiguous() for k, v in mtp.items()})
+    save_file(tensors, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return hf, block, mtp
+
+
+@torch.no_grad()
+def mimo_mtp_rows(hf, block, mtp: dict, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+    """MiMo's MTP layer over one sequence, its decoder layer transformers' own: row j
+    takes ``hidden[j]`` and token ``ids[j]`` at position j, causal within the sliding
+    window -> the layer's outputs after ``final_layernorm`` (T, hidden)."""
+    eps = hf.config.rms_norm_eps
+    t = len(ids)
+    e = hf.model.embed_tokens(torch.tensor(ids))
+    x = torch.cat([_rms(e, mtp["enorm.weight"], eps), _rms(hidden, mtp["hnorm.weight"], eps)], -1)
+    x = (x @ mtp["eh_proj.weight"].T)[None]
+    pos = torch.arange(t)[None]
+    rope = hf.model.rotary_emb(x, pos, "sliding_attention")
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    visible = (j <= i) & (j > i - hf.config.sliding_window)
+    mask = torch.zeros(t, t).masked_fill(~visible, float("-inf"))[None, None]
+    out = block(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)[0]
+    return _rms(out, mtp["final_layernorm.weight"], eps)

@@ -1,5 +1,6 @@
 """Speculative decoding with the checkpoint's own MTP layer (``method: "mtp"``) on a
-tiny DeepSeek-V3 (MLA + MoE) checkpoint, CPU fp32.
+tiny DeepSeek-V3 (MLA + MoE) checkpoint, and on a tiny MiMo-V2-Flash (its layout:
+a sliding-window MTP layer), CPU fp32.
 
 - Every draft the engine proposes equals transformers' ``MtpModel`` chain computed
   from scratch over the request's tokens: the target's final hidden states and the
@@ -16,7 +17,13 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import assert_pages_returned, hf_greedy, one_thread  # noqa: F401
-from mtp_fixtures import hf_mtp, mtp_rows, save_tiny_deepseek_mtp
+from mtp_fixtures import (
+    hf_mtp,
+    mimo_mtp_rows,
+    mtp_rows,
+    save_tiny_deepseek_mtp,
+    save_tiny_mimo_mtp,
+)
 
 from unikv.engine import LLM, SamplingParams
 from unikv.hf_config import specs_from_hf_config
@@ -111,3 +118,46 @@ def test_mtp_greedy_equals_plain_decoding(checkpoint):
         assert [o.output_ids for o in out] == want + want[::-1]
         assert llm.stats.preemptions > 0 and llm.stats.spec_draft_tokens > 0
         assert_pages_returned(llm)
+
+
+@torch.no_grad()
+def mimo_oracle_drafts(hf, block, mtp, ids: list[int], count: int) -> list[int]:
+    """``oracle_drafts`` for MiMo-V2-Flash's MTP layer (``mtp_fixtures.mimo_mtp_rows``)."""
+    hidden = hf(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+    tokens, drafts = ids[1:], []
+    for _ in range(count):
+        g = mimo_mtp_rows(hf, block, mtp, tokens, hidden)
+        drafts.append(int(hf.lm_head(g[-1]).argmax()))
+        tokens, hidden = tokens + drafts[-1:], torch.cat([hidden, g[-1:]])
+    return drafts
+
+
+def test_mimo_mtp_drafts_and_outputs(tmp_path):
+    """MiMo-V2-Flash (full + sliding layers, the MTP layer a sliding one whose K/V
+    are a ``draft_swa`` sub-pool floating between the two bands): drafts equal the
+    transformers-layer chain; greedy outputs equal plain decoding and transformers'
+    at k = 3 (pages 4, prefix caching) and k = 1 (pages 1)."""
+    path = str(tmp_path)
+    hf, block, mtp = save_tiny_mimo_mtp(path)
+    items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [o.output_ids for o in make_llm(path, None, 4).generate(items, params)]
+    assert want == [hf_greedy(hf, p, NEW_TOKENS) for p in items]
+    llm = make_llm(path, 3, 4, enable_prefix_caching=True)
+    assert set(llm.pool.subpools) == {"full", "swa", "draft_swa"}
+    seen, propose = [], llm.runner.draft.propose
+
+    def spy(requests, counts, virtual_ids):
+        out = propose(requests, counts, virtual_ids)
+        seen.extend((r.prompt_ids + r.output_ids, d.tolist()) for r, d in zip(requests, out))
+        return out
+
+    llm.runner.draft.propose = spy
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    assert len(seen) >= 8 and any(len(d) == 3 for _, d in seen)
+    for ids, drafts in seen[:12]:
+        assert drafts == mimo_oracle_drafts(hf, block, mtp, ids, len(drafts))
+    assert_pages_returned(llm)
+    llm = make_llm(path, 1, 1)
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    assert llm.stats.spec_draft_tokens > 0
+    assert_pages_returned(llm)

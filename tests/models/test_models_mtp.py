@@ -62,6 +62,29 @@ def test_checkpoint_without_the_layer_is_refused(saved, tmp_path):
     save_tiny_deepseek(3, str(tmp_path / "v3"))  # the config declares one, the weights lack it
     with pytest.raises(ValueError, match=r"MTP layer under 'model\.layers\.3\.'"):
         LLM(str(tmp_path / "v3"), speculative_config=spec, **kw)
-    save_tiny_model("llama", str(tmp_path / "llama"))  # no MTP layer declared
-    with pytest.raises(ValueError, match="declares none"):
+    save_tiny_model("llama", str(tmp_path / "llama"))  # a family with no MTP layout
+    with pytest.raises(ValueError, match="knows the MTP layouts of DeepSeek-V3 and MiMo"):
         LLM(str(tmp_path / "llama"), speculative_config=spec, **kw)
+
+
+@torch.no_grad()
+def test_mimo_mtp_logits_match_transformers_layer(tmp_path):
+    """MiMo-V2-Flash's layout (``model.mtp.layers.0.*``, no transformers MTP module):
+    the oracle is transformers' own MiMo decoder layer (sliding window, sinks, partial
+    rope, value scale) between enorm/hnorm/eh_proj and final_layernorm in torch."""
+    from engine_fixtures import DenseAttention
+    from mtp_fixtures import mimo_mtp_rows, save_tiny_mimo_mtp
+
+    hf, block, mtp = save_tiny_mimo_mtp(str(tmp_path))
+    target = load_model(str(tmp_path))
+    layer = load_mtp(str(tmp_path), target)
+    assert layer.cache_kind == "swa"
+    ids = torch.randint(0, hf.config.vocab_size, (13,), generator=torch.Generator().manual_seed(3))
+    ids = ids.tolist()
+    hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    want = hf.lm_head(mimo_mtp_rows(hf, block, mtp, ids[1:], hidden[:-1]))
+    embeds = target.model.embed_tokens(torch.tensor(ids[1:]))
+    step = DenseAttention({0: hf.config.sliding_window}, target.config.sm_scale)
+    got = target.lm_head(layer(embeds, hidden[:-1], torch.arange(len(ids) - 1), step))
+    assert len(ids) - 1 > hf.config.sliding_window  # the window bites
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -414,16 +414,12 @@ class LLM:
         sub-pool (``speculative/mtp.py``); ValueError where the checkpoint has none."""
         from unikv.engine.speculative.mtp import mtp_subpool_configs
         from unikv.models.fp8 import fp8_format
-        from unikv.models.mtp import load_mtp, mtp_count
+        from unikv.models.mtp import load_mtp
 
-        if not mtp_count(hf_config):
-            raise ValueError(
-                f"speculative_config: method 'mtp' needs the checkpoint's MTP layers; "
-                f"{model_dir}'s config declares none (num_nextn_predict_layers / "
-                "num_mtp_layers); use 'ngram' or 'draft_model'"
-            )
-        out = mtp_subpool_configs(configs)
+        # a family without a known MTP layout, or a checkpoint without the layer's
+        # tensors (whatever its config declares), is refused by name here
         self._draft_head = load_mtp(model_dir, self.model, fp8_format(hf_config))
+        out = mtp_subpool_configs(configs, self._draft_head.cache_kind)
         self._draft_q_per_kv = self.config.num_heads // self.config.num_kv_heads
         return out
 

@@ -1,5 +1,8 @@
 """A checkpoint's multi-token-prediction (MTP) layer, built and loaded as a draft.
 
+Layouts: DeepSeek-V3's (below) and MiMo-V2-Flash's (``mtp_layout``: the same parts
+under ``model.mtp.layers.0.``, a sliding-window attention layer with a dense MLP).
+
 DeepSeek-V3 (``num_nextn_predict_layers``; transformers calls it ``num_mtp_layers``)
 keeps MTP layer i after the last decoder layer, at ``model.layers.{N + i}.*``
 (N = ``num_hidden_layers``):
@@ -83,10 +86,22 @@ def mtp_count(hf_config) -> int:
     return 0
 
 
-def mtp_layout(target) -> tuple[str, callable]:
-    """(the checkpoint prefix of MTP layer 0, a builder of its decoder layer) for a
-    target model; ValueError for a family whose MTP layout unikv does not know."""
-    from unikv.models import deepseek
+# MiMo-V2-Flash's names where they differ from its decoder layer's / MTPLayer's
+MIMO_NAMES = {"block.post_attention_layernorm.": "pre_mlp_layernorm.",
+              "shared_head.norm.": "final_layernorm."}  # fmt: skip
+
+
+def mtp_layout(target) -> tuple[callable, callable, str]:
+    """(the checkpoint name of an MTPLayer parameter, a builder of its decoder layer,
+    the target sub-pool kind its attention caches like) for a target model;
+    ValueError for a family whose MTP layout unikv does not know.
+
+    - DeepSeek-V3: ``model.layers.{N}.*`` (module docstring); a MoE layer, MLA.
+    - MiMo-V2-Flash: ``model.mtp.layers.0.*``: enorm, hnorm, eh_proj, a sliding-window
+      attention layer (the sliding layers' heads, window, sinks and rope) with a dense
+      MLP, its norms ``input_layernorm`` and ``pre_mlp_layernorm``, and
+      ``final_layernorm`` (the output norm)."""
+    from unikv.models import deepseek, mimo_v2
 
     config = target.config
     if isinstance(target, deepseek.DeepseekForCausalLM) and config.extra["version"] == 3:
@@ -100,11 +115,23 @@ def mtp_layout(target) -> tuple[str, callable]:
             block.self_attn.layer = 0  # the draft's cache layer, not the target's
             return block
 
-        return f"model.layers.{n}.", make
+        return (lambda name: f"model.layers.{n}." + name.removeprefix("block.")), make, "mla"
+    if isinstance(target, mimo_v2.MiMoV2FlashForCausalLM):
+        extra = dict(config.extra, layer_types=("sliding_attention",), mlp_layer_types=("dense",))
+        layer_config = dataclasses.replace(config, extra=extra)
+        rotary = target.stack.rotary["sliding_attention"]
+
+        def rename(name: str) -> str:
+            for ours, theirs in MIMO_NAMES.items():
+                if name.startswith(ours):
+                    name = theirs + name[len(ours) :]
+            return "model.mtp.layers.0." + name.removeprefix("block.")
+
+        return rename, lambda: mimo_v2.DecoderLayer(layer_config, 0, rotary), "swa"
     raise ValueError(
-        f"speculative_config: method 'mtp' knows DeepSeek-V3's MTP layout only; "
-        f"{config.architecture} is not built (Qwen3.5 / Qwen3-Next MTP needs per-draft "
-        "recurrent state; MiMo's layout is not built yet): use 'ngram' or 'draft_model'"
+        f"speculative_config: method 'mtp' knows the MTP layouts of DeepSeek-V3 and "
+        f"MiMo-V2-Flash; {config.architecture} is not built (Qwen3.5 / Qwen3-Next MTP "
+        "needs per-draft recurrent state): use 'ngram' or 'draft_model'"
     )
 
 
@@ -112,16 +139,17 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
     """MTP layer 0 of the checkpoint at ``model_dir``, on the target's device and
     dtype, its weights read from the checkpoint (FP8 weights dequantised);
     ValueError naming the tensors missing."""
-    prefix, make = mtp_layout(target)
+    rename, make, kind = mtp_layout(target)
     param = next(target.parameters())
     config = target.config
     with torch.device("meta"), building(target.ops):
         layer = MTPLayer(config.hidden_size, config.rms_norm_eps, make(), config.sm_scale)
+    layer.cache_kind = kind
     layer = layer.to(param.dtype).to_empty(device=param.device)
     for name, p in layer.named_parameters():
         if name.endswith(tuple(getattr(target, "fp32_params", ()))):
             p.data = p.data.float()
-    load_named(layer, model_dir, lambda name: prefix + name.removeprefix("block."), fp8)
+    load_named(layer, model_dir, rename, fp8)
     return layer.eval().requires_grad_(False)
 
 

@@ -11,7 +11,7 @@ measures the verify step at full acceptance).
 
 Built today: ``ngram``, ``draft_model`` (a full-attention draft of the same
 vocabulary, its K/V in sub-pools of the same pool: ``draft.py``), ``mtp``
-(DeepSeek-V3's own MTP layer) and ``eagle3`` (an EAGLE-3 head from ``model``), the
+(the checkpoint's own MTP layer: DeepSeek-V3, MiMo-V2-Flash) and ``eagle3`` (an EAGLE-3 head from ``model``), the
 last two through ``mtp.py``. Refused: models with recurrent state (Mamba-2 / Gated DeltaNet
 layers: a rejected draft would need the state before it, and per-draft-position
 state slots are not built yet) and tensor parallelism.

@@ -50,18 +50,19 @@ def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
     return [replace(config, name=DRAFT_PREFIX + config.name, grow=grow)]
 
 
-def mtp_subpool_configs(target_configs) -> list:
-    """The MTP layer's sub-pool: the target's MLA sub-pool config for one layer,
-    renamed ``draft_*``, on the band direction the target's leave free."""
-    mla = [c for c in target_configs if c.spec.kind == "mla"]
-    if len(mla) != 1:
+def mtp_subpool_configs(target_configs, kind: str) -> list:
+    """The MTP layer's sub-pool: the target's sub-pool config of ``kind`` (DeepSeek's
+    "mla", MiMo's sliding "swa") for one layer, renamed ``draft_*``, on the band
+    direction the target's leave free."""
+    same = [c for c in target_configs if c.name == kind]
+    if len(same) != 1:
         raise ValueError(
-            "speculative_config: method 'mtp' runs DeepSeek-V3's MTP layer (MLA); the "
-            f"target's sub-pools are {[c.name for c in target_configs]}"
+            f"speculative_config: the MTP layer caches like the target's {kind!r} sub-pool; "
+            f"the target's sub-pools are {[c.name for c in target_configs]}"
         )
-    spec = replace(mla[0].spec, num_layers=1)
+    spec = replace(same[0].spec, num_layers=1)
     grow = free_grow(target_configs)
-    return [replace(mla[0], name=DRAFT_PREFIX + mla[0].name, spec=spec, layers=(0,), grow=grow)]
+    return [replace(same[0], name=DRAFT_PREFIX + kind, spec=spec, layers=(0,), grow=grow)]
 
 
 class HiddenDraft:
