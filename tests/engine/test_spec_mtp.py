@@ -118,6 +118,12 @@ def test_mtp_greedy_equals_plain_decoding(checkpoint):
         assert [o.output_ids for o in out] == want + want[::-1]
         assert llm.stats.preemptions > 0 and llm.stats.spec_draft_tokens > 0
         assert_pages_returned(llm)
+    # swap preemption: the swapped request's MTP rows travel with its pages; its first
+    # draft (kept per slot) is not trusted after it returns (it drafts nothing once)
+    llm = make_llm(path, 3, 16, kv_cache_bytes=pool_bytes_for([config], {"mla": pages}),
+                   preemption="swap", swap_host_bytes=1 << 22)  # fmt: skip
+    assert [o.output_ids for o in llm.generate(items + items[::-1], params)] == want + want[::-1]
+    assert llm.stats.preemptions > 0 and llm.stats.spec_draft_tokens > 0
 
 
 @torch.no_grad()
