@@ -50,17 +50,19 @@ def test_forced_acceptance_on_gpu(tmp_path):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mtp_and_eagle3_equal_plain_on_gpu(page_size, tmp_path):
     """The draft heads over the target's exported hidden states (copied inside the
-    decode and verify graphs): greedy tokens with ``mtp`` (tiny DeepSeek-V3) and
+    decode and verify graphs): greedy tokens with ``mtp`` (tiny DeepSeek-V3, MiMo) and
     ``eagle3`` (tiny Llama, 6 layers) at k = 3 equal plain decoding's, and every
     draft equals the head's draft from a CPU run of the same engine (the rows the
     graphs wrote are the true ones)."""
-    from mtp_fixtures import save_tiny_deepseek_mtp, save_tiny_eagle3
+    from mtp_fixtures import save_tiny_deepseek_mtp, save_tiny_eagle3, save_tiny_mimo_mtp
 
     save_tiny_deepseek_mtp(str(tmp_path / "ds"))
+    save_tiny_mimo_mtp(str(tmp_path / "mimo"))
     hf = save_tiny_model("llama", str(tmp_path / "llama"), num_hidden_layers=6)
     save_tiny_eagle3(str(tmp_path / "head"), hf.config)
     cases = [
         ("ds", {"method": "mtp", "num_speculative_tokens": 3}),
+        ("mimo", {"method": "mtp", "num_speculative_tokens": 3}),
         ("llama", {"method": "eagle3", "model": str(tmp_path / "head"),
                    "num_speculative_tokens": 3}),
     ]  # fmt: skip
