@@ -112,8 +112,11 @@ def test_drafts_are_the_heads_chain(saved):
     seen, propose = [], llm.runner.draft.propose
 
     def spy(requests, counts, virtual_ids):
-        out = propose(requests, counts, virtual_ids)
-        seen.extend((r.prompt_ids + r.output_ids, d.tolist()) for r, d in zip(requests, out))
+        out = propose(requests, counts, virtual_ids)  # on the device, request-major
+        flat, at = out.tolist(), 0
+        for r, n in zip(requests, counts.tolist()):
+            seen.append((r.prompt_ids + r.output_ids, flat[at : at + n]))
+            at += n
         return out
 
     llm.runner.draft.propose = spy

@@ -78,10 +78,11 @@ def test_mtp_and_eagle3_equal_plain_on_gpu(page_size, tmp_path):
             seen, propose = [], llm.runner.draft.propose
 
             def spy(requests, counts, ids, seen=seen, propose=propose):
-                out = propose(requests, counts, ids)
-                seen.extend(
-                    (r.request_id, len(r.output_ids), d.tolist()) for r, d in zip(requests, out)
-                )
+                out = propose(requests, counts, ids)  # on the device, request-major
+                flat, at = out.tolist(), 0
+                for r, n in zip(requests, counts.tolist()):
+                    seen.append((r.request_id, len(r.output_ids), flat[at : at + n]))
+                    at += n
                 return out
 
             llm.runner.draft.propose = spy

@@ -75,8 +75,11 @@ def test_drafts_are_transformers_mtp_chain(checkpoint):
     propose = llm.runner.draft.propose
 
     def spy(requests, counts, virtual_ids):
-        out = propose(requests, counts, virtual_ids)
-        seen.extend((r.prompt_ids + r.output_ids, d.tolist()) for r, d in zip(requests, out))
+        out = propose(requests, counts, virtual_ids)  # on the device, request-major
+        flat, at = out.tolist(), 0
+        for r, n in zip(requests, counts.tolist()):
+            seen.append((r.prompt_ids + r.output_ids, flat[at : at + n]))
+            at += n
         return out
 
     llm.runner.draft.propose = spy
@@ -153,8 +156,11 @@ def test_mimo_mtp_drafts_and_outputs(tmp_path):
     seen, propose = [], llm.runner.draft.propose
 
     def spy(requests, counts, virtual_ids):
-        out = propose(requests, counts, virtual_ids)
-        seen.extend((r.prompt_ids + r.output_ids, d.tolist()) for r, d in zip(requests, out))
+        out = propose(requests, counts, virtual_ids)  # on the device, request-major
+        flat, at = out.tolist(), 0
+        for r, n in zip(requests, counts.tolist()):
+            seen.append((r.prompt_ids + r.output_ids, flat[at : at + n]))
+            at += n
         return out
 
     llm.runner.draft.propose = spy

@@ -277,13 +277,14 @@ class ModelRunner:
         """A verify step (speculative decoding), run to the end: every row scored, the
         drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
         tokens read back (``Launched.emitted``): the next step's drafts need them."""
-        graphs = self.verify_graphs  # no placeholders: the loop settles each step first
+        graphs = self.verify_graphs  # placeholders: only a draft model's device drafts
         rows = graphs.rows_for(batch) if graphs is not None else None
+        drafts = batch.draft_tokens
         if rows is None:
-            plan = self.planner.plan(batch)
+            plan = self.planner.plan(batch, drafts)
             logits = self.forward(plan, every_row=True)
         else:
-            plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
+            plan = self.planner.plan(batch, drafts, rows=rows, pad_q=graphs.q)
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
         packed = torch.cat([tokens, accepted[:, None]], dim=1)

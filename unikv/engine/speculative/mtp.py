@@ -36,7 +36,7 @@ import torch
 from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, Pending
 from unikv.engine.runner import DRAFT_PREFIX
-from unikv.engine.speculative.draft import _row, free_grow, to_device
+from unikv.engine.speculative.draft import _row, free_grow, request_major, to_device
 from unikv.kernels.elementwise_ref import resolve_feedback
 
 
@@ -160,9 +160,10 @@ class HiddenDraft:
         return np.where(ready, rooms, 0)
 
     @torch.inference_mode()
-    def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> list[np.ndarray]:
+    def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> torch.Tensor:
         """``counts[b]`` greedy drafts per decoding request b (its pending token at
-        position L_b = num_cached); ``virtual_ids``: the verify step's ids."""
+        position L_b = num_cached), on the device, request-major (``draft.request_major``,
+        no host read); ``virtual_ids``: the verify step's ids."""
         starts = np.zeros(len(requests), np.int64)
         np.cumsum(1 + counts[:-1], out=starts[1:])
         steps, lanes_of = [], []
@@ -190,12 +191,4 @@ class HiddenDraft:
             token = self.layer.tokens(hidden, self.target, self.backend)
             steps.append(token)
             lanes_of.append(now)
-        out = [[] for _ in requests]
-        if steps:
-            flat = torch.cat(steps).tolist()  # the one host read of the proposal
-            pos = 0
-            for lanes in lanes_of:
-                for lane, b in enumerate(lanes.tolist()):
-                    out[b].append(flat[pos + lane])
-                pos += lanes.size
-        return [np.asarray(x, np.int64) for x in out]
+        return request_major(steps, lanes_of, counts, virtual_ids.device)
