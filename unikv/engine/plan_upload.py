@@ -77,6 +77,7 @@ class StepUpload:
         # ran (the engine's loop settles a step before its slot comes round again,
         # so this waits only where steps are planned back to back: a draft's chain)
         self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._pin = pin  # decided once: pinned staging, copies recorded
         self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
 
@@ -132,7 +133,7 @@ class StepUpload:
             host["logits_indices"][:] = q_indptr[1:] - 1
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
         self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
-        if self._staging[slot].is_pinned():
+        if self._pin:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
         return dev, host, pending
