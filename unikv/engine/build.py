@@ -118,8 +118,11 @@ def build_engine(config: EngineConfig, tp_group=None) -> Engine:
     if tp is not None:  # each rank caches its own KV heads and recurrent heads
         configs = shard_subpool_configs(configs, tp.size, model_config.state_dims)
     check_speculation(c.speculative_config, configs, tp_group)
-    draft = _Draft.load(c, model_config, max_model_len, dtype, configs)  # its sub-pools join
-    configs = configs + draft.configs
+    draft = _Draft.load(c, model_config, max_model_len, dtype, configs, model, model_dir, hf_config)
+    if draft.head is not None:  # every row's hidden states, copied by the target's forward
+        rows = max(c.max_num_batched_tokens, c.max_num_seqs)  # (in its graphs too: set
+        model.export_hidden(rows, draft.head.export_layers)  # before they are captured)
+    configs = configs + draft.configs  # its sub-pools join
     caching = prefix_caching_for(c.enable_prefix_caching, configs, model_config.family)
     check_prefix_host_bytes(c.prefix_host_bytes, caching, configs)
     check_swap(c.preemption, c.swap_host_bytes, configs, tp_group)
@@ -259,20 +262,27 @@ def _swap_space(alloc, host_bytes: int, preemption: str, device, prefill_rate: f
 
 @dataclass
 class _Draft:
-    """A draft model (speculative method "draft_model"), its sub-pool configs and
-    its query heads per KV head; empty otherwise."""
+    """A draft model (speculative method "draft_model") or a draft head over the
+    target's hidden states ("mtp", "eagle3"), its sub-pool configs and its query
+    heads per KV head; empty otherwise."""
 
     configs: list
     model: object = None
     q_per_kv: int = 1
+    head: object = None  # models.mtp.MTPLayer / models.eagle3.Eagle3Head
 
     @classmethod
-    def load(cls, c: EngineConfig, target, max_model_len: int, dtype, configs) -> _Draft:
+    def load(
+        cls, c: EngineConfig, target, max_model_len: int, dtype, configs, model=None,
+        model_dir=None, hf_config=None,
+    ) -> _Draft:  # fmt: skip
         """Checks the draft's vocabulary and context against the target's and loads it
         (before the pool is sized from the memory left)."""
         from unikv.engine.speculative.draft import draft_subpool_configs
 
         spec = c.speculative_config
+        if spec is not None and spec.method in ("mtp", "eagle3"):
+            return cls._head(c, target, max_model_len, dtype, configs, model, model_dir, hf_config)
         if spec is None or spec.method != "draft_model":
             return cls([])
         draft, _ = load_model_config(spec.model)
@@ -293,6 +303,27 @@ class _Draft:
             model.logits_dtype = None
         return cls(out, model, draft.num_heads // draft.num_kv_heads)
 
+    @classmethod
+    def _head(cls, c, target, max_model_len, dtype, configs, model, model_dir, hf_config):
+        """Method "mtp": the checkpoint's MTP layer (``models/mtp.py``; a family without
+        a known layout, or a checkpoint without the layer's tensors, is refused by
+        name); "eagle3": the head at ``model`` (``models/eagle3.py``). Their K/V: one
+        ``draft_*`` sub-pool (``speculative/mtp.py``)."""
+        from unikv.engine.speculative.mtp import eagle3_subpool_configs, mtp_subpool_configs
+        from unikv.models.eagle3 import load_eagle3
+        from unikv.models.fp8 import fp8_format
+        from unikv.models.mtp import load_mtp
+
+        spec = c.speculative_config
+        if spec.method == "mtp":
+            head = load_mtp(model_dir, model, fp8_format(hf_config))
+            out = mtp_subpool_configs(configs, head.cache_kind)
+            return cls(out, None, target.num_heads // target.num_kv_heads, head)
+        head = load_eagle3(spec.model, model, max_model_len)
+        return cls(
+            eagle3_subpool_configs(head, configs, c.page_size, dtype), None, head.q_per_kv, head
+        )
+
 
 def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
     """The scheduler's speculation hook (None without ``speculative_config``), and
@@ -306,6 +337,14 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
         return None
     runner.force_accept = spec_config.force_accept  # benchmarks only
     spec = Speculator(spec_config, c.max_num_batched_tokens)
+    if draft.head is not None:  # mtp / eagle3: a head over the target's hidden states
+        from unikv.engine.speculative.mtp import HiddenDraft
+
+        caches, _ = layer_caches(pool, 1, 0.0, draft=True)
+        spec.draft = runner.draft = HiddenDraft(
+            runner.model, draft.head, caches, runner.planner, backend, draft.head.sm_scale,
+            runner.planner.max_seqs,
+        )  # fmt: skip
     if spec_config.method == "draft_model":
         model = draft.model  # loaded with its sub-pools' configs
         cap = check_soft_cap(backend, model.config.extra.get("attn_soft_cap", 0.0))

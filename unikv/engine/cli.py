@@ -100,7 +100,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 3}\' (built: ngram, draft_model)',
+        '"num_speculative_tokens": 3}\' (methods: ngram, draft_model, mtp, eagle3)',
     )
 
 

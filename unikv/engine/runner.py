@@ -250,13 +250,13 @@ class ModelRunner:
             logits = logits[: len(batch.requests)]
             # the model's argmax wrote them into the plan's feedback buffer
             fed = in_graph and self._fused_greedy and plan.feedback is not None
-        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
-            self.draft.forward_plan(plan)
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
+        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
+            self.draft.forward_plan(plan, batch, tokens_dev)
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
@@ -266,19 +266,36 @@ class ModelRunner:
         """A verify step (speculative decoding), run to the end: every row scored, the
         drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
         tokens read back (``Launched.emitted``): the next step's drafts need them."""
-        graphs = self.verify_graphs  # no placeholders: the loop settles each step first
+        graphs = self.verify_graphs  # placeholders: only a draft model's device drafts
         rows = graphs.rows_for(batch) if graphs is not None else None
+        drafts = batch.draft_tokens
         if rows is None:
-            plan = self.planner.plan(batch)
+            plan = self.planner.plan(batch, drafts)
             logits = self.forward(plan, every_row=True)
         else:
-            plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
+            plan = self.planner.plan(batch, drafts, rows=rows, pad_q=graphs.q)
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
-        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
-            self.draft.forward_plan(plan)
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
-        host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
-        self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
+        packed = torch.cat([tokens, accepted[:, None]], dim=1)
+        copied = None
+        if self._pin:  # the emitted tokens' copy, enqueued before the draft's forward
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            packed = host
+        done = None  # the step ran when the readback returned, but a draft's forward
+        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
+            self.draft.forward_verify(plan, batch, tokens, accepted)  # runs under the host's work
+            if copied is not None:  # its pages stay fenced until it is done
+                done = torch.cuda.Event()
+                done.record()
+        if copied is not None:
+            copied.synchronize()
+        host = packed.tolist()
+        if self.draft is not None:
+            self.draft.settled(batch, [row[-1] for row in host])
+        self.alloc.mark_in_flight(done)
         self._launches += 1
         launched = Launched(batch, logits, None, None, None)
         launched.emitted = [row[: row[-1] + 1] for row in host]

@@ -177,7 +177,7 @@ class Scheduler:
         found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False
-        drafts, ids = found
+        drafts, ids, batch.draft_tokens = found
         num_new = 1 + np.fromiter((len(x) for x in drafts), np.int64, len(drafts))
         for r, draft in zip(d.decoding, drafts):
             r.draft_ids = draft.tolist()
