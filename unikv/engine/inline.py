@@ -78,7 +78,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     stats.peak_pages = {name: 0 for name in llm.pool.subpools}
     sched = llm.scheduler
     preempted_before = sched.num_preemptions
-    prefix_before = llm.alloc.parts.prefix.counters()
+    prefix_before = llm.alloc.prefix.counters()
     swap_before = sched.swap.counters() if sched.swap is not None else {}
     spec_before = sched.spec.counters.as_dict() if sched.spec is not None else {}
     bar = None
@@ -104,7 +104,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
         loop.on_step = loop.on_schedule = None
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
-    prefix = llm.alloc.parts.prefix.counters()
+    prefix = llm.alloc.prefix.counters()
     for key, value in (sched.swap.counters() if sched.swap is not None else {}).items():
         name = key.removeprefix("swap_")
         if hasattr(stats, name):
@@ -122,4 +122,4 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
 
 def _track_pages(llm, stats: Stats) -> None:
     for name in llm.pool.subpools:
-        stats.peak_pages[name] = max(stats.peak_pages[name], llm.alloc.parts.books[name].num_live)
+        stats.peak_pages[name] = max(stats.peak_pages[name], llm.alloc.view.live_pages(name))

@@ -109,7 +109,7 @@ class LLM:
             None (default): on for full-attention and MLA models, off for
             sliding-window and recurrent ones, where it costs memory
             (``options.prefix_caching_for``).
-            Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``;
+            Hit and eviction counters: ``llm.alloc.prefix.counters()``;
             ``llm.prefix_caching`` says whether it is on.
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
             pages and state checkpoints spill there and reload on a hit, when the cost
@@ -300,7 +300,7 @@ class LLM:
         if kv_cache_margin_bytes is not None:  # what the graphs and warm-ups left, measured
             torch.cuda.synchronize(self.device)
             free = torch.cuda.mem_get_info(self.device)[0]
-            self.alloc.parts.room.resize(size_after_capture(self.pool, free, kv_cache_margin_bytes))
+            self.alloc.resize(size_after_capture(self.pool, free, kv_cache_margin_bytes))
         self.scheduler = Scheduler(
             self.alloc,
             self.pool.subpools.values(),
@@ -328,7 +328,7 @@ class LLM:
             h2d_bytes_per_s=measure_h2d_bytes_per_s(self.device),
             prefill_tokens_per_s=self._prefill_tokens_per_s(),
         )
-        enable_prefix_host(self.alloc.parts, host_bytes, policy)
+        enable_prefix_host(self.alloc, host_bytes, policy)
 
     def _prefill_tokens_per_s(self) -> float:
         """A prefill estimate of 2 FLOPs per weight per token at a sustained rate."""
@@ -550,7 +550,7 @@ class LLM:
         return True
 
     def _reset_prefix_now(self) -> None:
-        self.alloc.parts.prefix.reset()
+        self.alloc.prefix.reset()
 
     def resize_kv_cache(self, total_bytes: int) -> int:
         """Give the pool ``total_bytes`` (at most ``kv_cache_max_bytes``), between
@@ -562,7 +562,7 @@ class LLM:
         return self.engine.call(partial(self._resize_now, total_bytes)).result()
 
     def _resize_now(self, total_bytes: int) -> int:
-        return self.alloc.parts.room.resize(total_bytes)
+        return self.alloc.resize(total_bytes)
 
     def close(self) -> None:
         """Stop the serving loop if one runs and the tensor-parallel workers if this

@@ -4,7 +4,7 @@
 Prefix caching (within a request's ``cache_salt``): a waiting request opens with
 the allocator's longest cached run of whole pages of its tokens (all but the
 last) and prefills from there
-(``open``); its full pages are shared (``alloc.parts.prefix.insert``) when its
+(``open``); its full pages are shared (``alloc.prefix.insert``) when its
 prompt is in, and again when it finishes or is preempted (``share``), so a
 recompute hits. With sliding windows every prefill chunk is shared once it is
 in, before ``free_out_of_window`` runs, so the cached prefixes keep their window
@@ -89,7 +89,7 @@ class PrefixCaching(NoPrefixCache):
         rule: CheckpointRule | None = None,
     ) -> None:
         super().__init__(alloc)
-        self.prefix = alloc.parts.prefix
+        self.prefix = alloc.prefix
         self.has_state, self.has_window = has_state, has_window
         self.rule = CheckpointRule() if rule is None else rule
         # request slot -> tokens of its latest prompt-end or decode checkpoint (the
@@ -103,7 +103,7 @@ class PrefixCaching(NoPrefixCache):
         # demote a previous turn's end once the next turn takes its own: off (in the
         # simulation it cost hit rate at 2x the working set; not understood yet)
         self.supersede_turns = False
-        self.page_size = alloc.parts.roles.page_size
+        self.page_size = alloc.view.roles.page_size
 
     def open(self, r: Request):
         """A request slot holding the cached pages of ``r``'s longest cached prefix
@@ -123,8 +123,7 @@ class PrefixCaching(NoPrefixCache):
                 self.points[r.slot] = ends
             self.latest.pop(r.slot, None)
             self.since[r.slot] = hit.num_tokens
-            ends_turn = hit.num_tokens and int(hit.nodes[-1]) in prefix.states.turn_ends
-            if ends_turn and self.supersede_turns:
+            if self.supersede_turns and prefix.ends_turn(hit):
                 self.extends[r.slot] = hit.num_tokens
             else:
                 self.extends.pop(r.slot, None)
@@ -159,7 +158,7 @@ class PrefixCaching(NoPrefixCache):
         end = len(r.prompt_ids) + r.max_new_tokens - 1  # tokens it computes at most
         reuse = CheckpointRule.reuse_at(r.num_cached, end, ps)
         tokens = r.num_cached - self.since.get(r.slot, 0)
-        pressure = 1.0 if prefix.stats.evicted_pages or prefix.states.evicted else 0.0
+        pressure = 1.0 if prefix.evicted else 0.0
         return self.rule.take(reuse, tokens, r.slot not in self.latest, pressure)
 
     def _checkpoint(self, r: Request) -> None:
@@ -203,11 +202,10 @@ class PrefixCaching(NoPrefixCache):
         if r.slot is None or not r.num_cached:
             return demand
         out, ps = dict(demand), self.page_size
-        req = self.alloc.parts.requests
         for s in subpools:
             if s.spec.sliding_window is None or s.spec.kind == "mamba":
                 continue
-            held = -(-r.num_cached // ps) - int(req.window_lo[s.name][r.slot])
+            held = -(-r.num_cached // ps) - self.alloc.view.window_lo(r.slot, s.name)
             whole = worst_case_pages(s.spec, ps, r.num_cached + r.num_pending, chunk)
             out[s.name] = min(out[s.name], max(whole - held, 0))
         return out

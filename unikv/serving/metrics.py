@@ -59,24 +59,13 @@ SPEC_COUNTERS = (
 )
 
 
-def _cached_pages(llm, name: str, kind: str) -> int:
-    """Pages of sub-pool ``name`` that only the prefix cache holds (evictable)."""
-    prefix = llm.alloc.parts.prefix
-    states = prefix.states
-    if states is not None and states.book.name == name:
-        return states.num_evictable  # checkpoint slots no request restores
-    if kind == "mamba":
-        return 0
-    return len(prefix.evictable_physical(name))
-
-
 def engine_snapshot(llm) -> dict:
     """Pool and scheduler counts; call in the engine loop's thread."""
     sched = llm.scheduler
     subpools = {}
     for name, sub in llm.pool.subpools.items():
-        held = llm.alloc.parts.books[name].num_live
-        cached = min(_cached_pages(llm, name, sub.spec.kind), held)
+        held = llm.alloc.view.live_pages(name)
+        cached = min(llm.alloc.prefix.cached_pages(name), held)
         subpools[name] = {
             "kind": sub.spec.kind,
             "live_pages": held - cached,
@@ -90,7 +79,7 @@ def engine_snapshot(llm) -> dict:
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
-        "prefix": llm.alloc.parts.prefix.counters(),
+        "prefix": llm.alloc.prefix.counters(),
         "spec": sched.spec.counters.as_dict() if sched.spec is not None else None,
     }
 
