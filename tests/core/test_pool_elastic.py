@@ -1,5 +1,5 @@
 """The elastic pool (issue 44, docs/design.md section 4): the emulated backing,
-``UnifiedPool.resize`` and ``Room.resize`` (``alloc.parts.room.resize``).
+``UnifiedPool.resize`` and ``Room.resize`` (``alloc.resize``).
 
 The state machine interleaves grow, shrink, admit (open + extend), decode,
 window frees, finish, compaction and forward fences on 2- and 3-sub-pool chains,

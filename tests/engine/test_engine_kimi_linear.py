@@ -104,7 +104,7 @@ def test_greedy_and_logits_match_transformers(ref, page_size):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outputs = llm.generate(ref.prompts, params, on_step=recorder)
     assert [o.output_ids for o in outputs] == ref.greedy
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V), teacher-forced
         rows = {p: row for (rid, p), row in recorder.rows.items() if rid == first_id + k}
@@ -165,7 +165,7 @@ def test_state_and_latent_bytes_match_transformers_cache(ref, max_batched):
     assert mla.spec.kv_lora_rank == c.kv_lora_rank and mla.spec.rope_dim == c.qk_rope_head_dim
     copier = BothCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
-    first_id = llm._next_id - len(ref.prompts)
+    first_id = llm.requests.next_id - len(ref.prompts)
     ids = [first_id + k for k in range(len(ref.prompts))]
     assert sorted(copier.slots.raw) == ids and sorted(copier.latents.rows) == ids
     rank = c.kv_lora_rank

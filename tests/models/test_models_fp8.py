@@ -358,7 +358,7 @@ def test_greedy_tokens_and_logits_on_the_gpu(ckpt):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outputs = llm.generate(ckpt.ref.prompts, params, on_step=rows)
     assert [o.output_ids for o in outputs] == ckpt.ref.greedy
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ckpt.ref.hf, out.prompt_ids + out.output_ids)
         for (rid, p), row in rows.rows.items():

@@ -40,7 +40,8 @@ TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "transla
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
-ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gated_rms_norm")
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
+                   "gated_rms_norm")  # fmt: skip
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
@@ -94,6 +95,7 @@ class KernelBackend:
     add_rms_norm: Op
     rope_qk: Op
     silu_mul: Op
+    gelu_tanh_mul: Op
     gated_rms_norm: Op
     argmax: Op
     linear: Op
