@@ -132,7 +132,7 @@ def test_allocator_resizes_on_cuda_and_times_1_gib():
     for name, size in (("grow 1 GiB", 64 * MIB + (1 << 30)), ("shrink 1 GiB", 64 * MIB)):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        alloc.parts.room.resize(size)
+        alloc.resize(size)
         torch.cuda.synchronize()
         timings[name] = (time.perf_counter() - t0) * 1e3
         alloc.check_integrity()
@@ -141,7 +141,7 @@ def test_allocator_resizes_on_cuda_and_times_1_gib():
         assert torch.equal(pool.page_envelope("full", int(book.v2p_host[v])), data)
     print({k: f"{v:.2f} ms" for k, v in timings.items()}, "page_bytes", full.page_bytes)
     with pytest.raises(ValueError, match="running requests need"):
-        alloc.parts.room.resize(pool.sink_bytes + 4 * full.page_bytes + 4 * pool["swa"].page_bytes)
+        alloc.resize(pool.sink_bytes + 4 * full.page_bytes + 4 * pool["swa"].page_bytes)
     pool.backing.close()
 
 
