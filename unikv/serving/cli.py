@@ -34,6 +34,8 @@ DEATH_FLUSH_S = 0.5  # the failed requests' answers go out before uvicorn stops
 DEATH_HARD_EXIT_S = 10.0  # if the graceful stop hangs, the process ends anyway
 DRAIN_GRACE_S = 5.0  # after --shutdown-timeout, the ended streams' last writes
 
+SWITCH_INTERVAL_MS = 0.5  # the serving processes' GIL switch interval (--switch-interval-ms)
+
 
 def _draining_server_class():
     import uvicorn
@@ -147,6 +149,15 @@ def _parser() -> argparse.ArgumentParser:
         "as before; default: its own process (vLLM's engine core), fed over ZeroMQ, so HTTP, "
         "tokenization and detokenization do not share a GIL with the engine loop",
     )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=SWITCH_INTERVAL_MS,
+        help="Python's thread switch interval in both server processes (sys.setswitchinterval): "
+        "each has two busy threads (the engine loop beside its input reader; the event loop "
+        "beside the engine output reader), and a thread waiting for the GIL waits up to this "
+        f"long; default {SWITCH_INTERVAL_MS} (Python's own is 5)",
+    )
     a = p.add_argument_group("access and operations")
     a.add_argument(
         "--api-key",
@@ -256,12 +267,25 @@ def _spawn_engine(args):
         config = EngineConfig.from_cli(args)
     except (ValueError, TypeError):
         return None  # reported below, by the in-process path's check
-    return ProcEngine(config, max_waiting=args.max_waiting,
-                      fault=serve_environ().engine_fault, wait=False)  # fmt: skip
+    return ProcEngine(config, max_waiting=args.max_waiting, fault=serve_environ().engine_fault,
+                      wait=False, switch_interval=sys.getswitchinterval())  # fmt: skip
+
+
+def switch_interval_s(ms: float) -> float:
+    """``--switch-interval-ms`` in seconds, for ``sys.setswitchinterval``; a clear
+    error for a value that is not a positive number of milliseconds."""
+    if not ms > 0 or ms > 1000:
+        raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {ms}")
+    return ms / 1000
 
 
 def serve_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    try:  # before the engine process starts: it takes the same interval
+        sys.setswitchinterval(switch_interval_s(args.switch_interval_ms))
+    except ValueError as err:
+        print(f"unikv serve: {err}", file=sys.stderr)
+        return 2
     from unikv.serving.engine_client import EngineStartError, ProcEngine
 
     llm = _spawn_engine(args)

@@ -75,8 +75,9 @@ class ProcEngine:
     False: return once the process is started (``wait_ready`` before use)."""
 
     def __init__(
-        self, config, *, max_waiting=None, on_death=None, fault=None, wait: bool = True
-    ) -> None:
+        self, config, *, max_waiting=None, on_death=None, fault=None, wait: bool = True,
+        switch_interval: float | None = None,
+    ) -> None:  # fmt: skip
         import pickle
 
         import zmq
@@ -116,7 +117,7 @@ class ProcEngine:
         self._stopping = False
         setup = {"config": pickle.dumps(config), "inputs": self.addr_in, "outputs": self.addr_out,
                  "max_waiting": max_waiting or None, "fault": fault,
-                 "parent": os.getpid()}  # fmt: skip
+                 "parent": os.getpid(), "switch_interval": switch_interval}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "unikv.serving.engine_core"], stdin=subprocess.PIPE
         )

@@ -264,6 +264,7 @@ def ready_info(llm) -> dict:
         "pool_bytes": llm.pool.total_bytes,
         "device": str(llm.device),
         "prefix_caching": bool(llm.prefix_caching),
+        "switch_interval": sys.getswitchinterval(),  # as this process runs (serve's flag)
         "pid": os.getpid(),
     }
 
@@ -273,6 +274,8 @@ def main() -> int:
 
     setup = msgspec.msgpack.decode(sys.stdin.buffer.read())
     PARENT[0] = setup["parent"]  # (when it died before this started, getppid() is not it)
+    if setup.get("switch_interval"):  # the loop thread beside the input reader (serve's flag)
+        sys.setswitchinterval(setup["switch_interval"])
     if os.getppid() != PARENT[0]:
         return 0
     ctx = zmq.Context()
