@@ -96,6 +96,9 @@ class LLM:
             once the model is loaded, warmed up and its graphs captured, grows by
             the memory then free less this margin (up to ``kv_cache_max_bytes``,
             default the GPU's memory). Excludes ``kv_cache_bytes``.
+        kv_backing: None, or the ``backing.Backing`` (not yet reserved) an elastic
+            pool reserves its range in; ``MultiLLM`` hands each model a
+            ``SliceBacking`` of one shared reservation. Needs ``kv_cache_max_bytes``.
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -158,6 +161,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         kv_cache_max_bytes: int | None = None,
         kv_cache_margin_bytes: int | None = None,
+        kv_backing=None,
         memory_fraction: float = 0.9,
         page_size: int = 16,
         max_num_seqs: int = 64,
@@ -258,6 +262,8 @@ class LLM:
                 "kv_cache_max_bytes (an elastic pool) does not yet combine with "  # resize alike
                 "swap_host_bytes, prefix_host_bytes or tp_group"
             )
+        if kv_backing is not None and kv_cache_max_bytes is None:
+            raise ValueError("kv_backing needs an elastic pool: pass kv_cache_max_bytes too")
         if kv_cache_max_bytes is not None and kv_cache_bytes is None:  # the default, capped
             total = min(total, kv_cache_max_bytes)
         self.pool = UnifiedPool(
@@ -269,6 +275,7 @@ class LLM:
             backend=self.backend,
             static_split=static_split,  # validated by the pool (unikv.static_split)
             max_bytes=kv_cache_max_bytes,  # validated by the pool
+            backing=kv_backing,  # None: the device's own (a MultiLLM hands a slice)
         )
         if enable_prefix_caching:
             check_window_caching(self.pool, self.max_model_len, max_num_batched_tokens)
