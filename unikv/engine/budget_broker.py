@@ -158,9 +158,9 @@ class SharedBudget:
         """Once per step of ``name``'s loop, in its thread, before the schedule."""
         m = self.members[name]
         m.last_active = time.monotonic()
-        if self.elastic and m.pool.total_bytes < m.pool.max_bytes and m.hungry():
-            if not self.grant(m):
-                self._ask_donor(m)
+        room = self.elastic and m.pool.total_bytes < m.pool.max_bytes
+        if room and m.hungry() and not self.grant(m):
+            self._ask_donor(m)
 
     def grant(self, m: Member) -> bool:
         """Grow ``m`` (in its loop's thread, or with its loop stopped) by every free
