@@ -143,6 +143,7 @@ class SharedBudget:
                 )
             self.members[name] = member
         llm.engine.before_schedule = partial(self.tick, name)
+        llm.kv_budget = (self, name)  # resize_kv: an explicit resize asks this budget
         return member
 
     def committed(self) -> int:
@@ -267,3 +268,33 @@ class SharedBudget:
         if self._watcher is not None:
             self._watcher.join(5)
             self._watcher = None
+
+
+def resize_kv(llm, total_bytes: int) -> int:
+    """Resize ``llm``'s pool to ``total_bytes`` (within its shared budget if it has
+    one: ``SharedBudget.resize``); returns the new size. ValueError, nothing
+    changed, on a size the pool or the budget cannot take."""
+    owner = getattr(llm, "kv_budget", None)
+    if owner is not None:
+        budget, name = owner
+        return budget.resize(name, total_bytes)
+    llm.resize_kv_cache(total_bytes)
+    return llm.pool.total_bytes
+
+
+def idle_budget(llm, idle_seconds: float, floor: int) -> SharedBudget:
+    """A one-model budget for ``llm``'s elastic pool (all of its reservation) that
+    shrinks it to ``floor`` bytes after ``idle_seconds`` with no work and grows it
+    back at its next hungry step (``unikv serve --kv-idle-shrink-floor``)."""
+    pool = llm.pool
+    if pool.backing is None:
+        raise ValueError("an idle shrink needs an elastic pool: give kv_cache_max_bytes")
+    if not isinstance(floor, int) or floor <= 0 or floor > pool.max_bytes:
+        raise ValueError(
+            f"the idle shrink floor must be an int in (0, {pool.max_bytes}] (the pool's "
+            f"max_bytes), got {floor!r}"
+        )
+    total = round_up(pool.max_bytes + pool.tail_pad_bytes, pool.backing.chunk)
+    budget = SharedBudget(total, idle_seconds=idle_seconds, idle_floor=floor)
+    budget.attach("model", llm)
+    return budget

@@ -26,8 +26,6 @@ import torch
 
 from unikv.backing import CHUNK_BYTES, SliceBacking, make_backing, round_up
 from unikv.engine.budget_broker import SharedBudget
-from unikv.engine.llm import LLM
-from unikv.engine.options import check_device
 
 
 class MultiLLM:
@@ -58,6 +56,9 @@ class MultiLLM:
         device: str | torch.device | None = None,
         **common,
     ) -> None:
+        from unikv.engine.llm import LLM  # (lazy: the serving app imports this module)
+        from unikv.engine.options import check_device
+
         if not isinstance(models, Mapping) or not models:
             raise ValueError(f"models must be a non-empty {{name: model}} mapping, got {models!r}")
         for banned in ("kv_cache_bytes", "kv_cache_max_bytes", "kv_backing", "model"):
@@ -76,7 +77,7 @@ class MultiLLM:
         # room for its pool's tail pad (less than a page)
         capacity = round_up(most + max(chunk, most // 8), chunk)
         self.backing.reserve(n * capacity)
-        self.llms: dict[str, LLM] = {}
+        self.llms: dict = {}
         try:
             for i, (name, spec) in enumerate(models.items()):
                 kw = dict(common)
@@ -100,7 +101,7 @@ class MultiLLM:
     def names(self) -> list[str]:
         return list(self.llms)
 
-    def __getitem__(self, name: str) -> LLM:
+    def __getitem__(self, name: str):
         if name not in self.llms:
             raise KeyError(f"model {name!r} is not served here; the models are {self.names}")
         return self.llms[name]

@@ -160,6 +160,13 @@ class AsyncEngine:
     def reset_prefix_cache(self) -> bool:
         return self.llm.reset_prefix_cache()
 
+    def resize_kv_cache(self, total_bytes: int) -> int:
+        """The pool to ``total_bytes`` (within a shared budget if any); its new size,
+        or ValueError with nothing changed."""
+        from unikv.engine.budget_broker import resize_kv
+
+        return resize_kv(self.llm, total_bytes)
+
     def _died(self, err: BaseException) -> None:
         """Engine thread: the loop died; tell the event loop (``on_death``)."""
         aloop = self._aloop

@@ -141,6 +141,7 @@ class Core:
         self.loop.max_waiting = max_waiting or None
         self.loop.publish = self._publish
         self.loop.on_death = self._died
+        self.budget = None  # an idle shrink's SharedBudget (started with the loop)
 
     def send(self, msg) -> None:
         send_or_exit(self.main_out, self.enc.encode(msg))
@@ -202,7 +203,7 @@ class Core:
             if groups is not None:
                 self.loop.stop_completion(groups[prompt], index)
 
-    def call(self, cid: int, name: str) -> None:
+    def call(self, cid: int, name: str, args=()) -> None:
         try:
             if name == "snapshot":
                 from unikv.serving.metrics import engine_snapshot
@@ -211,6 +212,10 @@ class Core:
                 value["waiting"] += len(self.loop._inbox)
             elif name == "reset_prefix_cache":
                 value = self.llm.reset_prefix_cache()
+            elif name == "resize_kv_cache":
+                from unikv.engine.budget_broker import resize_kv
+
+                value = resize_kv(self.llm, *args)
             else:
                 raise ValueError(f"unknown call {name!r}")
         except Exception as err:  # noqa: BLE001  (returned to the API process)
@@ -225,6 +230,8 @@ class Core:
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         self.loop.start()
+        if self.budget is not None:
+            self.budget.start()
         while True:
             if self.dead.is_set():
                 return EXIT_DEATH
@@ -241,7 +248,7 @@ class Core:
             elif kind == "cut":
                 self.cut(msg[1])
             elif kind == "call":
-                self.call(msg[1], msg[2])
+                self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else ())
             elif kind == "stop":
                 self.loop.shutdown(drain=False, timeout=10)
                 return 0
@@ -279,7 +286,12 @@ def main() -> int:
         kwargs = dict(setup["kwargs"])
         llm = LLM(kwargs.pop("model"), **kwargs)
         _fault(llm, setup.get("fault"))
+        idle = setup.get("kv_idle")  # [seconds, floor bytes]: shrink when idle
         core = Core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
+        if idle:
+            from unikv.engine.budget_broker import idle_budget
+
+            core.budget = idle_budget(llm, idle[0], idle[1])  # its watcher: in serve
     except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
         send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
         boot.close()
