@@ -163,21 +163,22 @@ class SharedBudget:
         if room and m.hungry() and not self.grant(m):
             self._ask_donor(m)
 
-    def grant(self, m: Member) -> bool:
+    def grant(self, m: Member) -> int:
         """Grow ``m`` (in its loop's thread, or with its loop stopped) by every free
-        byte of the budget; True when it grew."""
+        byte of the budget (and the rest of its last chunk); returns the bytes newly
+        committed (0: none was free, a donor is asked)."""
         pool = m.pool
         with self.lock:
+            before = m.committed
             free = self.total_bytes - self.committed()
             chunk = pool.backing.chunk
-            end = m.committed + free // chunk * chunk  # the committed top it may reach
+            end = before + free // chunk * chunk  # the committed top it may reach
             target = min(end - pool.tail_pad_bytes, pool.max_bytes)
-            if target <= pool.total_bytes:
-                return False
-            m.llm.alloc.parts.room.resize(target)
-            m.grants += 1
+            if target > pool.total_bytes:
+                m.llm.alloc.parts.room.resize(target)
+                m.grants += 1
             assert self.committed() <= self.total_bytes, "shared budget: over-committed"
-        return True
+            return m.committed - before
 
     def _ask_donor(self, m: Member) -> None:
         share = self.fair_share()
