@@ -163,3 +163,15 @@ def test_idle_shrink_then_regrow_gives_the_same_tokens(paths, want, monkeypatch)
         assert budget.members["model"].grants >= 1, "it grew back on demand"
     finally:
         app.stop()
+
+
+def test_serve_command_line_takes_several_models():
+    from unikv.serving.cli import split_models
+
+    argv = ["--model", "A", "--port", "1", "--model=B", "--model", "C", "--kv-cache", "1GiB"]
+    rest, models = split_models(argv)
+    assert models == ["A", "B", "C"]
+    assert rest == ["--model", "A", "--port", "1", "--kv-cache", "1GiB"]
+    assert split_models(["--model=A"]) == (["--model=A"], ["A"])
+    with pytest.raises(ValueError, match="less than two"):
+        MultiLLM({"a": "x", "b": "y"}, total_kv_bytes=3 * CHUNK, chunk=CHUNK, device="cpu")

@@ -72,6 +72,11 @@ class MultiLLM:
         chunk = self.backing.chunk
         n = len(models)
         share = total_kv_bytes // n // chunk * chunk
+        if share < 2 * chunk:
+            raise ValueError(
+                f"total_kv_bytes ({total_kv_bytes}) gives each of {n} models less than two "
+                f"{chunk}-byte chunks; raise it to at least {2 * n * chunk} (or a smaller chunk)"
+            )
         most = total_kv_bytes // chunk * chunk
         # each slice: the whole budget (one model may hold nearly all of it) plus
         # room for its pool's tail pad (less than a page)
