@@ -148,8 +148,11 @@ class Server:
                 )
 
     def check_model(self, model: str) -> None:
+        """The tokenize routes' check (a 400, as before; completions answer 404)."""
         if model not in self.names:
-            raise not_served(model, self.names)
+            raise BadRequest(
+                f"model {model!r} is not served here; this server serves {self.names}", "model"
+            )
 
     def completion_item(self, prompt, params):
         try:
