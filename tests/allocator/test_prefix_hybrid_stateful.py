@@ -16,7 +16,11 @@ pages and checkpoints are evicted. After every rule, ``check_integrity()`` and:
   (``engine/checkpoint_rule.py``; a copy worth 0.5 tokens of prefill at page 1, 1.5
   at page 4) says so, from the tokens since the request's previous checkpoint and
   its chance to end there; each checkpoint records the length of the prefix it was taken after
-  (``position``), and a corrupted one is caught (``test_a_misplaced_...``).
+  (``position``), and a corrupted one is caught (``test_a_misplaced_...``);
+- the pool fractions the cost rule weighs (``PrefixCaching.pool_fractions``: the
+  checkpoints' and the running requests' bytes, from the books' counters) equal the
+  shadow's: its checkpoints, and each live request's uncached pages and state slot read
+  from the request table (``test_a_slot_counted_twice_...``: an off count is caught).
 
 Each "prefill" chunk writes values used once (a counter) through the pool's
 Mamba views, so a slot read through the wrong id cannot look right.
@@ -34,6 +38,7 @@ from test_prefix_cache_stateful import BASES, FenceRules, derandomized
 
 from unikv.allocator import PoolAllocator
 from unikv.engine.checkpoint_rule import CheckpointRule
+from unikv.engine.prefix_policy import PrefixCaching
 from unikv.pool import UnifiedPool, pool_bytes_for
 
 CONTEXT = 24
@@ -67,6 +72,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         self.hits = self.misses = 0
         self.since: dict[int, int] = {}  # request -> tokens of its latest checkpoint or hit
         self.decisions = [0, 0]  # decode boundaries declined, taken by the rule
+        self.policy = PrefixCaching(self.alloc, has_state=True, has_window=False)
 
     # -- helpers ------------------------------------------------------------------
 
@@ -265,6 +271,21 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         for slot, key in self.key.items():
             if self.state[slot] is None and key:
                 assert key in nodes, f"pinned checkpoint of {key} evicted before its restore"
+        self.pool_fractions_match_the_shadow(len(nodes))
+
+    def pool_fractions_match_the_shadow(self, ckpts: int):
+        """(Called by ``checkpoints_hold_what_was_copied`` with the shadow's live
+        checkpoints, counted there.)"""
+        got = self.policy.pool_fractions()
+        parts, total = self.alloc.parts, self.pool.total_bytes
+        slot_bytes, page_bytes = self.pool["mamba"].page_bytes, self.pool["full"].page_bytes
+        batch = 0
+        for slot in self.held:
+            pages = parts.requests.held_pages(slot)
+            batch += int((~parts.prefix.is_cached(pages)).sum()) * page_bytes
+            batch += slot_bytes if self.state[slot] is not None else 0  # a restored slot
+        want = (ckpts * slot_bytes / total, batch / total)
+        assert got == pytest.approx(want), f"pool fractions {got} vs the shadow's {want}"
 
     @invariant()
     def requests_hold_their_own_state(self):
@@ -313,3 +334,14 @@ def test_a_misplaced_checkpoint_is_caught():
     assert hit.num_tokens == 8
     with pytest.raises(AssertionError, match="a hit restores a checkpoint taken at its own"):
         machine.alloc.new_request(prefix=hit)
+
+
+def test_a_slot_counted_twice_is_caught():
+    """A Mamba book that counts one live slot too many (a checkpoint slot freed but
+    still counted): the batch fraction the cost rule weighs is off, and named."""
+    machine = HybridMachine()
+    machine.served_chains()
+    machine.checkpoints_hold_what_was_copied()
+    machine.book.num_live += 1
+    with pytest.raises(AssertionError, match="pool fractions"):
+        machine.checkpoints_hold_what_was_copied()

@@ -51,6 +51,7 @@ from unikv.allocator.prefix_chain import (
     reachable,
 )
 from unikv.allocator.prefix_evict import (
+    evict_dead,
     evict_pages,
     evict_windows,
     evictable_physical,
@@ -428,11 +429,18 @@ class PrefixCache:
         return self.vspace.owner[vpages] == CACHED
 
     def evict(self, count: int) -> TablePatch:
-        """Under pressure, ``count`` of, cheapest first: window bindings no request
-        holds outside every chain end's window suffix (no hit lost); the oldest
-        evictable pages (``prefix_evict.evict_pages``; their window bindings go with
-        them); when no page is evictable, the suffix bindings of pages requests hold
-        below their windows (``prefix_evict.evict_windows``)."""
+        """Under pressure, ``count`` of, cheapest first: evictable pages no hit can
+        use (``prefix_evict.dead_pages``: below the last intact window of their
+        chain); window bindings no request holds outside every chain end's window
+        suffix (no hit lost); the oldest evictable pages (``prefix_evict.evict_pages``;
+        their window bindings go with them); when no page is evictable, the suffix
+        bindings of pages requests hold below their windows
+        (``prefix_evict.evict_windows``)."""
+        patch, done = evict_dead(self, count)
+        if done >= count:
+            return patch
+        self.writer.write(patch)
+        count -= done
         patch, done = evict_windows(self, count, suffixes=False)
         if done >= count:
             return patch

@@ -123,6 +123,67 @@ def window_suffixes(cache, name: str, insert_ends: bool = True) -> np.ndarray:
     return np.fromiter(keep, np.int32, len(keep))
 
 
+def dead_pages(cache) -> np.ndarray:
+    """Evictable cached pages (host int32, LRU order) no hit can use any more, in a
+    windowed pool without a host tier: a hit ending at a node needs the window pages
+    its first query reads bound (``prefix_chain.window_intact``), so a page is useful
+    only while some node at or below it in its chain ends such an intact window (or
+    none of the pool's sub-pools is windowed). A chain whose end lost its window
+    suffix (its leaf page evicted after its inner window bindings went alone) is dead
+    weight down to its deepest intact node; evicting it first loses no hit. Orphans
+    (a parent evicted) never match and are dead too."""
+    roles, by_id = cache.roles, cache.by_id
+    if not roles.windows or cache.host is not None or not cache.lru:
+        return np.zeros(0, np.int32)
+    ps = roles.page_size
+    depth: dict[int, int] = {0: 0}  # node id -> its blocks from the root (-1: an orphan)
+
+    def depth_of(node_id: int) -> int:
+        path = []
+        while node_id not in depth:
+            node = by_id.get(node_id)
+            if node is None:  # an evicted parent: every node below it is an orphan
+                depth[node_id] = -1
+                break
+            path.append(node_id)
+            node_id = node.parent_id
+        d = depth[node_id]
+        for walked in reversed(path):
+            d = d + 1 if d >= 0 else -1
+            depth[walked] = d
+        return d
+
+    useful: set[int] = set()
+    for node in cache.by_page.values():
+        d = depth_of(node.node_id)
+        if d <= 0 or node.node_id in useful:
+            continue
+        intact = True
+        for name, window in roles.windows.items():
+            book, walk = cache.books[name], node
+            for _ in range(d - max(d * ps + 1 - window, 0) // ps):  # the blocks read
+                if walk is None or walk.page == HOST or book.v2p_host[walk.page] < 0:
+                    intact = False
+                    break
+                walk = by_id.get(walk.parent_id)
+            if not intact:
+                break
+        walk = node if intact else None
+        while walk is not None and walk.node_id not in useful:
+            useful.add(walk.node_id)
+            walk = by_id.get(walk.parent_id)
+    dead = [page for page in cache.lru if cache.by_page[page].node_id not in useful]
+    return np.array(dead, np.int32)
+
+
+def evict_dead(cache, count: int) -> tuple[TablePatch, int]:
+    """Evict up to ``count`` of the ``dead_pages`` (no hit lost); (tombstones, how many)."""
+    dead = dead_pages(cache)[:count]
+    for page in dead[::-1].tolist():  # to the front of the LRU, in their order
+        cache.lru.move_to_end(page, last=False)
+    return evict_pages(cache, len(dead)), len(dead)
+
+
 def evict_windows(cache, count: int, suffixes: bool = True) -> tuple[TablePatch, int]:
     """Unbind up to ``count`` window bindings per windowed sub-pool that only the
     cache holds (``PrefixCache.window_evictable``): those outside every chain end's

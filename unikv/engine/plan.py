@@ -98,6 +98,7 @@ class StepPlan:
     fresh: bool = False
     split: FreshSplit | None = None
     feedback: torch.Tensor | None = None
+    slots: torch.Tensor | None = None  # (R,) int32 request slots (padded lanes: 0)
 
 
 class FreshSplit(NamedTuple):
@@ -242,6 +243,7 @@ class StepPlanner:
             fresh=first == 0 and pad_q == 1,  # no cached tokens: the cache holds the new ones
             split=split,
             feedback=self.feedback if feed else None,
+            slots=dev["slots"],
         )
 
     @staticmethod

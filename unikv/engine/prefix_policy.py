@@ -19,8 +19,10 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 - its last whole page before its last token;
 - while it decodes, the page boundaries it completes where the cost rule says a
   checkpoint pays (``engine/checkpoint_rule.py``: the chance it is the turn end x the
-  tokens since its previous checkpoint, against the copy and the bytes held; always
-  at the last boundary its ``max_tokens`` reaches), rolling: each one drops the
+  tokens since its previous checkpoint, against the copy and the bytes held, weighed
+  by the pool fractions the checkpoints and the running requests hold:
+  ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
+  rolling: each one drops the
   request's previous decode checkpoint (or demotes its prompt-end one:
   ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
   a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
@@ -160,7 +162,26 @@ class PrefixCaching(NoPrefixCache):
         reuse = CheckpointRule.reuse_at(r.num_cached, end, ps)
         tokens = r.num_cached - self.since.get(r.slot, 0)
         pressure = 1.0 if prefix.stats.evicted_pages or prefix.states.evicted else 0.0
-        return self.rule.take(reuse, tokens, r.slot not in self.latest, pressure)
+        held = r.slot not in self.latest
+        if not (held and pressure):
+            return self.rule.take(reuse, tokens, held, pressure)
+        return self.rule.take(reuse, tokens, held, pressure, *self.pool_fractions())
+
+    def pool_fractions(self) -> tuple[float, float]:
+        """(checkpoints, batch): the fractions of the pool's bytes the cache's state
+        checkpoints and the running requests hold (host ints: each book's live pages,
+        less the cached pages and the checkpoint slots)."""
+        alloc, prefix = self.alloc, self.prefix
+        books, total = alloc.parts.books, alloc.pool.total_bytes
+        states = prefix.states
+        ckpt = len(states.by_node) * books[states.book.name].page_bytes
+        live = sum(b.num_live * b.page_bytes for b in books.values())
+        pages = np.fromiter(prefix.by_page, np.int32, len(prefix.by_page))
+        cached = sum(
+            int((books[n].v2p_host[pages] >= 0).sum()) * books[n].page_bytes
+            for n in prefix.roles.token_names
+        )
+        return ckpt / total, max(live - cached - ckpt, 0) / total
 
     def _checkpoint(self, r: Request) -> None:
         ends = self.points.get(r.slot)

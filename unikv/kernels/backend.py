@@ -40,12 +40,13 @@ TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "transla
 STEP_OPS = ("prepare_step", "plan_decode")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
-ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gated_rms_norm")
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
+                   "gated_rms_norm")  # fmt: skip
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
-QUANT_OPS = ("fp8_linear",)
+QUANT_OPS = ("fp8_linear", "moe_fp8")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
        + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
 
@@ -94,6 +95,7 @@ class KernelBackend:
     add_rms_norm: Op
     rope_qk: Op
     silu_mul: Op
+    gelu_tanh_mul: Op
     gated_rms_norm: Op
     argmax: Op
     linear: Op
@@ -113,6 +115,10 @@ class KernelBackend:
     # signature): the Triton GEMM (its variant planned per row count, ``fp8_gemm.plan``)
     # or the torch reference (dequantise, then multiply in fp32)
     fp8_linear: Op
+    # the fused MoE over block-scaled FP8 experts (``fp8_gemm_ref.moe_fp8``'s signature):
+    # the experts dequantised per call, a bounded chunk at a time, into this backend's
+    # ``moe`` (Triton or the torch reference)
+    moe_fp8: Op
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -182,13 +188,17 @@ class Flags:
     only; probed here, once per device); moe_hopper: ``UNIKV_MOE_HOPPER`` is not "0"
     (off: MXFP4 experts stay in the checkpoint's layout on the Triton kernel, the A/B);
     extend_hopper: ``extend_hopper.ENABLED`` (``UNIKV_EXTEND_HOPPER``, read at import);
-    extend_sdpa: ``extend_sdpa.ENABLED`` (``UNIKV_EXTEND_SDPA``, read at import)."""
+    extend_sdpa: ``extend_sdpa.ENABLED`` (``UNIKV_EXTEND_SDPA``, read at import);
+    fp8_scaled_mm: this torch runs ``torch._scaled_mm`` with block scales on the GPU
+    (``fp8_gemm.scaled_mm_supported``, probed once per device): FP8 linears' prefill
+    rows go to it (``fp8_gemm.plan``)."""
 
     cuda: bool = False
     sm90: bool = False
     moe_hopper: bool = True
     extend_hopper: bool = True
     extend_sdpa: bool = False
+    fp8_scaled_mm: bool = False
 
 
 @functools.cache
@@ -202,7 +212,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
     device = torch.device(device)
     if name != "triton" or device.type != "cuda":
         return Flags()
-    from unikv.kernels import extend_hopper, extend_sdpa
+    from unikv.kernels import extend_hopper, extend_sdpa, fp8_gemm
 
     return Flags(
         cuda=True,
@@ -210,6 +220,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
         moe_hopper=env.FLAGS.moe_hopper,
         extend_hopper=extend_hopper.ENABLED,
         extend_sdpa=extend_sdpa.ENABLED,
+        fp8_scaled_mm=fp8_gemm.scaled_mm_supported(device),
     )
 
 
@@ -241,6 +252,7 @@ def _triton(flags: Flags) -> KernelBackend:
         extend,
         extend_sdpa,
         fp8_gemm,
+        fp8_gemm_ref,
         gemv,
         mla,
         mla_decode,
@@ -282,7 +294,12 @@ def _triton(flags: Flags) -> KernelBackend:
         **{op: getattr(gemv, op) for op in LINEAR_OPS},
         moe=moe.moe,
         moe_repacked=_hopper_repack if flags.sm90 and flags.moe_hopper else _no_repack,
-        fp8_linear=fp8_gemm.fp8_linear,
+        fp8_linear=(
+            functools.partial(fp8_gemm.fp8_linear, scaled_mm=True)
+            if flags.fp8_scaled_mm
+            else fp8_gemm.fp8_linear
+        ),
+        moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe.moe),
     )
 
 
@@ -322,6 +339,7 @@ def _torch() -> KernelBackend:
         moe=moe_ref.fused_moe,
         moe_repacked=_no_repack,
         fp8_linear=fp8_gemm_ref.fp8_linear,
+        moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe_ref.fused_moe),
     )
 
 

@@ -46,7 +46,7 @@ def _draining_server_class():
             self.app_server = app_server
 
         def handle_exit(self, sig, frame) -> None:
-            app, loop = self.app_server, self.app_server.engine._aloop
+            app, loop = self.app_server, self.app_server.engine.event_loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(app.begin_drain, app.options.shutdown_timeout_s)
             super().handle_exit(sig, frame)
@@ -202,14 +202,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     k = p.add_argument_group("elastic KV memory (issue 44)")
     k.add_argument(
-        "--kv-cache-max", default=None,
-        help="an elastic pool: the most bytes POST /admin/resize_kv_cache may give it, e.g. "
-        "8GiB (its address range is reserved, memory committed in chunks)",
-    )  # fmt: skip
-    k.add_argument(
         "--kv-idle-shrink-floor", default=None,
         help="after --kv-idle-seconds with no requests, shrink the pool to this many bytes "
-        "(it grows back on demand); needs --kv-cache-max or --kv-cache",
+        "(it grows back on demand); needs --kv-cache-max-bytes or --kv-cache",
     )  # fmt: skip
     k.add_argument(
         "--kv-idle-seconds", type=_positive(float), default=60.0,
@@ -281,19 +276,17 @@ def split_models(argv: list[str]) -> tuple[list[str], list[str]]:
     return out, models
 
 
-def engine_kwargs(args) -> dict:
-    """``LLM``'s keyword arguments, the elastic pool's (``--kv-cache-max``) among them."""
-    from unikv.engine.cli import llm_kwargs
-    from unikv.inspect import parse_bytes
+def engine_config(args):
+    """The ``EngineConfig`` of the options; an idle shrink makes the pool elastic up
+    to the size it starts at unless ``--kv-cache-max-bytes`` gives more."""
+    from unikv.engine.config import EngineConfig
 
-    kwargs = llm_kwargs(args)
-    if args.kv_cache_max:
-        kwargs["kv_cache_max_bytes"] = parse_bytes(args.kv_cache_max)
-    elif args.kv_idle_shrink_floor:  # elastic up to the size it starts at
-        if kwargs["kv_cache_bytes"] is None:
-            raise ValueError("--kv-idle-shrink-floor needs --kv-cache-max or --kv-cache")
-        kwargs["kv_cache_max_bytes"] = kwargs["kv_cache_bytes"]
-    return kwargs
+    config = EngineConfig.from_cli(args)
+    if args.kv_idle_shrink_floor and config.kv_cache_max_bytes is None:
+        if config.kv_cache_bytes is None:
+            raise ValueError("--kv-idle-shrink-floor needs --kv-cache-max-bytes or --kv-cache")
+        config = config.replace(kv_cache_max_bytes=config.kv_cache_bytes)
+    return config
 
 
 def kv_idle(args) -> list | None:
@@ -316,12 +309,16 @@ def multi_llm(args, models: list[str]):
             f"--served-model-name: give one distinct name per --model ({len(models)} models), "
             f"got {names}"
         )
-    kwargs = engine_kwargs(args)
-    total = kwargs.pop("kv_cache_bytes")
+    import dataclasses
+
+    config = engine_config(args)
+    total = config.kv_cache_bytes
     if total is None:
         raise ValueError("several models share one budget: give it with --kv-cache (e.g. 8GiB)")
-    for key in ("model", "kv_cache_max_bytes", "tensor_parallel_size"):
-        kwargs.pop(key, None)
+    skip = ("model", "kv_cache_bytes", "kv_cache_max_bytes", "kv_cache_margin_bytes",
+            "tensor_parallel_size")  # fmt: skip
+    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    kwargs = {k: v for k, v in kwargs.items() if k not in skip}
     idle = kv_idle(args)
     return MultiLLM(
         dict(zip(names, models, strict=True)),
@@ -340,10 +337,10 @@ def _spawn_engine(args):
     from unikv.serving.engine_client import ProcEngine
 
     try:
-        kwargs, idle = engine_kwargs(args), kv_idle(args)
+        config, idle = engine_config(args), kv_idle(args)
     except (ValueError, TypeError):
         return None  # reported below, by the in-process path's check
-    return ProcEngine(kwargs, max_waiting=args.max_waiting, kv_idle=idle,
+    return ProcEngine(config, max_waiting=args.max_waiting, kv_idle=idle,
                       fault=serve_environ().engine_fault, wait=False)  # fmt: skip
 
 
@@ -379,15 +376,14 @@ def serve_main(argv: list[str]) -> int:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
         if llm is None and not args.in_process_engine:
-            engine_kwargs(args)  # raises: the options are bad
+            engine_config(args)  # raises: the options are bad
         names = args.served_model_name or [args.model]
         if len(models) > 1:
             llm, names = multi_llm(args, models)
             where = f"{len(models)} models, one {llm.budget.total_bytes}-byte KV budget"
         elif args.in_process_engine:
             fault = _fault_steps(serve_environ().engine_fault)
-            kwargs = engine_kwargs(args)
-            llm = LLM(kwargs.pop("model"), **kwargs)
+            llm = LLM(engine_config(args))
             llm.engine.die_after_steps = fault
             idle = kv_idle(args)
             if idle:
