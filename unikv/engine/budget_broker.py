@@ -61,8 +61,7 @@ class Member:
         return self.pool.backing.committed_bytes
 
     def busy(self) -> bool:
-        engine = self.llm.engine
-        return bool(engine._inbox) or self.llm.scheduler.has_work()
+        return bool(self.llm.engine.num_queued) or self.llm.scheduler.has_work()
 
     def hungry(self) -> bool:
         sched = self.llm.scheduler
