@@ -242,7 +242,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         _free()
         llm = _llm(path, args, caching, max_len, n)
         copies = CopyClock(llm)
-        before = dict(llm.alloc.parts.prefix.counters())
+        before = dict(llm.alloc.prefix.counters())
         states = llm.alloc.parts.prefix.states
         counts = (states.evicted, states.saved, states.restored) if states else (0, 0, 0)
         preempted = llm.scheduler.num_preemptions
@@ -265,7 +265,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
             made += res["output_tokens"]
             steps += res["steps"]
             prefill += res["prefill_tokens"]
-    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.parts.prefix.counters().items()}
+    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.prefix.counters().items()}
     figures = {
         "hit_rate": stats["hit_tokens"] / max(stats["query_tokens"], 1),
         "prefill_tokens_saved": stats["hit_tokens"],
@@ -314,7 +314,7 @@ def spill_bandwidth(path: Path, args) -> dict:
     )
     alloc = PoolAllocator(pool, max_requests=2, max_context=(n + 1) * ps)
     page_bytes = sum(pool[c.name].page_bytes for c in configs)
-    host = enable_prefix_host(alloc.parts, (n + 4) * page_bytes, ReloadPolicy(mode="always"))
+    host = enable_prefix_host(alloc, (n + 4) * page_bytes, ReloadPolicy(mode="always"))
     prefix = alloc.parts.prefix
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
@@ -323,7 +323,7 @@ def spill_bandwidth(path: Path, args) -> dict:
         pages = (len(tokens) - 1) // ps
         slot = alloc.new_request()
         alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([len(tokens)]))
-        prefix.insert(slot, tokens)
+        alloc.prefix.insert(slot, tokens)
         alloc.free_request(slot)
         sync()
         start = time.perf_counter()
@@ -331,13 +331,13 @@ def spill_bandwidth(path: Path, args) -> dict:
         sync()
         spill = time.perf_counter() - start
         start = time.perf_counter()
-        hit = prefix.reload(prefix.match(tokens))
+        hit = alloc.prefix.reload(alloc.prefix.match(tokens))
         sync()
         assert hit.num_tokens == pages * ps, hit
         return spill, time.perf_counter() - start
 
     cycle(np.arange(2 * ps + 1) + 10**6)  # warm-up: compiles the copy and table kernels
-    assert prefix.reset() >= 0 and not host.nodes
+    assert alloc.prefix.reset() >= 0 and not host.nodes
     spill, reload = cycle(np.arange(n * ps + 1))
     total = n * page_bytes
     dev = torch.empty(total, dtype=torch.uint8, device=args.device)

@@ -93,7 +93,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
 
     def _node(self, key: tuple[int, ...]) -> int | None:
         """The node of ``key``'s checkpoint, or None: a hit covers all of it only then."""
-        hit = self.prefix.match(np.array(key, np.int64))
+        hit = self.alloc.prefix.match(np.array(key, np.int64))
         return int(hit.nodes[-1]) if key and hit.num_tokens == len(key) else None
 
     def _ckpt_phys(self, node: int) -> int:
@@ -139,7 +139,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         )
 
     def _admit(self, prompt: list[int]) -> int:
-        hit = self.prefix.match(np.array(prompt[:-1]))
+        hit = self.alloc.prefix.match(np.array(prompt[:-1]))
         slot = self.alloc.new_request(prefix=hit)
         key = tuple(prompt[: hit.num_tokens])
         assert not key or key in self.shadow, f"a hit of {key} with no checkpoint taken"
@@ -188,9 +188,9 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         return True
 
     def _checkpoint(self, slot: int, key: tuple[int, ...]) -> None:
-        self.prefix.insert(slot, np.array(key))
+        self.alloc.prefix.insert(slot, np.array(key))
         existed = self._node(key) is not None
-        if self.prefix.checkpoint(slot, np.array(key)):
+        if self.alloc.prefix.checkpoint(slot, np.array(key)):
             assert self._node(key) is not None, f"checkpoint of {key} taken but not matched"
             self.since[slot] = len(key)
             if not existed:
@@ -231,7 +231,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         """A checkpoint superseded (the engine's policy: a request's prompt-end one once
         its output-end one is taken): the first to go from now on."""
         key = data.draw(st.sampled_from(sorted(self.shadow)))
-        self.prefix.demote_checkpoint(np.array(key, np.int64))
+        self.alloc.prefix.demote_checkpoint(np.array(key, np.int64))
 
     @precondition(lambda self: self.prompt)
     @rule(data=st.data())
@@ -308,7 +308,7 @@ def test_prefix_hybrid_state_machine(ps):
             runs["misses"] += self.misses
             runs["restored"] += self.states.restored
             runs["evicted"] += self.states.evicted
-            runs["evicted_pages"] += self.prefix.counters()["evicted_pages"]
+            runs["evicted_pages"] += self.alloc.prefix.counters()["evicted_pages"]
             runs["declined"] += self.decisions[0]
             runs["taken"] += self.decisions[1]
 

@@ -100,7 +100,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
             self.tokens[slot] = prompt[: held + n]
             self._write(slot, held)
             if share:
-                self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+                self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
             self._window_frees(slot)
         return True
 
@@ -120,7 +120,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
             slot = self.alloc.new_request()
             self.tokens[slot], self.values[slot] = [], []
             if self._grow(slot, base[:12], 0):
-                self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+                self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
                 self._free(slot)
 
     @precondition(lambda self: len(self.tokens) < 4)
@@ -132,7 +132,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
     )
     def admit(self, base, cut, tail, share):
         prompt = (base[:cut] + tail)[:20] or [0]
-        hit = self.alloc.parts.prefix.match(np.array(prompt[:-1]))
+        hit = self.alloc.prefix.match(np.array(prompt[:-1]))
         slot = self.alloc.new_request(prefix=hit)
         k = hit.num_tokens
         self.tokens[slot] = prompt[:k]
@@ -158,7 +158,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
     @rule(data=st.data())
     def cache(self, data):
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+        self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -196,7 +196,7 @@ def test_prefix_window_state_machine(ps):
 
     class Counted(machine):
         def teardown(self):
-            stats = self.alloc.parts.prefix.counters()
+            stats = self.alloc.prefix.counters()
             runs["hits"] += self.hits
             runs["windows"] += stats["evicted_windows"]
             runs["pages"] += stats["evicted_pages"]

@@ -83,10 +83,10 @@ class Engine:
 
     # the loop's thread runs these between two steps (a TP rank 0 mirrors them by name)
     def reset_prefix_now(self) -> None:
-        self.alloc.parts.prefix.reset()
+        self.alloc.prefix.reset()
 
     def resize_now(self, total_bytes: int) -> int:
-        return self.alloc.parts.room.resize(total_bytes)
+        return self.alloc.resize(total_bytes)
 
 
 def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
@@ -168,7 +168,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
     if c.kv_cache_margin_bytes is not None:  # what the graphs and warm-ups left, measured
         torch.cuda.synchronize(device)
         free = torch.cuda.mem_get_info(device)[0]
-        alloc.parts.room.resize(size_after_capture(pool, free, c.kv_cache_margin_bytes))
+        alloc.resize(size_after_capture(pool, free, c.kv_cache_margin_bytes))
     scheduler = Scheduler(
         alloc,
         pool.subpools.values(),
@@ -232,7 +232,7 @@ def _enable_prefix_host(alloc, host_bytes: int, device, prefill_rate: float) -> 
     policy = ReloadPolicy(
         h2d_bytes_per_s=measure_h2d_bytes_per_s(device), prefill_tokens_per_s=prefill_rate
     )
-    enable_prefix_host(alloc.parts, host_bytes, policy)
+    enable_prefix_host(alloc, host_bytes, policy)
 
 
 def _checkpoint_rule(pool, device, prefill_rate: float):

@@ -80,7 +80,7 @@ def run_inline(loop, groups, use_tqdm: bool, on_step=None) -> Stats:
     stats.peak_pages = {name: 0 for name in core.pool.subpools}
     sched = core.scheduler
     preempted_before = sched.num_preemptions
-    prefix_before = core.alloc.parts.prefix.counters()
+    prefix_before = core.alloc.prefix.counters()
     swap_before = sched.swap.counters() if sched.swap is not None else {}
     spec_before = sched.spec.counters.as_dict() if sched.spec is not None else {}
     bar = None
@@ -105,7 +105,7 @@ def run_inline(loop, groups, use_tqdm: bool, on_step=None) -> Stats:
         loop.on_step = loop.on_schedule = None
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
-    prefix = core.alloc.parts.prefix.counters()
+    prefix = core.alloc.prefix.counters()
     for key, value in (sched.swap.counters() if sched.swap is not None else {}).items():
         name = key.removeprefix("swap_")
         if hasattr(stats, name):
@@ -123,4 +123,4 @@ def run_inline(loop, groups, use_tqdm: bool, on_step=None) -> Stats:
 
 def _track_pages(core, stats: Stats) -> None:
     for name in core.pool.subpools:
-        stats.peak_pages[name] = max(stats.peak_pages[name], core.alloc.parts.books[name].num_live)
+        stats.peak_pages[name] = max(stats.peak_pages[name], core.alloc.view.live_pages(name))

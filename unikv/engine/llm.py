@@ -89,7 +89,7 @@ class LLM:
             ``options.PREFIX_CACHING_DEFAULT``: on for full-attention and MLA
             models, off for sliding-window and recurrent ones, where it has not
             yet paid on the GPU (issue 41).
-            Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``;
+            Hit and eviction counters: ``llm.alloc.prefix.counters()``;
             ``llm.prefix_caching`` says whether it is on.
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
             pages and state checkpoints spill there and reload on a hit, when the cost

@@ -152,7 +152,7 @@ class StepPlanner:
         pool = alloc.pool
         self.alloc, self.backend, self.device = alloc, backend, pool.device
         self.max_seqs, self.max_tokens = max_seqs, max(max_tokens, max_seqs)
-        self.max_context = alloc.parts.requests.req_to_token.shape[1]
+        self.max_context = alloc.view.max_context
         subs = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
         self.subpools, self.has_state = subs, len(subs) < len(pool.subpools)
         self.attention = [s for s in subs if s.spec.kind in ("full", "swa")]

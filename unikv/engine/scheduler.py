@@ -207,7 +207,7 @@ class Scheduler:
                 ids = self.extend(r, n) if ok else None
             if ids is None:
                 if hit is not None:  # not admitted: its lookup is retried, counted then
-                    self.alloc.parts.prefix.uncount(hit)
+                    self.alloc.prefix.uncount(hit)
                 self.alloc.free_request(r.slot)
                 r.slot, r.num_cached = None, 0
                 return

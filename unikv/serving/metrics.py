@@ -59,25 +59,14 @@ SPEC_COUNTERS = (
 )
 
 
-def _cached_pages(alloc, name: str, kind: str) -> int:
-    """Pages of sub-pool ``name`` that only the prefix cache holds (evictable)."""
-    prefix = alloc.parts.prefix
-    states = prefix.states
-    if states is not None and states.book.name == name:
-        return states.num_evictable  # checkpoint slots no request restores
-    if kind == "mamba":
-        return 0
-    return len(prefix.evictable_physical(name))
-
-
 def engine_snapshot(core) -> dict:
     """Pool and scheduler counts of ``core`` (anything with the engine's
     ``scheduler``, ``pool`` and ``alloc``); call in the engine loop's thread."""
     sched, pool, alloc = core.scheduler, core.pool, core.alloc
     subpools = {}
     for name, sub in pool.subpools.items():
-        held = alloc.parts.books[name].num_live
-        cached = min(_cached_pages(alloc, name, sub.spec.kind), held)
+        held = alloc.view.live_pages(name)
+        cached = min(alloc.prefix.cached_pages(name), held)
         subpools[name] = {
             "kind": sub.spec.kind,
             "live_pages": held - cached,
@@ -91,7 +80,7 @@ def engine_snapshot(core) -> dict:
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
-        "prefix": alloc.parts.prefix.counters(),
+        "prefix": alloc.prefix.counters(),
         "spec": sched.spec.counters.as_dict() if sched.spec is not None else None,
     }
 
