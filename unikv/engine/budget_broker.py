@@ -132,7 +132,7 @@ class SharedBudget:
         floor = max(least, min(self.idle_floor or least, llm.pool.max_bytes))
         member = Member(name, llm, floor)
         if size is not None and size != llm.pool.total_bytes:
-            llm.alloc.parts.room.resize(size)
+            llm.alloc.resize(size)
         with self.lock:
             if self.committed() + member.committed > self.total_bytes:
                 raise ValueError(
@@ -174,7 +174,7 @@ class SharedBudget:
             end = before + free // chunk * chunk  # the committed top it may reach
             target = min(end - pool.tail_pad_bytes, pool.max_bytes)
             if target > pool.total_bytes:
-                m.llm.alloc.parts.room.resize(target)
+                m.llm.alloc.resize(target)
                 m.grants += 1
             assert self.committed() <= self.total_bytes, "shared budget: over-committed"
             return m.committed - before
@@ -202,7 +202,7 @@ class SharedBudget:
         """In ``d``'s loop thread: shrink to ``target``; a refusal changes nothing."""
         try:
             if target < d.pool.total_bytes:
-                d.llm.alloc.parts.room.resize(target)
+                d.llm.alloc.resize(target)
                 d.shrinks += 1
         except ValueError:
             d.refused += 1
@@ -227,7 +227,7 @@ class SharedBudget:
                         f"resize: model {name!r} would commit {grow} more bytes and the shared "
                         f"budget has {free} free of {self.total_bytes}; shrink another model first"
                     )
-                m.llm.alloc.parts.room.resize(total_bytes)
+                m.llm.alloc.resize(total_bytes)
             return pool.total_bytes
 
         return m.llm.engine.call(run).result()
