@@ -12,6 +12,12 @@
   new top): GB/s of bytes read + written against the device copy ceiling
   (``common.copy_ceilings``) measured in the same process (target >= 80 %).
 
+- two models, one hot (a burst of ``--burst`` requests) and one idle, under one
+  KV budget (``MultiLLM``) against a fixed half-half split (``elastic=False``)
+  of the same budget: the hot model's mean concurrency (running requests per
+  step) in each, and their ratio (target >= 1.5x); the hot model's tokens are
+  checked equal between the two runs. ``--only-hot-idle`` runs this alone.
+
 Every moved page is checked byte for byte before the figures are saved.
 """
 
@@ -125,16 +131,93 @@ def shrink_with_moves(device: torch.device, live: int) -> dict:
     return result
 
 
+def hot_idle(device: torch.device, burst: int, prompt: int, new: int) -> dict:
+    """The hot/idle experiment (module docstring): tiny random-init Llamas (bench_e2e's
+    tiny config), a budget that holds ``burst / 2`` of the hot model's requests in
+    a fixed half and nearly all of them when the idle model shrinks to its floor."""
+    import math
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.bench_e2e import model_config, save_model
+    from unikv.engine import SamplingParams
+    from unikv.engine.multi import MultiLLM
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.pool import pool_bytes_for
+
+    ps, context = 16, prompt + new
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    root = Path(tempfile.mkdtemp(prefix="unikv-hot-idle-"))
+    cfg = dict(model_config("llama", tiny=True), max_position_embeddings=context)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    paths = {}
+    for name in ("hot", "idle"):
+        paths[name] = str(root / name)
+        save_model("llama", root / name, "cpu", dtype, tiny=True, cfg=cfg)
+    configs = specs_from_hf_config(paths["hot"], page_size=ps, dtype=dtype)
+    per_request = math.ceil(context / ps) + 1
+    chunk = 2 * MIB if device.type == "cuda" else 4096
+    pad = max(c.spec.view_tail_pad_bytes(ps) for c in configs)
+    half = pool_bytes_for(configs, {c.name: burst // 2 * per_request for c in configs})
+    total = 2 * (-(-(half + pad) // chunk) * chunk)  # each half holds burst / 2 requests
+    kw = {"device": device, "dtype": dtype, "page_size": ps, "max_num_seqs": burst,
+          "max_model_len": context, "max_num_batched_tokens": 256,
+          "enable_prefix_caching": False}  # fmt: skip
+    vocab = cfg["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (burst, prompt), generator=g).tolist()
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    out: dict = {"burst": burst, "prompt_tokens": prompt, "new_tokens": new,
+                 "total_kv_bytes": total}  # fmt: skip
+    tokens = {}
+    for mode, elastic in (("fixed_half", False), ("shared", True)):
+        multi = MultiLLM(paths, total_kv_bytes=total, elastic=elastic, chunk=chunk, **kw)
+        running: list[int] = []
+        hot = multi["hot"]
+        start = time.perf_counter()
+
+        def count(_llm, batch, _logits, seen=running) -> None:
+            seen.append(len(batch.requests))
+
+        res = hot.generate(prompts, params, on_step=count)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        tokens[mode] = [o.outputs[0].token_ids for o in res]
+        out[mode] = {
+            "mean_concurrency": statistics.mean(running),
+            "peak_concurrency": max(running),
+            "steps": len(running),
+            "seconds": seconds,
+            "committed_after": multi.committed(),
+            "preemptions": hot.scheduler.num_preemptions,
+        }
+        multi.close()
+        del multi, hot
+    assert tokens["shared"] == tokens["fixed_half"], "the hot model's tokens differ"
+    ratio = out["shared"]["mean_concurrency"] / out["fixed_half"]["mean_concurrency"]
+    out["concurrency_ratio"], out["target_ratio"] = ratio, 1.5
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--burst", type=int, default=None, help="hot requests (default 64 / 8)")
+    parser.add_argument("--only-hot-idle", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     base, step, live = (GIB, GIB, 4 * GIB) if cuda else (64 * MIB, 64 * MIB, 64 * MIB)
     payload = {"environment": environment() if cuda else {"device": "cpu"}}
+    burst = args.burst or (64 if cuda else 8)
+    payload["hot_idle"] = hot_idle(device, burst, *((128, 128) if cuda else (16, 16)))
+    if args.only_hot_idle:
+        print(payload)
+        if args.out:
+            save_json(args.out, payload)
+        return
     payload["grow_shrink"] = grow_shrink(device, base, step, args.reps)
     payload["shrink_with_moves"] = shrink_with_moves(device, live)
     if cuda:

@@ -76,7 +76,10 @@ def engine_args(args, max_len: int) -> list[str]:
     ]  # fmt: skip
 
 
-MODES = {"process": [], "in-process": ["--in-process-engine"]}  # unikv serve's engine modes
+MODES = {  # unikv serve's engine modes; "process-5ms": Python's own GIL switch interval
+    "process": [], "in-process": ["--in-process-engine"],
+    "process-5ms": ["--switch-interval-ms", "5"],
+}  # fmt: skip
 
 
 class Server:

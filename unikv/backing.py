@@ -20,7 +20,9 @@ inside committed chunks may be read or written.
   ``cuMemUnmap`` + ``cuMemRelease`` to release. The range is wrapped as a torch
   tensor through ``__cuda_array_interface__`` (no copy).
 
-``make_backing(device)`` picks one.
+``make_backing(device)`` picks one. ``SliceBacking`` is a sub-range of another
+backing's reservation: several pools (one per model, ``engine/budget_broker.py``)
+in one reserved range, their committed chunks counted together.
 """
 
 from __future__ import annotations
@@ -306,6 +308,46 @@ class CudaBacking(Backing):
         one reads any more."""
         self.tensor = self.tensor[:0]
         self._map.free()
+
+
+class SliceBacking(Backing):
+    """``[offset, offset + capacity)`` of ``parent``'s reservation as a backing of its
+    own: ``reserve`` (at most ``capacity`` bytes) views the parent's tensor, commit
+    and release go to the parent's chunks at ``offset``. Each pool of a shared
+    budget holds one; the parent's ``committed_bytes`` is what all of them hold."""
+
+    def __init__(self, parent: Backing, offset: int, capacity: int) -> None:
+        super().__init__(parent.chunk)
+        if not parent.reserved:
+            raise ValueError("SliceBacking: reserve the parent's range first")
+        if offset % self.chunk or capacity % self.chunk or capacity <= 0:
+            raise ValueError(
+                f"SliceBacking: offset {offset} and capacity {capacity} must be positive "
+                f"multiples of the parent's chunk ({self.chunk} bytes)"
+            )
+        if offset + capacity > parent.reserved:
+            raise ValueError(
+                f"SliceBacking: [{offset}, {offset + capacity}) runs past the parent's "
+                f"{parent.reserved}-byte reservation"
+            )
+        self.parent, self.offset, self.capacity = parent, offset, capacity
+
+    def _reserve(self, size: int) -> torch.Tensor:
+        if size > self.capacity:
+            raise ValueError(
+                f"reserve: {size} bytes asked of a {self.capacity}-byte slice of the shared "
+                "reservation; give the slice more room (its capacity)"
+            )
+        return self.parent.tensor[self.offset : self.offset + size]
+
+    def _commit_run(self, lo: int, hi: int) -> None:
+        self.parent.commit(self.offset + lo, self.offset + hi)
+
+    def _release(self, offset: int) -> None:
+        self.parent.release(self.offset + offset, self.offset + offset + self.chunk)
+
+    def _unreserve(self) -> None:
+        self.tensor = self.tensor[:0]
 
 
 def make_backing(device: torch.device | str, chunk: int = CHUNK_BYTES) -> Backing:

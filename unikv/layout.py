@@ -169,7 +169,8 @@ def _dense(
     typed = _typed(buffer, spec.storage_dtype)
     offset = spec.part_offset(layer, part, page_size) // spec.itemsize
     rows = IdMap.of(spec, page_size).limit(num_pages)
-    return typed.as_strided((rows, *row_shape), (spec.row_elems, *row_strides), offset)
+    base = typed.storage_offset()  # a buffer inside a larger range (a SliceBacking)
+    return typed.as_strided((rows, *row_shape), (spec.row_elems, *row_strides), base + offset)
 
 
 def _strided(
@@ -188,7 +189,9 @@ def _strided(
     page_elems = spec.page_bytes(page_size) // spec.itemsize
     row_elems = spec.part_row_elems(part)
     return typed.as_strided(
-        (num_pages, page_size, *row_shape), (page_elems, row_elems, *row_strides), offset
+        (num_pages, page_size, *row_shape),
+        (page_elems, row_elems, *row_strides),
+        typed.storage_offset() + offset,
     )
 
 
@@ -270,6 +273,6 @@ def mamba_state_views(
         views[name] = typed.as_strided(
             (spec.num_layers, num_slots, *part.shape),
             (layer_elems, spec.entry_bytes // part.itemsize, *inner),
-            spec.part_offset(0, name) // part.itemsize,
+            typed.storage_offset() + spec.part_offset(0, name) // part.itemsize,
         )
     return views

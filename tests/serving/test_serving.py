@@ -247,7 +247,6 @@ BAD = [
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p"),
     ("completions", {"prompt": "hi", "n": 0}, "n"),
     ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": "hello " * 200}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
@@ -272,6 +271,11 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(serv
         error = r.json()["error"]
         assert error["param"] == param and error["code"] == 400, (body, error)
         assert error["message"]
+    # an unknown model: OpenAI's 404 (not a 400), naming the served models
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+    error = r.json()["error"]
+    assert r.status_code == 404 and error["param"] == "model" and error["code"] == 404, error
+    assert "'tiny'" in error["message"]
     for raw in ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "{not json"):
         r = httpx.post(
             f"{server.url}/v1/completions",

@@ -177,3 +177,26 @@ def test_the_engine_process_ends_when_the_server_process_dies(tmp_path):
         time.sleep(0.5)
     os.kill(pid, signal.SIGKILL)
     raise AssertionError("the orphaned engine process did not end")
+
+
+def test_switch_interval_reaches_the_engine_process(tmp_path):
+    """``--switch-interval-ms``: the engine process runs with the interval the API process
+    set (read back from the child's own ``sys.getswitchinterval`` in its ready message);
+    a value that is not a positive number of milliseconds is refused, naming the flag."""
+    from unikv.serving.cli import serve_main, switch_interval_s
+    from unikv.serving.engine_client import ProcEngine
+
+    path = str(tmp_path)
+    save_instruct_llama(path)
+    config = {"model": path, "device": "cpu", "page_size": 4, "max_model_len": MAX_LEN}
+    engine = ProcEngine(config, switch_interval=0.00123).wait_ready()
+    try:
+        assert engine.info["switch_interval"] == pytest.approx(0.00123)
+        assert engine.info["pid"] != os.getpid()
+    finally:
+        engine.close()
+    assert switch_interval_s(0.5) == 0.0005
+    for bad in (0.0, -1.0, float("nan"), 5000.0):
+        with pytest.raises(ValueError, match="--switch-interval-ms must be in"):
+            switch_interval_s(bad)
+    assert serve_main(["--model", path, "--switch-interval-ms", "0"]) == 2

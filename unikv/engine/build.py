@@ -89,9 +89,11 @@ class Engine:
         return self.alloc.resize(total_bytes)
 
 
-def build_engine(config: EngineConfig, tp_group=None) -> Engine:
+def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
     """Every piece of an engine for ``config``; ``tp_group``: None (one process), or
-    the torch.distributed group this rank shares the model with (its shard, its pool)."""
+    the torch.distributed group this rank shares the model with (its shard, its pool);
+    ``backing``: None, or the ``backing.Backing`` (not yet reserved) an elastic pool
+    reserves its range in (``MultiLLM`` hands each model a ``SliceBacking``)."""
     from unikv.allocator import PoolAllocator
     from unikv.engine.speculative.config import check_speculation, draft_state_slots
     from unikv.models.parallel import TensorParallel, shard_subpool_configs
@@ -131,6 +133,8 @@ def build_engine(config: EngineConfig, tp_group=None) -> Engine:
     # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
     backend = fit_backend(get_backend(device, c.backend), configs, model_config)
     total, max_bytes = _pool_bytes(c, configs, model, device, max_model_len, tp, state_slots)
+    if backing is not None and max_bytes is None:
+        raise ValueError("kv_backing needs an elastic pool: pass kv_cache_max_bytes too")
     pool = UnifiedPool(
         configs,
         total,
@@ -141,6 +145,7 @@ def build_engine(config: EngineConfig, tp_group=None) -> Engine:
         backend=backend,
         static_split=c.static_split,  # validated by the pool (unikv.static_split)
         max_bytes=max_bytes,  # validated by the pool
+        backing=backing,  # None: the device's own
     )
     alloc = PoolAllocator(pool, max_requests=c.max_num_seqs, max_context=max_model_len,
                           debug=c.debug, backend=backend)  # fmt: skip

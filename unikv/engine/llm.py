@@ -72,6 +72,9 @@ class LLM:
             once the model is loaded, warmed up and its graphs captured, grows by
             the memory then free less this margin (up to ``kv_cache_max_bytes``,
             default the GPU's memory). Excludes ``kv_cache_bytes``.
+        kv_backing: None, or the ``backing.Backing`` (not yet reserved) an elastic
+            pool reserves its range in; ``MultiLLM`` hands each model a
+            ``SliceBacking`` of one shared reservation. Needs ``kv_cache_max_bytes``.
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
@@ -125,7 +128,7 @@ class LLM:
     and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.
     """
 
-    def __init__(self, model_dir=None, *, tp_group=None, **options) -> None:
+    def __init__(self, model_dir=None, *, tp_group=None, kv_backing=None, **options) -> None:
         config = engine_config_of(model_dir, options)
         self.workers = None  # the tensor-parallel worker processes this LLM started
         if config.tensor_parallel_size != 1:  # spawn ranks 1.., then build rank 0 (tp_launch)
@@ -133,7 +136,7 @@ class LLM:
 
             core, self.workers = launch(config, tp_group)
         else:
-            core = build_engine(config, tp_group)
+            core = build_engine(config, tp_group, kv_backing)
         self.core, self.engine_config = core, config
         # the engine's pieces, read by callers and tests as the LLM's attributes
         self.device, self.dtype, self.kv_cache_dtype = core.device, core.dtype, core.kv_cache_dtype

@@ -99,7 +99,9 @@ class EngineLoop:
     publish: called once per step in the loop's thread with the step's
         (sink, Delta) pairs; default ``deliver_each``.
     on_step: None, or ``on_step(owner, batch, logits)`` after every step;
-        on_schedule: None, or ``on_schedule(batch)`` once a step is scheduled.
+        on_schedule: None, or ``on_schedule(batch)`` once a step is scheduled;
+        before_schedule: None, or ``before_schedule()`` before each schedule (a
+        shared budget's ``tick``: it may resize the pool).
     """
 
     def __init__(self, core, *, max_waiting: int | None = None, owner=None) -> None:
@@ -110,6 +112,7 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.publish: Callable[[list], None] = deliver_each
         self.on_step = self.on_schedule = None
+        self.before_schedule: Callable[[], None] | None = None  # a shared budget's tick
         self.on_death: Callable[[BaseException], None] | None = None  # loop thread
         self.error: BaseException | None = None
         self.isolate = False  # on in the loop's own thread (see the module docstring)
@@ -332,6 +335,8 @@ class EngineLoop:
         if not sched.has_work():
             self._settle_last()
             return None
+        if self.before_schedule is not None:  # may resize the pool (budget_broker.py)
+            self.before_schedule()
         batch = sched.schedule()
         if self.on_schedule is not None:
             self.on_schedule(batch)

@@ -2,7 +2,11 @@
 
     POST /v1/completions, /v1/chat/completions  (``stream: true``: server-sent events)
     GET  /v1/models, /health, /metrics
-    POST /reset_prefix_cache  (only with ``enable_admin_routes``)
+    POST /reset_prefix_cache, /admin/resize_kv_cache  (only with ``enable_admin_routes``)
+
+Several models (a ``MultiLLM``, one KV budget): one ``Server`` per model, each
+request goes to the one its ``model`` names (404 naming the served models
+otherwise); ``/v1/models`` lists them all.
 
 Access, limits, request ids and logs: ``ops.py`` (``ServeOptions``). Prompts
 are tokenized (and chat templates rendered) in a thread pool, off the event
@@ -55,8 +59,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from unikv.engine.online import EngineClosed, QueueFull
 from unikv.engine.tracks import Delta
+from unikv.serving import kv_admin, routes
 from unikv.serving import responses as rsp
-from unikv.serving import routes
 from unikv.serving.async_engine import AsyncEngine, RequestFailed, Submission
 from unikv.serving.metrics import RequestClock, ServingMetrics
 from unikv.serving.ops import Gate, HTTPError, ServeOptions, read_body
@@ -108,6 +112,12 @@ class Server:
                                       max_waiting=max_waiting, on_death=on_death)  # fmt: skip
             self.metrics = ServingMetrics(llm.engine, llm.core, model_name=names[0])
             self.prompts = _own_prompts(llm)
+            if hasattr(llm, "pool"):  # an LLM (not a test's stand-in): the admin resize
+                from functools import partial
+
+                from unikv.engine.budget_broker import resize_kv
+
+                self.engine.resize = partial(resize_kv, llm)
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="unikv-tokenize")
         self.draining = self.cut_done = False
         self.live: set[Submission] = set()  # submissions not finished (cut at drain's end)
@@ -145,6 +155,7 @@ class Server:
                 )
 
     def check_model(self, model: str) -> None:
+        """The tokenize routes' check (a 400, as before; completions answer 404)."""
         if model not in self.names:
             raise BadRequest(
                 f"model {model!r} is not served here; this server serves {self.names}", "model"
@@ -279,6 +290,34 @@ class Server:
         yield b"data: [DONE]\n\n"
 
 
+def not_served(model, names: list[str]) -> HTTPError:
+    """The 404 of a request naming a model this server does not serve (OpenAI's)."""
+    return HTTPError(
+        404, f"model {model!r} is not served here; this server serves {names}",
+        "NotFoundError", "model",
+    )  # fmt: skip
+
+
+def _servers(llm, names, max_waiting, on_death, options) -> dict:
+    """{served name: Server}: one Server for every name of one LLM, or one per
+    model of a ``MultiLLM`` (named by ``names`` in order, default its own names)."""
+    from unikv.engine.multi import MultiLLM  # (lazy: the API process loads no model code)
+
+    if not isinstance(llm, MultiLLM):
+        server = Server(llm, names, max_waiting, on_death, options)
+        return dict.fromkeys(names, server)
+    names = names or llm.names
+    if len(names) != len(llm.names):
+        raise ValueError(
+            f"served_model_names: {len(names)} names for {len(llm.names)} models; give one "
+            "per model, in order"
+        )
+    return {
+        name: Server(llm[key], [name], max_waiting, on_death, options)
+        for name, key in zip(names, llm.names, strict=True)
+    }
+
+
 def _own_prompts(llm):
     """A PromptMaker over a copy of ``llm``'s tokenizer with a lock of its own, for
     the tokenizer pool: a huge prompt being tokenized does not hold the engine
@@ -316,18 +355,37 @@ def create_app(
     ``max_waiting``: the admission bound (None: no bound); ``on_engine_death(err)``:
     called on the event loop if the engine loop dies; ``options``: access and
     limits (``ops.ServeOptions``; default: open, no admin routes)."""
-    server = Server(llm, list(served_model_names), max_waiting, on_engine_death, options)
+    by_name = _servers(llm, list(served_model_names), max_waiting, on_engine_death, options)
+    names = list(by_name)
+    servers = list(dict.fromkeys(by_name.values()))  # each once
+    server = servers[0]  # tokenize routes, metrics and drain: the first model's
     opts = server.options
-    llm = server.llm  # the LLM, or the engine process's tokenizer side (``ProcEngine.front``)
+    # the idle watcher: a MultiLLM's shared budget, or one LLM's own (idle shrink)
+    budget = getattr(llm, "budget", None) if len(servers) > 1 else None
+    if budget is None and getattr(server.llm, "kv_budget", None) is not None:
+        budget = server.llm.kv_budget[0]
+
+    def pick(model):
+        if model is None:
+            return server
+        if model not in by_name:
+            raise not_served(model, names)
+        return by_name[model]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine.start()
+        for s in servers:
+            s.engine.start()
+        if budget is not None:
+            budget.start()
         try:
             yield
         finally:
-            server.engine.shutdown()
-            server.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            if budget is not None:
+                budget.stop()
+            for s in servers:
+                s.engine.shutdown()
+                s.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="unikv", lifespan=lifespan)
     app.state.server = server
@@ -348,7 +406,7 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        if server.engine.healthy and not server.draining:
+        if all(s.engine.healthy for s in servers) and not server.draining:
             return Response(status_code=200)
         return _error("the engine loop is not running", "ServiceUnavailable", None, 503)
 
@@ -356,8 +414,8 @@ def create_app(
     async def models():
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "unikv",
-             "max_model_len": llm.max_model_len}
-            for name in server.names
+             "max_model_len": s.llm.max_model_len}
+            for name, s in by_name.items()
         ]  # fmt: skip
         return {"object": "list", "data": data}
 
@@ -382,12 +440,14 @@ def create_app(
                               "--enable-prefix-caching", INVALID, None, 400)  # fmt: skip
             return {"reset": True}
 
+        kv_admin.register(app, pick, names, opts)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         start = time.perf_counter()
         body = await _body(request, CompletionRequest, opts)
-        server.check_model(body.model)
-        params = await server.off_loop(body.params, llm)  # compiles a grammar
+        server = pick(body.model)
+        params = await server.off_loop(body.params, server.llm)  # compiles a grammar
         prompts = body.prompts()
         if len(prompts) > opts.max_prompts:
             raise BadRequest(f"prompt: {len(prompts)} prompts in one request; at most "
@@ -401,10 +461,10 @@ def create_app(
     async def chat_completions(request: Request):
         start = time.perf_counter()
         body = await _body(request, ChatCompletionRequest, opts)
-        server.check_model(body.model)
+        server = pick(body.model)
         max_tokens, logprobs, prompt_logprobs = body.limits()
         params = await server.off_loop(
-            body.sampling_params, max_tokens, logprobs, prompt_logprobs, llm
+            body.sampling_params, max_tokens, logprobs, prompt_logprobs, server.llm
         )  # compiles a grammar
         items = [await server.off_loop(server.chat_item, body, params)]
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

@@ -116,6 +116,7 @@ class AsyncEngine:
         self.loop.publish = self._publish
         self.loop.on_death = self._died
         self.on_death = on_death  # called on the event loop when the engine loop dies
+        self.resize = None  # the admin route's resize (the app sets it)
         self._aloop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -168,6 +169,14 @@ class AsyncEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self._reset_prefix()
+
+    def resize_kv_cache(self, total_bytes: int) -> int:
+        """The pool to ``total_bytes`` (within a shared budget if any: ``resize``, set
+        by the app, is ``budget_broker.resize_kv`` of the LLM); its new size, or
+        ValueError with nothing changed."""
+        if self.resize is None:
+            raise ValueError("this engine cannot resize its pool")
+        return self.resize(total_bytes)
 
     def _died(self, err: BaseException) -> None:
         """Engine thread: the loop died; tell the event loop (``on_death``)."""

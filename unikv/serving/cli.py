@@ -34,6 +34,8 @@ DEATH_FLUSH_S = 0.5  # the failed requests' answers go out before uvicorn stops
 DEATH_HARD_EXIT_S = 10.0  # if the graceful stop hangs, the process ends anyway
 DRAIN_GRACE_S = 5.0  # after --shutdown-timeout, the ended streams' last writes
 
+SWITCH_INTERVAL_MS = 0.5  # the serving processes' GIL switch interval (--switch-interval-ms)
+
 
 def _draining_server_class():
     import uvicorn
@@ -147,6 +149,15 @@ def _parser() -> argparse.ArgumentParser:
         "as before; default: its own process (vLLM's engine core), fed over ZeroMQ, so HTTP, "
         "tokenization and detokenization do not share a GIL with the engine loop",
     )
+    p.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=SWITCH_INTERVAL_MS,
+        help="Python's thread switch interval in both server processes (sys.setswitchinterval): "
+        "each has two busy threads (the engine loop beside its input reader; the event loop "
+        "beside the engine output reader), and a thread waiting for the GIL waits up to this "
+        f"long; default {SWITCH_INTERVAL_MS} (Python's own is 5)",
+    )
     a = p.add_argument_group("access and operations")
     a.add_argument(
         "--api-key",
@@ -200,6 +211,16 @@ def _parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds in-flight requests may run before they are ended "
         "(finish_reason 'abort'; default 30)",
     )  # fmt: skip
+    k = p.add_argument_group("elastic KV memory (issue 44)")
+    k.add_argument(
+        "--kv-idle-shrink-floor", default=None,
+        help="after --kv-idle-seconds with no requests, shrink the pool to this many bytes "
+        "(it grows back on demand); needs --kv-cache-max-bytes or --kv-cache",
+    )  # fmt: skip
+    k.add_argument(
+        "--kv-idle-seconds", type=_positive(float), default=60.0,
+        help="idle time before the idle shrink (default 60)",
+    )  # fmt: skip
     t = p.add_argument_group("tool calls and reasoning (vLLM's flags)")
     t.add_argument(
         "--enable-auto-tool-choice",
@@ -244,31 +265,122 @@ def _options(args):
     )
 
 
+def split_models(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` with only its first ``--model`` (the engine options take one), and
+    every ``--model`` value in order (``unikv serve --model A --model B``)."""
+    out, models, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--model" and i + 1 < len(argv):
+            models.append(argv[i + 1])
+            if len(models) == 1:
+                out += argv[i : i + 2]
+            i += 2
+            continue
+        if arg.startswith("--model="):
+            models.append(arg.split("=", 1)[1])
+            if len(models) > 1:
+                i += 1
+                continue
+        out.append(arg)
+        i += 1
+    return out, models
+
+
+def engine_config(args):
+    """The ``EngineConfig`` of the options; an idle shrink makes the pool elastic up
+    to the size it starts at unless ``--kv-cache-max-bytes`` gives more."""
+    from unikv.engine.config import EngineConfig
+
+    config = EngineConfig.from_cli(args)
+    if args.kv_idle_shrink_floor and config.kv_cache_max_bytes is None:
+        if config.kv_cache_bytes is None:
+            raise ValueError("--kv-idle-shrink-floor needs --kv-cache-max-bytes or --kv-cache")
+        config = config.replace(kv_cache_max_bytes=config.kv_cache_bytes)
+    return config
+
+
+def kv_idle(args) -> list | None:
+    """[seconds, floor bytes] of the idle shrink, or None."""
+    from unikv.inspect import parse_bytes
+
+    if not args.kv_idle_shrink_floor:
+        return None
+    return [args.kv_idle_seconds, parse_bytes(args.kv_idle_shrink_floor)]
+
+
+def multi_llm(args, models: list[str]):
+    """The ``MultiLLM`` of ``--model A --model B ...``: one engine process (this
+    one), one KV budget (``--kv-cache``, required), each request routed by name."""
+    from unikv.engine.multi import MultiLLM
+
+    names = args.served_model_name or models
+    if len(names) != len(models) or len(set(names)) != len(names):
+        raise ValueError(
+            f"--served-model-name: give one distinct name per --model ({len(models)} models), "
+            f"got {names}"
+        )
+    import dataclasses
+
+    config = engine_config(args)
+    total = config.kv_cache_bytes
+    if total is None:
+        raise ValueError("several models share one budget: give it with --kv-cache (e.g. 8GiB)")
+    skip = ("model", "kv_cache_bytes", "kv_cache_max_bytes", "kv_cache_margin_bytes",
+            "tensor_parallel_size")  # fmt: skip
+    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    kwargs = {k: v for k, v in kwargs.items() if k not in skip}
+    idle = kv_idle(args)
+    return MultiLLM(
+        dict(zip(names, models, strict=True)),
+        total_kv_bytes=total,
+        idle_seconds=idle[0] if idle else None,
+        idle_floor=idle[1] if idle else None,
+        **kwargs,
+    ), names
+
+
 def _spawn_engine(args):
     """The engine process, started before this process's own imports (they load in
     parallel); None with --in-process-engine or a bad port."""
     if args.in_process_engine or not 0 <= args.port < 65536:
         return None
-    from unikv.engine.config import EngineConfig
     from unikv.serving.engine_client import ProcEngine
 
     try:
-        config = EngineConfig.from_cli(args)
+        config, idle = engine_config(args), kv_idle(args)
     except (ValueError, TypeError):
         return None  # reported below, by the in-process path's check
-    return ProcEngine(config, max_waiting=args.max_waiting,
-                      fault=serve_environ().engine_fault, wait=False)  # fmt: skip
+    return ProcEngine(config, max_waiting=args.max_waiting, kv_idle=idle,
+                      fault=serve_environ().engine_fault, wait=False,
+                      switch_interval=sys.getswitchinterval())  # fmt: skip
+
+
+def switch_interval_s(ms: float) -> float:
+    """``--switch-interval-ms`` in seconds, for ``sys.setswitchinterval``; a clear
+    error for a value that is not a positive number of milliseconds."""
+    if not ms > 0 or ms > 1000:
+        raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {ms}")
+    return ms / 1000
 
 
 def serve_main(argv: list[str]) -> int:
+    argv, models = split_models(argv)
     args = _parser().parse_args(argv)
+    try:  # before the engine process starts: it takes the same interval
+        sys.setswitchinterval(switch_interval_s(args.switch_interval_ms))
+    except ValueError as err:
+        print(f"unikv serve: {err}", file=sys.stderr)
+        return 2
     from unikv.serving.engine_client import EngineStartError, ProcEngine
 
+    if len(models) > 1:  # one process, one budget (docs/design.md section 4)
+        args.in_process_engine = True
     llm = _spawn_engine(args)
     import uvicorn
 
-    from unikv.engine.cli import llm_from_args
-    from unikv.engine.config import EngineConfig
+    from unikv.engine.budget_broker import idle_budget
+    from unikv.engine.llm import LLM
     from unikv.serving.app import create_app
 
     died: list[BaseException] = []
@@ -289,17 +401,23 @@ def serve_main(argv: list[str]) -> int:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
         if llm is None and not args.in_process_engine:
-            EngineConfig.from_cli(args)  # raises: the options are bad
-        if args.in_process_engine:
+            engine_config(args)  # raises: the options are bad
+        names = args.served_model_name or [args.model]
+        if len(models) > 1:
+            llm, names = multi_llm(args, models)
+            where = f"{len(models)} models, one {llm.budget.total_bytes}-byte KV budget"
+        elif args.in_process_engine:
             fault = _fault_steps(serve_environ().engine_fault)
-            llm = llm_from_args(args)
+            llm = LLM(engine_config(args))
             llm.engine.die_after_steps = fault
+            idle = kv_idle(args)
+            if idle:
+                idle_budget(llm, idle[0], idle[1])  # its watcher starts with the app
             where = f"pool {llm.pool.total_bytes} bytes, {llm.device}, engine in this process"
         else:  # the engine process (its fault spec is checked there)
             info = llm.wait_ready().info
             where = (f"pool {info['pool_bytes']} bytes, {info['device']}, engine process "
                      f"{info['pid']}")  # fmt: skip
-        names = args.served_model_name or [args.model]
         options = _options(args)
         app = create_app(
             llm,
@@ -313,7 +431,10 @@ def serve_main(argv: list[str]) -> int:
             llm.close()
         print(f"unikv serve: error: {err}", file=sys.stderr)
         return 2
-    print(f"unikv serve: {names[0]} on http://{args.host}:{args.port}/v1 ({where})", flush=True)
+    print(
+        f"unikv serve: {', '.join(names)} on http://{args.host}:{args.port}/v1 ({where})",
+        flush=True,
+    )
     if options.log_requests:
         import logging
 

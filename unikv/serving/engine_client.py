@@ -72,11 +72,15 @@ class ProcEngine:
     the config itself is sent to the engine process), ``max_waiting`` the
     admission bound (None or 0: none), ``on_death(err)`` called on the event loop
     when the engine process dies, ``fault`` the test-only fault spec; ``wait``
-    False: return once the process is started (``wait_ready`` before use)."""
+    False: return once the process is started (``wait_ready`` before use);
+    ``kv_idle`` None or ``[seconds, floor bytes]``: the engine shrinks its elastic
+    pool to the floor after that long idle (``budget_broker.idle_budget``)."""
 
     def __init__(
-        self, config, *, max_waiting=None, on_death=None, fault=None, wait: bool = True
-    ) -> None:
+        self, config, *, max_waiting=None, on_death=None, fault=None, wait: bool = True,
+        kv_idle=None,
+        switch_interval: float | None = None,
+    ) -> None:  # fmt: skip
         import pickle
 
         import zmq
@@ -116,7 +120,8 @@ class ProcEngine:
         self._stopping = False
         setup = {"config": pickle.dumps(config), "inputs": self.addr_in, "outputs": self.addr_out,
                  "max_waiting": max_waiting or None, "fault": fault,
-                 "parent": os.getpid()}  # fmt: skip
+                 "parent": os.getpid(), "kv_idle": kv_idle,
+                 "switch_interval": switch_interval}  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "unikv.serving.engine_core"], stdin=subprocess.PIPE
         )
@@ -228,21 +233,24 @@ class ProcEngine:
         if self.error is None:
             self._send(("abort", [sub.key]))
 
-    def call(self, name: str):
-        """Run ``name`` ("snapshot", "reset_prefix_cache") in the engine process
-        (any thread but the reader's); its value, or RuntimeError."""
+    def call(self, name: str, *args):
+        """Run ``name`` ("snapshot", "reset_prefix_cache", "resize_kv_cache") with
+        ``args`` in the engine process (any thread but the reader's); its value, or
+        RuntimeError (ValueError for a ValueError there)."""
         if self.error is not None:
             raise EngineClosed(f"the engine process died: {self.error}")
         done, box = threading.Event(), []
         with self._send_lock:
             cid = next(self._call_ids)
             self._calls[cid] = (done, box)
-        self._send(("call", cid, name))
+        self._send(("call", cid, name, list(args)))
         if not done.wait(CALL_TIMEOUT_S):
             self._calls.pop(cid, None)
             raise TimeoutError(f"the engine did not answer {name!r} within {CALL_TIMEOUT_S} s")
         ok, value = box
         if not ok:
+            if value.startswith("ValueError: "):
+                raise ValueError(value.removeprefix("ValueError: "))
             raise RuntimeError(value)
         return value
 
@@ -251,6 +259,9 @@ class ProcEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.call("reset_prefix_cache")
+
+    def resize_kv_cache(self, total_bytes: int) -> int:
+        return self.call("resize_kv_cache", total_bytes)
 
     def shutdown(self) -> None:
         self._stopping = True

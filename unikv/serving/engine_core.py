@@ -146,6 +146,8 @@ class Core:
         self.loop.max_waiting = max_waiting or None
         self.loop.publish = self._publish
         self.loop.on_death = self._died
+        self.budget = None  # an idle shrink's SharedBudget (started with the loop)
+        self.resize_kv = None  # resize_kv of the LLM (set by main)
 
     def send(self, msg) -> None:
         send_or_exit(self.main_out, self.enc.encode(msg))
@@ -208,7 +210,7 @@ class Core:
             if groups is not None:
                 self.loop.stop_completion(groups[prompt], index)
 
-    def call(self, cid: int, name: str) -> None:
+    def call(self, cid: int, name: str, args=()) -> None:
         try:
             if name == "snapshot":
                 from unikv.serving.metrics import engine_snapshot
@@ -217,6 +219,8 @@ class Core:
                 value["waiting"] += self.loop.num_queued
             elif name == "reset_prefix_cache":
                 value = self.reset_prefix_cache()
+            elif name == "resize_kv_cache":
+                value = self.resize_kv(*args)
             else:
                 raise ValueError(f"unknown call {name!r}")
         except Exception as err:  # noqa: BLE001  (returned to the API process)
@@ -231,6 +235,8 @@ class Core:
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         self.loop.start()
+        if self.budget is not None:
+            self.budget.start()
         while True:
             if self.dead.is_set():
                 return EXIT_DEATH
@@ -247,7 +253,7 @@ class Core:
             elif kind == "cut":
                 self.cut(msg[1])
             elif kind == "call":
-                self.call(msg[1], msg[2])
+                self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else ())
             elif kind == "stop":
                 self.loop.shutdown(drain=False, timeout=10)
                 return 0
@@ -264,6 +270,7 @@ def ready_info(llm) -> dict:
         "pool_bytes": llm.pool.total_bytes,
         "device": str(llm.device),
         "prefix_caching": bool(llm.prefix_caching),
+        "switch_interval": sys.getswitchinterval(),  # as this process runs (serve's flag)
         "pid": os.getpid(),
     }
 
@@ -273,6 +280,8 @@ def main() -> int:
 
     setup = msgspec.msgpack.decode(sys.stdin.buffer.read())
     PARENT[0] = setup["parent"]  # (when it died before this started, getppid() is not it)
+    if setup.get("switch_interval"):  # the loop thread beside the input reader (serve's flag)
+        sys.setswitchinterval(setup["switch_interval"])
     if os.getppid() != PARENT[0]:
         return 0
     ctx = zmq.Context()
@@ -282,6 +291,7 @@ def main() -> int:
     try:
         import pickle
 
+        from unikv.engine.budget_broker import idle_budget, resize_kv
         from unikv.engine.llm import LLM
 
         llm = LLM(pickle.loads(setup["config"]))  # the API process's own config
@@ -291,6 +301,10 @@ def main() -> int:
         core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
                     partial(compile_structured, llm), ctx, setup["outputs"],
                     setup.get("max_waiting"))  # fmt: skip
+        core.resize_kv = partial(resize_kv, llm)  # the admin route's resize
+        idle = setup.get("kv_idle")  # [seconds, floor bytes]: shrink when idle
+        if idle:
+            core.budget = idle_budget(llm, idle[0], idle[1])  # its watcher: in serve
     except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
         send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
         boot.close()
