@@ -53,7 +53,8 @@ def test_slots_are_taken_selected_and_freed_with_the_request(alloc):
         _bytes(alloc, p).fill_(i + 1)
     stamp = {p: i + 1 for i, p in enumerate(every)}
 
-    alloc.parts.mamba.select(np.array([r0, r1]), np.array([1, -1]))
+    # the speculative rollback: truncate (no tokens to cut here) and select the states
+    alloc.truncate(np.array([r0, r1]), np.array([0, 0]), state_rows=np.array([1, -1]))
     live0, drafts0 = _slots(alloc, r0)
     assert live0 == layout[r0][1][1] and drafts0 == [layout[r0][1][0], layout[r0][0]]
     assert torch.all(_bytes(alloc, live0) == stamp[layout[r0][1][1]])  # no copy: the slot
@@ -90,7 +91,10 @@ def test_bad_selections_are_value_errors(alloc):
     r0, r1 = alloc.new_request(), alloc.new_request()
     alloc.alloc_mamba(np.array([r0]))
     before = snapshot(alloc)
-    select = alloc.parts.mamba.select
+
+    def select(slots, rows):  # the facade's rollback verb (truncate's state_rows)
+        alloc.truncate(slots, np.zeros(len(slots), np.int64), state_rows=rows)
+
     with pytest.raises(ValueError, match=r"positions must be 1 ints in \[-1, 2\)"):
         select(np.array([r0]), np.array([K]))
     with pytest.raises(ValueError, match="positions must be 1 ints"):

@@ -9,9 +9,8 @@ virtual pages; every other token sub-pool (SWA) binds the owner's virtual pages
 to physical pages of its own grid; with only SWA sub-pools the first is the
 owner. A Mamba sub-pool has one slot per request (virtual id = request slot + 1).
 
-The facade composes the parts of ``parts.py`` (a tree: docs/structure.md) and hands
-out ``prefix``, ``io`` and ``view`` (``verbs.py``); ``parts`` is for the allocator,
-tests and ``check_integrity``. Each verb's contract is on the part implementing it.
+The facade composes ``parts.py``'s tree (docs/structure.md), hands out ``prefix``, ``io``
+and ``view`` (``verbs.py``); each verb's contract is on the part implementing it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import numpy as np
 import torch
 
 from unikv.allocator.integrity import check_chain
-from unikv.allocator.mamba import MambaSlots
+from unikv.allocator.mamba import MambaSlots, rollback
 from unikv.allocator.pages import PageBook
 from unikv.allocator.parts import build_parts
 from unikv.allocator.prefix import PrefixHit
@@ -135,8 +134,7 @@ class PoolAllocator:
         return phys
 
     def mamba_slots(self, req_slots: torch.Tensor, drafts: bool = False) -> PhysicalPageIds:
-        """Physical state slots of (B,) device request slots (0, the sink, for none); with
-        ``drafts`` their (B, k) per-draft-position slots (``MambaSlots``). No host sync."""
+        """(B,) device request slots' state slots (0: the sink); ``drafts``: (B, k). No sync."""
         return self._mamba("mamba_slots").slots(req_slots, drafts)
 
     def _mamba(self, what: str) -> MambaSlots:
@@ -197,11 +195,13 @@ class PoolAllocator:
         self._write(self.parts.tokens.stage_out_of_window(slots, seq_lens))
         self._after_verb()
 
-    def truncate(self, slots: object, new_lens: object) -> None:
-        """Free the tokens of each request beyond ``new_lens[i]`` (whole pages past
-        the new tail). slots, new_lens: (B,) host integer arrays. A cut into pages of
-        a sliding-window sub-pool already freed out of the window is refused."""
+    def truncate(self, slots: object, new_lens: object, state_rows: object = None) -> None:
+        """Free each request's tokens beyond ``new_lens[i]`` (whole pages past the tail;
+        (B,) host ints); a cut into pages of a windowed sub-pool freed out of the window
+        is refused. ``state_rows``: a verify step's state rollback (``mamba.rollback``)."""
+        select = rollback(self.parts.mamba, slots, state_rows)  # checked first
         self._write(self.parts.tokens.stage_truncate(slots, new_lens))
+        select()
         self._after_verb()
 
     def _write(self, patch: TablePatch) -> None:

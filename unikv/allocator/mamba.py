@@ -20,6 +20,8 @@ grows into free bytes or takes them from the attention bands (section 6).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -102,7 +104,7 @@ class MambaSlots:
         vids = vids[self.book.physical(vids) >= 0]
         self.writer.unbind(self.book, vids, self.fences.unbind(self.book, vids))
 
-    def _check_select(self, slots: object, positions: object) -> tuple[np.ndarray, np.ndarray]:
+    def check_select(self, slots: object, positions: object) -> tuple[np.ndarray, np.ndarray]:
         """(slots, positions) as int64 arrays once valid for ``select`` (ValueError
         otherwise, nothing changed): one position per request in ``slots``, each in
         [-1, k), every request holding a state slot."""
@@ -124,7 +126,7 @@ class MambaSlots:
         slot becomes the live one and the live one that draft slot: two bindings
         exchanged per request, one table write, no state copied. (The scheduler's
         ``complete_verify`` calls it after ``truncate``: the speculative rollback.)"""
-        slots, positions = self._check_select(slots, positions)
+        slots, positions = self.check_select(slots, positions)
         moved = positions >= 0
         if not moved.any():
             return
@@ -158,3 +160,17 @@ class MambaSlots:
         return PhysicalPageIds(
             v2p.index_select(0, req_slots.long() + 1).clamp_min(0), self.book.name
         )
+
+
+def rollback(mamba: MambaSlots | None, slots: object, rows: object) -> Callable[[], None]:
+    """The state half of a verify step's rollback (``PoolAllocator.truncate``'s
+    ``state_rows``), checked now and run by the returned call: each request's state
+    becomes the one its draft slot ``rows[i]`` holds (-1: its live slot's,
+    ``MambaSlots.select``). ``rows`` None: nothing to do."""
+    if rows is None:
+        return lambda: None
+    if mamba is None or not mamba.k:
+        raise ValueError("truncate: state_rows needs per-draft state slots (speculation on "
+                         "a recurrent model); this allocator has none")  # fmt: skip
+    checked = mamba.check_select(slots, rows)
+    return lambda: mamba.select(*checked)

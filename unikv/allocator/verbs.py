@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from unikv.allocator.integrity import check_chain
+from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.page_io import PageIO
 from unikv.allocator.pages import PageBook
 from unikv.allocator.parts import Parts
@@ -42,7 +43,7 @@ def hand_out(
     return (
         PrefixVerbs(parts.prefix, parts.room, check),
         IOVerbs(parts.io, check),
-        AllocatorView(parts.roles, parts.requests, parts.books),
+        AllocatorView(parts.roles, parts.requests, parts.books, parts.mamba),
     )
 
 
@@ -232,9 +233,25 @@ class IOVerbs:
 class AllocatorView:
     """Read-only state of an allocator (``alloc.view``): no verb changes anything."""
 
-    def __init__(self, roles: Roles, requests: RequestTable, books: Mapping[str, PageBook]) -> None:
-        self._requests, self._books = requests, books
+    def __init__(
+        self, roles: Roles, requests: RequestTable, books: Mapping[str, PageBook],
+        mamba: MambaSlots | None = None,
+    ) -> None:  # fmt: skip
+        self._requests, self._books, self._mamba = requests, books, mamba
         self.roles = roles  # who does what among the sub-pools (a frozen Roles)
+
+    @property
+    def draft_k(self) -> int:
+        """Per-draft-position state slots per request (0: none; speculation on a
+        recurrent model holds k, ``mamba.MambaSlots``)."""
+        return self._mamba.k if self._mamba is not None else 0
+
+    def draft_vids(self, slots: np.ndarray) -> np.ndarray:
+        """(B, k) int32 Mamba virtual ids of requests ``slots``' draft state slots."""
+        if not self.draft_k:
+            raise ValueError("draft_vids: this allocator holds no draft state slots")
+        assert self._mamba is not None
+        return self._mamba.draft_vids(np.asarray(slots, np.int64))
 
     @property
     def max_context(self) -> int:

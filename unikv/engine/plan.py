@@ -171,8 +171,7 @@ class StepPlanner:
             {s.name: torch.zeros(self.max_tokens, dtype=torch.int64, device=dev) for s in subs},
         )
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
-        mamba = alloc.parts.mamba if self.has_state else None
-        self.draft_k = mamba.k if mamba is not None else 0  # verify steps: (B, k) slots
+        self.draft_k = alloc.view.draft_k if self.has_state else 0  # verify steps: (B, k) slots
         self.draft_slots = torch.zeros((rows, max(self.draft_k, 1)), dtype=torch.int64, device=dev)
         # one-row graphs read placeholder tokens from here and a greedy one writes its
         # token here, so a steady single request's step needs no token gather

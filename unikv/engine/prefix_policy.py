@@ -163,7 +163,7 @@ class PrefixCaching(NoPrefixCache):
 
     def _draft_vid(self, slot: int, row: int) -> int:
         """The Mamba virtual id of request ``slot``'s draft slot ``row``."""
-        return int(self.alloc.parts.mamba.draft_vids(np.array([slot]))[0, row])
+        return int(self.alloc.view.draft_vids(np.array([slot]))[0, row])
 
     def _pays(self, r: Request, at: int) -> bool:
         """The cost rule at the decode boundary ``at`` tokens (host ints only)."""

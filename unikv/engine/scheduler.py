@@ -99,8 +99,7 @@ class Scheduler:
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
         # Mamba slots per request: its live one, and k per-draft-position ones when
         # speculating (``allocator/mamba.py``), admitted and counted together
-        mamba = alloc.parts.mamba
-        self.state_slots = 1 + (mamba.k if mamba is not None else 0)
+        self.state_slots = 1 + alloc.view.draft_k
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -352,10 +351,11 @@ class Scheduler:
             kept.append(int(keep[i] - start))
             r.draft_ids = []
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
-        self.alloc.truncate(slots, keep)
-        if self.state_slots > 1:  # the state after the last kept row: select its slot
+        if self.state_slots > 1:  # and the state after the last kept row: select its slot
             rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
-            self.alloc.parts.mamba.select(slots, np.where(rows < fed, rows - 1, -1))
+            self.alloc.truncate(slots, keep, state_rows=np.where(rows < fed, rows - 1, -1))
+        else:
+            self.alloc.truncate(slots, keep)
         accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
         self.spec.record(sum(len(x) for x in batch.drafts), accepted, len(reqs))
         self.num_appended = appended
