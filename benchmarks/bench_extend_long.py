@@ -34,9 +34,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_kernels import DIM, HKV, HQ, OPS, PagedKV
 from benchmarks.common import environment, save_json
-from unikv.kernels import extend as extend_mod
-from unikv.kernels import extend_fresh as fresh_mod
-from unikv.kernels import extend_sdpa
+from unikv.kernels.attention import extend as extend_mod
+from unikv.kernels.attention import fresh as fresh_mod
+from unikv.kernels.attention import sdpa as extend_sdpa
 
 SHAPES = [(1, 0, 16384), (8, 4096, 512), (1, 0, 4096)]  # the headline shape first
 PAGE_SIZES = (16, 1)

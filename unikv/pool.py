@@ -30,7 +30,7 @@ import torch
 from unikv import layout
 from unikv.backing import Backing, make_backing, round_up
 from unikv.ids import PhysicalPageIds, expect
-from unikv.kernels.reference import copy_pages as torch_copy_pages  # moved; importable here
+from unikv.kernels.attention.ref import copy_pages as torch_copy_pages  # moved; importable here
 from unikv.placement import (  # re-exported: the pool's public vocabulary
     Grow,
     SubPoolConfig,

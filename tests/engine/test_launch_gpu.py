@@ -1,4 +1,4 @@
-"""GPU only: ``unikv.kernels.launch`` gives the same results as ``kernel[grid]``
+"""GPU only: ``unikv.kernels.runtime.launch`` gives the same results as ``kernel[grid]``
 and the torch reference, for a hot-path kernel (keyed by dtype alone) and for a
 kernel Triton specialises on ints equal to 1 / multiples of 16 and on pointer
 alignment, and it reuses compiled kernels."""
@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels import table_update
-from unikv.kernels.launch import Launcher
+from unikv.kernels.runtime.launch import Launcher
+from unikv.kernels.tables import table_update
 
 pytestmark = [
     pytest.mark.gpu,

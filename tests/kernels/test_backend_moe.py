@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from unikv.kernels import backend as kb
-from unikv.kernels import moe_ref
-from unikv.kernels.mxfp4_ref import dequantize_mxfp4
+from unikv.kernels.moe import ref as moe_ref
+from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,8 @@ def test_triton_backend_variants_follow_the_device_and_the_switch(monkeypatch, f
     the Hopper variant only on sm_90, for bf16 experts in whole 64-blocks, and not with
     ``UNIKV_MOE_HOPPER=0`` (``env.FLAGS.moe_hopper``, read when the backend is built)."""
     from unikv import env
-    from unikv.kernels import moe, moe_hopper
+    from unikv.kernels.moe import fused as moe
+    from unikv.kernels.moe import hopper as moe_hopper
 
     monkeypatch.setattr(kb, "_sm90", lambda device: True)
     monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, moe_hopper=True))
@@ -100,7 +101,8 @@ def test_extend_hopper_is_decided_by_the_backend(monkeypatch, fresh_cache):
     default never probes the device)."""
     import functools
 
-    from unikv.kernels import extend, extend_hopper
+    from unikv.kernels.attention import extend
+    from unikv.kernels.attention import fresh_hopper as extend_hopper
 
     monkeypatch.setattr(kb, "_sm90", lambda device: True)
     monkeypatch.setattr(extend_hopper, "ENABLED", True)
@@ -113,7 +115,7 @@ def test_extend_hopper_is_decided_by_the_backend(monkeypatch, fresh_cache):
 
 def test_switches_are_read_at_import(tmp_path):
     """``UNIKV_EXTEND_HOPPER`` is read once, when the module loads (a subprocess)."""
-    code = "from unikv.kernels import extend_hopper; print(extend_hopper.ENABLED)"
+    code = "from unikv.kernels.attention import fresh_hopper; print(fresh_hopper.ENABLED)"
     for value, want in (("0", "False"), ("1", "True")):
         env = {**os.environ, "UNIKV_EXTEND_HOPPER": value}
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -295,7 +297,7 @@ def test_routed_experts_run_the_backend_they_were_built_with(name):
 
 def _ops_of(model) -> set[str]:
     """The backend names the model's modules call (their ``ops`` and MoE kernels)."""
-    from unikv.kernels import moe
+    from unikv.kernels.moe import fused as moe
 
     names = {m.ops.name for m in model.modules() if hasattr(m, "ops")}
     kernels = {m.kernel for m in model.modules() if hasattr(m, "kernel")}
@@ -371,7 +373,7 @@ def test_gpt_oss_repacks_only_through_the_backends_variant(tmp_path, monkeypatch
 def test_hopper_repack_in_place_matches_pack_experts():
     """``moe_hopper.repack_in_place`` leaves the four tensors holding ``pack_experts``'
     bytes and returns views of them (CPU: the packing is plain torch)."""
-    from unikv.kernels import moe_hopper
+    from unikv.kernels.moe import hopper as moe_hopper
 
     g = torch.Generator().manual_seed(7)
     e, d, i = 2, 64, 64
@@ -391,8 +393,11 @@ def test_hopper_repack_in_place_matches_pack_experts():
 
 # -- no per-call switches ---------------------------------------------------------------
 
-PER_CALL_FREE = ("gemv", "decode", "pdl", "extend_sdpa", "extend_hopper", "extend_fresh",
-                 "moe", "moe_hopper", "moe_ref", "elementwise", "backend")  # fmt: skip
+# every kernel module (the op families' folders included)
+PER_CALL_FREE = sorted(
+    p.relative_to(ROOT / "unikv" / "kernels").with_suffix("").as_posix()
+    for p in (ROOT / "unikv" / "kernels").rglob("*.py")
+)
 
 
 def _cached(func: ast.FunctionDef) -> bool:

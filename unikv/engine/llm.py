@@ -54,7 +54,7 @@ from unikv.engine.warmup import warm_linears, warm_sampling
 from unikv.env import FLAGS
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
-from unikv.kernels.widths import fit_backend
+from unikv.kernels.runtime.widths import fit_backend
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
 from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.pool import UnifiedPool
@@ -230,7 +230,7 @@ class LLM:
         check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
         check_swap(preemption, swap_host_bytes, configs, tp_group)
         # the kernels' width and alignment rules, once: torch ops where Triton cannot
-        # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
+        # take a width, a ValueError naming the field where nothing can (kernels/runtime/widths.py)
         self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
         if kv_cache_margin_bytes is not None:  # sized after capture (issue 44 item 2)
             if self.device.type != "cuda" or kv_cache_bytes is not None:

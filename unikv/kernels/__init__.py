@@ -8,7 +8,7 @@ op has the same signature in both backends.
 
 from __future__ import annotations
 
-from unikv.kernels import reference
+from unikv.kernels.attention import ref as reference
 from unikv.kernels.backend import MLA_OPS, OPS, RECURRENT_OPS, KernelBackend, get_backend
 
 __all__ = ["MLA_OPS", "OPS", "RECURRENT_OPS", "KernelBackend", "get_backend", "reference"]

@@ -29,8 +29,8 @@ from typing import NamedTuple
 import torch
 
 from unikv import env
-from unikv.kernels.elementwise_ref import resolve_feedback  # placeholder ids (every backend)
-from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
+from unikv.kernels.linear.ref import resolve_feedback  # placeholder ids (every backend)
+from unikv.kernels.moe.ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
 
 Op = Callable[..., object]
 
@@ -150,7 +150,7 @@ def plan_decode_triton(
     for ``batch`` requests whose visible keys number at most ``max_len`` (the block
     table's capacity, capped by the window). Host ints only: no device access.
     workspace: None, or an fp32 buffer of >= ``workspace_numel`` elements."""
-    from unikv.kernels import decode
+    from unikv.kernels.attention import decode
 
     splits = decode.choose_num_splits(batch, num_kv_heads, max_len, device) if batch else 1
     config = decode.choose_config(head_dim, page_size, max_len, splits)
@@ -202,7 +202,8 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
     device = torch.device(device)
     if name != "triton" or device.type != "cuda":
         return Flags()
-    from unikv.kernels import extend_hopper, extend_sdpa
+    from unikv.kernels.attention import fresh_hopper as extend_hopper
+    from unikv.kernels.attention import sdpa as extend_sdpa
 
     return Flags(
         cuda=True,
@@ -222,7 +223,7 @@ def _no_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | Non
 def _hopper_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | None:
     """On an sm_90 GPU: the Gluon kernel (``moe_hopper``) for bf16 activations and
     hidden / intermediate sizes in whole K blocks of 64, else None (the Triton kernel)."""
-    from unikv.kernels import moe_hopper
+    from unikv.kernels.moe import hopper as moe_hopper
 
     if not moe_hopper.usable(dtype, hidden, inter):
         return None
@@ -230,28 +231,18 @@ def _hopper_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked |
 
 
 def _triton(flags: Flags) -> KernelBackend:
-    from unikv.kernels._interpret import patch_interpreter
+    from unikv.kernels.runtime.interpret import patch_interpreter
 
     patch_interpreter()
-    from unikv.kernels import (  # imported lazily: Triton is only needed here
-        argmax,
-        block_table,
-        decode,
-        elementwise,
-        extend,
-        extend_sdpa,
-        fp8_gemm,
-        gemv,
-        mla,
-        mla_decode,
-        moe,
-        page_copy,
-        recurrent,
-        rope_store,
-        step_tables,
-        store,
-        table_update,
-    )
+    # imported lazily: Triton is only needed here
+    from unikv.kernels.attention import decode, extend, rope_store, store
+    from unikv.kernels.attention import sdpa as extend_sdpa
+    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, gemv
+    from unikv.kernels.mla import decode as mla_decode
+    from unikv.kernels.mla import prefill as mla
+    from unikv.kernels.moe import fused as moe
+    from unikv.kernels.recurrent import triton_ops as recurrent
+    from unikv.kernels.tables import block_table, page_copy, step_tables, table_update
 
     # on CUDA a step of one fresh prompt may go to SDPA (cuDNN), the rest to Triton; on
     # sm_90 fresh prompts the Gluon kernel takes go there (``extend_hopper.usable``)
@@ -287,15 +278,13 @@ def _triton(flags: Flags) -> KernelBackend:
 
 
 def _torch() -> KernelBackend:
-    from unikv.kernels import (
-        elementwise_ref,
-        fp8_gemm_ref,
-        mla_ref,
-        moe_ref,
-        recurrent_ref,
-        reference,
-        tables_ref,
-    )
+    from unikv.kernels.attention import ref as reference
+    from unikv.kernels.linear import fp8_gemm_ref
+    from unikv.kernels.linear import ref as elementwise_ref
+    from unikv.kernels.mla import ref as mla_ref
+    from unikv.kernels.moe import ref as moe_ref
+    from unikv.kernels.recurrent import ref as recurrent_ref
+    from unikv.kernels.tables import ref as tables_ref
 
     return KernelBackend(
         name="torch",
