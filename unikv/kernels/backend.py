@@ -29,10 +29,41 @@ from typing import NamedTuple
 import torch
 
 from unikv import env
+from unikv.kernels.attention.protocols import (
+    DecodeAttention,
+    ExtendAttention,
+    PlanDecode,
+    RopeStoreDecodeAttention,
+    RopeStoreKV,
+    StoreKV,
+)
+from unikv.kernels.linear.protocols import (
+    AddRMSNorm,
+    AddRMSNormLinear,
+    AddRMSNormLinearArgmax,
+    Argmax,
+    EmbedRMSNormLinear,
+    Fp8Linear,
+    GatedRMSNorm,
+    Linear,
+    RMSNorm,
+    RopeQK,
+    SiluMul,
+    SiluMulLinear,
+)
 from unikv.kernels.linear.ref import resolve_feedback  # placeholder ids (every backend)
+from unikv.kernels.mla.protocols import MLAAttention, StoreMLA
+from unikv.kernels.moe.protocols import MoE, MoERepack, MoERepackedRun
 from unikv.kernels.moe.ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
-
-Op = Callable[..., object]
+from unikv.kernels.recurrent.protocols import CausalConv1d, GatedDeltaRule, Mamba2SSD
+from unikv.kernels.tables.protocols import (
+    BuildBlockTable,
+    CopyPages,
+    ExportFlashinfer,
+    PrepareStep,
+    TranslateIds,
+    UpdateTables,
+)
 
 KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
           "extend_attention", "copy_pages")  # fmt: skip
@@ -64,55 +95,55 @@ class MoERepacked(NamedTuple):
     ``moe``'s keywords (b1, b2, activation, gate_up, alpha, limit)."""
 
     name: str
-    pack: Op
-    run: Op
+    pack: Callable[..., object]
+    run: MoERepackedRun
 
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """Every kernel op, from one implementation family (``name``)."""
+    """Every kernel op, from one implementation family (``name``). Each field's type is
+    the op's signature and shapes, stated once in its family's ``protocols`` module."""
 
     name: str
-    store_kv: Op
-    rope_store_kv: Op
-    decode_attention: Op
-    rope_store_decode_attention: Op
-    extend_attention: Op
-    copy_pages: Op
-    build_block_table: Op
-    export_flashinfer: Op
-    update_tables: Op
-    translate_ids: Op
-    prepare_step: Op
-    plan_decode: Op
-    causal_conv1d: Op
-    gated_delta_rule: Op
-    mamba2_ssd: Op
-    store_mla: Op
-    mla_attention: Op
-    rms_norm: Op
-    add_rms_norm: Op
-    rope_qk: Op
-    silu_mul: Op
-    gated_rms_norm: Op
-    argmax: Op
-    linear: Op
-    silu_mul_linear: Op
-    add_rms_norm_linear: Op
-    embed_rms_norm_linear: Op
-    add_rms_norm_linear_argmax: Op
-    # the fused MoE over experts in the checkpoint's layout (``moe_ref.fused_moe``'s
-    # signature): Triton (``kernels/moe.moe``: the kernel, or the dense loop where its
-    # table says) or the torch reference
-    moe: Op
+    store_kv: StoreKV
+    rope_store_kv: RopeStoreKV
+    decode_attention: DecodeAttention
+    rope_store_decode_attention: RopeStoreDecodeAttention
+    extend_attention: ExtendAttention
+    copy_pages: CopyPages
+    build_block_table: BuildBlockTable
+    export_flashinfer: ExportFlashinfer
+    update_tables: UpdateTables
+    translate_ids: TranslateIds
+    prepare_step: PrepareStep
+    plan_decode: PlanDecode
+    causal_conv1d: CausalConv1d
+    gated_delta_rule: GatedDeltaRule
+    mamba2_ssd: Mamba2SSD
+    store_mla: StoreMLA
+    mla_attention: MLAAttention
+    rms_norm: RMSNorm
+    add_rms_norm: AddRMSNorm
+    rope_qk: RopeQK
+    silu_mul: SiluMul
+    gated_rms_norm: GatedRMSNorm
+    argmax: Argmax
+    linear: Linear
+    silu_mul_linear: SiluMulLinear
+    add_rms_norm_linear: AddRMSNormLinear
+    embed_rms_norm_linear: EmbedRMSNormLinear
+    add_rms_norm_linear_argmax: AddRMSNormLinearArgmax
+    # the fused MoE over experts in the checkpoint's layout: Triton (``kernels/moe/
+    # fused.moe``: the kernel, or the dense loop where its table says) or the reference
+    moe: MoE
     # (dtype, hidden, intermediate) of an MXFP4 expert layer -> the ``MoERepacked``
     # variant that runs it, or None (``moe`` on the checkpoint's layout); asked once per
     # layer at load, from what ``get_backend`` decided
-    moe_repacked: Callable[[torch.dtype, int, int], MoERepacked | None]
-    # a linear whose weight is kept in block-scaled FP8 (``fp8_gemm_ref.fp8_linear``'s
-    # signature): the Triton GEMM (its variant planned per row count, ``fp8_gemm.plan``)
-    # or the torch reference (dequantise, then multiply in fp32)
-    fp8_linear: Op
+    moe_repacked: MoERepack
+    # a linear whose weight is kept in block-scaled FP8: the Triton GEMM (its variant
+    # planned per row count, ``fp8_gemm.plan``) or the torch reference (dequantise, then
+    # multiply in fp32)
+    fp8_linear: Fp8Linear
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -167,7 +198,18 @@ def plan_decode_triton(
     return DecodePlan(splits, need, workspace, launch)
 
 
-def plan_decode_torch(batch: int, **geometry: object) -> DecodePlan:
+def plan_decode_torch(
+    batch: int,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    page_size: int,
+    max_len: int,
+    device: torch.device,
+    workspace: torch.Tensor | None = None,
+) -> DecodePlan:
     """The torch reference plans nothing: one split, no workspace, no launch
     arguments (it takes ``plan_decode_triton``'s arguments and ignores them)."""
     return DecodePlan()

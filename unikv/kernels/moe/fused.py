@@ -173,11 +173,30 @@ def plan(num_tokens: int, mxfp4: bool, dtype: torch.dtype, table: dict | None = 
     return cfg if cfg is LOOP or dtype != torch.float32 else FP32_CONFIG
 
 
-def moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-        w1: torch.Tensor, w2: torch.Tensor, **kw) -> torch.Tensor:  # fmt: skip
+def moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    w1_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+    gate_up: str = "concat",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    sum_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``fused_moe`` or the dense loop (``moe_ref.fused_moe``), as ``plan`` says for
-    T = x.shape[0] and the experts' format; same arguments and result."""
-    cfg = plan(x.shape[0], kw.get("w1_scales") is not None, x.dtype)
+    T = x.shape[0] and the experts' format; same arguments and result (the signature is
+    ``kernels/moe/protocols.MoE``)."""
+    kw = {"w1_scales": w1_scales, "w2_scales": w2_scales, "b1": b1, "b2": b2,
+          "activation": activation, "gate_up": gate_up, "alpha": alpha, "limit": limit,
+          "sum_dtype": sum_dtype}  # fmt: skip
+    cfg = plan(x.shape[0], w1_scales is not None, x.dtype)
     if cfg is LOOP:
         return moe_ref.fused_moe(x, topk_weights, topk_ids, w1, w2, **kw)
     return fused_moe(x, topk_weights, topk_ids, w1, w2, config=cfg, **kw)

@@ -542,8 +542,22 @@ def repack_in_place(w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: to
     )
 
 
-def moe(x, topk_weights, topk_ids, frags: Mxfp4Fragments, **kw) -> torch.Tensor:
-    """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints)."""
+def moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    frags: Mxfp4Fragments,
+    *,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
+    gate_up: str = "concat",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """``fused_moe_hopper`` with the tiles ``TABLE`` gives T = x.shape[0] (host ints);
+    the signature is ``kernels/moe/protocols.MoERepackedRun``."""
     block_t, stages, half, warps = TABLE[bucket(x.shape[0])]
-    return fused_moe_hopper(x, topk_weights, topk_ids, frags, **kw, block_t=block_t,
-                            stages=stages, half=half, warps=warps)  # fmt: skip
+    return fused_moe_hopper(x, topk_weights, topk_ids, frags, b1=b1, b2=b2,
+                            activation=activation, gate_up=gate_up, alpha=alpha, limit=limit,
+                            block_t=block_t, stages=stages, half=half, warps=warps)  # fmt: skip
