@@ -174,10 +174,13 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
                 t0,
                 f"{bsz}x({cached}+{new}) fresh",
             )
-            # the engine's op as the runner calls it (one prompt: SDPA where enabled)
+            # the engine's op as the runner calls it, with the step's plan (one prompt:
+            # SDPA where enabled; a long one: the Gluon kernel on sm_90)
+            launch = OPS.plan_extend(bsz, max_q_len=new, head_dim=dim).launch
             engine = lambda: OPS.extend_attention(
                 q, kv.k_cache, kv.v_cache, kv.block_table, q_indptr, kv.seq_lens,
                 max_q_len=new, page_size=ps, sm_scale=dim**-0.5, fresh_kv=(k_new, v_new),
+                **launch,
             )  # fmt: skip
             res["engine"] = run_candidate(engine, ref, sdpa, args.reps, flops)
             fits = extend_sdpa.takes_sdpa(q, (k_new, v_new), new, 0, None, 0.0, None)

@@ -109,3 +109,22 @@ def test_prefill_and_decode_read_no_environment_or_capability(backend, tmp_path,
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     assert env_fence.reads == [] and probes == []
     assert [o.output_ids for o in outputs] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_cuda_steps_read_no_environment_or_capability(arch, tmp_path, monkeypatch):
+    """The same on a GPU, where the Triton backend's variants (PDL, TMA, the MLA and
+    decode plans, the Hopper kernels) are decided from the device: eager prefill, then
+    decode steps (CUDA graphs included), with the fence up; every request completes."""
+    from gpu_fixtures import gpu_llm
+
+    save_tiny_model(arch, str(tmp_path))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 7, 19)]
+    llm = gpu_llm(str(tmp_path), torch.bfloat16)
+    env_fence, probes = fence(monkeypatch)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert env_fence.reads == [] and probes == []
+    assert [len(o.output_ids) for o in outputs] == [6, 6, 6]

@@ -96,21 +96,28 @@ def test_triton_backend_variants_follow_the_device_and_the_switch(monkeypatch, f
 
 
 def test_extend_hopper_is_decided_by_the_backend(monkeypatch, fresh_cache):
-    """The fresh-prompt Gluon attention: the CUDA Triton backend on sm_90 passes
-    ``hopper=True`` to its extend op, once; elsewhere the op is the plain one (whose
-    default never probes the device)."""
-    import functools
-
+    """The fresh-prompt Gluon attention: the CUDA Triton backend on sm_90 binds the
+    kernel's shortest prompts into its ``plan_extend``, once; each step's plan then asks
+    for ``hopper`` where the prompt is that long (per head dim). Elsewhere the plan holds
+    no ``hopper`` key and the extend op is the plain one (whose default never probes the
+    device). (Before the step plans, the backend bound ``hopper=True`` into its extend op
+    and the op compared the length on every layer.)"""
     from unikv.kernels.attention import extend
     from unikv.kernels.attention import fresh_hopper as extend_hopper
 
     monkeypatch.setattr(kb, "_sm90", lambda device: True)
     monkeypatch.setattr(extend_hopper, "ENABLED", True)
-    op = kb.get_backend("cuda", "triton").extend_attention
-    assert isinstance(op, functools.partial) and op.keywords == {"hopper": True}
+    ops = kb.get_backend("cuda", "triton")
+    assert ops.extend_attention is extend.extend_attention
+    for dim, shortest in extend_hopper.MIN_Q_LEN.items():
+        assert ops.plan_extend(1, max_q_len=shortest, head_dim=dim).launch == {"hopper": True}
+        assert ops.plan_extend(3, max_q_len=shortest - 1, head_dim=dim).launch == {"hopper": False}
+    assert ops.plan_extend(1, max_q_len=1 << 20, head_dim=96).launch == {"hopper": False}
     monkeypatch.setattr(extend_hopper, "ENABLED", False)  # UNIKV_EXTEND_HOPPER=0
-    assert kb.get_backend("cuda", "triton").extend_attention is extend.extend_attention
-    assert kb.get_backend("cpu", "triton").extend_attention is extend.extend_attention
+    for device in ("cuda", "cpu"):
+        ops = kb.get_backend(device, "triton")
+        assert ops.extend_attention is extend.extend_attention
+        assert ops.plan_extend(1, max_q_len=1 << 20, head_dim=128).launch == {}
 
 
 def test_switches_are_read_at_import(tmp_path):

@@ -33,7 +33,7 @@ import torch
 from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
-from unikv.kernels.backend import DecodePlan, KernelBackend
+from unikv.kernels.backend import DecodePlan, ExtendPlan, KernelBackend
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -80,6 +80,9 @@ class StepPlan:
     split: an extend step whose last requests, not all of them, have no cached
         tokens (``FreshSplit``: prompts joining a step of decodes and continued
         chunks): attention runs in two parts, else None.
+    extend: per attention sub-pool the ExtendPlan of the step's fresh prompts (a
+        fresh step's, or a split step's fresh part: the variant their length takes),
+        else None.
     feedback: the planner's (max_seqs,) int64 buffer of the previous step's tokens,
         in the plans of one-row graphs when ``StepPlanner.feed_graphs`` (a model
         that resolves placeholders from it: ``CausalLM.resolves_feedback``), else None.
@@ -97,6 +100,7 @@ class StepPlan:
     state_slots: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
+    extend: dict[str, ExtendPlan] | None = None
     feedback: torch.Tensor | None = None
 
 
@@ -228,6 +232,12 @@ class StepPlanner:
         first = -1 if is_decode else fresh_suffix(host["seq_lens"][:num] - batch.num_new)
         first = num if pad_q > 1 else first
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
+        fresh = first == 0 and pad_q == 1  # no cached tokens: the cache holds the new ones
+        extend = None
+        if fresh:
+            extend = self._extend_plans(num, max_q_len)
+        elif split is not None:
+            extend = self._extend_plans(num - split.first, split.max_q_fresh)
         return StepPlan(
             is_decode=is_decode,
             input_ids=dev["input_ids"],
@@ -239,8 +249,9 @@ class StepPlanner:
             subpools=self._tables(batch, dev, rows, longest, max_q_len, pad_q),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
-            fresh=first == 0 and pad_q == 1,  # no cached tokens: the cache holds the new ones
+            fresh=fresh,
             split=split,
+            extend=extend,
             feedback=self.feedback if feed else None,
         )
 
@@ -281,6 +292,14 @@ class StepPlanner:
                 write[real:].zero_()
             steps[sub.name] = SubPoolStep(KernelIds(write, sub.name), table)
         return steps
+
+    def _extend_plans(self, num: int, max_q_len: int) -> dict[str, ExtendPlan]:
+        """The fresh prompts' launch plan per attention sub-pool, once per step: ``num``
+        prompts, the longest ``max_q_len`` tokens (host ints)."""
+        return {
+            s.name: self.backend.plan_extend(num, max_q_len=max_q_len, head_dim=s.spec.head_dim)
+            for s in self.attention
+        }
 
     def _decode_plans(self, rows: int, longest) -> dict[str, DecodePlan]:
         """Decode attention's launch plan per attention sub-pool, once per step."""

@@ -33,6 +33,7 @@ from unikv.kernels.attention.protocols import (
     DecodeAttention,
     ExtendAttention,
     PlanDecode,
+    PlanExtend,
     RopeStoreDecodeAttention,
     RopeStoreKV,
     StoreKV,
@@ -68,7 +69,7 @@ from unikv.kernels.tables.protocols import (
 KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
           "extend_attention", "copy_pages")  # fmt: skip
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
-STEP_OPS = ("prepare_step", "plan_decode")
+STEP_OPS = ("prepare_step", "plan_decode", "plan_extend")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gated_rms_norm")
@@ -117,6 +118,7 @@ class KernelBackend:
     translate_ids: TranslateIds
     prepare_step: PrepareStep
     plan_decode: PlanDecode
+    plan_extend: PlanExtend
     causal_conv1d: CausalConv1d
     gated_delta_rule: GatedDeltaRule
     mamba2_ssd: Mamba2SSD
@@ -216,6 +218,46 @@ def plan_decode_torch(
 
 
 @dataclass(frozen=True)
+class ExtendPlan:
+    """The fresh-prompt attention's launch plan for one step (or the fresh part of a
+    split step) of one sub-pool: the variant that prompt length takes, decided by the
+    step planner from host ints, never per layer.
+
+    launch: the keyword arguments ``extend_attention`` takes with ``fresh_kv`` from this
+    plan: ``hopper`` (the Gluon kernel for a long prompt on sm_90) and ``sdpa`` (one
+    prompt through SDPA), each present only where the backend has that variant."""
+
+    launch: Mapping[str, object] = field(default_factory=dict)
+
+
+def plan_extend_triton(
+    num_requests: int,
+    *,
+    max_q_len: int,
+    head_dim: int,
+    hopper_min_q_len: Mapping[int, int] | None = None,
+    sdpa_min_tokens: int | None = None,
+) -> ExtendPlan:
+    """The Triton backend's fresh-prompt plan. hopper_min_q_len: the Gluon kernel's
+    shortest prompt per head dim (``fresh_hopper.MIN_Q_LEN``), bound by ``get_backend``
+    where that kernel runs (sm_90, ``UNIKV_EXTEND_HOPPER``), else None; sdpa_min_tokens:
+    SDPA's shortest prompt (``sdpa.MIN_TOKENS``), bound where ``UNIKV_EXTEND_SDPA`` is
+    on, else None. The ops still check the layer's own conditions (dtype, widths,
+    window, sinks, soft-cap, TMA alignment): those hold for every step of a layer."""
+    launch: dict[str, object] = {}
+    if hopper_min_q_len is not None:
+        launch["hopper"] = max_q_len >= hopper_min_q_len.get(head_dim, 1 << 62)
+    if sdpa_min_tokens is not None:
+        launch["sdpa"] = num_requests == 1 and max_q_len >= sdpa_min_tokens
+    return ExtendPlan(launch)
+
+
+def plan_extend_torch(num_requests: int, *, max_q_len: int, head_dim: int) -> ExtendPlan:
+    """The torch reference has one extend path: nothing to plan."""
+    return ExtendPlan()
+
+
+@dataclass(frozen=True)
 class Flags:
     """What a backend's variants are decided from, read once per ``get_backend`` (never
     on the per-step path).
@@ -247,6 +289,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
     from unikv.kernels.attention import fresh_hopper as extend_hopper
     from unikv.kernels.attention import sdpa as extend_sdpa
 
+    _probe_capabilities(device)
     return Flags(
         cuda=True,
         sm90=_sm90(device),
@@ -254,6 +297,21 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
         extend_hopper=extend_hopper.ENABLED,
         extend_sdpa=extend_sdpa.ENABLED,
     )
+
+
+def _probe_capabilities(device: torch.device) -> None:
+    """Fill the kernels' cached capability probes (PDL, TMA, the MLA decode plan's
+    table) here, when the backend is built, under the device keys the launches ask
+    with, so that no step is the first to ask the device."""
+    if not torch.cuda.is_available():
+        return  # a test's faked CUDA device: nothing to probe
+    from unikv.kernels.mla import plan as mla_plan
+    from unikv.kernels.runtime import checks, pdl
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pdl._capability(torch.device("cuda", index))
+    checks._tma_device(torch.device("cuda", index))
+    mla_plan._capability(index)
 
 
 def _no_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | None:
@@ -272,6 +330,14 @@ def _hopper_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked |
     return MoERepacked("hopper", moe_hopper.repack_in_place, moe_hopper.moe)
 
 
+def _hopper_min_q_len() -> dict[int, int]:
+    """The Gluon fresh-prompt kernel's shortest prompt per head dim (imported only
+    where that kernel runs)."""
+    from unikv.kernels.attention import fresh_hopper
+
+    return dict(fresh_hopper.MIN_Q_LEN)
+
+
 def _triton(flags: Flags) -> KernelBackend:
     from unikv.kernels.runtime.interpret import patch_interpreter
 
@@ -287,10 +353,14 @@ def _triton(flags: Flags) -> KernelBackend:
     from unikv.kernels.tables import block_table, page_copy, step_tables, table_update
 
     # on CUDA a step of one fresh prompt may go to SDPA (cuDNN), the rest to Triton; on
-    # sm_90 fresh prompts the Gluon kernel takes go there (``extend_hopper.usable``)
+    # sm_90 long fresh prompts go to the Gluon kernel: which step takes which is the
+    # step's ExtendPlan (``plan_extend``, bound here to the variants this backend has)
     extend_op = extend_sdpa.extend_attention if flags.extend_sdpa else extend.extend_attention
-    if flags.sm90 and flags.extend_hopper:
-        extend_op = functools.partial(extend_op, hopper=True)
+    plan_extend = functools.partial(
+        plan_extend_triton,
+        hopper_min_q_len=_hopper_min_q_len() if flags.sm90 and flags.extend_hopper else None,
+        sdpa_min_tokens=extend_sdpa.MIN_TOKENS if flags.extend_sdpa else None,
+    )
     return KernelBackend(
         name="triton",
         store_kv=store.store_kv,
@@ -305,6 +375,7 @@ def _triton(flags: Flags) -> KernelBackend:
         translate_ids=table_update.translate_ids,
         prepare_step=step_tables.prepare,
         plan_decode=plan_decode_triton,
+        plan_extend=plan_extend,
         causal_conv1d=recurrent.causal_conv1d,
         gated_delta_rule=recurrent.gated_delta_rule,
         mamba2_ssd=recurrent.mamba2_ssd,
@@ -342,6 +413,7 @@ def _torch() -> KernelBackend:
         translate_ids=tables_ref.translate_ids_ref,
         prepare_step=tables_ref.prepare_ref,
         plan_decode=plan_decode_torch,
+        plan_extend=plan_extend_torch,
         causal_conv1d=recurrent_ref.causal_conv1d,
         gated_delta_rule=recurrent_ref.gated_delta_rule,
         mamba2_ssd=recurrent_ref.mamba2_ssd,

@@ -234,7 +234,8 @@ def extend_attention(
     K/V are then read from them (``extend_fresh``), not through the block table.
     config: ``CONFIGS``-style tiles of the path taken (``extend_fresh.CONFIGS``
     when fresh). hopper: fresh prompts may take the Gluon kernel (``extend_fresh``;
-    decided once, by ``get_backend``). Returns out (T, Hq, Dv) in q's dtype.
+    decided per step by the step's ``ExtendPlan``, from the backend's variants and the
+    prompt length). Returns out (T, Hq, Dv) in q's dtype.
     """
     check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
     if fresh_kv is not None:

@@ -204,7 +204,7 @@ def extend_attention_fresh(
     ``CONFIGS[head_dim]``; a default asking for TMA is used where ``tma_ok`` holds
     for k and v (a host decision from shapes, strides and the device), an explicit
     one must be allowed. hopper: the device runs the Gluon kernel (``extend_hopper.
-    runs_on``: the backend decides it once and passes it; None asks ``runs_on`` here,
+    runs_on``: the step's ``ExtendPlan`` passes it; None asks ``runs_on`` here,
     for direct callers); there, without a config, where ``extend_hopper.usable``
     holds, the Gluon kernel runs instead (16-bit, D == Dv in (64, 128), no window or
     soft-cap, max_q_len >= ``extend_hopper.MIN_Q_LEN[D]``).

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from unikv.kernels.backend import DecodePlan
+    from unikv.kernels.backend import DecodePlan, ExtendPlan
 
 
 class StoreKV(Protocol):
@@ -146,4 +146,14 @@ class PlanDecode(Protocol):
         number at most ``max_len``, from host ints only (no device access);
         ``DecodePlan.launch`` holds the keywords every layer passes to
         ``DecodeAttention``."""
+        ...
+
+
+class PlanExtend(Protocol):
+    def __call__(self, num_requests: int, *, max_q_len: int, head_dim: int) -> ExtendPlan:
+        """The fresh-prompt attention's launch plan for a step (or the fresh part of a
+        split step) of ``num_requests`` prompts with no cached prefix, the longest
+        ``max_q_len`` tokens, on a sub-pool of ``head_dim``-wide heads: the variant a
+        prompt of that length takes (host ints only). ``ExtendPlan.launch`` holds the
+        keywords the layers pass to ``ExtendAttention`` with ``fresh_kv``."""
         ...

@@ -94,10 +94,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      sinks: torch.Tensor | None = None, soft_cap: float = 0.0,
                      out: torch.Tensor | None = None, config: tuple | None = None,
                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     hopper: bool = False) -> torch.Tensor:  # fmt: skip
+                     hopper: bool = False, sdpa: bool | None = None) -> torch.Tensor:  # fmt: skip
     """``extend.extend_attention``, with a step of one fresh prompt through SDPA
-    (``takes_sdpa``): the CUDA backend's op. Arguments and result as there."""
-    if takes_sdpa(q, fresh_kv, max_q_len, window, sinks, soft_cap, config):
+    (``takes_sdpa``): the CUDA backend's op. Arguments and result as there. sdpa: the
+    step's ``ExtendPlan`` says whether its length goes to SDPA (False: never; None, a
+    direct caller: ``takes_sdpa`` alone decides)."""
+    if sdpa is not False and takes_sdpa(q, fresh_kv, max_q_len, window, sinks, soft_cap, config):
         check_attention_args(q, k_cache, v_cache, block_table, seq_lens, sinks, page_size)
         extend_fresh.check_fresh(q, *fresh_kv, q_indptr, sinks)
         return fresh_attention(q, *fresh_kv, sm_scale=sm_scale, out=out)
