@@ -12,7 +12,7 @@ which is ``build_block_table`` (window W_k) plus ``translate_ids`` of the new
 token's virtual id, fused: the page entries are looked up once and read from
 ``req_to_token`` rather than carried from the host. Tombstones, negative ids
 and padding columns read 0 (the sink); ``v2p[-1]`` is never read.
-``tables_ref.step_tables_ref`` is the torch reference, built from the unfused references.
+``kernels/tables/ref.step_tables_ref`` is the torch reference, built from the unfused references.
 """
 
 from __future__ import annotations
@@ -25,11 +25,7 @@ import triton.language as tl
 
 from unikv.kernels.runtime.ids import kernel_row, page_entry, virtual_page
 from unikv.kernels.runtime.launch import launcher
-from unikv.kernels.tables.ref import (  # noqa: F401  (re-exported until callers import tables_ref)
-    StepTarget,
-    prepare_ref,
-    step_tables_ref,
-)
+from unikv.kernels.tables.ref import StepTarget
 
 MAX_TARGETS = 4
 BLOCK_COLS = 128

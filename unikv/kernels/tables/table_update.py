@@ -9,8 +9,8 @@ physical) ids in one launch with ``_ids.translate``:
 
     out = max(v2p[tv // ps if tv >= 0 else 0], 0) * mult + tv mod ps    (mult = ps * B, or ps)
 
-The torch references (same signatures) are ``tables_ref.update_tables_ref`` and
-``tables_ref.translate_ids_ref``.
+The torch references (same signatures) are ``kernels/tables/ref.update_tables_ref`` and
+``kernels/tables/ref.translate_ids_ref``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ import triton.language as tl
 
 from unikv.kernels.runtime.ids import translate
 from unikv.kernels.runtime.launch import launcher
-from unikv.kernels.tables.ref import (  # noqa: F401  (re-exported until callers import tables_ref)
-    HEADER,
-    translate_ids_ref,
-    update_tables_ref,
-)
+from unikv.kernels.tables.ref import HEADER
 
 MAX_TABLES = 8
 BLOCK = 256
