@@ -53,7 +53,18 @@ def test_each_backend_plans_the_variants_it_has():
 
 
 def test_a_plans_keys_are_keywords_of_its_backends_extend_op():
-    for name, ops in {**_triton_backends(), "torch": kb.get_backend("cpu", "torch")}.items():
+    """Every backend, the ones ``fit_backend`` makes for head dims the Triton attention
+    cannot tile included (the references' extend op takes no plan keys, so the plan
+    must fall back with it)."""
+    from unikv.kernels.runtime import widths
+    from unikv.placement import SubPoolConfig
+    from unikv.specs import MHASpec
+
+    backends = {**_triton_backends(), "torch": kb.get_backend("cpu", "torch")}
+    narrow = [SubPoolConfig("full", MHASpec(2, 2, 6, dtype=torch.float32), page_size=4)]
+    for name in ("hopper-sdpa", "sdpa"):
+        backends[f"{name}, head_dim 6"] = widths.fit_backend(backends[name], narrow)
+    for name, ops in backends.items():
         params = inspect.signature(ops.extend_attention).parameters
         launch = ops.plan_extend(1, max_q_len=1 << 20, head_dim=128).launch
         for key in launch:
