@@ -62,7 +62,7 @@ def grow_shrink(device: torch.device, base: int, step: int, reps: int) -> dict:
             _sync(device)
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
             t0 = time.perf_counter()
-            alloc.parts.room.resize(size)
+            alloc.resize(size)
             _sync(device)
             out.append((time.perf_counter() - t0) * 1e3)
             if device.type == "cuda" and size == base:
@@ -108,7 +108,7 @@ def shrink_with_moves(device: torch.device, live: int) -> dict:
     alloc.free_request(b)
     _sync(device)
     t0 = time.perf_counter()
-    moved = alloc.parts.room.resize(pool.total_bytes - live)
+    moved = alloc.resize(pool.total_bytes - live)
     _sync(device)
     ms = (time.perf_counter() - t0) * 1e3
     alloc.check_integrity()

@@ -9,9 +9,12 @@
   device copy bandwidth / time (target >= 0.80); the plan's config and a few others;
   bf16 cuBLAS's time and ``of_bw`` (its 2-byte weight) beside it.
 - ``prefill`` (M = 4096, 8192): ``do_bench`` medians; ``speedup`` = bf16 cuBLAS time /
-  FP8 time (target >= 1.4), the plan's w8a8 config and a few others; and, where this
-  torch runs it, ``torch._scaled_mm`` with DeepSeek's scales (1 x 128 activations,
-  128 x 128 weights), the same quantised operands.
+  FP8 time (target >= 1.4): the backend's plan (``fp8_plan``: the ``scaled_mm`` variant,
+  activation quantisation included, where ``fp8_gemm.scaled_mm_supported`` found this
+  torch's block-scaled ``torch._scaled_mm`` usable, else the Triton w8a8 plan), the
+  Triton w8a8 plan beside it (``fp8_triton_w8a8``) and a few other Triton configs; and
+  ``torch._scaled_mm`` alone with DeepSeek's scales (1 x 128 activations, 128 x 128
+  weights) on the same quantised operands (activations quantised outside the timing).
 Every FP8 output is checked against the torch reference first (a wrong one is
 recorded, not timed). ``summary`` gives each target's worst shape and the misses.
 """
@@ -46,6 +49,7 @@ SHAPES = {  # (N, K): DeepSeek-V3 (hidden 7168) and Qwen3-8B / 32B layers
 }
 DECODE_M, PREFILL_M = (1, 4, 16), (4096, 8192)
 DECODE_TARGET, PREFILL_TARGET = 0.80, 1.4
+SCALED_MM = [False]  # set in main: the backend's probe (fp8_gemm.scaled_mm_supported)
 P = fp8_gemm.Fp8Plan
 DECODE_CANDIDATES = [P("w8a16", 16, n, 128, s, True, w, st) for n, s, w, st in
                      [(32, 0, 4, 4), (64, 0, 4, 4), (128, 0, 4, 3), (64, 0, 4, 6), (32, 0, 2, 5)]]  # fmt: skip
@@ -118,7 +122,7 @@ def decode_shape(name: str, n: int, k: int, bw: float, quick: bool) -> list[dict
         bf16 = graph_us(lambda x=x: [F.linear(x, w) for w in dense], 3, 20) / len(dense)
         base = {"shape": name, "N": n, "K": k, "M": m}
         rows.append(base | {"impl": "bf16_cublas", "us": bf16, "of_bw": n * k * 2 / bw / bf16})
-        cands = [("plan", fp8_gemm.plan(m, n, k, BLOCK, False))]
+        cands = [("plan", fp8_gemm.plan(m, n, k, BLOCK, False, SCALED_MM[0]))]
         if not quick:
             cands += [("cand", with_split(c, m, n, k)) for c in DECODE_CANDIDATES]
 
@@ -150,7 +154,9 @@ def prefill_shape(name: str, n: int, k: int, quick: bool) -> list[dict]:
         base = {"shape": name, "N": n, "K": k, "M": m}
         rows.append(base | {"impl": "bf16_cublas", "us": bf16, "tflops": flops / bf16 / 1e6})
         want = fp8_gemm_ref.fp8_linear_w8a8(x, ws[0], ss[0], block=BLOCK)
-        cands = [("plan", fp8_gemm.plan(m, n, k, BLOCK, False))]
+        cands = [("plan", fp8_gemm.plan(m, n, k, BLOCK, False, SCALED_MM[0]))]
+        if SCALED_MM[0]:  # the Triton plan the scaled_mm variant replaces, beside it
+            cands.append(("triton_w8a8", fp8_gemm.plan(m, n, k, BLOCK, False)))
         if not quick:
             cands += [("cand", c) for c in PREFILL_CANDIDATES]
 
@@ -224,9 +230,12 @@ def main() -> None:
     args = parser.parse_args()
     ceilings = copy_ceilings(GIB, GIB // 16)
     bw = ceilings["d2d_GBps"] * 1e3  # bytes per us
+    SCALED_MM[0] = fp8_gemm.scaled_mm_supported(torch.device("cuda"))
+    print({"scaled_mm_supported": SCALED_MM[0]}, flush=True)
     decode = decode_rows(bw, args.quick)
     prefill = prefill_rows(args.quick)
     payload = {"env": environment(), "ceilings": ceilings, "block": list(BLOCK),
+               "scaled_mm_supported": SCALED_MM[0],
                "summary": summary(decode, prefill), "decode": decode, "prefill": prefill}  # fmt: skip
     print(payload["summary"])
     save_json(args.out, payload)

@@ -33,6 +33,16 @@ first tokens, and only a first-token agreement below 0.9 is an error (a real
 bug is far lower). Per-phase wall times are printed and saved. Reported per workload and
 run: prefix hit rate (hit tokens / looked-up tokens), prefill tokens saved,
 TTFT p50/p99, output tokens/s and wall time; and the ratios cache / no cache.
+The cost breakdown (issue 41: where the cache path spends what its hits save), per
+run: ``checkpoint_copies`` and ``checkpoint_copy_seconds`` (every state-checkpoint
+take and restore, timed by CUDA events around each copy, read at the end),
+``evicted_pages`` / ``evicted_windows`` / ``evicted_checkpoints``,
+``prefill_tokens`` (computed), ``fresh_prefill_tokens`` (what a token-granular
+cache of unlimited size would still compute) and ``recomputed_tokens`` (their
+difference: partial pages, evicted prefixes, missing checkpoints, preemption
+recompute), ``prefill_seconds`` / ``decode_seconds`` (wall time of steps with and
+without prefill rows), ``mean_decode_batch`` (requests per decode-only step: what
+the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at_end``.
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
@@ -87,17 +97,96 @@ def _timed(llm, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
     from unikv.engine import SamplingParams
 
     clock = _StepClock()
+    fed = [0]
+
+    def on_step(llm_, batch, logits) -> None:
+        fed[0] += sum(batch.num_new)
+        clock(llm_, batch, logits)
+
     outputs = llm.generate(
         prompts,
         SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.0),
-        on_step=clock,
+        on_step=on_step,
     )
     wall = time.perf_counter() - clock.t0
     ttft = [times[0] - clock.t0 for times in clock.stamps.values()]
     made = sum(len(o.output_ids) for o in outputs)
     res = {"seconds": wall, "output_tokens": made, "ttft": ttft}
     res["cached_tokens"] = sum(o.num_cached_tokens for o in outputs)
+    # every fed token is a prefill token but the decode ones (each output but the last)
+    res["prefill_tokens"] = fed[0] - sum(max(len(o.output_ids) - 1, 0) for o in outputs)
+    res["steps"] = clock.steps
     return [o.output_ids for o in outputs], res
+
+
+class CopyClock:
+    """Times the state-checkpoint copies (takes and restores: ``StateCheckpoints._copy``)
+    of one LLM: CUDA events around each copy on the current stream, read once at the
+    end (no sync per copy); on CPU the copy is synchronous and timed directly."""
+
+    def __init__(self, llm) -> None:
+        self.states = llm.alloc.parts.prefix.states
+        self.cuda = llm.device.type == "cuda"
+        self.events: list = []
+        self.cpu_s = 0.0
+        self.copies = 0
+        if self.states is None:
+            return
+        inner = self.states._copy
+
+        def timed(src, dst) -> None:
+            self.copies += 1
+            if self.cuda:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                inner(src, dst)
+                end.record()
+                self.events.append((start, end))
+            else:
+                t = time.perf_counter()
+                inner(src, dst)
+                self.cpu_s += time.perf_counter() - t
+
+        self.states._copy = timed
+
+    def seconds(self) -> float:
+        if self.events:
+            torch.cuda.synchronize()
+        return self.cpu_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+
+
+def fresh_tokens(prompts: list[list[int]], seen: set) -> int:
+    """Prompt tokens whose prefix (the token and all before it) no earlier feed held:
+    what a cache of unlimited size, at token granularity, would still prefill.
+    ``seen`` (prefix hashes) gains the prompts' prefixes."""
+    fresh = 0
+    for p in prompts:
+        h = 0
+        for t in p:
+            h = hash((h, t))
+            if h not in seen:
+                seen.add(h)
+                fresh += 1
+    return fresh
+
+
+def breakdown(steps: list, prefill: int, fresh: int, copy_s: float, copies: int) -> dict:
+    """Where a run's time and work went (``steps``: (seconds, is_decode, batch size))."""
+    decode = [(s, b) for s, d, b in steps if d]
+    mixed = [(s, b) for s, d, b in steps if not d]
+    return {
+        "prefill_tokens": prefill,
+        "fresh_prefill_tokens": fresh,
+        "recomputed_tokens": prefill - fresh,  # misses of seen prefixes, preemption recompute
+        "decode_steps": len(decode),
+        "prefill_steps": len(mixed),
+        "decode_seconds": sum(s for s, _ in decode),
+        "prefill_seconds": sum(s for s, _ in mixed),
+        "mean_decode_batch": sum(b for _, b in decode) / max(len(decode), 1),
+        "mean_batch": sum(b for _, _, b in steps) / max(len(steps), 1),
+        "checkpoint_copies": copies,
+        "checkpoint_copy_seconds": copy_s,
+    }
 
 
 def _system_turns(args, vocab: int) -> list[list[list[int]]]:
@@ -152,9 +241,13 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         llm = None
         _free()
         llm = _llm(path, args, caching, max_len, n)
-        before = dict(llm.alloc.parts.prefix.counters())
+        copies = CopyClock(llm)
+        before = dict(llm.alloc.prefix.counters())
+        states = llm.alloc.parts.prefix.states
+        counts = (states.evicted, states.saved, states.restored) if states else (0, 0, 0)
         preempted = llm.scheduler.num_preemptions
         tokens, ttft, seconds, made = [], [], 0.0, 0
+        steps, prefill, fresh, seen = [], 0, 0, set()
         history = [[] for _ in range(n)]
         for t in range(args.turns if chat else 1):
             if chat:
@@ -162,25 +255,45 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
                 prompts = [h + m for h, m in zip(history, messages)]
             else:
                 prompts = turns[0]
+            fresh += fresh_tokens(prompts, seen)
             out, res = _timed(llm, prompts, args.new_tokens)
             tokens.append(out)
             history = [p + o for p, o in zip(prompts, out)]
+            fresh_tokens([h[:-1] for h in history], seen)  # the answers were fed too
             ttft += res["ttft"]
             seconds += res["seconds"]
             made += res["output_tokens"]
-    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.parts.prefix.counters().items()}
+            steps += res["steps"]
+            prefill += res["prefill_tokens"]
+    stats = {k: v - before.get(k, 0) for k, v in llm.alloc.prefix.counters().items()}
     figures = {
         "hit_rate": stats["hit_tokens"] / max(stats["query_tokens"], 1),
         "prefill_tokens_saved": stats["hit_tokens"],
         "evicted_pages": stats["evicted_pages"],
+        "evicted_windows": stats["evicted_windows"],
+        "evicted_checkpoints": (states.evicted - counts[0]) if states else 0,
+        "checkpoint_takes": (states.saved - counts[1]) if states else 0,
+        "checkpoint_restores": (states.restored - counts[2]) if states else 0,
+        "checkpoints_held_at_end": stats.get("checkpoints", 0),
+        "checkpoint_pool_fraction_at_end": _checkpoint_fraction(llm),
         "seconds": seconds,
         "output_tokens_per_s": made / seconds,
         "preemptions": llm.scheduler.num_preemptions - preempted,
         **latency(ttft, []),
+        **breakdown(steps, prefill, fresh, copies.seconds(), copies.copies),
     }
     del llm
     _free()
     return tokens, figures
+
+
+def _checkpoint_fraction(llm) -> float:
+    """The fraction of the pool's bytes the cache's state checkpoints hold now."""
+    states = llm.alloc.parts.prefix.states
+    if states is None:
+        return 0.0
+    slot = llm.pool[states.book.name].page_bytes
+    return len(states.by_node) * slot / llm.pool.total_bytes
 
 
 def spill_bandwidth(path: Path, args) -> dict:
@@ -201,7 +314,7 @@ def spill_bandwidth(path: Path, args) -> dict:
     )
     alloc = PoolAllocator(pool, max_requests=2, max_context=(n + 1) * ps)
     page_bytes = sum(pool[c.name].page_bytes for c in configs)
-    host = enable_prefix_host(alloc.parts, (n + 4) * page_bytes, ReloadPolicy(mode="always"))
+    host = enable_prefix_host(alloc, (n + 4) * page_bytes, ReloadPolicy(mode="always"))
     prefix = alloc.parts.prefix
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
@@ -210,7 +323,7 @@ def spill_bandwidth(path: Path, args) -> dict:
         pages = (len(tokens) - 1) // ps
         slot = alloc.new_request()
         alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([len(tokens)]))
-        prefix.insert(slot, tokens)
+        alloc.prefix.insert(slot, tokens)
         alloc.free_request(slot)
         sync()
         start = time.perf_counter()
@@ -218,13 +331,13 @@ def spill_bandwidth(path: Path, args) -> dict:
         sync()
         spill = time.perf_counter() - start
         start = time.perf_counter()
-        hit = prefix.reload(prefix.match(tokens))
+        hit = alloc.prefix.reload(alloc.prefix.match(tokens))
         sync()
         assert hit.num_tokens == pages * ps, hit
         return spill, time.perf_counter() - start
 
     cycle(np.arange(2 * ps + 1) + 10**6)  # warm-up: compiles the copy and table kernels
-    assert prefix.reset() >= 0 and not host.nodes
+    assert alloc.prefix.reset() >= 0 and not host.nodes
     spill, reload = cycle(np.arange(n * ps + 1))
     total = n * page_bytes
     dev = torch.empty(total, dtype=torch.uint8, device=args.device)
@@ -281,6 +394,10 @@ def run_model(model: str, path: Path, args, phases: dict) -> dict:
         ratio = {
             "output_tokens_per_s": on["output_tokens_per_s"] / off["output_tokens_per_s"],
             "ttft_p50": on["ttft_p50_ms"] / off["ttft_p50_ms"],
+            "prefill_tokens": on["prefill_tokens"] / max(off["prefill_tokens"], 1),
+            "mean_decode_batch": on["mean_decode_batch"] / max(off["mean_decode_batch"], 1e-9),
+            "decode_seconds": on["decode_seconds"] / max(off["decode_seconds"], 1e-9),
+            "prefill_seconds": on["prefill_seconds"] / max(off["prefill_seconds"], 1e-9),
         }
         out[workload] = {
             "no_cache": off, "cache": on, "cache_over_no_cache": ratio, "token_agreement": agree,

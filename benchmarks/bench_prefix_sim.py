@@ -181,7 +181,7 @@ def simulate(specs, budget: int, rounds: list[list[Turn]], window: int | None) -
             _step(pool, alloc, sched, plans, trace)
     for r, t in zip(requests, turns):
         assert r.output_ids == t.output, "simulation: a request's outputs differ from its plan"
-    counters, admit = alloc.parts.prefix.counters(), trace.admit
+    counters, admit = alloc.prefix.counters(), trace.admit
     return {
         "budget_bytes": budget,
         "hit_rate": admit[1] / max(admit[2], 1),

@@ -58,7 +58,7 @@ def engine_run(path, device, ps, ref_moe=False, **kw):
                 mod.kernel = moe_ref.fused_moe
     rows = StepLogits()  # each sampled token's logits row, by (request id, position)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, temperature=0.0), on_step=rows)
-    first = llm._next_id - len(outs)
+    first = llm.requests.next_id - len(outs)
     return outs, rows.rows, first
 
 

@@ -186,7 +186,7 @@ def main() -> None:
     from unikv.engine import SamplingParams
 
     if cli.no_warm_gemms:
-        import unikv.engine.llm as llm_module
+        import unikv.engine.build as llm_module  # build_engine warms the linears
 
         llm_module.warm_linears = lambda *a, **k: 0
 

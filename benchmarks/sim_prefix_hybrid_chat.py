@@ -111,7 +111,7 @@ class Engine:
 
     def run(self, rounds) -> dict:
         plans, trace, held = {}, sim._Trace(), []
-        evicted = self.alloc.parts.prefix.counters()["evicted_pages"]
+        evicted = self.alloc.prefix.counters()["evicted_pages"]
         states = self.alloc.parts.prefix.states
         saved = states.saved
         for round_ in rounds:
@@ -129,7 +129,7 @@ class Engine:
         return {
             "hit_rate": trace.admit[1] / max(trace.admit[2], 1),
             "prefill_tokens_saved": trace.admit[1],
-            "evicted_pages": self.alloc.parts.prefix.counters()["evicted_pages"] - evicted,
+            "evicted_pages": self.alloc.prefix.counters()["evicted_pages"] - evicted,
             "preemptions": self.sched.num_preemptions,
             "checkpoint_copies": states.saved - saved,
             "checkpoint_bytes_held_mean": float(np.mean(held)) * self.slot_bytes,
@@ -160,7 +160,7 @@ def main() -> int:
         engine = Engine(configs, budget, max_len, rules[name][0])
         engine.sched.prefix.supersede_turns = rules[name][1]
         out[name] = {"fresh": engine.run(chat_rounds(0))}
-        engine.alloc.parts.prefix.reset()
+        engine.alloc.prefix.reset()
         out[name]["after_reset"] = engine.run(chat_rounds(0))
     print(json.dumps(out, indent=1))
     if args.out:

@@ -132,7 +132,7 @@ def churn(
             sub = alloc.parts.books[names[int(rng.integers(len(names)))]]
             live = np.flatnonzero(sub.state == 2)
             if len(live):
-                alloc.parts.io.pin(
+                alloc.io.pin(
                     sub.name, PhysicalPageIds(torch.tensor([int(rng.choice(live))]), sub.name)
                 )
         elif op == 6 and events:
@@ -148,7 +148,7 @@ def churn(
             bound = [v for v in vpages if sub.v2p_host[v] >= 0 and sub.pins[sub.v2p_host[v]] == 0]
             if bound:
                 event = FakeEvent()
-                alloc.parts.io.release_physical(
+                alloc.io.release_physical(
                     sub.name, VirtualPageIds(torch.tensor(bound[:1])), fence=event
                 )
                 outstanding.append(event)

@@ -490,7 +490,7 @@ def check_engine_outputs(ref: GreedyReference, llm, outputs, rows=None, atol=1e-
     assert_pages_returned(llm)
     if rows is None:
         return
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V)
         mine = {p: row for (rid, p), row in rows.rows.items() if rid == first_id + k}

@@ -1,5 +1,5 @@
-"""The tiny models of the Qwen3.5-MoE, Gemma-3 multimodal and LFM2 tests (CPU and
-GPU), and the byte oracles they share: a request's
+"""The tiny models of the Qwen3.5-MoE, Qwen3.5 and Gemma-3 multimodal and LFM2 tests
+(CPU and GPU), and the byte oracles they share: a request's
 cached state read from the pool's raw byte buffer, at offsets written out here from
 the layout law of docs/design.md section 2 and the config's own fields (not from the
 specs' offset methods), right after the step that finished its prefill.
@@ -83,7 +83,7 @@ def tiny_qwen3_5_moe_config(**overrides):
     names += ("num_key_value_heads", "max_position_embeddings", "initializer_range")
     names += tuple(k for k in fields if k.startswith("linear_"))
     kept.update({k: fields[k] for k in names})
-    kept.update(eos_token_id=None, bos_token_id=None, pad_token_id=None, **MOE, **overrides)
+    kept.update(eos_token_id=None, bos_token_id=None, pad_token_id=None, **{**MOE, **overrides})
     return tf.Qwen3_5MoeTextConfig(**kept)
 
 
@@ -93,6 +93,30 @@ def save_tiny_qwen3_5_moe(path: str, seed: int = 0):
     config = tiny_qwen3_5_moe_config()
     config._attn_implementation = "eager"
     return save_random_model(config, path, seed)
+
+
+def save_tiny_qwen3_5_mm(path: str, moe: bool = False, seed: int = 0):
+    """A random-init transformers ``Qwen3_5ForConditionalGeneration`` (or, with ``moe``,
+    ``Qwen3_5MoeForConditionalGeneration``), as the released checkpoints are: the tiny
+    text decoder under ``model.language_model.`` beside a one-block vision tower, saved
+    to ``path``; returns the fp32 eval wrapper."""
+    import transformers as tf
+
+    mod = tf.models.qwen3_5_moe.configuration_qwen3_5_moe if moe else (
+        tf.models.qwen3_5.configuration_qwen3_5)  # fmt: skip
+    vision = (mod.Qwen3_5MoeVisionConfig if moe else mod.Qwen3_5VisionConfig)(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
+    )  # fmt: skip
+    text = tiny_qwen3_5_moe_config() if moe else tiny_hybrid_config("qwen3_5")
+    config = (tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config)(
+        text_config=text.to_dict(), vision_config=vision.to_dict()
+    )
+    torch.manual_seed(seed)
+    wrapper = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+    hf = wrapper(config).eval()
+    hf.save_pretrained(path)
+    return hf
 
 
 def save_tiny_gemma3_mm(path: str, seed: int = 0):

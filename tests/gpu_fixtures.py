@@ -214,12 +214,15 @@ def assert_pool_empty(llm) -> None:
     assert_pages_returned(llm)
 
 
-def run_preempting(path: str, refs, tie: float, **kw):
+def run_preempting(path: str, refs, tie: float, window_requests: int = 2, **kw):
     """fp32 on CUDA (graphs on) in a pool that holds two requests of 160 tokens (each
     sub-pool's worst case: full pages, a window, a state slot), so the batch of
     ``engine_prompts(11)`` (6 prompts of up to 100 + NEW_TOKENS tokens) must preempt:
     transformers' greedy tokens up to ``tie``, at least one preemption, the pool empty
-    after. ``kw`` goes to ``gpu_llm``; returns the LLM."""
+    after. A windowed sub-pool holds ``window_requests`` requests' windows (Gemma-3's
+    six sliding layers to one full layer: two windows' bytes would hold the whole batch's
+    full-attention pages, so it never preempts). ``kw`` goes to ``gpu_llm``; returns the
+    LLM."""
     from unikv.engine import SamplingParams
     from unikv.hf_config import specs_from_hf_config
     from unikv.placement import worst_case_pages
@@ -227,7 +230,9 @@ def run_preempting(path: str, refs, tie: float, **kw):
 
     chunk = kw.setdefault("max_num_batched_tokens", CHUNK)
     configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
-    pages = {c.name: 2 * worst_case_pages(c.spec, 16, 160, chunk) for c in configs}
+    share = {c.name: window_requests if getattr(c.spec, "sliding_window", None) else 2
+             for c in configs}  # fmt: skip
+    pages = {c.name: share[c.name] * worst_case_pages(c.spec, 16, 160, chunk) for c in configs}
     prompts = engine_prompts(11)
     llm = gpu_llm(path, torch.float32, kv_cache_bytes=pool_bytes_for(configs, pages),
                   max_model_len=160, **kw)  # fmt: skip
@@ -321,7 +326,7 @@ def bf16_token_checks(llm, hf16, hf32, prompts, max_tokens: int) -> list[TokenCh
     outputs = llm.generate(
         prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), on_step=record
     )
-    first = llm._next_id - len(outputs)
+    first = llm.requests.next_id - len(outputs)
     checks = []
     for k, out in enumerate(outputs):
         seq = out.prompt_ids + out.output_ids

@@ -257,8 +257,12 @@ class ScriptedLLM:
 
     def __init__(self) -> None:
         self.engine = ScriptedLoop()
-        self.prompts = self
+        self.prompts = self.requests = self  # PromptMaker's and RequestMaker's verbs
+        self.core = self  # what the metrics' snapshot reads
         self.tokenizer_lock = threading.Lock()
+
+    def reset_prefix_cache(self) -> bool:
+        return False  # no prefix cache
 
     def token_ids(self, prompt) -> list[int]:
         return list(prompt)

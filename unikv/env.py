@@ -82,10 +82,6 @@ class Flags:
     """The switches (field: environment variable, default, meaning)."""
 
     side_upload: bool = True  # UNIKV_SIDE_UPLOAD: the step tables' upload on a side stream
-    side_readback: bool = True  # UNIKV_SIDE_READBACK: sampled tokens read back on a side stream
-    greedy_in_head: bool = True  # UNIKV_GREEDY_IN_HEAD: greedy argmax fused into the lm_head
-    graph_feedback: bool = True  # UNIKV_GRAPH_FEEDBACK: decode graphs read the feedback buffer
-    rope_decode: bool = True  # UNIKV_ROPE_DECODE: rope + store + decode attention, one launch
     graph_greedy_rows: int = 8  # UNIKV_GRAPH_GREEDY_ROWS: rows of the greedy-in-head graphs
     verify_graph_rows: int = 8  # UNIKV_VERIFY_GRAPH_ROWS: requests of captured verify steps
     gemv_table: str | None = None  # UNIKV_GEMV_TABLE: GEMV configs overriding the tuned table
@@ -117,10 +113,6 @@ class Flags:
 
 PARSERS: dict[str, tuple[str, Callable]] = {
     "side_upload": ("UNIKV_SIDE_UPLOAD", _on("1")),
-    "side_readback": ("UNIKV_SIDE_READBACK", _on("1")),
-    "greedy_in_head": ("UNIKV_GREEDY_IN_HEAD", _on("1")),
-    "graph_feedback": ("UNIKV_GRAPH_FEEDBACK", _on("1")),
-    "rope_decode": ("UNIKV_ROPE_DECODE", _on("1")),
     "graph_greedy_rows": ("UNIKV_GRAPH_GREEDY_ROWS", _int(8)),
     "verify_graph_rows": ("UNIKV_VERIFY_GRAPH_ROWS", _int(8)),
     "gemv_table": ("UNIKV_GEMV_TABLE", _text),

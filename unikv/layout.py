@@ -27,6 +27,7 @@ describes the same bytes and is the oracle the tests cross-read against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -192,8 +193,15 @@ def _strided(
 
 
 def _mha_row(spec: MHASpec, part: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    width = spec.head_dim if part == "k" else spec.v_head_dim
+    width = spec.head_dim if part == "k" or spec.v_head_dim is None else spec.v_head_dim
     return (spec.num_kv_heads, width), (width, 1)
+
+
+def _kv_pairs(
+    num_layers: int, view: Callable[[int, str], torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(view(layer, "k"), view(layer, "v")) for each layer]``."""
+    return [(view(layer, "k"), view(layer, "v")) for layer in range(num_layers)]
 
 
 def mha_dense_views(
@@ -205,13 +213,12 @@ def mha_dense_views(
     with strides ``(H * D, D, 1)``. D != Dv: K ``(num_pages, ps, H, D)``, V
     ``(num_pages, ps, H, Dv)``, indexed by (kernel page entry, slot), strides
     ``(page_elems, H * D, D, 1)`` (docs/design.md section 3)."""
-    return [
-        tuple(
-            _dense(buffer, spec, page_size, num_pages, layer, part, *_mha_row(spec, part))
-            for part in ("k", "v")
-        )
-        for layer in range(spec.num_layers)
-    ]
+    return _kv_pairs(
+        spec.num_layers,
+        lambda layer, part: _dense(
+            buffer, spec, page_size, num_pages, layer, part, *_mha_row(spec, part)
+        ),
+    )
 
 
 def mha_paged_views(
@@ -219,13 +226,12 @@ def mha_paged_views(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer ``(K, V)`` strided views ``(num_pages, ps, H, D)`` indexed by
     (physical page, slot): the oracle for the kernel views."""
-    return [
-        tuple(
-            _strided(buffer, spec, page_size, num_pages, layer, part, *_mha_row(spec, part))
-            for part in ("k", "v")
-        )
-        for layer in range(spec.num_layers)
-    ]
+    return _kv_pairs(
+        spec.num_layers,
+        lambda layer, part: _strided(
+            buffer, spec, page_size, num_pages, layer, part, *_mha_row(spec, part)
+        ),
+    )
 
 
 def mla_dense_views(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -114,7 +114,9 @@ def check_pages(sub: SubPool, pages: torch.Tensor, what: str, *, distinct: bool 
         raise ValueError(f"{what} must be distinct, got {host.tolist()}")
 
 
-def _build_views(buffer: torch.Tensor, spec: Spec, page_size: int, num_pages: int):
+def _build_views(
+    buffer: torch.Tensor, spec: Spec, page_size: int, num_pages: int
+) -> tuple[Any, Any]:
     if isinstance(spec, MHASpec):
         return (
             layout.mha_dense_views(buffer, spec, page_size, num_pages),
@@ -143,7 +145,7 @@ def _copy_op(
         from unikv.kernels.backend import get_backend
 
         backend = get_backend(device)
-    return backend.copy_pages
+    return cast(Callable[..., None], backend.copy_pages)
 
 
 class UnifiedPool:
@@ -382,6 +384,7 @@ class UnifiedPool:
         if total_bytes >= self.total_bytes:
             self._commit_to(total_bytes)
         else:
+            assert self.backing is not None, "resize: only an elastic pool resizes"
             end = round_up(total_bytes + self.tail_pad_bytes, self.backing.chunk)
             if self.device.type == "cuda":  # compaction copies may still read the chunks
                 torch.cuda.synchronize(self.device)
@@ -393,6 +396,7 @@ class UnifiedPool:
             sub.num_pages = pages[name]
 
     def _commit_to(self, total_bytes: int) -> None:
+        assert self.backing is not None, "commit: only an elastic pool commits chunks"
         end = round_up(total_bytes + self.tail_pad_bytes, self.backing.chunk)
         if end > self._end:
             self.backing.commit(self._end, end)

@@ -70,6 +70,7 @@ class _PagedSpec:
 
     num_layers: int
     parts: tuple[str, ...]
+    dtype: torch.dtype  # a field of each subclass (this base is no dataclass)
 
     def part_row_elems(self, part: str) -> int:
         """Elements of one row of ``part`` (one token, one layer)."""
@@ -145,7 +146,7 @@ class _PagedSpec:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         if part not in self.parts:
             raise ValueError(f"part must be one of {self.parts}, got {part!r}")
-        return layer * len(self.parts) + self.parts.index(part)
+        return layer * len(self.parts) + tuple.index(self.parts, part)
 
     def part_offset(self, layer: int, part: str, page_size: int) -> int:
         """Byte offset of (layer, part)'s rows inside a page envelope:
@@ -155,7 +156,7 @@ class _PagedSpec:
         return page_size * (layer * self.layer_bytes + before)
 
     def fingerprint(self) -> str:
-        return _fingerprint(self)
+        return _fingerprint(self)  # type: ignore[arg-type]  # each subclass is a Spec
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,8 @@ class MHASpec(_PagedSpec):
         """K rows are ``H * head_dim`` wide, V rows ``H * v_head_dim`` (no padding)."""
         if part not in self.parts:
             raise ValueError(f"part must be one of {self.parts}, got {part!r}")
-        return self.num_kv_heads * (self.head_dim if part == "k" else self.v_head_dim)
+        v_dim = self.head_dim if self.v_head_dim is None else self.v_head_dim  # set post-init
+        return self.num_kv_heads * (self.head_dim if part == "k" else v_dim)
 
 
 @dataclass(frozen=True)
@@ -326,7 +328,7 @@ class MambaSpec:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         if part not in self.parts:
             raise ValueError(f"part must be one of {self.parts}, got {part!r}")
-        index = self.parts.index(part)
+        index = tuple.index(self.parts, part)
         return self._part_offsets()[0][index] + layer * self.state_parts[index].layer_bytes
 
     def fingerprint(self) -> str:
@@ -336,7 +338,7 @@ class MambaSpec:
 Spec = MHASpec | MLASpec | MambaSpec
 
 
-def _fingerprint(spec: object) -> str:
+def _fingerprint(spec: Spec) -> str:
     """A stable digest of a spec's fields, for save/restore and transfer handshakes."""
 
     def encode(value: object) -> str:

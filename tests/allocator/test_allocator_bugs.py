@@ -351,7 +351,7 @@ def test_holes_go_before_fresh_pages_and_compaction_moves_only_the_side_that_fre
     full = alloc.parts.books["full"]
     swa = alloc.parts.books["swa"]
     freed = swa.v2p_host[alloc.parts.requests.pages[slots[1], :20]].copy()
-    alloc.parts.io.release_physical(
+    alloc.io.release_physical(
         "swa", VirtualPageIds(torch.from_numpy(alloc.parts.requests.pages[slots[1], :20]))
     )
     assert (swa.state[freed] != LIVE).all()

@@ -128,7 +128,7 @@ def test_transfer_fence_holds_pages_and_capacity_counts_them():
 
     fence = FakeEvent()
     vpage = int(alloc.parts.requests.pages[r, 0])
-    alloc.parts.io.release_physical("full", VirtualPageIds(torch.tensor([vpage])), fence=fence)
+    alloc.io.release_physical("full", VirtualPageIds(torch.tensor([vpage])), fence=fence)
     assert full.num_pending == 1
     spare = total - 20  # full pages the empty part of the pool holds
     mamba_pages = full.page_bytes * spare // alloc.parts.books["mamba"].page_bytes

@@ -60,27 +60,24 @@ CASES = {
         "integer",
     ),
     "release unowned": (
-        lambda al, a, b: al.parts.io.release_physical("full", VirtualPageIds(torch.tensor([20]))),
+        lambda al, a, b: al.io.release_physical("full", VirtualPageIds(torch.tensor([20]))),
         ValueError,
         "belong to no request",
     ),
     "release twice": (
         lambda al, a, b: [
-            al.parts.io.release_physical("full", VirtualPageIds(torch.tensor([1])))
-            for _ in range(2)
+            al.io.release_physical("full", VirtualPageIds(torch.tensor([1]))) for _ in range(2)
         ],
         ValueError,
         "hold no physical page",
     ),
     "release physical ids": (
-        lambda al, a, b: al.parts.io.release_physical(
-            "full", PhysicalPageIds(torch.tensor([1]), "full")
-        ),
+        lambda al, a, b: al.io.release_physical("full", PhysicalPageIds(torch.tensor([1]), "full")),
         TypeError,
         "VirtualPageIds",
     ),
     "bind bound": (
-        lambda al, a, b: al.parts.io.bind_physical("swa", VirtualPageIds(torch.tensor([1]))),
+        lambda al, a, b: al.io.bind_physical("swa", VirtualPageIds(torch.tensor([1]))),
         ValueError,
         "already bound",
     ),
@@ -91,7 +88,7 @@ CASES = {
         "hold no slot",
     ),
     "unpin unpinned": (
-        lambda al, a, b: al.parts.io.unpin(
+        lambda al, a, b: al.io.unpin(
             "full", PhysicalPageIds(torch.tensor([al.parts.books["full"].v2p_host[1]]), "full")
         ),
         ValueError,

@@ -338,7 +338,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         OPS["count"] += 1
         if self.pinned and data.draw(st.booleans()):
             (name, page), _ = self.pinned.popitem()
-            self.alloc.parts.io.unpin(name, PhysicalPageIds(torch.tensor([page]), name))
+            self.alloc.io.unpin(name, PhysicalPageIds(torch.tensor([page]), name))
             return
         name = data.draw(st.sampled_from(self.alloc.parts.roles.token_names))
         sub = self.alloc.parts.books[name]
@@ -346,7 +346,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if len(live):
             page = int(data.draw(st.sampled_from(live.tolist())))
             if (name, page) not in self.pinned:
-                self.alloc.parts.io.pin(name, PhysicalPageIds(torch.tensor([page]), name))
+                self.alloc.io.pin(name, PhysicalPageIds(torch.tensor([page]), name))
                 self.pinned[(name, page)] = int(sub.p2v_host[page])
 
     @precondition(lambda self: self.tokens)
@@ -358,7 +358,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.released[name] and data.draw(st.booleans()):
             vpage = data.draw(st.sampled_from(sorted(self.released[name])))
             self.batch = [self.released[name][vpage]]
-            pages = self.alloc.parts.io.bind_physical(name, VirtualPageIds(torch.tensor([vpage])))
+            pages = self.alloc.io.bind_physical(name, VirtualPageIds(torch.tensor([vpage])))
             self.batch = []
             if pages is None:
                 return
@@ -378,15 +378,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         vpage = self.tokens[slot][pos] // self.ps
         if sub.pins[sub.v2p_host[vpage]]:
             return
-        self.alloc.parts.io.release_physical(
-            name, VirtualPageIds(torch.tensor([vpage])), fence=None
-        )
+        self.alloc.io.release_physical(name, VirtualPageIds(torch.tensor([vpage])), fence=None)
         self.released[name][vpage] = slot
         before = snapshot(self.alloc)
         with pytest.raises(ValueError, match="hold no physical page"):
-            self.alloc.parts.io.release_physical(name, VirtualPageIds(torch.tensor([vpage])))
+            self.alloc.io.release_physical(name, VirtualPageIds(torch.tensor([vpage])))
         with pytest.raises(TypeError):
-            self.alloc.parts.io.release_physical(name, PhysicalPageIds(torch.tensor([vpage]), name))
+            self.alloc.io.release_physical(name, PhysicalPageIds(torch.tensor([vpage]), name))
         assert snapshot(self.alloc) == before
 
     # -- invariants -------------------------------------------------------------------

@@ -212,6 +212,6 @@ def test_debug_mode_raises_on_a_live_tombstoned_page():
     step = alloc.decode_step([slot], [9])  # debug checks pass on healthy tables
     assert step is not None
     page = int(alloc.parts.requests.pages[slot, 1])  # inside the window of every sub-pool
-    alloc.parts.io.release_physical("full", VirtualPageIds(torch.tensor([page])))
+    alloc.io.release_physical("full", VirtualPageIds(torch.tensor([page])))
     with pytest.raises(TombstoneReadError, match="full"):
         alloc.decode_step([slot], [10])

@@ -1,5 +1,6 @@
-"""The allocator's shape (review R1, "done when"): a facade of at most 18 public
-members, parts that never reach back to the facade, and classes that read only
+"""The allocator's shape (review R1, "done when"): a facade of at most 22 public
+members (R1's 18, plus issue 43's ``prefix``, ``io``, ``view`` and ``resize``, which
+replaced every read of ``alloc.parts`` outside the allocator), parts that never reach back to the facade, and classes that read only
 the ``self.`` attributes they assign themselves.
 
 Each check is run once against a planted defect first, so it can fail.
@@ -58,13 +59,13 @@ def busy_prefix() -> PoolAllocator:
     for prompt in (np.arange(13), np.arange(100, 108)):
         a = alloc.new_request()
         alloc.alloc_extend(np.array([a]), np.array([0]), np.array([len(prompt)]))
-        alloc.parts.prefix.insert(a, prompt)
-        b = alloc.new_request(prefix=alloc.parts.prefix.match(prompt[:-1]))
+        alloc.prefix.insert(a, prompt)
+        b = alloc.new_request(prefix=alloc.prefix.match(prompt[:-1]))
         held = int(alloc.parts.requests.lens[b])
         alloc.alloc_extend(np.array([b]), np.array([held]), np.array([len(prompt) - held]))
         alloc.free_request(a)
     alloc.free_request(b)  # the second prompt's pages: cached, evictable
-    stats = alloc.parts.prefix.counters()
+    stats = alloc.prefix.counters()
     assert stats["pages"] == 5 and stats["evictable"] == 2 and stats["hit_tokens"] == 16, stats
     alloc.mark_in_flight(FakeEvent())
     return alloc
@@ -118,11 +119,11 @@ def _filled(cell: types.CellType) -> bool:
 # -- the facade's size ------------------------------------------------------------------
 
 
-def test_facade_has_at_most_18_public_members():
+def test_facade_has_at_most_22_public_members():
     alloc = busy("full+swa+mamba")
     members = public_members(alloc)
     assert REQUIRED <= members, f"the facade lost verbs: {sorted(REQUIRED - members)}"
-    assert len(members) <= 18, f"{len(members)} public members: {sorted(members)}"
+    assert len(members) <= 22, f"{len(members)} public members: {sorted(members)}"
 
 
 def test_member_count_sees_instance_attributes_and_properties():
@@ -155,14 +156,14 @@ def test_no_part_reaches_the_facade(make):
 def test_reach_finds_a_planted_back_pointer():
     alloc = busy_prefix()
     prefix = alloc.parts.prefix
-    saved = prefix.check
+    assert not reaches(prefix, alloc)
     try:
         prefix.check = alloc.check_integrity  # a bound method: a back-pointer
         assert reaches(prefix, alloc) == ["part.check.__self__"]
         prefix.check = lambda: alloc.check_integrity()  # a closure over the facade
         assert reaches(prefix, alloc) == ["part.check.<closure>"]
     finally:
-        prefix.check = saved
+        del prefix.check
 
 
 # -- no class reads what it does not assign ----------------------------------------------

@@ -134,4 +134,4 @@ def test_wrong_id_kinds_are_refused():
     with pytest.raises(ValueError, match="Mamba"):
         alloc.translate(VirtualTokenIds(torch.tensor([1])), "mamba")
     with pytest.raises(TypeError, match="of sub-pool 'swa'"):
-        alloc.parts.io.pin("swa", PhysicalPageIds(torch.tensor([1]), "full"))
+        alloc.io.pin("swa", PhysicalPageIds(torch.tensor([1]), "full"))

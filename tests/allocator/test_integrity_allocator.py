@@ -41,8 +41,8 @@ def busy() -> PoolAllocator:
         assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([tokens])) is not None
         assert alloc.alloc_mamba(np.array([slot])) is not None
     alloc.free_out_of_window(np.array([r0]), np.array([22]))
-    alloc.parts.io.pin("full", _pages(alloc, "full", r1, 0))
-    alloc.parts.io.pin("full", _pages(alloc, "full", r2, 0))
+    alloc.io.pin("full", _pages(alloc, "full", r1, 0))
+    alloc.io.pin("full", _pages(alloc, "full", r2, 0))
     alloc.free_request(r2)
     alloc.mark_in_flight(FakeEvent())
     alloc.free_request(r3)

@@ -61,13 +61,13 @@ def serve(alloc: PoolAllocator, tokens, cache: bool = True) -> tuple[int, int]:
     """Admit a prompt as the engine does: match (all but the last token), open
     with the hit, extend and write the rest, cache. Returns (slot, hit tokens)."""
     tokens = np.asarray(tokens, np.int64)
-    hit = alloc.parts.prefix.match(tokens[:-1])
+    hit = alloc.prefix.match(tokens[:-1])
     slot = alloc.new_request(prefix=hit)
     rest = len(tokens) - hit.num_tokens
     assert alloc.alloc_extend(np.array([slot]), np.array([hit.num_tokens]), np.array([rest]))
     write(alloc, slot, tokens, hit.num_tokens)
     if cache:
-        alloc.parts.prefix.insert(slot, tokens)
+        alloc.prefix.insert(slot, tokens)
     return slot, hit.num_tokens
 
 
@@ -98,7 +98,7 @@ def test_repeated_prompt_shares_whole_pages_by_reference(ps):
     assert physical(alloc, a)[3] != physical(alloc, b)[3]  # each writes its own tail
     assert alloc.parts.prefix.refs[alloc.parts.requests.held_pages(b)[:3]].tolist() == [2] * 3
     torch.testing.assert_close(read(alloc, b, len(prompt)), expected(prompt), rtol=0, atol=0)
-    stats = alloc.parts.prefix.counters()
+    stats = alloc.prefix.counters()
     assert stats["hit_tokens"] == 3 * ps and stats["query_tokens"] == 2 * (len(prompt) - 1)
 
 
@@ -114,15 +114,15 @@ def test_prompts_sharing_part_of_a_page_hit_only_whole_pages(ps):
     torch.testing.assert_close(read(alloc, b, len(other)), expected(other), rtol=0, atol=0)
     first_differs = base.copy()
     first_differs[0] += 1
-    assert alloc.parts.prefix.match(first_differs).num_tokens == 0
+    assert alloc.prefix.match(first_differs).num_tokens == 0
 
 
 def test_a_full_prompt_hit_leaves_the_last_token_to_compute():
     alloc = make(4)
     prompt = np.arange(8)
     serve(alloc, prompt)
-    assert alloc.parts.prefix.match(prompt).num_tokens == 8
-    assert alloc.parts.prefix.match(prompt[:-1]).num_tokens == 4  # what the engine asks
+    assert alloc.prefix.match(prompt).num_tokens == 8
+    assert alloc.prefix.match(prompt[:-1]).num_tokens == 4  # what the engine asks
 
 
 def test_released_pages_are_evicted_oldest_and_deepest_first():
@@ -139,9 +139,9 @@ def test_released_pages_are_evicted_oldest_and_deepest_first():
     c = alloc.new_request()  # needs the room plus 2 evictions
     free = room(alloc)
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([4 * (free + 2)]))
-    assert alloc.parts.prefix.counters()["evicted_pages"] == 2
-    assert alloc.parts.prefix.match(old[:-1]).num_tokens == 4  # blocks 1 and 2 went, block 0 stays
-    assert alloc.parts.prefix.match(new[:-1]).num_tokens == 12
+    assert alloc.prefix.counters()["evicted_pages"] == 2
+    assert alloc.prefix.match(old[:-1]).num_tokens == 4  # blocks 1 and 2 went, block 0 stays
+    assert alloc.prefix.match(new[:-1]).num_tokens == 12
 
 
 def test_can_admit_counts_evictable_pages_and_agrees_with_allocation():
@@ -167,7 +167,7 @@ def test_referenced_pages_are_never_evicted():
     c = alloc.new_request()
     free = room(alloc)
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([4 * (free + 1)])) is None
-    assert physical(alloc, a) == held and alloc.parts.prefix.counters()["evicted_pages"] == 0
+    assert physical(alloc, a) == held and alloc.prefix.counters()["evicted_pages"] == 0
 
 
 def test_compaction_moves_cached_pages_and_a_hit_reads_their_bytes():
@@ -189,9 +189,9 @@ def test_hash_collisions_are_caught_by_the_token_comparison(monkeypatch):
     monkeypatch.setattr(prefix_module, "hash", lambda _: 7, raising=False)
     alloc = make(4)
     serve(alloc, np.arange(9))  # block 0 takes key 7; block 1 collides and is not cached
-    assert alloc.parts.prefix.counters()["cached_pages"] == 1
-    assert alloc.parts.prefix.match(np.arange(100, 109)).num_tokens == 0
-    assert alloc.parts.prefix.match(np.arange(9)).num_tokens == 4
+    assert alloc.prefix.counters()["cached_pages"] == 1
+    assert alloc.prefix.match(np.arange(100, 109)).num_tokens == 0
+    assert alloc.prefix.match(np.arange(9)).num_tokens == 4
 
 
 def test_a_stale_hit_is_refused_and_the_slot_closed():
@@ -199,7 +199,7 @@ def test_a_stale_hit_is_refused_and_the_slot_closed():
     prompt = np.arange(9)
     a, _ = serve(alloc, prompt)
     alloc.free_request(a)
-    hit = alloc.parts.prefix.match(prompt[:-1])
+    hit = alloc.prefix.match(prompt[:-1])
     c = alloc.new_request()
     free = room(alloc)
     assert alloc.alloc_extend(np.array([c]), np.array([0]), np.array([4 * (free + 2)]))
@@ -217,26 +217,26 @@ def test_pools_without_attention_are_refused():
     alloc = PoolAllocator(UnifiedPool(configs, pool_bytes_for(configs, {"mamba": 8})),
                           max_requests=2, max_context=32)  # fmt: skip
     with pytest.raises(ValueError, match="needs an attention sub-pool"):
-        alloc.parts.prefix.match([1, 2, 3, 4])
+        alloc.prefix.match([1, 2, 3, 4])
     slot = alloc.new_request()
     with pytest.raises(ValueError, match="needs an attention sub-pool"):
-        alloc.parts.prefix.insert(slot, [])
+        alloc.prefix.insert(slot, [])
 
 
 def test_bad_input_leaves_state_unchanged():
     alloc = make(4)
     a, _ = serve(alloc, np.arange(10))
     with pytest.raises(ValueError, match="holds 10 tokens"):
-        alloc.parts.prefix.insert(a, np.arange(11))
+        alloc.prefix.insert(a, np.arange(11))
     with pytest.raises(ValueError, match="1-D list of ints"):
-        alloc.parts.prefix.match([[1, 2]])
+        alloc.prefix.match([[1, 2]])
     with pytest.raises(ValueError, match="shared prefix-cache pages"):
         alloc.truncate(np.array([a]), np.array([6]))
     alloc.truncate(np.array([a]), np.array([4]))  # whole pages: fine
     assert alloc.parts.prefix.refs[alloc.parts.requests.held_pages(a)].tolist() == [1]
     v = VirtualPageIds(torch.tensor([int(alloc.parts.requests.held_pages(a)[0])]))
     with pytest.raises(ValueError, match="shared prefix-cache pages"):
-        alloc.parts.io.release_physical("full", v)
+        alloc.io.release_physical("full", v)
 
 
 # -- check_integrity: each new invariant broken alone -----------------------------
@@ -306,5 +306,5 @@ def test_each_broken_prefix_invariant_is_named(invariant):
 
 
 def test_the_exported_prefix_hit_is_what_match_returns():
-    hit = busy().parts.prefix.match(np.arange(9, dtype=np.int64))
+    hit = busy().prefix.match(np.arange(9, dtype=np.int64))
     assert type(hit) is PrefixHit

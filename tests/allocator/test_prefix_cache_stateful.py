@@ -116,7 +116,7 @@ class PrefixMachine(FenceRules, RuleBasedStateMachine):
     @rule(base=st.sampled_from(BASES), cut=st.integers(5, 12), tail=st.lists(st.integers(0, 3)))
     def admit(self, base, cut, tail):
         prompt = (base[:cut] + tail)[:20] or [0]
-        hit = self.alloc.parts.prefix.match(np.array(prompt[:-1]))
+        hit = self.alloc.prefix.match(np.array(prompt[:-1]))
         slot = self.alloc.new_request(prefix=hit)
         pages = self.alloc.parts.requests.held_pages(slot)
         for i, vpage in enumerate(pages.tolist()):  # a hit: exactly the cached bytes and tokens
@@ -176,7 +176,7 @@ class PrefixMachine(FenceRules, RuleBasedStateMachine):
     def _cache(self, slot: int) -> None:
         """Share request ``slot``'s full pages; the shadow records the new ones."""
         before = self._cached()
-        self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+        self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
         pages = self.alloc.parts.requests.held_pages(slot).tolist()
         for vpage in self._cached() - before:
             i = pages.index(vpage)
@@ -216,7 +216,7 @@ def test_prefix_cache_state_machine(ps):
     class Counted(machine):
         def teardown(self):
             runs["hits"] += self.hits
-            runs["evicted"] += self.alloc.parts.prefix.counters()["evicted_pages"]
+            runs["evicted"] += self.alloc.prefix.counters()["evicted_pages"]
 
     Counted.TestCase.settings = derandomized(max_examples=100, steps=40)
     Counted.TestCase().runTest()

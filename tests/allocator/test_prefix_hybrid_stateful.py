@@ -16,7 +16,11 @@ pages and checkpoints are evicted. After every rule, ``check_integrity()`` and:
   (``engine/checkpoint_rule.py``; a copy worth 0.5 tokens of prefill at page 1, 1.5
   at page 4) says so, from the tokens since the request's previous checkpoint and
   its chance to end there; each checkpoint records the length of the prefix it was taken after
-  (``position``), and a corrupted one is caught (``test_a_misplaced_...``).
+  (``position``), and a corrupted one is caught (``test_a_misplaced_...``);
+- the pool fractions the cost rule weighs (``PrefixCaching.pool_fractions``: the
+  checkpoints' and the running requests' bytes, from the books' counters) equal the
+  shadow's: its checkpoints, and each live request's uncached pages and state slot read
+  from the request table (``test_a_slot_counted_twice_...``: an off count is caught).
 
 Each "prefill" chunk writes values used once (a counter) through the pool's
 Mamba views, so a slot read through the wrong id cannot look right.
@@ -34,6 +38,7 @@ from test_prefix_cache_stateful import BASES, FenceRules, derandomized
 
 from unikv.allocator import PoolAllocator
 from unikv.engine.checkpoint_rule import CheckpointRule
+from unikv.engine.prefix_policy import PrefixCaching
 from unikv.pool import UnifiedPool, pool_bytes_for
 
 CONTEXT = 24
@@ -67,6 +72,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         self.hits = self.misses = 0
         self.since: dict[int, int] = {}  # request -> tokens of its latest checkpoint or hit
         self.decisions = [0, 0]  # decode boundaries declined, taken by the rule
+        self.policy = PrefixCaching(self.alloc, has_state=True, has_window=False)
 
     # -- helpers ------------------------------------------------------------------
 
@@ -87,7 +93,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
 
     def _node(self, key: tuple[int, ...]) -> int | None:
         """The node of ``key``'s checkpoint, or None: a hit covers all of it only then."""
-        hit = self.prefix.match(np.array(key, np.int64))
+        hit = self.alloc.prefix.match(np.array(key, np.int64))
         return int(hit.nodes[-1]) if key and hit.num_tokens == len(key) else None
 
     def _ckpt_phys(self, node: int) -> int:
@@ -133,7 +139,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         )
 
     def _admit(self, prompt: list[int]) -> int:
-        hit = self.prefix.match(np.array(prompt[:-1]))
+        hit = self.alloc.prefix.match(np.array(prompt[:-1]))
         slot = self.alloc.new_request(prefix=hit)
         key = tuple(prompt[: hit.num_tokens])
         assert not key or key in self.shadow, f"a hit of {key} with no checkpoint taken"
@@ -182,9 +188,9 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         return True
 
     def _checkpoint(self, slot: int, key: tuple[int, ...]) -> None:
-        self.prefix.insert(slot, np.array(key))
+        self.alloc.prefix.insert(slot, np.array(key))
         existed = self._node(key) is not None
-        if self.prefix.checkpoint(slot, np.array(key)):
+        if self.alloc.prefix.checkpoint(slot, np.array(key)):
             assert self._node(key) is not None, f"checkpoint of {key} taken but not matched"
             self.since[slot] = len(key)
             if not existed:
@@ -225,7 +231,7 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         """A checkpoint superseded (the engine's policy: a request's prompt-end one once
         its output-end one is taken): the first to go from now on."""
         key = data.draw(st.sampled_from(sorted(self.shadow)))
-        self.prefix.demote_checkpoint(np.array(key, np.int64))
+        self.alloc.prefix.demote_checkpoint(np.array(key, np.int64))
 
     @precondition(lambda self: self.prompt)
     @rule(data=st.data())
@@ -265,6 +271,21 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         for slot, key in self.key.items():
             if self.state[slot] is None and key:
                 assert key in nodes, f"pinned checkpoint of {key} evicted before its restore"
+        self.pool_fractions_match_the_shadow(len(nodes))
+
+    def pool_fractions_match_the_shadow(self, ckpts: int):
+        """(Called by ``checkpoints_hold_what_was_copied`` with the shadow's live
+        checkpoints, counted there.)"""
+        got = self.policy.pool_fractions()
+        parts, total = self.alloc.parts, self.pool.total_bytes
+        slot_bytes, page_bytes = self.pool["mamba"].page_bytes, self.pool["full"].page_bytes
+        batch = 0
+        for slot in self.held:
+            pages = parts.requests.held_pages(slot)
+            batch += int((~parts.prefix.is_cached(pages)).sum()) * page_bytes
+            batch += slot_bytes if self.state[slot] is not None else 0  # a restored slot
+        want = (ckpts * slot_bytes / total, batch / total)
+        assert got == pytest.approx(want), f"pool fractions {got} vs the shadow's {want}"
 
     @invariant()
     def requests_hold_their_own_state(self):
@@ -287,7 +308,7 @@ def test_prefix_hybrid_state_machine(ps):
             runs["misses"] += self.misses
             runs["restored"] += self.states.restored
             runs["evicted"] += self.states.evicted
-            runs["evicted_pages"] += self.prefix.counters()["evicted_pages"]
+            runs["evicted_pages"] += self.alloc.prefix.counters()["evicted_pages"]
             runs["declined"] += self.decisions[0]
             runs["taken"] += self.decisions[1]
 
@@ -313,3 +334,14 @@ def test_a_misplaced_checkpoint_is_caught():
     assert hit.num_tokens == 8
     with pytest.raises(AssertionError, match="a hit restores a checkpoint taken at its own"):
         machine.alloc.new_request(prefix=hit)
+
+
+def test_a_slot_counted_twice_is_caught():
+    """A Mamba book that counts one live slot too many (a checkpoint slot freed but
+    still counted): the batch fraction the cost rule weighs is off, and named."""
+    machine = HybridMachine()
+    machine.served_chains()
+    machine.checkpoints_hold_what_was_copied()
+    machine.book.num_live += 1
+    with pytest.raises(AssertionError, match="pool fractions"):
+        machine.checkpoints_hold_what_was_copied()

@@ -12,6 +12,13 @@ after every verb (debug mode). Independent of the allocator, a shadow knows
   need, cache on;
 - a request's next query reads, in the window sub-pool, exactly the values written at
   those positions (its own, or the cached ones of its hit).
+
+``DeadPagesMachine`` adds one rule and one invariant (issue 41): the dead pages
+(``prefix_evict.dead_pages``: evictable, below the last node of their chain whose window
+is intact) are exactly those no ``match`` of a cached chain's tokens reaches, derived
+through the public lookup; and evicting them first (``evict``) loses no hit: every
+other cached chain matches as far after as before (``test_a_live_page_taken_for_dead_
+is_caught``: a dead set with a live page in it is named).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_prefix_cache_stateful import BASES, FenceRules, derandomized
 
-from unikv.allocator import PoolAllocator
+from unikv.allocator import PoolAllocator, prefix_evict
 from unikv.allocator.prefix import CACHED
 from unikv.ids import VirtualTokenIds
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
@@ -93,7 +100,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
             self.tokens[slot] = prompt[: held + n]
             self._write(slot, held)
             if share:
-                self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+                self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
             self._window_frees(slot)
         return True
 
@@ -113,7 +120,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
             slot = self.alloc.new_request()
             self.tokens[slot], self.values[slot] = [], []
             if self._grow(slot, base[:12], 0):
-                self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+                self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
                 self._free(slot)
 
     @precondition(lambda self: len(self.tokens) < 4)
@@ -125,7 +132,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
     )
     def admit(self, base, cut, tail, share):
         prompt = (base[:cut] + tail)[:20] or [0]
-        hit = self.alloc.parts.prefix.match(np.array(prompt[:-1]))
+        hit = self.alloc.prefix.match(np.array(prompt[:-1]))
         slot = self.alloc.new_request(prefix=hit)
         k = hit.num_tokens
         self.tokens[slot] = prompt[:k]
@@ -151,7 +158,7 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
     @rule(data=st.data())
     def cache(self, data):
         slot = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.alloc.parts.prefix.insert(slot, np.array(self.tokens[slot]))
+        self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -189,7 +196,7 @@ def test_prefix_window_state_machine(ps):
 
     class Counted(machine):
         def teardown(self):
-            stats = self.alloc.parts.prefix.counters()
+            stats = self.alloc.prefix.counters()
             runs["hits"] += self.hits
             runs["windows"] += stats["evicted_windows"]
             runs["pages"] += stats["evicted_pages"]
@@ -200,3 +207,98 @@ def test_prefix_window_state_machine(ps):
     # nearly every binding lies in some chain end's window suffix: few go alone)
     windows = 20 if ps == 2 else 0
     assert runs["hits"] > 20 and runs["windows"] > windows and runs["pages"] > 0, runs
+
+
+class DeadPagesMachine(WindowMachine):
+    """``WindowMachine`` plus the dead-page rule and invariant (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead_evicted = self.dead_states = 0
+
+    @precondition(lambda self: self.alloc.parts.prefix.num_reclaimable)
+    @rule(count=st.integers(1, 6))
+    def pressure(self, count):
+        """The room maker's eviction of ``count``: dead pages first, and while they
+        last no hit is lost; past them, every dead page is gone."""
+        prefix = self.alloc.parts.prefix
+        dead = self._dead()
+        before = self._hits()
+        self.alloc.parts.writer.write(prefix.evict(count))
+        gone = set(before) - set(prefix.by_page)
+        self.dead_evicted += len(gone & set(dead))
+        if count <= len(dead):
+            assert gone <= set(dead), "a live page evicted while dead pages were left"
+            after = self._hits()
+            for page, reach in before.items():
+                if page not in dead:
+                    assert after[page] == reach, f"a hit lost: page {page} {reach} -> {after[page]}"
+        else:
+            assert set(dead) <= gone, "a dead page kept while live ones were evicted"
+
+    def _chain(self, node) -> list[int]:
+        """The tokens of ``node``'s chain, from the root to it."""
+        blocks, by_id = [], self.alloc.parts.prefix.by_id
+        while node is not None:
+            blocks.append(np.frombuffer(node.tokens, np.int64).tolist())
+            node = by_id.get(node.parent_id) if node.parent_id else None
+        return [t for b in reversed(blocks) for t in b]
+
+    def _hits(self) -> dict[int, int]:
+        """Cached page -> the tokens a lookup of its chain (plus one token) hits."""
+        prefix, out = self.alloc.parts.prefix, {}
+        for page, node in list(prefix.by_page.items()):
+            hit = prefix.match(np.array(self._chain(node) + [0], np.int64))
+            prefix.uncount(hit)
+            out[page] = hit.num_tokens
+        return out
+
+    def _dead(self) -> list[int]:
+        """Evictable cached pages no hit of a lookup of any cached chain reaches."""
+        prefix, ps = self.alloc.parts.prefix, self.PS
+        reached = set()
+        for node in prefix.by_page.values():
+            chain = self._chain(node)
+            if len(prefix.walk(np.array(chain, np.int64))) * ps < len(chain):
+                continue  # an orphan: a lookup of its chain does not reach it
+            hit = prefix.match(np.array(chain + [0], np.int64))
+            prefix.uncount(hit)
+            reached.update(hit.nodes.tolist())
+        return [p for p in prefix.lru if prefix.by_page[p].node_id not in reached]
+
+    @invariant()
+    def dead_pages_are_those_no_lookup_reaches(self):
+        got = prefix_evict.dead_pages(self.alloc.parts.prefix).tolist()
+        assert sorted(got) == sorted(self._dead()), "dead pages vs the lookups"
+        self.dead_states += bool(got)
+
+
+@pytest.mark.parametrize("ps", [2, 4])
+def test_dead_pages_state_machine(ps):
+    machine = type(f"DeadPagesMachine{ps}", (DeadPagesMachine,), {"PS": ps})
+    runs = {"seen": 0, "dead": 0}
+
+    class Counted(machine):
+        def teardown(self):
+            runs["seen"] += self.dead_states
+            runs["dead"] += self.dead_evicted
+
+    Counted.TestCase.settings = derandomized(max_examples=20, steps=40)
+    Counted.TestCase().runTest()
+    assert runs["seen"] > 0 and runs["dead"] > 0, runs  # dead pages arose and went first
+
+
+def test_a_live_page_taken_for_dead_is_caught(monkeypatch):
+    """A dead set holding a page a lookup still reaches: the check names it, and
+    evicting it loses a hit."""
+    machine = DeadPagesMachine()
+    machine.cached_chains()
+    prefix = machine.alloc.parts.prefix
+    live = [p for p in prefix.lru if p not in machine._dead()]
+    assert live
+    monkeypatch.setattr(prefix_evict, "dead_pages", lambda cache: np.array(live[-1:], np.int32))
+    with pytest.raises(AssertionError, match="dead pages vs the lookups"):
+        machine.dead_pages_are_those_no_lookup_reaches()
+    monkeypatch.setattr(machine, "_dead", lambda: live[-1:])  # the shadow fooled alike
+    with pytest.raises(AssertionError, match="a live page evicted|a hit lost"):
+        machine.pressure(1)

@@ -335,7 +335,7 @@ def test_translation_clamps_tombstones_and_the_sink_survives_churn(ps):
     got = alloc.translate(VirtualTokenIds(buf), "swa", out=buf)
     assert torch.equal(buf, want) and got.data.data_ptr() == buf.data_ptr()
     vpage = int(alloc.parts.requests.pages[b, 1])
-    alloc.parts.io.release_physical("swa", VirtualPageIds(torch.tensor([vpage])))
+    alloc.io.release_physical("swa", VirtualPageIds(torch.tensor([vpage])))
     tomb = alloc.translate(VirtualTokenIds(ids), "swa").data
     sink_rows = ps * alloc.parts.books["swa"].blocks_per_page  # kernel ids of page 0
     assert (tomb[ps : 2 * ps] < sink_rows).all() and torch.equal(tomb[:ps], want[:ps])
@@ -366,7 +366,7 @@ def test_an_swa_only_free_keeps_the_virtual_page_and_its_full_page():
     slot = alloc.new_request()
     assert extend(alloc, slot, 3)
     middle = int(request_vpages(alloc, slot)[1])
-    alloc.parts.io.release_physical("swa", VirtualPageIds(torch.tensor([middle])))
+    alloc.io.release_physical("swa", VirtualPageIds(torch.tensor([middle])))
     assert (
         alloc.parts.books["full"].v2p_host[middle] >= 0
         and alloc.parts.books["swa"].v2p_host[middle] == -1
@@ -388,7 +388,7 @@ def test_swa_compaction_diverges_only_the_side_that_freed_moves():
     vb, vc = int(request_vpages(alloc, b)[0]), int(request_vpages(alloc, c)[0])
     full_before = alloc.parts.books["full"].v2p_host.copy()
     swa_c = int(alloc.parts.books["swa"].v2p_host[vc])
-    alloc.parts.io.release_physical("swa", VirtualPageIds(torch.tensor([vb])))
+    alloc.io.release_physical("swa", VirtualPageIds(torch.tensor([vb])))
     assert alloc.compact() == 1
     assert np.array_equal(alloc.parts.books["full"].v2p_host, full_before)
     assert int(alloc.parts.books["swa"].v2p_host[vc]) != swa_c
@@ -438,7 +438,7 @@ def test_swa_randomized_alloc_free_and_swa_free():
             vpages = request_vpages(alloc, slot)
             bound = vpages[alloc.parts.books["swa"].v2p_host[vpages] >= 0]
             if len(bound):
-                alloc.parts.io.release_physical("swa", VirtualPageIds(torch.from_numpy(bound)))
+                alloc.io.release_physical("swa", VirtualPageIds(torch.from_numpy(bound)))
         if step % 10 == 9:
             alloc.compact()
             check_hole_free(alloc)

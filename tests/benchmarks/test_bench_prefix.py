@@ -1,7 +1,9 @@
 """``benchmarks/bench_prefix.py --tiny`` on CPU in fp32: the benchmark's own check
 (greedy tokens with the prefix cache equal those without it, or it exits) over the
 system-prompt and chat workloads of the tiny Llama and Qwen3.5 hybrid, and its
-spill row (cached pages through the host tier and back, byte counts of both)."""
+spill row (cached pages through the host tier and back, byte counts of both).
+The cost breakdown is checked against the workload's own arithmetic: prompt tokens
+of the --tiny sizes, new prefixes, and the checkpoint copies the counters saw."""
 
 from __future__ import annotations
 
@@ -25,8 +27,33 @@ def test_tiny_bench_prefix_runs_exact_and_hits(tmp_path):
             assert row["no_cache"]["hit_rate"] == 0 and row["no_cache"]["prefill_tokens_saved"] == 0
             assert row["cache"]["hit_rate"] > 0.2, (model, workload, row["cache"])
             assert row["token_agreement"] == {"tokens": 1.0, "first_tokens": 1.0}
+            _check_breakdown(model, workload, row)
     spill = res["llama"]["spill"]
     counters, page_bytes = spill["counters"], spill["bytes"] // spill["pages"]
     moved = spill["pages"] + 2  # the timed pages and the 2-page warm-up cycle
     assert counters["host_spilled_pages"] == counters["host_reloaded_pages"] == moved, counters
     assert counters["host_spilled_bytes"] == counters["host_reloaded_bytes"] == moved * page_bytes
+
+
+# --tiny: 6 requests of a 64-token system prompt + 8; 3 conversations x 3 turns of
+# 8-token messages and 8-token answers (bench_prefix.main)
+TINY_PROMPTS = {"system": [6 * (64 + 8)], "chat": [3 * (8 + 16 * t) for t in range(3)]}
+# new prefixes: the system prompt once and each suffix; each chat turn's message,
+# and after the first turn the previous answer's last token (sampled, never fed)
+TINY_FRESH = {"system": 64 + 6 * 8, "chat": 3 * 8 + 2 * 3 * (8 + 1)}
+
+
+def _check_breakdown(model: str, workload: str, row: dict) -> None:
+    off, on = row["no_cache"], row["cache"]
+    for run in (off, on):
+        assert run["preemptions"] == 0, run  # (recompute would add prefill tokens)
+        assert run["fresh_prefill_tokens"] == TINY_FRESH[workload]
+        assert run["recomputed_tokens"] == run["prefill_tokens"] - TINY_FRESH[workload]
+        assert run["decode_steps"] + run["prefill_steps"] > 0 and run["mean_decode_batch"] >= 1
+    assert off["prefill_tokens"] == sum(TINY_PROMPTS[workload])
+    assert on["prefill_tokens"] == off["prefill_tokens"] - on["prefill_tokens_saved"]
+    assert off["checkpoint_copies"] == 0 and off["checkpoint_copy_seconds"] == 0
+    copies = on["checkpoint_takes"] + on["checkpoint_restores"]  # device only: no host tier
+    assert on["checkpoint_copies"] == copies, on
+    assert (copies > 0) == (model == "hybrid") and on["checkpoint_copy_seconds"] >= 0
+    assert (on["checkpoint_pool_fraction_at_end"] > 0) == (on["checkpoints_held_at_end"] > 0)

@@ -1,5 +1,5 @@
 """The elastic pool (issue 44, docs/design.md section 4): the emulated backing,
-``UnifiedPool.resize`` and ``Room.resize`` (``alloc.parts.room.resize``).
+``UnifiedPool.resize`` and ``Room.resize`` (``alloc.resize``).
 
 The state machine interleaves grow, shrink, admit (open + extend), decode,
 window frees, finish, compaction and forward fences on 2- and 3-sub-pool chains,
@@ -273,7 +273,7 @@ class ElasticMachine(RuleBasedStateMachine):
         if old >= self.pool.max_bytes:
             return
         new = data.draw(st.integers(old + 1, self.pool.max_bytes))
-        assert self.parts.room.resize(new) == 0, "growth moves no page"
+        assert self.resize(new) == 0, "growth moves no page"
         self.counts["grow"] += 1
         gained = {n: b.num_pages for n, b in self.parts.books.items()}
         down = next((b for b in self.parts.books.values() if b.grow == Grow.DOWN), None)
@@ -302,7 +302,7 @@ class ElasticMachine(RuleBasedStateMachine):
         self.parts.room.drain()  # fired fences' pages become holes (resize drains first)
         before = snapshot(self.alloc)
         try:
-            self.counts["moved"] += self.parts.room.resize(new)
+            self.counts["moved"] += self.resize(new)
         except ValueError as e:
             assert "cannot hold what the running requests need" in str(e), str(e)
             assert snapshot(self.alloc) == before, "a refused shrink changed the state"
@@ -313,9 +313,9 @@ class ElasticMachine(RuleBasedStateMachine):
             least = int(re.search(r"the least size that holds them is (\d+) bytes", str(e))[1])
             assert new < least <= old, (new, least, old)
             with pytest.raises(ValueError):  # and it is the least
-                self.parts.room.resize(least - 1)
+                self.resize(least - 1)
             assert snapshot(self.alloc) == before
-            self.counts["moved"] += self.parts.room.resize(least)  # the message's size holds
+            self.counts["moved"] += self.resize(least)  # the message's size holds
             self.counts["shrink"] += least < old
             return
         self.counts["shrink"] += 1
@@ -527,19 +527,19 @@ def test_shrink_keeps_pinned_and_transfer_held_pages_in_place(held):
     assert top * full.page_bytes >= pool.total_bytes // 2
     event = FakeEvent()
     if held == "pin":
-        alloc.parts.io.pin("full", PhysicalPageIds(torch.tensor([top]), "full"))
+        alloc.io.pin("full", PhysicalPageIds(torch.tensor([top]), "full"))
     else:
-        alloc.parts.io.release_physical("full", VirtualPageIds(torch.tensor([vpage])), event)
+        alloc.io.release_physical("full", VirtualPageIds(torch.tensor([vpage])), event)
     alloc.free_request(b)  # holes below: everything else could move down
     small = pool.total_bytes // 2
     before = snapshot(alloc)
     with pytest.raises(ValueError, match="running requests need"):
-        alloc.parts.room.resize(small)
+        alloc.resize(small)
     assert snapshot(alloc) == before
     if held == "pin":
-        alloc.parts.io.unpin("full", PhysicalPageIds(torch.tensor([top]), "full"))
+        alloc.io.unpin("full", PhysicalPageIds(torch.tensor([top]), "full"))
     else:
         event.fired = True
-    assert alloc.parts.room.resize(small) >= 0
+    assert alloc.resize(small) >= 0
     alloc.check_integrity()
     assert pool.total_bytes == small

@@ -109,7 +109,7 @@ def churn_step(alloc: PoolAllocator, rng, open_: list[int], events: list) -> boo
         bound = [int(v) for v in vpages if sub.v2p_host[v] >= 0]
         if bound:
             events.append(FakeEvent())
-            alloc.parts.io.release_physical(
+            alloc.io.release_physical(
                 sub.name, VirtualPageIds(torch.tensor(bound[-1:])), fence=events[-1]
             )
     elif op == 8:

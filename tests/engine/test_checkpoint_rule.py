@@ -1,5 +1,6 @@
 """The decode-checkpoint cost rule (``engine/checkpoint_rule.py``), a pure function:
-a table of inputs and the decisions worked out by hand, the chance a boundary is the
+a table of inputs and the decisions worked out by hand (also with the pool fractions the
+checkpoints and the running batch hold), the chance a boundary is the
 turn end, a state slot's bytes as displaced tokens, and the rule inside the prefix
 policy (a boundary it declines is not checkpointed; the last one is)."""
 
@@ -31,6 +32,25 @@ RULE = CheckpointRule(copy_s=0.010, prefill_tokens_per_s=1000.0, state_tokens=50
 )
 def test_the_rule_decides_as_worked_out_by_hand(reuse, tokens, held, pressure, take):
     assert RULE.take(reuse, tokens, held, pressure) is take
+
+
+@pytest.mark.parametrize(
+    "tokens, held, pressure, checkpoints, batch, take",
+    [
+        (64, True, 1.0, 0.0, 0.0, True),  # as above: 0.064 > 0.010 + 0.050
+        (64, True, 1.0, 0.0, 0.5, True),  # a batch alone changes nothing: 0.064 > 0.060
+        # checkpoints hold half the room the batch leaves: the hold doubles,
+        (64, True, 1.0, 0.25, 0.5, False),  # 0.064 < 0.010 + 0.100
+        (200, True, 1.0, 0.25, 0.5, True),  # 0.200 > 0.110
+        (10**6, True, 1.0, 0.5, 0.5, False),  # they fill the room: a held one, never
+        (64, False, 1.0, 0.5, 0.5, True),  # a rolling one holds no new slot: 0.064 > 0.010
+        (64, True, 0.0, 0.9, 0.05, True),  # no pressure: the room is free
+    ],
+)
+def test_the_bytes_held_weigh_as_worked_out_by_hand(
+    tokens, held, pressure, checkpoints, batch, take
+):
+    assert RULE.take(1.0, tokens, held, pressure, checkpoints, batch) is take
 
 
 def test_every_page_takes_each_boundary_and_bad_inputs_are_refused():

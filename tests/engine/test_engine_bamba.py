@@ -12,6 +12,8 @@ against transformers on the same weights (fp32 CPU, torch reference ops).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from engine_fixtures import DenseMamba2Step, hf_logits, one_thread  # noqa: F401  (a fixture)
@@ -83,7 +85,7 @@ def test_bad_configs_raise(tmp_path):
     save_hf(bamba_config(num_hidden_layers=2, attn_layer_indices=[1]), str(tmp_path))
     config, _ = load_model_config(str(tmp_path))
     with pytest.raises(ValueError, match="tensor parallelism"):
-        BambaForCausalLM(config, 64, tp=object())
+        BambaForCausalLM(config, 64, tp=SimpleNamespace(size=4, rank=0))  # 6 Mamba heads
     bad = type(config)(**{**config.__dict__, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
         BambaForCausalLM(bad, 64)

@@ -108,7 +108,7 @@ def test_latent_rows_match_transformers_cache(ref, max_batched):
     assert sub.spec.dtype == torch.float32 and list(sub.layers) == [0, 1, 2]
     copier = LatentCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
-    first_id = llm._next_id - len(ref.prompts)
+    first_id = llm.requests.next_id - len(ref.prompts)
     assert sorted(copier.rows) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
         with torch.no_grad():

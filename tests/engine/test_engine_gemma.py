@@ -91,7 +91,7 @@ def test_triton_kernels_under_the_interpreter(ref):
 def test_backend_without_soft_cap_is_refused(ref, monkeypatch):
     """A kernel set whose decode attention takes no ``soft_cap`` cannot run
     Gemma-2's capped attention: LLM() raises at start-up, naming the op."""
-    import unikv.engine.llm as llm_module
+    import unikv.engine.build as llm_module  # build_engine looks up get_backend
     from unikv.kernels import get_backend
 
     torch_ops = get_backend("cpu")

@@ -63,7 +63,7 @@ class LogitRecorder:
 
 
 def _check_logits(ref: Reference, llm: LLM, outputs, recorder: LogitRecorder) -> None:
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V)
         rows = {p: row for (rid, p), row in recorder.rows.items() if rid == first_id + k}

@@ -124,7 +124,7 @@ def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     outputs = llm.generate(
         prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=record
     )
-    first = llm._next_id - len(outputs)
+    first = llm.requests.next_id - len(outputs)
     greedy16 = refs.greedy([o.prompt_ids for o in outputs], NEW_TOKENS, torch.bfloat16)
     exact, ours_err, hf_err = 0, [], []
     for k, out in enumerate(outputs):

@@ -16,6 +16,8 @@ greedy tokens for a batch of mixed lengths. On "moe", the engine runs page sizes
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from engine_fixtures import DenseMamba2Step, hf_logits, one_thread  # noqa: F401  (a fixture)
@@ -129,7 +131,7 @@ def test_bad_configs_raise(tmp_path):
     save_hf(granite_config(num_hidden_layers=2, layer_types=["mamba", "attention"]), str(tmp_path))
     config, _ = load_model_config(str(tmp_path))
     with pytest.raises(ValueError, match="tensor parallelism"):
-        Granite(config, 64, tp=object())
+        Granite(config, 64, tp=SimpleNamespace(size=4, rank=0))  # 6 Mamba heads
     for extra, message in [
         ({"num_local_experts": 0, "shared_intermediate_size": 0}, "neither an MoE nor an MLP"),
         ({"num_experts_per_tok": 5}, "num_experts_per_tok must be in"),

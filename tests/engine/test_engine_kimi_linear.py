@@ -58,13 +58,14 @@ def tiny_kimi_config(**overrides):
     return tf.KimiLinearConfig(**kw)
 
 
-def save_tiny_kimi(path: str, seed: int = 0):
+def save_tiny_kimi(path: str, seed: int = 0, **overrides):
     """The tiny transformers Kimi-Linear (random init, a random router bias that
-    matters for the choice) saved to ``path``; returns it (fp32, eval)."""
+    matters for the choice; ``overrides``: config fields) saved to ``path``; returns it
+    (fp32, eval)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    hf = tf.AutoModelForCausalLM.from_config(tiny_kimi_config(), dtype=torch.float32)
+    hf = tf.AutoModelForCausalLM.from_config(tiny_kimi_config(**overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, buf in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -104,7 +105,7 @@ def test_greedy_and_logits_match_transformers(ref, page_size):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outputs = llm.generate(ref.prompts, params, on_step=recorder)
     assert [o.output_ids for o in outputs] == ref.greedy
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V), teacher-forced
         rows = {p: row for (rid, p), row in recorder.rows.items() if rid == first_id + k}
@@ -165,7 +166,7 @@ def test_state_and_latent_bytes_match_transformers_cache(ref, max_batched):
     assert mla.spec.kv_lora_rank == c.kv_lora_rank and mla.spec.rope_dim == c.qk_rope_head_dim
     copier = BothCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
-    first_id = llm._next_id - len(ref.prompts)
+    first_id = llm.requests.next_id - len(ref.prompts)
     ids = [first_id + k for k in range(len(ref.prompts))]
     assert sorted(copier.slots.raw) == ids and sorted(copier.latents.rows) == ids
     rank = c.kv_lora_rank

@@ -158,5 +158,5 @@ def test_prefix_cache_hits_restore_the_conv_only_slot(ref):
     from prefix_fixtures import run_without_and_with_cache
 
     run = run_without_and_with_cache(ref.path, ref.hf, 4, 8, seed=3)
-    assert run.llm.alloc.parts.prefix.counters()["checkpoints"] > 0
+    assert run.llm.alloc.prefix.counters()["checkpoints"] > 0
     run.llm.alloc.check_integrity()

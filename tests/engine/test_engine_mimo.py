@@ -165,7 +165,7 @@ def test_kv_rows_match_transformers_cache(ref):
     llm = engine_llm(ref, page_size=4)
     copier = RowCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
-    first_id = llm._next_id - len(ref.prompts)
+    first_id = llm.requests.next_id - len(ref.prompts)
     assert sorted(copier.rows) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
         with torch.no_grad():

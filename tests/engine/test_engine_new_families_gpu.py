@@ -55,9 +55,12 @@ def test_fp32_greedy_identical_with_triton_and_graphs(refs, llms, page_size, gra
 
 
 def test_fp32_graphs_under_preemption(saved, refs):
-    # each sub-pool's worst case: Gemma-3's sliding sub-pool holds only its windows (20
-    # pages there left the full-attention band room for the whole batch)
-    llm = run_preempting(saved[1], refs, FP32_TIE)
+    # each sub-pool's worst case; Gemma-3's sliding sub-pool holds one request's window
+    # (two windows of its six sliding layers left the full band room for the whole batch:
+    # no preemption on the H100 at 518adf4)
+    llm = run_preempting(
+        saved[1], refs, FP32_TIE, window_requests=1 if saved[0] == "gemma3_mm" else 2
+    )
     assert llm.runner.graphs is not None
 
 

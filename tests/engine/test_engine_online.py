@@ -178,7 +178,7 @@ def test_shutdown_aborts_or_drains_in_flight_requests(llama, drain):
     assert out.finish_reason == ("length" if drain else "abort")
     assert out.token_ids == hf_greedy(hf, prompt, len(out.token_ids))
     if llm.prefix_caching:  # the loop has stopped: the cache alone may hold pages
-        llm.alloc.parts.prefix.reset()
+        llm.alloc.prefix.reset()
     assert {llm.alloc.parts.books[n].num_live for n in llm.pool.subpools} == {0}
     with pytest.raises(EngineClosed):
         llm.engine.submit(llm.make_group(prompt, SamplingParams(max_tokens=2, temperature=0.0)))

@@ -40,7 +40,7 @@ from engine_fixtures import (
     save_tiny_model,
 )
 
-import unikv.engine.llm as llm_module
+import unikv.engine.build as llm_module  # build_engine looks up get_backend
 from unikv.engine import LLM, SamplingParams, graphs
 from unikv.engine.graphs import DecodeGraphs
 from unikv.engine.request import Pending

@@ -42,7 +42,7 @@ def test_hits_give_the_tokens_of_no_cache_and_of_transformers(tiny, ps):
     run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)  # whole pages hit
     llm = run.llm
     assert all(o.num_cached_tokens == 0 for o in run.plain)
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["hit_tokens"] >= sum(run.whole_pages)
     for name in llm.pool.subpools:  # only cached pages outlive their requests
         assert llm.alloc.parts.books[name].num_live == stats["pages"] == stats["evictable"]
@@ -65,7 +65,7 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert llm.scheduler.num_preemptions > 0
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
     # one lookup per admission: every request once per generate, once more per preemption
     # (admissions the pool turned away and retried later are not counted)
@@ -164,7 +164,7 @@ def test_window_caching_runs_where_the_old_rule_refused_it(tmp_path):
     outs = [llm.generate([prompt], params)[0] for _ in range(3)]
     assert [o.output_ids for o in outs] == [want] * 3
     assert LLM(path, kv_cache_bytes=small, **kw).generate([prompt], params)[0].output_ids == want
-    stats = alloc.parts.prefix.counters()
+    stats = alloc.prefix.counters()
     assert stats["evicted_windows"] > 0 and stats["evicted_pages"] == 0
     # the chain end's window suffix was kept: the repeats hit 11 of 11 whole pages
     assert [o.num_cached_tokens for o in outs] == [0, 44, 44]

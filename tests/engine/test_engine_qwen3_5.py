@@ -31,7 +31,6 @@ from engine_fixtures import (
     hf_logits,
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_hybrid,
-    tiny_hybrid_config,
 )
 
 from unikv.engine import LLM, SamplingParams
@@ -94,7 +93,7 @@ def test_greedy_matches_transformers(ref, page_size):
         ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), on_step=recorder
     )
     assert [o.output_ids for o in outputs] == ref.greedy
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ref.hf, out.prompt_ids + out.output_ids)  # (L, V), teacher-forced
         rows = {p: row for (rid, p), row in recorder.rows.items() if rid == first_id + k}
@@ -206,7 +205,7 @@ def test_state_slot_bytes_match_transformers_cache(ref, max_batched):
     assert sub.spec.temporal.dtype == torch.float32
     copier = SlotCopier()
     llm.generate(ref.prompts, SamplingParams(max_tokens=2, temperature=0.0), on_step=copier)
-    first_id = llm._next_id - len(ref.prompts)
+    first_id = llm.requests.next_id - len(ref.prompts)
     assert sorted(copier.raw) == [first_id + k for k in range(len(ref.prompts))]
     for k, prompt in enumerate(ref.prompts):
         convs, temporals = _slot_states(copier.raw[first_id + k], sub.spec)
@@ -229,20 +228,11 @@ def test_released_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
     config nests the decoder in ``text_config`` and the weights sit under
     ``model.language_model.`` beside a vision tower. unikv loads the decoder alone
     and gives the wrapper's own text-only greedy tokens."""
-    import transformers as tf
+    from family_fixtures import save_tiny_qwen3_5_mm
 
     from unikv.models.qwen3_5 import Qwen3_5ForCausalLM
 
-    vision = tf.models.qwen3_5.configuration_qwen3_5.Qwen3_5VisionConfig(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-        patch_size=4, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
-    )  # fmt: skip
-    config = tf.Qwen3_5Config(
-        text_config=tiny_hybrid_config("qwen3_5").to_dict(), vision_config=vision.to_dict()
-    )
-    torch.manual_seed(0)
-    hf = tf.Qwen3_5ForConditionalGeneration(config).eval()
-    hf.save_pretrained(str(tmp_path))
+    hf = save_tiny_qwen3_5_mm(str(tmp_path))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 17, 33)]
     llm = LLM(str(tmp_path), page_size=4, max_num_batched_tokens=7)

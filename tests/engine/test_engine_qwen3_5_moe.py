@@ -31,7 +31,11 @@ from engine_fixtures import (
     one_thread,  # noqa: F401  (a fixture)
     state_slot_bytes,
 )
-from family_fixtures import MOE, save_tiny_qwen3_5_moe, tiny_qwen3_5_moe_config
+from family_fixtures import (
+    MOE,
+    save_tiny_qwen3_5_mm,
+    save_tiny_qwen3_5_moe,
+)
 
 from unikv.engine import LLM, SamplingParams
 
@@ -125,24 +129,13 @@ def test_state_slot_bytes_match_transformers_cache(ref):
 def test_released_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
     """Released Qwen3.5-MoE checkpoints are ``Qwen3_5MoeForConditionalGeneration``:
     the decoder under ``model.language_model.`` beside a vision tower (not loaded)."""
-    import transformers as tf
-
     from unikv.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
-    vision = tf.models.qwen3_5_moe.configuration_qwen3_5_moe.Qwen3_5MoeVisionConfig(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-        patch_size=4, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16,
-    )  # fmt: skip
-    config = tf.Qwen3_5MoeConfig(
-        text_config=tiny_qwen3_5_moe_config().to_dict(), vision_config=vision.to_dict()
-    )
-    torch.manual_seed(0)
-    hf = tf.Qwen3_5MoeForConditionalGeneration(config).eval()
-    hf.save_pretrained(str(tmp_path))
+    hf = save_tiny_qwen3_5_mm(str(tmp_path), moe=True)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 33)]
     llm = LLM(str(tmp_path), page_size=4, max_num_batched_tokens=7, max_model_len=96)
     assert isinstance(llm.model, Qwen3_5MoeForCausalLM)
-    assert llm.config.media_token_ids == (config.image_token_id, config.video_token_id)
+    assert llm.config.media_token_ids == (hf.config.image_token_id, hf.config.video_token_id)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
     assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 12) for p in prompts]

@@ -17,6 +17,8 @@ equal transformers' cache: three caches under one block's weights).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from engine_fixtures import DenseMamba2Step, hf_logits, one_thread  # noqa: F401  (a fixture)
@@ -158,7 +160,7 @@ def test_bad_configs_raise(tmp_path):
     )
     config, _ = load_model_config(str(tmp_path))
     with pytest.raises(ValueError, match="tensor parallelism"):
-        Zamba2ForCausalLM(config, 64, tp=object())
+        Zamba2ForCausalLM(config, 64, tp=SimpleNamespace(size=4, rank=0))  # 6 Mamba heads
     bad = type(config)(**{**config.__dict__, "num_kv_heads": 2})
     with pytest.raises(ValueError, match="num_key_value_heads == num_attention_heads"):
         Zamba2ForCausalLM(bad, 64)

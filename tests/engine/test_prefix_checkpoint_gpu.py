@@ -39,8 +39,8 @@ def test_a_checkpoint_copy_takes_no_host_sync():
     prefix = alloc.parts.prefix
     torch.cuda.set_sync_debug_mode("error")
     try:
-        prefix.insert(slot, tokens[:8])
-        assert prefix.checkpoint(slot, tokens[:8])
+        alloc.prefix.insert(slot, tokens[:8])
+        assert alloc.prefix.checkpoint(slot, tokens[:8])
         envelope.fill_(7.0)  # the request decodes on: the checkpoint must not see it
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -95,11 +95,11 @@ def test_hits_reloaded_from_the_host_tier(models, arch, pages):
         path, ps, True, device="cuda", kv_cache_bytes=pool_budget(configs, pages),
         prefix_host_bytes=host_tier_bytes(configs, ps, 16, 64), max_model_len=32,
     )  # fmt: skip
-    llm.alloc.parts.prefix.host.policy.mode = "always"
+    llm.alloc.prefix.host.policy.mode = "always"
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     for _ in range(2):
         check_tokens(arch, refs, prompts, llm.generate(prompts, params))
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["host_spilled_pages"] > 0 and stats["host_reloaded_pages"] > 0, stats
     if arch == "qwen3_5":  # the hybrid: checkpoints reloaded too
         assert stats["host_reloaded_checkpoints"] > 0, stats

@@ -44,7 +44,7 @@ def hybrid(tmp_path_factory):
 def test_hybrid_hits_give_the_tokens_of_no_cache_and_of_transformers(hybrid, ps):
     path, hf = hybrid
     run = run_without_and_with_cache(path, hf, ps, NEW_TOKENS, seed=3)  # whole pages hit
-    stats = run.llm.alloc.parts.prefix.counters()
+    stats = run.llm.alloc.prefix.counters()
     assert stats["checkpoints"] > 0 and stats["hit_tokens"] >= sum(run.whole_pages)
     run.llm.alloc.check_integrity()
     # prompt 0 checkpoints at 3 pages only; prompt 3 shares 2.5 pages: no checkpoint at 2
@@ -92,7 +92,7 @@ def test_hybrid_tight_pool_evicts_and_preempts_with_the_same_tokens(hybrid):
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert llm.scheduler.num_preemptions > 0
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
     assert llm.alloc.parts.prefix.states.evicted > 0
     llm.alloc.check_integrity()
@@ -143,7 +143,7 @@ def _state(alloc: PoolAllocator, slot: int) -> torch.Tensor:
 
 def _serve(alloc: PoolAllocator, tokens: np.ndarray, fill: float) -> int:
     """A request holding ``tokens`` whose state slot holds ``fill`` (as fp32 bytes)."""
-    hit = alloc.parts.prefix.match(tokens[:-1])
+    hit = alloc.prefix.match(tokens[:-1])
     slot = alloc.new_request(prefix=hit)
     assert alloc.alloc_mamba(np.array([slot])) is not None
     n = len(tokens) - hit.num_tokens
@@ -154,20 +154,19 @@ def _serve(alloc: PoolAllocator, tokens: np.ndarray, fill: float) -> int:
 
 def _checkpoint(alloc: PoolAllocator, slot: int, tokens: np.ndarray) -> bool:
     """Cache request ``slot``'s pages holding ``tokens`` and checkpoint its state there."""
-    alloc.parts.prefix.insert(slot, tokens)
-    return alloc.parts.prefix.checkpoint(slot, tokens)
+    alloc.prefix.insert(slot, tokens)
+    return alloc.prefix.checkpoint(slot, tokens)
 
 
 def test_a_hit_restores_exactly_the_checkpointed_bytes():
     alloc = _alloc()
     tokens = np.arange(11)
     a = _serve(alloc, tokens, 1.5)
-    prefix = alloc.parts.prefix
     assert _checkpoint(alloc, a, tokens[:8])
     saved = _state(alloc, a)
     _envelope(alloc, a).zero_()
     alloc.free_request(a)
-    hit = prefix.match(tokens[:-1])
+    hit = alloc.prefix.match(tokens[:-1])
     assert hit.num_tokens == 8
     b = alloc.new_request(prefix=hit)
     alloc.alloc_mamba(np.array([b]))
@@ -182,13 +181,12 @@ def test_a_hit_falls_back_to_the_longest_prefix_with_a_checkpoint():
     alloc = _alloc()
     tokens = np.arange(14)
     a = _serve(alloc, tokens, 2.0)
-    prefix = alloc.parts.prefix
     assert _checkpoint(alloc, a, tokens[:4])
-    prefix.insert(a, tokens[:12])  # pages 1-2 cached with no checkpoint at their end
-    assert prefix.match(tokens[:-1]).num_tokens == 4
-    assert not prefix.checkpoint(a, tokens[:6])  # not a whole-page boundary
+    alloc.prefix.insert(a, tokens[:12])  # pages 1-2 cached with no checkpoint at their end
+    assert alloc.prefix.match(tokens[:-1]).num_tokens == 4
+    assert not alloc.prefix.checkpoint(a, tokens[:6])  # not a whole-page boundary
     alloc.free_request(a)
-    assert prefix.match(np.arange(100, 110)).num_tokens == 0
+    assert alloc.prefix.match(np.arange(100, 110)).num_tokens == 0
 
 
 def test_checkpoints_are_reclaimable_room_and_go_with_their_nodes():
@@ -204,8 +202,8 @@ def test_checkpoints_are_reclaimable_room_and_go_with_their_nodes():
     assert states.evicted > 0 and len(states.by_node) >= 1
     assert alloc.can_admit({"mamba": len(states.by_node)}) == (True, True)
     newest = np.arange(9) + 500
-    assert prefix.match(newest[:-1]).num_tokens == 8
-    assert prefix.match(np.arange(8)).num_tokens == 0  # the oldest was evicted
+    assert alloc.prefix.match(newest[:-1]).num_tokens == 8
+    assert alloc.prefix.match(np.arange(8)).num_tokens == 0  # the oldest was evicted
     alloc.parts.writer.write(prefix.evict(prefix.num_evictable))  # nodes gone: checkpoints too
     assert not states.by_node and not states.lru
     alloc.check_integrity()
@@ -278,7 +276,7 @@ def test_a_checkpoint_restored_at_another_position_is_caught():
     node = next(iter(states.by_node))
     assert states.position[node] == 8
     states.position[node] = 12
-    hit = alloc.parts.prefix.match(tokens[:-1])
+    hit = alloc.prefix.match(tokens[:-1])
     assert hit.num_tokens == 8
     with pytest.raises(AssertionError, match="a hit restores a checkpoint taken at its own"):
         alloc.new_request(prefix=hit)
@@ -311,17 +309,17 @@ def test_a_checkpoint_whose_room_evicted_an_ancestor_is_not_taken():
     alloc.alloc_extend(np.array([b]), np.array([0]), np.array([13]))
     a = alloc.new_request()
     alloc.alloc_extend(np.array([a]), np.array([0]), np.array([9]))
-    prefix.insert(a, t[:8])  # nodes of blocks 0-1 on A's pages
-    prefix.insert(b, t[:12])  # block 2's node on B's page, under A's nodes
+    alloc.prefix.insert(a, t[:8])  # nodes of blocks 0-1 on A's pages
+    alloc.prefix.insert(b, t[:12])  # block 2's node on B's page, under A's nodes
     alloc.free_request(a)  # A's pages evictable; B's node referenced
     c = alloc.new_request()
     for s in (c, alloc.new_request(), alloc.new_request()):
         alloc.alloc_mamba(np.array([s]))  # the Mamba room is gone
     alloc.alloc_extend(np.array([c]), np.array([0]), np.array([12]))
     assert prefix.num_evictable == 2
-    taken = prefix.checkpoint(b, t[:12])  # its slot's room evicts blocks 0-1
+    taken = alloc.prefix.checkpoint(b, t[:12])  # its slot's room evicts blocks 0-1
     assert not taken and not prefix.states.by_node, "an unreachable checkpoint was kept"
-    assert prefix.match(t[:12]).num_tokens == 0
+    assert alloc.prefix.match(t[:12]).num_tokens == 0
     alloc.check_integrity()
 
 
@@ -330,7 +328,7 @@ def test_a_superseded_checkpoint_is_evicted_before_older_ones():
     one is taken) sends a checkpoint to the front of the LRU: when the Mamba sub-pool is
     short, it goes first, ahead of an older one, and the longer one stays."""
     alloc = _alloc(slots=3)  # 3 Mamba slots (the sink aside: fewer)
-    prefix, states = alloc.parts.prefix, alloc.parts.prefix.states
+    states = alloc.parts.prefix.states
     old = np.arange(9) + 1000
     slot = _serve(alloc, old, 1.0)
     assert _checkpoint(alloc, slot, old[:8])
@@ -338,7 +336,7 @@ def test_a_superseded_checkpoint_is_evicted_before_older_ones():
     turn = np.arange(13)
     slot = _serve(alloc, turn, 2.0)
     assert _checkpoint(alloc, slot, turn[:4]) and _checkpoint(alloc, slot, turn[:12])
-    prefix.demote_checkpoint(turn[:4])
+    alloc.prefix.demote_checkpoint(turn[:4])
     assert states.num_demoted == 1
     alloc.check_integrity()
     alloc.free_request(slot)
@@ -349,9 +347,9 @@ def test_a_superseded_checkpoint_is_evicted_before_older_ones():
         assert _checkpoint(alloc, slot, tokens[:8])
         alloc.free_request(slot)
     assert states.evicted == 1 and states.num_demoted == 0
-    assert prefix.match(turn[:4]).num_tokens == 0  # the demoted one went
-    assert prefix.match(old[:8]).num_tokens == 8  # not the oldest
-    assert prefix.match(turn[:12]).num_tokens == 12
+    assert alloc.prefix.match(turn[:4]).num_tokens == 0  # the demoted one went
+    assert alloc.prefix.match(old[:8]).num_tokens == 8  # not the oldest
+    assert alloc.prefix.match(turn[:12]).num_tokens == 12
     alloc.check_integrity()
 
 
@@ -370,8 +368,8 @@ def test_a_decoding_request_keeps_one_rolling_checkpoint(hybrid):
     seq = np.array(prompt + out.output_ids, np.int64)
     node = {k: prefix.walk(seq[:k])[-1].node_id for k in (8, 12, 16)}
     assert states.demoted == {node[8]} and node[12] not in states.by_node
-    assert node[16] in states.by_node and prefix.match(seq[:9]).num_tokens == 8
-    assert prefix.match(seq[:17]).num_tokens == 16
+    assert node[16] in states.by_node and llm.alloc.prefix.match(seq[:9]).num_tokens == 8
+    assert llm.alloc.prefix.match(seq[:17]).num_tokens == 16
     llm.alloc.check_integrity()
 
 
@@ -418,7 +416,7 @@ def test_the_cost_rule_skips_a_decode_boundary_and_keeps_the_turn_end(hybrid):
     node = {k: prefix.walk(seq[:k])[-1].node_id for k in (8, 12, 16)}
     assert node[12] not in states.by_node and node[16] in states.by_node
     assert states.demoted == {node[8]} and states.saved == 2  # 8 and 16 only
-    assert prefix.match(seq[:17]).num_tokens == 16
+    assert llm.alloc.prefix.match(seq[:17]).num_tokens == 16
     llm.alloc.check_integrity()
 
 

@@ -66,7 +66,7 @@ def test_tight_pool_evicts_and_preempts_with_the_same_tokens(tiny):
     llm = prefix_llm(path, ps, True, kv_cache_bytes=budget, max_model_len=48)
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
     llm.alloc.check_integrity()
 
@@ -92,9 +92,9 @@ def _prefill(alloc: PoolAllocator, tokens: np.ndarray, chunk: int, cache_each: b
         assert alloc.alloc_extend(np.array([slot]), np.array([held]), np.array([n])) is not None
         held += n
         if cache_each:
-            alloc.parts.prefix.insert(slot, tokens[:held])
+            alloc.prefix.insert(slot, tokens[:held])
         alloc.free_out_of_window(np.array([slot]), np.array([held]))
-    alloc.parts.prefix.insert(slot, tokens)
+    alloc.prefix.insert(slot, tokens)
     return slot
 
 
@@ -106,14 +106,14 @@ def test_a_hit_falls_back_to_the_longest_prefix_whose_window_is_intact():
     alloc = _alloc()
     tokens = np.arange(100, 124)  # 6 pages
     _prefill(alloc, tokens, chunk=24, cache_each=False)  # frees pages 0-3 before caching
-    hit = alloc.parts.prefix.match(tokens)
+    hit = alloc.prefix.match(tokens)
     chain = np.array([n.page for n in alloc.parts.prefix.walk(tokens)])  # before the fallback
     assert len(chain) == 6  # every block is cached ...
     assert _swa_bound(alloc, chain).tolist() == [False] * 4 + [True] * 2  # ... 4 left the window
     # a request at k pages reads positions >= 4k + 1 - W: k = 6 reads pages 4-5
     assert hit.num_tokens == 24
     # k = 5 needs page 3, k = 4 page 2, ... k = 1 page 0: all gone, a miss
-    assert alloc.parts.prefix.match(tokens[:20]).num_tokens == 0
+    assert alloc.prefix.match(tokens[:20]).num_tokens == 0
     b = alloc.new_request(prefix=hit)
     assert alloc.alloc_extend(np.array([b]), np.array([24]), np.array([3])) is not None
     alloc.check_integrity()
@@ -126,9 +126,9 @@ def test_caching_each_chunk_keeps_every_window_until_pressure():
     chain = alloc.parts.requests.pages[a, :6].copy()
     assert _swa_bound(alloc, chain).all()  # the cache kept them past a's window
     for k in range(1, 7):  # every prefix is a hit now
-        assert alloc.parts.prefix.match(tokens[: 4 * k]).num_tokens == 4 * k
-    b = alloc.new_request(prefix=alloc.parts.prefix.match(tokens[:8]))  # at 2 pages
-    c = alloc.new_request(prefix=alloc.parts.prefix.match(tokens[:20]))  # at 5 pages
+        assert alloc.prefix.match(tokens[: 4 * k]).num_tokens == 4 * k
+    b = alloc.new_request(prefix=alloc.prefix.match(tokens[:8]))  # at 2 pages
+    c = alloc.new_request(prefix=alloc.prefix.match(tokens[:20]))  # at 5 pages
     wrefs = alloc.parts.prefix.wrefs["swa"]
     # windows hold: a (24 tokens) pages 4-5; b (8) pages 0-1 (reads from 3); c (20) 3-4
     assert wrefs[chain].tolist() == [1, 1, 0, 1, 2, 1]
@@ -139,7 +139,7 @@ def test_caching_each_chunk_keeps_every_window_until_pressure():
     assert alloc.alloc_extend(np.array([b]), np.array([8]), np.array([1])) is not None
     for slot in (a, b, c):
         alloc.free_request(slot)
-    assert alloc.parts.prefix.counters()["evictable"] >= 6
+    assert alloc.prefix.counters()["evictable"] >= 6
     alloc.check_integrity()
 
 
@@ -149,7 +149,7 @@ def test_a_window_page_a_request_reads_unbound_is_named():
     alloc = _alloc()
     tokens = np.arange(300, 316)
     _prefill(alloc, tokens, chunk=16, cache_each=True)
-    hit = alloc.parts.prefix.match(tokens)
+    hit = alloc.prefix.match(tokens)
     b = alloc.new_request(prefix=hit)
     page = int(hit.pages[-1])  # b's next query (position 16) reads page 3
     parts, patch = alloc.parts, TablePatch()  # an unbind as a window free would do it
@@ -190,9 +190,9 @@ def test_window_bindings_no_window_holds_go_alone_under_pressure_suffix_last():
     cache.ends = {cache.by_page[int(chain[-1])].node_id}
     alloc._write(cache.evict(3))
     assert _swa_bound(alloc, chain).tolist() == [False] * 3 + [True] * 3
-    assert cache.counters()["evicted_windows"] == 3 and len(cache.by_page) == 6  # nodes stay
-    assert cache.match(tokens).num_tokens == 24  # the chain end still hits
-    assert cache.match(tokens[:16]).num_tokens == 0  # k = 4 needs page 3: gone, then a miss
+    assert alloc.prefix.counters()["evicted_windows"] == 3 and len(cache.by_page) == 6  # nodes stay
+    assert alloc.prefix.match(tokens).num_tokens == 24  # the chain end still hits
+    assert alloc.prefix.match(tokens[:16]).num_tokens == 0  # k = 4 needs page 3: gone, then a miss
     alloc.check_integrity()
 
 
@@ -202,7 +202,7 @@ def test_a_window_refcount_off_by_one_is_named():
     alloc = _alloc()
     tokens = np.arange(600, 616)
     _prefill(alloc, tokens, chunk=4, cache_each=True)
-    page = int(alloc.parts.prefix.match(tokens).pages[0])
+    page = int(alloc.prefix.match(tokens).pages[0])
     alloc.parts.prefix.wrefs["swa"][page] += 1
     with pytest.raises(AssertionError, match="window refcount equals the open request windows"):
         alloc.check_integrity()
@@ -215,7 +215,7 @@ def test_a_held_window_page_unbound_is_named():
     tokens = np.arange(700, 716)
     slot = alloc.new_request()
     assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([16])) is not None
-    alloc.parts.prefix.insert(slot, tokens)  # no window free yet: window_lo is 0
+    alloc.prefix.insert(slot, tokens)  # no window free yet: window_lo is 0
     page = int(alloc.parts.requests.pages[slot, 0])  # the next query reads pages 2-3 only
     parts, patch = alloc.parts, TablePatch()
     stage_unbind(parts.books, ("swa",), parts.fences, parts.writer, np.array([page]), patch)

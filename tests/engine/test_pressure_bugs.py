@@ -49,8 +49,8 @@ def test_truncate_into_cached_pages_whose_window_binding_is_gone_is_refused():
     a = alloc.new_request()
     assert alloc.alloc_extend(np.array([a]), np.array([0]), np.array([32])) is not None
     alloc.free_out_of_window(np.array([a]), np.array([32]))  # a's SWA pages 0..5 freed
-    alloc.parts.prefix.insert(a, toks[:32])  # 8 pages cached, 0..5 unbound in SWA
-    hit = alloc.parts.prefix.match(toks[:33])
+    alloc.prefix.insert(a, toks[:32])  # 8 pages cached, 0..5 unbound in SWA
+    hit = alloc.prefix.match(toks[:33])
     assert hit.num_tokens == 32
     b = alloc.new_request(prefix=hit)
     pages = alloc.parts.requests.pages[b, :8].copy()
@@ -79,15 +79,15 @@ def test_a_hybrid_hit_that_steps_back_to_a_checkpoint_rechecks_the_window():
     assert alloc.alloc_mamba(np.array([a])) is not None
     assert alloc.alloc_extend(np.array([a]), np.array([0]), np.array([40])) is not None
     alloc.free_out_of_window(np.array([a]), np.array([40]))  # SWA pages 0..5 leave a's window
-    prefix.insert(a, toks[:40])  # 10 pages cached, 0..5 unbound in SWA, no checkpoint
+    alloc.prefix.insert(a, toks[:40])  # 10 pages cached, 0..5 unbound in SWA, no checkpoint
     b = alloc.new_request()  # the same first 16 tokens, checkpointed at block 3
     assert alloc.alloc_mamba(np.array([b])) is not None
     assert alloc.alloc_extend(np.array([b]), np.array([0]), np.array([16])) is not None
-    prefix.insert(b, toks[:16])
-    assert prefix.checkpoint(b, toks[:16])
+    alloc.prefix.insert(b, toks[:16])
+    assert alloc.prefix.checkpoint(b, toks[:16])
     chain = np.array([n.page for n in prefix.walk(toks[:40])])
     assert len(chain) == 10 and _swa_bound(alloc, chain).tolist() == [False] * 6 + [True] * 4
-    hit = prefix.match(toks[:41])
+    hit = alloc.prefix.match(toks[:41])
     # 4 blocks: the first query (position 16) reads positions 3..16, pages 0..3: unbound;
     # no shorter block has a checkpoint: a miss
     assert hit.num_tokens == 0
@@ -103,13 +103,13 @@ def test_a_hybrid_hit_at_a_checkpoint_whose_window_is_bound_is_taken():
     assert alloc.alloc_mamba(np.array([a])) is not None
     for held in range(0, 40, 8):  # each chunk cached before its pages leave the window
         assert alloc.alloc_extend(np.array([a]), np.array([held]), np.array([8])) is not None
-        prefix.insert(a, toks[: held + 8])
+        alloc.prefix.insert(a, toks[: held + 8])
         if held + 8 == 24:
-            assert prefix.checkpoint(a, toks[:24])
+            assert alloc.prefix.checkpoint(a, toks[:24])
         alloc.free_out_of_window(np.array([a]), np.array([held + 8]))
     chain = np.array([n.page for n in prefix.walk(toks[:40])])
     assert _swa_bound(alloc, chain).all()
-    assert prefix.match(toks[:41]).num_tokens == 24  # the checkpoint's block, window bound
+    assert alloc.prefix.match(toks[:41]).num_tokens == 24  # the checkpoint's block, window bound
 
 
 # -- R5, R6: engine runs on the smallest pool that starts ---------------------------
@@ -163,7 +163,7 @@ def test_a_dropped_reload_admission_leaves_the_decode_batch_exact(tiny, monkeypa
     # request held its cached prompt's window bindings); two passes, the second
     # reloading host hits: this run has the decode step whose pages moved
     llm, _ = _smallest(path, ps, 18, False, max_model_len=48, debug=False, prefix_host_bytes=host)
-    llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
+    llm.alloc.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
     moves = []
     refresh = DecodeStep.refresh
     monkeypatch.setattr(

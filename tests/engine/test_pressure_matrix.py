@@ -78,7 +78,7 @@ def test_the_smallest_pool_gives_the_big_pools_tokens(models, arch, option):
     want = [o.output_ids for o in prefix_llm(path, PS, False).generate(prompts(), params)]
     llm, pages = smallest(path, configs, **opts)
     if opts.get("host"):
-        llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever it hits
+        llm.alloc.prefix.host.policy.mode = "always"  # CPU: reload whenever it hits
     got = [o.output_ids for o in llm.generate(prompts(), params)]
     assert got == want, f"{arch} {option} on {pages} pages"
     llm.alloc.check_integrity()

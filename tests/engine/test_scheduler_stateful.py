@@ -121,9 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
             token = sum(s.page_bytes for s in pool.subpools.values() if s.spec.kind != "mamba")
             state = [s.page_bytes for s in pool.subpools.values() if s.spec.kind == "mamba"]
-            enable_prefix_host(
-                self.alloc.parts, 6 * token + 4 * sum(state), ReloadPolicy(mode="always")
-            )
+            enable_prefix_host(self.alloc, 6 * token + 4 * sum(state), ReloadPolicy(mode="always"))
         self.windows = {n: s.spec.sliding_window or 0 for n, s in pool.subpools.items()}
         self.tokens = {n: s for n, s in pool.subpools.items() if s.spec.kind != "mamba"}
         self.mamba = next((s for s in pool.subpools.values() if s.spec.kind == "mamba"), None)
@@ -266,7 +264,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.step()
             assert not self.sched.has_work(), "the scheduler drains"
             self.integrity()
-        prefix = self.alloc.parts.prefix.counters()
+        prefix = self.alloc.prefix.counters()
         COVERAGE["preemptions"] += self.sched.num_preemptions
         COVERAGE["hit_tokens"] += prefix.get("hit_tokens", 0)
         COVERAGE["host_reloaded_pages"] += prefix.get("host_reloaded_pages", 0)

@@ -136,7 +136,7 @@ def test_refusals(tmp_path):
     save_tiny_hybrid("qwen3_5", path)
     with pytest.raises(ValueError, match="recurrent state"):
         make_llm(path, 4, 3)
-    with pytest.raises(ValueError, match="not built yet"):
+    with pytest.raises(ValueError, match="needs 'model'"):
         LLM(
             path, device="cpu", speculative_config={"method": "eagle3", "num_speculative_tokens": 2}
         )

@@ -144,7 +144,7 @@ def test_config_validation():
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "must be an int >= 1"),
         ({"method": "medusa", "num_speculative_tokens": 2}, "must be one of"),
-        ({"method": "mtp", "num_speculative_tokens": 2}, "not built yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "force_accept": 1}, "must be a bool"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown keys ['k']"),

@@ -53,7 +53,7 @@ def busy() -> tuple[PoolAllocator, Tiering]:
     page = PhysicalPageIds(
         torch.tensor([int(alloc.parts.books["full"].v2p_host[vpages[0]])]), "full"
     )
-    alloc.parts.io.pin("full", page)
+    alloc.io.pin("full", page)
     tiering._pinned.append(HostCopy(HostPageIds(torch.tensor([5])), page, FakeEvent()))
     return alloc, tiering
 

@@ -93,11 +93,11 @@ def spill_run(models, monkeypatch, arch: str, ps: int, pages: int, host_pages: i
         path, ps, True, kv_cache_bytes=budget, prefix_host_bytes=host_bytes,
         max_model_len=max_len,
     )  # fmt: skip
-    llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
+    llm.alloc.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
     witness = ByteWitness(llm, monkeypatch)
     for _ in range(2):
         assert [o.output_ids for o in llm.generate(prompts, params)] == want
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["host_spilled_pages"] > 0 and stats["host_hit_tokens"] > 0, str(stats)
     assert stats["host_reloaded_pages"] > 0 and witness.compared == stats["host_reloaded_pages"]
     llm.alloc.check_integrity()
@@ -128,14 +128,14 @@ def test_sliding_window_hits_from_host_give_the_same_tokens(models, monkeypatch)
         path, ps, True, kv_cache_bytes=pool_budget(configs, 10),
         prefix_host_bytes=host_tier_bytes(configs, ps, 16, 64), max_model_len=8 * ps,
     )  # fmt: skip
-    llm.alloc.parts.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
+    llm.alloc.prefix.host.policy.mode = "always"  # CPU: reload whenever there is a hit
     witness = ByteWitness(llm, monkeypatch)
     first = llm.generate(prompts, params)
     assert [o.output_ids for o in first] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     turns = [p + o.output_ids + [7, 8, 9] for p, o in zip(prompts, first)]
     want = [hf_greedy(hf, t, NEW_TOKENS) for t in turns]
     assert [o.output_ids for o in llm.generate(turns, params)] == want
-    stats = llm.alloc.parts.prefix.counters()
+    stats = llm.alloc.prefix.counters()
     assert stats["host_spilled_pages"] > 0 and stats["host_hit_tokens"] > 0, str(stats)
     assert stats["host_reloaded_pages"] > 0 and witness.compared == stats["host_reloaded_pages"]
     llm.alloc.check_integrity()
@@ -163,10 +163,10 @@ def test_a_small_host_tier_drops_its_oldest_and_never_reload_recomputes(models):
             path, ps, True, kv_cache_bytes=pool_bytes_for(configs, {"full": 10}),
             prefix_host_bytes=host_pages * token, max_model_len=32,
         )  # fmt: skip
-        llm.alloc.parts.prefix.host.policy.mode = mode
+        llm.alloc.prefix.host.policy.mode = mode
         for _ in range(2):
             assert [o.output_ids for o in llm.generate(prompts, params)] == want
-        stats = llm.alloc.parts.prefix.counters()
+        stats = llm.alloc.prefix.counters()
         assert stats["host_spilled_pages"] > 0, stats
         if mode == "always":
             assert stats["host_evicted_pages"] > 0 and stats["host_pages"] <= 2, stats
@@ -185,7 +185,7 @@ def test_bad_prefix_host_bytes_are_refused(models):
         prefix_llm(path, 4, True, prefix_host_bytes=10)
     with pytest.raises(ValueError, match="int >= 0"):
         prefix_llm(path, 4, True, prefix_host_bytes=1.5)
-    assert prefix_llm(path, 4, True, prefix_host_bytes=0).alloc.parts.prefix.host is None
+    assert prefix_llm(path, 4, True, prefix_host_bytes=0).alloc.prefix.host is None
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -197,9 +197,9 @@ def test_reset_prefix_cache_drops_device_and_host_copies(models, monkeypatch, ar
     with caching off it refuses (False)."""
     llm, _ = spill_run(models, monkeypatch, arch, 4, pages=pages, host_pages=16, count=count)
     prefix = llm.alloc.parts.prefix
-    assert prefix.counters()["pages"] > 0 and prefix.host.nodes
+    assert llm.alloc.prefix.counters()["pages"] > 0 and prefix.host.nodes
     assert llm.reset_prefix_cache() is True
-    counters = prefix.counters()
+    counters = llm.alloc.prefix.counters()
     assert counters["pages"] == counters["evictable"] == counters["host_pages"] == 0, counters
     assert counters.get("checkpoints", 0) == counters["host_checkpoints"] == 0, counters
     assert not prefix.by_id and not prefix.host.nodes and not prefix.host.ckpts
@@ -232,9 +232,7 @@ def test_a_spill_fences_its_pages_with_its_copy_instead_of_waiting():
     configs = [full_config(ps)]
     pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": n + 3}))
     alloc = PoolAllocator(pool, max_requests=2, max_context=(n + 1) * ps)
-    host = enable_prefix_host(
-        alloc.parts, (n + 1) * pool["full"].page_bytes, ReloadPolicy("always")
-    )
+    host = enable_prefix_host(alloc, (n + 1) * pool["full"].page_bytes, ReloadPolicy("always"))
     events, synced = [], []
 
     class CopyEvent(FakeEvent):
@@ -262,7 +260,7 @@ def test_a_spill_fences_its_pages_with_its_copy_instead_of_waiting():
         pool.page_envelope("full", p).copy_(torch.randint(0, 256, (pool["full"].page_bytes,),
                                                           dtype=torch.uint8, generator=g))  # fmt: skip
     want = [pool.page_envelope("full", p).clone() for p in pages.tolist()]
-    prefix.insert(slot, tokens)
+    alloc.prefix.insert(slot, tokens)
     alloc.free_request(slot)
     free_before = book.num_free
     alloc.parts.writer.write(prefix.evict(n))
@@ -274,7 +272,7 @@ def test_a_spill_fences_its_pages_with_its_copy_instead_of_waiting():
     events[0].fired = True
     alloc.parts.room.drain()
     assert book.num_free == free_before + n and book.num_pending == 0
-    hit = prefix.reload(prefix.match(tokens))
+    hit = alloc.prefix.reload(alloc.prefix.match(tokens))
     assert hit.num_tokens == n * ps and not synced
     got = alloc.parts.books["full"].physical(np.asarray(hit.pages, np.int32))
     assert [torch.equal(pool.page_envelope("full", int(p)), w) for p, w in zip(got, want)] == [
@@ -300,7 +298,7 @@ def test_reset_between_steps_keeps_running_requests_exact(models, arch):
         path, ps, True, kv_cache_bytes=pool_budget(configs, 12),
         prefix_host_bytes=host_tier_bytes(configs, ps, 16, 64), max_model_len=32,
     )  # fmt: skip
-    llm.alloc.parts.prefix.host.policy.mode = "always"
+    llm.alloc.prefix.host.policy.mode = "always"
     steps, resets = [0], []
 
     def reset_now_and_then(llm, batch, logits):

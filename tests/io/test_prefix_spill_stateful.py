@@ -40,7 +40,7 @@ class SpillMachine(PrefixMachine):
         self.prefix = self.alloc.parts.prefix
         page_bytes = self.pool["full"].page_bytes
         self.host = enable_prefix_host(
-            self.alloc.parts, HOST_TOKENS // self.PS * page_bytes, ReloadPolicy(mode="always")
+            self.alloc, HOST_TOKENS // self.PS * page_bytes, ReloadPolicy(mode="always")
         )
         self.node_bytes: dict[int, torch.Tensor] = {}  # node id -> envelope when cached
 
@@ -55,7 +55,7 @@ class SpillMachine(PrefixMachine):
     )
     def admit(self, base, cut, tail):
         prompt = (base[:cut] + tail)[:20] or [0]
-        hit = self.prefix.reload(self.prefix.match(np.array(prompt[:-1])))
+        hit = self.alloc.prefix.reload(self.alloc.prefix.match(np.array(prompt[:-1])))
         slot = self.alloc.new_request(prefix=hit)
         pages = self.alloc.parts.requests.held_pages(slot)
         for vpage, node_id in zip(pages.tolist(), hit.nodes.tolist()):
@@ -68,7 +68,7 @@ class SpillMachine(PrefixMachine):
         self.spill(2)
 
     def _cache(self, slot: int) -> None:
-        self.prefix.insert(slot, np.array(self.tokens[slot]))
+        self.alloc.prefix.insert(slot, np.array(self.tokens[slot]))
         for vpage, node in self.prefix.by_page.items():
             if node.node_id not in self.node_bytes:
                 self.node_bytes[node.node_id] = self._envelope(vpage)
@@ -109,7 +109,7 @@ def test_prefix_spill_state_machine(ps):
 
     class Counted(machine):
         def teardown(self):
-            stats = self.prefix.counters()
+            stats = self.alloc.prefix.counters()
             runs["hits"] += self.hits
             runs["reloaded"] += stats["host_reloaded_pages"]
             runs["dropped"] += stats["host_evicted_pages"]
@@ -128,13 +128,13 @@ def _spilled() -> PoolAllocator:
     configs = [full_config(4)]
     pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": 12}))
     alloc = PoolAllocator(pool, max_requests=4, max_context=24, debug=True)
-    enable_prefix_host(alloc.parts, 4 * pool["full"].page_bytes, ReloadPolicy(mode="always"))
+    enable_prefix_host(alloc, 4 * pool["full"].page_bytes, ReloadPolicy(mode="always"))
     prefix = alloc.parts.prefix
     for start in (0, 100):
         tokens = np.arange(start, start + 13)
         slot = alloc.new_request()
         alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([13]))
-        prefix.insert(slot, tokens)
+        alloc.prefix.insert(slot, tokens)
         alloc.free_request(slot)
     alloc.parts.writer.write(prefix.evict(2))
     alloc.check_integrity()

@@ -1,7 +1,7 @@
 """The fused elementwise ops (``unikv/kernels/linear/elementwise.py``) against their torch
 references (``elementwise_ref.py``), and the references against transformers'
 own unfused modules and functions (LlamaRMSNorm, GptOssRMSNorm, Gemma2RMSNorm,
-apply_rotary_pos_emb of Llama and Qwen3-Next, LlamaMLP's activation).
+apply_rotary_pos_emb of Llama and Qwen3-Next, LlamaMLP's and Gemma2MLP's activations).
 
 Shapes are small and odd (non-power-of-two rows, heads and widths, strided
 views of one fused GEMM output), in fp32 and bf16, under Triton's CPU
@@ -111,6 +111,16 @@ def test_silu_mul_reference_is_llama_mlp_activation():
     assert torch.equal(ref.silu_mul(torch.cat((g, u), -1)), mlp.act_fn(g) * u)
 
 
+def test_gelu_tanh_mul_reference_is_gemma_mlp_activation():
+    from transformers import Gemma2Config
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
+
+    cfg = Gemma2Config(hidden_size=8, intermediate_size=13, num_attention_heads=2, head_dim=4)
+    mlp = Gemma2MLP(cfg).to(torch.bfloat16)
+    g, u = _randn(6, 13, dtype=torch.bfloat16, seed=40), _randn(6, 13, dtype=torch.bfloat16)
+    assert torch.equal(ref.gelu_tanh_mul(torch.cat((g, u), -1)), mlp.act_fn(g) * u)
+
+
 # -- Triton against the references ---------------------------------------------------
 
 
@@ -165,16 +175,26 @@ def test_silu_mul_triton_matches_reference(dtype):
     _close(TRITON.silu_mul(gate_up), ref.silu_mul(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_triton_matches_reference(dtype):
+    gate_up = _randn(9, 2 * 1500, dtype=dtype, seed=41, scale=3.0)  # I 1500: two blocks
+    gate_up[0, :8] = torch.tensor([-40.0, -12.0, -3.0, -1e-3, 0.0, 1e-3, 12.0, 40.0])  # tails
+    _close(TRITON.gelu_tanh_mul(gate_up), ref.gelu_tanh_mul(gate_up))
+
+
 def test_empty_steps_and_bad_shapes():
     w = torch.ones(8)
     assert TRITON.rms_norm(torch.ones(0, 8), w, EPS).shape == (0, 8)
     assert TRITON.silu_mul(torch.ones(0, 6)).shape == (0, 3)
+    assert TRITON.gelu_tanh_mul(torch.ones(0, 6)).shape == (0, 3)
     with pytest.raises(ValueError, match="weight must be"):
         TRITON.rms_norm(torch.ones(2, 9), w, EPS)
     with pytest.raises(ValueError, match="one .T, N. shape"):
         TRITON.add_rms_norm(torch.ones(2, 8), torch.ones(3, 8), w, EPS)
     with pytest.raises(ValueError, match="gate.up"):
         TRITON.silu_mul(torch.ones(2, 7))
+    with pytest.raises(ValueError, match="gelu_tanh_mul needs"):
+        TRITON.gelu_tanh_mul(torch.ones(2, 7))
     with pytest.raises(ValueError, match="backend must be"):
         get_backend("cpu", "cuda")
 
@@ -201,3 +221,4 @@ def test_llama_shapes_on_cuda(dtype):
     _close(got_k.cpu(), want_k.cpu())
     gate_up = _randn(256, 2 * 8192, dtype=dtype, seed=7).to(dev)
     _close(ops.silu_mul(gate_up).cpu(), ref.silu_mul(gate_up).cpu())
+    _close(ops.gelu_tanh_mul(gate_up).cpu(), ref.gelu_tanh_mul(gate_up).cpu())

@@ -12,9 +12,12 @@ variant, the same with x quantised per token and group by a loop written here.
 - the w8a8 (prefill) variant: activation quantisation bit for bit against the loop,
   and the GEMM against the w8a8 reference;
 - ``plan`` picks w8a16 for decode rows and fp32, w8a8 for 16-bit prefill, from host
-  ints only; the backend's ``fp8_linear`` is the kernel / the reference;
+  ints only, and ``scaled_mm`` (``torch._scaled_mm``) for 16-bit prefill only where the
+  backend allows it and the shape fits; the backend's ``fp8_linear`` is the kernel / the
+  reference;
 - bad operands are refused with what was expected and given.
-A GPU test checks the kernel on DeepSeek-V3 / Qwen3 shapes with 128 x 128 blocks.
+GPU tests check the kernel on DeepSeek-V3 / Qwen3 shapes with 128 x 128 blocks, and the
+``scaled_mm`` prefill variant (probed usable on sm_90+) against the w8a8 reference.
 """
 
 from __future__ import annotations
@@ -145,6 +148,30 @@ def test_plan_picks_by_rows_and_dtype():
     assert small_n.split_k > 1
 
 
+def test_plan_takes_scaled_mm_only_where_the_backend_allows_it():
+    """The ``scaled_mm`` prefill variant: only when the backend says torch runs it, for
+    16-bit rows from ``SCALED_MM_MIN_ROWS`` on, 128 x 128 blocks, N in whole blocks and
+    K in whole groups of four; the rest plans as before. On the CPU the probe says no and
+    the Triton backend's ``fp8_linear`` is the kernel itself."""
+    block, big = (128, 128), fp8_gemm.SCALED_MM_MIN_ROWS
+    assert fp8_gemm.plan(big, 7168, 2048, block, False, True).variant == "scaled_mm"
+    assert fp8_gemm.plan(8192, 24576, 1536, block, False, True).variant == "scaled_mm"
+    for m, n, k, blk, fp32 in [
+        (big - 1, 7168, 2048, block, False),  # below the threshold: the Triton plans
+        (16, 7168, 2048, block, False),  # decode
+        (4096, 7168, 2048, block, True),  # fp32 stays exact
+        (4096, 7168 + 64, 2048, block, False),  # N cuts a block
+        (4096, 7168, 2048 + 128, block, False),  # K / 128 not a multiple of 4
+        (4096, 7168, 2048, (128, 64), False),  # other blocks
+    ]:
+        got = fp8_gemm.plan(m, n, k, blk, fp32, True)
+        assert got == fp8_gemm.plan(m, n, k, blk, fp32, False), (m, n, k)
+        assert got.variant != "scaled_mm", (m, n, k)
+    assert fp8_gemm.plan(4096, 7168, 2048, block, False).variant == "w8a8"  # not allowed
+    assert not fp8_gemm.scaled_mm_supported(torch.device("cpu"))
+    assert get_backend("cpu", "triton").fp8_linear is fp8_gemm.fp8_linear
+
+
 def test_backend_ops_are_the_kernel_and_the_reference():
     block = (16, 32)
     x, w, s, b = operands(3, 40, 64, block, torch.float32, seed=2)
@@ -199,3 +226,32 @@ def test_kernel_on_real_shapes_gpu(m, name, n, k):
         x32 = x.float()
         got = fp8_gemm.fp8_linear(x32, w, s, b, block=block)
         assert rel_err(got, fp8_gemm_ref.fp8_linear(x32, w, s, b, block=block)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [256, 4096])
+@pytest.mark.parametrize("name, n, k", REAL_SHAPES)
+def test_scaled_mm_variant_matches_the_reference_gpu(m, name, n, k):
+    """On sm_90+ with this torch the backend found ``torch._scaled_mm``'s block scaling
+    (probed at construction), its ``fp8_linear`` plans prefill rows to it, and the result
+    equals the w8a8 reference (the same FP8 activations) on real shapes."""
+    import torch.nn.functional as F
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("block-scaled _scaled_mm needs sm_90 or newer")
+    assert fp8_gemm.scaled_mm_supported(device), "this torch's block-scaled _scaled_mm failed"
+    backend = get_backend(device)
+    block = (128, 128)
+    if not fp8_gemm.scaled_mm_shape(n, k, block):  # N = 576: the Triton plans
+        assert fp8_gemm.plan(m, n, k, block, False, True).variant == "w8a8"
+        return
+    assert fp8_gemm.plan(m, n, k, block, False, True).variant == "scaled_mm"
+    x, w, s, b = operands(m, n, k, block, torch.bfloat16, seed=m + n, device="cuda")
+    got = backend.fp8_linear(x, w, s, b, block=block)
+    want = fp8_gemm_ref.fp8_linear_w8a8(x, w, s, b, block=block)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert rel_err(got, want) <= 1e-2, name
+    dense = fp8_gemm_ref.dequantize(w, s, block).to(torch.bfloat16)  # a second derivation
+    assert rel_err(got, F.linear(x, dense, b)) <= 5e-2, name

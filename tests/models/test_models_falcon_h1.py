@@ -64,9 +64,16 @@ def test_bf16_parameter_dtypes_follow_transformers(tmp_path):
     ours = load_model(str(tmp_path), dtype=torch.bfloat16)
     hf = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
     theirs = dict(hf.named_parameters())
-    assert {n: p.dtype for n, p in ours.named_parameters()} == {
-        n: theirs[n].dtype for n, _ in ours.named_parameters()
-    }
+    names = {}  # ours -> transformers' (a packed GEMM: each of the tensors it packs)
+    for prefix, module in ours.named_modules():
+        for packed, parts in getattr(module, "packed", {}).items():
+            for kind in ("weight", "bias"):
+                if getattr(getattr(module, packed), kind, None) is not None:
+                    names[f"{prefix}.{packed}.{kind}"] = [f"{prefix}.{p}.{kind}" for p in parts]
+    ours_dtypes = {n: p.dtype for n, p in ours.named_parameters()}
+    assert ours_dtypes == {n: theirs[names.get(n, [n])[0]].dtype for n in ours_dtypes}
+    for n, parts in names.items():  # the packed tensors' sources share one dtype
+        assert {theirs[p].dtype for p in parts} == {ours_dtypes[n]}
     for a, b in zip(ours.model.layers, hf.model.layers):
         assert torch.equal(a.mamba.mup_vector, b.mamba.mup_vector.flatten())
 

@@ -14,10 +14,11 @@ blocks and saved as plain fp32, which transformers loads.
 
 - unikv's engine on the FP8 checkpoint gives transformers' greedy tokens on the
   dequantised one (24 new tokens, fp32, CPU), and every sampled logit row equals
-  transformers' teacher-forced logits to 1e-4;
-- bytes: each ``Fp8BlockLinear`` holds the file's FP8 bytes and scales (a fused one:
-  its parts' concatenated), whose naive dequantisation is the plain loader's weight;
-  every other parameter (experts, DeepSeek's kv_b_proj, the unconverted linears)
+  transformers' teacher-forced logits to 1e-4 (DeepSeek-V3's routed experts kept in
+  FP8 too);
+- bytes: each ``Fp8BlockLinear`` and expert ``Fp8Weight`` holds the file's FP8 bytes and
+  scales (a fused one: its parts' concatenated), whose naive dequantisation is the plain
+  loader's weight; every other parameter (DeepSeek's kv_b_proj, the unconverted linears)
   equals the plain loader's bit for bit (fp32, and rounded to bf16);
 - ``dequantize_fp8`` against the naive loop for random shapes, block sizes, leading
   (expert) dims and chunk sizes (hypothesis);
@@ -54,6 +55,7 @@ from unikv.models import load_model, load_model_config
 from unikv.models.fp8 import Fp8Format, dequantize_fp8, fp8_format
 from unikv.models.fp8_linear import Fp8BlockLinear
 from unikv.models.loader import packed_params
+from unikv.models.moe import Fp8Weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -189,6 +191,8 @@ def test_checkpoint_is_really_fp8(ckpt):
 def test_greedy_tokens_and_logits_match_transformers_on_the_dequantised_checkpoint(ckpt):
     llm = LLM(ckpt.fp8, device="cpu", max_num_seqs=4, max_model_len=64, page_size=4)
     assert sum(isinstance(m, Fp8BlockLinear) for m in llm.model.modules()) >= 8
+    if ckpt.arch == "deepseek_v3":  # its routed experts run in FP8 too (``moe_fp8``)
+        assert sum(isinstance(m, Fp8Weight) for m in llm.model.modules()) >= 8
     rows = StepLogits()
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outputs = llm.generate(ckpt.ref.prompts, params, on_step=rows)
@@ -197,17 +201,20 @@ def test_greedy_tokens_and_logits_match_transformers_on_the_dequantised_checkpoi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_linears_hold_the_files_bytes_and_the_rest_the_dequantisation(ckpt, dtype):
-    """Changed when FP8 linears stopped being dequantised at load: each ``Fp8BlockLinear``
-    holds the checkpoint's FP8 bytes and fp32 scales as stored (a fused q|k|v or gate|up:
-    its parts concatenated), and their naive dequantisation is the plain loader's
-    weight (rounded to ``dtype``); every other parameter equals the plain loader's bit
-    for bit, and each one whose checkpoint tensor is FP8 (experts, kv_b_proj) equals
-    the oracle rounded to ``dtype``."""
+    """Changed when FP8 linears stopped being dequantised at load, and again when FP8
+    experts did: each ``Fp8BlockLinear`` and each routed expert's ``Fp8Weight`` holds the
+    checkpoint's FP8 bytes and fp32 scales as stored (a fused q|k|v or gate|up: its
+    parts concatenated), and their naive dequantisation is the plain loader's weight
+    (rounded to ``dtype``); every other parameter equals the plain loader's bit for bit,
+    and each one whose checkpoint tensor is FP8 (DeepSeek's kv_b_proj) equals the oracle
+    rounded to ``dtype``."""
     model = load_model(ckpt.fp8, dtype=dtype)
     plain = dict(load_model(ckpt.plain, dtype=dtype).named_parameters())
     packed = packed_params(model)
-    kept = {n: m for n, m in model.named_modules() if isinstance(m, Fp8BlockLinear)}
+    kept = {n: m for n, m in model.named_modules() if isinstance(m, (Fp8BlockLinear, Fp8Weight))}
     assert len(kept) >= 8
+    experts = [n for n, m in kept.items() if isinstance(m, Fp8Weight)]
+    assert len(experts) >= (8 if ckpt.arch == "deepseek_v3" else 0)  # 2 layers x 4 x 3
     for name, module in kept.items():
         parts = packed.get(f"{name}.weight", (f"{name}.weight",))
         file_w = torch.cat([ckpt.fp8_tensors[p] for p in parts])
@@ -227,7 +234,24 @@ def test_fp8_linears_hold_the_files_bytes_and_the_rest_the_dequantisation(ckpt, 
         if name in ckpt.oracle and ckpt.fp8_tensors[name].dtype == torch.float8_e4m3fn:
             assert torch.equal(param, ckpt.oracle[name].to(param.dtype)), name
             checked += 1
-    assert checked >= (8 if ckpt.arch == "deepseek_v3" else 0)  # experts, kv_b_proj
+    assert checked >= (3 if ckpt.arch == "deepseek_v3" else 0)  # kv_b_proj
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_teacher_forced_against_the_dequantised_twin_gpu(ckpt):
+    """On the GPU in bf16 (Triton kernels, CUDA graphs): unikv on the FP8 checkpoint (its
+    FP8 linears through the block-scaled GEMM, DeepSeek-V3's experts through ``moe_fp8``)
+    against transformers on the dequantised twin, teacher-forced over unikv's own tokens:
+    as close to transformers-fp32 as transformers-bf16 is, and on its argmax up to ties."""
+    from gpu_fixtures import assert_bf16_close, bf16_token_checks, gpu_llm, hf_model, seeded_prompts
+
+    hf16, hf32 = hf_model(ckpt.plain, torch.bfloat16), hf_model(ckpt.plain, torch.float32)
+    llm = gpu_llm(ckpt.fp8, torch.bfloat16, max_model_len=128)
+    assert llm.runner.graphs is not None
+    assert sum(isinstance(m, Fp8BlockLinear) for m in llm.model.modules()) >= 8
+    checks = bf16_token_checks(llm, hf16, hf32, seeded_prompts([5, 17, 40, 63]), 16)
+    assert_bf16_close(checks, 0.25)
 
 
 def test_config_and_inspect_accept_fp8(ckpt, capsys):
@@ -358,7 +382,7 @@ def test_greedy_tokens_and_logits_on_the_gpu(ckpt):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outputs = llm.generate(ckpt.ref.prompts, params, on_step=rows)
     assert [o.output_ids for o in outputs] == ckpt.ref.greedy
-    first_id = llm._next_id - len(outputs)
+    first_id = llm.requests.next_id - len(outputs)
     for k, out in enumerate(outputs):
         full = hf_logits(ckpt.ref.hf, out.prompt_ids + out.output_ids)
         for (rid, p), row in rows.rows.items():

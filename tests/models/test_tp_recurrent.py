@@ -92,12 +92,13 @@ def _prompts() -> list[list[int]]:
 
 def _prefilled(llm, r) -> tuple[dict, dict]:
     """Request ``r``'s state right after its prefill, read through the runner's views
-    of the raw pool: per recurrent layer (conv window, recurrent state) of its state
-    slot; per attention layer the K/V rows of its prompt (their kernel ids from the
-    allocator's table)."""
+    of the raw pool: per recurrent layer (conv window, recurrent state or None for a
+    conv-only slot) of its state slot; per attention layer the K/V rows of its prompt
+    (their kernel ids from the allocator's table), per MLA layer its latent rows (a
+    1-tuple)."""
     slot = int(llm.alloc.mamba_slots(torch.tensor([r.slot])).data[0])
     states = {
-        layer: (s.conv[slot].cpu(), s.temporal[slot].cpu())
+        layer: (s.conv[slot].cpu(), None if s.temporal is None else s.temporal[slot].cpu())
         for layer, s in enumerate(llm.runner.states)
         if s is not None
     }
@@ -106,7 +107,10 @@ def _prefilled(llm, r) -> tuple[dict, dict]:
     for layer, c in enumerate(llm.runner.layers):
         if c is not None:
             ids = llm.alloc.translate(VirtualTokenIds(virtual), c.subpool).data.long()
-            kv[layer] = (c.k[ids].cpu(), c.v[ids].cpu())
+            latent = getattr(c, "latent", None)
+            kv[layer] = (
+                (latent[ids].cpu(),) if latent is not None else (c.k[ids].cpu(), c.v[ids].cpu())
+            )
     return states, kv
 
 
@@ -199,6 +203,30 @@ def test_tokens_match_transformers_and_logits_match_tp1(runs):
             assert err < ATOL, f"{family} TP {size} rank {r}: logits differ from TP 1 by {err}"
 
 
+def delta_rule_shard(hk: int, hv: int, dk: int, dv: int, rank: int, size: int):
+    """(conv channels, state heads) of ``rank``'s Gated DeltaNet / KDA shard: value
+    heads [rank * Hv / size, (rank + 1) * Hv / size), the key heads they read, and the
+    conv's [q | k | v] channels of those heads."""
+    heads = range(rank * hv // size, (rank + 1) * hv // size)
+    keys = sorted({h // (hv // hk) for h in heads})
+    q = [c for k in keys for c in range(k * dk, (k + 1) * dk)]
+    k = [hk * dk + c for c in q]
+    v = [2 * hk * dk + c for h in heads for c in range(h * dv, (h + 1) * dv)]
+    return q + k + v, list(heads)
+
+
+def mamba_shard(h: int, p: int, g: int, n: int, rank: int, size: int):
+    """(conv channels, state heads) of ``rank``'s Mamba-2 shard: heads [rank * H / size,
+    (rank + 1) * H / size), their x channels and the B / C channels of the groups they
+    use (H heads of P, G groups of state size N)."""
+    heads = range(rank * h // size, (rank + 1) * h // size)
+    groups = sorted({i // (h // g) for i in heads})
+    x = [c for i in heads for c in range(i * p, (i + 1) * p)]
+    b = [h * p + c for j in groups for c in range(j * n, (j + 1) * n)]
+    c = [g * n + ch for ch in b]
+    return x + b + c, list(heads)
+
+
 def _recurrent_shard(config, family: str, rank: int, size: int):
     """(the conv channels, the state heads) of ``rank``'s shard, from the HF fields:
     a rank holds value (Mamba) heads [rank * H / size, (rank + 1) * H / size) and the
@@ -206,24 +234,14 @@ def _recurrent_shard(config, family: str, rank: int, size: int):
     if family.startswith("qwen3"):
         hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-        heads = range(rank * hv // size, (rank + 1) * hv // size)
-        keys = sorted({h // (hv // hk) for h in heads})
-        q = [c for k in keys for c in range(k * dk, (k + 1) * dk)]
-        k = [hk * dk + c for c in q]
-        v = [2 * hk * dk + c for h in heads for c in range(h * dv, (h + 1) * dv)]
-        return q + k + v, list(heads)
+        return delta_rule_shard(hk, hv, dk, dv, rank, size)
     if family == "nemotron_h":
         h, p, g, n = config.mamba_num_heads, config.mamba_head_dim, config.n_groups, 0
         n = config.ssm_state_size
     else:
         h, g, n = config.mamba_n_heads, config.mamba_n_groups, config.mamba_d_state
         p = config.mamba_d_ssm // h
-    heads = range(rank * h // size, (rank + 1) * h // size)
-    groups = sorted({i // (h // g) for i in heads})
-    x = [c for i in heads for c in range(i * p, (i + 1) * p)]
-    b = [h * p + c for j in groups for c in range(j * n, (j + 1) * n)]
-    c = [g * n + ch for ch in b]
-    return x + b + c, list(heads)
+    return mamba_shard(h, p, g, n, rank, size)
 
 
 def test_each_rank_holds_only_its_state_shard(runs):

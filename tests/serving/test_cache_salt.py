@@ -22,7 +22,7 @@ PROMPT = list(range(10, 31))  # 21 tokens: 5 whole pages of 4
 def _run(llm: LLM, salt: str | None) -> tuple[list[int], int]:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     group = llm.make_group(PROMPT, params, cache_salt=salt)
-    run_inline(llm, [group], False)
+    run_inline(llm.engine, [group], False)
     request = group.requests[0]
     return list(request.output_ids), request.num_cached_tokens
 

@@ -54,7 +54,7 @@ def test_one_steps_deltas_reach_their_submissions_in_order_and_coalesce():
     one = type("P", (), {"n": 1, "max_tokens": 3})()
 
     async def run():
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm.engine, llm.requests, llm.reset_prefix_cache)
         engine.start()
         a = engine.submit([([1], None, params), ([2], None, params)])
         b = engine.submit([([3], None, one)])

@@ -9,27 +9,20 @@ virtual pages; every other token sub-pool (SWA) binds the owner's virtual pages
 to physical pages of its own grid; with only SWA sub-pools the first is the
 owner. A Mamba sub-pool has one slot per request (virtual id = request slot + 1).
 
-The facade composes parts that own their state and never call up into it:
-
-    pages.PageBook      one sub-pool's pages (host)   tables.TableWriter  device writes
-    requests            request slots, virtual space  room.Room           reserve, compact
-    tokens.Tokens       token verbs' host half        page_io.PageIO      I/O hooks
-    mamba.MambaSlots    state slots                   step.StepBuffers    decode buffers
-    prefix.PrefixCache  shared prefix pages, LRU
-
-Read state through ``parts`` (``parts.requests.req_to_token``, ``parts.books[name]``,
-``parts.roles.token_names``); prefix caching is ``parts.prefix`` (``match``, ``insert``,
-``counters``). Each verb's full contract is on the part that implements it.
+The facade composes the parts of ``parts.py`` (a tree: docs/structure.md) and hands
+out ``prefix``, ``io`` and ``view`` (``verbs.py``); ``parts`` is for the allocator,
+tests and ``check_integrity``. Each verb's contract is on the part implementing it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
+from unikv.allocator.integrity import check_chain
 from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.pages import PageBook
 from unikv.allocator.parts import build_parts
@@ -39,6 +32,7 @@ from unikv.allocator.step import DecodeStep
 from unikv.allocator.tables import TablePatch
 from unikv.allocator.tokens import StagedGrow
 from unikv.allocator.translate import check_block_table, check_tombstones, translate
+from unikv.allocator.verbs import hand_out
 from unikv.ids import (
     KernelIds,
     KernelPageIds,
@@ -84,10 +78,11 @@ class PoolAllocator:
         self.pool = pool
         self.parts = build_parts(
             pool, max_requests, max_context, num_virtual_pages, on_shortfall,
-            max_shortfall_rounds, backend, debug,
+            max_shortfall_rounds, backend,
         )  # fmt: skip
         self._debug = debug
-        self._translate_ids = backend.translate_ids
+        self.prefix, self.io, self.view = hand_out(pool, self.parts, debug)
+        self._translate_ids = cast(Callable[..., torch.Tensor], backend.translate_ids)
         self._build_block_table = backend.build_block_table
         books = [self.parts.books[n] for n in self.parts.roles.token_names]
         self._ids = {b.name: IdMap(b.page_size, b.blocks_per_page) for b in books}
@@ -96,7 +91,7 @@ class PoolAllocator:
 
     def new_request(self, prefix: PrefixHit | None = None) -> int:
         """Open a request slot (host int) with no tokens, or holding the shared
-        pages of ``prefix`` (a ``parts.prefix.match`` hit, taken right before: its
+        pages of ``prefix`` (an ``alloc.prefix.match`` hit, taken right before: its
         ``num_tokens`` tokens; the request writes from its next page on)."""
         slot = self.parts.requests.open()
         if slot is None:
@@ -289,10 +284,15 @@ class PoolAllocator:
         tight (live pages into holes, frontiers back). Returns the pages moved."""
         return self.parts.room.compact()
 
+    def resize(self, total_bytes: int) -> int:
+        """An elastic pool's top to ``total_bytes``; the pages moved (slow path, between
+        steps; ``room.Room.resize``: ValueError, nothing changed, if they do not fit)."""
+        moved = self.parts.room.resize(total_bytes)
+        self._after_verb()
+        return moved
+
     def check_integrity(self) -> None:
         """Verify every invariant (host syncs); AssertionError names the broken one."""
-        from unikv.allocator.integrity import check_chain
-
         check_chain(self.pool, self.parts)
 
     def _after_verb(self) -> None:

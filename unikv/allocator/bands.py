@@ -71,7 +71,11 @@ def band_needs(
                 mask[gone] = False
                 keep = book.occupied_span(mask)
         else:
-            held = transfer_held[name] if mode is Mode.AFTER else book.state == PENDING
+            if mode is Mode.AFTER:
+                assert transfer_held is not None, "band_needs: Mode.AFTER needs transfer_held"
+                held = transfer_held[name]
+            else:
+                held = book.state == PENDING
             mask = book.pins > 0
             mask[held] = True
             occupied = book.num_live + int((mask & (book.state == PENDING)).sum())

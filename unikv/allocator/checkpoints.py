@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -65,12 +65,15 @@ from unikv.allocator.tables import TableWriter
 from unikv.ids import PhysicalPageIds
 from unikv.pool import UnifiedPool
 
+if TYPE_CHECKING:
+    from unikv.allocator.parts import Parts
+
 
 class StateCheckpoints:
     """Checkpoint slots of one Mamba sub-pool, keyed by prefix node id.
 
-    ``base``: the first checkpoint virtual id (max_requests + 1); ``reserve``:
-    ``new -> bool``, the room maker's reserve (no shortfall callback)."""
+    ``base``: the first checkpoint virtual id (max_requests + 1). It holds no part
+    above it: ``save`` takes the room maker's reserve as an argument."""
 
     def __init__(
         self,
@@ -79,10 +82,9 @@ class StateCheckpoints:
         base: int,
         fences: FenceQueue,
         writer: TableWriter,
-        reserve: Callable[[Mapping[str, int]], bool],
     ) -> None:
         self.pool, self.book, self.base = pool, book, base
-        self.fences, self.writer, self.reserve = fences, writer, reserve
+        self.fences, self.writer = fences, writer
         self.by_node: dict[int, int] = {}  # node id -> checkpoint virtual id
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable node ids, oldest first
         self.demoted: set[int] = set()  # superseded node ids (``demote``), first in ``lru``
@@ -94,7 +96,7 @@ class StateCheckpoints:
         self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
-        self.host = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
+        self.host: Any = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
 
     def has(self, node_id: int, host: bool) -> bool:
         """Whether node ``node_id`` has a checkpoint (on the device, or ``host``: on either)."""
@@ -116,12 +118,14 @@ class StateCheckpoints:
         node_id: int,
         alive: Callable[[], bool],
         tokens: int,
+        reserve: Callable[[Mapping[str, int]], bool],
         turn_end: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
         a checkpoint of ``node_id``; False (nothing changed) when the chain has no
-        room, the request holds no slot, or ``alive()`` says the node was evicted
-        while making room; ``turn_end``: a decode checkpoint (``turn_ends``)."""
+        room (``reserve(new) -> bool``: the room maker's, no shortfall callback), the
+        request holds no slot, or ``alive()`` says the node was evicted while making
+        room; ``turn_end``: a decode checkpoint (``turn_ends``)."""
         if node_id in self.by_node:
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
@@ -130,7 +134,7 @@ class StateCheckpoints:
         if self.has(node_id, True):  # on the host: restored from there
             return True
         held = self.book.physical(np.array([slot + 1], np.int32))[0] >= 0
-        if not held or not self.free_vids or not self.reserve({self.book.name: 1}):
+        if not held or not self.free_vids or not reserve({self.book.name: 1}):
             return False
         if not alive():
             return False
@@ -204,8 +208,8 @@ class StateCheckpoints:
             self._copy(src, ppages)
         away = [i for i, n in zip(lanes, nodes) if n not in self.by_node]
         if away:  # host checkpoints, into the slots' physical pages (host mirror)
-            ppages = self.book.physical((slots[away] + 1).astype(np.int32))
-            self.host.restore_checkpoints([self.pending[int(slots[i])] for i in away], ppages)
+            held = self.book.physical((slots[away] + 1).astype(np.int32))
+            self.host.restore_checkpoints([self.pending[int(slots[i])] for i in away], held)
         self.restored += len(lanes)
         self.unpin(slots[lanes])
 
@@ -265,9 +269,10 @@ class StateCheckpoints:
         return ppages[self.book.pins[ppages] == 0]
 
 
-def check_checkpoints(parts) -> None:
+def check_checkpoints(parts: Parts) -> None:
     """Invariants of the state checkpoints (``parts``: the allocator's ``Parts``)."""
     states, prefix = parts.prefix.states, parts.prefix
+    assert states is not None, "check_checkpoints: the pool has state checkpoints"
     book = states.book
     vids = np.array(sorted(states.by_node.values()), np.int64)
     ppages = book.v2p_host[vids]

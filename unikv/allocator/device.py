@@ -18,6 +18,7 @@ pageable host-to-device copy).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,8 +68,8 @@ class PinnedRing:
         self.events: list = [None] * slots
         self.next = 0
         self._index = self.device.index
-        self._raw = None  # the current stream, as a raw handle (cheap to read) ...
-        self._stream = None  # ... and as the Stream object events record on
+        self._raw: int | None = None  # the current stream, as a raw handle (cheap) ...
+        self._stream: Any = None  # ... and as the Stream object events record on
         self._side = torch.cuda.Stream(self.device) if SIDE_COPY else None
 
     def __call__(self, array: np.ndarray | list) -> torch.Tensor:

@@ -12,6 +12,8 @@ expects its name (docs/design.md section 10 lists them).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -21,6 +23,9 @@ from unikv.allocator.checkpoints import check_checkpoints
 from unikv.allocator.pages import FREE, LIVE, OUT, PENDING, PageBook
 from unikv.allocator.prefix import CACHED, check_prefix_windows
 from unikv.pool import INT32_LIMIT, UnifiedPool, _build_views
+
+if TYPE_CHECKING:
+    from unikv.allocator.parts import Parts
 
 
 def _tensors(views: object) -> list[torch.Tensor]:
@@ -119,7 +124,7 @@ def check_subpool(sub: PageBook, held: np.ndarray) -> None:
     )
 
 
-def check_requests(parts) -> None:
+def check_requests(parts: Parts) -> None:
     """Virtual space, request pages, windows and req_to_token (``parts``: the
     allocator's ``Parts``)."""
     req, vspace, roles = parts.requests, parts.vspace, parts.roles
@@ -174,7 +179,7 @@ def check_requests(parts) -> None:
         assert not (has & ~req.in_use).any(), "only open requests hold a Mamba slot"
 
 
-def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
+def check_prefix(parts: Parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
     """The prefix cache (``prefix.py``): ``held_cached`` are the cached pages in
     request tables (one entry per holder), ``cached`` the pages owned by the cache."""
     prefix, vspace = parts.prefix, parts.vspace
@@ -214,7 +219,7 @@ def check_prefix(parts, held_cached: np.ndarray, cached: np.ndarray) -> None:
         prefix.host.check_integrity(parts)
 
 
-def check_chain(pool: UnifiedPool, parts) -> None:
+def check_chain(pool: UnifiedPool, parts: Parts) -> None:
     """Every invariant of a PoolAllocator over ``pool`` (``parts``: its ``Parts``)."""
     check_pool(pool)
     for name, book in parts.books.items():

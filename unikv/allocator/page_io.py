@@ -5,6 +5,7 @@ release_physical(name, v, fence)   v2p[v] = -1, v stays owned by its request;
 bind_physical(name, v)             fresh pages for owned, unbound v (compacting
                                    if needed), or None
 pin / unpin(name, pages)           a pinned page is never moved by compaction
+pinned(name, pages)                which of the pages are pinned (host bools)
 physical_pages(name, v)            host lookup of v2p (no device sync)
 """
 
@@ -173,3 +174,7 @@ class PageIO:
                 f"unpin: pages {np.flatnonzero(counts > book.pins).tolist()} are not pinned"
             )
         book.unpin(counts, self.fences.held(name))
+
+    def pinned(self, name: str, pages: np.ndarray) -> np.ndarray:
+        """Whether each of ``pages`` (host ints) of sub-pool ``name`` is pinned."""
+        return self._book(name, "pinned").pins[np.asarray(pages, np.int64)] > 0

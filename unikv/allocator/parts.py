@@ -1,29 +1,28 @@
 """The allocator's parts and how they are wired: each owns its state and holds
-only the siblings it needs (passed at construction); none holds the facade.
-
-    requests, vspace  <-  books (one PageBook per sub-pool)  <-  fences
-           \\                 |                                  /
-            writer (TableWriter: every device table write)  -- room (Room)
-                 |                                               |
-            tokens (Tokens), io (PageIO), mamba (MambaSlots), steps (StepBuffers)
+only parts below it (passed at construction, in dependency order), so the parts
+form a tree without cycles; none holds the facade. A part that needs work from a
+part above it gets it as a call argument (``StateCheckpoints.save``'s and
+``PrefixCache.reload``'s ``reserve``), never as a stored reference. The graph,
+checked against the object graph by ``tests/allocator/test_allocator_tree.py``:
+docs/structure.md, "The allocator's parts".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from unikv.allocator.checkpoints import StateCheckpoints
 from unikv.allocator.device import make_uploader
 from unikv.allocator.fences import FenceQueue
-from unikv.allocator.integrity import check_chain
 from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.page_io import PageIO
 from unikv.allocator.pages import PageBook
 from unikv.allocator.prefix import PrefixCache
 from unikv.allocator.requests import RequestTable, Roles, VirtualSpace
 from unikv.allocator.room import Room, Shortfall
-from unikv.allocator.step import StepBuffers
+from unikv.allocator.step import PrepareStep, StepBuffers
 from unikv.allocator.tables import TableWriter
 from unikv.allocator.tokens import Tokens
 from unikv.kernels.backend import KernelBackend
@@ -32,8 +31,11 @@ from unikv.pool import INT32_LIMIT, UnifiedPool
 
 @dataclass(frozen=True)
 class Parts:
-    """The allocator's parts (for inspection, tests, ``check_integrity`` and the
-    I/O layer: ``parts.io``). ``mamba`` is None without a Mamba sub-pool."""
+    """The allocator's parts, for the facade, inspection, tests and
+    ``check_integrity``; code outside the allocator uses the facade and the objects
+    it hands out (``alloc.prefix``, ``alloc.io``). ``mamba`` is None without a Mamba
+    sub-pool; ``states`` (the prefix cache's checkpoints, ``prefix.states``) None
+    without one or without a token sub-pool."""
 
     roles: Roles
     requests: RequestTable
@@ -47,6 +49,7 @@ class Parts:
     mamba: MambaSlots | None
     steps: StepBuffers
     prefix: PrefixCache
+    states: StateCheckpoints | None = None
 
 
 def build_parts(
@@ -57,7 +60,6 @@ def build_parts(
     on_shortfall: Callable[[Shortfall], bool] | None,
     max_shortfall_rounds: int,
     backend: KernelBackend,
-    debug: bool = False,
 ) -> Parts:
     """Every part of a PoolAllocator over ``pool`` (arguments: the allocator's)."""
     for what, value in (("max_requests", max_requests), ("max_context", max_context)):
@@ -83,18 +85,10 @@ def build_parts(
     upload = make_uploader(pool.device)
     writer = TableWriter(requests.req_to_token, token_books, upload, backend)
 
-    def check() -> None:  # debug mode: ``check_integrity`` after each prefix insert
-        check_chain(pool, parts)
-
     states = None
-    if roles.mamba_name is not None and roles.owner is not None:  # room: built below
-        states = StateCheckpoints(
-            pool, books[roles.mamba_name], max_requests + 1, fences, writer,
-            lambda new: room.reserve(new, callback=False, evict_pages=False),
-        )  # fmt: skip
-    prefix = PrefixCache(
-        roles, requests, vspace, books, fences, writer, check if debug else None, states
-    )
+    if roles.mamba_name is not None and roles.owner is not None:
+        states = StateCheckpoints(pool, books[roles.mamba_name], max_requests + 1, fences, writer)
+    prefix = PrefixCache(roles, requests, vspace, books, fences, writer, states)
     room = Room(
         pool, books, requests, vspace, fences, writer, on_shortfall, max_shortfall_rounds, prefix
     )
@@ -102,13 +96,17 @@ def build_parts(
     if roles.mamba_name is not None:
         mamba = MambaSlots(pool, books[roles.mamba_name], requests, fences, room, writer, states)
     steps = StepBuffers(
-        requests.req_to_token, token_books, roles.windows, roles.page_size, backend.prepare_step
+        requests.req_to_token,
+        token_books,
+        roles.windows,
+        roles.page_size,
+        cast(PrepareStep, backend.prepare_step),
     )
     parts = Parts(
         roles, requests, vspace, books, fences, writer, room,
         Tokens(roles, requests, vspace, books, fences, room, writer, prefix),
         PageIO(roles, requests, vspace, books, fences, room, writer),
-        mamba, steps, prefix,
+        mamba, steps, prefix, states,
     )  # fmt: skip
     return parts
 
@@ -133,7 +131,9 @@ def _roles(pool: UnifiedPool) -> Roles:
     )
 
 
-def _virtual_size(pool, roles: Roles, given, max_requests: int, max_context: int) -> int:
+def _virtual_size(
+    pool: UnifiedPool, roles: Roles, given: object, max_requests: int, max_context: int
+) -> int:
     if roles.owner is None:
         return 1
     owner = pool.subpools[roles.owner]

@@ -32,8 +32,9 @@ chooses recompute by cost, or falls back to the device-only prefix).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ from unikv.allocator.prefix_chain import (
     reachable,
 )
 from unikv.allocator.prefix_evict import (
+    evict_dead,
     evict_pages,
     evict_windows,
     evictable_physical,
@@ -84,11 +86,12 @@ class PrefixStats:
 class PrefixCache:
     """The hash chain of cached pages, their reference counts and the LRU.
 
-    The allocator's prefix verbs (``alloc.parts.prefix``): ``match`` a prompt,
-    pass the hit to ``alloc.new_request(prefix=hit)``, ``insert`` a request's
-    written pages, ``checkpoint`` a hybrid request's state, read ``counters()``.
-    ``check``: called after each ``insert`` (the allocator's debug-mode
-    ``check_integrity``), or None. ``states``: the Mamba sub-pool's checkpoints."""
+    Its public verbs are ``alloc.prefix`` (``verbs.PrefixVerbs``, which adds the
+    facade's debug-mode ``check_integrity`` and the room maker's reserve):
+    ``match`` a prompt, pass the hit to ``alloc.new_request(prefix=hit)``,
+    ``insert`` a request's written pages, ``checkpoint`` a hybrid request's state,
+    read ``counters()``. ``states``: the Mamba sub-pool's checkpoints. It holds no
+    part above it: room-making reaches it as an argument (``reload``, ``checkpoint``)."""
 
     def __init__(
         self,
@@ -98,11 +101,10 @@ class PrefixCache:
         books: dict[str, PageBook],
         fences: FenceQueue,
         writer: TableWriter,
-        check: Callable[[], None] | None = None,
         states: StateCheckpoints | None = None,
     ) -> None:
         self.roles, self.requests, self.vspace, self.books = roles, requests, vspace, books
-        self.fences, self.writer, self.check, self.states = fences, writer, check, states
+        self.fences, self.writer, self.states = fences, writer, states
         self.refs = np.zeros(vspace.size, np.int32)  # request tables holding each cached page
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
         self.by_key: dict[int, ChainNode] = {}
@@ -116,7 +118,7 @@ class PrefixCache:
         self._tick = 0
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
-        self.host = None  # the host tier (io.prefix_host.PrefixHost), set by enable_prefix_host
+        self.host: Any = None  # the host tier (io.prefix_host.PrefixHost): add_host_tier
 
     @property
     def num_evictable(self) -> int:
@@ -214,10 +216,15 @@ class PrefixCache:
             roles=self.roles, books=self.books, states=self.states, tier=self.host,
         )  # fmt: skip
 
-    def reload(self, hit: PrefixHit) -> PrefixHit:
+    def reload(
+        self, hit: PrefixHit, reserve: Callable[[Mapping[str, int], int], bool]
+    ) -> PrefixHit:
         """The hit to pass to ``new_request``: ``hit`` with its host pages reloaded
-        (or its device-only prefix when the pool has no room: ``io/prefix_host.py``)."""
-        return self.host.reload(hit) if self.host is not None and len(hit.pages) else hit
+        (or its device-only prefix when the pool has no room: ``io/prefix_host.py``);
+        ``reserve(new, virtual) -> bool``: the room maker's, without the callback."""
+        if self.host is None or not len(hit.pages):
+            return hit
+        return self.host.reload(hit, reserve)
 
     def _count(self, hit: PrefixHit, sign: int) -> None:
         self.stats.queries += sign
@@ -306,18 +313,23 @@ class PrefixCache:
         if parent and self.roles.windows:  # a hit may end here: keep its window suffix
             self.ends.add(parent)
         self.stats.cached_pages += added
-        if self.check is not None:
-            self.check()
         return added
 
     def checkpoint(
-        self, slot: int, token_ids: object, salt: str | None = None, turn_end: bool = False
+        self,
+        slot: int,
+        token_ids: object,
+        reserve: Callable[[Mapping[str, int]], bool],
+        salt: str | None = None,
+        turn_end: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
         prefilled and ``insert``-ed; the state must be the one after exactly them).
         False when nothing was taken: no Mamba sub-pool, no node, or no room.
-        ``turn_end``: a decode checkpoint (the next turn of a chat extends it)."""
+        ``turn_end``: a decode checkpoint (the next turn of a chat extends it);
+        ``reserve(new) -> bool``: room for the copy (older checkpoints may go,
+        cached pages never: ``Room.reserve(evict_pages=False)``)."""
         tokens = self.tokens(token_ids, "prefix.checkpoint")
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
@@ -328,10 +340,8 @@ class PrefixCache:
         node = found[-1]
         # making room may evict any node of the chain: the checkpoint must stay reachable
         alive = lambda: self.reachable(node.node_id)
-        saved = self.states.save(int(slot), node.node_id, alive, len(tokens), turn_end)
+        saved = self.states.save(int(slot), node.node_id, alive, len(tokens), reserve, turn_end)
         self.stats.checkpoints = self.states.saved
-        if self.check is not None:
-            self.check()
         return saved
 
     def demote_checkpoint(
@@ -341,14 +351,14 @@ class PrefixCache:
         when the Mamba sub-pool is short (``drop``: goes now, unless a request waits
         to restore it): a longer one of the same conversation made it the less likely
         hit (``allocator/checkpoints.py``, the policy)."""
-        tokens = self.tokens(token_ids, "prefix.demote_checkpoint")
-        found = self.walk(tokens, salt) if self.states is not None else []
-        if found and len(found) == len(tokens) // self.roles.page_size:
+        tokens, states = self.tokens(token_ids, "prefix.demote_checkpoint"), self.states
+        found = self.walk(tokens, salt) if states is not None else []
+        if states is not None and found and len(found) == len(tokens) // self.roles.page_size:
             node_id = found[-1].node_id
-            if drop and node_id in self.states.lru:
-                self.states.drop([node_id])
+            if drop and node_id in states.lru:
+                states.drop([node_id])
             else:
-                self.states.demote(node_id)
+                states.demote(node_id)
 
     def reachable(self, node_id: int) -> bool:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
@@ -428,11 +438,18 @@ class PrefixCache:
         return self.vspace.owner[vpages] == CACHED
 
     def evict(self, count: int) -> TablePatch:
-        """Under pressure, ``count`` of, cheapest first: window bindings no request
-        holds outside every chain end's window suffix (no hit lost); the oldest
-        evictable pages (``prefix_evict.evict_pages``; their window bindings go with
-        them); when no page is evictable, the suffix bindings of pages requests hold
-        below their windows (``prefix_evict.evict_windows``)."""
+        """Under pressure, ``count`` of, cheapest first: evictable pages no hit can
+        use (``prefix_evict.dead_pages``: below the last intact window of their
+        chain); window bindings no request holds outside every chain end's window
+        suffix (no hit lost); the oldest evictable pages (``prefix_evict.evict_pages``;
+        their window bindings go with them); when no page is evictable, the suffix
+        bindings of pages requests hold below their windows
+        (``prefix_evict.evict_windows``)."""
+        patch, done = evict_dead(self, count)
+        if done >= count:
+            return patch
+        self.writer.write(patch)
+        count -= done
         patch, done = evict_windows(self, count, suffixes=False)
         if done >= count:
             return patch

@@ -32,12 +32,16 @@ intact prefix that has one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from unikv.allocator.checkpoints import StateCheckpoints
 from unikv.allocator.pages import PageBook
 from unikv.allocator.requests import Roles
+
+if TYPE_CHECKING:
+    from unikv.allocator.parts import Parts
 
 CACHED = -2  # VirtualSpace.owner of a page the prefix cache holds
 HOST = -1  # ChainNode.page of a node whose envelopes live on the host tier (io/prefix_host.py)
@@ -116,7 +120,7 @@ def chain_hit(
     roles: Roles,
     books: dict[str, PageBook],
     states: StateCheckpoints | None,
-    tier: object | None,
+    tier: Any,
 ) -> PrefixHit:
     """The longest usable prefix of chain nodes ``found`` (block order): window
     pages intact, a state checkpoint at its end (hybrids); ``host``: host nodes
@@ -141,7 +145,7 @@ def chain_hit(
     return PrefixHit(pages[:count], nodes, count * ps, num_query, intact * ps, num_host, on_host)
 
 
-def check_prefix_windows(parts) -> None:
+def check_prefix_windows(parts: Parts) -> None:
     """Invariant of windowed pools (``parts``: the allocator's ``Parts``): every
     cached page that an open request's next query reads (columns from
     ``max(len + 1 - W, 0) // ps`` on) is bound in that windowed sub-pool."""
@@ -157,10 +161,10 @@ def check_prefix_windows(parts) -> None:
             f"{name}: cached pages an open request's window reads are bound"
         )
         held = (cols >= req.window_lo[name][:, None]) & (cols < npages[:, None])
-        held = req.pages[held & req.in_use[:, None]]
-        held = held[owner[held] == CACHED]
+        held_pages = req.pages[held & req.in_use[:, None]]
+        held_pages = held_pages[owner[held_pages] == CACHED]
         wrefs = parts.prefix.wrefs[name]
-        assert np.array_equal(wrefs, np.bincount(held, minlength=len(wrefs))), (
+        assert np.array_equal(wrefs, np.bincount(held_pages, minlength=len(wrefs))), (
             f"{name}: window refcount equals the open request windows holding each cached page"
         )
         assert (parts.books[name].v2p_host[wrefs > 0] >= 0).all(), (

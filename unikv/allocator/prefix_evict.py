@@ -15,14 +15,17 @@ cache's state (``cache``: the ``PrefixCache``, which owns ``refs`` and ``lru``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
-from unikv.allocator.prefix_chain import CACHED, HOST, reachable
+from unikv.allocator.prefix_chain import CACHED, HOST, ChainNode, reachable
 from unikv.allocator.tables import TablePatch, TableWriter
+
+if TYPE_CHECKING:
+    from unikv.allocator.prefix import PrefixCache
 
 
 def stage_unbind(
@@ -46,7 +49,7 @@ def stage_unbind(
             patch.add_tombstones(writer.p2v_id[name], ppages)
 
 
-def release_pages(cache, vpages: np.ndarray) -> np.ndarray:
+def release_pages(cache: PrefixCache, vpages: np.ndarray) -> np.ndarray:
     """A request gives up ``vpages`` (host int32, block order): cached ones lose a
     reference (evictable at none, deepest first); returns the private ones."""
     cached = cache.vspace.owner[vpages] == CACHED
@@ -60,7 +63,7 @@ def release_pages(cache, vpages: np.ndarray) -> np.ndarray:
     return vpages[~cached]
 
 
-def evict_pages(cache, count: int, spill: bool = True) -> TablePatch:
+def evict_pages(cache: PrefixCache, count: int, spill: bool = True) -> TablePatch:
     """Evict the ``count`` oldest evictable pages (at most all): unbound
     everywhere (fenced), virtual pages retired, nodes dropped (or, with a host
     tier and ``spill``, kept on the host); the tombstones are staged in the
@@ -93,7 +96,7 @@ def evict_pages(cache, count: int, spill: bool = True) -> TablePatch:
     return patch
 
 
-def window_suffixes(cache, name: str, insert_ends: bool = True) -> np.ndarray:
+def window_suffixes(cache: PrefixCache, name: str, insert_ends: bool = True) -> np.ndarray:
     """Cached pages (host int32) in the window suffix of a chain end in windowed
     sub-pool ``name``: the blocks the first query of a hit ending there reads. Chain
     ends: device nodes with no device child (a chain's end), with several (where
@@ -114,7 +117,7 @@ def window_suffixes(cache, name: str, insert_ends: bool = True) -> np.ndarray:
             and not (insert_ends and node.node_id in cache.ends)
         ):
             continue
-        walk = node
+        walk: ChainNode | None = node
         for _ in range(span):
             if walk is None or walk.page == HOST or walk.page in keep:
                 break
@@ -123,7 +126,69 @@ def window_suffixes(cache, name: str, insert_ends: bool = True) -> np.ndarray:
     return np.fromiter(keep, np.int32, len(keep))
 
 
-def evict_windows(cache, count: int, suffixes: bool = True) -> tuple[TablePatch, int]:
+def dead_pages(cache: PrefixCache) -> np.ndarray:
+    """Evictable cached pages (host int32, LRU order) no hit can use any more, in a
+    windowed pool without a host tier: a hit ending at a node needs the window pages
+    its first query reads bound (``prefix_chain.window_intact``), so a page is useful
+    only while some node at or below it in its chain ends such an intact window (or
+    none of the pool's sub-pools is windowed). A chain whose end lost its window
+    suffix (its leaf page evicted after its inner window bindings went alone) is dead
+    weight down to its deepest intact node; evicting it first loses no hit. Orphans
+    (a parent evicted) never match and are dead too."""
+    roles, by_id = cache.roles, cache.by_id
+    if not roles.windows or cache.host is not None or not cache.lru:
+        return np.zeros(0, np.int32)
+    ps = roles.page_size
+    depth: dict[int, int] = {0: 0}  # node id -> its blocks from the root (-1: an orphan)
+
+    def depth_of(node_id: int) -> int:
+        path = []
+        while node_id not in depth:
+            node = by_id.get(node_id)
+            if node is None:  # an evicted parent: every node below it is an orphan
+                depth[node_id] = -1
+                break
+            path.append(node_id)
+            node_id = node.parent_id
+        d = depth[node_id]
+        for walked in reversed(path):
+            d = d + 1 if d >= 0 else -1
+            depth[walked] = d
+        return d
+
+    useful: set[int] = set()
+    for node in cache.by_page.values():
+        d = depth_of(node.node_id)
+        if d <= 0 or node.node_id in useful:
+            continue
+        intact = True
+        walk: ChainNode | None
+        for name, window in roles.windows.items():
+            book, walk = cache.books[name], node
+            for _ in range(d - max(d * ps + 1 - window, 0) // ps):  # the blocks read
+                if walk is None or walk.page == HOST or book.v2p_host[walk.page] < 0:
+                    intact = False
+                    break
+                walk = by_id.get(walk.parent_id)
+            if not intact:
+                break
+        walk = node if intact else None
+        while walk is not None and walk.node_id not in useful:
+            useful.add(walk.node_id)
+            walk = by_id.get(walk.parent_id)
+    dead = [page for page in cache.lru if cache.by_page[page].node_id not in useful]
+    return np.array(dead, np.int32)
+
+
+def evict_dead(cache: PrefixCache, count: int) -> tuple[TablePatch, int]:
+    """Evict up to ``count`` of the ``dead_pages`` (no hit lost); (tombstones, how many)."""
+    dead = dead_pages(cache)[:count]
+    for page in dead[::-1].tolist():  # to the front of the LRU, in their order
+        cache.lru.move_to_end(page, last=False)
+    return evict_pages(cache, len(dead)), len(dead)
+
+
+def evict_windows(cache: PrefixCache, count: int, suffixes: bool = True) -> tuple[TablePatch, int]:
     """Unbind up to ``count`` window bindings per windowed sub-pool that only the
     cache holds (``PrefixCache.window_evictable``): those outside every chain end's
     window suffix (``window_suffixes``) first, then those only in the suffix of an
@@ -148,7 +213,7 @@ def evict_windows(cache, count: int, suffixes: bool = True) -> tuple[TablePatch,
     return patch, done
 
 
-def evictable_physical(cache, name: str) -> np.ndarray:
+def evictable_physical(cache: PrefixCache, name: str) -> np.ndarray:
     """Physical pages of ``name`` that evicting every evictable page (and, in a
     windowed sub-pool, every window binding only the cache holds) would free (host
     int64; unpinned ones only)."""
@@ -163,7 +228,7 @@ def evictable_physical(cache, name: str) -> np.ndarray:
     return ppages[book.pins[ppages] == 0]
 
 
-def reset_cache(cache) -> int:
+def reset_cache(cache: PrefixCache) -> int:
     """Drop every cached page, state checkpoint and host-tier copy that no request
     holds (pages a running request references stay cached); returns the device
     pages dropped. Evicted pages are dropped, not spilled to the host tier."""

@@ -29,6 +29,9 @@ from unikv.allocator.translate import check_block_table
 from unikv.ids import KernelIds, KernelPageIds, VirtualTokenIds
 from unikv.kernels.tables.ref import StepTarget
 
+# KernelBackend.prepare_step: (req_to_token, page_size, targets) -> run(req_slots, seq_lens)
+PrepareStep = Callable[..., Callable[[torch.Tensor, torch.Tensor], None]]
+
 
 @dataclass
 class DecodeStep:
@@ -56,7 +59,7 @@ class DecodeStep:
         (compaction after ``decode_step``: a reserve for a prefix reload or a swap-in
         that then did not admit); one launch, no host sync. True if it rebuilt. Call
         it right before the forward that reads them (the step planner does)."""
-        if self.count_moves is None or self.count_moves() == self.moves:
+        if self.count_moves is None or self.rebuild is None or self.count_moves() == self.moves:
             return False
         self.rebuild()
         self.moves = self.count_moves()
@@ -86,7 +89,7 @@ class StepBuffers:
         books: Sequence[PageBook],
         windows: Mapping[str, int],
         page_size: int,
-        prepare_step: Callable[..., Callable[[torch.Tensor, torch.Tensor], None]],
+        prepare_step: PrepareStep,
     ) -> None:
         self.req_to_token, self.books, self.windows = req_to_token, list(books), windows
         self.page_size, self.prepare_step = page_size, prepare_step
@@ -111,7 +114,13 @@ class StepBuffers:
         cols = -(-longest // self.page_size)
         checked, names = self._checked, self.names
         given = block_tables is not None and write_ids is not None
-        if given and checked is not None and bsz <= checked.rows and cols <= checked.cols:
+        if (
+            block_tables is not None
+            and write_ids is not None
+            and checked is not None
+            and bsz <= checked.rows
+            and cols <= checked.cols
+        ):
             same = len(block_tables) == len(write_ids) == len(names)
             same = same and all(
                 block_tables.get(n) is t.table and write_ids.get(n) is t.loc
@@ -126,7 +135,14 @@ class StepBuffers:
             self._checked = _Checked(rows, targets[0].table.shape[1], targets, run)
         return targets, run
 
-    def builder(self, run, targets, req_slots, seq_lens, debug: bool) -> Callable[[], None]:
+    def builder(
+        self,
+        run: Callable[[torch.Tensor, torch.Tensor], None],
+        targets: list[StepTarget],
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        debug: bool,
+    ) -> Callable[[], None]:
         """The launch that builds a step's tables from ``req_to_token`` and ``v2p`` as
         they are when it runs (debug: then checks them)."""
 
@@ -137,7 +153,9 @@ class StepBuffers:
 
         return build
 
-    def check(self, targets: list[StepTarget], req_slots: torch.Tensor, seq_lens: torch.Tensor):
+    def check(
+        self, targets: list[StepTarget], req_slots: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
         """Debug mode: no live block-table page of the step maps to a tombstone."""
         bsz = req_slots.shape[0]
         for book, t in zip(self.books, targets):
@@ -160,7 +178,13 @@ class StepBuffers:
             locs[book.name] = KernelIds(t.loc if t.loc.shape[0] == bsz else t.loc[:bsz], book.name)
         return DecodeStep(virtual_ids, req_slots, seq_lens, tables, locs)
 
-    def _check(self, bsz, cols, block_tables, write_ids) -> list[StepTarget]:
+    def _check(
+        self,
+        bsz: int,
+        cols: int,
+        block_tables: Mapping[str, torch.Tensor] | None,
+        write_ids: Mapping[str, torch.Tensor] | None,
+    ) -> list[StepTarget]:
         """Checked (or new) output buffers of every token sub-pool, as StepTargets."""
         for what, given in (("block_tables", block_tables), ("write_ids", write_ids)):
             if given is not None and set(given) != set(self.names):

@@ -61,7 +61,7 @@ class TablePatch:
         """(header and parts for the uploader, offset of each part, max count)."""
         sizes = [len(a) for a in self.parts]
         offsets = list(accumulate(sizes[:-1], initial=HEADER * len(self.segments)))
-        header = []
+        header: list[int] = []
         for table, index, value in self.segments:
             header += (table, offsets[index], offsets[value] if value >= 0 else -1, sizes[index])
         max_count = max((sizes[i] for _, i, _ in self.segments), default=0)

@@ -75,7 +75,9 @@ class Tokens:
                 f"{lens[bad].tolist()}"
             )
 
-    def decode_args(self, slots: object, seq_lens: object, what: str):
+    def decode_args(
+        self, slots: object, seq_lens: object, what: str
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Checked (slots, seq_lens) of a decode verb: open distinct slots, lengths
         equal to the tokens held, none at max_context. Host int64 arrays."""
         slots = self.requests.check_slots(slots, what)
@@ -87,7 +89,9 @@ class Tokens:
 
     # -- growing --------------------------------------------------------------------
 
-    def stage_extend(self, slots: object, prefix_lens: object, extend_lens: object):
+    def stage_extend(
+        self, slots: object, prefix_lens: object, extend_lens: object
+    ) -> StagedGrow | None:
         """``alloc_extend``'s host half: a StagedGrow, or None (state unchanged).
 
         slots, prefix_lens, extend_lens: (B,) host integer arrays; prefix_lens must
@@ -117,7 +121,15 @@ class Tokens:
         need = seq % ps == 0
         return self.stage_grow(slots, seq + 1, slots[need], seq[need] // ps, slots, seq)
 
-    def stage_grow(self, slots, new_lens, owners, cols, rows, positions) -> StagedGrow | None:
+    def stage_grow(
+        self,
+        slots: np.ndarray,
+        new_lens: np.ndarray,
+        owners: np.ndarray,
+        cols: np.ndarray,
+        rows: np.ndarray,
+        positions: np.ndarray,
+    ) -> StagedGrow | None:
         """Reserve, mint virtual pages for (owners, cols), bind them in every token
         sub-pool and set the lengths, on the host; the device writes (with
         req_to_token[rows, positions]) are staged. None (state unchanged) when the
@@ -296,7 +308,8 @@ class Tokens:
             cols = np.flatnonzero(physical >= 0)
             out[name] = (cols, physical[cols])
         if self.roles.mamba_name is not None:
-            physical = self.books[self.roles.mamba_name].physical([slot + 1]).astype(np.int64)
+            physical = self.books[self.roles.mamba_name].physical(np.array([slot + 1], np.int32))
+            physical = physical.astype(np.int64)
             cols = np.flatnonzero(physical >= 0)
             out[self.roles.mamba_name] = (cols, physical[cols])
         return out

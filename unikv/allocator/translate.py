@@ -25,7 +25,9 @@ class TombstoneReadError(RuntimeError):
     """Debug mode: a live lane translated through a tombstoned (freed) page."""
 
 
-def check_tombstones(virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int, name: str):
+def check_tombstones(
+    virtual_ids: torch.Tensor, v2p: torch.Tensor, page_size: int, name: str
+) -> None:
     """Raise TombstoneReadError if a live lane (tv >= 0) of (n,) virtual ids reads a
     tombstoned page of ``v2p``. Host sync; debug only."""
     ids = virtual_ids.long()

@@ -2,7 +2,7 @@
 
 from unikv.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -11,6 +11,10 @@ def __getattr__(name: str):
         from unikv.engine import llm
 
         return llm.LLM
+    if name == "EngineConfig":
+        from unikv.engine import config
+
+        return config.EngineConfig
     if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from unikv.engine import outputs
 

@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 
 from unikv.engine.plan import StepPlan
-from unikv.env import FLAGS
 from unikv.kernels.backend import KernelBackend
 from unikv.layout import entry_kernel_ids
 
@@ -104,9 +103,8 @@ class MLALayerCache:
     page_size: int
 
 
-# decode steps rotate and store inside the attention's launch (fixed at import; the A/B
-# switch: UNIKV_ROPE_DECODE=0 runs rope_store_kv, then decode_attention)
-ROPE_IN_DECODE = FLAGS.rope_decode
+# decode steps rotate and store inside the attention's launch (a settled A/B, no longer
+# a switch: docs/history.md, "one request, eleventh session")
 ABSORBED_SLOWDOWN = 2.5  # per FLOP, absorbed MLA attention vs expanded GEMM + attention
 EXPANDED_MAX_BYTES = 8 << 30  # transient K/V of one expanded layer at most
 MLA_FORMS = ("absorbed", "expanded")
@@ -274,7 +272,7 @@ class DecodeAttention:
         launch = self.plan.decode[cache.subpool].launch  # splits, workspace: once per step
         kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
               "sinks": sinks, "soft_cap": cache.soft_cap, **launch}  # fmt: skip
-        if rope is not None and ROPE_IN_DECODE and cache.store_k.dtype == k.dtype:
+        if rope is not None and cache.store_k.dtype == k.dtype:
             rotary, positions = rope
             step = self.plan.subpools[cache.subpool]
             return self.backend.rope_store_decode_attention(

@@ -67,8 +67,8 @@ def kv_budget_bytes(
 def one_request_bytes(configs, max_model_len: int, chunk: int) -> int:
     """The least budget in which one request of ``max_model_len`` tokens runs
     alone (each sub-pool's worst case side by side, plus the sink; with prefix
-    caching too: a windowed request holds its window's bindings only,
-    ``options.check_window_caching``)."""
+    caching too: a windowed request holds its window's bindings only, so the
+    pool's own lone-request check covers caching: no check of its own)."""
     pages = {c.name: worst_case_pages(c.spec, c.page_size, max_model_len, chunk) for c in configs}
     return pool_bytes_for(configs, pages)
 

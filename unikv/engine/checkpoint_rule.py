@@ -7,6 +7,7 @@ recomputing ``b - p`` tokens. So (``CheckpointRule.take``, a pure function):
 
     take  <=>  reuse * tokens / prefill_tokens_per_s
                  >  copy_s + held * pressure * state_tokens / prefill_tokens_per_s
+                           / (1 - checkpoints / (1 - batch))
 
 - ``reuse``: the chance it is the request's last boundary (``reuse_at``): 1 when
   its ``max_tokens`` ends before the next one (the turn end), else ``page_size``
@@ -20,7 +21,18 @@ recomputing ``b - p`` tokens. So (``CheckpointRule.take``, a pure function):
   checkpoint with no prompt-end one to supersede; a rolling one replaces its
   predecessor); ``pressure``: 1 once the cache has evicted (what a slot displaces
   would have been reused), 0 while the pool has room; ``state_tokens``: one state
-  slot's bytes as tokens of the token sub-pools' pages it displaces.
+  slot's bytes as tokens of the token sub-pools' pages it displaces;
+- ``checkpoints``, ``batch``: the fractions of the pool the cache's checkpoints and the
+  running requests hold (host ints, ``PrefixCaching.pool_fractions``). The room the
+  batch leaves (``1 - batch``) is what cached pages and checkpoints share; as the
+  checkpoints fill it, each new one displaces scarcer bytes (cached pages, then the
+  next decode admission), so its hold cost grows as ``1 / (1 - checkpoints / room)``,
+  and once they hold all of it a held one is declined (the bytes held, not the copies,
+  were the cost in the simulation: checkpoints held 33-47 % of the pool). In
+  ``sim_prefix_hybrid_chat`` at 1.25x it changed no decision (hit rate 51.4 %, 393
+  copies, as before): every decode checkpoint there rolls over its request's
+  prompt-end one (not ``held``), so the bytes are the one turn-end slot per
+  conversation that the next turn's hit needs.
 
 ``every_page``: the earlier rule (a checkpoint at every decode boundary), kept for
 same-run A/B in the simulation. The other checkpoint points (the junction where a
@@ -56,14 +68,29 @@ class CheckpointRule:
                 f"{self.state_tokens}"
             )
 
-    def take(self, reuse: float, tokens: int, held: bool, pressure: float) -> bool:
+    def take(
+        self,
+        reuse: float,
+        tokens: int,
+        held: bool,
+        pressure: float,
+        checkpoints: float = 0.0,
+        batch: float = 0.0,
+    ) -> bool:
         """Whether a checkpoint hit with probability ``reuse``, saving ``tokens`` of
         recompute, is worth its copy and (``held``) the bytes it keeps under
-        ``pressure`` (0..1)."""
+        ``pressure`` (0..1) while the checkpoints hold ``checkpoints`` and the running
+        requests ``batch`` of the pool (fractions)."""
         if self.every_page:
             return True
         gain = reuse * tokens / self.prefill_tokens_per_s
-        hold = pressure * self.state_tokens / self.prefill_tokens_per_s if held else 0.0
+        hold = 0.0
+        if held and pressure:
+            room = 1.0 - batch  # what the cache's pages and checkpoints share
+            if checkpoints >= room:
+                return False  # the checkpoints hold all of it: one more shrinks the batch
+            scarcity = 1.0 / (1.0 - checkpoints / room)
+            hold = pressure * self.state_tokens / self.prefill_tokens_per_s * scarcity
         return gain > self.copy_s + hold
 
     @staticmethod

@@ -2,8 +2,9 @@
 
 unikv generate --model DIR --prompt "..." [--prompt ...] [--chat] [--max-tokens N]
                [--temperature T --top-k K --top-p P --min-p P --seed S -n N]
-               [--stop STR ...] [--page-size 16] [--kv-cache 4GiB] [--max-num-seqs 64]
-               [--chunk 512] [--device cuda] [--dtype bf16] [-tp N]
+               [--stop STR ...] [--page-size 16] [--kv-cache-bytes 4GiB] [--max-num-seqs 64]
+               [--max-num-batched-tokens 512] [--device cuda] [--dtype bf16] [-tp N]
+               (every EngineConfig field is a flag: unikv generate --help)
 unikv demo [--model llama|gpt-oss|qwen3.5|all] [--seed 0]
 
 ``add_engine_args`` / ``llm_from_args`` are shared with ``unikv serve``.
@@ -16,110 +17,99 @@ import sys
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The options that build an LLM (generate and serve)."""
-    p.add_argument(
+    """The options that build an engine (generate and serve): one flag per
+    ``EngineConfig`` field, named as the field (``--max-num-seqs``), with vLLM's
+    and unikv's older names as aliases (``config.CLI_ALIASES``)."""
+    g = p.add_argument_group("engine (EngineConfig)")
+    g.add_argument(
         "--model",
         required=True,
         help="checkpoint directory (config.json + safetensors), or a Hugging Face repo id "
         "(org/name) already in the local HF cache (HF_HUB_CACHE or $HF_HOME/hub)",
     )
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    p.add_argument(
-        "--kv-cache", default=None, help="pool bytes, e.g. 4GiB (default: from free memory)"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
-    p.add_argument("--chunk", type=int, default=512, help="tokens per step (prefill chunk)")
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
-    )
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
-    p.add_argument(
-        "-tp",
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="ranks the model is split over (default 1): this process is rank 0 and starts "
-        "the others (one GPU each from --device's on, or gloo on the CPU)",
-    )
-    p.add_argument("--dtype", default=None, help="weights and compute dtype: bf16, fp16 or fp32")
-    p.add_argument(
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+    g.add_argument("--dtype", default=None, help="weights and compute dtype: bf16, fp16 or fp32")
+    g.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="auto (= --dtype), or fp8 (= fp8_e4m3) / fp8_e5m2: attention K/V stored as fp8 "
         "(scale 1; twice bf16's tokens); MLA models refuse it",
     )
-    p.add_argument("--no-cuda-graphs", action="store_true", help="decode without CUDA graphs")
-    p.add_argument(
-        "--engine-seed", type=int, default=0, help="seeds requests that give no seed (default 0)"
+    g.add_argument("--page-size", "--block-size", type=int, default=16,
+                   help="tokens per page (vLLM's --block-size; default 16)")  # fmt: skip
+    g.add_argument("--kv-cache-bytes", "--kv-cache", default=None,
+                   help="pool bytes, e.g. 4GiB (default: from free memory)")  # fmt: skip
+    g.add_argument("--kv-cache-max-bytes", default=None,
+                   help="an elastic pool that may grow to this many bytes, e.g. 8GiB")  # fmt: skip
+    g.add_argument("--kv-cache-margin-bytes", default=None,
+                   help="CUDA: size the pool after capture, leaving this many bytes free")  # fmt: skip
+    g.add_argument(
+        "--memory-fraction", "--gpu-memory-utilization", type=float, default=0.9,
+        help="share of the memory free after the weights the pool may take (default 0.9; "
+        "unlike vLLM's flag of that name, not a share of the whole GPU)",
+    )  # fmt: skip
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most")
+    g.add_argument("--max-num-batched-tokens", "--chunk", type=int, default=512,
+                   help="tokens per step at most: the prefill chunk (default 512)")  # fmt: skip
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
-    p.add_argument(
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode under CUDA graphs (default: on with CUDA)")  # fmt: skip
+    g.add_argument("--backend", choices=("torch", "triton"), default=None,
+                   help="kernel backend (default: triton on CUDA, torch on the CPU)")  # fmt: skip
+    g.add_argument(
+        "--engine-seed", type=int, default=0,
+        help="seeds requests that give no seed (the config's seed; default 0)",
+    )  # fmt: skip
+    g.add_argument("--debug", action="store_true", help="allocator debug mode (slow)")
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="ranks the model is split over (default 1): this process is rank 0 and starts "
+        "the others (one GPU each from --device's on, or gloo on the CPU)",
+    )  # fmt: skip
+    g.add_argument(
+        "--static-split", default=None,
+        help='fixed sub-pool shares, a JSON object, e.g. \'{"mamba": 0.47, "full": 0.53}\'',
+    )  # fmt: skip
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="share KV pages of common prompt prefixes (default: on for full-attention and "
         "MLA models; off for sliding-window and recurrent ones, where it costs memory)",
     )
-    p.add_argument(
+    g.add_argument(
         "--prefix-host-bytes",
         default=None,
         help="host bytes behind the prefix cache, e.g. 8GiB: evicted cached pages spill "
         "there and reload on a hit (default 0: off)",
     )
-    p.add_argument(
+    g.add_argument(
         "--swap-host-bytes",
         default=None,
         help="host bytes preempted requests swap into, e.g. 4GiB (default 0: recompute)",
     )
-    p.add_argument(
+    g.add_argument(
         "--preemption",
         choices=("auto", "swap", "recompute"),
         default="auto",
         help="auto: swap when the copies cost less than recomputing (default), swap, recompute",
     )
-    p.add_argument(
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 3}\' (built: ngram)',
+        '"num_speculative_tokens": 3}\' (methods: ngram, draft_model, mtp, eagle3)',
     )
 
 
 def llm_from_args(args):
     """The LLM of ``add_engine_args``'s options (ValueError on bad values)."""
+    from unikv.engine.config import EngineConfig
     from unikv.engine.llm import LLM
 
-    kwargs = llm_kwargs(args)
-    return LLM(kwargs.pop("model"), **kwargs)
-
-
-def llm_kwargs(args) -> dict:
-    """``LLM``'s keyword arguments (``model`` among them) of ``add_engine_args``'s
-    options: plain data, so ``unikv serve`` passes them to its engine process."""
-    from unikv.inspect import parse_bytes
-
-    return {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "kv_cache_bytes": parse_bytes(args.kv_cache) if args.kv_cache else None,
-        "page_size": args.page_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.chunk,
-        "max_model_len": args.max_model_len,
-        "cuda_graphs": False if args.no_cuda_graphs else None,
-        "seed": args.engine_seed,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "prefix_host_bytes": (
-            parse_bytes(args.prefix_host_bytes) if args.prefix_host_bytes not in (None, "0") else 0
-        ),
-        "swap_host_bytes": (
-            parse_bytes(args.swap_host_bytes) if args.swap_host_bytes not in (None, "0") else 0
-        ),
-        "preemption": args.preemption,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "speculative_config": args.speculative_config,
-    }
+    return LLM(EngineConfig.from_cli(args))
 
 
 def _generate_parser() -> argparse.ArgumentParser:

@@ -130,7 +130,7 @@ class IncrementalDetokenizer:
 
 class StreamDetokenizer(IncrementalDetokenizer):
     """``IncrementalDetokenizer`` on the Rust ``tokenizers.decoders.DecodeStream``
-    of a fast tokenizer (``tokenizer._tokenizer``): one Rust ``step`` per update.
+    of a fast tokenizer (``tokenizer.backend_tokenizer``): one Rust ``step`` per update.
 
     The stream is seeded with the prompt's tail (its text discarded), so it emits
     what the outputs add to it. When the tail's text is empty or ends in an
@@ -145,7 +145,7 @@ class StreamDetokenizer(IncrementalDetokenizer):
         from tokenizers.decoders import DecodeStream
 
         super().__init__(tokenizer, prompt_ids, skip_special_tokens)
-        self._backend = tokenizer._tokenizer
+        self._backend = tokenizer.backend_tokenizer  # the Rust tokenizer
         self._seed()
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._cut_head = self._stream.step(self._backend, self.ids) is None
@@ -198,7 +198,7 @@ def decodes_in_rust(tokenizer) -> bool:
 
 
 def _decodes_in_rust(tokenizer) -> bool:
-    backend = getattr(tokenizer, "_tokenizer", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or backend is None:
         return False
     try:

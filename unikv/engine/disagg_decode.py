@@ -47,7 +47,7 @@ class DecodeWorker:
                 self._step()
         while sched.has_work():
             self._step()
-        return [self.llm._output(received[i]) for i in sorted(received)]
+        return [self.llm.output_of(received[i]) for i in sorted(received)]
 
     def _step(self) -> None:
         batch = self.llm.scheduler.schedule()
@@ -59,14 +59,13 @@ class DecodeWorker:
         llm = self.llm
         params = dict(meta["params"], stop_token_ids=tuple(meta["params"]["stop_token_ids"]))
         r = Request(
-            llm._next_id,
+            llm.requests.take_id(),
             list(meta["prompt_ids"]),
             SamplingParams(**params),
             meta["seed"],
             frozenset(meta["stop_ids"]),
             llm.max_model_len,
         )
-        llm._next_id += 1
         r.output_ids = list(meta["output_ids"])
         r.finish_reason, r.num_preemptions = meta["finish_reason"], meta["num_preemptions"]
         return r

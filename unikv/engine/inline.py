@@ -68,17 +68,19 @@ PREFIX_COUNTERS = (
 )
 
 
-def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
-    """Run ``groups`` (RequestGroups) on ``llm.engine`` in this thread until no work
-    is left; returns the run's Stats. ``on_step(llm, batch, logits)`` after every step."""
+def run_inline(loop, groups, use_tqdm: bool, on_step=None) -> Stats:
+    """Run ``groups`` (RequestGroups) on the engine loop ``loop`` in this thread until
+    no work is left; returns the run's Stats. ``on_step(loop.owner, batch, logits)``
+    after every step."""
+    core = loop.core
     requests = [r for g in groups for r in g.requests]
     stats = Stats(
         num_requests=len(requests), prompt_tokens=sum(len(r.prompt_ids) for r in requests)
     )
-    stats.peak_pages = {name: 0 for name in llm.pool.subpools}
-    sched = llm.scheduler
+    stats.peak_pages = {name: 0 for name in core.pool.subpools}
+    sched = core.scheduler
     preempted_before = sched.num_preemptions
-    prefix_before = llm.alloc.parts.prefix.counters()
+    prefix_before = core.alloc.prefix.counters()
     swap_before = sched.swap.counters() if sched.swap is not None else {}
     spec_before = sched.spec.counters.as_dict() if sched.spec is not None else {}
     bar = None
@@ -86,10 +88,9 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
         from tqdm import tqdm
 
         bar = tqdm(total=sum(r.max_new_tokens for r in requests), unit="tok", desc="generate")
-    loop = llm.engine
     for g in groups:
         loop.submit(g, bounded=False)
-    loop.on_step, loop.on_schedule = on_step, lambda batch: _track_pages(llm, stats)
+    loop.on_step, loop.on_schedule = on_step, lambda batch: _track_pages(core, stats)
     start = time.perf_counter()
     try:
         while (step := loop.step()) is not None:
@@ -104,7 +105,7 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
         loop.on_step = loop.on_schedule = None
     stats.seconds = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions - preempted_before
-    prefix = llm.alloc.parts.prefix.counters()
+    prefix = core.alloc.prefix.counters()
     for key, value in (sched.swap.counters() if sched.swap is not None else {}).items():
         name = key.removeprefix("swap_")
         if hasattr(stats, name):
@@ -120,6 +121,6 @@ def run_inline(llm, groups, use_tqdm: bool, on_step=None) -> Stats:
     return stats
 
 
-def _track_pages(llm, stats: Stats) -> None:
-    for name in llm.pool.subpools:
-        stats.peak_pages[name] = max(stats.peak_pages[name], llm.alloc.parts.books[name].num_live)
+def _track_pages(core, stats: Stats) -> None:
+    for name in core.pool.subpools:
+        stats.peak_pages[name] = max(stats.peak_pages[name], core.alloc.view.live_pages(name))

@@ -1,79 +1,55 @@
 """The Python API: ``LLM(model_dir, ...)``, ``generate(prompts, params)`` and
 ``chat(messages, params)``.
 
-Construction decides everything once: device and dtype, ONE kernel backend
-(Triton on CUDA, torch references on CPU) handed to the pool, the allocator and
-the runner, the unified pool sized from a memory budget (full-attention and SWA
-sub-pools share its bytes), the allocator, the runner (its step planner and, on
-CUDA, the decode CUDA graphs) and the scheduler, which writes decode steps'
-tables into the planner's buffers. Requests run on
-the online engine loop (``unikv.engine.online``): ``generate`` runs it in the
-caller's thread until its requests end; ``unikv serve`` runs it in a thread of
-its own and submits requests as they arrive.
+``LLM`` is the user's handle and nothing more: its options make an
+``EngineConfig`` (``engine/config.py``), ``build_engine`` (``engine/build.py``)
+makes every piece from it, and requests run on the online engine loop
+(``unikv.engine.online``): ``generate`` runs it in the caller's thread until its
+requests end; ``unikv serve`` runs it in a thread of its own and submits
+requests as they arrive.
 """
 
 from __future__ import annotations
 
-import random
 import threading
-from collections.abc import Mapping
 from functools import partial
 from typing import Self
 
-import torch
-
-from unikv.engine.budget import (
-    addressable_bytes,
-    kv_budget_bytes,
-    one_request_bytes,
-    size_after_capture,
-)
+from unikv.engine.build import build_engine
+from unikv.engine.config import EngineConfig
 from unikv.engine.inline import Stats, run_inline
 from unikv.engine.online import EngineLoop
-from unikv.engine.options import (
-    check_device,
-    check_dtypes,
-    check_kv_cache_bytes,
-    check_prefix_host_bytes,
-    check_swap,
-    check_window_caching,
-    derived_seed,
-    fp8_kv_configs,
-    merged_eos,
-    model_dir_of,
-    prefix_caching_for,
-)
 from unikv.engine.outputs import RequestOutput
 from unikv.engine.prompts import PromptMaker
 from unikv.engine.request import Request
-from unikv.engine.runner import ModelRunner
+from unikv.engine.request_maker import RequestMaker
 from unikv.engine.sampling import SamplingParams
-from unikv.engine.scheduler import Scheduler
 from unikv.engine.tracks import RequestGroup
-from unikv.engine.warmup import warm_linears, warm_sampling
-from unikv.env import FLAGS
-from unikv.hf_config import specs_from_hf_config
-from unikv.kernels import get_backend
-from unikv.kernels.runtime.widths import fit_backend
-from unikv.models.loader import load_model, load_model_config, load_tokenizer
-from unikv.models.moe import DENSE_MAX_TOKENS
-from unikv.pool import UnifiedPool
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Stats"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "Stats"]
 
-# speculative verify steps of up to this many requests run under CUDA graphs
-# (UNIKV_VERIFY_GRAPH_ROWS, fixed at import: 0 runs them eagerly, the A/B switch)
-VERIFY_GRAPH_ROWS = FLAGS.verify_graph_rows
+
+def engine_config_of(model, options: dict) -> EngineConfig:
+    """``LLM``'s arguments as an EngineConfig: ``model`` a ready config (``options``
+    then replace its fields), or the checkpoint with the fields by name."""
+    if isinstance(model, EngineConfig):
+        return model.replace(**options) if options else model
+    return EngineConfig.of(model, **options)
 
 
 class LLM:
     """A model served over unikv's unified pool.
 
+    ``LLM(model_dir, **options)``: the options are ``EngineConfig``'s fields, by
+    name; ``LLM(config)`` takes a ready ``EngineConfig`` (options given too replace
+    its fields). ``tp_group`` is the one argument that is no config field (a live
+    process group does not cross processes).
+
     Args:
         model_dir: local Hugging Face checkpoint (config.json + safetensors), or a
             repo id ("org/name") found in the local Hugging Face cache (HF_HUB_CACHE,
             else $HF_HOME/hub; never downloaded: ``models/hub.py``); ``model=`` is
-            the same (vLLM's name).
+            the same (vLLM's name); or an ``EngineConfig``.
         device: default CUDA when available, else CPU.
         dtype: weights and compute dtype (bf16, fp16 or fp32); default bf16 on
             CUDA, fp32 on CPU.
@@ -106,10 +82,11 @@ class LLM:
         debug: allocator debug mode (tombstone reads raise).
         enable_prefix_caching: share the KV pages of common prompt prefixes
             across requests (whole pages; recurrent state through checkpoints).
-            None (default): on for full-attention and MLA models, off for
-            sliding-window and recurrent ones, where it costs memory
-            (``options.prefix_caching_for``).
-            Hit and eviction counters: ``llm.alloc.parts.prefix.counters()``;
+            None (default): the model family's row of
+            ``options.PREFIX_CACHING_DEFAULT``: on for full-attention and MLA
+            models, off for sliding-window and recurrent ones, where it has not
+            yet paid on the GPU (issue 41).
+            Hit and eviction counters: ``llm.alloc.prefix.counters()``;
             ``llm.prefix_caching`` says whether it is on.
         prefix_host_bytes: host bytes behind the prefix cache (0: off): evicted cached
             pages and state checkpoints spill there and reload on a hit, when the cost
@@ -147,298 +124,37 @@ class LLM:
     and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.
     """
 
-    def __init__(
-        self,
-        model_dir: str | None = None,
-        *,
-        model: str | None = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | str | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_cache_bytes: int | None = None,
-        kv_cache_max_bytes: int | None = None,
-        kv_cache_margin_bytes: int | None = None,
-        memory_fraction: float = 0.9,
-        page_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        max_model_len: int | None = None,
-        cuda_graphs: bool | None = None,
-        backend: str | None = None,
-        seed: int = 0,
-        debug: bool = False,
-        tp_group=None,
-        tensor_parallel_size: int = 1,
-        static_split: Mapping[str, float] | None = None,
-        enable_prefix_caching: bool | None = None,
-        prefix_host_bytes: int = 0,
-        swap_host_bytes: int = 0,
-        preemption: str = "auto",
-        speculative_config: Mapping | str | None = None,
-    ) -> None:
-        if tensor_parallel_size != 1:  # spawn ranks 1.., then build rank 0 (tp_launch)
-            options = dict(locals())  # the arguments, first: every rank builds with them
+    def __init__(self, model_dir=None, *, tp_group=None, **options) -> None:
+        config = engine_config_of(model_dir, options)
+        self.workers = None  # the tensor-parallel worker processes this LLM started
+        if config.tensor_parallel_size != 1:  # spawn ranks 1.., then build rank 0 (tp_launch)
             from unikv.engine.tp_launch import launch
 
-            launch(self, options)
-            return
-        from unikv.allocator import PoolAllocator
-        from unikv.engine.speculative.config import check_speculation, speculative_config_of
-        from unikv.models.parallel import TensorParallel, shard_subpool_configs
-
-        self.workers = None  # the tensor-parallel worker processes this LLM started
-        model_dir = model_dir_of(model_dir, model)
-        for what, value in (
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{what} must be a positive int, got {value!r}")
-        check_kv_cache_bytes(kv_cache_bytes)
-        self.speculative_config = speculative_config_of(speculative_config)
-        self.device = check_device(device)
-        self.dtype, self.kv_cache_dtype = check_dtypes(dtype, kv_cache_dtype, self.device)
-        self.config, hf_config = load_model_config(model_dir)
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:
-            raise ValueError(
-                f"max_model_len must be in [2, {limit}] (the model's context), got {max_model_len}"
-            )
-        self.max_model_len = max_model_len or limit
-        self.tp = TensorParallel(tp_group) if tp_group is not None else None
-        self.model = load_model(
-            model_dir,
-            device=self.device,
-            dtype=self.dtype,
-            max_positions=self.max_model_len,
-            tp=self.tp,
-            kernels=backend,  # the elementwise ops of the same backend as below
-        )
-        if hasattr(self.model, "logits_dtype"):  # greedy argmax without an fp32 vocab copy
-            self.model.logits_dtype = None
-        self.tokenizer = load_tokenizer(model_dir)
-        self.tokenizer_lock = threading.Lock()  # the engine thread decodes, callers encode
-        self.eos_token_ids = merged_eos(self.config, model_dir, self.tokenizer)
-        configs = specs_from_hf_config(hf_config, page_size=page_size, dtype=self.dtype)
-        configs = fp8_kv_configs(configs, self.kv_cache_dtype)
-        if self.tp is not None:  # each rank caches its own KV heads and recurrent heads
-            configs = shard_subpool_configs(configs, self.tp.size, self.config.state_dims)
-        check_speculation(self.speculative_config, configs, tp_group)
-        draft = self._draft_configs(configs, page_size, backend)  # its sub-pools join
-        configs = configs + draft
-        enable_prefix_caching = prefix_caching_for(enable_prefix_caching, configs)
-        check_prefix_host_bytes(prefix_host_bytes, enable_prefix_caching, configs)
-        check_swap(preemption, swap_host_bytes, configs, tp_group)
-        # the kernels' width and alignment rules, once: torch ops where Triton cannot
-        # take a width, a ValueError naming the field where nothing can (kernels/runtime/widths.py)
-        self.backend = fit_backend(get_backend(self.device, backend), configs, self.config)
-        if kv_cache_margin_bytes is not None:  # sized after capture (issue 44 item 2)
-            if self.device.type != "cuda" or kv_cache_bytes is not None:
-                raise ValueError(
-                    "kv_cache_margin_bytes sizes the pool after capture: CUDA only, and "
-                    "without kv_cache_bytes"
-                )
-            kv_cache_bytes = one_request_bytes(configs, self.max_model_len, max_num_batched_tokens)
-            if kv_cache_max_bytes is None:  # the GPU's memory, as far as kernel ids reach
-                device_bytes = torch.cuda.mem_get_info(self.device)[1]
-                kv_cache_max_bytes = min(device_bytes, addressable_bytes(configs))
-        total = kv_cache_bytes or kv_budget_bytes(
-            configs,
-            self.model,
-            self.device,
-            max_num_seqs=max_num_seqs,
-            max_model_len=self.max_model_len,
-            chunk=max_num_batched_tokens,
-            memory_fraction=memory_fraction,
-        )
-        if self.tp is not None:  # one pool geometry on every rank: identical schedules
-            total = self.tp.min_int(total, self.device)
-        if kv_cache_max_bytes is not None and (swap_host_bytes or prefix_host_bytes or self.tp):
-            raise ValueError(  # host tiers keep (num_pages, page_bytes) row views; TP ranks
-                "kv_cache_max_bytes (an elastic pool) does not yet combine with "  # resize alike
-                "swap_host_bytes, prefix_host_bytes or tp_group"
-            )
-        if kv_cache_max_bytes is not None and kv_cache_bytes is None:  # the default, capped
-            total = min(total, kv_cache_max_bytes)
-        self.pool = UnifiedPool(
-            configs,
-            total,
-            self.device,
-            max_request_tokens=self.max_model_len,
-            chunk_tokens=max_num_batched_tokens,
-            backend=self.backend,
-            static_split=static_split,  # validated by the pool (unikv.static_split)
-            max_bytes=kv_cache_max_bytes,  # validated by the pool
-        )
-        if enable_prefix_caching:
-            check_window_caching(self.pool, self.max_model_len, max_num_batched_tokens)
-        self.alloc = PoolAllocator(
-            self.pool,
-            max_requests=max_num_seqs,
-            max_context=self.max_model_len,
-            debug=debug,
-            backend=self.backend,
-        )
-        if prefix_host_bytes:
-            self._enable_prefix_host(prefix_host_bytes)
-        use_graphs = self.device.type == "cuda" and self.tp is None
-        use_graphs = use_graphs if cuda_graphs is None else cuda_graphs
-        self.runner = ModelRunner(
-            self.model,
-            self.pool,
-            self.alloc,
-            self.backend,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            cuda_graphs=use_graphs,
-            max_graph_batch=min(max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
-            q_per_kv_of={c.name: self._draft_q_per_kv for c in draft},
-        )
-        if self.device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
-            warm_linears(self.model, max_logit_rows=max_num_seqs, max_tokens=max_num_batched_tokens)
-            warm_sampling(self.backend, self.model, rows=max_num_seqs)
-        if kv_cache_margin_bytes is not None:  # what the graphs and warm-ups left, measured
-            torch.cuda.synchronize(self.device)
-            free = torch.cuda.mem_get_info(self.device)[0]
-            self.alloc.parts.room.resize(size_after_capture(self.pool, free, kv_cache_margin_bytes))
-        self.scheduler = Scheduler(
-            self.alloc,
-            self.pool.subpools.values(),
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            tables=self.runner.planner.tables,  # decode_step writes the planner's buffers
-            prefix_caching=enable_prefix_caching,
-            swap=self._swap_space(swap_host_bytes, preemption),
-            speculator=self._speculator(max_num_batched_tokens),
-            checkpoint_rule=self._checkpoint_rule() if enable_prefix_caching else None,
-        )
-        self._rng = random.Random(seed)
-        self._next_id = 0
-        self.prompts = PromptMaker(self)
-        self.engine = EngineLoop(self)
+            core, self.workers = launch(config, tp_group)
+        else:
+            core = build_engine(config, tp_group)
+        self.core, self.engine_config = core, config
+        # the engine's pieces, read by callers and tests as the LLM's attributes
+        self.device, self.dtype, self.kv_cache_dtype = core.device, core.dtype, core.kv_cache_dtype
+        self.config, self.model, self.tokenizer = core.model_config, core.model, core.tokenizer
+        self.tokenizer_lock, self.eos_token_ids = core.tokenizer_lock, core.eos_token_ids
+        self.max_model_len, self.tp, self.backend = core.max_model_len, core.tp, core.backend
+        self.pool, self.alloc, self.runner = core.pool, core.alloc, core.runner
+        self.scheduler, self.speculative_config = core.scheduler, core.speculative_config
+        self.prompts = PromptMaker(core.tokenizer, core.tokenizer_lock, core.model_config,
+                                   core.max_model_len)  # fmt: skip
+        self.requests = RequestMaker(core, self.prompts, config.seed)
+        if self.workers is None:
+            self.engine = EngineLoop(core, owner=self)
+        else:  # rank 0's loop mirrors its inputs to the workers
+            self.engine = self.workers.leader_loop(core, owner=self)
         self.stats = Stats()
-
-    def _enable_prefix_host(self, host_bytes: int) -> None:
-        """The prefix cache's host tier, its reload rule from the measured H2D
-        bandwidth and a prefill estimate of 2 FLOPs per weight per token."""
-        from unikv.io.prefix_host import ReloadPolicy
-        from unikv.io.prefix_host_setup import enable_prefix_host, measure_h2d_bytes_per_s
-
-        policy = ReloadPolicy(
-            h2d_bytes_per_s=measure_h2d_bytes_per_s(self.device),
-            prefill_tokens_per_s=self._prefill_tokens_per_s(),
-        )
-        enable_prefix_host(self.alloc.parts, host_bytes, policy)
-
-    def _prefill_tokens_per_s(self) -> float:
-        """A prefill estimate of 2 FLOPs per weight per token at a sustained rate."""
-        weights = sum(p.numel() for p in self.model.parameters())
-        flops = 3e14 if self.device.type == "cuda" else 3e10  # sustained, roughly
-        return flops / max(2 * weights, 1)
-
-    def _checkpoint_rule(self):
-        """The decode-checkpoint cost rule of a hybrid's prefix cache, its state-slot
-        copy time measured once (``engine/checkpoint_rule.py``); None without state."""
-        from unikv.engine.checkpoint_rule import CheckpointRule, measure_copy_s, state_tokens
-
-        configs = list(self.pool.subpools.values())  # each with its spec and page size
-        slot = [c.page_bytes for c in configs if c.spec.kind == "mamba"]
-        if not slot:
-            return None
-        return CheckpointRule(
-            copy_s=measure_copy_s(self.device, max(slot)),
-            prefill_tokens_per_s=self._prefill_tokens_per_s(),
-            state_tokens=state_tokens(configs),
-        )
-
-    def _swap_space(self, host_bytes: int, preemption: str):
-        """The host slots preempted requests swap into (None: recompute only), with
-        the measured pinned-copy bandwidths in its cost rule."""
-        from unikv.io.prefix_host_setup import measure_h2d_bytes_per_s
-        from unikv.io.swap import SwapPolicy, build_swap_space
-
-        if not host_bytes or preemption == "recompute":
-            return None
-        policy = SwapPolicy(
-            preemption,
-            d2h_bytes_per_s=measure_h2d_bytes_per_s(self.device, to_device=False),
-            h2d_bytes_per_s=measure_h2d_bytes_per_s(self.device),
-            prefill_tokens_per_s=self._prefill_tokens_per_s(),
-        )
-        return build_swap_space(self.alloc, host_bytes, policy)
-
-    def _draft_configs(self, configs, page_size: int, backend: str | None) -> list:
-        """A draft model's sub-pool configs (method "draft_model"), else []; checks
-        its vocabulary and context against the target's and loads it (before the
-        pool is sized from the memory left)."""
-        from unikv.engine.speculative.draft import draft_subpool_configs
-
-        config = self.speculative_config
-        if config is None or config.method != "draft_model":
-            return []
-        draft, _ = load_model_config(config.model)
-        if draft.vocab_size != self.config.vocab_size:
-            raise ValueError(
-                f"speculative_config: the draft model's vocabulary ({draft.vocab_size}) must "
-                f"be the target's ({self.config.vocab_size})"
-            )
-        if draft.max_position_embeddings < self.max_model_len:
-            raise ValueError(
-                f"speculative_config: the draft model's context ({draft.max_position_embeddings})"
-                f" is shorter than max_model_len ({self.max_model_len}); lower max_model_len"
-            )
-        self._draft_q_per_kv = draft.num_heads // draft.num_kv_heads
-        out = draft_subpool_configs(config.model, configs, page_size, self.dtype)
-        self._draft_model = load_model(config.model, device=self.device, dtype=self.dtype,
-                                       max_positions=self.max_model_len, kernels=backend)  # fmt: skip
-        if hasattr(self._draft_model, "logits_dtype"):  # argmax drafts, no fp32 vocab copy
-            self._draft_model.logits_dtype = None
-        return out
-
-    def _speculator(self, max_num_batched_tokens: int):
-        """The scheduler's speculation hook (None without ``speculative_config``), and
-        a draft model over its sub-pools (method "draft_model")."""
-        from unikv.engine.runner import check_soft_cap, layer_caches
-        from unikv.engine.speculative.draft import DraftModel
-        from unikv.engine.speculative.engine import Speculator
-
-        config = self.speculative_config
-        if config is None:
-            return None
-        self.runner.force_accept = config.force_accept  # benchmarks only
-        spec = Speculator(config, max_num_batched_tokens)
-        if config.method == "draft_model":
-            model = self._draft_model  # loaded with its sub-pools' configs
-            cap = check_soft_cap(self.backend, model.config.extra.get("attn_soft_cap", 0.0))
-            caches, _ = layer_caches(self.pool, model.config.num_layers, cap, draft=True)
-            spec.draft = self.runner.draft = DraftModel(
-                model, caches, self.runner.planner, self.backend, model.config.sm_scale
-            )
-        if self.runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
-            q = config.num_speculative_tokens + 1
-            rows = min(VERIFY_GRAPH_ROWS, config.disable_by_batch_size, self.runner.planner.max_seqs,
-                       DENSE_MAX_TOKENS // q)  # fmt: skip
-            if rows >= 1 and rows * q <= self.runner.planner.max_tokens:
-                self.runner.capture_verify(q, rows)
-                spec.pad_drafts = True
-        return spec
 
     def get_tokenizer(self):
         """The checkpoint's transformers tokenizer (None without tokenizer files)."""
         return self.tokenizer
 
     # -- requests --------------------------------------------------------------------
-
-    def _request(
-        self, ids: list[int], params: SamplingParams, seed: int, cache_salt: str | None = None
-    ) -> Request:
-        stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop |= set(self.eos_token_ids)
-        request = Request(self._next_id, ids, params, seed, frozenset(stop), self.max_model_len)
-        request.cache_salt = cache_salt
-        self._next_id += 1
-        return request
 
     def make_requests(
         self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -449,37 +165,12 @@ class LLM:
         return [r for g in self.make_groups(prompts, sampling_params) for r in g.requests]
 
     def make_groups(self, prompts, sampling_params=None, *, sink=None) -> list[RequestGroup]:
-        """One RequestGroup per prompt (``generate``'s arguments, all validated
-        before any is made); ``sink`` receives their deltas (``EngineLoop``)."""
-        items = self.prompts.normalize(prompts, sampling_params)
-        return [self.make_group(ids, sp, text=text, sink=sink) for ids, text, sp in items]
+        """One RequestGroup per prompt (``RequestMaker.make_groups``)."""
+        return self.requests.make_groups(prompts, sampling_params, sink=sink)
 
-    def make_group(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        *,
-        text=None,
-        sink=None,
-        cache_salt=None,
-        detokenize: bool = True,
-    ):
-        """A RequestGroup of ``params.n`` requests sharing the (validated) prompt ids.
-        Completion i > 0 of a seeded prompt gets a seed derived from (seed, i).
-        ``cache_salt`` (a non-empty str or None, vLLM's): the prefix cache shares
-        pages only between requests of the same salt. ``detokenize`` False: the
-        group's tracks carry token ids alone (no text, no stop strings: the API
-        process of ``unikv serve`` does those)."""
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r:.40}")
-        vocab = self.config.vocab_size
-        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            bad = [t for t in params.stop_token_ids if t >= vocab]
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:4]}")
-        base = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seeds = [base] + [derived_seed(base, i) for i in range(1, params.n)]
-        requests = [self._request(list(ids), params, seed, cache_salt) for seed in seeds]
-        return RequestGroup(requests, text, sink, self.tokenizer if detokenize else None)
+    def make_group(self, ids: list[int], params: SamplingParams, **options) -> RequestGroup:
+        """A RequestGroup of ``params.n`` requests (``RequestMaker.make_group``)."""
+        return self.requests.make_group(ids, params, **options)
 
     def generate(
         self,
@@ -505,7 +196,7 @@ class LLM:
             self._wait_for(groups)
         else:
             try:
-                self.stats = run_inline(self, groups, use_tqdm, on_step)
+                self.stats = run_inline(self.engine, groups, use_tqdm, on_step)
             except BaseException:
                 self.engine.recover()  # this call's requests end; the LLM stays usable
                 raise
@@ -546,11 +237,8 @@ class LLM:
         does it). False, with nothing dropped, when prefix caching is off."""
         if not self.prefix_caching:
             return False
-        self.engine.call(self._reset_prefix_now).result()
+        self.engine.call(self.core.reset_prefix_now).result()
         return True
-
-    def _reset_prefix_now(self) -> None:
-        self.alloc.parts.prefix.reset()
 
     def resize_kv_cache(self, total_bytes: int) -> int:
         """Give the pool ``total_bytes`` (at most ``kv_cache_max_bytes``), between
@@ -559,10 +247,7 @@ class LLM:
         new top (waiting for the forward in flight) and releases the chunks above.
         A size below what the running requests hold raises ValueError with
         nothing changed (``allocator.room.Room.resize``)."""
-        return self.engine.call(partial(self._resize_now, total_bytes)).result()
-
-    def _resize_now(self, total_bytes: int) -> int:
-        return self.alloc.parts.room.resize(total_bytes)
+        return self.engine.call(partial(self.core.resize_now, total_bytes)).result()
 
     def close(self) -> None:
         """Stop the serving loop if one runs and the tensor-parallel workers if this
@@ -579,7 +264,7 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _output(self, r: Request) -> RequestOutput:
+    def output_of(self, r: Request) -> RequestOutput:
         """The RequestOutput of one finished request (e.g. handed off by P/D)."""
         return _output_of(RequestGroup([r], None, None, self.tokenizer))
 

@@ -88,22 +88,25 @@ def deliver_each(pairs: list[tuple[object, Delta]]) -> None:
 
 
 class EngineLoop:
-    """The step loop of ``llm`` (an ``LLM``) for requests arriving at any time.
+    """The step loop of one engine for requests arriving at any time.
 
     Args:
-        llm: the engine (its scheduler, runner and tokenizer).
+        core: the built engine (``build.Engine``: its scheduler, runner, allocator,
+            device and tokenizer lock).
         max_waiting: requests submitted but not yet running at most (None: no
             bound); more raise QueueFull.
+        owner: what ``on_step`` gets first (the ``LLM`` hands itself; default ``core``).
     publish: called once per step in the loop's thread with the step's
         (sink, Delta) pairs; default ``deliver_each``.
-    on_step: None, or ``on_step(llm, batch, logits)`` after every step;
+    on_step: None, or ``on_step(owner, batch, logits)`` after every step;
         on_schedule: None, or ``on_schedule(batch)`` once a step is scheduled.
     """
 
-    def __init__(self, llm, *, max_waiting: int | None = None) -> None:
+    def __init__(self, core, *, max_waiting: int | None = None, owner=None) -> None:
         if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 1):
             raise ValueError(f"max_waiting must be None or an int >= 1, got {max_waiting!r}")
-        self.llm, self.scheduler, self.runner = llm, llm.scheduler, llm.runner
+        self.core, self.scheduler, self.runner = core, core.scheduler, core.runner
+        self.owner = core if owner is None else owner
         self.max_waiting = max_waiting
         self.publish: Callable[[list], None] = deliver_each
         self.on_step = self.on_schedule = None
@@ -114,7 +117,7 @@ class EngineLoop:
         self.num_failed_steps = 0  # launches that raised (each isolated)
         self.num_failed_requests = 0  # requests ended with finish_reason "error"
         self._failures_in_a_row = 0
-        self._max_failures_in_a_row = 2 * math.ceil(math.log2(llm.scheduler.max_num_seqs + 1)) + 4
+        self._max_failures_in_a_row = 2 * math.ceil(math.log2(core.scheduler.max_num_seqs + 1)) + 4
         self._held: list = []  # requests kept out of the scheduler while suspects are probed
         self._suspects: deque[list] = deque()  # groups of requests still to probe
         self._probe: list = []  # the group being probed (alone in the scheduler)
@@ -136,7 +139,7 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, group: RequestGroup, *, bounded: bool = True) -> RequestGroup:
-        """Queue ``group`` (made by ``LLM.make_group``); it joins the batch at the
+        """Queue ``group`` (made by ``RequestMaker.make_group``); it joins the batch at the
         next step. Raises QueueFull past ``max_waiting``, EngineClosed after
         shutdown or a failure."""
         self.submit_all([group], bounded=bounded)
@@ -165,6 +168,11 @@ class EngineLoop:
         """Requests submitted and not running (approximate from other threads)."""
         inbox = sum(len(g.requests) for g in self._inbox)
         return inbox + len(self.scheduler.waiting) + len(self._held)
+
+    @property
+    def num_queued(self) -> int:
+        """Groups submitted and not yet taken into the scheduler by a step."""
+        return len(self._inbox)
 
     def abort(self, group: RequestGroup) -> None:
         """End every completion of ``group`` not yet done (finish_reason "abort");
@@ -229,8 +237,8 @@ class EngineLoop:
         self.isolate = True
         steps = 0
         try:
-            if self.llm.device.type == "cuda":  # the caller's device: "cuda" has no index
-                index = self.llm.device.index
+            if self.core.device.type == "cuda":  # the caller's device: "cuda" has no index
+                index = self.core.device.index
                 torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
             while self._wait_for_work():
                 steps += 1
@@ -255,11 +263,11 @@ class EngineLoop:
                 self._cv.wait()
         self._run_calls()
         if self._stopping and not (self._drain and self._has_work()):
-            self._stop_work()
+            self.stop_work()
             return False
         return True
 
-    def _stop_work(self) -> None:
+    def stop_work(self) -> None:
         """The loop ends: live requests are aborted, the step in flight settled."""
         self._abort_all()
         self._settle_last()
@@ -345,7 +353,7 @@ class EngineLoop:
             finished = sched.complete_ahead(batch)
             self._prev = launched
         if self.on_step is not None:
-            self.on_step(self.llm, batch, launched.logits)
+            self.on_step(self.owner, batch, launched.logits)
         return batch, launched, finished
 
     def _settle_last(self) -> None:
@@ -365,7 +373,7 @@ class EngineLoop:
             return
         step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         pairs = []
-        with self.llm.tokenizer_lock:
+        with self.core.tokenizer_lock:
             for lane, r in enumerate(batch.requests):
                 track = r.track
                 if track is None or track.passive or track.done:
@@ -421,7 +429,7 @@ class EngineLoop:
             return
         outside = r.status is Status.WAITING and r not in sched.waiting
         if r.status is Status.WAITING and r.slot is not None:  # half-admitted (a failure)
-            self.llm.alloc.free_request(r.slot)
+            self.core.alloc.free_request(r.slot)
             r.slot = None
         sched.finish(r, reason)
         if outside and sched.swap is not None:
@@ -469,7 +477,7 @@ class EngineLoop:
         ahead of what was held already, in their queue order."""
         sched = self.scheduler
         for r in list(reversed(sched.running)):
-            sched._preempt(r)  # the scheduler's own preemption (pages freed, tokens kept)
+            sched.preempt(r)  # the scheduler's own preemption (pages freed, tokens kept)
         self._held[:0] = list(sched.waiting)
         sched.waiting.clear()
 

@@ -104,31 +104,62 @@ def check_kv_cache_bytes(kv_cache_bytes) -> None:
 
 
 ATTENTION_KINDS = ("full", "mla", "swa")
-DEFAULT_CACHED_KINDS = ("full", "mla")  # prefix caching on by default: a hit costs no copy
+DEFAULT_CACHED_KINDS = ("full", "mla")  # a hit shares pages: no copy, no extra bytes
+
+# Prefix caching's default per model family (``Family.name``, ``models/family.py``): the
+# one place to flip once a same-run GPU A/B (``benchmarks/bench_prefix.py``, cache vs
+# none at 1.25x the working set) shows the cache pays for that family. ``None``: by the
+# pool's kinds (on where every sub-pool is full attention or MLA), for families whose
+# configs come with and without windows or state (Mistral's ``sliding_window``, Granite's
+# attention-only configs). ``False``, why:
+# - windows (gpt-oss, Gemma, MiMo): window bindings that left every request's window stay
+#   cached (evicted alone under pressure); not yet measured on the GPU against no cache;
+# - recurrent hybrids: a hit needs a state checkpoint (a slot copy, and the slot's bytes
+#   held), which lost at 1.25x the pool: 0.55x tok/s on the H100, hybrid chat (issue 41).
+PREFIX_CACHING_DEFAULT: dict[str, bool | None] = {
+    "llama": None,  # Llama, Qwen2/3: full attention; Mistral with a window: off
+    "mixtral": None,
+    "qwen3_moe": None,
+    "deepseek": True,  # MLA
+    "gpt_oss": False,  # windows
+    "gemma": False,  # windows
+    "mimo_v2": False,  # windows
+    "qwen3_5": False,  # Gated DeltaNet state
+    "qwen3_5_moe": False,
+    "qwen3_next": False,
+    "kimi_linear": False,  # KDA state
+    "nemotron_h": False,  # Mamba-2 state
+    "falcon_h1": False,
+    "bamba": False,
+    "zamba2": False,
+    "jamba": False,
+    "lfm2": False,  # conv state
+    "granitemoehybrid": None,  # Mamba-2 state in the hybrid configs
+}
 
 
-def prefix_caching_for(enabled, configs) -> bool:
+def prefix_caching_for(enabled, configs, family: str | None = None) -> bool:
     """Whether prefix caching is on: ``enabled`` True or False as given; None (the
-    default) on for models whose every sub-pool is full attention or MLA (a hit shares
-    pages: no copy, no extra bytes), off for the others, where caching costs memory:
-
-    - sliding window: the cache keeps window bindings that left every request's
-      window (evicted alone under pressure), and hits end where a chain's window
-      suffix is still bound; not yet measured on the GPU against no cache (issue 41);
-    - recurrent hybrids: a hit needs a state checkpoint (one envelope copy each,
-      ``allocator/checkpoints.py``), which in a tight pool costs more than it saves
-      (bench_prefix's hybrid chat on the H200: 0.77x the tokens/s without the cache at
-      1.25x the pool it needs, 1.02x at 2x).
-
-    Pass True to cache them anyway. True needs an attention sub-pool to share pages of;
-    a model with none is refused."""
+    default) reads ``PREFIX_CACHING_DEFAULT[family]`` (why each row is what it is: its
+    comments), and where that row is None (or no family is named) it is on exactly
+    where every sub-pool is full attention or MLA (a hit shares pages: no copy, no extra
+    bytes). Pass True to cache the others anyway. True needs an attention sub-pool to
+    share pages of; a model with none is refused."""
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(
-            f"enable_prefix_caching must be True, False or None (on for full-attention and "
-            f"MLA models), got {enabled!r}"
+            f"enable_prefix_caching must be True, False or None (the family's default, "
+            f"engine/options.PREFIX_CACHING_DEFAULT), got {enabled!r}"
         )
     kinds = {c.name: c.spec.kind for c in configs}
     if enabled is None:
+        if family is not None and family not in PREFIX_CACHING_DEFAULT:
+            raise KeyError(
+                f"family {family!r} has no prefix-caching default: add its row to "
+                "PREFIX_CACHING_DEFAULT in unikv/engine/options.py"
+            )
+        default = PREFIX_CACHING_DEFAULT.get(family) if family is not None else None
+        if default is not None:
+            return default
         return all(k in DEFAULT_CACHED_KINDS for k in kinds.values())
     if enabled and not any(k in ATTENTION_KINDS for k in kinds.values()):
         raise ValueError(
@@ -137,29 +168,6 @@ def prefix_caching_for(enabled, configs) -> bool:
             "caching off (enable_prefix_caching=False) for it"
         )
     return enabled
-
-
-def check_window_caching(pool, max_model_len: int, chunk_tokens: int = 1) -> None:
-    """With prefix caching on, a windowed request holds the window bindings of the
-    cached pages in its window only: those that slid out go to the cache, which evicts
-    them alone under pressure (``allocator/prefix_evict.evict_windows``). So caching
-    needs no more than a lone request does: its window plus the chunk being written
-    (``placement.worst_case_pages``), which the pool must place."""
-    from unikv.placement import worst_case_pages
-
-    if not any(s.spec.kind == "swa" for s in pool.subpools.values()):
-        return
-    demand = {
-        s.name: worst_case_pages(s.spec, s.page_size, max_model_len, chunk_tokens)
-        for s in pool.subpools.values()
-    }
-    if not pool.fits(demand):
-        raise ValueError(
-            f"prefix caching on a sliding-window model: one request of max_model_len "
-            f"{max_model_len} tokens needs pages {demand} (its window plus a chunk), which "
-            f"the {pool.total_bytes}-byte pool cannot place; raise kv_cache_bytes or lower "
-            "max_model_len"
-        )
 
 
 def check_prefix_host_bytes(host_bytes, caching: bool, configs) -> None:

@@ -37,11 +37,11 @@ def pool_picture(pool, alloc, width: int = 64) -> str:
     owner = np.zeros((width, len(labels)))  # bytes per (column, what)
     _add(owner, edges, 0, 0, pool.sink_bytes)
     for i, (name, (even, odd)) in enumerate(zip(pool.subpools, pairs)):
-        sub = alloc.parts.books[name]
-        for page in np.flatnonzero((sub.state == LIVE) | (sub.state == PENDING)):
+        sub, state = pool.subpools[name], alloc.view.page_states(name)
+        for page in np.flatnonzero((state == LIVE) | (state == PENDING)):
             what = 3 + 2 * i + (int(page % 2) if even != odd else 0)
             _add(owner, edges, what, page * sub.page_bytes, (page + 1) * sub.page_bytes)
-        for page in np.flatnonzero(sub.state == FREE):
+        for page in np.flatnonzero(state == FREE):
             _add(owner, edges, 1, page * sub.page_bytes, (page + 1) * sub.page_bytes)
     width_bytes = np.diff(edges)
     owner[:, 2] = np.maximum(width_bytes - owner.sum(axis=1), 0)
@@ -74,7 +74,7 @@ def pool_usage(pool, alloc) -> dict[str, dict[str, int]]:
     share of the pool's bytes."""
     usage = {}
     for name, sub in pool.subpools.items():
-        live = int(alloc.parts.books[name].num_live)
+        live = alloc.view.live_pages(name)
         usage[name] = {
             "pages": live,
             "bytes": live * sub.page_bytes,

@@ -102,6 +102,7 @@ class StepPlan:
     split: FreshSplit | None = None
     extend: dict[str, ExtendPlan] | None = None
     feedback: torch.Tensor | None = None
+    slots: torch.Tensor | None = None  # (R,) int32 request slots (padded lanes: 0)
 
 
 class FreshSplit(NamedTuple):
@@ -155,7 +156,7 @@ class StepPlanner:
         pool = alloc.pool
         self.alloc, self.backend, self.device = alloc, backend, pool.device
         self.max_seqs, self.max_tokens = max_seqs, max(max_tokens, max_seqs)
-        self.max_context = alloc.parts.requests.req_to_token.shape[1]
+        self.max_context = alloc.view.max_context
         subs = [s for s in pool.subpools.values() if s.spec.kind != "mamba"]
         self.subpools, self.has_state = subs, len(subs) < len(pool.subpools)
         self.attention = [s for s in subs if s.spec.kind in ("full", "swa")]
@@ -253,6 +254,7 @@ class StepPlanner:
             split=split,
             extend=extend,
             feedback=self.feedback if feed else None,
+            slots=dev["slots"],
         )
 
     @staticmethod

@@ -73,6 +73,11 @@ class StepUpload:
         self._staging = [t.pin_memory() for t in staging] if pin else staging
         self._host = [t.numpy() for t in self._staging]
         self._num_plans = 0
+        # CUDA: each staging slot's copy, recorded; a slot is rewritten only after it
+        # ran (the engine's loop settles a step before its slot comes round again,
+        # so this waits only where steps are planned back to back: a draft's chain)
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._pin = pin  # decided once: pinned staging, copies recorded
         self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
 
@@ -100,6 +105,8 @@ class StepUpload:
         )
         slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
         self._num_plans += 1
+        if self._copied[slot] is not None:  # this slot's last copy has run
+            self._copied[slot].synchronize()
         host, dev, nbytes = self._layout(slot, rows, num_tokens)
         seq_lens, input_ids = host["seq_lens"], host["input_ids"]
         seq_lens[:num] = starts
@@ -126,6 +133,9 @@ class StepUpload:
             host["logits_indices"][:] = q_indptr[1:] - 1
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
         self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
+        if self._pin:
+            self._copied[slot] = torch.cuda.Event()
+            self._copied[slot].record()
         return dev, host, pending
 
     @staticmethod

@@ -4,7 +4,7 @@
 Prefix caching (within a request's ``cache_salt``): a waiting request opens with
 the allocator's longest cached run of whole pages of its tokens (all but the
 last) and prefills from there
-(``open``); its full pages are shared (``alloc.parts.prefix.insert``) when its
+(``open``); its full pages are shared (``alloc.prefix.insert``) when its
 prompt is in, and again when it finishes or is preempted (``share``), so a
 recompute hits. With sliding windows every prefill chunk is shared once it is
 in, before ``free_out_of_window`` runs, so the cached prefixes keep their window
@@ -19,8 +19,10 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 - its last whole page before its last token;
 - while it decodes, the page boundaries it completes where the cost rule says a
   checkpoint pays (``engine/checkpoint_rule.py``: the chance it is the turn end x the
-  tokens since its previous checkpoint, against the copy and the bytes held; always
-  at the last boundary its ``max_tokens`` reaches), rolling: each one drops the
+  tokens since its previous checkpoint, against the copy and the bytes held, weighed
+  by the pool fractions the checkpoints and the running requests hold:
+  ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
+  rolling: each one drops the
   request's previous decode checkpoint (or demotes its prompt-end one:
   ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
   a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
@@ -89,7 +91,7 @@ class PrefixCaching(NoPrefixCache):
         rule: CheckpointRule | None = None,
     ) -> None:
         super().__init__(alloc)
-        self.prefix = alloc.parts.prefix
+        self.prefix = alloc.prefix
         self.has_state, self.has_window = has_state, has_window
         self.rule = CheckpointRule() if rule is None else rule
         # request slot -> tokens of its latest prompt-end or decode checkpoint (the
@@ -103,7 +105,7 @@ class PrefixCaching(NoPrefixCache):
         # demote a previous turn's end once the next turn takes its own: off (in the
         # simulation it cost hit rate at 2x the working set; not understood yet)
         self.supersede_turns = False
-        self.page_size = alloc.parts.roles.page_size
+        self.page_size = alloc.view.roles.page_size
 
     def open(self, r: Request):
         """A request slot holding the cached pages of ``r``'s longest cached prefix
@@ -123,8 +125,7 @@ class PrefixCaching(NoPrefixCache):
                 self.points[r.slot] = ends
             self.latest.pop(r.slot, None)
             self.since[r.slot] = hit.num_tokens
-            ends_turn = hit.num_tokens and int(hit.nodes[-1]) in prefix.states.turn_ends
-            if ends_turn and self.supersede_turns:
+            if self.supersede_turns and prefix.ends_turn(hit):
                 self.extends[r.slot] = hit.num_tokens
             else:
                 self.extends.pop(r.slot, None)
@@ -159,8 +160,16 @@ class PrefixCaching(NoPrefixCache):
         end = len(r.prompt_ids) + r.max_new_tokens - 1  # tokens it computes at most
         reuse = CheckpointRule.reuse_at(r.num_cached, end, ps)
         tokens = r.num_cached - self.since.get(r.slot, 0)
-        pressure = 1.0 if prefix.stats.evicted_pages or prefix.states.evicted else 0.0
-        return self.rule.take(reuse, tokens, r.slot not in self.latest, pressure)
+        pressure = 1.0 if prefix.evicted else 0.0
+        held = r.slot not in self.latest
+        if not (held and pressure):
+            return self.rule.take(reuse, tokens, held, pressure)
+        return self.rule.take(reuse, tokens, held, pressure, *self.pool_fractions())
+
+    def pool_fractions(self) -> tuple[float, float]:
+        """(checkpoints, batch): the fractions of the pool's bytes the cache's state
+        checkpoints and the running requests hold (``PrefixVerbs.pool_fractions``)."""
+        return self.prefix.pool_fractions()
 
     def _checkpoint(self, r: Request) -> None:
         ends = self.points.get(r.slot)
@@ -203,11 +212,10 @@ class PrefixCaching(NoPrefixCache):
         if r.slot is None or not r.num_cached:
             return demand
         out, ps = dict(demand), self.page_size
-        req = self.alloc.parts.requests
         for s in subpools:
             if s.spec.sliding_window is None or s.spec.kind == "mamba":
                 continue
-            held = -(-r.num_cached // ps) - int(req.window_lo[s.name][r.slot])
+            held = -(-r.num_cached // ps) - self.alloc.view.window_lo(r.slot, s.name)
             whole = worst_case_pages(s.spec, ps, r.num_cached + r.num_pending, chunk)
             out[s.name] = min(out[s.name], max(whole - held, 0))
         return out

@@ -2,7 +2,7 @@
 conversations through its chat template, token-id lists checked as they are.
 
 The tokenizer is shared with the engine loop's thread (which decodes), so every
-use here holds ``llm.tokenizer_lock``.
+use here holds the engine's ``tokenizer_lock``.
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ def _is_ids(prompt) -> bool:
 
 
 class PromptMaker:
-    """Prompt handling of one ``LLM`` (its tokenizer, vocabulary and context)."""
+    """Prompt handling of one engine: its tokenizer (None without tokenizer files)
+    and the lock every use of it holds, its model config (vocabulary, media token
+    ids) and its context ``max_model_len``."""
 
-    def __init__(self, llm) -> None:
-        self.llm = llm
+    def __init__(self, tokenizer, tokenizer_lock, config, max_model_len: int) -> None:
+        self.tokenizer, self.tokenizer_lock = tokenizer, tokenizer_lock
+        self.config, self.max_model_len = config, max_model_len
 
     def normalize(
         self, prompts, sampling_params=None
@@ -80,7 +83,7 @@ class PromptMaker:
         """Validated token ids of one prompt (a str or a list of int token ids)."""
         if isinstance(prompt, str):
             tok = self._tokenizer("prompts must be lists of token ids, got a str")
-            with self.llm.tokenizer_lock:
+            with self.tokenizer_lock:
                 ids = tok.encode(prompt)
         elif _is_ids(prompt):
             ids = list(prompt)
@@ -93,20 +96,19 @@ class PromptMaker:
         return self.check(ids)
 
     def check(self, ids: list[int]) -> list[int]:
-        llm = self.llm
         if not ids:
             raise ValueError("a prompt must hold at least one token, got an empty prompt")
-        media = set(llm.config.media_token_ids).intersection(ids)
+        media = set(self.config.media_token_ids).intersection(ids)
         if media:
             raise ValueError(media_refusal("prompt", f"image placeholder token {sorted(media)}"))
-        vocab = llm.config.vocab_size
+        vocab = self.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"token ids must be in [0, {vocab}), got {bad[:8]}")
-        if len(ids) >= llm.max_model_len:
+        if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens is too long: the model's context is "
-                f"{llm.max_model_len} tokens and at least one must be left to generate; "
+                f"{self.max_model_len} tokens and at least one must be left to generate; "
                 "shorten the prompt (or raise max_model_len up to the model's limit)"
             )
         return ids
@@ -146,7 +148,7 @@ class PromptMaker:
                 "the checkpoint's tokenizer has no chat template (tokenizer_config.json "
                 "'chat_template' or chat_template.jinja); pass the formatted prompt instead"
             )
-        with self.llm.tokenizer_lock:
+        with self.tokenizer_lock:
             text = tok.apply_chat_template(
                 list(messages),
                 tokenize=False,
@@ -160,7 +162,7 @@ class PromptMaker:
         return text, self.check(ids) if check else ids
 
     def _tokenizer(self, why: str):
-        tok = self.llm.tokenizer
+        tok = self.tokenizer
         if tok is None:
             raise ValueError(f"this checkpoint has no tokenizer files, so {why}")
         return tok

@@ -6,8 +6,8 @@ CUDA graphs over its buffers; the device decides, at construction only, whether
 host copies are pinned and sampled tokens read back asynchronously. Per step:
 plan (one packed host-to-device copy, one translation per sub-pool) -> forward
 (or a graph replay, the greedy argmax inside for small all-greedy batches) ->
-sample -> one device-to-host copy of the tokens, on a side stream where
-``SIDE_READBACK`` (so the next step's uploads and launches need not queue behind it).
+sample -> one device-to-host copy of the tokens, on a side stream on CUDA (so the
+next step's uploads and launches need not queue behind it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch
 from unikv.engine.speculative.step import verify_step
-from unikv.env import FLAGS
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
 
@@ -38,17 +37,11 @@ if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
     from unikv.pool import UnifiedPool
 
-# CUDA: the sampled tokens' copy to the host on a side stream (UNIKV_SIDE_READBACK=0:
-# on the step's stream; fixed at import, the A/B switch)
-SIDE_READBACK = FLAGS.side_readback
-# greedy graphs: the argmax inside the model's LM head where it fuses one
-# (UNIKV_GREEDY_IN_HEAD=0: the backend's argmax after the forward; fixed at import,
-# the A/B switch)
-GREEDY_IN_HEAD = FLAGS.greedy_in_head
-# one-row graphs of a model that resolves placeholder tokens itself read them from the
-# planner's feedback buffer (no token gather before a steady request's step;
-# UNIKV_GRAPH_FEEDBACK=0: the gather before each replay; fixed at import, the A/B switch)
-GRAPH_FEEDBACK = FLAGS.graph_feedback
+# Settled A/Bs, no longer switches (docs/history.md, sixteenth session and "one request,
+# decode graphs"): the sampled tokens' copy to the host runs on a side stream (CUDA);
+# greedy graphs take the argmax inside the model's LM head where it fuses one; one-row
+# graphs of a model that resolves placeholder tokens itself read them from the planner's
+# feedback buffer (no token gather before a steady request's step).
 
 
 def layer_caches(
@@ -101,22 +94,22 @@ class Launched:
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
     __slots__ = (
-        "_event", "_host", "_logprobs", "_prompt", "batch", "emitted", "fed", "logits", "tokens_dev"
+        "_host", "_logprobs", "_prompt", "batch", "emitted", "event", "fed", "logits", "tokens_dev"
     )  # fmt: skip
 
     def __init__(
         self, batch, logits, tokens_dev, host, event, logprobs=None, fed=False, prompt=None
     ) -> None:
         self.batch, self.logits, self.tokens_dev = batch, logits, tokens_dev
-        self._host, self._event, self._logprobs = host, event, logprobs
+        self._host, self.event, self._logprobs = host, event, logprobs
         self.fed = fed  # the tokens are in the planner's feedback buffer
         self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
         self.emitted: list[list[int]] | None = None  # a verify step's tokens per request
 
     def _ready(self, host):
         """``host`` (this step's host copies) once the step is done; waits for it only."""
-        if self._event is not None:
-            self._event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return host
 
     def prompt_logprobs(self) -> dict | None:
@@ -166,9 +159,7 @@ class ModelRunner:
             q_per_kv=model.config.num_heads // model.config.num_kv_heads,
             q_per_kv_of=q_per_kv_of,
             pin=self._pin,
-            feed_graphs=(
-                GRAPH_FEEDBACK and cuda_graphs and getattr(model, "resolves_feedback", False)
-            ),
+            feed_graphs=(cuda_graphs and getattr(model, "resolves_feedback", False)),
         )
         # Two pinned host slots for the sampled tokens, used alternately: with one
         # step in flight, a slot is rewritten only after its step was resolved. Sized
@@ -178,12 +169,10 @@ class ModelRunner:
         self._tokens_host = [torch.empty(slot, dtype=torch.int64, pin_memory=self._pin)
                              for _ in range(2)]  # fmt: skip
         self._readback = self._pinned_readback if self._pin else self._direct_readback
-        self._copy_stream = torch.cuda.Stream(self.device) if self._pin and SIDE_READBACK else None
+        self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._launches = 0
         # the model's forward returns (logits, greedy tokens) when asked (decided once)
-        self._fused_greedy = (
-            GREEDY_IN_HEAD and "greedy" in inspect.signature(model.forward).parameters
-        )
+        self._fused_greedy = "greedy" in inspect.signature(model.forward).parameters
         self.force_accept = False  # speculative decoding's benchmark mode (LLM sets it)
         self.draft = None  # a speculative draft model (``speculative.draft.DraftModel``)
         self.verify_graphs = None  # speculative verify steps' graphs (``capture_verify``)
@@ -256,18 +245,18 @@ class ModelRunner:
             in_graph = greedy and self.graphs.has_greedy(rows)  # the argmax inside
             if in_graph and self._copy_stream is not None and prev is not None:
                 # the graph rewrites its token buffer: prev's copy of it comes first
-                torch.cuda.current_stream(self.device).wait_event(prev._event)
+                torch.cuda.current_stream(self.device).wait_event(prev.event)
             logits, tokens_dev = self.graphs.replay(rows, in_graph)
             logits = logits[: len(batch.requests)]
             # the model's argmax wrote them into the plan's feedback buffer
             fed = in_graph and self._fused_greedy and plan.feedback is not None
-        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
-            self.draft.forward_plan(plan)
         owned = tokens_dev is None  # not the greedy graph's own buffer
         if owned:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
+        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
+            self.draft.forward_plan(plan, batch, tokens_dev)
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
@@ -277,19 +266,36 @@ class ModelRunner:
         """A verify step (speculative decoding), run to the end: every row scored, the
         drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
         tokens read back (``Launched.emitted``): the next step's drafts need them."""
-        graphs = self.verify_graphs  # no placeholders: the loop settles each step first
+        graphs = self.verify_graphs  # placeholders: only a draft model's device drafts
         rows = graphs.rows_for(batch) if graphs is not None else None
+        drafts = batch.draft_tokens
         if rows is None:
-            plan = self.planner.plan(batch)
+            plan = self.planner.plan(batch, drafts)
             logits = self.forward(plan, every_row=True)
         else:
-            plan = self.planner.plan(batch, rows=rows, pad_q=graphs.q)
+            plan = self.planner.plan(batch, drafts, rows=rows, pad_q=graphs.q)
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
-        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
-            self.draft.forward_plan(plan)
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
-        host = torch.cat([tokens, accepted[:, None]], dim=1).cpu().tolist()
-        self.alloc.mark_in_flight(None)  # it ran (the readback waited for it)
+        packed = torch.cat([tokens, accepted[:, None]], dim=1)
+        copied = None
+        if self._pin:  # the emitted tokens' copy, enqueued before the draft's forward
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            packed = host
+        done = None  # the step ran when the readback returned, but a draft's forward
+        if self.draft is not None:  # the rows kept after the rollback are the true tokens'
+            self.draft.forward_verify(plan, batch, tokens, accepted)  # runs under the host's work
+            if copied is not None:  # its pages stay fenced until it is done
+                done = torch.cuda.Event()
+                done.record()
+        if copied is not None:
+            copied.synchronize()
+        host = packed.tolist()
+        if self.draft is not None:
+            self.draft.settled(batch, [row[-1] for row in host])
+        self.alloc.mark_in_flight(done)
         self._launches += 1
         launched = Launched(batch, logits, None, None, None)
         launched.emitted = [row[: row[-1] + 1] for row in host]

@@ -134,7 +134,7 @@ class Scheduler:
                 "scheduler invariant: one request alone always fits the pool (checked at "
                 f"start-up), yet nothing could be scheduled with {len(self.running)} running"
             )
-            self._preempt(self.running[-1])
+            self.preempt(self.running[-1])
 
     def _current_decodes(self) -> DecodeSet:
         """The decoding set: kept from the last step when still valid, else rebuilt."""
@@ -165,7 +165,7 @@ class Scheduler:
                 batch.step = step
                 return d.prefilling
             self._decodes = None
-            self._preempt(self.running[-1])
+            self.preempt(self.running[-1])
 
     def _verify(self, batch: Batch, d: DecodeSet) -> bool:
         """Make ``batch`` a verify step when the step speculates (no prefill chunk
@@ -177,7 +177,7 @@ class Scheduler:
         found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False
-        drafts, ids = found
+        drafts, ids, batch.draft_tokens = found
         num_new = 1 + np.fromiter((len(x) for x in drafts), np.int64, len(drafts))
         for r, draft in zip(d.decoding, drafts):
             r.draft_ids = draft.tolist()
@@ -191,7 +191,7 @@ class Scheduler:
             if budget <= 0:
                 return
             n = self.prefix.chunk(r, budget)
-            ids = self._extend(r, n)
+            ids = self.extend(r, n)
             if ids is None:
                 return
             batch.add(r, n, ids)
@@ -203,11 +203,11 @@ class Scheduler:
             else:
                 hit = self.prefix.open(r)
                 n = self.prefix.chunk(r, budget)
-                ok = self._fits(r.num_pending, n, r) and self._admit_state(r)
-                ids = self._extend(r, n) if ok else None
+                ok = self.fits(r.num_pending, n, r) and self.admit_state(r)
+                ids = self.extend(r, n) if ok else None
             if ids is None:
                 if hit is not None:  # not admitted: its lookup is retried, counted then
-                    self.alloc.parts.prefix.uncount(hit)
+                    self.alloc.prefix.uncount(hit)
                 self.alloc.free_request(r.slot)
                 r.slot, r.num_cached = None, 0
                 return
@@ -219,7 +219,7 @@ class Scheduler:
             batch.add(r, n, ids)
             budget -= n
 
-    def _fits(self, num_tokens: int, chunk: int, r: Request | None = None) -> bool:
+    def fits(self, num_tokens: int, chunk: int, r: Request | None = None) -> bool:
         """Capacity oracle: can a request needing ``num_tokens`` more tokens, written
         ``chunk`` at a time, get its pages now (after compaction if need be)? ``r``:
         the request, opened with a prefix hit: the window pages it holds already count
@@ -231,21 +231,21 @@ class Scheduler:
             demand = self.prefix.window_demand(r, demand, self.subpools, chunk)
         return bool(self.alloc.can_admit(demand)[1])
 
-    def _admit_state(self, r: Request) -> bool:
+    def admit_state(self, r: Request) -> bool:
         """A zeroed recurrent-state slot for a newly admitted request (hybrid models);
         False when the chain cannot make room for it."""
         if not self.has_state:
             return True
         return self.alloc.alloc_mamba(np.array([r.slot], dtype=np.int64)) is not None
 
-    def _extend(self, r: Request, n: int):
+    def extend(self, r: Request, n: int):
         return self.alloc.alloc_extend(
             np.array([r.slot], dtype=np.int64),
             np.array([r.num_cached], dtype=np.int64),
             np.array([n], dtype=np.int64),
         )
 
-    def _preempt(self, r: Request) -> None:
+    def preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
         go to host slots first when ``swap`` takes them, else it is recomputed."""
         self.prefix.share(r)

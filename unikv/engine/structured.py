@@ -4,7 +4,7 @@ schema's values are compact: no free whitespace between tokens, so a bounded
 schema gives a bounded output).
 
 ``compile_structured(llm, kind, spec)`` compiles the constraint once (cached per
-LLM and spec) into a ``StructuredOutputs`` that ``SamplingParams.structured``
+tokenizer and spec) into a ``StructuredOutputs`` that ``SamplingParams.structured``
 carries. The engine gives each such request its own ``xgrammar.GrammarMatcher``
 on its first step (``Request.grammar``); before every sample of a step that
 holds such requests, the matchers accept the tokens sampled since (this waits
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -83,17 +84,23 @@ class _Compiler:
 
 
 _COMPILERS_LOCK = threading.Lock()
+# one compiler per tokenizer (an engine's, or the API process's), kept while it lives
+_COMPILERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compile_structured(llm, kind: str, spec: str) -> StructuredOutputs:
     """The StructuredOutputs of ``spec`` (a JSON schema's text for "json", "" for
     "json_object", a regex, an EBNF grammar, or a JSON list of strings for
-    "choice"); ValueError (or xgrammar's own error) for an invalid one."""
+    "choice"); ValueError (or xgrammar's own error) for an invalid one. ``llm``:
+    anything with the engine's ``tokenizer``, ``config`` and ``eos_token_ids``."""
+    if llm.tokenizer is None:
+        raise ValueError("structured outputs need the checkpoint's tokenizer")
+    key = (llm.config.vocab_size, tuple(sorted(llm.eos_token_ids)))
     with _COMPILERS_LOCK:
-        compiler = getattr(llm, "_structured_compiler", None)
+        compilers = _COMPILERS.setdefault(llm.tokenizer, {})
+        compiler = compilers.get(key)
         if compiler is None:
-            compiler = _Compiler(llm)
-            llm._structured_compiler = compiler
+            compiler = compilers[key] = _Compiler(llm)
     return compiler.compile(kind, spec)
 
 

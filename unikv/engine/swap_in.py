@@ -30,9 +30,9 @@ def swap_in(sched: Scheduler, r: Request, budget: int):
     if record.state_at:
         sched.prefix.points[r.slot] = list(record.state_at)
     n = sched.prefix.chunk(r, budget)
-    ok = sched._fits(r.seq_len, max(n, sched.max_num_batched_tokens))
-    ok = ok and reserve_computed(sched, r) and sched._admit_state(r)
-    ids = sched._extend(r, n) if ok else None
+    ok = sched.fits(r.seq_len, max(n, sched.max_num_batched_tokens))
+    ok = ok and reserve_computed(sched, r) and sched.admit_state(r)
+    ids = sched.extend(r, n) if ok else None
     if ids is None:
         sched.prefix.points.pop(r.slot, None)
         return 0, None

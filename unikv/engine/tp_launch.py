@@ -11,7 +11,8 @@ Start-up, all in ``launch`` before rank 0 builds anything:
     every rank joins the group: NCCL with GPU ``base + rank`` per rank when the
         device is CUDA, gloo on the CPU; collectives time out (``UNIKV_TP_TIMEOUT_S``,
         300 s: a rank's first Triton compiles fit)
-    every rank builds the same LLM over ``tp_group=WORLD`` (its shard, its pool)
+    every rank builds the same engine from the same ``EngineConfig`` (sent, pickled,
+        to each worker) over ``tp_group=WORLD`` (its shard, its pool)
     rank 0 waits for each worker's "ready" (or its error, which it raises)
 
 Mirroring: the workers run the same SPMD steps as rank 0 because they run the
@@ -21,8 +22,8 @@ input, in the order it applies it, to every worker's pipe as one small pickled
 message, and each worker (``tp_worker.follow``) applies it to its own loop:
 
     ("step", isolate, new groups, aborted group ids)   at the start of each step
-    ("call", LLM method name, args)                    a state-changing call
-                                                       (resize_kv_cache, reset_prefix_cache)
+    ("call", Engine method name, args)                 a state-changing call
+                                                       (resize_now, reset_prefix_now)
     ("recover",)  ("stop",)  ("close",)
 
 Pipes rather than a broadcast on a side gloo group: an idle server leaves the
@@ -100,15 +101,14 @@ def timeout_s() -> float:
     return env.FLAGS.tp_timeout_s
 
 
-def check_launch(options: dict, size) -> list[torch.device]:
+def check_launch(config, tp_group=None) -> list[torch.device]:
     """Refuse what cannot start, before any process or weight: returns each rank's device."""
-    from unikv.engine.options import check_device, model_dir_of
+    from unikv.engine.options import model_dir_of
     from unikv.models.loader import load_model_config
     from unikv.models.parallel import check_tp_config
 
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {size!r}")
-    if options["tp_group"] is not None:
+    size = config.tensor_parallel_size
+    if tp_group is not None:
         raise ValueError(
             "give tensor_parallel_size (unikv starts the ranks) or tp_group (you started "
             "them and build the LLM in every rank), not both"
@@ -122,14 +122,14 @@ def check_launch(options: dict, size) -> list[torch.device]:
             "build the LLM in every rank), or destroy the group first"
         )
     for name, default in REFUSED.items():
-        if options[name] != default:
+        if getattr(config, name) != default:
             raise ValueError(
-                f"{name}={options[name]!r} is not supported with tensor parallelism yet; "
+                f"{name}={getattr(config, name)!r} is not supported with tensor parallelism yet; "
                 f"leave it at {default!r} with tensor_parallel_size={size}"
             )
-    config, _ = load_model_config(model_dir_of(options["model_dir"], options["model"]))
-    check_tp_config(config, size)
-    device = check_device(options["device"])
+    model_config, _ = load_model_config(model_dir_of(config.model, None))
+    check_tp_config(model_config, size)
+    device = config.device
     if device.type != "cuda":
         return [device] * size
     base = device.index if device.index is not None else torch.cuda.current_device()
@@ -142,20 +142,16 @@ def check_launch(options: dict, size) -> list[torch.device]:
     return [torch.device("cuda", base + r) for r in range(size)]
 
 
-def launch(llm, options: dict) -> None:
-    """Build ``llm`` (an ``LLM``) as rank 0 of ``options['tensor_parallel_size']``
-    ranks: check, spawn the workers, build every rank, mirror rank 0's loop."""
-    from unikv.engine.llm import LLM
+def launch(config, tp_group=None):
+    """Rank 0 of ``config.tensor_parallel_size`` ranks: check, spawn the workers,
+    build every rank's engine; returns (rank 0's ``build.Engine``, the ``Workers``)."""
+    from unikv.engine.build import build_engine
 
-    options = {k: v for k, v in options.items() if k != "self"}
-    size = options.pop("tensor_parallel_size")
-    devices = check_launch(options, size)
-    options.pop("device")
-    options.pop("tp_group")
-    workers = Workers(devices, options)
+    devices = check_launch(config, tp_group)
+    workers = Workers(devices, config)
     try:
         workers.join_group(devices[0])
-        LLM.__init__(llm, **options, device=devices[0], tp_group=dist.group.WORLD)
+        core = build_engine(config.replace(device=devices[0]), dist.group.WORLD)
         workers.wait_ready()
     except BaseException as err:
         if collective_error(err):  # a worker failed first: its error is the one to show
@@ -164,15 +160,13 @@ def launch(llm, options: dict) -> None:
         if workers.failure is not None and not isinstance(err, TensorParallelError):
             raise TensorParallelError(workers.failure) from err
         raise
-    llm.workers = workers
-    llm.engine = LeaderLoop(llm, workers)
-    weakref.finalize(llm, workers.close).atexit = False  # dropped unclosed: closed when collected
+    return core, workers
 
 
 class Workers:
     """Ranks 1 .. N-1 of a launched LLM: processes, pipes, the watcher thread."""
 
-    def __init__(self, devices: list[torch.device], options: dict) -> None:
+    def __init__(self, devices: list[torch.device], config) -> None:
         self.size, self.timeout_s = len(devices), timeout_s()
         self.backend = "nccl" if devices[0].type == "cuda" else "gloo"
         self.failure: str | None = None  # why a worker failed or died (set once)
@@ -189,7 +183,7 @@ class Workers:
         threads = torch.get_num_threads()
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
-            args = (rank, self.size, self.store.port, self.backend, devices[rank], options, child)
+            args = (rank, self.size, self.store.port, self.backend, devices[rank], config, child)
             proc = ctx.Process(
                 target=worker_main,
                 args=(*args, self.timeout_s, threads),
@@ -200,6 +194,12 @@ class Workers:
             self.procs.append(proc)
             self.conns.append(parent)
         _LIVE.add(self)
+
+    def leader_loop(self, core, owner) -> LeaderLoop:
+        """Rank 0's engine loop over ``core``; the workers close when ``owner`` (the
+        ``LLM``) is collected unclosed."""
+        weakref.finalize(owner, self.close).atexit = False
+        return LeaderLoop(core, self, owner=owner)
 
     @property
     def pids(self) -> list[int]:
@@ -369,8 +369,8 @@ class LeaderLoop(EngineLoop):
     """Rank 0's engine loop: every input it applies goes to the workers first
     (the module docstring)."""
 
-    def __init__(self, llm, workers: Workers) -> None:
-        super().__init__(llm)
+    def __init__(self, core, workers: Workers, *, owner=None) -> None:
+        super().__init__(core, owner=owner)
         self.workers = workers
         workers.on_death.append(self._wake)
 
@@ -395,17 +395,17 @@ class LeaderLoop(EngineLoop):
         return groups, aborts
 
     def _invoke(self, fn):
-        method = _llm_method(fn, self.llm)
+        method = _core_method(fn, self.core)
         if method is not None:
             self.workers.send(("call", *method))
         elif (mirror := getattr(fn, "mirror", None)) is not None:  # a loop-level change
             self.workers.send(mirror)  # ("stop_completion", request id, index)
         return fn()
 
-    def _stop_work(self) -> None:
+    def stop_work(self) -> None:
         with contextlib.suppress(TensorParallelError):
             self.workers.send(("stop",))
-        super()._stop_work()
+        super().stop_work()
 
     def recover(self) -> None:
         with contextlib.suppress(TensorParallelError):
@@ -427,12 +427,13 @@ class LeaderLoop(EngineLoop):
         super()._failed_launch(batch, err)
 
 
-def _llm_method(fn, llm) -> tuple[str, tuple] | None:
-    """(name, args) when ``fn`` is a method of ``llm`` (bound, or a partial of one)."""
+def _core_method(fn, core) -> tuple[str, tuple] | None:
+    """(name, args) when ``fn`` is a method of ``core`` (the ``build.Engine``; bound,
+    or a partial of one)."""
     args: tuple = ()
     if isinstance(fn, partial):
         assert not fn.keywords, "tp_launch protocol: a mirrored call takes positional args"
         fn, args = fn.func, fn.args
-    if getattr(fn, "__self__", None) is llm:
+    if getattr(fn, "__self__", None) is core:
         return fn.__name__, args
     return None

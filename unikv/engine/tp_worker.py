@@ -81,7 +81,7 @@ def send(conn, message: tuple) -> None:
         conn.send_bytes(pickle.dumps(message))
 
 
-def worker_main(rank, size, port, backend, device, options, conn, timeout, threads) -> None:
+def worker_main(rank, size, port, backend, device, config, conn, timeout, threads) -> None:
     """Rank ``rank``: join the group, build the LLM, then follow rank 0's messages."""
     from unikv.engine.llm import LLM
 
@@ -102,7 +102,8 @@ def worker_main(rank, size, port, backend, device, options, conn, timeout, threa
             timeout=limit,
             device_id=device if backend == "nccl" else None,  # NCCL: bound to its GPU
         )
-        llm = LLM(**options, device=device, tp_group=dist.group.WORLD)
+        # rank 0's config on this rank's device; the ranks are started already
+        llm = LLM(config.replace(device=device, tensor_parallel_size=1), tp_group=dist.group.WORLD)
     except Exception:  # noqa: BLE001  (sent to rank 0, which raises it)
         send(conn, ("failed", traceback.format_exc()))
         sys.exit(1)
@@ -138,14 +139,14 @@ def _follow(llm, conn, rank: int) -> None:
                 loop.isolate = isolate
                 loop.step()
             elif op == "call":
-                getattr(llm, message[1])(*message[2])
+                getattr(llm.core, message[1])(*message[2])
             elif op == "stop_completion":  # a stop string the API process found
                 if (g := groups.get(message[1])) is not None:
                     loop.stop_completion(g, message[2])
             elif op == "recover":
                 loop.recover()
             elif op == "stop":
-                loop._stop_work()
+                loop.stop_work()
             else:
                 raise AssertionError(f"tp_launch protocol: unknown message {op!r}")
         except Exception as err:

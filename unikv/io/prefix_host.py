@@ -88,9 +88,10 @@ class HostStats:
 class PrefixHost:
     """Host slots of the prefix cache's spilled nodes and checkpoints.
 
-    ``prefix``: the PrefixCache; ``reserve``: ``(new, virtual) -> bool``, the room
-    maker's reserve without the shortfall callback; ``tiers``: one HostTier per
-    token sub-pool (``num_slots`` each); ``state_tier``: the Mamba sub-pool's."""
+    ``prefix``: the PrefixCache; ``tiers``: one HostTier per token sub-pool
+    (``num_slots`` each); ``state_tier``: the Mamba sub-pool's. A reload takes the
+    room maker's reserve as an argument, so the tier holds no allocator part above
+    the cache."""
 
     def check_integrity(self, parts) -> None:
         """The host tier's named invariants (``prefix_host_setup.check_prefix_host``);
@@ -99,9 +100,9 @@ class PrefixHost:
 
         check_prefix_host(parts)
 
-    def __init__(self, prefix, tiers: dict, state_tier, reserve: Callable, policy: ReloadPolicy):
+    def __init__(self, prefix, tiers: dict, state_tier, policy: ReloadPolicy):
         self.prefix, self.tiers, self.state_tier = prefix, tiers, state_tier
-        self.reserve, self.policy = reserve, policy
+        self.policy = policy
         self.capacity = min(t.num_slots for t in tiers.values())
         self.nodes: OrderedDict[int, dict[str, int]] = OrderedDict()  # host nodes, LRU
         self.ckpts: OrderedDict[int, int] = OrderedDict()  # node id -> host slot, LRU
@@ -255,17 +256,19 @@ class PrefixHost:
         self.stats.reload_declined += gained > 0
         return replace(device, num_page_tokens=full.num_page_tokens)
 
-    def reload(self, hit):
+    def reload(self, hit, reserve: Callable):
         """``hit`` with its host pages reloaded into fresh device pages (cached,
         evictable: ``new_request`` attaches them), or its device-only prefix when
-        the pool has no room; ``hit`` itself when a node of it is gone (stale)."""
+        the pool has no room; ``hit`` itself when a node of it is gone (stale).
+        ``reserve``: ``(new, virtual) -> bool``, the room maker's reserve without
+        the shortfall callback."""
         prefix = self.prefix
         nodes = [prefix.by_id.get(int(i)) for i in hit.nodes]
         if any(n is None for n in nodes):
             return hit
         columns = [i for i, n in enumerate(nodes) if n.page == HOST]
         if columns:
-            if not self._reserve(nodes, columns):
+            if not self._reserve(nodes, columns, reserve):
                 self.stats.reload_fallbacks += 1
                 device = prefix.chain_hit(nodes, hit.num_query_tokens, host=False)
                 return replace(device, num_page_tokens=hit.num_page_tokens)
@@ -274,7 +277,7 @@ class PrefixHost:
         pages = np.array([n.page for n in nodes], np.int32)
         return replace(hit, pages=pages, num_host_pages=0)
 
-    def _reserve(self, nodes: list, columns: list[int]) -> bool:
+    def _reserve(self, nodes: list, columns: list[int], reserve: Callable) -> bool:
         """Room for the host nodes ``nodes[columns]``; the hit's device pages, host
         nodes and checkpoint are held meanwhile (room-making may evict others)."""
         prefix, states = self.prefix, self.prefix.states
@@ -292,7 +295,7 @@ class PrefixHost:
             for name in self.tiers
         }
         try:
-            return bool(self.reserve(need, len(columns)))
+            return bool(reserve(need, len(columns)))
         finally:
             np.subtract.at(prefix.refs, pages, 1)
             for wrefs in prefix.wrefs.values():

@@ -1,6 +1,7 @@
 """Setting up the prefix cache's host tier (``prefix_host.py``): the byte budget
-split into host slots, the measured H2D bandwidth of the reload rule, wiring it
-into an allocator's parts, and its invariants for ``check_integrity``.
+split into host slots, the measured H2D bandwidth of the reload rule, attaching it
+to an allocator's prefix cache (``alloc.prefix.add_host_tier``), and its invariants
+for ``check_integrity``.
 """
 
 from __future__ import annotations
@@ -65,31 +66,24 @@ def measure_h2d_bytes_per_s(
     return 3 * num_bytes / max(time.perf_counter() - start, 1e-9)
 
 
-def enable_prefix_host(parts, host_bytes: int, policy: ReloadPolicy | None = None) -> PrefixHost:
+def enable_prefix_host(alloc, host_bytes: int, policy: ReloadPolicy | None = None) -> PrefixHost:
     """Put a host tier of ``host_bytes`` (``host_slots``) behind the prefix cache of
-    an allocator's ``parts``; returns it (``parts.prefix.host``). ValueError on a
+    the PoolAllocator ``alloc``; returns it (``alloc.prefix.host``). ValueError on a
     budget without one whole node, or on a pool the prefix cache does not serve."""
     from unikv.io.host_tier import HostTier
 
-    prefix, pool = parts.prefix, parts.room.pool
-    prefix.check_supported("enable_prefix_host")
-    if prefix.host is not None:
-        raise ValueError("enable_prefix_host: this allocator's prefix cache has a host tier")
-    states = prefix.states
-    token_bytes = {n: parts.books[n].page_bytes for n in parts.roles.token_names}
-    state_bytes = states.book.page_bytes if states is not None else None
-    num_slots, num_state_slots = host_slots(token_bytes, state_bytes, host_bytes)
-    tiers = {n: HostTier(pool, n, num_slots) for n in token_bytes}
-    state_tier = HostTier(pool, states.book.name, num_state_slots) if states is not None else None
-    room = parts.room
-    host = PrefixHost(
-        prefix, tiers, state_tier, lambda new, virtual: room.reserve(new, virtual, callback=False),
-        policy or ReloadPolicy(),
-    )  # fmt: skip
-    prefix.host = host
-    if states is not None:
-        states.host = host
-    return host
+    pool, roles = alloc.pool, alloc.view.roles
+
+    def build(cache) -> PrefixHost:  # called once the cache said it serves this pool
+        token_bytes = {n: pool.subpools[n].page_bytes for n in roles.token_names}
+        mamba = roles.mamba_name
+        state_bytes = pool.subpools[mamba].page_bytes if mamba is not None else None
+        num_slots, num_state_slots = host_slots(token_bytes, state_bytes, host_bytes)
+        tiers = {n: HostTier(pool, n, num_slots) for n in token_bytes}
+        state_tier = HostTier(pool, mamba, num_state_slots) if mamba is not None else None
+        return PrefixHost(cache, tiers, state_tier, policy or ReloadPolicy())
+
+    return alloc.prefix.add_host_tier(build)
 
 
 def check_prefix_host(parts) -> None:

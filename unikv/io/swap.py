@@ -89,13 +89,11 @@ class SwapSpace:
     """
 
     def __init__(self, alloc, num_slots: int, num_state_slots: int, policy: SwapPolicy):
-        parts = alloc.parts
+        roles = alloc.view.roles
         self.alloc, self.policy, self.stats = alloc, policy, SwapStats()
-        self.tiers = {n: HostTier(alloc.pool, n, num_slots) for n in parts.roles.token_names}
-        if parts.roles.mamba_name is not None:
-            self.tiers[parts.roles.mamba_name] = HostTier(
-                alloc.pool, parts.roles.mamba_name, num_state_slots
-            )
+        self.tiers = {n: HostTier(alloc.pool, n, num_slots) for n in roles.token_names}
+        if roles.mamba_name is not None:
+            self.tiers[roles.mamba_name] = HostTier(alloc.pool, roles.mamba_name, num_state_slots)
         self.held: dict[int, Swapped] = {}  # request id -> its host copy
 
     def counters(self) -> dict[str, int]:
@@ -174,9 +172,9 @@ def build_swap_space(alloc, host_bytes: int, policy: SwapPolicy) -> SwapSpace:
     ``prefix_host_setup.host_slots``); ValueError when it holds no whole page."""
     from unikv.io.prefix_host_setup import host_slots
 
-    parts = alloc.parts
-    token = {n: parts.books[n].page_bytes for n in parts.roles.token_names}
-    mamba = parts.roles.mamba_name
-    state = parts.books[mamba].page_bytes if mamba is not None else None
+    subpools, roles = alloc.pool.subpools, alloc.view.roles
+    token = {n: subpools[n].page_bytes for n in roles.token_names}
+    mamba = roles.mamba_name
+    state = subpools[mamba].page_bytes if mamba is not None else None
     num_slots, num_state_slots = host_slots(token, state, host_bytes, "swap_host_bytes")
     return SwapSpace(alloc, num_slots, num_state_slots, policy)

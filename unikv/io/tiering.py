@@ -44,17 +44,17 @@ class Tiering:
     :class:`HostTier`.
 
     Args:
-        alloc: the pool allocator (its I/O hooks ``alloc.parts.io``:
+        alloc: the pool allocator (its I/O hooks ``alloc.io``:
             ``physical_pages``, ``release_physical``, ``bind_physical``, ``pin``,
-            ``unpin``).
+            ``unpin``, ``pinned``).
         tier: the host tier of the same pool and sub-pool.
     """
 
     def __init__(self, alloc: PoolAllocator, tier: HostTier) -> None:
         self.alloc, self.tier, self.name = alloc, tier, tier.name
-        self.io = alloc.parts.io
-        if tier.name not in alloc.parts.books:
-            have = list(alloc.parts.books)
+        self.io = alloc.io
+        if tier.name not in alloc.pool.subpools:
+            have = list(alloc.pool.subpools)
             raise KeyError(f"no sub-pool {tier.name!r}; the allocator has {have}")
         self._pinned: list[HostCopy] = []  # reloads whose destination pages are pinned
 
@@ -79,13 +79,12 @@ class Tiering:
         sub-pool, and the pages of reloads still in flight stay pinned."""
         self.tier.check_integrity()
         same = self.tier.pool is self.alloc.pool and self.tier.name == self.name
-        assert same and self.io is self.alloc.parts.io, (
+        assert same and self.io is self.alloc.io, (
             "tiering: the tier and the allocator serve the same pool and sub-pool"
         )
-        book = self.alloc.parts.books[self.name]
         for copy in self._pinned:
             pages = copy.pages.data.to("cpu", torch.int64).numpy()
-            assert (book.pins[pages] > 0).all(), (
+            assert self.io.pinned(self.name, pages).all(), (
                 "tiering: the pages of a reload in flight are pinned"
             )
 

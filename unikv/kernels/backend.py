@@ -46,7 +46,9 @@ from unikv.kernels.linear.protocols import (
     EmbedRMSNormLinear,
     Fp8Linear,
     GatedRMSNorm,
+    GeluTanhMul,
     Linear,
+    MoEFp8,
     RMSNorm,
     RopeQK,
     SiluMul,
@@ -72,12 +74,13 @@ TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "transla
 STEP_OPS = ("prepare_step", "plan_decode", "plan_extend")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
-ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gated_rms_norm")
+ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
+                   "gated_rms_norm")  # fmt: skip
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
-QUANT_OPS = ("fp8_linear",)
+QUANT_OPS = ("fp8_linear", "moe_fp8")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
        + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
 
@@ -128,6 +131,7 @@ class KernelBackend:
     add_rms_norm: AddRMSNorm
     rope_qk: RopeQK
     silu_mul: SiluMul
+    gelu_tanh_mul: GeluTanhMul
     gated_rms_norm: GatedRMSNorm
     argmax: Argmax
     linear: Linear
@@ -146,6 +150,9 @@ class KernelBackend:
     # planned per row count, ``fp8_gemm.plan``) or the torch reference (dequantise, then
     # multiply in fp32)
     fp8_linear: Fp8Linear
+    # the fused MoE over block-scaled FP8 experts (``fp8_gemm_ref.moe_fp8``): the experts
+    # dequantised per call, a bounded chunk at a time, into this backend's ``moe``
+    moe_fp8: MoEFp8
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -266,13 +273,17 @@ class Flags:
     only; probed here, once per device); moe_hopper: ``UNIKV_MOE_HOPPER`` is not "0"
     (off: MXFP4 experts stay in the checkpoint's layout on the Triton kernel, the A/B);
     extend_hopper: ``extend_hopper.ENABLED`` (``UNIKV_EXTEND_HOPPER``, read at import);
-    extend_sdpa: ``extend_sdpa.ENABLED`` (``UNIKV_EXTEND_SDPA``, read at import)."""
+    extend_sdpa: ``extend_sdpa.ENABLED`` (``UNIKV_EXTEND_SDPA``, read at import);
+    fp8_scaled_mm: this torch runs ``torch._scaled_mm`` with block scales on the GPU
+    (``fp8_gemm.scaled_mm_supported``, probed once per device): FP8 linears' prefill
+    rows go to it (``fp8_gemm.plan``)."""
 
     cuda: bool = False
     sm90: bool = False
     moe_hopper: bool = True
     extend_hopper: bool = True
     extend_sdpa: bool = False
+    fp8_scaled_mm: bool = False
 
 
 @functools.cache
@@ -288,6 +299,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
         return Flags()
     from unikv.kernels.attention import fresh_hopper as extend_hopper
     from unikv.kernels.attention import sdpa as extend_sdpa
+    from unikv.kernels.linear import fp8_gemm
 
     _probe_capabilities(device)
     return Flags(
@@ -296,6 +308,7 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
         moe_hopper=env.FLAGS.moe_hopper,
         extend_hopper=extend_hopper.ENABLED,
         extend_sdpa=extend_sdpa.ENABLED,
+        fp8_scaled_mm=fp8_gemm.scaled_mm_supported(device),
     )
 
 
@@ -345,7 +358,7 @@ def _triton(flags: Flags) -> KernelBackend:
     # imported lazily: Triton is only needed here
     from unikv.kernels.attention import decode, extend, rope_store, store
     from unikv.kernels.attention import sdpa as extend_sdpa
-    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, gemv
+    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, fp8_gemm_ref, gemv
     from unikv.kernels.mla import decode as mla_decode
     from unikv.kernels.mla import prefill as mla
     from unikv.kernels.moe import fused as moe
@@ -386,7 +399,12 @@ def _triton(flags: Flags) -> KernelBackend:
         **{op: getattr(gemv, op) for op in LINEAR_OPS},
         moe=moe.moe,
         moe_repacked=_hopper_repack if flags.sm90 and flags.moe_hopper else _no_repack,
-        fp8_linear=fp8_gemm.fp8_linear,
+        fp8_linear=(
+            functools.partial(fp8_gemm.fp8_linear, scaled_mm=True)
+            if flags.fp8_scaled_mm
+            else fp8_gemm.fp8_linear
+        ),
+        moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe.moe),
     )
 
 
@@ -425,6 +443,7 @@ def _torch() -> KernelBackend:
         moe=moe_ref.fused_moe,
         moe_repacked=_no_repack,
         fp8_linear=fp8_gemm_ref.fp8_linear,
+        moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe_ref.fused_moe),
     )
 
 

@@ -15,6 +15,10 @@ State: Mamba layers keep conv + SSM state in the engine's Mamba sub-pool,
 attention layers K/V in the full-attention sub-pool. Names are transformers'
 (``model.layers.i.mamba.*`` / ``.self_attn.*``, ``.feed_forward.*``,
 ``model.final_layernorm``). Granite-4.0-H (``granitemoehybrid.py``) reuses the mixer.
+
+Tensor parallelism (``models/parallel.py``): the Mamba-2 heads (their state with
+them), the attention heads and the MLP columns; the whole-width gated norm sums its
+mean square over the ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, as_float
 from unikv.models.layers import Attention, GatedMLP, RMSNorm
 from unikv.models.mamba2 import GatedRMSNorm, Mamba2Dims, Mamba2Mixer
+from unikv.models.parallel import tp_size
 from unikv.models.rope import Rotary
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
@@ -56,16 +61,23 @@ def mamba_dims(cfg: Fields) -> Mamba2Dims:
         activation=cfg.get("hidden_act", "silu"),
         eps=float(cfg.get("rms_norm_eps", 1e-5)),
         dt_limit=(0.0, float("inf")) if limit is None else tuple(map(as_float, limit)),
+        fields=("mamba_n_heads", "mamba_n_groups"),
     )
 
 
 class BambaMixer(Mamba2Mixer):
     """The Mamba-2 mixer whose gated RMSNorm spans the whole inner width (transformers'
-    BambaRMSNormGated: gate, normalise over all I channels, cast, weight)."""
+    BambaRMSNormGated: gate, normalise over all I channels, cast, weight). Under ``tp``
+    that one group spans every rank: each holds its heads' slice of the norm weight
+    and the mean square is summed over the ranks (``GatedRMSNorm.across_ranks``)."""
 
-    def __init__(self, dims: Mamba2Dims, layer: int) -> None:
-        super().__init__(dims, layer)
-        self.norm = GatedRMSNorm(dims.intermediate_size, 1, dims.eps, False, False)
+    def __init__(self, dims: Mamba2Dims, layer: int, tp=None) -> None:
+        super().__init__(dims, layer, tp)
+        inner = dims.intermediate_size // tp_size(tp)
+        shared = None if tp is None else (tp, 1, 0, dims.intermediate_size)
+        self.norm = GatedRMSNorm(inner, 1, dims.eps, False, False, shared)
+        if tp is not None:
+            self.norm.tp_shards = {"weight": 0}
 
 
 def config_extras(hf_config) -> dict:
@@ -81,22 +93,34 @@ class DecoderLayer(decoder.DecoderLayer):
     (two ``decoder.Block`` s: each norm fused with the residual add and, where the
     body's first GEMM is a plain ``Linear``, with that GEMM)."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.block_type = config.extra["layer_types"][layer]
         mlp_config = dataclasses.replace(config, mlp_bias=config.extra["mlp_bias"])
-        self.feed_forward = GatedMLP(mlp_config)
+        self.feed_forward = GatedMLP(mlp_config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps)
         if self.block_type == MAMBA:
-            self.mamba = mixer = BambaMixer(config.state_dims, layer)
+            self.mamba = mixer = BambaMixer(config.state_dims, layer, tp)
         else:
-            self.self_attn = mixer = Attention(config, layer, rotary)
+            self.self_attn = mixer = Attention(config, layer, rotary, tp)
         self.blocks = [
             decoder.Block(self.input_layernorm, mixer, mixes=True),
             decoder.Block(self.pre_ff_layernorm, self.feed_forward, mixes=False),
         ]
+
+
+def hybrid_tp_dims(config: ModelConfig) -> dict[str, int]:
+    """The attention heads where a layer attends, ``mamba_n_heads`` where one is Mamba
+    (the groups: ``Mamba2Dims.shard``): the fields a tp size must divide."""
+    types, dims = set(config.extra["layer_types"]), {}
+    if ATTENTION in types:
+        dims["num_attention_heads"] = config.num_heads
+        dims["num_key_value_heads"] = config.num_kv_heads
+    if MAMBA in types:
+        dims["mamba_n_heads"] = config.state_dims.num_heads
+    return dims
 
 
 def check_layer_types(config: ModelConfig, family: str) -> None:
@@ -117,11 +141,16 @@ class BambaForCausalLM(decoder.DecoderLM):
     Args:
         config: ModelConfig with Bamba's fields in ``extra`` (``config_extras``).
         max_positions: length of the rope table.
-        tp: must be None (``tensor_parallel`` is off: the Mamba-2 state is not sharded).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's Mamba-2 heads (and
+            their state), attention heads and MLP columns.
         ops: as ``decoder.DecoderLM``.
     """
 
-    tensor_parallel = False
+    tensor_parallel = True
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        return {**hybrid_tp_dims(config), "intermediate_size": config.intermediate_size}
 
     def check(self, config: ModelConfig, tp) -> None:
         super().check(config, tp)
@@ -131,7 +160,7 @@ class BambaForCausalLM(decoder.DecoderLM):
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rotary = Rotary(config.rope, config.head_dim, max_positions)
-        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm, rotary, ("embed_tokens", "final_layernorm"))

@@ -195,6 +195,10 @@ class DecoderLM(nn.Module):
             self.add_module(self.backbone_name, backbone)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_dtype: torch.dtype | None = torch.float32
+        # (max_tokens, width) or None: every row's hidden states are copied here for a
+        # speculative draft that reads them (set once, ``export_hidden``)
+        self.hidden_out: torch.Tensor | None = None
+        self._exports: dict[int, list[slice]] | None = None
         self.ops = backbone.final_norm.ops
         self.rebind()
 
@@ -210,6 +214,30 @@ class DecoderLM(nn.Module):
                 module.rebind()
         first = self.stack.layers[0].blocks[0]
         self.embeds_in_gemm = first.linear is not None and not self.scales_embedding
+
+    def export_hidden(self, rows: int, layers: tuple[int, ...] | None = None) -> torch.Tensor:
+        """From now on every forward copies each token row's hidden state into
+        ``hidden_out`` (rows, width), returned: ``layers`` None, the final hidden
+        state after the final norm (an MTP draft's input); else the residual stream
+        entering each of ``layers`` (``num_layers``: after the last layer, before the
+        final norm), concatenated in that order (an EAGLE-3 head's input). Set before
+        any CUDA graph is captured; the copies are then inside the graphs."""
+        n, hidden = self.config.num_layers, self.config.hidden_size
+        if layers is not None and not all(1 <= i <= n for i in layers):
+            raise ValueError(f"hidden states are exported from layers 1..{n}, asked for {layers}")
+        width = hidden * (1 if layers is None else len(layers))
+        param = next(self.parameters())
+        self.hidden_out = torch.zeros(rows, width, dtype=param.dtype, device=param.device)
+        if layers is not None:
+            self._exports = {}
+            for j, i in enumerate(layers):
+                self._exports.setdefault(i, []).append(slice(j * hidden, (j + 1) * hidden))
+        return self.hidden_out
+
+    def _export(self, index: int, h: torch.Tensor, residual: torch.Tensor) -> None:
+        """The residual stream entering layer ``index`` into its ``hidden_out`` columns."""
+        for columns in self._exports.get(index, ()):
+            self.hidden_out[: h.shape[0], columns].copy_(h + residual)
 
     # -- the family's part ---------------------------------------------------------
 
@@ -280,14 +308,21 @@ class DecoderLM(nn.Module):
                 input_ids, backbone.embed.weight, first.linear, feedback
             )
             h, residual = layers[0].after_input(y, residual, positions, attn)
-            layers = layers[1:]
+            layers, start = layers[1:], 1
         else:
             h = backbone.embed(resolve_feedback(input_ids, feedback))
             if self.scales_embedding:  # a host bool of the family
                 h = self.scale_embedding(h)
-            residual = None
-        for layer in layers:
+            residual, start = None, 0
+        exports = self._exports  # host values fixed at start-up (``export_hidden``)
+        for i, layer in enumerate(layers, start):
+            if exports is not None and i in exports:
+                self._export(i, h, residual)
             h, residual = layer(h, residual, positions, attn)
+        if exports is not None:
+            self._export(len(backbone.layers), h, residual)
+        elif self.hidden_out is not None:
+            self.hidden_out[: h.shape[0]].copy_(backbone.final_norm(h + residual))
         if logits_indices is not None:
             h, residual = (
                 h.index_select(0, logits_indices),

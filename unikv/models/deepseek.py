@@ -7,6 +7,7 @@ Per layer and token the cache holds ONE latent row ``[c | k_rope]`` (MLASpec):
 
     q      = q_proj(x)  or  q_b_proj(q_a_layernorm(q_a_proj(x)))   (T, H, nope + rope)
     [c | k_rope] = kv_a_proj_with_mqa(x);  c = kv_a_layernorm(c)    (T, rank), (T, rope)
+    (with q_lora, q_a_proj and kv_a_proj_with_mqa are one GEMM, ``qkv_a_proj``)
     rope on q's rope part and on k_rope (one shared head)
     kv_b_proj.weight viewed (H, nope + v, rank) = [W_UK ; W_UV] per head
 
@@ -185,13 +186,16 @@ class MLAttention(nn.Module):
         self.rank, self.v_dim = e["kv_lora_rank"], e["v_head_dim"]
         self.sm_scale, self.q_lora = e["mla_sm_scale"], e["q_lora_rank"] is not None
         qk, heads, bias = self.nope + self.rope, self.num_heads, e["attention_bias"]
+        self.packed = {}
         if e["q_lora_rank"] is None:
             self.q_proj = column(hidden, heads * qk, bias=False)
-        else:
-            self.q_a_proj = Linear(hidden, e["q_lora_rank"], bias=bias)
+            self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
+        else:  # q_a and kv_a (both replicated under tp) as one GEMM: [q_a | c | k_rope]
+            self.q_a = e["q_lora_rank"]
+            self.qkv_a_proj = Linear(hidden, self.q_a + self.rank + self.rope, bias=bias)
+            self.packed = {"qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
             self.q_a_layernorm = RMSNorm(e["q_lora_rank"], LATENT_NORM_EPS)
             self.q_b_proj = column(e["q_lora_rank"], heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = column(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = row(heads * self.v_dim, hidden, bias=bias)
@@ -201,13 +205,29 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: MLAFn) -> torch.Tensor:
         """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
-        t, heads = x.shape[0], self.num_heads
         if self.q_lora:  # a host bool fixed by the config (V2-Lite has no q_lora)
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        q_nope, q_rope = q.view(t, heads, -1).split([self.nope, self.rope], dim=-1)
+            return self.from_input(self.qkv_a_proj(x), positions, attn)
+        q = self.q_proj(x)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        return self.attend(q, latent, k_rope, positions, attn)
+
+    def input_linear(self) -> nn.Linear | None:
+        """The q_a|kv_a GEMM a decoder may fuse the pre-norm into (``decoder.Block``),
+        where it is a plain ``Linear`` (an FP8 checkpoint's stays FP8), else None."""
+        fused = getattr(self, "qkv_a_proj", None)
+        return fused if type(fused) is Linear else None
+
+    def from_input(self, qkv_a: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """``forward`` after the q_a|kv_a GEMM: (T, q_lora + rank + rope)."""
+        q_a, latent, k_rope = qkv_a.split([self.q_a, self.rank, self.rope], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(q_a))
+        return self.attend(q, latent, k_rope, positions, attn)
+
+    def attend(self, q, latent, k_rope, positions: torch.Tensor, attn: MLAFn) -> torch.Tensor:
+        """After the input GEMMs: q (T, H (nope + rope)), latent (T, rank) before its
+        norm, k_rope (T, rope) -> (T, hidden)."""
+        t, heads = q.shape[0], self.num_heads
+        q_nope, q_rope = q.view(t, heads, -1).split([self.nope, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # (T, rank): the cached c
         q_rope, k_rope = self.rotary[0](positions, q_rope, k_rope[:, None, :])
         if attn.expands_mla(self.layer, **self.widths):  # a host bool, one per step

@@ -21,15 +21,17 @@ mirror transformers (``model.layers.i.mamba.*``, ``.self_attn.*``,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, as_float
-from unikv.models.layers import Attention, RMSNorm
+from unikv.models.layers import Attention, GatedMLP, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
-from unikv.models.parallel import linear_layers, partial_row, tp_size
+from unikv.models.parallel import partial_row
 from unikv.models.rope import Rotary
 
 # FalconH1Config fields copied into ModelConfig.extra (name -> default)
@@ -113,39 +115,26 @@ class FalconMixer(Mamba2Mixer):
 
 class KeyScaledAttention(Attention):
     """Rope attention with keys scaled by ``key_multiplier`` after k_proj (under ``tp``
-    this rank's heads, as ``layers.Attention``)."""
+    this rank's heads, as ``layers.Attention``). The stock forward: q|k|v is one GEMM
+    (the decoder fuses the pre-norm into it) and the keys are scaled after the split."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__(config, layer, rotary, tp)
-        self.key_multiplier = config.extra["key_multiplier"]
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim) * self.key_multiplier
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](positions, q, k)
-        out = attn(self.layer, q, k, v, None)  # (T, Hq, D)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        self.key_scale = config.extra["key_multiplier"]
 
 
-class ScaledMLP(nn.Module):
+class ScaledMLP(GatedMLP):
     """``down(up(x) * silu(gate(x) * m_gate)) * m_down`` (under ``tp``: gate and up
-    column-parallel, down row-parallel)."""
+    column-parallel, down row-parallel). gate|up is one GEMM, as ``GatedMLP``'s; the
+    multipliers apply after it, in transformers' order."""
 
     def __init__(self, config: ModelConfig, tp=None) -> None:
-        super().__init__()
-        h, bias = config.hidden_size, bool(config.extra["mlp_bias"])
-        i = config.intermediate_size // tp_size(tp)
-        column, row = linear_layers(tp)
-        self.gate_proj = column(h, i, bias=bias)
-        self.up_proj = column(h, i, bias=bias)
-        self.down_proj = row(i, h, bias=bias)
+        super().__init__(dataclasses.replace(config, mlp_bias=bool(config.extra["mlp_bias"])), tp)
         self.gate_multiplier, self.down_multiplier = config.extra["mlp_multipliers"]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up_proj(x) * nn.functional.silu(self.gate_proj(x) * self.gate_multiplier)
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = up * nn.functional.silu(gate * self.gate_multiplier)
         return self.down_proj(y) * self.down_multiplier
 
 

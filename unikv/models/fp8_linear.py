@@ -15,9 +15,12 @@ Dequantised at load instead (``loader._source_tensor``), as before:
 - linears a module reads as a matrix: its class lists them in ``dense_linears``
   (DeepSeek's ``kv_b_proj``, absorbed into the queries; the LM head, fused with the
   final norm and argmax);
-- a fused projection whose parts split a row block;
-- routed experts (``models/moe.RoutedExperts``): the fused MoE kernels take 16-bit or
-  MXFP4 experts, not block-scaled FP8.
+- a fused projection whose parts split a row block.
+
+Routed experts (``models/moe.RoutedExperts``) whose checkpoint weights all carry scales
+are kept in FP8 too (``RoutedExperts.keep_fp8``: the stacks hold the file's bytes and
+scales, run by the backend's ``moe_fp8``); experts stored stacked by the family itself
+(Granite-4.0-H's ``input_linear``) are dequantised at load.
 
 Tensor parallelism: a column-parallel FP8 linear shards its weight and scales by rows,
 a row-parallel one by columns; a rank's slice must be whole blocks (a size that cuts a
@@ -36,6 +39,7 @@ from torch import nn
 from unikv.kernels.backend import KernelBackend
 from unikv.models.fp8 import SCALE_SUFFIX, Fp8Format
 from unikv.models.layers import Linear
+from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import ColumnParallelLinear, RowParallelLinear
 
 PLAIN_LINEARS = (Linear, ColumnParallelLinear, RowParallelLinear)
@@ -126,11 +130,20 @@ def keep_fp8(
     """Replace the model's plain linears whose checkpoint weights are all quantised by
     ``Fp8BlockLinear`` s (module docstring); returns their names. ``has(name)``: the
     checkpoint holds tensor ``name`` (under the model's names); ``shape(name)``: its
-    shape; ``packed``: ``loader.packed_params``. Before the weights load, after the
-    model is on its device; the caller rebinds the model (``DecoderLM.rebind``)."""
+    shape; ``packed``: ``loader.packed_params``. Before the weights load: on the meta
+    device before ``to_empty`` (``loader.load_model``: the 16-bit twins are never
+    allocated), or on the model's device; the caller rebinds the model
+    (``DecoderLM.rebind``)."""
     kept = []
     tp = getattr(model, "tp", None)
     for name, module in list(model.named_modules()):
+        if isinstance(module, RoutedExperts):
+            weights = [f"{name}.{e}.{n}.weight" for e in range(len(module)) for n in module.names]
+            fresh = module.fp8_block is None  # (a second pass finds nothing new)
+            if fresh and all(has(w) and has(w + SCALE_SUFFIX) for w in weights):
+                module.keep_fp8(fp8.block)  # (a tp size that cuts a block: refused there)
+                kept.append(name)
+            continue
         if type(module) not in PLAIN_LINEARS:
             continue
         owner_name, _, attr = name.rpartition(".")

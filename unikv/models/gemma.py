@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
 
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
@@ -115,11 +114,15 @@ class GemmaAttention(Attention):
 
 
 class GeluMLP(GatedMLP):
-    """``down(gelu_tanh(gate(x)) * up(x))`` (transformers' ``gelu_pytorch_tanh``)."""
+    """``down(gelu_tanh(gate(x)) * up(x))`` (transformers' ``gelu_pytorch_tanh``):
+    gate|up one GEMM (the decoder fuses the pre-norm into it) and the activation one
+    elementwise op (the backend's ``gelu_tanh_mul``), then down."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = nn.functional.gelu(self.gate_proj(x), approximate="tanh")
-        return self.down_proj(gate * self.up_proj(x))
+    def rebind(self) -> None:
+        self.fused_down = False  # the GEMV fuses SwiGLU only
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.gelu_tanh_mul(gate_up))
 
 
 class DecoderLayer(decoder.DecoderLayer):

@@ -28,9 +28,10 @@ from torch import nn
 
 from unikv.kernels.backend import model_ops
 from unikv.models import decoder
-from unikv.models.bamba import MAMBA, BambaMixer, check_layer_types
+from unikv.models.bamba import MAMBA, BambaMixer, check_layer_types, hybrid_tp_dims
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Attention, Linear, RMSNorm
+from unikv.models.parallel import Segments, reduce_partial, shard_rows, tp_size
 from unikv.models.rope import Rotary
 
 _EXTRA_FIELDS = {
@@ -73,27 +74,39 @@ class NoRopeAttention(Attention):
 
 
 class Weight(nn.Module):
-    """One stacked expert tensor under the checkpoint's ``<name>.weight``."""
+    """One stacked expert tensor under the checkpoint's ``<name>.weight``; ``shard``:
+    how tensor parallelism narrows it (a dim or ``Segments``), None: replicated."""
 
-    def __init__(self, *shape: int) -> None:
+    def __init__(self, *shape: int, shard=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(shape))
+        if shard is not None:
+            self.tp_shards = {"weight": shard}
+
+
+def gate_up_segments(intermediate: int, dim: int) -> Segments:
+    """[gate (I) | up (I)] along ``dim``, each half split over the ranks on its own."""
+    return Segments(dim, ((intermediate, intermediate), (intermediate, intermediate)))
 
 
 class MoE(nn.Module):
     """``router.layer`` (E, H): top-k of the logits, softmaxed over those k (fp32,
     then the model dtype, as transformers' GraniteMoeHybridTopKRouter); the experts'
     stacked weights are the fused MoE's operands as stored (w1 = ``input_linear``,
-    w2 = ``output_linear``)."""
+    w2 = ``output_linear``). Under ``tp`` the router is replicated and every expert
+    holds its slice of the intermediate rows (gate and up each, and the down columns):
+    the output is this rank's partial sum (the layer all-reduces it)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
-        e, h, i = config.extra, config.hidden_size, config.intermediate_size
+        e, h, full = config.extra, config.hidden_size, config.intermediate_size
+        i, split = full // tp_size(tp), tp is not None
         self.num_experts, self.top_k = e["num_local_experts"], e["num_experts_per_tok"]
         self.router = nn.Module()
         self.router.layer = Weight(self.num_experts, h)
-        self.input_linear = Weight(self.num_experts, 2 * i, h)
-        self.output_linear = Weight(self.num_experts, h, i)
+        gate_up = gate_up_segments(full, 1) if split else None
+        self.input_linear = Weight(self.num_experts, 2 * i, h, shard=gate_up)
+        self.output_linear = Weight(self.num_experts, h, i, shard=2 if split else None)
         self.kernel = model_ops().moe  # the backend's MoE, fixed at construction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,12 +120,18 @@ class MoE(nn.Module):
 
 class SharedMLP(nn.Module):
     """``output_linear(silu(gate) * up)``, [gate | up] = ``input_linear(x)``: the SwiGLU
-    inside the down GEMM (the backend's ``silu_mul_linear``)."""
+    inside the down GEMM (the backend's ``silu_mul_linear``). Under ``tp`` gate and up
+    by columns (``input_linear`` stays a plain Linear: the pre-norm fuses into it), the
+    down GEMM's output this rank's partial sum (the layer all-reduces it)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp=None) -> None:
         super().__init__()
-        self.input_linear = Linear(hidden, 2 * intermediate, bias=False)
-        self.output_linear = Linear(intermediate, hidden, bias=False)
+        i = intermediate // tp_size(tp)
+        self.input_linear = Linear(hidden, 2 * i, bias=False)
+        self.output_linear = Linear(i, hidden, bias=False)
+        if tp is not None:
+            shard_rows(self.input_linear, gate_up_segments(intermediate, 0))
+            shard_rows(self.output_linear, 1)
         self.ops = model_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,22 +164,23 @@ class DecoderLayer(decoder.DecoderLayer):
     ``post_attention_layernorm``; each block's output scaled by ``residual_multiplier``
     (the block's ``post``) before the residual add fused into the next norm."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary | None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary | None, tp=None) -> None:
         super().__init__()
         e, eps, h = config.extra, config.rms_norm_eps, config.hidden_size
         self.block_type = e["layer_types"][layer]
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
         if self.block_type == MAMBA:
-            self.mamba = mixer = BambaMixer(config.state_dims, layer)
+            self.mamba = mixer = BambaMixer(config.state_dims, layer, tp)
         elif rotary is not None:
-            self.self_attn = mixer = Attention(config, layer, rotary)
+            self.self_attn = mixer = Attention(config, layer, rotary, tp)
         else:
-            self.self_attn = mixer = NoRopeAttention(config, layer, None)
+            self.self_attn = mixer = NoRopeAttention(config, layer, None, tp)
         if e["num_local_experts"] > 0:
-            self.block_sparse_moe = MoE(config)
+            self.block_sparse_moe = MoE(config, tp)
         if e["shared_intermediate_size"] > 0:
-            self.shared_mlp = SharedMLP(h, e["shared_intermediate_size"])
+            self.shared_mlp = SharedMLP(h, e["shared_intermediate_size"], tp)
+        self.tp = tp  # the MLP block's partial sums are all-reduced once (``mlp_sum``)
         self.scale = e["residual_multiplier"]
         self.has_shared = e["shared_intermediate_size"] > 0  # a host bool of the config
         # dense: the norm inside the shared MLP's first GEMM; MoE: a bound method (the
@@ -168,11 +188,16 @@ class DecoderLayer(decoder.DecoderLayer):
         mlp = DenseBody(self.shared_mlp) if e["num_local_experts"] == 0 else self.moe
         self.blocks = [
             decoder.Block(self.input_layernorm, mixer, mixes=True, post=self.scaled),
-            decoder.Block(self.post_attention_layernorm, mlp, mixes=False, post=self.scaled),
+            decoder.Block(self.post_attention_layernorm, mlp, mixes=False, post=self.mlp_scaled),
         ]
 
     def scaled(self, out: torch.Tensor) -> torch.Tensor:
         return out * self.scale
+
+    def mlp_scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """The MLP block's ``post``: its partial sums summed over the ranks (one
+        all-reduce under tp), then scaled."""
+        return reduce_partial(self.tp, out) * self.scale
 
     def moe(self, x: torch.Tensor) -> torch.Tensor:
         out = self.block_sparse_moe(x)
@@ -185,13 +210,14 @@ class GraniteMoeHybridForCausalLM(decoder.DecoderLM):
     Its multipliers opt out of two fused pieces, as Falcon-H1's: the embedding is
     scaled before the first norm (no gather inside the first GEMM) and the logits
     divided after the head (the greedy argmax runs on the scaled logits, as the
-    sampler would). ``tensor_parallel`` is off (the Mamba-2 state is not sharded).
+    sampler would). Under tensor parallelism as Bamba, the experts and the shared MLP
+    on their intermediate widths (their partial sums all-reduced once per layer).
 
     Args: as ``bamba.BambaForCausalLM`` (Granite's fields in ``extra``:
     ``config_extras``); ``max_positions`` is unused without rope.
     """
 
-    tensor_parallel = False
+    tensor_parallel = True
     scales_embedding = True
     finishes_logits = True
 
@@ -230,10 +256,21 @@ class GraniteMoeHybridForCausalLM(decoder.DecoderLM):
         rotary = (
             Rotary(config.rope, config.head_dim, max_positions) if config.extra["rope"] else None
         )
-        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm, rotary)
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Bamba's (heads where a layer attends, ``mamba_n_heads``), the experts'
+        ``intermediate_size`` and ``shared_intermediate_size`` where they exist."""
+        e, dims = config.extra, hybrid_tp_dims(config)
+        if e["num_local_experts"] > 0:
+            dims["intermediate_size"] = config.intermediate_size
+        if e["shared_intermediate_size"] > 0:
+            dims["shared_intermediate_size"] = e["shared_intermediate_size"]
+        return dims
 
     def scale_embedding(self, h: torch.Tensor) -> torch.Tensor:
         return h * self.config.extra["embedding_multiplier"]

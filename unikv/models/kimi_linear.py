@@ -20,7 +20,11 @@ is ``self_attn``, every MLP ``block_sparse_moe`` (dense: gate/up/down_proj; MoE:
   gate in fp32, weight fp32), o_proj.
 - Norms: Llama's RMSNorm (cast before the weight); the MoE is DeepSeek-V3's (sigmoid
   routing with correction bias and groups, shared experts).
-Tensor parallelism is not implemented (``tensor_parallel = False``).
+Tensor parallelism (``models/parallel.py``): KDA by heads (q, k, v, b, the conv
+channels, dt_bias, A_log, the rows of f_b and g_b; f_a and g_a, one head wide, and the
+per-head o_norm replicated), so a rank's state slot holds its heads' conv window and
+recurrent state; MLA by heads with the latent row whole on every rank
+(``deepseek.MLAttention``); the dense MLP, routed and shared experts on their widths.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from unikv.models.deepseek_moe import DeepseekMoE, check_moe_fields
 from unikv.models.hf import Fields
 from unikv.models.layers import GatedMLP, Linear, RMSNorm, StateFn
 from unikv.models.moe import RoutedExperts
+from unikv.models.parallel import linear_layers, shard_rows, tp_size
 from unikv.models.qwen3_5 import GatedDeltaNetDims
 
 
@@ -98,9 +103,9 @@ class KimiDeltaAttention(nn.Module):
     """Kimi Delta Attention (module docstring); the conv and the recurrence go through
     the step object (``StateFn``): their state lives in the request's pool slot."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
-        d, hidden = config.state_dims, config.hidden_size
+        d, hidden = config.state_dims.shard(tp_size(tp)), config.hidden_size
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r}: the KDA conv runs 'silu' only")
         self.layer, self.heads, self.dim = layer, d.num_v_heads, d.head_v_dim
@@ -121,7 +126,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(self.dim))
         self.eps = config.rms_norm_eps
-        self.o_proj = Linear(width, hidden, bias=False)
+        self.o_proj = linear_layers(tp)[1](width, hidden, bias=False)
+        if tp is not None:  # the rank's heads of every per-head tensor (module docstring)
+            shard_rows(self.f_b_proj)
+            shard_rows(self.g_b_proj)
+            self.tp_shards = {
+                **{f"{p}.weight": 0 for p in ("q_proj", "k_proj", "v_proj", "b_proj")},
+                **{f"{p}_conv1d.weight": 0 for p in "qkv"},
+                "dt_bias": 0,
+                "A_log": 2,
+            }
 
     def input_linear(self) -> nn.Linear:
         return self.in_proj
@@ -152,12 +166,12 @@ class KimiDeltaAttention(nn.Module):
 class KimiMoE(DeepseekMoE):
     """DeepSeek-V3's MoE with the release's expert names (w1 gate, w3 up, w2 down)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, tp=None) -> None:
+        super().__init__(config, tp=tp)
         e = config.extra
         self.experts = RoutedExperts(
             e["n_routed_experts"], config.hidden_size, e["moe_intermediate_size"],
-            names=("w1", "w3", "w2"),
+            names=("w1", "w3", "w2"), tp=tp,
         )  # fmt: skip
 
 
@@ -165,19 +179,19 @@ class DecoderLayer(decoder.DecoderLayer):
     """A KDA or MLA mixer (``self_attn``) and a dense or MoE MLP (``block_sparse_moe``),
     each behind a pre-norm (``decoder.Block``)."""
 
-    def __init__(self, config: ModelConfig, layer: int, rope: NoRope) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rope: NoRope, tp=None) -> None:
         super().__init__()
         e, eps, hidden = config.extra, config.rms_norm_eps, config.hidden_size
         self.input_layernorm = RMSNorm(hidden, eps)
         if e["layer_types"][layer] == "linear_attention":
-            self.self_attn = KimiDeltaAttention(config, layer)
+            self.self_attn = KimiDeltaAttention(config, layer, tp)
         else:
-            self.self_attn = MLAttention(config, layer, rope)
+            self.self_attn = MLAttention(config, layer, rope, tp)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         if e["mlp_layer_types"][layer] == "sparse":
-            self.block_sparse_moe = KimiMoE(config)
+            self.block_sparse_moe = KimiMoE(config, tp)
         else:
-            self.block_sparse_moe = GatedMLP(dataclasses.replace(config, mlp_bias=False))
+            self.block_sparse_moe = GatedMLP(dataclasses.replace(config, mlp_bias=False), tp)
         self.blocks = [
             decoder.Block(self.input_layernorm, self.self_attn, mixes=True),
             decoder.Block(self.post_attention_layernorm, self.block_sparse_moe, mixes=False),
@@ -191,11 +205,29 @@ class KimiLinearForCausalLM(decoder.DecoderLM):
     Args:
         config: the model's hyper-parameters (``extra`` from ``config_extras``).
         max_positions: unused (no rope), kept for the family interface.
-        tp: must be None (tensor parallelism is not implemented here).
+        tp: None, or a ``models.parallel.TensorParallel``: this rank's KDA heads (and
+            their state), MLA heads (the latent row whole), MLP and expert columns.
         ops: as ``decoder.DecoderLM``.
     """
 
+    tensor_parallel = True
     fp32_params = ("e_score_correction_bias",)
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """The MLA query heads and ``linear_num_heads`` (KDA) of the layer types
+        present, and the width of each MLP kind present (the shared experts' is a
+        multiple of ``moe_intermediate_size``)."""
+        e, dims = config.extra, {}
+        if "full_attention" in e["layer_types"]:
+            dims["num_attention_heads"] = config.num_heads
+        if "linear_attention" in e["layer_types"]:
+            dims["linear_num_heads"] = config.state_dims.num_v_heads
+        if "dense" in e["mlp_layer_types"]:
+            dims["intermediate_size"] = config.intermediate_size
+        if "sparse" in e["mlp_layer_types"]:
+            dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+        return dims
 
     def check(self, config: ModelConfig, tp) -> None:
         super().check(config, tp)
@@ -209,7 +241,7 @@ class KimiLinearForCausalLM(decoder.DecoderLM):
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rope = NoRope()
-        layers = [DecoderLayer(config, i, rope) for i in range(config.num_layers)]
+        layers = [DecoderLayer(config, i, rope, tp) for i in range(config.num_layers)]
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         return decoder.Backbone(embed, layers, norm)

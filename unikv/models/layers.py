@@ -226,6 +226,7 @@ class Attention(nn.Module):
         if tp is not None:
             self.tp_shards = {"sinks": 0}  # sinks follow the q heads
         self.rotary = [rotary]  # shared, kept out of this module's parameters
+        self.key_scale: float | None = None  # keys scaled after k_proj (set by a family)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """x: (T, hidden); positions: (T,) int64 -> (T, hidden). q/k/v reach
@@ -251,6 +252,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.key_scale is not None:  # a constant of the model (Falcon-H1's keys)
+            k = k * self.key_scale
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if getattr(attn, "fuses_rope", False):  # the engine's: rope inside the K/V store

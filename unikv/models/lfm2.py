@@ -26,6 +26,7 @@ checkpoint's names reach them through the ``packed`` maps (one name for a rename
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -34,15 +35,31 @@ from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, StateDims
 from unikv.models.layers import Attention, GatedMLP, Linear, RMSNorm, StateFn
+from unikv.models.parallel import Segments, linear_layers, shard_rows, tp_size
 from unikv.models.rope import Rotary
 
 LAYER_TYPES = ("conv", "full_attention")
 
 
-def conv_dims(cfg: Fields) -> StateDims:
+@dataclass(frozen=True)
+class ShortConvDims(StateDims):
+    """A short-conv layer's state (``StateDims`` with no temporal part) and how it
+    splits over tensor-parallel ranks: each rank its contiguous 1/tp of the channels."""
+
+    def shard(self, size: int) -> ShortConvDims:
+        if self.conv_dim % size:
+            raise ValueError(
+                f"tensor parallelism of {size} needs hidden_size ({self.conv_dim}, the short "
+                f"convolution's channels) divisible by {size}; use a tensor-parallel size "
+                "that divides it"
+            )
+        return dataclasses.replace(self, conv_dim=self.conv_dim // size)
+
+
+def conv_dims(cfg: Fields) -> ShortConvDims:
     """One short-conv layer's state: the conv window (hidden, conv_L_cache) and no
     temporal state (the pool's spec and the model's mixer both come from here)."""
-    return StateDims(cfg.need("hidden_size"), int(cfg.get("conv_L_cache", 3)), ())
+    return ShortConvDims(cfg.need("hidden_size"), int(cfg.get("conv_L_cache", 3)), ())
 
 
 def ff_dim(cfg: Fields) -> int:
@@ -73,20 +90,26 @@ def config_extras(hf_config) -> dict:
 
 class ShortConv(nn.Module):
     """LFM2's gated short convolution; ``in_proj`` is the GEMM the decoder fuses the
-    pre-norm into (``input_linear``)."""
+    pre-norm into (``input_linear``). Under ``tp`` a rank holds 1/tp of the channels:
+    B, C and x rows of ``in_proj`` each (``Segments``), the conv's channels (so its
+    state slot holds only their window), ``out_proj`` row-parallel."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
-        hidden, kernel, bias = (
+        full, kernel, bias = (
             config.hidden_size,
             config.state_dims.conv_kernel,
             config.extra["conv_bias"],
         )
+        hidden = full // tp_size(tp)
         self.layer, self.hidden = layer, hidden
-        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
+        self.in_proj = Linear(full, 3 * hidden, bias=bias)
         # weight (hidden, 1, K); run by the step's causal conv, never as nn.Conv1d
         self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=bias)
-        self.out_proj = Linear(hidden, hidden, bias=bias)
+        self.out_proj = linear_layers(tp)[1](hidden, full, bias=bias)
+        if tp is not None:
+            shard_rows(self.in_proj, Segments(0, ((full, full),) * 3))
+            shard_rows(self.conv)
 
     def input_linear(self) -> nn.Linear:
         return self.in_proj
@@ -105,30 +128,31 @@ class ShortConv(nn.Module):
 class Lfm2Attention(Attention):
     """unikv's attention block with q/k norms, under LFM2's checkpoint names."""
 
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
-        super().__init__(dataclasses.replace(config, qk_norm=True), layer, rotary)
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
+        super().__init__(dataclasses.replace(config, qk_norm=True), layer, rotary, tp)
         self.packed.update(o_proj=("out_proj",), q_norm=("q_layernorm",), k_norm=("k_layernorm",))
 
 
 class Lfm2MLP(GatedMLP):
     """SwiGLU of width ``ff_dim``: gate|up loaded from ``w1``, ``w3``; down from ``w2``."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(dataclasses.replace(config, intermediate_size=config.extra["ff_dim"]))
+    def __init__(self, config: ModelConfig, tp=None) -> None:
+        width = config.extra["ff_dim"]
+        super().__init__(dataclasses.replace(config, intermediate_size=width), tp)
         self.packed = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
 
 class DecoderLayer(decoder.DecoderLayer):
-    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.operator_norm = RMSNorm(h, eps)
         if config.extra["layer_types"][layer] == "conv":
-            self.conv = body = ShortConv(config, layer)
+            self.conv = body = ShortConv(config, layer, tp)
         else:
-            self.self_attn = body = Lfm2Attention(config, layer, rotary)
+            self.self_attn = body = Lfm2Attention(config, layer, rotary, tp)
         self.ffn_norm = RMSNorm(h, eps)
-        self.feed_forward = Lfm2MLP(config)
+        self.feed_forward = Lfm2MLP(config, tp)
         self.blocks = [
             decoder.Block(self.operator_norm, body, mixes=True),
             decoder.Block(self.ffn_norm, self.feed_forward, mixes=False),
@@ -136,14 +160,29 @@ class DecoderLayer(decoder.DecoderLayer):
 
 
 class Lfm2ForCausalLM(decoder.DecoderLM):
-    """LFM2 over unikv's paged attention and conv-only state slots (tp must be None:
-    tensor parallelism is not implemented for it)."""
+    """LFM2 over unikv's paged attention and conv-only state slots; under tensor
+    parallelism the attention heads, the short convolutions' channels (and their
+    windows) and the feed-forward columns are split."""
 
-    tensor_parallel = False
+    tensor_parallel = True
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """The heads where a layer attends, ``hidden_size`` (the short convolutions'
+        channels) where one convolves, and the feed-forward width transformers derives
+        from ``intermediate_size``."""
+        types, dims = set(config.extra["layer_types"]), {}
+        if "full_attention" in types:
+            dims["num_attention_heads"] = config.num_heads
+            dims["num_key_value_heads"] = config.num_kv_heads
+        if "conv" in types:
+            dims["hidden_size"] = config.hidden_size
+        dims["intermediate_size (the feed-forward width, ff_dim)"] = config.extra["ff_dim"]
+        return dims
 
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rotary = Rotary(config.rope, config.head_dim, max_positions)
-        layers = [DecoderLayer(config, i, rotary) for i in range(config.num_layers)]
+        layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         return decoder.Backbone(

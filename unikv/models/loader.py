@@ -344,11 +344,16 @@ def load_model(
         check_tp_config(config, tp.size)
     files = weight_files(model_dir)
     max_positions = max_positions or config.max_position_embeddings
+    fp8 = fp8_format(hf_config)
     with torch.device("meta"), building(ops):
         model = model_class(config.family)(config, max_positions, tp)
-    model = model.to(dtype).to_empty(device=device)  # no full-precision copy on the device
+    model = model.to(dtype)  # still on the meta device: no memory yet
+    if fp8 is not None:  # FP8 modules made here, so their 16-bit twins are never allocated
+        index = checkpoint_index(files)
+        _keep_fp8(model, index, {path: _open_weights(path) for path in set(index.values())}, fp8)
+    model = model.to_empty(device=device)  # no full-precision copy on the device
     model.build(torch.device(device))  # the rope tables, fp32 parameters (decoder.DecoderLM)
-    load_weights(model, files, fp8_format(hf_config))
+    load_weights(model, files, fp8)
     for module in model.modules():  # e.g. MXFP4 experts re-packed for the backend's kernel
         if hasattr(module, "finish_loading"):
             module.finish_loading()

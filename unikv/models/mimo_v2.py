@@ -22,7 +22,8 @@ unikv's layers.
   "sparse" DeepSeek-V3 routing (sigmoid, correction bias, group top-k,
   renormalised, ``deepseek_moe.TopkRouter``) over SwiGLU experts of
   ``moe_intermediate_size`` and no shared experts (``moe.RoutedExperts``, the fused MoE).
-- The checkpoint's multi-token-prediction head (``model.mtp.*``) is not loaded.
+- The checkpoint's multi-token-prediction head (``model.mtp.*``) is not loaded here;
+  ``speculative_config={"method": "mtp"}`` loads its first layer (``models/mtp.py``).
 
 Names mirror transformers' checkpoint (``model.layers.i.mlp.experts.e.gate_proj``),
 so a checkpoint loads by name.

@@ -10,7 +10,17 @@ storage is two stacked tensors, the fused kernel's operands::
     experts[e].gate_proj.weight is the view w1[e, :I], up_proj w1[e, I:], down w2[e]
 
 The stacking is redone whenever the module's tensors are replaced (``to``,
-``to_empty``, ``cuda``: torch routes them all through ``_apply``). The kernel is the
+``to_empty``, ``cuda``: torch routes them all through ``_apply``).
+
+FP8 experts (a block-quantised checkpoint, ``models/fp8.py``): ``keep_fp8`` turns each
+expert's linears into ``Fp8Weight`` s (the file's e4m3 ``weight`` beside its fp32
+``weight_scale_inv``, one per block of bn x bk) before the weights load, and the stacks
+into ``w1`` / ``w2`` float8_e4m3fn with ``w1_scale`` (E, parts * ceil(I / bn),
+ceil(d / bk)) (each part, gate and up, blocked on its own, its scale rows in part order)
+and ``w2_scale`` (E, ceil(d / bn), ceil(I / bk)); the backend's ``moe_fp8`` runs them
+(the torch reference dequantises per call; ``kernels/fp8_gemm_ref.moe_fp8``). Never
+dequantised at load. Under tensor parallelism the scales shard with their weights (gate
+and up rows, down columns); a rank's slice must be whole blocks. The kernel is the
 backend's ``moe`` (``kernels/backend.py``), taken at construction (``model_ops``: the
 loader builds the model inside ``building(ops)``) and fixed for the module's life:
 the Triton MoE for the Triton backend, the torch reference (``kernels/moe/ref.py``,
@@ -28,6 +38,21 @@ from unikv.models.parallel import tp_size
 __all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
 
 SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class Fp8Weight(nn.Module):
+    """One FP8 expert matrix under a linear's names: ``weight`` (out, in) float8_e4m3fn,
+    ``weight_scale_inv`` (ceil(out / bn), ceil(in / bk)) fp32 (views into the stacks)."""
+
+    def __init__(self, out_features: int, in_features: int, block, device, shard) -> None:
+        super().__init__()
+        bn, bk = block
+        fp8 = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+        scale = torch.empty(-(-out_features // bn), -(-in_features // bk), device=device)
+        self.weight = nn.Parameter(fp8, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        if shard is not None:  # tensor parallelism: the scales shard as the weight does
+            self.tp_shards = {"weight": shard, "weight_scale_inv": shard}
 
 
 class Expert(nn.Module):
@@ -80,7 +105,34 @@ class RoutedExperts(nn.ModuleList):
                     getattr(expert, name).tp_shards = {"weight": 0}
                 getattr(expert, names[-1]).tp_shards = {"weight": 1}
         self.activation, self.names, self.intermediate = activation, names, intermediate
-        self.kernel = model_ops(ops).moe  # the backend's MoE, fixed at construction
+        self.hidden, self.tp = hidden, tp
+        self.ops = model_ops(ops)
+        self.kernel = self.ops.moe  # the backend's MoE, fixed at construction
+        self.fp8_block: tuple[int, int] | None = None  # set by ``keep_fp8``
+        self._stack()
+
+    def keep_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts in block-scaled FP8 (module docstring): before the weights
+        load, on the module's device. ValueError where tensor parallelism cuts a scale
+        block (a rank's gate / up rows or down columns not whole blocks)."""
+        bn, bk = block
+        i, size = self.intermediate, 1 if self.tp is None else self.tp.size
+        if size > 1 and (i % bn or i % bk):
+            raise ValueError(
+                f"FP8 experts: tensor parallelism of {size} leaves each rank {i} intermediate "
+                f"rows / columns of every expert, which cuts the {bn} x {bk} scale blocks; "
+                "use a tensor-parallel size that leaves every rank whole blocks"
+            )
+        *ins, out = self.names
+        device = self.w1.device
+        split = self.tp is not None
+        for expert in self:
+            for name in ins:
+                shard = 0 if split else None
+                setattr(expert, name, Fp8Weight(i, self.hidden, block, device, shard))
+            setattr(expert, out, Fp8Weight(self.hidden, i, block, device, 1 if split else None))
+        self.fp8_block = (bn, bk)
+        self.kernel = self.ops.moe_fp8
         self._stack()
 
     def _apply(self, fn, recurse=True):  # to / to_empty / cuda: restack
@@ -90,15 +142,21 @@ class RoutedExperts(nn.ModuleList):
 
     @torch.no_grad()
     def _stack(self) -> None:
-        """Move every expert weight into w1/w2 and make the parameters views of them."""
+        """Move every expert weight (and FP8 scale) into w1/w2 (w1_scale/w2_scale) and
+        make the parameters views of them."""
         *ins, out = self.names
-        self.w1 = torch.stack([torch.cat([getattr(x, n).weight for n in ins]) for x in self])
-        self.w2 = torch.stack([getattr(x, out).weight for x in self])
-        i = self.intermediate
-        for e, expert in enumerate(self):
-            for j, name in enumerate(ins):
-                getattr(expert, name).weight.data = self.w1[e, j * i : (j + 1) * i]
-            getattr(expert, out).weight.data = self.w2[e]
+        attrs = ("weight",) if self.fp8_block is None else ("weight", "weight_scale_inv")
+        for attr in attrs:
+            suffix = "" if attr == "weight" else "_scale"
+            w1 = torch.stack([torch.cat([getattr(getattr(x, n), attr) for n in ins]) for x in self])
+            w2 = torch.stack([getattr(getattr(x, out), attr) for x in self])
+            setattr(self, "w1" + suffix, w1)
+            setattr(self, "w2" + suffix, w2)
+            rows = getattr(getattr(self[0], ins[0]), attr).shape[0]  # one part's
+            for e, expert in enumerate(self):
+                for j, name in enumerate(ins):
+                    getattr(getattr(expert, name), attr).data = w1[e, j * rows : (j + 1) * rows]
+                getattr(getattr(expert, out), attr).data = w2[e]
 
     def forward(
         self,
@@ -110,6 +168,11 @@ class RoutedExperts(nn.ModuleList):
         """x: (T, d); weights: (T, k) routing weights; indices: (T, k) int64 expert
         ids -> (T, d) in x.dtype. ``sum_dtype``: the reference's accumulator (None:
         x.dtype; NemotronH sums in fp32); the Triton kernel always sums in fp32."""
+        if self.fp8_block is not None:  # a host value fixed at load
+            return self.kernel(
+                x, weights, indices, self.w1, self.w1_scale, self.w2, self.w2_scale,
+                block=self.fp8_block, activation=self.activation, sum_dtype=sum_dtype,
+            )  # fmt: skip
         return self.kernel(
             x, weights, indices, self.w1, self.w2, activation=self.activation, sum_dtype=sum_dtype
         )

@@ -41,8 +41,20 @@ see the same tokens:
                norm        the gated RMSNorm per group; a group spanning ranks has
                            its mean square summed over them (one small all-reduce)
                out_proj    row-parallel + all-reduce
+    (Bamba,                Bamba's and Granite's gated norm spans the whole inner
+    Granite-4.0-H,         width (one group over all ranks: its mean square summed);
+    Zamba2)                Zamba2's shared blocks by heads, each hybrid layer's LoRA
+                           adapters: the down matrix replicated, the up matrix by the
+                           heads (or MLP columns) it adds to
     Falcon-H1  mixers      Mamba-2 and attention side by side: their scaled partial
                            sums added, then one all-reduce
+    LFM2       short conv  in_proj [B | C | x] and the conv by channels (each rank
+                           its channels' window); out_proj row-parallel
+    KDA        in_proj     q, k, v, b by heads; the low-rank f_a and g_a replicated
+    (Kimi-                 (their up matrices f_b, g_b by heads); conv1d, dt_bias and
+    Linear)                A_log by heads; o_proj row-parallel; its MLA as above
+    Granite    experts     stacked (E, 2I, H) [gate | up] by Segments on dim 1,
+                           (E, H, I) on dim 2
     embed_tokens, lm_head, norms, rope: replicated (every rank computes the same
                            fp32 logits, so every rank samples the same tokens)
 
@@ -339,12 +351,16 @@ def shard_state_spec(c, size: int, state_dims):
     assert conv.shape == (state_dims.conv_dim, state_dims.conv_kernel), (
         f"sub-pool {c.name!r}: the conv part {conv.shape} is not the family's dims'"
     )
-    assert temporal.shape == tuple(state_dims.state_shape), (
-        f"sub-pool {c.name!r}: the temporal part {temporal.shape} is not the family's dims'"
+    # a conv-only slot (LFM2's short convolutions) has no temporal part
+    full_temporal = () if temporal is None else tuple(temporal.shape)
+    assert full_temporal == tuple(state_dims.state_shape), (
+        f"sub-pool {c.name!r}: the temporal part {full_temporal} is not the family's dims'"
     )
     local = state_dims.shard(size)
+    if temporal is not None:
+        temporal = dataclasses.replace(temporal, shape=tuple(local.state_shape))
     return dataclasses.replace(
         spec,
         conv=(dataclasses.replace(conv, shape=(local.conv_dim, local.conv_kernel)),),
-        temporal=dataclasses.replace(temporal, shape=tuple(local.state_shape)),
+        temporal=temporal,
     )

@@ -54,10 +54,21 @@ def config_extras(hf_config) -> dict:
 
 class Qwen3_5MoeForCausalLM(qwen3_5.Qwen3_5ForCausalLM):
     """Qwen3.5-MoE over unikv's paged attention and recurrent-state slots, on the
-    shared decoder (tp must be None: its pieces shard as Qwen3.5's and Qwen3-Next's do,
-    but no test runs it under tensor parallelism yet, so it stays refused)."""
+    shared decoder; under tensor parallelism its pieces shard as Qwen3.5's (Gated
+    DeltaNet and attention heads) and Qwen3-Next's (routed and shared experts on their
+    intermediate widths, one all-reduce per MoE block)."""
 
-    tensor_parallel = False
+    tensor_parallel = True
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """Qwen3.5's heads and the experts' widths (no dense MLP anywhere)."""
+        dims = super().tp_dims(config)
+        dims.pop("intermediate_size")
+        e = config.extra
+        dims["moe_intermediate_size"] = e["moe_intermediate_size"]
+        dims["shared_expert_intermediate_size"] = e["shared_expert_intermediate_size"]
+        return dims
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer: int, tp=None) -> nn.Module:

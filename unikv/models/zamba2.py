@@ -40,6 +40,7 @@ from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, kinds_zamba2
 from unikv.models.layers import Linear, RMSNorm
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
+from unikv.models.parallel import Segments, linear_layers, shard_rows, tp_size
 from unikv.models.rope import Rotary
 
 ACTIVATIONS = {
@@ -69,6 +70,7 @@ def mamba_dims(cfg: Fields) -> Mamba2Dims:
         activation="silu",
         eps=1e-5,
         dt_limit=(float(cfg.get("time_step_min", 0.001)), float("inf")),
+        fields=("n_mamba_heads", "mamba_ngroups"),
     )
 
 
@@ -90,36 +92,45 @@ def config_extras(hf_config) -> dict:
     }
 
 
-def _adapters(count: int, owner, fan_in: int, fan_out: int, rank: int) -> nn.ModuleList:
+def _adapters(count: int, owner, fan_in: int, fan_out: int, rank: int, shard=None) -> nn.ModuleList:
     """One LoRA adapter per hybrid layer j that ``owner(j)``, Identity for the others
-    (the checkpoint's list layout: index j is hybrid layer j's)."""
-    return nn.ModuleList(
-        nn.Sequential(Linear(fan_in, rank, bias=False), Linear(rank, fan_out, bias=False))
-        if owner(j)
-        else nn.Identity()
-        for j in range(count)
-    )
+    (the checkpoint's list layout: index j is hybrid layer j's). ``shard``: under
+    tensor parallelism, how the up matrix splits (``fan_out`` is then the rank's);
+    the down matrix is replicated."""
+
+    def adapter() -> nn.Sequential:
+        up = Linear(rank, fan_out, bias=False)
+        return nn.Sequential(Linear(fan_in, rank, bias=False), up if shard is None else
+                             shard_rows(up, shard))  # fmt: skip
+
+    return nn.ModuleList(adapter() if owner(j) else nn.Identity() for j in range(count))
 
 
 class SharedAttention(nn.Module):
     """The shared block's attention: one q|k|v GEMM (``qkv_proj``, loaded from
     q/k/v_proj) over the 2-hidden-wide normed input, each hybrid layer's adapters
     added, rope where ``use_mem_rope``, then paged attention on the calling layer's
-    own cache."""
+    own cache. Under ``tp`` this rank's heads: q|k|v rows and each adapter's up rows
+    by heads, o_proj row-parallel."""
 
-    def __init__(self, config: ModelConfig, rotary: Rotary | None, owner, count: int) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: Rotary | None, owner, count: int, tp=None
+    ) -> None:
         super().__init__()
-        e, wide, d = config.extra, 2 * config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        e, wide, d, n = config.extra, 2 * config.hidden_size, config.head_dim, tp_size(tp)
+        self.num_heads, self.num_kv_heads = config.num_heads // n, config.num_kv_heads // n
+        self.head_dim = d
         self.split = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
         self.qkv_proj = Linear(wide, sum(self.split), bias=False)
         self.packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-        self.o_proj = Linear(self.num_heads * d, config.hidden_size, bias=False)
+        if tp is not None:  # q, k and v each by heads
+            shard_rows(self.qkv_proj)
+        self.o_proj = linear_layers(tp)[1](self.num_heads * d, config.hidden_size, bias=False)
         self.adapters = e["q_adapters"]  # a host bool of the config
-        if self.adapters:
-            r = e["adapter_rank"]
+        if self.adapters:  # (num_kv_heads == num_heads: each adapter is q's width)
+            r, shard = e["adapter_rank"], None if tp is None else 0
             for name in ("q", "k", "v"):
-                lists = _adapters(count, owner, wide, wide, r)
+                lists = _adapters(count, owner, wide, self.num_heads * d, r, shard)
                 setattr(self, f"linear_{name}_adapter_list", lists)
         self.rotary = [rotary]  # shared, kept out of the parameters
 
@@ -147,15 +158,25 @@ class SharedAttention(nn.Module):
 
 
 class SharedMLP(nn.Module):
-    """``down_proj(act(g) * u)``, [g | u] = ``gate_up_proj(y)`` + hybrid layer j's adapter."""
+    """``down_proj(act(g) * u)``, [g | u] = ``gate_up_proj(y)`` + hybrid layer j's adapter.
+    Under ``tp`` g and u by columns (the adapters' up rows likewise), down_proj
+    row-parallel."""
 
-    def __init__(self, config: ModelConfig, owner, count: int) -> None:
+    def __init__(self, config: ModelConfig, owner, count: int, tp=None) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.extra["add_bias_linear"]
+        h, full, bias = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.extra["add_bias_linear"],
+        )
+        i = full // tp_size(tp)
+        halves = None if tp is None else Segments(0, ((full, full), (full, full)))
         self.gate_up_proj = Linear(h, 2 * i, bias=bias)
-        self.down_proj = Linear(i, h, bias=bias)
+        if tp is not None:
+            shard_rows(self.gate_up_proj, halves)
+        self.down_proj = linear_layers(tp)[1](i, h, bias=bias)
         self.gate_up_proj_adapter_list = _adapters(
-            count, owner, h, 2 * i, config.extra["adapter_rank"]
+            count, owner, h, 2 * i, config.extra["adapter_rank"], halves
         )
         self.act = ACTIVATIONS[config.hidden_act]
 
@@ -170,7 +191,7 @@ class SharedBlock(nn.Module):
     docstring. Its norms run unfused: the adapters read the normed input too, and
     neither sub-block has a residual add to fuse."""
 
-    def __init__(self, config: ModelConfig, rotary: Rotary | None, block: int) -> None:
+    def __init__(self, config: ModelConfig, rotary: Rotary | None, block: int, tp=None) -> None:
         super().__init__()
         e, h = config.extra, config.hidden_size
         count = sum(e["hybrid"])
@@ -179,9 +200,9 @@ class SharedBlock(nn.Module):
             return j % e["num_mem_blocks"] == block
 
         self.input_layernorm = RMSNorm(2 * h, config.rms_norm_eps)
-        self.self_attn = SharedAttention(config, rotary, owner, count)
+        self.self_attn = SharedAttention(config, rotary, owner, count, tp)
         self.pre_ff_layernorm = RMSNorm(h, config.rms_norm_eps)
-        self.feed_forward = SharedMLP(config, owner, count)
+        self.feed_forward = SharedMLP(config, owner, count, tp)
 
     def forward(self, h, embeds, j: int, layer: int, positions, attn) -> torch.Tensor:
         """h: (T, hidden) the residual stream; embeds: (T, hidden) the embeddings ->
@@ -201,10 +222,10 @@ class Embeddings:
 class MambaLayer(decoder.DecoderLayer):
     """``h + mamba(input_layernorm(h))``: one fused ``decoder.Block``."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mamba = Mamba2Mixer(config.state_dims, layer)
+        self.mamba = Mamba2Mixer(config.state_dims, layer, tp)
         self.blocks = [decoder.Block(self.input_layernorm, self.mamba, mixes=True)]
 
 
@@ -216,12 +237,12 @@ class HybridLayer(decoder.DecoderLayer):
 
     def __init__(
         self, config: ModelConfig, layer: int, j: int, shared: SharedBlock, owns: bool,
-        embeds: Embeddings,
+        embeds: Embeddings, tp=None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.layer, self.j, self.embeds = layer, j, embeds
-        self.linear = Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.mamba_decoder = MambaLayer(config, layer)
+        self.linear = Linear(config.hidden_size, config.hidden_size, bias=False)  # replicated
+        self.mamba_decoder = MambaLayer(config, layer, tp)
         if owns:  # the first layer of block b holds its weights (the checkpoint's names)
             self.shared_transformer = shared
         self.shared = [shared]  # the others refer to it, outside their parameters
@@ -242,15 +263,26 @@ class Zamba2ForCausalLM(decoder.DecoderLM):
     """Zamba2 on the shared decoder. It opts out of the embedding inside the first
     GEMM: the hybrid layers need the embeddings themselves, which ``scale_embedding``
     (an identity on the values) keeps for them. Mamba layers keep the fused norms;
-    the head keeps the argmax inside its GEMM. ``tensor_parallel`` is off.
+    the head keeps the argmax inside its GEMM. Under tensor parallelism: the Mamba-2
+    heads (and their state), the shared blocks' heads and MLP columns with their
+    adapters' up matrices; the hybrid layers' ``linear`` replicated.
 
     Args: as ``bamba.BambaForCausalLM`` (Zamba2's fields in ``extra``:
     ``config_extras``); ``max_positions`` sizes the rope table where
     ``use_mem_rope``.
     """
 
-    tensor_parallel = False
+    tensor_parallel = True
     scales_embedding = True
+
+    @classmethod
+    def tp_dims(cls, config: ModelConfig) -> dict[str, int]:
+        """The shared blocks' heads and MLP width where a layer is hybrid, and
+        ``n_mamba_heads`` (the groups: ``Mamba2Dims.shard``)."""
+        dims = {"n_mamba_heads": config.state_dims.num_heads}
+        if any(config.extra["hybrid"]):
+            dims.update(super().tp_dims(config))
+        return dims
 
     def check(self, config: ModelConfig, tp) -> None:
         super().check(config, tp)
@@ -282,15 +314,15 @@ class Zamba2ForCausalLM(decoder.DecoderLM):
         tied = []
         for i, hybrid in enumerate(e["hybrid"]):
             if not hybrid:
-                layers.append(MambaLayer(config, i))
+                layers.append(MambaLayer(config, i, tp))
                 continue
             b = j % e["num_mem_blocks"]
             owns = b not in blocks
             if owns:
-                blocks[b] = SharedBlock(config, rotary, b)
+                blocks[b] = SharedBlock(config, rotary, b, tp)
             else:
                 tied.append(i)
-            layers.append(HybridLayer(config, i, j, blocks[b], owns, self.embeds))
+            layers.append(HybridLayer(config, i, j, blocks[b], owns, self.embeds, tp))
             j += 1
         # a checkpoint may also carry the tied copies of a shared block: unused
         self.ignore_checkpoint_prefixes = tuple(

@@ -104,8 +104,9 @@ class Server:
             self.prompts = _own_prompts(llm.front)
         else:
             self.llm = llm
-            self.engine = AsyncEngine(llm, max_waiting=max_waiting, on_death=on_death)
-            self.metrics = ServingMetrics(llm.engine, llm, model_name=names[0])
+            self.engine = AsyncEngine(llm.engine, llm.requests, llm.reset_prefix_cache,
+                                      max_waiting=max_waiting, on_death=on_death)  # fmt: skip
+            self.metrics = ServingMetrics(llm.engine, llm.core, model_name=names[0])
             self.prompts = _own_prompts(llm)
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="unikv-tokenize")
         self.draining = self.cut_done = False
@@ -285,7 +286,6 @@ def _own_prompts(llm):
     clients' streams go on. ``llm.prompts`` itself when there is no tokenizer."""
     import copy
     import threading
-    from types import SimpleNamespace
 
     from unikv.engine.prompts import PromptMaker
 
@@ -293,9 +293,7 @@ def _own_prompts(llm):
         return llm.prompts
     with llm.tokenizer_lock:
         tokenizer = copy.deepcopy(llm.tokenizer)
-    own = SimpleNamespace(tokenizer=tokenizer, tokenizer_lock=threading.Lock(),
-                          config=llm.config, max_model_len=llm.max_model_len)  # fmt: skip
-    return PromptMaker(own)
+    return PromptMaker(tokenizer, threading.Lock(), llm.config, llm.max_model_len)
 
 
 async def _disconnected(request: Request) -> None:

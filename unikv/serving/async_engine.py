@@ -92,27 +92,36 @@ class Submission:
 
 
 class AsyncEngine:
-    """``llm``'s engine loop run in its own thread, fed from the event loop.
+    """An engine loop run in its own thread, fed from the event loop.
 
     Args:
-        llm: the LLM (its loop is started here).
+        loop: the engine loop (``online.EngineLoop``; started here).
+        requests: makes the loop's request groups (``RequestMaker``: ``make_group``).
+        reset_prefix_cache: drops the cached prefixes between two steps (``LLM``'s).
         max_waiting: the loop's admission bound (requests not yet running);
             None or 0: no bound.
     """
 
-    def __init__(self, llm, *, max_waiting: int | None = None, on_death=None) -> None:
+    def __init__(
+        self, loop, requests, reset_prefix_cache, *, max_waiting: int | None = None, on_death=None
+    ) -> None:
         if max_waiting is not None and (
             isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0
         ):
             raise ValueError(
                 f"max_waiting must be None or an int >= 0 (0 = no bound), got {max_waiting!r}"
             )
-        self.llm, self.loop = llm, llm.engine
+        self.loop, self.requests, self._reset_prefix = loop, requests, reset_prefix_cache
         self.loop.max_waiting = max_waiting or None  # 0: no bound, as --max-waiting 0
         self.loop.publish = self._publish
         self.loop.on_death = self._died
         self.on_death = on_death  # called on the event loop when the engine loop dies
         self._aloop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the app runs on (set by ``start``; None before)."""
+        return self._aloop
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()
@@ -136,7 +145,7 @@ class AsyncEngine:
         salt = {} if cache_salt is None else {"cache_salt": cache_salt}
         try:
             groups = [
-                self.llm.make_group(ids, params, text=text, sink=(sub, i), **salt)
+                self.requests.make_group(ids, params, text=text, sink=(sub, i), **salt)
                 for i, (ids, text, params) in enumerate(items)
             ]
         except ValueError as err:
@@ -158,7 +167,7 @@ class AsyncEngine:
                 self.loop.abort(group)
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm.reset_prefix_cache()
+        return self._reset_prefix()
 
     def _died(self, err: BaseException) -> None:
         """Engine thread: the loop died; tell the event loop (``on_death``)."""

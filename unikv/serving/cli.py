@@ -46,7 +46,7 @@ def _draining_server_class():
             self.app_server = app_server
 
         def handle_exit(self, sig, frame) -> None:
-            app, loop = self.app_server, self.app_server.engine._aloop
+            app, loop = self.app_server, self.app_server.engine.event_loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(app.begin_drain, app.options.shutdown_timeout_s)
             super().handle_exit(sig, frame)
@@ -249,14 +249,14 @@ def _spawn_engine(args):
     parallel); None with --in-process-engine or a bad port."""
     if args.in_process_engine or not 0 <= args.port < 65536:
         return None
-    from unikv.engine.cli import llm_kwargs
+    from unikv.engine.config import EngineConfig
     from unikv.serving.engine_client import ProcEngine
 
     try:
-        kwargs = llm_kwargs(args)
+        config = EngineConfig.from_cli(args)
     except (ValueError, TypeError):
         return None  # reported below, by the in-process path's check
-    return ProcEngine(kwargs, max_waiting=args.max_waiting,
+    return ProcEngine(config, max_waiting=args.max_waiting,
                       fault=serve_environ().engine_fault, wait=False)  # fmt: skip
 
 
@@ -267,7 +267,8 @@ def serve_main(argv: list[str]) -> int:
     llm = _spawn_engine(args)
     import uvicorn
 
-    from unikv.engine.cli import llm_from_args, llm_kwargs
+    from unikv.engine.cli import llm_from_args
+    from unikv.engine.config import EngineConfig
     from unikv.serving.app import create_app
 
     died: list[BaseException] = []
@@ -288,7 +289,7 @@ def serve_main(argv: list[str]) -> int:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
         if llm is None and not args.in_process_engine:
-            llm_kwargs(args)  # raises: the options are bad
+            EngineConfig.from_cli(args)  # raises: the options are bad
         if args.in_process_engine:
             fault = _fault_steps(serve_environ().engine_fault)
             llm = llm_from_args(args)

@@ -62,21 +62,29 @@ def front_of(tokenizer, config, info: dict):
         eos_token_ids=set(info["eos_token_ids"]),
         prefix_caching=info["prefix_caching"],
     )
-    front.prompts = PromptMaker(front)
+    front.prompts = PromptMaker(tokenizer, front.tokenizer_lock, config, front.max_model_len)
     return front
 
 
 class ProcEngine:
-    """The engine in its own process. Args: ``kwargs`` the ``LLM``'s keyword
-    arguments (``model`` among them; passed on unchanged), ``max_waiting`` the
+    """The engine in its own process. Args: ``config`` the engine's ``EngineConfig``
+    (or ``LLM``'s keyword arguments, ``model`` among them, which make one here;
+    the config itself is sent to the engine process), ``max_waiting`` the
     admission bound (None or 0: none), ``on_death(err)`` called on the event loop
     when the engine process dies, ``fault`` the test-only fault spec; ``wait``
     False: return once the process is started (``wait_ready`` before use)."""
 
     def __init__(
-        self, kwargs: dict, *, max_waiting=None, on_death=None, fault=None, wait: bool = True
+        self, config, *, max_waiting=None, on_death=None, fault=None, wait: bool = True
     ) -> None:
+        import pickle
+
         import zmq
+
+        from unikv.engine.config import EngineConfig
+
+        if not isinstance(config, EngineConfig):
+            config = EngineConfig.of(**config)
 
         if max_waiting is not None and (
             isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0
@@ -106,7 +114,7 @@ class ProcEngine:
         self.error: str | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        setup = {"kwargs": kwargs, "inputs": self.addr_in, "outputs": self.addr_out,
+        setup = {"config": pickle.dumps(config), "inputs": self.addr_in, "outputs": self.addr_out,
                  "max_waiting": max_waiting or None, "fault": fault,
                  "parent": os.getpid()}  # fmt: skip
         self.proc = subprocess.Popen(
@@ -114,7 +122,7 @@ class ProcEngine:
         )
         self.proc.stdin.write(self.enc.encode(setup))
         self.proc.stdin.close()
-        self.model = kwargs["model"]
+        self.model = config.model
         self.info: dict | None = None
         self.front = None
         self._reader = threading.Thread(target=self._read, name="unikv-engine-io", daemon=True)
@@ -161,6 +169,11 @@ class ProcEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self.proc.poll() is None
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the app runs on (set by ``start``; None before)."""
+        return self._aloop
 
     def start(self) -> None:
         self._aloop = asyncio.get_running_loop()

@@ -2,9 +2,9 @@
 the forward of one ``LLM``, fed over ZeroMQ by the API server process.
 
 The API process (``engine_client.ProcEngine``) binds two ZeroMQ sockets and
-starts ``python -m unikv.serving.engine_core``, writing its setup (the LLM's
-keyword arguments, passed to ``LLM`` unchanged, the socket addresses, the
-admission bound) to the child's stdin as msgpack. The child connects:
+starts ``python -m unikv.serving.engine_core``, writing its setup (the engine's
+``EngineConfig``, pickled, the socket addresses, the admission bound) to the
+child's stdin as msgpack. The child connects:
 
     API process                                   engine process
     PUSH (inputs)  --add / abort / cut / call / stop-->  PULL  (main thread)
@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from functools import partial
 
 import msgspec
 
@@ -77,15 +78,15 @@ def encode_params(params) -> dict:
     return out
 
 
-def decode_params(data: dict, llm):
+def decode_params(data: dict, compile_structured):
+    """SamplingParams of their wire form; ``compile_structured(kind, spec)`` compiles a
+    structured-output constraint with the engine's tokenizer."""
     from unikv.engine.sampling import SamplingParams
 
     data = dict(data)
     s = data.get("structured")
     if s is not None:
-        from unikv.engine.structured import compile_structured
-
-        data["structured"] = compile_structured(llm, s[0], s[1])
+        data["structured"] = compile_structured(s[0], s[1])
     for key in ("stop", "stop_token_ids"):
         if isinstance(data.get(key), list):
             data[key] = tuple(data[key])
@@ -128,11 +129,15 @@ def _fault(llm, spec: str | None) -> None:
 
 
 class Core:
-    """The engine process's state: the LLM, its loop and the sockets."""
+    """The engine process's state: the engine loop, what makes its requests
+    (``RequestMaker``), its prefix-cache reset and constraint compiler, the sockets."""
 
-    def __init__(self, llm, ctx, outputs: str, max_waiting) -> None:
-
-        self.llm, self.loop = llm, llm.engine
+    def __init__(
+        self, loop, requests, reset_prefix_cache, compile_structured, ctx, outputs: str,
+        max_waiting,
+    ) -> None:  # fmt: skip
+        self.loop, self.requests = loop, requests
+        self.reset_prefix_cache, self.compile_structured = reset_prefix_cache, compile_structured
         self.enc = msgspec.msgpack.Encoder()
         self.main_out = _push(ctx, outputs)  # main thread only
         self.step_out = _push(ctx, outputs)  # the loop's thread only
@@ -164,12 +169,13 @@ class Core:
     def add(self, key: int, items: list, salt) -> None:
         from unikv.engine.online import EngineClosed, QueueFull
 
-        llm = self.llm
         try:
             groups = []
             for i, (ids, params) in enumerate(items):
-                sp = decode_params(params, llm)
-                group = llm.make_group(ids, sp, sink=True, cache_salt=salt, detokenize=False)
+                sp = decode_params(params, self.compile_structured)
+                group = self.requests.make_group(
+                    ids, sp, sink=True, cache_salt=salt, detokenize=False
+                )
                 group.sink = (key, i, group)
                 groups.append(group)
             self.groups[key] = groups
@@ -207,10 +213,10 @@ class Core:
             if name == "snapshot":
                 from unikv.serving.metrics import engine_snapshot
 
-                value = self.loop.call(lambda: engine_snapshot(self.llm)).result(timeout=10)
-                value["waiting"] += len(self.loop._inbox)
+                value = self.loop.call(lambda: engine_snapshot(self.loop.core)).result(timeout=10)
+                value["waiting"] += self.loop.num_queued
             elif name == "reset_prefix_cache":
-                value = self.llm.reset_prefix_cache()
+                value = self.reset_prefix_cache()
             else:
                 raise ValueError(f"unknown call {name!r}")
         except Exception as err:  # noqa: BLE001  (returned to the API process)
@@ -274,12 +280,17 @@ def main() -> int:
     inputs.connect(setup["inputs"])
     boot = _push(ctx, setup["outputs"])
     try:
+        import pickle
+
         from unikv.engine.llm import LLM
 
-        kwargs = dict(setup["kwargs"])
-        llm = LLM(kwargs.pop("model"), **kwargs)
+        llm = LLM(pickle.loads(setup["config"]))  # the API process's own config
         _fault(llm, setup.get("fault"))
-        core = Core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
+        from unikv.engine.structured import compile_structured
+
+        core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
+                    partial(compile_structured, llm), ctx, setup["outputs"],
+                    setup.get("max_waiting"))  # fmt: skip
     except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
         send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
         boot.close()

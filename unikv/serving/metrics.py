@@ -59,24 +59,14 @@ SPEC_COUNTERS = (
 )
 
 
-def _cached_pages(llm, name: str, kind: str) -> int:
-    """Pages of sub-pool ``name`` that only the prefix cache holds (evictable)."""
-    prefix = llm.alloc.parts.prefix
-    states = prefix.states
-    if states is not None and states.book.name == name:
-        return states.num_evictable  # checkpoint slots no request restores
-    if kind == "mamba":
-        return 0
-    return len(prefix.evictable_physical(name))
-
-
-def engine_snapshot(llm) -> dict:
-    """Pool and scheduler counts; call in the engine loop's thread."""
-    sched = llm.scheduler
+def engine_snapshot(core) -> dict:
+    """Pool and scheduler counts of ``core`` (anything with the engine's
+    ``scheduler``, ``pool`` and ``alloc``); call in the engine loop's thread."""
+    sched, pool, alloc = core.scheduler, core.pool, core.alloc
     subpools = {}
-    for name, sub in llm.pool.subpools.items():
-        held = llm.alloc.parts.books[name].num_live
-        cached = min(_cached_pages(llm, name, sub.spec.kind), held)
+    for name, sub in pool.subpools.items():
+        held = alloc.view.live_pages(name)
+        cached = min(alloc.prefix.cached_pages(name), held)
         subpools[name] = {
             "kind": sub.spec.kind,
             "live_pages": held - cached,
@@ -86,11 +76,11 @@ def engine_snapshot(llm) -> dict:
         }
     return {
         "subpools": subpools,
-        "pool_bytes": llm.pool.total_bytes,
+        "pool_bytes": pool.total_bytes,
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
-        "prefix": llm.alloc.parts.prefix.counters(),
+        "prefix": alloc.prefix.counters(),
         "spec": sched.spec.counters.as_dict() if sched.spec is not None else None,
     }
 
@@ -203,7 +193,9 @@ class ServingMetrics:
     The handlers' figures are plain ints and bucket lists updated by the event
     loop's thread only (no lock per token) and exported at scrape time."""
 
-    def __init__(self, loop, llm, model_name: str = "unikv", snapshot=None) -> None:
+    def __init__(self, loop, core, model_name: str = "unikv", snapshot=None) -> None:
+        """``loop``: the engine loop of this process (None: ``snapshot`` or none);
+        ``core``: its engine (``build.Engine``: scheduler, pool, allocator)."""
         disable_created_metrics()  # no *_created series (as vLLM)
         self.registry = CollectorRegistry()
         self.model = model_name
@@ -227,8 +219,8 @@ class ServingMetrics:
         if snapshot is None and loop is not None:  # the engine loop of this process
 
             def snapshot():
-                snap = loop.call(lambda: engine_snapshot(llm)).result(timeout=10)
-                snap["waiting"] += len(loop._inbox)
+                snap = loop.call(lambda: engine_snapshot(core)).result(timeout=10)
+                snap["waiting"] += loop.num_queued
                 return snap
 
         if snapshot is not None:  # None: the handler figures alone (tests)

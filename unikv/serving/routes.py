@@ -71,7 +71,7 @@ def register(app: FastAPI, server) -> None:
     llm = server.llm
     # the server's own tokenizer copy and lock (app._own_prompts): a huge body being
     # tokenized here does not hold the engine thread's lock
-    own = getattr(server.prompts, "llm", llm)
+    own = server.prompts
 
     def tokenizer():
         tok = own.tokenizer

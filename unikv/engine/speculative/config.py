@@ -9,9 +9,10 @@ speculate; default 32 here, vLLM's default is off). unikv adds ``force_accept``
 (benchmarks only: every draft is accepted, so the outputs are NOT the model's; it
 measures the verify step at full acceptance).
 
-Built today: ``ngram`` and ``draft_model`` (a full-attention draft of the same
-vocabulary, its K/V in sub-pools of the same pool: ``draft.py``). ``mtp`` and
-``eagle3`` are refused with a message saying so, as are models with recurrent state (Mamba-2 / Gated DeltaNet
+Built today: ``ngram``, ``draft_model`` (a full-attention draft of the same
+vocabulary, its K/V in sub-pools of the same pool: ``draft.py``), ``mtp``
+(the checkpoint's own MTP layer: DeepSeek-V3, MiMo-V2-Flash) and ``eagle3`` (an EAGLE-3 head from ``model``), the
+last two through ``mtp.py``. Refused: models with recurrent state (Mamba-2 / Gated DeltaNet
 layers: a rejected draft would need the state before it, and per-draft-position
 state slots are not built yet) and tensor parallelism.
 """
@@ -22,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "mtp", "eagle3")
-BUILT = ("ngram", "draft_model")
+BUILT = METHODS
 KEYS = (
     "method",
     "num_speculative_tokens",
@@ -85,19 +86,13 @@ def speculative_config_of(value) -> SpeculativeConfig | None:
         raise ValueError(
             f"speculative_config['method'] must be one of {list(METHODS)}, got {method!r}"
         )
-    if method not in BUILT:
-        what = {
-            "mtp": "the checkpoint's MTP layers (the loader drops them today)",
-            "eagle3": "an EAGLE-3 head",
-        }[method]
-        raise ValueError(
-            f"speculative_config: method {method!r} is not built yet in unikv ({what}, "
-            f"issue 42); use method 'ngram' or 'draft_model'"
+    if method in ("draft_model", "eagle3") and model is None:
+        what = (
+            "a small model of the same vocabulary" if method == "draft_model" else "an EAGLE-3 head"
         )
-    if method == "draft_model" and model is None:
         raise ValueError(
-            "speculative_config: method 'draft_model' needs 'model', the draft checkpoint's "
-            "directory (a small model of the same vocabulary)"
+            f"speculative_config: method {method!r} needs 'model', the draft checkpoint's "
+            f"directory ({what})"
         )
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config needs 'num_speculative_tokens' (k, e.g. 3)")

@@ -14,6 +14,10 @@ rows after a rollback are the true tokens'). Proposing (``propose``) then feeds
 each request's pending token and its drafts one position at a time (positions
 ``L .. L + c - 1``, inside the rows the verify step allocated), argmax on the
 device, the next step's token read from the previous step's lane (``Pending``).
+The drafts stay on the device (``request_major``): the verify step's rows read
+them as placeholders through the step planner and its acceptance compares them
+there, so proposing reads nothing back (the verify step's readback is the step's
+one host sync).
 """
 
 from __future__ import annotations
@@ -43,15 +47,22 @@ def draft_subpool_configs(draft_dir: str, target_configs, page_size: int, dtype)
             f"speculative_config: a draft model must be full attention only (one sub-pool); "
             f"{draft_dir} keeps {kinds}"
         )
+    grow = free_grow(target_configs)
+    return [replace(c, name=PREFIX + c.name, grow=grow) for c in configs]
+
+
+def free_grow(target_configs) -> Grow:
+    """The band direction the target's sub-pools leave free for a draft's (one
+    sub-pool); ValueError when none is."""
     used = set(default_grow(target_configs))
     free = [g for g in (Grow.UP, Grow.DOWN) if g not in used]
     free += [Grow.FLOAT] if not free and Grow.FLOAT not in used else []
     if not free or len(target_configs) > 2:
         raise ValueError(
             "speculative_config: the pool holds at most three sub-pools; the target has "
-            f"{[c.name for c in target_configs]}, no room for a draft model's"
+            f"{[c.name for c in target_configs]}, no room for a draft's"
         )
-    return [replace(c, name=PREFIX + c.name, grow=free[0]) for c in configs]
+    return free[0]
 
 
 class DraftModel:
@@ -69,21 +80,29 @@ class DraftModel:
         self.states = [None] * len(caches)
 
     @torch.inference_mode()
-    def forward_plan(self, plan) -> None:
+    def forward_plan(self, plan, batch=None, tokens=None) -> None:
         """Write the draft's K/V of every row of a target plan (its logits unused)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.caches, plan, self.backend, self.sm_scale, self.states)
         rows = None if plan.is_decode else plan.logits_indices
         self.model(plan.input_ids, plan.positions, attn, rows)
 
+    def forward_verify(self, plan, batch, tokens, accepted) -> None:
+        """After a verify step: its rows' K/V (the kept rows are the true tokens')."""
+        self.forward_plan(plan)
+
+    def settled(self, batch, accepted) -> None:
+        """A verify step's accepted counts on the host (nothing to keep here)."""
+
     @torch.inference_mode()
-    def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> list[np.ndarray]:
+    def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> torch.Tensor:
         """``counts[b]`` greedy draft tokens for each decoding request b (its pending
-        token at position L_b = num_cached); ``virtual_ids``: the verify step's
-        (sum(1 + counts),) ids, request b's ``1 + counts[b]`` in order."""
+        token at position L_b = num_cached), on the device ((sum(counts),) int64,
+        request-major: ``request_major``; no host read); ``virtual_ids``: the verify
+        step's (sum(1 + counts),) ids, request b's ``1 + counts[b]`` in order."""
         starts = np.zeros(len(requests), np.int64)
         np.cumsum(1 + counts[:-1], out=starts[1:])
-        steps, prev, prev_lane = [], None, {}
+        steps, lanes_of, prev, prev_lane = [], [], None, {}
         for j in range(int(counts.max())):
             live = np.flatnonzero(counts > j)
             rows = []
@@ -91,22 +110,41 @@ class DraftModel:
                 r = requests[b]
                 token = r.output_ids[-1] if j == 0 else Pending.of(prev_lane[b])
                 rows.append(_row(r.slot, r.num_cached + j, token))
-            index = torch.as_tensor(starts[live] + j, device=virtual_ids.device)
+            index = to_device(starts[live] + j, virtual_ids.device)
             batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
             plan = self.planner.plan(batch, prev)
             attn = DecodeAttention(self.caches, plan, self.backend, self.sm_scale, self.states)
             prev = self.backend.argmax(self.model(plan.input_ids, plan.positions, attn, None))
-            if prev.is_cuda:  # the planner's two host staging slots: none reused in flight
-                torch.cuda.current_stream(prev.device).synchronize()
             steps.append(prev)
+            lanes_of.append(live)
             prev_lane = {b: lane for lane, b in enumerate(live.tolist())}
-        flat = torch.cat(steps).tolist()  # the one host read of the proposal
-        out, pos = [[] for _ in requests], 0
-        for j, step in enumerate(steps):
-            for lane, b in enumerate(np.flatnonzero(counts > j).tolist()):
-                out[b].append(flat[pos + lane])
-            pos += step.shape[0]
-        return [np.asarray(x, np.int64) for x in out]
+        return request_major(steps, lanes_of, counts, virtual_ids.device)
+
+
+def request_major(steps: list, lanes_of: list, counts: np.ndarray, device) -> torch.Tensor:
+    """(sum(counts),) int64 on ``device``: request b's ``counts[b]`` drafts in order,
+    requests in batch order, from per-step tokens (``steps[j]``: one per lane of
+    ``lanes_of[j]``, the requests drafting a (j + 1)-th token), one gather (no sync)."""
+    if not steps:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    offsets = np.cumsum([0] + [lanes.size for lanes in lanes_of[:-1]])
+    owner = np.repeat(np.arange(counts.size), counts)
+    column = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    lane = np.empty(owner.size, np.int64)
+    for j, lanes in enumerate(lanes_of):  # lane of request b in step j: its rank there
+        rank = np.cumsum(np.isin(np.arange(counts.size), lanes)) - 1
+        at = column == j
+        lane[at] = offsets[j] + rank[owner[at]]
+    return torch.cat(steps).index_select(0, to_device(lane, device))
+
+
+def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host int64 array on ``device`` without a stream sync (pinned on CUDA: a
+    copy from pageable memory would wait for the queued work)."""
+    host = torch.as_tensor(np.ascontiguousarray(values, np.int64))
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _row(slot: int, position: int, token: int):

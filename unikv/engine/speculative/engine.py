@@ -70,8 +70,10 @@ class Speculator:
     def drafts(self, decoding: list[Request], allocate):
         """(per decoding request its draft tokens ((k_i,) int64, maybe empty), the
         verify rows' virtual ids from ``allocate(num_new)`` ((B,) int64 host array:
-        ``1 + k_i``; None when the pool cannot hold them)), or None when the step does
-        not speculate. Drafts stop before the request's last allowed token (the bonus
+        ``1 + k_i``; None when the pool cannot hold them), None or the drafts on the
+        device ((sum k_i,) int64, request-major: a draft model's; the host arrays are
+        then placeholders ``-(1 + i)`` of index i there, read by the step planner)),
+        or None when the step does not speculate. Drafts stop before the request's last allowed token (the bonus
         may be it) and fit the step's token budget."""
         cfg = self.config
         if len(decoding) > cfg.disable_by_batch_size:
@@ -92,10 +94,16 @@ class Speculator:
             rooms[i] = max(min(self.k, r.max_new_tokens - len(r.output_ids) - 1, spare), 0)
             spare -= rooms[i]
         if self.draft is not None:  # a draft model: its rows are allocated first
+            limit = getattr(self.draft, "limit", None)  # MTP: requests with a first draft
+            rooms = rooms if limit is None else limit(decoding, rooms)
             if not rooms.any():
                 return None
             ids = allocate(1 + rooms)
-            return None if ids is None else (self.draft.propose(decoding, rooms, ids.data), ids)
+            if ids is None:
+                return None
+            starts = np.cumsum(rooms) - rooms  # each request's first index in the flat drafts
+            marks = [-(1 + np.arange(s, s + n, dtype=np.int64)) for s, n in zip(starts, rooms)]
+            return marks, ids, self.draft.propose(decoding, rooms, ids.data)
         out = [
             self._propose(r, int(room)) if room > 0 else np.zeros(0, np.int64)
             for r, room in zip(decoding, rooms)
@@ -105,7 +113,7 @@ class Speculator:
         if self.pad_drafts and (rooms == self.k).all():  # a verify graph's shape: k each
             out = [_padded(d, self.k, r) for d, r in zip(out, decoding)]
         ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
-        return None if ids is None else (out, ids)
+        return None if ids is None else (out, ids, None)
 
     def _propose(self, r: Request, room: int) -> np.ndarray:
         cfg = self.config

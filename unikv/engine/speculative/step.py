@@ -1,7 +1,7 @@
 """A verify step's tensors: from the batch (host) to the emitted tokens (device).
 
 The batch's requests fed ``1 + n_b`` rows each (``batch.num_new``; the drafts in
-``batch.drafts``); the forward scored every row. This gathers each request's rows
+``batch.drafts``, or on the device in ``batch.draft_tokens``); the forward scored every row. This gathers each request's rows
 into (B, K+1, V), K the longest draft (shorter ones repeat their last row, masked
 by ``n_b``), and accepts with ``verify.greedy_accept`` when every request is
 greedy (known on the host), else ``verify.rejection_accept``. Host arrays go to the
@@ -29,10 +29,12 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = Fa
     # one int64 host block: rows (B, K+1) | drafts (B, K) | counts | seeds | steps | top_k
     block = np.zeros((bsz, 2 * width + 5), np.int64)
     block[:, : width + 1] = starts[:, None] + np.minimum(np.arange(width + 1), counts[:, None])
-    if counts.sum():  # the ragged drafts into the padded block, one scatter
+    on_device = batch.draft_tokens is not None  # the host arrays are placeholders -(1 + i)
+    if counts.sum():  # the ragged drafts (or their indices) into the padded block
         owner = np.repeat(np.arange(bsz), counts)
         column = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        block[owner, width + 1 + column] = np.concatenate(drafts)
+        flat = np.concatenate(drafts)
+        block[owner, width + 1 + column] = -1 - flat if on_device else flat
     block[:, 2 * width + 1] = counts
     greedy = force or all(r.params.temperature == 0 for r in reqs)
     if not greedy:
@@ -42,6 +44,8 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = Fa
     host = torch.from_numpy(block)
     dev = (host.pin_memory() if pin else host).to(logits.device, non_blocking=True)
     rows, draft_ids = dev[:, : width + 1], dev[:, width + 1 : 2 * width + 1]
+    if on_device:  # indices into the device drafts (0 past a request's own: masked)
+        draft_ids = batch.draft_tokens[draft_ids.reshape(-1)].view(bsz, width)
     num = dev[:, 2 * width + 1]
     scored = logits[rows.reshape(-1)].reshape(bsz, width + 1, -1)
     if greedy:

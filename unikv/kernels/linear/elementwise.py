@@ -6,7 +6,8 @@ the signatures and rounding of their torch references (``elementwise_ref.py``):
   into ``residual`` in place, and normalised from the rounded value).
 - ``rope_qk``: one program per token rotates every q and k head in place,
   reading cos/sin by position from the fp32 tables (no gather or cast kernels).
-- ``silu_mul``: ``silu(gate) * up`` over a concatenated ``[gate | up]`` row.
+- ``silu_mul``, ``gelu_tanh_mul``: ``act(gate) * up`` over a concatenated
+  ``[gate | up]`` row (Llama's SwiGLU; Gemma's GeGLU).
 - ``gated_rms_norm``: one program per (row, group): the recurrent mixers' gated
   output norm in one launch (the unfused formula is about ten kernels).
 
@@ -231,14 +232,18 @@ def rope_qk(
 
 
 @triton.jit
-def _silu_mul_kernel(gu, out, inter, s_gu, BLOCK: tl.constexpr):
+def _act_mul_kernel(gu, out, inter, s_gu, BLOCK: tl.constexpr, GELU: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     dt = out.dtype.element_ty
     g = tl.load(gu + t * s_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu + t * s_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + t * inter + offs, _silu_mul_f32(g, u, dt), mask=mask)
+    if GELU:
+        y = _gelu_tanh_mul_f32(g, u, dt)
+    else:
+        y = _silu_mul_f32(g, u, dt)
+    tl.store(out + t * inter + offs, y, mask=mask)
 
 
 @triton.jit
@@ -249,15 +254,38 @@ def _silu_mul_f32(g, u, dt: tl.constexpr):
     return (a * u).to(dt)
 
 
+@triton.jit
+def _gelu_tanh_mul_f32(g, u, dt: tl.constexpr):
+    """gelu_tanh(g) * u of fp32 gate/up values, in ``dt``: the activation rounded to
+    ``dt`` before the product, as ``F.gelu(g, approximate="tanh") * u``, in torch's
+    form 0.5 g (1 + tanh y) (its rounding, cancellation included); tanh |y| as
+    1 - 2 / (exp(2|y|) + 1), signed after (no overflow to NaN at either end)."""
+    y = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    t = 1.0 - tl.div_rn(2.0, tl.exp(2.0 * tl.abs(y)) + 1.0)
+    th = tl.where(y >= 0, t, -t)
+    a = (0.5 * g * (1.0 + th)).to(dt).to(tl.float32)
+    return (a * u).to(dt)
+
+
 SILU_BLOCK = 1024
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: (T, 2I) ``[gate | up]``, unit last stride -> new (T, I)
     ``silu(gate) * up`` in gate_up.dtype (``elementwise_ref.silu_mul``)."""
+    return _act_mul(gate_up, "silu_mul", gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2I) ``[gate | up]``, unit last stride -> new (T, I)
+    ``gelu_tanh(gate) * up`` in gate_up.dtype (``elementwise_ref.gelu_tanh_mul``)."""
+    return _act_mul(gate_up, "gelu_tanh_mul", gelu=True)
+
+
+def _act_mul(gate_up: torch.Tensor, name: str, gelu: bool) -> torch.Tensor:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(
-            f"silu_mul needs a (T, 2I) gate|up tensor with unit last stride, got "
+            f"{name} needs a (T, 2I) gate|up tensor with unit last stride, got "
             f"{tuple(gate_up.shape)} strides {gate_up.stride()}"
         )
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -266,9 +294,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(SILU_BLOCK, next_pow2(inter))
     grid = (t, triton.cdiv(inter, block))
-    _silu_mul_kernel[grid](
-        gate_up, out, inter, gate_up.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False
-    )
+    _act_mul_kernel[grid](
+        gate_up, out, inter, gate_up.stride(0), BLOCK=block, GELU=gelu, num_warps=4,
+        enable_fp_fusion=False,
+    )  # fmt: skip
     return out
 
 

@@ -16,6 +16,12 @@ by reading the device; CUDA graphs fix the choice per captured batch size:
   tile): x is quantised per token and group of bk columns to FP8 first (one small
   kernel, DeepSeek's dynamic scheme, ``fp8_gemm_ref.quantize_act``), then both operands
   feed the FP8 tensor cores: ``acc += dot(xq, Wq^T) * xs[m, k // bk] * s[n // bn, k // bk]``.
+- ``scaled_mm`` (prefill, M >= ``SCALED_MM_MIN_ROWS``, 16-bit x, 128 x 128 blocks, N a
+  multiple of 128 and K of 512): the same quantised x, then cuBLAS's block-scaled GEMM
+  (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales), where the
+  backend found it at construction (``scaled_mm_supported``: this torch and GPU run it
+  and match the reference); the plan takes it only when told so (``scaled_mm``), never
+  by reading the device per call.
 
     grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k)   grouped along M for L2 reuse
 
@@ -38,6 +44,8 @@ from unikv.kernels.runtime.interpret import patch_interpreter
 patch_interpreter()
 
 W8A8_MIN_ROWS = 256  # below: the weight stream dominates; x stays 16-bit
+SCALED_MM_MIN_ROWS = 256  # cuBLAS's block-scaled GEMM from here (prefill), where usable
+SCALED_MM_BLOCK = (128, 128)
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100: split K below this
 MIN_K_PER_SPLIT = 512
 QUANT_ROWS = 16  # rows of x a program of the activation quantisation takes
@@ -64,8 +72,13 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(m: int, n: int, k: int, block: tuple[int, int], fp32: bool) -> Fp8Plan:
-    """The launch plan for x (m, k) times W (n, k) in blocks ``block`` (host ints only)."""
+def plan(
+    m: int, n: int, k: int, block: tuple[int, int], fp32: bool, scaled_mm: bool = False
+) -> Fp8Plan:
+    """The launch plan for x (m, k) times W (n, k) in blocks ``block`` (host ints only);
+    ``scaled_mm``: the backend may run ``torch._scaled_mm`` (``scaled_mm_supported``)."""
+    if scaled_mm and not fp32 and m >= SCALED_MM_MIN_ROWS and scaled_mm_shape(n, k, block):
+        return Fp8Plan("scaled_mm", 0, 0, 0, 1, True, 0, 0)
     tile_k = _pow2_divisor(block[1], 128)
     per_k = tile_k >= 16  # tl.dot needs K tiles of >= 16
     if not fp32 and per_k and m >= W8A8_MIN_ROWS:
@@ -180,6 +193,48 @@ def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
 assert FP8_MAX == 448.0 and ACT_SCALE_MIN == 1e-12, "the kernels' constants"
 
 
+def scaled_mm_shape(n: int, k: int, block) -> bool:
+    """Whether ``torch._scaled_mm``'s block scaling takes W (n, k) in blocks ``block``:
+    128 x 128 blocks, whole along N, and K in whole groups of four scale columns."""
+    return tuple(block) == SCALED_MM_BLOCK and n % 128 == 0 and k % 512 == 0
+
+
+def scaled_mm_linear(x2, weight, scale_inv, bias):
+    """x2 (M, K) 16-bit @ W^T (+ bias) through ``torch._scaled_mm``: x quantised per token
+    and group of 128 columns (``quantize_act``), its scales laid out M-major and the
+    weight's K-major (transposed views), as cuBLAS's block scaling reads them."""
+    xq, xs = quantize_act(x2, 128)
+    xs_outer = xs.t().contiguous().t()  # (M, K / 128), stride (1, M)
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=xs_outer, scale_b=scale_inv.t(), out_dtype=x2.dtype
+    )
+    return y if bias is None else y + bias
+
+
+@functools.cache
+def scaled_mm_supported(device: torch.device) -> bool:
+    """Whether this torch runs ``torch._scaled_mm`` with 1 x 128 x 128 x 128 block scales
+    on ``device`` and its output matches the reference (``fp8_linear_w8a8``) on a small
+    problem: probed once per device, at backend construction (``backend.flags_for``)."""
+    from unikv.kernels.linear.fp8_gemm_ref import fp8_linear_w8a8
+
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        n, k = 256, 512
+        w = (torch.randn(n, k, device=device, generator=g) * 100).clamp(-448, 448)
+        w = w.to(torch.float8_e4m3fn)
+        s = torch.rand(n // 128, k // 128, device=device, generator=g) * 1e-3 + 1e-4
+        x = torch.randn(SCALED_MM_MIN_ROWS, k, device=device, generator=g).to(torch.bfloat16)
+        got = scaled_mm_linear(x, w, s, None).float()
+        want = fp8_linear_w8a8(x, w, s, block=SCALED_MM_BLOCK).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False  # this torch / GPU has no block-scaled _scaled_mm
+    return err < 2e-2
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -188,19 +243,23 @@ def fp8_linear(
     *,
     block: tuple[int, int],
     config: Fp8Plan | None = None,
+    scaled_mm: bool = False,
 ) -> torch.Tensor:
     """x (..., K) @ W^T (+ bias) -> (..., N) in x.dtype, W = weight * its block scales.
-    ``config``: a plan to use instead of ``plan``'s (the benchmark's sweep)."""
+    ``config``: a plan to use instead of ``plan``'s (the benchmark's sweep); ``scaled_mm``:
+    the backend found ``torch._scaled_mm``'s block scaling usable (``plan`` may pick it)."""
     check_operands(x, weight, scale_inv, block)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.view(*lead, n)
-    cfg = config or plan(m, n, k, tuple(block), x.dtype == torch.float32)
+        return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    cfg = config or plan(m, n, k, tuple(block), x.dtype == torch.float32, scaled_mm)
+    if cfg.variant == "scaled_mm":
+        return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     xs = x2  # a placeholder pointer where x is not quantised
     if cfg.variant == "w8a8":
         x2, xs = quantize_act(x2, block[1])

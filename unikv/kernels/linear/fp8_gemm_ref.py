@@ -102,3 +102,78 @@ def fp8_linear_w8a8(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+MOE_CHUNK_BYTES = 1 << 30  # 16-bit expert bytes dequantised at once by ``moe_fp8``
+
+
+def dequantize_experts(
+    w: torch.Tensor, scale: torch.Tensor, parts: int, block, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stacked FP8 experts (E, parts * R, K) with scales (E, parts * ceil(R / bn),
+    ceil(K / bk)), each part blocked on its own -> the real weights (E, parts * R, K)
+    in ``dtype`` (each element one fp32 product, then rounded)."""
+    e, rows, k = w.shape
+    (bn, bk), r = block, rows // parts
+    s = scale.float().view(e, parts, -1, scale.shape[-1])  # (E, parts, ceil(R / bn), .)
+    s = s.repeat_interleave(bn, dim=2)[:, :, :r].repeat_interleave(bk, dim=3)[..., :k]
+    return (w.view(e, parts, r, k).float() * s).view(e, rows, k).to(dtype)
+
+
+def moe_fp8(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    activation: str = "silu",
+    sum_dtype: torch.dtype | None = None,
+    moe=None,
+    chunk_bytes: int = MOE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """The fused MoE over block-scaled FP8 experts: ``w1`` (E, N1, d) float8_e4m3fn with
+    ``w1_scale`` (E, parts * ceil(I / bn), ceil(d / bk)) (parts: gate and up, each
+    blocked on its own; relu2: one), ``w2`` (E, d, I) with ``w2_scale`` (E, ceil(d / bn),
+    ceil(I / bk)); other arguments as ``moe_ref.fused_moe``.
+
+    The experts are dequantised to x.dtype per call, ``chunk_bytes`` of them at a time,
+    and run by ``moe`` (a dense MoE op, ``moe_ref.fused_moe`` by default); with several
+    chunks each runs every token, its choices outside the chunk sent to zero experts with
+    zero weight (no host sync), and their outputs are summed in fp32. One chunk (the tiny models'
+    case) is exactly ``moe`` on the dequantised experts."""
+    if moe is None:
+        from unikv.kernels.moe.ref import fused_moe as moe
+    if w1.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"moe_fp8: w1 and w2 must be float8_e4m3fn, got {w1.dtype} and {w2.dtype}; "
+            "16-bit experts run the backend's moe"
+        )
+    parts = 1 if activation == "relu2" else 2
+    experts = w1.shape[0]
+    per_expert = (w1[0].numel() + w2[0].numel()) * x.element_size()
+    step = max(1, min(experts, chunk_bytes // max(1, per_expert)))
+    kw = {"activation": activation, "sum_dtype": sum_dtype}
+    if step == experts:
+        a = dequantize_experts(w1, w1_scale, parts, block, x.dtype)
+        b = dequantize_experts(w2, w2_scale, 1, block, x.dtype)
+        return moe(x, topk_weights, topk_ids, a, b, **kw)
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    k = topk_ids.shape[1]
+    slots = torch.arange(k, device=topk_ids.device)
+    for e0 in range(0, experts, step):
+        e1 = min(e0 + step, experts)
+        # a choice outside the chunk goes to one of k zero experts after it (slot j to
+        # the j-th, so a token's choices stay distinct), with zero weight
+        mine = (topk_ids >= e0) & (topk_ids < e1)
+        ids = torch.where(mine, topk_ids - e0, (e1 - e0) + slots)
+        weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
+        a = dequantize_experts(w1[e0:e1], w1_scale[e0:e1], parts, block, x.dtype)
+        b = dequantize_experts(w2[e0:e1], w2_scale[e0:e1], 1, block, x.dtype)
+        a = torch.cat([a, a.new_zeros(k, *a.shape[1:])])
+        b = torch.cat([b, b.new_zeros(k, *b.shape[1:])])
+        total += moe(x, weights, ids, a, b, **kw).float()
+    return total.to(x.dtype)

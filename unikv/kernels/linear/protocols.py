@@ -64,6 +64,13 @@ class SiluMul(Protocol):
         ...
 
 
+class GeluTanhMul(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of a (T, 2I) ``[gate | up]`` row (Gemma's MLP).
+        Returns (T, I)."""
+        ...
+
+
 class GatedRMSNorm(Protocol):
     def __call__(
         self,
@@ -174,4 +181,26 @@ class Fp8Linear(Protocol):
         """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype, W the block-scaled FP8
         weight (N, K) float8_e4m3fn times ``scale_inv`` (ceil(N / bn), ceil(K / bk))
         fp32 per block ``(bn, bk)``."""
+        ...
+
+
+class MoEFp8(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w1: torch.Tensor,
+        w1_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        *,
+        block: tuple[int, int],
+        activation: str = "silu",
+        sum_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The fused MoE over block-scaled FP8 experts: w1 (E, N1, d) float8_e4m3fn with
+        ``w1_scale`` per block ``(bn, bk)`` of each of gate and up, w2 (E, d, I) with
+        ``w2_scale``; x (T, d), topk (T, k) as in ``kernels/moe/protocols.MoE``.
+        Returns (T, d) in x's dtype."""
         ...

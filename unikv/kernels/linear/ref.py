@@ -153,6 +153,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2I) float, ``[gate | up]`` -> new (T, I) ``gelu_tanh(gate) * up``
+    in gate_up.dtype (Gemma's MLP: transformers' ``gelu_pytorch_tanh``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """The linear layer: ``F.linear`` (the Triton backend's GEMV reference)."""
     return torch.nn.functional.linear(x, weight, bias)

@@ -1,0 +1,257 @@
+"""The public objects the facade hands out, besides its own verbs:
+
+    alloc.prefix   PrefixVerbs: the prefix cache and its state checkpoints
+    alloc.io       IOVerbs: the I/O hooks by virtual page (``unikv.io``)
+    alloc.view     AllocatorView: read-only state (roles, lengths, page counts)
+
+Each wraps the parts that implement it, so no caller outside the allocator reads
+``alloc.parts``; each mutating verb ends with the facade's debug-mode
+``check_integrity`` (``check``: None outside debug mode), as the facade's own do.
+Neither is a part: they sit above the tree (``parts.py``), beside the facade.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+
+from unikv.allocator.integrity import check_chain
+from unikv.allocator.page_io import PageIO
+from unikv.allocator.pages import PageBook
+from unikv.allocator.parts import Parts
+from unikv.allocator.prefix import PrefixCache, PrefixHit
+from unikv.allocator.requests import RequestTable, Roles
+from unikv.allocator.room import Room
+from unikv.ids import PhysicalPageIds, VirtualPageIds
+from unikv.pool import UnifiedPool
+
+Check = Callable[[], None] | None
+Host = TypeVar("Host")
+
+
+def hand_out(
+    pool: UnifiedPool, parts: Parts, debug: bool
+) -> tuple[PrefixVerbs, IOVerbs, AllocatorView]:
+    """The facade's ``prefix``, ``io`` and ``view`` over ``parts``; ``debug``: their
+    mutating verbs end with ``check_integrity`` (a partial over the pool and the
+    parts, not a method of the facade: nothing below the facade holds it)."""
+    check = partial(check_chain, pool, parts) if debug else None
+    return (
+        PrefixVerbs(parts.prefix, parts.room, check),
+        IOVerbs(parts.io, check),
+        AllocatorView(parts.roles, parts.requests, parts.books),
+    )
+
+
+class PrefixVerbs:
+    """Prefix caching (``alloc.prefix``; docs/design.md section 12): ``match`` a
+    prompt, pass the hit (``reload``-ed) to ``alloc.new_request(prefix=hit)``,
+    ``insert`` a request's written pages, ``checkpoint`` a hybrid request's state,
+    read ``counters()``. Each verb's full contract is on ``PrefixCache``."""
+
+    def __init__(self, cache: PrefixCache, room: Room, check: Check = None) -> None:
+        self._cache, self._room, self._check = cache, room, check
+
+    def _after(self) -> None:
+        if self._check is not None:
+            self._check()
+
+    def _reserve_host(self, new: Mapping[str, int], virtual: int) -> bool:
+        """Room for a host reload: the room maker, without the shortfall callback."""
+        return self._room.reserve(new, virtual, callback=False)
+
+    def _reserve_state(self, new: Mapping[str, int]) -> bool:
+        """Room for a checkpoint: evicts older checkpoints, never cached pages."""
+        return self._room.reserve(new, callback=False, evict_pages=False)
+
+    def match(self, token_ids: object, salt: str | None = None) -> PrefixHit:
+        """The longest cached run of whole pages of ``token_ids`` (no state change;
+        ``PrefixCache.match``)."""
+        return self._cache.match(token_ids, salt)
+
+    def reload(self, hit: PrefixHit) -> PrefixHit:
+        """The hit to pass to ``new_request``: its host pages reloaded (``PrefixCache.reload``)."""
+        out = self._cache.reload(hit, self._reserve_host)
+        self._after()
+        return out
+
+    def uncount(self, hit: PrefixHit) -> None:
+        """Take back the lookup counters of an attached hit whose admission was given up."""
+        self._cache.uncount(hit)
+
+    def insert(self, slot: int, token_ids: object, salt: str | None = None) -> int:
+        """Share request ``slot``'s full pages of ``token_ids``; the pages newly
+        cached (``PrefixCache.insert``)."""
+        added = self._cache.insert(slot, token_ids, salt)
+        self._after()
+        return added
+
+    def checkpoint(
+        self, slot: int, token_ids: object, salt: str | None = None, turn_end: bool = False
+    ) -> bool:
+        """Copy request ``slot``'s state slot into a checkpoint at the last block of
+        ``token_ids``; False when none was taken (``PrefixCache.checkpoint``)."""
+        taken = self._cache.checkpoint(slot, token_ids, self._reserve_state, salt, turn_end)
+        self._after()
+        return taken
+
+    def demote_checkpoint(
+        self, token_ids: object, drop: bool = False, salt: str | None = None
+    ) -> None:
+        """The checkpoint at the last block of ``token_ids`` goes first (``drop``: now)."""
+        self._cache.demote_checkpoint(token_ids, drop, salt)
+        self._after()
+
+    def ends_turn(self, hit: PrefixHit) -> bool:
+        """Whether ``hit`` ends at a decode (turn-end) checkpoint."""
+        states = self._cache.states
+        return (
+            bool(hit.num_tokens) and states is not None and int(hit.nodes[-1]) in states.turn_ends
+        )
+
+    @property
+    def evicted(self) -> int:
+        """Cached pages plus state checkpoints evicted so far (a pressure signal)."""
+        states = self._cache.states
+        return self._cache.stats.evicted_pages + (states.evicted if states is not None else 0)
+
+    def pool_fractions(self) -> tuple[float, float]:
+        """(checkpoints, batch): the fractions of the pool's bytes the cache's state
+        checkpoints and the running requests hold (host ints: each book's live pages,
+        less the cached pages and the checkpoint slots), for the checkpoint cost rule."""
+        cache = self._cache
+        books, total = cache.books, self._room.pool.total_bytes
+        states = cache.states
+        ckpt = 0 if states is None else len(states.by_node) * books[states.book.name].page_bytes
+        live = sum(b.num_live * b.page_bytes for b in books.values())
+        pages = np.fromiter(cache.by_page, np.int32, len(cache.by_page))
+        cached = sum(
+            int((books[n].v2p_host[pages] >= 0).sum()) * books[n].page_bytes
+            for n in cache.roles.token_names
+        )
+        return ckpt / total, max(live - cached - ckpt, 0) / total
+
+    def cached_pages(self, name: str) -> int:
+        """Pages (Mamba: state slots) of sub-pool ``name`` that only the cache holds:
+        evictable cached pages and window bindings, or checkpoints no request restores."""
+        cache = self._cache
+        states = cache.states
+        if states is not None and states.book.name == name:
+            return states.num_evictable
+        if name not in cache.roles.token_names:
+            return 0
+        return len(cache.evictable_physical(name))
+
+    def counters(self) -> dict[str, int]:
+        """Host-int counters: hits, queries, evictions, checkpoints, ``host_*``."""
+        return self._cache.counters()
+
+    def reset(self) -> int:
+        """Drop every cached page, checkpoint and host copy no request holds."""
+        dropped = self._cache.reset()
+        self._after()
+        return dropped
+
+    @property
+    def host(self) -> Any:
+        """The host tier behind the cache (``io/prefix_host.PrefixHost``), or None."""
+        return self._cache.host
+
+    def add_host_tier(self, build: Callable[[PrefixCache], Host]) -> Host:
+        """Put a host tier behind the cache: ``build(cache)`` makes it
+        (``io/prefix_host_setup.enable_prefix_host``); returns it. ValueError on a
+        pool the cache does not serve, or when one is attached already."""
+        cache = self._cache
+        cache.check_supported("enable_prefix_host")
+        if cache.host is not None:
+            raise ValueError("enable_prefix_host: this allocator's prefix cache has a host tier")
+        host = build(cache)
+        cache.host = host
+        if cache.states is not None:
+            cache.states.host = host
+        self._after()
+        return host
+
+
+class IOVerbs:
+    """The I/O hooks by virtual page (``alloc.io``; ``page_io.PageIO`` has each
+    contract): ``physical_pages``, ``release_physical``, ``bind_physical``, ``pin``,
+    ``unpin``, ``pinned``."""
+
+    def __init__(self, io: PageIO, check: Check = None) -> None:
+        self._io, self._check = io, check
+
+    def _after(self) -> None:
+        if self._check is not None:
+            self._check()
+
+    def physical_pages(self, name: str, vpages: VirtualPageIds) -> np.ndarray:
+        """Physical pages (host int64, -1 = unbound) of ``vpages``, no device sync."""
+        return self._io.physical_pages(name, vpages)
+
+    def release_physical(
+        self, name: str, vpages: VirtualPageIds, fence: Any = None
+    ) -> PhysicalPageIds:
+        """Unbind owned, bound ``vpages``; their pages become holes after ``fence``."""
+        pages = self._io.release_physical(name, vpages, fence)
+        self._after()
+        return pages
+
+    def bind_physical(self, name: str, vpages: VirtualPageIds) -> PhysicalPageIds | None:
+        """Fresh pages for owned, unbound ``vpages`` (compacting if needed), or None."""
+        pages = self._io.bind_physical(name, vpages)
+        if pages is not None:
+            self._after()
+        return pages
+
+    def pin(self, name: str, pages: PhysicalPageIds) -> None:
+        """Pin live pages: never moved by compaction, not reused before ``unpin``."""
+        self._io.pin(name, pages)
+        self._after()
+
+    def unpin(self, name: str, pages: PhysicalPageIds) -> None:
+        """Undo one ``pin`` per entry."""
+        self._io.unpin(name, pages)
+        self._after()
+
+    def pinned(self, name: str, pages: np.ndarray) -> np.ndarray:
+        """Whether each of ``pages`` (host ints) of sub-pool ``name`` is pinned (host bools)."""
+        return self._io.pinned(name, pages)
+
+
+class AllocatorView:
+    """Read-only state of an allocator (``alloc.view``): no verb changes anything."""
+
+    def __init__(self, roles: Roles, requests: RequestTable, books: Mapping[str, PageBook]) -> None:
+        self._requests, self._books = requests, books
+        self.roles = roles  # who does what among the sub-pools (a frozen Roles)
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a request may hold (the columns of ``req_to_token``)."""
+        return self._requests.max_context
+
+    def _book(self, name: str) -> PageBook:
+        if name not in self._books:
+            raise KeyError(f"no sub-pool {name!r}; the allocator has {list(self._books)}")
+        return self._books[name]
+
+    def live_pages(self, name: str) -> int:
+        """Pages (Mamba: slots) of sub-pool ``name`` bound now, cached ones included."""
+        return self._book(name).num_live
+
+    def page_states(self, name: str) -> np.ndarray:
+        """Each page's ``pages.PageState`` in sub-pool ``name``: a read-only host view."""
+        view = self._book(name).state.view()
+        view.flags.writeable = False
+        return view
+
+    def window_lo(self, slot: int, name: str) -> int:
+        """The first page column request ``slot`` still holds in windowed sub-pool
+        ``name`` (the columns before it left the window)."""
+        if name not in self._requests.window_lo:
+            raise ValueError(f"window_lo: {name!r} is not a sliding-window sub-pool")
+        return int(self._requests.window_lo[name][slot])

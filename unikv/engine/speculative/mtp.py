@@ -1,0 +1,194 @@
+"""Drafts from a head over the target's hidden states: ``method: "mtp"`` (the
+checkpoint's own MTP layer, ``models/mtp.py``) and ``method: "eagle3"`` (an EAGLE-3
+head, ``models/eagle3.py``; its input is ``fc`` of three target hidden states, its
+tokens mapped from a draft vocabulary). Below, "the layer" is either head.
+
+The layer's K/V live in ``draft_*`` sub-pools of the one pool (as a draft model's,
+``draft.py``), so allocation, rollback, preemption, swap and prefix caching cover
+them. Its row at position p reads the target's final hidden state ``h_p`` and the
+token ``t_{p+1}`` after it, so it is written once that token is known:
+
+- after every target step (``forward_plan``): over the step's own rows, each row's
+  next token the row after it, a request's last row's the token sampled in the step
+  (or the next prompt token, a prefill chunk that is not the last); ``h`` from the
+  target's ``hidden_out`` (every row's exported hidden states, ``DecoderLM.export_hidden``),
+  through the head's ``project``;
+- after a verify step (``forward_verify``): over its ``1 + k`` rows per request,
+  the last kept row's next token the target's emitted one (on the device); rows
+  past it are rejected and trimmed with the target's.
+
+The layer's output at a request's last kept row gives the first draft of its next
+step, kept per request slot on the device (``first`` tokens, ``hidden`` states).
+``propose`` chains the layer from there: draft j + 1 from the row at position
+``L + j - 1`` (L: the request's cached tokens; rows the verify step allocated),
+its hidden state the previous row's output. The verify step rewrites those rows
+with the target's hidden states. A request whose first draft is not kept (its
+last step ran elsewhere: a swap moved its slot) drafts nothing for a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from unikv.engine.attention import DecodeAttention, ExtendAttention
+from unikv.engine.request import Batch, Pending
+from unikv.engine.runner import DRAFT_PREFIX
+from unikv.engine.speculative.draft import _row, free_grow, request_major, to_device
+from unikv.kernels.linear.ref import resolve_feedback
+
+
+def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
+    """An EAGLE-3 head's one full-attention layer as a ``draft_full`` sub-pool, on
+    the band direction the target's leave free."""
+    from unikv.hf_config import specs_from_hf_config
+
+    (config,) = specs_from_hf_config(head.hf_config, page_size=page_size, dtype=dtype)
+    grow = free_grow(target_configs)
+    return [replace(config, name=DRAFT_PREFIX + config.name, grow=grow)]
+
+
+def mtp_subpool_configs(target_configs, kind: str) -> list:
+    """The MTP layer's sub-pool: the target's sub-pool config of ``kind`` (DeepSeek's
+    "mla", MiMo's sliding "swa") for one layer, renamed ``draft_*``, on the band
+    direction the target's leave free."""
+    same = [c for c in target_configs if c.name == kind]
+    if len(same) != 1:
+        raise ValueError(
+            f"speculative_config: the MTP layer caches like the target's {kind!r} sub-pool; "
+            f"the target's sub-pools are {[c.name for c in target_configs]}"
+        )
+    spec = replace(same[0].spec, num_layers=1)
+    grow = free_grow(target_configs)
+    return [replace(same[0], name=DRAFT_PREFIX + kind, spec=spec, layers=(0,), grow=grow)]
+
+
+class HiddenDraft:
+    """The MTP layer over its sub-pools (module docstring).
+
+    Args:
+        target: the target ``DecoderLM`` (its embedding, LM head and ``hidden_out``);
+        layer: the draft head, ``models.mtp.MTPLayer`` or ``models.eagle3.Eagle3Head``
+        (``project`` the target's exported rows, ``forward``, ``tokens``); caches: its LayerCache list (the
+        ``draft_*`` sub-pools); planner: the target runner's StepPlanner; backend:
+        the kernel ops; sm_scale: the target's; max_slots: request slots.
+    """
+
+    def __init__(self, target, layer, caches, planner, backend, sm_scale, max_slots) -> None:
+        self.target, self.layer, self.caches, self.planner = target, layer, caches, planner
+        self.backend, self.sm_scale = backend, sm_scale
+        param = next(target.parameters())
+        hidden, dev = target.config.hidden_size, param.device
+        assert target.hidden_out is not None and len(target.hidden_out) >= planner.max_tokens, (
+            "draft invariant: the target copies every row's hidden states (hidden_out, "
+            "set before its graphs are captured: DecoderLM.export_hidden)"
+        )
+        self.first = torch.zeros(max_slots, dtype=torch.int64, device=dev)  # per slot: d_1
+        self.hidden = torch.zeros(max_slots, hidden, dtype=param.dtype, device=dev)
+        self.kept: dict[int, tuple[int, int]] = {}  # slot -> (request id, its num_cached)
+        self.states = [None] * len(caches)
+
+    # -- writing the layer's rows after target steps ----------------------------------
+
+    def _run(self, plan, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer over ``plan``'s rows (``ids``: each row's next token; ``hidden``:
+        each row's previous hidden state) -> its outputs g (T, hidden)."""
+        kind = DecodeAttention if plan.is_decode else ExtendAttention
+        attn = kind(self.caches, plan, self.backend, self.sm_scale, self.states)
+        embeds = self.target.stack.embed(ids)
+        return self.layer(embeds, hidden, plan.positions, attn)
+
+    def _target_hidden(self, rows: int) -> torch.Tensor:
+        """The layer's hidden input of the step's ``rows`` target rows."""
+        return self.layer.project(self.target.hidden_out[:rows])
+
+    def _keep(self, plan, num: int, g_last: torch.Tensor) -> None:
+        """The first draft of each of the step's ``num`` requests and its hidden
+        state, into their slots (device only)."""
+        slots = plan.slots[:num].long()
+        self.first.index_copy_(0, slots, self.layer.tokens(g_last, self.target, self.backend))
+        self.hidden.index_copy_(0, slots, g_last)
+
+    @torch.inference_mode()
+    def forward_plan(self, plan, batch, tokens: torch.Tensor) -> None:
+        """After a target step (not a verify step): the layer's rows of its tokens;
+        ``tokens``: (B,) int64 its samples on the device."""
+        reqs, num = batch.requests, len(batch.requests)
+        ids = resolve_feedback(plan.input_ids, plan.feedback)
+        total = ids.shape[0]
+        nxt = torch.roll(ids, -1)  # each row's next token: the row after it ...
+        ends = [r.num_cached + n for r, n in zip(reqs, batch.num_new)]
+        known = [e < r.seq_len for r, e in zip(reqs, ends)]  # ... a prompt chunk's next
+        last = plan.logits_indices[:num]
+        if any(known):
+            host = [r.token_slice(e, e + 1)[0] if k else 0 for r, e, k in zip(reqs, ends, known)]
+            mask = to_device(np.asarray(known, np.int64), ids.device).bool()
+            given = to_device(np.asarray(host, np.int64), ids.device)
+            next_last = torch.where(mask, given, tokens[:num])
+        else:
+            next_last = tokens[:num]
+        nxt.index_copy_(0, last, next_last)
+        g = self._run(plan, nxt, self._target_hidden(total))
+        self._keep(plan, num, g.index_select(0, last))
+        for r, e in zip(reqs, ends):
+            self.kept[r.slot] = (r.request_id, e)
+
+    @torch.inference_mode()
+    def forward_verify(self, plan, batch, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify step (before its readback): the layer's rows of its ``1 +
+        k`` rows per request; tokens (B, K+1), accepted (B,) int64 on the device."""
+        num = len(batch.requests)
+        ids = plan.input_ids
+        last = plan.q_indptr[:num].long() + accepted  # each request's last kept row
+        nxt = torch.roll(ids, -1)
+        nxt.index_copy_(0, last, tokens.gather(1, accepted[:, None])[:, 0])
+        g = self._run(plan, nxt, self._target_hidden(ids.shape[0]))
+        self._keep(plan, num, g.index_select(0, last))
+
+    def settled(self, batch, accepted: list[int]) -> None:
+        """A verify step's accepted counts, on the host: the kept drafts' owners."""
+        for r, a in zip(batch.requests, accepted):
+            self.kept[r.slot] = (r.request_id, r.num_cached + a + 1)
+
+    # -- proposing -------------------------------------------------------------------
+
+    def limit(self, requests, rooms: np.ndarray) -> np.ndarray:
+        """``rooms`` with 0 for each request whose first draft is not kept."""
+        ready = [self.kept.get(r.slot) == (r.request_id, r.num_cached) for r in requests]
+        return np.where(ready, rooms, 0)
+
+    @torch.inference_mode()
+    def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> torch.Tensor:
+        """``counts[b]`` greedy drafts per decoding request b (its pending token at
+        position L_b = num_cached), on the device, request-major (``draft.request_major``,
+        no host read); ``virtual_ids``: the verify step's ids."""
+        starts = np.zeros(len(requests), np.int64)
+        np.cumsum(1 + counts[:-1], out=starts[1:])
+        steps, lanes_of = [], []
+        live = np.flatnonzero(counts > 0)
+        if live.size:
+            slots = to_device([requests[b].slot for b in live.tolist()], self.first.device)
+            steps.append(self.first.index_select(0, slots))
+            hidden = self.hidden.index_select(0, slots)
+            lanes_of.append(live)
+        for j in range(1, int(counts.max(initial=0))):
+            now = np.flatnonzero(counts > j)
+            prev = lanes_of[-1]
+            keep = np.searchsorted(prev, now)  # lanes of the previous step
+            if now.size != prev.size:
+                index = to_device(keep, hidden.device)
+                hidden = hidden.index_select(0, index)
+            rows = [
+                _row(requests[b].slot, requests[b].num_cached + j - 1, Pending.of(int(lane)))
+                for b, lane in zip(now.tolist(), keep.tolist())
+            ]
+            index = to_device(starts[now] + j - 1, virtual_ids.device)
+            batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
+            plan = self.planner.plan(batch, steps[-1])
+            hidden = self._run(plan, plan.input_ids, hidden)
+            token = self.layer.tokens(hidden, self.target, self.backend)
+            steps.append(token)
+            lanes_of.append(now)
+        return request_major(steps, lanes_of, counts, virtual_ids.device)
