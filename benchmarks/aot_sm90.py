@@ -71,7 +71,7 @@ def compile_sm90(
             sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"  # as the JIT types it
             if name not in nospec and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (kernels/moe_hopper.py)
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (kernels/moe/hopper.py)
         from triton.experimental.gluon._runtime import GluonASTSource
 
         src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
@@ -116,7 +116,7 @@ def _unsynced_arrives(ptx: str) -> int:
 
 
 def _before_wait(ptx: str) -> dict:
-    """PDL's contract in the PTX (``kernels/pdl.py``): the global loads (and async
+    """PDL's contract in the PTX (``kernels/runtime/pdl.py``): the global loads (and async
     copies), the stores (and atomics) and the triggers placed before the first
     ``griddepcontrol.wait`` (all of the kernel's when it has none)."""
     head = ptx.split("griddepcontrol.wait")[0]
@@ -141,8 +141,8 @@ def _weights(mxfp4: bool, n: int, k: int) -> dict:
 def moe_kernels(cfg, mxfp4: bool) -> list[tuple]:
     """[(kernel, values, constexprs, warps, stages)] of ``moe.fused_moe``'s gate/up and
     down launches for ``cfg`` at gpt-oss's shape (gpt-oss activation, biases)."""
-    from unikv.kernels.moe import block_m_for, mxfp4_mode
-    from unikv.kernels.moe_triton import _down_kernel, _gate_up_kernel
+    from unikv.kernels.moe.fused import block_m_for, mxfp4_mode
+    from unikv.kernels.moe.fused_kernels import _down_kernel, _gate_up_kernel
 
     block_m = cfg.block_m or block_m_for(ROWS, EXPERTS)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
@@ -171,9 +171,9 @@ TEST_TILE = (16, 3, False, 4)
 
 def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False,
                    warps: int = 4) -> list[tuple]:  # fmt: skip
-    """The Hopper MXFP4 MoE's two launches (``kernels/moe_hopper.py``) at gpt-oss's
+    """The Hopper MXFP4 MoE's two launches (``kernels/moe/hopper.py``) at gpt-oss's
     expert shape, 256 tokens: (fn, values, constexprs, num_warps, num_stages) each."""
-    from unikv.kernels import moe_hopper
+    from unikv.kernels.moe import hopper as moe_hopper
 
     d = i = 2880
     cons = {**moe_hopper.layouts(block_t, warps), "BLOCK_T": block_t, "STAGES": stages,
@@ -192,9 +192,9 @@ def hopper_kernels(block_t: int, stages: int, one_mul: bool, half: bool = False,
 
 
 def extend_hopper_kernel(dim: int = 128, sinks: bool = False) -> tuple:
-    """The Hopper fresh-prompt attention (``kernels/extend_hopper.py``) at 32 / 8 heads:
+    """The Hopper fresh-prompt attention (``kernels/attention/fresh_hopper.py``) at 32 / 8 heads:
     (fn, values, constexprs, num_warps, num_stages, maxnreg)."""
-    from unikv.kernels import extend_hopper as eh
+    from unikv.kernels.attention import fresh_hopper as eh
 
     def desc(rows: int) -> str:
         layout = eh.gl.NVMMASharedLayout.get_default_for([rows, dim], eh.gl.bfloat16)
@@ -209,13 +209,13 @@ def extend_hopper_kernel(dim: int = 128, sinks: bool = False) -> tuple:
 
 
 def gemv_kernels() -> dict[str, tuple]:
-    """The one-request GEMV's launches (``kernels/gemv.py``) at the Llama-3.2-1B shape,
+    """The one-request GEMV's launches (``kernels/linear/gemv.py``) at the Llama-3.2-1B shape,
     by name: plain qkv, SwiGLU inside down, the pre-norm inside qkv (with and without
     a residual, and with the embedding gathered inside, also through the feedback
     buffer), the LM head with the greedy
     argmax inside, each as the Hopper launch compiles it (PDL on: the wait and the
     trigger)."""
-    from unikv.kernels import gemv
+    from unikv.kernels.linear import gemv
 
     block_n, block_k, warps, stages = gemv.CONFIG
     ptrs = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr",
@@ -244,7 +244,8 @@ def step_kernels() -> dict[str, tuple]:
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
     store, the decode split (and with rope + store inside, and with the pre-wait loads
     of one request's step too), its merge, the argmax's chunk and merge, and the fused argmax's finish."""
-    from unikv.kernels import argmax, decode, rope_store
+    from unikv.kernels.attention import decode, rope_store
+    from unikv.kernels.linear import argmax
 
     bf16 = "*bf16"
     rope = {"q": bf16, "k": bf16, "v": bf16, "k_cache": bf16, "v_cache": bf16,
@@ -308,7 +309,7 @@ def main() -> None:
     import argparse
     import json
 
-    from unikv.kernels import moe
+    from unikv.kernels.moe import fused as moe
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="[[config, mxfp4], ...] -> JSON results")
@@ -333,7 +334,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     if args.hopper:
-        from unikv.kernels import moe_hopper
+        from unikv.kernels.moe import hopper as moe_hopper
 
         out = {}
         tiles = {**moe_hopper.TABLE, "gpu_tests": TEST_TILE}  # + the GPU tests' 16-row tile

@@ -114,7 +114,7 @@ def _count_triton(counter: OpCounter) -> list:
     launch, aten ops and nested entry points inside paused."""
     from triton.runtime import interpreter, jit
 
-    from unikv.kernels.launch import Launcher
+    from unikv.kernels.runtime.launch import Launcher
 
     undo = []
     for cls, name in (

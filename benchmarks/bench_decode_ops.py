@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import copy_ceilings, environment, graph_us, save_json
 
 from unikv import layout
-from unikv.kernels import decode as decode_mod
 from unikv.kernels import get_backend
-from unikv.kernels import reference as ref
+from unikv.kernels.attention import decode as decode_mod
+from unikv.kernels.attention import ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
 

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_extend_long import time_ms
 from benchmarks.common import environment, save_json
-from unikv.kernels import extend_fresh, extend_hopper
+from unikv.kernels.attention import fresh as extend_fresh
+from unikv.kernels.attention import fresh_hopper as extend_hopper
 
 TOL = 3e-2  # bf16 output, max abs error against SDPA
 

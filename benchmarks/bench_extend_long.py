@@ -34,9 +34,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_kernels import DIM, HKV, HQ, OPS, PagedKV
 from benchmarks.common import environment, save_json
-from unikv.kernels import extend as extend_mod
-from unikv.kernels import extend_fresh as fresh_mod
-from unikv.kernels import extend_sdpa
+from unikv.kernels.attention import extend as extend_mod
+from unikv.kernels.attention import fresh as fresh_mod
+from unikv.kernels.attention import sdpa as extend_sdpa
 
 SHAPES = [(1, 0, 16384), (8, 4096, 512), (1, 0, 4096)]  # the headline shape first
 PAGE_SIZES = (16, 1)
@@ -174,10 +174,13 @@ def bench_shape(bsz, cached, new, args, t0) -> dict:
                 t0,
                 f"{bsz}x({cached}+{new}) fresh",
             )
-            # the engine's op as the runner calls it (one prompt: SDPA where enabled)
+            # the engine's op as the runner calls it, with the step's plan (one prompt:
+            # SDPA where enabled; a long one: the Gluon kernel on sm_90)
+            launch = OPS.plan_extend(bsz, max_q_len=new, head_dim=dim).launch
             engine = lambda: OPS.extend_attention(
                 q, kv.k_cache, kv.v_cache, kv.block_table, q_indptr, kv.seq_lens,
                 max_q_len=new, page_size=ps, sm_scale=dim**-0.5, fresh_kv=(k_new, v_new),
+                **launch,
             )  # fmt: skip
             res["engine"] = run_candidate(engine, ref, sdpa, args.reps, flops)
             fits = extend_sdpa.takes_sdpa(q, (k_new, v_new), new, 0, None, 0.0, None)

@@ -33,7 +33,8 @@ def child(lengths: list[int], dim: int) -> dict:
     """{"sdpa": [[T, first_ms, second_ms], ...], "triton": [...]} in this process."""
     import torch
 
-    from unikv.kernels import extend_fresh, extend_sdpa
+    from unikv.kernels.attention import fresh as extend_fresh
+    from unikv.kernels.attention import sdpa as extend_sdpa
 
     def wall(fn) -> float:
         torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""The block-scaled FP8 GEMM (``unikv/kernels/fp8_gemm.py``) against the bf16 GEMM
+"""The block-scaled FP8 GEMM (``unikv/kernels/linear/fp8_gemm.py``) against the bf16 GEMM
 (cuBLAS, ``F.linear``) of the same shape, on DeepSeek-V3 and Qwen3 layer shapes with
 128 x 128 blocks, in one run.
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, bench_us, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import fp8_gemm, fp8_gemm_ref
+from unikv.kernels.linear import fp8_gemm, fp8_gemm_ref
 
 BLOCK = (128, 128)
 SHAPES = {  # (N, K): DeepSeek-V3 (hidden 7168) and Qwen3-8B / 32B layers

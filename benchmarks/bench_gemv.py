@@ -1,5 +1,5 @@
 """One request's linear layers: cuBLAS (``F.linear``) against the Triton GEMV
-(``unikv/kernels/gemv.py``) at the Llama-3.2-1B shape, M = 1, bf16.
+(``unikv/kernels/linear/gemv.py``) at the Llama-3.2-1B shape, M = 1, bf16.
 
     python benchmarks/bench_gemv.py [--out benchmarks/results/gemv_h200.json]
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import gemv
+from unikv.kernels.linear import gemv
 
 HIDDEN, INTER, VOCAB, LAYERS = 2048, 8192, 128256, 16
 SHAPES = {"qkv": (3072, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),

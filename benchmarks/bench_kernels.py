@@ -24,9 +24,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_us, copy_ceilings, environment, graph_us, save_json
 from unikv import layout
-from unikv.kernels import extend as extend_mod
 from unikv.kernels import get_backend
-from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for, torch_copy_pages
+from unikv.kernels.attention import extend as extend_mod
+from unikv.kernels.attention.ref import copy_pages as torch_copy_pages
+from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
 
 OPS = get_backend("cuda")

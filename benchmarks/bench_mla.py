@@ -31,7 +31,7 @@ and the torch reference on small shapes) BEFORE anything is timed; a FlashInfer
 backend whose output disagrees is recorded with its errors and not timed. Ratios
 ``vs_flashinfer_*`` are FlashInfer's time over unikv's (> 1: unikv is faster).
 ``--sweep`` times alternative tile configs and split counts on a few decode
-shapes (to retune ``unikv/kernels/mla.py CONFIGS``). The JSON goes to ``--out``
+shapes (to retune ``unikv/kernels/mla/prefill.py CONFIGS``). The JSON goes to ``--out``
 and, when the environment sets ``$OUT``, to ``$OUT/<its file name>`` too.
 """
 
@@ -51,7 +51,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_us, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import get_backend, mla, mla_ref
+from unikv.kernels import get_backend
+from unikv.kernels.mla import prefill as mla
+from unikv.kernels.mla import ref as mla_ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MLASpec
 
@@ -122,7 +124,7 @@ def agreement(got, want) -> dict:
 
 def run_unikv(q_lat, q_rope, kv: LatentPool, q_indptr, max_q_len, op=None, **kw):
     """unikv's MLA attention: the backend's op, or ``op`` (the sweep passes
-    ``kernels.mla.mla_attention``, whose configs are (BLOCK_H, BLOCK_N, warps, stages))."""
+    ``kernels.mla.prefill.mla_attention``, whose configs are (BLOCK_H, BLOCK_N, warps, stages))."""
     return (op or OPS.mla_attention)(
         q_lat, q_rope, kv.cache, kv.block_table, q_indptr, kv.seq_lens,
         max_q_len=max_q_len, page_size=kv.page_size, sm_scale=SCALE, **kw,
@@ -278,8 +280,8 @@ def extend_row(fi, bsz, cached, new, heads, ps) -> dict:
 
 
 def sweep(shapes) -> list:
-    """Tile configs x split counts of ``kernels.mla`` on decode shapes (H 128, page 16)."""
-    from unikv.kernels import mla
+    """Tile configs x split counts of ``kernels.mla.prefill`` on decode shapes (H 128, page 16)."""
+    from unikv.kernels.mla import prefill as mla
 
     rows = []
     for bsz, length in shapes:

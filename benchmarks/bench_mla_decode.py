@@ -1,4 +1,4 @@
-"""Benchmark the MLA decode kernel (``unikv/kernels/mla_decode.py``) against the current
+"""Benchmark the MLA decode kernel (``unikv/kernels/mla/decode.py``) against the current
 Triton MLA kernel (``mla.mla_attention``) and FlashInfer's
 ``BatchMLAPagedAttentionWrapper`` (fa2, fa3) in one process, all three reading the SAME
 pool bytes (bench_mla.py's pool, export and checks, imported from it).
@@ -47,8 +47,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import bench_mla as peer
 from benchmarks.common import bench_us, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import mla, mla_decode, mla_decode_fused, mla_decode_plan, mla_ref
-from unikv.kernels._checks import device_sms
+from unikv.kernels.mla import decode as mla_decode
+from unikv.kernels.mla import decode_fused as mla_decode_fused
+from unikv.kernels.mla import plan as mla_decode_plan
+from unikv.kernels.mla import prefill as mla
+from unikv.kernels.mla import ref as mla_ref
+from unikv.kernels.runtime.checks import device_sms
 
 QUICK = [(1, 32768, 128), (32, 4096, 128), (128, 8192, 128), (1, 32768, 16), (128, 1024, 16),
          (128, 8192, 16)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Benchmark the fused MoE (``unikv/kernels/moe.py``) on gpt-oss's expert shape:
+"""Benchmark the fused MoE (``unikv/kernels/moe/fused.py``) on gpt-oss's expert shape:
 32 experts, top-4, hidden 2880, intermediate 2880, MXFP4 experts kept packed,
 bf16 activations, at B = 1, 64, 256 tokens (the protocol of README.md, Results).
 
@@ -45,8 +45,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, bench_us, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import moe, moe_ref
-from unikv.kernels.mxfp4_ref import dequantize_mxfp4
+from unikv.kernels.moe import fused as moe
+from unikv.kernels.moe import ref as moe_ref
+from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
 
 SHAPE = {"experts": 32, "top_k": 4, "hidden": 2880, "intermediate": 2880}
 BATCHES = (1, 64, 256)

@@ -1,4 +1,4 @@
-"""The Hopper MXFP4 MoE (``kernels/moe_hopper.py``, Gluon) against the installed Triton
+"""The Hopper MXFP4 MoE (``kernels/moe/hopper.py``, Gluon) against the installed Triton
 kernel (``moe.fused_moe``) on gpt-oss's expert shape, in one process.
 
     python benchmarks/bench_moe_hopper.py [--batches 1,64,256] [--out PATH]
@@ -25,7 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_moe import KW, SHAPE, make_experts, touched_bytes
 from benchmarks.common import copy_ceilings, environment, graph_us, save_json
-from unikv.kernels import moe, moe_hopper, moe_ref
+from unikv.kernels.moe import fused as moe
+from unikv.kernels.moe import hopper as moe_hopper
+from unikv.kernels.moe import ref as moe_ref
 
 # (block_t, stages, one_mul, half, warps): the one-multiply decode where the scales
 # allow (these do); half: a block whose second half is padding runs half the rows;

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, bench_us, environment, graph_us, save_json
 from unikv import layout
-from unikv.kernels import recurrent, recurrent_fla
+from unikv.kernels.recurrent import fla_prefill as recurrent_fla
+from unikv.kernels.recurrent import triton_ops as recurrent
 from unikv.specs import MambaSpec, StatePart
 
 MODELS = {

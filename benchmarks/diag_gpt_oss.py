@@ -28,7 +28,8 @@ from gpu_fixtures import seeded_prompts
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.demo import hf_greedy
-from unikv.kernels import moe, moe_ref
+from unikv.kernels.moe import fused as moe
+from unikv.kernels.moe import ref as moe_ref
 
 NEW = 24
 PROMPTS = seeded_prompts([3, 17, 30, 45, 64], 7)

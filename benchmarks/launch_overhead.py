@@ -5,7 +5,7 @@ synchronisation inside), one small launch of each kind:
 
     triton_jit      a Triton kernel through ``kernel[grid](...)`` (binder,
                     specialisation key, cache lookup, launch)
-    triton_direct   the same compiled kernel through ``unikv.kernels.launch``
+    triton_direct   the same compiled kernel through ``unikv.kernels.runtime.launch``
     torch_index     a torch ``index_select`` of the same size
     upload          one pinned-ring upload of 1k int32 (``PinnedRing``)
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from unikv.allocator.device import PinnedRing
-from unikv.kernels import table_update
+from unikv.kernels.tables import table_update
 
 
 def per_call_us(fn, calls: int = 100, rounds: int = 30) -> float:
@@ -52,7 +52,7 @@ def per_call_us(fn, calls: int = 100, rounds: int = 30) -> float:
 def launches() -> dict:
     from triton import knobs
 
-    from unikv.kernels.launch import Launcher
+    from unikv.kernels.runtime.launch import Launcher
 
     n = 256
     ids = torch.randint(0, 4096, (n,), dtype=torch.int32, device="cuda")

@@ -26,10 +26,10 @@ from benchmarks.bench_kernels import (
 )
 from benchmarks.common import bench_us, graph_us
 from unikv import layout
-from unikv.kernels import decode as decode_mod
-from unikv.kernels import extend as extend_mod
-from unikv.kernels import page_copy as copy_mod
-from unikv.kernels import store as store_mod
+from unikv.kernels.attention import decode as decode_mod
+from unikv.kernels.attention import extend as extend_mod
+from unikv.kernels.attention import store as store_mod
+from unikv.kernels.tables import page_copy as copy_mod
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
 

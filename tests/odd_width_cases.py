@@ -66,7 +66,7 @@ def hf_tokens(path: str, device: str, dtype: torch.dtype) -> list[list[int]]:
 
 def engine_tokens(path: str, **kw) -> tuple[list[list[int]], dict]:
     """``unikv.LLM``'s greedy tokens of ``prompts()`` (kw: LLM's arguments) and what ran:
-    ``graphs`` (CUDA graphs captured), ``torch_ops`` (ops ``kernels/widths.py`` moved to
+    ``graphs`` (CUDA graphs captured), ``torch_ops`` (ops ``kernels/runtime/widths.py`` moved to
     the torch references for these widths)."""
     import gc
 

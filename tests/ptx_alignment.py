@@ -102,7 +102,10 @@ def cases():
     """(name, fn, values, constexprs, num_warps, stride, itemsize) of every MLA cache
     reader (extend, decode split, decode fused gather / one-page tiles) and the store,
     at odd strides (the crash's 30 and 26 elements, an odd 31) and aligned ones."""
-    from unikv.kernels import mla, mla_decode, mla_decode_fused, store
+    from unikv.kernels.attention import store
+    from unikv.kernels.mla import decode as mla_decode
+    from unikv.kernels.mla import decode_fused as mla_decode_fused
+    from unikv.kernels.mla import prefill as mla
 
     rank, rope = 24, 6
     for dt, item in DTYPES.items():
@@ -220,7 +223,7 @@ def mha_cases():
     """The MHA cache readers and writers at head dims 6 and 40 (issue 38's odd widths):
     extend and decode attention (decode with its in-launch rope + store), the rope +
     store and the store, every stride ``stride`` elements."""
-    from unikv.kernels import decode, extend, rope_store, store
+    from unikv.kernels.attention import decode, extend, rope_store, store
 
     for dt, item in DTYPES.items():
         prec = "ieee" if dt == "fp32" else "tf32"

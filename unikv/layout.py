@@ -42,7 +42,7 @@ class IdMap:
     """The kernel-facing id arithmetic of one sub-pool (docs/design.md sections 3, 5).
 
     page_size ps and blocks_per_page B (the spec's id multiplier; ``IdMap(ps, 1)``
-    maps to physical token ids). The Triton twins are ``unikv/kernels/_ids.py``.
+    maps to physical token ids). The Triton twins are ``unikv/kernels/runtime/ids.py``.
 
         page entry  e = P * B                       (block tables)
         kernel id   k = e * ps + t % ps = (t // ps) * ps * B + t % ps
@@ -106,7 +106,7 @@ def kernel_ids(
 def as_paged(view: torch.Tensor, page_size: int) -> torch.Tensor:
     """A kernel view as 4-D ``(entries, ps, *row)``: page entry ``e`` and slot ``s``
     reach row ``[e, s]``, so kernel id ``k`` is ``[k // ps, k % ps]``, the torch
-    twin of ``kernels/_ids.row_offset``. A dense 3-D view ``(N, *row)`` is split
+    twin of ``kernels/runtime/ids.row_offset``. A dense 3-D view ``(N, *row)`` is split
     into blocks of ``ps`` rows (block stride ``ps * row stride``; N a multiple of
     ps); a 4-D view must have ``ps`` slots and is returned as it is."""
     if view.dim() == 4:

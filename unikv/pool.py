@@ -30,7 +30,6 @@ import torch
 from unikv import layout
 from unikv.backing import Backing, make_backing, round_up
 from unikv.ids import PhysicalPageIds, expect
-from unikv.kernels.reference import copy_pages as torch_copy_pages  # moved; importable here
 from unikv.placement import (  # re-exported: the pool's public vocabulary
     Grow,
     SubPoolConfig,
@@ -52,7 +51,6 @@ __all__ = [
     "check_pages",
     "default_grow",
     "pool_bytes_for",
-    "torch_copy_pages",
     "worst_case_pages",
 ]
 

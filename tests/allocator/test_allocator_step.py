@@ -11,7 +11,8 @@ import torch
 from allocator_fixtures import build, snapshot
 
 from unikv.kernels import get_backend
-from unikv.kernels.step_tables import StepTarget, step_tables, step_tables_ref
+from unikv.kernels.tables.ref import StepTarget, step_tables_ref
+from unikv.kernels.tables.step_tables import step_tables
 
 
 def _naive(req_to_token, slots, lens, ps, target):

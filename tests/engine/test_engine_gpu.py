@@ -93,13 +93,13 @@ def test_fp32_greedy_identical_with_triton_and_graphs(saved, refs, page_size, gr
 @pytest.mark.parametrize("batch", ["six", "one"])
 def test_bf16_teacher_forced(saved, refs, batch, monkeypatch):
     """``one``: a single request, whose decode steps run the Triton GEMV
-    (``kernels/gemv.py``, SwiGLU fused into the down projection) inside the graphs;
+    (``kernels/linear/gemv.py``, SwiGLU fused into the down projection) inside the graphs;
     the per-token checks hold, and the GEMV ran at start-up (graph capture: nothing
     else calls it before the first step). Both: every token is the first argmax of
     the logits its step returned, and the one-request greedy graph took its argmax
     from the LM head's GEMV (``argmax.finish_keys`` captured)."""
     from unikv.engine import SamplingParams
-    from unikv.kernels import argmax, gemv
+    from unikv.kernels.linear import argmax, gemv
 
     arch, _ = saved
     hf16, hf32, prompts = refs.model(torch.bfloat16), refs.model(torch.float32), _prompts()

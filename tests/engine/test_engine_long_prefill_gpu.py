@@ -1,5 +1,5 @@
 """A long fresh prompt through the engine on the H200: its prefill step runs the Gluon
-attention (``kernels/extend_hopper.py``, taken from ``MIN_Q_LEN`` tokens), and the
+attention (``kernels/attention/fresh_hopper.py``, taken from ``MIN_Q_LEN`` tokens), and the
 run is checked against transformers on the same weights (``pytest -m gpu``).
 
 The tiny models get head dim 128 (the kernel takes 128 from 1,024 tokens, 64 from
@@ -35,7 +35,7 @@ def test_long_fresh_prompt_through_the_hopper_attention(arch, tmp_path, monkeypa
     from engine_fixtures import save_tiny_model
 
     from unikv.engine import SamplingParams
-    from unikv.kernels import extend_hopper
+    from unikv.kernels.attention import fresh_hopper as extend_hopper
 
     save_tiny_model(arch, str(tmp_path), **OVERRIDES[arch])
     calls = []

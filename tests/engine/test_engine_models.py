@@ -170,7 +170,7 @@ def test_rope_frequencies_match_transformers(rope):
 def test_mxfp4_dequantisation_matches_transformers():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from unikv.kernels.mxfp4_ref import dequantize_mxfp4
+    from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
 
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 10, 2, 16), dtype=torch.uint8, generator=g)

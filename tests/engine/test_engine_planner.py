@@ -4,8 +4,8 @@
   call it: a recording backend sees each one's ops, and the tokens still equal
   transformers' greedy ones.
 - Under ``backend="triton"`` (the CPU interpreter) the runner rotates and stores
-  K/V with ``kernels/rope_store.py``'s ``rope_store_kv`` (one launch a layer),
-  samples greedy rows with ``kernels/argmax.py``, and decode attention's launch plan is made
+  K/V with ``kernels/attention/rope_store.py``'s ``rope_store_kv`` (one launch a layer),
+  samples greedy rows with ``kernels/linear/argmax.py``, and decode attention's launch plan is made
   once per step, its workspace a view of the planner's buffer.
 - CUDA-graph replay simulated on CPU: each padded size's plan is built once,
   over an empty batch, and every later step of that size runs THAT plan. Only
@@ -155,7 +155,8 @@ def test_fresh_kv_is_passed_exactly_for_requests_without_cached_tokens(llama, mo
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively (test_engine_gpu)")
 def test_triton_store_and_one_decode_plan_per_step(llama, monkeypatch):
-    from unikv.kernels import argmax, rope_store
+    from unikv.kernels.attention import rope_store
+    from unikv.kernels.linear import argmax
 
     llm, rec = _recorded_llm(monkeypatch, llama.path, "triton")
     rec.calls.clear()  # construction sized the planner's workspace with plan_decode

@@ -28,7 +28,7 @@ from engine_fixtures import (
 )
 
 from unikv.engine import LLM
-from unikv.kernels import moe_ref
+from unikv.kernels.moe import ref as moe_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -157,7 +157,8 @@ def test_fused_moe_against_reference(dtype):
     from test_kernels_moe import _close as close
     from test_kernels_moe import _dense_case, _mxfp4, _routing
 
-    from unikv.kernels import moe, moe_ref
+    from unikv.kernels.moe import fused as moe
+    from unikv.kernels.moe import ref as moe_ref
 
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for case in [("silu", "concat", 8, 2, 72, 70, 37), ("gpt_oss", "interleaved", 5, 2, 40, 24, 5)]:
@@ -182,8 +183,7 @@ def test_fused_elementwise_against_reference(dtype):
     """Odd shapes: 37 rows of 200, GQA 6/2 heads of 40 with rotary dim 24, I 88."""
     from test_kernels_elementwise import _close
 
-    from unikv.kernels import elementwise
-    from unikv.kernels import elementwise_ref as ref
+    from unikv.kernels.linear import elementwise, ref
 
     gen = torch.Generator().manual_seed(0)
 
@@ -220,7 +220,8 @@ def test_fused_elementwise_against_reference(dtype):
 def test_mla_decode_against_reference(dtype, ps, heads):
     from test_kernels_mla_decode import Case, indptr, queries
 
-    from unikv.kernels import mla_decode, mla_ref
+    from unikv.kernels.mla import decode as mla_decode
+    from unikv.kernels.mla import ref as mla_ref
 
     lens = [1, 300, 1500]
     case = Case(lens, 512, 64, ps, dtype=dtype, device="cuda", seed=ps + heads)

@@ -1,4 +1,4 @@
-"""GPU only: ``unikv.kernels.launch`` gives the same results as ``kernel[grid]``
+"""GPU only: ``unikv.kernels.runtime.launch`` gives the same results as ``kernel[grid]``
 and the torch reference, for a hot-path kernel (keyed by dtype alone) and for a
 kernel Triton specialises on ints equal to 1 / multiples of 16 and on pointer
 alignment, and it reuses compiled kernels."""
@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels import table_update
-from unikv.kernels.launch import Launcher
+from unikv.kernels.runtime.launch import Launcher
+from unikv.kernels.tables import ref as tables_ref
+from unikv.kernels.tables import table_update
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +33,7 @@ def test_direct_launch_matches_jit_launch_and_reference(dtype):
         grid = (triton.cdiv(n, 256),)
         table_update._translate_kernel[grid](ids, v2p, expected, n, MULT=32, PS=16, BLOCK=256)
         reference = torch.empty(n, dtype=torch.int32, device="cuda")
-        table_update.translate_ids_ref(ids, v2p, 16, 32, reference)  # torch reference
+        tables_ref.translate_ids_ref(ids, v2p, 16, 32, reference)  # torch reference
         torch.testing.assert_close(expected, reference, rtol=0, atol=0)
         for _ in range(2):  # the first call of a new key compiles, the second goes direct
             got = torch.full((n,), 12345, dtype=torch.int32, device="cuda")

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from unikv.kernels import backend as kb
-from unikv.kernels import moe_ref
-from unikv.kernels.mxfp4_ref import dequantize_mxfp4
+from unikv.kernels.moe import ref as moe_ref
+from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,8 @@ def test_triton_backend_variants_follow_the_device_and_the_switch(monkeypatch, f
     the Hopper variant only on sm_90, for bf16 experts in whole 64-blocks, and not with
     ``UNIKV_MOE_HOPPER=0`` (``env.FLAGS.moe_hopper``, read when the backend is built)."""
     from unikv import env
-    from unikv.kernels import moe, moe_hopper
+    from unikv.kernels.moe import fused as moe
+    from unikv.kernels.moe import hopper as moe_hopper
 
     monkeypatch.setattr(kb, "_sm90", lambda device: True)
     monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, moe_hopper=True))
@@ -95,25 +96,33 @@ def test_triton_backend_variants_follow_the_device_and_the_switch(monkeypatch, f
 
 
 def test_extend_hopper_is_decided_by_the_backend(monkeypatch, fresh_cache):
-    """The fresh-prompt Gluon attention: the CUDA Triton backend on sm_90 passes
-    ``hopper=True`` to its extend op, once; elsewhere the op is the plain one (whose
-    default never probes the device)."""
-    import functools
-
-    from unikv.kernels import extend, extend_hopper
+    """The fresh-prompt Gluon attention: the CUDA Triton backend on sm_90 binds the
+    kernel's shortest prompts into its ``plan_extend``, once; each step's plan then asks
+    for ``hopper`` where the prompt is that long (per head dim). Elsewhere the plan holds
+    no ``hopper`` key and the extend op is the plain one (whose default never probes the
+    device). (Before the step plans, the backend bound ``hopper=True`` into its extend op
+    and the op compared the length on every layer.)"""
+    from unikv.kernels.attention import extend
+    from unikv.kernels.attention import fresh_hopper as extend_hopper
 
     monkeypatch.setattr(kb, "_sm90", lambda device: True)
     monkeypatch.setattr(extend_hopper, "ENABLED", True)
-    op = kb.get_backend("cuda", "triton").extend_attention
-    assert isinstance(op, functools.partial) and op.keywords == {"hopper": True}
+    ops = kb.get_backend("cuda", "triton")
+    assert ops.extend_attention is extend.extend_attention
+    for dim, shortest in extend_hopper.MIN_Q_LEN.items():
+        assert ops.plan_extend(1, max_q_len=shortest, head_dim=dim).launch == {"hopper": True}
+        assert ops.plan_extend(3, max_q_len=shortest - 1, head_dim=dim).launch == {"hopper": False}
+    assert ops.plan_extend(1, max_q_len=1 << 20, head_dim=96).launch == {"hopper": False}
     monkeypatch.setattr(extend_hopper, "ENABLED", False)  # UNIKV_EXTEND_HOPPER=0
-    assert kb.get_backend("cuda", "triton").extend_attention is extend.extend_attention
-    assert kb.get_backend("cpu", "triton").extend_attention is extend.extend_attention
+    for device in ("cuda", "cpu"):
+        ops = kb.get_backend(device, "triton")
+        assert ops.extend_attention is extend.extend_attention
+        assert ops.plan_extend(1, max_q_len=1 << 20, head_dim=128).launch == {}
 
 
 def test_switches_are_read_at_import(tmp_path):
     """``UNIKV_EXTEND_HOPPER`` is read once, when the module loads (a subprocess)."""
-    code = "from unikv.kernels import extend_hopper; print(extend_hopper.ENABLED)"
+    code = "from unikv.kernels.attention import fresh_hopper; print(fresh_hopper.ENABLED)"
     for value, want in (("0", "False"), ("1", "True")):
         env = {**os.environ, "UNIKV_EXTEND_HOPPER": value}
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
@@ -295,7 +304,7 @@ def test_routed_experts_run_the_backend_they_were_built_with(name):
 
 def _ops_of(model) -> set[str]:
     """The backend names the model's modules call (their ``ops`` and MoE kernels)."""
-    from unikv.kernels import moe
+    from unikv.kernels.moe import fused as moe
 
     names = {m.ops.name for m in model.modules() if hasattr(m, "ops")}
     kernels = {m.kernel for m in model.modules() if hasattr(m, "kernel")}
@@ -371,7 +380,7 @@ def test_gpt_oss_repacks_only_through_the_backends_variant(tmp_path, monkeypatch
 def test_hopper_repack_in_place_matches_pack_experts():
     """``moe_hopper.repack_in_place`` leaves the four tensors holding ``pack_experts``'
     bytes and returns views of them (CPU: the packing is plain torch)."""
-    from unikv.kernels import moe_hopper
+    from unikv.kernels.moe import hopper as moe_hopper
 
     g = torch.Generator().manual_seed(7)
     e, d, i = 2, 64, 64
@@ -391,8 +400,11 @@ def test_hopper_repack_in_place_matches_pack_experts():
 
 # -- no per-call switches ---------------------------------------------------------------
 
-PER_CALL_FREE = ("gemv", "decode", "pdl", "extend_sdpa", "extend_hopper", "extend_fresh",
-                 "moe", "moe_hopper", "moe_ref", "elementwise", "backend")  # fmt: skip
+# every kernel module (the op families' folders included)
+PER_CALL_FREE = sorted(
+    p.relative_to(ROOT / "unikv" / "kernels").with_suffix("").as_posix()
+    for p in (ROOT / "unikv" / "kernels").rglob("*.py")
+)
 
 
 def _cached(func: ast.FunctionDef) -> bool:

@@ -58,7 +58,7 @@ def test_decode_merge_passes_match_oracle(monkeypatch, tile, sinks):
     """The split merge, reading all 9 splits in one pass or 4 at a time (the last pass
     partly masked), against the dense oracle; splits past a short request's keys are
     empty (lse -inf)."""
-    from unikv.kernels import decode
+    from unikv.kernels.attention import decode
 
     monkeypatch.setattr(decode, "MERGE_TILE", tile)
     launch = decode.merge_launch(9, DIM)
@@ -212,7 +212,7 @@ def test_triton_extend_paged_tile_wider_than_block():
 
 
 def test_triton_extend_fresh_rejects_bad_kv():
-    from unikv.kernels.extend_fresh import extend_attention_fresh
+    from unikv.kernels.attention.fresh import extend_attention_fresh
 
     q, k, v = _fused_qkv(8, 2, 1, seed=1)
     indptr = torch.tensor([0, 8], dtype=torch.int32)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from kernel_cases import PagedCase
 
-from unikv.kernels import gemv, get_backend
+from unikv.kernels import get_backend
+from unikv.kernels.linear import gemv
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,4 +1,4 @@
-"""The fused elementwise ops (``unikv/kernels/elementwise.py``) against their torch
+"""The fused elementwise ops (``unikv/kernels/linear/elementwise.py``) against their torch
 references (``elementwise_ref.py``), and the references against transformers'
 own unfused modules and functions (LlamaRMSNorm, GptOssRMSNorm, Gemma2RMSNorm,
 apply_rotary_pos_emb of Llama and Qwen3-Next, LlamaMLP's and Gemma2MLP's activations).
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unikv.kernels import elementwise_ref as ref
 from unikv.kernels.backend import get_backend
+from unikv.kernels.linear import ref
 
 TRITON = get_backend("cpu", "triton")
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""The Hopper fresh-prompt attention (``kernels/extend_hopper.py``, Gluon).
+"""The Hopper fresh-prompt attention (``kernels/attention/fresh_hopper.py``, Gluon).
 
 On the CPU: where the path is taken (``runs_on``: the device and the switch;
 ``usable``: dtypes, head dims, window / soft-cap, strides a TMA descriptor can address) and that
@@ -16,8 +16,9 @@ import math
 import pytest
 import torch
 
-from unikv.kernels import extend_fresh, extend_hopper
-from unikv.kernels._interpret import patch_interpreter
+from unikv.kernels.attention import fresh as extend_fresh
+from unikv.kernels.attention import fresh_hopper as extend_hopper
+from unikv.kernels.runtime.interpret import patch_interpreter
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 

@@ -1,4 +1,4 @@
-"""A step of one fresh prompt through torch's SDPA (``kernels/extend_sdpa.py``, the CUDA
+"""A step of one fresh prompt through torch's SDPA (``kernels/attention/sdpa.py``, the CUDA
 backend's ``extend_attention``), on CPU (SDPA's math path): the layout it hands SDPA
 (token-major views, grouped KV heads, ``out``) against the dense fp32 oracle, and the
 steps it must leave to the Triton kernels (several prompts, a window, sinks, soft-cap,
@@ -11,7 +11,9 @@ import pytest
 import torch
 from kernel_cases import PagedCase, oracle_attention
 
-from unikv.kernels import extend, extend_sdpa, get_backend
+from unikv.kernels import get_backend
+from unikv.kernels.attention import extend
+from unikv.kernels.attention import sdpa as extend_sdpa
 
 DIM = 64  # a head dim the SDPA path takes
 TRITON = get_backend("cpu", "triton")

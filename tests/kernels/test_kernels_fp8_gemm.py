@@ -1,5 +1,5 @@
-"""The block-scaled FP8 GEMM (``kernels/fp8_gemm.py``, on CPU through the Triton
-interpreter) and its torch reference (``kernels/fp8_gemm_ref.py``).
+"""The block-scaled FP8 GEMM (``kernels/linear/fp8_gemm.py``, on CPU through the Triton
+interpreter) and its torch reference (``kernels/linear/fp8_gemm_ref.py``).
 
 Oracles: a naive loop over blocks dequantising the weight one scalar scale at a time
 (``test_models_fp8.naive_dequant``) times x in fp32 (``F.linear``); for the prefill
@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unikv.kernels import fp8_gemm, fp8_gemm_ref
 from unikv.kernels.backend import get_backend
+from unikv.kernels.linear import fp8_gemm, fp8_gemm_ref
 
 FP8_MAX = 448.0
 

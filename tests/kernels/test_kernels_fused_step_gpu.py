@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from unikv import layout
-from unikv.kernels import elementwise_ref, get_backend
+from unikv.kernels import get_backend
+from unikv.kernels.linear import ref as elementwise_ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
 

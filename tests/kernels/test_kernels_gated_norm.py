@@ -14,7 +14,8 @@ from transformers.models.falcon_h1 import modeling_falcon_h1 as hf_falcon
 from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen
 
-from unikv.kernels import elementwise, elementwise_ref
+from unikv.kernels.linear import elementwise
+from unikv.kernels.linear import ref as elementwise_ref
 
 EPS = 1e-5
 T, HEADS, DIM = 5, 3, 12  # odd rows, groups not a power of two

@@ -1,4 +1,4 @@
-"""The Triton GEMV (``kernels/gemv.py``, on CPU through the interpreter) against
+"""The Triton GEMV (``kernels/linear/gemv.py``, on CPU through the interpreter) against
 ``F.linear`` on the same operands: 1-4 rows, K a multiple of the K tile and not, N
 not a multiple of the row tile, strided rows of x (a slice of a wider activation)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unikv.kernels import gemv
+from unikv.kernels.linear import gemv
 
 
 @pytest.mark.parametrize("m", [1, 3, 4])
@@ -43,7 +43,7 @@ def test_gemv_refuses_what_it_cannot_take():
 def test_gemv_fused_silu_mul_and_bias_match_the_two_ops(m, bias):
     """SwiGLU fused into the GEMV's loads, with a bias: against the torch reference's
     ``F.linear(silu_mul(gate_up)) + b`` in bf16, and the fp32 case to 1e-5."""
-    from unikv.kernels import elementwise_ref
+    from unikv.kernels.linear import ref as elementwise_ref
 
     g = torch.Generator().manual_seed(m + 2 * bias)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
@@ -81,7 +81,7 @@ def test_gemv_fused_norm_matches_norm_then_linear(m, residual, w_fp32):
     product against the torch reference's add_rms_norm then F.linear (bf16 to 1e-2,
     fp32 to 1e-5); the summed residual it returns bit-equal to ``residual + x``, and
     x itself without a residual. K 100 (not a multiple of the K tile), 2 programs."""
-    from unikv.kernels import elementwise_ref
+    from unikv.kernels.linear import ref as elementwise_ref
 
     g = torch.Generator().manual_seed(m + 2 * residual + 4 * w_fp32)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
@@ -208,7 +208,7 @@ def test_gemv_table_from_the_environment(tmp_path):
     import sys
 
     env = {**os.environ, "UNIKV_GEMV_TABLE": json.dumps({"2048,8192": [4, 1024, 4, 3]})}
-    code = ("from unikv.kernels import gemv; "
+    code = ("from unikv.kernels.linear import gemv; "
             "print(gemv.config_for(2048, 8192), gemv.config_for(3072, 2048) == gemv.CONFIG)")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)  # fmt: skip
@@ -283,7 +283,7 @@ def test_gemv_candidates_on_the_gpu(cfg):
     """Every candidate config, compiled for the GPU, at Llama-3.2-1B's qkv (with the
     pre-norm and residual) and down (SwiGLU inside) shapes against the torch
     references in fp32 arithmetic, bf16 operands."""
-    from unikv.kernels import elementwise_ref
+    from unikv.kernels.linear import ref as elementwise_ref
 
     g = torch.Generator().manual_seed(sum(cfg))
     x = torch.randn(1, 2048, generator=g).bfloat16().cuda()

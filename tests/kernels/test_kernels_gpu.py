@@ -14,8 +14,8 @@ from kernel_cases import PagedCase, indptr_of, paged_decode, paged_extend, paged
 
 from unikv import layout
 from unikv.kernels import get_backend
-from unikv.kernels.extend_fresh import CANDIDATES as FRESH_CANDIDATES
-from unikv.kernels.reference import copy_pages as torch_copy_pages
+from unikv.kernels.attention.fresh import CANDIDATES as FRESH_CANDIDATES
+from unikv.kernels.attention.ref import copy_pages as torch_copy_pages
 
 pytestmark = [
     pytest.mark.gpu,
@@ -217,7 +217,7 @@ def test_extend_one_fresh_prompt_through_sdpa(dim):
     import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
-    from unikv.kernels import extend_sdpa
+    from unikv.kernels.attention import sdpa as extend_sdpa
 
     lens = [4096]
     case = PagedCase(lens, HKV, dim, 16, dtype=torch.bfloat16, device="cuda", seed=9)

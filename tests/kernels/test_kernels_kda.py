@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unikv.kernels import recurrent, recurrent_ref
+from unikv.kernels.recurrent import ref as recurrent_ref
+from unikv.kernels.recurrent import triton_ops as recurrent
 
 H, DK, DV = 3, 12, 10
 

@@ -1,4 +1,4 @@
-"""The MLA decode kernel (``unikv/kernels/mla_decode.py``) against the torch reference
+"""The MLA decode kernel (``unikv/kernels/mla/decode.py``) against the torch reference
 (``mla_ref``) and against softmax attention written from the definition over the rows
 the test itself stored, under TRITON_INTERPRET=1 on CPU (GPU cases: ``-m gpu``).
 
@@ -17,7 +17,10 @@ import math
 import pytest
 import torch
 
-from unikv.kernels import mla_decode, mla_decode_fused, mla_decode_plan, mla_ref
+from unikv.kernels.mla import decode as mla_decode
+from unikv.kernels.mla import decode_fused as mla_decode_fused
+from unikv.kernels.mla import plan as mla_decode_plan
+from unikv.kernels.mla import ref as mla_ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MLASpec
 

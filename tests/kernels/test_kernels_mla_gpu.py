@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from unikv import layout
-from unikv.kernels import mla, mla_ref
+from unikv.kernels.mla import prefill as mla
+from unikv.kernels.mla import ref as mla_ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MLASpec
 

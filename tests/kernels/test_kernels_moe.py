@@ -1,5 +1,5 @@
-"""The fused MoE (``kernels/moe.py``, Triton; on CPU through the interpreter) against
-its torch reference (``kernels/moe_ref.py``), and the reference against a naive
+"""The fused MoE (``kernels/moe/fused.py``, Triton; on CPU through the interpreter) against
+its torch reference (``kernels/moe/ref.py``), and the reference against a naive
 per-token loop written here from the definition.
 
 Shapes are tiny and odd: 3-8 experts, top-1/2, hidden 40 and 72 (not multiples of
@@ -18,8 +18,9 @@ import pytest
 import torch
 import triton
 
-from unikv.kernels import moe, moe_ref
-from unikv.kernels.mxfp4_ref import dequantize_mxfp4
+from unikv.kernels.moe import fused as moe
+from unikv.kernels.moe import ref as moe_ref
+from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
 from unikv.models.moe import RoutedExperts
 
 CASES = [  # activation, gate_up, experts, top_k, hidden, intermediate, tokens

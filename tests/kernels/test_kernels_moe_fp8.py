@@ -23,8 +23,9 @@ import pytest
 import torch
 from test_kernels_fp8_gemm import naive_dequant
 
-from unikv.kernels import fp8_gemm_ref, moe_ref
 from unikv.kernels.backend import get_backend
+from unikv.kernels.linear import fp8_gemm_ref
+from unikv.kernels.moe import ref as moe_ref
 
 FP8_MAX = 448.0
 BLOCK = (8, 12)

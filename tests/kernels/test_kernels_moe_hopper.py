@@ -1,4 +1,4 @@
-"""The Hopper MXFP4 MoE (``kernels/moe_hopper.py``) and its weight order (``mxfp4_frag``).
+"""The Hopper MXFP4 MoE (``kernels/moe/hopper.py``) and its weight order (``mxfp4_frag``).
 
 CPU: the fragment packing against a byte-by-byte description of the same order (each
 byte's row, k and nibbles derived from the lane / byte index bits). GPU (sm_90): the
@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_kernels_moe import _close, _mxfp4, _routing
 
-from unikv.kernels import mxfp4_frag
+from unikv.kernels.moe import mxfp4_frag
 
 
 def _naive_pack(blocks: torch.Tensor, scales: torch.Tensor):
@@ -71,7 +71,7 @@ def test_pack_fragments_refuses_shapes_it_cannot_tile():
 def test_hopper_moe_refuses_bad_arguments():
     """Checked before any launch (so on the CPU too): the activations' dtype and width,
     the routing's shape, the activation."""
-    from unikv.kernels import moe_hopper
+    from unikv.kernels.moe import hopper as moe_hopper
 
     g = torch.Generator().manual_seed(2)
     w1 = torch.randint(0, 256, (2, 128, 2, 16), dtype=torch.uint8, generator=g)
@@ -124,7 +124,8 @@ def _case(e, k, d, i, t, seed, scale_lo=120, scale_hi=128, bias=True):
 @pytest.mark.parametrize("t", [1, 37, 300])
 def test_hopper_moe_matches_the_reference(block_t, stages, half, warps, activation, gate_up, t):
     """I = 192 on 8 warps (128 features a program): the last tile half past the matrix."""
-    from unikv.kernels import moe_hopper, moe_ref
+    from unikv.kernels.moe import hopper as moe_hopper
+    from unikv.kernels.moe import ref as moe_ref
 
     x, weights, ids, w1, s1, w2, s2, b1, b2 = _case(6, 2, 128, 192, t, seed=t)
     kw = {"activation": activation, "gate_up": gate_up, "b1": b1, "b2": b2}
@@ -143,7 +144,8 @@ def test_hopper_moe_matches_the_reference(block_t, stages, half, warps, activati
 def test_hopper_moe_two_multiply_decode_beyond_the_one_multiply_range():
     """Down-projection exponents up to 160 (2^126 times those scales overflows bf16):
     packing picks the two-multiply decode, which matches the reference."""
-    from unikv.kernels import moe_hopper, moe_ref
+    from unikv.kernels.moe import hopper as moe_hopper
+    from unikv.kernels.moe import ref as moe_ref
 
     x, weights, ids, w1, s1, w2, s2, _, _ = _case(2, 1, 64, 64, 5, seed=9, bias=False)
     s2.random_(100, 161)

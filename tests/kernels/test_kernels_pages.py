@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unikv.kernels import get_backend
-from unikv.kernels.reference import copy_pages as torch_copy_pages
+from unikv.kernels.attention.ref import copy_pages as torch_copy_pages
 
 BACKENDS = ["triton", "torch"]
 

@@ -19,7 +19,9 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen
 
 from unikv import layout
-from unikv.kernels import recurrent, recurrent_fla, recurrent_ref
+from unikv.kernels.recurrent import fla_prefill as recurrent_fla
+from unikv.kernels.recurrent import ref as recurrent_ref
+from unikv.kernels.recurrent import triton_ops as recurrent
 from unikv.specs import MambaSpec, StatePart
 
 LAYER, NUM_SLOTS = 1, 9

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from unikv import layout
-from unikv.kernels import recurrent, recurrent_fla, recurrent_ref
+from unikv.kernels.recurrent import fla_prefill as recurrent_fla
+from unikv.kernels.recurrent import ref as recurrent_ref
+from unikv.kernels.recurrent import triton_ops as recurrent
 from unikv.specs import MambaSpec, StatePart
 
 pytestmark = [

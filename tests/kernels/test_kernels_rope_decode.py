@@ -14,7 +14,8 @@ import pytest
 import torch
 from kernel_cases import PagedCase, oracle_attention
 
-from unikv.kernels import elementwise_ref, get_backend
+from unikv.kernels import get_backend
+from unikv.kernels.linear import ref as elementwise_ref
 
 TRITON = get_backend("cpu", "triton")
 TORCH = get_backend("cpu", "torch")

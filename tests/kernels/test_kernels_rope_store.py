@@ -1,6 +1,6 @@
-"""The fused rope + K/V store (``kernels/rope_store.py``, Triton under the CPU
+"""The fused rope + K/V store (``kernels/attention/rope_store.py``, Triton under the CPU
 interpreter) against the two ops it replaces, and the Triton greedy argmax
-(``kernels/argmax.py``) against ``torch.argmax``.
+(``kernels/linear/argmax.py``) against ``torch.argmax``.
 
 rope + store: the pool's bytes after one fused launch equal, byte for byte, those
 after the Triton ``rope_qk`` then ``store_kv``; against the torch references
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from unikv import layout
-from unikv.kernels import elementwise_ref
 from unikv.kernels.backend import get_backend
+from unikv.kernels.linear import ref as elementwise_ref
 from unikv.pool import SubPoolConfig, UnifiedPool, pool_bytes_for
 from unikv.specs import MHASpec
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from unikv.kernels import moe, moe_hopper
+from unikv.kernels.moe import fused as moe
+from unikv.kernels.moe import hopper as moe_hopper
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +84,7 @@ def _compiled(flag: str, tmp_path) -> dict:
 
 
 def _keeps_pdl_contract(result: dict, trigger: bool) -> bool:
-    """kernels/pdl.py's contract in a compiled kernel: one wait, no global load or store
+    """kernels/runtime/pdl.py's contract in a compiled kernel: one wait, no global load or store
     before it, and (``trigger``) one trigger, placed after it."""
     return (result["pdl_wait"] == 1 and result["stores_before_wait"] == 0
             and result["loads_before_wait"] == 0 and not result["trigger_before_wait"]
@@ -131,13 +132,13 @@ def test_hopper_moe_compiles_for_sm90(tmp_path):
 
 
 def test_hopper_extend_compiles_for_sm90(tmp_path):
-    """The Hopper fresh-prompt attention (Gluon, ``kernels/extend_hopper.py``) at D 64 and
+    """The Hopper fresh-prompt attention (Gluon, ``kernels/attention/fresh_hopper.py``) at D 64 and
     128, with and without sinks: it compiles for sm_90a without spills, its products
     wgmma, its shared memory within an SM's, the registers split between the consumer
     warpgroups (240) and the producer (24), and every buffer release (one thread's
     mbarrier arrival) after a barrier over its warpgroup, so no warp of it still reads
     the buffer the producer refills."""
-    from unikv.kernels import extend_hopper
+    from unikv.kernels.attention import fresh_hopper as extend_hopper
 
     results = _compiled("--extend", tmp_path)
     assert sorted(results) == ["d128", "d128:sinks", "d64", "d64:sinks"]

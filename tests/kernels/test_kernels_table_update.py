@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from unikv.kernels import table_update as tu
-from unikv.kernels import tables_ref
+from unikv.kernels.tables import ref as tables_ref
+from unikv.kernels.tables import table_update as tu
 
 
 def _case(rng: np.random.Generator, sizes: list[int], num_segments: int):

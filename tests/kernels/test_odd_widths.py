@@ -6,7 +6,7 @@
   load lands on a row that is not that aligned. The MLA kernels did before the fix
   (16-byte loads at 120-byte rows: the GPU's ``misaligned address``). Aligned rows keep
   their vector loads.
-- The start-up check (``kernels/widths.py``): the MHA attention kernels that do not
+- The start-up check (``kernels/runtime/widths.py``): the MHA attention kernels that do not
   compile at head_dim 6 are exactly the ops it moves to the torch references; odd widths
   they take keep the Triton backend untouched; an odd rope width is refused naming
   ``qk_rope_head_dim``.
@@ -29,7 +29,7 @@ from engine_fixtures import one_thread  # noqa: F401  (a fixture)
 from odd_width_cases import engine_tokens, hf_tokens, save_case
 
 from unikv.kernels import get_backend
-from unikv.kernels import widths as W
+from unikv.kernels.runtime import widths as W
 from unikv.placement import SubPoolConfig
 from unikv.specs import MHASpec, MLASpec
 
@@ -127,7 +127,8 @@ def test_triton_engine_at_odd_widths_matches_transformers(tmp_path, case, page_s
 def test_tma_rules_refuse_boxes_wider_than_256_columns():
     """A TMA box is at most 256 columns: the launchers' host checks take the pointer path
     for wider heads or latent halves (a descriptor would fail to build)."""
-    from unikv.kernels import _checks, mla_decode_fused
+    from unikv.kernels.mla import decode_fused as mla_decode_fused
+    from unikv.kernels.runtime import checks as _checks
 
     if not _checks.has_tensor_descriptor():
         pytest.skip("Triton without host tensor descriptors")

@@ -13,7 +13,7 @@ GPU mostly idle), so a crash fails that case's rows with the process's last outp
 - fp32: the engine's tokens are transformers'.
 - bf16: the first token of at least 3 of the 4 prompts is transformers-bf16's (a bf16
   near-tie may flip one; a misread row gives garbage from the first token).
-- head dim 6 runs its attention on the torch references (``kernels/widths.py``: the
+- head dim 6 runs its attention on the torch references (``kernels/runtime/widths.py``: the
   Triton tiles need next_pow2(head_dim) >= 16); every other case runs Triton throughout.
 """
 

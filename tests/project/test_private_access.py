@@ -21,9 +21,9 @@ PACKAGE = Path(unikv.__file__).parent
 ALLOWED = {
     ("detokenize.py", "Fast._decode"): "transformers' decoding lives in the private "
     "_decode; a tokenizer class that overrides it decodes its own way (Whisper, ...)",
-    ("_interpret.py", "interpreter._patch_lang_tensor"): "Triton's interpreter has no "
+    ("interpret.py", "interpreter._patch_lang_tensor"): "Triton's interpreter has no "
     "public hook for the patch TRITON_INTERPRET=1 needs",
-    ("_interpret.py", "patched._unikv_patched"): "unikv's own marker on Triton's patched "
+    ("interpret.py", "patched._unikv_patched"): "unikv's own marker on Triton's patched "
     "function, so that the patch is applied once",
     ("integrity.py", "prefix._next_id"): "the allocator's integrity check audits its parts' "
     "internals (node ids below the next one); the allocator tree work owns this module",

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from unikv.env import FLAGS
-from unikv.kernels._private import current_raw_stream, record_event
+from unikv.kernels.runtime.private import current_raw_stream, record_event
 
 Uploader = Callable[[np.ndarray | list], torch.Tensor]
 # CUDA: uploads on a side stream the caller's stream waits for (UNIKV_SIDE_UPLOAD=0: on

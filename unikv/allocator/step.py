@@ -11,7 +11,7 @@ translate the write ids of every token sub-pool.
         translate(ids, n, out=loc_n)
 
 but costs one upload and two launches (``update_tables``, then
-``kernels.step_tables``) instead of three uploads and six launches, and its host
+``kernels.tables.step_tables``) instead of three uploads and six launches, and its host
 bookkeeping is shared. Allocation runs before the frees, so no physical page is
 both freed and taken in one step (the fused table write needs distinct indices).
 """
@@ -27,7 +27,7 @@ import torch
 from unikv.allocator.pages import PageBook
 from unikv.allocator.translate import check_block_table
 from unikv.ids import KernelIds, KernelPageIds, VirtualTokenIds
-from unikv.kernels.tables_ref import StepTarget
+from unikv.kernels.tables.ref import StepTarget
 
 # KernelBackend.prepare_step: (req_to_token, page_size, targets) -> run(req_slots, seq_lens)
 PrepareStep = Callable[..., Callable[[torch.Tensor, torch.Tensor], None]]

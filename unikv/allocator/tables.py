@@ -25,7 +25,7 @@ import torch
 from unikv.allocator.device import Uploader
 from unikv.allocator.pages import PageBook
 from unikv.kernels.backend import KernelBackend
-from unikv.kernels.tables_ref import HEADER
+from unikv.kernels.tables.ref import HEADER
 
 Part = int  # a handle of one host array of a patch
 

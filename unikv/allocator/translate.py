@@ -5,7 +5,7 @@ rules and the debug-mode tombstone checks.
                   -> P * mult + tv mod ps        mult = ps * B: kernel ids
                                                  mult = ps:     physical token ids
 
-The arithmetic is ``unikv.layout.IdMap`` (torch) and ``unikv.kernels._ids``
+The arithmetic is ``unikv.layout.IdMap`` (torch) and ``unikv.kernels.runtime.ids``
 (Triton), run by the backend's ``translate_ids`` op (chosen once). A negative
 (padding) id and a tombstone (v2p = -1) land in the sink, at every page size;
 ``v2p[-1]`` is never read (docs/lessons.md bug 1). ``out=`` receives the first ``n``

@@ -352,10 +352,18 @@ class ExtendAttention(DecodeAttention):
         kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
               "sinks": sinks, "soft_cap": cache.soft_cap}  # fmt: skip
         split = plan.split if own else None
+        # the fresh prompts' variant (Gluon kernel, SDPA) for their length: the step's plan
+        extend = getattr(plan, "extend", None)  # (a test's plan may lack it)
+        fresh_kw = extend[cache.subpool].launch if extend else {}
         if split is None:
+            if not (plan.fresh and own):
+                return self.backend.extend_attention(
+                    q, cache.k, cache.v, step.block_table, plan.q_indptr, plan.seq_lens,
+                    max_q_len=plan.max_q_len, **kw,
+                )  # fmt: skip
             return self.backend.extend_attention(
                 q, cache.k, cache.v, step.block_table, plan.q_indptr, plan.seq_lens,
-                max_q_len=plan.max_q_len, fresh_kv=(k, v) if plan.fresh and own else None, **kw,
+                max_q_len=plan.max_q_len, fresh_kv=(k, v), **kw, **fresh_kw,
             )  # fmt: skip
         # two parts: requests with a cached prefix through the block table, then the
         # fresh prompts (the last requests) over their own rows, into one output
@@ -368,6 +376,6 @@ class ExtendAttention(DecodeAttention):
         self.backend.extend_attention(
             q[row:], cache.k, cache.v, step.block_table[first:], split.q_indptr,
             plan.seq_lens[first:], max_q_len=split.max_q_fresh, out=out[row:],
-            fresh_kv=(k[row:], v[row:]), **kw,
+            fresh_kv=(k[row:], v[row:]), **kw, **fresh_kw,
         )  # fmt: skip
         return out

@@ -40,7 +40,7 @@ from unikv.engine.warmup import warm_linears, warm_sampling
 from unikv.env import FLAGS
 from unikv.hf_config import specs_from_hf_config
 from unikv.kernels import get_backend
-from unikv.kernels.widths import fit_backend
+from unikv.kernels.runtime.widths import fit_backend
 from unikv.models.loader import load_model, load_model_config, load_tokenizer
 from unikv.models.moe import DENSE_MAX_TOKENS
 from unikv.pool import UnifiedPool
@@ -130,7 +130,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
     check_prefix_host_bytes(c.prefix_host_bytes, caching, configs)
     check_swap(c.preemption, c.swap_host_bytes, configs, tp_group)
     # the kernels' width and alignment rules, once: torch ops where Triton cannot
-    # take a width, a ValueError naming the field where nothing can (kernels/widths.py)
+    # take a width, a ValueError naming the field where nothing can (kernels/runtime/widths.py)
     backend = fit_backend(get_backend(device, c.backend), configs, model_config)
     total, max_bytes = _pool_bytes(c, configs, model, device, max_model_len, tp, state_slots)
     if backing is not None and max_bytes is None:

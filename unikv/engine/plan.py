@@ -35,7 +35,7 @@ import torch
 from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
-from unikv.kernels.backend import DecodePlan, KernelBackend
+from unikv.kernels.backend import DecodePlan, ExtendPlan, KernelBackend
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -85,6 +85,9 @@ class StepPlan:
     split: an extend step whose last requests, not all of them, have no cached
         tokens (``FreshSplit``: prompts joining a step of decodes and continued
         chunks): attention runs in two parts, else None.
+    extend: per attention sub-pool the ExtendPlan of the step's fresh prompts (a
+        fresh step's, or a split step's fresh part: the variant their length takes),
+        else None.
     feedback: the planner's (max_seqs,) int64 buffer of the previous step's tokens,
         in the plans of one-row graphs when ``StepPlanner.feed_graphs`` (a model
         that resolves placeholders from it: ``CausalLM.resolves_feedback``), else None.
@@ -103,6 +106,7 @@ class StepPlan:
     draft_slots: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
+    extend: dict[str, ExtendPlan] | None = None
     feedback: torch.Tensor | None = None
     slots: torch.Tensor | None = None  # (R,) int32 request slots (padded lanes: 0)
 
@@ -238,6 +242,12 @@ class StepPlanner:
         first = num if pad_q > 1 else first
         verify = self.draft_k > 0 and (pad_q > 1 or batch.drafts is not None)
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
+        fresh = first == 0 and pad_q == 1  # no cached tokens: the cache holds the new ones
+        extend = None
+        if fresh:
+            extend = self._extend_plans(num, max_q_len)
+        elif split is not None:
+            extend = self._extend_plans(num - split.first, split.max_q_fresh)
         return StepPlan(
             is_decode=is_decode,
             input_ids=dev["input_ids"],
@@ -250,8 +260,9 @@ class StepPlanner:
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
-            fresh=first == 0 and pad_q == 1,  # no cached tokens: the cache holds the new ones
+            fresh=fresh,
             split=split,
+            extend=extend,
             feedback=self.feedback if feed else None,
             slots=dev["slots"],
         )
@@ -293,6 +304,14 @@ class StepPlanner:
                 write[real:].zero_()
             steps[sub.name] = SubPoolStep(KernelIds(write, sub.name), table)
         return steps
+
+    def _extend_plans(self, num: int, max_q_len: int) -> dict[str, ExtendPlan]:
+        """The fresh prompts' launch plan per attention sub-pool, once per step: ``num``
+        prompts, the longest ``max_q_len`` tokens (host ints)."""
+        return {
+            s.name: self.backend.plan_extend(num, max_q_len=max_q_len, head_dim=s.spec.head_dim)
+            for s in self.attention
+        }
 
     def _decode_plans(self, rows: int, longest) -> dict[str, DecodePlan]:
         """Decode attention's launch plan per attention sub-pool, once per step."""

@@ -29,15 +29,49 @@ from typing import NamedTuple
 import torch
 
 from unikv import env
-from unikv.kernels.elementwise_ref import resolve_feedback  # placeholder ids (every backend)
-from unikv.kernels.moe_ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
-
-Op = Callable[..., object]
+from unikv.kernels.attention.protocols import (
+    DecodeAttention,
+    ExtendAttention,
+    PlanDecode,
+    PlanExtend,
+    RopeStoreDecodeAttention,
+    RopeStoreKV,
+    StoreKV,
+)
+from unikv.kernels.linear.protocols import (
+    AddRMSNorm,
+    AddRMSNormLinear,
+    AddRMSNormLinearArgmax,
+    Argmax,
+    EmbedRMSNormLinear,
+    Fp8Linear,
+    GatedRMSNorm,
+    GeluTanhMul,
+    Linear,
+    MoEFp8,
+    RMSNorm,
+    RopeQK,
+    SiluMul,
+    SiluMulLinear,
+)
+from unikv.kernels.linear.ref import resolve_feedback  # placeholder ids (every backend)
+from unikv.kernels.mla.protocols import MLAAttention, StoreMLA
+from unikv.kernels.moe.protocols import MoE, MoERepack, MoERepackedRun
+from unikv.kernels.moe.ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
+from unikv.kernels.recurrent.protocols import CausalConv1d, GatedDeltaRule, Mamba2SSD
+from unikv.kernels.tables.protocols import (
+    BuildBlockTable,
+    CopyPages,
+    ExportFlashinfer,
+    PrepareStep,
+    TranslateIds,
+    UpdateTables,
+)
 
 KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
           "extend_attention", "copy_pages")  # fmt: skip
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
-STEP_OPS = ("prepare_step", "plan_decode")
+STEP_OPS = ("prepare_step", "plan_decode", "plan_extend")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
@@ -65,60 +99,60 @@ class MoERepacked(NamedTuple):
     ``moe``'s keywords (b1, b2, activation, gate_up, alpha, limit)."""
 
     name: str
-    pack: Op
-    run: Op
+    pack: Callable[..., object]
+    run: MoERepackedRun
 
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """Every kernel op, from one implementation family (``name``)."""
+    """Every kernel op, from one implementation family (``name``). Each field's type is
+    the op's signature and shapes, stated once in its family's ``protocols`` module."""
 
     name: str
-    store_kv: Op
-    rope_store_kv: Op
-    decode_attention: Op
-    rope_store_decode_attention: Op
-    extend_attention: Op
-    copy_pages: Op
-    build_block_table: Op
-    export_flashinfer: Op
-    update_tables: Op
-    translate_ids: Op
-    prepare_step: Op
-    plan_decode: Op
-    causal_conv1d: Op
-    gated_delta_rule: Op
-    mamba2_ssd: Op
-    store_mla: Op
-    mla_attention: Op
-    rms_norm: Op
-    add_rms_norm: Op
-    rope_qk: Op
-    silu_mul: Op
-    gelu_tanh_mul: Op
-    gated_rms_norm: Op
-    argmax: Op
-    linear: Op
-    silu_mul_linear: Op
-    add_rms_norm_linear: Op
-    embed_rms_norm_linear: Op
-    add_rms_norm_linear_argmax: Op
-    # the fused MoE over experts in the checkpoint's layout (``moe_ref.fused_moe``'s
-    # signature): Triton (``kernels/moe.moe``: the kernel, or the dense loop where its
-    # table says) or the torch reference
-    moe: Op
+    store_kv: StoreKV
+    rope_store_kv: RopeStoreKV
+    decode_attention: DecodeAttention
+    rope_store_decode_attention: RopeStoreDecodeAttention
+    extend_attention: ExtendAttention
+    copy_pages: CopyPages
+    build_block_table: BuildBlockTable
+    export_flashinfer: ExportFlashinfer
+    update_tables: UpdateTables
+    translate_ids: TranslateIds
+    prepare_step: PrepareStep
+    plan_decode: PlanDecode
+    plan_extend: PlanExtend
+    causal_conv1d: CausalConv1d
+    gated_delta_rule: GatedDeltaRule
+    mamba2_ssd: Mamba2SSD
+    store_mla: StoreMLA
+    mla_attention: MLAAttention
+    rms_norm: RMSNorm
+    add_rms_norm: AddRMSNorm
+    rope_qk: RopeQK
+    silu_mul: SiluMul
+    gelu_tanh_mul: GeluTanhMul
+    gated_rms_norm: GatedRMSNorm
+    argmax: Argmax
+    linear: Linear
+    silu_mul_linear: SiluMulLinear
+    add_rms_norm_linear: AddRMSNormLinear
+    embed_rms_norm_linear: EmbedRMSNormLinear
+    add_rms_norm_linear_argmax: AddRMSNormLinearArgmax
+    # the fused MoE over experts in the checkpoint's layout: Triton (``kernels/moe/
+    # fused.moe``: the kernel, or the dense loop where its table says) or the reference
+    moe: MoE
     # (dtype, hidden, intermediate) of an MXFP4 expert layer -> the ``MoERepacked``
     # variant that runs it, or None (``moe`` on the checkpoint's layout); asked once per
     # layer at load, from what ``get_backend`` decided
-    moe_repacked: Callable[[torch.dtype, int, int], MoERepacked | None]
-    # a linear whose weight is kept in block-scaled FP8 (``fp8_gemm_ref.fp8_linear``'s
-    # signature): the Triton GEMM (its variant planned per row count, ``fp8_gemm.plan``)
-    # or the torch reference (dequantise, then multiply in fp32)
-    fp8_linear: Op
-    # the fused MoE over block-scaled FP8 experts (``fp8_gemm_ref.moe_fp8``'s signature):
-    # the experts dequantised per call, a bounded chunk at a time, into this backend's
-    # ``moe`` (Triton or the torch reference)
-    moe_fp8: Op
+    moe_repacked: MoERepack
+    # a linear whose weight is kept in block-scaled FP8: the Triton GEMM (its variant
+    # planned per row count, ``fp8_gemm.plan``) or the torch reference (dequantise, then
+    # multiply in fp32)
+    fp8_linear: Fp8Linear
+    # the fused MoE over block-scaled FP8 experts (``fp8_gemm_ref.moe_fp8``): the experts
+    # dequantised per call, a bounded chunk at a time, into this backend's ``moe``
+    moe_fp8: MoEFp8
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -156,7 +190,7 @@ def plan_decode_triton(
     for ``batch`` requests whose visible keys number at most ``max_len`` (the block
     table's capacity, capped by the window). Host ints only: no device access.
     workspace: None, or an fp32 buffer of >= ``workspace_numel`` elements."""
-    from unikv.kernels import decode
+    from unikv.kernels.attention import decode
 
     splits = decode.choose_num_splits(batch, num_kv_heads, max_len, device) if batch else 1
     config = decode.choose_config(head_dim, page_size, max_len, splits)
@@ -173,10 +207,61 @@ def plan_decode_triton(
     return DecodePlan(splits, need, workspace, launch)
 
 
-def plan_decode_torch(batch: int, **geometry: object) -> DecodePlan:
+def plan_decode_torch(
+    batch: int,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    page_size: int,
+    max_len: int,
+    device: torch.device,
+    workspace: torch.Tensor | None = None,
+) -> DecodePlan:
     """The torch reference plans nothing: one split, no workspace, no launch
     arguments (it takes ``plan_decode_triton``'s arguments and ignores them)."""
     return DecodePlan()
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """The fresh-prompt attention's launch plan for one step (or the fresh part of a
+    split step) of one sub-pool: the variant that prompt length takes, decided by the
+    step planner from host ints, never per layer.
+
+    launch: the keyword arguments ``extend_attention`` takes with ``fresh_kv`` from this
+    plan: ``hopper`` (the Gluon kernel for a long prompt on sm_90) and ``sdpa`` (one
+    prompt through SDPA), each present only where the backend has that variant."""
+
+    launch: Mapping[str, object] = field(default_factory=dict)
+
+
+def plan_extend_triton(
+    num_requests: int,
+    *,
+    max_q_len: int,
+    head_dim: int,
+    hopper_min_q_len: Mapping[int, int] | None = None,
+    sdpa_min_tokens: int | None = None,
+) -> ExtendPlan:
+    """The Triton backend's fresh-prompt plan. hopper_min_q_len: the Gluon kernel's
+    shortest prompt per head dim (``fresh_hopper.MIN_Q_LEN``), bound by ``get_backend``
+    where that kernel runs (sm_90, ``UNIKV_EXTEND_HOPPER``), else None; sdpa_min_tokens:
+    SDPA's shortest prompt (``sdpa.MIN_TOKENS``), bound where ``UNIKV_EXTEND_SDPA`` is
+    on, else None. The ops still check the layer's own conditions (dtype, widths,
+    window, sinks, soft-cap, TMA alignment): those hold for every step of a layer."""
+    launch: dict[str, object] = {}
+    if hopper_min_q_len is not None:
+        launch["hopper"] = max_q_len >= hopper_min_q_len.get(head_dim, 1 << 62)
+    if sdpa_min_tokens is not None:
+        launch["sdpa"] = num_requests == 1 and max_q_len >= sdpa_min_tokens
+    return ExtendPlan(launch)
+
+
+def plan_extend_torch(num_requests: int, *, max_q_len: int, head_dim: int) -> ExtendPlan:
+    """The torch reference has one extend path: nothing to plan."""
+    return ExtendPlan()
 
 
 @dataclass(frozen=True)
@@ -212,8 +297,11 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
     device = torch.device(device)
     if name != "triton" or device.type != "cuda":
         return Flags()
-    from unikv.kernels import extend_hopper, extend_sdpa, fp8_gemm
+    from unikv.kernels.attention import fresh_hopper as extend_hopper
+    from unikv.kernels.attention import sdpa as extend_sdpa
+    from unikv.kernels.linear import fp8_gemm
 
+    _probe_capabilities(device)
     return Flags(
         cuda=True,
         sm90=_sm90(device),
@@ -222,6 +310,21 @@ def flags_for(device: torch.device | str, name: str) -> Flags:
         extend_sdpa=extend_sdpa.ENABLED,
         fp8_scaled_mm=fp8_gemm.scaled_mm_supported(device),
     )
+
+
+def _probe_capabilities(device: torch.device) -> None:
+    """Fill the kernels' cached capability probes (PDL, TMA, the MLA decode plan's
+    table) here, when the backend is built, under the device keys the launches ask
+    with, so that no step is the first to ask the device."""
+    if not torch.cuda.is_available():
+        return  # a test's faked CUDA device: nothing to probe
+    from unikv.kernels.mla import plan as mla_plan
+    from unikv.kernels.runtime import checks, pdl
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pdl._capability(torch.device("cuda", index))
+    checks._tma_device(torch.device("cuda", index))
+    mla_plan._capability(index)
 
 
 def _no_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | None:
@@ -233,43 +336,44 @@ def _no_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | Non
 def _hopper_repack(dtype: torch.dtype, hidden: int, inter: int) -> MoERepacked | None:
     """On an sm_90 GPU: the Gluon kernel (``moe_hopper``) for bf16 activations and
     hidden / intermediate sizes in whole K blocks of 64, else None (the Triton kernel)."""
-    from unikv.kernels import moe_hopper
+    from unikv.kernels.moe import hopper as moe_hopper
 
     if not moe_hopper.usable(dtype, hidden, inter):
         return None
     return MoERepacked("hopper", moe_hopper.repack_in_place, moe_hopper.moe)
 
 
+def _hopper_min_q_len() -> dict[int, int]:
+    """The Gluon fresh-prompt kernel's shortest prompt per head dim (imported only
+    where that kernel runs)."""
+    from unikv.kernels.attention import fresh_hopper
+
+    return dict(fresh_hopper.MIN_Q_LEN)
+
+
 def _triton(flags: Flags) -> KernelBackend:
-    from unikv.kernels._interpret import patch_interpreter
+    from unikv.kernels.runtime.interpret import patch_interpreter
 
     patch_interpreter()
-    from unikv.kernels import (  # imported lazily: Triton is only needed here
-        argmax,
-        block_table,
-        decode,
-        elementwise,
-        extend,
-        extend_sdpa,
-        fp8_gemm,
-        fp8_gemm_ref,
-        gemv,
-        mla,
-        mla_decode,
-        moe,
-        page_copy,
-        recurrent,
-        rope_store,
-        step_tables,
-        store,
-        table_update,
-    )
+    # imported lazily: Triton is only needed here
+    from unikv.kernels.attention import decode, extend, rope_store, store
+    from unikv.kernels.attention import sdpa as extend_sdpa
+    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, fp8_gemm_ref, gemv
+    from unikv.kernels.mla import decode as mla_decode
+    from unikv.kernels.mla import prefill as mla
+    from unikv.kernels.moe import fused as moe
+    from unikv.kernels.recurrent import triton_ops as recurrent
+    from unikv.kernels.tables import block_table, page_copy, step_tables, table_update
 
     # on CUDA a step of one fresh prompt may go to SDPA (cuDNN), the rest to Triton; on
-    # sm_90 fresh prompts the Gluon kernel takes go there (``extend_hopper.usable``)
+    # sm_90 long fresh prompts go to the Gluon kernel: which step takes which is the
+    # step's ExtendPlan (``plan_extend``, bound here to the variants this backend has)
     extend_op = extend_sdpa.extend_attention if flags.extend_sdpa else extend.extend_attention
-    if flags.sm90 and flags.extend_hopper:
-        extend_op = functools.partial(extend_op, hopper=True)
+    plan_extend = functools.partial(
+        plan_extend_triton,
+        hopper_min_q_len=_hopper_min_q_len() if flags.sm90 and flags.extend_hopper else None,
+        sdpa_min_tokens=extend_sdpa.MIN_TOKENS if flags.extend_sdpa else None,
+    )
     return KernelBackend(
         name="triton",
         store_kv=store.store_kv,
@@ -284,6 +388,7 @@ def _triton(flags: Flags) -> KernelBackend:
         translate_ids=table_update.translate_ids,
         prepare_step=step_tables.prepare,
         plan_decode=plan_decode_triton,
+        plan_extend=plan_extend,
         causal_conv1d=recurrent.causal_conv1d,
         gated_delta_rule=recurrent.gated_delta_rule,
         mamba2_ssd=recurrent.mamba2_ssd,
@@ -304,15 +409,13 @@ def _triton(flags: Flags) -> KernelBackend:
 
 
 def _torch() -> KernelBackend:
-    from unikv.kernels import (
-        elementwise_ref,
-        fp8_gemm_ref,
-        mla_ref,
-        moe_ref,
-        recurrent_ref,
-        reference,
-        tables_ref,
-    )
+    from unikv.kernels.attention import ref as reference
+    from unikv.kernels.linear import fp8_gemm_ref
+    from unikv.kernels.linear import ref as elementwise_ref
+    from unikv.kernels.mla import ref as mla_ref
+    from unikv.kernels.moe import ref as moe_ref
+    from unikv.kernels.recurrent import ref as recurrent_ref
+    from unikv.kernels.tables import ref as tables_ref
 
     return KernelBackend(
         name="torch",
@@ -328,6 +431,7 @@ def _torch() -> KernelBackend:
         translate_ids=tables_ref.translate_ids_ref,
         prepare_step=tables_ref.prepare_ref,
         plan_decode=plan_decode_torch,
+        plan_extend=plan_extend_torch,
         causal_conv1d=recurrent_ref.causal_conv1d,
         gated_delta_rule=recurrent_ref.gated_delta_rule,
         mamba2_ssd=recurrent_ref.mamba2_ssd,

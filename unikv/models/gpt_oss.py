@@ -1,5 +1,5 @@
 """gpt-oss's mixture-of-experts block: a top-k router and the fused MoE
-(``kernels/moe.py``) with gpt-oss's clamped SwiGLU (``alpha`` 1.702, ``limit`` 7),
+(``kernels/moe/fused.py``) with gpt-oss's clamped SwiGLU (``alpha`` 1.702, ``limit`` 7),
 its expert weights dense or MXFP4 kept packed.
 
 The rest of gpt-oss (alternating sliding/full layers, attention sinks, yarn

@@ -39,7 +39,7 @@ class AttentionFn(Protocol):
 
     An implementation with ``fuses_rope = True`` (the engine's) also takes
     ``rope=(rotary, positions)``: q and k come unrotated and it applies the
-    ``Rotary``'s tables itself, inside the K/V store (``kernels/rope_store.py``).
+    ``Rotary``'s tables itself, inside the K/V store (``kernels/attention/rope_store.py``).
     Without it, ``Attention`` rotates first (a model test's dense attention)."""
 
     def __call__(
@@ -110,7 +110,7 @@ class StateFn(Protocol):
 class Linear(nn.Linear):
     """``nn.Linear`` through the kernel backend's ``linear`` (``ops``, None:
     ``model_ops()``): the Triton backend runs a one-request decode step's product as a
-    GEMV (``kernels/gemv.py``), cuBLAS otherwise; the torch backend is ``F.linear``.
+    GEMV (``kernels/linear/gemv.py``), cuBLAS otherwise; the torch backend is ``F.linear``.
     Same parameters and state-dict names as ``nn.Linear``."""
 
     def __init__(self, *args, ops: KernelBackend | None = None, **kwargs) -> None:

@@ -1,5 +1,5 @@
 """Routed experts shared by unikv's MoE families (Qwen3-Next, Qwen3-MoE, Mixtral,
-DeepSeek, NemotronH), run by the fused MoE (``unikv/kernels/moe.py``).
+DeepSeek, NemotronH), run by the fused MoE (``unikv/kernels/moe/fused.py``).
 
 ``RoutedExperts`` keeps each expert's linears under the checkpoint's names
 (``experts.{e}.gate_proj.weight`` ...), so checkpoints load by name, but their
@@ -23,7 +23,7 @@ dequantised at load. Under tensor parallelism the scales shard with their weight
 and up rows, down columns); a rank's slice must be whole blocks. The kernel is the
 backend's ``moe`` (``kernels/backend.py``), taken at construction (``model_ops``: the
 loader builds the model inside ``building(ops)``) and fixed for the module's life:
-the Triton MoE for the Triton backend, the torch reference (``kernels/moe_ref.py``,
+the Triton MoE for the Triton backend, the torch reference (``kernels/moe/ref.py``,
 the routed loop these families ran before) for the torch backend, whatever the device.
 """
 

@@ -1,7 +1,7 @@
 """Rotary position embedding: inverse frequencies for the rope types of the
 supported checkpoints (default, linear, llama3, yarn), as transformers computes
 them, and the rotation itself (NeoX "rotate half" layout, applied to q and k in
-one op: ``kernels/elementwise_ref.rope_qk`` or its Triton kernel).
+one op: ``kernels/linear/ref.rope_qk`` or its Triton kernel).
 
 The cos/sin table is computed once in fp32 for every position up to
 ``max_positions`` (``pos * inv_freq``, one product per element, as in

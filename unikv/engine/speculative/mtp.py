@@ -37,7 +37,7 @@ from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, Pending
 from unikv.engine.runner import DRAFT_PREFIX
 from unikv.engine.speculative.draft import _row, free_grow, request_major, to_device
-from unikv.kernels.elementwise_ref import resolve_feedback
+from unikv.kernels.linear.ref import resolve_feedback
 
 
 def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:

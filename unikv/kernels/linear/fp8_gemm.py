@@ -1,0 +1,286 @@
+"""Block-scaled FP8 GEMM in Triton: y = x @ W^T (+ b) for a weight kept in FP8.
+
+W is ``weight`` (N, K) float8_e4m3fn with ``scale_inv`` (ceil(N / bn), ceil(K / bk))
+fp32 per block of bn x bk (``fp8_gemm_ref``'s definition, edge blocks partial). Two
+variants, picked by ``plan`` from host ints (rows M, N, K, the block, x's dtype), never
+by reading the device; CUDA graphs fix the choice per captured batch size:
+
+- ``w8a16`` (decode and small batches, and every fp32 input): x stays in its dtype;
+  each weight tile is loaded as FP8 (one byte an element: the weight stream is the
+  cost at small M) and widened to x's dtype in registers. Where the K tile lies inside
+  one scale block (``bk % BLOCK_K == 0``) the tile's product is scaled after the dot,
+  one multiplier per output column (``acc += dot(x, Wq^T) * s[n // bn, k // bk]``);
+  otherwise (odd block sizes) each element is dequantised before the dot. Few output
+  tiles split K (``split_k``): partial sums land in an fp32 workspace, summed after.
+- ``w8a8`` (prefill: M >= ``W8A8_MIN_ROWS``, 16-bit x, ``bk`` a multiple of the K
+  tile): x is quantised per token and group of bk columns to FP8 first (one small
+  kernel, DeepSeek's dynamic scheme, ``fp8_gemm_ref.quantize_act``), then both operands
+  feed the FP8 tensor cores: ``acc += dot(xq, Wq^T) * xs[m, k // bk] * s[n // bn, k // bk]``.
+- ``scaled_mm`` (prefill, M >= ``SCALED_MM_MIN_ROWS``, 16-bit x, 128 x 128 blocks, N a
+  multiple of 128 and K of 512): the same quantised x, then cuBLAS's block-scaled GEMM
+  (``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales), where the
+  backend found it at construction (``scaled_mm_supported``: this torch and GPU run it
+  and match the reference); the plan takes it only when told so (``scaled_mm``), never
+  by reading the device per call.
+
+    grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k)   grouped along M for L2 reuse
+
+fp32 inputs run the dot in IEEE fp32 (no TF32), so fp32 models match a model whose
+weights are the dequantised ones to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from unikv.kernels.linear.fp8_gemm_ref import ACT_SCALE_MIN, FP8_MAX, check_operands
+from unikv.kernels.runtime.interpret import patch_interpreter
+
+patch_interpreter()
+
+W8A8_MIN_ROWS = 256  # below: the weight stream dominates; x stays 16-bit
+SCALED_MM_MIN_ROWS = 256  # cuBLAS's block-scaled GEMM from here (prefill), where usable
+SCALED_MM_BLOCK = (128, 128)
+TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100: split K below this
+MIN_K_PER_SPLIT = 512
+QUANT_ROWS = 16  # rows of x a program of the activation quantisation takes
+
+
+class Fp8Plan(NamedTuple):
+    """One launch's choice: ``variant`` ("w8a16" / "w8a8"), the tiles, ``split_k``
+    (programs along K; > 1 sums partials in an fp32 workspace), ``per_k_scale`` (the K
+    tile lies inside one scale block), warps and pipeline stages."""
+
+    variant: str
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    per_k_scale: bool
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing n, at most cap."""
+    return min(n & -n, cap)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(
+    m: int, n: int, k: int, block: tuple[int, int], fp32: bool, scaled_mm: bool = False
+) -> Fp8Plan:
+    """The launch plan for x (m, k) times W (n, k) in blocks ``block`` (host ints only);
+    ``scaled_mm``: the backend may run ``torch._scaled_mm`` (``scaled_mm_supported``)."""
+    if scaled_mm and not fp32 and m >= SCALED_MM_MIN_ROWS and scaled_mm_shape(n, k, block):
+        return Fp8Plan("scaled_mm", 0, 0, 0, 1, True, 0, 0)
+    tile_k = _pow2_divisor(block[1], 128)
+    per_k = tile_k >= 16  # tl.dot needs K tiles of >= 16
+    if not fp32 and per_k and m >= W8A8_MIN_ROWS:
+        return Fp8Plan("w8a8", 128, 128, tile_k, 1, True, 8, 3)
+    block_k = tile_k if per_k else 32
+    if m <= 16:
+        block_m, block_n, warps, stages = 16, 64, 4, 4
+    elif m <= 64:
+        block_m, block_n, warps, stages = 64, 64, 4, 3
+    else:
+        block_m, block_n, warps, stages = 64, 128, 4, 3
+    if fp32:  # IEEE fp32 dots take more registers and shared memory a tile
+        block_k, stages = min(block_k, 32), 2
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split = max(1, min(TARGET_PROGRAMS // tiles, k_tiles * block_k // MIN_K_PER_SPLIT, k_tiles))
+    return Fp8Plan("w8a16", block_m, block_n, block_k, split, per_k, warps, stages)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """One program per ROWS rows and one group: xs = max(amax / 448, 1e-12),
+    xq = fp8(x / xs)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    grp = tl.program_id(1)
+    cols = grp * GROUP + tl.arange(0, BLOCK)
+    col_ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    mask = (rows < M)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)  # (ROWS,)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+    tl.store(s_ptr + rows * stride_sm + grp, scale, mask=rows < M)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ys,
+    BN: tl.constexpr, BK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PER_K_SCALE: tl.constexpr, W8A8: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid, split = tl.program_id(0), tl.program_id(1)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n  # programs of GROUP_M row tiles walk N together (L2 reuse)
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    scale_rows = s_ptr + (rn // BN) * stride_sn  # (BLOCK_N,) this tile's scale rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + rk
+        k_ok = ks < k_hi
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + ks[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + ks[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        if W8A8:
+            xs = tl.load(xs_ptr + rm * stride_xsm + k0 // BK, mask=m_ok, other=0.0)
+            ws = tl.load(scale_rows + k0 // BK, mask=n_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w)) * xs[:, None] * ws[None, :]
+        elif PER_K_SCALE:
+            ws = tl.load(scale_rows + k0 // BK, mask=n_ok, other=0.0)
+            if IEEE:
+                part = tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += part * ws[None, :]
+        else:  # odd blocks: each element's own scale before the dot
+            ws = tl.load(scale_rows[:, None] + ks[None, :] // BK,
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            wd = w.to(tl.float32) * ws
+            if IEEE:
+                acc += tl.dot(x, tl.trans(wd), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(wd.to(x.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + split * stride_ys + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) 16-bit, unit stride along K -> (xq (M, K) fp8, scales (M, cdiv(K, group))
+    fp32): ``fp8_gemm_ref.quantize_act`` in one launch."""
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        block, rows = triton.next_power_of_2(group), QUANT_ROWS
+        _act_quant_kernel[(triton.cdiv(m, rows), groups)](
+            x, xq, xs, m, k, x.stride(0), xq.stride(0), xs.stride(0),
+            GROUP=group, BLOCK=block, ROWS=rows,
+        )  # fmt: skip
+    return xq, xs
+
+
+assert FP8_MAX == 448.0 and ACT_SCALE_MIN == 1e-12, "the kernels' constants"
+
+
+def scaled_mm_shape(n: int, k: int, block) -> bool:
+    """Whether ``torch._scaled_mm``'s block scaling takes W (n, k) in blocks ``block``:
+    128 x 128 blocks, whole along N, and K in whole groups of four scale columns."""
+    return tuple(block) == SCALED_MM_BLOCK and n % 128 == 0 and k % 512 == 0
+
+
+def scaled_mm_linear(x2, weight, scale_inv, bias):
+    """x2 (M, K) 16-bit @ W^T (+ bias) through ``torch._scaled_mm``: x quantised per token
+    and group of 128 columns (``quantize_act``), its scales laid out M-major and the
+    weight's K-major (transposed views), as cuBLAS's block scaling reads them."""
+    xq, xs = quantize_act(x2, 128)
+    xs_outer = xs.t().contiguous().t()  # (M, K / 128), stride (1, M)
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=xs_outer, scale_b=scale_inv.t(), out_dtype=x2.dtype
+    )
+    return y if bias is None else y + bias
+
+
+@functools.cache
+def scaled_mm_supported(device: torch.device) -> bool:
+    """Whether this torch runs ``torch._scaled_mm`` with 1 x 128 x 128 x 128 block scales
+    on ``device`` and its output matches the reference (``fp8_linear_w8a8``) on a small
+    problem: probed once per device, at backend construction (``backend.flags_for``)."""
+    from unikv.kernels.linear.fp8_gemm_ref import fp8_linear_w8a8
+
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        n, k = 256, 512
+        w = (torch.randn(n, k, device=device, generator=g) * 100).clamp(-448, 448)
+        w = w.to(torch.float8_e4m3fn)
+        s = torch.rand(n // 128, k // 128, device=device, generator=g) * 1e-3 + 1e-4
+        x = torch.randn(SCALED_MM_MIN_ROWS, k, device=device, generator=g).to(torch.bfloat16)
+        got = scaled_mm_linear(x, w, s, None).float()
+        want = fp8_linear_w8a8(x, w, s, block=SCALED_MM_BLOCK).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False  # this torch / GPU has no block-scaled _scaled_mm
+    return err < 2e-2
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: tuple[int, int],
+    config: Fp8Plan | None = None,
+    scaled_mm: bool = False,
+) -> torch.Tensor:
+    """x (..., K) @ W^T (+ bias) -> (..., N) in x.dtype, W = weight * its block scales.
+    ``config``: a plan to use instead of ``plan``'s (the benchmark's sweep); ``scaled_mm``:
+    the backend found ``torch._scaled_mm``'s block scaling usable (``plan`` may pick it)."""
+    check_operands(x, weight, scale_inv, block)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], weight.shape[0]
+    if m == 0:
+        return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    cfg = config or plan(m, n, k, tuple(block), x.dtype == torch.float32, scaled_mm)
+    if cfg.variant == "scaled_mm":
+        return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    xs = x2  # a placeholder pointer where x is not quantised
+    if cfg.variant == "w8a8":
+        x2, xs = quantize_act(x2, block[1])
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None and split == 1
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    _fp8_gemm_kernel[grid](
+        x2, xs, weight, scale_inv, bias if has_bias else scale_inv, out,
+        m, n, k, k_per_split,
+        x2.stride(0), xs.stride(0), weight.stride(0), scale_inv.stride(0),
+        out.stride(-2), out.stride(0) if split > 1 else 0,
+        BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=8, PER_K_SCALE=cfg.per_k_scale,
+        W8A8=cfg.variant == "w8a8", HAS_BIAS=has_bias, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        total = out.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
+    return y.view(*lead, n)

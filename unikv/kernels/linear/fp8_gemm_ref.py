@@ -1,0 +1,179 @@
+"""Block-scaled FP8 linear: the torch reference (the torch backend's ``fp8_linear``).
+
+A weight kept in FP8 (``models/fp8_linear.Fp8BlockLinear``) is ``weight`` (N, K)
+float8_e4m3fn with ``scale_inv`` (ceil(N / bn), ceil(K / bk)) fp32, one multiplier
+per block of bn rows x bk columns (edge blocks partial). The real weight is
+
+    W[n, k] = float(weight[n, k]) * scale_inv[n // bn, k // bk]      (fp32)
+
+and ``fp8_linear(x, weight, scale_inv, bias, block=(bn, bk))`` is ``x @ W^T + bias``
+in fp32, cast to x's dtype. The reference dequantises the whole weight each call
+(a CPU reference for tiny models; the GPU runs ``kernels/linear/fp8_gemm.py``).
+
+``quantize_act`` is the activation side of the GPU's prefill variant (DeepSeek's
+dynamic scheme): each row of x split in groups of ``group`` columns, a group scaled so
+its largest |value| maps to the e4m3 maximum (448). ``fp8_linear_w8a8`` is that
+variant's reference: both operands quantised, then multiplied in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ACT_SCALE_MIN = 1e-12  # an all-zero group keeps a finite scale
+
+
+def check_operands(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block) -> None:
+    """ValueError unless x is (..., K) float, weight (N, K) float8_e4m3fn and scale_inv
+    fp32 (ceil(N / bn), ceil(K / bk))."""
+    bn, bk = block
+    n, k = weight.shape if weight.dim() == 2 else (None, None)
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"fp8_linear: weight must be a float8_e4m3fn (N, K) matrix, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    if x.shape[-1] != k or not x.dtype.is_floating_point or x.dtype.itemsize == 1:
+        raise ValueError(
+            f"fp8_linear: x must be (..., {k}) fp32/bf16/fp16 for a weight of shape "
+            f"{tuple(weight.shape)}, got {x.dtype} {tuple(x.shape)}"
+        )
+    expected = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != expected or scale_inv.dtype != torch.float32:
+        raise ValueError(
+            f"fp8_linear: scale_inv must be fp32 of shape {expected} (weight {tuple(weight.shape)}"
+            f" in blocks of {list(block)}), got {scale_inv.dtype} {tuple(scale_inv.shape)}"
+        )
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """(N, K) fp8 and its block scales -> the fp32 weight (one fp32 product each)."""
+    bn, bk = block
+    n, k = weight.shape
+    scales = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.float() * scales
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """x (..., K) @ dequantize(weight, scale_inv)^T (+ bias) in fp32 -> (..., N) in x.dtype."""
+    check_operands(x, weight, scale_inv, block)
+    out = F.linear(x.float(), dequantize(weight, scale_inv, block))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (xq (M, K) float8_e4m3fn, scales (M, ceil(K / group)) fp32) with
+    x ~= xq * scales per group of ``group`` columns (the Triton kernel's arithmetic:
+    scale = max(amax / 448, 1e-12), xq = fp8(x / scale))."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scales = (padded.abs().amax(-1) / FP8_MAX).clamp(min=ACT_SCALE_MIN)  # (M, G)
+    xq = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return xq.view(m, groups * group)[:, :k], scales
+
+
+def fp8_linear_w8a8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """The prefill variant's reference: x quantised per token and group of bk columns
+    (``quantize_act``), both operands dequantised, multiplied in fp32, cast to x.dtype."""
+    check_operands(x, weight, scale_inv, block)
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_act(x2, block[1])
+    xd = dequantize(xq, xs, (1, block[1]))
+    out = F.linear(xd, dequantize(weight, scale_inv, block))
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+MOE_CHUNK_BYTES = 1 << 30  # 16-bit expert bytes dequantised at once by ``moe_fp8``
+
+
+def dequantize_experts(
+    w: torch.Tensor, scale: torch.Tensor, parts: int, block, dtype: torch.dtype
+) -> torch.Tensor:
+    """Stacked FP8 experts (E, parts * R, K) with scales (E, parts * ceil(R / bn),
+    ceil(K / bk)), each part blocked on its own -> the real weights (E, parts * R, K)
+    in ``dtype`` (each element one fp32 product, then rounded)."""
+    e, rows, k = w.shape
+    (bn, bk), r = block, rows // parts
+    s = scale.float().view(e, parts, -1, scale.shape[-1])  # (E, parts, ceil(R / bn), .)
+    s = s.repeat_interleave(bn, dim=2)[:, :, :r].repeat_interleave(bk, dim=3)[..., :k]
+    return (w.view(e, parts, r, k).float() * s).view(e, rows, k).to(dtype)
+
+
+def moe_fp8(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    activation: str = "silu",
+    sum_dtype: torch.dtype | None = None,
+    moe=None,
+    chunk_bytes: int = MOE_CHUNK_BYTES,
+) -> torch.Tensor:
+    """The fused MoE over block-scaled FP8 experts: ``w1`` (E, N1, d) float8_e4m3fn with
+    ``w1_scale`` (E, parts * ceil(I / bn), ceil(d / bk)) (parts: gate and up, each
+    blocked on its own; relu2: one), ``w2`` (E, d, I) with ``w2_scale`` (E, ceil(d / bn),
+    ceil(I / bk)); other arguments as ``moe_ref.fused_moe``.
+
+    The experts are dequantised to x.dtype per call, ``chunk_bytes`` of them at a time,
+    and run by ``moe`` (a dense MoE op, ``moe_ref.fused_moe`` by default); with several
+    chunks each runs every token, its choices outside the chunk sent to zero experts with
+    zero weight (no host sync), and their outputs are summed in fp32. One chunk (the tiny models'
+    case) is exactly ``moe`` on the dequantised experts."""
+    if moe is None:
+        from unikv.kernels.moe.ref import fused_moe as moe
+    if w1.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"moe_fp8: w1 and w2 must be float8_e4m3fn, got {w1.dtype} and {w2.dtype}; "
+            "16-bit experts run the backend's moe"
+        )
+    parts = 1 if activation == "relu2" else 2
+    experts = w1.shape[0]
+    per_expert = (w1[0].numel() + w2[0].numel()) * x.element_size()
+    step = max(1, min(experts, chunk_bytes // max(1, per_expert)))
+    kw = {"activation": activation, "sum_dtype": sum_dtype}
+    if step == experts:
+        a = dequantize_experts(w1, w1_scale, parts, block, x.dtype)
+        b = dequantize_experts(w2, w2_scale, 1, block, x.dtype)
+        return moe(x, topk_weights, topk_ids, a, b, **kw)
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    k = topk_ids.shape[1]
+    slots = torch.arange(k, device=topk_ids.device)
+    for e0 in range(0, experts, step):
+        e1 = min(e0 + step, experts)
+        # a choice outside the chunk goes to one of k zero experts after it (slot j to
+        # the j-th, so a token's choices stay distinct), with zero weight
+        mine = (topk_ids >= e0) & (topk_ids < e1)
+        ids = torch.where(mine, topk_ids - e0, (e1 - e0) + slots)
+        weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
+        a = dequantize_experts(w1[e0:e1], w1_scale[e0:e1], parts, block, x.dtype)
+        b = dequantize_experts(w2[e0:e1], w2_scale[e0:e1], 1, block, x.dtype)
+        a = torch.cat([a, a.new_zeros(k, *a.shape[1:])])
+        b = torch.cat([b, b.new_zeros(k, *b.shape[1:])])
+        total += moe(x, weights, ids, a, b, **kw).float()
+    return total.to(x.dtype)

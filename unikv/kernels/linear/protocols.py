@@ -1,0 +1,206 @@
+"""The signatures of the linear, elementwise and sampling ops, stated once
+(``KernelBackend``'s fields are typed by these; ``kernels/attention/protocols.py`` says
+how a variant may extend one, and ``tests/kernels/test_kernel_protocols.py`` checks it).
+
+Shapes: T rows (tokens), N features; a linear's weight is (out, in), as ``F.linear``'s.
+The rounding of each op is its torch reference's (``kernels/linear/ref.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class RMSNorm(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> torch.Tensor:
+        """RMSNorm over the last dim of x (..., N) by weight (N,) (+ offset), fp32
+        statistics. Returns a new (..., N) tensor in x's dtype."""
+        ...
+
+
+class AddRMSNorm(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual) for x, residual (T, N); the sum is
+        rounded to their dtype first."""
+        ...
+
+
+class RopeQK(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeoX rope of the first R dims of q (T, Hq, D) and k (T, H, D) at positions
+        (T,) int64, from fp32 cos / sin (P, R / 2). Returns the rotated (q, k)."""
+        ...
+
+
+class SiluMul(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a (T, 2I) ``[gate | up]`` row. Returns (T, I)."""
+        ...
+
+
+class GeluTanhMul(Protocol):
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(gate) * up`` of a (T, 2I) ``[gate | up]`` row (Gemma's MLP).
+        Returns (T, I)."""
+        ...
+
+
+class GatedRMSNorm(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        group_size: int,
+        norm_before_gate: bool = True,
+        weight_mode: str = "dtype_after_gate",
+    ) -> torch.Tensor:
+        """RMSNorm over groups of ``group_size`` of x (T, I), gated by silu(z) (T, I);
+        weight (I,) or (group_size,); ``weight_mode`` picks the families' rounding.
+        Returns a new (T, I) tensor in x's dtype."""
+        ...
+
+
+class Argmax(Protocol):
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) float logits -> (B,) int64, the first index of each row's maximum."""
+        ...
+
+
+class Linear(Protocol):
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``: x (T, K), weight (N, K) -> (T, N)."""
+        ...
+
+
+class SiluMulLinear(Protocol):
+    def __call__(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """SwiGLU then the down projection: ``linear(silu_mul(gate_up), weight, bias)``."""
+        ...
+
+
+class AddRMSNormLinear(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm then a linear: (linear(rms_norm(x + residual)), x + residual);
+        with residual None, (linear(rms_norm(x)), x)."""
+        ...
+
+
+class EmbedRMSNormLinear(Protocol):
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        table: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+        feedback: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding, the first pre-norm and the linear after it:
+        (linear(rms_norm(table[ids])), table[ids]); ids (T,), placeholder ids
+        resolved from ``feedback`` first."""
+        ...
+
+
+class AddRMSNormLinearArgmax(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``AddRMSNormLinear``'s (logits, summed) and each row's greedy token
+        (logits.argmax(-1), written into ``out`` when given)."""
+        ...
+
+
+class Fp8Linear(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        block: tuple[int, int],
+    ) -> torch.Tensor:
+        """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype, W the block-scaled FP8
+        weight (N, K) float8_e4m3fn times ``scale_inv`` (ceil(N / bn), ceil(K / bk))
+        fp32 per block ``(bn, bk)``."""
+        ...
+
+
+class MoEFp8(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w1: torch.Tensor,
+        w1_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        *,
+        block: tuple[int, int],
+        activation: str = "silu",
+        sum_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The fused MoE over block-scaled FP8 experts: w1 (E, N1, d) float8_e4m3fn with
+        ``w1_scale`` per block ``(bn, bk)`` of each of gate and up, w2 (E, d, I) with
+        ``w2_scale``; x (T, d), topk (T, k) as in ``kernels/moe/protocols.MoE``.
+        Returns (T, d) in x's dtype."""
+        ...
