@@ -34,6 +34,10 @@ lane 240 tests/engine/test_engine_mamba_hybrids_gpu.py tests/engine/test_engine_
   tests/engine/test_prefix_checkpoint_gpu.py &
 lane 240 tests/engine/test_engine_kimi_linear_gpu.py tests/kernels/test_kernels_fp8_gemm.py \
   tests/engine/test_spec_gpu.py &
+# the twenty-first session's: per-draft recurrent state, two models under one budget, no
+# per-step environment or capability reads (the NCCL TP files need 2-4 GPUs: not here)
+lane 240 tests/engine/test_spec_recurrent_gpu.py tests/kernels/test_kernels_recurrent_draft.py \
+  tests/engine/test_no_step_reads.py tests/engine/test_multi_budget_gpu.py &
 wait
 # the elastic pool's CUDA backing (issue 44) measures free memory: alone, after the lanes
 lane 150 tests/core/test_backing_gpu.py

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from unikv import layout
-from unikv.kernels import recurrent, recurrent_ref
+from unikv.kernels.recurrent import ref as recurrent_ref
+from unikv.kernels.recurrent import triton_ops as recurrent
 from unikv.specs import MambaSpec, StatePart
 
 LENS = [4, 1, 3, 4]  # lane 1: no draft (one token); the last lane is padding (the sink)
