@@ -37,9 +37,10 @@ lane 240 tests/engine/test_engine_kimi_linear_gpu.py tests/kernels/test_kernels_
 # the twenty-first session's: per-draft recurrent state, two models under one budget, no
 # per-step environment or capability reads (the NCCL TP files need 2-4 GPUs: not here)
 lane 240 tests/engine/test_spec_recurrent_gpu.py tests/kernels/test_kernels_recurrent_draft.py \
-  tests/engine/test_no_step_reads.py tests/engine/test_multi_budget_gpu.py &
+  tests/engine/test_no_step_reads.py &
 wait
-# the elastic pool's CUDA backing (issue 44) measures free memory: alone, after the lanes
-lane 150 tests/core/test_backing_gpu.py
+# the elastic pool's CUDA backing and the two-model budget (issue 44) measure free memory:
+# alone, after the lanes
+lane 150 tests/core/test_backing_gpu.py tests/engine/test_multi_budget_gpu.py
 grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
 device_finish
