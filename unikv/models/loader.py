@@ -286,7 +286,10 @@ def load_weights(model: DecoderLM, files: list[str], fp8: Fp8Format | None = Non
                 if spec is not None:  # tensor parallelism: this rank's slice
                     source = shard_tensor(source, spec, tp.rank, tp.size, part)
                 parts.append(source)
-            source = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if len(parts) > 1:  # a dequantised part is on the param's device, a raw one not
+                source = torch.cat([p.to(param.device) for p in parts], dim=0)
+            else:
+                source = parts[0]
             if tuple(source.shape) != tuple(param.shape):
                 scale = name.endswith(SCALE_SUFFIX)  # an FP8 linear's block scales
                 raise ValueError(
