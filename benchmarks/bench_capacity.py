@@ -86,6 +86,11 @@ class SchemeAllocator:
         self.token_allocs = [a for a in allocs if a.parts.roles.token_names]
         self.mamba_alloc = next((a for a in allocs if a.parts.roles.mamba_name), None)
 
+    @property
+    def view(self):
+        """The read-only view the ``Scheduler`` reads (``draft_k``: no speculation here)."""
+        return self.allocs[0].view
+
     def _slots(self, slots: np.ndarray, alloc: PoolAllocator) -> np.ndarray:
         return self.inner[np.asarray(slots, np.int64), self.allocs.index(alloc)]
 

@@ -130,13 +130,13 @@ def test_an_image_placeholder_token_is_refused(ref):
     llm = engine_llm(ref)
     assert ref.hf.config.image_token_index == 262144
     assert llm.config.media_token_ids == (262144,)
-    config = llm.config
-    llm.config = dataclasses.replace(config, media_token_ids=(ref.prompts[1][3],))
+    config = llm.prompts.config  # the prompt maker checks each prompt's ids
+    llm.prompts.config = dataclasses.replace(config, media_token_ids=(ref.prompts[1][3],))
     try:
         with pytest.raises(ValueError, match=r"image placeholder token .*vision tower"):
             llm.generate(ref.prompts[1], SamplingParams(max_tokens=2))
     finally:
-        llm.config = config
+        llm.prompts.config = config
     (out,) = llm.generate([ref.prompts[1]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
     assert out.output_ids == ref.greedy[1]
 

@@ -235,10 +235,10 @@ class _RawView:
     is_fast = True
 
     def __init__(self, raw):
-        self._tokenizer = raw
+        self.backend_tokenizer = raw  # transformers' name for a fast tokenizer's Rust one
 
     def decode(self, ids, skip_special_tokens=False):
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class _Upper:

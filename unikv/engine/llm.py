@@ -141,7 +141,7 @@ class LLM:
         # the engine's pieces, read by callers and tests as the LLM's attributes
         self.device, self.dtype, self.kv_cache_dtype = core.device, core.dtype, core.kv_cache_dtype
         self.config, self.model, self.tokenizer = core.model_config, core.model, core.tokenizer
-        self.tokenizer_lock, self.eos_token_ids = core.tokenizer_lock, core.eos_token_ids
+        self.tokenizer_lock = core.tokenizer_lock
         self.max_model_len, self.tp, self.backend = core.max_model_len, core.tp, core.backend
         self.pool, self.alloc, self.runner = core.pool, core.alloc, core.runner
         self.scheduler, self.speculative_config = core.scheduler, core.speculative_config
@@ -175,6 +175,15 @@ class LLM:
     def make_group(self, ids: list[int], params: SamplingParams, **options) -> RequestGroup:
         """A RequestGroup of ``params.n`` requests (``RequestMaker.make_group``)."""
         return self.requests.make_group(ids, params, **options)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end every request unless ``ignore_eos`` (the engine's: settable)."""
+        return self.core.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:
+        self.core.eos_token_ids = tuple(ids)
 
     def generate(
         self,
