@@ -2,8 +2,8 @@
 Triton recurrent kernels write the per-draft-position state slots, verify steps run
 under CUDA graphs (drafts padded to k, padded lanes at the sink), fp32 (exact).
 
-Greedy tokens with speculation at k = 3 equal the same engine's without it and
-transformers' for Qwen3.5 and NemotronH, at page sizes 1 and 16, drafts accepted and
+Greedy tokens with speculation at k = 3 equal the same engine's without it, which meets
+transformers' (on the GPU, up to near-ties) for Qwen3.5 and NemotronH, at page sizes 1 and 16, drafts accepted and
 rejected (``test_spec_recurrent.Oracle``), the verify steps replayed from graphs;
 and at bf16 the forced-acceptance mode emits k + 1 tokens a verify step."""
 
@@ -12,12 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, save_tiny_hybrid, save_tiny_nemotron_h
+from gpu_fixtures import assert_greedy_up_to_ties
 from test_spec_recurrent import Oracle, check_speculated
 
 from unikv.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 24
+FP32_TIE = 2e-3  # TF32 accumulation in fla's and the engine's chunked recurrent kernels
 
 
 def _prompts() -> list[list[int]]:
@@ -34,13 +36,19 @@ def _save(family: str, path: str):
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_speculation_equals_plain_on_gpu(family, page_size, tmp_path):
-    hf = _save(family, str(tmp_path))
+    # transformers on the GPU: with fla-core installed its Gated DeltaNet runs fla's
+    # Triton kernels, which take no CPU tensors (the H100 run at 6bbcfba); fla's chunked
+    # kernels accumulate in TF32, so the plain engine meets it up to near-ties, and the
+    # speculating engine must equal the plain one exactly
+    hf = _save(family, str(tmp_path)).to("cuda")
     items = _prompts()
-    want = [hf_greedy(hf, p, NEW_TOKENS) for p in items]
+    hf_want = [hf_greedy(hf, p, NEW_TOKENS) for p in items]
     kw = {"device": "cuda", "dtype": torch.float32, "page_size": page_size, "max_num_seqs": 8,
           "max_model_len": 128, "kv_cache_bytes": 64 << 20}  # fmt: skip
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    assert [o.output_ids for o in LLM(str(tmp_path), **kw).generate(items, params)] == want
+    plain = LLM(str(tmp_path), **kw).generate(items, params)
+    assert_greedy_up_to_ties(hf, items, plain, hf_want, FP32_TIE)
+    want = [o.output_ids for o in plain]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     llm = LLM(str(tmp_path), speculative_config=spec, **kw)
     graphs = llm.runner.verify_graphs
