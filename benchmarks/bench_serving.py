@@ -183,21 +183,16 @@ def proc_cpu_s(pid: int) -> float:
 
 def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int,
          server_pid: int | None = None) -> tuple[list[dict], dict]:  # fmt: skip
-    """``run_load`` spread over ``clients`` processes (request i to process i mod
-    ``clients``), so that the load generator is not the bottleneck it measures; with
+    """``run_load`` spread over ``clients`` processes (at least one; request i to
+    process i mod ``clients``), so that the load generator is not the bottleneck it measures; with
     the busiest client's CPU share of the wall time and the server's (API and engine
     processes together, ``server_pid``'s tree) as the check that it is not."""
     import multiprocessing as mp
 
-    if clients <= 1:
-        cpu, wall, srv = time.process_time(), time.perf_counter(), proc_cpu_s(server_pid or 0)
-        res = asyncio.run(run_load(url, prompts, new_tokens, arrivals))
-        wall = time.perf_counter() - wall
-        return res, {"clients": 1, "client_cpu_share_max": (time.process_time() - cpu) / wall,
-                     "server_cpu_s_per_wall_s": (proc_cpu_s(server_pid or 0) - srv) / wall}  # fmt: skip
     ctx = mp.get_context("fork")
     start = time.perf_counter() + 1.0  # every client process ready by then
     procs, pipes = [], []
+    clients = max(1, clients)
     for k in range(clients):
         mine = list(range(k, len(prompts), clients))
         here, there = ctx.Pipe(duplex=False)

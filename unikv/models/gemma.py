@@ -118,10 +118,7 @@ class GeluMLP(GatedMLP):
     gate|up one GEMM (the decoder fuses the pre-norm into it) and the activation one
     elementwise op (the backend's ``gelu_tanh_mul``), then down."""
 
-    def rebind(self) -> None:
-        self.fused_down = False  # the GEMV fuses SwiGLU only
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # (the GEMV fuses SwiGLU only)
         return self.down_proj(self.ops.gelu_tanh_mul(gate_up))
 
 
