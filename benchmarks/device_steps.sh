@@ -10,6 +10,9 @@
 #   breakdown_b1                       one request's Llama breakdown into $R/breakdown_b1.json
 #   timelines CAP MODEL...             profile_engine --timeline of each model (64 new
 #                                      tokens) into $R/timeline_MODEL.json, CAP s each
+#   [TREE=dir] ab_round LABEL           issue 43's A/B round of one tree: Llama's e2e (64 requests),
+#                                      the allocator's host time per decode step (page 16) and the
+#                                      kernels (quick, no Flex), into $R/ab_LABEL_{e2e,alloc,kern}.json
 #   itl_summary                        one line per $R/e2e_*.json: ITL p50, the decode step's
 #                                      fraction of its roofline, x roofline, tok/s
 #   device_finish                      summary.txt and results.tgz under $FINAL
@@ -57,6 +60,14 @@ timelines() {
     step timeline_$m "$cap" python3 benchmarks/profile_engine.py --model "$m" --new-tokens 64 \
       --timeline --out "$R/timeline_$m.json"
   done
+}
+
+ab_round() {
+  step ab_$1_e2e 120 python3 benchmarks/bench_e2e.py --device cuda --models llama --paths unikv \
+    --requests 64 --out "$R/ab_$1_e2e.json"
+  step ab_$1_alloc 60 python3 benchmarks/bench_allocator.py --device cuda --batches 1,64,256 \
+    --page-sizes 16 --steps 100 --out "$R/ab_$1_alloc.json"
+  step ab_$1_kern 120 python3 benchmarks/bench_kernels.py --quick --no-flex --out "$R/ab_$1_kern.json"
 }
 
 itl_summary() {
