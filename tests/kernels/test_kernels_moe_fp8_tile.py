@@ -22,7 +22,8 @@ Oracles:
 Configs: the table's (fp32: ``FP32_CONFIG``), a K tile of 256 spanning two scale blocks
 (a multiplier per element), an N tile of 256 spanning two scale rows, split K,
 swapped operands. The Triton backend's ``moe_fp8`` is this kernel and never
-dequantises a whole expert (the reference's ``dequantize_experts`` is made to raise).
+dequantises a whole expert (the reference's ``dequantize_experts`` is made to raise);
+a model's ``RoutedExperts`` kept in FP8 on that backend runs it on the bytes it loaded.
 """
 
 from __future__ import annotations
@@ -111,6 +112,29 @@ def test_the_triton_backend_runs_the_per_tile_kernel_without_dequantising(monkey
     assert backend.moe_fp8 is fp8.moe_fp8
     got = backend.moe_fp8(x, weights, ids, *experts, block=BLOCK)
     assert _rel(got, want) <= 1e-5
+
+
+def test_routed_experts_kept_in_fp8_run_the_per_tile_kernel():
+    """A model's ``RoutedExperts`` built on the Triton backend, kept in FP8 and loaded
+    expert by expert (as the loader writes them), runs this kernel: its output is the
+    reference's on the stacks it holds."""
+    from unikv.models.moe import RoutedExperts
+
+    x, weights, ids, (w1, s1, w2, s2) = _case(5, 128, 128, seed=4)
+    experts = RoutedExperts(4, 128, 128, ops=get_backend("cpu", "triton"))
+    experts.keep_fp8(BLOCK)
+    with torch.no_grad():
+        for e, expert in enumerate(experts):
+            for j, part in enumerate((expert.gate_proj, expert.up_proj)):
+                part.weight.copy_(w1[e, j * 128 : (j + 1) * 128])
+                part.weight_scale_inv.copy_(s1[e, j : j + 1])
+            expert.down_proj.weight.copy_(w2[e])
+            expert.down_proj.weight_scale_inv.copy_(s2[e])
+    assert experts.kernel is fp8.moe_fp8
+    assert torch.equal(experts.w1.view(torch.uint8), w1.view(torch.uint8))
+    got = experts(x.bfloat16(), weights.bfloat16(), ids)
+    want = fp8_gemm_ref.moe_fp8(x.bfloat16(), weights.bfloat16(), ids, w1, s1, w2, s2, block=BLOCK)
+    assert _rel(got, want) <= 3e-2
 
 
 def test_no_tokens_gives_an_empty_result():
