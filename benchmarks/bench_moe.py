@@ -42,7 +42,10 @@ output) over the copy bandwidth measured in this run, ``fp8_of_roofline`` =
 roofline / fp8_us (``bf16_of_roofline`` the same for the bf16 bytes and time),
 ``fp8_vs_bf16`` = bf16_us / fp8_us. Checked first against the bf16 kernel (max error
 over max |bf16|, and whether bit-equal) and the per-call path. JSON:
-benchmarks/results/moe_fp8.json and ``$OUT/bench_moe_fp8.json``.
+benchmarks/results/moe_fp8.json and ``$OUT/bench_moe_fp8.json``. ``--fp8 --sweep
+[--budget 85] [--batches ...]``: the FP8 kernel at each bucket's candidates (as
+``--sweep``), checked against the bf16 kernel, printing ``INSTALL`` lines for
+``kernels/moe/fp8.TABLE`` (JSON: moe_fp8_sweep.json).
 """
 
 # ruff: noqa: BLE001  (a failing section is recorded, not fatal)
@@ -273,11 +276,22 @@ def make_fp8_experts(e: int, d: int, i: int) -> tuple[dict, dict]:
     return fp8, dense
 
 
-def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict:
+def fp8_routing(t: int, g) -> tuple:
+    """x (T, d) bf16, routing weights (T, k) bf16 and ids (T, k) on the GPU."""
     e, k, d = FP8_SHAPE["experts"], FP8_SHAPE["top_k"], FP8_SHAPE["hidden"]
     x = torch.randn(t, d, generator=g).bfloat16().cuda()
     top, ids = torch.topk(torch.randn(t, e, generator=g).cuda(), k, dim=-1)
-    weights = torch.softmax(top, dim=-1).bfloat16()
+    return x, torch.softmax(top, dim=-1).bfloat16(), ids
+
+
+def fp8_bytes(experts: dict, ids: torch.Tensor, t: int) -> int:
+    """The bytes of the distinct routed experts (weights and scales), x and the output."""
+    per_expert = sum(v[0].numel() * v.element_size() for v in experts.values())
+    return int(ids.unique().numel()) * per_expert + 2 * t * FP8_SHAPE["hidden"] * 2
+
+
+def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict:
+    x, weights, ids = fp8_routing(t, g)
     ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
     fp8 = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK)
     bf16 = lambda: moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"])
@@ -293,11 +307,9 @@ def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict
         return row
     row["fp8_us"], row["bf16_us"] = graph_us(fp8), graph_us(bf16)
     row["dequant_per_call_us"], row["dequant_per_call_timing"] = timed(per_call)
-    distinct, io = row["distinct_experts"], 2 * t * d * 2
-    fp8_bytes = distinct * sum(v[0].numel() * v.element_size() for v in experts.values()) + io
-    bf16_bytes = distinct * sum(v[0].numel() * v.element_size() for v in dense.values()) + io
-    row["fp8_MB"], row["bf16_MB"] = fp8_bytes / 1e6, bf16_bytes / 1e6
-    row["fp8_roofline_us"] = fp8_bytes / (ceilings["d2d_GBps"] * 1e3)
+    nbytes, bf16_bytes = fp8_bytes(experts, ids, t), fp8_bytes(dense, ids, t)
+    row["fp8_MB"], row["bf16_MB"] = nbytes / 1e6, bf16_bytes / 1e6
+    row["fp8_roofline_us"] = nbytes / (ceilings["d2d_GBps"] * 1e3)
     row["fp8_of_roofline"] = row["fp8_roofline_us"] / row["fp8_us"]
     row["bf16_of_roofline"] = bf16_bytes / (ceilings["d2d_GBps"] * 1e3) / row["bf16_us"]
     row["fp8_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
@@ -327,6 +339,64 @@ def run_fp8() -> None:
     print(f"fp8 run took {time.time() - t0:.0f} s")
 
 
+def run_fp8_sweep(budget_s: float, batches: tuple[int, ...]) -> None:
+    """``--fp8 --sweep``: per B, the FP8 kernel at the plan's tiles and at every
+    ``moe.CANDIDATES`` config of B's lists, each checked against the bf16 kernel on the
+    dequantised experts first; ``INSTALL`` lines for ``kernels/moe/fp8.TABLE``."""
+    t0 = time.time()
+    g = torch.Generator().manual_seed(0)
+    ceilings = copy_ceilings(GIB, GIB // 16)
+    experts, dense = make_fp8_experts(
+        *(FP8_SHAPE[n] for n in ("experts", "hidden", "intermediate"))
+    )
+    ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
+    rows, lines = [], []
+    for t in batches:
+        x, weights, ids = fp8_routing(t, g)
+        base = moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"]).float()
+        roof = fp8_bytes(experts, ids, t) / (ceilings["d2d_GBps"] * 1e3)
+        lists = [n for n, on in (("small", t <= 64), ("large", 16 <= t <= 256),
+                                 ("prefill", t > 256)) if on]  # fmt: skip
+        cands = [None, *dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n])]
+        mine = []
+        for cfg in cands:
+            row = {"B": t, "candidate": "plan" if cfg is None else list(cfg), "roofline_us": roof}
+            mine.append(row)
+            if time.time() > t0 + budget_s:
+                row["error"] = "skipped: time budget"
+                continue
+            fn = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, config=cfg)  # noqa: B023
+            try:
+                err = ((fn().float() - base).abs().max() / base.abs().max()).item()
+                row["rel_err_vs_bf16_kernel"] = err
+                if not err < 3e-2:
+                    row["error"] = "output differs from the bf16 kernel; not timed"
+                    continue
+                row["us"], row["timing"] = timed(fn)
+                row["of_roofline"] = roof / row["us"]
+            except Exception:
+                row["error"] = traceback.format_exc(limit=2)[-1500:]
+            torch.cuda.synchronize()
+        rows += mine
+        ok = [r for r in mine if "us" in r]
+        if ok:
+            best = min(ok, key=lambda r: r["us"])
+            planned = next((r["us"] for r in ok if r["candidate"] == "plan"), 0.0)
+            pick = (
+                "(the plan)" if best["candidate"] == "plan" else f"Config{tuple(best['candidate'])}"
+            )
+            note = f"{best['us']:.1f} us, {best['of_roofline'] * 100:.1f} % of roofline"
+            lines.append(
+                f"INSTALL fp8.TABLE[{moe.bucket(t)}] = {pick}  # {note}; plan {planned:.1f} us"
+            )
+        print(lines[-1] if ok else f"B {t}: no candidate ran")
+    payload = {"env": environment(), "shape": FP8_SHAPE, "ceilings": ceilings, "rows": rows,
+               "install": lines, "elapsed_s": time.time() - t0}  # fmt: skip
+    save_json("benchmarks/results/moe_fp8_sweep.json", payload)
+    if os.environ.get("OUT"):
+        save_json(os.path.join(os.environ["OUT"], "moe_fp8_sweep.json"), payload)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller copy probe")
@@ -338,6 +408,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU (the fused MoE is a Triton kernel)")
+    if args.fp8 and args.sweep:
+        picked = tuple(int(b) for b in args.batches.split(",") if b)
+        return run_fp8_sweep(args.budget, picked or (1, 8, 16, 64, 256, 2048))
     if args.fp8:
         return run_fp8()
     if args.sweep:

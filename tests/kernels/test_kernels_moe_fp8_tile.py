@@ -82,7 +82,7 @@ def test_per_tile_dequant_matches_the_reference_and_the_dequantised_kernel(name,
     w1, s1, w2, s2 = experts
     dense1 = fp8_gemm_ref.dequantize_experts(w1, s1, 2, BLOCK, dtype)
     dense2 = fp8_gemm_ref.dequantize_experts(w2, s2, 1, BLOCK, dtype)
-    same = cfg or fused.plan(x.shape[0], False, dtype)
+    same = cfg or fp8.plan(x.shape[0], dtype)
     assert torch.equal(got, fused.fused_moe(x, weights, ids, dense1, dense2, config=same))
 
 
@@ -135,6 +135,14 @@ def test_routed_experts_kept_in_fp8_run_the_per_tile_kernel():
     got = experts(x.bfloat16(), weights.bfloat16(), ids)
     want = fp8_gemm_ref.moe_fp8(x.bfloat16(), weights.bfloat16(), ids, w1, s1, w2, s2, block=BLOCK)
     assert _rel(got, want) <= 3e-2
+
+
+def test_plan_takes_the_fp8_table_else_the_16_bit_one(monkeypatch):
+    cfg = C(16, 64, 128, 1, 4, 3)
+    monkeypatch.setattr(fp8, "TABLE", {8: cfg})
+    assert fp8.plan(5, torch.bfloat16) is cfg  # bucket 8
+    assert fp8.plan(9, torch.bfloat16) == fused.TABLE[16, False]
+    assert fp8.plan(5, torch.float32) is fused.FP32_CONFIG
 
 
 def test_no_tokens_gives_an_empty_result():

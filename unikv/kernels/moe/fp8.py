@@ -14,8 +14,9 @@ the dot (``fused_kernels._fp8_tile``): the dot's operand is the reference's dequ
 weight element for element, and no dequantised copy of the experts is ever written.
 The activations stay 16-bit (or fp32: IEEE fp32 dots); they are not quantised.
 
-The tiles come from the 16-bit table (``fused.plan``: the same bucket by T, never the
-dense loop, which would need dequantised experts). Where the K tile lies in one scale
+The tiles: ``TABLE`` (by ``fused.bucket(T)``, from ``bench_moe.py --fp8 --sweep``),
+else the 16-bit table's entry for T (``fused.plan``), never the dense loop (which would
+need dequantised experts); fp32 runs ``fused.FP32_CONFIG``. Where the K tile lies in one scale
 block (``bk % block_k == 0``: 128-column blocks and the table's 64 / 128 tiles) a
 tile row takes one multiplier; otherwise (a K tile spanning two blocks, odd block
 sizes) one multiplier is gathered per element. An N tile may span several scale rows
@@ -28,6 +29,18 @@ import torch
 
 from unikv.kernels.moe import fused
 from unikv.kernels.moe.ref import check_moe_args
+
+# bucket -> Config for 16-bit activations over FP8 experts; a bucket not here takes the
+# 16-bit experts' entry (``fused.TABLE``). Empty: no FP8 sweep has been installed yet
+TABLE: dict[int, fused.Config] = {}
+
+
+def plan(num_tokens: int, dtype: torch.dtype) -> fused.Config | None:
+    """The launch for T tokens (host ints): ``TABLE``'s entry for T's bucket, else the
+    16-bit table's (LOOP there: ``fused.launch`` runs the kernel that replaces it)."""
+    if dtype == torch.float32:
+        return fused.FP32_CONFIG
+    return TABLE.get(fused.bucket(num_tokens)) or fused.plan(num_tokens, False, dtype)
 
 
 def check_fp8_experts(x, w1, w1_scale, w2, w2_scale, block, activation) -> None:
@@ -73,7 +86,7 @@ def moe_fp8(
     whatever ``sum_dtype``; ``config``: the launch (None: the plan for T's bucket)."""
     check_moe_args(x, topk_weights, topk_ids, w1, w2, None, None, activation, "concat")
     check_fp8_experts(x, w1, w1_scale, w2, w2_scale, tuple(block), activation)
-    cfg = config or fused.plan(x.shape[0], False, x.dtype)  # LOOP: the kernel (``launch``)
+    cfg = config or plan(x.shape[0], x.dtype)
     blocks = fused.Fp8Blocks(*block)
     s1, s2 = w1_scale.contiguous(), w2_scale.contiguous()  # no copy when loaded contiguous
     return fused.launch(x, topk_weights, topk_ids, w1, w2, s1, s2, cfg, activation=activation,
