@@ -341,8 +341,9 @@ def run_fp8() -> None:
 
 def run_fp8_sweep(budget_s: float, batches: tuple[int, ...]) -> None:
     """``--fp8 --sweep``: per B, the FP8 kernel at the plan's tiles and at every
-    ``moe.CANDIDATES`` config of B's lists, each checked against the bf16 kernel on the
-    dequantised experts first; ``INSTALL`` lines for ``kernels/moe/fp8.TABLE``."""
+    ``moe.CANDIDATES`` config of B's lists whose K tile lies inside one scale block,
+    each checked against the bf16 kernel on the dequantised experts first; ``INSTALL``
+    lines for ``kernels/moe/fp8.TABLE``."""
     t0 = time.time()
     g = torch.Generator().manual_seed(0)
     ceilings = copy_ceilings(GIB, GIB // 16)
@@ -357,7 +358,8 @@ def run_fp8_sweep(budget_s: float, batches: tuple[int, ...]) -> None:
         roof = fp8_bytes(experts, ids, t) / (ceilings["d2d_GBps"] * 1e3)
         lists = [n for n, on in (("small", t <= 64), ("large", 16 <= t <= 256),
                                  ("prefill", t > 256)) if on]  # fmt: skip
-        cands = [None, *dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n])]
+        cands = [None, *dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]
+                                      if FP8_BLOCK[1] % c.block_k == 0)]  # fmt: skip
         mine = []
         for cfg in cands:
             row = {"B": t, "candidate": "plan" if cfg is None else list(cfg), "roofline_us": roof}

@@ -19,7 +19,10 @@ else the 16-bit table's entry for T (``fused.plan``), never the dense loop (whic
 need dequantised experts); fp32 runs ``fused.FP32_CONFIG``. Where the K tile lies in one scale
 block (``bk % block_k == 0``: 128-column blocks and the table's 64 / 128 tiles) a
 tile row takes one multiplier; otherwise (a K tile spanning two blocks, odd block
-sizes) one multiplier is gathered per element. An N tile may span several scale rows
+sizes) one multiplier is gathered per element: correct for any block, but the gather is
+a (BLOCK_N, BLOCK_K) fp32 tile through the load pipeline (a 256-column K tile over
+128-column blocks needs 344 KiB of shared memory on sm_90), so it is for the tiny test
+models' odd blocks, and the sweep (``bench_moe.py --fp8 --sweep``) skips such tiles. An N tile may span several scale rows
 (each row takes its own), and gate's and up's rows find their own scale rows.
 """
 
