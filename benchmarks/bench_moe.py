@@ -29,6 +29,23 @@ benchmarks/results/moe_sweep_h200.json (and ``$OUT/moe_sweep.json``; ``MOE_SWEEP
 is appended to both names) and prints
 ``INSTALL`` lines: the fastest config per (bucket, format) for ``moe.TABLE``, ``LOOP``
 for bf16 where the loop beat it.
+
+``--fp8`` (alone; about a minute): block-scaled FP8 experts (``kernels/moe/fp8.py``,
+128 x 128 blocks, each weight tile dequantised in registers) on a DeepSeek-V3 expert
+shape (hidden 7168, intermediate 2048, 32 experts, top-8), bf16 activations, at decode
+T = 1 ... 64 and a 2048-token prefill chunk. Per T, in one run: ``fp8_us`` (graph
+replay), ``bf16_us`` the 16-bit fused MoE on the same experts dequantised to bf16 (the
+same tiles), ``dequant_per_call_us`` the path it replaces (``fp8_gemm_ref.moe_fp8``
+into the Triton MoE: the experts dequantised to bf16 every call); ``fp8_roofline_us``:
+the FP8 bytes of the distinct routed experts (weights + scales, plus x and the
+output) over the copy bandwidth measured in this run, ``fp8_of_roofline`` =
+roofline / fp8_us (``bf16_of_roofline`` the same for the bf16 bytes and time),
+``fp8_vs_bf16`` = bf16_us / fp8_us. Checked first against the bf16 kernel (max error
+over max |bf16|, and whether bit-equal) and the per-call path. JSON:
+benchmarks/results/moe_fp8.json and ``$OUT/bench_moe_fp8.json``. ``--fp8 --sweep
+[--budget 85] [--batches ...]``: the FP8 kernel at each bucket's candidates (as
+``--sweep``), checked against the bf16 kernel, printing ``INSTALL`` lines for
+``kernels/moe/fp8.TABLE`` (JSON: moe_fp8_sweep.json).
 """
 
 # ruff: noqa: BLE001  (a failing section is recorded, not fatal)
@@ -45,6 +62,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, bench_us, copy_ceilings, environment, graph_us, save_json
+from unikv.kernels.linear import fp8_gemm_ref
+from unikv.kernels.moe import fp8 as moe_fp8
 from unikv.kernels.moe import fused as moe
 from unikv.kernels.moe import ref as moe_ref
 from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
@@ -231,6 +250,155 @@ def run_sweep(budget_s: float, batches: tuple[int, ...] = SWEEP_BATCHES) -> None
     print("\n".join(lines), f"\nsweep took {time.time() - t0:.0f} s")
 
 
+FP8_SHAPE = {"experts": 32, "top_k": 8, "hidden": 7168, "intermediate": 2048}
+FP8_BATCHES = (1, 2, 4, 8, 16, 32, 64, 2048)
+FP8_BLOCK = (128, 128)
+
+
+def make_fp8_experts(e: int, d: int, i: int) -> tuple[dict, dict]:
+    """Random FP8 experts in 128 x 128 blocks (multipliers 2^-12..2^-8) on the GPU, and
+    the same experts dequantised to bf16 one expert at a time (``dequantize_experts``)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fp8, dense = {}, {}
+    for w, rows, cols, parts in (("w1", i, d, 2), ("w2", d, i, 1)):
+        q = torch.empty(e, parts * rows, cols, dtype=torch.float8_e4m3fn, device="cuda")
+        for x in range(e):
+            q[x] = (torch.randn(parts * rows, cols, device="cuda", generator=g) * 100).clamp(
+                -448, 448
+            )
+        blocks = (e, parts * -(-rows // 128), -(-cols // 128))
+        s = 2.0 ** torch.randint(-12, -7, blocks, device="cuda", generator=g).float()
+        fp8[w], fp8[w + "_scale"] = q, s
+        dense[w] = torch.cat([
+            fp8_gemm_ref.dequantize_experts(q[x : x + 1], s[x : x + 1], parts, FP8_BLOCK,
+                                            torch.bfloat16) for x in range(e)
+        ])  # fmt: skip
+    return fp8, dense
+
+
+def fp8_routing(t: int, g) -> tuple:
+    """x (T, d) bf16, routing weights (T, k) bf16 and ids (T, k) on the GPU."""
+    e, k, d = FP8_SHAPE["experts"], FP8_SHAPE["top_k"], FP8_SHAPE["hidden"]
+    x = torch.randn(t, d, generator=g).bfloat16().cuda()
+    top, ids = torch.topk(torch.randn(t, e, generator=g).cuda(), k, dim=-1)
+    return x, torch.softmax(top, dim=-1).bfloat16(), ids
+
+
+def fp8_bytes(experts: dict, ids: torch.Tensor, t: int) -> int:
+    """The bytes of the distinct routed experts (weights and scales), x and the output."""
+    per_expert = sum(v[0].numel() * v.element_size() for v in experts.values())
+    return int(ids.unique().numel()) * per_expert + 2 * t * FP8_SHAPE["hidden"] * 2
+
+
+def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict:
+    x, weights, ids = fp8_routing(t, g)
+    ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
+    fp8 = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK)
+    bf16 = lambda: moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"])
+    per_call = lambda: fp8_gemm_ref.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, moe=moe.moe)
+    got, base, old = fp8(), bf16().float(), per_call().float()
+    row = {"B": t, "distinct_experts": int(ids.unique().numel())}
+    rel = lambda want: ((got.float() - want).abs().max() / want.abs().max()).item()
+    row["rel_err_vs_bf16_kernel"] = rel(base)
+    row["bit_equal_to_bf16_kernel"] = bool(torch.equal(got.float(), base))
+    row["rel_err_vs_dequant_per_call"] = rel(old)
+    if not max(row["rel_err_vs_bf16_kernel"], row["rel_err_vs_dequant_per_call"]) < 3e-2:
+        row["error"] = "FP8 output differs from the bf16 kernel / the per-call path; not timed"
+        return row
+    row["fp8_us"], row["bf16_us"] = graph_us(fp8), graph_us(bf16)
+    row["dequant_per_call_us"], row["dequant_per_call_timing"] = timed(per_call)
+    nbytes, bf16_bytes = fp8_bytes(experts, ids, t), fp8_bytes(dense, ids, t)
+    row["fp8_MB"], row["bf16_MB"] = nbytes / 1e6, bf16_bytes / 1e6
+    row["fp8_roofline_us"] = nbytes / (ceilings["d2d_GBps"] * 1e3)
+    row["fp8_of_roofline"] = row["fp8_roofline_us"] / row["fp8_us"]
+    row["bf16_of_roofline"] = bf16_bytes / (ceilings["d2d_GBps"] * 1e3) / row["bf16_us"]
+    row["fp8_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
+    row["fp8_vs_dequant_per_call"] = row["dequant_per_call_us"] / row["fp8_us"]
+    return row
+
+
+def run_fp8() -> None:
+    t0 = time.time()
+    g = torch.Generator().manual_seed(0)
+    ceilings = copy_ceilings(GIB, GIB // 16)
+    e, d, i = (FP8_SHAPE[n] for n in ("experts", "hidden", "intermediate"))
+    experts, dense = make_fp8_experts(e, d, i)
+    rows = []
+    for t in FP8_BATCHES:
+        try:
+            rows.append(run_fp8_batch(t, experts, dense, ceilings, g))
+        except Exception:
+            rows.append({"B": t, "error": traceback.format_exc(limit=3)})
+        print(rows[-1])
+        torch.cuda.empty_cache()
+    payload = {"env": environment(), "shape": FP8_SHAPE, "block": FP8_BLOCK,
+               "ceilings": ceilings, "rows": rows, "elapsed_s": time.time() - t0}  # fmt: skip
+    save_json("benchmarks/results/moe_fp8.json", payload)
+    if os.environ.get("OUT"):
+        save_json(os.path.join(os.environ["OUT"], "bench_moe_fp8.json"), payload)
+    print(f"fp8 run took {time.time() - t0:.0f} s")
+
+
+def run_fp8_sweep(budget_s: float, batches: tuple[int, ...]) -> None:
+    """``--fp8 --sweep``: per B, the FP8 kernel at the plan's tiles and at every
+    ``moe.CANDIDATES`` config of B's lists whose K tile lies inside one scale block,
+    each checked against the bf16 kernel on the dequantised experts first; ``INSTALL``
+    lines for ``kernels/moe/fp8.TABLE``."""
+    t0 = time.time()
+    g = torch.Generator().manual_seed(0)
+    ceilings = copy_ceilings(GIB, GIB // 16)
+    experts, dense = make_fp8_experts(
+        *(FP8_SHAPE[n] for n in ("experts", "hidden", "intermediate"))
+    )
+    ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
+    rows, lines = [], []
+    for t in batches:
+        x, weights, ids = fp8_routing(t, g)
+        base = moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"]).float()
+        roof = fp8_bytes(experts, ids, t) / (ceilings["d2d_GBps"] * 1e3)
+        lists = [n for n, on in (("small", t <= 64), ("large", 16 <= t <= 256),
+                                 ("prefill", t > 256)) if on]  # fmt: skip
+        cands = [None, *dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]
+                                      if FP8_BLOCK[1] % c.block_k == 0)]  # fmt: skip
+        mine = []
+        for cfg in cands:
+            row = {"B": t, "candidate": "plan" if cfg is None else list(cfg), "roofline_us": roof}
+            mine.append(row)
+            if time.time() > t0 + budget_s:
+                row["error"] = "skipped: time budget"
+                continue
+            fn = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, config=cfg)  # noqa: B023
+            try:
+                err = ((fn().float() - base).abs().max() / base.abs().max()).item()
+                row["rel_err_vs_bf16_kernel"] = err
+                if not err < 3e-2:
+                    row["error"] = "output differs from the bf16 kernel; not timed"
+                    continue
+                row["us"], row["timing"] = timed(fn)
+                row["of_roofline"] = roof / row["us"]
+            except Exception:
+                row["error"] = traceback.format_exc(limit=2)[-1500:]
+            torch.cuda.synchronize()
+        rows += mine
+        ok = [r for r in mine if "us" in r]
+        if ok:
+            best = min(ok, key=lambda r: r["us"])
+            planned = next((r["us"] for r in ok if r["candidate"] == "plan"), 0.0)
+            pick = (
+                "(the plan)" if best["candidate"] == "plan" else f"Config{tuple(best['candidate'])}"
+            )
+            note = f"{best['us']:.1f} us, {best['of_roofline'] * 100:.1f} % of roofline"
+            lines.append(
+                f"INSTALL fp8.TABLE[{moe.bucket(t)}] = {pick}  # {note}; plan {planned:.1f} us"
+            )
+        print(lines[-1] if ok else f"B {t}: no candidate ran")
+    payload = {"env": environment(), "shape": FP8_SHAPE, "ceilings": ceilings, "rows": rows,
+               "install": lines, "elapsed_s": time.time() - t0}  # fmt: skip
+    save_json("benchmarks/results/moe_fp8_sweep.json", payload)
+    if os.environ.get("OUT"):
+        save_json(os.path.join(os.environ["OUT"], "moe_fp8_sweep.json"), payload)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller copy probe")
@@ -238,9 +406,15 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time moe.CANDIDATES (alone)")
     parser.add_argument("--budget", type=float, default=85.0, help="sweep seconds")
     parser.add_argument("--batches", default="", help="sweep only these B (comma list)")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts vs bf16 (alone)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU (the fused MoE is a Triton kernel)")
+    if args.fp8 and args.sweep:
+        picked = tuple(int(b) for b in args.batches.split(",") if b)
+        return run_fp8_sweep(args.budget, picked or (1, 8, 16, 64, 256, 2048))
+    if args.fp8:
+        return run_fp8()
     if args.sweep:
         picked = tuple(int(b) for b in args.batches.split(",") if b) or SWEEP_BATCHES
         return run_sweep(args.budget, picked)

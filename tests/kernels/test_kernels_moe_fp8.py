@@ -10,8 +10,9 @@ carry their own scale rows.
 - one chunk: equal to the oracle bit for bit (fp32), SwiGLU and relu2;
 - several chunks (a small ``chunk_bytes``: experts outside a chunk get zero routing
   weight): equal to the oracle to fp32 rounding;
-- the Triton backend's ``moe_fp8`` (the Triton MoE under the interpreter) matches the
-  torch backend's, fp32 and bf16;
+- the Triton backend's ``moe_fp8`` (the fused MoE dequantising each FP8 tile,
+  ``kernels/moe/fp8.py``, under the interpreter; these 8 x 12 blocks take a multiplier
+  per element) matches the torch backend's, fp32 and bf16;
 - 16-bit experts are refused with what was given.
 """
 

@@ -1,5 +1,6 @@
 """The MoE kernels and the one-request GEMV compiled for the H200 (sm_90a) on this CPU
-host: every MoE table entry and the swapped-operand candidates at gpt-oss's shape, the
+host: every MoE table entry and the swapped-operand candidates at gpt-oss's shape (and
+the tiles the block-scaled FP8 experts' plan picks, at that shape), the
 GEMV's variants at Llama-3.2-1B's, with the JIT's specialisation
 (``benchmarks/aot_sm90.py``, in a subprocess without the interpreter). The interpreter
 runs a kernel's semantics but never compiles it; this catches what only the GPU compile
@@ -16,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from unikv.kernels.moe import fp8 as moe_fp8
 from unikv.kernels.moe import fused as moe
 from unikv.kernels.moe import hopper as moe_hopper
 
@@ -28,7 +31,10 @@ pytestmark = pytest.mark.skipif(not os.path.exists(aot_sm90.PTXAS), reason="need
 
 NEW = [c for cs in moe.CANDIDATES.values() for c in cs if c.swap]
 CONFIGS = sorted(set(NEW) | {c for c in moe.TABLE.values() if c is not moe.LOOP})
-CASES = [(c, mx) for c in CONFIGS for mx in (True, False)]
+# block-scaled FP8 experts (``kernels/moe/fp8.py``): every tile its plan can pick for
+# 16-bit activations, at 128 x 128 blocks (the K tile inside one scale block)
+FP8_CONFIGS = sorted({moe_fp8.plan(b, torch.bfloat16) for b in moe.BUCKETS} - {moe.LOOP})
+CASES = [(c, mx) for c in CONFIGS for mx in (True, False)] + [(c, "fp8") for c in FP8_CONFIGS]
 
 
 def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
@@ -55,7 +61,7 @@ def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
             if not ok:
                 bad.append((cfg, mxfp4, name, got))
     assert not bad, bad
-    assert len(results) == len(CASES) > 20  # every table entry and swap candidate, both formats
+    assert len(results) == len(CASES) > 20  # every table entry and swap candidate, all formats
 
 
 def test_gemv_compiles_for_sm90_with_pipelined_weight_loads(tmp_path):

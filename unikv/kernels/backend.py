@@ -150,8 +150,9 @@ class KernelBackend:
     # planned per row count, ``fp8_gemm.plan``) or the torch reference (dequantise, then
     # multiply in fp32)
     fp8_linear: Fp8Linear
-    # the fused MoE over block-scaled FP8 experts (``fp8_gemm_ref.moe_fp8``): the experts
-    # dequantised per call, a bounded chunk at a time, into this backend's ``moe``
+    # the fused MoE over block-scaled FP8 experts: Triton (``kernels/moe/fp8.moe_fp8``:
+    # each weight tile dequantised in registers inside the fused kernels) or the torch
+    # reference (``fp8_gemm_ref.moe_fp8``: the experts dequantised per call, then ``moe``)
     moe_fp8: MoEFp8
 
 
@@ -358,9 +359,10 @@ def _triton(flags: Flags) -> KernelBackend:
     # imported lazily: Triton is only needed here
     from unikv.kernels.attention import decode, extend, rope_store, store
     from unikv.kernels.attention import sdpa as extend_sdpa
-    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, fp8_gemm_ref, gemv
+    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, gemv
     from unikv.kernels.mla import decode as mla_decode
     from unikv.kernels.mla import prefill as mla
+    from unikv.kernels.moe import fp8 as moe_fp8
     from unikv.kernels.moe import fused as moe
     from unikv.kernels.recurrent import triton_ops as recurrent
     from unikv.kernels.tables import block_table, page_copy, step_tables, table_update
@@ -404,7 +406,7 @@ def _triton(flags: Flags) -> KernelBackend:
             if flags.fp8_scaled_mm
             else fp8_gemm.fp8_linear
         ),
-        moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe.moe),
+        moe_fp8=moe_fp8.moe_fp8,
     )
 
 

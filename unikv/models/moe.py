@@ -18,7 +18,9 @@ expert's linears into ``Fp8Weight`` s (the file's e4m3 ``weight`` beside its fp3
 into ``w1`` / ``w2`` float8_e4m3fn with ``w1_scale`` (E, parts * ceil(I / bn),
 ceil(d / bk)) (each part, gate and up, blocked on its own, its scale rows in part order)
 and ``w2_scale`` (E, ceil(d / bn), ceil(I / bk)); the backend's ``moe_fp8`` runs them
-(the torch reference dequantises per call; ``kernels/fp8_gemm_ref.moe_fp8``). Never
+(Triton: each weight tile dequantised in registers inside the fused kernels,
+``kernels/moe/fp8.py``; the torch reference dequantises per call,
+``kernels/linear/fp8_gemm_ref.moe_fp8``). Never
 dequantised at load. Under tensor parallelism the scales shard with their weights (gate
 and up rows, down columns); a rank's slice must be whole blocks. The kernel is the
 backend's ``moe`` (``kernels/backend.py``), taken at construction (``model_ops``: the

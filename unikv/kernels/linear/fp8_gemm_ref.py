@@ -144,7 +144,9 @@ def moe_fp8(
     and run by ``moe`` (a dense MoE op, ``moe_ref.fused_moe`` by default); with several
     chunks each runs every token, its choices outside the chunk sent to zero experts with
     zero weight (no host sync), and their outputs are summed in fp32. One chunk (the tiny models'
-    case) is exactly ``moe`` on the dequantised experts."""
+    case) is exactly ``moe`` on the dequantised experts. The torch backend's op and the
+    reference of the Triton backend's (``kernels/moe/fp8.py``, which dequantises per
+    tile inside the fused kernels and never writes a dequantised expert)."""
     if moe is None:
         from unikv.kernels.moe.ref import fused_moe as moe
     if w1.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:

@@ -1,4 +1,5 @@
-"""Fused MoE in Triton: only the routed experts run, MXFP4 weights stay packed.
+"""Fused MoE in Triton: only the routed experts run, MXFP4 weights stay packed (and
+block-scaled FP8 experts stay FP8: ``kernels/moe/fp8.py`` through ``launch``).
 
 Semantics and argument layouts: ``kernels/moe/ref.py`` (same signature). Kernel
 bodies: ``kernels/moe/fused_kernels.py``.
@@ -261,6 +262,8 @@ def _w_args(w: torch.Tensor, scales: torch.Tensor | None) -> tuple:
     """(scales or a dummy, s_we, s_wn, s_wk, s_se, s_sn) in elements."""
     if scales is None:
         return (w, *w.stride(), 0, 0)
+    if w.dtype == torch.float8_e4m3fn:  # block scales (E, rows, cols), contiguous along cols
+        return (scales, *w.stride(), scales.stride(0), scales.stride(1))
     return (scales, w.stride(0), w.stride(1), 1, scales.stride(0), scales.stride(1))
 
 
@@ -303,15 +306,35 @@ def fused_moe(
     [0, E) -> (T, d) in x.dtype. Layouts: ``moe_ref.fused_moe``. Accumulates in fp32
     whatever ``sum_dtype`` (kept for the reference's signature). ``config``: the
     launch (None: ``plan``'s kernel config for T, even where ``plan`` says LOOP)."""
-    num_experts, inter = check_moe_args(
-        x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, activation, gate_up
-    )
+    check_moe_args(x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, activation, gate_up)
     _check_mxfp4_contiguous(w1, w1_scales)
     _check_mxfp4_contiguous(w2, w2_scales)
-    m = topk_ids.numel()
+    cfg = config or plan(x.shape[0], w1_scales is not None, x.dtype)
+    kw = {"b1": b1, "b2": b2, "activation": activation, "gate_up": gate_up, "alpha": alpha,
+          "limit": limit}  # fmt: skip
+    return launch(x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, cfg, **kw)
+
+
+class Fp8Blocks(NamedTuple):
+    """``launch``'s block-scaled FP8 experts: the scales' block (bn rows, bk columns);
+    the w*_scales are fp32 multipliers, gate's and up's scale rows each blocked on their
+    own (``kernels/moe/fp8.py``)."""
+
+    bn: int
+    bk: int
+
+
+def launch(
+    x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, cfg, *, b1=None, b2=None,
+    activation="silu", gate_up="concat", alpha=1.702, limit=7.0, fp8: Fp8Blocks | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The two kernels on checked arguments (``fused_moe``; ``fp8.moe_fp8`` with ``fp8``
+    set: w1 / w2 float8_e4m3fn, w*_scales their block scales) under ``cfg`` (LOOP: the
+    kernel that replaces the loop) -> (T, d) in x.dtype."""
+    num_experts, m = w1.shape[0], topk_ids.numel()
+    inter = w2.shape[2] if w2_scales is None or fp8 is not None else w2.shape[2] * 32
     if m == 0:
         return torch.zeros_like(x)
-    cfg = config or plan(x.shape[0], w1_scales is not None, x.dtype)
     if cfg is LOOP:  # asked for the kernel where the table runs the loop
         cfg = FP32_CONFIG if x.dtype == torch.float32 else KERNEL_FOR_LOOP
     check_config(cfg)
@@ -322,9 +345,16 @@ def fused_moe(
     row_step = 2 if interleaved and activation != "relu2" else 1
     up_offset = 0 if activation == "relu2" else (1 if interleaved else inter)
     act_args = (row_step, up_offset, float(alpha), float(limit))
-    mode = mxfp4_mode(cfg, w1_scales is not None)
-    a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode)
-    y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode)
+    mode = mxfp4_mode(cfg, w1_scales is not None and fp8 is None)
+    blocks = (0, 1, 1, 0)  # (FP8 mode, BN, BK, up's first scale row): dense or MXFP4
+    if fp8 is not None:
+        per_k = fp8.bk % cfg.block_k == 0  # the K tile inside one scale block
+        up_row = 0 if activation == "relu2" else -(-inter // fp8.bn)
+        blocks = (1 if per_k else 2, fp8.bn, fp8.bk, up_row)
+    a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode,
+                 blocks)  # fmt: skip
+    y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode,
+              blocks)  # fmt: skip
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
 
 
@@ -354,7 +384,7 @@ def permute_groups(x: torch.Tensor) -> torch.Tensor:
     return x.view(t, d // 32, 16, 2).transpose(2, 3).reshape(t, d)
 
 
-def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode) -> torch.Tensor:
+def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode, blocks) -> torch.Tensor:
     """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
     sums (rows, 2I) when ``cfg.split_k`` > 1; with the two-halves MXFP4 decode (mode
     1) it reads x permuted (``permute_groups``) and writes its columns permuted."""
@@ -372,17 +402,17 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode) -> torc
         x, w1, *_w_args(w1, s1)[:1], bias, out, sorted_ids, block_experts,
         x.shape[0] * top_k, top_k, x.shape[1], inter,
         *x.stride(), *_w_args(w1, s1)[1:], bias.stride(0), bias.stride(-1), *out.stride(),
-        *act_args,
+        *act_args, blocks[3],
         ACT=ACT_CODES[activation], MXFP4=mode,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SWAP=bool(cfg.swap), ASM=not INTERPRETED, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        SWAP=bool(cfg.swap), ASM=not INTERPRETED, FP8=blocks[0], BN=blocks[1], BK=blocks[2],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
 
-def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mode):
+def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mode, blocks):
     """The down kernel -> y (M, d) fp32, each assignment's weighted expert output."""
     sorted_ids, block_experts, block_m, inter, ieee = geo
     m, d, split = topk_weights.numel(), x.shape[1], cfg.split_k
@@ -401,6 +431,7 @@ def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mo
         ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,
         DTYPE=TL_DTYPES[x.dtype], SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SWAP=bool(cfg.swap), ASM=not INTERPRETED,
+        FP8=blocks[0], BN=blocks[1], BK=blocks[2],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

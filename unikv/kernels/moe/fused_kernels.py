@@ -33,6 +33,14 @@ value times 2^-126; code 1, 0.5, is the bf16 subnormal 2^-127), and multiplies
 bf16x2 by 2^126 and then by the group's 2^(scale - 127) (scale 0: the subnormal
 2^-127): exact for scales 0..254. Under the interpreter the same bits come from Triton
 ops (the fp16 route below).
+Block-scaled FP8 (``FP8`` 1 or 2, ``kernels/moe/fp8.py``): a weight tile is loaded as
+float8_e4m3fn (one byte an element), widened to fp32 and multiplied by its scale block's
+multiplier before the dot (``_fp8_tile``), then rounded to the activation's dtype, so
+the dot sees exactly the torch reference's dequantised weights. The tile's rows map to
+scale rows ``srows`` (gate and up blocked on their own: up's scale rows start at
+``s_up``); ``FP8`` 1: the K tile lies inside one scale block (``BK % BLOCK_K == 0``), one
+multiplier a row; 2: any block sizes (a tile spanning several K blocks, odd blocks), one
+multiplier gathered per element.
 ``MXFP4`` 2 keeps the earlier decode for the A/B (``UNIKV_MXFP4_DECODE=interleave``):
 both nibbles unpacked and interleaved, a code becoming fp16 bits
 ``s << 15 | e1 e0 m << 9`` (the value times 2^-14) scaled in fp32 by 2^(scale - 113).
@@ -212,6 +220,28 @@ def _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, 
 
 
 @triton.jit
+def _fp8_tile(w_ptr, s_ptr, w_base, s_base, rows, srows, row_ok, k0, K, s_wn, s_wk, s_sn,
+              FP8: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    """(BLOCK_N, BLOCK_K) fp32 tile of a block-scaled FP8 weight: W[rows, k0 : k0 +
+    BLOCK_K] loaded as FP8, widened and times its blocks' multipliers (``srows``: each
+    row's scale row; K-blocks of BK columns, scales contiguous along K); 0 outside
+    ``row_ok`` and K. FP8 1: the tile's K range lies in one scale block."""
+    q = _weight_tile(w_ptr, s_ptr, w_base, s_base, rows, row_ok, k0, K, s_wn, s_wk, s_sn, 0,
+                     BLOCK_N, BLOCK_K).to(tl.float32)  # fmt: skip
+    s_rows = s_ptr + s_base + srows.to(tl.int64) * s_sn  # (BLOCK_N,) pointers
+    if FP8 == 1:
+        s = tl.load(s_rows + k0 // BK, mask=row_ok, other=0.0)
+        tile = q * s[:, None]
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        s = tl.load(s_rows[:, None] + ks[None, :] // BK,
+                    mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+        tile = q * s
+    return tile
+
+
+@triton.jit
 def _dot_t(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
     """acc + a @ w^T (a (BLOCK_M, BLOCK_K), w (BLOCK_N, BLOCK_K)), or with SWAP its
     transpose acc^T + w @ a^T: fp32 products when IEEE (fp32 models; the interpreter,
@@ -268,10 +298,11 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
     num_assign, top_k, K, I,
     s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_be, s_bn, s_om, s_on,
-    row_step, up_offset, alpha, limit,
+    row_step, up_offset, alpha, limit, s_up,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -284,6 +315,8 @@ def _gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate features j
     col_ok = cols < I
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
+    gate_srows = cols // BN  # FP8: scale rows (gate and up each blocked on its own)
+    up_srows = s_up + gate_srows
     w_base, s_base = expert.to(tl.int64) * s_we, expert.to(tl.int64) * s_se
     acc_g, acc_u = _acc(BLOCK_M, BLOCK_N, SWAP), _acc(BLOCK_M, BLOCK_N, SWAP)
     k_lo, k_hi = _k_range(K, pid_k, SPLIT_K, BLOCK_K)
@@ -301,6 +334,15 @@ def _gate_up_kernel(
                 wg_lo, wg_hi = _mxfp4_halves(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0,
                                              K, s_wn, s_sn, ASM, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc_g = _dot_t(a_hi, wg_hi, _dot_t(a_lo, wg_lo, acc_g, IEEE, SWAP), IEEE, SWAP)
+        elif FP8 != 0:  # block-scaled FP8, dequantised per tile, rounded to x's dtype
+            a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
+            wu = _fp8_tile(w_ptr, s_ptr, w_base, s_base, up_rows, up_srows, col_ok, k0, K, s_wn,
+                           s_wk, s_sn, FP8, BK, BLOCK_N, BLOCK_K)  # fmt: skip
+            acc_u = _dot_t(a, wu.to(a.dtype), acc_u, IEEE, SWAP)
+            if ACT != 2:
+                wg = _fp8_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, gate_srows, col_ok, k0,
+                               K, s_wn, s_wk, s_sn, FP8, BK, BLOCK_N, BLOCK_K)  # fmt: skip
+                acc_g = _dot_t(a, wg.to(a.dtype), acc_g, IEEE, SWAP)
         else:
             a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
             wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
@@ -381,7 +423,7 @@ def _down_kernel(
     ACT_IN_A: tl.constexpr,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -411,8 +453,12 @@ def _down_kernel(
             a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
                         row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE,
                         False)  # fmt: skip
-            w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
-                             s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
+            if FP8 != 0:  # block-scaled FP8: rounded to A's dtype after its scale
+                w = _fp8_tile(w_ptr, s_ptr, w_base, s_base, cols, cols // BN, col_ok, k0, K,
+                              s_wn, s_wk, s_sn, FP8, BK, BLOCK_N, BLOCK_K).to(a.dtype)  # fmt: skip
+            else:
+                w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
+                                 s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
             acc = _dot_t(a, w, acc, IEEE, SWAP)
     acc = _unswap(acc, SWAP)
     if HAS_BIAS:
