@@ -13,6 +13,8 @@ sub-pool of the same pool), CPU fp32.
 - Forced acceptance (a benchmark mode: every draft accepted, so the tokens are not
   the model's) runs only inside ``allow_forced_acceptance``; there every draft is
   accepted and the drafts still equal the chain over the tokens the request holds.
+- Under preemption (recompute, swap: the MTP rows travel with the pages) the
+  outputs are unchanged.
 - The batch-size rule (``speculative_disable_by_batch_size``): no step with more
   decoding requests than the limit drafts; the tokens are unchanged.
 """
@@ -128,6 +130,39 @@ def test_qwen_mtp_k1_pages1_and_prefix_hit(saved):
     assert [o.output_ids for o in again] == [o.output_ids for o in plain.generate(turns, params)]
     assert min(o.num_cached_tokens for o in again) >= 16  # every turn hit its first
     assert llm.stats.spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_qwen_mtp_under_preemption(saved, preemption):
+    """A pool of one request's pages (the MTP layer's ``draft_full`` as many) and two
+    requests' state slots: requests are preempted (recomputed, or swapped with their
+    MTP rows) and the outputs still equal plain decoding's."""
+    from unikv.engine.speculative.mtp import mtp_subpool_configs
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.placement import pool_bytes_for, worst_case_pages
+
+    path, k, ps, length = saved("qwen3_5")[0], 3, 4, 40
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    configs += mtp_subpool_configs(configs, "full")
+    pages = {  # (pool_bytes_for adds one page or slot to each)
+        c.name: 2 * (1 + k) - 1 if c.spec.kind == "mamba" else
+        worst_case_pages(c.spec, ps, length, 32) - 1
+        for c in configs
+    }  # fmt: skip
+    items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [o.output_ids for o in make_llm(path, None, ps).generate(items, params)]
+    kw = {"kv_cache_bytes": pool_bytes_for(configs, pages), "max_model_len": length,
+          "preemption": preemption}  # fmt: skip
+    if preemption == "swap":
+        kw["swap_host_bytes"] = 1 << 22
+    llm = make_llm(path, k, ps, **kw)
+    out = llm.generate(items + items[::-1], params)
+    assert [o.output_ids for o in out] == want + want[::-1]
+    s = llm.stats
+    assert s.preemptions > 0 and s.spec_draft_tokens > 0
+    if preemption == "swap":
+        assert s.swapped_out > 0 and s.swapped_in > 0
+    assert_pages_returned(llm)
 
 
 def test_forced_acceptance_is_a_benchmark_mode(saved):
