@@ -9,7 +9,9 @@ sub-pool of the same pool), CPU fp32.
   the MTP rows in the pool (written after every plain and verify step, rejected
   rows trimmed) are the true ones.
 - Greedy outputs with ``mtp`` equal the same engine without speculation and
-  transformers'.
+  transformers'. A random MTP layer's drafts are all rejected; a steered run puts
+  the true tokens in the first j drafts, so verify steps accept in part and the
+  chain is checked after each partial accept.
 - Forced acceptance (a benchmark mode: every draft accepted, so the tokens are not
   the model's) runs only inside ``allow_forced_acceptance``; there every draft is
   accepted and the drafts still equal the chain over the tokens the request holds.
@@ -130,6 +132,40 @@ def test_qwen_mtp_k1_pages1_and_prefix_hit(saved):
     assert [o.output_ids for o in again] == [o.output_ids for o in plain.generate(turns, params)]
     assert min(o.num_cached_tokens for o in again) >= 16  # every turn hit its first
     assert llm.stats.spec_draft_tokens > 0
+
+
+def test_qwen_mtp_partial_acceptance(saved):
+    """Drafts accepted in part: each proposal's first j drafts (j cycling over 0..k - 1; all k: the forced test)
+    are replaced by the true next tokens, so verify steps keep j + 1 rows and trim
+    the rest (the MTP rows and the state slots with them). Outputs equal plain
+    decoding's, and the MTP's own drafts of every next step still equal the chain
+    over the tokens held (the rows kept after a partial accept are the true ones)."""
+    path, hf, block, mtp = saved("qwen3_5")
+    items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [o.output_ids for o in make_llm(path, None, 4).generate(items, params)]
+    truth = {tuple(p): w for p, w in zip(items, want)}
+    llm = make_llm(path, 3, 4)
+    seen, propose = [], llm.runner.draft.propose
+
+    def steer(requests, counts, virtual_ids):
+        out = propose(requests, counts, virtual_ids)
+        flat, at = out.tolist(), 0
+        steered = list(flat)
+        for r, n in zip(requests, counts.tolist()):
+            seen.append((r.prompt_ids + r.output_ids, flat[at : at + n]))
+            m = len(r.output_ids)  # the pending token is output m - 1
+            good = truth[tuple(r.prompt_ids)][m : m + (m % n if n else 0)]
+            steered[at : at + len(good)] = good
+            at += n
+        return torch.tensor(steered, dtype=out.dtype, device=out.device)
+
+    llm.runner.draft.propose = steer
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    s = llm.stats
+    assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens
+    for ids, drafts in seen:
+        assert drafts == oracle_drafts(hf, block, mtp, ids, len(drafts))
+    assert_pages_returned(llm)
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
