@@ -20,8 +20,8 @@ hnorm, eh_proj and shared_head, random init), two runs: ``plain`` and ``mtp_forc
 layer drafts, every draft is accepted: the draft's chain plus the verify step at
 full acceptance).
 
-Without ``--model`` or ``--mtp``: the suite (``main_suite``, one run, about two
-minutes on an H100), saved to ``results/spec_suite.json`` with its ratios:
+Without ``--model`` or ``--mtp``: the suite (``main_suite``, one run, sized for
+about two minutes on an H100: not yet measured there), saved to ``results/spec_suite.json`` with its ratios:
 
 - Llama (bench_e2e's Llama-3.2-1B shape, all 16 layers): one request, ``plain`` vs
   ``forced`` (n-gram drafts padded to k, every draft accepted);
@@ -30,10 +30,10 @@ minutes on an H100), saved to ``results/spec_suite.json`` with its ratios:
   ``mtp.*`` layout, random init): one request, ``plain`` vs ``mtp_forced`` (the MTP
   layer drafts, every draft accepted);
 - the batch-size rule, Llama, ``--batch`` = 64 requests with repetitive prompts
-  (n-gram finds drafts, a random model rejects most): ``plain`` vs ``spec_rule``
-  (``ngram`` with the default ``disable_by_batch_size``, 32, or B - 1 for a smaller
-  ``--batch``: no full step speculates) vs ``spec_no_rule`` (the limit at the batch:
-  every step speculates).
+  (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
+  ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
+  32, or B - 1 for a smaller ``--batch``: no full step speculates) vs
+  ``spec_no_rule`` (the limit at the batch: every step speculates).
 
 Forced acceptance is a benchmark-only mode: the engines are built inside
 ``allow_forced_acceptance()`` (``LLM`` refuses it elsewhere).
@@ -275,16 +275,17 @@ def save_qwen_mtp_model(path: Path, device: str, dtype: torch.dtype, tiny: bool,
     return config.vocab_size
 
 
-def _suite_runs(path: Path, configs: dict, prompts: dict, new_tokens: int, kw: dict) -> dict:
+def _suite_runs(path: Path, configs: dict, prompts: dict, kw: dict) -> dict:
     """{run: {prompt label: rate and counters}}: one engine per config (its own
-    engine options merged into ``kw``), each over the prompts its entry names."""
+    engine options merged into ``kw``), each over the prompts its entry names
+    (``prompts``: label -> (one prompt or a batch, new tokens))."""
     runs = {}
     for name, (spec, labels, extra) in configs.items():
         with allow_forced_acceptance():  # a benchmark: the forced runs' mode
             llm = LLM(str(path), speculative_config=spec, **{**kw, **extra})
         runs[name] = {}
         for label in labels:
-            rate, counters = decode_rate(llm, prompts[label], new_tokens)
+            rate, counters = decode_rate(llm, *prompts[label])
             runs[name][label] = {"decode_tokens_per_s": rate, **counters}
             print(f"{name:12s} {label:8s} {rate:10.1f} tok/s  {counters}")
         del llm
@@ -318,14 +319,14 @@ def main_suite(args, dtype) -> dict:
         "forced": (forced, ("one",), {}),
         "spec_rule": ({**ngram, "disable_by_batch_size": rule}, ("batch",), big),
         "spec_no_rule": ({**ngram, "disable_by_batch_size": b}, ("batch",), big),
-    }, {"one": one, "batch": batch}, n, kw)  # fmt: skip
+    }, {"one": (one, n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
 
     qwen = Path(tempfile.mkdtemp(prefix="bench_spec_qwen_"))
     vocab = save_qwen_mtp_model(qwen, args.device, dtype, args.tiny, args.qwen_layers)
     one = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
     mtp = {"method": "mtp", "num_speculative_tokens": k, "force_accept": True}
     qwen_runs = _suite_runs(qwen, {"plain": (None, ("one",), {}),
-                                   "mtp_forced": (mtp, ("one",), {})}, {"one": one}, n, kw)  # fmt: skip
+                                   "mtp_forced": (mtp, ("one",), {})}, {"one": (one, n)}, kw)  # fmt: skip
 
     def rate(runs, name, label):
         return runs[name][label]["decode_tokens_per_s"]
@@ -347,6 +348,7 @@ def main_suite(args, dtype) -> dict:
             "layer (random init)" + (" tiny" if args.tiny else ""),
         },
         "k": k, "prompt_len": args.prompt_len, "new_tokens": n, "batch": b,
+        "batch_new_tokens": max(n // 2, 2),
         "llama": llama_runs, "qwen3_5": qwen_runs, "ratios": ratios,
         "targets": {"forced_speedup": 2.5, "rule_vs_plain": 1.0},
         "wall_s": time.perf_counter() - start,
