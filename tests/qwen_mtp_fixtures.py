@@ -41,19 +41,26 @@ def _config(arch: str, **overrides):
     return tiny_hybrid_config(arch, **overrides)
 
 
-def save_tiny_qwen_mtp(arch: str, path: str, seed: int = 0):
+def save_tiny_qwen_mtp(arch: str, path: str, seed: int = 0, mm: bool = False):
     """The tiny transformers ``arch`` model saved to ``path`` with one MTP layer
     appended in the released layout and its count in config.json; returns (the fp32
     eval transformers model, the MTP decoder layer as a transformers module, the
-    ``mtp.*`` tensors without their prefix)."""
+    ``mtp.*`` tensors without their prefix). ``mm``: Qwen3.5's released multimodal
+    wrapper instead (``family_fixtures.save_tiny_qwen3_5_mm``: the decoder under
+    ``model.language_model.``, the count in ``text_config``, ``mtp.*`` at the top)."""
     import transformers as tf
 
-    if arch == "qwen3_5_moe":
+    if mm:
+        from family_fixtures import save_tiny_qwen3_5_mm
+
+        hf = save_tiny_qwen3_5_mm(path, moe=arch == "qwen3_5_moe", seed=seed)
+    elif arch == "qwen3_5_moe":
         hf = save_tiny_qwen3_5_moe(path, seed)
     else:
         hf = save_tiny_hybrid(arch, path, seed)
-    n = hf.config.num_hidden_layers
-    types = list(hf.config.layer_types) + ["full_attention"]
+    text = hf.config.text_config if mm else hf.config
+    n = text.num_hidden_layers
+    types = list(text.layer_types) + ["full_attention"]
     torch.manual_seed(seed + 1)
     deeper = tf.AutoModelForCausalLM.from_config(
         _config(arch, num_hidden_layers=n + 1, layer_types=types), dtype=torch.float32
@@ -69,7 +76,7 @@ def save_tiny_qwen_mtp(arch: str, path: str, seed: int = 0):
         saved = _tensors(tmp)
     start = f"model.layers.{n}."
     mtp = {"layers.0." + k[len(start) :]: v for k, v in saved.items() if k.startswith(start)}
-    hidden = hf.config.hidden_size
+    hidden = text.hidden_size
     mtp.update({
         "pre_fc_norm_embedding.weight": 0.3 * torch.randn(hidden, generator=g),
         "pre_fc_norm_hidden.weight": 0.3 * torch.randn(hidden, generator=g),
@@ -81,7 +88,7 @@ def save_tiny_qwen_mtp(arch: str, path: str, seed: int = 0):
     save_file(tensors, os.path.join(path, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config[COUNT_FIELD[arch]] = 1
+    (config["text_config"] if mm else config)[COUNT_FIELD[arch]] = 1
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return hf, block, mtp

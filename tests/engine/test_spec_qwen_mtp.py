@@ -168,6 +168,21 @@ def test_qwen_mtp_partial_acceptance(saved):
     assert_pages_returned(llm)
 
 
+@pytest.mark.parametrize("moe", [False, True])
+def test_qwen_mtp_on_the_multimodal_checkpoint(moe, tmp_path):
+    """The released Qwen3.5 checkpoints are multimodal wrappers (the decoder under
+    ``model.language_model.``, ``mtp.*`` at the top): the MTP layer loads from there
+    and greedy text outputs equal plain decoding's."""
+    path = str(tmp_path)
+    save_tiny_qwen_mtp("qwen3_5_moe" if moe else "qwen3_5", path, mm=True)
+    items, params = prompts()[:2], SamplingParams(max_tokens=8, temperature=0.0)
+    want = [o.output_ids for o in make_llm(path, None, 4).generate(items, params)]
+    llm = make_llm(path, 3, 4)
+    assert "draft_full" in llm.pool.subpools
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    assert llm.stats.spec_draft_tokens > 0
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_qwen_mtp_under_preemption(saved, preemption):
     """A pool of one request's pages (the MTP layer's ``draft_full`` as many) and two
