@@ -135,9 +135,10 @@ def test_qwen_mtp_k1_pages1_and_prefix_hit(saved):
 
 
 def test_qwen_mtp_partial_acceptance(saved):
-    """Drafts accepted in part: each proposal's first j drafts (j cycling over 0..k - 1; all k: the forced test)
-    are replaced by the true next tokens, so verify steps keep j + 1 rows and trim
-    the rest (the MTP rows and the state slots with them). Outputs equal plain
+    """Drafts accepted in part: each proposal's first j drafts (j cycling over
+    0 .. k - 1; all k: the forced test) are replaced by the true next tokens, so
+    verify steps keep j + 1 rows or more and trim the rest (the MTP rows and the
+    state slots with them). Outputs equal plain
     decoding's, and the MTP's own drafts of every next step still equal the chain
     over the tokens held (the rows kept after a partial accept are the true ones)."""
     path, hf, block, mtp = saved("qwen3_5")
