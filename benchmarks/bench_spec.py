@@ -27,8 +27,9 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   ``forced`` (n-gram drafts padded to k, every draft accepted);
 - Qwen3.5 (bench_hybrid's widths, its first ``--qwen-layers`` = 4 layers: three
   Gated DeltaNet and one gated full attention, plus one MTP layer in the released
-  ``mtp.*`` layout, random init): one request, ``plain`` vs ``mtp_forced`` (the MTP
-  layer drafts, every draft accepted);
+  ``mtp.*`` layout, random init): one request, ``plain`` vs ``forced`` (as Llama's:
+  the verify step at full acceptance, drafting free) and ``mtp_forced`` (the MTP
+  layer drafts, its chain's cost included, every draft accepted);
 - the batch-size rule, Llama, ``--batch`` = 64 requests with repetitive prompts
   (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
   ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
@@ -325,7 +326,7 @@ def main_suite(args, dtype) -> dict:
     vocab = save_qwen_mtp_model(qwen, args.device, dtype, args.tiny, args.qwen_layers)
     one = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
     mtp = {"method": "mtp", "num_speculative_tokens": k, "force_accept": True}
-    qwen_runs = _suite_runs(qwen, {"plain": (None, ("one",), {}),
+    qwen_runs = _suite_runs(qwen, {"plain": (None, ("one",), {}), "forced": (forced, ("one",), {}),
                                    "mtp_forced": (mtp, ("one",), {})}, {"one": (one, n)}, kw)  # fmt: skip
 
     def rate(runs, name, label):
@@ -333,6 +334,7 @@ def main_suite(args, dtype) -> dict:
 
     ratios = {
         "llama_forced_speedup": rate(llama_runs, "forced", "one") / rate(llama_runs, "plain", "one"),
+        "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
         "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
         / rate(qwen_runs, "plain", "one"),
         f"b{b}_rule_vs_plain": rate(llama_runs, "spec_rule", "batch")
