@@ -20,10 +20,30 @@ hnorm, eh_proj and shared_head, random init), two runs: ``plain`` and ``mtp_forc
 layer drafts, every draft is accepted: the draft's chain plus the verify step at
 full acceptance).
 
-Decode tokens/s = (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
+Without ``--model`` or ``--mtp``: the suite (``main_suite``, one run, sized for
+about two minutes on an H100: not yet measured there), saved to ``results/spec_suite.json`` with its ratios:
 
-    python benchmarks/bench_spec.py                 # GPU, the Llama shape
-    python benchmarks/bench_spec.py --model qwen3_5 # GPU, the Qwen3.5 shape
+- Llama (bench_e2e's Llama-3.2-1B shape, all 16 layers): one request, ``plain`` vs
+  ``forced`` (n-gram drafts padded to k, every draft accepted);
+- Qwen3.5 (bench_hybrid's widths, its first ``--qwen-layers`` = 4 layers: three
+  Gated DeltaNet and one gated full attention, plus one MTP layer in the released
+  ``mtp.*`` layout, random init): one request, ``plain`` vs ``forced`` (as Llama's:
+  the verify step at full acceptance, drafting free) and ``mtp_forced`` (the MTP
+  layer drafts, its chain's cost included, every draft accepted);
+- the batch-size rule, Llama, ``--batch`` = 64 requests with repetitive prompts
+  (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
+  ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
+  32, or B - 1 for a smaller ``--batch``: no full step speculates) vs
+  ``spec_no_rule`` (the limit at the batch: every step speculates).
+
+Forced acceptance is a benchmark-only mode: the engines are built inside
+``allow_forced_acceptance()`` (``LLM`` refuses it elsewhere).
+
+Decode tokens/s = B (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
+
+    python benchmarks/bench_spec.py --device cuda   # GPU, the suite (spec_suite.json)
+    python benchmarks/bench_spec.py --model llama   # GPU, the Llama shape, + ngram
+    python benchmarks/bench_spec.py --model qwen3_5 # GPU, the Qwen3.5 shape, + ngram
     python benchmarks/bench_spec.py --mtp           # GPU, the DeepSeek-V3 shape, MTP
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
 
@@ -46,6 +66,7 @@ from bench_e2e import save_model
 from common import environment, save_json
 
 from unikv.engine import LLM, SamplingParams
+from unikv.engine.speculative.config import DEFAULT_DISABLE_BY_BATCH_SIZE, allow_forced_acceptance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,13 +108,15 @@ def time_phases() -> None:
         setattr(owner, name, functools.wraps(inner)(timed))
 
 
-def decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, dict]:
-    """(decode tokens/s, the N-token run's speculation counters) of one request."""
+def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
+    """(decode tokens/s, the N-token run's speculation counters) of one request
+    (``prompt``: its ids), or of a batch (``prompt``: a list of prompts)."""
+    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt]
 
     def run(n: int) -> float:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate([prompt], params)
+        llm.generate(prompts, params)
         return time.perf_counter() - start
 
     run(8)  # warm-up (compiles, graphs)
@@ -112,14 +135,21 @@ def decode_rate(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, di
     }
     if phases:
         spec["host_ms_per_step"] = phases
-    return (new_tokens - 1) / max(full - one, 1e-9), spec
+    return len(prompts) * (new_tokens - 1) / max(full - one, 1e-9), spec
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a few-KB model (smoke test)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="llama", choices=["llama", "qwen3_5"])
+    p.add_argument(
+        "--model",
+        default=None,
+        choices=["llama", "qwen3_5"],
+        help="one shape's plain/forced/ngram runs (default: the suite)",
+    )
+    p.add_argument("--batch", type=int, default=64, help="the suite's batch-size-rule batch")
+    p.add_argument("--qwen-layers", type=int, default=4, help="the suite's Qwen3.5 layers")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -129,16 +159,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def add_mtp_layer(path: Path, dtype: torch.dtype) -> None:
-    """A checkpoint saved with one layer more than its config will say: that last
-    layer becomes MTP layer 0 (released layout), with random enorm, hnorm, eh_proj
-    and shared_head.norm beside it (another safetensors file, in the index)."""
+def add_tensors(path: Path, tensors: dict, config: dict) -> None:
+    """``tensors`` saved beside a checkpoint (another safetensors file, in the index,
+    which is made when the checkpoint is one file) and ``config`` merged into its
+    config.json."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     cfg = json.loads((path / "config.json").read_text())
-    n = cfg["num_hidden_layers"] - 1
-    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    cfg.update(config)
     (path / "config.json").write_text(json.dumps(cfg))
     index_path = path / "model.safetensors.index.json"
     if index_path.exists():
@@ -147,6 +176,18 @@ def add_mtp_layer(path: Path, dtype: torch.dtype) -> None:
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
             names = list(f.keys())
         index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(path / "mtp-extra.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(tensors, "mtp-extra.safetensors"))
+    index_path.write_text(json.dumps(index))
+
+
+def add_mtp_layer(path: Path, dtype: torch.dtype) -> None:
+    """A checkpoint saved with one layer more than its config will say: that last
+    layer becomes MTP layer 0 (released layout), with random enorm, hnorm, eh_proj
+    and shared_head.norm beside it (``add_tensors``)."""
+    cfg = json.loads((path / "config.json").read_text())
+    n = cfg["num_hidden_layers"] - 1
     hidden, g = cfg["hidden_size"], torch.Generator().manual_seed(1)
     extra = {
         "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
@@ -154,10 +195,8 @@ def add_mtp_layer(path: Path, dtype: torch.dtype) -> None:
         "eh_proj.weight": 0.02 * torch.randn(hidden, 2 * hidden, generator=g),
         "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
     }
-    extra = {f"model.layers.{n}.{k}": v.to(dtype).contiguous() for k, v in extra.items()}
-    save_file(extra, str(path / "mtp-extra.safetensors"), metadata={"format": "pt"})
-    index["weight_map"].update(dict.fromkeys(extra, "mtp-extra.safetensors"))
-    index_path.write_text(json.dumps(index))
+    extra = {f"model.layers.{n}.{k}": v.to(dtype) for k, v in extra.items()}
+    add_tensors(path, extra, {"num_hidden_layers": n, "num_nextn_predict_layers": 1})
 
 
 def save_mtp_model(path: Path, device: str, dtype: torch.dtype, tiny: bool) -> None:
@@ -184,7 +223,8 @@ def main_mtp(args, dtype, kw) -> dict:
     }
     runs = {}
     for name, spec in configs.items():
-        llm = LLM(str(workdir), speculative_config=spec, **kw)
+        with allow_forced_acceptance():  # a benchmark: the forced runs' mode
+            llm = LLM(str(workdir), speculative_config=spec, **kw)
         rate, counters = decode_rate(llm, prompt, args.new_tokens)
         runs[name] = {"decode_tokens_per_s": rate, **counters}
         print(f"{name:10s} {rate:9.1f} tok/s  {counters}")
@@ -204,11 +244,131 @@ def main_mtp(args, dtype, kw) -> dict:
     return result
 
 
+def save_qwen_mtp_model(path: Path, device: str, dtype: torch.dtype, tiny: bool, layers: int):
+    """bench_hybrid's Qwen3.5 shape cut to its first ``layers`` layers, random init,
+    saved with one MTP layer in the released layout: ``mtp.layers.0.*`` a
+    transformers full-attention decoder layer's tensors (its own init), ``mtp.fc``
+    and the three zero-centred norms (``add_tensors``). Returns the vocabulary size."""
+    import transformers as tf
+    from bench_hybrid import hf_config
+
+    config = hf_config("qwen3_5", tiny)
+    types = list(config.layer_types)[:layers]
+    if "full_attention" not in types:
+        raise ValueError(f"--qwen-layers {layers}: keep a full-attention layer (4 or more)")
+    config.num_hidden_layers, config.layer_types = layers, types
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.save_pretrained(path)
+        full = types.index("full_attention")
+        block = type(model.model.layers[full])(config, full).to(dtype)
+    del model
+    hidden, g = config.hidden_size, torch.Generator().manual_seed(1)
+    tensors = {f"mtp.layers.0.{k}": v.cpu() for k, v in block.state_dict().items()}
+    tensors.update({
+        "mtp.fc.weight": 0.02 * torch.randn(hidden, 2 * hidden, generator=g),
+        "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(hidden, generator=g),
+        "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(hidden, generator=g),
+        "mtp.norm.weight": 0.1 * torch.randn(hidden, generator=g),
+    })  # fmt: skip
+    add_tensors(path, {k: v.to(dtype) for k, v in tensors.items()}, {"mtp_num_hidden_layers": 1})
+    return config.vocab_size
+
+
+def _suite_runs(path: Path, configs: dict, prompts: dict, kw: dict) -> dict:
+    """{run: {prompt label: rate and counters}}: one engine per config (its own
+    engine options merged into ``kw``), each over the prompts its entry names
+    (``prompts``: label -> (one prompt or a batch, new tokens))."""
+    runs = {}
+    for name, (spec, labels, extra) in configs.items():
+        with allow_forced_acceptance():  # a benchmark: the forced runs' mode
+            llm = LLM(str(path), speculative_config=spec, **{**kw, **extra})
+        runs[name] = {}
+        for label in labels:
+            rate, counters = decode_rate(llm, *prompts[label])
+            runs[name][label] = {"decode_tokens_per_s": rate, **counters}
+            print(f"{name:12s} {label:8s} {rate:10.1f} tok/s  {counters}")
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return runs
+
+
+def main_suite(args, dtype) -> dict:
+    """The suite (module docstring): k drafts at forced acceptance on the Llama and
+    Qwen3.5 shapes, one request; the batch-size rule at ``--batch`` requests."""
+    start, k, n, b = time.perf_counter(), args.k, args.new_tokens, args.batch
+    g = torch.Generator().manual_seed(0)
+    max_len = args.prompt_len + n + 16
+    kw = {"device": args.device, "dtype": dtype, "max_num_seqs": 4, "max_model_len": max_len,
+          "kv_cache_bytes": 1 << 30, "max_num_batched_tokens": 512}  # fmt: skip
+    big = {"max_num_seqs": b, "kv_cache_bytes": 3 << 30, "max_num_batched_tokens": 2048}
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4}  # fmt: skip
+
+    llama = Path(tempfile.mkdtemp(prefix="bench_spec_llama_"))
+    save_model("llama", llama, args.device, dtype, args.tiny)
+    vocab = 256 if args.tiny else 128256
+    one = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+    blocks = torch.randint(0, vocab, (b, max(args.prompt_len // 4, 8)), generator=g).tolist()
+    batch = [(block * 4)[: args.prompt_len] for block in blocks]  # repetitive: n-grams hit
+    forced = {"method": "ngram", "num_speculative_tokens": k, "force_accept": True}
+    rule = min(DEFAULT_DISABLE_BY_BATCH_SIZE, b - 1)  # the default rule, on at this batch
+    llama_runs = _suite_runs(llama, {
+        "plain": (None, ("one", "batch"), big),
+        "forced": (forced, ("one",), {}),
+        "spec_rule": ({**ngram, "disable_by_batch_size": rule}, ("batch",), big),
+        "spec_no_rule": ({**ngram, "disable_by_batch_size": b}, ("batch",), big),
+    }, {"one": (one, n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
+
+    qwen = Path(tempfile.mkdtemp(prefix="bench_spec_qwen_"))
+    vocab = save_qwen_mtp_model(qwen, args.device, dtype, args.tiny, args.qwen_layers)
+    one = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
+    mtp = {"method": "mtp", "num_speculative_tokens": k, "force_accept": True}
+    qwen_runs = _suite_runs(qwen, {"plain": (None, ("one",), {}), "forced": (forced, ("one",), {}),
+                                   "mtp_forced": (mtp, ("one",), {})}, {"one": (one, n)}, kw)  # fmt: skip
+
+    def rate(runs, name, label):
+        return runs[name][label]["decode_tokens_per_s"]
+
+    ratios = {
+        "llama_forced_speedup": rate(llama_runs, "forced", "one") / rate(llama_runs, "plain", "one"),
+        "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
+        "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
+        / rate(qwen_runs, "plain", "one"),
+        f"b{b}_rule_vs_plain": rate(llama_runs, "spec_rule", "batch")
+        / rate(llama_runs, "plain", "batch"),
+        f"b{b}_no_rule_vs_plain": rate(llama_runs, "spec_no_rule", "batch")
+        / rate(llama_runs, "plain", "batch"),
+    }  # fmt: skip
+    result = {
+        "environment": environment(),
+        "models": {
+            "llama": "llama-3.2-1b shape, 16 layers (random init)" + (" tiny" if args.tiny else ""),
+            "qwen3_5": f"qwen3.5 shape of bench_hybrid, first {args.qwen_layers} layers + 1 MTP "
+            "layer (random init)" + (" tiny" if args.tiny else ""),
+        },
+        "k": k, "prompt_len": args.prompt_len, "new_tokens": n, "batch": b,
+        "batch_new_tokens": max(n // 2, 2),
+        "llama": llama_runs, "qwen3_5": qwen_runs, "ratios": ratios,
+        "targets": {"forced_speedup": 2.5, "rule_vs_plain": 1.0},
+        "wall_s": time.perf_counter() - start,
+    }  # fmt: skip
+    for name, value in ratios.items():
+        print(f"{name:28s} {value:6.2f}x")
+    print(f"suite: {result['wall_s']:.0f} s")
+    save_json(args.out or str(ROOT / "benchmarks/results/spec_suite.json"), result)
+    return result
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     if args.phases:
         time_phases()
+    if args.model is None and not args.mtp:
+        return main_suite(args, dtype)
     if args.mtp:
         max_len = args.prompt_len + args.new_tokens + 16
         kw = {"device": args.device, "dtype": dtype, "max_num_seqs": 4, "max_model_len": max_len,
@@ -244,7 +404,8 @@ def main(argv=None) -> dict:
     }  # fmt: skip
     runs = {}
     for name, spec in configs.items():
-        llm = LLM(str(workdir), speculative_config=spec, **kw)
+        with allow_forced_acceptance():  # a benchmark: the forced runs' mode
+            llm = LLM(str(workdir), speculative_config=spec, **kw)
         prompts = {"random": plain_prompt, "repetitive": repetitive}
         runs[name] = {}
         for label, prompt in prompts.items():

@@ -37,7 +37,7 @@ lane 240 tests/engine/test_engine_kimi_linear_gpu.py tests/kernels/test_kernels_
 # the twenty-first session's: per-draft recurrent state, two models under one budget, no
 # per-step environment or capability reads (the NCCL TP files need 2-4 GPUs: not here)
 lane 240 tests/engine/test_spec_recurrent_gpu.py tests/kernels/test_kernels_recurrent_draft.py \
-  tests/engine/test_no_step_reads.py &
+  tests/engine/test_no_step_reads.py tests/engine/test_spec_qwen_mtp_gpu.py &
 wait
 # the elastic pool's CUDA backing and the two-model budget (issue 44) measure free memory:
 # alone, after the lanes

@@ -52,6 +52,19 @@ BAD = [
     ("preemption", "swap", ValueError, "preemption='swap' .* swap_host_bytes is 0"),
     ("speculative_config", {"method": "beam"}, ValueError, r"speculative_config\['method'\]"),
     ("speculative_config", "{not json", ValueError, "speculative_config must be a JSON object"),
+    (
+        "speculative_config",
+        {"method": "ngram", "num_speculative_tokens": 2, "force_accept": True},
+        ValueError,
+        "force_accept'\\] is a benchmark-only mode",
+    ),
+    (
+        "speculative_disable_by_batch_size",
+        0,
+        ValueError,
+        "speculative_disable_by_batch_size must be None or an int >= 1",
+    ),
+    ("speculative_disable_by_batch_size", 8, ValueError, "give speculative_config too"),
 ]
 
 
@@ -169,8 +182,9 @@ ARGV = {
     "speculative_config": (
         "--speculative-config",
         '{"method": "ngram", "num_speculative_tokens": 2}',
-        SpeculativeConfig("ngram", 2),
+        SpeculativeConfig("ngram", 2, disable_by_batch_size=8),  # the next flag's 8
     ),
+    "speculative_disable_by_batch_size": ("--speculative-disable-by-batch-size", "8", 8),
 }
 
 

@@ -67,8 +67,11 @@ def test_greedy_speculation_equals_plain_on_gpu(family, page_size, tmp_path):
 def test_forced_acceptance_on_gpu(tmp_path):
     save_tiny_hybrid("qwen3_5", str(tmp_path))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "force_accept": True}
-    llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, speculative_config=spec,
-              max_model_len=128, kv_cache_bytes=64 << 20)  # fmt: skip
+    from unikv.engine.speculative.config import allow_forced_acceptance
+
+    with allow_forced_acceptance():  # a benchmark mode, refused outside this block
+        llm = LLM(str(tmp_path), device="cuda", dtype=torch.bfloat16, speculative_config=spec,
+                  max_model_len=128, kv_cache_bytes=64 << 20)  # fmt: skip
     out = llm.generate([_prompts()[0]], SamplingParams(max_tokens=33, temperature=0.0))
     assert len(out[0].output_ids) == 33
     assert llm.stats.spec_mean_accepted_length == 4.0 and llm.stats.spec_verify_steps == 8

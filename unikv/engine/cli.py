@@ -102,6 +102,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3}\' (methods: ngram, draft_model, mtp, eagle3)',
     )
+    g.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="speculative decoding turns off for a step with more decoding requests than "
+        "this (vLLM's flag; default: the speculative config's disable_by_batch_size, 32)",
+    )
 
 
 def llm_from_args(args):

@@ -89,6 +89,7 @@ class EngineConfig:
     swap_host_bytes: int = 0
     preemption: str = "auto"
     speculative_config: Any = None
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         from unikv.engine.options import check_device, check_dtypes, check_kv_cache_bytes
@@ -158,6 +159,17 @@ class EngineConfig:
                 "'recompute'"
             )
         spec = speculative_config_of(self.speculative_config)
+        limit = self.speculative_disable_by_batch_size
+        if limit is not None:
+            if not _int(limit, 1):
+                raise _bad("speculative_disable_by_batch_size", "None or an int >= 1 (steps "
+                           "with more decoding requests do not speculate)", limit)  # fmt: skip
+            if spec is None:
+                raise ValueError(
+                    f"speculative_disable_by_batch_size ({limit}) applies to speculative "
+                    "decoding: give speculative_config too, or drop it"
+                )
+            spec = dataclasses.replace(spec, disable_by_batch_size=limit)
         static = dict(self.static_split) if self.static_split is not None else None
         for name, value in (("device", device), ("dtype", dtype), ("speculative_config", spec),
                             ("static_split", static)):  # fmt: skip

@@ -118,11 +118,16 @@ class LLM:
         speculative_config: None, or vLLM's speculative config (a dict or its JSON),
             e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``: pure decode
             steps verify draft tokens through the pool (``unikv.engine.speculative``;
-            built: ``ngram`` and ``draft_model``, whose K/V are ``draft_*`` sub-pools of
-            the same pool). Greedy outputs equal decoding without it; sampled ones keep
-            the target's distribution (rejection sampling). Counters: ``llm.stats``
+            built: ``ngram``, ``draft_model``, ``mtp`` and ``eagle3``, whose K/V are
+            ``draft_*`` sub-pools of the same pool). Greedy outputs equal decoding
+            without it; sampled ones keep the target's distribution (rejection
+            sampling). Counters: ``llm.stats``
             (``spec_*``). Models with recurrent state hold k per-draft-position
-            state slots per request. Refused under TP.
+            state slots per request. Refused under TP. ``force_accept`` (a
+            benchmark mode) is refused here.
+        speculative_disable_by_batch_size: None, or N: a step with more than N
+            decoding requests does not speculate (vLLM's flag; it overrides the
+            speculative config's ``disable_by_batch_size``, default 32).
 
     Generation stops at the config's EOS ids, those of ``generation_config.json``
     and the tokenizer's EOS (vLLM's default), unless ``ignore_eos``.

@@ -1,7 +1,10 @@
 """A checkpoint's multi-token-prediction (MTP) layer, built and loaded as a draft.
 
-Layouts: DeepSeek-V3's (below) and MiMo-V2-Flash's (``mtp_layout``: the same parts
-under ``model.mtp.layers.0.``, a sliding-window attention layer with a dense MLP).
+Layouts: DeepSeek-V3's (below), MiMo-V2-Flash's (``mtp_layout``: the same parts
+under ``model.mtp.layers.0.``, a sliding-window attention layer with a dense MLP) and
+Qwen3.5's / Qwen3-Next's (``mtp.*``: ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``,
+``fc``, one gated full-attention decoder layer ``layers.0`` with the family's MLP or
+MoE, ``norm``; every norm zero-centred, the embedding and head the target's).
 
 DeepSeek-V3 (``num_nextn_predict_layers``; transformers calls it ``num_mtp_layers``)
 keeps MTP layer i after the last decoder layer, at ``model.layers.{N + i}.*``
@@ -52,15 +55,17 @@ class MTPLayer(nn.Module):
 
     export_layers = None
 
-    def __init__(self, hidden: int, eps: float, block: nn.Module, sm_scale: float) -> None:
+    def __init__(
+        self, hidden: int, eps: float, block: nn.Module, sm_scale: float, norm: type = RMSNorm
+    ) -> None:
         super().__init__()
         self.sm_scale = sm_scale
-        self.enorm = RMSNorm(hidden, eps)
-        self.hnorm = RMSNorm(hidden, eps)
+        self.enorm = norm(hidden, eps)
+        self.hnorm = norm(hidden, eps)
         self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         self.block = block
         self.shared_head = nn.Module()
-        self.shared_head.norm = RMSNorm(hidden, eps)
+        self.shared_head.norm = norm(hidden, eps)
 
     def forward(self, embeds, hidden, positions, attn) -> torch.Tensor:
         """embeds: (T, hidden) the next tokens' embeddings; hidden: (T, hidden) the
@@ -78,8 +83,10 @@ class MTPLayer(nn.Module):
 
 
 def mtp_count(hf_config) -> int:
-    """The MTP layers a checkpoint's config declares (0: none)."""
-    for name in ("num_nextn_predict_layers", "num_mtp_layers"):
+    """The MTP layers a checkpoint's config declares (0: none): DeepSeek-V3's and
+    Qwen3-Next's ``num_nextn_predict_layers``, transformers' ``num_mtp_layers``,
+    Qwen3.5's ``mtp_num_hidden_layers``."""
+    for name in ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers"):
         value = getattr(hf_config, name, None)
         if value:
             return int(value)
@@ -89,19 +96,40 @@ def mtp_count(hf_config) -> int:
 # MiMo-V2-Flash's names where they differ from its decoder layer's / MTPLayer's
 MIMO_NAMES = {"block.post_attention_layernorm.": "pre_mlp_layernorm.",
               "shared_head.norm.": "final_layernorm."}  # fmt: skip
+# Qwen3.5's / Qwen3-Next's names under ``mtp.`` for MTPLayer's
+QWEN_NAMES = {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.",
+              "eh_proj.": "fc.", "shared_head.norm.": "norm.", "block.": "layers.0."}  # fmt: skip
 
 
-def mtp_layout(target) -> tuple[callable, callable, str]:
+def _renamed(names: dict[str, str], prefix: str):
+    """A checkpoint-name function: an MTPLayer name's first matching ``names`` prefix
+    replaced, under ``prefix``."""
+
+    def rename(name: str) -> str:
+        for ours, theirs in names.items():
+            if name.startswith(ours):
+                return prefix + theirs + name[len(ours) :]
+        return prefix + name
+
+    return rename
+
+
+def mtp_layout(target) -> tuple[callable, callable, str, type]:
     """(the checkpoint name of an MTPLayer parameter, a builder of its decoder layer,
-    the target sub-pool kind its attention caches like) for a target model;
-    ValueError for a family whose MTP layout unikv does not know.
+    the target sub-pool kind its attention caches like, its norms' class) for a
+    target model; ValueError for a family whose MTP layout unikv does not know.
 
     - DeepSeek-V3: ``model.layers.{N}.*`` (module docstring); a MoE layer, MLA.
     - MiMo-V2-Flash: ``model.mtp.layers.0.*``: enorm, hnorm, eh_proj, a sliding-window
       attention layer (the sliding layers' heads, window, sinks and rope) with a dense
       MLP, its norms ``input_layernorm`` and ``pre_mlp_layernorm``, and
-      ``final_layernorm`` (the output norm)."""
-    from unikv.models import deepseek, mimo_v2
+      ``final_layernorm`` (the output norm).
+    - Qwen3.5 (dense and MoE) and Qwen3-Next: ``mtp.*`` (``QWEN_NAMES``): a gated
+      full-attention layer (the target's heads, q/k norms, partial rope) with the
+      family's MLP for layer 0 (Qwen3-Next: the sparse MoE unless layer 0 is in
+      ``mlp_only_layers``; Qwen3.5-MoE: the MoE), zero-centred norms; it caches like
+      the target's ``full`` sub-pool."""
+    from unikv.models import deepseek, mimo_v2, qwen3_5
 
     config = target.config
     if isinstance(target, deepseek.DeepseekForCausalLM) and config.extra["version"] == 3:
@@ -115,23 +143,35 @@ def mtp_layout(target) -> tuple[callable, callable, str]:
             block.self_attn.layer = 0  # the draft's cache layer, not the target's
             return block
 
-        return (lambda name: f"model.layers.{n}." + name.removeprefix("block.")), make, "mla"
+        return (
+            (lambda name: f"model.layers.{n}." + name.removeprefix("block.")),
+            make,
+            "mla",
+            RMSNorm,
+        )
     if isinstance(target, mimo_v2.MiMoV2FlashForCausalLM):
         extra = dict(config.extra, layer_types=("sliding_attention",), mlp_layer_types=("dense",))
         layer_config = dataclasses.replace(config, extra=extra)
         rotary = target.stack.rotary["sliding_attention"]
 
-        def rename(name: str) -> str:
-            for ours, theirs in MIMO_NAMES.items():
-                if name.startswith(ours):
-                    name = theirs + name[len(ours) :]
-            return "model.mtp.layers.0." + name.removeprefix("block.")
+        names = {**MIMO_NAMES, "block.": ""}
+        make = lambda: mimo_v2.DecoderLayer(layer_config, 0, rotary)
+        return _renamed(names, "model.mtp.layers.0."), make, "swa", RMSNorm
+    if isinstance(target, qwen3_5.Qwen3_5ForCausalLM):  # Qwen3-Next, Qwen3.5-MoE too
+        extra = dict(config.extra, layer_types=("full_attention",))
+        layer_config = dataclasses.replace(config, extra=extra)
+        rotary, family = target.stack.rotary, type(target)
 
-        return rename, lambda: mimo_v2.DecoderLayer(layer_config, 0, rotary), "swa"
+        def make_qwen():
+            mlp = family.make_mlp(layer_config, 0)
+            return qwen3_5.DecoderLayer(layer_config, 0, rotary, family.mixer, mlp)
+
+        norm = qwen3_5.ZeroCenteredRMSNorm
+        return _renamed(QWEN_NAMES, "mtp."), make_qwen, "full", norm
     raise ValueError(
         f"speculative_config: method 'mtp' knows the MTP layouts of DeepSeek-V3 and "
-        f"MiMo-V2-Flash; {config.architecture} is not built (Qwen3.5 / Qwen3-Next MTP "
-        "needs per-draft recurrent state): use 'ngram' or 'draft_model'"
+        f"MiMo-V2-Flash, and of Qwen3.5 and Qwen3-Next; {config.architecture} is not built: use "
+        "'ngram' or 'draft_model'"
     )
 
 
@@ -139,11 +179,11 @@ def load_mtp(model_dir: str, target, fp8=None) -> MTPLayer:
     """MTP layer 0 of the checkpoint at ``model_dir``, on the target's device and
     dtype, its weights read from the checkpoint (FP8 weights dequantised);
     ValueError naming the tensors missing."""
-    rename, make, kind = mtp_layout(target)
+    rename, make, kind, norm = mtp_layout(target)
     param = next(target.parameters())
     config = target.config
     with torch.device("meta"), building(target.ops):
-        layer = MTPLayer(config.hidden_size, config.rms_norm_eps, make(), config.sm_scale)
+        layer = MTPLayer(config.hidden_size, config.rms_norm_eps, make(), config.sm_scale, norm)
     layer.cache_kind = kind
     layer = layer.to(param.dtype).to_empty(device=param.device)
     for name, p in layer.named_parameters():

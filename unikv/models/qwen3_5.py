@@ -311,8 +311,9 @@ class Qwen3_5ForCausalLM(decoder.DecoderLM):
 
     tensor_parallel = True
     mixer: type = GatedDeltaNet
-    # checkpoint tensors unikv does not run (the multi-token-prediction head), as
-    # transformers' _keys_to_ignore_on_load_unexpected; needs loader support
+    # checkpoint tensors the target does not run (the multi-token-prediction head), as
+    # transformers' _keys_to_ignore_on_load_unexpected; speculative_config={"method":
+    # "mtp"} loads its first layer as a draft (models/mtp.py)
     ignore_checkpoint_prefixes = ("mtp.",)
 
     def check(self, config: ModelConfig, tp) -> None:

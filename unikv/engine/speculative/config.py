@@ -5,13 +5,17 @@ vLLM's keys: ``method`` ("ngram", "draft_model", "mtp", "eagle3"),
 the n-gram sizes tried, longest first; one given sets the other, none gives 5 and 5
 as vLLM does), ``model`` (draft_model / eagle3: a checkpoint path) and
 ``disable_by_batch_size`` (a step with more decoding requests than this does not
-speculate; default 32 here, vLLM's default is off). unikv adds ``force_accept``
-(benchmarks only: every draft is accepted, so the outputs are NOT the model's; it
-measures the verify step at full acceptance).
+speculate; default 32 here, vLLM's default is off; also ``EngineConfig``'s
+``speculative_disable_by_batch_size``, ``--speculative-disable-by-batch-size``).
+unikv adds ``force_accept`` (benchmarks only: every draft is accepted, so the
+outputs are NOT the model's; it measures the verify step at full acceptance). It is
+refused everywhere (``LLM``, ``EngineConfig``, ``unikv serve``) except inside
+``allow_forced_acceptance()``, which only benchmarks and GPU speed tests enter.
 
 Built today: ``ngram``, ``draft_model`` (a full-attention draft of the same
 vocabulary, its K/V in sub-pools of the same pool: ``draft.py``), ``mtp``
-(the checkpoint's own MTP layer: DeepSeek-V3, MiMo-V2-Flash) and ``eagle3`` (an
+(the checkpoint's own MTP layer: DeepSeek-V3, MiMo-V2-Flash, Qwen3.5 dense and
+MoE, Qwen3-Next) and ``eagle3`` (an
 EAGLE-3 head from ``model``), the last two through ``mtp.py``; for attention and
 recurrent models alike (Mamba-2 / Gated DeltaNet / KDA / short-conv layers: each
 request holds k per-draft-position state slots, ``draft_state_slots``). Refused:
@@ -20,6 +24,8 @@ tensor parallelism.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 from dataclasses import dataclass
 
@@ -36,6 +42,29 @@ KEYS = (
 )
 MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+_FORCED_ACCEPTANCE = contextvars.ContextVar("unikv_forced_acceptance", default=False)
+
+
+@contextlib.contextmanager
+def allow_forced_acceptance():
+    """Within this block (benchmarks only), ``force_accept: true`` is taken: engines
+    built here accept every draft, so their tokens are NOT the model's."""
+    token = _FORCED_ACCEPTANCE.set(True)
+    try:
+        yield
+    finally:
+        _FORCED_ACCEPTANCE.reset(token)
+
+
+def _check_forced(config: SpeculativeConfig) -> SpeculativeConfig:
+    if config.force_accept and not _FORCED_ACCEPTANCE.get():
+        raise ValueError(
+            "speculative_config['force_accept'] is a benchmark-only mode (every draft is "
+            "accepted, so the outputs are not the model's); LLM, EngineConfig and `unikv "
+            "serve` refuse it: drop the key (benchmarks build their engines inside "
+            "unikv.engine.speculative.config.allow_forced_acceptance())"
+        )
+    return config
 
 
 @dataclass(frozen=True)
@@ -64,8 +93,10 @@ def _positive_int(key: str, value, hint: str, high: int | None = None) -> int:
 def speculative_config_of(value) -> SpeculativeConfig | None:
     """``value`` (None, a dict of vLLM's keys, its JSON text, or a SpeculativeConfig)
     validated; ValueError naming the key, what it got and what it takes."""
-    if value is None or isinstance(value, SpeculativeConfig):
+    if value is None:
         return value
+    if isinstance(value, SpeculativeConfig):
+        return _check_forced(value)
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -116,7 +147,7 @@ def speculative_config_of(value) -> SpeculativeConfig | None:
     force = value.get("force_accept", False)
     if not isinstance(force, bool):
         raise ValueError(f"speculative_config['force_accept'] must be a bool, got {force!r}")  # noqa: TRY004
-    return SpeculativeConfig(method, k, lo, hi, model, limit, force)
+    return _check_forced(SpeculativeConfig(method, k, lo, hi, model, limit, force))
 
 
 def draft_state_slots(config: SpeculativeConfig | None, subpool_configs) -> int:

@@ -52,7 +52,7 @@ def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
 
 def mtp_subpool_configs(target_configs, kind: str) -> list:
     """The MTP layer's sub-pool: the target's sub-pool config of ``kind`` (DeepSeek's
-    "mla", MiMo's sliding "swa") for one layer, renamed ``draft_*``, on the band
+    "mla", MiMo's sliding "swa", Qwen3.5's / Qwen3-Next's "full") for one layer, renamed ``draft_*``, on the band
     direction the target's leave free."""
     same = [c for c in target_configs if c.name == kind]
     if len(same) != 1:
