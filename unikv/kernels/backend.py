@@ -94,8 +94,8 @@ OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
 
 # what models take from the kernels: this module only
 __all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "RowsPlan",
-           "building", "get_backend", "model_ops", "resolve_feedback", "step_rows",
-           "stepping"]  # fmt: skip
+           "building", "dense_rows", "get_backend", "model_ops", "resolve_feedback",
+           "step_rows", "stepping"]  # fmt: skip
 
 
 class MoERepacked(NamedTuple):

@@ -32,8 +32,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unikv.kernels.backend import DENSE_MAX_TOKENS, KernelBackend, RowsPlan, model_ops, step_rows
-from unikv.kernels.moe.ref import dense_rows
+from unikv.kernels.backend import (
+    DENSE_MAX_TOKENS,
+    KernelBackend,
+    RowsPlan,
+    dense_rows,
+    model_ops,
+    step_rows,
+)
 from unikv.models.parallel import tp_size
 
 __all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
