@@ -300,12 +300,12 @@ class DecoderLM(nn.Module):
         Returns logits (N, vocab) in ``logits_dtype``; greedy: (logits, (N,) int64
         greedy tokens), into ``attn.feedback`` when the step has one.
 
-        The step runs under its row plan (``attn.rows``, ``kernels.backend.stepping``):
+        The step runs under its row plan (``attn.rows_plan``, ``kernels.backend.stepping``):
         every linear, MoE and FP8 GEMM of the layers takes it; the LM head takes
-        ``attn.logit_rows`` where only ``logits_indices`` rows reach it. A step object
+        ``attn.logit_rows_plan`` where only ``logits_indices`` rows reach it. A step object
         without them (a model test's): the ops plan by their shapes."""
-        rows = getattr(attn, "rows", None)
-        head = rows if logits_indices is None else getattr(attn, "logit_rows", None)
+        rows = getattr(attn, "rows_plan", None)
+        head = rows if logits_indices is None else getattr(attn, "logit_rows_plan", None)
         with stepping(rows):
             return self._forward(input_ids, positions, attn, logits_indices, greedy, head)
 
