@@ -45,14 +45,14 @@ class ByteWitness:
         spill, copy_in = PrefixHost.spill, PrefixHost._copy_in
         witness = self
 
-        def spill_and_record(host, nodes):
+        def spill_and_record(host, prefix, nodes):
             before = {n.node_id: witness.envelopes(n.page) for n in nodes}
-            spilled, copies = spill(host, nodes)
+            spilled, copies = spill(host, prefix, nodes)
             witness.saved.update({i: before[i] for i in spilled})
             return spilled, copies
 
-        def reload_and_compare(host, nodes, columns):
-            copy_in(host, nodes, columns)
+        def reload_and_compare(host, prefix, nodes, columns):
+            copy_in(host, prefix, nodes, columns)
             for node in nodes:
                 got = witness.envelopes(node.page)
                 want = witness.saved.pop(node.node_id)

@@ -238,13 +238,16 @@ class StateCheckpoints:
             self.free_vids.extend(vids)
             self.evicted += len(vids)
 
-    def evict(self, count: int, spill: bool = True) -> int:
-        """Drop the ``count`` oldest evictable checkpoints (at most all; with a host
-        tier and ``spill``, the reachable ones go to the host); returns how many."""
+    def evict(self, count: int, reachable: Callable[[int], bool] | None = None) -> int:
+        """Drop the ``count`` oldest evictable checkpoints (at most all); returns how
+        many. ``reachable``: the prefix cache's (node id -> whether a lookup reaches
+        it), passed by the caller so the checkpoints hold nothing above them; with a
+        host tier the reachable ones go to the host (None: none is spilled)."""
         victims = list(self.lru)[:count]
-        if spill and self.host is not None and victims:  # spill the reachable ones first
+        if reachable is not None and self.host is not None and victims:  # spill first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
-            copy = self.host.spill_checkpoints(victims, vids)
+            marks = np.array([reachable(i) for i in victims], bool)
+            copy = self.host.spill_checkpoints(self, victims, vids, marks)
             spilled = [i for i in victims if i in self.host.ckpts]
             for i in spilled:  # their device slots go (once copied); the host keeps them
                 self.lru.pop(i)

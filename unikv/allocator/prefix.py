@@ -206,7 +206,7 @@ class PrefixCache:
         found = self.walk(tokens, salt)
         hit = self.chain_hit(found, len(tokens), host=self.host is not None)
         if hit.num_host_pages or hit.host_state:  # reload or recompute the host part
-            hit = self.host.choose(hit, self.chain_hit(found, len(tokens), host=False))
+            hit = self.host.choose(self, hit, self.chain_hit(found, len(tokens), host=False))
         return hit
 
     def chain_hit(self, found: list[ChainNode], num_query: int, host: bool) -> PrefixHit:
@@ -224,7 +224,7 @@ class PrefixCache:
         ``reserve(new, virtual) -> bool``: the room maker's, without the callback."""
         if self.host is None or not len(hit.pages):
             return hit
-        return self.host.reload(hit, reserve)
+        return self.host.reload(self, hit, reserve)
 
     def _count(self, hit: PrefixHit, sign: int) -> None:
         self.stats.queries += sign
@@ -376,7 +376,7 @@ class PrefixCache:
         node still referenced, or the page is cached already (under another chain)."""
         stale = self.by_key.get(key)
         if stale is not None and stale.page == HOST:
-            self.host.drop([stale.node_id])  # an orphan or a collision on the host
+            self.host.drop(self, [stale.node_id])  # an orphan or a collision on the host
         elif stale is not None and not self._drop_evictable(stale.page):
             return None  # an orphan or a collision holds the key
         if self.vspace.owner[page] == CACHED:

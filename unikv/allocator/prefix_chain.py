@@ -130,7 +130,7 @@ def chain_hit(
         found = found[: next((i for i, n in enumerate(found) if n.page == HOST), len(found))]
     pages = np.array([n.page for n in found], np.int32)
     if host and tier is not None:
-        bound = {n: tier.bound(found, n) for n in roles.windows}
+        bound = {n: tier.bound(found, n, books[n]) for n in roles.windows}
     else:
         bound = {n: books[n].physical(pages) >= 0 for n in roles.windows}
     count = intact = window_intact(roles, books, pages, bound)

@@ -75,7 +75,7 @@ def evict_pages(cache: PrefixCache, count: int, spill: bool = True) -> TablePatc
         return patch
     nodes = [cache.by_page.pop(page) for page in pages.tolist()]
     host = cache.host if spill else None
-    spilled, copies = host.spill(nodes) if host is not None else (set(), {})
+    spilled, copies = host.spill(cache, nodes) if host is not None else (set(), {})
     names = cache.roles.token_names  # unbound after the spill, fenced by its copies
     stage_unbind(cache.books, names, cache.fences, cache.writer, pages, patch, copies)
     dropped = []
@@ -90,7 +90,7 @@ def evict_pages(cache: PrefixCache, count: int, spill: bool = True) -> TablePatc
         unreachable = [n for n in cache.states.nodes() if not reachable(cache.by_id, n)]
         cache.states.drop(dropped + unreachable)
     if cache.host is not None and dropped:
-        cache.host.prune()  # host nodes below a dropped one
+        cache.host.prune(cache)  # host nodes below a dropped one
     cache.vspace.retire(pages)
     cache.stats.evicted_pages += count
     return patch
@@ -236,7 +236,7 @@ def reset_cache(cache: PrefixCache) -> int:
     cache.writer.write(evict_pages(cache, count, spill=False))
     cache.writer.write(evict_windows(cache, cache.vspace.size)[0])  # bindings no one holds
     if states is not None:
-        states.evict(states.num_evictable, spill=False)
+        states.evict(states.num_evictable)  # no reachability given: none spills
     if host is not None:
-        host.drop([i for i in host.nodes if i not in host.held])  # prunes their checkpoints
+        host.drop(cache, [i for i in host.nodes if i not in host.held])  # and checkpoints
     return count

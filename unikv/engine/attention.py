@@ -181,6 +181,10 @@ class DecodeAttention:
         self.feedback = getattr(plan, "feedback", None)  # (a test's plan may lack it)
         # a verify step's per-draft-position state slots (B, k), else None
         self.draft_slots = getattr(plan, "draft_slots", None)
+        # the row-shaped ops' plans (the decoder runs the step under ``rows_plan``, the LM
+        # head under ``logit_rows_plan``; the runner replaces it where it asks more rows)
+        self.rows_plan = getattr(plan, "rows", None)
+        self.logit_rows_plan = getattr(plan, "logit_rows", None)
 
     # -- recurrent state (StateFn) ----------------------------------------------------
 

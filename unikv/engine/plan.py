@@ -21,7 +21,10 @@ state slot 0, so it reads and writes only sink bytes. For a given R the views
 lie at the same addresses every step, so a graph captured over ``plan(Batch(),
 rows=R)`` replays over any later plan of R rows. Decode attention's launch plan
 (``backend.plan_decode``: splits, config, workspace) is made here once per step
-and sub-pool; every layer only reads the StepPlan.
+and sub-pool, and the row-shaped ops' plan (``backend.plan_rows``: the GEMV routing,
+the MoE's dense table or sparse loop and bucket, the FP8 GEMM's variant) once per
+step for its token rows and once for its logits rows (a graph's: its captured size);
+every layer only reads the StepPlan.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
-from unikv.kernels.backend import DecodePlan, ExtendPlan, KernelBackend
+from unikv.kernels.backend import DecodePlan, ExtendPlan, KernelBackend, RowsPlan
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -109,6 +112,10 @@ class StepPlan:
     extend: dict[str, ExtendPlan] | None = None
     feedback: torch.Tensor | None = None
     slots: torch.Tensor | None = None  # (R,) int32 request slots (padded lanes: 0)
+    # the row-shaped ops' plans (``backend.plan_rows``): ``rows`` of the step's T token
+    # rows (padded lanes included), ``logit_rows`` of its R logits rows (one a request)
+    rows: RowsPlan | None = None
+    logit_rows: RowsPlan | None = None
 
 
 class FreshSplit(NamedTuple):
@@ -243,6 +250,9 @@ class StepPlanner:
         verify = self.draft_k > 0 and (pad_q > 1 or batch.drafts is not None)
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
         fresh = first == 0 and pad_q == 1  # no cached tokens: the cache holds the new ones
+        num_tokens = dev["input_ids"].shape[0]  # T rows, padded lanes included: host int
+        rows_plan = self.backend.plan_rows(num_tokens)
+        logit_rows = rows_plan if num_tokens == rows else self.backend.plan_rows(rows)
         extend = None
         if fresh:
             extend = self._extend_plans(num, max_q_len)
@@ -265,6 +275,8 @@ class StepPlanner:
             extend=extend,
             feedback=self.feedback if feed else None,
             slots=dev["slots"],
+            rows=rows_plan,
+            logit_rows=logit_rows,
         )
 
     @staticmethod

@@ -198,6 +198,7 @@ class ModelRunner:
         rows = None if plan.is_decode or every_row else plan.logits_indices
         if extra_rows is not None:
             rows = torch.cat([plan.logits_indices, extra_rows])  # an eager plan: B rows
+            attn.logit_rows_plan = self.backend.plan_rows(rows.shape[0])  # the head's B + E
         extra = {"greedy": True} if greedy else {}
         return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
 

@@ -88,10 +88,12 @@ class HostStats:
 class PrefixHost:
     """Host slots of the prefix cache's spilled nodes and checkpoints.
 
-    ``prefix``: the PrefixCache; ``tiers``: one HostTier per token sub-pool
-    (``num_slots`` each); ``state_tier``: the Mamba sub-pool's. A reload takes the
-    room maker's reserve as an argument, so the tier holds no allocator part above
-    the cache."""
+    ``tiers``: one HostTier per token sub-pool (``num_slots`` each); ``state_tier``:
+    the Mamba sub-pool's. The tier holds no allocator part: the prefix cache it
+    extends is held by it, not the other way (docs/structure.md, "The allocator's
+    parts: a tree"), so each verb that reads or changes the cache takes it as its
+    first argument (``prefix``: the ``PrefixCache``), and a reload takes the room
+    maker's reserve, as the cache's own ``reload`` does."""
 
     def check_integrity(self, parts) -> None:
         """The host tier's named invariants (``prefix_host_setup.check_prefix_host``);
@@ -100,8 +102,8 @@ class PrefixHost:
 
         check_prefix_host(parts)
 
-    def __init__(self, prefix, tiers: dict, state_tier, policy: ReloadPolicy):
-        self.prefix, self.tiers, self.state_tier = prefix, tiers, state_tier
+    def __init__(self, tiers: dict, state_tier, policy: ReloadPolicy):
+        self.tiers, self.state_tier = tiers, state_tier
         self.policy = policy
         self.capacity = min(t.num_slots for t in tiers.values())
         self.nodes: OrderedDict[int, dict[str, int]] = OrderedDict()  # host nodes, LRU
@@ -115,16 +117,16 @@ class PrefixHost:
 
     # -- spill ------------------------------------------------------------------------
 
-    def spill(self, nodes: list) -> tuple[set[int], dict[str, Any]]:
-        """Copy the envelopes of the reachable ones of ``nodes`` (device nodes being
+    def spill(self, prefix, nodes: list) -> tuple[set[int], dict[str, Any]]:
+        """Copy the envelopes of the reachable ones of ``nodes`` (device nodes of the
+        cache ``prefix`` being
         evicted, pages still bound) to host slots. Returns their node ids (now on
         the host: the caller unbinds every page and marks them ``HOST``) and, per
         sub-pool, the copy's done-event (None on CPU): the caller fences the
         unbound pages with it, so they are reused only once their bytes have left
         (no host sync; a reload waits for the copy on the device)."""
-        prefix = self.prefix
         count = sum(prefix.reachable(n.node_id) for n in nodes)
-        free = self._room(count)
+        free = self._room(prefix, count)
         alive = [n for n in nodes if prefix.reachable(n.node_id)][:free]
         if not alive:
             return set(), {}
@@ -138,13 +140,15 @@ class PrefixHost:
         self.stats.spilled_pages += len(alive)
         return {n.node_id for n in alive}, fences
 
-    def spill_checkpoints(self, node_ids: list[int], vids: np.ndarray) -> Any:
+    def spill_checkpoints(
+        self, states, node_ids: list[int], vids: np.ndarray, reachable: np.ndarray
+    ) -> Any:
         """Copy the device checkpoints ``vids`` (host int32 Mamba virtual ids) of
-        ``node_ids``, being evicted, to host slots (the reachable ones, as room
-        allows); returns the copy's done-event (None on CPU or when nothing moved),
-        the fence of the slots the caller frees."""
-        states = self.prefix.states
-        keep = [i for i, n in enumerate(node_ids) if self.prefix.reachable(n)]
+        ``node_ids``, being evicted from ``states`` (the ``StateCheckpoints``), to host
+        slots (those ``reachable`` marks, host bools, as room allows); returns the
+        copy's done-event (None on CPU or when nothing moved), the fence of the slots
+        the caller frees."""
+        keep = [i for i in range(len(node_ids)) if reachable[i]]
         victims = [n for n in self.ckpts if n not in states.pins and n not in self.held]
         while victims and self.state_tier.num_free < len(keep):
             self._drop_checkpoints([victims.pop(0)])
@@ -171,12 +175,12 @@ class PrefixHost:
         self.stats.spilled_bytes += int(bound.sum()) * tier.page_bytes
         return slots, copy.event
 
-    def _room(self, count: int) -> int:
+    def _room(self, prefix, count: int) -> int:
         """Drop the oldest host nodes (not held) until ``count`` more fit; returns
         how many fit."""
         victims = [i for i in self.nodes if i not in self.held]
         while victims and self._num_free() < count:
-            self.drop([victims.pop(0)])
+            self.drop(prefix, [victims.pop(0)])
             victims = [i for i in victims if i in self.nodes]
         return min(count, self._num_free())
 
@@ -185,23 +189,22 @@ class PrefixHost:
 
     # -- dropping ---------------------------------------------------------------------
 
-    def drop(self, node_ids: list[int]) -> None:
-        """Drop host nodes for real, then every host node and checkpoint no lookup
-        can reach any more."""
-        prefix = self.prefix
+    def drop(self, prefix, node_ids: list[int]) -> None:
+        """Drop host nodes of the cache ``prefix`` for real, then every host node and
+        checkpoint no lookup can reach any more."""
         for i in node_ids:
             self._free_slots(self.nodes.pop(i))
             node = prefix.by_id.pop(i)
             del prefix.by_key[node.key]
         self.stats.evicted_pages += len(node_ids)
-        self.prune()
+        self.prune(prefix)
 
-    def prune(self) -> None:
-        """Drop the host nodes, then the checkpoints, that no lookup can reach."""
-        prefix = self.prefix
+    def prune(self, prefix) -> None:
+        """Drop the host nodes, then the checkpoints, that no lookup of the cache
+        ``prefix`` can reach."""
         orphans = [i for i in self.nodes if not prefix.reachable(i)]
         if orphans:
-            self.drop(orphans)  # descendants first found by the recursion's prune
+            self.drop(prefix, orphans)  # descendants first found by the recursion's prune
             return
         if prefix.states is not None:
             prefix.states.drop([n for n in prefix.states.nodes() if not prefix.reachable(n)])
@@ -225,10 +228,10 @@ class PrefixHost:
 
     # -- lookups and reload -----------------------------------------------------------
 
-    def bound(self, found: list, name: str) -> np.ndarray:
+    def bound(self, found: list, name: str, book) -> np.ndarray:
         """Whether each of ``found`` (chain nodes) is bound in windowed sub-pool
-        ``name`` on the device, or was when it spilled (host nodes)."""
-        book = self.prefix.books[name]
+        ``name`` (its page book ``book``) on the device, or was when it spilled (host
+        nodes)."""
         return np.array(
             [
                 self.nodes[n.node_id][name] >= 0 if n.page == HOST else book.v2p_host[n.page] >= 0
@@ -237,11 +240,11 @@ class PrefixHost:
             bool,
         )
 
-    def choose(self, full, device):
-        """``full`` (a hit with host pages or a host checkpoint) or ``device`` (its
-        device-only prefix), by the cost rule."""
+    def choose(self, prefix, full, device):
+        """``full`` (a hit of the cache ``prefix`` with host pages or a host
+        checkpoint) or ``device`` (its device-only prefix), by the cost rule."""
         gained = full.num_tokens - device.num_tokens
-        nodes = [self.prefix.by_id[int(i)] for i in full.nodes]
+        nodes = [prefix.by_id[int(i)] for i in full.nodes]
         num_bytes = sum(
             self.tiers[name].page_bytes
             for n in nodes
@@ -256,31 +259,31 @@ class PrefixHost:
         self.stats.reload_declined += gained > 0
         return replace(device, num_page_tokens=full.num_page_tokens)
 
-    def reload(self, hit, reserve: Callable):
-        """``hit`` with its host pages reloaded into fresh device pages (cached,
+    def reload(self, prefix, hit, reserve: Callable):
+        """``hit`` (of the cache ``prefix``) with its host pages reloaded into fresh
+        device pages (cached,
         evictable: ``new_request`` attaches them), or its device-only prefix when
         the pool has no room; ``hit`` itself when a node of it is gone (stale).
         ``reserve``: ``(new, virtual) -> bool``, the room maker's reserve without
         the shortfall callback."""
-        prefix = self.prefix
         nodes = [prefix.by_id.get(int(i)) for i in hit.nodes]
         if any(n is None for n in nodes):
             return hit
         columns = [i for i, n in enumerate(nodes) if n.page == HOST]
         if columns:
-            if not self._reserve(nodes, columns, reserve):
+            if not self._reserve(prefix, nodes, columns, reserve):
                 self.stats.reload_fallbacks += 1
                 device = prefix.chain_hit(nodes, hit.num_query_tokens, host=False)
                 return replace(device, num_page_tokens=hit.num_page_tokens)
-            self._copy_in([nodes[i] for i in columns], np.array(columns, np.int64))
+            self._copy_in(prefix, [nodes[i] for i in columns], np.array(columns, np.int64))
             self.stats.hit_tokens += len(columns) * prefix.roles.page_size
         pages = np.array([n.page for n in nodes], np.int32)
         return replace(hit, pages=pages, num_host_pages=0)
 
-    def _reserve(self, nodes: list, columns: list[int], reserve: Callable) -> bool:
+    def _reserve(self, prefix, nodes: list, columns: list[int], reserve: Callable) -> bool:
         """Room for the host nodes ``nodes[columns]``; the hit's device pages, host
         nodes and checkpoint are held meanwhile (room-making may evict others)."""
-        prefix, states = self.prefix, self.prefix.states
+        states = prefix.states
         pages = np.array([n.page for n in nodes if n.page != HOST], np.int32)
         np.add.at(prefix.refs, pages, 1)
         for page in pages.tolist():
@@ -307,12 +310,12 @@ class PrefixHost:
             if was_evictable and last in states.by_node:
                 states.lru[last] = None
 
-    def _copy_in(self, nodes: list, columns: np.ndarray) -> None:
+    def _copy_in(self, prefix, nodes: list, columns: np.ndarray) -> None:
         """Bind fresh virtual and physical pages to host ``nodes`` (block indices
-        ``columns``) and copy their envelopes back; they become evictable cached pages."""
+        ``columns``) and copy their envelopes back; they become evictable cached pages
+        of ``prefix``."""
         from unikv.io.host_tier import HostPageIds
 
-        prefix = self.prefix
         vpages = prefix.vspace.mint(np.full(len(nodes), CACHED, np.int32), columns)
         for name, tier in self.tiers.items():
             slots = np.array([self.nodes[n.node_id][name] for n in nodes], np.int64)

@@ -81,7 +81,7 @@ def enable_prefix_host(alloc, host_bytes: int, policy: ReloadPolicy | None = Non
         num_slots, num_state_slots = host_slots(token_bytes, state_bytes, host_bytes)
         tiers = {n: HostTier(pool, n, num_slots) for n in token_bytes}
         state_tier = HostTier(pool, mamba, num_state_slots) if mamba is not None else None
-        return PrefixHost(cache, tiers, state_tier, policy or ReloadPolicy())
+        return PrefixHost(tiers, state_tier, policy or ReloadPolicy())  # holds no part
 
     return alloc.prefix.add_host_tier(build)
 

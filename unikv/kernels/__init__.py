@@ -6,7 +6,8 @@ the per-step path then calls its ops with no device or layout branching. Every
 op has the same signature in both backends, stated once as a ``Protocol`` in its
 family's ``protocols`` module: ``attention/``, ``mla/``, ``tables/``, ``linear/``,
 ``moe/``, ``recurrent/`` (shared launch helpers: ``runtime/``). Choices that depend
-on the step are plans the step planner makes (``DecodePlan``, ``ExtendPlan``).
+on the step are plans the step planner makes (``DecodePlan``, ``ExtendPlan``,
+``RowsPlan``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ signature in both backends, so the per-step path never branches on device.
 
 ``plan_decode`` is decode attention's launch plan, FlashInfer's plan/run split:
 the step planner makes it once per step and sub-pool (from host ints only), and
-every layer hands ``DecodePlan.launch`` to ``decode_attention``.
+every layer hands ``DecodePlan.launch`` to ``decode_attention``. ``plan_rows`` is
+the row-shaped ops' plan (``RowsPlan``: the GEMV routing, the MoE's dense table or
+sparse loop and its tile bucket, the FP8 GEMM's variant by rows), made once per step
+from its row count; the decoder holds it for the step (``stepping``) and every
+linear, MoE and FP8 GEMM takes it as its ``rows`` argument.
 
 Every variant below the backend is decided here, once per ``get_backend``, from the
 device and the A/B switches read then (``Flags``): the MoE (Triton, the Hopper
@@ -49,6 +53,7 @@ from unikv.kernels.linear.protocols import (
     GeluTanhMul,
     Linear,
     MoEFp8,
+    PlanRows,
     RMSNorm,
     RopeQK,
     SiluMul,
@@ -57,7 +62,10 @@ from unikv.kernels.linear.protocols import (
 from unikv.kernels.linear.ref import resolve_feedback  # placeholder ids (every backend)
 from unikv.kernels.mla.protocols import MLAAttention, StoreMLA
 from unikv.kernels.moe.protocols import MoE, MoERepack, MoERepackedRun
-from unikv.kernels.moe.ref import DENSE_MAX_TOKENS  # the MoE's graph bound (models, engine)
+from unikv.kernels.moe.ref import (
+    DENSE_MAX_TOKENS,  # the MoE's graph bound (models, engine)
+    dense_rows,
+)
 from unikv.kernels.recurrent.protocols import CausalConv1d, GatedDeltaRule, Mamba2SSD
 from unikv.kernels.tables.protocols import (
     BuildBlockTable,
@@ -71,7 +79,7 @@ from unikv.kernels.tables.protocols import (
 KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
           "extend_attention", "copy_pages")  # fmt: skip
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
-STEP_OPS = ("prepare_step", "plan_decode", "plan_extend")
+STEP_OPS = ("prepare_step", "plan_decode", "plan_extend", "plan_rows")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
@@ -85,8 +93,9 @@ OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
        + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
 
 # what models take from the kernels: this module only
-__all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "building",
-           "get_backend", "model_ops", "resolve_feedback"]  # fmt: skip
+__all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "RowsPlan",
+           "building", "dense_rows", "get_backend", "model_ops", "resolve_feedback",
+           "step_rows", "stepping"]  # fmt: skip
 
 
 class MoERepacked(NamedTuple):
@@ -122,6 +131,7 @@ class KernelBackend:
     prepare_step: PrepareStep
     plan_decode: PlanDecode
     plan_extend: PlanExtend
+    plan_rows: PlanRows
     causal_conv1d: CausalConv1d
     gated_delta_rule: GatedDeltaRule
     mamba2_ssd: Mamba2SSD
@@ -266,6 +276,49 @@ def plan_extend_torch(num_requests: int, *, max_q_len: int, head_dim: int) -> Ex
 
 
 @dataclass(frozen=True)
+class RowsPlan:
+    """The row-shaped ops' variants for one step, decided by the step planner from its
+    row count (host ints), never per layer: a CUDA graph's plan is its captured size's,
+    so a replay runs the variants of its captured batch.
+
+    rows: the rows the ops see (a step's tokens, padded lanes included; the LM head's
+    rows for the head's plan). gemv: the linears run the Triton GEMV (``gemv.
+    route_rows``; the op still checks the layer's dtype and strides). moe_dense: the
+    reference MoE's dense table (fixed shapes, no sync) rather than the sparse loop
+    (``moe_ref.dense_rows``). moe_bucket: the fused MoE's table bucket (``fused.
+    bucket``; 0: the torch backend). fp8: the FP8 GEMM's choice by rows (``fp8_gemm.
+    Fp8Rows``: tile class, w8a8, ``_scaled_mm``), None on the torch backend."""
+
+    rows: int = 0
+    gemv: bool = False
+    moe_dense: bool = True
+    moe_bucket: int = 0
+    fp8: object = None
+
+
+def plan_rows_triton(
+    rows: int,
+    *,
+    route_rows: Callable[[int], bool],
+    moe_bucket: Callable[[int], int],
+    fp8_rows: Callable[[int, bool], object],
+    scaled_mm: bool = False,
+) -> RowsPlan:
+    """The Triton backend's ``RowsPlan`` of ``rows`` rows. The rules are the kernels'
+    own (``gemv.route_rows``, ``fused.bucket``, ``fp8_gemm.row_choice``), bound by
+    ``get_backend`` with ``scaled_mm`` (its probe found ``torch._scaled_mm`` usable)."""
+    return RowsPlan(
+        rows, route_rows(rows), dense_rows(rows), moe_bucket(rows), fp8_rows(rows, scaled_mm)
+    )
+
+
+def plan_rows_torch(rows: int) -> RowsPlan:
+    """The torch references' ``RowsPlan``: no GEMV, no FP8 kernel, the MoE's dense
+    table or sparse loop by ``moe_ref.dense_rows``."""
+    return RowsPlan(rows, moe_dense=dense_rows(rows))
+
+
+@dataclass(frozen=True)
 class Flags:
     """What a backend's variants are decided from, read once per ``get_backend`` (never
     on the per-step path).
@@ -376,6 +429,13 @@ def _triton(flags: Flags) -> KernelBackend:
         hopper_min_q_len=_hopper_min_q_len() if flags.sm90 and flags.extend_hopper else None,
         sdpa_min_tokens=extend_sdpa.MIN_TOKENS if flags.extend_sdpa else None,
     )
+    plan_rows = functools.partial(
+        plan_rows_triton,
+        route_rows=gemv.route_rows,
+        moe_bucket=moe.bucket,
+        fp8_rows=fp8_gemm.row_choice,
+        scaled_mm=flags.fp8_scaled_mm,
+    )
     return KernelBackend(
         name="triton",
         store_kv=store.store_kv,
@@ -391,6 +451,7 @@ def _triton(flags: Flags) -> KernelBackend:
         prepare_step=step_tables.prepare,
         plan_decode=plan_decode_triton,
         plan_extend=plan_extend,
+        plan_rows=plan_rows,
         causal_conv1d=recurrent.causal_conv1d,
         gated_delta_rule=recurrent.gated_delta_rule,
         mamba2_ssd=recurrent.mamba2_ssd,
@@ -434,6 +495,7 @@ def _torch() -> KernelBackend:
         prepare_step=tables_ref.prepare_ref,
         plan_decode=plan_decode_torch,
         plan_extend=plan_extend_torch,
+        plan_rows=plan_rows_torch,
         causal_conv1d=recurrent_ref.causal_conv1d,
         gated_delta_rule=recurrent_ref.gated_delta_rule,
         mamba2_ssd=recurrent_ref.mamba2_ssd,
@@ -499,3 +561,28 @@ def model_ops(ops: KernelBackend | None = None) -> KernelBackend:
     """The backend a module being built calls: ``ops`` when given, else the enclosing
     ``building``'s, else the torch references (a model built outside the loader)."""
     return ops or _BUILDING.get() or get_backend("cpu", "torch")
+
+
+# -- the row plan of the step a model is running -----------------------------------------
+
+_STEP_ROWS: contextvars.ContextVar[RowsPlan | None] = contextvars.ContextVar(
+    "unikv_step_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def stepping(rows: RowsPlan | None) -> Iterator[RowsPlan | None]:
+    """Run a model's step inside this: every linear, MoE and FP8 GEMM its modules call
+    takes ``rows`` (``step_rows``), the step's plan (``StepPlan.rows``). The decoder
+    enters it once per forward from its step object; None (a test's step object, a
+    tool): the ops derive the plan from their shapes by the same rules."""
+    token = _STEP_ROWS.set(rows)
+    try:
+        yield rows
+    finally:
+        _STEP_ROWS.reset(token)
+
+
+def step_rows() -> RowsPlan | None:
+    """The ``RowsPlan`` of the step being run (``stepping``), or None outside one."""
+    return _STEP_ROWS.get()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, building, resolve_feedback
+from unikv.kernels.backend import KernelBackend, building, resolve_feedback, step_rows, stepping
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
 from unikv.models.parallel import check_tp_config, refuse_tp
@@ -72,7 +72,7 @@ class Block:
         None); residual: (T, hidden) or None -> (this block's output, the residual
         stream before it)."""
         if self.linear is not None:
-            y, residual = self.norm.linear(h, residual, self.linear)
+            y, residual = self.norm.linear(h, residual, self.linear, step_rows())
             return self.after(y, residual, positions, attn)
         if residual is None:  # the first block: a structural None, not a device branch
             residual, x = h, self.norm(h)
@@ -298,7 +298,18 @@ class DecoderLM(nn.Module):
         object (``AttentionFn``, and ``StateFn`` / MLA ops where the family needs them);
         logits_indices: (N,) int64 rows of the step whose logits are wanted (None: all).
         Returns logits (N, vocab) in ``logits_dtype``; greedy: (logits, (N,) int64
-        greedy tokens), into ``attn.feedback`` when the step has one."""
+        greedy tokens), into ``attn.feedback`` when the step has one.
+
+        The step runs under its row plan (``attn.rows_plan``, ``kernels.backend.stepping``):
+        every linear, MoE and FP8 GEMM of the layers takes it; the LM head takes
+        ``attn.logit_rows_plan`` where only ``logits_indices`` rows reach it. A step object
+        without them (a model test's): the ops plan by their shapes."""
+        rows = getattr(attn, "rows_plan", None)
+        head = rows if logits_indices is None else getattr(attn, "logit_rows_plan", None)
+        with stepping(rows):
+            return self._forward(input_ids, positions, attn, logits_indices, greedy, head)
+
+    def _forward(self, input_ids, positions, attn, logits_indices, greedy, head):
         backbone = self.stack
         layers = backbone.layers
         feedback = getattr(attn, "feedback", None)  # placeholder ids' tokens (graphs)
@@ -331,9 +342,9 @@ class DecoderLM(nn.Module):
         norm = backbone.final_norm
         if greedy and not self.finishes_logits:  # the argmax inside the head's GEMV
             out = None if feedback is None else feedback[: h.shape[0]]  # where the step reads it
-            logits, tokens = norm.linear_argmax(h, residual, self.lm_head, out)
+            logits, tokens = norm.linear_argmax(h, residual, self.lm_head, out, head)
             return self._cast(logits), tokens
-        logits, _ = norm.linear(h, residual, self.lm_head)
+        logits, _ = norm.linear(h, residual, self.lm_head, head)
         if self.finishes_logits:
             logits = self.finish_logits(logits)
         logits = self._cast(logits)

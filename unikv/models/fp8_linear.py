@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend
+from unikv.kernels.backend import KernelBackend, step_rows
 from unikv.models.fp8 import SCALE_SUFFIX, Fp8Format
 from unikv.models.layers import Linear
 from unikv.models.moe import RoutedExperts
@@ -86,12 +86,14 @@ class Fp8BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row":  # a host str fixed at construction
-            out = self.ops.fp8_linear(x, self.weight, self.weight_scale_inv, block=self.block)
+            out = self.ops.fp8_linear(
+                x, self.weight, self.weight_scale_inv, block=self.block, rows=step_rows()
+            )
             if self.reduce:
                 out = self.tp.all_reduce(out)
             return out + self.bias if self.adds_bias else out
         return self.ops.fp8_linear(
-            x, self.weight, self.weight_scale_inv, self.bias, block=self.block
+            x, self.weight, self.weight_scale_inv, self.bias, block=self.block, rows=step_rows()
         )
 
     def extra_repr(self) -> str:

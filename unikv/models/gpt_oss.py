@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, model_ops
+from unikv.kernels.backend import KernelBackend, model_ops, step_rows
 from unikv.models.config import ModelConfig
 from unikv.models.moe import DENSE_MAX_TOKENS  # noqa: F401  (the bound: a re-export)
 from unikv.models.parallel import tp_size
@@ -133,6 +133,11 @@ class Experts(nn.Module):
         w["b2"] = self.down_proj_bias if self.add_down_bias else None
         return w
 
+    def planned(self) -> dict:
+        """The step's ``RowsPlan`` for the backend's ``moe`` (its dense table or sparse
+        loop, its bucket); the re-packed variant takes none (fixed at load)."""
+        return {} if self.fragments is not None else {"rows": step_rows()}
+
     def forward(self, x: torch.Tensor, scores: torch.Tensor, indices: torch.Tensor):
         """x: (T, hidden); scores/indices: (T, k) -> (T, hidden) in x.dtype."""
         return self.kernel(
@@ -143,6 +148,7 @@ class Experts(nn.Module):
             b1=self.gate_up_proj_bias,
             activation="gpt_oss",
             gate_up="interleaved",
+            **self.planned(),
             alpha=self.alpha,
             limit=self.limit,
         )

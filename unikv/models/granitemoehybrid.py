@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unikv.kernels.backend import model_ops
+from unikv.kernels.backend import model_ops, step_rows
 from unikv.models import decoder
 from unikv.models.bamba import MAMBA, BambaMixer, check_layer_types, hybrid_tp_dims
 from unikv.models.config import ModelConfig
@@ -115,7 +115,7 @@ class MoE(nn.Module):
         top, indices = logits.topk(self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1).to(x.dtype)
         w1, w2 = self.input_linear.weight, self.output_linear.weight
-        return self.kernel(x, weights, indices, w1, w2, activation="silu")
+        return self.kernel(x, weights, indices, w1, w2, activation="silu", rows=step_rows())
 
 
 class SharedMLP(nn.Module):
@@ -138,7 +138,7 @@ class SharedMLP(nn.Module):
         return self.down(self.input_linear(x))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_mul_linear(gate_up, self.output_linear.weight, None)
+        return self.ops.silu_mul_linear(gate_up, self.output_linear.weight, None, rows=step_rows())
 
 
 class DenseBody:

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from unikv.kernels.backend import KernelBackend, model_ops
+from unikv.kernels.backend import KernelBackend, RowsPlan, model_ops, step_rows
 from unikv.models.config import ModelConfig
 from unikv.models.parallel import linear_layers, tp_size
 from unikv.models.rope import Rotary
@@ -110,15 +110,16 @@ class StateFn(Protocol):
 class Linear(nn.Linear):
     """``nn.Linear`` through the kernel backend's ``linear`` (``ops``, None:
     ``model_ops()``): the Triton backend runs a one-request decode step's product as a
-    GEMV (``kernels/linear/gemv.py``), cuBLAS otherwise; the torch backend is ``F.linear``.
-    Same parameters and state-dict names as ``nn.Linear``."""
+    GEMV (``kernels/linear/gemv.py``), cuBLAS otherwise, as the step's ``RowsPlan``
+    says (``step_rows``); the torch backend is ``F.linear``. Same parameters and
+    state-dict names as ``nn.Linear``."""
 
     def __init__(self, *args, ops: KernelBackend | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ops = model_ops(ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias, rows=step_rows())
 
 
 class RMSNorm(nn.Module):
@@ -151,25 +152,29 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.kw)
 
     def linear(
-        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear,
+        rows: RowsPlan | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(lin(norm(x + residual)), x + residual), or (lin(norm(x)), x) without a
         residual: the norm fused into the GEMV where the backend runs one
-        (``add_rms_norm_linear``). ``residual`` may be overwritten."""
+        (``add_rms_norm_linear``) and ``rows`` (the plan of x's rows: the step's, or
+        the LM head's; None: by x's shape) says so. ``residual`` may be overwritten."""
         return self.ops.add_rms_norm_linear(
-            x, residual, self.weight, self.eps, lin.weight, lin.bias, **self.kw
+            x, residual, self.weight, self.eps, lin.weight, lin.bias, **self.kw, rows=rows
         )
 
     def linear_argmax(
         self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, rows: RowsPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(lin(norm(x + residual)), each row's greedy token, into ``out`` when given):
         ``linear`` with the argmax inside the GEMV's epilogue where the backend runs
-        one (``add_rms_norm_linear_argmax``). ``residual`` may be overwritten."""
+        one (``add_rms_norm_linear_argmax``; ``rows`` as in ``linear``). ``residual``
+        may be overwritten."""
         logits, _, tokens = self.ops.add_rms_norm_linear_argmax(
-            x, residual, self.weight, self.eps, lin.weight, lin.bias, out=out, **self.kw
-        )
+            x, residual, self.weight, self.eps, lin.weight, lin.bias, out=out, **self.kw,
+            rows=rows,
+        )  # fmt: skip
         return logits, tokens
 
     def embed_linear(
@@ -178,10 +183,12 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(lin(norm(table[ids])), table[ids]): a model's embedding, its first pre-norm
         and the GEMM after it, the gather inside the GEMV where the backend runs one
-        (``embed_rms_norm_linear``); placeholder ids -(1 + lane) read ``feedback``."""
+        (``embed_rms_norm_linear``, by the step's ``RowsPlan``); placeholder ids
+        -(1 + lane) read ``feedback``."""
         return self.ops.embed_rms_norm_linear(
-            ids, table, self.weight, self.eps, lin.weight, lin.bias, feedback=feedback, **self.kw
-        )
+            ids, table, self.weight, self.eps, lin.weight, lin.bias, feedback=feedback,
+            **self.kw, rows=step_rows(),
+        )  # fmt: skip
 
 
 def overrides_forward(module: nn.Module, base: type) -> bool:
@@ -312,5 +319,7 @@ class GatedMLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``forward`` after the gate/up GEMM: (T, 2I) -> (T, hidden)."""
         if self.fused_down:
-            return self.ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+            return self.ops.silu_mul_linear(
+                gate_up, self.down_proj.weight, self.down_proj.bias, rows=step_rows()
+            )
         return self.down_proj(self.ops.silu_mul(gate_up))

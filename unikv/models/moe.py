@@ -34,7 +34,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unikv.kernels.backend import DENSE_MAX_TOKENS, KernelBackend, model_ops
+from unikv.kernels.backend import (
+    DENSE_MAX_TOKENS,
+    KernelBackend,
+    RowsPlan,
+    dense_rows,
+    model_ops,
+    step_rows,
+)
 from unikv.models.parallel import tp_size
 
 __all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
@@ -174,10 +181,12 @@ class RoutedExperts(nn.ModuleList):
             return self.kernel(
                 x, weights, indices, self.w1, self.w1_scale, self.w2, self.w2_scale,
                 block=self.fp8_block, activation=self.activation, sum_dtype=sum_dtype,
+                rows=step_rows(),
             )  # fmt: skip
         return self.kernel(
-            x, weights, indices, self.w1, self.w2, activation=self.activation, sum_dtype=sum_dtype
-        )
+            x, weights, indices, self.w1, self.w2, activation=self.activation,
+            sum_dtype=sum_dtype, rows=step_rows(),
+        )  # fmt: skip
 
 
 def routed_experts(
@@ -187,14 +196,17 @@ def routed_experts(
     experts: nn.ModuleList,
     *,
     sum_dtype: torch.dtype | None = None,
+    rows: RowsPlan | None = None,
 ) -> torch.Tensor:
     """The unfused loop over a ModuleList of callable experts (families not yet on
     ``RoutedExperts``): x: (T, d); weights: (T, k); indices: (T, k) int64 -> (T, d).
-    Dense (every expert, zero weight where not routed) for T <= ``DENSE_MAX_TOKENS``,
-    sparse (syncs the host) above; experts added in index order."""
+    Dense (every expert, zero weight where not routed) where ``rows`` (the step's
+    ``RowsPlan``; None: ``dense_rows`` of T, T <= ``DENSE_MAX_TOKENS``) says, sparse
+    (syncs the host) otherwise; experts added in index order."""
     acc = sum_dtype or x.dtype
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    if x.shape[0] <= DENSE_MAX_TOKENS:
+    table = dense_rows(x.shape[0]) if rows is None else rows.moe_dense  # a host bool
+    if table:
         dense = torch.zeros(x.shape[0], len(experts), dtype=weights.dtype, device=x.device)
         dense.scatter_(1, indices, weights)  # (T, E), zero where not routed
         for e, expert in enumerate(experts):

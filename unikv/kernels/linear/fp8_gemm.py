@@ -3,7 +3,9 @@
 W is ``weight`` (N, K) float8_e4m3fn with ``scale_inv`` (ceil(N / bn), ceil(K / bk))
 fp32 per block of bn x bk (``fp8_gemm_ref``'s definition, edge blocks partial). Two
 variants, picked by ``plan`` from host ints (rows M, N, K, the block, x's dtype), never
-by reading the device; CUDA graphs fix the choice per captured batch size:
+by reading the device. What the rows decide (``row_choice``: the tile class, w8a8,
+``_scaled_mm``) is the step's ``RowsPlan.fp8``, made once per step by the step
+planner (a CUDA graph's: its captured batch size's); ``plan`` adds the layer's part:
 
 - ``w8a16`` (decode and small batches, and every fp32 input): x stays in its dtype;
   each weight tile is loaded as FP8 (one byte an element: the weight stream is the
@@ -32,7 +34,7 @@ weights are the dequantised ones to rounding.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -40,6 +42,9 @@ import triton.language as tl
 
 from unikv.kernels.linear.fp8_gemm_ref import ACT_SCALE_MIN, FP8_MAX, check_operands
 from unikv.kernels.runtime.interpret import patch_interpreter
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
 
 patch_interpreter()
 
@@ -49,6 +54,26 @@ SCALED_MM_BLOCK = (128, 128)
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100: split K below this
 MIN_K_PER_SPLIT = 512
 QUANT_ROWS = 16  # rows of x a program of the activation quantisation takes
+# w8a16 (block_m, block_n, warps, stages) by ``Fp8Rows.tile``: M <= 16, <= 64, more
+TILES = ((16, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3))
+
+
+class Fp8Rows(NamedTuple):
+    """What M rows decide (``row_choice``), before the layer's shape and block: ``tile``
+    the w8a16 tile class (0: M <= 16, 1: M <= 64, 2: more), ``w8a8`` (M >=
+    ``W8A8_MIN_ROWS``), ``scaled_mm`` (the backend runs ``torch._scaled_mm`` and M >=
+    ``SCALED_MM_MIN_ROWS``)."""
+
+    tile: int
+    w8a8: bool
+    scaled_mm: bool
+
+
+def row_choice(m: int, scaled_mm: bool = False) -> Fp8Rows:
+    """The rows' part of the plan for M rows; ``scaled_mm``: the backend found
+    ``torch._scaled_mm``'s block scaling usable (``scaled_mm_supported``)."""
+    tile = 0 if m <= 16 else 1 if m <= 64 else 2
+    return Fp8Rows(tile, m >= W8A8_MIN_ROWS, scaled_mm and m >= SCALED_MM_MIN_ROWS)
 
 
 class Fp8Plan(NamedTuple):
@@ -73,23 +98,22 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def plan(
-    m: int, n: int, k: int, block: tuple[int, int], fp32: bool, scaled_mm: bool = False
-) -> Fp8Plan:
+    m: int, n: int, k: int, block: tuple[int, int], fp32: bool, scaled_mm: bool = False,
+    rows: Fp8Rows | None = None,
+) -> Fp8Plan:  # fmt: skip
     """The launch plan for x (m, k) times W (n, k) in blocks ``block`` (host ints only);
-    ``scaled_mm``: the backend may run ``torch._scaled_mm`` (``scaled_mm_supported``)."""
-    if scaled_mm and not fp32 and m >= SCALED_MM_MIN_ROWS and scaled_mm_shape(n, k, block):
+    ``scaled_mm``: the backend may run ``torch._scaled_mm`` (``scaled_mm_supported``).
+    rows: the step's choice by rows (``RowsPlan.fp8``); None: ``row_choice(m,
+    scaled_mm)``."""
+    rows = row_choice(m, scaled_mm) if rows is None else rows
+    if rows.scaled_mm and not fp32 and scaled_mm_shape(n, k, block):
         return Fp8Plan("scaled_mm", 0, 0, 0, 1, True, 0, 0)
     tile_k = _pow2_divisor(block[1], 128)
     per_k = tile_k >= 16  # tl.dot needs K tiles of >= 16
-    if not fp32 and per_k and m >= W8A8_MIN_ROWS:
+    if not fp32 and per_k and rows.w8a8:
         return Fp8Plan("w8a8", 128, 128, tile_k, 1, True, 8, 3)
     block_k = tile_k if per_k else 32
-    if m <= 16:
-        block_m, block_n, warps, stages = 16, 64, 4, 4
-    elif m <= 64:
-        block_m, block_n, warps, stages = 64, 64, 4, 3
-    else:
-        block_m, block_n, warps, stages = 64, 128, 4, 3
+    block_m, block_n, warps, stages = TILES[rows.tile]
     if fp32:  # IEEE fp32 dots take more registers and shared memory a tile
         block_k, stages = min(block_k, 32), 2
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -244,10 +268,13 @@ def fp8_linear(
     block: tuple[int, int],
     config: Fp8Plan | None = None,
     scaled_mm: bool = False,
+    rows: RowsPlan | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ W^T (+ bias) -> (..., N) in x.dtype, W = weight * its block scales.
     ``config``: a plan to use instead of ``plan``'s (the benchmark's sweep); ``scaled_mm``:
-    the backend found ``torch._scaled_mm``'s block scaling usable (``plan`` may pick it)."""
+    the backend found ``torch._scaled_mm``'s block scaling usable (``plan`` may pick it);
+    ``rows``: the step's plan (its ``fp8``: the choice by rows, which already holds
+    ``scaled_mm``); None: ``row_choice`` of x's rows."""
     check_operands(x, weight, scale_inv, block)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -256,7 +283,8 @@ def fp8_linear(
     m, n = x2.shape[0], weight.shape[0]
     if m == 0:
         return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
-    cfg = config or plan(m, n, k, tuple(block), x.dtype == torch.float32, scaled_mm)
+    by_rows = None if rows is None else rows.fp8
+    cfg = config or plan(m, n, k, tuple(block), x.dtype == torch.float32, scaled_mm, by_rows)
     if cfg.variant == "scaled_mm":
         return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -18,8 +18,13 @@ variant's reference: both operands quantised, then multiplied in fp32.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ACT_SCALE_MIN = 1e-12  # an all-zero group keeps a finite scale
@@ -63,8 +68,10 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     block: tuple[int, int],
+    rows: RowsPlan | None = None,
 ) -> torch.Tensor:
-    """x (..., K) @ dequantize(weight, scale_inv)^T (+ bias) in fp32 -> (..., N) in x.dtype."""
+    """x (..., K) @ dequantize(weight, scale_inv)^T (+ bias) in fp32 -> (..., N) in x.dtype
+    (one path at every row count: ``rows``, the step's plan, changes nothing)."""
     check_operands(x, weight, scale_inv, block)
     out = F.linear(x.float(), dequantize(weight, scale_inv, block))
     if bias is not None:
@@ -132,13 +139,15 @@ def moe_fp8(
     block: tuple[int, int],
     activation: str = "silu",
     sum_dtype: torch.dtype | None = None,
+    rows: RowsPlan | None = None,
     moe=None,
     chunk_bytes: int = MOE_CHUNK_BYTES,
 ) -> torch.Tensor:
     """The fused MoE over block-scaled FP8 experts: ``w1`` (E, N1, d) float8_e4m3fn with
     ``w1_scale`` (E, parts * ceil(I / bn), ceil(d / bk)) (parts: gate and up, each
     blocked on its own; relu2: one), ``w2`` (E, d, I) with ``w2_scale`` (E, ceil(d / bn),
-    ceil(I / bk)); other arguments as ``moe_ref.fused_moe``.
+    ceil(I / bk)); other arguments as ``moe_ref.fused_moe`` (``rows``, the step's plan,
+    goes to ``moe``).
 
     The experts are dequantised to x.dtype per call, ``chunk_bytes`` of them at a time,
     and run by ``moe`` (a dense MoE op, ``moe_ref.fused_moe`` by default); with several
@@ -158,7 +167,7 @@ def moe_fp8(
     experts = w1.shape[0]
     per_expert = (w1[0].numel() + w2[0].numel()) * x.element_size()
     step = max(1, min(experts, chunk_bytes // max(1, per_expert)))
-    kw = {"activation": activation, "sum_dtype": sum_dtype}
+    kw = {"activation": activation, "sum_dtype": sum_dtype, "rows": rows}
     if step == experts:
         a = dequantize_experts(w1, w1_scale, parts, block, x.dtype)
         b = dequantize_experts(w2, w2_scale, 1, block, x.dtype)

@@ -26,14 +26,17 @@ of the argmax's two launches over the logits.
 ``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` / ``embed_rms_norm_linear`` /
 ``add_rms_norm_linear_argmax`` are the backend ops: the kernel for 2-D 16-bit
 inputs of at most ``ROUTE_ROWS`` rows (the rows the H200 measured it faster than
-cuBLAS at, ``benchmarks/bench_gemv.py``), ``F.linear`` otherwise (a host decision
-from shapes; CUDA graphs fix it per captured batch size). The torch references are
+cuBLAS at, ``benchmarks/bench_gemv.py``; ``route_rows``), ``F.linear`` otherwise: the
+step's ``RowsPlan`` (``rows``, made once per step by the step planner; a CUDA graph's
+is its captured batch size's) says it by rows, the op checks the layer's dtypes and
+strides; a call without a plan applies ``route_rows`` to x's rows. The torch references are
 ``elementwise_ref``'s ``linear``, ``silu_mul_linear`` and ``add_rms_norm_linear``.
 """
 
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -46,6 +49,9 @@ from unikv.kernels.linear.elementwise import _silu_mul_f32, add_rms_norm, rms_no
 from unikv.kernels.linear.ref import resolve_feedback
 from unikv.kernels.runtime import pdl
 from unikv.kernels.runtime.interpret import patch_interpreter
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
@@ -112,6 +118,12 @@ MAX_ROWS = 4
 EMBED = FLAGS.gemv_embed
 ROUTE_ROWS = 1  # rows the backend ops send to the kernel (measured: bench_gemv)
 DTYPES = (torch.bfloat16, torch.float16)
+
+
+def route_rows(rows: int) -> bool:
+    """The rule: ``rows`` rows take the GEMV (rows <= ``ROUTE_ROWS``), else cuBLAS.
+    The step planner applies it once per step (``RowsPlan.gemv``)."""
+    return rows <= ROUTE_ROWS
 
 
 @triton.jit
@@ -281,27 +293,39 @@ def config_for(n: int, k: int) -> tuple[int, int, int, int]:
     return TABLE.get((n, k), CONFIG)
 
 
-def _routes(x: torch.Tensor, weight: torch.Tensor, rows: int | None = None) -> bool:
-    """Whether the backend ops take the kernel for ``rows`` rows (None: x's) of the 2-D
-    x (host ints and dtypes only)."""
-    rows = x.shape[0] if rows is None and x.dim() == 2 else rows
-    return (x.dim() == 2 and rows is not None and rows <= ROUTE_ROWS and x.dtype in DTYPES
-            and x.dtype == weight.dtype and x.stride(-1) == 1 and weight.stride(-1) == 1)  # fmt: skip
+def _routes(x: torch.Tensor, weight: torch.Tensor, plan: RowsPlan | None,
+            num_rows: int | None = None) -> bool:  # fmt: skip
+    """Whether the backend ops take the kernel for the 2-D x: the step's ``plan`` says
+    so by rows (None: ``route_rows`` of ``num_rows``, else of x's) and the layer's
+    dtypes and strides allow it (host ints and dtypes only)."""
+    if x.dim() != 2:
+        return False
+    by_rows = (
+        route_rows(x.shape[0] if num_rows is None else num_rows) if plan is None else plan.gemv
+    )
+    return (by_rows and x.dtype in DTYPES and x.dtype == weight.dtype and x.stride(-1) == 1
+            and weight.stride(-1) == 1)  # fmt: skip
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           rows: RowsPlan | None = None):  # fmt: skip
     """``F.linear(x, weight, bias)``: the GEMV for few 16-bit rows, else cuBLAS."""
-    if _routes(x, weight) and x.shape[0] > 0:
+    if _routes(x, weight, rows) and x.shape[0] > 0:
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                         eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+                        *, offset: float = 0.0, weight_in_fp32: bool = False,
+                        rows: RowsPlan | None = None):  # fmt: skip
     """(F.linear(rms_norm(x + residual)), x + residual) (residual None: of x, and x):
     the norm inside the GEMV's loads for few 16-bit rows, else the two kernels."""
-    if _routes(x, weight) and x.shape[0] > 0 and (residual is None or residual.stride(-1) == 1):
+    if (
+        _routes(x, weight, rows)
+        and x.shape[0] > 0
+        and (residual is None or residual.stride(-1) == 1)
+    ):
         return gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset))
     kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
     if residual is None:
@@ -313,19 +337,24 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
                                norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                                bias: torch.Tensor | None = None, *, offset: float = 0.0,
-                               weight_in_fp32: bool = False, out: torch.Tensor | None = None):  # fmt: skip
+                               weight_in_fp32: bool = False, out: torch.Tensor | None = None,
+                               rows: RowsPlan | None = None):  # fmt: skip
     """``add_rms_norm_linear``'s (logits, x + residual) and each row's greedy token
     (the first index of its maximum, int64; written into ``out`` when given): the
     argmax inside the GEMV's epilogue (``ARGMAX``) where the GEMV runs (one request's
     LM head), else ``argmax.argmax`` after the product."""
-    if _routes(x, weight) and x.shape[0] > 0 and (residual is None or residual.stride(-1) == 1):
+    if (
+        _routes(x, weight, rows)
+        and x.shape[0] > 0
+        and (residual is None or residual.stride(-1) == 1)
+    ):
         tokens = out if out is not None else torch.empty(x.shape[0], dtype=torch.int64,
                                                           device=x.device)  # fmt: skip
         y, summed = gemv(x, weight, bias, norm=(residual, norm_weight, eps, offset),
                          argmax_out=tokens)  # fmt: skip
         return y, summed, tokens
     y, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, offset=offset,
-                                    weight_in_fp32=weight_in_fp32)  # fmt: skip
+                                    weight_in_fp32=weight_in_fp32, rows=rows)  # fmt: skip
     tokens = greedy.argmax(y)
     return y, summed, tokens if out is None else out.copy_(tokens)
 
@@ -333,23 +362,25 @@ def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
 def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
                           eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                           *, offset: float = 0.0, weight_in_fp32: bool = False,
-                          feedback: torch.Tensor | None = None):  # fmt: skip
+                          feedback: torch.Tensor | None = None,
+                          rows: RowsPlan | None = None):  # fmt: skip
     """(F.linear(rms_norm(table[ids])), table[ids]): a model's embedding, its first
     pre-norm and the GEMM after it, the gather inside the GEMV's loads for few 16-bit
     rows (``EMBED``), else the embedding then ``add_rms_norm_linear``. feedback: the
     previous step's tokens, which placeholder ids -(1 + lane) stand for
     (``elementwise_ref.resolve_feedback``; inside the gather where it runs)."""
-    if EMBED and ids.dim() == 1 and ids.numel() > 0 and _routes(table, weight, ids.numel()):
+    if EMBED and ids.dim() == 1 and ids.numel() > 0 and _routes(table, weight, rows, ids.numel()):
         return gemv(table, weight, bias, norm=(None, norm_weight, eps, offset), gather=ids,
                     feedback=feedback)  # fmt: skip
     h = F.embedding(resolve_feedback(ids, feedback), table)
     return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
-                               weight_in_fp32=weight_in_fp32)  # fmt: skip
+                               weight_in_fp32=weight_in_fp32, rows=rows)  # fmt: skip
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    *, rows: RowsPlan | None = None):  # fmt: skip
     """``F.linear(silu_mul(gate_up), weight, bias)``, SwiGLU fused into the GEMV's
     loads for few 16-bit rows."""
-    if _routes(gate_up, weight) and gate_up.shape[0] > 0:
+    if _routes(gate_up, weight, rows) and gate_up.shape[0] > 0:
         return gemv(gate_up, weight, bias, silu_mul_input=True)
     return F.linear(silu_mul(gate_up), weight, bias)

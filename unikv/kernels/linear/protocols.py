@@ -4,13 +4,20 @@ how a variant may extend one, and ``tests/kernels/test_kernel_protocols.py`` che
 
 Shapes: T rows (tokens), N features; a linear's weight is (out, in), as ``F.linear``'s.
 The rounding of each op is its torch reference's (``kernels/linear/ref.py``).
+
+``rows``: the step's ``RowsPlan`` (``PlanRows``), made once per step by the step
+planner: the variant its row count takes (the GEMV or cuBLAS, the FP8 GEMM's tiles);
+None (a direct call) derives it from x's rows by the same rules.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
 
 
 class RMSNorm(Protocol):
@@ -95,9 +102,22 @@ class Argmax(Protocol):
         ...
 
 
+class PlanRows(Protocol):
+    def __call__(self, rows: int) -> RowsPlan:
+        """The row-shaped ops' plan for a step whose ops see ``rows`` rows (host ints
+        only): made once per step by the step planner, a CUDA graph's at its captured
+        size; every linear, MoE and FP8 GEMM of the step takes it as ``rows``."""
+        ...
+
+
 class Linear(Protocol):
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        rows: RowsPlan | None = None,
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: x (T, K), weight (N, K) -> (T, N)."""
         ...
@@ -105,7 +125,12 @@ class Linear(Protocol):
 
 class SiluMulLinear(Protocol):
     def __call__(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        gate_up: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        rows: RowsPlan | None = None,
     ) -> torch.Tensor:
         """SwiGLU then the down projection: ``linear(silu_mul(gate_up), weight, bias)``."""
         ...
@@ -123,6 +148,7 @@ class AddRMSNormLinear(Protocol):
         *,
         offset: float = 0.0,
         weight_in_fp32: bool = False,
+        rows: RowsPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pre-norm then a linear: (linear(rms_norm(x + residual)), x + residual);
         with residual None, (linear(rms_norm(x)), x)."""
@@ -142,6 +168,7 @@ class EmbedRMSNormLinear(Protocol):
         offset: float = 0.0,
         weight_in_fp32: bool = False,
         feedback: torch.Tensor | None = None,
+        rows: RowsPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The embedding, the first pre-norm and the linear after it:
         (linear(rms_norm(table[ids])), table[ids]); ids (T,), placeholder ids
@@ -162,6 +189,7 @@ class AddRMSNormLinearArgmax(Protocol):
         offset: float = 0.0,
         weight_in_fp32: bool = False,
         out: torch.Tensor | None = None,
+        rows: RowsPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``AddRMSNormLinear``'s (logits, summed) and each row's greedy token
         (logits.argmax(-1), written into ``out`` when given)."""
@@ -177,6 +205,7 @@ class Fp8Linear(Protocol):
         bias: torch.Tensor | None = None,
         *,
         block: tuple[int, int],
+        rows: RowsPlan | None = None,
     ) -> torch.Tensor:
         """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype, W the block-scaled FP8
         weight (N, K) float8_e4m3fn times ``scale_inv`` (ceil(N / bn), ceil(K / bk))
@@ -198,6 +227,7 @@ class MoEFp8(Protocol):
         block: tuple[int, int],
         activation: str = "silu",
         sum_dtype: torch.dtype | None = None,
+        rows: RowsPlan | None = None,
     ) -> torch.Tensor:
         """The fused MoE over block-scaled FP8 experts: w1 (E, N1, d) float8_e4m3fn with
         ``w1_scale`` per block ``(bn, bk)`` of each of gate and up, w2 (E, d, I) with

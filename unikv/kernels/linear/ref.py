@@ -26,7 +26,12 @@ the model is built with the backend the engine chose, once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan  # the linears take a step's plan, one path here
 
 
 def rms_norm(
@@ -160,19 +165,22 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           rows: RowsPlan | None = None):  # fmt: skip
     """The linear layer: ``F.linear`` (the Triton backend's GEMV reference)."""
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    *, rows: RowsPlan | None = None):  # fmt: skip
     """SwiGLU then the down projection: ``F.linear(silu_mul(gate_up), weight, bias)``."""
     return torch.nn.functional.linear(silu_mul(gate_up), weight, bias)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                         eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        *, offset: float = 0.0, weight_in_fp32: bool = False):  # fmt: skip
+                        *, offset: float = 0.0, weight_in_fp32: bool = False,
+                        rows: RowsPlan | None = None):  # fmt: skip
     """A pre-norm then a linear layer: (F.linear(rms_norm(x + residual)), x + residual);
     with residual None, (F.linear(rms_norm(x)), x) (a model's first layer)."""
     kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
@@ -186,7 +194,8 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 def add_rms_norm_linear_argmax(x: torch.Tensor, residual: torch.Tensor | None,
                                norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                                bias: torch.Tensor | None = None, *, offset: float = 0.0,
-                               weight_in_fp32: bool = False, out: torch.Tensor | None = None):  # fmt: skip
+                               weight_in_fp32: bool = False, out: torch.Tensor | None = None,
+                               rows: RowsPlan | None = None):  # fmt: skip
     """``add_rms_norm_linear``'s (logits, x + residual) and each row's greedy token:
     (logits, summed, logits.argmax(-1)), the tokens written into ``out`` when given."""
     y, summed = add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, offset=offset,
@@ -206,7 +215,8 @@ def resolve_feedback(ids: torch.Tensor, feedback: torch.Tensor | None) -> torch.
 def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor,
                           eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                           *, offset: float = 0.0, weight_in_fp32: bool = False,
-                          feedback: torch.Tensor | None = None):  # fmt: skip
+                          feedback: torch.Tensor | None = None,
+                          rows: RowsPlan | None = None):  # fmt: skip
     """A model's embedding, its first pre-norm and the linear layer after it:
     (F.linear(rms_norm(table[ids])), table[ids]), placeholder ids resolved from
     ``feedback`` first (``resolve_feedback``)."""

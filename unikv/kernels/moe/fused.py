@@ -24,7 +24,7 @@ steps (``ALIGN_KERNEL_MAX_WORK``, ``moe_align.py``), torch ops above.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -36,6 +36,9 @@ from unikv.kernels.moe.align import align_by_expert_kernel
 from unikv.kernels.moe.fused_kernels import _decode_kernel, _down_kernel, _gate_up_kernel
 from unikv.kernels.moe.ref import check_moe_args
 from unikv.kernels.runtime.interpret import patch_interpreter
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
 
 patch_interpreter()  # run-time loop bounds under TRITON_INTERPRET=1 (no-op otherwise)
 
@@ -166,10 +169,14 @@ def bucket(num_tokens: int) -> int:
     return next((b for b in BUCKETS if num_tokens <= b), BUCKETS[-1])
 
 
-def plan(num_tokens: int, mxfp4: bool, dtype: torch.dtype, table: dict | None = None):
+def plan(
+    num_tokens: int, mxfp4: bool, dtype: torch.dtype, table: dict | None = None,
+    *, at: int | None = None,
+):  # fmt: skip
     """The launch for T tokens (host ints): a ``Config`` for the kernel, or ``LOOP``.
-    fp32 runs ``FP32_CONFIG`` where the table picks the kernel."""
-    cfg = (TABLE if table is None else table)[bucket(num_tokens), mxfp4]
+    fp32 runs ``FP32_CONFIG`` where the table picks the kernel. at: the bucket the
+    step's plan chose (``RowsPlan.moe_bucket``); None: ``bucket(num_tokens)``."""
+    cfg = (TABLE if table is None else table)[bucket(num_tokens) if at is None else at, mxfp4]
     assert cfg is not LOOP or not mxfp4, "MXFP4 experts stay packed: never the dense loop"
     return cfg if cfg is LOOP or dtype != torch.float32 else FP32_CONFIG
 
@@ -190,16 +197,19 @@ def moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     sum_dtype: torch.dtype | None = None,
+    rows: RowsPlan | None = None,
 ) -> torch.Tensor:
     """``fused_moe`` or the dense loop (``moe_ref.fused_moe``), as ``plan`` says for
-    T = x.shape[0] and the experts' format; same arguments and result (the signature is
+    the step's bucket (``rows``: its ``RowsPlan``; None: T = x.shape[0]'s) and the
+    experts' format; same arguments and result (the signature is
     ``kernels/moe/protocols.MoE``)."""
     kw = {"w1_scales": w1_scales, "w2_scales": w2_scales, "b1": b1, "b2": b2,
           "activation": activation, "gate_up": gate_up, "alpha": alpha, "limit": limit,
           "sum_dtype": sum_dtype}  # fmt: skip
-    cfg = plan(x.shape[0], w1_scales is not None, x.dtype)
+    at = None if rows is None else rows.moe_bucket
+    cfg = plan(x.shape[0], w1_scales is not None, x.dtype, at=at)
     if cfg is LOOP:
-        return moe_ref.fused_moe(x, topk_weights, topk_ids, w1, w2, **kw)
+        return moe_ref.fused_moe(x, topk_weights, topk_ids, w1, w2, rows=rows, **kw)
     return fused_moe(x, topk_weights, topk_ids, w1, w2, config=cfg, **kw)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from unikv.kernels.backend import MoERepacked
+    from unikv.kernels.backend import MoERepacked, RowsPlan
 
 
 class MoE(Protocol):
@@ -35,11 +35,13 @@ class MoE(Protocol):
         alpha: float = 1.702,
         limit: float = 7.0,
         sum_dtype: torch.dtype | None = None,
+        rows: RowsPlan | None = None,
     ) -> torch.Tensor:
         """Each token's top-k experts, weighted by the router and summed. x (T, d);
         topk_weights (T, k); topk_ids (T, k) int32/int64 in [0, E); b1 (E, N1), b2
         (E, d) or None; activation "silu", "gpt_oss" or "relu2"; gate_up "concat" or
-        "interleaved". Returns (T, d) in x's dtype."""
+        "interleaved"; rows: the step's ``RowsPlan`` (the dense table or sparse loop,
+        the kernel's bucket; None: by T). Returns (T, d) in x's dtype."""
         ...
 
 

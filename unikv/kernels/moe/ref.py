@@ -25,12 +25,26 @@ on its own tokens; syncs the host) above.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from unikv.kernels.moe.mxfp4_ref import dequantize_mxfp4
 
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
+
 DENSE_MAX_TOKENS = 256
+
+
+def dense_rows(num_tokens: int) -> bool:
+    """The rule: T tokens run the dense table (T <= ``DENSE_MAX_TOKENS``), else the
+    sparse loop. The step planner applies it once per step (``RowsPlan.moe_dense``);
+    a call without a plan applies it to x's rows."""
+    return num_tokens <= DENSE_MAX_TOKENS
+
+
 ACTIVATIONS = ("silu", "gpt_oss", "relu2")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 
@@ -137,11 +151,13 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     sum_dtype: torch.dtype | None = None,
+    rows: RowsPlan | None = None,
 ) -> torch.Tensor:
     """x: (T, d) model dtype; topk_weights: (T, k) routing weights (any float dtype);
     topk_ids: (T, k) int32/int64 expert ids in [0, E) (not checked: a device value);
     w1/w2 (+ scales, biases b1 (E, N1), b2 (E, d) or None): see the module docstring
-    -> (T, d) in x.dtype."""
+    -> (T, d) in x.dtype. rows: the step's plan (``RowsPlan.moe_dense``: the dense
+    table or the sparse loop); None: ``dense_rows`` of x's rows."""
     num_experts, _ = check_moe_args(
         x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, activation, gate_up
     )
@@ -149,7 +165,8 @@ def fused_moe(
     acc = sum_dtype or x.dtype
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
     ids = topk_ids.long()
-    if x.shape[0] <= DENSE_MAX_TOKENS:
+    table = dense_rows(x.shape[0]) if rows is None else rows.moe_dense  # a host bool
+    if table:
         dense = torch.zeros(x.shape[0], num_experts, dtype=topk_weights.dtype, device=x.device)
         dense.scatter_(1, ids, topk_weights)  # (T, E), zero where not routed
         for e in range(num_experts):

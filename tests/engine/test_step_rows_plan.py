@@ -1,0 +1,122 @@
+"""The step planner makes the row-shaped ops' plan once per step (issue 43 item 5):
+``StepPlan.rows`` for the step's token rows, ``StepPlan.logit_rows`` for the LM head's
+(one a request), a CUDA graph's at its captured size; the decoder runs every layer
+under it, so no op of a step derives its variant from a shape.
+
+Oracles: the step's own tensors (its token count is ``input_ids``' length, its logits
+rows ``logits_indices``'), the variants the rules name on both sides of their
+thresholds (the GEMV at one row, not two; the MoE's dense table at 256 tokens, not
+257), a spy on each rule function that sees every call an op makes without a plan
+(shown to see one), and transformers' greedy tokens for the whole run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
+
+from unikv.engine import LLM, SamplingParams
+from unikv.engine.scheduler import Batch
+from unikv.kernels.linear import fp8_gemm, gemv
+from unikv.kernels.moe import fused
+from unikv.kernels.moe import ref as moe_ref
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RULES = ((gemv, "route_rows"), (moe_ref, "dense_rows"), (fused, "bucket"), (fp8_gemm, "row_choice"))
+
+
+def rule_spies(monkeypatch) -> list[str]:
+    """Each call of a row rule made through its module (an op deriving its variant from
+    a shape); the backends' ``plan_rows`` hold their own references, unseen here."""
+    calls: list[str] = []
+    for module, name in RULES:
+        real = getattr(module, name)
+
+        def wrapper(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def planned(llm, monkeypatch) -> list:
+    """Every StepPlan the engine's planner makes from here on."""
+    plans, planner = [], llm.runner.planner
+    real = planner.plan
+
+    def record(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(planner, "plan", record)
+    return plans
+
+
+def tiny_llm(arch: str, path: str, backend: str, **kw) -> LLM:
+    return LLM(path, device="cpu", backend=backend, page_size=4, **kw)
+
+
+def test_each_step_plans_its_rows_and_no_op_derives_them(tmp_path, monkeypatch):
+    """On the Triton kernels: a 6-token prompt alone (its head: one row), its decodes,
+    then two prompts together and their decodes: each step's plans are its token and
+    logits rows', the GEMV named at one row and not at two, body and head alike, and
+    no op applies a row rule itself; the tokens are transformers' greedy ones."""
+    hf = save_tiny_model("llama", str(tmp_path))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 4, 3)]
+    llm = tiny_llm("llama", str(tmp_path), "triton", max_model_len=64, max_num_batched_tokens=16)
+    plans, calls = planned(llm, monkeypatch), rule_spies(monkeypatch)
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    outputs = llm.generate(prompts[:1], greedy) + llm.generate(prompts[1:], greedy)
+    assert calls == []
+    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 2) for p in prompts]
+    plan_rows = llm.backend.plan_rows
+    assert plans and all(p.rows == plan_rows(p.input_ids.shape[0]) for p in plans)
+    assert all(p.logit_rows == plan_rows(p.logits_indices.shape[0]) for p in plans)
+    sizes = [(p.input_ids.shape[0], p.logits_indices.shape[0]) for p in plans]
+    assert sizes == [(6, 1), (1, 1), (7, 2), (2, 2)], sizes
+    body = [p.rows.gemv for p in plans]
+    head = [p.logit_rows.gemv for p in plans]
+    assert body == [False, True, False, False]  # one token row: the GEMV
+    assert head == [True, True, False, False]  # one request's head: the GEMV
+    # the spies see an op that plans by its shape (the check above is not vacuous)
+    llm.backend.linear(torch.zeros(1, 8), torch.zeros(4, 8))
+    assert calls == ["route_rows"]
+
+
+def test_a_graph_plan_is_its_captured_size(tmp_path):
+    """``plan(Batch(), rows=R)``, the plan a CUDA graph is captured over, plans R rows
+    (its replays run the variants of R), body and head alike."""
+    save_tiny_model("llama", str(tmp_path))
+    llm = tiny_llm("llama", str(tmp_path), "triton", max_model_len=64, max_num_seqs=4)
+    planner = llm.runner.planner
+    for rows in (1, 2, 4):
+        plan = planner.plan(Batch(), rows=rows)
+        assert plan.input_ids.shape[0] == rows
+        assert plan.rows == plan.logit_rows == llm.backend.plan_rows(rows)
+        assert plan.rows.gemv == (rows == 1)
+
+
+def test_the_moe_step_takes_its_loop_from_the_plan(tmp_path, monkeypatch):
+    """gpt-oss on the torch references: a 257-token prompt's step plans the sparse
+    loop, its decode steps the dense table (256 tokens would be dense: the other side),
+    and each MoE layer ran the plan's loop (every expert on every token, or not);
+    the tokens are transformers' greedy ones."""
+    hf = save_tiny_model("gpt_oss", str(tmp_path))
+    prompt = torch.randint(0, VOCAB, (257,), generator=torch.Generator().manual_seed(2)).tolist()
+    llm = tiny_llm("gpt_oss", str(tmp_path), "torch", max_model_len=300, max_num_batched_tokens=512)
+    plans, calls = planned(llm, monkeypatch), rule_spies(monkeypatch)
+    expert_rows, real = [], moe_ref._expert
+    monkeypatch.setattr(
+        moe_ref, "_expert", lambda x, *a: expert_rows.append(x.shape[0]) or real(x, *a)
+    )
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0))
+    assert calls == [] and out.output_ids == hf_greedy(hf, prompt, 2)
+    assert [(p.input_ids.shape[0], p.rows.moe_dense) for p in plans] == [(257, False), (1, True)]
+    assert llm.backend.plan_rows(256).moe_dense
+    experts, layers = 4, 4
+    prefill, decode = expert_rows[: experts * layers], expert_rows[experts * layers :]
+    assert all(r < 257 for r in prefill) and decode == [1] * (experts * layers)
