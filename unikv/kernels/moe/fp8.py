@@ -28,22 +28,29 @@ models' odd blocks, and the sweep (``bench_moe.py --fp8 --sweep``) skips such ti
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from unikv.kernels.moe import fused
 from unikv.kernels.moe.ref import check_moe_args
+
+if TYPE_CHECKING:
+    from unikv.kernels.backend import RowsPlan
 
 # bucket -> Config for 16-bit activations over FP8 experts; a bucket not here takes the
 # 16-bit experts' entry (``fused.TABLE``). Empty: no FP8 sweep has been installed yet
 TABLE: dict[int, fused.Config] = {}
 
 
-def plan(num_tokens: int, dtype: torch.dtype) -> fused.Config | None:
-    """The launch for T tokens (host ints): ``TABLE``'s entry for T's bucket, else the
-    16-bit table's (LOOP there: ``fused.launch`` runs the kernel that replaces it)."""
+def plan(num_tokens: int, dtype: torch.dtype, at: int | None = None) -> fused.Config | None:
+    """The launch for T tokens (host ints): ``TABLE``'s entry for T's bucket (``at``: the
+    step's ``RowsPlan.moe_bucket``; None: ``fused.bucket(T)``), else the 16-bit table's
+    (LOOP there: ``fused.launch`` runs the kernel that replaces it)."""
     if dtype == torch.float32:
         return fused.FP32_CONFIG
-    return TABLE.get(fused.bucket(num_tokens)) or fused.plan(num_tokens, False, dtype)
+    bucket = fused.bucket(num_tokens) if at is None else at
+    return TABLE.get(bucket) or fused.plan(num_tokens, False, dtype, at=bucket)
 
 
 def check_fp8_experts(x, w1, w1_scale, w2, w2_scale, block, activation) -> None:
@@ -82,14 +89,16 @@ def moe_fp8(
     block: tuple[int, int],
     activation: str = "silu",
     sum_dtype: torch.dtype | None = None,
+    rows: RowsPlan | None = None,
     config: fused.Config | None = None,
 ) -> torch.Tensor:
     """``fp8_gemm_ref.moe_fp8``'s result (signature: ``kernels/linear/protocols.MoEFp8``)
     with the experts dequantised per tile inside the fused kernels. Accumulates in fp32
-    whatever ``sum_dtype``; ``config``: the launch (None: the plan for T's bucket)."""
+    whatever ``sum_dtype``; ``config``: the launch (None: the plan for the step's bucket,
+    ``rows.moe_bucket``, or T's without a plan)."""
     check_moe_args(x, topk_weights, topk_ids, w1, w2, None, None, activation, "concat")
     check_fp8_experts(x, w1, w1_scale, w2, w2_scale, tuple(block), activation)
-    cfg = config or plan(x.shape[0], x.dtype)
+    cfg = config or plan(x.shape[0], x.dtype, None if rows is None else rows.moe_bucket)
     blocks = fused.Fp8Blocks(*block)
     s1, s2 = w1_scale.contiguous(), w2_scale.contiguous()  # no copy when loaded contiguous
     return fused.launch(x, topk_weights, topk_ids, w1, w2, s1, s2, cfg, activation=activation,
