@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from unikv.ids import PhysicalPageIds, _Ids, expect
-from unikv.io.envelopes import host_list, page_rows, physical_pages, runs
+from unikv.io.envelopes import host_list, page_rows, pair_runs, physical_pages, runs
 from unikv.pool import UnifiedPool, check_pages
 
 DIRECT_MIN_BYTES = 1 << 20
@@ -111,6 +111,7 @@ class HostTier:
         pin = cuda if pin_memory is None else pin_memory
         self.host = torch.empty((num_slots, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
         self.direct = self.page_bytes >= direct_min_bytes
+        self.direct_min_bytes = direct_min_bytes
         staging_rows = max(1, min(num_slots, staging_bytes // self.page_bytes))
         shape = (0 if self.direct else staging_rows, self.page_bytes)
         self._staging_out = torch.empty(shape, dtype=torch.uint8, device=pool.device)
@@ -153,6 +154,12 @@ class HostTier:
         slots = self._take(src.numel())
         if slots is None:
             return None
+        if src.device.type == "cpu":  # ascending slots to ascending pages: long runs
+            order = sorted(range(len(slots)), key=host_list(src).__getitem__)
+            ranked = slots
+            slots = [0] * len(ranked)
+            for rank, i in enumerate(order):
+                slots[i] = ranked[rank]
         event = self._launch(self._out_stream, self._copy_out, src, slots, [])
         for s in slots:
             self._writer[s] = event
@@ -287,10 +294,32 @@ class HostTier:
             staging.record_stream(stream)
         return index
 
+    def _plan(self, pages: torch.Tensor, slots: list[int]) -> tuple[list, torch.Tensor, list]:
+        """(ranges, rest pages, rest slots): ``ranges`` are ``(page, slot, length)`` runs
+        where the pages and the slots are both consecutive and the run is at least
+        ``direct_min_bytes`` (or the envelope is: the direct path), one copy each; the
+        others go through the staging gather. Host page ids cost nothing; device ones
+        are read only on the direct path (a sync, as before)."""
+        if pages.device.type != "cpu" and not self.direct:
+            return [], pages, slots
+        pairs = sorted(zip(slots, host_list(pages)))  # each pair is its own copy: any order
+        slots, plist = [s for s, _ in pairs], [p for _, p in pairs]
+        ranges, rest = [], []
+        for i, page, length in pair_runs(plist, slots):
+            if self.direct or length * self.page_bytes >= self.direct_min_bytes:
+                ranges.append((page, slots[i], length))
+            else:
+                rest.extend(range(i, i + length))
+        index = torch.tensor([plist[i] for i in rest], dtype=torch.int64)
+        return ranges, index, [slots[i] for i in rest]
+
     def _copy_out(self, pages: torch.Tensor, slots: list[int], stream) -> None:
-        if self.direct:
-            for page, slot in zip(host_list(pages), slots):
-                self.host[slot].copy_(self._rows[page], non_blocking=True)
+        ranges, pages, slots = self._plan(pages, slots)
+        for page, slot, length in ranges:  # one copy per run of envelopes
+            self.host[slot : slot + length].copy_(
+                self._rows[page : page + length], non_blocking=True
+            )
+        if not slots:
             return
         staging = self._staging_out
         index = self._device_index(pages, staging, stream)
@@ -303,9 +332,12 @@ class HostTier:
                 self.host[slot : slot + length].copy_(staging[i : i + length], non_blocking=True)
 
     def _copy_in(self, pages: torch.Tensor, slots: list[int], stream) -> None:
-        if self.direct:
-            for page, slot in zip(host_list(pages), slots):
-                self._rows[page].copy_(self.host[slot], non_blocking=True)
+        ranges, pages, slots = self._plan(pages, slots)
+        for page, slot, length in ranges:
+            self._rows[page : page + length].copy_(
+                self.host[slot : slot + length], non_blocking=True
+            )
+        if not slots:
             return
         staging = self._staging_in
         index = self._device_index(pages, staging, stream)
