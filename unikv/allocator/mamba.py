@@ -98,6 +98,7 @@ class MambaSlots:
         """Free the slots of request virtual ids ``vids`` (host int32) that hold one,
         with their draft slots."""
         if self.states is not None:
+            self.states.flush()  # a queued checkpoint may read one of these slots
             self.states.unpin((vids - 1).astype(np.int64))
         if self.k:
             vids = np.concatenate([vids, self.draft_vids(vids - 1).reshape(-1)])
@@ -131,6 +132,8 @@ class MambaSlots:
         if not moved.any():
             return
         slots, positions = slots[moved], positions[moved]
+        if self.states is not None:
+            self.states.flush()  # queued checkpoints read these bindings
         assert (positions < self.k).all(), "draft-state invariant: a position below k"
         live = (slots + 1).astype(np.int32)
         draft = self.draft_vids(slots)[np.arange(len(slots)), positions]
