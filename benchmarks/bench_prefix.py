@@ -35,7 +35,8 @@ run: prefix hit rate (hit tokens / looked-up tokens), prefill tokens saved,
 TTFT p50/p99, output tokens/s and wall time; and the ratios cache / no cache.
 The cost breakdown (issue 41: where the cache path spends what its hits save), per
 run: ``checkpoint_copies`` and ``checkpoint_copy_seconds`` (every state-checkpoint
-take and restore, timed by CUDA events around each copy, read at the end),
+copy launch, timed by CUDA events around each, read at the end: a step's takes share
+one launch, ``alloc.prefix.batched``; a restore's requests one),
 ``evicted_pages`` / ``evicted_windows`` / ``evicted_checkpoints``,
 ``prefill_tokens`` (computed), ``fresh_prefill_tokens`` (what a token-granular
 cache of unlimited size would still compute) and ``recomputed_tokens`` (their

@@ -123,7 +123,7 @@ def test_batched_checkpoints_keep_tokens_and_hold_the_re_prefilled_state(model, 
     budget = pool_budget(configs, pages, state_slots=slots)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    kw = dict(kv_cache_bytes=budget, max_model_len=max_len, max_num_batched_tokens=128)
+    kw = {"kv_cache_bytes": budget, "max_model_len": max_len, "max_num_batched_tokens": 128}
     plain = prefix_llm(path, ps, False, **kw).generate(prompts, params)
     assert [o.output_ids for o in plain] == want
     llm = prefix_llm(path, ps, True, **kw)
