@@ -20,8 +20,10 @@ the cost rule says it pays (``engine/checkpoint_rule.py``; always at the last pa
 checkpoint, so the next turn of a chat, which repeats prompt and answer, hits both up
 to the last one taken (a turn end, ``turn_ends``; the next turn demotes it once it
 takes its own). Each records the tokens it was taken after (``position``). There the
-request's state slot is copied into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
-bytes and one Mamba slot per checkpoint, at most one extra prefill chunk per
+request's state slot is copied into a spare slot keyed by that block's node: ``spec.entry_bytes``
+bytes and one Mamba slot per checkpoint, the copies of one step in one launch
+(``PrefixVerbs.batched`` queues them, ``flush`` binds and copies them together),
+at most one extra prefill chunk per
 boundary (none for (c)). A hit restores
 it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
 prefills only the rest. A hit needs a checkpoint at its last block

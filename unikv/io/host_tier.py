@@ -4,14 +4,19 @@
     | sink | ... | page p | ... |     offload ->     | slot s | slot s+1 | ... |
                                      <- reload
 
-A page envelope is one contiguous byte range, so moving a page is one copy:
+A page envelope is one contiguous byte range, so moving a page is one copy, and
+a run of consecutive pages meeting a run of consecutive host slots is one copy
+too. ``offload`` hands the lowest free slots to the pages in ascending page order,
+so the pages of a batch that are consecutive land in consecutive slots; page ids
+given on the host cost no sync to plan with (issue 41: the host tier at line rate):
 
-- direct path (``page_bytes >= direct_min_bytes``): one copy per envelope
-  straight between the pool and its host slot;
-- gather path (smaller envelopes): gather the envelopes into a device staging
-  buffer with one ``index_select`` and copy each run of consecutive host slots
-  with one copy (slots are handed out lowest first, so a batch is usually one
-  run). Reload is the mirror image (run copies, then one ``index_copy_``).
+- run path: each such run of at least ``direct_min_bytes`` goes straight between
+  the pool and the host slots in one copy (every run, on the direct path);
+- direct path (``page_bytes >= direct_min_bytes``): so a stray page is one copy;
+- gather path (smaller envelopes off a run, or device page ids): gather the
+  envelopes into a device staging buffer with one ``index_select`` and copy each
+  run of consecutive host slots with one copy. Reload is the mirror image (run
+  copies, then one ``index_copy_``).
 
 The path, the streams and the pinning are decided once, at construction. On
 CUDA the copies run on two side streams (one per direction, so offload and
@@ -261,7 +266,8 @@ class HostTier:
     def _used_slots(self, host_slots: HostPageIds, what: str) -> list[int]:
         data = expect(host_slots, HostPageIds, what)
         slots = data.to("cpu", torch.int64).tolist()
-        bad = [s for s in slots if not 0 <= s < self.num_slots or self._state[s] != _USED]
+        n, state = self.num_slots, self._state  # (a property per slot cost 20 us each)
+        bad = [s for s in slots if not 0 <= s < n or state[s] != _USED]
         if bad or len(set(slots)) != len(slots):
             raise ValueError(
                 f"{what} must be distinct slots taken by offload from this tier "
