@@ -14,6 +14,12 @@ NemotronH (Mamba-2), pages 4 and 16, a pool tight enough to evict:
   a fresh LLM without the cache prefills exactly the checkpoint's tokens (read back
   from its chain) in one chunk, and its state slot right after that prefill equals
   the checkpoint's bytes (fp32, up to summation order).
+
+Allocator level (a naive per-slot record of the bytes each source held when its
+checkpoint was taken is the oracle): a batch's checkpoints land in one copy; a
+queued checkpoint that room-making evicts (dropped, or spilled to the host tier)
+first gets its bytes, the others stay queued; a queued source unbound behind the
+allocator's back trips the named assertion.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from allocator_fixtures import full_config, mamba_config
 from engine_fixtures import (
     VOCAB,
     hf_greedy,
@@ -31,8 +38,12 @@ from engine_fixtures import (
 )
 from prefix_fixtures import pool_budget, prefix_llm
 
+from unikv.allocator import PoolAllocator
 from unikv.engine import SamplingParams
 from unikv.hf_config import specs_from_hf_config
+from unikv.io.prefix_host import ReloadPolicy
+from unikv.io.prefix_host_setup import enable_prefix_host
+from unikv.pool import UnifiedPool, pool_bytes_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,3 +165,103 @@ def test_batched_checkpoints_keep_tokens_and_hold_the_re_prefilled_state(model, 
         assert ref.abs().max() > 0, "the naive state is not all zeros"
         err = (got - ref).abs().max().item()
         assert err < 1e-4, f"checkpoint after {len(chain)} tokens differs by {err}"
+
+
+# -- allocator level -------------------------------------------------------------------
+
+PAGES = 12  # the four requests' pages, no more: the Mamba band cannot grow into spare bytes
+
+
+def _alloc(slots: int, host: bool = False, pages: int = 24) -> PoolAllocator:
+    configs = [full_config(4), mamba_config()]
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": pages, "mamba": slots}))
+    alloc = PoolAllocator(pool, max_requests=4, max_context=32, debug=True)
+    if host:
+        page = pool["mamba"].page_bytes
+        enable_prefix_host(alloc, 8 * (page + 4 * pool["full"].page_bytes), ReloadPolicy("always"))
+    return alloc
+
+
+def _envelope(alloc: PoolAllocator, slot: int) -> torch.Tensor:
+    phys = alloc.mamba_slots(torch.tensor([slot]))
+    return alloc.pool.page_envelope("mamba", int(phys.data[0]))
+
+
+def _serve(alloc: PoolAllocator, tokens: np.ndarray, fill: float) -> int:
+    """A request holding ``tokens`` (no hit) whose state slot holds ``fill``."""
+    slot = alloc.new_request()
+    assert alloc.alloc_mamba(np.array([slot])) is not None
+    assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([len(tokens)]))
+    _envelope(alloc, slot).view(torch.float32).fill_(fill)
+    return slot
+
+
+def _checkpoint_bytes(alloc: PoolAllocator, tokens: np.ndarray) -> torch.Tensor:
+    """The state a hit on ``tokens`` restores, read from a fresh request's slot."""
+    hit = alloc.prefix.reload(alloc.prefix.match(tokens))
+    assert hit.num_tokens == len(tokens) - 1 - (len(tokens) - 1) % 4
+    slot = alloc.new_request(prefix=hit)
+    alloc.alloc_mamba(np.array([slot]))
+    out = _envelope(alloc, slot).clone()
+    alloc.free_request(slot)
+    return out
+
+
+def _take_batch(alloc: PoolAllocator, count: int) -> tuple[list, list, FlushLog]:
+    """``count`` requests (fills 1..count) checkpointed at 8 tokens in one batch; their
+    prompts, the bytes each source held, and the flush log."""
+    log = FlushLog(alloc.parts.prefix.states)
+    prompts, want, slots = [], [], []
+    for i in range(count):
+        tokens = np.arange(9) + 100 * i
+        slots.append(_serve(alloc, tokens, float(i + 1)))
+        prompts.append(tokens)
+        want.append(_envelope(alloc, slots[-1]).clone())
+    with alloc.prefix.batched():
+        for slot, tokens in zip(slots, prompts):
+            alloc.prefix.insert(slot, tokens[:8])
+            assert alloc.prefix.checkpoint(slot, tokens[:8])
+    for slot in slots:
+        alloc.free_request(slot)
+    return prompts, want, log
+
+
+def test_a_batch_of_checkpoints_is_one_copy_of_the_bytes_each_source_held():
+    alloc = _alloc(slots=8)
+    prompts, want, log = _take_batch(alloc, 3)
+    assert log.sizes == [3] and log.copies == 1
+    for tokens, raw in zip(prompts, want):
+        assert torch.equal(_checkpoint_bytes(alloc, tokens), raw)
+    alloc.check_integrity()
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_room_making_that_evicts_a_queued_checkpoint_flushes_it_first(host):
+    """Four requests hold four of the Mamba band's six slots: the batch's third
+    checkpoint evicts queued ones (flushed first, then dropped or spilled to the host
+    tier), the fourth is queued again; every checkpoint a hit finds, on the device
+    or back from the host, holds its source's bytes."""
+    alloc = _alloc(slots=3, host=host, pages=PAGES)
+    states = alloc.parts.prefix.states
+    prompts, want, log = _take_batch(alloc, 4)
+    assert states.evicted >= 1 and len(log.sizes) >= 2, "a flush forced mid-batch"
+    assert sum(log.sizes) == 4 and log.copies == len(log.sizes)
+    found = [alloc.prefix.match(t).num_tokens == 8 for t in prompts]
+    assert all(found) if host else sum(found) == len(states.by_node) < 4
+    for tokens, raw, hit in zip(prompts, want, found):
+        if hit:
+            assert torch.equal(_checkpoint_bytes(alloc, tokens), raw)
+    alloc.check_integrity()
+
+
+def test_a_queued_source_unbound_behind_the_allocators_back_is_named():
+    alloc = _alloc(slots=8)
+    states = alloc.parts.prefix.states
+    tokens = np.arange(9)
+    slot = _serve(alloc, tokens, 1.0)
+    message = "deferred checkpoint copies"
+    with pytest.raises(AssertionError, match=message), alloc.prefix.batched():
+        alloc.prefix.insert(slot, tokens[:8])
+        assert alloc.prefix.checkpoint(slot, tokens[:8]) and states.queued
+        states.book.v2p_host[slot + 1] = -1  # corruption: the source slot unbound
+    assert not states.deferring and not states.queued

@@ -56,7 +56,7 @@ checkpoint lives in one place, the device or the host.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -187,6 +187,14 @@ class StateCheckpoints:
         written = self.writer.write(patch, (book.v2p, book.p2v))
         self._copy(src.astype(np.int64), PhysicalPageIds(written[p], book.name))
 
+    def flush_for(self, vids: Iterable[int]) -> None:
+        """``flush`` if a queued checkpoint reads or writes one of Mamba virtual ids
+        ``vids`` (its source or its slot), so the others of the step stay in one copy."""
+        if self.queued:
+            touched = {v for pair in self.queued for v in pair}
+            if not touched.isdisjoint(int(v) for v in vids):
+                self.flush()
+
     def demote(self, node_id: int) -> None:
         """Make node ``node_id``'s checkpoint, if evictable here, the first to go (a
         longer checkpoint of the same request superseded it)."""
@@ -230,7 +238,7 @@ class StateCheckpoints:
         lanes = [i for i, s in enumerate(slots.tolist()) if s in self.pending]
         if not lanes:
             return
-        self.flush()
+        self.flush_for(self.by_node.get(self.pending[int(slots[i])], -1) for i in lanes)
         nodes = [self.pending[int(slots[i])] for i in lanes]
         here = [i for i, n in zip(lanes, nodes) if n in self.by_node]
         if here:
@@ -253,7 +261,7 @@ class StateCheckpoints:
 
     def drop(self, node_ids: list[int]) -> None:
         """Free the checkpoints of ``node_ids`` that have one (their nodes are gone)."""
-        self.flush()
+        self.flush_for(self.by_node.get(i, -1) for i in node_ids)
         if self.host is not None:
             self.host.drop_checkpoints(node_ids)
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
@@ -271,8 +279,8 @@ class StateCheckpoints:
     def evict(self, count: int, spill: bool = True) -> int:
         """Drop the ``count`` oldest evictable checkpoints (at most all; with a host
         tier and ``spill``, the reachable ones go to the host); returns how many."""
-        self.flush()  # a victim may be one queued this step: its bytes first
         victims = list(self.lru)[:count]
+        self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if spill and self.host is not None and victims:  # spill the reachable ones first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
             copy = self.host.spill_checkpoints(victims, vids)

@@ -98,10 +98,11 @@ class MambaSlots:
         """Free the slots of request virtual ids ``vids`` (host int32) that hold one,
         with their draft slots."""
         if self.states is not None:
-            self.states.flush()  # a queued checkpoint may read one of these slots
             self.states.unpin((vids - 1).astype(np.int64))
         if self.k:
             vids = np.concatenate([vids, self.draft_vids(vids - 1).reshape(-1)])
+        if self.states is not None:
+            self.states.flush_for(vids.tolist())  # a queued checkpoint reads one of them
         vids = vids[self.book.physical(vids) >= 0]
         self.writer.unbind(self.book, vids, self.fences.unbind(self.book, vids))
 
@@ -132,8 +133,9 @@ class MambaSlots:
         if not moved.any():
             return
         slots, positions = slots[moved], positions[moved]
-        if self.states is not None:
-            self.states.flush()  # queued checkpoints read these bindings
+        if self.states is not None:  # a queued checkpoint reads one of these bindings
+            every = np.concatenate([(slots + 1), self.draft_vids(slots).reshape(-1)])
+            self.states.flush_for(every.tolist())
         assert (positions < self.k).all(), "draft-state invariant: a position below k"
         live = (slots + 1).astype(np.int32)
         draft = self.draft_vids(slots)[np.arange(len(slots)), positions]
