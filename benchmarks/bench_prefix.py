@@ -35,7 +35,8 @@ run: prefix hit rate (hit tokens / looked-up tokens), prefill tokens saved,
 TTFT p50/p99, output tokens/s and wall time; and the ratios cache / no cache.
 The cost breakdown (issue 41: where the cache path spends what its hits save), per
 run: ``checkpoint_copies`` and ``checkpoint_copy_seconds`` (every state-checkpoint
-take and restore, timed by CUDA events around each copy, read at the end),
+copy launch, timed by CUDA events around each, read at the end: a step's takes share
+one launch, ``alloc.prefix.batched``; a restore's requests one),
 ``evicted_pages`` / ``evicted_windows`` / ``evicted_checkpoints``,
 ``prefill_tokens`` (computed), ``fresh_prefill_tokens`` (what a token-granular
 cache of unlimited size would still compute) and ``recomputed_tokens`` (their
@@ -46,7 +47,9 @@ the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
-spill and reload bandwidth in GB/s and their ratio to the pinned copies.
+spill and reload bandwidth in GB/s and their ratio to the pinned copies (the
+reload's time excludes the hit's lookup, ``match_seconds``, which a device hit pays
+as well).
 Saved as JSON (``--out``).
 
 Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the bytes
@@ -331,14 +334,17 @@ def spill_bandwidth(path: Path, args) -> dict:
         sync()
         spill = time.perf_counter() - start
         start = time.perf_counter()
-        hit = alloc.prefix.reload(alloc.prefix.match(tokens))
+        found = alloc.prefix.match(tokens)  # the lookup: a device hit pays it too
+        looked = time.perf_counter() - start
+        start = time.perf_counter()
+        hit = alloc.prefix.reload(found)
         sync()
         assert hit.num_tokens == pages * ps, hit
-        return spill, time.perf_counter() - start
+        return spill, time.perf_counter() - start, looked
 
     cycle(np.arange(2 * ps + 1) + 10**6)  # warm-up: compiles the copy and table kernels
     assert alloc.prefix.reset() >= 0 and not host.nodes
-    spill, reload = cycle(np.arange(n * ps + 1))
+    spill, reload, looked = cycle(np.arange(n * ps + 1))
     total = n * page_bytes
     dev = torch.empty(total, dtype=torch.uint8, device=args.device)
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=args.device == "cuda")
@@ -353,6 +359,7 @@ def spill_bandwidth(path: Path, args) -> dict:
     gbs = {k: total / v / 1e9 for k, v in (("spill", spill), ("reload", reload), *times.items())}
     return {
         "pages": n, "bytes": total, "gb_per_s": gbs, "counters": host.counters(),
+        "match_seconds": looked,  # the lookup before the reload (not in "reload")
         "spill_over_pinned_d2h": gbs["spill"] / gbs["d2h"],
         "reload_over_pinned_h2d": gbs["reload"] / gbs["h2d"],
     }  # fmt: skip

@@ -54,6 +54,8 @@ def _check_breakdown(model: str, workload: str, row: dict) -> None:
     assert on["prefill_tokens"] == off["prefill_tokens"] - on["prefill_tokens_saved"]
     assert off["checkpoint_copies"] == 0 and off["checkpoint_copy_seconds"] == 0
     copies = on["checkpoint_takes"] + on["checkpoint_restores"]  # device only: no host tier
-    assert on["checkpoint_copies"] == copies, on
+    # copy launches: a step's takes share one (``alloc.prefix.batched``), a restore's
+    # requests one; so at most one per take or restore, at least one when any happened
+    assert (copies > 0) == (on["checkpoint_copies"] > 0) and on["checkpoint_copies"] <= copies
     assert (copies > 0) == (model == "hybrid") and on["checkpoint_copy_seconds"] >= 0
     assert (on["checkpoint_pool_fraction_at_end"] > 0) == (on["checkpoints_held_at_end"] > 0)

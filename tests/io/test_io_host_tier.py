@@ -71,8 +71,10 @@ def test_freed_slots_are_reused_lowest_first_across_runs(path: str) -> None:
     assert tier.num_free == 3
     original = pool.buffer.clone()
     second = tier.offload(_pages([9, 11, 8], name))
-    assert second.host_slots.data.tolist() == [1, 3, 4]  # runs [1] and [3, 4]
-    for page, slot in zip([9, 11, 8], [1, 3, 4]):
+    # the free slots [1, 3, 4], lowest first, go to the pages in ascending order (8, 9,
+    # 11), so consecutive pages meet consecutive slots: runs [1] and [3, 4]
+    assert second.host_slots.data.tolist() == [3, 4, 1]
+    for page, slot in zip([9, 11, 8], [3, 4, 1]):
         assert torch.equal(tier.host[slot], original[page * page_bytes : (page + 1) * page_bytes])
     for page, slot in zip([2, 4, 7], [0, 2, 5]):  # untouched slots keep the first offload
         assert torch.equal(tier.host[slot], original[page * page_bytes : (page + 1) * page_bytes])

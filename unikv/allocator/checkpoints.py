@@ -20,8 +20,10 @@ the cost rule says it pays (``engine/checkpoint_rule.py``; always at the last pa
 checkpoint, so the next turn of a chat, which repeats prompt and answer, hits both up
 to the last one taken (a turn end, ``turn_ends``; the next turn demotes it once it
 takes its own). Each records the tokens it was taken after (``position``). There the
-request's state slot is copied into a spare slot keyed by that block's node: one copy of ``spec.entry_bytes``
-bytes and one Mamba slot per checkpoint, at most one extra prefill chunk per
+request's state slot is copied into a spare slot keyed by that block's node: ``spec.entry_bytes``
+bytes and one Mamba slot per checkpoint, the copies of one step in one launch
+(``PrefixVerbs.batched`` queues them, ``flush`` binds and copies them together),
+at most one extra prefill chunk per
 boundary (none for (c)). A hit restores
 it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
 prefills only the rest. A hit needs a checkpoint at its last block
@@ -54,14 +56,14 @@ checkpoint lives in one place, the device or the host.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import LIVE, PageBook
-from unikv.allocator.tables import TableWriter
+from unikv.allocator.tables import TablePatch, TableWriter
 from unikv.ids import PhysicalPageIds
 from unikv.pool import UnifiedPool
 
@@ -96,6 +98,11 @@ class StateCheckpoints:
         self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
+        # (source vid, checkpoint vid) of taken checkpoints whose table bind and copy
+        # are deferred (``deferring``: inside ``PrefixVerbs.batched``) to ``flush``: one
+        # table write and one copy for every checkpoint of a step
+        self.queued: list[tuple[int, int]] = []
+        self.deferring = False
         self.host: Any = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
 
     def has(self, node_id: int, host: bool) -> bool:
@@ -142,12 +149,11 @@ class StateCheckpoints:
             return False
         if not alive():
             return False
-        src = self.book.physical(vid_src)  # reserve may have moved it
         vid = np.array([self.free_vids.pop()], np.int32)
-        page = self.book.take(1)
-        self.book.bind_host(vid, page)
-        dst = PhysicalPageIds(self.writer.bind(self.book, vid, page), self.book.name)
-        self._copy(src.astype(np.int64), dst)
+        self.book.bind_host(vid, self.book.take(1))
+        self.queued.append((int(vid_src[0]), int(vid[0])))  # bytes: at ``flush``
+        if not self.deferring:
+            self.flush()
         self.by_node[node_id] = int(vid[0])
         self.lru[node_id] = None
         if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
@@ -158,6 +164,36 @@ class StateCheckpoints:
             self.turn_ends.add(node_id)
         self.saved += 1
         return True
+
+    def flush(self) -> None:
+        """Bind and copy the queued checkpoints: one table write (their v2p / p2v
+        entries, with the source slots as data) and one envelope copy for all. Sources
+        and checkpoint slots are looked up by virtual id now, so a compaction since
+        they were queued (it moves bytes and bindings alike) is followed. Called before
+        anything reads, spills, frees or rebinds a slot (``drop``, ``evict``,
+        ``restore``, ``MambaSlots.free_bound`` / ``select``)."""
+        if not self.queued:
+            return
+        queued, self.queued = np.array(self.queued, np.int32), []
+        book = self.book
+        src, dst = book.physical(queued[:, 0]), book.physical(queued[:, 1])
+        assert (src > 0).all() and (dst > 0).all(), (
+            "deferred checkpoint copies: each source and checkpoint slot is still bound"
+        )
+        patch = TablePatch()
+        v, p = patch.part(queued[:, 1]), patch.part(dst)
+        patch.add(0, v, p)
+        patch.add(1, p, v)
+        written = self.writer.write(patch, (book.v2p, book.p2v))
+        self._copy(src.astype(np.int64), PhysicalPageIds(written[p], book.name))
+
+    def flush_for(self, vids: Iterable[int]) -> None:
+        """``flush`` if a queued checkpoint reads or writes one of Mamba virtual ids
+        ``vids`` (its source or its slot), so the others of the step stay in one copy."""
+        if self.queued:
+            touched = {v for pair in self.queued for v in pair}
+            if not touched.isdisjoint(int(v) for v in vids):
+                self.flush()
 
     def demote(self, node_id: int) -> None:
         """Make node ``node_id``'s checkpoint, if evictable here, the first to go (a
@@ -202,6 +238,7 @@ class StateCheckpoints:
         lanes = [i for i, s in enumerate(slots.tolist()) if s in self.pending]
         if not lanes:
             return
+        self.flush_for(self.by_node.get(self.pending[int(slots[i])], -1) for i in lanes)
         nodes = [self.pending[int(slots[i])] for i in lanes]
         here = [i for i, n in zip(lanes, nodes) if n in self.by_node]
         if here:
@@ -224,6 +261,7 @@ class StateCheckpoints:
 
     def drop(self, node_ids: list[int]) -> None:
         """Free the checkpoints of ``node_ids`` that have one (their nodes are gone)."""
+        self.flush_for(self.by_node.get(i, -1) for i in node_ids)
         if self.host is not None:
             self.host.drop_checkpoints(node_ids)
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
@@ -244,6 +282,7 @@ class StateCheckpoints:
         it), passed by the caller so the checkpoints hold nothing above them; with a
         host tier the reachable ones go to the host (None: none is spilled)."""
         victims = list(self.lru)[:count]
+        self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if reachable is not None and self.host is not None and victims:  # spill first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
             marks = np.array([reachable(i) for i in victims], bool)

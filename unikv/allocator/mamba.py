@@ -101,6 +101,8 @@ class MambaSlots:
             self.states.unpin((vids - 1).astype(np.int64))
         if self.k:
             vids = np.concatenate([vids, self.draft_vids(vids - 1).reshape(-1)])
+        if self.states is not None:
+            self.states.flush_for(vids.tolist())  # a queued checkpoint reads one of them
         vids = vids[self.book.physical(vids) >= 0]
         self.writer.unbind(self.book, vids, self.fences.unbind(self.book, vids))
 
@@ -131,6 +133,9 @@ class MambaSlots:
         if not moved.any():
             return
         slots, positions = slots[moved], positions[moved]
+        if self.states is not None:  # a queued checkpoint reads one of these bindings
+            every = np.concatenate([(slots + 1), self.draft_vids(slots).reshape(-1)])
+            self.states.flush_for(every.tolist())
         assert (positions < self.k).all(), "draft-state invariant: a position below k"
         live = (slots + 1).astype(np.int32)
         draft = self.draft_vids(slots)[np.arange(len(slots)), positions]

@@ -94,6 +94,27 @@ def reachable(by_id: dict[int, ChainNode], node_id: int) -> bool:
     return True
 
 
+def reachable_many(by_id: dict[int, ChainNode], node_ids: list[int]) -> list[bool]:
+    """``reachable`` of each of ``node_ids``, each ancestor walked once (a spill of a
+    whole chain is linear in its length, not quadratic)."""
+    known: dict[int, bool] = {0: True}
+    out = []
+    for start in node_ids:
+        path, walk = [], start
+        while walk not in known:
+            node = by_id.get(walk)
+            if node is None:
+                known[walk] = False
+                break
+            path.append(walk)
+            walk = node.parent_id
+        verdict = known[walk]
+        for n in path:
+            known[n] = verdict
+        out.append(verdict)
+    return out
+
+
 def window_intact(
     roles: Roles, books: dict[str, PageBook], pages: np.ndarray, bound: dict | None = None
 ) -> int:

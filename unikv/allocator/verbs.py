@@ -12,7 +12,8 @@ Neither is a part: they sit above the tree (``parts.py``), beside the facade.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -55,10 +56,30 @@ class PrefixVerbs:
 
     def __init__(self, cache: PrefixCache, room: Room, check: Check = None) -> None:
         self._cache, self._room, self._check = cache, room, check
+        self._batching = False
 
     def _after(self) -> None:
-        if self._check is not None:
+        if self._check is not None and not self._batching:
             self._check()
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """The state checkpoints taken inside (``checkpoint``) are bound and copied
+        together when it exits: one table write and one envelope copy per step
+        instead of one of each per checkpoint (``StateCheckpoints.flush``; anything
+        that reads, spills or frees a slot meanwhile flushes first). Debug-mode
+        checks run once, at the exit."""
+        states = self._cache.states
+        if states is None or self._batching:
+            yield
+            return
+        self._batching = states.deferring = True
+        try:
+            yield
+        finally:
+            self._batching = states.deferring = False
+            states.flush()
+            self._after()
 
     def _reserve_host(self, new: Mapping[str, int], virtual: int) -> bool:
         """Room for a host reload: the room maker, without the shortfall callback."""

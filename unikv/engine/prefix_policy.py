@@ -145,6 +145,10 @@ class PrefixCaching(NoPrefixCache):
         (before its pages leave the window). ``verify``: a speculative verify step,
         whose kept rows (``num_new``) may complete a page before the last: its state
         is in the per-draft-position slot of that row (``allocator/mamba.py``)."""
+        with self.prefix.batched():  # the step's checkpoints: one copy (issue 41)
+            self._after_step(batch, verify)
+
+    def _after_step(self, batch: Batch, verify: bool) -> None:
         points, window, state, ps = self.points, self.has_window, self.has_state, self.page_size
         for r, n in zip(batch.requests, batch.num_new):
             if points:

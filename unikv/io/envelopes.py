@@ -49,3 +49,20 @@ def runs(slots: list[int]) -> list[tuple[int, int, int]]:
             out.append((start, slots[start], i - start))
             start = i
     return out if slots else []
+
+
+def pair_runs(pages: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """Split paired page and slot lists into runs where both are consecutive.
+
+    Returns ``(first_index, first_page, length)`` for each maximal run, so that
+    ``pages[i : i + length] == range(first_page, first_page + length)`` and the
+    slots ``slots[i : i + length]`` are consecutive too: one byte range on each side
+    (the page-major law: a page's envelope is one range, consecutive pages one).
+    """
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1 or slots[i] != slots[i - 1] + 1:
+            out.append((start, pages[start], i - start))
+            start = i
+    return out if pages else []

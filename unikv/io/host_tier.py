@@ -4,14 +4,19 @@
     | sink | ... | page p | ... |     offload ->     | slot s | slot s+1 | ... |
                                      <- reload
 
-A page envelope is one contiguous byte range, so moving a page is one copy:
+A page envelope is one contiguous byte range, so moving a page is one copy, and
+a run of consecutive pages meeting a run of consecutive host slots is one copy
+too. ``offload`` hands the lowest free slots to the pages in ascending page order,
+so the pages of a batch that are consecutive land in consecutive slots; page ids
+given on the host cost no sync to plan with (issue 41: the host tier at line rate):
 
-- direct path (``page_bytes >= direct_min_bytes``): one copy per envelope
-  straight between the pool and its host slot;
-- gather path (smaller envelopes): gather the envelopes into a device staging
-  buffer with one ``index_select`` and copy each run of consecutive host slots
-  with one copy (slots are handed out lowest first, so a batch is usually one
-  run). Reload is the mirror image (run copies, then one ``index_copy_``).
+- run path: each such run of at least ``direct_min_bytes`` goes straight between
+  the pool and the host slots in one copy (every run, on the direct path);
+- direct path (``page_bytes >= direct_min_bytes``): so a stray page is one copy;
+- gather path (smaller envelopes off a run, or device page ids): gather the
+  envelopes into a device staging buffer with one ``index_select`` and copy each
+  run of consecutive host slots with one copy. Reload is the mirror image (run
+  copies, then one ``index_copy_``).
 
 The path, the streams and the pinning are decided once, at construction. On
 CUDA the copies run on two side streams (one per direction, so offload and
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from unikv.ids import PhysicalPageIds, _Ids, expect
-from unikv.io.envelopes import host_list, page_rows, physical_pages, runs
+from unikv.io.envelopes import host_list, page_rows, pair_runs, physical_pages, runs
 from unikv.pool import UnifiedPool, check_pages
 
 DIRECT_MIN_BYTES = 1 << 20
@@ -111,6 +116,7 @@ class HostTier:
         pin = cuda if pin_memory is None else pin_memory
         self.host = torch.empty((num_slots, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
         self.direct = self.page_bytes >= direct_min_bytes
+        self.direct_min_bytes = direct_min_bytes
         staging_rows = max(1, min(num_slots, staging_bytes // self.page_bytes))
         shape = (0 if self.direct else staging_rows, self.page_bytes)
         self._staging_out = torch.empty(shape, dtype=torch.uint8, device=pool.device)
@@ -153,6 +159,12 @@ class HostTier:
         slots = self._take(src.numel())
         if slots is None:
             return None
+        if src.device.type == "cpu":  # ascending slots to ascending pages: long runs
+            order = sorted(range(len(slots)), key=host_list(src).__getitem__)
+            ranked = slots
+            slots = [0] * len(ranked)
+            for rank, i in enumerate(order):
+                slots[i] = ranked[rank]
         event = self._launch(self._out_stream, self._copy_out, src, slots, [])
         for s in slots:
             self._writer[s] = event
@@ -254,7 +266,8 @@ class HostTier:
     def _used_slots(self, host_slots: HostPageIds, what: str) -> list[int]:
         data = expect(host_slots, HostPageIds, what)
         slots = data.to("cpu", torch.int64).tolist()
-        bad = [s for s in slots if not 0 <= s < self.num_slots or self._state[s] != _USED]
+        n, state = self.num_slots, self._state  # (a property per slot cost 20 us each)
+        bad = [s for s in slots if not 0 <= s < n or state[s] != _USED]
         if bad or len(set(slots)) != len(slots):
             raise ValueError(
                 f"{what} must be distinct slots taken by offload from this tier "
@@ -287,10 +300,32 @@ class HostTier:
             staging.record_stream(stream)
         return index
 
+    def _plan(self, pages: torch.Tensor, slots: list[int]) -> tuple[list, torch.Tensor, list]:
+        """(ranges, rest pages, rest slots): ``ranges`` are ``(page, slot, length)`` runs
+        where the pages and the slots are both consecutive and the run is at least
+        ``direct_min_bytes`` (or the envelope is: the direct path), one copy each; the
+        others go through the staging gather. Host page ids cost nothing; device ones
+        are read only on the direct path (a sync, as before)."""
+        if pages.device.type != "cpu" and not self.direct:
+            return [], pages, slots
+        pairs = sorted(zip(slots, host_list(pages)))  # each pair is its own copy: any order
+        slots, plist = [s for s, _ in pairs], [p for _, p in pairs]
+        ranges, rest = [], []
+        for i, page, length in pair_runs(plist, slots):
+            if self.direct or length * self.page_bytes >= self.direct_min_bytes:
+                ranges.append((page, slots[i], length))
+            else:
+                rest.extend(range(i, i + length))
+        index = torch.tensor([plist[i] for i in rest], dtype=torch.int64)
+        return ranges, index, [slots[i] for i in rest]
+
     def _copy_out(self, pages: torch.Tensor, slots: list[int], stream) -> None:
-        if self.direct:
-            for page, slot in zip(host_list(pages), slots):
-                self.host[slot].copy_(self._rows[page], non_blocking=True)
+        ranges, pages, slots = self._plan(pages, slots)
+        for page, slot, length in ranges:  # one copy per run of envelopes
+            self.host[slot : slot + length].copy_(
+                self._rows[page : page + length], non_blocking=True
+            )
+        if not slots:
             return
         staging = self._staging_out
         index = self._device_index(pages, staging, stream)
@@ -303,9 +338,12 @@ class HostTier:
                 self.host[slot : slot + length].copy_(staging[i : i + length], non_blocking=True)
 
     def _copy_in(self, pages: torch.Tensor, slots: list[int], stream) -> None:
-        if self.direct:
-            for page, slot in zip(host_list(pages), slots):
-                self._rows[page].copy_(self.host[slot], non_blocking=True)
+        ranges, pages, slots = self._plan(pages, slots)
+        for page, slot, length in ranges:
+            self._rows[page : page + length].copy_(
+                self.host[slot : slot + length], non_blocking=True
+            )
+        if not slots:
             return
         staging = self._staging_in
         index = self._device_index(pages, staging, stream)

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from unikv.allocator.prefix import CACHED, HOST
+from unikv.allocator.prefix_chain import reachable_many
 from unikv.ids import PhysicalPageIds
 
 MODES = ("cost", "always", "never")
@@ -125,9 +126,11 @@ class PrefixHost:
         sub-pool, the copy's done-event (None on CPU): the caller fences the
         unbound pages with it, so they are reused only once their bytes have left
         (no host sync; a reload waits for the copy on the device)."""
-        count = sum(prefix.reachable(n.node_id) for n in nodes)
-        free = self._room(prefix, count)
-        alive = [n for n in nodes if prefix.reachable(n.node_id)][:free]
+        ids = [n.node_id for n in nodes]
+        count = sum(reachable_many(prefix.by_id, ids))
+        free = self._room(prefix, count)  # (may drop host nodes: reachability asked again)
+        ok = reachable_many(prefix.by_id, ids)
+        alive = [n for n, keep in zip(nodes, ok) if keep][:free]
         if not alive:
             return set(), {}
         vpages = np.array([n.page for n in alive], np.int32)
@@ -202,12 +205,16 @@ class PrefixHost:
     def prune(self, prefix) -> None:
         """Drop the host nodes, then the checkpoints, that no lookup of the cache
         ``prefix`` can reach."""
-        orphans = [i for i in self.nodes if not prefix.reachable(i)]
+        ids = list(self.nodes)
+        orphans = [i for i, ok in zip(ids, reachable_many(prefix.by_id, ids)) if not ok]
         if orphans:
             self.drop(prefix, orphans)  # descendants first found by the recursion's prune
             return
         if prefix.states is not None:
-            prefix.states.drop([n for n in prefix.states.nodes() if not prefix.reachable(n)])
+            ids = prefix.states.nodes()
+            prefix.states.drop(
+                [n for n, ok in zip(ids, reachable_many(prefix.by_id, ids)) if not ok]
+            )
 
     def _free_slots(self, slots: Mapping[str, int]) -> None:
         from unikv.io.host_tier import HostPageIds
@@ -323,7 +330,8 @@ class PrefixHost:
             if not has.any():
                 continue
             book = prefix.books[name]
-            ppages = book.take(int(has.sum()))
+            ppages = book.take(int(has.sum()))  # ascending pages to ascending slots: runs
+            ppages[np.argsort(slots[has], kind="stable")] = np.sort(ppages)
             book.bind_host(vpages[has], ppages)
             prefix.writer.bind(book, vpages[has], ppages)
             host = HostPageIds(torch.from_numpy(slots[has]))
@@ -344,10 +352,18 @@ class PrefixHost:
         from unikv.io.host_tier import HostPageIds
 
         tier = self.state_tier
-        for node_id, page in zip(node_ids, dst.tolist()):
-            slot = HostPageIds(torch.tensor([self.ckpts[node_id]], dtype=torch.int64))
-            dst_ids = PhysicalPageIds(torch.tensor([page], dtype=torch.int64), tier.name)
-            tier.reload(slot, dst_ids, check=False).wait()
+        if not node_ids:
+            return
+        slots, pages = [self.ckpts[n] for n in node_ids], np.asarray(dst, np.int64)
+        lanes = list(range(len(slots)))
+        while lanes:  # one batch per round (a round reads each host slot once)
+            first = {slots[i]: i for i in reversed(lanes)}
+            batch = sorted(first.values())
+            host = HostPageIds(torch.tensor([slots[i] for i in batch], dtype=torch.int64))
+            ids = PhysicalPageIds(torch.from_numpy(pages[batch]), tier.name)
+            tier.reload(host, ids, check=False).wait()  # the next forward reads them
+            lanes = [i for i in lanes if i not in set(batch)]
+        for node_id in node_ids:
             self.ckpts.move_to_end(node_id)
         self.stats.reloaded_checkpoints += len(node_ids)
         self.stats.reloaded_bytes += len(node_ids) * tier.page_bytes
