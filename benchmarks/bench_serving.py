@@ -16,6 +16,11 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    ``LLM.generate`` in this process (the server stopped; same pool bytes, same
    options): tokens/s ratio HTTP / generate, and the ITL added per token by the
    HTTP path (p50 and mean differences), per server mode.
+   Every load also records CPU seconds per wall second of the API process alone
+   (``api_cpu_s_per_wall_s``) and of the engine process (``engine_cpu_s_per_wall_s``;
+   0 with ``--in-process-engine``), and the API process's CPU per output token
+   (``api_cpu_us_per_token``) and per request (``api_cpu_ms_per_request``): which
+   process is the bottleneck.
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 

@@ -330,10 +330,13 @@ class ProcEngine:
         if self._stopping or self.error is not None or self._fd is None:
             return
         pairs: list = []
+        sock = self.outputs
         try:
             for _ in range(DRAIN_MAX):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (no zmq.Again raised)
+                    break
                 try:
-                    data = self.outputs.recv(zmq.NOBLOCK)
+                    data = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 msg = self.dec.decode(data)
@@ -352,8 +355,9 @@ class ProcEngine:
                     return self._died(f"the engine loop died: {msg[1]}")
             else:  # more may be queued: go on after the loop's other work
                 self._aloop.call_soon(self._drain)
-        except zmq.ZMQError:
-            return  # closed at shutdown
+        except zmq.ZMQError:  # closed at shutdown
+            _dispatch(pairs)
+            return
         except Exception as err:  # noqa: BLE001  (the server cannot go on without it)
             _dispatch(pairs)
             return self._died(f"the engine client failed: {type(err).__name__}: {err}")
