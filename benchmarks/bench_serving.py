@@ -16,6 +16,11 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    ``LLM.generate`` in this process (the server stopped; same pool bytes, same
    options): tokens/s ratio HTTP / generate, and the ITL added per token by the
    HTTP path (p50 and mean differences), per server mode.
+   Every load also records CPU seconds per wall second of the API process alone
+   (``api_cpu_s_per_wall_s``) and of the engine process (``engine_cpu_s_per_wall_s``;
+   0 with ``--in-process-engine``), and the API process's CPU per output token
+   (``api_cpu_us_per_token``) and per request (``api_cpu_ms_per_request``): which
+   process is the bottleneck.
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
@@ -169,8 +174,9 @@ def _client_proc(url, prompts, new_tokens, arrivals, start, conn) -> None:
     conn.close()
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its children so far (Linux /proc)."""
+def proc_cpu_s(pid: int, children: bool = True) -> float:
+    """User + system CPU seconds of ``pid`` (and its children: ``children``) so far
+    (Linux /proc)."""
     total = 0.0
     try:
         kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -178,7 +184,7 @@ def proc_cpu_s(pid: int) -> float:
         total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except OSError:
         return 0.0
-    return total + sum(proc_cpu_s(int(k)) for k in kids)
+    return total + (sum(proc_cpu_s(int(k)) for k in kids) if children else 0.0)
 
 
 def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int,
@@ -201,7 +207,7 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
         proc.start()
         procs.append((proc, mine))
         pipes.append(here)
-    srv = proc_cpu_s(server_pid or 0)
+    srv, api = proc_cpu_s(server_pid or 0), proc_cpu_s(server_pid or 0, children=False)
     got, cpus = [None] * len(prompts), []
     for (proc, mine), pipe in zip(procs, pipes):
         results, cpu = pipe.recv()
@@ -210,8 +216,15 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
         for i, r in zip(mine, results):
             got[i] = r
     wall = time.perf_counter() - start
+    api = proc_cpu_s(server_pid or 0, children=False) - api  # the API process alone
+    both = proc_cpu_s(server_pid or 0) - srv
+    made = sum(r.get("tokens", 0) for r in got)
     return got, {"clients": clients, "client_cpu_share_max": max(cpus) / wall,
-                 "server_cpu_s_per_wall_s": (proc_cpu_s(server_pid or 0) - srv) / wall}  # fmt: skip
+                 "server_cpu_s_per_wall_s": both / wall,
+                 "api_cpu_s_per_wall_s": api / wall,  # the engine process's: the difference
+                 "engine_cpu_s_per_wall_s": (both - api) / wall,
+                 "api_cpu_us_per_token": api / max(made, 1) * 1e6,
+                 "api_cpu_ms_per_request": api / max(len(prompts), 1) * 1e3}  # fmt: skip
 
 
 def summarize(results: list[dict]) -> dict:

@@ -10,6 +10,7 @@ process's exit status.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -200,3 +201,42 @@ def test_switch_interval_reaches_the_engine_process(tmp_path):
         with pytest.raises(ValueError, match="--switch-interval-ms must be in"):
             switch_interval_s(bad)
     assert serve_main(["--model", path, "--switch-interval-ms", "0"]) == 2
+
+
+def test_steps_drained_together_carry_generates_tokens_and_text(tmp_path):
+    """The event loop reads the engine process's step messages itself: when it is
+    busy, several steps queue and one wake-up drains them all (one dispatch); each
+    completion still gets exactly ``LLM.generate``'s tokens and text, in order.
+    Oracle: ``LLM.generate`` in this process with the same options."""
+    from unikv.serving.engine_client import ProcEngine
+
+    path = str(tmp_path)
+    save_instruct_llama(path)
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=MAX_LEN)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = llm.generate(PROMPTS, params)
+    llm.close()
+    prompts = [o.prompt_token_ids for o in want]
+    config = {"model": path, "device": "cpu", "page_size": 4, "max_model_len": MAX_LEN}
+    engine = ProcEngine(config)
+
+    async def run():
+        engine.start()
+        subs = [await engine.asubmit([(ids, None, params)]) for ids in prompts]
+        time.sleep(1.0)  # noqa: ASYNC251  (the loop busy on purpose: the steps queue meanwhile)
+        got = []
+        for sub in subs:
+            ids, text = [], []
+            async for batch in sub.batches():
+                for _, delta in batch:
+                    ids += delta.token_ids
+                    text.append(delta.text)
+            got.append((ids, "".join(text)))
+        return got
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert [g[0] for g in got] == [o.outputs[0].token_ids for o in want]
+    assert [g[1] for g in got] == [o.outputs[0].text for o in want]

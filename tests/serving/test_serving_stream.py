@@ -166,3 +166,43 @@ def test_streamed_chunks_parse_with_the_openai_client_and_count_usage():
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 4 and len({c.created for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("ends_with_done", [True, False])
+def test_the_chunk_with_done_ends_the_response_in_one_message(ends_with_done):
+    """ASGI: a response ends with exactly one ``http.response.body`` whose
+    ``more_body`` is False. The chunk ending with ``[DONE]`` is that message (its
+    bytes and the end in one write); a stream without it gets an empty last one.
+    Oracle: the ASGI message list the spec asks for, the bytes the content gave."""
+    from unikv.serving.sse import DONE, EventStream
+
+    parts = [b"data: 1\n\n", b"data: 2\n\n" + (DONE.encode() if ends_with_done else b"")]
+
+    async def content():
+        for part in parts:
+            yield part
+
+    async def run():
+        sent, closed = [], []
+        gone = asyncio.Event()
+
+        async def receive():
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await EventStream(content(), on_close=lambda: closed.append(1))(
+            {"type": "http"}, receive, send
+        )
+        return sent, closed
+
+    sent, closed = asyncio.run(run())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    bodies = sent[1:]
+    assert all(m["type"] == "http.response.body" for m in bodies)
+    assert [m["more_body"] for m in bodies].count(False) == 1 and not bodies[-1]["more_body"]
+    assert b"".join(m["body"] for m in bodies) == b"".join(parts)
+    assert len(bodies) == (2 if ends_with_done else 3)
+    assert closed  # on_close ran once the stream ended

@@ -103,3 +103,22 @@ def test_include_stop_str_in_output(include):
     full = TOK.decode(OUTPUT)
     end = full.index("lazy") + (len("lazy") if include else 0)
     assert text == full[:end]
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=30), n=st.integers(1, 3))
+def test_the_plain_fast_path_gives_the_general_paths_deltas(sizes, n):
+    """A completion with no stop strings and no logprobs takes ``advance``'s fast
+    path; the same rows through the general path (``plain`` off) give equal
+    Deltas, and their text is the tokenizer's decode of the outputs."""
+    params = SamplingParams(max_tokens=64, n=n)
+    fast = TextStage(2, PROMPT, params, TOK, threading.Lock())
+    slow = TextStage(2, PROMPT, params, TOK, threading.Lock())
+    assert fast.plain
+    slow.plain = False
+    chunks = _chunks(OUTPUT, sizes)
+    got = _run(fast, chunks, "length")
+    want = _run(slow, chunks, "length")
+    assert got[2] == want[2]  # every Delta, field by field
+    assert got[0] == OUTPUT and got[1] == TOK.decode(OUTPUT)
+    assert got[2][-1].finish_reason == "length"

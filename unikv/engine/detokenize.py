@@ -156,8 +156,9 @@ class StreamDetokenizer(IncrementalDetokenizer):
     def update(self, new_ids: list[int]) -> str:
         """Append ``new_ids``; returns the text they add (maybe "" for now)."""
         self.ids.extend(new_ids)
-        try:
-            chunk = self._stream.step(self._backend, new_ids)
+        try:  # one id as an int: a list costs the binding a failed int conversion first
+            step = new_ids[0] if len(new_ids) == 1 else new_ids
+            chunk = self._stream.step(self._backend, step)
         except Exception:  # noqa: BLE001  (tokenizers raises bare Exceptions: invalid prefix)
             self.update = functools.partial(IncrementalDetokenizer.update, self)
             return self._advance()

@@ -17,6 +17,13 @@ completions, none for chat) ends at the context left, as vLLM's does (the
 engine ends a request at ``max_model_len`` with finish_reason "length").
 ``cache_salt`` (vLLM's): requests of different salts share no prefix-cache page.
 
+A completions request without a structured-output grammar whose prompts hold
+at most ``INLINE_PROMPT`` characters or token ids in all is prepared on the
+event loop itself (a thread hop costs more than tokenizing a few hundred
+characters); it tokenizes with a tokenizer copy of its own (``loop_prompts``),
+so a huge prompt being tokenized in the pool never holds a lock the loop waits
+for.
+
 Graceful shutdown (``begin_drain``, on SIGTERM): new requests get 503 and
 ``/health`` 503; in-flight requests run on for ``shutdown_timeout_s``, then each
 one still running is ended: a stream gets a final chunk per unfinished choice
@@ -70,9 +77,10 @@ from unikv.serving.protocol import (
     CompletionRequest,
     validation_message,
 )
-from unikv.serving.sse import EventStream, EventWriter, event
+from unikv.serving.sse import DONE, EventStream, EventWriter, event
 
 INVALID = "invalid_request_error"  # OpenAI's error type of a 400
+INLINE_PROMPT = 2048  # characters / token ids of all prompts prepared on the event loop
 RETRY_AFTER_S = "1"  # a full queue's 503: when to retry
 
 
@@ -106,12 +114,14 @@ class Server:
             self.engine, self.llm = llm, llm.front
             self.metrics = ServingMetrics(None, None, names[0], snapshot=llm.snapshot)
             self.prompts = _own_prompts(llm.front)
+            self.loop_prompts = _own_prompts(llm.front)  # the event loop's (cheap requests)
         else:
             self.llm = llm
             self.engine = AsyncEngine(llm.engine, llm.requests, llm.reset_prefix_cache,
                                       max_waiting=max_waiting, on_death=on_death)  # fmt: skip
             self.metrics = ServingMetrics(llm.engine, llm.core, model_name=names[0])
             self.prompts = _own_prompts(llm)
+            self.loop_prompts = _own_prompts(llm)
             if hasattr(llm, "pool"):  # an LLM (not a test's stand-in): the admin resize
                 from functools import partial
 
@@ -161,9 +171,11 @@ class Server:
                 f"model {model!r} is not served here; this server serves {self.names}", "model"
             )
 
-    def completion_item(self, prompt, params):
+    def completion_item(self, prompt, params, prompts=None):
+        """(token ids, text or None, params) of one prompt, tokenized by ``prompts``
+        (a PromptMaker; default the tokenizer pool's)."""
         try:
-            ids = self.prompts.token_ids(prompt)
+            ids = (prompts or self.prompts).token_ids(prompt)
         except Exception as err:  # a tokenizer's own errors included
             raise BadRequest(f"prompt: {err}", "prompt") from err
         return ids, prompt if isinstance(prompt, str) else None, params
@@ -260,8 +272,11 @@ class Server:
     ):
         """The event stream: one bytes chunk per batch of deltas (each batch: what
         arrived since the client was last written to); a shutdown's cut ends each
-        unfinished choice with finish_reason 'abort'."""
+        unfinished choice with finish_reason 'abort'. The last batch, the closing
+        events and ``[DONE]`` go out as one chunk (``EventStream`` ends the
+        response with it: one write)."""
         done: set[int] = set()
+        tail: list[str] = []
         try:
             while sub.left:
                 await sub.wait()
@@ -273,21 +288,22 @@ class Server:
                         done.add(index)
                     parts.append(writer.write(index, delta))
                 out = "".join(parts)
-                if out:
+                if not sub.left:
+                    tail.append(out)  # the last batch: with the stream's end
+                elif out:
                     yield out.encode()
             if sub.cut:
                 cut = [Delta(i % n, [], "", finish_reason="abort") for i in range(prompts * n)]
-                parts = [writer.write(i, d) for i, d in enumerate(cut) if i not in done]
-                yield "".join(parts).encode()
+                tail += [writer.write(i, d) for i, d in enumerate(cut) if i not in done]
             if sub.error is not None:  # the engine failed mid-stream
-                error = rsp.error_body(sub.error, "InternalServerError", None, 500)
-                yield event(error).encode()
+                tail.append(event(rsp.error_body(sub.error, "InternalServerError", None, 500)))
             elif usage_tokens is not None:
-                yield writer.usage_event(usage_tokens, n).encode()
+                tail.append(writer.usage_event(usage_tokens, n))
         finally:
             self.live.discard(sub)
             self._aborted(sub)  # no-op when every completion finished
-        yield b"data: [DONE]\n\n"
+        tail.append(DONE)
+        yield "".join(tail).encode()
 
 
 def not_served(model, names: list[str]) -> HTTPError:
@@ -316,6 +332,27 @@ def _servers(llm, names, max_waiting, on_death, options) -> dict:
         name: Server(llm[key], [name], max_waiting, on_death, options)
         for name, key in zip(names, llm.names, strict=True)
     }
+
+
+def cheap(body: CompletionRequest) -> bool:
+    """Whether a completions request is prepared on the event loop: no
+    structured-output constraint to compile, and its prompts' characters or token
+    ids ``INLINE_PROMPT`` at most in all (a refused constraint: False, the pool
+    reports it)."""
+    try:
+        if body.structured_spec() is not None:
+            return False
+    except BadRequest:
+        return False
+    prompt = body.prompt
+    if isinstance(prompt, str) or not isinstance(prompt, list):
+        return isinstance(prompt, str) and len(prompt) <= INLINE_PROMPT
+    size = 0
+    for p in prompt:
+        size += len(p) if isinstance(p, (str, list)) else 1
+        if size > INLINE_PROMPT:
+            return False
+    return True
 
 
 def _own_prompts(llm):
@@ -447,12 +484,21 @@ def create_app(
         start = time.perf_counter()
         body = await _body(request, CompletionRequest, opts)
         server = pick(body.model)
-        params = await server.off_loop(body.params, server.llm)  # compiles a grammar
+        inline = cheap(body)
+        if inline:  # no grammar to compile, short prompts: a thread hop costs more
+            params = body.params(server.llm)
+        else:
+            params = await server.off_loop(body.params, server.llm)  # compiles a grammar
         prompts = body.prompts()
         if len(prompts) > opts.max_prompts:
             raise BadRequest(f"prompt: {len(prompts)} prompts in one request; at most "
                              f"{opts.max_prompts} (--max-prompts-per-request)", "prompt")  # fmt: skip
-        items = await server.off_loop(lambda: [server.completion_item(p, params) for p in prompts])
+        if inline:
+            items = [server.completion_item(p, params, server.loop_prompts) for p in prompts]
+        else:
+            items = await server.off_loop(
+                lambda: [server.completion_item(p, params) for p in prompts]
+            )
         if "max_tokens" in body.model_fields_set:
             server.check_limits(items, body.max_tokens, "max_tokens")
         return await server.respond(request, body, items, chat=False, start=start)

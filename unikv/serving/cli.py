@@ -452,6 +452,10 @@ def serve_main(argv: list[str]) -> int:
         h11_max_incomplete_event_size=options.max_header_bytes,
     )
     server = holder["server"] = _draining_server(config, app.state.server)
+    import gc
+
+    gc.collect()  # what start-up made (imports, the tokenizer, the app) is kept for good:
+    gc.freeze()  # out of the collector's full passes, which serving would otherwise repeat
     try:
         server.run()
     finally:

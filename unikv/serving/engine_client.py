@@ -7,14 +7,19 @@ and waits for its ``ready`` (or its failure). It offers the app what
 tokenizer side of an LLM (tokenizer, context length, vocabulary size) that the
 app tokenizes, renders chat templates and detokenizes with.
 
-A reader thread receives the engine's messages. An ``out`` message (one engine
-step) is turned into Deltas by each completion's ``TextStage`` (text, stop
-strings, logprob texts) in that thread, then handed to the event loop with ONE
-``call_soon_threadsafe``, as ``AsyncEngine`` does. A stop string found here
-aborts the completion in the engine. If the engine process exits (a ``dead``
-message, or the process is found gone: a kill -9 sends nothing), every live
-completion gets an error delta, pending submissions fail with EngineClosed,
-``healthy`` turns False and ``on_death`` is called on the event loop.
+The event loop itself receives the engine's messages: the output socket's
+file descriptor is watched by the loop (``add_reader``), and each wake-up
+drains every message queued (``DRAIN_MAX`` at most, then it goes on at the
+loop's next turn). No reader thread: nothing contends for the GIL in this
+process and no step costs a thread switch or a self-pipe write. The ``out``
+messages drained together (one per engine step) are turned into Deltas by each
+completion's ``TextStage`` (text, stop strings, logprob texts) and dispatched
+to their submissions in ONE ``_dispatch``, as ``AsyncEngine`` does. A stop
+string found here aborts the completion in the engine. If the engine process
+exits (a ``dead`` message, or the process is found gone by a check every
+``POLL_MS``: a kill -9 sends nothing), every live completion gets an error
+delta, pending submissions fail with EngineClosed, ``healthy`` turns False and
+``on_death`` is called on the event loop.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from unikv.serving.async_engine import Submission, _dispatch
 from unikv.serving.engine_core import encode_params
 from unikv.serving.text_stage import TextStage
 
-POLL_MS = 100
+POLL_MS = 100  # how often the event loop checks that the engine process lives
+DRAIN_MAX = 256  # messages taken in one wake-up of the event loop (then it yields)
 READY_TIMEOUT_S = 900.0  # loading a large checkpoint (and TP workers) takes minutes
 CALL_TIMEOUT_S = 30.0
 
@@ -109,7 +115,7 @@ class ProcEngine:
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.LINGER, 0)
         self.outputs.bind(self.addr_out)
-        self._send_lock = threading.Lock()  # the event loop and the reader both send
+        self._send_lock = threading.Lock()  # the event loop and ``call``'s threads send
         self.subs: dict[int, tuple[Submission, list[list[TextStage]]]] = {}
         self._acks: dict[int, asyncio.Future] = {}
         self._calls: dict[int, tuple[threading.Event, list]] = {}
@@ -117,6 +123,7 @@ class ProcEngine:
         self._call_ids = itertools.count()  # call ids (any thread, under _send_lock)
         self.error: str | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
+        self._fd: int | None = None  # the output socket's descriptor, while watched
         self._stopping = False
         setup = {"config": pickle.dumps(config), "inputs": self.addr_in, "outputs": self.addr_out,
                  "max_waiting": max_waiting or None, "fault": fault,
@@ -130,7 +137,6 @@ class ProcEngine:
         self.model = config.model
         self.info: dict | None = None
         self.front = None
-        self._reader = threading.Thread(target=self._read, name="unikv-engine-io", daemon=True)
         if wait:
             self.wait_ready()
 
@@ -181,8 +187,21 @@ class ProcEngine:
         return self._aloop
 
     def start(self) -> None:
+        """Watch the engine's messages from the running event loop."""
+        import zmq
+
         self._aloop = asyncio.get_running_loop()
-        self._reader.start()
+        self._fd = self.outputs.getsockopt(zmq.FD)
+        self._aloop.add_reader(self._fd, self._drain)
+        self._aloop.call_soon(self._drain)  # queued before: the descriptor is edge-triggered
+        self._aloop.call_later(POLL_MS / 1000, self._watch)
+
+    def _unwatch(self) -> None:
+        fd, self._fd = self._fd, None
+        aloop = self._aloop
+        if fd is not None and aloop is not None and not aloop.is_closed():
+            with contextlib.suppress(Exception):  # (a loop of another thread, or gone)
+                aloop.remove_reader(fd)
 
     def _send(self, msg) -> None:
         with self._send_lock:
@@ -235,10 +254,14 @@ class ProcEngine:
 
     def call(self, name: str, *args):
         """Run ``name`` ("snapshot", "reset_prefix_cache", "resize_kv_cache") with
-        ``args`` in the engine process (any thread but the reader's); its value, or
+        ``args`` in the engine process (any thread but the event loop's, which
+        receives the answer); its value, or
         RuntimeError (ValueError for a ValueError there)."""
         if self.error is not None:
             raise EngineClosed(f"the engine process died: {self.error}")
+        with contextlib.suppress(RuntimeError):  # (no running loop: a thread, as it must be)
+            here = asyncio.get_running_loop()
+            assert here is not self._aloop, "ProcEngine.call waits for the event loop: not on it"
         done, box = threading.Event(), []
         with self._send_lock:
             cid = next(self._call_ids)
@@ -272,8 +295,6 @@ class ProcEngine:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-        if self._reader.is_alive():
-            self._reader.join(2)
         self.close()
 
     def close(self) -> None:
@@ -281,41 +302,67 @@ class ProcEngine:
 
         if self.proc.poll() is None:
             self.proc.kill()
+        self._unwatch()
         for s in (self.inputs, self.outputs):
             s.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    # -- the reader thread ------------------------------------------------------------
+    # -- the event loop: the engine's messages -------------------------------------
 
-    def _read(self) -> None:
+    def _watch(self) -> None:
+        """Every ``POLL_MS``: the engine process lives (a kill -9 sends nothing), and
+        nothing queued was missed."""
+        if self._stopping or self.error is not None or self._fd is None:
+            return
+        if self.proc.poll() is not None:
+            self._drain()  # what it sent before it died goes out first
+            if self.error is None:
+                self._died(f"the engine process exited with status {self.proc.returncode}")
+            return
+        self._drain()
+        self._aloop.call_later(POLL_MS / 1000, self._watch)
+
+    def _drain(self) -> None:
+        """Event loop: every message queued (up to ``DRAIN_MAX``; the rest at the
+        loop's next turn), the steps' deltas dispatched together."""
         import zmq
 
+        if self._stopping or self.error is not None or self._fd is None:
+            return
+        pairs: list = []
+        sock = self.outputs
         try:
-            while not self._stopping:
+            for _ in range(DRAIN_MAX):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (no zmq.Again raised)
+                    break
                 try:
-                    ready = self.outputs.poll(POLL_MS)
-                except zmq.ZMQError:
-                    return  # closed at shutdown
-                if not ready:
-                    if self.proc.poll() is not None:
-                        code = self.proc.returncode
-                        return self._died(f"the engine process exited with status {code}")
-                    continue
-                msg = self.dec.decode(self.outputs.recv())
+                    data = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = self.dec.decode(data)
                 kind = msg[0]
                 if kind == "out":
-                    self._out(msg[1])
+                    self._out(msg[1], pairs)
                 elif kind == "ack":
-                    self._later(_resolve, self._acks.get(msg[1]), (msg[2], msg[3]))
+                    _resolve(self._acks.get(msg[1]), (msg[2], msg[3]))
                 elif kind == "ret":
                     call = self._calls.pop(msg[1], None)
                     if call is not None:
                         call[1].extend((msg[2], msg[3]))
                         call[0].set()
                 elif kind == "dead":
+                    _dispatch(pairs)
                     return self._died(f"the engine loop died: {msg[1]}")
+            else:  # more may be queued: go on after the loop's other work
+                self._aloop.call_soon(self._drain)
+        except zmq.ZMQError:  # closed at shutdown
+            _dispatch(pairs)
+            return
         except Exception as err:  # noqa: BLE001  (the server cannot go on without it)
-            self._died(f"the engine client failed: {type(err).__name__}: {err}")
+            _dispatch(pairs)
+            return self._died(f"the engine client failed: {type(err).__name__}: {err}")
+        if pairs:
+            _dispatch(pairs)
 
     def _later(self, fn, *args) -> None:
         aloop = self._aloop
@@ -325,8 +372,9 @@ class ProcEngine:
             except RuntimeError:  # the event loop closed meanwhile
                 pass
 
-    def _out(self, rows: list) -> None:
-        pairs, cut = [], []
+    def _out(self, rows: list, pairs: list) -> None:
+        """One step's rows: their Deltas appended to ``pairs``."""
+        cut = []
         for key, prompt, index, *raw in rows:
             entry = self.subs.get(key)
             if entry is None:
@@ -345,13 +393,12 @@ class ProcEngine:
                 self.subs.pop(key, None)
         if cut:
             self._send(("cut", cut))
-        if pairs:
-            self._later(_dispatch, pairs)
 
     def _died(self, message: str) -> None:
-        if self._stopping:
+        if self._stopping or self.error is not None:
             return
         self.error = message
+        self._unwatch()
         pairs = []
         for sub, stages in list(self.subs.values()):
             for prompt, row in enumerate(stages):

@@ -311,6 +311,10 @@ def main() -> int:
         return 2
     send_or_exit(boot, msgspec.msgpack.encode(("ready", ready_info(llm))))
     boot.close()
+    import gc
+
+    gc.collect()  # the model, its modules and the imports are kept for good: out of the
+    gc.freeze()  # collector's full passes (each a pause of every step while serving)
     rc = core.serve(inputs)
     for s in (core.main_out, core.step_out, inputs):
         s.close()

@@ -24,6 +24,8 @@ from starlette.responses import StreamingResponse
 from unikv.engine.tracks import Delta
 from unikv.serving import responses as rsp
 
+DONE = "data: [DONE]\n\n"  # a stream's last event
+_DONE = DONE.encode()
 _SENTINEL = "\x00unikv-text\x00"
 _QUOTED = json.dumps(_SENTINEL)
 
@@ -171,7 +173,8 @@ class EventStream(StreamingResponse):
     that calls ``on_close()`` as soon as the client goes away (a task watches the
     connection; the stream then ends at its next wake-up) and once it ends,
     however it ends. Each chunk is one ``send``: no task group, no per-chunk
-    re-encoding (starlette's StreamingResponse adds both)."""
+    re-encoding (starlette's StreamingResponse adds both). A chunk that ends with
+    ``[DONE]`` ends the response (``more_body`` False: one write, not two)."""
 
     media_type = "text/event-stream"
 
@@ -184,9 +187,12 @@ class EventStream(StreamingResponse):
         try:
             start = {"type": "http.response.start", "status": self.status_code}
             await send(start | {"headers": self.raw_headers})
+            ended = False
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                ended = chunk.endswith(_DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # ASGI 2.4 servers: the client went away
             pass
         finally:

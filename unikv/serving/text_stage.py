@@ -36,6 +36,7 @@ class TextStage:
         self.text_end: int | None = None
         self.done = False
         self.hit_stop = False  # ended here by a stop string: abort it in the engine
+        self.plain = self.detok is not None and not self.stops  # ``advance``'s fast path
 
     def _text(self, i: int) -> str | None:
         tok = self.tokenizer
@@ -52,6 +53,15 @@ class TextStage:
         new, logprobs, reason, stop, error, cached, prompt = raw
         if self.done:
             return None
+        if self.plain and reason is None and logprobs is None and prompt is None and new:
+            # the common row (tokens of a running completion, no stop strings, no
+            # logprobs): what the general path below gives it, without its checks
+            self.num_out += len(new)
+            with self.lock:
+                self.detok.update(new)
+            text = self.detok.text[self.text_sent :]
+            self.text_sent += len(text)
+            return Delta(self.index, new, text, error=error)
         first = self.num_out  # the index of new[0] in the outputs
         self.num_out += len(new)
         with self.lock:
