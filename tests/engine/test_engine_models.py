@@ -24,7 +24,8 @@ from engine_fixtures import (
     tiny_hf_config,
 )
 
-from unikv.models import gpt_oss, load_model, load_model_config
+from unikv.kernels.moe import ref as moe_ref
+from unikv.models import load_model, load_model_config
 from unikv.models.rope import rope_inv_freq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,7 +99,7 @@ def test_gpt_oss_sparse_expert_loop_matches(tmp_path, monkeypatch):
     """The prefill (sparse) expert loop gives transformers' logits too."""
     hf = save_tiny_model("gpt_oss", str(tmp_path))
     model = load_model(str(tmp_path))
-    monkeypatch.setattr(gpt_oss, "DENSE_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe_ref, "DENSE_MAX_TOKENS", 0)  # the rule dense_rows reads
     tokens = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     assert (_unikv_logits(model, tokens) - hf_logits(hf, tokens)).abs().max() < ATOL
 

@@ -36,7 +36,8 @@ from engine_fixtures import (
 )
 
 from unikv.hf_config import specs_from_hf_config
-from unikv.models import load_model, model_config_from_hf, moe
+from unikv.kernels.moe import ref as moe_ref
+from unikv.models import load_model, model_config_from_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,7 +144,7 @@ def test_stepwise_forward_and_cached_latents(saved, step_kind):
 def test_sparse_expert_loop_matches(saved, monkeypatch):
     """The prefill (sparse) expert loop gives transformers' logits too."""
     hf, model = saved
-    monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe_ref, "DENSE_MAX_TOKENS", 0)  # the rule dense_rows reads
     tokens = _tokens(24, 2)
     err = (_forward(model, AbsorbedStep(), tokens, 0) - hf_logits(hf, tokens)).abs().max()
     assert err < ATOL

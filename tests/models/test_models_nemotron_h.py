@@ -27,7 +27,8 @@ from engine_fixtures import (
 )
 from engine_fixtures import save_tiny_nemotron_h as save_nemotron
 
-from unikv.models import load_model, load_model_config, moe
+from unikv.kernels.moe import ref as moe_ref
+from unikv.models import load_model, load_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +60,7 @@ def test_sparse_expert_loop_matches(tmp_path, monkeypatch):
 
     hf = save_nemotron(str(tmp_path), PATTERNS["moe"])
     model = load_model(str(tmp_path))
-    monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe_ref, "DENSE_MAX_TOKENS", 0)  # the rule dense_rows reads
     tokens = _tokens(24, seed=2)
     step = DenseMamba2Step(model.config.sm_scale)
     ours = model(torch.tensor(tokens), torch.arange(len(tokens)), step)

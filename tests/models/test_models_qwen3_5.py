@@ -31,7 +31,8 @@ from engine_fixtures import (
     tiny_hybrid_config,
 )
 
-from unikv.models import load_model, model_config_from_hf, moe
+from unikv.kernels.moe import ref as moe_ref
+from unikv.models import load_model, model_config_from_hf
 from unikv.models.qwen3_5 import Qwen3_5ForCausalLM
 from unikv.models.rope import rope_inv_freq
 
@@ -87,7 +88,7 @@ def test_qwen3_next_sparse_expert_loop_matches(tmp_path, monkeypatch):
     """The prefill (sparse) expert loop gives transformers' logits too."""
     hf = save_tiny_hybrid("qwen3_next", str(tmp_path), seed=2)
     model = load_model(str(tmp_path))
-    monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
+    monkeypatch.setattr(moe_ref, "DENSE_MAX_TOKENS", 0)  # the rule dense_rows reads
     tokens = _tokens(24, 2)
     err = (_forward(model, _step_fn(model), tokens, 0) - hf_logits(hf, tokens)).abs().max()
     assert err < ATOL
