@@ -45,3 +45,21 @@ def test_bench_elastic_cpu_measures_every_target(tmp_path, capsys):
     assert rows["hot_idle_concurrency"]["figure"] == pytest.approx(ratio)
     printed = capsys.readouterr().out
     assert all(line in printed for line in res["summary"]) and len(res["summary"]) == 6
+
+
+def test_a_failed_row_is_recorded_and_the_others_still_judged():
+    """One GPU run measures every target: a row that raises leaves an ``error`` in
+    its place (and in the summary) instead of ending the run."""
+    import torch
+
+    from benchmarks import bench_elastic
+
+    payload: dict = {}
+    bench_elastic._row(payload, "moves", lambda: 1 // 0)
+    bench_elastic._row(payload, "hot_idle", lambda: {"concurrency_ratio": 3.0})
+    assert payload["moves"] == {"error": "ZeroDivisionError: integer division or modulo by zero"}
+    rows = bench_elastic.targets(payload, torch.device("cpu"))
+    assert rows["hot_idle_concurrency"]["met"] and rows["hot_idle_concurrency"]["figure"] == 3.0
+    assert "error" in rows["moves_bandwidth"] and "error" in rows["grow"]
+    lines = bench_elastic.summary(rows)
+    assert any(line.startswith("moves_bandwidth: ERROR") for line in lines)
