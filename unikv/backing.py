@@ -190,10 +190,10 @@ class _CudaRange:
 
 def _check(result: Any, what: str) -> Any:
     """Unpack a cuda-bindings ``(CUresult, *values)`` tuple; raise on an error."""
-    from cuda.bindings import driver
-
     err, *values = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    if err != getattr(type(err), "CUDA_SUCCESS", 0):  # (no import per call: a resize
+        from cuda.bindings import driver  # of 1 GiB makes a thousand of these calls)
+
         _, name = driver.cuGetErrorName(err)
         raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
     return values[0] if len(values) == 1 else values
