@@ -214,9 +214,12 @@ def after_capture(device: torch.device, margin: int, max_num_seqs: int) -> dict:
     for name, extra in (("estimate", {}), ("after_capture", {"kv_cache_margin_bytes": margin})):
         gc.collect()
         torch.cuda.empty_cache()
+        _sync(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
         start = time.perf_counter()
         llm = LLM(str(path), **kw, **extra)
         out[name] = {
+            "free_before_bytes": free_before,
             "pool_bytes": llm.pool.total_bytes,
             "free_after_bytes": (_sync(device), torch.cuda.mem_get_info(device)[0])[1],
             "graphs": llm.runner.graphs is not None,
@@ -229,6 +232,8 @@ def after_capture(device: torch.device, margin: int, max_num_seqs: int) -> dict:
         del llm
     gc.collect()
     torch.cuda.empty_cache()
+    before = [out[n]["free_before_bytes"] for n in ("estimate", "after_capture")]
+    out["comparable"] = abs(before[0] - before[1]) <= GIB  # else the first LLM's memory stayed
     out["ratio"] = out["after_capture"]["pool_bytes"] / out["estimate"]["pool_bytes"]
     out["more_bytes"] = out["after_capture"]["pool_bytes"] - out["estimate"]["pool_bytes"]
     return out
@@ -332,12 +337,7 @@ def targets(p: dict, device: torch.device) -> dict:
                                                 "x fixed half", ">= 1.5",
                                                 p["hot_idle"]["concurrency_ratio"] / 1.5),
         "handed_back": lambda: _handed_back(p),
-        "after_capture": lambda: _target(
-            p["after_capture"]["ratio"], "x today's estimate", "> 1 (more usable bytes)",
-            # strictly more: a ratio of exactly 1 is not met
-            p["after_capture"]["ratio"] if p["after_capture"]["ratio"] > 1 else 0.0,
-            bytes=[p["after_capture"]["estimate"]["pool_bytes"],
-                   p["after_capture"]["after_capture"]["pool_bytes"]]),
+        "after_capture": lambda: _after_capture_row(p["after_capture"]),
     }  # fmt: skip
     out = {}
     for name, make in makers.items():
@@ -349,6 +349,17 @@ def targets(p: dict, device: torch.device) -> dict:
         except (KeyError, TypeError, ZeroDivisionError) as err:  # its row failed
             out[name] = {"error": f"no figure ({type(err).__name__}: {err})"}
     return out
+
+
+def _after_capture_row(ac: dict) -> dict:
+    if not ac["comparable"]:
+        return {"error": "the two LLMs started from different free memory (the first one's "
+                         f"was not given back): {ac['estimate']['free_before_bytes']} and "
+                         f"{ac['after_capture']['free_before_bytes']} bytes"}  # fmt: skip
+    ratio = ac["ratio"]  # strictly more bytes: a ratio of exactly 1 is not met
+    return _target(ratio, "x today's estimate", "> 1 (more usable bytes)",
+                   ratio if ratio > 1 else 0.0,
+                   bytes=[ac["estimate"]["pool_bytes"], ac["after_capture"]["pool_bytes"]])  # fmt: skip
 
 
 def _handed_back(p: dict) -> dict:

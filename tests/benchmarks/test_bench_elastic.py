@@ -63,3 +63,37 @@ def test_a_failed_row_is_recorded_and_the_others_still_judged():
     assert "error" in rows["moves_bandwidth"] and "error" in rows["grow"]
     lines = bench_elastic.summary(rows)
     assert any(line.startswith("moves_bandwidth: ERROR") for line in lines)
+
+
+def test_the_cuda_rows_judge_their_figures():
+    """The rows only a GPU run fills (handed back, after capture), judged from a
+    payload of known figures: within a chunk is met, a chunk and a byte is not;
+    more pool bytes than the estimate is met, two LLMs that started from
+    different free memory are no comparison."""
+    import torch
+
+    from benchmarks import bench_elastic
+
+    chunk = 2 * MIB
+    after = {"estimate": {"pool_bytes": 70 << 30, "free_before_bytes": 79 << 30},
+             "after_capture": {"pool_bytes": 77 << 30, "free_before_bytes": 79 << 30},
+             "ratio": 77 / 70, "comparable": True}  # fmt: skip
+    payload = {
+        "grow_shrink": {"grow_ms": 5.0, "shrink_ms": 20.0, "chunk_bytes": chunk,
+                        "driver_error_bytes": 4096},
+        "moves": {"fraction_of_ceiling": 0.9, "handed_back_bytes": 1 << 30,
+                  "released_bytes": (1 << 30) + chunk + 1},
+        "hot_idle": {"concurrency_ratio": 1.4},
+        "after_capture": after,
+    }  # fmt: skip
+    rows = bench_elastic.targets(payload, torch.device("cuda"))
+    assert [rows[n]["met"] for n in ("grow", "shrink", "moves_bandwidth")] == [True, False, True]
+    assert not rows["hot_idle_concurrency"]["met"]
+    assert rows["handed_back"]["figure"] == chunk + 1 and not rows["handed_back"]["met"]
+    payload["moves"]["released_bytes"] = (1 << 30) + chunk
+    assert bench_elastic.targets(payload, torch.device("cuda"))["handed_back"]["met"]
+    assert rows["after_capture"]["met"] and rows["after_capture"]["bytes"] == [70 << 30, 77 << 30]
+    after["comparable"] = False
+    row = bench_elastic.targets(payload, torch.device("cuda"))["after_capture"]
+    assert "different free memory" in row["error"]
+    assert len(bench_elastic.summary(rows)) == 6
