@@ -83,9 +83,12 @@ class Backing:
         """Give the committed chunks of ``[lo, hi)`` (chunk-aligned) back. The caller
         makes sure no queued work still touches them. Returns the bytes released."""
         gone = [c for c in self._span(lo, hi, "release") if c in self._chunks]
-        for c in gone:
-            self._release(c * self.chunk)
-            self._chunks.discard(c)
+        start = 0
+        for i in range(1, len(gone) + 1):  # one call per run of adjacent chunks
+            if i == len(gone) or gone[i] != gone[i - 1] + 1:
+                self._release_run(gone[start] * self.chunk, (gone[i - 1] + 1) * self.chunk)
+                self._chunks.difference_update(gone[start:i])
+                start = i
         return len(gone) * self.chunk
 
     @property
@@ -143,6 +146,11 @@ class Backing:
     def _release(self, offset: int) -> None:
         raise NotImplementedError
 
+    def _release_run(self, lo: int, hi: int) -> None:
+        """Give back the chunks of ``[lo, hi)`` (all committed)."""
+        for offset in range(lo, hi, self.chunk):
+            self._release(offset)
+
     def _unreserve(self) -> None:
         pass
 
@@ -182,10 +190,10 @@ class _CudaRange:
 
 def _check(result: Any, what: str) -> Any:
     """Unpack a cuda-bindings ``(CUresult, *values)`` tuple; raise on an error."""
-    from cuda.bindings import driver
-
     err, *values = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    if err != getattr(type(err), "CUDA_SUCCESS", 0):  # (no import per call: a resize
+        from cuda.bindings import driver  # of 1 GiB makes a thousand of these calls)
+
         _, name = driver.cuGetErrorName(err)
         raise RuntimeError(f"{what} failed: {name.decode() if name else err}")
     return values[0] if len(values) == 1 else values
@@ -209,6 +217,21 @@ class _Mapping:
         self.enter()
         _check(self.driver.cuMemUnmap(self.base + offset, self.chunk), "cuMemUnmap")
         _check(self.driver.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
+
+    def unmap_run(self, lo: int, hi: int) -> None:
+        """Unmap and release the chunks of ``[lo, hi)``: the context made current
+        once, one ``cuMemUnmap`` over the run when the driver takes a range of whole
+        mappings (else one per chunk), then each chunk's handle released."""
+        if hi - lo == self.chunk:
+            return self.unmap(lo)
+        self.enter()
+        d = self.driver
+        if d.cuMemUnmap(self.base + lo, hi - lo)[0] != d.CUresult.CUDA_SUCCESS:
+            for offset in range(lo, hi, self.chunk):
+                _check(d.cuMemUnmap(self.base + offset, self.chunk), "cuMemUnmap")
+        for offset in range(lo, hi, self.chunk):
+            _check(d.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
+        return None
 
     def free(self) -> None:
         for offset in list(self.handles):
@@ -303,6 +326,9 @@ class CudaBacking(Backing):
     def _release(self, offset: int) -> None:
         self._map.unmap(offset)
 
+    def _release_run(self, lo: int, hi: int) -> None:
+        self._map.unmap_run(lo, hi)
+
     def _unreserve(self) -> None:
         """Views still alive would point at freed addresses: close only a pool no
         one reads any more."""
@@ -345,6 +371,9 @@ class SliceBacking(Backing):
 
     def _release(self, offset: int) -> None:
         self.parent.release(self.offset + offset, self.offset + offset + self.chunk)
+
+    def _release_run(self, lo: int, hi: int) -> None:
+        self.parent.release(self.offset + lo, self.offset + hi)
 
     def _unreserve(self) -> None:
         self.tensor = self.tensor[:0]

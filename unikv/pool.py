@@ -421,11 +421,14 @@ class UnifiedPool:
         dst_pages: PhysicalPageIds,
         *,
         check: bool = True,
+        disjoint: bool = False,
     ) -> None:
         """Copy whole page envelopes ``src -> dst`` of sub-pool ``name``: one
         envelope copy per page. Every source is read before any destination is
         written. ``check`` validates on the host (a sync); the allocator, which
-        keeps these invariants itself, passes ``check=False``."""
+        keeps these invariants itself, passes ``check=False``. ``disjoint``: the
+        caller promises no page is both a source and a destination (compaction:
+        live pages into holes), so the copy runs in one pass, half the traffic."""
         subpool = self[name]
         src = expect(src_pages, PhysicalPageIds, "move_pages src_pages", name)
         dst = expect(dst_pages, PhysicalPageIds, "move_pages dst_pages", name)
@@ -433,7 +436,10 @@ class UnifiedPool:
             self._check_move(subpool, src, dst)
         if src.numel() == 0:
             return
-        self._copy_pages(self.buffer, src, dst, subpool.page_bytes)
+        if disjoint:
+            self._copy_pages(self.buffer, src, dst, subpool.page_bytes, disjoint=True)
+        else:
+            self._copy_pages(self.buffer, src, dst, subpool.page_bytes)
 
     def _check_move(self, subpool: SubPool, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.shape != dst.shape or src.dim() != 1:

@@ -389,6 +389,7 @@ class FakeDriver:
         self.handles: set[int] = set()
         self.next_handle = 1
         self.fail_create_after: int | None = None
+        self.unmap_calls = self.refused_runs = 0
 
     @staticmethod
     def CUmemAllocationProp():
@@ -456,9 +457,20 @@ class FakeDriver:
             assert a in self.mapped, "access set on an unmapped address"
         return (0,)
 
+    unmap_runs = True  # False: a driver that unmaps one mapping per call only
+
     def cuMemUnmap(self, ptr, size):
-        assert size == self.GRANULE and ptr in self.mapped, "unmapped an unmapped chunk"
-        del self.mapped[ptr]
+        """A range of whole mappings (CUDA's samples unmap several at once); with
+        ``unmap_runs`` off, more than one mapping is CUDA_ERROR_INVALID_VALUE."""
+        assert size % self.GRANULE == 0 and size > 0
+        if size > self.GRANULE and not self.unmap_runs:
+            self.refused_runs += 1
+            return (1,)
+        for a in range(ptr, ptr + size, self.GRANULE):
+            assert a in self.mapped, "unmapped an unmapped chunk"
+        for a in range(ptr, ptr + size, self.GRANULE):
+            del self.mapped[a]
+        self.unmap_calls += 1
         return (0,)
 
 
@@ -505,6 +517,14 @@ def test_cuda_backing_protocol_against_a_fake_driver(monkeypatch):
         b.commit(8 * g, 11 * g)
         b.release(4 * g, 11 * g)
         b.commit(4 * g, 8 * g)
+    calls = fake.unmap_calls
+    b.release(4 * g, 8 * g)  # one run of 4 chunks: one unmap call
+    assert fake.unmap_calls == calls + 1 and b.committed == [(0, g), (2 * g, 4 * g)]
+    fake.unmap_runs = False  # a driver refusing a run: one unmap per chunk instead
+    b.commit(4 * g, 8 * g)
+    b.release(3 * g, 8 * g)
+    assert fake.refused_runs == 1 and fake.unmap_calls == calls + 1 + 5
+    assert set(fake.mapped) == {base, base + 2 * g} and len(fake.handles) == 2
     b.close()
     assert not fake.mapped and not fake.handles and not fake.reserved, "everything went back"
 

@@ -51,6 +51,7 @@ def compact_to(
                 PhysicalPageIds(ids[: len(src)], name),
                 PhysicalPageIds(ids[len(src) :], name),
                 check=False,
+                disjoint=True,  # live pages into holes: no page is both
             )
             book.take_these(dst)
             writer.move(book, book.apply_moves(src, dst), src, dst)

@@ -4,7 +4,8 @@
     GET  /v1/models, /health, /metrics
     POST /reset_prefix_cache, /admin/resize_kv_cache  (only with ``enable_admin_routes``)
 
-Several models (a ``MultiLLM``, one KV budget): one ``Server`` per model, each
+Several models (a ``MultiLLM``, one KV budget, here or in the engine process:
+``engine_client.ProcMulti``): one ``Server`` per model, each
 request goes to the one its ``model`` names (404 naming the served models
 otherwise); ``/v1/models`` lists them all.
 
@@ -318,8 +319,9 @@ def _servers(llm, names, max_waiting, on_death, options) -> dict:
     """{served name: Server}: one Server for every name of one LLM, or one per
     model of a ``MultiLLM`` (named by ``names`` in order, default its own names)."""
     from unikv.engine.multi import MultiLLM  # (lazy: the API process loads no model code)
+    from unikv.serving.engine_client import ProcMulti
 
-    if not isinstance(llm, MultiLLM):
+    if not isinstance(llm, (MultiLLM, ProcMulti)):
         server = Server(llm, names, max_waiting, on_death, options)
         return dict.fromkeys(names, server)
     names = names or llm.names

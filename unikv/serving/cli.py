@@ -6,6 +6,9 @@ The engine (scheduler and forward) runs in its own process by default
 (``engine_core``, fed over ZeroMQ by ``engine_client.ProcEngine``); this
 process does HTTP, tokenization, chat templates and detokenization.
 ``--in-process-engine`` keeps the engine loop in a thread of this process.
+Several models (``--model A --model B``, one ``--kv-cache`` budget) share ONE
+engine process holding a ``MultiLLM`` (``engine_client.ProcMulti``: a socket
+pair per model, requests routed by their ``model``).
 
 If the engine loop or its process dies, this process exits with status 1
 within seconds (after the failed requests got their errors), so that a
@@ -309,11 +312,9 @@ def kv_idle(args) -> list | None:
     return [args.kv_idle_seconds, parse_bytes(args.kv_idle_shrink_floor)]
 
 
-def multi_llm(args, models: list[str]):
-    """The ``MultiLLM`` of ``--model A --model B ...``: one engine process (this
-    one), one KV budget (``--kv-cache``, required), each request routed by name."""
-    from unikv.engine.multi import MultiLLM
-
+def multi_spec(args, models: list[str]) -> tuple[list[str], int, dict]:
+    """(served names, the shared KV budget, the ``MultiLLM`` keyword arguments every
+    model takes) of ``--model A --model B ...`` (ValueError for bad options)."""
     names = args.served_model_name or models
     if len(names) != len(models) or len(set(names)) != len(names):
         raise ValueError(
@@ -331,20 +332,44 @@ def multi_llm(args, models: list[str]):
     kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     kwargs = {k: v for k, v in kwargs.items() if k not in skip}
     idle = kv_idle(args)
-    return MultiLLM(
-        dict(zip(names, models, strict=True)),
-        total_kv_bytes=total,
-        idle_seconds=idle[0] if idle else None,
-        idle_floor=idle[1] if idle else None,
-        **kwargs,
-    ), names
+    kwargs.update(idle_seconds=idle[0] if idle else None, idle_floor=idle[1] if idle else None)
+    return list(names), total, kwargs
 
 
-def _spawn_engine(args):
+def multi_llm(args, models: list[str]):
+    """The ``MultiLLM`` of ``--model A --model B ...`` in this process
+    (``--in-process-engine``): one KV budget (``--kv-cache``, required), each
+    request routed by name."""
+    from unikv.engine.multi import MultiLLM
+
+    names, total, kwargs = multi_spec(args, models)
+    return MultiLLM(dict(zip(names, models, strict=True)), total_kv_bytes=total, **kwargs), names
+
+
+def _spawn_multi(args, models: list[str]):
+    """The engine process of several models (``engine_client.ProcMulti``: one
+    process holds the ``MultiLLM`` and its one budget), started without waiting;
+    None for bad options (reported by ``multi_spec`` below)."""
+    from unikv.serving.engine_client import ProcMulti
+
+    try:
+        names, total, kwargs = multi_spec(args, models)
+        config = engine_config(args)
+    except (ValueError, TypeError):
+        return None
+    configs = {n: config.replace(model=m) for n, m in zip(names, models, strict=True)}
+    return ProcMulti(configs, total_kv_bytes=total, kwargs=kwargs, max_waiting=args.max_waiting,
+                     fault=serve_environ().engine_fault, wait=False,
+                     switch_interval=sys.getswitchinterval())  # fmt: skip
+
+
+def _spawn_engine(args, models: list[str]):
     """The engine process, started before this process's own imports (they load in
     parallel); None with --in-process-engine or a bad port."""
     if args.in_process_engine or not 0 <= args.port < 65536:
         return None
+    if len(models) > 1:
+        return _spawn_multi(args, models)
     from unikv.serving.engine_client import ProcEngine
 
     try:
@@ -372,11 +397,9 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"unikv serve: {err}", file=sys.stderr)
         return 2
-    from unikv.serving.engine_client import EngineStartError, ProcEngine
+    from unikv.serving.engine_client import EngineStartError, ProcEngine, ProcMulti
 
-    if len(models) > 1:  # one process, one budget (docs/design.md section 4)
-        args.in_process_engine = True
-    llm = _spawn_engine(args)
+    llm = _spawn_engine(args, models)  # several models: one engine process, one budget
     import uvicorn
 
     from unikv.engine.budget_broker import idle_budget
@@ -402,10 +425,16 @@ def serve_main(argv: list[str]) -> int:
             raise ValueError(f"--port must be in [0, 65536), got {args.port}")
         if llm is None and not args.in_process_engine:
             engine_config(args)  # raises: the options are bad
+            if len(models) > 1:
+                multi_spec(args, models)
         names = args.served_model_name or [args.model]
-        if len(models) > 1:
+        if len(models) > 1 and args.in_process_engine:
             llm, names = multi_llm(args, models)
             where = f"{len(models)} models, one {llm.budget.total_bytes}-byte KV budget"
+        elif len(models) > 1:  # one engine process holds every model (ProcMulti)
+            llm.wait_ready()
+            names, pid = llm.names, llm[llm.names[0]].info["pid"]
+            where = f"{len(models)} models, one KV budget, engine process {pid}"
         elif args.in_process_engine:
             fault = _fault_steps(serve_environ().engine_fault)
             llm = LLM(engine_config(args))
@@ -427,7 +456,7 @@ def serve_main(argv: list[str]) -> int:
             options=options,
         )
     except (ValueError, TypeError, EngineStartError) as err:
-        if isinstance(llm, ProcEngine):
+        if isinstance(llm, (ProcEngine, ProcMulti)):
             llm.close()
         print(f"unikv serve: error: {err}", file=sys.stderr)
         return 2

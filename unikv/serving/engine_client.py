@@ -86,6 +86,7 @@ class ProcEngine:
         self, config, *, max_waiting=None, on_death=None, fault=None, wait: bool = True,
         kv_idle=None,
         switch_interval: float | None = None,
+        spawn: bool = True,
     ) -> None:  # fmt: skip
         import pickle
 
@@ -129,11 +130,8 @@ class ProcEngine:
                  "max_waiting": max_waiting or None, "fault": fault,
                  "parent": os.getpid(), "kv_idle": kv_idle,
                  "switch_interval": switch_interval}  # fmt: skip
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "unikv.serving.engine_core"], stdin=subprocess.PIPE
-        )
-        self.proc.stdin.write(self.enc.encode(setup))
-        self.proc.stdin.close()
+        self.group: set | None = None  # the channels sharing one process (ProcMulti)
+        self.proc = _spawn(self.enc.encode(setup)) if spawn else None  # (ProcMulti: its own)
         self.model = config.model
         self.info: dict | None = None
         self.front = None
@@ -286,13 +284,23 @@ class ProcEngine:
     def resize_kv_cache(self, total_bytes: int) -> int:
         return self.call("resize_kv_cache", total_bytes)
 
+    def _leave(self) -> bool:
+        """Whether no other channel of this engine process is open (always, for
+        one model); this channel counts as closed from now on."""
+        if self.group is None:
+            return True
+        self.group.discard(self)
+        return not self.group
+
     def shutdown(self) -> None:
         self._stopping = True
+        last = self._leave()  # a model of several: its loop stops, the process waits
         if self.proc.poll() is None:
             with contextlib.suppress(Exception):  # (it is killed below)
                 self._send(("stop",))
-                self.proc.wait(timeout=15)
-        if self.proc.poll() is None:
+                if last:
+                    self.proc.wait(timeout=15)
+        if last and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.close()
@@ -300,7 +308,7 @@ class ProcEngine:
     def close(self) -> None:
         import shutil
 
-        if self.proc.poll() is None:
+        if self._leave() and self.proc.poll() is None:
             self.proc.kill()
         self._unwatch()
         for s in (self.inputs, self.outputs):
@@ -416,6 +424,73 @@ class ProcEngine:
             self._later(_dispatch, pairs)
         if self.on_death is not None:
             self._later(self.on_death, RuntimeError(message))
+
+
+def _spawn(setup: bytes) -> subprocess.Popen:
+    """Start the engine process and hand it its (msgpack) setup on stdin."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unikv.serving.engine_core"], stdin=subprocess.PIPE
+    )
+    proc.stdin.write(setup)
+    proc.stdin.close()
+    return proc
+
+
+class ProcMulti:
+    """Several models under one KV budget in ONE engine process (a ``MultiLLM``
+    there: one reservation, one ``SharedBudget``, each model's loop in a thread of
+    its own), with one ``ProcEngine`` channel (a socket pair) per model here.
+
+    One process rather than one per model: the models' pools are slices of one
+    reserved range and the capacity oracle moves committed chunks between them
+    between steps; that needs every pool in one address space (several processes
+    would need CUDA IPC handles of the reservation and a budget kept across
+    processes). Args: ``models`` {served name: ``EngineConfig``} (each one's
+    ``model`` is the checkpoint, whose tokenizer this process loads);
+    ``total_kv_bytes`` the shared budget; ``kwargs`` the ``MultiLLM`` keyword
+    arguments every model takes (``idle_seconds``/``idle_floor`` among them);
+    the rest as ``ProcEngine``'s.
+    """
+
+    budget = None  # the shared budget and its idle watcher live in the engine process
+
+    def __init__(
+        self, models: dict, *, total_kv_bytes: int, kwargs: dict, max_waiting=None,
+        fault=None, switch_interval: float | None = None, wait: bool = True,
+    ) -> None:  # fmt: skip
+        import pickle
+
+        self.engines = {
+            name: ProcEngine(config, max_waiting=max_waiting, wait=False, spawn=False)
+            for name, config in models.items()
+        }
+        group = set(self.engines.values())
+        spec = {"models": {n: c.model for n, c in models.items()},
+                "total_kv_bytes": total_kv_bytes, "kwargs": kwargs}  # fmt: skip
+        setup = {"multi": pickle.dumps(spec), "max_waiting": max_waiting or None,
+                 "fault": fault, "parent": os.getpid(), "switch_interval": switch_interval,
+                 "channels": [[n, e.addr_in, e.addr_out] for n, e in self.engines.items()]}  # fmt: skip
+        proc = _spawn(msgspec.msgpack.encode(setup))
+        for engine in self.engines.values():
+            engine.proc, engine.group = proc, group
+        if wait:
+            self.wait_ready()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.engines)
+
+    def __getitem__(self, name: str) -> ProcEngine:
+        return self.engines[name]
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> ProcMulti:
+        for engine in self.engines.values():
+            engine.wait_ready(timeout_s)
+        return self
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
 
 
 def _resolve(future, value) -> None:

@@ -228,37 +228,56 @@ class Core:
             return
         self.send(("ret", cid, True, value))
 
-    def serve(self, inputs) -> int:
-        import zmq
+    def handle(self, msg) -> bool:
+        """One message of the API process; True when it was ``stop`` (this loop ended)."""
+        kind = msg[0]
+        if kind == "add":
+            self.add(msg[1], msg[2], msg[3])
+        elif kind == "abort":
+            self.abort(msg[1])
+        elif kind == "cut":
+            self.cut(msg[1])
+        elif kind == "call":
+            self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else ())
+        elif kind == "stop":
+            self.loop.shutdown(drain=False, timeout=10)
+            return True
+        else:
+            raise AssertionError(f"engine protocol: unknown message {kind!r}")
+        return False
 
-        dec = msgspec.msgpack.Decoder()
-        poller = zmq.Poller()
-        poller.register(inputs, zmq.POLLIN)
-        self.loop.start()
-        if self.budget is not None:
-            self.budget.start()
-        while True:
-            if self.dead.is_set():
-                return EXIT_DEATH
-            if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
-                os._exit(0)
-            if not poller.poll(POLL_MS):
-                continue
-            msg = dec.decode(inputs.recv(copy=False))
-            kind = msg[0]
-            if kind == "add":
-                self.add(msg[1], msg[2], msg[3])
-            elif kind == "abort":
-                self.abort(msg[1])
-            elif kind == "cut":
-                self.cut(msg[1])
-            elif kind == "call":
-                self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else ())
-            elif kind == "stop":
-                self.loop.shutdown(drain=False, timeout=10)
-                return 0
-            else:
-                raise AssertionError(f"engine protocol: unknown message {kind!r}")
+    def serve(self, inputs) -> int:
+        return serve_all([self], [inputs])
+
+
+def serve_all(cores: list[Core], inputs: list) -> int:
+    """Answer the API process until every core got ``stop`` (0) or a loop died
+    (EXIT_DEATH). ``inputs[i]`` feeds ``cores[i]``: one channel per model of a
+    ``MultiLLM``, all of them in this one thread."""
+    import zmq
+
+    dec = msgspec.msgpack.Decoder()
+    poller = zmq.Poller()
+    for sock in inputs:
+        poller.register(sock, zmq.POLLIN)
+    for core in cores:
+        core.loop.start()
+        if core.budget is not None:
+            core.budget.start()
+    open_ = set(range(len(cores)))
+    while open_:
+        if any(core.dead.is_set() for core in cores):
+            return EXIT_DEATH
+        if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
+            os._exit(0)
+        ready = dict(poller.poll(POLL_MS))
+        for i, sock in enumerate(inputs):
+            if i in open_ and sock in ready and cores[i].handle(dec.decode(sock.recv(copy=False))):
+                open_.discard(i)
+    for core in cores:
+        if core.budget is not None:
+            core.budget.stop()
+    return 0
 
 
 def ready_info(llm) -> dict:
@@ -275,6 +294,51 @@ def ready_info(llm) -> dict:
     }
 
 
+def _single(setup, ctx) -> tuple[list[Core], object]:
+    """The one LLM of ``setup["config"]``: ([its Core], the LLM)."""
+    import pickle
+
+    from unikv.engine.budget_broker import idle_budget
+    from unikv.engine.llm import LLM
+
+    llm = LLM(pickle.loads(setup["config"]))  # the API process's own config
+    _fault(llm, setup.get("fault"))
+    core = _core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
+    idle = setup.get("kv_idle")  # [seconds, floor bytes]: shrink when idle
+    if idle:
+        core.budget = idle_budget(llm, idle[0], idle[1])  # its watcher: in serve
+    return [core], llm
+
+
+def _multi(setup, ctx) -> tuple[list[Core], object]:
+    """The ``MultiLLM`` of ``setup["multi"]`` (``unikv serve --model A --model B``):
+    one Core per model, each on its own socket pair; the shared budget's idle
+    watcher starts with the first one."""
+    import pickle
+
+    from unikv.engine.multi import MultiLLM
+
+    spec = pickle.loads(setup["multi"])  # {"models", "total_kv_bytes", "kwargs"}
+    multi = MultiLLM(spec["models"], total_kv_bytes=spec["total_kv_bytes"], **spec["kwargs"])
+    cores = []
+    for name, _inputs, outputs in setup["channels"]:
+        llm = multi[name]
+        _fault(llm, setup.get("fault"))
+        cores.append(_core(llm, ctx, outputs, setup.get("max_waiting")))
+    cores[0].budget = multi.budget  # one watcher for every model
+    return cores, multi
+
+
+def _core(llm, ctx, outputs: str, max_waiting) -> Core:
+    from unikv.engine.budget_broker import resize_kv
+    from unikv.engine.structured import compile_structured
+
+    core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
+                partial(compile_structured, llm), ctx, outputs, max_waiting)  # fmt: skip
+    core.resize_kv = partial(resize_kv, llm)  # the admin route's resize (within a shared budget)
+    return core
+
+
 def main() -> int:
     import zmq
 
@@ -285,39 +349,34 @@ def main() -> int:
     if os.getppid() != PARENT[0]:
         return 0
     ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    inputs.connect(setup["inputs"])
-    boot = _push(ctx, setup["outputs"])
+    multi = bool(setup.get("multi"))
+    channels = setup["channels"] if multi else [(None, setup["inputs"], setup["outputs"])]
+    inputs = []
+    for _, address, _ in channels:
+        inputs.append(ctx.socket(zmq.PULL))
+        inputs[-1].connect(address)
+    boots = [_push(ctx, out) for _, _, out in channels]  # one boot message per channel
     try:
-        import pickle
-
-        from unikv.engine.budget_broker import idle_budget, resize_kv
-        from unikv.engine.llm import LLM
-
-        llm = LLM(pickle.loads(setup["config"]))  # the API process's own config
-        _fault(llm, setup.get("fault"))
-        from unikv.engine.structured import compile_structured
-
-        core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
-                    partial(compile_structured, llm), ctx, setup["outputs"],
-                    setup.get("max_waiting"))  # fmt: skip
-        core.resize_kv = partial(resize_kv, llm)  # the admin route's resize
-        idle = setup.get("kv_idle")  # [seconds, floor bytes]: shrink when idle
-        if idle:
-            core.budget = idle_budget(llm, idle[0], idle[1])  # its watcher: in serve
+        cores, built = (_multi if multi else _single)(setup, ctx)
     except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
-        send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
-        boot.close()
+        for boot in boots:
+            send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
+            boot.close()
         return 2
-    send_or_exit(boot, msgspec.msgpack.encode(("ready", ready_info(llm))))
-    boot.close()
+    llms = [built[name] for name, _, _ in channels] if multi else [built]
+    for boot, llm in zip(boots, llms, strict=True):
+        send_or_exit(boot, msgspec.msgpack.encode(("ready", ready_info(llm))))
+        boot.close()
     import gc
 
     gc.collect()  # the model, its modules and the imports are kept for good: out of the
     gc.freeze()  # collector's full passes (each a pause of every step while serving)
-    rc = core.serve(inputs)
-    for s in (core.main_out, core.step_out, inputs):
-        s.close()
+    rc = serve_all(cores, inputs)
+    for core in cores:
+        core.main_out.close()
+        core.step_out.close()
+    for sock in inputs:
+        sock.close()
     ctx.term()
     return rc
 

@@ -227,10 +227,16 @@ def extend_attention(
 
 
 def copy_pages(
-    buffer: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, page_bytes: int
+    buffer: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    page_bytes: int,
+    *,
+    disjoint: bool = False,
 ) -> None:
     """Copy page envelopes ``src -> dst`` inside a 1-D uint8 buffer; every source
-    is read before any destination is written. src/dst: (n,) int32/int64 physical pages."""
+    is read before any destination is written. src/dst: (n,) int32/int64 physical pages.
+    ``disjoint`` (the Triton copy's one-pass promise) changes nothing here."""
     num_pages = buffer.numel() // page_bytes
     rows = buffer[: num_pages * page_bytes].view(num_pages, page_bytes)  # (pages, envelope)
     rows.index_copy_(0, dst_pages.long(), rows.index_select(0, src_pages.long()))

@@ -23,10 +23,13 @@ class CopyPages(Protocol):
         src_pages: torch.Tensor,
         dst_pages: torch.Tensor,
         page_bytes: int,
+        *,
+        disjoint: bool = False,
     ) -> None:
         """Whole page envelopes ``src -> dst`` inside the 1-D uint8 ``buffer``; every
         source is read before any destination is written. src/dst (n,) int32/int64
-        physical pages."""
+        physical pages. ``disjoint``: no page is both a source and a destination (the
+        copy may run in one pass)."""
         ...
 
 
