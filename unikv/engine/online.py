@@ -8,8 +8,10 @@ by the thread that runs the steps: the loop's own thread after ``start()``, or
 the caller of ``LLM.generate`` (``run_inline``).
 
 One step keeps one step in flight (as ``LLM`` always did; with speculative decoding
-on, each step is settled before the next is planned, since drafts read the tokens,
-and a verify step is applied at once: ``Scheduler.complete_verify``):
+on, a step that may speculate is planned after the last one settled, since drafts
+read the tokens, and a verify step is applied at once: ``Scheduler.complete_verify``;
+while the batch-size rule keeps speculation off, ``Scheduler.may_speculate``, the
+steps run as without it, one in flight):
 
     drain inbox (new requests, aborts) -> schedule N -> launch N
     -> settle N-1 (its tokens reach the host; stop tokens cut; each tracked
@@ -330,8 +332,8 @@ class EngineLoop:
         if self._held or self._quarantined:
             self._probe_next()
         sched = self.scheduler
-        if sched.spec is not None:  # drafts read the tokens: the last step settles first
-            self._settle_last()
+        if sched.may_speculate():  # drafts read the tokens: the last step settles first
+            self._settle_last()  # (past the batch-size rule the step in flight stays: plain)
         if not sched.has_work():
             self._settle_last()
             return None

@@ -118,6 +118,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_speculate(self) -> bool:
+        """Whether the next step may verify drafts: a speculator is set and the
+        running requests are within its batch-size rule (``disable_by_batch_size``).
+        The loop settles the step in flight first only then; past the rule the step
+        is the plain engine's, planned while the last one runs (one check, no loop
+        over requests). Should a preemption while scheduling bring that batch under
+        the rule, it stays plain (its tokens are not settled:
+        ``speculative.engine.settled``); the next step settles first."""
+        spec = self.spec
+        return spec is not None and len(self.running) <= spec.config.disable_by_batch_size
+
     # -- planning ----------------------------------------------------------------
 
     def schedule(self) -> Batch:

@@ -4,7 +4,10 @@ verify batch's pages, and the rollback of what was rejected.
 A step speculates when it is a pure decode step (no prefill chunk to schedule),
 with at most ``disable_by_batch_size`` decoding requests, each of which samples
 without a per-token rule the drafts would bypass (penalties, logprobs, structured
-outputs, a min-tokens mask), and some request has a draft. Each request then feeds
+outputs, a min-tokens mask) and has its tokens on the host (``settled``), and some
+request has a draft. Past the batch-size rule nothing of this runs on the host but
+the count: the step is the plain engine's (its graphs, one step in flight:
+``Scheduler.may_speculate``). Each request then feeds
 ``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
 like a prefill chunk. After the step (``Scheduler.complete_verify``) the accepted
 rows stay, the rest are trimmed by ``alloc.truncate`` (pages emptied are freed, a
@@ -56,6 +59,14 @@ def spec_eligible(r: Request) -> bool:
     )
 
 
+def settled(r: Request) -> bool:
+    """Whether ``r``'s tokens are all on the host: no placeholder of a step still in
+    flight (``Pending``) ends its outputs. Drafts read them: a step that a loop plans
+    while the last one runs (the batch-size rule's steps) stays plain, whatever the
+    batch holds by then."""
+    return not r.output_ids or r.output_ids[-1] >= 0
+
+
 class Speculator:
     """Drafts for a step's decoding requests (``drafts``) and the counters."""
 
@@ -79,7 +90,7 @@ class Speculator:
         if len(decoding) > cfg.disable_by_batch_size:
             self.counters.skipped_by_batch_size += 1
             return None
-        if not all(spec_eligible(r) for r in decoding):
+        if not all(spec_eligible(r) and settled(r) for r in decoding):
             return None
         start = time.perf_counter()
         try:
