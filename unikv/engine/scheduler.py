@@ -126,8 +126,7 @@ class Scheduler:
         over requests). Should a preemption while scheduling bring that batch under
         the rule, it stays plain (its tokens are not settled:
         ``speculative.engine.settled``); the next step settles first."""
-        spec = self.spec
-        return spec is not None and len(self.running) <= spec.config.disable_by_batch_size
+        return self.spec is not None and self.spec.within_rule(len(self.running))
 
     # -- planning ----------------------------------------------------------------
 

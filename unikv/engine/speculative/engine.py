@@ -78,6 +78,11 @@ class Speculator:
         self.draft = None  # method "draft_model": its ``draft.DraftModel`` (LLM sets it)
         self.pad_drafts = False  # verify graphs: every request k drafts where it has room
 
+    def within_rule(self, batch: int) -> bool:
+        """The batch-size rule: a step of ``batch`` decoding requests may speculate
+        (at most ``disable_by_batch_size``; vLLM's rule)."""
+        return batch <= self.config.disable_by_batch_size
+
     def drafts(self, decoding: list[Request], allocate):
         """(per decoding request its draft tokens ((k_i,) int64, maybe empty), the
         verify rows' virtual ids from ``allocate(num_new)`` ((B,) int64 host array:
@@ -86,8 +91,7 @@ class Speculator:
         then placeholders ``-(1 + i)`` of index i there, read by the step planner)),
         or None when the step does not speculate. Drafts stop before the request's last allowed token (the bonus
         may be it) and fit the step's token budget."""
-        cfg = self.config
-        if len(decoding) > cfg.disable_by_batch_size:
+        if not self.within_rule(len(decoding)):
             self.counters.skipped_by_batch_size += 1
             return None
         if not all(spec_eligible(r) and settled(r) for r in decoding):
