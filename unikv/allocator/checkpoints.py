@@ -276,16 +276,16 @@ class StateCheckpoints:
             self.free_vids.extend(vids)
             self.evicted += len(vids)
 
-    def evict(self, count: int, reachable: Callable[[int], bool] | None = None) -> int:
+    def evict(self, count: int, reachable: Callable[[list[int]], list[bool]] | None = None) -> int:
         """Drop the ``count`` oldest evictable checkpoints (at most all); returns how
-        many. ``reachable``: the prefix cache's (node id -> whether a lookup reaches
-        it), passed by the caller so the checkpoints hold nothing above them; with a
+        many. ``reachable``: the prefix cache's ``reachable_many`` (node ids -> whether
+        a lookup reaches each, each ancestor walked once), passed by the caller so the checkpoints hold nothing above them; with a
         host tier the reachable ones go to the host (None: none is spilled)."""
         victims = list(self.lru)[:count]
         self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if reachable is not None and self.host is not None and victims:  # spill first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
-            marks = np.array([reachable(i) for i in victims], bool)
+            marks = np.array(reachable(victims), bool)
             copy = self.host.spill_checkpoints(self, victims, vids, marks)
             spilled = [i for i in victims if i in self.host.ckpts]
             for i in spilled:  # their device slots go (once copied); the host keeps them

@@ -50,6 +50,7 @@ from unikv.allocator.prefix_chain import (
     chain_hit,
     check_prefix_windows,
     reachable,
+    reachable_many,
 )
 from unikv.allocator.prefix_evict import (
     evict_dead,
@@ -368,6 +369,10 @@ class PrefixCache:
     def reachable(self, node_id: int) -> bool:
         """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
         return reachable(self.by_id, node_id)
+
+    def reachable_many(self, node_ids: list[int]) -> list[bool]:
+        """``reachable`` of each of ``node_ids``, each ancestor walked once."""
+        return reachable_many(self.by_id, node_ids)
 
     def _new_node(
         self, page: int, key: int, parent: int, block: bytes, salt: str | None = None

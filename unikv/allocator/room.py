@@ -182,7 +182,7 @@ class Room:
             return True
         states = self.prefix.states
         while states is not None and states.num_demoted:  # superseded checkpoints first,
-            states.evict(1, self.prefix.reachable)  # one at a time: a state slot's bytes
+            states.evict(1, self.prefix.reachable_many)  # one at a time: a state slot's bytes
             self.drain()
             if self._fits_free(new, virtual) or (
                 virtual <= self.vspace.num_free and self._grow_now(new)
@@ -216,7 +216,7 @@ class Room:
         if pages:
             self.writer.write(self.prefix.evict(batch))
         if states is not None and states.num_evictable and (new.get(states.book.name) or not pages):
-            return bool(states.evict(batch, self.prefix.reachable)) or bool(pages)
+            return bool(states.evict(batch, self.prefix.reachable_many)) or bool(pages)
         return bool(pages)
 
     def _deficit(self, new: Mapping[str, int], virtual: int) -> int:
