@@ -14,12 +14,15 @@ pt="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=240"
 lane() {
   local cap=$1 f; shift
   for f in "$@"; do
-    step "$(basename "$f" .py)" "$cap" $pt "$f"
-    echo "    $(basename "$f"): $(tail -1 "$R/logs/$(basename "$f" .py).log")" >>"$R/summary.txt"
+    local n; n=$(basename "${f//::/.}" .py)
+    step "$n" "$cap" $pt "$f"
+    echo "    $n: $(tail -1 "$R/logs/$n.log")" >>"$R/summary.txt"
   done
 }
 if [ "${PART:-a}" = a ]; then  # the engine files (split in session 22; not yet run as two parts)
-lane 480 tests/engine/test_engine_mimo_gpu.py &  # the wide MiMo: minutes on its own
+m=tests/engine/test_engine_mimo_gpu.py  # the wide MiMo: minutes on its own, so two lanes
+lane 480 $m::test_bf16_teacher_forced &
+lane 480 $m::test_fp32_greedy_identical_with_triton_and_graphs $m::test_fp32_graphs_under_preemption_and_tiny_chunks &
 lane 480 tests/engine/test_engine_gpu.py tests/engine/test_launch_gpu.py tests/allocator/test_allocator_gpu.py &
 lane 480 tests/engine/test_spec_gpu.py tests/engine/test_spec_rule.py &
 lane 480 tests/engine/test_engine_mamba_hybrids_gpu.py tests/engine/test_prefix_checkpoint_gpu.py \
