@@ -20,6 +20,13 @@ untimed steps: a CPU-measurable proxy of the GPU host cost. ``--backend triton``
 on CPU counts the CUDA path's ops (the Triton interpreter runs them).
 
     python benchmarks/bench_allocator.py --device cpu|cuda [--page-sizes 1,16]
+
+An A/B against another checkout (``git worktree add /tmp/base COMMIT``) runs this
+tree's bench and that tree's, each in a process of its own, in turn for ``--rounds``
+rounds (the order flipped each round, so drift hits both), and prints each part's
+time ratio this/base: the median of the per-round ratios and their range:
+
+    python benchmarks/bench_allocator.py --vs /tmp/base --rounds 8 --page-sizes 16
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -271,6 +280,77 @@ def environment(device: str) -> dict:
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", **shared()}
 
 
+AB_PARTS = (*PARTS, "separate", "decode_step")
+
+
+def _ab_times(row: dict) -> dict:
+    """One bench row's median host us per part, with the separate verbs' sum."""
+    times = dict(row["us"])
+    times["separate"] = row["us_per_step"]
+    times["decode_step"] = row["decode_step"]["us_per_step"]
+    return times
+
+
+def ab_ratios(this: list[dict], base: list[dict]) -> list[dict]:
+    """Per (page size, batch) and part: the ratio this/base of each round's medians
+    (rounds: lists of bench rows, one list per round, in one order); its median and
+    range, and both sides' median us."""
+    out = []
+    for i, first in enumerate(this[0]):
+        a = [_ab_times(rows[i]) for rows in this]
+        b = [_ab_times(rows[i]) for rows in base]
+        parts = {}
+        for part in AB_PARTS:
+            ratio = np.array([x[part] / y[part] for x, y in zip(a, b)])
+            parts[part] = {
+                "ratio": float(np.median(ratio)),
+                "ratio_range": [float(ratio.min()), float(ratio.max())],
+                "us": float(np.median([x[part] for x in a])),
+                "base_us": float(np.median([y[part] for y in b])),
+            }
+        out.append({"batch": first["batch"], "page_size": first["page_size"], "parts": parts})
+    return out
+
+
+def alternate(args: argparse.Namespace) -> None:
+    """``--vs``: this tree's bench and the other tree's, in turn, ``--rounds`` times."""
+    base = pathlib.Path(args.vs).resolve()
+    trees = {"this": pathlib.Path(__file__).resolve().parents[1], "base": base}
+    script = pathlib.Path("benchmarks") / "bench_allocator.py"
+    if not (base / script).is_file():
+        raise SystemExit(f"--vs {args.vs}: expected a checkout holding {script}, found none")
+    flags = ["--device", args.device, "--batches", args.batches, "--page-sizes", args.page_sizes]
+    flags += ["--steps", str(args.steps), "--seed", str(args.seed)]
+    flags += ["--backend", args.backend] if args.backend else []
+    runs: dict[str, list] = {"this": [], "base": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for side in ("this", "base") if r % 2 == 0 else ("base", "this"):
+                out = pathlib.Path(tmp) / f"{side}_{r}.json"
+                tree = trees[side]
+                cmd = [sys.executable, str(tree / script), *flags, "--out", str(out)]
+                subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL)
+                runs[side].append(json.loads(out.read_text())["rows"])
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    rows = ab_ratios(runs["this"], runs["base"])
+    print(
+        f"{'B':>4} {'ps':>3} {'part':>19} {'this/base':>9} {'range':>13} {'us':>9} {'base us':>9}"
+    )
+    for row in rows:
+        for part, p in row["parts"].items():
+            lo, hi = p["ratio_range"]
+            print(
+                f"{row['batch']:>4} {row['page_size']:>3} {part:>19} {p['ratio']:>9.3f} "
+                f"{lo:>6.3f}..{hi:<6.3f} {p['us']:>9.1f} {p['base_us']:>9.1f}"
+            )
+    default = pathlib.Path(__file__).parent / "results" / f"allocator_ab_{args.device}.json"
+    out = pathlib.Path(args.out) if args.out else default
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {**environment(args.device), "vs": str(base), "rounds": args.rounds, "rows": rows}
+    out.write_text(json.dumps(record, indent=2))
+    print(f"saved {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -282,7 +362,12 @@ def main() -> None:
     parser.add_argument(
         "--out", default=None, help="JSON path (default results/allocator_<device>.json)"
     )
+    parser.add_argument("--vs", default=None, help="A/B: a checkout of the base commit")
+    parser.add_argument("--rounds", type=int, default=6, help="A/B rounds (with --vs)")
     args = parser.parse_args()
+    if args.vs:
+        alternate(args)
+        return
     rows = []
     header = (
         f"{'B':>4} {'ps':>3} "

@@ -113,24 +113,22 @@ class StepBuffers:
         (stable ``data_ptr`` for CUDA graphs); None gives buffers of its own."""
         cols = -(-longest // self.page_size)
         checked, names = self._checked, self.names
-        given = block_tables is not None and write_ids is not None
-        if (
-            block_tables is not None
+        if (  # the hot path: the buffers checked before (no extra test on it)
+            checked is not None
+            and block_tables is not None
             and write_ids is not None
-            and checked is not None
             and bsz <= checked.rows
             and cols <= checked.cols
-        ):
-            same = len(block_tables) == len(write_ids) == len(names)
-            same = same and all(
+            and len(block_tables) == len(write_ids) == len(names)
+            and all(
                 block_tables.get(n) is t.table and write_ids.get(n) is t.loc
                 for n, t in zip(names, checked.targets)
             )
-            if same:  # the very tensors checked before, under the same names
-                return checked.targets, checked.run
+        ):  # the very tensors checked before, under the same names
+            return checked.targets, checked.run
         targets = self._check(bsz, cols, block_tables, write_ids)
         run = self.prepare_step(self.req_to_token, self.page_size, targets)
-        if given:
+        if block_tables is not None and write_ids is not None:
             rows = min(min(t.table.shape[0], t.loc.shape[0]) for t in targets)
             self._checked = _Checked(rows, targets[0].table.shape[1], targets, run)
         return targets, run
