@@ -1,7 +1,8 @@
 """The step planner makes the row-shaped ops' plan once per step (issue 43 item 5):
 ``StepPlan.rows`` for the step's token rows, ``StepPlan.logit_rows`` for the LM head's
 (one a request), a CUDA graph's at its captured size; the decoder runs every layer
-under it, so no op of a step derives its variant from a shape.
+under it, so no op of a step derives its variant from a shape. The speculative draft
+heads (MTP, EAGLE-3), whose forwards bypass the decoder's, run under the same plans.
 
 Oracles: the step's own tensors (its token count is ``input_ids``' length, its logits
 rows ``logits_indices``'), the variants the rules name on both sides of their
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
+from mtp_fixtures import save_tiny_deepseek_mtp, save_tiny_eagle3
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.scheduler import Batch
@@ -120,3 +122,61 @@ def test_the_moe_step_takes_its_loop_from_the_plan(tmp_path, monkeypatch):
     experts, layers = 4, 4
     prefill, decode = expert_rows[: experts * layers], expert_rows[experts * layers :]
     assert all(r < 257 for r in prefill) and decode == [1] * (experts * layers)
+
+
+def plan_rows_seen(monkeypatch) -> list[tuple[int, object]]:
+    """(the rows of its input, the plan it was given) of every GEMV-routed op's
+    routing (``gemv._routes``: linears, fused norms, the gated MLP's down projection)."""
+    seen, real = [], gemv._routes
+
+    def routes(x, weight, plan, num_rows=None):
+        seen.append((x.shape[0] if num_rows is None else num_rows, plan))
+        return real(x, weight, plan, num_rows)
+
+    monkeypatch.setattr(gemv, "_routes", routes)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_draft_heads_run_under_the_steps_plans(tmp_path, monkeypatch, method):
+    """Speculative decoding on the Triton kernels with an EAGLE-3 head (tiny Llama
+    target) or the checkpoint's MTP layer (tiny DeepSeek-V3: MLA and MoE), the verify
+    steps on padded plans (a "captured" size above the batch's, run eagerly): the
+    draft heads' forwards (``project``, the layer, the greedy head) run under the
+    step's row plans, so no op applies a row rule itself, and every routed op's plan
+    is of its own input's rows, target and head alike; the tokens are transformers'
+    greedy ones."""
+    target = str(tmp_path / "target")
+    if method == "eagle3":
+        hf = save_tiny_model("llama", target, num_hidden_layers=4)
+        save_tiny_eagle3(str(tmp_path / "head"), hf.config)
+        spec = {"method": "eagle3", "model": str(tmp_path / "head")}
+    else:
+        hf = save_tiny_deepseek_mtp(target)
+        spec = {"method": "mtp"}
+    k = 2
+    llm = tiny_llm(method, target, "triton", dtype=torch.float32, max_model_len=32,
+                   max_num_seqs=4, max_num_batched_tokens=32,
+                   speculative_config={**spec, "num_speculative_tokens": k})  # fmt: skip
+    llm.runner.capture_verify(k + 1, 4, capture=False)  # padded sizes 1, 2, 4
+    padded, rows_for = [], llm.runner.verify_graphs.rows_for
+
+    def watch(batch):
+        rows = rows_for(batch)
+        padded.append(len(batch.requests) < rows) if rows is not None else None
+        return rows
+
+    llm.runner.verify_graphs.rows_for = watch
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3, 4)]
+    calls, seen = rule_spies(monkeypatch), plan_rows_seen(monkeypatch)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    assert calls == []
+    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 4) for p in prompts]
+    stats = llm.stats
+    assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0  # the heads drafted
+    assert any(padded)  # a verify plan of 4 rows for 3 requests ran
+    assert seen and all(plan is not None and plan.rows == rows for rows, plan in seen)
+    # the spies see an op that plans by its shape (the checks above are not vacuous)
+    llm.backend.linear(torch.zeros(3, 8), torch.zeros(4, 8))
+    assert calls == ["route_rows"] and seen[-1] == (3, None)

@@ -17,6 +17,12 @@ token ``t_{p+1}`` after it, so it is written once that token is known:
   the last kept row's next token the target's emitted one (on the device); rows
   past it are rejected and trimmed with the target's.
 
+The layer runs under the step's row plan (``kernels.backend.stepping``), as the
+target's layers do under ``DecoderLM.forward``: its rows (and ``project``'s) under the
+plan's ``rows`` (a padded verify plan's: its captured size's), the greedy head over
+the requests' rows under ``logit_rows`` where it plans as many rows, else under one
+plan of that count made once for the step; no op derives a variant from a shape.
+
 The layer's output at a request's last kept row gives the first draft of its next
 step, kept per request slot on the device (``first`` tokens, ``hidden`` states).
 ``propose`` chains the layer from there: draft j + 1 from the row at position
@@ -37,6 +43,7 @@ from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, Pending
 from unikv.engine.runner import DRAFT_PREFIX
 from unikv.engine.speculative.draft import _row, free_grow, request_major, to_device
+from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
 
 
@@ -92,23 +99,33 @@ class HiddenDraft:
 
     # -- writing the layer's rows after target steps ----------------------------------
 
-    def _run(self, plan, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The layer over ``plan``'s rows (``ids``: each row's next token; ``hidden``:
-        each row's previous hidden state) -> its outputs g (T, hidden)."""
+    def _run(self, plan, ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """The layer over ``plan``'s T rows (``ids``: each row's next token; ``hidden``:
+        each row's previous hidden state, None: the target's T exported rows through
+        ``project``) -> its outputs g (T, hidden), under the plan's ``rows``."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.caches, plan, self.backend, self.sm_scale, self.states)
-        embeds = self.target.stack.embed(ids)
-        return self.layer(embeds, hidden, plan.positions, attn)
+        with stepping(plan.rows):
+            if hidden is None:
+                hidden = self.layer.project(self.target.hidden_out[: ids.shape[0]])
+            embeds = self.target.stack.embed(ids)
+            return self.layer(embeds, hidden, plan.positions, attn)
 
-    def _target_hidden(self, rows: int) -> torch.Tensor:
-        """The layer's hidden input of the step's ``rows`` target rows."""
-        return self.layer.project(self.target.hidden_out[:rows])
+    def _tokens(self, plan, g: torch.Tensor) -> torch.Tensor:
+        """(N,) greedy drafts of outputs g (N, hidden), the head under the step's plan
+        of N rows: ``plan.logit_rows`` where it plans N rows (an eager step: one a
+        request), else one made here, once for the step (a padded plan's requests)."""
+        head: RowsPlan | None = plan.logit_rows
+        if head is None or head.rows != g.shape[0]:  # host ints
+            head = self.backend.plan_rows(g.shape[0])
+        with stepping(head):
+            return self.layer.tokens(g, self.target, self.backend)
 
     def _keep(self, plan, num: int, g_last: torch.Tensor) -> None:
         """The first draft of each of the step's ``num`` requests and its hidden
         state, into their slots (device only)."""
         slots = plan.slots[:num].long()
-        self.first.index_copy_(0, slots, self.layer.tokens(g_last, self.target, self.backend))
+        self.first.index_copy_(0, slots, self._tokens(plan, g_last))
         self.hidden.index_copy_(0, slots, g_last)
 
     @torch.inference_mode()
@@ -117,7 +134,6 @@ class HiddenDraft:
         ``tokens``: (B,) int64 its samples on the device."""
         reqs, num = batch.requests, len(batch.requests)
         ids = resolve_feedback(plan.input_ids, plan.feedback)
-        total = ids.shape[0]
         nxt = torch.roll(ids, -1)  # each row's next token: the row after it ...
         ends = [r.num_cached + n for r, n in zip(reqs, batch.num_new)]
         known = [e < r.seq_len for r, e in zip(reqs, ends)]  # ... a prompt chunk's next
@@ -130,7 +146,7 @@ class HiddenDraft:
         else:
             next_last = tokens[:num]
         nxt.index_copy_(0, last, next_last)
-        g = self._run(plan, nxt, self._target_hidden(total))
+        g = self._run(plan, nxt, None)
         self._keep(plan, num, g.index_select(0, last))
         for r, e in zip(reqs, ends):
             self.kept[r.slot] = (r.request_id, e)
@@ -144,7 +160,7 @@ class HiddenDraft:
         last = plan.q_indptr[:num].long() + accepted  # each request's last kept row
         nxt = torch.roll(ids, -1)
         nxt.index_copy_(0, last, tokens.gather(1, accepted[:, None])[:, 0])
-        g = self._run(plan, nxt, self._target_hidden(ids.shape[0]))
+        g = self._run(plan, nxt, None)
         self._keep(plan, num, g.index_select(0, last))
 
     def settled(self, batch, accepted: list[int]) -> None:
@@ -188,7 +204,7 @@ class HiddenDraft:
             batch = Batch(rows, [1] * len(rows), [virtual_ids.index_select(0, index)])
             plan = self.planner.plan(batch, steps[-1])
             hidden = self._run(plan, plan.input_ids, hidden)
-            token = self.layer.tokens(hidden, self.target, self.backend)
+            token = self._tokens(plan, hidden)
             steps.append(token)
             lanes_of.append(now)
         return request_major(steps, lanes_of, counts, virtual_ids.device)
