@@ -180,3 +180,46 @@ def test_draft_heads_run_under_the_steps_plans(tmp_path, monkeypatch, method):
     # the spies see an op that plans by its shape (the checks above are not vacuous)
     llm.backend.linear(torch.zeros(3, 8), torch.zeros(4, 8))
     assert calls == ["route_rows"] and seen[-1] == (3, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_draft_heads_take_the_step_plans_under_cuda_graphs(tmp_path, monkeypatch, method):
+    """On a CUDA GPU (``pytest -m gpu``; fp32, exact) with CUDA graphs: the target's
+    decode and verify steps replay at their captured sizes (3 requests: 4 lanes), the
+    draft heads run eagerly over those padded plans' rows after them; no op calls a
+    row rule, every routed op's plan is of its own input's rows (a padded plan's: its
+    captured size's), and the tokens equal plain decoding's."""
+    target = str(tmp_path / "target")
+    if method == "eagle3":
+        hf = save_tiny_model("llama", target, num_hidden_layers=4)
+        save_tiny_eagle3(str(tmp_path / "head"), hf.config)
+        spec = {"method": "eagle3", "model": str(tmp_path / "head")}
+    else:
+        save_tiny_deepseek_mtp(target)
+        spec = {"method": "mtp"}
+    kw = {"device": "cuda", "dtype": torch.float32, "page_size": 16, "max_num_seqs": 4,
+          "max_model_len": 128, "kv_cache_bytes": 64 << 20, "cuda_graphs": True}  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 5, 7)]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    want = [o.output_ids for o in LLM(target, **kw).generate(prompts, params)]
+    llm = LLM(target, speculative_config={**spec, "num_speculative_tokens": 2}, **kw)
+    graphs = llm.runner.verify_graphs
+    assert llm.runner.graphs is not None and graphs is not None and graphs.graphs
+    padded, rows_for = [], graphs.rows_for
+
+    def watch(batch):
+        rows = rows_for(batch)
+        padded.append(len(batch.requests) < rows) if rows is not None else None
+        return rows
+
+    monkeypatch.setattr(graphs, "rows_for", watch)
+    calls, seen = rule_spies(monkeypatch), plan_rows_seen(monkeypatch)
+    assert [o.output_ids for o in llm.generate(prompts, params)] == want
+    assert llm.stats.spec_verify_steps > 0 and llm.stats.spec_draft_tokens > 0
+    assert calls == []
+    assert seen and all(plan is not None and plan.rows == rows for rows, plan in seen)
+    assert any(padded)  # a verify graph of 4 lanes replayed for 3 requests ...
+    assert any(rows == 4 * 3 for rows, _ in seen)  # ... and the head ran over its rows
+    llm.alloc.check_integrity()
