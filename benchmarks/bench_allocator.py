@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -329,7 +330,8 @@ def alternate(args: argparse.Namespace) -> None:
                 out = pathlib.Path(tmp) / f"{side}_{r}.json"
                 tree = trees[side]
                 cmd = [sys.executable, str(tree / script), *flags, "--out", str(out)]
-                subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL)
+                env = {**os.environ, "PYTHONPATH": str(tree)}  # each side imports its unikv
+                subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
                 runs[side].append(json.loads(out.read_text())["rows"])
             print(f"round {r + 1}/{args.rounds} done", flush=True)
     rows = ab_ratios(runs["this"], runs["base"])
