@@ -33,6 +33,7 @@ from engine_fixtures import (
     hf_greedy,
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_hybrid,
+    save_tiny_model,
     save_tiny_nemotron_h,
     state_slot_bytes,
 )
@@ -265,3 +266,24 @@ def test_a_queued_source_unbound_behind_the_allocators_back_is_named():
         assert alloc.prefix.checkpoint(slot, tokens[:8]) and states.queued
         states.book.v2p_host[slot + 1] = -1  # corruption: the source slot unbound
     assert not states.deferring and not states.queued
+
+
+def test_steps_without_state_checkpoints_enter_no_batch(tmp_path, monkeypatch):
+    """A model without a state sub-pool (tiny Llama) has no checkpoint to batch: its
+    steps do not enter ``alloc.prefix.batched()`` (host work a step, issue 43's A/B),
+    while the cache shares and hits its pages; tokens are transformers' greedy ones."""
+    hf = save_tiny_model("llama", str(tmp_path))
+    llm = prefix_llm(str(tmp_path), 4, True)
+    entered, real = [], llm.alloc.prefix.batched
+    monkeypatch.setattr(llm.alloc.prefix, "batched", lambda: entered.append(1) or real())
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(0, VOCAB, (9,), generator=g).tolist()
+    prompts = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (2, 5)]
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    for _ in range(2):  # the second run hits the first one's pages
+        outputs = llm.generate(prompts, params)
+        assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 3) for p in prompts]
+    assert entered == [] and llm.stats.prefix_hit_tokens > 0
+    with llm.alloc.prefix.batched():  # the spy sees an entry (the check is not vacuous)
+        pass
+    assert entered == [1]

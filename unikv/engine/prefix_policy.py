@@ -145,6 +145,9 @@ class PrefixCaching(NoPrefixCache):
         (before its pages leave the window). ``verify``: a speculative verify step,
         whose kept rows (``num_new``) may complete a page before the last: its state
         is in the per-draft-position slot of that row (``allocator/mamba.py``)."""
+        if not self.has_state:  # no state checkpoints to batch: no context a step
+            self._after_step(batch, verify)
+            return
         with self.prefix.batched():  # the step's checkpoints: one copy (issue 41)
             self._after_step(batch, verify)
 
