@@ -358,14 +358,32 @@ def launch(
     mode = mxfp4_mode(cfg, w1_scales is not None and fp8 is None)
     blocks = (0, 1, 1, 0)  # (FP8 mode, BN, BK, up's first scale row): dense or MXFP4
     if fp8 is not None:
-        per_k = fp8.bk % cfg.block_k == 0  # the K tile inside one scale block
         up_row = 0 if activation == "relu2" else -(-inter // fp8.bn)
-        blocks = (1 if per_k else 2, fp8.bn, fp8.bk, up_row)
+        blocks = (fp8_mode(cfg, fp8), fp8.bn, fp8.bk, up_row)
+        cfg = fp8_config(cfg, blocks[0])
     a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode,
                  blocks)  # fmt: skip
     y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode,
               blocks)  # fmt: skip
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
+
+
+def fp8_mode(cfg: Config, fp8: Fp8Blocks) -> int:
+    """The FP8 kernels' scale mode: 1 where a K tile lies inside one scale block (one
+    scale per row a tile: the release checkpoints' 128 x 128), 2 otherwise (a scale per
+    element, gathered: odd blocks such as 16 x 24)."""
+    return 1 if fp8.bk % cfg.block_k == 0 else 2
+
+
+def fp8_config(cfg: Config, mode: int) -> Config:
+    """The launch of FP8 scale mode ``mode``: mode 2 pipelines its per-element scale
+    tiles too, which took 299 KB of shared memory at the 8-token entry's three stages
+    (sm_90 allows 227 KB: ``tests/kernels/test_kernels_moe_smem.py``), so it runs
+    unpipelined (one stage); mode 1 keeps the table's launch."""
+    if mode != 2:
+        return cfg
+    return Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, 1,
+                  cfg.swap, cfg.interleave)  # fmt: skip
 
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
