@@ -34,7 +34,11 @@ CONFIGS = sorted(set(NEW) | {c for c in moe.TABLE.values() if c is not moe.LOOP}
 # block-scaled FP8 experts (``kernels/moe/fp8.py``): every tile its plan can pick for
 # 16-bit activations, at 128 x 128 blocks (the K tile inside one scale block)
 FP8_CONFIGS = sorted({moe_fp8.plan(b, torch.bfloat16) for b in moe.BUCKETS} - {moe.LOOP})
+# and every tile its plan can pick for W8A8 (FP8 activations: FP8 x FP8 wgmma)
+W8A8_CONFIGS = sorted({moe_fp8.plan(b, torch.bfloat16, w8a8=True) for b in moe.BUCKETS
+                       if moe_fp8.w8a8_rows(b)} - {moe.LOOP})  # fmt: skip
 CASES = [(c, mx) for c in CONFIGS for mx in (True, False)] + [(c, "fp8") for c in FP8_CONFIGS]
+CASES += [(c, "w8a8") for c in W8A8_CONFIGS]
 
 
 def test_compiles_for_sm90_with_pipelined_loads(tmp_path):
