@@ -187,8 +187,13 @@ def moe_kernels(cfg, mxfp4) -> list[tuple]:
             "s_be": HIDDEN, "s_bn": 1, "s_b1e": HIDDEN, "s_b1n": 1, "s_ym": HIDDEN, "s_yn": 1,
             **ids, **act, **w2}  # fmt: skip
     down_cons = {**common, "ACT_IN_A": cfg.split_k > 1, "HAS_B1": False, "DTYPE": tl.bfloat16}
+    quant_out = w8a8 and cfg.block_n % 128 == 0  # the activation quantised in gate/up
+    gate["os_ptr"], gate["s_osm"] = ("*fp32", -(-INTER // 128)) if quant_out else ("*bf16", 0)
+    if quant_out:
+        gate["out_ptr"] = "*fp8e4nv"
+    gate_cons = {**common, "QUANT_OUT": quant_out, "DTYPE": tl.bfloat16}
     return [
-        (_gate_up_kernel, gate, common, cfg.num_warps, cfg.num_stages),
+        (_gate_up_kernel, gate, gate_cons, cfg.num_warps, cfg.num_stages),
         (_down_kernel, down, down_cons, cfg.num_warps, cfg.num_stages),
     ]
 

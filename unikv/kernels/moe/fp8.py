@@ -17,8 +17,9 @@ The activations stay 16-bit (or fp32: IEEE fp32 dots); they are not quantised.
 W8A8 (prefill): there the 16-bit dot is the cost (0.73x the bf16 kernel at T 2048 on an
 H100), so for a step of at least ``W8A8_MIN_TOKENS`` rows (``w8a8_rows``, the step's
 ``RowsPlan.moe_w8a8``) the activations are quantised to float8_e4m3fn per row and
-group of bk columns (DeepSeek-V3's recipe; ``fp8_gemm.quantize_act``, one pass over x's
-tokens and one over the activation between the two kernels) and the dots run FP8 x FP8
+group of bk columns (DeepSeek-V3's recipe: ``fp8_gemm.quantize_act``, one pass over x's
+tokens; the activation between the two kernels in the gate/up kernel's epilogue where
+its N tile holds whole groups, else in a second pass) and the dots run FP8 x FP8
 with fp32 accumulation, each K tile's product times its activation scale and weight
 block scale (``fused_kernels._dot8``). Its reference is ``fp8_gemm_ref.moe_fp8_w8a8``.
 It needs 16-bit x and a K tile inside one scale block (``w8a8_fits``, the layer's part,
@@ -71,7 +72,8 @@ SWEEP = {
                          C(64, 64, 64, 1, 4, 3), C(128, 64, 64, 1, 4, 3)),
     (True, "small"): (C(16, 64, 128, 1, 4, 3, True), C(16, 128, 128, 1, 8, 3, True),
                       C(16, 32, 128, 1, 4, 4)),
-    # compiled for sm_90 (``benchmarks/aot_sm90.py``): none spills more than 320 bytes
+    # compiled for sm_90 (``benchmarks/aot_sm90.py``): the gate/up kernel spills 0 (N
+    # tiles of 64) to 896 bytes (128 x 128 x 128, whose epilogue quantises the activation)
     (True, "prefill"): (C(128, 64, 128, 1, 8, 3), C(128, 128, 128, 1, 8, 3),
                         C(128, 64, 128, 1, 8, 4), C(64, 64, 128, 1, 4, 3),
                         C(128, 128, 64, 1, 8, 4), C(64, 128, 128, 1, 4, 3)),

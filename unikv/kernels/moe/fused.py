@@ -345,8 +345,9 @@ def launch(
     kernel that replaces the loop) -> (T, d) in x.dtype. ``w8a8`` (``fp8`` set, 16-bit
     x, the K tile inside one scale block: ``fp8.w8a8_fits``): x, then the activation
     between the two kernels, quantised per row and group of ``fp8.bk`` columns
-    (``fp8_gemm.quantize_act``) and FP8 x FP8 dots; it runs unsplit (split_k 1: the
-    activation is quantised whole, never from partial sums)."""
+    (``fp8_gemm.quantize_act``; the activation in the gate/up epilogue where
+    ``cfg.block_n`` holds whole groups) and FP8 x FP8 dots; it runs unsplit (split_k 1:
+    the activation is quantised whole, never from partial sums)."""
     num_experts, m = w1.shape[0], topk_ids.numel()
     inter = w2.shape[2] if w2_scales is None or fp8 is not None else w2.shape[2] * 32
     if m == 0:
@@ -375,7 +376,9 @@ def launch(
         xq, xs = quantize_act(x if x.stride(-1) == 1 else x.contiguous(), fp8.bk)
     a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode,
                  blocks, xq=xq, xs=xs)  # fmt: skip
-    if w8a8:  # the activation (rows, I) in x.dtype, quantised as x was
+    if isinstance(a, tuple):  # quantised in the gate/up kernel's epilogue
+        a, a_scales = a
+    elif w8a8:  # the activation (rows, I) in x.dtype, quantised as x was
         a, a_scales = quantize_act(a, fp8.bk)
     y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode,
               blocks, a_scales=a_scales)  # fmt: skip
@@ -413,13 +416,22 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode, blocks,
     """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
     sums (rows, 2I) when ``cfg.split_k`` > 1; with the two-halves MXFP4 decode (mode
     1) it reads x permuted (``permute_groups``) and writes its columns permuted. W8A8
-    (``blocks[0]`` 3): it reads ``xq`` (x in FP8) and its group scales ``xs``."""
+    (``blocks[0]`` 3): it reads ``xq`` (x in FP8) and its group scales ``xs``; where its
+    N tile holds whole groups (``cfg.block_n % bk == 0``) its epilogue quantises the
+    activation too -> (act (rows, I) FP8, scales (rows, cdiv(I, bk)) fp32)."""
     sorted_ids, block_experts, block_m, inter, ieee = geo
     rows, split = sorted_ids.shape[0], cfg.split_k
+    quant_out = blocks[0] == 3 and cfg.block_n % blocks[2] == 0
+    out_scales = None
     if split > 1:
         out = torch.zeros(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    elif quant_out:
+        out = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        groups = triton.cdiv(inter, blocks[2])
+        out_scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    dtype = TL_DTYPES[x.dtype]
     bias = b1 if b1 is not None else x
     if mode == 1:
         x = permute_groups(x)
@@ -432,13 +444,14 @@ def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode, blocks,
         x.shape[0] * top_k, top_k, x.shape[1], inter,
         *x.stride(), *_w_args(w1, s1)[1:], bias.stride(0), bias.stride(-1), *out.stride(),
         *act_args, blocks[3], scales, scales.stride(0) if xs is not None else 0,
+        out if out_scales is None else out_scales, 0 if out_scales is None else out_scales.stride(0),
         ACT=ACT_CODES[activation], MXFP4=mode,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SWAP=bool(cfg.swap), ASM=not INTERPRETED, FP8=blocks[0], BN=blocks[1], BK=blocks[2],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT_OUT=quant_out, DTYPE=dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
+    return out if out_scales is None else (out, out_scales)
 
 
 def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mode, blocks,

@@ -5,6 +5,7 @@ output features and, with SPLIT_K > 1, one of SPLIT_K slices of the K loop:
 
     _gate_up_kernel  x rows (gathered by sorted assignment) @ W1[gate | up]^T
                      SPLIT_K == 1: + b1, the activation -> act (rows, I) in x.dtype
+                                   (QUANT_OUT, W8A8: in FP8 with its group scales)
                      SPLIT_K  > 1: fp32 partial sums atomically added to gu (rows, 2I)
                                    [gate (I) | up (I)], zeroed by the launcher
     _down_kernel     A @ W2^T (+ b2 on split 0) times the routing weight -> y (M, d) fp32
@@ -320,11 +321,12 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
     num_assign, top_k, K, I,
     s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_be, s_bn, s_om, s_on,
-    row_step, up_offset, alpha, limit, s_up, xs_ptr, s_xsm,
+    row_step, up_offset, alpha, limit, s_up, xs_ptr, s_xsm, os_ptr, s_osm,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
-    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -407,7 +409,31 @@ def _gate_up_kernel(
                 None, :
             ]
         out = _act(acc_g, acc_u, ACT, alpha, limit)
-        tl.store(out_rows + out_cols[None, :] * s_on, out.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT_OUT:  # W8A8: the activation leaves quantised, with its group scales
+            _quant_store(out, out_rows + out_cols[None, :] * s_on, mask, os_ptr, pos, s_osm,
+                         valid, pid_n, I, BLOCK_M, BLOCK_N, BK, DTYPE)  # fmt: skip
+        else:
+            tl.store(out_rows + out_cols[None, :] * s_on, out.to(out_ptr.dtype.element_ty),
+                     mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _quant_store(out, dst, mask, os_ptr, pos, s_osm, valid, pid_n, I, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """W8A8's gate/up epilogue (BLOCK_N a multiple of BK: whole groups a program): the
+    fp32 activation rounded to DTYPE (as the 16-bit store would), then quantised per row
+    and group of BK columns as ``fp8_gemm.quantize_act`` does it (scale = max(amax / 448,
+    1e-12), q = fp8(clamp(a / scale))) -> FP8 at ``dst``, scales at row ``pos``, group
+    ``pid_n * BLOCK_N / BK + g`` of ``os_ptr``; columns outside ``mask`` count as 0."""
+    G: tl.constexpr = BLOCK_N // BK
+    a = tl.where(mask, out.to(DTYPE).to(tl.float32), 0.0)
+    grouped = tl.reshape(a, (BLOCK_M, G, BK))
+    scale = tl.maximum(tl.max(tl.abs(grouped), axis=2) / 448.0, 1e-12)  # (BLOCK_M, G)
+    q = tl.clamp(grouped / scale[:, :, None], -448.0, 448.0)
+    tl.store(dst, tl.reshape(q, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), mask=mask)
+    grp = pid_n * G + tl.arange(0, G)
+    s_dst = os_ptr + pos[:, None].to(tl.int64) * s_osm + grp[None, :]
+    tl.store(s_dst, scale, mask=valid[:, None] & (grp[None, :] < tl.cdiv(I, BK)))
 
 
 @triton.jit
