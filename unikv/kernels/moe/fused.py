@@ -412,7 +412,7 @@ def permute_groups(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode, blocks, xq=None,
-             xs=None) -> torch.Tensor:  # fmt: skip
+             xs=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
     sums (rows, 2I) when ``cfg.split_k`` > 1; with the two-halves MXFP4 decode (mode
     1) it reads x permuted (``permute_groups``) and writes its columns permuted. W8A8
