@@ -138,8 +138,10 @@ def test_the_rows_plan_decides_w8a8_on_both_sides_of_the_threshold(monkeypatch):
             step = dataclasses.replace(plan, moe_w8a8=forced)
             got = tri.moe_fp8(x, weights, ids, *experts, block=BLOCK, rows=step)
             assert bool(calls) == forced, (rows, forced)  # x quantised, or nothing
-            ref = fp8_gemm_ref.moe_fp8_w8a8 if forced else fp8_gemm_ref.moe_fp8
-            assert _rel(got, ref(x, weights, ids, *experts, block=BLOCK)) <= 3e-2
+            # W8A8: its reference's bound; 16-bit activations: the per-tile kernel's
+            # (test_kernels_moe_fp8_tile.py)
+            ref, tol = (fp8_gemm_ref.moe_fp8_w8a8, 8e-3) if forced else (fp8_gemm_ref.moe_fp8, 3e-2)
+            assert _rel(got, ref(x, weights, ids, *experts, block=BLOCK)) <= tol
         calls.clear()
         tri.moe_fp8(x, weights, ids, *experts, block=BLOCK)  # no plan: x's rows
         assert bool(calls) == (rows == 3)
