@@ -356,7 +356,7 @@ def launch(
         cfg = FP32_CONFIG if x.dtype == torch.float32 else KERNEL_FOR_LOOP
     if w8a8:
         assert fp8 is not None and fp8.bk % cfg.block_k == 0, "w8a8: K tiles in one scale block"
-        cfg = cfg._replace(split_k=1)
+        cfg = Config(*cfg[:3], 1, *cfg[4:])  # split_k 1
     check_config(cfg)
     block_m = cfg.block_m or block_m_for(m, num_experts)
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
