@@ -124,34 +124,40 @@ def test_two_api_processes_serve_add_up_and_drain(model):
         assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
         assert httpx.get(proc.url + "/v1/models", timeout=10).status_code == 401  # the key
 
-        # SIGTERM drains both: long streams on each process end with an 'abort' chunk
+        # SIGTERM drains both: each process's streams end with a final chunk and [DONE]
         streams, seen = [], set()
         body = {"model": "tiny", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
                 "stream": True}  # fmt: skip
-        for i in range(12):
+        for i in range(16):  # a stream on each process (which one: the metric that grew)
             if len(seen) == 2:
                 break
             before = _per_process(proc.url)
             client = httpx.Client(timeout=60, headers=AUTH)
             prompt = PROMPTS[i % len(PROMPTS)]
             cm = client.stream("POST", proc.url + "/v1/completions", json=dict(body, prompt=prompt))
-            r = cm.__enter__()
-            lines = r.iter_lines()
+            lines = cm.__enter__().iter_lines()
             first = next(x for x in lines if x.startswith("data: "))
             after = _per_process(proc.url)
-            seen |= {pid for pid in after if after[pid] > before.get(pid, 0)}
-            streams.append((client, cm, lines, prompt, [first]))
+            (pid,) = [p for p in after if after[p] > before.get(p, 0)]
+            seen.add(pid)
+            streams.append((client, cm, lines, prompt, pid, [first]))
         assert seen == pids, seen
         proc.proc.send_signal(signal.SIGTERM)
-        for client, cm, lines, prompt, got in streams:
+        last = {}  # pid -> the finish reason of its last stream (opened just before SIGTERM)
+        for client, cm, lines, prompt, pid, got in streams:
             got += [x for x in lines if x.startswith("data: ")]
             cm.__exit__(None, None, None)
             client.close()
             assert got[-1] == "data: [DONE]"
             chunks = [json.loads(x[6:]) for x in got[:-1]]
-            assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+            reason = last[pid] = chunks[-1]["choices"][0]["finish_reason"]
             text = "".join(c["choices"][0]["text"] for c in chunks)
-            assert longer[prompt].startswith(text) and text != longer[prompt]
+            if reason == "length":  # (an early stream may have ended before the cut)
+                assert text == longer[prompt]
+            else:
+                assert reason == "abort" and longer[prompt].startswith(text), (reason, text)
+                assert text != longer[prompt]
+        assert last == dict.fromkeys(pids, "abort"), last
         assert proc.proc.wait(timeout=30) == 0
         deadline = time.monotonic() + 10
         while not _gone(child) and time.monotonic() < deadline:
@@ -162,11 +168,40 @@ def test_two_api_processes_serve_add_up_and_drain(model):
     assert "exiting with status" not in out, out[-2000:]
 
 
-def test_engine_death_ends_every_api_process(model):
-    path = model[0]
-    proc = ServerProcess(path, "--api-server-count", "2", "--max-model-len", str(MAX_LEN))
+def test_two_models_then_engine_death_ends_every_api_process(model, tmp_path):
+    """Two models behind two API processes (one engine process, a channel per model
+    per API process): both models' texts from many connections; then the engine
+    process killed: every API process exits with status 1 within seconds."""
+    path_a, want_a = model[0], model[1]
+    path_b = str(tmp_path / "b")
+    save_instruct_llama(path_b, seed=2)
+    llm = LLM(path_b, device="cpu", page_size=4, max_model_len=MAX_LEN)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want_b = {p: o.outputs[0].text for p, o in zip(PROMPTS, llm.generate(PROMPTS, short))}
+    del llm
+    assert want_a != want_b, "two different checkpoints"
+    proc = ServerProcess(path_a, "--model", path_b, "--served-model-name", "tiny",
+                         "--served-model-name", "b", "--kv-cache", str(8 << 20),
+                         "--api-server-count", "2", "--max-model-len", str(MAX_LEN))  # fmt: skip
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def complete(i: int) -> tuple[str, str, str]:
+        name, prompt = ("tiny", "b")[i % 2], PROMPTS[(i // 2) % len(PROMPTS)]
+        with httpx.Client(timeout=60) as c:  # a connection of its own
+            r = c.post(proc.url + "/v1/completions", json=dict(body, model=name, prompt=prompt))
+        return name, prompt, r.json()["choices"][0]["text"]
+
     try:
         (child,) = _api_children(proc.proc.pid)
+        pids = {str(proc.proc.pid), str(child)}
+        for _ in range(6):  # until both processes served model "tiny" (its metrics)
+            with ThreadPoolExecutor(8) as pool:
+                for name, prompt, text in pool.map(complete, range(16)):
+                    assert text == (want_a if name == "tiny" else want_b)[prompt], (name, prompt)
+            per = _per_process(proc.url)
+            if set(per) == pids and all(per.values()):
+                break
+        assert set(per) == pids and all(per.values()), per
         os.kill(proc.engine_pid(), signal.SIGKILL)
         killed = time.monotonic()
         assert proc.proc.wait(timeout=15) == 1
