@@ -70,11 +70,36 @@ def _per_process(url: str) -> dict[str, float]:
     return {k.split('pid="')[1].split('"')[0]: v for k, v in values.items()}
 
 
+def _streams_on_both(url: str, pids: set[str], max_tokens: int = 100) -> list:
+    """Long streams, each on a connection of its own, opened until each API process
+    serves one (which one: the per-process metric that grew; published as a
+    request starts); each (client, stream, lines, prompt, pid, [first data line])."""
+    streams, seen = [], set()
+    body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    for i in range(16):  # 2^-15 that 16 connections all land on one process
+        if seen == pids:
+            break
+        before = _per_process(url)
+        client = httpx.Client(timeout=60, headers=AUTH)
+        prompt = PROMPTS[i % len(PROMPTS)]
+        cm = client.stream("POST", url + "/v1/completions", json=dict(body, prompt=prompt))
+        lines = cm.__enter__().iter_lines()
+        first = next(x for x in lines if x.startswith("data: "))
+        after = _per_process(url)
+        (pid,) = [p for p in after if after[p] > before.get(p, 0)]
+        seen.add(pid)
+        streams.append((client, cm, lines, prompt, pid, [first]))
+    assert seen == pids, seen
+    return streams
+
+
 def test_two_api_processes_serve_add_up_and_drain(model):
     path, want, longer = model
     proc = ServerProcess(path, "--api-server-count", "2", "--max-model-len", str(MAX_LEN),
                          "--served-model-name", "tiny", "--api-key", KEY,
-                         "--shutdown-timeout", "1",
+                         "--shutdown-timeout", "1", "--enable-admin-routes",
+                         "--enable-log-requests",
                          env={"UNIKV_TEST_ENGINE_FAULT": "step-delay-ms:20"})  # fmt: skip
     try:
         (child,) = _api_children(proc.proc.pid)
@@ -123,25 +148,29 @@ def test_two_api_processes_serve_add_up_and_drain(model):
             assert sum(per.values()) == sent[0]  # (one completion per request here)
         assert httpx.get(proc.url + "/health", timeout=10).status_code == 200
         assert httpx.get(proc.url + "/v1/models", timeout=10).status_code == 401  # the key
+        for _ in range(4):  # the admin route, from each process (its own channel)
+            r = httpx.post(proc.url + "/reset_prefix_cache", json={}, headers=AUTH, timeout=30)
+            assert r.status_code == 200 and r.json() == {"reset": True}, r.text
+
+        # a client that goes away aborts its request, on either process
+        gone = _streams_on_both(proc.url, pids)
+        for client, cm, *_ in gone:
+            cm.__exit__(None, None, None)
+            client.close()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            text = httpx.get(proc.url + "/metrics", timeout=10).text
+            done = metric_values(text, "vllm:request_success_total", "tiny")
+            running = metric_values(text, "vllm:num_requests_running", "tiny")
+            if running == {"": 0} and done.get('{finished_reason="abort"}') == len(gone):
+                break
+            time.sleep(0.1)
+        assert running == {"": 0}, running
+        assert done == {'{finished_reason="length"}': sent[0],
+                        '{finished_reason="abort"}': len(gone)}, done  # fmt: skip
 
         # SIGTERM drains both: each process's streams end with a final chunk and [DONE]
-        streams, seen = [], set()
-        body = {"model": "tiny", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        for i in range(16):  # a stream on each process (which one: the metric that grew)
-            if len(seen) == 2:
-                break
-            before = _per_process(proc.url)
-            client = httpx.Client(timeout=60, headers=AUTH)
-            prompt = PROMPTS[i % len(PROMPTS)]
-            cm = client.stream("POST", proc.url + "/v1/completions", json=dict(body, prompt=prompt))
-            lines = cm.__enter__().iter_lines()
-            first = next(x for x in lines if x.startswith("data: "))
-            after = _per_process(proc.url)
-            (pid,) = [p for p in after if after[p] > before.get(p, 0)]
-            seen.add(pid)
-            streams.append((client, cm, lines, prompt, pid, [first]))
-        assert seen == pids, seen
+        streams = _streams_on_both(proc.url, pids)
         proc.proc.send_signal(signal.SIGTERM)
         last = {}  # pid -> the finish reason of its last stream (opened just before SIGTERM)
         for client, cm, lines, prompt, pid, got in streams:
@@ -166,6 +195,8 @@ def test_two_api_processes_serve_add_up_and_drain(model):
     finally:
         out = proc.stop()
     assert "exiting with status" not in out, out[-2000:]
+    for k in (0, 1):  # --enable-log-requests: each process logs the requests it served
+        assert f"unikv.serving [API process {k}]: request " in out, out[-2000:]
 
 
 def test_two_models_then_engine_death_ends_every_api_process(model, tmp_path):
