@@ -18,7 +18,8 @@ ZeroMQ). A request is known here by (channel, its API process's id), and its
 outputs go back on its own channel only: each step sends one ``out`` message
 per channel with rows in it. A channel's ``stop`` closes that channel (its
 requests are aborted, nothing more is sent on it); a model's loop stops when
-all its channels did, the process when every channel did.
+all its channels did, or when its channel 0 did (the first API process's,
+which stops after the others ended); the process when every channel did.
 
 Inputs are token ids and SamplingParams (a structured-output constraint as its
 (kind, spec) source, compiled here); the engine does not tokenize or
@@ -258,7 +259,10 @@ class Core:
         elif kind == "call":
             self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else (), chan)
         elif kind == "stop":
-            self.open[chan] = False
+            # channel 0 is the first API process's, which stops after the others ended
+            # (drained, or killed: a channel whose process died says nothing): all end
+            for c in range(len(self.open)) if chan == 0 else (chan,):
+                self.open[c] = False
             if any(self.open):  # another API process still uses this model
                 self.abort([key for c, key in list(self.groups) if c == chan], chan)
             else:
@@ -297,7 +301,7 @@ def serve_all(cores: list[Core], inputs: list) -> int:
                 and sock in ready
                 and core.handle(dec.decode(sock.recv(copy=False)), chan)
             ):
-                open_.discard(i)
+                open_ = {j for j in open_ if inputs[j][1].open[inputs[j][2]]}
     for core in cores:
         if core.budget is not None:
             core.budget.stop()
