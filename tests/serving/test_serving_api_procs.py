@@ -244,3 +244,36 @@ def test_two_models_then_engine_death_ends_every_api_process(model, tmp_path):
     # each process said why it exited with status 1: the first, and API process 1
     assert out.count("the engine process exited with status") == 2, out[-2000:]
     assert out.count("exiting with status 1") == 2, out[-2000:]
+
+
+def test_refusals_before_anything_starts(capsys):
+    """Options ``--api-server-count`` cannot serve fail start-up with status 2 and a
+    message naming the flag, before an engine process starts: a port another
+    socket holds (bound here, without SO_REUSEPORT), ``--in-process-engine``, a
+    count below 1. The port's own holder is left serving."""
+    import socket
+    import sys
+
+    from unikv.serving.cli import serve_main
+
+    interval = sys.getswitchinterval()  # (serve_main sets this process's)
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    try:
+        base = ["--model", "/nonexistent", "--device", "cpu", "--api-server-count", "2"]
+        assert serve_main([*base, "--port", str(port)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err, err
+        assert serve_main([*base, "--port", "0", "--in-process-engine"]) == 2
+        err = capsys.readouterr().err
+        assert "--api-server-count 2 needs the engine in its own process" in err, err
+        with pytest.raises(SystemExit) as exc:
+            serve_main(["--model", "/nonexistent", "--api-server-count", "0"])
+        assert exc.value.code == 2
+        assert "--api-server-count" in capsys.readouterr().err
+        holder.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # still the holder's
+    finally:
+        holder.close()
+        sys.setswitchinterval(interval)
