@@ -277,3 +277,48 @@ def test_refusals_before_anything_starts(capsys):
     finally:
         holder.close()
         sys.setswitchinterval(interval)
+
+
+def test_shared_figures_add_up_across_processes(tmp_path):
+    """Two API processes' metrics over one shared file (in one process here): a
+    scrape of either exports the sum of what each recorded (the counts fed here),
+    each one's request count under its own ``api_server``; the other's figures
+    show as of its last publish."""
+    from prometheus_client import generate_latest
+
+    from unikv.serving.metrics import RequestClock, ServingMetrics
+
+    path = str(tmp_path / "metrics-0.bin")
+    m = [ServingMetrics(None, None, "tiny") for _ in range(2)]
+    for k, one in enumerate(m):
+        one.share(path, k, 2)
+
+    def record(one, tokens: int, reason: str) -> None:
+        one.http_requests += 1
+        one.prompt_tokens += 4
+        clock = RequestClock(one, time.perf_counter())
+        for _ in range(tokens):
+            clock.tokens((0, 0), 1, time.perf_counter())
+        clock.finished(reason, time.perf_counter(), (0, 0))
+
+    def scrape(one) -> str:
+        return generate_latest(one.registry).decode()
+
+    record(m[0], 3, "length")
+    record(m[1], 5, "stop")
+    record(m[1], 2, "length")
+    stale = scrape(m[0])  # m[1] has not published since its share
+    assert metric_values(stale, "vllm:generation_tokens_total", "tiny") == {"": 3}
+    m[1].publish()
+    for one in m:
+        text = scrape(one)
+        assert metric_values(text, "vllm:generation_tokens_total", "tiny") == {"": 10}
+        assert metric_values(text, "vllm:prompt_tokens_total", "tiny") == {"": 12}
+        done = metric_values(text, "vllm:request_success_total", "tiny")
+        assert done == {'{finished_reason="length"}': 2, '{finished_reason="stop"}': 1}
+        assert metric_values(text, "vllm:e2e_request_latency_seconds_count", "tiny") == {"": 3}
+        # 3 + 5 + 2 tokens: 2 + 4 + 1 gaps between tokens
+        assert metric_values(text, "vllm:inter_token_latency_seconds_count", "tiny") == {"": 7}
+        per = metric_values(text, "unikv:api_server_requests_total", "tiny")
+        pid = os.getpid()
+        assert per == {f'{{api_server="0",pid="{pid}"}}': 1, f'{{api_server="1",pid="{pid}"}}': 2}
