@@ -1,0 +1,322 @@
+"""Piecewise CUDA graphs of extend steps (prefill chunks, mixed with decodes).
+
+An extend step's forward launches a few hundred kernels; all but the step
+object's ops are row-wise over the step's T token rows (GEMMs, norms, activations,
+residual adds), so only those ops need the step's metadata. As in vLLM, the model's
+layers (``DecoderLM.run_body``) are cut at every call into the step object (the
+ops of ``EAGER_OPS``: attention with its K/V store, and the recurrent mixers' conv
+and scan): each piece between two such calls is captured as one CUDA graph per
+padded token count (``prefill_token_sizes``: 256, 512, ... up to the planner's
+``max_tokens``), and the ops run eagerly between the pieces, with the real plan.
+
+The cut is found by running the layers once per size over a step object that
+records (``_PieceStep``): at each op it ends the current capture, runs the op once
+(over a one-row plan of the sink: ``planner.plan(Batch(), rows=1)``), keeps the
+op's arguments (the piece's outputs, at fixed addresses in the graphs' pool) and a
+fixed output buffer (``_Boundary.out``, shared by the sizes), and begins the next
+capture. A step of T rows then runs in the graphs of the smallest size R >= T:
+
+    ids[:T], positions[:T] <- the plan's (the pieces' fixed inputs; rows T..R-1
+    keep earlier tokens: any valid id and position)
+    for each boundary: replay piece i; the op over its recorded arguments' first
+    T rows with the step's own object; its output into rows [:T] of ``out``
+    replay the last piece -> (h, residual) (R rows) -> the LM head, eagerly, over
+    the plan's ``logits_indices`` (its row count varies per step)
+
+Padded rows never reach an op of the step object (its arguments are cut to the
+T real rows), so they store no K/V and touch no state slot; every other op is
+row-wise, so they cannot change a real row. Per step: two small copies, one replay
+per piece and one copy per op more than the eager step; no host sync.
+
+On CPU there are no graphs: the same recording runs once per size, and a replay
+runs the layers again over a ``_PieceStep`` that copies each call's arguments into
+the recorded ones and runs the op over them (the CUDA path's data flow through the
+same fixed buffers), so the cut, the padding and the row slicing are tested there.
+
+Families with an op outside ``EAGER_OPS`` (MLA) are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import inspect
+from bisect import bisect_left
+
+import torch
+
+from unikv.engine.attention import ExtendAttention
+from unikv.engine.plan import StepPlan, StepPlanner
+from unikv.engine.scheduler import Batch
+from unikv.kernels.backend import stepping
+
+PIECE_MIN_TOKENS = 256  # the smallest captured size (every smaller step pads to it)
+
+# the step object's ops run eagerly between two pieces -> their token-row arguments
+EAGER_OPS = {
+    "__call__": ("q", "k", "v", "rope"),
+    "causal_conv1d": ("x",),
+    "gated_delta_rule": ("q", "k", "v", "g", "beta"),
+    "mamba2_ssd": ("x", "dt", "B", "C"),
+}
+_SIGNATURES = {name: inspect.signature(getattr(ExtendAttention, name)) for name in EAGER_OPS}
+
+
+def prefill_token_sizes(max_tokens: int, smallest: int | None = None) -> list[int]:
+    """The captured token counts: ``smallest`` (``PIECE_MIN_TOKENS``) doubled while
+    below ``max_tokens``, then ``max_tokens`` (always the largest)."""
+    size, sizes = smallest or PIECE_MIN_TOKENS, []
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_tokens]
+
+
+def _first_rows(value, num: int):
+    """``value``'s first ``num`` rows: a tensor's, each tensor's of a tuple (``rope``:
+    (rotary, positions)), None as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[:num]
+    if isinstance(value, tuple):
+        return tuple(_first_rows(v, num) for v in value)
+    return value
+
+
+def _copy_rows(into, value) -> None:
+    """Copy ``value`` into the recorded ``into`` (tensors, or tuples of them)."""
+    if isinstance(into, torch.Tensor):
+        if into.data_ptr() != value.data_ptr():
+            into.copy_(value)
+    elif isinstance(into, tuple):
+        for a, b in zip(into, value, strict=True):
+            _copy_rows(a, b)
+
+
+class _Boundary:
+    """One eager op between two pieces: the step object's method ``name``, its
+    arguments as recorded (by name; token-row ones at the pieces' fixed addresses)
+    and the fixed buffer its output is copied into (R rows, read by the next piece)."""
+
+    __slots__ = ("arguments", "name", "out", "rows")
+
+    def __init__(self, name: str, arguments: dict) -> None:
+        self.name, self.arguments = name, arguments
+        self.rows = tuple(k for k in EAGER_OPS[name] if k in arguments)  # (as given)
+        self.out: torch.Tensor | None = None
+
+    def call(self, step, num: int) -> torch.Tensor:
+        """The op of ``step`` over the first ``num`` rows of the recorded arguments."""
+        kw = {k: (_first_rows(v, num) if k in self.rows else v) for k, v in self.arguments.items()}
+        out = getattr(step, self.name)(**kw)
+        assert isinstance(out, torch.Tensor), f"prefill graphs: {self.name} returns one tensor"
+        return out
+
+    def run(self, step, num: int) -> torch.Tensor:
+        """``call``, its output into ``out[:num]``; returns ``out`` (all rows)."""
+        self.out[:num].copy_(self.call(step, num))
+        return self.out
+
+
+class _Sequence:
+    """One captured size: its pieces' graphs (CUDA), the boundaries between them, the
+    last piece's (h, residual) and the rows plan the pieces were captured under."""
+
+    def __init__(self, size: int, rows_plan) -> None:
+        self.size, self.rows_plan = size, rows_plan
+        self.graphs: list = []
+        self.boundaries: list[_Boundary] = []
+        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class _PieceStep:
+    """The step object the pieces see: the ops of ``EAGER_OPS`` cut the layers (a
+    recording, ``recording=True``: capture ends and begins around each op; a CPU
+    replay: the call's arguments go into the recorded ones first); anything else of
+    a step object is refused (AttributeError naming it)."""
+
+    fuses_rope = ExtendAttention.fuses_rope
+    feedback = None  # an extend step's placeholders are filled in the plan
+
+    def __init__(self, owner: PrefillGraphs, seq: _Sequence, step, num: int, recording: bool):
+        self._owner, self._seq, self._step, self._num = owner, seq, step, num
+        self._recording, self.calls = recording, 0  # ops called so far
+        self.rows_plan = self.logit_rows_plan = seq.rows_plan
+
+    def __getattr__(self, name):
+        raise AttributeError(
+            f"prefill graphs cut a step only at the step object's ops {sorted(EAGER_OPS)}; "
+            f"this model asks for {name!r} (an MLA model?): run it with prefill_graphs=False"
+        )
+
+    def _op(self, name: str, args, kwargs) -> torch.Tensor:
+        bound = _SIGNATURES[name].bind(None, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop(next(iter(arguments)))  # self
+        if self._recording:
+            return self._owner.record_op(self._seq, name, arguments, self._step)
+        seq, i = self._seq, self.calls
+        self.calls += 1
+        boundary = seq.boundaries[i]
+        assert boundary.name == name, (
+            f"prefill graphs invariant: op {i} of the layers is {name}, recorded {boundary.name}"
+        )
+        for key in boundary.rows:  # the piece's outputs into the recorded (fixed) ones
+            _copy_rows(boundary.arguments[key], arguments[key])
+        return boundary.run(self._step, self._num)
+
+    def __call__(self, *args, **kwargs):
+        return self._op("__call__", args, kwargs)
+
+    def causal_conv1d(self, *args, **kwargs):
+        return self._op("causal_conv1d", args, kwargs)
+
+    def gated_delta_rule(self, *args, **kwargs):
+        return self._op("gated_delta_rule", args, kwargs)
+
+    def mamba2_ssd(self, *args, **kwargs):
+        return self._op("mamba2_ssd", args, kwargs)
+
+
+class PrefillGraphs:
+    """Extend steps of up to ``max(sizes)`` token rows under piecewise CUDA graphs
+    (module docstring); on CPU the same pieces as plain calls.
+
+    Args:
+        model: a ``DecoderLM`` (its ``run_body`` and ``run_head``).
+        planner: the runner's StepPlanner (the recording's one-row plan).
+        make_step: plan -> the runner's extend step object (``ExtendAttention``).
+        sizes: the captured token counts (default ``prefill_token_sizes(max_tokens)``).
+    """
+
+    def __init__(self, model, planner: StepPlanner, make_step, sizes: list[int] | None = None):
+        if not hasattr(model, "run_body"):
+            raise ValueError(
+                f"prefill graphs cut the shared decoder's layers (DecoderLM.run_body); "
+                f"{type(model).__name__} has none: run it with prefill_graphs=False"
+            )
+        mla = [s.name for s in planner.subpools if s.spec.kind == "mla"]
+        if mla:
+            raise ValueError(
+                f"prefill graphs do not cut MLA layers yet (sub-pools {mla}): run this model "
+                "with prefill_graphs=False"
+            )
+        self.model, self.planner, self.device = model, planner, planner.device
+        self.sizes = sorted(sizes or prefill_token_sizes(planner.max_tokens))
+        self.cuda = self.device.type == "cuda"  # decided once: graphs, or plain calls
+        top = self.sizes[-1]
+        assert top <= planner.max_tokens, "prefill graphs invariant: sizes within max_tokens"
+        self.ids = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=self.device)
+        self._outs: dict[int, torch.Tensor] = {}  # boundary index -> (top, ...) buffer
+        self.sequences: dict[int, _Sequence] = {}
+        self.replays = dict.fromkeys(self.sizes, 0)  # steps run per size (tests, benches)
+        self._pool = None
+        self._capture(make_step)
+
+    # -- capture -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _capture(self, make_step) -> None:
+        step = make_step(self.planner.plan(Batch(), rows=1))  # the sink lane: one row
+        if not self.cuda:
+            for size in self.sizes:
+                self.sequences[size] = self._record(size, step, graphs=False)
+            return
+        stream, side = torch.cuda.current_stream(self.device), torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for size in reversed(self.sizes):  # the largest first: buffers sized by it
+                self._record(size, step, graphs=False)  # compile and tune every kernel
+                torch.cuda.synchronize(self.device)
+                self.sequences[size] = self._record(size, step, graphs=True)
+        stream.wait_stream(side)
+        torch.cuda.synchronize(self.device)
+
+    def _record(self, size: int, step, graphs: bool) -> _Sequence:
+        """Run the layers over ``size`` rows, cut at the step object's ops: a
+        ``_Sequence`` (its pieces captured where ``graphs``)."""
+        seq = _Sequence(size, self.planner.backend.plan_rows(size))
+        seq.graphs = [] if graphs else None
+        pieces = _PieceStep(self, seq, step, 1, recording=True)
+        with stepping(seq.rows_plan):
+            self._begin(seq)
+            h, residual = self.model.run_body(self.ids[:size], self.positions[:size], pieces)
+            self._end(seq)
+        seq.outputs = (h, residual)
+        return seq
+
+    def _begin(self, seq: _Sequence) -> None:
+        if seq.graphs is not None:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self._pool)
+            seq.graphs.append(graph)
+
+    def _end(self, seq: _Sequence) -> None:
+        if seq.graphs is not None:
+            seq.graphs[-1].capture_end()
+            self._pool = seq.graphs[-1].pool()  # one pool for every piece and size
+
+    def record_op(self, seq: _Sequence, name: str, arguments: dict, step) -> torch.Tensor:
+        """A recording's op: end the piece, run the op once over the recording's one
+        row, keep its arguments and a fixed output buffer, begin the next piece."""
+        self._end(seq)
+        boundary = _Boundary(name, arguments)
+        for key in boundary.rows:
+            for t in arguments[key] if isinstance(arguments[key], tuple) else (arguments[key],):
+                assert not isinstance(t, torch.Tensor) or t.shape[0] == seq.size, (
+                    f"prefill graphs invariant: {name}'s {key} has {seq.size} token rows"
+                )
+        out = boundary.call(step, 1)
+        index = len(seq.boundaries)
+        buffer = self._outs.get(index)
+        if buffer is None or buffer.shape[1:] != out.shape[1:] or buffer.dtype != out.dtype:
+            shape = (self.sizes[-1], *out.shape[1:])
+            buffer = self._outs[index] = torch.zeros(shape, dtype=out.dtype, device=self.device)
+        boundary.out = buffer[: seq.size]
+        boundary.out[:1].copy_(out)
+        seq.boundaries.append(boundary)
+        self._begin(seq)
+        return boundary.out
+
+    # -- running -----------------------------------------------------------------------
+
+    def size_for(self, num_tokens: int) -> int | None:
+        """The captured size that runs a step of ``num_tokens`` rows (None: none)."""
+        i = bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def forward(self, plan: StepPlan, step, logits_indices, greedy: bool = False):
+        """The runner's ``forward`` of an extend step through the pieces: fp32 logits
+        of ``logits_indices`` (None: every real row), with ``greedy`` also the model's
+        greedy tokens; None where no size holds the step (run it eagerly)."""
+        num = plan.input_ids.shape[0]
+        size = self.size_for(num)
+        if size is None:
+            return None
+        self.ids[:num].copy_(plan.input_ids)
+        self.positions[:num].copy_(plan.positions)
+        seq = self.sequences[size]
+        h, residual = self._replay(seq, step, num) if self.cuda else self._calls(seq, step, num)
+        self.replays[size] += 1
+        if logits_indices is None:  # every real row (a verify step's)
+            h, residual = h[:num], residual[:num]
+        rows = step.rows_plan
+        head = rows if logits_indices is None else step.logit_rows_plan
+        extra = {"greedy": True} if greedy else {}
+        with stepping(rows):
+            return self.model.run_head(h, residual, step, logits_indices, head=head, **extra)
+
+    @staticmethod
+    def _replay(seq: _Sequence, step, num: int):
+        """CUDA: each piece's graph, each op eagerly between them."""
+        for graph, boundary in zip(seq.graphs, seq.boundaries, strict=False):
+            graph.replay()
+            boundary.run(step, num)
+        seq.graphs[-1].replay()
+        return seq.outputs
+
+    def _calls(self, seq: _Sequence, step, num: int):
+        """CPU: the pieces as plain calls over the same fixed buffers."""
+        pieces = _PieceStep(self, seq, step, num, recording=False)
+        with stepping(seq.rows_plan):
+            out = self.model.run_body(self.ids[: seq.size], self.positions[: seq.size], pieces)
+        assert pieces.calls == len(seq.boundaries), "prefill graphs invariant: every op ran"
+        return out
