@@ -10,8 +10,7 @@ their conv and scan are eager ops between pieces too):
 - padded rows store nothing: the sink page (where a padded plan's lanes write) and
   every byte the eager engine's run left alone are unchanged by the run, and the
   rest of the pool equals the eager engine's pool;
-- every extend step ran through the pieces (replays counted per size);
-- a bad ``prefill_graphs`` value is refused naming the option.
+- every extend step ran through the pieces (replays counted per size).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from engine_fixtures import (
     save_tiny_model,
 )
 
-from unikv.engine import EngineConfig, SamplingParams, prefill_graphs
+from unikv.engine import SamplingParams, prefill_graphs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -128,7 +127,3 @@ def test_one_prompt_at_a_time_pads_to_each_size(ref, small_sizes):
         assert out.output_ids == want
     assert graphs.replays == {8: 1, 16: 0, 32: 1}
 
-
-def test_bad_option_is_refused():
-    with pytest.raises(ValueError, match="prefill_graphs"):
-        EngineConfig(model="m", device="cpu", prefill_graphs="yes")
