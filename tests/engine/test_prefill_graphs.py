@@ -126,4 +126,3 @@ def test_one_prompt_at_a_time_pads_to_each_size(ref, small_sizes):
         (out,) = llm.generate([prompt], params)
         assert out.output_ids == want
     assert graphs.replays == {8: 1, 16: 0, 32: 1}
-

@@ -39,6 +39,7 @@ Families with an op outside ``EAGER_OPS`` (MLA) are refused at start-up.
 from __future__ import annotations
 
 import inspect
+import warnings
 from bisect import bisect_left
 
 import torch
@@ -121,7 +122,9 @@ class _Sequence:
 
     def __init__(self, size: int, rows_plan) -> None:
         self.size, self.rows_plan = size, rows_plan
-        self.graphs: list = []
+        # per piece its graph, None where it captured no work (nothing to replay)
+        self.graphs: list | None = []
+        self.captured: list = []  # every piece's graph, kept (one memory pool for all)
         self.boundaries: list[_Boundary] = []
         self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -236,23 +239,45 @@ class PrefillGraphs:
         seq = _Sequence(size, self.planner.backend.plan_rows(size))
         seq.graphs = [] if graphs else None
         pieces = _PieceStep(self, seq, step, 1, recording=True)
-        with stepping(seq.rows_plan):
-            self._begin(seq)
-            h, residual = self.model.run_body(self.ids[:size], self.positions[:size], pieces)
-            self._end(seq)
+        try:
+            with stepping(seq.rows_plan):
+                self._begin(seq)
+                h, residual = self.model.run_body(self.ids[:size], self.positions[:size], pieces)
+                self._end(seq)
+        except Exception as err:
+            if graphs and torch.cuda.is_current_stream_capturing():
+                try:  # leave capture mode, so that the error is the one reported
+                    seq.captured[-1].capture_end()
+                except Exception:  # noqa: BLE001, S110 - the capture was invalid anyway
+                    pass
+            raise ValueError(
+                f"prefill graphs could not {'capture' if graphs else 'record'} a step of "
+                f"{size} tokens ({type(err).__name__}: {err}); run with prefill_graphs=False"
+            ) from err
         seq.outputs = (h, residual)
         return seq
 
     def _begin(self, seq: _Sequence) -> None:
         if seq.graphs is not None:
             graph = torch.cuda.CUDAGraph()
+            seq.captured.append(graph)
             graph.capture_begin(pool=self._pool)
-            seq.graphs.append(graph)
 
     def _end(self, seq: _Sequence) -> None:
-        if seq.graphs is not None:
-            seq.graphs[-1].capture_end()
-            self._pool = seq.graphs[-1].pool()  # one pool for every piece and size
+        if seq.graphs is None:
+            return
+        graph = seq.captured[-1]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            graph.capture_end()
+        self._pool = graph.pool()  # one pool for every piece and size
+        empty = False
+        for w in caught:  # a piece of views only (between two ops) captures no work
+            if "CUDA Graph is empty" in str(w.message):
+                empty = True
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        seq.graphs.append(None if empty else graph)
 
     def record_op(self, seq: _Sequence, name: str, arguments: dict, step) -> torch.Tensor:
         """A recording's op: end the piece, run the op once over the recording's one
@@ -308,9 +333,11 @@ class PrefillGraphs:
     def _replay(seq: _Sequence, step, num: int):
         """CUDA: each piece's graph, each op eagerly between them."""
         for graph, boundary in zip(seq.graphs, seq.boundaries, strict=False):
-            graph.replay()
+            if graph is not None:
+                graph.replay()
             boundary.run(step, num)
-        seq.graphs[-1].replay()
+        if seq.graphs[-1] is not None:
+            seq.graphs[-1].replay()
         return seq.outputs
 
     def _calls(self, seq: _Sequence, step, num: int):
