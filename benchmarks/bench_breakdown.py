@@ -17,6 +17,15 @@ model summed over classes.
     python benchmarks/bench_breakdown.py [--models llama,gpt-oss] [--requests 256]
     python benchmarks/bench_breakdown.py --device cpu --tiny   # a smoke test of the plumbing
 
+``--phase prefill --prefill-graphs ab`` runs each model twice in one process, the
+engine's ``prefill_graphs`` off then on (issue 38 item 5), and adds per setting the
+unprofiled prefill step wall ms (p50, every prompt at t0) and TTFT percentiles; the
+summary ``prefill_graphs_ab`` sets both beside the eager run's device ms. Models may
+also be bench_families' hybrid shapes (``qwen3_5``, ``nemotron_h``: no roofline here):
+
+    python benchmarks/bench_breakdown.py --phase prefill --prefill-graphs ab --gaps \
+        --models llama,qwen3_5
+
 JSON to ``benchmarks/results/breakdown_<device>.json`` and, when set, ``$OUT``.
 On CPU the trace holds nested CPU ops (times overlap): the figures are a smoke
 test only.

@@ -33,7 +33,23 @@ runs the layers again over a ``_PieceStep`` that copies each call's arguments in
 the recorded ones and runs the op over them (the CUDA path's data flow through the
 same fixed buffers), so the cut, the padding and the row slicing are tested there.
 
-Families with an op outside ``EAGER_OPS`` (MLA) are refused at start-up.
+Families with an op outside ``EAGER_OPS`` (MLA) are refused at start-up, and so is
+a size whose pieces cannot be captured (an op that syncs the host: the unfused MoE
+loop above ``DENSE_MAX_TOKENS`` rows), by a ValueError naming it.
+
+Why graphs and not ``torch.compile`` of the pieces: the pieces replay the very
+kernels the eager step launches (the same GEMMs at the padded row count, the same
+Triton norms), so a real row's math is the eager row's and the exactness tests hold
+on CPU and GPU alike; the split needs no tracing of the step object, the backend's
+dispatch or its context variables (Dynamo would guard on them and recompile per
+size), and no compiler on the CPU test machines. Launch overhead is what item 5
+measured (wall about 1.25x device), and graphs remove it whole; fusing across ops is
+the backend's business (its fused kernels), not this module's.
+
+Memory: each size keeps its pieces' outputs that cross an op (q/k/v, conv and scan
+inputs: about the qkv GEMM's output per attention layer) and its last (h, residual);
+the ops' output buffers are shared by the sizes. Sizes double, so the total is about
+twice the largest size's.
 """
 
 from __future__ import annotations
