@@ -1,7 +1,7 @@
 """Extend steps through the prefill graphs' pieces on CPU (``engine/prefill_graphs.py``:
 no CUDA graphs there, the same cut, padding and fixed buffers as plain calls),
-fp32, torch reference kernels, Llama and the Qwen3.5 hybrid (Gated DeltaNet layers:
-their conv and scan are eager ops between pieces too):
+fp32, torch reference kernels, Llama and the hybrids Qwen3.5 (Gated DeltaNet layers:
+their conv and scan are eager ops between pieces too) and NemotronH (Mamba-2, MoE):
 
 - greedy tokens equal transformers' ``generate`` and every sampled logit row equals
   the eager engine's (``prefill_graphs=False``) at pages 1 and 16, with captured
@@ -25,6 +25,7 @@ from engine_fixtures import (
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_hybrid,
     save_tiny_model,
+    save_tiny_nemotron_h,
 )
 
 from unikv.engine import SamplingParams, prefill_graphs
@@ -36,13 +37,15 @@ NEW_TOKENS = 6
 SIZES = [8, 16, 32]  # PIECE_MIN_TOKENS 8 under max_num_batched_tokens 32
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+@pytest.fixture(scope="module", params=["llama", "qwen3_5", "nemotron_h"])
 def ref(request, tmp_path_factory) -> GreedyReference:
     path = str(tmp_path_factory.mktemp(request.param))
     if request.param == "llama":
         hf = save_tiny_model("llama", path)
-    else:
+    elif request.param == "qwen3_5":
         hf = save_tiny_hybrid("qwen3_5", path)
+    else:  # Mamba-2, attention, Mamba-2, MLP, MoE
+        hf = save_tiny_nemotron_h(path, "M*M-E")
     return GreedyReference(hf, path, PROMPT_LENS, NEW_TOKENS)
 
 

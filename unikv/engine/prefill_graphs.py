@@ -10,11 +10,13 @@ padded token count (``prefill_token_sizes``: 256, 512, ... up to the planner's
 ``max_tokens``), and the ops run eagerly between the pieces, with the real plan.
 
 The cut is found by running the layers once per size over a step object that
-records (``_PieceStep``): at each op it ends the current capture, runs the op once
-(over a one-row plan of the sink: ``planner.plan(Batch(), rows=1)``), keeps the
-op's arguments (the piece's outputs, at fixed addresses in the graphs' pool) and a
-fixed output buffer (``_Boundary.out``, shared by the sizes), and begins the next
-capture. A step of T rows then runs in the graphs of the smallest size R >= T:
+records (``_PieceStep``): at each op it ends the current capture, keeps the op's
+arguments (the piece's outputs, at fixed addresses in the graphs' pool) and a fixed
+output buffer (``_Boundary.out``, shared by the sizes), and begins the next capture.
+Each size is first recorded without graphs (every kernel compiled and tuned), where
+the ops run once over a one-row plan of the sink (``planner.plan(Batch(), rows=1)``)
+to size the output buffers; under capture the pieces compute nothing, so the ops
+do not run there. A step of T rows then runs in the graphs of the smallest size R >= T:
 
     ids[:T], positions[:T] <- the plan's (the pieces' fixed inputs; rows T..R-1
     keep earlier tokens: any valid id and position)
@@ -305,14 +307,18 @@ class PrefillGraphs:
                 assert not isinstance(t, torch.Tensor) or t.shape[0] == seq.size, (
                     f"prefill graphs invariant: {name}'s {key} has {seq.size} token rows"
                 )
-        out = boundary.call(step, 1)
         index = len(seq.boundaries)
-        buffer = self._outs.get(index)
-        if buffer is None or buffer.shape[1:] != out.shape[1:] or buffer.dtype != out.dtype:
-            shape = (self.sizes[-1], *out.shape[1:])
-            buffer = self._outs[index] = torch.zeros(shape, dtype=out.dtype, device=self.device)
-        boundary.out = buffer[: seq.size]
-        boundary.out[:1].copy_(out)
+        if seq.graphs is None:  # a plain recording: the op runs, its output sizes the buffer
+            out = boundary.call(step, 1)
+            buffer = self._outs.get(index)
+            if buffer is None or buffer.shape[1:] != out.shape[1:] or buffer.dtype != out.dtype:
+                shape = (self.sizes[-1], *out.shape[1:])
+                buffer = torch.zeros(shape, dtype=out.dtype, device=self.device)
+                self._outs[index] = buffer
+            buffer[:1].copy_(out)
+        else:  # a capture: the pieces ran nothing (their outputs hold no values yet), so
+            buffer = self._outs[index]  # the op does not run; this size's plain recording
+        boundary.out = buffer[: seq.size]  # (just before) sized the buffer
         seq.boundaries.append(boundary)
         self._begin(seq)
         return boundary.out
