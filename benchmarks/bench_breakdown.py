@@ -426,9 +426,8 @@ def run_setting(name, cfg, workdir, args, copy_bps, flops, graphs: bool) -> dict
         )
         if args.phase == "prefill":
             entry.update(prefill_timing(llm, prompts))
-        pieces = llm.runner.prefill_graphs
-        if pieces is not None:
-            entry["prefill_graph_replays"] = dict(pieces.replays)
+        if llm.runner.prefill_graphs is not None:
+            entry["prefill_graph_replays"] = dict(llm.runner.prefill_graphs.replays)
         del llm
         e2e._free()
     except Exception as err:  # noqa: BLE001 - recorded; the next setting still runs
