@@ -10,7 +10,8 @@ their conv and scan are eager ops between pieces too) and NemotronH (Mamba-2, Mo
 - padded rows store nothing: the sink page (where a padded plan's lanes write) and
   every byte the eager engine's run left alone are unchanged by the run, and the
   rest of the pool equals the eager engine's pool;
-- every extend step ran through the pieces (replays counted per size).
+- every extend step ran through the pieces (replays counted per size);
+- an MLA model (ops the pieces do not cut at) is refused at start-up.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine_fixtures import (
     check_engine_outputs,
     engine_llm,
     one_thread,  # noqa: F401  (a fixture)
+    save_tiny_deepseek,
     save_tiny_hybrid,
     save_tiny_model,
     save_tiny_nemotron_h,
@@ -129,3 +131,13 @@ def test_one_prompt_at_a_time_pads_to_each_size(ref, small_sizes):
         (out,) = llm.generate([prompt], params)
         assert out.output_ids == want
     assert graphs.replays == {8: 1, 16: 0, 32: 1}
+
+
+def test_mla_model_is_refused(tmp_path):
+    """MLA layers call step ops the pieces do not cut at: refused at start-up, naming
+    the option to turn off."""
+    from unikv.engine import LLM
+
+    save_tiny_deepseek(2, str(tmp_path))
+    with pytest.raises(ValueError, match="MLA.*prefill_graphs=False"):
+        LLM(str(tmp_path), device="cpu", max_num_seqs=2, max_model_len=64, prefill_graphs=True)
