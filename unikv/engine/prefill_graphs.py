@@ -222,6 +222,7 @@ class PrefillGraphs:
         self.model, self.planner, self.device = model, planner, planner.device
         self.sizes = sorted(sizes or prefill_token_sizes(planner.max_tokens))
         self.cuda = self.device.type == "cuda"  # decided once: graphs, or plain calls
+        self._run = self._replay if self.cuda else self._calls
         top = self.sizes[-1]
         assert top <= planner.max_tokens, "prefill graphs invariant: sizes within max_tokens"
         self.ids = torch.zeros(top, dtype=torch.int64, device=self.device)
@@ -341,7 +342,7 @@ class PrefillGraphs:
         self.ids[:num].copy_(plan.input_ids)
         self.positions[:num].copy_(plan.positions)
         seq = self.sequences[size]
-        h, residual = self._replay(seq, step, num) if self.cuda else self._calls(seq, step, num)
+        h, residual = self._run(seq, step, num)
         self.replays[size] += 1
         if logits_indices is None:  # every real row (a verify step's)
             h, residual = h[:num], residual[:num]
