@@ -7,9 +7,9 @@ their conv and scan are eager ops between pieces too) and NemotronH (Mamba-2, Mo
   the eager engine's (``prefill_graphs=False``) at pages 1 and 16, with captured
   sizes 8, 16, 32 and steps whose token counts are none of them (padded);
 - chunked prefill cutting prompts (7-token steps, every one padded to 8);
-- padded rows store nothing: the sink page (where a padded plan's lanes write) and
-  every byte the eager engine's run left alone are unchanged by the run, and the
-  rest of the pool equals the eager engine's pool;
+- padded rows store nothing: the sink page (where a padded plan's lanes would write)
+  keeps the bytes it had after start-up, and the rest of the pool equals the eager
+  engine's after the same run (K/V pages and recurrent state slots);
 - every extend step ran through the pieces (replays counted per size);
 - an MLA model (ops the pieces do not cut at) is refused at start-up.
 """
