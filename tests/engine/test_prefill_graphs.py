@@ -11,6 +11,7 @@ their conv and scan are eager ops between pieces too) and NemotronH (Mamba-2, Mo
   keeps the bytes it had after start-up, and the rest of the pool equals the eager
   engine's after the same run (K/V pages and recurrent state slots);
 - every extend step ran through the pieces (replays counted per size);
+- prompt logprobs (the head over more rows than requests) equal transformers';
 - an MLA model (ops the pieces do not cut at) is refused at start-up.
 """
 
@@ -23,6 +24,7 @@ from engine_fixtures import (
     StepLogits,
     check_engine_outputs,
     engine_llm,
+    hf_logits,
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_deepseek,
     save_tiny_hybrid,
@@ -131,6 +133,21 @@ def test_one_prompt_at_a_time_pads_to_each_size(ref, small_sizes):
         (out,) = llm.generate([prompt], params)
         assert out.output_ids == want
     assert graphs.replays == {8: 1, 16: 0, 32: 1}
+
+
+def test_prompt_logprobs_through_the_pieces(ref, small_sizes):
+    """Prompt logprobs (more logits rows than requests: the head's own rows plan)
+    through the pieces equal transformers' teacher-forced log-softmax."""
+    llm = engine_llm(ref, prefill_graphs=True)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outputs = llm.generate(ref.prompts[:2], params)
+    assert sum(llm.runner.prefill_graphs.replays.values()) > 0
+    for prompt, out in zip(ref.prompts[:2], outputs, strict=True):
+        want = torch.log_softmax(hf_logits(ref.hf, prompt).double(), dim=-1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i in range(1, len(prompt)):
+            got = out.prompt_logprobs[i][prompt[i]].logprob
+            assert abs(got - want[i - 1, prompt[i]].item()) < 1e-4, (i, got)
 
 
 def test_mla_model_is_refused(tmp_path):
