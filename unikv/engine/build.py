@@ -153,6 +153,11 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
     if c.prefix_host_bytes:
         _enable_prefix_host(alloc, c.prefix_host_bytes, device, prefill_rate)
     use_graphs = device.type == "cuda" and tp is None
+    if c.prefill_graphs and tp is not None:
+        raise ValueError(
+            "prefill_graphs is not yet tried under tensor parallelism: run with "
+            "prefill_graphs=False (--no-prefill-graphs)"
+        )
     runner = ModelRunner(
         model,
         pool,
@@ -163,6 +168,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         cuda_graphs=use_graphs if c.cuda_graphs is None else c.cuda_graphs,
         max_graph_batch=min(c.max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         q_per_kv_of={d.name: draft.q_per_kv for d in draft.configs},
+        prefill_graphs=c.prefill_graphs,
     )
     if device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
         warm_linears(model, max_logit_rows=c.max_num_seqs, max_tokens=c.max_num_batched_tokens)

@@ -144,6 +144,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_graph_batch: int = 0,
         q_per_kv_of: dict[str, int] | None = None,
+        prefill_graphs: bool = False,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
@@ -183,15 +184,27 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.forward, self.planner, max_graph_batch, forward_greedy=self.forward_greedy
             )
+        # extend steps through piecewise graphs (plain calls of the same pieces on CPU)
+        self.prefill_graphs = None
+        if prefill_graphs:
+            from unikv.engine.prefill_graphs import PrefillGraphs
+
+            make_step = lambda plan: ExtendAttention(
+                self.layers, plan, self.backend, self.sm_scale, self.states
+            )
+            self.prefill_graphs = PrefillGraphs(model, self.planner, make_step)
 
     # -- running -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None, every_row=False):
+    def forward(
+        self, plan: StepPlan, greedy: bool = False, extra_rows=None, every_row=False, pieces=False
+    ):
         """fp32 logits (B, vocab) of each request's last token in the step; greedy:
         (logits, the model's (B,) int64 greedy tokens) from a model that fuses them.
         extra_rows: (E,) int64 more token rows whose logits follow (B + E rows);
-        every_row: the logits of every token row (T, vocab) (a verify step)."""
+        every_row: the logits of every token row (T, vocab) (a verify step).
+        pieces: an extend step may run in the prefill graphs (never inside a capture)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         # a decode step's rows are its requests' last tokens: no gather before the head
@@ -200,6 +213,10 @@ class ModelRunner:
             rows = torch.cat([plan.logits_indices, extra_rows])  # an eager plan: B rows
             attn.logit_rows_plan = self.backend.plan_rows(rows.shape[0])  # the head's B + E
         extra = {"greedy": True} if greedy else {}
+        if pieces and self.prefill_graphs is not None and not plan.is_decode:
+            out = self.prefill_graphs.forward(plan, attn, rows, **extra)
+            if out is not None:  # (None: more rows than the largest size)
+                return out
         return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
 
     @torch.inference_mode()
@@ -235,13 +252,13 @@ class ModelRunner:
         plan = self.planner.plan(batch, prev_tokens, rows=rows, prev_fed=prev_fed)
         tokens_dev, fed, prompt = None, False, None
         if wanted is not None:
-            logits = self.forward(plan, extra_rows=wanted.rows)
+            logits = self.forward(plan, extra_rows=wanted.rows, pieces=True)
             num = len(batch.requests)
             prompt = prompt_logprobs(logits[num:], wanted)
             prompt = prompt.to_host() if self._pin else prompt
             logits = logits[:num]
         elif rows is None:
-            logits = self.forward(plan)
+            logits = self.forward(plan, pieces=True)
         else:
             in_graph = greedy and self.graphs.has_greedy(rows)  # the argmax inside
             if in_graph and self._copy_stream is not None and prev is not None:
