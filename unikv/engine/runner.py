@@ -26,7 +26,7 @@ from unikv.engine.attention import (
 )
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
-from unikv.engine.scheduler import Batch
+from unikv.engine.scheduler import Batch, BatchKind
 from unikv.engine.speculative.step import verify_step
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
@@ -256,7 +256,11 @@ class ModelRunner:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
-        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
+        if self.draft is None:
+            pass
+        elif batch.kind is BatchKind.DECODE and self.draft.lazy(len(batch.requests)):
+            self.draft.defer(batch)  # past the rule: no draft forward (caught up later)
+        else:  # the draft's K/V of the same rows (its invariant)
             self.draft.forward_plan(plan, batch, tokens_dev)
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)

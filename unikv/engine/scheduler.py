@@ -260,10 +260,17 @@ class Scheduler:
             np.array([n], dtype=np.int64),
         )
 
+    def share(self, r: Request) -> None:
+        """Share ``r``'s full pages in the prefix cache (a lazy draft catches up first:
+        ``Speculator.before_share``)."""
+        if self.spec is not None and self.prefix.enabled:
+            self.spec.before_share(r)
+        self.prefix.share(r)
+
     def preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
         go to host slots first when ``swap`` takes them, else it is recomputed."""
-        self.prefix.share(r)
+        self.share(r)
         if self.swap is not None:
             record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
             if record is not None:
@@ -281,7 +288,7 @@ class Scheduler:
         in-flight step still uses are fenced by the allocator). Its outputs stay;
         a placeholder left by the step in flight is resolved as usual."""
         if r.status is Status.RUNNING:
-            self.prefix.share(r)
+            self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
@@ -323,7 +330,7 @@ class Scheduler:
             if r.resolve(len(r.output_ids) - 1, tokens[i]):
                 finished.append(r)
                 if r.status is Status.RUNNING:
-                    self.prefix.share(r)
+                    self.share(r)
                     self.alloc.free_request(r.slot)
                     self.running.remove(r)
                 elif r.status is Status.WAITING:  # preempted meanwhile
@@ -372,7 +379,7 @@ class Scheduler:
         self.prefix.after_step(Batch(list(reqs), kept), verify=True)
         self._epoch += len(finished)
         for r in finished:
-            self.prefix.share(r)
+            self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED
@@ -404,7 +411,7 @@ class Scheduler:
             self._decodes.advance(len(batch.requests))
         self._epoch += len(finished)
         for r in finished:
-            self.prefix.share(r)
+            self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED

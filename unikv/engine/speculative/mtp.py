@@ -90,6 +90,11 @@ class HiddenDraft:
         self.kept: dict[int, tuple[int, int]] = {}  # slot -> (request id, its num_cached)
         self.states = [None] * len(caches)
 
+    def lazy(self, batch_size: int) -> bool:
+        """Whether a plain decode step leaves the layer's rows unwritten: never yet (its
+        rows need the target's hidden states of that step)."""
+        return False
+
     # -- writing the layer's rows after target steps ----------------------------------
 
     def _run(self, plan, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
