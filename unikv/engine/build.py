@@ -358,6 +358,8 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
             runner.model, draft.head, caches, runner.planner, backend, draft.head.sm_scale,
             runner.planner.max_seqs,
         )  # fmt: skip
+        if spec_config.disable_by_batch_size < c.max_num_seqs:  # the rule may apply: lazy
+            spec.draft.enable_lazy(spec.within_rule)
     if spec_config.method == "draft_model":
         model = draft.model  # loaded with its sub-pools' configs
         cap = check_soft_cap(backend, model.config.extra.get("attn_soft_cap", 0.0))

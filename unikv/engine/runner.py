@@ -232,6 +232,12 @@ class ModelRunner:
         graphed = self.graphs is not None and wanted is None
         rows = self.graphs.rows_for(batch) if graphed else None
         prev_fed = prev is not None and prev.fed
+        draft = self.draft  # past the rule a plain decode step leaves the draft lazy
+        lazy = (
+            draft is not None and batch.kind is BatchKind.DECODE and draft.lazy(len(batch.requests))
+        )
+        if draft is not None and not lazy and draft.prepare(batch) and batch.step is not None:
+            batch.step.rebuild()  # a lazy draft's catch-up planned over decode_step's tables
         plan = self.planner.plan(batch, prev_tokens, rows=rows, prev_fed=prev_fed)
         tokens_dev, fed, prompt = None, False, None
         if wanted is not None:
@@ -256,12 +262,10 @@ class ModelRunner:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
-        if self.draft is None:
-            pass
-        elif batch.kind is BatchKind.DECODE and self.draft.lazy(len(batch.requests)):
-            self.draft.defer(batch)  # past the rule: no draft forward (caught up later)
-        else:  # the draft's K/V of the same rows (its invariant)
-            self.draft.forward_plan(plan, batch, tokens_dev)
+        if lazy:  # no draft forward (``catch_up`` writes its rows later)
+            draft.defer(plan, batch, tokens_dev)
+        elif draft is not None:  # the draft's K/V of the same rows (its invariant)
+            draft.forward_plan(plan, batch, tokens_dev)
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1

@@ -260,17 +260,18 @@ class Scheduler:
             np.array([n], dtype=np.int64),
         )
 
-    def share(self, r: Request) -> None:
-        """Share ``r``'s full pages in the prefix cache (a lazy draft catches up first:
-        ``Speculator.before_share``)."""
-        if self.spec is not None and self.prefix.enabled:
-            self.spec.before_share(r)
+    def share(self, r: Request, preempted: bool = False) -> None:
+        """Share ``r``'s full pages in the prefix cache as it leaves the running set
+        (a lazy draft writes its missing rows first where the pages stay:
+        ``Speculator.release``)."""
+        if self.spec is not None:
+            self.spec.release(r, self.prefix.enabled or preempted)
         self.prefix.share(r)
 
     def preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
         go to host slots first when ``swap`` takes them, else it is recomputed."""
-        self.share(r)
+        self.share(r, preempted=True)
         if self.swap is not None:
             record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
             if record is not None:

@@ -94,12 +94,24 @@ class DraftModel:
         rows unwritten (past the batch-size rule; ``catch_up`` writes them later)."""
         return self.lazy_ok and self.rule is not None and not self.rule(batch_size)
 
-    def defer(self, batch) -> None:
+    def defer(self, plan, batch, tokens=None) -> None:
         """A plain decode step past the rule: no forward; each request's first row
         the draft lacks is remembered (``Request.draft_lag``)."""
         for r in batch.requests:
             if r.draft_lag is None:
                 r.draft_lag = r.num_cached
+
+    def prepare(self, batch) -> bool:
+        """Before a step that runs the draft: nothing (a lagging request's rows are
+        caught up before its next proposal or as its pages are shared)."""
+        return False
+
+    def release(self, r, write: bool) -> None:
+        """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
+        kept): its missing rows are written first, else forgotten."""
+        if write:
+            self.catch_up([r])
+        r.draft_lag = None
 
     @torch.inference_mode()
     def forward_plan(self, plan, batch=None, tokens=None) -> None:

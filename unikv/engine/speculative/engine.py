@@ -136,12 +136,13 @@ class Speculator:
         draft = propose_ngram(history, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return _padded(draft, room, r) if cfg.force_accept else draft  # benchmarks: k
 
-    def before_share(self, r: Request) -> None:
-        """``r``'s pages are about to be shared (prefix caching): a lazy draft writes
-        the rows it left out first, so no cached page holds a stale draft row."""
-        catch_up = getattr(self.draft, "catch_up", None)
-        if catch_up is not None and r.draft_lag is not None:
-            catch_up([r])
+    def release(self, r: Request, write: bool) -> None:
+        """``r`` leaves the running set (finished or preempted); ``write``: its pages
+        stay (shared with the prefix cache, swapped or kept for readmission), so a
+        lazy draft writes the rows it left out first (no page holds a stale draft
+        row); else they are forgotten."""
+        if r.draft_lag is not None and self.draft is not None:
+            self.draft.release(r, write)
 
     def record(self, drafted: int, accepted: np.ndarray, requests: int) -> None:
         """A verify step's counts: drafts scored, accepted per request."""
