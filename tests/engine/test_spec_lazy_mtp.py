@@ -113,3 +113,31 @@ def test_lazy_mtp_under_swap(qwen, monkeypatch):
     for ids, drafts, _ in seen:
         assert drafts == oracle_drafts(hf, block, mtp, ids, len(drafts))
     assert_pages_returned(llm)
+
+
+def test_lazy_eagle3_resumes_on_the_true_chain(tmp_path_factory, monkeypatch):
+    """An EAGLE-3 head (three target hidden states per row in the stash), pages 1,
+    prefix caching on, window 3: no head run in the rule's steps but the flushes;
+    the drafts after resumption are the head's chain; tokens are transformers'."""
+    import test_spec_eagle3 as e3
+    from mtp_fixtures import save_tiny_eagle3
+
+    target = str(tmp_path_factory.mktemp("llama6"))
+    hf = e3.save_tiny_model("llama", target, num_hidden_layers=6)
+    head = str(tmp_path_factory.mktemp("eagle3"))
+    saved = (target, hf, head, save_tiny_eagle3(head, hf.config))
+    items = e3.prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (10, 14, 22)]
+    llm = e3.make_llm(
+        saved, 3, 1, enable_prefix_caching=True, speculative_disable_by_batch_size=LIMIT
+    )
+    draft = llm.runner.draft
+    draft.enable_lazy(draft.rule, window=3)
+    seen = spy_drafts(llm)
+    got, count = run(llm, items, params, monkeypatch)
+    assert got == [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(items, params)]
+    assert count["rule"] >= 3 and count["rule_runs"] <= count["rule"] // 3
+    assert len(seen) >= 3 and any(len(d) == 3 for _, d, _ in seen)
+    for ids, drafts, _ in seen:
+        assert drafts == e3.oracle_drafts(hf, saved[3], ids, len(drafts))
+    assert_pages_returned(llm)
