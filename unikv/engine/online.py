@@ -352,9 +352,9 @@ class EngineLoop:
         self._failures_in_a_row = 0
         if self._prev is not None:
             self._settle(self._prev)
-        if launched.emitted is not None:  # a verify step ran to its end: applied now
+        if launched.verify is not None:  # a verify step: applied once its tokens are in
             self._prev = None
-            finished = sched.complete_verify(batch, launched.emitted)
+            finished = sched.complete_verify(batch, launched.read_emitted())
             self._publish(launched)
         else:
             finished = sched.complete_ahead(batch)
