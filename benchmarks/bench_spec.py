@@ -39,7 +39,10 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   own draft) and ``eagle3_rule`` (a random EAGLE-3 head, ``save_eagle3_head``),
   whose drafts are lazy there (no draft forward per step: ``speculative/draft.py``,
   ``speculative/mtp.py``); Qwen3.5 likewise: ``plain_batch`` vs ``mtp_rule``.
-  Ratios (``ratios`` in the JSON): ``llama_forced_speedup``, ``qwen3_5_forced_speedup``,
+  Ratios (``ratios`` in the JSON): ``llama_forced_speedup``,
+  ``llama_forced_pipelined_speedup`` (``forced`` with verify steps planned ahead,
+  ``speculative/ahead.py``; not for Qwen3.5: recurrent targets are not planned
+  ahead yet), ``qwen3_5_forced_speedup``,
   ``qwen3_5_mtp_forced_speedup`` (target 2.5), ``b64_rule_vs_plain`` (ngram),
   ``b64_draft_model_rule_vs_plain``, ``b64_eagle3_rule_vs_plain``,
   ``qwen3_5_b64_mtp_rule_vs_plain`` (target >= 1.0) and ``b64_no_rule_vs_plain``.
@@ -344,8 +347,12 @@ def _suite_runs(path: Path, configs: dict, prompts: dict, kw: dict) -> dict:
     (``prompts``: label -> (one prompt or a batch, new tokens))."""
     runs = {}
     for name, (spec, labels, extra) in configs.items():
+        extra = dict(extra)
+        pipeline = extra.pop("pipeline", False)  # verify steps planned ahead (ahead.py)
         with allow_forced_acceptance():  # a benchmark: the forced runs' mode
             llm = LLM(str(path), speculative_config=spec, **{**kw, **extra})
+        if pipeline:
+            llm.scheduler.spec.pipeline = True
         runs[name] = {}
         for label in labels:
             rate, counters = decode_rate(llm, *prompts[label])
@@ -383,6 +390,7 @@ def main_suite(args, dtype) -> dict:
     llama_runs = _suite_runs(llama, {
         "plain": (None, ("one", "batch"), big),
         "forced": (forced, ("one",), {}),
+        "forced_pipelined": (forced, ("one",), {"pipeline": True}),
         "spec_rule": ({**ngram, "disable_by_batch_size": rule}, ("batch",), big),
         "spec_no_rule": ({**ngram, "disable_by_batch_size": b}, ("batch",), big),
         "draft_model_rule": ({**lazy, "method": "draft_model", "model": str(llama)}, ("batch",), big),
@@ -406,6 +414,8 @@ def main_suite(args, dtype) -> dict:
 
     ratios = {
         "llama_forced_speedup": rate(llama_runs, "forced", "one") / rate(llama_runs, "plain", "one"),
+        "llama_forced_pipelined_speedup": rate(llama_runs, "forced_pipelined", "one")
+        / rate(llama_runs, "plain", "one"),
         "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
         "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
         / rate(qwen_runs, "plain", "one"),

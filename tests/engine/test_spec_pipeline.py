@@ -37,10 +37,10 @@ def repetitive(n: int, seed: int = 7) -> list[list[int]]:
 def make_llm(path: str, ps: int, pipeline: bool, force: bool = False, **kw) -> LLM:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 2, "force_accept": force}  # fmt: skip
-    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 96, **kw}
+    kw = {"device": "cpu", "debug": True, "max_num_seqs": 4, "max_num_batched_tokens": 64,
+          "max_model_len": 96, **kw}  # fmt: skip
     with allow_forced_acceptance():
-        llm = LLM(path, device="cpu", dtype=torch.float32, page_size=ps, debug=True,
-                  speculative_config=spec, **kw)  # fmt: skip
+        llm = LLM(path, dtype=torch.float32, page_size=ps, speculative_config=spec, **kw)
     llm.scheduler.spec.pipeline = pipeline
     return llm
 
@@ -156,3 +156,28 @@ def test_pipelined_under_preemption(llama, monkeypatch):
     assert got == [hf_greedy(hf, p, 40) for p in items + items[::-1]]
     assert llm.stats.preemptions > 0 and count["kept"] + count["dropped"] > 0
     assert_pages_returned(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ps", [1, 16])
+def test_pipelined_on_gpu(llama, ps, monkeypatch):
+    """On CUDA (verify graphs, pinned readbacks, fp32): steps planned ahead replay
+    behind the step in flight. Forced acceptance: every step kept, each step's last
+    token the target's (transformers on the CPU); real drafts: tokens equal the same
+    engine's without pipelining, some bets kept and some dropped."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path, hf = llama
+    kw = {"device": "cuda", "debug": False, "max_num_seqs": 8, "kv_cache_bytes": 64 << 20}
+    items = [repetitive(1)[0]]
+    llm = make_llm(path, ps, True, force=True, **kw)
+    assert llm.runner.verify_graphs is not None
+    got, count = run(llm, items, SamplingParams(max_tokens=40, temperature=0.0), monkeypatch)
+    assert count["kept"] >= 6 and count["dropped"] == 0
+    check_bonus(hf, items[0], got[0], count["emitted"])
+    g = torch.Generator().manual_seed(9)
+    items = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 13)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want, _ = run(make_llm(path, ps, False, **kw), items, params, monkeypatch)
+    got, count = run(make_llm(path, ps, True, **kw), items, params, monkeypatch)
+    assert got == want and count["kept"] > 0
