@@ -140,6 +140,39 @@ def test_request_ends_inside_an_accepted_run(llama, monkeypatch):
     assert_pages_returned(llm)
 
 
+def test_request_ended_between_steps_drops_the_step_ahead(llama, monkeypatch):
+    """Forced acceptance, two requests: right after a step planned ahead was kept,
+    one request is aborted between steps (as a stop string or an API abort would);
+    the step ahead is dropped (its rows trimmed), the other request goes on with
+    every step's last token the target's, and every page comes back."""
+    path, hf = llama
+    items = repetitive(2, seed=5)
+    llm = make_llm(path, 4, True, force=True)
+    aborted = []
+
+    def on_step(llm, batch, logits):
+        if llm.scheduler.kept_ahead and not aborted:
+            aborted.append(batch.requests[1])
+            llm.scheduler.finish(batch.requests[1], "abort")
+
+    emitted0 = []  # the first request's tokens of each verify step (it stays lane 0)
+    complete = Scheduler.complete_verify
+
+    def spy(sched, batch, emitted, ahead=None):
+        if batch.requests[0].prompt_ids == items[0]:
+            emitted0.append(len(emitted[0]))
+        return complete(sched, batch, emitted, ahead)
+
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "complete_verify", spy)
+        out = llm.generate(items, params, on_step=on_step)
+    assert aborted and out[1].outputs[0].finish_reason == "abort"
+    assert len(out[0].output_ids) == 40
+    check_bonus(hf, items[0], out[0].output_ids, emitted0)
+    assert_pages_returned(llm)
+
+
 def test_pipelined_under_preemption(llama, monkeypatch):
     """A pool that preempts: steps planned ahead where the pool holds their rows,
     tokens equal transformers'."""
