@@ -150,3 +150,40 @@ def llm_configs(path: str) -> list:
 
     target = specs_from_hf_config(path, page_size=4, dtype=torch.float32)
     return target + draft_subpool_configs(path, target, 4, torch.float32)
+
+
+@pytest.mark.gpu
+def test_lazy_draft_and_head_on_gpu(llama, monkeypatch, tmp_path):
+    """On CUDA (decode graphs in the rule's steps, fp32): the target as its own lazy
+    draft accepts every draft after resumption, and a lazy EAGLE-3 head (its stash
+    written from the graphs' exported hidden states) gives the tokens of plain
+    decoding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from mtp_fixtures import save_tiny_eagle3
+
+    path, hf = llama
+    items = prompts()
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 8, 20, 24)
+    ]
+    kw = {"device": "cuda", "debug": False, "enable_prefix_caching": False}
+    llm = LLM(path, dtype=torch.float32, page_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=64, speculative_config={"method": "draft_model", "model": path,
+              "num_speculative_tokens": 3, "disable_by_batch_size": LIMIT}, **kw)  # fmt: skip
+    assert llm.runner.graphs is not None
+    got, spy = run(llm, items, params, monkeypatch)
+    assert got == [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(items, params)]
+    assert spy.rule_steps >= 4 and spy.rule_forwards == 0
+    exact(llm)
+    target = str(tmp_path / "llama6")
+    hf6 = save_tiny_model("llama", target, num_hidden_layers=6)
+    head = str(tmp_path / "eagle3")
+    save_tiny_eagle3(head, hf6.config)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+            "disable_by_batch_size": LIMIT}  # fmt: skip
+    llm = LLM(target, dtype=torch.float32, page_size=4, max_num_seqs=4, max_model_len=64,
+              max_num_batched_tokens=32, speculative_config=spec, **kw)  # fmt: skip
+    out = [o.output_ids for o in llm.generate(items, params)]
+    assert out == [hf_greedy(hf6, p, sp.max_tokens) for p, sp in zip(items, params)]
+    assert llm.stats.spec_verify_steps > 0
