@@ -347,12 +347,8 @@ def _suite_runs(path: Path, configs: dict, prompts: dict, kw: dict) -> dict:
     (``prompts``: label -> (one prompt or a batch, new tokens))."""
     runs = {}
     for name, (spec, labels, extra) in configs.items():
-        extra = dict(extra)
-        pipeline = extra.pop("pipeline", False)  # verify steps planned ahead (ahead.py)
         with allow_forced_acceptance():  # a benchmark: the forced runs' mode
             llm = LLM(str(path), speculative_config=spec, **{**kw, **extra})
-        if pipeline:
-            llm.scheduler.spec.pipeline = True
         runs[name] = {}
         for label in labels:
             rate, counters = decode_rate(llm, *prompts[label])
@@ -390,7 +386,7 @@ def main_suite(args, dtype) -> dict:
     llama_runs = _suite_runs(llama, {
         "plain": (None, ("one", "batch"), big),
         "forced": (forced, ("one",), {}),
-        "forced_pipelined": (forced, ("one",), {"pipeline": True}),
+        "forced_pipelined": ({**forced, "pipeline": True}, ("one",), {}),
         "spec_rule": ({**ngram, "disable_by_batch_size": rule}, ("batch",), big),
         "spec_no_rule": ({**ngram, "disable_by_batch_size": b}, ("batch",), big),
         "draft_model_rule": ({**lazy, "method": "draft_model", "model": str(llama)}, ("batch",), big),

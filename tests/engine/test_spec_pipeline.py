@@ -36,13 +36,24 @@ def repetitive(n: int, seed: int = 7) -> list[list[int]]:
 
 def make_llm(path: str, ps: int, pipeline: bool, force: bool = False, **kw) -> LLM:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 2, "force_accept": force}  # fmt: skip
+            "prompt_lookup_max": 2, "force_accept": force, "pipeline": pipeline}  # fmt: skip
     kw = {"device": "cpu", "debug": True, "max_num_seqs": 4, "max_num_batched_tokens": 64,
           "max_model_len": 96, **kw}  # fmt: skip
     with allow_forced_acceptance():
         llm = LLM(path, dtype=torch.float32, page_size=ps, speculative_config=spec, **kw)
-    llm.scheduler.spec.pipeline = pipeline
+    assert llm.scheduler.spec.pipeline is pipeline
     return llm
+
+
+def test_pipeline_key():
+    """``pipeline`` (unikv's key, default false) takes a bool only."""
+    from unikv.engine.speculative.config import speculative_config_of
+
+    base = {"method": "ngram", "num_speculative_tokens": 3}
+    assert speculative_config_of(base).pipeline is False
+    assert speculative_config_of({**base, "pipeline": True}).pipeline is True
+    with pytest.raises(ValueError, match=r"\['pipeline'\] must be a bool, got 'yes'"):
+        speculative_config_of({**base, "pipeline": "yes"})
 
 
 def run(llm: LLM, items, params, monkeypatch) -> tuple[list[list[int]], dict]:

@@ -1,5 +1,6 @@
 """A verify step planned ahead: step N + 1 enqueued before step N's acceptance is
-on the host (``Speculator.pipeline``; n-gram drafts, attention-only targets).
+on the host (``speculative_config["pipeline"]``, ``Speculator.pipeline``; n-gram
+drafts, attention-only targets).
 
 While verify step N runs, the host plans N + 1 as if N accepts every draft of
 every request: request b then holds ``L_b + n_b + 1`` tokens (L_b its cached ones,

@@ -78,7 +78,7 @@ class Speculator:
         self.draft = None  # method "draft_model": its ``draft.DraftModel`` (LLM sets it)
         self.pad_drafts = False  # verify graphs: every request k drafts where it has room
         # plan the next verify step before this one's tokens are in (``ahead.py``)
-        self.pipeline = False
+        self.pipeline = config.pipeline
         self.accepted_all: set[int] = set()  # requests whose last verify step kept every draft
 
     def within_rule(self, batch: int) -> bool:
