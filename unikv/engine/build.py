@@ -188,6 +188,8 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         speculator=_speculator(c, runner, pool, backend, draft),
         checkpoint_rule=_checkpoint_rule(pool, device, prefill_rate) if caching else None,
     )
+    if runner.draft is not None and scheduler.has_state and scheduler.prefix.enabled:
+        runner.draft.lazy_ok = False  # a hybrid's cache shares pages decodes complete
     return Engine(config=c, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                   model_config=model_config, model=model, tokenizer=tokenizer,
                   eos_token_ids=merged_eos(model_config, model_dir, tokenizer),
@@ -362,6 +364,8 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
             runner.model, draft.head, caches, runner.planner, backend, draft.head.sm_scale,
             runner.planner.max_seqs,
         )  # fmt: skip
+        if spec_config.disable_by_batch_size < c.max_num_seqs:  # the rule may apply: lazy
+            spec.draft.enable_lazy(spec.within_rule)
     if spec_config.method == "draft_model":
         model = draft.model  # loaded with its sub-pools' configs
         cap = check_soft_cap(backend, model.config.extra.get("attn_soft_cap", 0.0))
@@ -369,6 +373,7 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
         spec.draft = runner.draft = DraftModel(
             model, caches, runner.planner, backend, model.config.sm_scale
         )
+        spec.draft.rule = spec.within_rule  # past the rule: lazy (``DraftModel.lazy``)
     if runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
         q = spec_config.num_speculative_tokens + 1
         rows = min(VERIFY_GRAPH_ROWS, spec_config.disable_by_batch_size, runner.planner.max_seqs,
