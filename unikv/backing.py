@@ -32,6 +32,10 @@ from typing import Any
 import torch
 
 CHUNK_BYTES = 2 << 20  # 2 MiB: the CUDA allocation granularity of current GPUs
+# CudaBacking's default: one cuMemCreate + cuMemMap per chunk costs ~36-40 us on an H100,
+# so a 1 GiB grow took 18.6 ms at 2 MiB chunks, 5.1 ms at 8 MiB and 1.7 ms at 32 MiB
+# (bench_elastic's chunk_sweep, 2026-12-06; issue 44's target: <= 10 ms)
+CUDA_CHUNK_BYTES = 8 << 20
 POISON_BYTE = 0xFF  # NaN in fp32, fp16, bf16 and both fp8 formats
 
 
@@ -253,7 +257,7 @@ class CudaBacking(Backing):
     to the device's allocation granularity; ``reserve`` commits chunk 0 (torch
     needs a mapped pointer to wrap). Needs the ``gpu`` extra (cuda-bindings)."""
 
-    def __init__(self, device: torch.device | str = "cuda", chunk: int = CHUNK_BYTES) -> None:
+    def __init__(self, device: torch.device | str = "cuda", chunk: int = CUDA_CHUNK_BYTES) -> None:
         try:
             from cuda.bindings import driver
         except ImportError as e:  # pragma: no cover - the CPU image has no cuda-bindings
@@ -379,9 +383,10 @@ class SliceBacking(Backing):
         self.tensor = self.tensor[:0]
 
 
-def make_backing(device: torch.device | str, chunk: int = CHUNK_BYTES) -> Backing:
-    """The backing for ``device``: ``CudaBacking`` on CUDA, else ``EmulatedBacking``."""
+def make_backing(device: torch.device | str, chunk: int | None = None) -> Backing:
+    """The backing for ``device``: ``CudaBacking`` on CUDA, else ``EmulatedBacking``;
+    ``chunk`` None: ``CUDA_CHUNK_BYTES`` on CUDA, ``CHUNK_BYTES`` elsewhere."""
     device = torch.device(device)
     if device.type == "cuda":
-        return CudaBacking(device, chunk)
-    return EmulatedBacking(chunk, device)
+        return CudaBacking(device, CUDA_CHUNK_BYTES if chunk is None else chunk)
+    return EmulatedBacking(CHUNK_BYTES if chunk is None else chunk, device)

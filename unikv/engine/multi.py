@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch
 
-from unikv.backing import CHUNK_BYTES, SliceBacking, make_backing, round_up
+from unikv.backing import SliceBacking, make_backing, round_up
 from unikv.engine.budget_broker import SharedBudget
 
 
@@ -39,7 +39,7 @@ class MultiLLM:
         idle_seconds, idle_floor: shrink a model with no work for that long to
             that floor (``SharedBudget``).
         chunk: the backing's commit granularity (CUDA rounds it up to the
-            device's).
+            device's; None: ``make_backing``'s default for the device).
         **common: ``LLM`` keyword arguments every model takes (device, page_size,
             max_num_seqs, ...); a model's own mapping overrides them.
     """
@@ -52,7 +52,7 @@ class MultiLLM:
         elastic: bool = True,
         idle_seconds: float | None = None,
         idle_floor: int | None = None,
-        chunk: int = CHUNK_BYTES,
+        chunk: int | None = None,
         device: str | torch.device | None = None,
         **common,
     ) -> None:
