@@ -140,12 +140,13 @@ def plan_rows_seen(monkeypatch) -> list[tuple[int, object]]:
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 def test_draft_heads_run_under_the_steps_plans(tmp_path, monkeypatch, method):
     """Speculative decoding on the Triton kernels with an EAGLE-3 head (tiny Llama
-    target) or the checkpoint's MTP layer (tiny DeepSeek-V3: MLA and MoE), the verify
-    steps on padded plans (a "captured" size above the batch's, run eagerly): the
-    draft heads' forwards (``project``, the layer, the greedy head) run under the
-    step's row plans, so no op applies a row rule itself, and every routed op's plan
-    is of its own input's rows, target and head alike; the tokens are transformers'
-    greedy ones."""
+    target) or the checkpoint's MTP layer (tiny DeepSeek-V3: MLA and MoE): four
+    requests past the batch-size rule (3) decode plainly, the head lazy; once one
+    finishes the head catches up in one extend and the three speculate, their verify
+    steps on padded plans (a "captured" size of 4, run eagerly). The heads' forwards
+    (``project``, the layer, the greedy head) run under the step's row plans, so no
+    op applies a row rule itself, and every routed op's plan is of its own input's
+    rows, target and head alike; the tokens are transformers' greedy ones."""
     target = str(tmp_path / "target")
     if method == "eagle3":
         hf = save_tiny_model("llama", target, num_hidden_layers=4)
@@ -155,9 +156,9 @@ def test_draft_heads_run_under_the_steps_plans(tmp_path, monkeypatch, method):
         hf = save_tiny_deepseek_mtp(target)
         spec = {"method": "mtp"}
     k = 2
+    spec |= {"num_speculative_tokens": k, "disable_by_batch_size": 3}
     llm = tiny_llm(method, target, "triton", dtype=torch.float32, max_model_len=32,
-                   max_num_seqs=4, max_num_batched_tokens=32,
-                   speculative_config={**spec, "num_speculative_tokens": k})  # fmt: skip
+                   max_num_seqs=4, max_num_batched_tokens=32, speculative_config=spec)  # fmt: skip
     llm.runner.capture_verify(k + 1, 4, capture=False)  # padded sizes 1, 2, 4
     padded, rows_for = [], llm.runner.verify_graphs.rows_for
 
@@ -167,14 +168,22 @@ def test_draft_heads_run_under_the_steps_plans(tmp_path, monkeypatch, method):
         return rows
 
     llm.runner.verify_graphs.rows_for = watch
+    draft, lazy = llm.runner.draft, []  # the lazy steps' stashes, the catch-up extends
+    for name in ("defer", "_extend"):
+        real = getattr(draft, name)
+        spy = lambda *a, _real=real, _name=name: lazy.append(_name) or _real(*a)
+        monkeypatch.setattr(draft, name, spy)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3, 4)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 3, 4, 6)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (3, 6, 6, 6)]
     calls, seen = rule_spies(monkeypatch), plan_rows_seen(monkeypatch)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    outputs = llm.generate(prompts, params)
     assert calls == []
-    assert [o.output_ids for o in outputs] == [hf_greedy(hf, p, 4) for p in prompts]
+    want = [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+    assert [o.output_ids for o in outputs] == want
     stats = llm.stats
     assert stats.spec_verify_steps > 0 and stats.spec_draft_tokens > 0  # the heads drafted
+    assert "defer" in lazy and "_extend" in lazy[lazy.index("defer") :]  # lazy, then caught up
     assert any(padded)  # a verify plan of 4 rows for 3 requests ran
     assert seen and all(plan is not None and plan.rows == rows for rows, plan in seen)
     # the spies see an op that plans by its shape (the checks above are not vacuous)
