@@ -129,8 +129,10 @@ class PhaseClock:
     ``schedule``, ``launch``, ``settle``: the previous step's tokens, a wait for the
     device, ``complete``: the step applied, ``after_step`` (inside ``complete``): the
     cache path's checkpoints and shares), per step, attributed at ``on_step``; plus
-    the forward-fence waits (``FenceQueue.wait_forward``: compaction's host sync) and
-    page moves (``TableWriter.moves``) of the run. Wraps the live objects' methods."""
+    the forward-fence waits (``FenceQueue.wait_forward``: compaction's host sync),
+    page moves (``TableWriter.moves``) of the run, and the device table writes (each
+    an upload and a launch, ``TableWriter.write``) per decode step. Wraps the live
+    objects' methods."""
 
     PHASES = ("schedule", "launch", "settle", "complete", "after_step")
 
@@ -140,8 +142,16 @@ class PhaseClock:
         self.decode = dict.fromkeys(self.PHASES, 0.0)
         self.other = dict.fromkeys(self.PHASES, 0.0)
         self.waits = 0
+        self.writes = [0, 0]  # table writes since the last step, in decode steps
         self.writer = llm.alloc.parts.writer
         self.moves0 = self.writer.moves
+        write = self.writer.write
+
+        def counted_write(*args, **kwargs):
+            self.writes[0] += 1
+            return write(*args, **kwargs)
+
+        self.writer.write = counted_write
         for obj, attr, phase in (
             (sched, "schedule", "schedule"), (loop.runner, "launch", "launch"),
             (loop, "_settle", "settle"), (sched, "complete_ahead", "complete"),
@@ -173,11 +183,14 @@ class PhaseClock:
         for k, v in self.now.items():
             into[k] += v
             self.now[k] = 0.0
+        self.writes[1] += self.writes[0] if is_decode else 0
+        self.writes[0] = 0
 
     def figures(self, decode_steps: int) -> dict:
         per = {k: 1e3 * v / max(decode_steps, 1) for k, v in self.decode.items()}
         return {
             "decode_step_host_ms": per,  # after_step is part of complete
+            "decode_step_table_writes": self.writes[1] / max(decode_steps, 1),
             "forward_waits": self.waits,
             "page_moves": self.writer.moves - self.moves0,
         }
