@@ -43,13 +43,21 @@ cache of unlimited size would still compute) and ``recomputed_tokens`` (their
 difference: partial pages, evicted prefixes, missing checkpoints, preemption
 recompute), ``prefill_seconds`` / ``decode_seconds`` (wall time of steps with and
 without prefill rows), ``mean_decode_batch`` (requests per decode-only step: what
-the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at_end``.
+the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at_end``;
+the per decode step host split (``PhaseClock``): ``decode_step_host_ms`` by phase of
+the engine step (schedule, launch, settle: the wait for the previous step's tokens,
+complete, and the cache path's ``after_step`` inside it), ``decode_step_table_writes``,
+and the run's ``forward_waits`` (compaction's host syncs) and ``page_moves``.
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
 spill and reload bandwidth in GB/s and their ratio to the pinned copies (the
 reload's time excludes the hit's lookup, ``match_seconds``, which a device hit pays
-as well).
+as well); ``split``: each one's host seconds before its first copy was enqueued, the
+copies' own seconds (CUDA events on the tier's stream) and the rest; and
+``tier_rows_d2h`` / ``tier_rows_h2d``: one plain copy between the pool's rows and the
+tier's own host slots (is it the copy, or the path around it). ``--workloads spill``
+alone writes the model's config only (no weights).
 Saved as JSON (``--out``).
 
 Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the bytes
@@ -484,6 +492,19 @@ def spill_bandwidth(path: Path, args) -> dict:
         dst.copy_(src, non_blocking=True)
         sync()
         times[name] = time.perf_counter() - start
+    from unikv.io.envelopes import page_rows
+
+    for name, back in (("tier_rows_d2h", False), ("tier_rows_h2d", True)):
+        seconds = 0.0  # the same bytes between the pool's rows and the tier's own host
+        for tier in host.tiers.values():  # slots (all free now), one plain copy each
+            rows, slots = page_rows(pool, tier.name)[1 : n + 1], tier.host[:n]
+            dst, src = (rows, slots) if back else (slots, rows)
+            sync()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync()
+            seconds += time.perf_counter() - start
+        times[name] = seconds
     gbs = {k: total / v / 1e9 for k, v in (("spill", spill), ("reload", reload), *times.items())}
     return {
         "pages": n, "bytes": total, "gb_per_s": gbs, "counters": host.counters(),
