@@ -73,6 +73,9 @@ class Track:
         self.prompt_logprobs: list | None = [] if p.prompt_logprobs is not None else None
         self.prompt_sent = False
         self.done = False
+        # the engine process's id of this completion, set on token-only tracks (no
+        # text, no logprobs): its plain rows go out as ids (``EngineLoop.publish_ids``)
+        self.wire: int | None = None
 
     @property
     def text(self) -> str | None:

@@ -6,17 +6,35 @@ starts ``python -m unikv.serving.engine_core``, writing its setup (the engine's
 ``EngineConfig``, pickled, the socket addresses, the admission bound) to the
 child's stdin as msgpack. The child connects:
 
-    API process                                   engine process
-    PUSH (inputs)  --add / abort / cut / call / stop-->  PULL  (main thread)
-    PULL (outputs) <--ready / ack / ret--------  PUSH  (main thread)
-                   <--out (one per step)--------  PUSH  (the loop's thread)
+    API process                                   engine process (ONE thread)
+    PUSH (inputs)  --add / abort / cut / call / stop-->  PULL
+    PULL (outputs) <--ready / acks / ret / out / dead--  PUSH
+
+One thread runs the loop and the sockets (``serve_all``, ``EngineLoop.adopt``):
+nothing contends for the GIL. Each turn drains every queued input message and
+admits the requests among them at once (one ``acks`` message answers them), so
+a burst joins the next step; then one step launches step N and settles N-1,
+whose outputs are encoded and sent while the device runs N. Idle, it sleeps in
+``poll``.
+
+Messages (msgpack arrays; the first element is the kind):
+
+    add   key, [[prompt ids, params], ...], cache salt, first completion id
+          (the API process numbers a submission's completions first, first + 1,
+          ... prompt by prompt, so outputs name a completion by one int)
+    acks  [[key, None | error kind, message], ...]   one per drain
+    out   wires, tokens, rows   ONE per step: ``wires``/``tokens`` (int arrays,
+          same length) the running completions that gained one token and the
+          token; ``rows`` every other delta in full: [completion id, token ids,
+          logprob rows, finish reason, stop reason, error, cached tokens,
+          prompt logprob rows]
 
 Inputs are token ids and SamplingParams (a structured-output constraint as its
 (kind, spec) source, compiled here); the engine does not tokenize or
-detokenize (its groups carry no tokenizer). Each engine step sends ONE ``out``
-message with every request's new tokens, logprob rows (texts None), finish
-and stop reasons, errors and cached-token counts. A stop STRING is found by the
-API process, which then ends that completion here (``cut``).
+detokenize (its groups carry no tokenizer; logprob rows carry no texts). A stop
+STRING is found by the API process, which then ends that completion here
+(``cut``). ``StepTimes`` (``unikv.engine.step_times``) times every step by
+phase; the ``snapshot`` call returns them (``step_times``).
 
 If the loop dies (``EngineLoop``'s fatal errors), its streams get their error
 deltas, a ``dead`` message follows and the process exits with status 1; the
@@ -27,12 +45,14 @@ process does not take within a second checks it too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import threading
 import time
 from functools import partial
+from time import perf_counter
 
 import msgspec
 
@@ -136,61 +156,79 @@ class Core:
         self, loop, requests, reset_prefix_cache, compile_structured, ctx, outputs: str,
         max_waiting,
     ) -> None:  # fmt: skip
+        from unikv.engine.step_times import StepTimes
+
         self.loop, self.requests = loop, requests
         self.reset_prefix_cache, self.compile_structured = reset_prefix_cache, compile_structured
         self.enc = msgspec.msgpack.Encoder()
-        self.main_out = _push(ctx, outputs)  # main thread only
-        self.step_out = _push(ctx, outputs)  # the loop's thread only
+        # one socket, one thread (``serve_all``): acks, answers and steps' outputs in order
+        self.main_out = self.step_out = _push(ctx, outputs)
         self.groups: dict[int, list] = {}  # submission id -> its request groups
         self.dead = threading.Event()
         self.loop.max_waiting = max_waiting or None
         self.loop.publish = self._publish
+        self.loop.publish_ids = self._publish_ids
         self.loop.on_death = self._died
+        self.times = self.loop.times = StepTimes()  # host time per step, by phase
         self.budget = None  # an idle shrink's SharedBudget (started with the loop)
         self.resize_kv = None  # resize_kv of the LLM (set by main)
 
     def send(self, msg) -> None:
         send_or_exit(self.main_out, self.enc.encode(msg))
 
-    # -- the loop's thread ---------------------------------------------------------
+    # -- the loop's steps ----------------------------------------------------------
 
     def _publish(self, pairs: list) -> None:
+        self._publish_ids([], [], pairs)
+
+    def _publish_ids(self, wires: list[int], tokens: list[int], pairs: list) -> None:
+        """ONE ``out`` message per step: ``wires``/``tokens`` the running completions
+        that gained one token (their ids, their tokens: two int arrays), ``rows``
+        every other delta in full (finish, logprobs, several tokens, errors)."""
         rows = []
-        for (key, prompt, group), d in pairs:
-            cached = group.requests[d.index].num_cached_tokens
-            rows.append((key, prompt, d.index, d.token_ids, d.logprobs, d.finish_reason,
-                         d.stop_reason, d.error, cached, d.prompt_logprobs))  # fmt: skip
-        send_or_exit(self.step_out, self.enc.encode(("out", rows)))
+        for group, d in pairs:
+            rows.append((group.tracks[d.index].wire, d.token_ids, d.logprobs, d.finish_reason,
+                         d.stop_reason, d.error, group.requests[d.index].num_cached_tokens,
+                         d.prompt_logprobs))  # fmt: skip
+        send_or_exit(self.step_out, self.enc.encode(("out", wires, tokens, rows)))
 
     def _died(self, err: BaseException) -> None:
         send_or_exit(self.step_out, self.enc.encode(("dead", f"{type(err).__name__}: {err}")))
         self.dead.set()
 
-    # -- the main thread --------------------------------------------------------------
+    # -- between steps -----------------------------------------------------------------
 
-    def add(self, key: int, items: list, salt) -> None:
-        from unikv.engine.online import EngineClosed, QueueFull
-
-        try:
-            groups = []
-            for i, (ids, params) in enumerate(items):
-                sp = decode_params(params, self.compile_structured)
-                group = self.requests.make_group(
-                    ids, sp, sink=True, cache_salt=salt, detokenize=False
-                )
-                group.sink = (key, i, group)
-                groups.append(group)
+    def add_all(self, adds: list) -> None:
+        """The ``add`` messages drained together: their groups made (a refusal stays
+        with its request), admitted in one call (``EngineLoop.submit_each``), and
+        ONE ``acks`` message answers them all."""
+        acks, made = [], []
+        for _, key, items, salt, first in adds:
+            try:
+                groups = []
+                wire = first  # the API process numbers the completions: first, first + 1...
+                for ids, params in items:
+                    sp = decode_params(params, self.compile_structured)
+                    group = self.requests.make_group(
+                        ids, sp, sink=True, cache_salt=salt, detokenize=False
+                    )
+                    group.sink = group
+                    for track in group.tracks:
+                        track.wire, wire = wire, wire + 1
+                    groups.append(group)
+            except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
+                acks.append(_refusal(key, err))
+                continue
+            made.append((key, groups))
+        for (key, groups), err in zip(made, self.loop.submit_each([g for _, g in made])):
+            if err is not None:
+                acks.append(_refusal(key, err))
+                continue
             self.groups[key] = groups
             for group in groups:
                 group.on_done = lambda g, key=key: self._done(key)
-            self.loop.submit_all(groups)
-        except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
-            self.groups.pop(key, None)
-            known = isinstance(err, (QueueFull, EngineClosed, ValueError))
-            kind = type(err).__name__ if known else "Error"
-            self.send(("ack", key, kind, str(err) if known else f"{type(err).__name__}: {err}"))
-            return
-        self.send(("ack", key, None, None))
+            acks.append((key, None, None))
+        self.send(("acks", acks))
 
     def _done(self, key: int) -> None:
         groups = self.groups.get(key)
@@ -217,6 +255,7 @@ class Core:
 
                 value = self.loop.call(lambda: engine_snapshot(self.loop.core)).result(timeout=10)
                 value["waiting"] += self.loop.num_queued
+                value["step_times"] = self.times.snapshot()
             elif name == "reset_prefix_cache":
                 value = self.reset_prefix_cache()
             elif name == "resize_kv_cache":
@@ -228,11 +267,28 @@ class Core:
             return
         self.send(("ret", cid, True, value))
 
+    def handle_all(self, msgs: list) -> bool:
+        """Messages of the API process, in order (the adds among them admitted
+        together, before any other message); True when one was ``stop``."""
+        adds = []
+        for msg in msgs:
+            if msg[0] == "add":
+                adds.append(msg)
+                continue
+            if adds:
+                self.add_all(adds)
+                adds = []
+            if self.handle(msg):
+                return True
+        if adds:
+            self.add_all(adds)
+        return False
+
     def handle(self, msg) -> bool:
         """One message of the API process; True when it was ``stop`` (this loop ended)."""
         kind = msg[0]
         if kind == "add":
-            self.add(msg[1], msg[2], msg[3])
+            self.add_all([msg])
         elif kind == "abort":
             self.abort(msg[1])
         elif kind == "cut":
@@ -250,34 +306,85 @@ class Core:
         return serve_all([self], [inputs])
 
 
+def _refusal(key: int, err: Exception) -> tuple:
+    """The ack of a request the engine could not take (kind, message)."""
+    from unikv.engine.online import EngineClosed, QueueFull
+
+    known = isinstance(err, (QueueFull, EngineClosed, ValueError))
+    kind = type(err).__name__ if known else "Error"
+    return key, kind, str(err) if known else f"{type(err).__name__}: {err}"
+
+
+def drain(sock, dec) -> list:
+    """Every message queued on ``sock``, decoded (none: an empty list)."""
+    import zmq
+
+    msgs = []
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        try:
+            msgs.append(dec.decode(sock.recv(zmq.NOBLOCK, copy=False)))
+        except zmq.Again:
+            break
+    return msgs
+
+
 def serve_all(cores: list[Core], inputs: list) -> int:
     """Answer the API process until every core got ``stop`` (0) or a loop died
     (EXIT_DEATH). ``inputs[i]`` feeds ``cores[i]``: one channel per model of a
-    ``MultiLLM``, all of them in this one thread."""
+    ``MultiLLM``. ONE thread does everything (``EngineLoop.adopt``): each turn
+    drains every input socket (all its messages; their requests admitted at once,
+    so a burst joins the next step), then runs one step per model with work. A
+    step launches step N, then settles N-1 (its outputs encoded and sent) while
+    the device runs N, and the next turn's reads happen then too. Idle, it
+    sleeps in ``poll`` on the sockets (and a pipe other threads' ``call`` wakes)."""
     import zmq
 
     dec = msgspec.msgpack.Decoder()
     poller = zmq.Poller()
     for sock in inputs:
         poller.register(sock, zmq.POLLIN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    poller.register(wake_r, zmq.POLLIN)
     for core in cores:
-        core.loop.start()
+        core.loop.wake = partial(_wake, wake_w)
+        core.loop.adopt()
+        core.times.watch_gc()
         if core.budget is not None:
             core.budget.start()
-    open_ = set(range(len(cores)))
-    while open_:
-        if any(core.dead.is_set() for core in cores):
-            return EXIT_DEATH
-        if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
-            os._exit(0)
-        ready = dict(poller.poll(POLL_MS))
-        for i, sock in enumerate(inputs):
-            if i in open_ and sock in ready and cores[i].handle(dec.decode(sock.recv(copy=False))):
-                open_.discard(i)
-    for core in cores:
-        if core.budget is not None:
-            core.budget.stop()
+    open_ = list(range(len(cores)))
+    try:
+        while open_:
+            if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
+                os._exit(0)
+            idle = not any(cores[i].loop.busy for i in open_)
+            if idle and wake_r in dict(poller.poll(POLL_MS)):  # idle: sleep on the sockets
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            for i in list(open_):
+                core, start = cores[i], perf_counter()
+                msgs = drain(inputs[i], dec)
+                if msgs:
+                    if core.handle_all(msgs):
+                        open_.remove(i)
+                        continue
+                    core.times.add("io", perf_counter() - start)
+                if not core.loop.turn() or core.dead.is_set():
+                    return EXIT_DEATH
+    finally:
+        for core in cores:
+            core.times.unwatch_gc()
+            if core.budget is not None:
+                core.budget.stop()
+        os.close(wake_r)
+        os.close(wake_w)
     return 0
+
+
+def _wake(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError, OSError):  # full: a wake is pending anyway
+        os.write(fd, b"w")
 
 
 def ready_info(llm) -> dict:
