@@ -87,14 +87,16 @@ def test_burst_one_acks_one_out_per_step_tokens_equal_generate(llm):
     for key, ids in enumerate(_prompts()):
         chan.send(("add", key, [(ids, encode_params(params))], None, 100 + key))
     chan.send(("add", BURST, [(_prompts()[0], encode_params(params))], None, 100 + BURST))
-    chan.send(("abort", [BURST]))  # the same drain: the add is handled before the abort
+    logprobs = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=1)
+    chan.send(("add", BURST + 1, [(_prompts()[1], encode_params(logprobs))], None, 200))
+    chan.send(("abort", [BURST]))  # the same drain: the adds are handled before the abort
     thread.start()
     try:
         acks = chan.recv()
-        assert acks == ["acks", [[k, None, None] for k in range(BURST + 1)]]
-        got = {100 + k: [] for k in range(BURST + 1)}
-        reasons, outs = {}, []
-        while len(reasons) < BURST + 1:
+        assert acks == ["acks", [[k, None, None] for k in range(BURST + 2)]]
+        got = {100 + k: [] for k in range(BURST + 1)} | {200: []}
+        reasons, outs, lp_rows = {}, [], []
+        while len(reasons) < BURST + 2:
             msg = chan.recv()
             assert msg[0] == "out", msg
             outs.append(msg)
@@ -102,19 +104,30 @@ def test_burst_one_acks_one_out_per_step_tokens_equal_generate(llm):
             assert len(wires) == len(tokens)
             for w, t in zip(wires, tokens):
                 got[w].append(t)
-            for w, toks, _lp, reason, *_ in rows:
+            for w, toks, lp, reason, *_ in rows:
                 got[w].extend(toks)
+                if w == 200:
+                    lp_rows.append((toks, lp))
                 if reason is not None:
                     reasons[w] = reason
-        assert reasons == {100 + k: "length" for k in range(BURST)} | {100 + BURST: "abort"}
+        want_reasons = {100 + k: "length" for k in range(BURST)} | {100 + BURST: "abort"}
+        assert reasons == want_reasons | {200: "length"}
         assert [got[100 + k] for k in range(BURST)] == want
+        # logprobs: never a bare id row; a full row per token, its logprob row with it
+        assert got[200] == want[1] and 200 not in [w for o in outs for w in o[1]]
+        assert [len(t) for t, _ in lp_rows] == [1] * NEW and all(len(lp) == 1 for _, lp in lp_rows)
+
         # one message per step, each carrying the whole burst: the first step
         # prefilled every request (admitted together), so NEW steps gave NEW messages
-        burst = [o for o in outs if any(w < 100 + BURST for w in o[1] + [r[0] for r in o[3]])]
+        def burst_of(o):
+            return sorted(w for w in o[1] + [r[0] for r in o[3] if r[1]] if w < 100 + BURST)
+
+        burst = [o for o in outs if burst_of(o)]
         assert len(burst) == NEW
-        for _, wires, _, rows in burst:
-            assert sorted(wires + [r[0] for r in rows if r[1]]) == list(range(100, 100 + BURST))
-        assert all(len(o[3]) == 0 for o in burst[:-1])  # running rows: ids and tokens only
+        for o in burst:
+            assert burst_of(o) == list(range(100, 100 + BURST))
+        for o in burst[:-1]:  # running token-only rows: ids and tokens only
+            assert all(r[0] == 200 for r in o[3])
         assert core.times.snapshot()["phases"]["io"]["n"] >= 1
     finally:
         chan.send(("stop",))

@@ -485,7 +485,7 @@ class EngineLoop:
                 track = r.track
                 if track is None or track.passive or track.done:
                     continue
-                if fast and track.wire is not None and r.finish_reason is None:
+                if fast and track.token_only and track.wire is not None and r.finish_reason is None:
                     out = r.output_ids  # a running token-only track: no text, no logprobs
                     if len(out) == track.num_sent + 1:  # its one new token (a decode row)
                         track.num_sent += 1
