@@ -14,7 +14,8 @@ unaligned and no load is pipelined), ``do_not_specialize`` ints get neither.
     python benchmarks/aot_sm90.py --hopper   # the Hopper MXFP4 MoE's table (JSON)
     python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true], true]]'
         # the given (config, mxfp4) cases: one JSON list of [gate_up, down] results
-        # (mxfp4 "fp8": the block-scaled FP8 experts' launches)
+        # (mxfp4 "fp8": the block-scaled FP8 experts' launches; "w8a8": theirs with
+        # FP8 activations, ``fp8.moe_fp8``'s prefill variant; "fp8odd": 16 x 24 blocks)
 
 Run it without ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit`` functions,
 which then cannot be compiled): the tests start it in a subprocess.
@@ -139,46 +140,69 @@ def _weights(mxfp4: bool, n: int, k: int) -> dict:
             "s_se": 0, "s_sn": 0}  # fmt: skip
 
 
-def _fp8_weights(n: int, k: int) -> dict:
+def _fp8_weights(n: int, k: int, bn: int = 128, bk: int = 128) -> dict:
     """Strides of one (E, n, k) block-scaled FP8 expert weight and its fp32 scales
-    (128 x 128 blocks; the gate/up stack's two parts blocked on their own)."""
+    (bn x bk blocks; the gate/up stack's two parts blocked on their own)."""
     return {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "s_we": n * k, "s_wn": k, "s_wk": 1,
-            "s_se": -(-n // 128) * -(-k // 128), "s_sn": -(-k // 128)}  # fmt: skip
+            "s_se": -(-n // bn) * -(-k // bk), "s_sn": -(-k // bk)}  # fmt: skip
 
 
 def moe_kernels(cfg, mxfp4) -> list[tuple]:
     """[(kernel, values, constexprs, warps, stages)] of ``moe.fused_moe``'s gate/up and
     down launches for ``cfg`` at gpt-oss's shape (gpt-oss activation, biases); ``mxfp4``
     "fp8": ``fp8.moe_fp8``'s at that shape (block-scaled FP8 experts in 128 x 128 blocks,
-    SwiGLU with gate and up concatenated, no biases)."""
-    from unikv.kernels.moe.fused import block_m_for, mxfp4_mode
+    SwiGLU with gate and up concatenated, no biases); "w8a8": those launches with FP8
+    activations and their group scales (split_k 1, as ``fused.launch`` runs them);
+    "fp8odd": 16 x 24 blocks (the per-element scale mode, at ``fused.fp8_config``'s
+    launch); "fp8odd-raw": those at the table's launch as it is."""
+    from unikv.kernels.moe.fused import Fp8Blocks, block_m_for, fp8_config, fp8_mode, mxfp4_mode
     from unikv.kernels.moe.fused_kernels import _down_kernel, _gate_up_kernel
 
-    fp8 = mxfp4 == "fp8"
+    w8a8 = mxfp4 == "w8a8"
+    odd = mxfp4 in ("fp8odd", "fp8odd-raw")
+    fp8 = mxfp4 in ("fp8", "w8a8") or odd
+    bn, bk = (16, 24) if odd else (128, 128)
+    # odd blocks at odd widths (no stride a multiple of 16: the JIT's worst layout, as
+    # a small checkpoint's; the GPU failure above was one)
+    hidden, inter = (120, 88) if odd else (HIDDEN, INTER)
+    scale_mode = (3 if w8a8 else fp8_mode(cfg, Fp8Blocks(bn, bk))) if fp8 else 0
+    if w8a8:
+        cfg = cfg._replace(split_k=1)
+    elif mxfp4 != "fp8odd-raw" and fp8:
+        cfg = fp8_config(cfg, scale_mode)
     block_m = cfg.block_m or block_m_for(ROWS, EXPERTS)
     common = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
               "SPLIT_K": cfg.split_k, "SWAP": bool(cfg.swap), "ASM": True,
               "MXFP4": mxfp4_mode(cfg, mxfp4 is True),
               "HAS_BIAS": not fp8, "IEEE": False, "ACT": 0 if fp8 else 1,
-              "FP8": (1 if 128 % cfg.block_k == 0 else 2) if fp8 else 0,
-              "BN": 128 if fp8 else 1, "BK": 128 if fp8 else 1}  # fmt: skip
-    act = {"row_step": 1 if fp8 else 2, "up_offset": INTER if fp8 else 1, "alpha": 1.702,
+              "FP8": scale_mode, "BN": bn if fp8 else 1, "BK": bk if fp8 else 1}  # fmt: skip
+    act = {"row_step": 1 if fp8 else 2, "up_offset": inter if fp8 else 1, "alpha": 1.702,
            "limit": 7.0}  # fmt: skip
     ids = {"sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32", "num_assign": ROWS}
-    w1 = _fp8_weights(2 * INTER, HIDDEN) if fp8 else _weights(mxfp4, 2 * INTER, HIDDEN)
-    w1["s_se"] *= 1 + fp8  # gate's and up's scale rows: 2 * ceil(I / 128)
-    w2 = _fp8_weights(HIDDEN, INTER) if fp8 else _weights(mxfp4, HIDDEN, INTER)
-    gate = {"x_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "top_k": TOP_K,
-            "K": HIDDEN, "I": INTER, "s_xm": HIDDEN, "s_xk": 1, "s_be": 2 * INTER, "s_bn": 1,
-            "s_om": INTER, "s_on": 1, "s_up": -(-INTER // 128) if fp8 else 0, **ids, **act,
-            **w1}  # fmt: skip
-    down = {"a_ptr": "*bf16", "b_ptr": "*bf16", "b1_ptr": "*bf16", "tw_ptr": "*bf16",
-            "y_ptr": "*fp32", "N": HIDDEN, "K": INTER, "s_am": INTER, "s_ak": 1,
-            "s_be": HIDDEN, "s_bn": 1, "s_b1e": HIDDEN, "s_b1n": 1, "s_ym": HIDDEN, "s_yn": 1,
+    w1 = _fp8_weights(2 * inter, hidden, bn, bk) if fp8 else _weights(mxfp4, 2 * inter, hidden)
+    w1["s_se"] *= 1 + fp8  # gate's and up's scale rows: 2 * ceil(I / bn)
+    w2 = _fp8_weights(hidden, inter, bn, bk) if fp8 else _weights(mxfp4, hidden, inter)
+    scales = {"xs_ptr": "*fp32", "s_xsm": -(-hidden // 128)} if w8a8 else {"xs_ptr": "*bf16",
+                                                                          "s_xsm": 0}  # fmt: skip
+    a_scales = {"as_ptr": "*fp32", "s_asm": -(-inter // 128)} if w8a8 else {"as_ptr": "*fp32",
+                                                                           "s_asm": 0}  # fmt: skip
+    act_type = "*fp8e4nv" if w8a8 else "*bf16"
+    gate = {"x_ptr": act_type, "b_ptr": "*bf16", "out_ptr": "*bf16", "top_k": TOP_K,
+            "K": hidden, "I": inter, "s_xm": hidden, "s_xk": 1, "s_be": 2 * inter, "s_bn": 1,
+            "s_om": inter, "s_on": 1, "s_up": -(-inter // bn) if fp8 else 0, **ids, **act,
+            **w1, **scales}  # fmt: skip
+    down = {"a_ptr": act_type, **a_scales, "b_ptr": "*bf16", "b1_ptr": "*bf16", "tw_ptr": "*bf16",
+            "y_ptr": "*fp32", "N": hidden, "K": inter, "s_am": inter, "s_ak": 1,
+            "s_be": hidden, "s_bn": 1, "s_b1e": hidden, "s_b1n": 1, "s_ym": hidden, "s_yn": 1,
             **ids, **act, **w2}  # fmt: skip
     down_cons = {**common, "ACT_IN_A": cfg.split_k > 1, "HAS_B1": False, "DTYPE": tl.bfloat16}
+    quant_out = w8a8 and cfg.block_n % 128 == 0  # the activation quantised in gate/up
+    gate["os_ptr"], gate["s_osm"] = ("*fp32", -(-inter // 128)) if quant_out else ("*bf16", 0)
+    if quant_out:
+        gate["out_ptr"] = "*fp8e4nv"
+    gate_cons = {**common, "QUANT_OUT": quant_out, "DTYPE": tl.bfloat16}
     return [
-        (_gate_up_kernel, gate, common, cfg.num_warps, cfg.num_stages),
+        (_gate_up_kernel, gate, gate_cons, cfg.num_warps, cfg.num_stages),
         (_down_kernel, down, down_cons, cfg.num_warps, cfg.num_stages),
     ]
 
@@ -364,7 +388,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     if args.json is not None:
-        cases = [(moe.Config(*cfg), mx if mx == "fp8" else bool(mx))
+        cases = [(moe.Config(*cfg), mx if isinstance(mx, str) else bool(mx))
                  for cfg, mx in json.loads(args.json)]  # fmt: skip
         out = []
         for cfg, mxfp4 in cases:

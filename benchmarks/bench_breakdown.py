@@ -17,6 +17,15 @@ model summed over classes.
     python benchmarks/bench_breakdown.py [--models llama,gpt-oss] [--requests 256]
     python benchmarks/bench_breakdown.py --device cpu --tiny   # a smoke test of the plumbing
 
+``--phase prefill --prefill-graphs ab`` runs each model twice in one process, the
+engine's ``prefill_graphs`` off then on (issue 38 item 5), and adds per setting the
+unprofiled prefill step wall ms (p50, every prompt at t0) and TTFT percentiles; the
+summary ``prefill_graphs_ab`` sets both beside the eager run's device ms. Models may
+also be bench_families' hybrid shapes (``qwen3_5``, ``nemotron_h``: no roofline here):
+
+    python benchmarks/bench_breakdown.py --phase prefill --prefill-graphs ab --gaps \
+        --models llama,qwen3_5
+
 JSON to ``benchmarks/results/breakdown_<device>.json`` and, when set, ``$OUT``.
 On CPU the trace holds nested CPU ops (times overlap): the figures are a smoke
 test only.
@@ -334,33 +343,70 @@ def top_other(kernels, steps: int, limit: int = 15) -> list[dict]:
     return [{"name": n, "ms": sum(v) / steps / 1e3, "per_step": len(v) / steps} for n, v in ranked]
 
 
-def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
+def model_config(name: str, tiny: bool) -> dict:
+    """config.json of shape ``name``: bench_e2e's (llama, gpt-oss), else bench_families'
+    (qwen3_5, nemotron_h, ...: no roofline here, their step has no model of its own)."""
     from benchmarks import bench_e2e as e2e
 
-    cfg = e2e.model_config(name, args.tiny)
+    if name in e2e.MODELS:
+        return e2e.model_config(name, tiny)
+    from benchmarks import bench_families
+
+    return bench_families.model_config(name, tiny)
+
+
+def graph_modes(args) -> list[bool]:
+    """``--prefill-graphs``: the prefill_graphs settings run, in order (ab: off, then on)."""
+    return {"off": [False], "on": [True], "ab": [False, True]}[args.prefill_graphs]
+
+
+def run_model(name: str, args, copy_bps: float, flops: float) -> list[dict]:
+    """One entry per ``graph_modes`` setting, over one saved model."""
+    from benchmarks import bench_e2e as e2e
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"unikv_breakdown_{name}_"))
+    entries = []
+    try:
+        cfg = model_config(name, args.tiny)
+        e2e.save_model(name, workdir, args.device, args.dtype, args.tiny, cfg=cfg)
+        for graphs in graph_modes(args):
+            entries.append(run_setting(name, cfg, workdir, args, copy_bps, flops, graphs))
+    except Exception as err:  # noqa: BLE001 - recorded; the next model still runs
+        entries.append({"model": name, "error": f"{type(err).__name__}: {err}",
+                        "traceback": traceback.format_exc()[-3000:]})  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return entries
+
+
+def run_setting(name, cfg, workdir, args, copy_bps, flops, graphs: bool) -> dict:
+    from benchmarks import bench_e2e as e2e
+
     entry: dict = {
         "model": name,
         "phase": args.phase,
+        "prefill_graphs": graphs,
         "requests": args.requests,
         "prompt_len": args.prompt_len,
         "chunk": args.chunk,
     }
-    workdir = Path(tempfile.mkdtemp(prefix=f"unikv_breakdown_{name}_"))
     try:
-        e2e.save_model(name, workdir, args.device, args.dtype, args.tiny)
         prompts = e2e.make_prompts(args.requests, args.prompt_len, cfg["vocab_size"])
         lag = -(-args.requests * args.prompt_len // args.chunk) + 1  # as in profile_steps
         max_len = args.prompt_len + args.warm + args.steps + SPARE_TOKENS + lag + 8
-        llm = e2e._unikv_llm(workdir, args.requests, max_len, args)
+        llm = e2e._unikv_llm(workdir, args.requests, max_len, args, prefill_graphs=graphs)
         llm.generate(prompts[:8], e2e_params(4))  # compile every kernel before timing
         kernels, wall_ms, gaps = profile_steps(llm, prompts, args)
         itemsize = torch.empty((), dtype=args.dtype).element_size()
-        if args.phase == "prefill":
+        if name not in e2e.MODELS:  # (no roofline model of this shape here)
+            context, roof = args.prompt_len / 2, {"classes": {}, "step_ms": float("nan")}
+        elif args.phase == "prefill":
             context = args.prompt_len / 2
             work = prefill_work(cfg, args.chunk, args.prompt_len, itemsize)
+            roof = step_roofline(cfg, args.requests, context, itemsize, copy_bps, flops, work)
         else:
-            context, work = args.prompt_len + args.warm + args.steps / 2, None
-        roof = step_roofline(cfg, args.requests, context, itemsize, copy_bps, flops, work)
+            context = args.prompt_len + args.warm + args.steps / 2
+            roof = step_roofline(cfg, args.requests, context, itemsize, copy_bps, flops)
         classes = breakdown(kernels, args.steps, roof)
         device_ms = sum(c["ms"] for c in classes.values())
         if not kernels:
@@ -378,13 +424,62 @@ def run_model(name: str, args, copy_bps: float, flops: float) -> dict:
             top_other=top_other(kernels, args.steps),
             idle=gaps,
         )
+        if args.phase == "prefill":
+            entry.update(prefill_timing(llm, prompts))
+        if llm.runner.prefill_graphs is not None:
+            entry["prefill_graph_replays"] = dict(llm.runner.prefill_graphs.replays)
         del llm
-    except Exception as err:  # noqa: BLE001 - recorded; the next model still runs
+        e2e._free()
+    except Exception as err:  # noqa: BLE001 - recorded; the next setting still runs
         entry["error"] = f"{type(err).__name__}: {err}"
         entry["traceback"] = traceback.format_exc()[-3000:]
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
     return entry
+
+
+def prefill_timing(llm, prompts) -> dict:
+    """Unprofiled: every prompt at t0 (the prefix cache emptied first), each step
+    clocked (bench_e2e's ``_StepClock``): TTFT percentiles and the median wall ms of
+    the prefill (extend) steps after the first."""
+    import numpy as np
+
+    from benchmarks import bench_e2e as e2e
+
+    llm.reset_prefix_cache()
+    clock = e2e._StepClock()
+    llm.generate(prompts, e2e_params(2), on_step=clock)
+    ttft = [times[0] - clock.t0 for times in clock.stamps.values() if times]
+    steps = [sec for sec, decode, _ in clock.steps[1:] if not decode]
+    out = e2e.latency(ttft, [])
+    out["prefill_step_wall_ms_p50"] = float(np.median(steps)) * 1e3 if steps else None
+    return out
+
+
+def prefill_ab(entries: list[dict]) -> dict:
+    """Per model with both settings: the prefill step's unprofiled wall ms, its device
+    ms (profiled), wall over the eager run's device time, TTFT p50, off and on."""
+    out = {}
+    for name in dict.fromkeys(e["model"] for e in entries):
+        got = {e.get("prefill_graphs"): e for e in entries if e["model"] == name}
+        off, on = got.get(False), got.get(True)
+        if off is None or on is None or "error" in off or "error" in on:
+            continue
+        device = off["step_device_ms"]  # the same kernels: the eager trace's time
+        row = {}
+        for key, e in (("off", off), ("on", on)):
+            wall = e.get("prefill_step_wall_ms_p50")
+            row[key] = {
+                "step_wall_ms": wall,
+                "step_device_ms": e["step_device_ms"],
+                "wall_x_eager_device": wall / device if wall and device else None,
+                "ttft_p50_ms": e.get("ttft_p50_ms"),
+                "kernels_per_step": e["kernels_per_step"],
+            }
+        if row["off"]["step_wall_ms"] and row["on"]["step_wall_ms"]:
+            row["wall_speedup"] = row["off"]["step_wall_ms"] / row["on"]["step_wall_ms"]
+        if row["off"]["ttft_p50_ms"] and row["on"]["ttft_p50_ms"]:
+            row["ttft_p50_speedup"] = row["off"]["ttft_p50_ms"] / row["on"]["ttft_p50_ms"]
+        out[name] = row
+    return out
 
 
 def e2e_params(tokens: int):
@@ -396,8 +491,10 @@ def e2e_params(tokens: int):
 def table(entry: dict) -> str:
     if "error" in entry:
         return f"{entry['model']}: FAILED {entry['error']}"
+    graphs = " (prefill graphs)" if entry.get("prefill_graphs") else ""
     head = (
-        f"{entry['model']} {entry['phase']}: B {entry['requests']}, chunk {entry['chunk']}, "
+        f"{entry['model']} {entry['phase']}{graphs}: B {entry['requests']}, "
+        f"chunk {entry['chunk']}, "
         f"mean context {entry['mean_context']:.0f}, "
         f"step wall {entry['step_wall_ms']:.2f} ms, device {entry['step_device_ms']:.2f} ms, "
         f"roofline {entry['roofline_step_ms']:.2f} ms ({entry['step_x_roofline']:.2f}x), "
@@ -422,6 +519,11 @@ def table(entry: dict) -> str:
         )
         lines += [f"  {g['us']:6.2f} us ({g['per_step']:.1f}x) {g['before']} -> {g['after']}"
                   for g in idle["gaps"]]  # fmt: skip
+    if entry.get("prefill_step_wall_ms_p50") is not None:
+        lines.append(
+            f"unprofiled: prefill step wall p50 {entry['prefill_step_wall_ms_p50']:.2f} ms, "
+            f"TTFT p50 {entry.get('ttft_p50_ms', float('nan')):.1f} ms"
+        )
     return "\n".join(lines)
 
 
@@ -444,6 +546,13 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--gaps", action="store_true", help="record the device only (idle gaps)")
+    p.add_argument(
+        "--prefill-graphs",
+        choices=("off", "on", "ab"),
+        default="off",
+        help="the engine's prefill_graphs: off, on, or ab (both, off first, one process; "
+        "the A/B summary under 'prefill_graphs_ab')",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.models = args.models.split(",")
@@ -478,8 +587,12 @@ def main(argv=None) -> dict:
         outs.append(Path(os.environ["OUT"]) / Path(args.out).name)
     for name in args.models:
         print(f"[{name}] ...", flush=True)
-        results["models"].append(run_model(name, args, copy_bps, flops))
-        print(table(results["models"][-1]), flush=True)
+        for entry in run_model(name, args, copy_bps, flops):
+            results["models"].append(entry)
+            print(table(entry), flush=True)
+        if args.prefill_graphs == "ab":
+            results["prefill_graphs_ab"] = prefill_ab(results["models"])
+            print(json.dumps(results["prefill_graphs_ab"].get(name), indent=1), flush=True)
         for out in outs:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=1, default=str))

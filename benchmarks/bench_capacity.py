@@ -224,8 +224,8 @@ def build_scheme(
     return SchemeAllocator(allocs, max_requests), subpools, regions
 
 
-def _skip_copy(buffer, src, dst, page_bytes) -> None:
-    """Page copy on a meta buffer: there are no bytes to move."""
+def _skip_copy(buffer, src, dst, page_bytes, *, disjoint: bool = False) -> None:
+    """Page copy on a meta buffer (``CopyPages``' signature): there are no bytes to move."""
 
 
 def _skip_zero(name, pages) -> None:

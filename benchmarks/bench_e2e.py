@@ -211,8 +211,9 @@ def _free() -> None:
 # -- paths -------------------------------------------------------------------------------
 
 
-def _unikv_llm(path: Path, n: int, max_len: int, args):
-    """An LLM whose pool holds all ``n`` requests at once (no preemption)."""
+def _unikv_llm(path: Path, n: int, max_len: int, args, **extra):
+    """An LLM whose pool holds all ``n`` requests at once (no preemption); ``extra``:
+    more ``LLM`` options (``prefill_graphs``)."""
     from unikv.engine import LLM
     from unikv.hf_config import specs_from_hf_config
     from unikv.pool import pool_bytes_for, worst_case_pages
@@ -233,6 +234,7 @@ def _unikv_llm(path: Path, n: int, max_len: int, args):
         max_model_len=max_len,
         cuda_graphs=args.device == "cuda" and not getattr(args, "no_graphs", False),
         enable_prefix_caching=CACHING[getattr(args, "prefix_caching", "auto")],
+        **extra,
     )
 
 

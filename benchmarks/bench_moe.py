@@ -31,21 +31,32 @@ is appended to both names) and prints
 for bf16 where the loop beat it.
 
 ``--fp8`` (alone; about a minute): block-scaled FP8 experts (``kernels/moe/fp8.py``,
-128 x 128 blocks, each weight tile dequantised in registers) on a DeepSeek-V3 expert
-shape (hidden 7168, intermediate 2048, 32 experts, top-8), bf16 activations, at decode
-T = 1 ... 64 and a 2048-token prefill chunk. Per T, in one run: ``fp8_us`` (graph
-replay), ``bf16_us`` the 16-bit fused MoE on the same experts dequantised to bf16 (the
-same tiles), ``dequant_per_call_us`` the path it replaces (``fp8_gemm_ref.moe_fp8``
-into the Triton MoE: the experts dequantised to bf16 every call); ``fp8_roofline_us``:
-the FP8 bytes of the distinct routed experts (weights + scales, plus x and the
-output) over the copy bandwidth measured in this run, ``fp8_of_roofline`` =
-roofline / fp8_us (``bf16_of_roofline`` the same for the bf16 bytes and time),
-``fp8_vs_bf16`` = bf16_us / fp8_us. Checked first against the bf16 kernel (max error
-over max |bf16|, and whether bit-equal) and the per-call path. JSON:
-benchmarks/results/moe_fp8.json and ``$OUT/bench_moe_fp8.json``. ``--fp8 --sweep
-[--budget 85] [--batches ...]``: the FP8 kernel at each bucket's candidates (as
-``--sweep``), checked against the bf16 kernel, printing ``INSTALL`` lines for
-``kernels/moe/fp8.TABLE`` (JSON: moe_fp8_sweep.json).
+128 x 128 blocks) on a DeepSeek-V3 expert shape (hidden 7168, intermediate 2048, 32
+experts, top-8), bf16 activations, at decode T = 1 ... 64 and a 2048-token prefill
+chunk. Per T, in one run: ``fp8_us`` (graph replay; 16-bit activations, each weight
+tile dequantised in registers), ``w8a8_us`` (activations quantised per token and 128
+columns, FP8 x FP8 dots), both at their plan's tiles, ``bf16_us`` the 16-bit fused MoE
+on the same experts dequantised to bf16 (the same tiles), ``dequant_per_call_us`` the
+path it replaces (``fp8_gemm_ref.moe_fp8`` into the Triton MoE: the experts dequantised
+to bf16 every call); ``fp8_roofline_us``: the FP8 bytes of the distinct routed experts
+(weights + scales, plus x and the output) over the copy bandwidth measured in this
+run, ``fp8_of_roofline`` = roofline / fp8_us (``bf16_of_roofline`` the same for the
+bf16 bytes and time), ``fp8_vs_bf16`` = bf16_us / fp8_us; ``best`` the faster FP8
+variant, ``best_vs_bf16`` and ``best_of_fp8_roofline`` its ratios (printed per T at
+the end). Checked first: 16-bit activations against the bf16 kernel (max error over
+max |bf16|, and whether bit-equal) and the per-call path; W8A8 against its reference
+(``fp8_gemm_ref.moe_fp8_w8a8``), with its rms distance to the bf16 kernel. JSON:
+benchmarks/results/moe_fp8.json and ``$OUT/bench_moe_fp8.json``.
+
+``--fp8 --sweep [--budget 85] [--batches ...]`` (T 1, 8, 16, 64, 256, 2048; under two
+minutes on an H100): per T the bf16 kernel, then each variant (16-bit activations,
+W8A8) at its plan's tiles and ``fp8.SWEEP``'s candidates, each checked first (16-bit:
+the bf16 kernel at 3e-2; W8A8: its reference at 1e-2), each T given its share of the
+budget. Prints per T the best FP8 variant against the bf16 kernel and its share of the
+FP8 bytes roofline (and of the FP8 / bf16 matmul rate measured in the run), then
+``INSTALL`` lines for ``kernels/moe/fp8.TABLE[(bucket, w8a8)]`` and
+``fp8.W8A8_MIN_TOKENS`` (the smallest swept T from which W8A8 won at every larger one),
+and the TABLE as Python to paste (JSON: moe_fp8_sweep.json, keys "install", "paste").
 """
 
 # ruff: noqa: BLE001  (a failing section is recorded, not fatal)
@@ -290,10 +301,42 @@ def fp8_bytes(experts: dict, ids: torch.Tensor, t: int) -> int:
     return int(ids.unique().numel()) * per_expert + 2 * t * FP8_SHAPE["hidden"] * 2
 
 
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max error / max |want|, rms error / rms want)."""
+    diff = got.float() - want.float()
+    return (diff.abs().max() / want.float().abs().max()).item(), (
+        diff.norm() / want.float().norm()
+    ).item()
+
+
+def matmul_rates() -> dict:
+    """The bf16 and FP8 (``torch._scaled_mm``, per-tensor scales) 8192^3 GEMM rates in
+    TFLOP/s measured in this run: the prefill rows' compute ceilings (FP8 None where
+    this torch / GPU has no ``_scaled_mm``)."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+    one = torch.ones((), device="cuda")
+    try:
+        fn = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        fp8_rate = 2 * n**3 / bench_us(fn, 5, 30) / 1e6
+    except Exception:
+        fp8_rate = None
+    return {"bf16_TFLOPs": bf16_tflops(), "fp8_TFLOPs": fp8_rate}
+
+
+def fp8_flops(t: int) -> int:
+    """The routed experts' FLOPs: gate, up and down over T x top-k assignments."""
+    k, d, i = (FP8_SHAPE[n] for n in ("top_k", "hidden", "intermediate"))
+    return 2 * t * k * 3 * d * i
+
+
 def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict:
+    """One T: FP8 experts with 16-bit activations (``fp8_us``) and W8A8 (``w8a8_us``),
+    each at its plan's tiles, against the bf16 kernel and the per-call path."""
     x, weights, ids = fp8_routing(t, g)
     ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
-    fp8 = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK)
+    fp8 = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, w8a8=False)
+    w8a8 = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, w8a8=True)
     bf16 = lambda: moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"])
     per_call = lambda: fp8_gemm_ref.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, moe=moe.moe)
     got, base, old = fp8(), bf16().float(), per_call().float()
@@ -305,7 +348,13 @@ def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict
     if not max(row["rel_err_vs_bf16_kernel"], row["rel_err_vs_dequant_per_call"]) < 3e-2:
         row["error"] = "FP8 output differs from the bf16 kernel / the per-call path; not timed"
         return row
+    want8 = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK)
+    out8 = w8a8()
+    row["w8a8_rel_err_vs_reference"] = rel_rms(out8, want8)[0]
+    row["w8a8_rms_vs_bf16_kernel"] = rel_rms(out8, base)[1]
     row["fp8_us"], row["bf16_us"] = graph_us(fp8), graph_us(bf16)
+    if row["w8a8_rel_err_vs_reference"] < 1e-2:
+        row["w8a8_us"] = graph_us(w8a8)
     row["dequant_per_call_us"], row["dequant_per_call_timing"] = timed(per_call)
     nbytes, bf16_bytes = fp8_bytes(experts, ids, t), fp8_bytes(dense, ids, t)
     row["fp8_MB"], row["bf16_MB"] = nbytes / 1e6, bf16_bytes / 1e6
@@ -314,6 +363,10 @@ def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict
     row["bf16_of_roofline"] = bf16_bytes / (ceilings["d2d_GBps"] * 1e3) / row["bf16_us"]
     row["fp8_vs_bf16"] = row["bf16_us"] / row["fp8_us"]
     row["fp8_vs_dequant_per_call"] = row["dequant_per_call_us"] / row["fp8_us"]
+    best = min(("w8a8", "fp8"), key=lambda v: row.get(v + "_us", float("inf")))
+    row["best"], row["best_us"] = best, row[best + "_us"]
+    row["best_vs_bf16"] = row["bf16_us"] / row["best_us"]
+    row["best_of_fp8_roofline"] = row["fp8_roofline_us"] / row["best_us"]
     return row
 
 
@@ -336,67 +389,146 @@ def run_fp8() -> None:
     save_json("benchmarks/results/moe_fp8.json", payload)
     if os.environ.get("OUT"):
         save_json(os.path.join(os.environ["OUT"], "bench_moe_fp8.json"), payload)
+    for r in rows:
+        if "best_us" in r:
+            print(f"T {r['B']}: best {r['best']} {r['best_us']:.1f} us = "
+                  f"{r['best_vs_bf16']:.2f}x bf16 ({r['bf16_us']:.1f} us), "
+                  f"{r['best_of_fp8_roofline'] * 100:.1f} % of the FP8 roofline")  # fmt: skip
     print(f"fp8 run took {time.time() - t0:.0f} s")
 
 
-def run_fp8_sweep(budget_s: float, batches: tuple[int, ...]) -> None:
-    """``--fp8 --sweep``: per B, the FP8 kernel at the plan's tiles and at every
-    ``moe.CANDIDATES`` config of B's lists whose K tile lies inside one scale block,
-    each checked against the bf16 kernel on the dequantised experts first; ``INSTALL``
-    lines for ``kernels/moe/fp8.TABLE``."""
-    t0 = time.time()
-    g = torch.Generator().manual_seed(0)
-    ceilings = copy_ceilings(GIB, GIB // 16)
-    experts, dense = make_fp8_experts(
-        *(FP8_SHAPE[n] for n in ("experts", "hidden", "intermediate"))
-    )
+FP8_SWEEP_BATCHES = (1, 8, 16, 64, 256, 2048)
+
+
+def fp8_sweep_batch(t: int, state: dict, g, t_end: float) -> list:
+    """One T's rows: the bf16 kernel (its plan), then per variant (16-bit activations,
+    W8A8) the plan and ``fp8.SWEEP``'s candidates, each checked first (16-bit: the bf16
+    kernel at 3e-2; W8A8: its reference at 1e-2) and timed until ``t_end``."""
+    experts, dense, ceilings = state["experts"], state["dense"], state["ceilings"]
     ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
-    rows, lines = [], []
-    for t in batches:
-        x, weights, ids = fp8_routing(t, g)
-        base = moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"]).float()
-        roof = fp8_bytes(experts, ids, t) / (ceilings["d2d_GBps"] * 1e3)
-        lists = [n for n, on in (("small", t <= 64), ("large", 16 <= t <= 256),
-                                 ("prefill", t > 256)) if on]  # fmt: skip
-        cands = [None, *dict.fromkeys(c for n in lists for c in moe.CANDIDATES[n]
-                                      if FP8_BLOCK[1] % c.block_k == 0)]  # fmt: skip
-        mine = []
-        for cfg in cands:
-            row = {"B": t, "candidate": "plan" if cfg is None else list(cfg), "roofline_us": roof}
-            mine.append(row)
-            if time.time() > t0 + budget_s:
+    x, weights, ids = fp8_routing(t, g)
+    bf16 = lambda: moe.fused_moe(x, weights, ids, dense["w1"], dense["w2"])
+    base = bf16().float()
+    bf16_us, how = timed(bf16)
+    rows = [{"B": t, "variant": "bf16", "candidate": "plan", "us": bf16_us, "timing": how}]
+    roof = fp8_bytes(experts, ids, t) / (ceilings["d2d_GBps"] * 1e3)
+    want8 = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK).float()
+    span = "small" if t <= 64 else "prefill"
+    for w8a8 in (False, True):
+        rate = ceilings["fp8_TFLOPs" if w8a8 else "bf16_TFLOPs"]
+        check, tol = (want8, 1e-2) if w8a8 else (base, 3e-2)
+        planned = moe_fp8.plan(t, torch.bfloat16, w8a8=w8a8)
+        for cfg in dict.fromkeys((planned, *moe_fp8.SWEEP[w8a8, span])):
+            row = {"B": t, "variant": "w8a8" if w8a8 else "a16", "candidate": list(cfg),
+                   "plan": cfg == planned, "roofline_us": roof}  # fmt: skip
+            rows.append(row)
+            if time.time() > t_end:
                 row["error"] = "skipped: time budget"
                 continue
-            fn = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, block=FP8_BLOCK, config=cfg)  # noqa: B023
+            kw = {"block": FP8_BLOCK, "config": cfg, "w8a8": w8a8}
+            fn = lambda: moe_fp8.moe_fp8(x, weights, ids, *ops, **kw)  # noqa: B023
             try:
-                err = ((fn().float() - base).abs().max() / base.abs().max()).item()
-                row["rel_err_vs_bf16_kernel"] = err
-                if not err < 3e-2:
-                    row["error"] = "output differs from the bf16 kernel; not timed"
+                out = fn()
+                row["rel_err_vs_reference"] = rel_rms(out, check)[0]
+                row["rms_vs_bf16_kernel"] = rel_rms(out, base)[1]
+                if not row["rel_err_vs_reference"] < tol:
+                    row["error"] = "output differs from its reference; not timed"
                     continue
                 row["us"], row["timing"] = timed(fn)
                 row["of_roofline"] = roof / row["us"]
+                row["vs_bf16"] = bf16_us / row["us"]
+                if rate:
+                    row["of_matmul_rate"] = fp8_flops(t) / (rate * 1e6) / row["us"]
             except Exception:
                 row["error"] = traceback.format_exc(limit=2)[-1500:]
             torch.cuda.synchronize()
-        rows += mine
-        ok = [r for r in mine if "us" in r]
-        if ok:
-            best = min(ok, key=lambda r: r["us"])
-            planned = next((r["us"] for r in ok if r["candidate"] == "plan"), 0.0)
-            pick = (
-                "(the plan)" if best["candidate"] == "plan" else f"Config{tuple(best['candidate'])}"
-            )
-            note = f"{best['us']:.1f} us, {best['of_roofline'] * 100:.1f} % of roofline"
-            lines.append(
-                f"INSTALL fp8.TABLE[{moe.bucket(t)}] = {pick}  # {note}; plan {planned:.1f} us"
-            )
-        print(lines[-1] if ok else f"B {t}: no candidate ran")
+    return rows
+
+
+def fp8_install(rows: list, batches: tuple[int, ...]) -> tuple[list, dict, int | None]:
+    """(INSTALL lines, {(bucket, w8a8): Config list}, W8A8's threshold): the fastest
+    checked row per (T, variant), and the smallest swept T from which W8A8's best beat
+    the 16-bit activations' best at every larger swept T (None: at none)."""
+    lines, table, best = [], {}, {}
+    for t in batches:
+        for variant in ("a16", "w8a8"):
+            ok = [r for r in rows if r["B"] == t and r["variant"] == variant and "us" in r]
+            if not ok:
+                continue
+            pick = min(ok, key=lambda r: r["us"])
+            best[t, variant] = pick["us"]
+            key = (moe.bucket(t), variant == "w8a8")
+            table[key] = pick["candidate"]
+            note = (f"{pick['us']:.1f} us, {pick['vs_bf16']:.2f}x bf16, "
+                    f"{pick['of_roofline'] * 100:.1f} % of the FP8 roofline")  # fmt: skip
+            lines.append(f"INSTALL fp8.TABLE[{key}] = Config{tuple(pick['candidate'])}  # {note}")
+    threshold = None
+    for t in sorted(batches, reverse=True):
+        a16, w8 = best.get((t, "a16")), best.get((t, "w8a8"))
+        if a16 is None or w8 is None or w8 >= a16:
+            break
+        threshold = t
+    won = "no swept T" if threshold is None else f"every swept T >= {threshold}"
+    lines.append(f"INSTALL fp8.W8A8_MIN_TOKENS = {threshold or '1 << 62'}  # W8A8 won at {won}")
+    return lines, table, threshold
+
+
+def fp8_summary(t: int, rows: list) -> str:
+    """T's line: FP8's best variant against the bf16 kernel, and its share of the FP8
+    bytes roofline (and of the matmul rate, for prefill)."""
+    mine = [r for r in rows if r["B"] == t and "us" in r]
+    fp8 = [r for r in mine if r["variant"] != "bf16"]
+    if not fp8:
+        return f"T {t}: no FP8 candidate ran"
+    pick = min(fp8, key=lambda r: r["us"])
+    best = {v: min((r["us"] for r in fp8 if r["variant"] == v), default=float("nan"))
+            for v in ("a16", "w8a8")}  # fmt: skip
+    rms = min((r["rms_vs_bf16_kernel"] for r in fp8 if r["variant"] == "w8a8"), default=None)
+    bf16_us = next(r["us"] for r in mine if r["variant"] == "bf16")
+    text = (
+        f"T {t}: FP8 best {pick['variant']} Config{tuple(pick['candidate'])} {pick['us']:.1f}"
+        f" us = {pick['vs_bf16']:.2f}x bf16 ({bf16_us:.1f} us), "
+        f"{pick['of_roofline'] * 100:.1f} % of the FP8 roofline"
+    )
+    if "of_matmul_rate" in pick:
+        text += f", {pick['of_matmul_rate'] * 100:.0f} % of its matmul rate"
+    text += f" | 16-bit act {best['a16']:.1f} us, W8A8 {best['w8a8']:.1f} us"
+    return text + ("" if rms is None else f" (W8A8 rms vs bf16 {rms:.3f})")
+
+
+def run_fp8_sweep(budget_s: float, batches: tuple[int, ...]) -> None:
+    """``--fp8 --sweep``: per T, the bf16 kernel, then FP8 experts with 16-bit
+    activations and with W8A8 at the plan's tiles and ``fp8.SWEEP``'s, each T given its
+    share of ``budget_s`` (what one leaves rolls over); ``INSTALL`` lines for
+    ``kernels/moe/fp8.TABLE`` and ``W8A8_MIN_TOKENS``, the TABLE as Python to paste."""
+    t0 = time.time()
+    g = torch.Generator().manual_seed(0)
+    ceilings = {**copy_ceilings(GIB, GIB // 16), **matmul_rates()}
+    experts, dense = make_fp8_experts(
+        *(FP8_SHAPE[n] for n in ("experts", "hidden", "intermediate"))
+    )
+    state = {"experts": experts, "dense": dense, "ceilings": ceilings}
+    rows = []
+    for n, t in enumerate(batches):
+        t_end = t0 + budget_s * (n + 1) / len(batches)
+        try:
+            rows += fp8_sweep_batch(t, state, g, t_end)
+        except Exception:
+            rows.append({"B": t, "variant": "error", "error": traceback.format_exc(limit=3)})
+        print(fp8_summary(t, rows), flush=True)
+        torch.cuda.empty_cache()
+    lines, table, threshold = fp8_install(rows, batches)
+    paste = "TABLE: dict[tuple[int, bool], fused.Config] = {\n" + "".join(
+        f"    {key}: C{tuple(cfg)},\n" for key, cfg in sorted(table.items())
+    ) + "}"  # fmt: skip
     payload = {"env": environment(), "shape": FP8_SHAPE, "ceilings": ceilings, "rows": rows,
-               "install": lines, "elapsed_s": time.time() - t0}  # fmt: skip
+               "install": lines, "table": {str(k): v for k, v in table.items()},
+               "w8a8_min_tokens": threshold, "paste": paste,
+               "elapsed_s": time.time() - t0}  # fmt: skip
     save_json("benchmarks/results/moe_fp8_sweep.json", payload)
     if os.environ.get("OUT"):
         save_json(os.path.join(os.environ["OUT"], "moe_fp8_sweep.json"), payload)
+    print("\n".join(lines), f"\n{paste}\nsweep took {time.time() - t0:.0f} s")
 
 
 def main() -> None:
@@ -412,7 +544,7 @@ def main() -> None:
         raise SystemExit("bench_moe needs a CUDA GPU (the fused MoE is a Triton kernel)")
     if args.fp8 and args.sweep:
         picked = tuple(int(b) for b in args.batches.split(",") if b)
-        return run_fp8_sweep(args.budget, picked or (1, 8, 16, 64, 256, 2048))
+        return run_fp8_sweep(args.budget, picked or FP8_SWEEP_BATCHES)
     if args.fp8:
         return run_fp8()
     if args.sweep:

@@ -16,14 +16,17 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    ``LLM.generate`` in this process (the server stopped; same pool bytes, same
    options): tokens/s ratio HTTP / generate, and the ITL added per token by the
    HTTP path (p50 and mean differences), per server mode.
-   Every load also records CPU seconds per wall second of the API process alone
-   (``api_cpu_s_per_wall_s``) and of the engine process (``engine_cpu_s_per_wall_s``;
-   0 with ``--in-process-engine``), and the API process's CPU per output token
-   (``api_cpu_us_per_token``) and per request (``api_cpu_ms_per_request``): which
-   process is the bottleneck; and ``engine_step_ms``, the engine's host time per
-   step by phase over that load (``unikv:engine_step_phase_seconds`` of
-   ``/metrics``: plan, launch, wait, output, step, io, gc; p50/p99 as bucket
-   edges, ``max_ms_so_far`` the server's largest): where a slow step's time went.
+   Every load also records CPU seconds per wall second of the API processes
+   (``api_cpu_s_per_wall_s``, all of them; ``api_cpu_s_per_wall_s_max``, the
+   busiest; ``api_processes``: how many) and of the engine process
+   (``engine_cpu_s_per_wall_s``; 0 with ``--in-process-engine``), and the API
+   processes' CPU per output token (``api_cpu_us_per_token``) and per request
+   (``api_cpu_ms_per_request``): which process is the bottleneck. Mode
+   ``process-apiN`` runs N API processes (``--api-server-count N``). And
+   ``engine_step_ms``: the engine's host time per step by phase over that load
+   (``unikv:engine_step_phase_seconds`` of ``/metrics``: plan, launch, wait,
+   output, step, io, gc; p50/p99 as bucket edges, ``max_ms_so_far`` the
+   server's largest): where a slow step's time went.
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
@@ -91,12 +94,23 @@ MODES = {  # unikv serve's engine modes; "process-5ms": Python's own GIL switch 
 }  # fmt: skip
 
 
+def mode_args(mode: str) -> list[str]:
+    """``unikv serve``'s flags of a mode: ``MODES``, or ``process-apiN`` (the engine
+    process behind N API processes: ``--api-server-count N``)."""
+    if mode in MODES:
+        return MODES[mode]
+    count = mode.removeprefix("process-api")
+    if mode.startswith("process-api") and count.isdigit() and int(count) >= 1:
+        return ["--api-server-count", count]
+    raise ValueError(f"--modes: unknown mode {mode!r}; known: {sorted(MODES)} or process-apiN")
+
+
 class Server:
     def __init__(self, model: Path, args, max_len: int, mode: str, port: int = 8357) -> None:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "unikv.cli", "serve", "--model", str(model)]
         cmd += ["--port", str(port), "--served-model-name", "bench", "--max-waiting", "100000"]
-        cmd += MODES[mode]
+        cmd += mode_args(mode)
         log = f"{args.log}.{mode}" if args.log else None
         self.log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
         path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -191,6 +205,23 @@ def proc_cpu_s(pid: int, children: bool = True) -> float:
     return total + (sum(proc_cpu_s(int(k)) for k in kids) if children else 0.0)
 
 
+def api_pids(server_pid: int) -> list[int]:
+    """The API processes of a server: its first (``server_pid``) and, with
+    ``--api-server-count``, its children running ``unikv.serving.api_procs``."""
+    out = [server_pid]
+    try:
+        kids = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    except OSError:
+        return out
+    for kid in kids:
+        try:
+            if b"unikv.serving.api_procs" in Path(f"/proc/{kid}/cmdline").read_bytes():
+                out.append(int(kid))
+        except OSError:
+            pass
+    return out
+
+
 def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int,
          server_pid: int | None = None) -> tuple[list[dict], dict]:  # fmt: skip
     """``run_load`` spread over ``clients`` processes (at least one; request i to
@@ -211,7 +242,8 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
         proc.start()
         procs.append((proc, mine))
         pipes.append(here)
-    srv, api = proc_cpu_s(server_pid or 0), proc_cpu_s(server_pid or 0, children=False)
+    apis = api_pids(server_pid) if server_pid else []
+    srv, api = proc_cpu_s(server_pid or 0), [proc_cpu_s(p, children=False) for p in apis]
     got, cpus = [None] * len(prompts), []
     for (proc, mine), pipe in zip(procs, pipes):
         results, cpu = pipe.recv()
@@ -220,12 +252,15 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
         for i, r in zip(mine, results):
             got[i] = r
     wall = time.perf_counter() - start
-    api = proc_cpu_s(server_pid or 0, children=False) - api  # the API process alone
+    each = [proc_cpu_s(p, children=False) - a for p, a in zip(apis, api)]  # per API process
+    api = sum(each)  # the API processes alone
     both = proc_cpu_s(server_pid or 0) - srv
     made = sum(r.get("tokens", 0) for r in got)
     return got, {"clients": clients, "client_cpu_share_max": max(cpus) / wall,
                  "server_cpu_s_per_wall_s": both / wall,
+                 "api_processes": len(apis),
                  "api_cpu_s_per_wall_s": api / wall,  # the engine process's: the difference
+                 "api_cpu_s_per_wall_s_max": max(each, default=0.0) / wall,  # the busiest one
                  "engine_cpu_s_per_wall_s": (both - api) / wall,
                  "api_cpu_us_per_token": api / max(made, 1) * 1e6,
                  "api_cpu_ms_per_request": api / max(len(prompts), 1) * 1e3}  # fmt: skip
@@ -359,9 +394,16 @@ def main() -> None:
         "--modes",
         default="process,in-process",
         help="unikv serve's engine modes to run, comma-separated: process (the default "
-        "engine process), in-process (--in-process-engine); LLM.generate runs too",
+        "engine process), in-process (--in-process-engine), process-5ms (Python's own GIL "
+        "switch interval), process-apiN (N API processes: --api-server-count N); "
+        "LLM.generate runs too",
     )
     args = p.parse_args()
+    for mode in args.modes.split(","):
+        try:
+            mode_args(mode)
+        except ValueError as err:
+            p.error(str(err))
     tiny = args.tiny
     defaults = TINY if tiny else FULL
     for key, value in defaults.items():

@@ -34,7 +34,18 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
   ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
   32, or B - 1 for a smaller ``--batch``: no full step speculates) vs
-  ``spec_no_rule`` (the limit at the batch: every step speculates).
+  ``spec_no_rule`` (the limit at the batch: every step speculates); and, past the
+  same rule, each draft that runs a forward: ``draft_model_rule`` (the target as its
+  own draft) and ``eagle3_rule`` (a random EAGLE-3 head, ``save_eagle3_head``),
+  whose drafts are lazy there (no draft forward per step: ``speculative/draft.py``,
+  ``speculative/mtp.py``); Qwen3.5 likewise: ``plain_batch`` vs ``mtp_rule``.
+  Ratios (``ratios`` in the JSON): ``llama_forced_speedup``,
+  ``llama_forced_pipelined_speedup`` (``forced`` with verify steps planned ahead,
+  ``speculative/ahead.py``; not for Qwen3.5: recurrent targets are not planned
+  ahead yet), ``qwen3_5_forced_speedup``,
+  ``qwen3_5_mtp_forced_speedup`` (target 2.5), ``b64_rule_vs_plain`` (ngram),
+  ``b64_draft_model_rule_vs_plain``, ``b64_eagle3_rule_vs_plain``,
+  ``qwen3_5_b64_mtp_rule_vs_plain`` (target >= 1.0) and ``b64_no_rule_vs_plain``.
 
 Forced acceptance is a benchmark-only mode: the engines are built inside
 ``allow_forced_acceptance()`` (``LLM`` refuses it elsewhere).
@@ -276,6 +287,60 @@ def save_qwen_mtp_model(path: Path, device: str, dtype: torch.dtype, tiny: bool,
     return config.vocab_size
 
 
+def save_eagle3_head(path: Path, target: Path, dtype: torch.dtype, draft_vocab: int) -> None:
+    """A random EAGLE-3 head for the checkpoint at ``target`` (its width, heads and
+    vocabulary; ``draft_vocab`` draft ids mapped onto a random subset by ``d2t``),
+    saved to ``path`` in the released layout (one Llama-shaped midlayer)."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, inter, vocab = hidden // heads, cfg["intermediate_size"], cfg["vocab_size"]
+    draft_vocab = min(draft_vocab, vocab)
+    g = torch.Generator().manual_seed(2)
+
+    def w(*shape):
+        return 0.02 * torch.randn(*shape, generator=g)
+
+    def norm(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    attn = {"q": heads * head_dim, "k": kv * head_dim, "v": kv * head_dim}
+    tensors = {
+        f"midlayer.self_attn.{n}_proj.weight": w(rows, 2 * hidden) for n, rows in attn.items()
+    }
+    tensors.update({
+        "fc.weight": w(hidden, 3 * hidden), "midlayer.input_layernorm.weight": norm(hidden),
+        "midlayer.hidden_norm.weight": norm(hidden),
+        "midlayer.self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        "midlayer.post_attention_layernorm.weight": norm(hidden),
+        "midlayer.mlp.gate_proj.weight": w(inter, hidden), "midlayer.mlp.up_proj.weight": w(inter, hidden),
+        "midlayer.mlp.down_proj.weight": w(hidden, inter), "norm.weight": norm(hidden),
+        "lm_head.weight": w(draft_vocab, hidden),
+    })  # fmt: skip
+    tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    tensors.update({"d2t": ids - torch.arange(draft_vocab), "t2d": t2d})
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5), "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab, "max_position_embeddings": cfg["max_position_embeddings"],
+        "rope_theta": cfg.get("rope_theta", 10000.0), "torch_dtype": str(dtype).split(".")[-1],
+    }  # fmt: skip
+    layers = cfg["num_hidden_layers"]
+    if layers < 6:  # the default taps (2, L/2, L-3) need six layers: a tiny target's own
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": [0, (layers - 1) // 2, layers - 2]
+        }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+
+
 def _suite_runs(path: Path, configs: dict, prompts: dict, kw: dict) -> dict:
     """{run: {prompt label: rate and counters}}: one engine per config (its own
     engine options merged into ``kw``), each over the prompts its entry names
@@ -315,25 +380,38 @@ def main_suite(args, dtype) -> dict:
     batch = [(block * 4)[: args.prompt_len] for block in blocks]  # repetitive: n-grams hit
     forced = {"method": "ngram", "num_speculative_tokens": k, "force_accept": True}
     rule = min(DEFAULT_DISABLE_BY_BATCH_SIZE, b - 1)  # the default rule, on at this batch
+    head = Path(tempfile.mkdtemp(prefix="bench_spec_eagle3_"))
+    save_eagle3_head(head, llama, dtype, 32000)
+    lazy = {"num_speculative_tokens": k, "disable_by_batch_size": rule}  # past it: lazy drafts
     llama_runs = _suite_runs(llama, {
         "plain": (None, ("one", "batch"), big),
         "forced": (forced, ("one",), {}),
+        "forced_pipelined": ({**forced, "pipeline": True}, ("one",), {}),
         "spec_rule": ({**ngram, "disable_by_batch_size": rule}, ("batch",), big),
         "spec_no_rule": ({**ngram, "disable_by_batch_size": b}, ("batch",), big),
+        "draft_model_rule": ({**lazy, "method": "draft_model", "model": str(llama)}, ("batch",), big),
+        "eagle3_rule": ({**lazy, "method": "eagle3", "model": str(head)}, ("batch",), big),
     }, {"one": (one, n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
 
     qwen = Path(tempfile.mkdtemp(prefix="bench_spec_qwen_"))
     vocab = save_qwen_mtp_model(qwen, args.device, dtype, args.tiny, args.qwen_layers)
     one = torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist()
     mtp = {"method": "mtp", "num_speculative_tokens": k, "force_accept": True}
-    qwen_runs = _suite_runs(qwen, {"plain": (None, ("one",), {}), "forced": (forced, ("one",), {}),
-                                   "mtp_forced": (mtp, ("one",), {})}, {"one": (one, n)}, kw)  # fmt: skip
+    blocks = torch.randint(0, vocab, (b, max(args.prompt_len // 4, 8)), generator=g).tolist()
+    batch = [(block * 4)[: args.prompt_len] for block in blocks]
+    qwen_runs = _suite_runs(qwen, {
+        "plain": (None, ("one",), {}), "plain_batch": (None, ("batch",), big),
+        "forced": (forced, ("one",), {}), "mtp_forced": (mtp, ("one",), {}),
+        "mtp_rule": ({**lazy, "method": "mtp"}, ("batch",), big),
+    }, {"one": (one, n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
 
     def rate(runs, name, label):
         return runs[name][label]["decode_tokens_per_s"]
 
     ratios = {
         "llama_forced_speedup": rate(llama_runs, "forced", "one") / rate(llama_runs, "plain", "one"),
+        "llama_forced_pipelined_speedup": rate(llama_runs, "forced_pipelined", "one")
+        / rate(llama_runs, "plain", "one"),
         "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
         "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
         / rate(qwen_runs, "plain", "one"),
@@ -341,6 +419,12 @@ def main_suite(args, dtype) -> dict:
         / rate(llama_runs, "plain", "batch"),
         f"b{b}_no_rule_vs_plain": rate(llama_runs, "spec_no_rule", "batch")
         / rate(llama_runs, "plain", "batch"),
+        f"b{b}_draft_model_rule_vs_plain": rate(llama_runs, "draft_model_rule", "batch")
+        / rate(llama_runs, "plain", "batch"),
+        f"b{b}_eagle3_rule_vs_plain": rate(llama_runs, "eagle3_rule", "batch")
+        / rate(llama_runs, "plain", "batch"),
+        f"qwen3_5_b{b}_mtp_rule_vs_plain": rate(qwen_runs, "mtp_rule", "batch")
+        / rate(qwen_runs, "plain_batch", "batch"),
     }  # fmt: skip
     result = {
         "environment": environment(),

@@ -194,6 +194,18 @@ MODELS = (
         ("unified", "static_split", "equal_pages"),
         "static_split",
     ),
+    # Granite-4.0-H-Small: 36 Mamba-2 layers (one state slot a request) beside 4 GQA
+    # layers (8 KV heads of 128: 16 KiB a token in bf16); static split: SGLang's Mamba
+    # ratio, as Bamba; equal_pages raises the attention page to the tokens whose rows hold
+    # one Mamba layer's state.
+    ModelCase(
+        "granite-4.0-h-small",
+        8,
+        2,
+        {"seed": 5, "long_frac": 0.2},
+        ("unified", "static_split", "equal_pages"),
+        "static_split",
+    ),
     # Static split: the full region is 1 / (1 + 0.8 * 199680 / 23040) = 12.6 % of the
     # bytes; 6 GiB lets it hold one 16.9k-token request alone (padded too), so the
     # same budget serves in quick mode.

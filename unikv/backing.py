@@ -34,7 +34,7 @@ import torch
 CHUNK_BYTES = 2 << 20  # 2 MiB: the CUDA allocation granularity of current GPUs
 # CudaBacking's default: one cuMemCreate + cuMemMap per chunk costs ~36-40 us on an H100,
 # so a 1 GiB grow took 18.6 ms at 2 MiB chunks, 5.1 ms at 8 MiB and 1.7 ms at 32 MiB
-# (bench_elastic's chunk_sweep, 43ff8cf; issue 44's target: <= 10 ms)
+# (bench_elastic's chunk_sweep, 2026-12-06; issue 44's target: <= 10 ms)
 CUDA_CHUNK_BYTES = 8 << 20
 POISON_BYTE = 0xFF  # NaN in fp32, fp16, bf16 and both fp8 formats
 

@@ -63,6 +63,23 @@ def test_prefill_profile_runs_on_cpu(tmp_path):
     assert out.exists()
 
 
+def test_prefill_graphs_ab_runs_on_cpu(tmp_path):
+    """``--prefill-graphs ab``: the engine off then on over one saved model; the on
+    run's extend steps went through the pieces; the A/B summary sets both side by side."""
+    out = tmp_path / "bd.json"
+    argv = ["--device", "cpu", "--tiny", "--models", "llama", "--phase", "prefill"]
+    argv += ["--prefill-graphs", "ab", "--requests", "8", "--steps", "1", "--out", str(out)]
+    res = bd.main(argv)
+    off, on = res["models"]
+    assert "error" not in off and "error" not in on, (off.get("traceback"), on.get("traceback"))
+    assert (off["prefill_graphs"], on["prefill_graphs"]) == (False, True)
+    assert "prefill_graph_replays" not in off and sum(on["prefill_graph_replays"].values()) > 0
+    ab = res["prefill_graphs_ab"]["llama"]
+    for side in (ab["off"], ab["on"]):
+        assert side["step_wall_ms"] > 0 and side["ttft_p50_ms"] > 0
+    assert ab["off"]["step_device_ms"] == off["step_device_ms"]
+
+
 def test_idle_gaps_against_a_time_grid():
     """``idle_gaps`` on random overlapping intervals against a 0.01 us time grid: the
     busy time is the grid points some interval covers, the overlap the durations

@@ -39,3 +39,24 @@ def test_suite_qwen_mtp_checkpoint_loads(tmp_path, monkeypatch):
     )  # up_proj alone, or the upper half of a fused gate|up
     with pytest.raises(ValueError, match="keep a full-attention layer"):
         bench_spec.save_qwen_mtp_model(tmp_path / "x", "cpu", torch.float32, True, 3)
+
+
+def test_suite_eagle3_head_loads(tmp_path, monkeypatch):
+    """The suite's random EAGLE-3 head for its Llama target (``save_eagle3_head``)
+    loads through the engine's loader, with the file's tensors and a ``d2t`` that
+    maps every draft id onto a distinct target id."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_e2e
+    import bench_spec
+
+    from unikv.models.eagle3 import load_eagle3
+
+    bench_e2e.save_model("llama", tmp_path / "t", "cpu", torch.float32, True)
+    bench_spec.save_eagle3_head(tmp_path / "h", tmp_path / "t", torch.float32, 100)
+    head = load_eagle3(str(tmp_path / "h"), load_model(str(tmp_path / "t")), 64)
+    with safe_open(str(tmp_path / "h" / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(head.fc.weight, f.get_tensor("fc.weight"))
+        assert torch.equal(head.lm_head.weight, f.get_tensor("lm_head.weight"))
+        mapped = torch.arange(100) + f.get_tensor("d2t")
+    assert torch.equal(head.d2t + torch.arange(100), mapped)
+    assert mapped.unique().numel() == 100 and int(mapped.max()) < 256  # the tiny vocabulary

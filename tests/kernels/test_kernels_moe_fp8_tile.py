@@ -139,7 +139,7 @@ def test_routed_experts_kept_in_fp8_run_the_per_tile_kernel():
 
 def test_plan_takes_the_fp8_table_else_the_16_bit_one(monkeypatch):
     cfg = C(16, 64, 128, 1, 4, 3)
-    monkeypatch.setattr(fp8, "TABLE", {8: cfg})
+    monkeypatch.setattr(fp8, "TABLE", {(8, False): cfg})
     assert fp8.plan(5, torch.bfloat16) is cfg  # bucket 8
     assert fp8.plan(9, torch.bfloat16) == fused.TABLE[16, False]
     assert fp8.plan(5, torch.float32) is fused.FP32_CONFIG
@@ -169,7 +169,9 @@ def test_bad_scales_and_16_bit_experts_are_refused():
 def test_gpu_per_tile_dequant_matches_the_dequantised_kernel(tokens):
     """Compiled (bf16 MMA, the table's tiles at decode and prefill buckets): E 8, top-2,
     d 1024, I 512, against the same kernel on the torch-dequantised bf16 experts (the
-    same operands: equal up to the MMA's fp32 sums) and the reference."""
+    same operands: equal up to the MMA's fp32 sums) and the reference. 16-bit
+    activations at every T (``w8a8=False``: 300 rows would plan W8A8, tested in
+    ``test_kernels_moe_w8a8.py``)."""
     g = torch.Generator().manual_seed(tokens)
     e, k, d, inter = 8, 2, 1024, 512
     w1, s1 = (t.cuda() for t in _stack(e, inter, d, 2, g))
@@ -177,7 +179,7 @@ def test_gpu_per_tile_dequant_matches_the_dequantised_kernel(tokens):
     x = torch.randn(tokens, d, generator=g).bfloat16().cuda()
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).cuda()
     weights = torch.rand(tokens, k, generator=g).bfloat16().cuda()
-    got = fp8.moe_fp8(x, weights, ids, w1, s1, w2, s2, block=BLOCK)
+    got = fp8.moe_fp8(x, weights, ids, w1, s1, w2, s2, block=BLOCK, w8a8=False)
     dense1 = fp8_gemm_ref.dequantize_experts(w1, s1, 2, BLOCK, torch.bfloat16)
     dense2 = fp8_gemm_ref.dequantize_experts(w2, s2, 1, BLOCK, torch.bfloat16)
     assert _rel(got, fused.fused_moe(x, weights, ids, dense1, dense2)) <= 1e-2

@@ -69,11 +69,12 @@ class Channel:
 def _serve(llm, ctx, chan: Channel):
     """serve_all over ``chan`` in a thread (its loop adopted by that thread)."""
     core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
-                partial(compile_structured, llm), ctx, chan.addr_out, None)  # fmt: skip
+                partial(compile_structured, llm), ctx, [chan.addr_out], None)  # fmt: skip
     pull = ctx.socket(zmq.PULL)
     pull.connect(chan.addr_in)
     box = []
-    thread = threading.Thread(target=lambda: box.append(serve_all([core], [pull])), daemon=True)
+    run = lambda: box.append(serve_all([core], [(pull, core, 0)]))
+    thread = threading.Thread(target=run, daemon=True)
     return core, pull, thread, box
 
 
@@ -133,7 +134,7 @@ def test_burst_one_acks_one_out_per_step_tokens_equal_generate(llm):
         chan.send(("stop",))
         thread.join(30)
         pull.close()
-        core.main_out.close()
+        core.main_outs[0].close()
         chan.push.close()
         chan.pull.close()
         ctx.term()
@@ -156,7 +157,7 @@ def test_call_from_another_thread_wakes_the_idle_loop(llm):
         chan.send(("stop",))
         thread.join(30)
         pull.close()
-        core.main_out.close()
+        core.main_outs[0].close()
         chan.push.close()
         chan.pull.close()
         ctx.term()

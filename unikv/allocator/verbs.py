@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from unikv.allocator.integrity import check_chain
 from unikv.allocator.mamba import MambaSlots
@@ -273,6 +274,24 @@ class AllocatorView:
             raise ValueError("draft_vids: this allocator holds no draft state slots")
         assert self._mamba is not None
         return self._mamba.draft_vids(np.asarray(slots, np.int64))
+
+    def token_vids(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """(sum(counts),) int32 virtual token ids on the device of rows ``starts[i] ..
+        starts[i] + counts[i] - 1`` that requests ``slots[i]`` hold already, request by
+        request (a gather of ``req_to_token``; e.g. to write a lazy draft's rows)."""
+        slots, starts, counts = (np.asarray(a, np.int64) for a in (slots, starts, counts))
+        held = self._requests.lens[slots]
+        if (counts < 0).any() or (starts < 0).any() or (starts + counts > held).any():
+            raise ValueError(
+                f"token_vids: rows must be held: starts {starts.tolist()} + counts "
+                f"{counts.tolist()} within the lengths {held.tolist()}"
+            )
+        owners = np.repeat(slots, counts)
+        cols = np.arange(owners.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        cols += np.repeat(starts, counts)
+        table = self._requests.req_to_token
+        index = torch.from_numpy(owners * table.shape[1] + cols).to(table.device)
+        return table.reshape(-1).index_select(0, index)
 
     @property
     def max_context(self) -> int:

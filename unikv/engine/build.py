@@ -153,6 +153,11 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
     if c.prefix_host_bytes:
         _enable_prefix_host(alloc, c.prefix_host_bytes, device, prefill_rate)
     use_graphs = device.type == "cuda" and tp is None
+    if c.prefill_graphs and tp is not None:
+        raise ValueError(
+            "prefill_graphs is not yet tried under tensor parallelism: run with "
+            "prefill_graphs=False (--no-prefill-graphs)"
+        )
     runner = ModelRunner(
         model,
         pool,
@@ -163,6 +168,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         cuda_graphs=use_graphs if c.cuda_graphs is None else c.cuda_graphs,
         max_graph_batch=min(c.max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         q_per_kv_of={d.name: draft.q_per_kv for d in draft.configs},
+        prefill_graphs=c.prefill_graphs,
     )
     if device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
         warm_linears(model, max_logit_rows=c.max_num_seqs, max_tokens=c.max_num_batched_tokens)
@@ -182,6 +188,8 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         speculator=_speculator(c, runner, pool, backend, draft),
         checkpoint_rule=_checkpoint_rule(pool, device, prefill_rate) if caching else None,
     )
+    if runner.draft is not None and scheduler.has_state and scheduler.prefix.enabled:
+        runner.draft.lazy_ok = False  # a hybrid's cache shares pages decodes complete
     return Engine(config=c, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                   model_config=model_config, model=model, tokenizer=tokenizer,
                   eos_token_ids=merged_eos(model_config, model_dir, tokenizer),
@@ -356,6 +364,8 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
             runner.model, draft.head, caches, runner.planner, backend, draft.head.sm_scale,
             runner.planner.max_seqs,
         )  # fmt: skip
+        if spec_config.disable_by_batch_size < c.max_num_seqs:  # the rule may apply: lazy
+            spec.draft.enable_lazy(spec.within_rule)
     if spec_config.method == "draft_model":
         model = draft.model  # loaded with its sub-pools' configs
         cap = check_soft_cap(backend, model.config.extra.get("attn_soft_cap", 0.0))
@@ -363,6 +373,7 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
         spec.draft = runner.draft = DraftModel(
             model, caches, runner.planner, backend, model.config.sm_scale
         )
+        spec.draft.rule = spec.within_rule  # past the rule: lazy (``DraftModel.lazy``)
     if runner.graphs is not None and VERIFY_GRAPH_ROWS:  # decided once
         q = spec_config.num_speculative_tokens + 1
         rows = min(VERIFY_GRAPH_ROWS, spec_config.disable_by_batch_size, runner.planner.max_seqs,

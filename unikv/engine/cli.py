@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode under CUDA graphs (default: on with CUDA)")  # fmt: skip
+    g.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="extend (prefill) steps under piecewise CUDA graphs, attention and "
+                   "recurrent ops eager between the pieces (default: off)")  # fmt: skip
     g.add_argument("--backend", choices=("torch", "triton"), default=None,
                    help="kernel backend (default: triton on CUDA, torch on the CPU)")  # fmt: skip
     g.add_argument(

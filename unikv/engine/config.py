@@ -79,6 +79,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     cuda_graphs: bool | None = None
+    prefill_graphs: bool = False
     backend: str | None = None
     seed: int = 0
     debug: bool = False
@@ -128,6 +129,9 @@ class EngineConfig:
                        self.max_model_len)  # fmt: skip
         if self.cuda_graphs not in (None, True, False):
             raise _bad("cuda_graphs", "True, False or None (on with CUDA)", self.cuda_graphs)
+        if not isinstance(self.prefill_graphs, bool):
+            raise _bad("prefill_graphs", "True or False (extend steps under piecewise CUDA "
+                       "graphs; plain calls of the same pieces on the CPU)", self.prefill_graphs)  # fmt: skip
         if not isinstance(self.debug, bool):
             raise _bad("debug", "True or False", self.debug)
         if self.backend not in BACKENDS:

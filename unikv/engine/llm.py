@@ -80,6 +80,11 @@ class LLM:
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
         max_model_len: context length (default: the model's).
         cuda_graphs: decode under CUDA graphs (default: on with CUDA).
+        prefill_graphs: extend steps under piecewise CUDA graphs (``engine/prefill_graphs.py``:
+            the layers cut at the attention and recurrent ops, which run eagerly; token
+            counts padded to 256, 512, 1024, 2048, then every 1024 up to
+            max_num_batched_tokens); on the CPU the same pieces as plain calls. Default
+            off. Not MLA models, not under TP.
         backend: None (by device), "torch" or "triton".
         seed: seeds requests whose SamplingParams give none.
         debug: allocator debug mode (tombstone reads raise).

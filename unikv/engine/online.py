@@ -58,6 +58,7 @@ from time import perf_counter
 import torch
 
 from unikv.engine.request import Status
+from unikv.engine.speculative.ahead import verify_ahead
 from unikv.engine.tracks import Delta, RequestGroup
 from unikv.env import FAULT_ENV  # "die-after-steps:N": the loop dies at step N
 
@@ -135,6 +136,7 @@ class EngineLoop:
         self._live: set[RequestGroup] = set()  # watched groups not done (loop thread)
         self._num_watched = 0  # len(self._live)
         self._prev = None  # the step in flight
+        self._ahead = None  # (batch, Launched) of a verify step planned ahead, in flight
         self._thread: threading.Thread | None = None
         self._stopping = self._drain = False
         self._steps = 0  # steps run by ``_serve`` or ``turn`` (die_after_steps counts them)
@@ -355,6 +357,7 @@ class EngineLoop:
         """The loop ends: live requests are aborted, the step in flight settled."""
         self._abort_all()
         self._settle_last()
+        self._ahead = None  # its requests ended (aborted): nothing to apply
 
     def _has_work(self) -> bool:
         return bool(
@@ -413,6 +416,13 @@ class EngineLoop:
         if self._held or self._quarantined:
             self._probe_next()
         sched = self.scheduler
+        if self._ahead is not None:  # a verify step planned ahead runs: it is this step
+            batch, launched = self._ahead
+            self._ahead = None
+            finished = self._apply_verify(batch, launched)
+            if self.on_step is not None:
+                self.on_step(self.owner, batch, launched.logits)
+            return batch, launched, finished
         if sched.may_speculate():  # drafts read the tokens: the last step settles first
             self._settle_last()  # (past the batch-size rule the step in flight stays: plain)
         if not sched.has_work():
@@ -438,10 +448,9 @@ class EngineLoop:
         self._failures_in_a_row = 0
         if self._prev is not None:
             self._settle(self._prev)
-        if launched.emitted is not None:  # a verify step ran to its end: applied now
+        if launched.verify is not None:  # a verify step: applied once its tokens are in
             self._prev = None
-            finished = sched.complete_verify(batch, launched.emitted)
-            self._publish(launched)
+            finished = self._apply_verify(batch, launched)
         else:
             finished = sched.complete_ahead(batch)
             self._prev = launched
@@ -450,6 +459,27 @@ class EngineLoop:
         if times is not None:
             times.add("step", perf_counter() - start)
         return batch, launched, finished
+
+    def _apply_verify(self, batch, launched) -> list:
+        """Apply verify step ``batch`` (``launched``, in flight) once its tokens are in;
+        the next verify step may be planned and launched first, while it runs
+        (``speculative/ahead.py``): kept as ``_ahead`` when its bet held."""
+        sched = self.scheduler
+        if not all(r.status is Status.RUNNING for r in batch.requests):  # one ended since
+            sched.drop_ahead(batch)  # (a step planned ahead: an abort, a stop string)
+            return []
+        ahead = verify_ahead(sched, batch) if sched.spec.pipeline else None
+        if ahead is not None:
+            try:
+                ahead_launched = self.runner.launch(ahead[0], launched)
+                ahead_launched.batch = ahead[1]
+            except Exception:  # noqa: BLE001  (its rows are trimmed below; the next step
+                ahead = None  # plans the work as usual and fails, or not, on its own)
+        finished = sched.complete_verify(batch, launched.read_emitted(), ahead and ahead[1])
+        self._publish(launched)
+        if ahead is not None and sched.kept_ahead:
+            self._ahead = (ahead[1], ahead_launched)
+        return finished
 
     def _settle_last(self) -> None:
         if self._prev is not None:
@@ -638,7 +668,7 @@ class EngineLoop:
         """After an exception escaped ``step`` in the caller's thread (inline
         ``generate``): end every request the loop holds (finish_reason "abort"),
         free their pages and state slots, so that the LLM serves again."""
-        prev, self._prev = self._prev, None
+        prev, self._prev, self._ahead = self._prev, None, None
         if prev is not None:
             with contextlib.suppress(Exception):  # its requests end below either way
                 self.scheduler.resolve(prev.batch, prev.tokens())

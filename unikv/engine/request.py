@@ -93,6 +93,8 @@ class Request:
     cache_salt: str | None = None  # prefix-cache salt: requests of other salts share no page
     grammar: Any = None  # structured outputs: [xgrammar matcher, output tokens it accepted]
     draft_ids: list[int] = field(default_factory=list)  # speculative drafts a verify step feeds
+    # a lazy draft's first row left unwritten (past the batch-size rule), or None
+    draft_lag: int | None = None
 
     @property
     def max_new_tokens(self) -> int:

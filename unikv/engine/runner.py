@@ -26,7 +26,7 @@ from unikv.engine.attention import (
 )
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
-from unikv.engine.scheduler import Batch
+from unikv.engine.scheduler import Batch, BatchKind
 from unikv.engine.speculative.step import verify_step
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
@@ -94,7 +94,8 @@ class Launched:
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
     __slots__ = (
-        "_host", "_logprobs", "_prompt", "batch", "emitted", "event", "fed", "logits", "tokens_dev"
+        "_host", "_logprobs", "_prompt", "batch", "emitted", "event", "fed", "logits", "tokens_dev",
+        "verify",
     )  # fmt: skip
 
     def __init__(
@@ -105,12 +106,27 @@ class Launched:
         self.fed = fed  # the tokens are in the planner's feedback buffer
         self._prompt = prompt  # the prompt rows' PromptLogprobs (host copies), or None
         self.emitted: list[list[int]] | None = None  # a verify step's tokens per request
+        # a verify step's readback (host copy, its event, the draft), until read_emitted
+        self.verify: tuple | None = None
 
     def _ready(self, host):
         """``host`` (this step's host copies) once the step is done; waits for it only."""
         if self.event is not None:
             self.event.synchronize()
         return host
+
+    def read_emitted(self) -> list[list[int]]:
+        """A verify step's emitted tokens per request (its accepted drafts, then the
+        target's token), on the host; waits for this step only (the first call)."""
+        if self.emitted is None:
+            packed, copied, draft = self.verify
+            if copied is not None:
+                copied.synchronize()
+            host = packed.tolist()
+            if draft is not None:
+                draft.settled(self.batch, [row[-1] for row in host])
+            self.emitted = [row[: row[-1] + 1] for row in host]
+        return self.emitted
 
     def prompt_logprobs(self) -> dict | None:
         """lane -> (first position, entries) of the prompt rows its requests asked
@@ -144,6 +160,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         max_graph_batch: int = 0,
         q_per_kv_of: dict[str, int] | None = None,
+        prefill_graphs: bool = False,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
@@ -183,15 +200,27 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.forward, self.planner, max_graph_batch, forward_greedy=self.forward_greedy
             )
+        # extend steps through piecewise graphs (plain calls of the same pieces on CPU)
+        self.prefill_graphs = None
+        if prefill_graphs:
+            from unikv.engine.prefill_graphs import PrefillGraphs
+
+            make_step = lambda plan: ExtendAttention(
+                self.layers, plan, self.backend, self.sm_scale, self.states
+            )
+            self.prefill_graphs = PrefillGraphs(model, self.planner, make_step)
 
     # -- running -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, greedy: bool = False, extra_rows=None, every_row=False):
+    def forward(
+        self, plan: StepPlan, greedy: bool = False, extra_rows=None, every_row=False, pieces=False
+    ):
         """fp32 logits (B, vocab) of each request's last token in the step; greedy:
         (logits, the model's (B,) int64 greedy tokens) from a model that fuses them.
         extra_rows: (E,) int64 more token rows whose logits follow (B + E rows);
-        every_row: the logits of every token row (T, vocab) (a verify step)."""
+        every_row: the logits of every token row (T, vocab) (a verify step).
+        pieces: an extend step may run in the prefill graphs (never inside a capture)."""
         kind = DecodeAttention if plan.is_decode else ExtendAttention
         attn = kind(self.layers, plan, self.backend, self.sm_scale, self.states)
         # a decode step's rows are its requests' last tokens: no gather before the head
@@ -200,6 +229,10 @@ class ModelRunner:
             rows = torch.cat([plan.logits_indices, extra_rows])  # an eager plan: B rows
             attn.logit_rows_plan = self.backend.plan_rows(rows.shape[0])  # the head's B + E
         extra = {"greedy": True} if greedy else {}
+        if pieces and self.prefill_graphs is not None and not plan.is_decode:
+            out = self.prefill_graphs.forward(plan, attn, rows, **extra)
+            if out is not None:  # (None: more rows than the largest size)
+                return out
         return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
 
     @torch.inference_mode()
@@ -224,7 +257,7 @@ class ModelRunner:
         """Enqueue one step without waiting for it. Placeholder tokens in the batch
         (``Pending``) are read from ``prev``'s sampled tokens on the device."""
         if batch.drafts is not None:
-            return self._launch_verify(batch)
+            return self._launch_verify(batch, prev)
         prev_tokens = prev.tokens_dev if prev is not None else None
         greedy = self._greedy(batch)
         # prompt logprobs (only where a request asks; never in a plain-greedy batch)
@@ -232,16 +265,22 @@ class ModelRunner:
         graphed = self.graphs is not None and wanted is None
         rows = self.graphs.rows_for(batch) if graphed else None
         prev_fed = prev is not None and prev.fed
+        draft = self.draft  # past the rule a plain decode step leaves the draft lazy
+        lazy = (
+            draft is not None and batch.kind is BatchKind.DECODE and draft.lazy(len(batch.requests))
+        )
+        if draft is not None and not lazy and draft.prepare(batch) and batch.step is not None:
+            batch.step.rebuild()  # a lazy draft's catch-up planned over decode_step's tables
         plan = self.planner.plan(batch, prev_tokens, rows=rows, prev_fed=prev_fed)
         tokens_dev, fed, prompt = None, False, None
         if wanted is not None:
-            logits = self.forward(plan, extra_rows=wanted.rows)
+            logits = self.forward(plan, extra_rows=wanted.rows, pieces=True)
             num = len(batch.requests)
             prompt = prompt_logprobs(logits[num:], wanted)
             prompt = prompt.to_host() if self._pin else prompt
             logits = logits[:num]
         elif rows is None:
-            logits = self.forward(plan)
+            logits = self.forward(plan, pieces=True)
         else:
             in_graph = greedy and self.graphs.has_greedy(rows)  # the argmax inside
             if in_graph and self._copy_stream is not None and prev is not None:
@@ -256,20 +295,27 @@ class ModelRunner:
             tokens_dev, logprobs = self.sample(batch, logits, prev_tokens, greedy, prev)
         else:
             tokens_dev, logprobs = tokens_dev[: len(batch.requests)], None
-        if self.draft is not None:  # the draft's K/V of the same rows (its invariant)
-            self.draft.forward_plan(plan, batch, tokens_dev)
+        if lazy:  # no draft forward (``catch_up`` writes its rows later)
+            draft.defer(plan, batch, tokens_dev)
+        elif draft is not None:  # the draft's K/V of the same rows (its invariant)
+            draft.forward_plan(plan, batch, tokens_dev)
         host, event, logprobs = self._readback(tokens_dev, logprobs, owned)
         self.alloc.mark_in_flight(event)
         self._launches += 1
         return Launched(batch, logits, tokens_dev, host, event, logprobs, fed, prompt)
 
-    def _launch_verify(self, batch: Batch) -> Launched:
-        """A verify step (speculative decoding), run to the end: every row scored, the
-        drafts accepted or rejected (``speculative.step.verify_step``) and the emitted
-        tokens read back (``Launched.emitted``): the next step's drafts need them."""
-        graphs = self.verify_graphs  # placeholders: only a draft model's device drafts
+    def _launch_verify(self, batch: Batch, prev: Launched | None = None) -> Launched:
+        """A verify step (speculative decoding), enqueued: every row scored, the drafts
+        accepted or rejected (``speculative.step.verify_step``) and the emitted tokens'
+        readback started; ``Launched.read_emitted`` waits for them (the next step's
+        drafts need them). Placeholders: a draft model's device drafts, or (a verify
+        step planned ahead, ``Scheduler.verify_ahead``) the last emitted token of
+        ``prev``'s requests, its ``tokens_dev``."""
+        graphs = self.verify_graphs
         rows = graphs.rows_for(batch) if graphs is not None else None
         drafts = batch.draft_tokens
+        if drafts is None and prev is not None:
+            drafts = prev.tokens_dev
         if rows is None:
             plan = self.planner.plan(batch, drafts)
             logits = self.forward(plan, every_row=True)
@@ -278,6 +324,7 @@ class ModelRunner:
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
         packed = torch.cat([tokens, accepted[:, None]], dim=1)
+        last = tokens.gather(1, accepted[:, None])[:, 0]  # each request's next pending token
         copied = None
         if self._pin:  # the emitted tokens' copy, enqueued before the draft's forward
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -285,21 +332,16 @@ class ModelRunner:
             copied = torch.cuda.Event()
             copied.record()
             packed = host
-        done = None  # the step ran when the readback returned, but a draft's forward
+        done = copied  # its pages stay fenced until the step (and a draft's forward) is done
         if self.draft is not None:  # the rows kept after the rollback are the true tokens'
             self.draft.forward_verify(plan, batch, tokens, accepted)  # runs under the host's work
-            if copied is not None:  # its pages stay fenced until it is done
+            if copied is not None:
                 done = torch.cuda.Event()
                 done.record()
-        if copied is not None:
-            copied.synchronize()
-        host = packed.tolist()
-        if self.draft is not None:
-            self.draft.settled(batch, [row[-1] for row in host])
         self.alloc.mark_in_flight(done)
         self._launches += 1
-        launched = Launched(batch, logits, None, None, None)
-        launched.emitted = [row[: row[-1] + 1] for row in host]
+        launched = Launched(batch, logits, last, None, None)
+        launched.verify = (packed, copied, self.draft)
         return launched
 
     def capture_verify(self, q: int, max_rows: int, capture: bool = True) -> None:

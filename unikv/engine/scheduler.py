@@ -110,6 +110,7 @@ class Scheduler:
             alloc, prefix_caching, self.has_state, self.has_window, checkpoint_rule
         )
         self._decodes: DecodeSet | None = None  # the decoding set, while still valid
+        self.kept_ahead = False  # the last complete_verify kept the step planned ahead
         self._epoch = 0  # requests finished so far (a batch with the same: none of its)
 
     def add(self, request: Request) -> None:
@@ -260,10 +261,18 @@ class Scheduler:
             np.array([n], dtype=np.int64),
         )
 
+    def share(self, r: Request, preempted: bool = False) -> None:
+        """Share ``r``'s full pages in the prefix cache as it leaves the running set
+        (a lazy draft writes its missing rows first where the pages stay:
+        ``Speculator.release``)."""
+        if self.spec is not None:
+            self.spec.release(r, self.prefix.enabled or preempted)
+        self.prefix.share(r)
+
     def preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
         go to host slots first when ``swap`` takes them, else it is recomputed."""
-        self.prefix.share(r)
+        self.share(r, preempted=True)
         if self.swap is not None:
             record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
             if record is not None:
@@ -281,7 +290,7 @@ class Scheduler:
         in-flight step still uses are fenced by the allocator). Its outputs stay;
         a placeholder left by the step in flight is resolved as usual."""
         if r.status is Status.RUNNING:
-            self.prefix.share(r)
+            self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
@@ -323,7 +332,7 @@ class Scheduler:
             if r.resolve(len(r.output_ids) - 1, tokens[i]):
                 finished.append(r)
                 if r.status is Status.RUNNING:
-                    self.prefix.share(r)
+                    self.share(r)
                     self.alloc.free_request(r.slot)
                     self.running.remove(r)
                 elif r.status is Status.WAITING:  # preempted meanwhile
@@ -334,7 +343,9 @@ class Scheduler:
                 self._epoch += 1
         return finished
 
-    def complete_verify(self, batch: Batch, emitted: list[list[int]]) -> list[Request]:
+    def complete_verify(
+        self, batch: Batch, emitted: list[list[int]], ahead: Batch | None = None
+    ) -> list[Request]:
         """Apply a verify step (``_verify``): request i takes ``emitted[i]`` (its
         accepted drafts and one token of the target's) until a stop rule ends it; the
         rows of its pending token and accepted drafts stay in the cache and the
@@ -342,7 +353,10 @@ class Scheduler:
         window's bookkeeping restored) before out-of-window pages are freed. Returns
         the requests finished. A recurrent model's request continues from the state
         after its last kept row: its live slot's when it kept every row, else that of
-        draft slot ``kept - 1``, which becomes its live slot (``MambaSlots.select``)."""
+        draft slot ``kept - 1``, which becomes its live slot (``MambaSlots.select``).
+        ``ahead``: the verify step planned after this one (``speculative/ahead.py``),
+        whose rows stay when every request kept all its drafts and none finished
+        (``kept_ahead``); else they are trimmed with the rejected ones."""
         reqs, finished, appended = batch.requests, [], 0
         keep = np.empty(len(reqs), np.int64)
         kept = []
@@ -361,18 +375,24 @@ class Scheduler:
             kept.append(int(keep[i] - start))
             r.draft_ids = []
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
+        drafted = np.fromiter((len(x) for x in batch.drafts), np.int64, len(reqs))
+        for r, a, n in zip(reqs, accepted.tolist(), drafted.tolist()):
+            (self.spec.accepted_all.add if a == n else self.spec.accepted_all.discard)(r.request_id)
+        self.kept_ahead = ahead is not None and not finished and bool((accepted == drafted).all())
+        if self.kept_ahead:  # the step planned ahead is the true next one: its rows stay
+            keep = keep + np.asarray(ahead.num_new, np.int64)
         if self.state_slots > 1:  # and the state after the last kept row: select its slot
             rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
             self.alloc.truncate(slots, keep, state_rows=np.where(rows < fed, rows - 1, -1))
         else:
             self.alloc.truncate(slots, keep)
-        accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
-        self.spec.record(sum(len(x) for x in batch.drafts), accepted, len(reqs))
+        self.spec.record(int(drafted.sum()), accepted, len(reqs))
         self.num_appended = appended
         self.prefix.after_step(Batch(list(reqs), kept), verify=True)
         self._epoch += len(finished)
         for r in finished:
-            self.prefix.share(r)
+            self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED
@@ -384,6 +404,18 @@ class Scheduler:
                     np.fromiter((r.num_cached for r in live), np.int64, len(live)),
                 )
         return finished
+
+    def drop_ahead(self, batch: Batch) -> None:
+        """A verify step planned ahead whose requests did not all stay running (an
+        abort or a stop string between steps): its results are dropped and the rows
+        of the running ones trimmed back to their cached tokens (fenced until it ran)."""
+        live = [r for r in batch.requests if r.status is Status.RUNNING]
+        if live:
+            slots = np.fromiter((r.slot for r in live), np.int64, len(live))
+            lens = np.fromiter((r.num_cached for r in live), np.int64, len(live))
+            self.alloc.truncate(slots, lens)
+        for r in batch.requests:
+            r.draft_ids = []
 
     def complete(self, batch: Batch, tokens: list[int]) -> list[Request]:
         """Apply one step: advance caches, append sampled tokens (for requests whose
@@ -404,7 +436,7 @@ class Scheduler:
             self._decodes.advance(len(batch.requests))
         self._epoch += len(finished)
         for r in finished:
-            self.prefix.share(r)
+            self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED

@@ -287,13 +287,16 @@ class RowsPlan:
     reference MoE's dense table (fixed shapes, no sync) rather than the sparse loop
     (``moe_ref.dense_rows``). moe_bucket: the fused MoE's table bucket (``fused.
     bucket``; 0: the torch backend). fp8: the FP8 GEMM's choice by rows (``fp8_gemm.
-    Fp8Rows``: tile class, w8a8, ``_scaled_mm``), None on the torch backend."""
+    Fp8Rows``: tile class, w8a8, ``_scaled_mm``), None on the torch backend. moe_w8a8:
+    the fused MoE over FP8 experts quantises its activations (``moe/fp8.w8a8_rows``;
+    False on the torch backend)."""
 
     rows: int = 0
     gemv: bool = False
     moe_dense: bool = True
     moe_bucket: int = 0
     fp8: object = None
+    moe_w8a8: bool = False
 
 
 def plan_rows_triton(
@@ -303,13 +306,15 @@ def plan_rows_triton(
     moe_bucket: Callable[[int], int],
     fp8_rows: Callable[[int, bool], object],
     scaled_mm: bool = False,
+    moe_w8a8: Callable[[int], bool] | None = None,
 ) -> RowsPlan:
     """The Triton backend's ``RowsPlan`` of ``rows`` rows. The rules are the kernels'
-    own (``gemv.route_rows``, ``fused.bucket``, ``fp8_gemm.row_choice``), bound by
-    ``get_backend`` with ``scaled_mm`` (its probe found ``torch._scaled_mm`` usable)."""
-    return RowsPlan(
-        rows, route_rows(rows), dense_rows(rows), moe_bucket(rows), fp8_rows(rows, scaled_mm)
-    )
+    own (``gemv.route_rows``, ``fused.bucket``, ``fp8_gemm.row_choice``,
+    ``moe/fp8.w8a8_rows``), bound by ``get_backend`` with ``scaled_mm`` (its probe found
+    ``torch._scaled_mm`` usable)."""
+    w8a8 = moe_w8a8 is not None and moe_w8a8(rows)
+    return RowsPlan(rows, route_rows(rows), dense_rows(rows), moe_bucket(rows),
+                    fp8_rows(rows, scaled_mm), w8a8)  # fmt: skip
 
 
 def plan_rows_torch(rows: int) -> RowsPlan:
@@ -435,6 +440,7 @@ def _triton(flags: Flags) -> KernelBackend:
         moe_bucket=moe.bucket,
         fp8_rows=fp8_gemm.row_choice,
         scaled_mm=flags.fp8_scaled_mm,
+        moe_w8a8=moe_fp8.w8a8_rows,
     )
     return KernelBackend(
         name="triton",

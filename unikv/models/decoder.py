@@ -310,6 +310,14 @@ class DecoderLM(nn.Module):
             return self._forward(input_ids, positions, attn, logits_indices, greedy, head)
 
     def _forward(self, input_ids, positions, attn, logits_indices, greedy, head):
+        h, residual = self.run_body(input_ids, positions, attn)
+        return self.run_head(h, residual, attn, logits_indices, greedy, head)
+
+    def run_body(self, input_ids, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding and the layers (and the hidden-state exports): every token
+        row's (h, residual) after the last layer, before the final norm. Row-wise
+        but for the step object's ops (``attn``): a prefill graph's pieces
+        (``engine/prefill_graphs.py``) are this, split at those ops."""
         backbone = self.stack
         layers = backbone.layers
         feedback = getattr(attn, "feedback", None)  # placeholder ids' tokens (graphs)
@@ -334,6 +342,13 @@ class DecoderLM(nn.Module):
             self._export(len(backbone.layers), h, residual)
         elif self.hidden_out is not None:
             self.hidden_out[: h.shape[0]].copy_(backbone.final_norm(h + residual))
+        return h, residual
+
+    def run_head(self, h, residual, attn, logits_indices=None, greedy=False, head=None):
+        """``forward`` from ``run_body``'s (h, residual) on: the rows ``logits_indices``
+        (None: all), the final norm inside the LM head, the greedy argmax."""
+        backbone = self.stack
+        feedback = getattr(attn, "feedback", None)
         if logits_indices is not None:
             h, residual = (
                 h.index_select(0, logits_indices),

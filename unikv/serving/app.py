@@ -193,6 +193,8 @@ class Server:
     async def respond(self, request: Request, body, items, chat: bool, start: float):
         """Run ``items`` on the engine; a JSON body or an event stream."""
         sub = await self.engine.asubmit(items, cache_salt=body.cache_salt)
+        self.metrics.http_requests += 1
+        self.metrics.publish()  # (several API processes: the others' scrapes see it now)
         self.live.add(sub)
         if self.cut_done:
             sub.cut = True
@@ -220,6 +222,7 @@ class Server:
             return _error(str(err), "InternalServerError", None, 500)
         finally:
             self.live.discard(sub)
+            self.metrics.publish()
         if choices is None:
             return Response(status_code=499)  # the client went away
         if sub.cut:  # ended by a shutdown: the text so far
@@ -303,6 +306,7 @@ class Server:
         finally:
             self.live.discard(sub)
             self._aborted(sub)  # no-op when every completion finished
+            self.metrics.publish()
         tail.append(DONE)
         yield "".join(tail).encode()
 
@@ -374,6 +378,16 @@ def _own_prompts(llm):
     return PromptMaker(tokenizer, threading.Lock(), llm.config, llm.max_model_len)
 
 
+def _publish_every(servers: list, loop) -> None:
+    """Every ``PUBLISH_S``: each server's figures into its shared row (the tokens
+    of long requests reach the other processes' scrapes before they end)."""
+    from unikv.serving.metrics import PUBLISH_S
+
+    for s in servers:
+        s.metrics.publish()
+    loop.call_later(PUBLISH_S, _publish_every, servers, loop)
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client's connection closes."""
     while True:
@@ -403,6 +417,12 @@ def create_app(
     budget = getattr(llm, "budget", None) if len(servers) > 1 else None
     if budget is None and getattr(server.llm, "kv_budget", None) is not None:
         budget = server.llm.kv_budget[0]
+    if opts.metrics_dir is not None:  # several API processes: their figures add up
+        import os
+
+        for i, s in enumerate(servers):
+            path = os.path.join(opts.metrics_dir, f"metrics-{i}.bin")
+            s.metrics.share(path, opts.api_server, opts.api_servers)
 
     def pick(model):
         if model is None:
@@ -417,6 +437,8 @@ def create_app(
             s.engine.start()
         if budget is not None:
             budget.start()
+        if opts.metrics_dir is not None:
+            _publish_every(servers, asyncio.get_running_loop())
         try:
             yield
         finally:

@@ -10,6 +10,10 @@ Several models (``--model A --model B``, one ``--kv-cache`` budget) share ONE
 engine process holding a ``MultiLLM`` (``engine_client.ProcMulti``: a socket
 pair per model, requests routed by their ``model``).
 
+``--api-server-count N`` (default 1) runs N API processes sharing the port,
+all in front of the one engine process (``api_procs``: how the port is shared,
+how each request's outputs find their process, how they fail and drain).
+
 If the engine loop or its process dies, this process exits with status 1
 within seconds (after the failed requests got their errors), so that a
 supervisor restarts it. On
@@ -44,13 +48,16 @@ def _draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn, whose SIGTERM/SIGINT also starts the app's drain (``Server.begin_drain``)."""
+        """uvicorn, whose SIGTERM/SIGINT also starts the app's drain (``Server.begin_drain``)
+        and, in the first of several API processes, the others' (``children``)."""
 
-        def __init__(self, config, app_server) -> None:
+        def __init__(self, config, app_server, children=None) -> None:
             super().__init__(config)
-            self.app_server = app_server
+            self.app_server, self.children = app_server, children
 
         def handle_exit(self, sig, frame) -> None:
+            if self.children is not None:
+                self.children.terminate()
             app, loop = self.app_server, self.app_server.engine.event_loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(app.begin_drain, app.options.shutdown_timeout_s)
@@ -60,8 +67,8 @@ def _draining_server_class():
     return DrainingServer
 
 
-def _draining_server(config, app_server):
-    return _draining_server_class()(config, app_server)
+def _draining_server(config, app_server, children=None):
+    return _draining_server_class()(config, app_server, children)
 
 
 def _max_waiting(text: str) -> int | None:
@@ -145,6 +152,14 @@ def _parser() -> argparse.ArgumentParser:
         "together, however many); 0 = no bound (default 256)",
     )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    p.add_argument(
+        "--api-server-count",
+        type=_positive(int),
+        default=1,
+        help="API server processes (HTTP, tokenization, detokenization, streaming; each with "
+        "its own event loop) sharing the port in front of the one engine process, as vLLM's "
+        "flag; needs the engine process (not --in-process-engine); default 1",
+    )
     p.add_argument(
         "--in-process-engine",
         action="store_true",
@@ -248,10 +263,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _options(args):
+def _options(args, index: int = 0, metrics_dir: str | None = None):
     from unikv.serving.ops import ServeOptions
 
     return ServeOptions(
+        api_server=index,
+        api_servers=args.api_server_count,
+        metrics_dir=metrics_dir,
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
         allow_credentials=args.allow_credentials,
@@ -346,10 +364,12 @@ def multi_llm(args, models: list[str]):
     return MultiLLM(dict(zip(names, models, strict=True)), total_kv_bytes=total, **kwargs), names
 
 
-def _spawn_multi(args, models: list[str]):
+def _spawn_multi(args, models: list[str], plan=None, channels=None, proc=None):
     """The engine process of several models (``engine_client.ProcMulti``: one
     process holds the ``MultiLLM`` and its one budget), started without waiting;
-    None for bad options (reported by ``multi_spec`` below)."""
+    None for bad options (reported by ``multi_spec`` below). ``plan``: the other
+    API processes' channels (``api_procs.ApiPlan``); ``channels`` and ``proc``:
+    one of those processes' view of it (started elsewhere)."""
     from unikv.serving.engine_client import ProcMulti
 
     try:
@@ -360,16 +380,19 @@ def _spawn_multi(args, models: list[str]):
     configs = {n: config.replace(model=m) for n, m in zip(names, models, strict=True)}
     return ProcMulti(configs, total_kv_bytes=total, kwargs=kwargs, max_waiting=args.max_waiting,
                      fault=serve_environ().engine_fault, wait=False,
-                     switch_interval=sys.getswitchinterval())  # fmt: skip
+                     switch_interval=sys.getswitchinterval(),
+                     peers=plan.peers(names) if plan is not None else None,
+                     channels=channels, proc=proc)  # fmt: skip
 
 
-def _spawn_engine(args, models: list[str]):
+def _spawn_engine(args, models: list[str], plan=None):
     """The engine process, started before this process's own imports (they load in
-    parallel); None with --in-process-engine or a bad port."""
+    parallel); None with --in-process-engine or a bad port. ``plan``: the other
+    API processes' channels (``--api-server-count``)."""
     if args.in_process_engine or not 0 <= args.port < 65536:
         return None
     if len(models) > 1:
-        return _spawn_multi(args, models)
+        return _spawn_multi(args, models, plan)
     from unikv.serving.engine_client import ProcEngine
 
     try:
@@ -378,7 +401,25 @@ def _spawn_engine(args, models: list[str]):
         return None  # reported below, by the in-process path's check
     return ProcEngine(config, max_waiting=args.max_waiting, kv_idle=idle,
                       fault=serve_environ().engine_fault, wait=False,
-                      switch_interval=sys.getswitchinterval())  # fmt: skip
+                      switch_interval=sys.getswitchinterval(),
+                      peers=plan.peers([None]) if plan is not None else None)  # fmt: skip
+
+
+def _api_plan(args):
+    """(listening sockets, ``ApiPlan``) of ``--api-server-count`` > 1, else (None,
+    None); ValueError for options it cannot serve."""
+    if args.api_server_count == 1:
+        return None, None
+    if args.in_process_engine:
+        raise ValueError(
+            f"--api-server-count {args.api_server_count} needs the engine in its own process: "
+            "drop --in-process-engine (or give --api-server-count 1)"
+        )
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+    from unikv.serving.api_procs import ApiPlan, bind_sockets
+
+    return bind_sockets(args.host, args.port, args.api_server_count), ApiPlan(args.api_server_count)
 
 
 def switch_interval_s(ms: float) -> float:
@@ -390,35 +431,28 @@ def switch_interval_s(ms: float) -> float:
 
 
 def serve_main(argv: list[str]) -> int:
+    full_argv = list(argv)
     argv, models = split_models(argv)
     args = _parser().parse_args(argv)
     try:  # before the engine process starts: it takes the same interval
         sys.setswitchinterval(switch_interval_s(args.switch_interval_ms))
+        socks, plan = _api_plan(args)  # the port is bound (N sockets) before anything starts
     except ValueError as err:
         print(f"unikv serve: {err}", file=sys.stderr)
         return 2
     from unikv.serving.engine_client import EngineStartError, ProcEngine, ProcMulti
 
-    llm = _spawn_engine(args, models)  # several models: one engine process, one budget
-    import uvicorn
+    llm = _spawn_engine(args, models, plan)  # several models: one engine process, one budget
+    children = None
+    if plan is not None and llm is not None:  # the other API processes start with the engine
+        from unikv.serving.api_procs import ApiProcs
+
+        engine = llm if isinstance(llm, ProcEngine) else llm[llm.names[0]]
+        children = ApiProcs(full_argv, socks[1:], plan, engine.proc.pid)
+    import uvicorn  # noqa: F401  (loaded while the engine process loads the model)
 
     from unikv.engine.budget_broker import idle_budget
     from unikv.engine.llm import LLM
-    from unikv.serving.app import create_app
-
-    died: list[BaseException] = []
-    holder: dict = {}
-
-    def on_engine_death(err: BaseException) -> None:  # on the event loop
-        died.append(err)
-        print(f"unikv serve: the engine loop died ({type(err).__name__}: {err}); "
-              f"exiting with status {EXIT_ENGINE_DEATH}", file=sys.stderr, flush=True)  # fmt: skip
-        threading.Timer(
-            DEATH_FLUSH_S, lambda: setattr(holder["server"], "should_exit", True)
-        ).start()
-        hard = threading.Timer(DEATH_HARD_EXIT_S, os._exit, args=(EXIT_ENGINE_DEATH,))
-        hard.daemon = True
-        hard.start()
 
     try:
         if not 0 <= args.port < 65536:
@@ -447,28 +481,111 @@ def serve_main(argv: list[str]) -> int:
             info = llm.wait_ready().info
             where = (f"pool {info['pool_bytes']} bytes, {info['device']}, engine process "
                      f"{info['pid']}")  # fmt: skip
-        options = _options(args)
+    except (ValueError, TypeError, EngineStartError) as err:
+        if children is not None:
+            children.kill()
+        if isinstance(llm, (ProcEngine, ProcMulti)):
+            llm.close()
+        if plan is not None:
+            plan.close()
+        print(f"unikv serve: error: {err}", file=sys.stderr)
+        return 2
+    if children is not None:
+        where += f", {args.api_server_count} API processes (pids {os.getpid()}, "
+        where += ", ".join(map(str, children.pids)) + ")"
+    try:
+        return _run(args, llm, names, where, socks[0] if socks else None, children,
+                    plan.dir if plan else None)  # fmt: skip
+    finally:
+        if plan is not None:
+            plan.close()
+
+
+def serve_child(setup: dict) -> int:
+    """API process k of ``--api-server-count N`` (``api_procs.main``): the same
+    options (``setup["argv"]``), its own channels to the engine process started
+    by the first, its listening socket ``setup["fd"]``."""
+    import socket
+
+    argv, models = split_models(setup["argv"])
+    args = _parser().parse_args(argv)
+    sys.setswitchinterval(switch_interval_s(args.switch_interval_ms))
+    from unikv.serving.engine_client import EngineStartError, ForeignProc, ProcEngine
+
+    index = setup["index"]
+    try:
+        proc = ForeignProc(setup["engine_pid"])
+    except ProcessLookupError:
+        print(f"unikv serve: API process {index}: the engine process is gone", file=sys.stderr)
+        return 1
+    channels = {name: (addr_in, addr_out) for name, addr_in, addr_out in setup["channels"]}
+    try:
+        if len(models) > 1:
+            llm = _spawn_multi(args, models, channels=channels, proc=proc).wait_ready()
+            names = llm.names
+        else:
+            llm = ProcEngine(engine_config(args), max_waiting=args.max_waiting, wait=False,
+                             channel=channels[None], proc=proc).wait_ready()  # fmt: skip
+            names = args.served_model_name or [args.model]
+    except (ValueError, TypeError, EngineStartError) as err:
+        print(f"unikv serve: API process {index}: error: {err}", file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=setup["fd"])
+    return _run(args, llm, names, None, sock, None, setup["metrics_dir"], index)
+
+
+def _run(args, llm, names, where, sock=None, children=None, metrics_dir=None, index=0) -> int:
+    """Serve ``llm`` on uvicorn until SIGTERM (0) or the engine's death (1); ``sock``:
+    this API process's listening socket (``--api-server-count``; None: uvicorn
+    binds), ``children``: the other API processes (in the first), ``where``: the
+    start-up line's detail (None: no line)."""
+    import uvicorn
+
+    from unikv.serving.app import create_app
+    from unikv.serving.engine_client import ProcEngine, ProcMulti
+
+    died: list[BaseException] = []
+    holder: dict = {}
+
+    def fail(err: BaseException, what: str = "the engine loop died") -> None:  # any thread
+        if died:
+            return
+        died.append(err)
+        print(f"unikv serve: {what} ({type(err).__name__}: {err}); "
+              f"exiting with status {EXIT_ENGINE_DEATH}", file=sys.stderr, flush=True)  # fmt: skip
+        threading.Timer(
+            DEATH_FLUSH_S, lambda: setattr(holder["server"], "should_exit", True)
+        ).start()
+        hard = threading.Timer(DEATH_HARD_EXIT_S, os._exit, args=(EXIT_ENGINE_DEATH,))
+        hard.daemon = True
+        hard.start()
+
+    options = _options(args, index, metrics_dir)
+    try:
         app = create_app(
             llm,
             served_model_names=names,
             max_waiting=args.max_waiting,
-            on_engine_death=on_engine_death,
+            on_engine_death=fail,
             options=options,
         )
-    except (ValueError, TypeError, EngineStartError) as err:
+    except (ValueError, TypeError) as err:
+        if children is not None:
+            children.kill()
         if isinstance(llm, (ProcEngine, ProcMulti)):
             llm.close()
         print(f"unikv serve: error: {err}", file=sys.stderr)
         return 2
-    print(
-        f"unikv serve: {', '.join(names)} on http://{args.host}:{args.port}/v1 ({where})",
-        flush=True,
-    )
+    port = sock.getsockname()[1] if sock is not None else args.port
+    if where is not None:
+        print(f"unikv serve: {', '.join(names)} on http://{args.host}:{port}/v1 ({where})",
+              flush=True)  # fmt: skip
     if options.log_requests:
         import logging
 
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        tag = f" [API process {index}]" if args.api_server_count > 1 else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(name)s{tag}: %(message)s"))
         log = logging.getLogger("unikv.serving")
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -480,15 +597,38 @@ def serve_main(argv: list[str]) -> int:
         timeout_graceful_shutdown=options.shutdown_timeout_s + DRAIN_GRACE_S,
         h11_max_incomplete_event_size=options.max_header_bytes,
     )
-    server = holder["server"] = _draining_server(config, app.state.server)
+    server = holder["server"] = _draining_server(config, app.state.server, children)
+    statuses: list = []
+    if children is not None:
+        from unikv.serving.api_procs import STOP_GRACE_S
+
+        def child_ended(message: str) -> None:  # the server ends: the others go at once
+            children.kill()
+            fail(RuntimeError(message), "an API process ended")
+
+        children.watch(child_ended)
+        engines = [llm] if isinstance(llm, ProcEngine) else list(llm.engines.values())
+
+        def others_first() -> None:  # the engine stops once every API process drained
+            if not statuses:
+                statuses.extend(children.wait(options.shutdown_timeout_s + DRAIN_GRACE_S
+                                              + STOP_GRACE_S))  # fmt: skip
+
+        for engine in engines:
+            engine.before_stop = others_first
     import gc
 
     gc.collect()  # what start-up made (imports, the tokenizer, the app) is kept for good:
     gc.freeze()  # out of the collector's full passes, which serving would otherwise repeat
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     finally:
+        if children is not None:
+            others_first()  # (the lifespan did, unless it never ran)
         llm.close()  # tensor-parallel workers stop with the server
     if died:
+        return EXIT_ENGINE_DEATH
+    if any(statuses):
+        print(f"unikv serve: the other API processes exited with {statuses}", file=sys.stderr)
         return EXIT_ENGINE_DEATH
     return 0 if server.started else 3

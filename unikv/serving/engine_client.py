@@ -87,6 +87,9 @@ class ProcEngine:
         kv_idle=None,
         switch_interval: float | None = None,
         spawn: bool = True,
+        channel: tuple[str, str] | None = None,
+        proc=None,
+        peers: list | None = None,
     ) -> None:  # fmt: skip
         import pickle
 
@@ -105,10 +108,12 @@ class ProcEngine:
             )
         self.on_death = on_death
         self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
-        self._dir = tempfile.mkdtemp(prefix="unikv-ipc-")
-        tag = uuid.uuid4().hex[:8]
-        self.addr_in = f"ipc://{self._dir}/in-{tag}"
-        self.addr_out = f"ipc://{self._dir}/out-{tag}"
+        if channel is None:  # addresses of our own
+            self._dir = tempfile.mkdtemp(prefix="unikv-ipc-")
+            self.addr_in, self.addr_out = channel_addresses(self._dir)
+        else:  # an API process of several: the addresses the first one chose (its dir)
+            self._dir = None
+            self.addr_in, self.addr_out = channel
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PUSH)
         self.inputs.setsockopt(zmq.LINGER, 0)
@@ -132,12 +137,16 @@ class ProcEngine:
         setup = {"config": pickle.dumps(config), "inputs": self.addr_in, "outputs": self.addr_out,
                  "max_waiting": max_waiting or None, "fault": fault,
                  "parent": os.getpid(), "kv_idle": kv_idle,
-                 "switch_interval": switch_interval}  # fmt: skip
+                 "switch_interval": switch_interval, "peers": peers}  # fmt: skip
         self.group: set | None = None  # the channels sharing one process (ProcMulti)
-        self.proc = _spawn(self.enc.encode(setup)) if spawn else None  # (ProcMulti: its own)
+        self.owner = proc is None  # this process started the engine (and ends it)
+        if proc is None:
+            proc = _spawn(self.enc.encode(setup)) if spawn else None  # (ProcMulti: its own)
+        self.proc = proc
         self.model = config.model
         self.info: dict | None = None
         self.front = None
+        self.before_stop = None  # called first by ``shutdown`` (the API processes' wait)
         if wait:
             self.wait_ready()
 
@@ -314,7 +323,9 @@ class ProcEngine:
 
     def shutdown(self) -> None:
         self._stopping = True
-        last = self._leave()  # a model of several: its loop stops, the process waits
+        if self.before_stop is not None:  # the other API processes drain first
+            self.before_stop()
+        last = self._leave() and self.owner  # a model of several: its loop stops, the process waits
         if self.proc.poll() is None:
             with contextlib.suppress(Exception):  # (it is killed below)
                 self._send(("stop",))
@@ -328,12 +339,13 @@ class ProcEngine:
     def close(self) -> None:
         import shutil
 
-        if self._leave() and self.proc.poll() is None:
+        if self._leave() and self.owner and self.proc.poll() is None:
             self.proc.kill()
         self._unwatch()
         for s in (self.inputs, self.outputs):
             s.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- the event loop: the engine's messages -------------------------------------
 
@@ -489,20 +501,27 @@ class ProcMulti:
     def __init__(
         self, models: dict, *, total_kv_bytes: int, kwargs: dict, max_waiting=None,
         fault=None, switch_interval: float | None = None, wait: bool = True,
+        peers: list | None = None, channels: dict | None = None, proc=None,
     ) -> None:  # fmt: skip
+        """``peers``: the other API processes' channels ([name, in, out] each);
+        ``channels`` ({name: (in, out)}) and ``proc`` (a ``ForeignProc``): this is
+        another API process's view of an engine process started elsewhere."""
         import pickle
 
         self.engines = {
-            name: ProcEngine(config, max_waiting=max_waiting, wait=False, spawn=False)
+            name: ProcEngine(config, max_waiting=max_waiting, wait=False, spawn=False,
+                             channel=None if channels is None else channels[name], proc=proc)
             for name, config in models.items()
-        }
+        }  # fmt: skip
         group = set(self.engines.values())
-        spec = {"models": {n: c.model for n, c in models.items()},
-                "total_kv_bytes": total_kv_bytes, "kwargs": kwargs}  # fmt: skip
-        setup = {"multi": pickle.dumps(spec), "max_waiting": max_waiting or None,
-                 "fault": fault, "parent": os.getpid(), "switch_interval": switch_interval,
-                 "channels": [[n, e.addr_in, e.addr_out] for n, e in self.engines.items()]}  # fmt: skip
-        proc = _spawn(msgspec.msgpack.encode(setup))
+        if proc is None:
+            spec = {"models": {n: c.model for n, c in models.items()},
+                    "total_kv_bytes": total_kv_bytes, "kwargs": kwargs}  # fmt: skip
+            setup = {"multi": pickle.dumps(spec), "max_waiting": max_waiting or None,
+                     "fault": fault, "parent": os.getpid(), "switch_interval": switch_interval,
+                     "channels": [[n, e.addr_in, e.addr_out] for n, e in self.engines.items()],
+                     "peers": peers}  # fmt: skip
+            proc = _spawn(msgspec.msgpack.encode(setup))
         for engine in self.engines.values():
             engine.proc, engine.group = proc, group
         if wait:
@@ -523,6 +542,39 @@ class ProcMulti:
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
+
+
+def channel_addresses(directory: str) -> tuple[str, str]:
+    """A fresh (input, output) pair of ZeroMQ ipc addresses in ``directory``."""
+    tag = uuid.uuid4().hex[:8]
+    return f"ipc://{directory}/in-{tag}", f"ipc://{directory}/out-{tag}"
+
+
+class ForeignProc:
+    """The engine process seen from an API process that did not start it (``unikv
+    serve --api-server-count N``'s others): ``poll`` as ``Popen``'s (None while it
+    runs), through a pidfd (readable once the process has exited, zombie or
+    reaped); its exit status is its parent's to know. ``kill``/``wait``: not ours."""
+
+    returncode = "unknown (the engine process is another process's child)"
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
+
+    def poll(self):
+        import select
+
+        if select.select([self._fd], [], [], 0)[0]:
+            return self.returncode
+        return None
+
+    def kill(self) -> None:
+        raise AssertionError(
+            "ForeignProc: the engine process is ended by the API process owning it"
+        )
+
+    wait = kill
 
 
 def _resolve(future, value) -> None:

@@ -17,6 +17,18 @@ a burst joins the next step; then one step launches step N and settles N-1,
 whose outputs are encoded and sent while the device runs N. Idle, it sleeps in
 ``poll``.
 
+With ``--api-server-count N`` every API process has such a socket pair (a
+"channel") per model: the setup's ``peers`` lists the other API processes'
+addresses (bound by those processes; a connect before their bind is queued by
+ZeroMQ). A request is known here by (channel, its API process's id), and its
+outputs go back on its own channel only: each step sends one ``out`` message
+per channel with rows in it (here a completion id carries its channel in its
+bits from ``WIRE_BITS`` on, taken off before it is sent). A channel's ``stop``
+closes that channel (its requests are aborted, nothing more is sent on it); a
+model's loop stops when all its channels did, or when its channel 0 did (the
+first API process's, which stops after the others ended); the process when
+every channel did.
+
 Messages (msgpack arrays; the first element is the kind):
 
     add   key, [[prompt ids, params], ...], cache salt, first completion id
@@ -60,6 +72,7 @@ EXIT_DEATH = 1
 POLL_MS = 100
 SEND_TIMEOUT_MS = 1000  # a send waits this long, then checks that the API process lives
 PARENT = [os.getppid()]  # the API process's pid (its own word, from the setup, in main)
+WIRE_BITS = 48  # a completion id's channel, in the engine: chan << WIRE_BITS | the API's id
 
 
 def send_or_exit(sock, data) -> None:
@@ -153,7 +166,7 @@ class Core:
     (``RequestMaker``), its prefix-cache reset and constraint compiler, the sockets."""
 
     def __init__(
-        self, loop, requests, reset_prefix_cache, compile_structured, ctx, outputs: str,
+        self, loop, requests, reset_prefix_cache, compile_structured, ctx, outputs: list[str],
         max_waiting,
     ) -> None:  # fmt: skip
         from unikv.engine.step_times import StepTimes
@@ -161,9 +174,11 @@ class Core:
         self.loop, self.requests = loop, requests
         self.reset_prefix_cache, self.compile_structured = reset_prefix_cache, compile_structured
         self.enc = msgspec.msgpack.Encoder()
-        # one socket, one thread (``serve_all``): acks, answers and steps' outputs in order
-        self.main_out = self.step_out = _push(ctx, outputs)
-        self.groups: dict[int, list] = {}  # submission id -> its request groups
+        # one socket per channel, one thread (``serve_all``): acks, answers and steps'
+        # outputs in order
+        self.main_outs = self.step_outs = [_push(ctx, o) for o in outputs]
+        self.open = [True] * len(outputs)  # channels not stopped
+        self.groups: dict[tuple[int, int], list] = {}  # (channel, submission id) -> its groups
         self.dead = threading.Event()
         self.loop.max_waiting = max_waiting or None
         self.loop.publish = self._publish
@@ -173,8 +188,8 @@ class Core:
         self.budget = None  # an idle shrink's SharedBudget (started with the loop)
         self.resize_kv = None  # resize_kv of the LLM (set by main)
 
-    def send(self, msg) -> None:
-        send_or_exit(self.main_out, self.enc.encode(msg))
+    def send(self, msg, chan: int = 0) -> None:
+        send_or_exit(self.main_outs[chan], self.enc.encode(msg))
 
     # -- the loop's steps ----------------------------------------------------------
 
@@ -182,31 +197,49 @@ class Core:
         self._publish_ids([], [], pairs)
 
     def _publish_ids(self, wires: list[int], tokens: list[int], pairs: list) -> None:
-        """ONE ``out`` message per step: ``wires``/``tokens`` the running completions
-        that gained one token (their ids, their tokens: two int arrays), ``rows``
-        every other delta in full (finish, logprobs, several tokens, errors)."""
+        """ONE ``out`` message per step and channel: ``wires``/``tokens`` the running
+        completions that gained one token (their ids, their tokens: two int arrays),
+        ``rows`` every other delta in full (finish, logprobs, several tokens, errors)."""
         rows = []
         for group, d in pairs:
             rows.append((group.tracks[d.index].wire, d.token_ids, d.logprobs, d.finish_reason,
                          d.stop_reason, d.error, group.requests[d.index].num_cached_tokens,
                          d.prompt_logprobs))  # fmt: skip
-        send_or_exit(self.step_out, self.enc.encode(("out", wires, tokens, rows)))
+        if len(self.step_outs) == 1:  # one API process: the ids are its own
+            if self.open[0]:
+                send_or_exit(self.step_outs[0], self.enc.encode(("out", wires, tokens, rows)))
+            return
+        mask = (1 << WIRE_BITS) - 1
+        per = [([], [], []) for _ in self.step_outs]
+        for w, t in zip(wires, tokens):
+            mine = per[w >> WIRE_BITS]
+            mine[0].append(w & mask)
+            mine[1].append(t)
+        for row in rows:
+            per[row[0] >> WIRE_BITS][2].append((row[0] & mask, *row[1:]))
+        for chan, (w, t, r) in enumerate(per):
+            if (w or r) and self.open[chan]:  # (a stopped channel's reader is gone)
+                send_or_exit(self.step_outs[chan], self.enc.encode(("out", w, t, r)))
 
     def _died(self, err: BaseException) -> None:
-        send_or_exit(self.step_out, self.enc.encode(("dead", f"{type(err).__name__}: {err}")))
+        data = self.enc.encode(("dead", f"{type(err).__name__}: {err}"))
+        for chan, out in enumerate(self.step_outs):
+            if self.open[chan]:
+                send_or_exit(out, data)
         self.dead.set()
 
     # -- between steps -----------------------------------------------------------------
 
-    def add_all(self, adds: list) -> None:
-        """The ``add`` messages drained together: their groups made (a refusal stays
-        with its request), admitted in one call (``EngineLoop.submit_each``), and
-        ONE ``acks`` message answers them all."""
+    def add_all(self, adds: list, chan: int = 0) -> None:
+        """Channel ``chan``'s ``add`` messages drained together: their groups made (a
+        refusal stays with its request), admitted in one call
+        (``EngineLoop.submit_each``), and ONE ``acks`` message answers them all."""
         acks, made = [], []
         for _, key, items, salt, first in adds:
             try:
                 groups = []
-                wire = first  # the API process numbers the completions: first, first + 1...
+                # the API process numbers the completions first, first + 1, ...
+                wire = chan << WIRE_BITS | first
                 for ids, params in items:
                     sp = decode_params(params, self.compile_structured)
                     group = self.requests.make_group(
@@ -224,31 +257,32 @@ class Core:
             if err is not None:
                 acks.append(_refusal(key, err))
                 continue
-            self.groups[key] = groups
+            ident = (chan, key)
+            self.groups[ident] = groups
             for group in groups:
-                group.on_done = lambda g, key=key: self._done(key)
+                group.on_done = lambda g, ident=ident: self._done(ident)
             acks.append((key, None, None))
-        self.send(("acks", acks))
+        self.send(("acks", acks), chan)
 
-    def _done(self, key: int) -> None:
-        groups = self.groups.get(key)
+    def _done(self, ident: tuple[int, int]) -> None:
+        groups = self.groups.get(ident)
         if groups is not None and all(g.done for g in groups):
-            self.groups.pop(key, None)
+            self.groups.pop(ident, None)
 
-    def abort(self, keys: list[int]) -> None:
+    def abort(self, keys: list[int], chan: int = 0) -> None:
         for key in keys:
-            for group in self.groups.pop(key, ()):
+            for group in self.groups.pop((chan, key), ()):
                 if not group.done:
                     self.loop.abort(group)
 
-    def cut(self, items: list) -> None:
+    def cut(self, items: list, chan: int = 0) -> None:
         """Stop strings the API process found: end those completions."""
         for key, prompt, index in items:
-            groups = self.groups.get(key)
+            groups = self.groups.get((chan, key))
             if groups is not None:
                 self.loop.stop_completion(groups[prompt], index)
 
-    def call(self, cid: int, name: str, args=()) -> None:
+    def call(self, cid: int, name: str, args=(), chan: int = 0) -> None:
         try:
             if name == "snapshot":
                 from unikv.serving.metrics import engine_snapshot
@@ -263,12 +297,12 @@ class Core:
             else:
                 raise ValueError(f"unknown call {name!r}")
         except Exception as err:  # noqa: BLE001  (returned to the API process)
-            self.send(("ret", cid, False, f"{type(err).__name__}: {err}"))
+            self.send(("ret", cid, False, f"{type(err).__name__}: {err}"), chan)
             return
-        self.send(("ret", cid, True, value))
+        self.send(("ret", cid, True, value), chan)
 
-    def handle_all(self, msgs: list) -> bool:
-        """Messages of the API process, in order (the adds among them admitted
+    def handle_all(self, msgs: list, chan: int = 0) -> bool:
+        """Channel ``chan``'s messages, in order (the adds among them admitted
         together, before any other message); True when one was ``stop``."""
         adds = []
         for msg in msgs:
@@ -276,34 +310,39 @@ class Core:
                 adds.append(msg)
                 continue
             if adds:
-                self.add_all(adds)
+                self.add_all(adds, chan)
                 adds = []
-            if self.handle(msg):
+            if self.handle(msg, chan):
                 return True
         if adds:
-            self.add_all(adds)
+            self.add_all(adds, chan)
         return False
 
-    def handle(self, msg) -> bool:
-        """One message of the API process; True when it was ``stop`` (this loop ended)."""
+    def handle(self, msg, chan: int = 0) -> bool:
+        """One message of channel ``chan``'s API process; True when it was ``stop``
+        (that channel closed: its requests aborted; the loop stops with the last)."""
         kind = msg[0]
         if kind == "add":
-            self.add_all([msg])
+            self.add_all([msg], chan)
         elif kind == "abort":
-            self.abort(msg[1])
+            self.abort(msg[1], chan)
         elif kind == "cut":
-            self.cut(msg[1])
+            self.cut(msg[1], chan)
         elif kind == "call":
-            self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else ())
+            self.call(msg[1], msg[2], msg[3] if len(msg) > 3 else (), chan)
         elif kind == "stop":
-            self.loop.shutdown(drain=False, timeout=10)
+            # channel 0 is the first API process's, which stops after the others ended
+            # (drained, or killed: a channel whose process died says nothing): all end
+            for c in range(len(self.open)) if chan == 0 else (chan,):
+                self.open[c] = False
+            if any(self.open):  # another API process still uses this model
+                self.abort([key for c, key in list(self.groups) if c == chan], chan)
+            else:
+                self.loop.shutdown(drain=False, timeout=10)
             return True
         else:
             raise AssertionError(f"engine protocol: unknown message {kind!r}")
         return False
-
-    def serve(self, inputs) -> int:
-        return serve_all([self], [inputs])
 
 
 def _refusal(key: int, err: Exception) -> tuple:
@@ -329,19 +368,21 @@ def drain(sock, dec) -> list:
 
 
 def serve_all(cores: list[Core], inputs: list) -> int:
-    """Answer the API process until every core got ``stop`` (0) or a loop died
-    (EXIT_DEATH). ``inputs[i]`` feeds ``cores[i]``: one channel per model of a
-    ``MultiLLM``. ONE thread does everything (``EngineLoop.adopt``): each turn
-    drains every input socket (all its messages; their requests admitted at once,
-    so a burst joins the next step), then runs one step per model with work. A
-    step launches step N, then settles N-1 (its outputs encoded and sent) while
-    the device runs N, and the next turn's reads happen then too. Idle, it
-    sleeps in ``poll`` on the sockets (and a pipe other threads' ``call`` wakes)."""
+    """Answer the API processes until every channel got ``stop`` (0) or a loop
+    died (EXIT_DEATH). ``inputs[i]`` is (socket, its core, the channel's index in
+    that core): one channel per model of a ``MultiLLM`` and per API process.
+
+    ONE thread does everything (``EngineLoop.adopt``): each turn drains every
+    input socket (all its messages; their requests admitted at once, so a burst
+    joins the next step), then runs one step per model with work. A step
+    launches step N, then settles N-1 (its outputs encoded and sent) while the
+    device runs N, and the next turn's reads happen then too. Idle, it sleeps in
+    ``poll`` on the sockets (and on a pipe that other threads' ``call`` wakes)."""
     import zmq
 
     dec = msgspec.msgpack.Decoder()
     poller = zmq.Poller()
-    for sock in inputs:
+    for sock, _, _ in inputs:
         poller.register(sock, zmq.POLLIN)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -353,24 +394,28 @@ def serve_all(cores: list[Core], inputs: list) -> int:
         core.times.watch_gc()
         if core.budget is not None:
             core.budget.start()
-    open_ = list(range(len(cores)))
+    open_ = set(range(len(inputs)))
     try:
         while open_:
             if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
                 os._exit(0)
-            idle = not any(cores[i].loop.busy for i in open_)
+            live = [core for core in cores if any(core.open)]  # (a few models)
+            idle = not any(core.loop.busy for core in live)
             if idle and wake_r in dict(poller.poll(POLL_MS)):  # idle: sleep on the sockets
                 with contextlib.suppress(BlockingIOError):
                     os.read(wake_r, 4096)
-            for i in list(open_):
-                core, start = cores[i], perf_counter()
-                msgs = drain(inputs[i], dec)
-                if msgs:
-                    if core.handle_all(msgs):
-                        open_.remove(i)
-                        continue
+            for i in sorted(open_):
+                sock, core, chan = inputs[i]
+                start = perf_counter()
+                msgs = drain(sock, dec)
+                if not msgs:
+                    continue
+                if core.handle_all(msgs, chan):
+                    open_ = {j for j in open_ if inputs[j][1].open[inputs[j][2]]}
+                else:
                     core.times.add("io", perf_counter() - start)
-                if not core.loop.turn() or core.dead.is_set():
+            for core in live:
+                if any(core.open) and (not core.loop.turn() or core.dead.is_set()):
                     return EXIT_DEATH
     finally:
         for core in cores:
@@ -401,8 +446,9 @@ def ready_info(llm) -> dict:
     }
 
 
-def _single(setup, ctx) -> tuple[list[Core], object]:
-    """The one LLM of ``setup["config"]``: ([its Core], the LLM)."""
+def _single(setup, ctx, outs: dict) -> tuple[list[Core], object]:
+    """The one LLM of ``setup["config"]``: ([its Core], the LLM); ``outs[None]``:
+    its channels' output addresses (one per API process)."""
     import pickle
 
     from unikv.engine.budget_broker import idle_budget
@@ -410,17 +456,17 @@ def _single(setup, ctx) -> tuple[list[Core], object]:
 
     llm = LLM(pickle.loads(setup["config"]))  # the API process's own config
     _fault(llm, setup.get("fault"))
-    core = _core(llm, ctx, setup["outputs"], setup.get("max_waiting"))
+    core = _core(llm, ctx, outs[None], setup.get("max_waiting"))
     idle = setup.get("kv_idle")  # [seconds, floor bytes]: shrink when idle
     if idle:
         core.budget = idle_budget(llm, idle[0], idle[1])  # its watcher: in serve
     return [core], llm
 
 
-def _multi(setup, ctx) -> tuple[list[Core], object]:
+def _multi(setup, ctx, outs: dict) -> tuple[list[Core], object]:
     """The ``MultiLLM`` of ``setup["multi"]`` (``unikv serve --model A --model B``):
-    one Core per model, each on its own socket pair; the shared budget's idle
-    watcher starts with the first one."""
+    one Core per model, each on its own socket pairs (``outs[name]``: one per API
+    process); the shared budget's idle watcher starts with the first one."""
     import pickle
 
     from unikv.engine.multi import MultiLLM
@@ -428,7 +474,7 @@ def _multi(setup, ctx) -> tuple[list[Core], object]:
     spec = pickle.loads(setup["multi"])  # {"models", "total_kv_bytes", "kwargs"}
     multi = MultiLLM(spec["models"], total_kv_bytes=spec["total_kv_bytes"], **spec["kwargs"])
     cores = []
-    for name, _inputs, outputs in setup["channels"]:
+    for name, outputs in outs.items():
         llm = multi[name]
         _fault(llm, setup.get("fault"))
         cores.append(_core(llm, ctx, outputs, setup.get("max_waiting")))
@@ -436,7 +482,7 @@ def _multi(setup, ctx) -> tuple[list[Core], object]:
     return cores, multi
 
 
-def _core(llm, ctx, outputs: str, max_waiting) -> Core:
+def _core(llm, ctx, outputs: list[str], max_waiting) -> Core:
     from unikv.engine.budget_broker import resize_kv
     from unikv.engine.structured import compile_structured
 
@@ -444,6 +490,17 @@ def _core(llm, ctx, outputs: str, max_waiting) -> Core:
                 partial(compile_structured, llm), ctx, outputs, max_waiting)  # fmt: skip
     core.resize_kv = partial(resize_kv, llm)  # the admin route's resize (within a shared budget)
     return core
+
+
+def channels_of(setup) -> list[tuple]:
+    """Every channel, (model name or None, input address, output address): the
+    spawning API process's first (one per model), then ``peers``' (the other API
+    processes of ``--api-server-count``)."""
+    if setup.get("multi"):
+        own = [tuple(c) for c in setup["channels"]]
+    else:
+        own = [(None, setup["inputs"], setup["outputs"])]
+    return own + [tuple(c) for c in setup.get("peers") or ()]
 
 
 def main() -> int:
@@ -457,32 +514,39 @@ def main() -> int:
         return 0
     ctx = zmq.Context()
     multi = bool(setup.get("multi"))
-    channels = setup["channels"] if multi else [(None, setup["inputs"], setup["outputs"])]
-    inputs = []
-    for _, address, _ in channels:
-        inputs.append(ctx.socket(zmq.PULL))
-        inputs[-1].connect(address)
-    boots = [_push(ctx, out) for _, _, out in channels]  # one boot message per channel
+    channels = channels_of(setup)
+    outs: dict = {}  # model name (None: the one model) -> its channels' output addresses
+    for name, _, out in channels:
+        outs.setdefault(name, []).append(out)
+    pulls = []
+    for _, address, _ in channels:  # connected while the model loads
+        pulls.append(ctx.socket(zmq.PULL))
+        pulls[-1].connect(address)
     try:
-        cores, built = (_multi if multi else _single)(setup, ctx)
-    except Exception as err:  # noqa: BLE001  (reported to the API process, which exits 2)
-        for boot in boots:
+        cores, built = (_multi if multi else _single)(setup, ctx, outs)
+    except Exception as err:  # noqa: BLE001  (reported to the API processes; the first exits 2)
+        for _, _, out in channels:
+            boot = _push(ctx, out)
             send_or_exit(boot, msgspec.msgpack.encode(("failed", f"{type(err).__name__}: {err}")))
             boot.close()
         return 2
-    llms = [built[name] for name, _, _ in channels] if multi else [built]
-    for boot, llm in zip(boots, llms, strict=True):
-        send_or_exit(boot, msgspec.msgpack.encode(("ready", ready_info(llm))))
-        boot.close()
+    by_name = dict(zip(outs, cores, strict=True))
+    inputs, seen = [], {name: 0 for name in outs}
+    for (name, _, _), sock in zip(channels, pulls, strict=True):
+        core, chan = by_name[name], seen[name]
+        seen[name] += 1
+        inputs.append((sock, core, chan))
+        llm = built[name] if multi else built
+        core.send(("ready", ready_info(llm)), chan)  # first on its channel's main socket
     import gc
 
     gc.collect()  # the model, its modules and the imports are kept for good: out of the
     gc.freeze()  # collector's full passes (each a pause of every step while serving)
     rc = serve_all(cores, inputs)
     for core in cores:
-        core.main_out.close()
-        core.step_out.close()
-    for sock in inputs:
+        for sock in core.main_outs + core.step_outs:
+            sock.close()
+    for sock, _, _ in inputs:
         sock.close()
     ctx.term()
     return rc

@@ -36,10 +36,20 @@ Observed by the HTTP handlers as the deltas reach them (what a client sees):
 
 They are plain ints and bucket lists kept by the event loop's thread (no lock
 per token), exported at scrape time under prometheus-client's names.
+
+With several API processes (``unikv serve --api-server-count N``) each keeps
+its own figures and publishes them (``SharedFigures``: one float64 row per
+process in a small shared file, written at each request's start and end and
+every ``PUBLISH_S``); a scrape of any process exports the sum over all of
+them: its own live figures plus the others' last published rows. The engine's
+figures come from the one engine process. Per process (0 = the first):
+
+    unikv:api_server_requests_total{api_server,pid}   requests it took
 """
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from itertools import accumulate
 
@@ -49,6 +59,8 @@ from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2)
 LATENCY_BUCKETS += (0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+SHARED_REASONS = ("stop", "length", "abort", "error")  # the finish reasons API processes share
+PUBLISH_S = 1.0  # how often an API process of several publishes its figures (also per request)
 
 
 # speculative decoding (with ``--speculative-config``): vLLM's names, then unikv's
@@ -201,8 +213,13 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1  # le: value <= bound
         self.sum += value
 
-    def family(self) -> HistogramMetricFamily:
-        counts, total = list(self.counts), self.sum  # a copy: the loop keeps writing
+    def family(
+        self, counts: list | None = None, total: float | None = None
+    ) -> HistogramMetricFamily:
+        """The exported family: this histogram's figures, or ``counts`` and ``total``
+        (the sum over API processes)."""
+        if counts is None:
+            counts, total = list(self.counts), self.sum  # a copy: the loop keeps writing
         les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         labels = [] if self.model is None else ["model_name"]
         family = HistogramMetricFamily(self.name, self.doc, labels=labels)
@@ -239,6 +256,9 @@ class ServingMetrics:
         )
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token",
                              model=m)  # fmt: skip
+        self.hists = (self.ttft, self.itl, self.tpot, self.e2e)
+        self.http_requests = 0  # completion requests this process took
+        self.shared: SharedFigures | None = None  # several API processes: their rows
         self.registry.register(_HandlerCollector(self))
         if snapshot is None and loop is not None:  # the engine loop of this process
 
@@ -255,6 +275,59 @@ class ServingMetrics:
     def finished(self, reason: str, num: int = 1) -> None:
         self.requests[reason] = self.requests.get(reason, 0) + num
 
+    def share(self, path: str, index: int, count: int) -> None:
+        """Export the sum over ``count`` API processes, this one ``index`` (their
+        rows in the file ``path``, made by whichever comes first)."""
+        self.shared = SharedFigures(path, index, count, len(self.row()))
+        self.publish()
+
+    def publish(self) -> None:
+        """This process's figures into its shared row (no-op with one API process)."""
+        if self.shared is not None:
+            self.shared.write(self.row())
+
+    def row(self) -> list[float]:
+        """This process's figures as one row (``SharedFigures``'s layout)."""
+        row = [float(os.getpid()), self.http_requests, self.prompt_tokens, self.generation_tokens]
+        row += [self.requests.get(r, 0) for r in SHARED_REASONS]
+        for hist in self.hists:
+            row += hist.counts
+            row.append(hist.sum)
+        return row
+
+
+class SharedFigures:
+    """The handler figures of every API process of one server: ``count`` rows of
+    ``width`` float64s in a file mapped by each (``/dev/shm``-like speed; the file
+    lives in the server's temporary directory). Each process writes only its own
+    row (``index``); a reader may see a row half-written, which a scrape tolerates
+    (a counter is off by the last request for one scrape)."""
+
+    def __init__(self, path: str, index: int, count: int, width: int) -> None:
+        import mmap
+
+        assert 0 <= index < count, "SharedFigures: an API process's row is one of count"
+        size = count * width * 8
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # zeros; every process asks the same size
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.cells = memoryview(self.map).cast("d")
+        self.index, self.count, self.width = index, count, width
+
+    def write(self, row: list[float]) -> None:
+        from array import array
+
+        start = self.index * self.width
+        self.cells[start : start + self.width] = array("d", row)
+
+    def rows(self) -> list[list[float]]:
+        flat = self.cells.tolist()
+        return [flat[k * self.width : (k + 1) * self.width] for k in range(self.count)]
+
 
 class _HandlerCollector:
     def __init__(self, metrics: ServingMetrics) -> None:
@@ -265,18 +338,39 @@ class _HandlerCollector:
 
     def collect(self):
         m = self.m
+        own = m.row()
+        rows = [own]
+        if m.shared is not None:
+            m.shared.write(own)
+            rows = m.shared.rows()
+            rows[m.shared.index] = own
+        total = [sum(col) for col in zip(*rows, strict=True)]
         yield _counter("vllm:prompt_tokens", "Prompt tokens of accepted completions", m.model,
-                       m.prompt_tokens)  # fmt: skip
+                       total[2])  # fmt: skip
         yield _counter("vllm:generation_tokens", "Generated tokens sent to clients", m.model,
-                       m.generation_tokens)  # fmt: skip
+                       total[3])  # fmt: skip
         done = CounterMetricFamily(
             "vllm:request_success", "Finished completions", labels=["finished_reason", "model_name"]
         )
-        for reason, num in dict(m.requests).items():
-            done.add_metric([reason, m.model], num)
+        reasons = dict(m.requests)  # this process's own (any reason), then the others' shared
+        for k, reason in enumerate(SHARED_REASONS):
+            reasons[reason] = reasons.get(reason, 0) + total[4 + k] - own[4 + k]
+        for reason, num in reasons.items():
+            if num or reason in m.requests:
+                done.add_metric([reason, m.model], num)
         yield done
-        for hist in (m.ttft, m.itl, m.tpot, m.e2e):
-            yield hist.family()
+        at = 4 + len(SHARED_REASONS)
+        for hist in m.hists:
+            width = len(hist.counts)
+            yield hist.family(total[at : at + width], total[at + width])
+            at += width + 1
+        per = CounterMetricFamily("unikv:api_server_requests",
+                                  "Requests taken by each API process (--api-server-count)",
+                                  labels=["api_server", "pid", "model_name"])  # fmt: skip
+        for k, row in enumerate(rows):
+            if row[0]:  # (a process that has not published yet: no pid)
+                per.add_metric([str(k), str(int(row[0])), m.model], row[1])
+        yield per
 
 
 class RequestClock:

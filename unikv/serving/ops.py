@@ -47,6 +47,9 @@ class ServeOptions:
     max_prompts: prompts in one completions request; log_requests: per-request
     logs; enable_admin_routes: mount POST /reset_prefix_cache; shutdown_timeout_s:
     how long in-flight requests may run after SIGTERM before they are ended.
+    api_server, api_servers, metrics_dir: this process's index among the server's
+    API processes, their number, and the directory of their shared metric rows
+    (``--api-server-count``; None with one process).
     tool_call_parser, reasoning_parser: vLLM's flags (``parsers.TOOL_PARSERS``,
     ``parsers.REASONING_PARSERS``); None: chosen from the chat template in use."""
 
@@ -63,6 +66,9 @@ class ServeOptions:
     shutdown_timeout_s: float = 30.0
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    api_server: int = 0
+    api_servers: int = 1
+    metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
         from unikv.serving.parsers import REASONING_PARSERS, TOOL_PARSERS

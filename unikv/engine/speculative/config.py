@@ -8,7 +8,9 @@ as vLLM does), ``model`` (draft_model / eagle3: a checkpoint path) and
 speculate; default 32 here, vLLM's default is off; also ``EngineConfig``'s
 ``speculative_disable_by_batch_size``, ``--speculative-disable-by-batch-size``).
 unikv adds ``force_accept`` (benchmarks only: every draft is accepted, so the
-outputs are NOT the model's; it measures the verify step at full acceptance). It is
+outputs are NOT the model's; it measures the verify step at full acceptance) and
+``pipeline`` (default false: plan each verify step while the last one runs,
+betting on full acceptance, where ``ahead.py`` allows it; outputs unchanged). It is
 refused everywhere (``LLM``, ``EngineConfig``, ``unikv serve``) except inside
 ``allow_forced_acceptance()``, which only benchmarks and GPU speed tests enter.
 
@@ -39,6 +41,7 @@ KEYS = (
     "model",
     "disable_by_batch_size",
     "force_accept",
+    "pipeline",
 )
 MAX_SPECULATIVE_TOKENS = 64
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
@@ -78,6 +81,7 @@ class SpeculativeConfig:
     model: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     force_accept: bool = False
+    pipeline: bool = False
 
 
 def _positive_int(key: str, value, hint: str, high: int | None = None) -> int:
@@ -147,7 +151,10 @@ def speculative_config_of(value) -> SpeculativeConfig | None:
     force = value.get("force_accept", False)
     if not isinstance(force, bool):
         raise ValueError(f"speculative_config['force_accept'] must be a bool, got {force!r}")  # noqa: TRY004
-    return _check_forced(SpeculativeConfig(method, k, lo, hi, model, limit, force))
+    pipeline = value.get("pipeline", False)
+    if not isinstance(pipeline, bool):
+        raise ValueError(f"speculative_config['pipeline'] must be a bool, got {pipeline!r}")  # noqa: TRY004
+    return _check_forced(SpeculativeConfig(method, k, lo, hi, model, limit, force, pipeline))
 
 
 def draft_state_slots(config: SpeculativeConfig | None, subpool_configs) -> int:

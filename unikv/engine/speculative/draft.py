@@ -18,6 +18,14 @@ The drafts stay on the device (``request_major``): the verify step's rows read
 them as placeholders through the step planner and its acceptance compares them
 there, so proposing reads nothing back (the verify step's readback is the step's
 one host sync).
+
+Past the batch-size rule the draft is lazy (``lazy``): a plain decode step then
+runs no draft forward at all, and only marks each request's first unwritten row
+(``Request.draft_lag``, ``defer``). The invariant is restored by one extend over the
+missed rows (``catch_up``, their tokens all on the host by then): before the
+request's next proposal, and, with prefix caching, before its pages are shared
+(``Scheduler`` on preemption and finish), so a cached page never holds a stale
+draft row. A prefill chunk from at or before the lag rewrites the rows itself.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import numpy as np
 import torch
 
 from unikv.engine.attention import DecodeAttention, ExtendAttention
-from unikv.engine.request import Batch, Pending
+from unikv.engine.request import Batch, BatchKind, Pending
 from unikv.engine.runner import DRAFT_PREFIX as PREFIX
 from unikv.placement import Grow, default_grow
 
@@ -78,6 +86,32 @@ class DraftModel:
         self.model, self.caches, self.planner = model, caches, planner
         self.backend, self.sm_scale = backend, sm_scale
         self.states = [None] * len(caches)
+        self.rule = None  # ``Speculator.within_rule`` (build.py): None, never lazy
+        self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
+
+    def lazy(self, batch_size: int) -> bool:
+        """Whether a plain decode step of ``batch_size`` requests leaves the draft's
+        rows unwritten (past the batch-size rule; ``catch_up`` writes them later)."""
+        return self.lazy_ok and self.rule is not None and not self.rule(batch_size)
+
+    def defer(self, plan, batch, tokens=None) -> None:
+        """A plain decode step past the rule: no forward; each request's first row
+        the draft lacks is remembered (``Request.draft_lag``)."""
+        for r in batch.requests:
+            if r.draft_lag is None:
+                r.draft_lag = r.num_cached
+
+    def prepare(self, batch) -> bool:
+        """Before a step that runs the draft: nothing (a lagging request's rows are
+        caught up before its next proposal or as its pages are shared)."""
+        return False
+
+    def release(self, r, write: bool) -> None:
+        """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
+        kept): its missing rows are written first, else forgotten."""
+        if write:
+            self.catch_up([r])
+        r.draft_lag = None
 
     @torch.inference_mode()
     def forward_plan(self, plan, batch=None, tokens=None) -> None:
@@ -86,6 +120,45 @@ class DraftModel:
         attn = kind(self.caches, plan, self.backend, self.sm_scale, self.states)
         rows = None if plan.is_decode else plan.logits_indices
         self.model(plan.input_ids, plan.positions, attn, rows)
+        if batch is not None and batch.kind is BatchKind.EXTEND:  # a chunk from the lag on
+            for r in batch.requests:  # rewrote every missed row: nothing left to catch up
+                if r.draft_lag is not None and r.num_cached <= r.draft_lag:
+                    r.draft_lag = None
+
+    @torch.inference_mode()
+    def catch_up(self, requests) -> int:
+        """Write the rows the lazy steps left out, ``[draft_lag, num_cached)`` of each
+        of ``requests`` that lags, in extends of at most the planner's token budget
+        (a long gap in pieces, each in a later extend than the one before it).
+        Returns the extends run."""
+        spans, budget = [], self.planner.max_tokens
+        for r in requests:
+            lag, end = r.draft_lag, r.num_cached
+            if lag is None:
+                continue
+            r.draft_lag = None
+            ids = r.token_slice(0, end)
+            assert min(ids[lag:end], default=0) >= 0, (
+                "lazy draft invariant: the tokens it catches up on are on the host"
+            )
+            spans += [
+                (_Span(r.slot, s, ids), min(end - s, budget)) for s in range(lag, end, budget)
+            ]
+        runs, batch = 0, []
+        for span in spans + [None]:
+            full = span is None or len(batch) == self.planner.max_seqs
+            if batch and (full or sum(n for _, n in batch) + span[1] > budget):
+                self._extend(batch)
+                runs, batch = runs + 1, []
+            if span is not None:
+                batch.append(span)
+        return runs
+
+    def _extend(self, spans) -> None:
+        rows, counts = [s for s, _ in spans], [n for _, n in spans]
+        view = self.planner.alloc.view
+        vids = view.token_vids([s.slot for s in rows], [s.num_cached for s in rows], counts)
+        self.forward_plan(self.planner.plan(Batch(rows, counts, [vids])))
 
     def forward_verify(self, plan, batch, tokens, accepted) -> None:
         """After a verify step: its rows' K/V (the kept rows are the true tokens')."""
@@ -100,6 +173,7 @@ class DraftModel:
         token at position L_b = num_cached), on the device ((sum(counts),) int64,
         request-major: ``request_major``; no host read); ``virtual_ids``: the verify
         step's (sum(1 + counts),) ids, request b's ``1 + counts[b]`` in order."""
+        self.catch_up(requests)  # the rows the rule's plain steps left out, if any
         starts = np.zeros(len(requests), np.int64)
         np.cumsum(1 + counts[:-1], out=starts[1:])
         steps, lanes_of, prev, prev_lane = [], [], None, {}
@@ -153,6 +227,17 @@ def _row(slot: int, position: int, token: int):
     return SimpleNamespace(
         slot=slot, num_cached=position, prompt_ids=(), output_ids=_At(position, token)
     )
+
+
+class _Span:
+    """A catch-up row group: request ``slot``'s tokens ``ids`` (its whole history) fed
+    from position ``num_cached`` on, shaped as the step upload reads a request."""
+
+    def __init__(self, slot: int, start: int, ids: list[int]) -> None:
+        self.slot, self.num_cached, self.prompt_ids, self.output_ids = slot, start, ids, ()
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        return self.prompt_ids[start:stop]
 
 
 class _At:

@@ -77,6 +77,9 @@ class Speculator:
         self.counters = SpecCounters()
         self.draft = None  # method "draft_model": its ``draft.DraftModel`` (LLM sets it)
         self.pad_drafts = False  # verify graphs: every request k drafts where it has room
+        # plan the next verify step before this one's tokens are in (``ahead.py``)
+        self.pipeline = config.pipeline
+        self.accepted_all: set[int] = set()  # requests whose last verify step kept every draft
 
     def within_rule(self, batch: int) -> bool:
         """The batch-size rule: a step of ``batch`` decoding requests may speculate
@@ -135,6 +138,15 @@ class Speculator:
         history = np.array(r.prompt_ids + r.output_ids, dtype=np.int64)
         draft = propose_ngram(history, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return _padded(draft, room, r) if cfg.force_accept else draft  # benchmarks: k
+
+    def release(self, r: Request, write: bool) -> None:
+        """``r`` leaves the running set (finished or preempted); ``write``: its pages
+        stay (shared with the prefix cache, swapped or kept for readmission), so a
+        lazy draft writes the rows it left out first (no page holds a stale draft
+        row); else they are forgotten."""
+        self.accepted_all.discard(r.request_id)
+        if r.draft_lag is not None and self.draft is not None:
+            self.draft.release(r, write)
 
     def record(self, drafted: int, accepted: np.ndarray, requests: int) -> None:
         """A verify step's counts: drafts scored, accepted per request."""

@@ -24,6 +24,13 @@ step, kept per request slot on the device (``first`` tokens, ``hidden`` states).
 its hidden state the previous row's output. The verify step rewrites those rows
 with the target's hidden states. A request whose first draft is not kept (its
 last step ran elsewhere: a swap moved its slot) drafts nothing for a step.
+
+Past the batch-size rule the layer is lazy (``enable_lazy``): a plain decode step
+runs no layer, it only stashes each row's exported hidden state and next token
+(the step's sample) per request slot, on the device (``defer``). The stashed rows
+are written in one extend (``catch_up``): before the request's next proposal or
+its next step that runs the layer, when it leaves (finish, preemption) with pages
+that stay, and at the latest every ``LAZY_WINDOW`` lazy steps (the stash's depth).
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ import torch
 from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, Pending
 from unikv.engine.runner import DRAFT_PREFIX
-from unikv.engine.speculative.draft import _row, free_grow, request_major, to_device
+from unikv.engine.speculative.draft import _row, _Span, free_grow, request_major, to_device
 from unikv.kernels.linear.ref import resolve_feedback
+
+LAZY_WINDOW = 16  # positions per request slot a lazy layer stashes (``HiddenDraft.enable_lazy``)
 
 
 def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
@@ -89,6 +98,109 @@ class HiddenDraft:
         self.hidden = torch.zeros(max_slots, hidden, dtype=param.dtype, device=dev)
         self.kept: dict[int, tuple[int, int]] = {}  # slot -> (request id, its num_cached)
         self.states = [None] * len(caches)
+
+        self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
+        self.lagging: set[int] = set()  # ids of requests whose rows lag (``Request.draft_lag``)
+        self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
+
+    # -- past the batch-size rule: lazy (module docstring) ----------------------------
+
+    def enable_lazy(self, rule, window: int = LAZY_WINDOW) -> None:
+        """Past ``rule`` (``Speculator.within_rule``) plain decode steps stash the
+        target's exported rows and their next tokens, ``window`` positions per request
+        slot, and the layer writes them in one extend at most every ``window`` steps."""
+        out, slots = self.target.hidden_out, self.first.shape[0]
+        self.rule, self.window, self.since_flush = rule, window, 0
+        self.stash_h = torch.zeros(slots, window, out.shape[1], dtype=out.dtype, device=out.device)
+        self.stash_t = torch.zeros(slots, window, dtype=torch.int64, device=out.device)
+
+    def lazy(self, batch_size: int) -> bool:
+        """Whether a plain decode step of ``batch_size`` requests stashes the layer's
+        input instead of running it (past the batch-size rule, once enabled)."""
+        return self.rule is not None and self.lazy_ok and not self.rule(batch_size)
+
+    def defer(self, plan, batch, tokens: torch.Tensor) -> None:
+        """A lazy decode step: its rows' hidden states and next tokens (its samples)
+        into the stash, on the device; the layer runs over every lagging request's
+        rows once ``window`` lazy steps have passed since the last such run."""
+        num = len(batch.requests)
+        at = (plan.slots[:num].long(), plan.positions[:num] % self.window)
+        self.stash_h.index_put_(at, self.target.hidden_out[:num])
+        self.stash_t.index_put_(at, tokens[:num])
+        for r in batch.requests:
+            if r.draft_lag is None:
+                r.draft_lag = r.num_cached
+                self.lagging.add(r.request_id)
+        self.since_flush += 1
+        if self.since_flush == self.window:  # every gap would outgrow the stash next
+            self.catch_up(batch.requests, ahead=1)
+            self.since_flush = 0
+
+    def prepare(self, batch) -> bool:
+        """Before a step that runs the layer (planned after this): the stashed rows of
+        its lagging requests, which its rows attend to. True when it planned (the step
+        planner's buffers then hold the catch-up's tables)."""
+        if not self.lagging:
+            return False
+        return self.catch_up([r for r in batch.requests if r.draft_lag is not None]) > 0
+
+    def release(self, r, write: bool) -> None:
+        """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
+        kept): its lagging rows are written first, else forgotten."""
+        if r.draft_lag is None:
+            return
+        if write:
+            self.catch_up([r])
+        else:
+            r.draft_lag = None
+            self.lagging.discard(r.request_id)
+
+    @torch.inference_mode()
+    def catch_up(self, requests, ahead: int = 0) -> int:
+        """The layer over each lagging request's stashed rows ``[draft_lag, num_cached
+        + ahead)`` (``ahead`` 1: the step being launched stashed its row), their first
+        draft kept; returns the extends run."""
+        spans = []
+        for r in requests:
+            if r.draft_lag is not None and r.num_cached + ahead <= r.draft_lag:
+                r.draft_lag = None  # a prefill from the lag on rewrites the rows itself
+                self.lagging.discard(r.request_id)
+            elif r.draft_lag is not None:
+                end = r.num_cached + ahead
+                assert 0 < end - r.draft_lag <= self.window, (
+                    "lazy draft invariant: a request's stashed rows fit the stash"
+                )
+                spans.append((r, r.draft_lag, end - r.draft_lag))
+                r.draft_lag = None
+                self.lagging.discard(r.request_id)
+        budget, runs, batch = self.planner.max_tokens, 0, []
+        for span in spans + [None]:
+            full = span is None or len(batch) == self.planner.max_seqs
+            if batch and (full or sum(n for _, _, n in batch) + span[2] > budget):
+                self._extend(batch)
+                runs, batch = runs + 1, []
+            if span is not None:
+                batch.append(span)
+        return runs
+
+    def _extend(self, spans) -> None:
+        slots = np.asarray([r.slot for r, _, _ in spans], np.int64)
+        starts = np.asarray([s for _, s, _ in spans], np.int64)
+        counts = np.asarray([n for _, _, n in spans], np.int64)
+        vids = self.planner.alloc.view.token_vids(slots, starts, counts)
+        rows = [_Span(r.slot, s, [0] * (s + n)) for r, s, n in spans]
+        plan = self.planner.plan(Batch(rows, counts.tolist(), [vids]))
+        dev = self.stash_t.device
+        at = (
+            to_device(np.repeat(slots, counts), dev),
+            plan.positions[: int(counts.sum())] % self.window,
+        )
+        hidden = self.layer.project(self.stash_h[at])
+        g = self._run(plan, self.stash_t[at], hidden)
+        num = len(spans)
+        self._keep(plan, num, g.index_select(0, plan.logits_indices[:num]))
+        for r, s, n in spans:
+            self.kept[r.slot] = (r.request_id, s + n)
 
     # -- writing the layer's rows after target steps ----------------------------------
 
@@ -155,7 +267,10 @@ class HiddenDraft:
     # -- proposing -------------------------------------------------------------------
 
     def limit(self, requests, rooms: np.ndarray) -> np.ndarray:
-        """``rooms`` with 0 for each request whose first draft is not kept."""
+        """``rooms`` with 0 for each request whose first draft is not kept (a lagging
+        request's rows are written first: ``catch_up``)."""
+        if self.lagging:
+            self.catch_up(requests)
         ready = [self.kept.get(r.slot) == (r.request_id, r.num_cached) for r in requests]
         return np.where(ready, rooms, 0)
 

@@ -14,6 +14,8 @@ in fp32, cast to x's dtype. The reference dequantises the whole weight each call
 dynamic scheme): each row of x split in groups of ``group`` columns, a group scaled so
 its largest |value| maps to the e4m3 maximum (448). ``fp8_linear_w8a8`` is that
 variant's reference: both operands quantised, then multiplied in fp32.
+``moe_fp8_w8a8`` is the same scheme for the fused MoE over FP8 experts (the W8A8
+prefill variant of ``kernels/moe/fp8.py``).
 """
 
 from __future__ import annotations
@@ -188,3 +190,63 @@ def moe_fp8(
         b = torch.cat([b, b.new_zeros(k, *b.shape[1:])])
         total += moe(x, weights, ids, a, b, **kw).float()
     return total.to(x.dtype)
+
+
+def _act_fp32(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor:
+    """The fused MoE's gated activation on fp32 gate / up (``moe_ref``'s definitions,
+    gpt_oss at its default alpha 1.702 and limit 7.0; relu2 ignores g)."""
+    if activation == "silu":
+        return F.silu(g) * u
+    if activation == "relu2":
+        return torch.relu(u).square()
+    gc, uc = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+    return (uc + 1) * (gc * torch.sigmoid(gc * 1.702))
+
+
+def moe_fp8_w8a8(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The W8A8 fused MoE over FP8 experts (``moe_fp8``'s arguments; 16-bit x), from its
+    definition, in fp32 throughout:
+
+        xd = x quantised per token and group of bk columns (``quantize_act``), dequantised
+        per expert e, on its routed tokens' rows of xd:
+            g, u = xd @ Wgate_e^T, xd @ Wup_e^T        (W dequantised: ``dequantize_experts``)
+            a    = act(g, u) rounded to x.dtype        (the kernel stores it so)
+            ad   = a quantised per row and group of bk, dequantised
+            y    = (ad @ Wdown_e^T) * routing weight   (fp32)
+        out = sum over the token's k choices (fp32), cast to x.dtype.
+
+    One expert's fp32 weights at a time (the GPU benchmark's shapes fit); syncs the host
+    (``torch.where`` per expert): a reference, never on the engine's path."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"moe_fp8_w8a8: x must be bf16 or fp16 (W8A8 is a 16-bit path), got {x.dtype}"
+        )
+    bk = block[1]
+    parts = 1 if activation == "relu2" else 2
+    xq, xs = quantize_act(x, bk)
+    xd = dequantize(xq, xs, (1, bk))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w1.shape[0]):
+        token, slot = torch.where(topk_ids == e)
+        if not token.numel():
+            continue
+        wa = dequantize_experts(w1[e : e + 1], w1_scale[e : e + 1], parts, block, torch.float32)[0]
+        wb = dequantize_experts(w2[e : e + 1], w2_scale[e : e + 1], 1, block, torch.float32)[0]
+        gu = xd[token] @ wa.t()
+        g, u = (gu, gu) if parts == 1 else gu.chunk(2, dim=-1)
+        a = _act_fp32(g, u, activation).to(x.dtype)
+        aq, as_ = quantize_act(a, bk)
+        y = dequantize(aq, as_, (1, bk)) @ wb.t()
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from unikv.env import FLAGS
+from unikv.kernels.linear.fp8_gemm import quantize_act
 from unikv.kernels.moe import ref as moe_ref
 from unikv.kernels.moe.align import align_by_expert_kernel
 from unikv.kernels.moe.fused_kernels import _decode_kernel, _down_kernel, _gate_up_kernel
@@ -337,16 +338,25 @@ class Fp8Blocks(NamedTuple):
 def launch(
     x, topk_weights, topk_ids, w1, w2, w1_scales, w2_scales, cfg, *, b1=None, b2=None,
     activation="silu", gate_up="concat", alpha=1.702, limit=7.0, fp8: Fp8Blocks | None = None,
+    w8a8: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The two kernels on checked arguments (``fused_moe``; ``fp8.moe_fp8`` with ``fp8``
     set: w1 / w2 float8_e4m3fn, w*_scales their block scales) under ``cfg`` (LOOP: the
-    kernel that replaces the loop) -> (T, d) in x.dtype."""
+    kernel that replaces the loop) -> (T, d) in x.dtype. ``w8a8`` (``fp8`` set, 16-bit
+    x, the K tile inside one scale block: ``fp8.w8a8_fits``): x, then the activation
+    between the two kernels, quantised per row and group of ``fp8.bk`` columns
+    (``fp8_gemm.quantize_act``; the activation in the gate/up epilogue where
+    ``cfg.block_n`` holds whole groups) and FP8 x FP8 dots; it runs unsplit (split_k 1:
+    the activation is quantised whole, never from partial sums)."""
     num_experts, m = w1.shape[0], topk_ids.numel()
     inter = w2.shape[2] if w2_scales is None or fp8 is not None else w2.shape[2] * 32
     if m == 0:
         return torch.zeros_like(x)
     if cfg is LOOP:  # asked for the kernel where the table runs the loop
         cfg = FP32_CONFIG if x.dtype == torch.float32 else KERNEL_FOR_LOOP
+    if w8a8:
+        assert fp8 is not None and fp8.bk % cfg.block_k == 0, "w8a8: K tiles in one scale block"
+        cfg = Config(*cfg[:3], 1, *cfg[4:])  # split_k 1
     check_config(cfg)
     block_m = cfg.block_m or block_m_for(m, num_experts)
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
@@ -359,12 +369,19 @@ def launch(
     blocks = (0, 1, 1, 0)  # (FP8 mode, BN, BK, up's first scale row): dense or MXFP4
     if fp8 is not None:
         up_row = 0 if activation == "relu2" else -(-inter // fp8.bn)
-        blocks = (fp8_mode(cfg, fp8), fp8.bn, fp8.bk, up_row)
+        blocks = (3 if w8a8 else fp8_mode(cfg, fp8), fp8.bn, fp8.bk, up_row)
         cfg = fp8_config(cfg, blocks[0])
+    xq = xs = a_scales = None
+    if w8a8:  # one quantisation pass over x (tokens, not assignments)
+        xq, xs = quantize_act(x if x.stride(-1) == 1 else x.contiguous(), fp8.bk)
     a = _gate_up(x, topk_ids.shape[1], w1, w1_scales, b1, activation, act_args, geo, cfg, mode,
-                 blocks)  # fmt: skip
+                 blocks, xq=xq, xs=xs)  # fmt: skip
+    if isinstance(a, tuple):  # quantised in the gate/up kernel's epilogue
+        a, a_scales = a
+    elif w8a8:  # the activation (rows, I) in x.dtype, quantised as x was
+        a, a_scales = quantize_act(a, fp8.bk)
     y = _down(x, a, topk_weights, w2, w2_scales, b1, b2, activation, act_args, geo, cfg, mode,
-              blocks)  # fmt: skip
+              blocks, a_scales=a_scales)  # fmt: skip
     return y.view(x.shape[0], -1, x.shape[1]).sum(1).to(x.dtype)
 
 
@@ -378,7 +395,7 @@ def fp8_mode(cfg: Config, fp8: Fp8Blocks) -> int:
 def fp8_config(cfg: Config, mode: int) -> Config:
     """The launch of FP8 scale mode ``mode``: mode 2 pipelines its per-element scale
     tiles too, which took 299 KB of shared memory at the 8-token entry's three stages
-    (sm_90 allows 227 KB: ``tests/kernels/test_kernels_moe_smem.py``), so it runs
+    (sm_90 allows 227 KB: ``tests/kernels/test_kernels_sm90_compile.py``), so it runs
     unpipelined (one stage); mode 1 keeps the table's launch."""
     if mode != 2:
         return cfg
@@ -412,36 +429,53 @@ def permute_groups(x: torch.Tensor) -> torch.Tensor:
     return x.view(t, d // 32, 16, 2).transpose(2, 3).reshape(t, d)
 
 
-def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode, blocks) -> torch.Tensor:
+def _gate_up(x, top_k, w1, s1, b1, activation, act_args, geo, cfg, mode, blocks, xq=None,
+             xs=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The gate/up kernel -> act (rows, I) in x.dtype, or zero-started fp32 gate|up
     sums (rows, 2I) when ``cfg.split_k`` > 1; with the two-halves MXFP4 decode (mode
-    1) it reads x permuted (``permute_groups``) and writes its columns permuted."""
+    1) it reads x permuted (``permute_groups``) and writes its columns permuted. W8A8
+    (``blocks[0]`` 3): it reads ``xq`` (x in FP8) and its group scales ``xs``; where its
+    N tile holds whole groups (``cfg.block_n % bk == 0``) its epilogue quantises the
+    activation too -> (act (rows, I) FP8, scales (rows, cdiv(I, bk)) fp32)."""
     sorted_ids, block_experts, block_m, inter, ieee = geo
     rows, split = sorted_ids.shape[0], cfg.split_k
+    quant_out = blocks[0] == 3 and cfg.block_n % blocks[2] == 0
+    out_scales = None
     if split > 1:
         out = torch.zeros(rows, 2 * inter, dtype=torch.float32, device=x.device)
+    elif quant_out:
+        out = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        groups = triton.cdiv(inter, blocks[2])
+        out_scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    dtype = TL_DTYPES[x.dtype]
     bias = b1 if b1 is not None else x
     if mode == 1:
         x = permute_groups(x)
+    scales = x if xs is None else xs  # a placeholder pointer where x is not quantised
+    if xq is not None:
+        x = xq
     grid = (block_experts.shape[0], triton.cdiv(inter, cfg.block_n), split)
     _gate_up_kernel[grid](
         x, w1, *_w_args(w1, s1)[:1], bias, out, sorted_ids, block_experts,
         x.shape[0] * top_k, top_k, x.shape[1], inter,
         *x.stride(), *_w_args(w1, s1)[1:], bias.stride(0), bias.stride(-1), *out.stride(),
-        *act_args, blocks[3],
+        *act_args, blocks[3], scales, scales.stride(0) if xs is not None else 0,
+        out if out_scales is None else out_scales, 0 if out_scales is None else out_scales.stride(0),
         ACT=ACT_CODES[activation], MXFP4=mode,
         HAS_BIAS=b1 is not None, IEEE=ieee,
         SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SWAP=bool(cfg.swap), ASM=not INTERPRETED, FP8=blocks[0], BN=blocks[1], BK=blocks[2],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QUANT_OUT=quant_out, DTYPE=dtype, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return out
+    return out if out_scales is None else (out, out_scales)
 
 
-def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mode, blocks):
-    """The down kernel -> y (M, d) fp32, each assignment's weighted expert output."""
+def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mode, blocks,
+          a_scales=None):  # fmt: skip
+    """The down kernel -> y (M, d) fp32, each assignment's weighted expert output (W8A8:
+    ``a`` in FP8 with its group scales ``a_scales``)."""
     sorted_ids, block_experts, block_m, inter, ieee = geo
     m, d, split = topk_weights.numel(), x.shape[1], cfg.split_k
     alloc = torch.zeros if split > 1 else torch.empty
@@ -454,6 +488,7 @@ def _down(x, a, topk_weights, w2, s2, b1, b2, activation, act_args, geo, cfg, mo
         sorted_ids, block_experts, m, d, inter,
         *a.stride(), *_w_args(w2, s2)[1:], bias2.stride(0), bias2.stride(-1),
         bias1.stride(0), bias1.stride(-1), *y.stride(), *act_args,
+        y if a_scales is None else a_scales, 0 if a_scales is None else a_scales.stride(0),
         MXFP4=mode, HAS_BIAS=b2 is not None,
         IEEE=ieee, ACT_IN_A=split > 1,
         ACT=ACT_CODES[activation], HAS_B1=b1 is not None and split > 1,

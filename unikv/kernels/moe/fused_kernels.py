@@ -5,6 +5,7 @@ output features and, with SPLIT_K > 1, one of SPLIT_K slices of the K loop:
 
     _gate_up_kernel  x rows (gathered by sorted assignment) @ W1[gate | up]^T
                      SPLIT_K == 1: + b1, the activation -> act (rows, I) in x.dtype
+                                   (QUANT_OUT, W8A8: in FP8 with its group scales)
                      SPLIT_K  > 1: fp32 partial sums atomically added to gu (rows, 2I)
                                    [gate (I) | up (I)], zeroed by the launcher
     _down_kernel     A @ W2^T (+ b2 on split 0) times the routing weight -> y (M, d) fp32
@@ -40,7 +41,11 @@ the dot sees exactly the torch reference's dequantised weights. The tile's rows 
 scale rows ``srows`` (gate and up blocked on their own: up's scale rows start at
 ``s_up``); ``FP8`` 1: the K tile lies inside one scale block (``BK % BLOCK_K == 0``), one
 multiplier a row; 2: any block sizes (a tile spanning several K blocks, odd blocks), one
-multiplier gathered per element.
+multiplier gathered per element; 3: W8A8 (prefill, ``fp8.py``): the A operand is FP8 too
+(x, and the down kernel's activation, quantised per row and group of BK columns by the
+launcher), each K tile (inside one scale block) a fresh FP8 x FP8 dot whose fp32
+product is scaled by the row's activation scale times the column's weight block scale
+before it joins the fp32 accumulator (``_dot8``: DeepSeek-V3's promotion every K block).
 ``MXFP4`` 2 keeps the earlier decode for the A/B (``UNIKV_MXFP4_DECODE=interleave``):
 both nibbles unpacked and interleaved, a code becoming fp16 bits
 ``s << 15 | e1 e0 m << 9`` (the value times 2^-14) scaled in fp32 by 2^(scale - 113).
@@ -261,6 +266,24 @@ def _dot_t(a, w, acc, IEEE: tl.constexpr, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _dot8(a, w, sa, sw, acc, SWAP: tl.constexpr):
+    """W8A8: acc + (a @ w^T) * sa[m] * sw[n] for FP8 a (BLOCK_M, BLOCK_K) and w (BLOCK_N,
+    BLOCK_K) with fp32 row scales ``sa`` and column scales ``sw`` (or, with SWAP, the
+    transposed product and accumulator): the FP8 tensor cores, fp32 products per tile."""
+    if SWAP:
+        acc += tl.dot(w, tl.trans(a)) * sw[:, None] * sa[None, :]
+    else:
+        acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
+    return acc
+
+
+@triton.jit
+def _block_scales(s_ptr, s_base, srows, s_sn, kb, row_ok):
+    """(len(srows),) fp32 weight block scales of scale rows ``srows`` at K block ``kb``."""
+    return tl.load(s_ptr + s_base + srows.to(tl.int64) * s_sn + kb, mask=row_ok, other=0.0)
+
+
+@triton.jit
 def _acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
     """A zero fp32 accumulator, (BLOCK_N, BLOCK_M) with SWAP, else (BLOCK_M, BLOCK_N)."""
     if SWAP:
@@ -298,11 +321,12 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, sorted_ids_ptr, block_experts_ptr,
     num_assign, top_k, K, I,
     s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_be, s_bn, s_om, s_on,
-    row_step, up_offset, alpha, limit, s_up,
+    row_step, up_offset, alpha, limit, s_up, xs_ptr, s_xsm, os_ptr, s_osm,
     ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SWAP: tl.constexpr, ASM: tl.constexpr,
-    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FP8: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, QUANT_OUT: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_experts_ptr + pid_m)
@@ -312,6 +336,7 @@ def _gate_up_kernel(
     assign = tl.load(sorted_ids_ptr + pos)
     valid = assign < num_assign
     x_rows = x_ptr + (assign // top_k).to(tl.int64)[:, None] * s_xm
+    xs_rows = xs_ptr + (assign // top_k).to(tl.int64) * s_xsm  # W8A8: x's group scales
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate features j
     col_ok = cols < I
     gate_rows, up_rows = cols * row_step, cols * row_step + up_offset
@@ -334,6 +359,18 @@ def _gate_up_kernel(
                 wg_lo, wg_hi = _mxfp4_halves(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0,
                                              K, s_wn, s_sn, ASM, BLOCK_N, BLOCK_K)  # fmt: skip
                 acc_g = _dot_t(a_hi, wg_hi, _dot_t(a_lo, wg_lo, acc_g, IEEE, SWAP), IEEE, SWAP)
+        elif FP8 == 3:  # W8A8: FP8 x (quantised by the launcher) times FP8 weights
+            a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
+            sa = tl.load(xs_rows + k0 // BK, mask=valid, other=0.0)
+            wu = _weight_tile(w_ptr, s_ptr, w_base, s_base, up_rows, col_ok, k0, K, s_wn, s_wk,
+                              s_sn, 0, BLOCK_N, BLOCK_K)  # fmt: skip
+            su = _block_scales(s_ptr, s_base, up_srows, s_sn, k0 // BK, col_ok)
+            acc_u = _dot8(a, wu, sa, su, acc_u, SWAP)
+            if ACT != 2:
+                wg = _weight_tile(w_ptr, s_ptr, w_base, s_base, gate_rows, col_ok, k0, K, s_wn,
+                                  s_wk, s_sn, 0, BLOCK_N, BLOCK_K)  # fmt: skip
+                sg = _block_scales(s_ptr, s_base, gate_srows, s_sn, k0 // BK, col_ok)
+                acc_g = _dot8(a, wg, sa, sg, acc_g, SWAP)
         elif FP8 != 0:  # block-scaled FP8, dequantised per tile, rounded to x's dtype
             a = _a_tile(x_rows, valid, k0 + tl.arange(0, BLOCK_K), K, s_xk)
             wu = _fp8_tile(w_ptr, s_ptr, w_base, s_base, up_rows, up_srows, col_ok, k0, K, s_wn,
@@ -372,7 +409,31 @@ def _gate_up_kernel(
                 None, :
             ]
         out = _act(acc_g, acc_u, ACT, alpha, limit)
-        tl.store(out_rows + out_cols[None, :] * s_on, out.to(out_ptr.dtype.element_ty), mask=mask)
+        if QUANT_OUT:  # W8A8: the activation leaves quantised, with its group scales
+            _quant_store(out, out_rows + out_cols[None, :] * s_on, mask, os_ptr, pos, s_osm,
+                         valid, pid_n, I, BLOCK_M, BLOCK_N, BK, DTYPE)  # fmt: skip
+        else:
+            tl.store(out_rows + out_cols[None, :] * s_on, out.to(out_ptr.dtype.element_ty),
+                     mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _quant_store(out, dst, mask, os_ptr, pos, s_osm, valid, pid_n, I, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BK: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """W8A8's gate/up epilogue (BLOCK_N a multiple of BK: whole groups a program): the
+    fp32 activation rounded to DTYPE (as the 16-bit store would), then quantised per row
+    and group of BK columns as ``fp8_gemm.quantize_act`` does it (scale = max(amax / 448,
+    1e-12), q = fp8(clamp(a / scale))) -> FP8 at ``dst``, scales at row ``pos``, group
+    ``pid_n * BLOCK_N / BK + g`` of ``os_ptr``; columns outside ``mask`` count as 0."""
+    G: tl.constexpr = BLOCK_N // BK
+    a = tl.where(mask, out.to(DTYPE).to(tl.float32), 0.0)
+    grouped = tl.reshape(a, (BLOCK_M, G, BK))
+    scale = tl.maximum(tl.max(tl.abs(grouped), axis=2) / 448.0, 1e-12)  # (BLOCK_M, G)
+    q = tl.clamp(grouped / scale[:, :, None], -448.0, 448.0)
+    tl.store(dst, tl.reshape(q, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), mask=mask)
+    grp = pid_n * G + tl.arange(0, G)
+    s_dst = os_ptr + pos[:, None].to(tl.int64) * s_osm + grp[None, :]
+    tl.store(s_dst, scale, mask=valid[:, None] & (grp[None, :] < tl.cdiv(I, BK)))
 
 
 @triton.jit
@@ -418,7 +479,7 @@ def _down_kernel(
     a_ptr, w_ptr, s_ptr, b_ptr, b1_ptr, tw_ptr, y_ptr, sorted_ids_ptr, block_experts_ptr,
     num_assign, N, K,
     s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_be, s_bn, s_b1e, s_b1n, s_ym, s_yn,
-    row_step, up_offset, alpha, limit,
+    row_step, up_offset, alpha, limit, as_ptr, s_asm,
     MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     ACT_IN_A: tl.constexpr,
     ACT: tl.constexpr, HAS_B1: tl.constexpr, DTYPE: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -435,6 +496,7 @@ def _down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden features
     col_ok = cols < N
     a_rows = a_ptr + pos[:, None].to(tl.int64) * s_am
+    as_rows = as_ptr + pos.to(tl.int64) * s_asm  # W8A8: A's group scales
     b1_base = b1_ptr + expert.to(tl.int64) * s_b1e
     w_base, s_base = expert.to(tl.int64) * s_we, expert.to(tl.int64) * s_se
     acc = _acc(BLOCK_M, BLOCK_N, SWAP)
@@ -453,13 +515,20 @@ def _down_kernel(
             a = _down_a(a_rows, b1_base, valid, k0 + tl.arange(0, BLOCK_K), K, s_ak, s_b1n,
                         row_step, up_offset, alpha, limit, ACT_IN_A, ACT, HAS_B1, DTYPE,
                         False)  # fmt: skip
-            if FP8 != 0:  # block-scaled FP8: rounded to A's dtype after its scale
+            if FP8 == 3:  # W8A8: FP8 A (quantised by the launcher) times FP8 weights
+                w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
+                                 s_sn, 0, BLOCK_N, BLOCK_K)  # fmt: skip
+                sa = tl.load(as_rows + k0 // BK, mask=valid, other=0.0)
+                sw = _block_scales(s_ptr, s_base, cols // BN, s_sn, k0 // BK, col_ok)
+                acc = _dot8(a, w, sa, sw, acc, SWAP)
+            elif FP8 != 0:  # block-scaled FP8: rounded to A's dtype after its scale
                 w = _fp8_tile(w_ptr, s_ptr, w_base, s_base, cols, cols // BN, col_ok, k0, K,
                               s_wn, s_wk, s_sn, FP8, BK, BLOCK_N, BLOCK_K).to(a.dtype)  # fmt: skip
+                acc = _dot_t(a, w, acc, IEEE, SWAP)
             else:
                 w = _weight_tile(w_ptr, s_ptr, w_base, s_base, cols, col_ok, k0, K, s_wn, s_wk,
                                  s_sn, MXFP4, BLOCK_N, BLOCK_K)  # fmt: skip
-            acc = _dot_t(a, w, acc, IEEE, SWAP)
+                acc = _dot_t(a, w, acc, IEEE, SWAP)
     acc = _unswap(acc, SWAP)
     if HAS_BIAS:
         bias = tl.load(b_ptr + expert.to(tl.int64) * s_be + cols * s_bn, mask=col_ok, other=0.0)
