@@ -43,13 +43,21 @@ cache of unlimited size would still compute) and ``recomputed_tokens`` (their
 difference: partial pages, evicted prefixes, missing checkpoints, preemption
 recompute), ``prefill_seconds`` / ``decode_seconds`` (wall time of steps with and
 without prefill rows), ``mean_decode_batch`` (requests per decode-only step: what
-the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at_end``.
+the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at_end``;
+the per decode step host split (``PhaseClock``): ``decode_step_host_ms`` by phase of
+the engine step (schedule, launch, settle: the wait for the previous step's tokens,
+complete, and the cache path's ``after_step`` inside it), ``decode_step_table_writes``,
+and the run's ``forward_waits`` (compaction's host syncs) and ``page_moves``.
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
 spill and reload bandwidth in GB/s and their ratio to the pinned copies (the
 reload's time excludes the hit's lookup, ``match_seconds``, which a device hit pays
-as well).
+as well); ``split``: each one's host seconds before its first copy was enqueued, the
+copies' own seconds (CUDA events on the tier's stream) and the rest; and
+``tier_rows_d2h`` / ``tier_rows_h2d``: one plain copy between the pool's rows and the
+tier's own host slots (is it the copy, or the path around it). ``--workloads spill``
+alone writes the model's config only (no weights).
 Saved as JSON (``--out``).
 
 Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the bytes
@@ -96,7 +104,7 @@ def _llm(path: Path, args, caching: bool, max_len: int, n: int):
     )  # fmt: skip
 
 
-def _timed(llm, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
+def _timed(llm, prompts, new_tokens: int, phases=None) -> tuple[list[list[int]], dict]:
     from unikv.engine import SamplingParams
 
     clock = _StepClock()
@@ -105,6 +113,8 @@ def _timed(llm, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
     def on_step(llm_, batch, logits) -> None:
         fed[0] += sum(batch.num_new)
         clock(llm_, batch, logits)
+        if phases is not None:
+            phases.step(batch.is_decode)
 
     outputs = llm.generate(
         prompts,
@@ -120,6 +130,78 @@ def _timed(llm, prompts, new_tokens: int) -> tuple[list[list[int]], dict]:
     res["prefill_tokens"] = fed[0] - sum(max(len(o.output_ids) - 1, 0) for o in outputs)
     res["steps"] = clock.steps
     return [o.output_ids for o in outputs], res
+
+
+class PhaseClock:
+    """Host seconds of each phase of every engine step (``EngineLoop.step``:
+    ``schedule``, ``launch``, ``settle``: the previous step's tokens, a wait for the
+    device, ``complete``: the step applied, ``after_step`` (inside ``complete``): the
+    cache path's checkpoints and shares), per step, attributed at ``on_step``; plus
+    the forward-fence waits (``FenceQueue.wait_forward``: compaction's host sync),
+    page moves (``TableWriter.moves``) of the run, and the device table writes (each
+    an upload and a launch, ``TableWriter.write``) per decode step. Wraps the live
+    objects' methods."""
+
+    PHASES = ("schedule", "launch", "settle", "complete", "after_step")
+
+    def __init__(self, llm) -> None:
+        loop, sched = llm.engine, llm.scheduler
+        self.now = dict.fromkeys(self.PHASES, 0.0)
+        self.decode = dict.fromkeys(self.PHASES, 0.0)
+        self.other = dict.fromkeys(self.PHASES, 0.0)
+        self.waits = 0
+        self.writes = [0, 0]  # table writes since the last step, in decode steps
+        self.writer = llm.alloc.parts.writer
+        self.moves0 = self.writer.moves
+        write = self.writer.write
+
+        def counted_write(*args, **kwargs):
+            self.writes[0] += 1
+            return write(*args, **kwargs)
+
+        self.writer.write = counted_write
+        for obj, attr, phase in (
+            (sched, "schedule", "schedule"), (loop.runner, "launch", "launch"),
+            (loop, "_settle", "settle"), (sched, "complete_ahead", "complete"),
+            (sched, "complete_verify", "complete"), (sched.prefix, "after_step", "after_step"),
+        ):  # fmt: skip
+            setattr(obj, attr, self._timed(getattr(obj, attr), phase))
+        fences = llm.alloc.parts.fences
+        wait = fences.wait_forward
+
+        def counted() -> None:
+            self.waits += 1
+            wait()
+
+        fences.wait_forward = counted
+
+    def _timed(self, fn, phase: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.now[phase] += time.perf_counter() - start
+
+        return timed
+
+    def step(self, is_decode: bool) -> None:
+        """``on_step``: the phases since the last step were this step's."""
+        into = self.decode if is_decode else self.other
+        for k, v in self.now.items():
+            into[k] += v
+            self.now[k] = 0.0
+        self.writes[1] += self.writes[0] if is_decode else 0
+        self.writes[0] = 0
+
+    def figures(self, decode_steps: int) -> dict:
+        per = {k: 1e3 * v / max(decode_steps, 1) for k, v in self.decode.items()}
+        return {
+            "decode_step_host_ms": per,  # after_step is part of complete
+            "decode_step_table_writes": self.writes[1] / max(decode_steps, 1),
+            "forward_waits": self.waits,
+            "page_moves": self.writer.moves - self.moves0,
+        }
 
 
 class CopyClock:
@@ -244,7 +326,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         llm = None
         _free()
         llm = _llm(path, args, caching, max_len, n)
-        copies = CopyClock(llm)
+        copies, phases = CopyClock(llm), PhaseClock(llm)
         before = dict(llm.alloc.prefix.counters())
         states = llm.alloc.parts.prefix.states
         counts = (states.evicted, states.saved, states.restored) if states else (0, 0, 0)
@@ -259,7 +341,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
             else:
                 prompts = turns[0]
             fresh += fresh_tokens(prompts, seen)
-            out, res = _timed(llm, prompts, args.new_tokens)
+            out, res = _timed(llm, prompts, args.new_tokens, phases)
             tokens.append(out)
             history = [p + o for p, o in zip(prompts, out)]
             fresh_tokens([h[:-1] for h in history], seen)  # the answers were fed too
@@ -285,6 +367,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         **latency(ttft, []),
         **breakdown(steps, prefill, fresh, copies.seconds(), copies.copies),
     }
+    figures.update(phases.figures(figures["decode_steps"]))
     del llm
     _free()
     return tokens, figures
@@ -297,6 +380,54 @@ def _checkpoint_fraction(llm) -> float:
         return 0.0
     slot = llm.pool[states.book.name].page_bytes
     return len(states.by_node) * slot / llm.pool.total_bytes
+
+
+class LaunchClock:
+    """Times the host tiers' copy launches (``HostTier._launch``) from a start time
+    on: host seconds until the first copy was enqueued, and the copies' own seconds
+    (CUDA events on the tier's side stream around each launch, read after the sync;
+    on CPU the copies are synchronous and timed directly)."""
+
+    def __init__(self, tiers, cuda: bool) -> None:
+        self.cuda, self.start, self.first = cuda, 0.0, None
+        self.events: list = []
+        self.cpu_s, self.launches = 0.0, 0
+        for tier in tiers:
+            tier._launch = self._wrap(tier._launch)
+
+    def reset(self) -> None:
+        self.start, self.first, self.events, self.cpu_s, self.launches = (
+            time.perf_counter(), None, [], 0.0, 0,
+        )  # fmt: skip
+
+    def _wrap(self, inner):
+        def launch(stream, copy, pages, slots, writers):
+            self.launches += 1
+            if self.first is None:
+                self.first = time.perf_counter()
+            if not self.cuda:
+                t = time.perf_counter()
+                out = inner(stream, copy, pages, slots, writers)
+                self.cpu_s += time.perf_counter() - t
+                return out
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record(stream)
+            out = inner(stream, copy, pages, slots, writers)
+            end.record(stream)
+            self.events.append((start, end))
+            return out
+
+        return launch
+
+    def split(self, total: float) -> dict:
+        """(after the sync) the host seconds before the first copy, the copy seconds,
+        and the rest of ``total`` (host work after the copies were enqueued)."""
+        copy = self.cpu_s + sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        before = (self.first - self.start) if self.first is not None else total
+        return {
+            "seconds": total, "host_before_copy_s": before, "copy_s": copy,
+            "rest_s": max(total - before - copy, 0.0), "copy_launches": self.launches,
+        }  # fmt: skip
 
 
 def spill_bandwidth(path: Path, args) -> dict:
@@ -320,6 +451,8 @@ def spill_bandwidth(path: Path, args) -> dict:
     host = enable_prefix_host(alloc, (n + 4) * page_bytes, ReloadPolicy(mode="always"))
     prefix = alloc.parts.prefix
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    clock = LaunchClock(host.tiers.values(), args.device == "cuda")
+    split = {}
 
     def cycle(tokens: np.ndarray) -> tuple[float, float]:
         """Cache ``tokens``' whole pages, spill them all, reload them by a hit: seconds."""
@@ -329,18 +462,21 @@ def spill_bandwidth(path: Path, args) -> dict:
         alloc.prefix.insert(slot, tokens)
         alloc.free_request(slot)
         sync()
-        start = time.perf_counter()
+        clock.reset()
         alloc.parts.writer.write(prefix.evict(prefix.num_evictable))  # one copy per envelope
         sync()
-        spill = time.perf_counter() - start
+        spill = time.perf_counter() - clock.start
+        split["spill"] = clock.split(spill)
         start = time.perf_counter()
         found = alloc.prefix.match(tokens)  # the lookup: a device hit pays it too
         looked = time.perf_counter() - start
-        start = time.perf_counter()
+        clock.reset()
         hit = alloc.prefix.reload(found)
         sync()
+        reload = time.perf_counter() - clock.start
+        split["reload"] = clock.split(reload)
         assert hit.num_tokens == pages * ps, hit
-        return spill, time.perf_counter() - start, looked
+        return spill, reload, looked
 
     cycle(np.arange(2 * ps + 1) + 10**6)  # warm-up: compiles the copy and table kernels
     assert alloc.prefix.reset() >= 0 and not host.nodes
@@ -356,10 +492,24 @@ def spill_bandwidth(path: Path, args) -> dict:
         dst.copy_(src, non_blocking=True)
         sync()
         times[name] = time.perf_counter() - start
+    from unikv.io.envelopes import page_rows
+
+    for name, back in (("tier_rows_d2h", False), ("tier_rows_h2d", True)):
+        seconds = 0.0  # the same bytes between the pool's rows and the tier's own host
+        for tier in host.tiers.values():  # slots (all free now), one plain copy each
+            rows, slots = page_rows(pool, tier.name)[1 : n + 1], tier.host[:n]
+            dst, src = (rows, slots) if back else (slots, rows)
+            sync()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync()
+            seconds += time.perf_counter() - start
+        times[name] = seconds
     gbs = {k: total / v / 1e9 for k, v in (("spill", spill), ("reload", reload), *times.items())}
     return {
         "pages": n, "bytes": total, "gb_per_s": gbs, "counters": host.counters(),
         "match_seconds": looked,  # the lookup before the reload (not in "reload")
+        "split": split,  # host seconds before the first copy, copy seconds, the rest
         "spill_over_pinned_d2h": gbs["spill"] / gbs["d2h"],
         "reload_over_pinned_h2d": gbs["reload"] / gbs["h2d"],
     }  # fmt: skip
@@ -369,7 +519,12 @@ def run_model(model: str, path: Path, args, phases: dict) -> dict:
     """Every workload of ``args.workloads`` on ``model``; its figures (wall times
     of each phase into ``phases``)."""
     start = time.perf_counter()
-    if model == "llama":
+    if args.workloads == "spill":  # the spill row reads the config only: no weights
+        from benchmarks.bench_e2e import model_config
+
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(model_config("llama", args.tiny)))
+    elif model == "llama":
         save_model("llama", path, args.device, args.dtype, args.tiny)
     else:
         save_hybrid(path, args)

@@ -22,7 +22,11 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    (``engine_cpu_s_per_wall_s``; 0 with ``--in-process-engine``), and the API
    processes' CPU per output token (``api_cpu_us_per_token``) and per request
    (``api_cpu_ms_per_request``): which process is the bottleneck. Mode
-   ``process-apiN`` runs N API processes (``--api-server-count N``).
+   ``process-apiN`` runs N API processes (``--api-server-count N``). And
+   ``engine_step_ms``: the engine's host time per step by phase over that load
+   (``unikv:engine_step_phase_seconds`` of ``/metrics``: plan, launch, wait,
+   output, step, io, gc; p50/p99 as bucket edges, ``max_ms_so_far`` the
+   server's largest): where a slow step's time went.
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
@@ -38,6 +42,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -261,6 +266,56 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
                  "api_cpu_ms_per_request": api / max(len(prompts), 1) * 1e3}  # fmt: skip
 
 
+STEP_BUCKET = re.compile(r"^unikv:engine_step_phase_seconds_bucket\{([^}]*)\} (\S+)$")
+STEP_MAX = re.compile(r"^unikv:engine_step_phase_max_seconds\{([^}]*)\} (\S+)$")
+
+
+def step_phases(url: str) -> dict:
+    """The engine's step-phase histograms from ``/metrics``: {phase: {"le": [edges],
+    "cum": [cumulative counts], "max_s": largest so far}} (empty without them)."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    out: dict = {}
+    for line in text.splitlines():
+        for pattern, kind in ((STEP_BUCKET, "bucket"), (STEP_MAX, "max")):
+            m = pattern.match(line)
+            if m is None:
+                continue
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            entry = out.setdefault(labels["phase"], {"le": [], "cum": [], "max_s": 0.0})
+            if kind == "max":
+                entry["max_s"] = float(m.group(2))
+            else:
+                entry["le"].append(float(labels["le"]))
+                entry["cum"].append(float(m.group(2)))
+    return out
+
+
+def step_figures(before: dict, after: dict) -> dict:
+    """Per phase over one load (``after`` less ``before``): steps, and the p50 and
+    p99 as the upper edge of their histogram bucket (ms), with the largest figure
+    of the server's run so far (``max_ms_so_far``)."""
+    out = {}
+    for phase, a in after.items():
+        b = before.get(phase, {"cum": [0.0] * len(a["cum"])})
+        cum = [x - y for x, y in zip(a["cum"], b["cum"])]
+        n = cum[-1] if cum else 0
+        if not n:
+            continue
+
+        def edge(q: float, a=a, cum=cum, n=n) -> float:
+            i = next(k for k, c in enumerate(cum) if c >= q * n)
+            return (a["le"][i] if a["le"][i] != float("inf") else a["max_s"]) * 1e3
+
+        out[phase] = {"n": int(n), "p50_ms_le": edge(0.5), "p99_ms_le": edge(0.99),
+                      "max_ms_so_far": a["max_s"] * 1e3}  # fmt: skip
+    return out
+
+
 def summarize(results: list[dict]) -> dict:
     errors = [r["error"] for r in results if "error" in r]
     results = [r for r in results if "error" not in r and r["stamps"]]
@@ -440,12 +495,16 @@ def run_server(model: Path, args, max_len: int, mode: str, port: int, rates, bur
             n = args.requests_per_rate
             arrivals = np.cumsum(rng.exponential(1.0 / rate, n)).tolist()
             prompts = make_prompts(n, args.prompt_len, vocab, seed=int(rate))
+            before = step_phases(server.url)
             res, cpu = load(server.url, prompts, args.new_tokens, arrivals, args.clients, pid)
-            out["rates"].append({"rate_rps": rate, **summarize(res), **cpu})
+            steps = {"engine_step_ms": step_figures(before, step_phases(server.url))}
+            out["rates"].append({"rate_rps": rate, **summarize(res), **cpu, **steps})
             print(mode, json.dumps(out["rates"][-1]), flush=True)
             save_json(args.out, result)  # a timeout keeps what ran
+        before = step_phases(server.url)
         res, cpu = load(server.url, burst, args.new_tokens, [0.0] * len(burst), args.clients, pid)
-        out["burst_http"] = {**summarize(res), **cpu}
+        steps = {"engine_step_ms": step_figures(before, step_phases(server.url))}
+        out["burst_http"] = {**summarize(res), **cpu, **steps}
     finally:
         server.stop()
     return out

@@ -33,6 +33,10 @@ def test_tiny_bench_prefix_runs_exact_and_hits(tmp_path):
     moved = spill["pages"] + 2  # the timed pages and the 2-page warm-up cycle
     assert counters["host_spilled_pages"] == counters["host_reloaded_pages"] == moved, counters
     assert counters["host_spilled_bytes"] == counters["host_reloaded_bytes"] == moved * page_bytes
+    for way in ("spill", "reload"):  # its split: parts of its own wall time
+        split = spill["split"][way]
+        assert split["copy_launches"] == 1, split  # one run of pages: one launch
+        assert 0 < split["host_before_copy_s"] + split["copy_s"] <= split["seconds"] * 1.001, split
 
 
 # --tiny: 6 requests of a 64-token system prompt + 8; 3 conversations x 3 turns of
@@ -59,3 +63,10 @@ def _check_breakdown(model: str, workload: str, row: dict) -> None:
     assert (copies > 0) == (on["checkpoint_copies"] > 0) and on["checkpoint_copies"] <= copies
     assert (copies > 0) == (model == "hybrid") and on["checkpoint_copy_seconds"] >= 0
     assert (on["checkpoint_pool_fraction_at_end"] > 0) == (on["checkpoints_held_at_end"] > 0)
+    for run in (off, on):  # the host split of a decode step: parts of the step's wall time
+        ms, steps = run["decode_step_host_ms"], max(run["decode_steps"], 1)
+        whole = ms["schedule"] + ms["launch"] + ms["settle"] + ms["complete"]
+        assert 0 < whole <= 1e3 * run["decode_seconds"] / steps * 1.001, run
+        assert ms["after_step"] <= ms["complete"] and run["page_moves"] >= 0
+        assert run["forward_waits"] >= 0
+        assert run["decode_step_table_writes"] >= 1  # a decode step writes its tables

@@ -116,6 +116,10 @@ class PrefixCache:
         self.wrefs = {n: np.zeros(vspace.size, np.int32) for n in roles.windows}
         self.wtime = {n: np.zeros(vspace.size, np.int64) for n in roles.windows}
         self.ends: set[int] = set()  # node ids where an insert ended (a prompt's end)
+        # request slot -> (blocks, node id, key, salt) of the chain end its last insert
+        # reached: a later insert, checkpoint or demote of that request's own tokens
+        # resumes there instead of hashing its whole context again (``_resume``)
+        self.tails: dict[int, tuple[int, int, int, str | None]] = {}
         self._tick = 0
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
@@ -177,13 +181,74 @@ class PrefixCache:
             raise TypeError(f"prefix cache salt must be a str or None, got {salt!r:.40}")
         return hash(("unikv-cache-salt", salt))
 
-    def _blocks(self, tokens: np.ndarray) -> list[bytes]:
-        """The whole blocks of ``tokens`` (1-D ints), each as the bytes of its int64
-        tokens: one copy, then byte slices (a block's cost is its hash, not numpy calls)."""
+    def _blocks(self, tokens: np.ndarray, start: int = 0) -> list[bytes]:
+        """The whole blocks of ``tokens`` (1-D ints) from block ``start`` on, each as
+        the bytes of its int64 tokens: one copy, then byte slices (a block's cost is
+        its hash, not numpy calls)."""
         ps = self.roles.page_size
-        whole = np.ascontiguousarray(tokens[: len(tokens) // ps * ps], dtype=np.int64)
+        whole = np.ascontiguousarray(tokens[start * ps : len(tokens) // ps * ps], dtype=np.int64)
         raw, width = whole.tobytes(), ps * whole.itemsize
         return [raw[i : i + width] for i in range(0, len(raw), width)]
+
+    def _tail(self, slot: int, salt: str | None) -> tuple[int, int, ChainNode] | None:
+        """(blocks, key, node) of the chain end request ``slot``'s last insert reached
+        (``tails``) when that node still caches the page the request holds at that
+        column (a request holds a cached page only through a hit or its own insert
+        of the same tokens), under the same salt, and the chain above it is live (so
+        a walk from the root finds the same nodes); else None."""
+        tail = self.tails.get(slot)
+        if tail is None:
+            return None
+        blocks, node_id, key, tail_salt = tail
+        node = self.by_id.get(node_id)
+        if (
+            node is None
+            or tail_salt != salt
+            or node.page < 0
+            or not self.requests.in_use[slot]
+            or self.requests.pages[slot, blocks - 1] != node.page
+            or not self.reachable(node_id)  # (dict steps up the chain: no hashing)
+        ):
+            return None
+        return blocks, key, node
+
+    def _resume(
+        self, slot: int, tokens: np.ndarray, salt: str | None
+    ) -> tuple[int, int, ChainNode | None]:
+        """(blocks, key, node) where a walk of request ``slot``'s own first tokens
+        ``tokens`` may resume: its chain end (``_tail``) when ``tokens`` cover it and
+        agree with its block; else (0, root key, None)."""
+        tail = self._tail(slot, salt)
+        if tail is not None:
+            blocks, key, node = tail
+            ps = self.roles.page_size
+            if blocks * ps <= len(tokens) and node.tokens == self._block(tokens, blocks - 1):
+                return blocks, key, node
+        return 0, self._root_key(salt), None
+
+    def _block(self, tokens: np.ndarray, index: int) -> bytes:
+        """Block ``index`` of ``tokens`` as the bytes of its int64 tokens."""
+        ps = self.roles.page_size
+        return np.ascontiguousarray(tokens[index * ps : (index + 1) * ps], np.int64).tobytes()
+
+    def own_chain_end(
+        self, slot: int | None, tokens: np.ndarray, salt: str | None
+    ) -> ChainNode | None:
+        """The node caching the last whole block of ``tokens`` (the first tokens of
+        request ``slot``, whole pages), reachable from the root; None when not all
+        its blocks are cached. Walks back from the request's chain end (``_tail``)
+        when it covers them and agrees with that block, else from the root."""
+        ps = self.roles.page_size
+        count = len(tokens) // ps
+        tail = self._tail(slot, salt) if slot is not None and count else None
+        if tail is not None and tail[0] >= count:
+            walk: ChainNode | None = tail[2]
+            for _ in range(tail[0] - count):
+                walk = self.by_id.get(walk.parent_id) if walk is not None else None
+            if walk is not None and walk.tokens == self._block(tokens, count - 1):
+                return walk
+        found = self.walk(tokens, salt)
+        return found[-1] if count and len(found) == count else None
 
     def walk(self, tokens: np.ndarray, salt: str | None = None) -> list[ChainNode]:
         """The nodes (device or host) caching the leading whole blocks of ``tokens``
@@ -298,19 +363,23 @@ class PrefixCache:
                 f"prefix.insert: {len(tokens)} token ids but request {slot} holds "
                 f"{int(self.requests.lens[slot])} tokens; pass at most those"
             )
-        key, parent, added = self._root_key(salt), 0, 0
-        blocks = self._blocks(tokens)
-        pages = self.requests.pages[slot, : len(blocks)].tolist()
-        for col, (block, page) in enumerate(zip(blocks, pages, strict=True)):
-            key, node = self._find(key, parent, block, salt)
+        start, key, tail = self._resume(slot, tokens, salt)
+        parent, added, reached = (tail.node_id if tail is not None else 0), 0, start
+        blocks = self._blocks(tokens, start)
+        pages = self.requests.pages[slot, start : start + len(blocks)].tolist()
+        for col, (block, page) in enumerate(zip(blocks, pages, strict=True), start):
+            found_key, node = self._find(key, parent, block, salt)
             if node is None:
-                node = self._new_node(page, key, parent, block, salt if parent == 0 else None)
+                node = self._new_node(page, found_key, parent, block, salt if parent == 0 else None)
                 if node is None:
                     break
                 added += 1
                 for name, lo in self.requests.window_lo.items():  # in its window: held
                     self.wrefs[name][page] = int(col >= lo[slot])
-            parent = node.node_id  # cached already: this request's page or another's
+            key, parent, reached = found_key, node.node_id, col + 1  # cached already:
+            # this request's page or another's
+        if parent:
+            self.tails[slot] = (reached, parent, key, salt)
         if parent and self.roles.windows:  # a hit may end here: keep its window suffix
             self.ends.add(parent)
         self.stats.cached_pages += added
@@ -338,10 +407,9 @@ class PrefixCache:
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
             return False
-        found = self.walk(tokens, salt)
-        if len(found) < len(tokens) // ps:
+        node = self.own_chain_end(int(slot), tokens, salt)
+        if node is None:
             return False
-        node = found[-1]
         # making room may evict any node of the chain: the checkpoint must stay reachable
         alive = lambda: self.reachable(node.node_id)
         saved = self.states.save(
@@ -351,16 +419,21 @@ class PrefixCache:
         return saved
 
     def demote_checkpoint(
-        self, token_ids: object, drop: bool = False, salt: str | None = None
+        self,
+        token_ids: object,
+        drop: bool = False,
+        salt: str | None = None,
+        slot: int | None = None,
     ) -> None:
         """The checkpoint at the last block of ``token_ids`` (whole pages) goes first
         when the Mamba sub-pool is short (``drop``: goes now, unless a request waits
         to restore it): a longer one of the same conversation made it the less likely
-        hit (``allocator/checkpoints.py``, the policy)."""
+        hit (``allocator/checkpoints.py``, the policy). ``slot``: the request whose
+        own first tokens these are (its chain end is walked back from, not hashed)."""
         tokens, states = self.tokens(token_ids, "prefix.demote_checkpoint"), self.states
-        found = self.walk(tokens, salt) if states is not None else []
-        if states is not None and found and len(found) == len(tokens) // self.roles.page_size:
-            node_id = found[-1].node_id
+        node = self.own_chain_end(slot, tokens, salt) if states is not None else None
+        if states is not None and node is not None:
+            node_id = node.node_id
             if drop and node_id in states.lru:
                 states.drop([node_id])
             else:

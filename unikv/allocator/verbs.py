@@ -129,10 +129,15 @@ class PrefixVerbs:
         return taken
 
     def demote_checkpoint(
-        self, token_ids: object, drop: bool = False, salt: str | None = None
+        self,
+        token_ids: object,
+        drop: bool = False,
+        salt: str | None = None,
+        slot: int | None = None,
     ) -> None:
-        """The checkpoint at the last block of ``token_ids`` goes first (``drop``: now)."""
-        self._cache.demote_checkpoint(token_ids, drop, salt)
+        """The checkpoint at the last block of ``token_ids`` goes first (``drop``: now);
+        ``slot``: the request whose own first tokens these are (a cheaper lookup)."""
+        self._cache.demote_checkpoint(token_ids, drop, salt, slot)
         self._after()
 
     def ends_turn(self, hit: PrefixHit) -> bool:

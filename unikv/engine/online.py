@@ -53,6 +53,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from time import perf_counter
 
 import torch
 
@@ -138,6 +139,13 @@ class EngineLoop:
         self._ahead = None  # (batch, Launched) of a verify step planned ahead, in flight
         self._thread: threading.Thread | None = None
         self._stopping = self._drain = False
+        self._steps = 0  # steps run by ``_serve`` or ``turn`` (die_after_steps counts them)
+        # token-only tracks (``Track.wire`` set): their one-token rows go to
+        # ``publish_ids(wires, tokens, pairs)`` as two lists, with the step's other
+        # deltas, in one call per step (``unikv serve``'s engine process; None: ``publish``)
+        self.publish_ids: Callable[[list, list, list], None] | None = None
+        self.wake: Callable[[], None] | None = None  # another thread queued a call (``adopt``)
+        self.times = None  # a ``StepTimes`` the steps report their phases to (None: untimed)
 
     # -- any thread ------------------------------------------------------------------
 
@@ -158,17 +166,40 @@ class EngineLoop:
         bound (one caller's request is never too large to be queued); else
         QueueFull. EngineClosed after shutdown or a failure."""
         with self._cv:
-            if self._stopping or self.error is not None:
-                raise EngineClosed(f"the engine loop is closed ({self.error or 'shut down'})")
-            if bounded and self.max_waiting is not None:
-                waiting = self.num_waiting
-                if waiting >= self.max_waiting:
-                    raise QueueFull(
-                        f"the admission queue is full ({waiting} requests waiting, "
-                        f"max_waiting={self.max_waiting}); retry later"
-                    )
-            self._inbox.extend(groups)
+            self._admit(groups, bounded)
             self._cv.notify()
+
+    def submit_each(self, batches: list[list[RequestGroup]]) -> list[Exception | None]:
+        """``submit_all`` for several callers at once, under one lock (the engine
+        process admits every request it drained in one go): each caller's groups
+        are queued all or none, in order, by ``submit_all``'s rule; returns per
+        caller None (queued) or the QueueFull / EngineClosed it got."""
+        out: list[Exception | None] = []
+        with self._cv:
+            waiting = self.num_waiting
+            for groups in batches:
+                try:
+                    self._admit(groups, True, waiting)
+                    waiting += sum(len(g.requests) for g in groups)
+                    out.append(None)
+                except (QueueFull, EngineClosed) as err:
+                    out.append(err)
+            self._cv.notify()
+        return out
+
+    def _admit(self, groups: list[RequestGroup], bounded: bool, waiting=None) -> None:
+        """Queue ``groups`` (under the lock) or raise, nothing queued; ``waiting``:
+        ``num_waiting`` when the caller knows it."""
+        if self._stopping or self.error is not None:
+            raise EngineClosed(f"the engine loop is closed ({self.error or 'shut down'})")
+        if bounded and self.max_waiting is not None:
+            waiting = self.num_waiting if waiting is None else waiting
+            if waiting >= self.max_waiting:
+                raise QueueFull(
+                    f"the admission queue is full ({waiting} requests waiting, "
+                    f"max_waiting={self.max_waiting}); retry later"
+                )
+        self._inbox.extend(groups)
 
     @property
     def num_waiting(self) -> int:
@@ -222,6 +253,8 @@ class EngineLoop:
         with self._cv:
             self._calls.append((fn, future))
             self._cv.notify()
+        if self.wake is not None:  # an adopted loop's thread waits on its sockets, not here
+            self.wake()
         return future
 
     def start(self) -> None:
@@ -229,39 +262,85 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._serve, name="unikv-engine", daemon=True)
         self._thread.start()
 
+    def adopt(self) -> None:
+        """Make the calling thread this loop's thread, with no thread of its own: the
+        caller runs ``turn`` between its other work (``unikv serve``'s engine process
+        reads its sockets in the same thread, so nothing contends for the GIL). Calls
+        from other threads queue and ``wake`` is called."""
+        assert not self.running, "engine loop invariant: one loop thread at a time"
+        self._thread = threading.current_thread()
+        self._enter()
+
+    @property
+    def busy(self) -> bool:
+        """Whether ``turn`` has something to do (calls, work, a step in flight)."""
+        return bool(self._calls or self._prev or self._has_work())
+
+    def turn(self) -> bool:
+        """An adopted loop (``adopt``): the queued calls, then one step if there is
+        work. False when the loop died (``error`` set, every stream ended with it,
+        ``on_death`` called); an exception that is not an Exception is re-raised."""
+        self._run_calls()
+        if not (self._prev or self._has_work()):
+            return True
+        try:
+            self._one_step()
+        except BaseException as err:
+            self._die(err)
+            if not isinstance(err, Exception):
+                raise
+            return False
+        return True
+
     def shutdown(self, *, drain: bool = False, timeout: float | None = 30.0) -> None:
         """Stop the loop: ``drain`` finishes the work first, else every live request
-        is aborted (its stream gets finish_reason "abort"). Joins the thread."""
+        is aborted (its stream gets finish_reason "abort"). Joins the thread (an
+        adopted loop, called from its thread: the work is ended here)."""
         with self._cv:
             self._stopping, self._drain = True, drain
             self._cv.notify()
-        if self._thread is not None:
+        if self._thread is threading.current_thread():  # adopted (``adopt``)
+            while drain and self._has_work() and self.turn():
+                pass
+            self.stop_work()
+            self._thread, self.isolate = None, False
+        elif self._thread is not None:
             self._thread.join(timeout)
 
     # -- the loop's thread ---------------------------------------------------------------
 
     def _serve(self) -> None:
-        self.isolate = True
-        steps = 0
         try:
-            if self.core.device.type == "cuda":  # the caller's device: "cuda" has no index
-                index = self.core.device.index
-                torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
+            self._enter()
             while self._wait_for_work():
-                steps += 1
-                if self.die_after_steps is not None and steps >= self.die_after_steps:
-                    raise InjectedFault(f"injected engine fault at step {steps} ({FAULT_ENV})")
-                self.step()
+                self._one_step()
         except BaseException as err:
-            self.error = err
-            try:
-                self._fail_all(f"{type(err).__name__}: {err}")
-            finally:
-                if self.on_death is not None:
-                    self.on_death(err)
+            self._die(err)
             raise
         finally:
             self.isolate = False
+
+    def _enter(self) -> None:
+        """The loop's thread starts: failures are isolated, the device is current."""
+        self.isolate = True
+        if self.core.device.type == "cuda":  # the caller's device: "cuda" has no index
+            index = self.core.device.index
+            torch.cuda.set_device(torch.cuda.current_device() if index is None else index)
+
+    def _one_step(self) -> None:
+        self._steps += 1
+        if self.die_after_steps is not None and self._steps >= self.die_after_steps:
+            raise InjectedFault(f"injected engine fault at step {self._steps} ({FAULT_ENV})")
+        self.step()
+
+    def _die(self, err: BaseException) -> None:
+        """The loop ends with ``err``: every stream gets it, ``on_death`` is called."""
+        self.error = err
+        try:
+            self._fail_all(f"{type(err).__name__}: {err}")
+        finally:
+            if self.on_death is not None:
+                self.on_death(err)
 
     def _wait_for_work(self) -> bool:
         """Block until there is something to do; False when the loop should end."""
@@ -331,6 +410,8 @@ class EngineLoop:
         """One step: drain the inbox, schedule and launch step N, settle step N-1.
         Returns (batch, launched, requests finished by length) or None when idle
         (the step in flight, if any, was settled)."""
+        times = self.times
+        start = perf_counter() if times is not None else 0.0
         self._take_inbox()
         if self._held or self._quarantined:
             self._probe_next()
@@ -352,6 +433,9 @@ class EngineLoop:
         batch = sched.schedule()
         if self.on_schedule is not None:
             self.on_schedule(batch)
+        if times is not None:
+            planned = perf_counter()
+            times.add("plan", planned - start)
         try:
             launched = self.runner.launch(batch, self._prev)
         except Exception as err:
@@ -359,6 +443,8 @@ class EngineLoop:
                 raise
             self._failed_launch(batch, err)
             return batch, None, []
+        if times is not None:
+            times.add("launch", perf_counter() - planned)
         self._failures_in_a_row = 0
         if self._prev is not None:
             self._settle(self._prev)
@@ -370,6 +456,8 @@ class EngineLoop:
             self._prev = launched
         if self.on_step is not None:
             self.on_step(self.owner, batch, launched.logits)
+        if times is not None:
+            times.add("step", perf_counter() - start)
         return batch, launched, finished
 
     def _apply_verify(self, batch, launched) -> list:
@@ -400,8 +488,18 @@ class EngineLoop:
 
     def _settle(self, launched) -> None:
         """Step ``launched``'s tokens into its requests, then publish the deltas."""
-        self.scheduler.resolve(launched.batch, launched.tokens())
+        times = self.times
+        if times is None:
+            self.scheduler.resolve(launched.batch, launched.tokens())
+            self._publish(launched)
+            return
+        start = perf_counter()
+        tokens = launched.tokens()  # waits for the step
+        ready = perf_counter()
+        self.scheduler.resolve(launched.batch, tokens)
         self._publish(launched)
+        times.add("wait", ready - start)
+        times.add("output", perf_counter() - ready)
 
     def _publish(self, launched) -> None:
         """Publish the deltas of step ``launched``'s requests (its tokens are in)."""
@@ -410,11 +508,22 @@ class EngineLoop:
             return
         step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         pairs = []
+        wires, tokens = [], []  # token-only tracks' one-token rows (``publish_ids``)
+        fast = self.publish_ids is not None
         with self.core.tokenizer_lock:
             for lane, r in enumerate(batch.requests):
                 track = r.track
                 if track is None or track.passive or track.done:
                     continue
+                if fast and track.token_only and track.wire is not None and r.finish_reason is None:
+                    out = r.output_ids  # a running token-only track: no text, no logprobs
+                    if len(out) == track.num_sent + 1:  # its one new token (a decode row)
+                        track.num_sent += 1
+                        wires.append(track.wire)
+                        tokens.append(out[-1])
+                        continue
+                    if len(out) == track.num_sent:  # nothing new (a prompt chunk)
+                        continue
                 try:
                     delta = track.advance(
                         lane, step_logprobs, self.scheduler.finish, prompt_logprobs
@@ -426,7 +535,9 @@ class EngineLoop:
                     continue
                 if delta is not None:
                     self._collect(track, delta, pairs)
-        if pairs:
+        if wires:
+            self.publish_ids(wires, tokens, pairs)
+        elif pairs:
             self.publish(pairs)
 
     def _collect(self, track, delta: Delta, pairs: list) -> None:

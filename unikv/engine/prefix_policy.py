@@ -206,21 +206,22 @@ class PrefixCaching(NoPrefixCache):
         request's previous such checkpoint, superseded, is dropped (a decode one) or
         demoted (the prompt-end one: a repeat of the prompt still hits it) and this
         one is its latest."""
-        self.share(r)
+        ids = self.share(r)  # its known tokens, converted once for the whole take
         at = r.num_cached if at is None else at
         turn_end = at > len(r.prompt_ids)
-        taken = self.prefix.checkpoint(r.slot, r.token_slice(0, at), r.cache_salt, turn_end, source)
+        first = lambda n: ids[:n] if n <= len(ids) else r.token_slice(0, n)
+        taken = self.prefix.checkpoint(r.slot, first(at), r.cache_salt, turn_end, source)
         if taken:
             self.since[r.slot] = at
             extended = self.extends.pop(r.slot, None)
             if extended:  # the previous turn's end: this conversation has moved on
-                self.prefix.demote_checkpoint(r.token_slice(0, extended), salt=r.cache_salt)
+                self.prefix.demote_checkpoint(first(extended), salt=r.cache_salt, slot=r.slot)
         if taken and rolling:
             previous = self.latest.get(r.slot)
             if previous and previous != at:  # (one point taken twice: keep it)
                 drop = previous > len(r.prompt_ids)
                 self.prefix.demote_checkpoint(
-                    r.token_slice(0, previous), drop=drop, salt=r.cache_salt
+                    first(previous), drop=drop, salt=r.cache_salt, slot=r.slot
                 )
             self.latest[r.slot] = at
 
@@ -240,12 +241,15 @@ class PrefixCaching(NoPrefixCache):
             out[s.name] = min(out[s.name], max(whole - held, 0))
         return out
 
-    def share(self, r: Request) -> None:
+    def share(self, r: Request) -> np.ndarray:
         """Share the full pages holding ``r``'s computed tokens (known ones: a
-        ``Pending`` placeholder and what follows it stay out)."""
+        ``Pending`` placeholder and what follows it stay out); returns those known
+        tokens (host int64)."""
         ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
         unknown = np.flatnonzero(ids < 0)
-        self.prefix.insert(r.slot, ids[: unknown[0]] if len(unknown) else ids, r.cache_salt)
+        known = ids[: unknown[0]] if len(unknown) else ids
+        self.prefix.insert(r.slot, known, r.cache_salt)
+        return known
 
 
 def prefix_policy(

@@ -73,6 +73,13 @@ class Track:
         self.prompt_logprobs: list | None = [] if p.prompt_logprobs is not None else None
         self.prompt_sent = False
         self.done = False
+        # the engine process's id of this completion (``unikv serve``); a token-only
+        # track (no text, no logprobs) sends its one-token rows as ids and tokens
+        # (``EngineLoop.publish_ids``)
+        self.wire: int | None = None
+        self.token_only = (
+            self.detok is None and self.logprobs is None and self.prompt_logprobs is None
+        )
 
     @property
     def text(self) -> str | None:

@@ -18,6 +18,11 @@ given on the host cost no sync to plan with (issue 41: the host tier at line rat
   run of consecutive host slots with one copy. Reload is the mirror image (run
   copies, then one ``index_copy_``).
 
+Per call the host work is O(1) Python calls however many pages move (numpy over
+the page set: slot assignment, the run plan, slot states); only the copies are
+per run. The host pool is allocated (pinned on CUDA) and touched once, at
+construction, so no copy pays first-touch page faults on its slots.
+
 The path, the streams and the pinning are decided once, at construction. On
 CUDA the copies run on two side streams (one per direction, so offload and
 reload overlap) that first wait for the current stream; the current (forward)
@@ -34,13 +39,13 @@ with the copy's event as the fence (see ``unikv.io.tiering``).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from unikv.ids import PhysicalPageIds, _Ids, expect
-from unikv.io.envelopes import host_list, page_rows, pair_runs, physical_pages, runs
+from unikv.io.envelopes import page_rows, physical_pages, run_bounds
 from unikv.pool import UnifiedPool, check_pages
 
 DIRECT_MIN_BYTES = 1 << 20
@@ -115,6 +120,7 @@ class HostTier:
         cuda = pool.device.type == "cuda"
         pin = cuda if pin_memory is None else pin_memory
         self.host = torch.empty((num_slots, self.page_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.host.zero_()  # touched now: a spill into never-written slots pays no page faults
         self.direct = self.page_bytes >= direct_min_bytes
         self.direct_min_bytes = direct_min_bytes
         staging_rows = max(1, min(num_slots, staging_bytes // self.page_bytes))
@@ -124,8 +130,8 @@ class HostTier:
         self._out_stream = torch.cuda.Stream(pool.device) if cuda else None
         self._in_stream = torch.cuda.Stream(pool.device) if cuda else None
         self._launch = self._launch_async if cuda else self._launch_sync
-        self._free = list(range(num_slots))  # a heap: lowest slots first -> long runs
-        self._state = bytearray(num_slots)  # _FREE / _USED / _PENDING per slot
+        self._free = list(range(num_slots))  # sorted (a heap too): lowest first -> long runs
+        self._state = np.zeros(num_slots, np.uint8)  # _FREE / _USED / _PENDING per slot
         self._writer: list[torch.cuda.Event | None] = [None] * num_slots
         self._reader: list[torch.cuda.Event | None] = [None] * num_slots
         self._pending: list[tuple[torch.cuda.Event, list[int]]] = []
@@ -160,11 +166,9 @@ class HostTier:
         if slots is None:
             return None
         if src.device.type == "cpu":  # ascending slots to ascending pages: long runs
-            order = sorted(range(len(slots)), key=host_list(src).__getitem__)
-            ranked = slots
-            slots = [0] * len(ranked)
-            for rank, i in enumerate(order):
-                slots[i] = ranked[rank]
+            ranked = np.empty(len(slots), np.int64)
+            ranked[np.argsort(src.detach().numpy(), kind="stable")] = slots
+            slots = ranked.tolist()
         event = self._launch(self._out_stream, self._copy_out, src, slots, [])
         for s in slots:
             self._writer[s] = event
@@ -199,20 +203,23 @@ class HostTier:
     def free(self, host_slots: HostPageIds) -> None:
         """Give host slots back; they are reused once any reload reading them is done."""
         slots = self._used_slots(host_slots, "HostTier.free host_slots")
-        by_event: dict[int, tuple[torch.cuda.Event, list[int]]] = {}
+        readers = [self._reader[s] for s in slots]
         for s in slots:
-            reader, self._reader[s], self._writer[s] = self._reader[s], None, None
-            if reader is None:
-                self._state[s] = _FREE
-                heapq.heappush(self._free, s)
-            else:
-                self._state[s] = _PENDING
-                by_event.setdefault(id(reader), (reader, []))[1].append(s)
+            self._reader[s] = self._writer[s] = None
+        done = [s for s, r in zip(slots, readers) if r is None]
+        by_event: dict[int, tuple[torch.cuda.Event, list[int]]] = {}
+        if len(done) < len(slots):  # some still read by a reload: PENDING until it ends
+            for s, reader in zip(slots, readers):
+                if reader is not None:
+                    by_event.setdefault(id(reader), (reader, []))[1].append(s)
+            for _, waiting in by_event.values():
+                self._state[waiting] = _PENDING
+        self._give_back(done)
         self._pending.extend(by_event.values())
 
     def used_slots(self) -> list[int]:
         """The USED slots (taken by ``offload``, not freed), ascending (host; for checks)."""
-        return [s for s in range(self.num_slots) if self._state[s] == _USED]
+        return np.flatnonzero(self._state == _USED).tolist()
 
     def check_integrity(self) -> None:
         """Slot states against the free heap and the pending reloads (host only,
@@ -224,17 +231,15 @@ class HostTier:
         assert tuple(self.host.shape) == (n, self.page_bytes) == (n, self.subpool.page_bytes), (
             "host tier: the host pool holds num_slots envelopes of the sub-pool's page_bytes"
         )
-        assert all(x in (_FREE, _USED, _PENDING) for x in state), (
+        assert np.isin(state, (_FREE, _USED, _PENDING)).all(), (
             "host tier: every slot is FREE, USED or PENDING"
         )
-        free = [s for s in range(n) if state[s] == _FREE]
+        free = np.flatnonzero(state == _FREE).tolist()
         assert sorted(self._free) == free, "host tier: the free heap holds exactly the FREE slots"
-        heap = self._free
-        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), (
-            "host tier: the free list is a heap (lowest slot first)"
-        )
+        heap = self._free  # kept sorted, which makes it a heap as well
+        assert (np.diff(heap) > 0).all(), "host tier: the free list is a heap (lowest slot first)"
         waiting = sorted(s for _, slots in self._pending for s in slots)
-        assert waiting == [s for s in range(n) if state[s] == _PENDING], (
+        assert waiting == np.flatnonzero(state == _PENDING).tolist(), (
             "host tier: PENDING slots are exactly those waiting for a reload's event"
         )
         assert all(self._writer[s] is None and self._reader[s] is None for s in free + waiting), (
@@ -244,36 +249,47 @@ class HostTier:
     # -- slot bookkeeping ---------------------------------------------------------
 
     def _reclaim(self) -> None:
-        still = []
+        if not self._pending:
+            return
+        still, fired = [], []
         for event, slots in self._pending:
             if event.query():
-                for s in slots:
-                    self._state[s] = _FREE
-                    heapq.heappush(self._free, s)
+                fired += slots
             else:
                 still.append((event, slots))
         self._pending = still
+        self._give_back(fired)
+
+    def _give_back(self, slots: list[int]) -> None:
+        """``slots`` become FREE: merged into the sorted free list (one sort of two runs)."""
+        if slots:
+            self._state[slots] = _FREE
+            self._free += slots
+            self._free.sort()
 
     def _take(self, n: int) -> list[int] | None:
+        """The ``n`` lowest free slots (ascending), now USED; None when fewer are free."""
         self._reclaim()
         if n > len(self._free):
             return None
-        slots = [heapq.heappop(self._free) for _ in range(n)]  # ascending
-        for s in slots:
-            self._state[s] = _USED
+        slots = self._free[:n]
+        del self._free[:n]
+        self._state[slots] = _USED
         return slots
 
     def _used_slots(self, host_slots: HostPageIds, what: str) -> list[int]:
         data = expect(host_slots, HostPageIds, what)
-        slots = data.to("cpu", torch.int64).tolist()
-        n, state = self.num_slots, self._state  # (a property per slot cost 20 us each)
-        bad = [s for s in slots if not 0 <= s < n or state[s] != _USED]
-        if bad or len(set(slots)) != len(slots):
+        slots = data.to("cpu", torch.int64).numpy()
+        n = self.num_slots
+        ok = (slots >= 0) & (slots < n)
+        ok[ok] = self._state[slots[ok]] == _USED
+        if not ok.all() or len(np.unique(slots)) != len(slots):
             raise ValueError(
                 f"{what} must be distinct slots taken by offload from this tier "
-                f"(0..{self.num_slots - 1}); got {slots}, of which {bad} are out of range or free"
+                f"(0..{n - 1}); got {slots.tolist()}, of which {slots[~ok].tolist()} are out "
+                "of range or free"
             )
-        return slots
+        return slots.tolist()
 
     # -- copies ---------------------------------------------------------------------
 
@@ -308,16 +324,22 @@ class HostTier:
         are read only on the direct path (a sync, as before)."""
         if pages.device.type != "cpu" and not self.direct:
             return [], pages, slots
-        pairs = sorted(zip(slots, host_list(pages)))  # each pair is its own copy: any order
-        slots, plist = [s for s, _ in pairs], [p for _, p in pairs]
-        ranges, rest = [], []
-        for i, page, length in pair_runs(plist, slots):
-            if self.direct or length * self.page_bytes >= self.direct_min_bytes:
-                ranges.append((page, slots[i], length))
-            else:
-                rest.extend(range(i, i + length))
-        index = torch.tensor([plist[i] for i in rest], dtype=torch.int64)
-        return ranges, index, [slots[i] for i in rest]
+        ids = pages.detach().to("cpu", torch.int64).numpy()  # a sync only for device ids
+        order = np.argsort(np.asarray(slots, np.int64), kind="stable")  # any order will do:
+        held, ids = np.asarray(slots, np.int64)[order], ids[order]  # each pair is one copy
+        starts, lengths = run_bounds(ids, held)
+        direct = np.full(len(starts), self.direct) | (
+            lengths * self.page_bytes >= self.direct_min_bytes
+        )
+        ranges = list(
+            zip(
+                ids[starts[direct]].tolist(),
+                held[starts[direct]].tolist(),
+                lengths[direct].tolist(),
+            )
+        )
+        rest = np.repeat(~direct, lengths)
+        return ranges, torch.from_numpy(ids[rest]), held[rest].tolist()
 
     def _copy_out(self, pages: torch.Tensor, slots: list[int], stream) -> None:
         ranges, pages, slots = self._plan(pages, slots)
@@ -334,7 +356,7 @@ class HostTier:
             torch.index_select(
                 self._rows, 0, index[c0 : c0 + len(chunk)], out=staging[: len(chunk)]
             )
-            for i, slot, length in runs(chunk):
+            for i, slot, length in _slot_runs(chunk):
                 self.host[slot : slot + length].copy_(staging[i : i + length], non_blocking=True)
 
     def _copy_in(self, pages: torch.Tensor, slots: list[int], stream) -> None:
@@ -349,6 +371,13 @@ class HostTier:
         index = self._device_index(pages, staging, stream)
         for c0 in range(0, len(slots), staging.shape[0]):
             chunk = slots[c0 : c0 + staging.shape[0]]
-            for i, slot, length in runs(chunk):
+            for i, slot, length in _slot_runs(chunk):
                 staging[i : i + length].copy_(self.host[slot : slot + length], non_blocking=True)
             self._rows.index_copy_(0, index[c0 : c0 + len(chunk)], staging[: len(chunk)])
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, length) of each run of consecutive ``slots``."""
+    array = np.asarray(slots, np.int64)
+    starts, lengths = run_bounds(array)
+    return list(zip(starts.tolist(), array[starts].tolist(), lengths.tolist()))

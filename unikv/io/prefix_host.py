@@ -127,9 +127,11 @@ class PrefixHost:
         unbound pages with it, so they are reused only once their bytes have left
         (no host sync; a reload waits for the copy on the device)."""
         ids = [n.node_id for n in nodes]
-        count = sum(reachable_many(prefix.by_id, ids))
-        free = self._room(prefix, count)  # (may drop host nodes: reachability asked again)
         ok = reachable_many(prefix.by_id, ids)
+        held = len(self.nodes)
+        free = self._room(prefix, sum(ok))
+        if len(self.nodes) != held:  # room-making dropped host nodes: reachability again
+            ok = reachable_many(prefix.by_id, ids)
         alive = [n for n, keep in zip(nodes, ok) if keep][:free]
         if not alive:
             return set(), {}
@@ -138,8 +140,9 @@ class PrefixHost:
         for name, tier in self.tiers.items():
             ppages = prefix.books[name].physical(vpages)
             slots[name], fences[name] = self._offload(tier, ppages, ppages > 0)
-        for i, node in enumerate(alive):
-            self.nodes[node.node_id] = {name: int(s[i]) for name, s in slots.items()}
+        names, rows = list(slots), zip(*(s.tolist() for s in slots.values()))
+        for node, row in zip(alive, rows):  # no call per node: one dict each
+            self.nodes[node.node_id] = dict(zip(names, row))
         self.stats.spilled_pages += len(alive)
         return {n.node_id for n in alive}, fences
 
@@ -181,6 +184,8 @@ class PrefixHost:
     def _room(self, prefix, count: int) -> int:
         """Drop the oldest host nodes (not held) until ``count`` more fit; returns
         how many fit."""
+        if self._num_free() >= count:  # the common case: no walk over the host nodes
+            return count
         victims = [i for i in self.nodes if i not in self.held]
         while victims and self._num_free() < count:
             self.drop(prefix, [victims.pop(0)])
@@ -273,9 +278,10 @@ class PrefixHost:
         the pool has no room; ``hit`` itself when a node of it is gone (stale).
         ``reserve``: ``(new, virtual) -> bool``, the room maker's reserve without
         the shortfall callback."""
-        nodes = [prefix.by_id.get(int(i)) for i in hit.nodes]
-        if any(n is None for n in nodes):
+        ids = hit.nodes.tolist()
+        if not prefix.by_id.keys() >= set(ids):  # a node is gone: stale
             return hit
+        nodes = [prefix.by_id[i] for i in ids]
         columns = [i for i, n in enumerate(nodes) if n.page == HOST]
         if columns:
             if not self._reserve(prefix, nodes, columns, reserve):
@@ -300,10 +306,8 @@ class PrefixHost:
         last = nodes[-1].node_id
         self.held = {nodes[i].node_id for i in columns} | {last}
         was_evictable = states is not None and states.lru.pop(last, 0) is None
-        need = {
-            name: sum(self.nodes[nodes[i].node_id][name] >= 0 for i in columns)
-            for name in self.tiers
-        }
+        slots = [self.nodes[nodes[i].node_id] for i in columns]
+        need = {name: int((np.array([s[name] for s in slots]) >= 0).sum()) for name in self.tiers}
         try:
             return bool(reserve(need, len(columns)))
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from unikv.engine.step_times import StepTimes
 from unikv.engine.tracks import Delta
 
 
@@ -115,6 +116,7 @@ class AsyncEngine:
         self.loop.max_waiting = max_waiting or None  # 0: no bound, as --max-waiting 0
         self.loop.publish = self._publish
         self.loop.on_death = self._died
+        self.loop.times = StepTimes()  # host time per step by phase (/metrics)
         self.on_death = on_death  # called on the event loop when the engine loop dies
         self.resize = None  # the admin route's resize (the app sets it)
         self._aloop: asyncio.AbstractEventLoop | None = None

@@ -122,7 +122,10 @@ class ProcEngine:
         self.outputs.setsockopt(zmq.LINGER, 0)
         self.outputs.bind(self.addr_out)
         self._send_lock = threading.Lock()  # the event loop and ``call``'s threads send
-        self.subs: dict[int, tuple[Submission, list[list[TextStage]]]] = {}
+        self.subs: dict[int, tuple[Submission, list[list[TextStage]], range]] = {}
+        # completion id (numbered here, ``engine_core``'s ``add``) -> (key, prompt, index)
+        self.wires: dict[int, tuple[int, int, int]] = {}
+        self._next_wire = 0
         self._acks: dict[int, asyncio.Future] = {}
         self._calls: dict[int, tuple[threading.Event, list]] = {}
         self._keys = itertools.count()  # submission ids (the event loop's thread)
@@ -231,20 +234,28 @@ class ProcEngine:
         sub.key, sub.left = key, sum(len(s) for s in stages)
         ack = self._aloop.create_future()
         self._acks[key] = ack
-        self.subs[key] = (sub, stages)
+        first = self._next_wire
+        wires = range(first, first + sub.left)
+        self._next_wire = wires.stop
+        self.subs[key] = (sub, stages, wires)
+        w = first
+        for prompt, row in enumerate(stages):
+            for index in range(len(row)):
+                self.wires[w] = (key, prompt, index)
+                w += 1
         payload = [(list(ids), encode_params(params)) for ids, _, params in items]
-        self._send(("add", key, payload, cache_salt))
+        self._send(("add", key, payload, cache_salt, first))
         try:
             kind, message = await ack
         except asyncio.CancelledError:  # the client went away before the engine answered
-            if self.subs.pop(key, None) is not None and self.error is None:
+            if self._forget(key) and self.error is None:
                 self._send(("abort", [key]))
             raise
         finally:
             self._acks.pop(key, None)
         if kind is None:
             return sub
-        self.subs.pop(key, None)
+        self._forget(key)
         if kind == "QueueFull":
             raise QueueFull(message)
         if kind == "EngineClosed":
@@ -254,8 +265,17 @@ class ProcEngine:
         field = message.split(" ", 1)[0]
         raise BadRequest(message, field if field == "stop_token_ids" else None)
 
+    def _forget(self, key: int) -> bool:
+        """Drop submission ``key`` and its completion ids; whether it was known."""
+        entry = self.subs.pop(key, None)
+        if entry is None:
+            return False
+        for w in entry[2]:
+            self.wires.pop(w, None)
+        return True
+
     def abort_submission(self, sub: Submission) -> None:
-        self.subs.pop(sub.key, None)
+        self._forget(sub.key)
         if self.error is None:
             self._send(("abort", [sub.key]))
 
@@ -362,9 +382,10 @@ class ProcEngine:
                 msg = self.dec.decode(data)
                 kind = msg[0]
                 if kind == "out":
-                    self._out(msg[1], pairs)
-                elif kind == "ack":
-                    _resolve(self._acks.get(msg[1]), (msg[2], msg[3]))
+                    self._out(msg[1], msg[2], msg[3], pairs)
+                elif kind == "acks":
+                    for key, failed, message in msg[1]:
+                        _resolve(self._acks.get(key), (failed, message))
                 elif kind == "ret":
                     call = self._calls.pop(msg[1], None)
                     if call is not None:
@@ -392,27 +413,37 @@ class ProcEngine:
             except RuntimeError:  # the event loop closed meanwhile
                 pass
 
-    def _out(self, rows: list, pairs: list) -> None:
-        """One step's rows: their Deltas appended to ``pairs``."""
+    def _out(self, wires: list, tokens: list, rows: list, pairs: list) -> None:
+        """One step's output: its one-token rows (``wires``/``tokens``) and full
+        ``rows``, their Deltas appended to ``pairs``."""
         cut = []
-        for key, prompt, index, *raw in rows:
-            entry = self.subs.get(key)
-            if entry is None:
-                continue  # aborted
-            sub, stages = entry
-            stage = stages[prompt][index]
-            delta = stage.advance(raw)
-            if delta is None:
-                continue
-            if stage.hit_stop:  # a stop string: the engine ends this completion
-                stage.hit_stop = False
-                if raw[2] is None:
-                    cut.append((key, prompt, index))
-            pairs.append(((sub, prompt), delta))
-            if delta.finish_reason is not None and all(s.done for r in stages for s in r):
-                self.subs.pop(key, None)
+        plain = [None, None, None, None, None, None]  # the rest of a one-token raw row
+        for w, token in zip(wires, tokens):
+            self._row(w, [token], plain, pairs, cut)
+        for w, *raw in rows:
+            self._row(w, raw[0], raw[1:], pairs, cut)
         if cut:
             self._send(("cut", cut))
+
+    def _row(self, wire: int, new: list, rest: list, pairs: list, cut: list) -> None:
+        """Completion ``wire``'s raw delta (``new`` tokens, then ``rest``: logprobs,
+        finish, stop, error, cached, prompt logprobs) made a Delta for its stream."""
+        ident = self.wires.get(wire)
+        if ident is None:
+            return  # aborted
+        key, prompt, index = ident
+        sub, stages, _ = self.subs[key]
+        stage = stages[prompt][index]
+        delta = stage.advance((new, *rest))
+        if delta is None:
+            return
+        if stage.hit_stop:  # a stop string: the engine ends this completion
+            stage.hit_stop = False
+            if rest[1] is None:
+                cut.append((key, prompt, index))
+        pairs.append(((sub, prompt), delta))
+        if delta.finish_reason is not None and all(s.done for r in stages for s in r):
+            self._forget(key)
 
     def _died(self, message: str) -> None:
         if self._stopping or self.error is not None:
@@ -420,13 +451,14 @@ class ProcEngine:
         self.error = message
         self._unwatch()
         pairs = []
-        for sub, stages in list(self.subs.values()):
+        for sub, stages, _ in list(self.subs.values()):
             for prompt, row in enumerate(stages):
                 for stage in row:
                     delta = stage.failed(message)
                     if delta is not None:
                         pairs.append(((sub, prompt), delta))
         self.subs.clear()
+        self.wires.clear()
         for call in list(self._calls.values()):
             call[1].extend((False, message))
             call[0].set()

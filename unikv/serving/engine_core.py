@@ -6,27 +6,47 @@ starts ``python -m unikv.serving.engine_core``, writing its setup (the engine's
 ``EngineConfig``, pickled, the socket addresses, the admission bound) to the
 child's stdin as msgpack. The child connects:
 
-    API process                                   engine process
-    PUSH (inputs)  --add / abort / cut / call / stop-->  PULL  (main thread)
-    PULL (outputs) <--ready / ack / ret--------  PUSH  (main thread)
-                   <--out (one per step)--------  PUSH  (the loop's thread)
+    API process                                   engine process (ONE thread)
+    PUSH (inputs)  --add / abort / cut / call / stop-->  PULL
+    PULL (outputs) <--ready / acks / ret / out / dead--  PUSH
+
+One thread runs the loop and the sockets (``serve_all``, ``EngineLoop.adopt``):
+nothing contends for the GIL. Each turn drains every queued input message and
+admits the requests among them at once (one ``acks`` message answers them), so
+a burst joins the next step; then one step launches step N and settles N-1,
+whose outputs are encoded and sent while the device runs N. Idle, it sleeps in
+``poll``.
 
 With ``--api-server-count N`` every API process has such a socket pair (a
 "channel") per model: the setup's ``peers`` lists the other API processes'
 addresses (bound by those processes; a connect before their bind is queued by
 ZeroMQ). A request is known here by (channel, its API process's id), and its
 outputs go back on its own channel only: each step sends one ``out`` message
-per channel with rows in it. A channel's ``stop`` closes that channel (its
-requests are aborted, nothing more is sent on it); a model's loop stops when
-all its channels did, or when its channel 0 did (the first API process's,
-which stops after the others ended); the process when every channel did.
+per channel with rows in it (here a completion id carries its channel in its
+bits from ``WIRE_BITS`` on, taken off before it is sent). A channel's ``stop``
+closes that channel (its requests are aborted, nothing more is sent on it); a
+model's loop stops when all its channels did, or when its channel 0 did (the
+first API process's, which stops after the others ended); the process when
+every channel did.
+
+Messages (msgpack arrays; the first element is the kind):
+
+    add   key, [[prompt ids, params], ...], cache salt, first completion id
+          (the API process numbers a submission's completions first, first + 1,
+          ... prompt by prompt, so outputs name a completion by one int)
+    acks  [[key, None | error kind, message], ...]   one per drain
+    out   wires, tokens, rows   ONE per step: ``wires``/``tokens`` (int arrays,
+          same length) the running completions that gained one token and the
+          token; ``rows`` every other delta in full: [completion id, token ids,
+          logprob rows, finish reason, stop reason, error, cached tokens,
+          prompt logprob rows]
 
 Inputs are token ids and SamplingParams (a structured-output constraint as its
 (kind, spec) source, compiled here); the engine does not tokenize or
-detokenize (its groups carry no tokenizer). Each engine step sends ONE ``out``
-message with every request's new tokens, logprob rows (texts None), finish
-and stop reasons, errors and cached-token counts. A stop STRING is found by the
-API process, which then ends that completion here (``cut``).
+detokenize (its groups carry no tokenizer; logprob rows carry no texts). A stop
+STRING is found by the API process, which then ends that completion here
+(``cut``). ``StepTimes`` (``unikv.engine.step_times``) times every step by
+phase; the ``snapshot`` call returns them (``step_times``).
 
 If the loop dies (``EngineLoop``'s fatal errors), its streams get their error
 deltas, a ``dead`` message follows and the process exits with status 1; the
@@ -37,12 +57,14 @@ process does not take within a second checks it too).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import threading
 import time
 from functools import partial
+from time import perf_counter
 
 import msgspec
 
@@ -50,6 +72,7 @@ EXIT_DEATH = 1
 POLL_MS = 100
 SEND_TIMEOUT_MS = 1000  # a send waits this long, then checks that the API process lives
 PARENT = [os.getppid()]  # the API process's pid (its own word, from the setup, in main)
+WIRE_BITS = 48  # a completion id's channel, in the engine: chan << WIRE_BITS | the API's id
 
 
 def send_or_exit(sock, data) -> None:
@@ -146,34 +169,57 @@ class Core:
         self, loop, requests, reset_prefix_cache, compile_structured, ctx, outputs: list[str],
         max_waiting,
     ) -> None:  # fmt: skip
+        from unikv.engine.step_times import StepTimes
+
         self.loop, self.requests = loop, requests
         self.reset_prefix_cache, self.compile_structured = reset_prefix_cache, compile_structured
         self.enc = msgspec.msgpack.Encoder()
-        self.main_outs = [_push(ctx, o) for o in outputs]  # main thread only, one per channel
-        self.step_outs = [_push(ctx, o) for o in outputs]  # the loop's thread only
-        self.open = [True] * len(outputs)  # channels not stopped (the loop's thread reads it)
+        # one socket per channel, one thread (``serve_all``): acks, answers and steps'
+        # outputs in order
+        self.main_outs = self.step_outs = [_push(ctx, o) for o in outputs]
+        self.open = [True] * len(outputs)  # channels not stopped
         self.groups: dict[tuple[int, int], list] = {}  # (channel, submission id) -> its groups
         self.dead = threading.Event()
         self.loop.max_waiting = max_waiting or None
         self.loop.publish = self._publish
+        self.loop.publish_ids = self._publish_ids
         self.loop.on_death = self._died
+        self.times = self.loop.times = StepTimes()  # host time per step, by phase
         self.budget = None  # an idle shrink's SharedBudget (started with the loop)
         self.resize_kv = None  # resize_kv of the LLM (set by main)
 
     def send(self, msg, chan: int = 0) -> None:
         send_or_exit(self.main_outs[chan], self.enc.encode(msg))
 
-    # -- the loop's thread ---------------------------------------------------------
+    # -- the loop's steps ----------------------------------------------------------
 
     def _publish(self, pairs: list) -> None:
-        rows: list[list] = [[] for _ in self.step_outs]
-        for (chan, key, prompt, group), d in pairs:
-            cached = group.requests[d.index].num_cached_tokens
-            rows[chan].append((key, prompt, d.index, d.token_ids, d.logprobs, d.finish_reason,
-                               d.stop_reason, d.error, cached, d.prompt_logprobs))  # fmt: skip
-        for chan, mine in enumerate(rows):
-            if mine and self.open[chan]:  # (a stopped channel's reader is gone)
-                send_or_exit(self.step_outs[chan], self.enc.encode(("out", mine)))
+        self._publish_ids([], [], pairs)
+
+    def _publish_ids(self, wires: list[int], tokens: list[int], pairs: list) -> None:
+        """ONE ``out`` message per step and channel: ``wires``/``tokens`` the running
+        completions that gained one token (their ids, their tokens: two int arrays),
+        ``rows`` every other delta in full (finish, logprobs, several tokens, errors)."""
+        rows = []
+        for group, d in pairs:
+            rows.append((group.tracks[d.index].wire, d.token_ids, d.logprobs, d.finish_reason,
+                         d.stop_reason, d.error, group.requests[d.index].num_cached_tokens,
+                         d.prompt_logprobs))  # fmt: skip
+        if len(self.step_outs) == 1:  # one API process: the ids are its own
+            if self.open[0]:
+                send_or_exit(self.step_outs[0], self.enc.encode(("out", wires, tokens, rows)))
+            return
+        mask = (1 << WIRE_BITS) - 1
+        per = [([], [], []) for _ in self.step_outs]
+        for w, t in zip(wires, tokens):
+            mine = per[w >> WIRE_BITS]
+            mine[0].append(w & mask)
+            mine[1].append(t)
+        for row in rows:
+            per[row[0] >> WIRE_BITS][2].append((row[0] & mask, *row[1:]))
+        for chan, (w, t, r) in enumerate(per):
+            if (w or r) and self.open[chan]:  # (a stopped channel's reader is gone)
+                send_or_exit(self.step_outs[chan], self.enc.encode(("out", w, t, r)))
 
     def _died(self, err: BaseException) -> None:
         data = self.enc.encode(("dead", f"{type(err).__name__}: {err}"))
@@ -182,33 +228,41 @@ class Core:
                 send_or_exit(out, data)
         self.dead.set()
 
-    # -- the main thread --------------------------------------------------------------
+    # -- between steps -----------------------------------------------------------------
 
-    def add(self, key: int, items: list, salt, chan: int = 0) -> None:
-        from unikv.engine.online import EngineClosed, QueueFull
-
-        ident = (chan, key)
-        try:
-            groups = []
-            for i, (ids, params) in enumerate(items):
-                sp = decode_params(params, self.compile_structured)
-                group = self.requests.make_group(
-                    ids, sp, sink=True, cache_salt=salt, detokenize=False
-                )
-                group.sink = (chan, key, i, group)
-                groups.append(group)
+    def add_all(self, adds: list, chan: int = 0) -> None:
+        """Channel ``chan``'s ``add`` messages drained together: their groups made (a
+        refusal stays with its request), admitted in one call
+        (``EngineLoop.submit_each``), and ONE ``acks`` message answers them all."""
+        acks, made = [], []
+        for _, key, items, salt, first in adds:
+            try:
+                groups = []
+                # the API process numbers the completions first, first + 1, ...
+                wire = chan << WIRE_BITS | first
+                for ids, params in items:
+                    sp = decode_params(params, self.compile_structured)
+                    group = self.requests.make_group(
+                        ids, sp, sink=True, cache_salt=salt, detokenize=False
+                    )
+                    group.sink = group
+                    for track in group.tracks:
+                        track.wire, wire = wire, wire + 1
+                    groups.append(group)
+            except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
+                acks.append(_refusal(key, err))
+                continue
+            made.append((key, groups))
+        for (key, groups), err in zip(made, self.loop.submit_each([g for _, g in made])):
+            if err is not None:
+                acks.append(_refusal(key, err))
+                continue
+            ident = (chan, key)
             self.groups[ident] = groups
             for group in groups:
                 group.on_done = lambda g, ident=ident: self._done(ident)
-            self.loop.submit_all(groups)
-        except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
-            self.groups.pop(ident, None)
-            known = isinstance(err, (QueueFull, EngineClosed, ValueError))
-            kind = type(err).__name__ if known else "Error"
-            message = str(err) if known else f"{type(err).__name__}: {err}"
-            self.send(("ack", key, kind, message), chan)
-            return
-        self.send(("ack", key, None, None), chan)
+            acks.append((key, None, None))
+        self.send(("acks", acks), chan)
 
     def _done(self, ident: tuple[int, int]) -> None:
         groups = self.groups.get(ident)
@@ -235,6 +289,7 @@ class Core:
 
                 value = self.loop.call(lambda: engine_snapshot(self.loop.core)).result(timeout=10)
                 value["waiting"] += self.loop.num_queued
+                value["step_times"] = self.times.snapshot()
             elif name == "reset_prefix_cache":
                 value = self.reset_prefix_cache()
             elif name == "resize_kv_cache":
@@ -246,12 +301,29 @@ class Core:
             return
         self.send(("ret", cid, True, value), chan)
 
+    def handle_all(self, msgs: list, chan: int = 0) -> bool:
+        """Channel ``chan``'s messages, in order (the adds among them admitted
+        together, before any other message); True when one was ``stop``."""
+        adds = []
+        for msg in msgs:
+            if msg[0] == "add":
+                adds.append(msg)
+                continue
+            if adds:
+                self.add_all(adds, chan)
+                adds = []
+            if self.handle(msg, chan):
+                return True
+        if adds:
+            self.add_all(adds, chan)
+        return False
+
     def handle(self, msg, chan: int = 0) -> bool:
         """One message of channel ``chan``'s API process; True when it was ``stop``
         (that channel closed: its requests aborted; the loop stops with the last)."""
         kind = msg[0]
         if kind == "add":
-            self.add(msg[1], msg[2], msg[3], chan)
+            self.add_all([msg], chan)
         elif kind == "abort":
             self.abort(msg[1], chan)
         elif kind == "cut":
@@ -273,39 +345,91 @@ class Core:
         return False
 
 
+def _refusal(key: int, err: Exception) -> tuple:
+    """The ack of a request the engine could not take (kind, message)."""
+    from unikv.engine.online import EngineClosed, QueueFull
+
+    known = isinstance(err, (QueueFull, EngineClosed, ValueError))
+    kind = type(err).__name__ if known else "Error"
+    return key, kind, str(err) if known else f"{type(err).__name__}: {err}"
+
+
+def drain(sock, dec) -> list:
+    """Every message queued on ``sock``, decoded (none: an empty list)."""
+    import zmq
+
+    msgs = []
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        try:
+            msgs.append(dec.decode(sock.recv(zmq.NOBLOCK, copy=False)))
+        except zmq.Again:
+            break
+    return msgs
+
+
 def serve_all(cores: list[Core], inputs: list) -> int:
     """Answer the API processes until every channel got ``stop`` (0) or a loop
     died (EXIT_DEATH). ``inputs[i]`` is (socket, its core, the channel's index in
-    that core): one channel per model of a ``MultiLLM`` and per API process, all
-    of them in this one thread."""
+    that core): one channel per model of a ``MultiLLM`` and per API process.
+
+    ONE thread does everything (``EngineLoop.adopt``): each turn drains every
+    input socket (all its messages; their requests admitted at once, so a burst
+    joins the next step), then runs one step per model with work. A step
+    launches step N, then settles N-1 (its outputs encoded and sent) while the
+    device runs N, and the next turn's reads happen then too. Idle, it sleeps in
+    ``poll`` on the sockets (and on a pipe that other threads' ``call`` wakes)."""
     import zmq
 
     dec = msgspec.msgpack.Decoder()
     poller = zmq.Poller()
     for sock, _, _ in inputs:
         poller.register(sock, zmq.POLLIN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    poller.register(wake_r, zmq.POLLIN)
     for core in cores:
-        core.loop.start()
+        core.loop.wake = partial(_wake, wake_w)
+        core.loop.adopt()
+        core.times.watch_gc()
         if core.budget is not None:
             core.budget.start()
     open_ = set(range(len(inputs)))
-    while open_:
-        if any(core.dead.is_set() for core in cores):
-            return EXIT_DEATH
-        if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
-            os._exit(0)
-        ready = dict(poller.poll(POLL_MS))
-        for i, (sock, core, chan) in enumerate(inputs):
-            if (
-                i in open_
-                and sock in ready
-                and core.handle(dec.decode(sock.recv(copy=False)), chan)
-            ):
-                open_ = {j for j in open_ if inputs[j][1].open[inputs[j][2]]}
-    for core in cores:
-        if core.budget is not None:
-            core.budget.stop()
+    try:
+        while open_:
+            if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
+                os._exit(0)
+            live = [core for core in cores if any(core.open)]  # (a few models)
+            idle = not any(core.loop.busy for core in live)
+            if idle and wake_r in dict(poller.poll(POLL_MS)):  # idle: sleep on the sockets
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            for i in sorted(open_):
+                sock, core, chan = inputs[i]
+                start = perf_counter()
+                msgs = drain(sock, dec)
+                if not msgs:
+                    continue
+                if core.handle_all(msgs, chan):
+                    open_ = {j for j in open_ if inputs[j][1].open[inputs[j][2]]}
+                else:
+                    core.times.add("io", perf_counter() - start)
+            for core in live:
+                if any(core.open) and (not core.loop.turn() or core.dead.is_set()):
+                    return EXIT_DEATH
+    finally:
+        for core in cores:
+            core.times.unwatch_gc()
+            if core.budget is not None:
+                core.budget.stop()
+        os.close(wake_r)
+        os.close(wake_w)
     return 0
+
+
+def _wake(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError, OSError):  # full: a wake is pending anyway
+        os.write(fd, b"w")
 
 
 def ready_info(llm) -> dict:

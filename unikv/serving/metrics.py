@@ -20,6 +20,8 @@ two steps (``EngineLoop.call``), so a scrape never sees the allocator mid-update
     vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total,
     unikv:spec_decode_draft_seconds_total, unikv:spec_decode_verify_steps_total
         (with speculative decoding: acceptance rate = accepted / draft tokens)
+    unikv:engine_step_phase_seconds{phase}, unikv:engine_step_phase_max_seconds{phase}
+        host time per engine step by phase (``unikv.engine.step_times``)
 
 A cached page no request holds can be evicted at once, so it counts as free
 (as vLLM counts unreferenced cached blocks): ``live_pages`` and the usage leave
@@ -173,6 +175,28 @@ class _EngineCollector:
         spec = snap["spec"]
         for name, key, text in () if spec is None else SPEC_COUNTERS:
             yield _counter(name, text, model, spec[key])
+        if snap.get("step_times"):
+            yield from _step_families(snap["step_times"], model)
+
+
+def _step_families(times: dict, model: str):
+    """The engine's host time per step phase (``unikv.engine.step_times``): one
+    histogram per phase, and each phase's largest figure so far."""
+    les = [floatToGoString(b) for b in times["edges_s"]] + ["+Inf"]
+    hist = HistogramMetricFamily(
+        "unikv:engine_step_phase_seconds",
+        "Host seconds per engine step, by phase (plan, launch, wait, output, step; io: "
+        "the engine process's input between steps; gc: collector pauses)",
+        labels=["phase", "model_name"],
+    )
+    top = GaugeMetricFamily("unikv:engine_step_phase_max_seconds",
+                            "The largest host seconds of a step phase so far",
+                            labels=["phase", "model_name"])  # fmt: skip
+    for phase, h in times["phases"].items():
+        hist.add_metric([phase, model], list(zip(les, accumulate(h["counts"]))), h["sum_s"])
+        top.add_metric([phase, model], h["max_s"])
+    yield hist
+    yield top
 
 
 class Histogram:
@@ -241,6 +265,8 @@ class ServingMetrics:
             def snapshot():
                 snap = loop.call(lambda: engine_snapshot(core)).result(timeout=10)
                 snap["waiting"] += loop.num_queued
+                if loop.times is not None:
+                    snap["step_times"] = loop.times.snapshot()
                 return snap
 
         if snapshot is not None:  # None: the handler figures alone (tests)
