@@ -115,7 +115,8 @@ def _copy_rows(into, value) -> None:
     """Copy ``value`` into the staged ``into`` (tensors, or tuples of them), unless it
     is those very bytes (a fixed buffer passed on: positions, an op's output)."""
     if isinstance(into, torch.Tensor):
-        if into.data_ptr() != value.data_ptr():
+        same = into.untyped_storage() is value.untyped_storage()  # torch keeps one object
+        if not (same and into.storage_offset() == value.storage_offset()):
             into.copy_(value)
     elif isinstance(into, tuple):
         for a, b in zip(into, value, strict=True):
@@ -346,7 +347,7 @@ class PrefillGraphs:
             f"prefill graphs invariant: {name}'s {key} has {size} token rows"
         )
         fixed = [self.positions, *self._outs.values()]
-        if any(value.untyped_storage().data_ptr() == f.data_ptr() for f in fixed):
+        if any(value.untyped_storage() is f.untyped_storage() for f in fixed):
             return value
         slot = (name, key, part, tuple(value.shape[1:]), value.dtype)
         buffer = self._ins.get(slot)
