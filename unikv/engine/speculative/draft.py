@@ -73,6 +73,17 @@ def free_grow(target_configs) -> Grow:
     return free[0]
 
 
+def packed(spans: list, budget: int, max_seqs: int) -> list[list]:
+    """``spans`` (each ending in its token count) in order, cut into extends of at most
+    ``budget`` tokens and ``max_seqs`` rows each."""
+    runs, batch = [], []
+    for span in spans:
+        if batch and (len(batch) == max_seqs or sum(b[-1] for b in batch) + span[-1] > budget):
+            runs, batch = [*runs, batch], []
+        batch.append(span)
+    return [*runs, batch] if batch else runs
+
+
 class DraftModel:
     """The draft model over its sub-pools, run through the target's step planner.
 
@@ -144,15 +155,10 @@ class DraftModel:
             spans += [
                 (_Span(r.slot, s, ids), min(end - s, budget)) for s in range(lag, end, budget)
             ]
-        runs, batch = 0, []
-        for span in spans + [None]:
-            full = span is None or len(batch) == self.planner.max_seqs
-            if batch and (full or sum(n for _, n in batch) + span[1] > budget):
-                self._extend(batch)
-                runs, batch = runs + 1, []
-            if span is not None:
-                batch.append(span)
-        return runs
+        runs = packed(spans, budget, self.planner.max_seqs)
+        for batch in runs:
+            self._extend(batch)
+        return len(runs)
 
     def _extend(self, spans) -> None:
         rows, counts = [s for s, _ in spans], [n for _, n in spans]

@@ -49,7 +49,14 @@ import torch
 from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, Pending
 from unikv.engine.runner import DRAFT_PREFIX
-from unikv.engine.speculative.draft import _row, _Span, free_grow, request_major, to_device
+from unikv.engine.speculative.draft import (
+    _row,
+    _Span,
+    free_grow,
+    packed,
+    request_major,
+    to_device,
+)
 from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
 
@@ -180,15 +187,10 @@ class HiddenDraft:
                 spans.append((r, r.draft_lag, end - r.draft_lag))
                 r.draft_lag = None
                 self.lagging.discard(r.request_id)
-        budget, runs, batch = self.planner.max_tokens, 0, []
-        for span in spans + [None]:
-            full = span is None or len(batch) == self.planner.max_seqs
-            if batch and (full or sum(n for _, _, n in batch) + span[2] > budget):
-                self._extend(batch)
-                runs, batch = runs + 1, []
-            if span is not None:
-                batch.append(span)
-        return runs
+        runs = packed(spans, self.planner.max_tokens, self.planner.max_seqs)
+        for batch in runs:
+            self._extend(batch)
+        return len(runs)
 
     def _extend(self, spans) -> None:
         slots = np.asarray([r.slot for r, _, _ in spans], np.int64)
