@@ -37,6 +37,7 @@ restores a hit's checkpoint.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -94,6 +95,8 @@ class PrefixCaching(NoPrefixCache):
         super().__init__(alloc)
         self.prefix = alloc.prefix
         self.has_state, self.has_window = has_state, has_window
+        # the step's checkpoints in one copy (issue 41); none to batch without state
+        self._step_scope = (lambda: self.prefix.batched()) if has_state else nullcontext
         self.rule = CheckpointRule() if rule is None else rule
         # request slot -> tokens of its latest prompt-end or decode checkpoint (the
         # next decode checkpoint of the slot demotes it)
@@ -145,10 +148,7 @@ class PrefixCaching(NoPrefixCache):
         (before its pages leave the window). ``verify``: a speculative verify step,
         whose kept rows (``num_new``) may complete a page before the last: its state
         is in the per-draft-position slot of that row (``allocator/mamba.py``)."""
-        if not self.has_state:  # no state checkpoints to batch: no context a step
-            self._after_step(batch, verify)
-            return
-        with self.prefix.batched():  # the step's checkpoints: one copy (issue 41)
+        with self._step_scope():
             self._after_step(batch, verify)
 
     def _after_step(self, batch: Batch, verify: bool) -> None:
