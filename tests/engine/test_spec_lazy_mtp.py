@@ -14,10 +14,9 @@ transformers' greedy ones.
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_fixtures import assert_pages_returned, hf_greedy, one_thread  # noqa: F401
 from qwen_mtp_fixtures import save_tiny_qwen_mtp
-from test_spec_qwen_mtp import make_llm, oracle_drafts, prompts, spy_drafts
+from test_spec_qwen_mtp import make_llm, one_request_pool, oracle_drafts, prompts, spy_drafts
 
 from unikv.engine import SamplingParams
 from unikv.engine.request import BatchKind
@@ -83,23 +82,12 @@ def test_lazy_mtp_resumes_on_the_true_chain(qwen, window, monkeypatch):
 def test_lazy_mtp_under_swap(qwen, monkeypatch):
     """Preemption by swap while rows lag: they are written before the pages leave,
     so the swapped-in request's drafts are still the chain's."""
-    from unikv.engine.speculative.mtp import mtp_subpool_configs
-    from unikv.hf_config import specs_from_hf_config
-    from unikv.placement import pool_bytes_for, worst_case_pages
-
     path, hf, block, mtp = qwen
     k, ps, length = 3, 4, 40
-    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    configs += mtp_subpool_configs(configs, "full")
-    pages = {  # (pool_bytes_for adds one page or slot to each)
-        c.name: 2 * (1 + k) - 1 if c.spec.kind == "mamba" else
-        worst_case_pages(c.spec, ps, length, 32) - 1
-        for c in configs
-    }  # fmt: skip
     items = prompts()
     items = items + items[::-1]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = make_llm(path, k, ps, kv_cache_bytes=pool_bytes_for(configs, pages),
+    llm = make_llm(path, k, ps, kv_cache_bytes=one_request_pool(path, k, ps, length),
                    max_model_len=length, preemption="swap", swap_host_bytes=1 << 22,
                    speculative_disable_by_batch_size=1)  # fmt: skip
     draft = llm.runner.draft

@@ -64,6 +64,23 @@ def make_llm(path: str, k: int | None, ps: int, **kw) -> LLM:
 
 
 @torch.no_grad()
+def one_request_pool(path: str, k: int, ps: int, length: int) -> int:
+    """Pool bytes for one request of ``length`` tokens (the MTP layer's ``draft_full``
+    as many pages) and two requests' state slots with their k draft positions each."""
+    from unikv.engine.speculative.mtp import mtp_subpool_configs
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.placement import pool_bytes_for, worst_case_pages
+
+    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
+    configs += mtp_subpool_configs(configs, "full")
+    pages = {  # (pool_bytes_for adds one page or slot to each)
+        c.name: 2 * (1 + k) - 1 if c.spec.kind == "mamba" else
+        worst_case_pages(c.spec, ps, length, 32) - 1
+        for c in configs
+    }  # fmt: skip
+    return pool_bytes_for(configs, pages)
+
+
 def oracle_drafts(hf, block, mtp, ids: list[int], count: int) -> list[int]:
     """The MTP chain for a request whose tokens are ``ids`` (the last one pending):
     row j takes (h_j, ids[j + 1]); draft 1 from the last row; draft i + 1 from a row
@@ -189,21 +206,10 @@ def test_qwen_mtp_under_preemption(saved, preemption):
     """A pool of one request's pages (the MTP layer's ``draft_full`` as many) and two
     requests' state slots: requests are preempted (recomputed, or swapped with their
     MTP rows) and the outputs still equal plain decoding's."""
-    from unikv.engine.speculative.mtp import mtp_subpool_configs
-    from unikv.hf_config import specs_from_hf_config
-    from unikv.placement import pool_bytes_for, worst_case_pages
-
     path, k, ps, length = saved("qwen3_5")[0], 3, 4, 40
-    configs = specs_from_hf_config(path, page_size=ps, dtype=torch.float32)
-    configs += mtp_subpool_configs(configs, "full")
-    pages = {  # (pool_bytes_for adds one page or slot to each)
-        c.name: 2 * (1 + k) - 1 if c.spec.kind == "mamba" else
-        worst_case_pages(c.spec, ps, length, 32) - 1
-        for c in configs
-    }  # fmt: skip
     items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [o.output_ids for o in make_llm(path, None, ps).generate(items, params)]
-    kw = {"kv_cache_bytes": pool_bytes_for(configs, pages), "max_model_len": length,
+    kw = {"kv_cache_bytes": one_request_pool(path, k, ps, length), "max_model_len": length,
           "preemption": preemption}  # fmt: skip
     if preemption == "swap":
         kw["swap_host_bytes"] = 1 << 22

@@ -78,6 +78,17 @@ def _serve(llm, ctx, chan: Channel):
     return core, pull, thread, box
 
 
+def _stop(ctx, chan: Channel, core, pull, thread) -> None:
+    """Stop the loop and close every socket ``_serve`` and ``chan`` opened."""
+    chan.send(("stop",))
+    thread.join(30)
+    pull.close()
+    core.main_outs[0].close()
+    chan.push.close()
+    chan.pull.close()
+    ctx.term()
+
+
 def test_burst_one_acks_one_out_per_step_tokens_equal_generate(llm):
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
@@ -131,13 +142,7 @@ def test_burst_one_acks_one_out_per_step_tokens_equal_generate(llm):
             assert all(r[0] == 200 for r in o[3])
         assert core.times.snapshot()["phases"]["io"]["n"] >= 1
     finally:
-        chan.send(("stop",))
-        thread.join(30)
-        pull.close()
-        core.main_outs[0].close()
-        chan.push.close()
-        chan.pull.close()
-        ctx.term()
+        _stop(ctx, chan, core, pull, thread)
     assert box == [0] and not llm.engine.running
     assert not llm.scheduler.running and not llm.scheduler.waiting
 
@@ -154,13 +159,7 @@ def test_call_from_another_thread_wakes_the_idle_loop(llm):
         assert future.result(timeout=10) == 7
         assert seen == [thread]  # run by the loop's (adopted) thread, between steps
     finally:
-        chan.send(("stop",))
-        thread.join(30)
-        pull.close()
-        core.main_outs[0].close()
-        chan.push.close()
-        chan.pull.close()
-        ctx.term()
+        _stop(ctx, chan, core, pull, thread)
     assert box == [0]
 
 
