@@ -47,6 +47,19 @@ CONFIGS = {
 }
 
 
+def _gpu_operands(tokens: int):
+    """The GPU tests' MoE on CUDA: E 8, top-2, d 1024, I 512, FP8 experts in BLOCK
+    blocks -> (x, topk weights, topk ids, w1, s1, w2, s2), seeded by ``tokens``."""
+    g = torch.Generator().manual_seed(tokens)
+    e, k, d, inter = 8, 2, 1024, 512
+    w1, s1 = (t.cuda() for t in _stack(e, inter, d, 2, g))
+    w2, s2 = (t.cuda() for t in _stack(e, d, inter, 1, g))
+    x = torch.randn(tokens, d, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).cuda()
+    weights = torch.rand(tokens, k, generator=g).bfloat16().cuda()
+    return x, weights, ids, w1, s1, w2, s2
+
+
 def _stack(e: int, rows: int, cols: int, parts: int, g) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 experts (E, parts * rows, cols) and scales (E, parts * ceil(rows / 128),
     ceil(cols / 128)): 2^-15..2^-9 per block."""
@@ -172,13 +185,7 @@ def test_gpu_per_tile_dequant_matches_the_dequantised_kernel(tokens):
     same operands: equal up to the MMA's fp32 sums) and the reference. 16-bit
     activations at every T (``w8a8=False``: 300 rows would plan W8A8, tested in
     ``test_kernels_moe_w8a8.py``)."""
-    g = torch.Generator().manual_seed(tokens)
-    e, k, d, inter = 8, 2, 1024, 512
-    w1, s1 = (t.cuda() for t in _stack(e, inter, d, 2, g))
-    w2, s2 = (t.cuda() for t in _stack(e, d, inter, 1, g))
-    x = torch.randn(tokens, d, generator=g).bfloat16().cuda()
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).cuda()
-    weights = torch.rand(tokens, k, generator=g).bfloat16().cuda()
+    x, weights, ids, w1, s1, w2, s2 = _gpu_operands(tokens)
     got = fp8.moe_fp8(x, weights, ids, w1, s1, w2, s2, block=BLOCK, w8a8=False)
     dense1 = fp8_gemm_ref.dequantize_experts(w1, s1, 2, BLOCK, torch.bfloat16)
     dense2 = fp8_gemm_ref.dequantize_experts(w2, s2, 1, BLOCK, torch.bfloat16)

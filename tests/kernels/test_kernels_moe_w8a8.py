@@ -34,7 +34,7 @@ import math
 
 import pytest
 import torch
-from test_kernels_moe_fp8_tile import BLOCK, _case, _rel, _stack
+from test_kernels_moe_fp8_tile import BLOCK, _case, _gpu_operands, _rel
 
 from unikv.kernels.backend import get_backend
 from unikv.kernels.linear import fp8_gemm_ref
@@ -197,13 +197,7 @@ def test_gpu_w8a8_matches_its_reference(tokens):
     """Compiled (FP8 wgmma, the plan's tiles at prefill buckets): E 8, top-2, d 1024,
     I 512: the W8A8 reference at 1e-2 of max (the FP8 MMA's fp32 sums in another order)
     and the 16-bit-activation kernel within the bound."""
-    g = torch.Generator().manual_seed(tokens)
-    e, k, d, inter = 8, 2, 1024, 512
-    w1, s1 = (t.cuda() for t in _stack(e, inter, d, 2, g))
-    w2, s2 = (t.cuda() for t in _stack(e, d, inter, 1, g))
-    x = torch.randn(tokens, d, generator=g).bfloat16().cuda()
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).cuda()
-    weights = torch.rand(tokens, k, generator=g).bfloat16().cuda()
+    x, weights, ids, w1, s1, w2, s2 = _gpu_operands(tokens)
     plan = get_backend("cuda", "triton").plan_rows(tokens)
     assert plan.moe_w8a8
     got = fp8.moe_fp8(x, weights, ids, w1, s1, w2, s2, block=BLOCK, rows=plan)
