@@ -24,7 +24,7 @@ m=tests/engine/test_engine_mimo_gpu.py  # the wide MiMo: minutes on its own, so 
 lane 480 $m::test_bf16_teacher_forced &
 lane 480 $m::test_fp32_greedy_identical_with_triton_and_graphs $m::test_fp32_graphs_under_preemption_and_tiny_chunks &
 lane 480 tests/engine/test_engine_gpu.py tests/engine/test_launch_gpu.py tests/allocator/test_allocator_gpu.py &
-lane 480 tests/engine/test_spec_gpu.py tests/engine/test_spec_rule.py &
+lane 480 tests/engine/test_spec_gpu.py tests/engine/test_spec_rule.py tests/engine/test_spec_pipeline.py &
 lane 480 tests/engine/test_engine_mamba_hybrids_gpu.py tests/engine/test_prefix_checkpoint_gpu.py \
   tests/io/test_io_gpu.py tests/io/test_host_runs.py &
 lane 480 tests/engine/test_engine_gemma_gpu.py tests/allocator/test_allocator_pressure_gpu.py &
@@ -32,14 +32,16 @@ lane 480 tests/engine/test_engine_new_families_gpu.py tests/engine/test_engine_k
 lane 480 tests/engine/test_engine_deepseek_gpu.py tests/engine/test_spec_recurrent_gpu.py \
   tests/kernels/test_kernels_recurrent_draft.py &
 lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py &
-lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py &
+lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py &
+lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py &
 else  # PART=b: the kernel files, the smoke test, FP8 and the long prefill
 lane 480 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \
   tests/kernels/test_kernels_fused_step_gpu.py &
 lane 480 tests/engine/test_gpu_smoke.py tests/kernels/test_mla_expanded.py tests/kernels/test_kernels_elementwise.py &
 lane 480 tests/kernels/test_kernels_mla_gpu.py tests/kernels/test_kernels_mla_decode.py &
 lane 480 tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_fp8_gemm.py &
-lane 480 tests/models/test_models_fp8.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_moe_fp8_tile.py &
+lane 480 tests/models/test_models_fp8.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_moe_fp8_tile.py \
+  tests/kernels/test_kernels_moe_w8a8.py &
 lane 480 tests/kernels/test_kernels_recurrent_gpu.py tests/engine/test_engine_long_prefill_gpu.py \
   tests/engine/test_engine_fp8_kv.py &
 lane 480 tests/kernels/test_kernels_rope_decode.py tests/kernels/test_kernels_decode_preload_gpu.py \
