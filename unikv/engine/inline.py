@@ -35,6 +35,8 @@ class Stats:
     spec_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + bonus)
     spec_verify_requests: int = 0  # (request, verify step) pairs
     spec_draft_seconds: float = 0.0  # host time proposing drafts
+    spec_ahead_steps: int = 0  # verify steps planned ahead of the one in flight (pipeline)
+    spec_ahead_dropped: int = 0  # of those, thrown away (a request finished or ended)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -215,6 +215,7 @@ class StepPlanner:
         rows: int | None = None,
         prev_fed: bool = False,
         pad_q: int = 1,
+        slack: int = 0,
     ) -> StepPlan:
         """The StepPlan of ``batch``; placeholders (``Pending``) in its tokens are
         read from ``prev_tokens`` (B_prev,) int64, the previous step's samples on the
@@ -222,7 +223,9 @@ class StepPlanner:
         or R >= B (CUDA graphs: padded to R sink lanes, full-width tables).
         prev_fed: those samples are in ``self.feedback`` (a one-row greedy graph wrote
         them), where a one-row graph reads them itself. pad_q: tokens per padded
-        lane (a speculative verify graph's: every lane feeds k + 1)."""
+        lane (a speculative verify graph's: every lane feeds k + 1). slack: window
+        tokens the block tables keep further back (a verify step planned ahead, whose
+        rows may move that much lower: ``speculative/derive.py``)."""
         num = len(batch.requests)
         assert num <= (rows or num) <= self.max_seqs, (
             f"step planner invariant: {num} requests in a step of {rows} rows, buffers "
@@ -266,7 +269,7 @@ class StepPlanner:
             seq_lens=dev["seq_lens"],
             q_indptr=dev["q_indptr"],
             max_q_len=max_q_len,
-            subpools=self._tables(batch, dev, rows, longest, max_q_len, pad_q),
+            subpools=self._tables(batch, dev, rows, longest, max_q_len, pad_q, slack),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
@@ -293,7 +296,9 @@ class StepPlanner:
             dev["q_indptr"][first : num + 1] - row,
         )
 
-    def _tables(self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int, pad_q=1):
+    def _tables(
+        self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int, pad_q=1, slack=0
+    ):
         """Per token sub-pool, the write ids and block table of the step: decode_step
         wrote them (DECODE), else translated here; padded rows point at the sink."""
         num, steps = len(batch.requests), {}
@@ -307,7 +312,7 @@ class StepPlanner:
             write = self.tables.write_ids[sub.name][:num_tokens]
             if virtual_ids is not None:
                 window = sub.spec.sliding_window or 0
-                window += max_q_len - 1 if window else 0  # a first new token sees W back
+                window += max_q_len - 1 + slack if window else 0  # a first new token sees W back
                 seq_lens, slots = dev["seq_lens"][:num], dev["slots"][:num]
                 self.alloc.block_table(slots, seq_lens, sub.name, table[:num], window=window)
                 self.alloc.translate(virtual_ids, sub.name, out=write)

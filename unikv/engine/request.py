@@ -190,6 +190,9 @@ class Batch:
     # a draft model's / head's drafts on the device, (sum k_i,) int64 request-major;
     # ``drafts`` then holds placeholders -(1 + i) of their indices (never read back)
     draft_tokens: torch.Tensor | None = None
+    # a verify step planned ahead: its inputs derived on the device from the step
+    # before's acceptance (``speculative.derive.Derivation``)
+    derive: Any = None
 
     @property
     def is_decode(self) -> bool:

@@ -94,8 +94,8 @@ class Launched:
     the host copy of its log-probabilities (a StepLogprobs, or None)."""
 
     __slots__ = (
-        "_host", "_logprobs", "_prompt", "batch", "emitted", "event", "fed", "logits", "tokens_dev",
-        "verify",
+        "_host", "_logprobs", "_prompt", "accepted", "batch", "emitted", "event", "fed", "logits",
+        "row_ids", "tokens_dev", "verify",
     )  # fmt: skip
 
     def __init__(
@@ -108,6 +108,8 @@ class Launched:
         self.emitted: list[list[int]] | None = None  # a verify step's tokens per request
         # a verify step's readback (host copy, its event, the draft), until read_emitted
         self.verify: tuple | None = None
+        self.accepted: torch.Tensor | None = None  # a verify step's (B,) accepted drafts
+        self.row_ids: torch.Tensor | None = None  # a verify step's rows' virtual ids (device)
 
     def _ready(self, host):
         """``host`` (this step's host copies) once the step is done; waits for it only."""
@@ -310,17 +312,30 @@ class ModelRunner:
         readback started; ``Launched.read_emitted`` waits for them (the next step's
         drafts need them). Placeholders: a draft model's device drafts, or (a verify
         step planned ahead, ``Scheduler.verify_ahead``) the last emitted token of
-        ``prev``'s requests, its ``tokens_dev``."""
+        ``prev``'s requests, its ``tokens_dev``, and its drafts and rows derived on
+        the device from ``prev``'s acceptance (``speculative/derive.py``)."""
         graphs = self.verify_graphs
         rows = graphs.rows_for(batch) if graphs is not None else None
+        derive, slack = batch.derive, 0
+        if derive is not None:  # planned ahead of ``prev``: whatever it accepts
+            derive.upload(self.device, self._pin)
+            batch.draft_tokens = derive.sources(prev.accepted, prev.tokens_dev)
+            slack = derive.slack
         drafts = batch.draft_tokens
         if drafts is None and prev is not None:
             drafts = prev.tokens_dev
         if rows is None:
-            plan = self.planner.plan(batch, drafts)
+            plan = self.planner.plan(batch, drafts, slack=slack)
+        else:
+            plan = self.planner.plan(batch, drafts, rows=rows, pad_q=graphs.q, slack=slack)
+        row_ids = batch.virtual_ids.data
+        if derive is not None:  # the rows' true virtual ids: some of prev's, some its own
+            row_ids = derive.fix(
+                plan, prev.accepted, torch.cat([prev.row_ids, row_ids]), self.alloc
+            )
+        if rows is None:
             logits = self.forward(plan, every_row=True)
         else:
-            plan = self.planner.plan(batch, drafts, rows=rows, pad_q=graphs.q)
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
         tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
         packed = torch.cat([tokens, accepted[:, None]], dim=1)
@@ -341,7 +356,8 @@ class ModelRunner:
         self.alloc.mark_in_flight(done)
         self._launches += 1
         launched = Launched(batch, logits, last, None, None)
-        launched.verify = (packed, copied, self.draft)
+        launched.verify, launched.accepted = (packed, copied, self.draft), accepted
+        launched.row_ids = row_ids
         return launched
 
     def capture_verify(self, q: int, max_rows: int, capture: bool = True) -> None:

@@ -355,8 +355,10 @@ class Scheduler:
         after its last kept row: its live slot's when it kept every row, else that of
         draft slot ``kept - 1``, which becomes its live slot (``MambaSlots.select``).
         ``ahead``: the verify step planned after this one (``speculative/ahead.py``),
-        whose rows stay when every request kept all its drafts and none finished
-        (``kept_ahead``); else they are trimmed with the rejected ones."""
+        its rows moved on the device to where this step's acceptance puts them: the
+        rows it writes stay and it is applied next (``kept_ahead``; its drafts are the
+        candidates of each request's acceptance) unless a request finished here;
+        then its rows are trimmed with the rejected ones and its results dropped."""
         reqs, finished, appended = batch.requests, [], 0
         keep = np.empty(len(reqs), np.int64)
         kept = []
@@ -379,9 +381,13 @@ class Scheduler:
         drafted = np.fromiter((len(x) for x in batch.drafts), np.int64, len(reqs))
         for r, a, n in zip(reqs, accepted.tolist(), drafted.tolist()):
             (self.spec.accepted_all.add if a == n else self.spec.accepted_all.discard)(r.request_id)
-        self.kept_ahead = ahead is not None and not finished and bool((accepted == drafted).all())
+        self.kept_ahead = ahead is not None and not finished
+        if ahead is not None:
+            self.spec.counters.ahead_steps += 1
+            self.spec.counters.ahead_dropped += not self.kept_ahead
         if self.kept_ahead:  # the step planned ahead is the true next one: its rows stay
             keep = keep + np.asarray(ahead.num_new, np.int64)
+            ahead.drafts = ahead.derive.chosen(accepted)
         if self.state_slots > 1:  # and the state after the last kept row: select its slot
             rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
             self.alloc.truncate(slots, keep, state_rows=np.where(rows < fed, rows - 1, -1))
@@ -409,6 +415,7 @@ class Scheduler:
         """A verify step planned ahead whose requests did not all stay running (an
         abort or a stop string between steps): its results are dropped and the rows
         of the running ones trimmed back to their cached tokens (fenced until it ran)."""
+        self.spec.counters.ahead_dropped += batch.derive is not None
         live = [r for r in batch.requests if r.status is Status.RUNNING]
         if live:
             slots = np.fromiter((r.slot for r in live), np.int64, len(live))

@@ -40,6 +40,8 @@ class SpecCounters:
     emitted_tokens: int = 0  # tokens the verify steps emitted (accepted + bonus)
     draft_seconds: float = 0.0  # host time spent proposing
     skipped_by_batch_size: int = 0  # steps the batch-size rule kept from speculating
+    ahead_steps: int = 0  # verify steps planned ahead of the step in flight (pipeline)
+    ahead_dropped: int = 0  # of those, thrown away (their request finished or ended)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
