@@ -11,7 +11,10 @@ request, ``--new-tokens`` tokens after a ``--prompt-len`` prompt:
   not the model's). Target: >= 2.5x ``plain`` at k = 3;
 - ``ngram``: real prompt lookup on a repetitive prompt (a block of code-like tokens
   repeated, as in code editing), with its acceptance rate and speed-up over
-  ``plain`` on the same prompt.
+  ``plain`` on the same prompt; ``ngram_pipelined``: the same with verify steps
+  planned ahead and derived on the device (``speculative/derive.py``; attention-only
+  targets: on Qwen3.5 it runs unpipelined), with the steps planned ahead and thrown
+  away (``ahead_steps``, ``ahead_dropped``).
 
 With ``--mtp``: the DeepSeek-V3 shape of bench_families (MLA, 4 layers) with one MTP
 layer in the released layout (``model.layers.4.*``: a MoE decoder layer plus enorm,
@@ -24,7 +27,9 @@ Without ``--model`` or ``--mtp``: the suite (``main_suite``, one run, sized for
 about two minutes on an H100: not yet measured there), saved to ``results/spec_suite.json`` with its ratios:
 
 - Llama (bench_e2e's Llama-3.2-1B shape, all 16 layers): one request, ``plain`` vs
-  ``forced`` (n-gram drafts padded to k, every draft accepted);
+  ``forced`` (n-gram drafts padded to k, every draft accepted) and, on a repetitive
+  prompt (``rep``), ``plain`` vs ``ngram`` (real prompt lookup) vs
+  ``ngram_pipelined`` (the same, verify steps planned ahead: ``speculative/ahead.py``);
 - Qwen3.5 (bench_hybrid's widths, its first ``--qwen-layers`` = 4 layers: three
   Gated DeltaNet and one gated full attention, plus one MTP layer in the released
   ``mtp.*`` layout, random init): one request, ``plain`` vs ``forced`` (as Llama's:
@@ -42,7 +47,9 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   Ratios (``ratios`` in the JSON): ``llama_forced_speedup``,
   ``llama_forced_pipelined_speedup`` (``forced`` with verify steps planned ahead,
   ``speculative/ahead.py``; not for Qwen3.5: recurrent targets are not planned
-  ahead yet), ``qwen3_5_forced_speedup``,
+  ahead yet), ``llama_ngram_speedup`` and ``llama_ngram_pipelined_speedup`` (real
+  acceptance, ``llama_ngram_acceptance_rate``; ``llama_ngram_pipelined_dropped_per_100``:
+  steps planned ahead and thrown away per 100 tokens), ``qwen3_5_forced_speedup``,
   ``qwen3_5_mtp_forced_speedup`` (target 2.5), ``b64_rule_vs_plain`` (ngram),
   ``b64_draft_model_rule_vs_plain``, ``b64_eagle3_rule_vs_plain``,
   ``qwen3_5_b64_mtp_rule_vs_plain`` (target >= 1.0) and ``b64_no_rule_vs_plain``.
@@ -143,6 +150,8 @@ def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
         "draft_time_share": s.spec_draft_time_share,
         "verify_steps": s.spec_verify_steps,
         "steps": s.steps,
+        "ahead_steps": s.spec_ahead_steps,  # verify steps planned ahead (pipeline)
+        "ahead_dropped": s.spec_ahead_dropped,  # of those, thrown away
     }
     if phases:
         spec["host_ms_per_step"] = phases
@@ -384,14 +393,16 @@ def main_suite(args, dtype) -> dict:
     save_eagle3_head(head, llama, dtype, 32000)
     lazy = {"num_speculative_tokens": k, "disable_by_batch_size": rule}  # past it: lazy drafts
     llama_runs = _suite_runs(llama, {
-        "plain": (None, ("one", "batch"), big),
+        "plain": (None, ("one", "rep", "batch"), big),
         "forced": (forced, ("one",), {}),
         "forced_pipelined": ({**forced, "pipeline": True}, ("one",), {}),
+        "ngram": (ngram, ("rep",), {}),
+        "ngram_pipelined": ({**ngram, "pipeline": True}, ("rep",), {}),
         "spec_rule": ({**ngram, "disable_by_batch_size": rule}, ("batch",), big),
         "spec_no_rule": ({**ngram, "disable_by_batch_size": b}, ("batch",), big),
         "draft_model_rule": ({**lazy, "method": "draft_model", "model": str(llama)}, ("batch",), big),
         "eagle3_rule": ({**lazy, "method": "eagle3", "model": str(head)}, ("batch",), big),
-    }, {"one": (one, n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
+    }, {"one": (one, n), "rep": (batch[0], n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
 
     qwen = Path(tempfile.mkdtemp(prefix="bench_spec_qwen_"))
     vocab = save_qwen_mtp_model(qwen, args.device, dtype, args.tiny, args.qwen_layers)
@@ -412,6 +423,12 @@ def main_suite(args, dtype) -> dict:
         "llama_forced_speedup": rate(llama_runs, "forced", "one") / rate(llama_runs, "plain", "one"),
         "llama_forced_pipelined_speedup": rate(llama_runs, "forced_pipelined", "one")
         / rate(llama_runs, "plain", "one"),
+        "llama_ngram_speedup": rate(llama_runs, "ngram", "rep") / rate(llama_runs, "plain", "rep"),
+        "llama_ngram_pipelined_speedup": rate(llama_runs, "ngram_pipelined", "rep")
+        / rate(llama_runs, "plain", "rep"),
+        "llama_ngram_acceptance_rate": llama_runs["ngram_pipelined"]["rep"]["acceptance_rate"],
+        "llama_ngram_pipelined_dropped_per_100": 100 * llama_runs["ngram_pipelined"]["rep"][
+            "ahead_dropped"] / n,
         "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
         "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
         / rate(qwen_runs, "plain", "one"),
@@ -486,6 +503,7 @@ def main(argv=None) -> dict:
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4},
     }  # fmt: skip
+    configs["ngram_pipelined"] = {**configs["ngram"], "pipeline": True}
     runs = {}
     for name, spec in configs.items():
         with allow_forced_acceptance():  # a benchmark: the forced runs' mode
@@ -494,7 +512,7 @@ def main(argv=None) -> dict:
         runs[name] = {}
         for label, prompt in prompts.items():
             if name != "plain" and (name == "forced") != (label == "random"):
-                continue  # forced: the random prompt; ngram: the repetitive one
+                continue  # forced: the random prompt; ngram (pipelined): the repetitive one
             rate, counters = decode_rate(llm, prompt, args.new_tokens)
             runs[name][label] = {"decode_tokens_per_s": rate, **counters}
             print(f"{name:7s} {label:10s} {rate:9.1f} tok/s  {counters}")
@@ -504,6 +522,7 @@ def main(argv=None) -> dict:
     forced = runs["forced"]["random"]["decode_tokens_per_s"]
     base = runs["plain"]["random"]["decode_tokens_per_s"]
     ngram = runs["ngram"]["repetitive"]["decode_tokens_per_s"]
+    piped = runs["ngram_pipelined"]["repetitive"]
     base_rep = runs["plain"]["repetitive"]["decode_tokens_per_s"]
     result = {
         "environment": environment(),
@@ -517,10 +536,13 @@ def main(argv=None) -> dict:
         "forced_meets_target": forced / base >= 2.5,
         "ngram_speedup": ngram / base_rep,
         "ngram_acceptance_rate": runs["ngram"]["repetitive"]["acceptance_rate"],
+        "ngram_pipelined_speedup": piped["decode_tokens_per_s"] / base_rep,
+        "ngram_pipelined_dropped_per_100": 100 * piped["ahead_dropped"] / args.new_tokens,
     }
     print(f"forced acceptance, k={k}: {forced / base:.2f}x (target 2.5x); "
           f"ngram: {ngram / base_rep:.2f}x at acceptance "
-          f"{result['ngram_acceptance_rate']:.2f}")  # fmt: skip
+          f"{result['ngram_acceptance_rate']:.2f}, pipelined "
+          f"{result['ngram_pipelined_speedup']:.2f}x")  # fmt: skip
     save_json(out, result)
     return result
 

@@ -51,10 +51,9 @@ def prompts() -> list[list[int]]:
 def make_llm(path: str, ps: int, k: int, pipeline: bool = True, **kw) -> LLM:
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "pipeline": pipeline} if k else None  # fmt: skip
-    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 64,
-          "debug": True, **kw}  # fmt: skip
-    return LLM(path, device="cpu", dtype=torch.float32, page_size=ps,
-               speculative_config=spec, **kw)  # fmt: skip
+    kw = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 32,
+          "max_model_len": 64, "debug": True, **kw}  # fmt: skip
+    return LLM(path, dtype=torch.float32, page_size=ps, speculative_config=spec, **kw)
 
 
 def partial_spy(monkeypatch) -> dict:
@@ -284,3 +283,47 @@ def test_derivation_against_a_naive_rebuild():
         ] + [1]
         assert out == [vid[key] for key in true]
         assert write.tolist() == [3 * vid[key] for key in true]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ps", [1, 16])
+def test_pipelined_derivation_on_gpu(model, ps, monkeypatch):
+    """On CUDA (verify graphs, pinned readbacks, fp32), real n-gram drafts: tokens
+    equal the same engine's without pipelining and transformers', steps are planned
+    ahead and none thrown away, and every step planned ahead is planned and launched
+    under ``torch.cuda.set_sync_debug_mode("error")`` (no host sync)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from unikv.engine import online
+    from unikv.engine.runner import ModelRunner
+
+    path, hf = model
+    kw = {"device": "cuda", "debug": False, "max_num_seqs": 8, "kv_cache_bytes": 64 << 20}
+    items = prompts()
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    want = [
+        o.output_ids for o in make_llm(path, ps, 3, pipeline=False, **kw).generate(items, params)
+    ]
+    assert want == [hf_greedy(hf, p, NEW) for p in items]
+    guarded = []
+
+    def strict(fn, ahead_only):
+        def run(*args, **kw):
+            if ahead_only and args[1].derive is None:
+                return fn(*args, **kw)
+            guarded.append(fn.__name__)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        return run
+
+    monkeypatch.setattr(online, "verify_ahead", strict(online.verify_ahead, False))
+    monkeypatch.setattr(ModelRunner, "_launch_verify", strict(ModelRunner._launch_verify, True))
+    llm = make_llm(path, ps, 3, **kw)
+    assert llm.runner.verify_graphs is not None
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
+    assert "_launch_verify" in guarded
