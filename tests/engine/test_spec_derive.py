@@ -11,7 +11,8 @@ token before it, which holds only if the step's rows sat at the right positions
 over the right K/V whatever the step before accepted. Counters: steps planned
 ahead, steps thrown away (0 per 100 tokens at p = 0.3, 0.6, 1.0, where the bet
 that N accepts everything would have lost most of them), and host reads while a
-step is planned and launched ahead (none).
+step is planned and launched ahead (none). Sampled requests (rejection sampling):
+the pipelined run's tokens equal an unpipelined run handed the same drafts.
 """
 
 from __future__ import annotations
@@ -283,6 +284,44 @@ def test_derivation_against_a_naive_rebuild():
         ] + [1]
         assert out == [vid[key] for key in true]
         assert write.tolist() == [3 * vid[key] for key in true]
+
+
+def test_sampled_steps_planned_ahead_equal_the_same_drafts_unpipelined(model, monkeypatch):
+    """temperature 0.8, top-k 20, seeded: rejection sampling's randomness is a function
+    of (seed, output step), so an unpipelined engine handed the very drafts each step
+    of the pipelined run verified (a replay of its proposals) emits the same tokens,
+    which holds only if every step planned ahead counted its output steps from the
+    acceptance of the step before (``Derivation.delta``); steps were planned ahead
+    after partial acceptances and none thrown away."""
+    from unikv.engine.speculative.engine import Speculator
+
+    path, _ = model
+    items = prompts()
+    params = SamplingParams(max_tokens=NEW, temperature=0.8, top_k=20, seed=5, ignore_eos=True)
+    verified = {}  # (prompt, outputs before the step) -> the drafts it verified
+    seen = partial_spy(monkeypatch)
+    complete = Scheduler.complete_verify
+
+    def record(sched, batch, emitted, ahead=None):
+        for r, d in zip(batch.requests, batch.drafts):
+            verified[tuple(r.prompt_ids), len(r.output_ids)] = d.tolist()
+        return complete(sched, batch, emitted, ahead)
+
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "complete_verify", record)
+        llm = make_llm(path, 4, 3)
+        got = [o.output_ids for o in llm.generate(items, params)]
+    assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
+    assert seen["partial"] > 0, seen
+
+    def replay(self, r, room):
+        return np.asarray(verified.get((tuple(r.prompt_ids), len(r.output_ids)), [])[:room])
+
+    monkeypatch.setattr(Speculator, "_propose", replay)
+    plain = make_llm(path, 4, 3, pipeline=False)
+    assert [o.output_ids for o in plain.generate(items, params)] == got
+    assert plain.stats.spec_verify_steps == llm.stats.spec_verify_steps
+    assert_pages_returned(llm)
 
 
 @pytest.mark.gpu

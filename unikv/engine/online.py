@@ -463,7 +463,7 @@ class EngineLoop:
     def _apply_verify(self, batch, launched) -> list:
         """Apply verify step ``batch`` (``launched``, in flight) once its tokens are in;
         the next verify step may be planned and launched first, while it runs
-        (``speculative/ahead.py``): kept as ``_ahead`` when its bet held."""
+        (``speculative/ahead.py``): kept as ``_ahead`` unless a request of this one ended."""
         sched = self.scheduler
         if not all(r.status is Status.RUNNING for r in batch.requests):  # one ended since
             sched.drop_ahead(batch)  # (a step planned ahead: an abort, a stop string)

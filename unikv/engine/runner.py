@@ -337,7 +337,8 @@ class ModelRunner:
             logits = self.forward(plan, every_row=True)
         else:
             logits = graphs.run(plan, rows)[: sum(batch.num_new)]
-        tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept)
+        shift = derive.delta if derive is not None else None  # sampled: output steps
+        tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept, shift)
         packed = torch.cat([tokens, accepted[:, None]], dim=1)
         last = tokens.gather(1, accepted[:, None])[:, 0]  # each request's next pending token
         copied = None

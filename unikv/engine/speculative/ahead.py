@@ -17,9 +17,9 @@ are in: no step is thrown away for a partial acceptance. Only a request that N
 finished (a stop token) or that ends between steps drops N + 1 (trimmed; its pages
 stay fenced until it has run: ``mark_in_flight``).
 
-A step is planned ahead where every running request is in N, greedy (or forced
-acceptance), has no stop token among N's drafts and room for a draft after N's
-tokens at full acceptance; no request waits; no draft model or head (their drafts
+A step is planned ahead where every running request is in N, has no stop token
+among N's drafts and room for a draft after N's tokens at full acceptance (sampled
+requests too: rejection sampling's output steps move with the acceptance); no request waits; no draft model or head (their drafts
 are computed from the accepted tokens by a forward) and no recurrent state (N + 1
 would read the state slot N's rollback selects: the report of issue 42 describes
 the second set of per-draft-position slots this needs).
@@ -40,13 +40,17 @@ if TYPE_CHECKING:
 
 
 class _Ahead:
-    """Request b as step N + 1's planner reads it: its slot, the tokens it will hold
-    at N's full acceptance (``num_cached``) and the placeholders it feeds (N's bonus
-    for it, then its drafts: ``Derivation.placeholders``)."""
+    """Request b as step N + 1's planner and ``verify_step`` read it: its slot, the
+    tokens it will hold at N's full acceptance (``num_cached``), the placeholders it
+    feeds (N's bonus for it, then its drafts: ``Derivation.placeholders``), its
+    sampling parameters and seed, and ``output_ids`` as long as its outputs at N's
+    full acceptance (only their count is read: the acceptance's output steps, moved
+    on the device by ``Derivation.delta``)."""
 
-    def __init__(self, r, start: int, pending: int, drafts: np.ndarray) -> None:
-        self.slot, self.num_cached, self.params = r.slot, start, r.params
+    def __init__(self, r, start: int, pending: int, drafts: np.ndarray, outputs: int) -> None:
+        self.slot, self.num_cached, self.params, self.seed = r.slot, start, r.params, r.seed
         self.tokens = [pending] + drafts.tolist()
+        self.output_ids = range(outputs)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         return self.tokens[start - self.num_cached : stop - self.num_cached]
@@ -79,7 +83,6 @@ def verify_ahead(sched: Scheduler, batch: Batch) -> tuple[Batch, Batch] | None:
         or sched.has_state
         or sched.waiting
         or len(reqs) != len(sched.running)
-        or not (cfg.force_accept or all(r.params.temperature == 0 for r in reqs))
     ):
         return None
     spare, candidates = spec.max_tokens - len(reqs), []
@@ -100,7 +103,7 @@ def verify_ahead(sched: Scheduler, batch: Batch) -> tuple[Batch, Batch] | None:
     rows, marks = [], []
     for b, (r, s) in enumerate(zip(reqs, starts.tolist())):
         pending, drafts = derive.placeholders(b)
-        rows.append(_Ahead(r, s, pending, drafts))
+        rows.append(_Ahead(r, s, pending, drafts, len(r.output_ids) + len(batch.drafts[b]) + 1))
         marks.append(drafts)
     planned = Batch(rows, list(num_new), [ids.data], derive=derive)
     applied = Batch(list(reqs), list(num_new), [ids.data], derive=derive)

@@ -74,6 +74,7 @@ class Derivation:
         self._shapes = {name: a.shape for name, a in parts.items()}
         self._block = np.concatenate([a.reshape(-1) for a in parts.values()]).astype(np.int64)
         self._dev: dict | None = None
+        self.delta: torch.Tensor | None = None  # (B,) a_b - n_b on the device, once fixed
 
     def placeholders(self, b: int) -> tuple[int, np.ndarray]:
         """Request b's planned tokens: (its pending token's placeholder, its drafts')."""
@@ -113,7 +114,7 @@ class Derivation:
         planned ahead reads them as its ``ids``)."""
         dev = self._dev
         owner, bsz = dev["owner"], len(self.rooms)
-        delta = accepted - dev["counts"]
+        delta = self.delta = accepted - dev["counts"]
         rows = owner.shape[0]
         plan.positions[:rows].add_(delta[owner])
         plan.seq_lens[:bsz].add_(delta.to(plan.seq_lens.dtype))

@@ -16,10 +16,13 @@ import torch
 from unikv.engine.speculative.verify import greedy_accept, rejection_accept
 
 
-def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = False):
+def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = False, shift=None):
     """(tokens (B, K+1) int64 with -1 past each request's emitted ones, num_accepted
     (B,) int64), both on ``logits``' device; logits: (T, V), every row of the step.
-    ``force`` (the benchmark mode ``force_accept``): every draft accepted, greedily."""
+    ``force`` (the benchmark mode ``force_accept``): every draft accepted, greedily.
+    ``shift``: None, or (B,) int64 on the device added to each request's output count
+    (a step planned ahead, counted on the host at the step before's full acceptance:
+    ``Derivation.delta``)."""
     reqs, drafts = batch.requests, batch.drafts
     bsz = len(reqs)
     counts = np.fromiter((len(d) for d in drafts), np.int64, bsz)
@@ -56,7 +59,8 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = Fa
         pin_memory=pin,
     ).to(logits.device, non_blocking=True)
     min_p = floats[:, 2] if any(r.params.min_p > 0 for r in reqs) else None
+    steps = dev[:, 2 * width + 3] if shift is None else dev[:, 2 * width + 3] + shift
     return rejection_accept(
         scored, draft_ids, num, temperature=floats[:, 0], top_k=dev[:, 2 * width + 4],
-        top_p=floats[:, 1], min_p=min_p, seeds=dev[:, 2 * width + 2], steps=dev[:, 2 * width + 3],
+        top_p=floats[:, 1], min_p=min_p, seeds=dev[:, 2 * width + 2], steps=steps,
     )  # fmt: skip
