@@ -366,3 +366,21 @@ def test_pipelined_derivation_on_gpu(model, ps, monkeypatch):
     assert [o.output_ids for o in llm.generate(items, params)] == want
     assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
     assert "_launch_verify" in guarded
+
+
+def test_lookups_of_several_prefixes_equal_one_at_a_time():
+    """``propose_ngram_ends`` (the candidates' lookups at once) against
+    ``propose_ngram`` on each prefix, over random short histories of few symbols
+    (many repeats) and every n-gram range and draft length."""
+    from unikv.engine.speculative.ngram import propose_ngram, propose_ngram_ends
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        size = int(rng.integers(1, 30))
+        history = rng.integers(0, int(rng.integers(1, 5)), size).astype(np.int64)
+        ends = sorted({int(e) for e in rng.integers(1, size + 1, int(rng.integers(1, 5)))})
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        got = propose_ngram_ends(history, ends, k, lo, hi)
+        for e, found in zip(ends, got):
+            assert np.array_equal(found, propose_ngram(history[:e], k, lo, hi)), (history, e)

@@ -33,7 +33,7 @@ import numpy as np
 
 from unikv.engine.request import Batch
 from unikv.engine.speculative.derive import Derivation
-from unikv.engine.speculative.ngram import propose_ngram
+from unikv.engine.speculative.ngram import propose_ngram_ends
 
 if TYPE_CHECKING:
     from unikv.engine.scheduler import Scheduler
@@ -61,13 +61,14 @@ def _candidates(r, drafts: np.ndarray, room: int, cfg) -> np.ndarray:
     (n-gram lookup past the unknown bonus, filled by repeating its last token)."""
     history = np.asarray(r.prompt_ids + r.output_ids + drafts.tolist(), np.int64)
     base = len(history) - len(drafts)
+    ends = list(range(base, len(history) + 1))
+    lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
     out = np.empty((len(drafts) + 1, room), np.int64)
-    for a in range(len(drafts) + 1):
-        seen = history[: base + a]
-        found = propose_ngram(seen, room + 1, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    for a, found in enumerate(propose_ngram_ends(history, ends, room + 1, lo, hi)):
         guess = found[1:]
         out[a, : len(guess)] = guess
-        out[a, len(guess) :] = guess[-1] if len(guess) else (found[0] if len(found) else seen[-1])
+        fill = guess[-1] if len(guess) else (found[0] if len(found) else history[base + a - 1])
+        out[a, len(guess) :] = fill
     return out
 
 
