@@ -75,7 +75,8 @@ def partial_spy(monkeypatch) -> dict:
 
 def test_greedy_tokens_equal_plain_decoding(model, monkeypatch):
     """k = 1, 3 (prefix caching, a second turn hitting the cache) and 5 (a pool
-    that preempts), rotated over pages 1, 4 and 16: pipelined tokens are the plain
+    that preempts, by swap: ``test_spec_pipeline`` has recompute), rotated over
+    pages 1, 4 and 16: pipelined tokens are the plain
     engine's and transformers'; steps were planned ahead after partial acceptances
     and kept, none thrown away; every page comes back."""
     path, hf = model
@@ -99,10 +100,12 @@ def test_greedy_tokens_equal_plain_decoding(model, monkeypatch):
     assert_pages_returned(llm)
     configs = specs_from_hf_config(path, page_size=16, dtype=torch.float32)
     pages = {c.name: worst_case_pages(c.spec, 16, 64, 32) + 1 for c in configs}
-    llm = make_llm(path, 16, 5, kv_cache_bytes=pool_bytes_for(configs, pages))
+    llm = make_llm(path, 16, 5, kv_cache_bytes=pool_bytes_for(configs, pages),
+                   swap_host_bytes=1 << 22, preemption="swap")  # fmt: skip
     out = llm.generate(items + items[::-1], params)
     assert [o.output_ids for o in out] == want + want[::-1]
     assert llm.stats.preemptions > 0 and llm.stats.spec_ahead_steps > 0
+    assert llm.stats.swapped_out > 0 and llm.stats.swapped_in > 0
     assert_pages_returned(llm)
 
 
