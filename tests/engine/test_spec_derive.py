@@ -111,17 +111,29 @@ def test_greedy_tokens_equal_plain_decoding(model, monkeypatch):
 
 def test_padded_graph_plans_derive_in_place(model):
     """The verify graphs' plans (every lane k + 1 rows, full-width tables), run
-    eagerly on CPU: the derivation writes the same buffers; tokens equal plain."""
+    eagerly on CPU: the derivation writes the same buffers; tokens equal plain;
+    /metrics exports the steps planned ahead and thrown away as ``llm.stats``."""
+    from prometheus_client import generate_latest
+    from serving_fixtures import metric_values
+
+    from unikv.serving.metrics import ServingMetrics
+
     path, hf = model
     items = prompts()
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     llm = make_llm(path, 4, 3)
+    metrics = ServingMetrics(llm.engine, llm)
     llm.runner.capture_verify(4, 4, capture=False)
     llm.scheduler.spec.pad_drafts = True
     assert [o.output_ids for o in llm.generate(items, params)] == [
         hf_greedy(hf, p, NEW) for p in items
     ]
-    assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
+    stats = llm.stats
+    assert stats.spec_ahead_steps > 0 and stats.spec_ahead_dropped == 0
+    text = generate_latest(metrics.registry).decode()
+    ahead = metric_values(text, "unikv:spec_decode_ahead_steps_total")
+    dropped = metric_values(text, "unikv:spec_decode_ahead_dropped_total")
+    assert list(ahead.values()) == [stats.spec_ahead_steps] and list(dropped.values()) == [0]
     assert_pages_returned(llm)
 
 

@@ -70,6 +70,8 @@ SPEC_COUNTERS = (
     ("vllm:spec_decode_num_accepted_tokens", "accepted_tokens", "Draft tokens accepted"),
     ("unikv:spec_decode_draft_seconds", "draft_seconds", "Host seconds proposing drafts"),
     ("unikv:spec_decode_verify_steps", "verify_steps", "Steps that verified drafts"),
+    ("unikv:spec_decode_ahead_steps", "ahead_steps", "Verify steps planned ahead (pipeline)"),
+    ("unikv:spec_decode_ahead_dropped", "ahead_dropped", "Verify steps planned ahead, thrown away"),
 )
 
 
