@@ -3,7 +3,8 @@ step N + 1 is planned for N's full acceptance and moved on the device to where N
 acceptance puts it, so no step is thrown away for a partial acceptance.
 
 Oracles: transformers' greedy tokens and the same engine without speculation
-(Llama; gpt-oss with its 6-token window and sinks), at pages 1, 4 and 16, k = 1, 3
+(Llama; gpt-oss with its 6-token window and sinks; Qwen3.5 and NemotronH, whose
+state slot is chosen on the device too), at pages 1, 4 and 16, k = 1, 3
 and 5, with prefix caching (a second turn hits) and under preemption; and, under a
 planted acceptance rule (each draft kept with probability p, whatever the target
 says), every verify step's last token is the target's greedy token after every
@@ -336,6 +337,49 @@ def test_sampled_steps_planned_ahead_equal_the_same_drafts_unpipelined(model, mo
     plain = make_llm(path, 4, 3, pipeline=False)
     assert [o.output_ids for o in plain.generate(items, params)] == got
     assert plain.stats.spec_verify_steps == llm.stats.spec_verify_steps
+    assert_pages_returned(llm)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_recurrent_targets_select_their_state_on_the_device(family, tmp_path, monkeypatch):
+    """Qwen3.5 (Gated DeltaNet) and NemotronH (Mamba-2), k = 3, page size 4: a step
+    planned ahead starts from the state slot of the step before's acceptance, chosen
+    on the device (``derive.select_states``: the exchange ``MambaSlots.select`` makes
+    on the host one step later). Real n-gram drafts for three requests: tokens equal
+    transformers'; acceptance planted at 0.5 for one request: every step's last token
+    is the target's (fails with the selection removed), none thrown away. With
+    prefix caching on (state checkpoints read the state after step N) a hybrid's
+    steps are not planned ahead."""
+    from engine_fixtures import save_tiny_hybrid, save_tiny_nemotron_h
+
+    path = str(tmp_path)
+    hf = save_tiny_hybrid(family, path) if family == "qwen3_5" else (
+        save_tiny_nemotron_h(path, "M*M-M*-"))  # fmt: skip
+    items = prompts()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = make_llm(path, 4, 3)
+    assert [o.output_ids for o in llm.generate(items, params)] == [
+        hf_greedy(hf, p, 16) for p in items
+    ]
+    assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
+    assert_pages_returned(llm)
+    cached = make_llm(path, 4, 3, enable_prefix_caching=True)
+    cached.generate(items, params)
+    assert cached.stats.spec_verify_steps > 0 and cached.stats.spec_ahead_steps == 0
+    monkeypatch.setattr(spec_step, "greedy_accept", planted(0.5))
+    seen, bonus = partial_spy(monkeypatch), []
+    complete = Scheduler.complete_verify
+
+    def spy(sched, batch, tokens, ahead=None):
+        bonus.append(len(batch.requests[0].output_ids) + len(tokens[0]) - 1)
+        return complete(sched, batch, tokens, ahead)
+
+    monkeypatch.setattr(Scheduler, "complete_verify", spy)
+    llm = make_llm(path, 4, 3)
+    got = llm.generate([items[0]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert llm.stats.spec_ahead_steps > 5 and llm.stats.spec_ahead_dropped == 0
+    assert seen["partial"] > 0, seen
+    check_bonus(hf, items[0], got[0].output_ids, [i for i in bonus if i < 32])
     assert_pages_returned(llm)
 
 

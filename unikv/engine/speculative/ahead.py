@@ -19,10 +19,12 @@ stay fenced until it has run: ``mark_in_flight``).
 
 A step is planned ahead where every running request is in N, has no stop token
 among N's drafts and room for a draft after N's tokens at full acceptance (sampled
-requests too: rejection sampling's output steps move with the acceptance); no request waits; no draft model or head (their drafts
-are computed from the accepted tokens by a forward) and no recurrent state (N + 1
-would read the state slot N's rollback selects: the report of issue 42 describes
-the second set of per-draft-position slots this needs).
+requests too: rejection sampling's output steps move with the acceptance); no
+request waits; no draft model or head (their drafts are computed from the accepted
+tokens by a forward). A recurrent target's step N + 1 starts from the state slot
+N's acceptance selects, chosen on the device (``derive.select_states``), unless
+prefix caching is on: its state checkpoints, queued when N's counts arrive, would
+read the live slot N + 1 is rewriting.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def verify_ahead(sched: Scheduler, batch: Batch) -> tuple[Batch, Batch] | None:
     if (
         not spec.pipeline
         or spec.draft is not None
-        or sched.has_state
+        or (sched.has_state and sched.prefix.enabled)  # (its checkpoints read N's state)
         or sched.waiting
         or len(reqs) != len(sched.running)
     ):

@@ -22,6 +22,12 @@ b (N's ``tokens_dev``); its drafts are row ``a_b`` of the host's candidates
 ``a`` drafts (``ahead.py``), selected on the device. The planned batch's tokens
 are placeholders ``-(1 + i)`` into ``cat(bonus (B,), chosen drafts (sum m_b,))``.
 
+A recurrent target's rows of N wrote the state after row j into draft slot j and
+the one after the last row into the live slot; ``select_states`` makes draft slot
+``a_b`` the live slot of N + 1 where N kept fewer rows than it fed (the exchange the
+host's ``MambaSlots.select`` makes when N's counts arrive), so N + 1's kernels
+read the right state and write their own per-draft states into the other k slots.
+
 The host arrays go to the device in one copy; nothing here reads the device.
 """
 
@@ -122,4 +128,23 @@ class Derivation:
         vids = VirtualTokenIds(ids[dev["vtab"][owner, column]])
         for name, step in plan.subpools.items():
             alloc.translate(vids, name, out=step.write_ids.data[:rows])
+        if getattr(plan, "draft_slots", None) is not None:  # a recurrent target
+            select_states(plan.state_slots[:bsz], plan.draft_slots[:bsz], accepted, delta < 0)
         return vids.data
+
+
+def select_states(
+    live: torch.Tensor, drafts: torch.Tensor, accepted: torch.Tensor, moved: torch.Tensor
+) -> None:
+    """The state slots of a step planned ahead of step N, in place: N's rows wrote the
+    state after row j of request b into ``drafts[b, j]`` (j < its drafts) and the one
+    after its last row into ``live[b]``; a request that kept ``a`` rows of drafts
+    (``moved``: fewer than it had) continues from ``drafts[b, a]``, which becomes its
+    live slot and its old live slot draft slot a: ``MambaSlots.select``'s exchange,
+    made here on the device and by ``complete_verify`` on the host when N's counts
+    arrive, so the next steps see the same bindings."""
+    col = accepted.clamp(max=drafts.shape[1] - 1)[:, None]
+    chosen = drafts.gather(1, col)[:, 0]
+    old = live.clone()
+    live.copy_(torch.where(moved, chosen, old))
+    drafts.scatter_(1, col, torch.where(moved, old, chosen)[:, None])
