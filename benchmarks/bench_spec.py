@@ -12,9 +12,8 @@ request, ``--new-tokens`` tokens after a ``--prompt-len`` prompt:
 - ``ngram``: real prompt lookup on a repetitive prompt (a block of code-like tokens
   repeated, as in code editing), with its acceptance rate and speed-up over
   ``plain`` on the same prompt; ``ngram_pipelined``: the same with verify steps
-  planned ahead and derived on the device (``speculative/derive.py``; attention-only
-  targets: on Qwen3.5 it runs unpipelined), with the steps planned ahead and thrown
-  away (``ahead_steps``, ``ahead_dropped``).
+  planned ahead and derived on the device (``speculative/derive.py``), with the
+  steps planned ahead and thrown away (``ahead_steps``, ``ahead_dropped``).
 
 With ``--mtp``: the DeepSeek-V3 shape of bench_families (MLA, 4 layers) with one MTP
 layer in the released layout (``model.layers.4.*``: a MoE decoder layer plus enorm,
@@ -33,8 +32,10 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
 - Qwen3.5 (bench_hybrid's widths, its first ``--qwen-layers`` = 4 layers: three
   Gated DeltaNet and one gated full attention, plus one MTP layer in the released
   ``mtp.*`` layout, random init): one request, ``plain`` vs ``forced`` (as Llama's:
-  the verify step at full acceptance, drafting free) and ``mtp_forced`` (the MTP
-  layer drafts, its chain's cost included, every draft accepted);
+  the verify step at full acceptance, drafting free; ``forced_pipelined``: verify
+  steps planned ahead, the state slot chosen on the device) and ``mtp_forced`` (the
+  MTP layer drafts, its chain's cost included, every draft accepted); on a
+  repetitive prompt, ``plain`` vs ``ngram`` vs ``ngram_pipelined``;
 - the batch-size rule, Llama, ``--batch`` = 64 requests with repetitive prompts
   (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
   ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
@@ -46,10 +47,11 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   ``speculative/mtp.py``); Qwen3.5 likewise: ``plain_batch`` vs ``mtp_rule``.
   Ratios (``ratios`` in the JSON): ``llama_forced_speedup``,
   ``llama_forced_pipelined_speedup`` (``forced`` with verify steps planned ahead,
-  ``speculative/ahead.py``; not for Qwen3.5: recurrent targets are not planned
-  ahead yet), ``llama_ngram_speedup`` and ``llama_ngram_pipelined_speedup`` (real
-  acceptance, ``llama_ngram_acceptance_rate``; ``llama_ngram_pipelined_dropped_per_100``:
+  ``speculative/ahead.py``), ``llama_ngram_speedup`` and ``llama_ngram_pipelined_speedup``
+  (real acceptance, ``llama_ngram_acceptance_rate``; ``llama_ngram_pipelined_dropped_per_100``:
   steps planned ahead and thrown away per 100 tokens), ``qwen3_5_forced_speedup``,
+  ``qwen3_5_forced_pipelined_speedup``, ``qwen3_5_ngram_speedup``,
+  ``qwen3_5_ngram_pipelined_speedup`` (``qwen3_5_ngram_acceptance_rate``),
   ``qwen3_5_mtp_forced_speedup`` (target 2.5), ``b64_rule_vs_plain`` (ngram),
   ``b64_draft_model_rule_vs_plain``, ``b64_eagle3_rule_vs_plain``,
   ``qwen3_5_b64_mtp_rule_vs_plain`` (target >= 1.0) and ``b64_no_rule_vs_plain``.
@@ -411,10 +413,13 @@ def main_suite(args, dtype) -> dict:
     blocks = torch.randint(0, vocab, (b, max(args.prompt_len // 4, 8)), generator=g).tolist()
     batch = [(block * 4)[: args.prompt_len] for block in blocks]
     qwen_runs = _suite_runs(qwen, {
-        "plain": (None, ("one",), {}), "plain_batch": (None, ("batch",), big),
+        "plain": (None, ("one", "rep"), {}), "plain_batch": (None, ("batch",), big),
         "forced": (forced, ("one",), {}), "mtp_forced": (mtp, ("one",), {}),
+        "forced_pipelined": ({**forced, "pipeline": True}, ("one",), {}),
+        "ngram": (ngram, ("rep",), {}),
+        "ngram_pipelined": ({**ngram, "pipeline": True}, ("rep",), {}),
         "mtp_rule": ({**lazy, "method": "mtp"}, ("batch",), big),
-    }, {"one": (one, n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
+    }, {"one": (one, n), "rep": (batch[0], n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
 
     def rate(runs, name, label):
         return runs[name][label]["decode_tokens_per_s"]
@@ -430,6 +435,12 @@ def main_suite(args, dtype) -> dict:
         "llama_ngram_pipelined_dropped_per_100": 100 * llama_runs["ngram_pipelined"]["rep"][
             "ahead_dropped"] / n,
         "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
+        "qwen3_5_forced_pipelined_speedup": rate(qwen_runs, "forced_pipelined", "one")
+        / rate(qwen_runs, "plain", "one"),
+        "qwen3_5_ngram_speedup": rate(qwen_runs, "ngram", "rep") / rate(qwen_runs, "plain", "rep"),
+        "qwen3_5_ngram_pipelined_speedup": rate(qwen_runs, "ngram_pipelined", "rep")
+        / rate(qwen_runs, "plain", "rep"),
+        "qwen3_5_ngram_acceptance_rate": qwen_runs["ngram_pipelined"]["rep"]["acceptance_rate"],
         "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
         / rate(qwen_runs, "plain", "one"),
         f"b{b}_rule_vs_plain": rate(llama_runs, "spec_rule", "batch")

@@ -443,3 +443,35 @@ def test_lookups_of_several_prefixes_equal_one_at_a_time():
         got = propose_ngram_ends(history, ends, k, lo, hi)
         for e, found in zip(ends, got):
             assert np.array_equal(found, propose_ngram(history[:e], k, lo, hi)), (history, e)
+
+
+@pytest.mark.gpu
+def test_recurrent_pipelined_on_gpu(tmp_path):
+    """Qwen3.5 on CUDA (verify graphs, the Triton recurrent kernels with their draft
+    slots, fp32), real n-gram drafts and forced acceptance: tokens equal the same
+    engine's without pipelining (forced: every step planned ahead is kept)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from engine_fixtures import save_tiny_hybrid
+
+    from unikv.engine.speculative.config import allow_forced_acceptance
+
+    path = str(tmp_path)
+    hf = save_tiny_hybrid("qwen3_5", path)
+    kw = {"device": "cuda", "debug": False, "max_num_seqs": 8, "kv_cache_bytes": 64 << 20}
+    items = prompts()
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    llm = make_llm(path, 16, 3, **kw)
+    assert llm.runner.verify_graphs is not None
+    assert [o.output_ids for o in llm.generate(items, params)] == [
+        hf_greedy(hf, p, NEW) for p in items
+    ]
+    assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "force_accept": True}
+    runs = []
+    for pipeline in (False, True):
+        with allow_forced_acceptance():
+            forced = LLM(path, dtype=torch.float32, page_size=16,
+                         speculative_config={**spec, "pipeline": pipeline}, **kw)  # fmt: skip
+        runs.append([o.output_ids for o in forced.generate(items, params)])
+    assert runs[0] == runs[1] and forced.stats.spec_ahead_steps > 0
