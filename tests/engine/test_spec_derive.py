@@ -345,8 +345,9 @@ def test_recurrent_targets_select_their_state_on_the_device(family, tmp_path, mo
     """Qwen3.5 (Gated DeltaNet) and NemotronH (Mamba-2), k = 3, page size 4: a step
     planned ahead starts from the state slot of the step before's acceptance, chosen
     on the device (``derive.select_states``: the exchange ``MambaSlots.select`` makes
-    on the host one step later). Real n-gram drafts for three requests: tokens equal
-    transformers'; acceptance planted at 0.5 for one request: every step's last token
+    on the host one step later). Real n-gram drafts for three requests, then six in
+    a pool that preempts by swap: tokens equal transformers'; acceptance planted at
+    0.5 for one request: every step's last token
     is the target's (fails with the selection removed), none thrown away. With
     prefix caching on (state checkpoints read the state after step N) a hybrid's
     steps are not planned ahead."""
@@ -363,6 +364,15 @@ def test_recurrent_targets_select_their_state_on_the_device(family, tmp_path, mo
     ]
     assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
     assert_pages_returned(llm)
+    from test_spec_recurrent import TIGHT_LEN, tight_pool
+
+    swapped = make_llm(path, 4, 3, kv_cache_bytes=tight_pool(path, 4, 3), max_model_len=TIGHT_LEN,
+                       swap_host_bytes=1 << 22, preemption="swap")  # fmt: skip
+    short = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    out = swapped.generate(items + items[::-1], short)
+    assert [o.output_ids for o in out] == [hf_greedy(hf, p, 14) for p in items + items[::-1]]
+    assert swapped.stats.swapped_out > 0 and swapped.stats.spec_ahead_steps > 0
+    assert_pages_returned(swapped)
     cached = make_llm(path, 4, 3, enable_prefix_caching=True)
     cached.generate(items, params)
     assert cached.stats.spec_verify_steps > 0 and cached.stats.spec_ahead_steps == 0
