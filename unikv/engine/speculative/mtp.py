@@ -116,6 +116,7 @@ class HiddenDraft:
         self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
         self.lagging: set[int] = set()  # ids of requests whose rows lag (``Request.draft_lag``)
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
+        self.chain = None  # chains of k drafts as one unit (``enable_chain``)
 
     # -- past the batch-size rule: lazy (module docstring) ----------------------------
 
@@ -297,13 +298,43 @@ class HiddenDraft:
         ready = [self.kept.get(r.slot) == (r.request_id, r.num_cached) for r in requests]
         return np.where(ready, rooms, 0)
 
+    def enable_chain(self, k: int, max_rows: int = 0, capture: bool = False) -> None:
+        """Chains of k drafts as one unit (``chain.DraftChain``: one plan, a graph per
+        lane count up to ``max_rows`` when ``capture``); not where a draft sub-pool
+        has a window (its decode tables are planned by the window)."""
+        from unikv.engine.speculative.chain import DraftChain
+
+        if k >= 2 and not any(getattr(c, "window", 0) for c in self.caches if c is not None):
+            self.chain = DraftChain(self, k, max_rows, capture)
+
+    def step(self, plan, ids: torch.Tensor, hidden: torch.Tensor):
+        """One chained step over ``plan``'s rows (a decode plan, one row per lane):
+        (outputs g, their greedy drafts), from each row's token and previous hidden state."""
+        g = self._run(plan, ids, hidden)
+        return g, self._tokens(plan, g)
+
     @torch.inference_mode()
     def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> torch.Tensor:
         """``counts[b]`` greedy drafts per decoding request b (its pending token at
         position L_b = num_cached), on the device, request-major (``draft.request_major``,
-        no host read); ``virtual_ids``: the verify step's ids."""
+        no host read); ``virtual_ids``: the verify step's ids. Where every drafting
+        request drafts k, the chain is one unit (``chain.DraftChain``), else one plan a
+        step (``propose_steps``)."""
         starts = np.zeros(len(requests), np.int64)
         np.cumsum(1 + counts[:-1], out=starts[1:])
+        chain, live = self.chain, np.flatnonzero(counts > 0)
+        if (
+            chain is not None
+            and live.size
+            and (counts[live] == chain.k).all()
+            and chain.fits(live.size)
+        ):
+            lanes = [requests[b] for b in live.tolist()]
+            return chain.run(lanes, virtual_ids, starts[live]).reshape(-1)
+        return self.propose_steps(requests, counts, virtual_ids, starts)
+
+    def propose_steps(self, requests, counts, virtual_ids, starts) -> torch.Tensor:
+        """``propose`` one planned step at a time (lanes drafting unequal counts)."""
         steps, lanes_of = [], []
         live = np.flatnonzero(counts > 0)
         if live.size:
