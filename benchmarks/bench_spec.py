@@ -29,7 +29,8 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   Gated DeltaNet and one gated full attention, plus one MTP layer in the released
   ``mtp.*`` layout, random init): one request, ``plain`` vs ``forced`` (as Llama's:
   the verify step at full acceptance, drafting free) and ``mtp_forced`` (the MTP
-  layer drafts, its chain's cost included, every draft accepted);
+  layer drafts, its chain's cost included, every draft accepted; the chain is one
+  plan and one CUDA graph per lane count: ``speculative/chain.py``);
 - the batch-size rule, Llama, ``--batch`` = 64 requests with repetitive prompts
   (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
   ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
@@ -59,7 +60,8 @@ Decode tokens/s = B (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
 
 ``--phases``: each run also reports the host milliseconds per step spent in each part
-of the loop (schedule, drafts, plan, forward, launch, verify_step, complete_*), from
+of the loop (schedule, drafts, plan, draft_chain, draft_verify_rows, forward, launch,
+verify_step, complete_*), from
 one more timed run (the timers cost a little: the rates come from the untimed runs).
 """
 
@@ -86,6 +88,8 @@ PHASES = {  # host time per step of each part of the loop (``--phases``)
     "schedule": ("unikv.engine.scheduler", "Scheduler", "schedule"),
     "drafts": ("unikv.engine.speculative.engine", "Speculator", "drafts"),
     "plan": ("unikv.engine.plan", "StepPlanner", "plan"),
+    "draft_chain": ("unikv.engine.speculative.chain", "DraftChain", "run"),
+    "draft_verify_rows": ("unikv.engine.speculative.mtp", "HiddenDraft", "forward_verify"),
     "forward": ("unikv.engine.runner", "ModelRunner", "forward"),
     "launch": ("unikv.engine.runner", "ModelRunner", "launch"),
     "verify_step": ("unikv.engine.runner", None, "verify_step"),
