@@ -32,7 +32,8 @@ lane 480 tests/engine/test_engine_new_families_gpu.py tests/engine/test_engine_k
 lane 480 tests/engine/test_engine_deepseek_gpu.py tests/engine/test_spec_recurrent_gpu.py \
   tests/kernels/test_kernels_recurrent_draft.py &
 lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py &
-lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py &
+lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py \
+  tests/engine/test_spec_mtp_chain.py &
 lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py &
 else  # PART=b: the kernel files, the smoke test, FP8 and the long prefill
 lane 480 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \
