@@ -5,7 +5,11 @@ sub-pool) and a tiny DeepSeek-V3 (MLA + MoE, ``draft_mla``).
 - Drafts: every chain's drafts equal the MTP chain computed from scratch
   (transformers' hidden states, the layer from the checkpoint's tensors:
   ``oracle_drafts`` of the two MTP test files), eagerly and over padded plans of the
-  CUDA graphs' lane counts (``enable_chain(max_rows=...)``, not captured).
+  CUDA graphs' lane counts (``enable_chain(max_rows=...)``, not captured), there with
+  the verify steps and the layer's rows after them padded too (``capture_verify``,
+  ``capture_verify_rows``, not captured): a padded lane's first draft goes to the
+  scratch row, so the real slots' first drafts, which the next chains start from,
+  stay the oracle's.
 - Greedy outputs equal the same engine without speculation and transformers', at
   pages 1 and 16, in a pool that preempts.
 - Mechanisms: a chain plans once (one ``StepPlanner.plan`` per chain, not one a
@@ -29,7 +33,7 @@ from test_spec_rule_ops import _Ops
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.plan import StepPlanner
-from unikv.engine.speculative.chain import DraftChain
+from unikv.engine.speculative.chain import DraftChain, VerifyRowGraphs
 from unikv.hf_config import specs_from_hf_config
 from unikv.placement import pool_bytes_for, worst_case_pages
 
@@ -138,16 +142,58 @@ def test_chain_drafts_and_outputs_under_preemption(saved, arch, ps, padded, monk
     if padded:  # the graphs' padded plans (lane counts 1, 2, 4), run eagerly
         draft.enable_chain(K, max_rows=4, capture=False)
         assert draft.chain.sizes == [1, 2, 4]
+        llm.runner.capture_verify(K + 1, 4, capture=False)  # verify steps and the rows
+        draft.capture_verify_rows(llm.runner.verify_graphs, capture=False)  # after them
+    lanes = []  # (requests, padded size) of each verify step's rows run padded
+    rows_run = VerifyRowGraphs.run
+
+    def spy_rows(graphs, plan, rows, tokens, accepted):
+        lanes.append((tokens.shape[0], rows))
+        return rows_run(graphs, plan, rows, tokens, accepted)
+
     with monkeypatch.context() as m:
         spy = ChainSpy(llm, m)
+        m.setattr(VerifyRowGraphs, "run", spy_rows)
         out = llm.generate(items + items[::-1], params)
     assert [o.output_ids for o in out] == want + want[::-1]
     assert llm.stats.preemptions > 0
+    assert bool(lanes) == padded  # the rows after a padded verify step: its own path
     assert len(spy.runs) >= 4
     for seen, drafts, plans, reads in spy.runs:
         assert plans == 1 and reads == 0
         assert len(drafts) == len(seen) and all(len(d) == K for d in drafts)
     for seen, drafts, _, _ in spy.runs[:3]:
+        for ids, got in zip(seen, drafts):
+            assert got == oracle(ids, K)
+    assert_pages_returned(llm)
+
+
+def test_padded_lanes_keep_the_real_slots_first_drafts(saved, monkeypatch):
+    """Three requests in padded plans of 4 lanes (chain, verify step, the rows after
+    it): the padded lane's outputs go to the scratch row, so every chain still starts
+    from its request's own first draft: drafts equal the oracle's, tokens plain's."""
+    path, oracle, _ = saved("qwen3_5")
+    items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    want = [o.output_ids for o in make_llm(path, 16, False).generate(items, params)]
+    llm = make_llm(path, 16, True)
+    draft = llm.runner.draft
+    draft.enable_chain(K, max_rows=4, capture=False)
+    llm.runner.capture_verify(K + 1, 4, capture=False)
+    draft.capture_verify_rows(llm.runner.verify_graphs, capture=False)
+    lanes, rows_run = [], VerifyRowGraphs.run
+
+    def spy_rows(graphs, plan, rows, tokens, accepted):
+        lanes.append((tokens.shape[0], rows))
+        return rows_run(graphs, plan, rows, tokens, accepted)
+
+    with monkeypatch.context() as m:
+        spy = ChainSpy(llm, m)
+        m.setattr(VerifyRowGraphs, "run", spy_rows)
+        assert [o.output_ids for o in llm.generate(items, params)] == want
+    assert (3, 4) in lanes  # three requests, a padded lane
+    three = [run for run in spy.runs if len(run[0]) == 3]
+    assert len(three) >= 2
+    for seen, drafts, _, _ in three[:3]:
         for ids, got in zip(seen, drafts):
             assert got == oracle(ids, K)
     assert_pages_returned(llm)

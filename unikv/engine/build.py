@@ -386,4 +386,6 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
         if rows >= 1 and rows * q <= runner.planner.max_tokens:
             runner.capture_verify(q, rows)
             spec.pad_drafts = True
+            if draft.head is not None:  # the head's rows after each verify graph: graphs too
+                spec.draft.capture_verify_rows(runner.verify_graphs)
     return spec

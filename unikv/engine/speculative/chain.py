@@ -175,3 +175,64 @@ class _Zeros:
 
     def __getitem__(self, index: int) -> int:
         return 0
+
+
+class VerifyRowGraphs:
+    """``HiddenDraft.forward_verify`` after a verify graph, one graph per its padded
+    size R (every lane q rows): the step's emitted tokens (B, q) and accepted counts
+    (B,) are copied into fixed buffers (padded lanes: 0) and the graph, captured over
+    ``plan(Batch(), rows=R, pad_q=q)``, writes the layer's rows of every lane and
+    keeps each real lane's first draft (a padded lane's goes to the scratch row,
+    ``HiddenDraft.scratch``, told apart on the device by its seq_len).
+    ``capture=False`` runs the same padded function eagerly (CPU)."""
+
+    def __init__(self, draft, sizes: list[int], q: int, capture: bool) -> None:
+        planner = draft.planner
+        self.draft, self.planner, self.q, self.sizes = draft, planner, q, sizes
+        rows = max(sizes)
+        self.tokens = torch.zeros(rows, q, dtype=torch.int64, device=planner.device)
+        self.accepted = torch.zeros(rows, dtype=torch.int64, device=planner.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture:
+            self._capture()
+
+    def run(self, plan, rows: int, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """The rows of verify step ``plan`` (its graph's ``rows``): tokens (B, q),
+        accepted (B,) on the device."""
+        num = tokens.shape[0]
+        assert tokens.shape[1] == self.q, (
+            "verify rows invariant: a graphed verify step's lanes feed q rows"
+        )
+        self.tokens[:num].copy_(tokens)
+        self.tokens[num:rows].zero_()
+        self.accepted[:num].copy_(accepted)
+        self.accepted[num:rows].zero_()
+        graph = self.graphs.get(rows)
+        if graph is None:
+            self._rows(plan, rows)
+        else:
+            graph.replay()
+
+    def _rows(self, plan, rows: int) -> None:
+        self.draft.write_verify_rows(
+            plan, rows, self.tokens[:rows], self.accepted[:rows], padded=self.q
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        device = self.planner.device
+        pool, stream = None, torch.cuda.current_stream(device)
+        for rows in sorted(self.sizes, reverse=True):
+            plan = self.planner.plan(Batch(), rows=rows, pad_q=self.q)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):  # warm up: compile kernels, settle allocations
+                self._rows(plan, rows)
+            stream.wait_stream(side)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._rows(plan, rows)
+            pool = graph.pool()
+            self.graphs[rows] = graph
+        torch.cuda.synchronize(device)

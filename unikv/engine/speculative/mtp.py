@@ -27,9 +27,12 @@ The layer's output at a request's last kept row gives the first draft of its nex
 step, kept per request slot on the device (``first`` tokens, ``hidden`` states).
 ``propose`` chains the layer from there: draft j + 1 from the row at position
 ``L + j - 1`` (L: the request's cached tokens; rows the verify step allocated),
-its hidden state the previous row's output. The verify step rewrites those rows
-with the target's hidden states. A request whose first draft is not kept (its
-last step ran elsewhere: a swap moved its slot) drafts nothing for a step.
+its hidden state the previous row's output: where every drafting request drafts k,
+as one unit (``chain.DraftChain``: one plan, on CUDA one graph per lane count), else
+one planned step at a time (``propose_steps``). The verify step rewrites those rows
+with the target's hidden states (after a verify graph, a graph of their own:
+``capture_verify_rows``). A request whose first draft is not kept (its last step
+ran elsewhere: a swap moved its slot) drafts nothing for a step.
 
 Past the batch-size rule the layer is lazy (``enable_lazy``): a plain decode step
 runs no layer, it only stashes each row's exported hidden state and next token
@@ -108,8 +111,12 @@ class HiddenDraft:
             "draft invariant: the target copies every row's hidden states (hidden_out, "
             "set before its graphs are captured: DecoderLM.export_hidden)"
         )
-        self.first = torch.zeros(max_slots, dtype=torch.int64, device=dev)  # per slot: d_1
-        self.hidden = torch.zeros(max_slots, hidden, dtype=param.dtype, device=dev)
+        # per slot: d_1 and its hidden state; row ``max_slots`` takes a padded lane's
+        # (a verify graph's rows past its requests: written, never read)
+        self.first = torch.zeros(max_slots + 1, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(max_slots + 1, hidden, dtype=param.dtype, device=dev)
+        self.scratch = max_slots
+        self.verify_rows = None  # the rows after a verify graph, graphed (``capture_verify_rows``)
         self.kept: dict[int, tuple[int, int]] = {}  # slot -> (request id, its num_cached)
         self.states = [None] * len(caches)
 
@@ -241,10 +248,14 @@ class HiddenDraft:
         with stepping(head):
             return self.layer.tokens(g, self.target, self.backend)
 
-    def _keep(self, plan, num: int, g_last: torch.Tensor) -> None:
+    def _keep(self, plan, num: int, g_last: torch.Tensor, padded: int = 0) -> None:
         """The first draft of each of the step's ``num`` requests and its hidden
-        state, into their slots (device only)."""
+        state, into their slots (device only). ``padded``: a verify graph's plan of
+        ``num`` lanes, q = ``padded`` rows each: a lane whose seq_len is q (no cached
+        token: a padded lane) writes the scratch row instead (no host count read)."""
         slots = plan.slots[:num].long()
+        if padded:
+            slots = torch.where(plan.seq_lens[:num] > padded, slots, self.scratch)
         self.first.index_copy_(0, slots, self._tokens(plan, g_last))
         self.hidden.index_copy_(0, slots, g_last)
 
@@ -272,16 +283,32 @@ class HiddenDraft:
             self.kept[r.slot] = (r.request_id, e)
 
     @torch.inference_mode()
-    def forward_verify(self, plan, batch, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    def forward_verify(self, plan, batch, tokens, accepted, rows: int | None = None) -> None:
         """After a verify step (before its readback): the layer's rows of its ``1 +
-        k`` rows per request; tokens (B, K+1), accepted (B,) int64 on the device."""
-        num = len(batch.requests)
+        k`` rows per request; tokens (B, K+1), accepted (B,) int64 on the device.
+        ``rows``: the verify graph's padded size that ran it (None: eager), whose
+        rows replay a graph of their own where captured (``capture_verify_rows``)."""
+        if rows is not None and self.verify_rows is not None:
+            self.verify_rows.run(plan, rows, tokens, accepted)
+        else:
+            self.write_verify_rows(plan, len(batch.requests), tokens, accepted)
+
+    def write_verify_rows(self, plan, num: int, tokens, accepted, padded: int = 0) -> None:
+        """``forward_verify`` over ``num`` lanes of ``plan`` (``padded``: q, a verify
+        graph's padded plan, its padded lanes' outputs sent to the scratch row)."""
         ids = plan.input_ids
         last = plan.q_indptr[:num].long() + accepted  # each request's last kept row
         nxt = torch.roll(ids, -1)
         nxt.index_copy_(0, last, tokens.gather(1, accepted[:, None])[:, 0])
         g = self._run(plan, nxt, exported=self.target.hidden_out[: nxt.shape[0]])
-        self._keep(plan, num, g.index_select(0, last))
+        self._keep(plan, num, g.index_select(0, last), padded)
+
+    def capture_verify_rows(self, verify_graphs, capture: bool = True) -> None:
+        """The rows after each verify graph as a graph of their own, over the same
+        padded plans (``chain.VerifyRowGraphs``; ``capture=False``: run eagerly)."""
+        from unikv.engine.speculative.chain import VerifyRowGraphs
+
+        self.verify_rows = VerifyRowGraphs(self, verify_graphs.sizes, verify_graphs.q, capture)
 
     def settled(self, batch, accepted: list[int]) -> None:
         """A verify step's accepted counts, on the host: the kept drafts' owners."""
