@@ -73,8 +73,11 @@ class DraftChain:
         num = len(requests)
         rows = self._rows(num)
         lanes = [_Lane(r.slot, r.num_cached) for r in requests]
-        index = (starts[:, None] + np.arange(self.q)).reshape(-1)
-        vids = virtual_ids.index_select(0, to_device(index, virtual_ids.device))
+        if virtual_ids.shape[0] == num * (self.k + 1):  # every request drafts: a view
+            vids = virtual_ids.reshape(num, self.k + 1)[:, : self.q].reshape(-1)
+        else:  # some request drafts nothing this step: its rows are skipped
+            index = (starts[:, None] + np.arange(self.q)).reshape(-1)
+            vids = virtual_ids.index_select(0, to_device(index, virtual_ids.device))
         batch = Batch(lanes, [self.q] * num, [vids])
         if rows is None:  # eager: n lanes, tables as wide as the longest
             plan = self.planner.plan(batch)
