@@ -240,8 +240,9 @@ def test_chain_costs_fewer_ops_than_a_plan_a_step(saved, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3_5", "deepseek"])
 def test_chain_graphs_on_gpu(saved, arch, monkeypatch):
-    """On CUDA: chains of up to the captured lane counts replay their graph (none
-    runs eagerly), and greedy tokens equal the same engine's without speculation."""
+    """On CUDA: chains of up to the captured lane counts replay their graph, as do
+    the head's rows after each verify graph (none runs eagerly), and greedy tokens
+    equal the same engine's without speculation."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     path = saved(arch)[0]
@@ -267,6 +268,14 @@ def test_chain_graphs_on_gpu(saved, arch, monkeypatch):
         return run(c, *a, **k)
 
     monkeypatch.setattr(DraftChain, "run", spy_run)
+    rows_graphs, rows_eager, rows_body = llm.runner.draft.verify_rows, [], VerifyRowGraphs._rows
+    assert rows_graphs is not None and sorted(rows_graphs.graphs) == rows_graphs.sizes
+
+    def spy_rows(g, *a, **k):
+        rows_eager.append(1)
+        return rows_body(g, *a, **k)
+
+    monkeypatch.setattr(VerifyRowGraphs, "_rows", spy_rows)
     assert [o.output_ids for o in llm.generate(items, params)] == want
-    assert runs[0] > 0 and not eager
+    assert runs[0] > 0 and not eager and not rows_eager
     llm.alloc.check_integrity()
