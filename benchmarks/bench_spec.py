@@ -34,8 +34,9 @@ about two minutes on an H100: not yet measured there), saved to ``results/spec_s
   ``mtp.*`` layout, random init): one request, ``plain`` vs ``forced`` (as Llama's:
   the verify step at full acceptance, drafting free; ``forced_pipelined``: verify
   steps planned ahead, the state slot chosen on the device) and ``mtp_forced`` (the
-  MTP layer drafts, its chain's cost included, every draft accepted); on a
-  repetitive prompt, ``plain`` vs ``ngram`` vs ``ngram_pipelined``;
+  MTP layer drafts, its chain's cost included, every draft accepted; the chain is one
+  plan and one CUDA graph per lane count: ``speculative/chain.py``); on a repetitive
+  prompt, ``plain`` vs ``ngram`` vs ``ngram_pipelined``;
 - the batch-size rule, Llama, ``--batch`` = 64 requests with repetitive prompts
   (n-gram finds drafts, a random model rejects most), N / 2 new tokens each:
   ``plain`` vs ``spec_rule`` (``ngram`` with the default ``disable_by_batch_size``,
@@ -68,7 +69,8 @@ Decode tokens/s = B (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
 
 ``--phases``: each run also reports the host milliseconds per step spent in each part
-of the loop (schedule, drafts, plan, forward, launch, verify_step, complete_*), from
+of the loop (schedule, drafts, plan, draft_chain, draft_verify_rows, forward, launch,
+verify_step, complete_*), from
 one more timed run (the timers cost a little: the rates come from the untimed runs).
 """
 
@@ -95,6 +97,8 @@ PHASES = {  # host time per step of each part of the loop (``--phases``)
     "schedule": ("unikv.engine.scheduler", "Scheduler", "schedule"),
     "drafts": ("unikv.engine.speculative.engine", "Speculator", "drafts"),
     "plan": ("unikv.engine.plan", "StepPlanner", "plan"),
+    "draft_chain": ("unikv.engine.speculative.chain", "DraftChain", "run"),
+    "draft_verify_rows": ("unikv.engine.speculative.mtp", "HiddenDraft", "forward_verify"),
     "forward": ("unikv.engine.runner", "ModelRunner", "forward"),
     "launch": ("unikv.engine.runner", "ModelRunner", "launch"),
     "verify_step": ("unikv.engine.runner", None, "verify_step"),

@@ -24,7 +24,8 @@ m=tests/engine/test_engine_mimo_gpu.py  # the wide MiMo: minutes on its own, so 
 lane 480 $m::test_bf16_teacher_forced &
 lane 480 $m::test_fp32_greedy_identical_with_triton_and_graphs $m::test_fp32_graphs_under_preemption_and_tiny_chunks &
 lane 480 tests/engine/test_engine_gpu.py tests/engine/test_launch_gpu.py tests/allocator/test_allocator_gpu.py &
-lane 480 tests/engine/test_spec_gpu.py tests/engine/test_spec_rule.py tests/engine/test_spec_pipeline.py &
+lane 480 tests/engine/test_spec_gpu.py tests/engine/test_spec_rule.py tests/engine/test_spec_pipeline.py \
+  tests/engine/test_spec_rule_ops.py &
 lane 480 tests/engine/test_engine_mamba_hybrids_gpu.py tests/engine/test_prefix_checkpoint_gpu.py \
   tests/io/test_io_gpu.py tests/io/test_host_runs.py &
 lane 480 tests/engine/test_engine_gemma_gpu.py tests/allocator/test_allocator_pressure_gpu.py &
@@ -32,7 +33,8 @@ lane 480 tests/engine/test_engine_new_families_gpu.py tests/engine/test_engine_k
 lane 480 tests/engine/test_engine_deepseek_gpu.py tests/engine/test_spec_recurrent_gpu.py \
   tests/kernels/test_kernels_recurrent_draft.py &
 lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py &
-lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py &
+lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py \
+  tests/engine/test_spec_mtp_chain.py &
 lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py &
 else  # PART=b: the kernel files, the smoke test, FP8 and the long prefill
 lane 480 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \

@@ -366,6 +366,11 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
         )  # fmt: skip
         if spec_config.disable_by_batch_size < c.max_num_seqs:  # the rule may apply: lazy
             spec.draft.enable_lazy(spec.within_rule)
+        k = spec_config.num_speculative_tokens  # its chain: one plan, a graph per lane count
+        chain_rows = min(VERIFY_GRAPH_ROWS, spec_config.disable_by_batch_size,
+                         runner.planner.max_seqs, DENSE_MAX_TOKENS // k)  # fmt: skip
+        graphed = runner.graphs is not None and chain_rows >= 1
+        spec.draft.enable_chain(k, chain_rows if graphed else 0, capture=graphed)
     if spec_config.method == "draft_model":
         model = draft.model  # loaded with its sub-pools' configs
         cap = check_soft_cap(backend, model.config.extra.get("attn_soft_cap", 0.0))
@@ -381,4 +386,6 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
         if rows >= 1 and rows * q <= runner.planner.max_tokens:
             runner.capture_verify(q, rows)
             spec.pad_drafts = True
+            if draft.head is not None:  # the head's rows after each verify graph: graphs too
+                spec.draft.capture_verify_rows(runner.verify_graphs)
     return spec

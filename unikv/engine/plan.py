@@ -330,6 +330,12 @@ class StepPlanner:
             for s in self.attention
         }
 
+    def decode_plans(self, rows: int, longest: int | None = None) -> dict[str, DecodePlan]:
+        """Decode attention's launch plan per attention sub-pool for ``rows`` one-token
+        lanes over tables spanning ``longest`` tokens (None: the whole context, a
+        graph's): a draft chain's steps (``speculative/chain.py``), made once per chain."""
+        return self._decode_plans(rows, longest)
+
     def _decode_plans(self, rows: int, longest) -> dict[str, DecodePlan]:
         """Decode attention's launch plan per attention sub-pool, once per step."""
         return {s.name: self._decode_plan(s, rows, self.workspace, longest) for s in self.attention}

@@ -350,7 +350,7 @@ class ModelRunner:
             packed = host
         done = copied  # its pages stay fenced until the step (and a draft's forward) is done
         if self.draft is not None:  # the rows kept after the rollback are the true tokens'
-            self.draft.forward_verify(plan, batch, tokens, accepted)  # runs under the host's work
+            self.draft.forward_verify(plan, batch, tokens, accepted, rows)  # under the host's work
             if copied is not None:
                 done = torch.cuda.Event()
                 done.record()

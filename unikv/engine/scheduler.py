@@ -94,6 +94,9 @@ class Scheduler:
         self.alloc, self.tables = alloc, tables
         self.swap = swap
         self.spec = speculator  # speculative decoding (``speculative.engine.Speculator``)
+        # the batch-size rule as a host int, decided once: a step of more decoding
+        # requests is the plain engine's (no call into the speculator: -1 without one)
+        self.spec_limit = speculator.config.disable_by_batch_size if speculator else -1
         self.subpools = list(subpools)
         self.has_window = any(s.spec.sliding_window is not None for s in self.subpools)
         self.has_state = any(s.spec.kind == "mamba" for s in self.subpools)
@@ -127,7 +130,7 @@ class Scheduler:
         over requests). Should a preemption while scheduling bring that batch under
         the rule, it stays plain (its tokens are not settled:
         ``speculative.engine.settled``); the next step settles first."""
-        return self.spec is not None and self.spec.within_rule(len(self.running))
+        return len(self.running) <= self.spec_limit
 
     # -- planning ----------------------------------------------------------------
 
@@ -165,8 +168,11 @@ class Scheduler:
             d = self._current_decodes()
             if not d.decoding:
                 return d.prefilling
-            if self.spec is not None and self._verify(batch, d):
-                return d.prefilling
+            if len(d.decoding) <= self.spec_limit:
+                if self._verify(batch, d):
+                    return d.prefilling
+            elif self.spec is not None and self._pure_decode(d):  # the rule kept it plain
+                self.spec.counters.skipped_by_batch_size += 1
             out = self.tables
             step = self.alloc.decode_step(
                 d.slots,
@@ -186,7 +192,7 @@ class Scheduler:
         to schedule, the speculator's rules): each decoding request feeds its pending
         token and its drafts (``1 + k_i`` rows, ``alloc_extend``). False (nothing
         changed) when it does not, or when the pool cannot hold the drafts now."""
-        if d.prefilling or (self.waiting and len(self.running) < self.max_num_seqs):
+        if not self._pure_decode(d):
             return False
         found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
@@ -199,6 +205,11 @@ class Scheduler:
         batch.drafts = drafts
         self._decodes = None  # lengths advance unevenly: rebuilt next step
         return True
+
+    def _pure_decode(self, d: DecodeSet) -> bool:
+        """Whether the step may only decode: no prefill chunk to schedule, no request
+        waiting for a free seat."""
+        return not d.prefilling and not (self.waiting and len(self.running) < self.max_num_seqs)
 
     def _schedule_prefills(self, batch: Batch, prefilling: list[Request], budget: int) -> None:
         for r in prefilling:

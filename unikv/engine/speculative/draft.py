@@ -166,7 +166,7 @@ class DraftModel:
         vids = view.token_vids([s.slot for s in rows], [s.num_cached for s in rows], counts)
         self.forward_plan(self.planner.plan(Batch(rows, counts, [vids])))
 
-    def forward_verify(self, plan, batch, tokens, accepted) -> None:
+    def forward_verify(self, plan, batch, tokens, accepted, rows=None) -> None:
         """After a verify step: its rows' K/V (the kept rows are the true tokens')."""
         self.forward_plan(plan)
 

@@ -27,9 +27,12 @@ The layer's output at a request's last kept row gives the first draft of its nex
 step, kept per request slot on the device (``first`` tokens, ``hidden`` states).
 ``propose`` chains the layer from there: draft j + 1 from the row at position
 ``L + j - 1`` (L: the request's cached tokens; rows the verify step allocated),
-its hidden state the previous row's output. The verify step rewrites those rows
-with the target's hidden states. A request whose first draft is not kept (its
-last step ran elsewhere: a swap moved its slot) drafts nothing for a step.
+its hidden state the previous row's output: where every drafting request drafts k,
+as one unit (``chain.DraftChain``: one plan, on CUDA one graph per lane count), else
+one planned step at a time (``propose_steps``). The verify step rewrites those rows
+with the target's hidden states (after a verify graph, a graph of their own:
+``capture_verify_rows``). A request whose first draft is not kept (its last step
+ran elsewhere: a swap moved its slot) drafts nothing for a step.
 
 Past the batch-size rule the layer is lazy (``enable_lazy``): a plain decode step
 runs no layer, it only stashes each row's exported hidden state and next token
@@ -108,14 +111,19 @@ class HiddenDraft:
             "draft invariant: the target copies every row's hidden states (hidden_out, "
             "set before its graphs are captured: DecoderLM.export_hidden)"
         )
-        self.first = torch.zeros(max_slots, dtype=torch.int64, device=dev)  # per slot: d_1
-        self.hidden = torch.zeros(max_slots, hidden, dtype=param.dtype, device=dev)
+        # per slot: d_1 and its hidden state; row ``max_slots`` takes a padded lane's
+        # (a verify graph's rows past its requests: written, never read)
+        self.first = torch.zeros(max_slots + 1, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(max_slots + 1, hidden, dtype=param.dtype, device=dev)
+        self.scratch = max_slots
+        self.verify_rows = None  # the rows after a verify graph, graphed (``capture_verify_rows``)
         self.kept: dict[int, tuple[int, int]] = {}  # slot -> (request id, its num_cached)
         self.states = [None] * len(caches)
 
         self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
         self.lagging: set[int] = set()  # ids of requests whose rows lag (``Request.draft_lag``)
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
+        self.chain = None  # chains of k drafts as one unit (``enable_chain``)
 
     # -- past the batch-size rule: lazy (module docstring) ----------------------------
 
@@ -240,10 +248,14 @@ class HiddenDraft:
         with stepping(head):
             return self.layer.tokens(g, self.target, self.backend)
 
-    def _keep(self, plan, num: int, g_last: torch.Tensor) -> None:
+    def _keep(self, plan, num: int, g_last: torch.Tensor, padded: int = 0) -> None:
         """The first draft of each of the step's ``num`` requests and its hidden
-        state, into their slots (device only)."""
+        state, into their slots (device only). ``padded``: a verify graph's plan of
+        ``num`` lanes, q = ``padded`` rows each: a lane whose seq_len is q (no cached
+        token: a padded lane) writes the scratch row instead (no host count read)."""
         slots = plan.slots[:num].long()
+        if padded:
+            slots = torch.where(plan.seq_lens[:num] > padded, slots, self.scratch)
         self.first.index_copy_(0, slots, self._tokens(plan, g_last))
         self.hidden.index_copy_(0, slots, g_last)
 
@@ -271,16 +283,32 @@ class HiddenDraft:
             self.kept[r.slot] = (r.request_id, e)
 
     @torch.inference_mode()
-    def forward_verify(self, plan, batch, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    def forward_verify(self, plan, batch, tokens, accepted, rows: int | None = None) -> None:
         """After a verify step (before its readback): the layer's rows of its ``1 +
-        k`` rows per request; tokens (B, K+1), accepted (B,) int64 on the device."""
-        num = len(batch.requests)
+        k`` rows per request; tokens (B, K+1), accepted (B,) int64 on the device.
+        ``rows``: the verify graph's padded size that ran it (None: eager), whose
+        rows replay a graph of their own where captured (``capture_verify_rows``)."""
+        if rows is not None and self.verify_rows is not None:
+            self.verify_rows.run(plan, rows, tokens, accepted)
+        else:
+            self.write_verify_rows(plan, len(batch.requests), tokens, accepted)
+
+    def write_verify_rows(self, plan, num: int, tokens, accepted, padded: int = 0) -> None:
+        """``forward_verify`` over ``num`` lanes of ``plan`` (``padded``: q, a verify
+        graph's padded plan, its padded lanes' outputs sent to the scratch row)."""
         ids = plan.input_ids
         last = plan.q_indptr[:num].long() + accepted  # each request's last kept row
         nxt = torch.roll(ids, -1)
         nxt.index_copy_(0, last, tokens.gather(1, accepted[:, None])[:, 0])
         g = self._run(plan, nxt, exported=self.target.hidden_out[: nxt.shape[0]])
-        self._keep(plan, num, g.index_select(0, last))
+        self._keep(plan, num, g.index_select(0, last), padded)
+
+    def capture_verify_rows(self, verify_graphs, capture: bool = True) -> None:
+        """The rows after each verify graph as a graph of their own, over the same
+        padded plans (``chain.VerifyRowGraphs``; ``capture=False``: run eagerly)."""
+        from unikv.engine.speculative.chain import VerifyRowGraphs
+
+        self.verify_rows = VerifyRowGraphs(self, verify_graphs.sizes, verify_graphs.q, capture)
 
     def settled(self, batch, accepted: list[int]) -> None:
         """A verify step's accepted counts, on the host: the kept drafts' owners."""
@@ -297,13 +325,43 @@ class HiddenDraft:
         ready = [self.kept.get(r.slot) == (r.request_id, r.num_cached) for r in requests]
         return np.where(ready, rooms, 0)
 
+    def enable_chain(self, k: int, max_rows: int = 0, capture: bool = False) -> None:
+        """Chains of k drafts as one unit (``chain.DraftChain``: one plan, a graph per
+        lane count up to ``max_rows`` when ``capture``); not where a draft sub-pool
+        has a window (its decode tables are planned by the window)."""
+        from unikv.engine.speculative.chain import DraftChain
+
+        if k >= 2 and not any(getattr(c, "window", 0) for c in self.caches if c is not None):
+            self.chain = DraftChain(self, k, max_rows, capture)
+
+    def step(self, plan, ids: torch.Tensor, hidden: torch.Tensor):
+        """One chained step over ``plan``'s rows (a decode plan, one row per lane):
+        (outputs g, their greedy drafts), from each row's token and previous hidden state."""
+        g = self._run(plan, ids, hidden)
+        return g, self._tokens(plan, g)
+
     @torch.inference_mode()
     def propose(self, requests, counts: np.ndarray, virtual_ids: torch.Tensor) -> torch.Tensor:
         """``counts[b]`` greedy drafts per decoding request b (its pending token at
         position L_b = num_cached), on the device, request-major (``draft.request_major``,
-        no host read); ``virtual_ids``: the verify step's ids."""
+        no host read); ``virtual_ids``: the verify step's ids. Where every drafting
+        request drafts k, the chain is one unit (``chain.DraftChain``), else one plan a
+        step (``propose_steps``)."""
         starts = np.zeros(len(requests), np.int64)
         np.cumsum(1 + counts[:-1], out=starts[1:])
+        chain, live = self.chain, np.flatnonzero(counts > 0)
+        if (
+            chain is not None
+            and live.size
+            and (counts[live] == chain.k).all()
+            and chain.fits(live.size)
+        ):
+            lanes = [requests[b] for b in live.tolist()]
+            return chain.run(lanes, virtual_ids, starts[live]).reshape(-1)
+        return self.propose_steps(requests, counts, virtual_ids, starts)
+
+    def propose_steps(self, requests, counts, virtual_ids, starts) -> torch.Tensor:
+        """``propose`` one planned step at a time (lanes drafting unequal counts)."""
         steps, lanes_of = [], []
         live = np.flatnonzero(counts > 0)
         if live.size:
