@@ -25,7 +25,7 @@ lane 480 $m::test_bf16_teacher_forced &
 lane 480 $m::test_fp32_greedy_identical_with_triton_and_graphs $m::test_fp32_graphs_under_preemption_and_tiny_chunks &
 lane 480 tests/engine/test_engine_gpu.py tests/engine/test_launch_gpu.py tests/allocator/test_allocator_gpu.py &
 lane 480 tests/engine/test_spec_gpu.py tests/engine/test_spec_rule.py tests/engine/test_spec_pipeline.py \
-  tests/engine/test_spec_rule_ops.py &
+  tests/engine/test_spec_rule_ops.py tests/engine/test_spec_derive.py &
 lane 480 tests/engine/test_engine_mamba_hybrids_gpu.py tests/engine/test_prefix_checkpoint_gpu.py \
   tests/io/test_io_gpu.py tests/io/test_host_runs.py &
 lane 480 tests/engine/test_engine_gemma_gpu.py tests/allocator/test_allocator_pressure_gpu.py &
