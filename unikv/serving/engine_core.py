@@ -254,6 +254,7 @@ class Core:
                     group.sink = group
                     for track in group.tracks:
                         track.wire, wire = wire, wire + 1
+                        track.bare = track.token_only and not track.passive
                     groups.append(group)
             except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
                 acks.append(_refusal(key, err))
