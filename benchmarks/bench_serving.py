@@ -402,7 +402,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=None,
+                   help="max_num_batched_tokens of both sides (default: 2048; 64 tiny)")  # fmt: skip
     p.add_argument("--kv-cache-mib", type=int, default=None)
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
@@ -425,8 +426,8 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if tiny:
-        args.chunk = min(args.chunk, 64)
+    if args.chunk is None:
+        args.chunk = 64 if tiny else 2048
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     from common import environment, save_json
 
