@@ -233,7 +233,7 @@ def test_idle_loop_sleeps_on_its_sockets(llm):
         sent = time.perf_counter()
         chan.send(("add", 0, [(_prompts()[0], encode_params(params))], None, 1))
         assert chan.recv()[0] == "acks"
-        assert time.perf_counter() - sent < POLL_MS / 1000 + 0.5  # woken by the message
+        assert time.perf_counter() - sent < POLL_MS / 1000 + 2.0  # woken (a loaded host: slack)
     finally:
         _stop(ctx, chan, core, pull, thread)
     assert box == [0]
