@@ -25,8 +25,10 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    ``process-apiN`` runs N API processes (``--api-server-count N``). And
    ``engine_step_ms``: the engine's host time per step by phase over that load
    (``unikv:engine_step_phase_seconds`` of ``/metrics``: plan, launch, wait,
-   output, step, io, gc; p50/p99 as bucket edges, ``max_ms_so_far`` the
-   server's largest): where a slow step's time went.
+   output, step, io, gc; p50/p99 as bucket edges, ``mean_ms``, ``max_ms_so_far``
+   the server's largest): where a slow step's time went; ``LLM.generate``'s
+   run records the same phases (``burst.generate.engine_step_ms``, means), so
+   the served step's host cost reads against the offline one's.
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
