@@ -25,8 +25,10 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    ``process-apiN`` runs N API processes (``--api-server-count N``). And
    ``engine_step_ms``: the engine's host time per step by phase over that load
    (``unikv:engine_step_phase_seconds`` of ``/metrics``: plan, launch, wait,
-   output, step, io, gc; p50/p99 as bucket edges, ``max_ms_so_far`` the
-   server's largest): where a slow step's time went.
+   output, step, io, gc; p50/p99 as bucket edges, ``mean_ms``, ``max_ms_so_far``
+   the server's largest): where a slow step's time went; ``LLM.generate``'s
+   run records the same phases (``burst.generate.engine_step_ms``, means), so
+   the served step's host cost reads against the offline one's.
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
@@ -268,6 +270,7 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
 
 STEP_BUCKET = re.compile(r"^unikv:engine_step_phase_seconds_bucket\{([^}]*)\} (\S+)$")
 STEP_MAX = re.compile(r"^unikv:engine_step_phase_max_seconds\{([^}]*)\} (\S+)$")
+STEP_SUM = re.compile(r"^unikv:engine_step_phase_seconds_sum\{([^}]*)\} (\S+)$")
 
 
 def step_phases(url: str) -> dict:
@@ -281,14 +284,18 @@ def step_phases(url: str) -> dict:
         return {}
     out: dict = {}
     for line in text.splitlines():
-        for pattern, kind in ((STEP_BUCKET, "bucket"), (STEP_MAX, "max")):
+        for pattern, kind in ((STEP_BUCKET, "bucket"), (STEP_MAX, "max"), (STEP_SUM, "sum")):
             m = pattern.match(line)
             if m is None:
                 continue
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            entry = out.setdefault(labels["phase"], {"le": [], "cum": [], "max_s": 0.0})
+            entry = out.setdefault(
+                labels["phase"], {"le": [], "cum": [], "max_s": 0.0, "sum_s": 0.0}
+            )
             if kind == "max":
                 entry["max_s"] = float(m.group(2))
+            elif kind == "sum":
+                entry["sum_s"] = float(m.group(2))
             else:
                 entry["le"].append(float(labels["le"]))
                 entry["cum"].append(float(m.group(2)))
@@ -301,7 +308,7 @@ def step_figures(before: dict, after: dict) -> dict:
     of the server's run so far (``max_ms_so_far``)."""
     out = {}
     for phase, a in after.items():
-        b = before.get(phase, {"cum": [0.0] * len(a["cum"])})
+        b = before.get(phase, {"cum": [0.0] * len(a["cum"]), "sum_s": 0.0})
         cum = [x - y for x, y in zip(a["cum"], b["cum"])]
         n = cum[-1] if cum else 0
         if not n:
@@ -312,6 +319,7 @@ def step_figures(before: dict, after: dict) -> dict:
             return (a["le"][i] if a["le"][i] != float("inf") else a["max_s"]) * 1e3
 
         out[phase] = {"n": int(n), "p50_ms_le": edge(0.5), "p99_ms_le": edge(0.99),
+                      "mean_ms": (a["sum_s"] - b.get("sum_s", 0.0)) / n * 1e3,
                       "max_ms_so_far": a["max_s"] * 1e3}  # fmt: skip
     return out
 
@@ -343,6 +351,8 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
         max_model_len=max_len, kv_cache_bytes=args.kv_cache_mib << 20,
     )  # fmt: skip
+    from unikv.engine.step_times import StepTimes
+
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=0.0)
     llm.generate(
         prompts[: args.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
@@ -356,13 +366,21 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
             known = len(r.output_ids) - (bool(r.output_ids) and r.output_ids[-1] < 0)
             got.extend([now] * (known - len(got)))
 
+    llm.engine.times = phases = StepTimes()  # the same phases as the server's engine
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=clock)
     end = time.perf_counter()  # the last tokens are settled after the last hook
+    llm.engine.times = None
     for out, times in zip(outputs, stamps.values()):
         times.extend([end] * (len(out.output_ids) - len(times)))
     results = [{"sent": start, "stamps": t, "tokens": len(t)} for t in stamps.values()]
-    return summarize(results)
+    return {**summarize(results), "engine_step_ms": phase_means(phases.snapshot())}
+
+
+def phase_means(snap: dict) -> dict:
+    """{phase: {"n", "mean_ms"}} of a ``StepTimes.snapshot()`` (phases with steps)."""
+    return {p: {"n": h["n"], "mean_ms": h["sum_s"] / h["n"] * 1e3}
+            for p, h in snap["phases"].items() if h["n"]}  # fmt: skip
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -386,7 +404,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=None,
+                   help="max_num_batched_tokens of both sides (default: 2048; 64 tiny)")  # fmt: skip
     p.add_argument("--kv-cache-mib", type=int, default=None)
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
@@ -409,8 +428,8 @@ def main() -> None:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if tiny:
-        args.chunk = min(args.chunk, 64)
+    if args.chunk is None:
+        args.chunk = 64 if tiny else 2048
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     from common import environment, save_json
 

@@ -159,7 +159,8 @@ class ServerProcess:
 
 def metric_values(text: str, name: str, model_name: str | None = None) -> dict[str, float]:
     """{label string: value} of one Prometheus metric in exposition ``text``; the
-    ``model_name`` label is left out of the key (given: a sample must carry it)."""
+    ``model_name`` label is left out of the key (given: a sample must carry one,
+    and only that model's samples are kept: /metrics lists every served model's)."""
     out = {}
     for line in text.splitlines():
         if line.startswith(name) and not line.startswith("#"):
@@ -169,7 +170,9 @@ def metric_values(text: str, name: str, model_name: str | None = None) -> dict[s
                 continue  # another metric sharing the prefix
             found = re.search(r'model_name="([^"]*)",?', rest)
             if model_name is not None:
-                assert found and found.group(1) == model_name, (line, model_name)
+                assert found, (line, model_name)
+                if found.group(1) != model_name:
+                    continue  # another served model's sample
             if found:
                 rest = rest.replace(found.group(0), "").replace(",}", "}")
             out["" if rest == "{}" else rest] = float(value)

@@ -18,6 +18,7 @@ from itertools import pairwise
 import msgspec
 import numpy as np
 import pytest
+import torch
 import zmq
 from engine_fixtures import one_thread  # noqa: F401  (a fixture)
 from serving_fixtures import save_instruct_llama
@@ -197,3 +198,122 @@ def test_step_times_buckets_against_a_naive_search():
     assert quantile(h, list(EDGES_S), 1.0) == 2.0  # above every edge: the max
     assert set(times.snapshot()["phases"]) == set(PHASES)
     assert quantile(times.snapshot()["phases"]["plan"], list(EDGES_S), 0.5) is None
+
+
+def test_idle_loop_sleeps_on_its_sockets(llm):
+    """An idle engine process does not spin: over a fixed wall time its loop turns
+    about once per ``POLL_MS`` (it sleeps in ``poll`` on the sockets) and its
+    thread uses almost no CPU; a message still wakes it at once."""
+    import time
+
+    from unikv.serving.engine_core import POLL_MS
+
+    ctx = zmq.Context()
+    chan = Channel(ctx, "idle")
+    core, pull, thread, box = _serve(llm, ctx, chan)
+    turns = []  # (wall, the loop thread's CPU time) at each turn
+    inner = llm.engine.turn
+
+    def counted():
+        turns.append((time.perf_counter(), time.thread_time()))
+        return inner()
+
+    llm.engine.turn = counted  # (an instance attribute: serve_all calls loop.turn())
+    thread.start()
+    try:
+        time.sleep(0.3)  # started
+        first, wall = len(turns), 1.0
+        time.sleep(wall)
+        window = turns[first:]
+        assert len(window) <= wall * 1000 / POLL_MS + 3, f"{len(window)} turns in {wall} s idle"
+        assert len(window) >= 2, "the idle loop still turns (it checks its parent)"
+        busy = window[-1][1] - window[0][1]
+        assert busy < 0.2 * (window[-1][0] - window[0][0]), f"{busy:.3f} s CPU while idle"
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        sent = time.perf_counter()
+        chan.send(("add", 0, [(_prompts()[0], encode_params(params))], None, 1))
+        assert chan.recv()[0] == "acks"
+        assert time.perf_counter() - sent < POLL_MS / 1000 + 2.0  # woken (a loaded host: slack)
+    finally:
+        _stop(ctx, chan, core, pull, thread)
+    assert box == [0]
+
+
+def test_full_collections_wait_for_an_idle_turn(llm):
+    """While the loop serves, the collector's full pass (the longest pause, a scan
+    of the whole heap) is held back to ``FULL_GC_CAP``; once due, it runs at the
+    next idle turn, in the loop's thread, before it sleeps. Oracles: CPython's own
+    ``gc`` counters and callbacks (``gc.collect(1)`` ten times makes a full pass due)."""
+    import gc
+    import time
+
+    from unikv.serving.engine_core import FULL_GC_CAP, FULL_GC_DUE
+
+    before = gc.get_threshold()
+    ctx = zmq.Context()
+    chan = Channel(ctx, "gc")
+    core, pull, thread, box = _serve(llm, ctx, chan)
+    busy_thresholds, full = [], []
+    inner = llm.engine.turn
+
+    def counted():
+        if llm.engine.busy:
+            busy_thresholds.append(gc.get_threshold())
+        return inner()
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(threading.current_thread())
+
+    llm.engine.turn = counted
+    thread.start()
+    gc.callbacks.append(on_gc)
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for key in range(2):
+            chan.send(("add", key, [(_prompts()[key], encode_params(params))], None, key))
+        ends = 0
+        while ends < 2:
+            msg = chan.recv()
+            ends += msg[0] == "out" and sum(r[3] is not None for r in msg[3])
+        assert busy_thresholds and {t[2] for t in busy_thresholds} == {FULL_GC_CAP}
+        full.clear()
+        for _ in range(FULL_GC_DUE):
+            gc.collect(1)  # each pass of generation 1 counts toward a full one
+        deadline = time.monotonic() + 5
+        while thread not in full and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert thread in full, "a due full collection ran at an idle turn of the loop"
+    finally:
+        gc.callbacks.remove(on_gc)
+        _stop(ctx, chan, core, pull, thread)
+    assert box == [0]
+    assert gc.get_threshold() == before  # restored when the loop ends
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_blocking_readback_sleeps_while_the_device_runs(model_dir):
+    """The engine process's step readback (``runner.blocking_readback``, set by
+    ``engine_core``) waits on its CUDA event without spinning a core: with the
+    device held busy ~0.25 s after each step's launch (``torch.cuda._sleep``), the
+    host thread's CPU time stays a small part of the wall time; the tokens equal
+    the spinning default's."""
+    import time
+
+    from gpu_fixtures import gpu_llm
+
+    from unikv.serving.engine_core import BLOCKING_WAIT
+
+    assert BLOCKING_WAIT
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = [o.output_ids for o in gpu_llm(model_dir, torch.float32).generate(_prompts(), params)]
+    llm = gpu_llm(model_dir, torch.float32)
+    llm.runner.blocking_readback = True
+    llm.generate(_prompts(), params)  # warm (kernels compiled)
+    hold = lambda *_: torch.cuda._sleep(int(0.25 * 1.5e9))  # ~0.25 s of device time a step
+    cpu, wall = time.thread_time(), time.perf_counter()
+    got = [o.output_ids for o in llm.generate(_prompts(), params, on_step=hold)]
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    assert got == want
+    assert wall > 0.5 and cpu < 0.3 * wall, (cpu, wall)

@@ -63,10 +63,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _per_process(url: str) -> dict[str, float]:
-    """{pid: requests taken} from one scrape (a fresh connection)."""
+def _per_process(url: str, model: str = "tiny") -> dict[str, float]:
+    """{pid: requests taken} of ``model`` from one scrape (a fresh connection)."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    values = metric_values(text, "unikv:api_server_requests_total", "tiny")
+    values = metric_values(text, "unikv:api_server_requests_total", model)
     return {k.split('pid="')[1].split('"')[0]: v for k, v in values.items()}
 
 
@@ -225,7 +225,7 @@ def test_two_models_then_engine_death_ends_every_api_process(model, tmp_path):
     try:
         (child,) = _api_children(proc.proc.pid)
         pids = {str(proc.proc.pid), str(child)}
-        for _ in range(6):  # until both processes served model "tiny" (its metrics)
+        for rounds in range(1, 7):  # until both processes served model "tiny" (its metrics)
             with ThreadPoolExecutor(8) as pool:
                 for name, prompt, text in pool.map(complete, range(16)):
                     assert text == (want_a if name == "tiny" else want_b)[prompt], (name, prompt)
@@ -233,6 +233,9 @@ def test_two_models_then_engine_death_ends_every_api_process(model, tmp_path):
             if set(per) == pids and all(per.values()):
                 break
         assert set(per) == pids and all(per.values()), per
+        # /metrics lists both models' figures: 8 requests of each per round
+        for name in ("tiny", "b"):
+            assert sum(_per_process(proc.url, name).values()) == 8 * rounds, name
         os.kill(proc.engine_pid(), signal.SIGKILL)
         killed = time.monotonic()
         assert proc.proc.wait(timeout=15) == 1

@@ -77,6 +77,7 @@ def test_two_models_one_budget_over_http(paths, want):
             _complete(client, "c", PROMPTS[0])
         assert "'a'" in str(err.value) and "'b'" in str(err.value)
         assert multi.backing.committed_bytes <= TOTAL
+        _metrics_list_both(app.url, multi)
         url = app.url + "/admin/resize_kv_cache"
         r = httpx.post(url, json={"bytes": 1 << 16, "model": "a"}, timeout=30)
         assert r.status_code == 401
@@ -94,6 +95,22 @@ def test_two_models_one_budget_over_http(paths, want):
     finally:
         app.stop()
         multi.close()
+
+
+def _metrics_list_both(url: str, multi) -> None:
+    """/metrics exports every model's series, labelled by model, each family once:
+    the handler counters against the tokens the client got (3 x 12 per model), the
+    pool gauge against each model's own pool."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), "a family exported twice"
+    by = {f.name: {s.labels.get("model_name"): s.value for s in f.samples} for f in families}
+    assert by["vllm:generation_tokens"] == {"a": 36, "b": 36}
+    assert by["unikv:pool_bytes"] == {n: multi[n].pool.total_bytes for n in ("a", "b")}
+    assert set(by["vllm:num_requests_running"]) == {"a", "b"}
 
 
 def test_admin_resize_refuses_below_live_and_is_off_by_default(paths, want):

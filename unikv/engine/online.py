@@ -503,38 +503,33 @@ class EngineLoop:
 
     def _publish(self, launched) -> None:
         """Publish the deltas of step ``launched``'s requests (its tokens are in)."""
-        batch = launched.batch
         if not self._num_watched:  # plain generate: text is decoded at the end
             return
-        step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
+        reqs = launched.batch.requests
+        if self.publish_ids is not None:  # ``unikv serve``: bare rows first, in one pass
+            wires, tokens, rest = _bare_rows(reqs)
+        else:
+            wires, tokens, rest = (), (), range(len(reqs))
         pairs = []
-        wires, tokens = [], []  # token-only tracks' one-token rows (``publish_ids``)
-        fast = self.publish_ids is not None
-        with self.core.tokenizer_lock:
-            for lane, r in enumerate(batch.requests):
-                track = r.track
-                if track is None or track.passive or track.done:
-                    continue
-                if fast and track.token_only and track.wire is not None and r.finish_reason is None:
-                    out = r.output_ids  # a running token-only track: no text, no logprobs
-                    if len(out) == track.num_sent + 1:  # its one new token (a decode row)
-                        track.num_sent += 1
-                        wires.append(track.wire)
-                        tokens.append(out[-1])
+        if rest:  # the lanes that need a full delta (text, logprobs, a finish, ...)
+            step_logprobs, prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
+            with self.core.tokenizer_lock:
+                for lane in rest:
+                    r = reqs[lane]
+                    track = r.track
+                    if track is None or track.passive or track.done:
                         continue
-                    if len(out) == track.num_sent:  # nothing new (a prompt chunk)
+                    try:
+                        delta = track.advance(
+                            lane, step_logprobs, self.scheduler.finish, prompt_logprobs
+                        )
+                    except Exception as err:  # this request's text or logprobs: it alone fails
+                        if not self.isolate:
+                            raise
+                        self._fail(r, err, pairs)
                         continue
-                try:
-                    delta = track.advance(
-                        lane, step_logprobs, self.scheduler.finish, prompt_logprobs
-                    )
-                except Exception as err:  # this request's text or logprobs: it alone fails
-                    if not self.isolate:
-                        raise
-                    self._fail(r, err, pairs)
-                    continue
-                if delta is not None:
-                    self._collect(track, delta, pairs)
+                    if delta is not None:
+                        self._collect(track, delta, pairs)
         if wires:
             self.publish_ids(wires, tokens, pairs)
         elif pairs:
@@ -716,3 +711,25 @@ class EngineLoop:
                 group.on_done(group)
         if pairs:
             self.publish(pairs)
+
+
+def _bare_rows(reqs: list) -> tuple[list[int], list[int], list[int]]:
+    """One pass over a step's requests (``publish_ids``): (wires, tokens) of the
+    running bare tracks (``Track.bare``: token-only, with a wire id) that gained
+    one token, each marked sent, and the lanes of every other request that may
+    have a delta (a bare track with nothing new, a prompt chunk, is neither)."""
+    wires, tokens, rest = [], [], []
+    for lane, r in enumerate(reqs):
+        t = r.track
+        if t is not None and t.bare and not t.done and r.finish_reason is None:
+            out = r.output_ids
+            new = len(out) - t.num_sent
+            if new == 1:  # its one new token (a decode row)
+                t.num_sent += 1
+                wires.append(t.wire)
+                tokens.append(out[-1])
+                continue
+            if not new:  # nothing new (a prompt chunk)
+                continue
+        rest.append(lane)
+    return wires, tokens, rest

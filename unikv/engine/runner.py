@@ -190,6 +190,10 @@ class ModelRunner:
         self._readback = self._pinned_readback if self._pin else self._direct_readback
         self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._launches = 0
+        # the step's readback event waits by sleeping (cudaEventBlockingSync), not by
+        # spinning a core: the engine process sets it (nothing else runs in its
+        # thread while it waits); LLM.generate keeps CUDA's default (a spin)
+        self.blocking_readback = False
         # the model's forward returns (logits, greedy tokens) when asked (decided once)
         self._fused_greedy = "greedy" in inspect.signature(model.forward).parameters
         self.force_accept = False  # speculative decoding's benchmark mode (LLM sets it)
@@ -345,7 +349,7 @@ class ModelRunner:
         if self._pin:  # the emitted tokens' copy, enqueued before the draft's forward
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=self.blocking_readback)
             copied.record()
             packed = host
         done = copied  # its pages stay fenced until the step (and a draft's forward) is done
@@ -383,7 +387,7 @@ class ModelRunner:
         host = self._tokens_host[self._launches % 2]
         assert tokens_dev.numel() <= host.numel(), "a step has at most max_num_seqs requests"
         host = host[: tokens_dev.numel()]
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=self.blocking_readback)
         side = self._copy_stream
         if side is None:
             host.copy_(tokens_dev, non_blocking=True)

@@ -80,6 +80,7 @@ class Track:
         self.token_only = (
             self.detok is None and self.logprobs is None and self.prompt_logprobs is None
         )
+        self.bare = False  # token-only with a wire id: set with ``wire`` (the engine process)
 
     @property
     def text(self) -> str | None:

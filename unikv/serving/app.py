@@ -70,7 +70,7 @@ from unikv.engine.tracks import Delta
 from unikv.serving import kv_admin, routes
 from unikv.serving import responses as rsp
 from unikv.serving.async_engine import AsyncEngine, RequestFailed, Submission
-from unikv.serving.metrics import RequestClock, ServingMetrics
+from unikv.serving.metrics import Merged, RequestClock, ServingMetrics
 from unikv.serving.ops import Gate, HTTPError, ServeOptions, read_body
 from unikv.serving.protocol import (
     BadRequest,
@@ -480,11 +480,13 @@ def create_app(
         ]  # fmt: skip
         return {"object": "list", "data": data}
 
+    exported = Merged([s.metrics.registry for s in servers])  # every model's series
+
     @app.get("/metrics")
     def metrics():  # sync: the snapshot waits for the engine thread (a worker thread)
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exported), media_type=CONTENT_TYPE_LATEST)
 
     if opts.enable_admin_routes:
 

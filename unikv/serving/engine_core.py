@@ -15,7 +15,10 @@ nothing contends for the GIL. Each turn drains every queued input message and
 admits the requests among them at once (one ``acks`` message answers them), so
 a burst joins the next step; then one step launches step N and settles N-1,
 whose outputs are encoded and sent while the device runs N. Idle, it sleeps in
-``poll``.
+``poll`` (no busy wait), after the garbage collector's full pass when one is due:
+while serving, full passes wait for an idle turn (``quiet_gc``, up to
+``FULL_GC_CAP``). On CUDA the step's one readback sleeps on its event
+(``BLOCKING_WAIT``: no core spun while the device runs).
 
 With ``--api-server-count N`` every API process has such a socket pair (a
 "channel") per model: the setup's ``peers`` lists the other API processes'
@@ -73,6 +76,9 @@ POLL_MS = 100
 SEND_TIMEOUT_MS = 1000  # a send waits this long, then checks that the API process lives
 PARENT = [os.getppid()]  # the API process's pid (its own word, from the setup, in main)
 WIRE_BITS = 48  # a completion id's channel, in the engine: chan << WIRE_BITS | the API's id
+BLOCKING_WAIT = True  # the step's readback sleeps on its CUDA event (no core spun; runner.py)
+FULL_GC_DUE = 10  # a full collection is due after this many gen-1 passes (CPython's default)
+FULL_GC_CAP = 100  # while the engine is busy, only past this many (10x rarer): ``quiet_gc``
 
 
 def send_or_exit(sock, data) -> None:
@@ -248,6 +254,7 @@ class Core:
                     group.sink = group
                     for track in group.tracks:
                         track.wire, wire = wire, wire + 1
+                        track.bare = track.token_only and not track.passive
                     groups.append(group)
             except Exception as err:  # noqa: BLE001  (this request's answer; the engine goes on)
                 acks.append(_refusal(key, err))
@@ -367,6 +374,19 @@ def drain(sock, dec) -> list:
     return msgs
 
 
+def quiet_gc() -> bool:
+    """The loop is idle: run the garbage collector's full pass now if one is due
+    (whether it ran). While serving, ``serve_all`` raises the full pass's threshold
+    to ``FULL_GC_CAP``, so the pauses that scan the whole heap (the largest; a step
+    waits for them) run between bursts, when nothing waits, instead of mid-stream."""
+    import gc
+
+    if gc.get_count()[2] >= FULL_GC_DUE:
+        gc.collect()
+        return True
+    return False
+
+
 def serve_all(cores: list[Core], inputs: list) -> int:
     """Answer the API processes until every channel got ``stop`` (0) or a loop
     died (EXIT_DEATH). ``inputs[i]`` is (socket, its core, the channel's index in
@@ -377,7 +397,8 @@ def serve_all(cores: list[Core], inputs: list) -> int:
     joins the next step), then runs one step per model with work. A step
     launches step N, then settles N-1 (its outputs encoded and sent) while the
     device runs N, and the next turn's reads happen then too. Idle, it sleeps in
-    ``poll`` on the sockets (and on a pipe that other threads' ``call`` wakes)."""
+    ``poll`` on the sockets (and on a pipe that other threads' ``call`` wakes),
+    after the garbage collector's full pass if one is due (``quiet_gc``)."""
     import zmq
 
     dec = msgspec.msgpack.Decoder()
@@ -395,14 +416,18 @@ def serve_all(cores: list[Core], inputs: list) -> int:
         if core.budget is not None:
             core.budget.start()
     open_ = set(range(len(inputs)))
+    import gc
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], FULL_GC_CAP)  # full passes: when idle
     try:
         while open_:
             if os.getppid() != PARENT[0]:  # the API process is gone: nobody to answer
                 os._exit(0)
             live = [core for core in cores if any(core.open)]  # (a few models)
             idle = not any(core.loop.busy for core in live)
-            if idle and wake_r in dict(poller.poll(POLL_MS)):  # idle: sleep on the sockets
-                with contextlib.suppress(BlockingIOError):
+            if idle and not quiet_gc() and wake_r in dict(poller.poll(POLL_MS)):
+                with contextlib.suppress(BlockingIOError):  # idle: slept on the sockets
                     os.read(wake_r, 4096)
             for i in sorted(open_):
                 sock, core, chan = inputs[i]
@@ -418,6 +443,7 @@ def serve_all(cores: list[Core], inputs: list) -> int:
                 if any(core.open) and (not core.loop.turn() or core.dead.is_set()):
                     return EXIT_DEATH
     finally:
+        gc.set_threshold(*thresholds)
         for core in cores:
             core.times.unwatch_gc()
             if core.budget is not None:
@@ -489,6 +515,9 @@ def _core(llm, ctx, outputs: list[str], max_waiting) -> Core:
     core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
                 partial(compile_structured, llm), ctx, outputs, max_waiting)  # fmt: skip
     core.resize_kv = partial(resize_kv, llm)  # the admin route's resize (within a shared budget)
+    runner = getattr(llm, "runner", None)
+    if runner is not None:  # this thread has nothing to do while a step runs: no spin
+        runner.blocking_readback = BLOCKING_WAIT
     return core
 
 

@@ -2,7 +2,9 @@
 
 vLLM's names and labels where the meaning is the same, so vLLM's dashboards
 and autoscalers read them unchanged; unikv's own pool figures under ``unikv:``.
-Every series has a ``model_name`` label (the first served name).
+Every series has a ``model_name`` label: with several models served (``unikv
+serve --model A --model B``) each model's series are exported side by side
+(``Merged``), one family each.
 ``docs/grafana-unikv.json``: a dashboard over them.
 
 Read at scrape time by a function that runs in the engine loop's thread between
@@ -302,14 +304,22 @@ class SharedFigures:
     """The handler figures of every API process of one server: ``count`` rows of
     ``width`` float64s in a file mapped by each (``/dev/shm``-like speed; the file
     lives in the server's temporary directory). Each process writes only its own
-    row (``index``); a reader may see a row half-written, which a scrape tolerates
-    (a counter is off by the last request for one scrape)."""
+    row (``index``).
+
+    A row is read whole or not at all (a sequence lock): each row has one more
+    cell before it, its version, odd while its writer writes. A reader copies a
+    row between two equal even versions; after ``READ_TRIES`` tries (a writer
+    busy all along, or killed mid-write) it keeps the last whole copy it read of
+    that row (zeros before any), so a scrape never mixes two writes' figures."""
+
+    READ_TRIES = 64
 
     def __init__(self, path: str, index: int, count: int, width: int) -> None:
         import mmap
 
         assert 0 <= index < count, "SharedFigures: an API process's row is one of count"
-        size = count * width * 8
+        self.stride = width + 1  # the version cell, then the row
+        size = count * self.stride * 8
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < size:
@@ -317,18 +327,40 @@ class SharedFigures:
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.cells = memoryview(self.map).cast("d")
+        self.raw = memoryview(self.map)  # bytes (a row's copy) and float64 cells
+        self.cells = self.raw.cast("d")
         self.index, self.count, self.width = index, count, width
+        self.last = [[0.0] * width for _ in range(count)]  # each row's last whole copy
 
     def write(self, row: list[float]) -> None:
         from array import array
 
-        start = self.index * self.width
-        self.cells[start : start + self.width] = array("d", row)
+        assert len(row) == self.width, "SharedFigures: a row is width figures"
+        at = self.index * self.stride
+        cells = self.cells
+        version = cells[at]
+        cells[at] = version + 1  # odd: being written
+        cells[at + 1 : at + self.stride] = array("d", row)
+        cells[at] = version + 2  # even: whole
+
+    def read(self, k: int) -> list[float]:
+        """Row ``k`` as one writer left it whole (see the class docstring)."""
+        from array import array
+
+        at, cells = k * self.stride, self.cells
+        for _ in range(self.READ_TRIES):
+            before = cells[at]
+            if before % 2:
+                continue
+            copy = array("d")
+            copy.frombytes(self.raw[(at + 1) * 8 : (at + self.stride) * 8])  # one memcpy
+            if cells[at] == before:
+                self.last[k] = copy.tolist()
+                break
+        return self.last[k]
 
     def rows(self) -> list[list[float]]:
-        flat = self.cells.tolist()
-        return [flat[k * self.width : (k + 1) * self.width] for k in range(self.count)]
+        return [self.read(k) for k in range(self.count)]
 
 
 class _HandlerCollector:
@@ -373,6 +405,27 @@ class _HandlerCollector:
             if row[0]:  # (a process that has not published yet: no pid)
                 per.add_metric([str(k), str(int(row[0])), m.model], row[1])
         yield per
+
+
+class Merged:
+    """What ``/metrics`` exports: every served model's registry as one (a registry
+    to ``generate_latest``): each family once, with every model's samples (told
+    apart by ``model_name``), in the first registry's order."""
+
+    def __init__(self, registries: list) -> None:
+        self.registries = registries
+
+    def collect(self):
+        families: dict[str, object] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                have = families.get(family.name)
+                if have is None:
+                    families[family.name] = family
+                else:
+                    assert have.type == family.type, f"/metrics: {family.name} is one type"
+                    have.samples.extend(family.samples)
+        return iter(families.values())
 
 
 class RequestClock:
