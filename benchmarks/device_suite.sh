@@ -35,7 +35,8 @@ lane 480 tests/engine/test_engine_deepseek_gpu.py tests/engine/test_spec_recurre
 lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py &
 lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py \
   tests/engine/test_spec_mtp_chain.py &
-lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py &
+lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py \
+  tests/serving/test_engine_core_turns.py &
 else  # PART=b: the kernel files, the smoke test, FP8 and the long prefill
 lane 480 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \
   tests/kernels/test_kernels_fused_step_gpu.py &
