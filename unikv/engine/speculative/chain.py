@@ -36,6 +36,7 @@ from unikv.engine.graphs import graph_batch_sizes
 from unikv.engine.plan import SubPoolStep
 from unikv.engine.request import Batch
 from unikv.engine.speculative.draft import to_device
+from unikv.engine.speculative.graphs import capture_padded
 from unikv.ids import KernelIds
 
 
@@ -60,7 +61,8 @@ class DraftChain:
         self.row_plans: dict[int, object] = {}
         self.graphs: dict[int, tuple] = {}
         if capture and self.sizes:
-            self._capture()
+            chain = lambda plan, rows: self._chain(plan, rows, None)
+            self.graphs = capture_padded(planner, self.sizes, self.q, chain)
 
     def fits(self, lanes: int) -> bool:
         """Whether a chain of ``lanes`` lanes fits one plan (the planner's buffers)."""
@@ -137,26 +139,6 @@ class DraftChain:
             out.append(ids)
         return torch.stack(out, dim=1)
 
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        planner = self.planner
-        device = planner.device
-        pool, stream = None, torch.cuda.current_stream(device)
-        for rows in sorted(self.sizes, reverse=True):
-            plan = planner.plan(Batch(), rows=rows, pad_q=self.q)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(stream)
-            with torch.cuda.stream(side):  # warm up: compile kernels, settle allocations
-                self._chain(plan, rows, None)
-            stream.wait_stream(side)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._chain(plan, rows, None)
-            pool = graph.pool()
-            self.graphs[rows] = (graph, out)
-        torch.cuda.synchronize(device)
-
 
 class _Lane:
     """A chain lane as the step upload reads a request: ``slot``, ``num_cached`` (its
@@ -195,9 +177,9 @@ class VerifyRowGraphs:
         rows = max(sizes)
         self.tokens = torch.zeros(rows, q, dtype=torch.int64, device=planner.device)
         self.accepted = torch.zeros(rows, dtype=torch.int64, device=planner.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, tuple] = {}
         if capture:
-            self._capture()
+            self.graphs = capture_padded(planner, sizes, q, self._rows)
 
     def run(self, plan, rows: int, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """The rows of verify step ``plan`` (its graph's ``rows``): tokens (B, q),
@@ -210,7 +192,7 @@ class VerifyRowGraphs:
         self.tokens[num:rows].zero_()
         self.accepted[:num].copy_(accepted)
         self.accepted[num:rows].zero_()
-        graph = self.graphs.get(rows)
+        graph, _ = self.graphs.get(rows, (None, None))
         if graph is None:
             self._rows(plan, rows)
         else:
@@ -220,22 +202,3 @@ class VerifyRowGraphs:
         self.draft.write_verify_rows(
             plan, rows, self.tokens[:rows], self.accepted[:rows], padded=self.q
         )
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        device = self.planner.device
-        pool, stream = None, torch.cuda.current_stream(device)
-        for rows in sorted(self.sizes, reverse=True):
-            plan = self.planner.plan(Batch(), rows=rows, pad_q=self.q)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(stream)
-            with torch.cuda.stream(side):  # warm up: compile kernels, settle allocations
-                self._rows(plan, rows)
-            stream.wait_stream(side)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._rows(plan, rows)
-            pool = graph.pool()
-            self.graphs[rows] = graph
-        torch.cuda.synchronize(device)

@@ -34,26 +34,7 @@ class VerifyGraphs:
         self.sizes = graph_batch_sizes(max_rows)
         self.graphs: dict[int, tuple] = {}
         if capture:
-            self._capture()
-
-    @torch.inference_mode()
-    def _capture(self) -> None:
-        device = self.planner.device
-        pool, stream = None, torch.cuda.current_stream(device)
-        for rows in sorted(self.sizes, reverse=True):
-            plan = self.planner.plan(Batch(), rows=rows, pad_q=self.q)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(stream)
-            with torch.cuda.stream(side):  # warm up: compile kernels, settle allocations
-                self.forward(plan)
-            stream.wait_stream(side)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.forward(plan)
-            pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
-        torch.cuda.synchronize(device)
+            self.graphs = capture_padded(planner, self.sizes, q, lambda plan, _: forward(plan))
 
     def rows_for(self, batch: Batch) -> int | None:
         """The padded size whose graph runs ``batch``, or None (eager)."""
@@ -70,3 +51,29 @@ class VerifyGraphs:
         graph, logits = self.graphs[rows]
         graph.replay()
         return logits
+
+
+@torch.inference_mode()
+def capture_padded(planner, sizes: list[int], q: int, run) -> dict[int, tuple]:
+    """One CUDA graph per padded size R, largest first, sharing one memory pool:
+    ``run(plan, R)`` over ``planner.plan(Batch(), rows=R, pad_q=q)``, first on a side
+    stream (kernels compiled, allocations settled), then captured. R -> (graph, what
+    the captured ``run`` returned: the buffers its replays refill)."""
+    device = planner.device
+    graphs: dict[int, tuple] = {}
+    pool, stream = None, torch.cuda.current_stream(device)
+    for rows in sorted(sizes, reverse=True):
+        plan = planner.plan(Batch(), rows=rows, pad_q=q)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            run(plan, rows)
+        stream.wait_stream(side)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run(plan, rows)
+        pool = graph.pool()
+        graphs[rows] = (graph, out)
+    torch.cuda.synchronize(device)
+    return graphs
