@@ -463,11 +463,13 @@ def test_recurrent_pipelined_on_gpu(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from engine_fixtures import save_tiny_hybrid
+    from gpu_fixtures import torch_reference_kernels
 
     from unikv.engine.speculative.config import allow_forced_acceptance
 
     path = str(tmp_path)
     hf = save_tiny_hybrid("qwen3_5", path)
+    torch_reference_kernels(hf)  # the oracle is transformers' torch path, not fla's
     kw = {"device": "cuda", "debug": False, "max_num_seqs": 8, "kv_cache_bytes": 64 << 20}
     items = prompts()
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)

@@ -20,6 +20,7 @@ from mtp_fixtures import save_tiny_deepseek_mtp, save_tiny_eagle3
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.scheduler import Batch
+from unikv.engine.speculative.chain import VerifyRowGraphs
 from unikv.kernels.linear import fp8_gemm, gemv
 from unikv.kernels.moe import fused
 from unikv.kernels.moe import ref as moe_ref
@@ -196,7 +197,7 @@ def test_draft_heads_run_under_the_steps_plans(tmp_path, monkeypatch, method):
 def test_draft_heads_take_the_step_plans_under_cuda_graphs(tmp_path, monkeypatch, method):
     """On a CUDA GPU (``pytest -m gpu``; fp32, exact) with CUDA graphs: the target's
     decode and verify steps replay at their captured sizes (3 requests: 4 lanes), the
-    draft heads run eagerly over those padded plans' rows after them; no op calls a
+    draft heads' rows after them replay their own graphs over those padded plans; no op calls a
     row rule, every routed op's plan is of its own input's rows (a padded plan's: its
     captured size's), and the tokens equal plain decoding's."""
     target = str(tmp_path / "target")
@@ -224,11 +225,19 @@ def test_draft_heads_take_the_step_plans_under_cuda_graphs(tmp_path, monkeypatch
         return rows
 
     monkeypatch.setattr(graphs, "rows_for", watch)
+    head_rows, head_run = [], VerifyRowGraphs.run
+
+    def watch_head(g, plan, rows, *a, **k):
+        head_rows.append((rows, rows in g.graphs))
+        return head_run(g, plan, rows, *a, **k)
+
+    monkeypatch.setattr(VerifyRowGraphs, "run", watch_head)
     calls, seen = rule_spies(monkeypatch), plan_rows_seen(monkeypatch)
     assert [o.output_ids for o in llm.generate(prompts, params)] == want
     assert llm.stats.spec_verify_steps > 0 and llm.stats.spec_draft_tokens > 0
     assert calls == []
     assert seen and all(plan is not None and plan.rows == rows for rows, plan in seen)
     assert any(padded)  # a verify graph of 4 lanes replayed for 3 requests ...
-    assert any(rows == 4 * 3 for rows, _ in seen)  # ... and the head ran over its rows
+    # ... and the head's rows after it replayed their own graph over that padded plan
+    assert (4, True) in head_rows
     llm.alloc.check_integrity()
