@@ -15,8 +15,9 @@ rule), ``after`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_ru
 makes for this shape) and ``supersede`` (the cost rule, and a previous turn's end
 checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
 ``engine/prefix_policy.py``, off by default). Each row: hit rate, prefill tokens saved,
-evicted pages, checkpoint copies, and the checkpoints' bytes held (mean and peak
-over steps).
+evicted pages, checkpoint copies, checkpoints gone (evicted or dropped) and those a
+take's room evicted besides the one it supersedes, and the checkpoints' bytes held
+(mean and peak over steps).
 
     python benchmarks/sim_prefix_hybrid_chat.py [--pool-factor 1.25] [--out results.json]
 """
@@ -113,7 +114,7 @@ class Engine:
         plans, trace, held = {}, sim._Trace(), []
         evicted = self.alloc.prefix.counters()["evicted_pages"]
         states = self.alloc.parts.prefix.states
-        saved = states.saved
+        saved, gone, by_takes = states.saved, states.evicted, states.evicted_by_takes
         for round_ in rounds:
             for turn in round_:
                 params = SamplingParams(
@@ -132,6 +133,10 @@ class Engine:
             "evicted_pages": self.alloc.prefix.counters()["evicted_pages"] - evicted,
             "preemptions": self.sched.num_preemptions,
             "checkpoint_copies": states.saved - saved,
+            # checkpoints gone (evicted or dropped as superseded), and of them those a
+            # take's room evicted besides the one it superseded (issue 41)
+            "checkpoints_evicted": states.evicted - gone,
+            "checkpoints_evicted_by_takes": states.evicted_by_takes - by_takes,
             "checkpoint_bytes_held_mean": float(np.mean(held)) * self.slot_bytes,
             "checkpoint_bytes_held_peak": int(max(held)) * self.slot_bytes,
         }

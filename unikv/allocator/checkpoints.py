@@ -98,6 +98,9 @@ class StateCheckpoints:
         self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
+        # checkpoints the room maker evicted for a take (``save``), the one it
+        # supersedes not counted: another chain's, which a later hit may have wanted
+        self.evicted_by_takes = 0
         # (source vid, checkpoint vid) of taken checkpoints whose table bind and copy
         # are deferred (``deferring``: inside ``PrefixVerbs.batched``) to ``flush``: one
         # table write and one copy for every checkpoint of a step
@@ -128,27 +131,44 @@ class StateCheckpoints:
         reserve: Callable[[Mapping[str, int]], bool],
         turn_end: bool = False,
         source: int | None = None,
+        supersedes: int | None = None,
+        drop: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
-        a checkpoint of ``node_id``; False (nothing changed) when the chain has no
-        room (``reserve(new) -> bool``: the room maker's, no shortfall callback), the
+        a checkpoint of ``node_id``; False when the chain has no room
+        (``reserve(new) -> bool``: the room maker's, no shortfall callback), the
         request holds no slot, or ``alive()`` says the node was evicted while making
         room; ``turn_end``: a decode checkpoint (``turn_ends``); ``source``: the virtual
         id of the slot holding that state, when not the request's live one (a
-        per-draft-position slot of a verify step)."""
-        if node_id in self.by_node:
+        per-draft-position slot of a verify step).
+
+        ``supersedes``: the node id of the same request's checkpoint this one replaces
+        (its previous rolling one); ``drop``: it is dropped (else demoted) once this one
+        is taken. A dropped one goes BEFORE room is made, so the take evicts no other
+        chain's checkpoint while a superseded one holds a slot (issue 41; a failed save
+        after that leaves it dropped: the request has moved past it). A demoted one (a
+        prompt end: a repeat of the prompt still hits it) is demoted after the take, as
+        demoting it first cost hit rate in ``sim_prefix_hybrid_chat`` (51.4 % -> 46.1 %).
+        Pinned (a request waits to restore it): left alone."""
+        old = supersedes if supersedes != node_id and supersedes in self.lru else None
+        if node_id in self.by_node or self.has(node_id, True):  # (host: restored from there)
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
                 self.demoted.discard(node_id)  # used again: no longer superseded
-            return True
-        if self.has(node_id, True):  # on the host: restored from there
+            self._retire(old, drop)
             return True
         vid_src = np.array([slot + 1 if source is None else source], np.int32)
         held = self.book.physical(vid_src)[0] >= 0
-        if not held or not self.free_vids or not reserve({self.book.name: 1}):
+        if not held or not self.free_vids or not alive():
             return False
-        if not alive():
+        if old is not None and drop:
+            self.drop([old])  # its slot is the take's room
+        evicted = self.evicted
+        room = reserve({self.book.name: 1})
+        self.evicted_by_takes += self.evicted - evicted
+        if not room or not alive():
             return False
+        self._retire(old, drop)
         vid = np.array([self.free_vids.pop()], np.int32)
         self.book.bind_host(vid, self.book.take(1))
         self.queued.append((int(vid_src[0]), int(vid[0])))  # bytes: at ``flush``
@@ -164,6 +184,15 @@ class StateCheckpoints:
             self.turn_ends.add(node_id)
         self.saved += 1
         return True
+
+    def _retire(self, old: int | None, drop: bool) -> None:
+        """After a save that replaced ``old`` (None: none): drop it (``drop``) or
+        demote it, if it is still evictable here."""
+        if old is not None and old in self.lru:
+            if drop:
+                self.drop([old])
+            else:
+                self.demote(old)
 
     def flush(self) -> None:
         """Bind and copy the queued checkpoints: one table write (their v2p / p2v

@@ -393,6 +393,8 @@ class PrefixCache:
         salt: str | None = None,
         turn_end: bool = False,
         source: int | None = None,
+        supersedes: object = None,
+        drop: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
@@ -402,7 +404,11 @@ class PrefixCache:
         ``reserve(new) -> bool``: room for the copy (older checkpoints may go,
         cached pages never: ``Room.reserve(evict_pages=False)``); ``source``: the Mamba
         virtual id holding that state when not the request's live slot (a
-        per-draft-position slot after a speculative verify step)."""
+        per-draft-position slot after a speculative verify step); ``supersedes``: the
+        first tokens (whole pages) of the request's own checkpoint this one replaces:
+        dropped (``drop``; before room is made, so no other chain's checkpoint is
+        evicted for the take while it holds a slot) or demoted once this one is taken
+        (``StateCheckpoints.save``)."""
         tokens = self.tokens(token_ids, "prefix.checkpoint")
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
@@ -410,11 +416,16 @@ class PrefixCache:
         node = self.own_chain_end(int(slot), tokens, salt)
         if node is None:
             return False
+        old = None
+        if supersedes is not None:
+            prev = self.tokens(supersedes, "prefix.checkpoint")
+            old = self.own_chain_end(int(slot), prev, salt) if len(prev) else None
         # making room may evict any node of the chain: the checkpoint must stay reachable
         alive = lambda: self.reachable(node.node_id)
         saved = self.states.save(
-            int(slot), node.node_id, alive, len(tokens), reserve, turn_end, source
-        )
+            int(slot), node.node_id, alive, len(tokens), reserve, turn_end, source,
+            old.node_id if old is not None else None, drop,
+        )  # fmt: skip
         self.stats.checkpoints = self.states.saved
         return saved
 

@@ -119,12 +119,18 @@ class PrefixVerbs:
         salt: str | None = None,
         turn_end: bool = False,
         source: int | None = None,
+        supersedes: object = None,
+        drop: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (``source``: the Mamba virtual id of the
         slot holding the state instead, a per-draft-position one) into a checkpoint at
         the last block of ``token_ids``; False when none was taken
-        (``PrefixCache.checkpoint``)."""
-        taken = self._cache.checkpoint(slot, token_ids, self._reserve_state, salt, turn_end, source)
+        (``PrefixCache.checkpoint``). ``supersedes``: the first tokens of the request's
+        own checkpoint this one replaces: it goes first (dropped, ``drop``, or demoted),
+        before another is evicted to make room."""
+        taken = self._cache.checkpoint(
+            slot, token_ids, self._reserve_state, salt, turn_end, source, supersedes, drop
+        )
         self._after()
         return taken
 

@@ -23,9 +23,10 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   by the pool fractions the checkpoints and the running requests hold:
   ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
   rolling: each one drops the
-  request's previous decode checkpoint (or demotes its prompt-end one:
-  ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
-  a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
+  request's previous decode checkpoint, before making room for itself so it evicts
+  no other conversation's while that one holds a slot (or, once taken, demotes its
+  prompt-end one: ``prefix.checkpoint(supersedes=...)``), so a request holds at most
+  one and the next turn of a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
   it lost hit rate at 2x in ``sim_prefix_hybrid_chat``), a request that opened with a
   hit at a previous turn's end demotes that checkpoint once it takes one of its own;
   a junction or prompt-end checkpoint is never demoted for that.
@@ -210,19 +211,21 @@ class PrefixCaching(NoPrefixCache):
         at = r.num_cached if at is None else at
         turn_end = at > len(r.prompt_ids)
         first = lambda n: ids[:n] if n <= len(ids) else r.token_slice(0, n)
-        taken = self.prefix.checkpoint(r.slot, first(at), r.cache_salt, turn_end, source)
+        previous = self.latest.get(r.slot) if rolling else None
+        if previous == at:  # (one point taken twice: keep it)
+            previous = None
+        # the superseded one goes first, before the take's room evicts another's
+        old = first(previous) if previous else None
+        drop = bool(previous) and previous > len(r.prompt_ids)
+        taken = self.prefix.checkpoint(
+            r.slot, first(at), r.cache_salt, turn_end, source, supersedes=old, drop=drop
+        )
         if taken:
             self.since[r.slot] = at
             extended = self.extends.pop(r.slot, None)
             if extended:  # the previous turn's end: this conversation has moved on
                 self.prefix.demote_checkpoint(first(extended), salt=r.cache_salt, slot=r.slot)
         if taken and rolling:
-            previous = self.latest.get(r.slot)
-            if previous and previous != at:  # (one point taken twice: keep it)
-                drop = previous > len(r.prompt_ids)
-                self.prefix.demote_checkpoint(
-                    first(previous), drop=drop, salt=r.cache_salt, slot=r.slot
-                )
             self.latest[r.slot] = at
 
     def window_demand(self, r: Request, demand: dict, subpools, chunk: int) -> dict:
