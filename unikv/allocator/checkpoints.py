@@ -96,6 +96,8 @@ class StateCheckpoints:
         # that length: ``pin``; stale entries of host-dropped ones are pruned on save)
         self.position: dict[int, int] = {}
         self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
+        # node id -> waiting requests whose prompt hits it (``want``): evicted last
+        self.wanted: Counter[int] = Counter()
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
         # checkpoints the room maker evicted for a take (``save``), the one it
@@ -236,6 +238,26 @@ class StateCheckpoints:
         """Evictable checkpoints a longer one superseded: the first of the LRU."""
         return len(self.demoted)
 
+    def want(self, node_id: int, count: int = 1) -> None:
+        """``count`` more (negative: fewer) waiting requests expect to hit node
+        ``node_id``'s checkpoint: the room maker evicts those no one expects first
+        (``victims``), so one request's admission does not evict the turn end that
+        the next waiting turn of another conversation would hit (issue 41)."""
+        if node_id not in self.by_node and node_id not in self.wanted:
+            return  # gone meanwhile (its drop forgot it)
+        self.wanted[node_id] += count
+        if self.wanted[node_id] <= 0:
+            del self.wanted[node_id]
+
+    def victims(self, count: int) -> list[int]:
+        """The ``count`` evictable checkpoints to go first: LRU order (demoted ones
+        lead it), those a waiting request expects to hit (``wanted``) after the rest."""
+        if not self.wanted:
+            return list(self.lru)[:count]
+        wanted = self.wanted
+        order = [i for i in self.lru if i not in wanted] + [i for i in self.lru if i in wanted]
+        return order[:count]
+
     def pin(self, slot: int, node_id: int, tokens: int) -> None:
         """Request ``slot`` opened with a hit of ``tokens`` tokens ending at
         ``node_id``: keep its checkpoint until ``restore`` (or ``unpin``)."""
@@ -297,6 +319,7 @@ class StateCheckpoints:
         for i in node_ids:
             self.position.pop(i, None)
             self.turn_ends.discard(i)
+            self.wanted.pop(i, None)
             self.lru.pop(i, None)
             self.demoted.discard(i)
         if vids:
@@ -310,7 +333,7 @@ class StateCheckpoints:
         many. ``reachable``: the prefix cache's ``reachable_many`` (node ids -> whether
         a lookup reaches each, each ancestor walked once), passed by the caller so the checkpoints hold nothing above them; with a
         host tier the reachable ones go to the host (None: none is spilled)."""
-        victims = list(self.lru)[:count]
+        victims = self.victims(count)
         self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if reachable is not None and self.host is not None and victims:  # spill first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
@@ -380,6 +403,11 @@ def check_checkpoints(parts: Parts) -> None:
     )
     assert Counter(states.pending.values()) == states.pins, (
         "checkpoint pins count the opening requests waiting to restore them"
+    )
+    # (a host tier drops its own checkpoints under its pressure: an entry may outlive one)
+    wanted_exist = states.host is not None or set(states.wanted) <= set(states.nodes())
+    assert wanted_exist and min(states.wanted.values(), default=1) > 0, (
+        "checkpoints waiting requests expect to hit exist, each expected at least once"
     )
     assert set(list(states.lru)[: len(states.demoted)]) == states.demoted, (
         "demoted checkpoints are evictable and the first of the LRU"

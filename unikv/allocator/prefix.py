@@ -275,6 +275,27 @@ class PrefixCache:
             hit = self.host.choose(self, hit, self.chain_hit(found, len(tokens), host=False))
         return hit
 
+    def want(self, token_ids: object, salt: str | None = None) -> int:
+        """Mark the checkpoint a lookup of ``token_ids`` would restore as expected by
+        a waiting request (``StateCheckpoints.want``; no stats, no other change);
+        returns its node id, 0 when the lookup would restore none (no state, a miss)."""
+        if self.states is None:
+            return 0
+        tokens = self.tokens(token_ids, "prefix.want")
+        hit = self.chain_hit(self.walk(tokens, salt), len(tokens), host=self.host is not None)
+        if not hit.num_tokens:
+            return 0
+        node_id = int(hit.nodes[-1])
+        if not self.states.has(node_id, True):
+            return 0
+        self.states.want(node_id)
+        return node_id
+
+    def unwant(self, node_id: int) -> None:
+        """A waiting request that ``want`` marked node ``node_id`` for no longer waits."""
+        if self.states is not None and node_id:
+            self.states.want(node_id, -1)
+
     def chain_hit(self, found: list[ChainNode], num_query: int, host: bool) -> PrefixHit:
         """``prefix_chain.chain_hit`` over this cache's sub-pools, checkpoints and tier."""
         return chain_hit(
@@ -553,6 +574,10 @@ class PrefixCache:
             return evict_pages(self, count)
         self.writer.write(patch)
         return evict_windows(self, count)[0]
+
+    def evict_dead(self, count: int) -> tuple[TablePatch, int]:
+        """``prefix_evict.evict_dead``: up to ``count`` pages no hit can use."""
+        return evict_dead(self, count)
 
     def reset(self) -> int:
         """``prefix_evict.reset_cache``: drop everything no request holds."""

@@ -95,6 +95,16 @@ class PrefixVerbs:
         ``PrefixCache.match``)."""
         return self._cache.match(token_ids, salt)
 
+    def expect(self, token_ids: object, salt: str | None = None) -> int:
+        """A waiting request will look ``token_ids`` up: the checkpoint it would
+        restore is evicted after the others (``PrefixCache.want``); returns its node id
+        (0: none), to pass to ``unexpect`` once the request opens or leaves."""
+        return self._cache.want(token_ids, salt)
+
+    def unexpect(self, node_id: int) -> None:
+        """Undo ``expect`` (``node_id``: what it returned)."""
+        self._cache.unwant(node_id)
+
     def reload(self, hit: PrefixHit) -> PrefixHit:
         """The hit to pass to ``new_request``: its host pages reloaded (``PrefixCache.reload``)."""
         out = self._cache.reload(hit, self._reserve_host)

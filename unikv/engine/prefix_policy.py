@@ -68,6 +68,12 @@ class NoPrefixCache:
         """The tokens of ``r`` to prefill now, within ``budget``."""
         return min(budget, r.num_pending)
 
+    def expect(self, r: Request) -> None:
+        """``r`` joins the waiting queue (nothing to note here)."""
+
+    def forget(self, r: Request) -> None:
+        """``r`` left the waiting queue without opening (an abort)."""
+
     def after_step(self, batch: Batch, verify: bool = False) -> None:
         """After a step's tokens are in (``num_cached`` advanced); ``verify``: a
         speculative verify step (``num_new``: the rows each request kept)."""
@@ -111,10 +117,30 @@ class PrefixCaching(NoPrefixCache):
         # simulation it cost hit rate at 2x the working set; not understood yet)
         self.supersede_turns = False
         self.page_size = alloc.view.roles.page_size
+        # request id -> the checkpoint node its waiting prompt would restore
+        # (``expect``): evicted after the others until it opens (issue 41)
+        self.expected: dict[int, int] = {}
+
+    def expect(self, r: Request) -> None:
+        """``r`` joins the waiting queue: the state checkpoint its prompt would
+        restore now is evicted after every checkpoint no waiting request expects, so
+        admitting one conversation's turn does not evict the turn end the next
+        waiting turn of another would hit (issue 41). One lookup per added request."""
+        if self.has_state and r.params.prompt_logprobs is None:
+            node = self.prefix.expect(r.token_slice(0, r.seq_len - 1), r.cache_salt)
+            if node:
+                self.expected[r.request_id] = node
+
+    def forget(self, r: Request) -> None:
+        """``r`` opens or leaves the waiting queue: its ``expect`` is undone."""
+        node = self.expected.pop(r.request_id, 0)
+        if node:
+            self.prefix.unexpect(node)
 
     def open(self, r: Request):
         """A request slot holding the cached pages of ``r``'s longest cached prefix
         (its host part reloaded), ``r.num_cached`` counting them; returns the hit."""
+        self.forget(r)
         prefix = self.prefix
         # prompt logprobs need every prompt row computed: such a request takes no hit
         end = r.seq_len - 1 if r.params.prompt_logprobs is None else 0

@@ -115,6 +115,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.prefix.expect(request)  # its checkpoint, if any, is evicted last (issue 41)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -295,6 +296,7 @@ class Scheduler:
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
             self.waiting.remove(r)
+            self.prefix.forget(r)
             if self.swap is not None:
                 self.swap.drop(r.request_id)
         r.slot, r.status = None, Status.FINISHED
