@@ -277,8 +277,9 @@ class PrefixCache:
 
     def want(self, token_ids: object, salt: str | None = None) -> int:
         """Mark the checkpoint a lookup of ``token_ids`` would restore as expected by
-        a waiting request (``StateCheckpoints.want``; no stats, no other change);
-        returns its node id, 0 when the lookup would restore none (no state, a miss)."""
+        a waiting request (``StateCheckpoints.want``; no stats) and make its chain's
+        evictable pages the youngest of the LRU; returns its node id, 0 when the
+        lookup would restore none (no state, a miss)."""
         if self.states is None:
             return 0
         tokens = self.tokens(token_ids, "prefix.want")
@@ -289,6 +290,11 @@ class PrefixCache:
         if not self.states.has(node_id, True):
             return 0
         self.states.want(node_id)
+        # its chain's evictable pages to the young end of the LRU, deepest first (so
+        # leaves still go before their parents): page eviction reaches them last too
+        for page in hit.pages[::-1].tolist():
+            if page in self.lru:
+                self.lru.move_to_end(page)
         return node_id
 
     def unwant(self, node_id: int) -> None:

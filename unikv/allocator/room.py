@@ -214,11 +214,15 @@ class Room:
         no hit can use, ``prefix_evict.dead_pages``, a state slot's bytes of them per
         slot short, before any checkpoint), and state checkpoints when the Mamba
         sub-pool is short (``batch`` of them) or no page is left (a ``batch`` of
-        pages' bytes: ``_slots_for``); False when nothing was."""
+        pages' bytes: ``_slots_for``), unless the pages took checkpoints with their
+        nodes (the caller looks again first); False when nothing was."""
         states = self.prefix.states
         pages = self.prefix.num_reclaimable if evict_pages else 0
         if pages:
+            gone = states.evicted if states is not None else 0
             self.writer.write(self.prefix.evict(batch))
+            if states is not None and states.evicted > gone:
+                return True  # checkpoints went with their nodes: look again first
         elif states is not None and new.get(states.book.name):
             patch, dead = self.prefix.evict_dead(self._pages_for(new, batch))
             self.writer.write(patch)
