@@ -47,6 +47,12 @@ at the last page before ``max_tokens``, fared as well there) the hit rate went f
 46.6 % to 51.4 % at 1.25x the pool (evicted pages 747 -> 554) and from 75.0 % to
 80.1 % at 2x (113 -> 0, the whole-page ceiling of the workload).
 
+Expected first-hand (issue 41): a waiting request's prompt marks the checkpoint it
+would restore (``want``, from ``PrefixVerbs.expect`` when the scheduler adds it; undone
+when it opens or is aborted); the room maker evicts every other one first
+(``victims``), so admitting one conversation's turn does not evict the turn end that
+another waiting turn of the same round would hit.
+
 With a host tier (``host``, ``io/prefix_host.py``) an evicted checkpoint of a
 reachable node spills to a host slot instead (one envelope copy) and a hit
 restores it from there straight into the request's slot (one copy); a node's

@@ -33,7 +33,9 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 
 Prefill chunks end at the points (``chunk``); ``after_step`` takes the
 checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
-restores a hit's checkpoint.
+restores a hit's checkpoint. A request added to the waiting queue marks the
+checkpoint its prompt would restore now (``expect``: evicted after every other, its
+chain's pages after every other page) until it opens or is aborted (``forget``).
 """
 
 from __future__ import annotations
