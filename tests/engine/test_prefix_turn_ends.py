@@ -22,6 +22,7 @@ tokens alone; the tokens are transformers' ``generate`` on the same weights.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_hybrid  # noqa: F401
@@ -109,3 +110,30 @@ def test_a_turn_stopped_on_a_page_boundary_restores_no_state_past_its_stop(hybri
     assert nxt.num_cached_tokens == (len(first) - 1) // PS * PS
     assert nxt.output_ids == hf_greedy(hf, second, 6)
     llm.alloc.check_integrity()
+
+
+def test_an_aborted_waiting_turn_leaves_no_expected_checkpoint(hybrid):
+    """A turn added to the waiting queue marks the turn end its prompt would restore
+    (``Scheduler.add`` -> ``PrefixCaching.expect``); aborted before it opens, the mark
+    goes (``Scheduler.finish``), and the next turn that does open hits it."""
+    from unikv.engine.request import Request
+
+    path, hf = hybrid
+    g = torch.Generator().manual_seed(6)
+    first = torch.randint(0, VOCAB, (PS + 2,), generator=g).tolist()
+    llm = prefix_llm(path, PS, True)
+    params = SamplingParams(max_tokens=2 * PS + 3, temperature=0.0)
+    (turn,) = llm.generate([first], params)
+    second = first + turn.output_ids + torch.randint(0, VOCAB, (3,), generator=g).tolist()
+    prefix, states = llm.alloc.parts.prefix, llm.alloc.parts.prefix.states
+    end = (len(first) + len(turn.output_ids) - 1) // PS * PS  # the turn end, whole pages
+    node = prefix.walk(np.array(second[:end], np.int64))[-1].node_id
+    waiting = Request(10**6, list(second), params, 0, frozenset(), 96)
+    llm.scheduler.add(waiting)
+    assert dict(states.wanted) == {node: 1}, "the waiting turn expects its turn end"
+    llm.scheduler.finish(waiting, "abort")
+    assert not states.wanted and not llm.scheduler.waiting
+    llm.alloc.check_integrity()
+    (nxt,) = llm.generate([second], SamplingParams(max_tokens=4, temperature=0.0))
+    assert nxt.num_cached_tokens == end and nxt.output_ids == hf_greedy(hf, second, 4)
+    assert not states.wanted

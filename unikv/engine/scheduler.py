@@ -290,13 +290,14 @@ class Scheduler:
         and recurrent-state slot go back at once (``free_request``; pages an
         in-flight step still uses are fenced by the allocator). Its outputs stay;
         a placeholder left by the step in flight is resolved as usual."""
+        if r.status is Status.WAITING:  # (held out of the queue too: online.py's probes)
+            self.prefix.forget(r)  # its expected checkpoint, if any, is an ordinary one
         if r.status is Status.RUNNING:
             self.share(r)
             self.alloc.free_request(r.slot)
             self.running.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
             self.waiting.remove(r)
-            self.prefix.forget(r)
             if self.swap is not None:
                 self.swap.drop(r.request_id)
         r.slot, r.status = None, Status.FINISHED
