@@ -16,8 +16,9 @@ makes for this shape) and ``supersede`` (the cost rule, and a previous turn's en
 checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
 ``engine/prefix_policy.py``, off by default). Each row: hit rate, prefill tokens saved,
 evicted pages, checkpoint copies, checkpoints gone (evicted or dropped) and those a
-take's room evicted besides the one it supersedes, and the checkpoints' bytes held
-(mean and peak over steps).
+take's room evicted besides the one it supersedes, the checkpoints' bytes held
+(mean and peak over steps), and compaction's waits for the forward (``forward_waits``,
+a host sync on a GPU) and ``page_moves``.
 
 ``--model``: ``qwen3_5`` (the default, above), ``nemotron_h`` (bench_hybrid's NemotronH:
 6 Mamba-2 + 1 attention + 6 MLP layers) or ``gpt-oss-20b`` (its preset: full + sliding
@@ -131,6 +132,15 @@ class Engine:
         specs = type("Specs", (), {"subpools": configs})
         self.pool, self.alloc, self.sched = sim._engine(specs, budget, max_len)
         self.sched.prefix.rule = rule
+        # compaction's waits for the forward (a host sync on a GPU) and its page moves
+        fences, self.waits = self.alloc.parts.fences, 0
+        wait = fences.wait_forward
+
+        def counted() -> None:
+            self.waits += 1
+            wait()
+
+        fences.wait_forward = counted
         self.max_len, self.next_id = max_len, 0
         self.slot_bytes = max((c.spec.page_bytes(c.page_size) for c in configs
                                if c.spec.kind == "mamba"), default=0)  # fmt: skip
@@ -141,6 +151,7 @@ class Engine:
         states = self.alloc.parts.prefix.states or _NoStates()
         by_takes = lambda: getattr(states, "evicted_by_takes", 0)  # (a newer counter)
         saved, gone, taking = states.saved, states.evicted, by_takes()
+        waits, moves = self.waits, self.alloc.parts.writer.moves
         for round_ in rounds:
             for turn in round_:
                 params = SamplingParams(
@@ -163,6 +174,8 @@ class Engine:
             # take's room evicted besides the one it superseded (issue 41)
             "checkpoints_evicted": states.evicted - gone,
             "checkpoints_evicted_by_takes": by_takes() - taking,
+            "forward_waits": self.waits - waits,
+            "page_moves": self.alloc.parts.writer.moves - moves,
             "checkpoint_bytes_held_mean": float(np.mean(held)) * self.slot_bytes,
             "checkpoint_bytes_held_peak": int(max(held)) * self.slot_bytes,
         }
