@@ -15,10 +15,16 @@ rule), ``after`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_ru
 makes for this shape) and ``supersede`` (the cost rule, and a previous turn's end
 checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
 ``engine/prefix_policy.py``, off by default). Each row: hit rate, prefill tokens saved,
-evicted pages, checkpoint copies, and the checkpoints' bytes held (mean and peak
-over steps).
+evicted pages, checkpoint copies, checkpoints gone (evicted or dropped) and those a
+take's room evicted besides the one it supersedes, the checkpoints' bytes held
+(mean and peak over steps), and compaction's waits for the forward (``forward_waits``,
+a host sync on a GPU) and ``page_moves``.
 
-    python benchmarks/sim_prefix_hybrid_chat.py [--pool-factor 1.25] [--out results.json]
+``--model``: ``qwen3_5`` (the default, above), ``nemotron_h`` (bench_hybrid's NemotronH:
+6 Mamba-2 + 1 attention + 6 MLP layers) or ``gpt-oss-20b`` (its preset: full + sliding
+window, no state, so the rules differ in nothing there).
+
+    python benchmarks/sim_prefix_hybrid_chat.py [--pool-factor 1.25] [--model qwen3_5] [--out results.json]
 """
 
 from __future__ import annotations
@@ -42,43 +48,55 @@ from bench_hybrid import hf_config
 from unikv.engine.checkpoint_rule import LAUNCH_S, CheckpointRule, state_tokens
 from unikv.engine.request import Request
 from unikv.engine.sampling import SamplingParams
-from unikv.hf_config import specs_from_hf_config
+from unikv.hf_config import model_specs_from_hf_config, specs_from_hf_config
 from unikv.pool import pool_bytes_for, worst_case_pages
 
 CONVERSATIONS, TURNS, MESSAGE, ANSWER = 16, 6, 64, 64
 H100_COPY_BYTES_PER_S, H100_FLOPS = 2e12, 3e14  # device copy; sustained (as llm.py)
 
 
-def hybrid_configs():
-    config = hf_config("qwen3_5", False)
-    layers = ["linear_attention"] * 3 + ["full_attention"]
-    cut = {"num_hidden_layers": 4, "layer_types": layers, "vocab_size": 32768}
-    config = type(config).from_dict({**config.to_dict(), **cut})
+# --model: the Qwen3.5 shape of bench_prefix (3 Gated DeltaNet + 1 full attention),
+# bench_hybrid's NemotronH (6 Mamba-2, 1 attention, 6 MLP layers) and gpt-oss-20b
+# (full + sliding window, no state: the checkpoint rules change nothing there)
+MODELS = ("qwen3_5", "nemotron_h", "gpt-oss-20b")
+
+
+def _hf(model: str):
+    config = hf_config(model, False)
+    if model == "qwen3_5":
+        layers = ["linear_attention"] * 3 + ["full_attention"]
+        cut = {"num_hidden_layers": 4, "layer_types": layers, "vocab_size": 32768}
+        config = type(config).from_dict({**config.to_dict(), **cut})
+    return config
+
+
+def hybrid_configs(model: str = "qwen3_5"):
+    if model == "gpt-oss-20b":
+        preset = ROOT / "unikv/presets/gpt-oss-20b.json"
+        return list(model_specs_from_hf_config(preset, page_size=sim.PAGE).subpools)
     with tempfile.TemporaryDirectory() as d:
-        config.save_pretrained(d)
+        _hf(model).save_pretrained(d)
         return specs_from_hf_config(d, page_size=sim.PAGE, dtype=torch.bfloat16)
 
 
-def model_weights() -> int:
+def model_weights(model: str = "qwen3_5") -> int:
     """Parameters of the bench's hybrid (meta device: no memory)."""
     from transformers import AutoModelForCausalLM
 
-    config = hf_config("qwen3_5", False)
-    layers = ["linear_attention"] * 3 + ["full_attention"]
-    cut = {"num_hidden_layers": 4, "layer_types": layers, "vocab_size": 32768}
-    config = type(config).from_dict({**config.to_dict(), **cut})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+        built = AutoModelForCausalLM.from_config(_hf(model))
+    return sum(p.numel() for p in built.parameters())
 
 
-def gpu_rule(configs) -> CheckpointRule:
+def gpu_rule(configs, model: str = "qwen3_5") -> CheckpointRule:
     """The cost rule with what ``LLM`` would measure on an H100 for this shape: a
     state-slot copy at 2 TB/s plus ``LAUNCH_S``, prefill at 3e14 FLOP/s / 2 per weight."""
-    slot = max(c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind == "mamba")
+    slots = [c.spec.page_bytes(c.page_size) for c in configs if c.spec.kind == "mamba"]
+    if not slots:  # no state: no checkpoint to rule on
+        return CheckpointRule()
     return CheckpointRule(
-        copy_s=slot / H100_COPY_BYTES_PER_S + LAUNCH_S,
-        prefill_tokens_per_s=H100_FLOPS / (2 * model_weights()),
+        copy_s=slots[0] / H100_COPY_BYTES_PER_S + LAUNCH_S,
+        prefill_tokens_per_s=H100_FLOPS / (2 * model_weights(model)),
         state_tokens=state_tokens(configs),
     )
 
@@ -97,6 +115,15 @@ def chat_rounds(seed: int) -> list[list[sim.Turn]]:
     return rounds
 
 
+class _NoStates:
+    """The checkpoint counters of a pool without state (gpt-oss): all zero."""
+
+    saved = evicted = evicted_by_takes = 0
+
+    def __init__(self) -> None:
+        self.by_node: dict = {}
+
+
 class Engine:
     """One pool, allocator and scheduler (``bench_prefix_sim._engine``) for several passes."""
 
@@ -105,15 +132,26 @@ class Engine:
         specs = type("Specs", (), {"subpools": configs})
         self.pool, self.alloc, self.sched = sim._engine(specs, budget, max_len)
         self.sched.prefix.rule = rule
+        # compaction's waits for the forward (a host sync on a GPU) and its page moves
+        fences, self.waits = self.alloc.parts.fences, 0
+        wait = fences.wait_forward
+
+        def counted() -> None:
+            self.waits += 1
+            wait()
+
+        fences.wait_forward = counted
         self.max_len, self.next_id = max_len, 0
-        self.slot_bytes = max(c.spec.page_bytes(c.page_size) for c in configs
-                              if c.spec.kind == "mamba")  # fmt: skip
+        self.slot_bytes = max((c.spec.page_bytes(c.page_size) for c in configs
+                               if c.spec.kind == "mamba"), default=0)  # fmt: skip
 
     def run(self, rounds) -> dict:
         plans, trace, held = {}, sim._Trace(), []
         evicted = self.alloc.prefix.counters()["evicted_pages"]
-        states = self.alloc.parts.prefix.states
-        saved = states.saved
+        states = self.alloc.parts.prefix.states or _NoStates()
+        by_takes = lambda: getattr(states, "evicted_by_takes", 0)  # (a newer counter)
+        saved, gone, taking = states.saved, states.evicted, by_takes()
+        waits, moves = self.waits, self.alloc.parts.writer.moves
         for round_ in rounds:
             for turn in round_:
                 params = SamplingParams(
@@ -132,6 +170,12 @@ class Engine:
             "evicted_pages": self.alloc.prefix.counters()["evicted_pages"] - evicted,
             "preemptions": self.sched.num_preemptions,
             "checkpoint_copies": states.saved - saved,
+            # checkpoints gone (evicted or dropped as superseded), and of them those a
+            # take's room evicted besides the one it superseded (issue 41)
+            "checkpoints_evicted": states.evicted - gone,
+            "checkpoints_evicted_by_takes": by_takes() - taking,
+            "forward_waits": self.waits - waits,
+            "page_moves": self.alloc.parts.writer.moves - moves,
             "checkpoint_bytes_held_mean": float(np.mean(held)) * self.slot_bytes,
             "checkpoint_bytes_held_peak": int(max(held)) * self.slot_bytes,
         }
@@ -142,20 +186,22 @@ def main() -> int:
     p.add_argument("--pool-factor", type=float, default=1.25)
     p.add_argument("--out", default=None)
     p.add_argument("--rules", default="before,after,supersede", help="comma-separated")
+    p.add_argument("--model", default="qwen3_5", choices=MODELS)
     args = p.parse_args()
-    configs = hybrid_configs()
+    configs = hybrid_configs(args.model)
     max_len = TURNS * (MESSAGE + ANSWER) + 8
     pages = {
         c.name: CONVERSATIONS * worst_case_pages(c.spec, c.page_size, max_len, sim.CHUNK)
         for c in configs
     }
     budget = int(pool_bytes_for(configs, pages) * args.pool_factor)
-    cost = gpu_rule(configs)
+    cost = gpu_rule(configs, args.model)
     # before: every decode page; after: the cost rule (the default); supersede: the
     # cost rule with superseded turn ends demoted (``supersede_turns``, off by default)
     every = CheckpointRule(every_page=True)
     rules = {"before": (every, False), "after": (cost, False), "supersede": (cost, True)}
-    out = {"pool_factor": args.pool_factor, "pool_bytes": budget, "cost_rule": vars(cost)}
+    out = {"model": args.model, "pool_factor": args.pool_factor, "pool_bytes": budget}
+    out["cost_rule"] = vars(cost)
     for name in args.rules.split(","):
         engine = Engine(configs, budget, max_len, rules[name][0])
         engine.sched.prefix.supersede_turns = rules[name][1]

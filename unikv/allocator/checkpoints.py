@@ -47,6 +47,12 @@ at the last page before ``max_tokens``, fared as well there) the hit rate went f
 46.6 % to 51.4 % at 1.25x the pool (evicted pages 747 -> 554) and from 75.0 % to
 80.1 % at 2x (113 -> 0, the whole-page ceiling of the workload).
 
+Expected first-hand (issue 41): a waiting request's prompt marks the checkpoint it
+would restore (``want``, from ``PrefixVerbs.expect`` when the scheduler adds it; undone
+when it opens or is aborted); the room maker evicts every other one first
+(``victims``), so admitting one conversation's turn does not evict the turn end that
+another waiting turn of the same round would hit.
+
 With a host tier (``host``, ``io/prefix_host.py``) an evicted checkpoint of a
 reachable node spills to a host slot instead (one envelope copy) and a hit
 restores it from there straight into the request's slot (one copy); a node's
@@ -96,8 +102,13 @@ class StateCheckpoints:
         # that length: ``pin``; stale entries of host-dropped ones are pruned on save)
         self.position: dict[int, int] = {}
         self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
+        # node id -> waiting requests whose prompt hits it (``want``): evicted last
+        self.wanted: Counter[int] = Counter()
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
+        # checkpoints the room maker evicted for a take (``save``), the one it
+        # supersedes not counted: another chain's, which a later hit may have wanted
+        self.evicted_by_takes = 0
         # (source vid, checkpoint vid) of taken checkpoints whose table bind and copy
         # are deferred (``deferring``: inside ``PrefixVerbs.batched``) to ``flush``: one
         # table write and one copy for every checkpoint of a step
@@ -128,27 +139,44 @@ class StateCheckpoints:
         reserve: Callable[[Mapping[str, int]], bool],
         turn_end: bool = False,
         source: int | None = None,
+        supersedes: int | None = None,
+        drop: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
-        a checkpoint of ``node_id``; False (nothing changed) when the chain has no
-        room (``reserve(new) -> bool``: the room maker's, no shortfall callback), the
+        a checkpoint of ``node_id``; False when the chain has no room
+        (``reserve(new) -> bool``: the room maker's, no shortfall callback), the
         request holds no slot, or ``alive()`` says the node was evicted while making
         room; ``turn_end``: a decode checkpoint (``turn_ends``); ``source``: the virtual
         id of the slot holding that state, when not the request's live one (a
-        per-draft-position slot of a verify step)."""
-        if node_id in self.by_node:
+        per-draft-position slot of a verify step).
+
+        ``supersedes``: the node id of the same request's checkpoint this one replaces
+        (its previous rolling one); ``drop``: it is dropped (else demoted) once this one
+        is taken. A dropped one goes BEFORE room is made, so the take evicts no other
+        chain's checkpoint while a superseded one holds a slot (issue 41; a failed save
+        after that leaves it dropped: the request has moved past it). A demoted one (a
+        prompt end: a repeat of the prompt still hits it) is demoted after the take, as
+        demoting it first cost hit rate in ``sim_prefix_hybrid_chat`` (51.4 % -> 46.1 %).
+        Pinned (a request waits to restore it): left alone."""
+        old = supersedes if supersedes != node_id and supersedes in self.lru else None
+        if node_id in self.by_node or self.has(node_id, True):  # (host: restored from there)
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
                 self.demoted.discard(node_id)  # used again: no longer superseded
-            return True
-        if self.has(node_id, True):  # on the host: restored from there
+            self._retire(old, drop)
             return True
         vid_src = np.array([slot + 1 if source is None else source], np.int32)
         held = self.book.physical(vid_src)[0] >= 0
-        if not held or not self.free_vids or not reserve({self.book.name: 1}):
+        if not held or not self.free_vids or not alive():
             return False
-        if not alive():
+        if old is not None and drop:
+            self.drop([old])  # its slot is the take's room
+        evicted = self.evicted
+        room = reserve({self.book.name: 1})
+        self.evicted_by_takes += self.evicted - evicted
+        if not room or not alive():
             return False
+        self._retire(old, drop)
         vid = np.array([self.free_vids.pop()], np.int32)
         self.book.bind_host(vid, self.book.take(1))
         self.queued.append((int(vid_src[0]), int(vid[0])))  # bytes: at ``flush``
@@ -164,6 +192,15 @@ class StateCheckpoints:
             self.turn_ends.add(node_id)
         self.saved += 1
         return True
+
+    def _retire(self, old: int | None, drop: bool) -> None:
+        """After a save that replaced ``old`` (None: none): drop it (``drop``) or
+        demote it, if it is still evictable here."""
+        if old is not None and old in self.lru:
+            if drop:
+                self.drop([old])
+            else:
+                self.demote(old)
 
     def flush(self) -> None:
         """Bind and copy the queued checkpoints: one table write (their v2p / p2v
@@ -206,6 +243,26 @@ class StateCheckpoints:
     def num_demoted(self) -> int:
         """Evictable checkpoints a longer one superseded: the first of the LRU."""
         return len(self.demoted)
+
+    def want(self, node_id: int, count: int = 1) -> None:
+        """``count`` more (negative: fewer) waiting requests expect to hit node
+        ``node_id``'s checkpoint: the room maker evicts those no one expects first
+        (``victims``), so one request's admission does not evict the turn end that
+        the next waiting turn of another conversation would hit (issue 41)."""
+        if node_id not in self.by_node and node_id not in self.wanted:
+            return  # gone meanwhile (its drop forgot it)
+        self.wanted[node_id] += count
+        if self.wanted[node_id] <= 0:
+            del self.wanted[node_id]
+
+    def victims(self, count: int) -> list[int]:
+        """The ``count`` evictable checkpoints to go first: LRU order (demoted ones
+        lead it), those a waiting request expects to hit (``wanted``) after the rest."""
+        if not self.wanted:
+            return list(self.lru)[:count]
+        wanted = self.wanted
+        order = [i for i in self.lru if i not in wanted] + [i for i in self.lru if i in wanted]
+        return order[:count]
 
     def pin(self, slot: int, node_id: int, tokens: int) -> None:
         """Request ``slot`` opened with a hit of ``tokens`` tokens ending at
@@ -268,6 +325,7 @@ class StateCheckpoints:
         for i in node_ids:
             self.position.pop(i, None)
             self.turn_ends.discard(i)
+            self.wanted.pop(i, None)
             self.lru.pop(i, None)
             self.demoted.discard(i)
         if vids:
@@ -281,7 +339,7 @@ class StateCheckpoints:
         many. ``reachable``: the prefix cache's ``reachable_many`` (node ids -> whether
         a lookup reaches each, each ancestor walked once), passed by the caller so the checkpoints hold nothing above them; with a
         host tier the reachable ones go to the host (None: none is spilled)."""
-        victims = list(self.lru)[:count]
+        victims = self.victims(count)
         self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if reachable is not None and self.host is not None and victims:  # spill first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
@@ -351,6 +409,11 @@ def check_checkpoints(parts: Parts) -> None:
     )
     assert Counter(states.pending.values()) == states.pins, (
         "checkpoint pins count the opening requests waiting to restore them"
+    )
+    # (a host tier drops its own checkpoints under its pressure: an entry may outlive one)
+    wanted_exist = states.host is not None or set(states.wanted) <= set(states.nodes())
+    assert wanted_exist and min(states.wanted.values(), default=1) > 0, (
+        "checkpoints waiting requests expect to hit exist, each expected at least once"
     )
     assert set(list(states.lru)[: len(states.demoted)]) == states.demoted, (
         "demoted checkpoints are evictable and the first of the LRU"

@@ -275,6 +275,33 @@ class PrefixCache:
             hit = self.host.choose(self, hit, self.chain_hit(found, len(tokens), host=False))
         return hit
 
+    def want(self, token_ids: object, salt: str | None = None) -> int:
+        """Mark the checkpoint a lookup of ``token_ids`` would restore as expected by
+        a waiting request (``StateCheckpoints.want``; no stats) and make its chain's
+        evictable pages the youngest of the LRU; returns its node id, 0 when the
+        lookup would restore none (no state, a miss)."""
+        if self.states is None:
+            return 0
+        tokens = self.tokens(token_ids, "prefix.want")
+        hit = self.chain_hit(self.walk(tokens, salt), len(tokens), host=self.host is not None)
+        if not hit.num_tokens:
+            return 0
+        node_id = int(hit.nodes[-1])
+        if not self.states.has(node_id, True):
+            return 0
+        self.states.want(node_id)
+        # its chain's evictable pages to the young end of the LRU, deepest first (so
+        # leaves still go before their parents): page eviction reaches them last too
+        for page in hit.pages[::-1].tolist():
+            if page in self.lru:
+                self.lru.move_to_end(page)
+        return node_id
+
+    def unwant(self, node_id: int) -> None:
+        """A waiting request that ``want`` marked node ``node_id`` for no longer waits."""
+        if self.states is not None and node_id:
+            self.states.want(node_id, -1)
+
     def chain_hit(self, found: list[ChainNode], num_query: int, host: bool) -> PrefixHit:
         """``prefix_chain.chain_hit`` over this cache's sub-pools, checkpoints and tier."""
         return chain_hit(
@@ -393,6 +420,8 @@ class PrefixCache:
         salt: str | None = None,
         turn_end: bool = False,
         source: int | None = None,
+        supersedes: object = None,
+        drop: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
@@ -402,7 +431,11 @@ class PrefixCache:
         ``reserve(new) -> bool``: room for the copy (older checkpoints may go,
         cached pages never: ``Room.reserve(evict_pages=False)``); ``source``: the Mamba
         virtual id holding that state when not the request's live slot (a
-        per-draft-position slot after a speculative verify step)."""
+        per-draft-position slot after a speculative verify step); ``supersedes``: the
+        first tokens (whole pages) of the request's own checkpoint this one replaces:
+        dropped (``drop``; before room is made, so no other chain's checkpoint is
+        evicted for the take while it holds a slot) or demoted once this one is taken
+        (``StateCheckpoints.save``)."""
         tokens = self.tokens(token_ids, "prefix.checkpoint")
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
@@ -410,11 +443,16 @@ class PrefixCache:
         node = self.own_chain_end(int(slot), tokens, salt)
         if node is None:
             return False
+        old = None
+        if supersedes is not None:
+            prev = self.tokens(supersedes, "prefix.checkpoint")
+            old = self.own_chain_end(int(slot), prev, salt) if len(prev) else None
         # making room may evict any node of the chain: the checkpoint must stay reachable
         alive = lambda: self.reachable(node.node_id)
         saved = self.states.save(
-            int(slot), node.node_id, alive, len(tokens), reserve, turn_end, source
-        )
+            int(slot), node.node_id, alive, len(tokens), reserve, turn_end, source,
+            old.node_id if old is not None else None, drop,
+        )  # fmt: skip
         self.stats.checkpoints = self.states.saved
         return saved
 
@@ -542,6 +580,10 @@ class PrefixCache:
             return evict_pages(self, count)
         self.writer.write(patch)
         return evict_windows(self, count)[0]
+
+    def evict_dead(self, count: int) -> tuple[TablePatch, int]:
+        """``prefix_evict.evict_dead``: up to ``count`` pages no hit can use."""
+        return evict_dead(self, count)
 
     def reset(self) -> int:
         """``prefix_evict.reset_cache``: drop everything no request holds."""

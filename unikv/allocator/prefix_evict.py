@@ -128,15 +128,18 @@ def window_suffixes(cache: PrefixCache, name: str, insert_ends: bool = True) -> 
 
 def dead_pages(cache: PrefixCache) -> np.ndarray:
     """Evictable cached pages (host int32, LRU order) no hit can use any more, in a
-    windowed pool without a host tier: a hit ending at a node needs the window pages
-    its first query reads bound (``prefix_chain.window_intact``), so a page is useful
-    only while some node at or below it in its chain ends such an intact window (or
-    none of the pool's sub-pools is windowed). A chain whose end lost its window
+    windowed or recurrent-state pool without a host tier: a hit ending at a node needs
+    the window pages its first query reads bound (``prefix_chain.window_intact``) and,
+    with state, a checkpoint there, so a page is useful only while some node at or
+    below it in its chain ends such an intact window (or none of the pool's sub-pools
+    is windowed) and holds a checkpoint (issue 41: a hybrid's pages past its chain's
+    last checkpoint only cost room; evicting them first keeps the turn ends the next
+    turns hit). A chain whose end lost its window
     suffix (its leaf page evicted after its inner window bindings went alone) is dead
     weight down to its deepest intact node; evicting it first loses no hit. Orphans
     (a parent evicted) never match and are dead too."""
-    roles, by_id = cache.roles, cache.by_id
-    if not roles.windows or cache.host is not None or not cache.lru:
+    roles, by_id, states = cache.roles, cache.by_id, cache.states
+    if (not roles.windows and states is None) or cache.host is not None or not cache.lru:
         return np.zeros(0, np.int32)
     ps = roles.page_size
     depth: dict[int, int] = {0: 0}  # node id -> its blocks from the root (-1: an orphan)
@@ -157,7 +160,11 @@ def dead_pages(cache: PrefixCache) -> np.ndarray:
         return d
 
     useful: set[int] = set()
-    for node in cache.by_page.values():
+    # with recurrent state a hit ends at a checkpoint: only those nodes end a hit
+    ends = cache.by_page.values()
+    if states is not None:
+        ends = [by_id[n] for n in states.by_node if n in by_id]
+    for node in ends:
         d = depth_of(node.node_id)
         if d <= 0 or node.node_id in useful:
             continue

@@ -5,7 +5,9 @@
 3. evict superseded (demoted) state checkpoints, then prefix-cache pages no request
    holds, oldest first (``prefix.py``): the shortfall first, retrying 1-2; other
    recurrent-state checkpoints too (``checkpoints.py``) when the Mamba sub-pool is
-   short or no page is left;
+   short or no page is left, as many as the bytes short need. Room for a new
+   checkpoint evicts pages no hit can use (``prefix_evict.dead_pages``) before
+   checkpoints, and never other cached pages;
 4. ``Mode.AFTER``: wait for the forward fences, move live pages into holes; if
    that does not pack either, evict twice as many and retry, until none is left;
 5. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
@@ -208,16 +210,45 @@ class Room:
         return held + (self.prefix.num_reclaimable if pages else 0)
 
     def _evict(self, new: Mapping[str, int], batch: int, evict_pages: bool = True) -> bool:
-        """Evict ``batch`` cached pages (unless not ``evict_pages``), and ``batch``
-        state checkpoints when the Mamba sub-pool is short or no page is left;
-        False when nothing was."""
+        """Evict ``batch`` cached pages (unless not ``evict_pages``: then only pages
+        no hit can use, ``prefix_evict.dead_pages``, a state slot's bytes of them per
+        slot short, before any checkpoint), and state checkpoints when the Mamba
+        sub-pool is short (``batch`` of them) or no page is left (a ``batch`` of
+        pages' bytes: ``_slots_for``), unless the pages took checkpoints with their
+        nodes (the caller looks again first); False when nothing was."""
         states = self.prefix.states
         pages = self.prefix.num_reclaimable if evict_pages else 0
         if pages:
+            gone = states.evicted if states is not None else 0
             self.writer.write(self.prefix.evict(batch))
+            if states is not None and states.evicted > gone:
+                return True  # checkpoints went with their nodes: look again first
+        elif states is not None and new.get(states.book.name):
+            patch, dead = self.prefix.evict_dead(self._pages_for(new, batch))
+            self.writer.write(patch)
+            if dead:
+                return True
         if states is not None and states.num_evictable and (new.get(states.book.name) or not pages):
-            return bool(states.evict(batch, self.prefix.reachable_many)) or bool(pages)
+            count = batch if new.get(states.book.name) else self._slots_for(new, batch)
+            return bool(states.evict(count, self.prefix.reachable_many)) or bool(pages)
         return bool(pages)
+
+    def _pages_for(self, new: Mapping[str, int], batch: int) -> int:
+        """Cached pages (one in each token sub-pool) whose bytes cover ``batch``
+        state slots."""
+        states = self.prefix.states.book
+        page = sum(b.page_bytes for n, b in self.books.items() if n != states.name)
+        return batch * -(-states.page_bytes // page) if page else 0
+
+    def _slots_for(self, new: Mapping[str, int], batch: int) -> int:
+        """State checkpoints whose bytes cover ``batch`` pages of each token sub-pool
+        of ``new`` (at least one): a checkpoint holds a state slot, tens of pages'
+        bytes, so evicting ``batch`` of them for a page shortfall would drop
+        checkpoints that later hits need (issue 41: a chat round's admissions evicted
+        13 turn ends for a dozen pages)."""
+        slot = self.books[self.prefix.states.book.name].page_bytes
+        need = batch * sum(self.books[n].page_bytes for n in new if n in self.books)
+        return max(1, -(-need // slot))
 
     def _deficit(self, new: Mapping[str, int], virtual: int) -> int:
         """Pages to evict first, a lower bound: what holes, fence-held pages and

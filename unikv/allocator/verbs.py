@@ -95,6 +95,16 @@ class PrefixVerbs:
         ``PrefixCache.match``)."""
         return self._cache.match(token_ids, salt)
 
+    def expect(self, token_ids: object, salt: str | None = None) -> int:
+        """A waiting request will look ``token_ids`` up: the checkpoint it would
+        restore is evicted after the others (``PrefixCache.want``); returns its node id
+        (0: none), to pass to ``unexpect`` once the request opens or leaves."""
+        return self._cache.want(token_ids, salt)
+
+    def unexpect(self, node_id: int) -> None:
+        """Undo ``expect`` (``node_id``: what it returned)."""
+        self._cache.unwant(node_id)
+
     def reload(self, hit: PrefixHit) -> PrefixHit:
         """The hit to pass to ``new_request``: its host pages reloaded (``PrefixCache.reload``)."""
         out = self._cache.reload(hit, self._reserve_host)
@@ -119,12 +129,18 @@ class PrefixVerbs:
         salt: str | None = None,
         turn_end: bool = False,
         source: int | None = None,
+        supersedes: object = None,
+        drop: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (``source``: the Mamba virtual id of the
         slot holding the state instead, a per-draft-position one) into a checkpoint at
         the last block of ``token_ids``; False when none was taken
-        (``PrefixCache.checkpoint``)."""
-        taken = self._cache.checkpoint(slot, token_ids, self._reserve_state, salt, turn_end, source)
+        (``PrefixCache.checkpoint``). ``supersedes``: the first tokens of the request's
+        own checkpoint this one replaces: it goes first (dropped, ``drop``, or demoted),
+        before another is evicted to make room."""
+        taken = self._cache.checkpoint(
+            slot, token_ids, self._reserve_state, salt, turn_end, source, supersedes, drop
+        )
         self._after()
         return taken
 

@@ -23,16 +23,19 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   by the pool fractions the checkpoints and the running requests hold:
   ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
   rolling: each one drops the
-  request's previous decode checkpoint (or demotes its prompt-end one:
-  ``prefix.demote_checkpoint``), so a request holds at most one and the next turn of
-  a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
+  request's previous decode checkpoint, before making room for itself so it evicts
+  no other conversation's while that one holds a slot (or, once taken, demotes its
+  prompt-end one: ``prefix.checkpoint(supersedes=...)``), so a request holds at most
+  one and the next turn of a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
   it lost hit rate at 2x in ``sim_prefix_hybrid_chat``), a request that opened with a
   hit at a previous turn's end demotes that checkpoint once it takes one of its own;
   a junction or prompt-end checkpoint is never demoted for that.
 
 Prefill chunks end at the points (``chunk``); ``after_step`` takes the
 checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
-restores a hit's checkpoint.
+restores a hit's checkpoint. A request added to the waiting queue marks the
+checkpoint its prompt would restore now (``expect``: evicted after every other, its
+chain's pages after every other page) until it opens or is aborted (``forget``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class NoPrefixCache:
     def chunk(self, r: Request, budget: int) -> int:
         """The tokens of ``r`` to prefill now, within ``budget``."""
         return min(budget, r.num_pending)
+
+    def expect(self, r: Request) -> None:
+        """``r`` joins the waiting queue (nothing to note here)."""
+
+    def forget(self, r: Request) -> None:
+        """``r`` left the waiting queue without opening (an abort)."""
 
     def after_step(self, batch: Batch, verify: bool = False) -> None:
         """After a step's tokens are in (``num_cached`` advanced); ``verify``: a
@@ -110,10 +119,30 @@ class PrefixCaching(NoPrefixCache):
         # simulation it cost hit rate at 2x the working set; not understood yet)
         self.supersede_turns = False
         self.page_size = alloc.view.roles.page_size
+        # request id -> the checkpoint node its waiting prompt would restore
+        # (``expect``): evicted after the others until it opens (issue 41)
+        self.expected: dict[int, int] = {}
+
+    def expect(self, r: Request) -> None:
+        """``r`` joins the waiting queue: the state checkpoint its prompt would
+        restore now is evicted after every checkpoint no waiting request expects, so
+        admitting one conversation's turn does not evict the turn end the next
+        waiting turn of another would hit (issue 41). One lookup per added request."""
+        if self.has_state and r.params.prompt_logprobs is None:
+            node = self.prefix.expect(r.token_slice(0, r.seq_len - 1), r.cache_salt)
+            if node:
+                self.expected[r.request_id] = node
+
+    def forget(self, r: Request) -> None:
+        """``r`` opens or leaves the waiting queue: its ``expect`` is undone."""
+        node = self.expected.pop(r.request_id, 0)
+        if node:
+            self.prefix.unexpect(node)
 
     def open(self, r: Request):
         """A request slot holding the cached pages of ``r``'s longest cached prefix
         (its host part reloaded), ``r.num_cached`` counting them; returns the hit."""
+        self.forget(r)
         prefix = self.prefix
         # prompt logprobs need every prompt row computed: such a request takes no hit
         end = r.seq_len - 1 if r.params.prompt_logprobs is None else 0
@@ -210,19 +239,21 @@ class PrefixCaching(NoPrefixCache):
         at = r.num_cached if at is None else at
         turn_end = at > len(r.prompt_ids)
         first = lambda n: ids[:n] if n <= len(ids) else r.token_slice(0, n)
-        taken = self.prefix.checkpoint(r.slot, first(at), r.cache_salt, turn_end, source)
+        previous = self.latest.get(r.slot) if rolling else None
+        if previous == at:  # (one point taken twice: keep it)
+            previous = None
+        # the superseded one goes first, before the take's room evicts another's
+        old = first(previous) if previous else None
+        drop = bool(previous) and previous > len(r.prompt_ids)
+        taken = self.prefix.checkpoint(
+            r.slot, first(at), r.cache_salt, turn_end, source, supersedes=old, drop=drop
+        )
         if taken:
             self.since[r.slot] = at
             extended = self.extends.pop(r.slot, None)
             if extended:  # the previous turn's end: this conversation has moved on
                 self.prefix.demote_checkpoint(first(extended), salt=r.cache_salt, slot=r.slot)
         if taken and rolling:
-            previous = self.latest.get(r.slot)
-            if previous and previous != at:  # (one point taken twice: keep it)
-                drop = previous > len(r.prompt_ids)
-                self.prefix.demote_checkpoint(
-                    first(previous), drop=drop, salt=r.cache_salt, slot=r.slot
-                )
             self.latest[r.slot] = at
 
     def window_demand(self, r: Request, demand: dict, subpools, chunk: int) -> dict:

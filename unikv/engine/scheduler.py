@@ -118,6 +118,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.prefix.expect(request)  # its checkpoint, if any, is evicted last (issue 41)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -300,6 +301,8 @@ class Scheduler:
         and recurrent-state slot go back at once (``free_request``; pages an
         in-flight step still uses are fenced by the allocator). Its outputs stay;
         a placeholder left by the step in flight is resolved as usual."""
+        if r.status is Status.WAITING:  # (held out of the queue too: online.py's probes)
+            self.prefix.forget(r)  # its expected checkpoint, if any, is an ordinary one
         if r.status is Status.RUNNING:
             self.share(r)
             self.alloc.free_request(r.slot)
