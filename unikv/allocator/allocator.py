@@ -109,14 +109,18 @@ class PoolAllocator:
         """``extend_lens[i]`` tokens after the ``prefix_lens[i]`` each request holds
         ((B,) host ints): (sum ext,) int32 virtual token ids on the device, or None
         (state unchanged). Contract: ``tokens.Tokens.stage_extend``."""
-        return self._grow(self.parts.tokens.stage_extend(slots, prefix_lens, extend_lens))
+        with self.parts.writer.batch():  # evictions making room go out with the grow's write
+            return self._grow(self.parts.tokens.stage_extend(slots, prefix_lens, extend_lens))
 
     def alloc_decode(self, slots: object, seq_lens: object) -> VirtualTokenIds | None:
         """One new token per request at position ``seq_lens[i]`` (the length BEFORE
         it). slots, seq_lens: (B,) host integer arrays. Returns (B,) int32 virtual
         token ids on the device, or None (state unchanged)."""
         tokens = self.parts.tokens
-        return self._grow(tokens.stage_decode(*tokens.decode_args(slots, seq_lens, "alloc_decode")))
+        with self.parts.writer.batch():
+            return self._grow(
+                tokens.stage_decode(*tokens.decode_args(slots, seq_lens, "alloc_decode"))
+            )
 
     def _grow(self, staged: StagedGrow | None) -> VirtualTokenIds | None:
         if staged is None:
@@ -128,7 +132,8 @@ class PoolAllocator:
     def alloc_mamba(self, slots: object) -> PhysicalPageIds | None:
         """One zeroed state slot per request in ``slots`` ((B,) host ints, requests
         without one); the (B,) physical slots on the device, or None (state unchanged)."""
-        phys = self._mamba("alloc_mamba").alloc(slots)
+        with self.parts.writer.batch():
+            phys = self._mamba("alloc_mamba").alloc(slots)
         if phys is not None:
             self._after_verb()
         return phys
@@ -161,13 +166,14 @@ class PoolAllocator:
         targets, run = parts.steps.get(
             bsz, int(new_lens.max()) if bsz else 1, block_tables, write_ids
         )
-        staged = parts.tokens.stage_decode(slots, seq)
-        if staged is None:
-            return None
-        patch = staged.patch
-        parts.tokens.stage_window_frees(slots, new_lens, patch)
-        slot_part, lens_part = patch.part(slots), patch.part(new_lens)
-        written = parts.writer.write(patch)
+        with parts.writer.batch():  # the step's one table write: with what made room
+            staged = parts.tokens.stage_decode(slots, seq)
+            if staged is None:
+                return None
+            patch = staged.patch
+            parts.tokens.stage_window_frees(slots, new_lens, patch)
+            slot_part, lens_part = patch.part(slots), patch.part(new_lens)
+            written = parts.writer.write(patch)
         req_slots, lens_dev = written[slot_part], written[lens_part]
         build = parts.steps.builder(run, targets, req_slots, lens_dev, self._debug)
         build()
@@ -182,9 +188,11 @@ class PoolAllocator:
 
     def free_request(self, slot: int) -> None:
         """Free every page of request ``slot`` (all sub-pools) and close the slot."""
-        self._write(self.parts.tokens.stage_free_request(slot))
-        if self.parts.mamba is not None:
-            self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
+        writer = self.parts.writer
+        with writer.batch():  # its pages and its state slot in one table write
+            writer.stage(self.parts.tokens.stage_free_request(slot))
+            if self.parts.mamba is not None:
+                self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
         self.parts.requests.close(int(slot))
         self._after_verb()
 

@@ -143,9 +143,9 @@ class MambaSlots:
         patch = TablePatch()
         v = patch.part(np.concatenate([live, draft]))
         p = patch.part(np.concatenate([pb, pa]))
-        patch.add(0, v, p)
-        patch.add(1, p, v)
-        self.writer.write(patch, (self.book.v2p, self.book.p2v))
+        patch.add(self.writer.v2p_id[self.book.name], v, p)
+        patch.add(self.writer.p2v_id[self.book.name], p, v)
+        self.writer.write(patch)
 
     def draft_slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
         """(B, k) physical draft slots of (B,) device request slots (0, the sink, for
