@@ -47,7 +47,9 @@ the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at
 the per decode step host split (``PhaseClock``): ``decode_step_host_ms`` by phase of
 the engine step (schedule, launch, settle: the wait for the previous step's tokens,
 complete, and the cache path's ``after_step`` inside it), ``decode_step_table_writes``,
-and the run's ``forward_waits`` (compaction's host syncs) and ``page_moves``.
+and the run's ``forward_waits`` (host syncs on the forward fences), ``forward_orders``
+(compactions on a shortfall ordered after the forward on the device instead, issue 41)
+and ``page_moves``.
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
@@ -145,7 +147,8 @@ class PhaseClock:
     device, ``complete``: the step applied, ``after_step`` (inside ``complete``): the
     cache path's checkpoints and shares), per step, attributed at ``on_step``; plus
     the forward-fence waits (``FenceQueue.wait_forward``: compaction's host sync),
-    page moves (``TableWriter.moves``) of the run, and the device table writes (each
+    stream orderings (``FenceQueue.order_forward``), page moves (``TableWriter.moves``)
+    of the run, and the device table writes (each
     an upload and a launch, ``TableWriter.write``) per decode step. Wraps the live
     objects' methods."""
 
@@ -156,7 +159,7 @@ class PhaseClock:
         self.now = dict.fromkeys(self.PHASES, 0.0)
         self.decode = dict.fromkeys(self.PHASES, 0.0)
         self.other = dict.fromkeys(self.PHASES, 0.0)
-        self.waits = 0
+        self.waits = self.orders = 0
         self.writes = [0, 0]  # table writes since the last step, in decode steps
         self.writer = llm.alloc.parts.writer
         self.moves0 = self.writer.moves
@@ -174,13 +177,17 @@ class PhaseClock:
         ):  # fmt: skip
             setattr(obj, attr, self._timed(getattr(obj, attr), phase))
         fences = llm.alloc.parts.fences
-        wait = fences.wait_forward
+        wait, order = fences.wait_forward, fences.order_forward
 
         def counted() -> None:
             self.waits += 1
             wait()
 
-        fences.wait_forward = counted
+        def counted_order():
+            self.orders += 1
+            return order()
+
+        fences.wait_forward, fences.order_forward = counted, counted_order
 
     def _timed(self, fn, phase: str):
         def timed(*args, **kwargs):
@@ -207,6 +214,7 @@ class PhaseClock:
             "decode_step_host_ms": per,  # after_step is part of complete
             "decode_step_table_writes": self.writes[1] / max(decode_steps, 1),
             "forward_waits": self.waits,
+            "forward_orders": self.orders,  # compaction ordered after it: no host sync
             "page_moves": self.writer.moves - self.moves0,
         }
 

@@ -21,7 +21,8 @@ planned and launched, as the loop settles it; ``synchronize`` is a host wait,
 
 Allocator level: a reserve under pressure with a forward in flight orders after it
 (``order_forward``) and never synchronises, and the pages compaction moved keep
-their bytes (a naive per-page record is the oracle).
+their bytes (a naive per-page record is the oracle); on CUDA (``-m gpu``) the
+allocation returns while a long kernel standing for the forward still runs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import build
+from allocator_fixtures import CHAINS, build
+from allocator_fixtures import PAGES as FIXTURE_PAGES
 from engine_fixtures import (
     VOCAB,
     hf_greedy,
@@ -38,8 +40,10 @@ from engine_fixtures import (
 )
 from prefix_fixtures import pool_budget, prefix_llm
 
+from unikv.allocator import PoolAllocator
 from unikv.engine import SamplingParams
 from unikv.hf_config import specs_from_hf_config
+from unikv.pool import UnifiedPool, pool_bytes_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -192,35 +196,65 @@ def _fill(alloc, slot: int) -> int:
     return held
 
 
-@pytest.mark.parametrize("chain", ["full+swa", "full+swa+mamba"])
-def test_reserve_under_pressure_orders_after_the_forward_and_keeps_bytes(chain):
-    """Pages freed while a forward runs are what the allocation needs: the reserve
-    orders after the forward (no host wait) and compacts; every page that stays
-    bound keeps its bytes wherever it moved (a naive record, by virtual page)."""
-    pool, alloc = build(chain, 1, requests=4, context=24)
+def _under_pressure(pool, alloc, event, launch=lambda: None) -> dict:
+    """Fill the pool, free a request while ``event``'s forward runs (``launch``
+    enqueues it), then allocate what only its pages can hold: the allocation must
+    succeed. Returns a naive record {(sub-pool, virtual page): mark} of the bytes
+    of a request that stays (each of its pages filled with its own mark first)."""
     a, keep = alloc.new_request(), alloc.new_request()
     _fill(alloc, keep)
     alloc.free_request(keep)  # holes below the next request's pages
     keep = alloc.new_request()
     alloc.alloc_extend(np.array([keep]), np.array([0]), np.array([3]))
     _fill(alloc, a)
-    names = alloc.parts.roles.token_names
-    before = {}
-    for name in names:
-        book, sub = alloc.parts.books[name], pool[name]
+    marks = {}
+    for name in alloc.parts.roles.token_names:
         vpages = alloc.parts.requests.pages[keep, :3]
-        for v, p in zip(vpages.tolist(), book.physical(vpages).tolist()):
-            pool.page_envelope(name, p).fill_(v % 251)  # a naive mark per virtual page
-            before[name, v] = v % 251
-        assert sub.page_bytes > 0
-    event = OrderEvent()
+        for v, p in zip(vpages.tolist(), alloc.parts.books[name].physical(vpages).tolist()):
+            pool.page_envelope(name, p).fill_(v % 251)
+            marks[name, v] = v % 251
+    launch()
     alloc.mark_in_flight(event)
     alloc.free_request(a)  # held by the forward fence
     b = alloc.new_request()
     ids = alloc.alloc_extend(np.array([b]), np.array([0]), np.array([4]))
     assert ids is not None, "the pages the forward held serve the allocation"
-    assert event.syncs == 0 and event.orders >= 1, (event.syncs, event.orders)
-    for (name, v), mark in before.items():
+    return marks
+
+
+def _check_marks(pool, alloc, marks: dict) -> None:
+    for (name, v), mark in marks.items():
         p = int(alloc.parts.books[name].physical(np.array([v], np.int32))[0])
         assert bool((pool.page_envelope(name, p) == mark).all()), (name, v)
+
+
+@pytest.mark.parametrize("chain", ["full+swa", "full+swa+mamba"])
+def test_reserve_under_pressure_orders_after_the_forward_and_keeps_bytes(chain):
+    """The reserve orders after the forward (no host wait) and compacts; every page
+    that stays bound keeps its bytes wherever it moved."""
+    pool, alloc = build(chain, 1, requests=4, context=24)
+    event = OrderEvent()
+    marks = _under_pressure(pool, alloc, event)
+    assert event.syncs == 0 and event.orders >= 1, (event.syncs, event.orders)
+    _check_marks(pool, alloc, marks)
+    alloc.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_reserve_under_pressure_does_not_wait_for_a_running_forward_gpu():
+    """CUDA: a long kernel stands for the forward; the allocation that needs the
+    pages it fences returns while that kernel still runs (the host did not wait),
+    and once it is done every kept page holds its bytes and the tables mirror the
+    host."""
+    configs = CHAINS["full+swa"](1)
+    total = pool_bytes_for(configs, {c.name: FIXTURE_PAGES[c.name] for c in configs})
+    pool = UnifiedPool(configs, total, "cuda")
+    alloc = PoolAllocator(pool, max_requests=4, max_context=24)
+    event = torch.cuda.Event()
+    launch = lambda: (torch.cuda._sleep(2_000_000_000), event.record())  # ~1 s of spinning
+    marks = _under_pressure(pool, alloc, event, launch)
+    assert not event.query(), "the allocation returned before the forward finished"
+    torch.cuda.synchronize()
+    _check_marks(pool, alloc, marks)
     alloc.check_integrity()
