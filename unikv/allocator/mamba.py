@@ -74,11 +74,12 @@ class MambaSlots:
         assert not (book.physical(every) >= 0).any(), (
             "draft-state invariant: a request without a state slot holds no draft slot"
         )
-        if len(vids) and not self.room.reserve({book.name: len(every)}, 0, slots):
-            return None
-        pages = book.take(len(every))
-        book.bind_host(every, pages)
-        bound = self.writer.bind(book, every, pages)
+        with self.writer.batch():  # what making room evicted goes with the bind's write
+            if len(vids) and not self.room.reserve({book.name: len(every)}, 0, slots):
+                return None
+            pages = book.take(len(every))
+            book.bind_host(every, pages)
+            bound = self.writer.bind(book, every, pages)
         phys = PhysicalPageIds(bound[: len(vids)], book.name)
         self.pool.zero_pages(book.name, phys)  # before any later forward, in stream order
         if self.states is not None:

@@ -146,17 +146,16 @@ class TableWriter:
             self.write(TablePatch())
 
     def stage(self, patch: TablePatch) -> None:
-        """``write(patch)`` of v2p/p2v entries only (their values are the host
-        mirrors'): at once outside ``batch()``; inside, its indices are marked and
-        written, with the mirrors' values then, by the next write."""
-        if not self._depth:
-            if patch:
-                self.write(patch)
+        """``write(patch)`` when it is not empty, unless inside ``batch()`` and it
+        writes only v2p/p2v entries (their values are the host mirrors'): then its
+        indices are marked and written, with the mirrors' values then, by the next
+        write."""
+        if not patch:
+            return
+        if not self._depth or any(t not in self.mirrors for t, _, _ in patch.segments):
+            self.write(patch)
             return
         for table, index, _ in patch.segments:
-            assert table in self.mirrors, (
-                f"staged table writes go to v2p/p2v tables (host mirrors), not table {table}"
-            )
             self.staged.setdefault(table, []).append(patch.parts[index])
 
     def _merge(self, patch: TablePatch) -> None:

@@ -76,15 +76,13 @@ class PrefixVerbs:
             yield
             return
         self._batching = states.deferring = True
-        try:
-            with self._cache.writer.batch():  # the step's drops and evictions: one write
-                try:
-                    yield
-                finally:
-                    self._batching = states.deferring = False
-                    states.flush()
-        finally:
-            self._after()
+        with self._cache.writer.batch():  # the step's drops and evictions: one write
+            try:
+                yield
+            finally:
+                self._batching = states.deferring = False
+                states.flush()
+                self._after()  # (its check writes what is still staged first)
 
     def _reserve_host(self, new: Mapping[str, int], virtual: int) -> bool:
         """Room for a host reload: the room maker, without the shortfall callback."""
