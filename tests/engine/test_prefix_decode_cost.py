@@ -252,7 +252,8 @@ def test_reserve_under_pressure_does_not_wait_for_a_running_forward_gpu():
     pool = UnifiedPool(configs, total, "cuda")
     alloc = PoolAllocator(pool, max_requests=4, max_context=24)
     event = torch.cuda.Event()
-    launch = lambda: (torch.cuda._sleep(2_000_000_000), event.record())  # ~1 s of spinning
+    # ~10 s of spinning: longer than compiling the copy kernels on first use
+    launch = lambda: (torch.cuda._sleep(20_000_000_000), event.record())
     marks = _under_pressure(pool, alloc, event, launch)
     assert not event.query(), "the allocation returned before the forward finished"
     torch.cuda.synchronize()
