@@ -47,7 +47,9 @@ the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at
 the per decode step host split (``PhaseClock``): ``decode_step_host_ms`` by phase of
 the engine step (schedule, launch, settle: the wait for the previous step's tokens,
 complete, and the cache path's ``after_step`` inside it), ``decode_step_table_writes``,
-and the run's ``forward_waits`` (compaction's host syncs) and ``page_moves``.
+and the run's ``forward_waits`` (host syncs on the forward fences), ``forward_orders``
+(compactions on a shortfall ordered after the forward on the device instead, issue 41)
+and ``page_moves``.
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
@@ -64,7 +66,12 @@ Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the by
 of its requests' worst case at once (a hybrid's state checkpoints compete for it).
 
 Usage: ``python benchmarks/bench_prefix.py --device cuda [--models llama,hybrid]
-[--dtype bfloat16|float32] [--pool-factor 1.25] [--out results.json]``; ``--tiny`` on CPU.
+[--dtype bfloat16|float32] [--pool-factor 1.25] [--out results.json]``; ``--tiny`` on CPU;
+``--narrow`` (hybrid): every head of the model as on the GPU (the same pool geometry:
+pages, state slots, so the same pressure and cache path) on a 128-wide residual stream
+and a 4k vocabulary, the workload as given: on CPU, the host cost of each step at the
+GPU run's step count and batch (``--device cpu --narrow --models hybrid --workloads
+chat --dtype float32``).
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bench_e2e import _free, _StepClock, latency, make_prompts, save_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# --narrow: the residual stream, MLP and vocabulary of a CPU run (the heads stay)
+NARROW = {"hidden_size": 128, "intermediate_size": 256, "vocab_size": 4096}
 MIN_FIRST_TOKEN_AGREEMENT = 0.9  # bf16: below this the cache is wrong, not rounding
 
 
@@ -138,7 +147,8 @@ class PhaseClock:
     device, ``complete``: the step applied, ``after_step`` (inside ``complete``): the
     cache path's checkpoints and shares), per step, attributed at ``on_step``; plus
     the forward-fence waits (``FenceQueue.wait_forward``: compaction's host sync),
-    page moves (``TableWriter.moves``) of the run, and the device table writes (each
+    stream orderings (``FenceQueue.order_forward``), page moves (``TableWriter.moves``)
+    of the run, and the device table writes (each
     an upload and a launch, ``TableWriter.write``) per decode step. Wraps the live
     objects' methods."""
 
@@ -149,7 +159,7 @@ class PhaseClock:
         self.now = dict.fromkeys(self.PHASES, 0.0)
         self.decode = dict.fromkeys(self.PHASES, 0.0)
         self.other = dict.fromkeys(self.PHASES, 0.0)
-        self.waits = 0
+        self.waits = self.orders = 0
         self.writes = [0, 0]  # table writes since the last step, in decode steps
         self.writer = llm.alloc.parts.writer
         self.moves0 = self.writer.moves
@@ -167,13 +177,17 @@ class PhaseClock:
         ):  # fmt: skip
             setattr(obj, attr, self._timed(getattr(obj, attr), phase))
         fences = llm.alloc.parts.fences
-        wait = fences.wait_forward
+        wait, order = fences.wait_forward, fences.order_forward
 
         def counted() -> None:
             self.waits += 1
             wait()
 
-        fences.wait_forward = counted
+        def counted_order():
+            self.orders += 1
+            return order()
+
+        fences.wait_forward, fences.order_forward = counted, counted_order
 
     def _timed(self, fn, phase: str):
         def timed(*args, **kwargs):
@@ -200,6 +214,7 @@ class PhaseClock:
             "decode_step_host_ms": per,  # after_step is part of complete
             "decode_step_table_writes": self.writes[1] / max(decode_steps, 1),
             "forward_waits": self.waits,
+            "forward_orders": self.orders,  # compaction ordered after it: no host sync
             "page_moves": self.writer.moves - self.moves0,
         }
 
@@ -282,7 +297,8 @@ def _system_turns(args, vocab: int) -> list[list[list[int]]]:
 
 def save_hybrid(path: Path, args) -> None:
     """``bench_hybrid.py``'s Qwen3.5-shaped config, 4 layers and a 32k vocab
-    (``--tiny``: its few-KB twin), random init (seed 0), saved to ``path``."""
+    (``--tiny``: its few-KB twin; ``--narrow``: its heads on a narrow residual
+    stream), random init (seed 0), saved to ``path``."""
     import transformers as tf
 
     from benchmarks.bench_hybrid import hf_config
@@ -291,6 +307,8 @@ def save_hybrid(path: Path, args) -> None:
     if not args.tiny:
         layers = ["linear_attention"] * 3 + ["full_attention"]
         cut = {"num_hidden_layers": 4, "layer_types": layers, "vocab_size": 32768}
+        if args.narrow:  # the same cache geometry (pages, state slots), little compute
+            cut.update(NARROW, initializer_range=0.1)
         config = type(config).from_dict({**config.to_dict(), **cut})
     torch.manual_seed(0)
     with torch.device(args.device):
@@ -523,9 +541,11 @@ def run_model(model: str, path: Path, args, phases: dict) -> dict:
         from benchmarks.bench_e2e import model_config
 
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(model_config("llama", args.tiny)))
+        (path / "config.json").write_text(
+            json.dumps(model_config("llama", args.tiny or args.narrow))
+        )
     elif model == "llama":
-        save_model("llama", path, args.device, args.dtype, args.tiny)
+        save_model("llama", path, args.device, args.dtype, args.tiny or args.narrow)
     else:
         save_hybrid(path, args)
     phases[f"{model}/build"] = _phase(model, "build", start)
@@ -578,6 +598,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny model and workloads (CPU)")
+    p.add_argument(
+        "--narrow", action="store_true",
+        help="the models' cache shapes on a narrow residual stream, the workload as given",
+    )  # fmt: skip
     p.add_argument("--workloads", default="system,chat,spill")
     p.add_argument("--models", default="llama,hybrid", help="llama, hybrid (spill: llama)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))

@@ -188,7 +188,7 @@ def test_window_bindings_no_window_holds_go_alone_under_pressure_suffix_last():
     # ends: every insert's last block (pages 0..5) -> every page is some end's suffix;
     # forget the chunk ends but the last: pages 4-5 are the suffix, 0-3 are not
     cache.ends = {cache.by_page[int(chain[-1])].node_id}
-    alloc._write(cache.evict(3))
+    alloc.parts.writer.write(cache.evict(3))
     assert _swa_bound(alloc, chain).tolist() == [False] * 3 + [True] * 3
     assert alloc.prefix.counters()["evicted_windows"] == 3 and len(cache.by_page) == 6  # nodes stay
     assert alloc.prefix.match(tokens).num_tokens == 24  # the chain end still hits

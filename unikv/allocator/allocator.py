@@ -28,7 +28,6 @@ from unikv.allocator.parts import build_parts
 from unikv.allocator.prefix import PrefixHit
 from unikv.allocator.room import Shortfall
 from unikv.allocator.step import DecodeStep
-from unikv.allocator.tables import TablePatch
 from unikv.allocator.tokens import StagedGrow
 from unikv.allocator.translate import check_block_table, check_tombstones, translate
 from unikv.allocator.verbs import hand_out
@@ -99,7 +98,7 @@ class PoolAllocator:
                 "request or raise max_requests"
             )
         if prefix is not None:
-            self._write(self.parts.prefix.attach(slot, prefix))  # closes the slot on error
+            self.parts.writer.stage(self.parts.prefix.attach(slot, prefix))  # (closes it on error)
             self._after_verb()
         return slot
 
@@ -109,19 +108,21 @@ class PoolAllocator:
         """``extend_lens[i]`` tokens after the ``prefix_lens[i]`` each request holds
         ((B,) host ints): (sum ext,) int32 virtual token ids on the device, or None
         (state unchanged). Contract: ``tokens.Tokens.stage_extend``."""
-        return self._grow(self.parts.tokens.stage_extend(slots, prefix_lens, extend_lens))
+        return self._grow(self.parts.tokens.stage_extend, slots, prefix_lens, extend_lens)
 
     def alloc_decode(self, slots: object, seq_lens: object) -> VirtualTokenIds | None:
         """One new token per request at position ``seq_lens[i]`` (the length BEFORE
         it). slots, seq_lens: (B,) host integer arrays. Returns (B,) int32 virtual
         token ids on the device, or None (state unchanged)."""
         tokens = self.parts.tokens
-        return self._grow(tokens.stage_decode(*tokens.decode_args(slots, seq_lens, "alloc_decode")))
+        return self._grow(tokens.stage_decode, *tokens.decode_args(slots, seq_lens, "alloc_decode"))
 
-    def _grow(self, staged: StagedGrow | None) -> VirtualTokenIds | None:
-        if staged is None:
-            return None
-        written = self.parts.writer.write(staged.patch)
+    def _grow(self, stage: Callable[..., StagedGrow | None], *args) -> VirtualTokenIds | None:
+        with self.parts.writer.batch():  # what made room goes out with the grow's write
+            staged = stage(*args)
+            if staged is None:
+                return None
+            written = self.parts.writer.write(staged.patch)
         self._after_verb()
         return VirtualTokenIds(written[staged.token_ids])
 
@@ -161,13 +162,13 @@ class PoolAllocator:
         targets, run = parts.steps.get(
             bsz, int(new_lens.max()) if bsz else 1, block_tables, write_ids
         )
-        staged = parts.tokens.stage_decode(slots, seq)
-        if staged is None:
-            return None
-        patch = staged.patch
-        parts.tokens.stage_window_frees(slots, new_lens, patch)
-        slot_part, lens_part = patch.part(slots), patch.part(new_lens)
-        written = parts.writer.write(patch)
+        with parts.writer.batch():  # the step's one table write: with what made room
+            staged = parts.tokens.stage_decode(slots, seq)
+            if staged is None:
+                return None
+            parts.tokens.stage_window_frees(slots, new_lens, staged.patch)
+            slot_part, lens_part = staged.patch.part(slots), staged.patch.part(new_lens)
+            written = parts.writer.write(staged.patch)
         req_slots, lens_dev = written[slot_part], written[lens_part]
         build = parts.steps.builder(run, targets, req_slots, lens_dev, self._debug)
         build()
@@ -182,9 +183,10 @@ class PoolAllocator:
 
     def free_request(self, slot: int) -> None:
         """Free every page of request ``slot`` (all sub-pools) and close the slot."""
-        self._write(self.parts.tokens.stage_free_request(slot))
-        if self.parts.mamba is not None:
-            self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
+        with self.parts.writer.batch():  # its pages and its state slot in one table write
+            self.parts.writer.stage(self.parts.tokens.stage_free_request(slot))
+            if self.parts.mamba is not None:
+                self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
         self.parts.requests.close(int(slot))
         self._after_verb()
 
@@ -192,7 +194,7 @@ class PoolAllocator:
         """Free the sliding-window pages no query at position >= seq_lens[i] - 1 can
         see ((B,) host ints; the owner's virtual pages live on). Contract:
         ``tokens.Tokens.stage_out_of_window``."""
-        self._write(self.parts.tokens.stage_out_of_window(slots, seq_lens))
+        self.parts.writer.stage(self.parts.tokens.stage_out_of_window(slots, seq_lens))
         self._after_verb()
 
     def truncate(self, slots: object, new_lens: object, state_rows: object = None) -> None:
@@ -200,13 +202,9 @@ class PoolAllocator:
         (B,) host ints); a cut into pages of a windowed sub-pool freed out of the window
         is refused. ``state_rows``: a verify step's state rollback (``mamba.rollback``)."""
         select = rollback(self.parts.mamba, slots, state_rows)  # checked first
-        self._write(self.parts.tokens.stage_truncate(slots, new_lens))
+        self.parts.writer.stage(self.parts.tokens.stage_truncate(slots, new_lens))
         select()
         self._after_verb()
-
-    def _write(self, patch: TablePatch) -> None:
-        if patch:
-            self.parts.writer.write(patch)
 
     # -- lookups --------------------------------------------------------------------------
 

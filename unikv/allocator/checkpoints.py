@@ -219,9 +219,9 @@ class StateCheckpoints:
         )
         patch = TablePatch()
         v, p = patch.part(queued[:, 1]), patch.part(dst)
-        patch.add(0, v, p)
-        patch.add(1, p, v)
-        written = self.writer.write(patch, (book.v2p, book.p2v))
+        patch.add(self.writer.v2p_id[book.name], v, p)
+        patch.add(self.writer.p2v_id[book.name], p, v)
+        written = self.writer.write(patch)  # with the step's staged drops and evictions
         self._copy(src.astype(np.int64), PhysicalPageIds(written[p], book.name))
 
     def flush_for(self, vids: Iterable[int]) -> None:

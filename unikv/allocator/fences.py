@@ -7,9 +7,14 @@ A group holds the pages freed under one tuple of events. The forward fence is
 the event of the latest forward (``mark_in_flight``); forwards run in order on
 one stream, so it covers every earlier one. A transfer fence (``fence=`` of
 ``release_physical``) belongs to a side stream and may fire in any order.
-Events are polled with ``query()`` (cudaEventQuery: never a host sync). Only
-compaction on a shortfall may ``synchronize()`` the forward fence (slow path).
-On CPU there are no events: a freed page is free at once.
+Events are polled with ``query()`` (cudaEventQuery: never a host sync). Compaction
+on a shortfall does not wait for the forward fences either: it *orders* the current
+stream after them (``order_forward``: ``torch.cuda.Event.wait``, a device-side wait)
+and reuses their pages for work enqueued from then on, which runs after the forward
+in stream order (docs/design.md section 6: every reader of pool bytes runs on that
+stream, or on a side stream that waits for it before its copies). Only idle-time
+compaction and a resize ``synchronize()`` (slow paths, between steps). On CPU there
+are no events: a freed page is free at once.
 """
 
 from __future__ import annotations
@@ -103,6 +108,30 @@ class FenceQueue:
                 for event in events:
                     event.synchronize()
 
+    def order_forward(self) -> dict[str, np.ndarray]:
+        """``wait_forward`` without a host sync: the current stream waits on the
+        device for the forward fences (the latest forward's event and those of every
+        group without a transfer fence, spill copies included: each event's ``wait()``,
+        ``torch.cuda.Event.wait``; an event without one, a test's, is synchronized),
+        and those groups are popped: their pages by sub-pool, free for any work
+        enqueued from now on (the caller releases them). Pages freed later are still
+        held by the latest forward's fence, which stays (polled as usual)."""
+        ordered = {id(self.forward): self.forward} if self.forward is not None else {}
+        fired: dict[str, list[np.ndarray]] = {}
+        keep = []
+        for entry in self._groups:
+            events, transfer, group = entry
+            if transfer:
+                keep.append(entry)
+                continue
+            ordered.update((id(e), e) for e in events)
+            for name, arrays in group.items():
+                fired.setdefault(name, []).extend(arrays)
+        for event in ordered.values():  # each once (a group shares the forward's)
+            _order(event)
+        self._groups = keep
+        return {n: np.concatenate(a) for n, a in fired.items()}
+
     def held(self, name: str, transfer_only: bool = False) -> np.ndarray:
         """Pages of ``name`` still held; ``transfer_only``: only groups with a
         non-forward event (those a wait on the forward fence would not free)."""
@@ -116,3 +145,14 @@ class FenceQueue:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+def _order(event: Any) -> None:
+    """Work enqueued on the current stream from now on runs after ``event`` (a
+    device-side wait, no host sync); an event that cannot order a stream (a test's
+    fake, with ``query``/``synchronize`` only) is waited for on the host."""
+    wait = getattr(event, "wait", None)
+    if wait is not None:
+        wait()
+    else:
+        event.synchronize()

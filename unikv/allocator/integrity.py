@@ -227,7 +227,11 @@ def check_prefix(parts: Parts, held_cached: np.ndarray, cached: np.ndarray) -> N
 
 
 def check_chain(pool: UnifiedPool, parts: Parts) -> None:
-    """Every invariant of a PoolAllocator over ``pool`` (``parts``: its ``Parts``)."""
+    """Every invariant of a PoolAllocator over ``pool`` (``parts``: its ``Parts``).
+    Table writes staged for a step's one write (``TableWriter.batch``, inside a
+    verb that called this one) go out first: the device tables are compared with
+    the host mirrors they follow."""
+    parts.writer.settle()
     check_pool(pool)
     for name, book in parts.books.items():
         check_subpool(book, parts.fences.held(name))

@@ -74,11 +74,12 @@ class MambaSlots:
         assert not (book.physical(every) >= 0).any(), (
             "draft-state invariant: a request without a state slot holds no draft slot"
         )
-        if len(vids) and not self.room.reserve({book.name: len(every)}, 0, slots):
-            return None
-        pages = book.take(len(every))
-        book.bind_host(every, pages)
-        bound = self.writer.bind(book, every, pages)
+        with self.writer.batch():  # what making room evicted goes with the bind's write
+            if len(vids) and not self.room.reserve({book.name: len(every)}, 0, slots):
+                return None
+            pages = book.take(len(every))
+            book.bind_host(every, pages)
+            bound = self.writer.bind(book, every, pages)
         phys = PhysicalPageIds(bound[: len(vids)], book.name)
         self.pool.zero_pages(book.name, phys)  # before any later forward, in stream order
         if self.states is not None:
@@ -143,9 +144,9 @@ class MambaSlots:
         patch = TablePatch()
         v = patch.part(np.concatenate([live, draft]))
         p = patch.part(np.concatenate([pb, pa]))
-        patch.add(0, v, p)
-        patch.add(1, p, v)
-        self.writer.write(patch, (self.book.v2p, self.book.p2v))
+        patch.add(self.writer.v2p_id[self.book.name], v, p)
+        patch.add(self.writer.p2v_id[self.book.name], p, v)
+        self.writer.write(patch)
 
     def draft_slots(self, req_slots: torch.Tensor) -> PhysicalPageIds:
         """(B, k) physical draft slots of (B,) device request slots (0, the sink, for

@@ -88,7 +88,9 @@ def build_parts(
     fences = FenceQueue()
     token_books = [books[n] for n in roles.token_names]
     upload = make_uploader(pool.device)
-    writer = TableWriter(requests.req_to_token, token_books, upload, backend)
+    # the Mamba book's tables too: its writes join a step's one write (``TableWriter.batch``)
+    state_books = [books[roles.mamba_name]] if roles.mamba_name is not None else []
+    writer = TableWriter(requests.req_to_token, token_books + state_books, upload, backend)
 
     states = None
     if roles.mamba_name is not None and roles.owner is not None:

@@ -515,7 +515,7 @@ class PrefixCache:
         if page not in self.lru:
             return False
         self.lru.move_to_end(page, last=False)
-        self.writer.write(evict_pages(self, 1))
+        self.writer.stage(evict_pages(self, 1))
         return True
 
     def leave_window(self, name: str, vpages: np.ndarray) -> None:
@@ -569,16 +569,15 @@ class PrefixCache:
         patch, done = evict_dead(self, count)
         if done >= count:
             return patch
-        self.writer.write(patch)
+        self.writer.stage(patch)  # (inside ``TableWriter.batch``: with the verb's write)
         count -= done
         patch, done = evict_windows(self, count, suffixes=False)
         if done >= count:
             return patch
         count -= done
+        self.writer.stage(patch)
         if self.lru:
-            self.writer.write(patch)
             return evict_pages(self, count)
-        self.writer.write(patch)
         return evict_windows(self, count)[0]
 
     def evict_dead(self, count: int) -> tuple[TablePatch, int]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import PageBook
-from unikv.allocator.prefix_chain import CACHED, HOST, ChainNode, reachable
+from unikv.allocator.prefix_chain import CACHED, HOST, ChainNode, reachable_many
 from unikv.allocator.tables import TablePatch, TableWriter
 
 if TYPE_CHECKING:
@@ -87,8 +87,9 @@ def evict_pages(cache: PrefixCache, count: int, spill: bool = True) -> TablePatc
             cache.ends.discard(node.node_id)
             dropped.append(node.node_id)
     if cache.states is not None and dropped:  # the checkpoints no lookup can reach any more
-        unreachable = [n for n in cache.states.nodes() if not reachable(cache.by_id, n)]
-        cache.states.drop(dropped + unreachable)
+        held = cache.states.nodes()  # (each ancestor walked once, not once per checkpoint)
+        alive = reachable_many(cache.by_id, held)
+        cache.states.drop(dropped + [n for n, ok in zip(held, alive) if not ok])
     if cache.host is not None and dropped:
         cache.host.prune(cache)  # host nodes below a dropped one
     cache.vspace.retire(pages)

@@ -8,15 +8,18 @@
    short or no page is left, as many as the bytes short need. Room for a new
    checkpoint evicts pages no hit can use (``prefix_evict.dead_pages``) before
    checkpoints, and never other cached pages;
-4. ``Mode.AFTER``: wait for the forward fences, move live pages into holes; if
-   that does not pack either, evict twice as many and retry, until none is left;
+4. ``Mode.AFTER``: order the stream after the forward fences (a device-side wait,
+   no host sync: the step planned while the last one runs is not stalled; issue 41),
+   move live pages into holes in stream order; if that does not pack either, evict
+   twice as many and retry, until none is left;
 5. the shortfall callback (``on_shortfall``) evicts from any sub-pool, given
    the joint picture, and the allocator tries again.
 
 ``can_admit`` answers 2 and 4 with the same packer (``capacity.pack_bands``),
 counting every evictable page and evictable state checkpoint as a hole.
-Under pressure ``reserve`` waits for the fences its plan counted on, or says no;
-it never asserts on a packing that vanished (issue 16).
+Under pressure ``reserve`` orders after the fences its plan counted on, or says no;
+it never asserts on a packing that vanished (issue 16). Idle-time ``compact`` and
+``resize`` wait for the fences on the host (slow paths, between steps).
 """
 
 from __future__ import annotations
@@ -220,12 +223,12 @@ class Room:
         pages = self.prefix.num_reclaimable if evict_pages else 0
         if pages:
             gone = states.evicted if states is not None else 0
-            self.writer.write(self.prefix.evict(batch))
+            self.writer.stage(self.prefix.evict(batch))  # with the verb's own write
             if states is not None and states.evicted > gone:
                 return True  # checkpoints went with their nodes: look again first
         elif states is not None and new.get(states.book.name):
             patch, dead = self.prefix.evict_dead(self._pages_for(new, batch))
-            self.writer.write(patch)
+            self.writer.stage(patch)
             if dead:
                 return True
         if states is not None and states.num_evictable and (new.get(states.book.name) or not pages):
@@ -273,16 +276,24 @@ class Room:
     def _compact_for(self, new: Mapping[str, int]) -> bool:
         if self.frame.pack(self._needs(new, Mode.AFTER)) is None:
             return False
-        # AFTER counted every page a forward fence holds as free, so wait for ALL
+        # AFTER counted every page a forward fence holds as free, so order after ALL
         # of them, not only the latest forward: its event may have fired before an
-        # older group's (out of order), or since reserve's drain (host sync, slow path)
-        self.fences.wait_forward()
-        self.drain()
+        # older group's (out of order), or since reserve's drain. No host sync: the
+        # moves and every later use of those pages run after the forward in stream
+        # order (``FenceQueue.order_forward``); the planned step is not stalled
+        self._order_forward()
         found = bands.candidates(self.books, self.frame, self._needs(new, Mode.ACTUAL), new, False)
         if not found:  # cannot happen once the fences fired; say no rather than assert
             return False
         compact_to(self.pool, self.books, self.writer, found[0])
         return True
+
+    def _order_forward(self) -> None:
+        """Pages the forward fences hold become holes for work enqueued from now on
+        (``FenceQueue.order_forward``); fired transfer fences are drained."""
+        for name, pages in self.fences.order_forward().items():
+            self.books[name].release_pending(pages)
+        self.drain()
 
     def compact(self) -> int:
         """Wait for the forward fences, then pack every band tight. Returns pages moved."""
@@ -342,7 +353,7 @@ class Room:
         for name, book in self.books.items():
             book.resize(pages[name])
             if name in self.writer.p2v_id:
-                self.writer.tables[self.writer.p2v_id[name]] = book.p2v
+                self.writer.follow(book)
         self.frame = Frame(self.pool.sink_bytes, self.pool.total_bytes, self.pool.band_limits)
 
     def _may_take(self, total_bytes: int) -> bool:

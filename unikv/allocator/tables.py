@@ -12,11 +12,20 @@ packed array once and applies every write with one fused launch
 (``KernelBackend.update_tables``); ``Written[part]`` is that part on the device.
 The indices one patch writes into one table must be distinct. Values are never
 Python scalars sent to the device (docs/lessons.md bug 6).
+
+One write per step (issue 41): inside ``TableWriter.batch()`` a verb's v2p/p2v writes
+(evictions, checkpoint drops, frees: ``stage``) are not sent on their own; their
+indices are marked and go out with the next ``write`` (a decode step's, a checkpoint
+flush's) or in one write when the outermost scope closes, each with the value the
+host mirror holds then (the truth, so an index staged twice, or also written by that
+patch, is written once, correctly). Nothing on the device reads those entries
+before the scope's verbs end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from itertools import accumulate
 
 import numpy as np
@@ -85,9 +94,9 @@ class Written:
 class TableWriter:
     """The allocator's device tables and the one way they are written.
 
-    tables: ``req_to_token`` (flat) first, then ``v2p``, ``p2v`` of each token
-    sub-pool (ids from ``v2p_id``/``p2v_id``); other tables (Mamba) are written
-    through ``write(patch, tables=...)``."""
+    tables: ``req_to_token`` (flat) first, then ``v2p``, ``p2v`` of each book (the
+    token sub-pools', then the Mamba sub-pool's; ids from ``v2p_id``/``p2v_id``);
+    other tables are written through ``write(patch, tables=...)``."""
 
     REQ_TO_TOKEN = 0
 
@@ -104,12 +113,71 @@ class TableWriter:
         self.tables = [req_to_token.view(-1)]
         self.v2p_id: dict[str, int] = {}
         self.p2v_id: dict[str, int] = {}
+        self.mirrors: dict[int, np.ndarray] = {}  # table id -> its host mirror (the truth)
         for book in books:
             self.v2p_id[book.name], self.p2v_id[book.name] = len(self.tables), len(self.tables) + 1
             self.tables += [book.v2p, book.p2v]
+            self.follow(book)
+        self.staged: dict[int, list[np.ndarray]] = {}  # table id -> indices to write
+        self._depth = 0  # open ``batch`` scopes
+        self.writes = 0  # uploads (each with its launch) so far
+
+    def follow(self, book: PageBook) -> None:
+        """Point at ``book``'s current tables and host mirrors (after its grid changed)."""
+        v, p = self.v2p_id[book.name], self.p2v_id[book.name]
+        self.tables[p] = book.p2v
+        self.mirrors[v], self.mirrors[p] = book.v2p_host, book.p2v_host
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The ``stage``-d writes of the verbs inside go out with the next ``write``,
+        or in one write when the outermost scope closes (module docstring)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self.settle()
+
+    def settle(self) -> None:
+        """Write the staged entries now (one upload and launch; none staged: nothing)."""
+        if self.staged:
+            self.write(TablePatch())
+
+    def stage(self, patch: TablePatch) -> None:
+        """``write(patch)`` when it is not empty, unless inside ``batch()`` and it
+        writes only v2p/p2v entries (their values are the host mirrors'): then its
+        indices are marked and written, with the mirrors' values then, by the next
+        write."""
+        if not patch:
+            return
+        if not self._depth or any(t not in self.mirrors for t, _, _ in patch.segments):
+            self.write(patch)
+            return
+        for table, index, _ in patch.segments:
+            self.staged.setdefault(table, []).append(patch.parts[index])
+
+    def _merge(self, patch: TablePatch) -> None:
+        """Add the staged entries to ``patch``: each index once, those ``patch``
+        writes itself left out (its values are the mirrors' too), values read now."""
+        staged, self.staged = self.staged, {}
+        own: dict[int, list[np.ndarray]] = {}
+        for table, index, _ in patch.segments:
+            own.setdefault(table, []).append(patch.parts[index])
+        for table, arrays in staged.items():
+            index = np.unique(np.concatenate(arrays))
+            if table in own:
+                index = index[~np.isin(index, np.concatenate(own[table]))]
+            if len(index):
+                patch.add(table, index, self.mirrors[table][index])
 
     def write(self, patch: TablePatch, tables: Sequence[torch.Tensor] | None = None) -> Written:
-        """Upload ``patch`` once and apply its writes in one launch (no host sync)."""
+        """Upload ``patch`` (with the staged entries, writing this writer's tables)
+        once and apply its writes in one launch (no host sync)."""
+        if self.staged and tables is None:
+            self._merge(patch)
+        self.writes += 1
         parts, offsets, max_count = patch.pack()
         packed = self.upload(parts)
         self._update(
@@ -121,17 +189,18 @@ class TableWriter:
         """Device half of ``book.bind_host``; returns ``ppages`` on the device."""
         patch = TablePatch()
         v, p = patch.part(vpages), patch.part(ppages)
-        patch.add(0, v, p)
-        patch.add(1, p, v)
-        return self.write(patch, (book.v2p, book.p2v))[p]
+        patch.add(self.v2p_id[book.name], v, p)
+        patch.add(self.p2v_id[book.name], p, v)
+        return self.write(patch)[p]
 
     def unbind(self, book: PageBook, vpages: np.ndarray, ppages: np.ndarray) -> None:
-        """Device half of ``book.unbind_host``: tombstone v2p[vpages] and p2v[ppages]."""
+        """Device half of ``book.unbind_host``: tombstone v2p[vpages] and p2v[ppages]
+        (``stage``-d: inside ``batch()`` it goes out with the step's write)."""
         if len(ppages):
             patch = TablePatch()
-            patch.add_tombstones(0, vpages)
-            patch.add_tombstones(1, ppages)
-            self.write(patch, (book.v2p, book.p2v))
+            patch.add_tombstones(self.v2p_id[book.name], vpages)
+            patch.add_tombstones(self.p2v_id[book.name], ppages)
+            self.stage(patch)
 
     def move(self, book: PageBook, vpages: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         """Device half of ``book.apply_moves``: v2p[vpages] = dst, p2v[dst] = vpages,
@@ -139,7 +208,8 @@ class TableWriter:
         self.moves += 1
         patch = TablePatch()
         v, d = patch.part(vpages), patch.part(dst)
-        patch.add(0, v, d)
-        patch.add(1, d, v)
-        patch.add_tombstones(1, src)
-        self.write(patch, (book.v2p, book.p2v))
+        vid, pid = self.v2p_id[book.name], self.p2v_id[book.name]
+        patch.add(vid, v, d)
+        patch.add(pid, d, v)
+        patch.add_tombstones(pid, src)
+        self.write(patch)

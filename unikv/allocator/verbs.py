@@ -68,19 +68,21 @@ class PrefixVerbs:
         """The state checkpoints taken inside (``checkpoint``) are bound and copied
         together when it exits: one table write and one envelope copy per step
         instead of one of each per checkpoint (``StateCheckpoints.flush``; anything
-        that reads, spills or frees a slot meanwhile flushes first). Debug-mode
-        checks run once, at the exit."""
+        that reads, spills or frees a slot meanwhile flushes first), and the table
+        writes of the checkpoints dropped or evicted meanwhile go with it
+        (``TableWriter.batch``). Debug-mode checks run once, at the exit."""
         states = self._cache.states
         if states is None or self._batching:
             yield
             return
         self._batching = states.deferring = True
-        try:
-            yield
-        finally:
-            self._batching = states.deferring = False
-            states.flush()
-            self._after()
+        with self._cache.writer.batch():  # the step's drops and evictions: one write
+            try:
+                yield
+            finally:
+                self._batching = states.deferring = False
+                states.flush()
+                self._after()  # (its check writes what is still staged first)
 
     def _reserve_host(self, new: Mapping[str, int], virtual: int) -> bool:
         """Room for a host reload: the room maker, without the shortfall callback."""
