@@ -117,7 +117,9 @@ class PoolAllocator:
         tokens = self.parts.tokens
         return self._grow(tokens.stage_decode, *tokens.decode_args(slots, seq_lens, "alloc_decode"))
 
-    def _grow(self, stage: Callable[..., StagedGrow | None], *args) -> VirtualTokenIds | None:
+    def _grow(
+        self, stage: Callable[..., StagedGrow | None], *args: object
+    ) -> VirtualTokenIds | None:
         with self.parts.writer.batch():  # what made room goes out with the grow's write
             staged = stage(*args)
             if staged is None:

@@ -14,7 +14,7 @@ cache's state (``cache``: the ``PrefixCache``, which owns ``refs`` and ``lru``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -162,7 +162,7 @@ def dead_pages(cache: PrefixCache) -> np.ndarray:
 
     useful: set[int] = set()
     # with recurrent state a hit ends at a checkpoint: only those nodes end a hit
-    ends = cache.by_page.values()
+    ends: Iterable[ChainNode] = cache.by_page.values()
     if states is not None:
         ends = [by_id[n] for n in states.by_node if n in by_id]
     for node in ends:

@@ -239,6 +239,7 @@ class Room:
     def _pages_for(self, new: Mapping[str, int], batch: int) -> int:
         """Cached pages (one in each token sub-pool) whose bytes cover ``batch``
         state slots."""
+        assert self.prefix.states is not None, "room invariant: state slots need checkpoints"
         states = self.prefix.states.book
         page = sum(b.page_bytes for n, b in self.books.items() if n != states.name)
         return batch * -(-states.page_bytes // page) if page else 0
@@ -249,6 +250,7 @@ class Room:
         bytes, so evicting ``batch`` of them for a page shortfall would drop
         checkpoints that later hits need (issue 41: a chat round's admissions evicted
         13 turn ends for a dozen pages)."""
+        assert self.prefix.states is not None, "room invariant: state slots need checkpoints"
         slot = self.books[self.prefix.states.book.name].page_bytes
         need = batch * sum(self.books[n].page_bytes for n in new if n in self.books)
         return max(1, -(-need // slot))

@@ -166,11 +166,11 @@ class TableWriter:
         for table, index, _ in patch.segments:
             own.setdefault(table, []).append(patch.parts[index])
         for table, arrays in staged.items():
-            index = np.unique(np.concatenate(arrays))
+            rows = np.unique(np.concatenate(arrays))
             if table in own:
-                index = index[~np.isin(index, np.concatenate(own[table]))]
-            if len(index):
-                patch.add(table, index, self.mirrors[table][index])
+                rows = rows[~np.isin(rows, np.concatenate(own[table]))]
+            if len(rows):
+                patch.add(table, rows, self.mirrors[table][rows])
 
     def write(self, patch: TablePatch, tables: Sequence[torch.Tensor] | None = None) -> Written:
         """Upload ``patch`` (with the staged entries, writing this writer's tables)

@@ -53,10 +53,8 @@ if TYPE_CHECKING:
 C = fused.Config
 # (bucket, w8a8) -> Config over FP8 experts (w8a8 False: 16-bit activations); a key not
 # here takes (bucket, False)'s entry, else the 16-bit experts' (``fused.TABLE``). From
-# ``bench_moe.py --fp8 --sweep`` on an H200 at 329bb82 (E 32, top-8, d 7168, I 2048),
-# us against the bf16 kernel's: 16-bit activations 1.46x / 1.39x / 1.44x / 1.14x bf16 at
-# T 1 / 8 / 16 / 64, 0.82x at 256, 0.62x at 2048; W8A8 1.76x / 1.83x / 1.83x / 1.83x at
-# T 1-64 and 1.45x at 256 (its T 2048 candidates gave no time in that run)
+# ``bench_moe.py --fp8 --sweep`` (docs/perf.md: the device, the run and each entry's
+# speed against the bf16 kernel)
 TABLE: dict[tuple[int, bool], fused.Config] = {
     (1, False): C(16, 64, 128, 1, 4, 3, True, False),
     (1, True): C(16, 64, 128, 1, 4, 3, True, False),
@@ -71,9 +69,9 @@ TABLE: dict[tuple[int, bool], fused.Config] = {
     (2048, False): C(128, 128, 64, 1, 8, 4, False, False),
 }  # fmt: skip
 # W8A8 from this many rows up (``w8a8_rows``). The same sweep has W8A8 ahead at every
-# measured T (1.77x the 16-bit activations' time at T 256), so prefill (T >= 256) takes
-# it; decode keeps 16-bit activations (W8A8's rms vs bf16 is 0.043 there: a change of
-# numerics that the FP8 models' GPU tests have not run with)
+# timed T (docs/perf.md), so prefill (T >= 256) takes it; decode keeps 16-bit
+# activations (W8A8's rms vs bf16 is 0.043 there: a change of numerics that the FP8
+# models' GPU tests have not run with)
 W8A8_MIN_TOKENS = 256
 # What ``bench_moe.py --fp8 --sweep`` times, by (w8a8, T range), most promising first:
 # "small" T <= 64 (decode), "prefill" above. 16-bit activations: the 16-bit table's
