@@ -241,9 +241,9 @@ def mark_lags(draft, batch) -> None:
     for r in batch.requests:
         if r.draft_lag is None:
             r.draft_lag = r.num_cached
-            lagging = getattr(draft, "lagging", None)
+            lagging = getattr(draft, "lagging", None)  # a head's: id -> request
             if lagging is not None:
-                lagging.add(r.request_id)
+                lagging[r.request_id] = r
     draft.marked = decodes
 
 

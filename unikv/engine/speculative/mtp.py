@@ -122,7 +122,7 @@ class HiddenDraft:
         self.states = [None] * len(caches)
 
         self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
-        self.lagging: set[int] = set()  # ids of requests whose rows lag (``Request.draft_lag``)
+        self.lagging: dict = {}  # id -> request, of those whose rows lag (``Request.draft_lag``)
         self.marked = None  # the decoding set whose lags are marked (``draft.mark_lags``)
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
         self.chain = None  # chains of k drafts as one unit (``enable_chain``)
@@ -170,14 +170,16 @@ class HiddenDraft:
 
     def release(self, r, write: bool) -> None:
         """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
-        kept): its lagging rows are written first, else forgotten."""
+        kept): its lagging rows are written first, with every other lagging
+        request's in the same extends (requests of a batch finish together: one
+        flush for them, not one each), else forgotten."""
         if r.draft_lag is None:
             return
         if write:
-            self.catch_up([r])
+            self.catch_up(list(self.lagging.values()))
         else:
             r.draft_lag = None
-            self.lagging.discard(r.request_id)
+            self.lagging.pop(r.request_id, None)
 
     @torch.inference_mode()
     def catch_up(self, requests, ahead: int = 0) -> int:
@@ -189,7 +191,7 @@ class HiddenDraft:
         for r in requests:
             if r.draft_lag is not None and r.num_cached + ahead <= r.draft_lag:
                 r.draft_lag = None  # a prefill from the lag on rewrites the rows itself
-                self.lagging.discard(r.request_id)
+                self.lagging.pop(r.request_id, None)
             elif r.draft_lag is not None:
                 end = r.num_cached + ahead
                 assert 0 < end - r.draft_lag <= self.window, (
@@ -197,7 +199,7 @@ class HiddenDraft:
                 )
                 spans.append((r, r.draft_lag, end - r.draft_lag))
                 r.draft_lag = None
-                self.lagging.discard(r.request_id)
+                self.lagging.pop(r.request_id, None)
         runs = packed(spans, self.planner.max_tokens, self.planner.max_seqs)
         for batch in runs:
             self._extend(batch)
