@@ -21,11 +21,17 @@ one host sync).
 
 Past the batch-size rule the draft is lazy (``lazy``): a plain decode step then
 runs no draft forward at all, and only marks each request's first unwritten row
-(``Request.draft_lag``, ``defer``). The invariant is restored by one extend over the
-missed rows (``catch_up``, their tokens all on the host by then): before the
-request's next proposal, and, with prefix caching, before its pages are shared
-(``Scheduler`` on preemption and finish), so a cached page never holds a stale
-draft row. A prefill chunk from at or before the lag rewrites the rows itself.
+(``Request.draft_lag``, ``defer``; once per decoding set, so the rule's steady steps
+touch no request). The invariant is restored by one extend over the missed rows
+(``catch_up``, their tokens all on the host by then) before the request's next
+proposal, and only then: a request that leaves lagging (finish, preemption) runs
+nothing. Where its pages stay (prefix caching, swap) the first full page holding an
+unwritten row is remembered as stale (``stale``, a chain key of the page's tokens
+and salt); a request that later opens with a hit on it lags from that page
+(``opened``), so it catches up before its own first proposal, if it ever makes one.
+A swapped request keeps its lag. A stale draft row could only cost acceptance,
+never tokens (verification decides). A prefill chunk from at or before the lag
+rewrites the rows itself.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, BatchKind, Pending
 from unikv.engine.runner import DRAFT_PREFIX as PREFIX
 from unikv.placement import Grow, default_grow
+
+STALE_KEYS = 1 << 16  # stale cached pages a lazy draft model remembers (``DraftModel.stale``)
 
 
 def draft_subpool_configs(draft_dir: str, target_configs, page_size: int, dtype) -> list:
@@ -102,7 +110,9 @@ class DraftModel:
         self.marked = None  # the decoding set whose lags are marked (``defer``)
         # chain keys of cached pages whose draft rows a lagging request left unwritten
         # (``release``); a hit on one lags from there (``opened``)
-        self.stale: set[int] = set()
+        # (insertion order; at most ``STALE_KEYS``, the oldest forgotten first: a hit on a
+        # forgotten one drafts from stale rows, which costs acceptance, never tokens)
+        self.stale: dict[int, None] = {}
 
     def lazy(self, batch_size: int) -> bool:
         """Whether a plain decode step of ``batch_size`` requests leaves the draft's
@@ -131,7 +141,10 @@ class DraftModel:
             ps = self.planner.alloc.view.roles.page_size
             first = r.draft_lag // ps
             if first < r.num_cached // ps:  # a full page the prefix cache may take
-                self.stale.add(page_keys(r.token_slice(0, (first + 1) * ps), r.cache_salt, ps)[-1])
+                key = page_keys(r.token_slice(0, (first + 1) * ps), r.cache_salt, ps)[-1]
+                self.stale[key] = None
+                if len(self.stale) > STALE_KEYS:
+                    del self.stale[next(iter(self.stale))]
         if not write:
             r.draft_lag = None
 
@@ -177,7 +190,9 @@ class DraftModel:
             if self.stale and lag % self.planner.alloc.view.roles.page_size == 0:
                 ps = self.planner.alloc.view.roles.page_size  # its rows are fresh again
                 if lag + ps <= end:
-                    self.stale.discard(page_keys(r.token_slice(0, lag + ps), r.cache_salt, ps)[-1])
+                    self.stale.pop(
+                        page_keys(r.token_slice(0, lag + ps), r.cache_salt, ps)[-1], None
+                    )
             ids = r.token_slice(0, end)
             assert min(ids[lag:end], default=0) >= 0, (
                 "lazy draft invariant: the tokens it catches up on are on the host"
