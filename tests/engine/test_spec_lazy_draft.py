@@ -110,17 +110,19 @@ def test_rule_steps_run_no_draft_and_resumption_is_exact(llama, ps, monkeypatch)
 
 def test_shared_pages_hold_caught_up_rows(llama, monkeypatch):
     """Prefix caching on: four requests finish past the rule (their draft rows
-    lagging), are caught up as their pages are shared, and the next turn, alone,
-    hits those pages and accepts every draft."""
+    lagging) and share their pages unwritten (no catch-up: the pages are marked
+    stale); the next turn, alone, hits those pages, catches the stale rows up before
+    its first proposal and accepts every draft."""
     path, hf = llama
     items = prompts()
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     llm = make_llm(path, 4, enable_prefix_caching=True)
     got, spy = run(llm, items, params, monkeypatch)
     assert got == [hf_greedy(hf, p, 10) for p in items]
-    assert spy.rule_forwards == 0 and spy.catch_ups > 0 and llm.stats.spec_verify_steps == 0
+    assert spy.rule_forwards == 0 and spy.catch_ups == 0 and llm.stats.spec_verify_steps == 0
     turn = items[1] + got[1] + [5]
     again, spy = run(llm, [turn], params, monkeypatch)
+    assert spy.catch_ups > 0  # the hit's stale rows, before its first proposal
     assert again == [hf_greedy(hf, turn, 10)]
     assert llm.alloc.prefix.counters()["hit_tokens"] >= 16
     exact(llm)

@@ -186,6 +186,7 @@ class Batch:
     all_greedy: bool | None = None  # every sample a bare argmax (None: not known)
     epoch: int = -1  # the scheduler's finish count when it was built
     step: DecodeStep | None = None  # decode_step's result (its tables may need a refresh)
+    decodes: Any = None  # a DECODE batch's ``DecodeSet`` (kept while it stays valid)
     drafts: list | None = None  # a verify step: per request its (k_i,) int64 draft tokens
     # a draft model's / head's drafts on the device, (sum k_i,) int64 request-major;
     # ``drafts`` then holds placeholders -(1 + i) of their indices (never read back)

@@ -183,7 +183,7 @@ class Scheduler:
             )
             if step is not None:
                 batch.add_many(d.decoding, d.ones, step.virtual_ids)
-                batch.step = step
+                batch.step, batch.decodes = step, d
                 return d.prefilling
             self._decodes = None
             self.preempt(self.running[-1])
@@ -228,6 +228,8 @@ class Scheduler:
                 hit, (n, ids) = None, swap_in(self, r, budget)
             else:
                 hit = self.prefix.open(r)
+                if self.spec is not None:  # a lazy draft's rows the hit left stale
+                    self.spec.opened(r)
                 n = self.prefix.chunk(r, budget)
                 ok = self.fits(r.num_pending, n, r) and self.admit_state(r)
                 ids = self.extend(r, n) if ok else None

@@ -21,11 +21,17 @@ one host sync).
 
 Past the batch-size rule the draft is lazy (``lazy``): a plain decode step then
 runs no draft forward at all, and only marks each request's first unwritten row
-(``Request.draft_lag``, ``defer``). The invariant is restored by one extend over the
-missed rows (``catch_up``, their tokens all on the host by then): before the
-request's next proposal, and, with prefix caching, before its pages are shared
-(``Scheduler`` on preemption and finish), so a cached page never holds a stale
-draft row. A prefill chunk from at or before the lag rewrites the rows itself.
+(``Request.draft_lag``, ``defer``; once per decoding set, so the rule's steady steps
+touch no request). The invariant is restored by one extend over the missed rows
+(``catch_up``, their tokens all on the host by then) before the request's next
+proposal, and only then: a request that leaves lagging (finish, preemption) runs
+nothing. Where its pages stay (prefix caching, swap) the first full page holding an
+unwritten row is remembered as stale (``stale``, a chain key of the page's tokens
+and salt); a request that later opens with a hit on it lags from that page
+(``opened``), so it catches up before its own first proposal, if it ever makes one.
+A swapped request keeps its lag. A stale draft row could only cost acceptance,
+never tokens (verification decides). A prefill chunk from at or before the lag
+rewrites the rows itself.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from unikv.engine.attention import DecodeAttention, ExtendAttention
 from unikv.engine.request import Batch, BatchKind, Pending
 from unikv.engine.runner import DRAFT_PREFIX as PREFIX
 from unikv.placement import Grow, default_grow
+
+STALE_KEYS = 1 << 16  # stale cached pages a lazy draft model remembers (``DraftModel.stale``)
 
 
 def draft_subpool_configs(draft_dir: str, target_configs, page_size: int, dtype) -> list:
@@ -99,6 +107,12 @@ class DraftModel:
         self.states = [None] * len(caches)
         self.rule = None  # ``Speculator.within_rule`` (build.py): None, never lazy
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
+        self.marked = None  # the decoding set whose lags are marked (``defer``)
+        # chain keys of cached pages whose draft rows a lagging request left unwritten
+        # (``release``); a hit on one lags from there (``opened``)
+        # (insertion order; at most ``STALE_KEYS``, the oldest forgotten first: a hit on a
+        # forgotten one drafts from stale rows, which costs acceptance, never tokens)
+        self.stale: dict[int, None] = {}
 
     def lazy(self, batch_size: int) -> bool:
         """Whether a plain decode step of ``batch_size`` requests leaves the draft's
@@ -107,10 +121,10 @@ class DraftModel:
 
     def defer(self, plan, batch, tokens=None) -> None:
         """A plain decode step past the rule: no forward; each request's first row
-        the draft lacks is remembered (``Request.draft_lag``)."""
-        for r in batch.requests:
-            if r.draft_lag is None:
-                r.draft_lag = r.num_cached
+        the draft lacks is remembered (``Request.draft_lag``), once per decoding set
+        (``Batch.decodes``: the scheduler keeps it while every request decodes, so
+        the rule's steady steps touch no request here)."""
+        mark_lags(self, batch)
 
     def prepare(self, batch) -> bool:
         """Before a step that runs the draft: nothing (a lagging request's rows are
@@ -119,10 +133,34 @@ class DraftModel:
 
     def release(self, r, write: bool) -> None:
         """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
-        kept): its missing rows are written first, else forgotten."""
-        if write:
-            self.catch_up([r])
+        kept). Nothing runs: where its pages stay, the first page holding a row it
+        left out is remembered as stale (``stale``: a later hit lags from there,
+        ``opened``), and ``draft_lag`` stays for a swap (the rows come back as they
+        left); else the lag is forgotten."""
+        if write and r.draft_lag is not None:
+            ps = self.planner.alloc.view.roles.page_size
+            first = r.draft_lag // ps
+            if first < r.num_cached // ps:  # a full page the prefix cache may take
+                key = page_keys(r.token_slice(0, (first + 1) * ps), r.cache_salt, ps)[-1]
+                self.stale[key] = None
+                if len(self.stale) > STALE_KEYS:
+                    del self.stale[next(iter(self.stale))]
+        if not write:
+            r.draft_lag = None
+
+    def opened(self, r) -> None:
+        """``r`` was admitted with ``r.num_cached`` tokens of a prefix hit: it lags from
+        the first hit page a lagging request shared unwritten (``release``), else from
+        nowhere (a recompute's old lag is void: its rows are the hit's or prefilled)."""
         r.draft_lag = None
+        if not self.stale or r.num_cached == 0:
+            return
+        ps = self.planner.alloc.view.roles.page_size
+        keys = page_keys(r.token_slice(0, r.num_cached), r.cache_salt, ps)
+        for j, key in enumerate(keys):
+            if key in self.stale:
+                r.draft_lag = j * ps
+                return
 
     @torch.inference_mode()
     def forward_plan(self, plan, batch=None, tokens=None) -> None:
@@ -143,11 +181,18 @@ class DraftModel:
         (a long gap in pieces, each in a later extend than the one before it).
         Returns the extends run."""
         spans, budget = [], self.planner.max_tokens
+        self.marked = None  # (lags cleared: the next lazy step marks again)
         for r in requests:
             lag, end = r.draft_lag, r.num_cached
             if lag is None:
                 continue
             r.draft_lag = None
+            if self.stale and lag % self.planner.alloc.view.roles.page_size == 0:
+                ps = self.planner.alloc.view.roles.page_size  # its rows are fresh again
+                if lag + ps <= end:
+                    self.stale.pop(
+                        page_keys(r.token_slice(0, lag + ps), r.cache_salt, ps)[-1], None
+                    )
             ids = r.token_slice(0, end)
             assert min(ids[lag:end], default=0) >= 0, (
                 "lazy draft invariant: the tokens it catches up on are on the host"
@@ -199,6 +244,32 @@ class DraftModel:
             lanes_of.append(live)
             prev_lane = {b: lane for lane, b in enumerate(live.tolist())}
         return request_major(steps, lanes_of, counts, virtual_ids.device)
+
+
+def mark_lags(draft, batch) -> None:
+    """Each of ``batch``'s requests without a lag lags from its cached tokens (a lazy
+    step's rows are left out), once per decoding set ``batch.decodes`` (O(1) while the
+    scheduler keeps the set; ``draft.marked``, cleared by a catch-up)."""
+    decodes = batch.decodes
+    if decodes is not None and decodes is draft.marked:
+        return
+    for r in batch.requests:
+        if r.draft_lag is None:
+            r.draft_lag = r.num_cached
+            lagging = getattr(draft, "lagging", None)  # a head's: id -> request
+            if lagging is not None:
+                lagging[r.request_id] = r
+    draft.marked = decodes
+
+
+def page_keys(tokens, salt, page_size: int) -> list[int]:
+    """Chain keys of the full pages of ``tokens`` under ``salt``: key j names the
+    prefix of ``(j + 1) * page_size`` tokens (host ints)."""
+    keys, key = [], hash(("draft-stale", salt))
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        key = hash((key, tuple(tokens[start : start + page_size])))
+        keys.append(key)
+    return keys
 
 
 def request_major(steps: list, lanes_of: list, counts: np.ndarray, device) -> torch.Tensor:

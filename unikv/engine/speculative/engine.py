@@ -150,6 +150,12 @@ class Speculator:
         if r.draft_lag is not None and self.draft is not None:
             self.draft.release(r, write)
 
+    def opened(self, r: Request) -> None:
+        """``r`` was admitted (a prefix hit maybe): a draft model lags from the first
+        hit page whose draft rows a lazy request shared unwritten (``DraftModel.opened``)."""
+        if self.draft is not None:
+            self.draft.opened(r)
+
     def record(self, drafted: int, accepted: np.ndarray, requests: int) -> None:
         """A verify step's counts: drafts scored, accepted per request."""
         c = self.counters

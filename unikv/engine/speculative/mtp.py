@@ -56,6 +56,7 @@ from unikv.engine.speculative.draft import (
     _row,
     _Span,
     free_grow,
+    mark_lags,
     packed,
     request_major,
     to_device,
@@ -121,7 +122,8 @@ class HiddenDraft:
         self.states = [None] * len(caches)
 
         self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
-        self.lagging: set[int] = set()  # ids of requests whose rows lag (``Request.draft_lag``)
+        self.lagging: dict = {}  # id -> request, of those whose rows lag (``Request.draft_lag``)
+        self.marked = None  # the decoding set whose lags are marked (``draft.mark_lags``)
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
         self.chain = None  # chains of k drafts as one unit (``enable_chain``)
 
@@ -149,10 +151,7 @@ class HiddenDraft:
         at = (plan.slots[:num].long(), plan.positions[:num] % self.window)
         self.stash_h.index_put_(at, self.target.hidden_out[:num])
         self.stash_t.index_put_(at, tokens[:num])
-        for r in batch.requests:
-            if r.draft_lag is None:
-                r.draft_lag = r.num_cached
-                self.lagging.add(r.request_id)
+        mark_lags(self, batch)  # (once per decoding set: no Python per request)
         self.since_flush += 1
         if self.since_flush == self.window:  # every gap would outgrow the stash next
             self.catch_up(batch.requests, ahead=1)
@@ -166,16 +165,21 @@ class HiddenDraft:
             return False
         return self.catch_up([r for r in batch.requests if r.draft_lag is not None]) > 0
 
+    def opened(self, r) -> None:
+        """``r`` was admitted: nothing (a head's rows are flushed as it leaves)."""
+
     def release(self, r, write: bool) -> None:
         """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
-        kept): its lagging rows are written first, else forgotten."""
+        kept): its lagging rows are written first, with every other lagging
+        request's in the same extends (requests of a batch finish together: one
+        flush for them, not one each), else forgotten."""
         if r.draft_lag is None:
             return
         if write:
-            self.catch_up([r])
+            self.catch_up(list(self.lagging.values()))
         else:
             r.draft_lag = None
-            self.lagging.discard(r.request_id)
+            self.lagging.pop(r.request_id, None)
 
     @torch.inference_mode()
     def catch_up(self, requests, ahead: int = 0) -> int:
@@ -183,10 +187,11 @@ class HiddenDraft:
         + ahead)`` (``ahead`` 1: the step being launched stashed its row), their first
         draft kept; returns the extends run."""
         spans = []
+        self.marked = None  # (lags cleared: the next lazy step marks again)
         for r in requests:
             if r.draft_lag is not None and r.num_cached + ahead <= r.draft_lag:
                 r.draft_lag = None  # a prefill from the lag on rewrites the rows itself
-                self.lagging.discard(r.request_id)
+                self.lagging.pop(r.request_id, None)
             elif r.draft_lag is not None:
                 end = r.num_cached + ahead
                 assert 0 < end - r.draft_lag <= self.window, (
@@ -194,7 +199,7 @@ class HiddenDraft:
                 )
                 spans.append((r, r.draft_lag, end - r.draft_lag))
                 r.draft_lag = None
-                self.lagging.discard(r.request_id)
+                self.lagging.pop(r.request_id, None)
         runs = packed(spans, self.planner.max_tokens, self.planner.max_seqs)
         for batch in runs:
             self._extend(batch)
