@@ -125,13 +125,15 @@ class Scheduler:
 
     def may_speculate(self) -> bool:
         """Whether the next step may verify drafts: a speculator is set and the
-        running requests are within its batch-size rule (``disable_by_batch_size``).
-        The loop settles the step in flight first only then; past the rule the step
-        is the plain engine's, planned while the last one runs (one check, no loop
-        over requests). Should a preemption while scheduling bring that batch under
+        running requests are within its batch-size rule (``disable_by_batch_size``)
+        and some request's drafts may be found whatever its pending token is
+        (``Speculator.may_find``: n-gram lookups kept per request). The loop settles
+        the step in flight first only then; else the step is the plain engine's,
+        planned while the last one runs (past the rule: one check, no loop over
+        requests). Should a preemption while scheduling bring that batch under
         the rule, it stays plain (its tokens are not settled:
         ``speculative.engine.settled``); the next step settles first."""
-        return len(self.running) <= self.spec_limit
+        return len(self.running) <= self.spec_limit and self.spec.may_find(self.running)
 
     # -- planning ----------------------------------------------------------------
 
@@ -193,8 +195,8 @@ class Scheduler:
         to schedule, the speculator's rules): each decoding request feeds its pending
         token and its drafts (``1 + k_i`` rows, ``alloc_extend``). False (nothing
         changed) when it does not, or when the pool cannot hold the drafts now."""
-        if not self._pure_decode(d):
-            return False
+        if not self._pure_decode(d) or not self.spec.lookup(d.decoding):
+            return False  # no drafts: the plain engine's decode step
         found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False

@@ -1,0 +1,116 @@
+"""A speculative step's host cost (issue 42): the n-gram lookup kept per request
+(``NgramIndex``) equals the full scan (``propose_ngram``), and a speculative engine
+whose lookups find nothing runs the plain engine's step: the same ops per step, and
+nothing of ``speculative/`` but the lookup."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import VOCAB, one_thread, save_tiny_model  # noqa: F401  (a fixture)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unikv.engine.speculative.ngram import NgramIndex, propose_ngram
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    n_min=st.integers(1, 3),
+    extra=st.integers(0, 2),
+    k=st.integers(1, 5),
+    split=st.integers(0, 80),
+)
+def test_index_equals_full_scan(tokens, n_min, extra, k, split):
+    """After every appended token (the first ``split`` at once, through the bulk path
+    when long), the index's draft is the full scan's; ``may_match_next`` is True
+    exactly when some next token gives a draft."""
+    n_max = n_min + extra
+    index = NgramIndex(n_min, n_max)
+    index.BULK = 4  # exercise the bulk path on short histories
+    split = min(split, len(tokens))
+    if split:
+        index.extend(tokens[:split])
+    for p in range(max(split, 1), len(tokens) + 1):
+        if p > split:
+            index.extend(tokens[p - 1 : p])
+        history = np.asarray(tokens[:p], np.int64)
+        assert index.propose(k) == propose_ngram(history, k, n_min, n_max).tolist()
+        assert index.found() == bool(len(propose_ngram(history, k, n_min, n_max)))
+        some = any(len(propose_ngram(np.append(history, t), k, n_min, n_max)) for t in range(4))
+        assert index.may_match_next() == some
+
+
+def _entries(llm, prompts, params, monkeypatch) -> list[tuple[str, int, int, Counter]]:
+    """Per loop step: (batch kind, requests, aten ops dispatched, the functions of
+    ``speculative/`` entered from outside it, counted)."""
+    from test_spec_rule_ops import _Ops
+
+    from unikv.engine.online import EngineLoop
+
+    costs, step = [], EngineLoop.step
+
+    def inside(frame) -> bool:
+        return "/unikv/engine/speculative/" in frame.f_code.co_filename.replace("\\", "/")
+
+    def counted(loop):
+        ops, entered = _Ops(), Counter()
+
+        def profile(frame, event, arg):
+            if event == "call" and inside(frame) and not inside(frame.f_back):
+                entered[frame.f_code.co_qualname] += 1
+
+        sys.setprofile(profile)
+        try:
+            with ops:
+                out = step(loop)
+        finally:
+            sys.setprofile(None)
+        if out is not None:
+            costs.append((out[0].kind.name, len(out[0].requests), ops.count, entered))
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(EngineLoop, "step", counted)
+        llm.generate(prompts, params)
+    return costs
+
+
+LOOKUP = {"Speculator.may_find", "Speculator.lookup"}  # the n-gram lookup's entries
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_step_without_drafts_is_the_plain_step(tmp_path, monkeypatch):
+    """Two requests whose n-gram lookups (6-grams) find nothing: every step but the
+    last (the requests leave the speculator) dispatches the plain engine's ops, one
+    step in flight as it keeps, and enters ``speculative/`` only through the lookup."""
+    from unikv.engine import LLM, SamplingParams
+
+    path = str(Path(tmp_path) / "llama")
+    save_tiny_model("llama", path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randperm(VOCAB, generator=g)[:12].tolist() for _ in range(2)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = {"device": "cpu", "dtype": torch.float32, "page_size": 4, "max_num_seqs": 4,
+          "max_num_batched_tokens": 64, "max_model_len": 64, "kv_cache_bytes": 16 << 20}  # fmt: skip
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 6,
+            "prompt_lookup_max": 6}  # fmt: skip
+    plain_llm = LLM(path, **kw)
+    plain = _entries(plain_llm, prompts, params, monkeypatch)
+    llm = LLM(path, speculative_config=spec, **kw)
+    spec_costs = _entries(llm, prompts, params, monkeypatch)
+    assert llm.stats.spec_verify_steps == 0, "the test's premise: no lookup finds a draft"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [
+        o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)
+    ]
+    assert [c[:3] for c in spec_costs[:-1]] == [c[:3] for c in plain[:-1]]
+    decodes = [c for c in spec_costs[:-1] if c[0] == "DECODE"]
+    assert len(decodes) >= 7 and all(c[1] == 2 for c in decodes)
+    for _, _, _, entered in decodes:
+        assert set(entered) <= LOOKUP, f"a step without drafts entered {dict(entered)}"
