@@ -404,11 +404,12 @@ class Scheduler:
         if self.kept_ahead:  # the step planned ahead is the true next one: its rows stay
             keep = keep + np.asarray(ahead.num_new, np.int64)
             ahead.drafts = ahead.derive.chosen(accepted)
-        if self.state_slots > 1:  # and the state after the last kept row: select its slot
-            rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
-            self.alloc.truncate(slots, keep, state_rows=np.where(rows < fed, rows - 1, -1))
-        else:
-            self.alloc.truncate(slots, keep)
+        rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
+        cut = rows < fed  # requests that rejected a draft (at full acceptance: nothing to do)
+        if cut.any() and self.state_slots > 1:  # and the state after the last kept row
+            self.alloc.truncate(slots[cut], keep[cut], state_rows=rows[cut] - 1)
+        elif cut.any():
+            self.alloc.truncate(slots[cut], keep[cut])
         self.spec.record(int(drafted.sum()), accepted, len(reqs))
         self.num_appended = appended
         self.prefix.after_step(Batch(list(reqs), kept), verify=True)
