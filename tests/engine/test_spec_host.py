@@ -86,10 +86,14 @@ LOOKUP = {"Speculator.may_find", "Speculator.lookup"}  # the n-gram lookup's ent
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_step_without_drafts_is_the_plain_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_without_drafts_is_the_plain_step(tmp_path, monkeypatch, device):
     """Two requests whose n-gram lookups (6-grams) find nothing: every step but the
     last (the requests leave the speculator) dispatches the plain engine's ops, one
-    step in flight as it keeps, and enters ``speculative/`` only through the lookup."""
+    step in flight as it keeps, and enters ``speculative/`` only through the lookup
+    (on CUDA: the ops launched outside the decode graphs, which both replay)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     from unikv.engine import LLM, SamplingParams
 
     path = str(Path(tmp_path) / "llama")
@@ -97,7 +101,7 @@ def test_step_without_drafts_is_the_plain_step(tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randperm(VOCAB, generator=g)[:12].tolist() for _ in range(2)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    kw = {"device": "cpu", "dtype": torch.float32, "page_size": 4, "max_num_seqs": 4,
+    kw = {"device": device, "dtype": torch.float32, "page_size": 4, "max_num_seqs": 4,
           "max_num_batched_tokens": 64, "max_model_len": 64, "kv_cache_bytes": 16 << 20}  # fmt: skip
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 6,
             "prompt_lookup_max": 6}  # fmt: skip
