@@ -118,3 +118,38 @@ def test_step_without_drafts_is_the_plain_step(tmp_path, monkeypatch, device):
     assert len(decodes) >= 7 and all(c[1] == 2 for c in decodes)
     for _, _, _, entered in decodes:
         assert set(entered) <= LOOKUP, f"a step without drafts entered {dict(entered)}"
+
+
+def test_speculator_lookup_follows_the_request():
+    """``Speculator.lookup`` / ``may_find`` on one request as a loop moves it: a step in
+    flight (a ``Pending`` last token), its resolution, a cut of its outputs (a stop
+    string); each draft equals ``propose_ngram`` of the history at that point."""
+    from unikv.engine import SamplingParams
+    from unikv.engine.request import Pending, Request
+    from unikv.engine.speculative.config import speculative_config_of
+    from unikv.engine.speculative.engine import Speculator
+
+    keys = {"method": "ngram", "num_speculative_tokens": 3}
+    config = speculative_config_of({**keys, "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    spec = Speculator(config, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    r = Request(0, [5, 6, 7, 8, 1, 2], params, 0, frozenset(), 64, output_ids=[5])
+
+    def want(r) -> list[int]:
+        history = np.asarray(r.prompt_ids + r.output_ids, np.int64)
+        return propose_ngram(history, 3, 2, 3).tolist()
+
+    assert not spec.lookup([r]) and not spec.may_find([r])  # (5,) then nothing known
+    r.output_ids.append(Pending.of(0))  # a step in flight: its token could be 6
+    assert spec.may_find([r]) and not spec.lookup([r])  # (never reads a placeholder)
+    r.output_ids[-1] = 6
+    assert spec.lookup([r]) and spec._found[2] and spec._found[2][0].tolist() == want(r)
+    r.output_ids.append(Pending.of(0))
+    assert spec.may_find([r])  # (5, 6) was followed by 7
+    r.output_ids[-1] = 9
+    assert not spec.lookup([r]) and want(r) == []
+    del r.output_ids[1:]  # a stop string cut the outputs: the index is rebuilt
+    r.output_ids += [6, 7]
+    assert spec.lookup([r]) and spec._found[2][0].tolist() == want(r) == [8, 1, 2]
+    spec.release(r, write=False)
+    assert r.request_id not in spec.indexes

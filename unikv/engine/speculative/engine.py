@@ -182,13 +182,14 @@ class Speculator:
     def _index(self, r: Request) -> NgramIndex | None:
         """``r``'s n-gram index, caught up with its known tokens (None: none yet)."""
         index = self.indexes.get(r.request_id)
-        known = len(r.prompt_ids) + len(r.output_ids) - (not settled(r))
-        if index is None or len(index.tokens) > known:  # (new, or its outputs were cut)
+        num_prompt = len(r.prompt_ids)
+        known = num_prompt + len(r.output_ids) - (not settled(r))
+        if index is None or not _follows(index.tokens, r, known):  # (its outputs were cut)
             cfg = self.config
             index = self.indexes[r.request_id] = NgramIndex(
                 cfg.prompt_lookup_min, cfg.prompt_lookup_max
             )
-        seen, num_prompt = len(index.tokens), len(r.prompt_ids)
+        seen = len(index.tokens)
         if seen < known:
             new = list(r.prompt_ids[seen:]) if seen < num_prompt else []
             new += r.output_ids[max(seen - num_prompt, 0) : known - num_prompt]
@@ -221,6 +222,18 @@ class Speculator:
 
 
 _EMPTY = np.zeros(0, np.int64)
+
+
+def _follows(tokens: list[int], r: Request, known: int) -> bool:
+    """Whether ``r``'s first ``known`` tokens extend ``tokens`` (its last one checked:
+    outputs are cut only at a stop token, then resumed by nothing but new tokens)."""
+    seen = len(tokens)
+    if seen > known:
+        return False
+    if not seen:
+        return True
+    at, num_prompt = seen - 1, len(r.prompt_ids)
+    return tokens[-1] == (r.prompt_ids[at] if at < num_prompt else r.output_ids[at - num_prompt])
 
 
 def _padded(draft: np.ndarray, k: int, r: Request) -> np.ndarray:
