@@ -153,3 +153,45 @@ def test_speculator_lookup_follows_the_request():
     assert spec.lookup([r]) and spec._found[2][0].tolist() == want(r) == [8, 1, 2]
     spec.release(r, write=False)
     assert r.request_id not in spec.indexes
+
+
+@pytest.mark.parametrize("counts", [(3, 3, 3), (3, 1, 2), (0, 2, 1)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verify_step_equals_a_naive_gather(counts, temperature):
+    """``verify_step``'s one-upload block (a view of the logits when every request has
+    K drafts) gives what the acceptance functions give on rows and drafts gathered
+    one by one (request b's row j at ``start_b + min(j, n_b)``, drafts padded with 0)."""
+    from types import SimpleNamespace
+
+    from unikv.engine import SamplingParams
+    from unikv.engine.speculative.step import verify_step
+    from unikv.engine.speculative.verify import greedy_accept, rejection_accept
+
+    g = torch.Generator().manual_seed(sum(counts) + int(temperature * 10))
+    vocab, width = 11, max(counts)
+    params = SamplingParams(temperature=temperature, top_k=5, top_p=0.9)
+    reqs = [
+        SimpleNamespace(params=params, seed=100 + b, output_ids=[1] * (2 + b))
+        for b in range(len(counts))
+    ]
+    drafts = [torch.randint(0, vocab, (n,), generator=g).numpy() for n in counts]
+    num_new = [1 + n for n in counts]
+    batch = SimpleNamespace(requests=reqs, drafts=drafts, num_new=num_new, draft_tokens=None)
+    logits = torch.randn(sum(num_new), vocab, generator=g)
+    got = verify_step(batch, logits)
+    starts = np.cumsum([0] + num_new[:-1])
+    rows = [[s + min(j, n) for j in range(width + 1)] for s, n in zip(starts, counts)]
+    scored = torch.stack([logits[r] for r in rows])
+    padded = torch.zeros(len(counts), width, dtype=torch.int64)
+    for b, d in enumerate(drafts):
+        padded[b, : len(d)] = torch.from_numpy(d)
+    num = torch.tensor(counts)
+    if temperature == 0:
+        want = greedy_accept(scored, padded, num)
+    else:
+        want = rejection_accept(
+            scored, padded, num, temperature=torch.full((3,), temperature),
+            top_k=torch.full((3,), 5), top_p=torch.full((3,), 0.9), min_p=None,
+            seeds=torch.tensor([100, 101, 102]), steps=torch.tensor([2, 3, 4]),
+        )  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
