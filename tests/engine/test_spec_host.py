@@ -139,18 +139,24 @@ def test_speculator_lookup_follows_the_request():
         history = np.asarray(r.prompt_ids + r.output_ids, np.int64)
         return propose_ngram(history, 3, 2, 3).tolist()
 
-    assert not spec.lookup([r]) and not spec.may_find([r])  # (5,) then nothing known
+    def decoding(r):  # as a loop holds it: one token (maybe a placeholder) pending
+        r.num_cached = r.seq_len - 1
+        return [r]
+
+    assert not spec.lookup(decoding(r)) and not spec.may_find(decoding(r))  # (5,): nothing
     r.output_ids.append(Pending.of(0))  # a step in flight: its token could be 6
-    assert spec.may_find([r]) and not spec.lookup([r])  # (never reads a placeholder)
+    assert spec.may_find(decoding(r)) and not spec.lookup([r])  # (never reads a placeholder)
+    r.num_cached = 0
+    assert not spec.may_find([r])  # still prefilling: the step is no pure decode
     r.output_ids[-1] = 6
-    assert spec.lookup([r]) and spec._found[2] and spec._found[2][0].tolist() == want(r)
+    assert spec.lookup(decoding(r)) and spec._found[2][0].tolist() == want(r) == [7, 8, 1]
     r.output_ids.append(Pending.of(0))
-    assert spec.may_find([r])  # (5, 6) was followed by 7
+    assert spec.may_find(decoding(r))  # (5, 6) was followed by 7
     r.output_ids[-1] = 9
-    assert not spec.lookup([r]) and want(r) == []
+    assert not spec.lookup(decoding(r)) and want(r) == []
     del r.output_ids[1:]  # a stop string cut the outputs: the index is rebuilt
     r.output_ids += [6, 7]
-    assert spec.lookup([r]) and spec._found[2][0].tolist() == want(r) == [8, 1, 2]
+    assert spec.lookup(decoding(r)) and spec._found[2][0].tolist() == want(r) == [8, 1, 2]
     spec.release(r, write=False)
     assert r.request_id not in spec.indexes
 

@@ -126,14 +126,19 @@ class Scheduler:
     def may_speculate(self) -> bool:
         """Whether the next step may verify drafts: a speculator is set and the
         running requests are within its batch-size rule (``disable_by_batch_size``)
-        and some request's drafts may be found whatever its pending token is
-        (``Speculator.may_find``: n-gram lookups kept per request). The loop settles
+        and some request's drafts may be found whatever its pending token is, none
+        prefilling and no prompt about to join (``Speculator.may_find``: n-gram
+        lookups kept per request). The loop settles
         the step in flight first only then; else the step is the plain engine's,
         planned while the last one runs (past the rule: one check, no loop over
         requests). Should a preemption while scheduling bring that batch under
         the rule, it stays plain (its tokens are not settled:
         ``speculative.engine.settled``); the next step settles first."""
-        return len(self.running) <= self.spec_limit and self.spec.may_find(self.running)
+        if len(self.running) > self.spec_limit:
+            return False
+        if self.spec.draft is None and self.waiting and len(self.running) < self.max_num_seqs:
+            return False  # a prompt joins the step: no n-gram drafts (``_pure_decode``)
+        return self.spec.may_find(self.running)
 
     # -- planning ----------------------------------------------------------------
 

@@ -94,13 +94,13 @@ class Speculator:
         """Whether the next step may verify drafts, before the step in flight is
         settled (the loop settles it first only then; else the step is the plain
         engine's, planned while the last one runs): a draft model or forced drafts
-        always may; n-gram drafts where every request samples without a per-token rule
-        and some request's lookup can find a draft whatever its pending token is
+        always may; n-gram drafts where every request decodes (none prefilling) and
+        samples without a per-token rule, and some request's lookup can find a draft whatever its pending token is
         (``NgramIndex.may_match_next``)."""
         if self.draft is not None or self.config.force_accept:
             return True
-        if not all(spec_eligible(r) for r in requests):
-            return False
+        if not all(spec_eligible(r) and r.num_cached + 1 == r.seq_len for r in requests):
+            return False  # (a request still prefilling: the step is not a pure decode)
         for r in requests:
             index = self._index(r)
             if index is None or (index.found() if settled(r) else index.may_match_next()):
