@@ -95,17 +95,23 @@ class Speculator:
         settled (the loop settles it first only then; else the step is the plain
         engine's, planned while the last one runs): a draft model or forced drafts
         always may; n-gram drafts where every request decodes (none prefilling) and
-        samples without a per-token rule, and some request's lookup can find a draft whatever its pending token is
-        (``NgramIndex.may_match_next``)."""
+        samples without a per-token rule, and some request's lookup can find a draft
+        whatever its pending token is (``NgramIndex.may_match_next``)."""
         if self.draft is not None or self.config.force_accept:
             return True
-        if not all(spec_eligible(r) and r.num_cached + 1 == r.seq_len for r in requests):
+        if not requests or not all(
+            spec_eligible(r) and r.num_cached + 1 == r.seq_len for r in requests
+        ):
             return False  # (a request still prefilling: the step is not a pure decode)
-        for r in requests:
-            index = self._index(r)
-            if index is None or (index.found() if settled(r) else index.may_match_next()):
-                return True
-        return False
+        start = time.perf_counter()
+        try:
+            for r in requests:
+                index = self._index(r)
+                if index is None or (index.found() if settled(r) else index.may_match_next()):
+                    return True
+            return False
+        finally:
+            self.counters.draft_seconds += time.perf_counter() - start
 
     def lookup(self, decoding: list[Request]) -> bool:
         """Whether this step verifies drafts: its requests may (``spec_eligible``,
