@@ -52,20 +52,21 @@ def propose_ngram_ends(
 class NgramIndex:
     """One request's prompt lookup, kept across steps: per n-gram size, the latest end
     of every n-gram of its history (``last``) and the (n - 1)-token heads of them all
-    (``heads``). Appending token p looks its n-grams up before recording them, so
-    the most recent earlier occurrence of the current suffix (``match``) costs one
-    dict read per size, not a scan of the history: ``propose(room)`` equals
-    ``propose_ngram(tokens, room, n_min, n_max)``. ``may_match_next`` says, before
-    the next token is known, whether its lookup can find anything (some earlier
-    n-gram starts with the last n - 1 tokens)."""
+    (``heads``), keyed by the n-gram's int64 bytes (not GC-tracked: a long prompt's
+    index is built from numpy windows at C speed). Appending token p looks its
+    n-grams up before recording them, so the most recent earlier occurrence of the
+    current suffix (``match``) costs one dict read per size, not a scan of the
+    history: ``propose(room)`` equals ``propose_ngram(tokens, room, n_min, n_max)``.
+    ``may_match_next`` says, before the next token is known, whether its lookup can
+    find anything (some earlier n-gram starts with the last n - 1 tokens)."""
 
     BULK = 32  # more new tokens than this at once: the dicts built from numpy windows
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.sizes = range(n_max, n_min - 1, -1)  # longest first: the first match wins
         self.tokens: list[int] = []
-        self.last: dict[int, dict[tuple, int]] = {n: {} for n in self.sizes}
-        self.heads: dict[int, set[tuple]] = {n: set() for n in self.sizes}
+        self.last: dict[int, dict[bytes, int]] = {n: {} for n in self.sizes}
+        self.heads: dict[int, set[bytes]] = {n: set() for n in self.sizes}
         self.match: dict[int, int | None] = {n: None for n in self.sizes}
 
     def extend(self, new: list[int]) -> None:
@@ -77,14 +78,15 @@ class NgramIndex:
         for token in new:
             tokens.append(token)
             p = len(tokens)
+            tail = np.asarray(tokens[-self.sizes[0] :], np.int64).tobytes()
             for n in self.sizes:
                 if n > p:
                     self.match[n] = None
                     continue
-                gram = tuple(tokens[p - n :])
+                gram = tail[len(tail) - 8 * n :]
                 self.match[n] = self.last[n].get(gram)
                 self.last[n][gram] = p - 1
-                self.heads[n].add(gram[:-1])
+                self.heads[n].add(gram[:-8])
 
     def _bulk(self, new: list[int]) -> None:
         """Record ``new``'s n-grams at once (no match kept: a later token's is)."""
@@ -95,9 +97,11 @@ class NgramIndex:
             first = max(start - n + 1, 0)  # grams ending in ``new``
             if arr.shape[0] - first < n:
                 continue
-            grams = list(map(tuple, sliding_window_view(arr[first:], n).tolist()))
+            windows = np.ascontiguousarray(sliding_window_view(arr[first:], n))
+            grams = windows.view(f"V{8 * n}").ravel().tolist()  # bytes, one per gram
             self.last[n].update(zip(grams, range(first + n - 1, arr.shape[0])))
-            self.heads[n].update(g[:-1] for g in grams)
+            heads = np.ascontiguousarray(windows[:, :-1]).view(f"V{8 * (n - 1)}") if n > 1 else None
+            self.heads[n].update(heads.ravel().tolist() if heads is not None else [b""])
 
     def propose(self, room: int) -> list[int]:
         """Up to ``room`` tokens that followed the latest earlier occurrence of the
@@ -115,8 +119,11 @@ class NgramIndex:
     def may_match_next(self) -> bool:
         """Whether the lookup after one more (unknown) token can find a draft."""
         tokens = self.tokens
+        if not tokens:
+            return False
+        tail = np.asarray(tokens[-self.sizes[0] :], np.int64).tobytes()
         return any(
-            tuple(tokens[len(tokens) - n + 1 :]) in self.heads[n]
+            tail[len(tail) - 8 * (n - 1) :] in self.heads[n]
             for n in self.sizes
             if n - 1 <= len(tokens)
         )
