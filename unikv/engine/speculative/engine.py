@@ -7,8 +7,11 @@ without a per-token rule the drafts would bypass (penalties, logprobs, structure
 outputs, a min-tokens mask) and has its tokens on the host (``settled``), and some
 request has a draft. Past the batch-size rule nothing of this runs on the host but
 the count: the step is the plain engine's (its graphs, one step in flight:
-``Scheduler.may_speculate``). Each request then feeds
-``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
+``Scheduler.may_speculate``). Under the rule, n-gram lookups are kept per request
+(``NgramIndex``) and asked before the step in flight is settled
+(``Speculator.may_find``): where no pending token could give a draft, the step is
+the plain engine's too, entering this package only through the lookup. A verify
+step's request feeds ``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
 like a prefill chunk. After the step (``Scheduler.complete_verify``) the accepted
 rows stay, the rest are trimmed by ``alloc.truncate`` (pages emptied are freed, a
 window's ``window_lo`` restored) before any out-of-window free runs.
