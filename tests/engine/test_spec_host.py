@@ -139,6 +139,11 @@ def test_speculator_lookup_follows_the_request():
         history = np.asarray(r.prompt_ids + r.output_ids, np.int64)
         return propose_ngram(history, 3, 2, 3).tolist()
 
+    def drafted(r) -> list[int]:  # the verify step's drafts (the lookup's, reused)
+        drafts, ids, _ = spec.drafts([r], lambda num_new: num_new)
+        assert ids.tolist() == [1 + len(drafts[0])]
+        return drafts[0].tolist()
+
     def decoding(r):  # as a loop holds it: one token (maybe a placeholder) pending
         r.num_cached = r.seq_len - 1
         return [r]
@@ -149,14 +154,14 @@ def test_speculator_lookup_follows_the_request():
     r.num_cached = 0
     assert not spec.may_find([r])  # still prefilling: the step is no pure decode
     r.output_ids[-1] = 6
-    assert spec.lookup(decoding(r)) and spec._found[2][0].tolist() == want(r) == [7, 8, 1]
+    assert spec.lookup(decoding(r)) and drafted(r) == want(r) == [7, 8, 1]
     r.output_ids.append(Pending.of(0))
     assert spec.may_find(decoding(r))  # (5, 6) was followed by 7
     r.output_ids[-1] = 9
     assert not spec.lookup(decoding(r)) and want(r) == []
     del r.output_ids[1:]  # a stop string cut the outputs: the index is rebuilt
     r.output_ids += [6, 7]
-    assert spec.lookup(decoding(r)) and spec._found[2][0].tolist() == want(r) == [8, 1, 2]
+    assert spec.lookup(decoding(r)) and drafted(r) == want(r) == [8, 1, 2]
     spec.release(r, write=False)
     assert r.request_id not in spec.indexes
 
