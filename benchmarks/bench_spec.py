@@ -95,6 +95,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PHASES = {  # host time per step of each part of the loop (``--phases``)
     "schedule": ("unikv.engine.scheduler", "Scheduler", "schedule"),
+    "lookup": ("unikv.engine.speculative.engine", "Speculator", "lookup"),
     "drafts": ("unikv.engine.speculative.engine", "Speculator", "drafts"),
     "plan": ("unikv.engine.plan", "StepPlanner", "plan"),
     "draft_chain": ("unikv.engine.speculative.chain", "DraftChain", "run"),

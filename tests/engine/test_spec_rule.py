@@ -20,6 +20,7 @@ from engine_fixtures import VOCAB, one_thread, save_tiny_model  # noqa: F401  (a
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.runner import Launched
 from unikv.engine.speculative import engine as spec_engine
+from unikv.engine.speculative.ngram import NgramIndex
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LIMIT = 2  # disable_by_batch_size: 4 requests decoding are past it
@@ -69,10 +70,10 @@ class Spy:
             self.proposals += 1
             return propose(*a, **k)
 
-        propose = spec_engine.propose_ngram
+        propose = NgramIndex.propose  # the n-gram proposer (kept per request)
         monkeypatch.setattr(runner, "launch", spy_launch)
         monkeypatch.setattr(Launched, "tokens", spy_tokens)
-        monkeypatch.setattr(spec_engine, "propose_ngram", spy_propose)
+        monkeypatch.setattr(NgramIndex, "propose", spy_propose)
 
 
 def run(llm: LLM, params, monkeypatch) -> tuple[list[list[int]], Spy]:

@@ -125,13 +125,20 @@ class Scheduler:
 
     def may_speculate(self) -> bool:
         """Whether the next step may verify drafts: a speculator is set and the
-        running requests are within its batch-size rule (``disable_by_batch_size``).
-        The loop settles the step in flight first only then; past the rule the step
-        is the plain engine's, planned while the last one runs (one check, no loop
-        over requests). Should a preemption while scheduling bring that batch under
+        running requests are within its batch-size rule (``disable_by_batch_size``)
+        and some request's drafts may be found whatever its pending token is, none
+        prefilling and no prompt about to join (``Speculator.may_find``: n-gram
+        lookups kept per request). The loop settles
+        the step in flight first only then; else the step is the plain engine's,
+        planned while the last one runs (past the rule: one check, no loop over
+        requests). Should a preemption while scheduling bring that batch under
         the rule, it stays plain (its tokens are not settled:
         ``speculative.engine.settled``); the next step settles first."""
-        return len(self.running) <= self.spec_limit
+        if len(self.running) > self.spec_limit:
+            return False
+        if self.spec.draft is None and self.waiting and len(self.running) < self.max_num_seqs:
+            return False  # a prompt joins the step: no n-gram drafts (``_pure_decode``)
+        return self.spec.may_find(self.running)
 
     # -- planning ----------------------------------------------------------------
 
@@ -193,8 +200,8 @@ class Scheduler:
         to schedule, the speculator's rules): each decoding request feeds its pending
         token and its drafts (``1 + k_i`` rows, ``alloc_extend``). False (nothing
         changed) when it does not, or when the pool cannot hold the drafts now."""
-        if not self._pure_decode(d):
-            return False
+        if not self._pure_decode(d) or not self.spec.lookup(d.decoding):
+            return False  # no drafts: the plain engine's decode step
         found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False
@@ -404,11 +411,12 @@ class Scheduler:
         if self.kept_ahead:  # the step planned ahead is the true next one: its rows stay
             keep = keep + np.asarray(ahead.num_new, np.int64)
             ahead.drafts = ahead.derive.chosen(accepted)
-        if self.state_slots > 1:  # and the state after the last kept row: select its slot
-            rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
-            self.alloc.truncate(slots, keep, state_rows=np.where(rows < fed, rows - 1, -1))
-        else:
-            self.alloc.truncate(slots, keep)
+        rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
+        cut = rows < fed  # requests that rejected a draft (at full acceptance: nothing to do)
+        if cut.any() and self.state_slots > 1:  # and the state after the last kept row
+            self.alloc.truncate(slots[cut], keep[cut], state_rows=rows[cut] - 1)
+        elif cut.any():
+            self.alloc.truncate(slots[cut], keep[cut])
         self.spec.record(int(drafted.sum()), accepted, len(reqs))
         self.num_appended = appended
         self.prefix.after_step(Batch(list(reqs), kept), verify=True)

@@ -7,8 +7,11 @@ without a per-token rule the drafts would bypass (penalties, logprobs, structure
 outputs, a min-tokens mask) and has its tokens on the host (``settled``), and some
 request has a draft. Past the batch-size rule nothing of this runs on the host but
 the count: the step is the plain engine's (its graphs, one step in flight:
-``Scheduler.may_speculate``). Each request then feeds
-``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
+``Scheduler.may_speculate``). Under the rule, n-gram lookups are kept per request
+(``NgramIndex``) and asked before the step in flight is settled
+(``Speculator.may_find``): where no pending token could give a draft, the step is
+the plain engine's too, entering this package only through the lookup. A verify
+step's request feeds ``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
 like a prefill chunk. After the step (``Scheduler.complete_verify``) the accepted
 rows stay, the rest are trimmed by ``alloc.truncate`` (pages emptied are freed, a
 window's ``window_lo`` restored) before any out-of-window free runs.
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from unikv.engine.speculative.config import SpeculativeConfig
-from unikv.engine.speculative.ngram import propose_ngram
+from unikv.engine.speculative.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from unikv.engine.request import Request
@@ -82,11 +85,56 @@ class Speculator:
         # plan the next verify step before this one's tokens are in (``ahead.py``)
         self.pipeline = config.pipeline
         self.accepted_all: set[int] = set()  # requests whose last verify step kept every draft
+        self.indexes: dict[int, NgramIndex] = {}  # n-gram lookups kept per running request
+        self._found = None  # (requests, their n-gram drafts) of the last ``lookup``
 
     def within_rule(self, batch: int) -> bool:
         """The batch-size rule: a step of ``batch`` decoding requests may speculate
         (at most ``disable_by_batch_size``; vLLM's rule)."""
         return batch <= self.config.disable_by_batch_size
+
+    def may_find(self, requests: list[Request]) -> bool:
+        """Whether the next step may verify drafts, before the step in flight is
+        settled (the loop settles it first only then; else the step is the plain
+        engine's, planned while the last one runs): a draft model or forced drafts
+        always may; n-gram drafts where every request decodes (none prefilling) and
+        samples without a per-token rule, and some request's lookup can find a draft
+        whatever its pending token is (``NgramIndex.may_match_next``)."""
+        if self.draft is not None or self.config.force_accept:
+            return True
+        if not requests or not all(
+            spec_eligible(r) and r.num_cached + 1 == r.seq_len for r in requests
+        ):
+            return False  # (a request still prefilling: the step is not a pure decode)
+        start = time.perf_counter()
+        try:
+            for r in requests:
+                index = self._index(r)
+                if index is None or (index.found() if settled(r) else index.may_match_next()):
+                    return True
+            return False
+        finally:
+            self.counters.draft_seconds += time.perf_counter() - start
+
+    def lookup(self, decoding: list[Request]) -> bool:
+        """Whether this step verifies drafts: its requests may (``spec_eligible``,
+        ``settled``) and (n-gram) some request's prompt lookup found a draft, kept for
+        ``drafts``. False: the step is the plain engine's decode step."""
+        self._found = None
+        if not all(spec_eligible(r) and settled(r) for r in decoding):
+            return False
+        if self.draft is not None:
+            return True  # its proposals come from a forward (``drafts``)
+        start = time.perf_counter()
+        rooms = self._rooms(decoding)
+        out = [
+            self._propose(r, int(room)) if room > 0 else _EMPTY for r, room in zip(decoding, rooms)
+        ]
+        self.counters.draft_seconds += time.perf_counter() - start
+        if not any(len(d) for d in out):
+            return False
+        self._found = (decoding, rooms, out)
+        return True
 
     def drafts(self, decoding: list[Request], allocate):
         """(per decoding request its draft tokens ((k_i,) int64, maybe empty), the
@@ -95,24 +143,35 @@ class Speculator:
         device ((sum k_i,) int64, request-major: a draft model's; the host arrays are
         then placeholders ``-(1 + i)`` of index i there, read by the step planner)),
         or None when the step does not speculate. Drafts stop before the request's last allowed token (the bonus
-        may be it) and fit the step's token budget."""
+        may be it) and fit the step's token budget. The n-gram lookups of ``lookup``
+        on the same requests are reused."""
         if not self.within_rule(len(decoding)):
             self.counters.skipped_by_batch_size += 1
             return None
-        if not all(spec_eligible(r) and settled(r) for r in decoding):
-            return None
+        found = self._found
+        self._found = None
+        if found is None or found[0] is not decoding:
+            if not self.lookup(decoding):
+                return None
+            found, self._found = self._found, None
         start = time.perf_counter()
         try:
-            return self._drafts(decoding, allocate)
+            return self._drafts(decoding, allocate, found)
         finally:
             self.counters.draft_seconds += time.perf_counter() - start
 
-    def _drafts(self, decoding: list[Request], allocate):
-        spare = self.max_tokens - len(decoding)  # every request feeds its pending token
+    def _rooms(self, decoding: list[Request]) -> np.ndarray:
+        """Each request's draft room: k, less where its token limit or the step's
+        budget is near (every request feeds its pending token)."""
+        spare = self.max_tokens - len(decoding)
         rooms = np.zeros(len(decoding), np.int64)
         for i, r in enumerate(decoding):
             rooms[i] = max(min(self.k, r.max_new_tokens - len(r.output_ids) - 1, spare), 0)
             spare -= rooms[i]
+        return rooms
+
+    def _drafts(self, decoding: list[Request], allocate, found):
+        _, rooms, out = found if found is not None else (None, self._rooms(decoding), None)
         if self.draft is not None:  # a draft model: its rows are allocated first
             limit = getattr(self.draft, "limit", None)  # MTP: requests with a first draft
             rooms = rooms if limit is None else limit(decoding, rooms)
@@ -124,22 +183,32 @@ class Speculator:
             starts = np.cumsum(rooms) - rooms  # each request's first index in the flat drafts
             marks = [-(1 + np.arange(s, s + n, dtype=np.int64)) for s, n in zip(starts, rooms)]
             return marks, ids, self.draft.propose(decoding, rooms, ids.data)
-        out = [
-            self._propose(r, int(room)) if room > 0 else np.zeros(0, np.int64)
-            for r, room in zip(decoding, rooms)
-        ]  # per request: its own history (numpy inside)
-        if not any(len(d) for d in out):
-            return None
         if self.pad_drafts and (rooms == self.k).all():  # a verify graph's shape: k each
             out = [_padded(d, self.k, r) for d, r in zip(out, decoding)]
         ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
         return None if ids is None else (out, ids, None)
 
+    def _index(self, r: Request) -> NgramIndex | None:
+        """``r``'s n-gram index, caught up with its known tokens (None: none yet)."""
+        index = self.indexes.get(r.request_id)
+        num_prompt = len(r.prompt_ids)
+        known = num_prompt + len(r.output_ids) - (not settled(r))
+        if index is None or not _follows(index.tokens, r, known):  # (its outputs were cut)
+            cfg = self.config
+            index = self.indexes[r.request_id] = NgramIndex(
+                cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
+        seen = len(index.tokens)
+        if seen < known:
+            new = list(r.prompt_ids[seen:]) if seen < num_prompt else []
+            new += r.output_ids[max(seen - num_prompt, 0) : known - num_prompt]
+            index.extend(new)
+        return index if index.tokens else None
+
     def _propose(self, r: Request, room: int) -> np.ndarray:
-        cfg = self.config
-        history = np.array(r.prompt_ids + r.output_ids, dtype=np.int64)
-        draft = propose_ngram(history, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        return _padded(draft, room, r) if cfg.force_accept else draft  # benchmarks: k
+        index = self._index(r)
+        draft = np.asarray(index.propose(room) if index is not None else [], np.int64)
+        return _padded(draft, room, r) if self.config.force_accept else draft  # benchmarks: k
 
     def release(self, r: Request, write: bool) -> None:
         """``r`` leaves the running set (finished or preempted); ``write``: its pages
@@ -147,6 +216,7 @@ class Speculator:
         lazy draft writes the rows it left out first (no page holds a stale draft
         row); else they are forgotten."""
         self.accepted_all.discard(r.request_id)
+        self.indexes.pop(r.request_id, None)
         if r.draft_lag is not None and self.draft is not None:
             self.draft.release(r, write)
 
@@ -164,6 +234,21 @@ class Speculator:
         c.draft_tokens += drafted
         c.accepted_tokens += int(accepted.sum())
         c.emitted_tokens += int(accepted.sum()) + requests
+
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+def _follows(tokens: list[int], r: Request, known: int) -> bool:
+    """Whether ``r``'s first ``known`` tokens extend ``tokens`` (its last one checked:
+    outputs are cut only at a stop token, then resumed by nothing but new tokens)."""
+    seen = len(tokens)
+    if seen > known:
+        return False
+    if not seen:
+        return True
+    at, num_prompt = seen - 1, len(r.prompt_ids)
+    return tokens[-1] == (r.prompt_ids[at] if at < num_prompt else r.output_ids[at - num_prompt])
 
 
 def _padded(draft: np.ndarray, k: int, r: Request) -> np.ndarray:

@@ -47,3 +47,83 @@ def propose_ngram_ends(
                 start = int(hits[-1]) + n
                 out[i] = history[start : min(start + k, ends[i])]
     return [history[:0] if o is None else o for o in out]
+
+
+class NgramIndex:
+    """One request's prompt lookup, kept across steps: per n-gram size, the latest end
+    of every n-gram of its history (``last``) and the (n - 1)-token heads of them all
+    (``heads``), keyed by the n-gram's int64 bytes (not GC-tracked: a long prompt's
+    index is built from numpy windows at C speed). Appending token p looks its
+    n-grams up before recording them, so the most recent earlier occurrence of the
+    current suffix (``match``) costs one dict read per size, not a scan of the
+    history: ``propose(room)`` equals ``propose_ngram(tokens, room, n_min, n_max)``.
+    ``may_match_next`` says, before the next token is known, whether its lookup can
+    find anything (some earlier n-gram starts with the last n - 1 tokens)."""
+
+    BULK = 32  # more new tokens than this at once: the dicts built from numpy windows
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.sizes = range(n_max, n_min - 1, -1)  # longest first: the first match wins
+        self.tokens: list[int] = []
+        self.last: dict[int, dict[bytes, int]] = {n: {} for n in self.sizes}
+        self.heads: dict[int, set[bytes]] = {n: set() for n in self.sizes}
+        self.match: dict[int, int | None] = {n: None for n in self.sizes}
+
+    def extend(self, new: list[int]) -> None:
+        """Append ``new`` tokens (all known) to the history."""
+        if len(new) > self.BULK:
+            self._bulk(new[:-1])
+            new = new[-1:]
+        tokens = self.tokens
+        for token in new:
+            tokens.append(token)
+            p = len(tokens)
+            tail = np.asarray(tokens[-self.sizes[0] :], np.int64).tobytes()
+            for n in self.sizes:
+                if n > p:
+                    self.match[n] = None
+                    continue
+                gram = tail[len(tail) - 8 * n :]
+                self.match[n] = self.last[n].get(gram)
+                self.last[n][gram] = p - 1
+                self.heads[n].add(gram[:-8])
+
+    def _bulk(self, new: list[int]) -> None:
+        """Record ``new``'s n-grams at once (no match kept: a later token's is)."""
+        start = len(self.tokens)
+        self.tokens.extend(new)
+        arr = np.asarray(self.tokens, np.int64)
+        for n in self.sizes:
+            first = max(start - n + 1, 0)  # grams ending in ``new``
+            if arr.shape[0] - first < n:
+                continue
+            windows = np.ascontiguousarray(sliding_window_view(arr[first:], n))
+            grams = windows.view(f"V{8 * n}").ravel().tolist()  # bytes, one per gram
+            self.last[n].update(zip(grams, range(first + n - 1, arr.shape[0])))
+            heads = np.ascontiguousarray(windows[:, :-1]).view(f"V{8 * (n - 1)}") if n > 1 else None
+            self.heads[n].update(heads.ravel().tolist() if heads is not None else [b""])
+
+    def propose(self, room: int) -> list[int]:
+        """Up to ``room`` tokens that followed the latest earlier occurrence of the
+        longest suffix found (empty: none)."""
+        for n in self.sizes:
+            end = self.match[n]
+            if end is not None:
+                return self.tokens[end + 1 : end + 1 + room]
+        return []
+
+    def found(self) -> bool:
+        """Whether the lookup of the history as it is finds a draft."""
+        return any(end is not None for end in self.match.values())
+
+    def may_match_next(self) -> bool:
+        """Whether the lookup after one more (unknown) token can find a draft."""
+        tokens = self.tokens
+        if not tokens:
+            return False
+        tail = np.asarray(tokens[-self.sizes[0] :], np.int64).tobytes()
+        return any(
+            tail[len(tail) - 8 * (n - 1) :] in self.heads[n]
+            for n in self.sizes
+            if n - 1 <= len(tokens)
+        )

@@ -40,10 +40,22 @@ def greedy_accept(
     """Greedy verification: logits (B, K+1, V), drafts (B, K) int64, num_drafts (B,)
     int64. Returns (tokens (B, K+1) int64: the accepted drafts then the target's
     argmax at the first mismatch or the bonus, num_accepted (B,) int64). ``force``
-    (benchmarks only): every draft is accepted, whatever the target says."""
+    (benchmarks only): every draft is accepted, whatever the target says.
+
+    An accepted draft equals the target's argmax at its row, so the emitted tokens
+    are the argmax rows up to the first rejection (few device ops: a verify step's
+    host cost is its launches)."""
     target = logits.argmax(dim=-1)  # (B, K+1)
-    accepted = torch.ones_like(drafts, dtype=torch.bool) if force else target[:, :-1] == drafts
-    return _emit(target, drafts, num_drafts, accepted)
+    width = drafts.shape[1]
+    pos = torch.arange(width + 1, device=drafts.device)
+    if force:  # the drafts, then the target's token after the last (never the model's)
+        num_accepted = num_drafts
+        target = torch.cat([torch.where(pos[:width] < num_drafts[:, None], drafts,
+                                        target[:, :width]), target[:, width:]], dim=1)  # fmt: skip
+    else:
+        ok = (target[:, :width] == drafts) & (pos[:width] < num_drafts[:, None])
+        num_accepted = ok.cumprod(dim=1).sum(dim=1)
+    return target.masked_fill(pos > num_accepted[:, None], -1), num_accepted
 
 
 def _emit(final_rows, drafts, num_drafts, accepted):
