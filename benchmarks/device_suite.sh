@@ -32,7 +32,8 @@ lane 480 tests/engine/test_engine_gemma_gpu.py tests/allocator/test_allocator_pr
 lane 480 tests/engine/test_engine_new_families_gpu.py tests/engine/test_engine_kimi_linear_gpu.py &
 lane 480 tests/engine/test_engine_deepseek_gpu.py tests/engine/test_spec_recurrent_gpu.py \
   tests/kernels/test_kernels_recurrent_draft.py &
-lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py &
+lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py \
+  tests/engine/test_prefix_decode_cost.py tests/engine/test_spec_host.py &
 lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py \
   tests/engine/test_spec_mtp_chain.py &
 lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py \
