@@ -163,10 +163,11 @@ def test_hopper_extend_compiles_for_sm90(tmp_path):
 
 
 def test_the_shared_memory_check_sees_the_launch_that_failed_on_the_gpu(tmp_path):
-    """The 8-token entry's FP8 launch at 16 x 24 scale blocks as the table gives it
-    (three stages, without ``fused.fp8_config``) needs more than an SM's 227 KB: the
-    OutOfResources the H100 raised, seen here by the compile above's smem bound."""
-    cfg = moe_fp8.plan(8, torch.bfloat16)
+    """The 16-bit table's 8-token entry, which the FP8 launch took before ``fp8.TABLE``
+    had entries, at 16 x 24 scale blocks (three stages, without ``fused.fp8_config``)
+    needs more than an SM's 227 KB: the OutOfResources the H100 raised (session 23),
+    seen here by the compile above's smem bound."""
+    cfg = moe.plan(8, False, torch.bfloat16)
     assert cfg.num_stages > 1
     cases = json.dumps([[list(cfg), "fp8odd-raw"]])
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
