@@ -5,8 +5,6 @@ nothing of ``speculative/`` but the lookup."""
 
 from __future__ import annotations
 
-import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import torch
 from engine_fixtures import VOCAB, one_thread, save_tiny_model  # noqa: F401  (a fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_spec_rule_ops import step_costs
 
 from unikv.engine.speculative.ngram import NgramIndex, propose_ngram
 
@@ -47,41 +46,6 @@ def test_index_equals_full_scan(tokens, n_min, extra, k, split):
         assert index.may_match_next() == some
 
 
-def _entries(llm, prompts, params, monkeypatch) -> list[tuple[str, int, int, Counter]]:
-    """Per loop step: (batch kind, requests, aten ops dispatched, the functions of
-    ``speculative/`` entered from outside it, counted)."""
-    from test_spec_rule_ops import _Ops
-
-    from unikv.engine.online import EngineLoop
-
-    costs, step = [], EngineLoop.step
-
-    def inside(frame) -> bool:
-        return "/unikv/engine/speculative/" in frame.f_code.co_filename.replace("\\", "/")
-
-    def counted(loop):
-        ops, entered = _Ops(), Counter()
-
-        def profile(frame, event, arg):
-            if event == "call" and inside(frame) and not inside(frame.f_back):
-                entered[frame.f_code.co_qualname] += 1
-
-        sys.setprofile(profile)
-        try:
-            with ops:
-                out = step(loop)
-        finally:
-            sys.setprofile(None)
-        if out is not None:
-            costs.append((out[0].kind.name, len(out[0].requests), ops.count, entered))
-        return out
-
-    with monkeypatch.context() as m:
-        m.setattr(EngineLoop, "step", counted)
-        llm.generate(prompts, params)
-    return costs
-
-
 LOOKUP = {"Speculator.may_find", "Speculator.lookup"}  # the n-gram lookup's entries
 
 
@@ -106,9 +70,9 @@ def test_step_without_drafts_is_the_plain_step(tmp_path, monkeypatch, device):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 6,
             "prompt_lookup_max": 6}  # fmt: skip
     plain_llm = LLM(path, **kw)
-    plain = _entries(plain_llm, prompts, params, monkeypatch)
+    plain = step_costs(plain_llm, prompts, params, monkeypatch)
     llm = LLM(path, speculative_config=spec, **kw)
-    spec_costs = _entries(llm, prompts, params, monkeypatch)
+    spec_costs = step_costs(llm, prompts, params, monkeypatch)
     assert llm.stats.spec_verify_steps == 0, "the test's premise: no lookup finds a draft"
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [
         o.outputs[0].token_ids for o in plain_llm.generate(prompts, params)

@@ -15,6 +15,7 @@ rule is a host int the scheduler reads: ``Scheduler.spec_limit``).
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -40,17 +41,21 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_costs(llm: LLM, prompts, params, monkeypatch) -> list[tuple[str, int, int, int]]:
-    """Per loop step: (batch kind, requests, aten ops, calls into the speculative
-    package)."""
+def step_costs(llm: LLM, prompts, params, monkeypatch) -> list[tuple[str, int, int, Counter]]:
+    """Per loop step: (batch kind, requests, aten ops dispatched, the functions of the
+    speculative package entered from outside it, counted: empty when the step made no
+    call into it)."""
     costs, step = [], EngineLoop.step
 
+    def inside(frame) -> bool:
+        return frame is not None and SPECULATIVE in frame.f_code.co_filename.replace("\\", "/")
+
     def counted(loop):
-        ops, calls = _Ops(), [0]
+        ops, entered = _Ops(), Counter()
 
         def profile(frame, event, arg):
-            if event == "call" and SPECULATIVE in frame.f_code.co_filename.replace("\\", "/"):
-                calls[0] += 1
+            if event == "call" and inside(frame) and not inside(frame.f_back):
+                entered[frame.f_code.co_qualname] += 1
 
         sys.setprofile(profile)
         try:
@@ -59,7 +64,7 @@ def step_costs(llm: LLM, prompts, params, monkeypatch) -> list[tuple[str, int, i
         finally:
             sys.setprofile(None)
         if out is not None:
-            costs.append((out[0].kind.name, len(out[0].requests), ops.count, calls[0]))
+            costs.append((out[0].kind.name, len(out[0].requests), ops.count, entered))
         return out
 
     with monkeypatch.context() as m:
@@ -91,5 +96,5 @@ def test_rule_step_is_the_plain_step_op_for_op(tmp_path, monkeypatch, device):
     assert [c[:3] for c in rule[:-1]] == [c[:3] for c in plain[:-1]]
     decodes = [c for c in rule[:-1] if c[0] == "DECODE"]
     assert len(decodes) >= 7 and all(c[1] == 4 for c in decodes)
-    assert all(calls == 0 for _, _, _, calls in decodes)  # no speculative bookkeeping
+    assert all(not calls for _, _, _, calls in decodes)  # no speculative bookkeeping
     assert llm.scheduler.spec.counters.skipped_by_batch_size >= len(decodes)
