@@ -140,20 +140,12 @@ def test_chain_drafts_and_outputs_under_preemption(saved, arch, ps, padded, monk
     draft = llm.runner.draft
     assert isinstance(draft.chain, DraftChain)
     if padded:  # the graphs' padded plans (lane counts 1, 2, 4), run eagerly
-        draft.enable_chain(K, max_rows=4, capture=False)
+        padded_eager(llm)
         assert draft.chain.sizes == [1, 2, 4]
-        llm.runner.capture_verify(K + 1, 4, capture=False)  # verify steps and the rows
-        draft.capture_verify_rows(llm.runner.verify_graphs, capture=False)  # after them
-    lanes = []  # (requests, padded size) of each verify step's rows run padded
-    rows_run = VerifyRowGraphs.run
-
-    def spy_rows(graphs, plan, rows, tokens, accepted):
-        lanes.append((tokens.shape[0], rows))
-        return rows_run(graphs, plan, rows, tokens, accepted)
-
+    lanes: list = []  # (requests, padded size) of each verify step's rows run padded
     with monkeypatch.context() as m:
         spy = ChainSpy(llm, m)
-        m.setattr(VerifyRowGraphs, "run", spy_rows)
+        spy_padded_rows(m, lanes)
         out = llm.generate(items + items[::-1], params)
     assert [o.output_ids for o in out] == want + want[::-1]
     assert llm.stats.preemptions > 0
@@ -168,6 +160,26 @@ def test_chain_drafts_and_outputs_under_preemption(saved, arch, ps, padded, monk
     assert_pages_returned(llm)
 
 
+def padded_eager(llm) -> None:
+    """The graphs' padded plans (lane counts 1, 2, 4) run eagerly: the chain, the verify
+    steps and the rows after them."""
+    draft = llm.runner.draft
+    draft.enable_chain(K, max_rows=4, capture=False)
+    llm.runner.capture_verify(K + 1, 4, capture=False)
+    draft.capture_verify_rows(llm.runner.verify_graphs, capture=False)
+
+
+def spy_padded_rows(m, lanes: list) -> None:
+    """Record (requests, padded size) of each verify step's rows run padded."""
+    rows_run = VerifyRowGraphs.run
+
+    def spy_rows(graphs, plan, rows, tokens, accepted):
+        lanes.append((tokens.shape[0], rows))
+        return rows_run(graphs, plan, rows, tokens, accepted)
+
+    m.setattr(VerifyRowGraphs, "run", spy_rows)
+
+
 def test_padded_lanes_keep_the_real_slots_first_drafts(saved, monkeypatch):
     """Three requests in padded plans of 4 lanes (chain, verify step, the rows after
     it): the padded lane's outputs go to the scratch row, so every chain still starts
@@ -176,19 +188,11 @@ def test_padded_lanes_keep_the_real_slots_first_drafts(saved, monkeypatch):
     items, params = prompts(), SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     want = [o.output_ids for o in make_llm(path, 16, False).generate(items, params)]
     llm = make_llm(path, 16, True)
-    draft = llm.runner.draft
-    draft.enable_chain(K, max_rows=4, capture=False)
-    llm.runner.capture_verify(K + 1, 4, capture=False)
-    draft.capture_verify_rows(llm.runner.verify_graphs, capture=False)
-    lanes, rows_run = [], VerifyRowGraphs.run
-
-    def spy_rows(graphs, plan, rows, tokens, accepted):
-        lanes.append((tokens.shape[0], rows))
-        return rows_run(graphs, plan, rows, tokens, accepted)
-
+    padded_eager(llm)
+    lanes: list = []
     with monkeypatch.context() as m:
         spy = ChainSpy(llm, m)
-        m.setattr(VerifyRowGraphs, "run", spy_rows)
+        spy_padded_rows(m, lanes)
         assert [o.output_ids for o in llm.generate(items, params)] == want
     assert (3, 4) in lanes  # three requests, a padded lane
     three = [run for run in spy.runs if len(run[0]) == 3]
