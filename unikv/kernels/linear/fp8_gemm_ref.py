@@ -214,7 +214,8 @@ def moe_fp8_w8a8(
     *,
     block: tuple[int, int],
     activation: str = "silu",
-) -> torch.Tensor:
+    with_act: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The W8A8 fused MoE over FP8 experts (``moe_fp8``'s arguments; 16-bit x), from its
     definition, in fp32 throughout:
 
@@ -227,7 +228,8 @@ def moe_fp8_w8a8(
         out = sum over the token's k choices (fp32), cast to x.dtype.
 
     One expert's fp32 weights at a time (the GPU benchmark's shapes fit); syncs the host
-    (``torch.where`` per expert): a reference, never on the engine's path."""
+    (``torch.where`` per expert): a reference, never on the engine's path. ``with_act``:
+    also each assignment's activation ``a`` (T * k, I) (as ``moe_fp8_w8a8_exact``'s)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"moe_fp8_w8a8: x must be bf16 or fp16 (W8A8 is a 16-bit path), got {x.dtype}"
@@ -237,6 +239,8 @@ def moe_fp8_w8a8(
     xq, xs = quantize_act(x, bk)
     xd = dequantize(xq, xs, (1, bk))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    k = topk_ids.shape[1]
+    acts = x.new_zeros(x.shape[0] * k, w2.shape[2]) if with_act else None
     for e in range(w1.shape[0]):
         token, slot = torch.where(topk_ids == e)
         if not token.numel():
@@ -246,7 +250,106 @@ def moe_fp8_w8a8(
         gu = xd[token] @ wa.t()
         g, u = (gu, gu) if parts == 1 else gu.chunk(2, dim=-1)
         a = _act_fp32(g, u, activation).to(x.dtype)
+        if acts is not None:
+            acts[token * k + slot] = a
         aq, as_ = quantize_act(a, bk)
         y = dequantize(aq, as_, (1, bk)) @ wb.t()
         out.index_add_(0, token, y * topk_weights[token, slot, None].float())
-    return out.to(x.dtype)
+    return (out.to(x.dtype), acts) if with_act else out.to(x.dtype)
+
+
+def _dequantize64(q: torch.Tensor, scales: torch.Tensor, block) -> torch.Tensor:
+    """(N, K) fp8 codes and their fp32 block multipliers -> fp64, each element exact (an
+    e4m3 value has 4 significant bits and an fp32 multiplier 24: the product fits 53)."""
+    bn, bk = block
+    n, k = q.shape
+    s = scales.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.double() * s
+
+
+def moe_fp8_w8a8_exact(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w1: torch.Tensor,
+    w1_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    block: tuple[int, int],
+    activation: str = "silu",
+    with_act: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``moe_fp8_w8a8``'s definition with every sum exact: the same quantised x (codes
+    and scales of ``quantize_act``), every product and sum in fp64 over the exactly
+    dequantised operands, the activation rounded to x.dtype and quantised as the
+    definition says, and the (T, d) result left in fp64, unrounded. The fp32 reference
+    and the kernel each sit at a distance from it (their sums' rounding, then the
+    output's bf16 rounding): ``w8a8_errors`` measures it, ``W8A8_RMS_BOUND`` and
+    ``W8A8_ROW_BOUND`` bound it. ``with_act``: also the activation each assignment t * k +
+    j quantises, (T * k, I) in x.dtype (a diagnostic: where a side's codes move)."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"moe_fp8_w8a8_exact: x must be bf16 or fp16, got {x.dtype}")
+    bk, parts = block[1], 1 if activation == "relu2" else 2
+    e_all, rows1 = w1.shape[0], w1.shape[1]
+    xq, xs = quantize_act(x, bk)
+    xd = _dequantize64(xq, xs, (1, bk))
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    k, inter = topk_ids.shape[1], w2.shape[2]
+    acts = torch.zeros(x.shape[0] * k, inter, dtype=x.dtype, device=x.device) if with_act else None
+    for e in range(e_all):
+        token, slot = torch.where(topk_ids == e)
+        if not token.numel():
+            continue
+        s1 = w1_scale[e].view(parts, -1, w1_scale.shape[-1])  # each part blocked on its own
+        wa = torch.cat([_dequantize64(p, s, block) for p, s in
+                        zip(w1[e].view(parts, rows1 // parts, -1), s1, strict=True)])  # fmt: skip
+        gu = xd[token] @ wa.t()
+        g, u = (gu, gu) if parts == 1 else gu.chunk(2, dim=-1)
+        a = _act_fp32(g, u, activation).to(x.dtype)
+        if acts is not None:
+            acts[token * k + slot] = a
+        aq, a_s = quantize_act(a, bk)
+        y = _dequantize64(aq, a_s, (1, bk)) @ _dequantize64(w2[e], w2_scale[e], block).t()
+        out.index_add_(0, token, y * topk_weights[token, slot, None].double())
+    return (out, acts) if with_act else out
+
+
+# The W8A8 MoE's distance to its exact description (``moe_fp8_w8a8_exact``), as relative
+# rms: ||got - exact|| / ||exact|| over the whole (T, d) output, and over each row. Sources:
+# - the output's rounding to bf16: an error uniform over +-ulp / 2, ulp <= 2^-7 of the
+#   element, so rms <= 2^-7 / sqrt(12) = 2.3e-3 of the output (observed 1.7e-3);
+# - the intermediate's codes: the activation is rounded to bf16 and quantised to e4m3,
+#   both discontinuous, so a sum rounded otherwise (fp32 in another order; the FP8 MMA's
+#   own accumulation on the GPU) puts an element near a rounding boundary on the other
+#   side: its code moves one e4m3 step (2^-4 .. 2^-3 of it) instead of staying within
+#   half a step. Allowing 1/64 of the codes to move adds sqrt(1/64) x 2^-4 = 7.8e-3.
+# Together sqrt(2.3e-3^2 + 7.8e-3^2) = 8.1e-3 (``W8A8_RMS_BOUND``). Per row
+# (``W8A8_ROW_BOUND``): moved codes cluster (a group's scale moves with its largest
+# element), so a row may lose more, but even every code of a row one step off (<= 2^-3 of
+# each activation element) keeps the row's rms error within 2^-3 of its rms; a wrong row
+# (garbage, a wrong expert or scale) is off by O(1). The max error over max |output| (the
+# earlier 1 % check) is a tail statistic: one moved code of a large activation element
+# moves an output row by up to ~10 % of the row's rms at one column, so its maximum grows
+# with T x d and crossed 1 % at T 2048 with neither side wrong (docs/perf.md). Measured on
+# CPU (E 8, top-2, d 1024, I 512, T 2048; overall / worst row): the fp32 reference 1.7e-3
+# / 3.6e-3; sums perturbed by 1e-5 of their absolute terms 4.5e-3 / 0.028, by 3e-5 7.3e-3 /
+# 0.036; the intermediate quantised from fp32 instead of bf16 (a real bug: about one code
+# in 30 moved) 1.1e-2 / 0.042; e4m3 truncation instead of rounding 0.13 / 0.18.
+W8A8_RMS_BOUND = 8.1e-3
+W8A8_ROW_BOUND = 2.0**-3
+
+
+def w8a8_errors(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """(||got - exact|| / ||exact|| over the whole (T, d) output, the largest such ratio
+    over its rows), in fp64: what ``W8A8_RMS_BOUND`` and ``W8A8_ROW_BOUND`` bound."""
+    if got.shape != exact.shape or got.dim() != 2:
+        raise ValueError(
+            f"w8a8_errors: got and exact must be the same (T, d), got {tuple(got.shape)} "
+            f"and {tuple(exact.shape)}"
+        )
+    exact = exact.double()
+    diff = got.double() - exact
+    rows = diff.norm(dim=1) / exact.norm(dim=1).clamp_min(1e-300)
+    total = diff.norm() / exact.norm().clamp_min(1e-300)
+    return total.item(), (rows.max().item() if rows.numel() else 0.0)
