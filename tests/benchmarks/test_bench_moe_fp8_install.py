@@ -9,6 +9,7 @@ Python that rebuilds those entries."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import bench_moe
 from unikv.kernels.moe import fp8, fused
@@ -71,3 +72,55 @@ def test_the_summary_names_the_faster_variant_against_bf16():
     )
     assert "1.50x bf16 (1200.0 us)" in line and "9.3 % of the FP8 roofline" in line
     assert "61 % of its matmul rate" in line and "16-bit act 1600.0 us" in line
+
+
+def _exec_install(lines: list) -> dict:
+    """The INSTALL lines run as Python -> {"TABLE": ..., "W8A8_MIN_TOKENS": ...}."""
+    scope = {"fp8": type("M", (), {"TABLE": {}}), "Config": fused.Config}
+    for line in lines:
+        if line.startswith("INSTALL "):
+            exec(line.removeprefix("INSTALL ").split("  #")[0], scope)  # noqa: S102
+    return {"TABLE": scope["fp8"].TABLE, "W8A8_MIN_TOKENS": scope["fp8"].W8A8_MIN_TOKENS}
+
+
+def test_an_untimed_t_keeps_its_entry_and_is_neither_a_win_nor_a_loss():
+    """W8A8 wins at T 16-256 and loses at 1; at T 2048 every W8A8 candidate failed its
+    check (no time). The threshold is 16 (2048 skipped, not a loss that would leave no
+    threshold), the (2048, True) entry is the current table's, re-installed with a "kept"
+    note, and an UNTIMED line names T 2048; with no current entry there is none to keep."""
+    rows = [r for r in _rows({1: False, 16: True, 64: True, 256: True, 2048: True})
+            if not (r["B"] == 2048 and r["variant"] == "w8a8")]  # fmt: skip
+    rows.append({"B": 2048, "variant": "w8a8", "candidate": [128, 64, 128, 1, 8, 3],
+                 "error": "output differs from its reference; not timed"})  # fmt: skip
+    current = {
+        (2048, True): fused.Config(64, 64, 128, 1, 4, 3),
+        (1, False): fused.Config(*[16] * 2, 64, 1, 4, 3),
+    }
+    lines, table, threshold = bench_moe.fp8_install(rows, BATCHES, current)
+    assert threshold == 16
+    assert table[2048, True] == list(current[2048, True])
+    assert table[2048, False] == list(fused.Config(16, 32, 128, 1, 4, 4))  # timed: its pick
+    kept = [line for line in lines if "# kept" in line]
+    assert len(kept) == 1 and "(2048, True)" in kept[0] and "T 2048" in kept[0]
+    untimed = [line for line in lines if line.startswith("UNTIMED")]
+    assert len(untimed) == 1 and "[2048]" in untimed[0]
+    installed = _exec_install(lines)
+    assert installed["TABLE"] == {k: fused.Config(*v) for k, v in table.items()}
+    assert installed["W8A8_MIN_TOKENS"] == 16
+    lines, table, threshold = bench_moe.fp8_install(rows, BATCHES, {})
+    assert (2048, True) not in table and threshold == 16
+    assert not [line for line in lines if "# kept" in line]
+
+
+def test_the_sweep_checks_w8a8_against_the_exact_description():
+    """``w8a8_check``: the exact result rounded to bf16 passes (recording its rms, worst
+    row and the max error against the reference); one row off by 50 % fails on its row."""
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(64, 256, generator=g, dtype=torch.float64)
+    row: dict = {}
+    assert bench_moe.w8a8_check(exact.bfloat16(), exact, exact.bfloat16(), row)
+    assert 0 < row["rms_vs_exact"] <= 2.0**-7 / 12**0.5 and row["rel_err_vs_reference"] == 0
+    bad = exact.clone()
+    bad[5] *= 1.5
+    assert not bench_moe.w8a8_check(bad.bfloat16(), exact, exact.bfloat16(), row)
+    assert row["worst_row_vs_exact"] > 0.4
