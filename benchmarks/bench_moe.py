@@ -51,12 +51,13 @@ within ``W8A8_RMS_BOUND`` overall and ``W8A8_ROW_BOUND`` per row; the max error 
 to the bf16 kernel. The exact description's fp64 GEMMs take ~30 s at T 2048 on an H100.
 JSON: benchmarks/results/moe_fp8.json and ``$OUT/bench_moe_fp8.json``.
 
-``--fp8 --sweep [--budget 85] [--batches ...]`` (T 1, 8, 16, 64, 256, 2048; under two
-minutes on an H100): per T the bf16 kernel, then each variant (16-bit activations,
-W8A8) at its plan's tiles and ``fp8.SWEEP``'s candidates, each checked first (16-bit:
-the bf16 kernel at 3e-2; W8A8: ``w8a8_check``), each T given its share of the budget
-(not counting the exact description). Prints per T the best FP8 variant against the bf16 kernel and its share of the
-FP8 bytes roofline (and of the FP8 / bf16 matmul rate measured in the run), then
+``--fp8 --sweep [--budget 85] [--batches ...]`` (T 1, 8, 16, 64, 256, 2048; about two
+and a half minutes on an H100 with the exact description at T 2048): per T the bf16
+kernel, then each variant (16-bit activations, W8A8) at its plan's tiles and
+``fp8.SWEEP``'s candidates, each checked first (16-bit: the bf16 kernel at 3e-2; W8A8:
+``w8a8_check``), each T given its share of the budget (not counting the exact
+description). Prints per T the best FP8 variant against the bf16 kernel and its share
+of the FP8 bytes roofline (and of the FP8 / bf16 matmul rate measured in the run), then
 ``INSTALL`` lines for ``kernels/moe/fp8.TABLE[(bucket, w8a8)]`` and
 ``fp8.W8A8_MIN_TOKENS`` (the smallest swept T from which W8A8 won at every larger one
 where both variants were timed; an untimed (T, variant) keeps its current entry, with a
@@ -521,8 +522,9 @@ def fp8_install(
         threshold = t
     won = "no swept T" if threshold is None else f"every timed swept T >= {threshold}"
     if untimed:
-        lines.append(f"UNTIMED T {sorted(untimed)}: a variant had no timed candidate there; "
-                     "neither a win nor a loss for W8A8_MIN_TOKENS, its TABLE entries kept")  # fmt: skip
+        why = "a variant had no timed candidate there"
+        lines.append(f"UNTIMED T {sorted(untimed)}: {why}; neither a win nor a loss for "
+                     "W8A8_MIN_TOKENS, their TABLE entries kept")  # fmt: skip
     lines.append(f"INSTALL fp8.W8A8_MIN_TOKENS = {threshold or '1 << 62'}  # W8A8 won at {won}")
     return lines, table, threshold
 
@@ -662,7 +664,7 @@ def main() -> None:
     parser.add_argument("--batches", default="", help="sweep only these B (comma list)")
     parser.add_argument("--fp8", action="store_true", help="FP8 experts vs bf16 (alone)")
     parser.add_argument("--diagnose", type=int, default=0,
-                        help="with --fp8: W8A8 against its exact description at this T")  # fmt: skip
+                        help="with --fp8: W8A8 vs its exact description at this T")  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU (the fused MoE is a Triton kernel)")

@@ -320,9 +320,10 @@ def moe_fp8_w8a8_exact(
 # - the output's rounding to bf16: an error uniform over +-ulp / 2, ulp <= 2^-7 of the
 #   element, so rms <= 2^-7 / sqrt(12) = 2.3e-3 of the output (observed 1.7e-3);
 # - the intermediate's codes: the activation is rounded to bf16 and quantised to e4m3,
-#   both discontinuous, so a sum rounded otherwise (fp32 in another order; the FP8 MMA's
-#   own accumulation on the GPU) puts an element near a rounding boundary on the other
-#   side: its code moves one e4m3 step (2^-4 .. 2^-3 of it) instead of staying within
+#   both discontinuous, so a sum rounded otherwise (fp32 in another order; on sm_90
+#   the FP8 MMA's own accumulation, which Triton keeps for a whole K tile: its default
+#   ``max_num_imprecise_acc`` there is 2^30) puts an element near a rounding boundary
+#   on the other side: its code moves one e4m3 step (2^-4 .. 2^-3 of it) instead of staying within
 #   half a step. Allowing 1/64 of the codes to move adds sqrt(1/64) x 2^-4 = 7.8e-3.
 # Together sqrt(2.3e-3^2 + 7.8e-3^2) = 8.1e-3 (``W8A8_RMS_BOUND``). Per row
 # (``W8A8_ROW_BOUND``): moved codes cluster (a group's scale moves with its largest
@@ -332,10 +333,12 @@ def moe_fp8_w8a8_exact(
 # earlier 1 % check) is a tail statistic: one moved code of a large activation element
 # moves an output row by up to ~10 % of the row's rms at one column, so its maximum grows
 # with T x d and crossed 1 % at T 2048 with neither side wrong (docs/perf.md). Measured on
-# CPU (E 8, top-2, d 1024, I 512, T 2048; overall / worst row): the fp32 reference 1.7e-3
-# / 3.6e-3; sums perturbed by 1e-5 of their absolute terms 4.5e-3 / 0.028, by 3e-5 7.3e-3 /
-# 0.036; the intermediate quantised from fp32 instead of bf16 (a real bug: about one code
-# in 30 moved) 1.1e-2 / 0.042; e4m3 truncation instead of rounding 0.13 / 0.18.
+# CPU (E 8, top-2, d 1024, I 512, T 2048; overall / worst row): the exact result rounded
+# to bf16 1.7e-3 / 1.9e-3, the fp32 reference 1.7e-3 overall; gate / up sums perturbed by
+# 1e-7 of their absolute terms (about fp32's) 1.7e-3 / 3.6e-3, by 1e-5 4.5e-3 / 0.028, by
+# 3e-5 7.3e-3 / 0.036; the intermediate quantised from fp32 instead of bf16 (a real bug:
+# about one code in 30 moved) 1.1e-2 / 0.042; e4m3 truncation instead of rounding 0.13 /
+# 0.18.
 W8A8_RMS_BOUND = 8.1e-3
 W8A8_ROW_BOUND = 2.0**-3
 
