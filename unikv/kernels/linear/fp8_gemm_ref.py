@@ -264,7 +264,7 @@ def _dequantize64(q: torch.Tensor, scales: torch.Tensor, block) -> torch.Tensor:
     bn, bk = block
     n, k = q.shape
     s = scales.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.double() * s
+    return q.float().double() * s  # fp8 -> fp32 -> fp64, each exact
 
 
 def moe_fp8_w8a8_exact(
