@@ -121,6 +121,7 @@ def test_decode_config_fills_the_grid_then_grows_tiles():
         ([0, 1, 2, 9, 17, 5], 37, 4, torch.float32, {"block_t": 4, "chunk_t": 8}),  # cut
         ([2, 11, 1], 300, 3, torch.bfloat16, {"block_t": 4, "chunk_t": 4, "block_c": 128}),
         ([5, 1, 13], 21, 2, torch.float32, {"block_t": 2, "chunk_t": 4}),
+        ([3, 7, 0, 12], 32, 4, torch.bfloat16, {"block_c": 16, "block_t": 4, "chunk_t": 8}),
     ],
 )
 def test_prefill_matches_reference(lens, channels, width, dtype, config):

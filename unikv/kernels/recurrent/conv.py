@@ -105,6 +105,7 @@ def _prefill_kernel(
     x_st, s_s, s_c, s_k, w_c, w_k, o_st, C,
     K: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr, PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    EVEN_C: tl.constexpr,
 ):  # fmt: skip
     """Outputs of tokens [pid1 * CHUNK_T, +CHUNK_T) of request pid2, channel block
     pid0; the request's first chunk also writes its final window."""
@@ -117,9 +118,11 @@ def _prefill_kernel(
     b = tl.program_id(2)  # channel blocks vary fastest: neighbours read one row span
     start = tl.load(q_indptr + b).to(tl.int64)
     length = tl.load(q_indptr + b + 1).to(tl.int64) - start
-    c0 = tl.program_id(0) * BLOCK_C
-    c = c0 + tl.arange(0, BLOCK_C)
-    mc = c < C
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if EVEN_C:  # no partial channel block: masks only on rows
+        mc = tl.full((BLOCK_C,), 1, tl.int1)
+    else:
+        mc = c < C
     first = tl.program_id(1).to(tl.int64) * CHUNK_T
     slot = tl.load(slots + b).to(tl.int64)
     row = state + slot * s_s + c.to(tl.int64) * sc  # (BLOCK_C,) window rows
@@ -127,18 +130,20 @@ def _prefill_kernel(
         bv = tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)
     jt = tl.arange(0, BLOCK_T)
     for t0 in tl.range(first, tl.minimum(first + CHUNK_T, length), BLOCK_T):
-        j = t0 + jt  # positions inside the request
-        mj = j < length
+        # one int64 base per tile, int32 offsets inside it (the launcher bounds them)
+        xt = x + (start + t0) * x_st
+        mj = t0 + jt < length  # rows of the request (its last tile is partial)
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for i in tl.static_range(K):  # seq[j + 1 + i] = x_b[idx], or state[K + idx] if idx < 0
-            idx = j + 1 + i - K
-            xv = tl.load(x + (start + idx)[:, None] * x_st + c[None, :],
-                         mask=(mj & (idx >= 0))[:, None] & mc[None, :], other=0.0)  # fmt: skip
+        for i in tl.static_range(K):  # seq[j + 1 + i] = x_b[j + 1 + i - K], or the state's
+            rows = jt + (1 + i - K)
+            mx = mj & (t0 + rows >= 0)
+            xv = tl.load(xt + rows[:, None] * x_st + c[None, :], mask=mx[:, None] & mc[None, :],
+                         other=0.0)  # fmt: skip
             wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)
             acc += xv.to(tl.float32) * wi[None, :]
         if t0 < K - 1:  # the tile's first rows continue the initial window
             for i in tl.static_range(K - 1):
-                idx = j + 1 + i - K
+                idx = t0 + jt + 1 + i - K  # < 0: column K + idx of the initial window
                 sv = tl.load(row[None, :] + (K + idx)[:, None] * sk,
                              mask=(mj & (idx < 0))[:, None] & mc[None, :], other=0.0)  # fmt: skip
                 wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)
@@ -147,7 +152,7 @@ def _prefill_kernel(
             acc += bv[None, :]
         if SILU:
             acc = acc * tl.sigmoid(acc)
-        dst = out + (start + j)[:, None] * o_st + c[None, :]
+        dst = out + (start + t0) * o_st + jt[:, None] * o_st + c[None, :]
         tl.store(dst, acc.to(out.dtype.element_ty), mask=mj[:, None] & mc[None, :])
     if first == 0:  # the one reader of the initial window writes the final one
         k = tl.arange(0, BLOCK_K)
@@ -248,10 +253,17 @@ def causal_conv1d(
     block_t = config.get("block_t", PREFILL_BLOCK_T)
     chunk_t = config.get("chunk_t", max(PREFILL_CHUNK_T, block_t))
     assert chunk_t % block_t == 0 and chunk_t >= width, "conv prefill: chunk_t tiles"
+    if max(x.stride(0), out.stride(0)) * (block_t + width) >= 2**31:
+        raise ValueError(
+            f"causal_conv1d: x's row stride {x.stride(0)} is too large for the prefill's "
+            f"int32 tile offsets (row stride x {block_t + width} rows must stay below 2**31); "
+            "pass x with a smaller row stride (e.g. x.contiguous())"
+        )
     grid = (triton.cdiv(channels, block_c), triton.cdiv(max_q_len, chunk_t), num_lanes)
     _prefill_kernel[grid](
         x, conv_state, slots, q_indptr, weight, bias_arg, out,
         x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
-        BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_C=block_c, **common,
+        BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_C=block_c, EVEN_C=channels % block_c == 0,
+        **common,
     )  # fmt: skip
     return out
