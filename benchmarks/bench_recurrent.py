@@ -49,10 +49,23 @@ PREFILLS = {"8x4k": [4096] * 8, "1x16k": [16384]}
 BF16 = torch.bfloat16
 STREAM_BYTES = 512 * 2**20  # copies of a decode case in one graph: > 8x a 50 MB L2
 MAX_COPIES = 24
-DECODE_SWEEP = [{"block_c": c, "lanes": n} for c in (128, 256, 512) for n in (1, 2, 4, 8)]
-PREFILL_SWEEP = [{"block_c": c, "block_t": t, "chunk_t": k}
-                 for c, t, k in ((64, 32, 256), (128, 16, 256), (128, 32, 256), (128, 64, 512),
-                                 (256, 32, 256), (128, 32, 1024), (128, 32, 4096))]  # fmt: skip
+DECODE_SWEEP = [{"block_c": c, "lanes": n, "num_warps": w}
+                for c, n, w in ((128, 1, 4), (128, 2, 4), (256, 1, 4), (256, 2, 4), (256, 4, 4),
+                                (256, 8, 4), (512, 2, 4), (512, 4, 4), (256, 8, 8), (512, 8, 8),
+                                (1024, 4, 8))]  # fmt: skip
+PREFILL_SWEEP = [
+    {"block_c": c, "block_t": t, "chunk_t": k}
+    for c, t, k in (
+        (64, 32, 256),
+        (128, 16, 256),
+        (128, 32, 256),
+        (128, 64, 512),
+        (256, 32, 256),
+        (128, 32, 1024),
+        (128, 32, 4096),
+    )
+]
+PREFILL_SWEEP += [{"block_c": 256, "block_t": 32, "chunk_t": 256, "num_warps": 8}]  # fmt: skip
 
 
 def d2d_GBps(nbytes: int = 2 * GIB) -> float:
@@ -185,7 +198,8 @@ def bench_sweep(model: str, bw: float) -> dict:
         for cfg in DECODE_SWEEP:
             us = stream_us([functools.partial(c.conv_op, cfg) for c in cases])
             out["decode"].append({"batch": bsz, **cfg, "us": us, "roofline_fraction": roof / us,
-                                  "default": (cfg["block_c"], cfg["lanes"]) == default})  # fmt: skip
+                                  "default": (cfg["block_c"], cfg["lanes"]) == default
+                                  and cfg["num_warps"] == conv_ops.NUM_WARPS})  # fmt: skip
         del cases
     case = Case(model, PREFILLS["8x4k"])
     roof = case.x.numel() * 2 * 2 / bw / 1e3

@@ -215,7 +215,7 @@ def causal_conv1d(
     None or "silu"; draft_slots: None or (B, k) (a verify step: the window after each
     token j < k but the lane's last into slot ``draft_slots[b, j]``); config: None, or
     block sizes overriding the defaults (``block_c``/``lanes`` for decode, ``block_c``/
-    ``block_t``/``chunk_t`` for prefill: the benchmark's sweep). Returns (T, C) in
+    ``block_t``/``chunk_t`` for prefill, ``num_warps`` for both: the benchmark's sweep). Returns (T, C) in
     x.dtype; conv_state updated in place.
     """
     check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation)
@@ -230,7 +230,7 @@ def causal_conv1d(
     common = {
         "K": width, "BLOCK_K": next_pow2(width), "HAS_BIAS": bias is not None,
         "PACKED": s_k == 1 and s_c == width, "SILU": activation == "silu",
-        "num_warps": NUM_WARPS,
+        "num_warps": config.get("num_warps", NUM_WARPS),
     }  # fmt: skip
     bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
     if max_q_len == 1:
