@@ -3,7 +3,7 @@ CPU) against its torch reference (``recurrent_ref.causal_conv1d``), over page-st
 slot views of a Mamba sub-pool whose entries interleave two conv parts and a temporal
 state (so the conv view's slot stride is the entry, not its own size).
 
-Cases: odd channel counts (one partial channel block, and several), widths 2-4, decode
+Cases: odd channel counts (one partial channel block, and several), widths 2-5, decode
 batches of 1/3/7 lanes with one and several lanes per program (a partial lane block
 included), varlen prefill with the requests cut into several chunks and tiles (block
 sizes forced small), empty requests, and a window view that is not packed (stride 1
@@ -96,6 +96,7 @@ def _check(lens, channels, width, dtype, *, has_bias=True, activation="silu", co
         (7, 300, 3, torch.bfloat16, {"lanes": 4, "block_c": 128}),  # 3 channel blocks
         (7, 300, 4, torch.float32, None),
         (3, 19, 4, torch.bfloat16, {"lanes": 8, "block_c": 16}),  # more lanes than the batch
+        (3, 21, 5, torch.float32, None),  # a width past 4
     ],
 )
 def test_decode_matches_reference(batch, channels, width, dtype, config):
@@ -122,6 +123,7 @@ def test_decode_config_fills_the_grid_then_grows_tiles():
         ([2, 11, 1], 300, 3, torch.bfloat16, {"block_t": 4, "chunk_t": 4, "block_c": 128}),
         ([5, 1, 13], 21, 2, torch.float32, {"block_t": 2, "chunk_t": 4}),
         ([3, 7, 0, 12], 32, 4, torch.bfloat16, {"block_c": 16, "block_t": 4, "chunk_t": 8}),
+        ([4, 9], 21, 5, torch.float32, {"block_t": 4, "chunk_t": 8}),  # a width past 4
     ],
 )
 def test_prefill_matches_reference(lens, channels, width, dtype, config):

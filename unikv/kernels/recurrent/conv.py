@@ -20,8 +20,10 @@ Both steps are one pass over their bytes, each byte read once and written once:
                              walks its chunk in BLOCK_T-token tiles (the K taps of a
                              tile re-read the K-1 rows before it from L1, not DRAM).
                              The request's first chunk is the only program that
-                             reads the initial state, so it also writes the final
-                             state, after a barrier: no second launch.
+                             reads the initial state: it computes the request's
+                             first K-1 outputs (the tiles skip them, so the loop
+                             reads x only) and writes the final state after a
+                             barrier: no second launch.
 
 The conv output's split into q/k/v (Gated DeltaNet) or x/B/C (Mamba-2) is a view of
 the one (T, C) output, so there is no copy to fuse. Offsets are int64; every stride
@@ -127,34 +129,64 @@ def _prefill_kernel(
     slot = tl.load(slots + b).to(tl.int64)
     row = state + slot * s_s + c.to(tl.int64) * sc  # (BLOCK_C,) window rows
     if HAS_BIAS:
-        bv = tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)
+        bv = tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
+    # the first 4 taps' weights load once, before the tiles (a tap's weights are strided
+    # by K, so each load also costs a layout change: once per program, not per tile)
+    w0 = tl.load(w + c * w_c, mask=mc, other=0.0).to(tl.float32)[None, :]
+    w1, w2, w3 = w0, w0, w0  # unused past K
+    if K > 1:
+        w1 = tl.load(w + c * w_c + w_k, mask=mc, other=0.0).to(tl.float32)[None, :]
+    if K > 2:
+        w2 = tl.load(w + c * w_c + 2 * w_k, mask=mc, other=0.0).to(tl.float32)[None, :]
+    if K > 3:
+        w3 = tl.load(w + c * w_c + 3 * w_k, mask=mc, other=0.0).to(tl.float32)[None, :]
     jt = tl.arange(0, BLOCK_T)
     for t0 in tl.range(first, tl.minimum(first + CHUNK_T, length), BLOCK_T):
         # one int64 base per tile, int32 offsets inside it (the launcher bounds them)
         xt = x + (start + t0) * x_st
         mj = t0 + jt < length  # rows of the request (its last tile is partial)
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for i in tl.static_range(K):  # seq[j + 1 + i] = x_b[j + 1 + i - K], or the state's
+        for i in tl.static_range(K):  # seq[j + 1 + i] = x_b[j + 1 + i - K] (j >= K - 1)
             rows = jt + (1 + i - K)
             mx = mj & (t0 + rows >= 0)
             xv = tl.load(xt + rows[:, None] * x_st + c[None, :], mask=mx[:, None] & mc[None, :],
                          other=0.0)  # fmt: skip
-            wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)
-            acc += xv.to(tl.float32) * wi[None, :]
-        if t0 < K - 1:  # the tile's first rows continue the initial window
-            for i in tl.static_range(K - 1):
-                idx = t0 + jt + 1 + i - K  # < 0: column K + idx of the initial window
-                sv = tl.load(row[None, :] + (K + idx)[:, None] * sk,
-                             mask=(mj & (idx < 0))[:, None] & mc[None, :], other=0.0)  # fmt: skip
-                wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)
-                acc += sv.to(tl.float32) * wi[None, :]
+            if i == 0:
+                wi = w0
+            elif i == 1:
+                wi = w1
+            elif i == 2:
+                wi = w2
+            elif i == 3:
+                wi = w3
+            else:  # widths past 4: the tap's weights from L1 in the tile
+                wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)[None, :]
+            acc += xv.to(tl.float32) * wi
         if HAS_BIAS:
-            acc += bv[None, :]
+            acc += bv
         if SILU:
             acc = acc * tl.sigmoid(acc)
+        keep = mj & (t0 + jt >= K - 1)  # rows j < K - 1 read the initial window: below
         dst = out + (start + t0) * o_st + jt[:, None] * o_st + c[None, :]
-        tl.store(dst, acc.to(out.dtype.element_ty), mask=mj[:, None] & mc[None, :])
-    if first == 0:  # the one reader of the initial window writes the final one
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=keep[:, None] & mc[None, :])
+    if first == 0:  # the one reader of the initial window: its rows, then the final window
+        j = tl.arange(0, BLOCK_K)  # rows j < K - 1 of the request
+        mrow = (j < K - 1) & (j < length)
+        acc = tl.zeros((BLOCK_K, BLOCK_C), dtype=tl.float32)
+        for i in tl.static_range(K):  # seq[j + 1 + i]: x_b[idx], or window column K + idx
+            idx = j + 1 + i - K
+            xv = tl.load(x + (start + idx)[:, None] * x_st + c[None, :],
+                         mask=(mrow & (idx >= 0))[:, None] & mc[None, :], other=0.0)  # fmt: skip
+            sv = tl.load(row[None, :] + (K + idx)[:, None] * sk,
+                         mask=(mrow & (idx < 0))[:, None] & mc[None, :], other=0.0)  # fmt: skip
+            wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)
+            acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wi[None, :]
+        if HAS_BIAS:
+            acc += bv
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        dst = out + start * o_st + j[:, None] * o_st + c[None, :]
+        tl.store(dst, acc.to(out.dtype.element_ty), mask=mrow[:, None] & mc[None, :])
         k = tl.arange(0, BLOCK_K)
         idx = length + k  # index into seq = [state (K) | x_b (length)]
         live = mc[:, None] & (k < K)[None, :] & (length > 0)
