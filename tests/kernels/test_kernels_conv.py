@@ -132,8 +132,8 @@ def test_prefill_matches_reference(lens, channels, width, dtype, config):
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [4, 0, 7]], ids=["decode", "prefill"])
 def test_no_bias_no_activation_and_an_unpacked_window(lens):
-    """A window view with unit stride on channels (not the pool's packed (C, K) rows)
-    takes the general-stride path; no bias, no activation."""
+    """A window view and a weight with unit stride on channels (not packed (C, K) rows)
+    take the general-stride path; no bias, no activation."""
 
     def transposed(view):  # same values, stored (S, K, C) in a scratch copy
         scratch = view.transpose(1, 2).contiguous().transpose(1, 2)
@@ -141,6 +141,7 @@ def test_no_bias_no_activation_and_an_unpacked_window(lens):
         return scratch
 
     slots, q_indptr, x, weight, _ = _inputs(lens, 13, 4, torch.float32, False)
+    weight = weight.t().contiguous().t()  # unit stride on channels too
     pool = Pool(13, 4, torch.float32, slots.tolist(), seed=5)
     want_state = pool.window(pool.buffer.clone())
     want = recurrent_ref.causal_conv1d(x, want_state, slots, q_indptr, weight, None,

@@ -8,10 +8,10 @@ are convolved, continuing that window, and the window is moved on in place.
 Both steps are one pass over their bytes, each byte read once and written once:
 
     decode (max_q_len == 1)  one launch; program (C block, lane block) holds a
-                             (LANES, BLOCK_C, K) tile: it reads the weights once for
-                             LANES lanes, the K-1 newest state columns of each lane
-                             and its new column, writes the output (SiLU fused) and
-                             the shifted window. Lanes per program are chosen from
+                             (LANES * BLOCK_C, K) tile of window rows: it reads the
+                             K-1 newest state columns of each row and its new
+                             input, writes the output (SiLU fused) and the shifted
+                             window (its weights come from L1 after the first lane). Lanes per program are chosen from
                              the batch so the grid fills the GPU at small B and moves
                              large tiles at large B.
     prefill (max_q_len > 1)  one launch (plus one, before it, on speculative verify
@@ -68,37 +68,42 @@ def _decode_kernel(
     x, state, slots, w, bias, out,
     x_st, s_s, s_c, s_k, w_c, w_k, o_st, B, C,
     K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, LANES: tl.constexpr,
-    PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PACKED: tl.constexpr, W_PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
-    """Program (C block, lane block): lanes [pid1 * LANES, +LANES) at once."""
+    """Program (C block, lane block): lanes [pid1 * LANES, +LANES) at once, as LANES *
+    BLOCK_C window rows (lane-major, so neighbouring threads read neighbouring rows)."""
     if PACKED:  # the pool's (C, K) window: constexpr strides, contiguous channel rows
         sc = K
         sk = 1
     else:
         sc = s_c
         sk = s_k
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    lane = tl.program_id(1).to(tl.int64) * LANES + tl.arange(0, LANES)
-    k = tl.arange(0, BLOCK_K)
-    mc, ml = c < C, lane < B
-    wt = tl.load(w + c[:, None] * w_c + k[None, :] * w_k, mask=mc[:, None] & (k < K)[None, :],
+    if W_PACKED:  # a contiguous (C, K) weight: 8-byte rows at K 4, 16-bit
+        wc = K
+        wk = 1
+    else:
+        wc = w_c
+        wk = w_k
+    r = tl.arange(0, LANES * BLOCK_C)
+    c = tl.program_id(0) * BLOCK_C + r % BLOCK_C
+    lane = tl.program_id(1).to(tl.int64) * LANES + r // BLOCK_C
+    k = tl.arange(0, BLOCK_K)[None, :]
+    live = (c < C) & (lane < B)
+    slot = tl.load(slots + lane, mask=live, other=0).to(tl.int64)  # one address per lane
+    row = (state + slot * s_s + c.to(tl.int64) * sc)[:, None]  # (rows, 1) window rows
+    wt = tl.load(w + c[:, None] * wc + k * wk, mask=live[:, None] & (k < K),
                  other=0.0).to(tl.float32)  # fmt: skip
-    slot = tl.load(slots + lane, mask=ml, other=0).to(tl.int64)  # (LANES,)
-    m3 = ml[:, None, None] & mc[None, :, None]  # (LANES, BLOCK_C, 1)
-    row = state + slot[:, None, None] * s_s + c.to(tl.int64)[None, :, None] * sc
-    kk = k[None, None, :]
-    nxt = tl.load(row + (kk + 1) * sk, mask=m3 & (kk + 1 < K), other=0.0)  # columns 1..K-1
-    m2 = ml[:, None] & mc[None, :]
-    xb = tl.load(x + lane[:, None] * x_st + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    seq = tl.where(kk == K - 1, xb[:, :, None], nxt.to(tl.float32))  # the new window
-    acc = tl.sum(seq * wt[None, :, :], axis=2)  # (LANES, BLOCK_C)
+    nxt = tl.load(row + (k + 1) * sk, mask=live[:, None] & (k + 1 < K), other=0.0)
+    xb = tl.load(x + lane * x_st + c, mask=live, other=0.0).to(tl.float32)
+    seq = tl.where(k == K - 1, xb[:, None], nxt.to(tl.float32))  # the new window
+    acc = tl.sum(seq * wt, axis=1)
     if HAS_BIAS:
-        acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias + c, mask=live, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(out + lane[:, None] * o_st + c[None, :], acc.to(out.dtype.element_ty), mask=m2)
+    tl.store(out + lane * o_st + c, acc.to(out.dtype.element_ty), mask=live)
     tl.debug_barrier()  # every thread has read the old window before any overwrites it
-    tl.store(row + kk * sk, seq.to(state.dtype.element_ty), mask=m3 & (kk < K))
+    tl.store(row + k * sk, seq.to(state.dtype.element_ty), mask=live[:, None] & (k < K))
 
 
 @triton.jit
@@ -272,7 +277,7 @@ def causal_conv1d(
         _decode_kernel[grid](
             x, conv_state, slots, weight, bias_arg, out,
             x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), num_lanes, channels,
-            BLOCK_C=block_c, LANES=lanes, **common,
+            BLOCK_C=block_c, LANES=lanes, W_PACKED=w_k == 1 and w_c == width, **common,
         )  # fmt: skip
         return out
     if draft_slots is not None:  # every draft window first: they read the live one
