@@ -50,22 +50,13 @@ BF16 = torch.bfloat16
 STREAM_BYTES = 512 * 2**20  # copies of a decode case in one graph: > 8x a 50 MB L2
 MAX_COPIES = 24
 DECODE_SWEEP = [{"block_c": c, "lanes": n, "num_warps": w}
-                for c, n, w in ((128, 1, 4), (128, 2, 4), (256, 1, 4), (256, 2, 4), (256, 4, 4),
-                                (256, 8, 4), (512, 2, 4), (512, 4, 4), (256, 8, 8), (512, 8, 8),
-                                (1024, 4, 8))]  # fmt: skip
-PREFILL_SWEEP = [
-    {"block_c": c, "block_t": t, "chunk_t": k}
-    for c, t, k in (
-        (64, 32, 256),
-        (128, 16, 256),
-        (128, 32, 256),
-        (128, 64, 512),
-        (256, 32, 256),
-        (128, 32, 1024),
-        (128, 32, 4096),
-    )
-]
-PREFILL_SWEEP += [{"block_c": 256, "block_t": 32, "chunk_t": 256, "num_warps": 8}]  # fmt: skip
+                for c, n, w in ((128, 1, 4), (256, 1, 4), (256, 2, 4), (256, 4, 4), (512, 1, 4),
+                                (512, 2, 4), (256, 4, 8), (512, 4, 8), (256, 8, 8),
+                                (1024, 2, 8))]  # fmt: skip
+PREFILL_SWEEP = [{"block_c": c, "block_t": t, "chunk_t": k, "num_warps": w}
+                 for c, t, k, w in ((64, 32, 256, 4), (128, 16, 256, 4), (128, 32, 256, 4),
+                                    (128, 32, 256, 8), (256, 16, 256, 4), (256, 32, 256, 8),
+                                    (128, 16, 64, 4), (128, 16, 1024, 4))]  # fmt: skip
 
 
 def d2d_GBps(nbytes: int = 2 * GIB) -> float:

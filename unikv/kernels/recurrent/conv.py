@@ -42,9 +42,13 @@ from unikv.kernels.runtime.interpret import patch_interpreter
 
 patch_interpreter()  # tl.range with run-time bounds under TRITON_INTERPRET=1
 
+# Block sizes: sm_90a register counts (ptxas -v on this host's PTX; K 4, bf16, 4 warps):
+# decode 31 / 48 / 72 / 168 registers at 1 / 2 / 4 / 8 lanes of 256 channels (8 lanes
+# would hold 3 programs per SM); prefill 96 / 167 at 16 / 32 tokens of 128 channels,
+# 255 at 64 (or 256 channels), spilling. The benchmark's sweep times the neighbours.
 DECODE_BLOCK_C = 256  # channels per decode program
 DECODE_MIN_PROGRAMS = 1024  # lanes per program grow only while the grid keeps this many
-DECODE_MAX_LANES = 8
+DECODE_MAX_LANES = 4
 PREFILL_BLOCK_C = 128  # channels per prefill program (256 B rows at bf16)
 PREFILL_BLOCK_T = 32  # tokens per tile (K tap loads of a (BLOCK_T, BLOCK_C) tile)
 PREFILL_CHUNK_T = 256  # tokens per prefill program (a multiple of BLOCK_T)
