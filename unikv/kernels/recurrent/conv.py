@@ -11,9 +11,10 @@ Both steps are one pass over their bytes, each byte read once and written once:
                              (LANES * BLOCK_C, K) tile of window rows: it reads the
                              K-1 newest state columns of each row and its new
                              input, writes the output (SiLU fused) and the shifted
-                             window (its weights come from L1 after the first lane). Lanes per program are chosen from
-                             the batch so the grid fills the GPU at small B and moves
-                             large tiles at large B.
+                             window (its weights come from L1 after the first
+                             lane). Lanes per program are chosen from the batch so
+                             the grid fills the GPU at small B and moves larger
+                             tiles at large B (``decode_config``).
     prefill (max_q_len > 1)  one launch (plus one, before it, on speculative verify
                              steps: the draft windows, which read the live state);
                              program (C block, chunk of CHUNK_T tokens, request)
@@ -26,8 +27,9 @@ Both steps are one pass over their bytes, each byte read once and written once:
                              barrier: no second launch.
 
 The conv output's split into q/k/v (Gated DeltaNet) or x/B/C (Mamba-2) is a view of
-the one (T, C) output, so there is no copy to fuse. Offsets are int64; every stride
-is passed in; a packed (C, K) window (the pool's layout) gets constexpr strides.
+the one (T, C) output, so there is no copy to fuse. Slot and row offsets are int64
+(a prefill tile's offsets int32 from one int64 base, bounded by the launcher); every
+stride is passed in; a packed (C, K) window or weight gets constexpr strides.
 """
 
 from __future__ import annotations
