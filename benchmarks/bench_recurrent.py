@@ -1,6 +1,7 @@
 """Benchmark the recurrent-state ops (Gated DeltaNet, Mamba-2) over pool slot views.
 
     python benchmarks/bench_recurrent.py [--out benchmarks/results/recurrent_h200.json]
+        [--sections decode,conv,sweep,prefill]
 
 Shapes: Qwen3.5-like GDN (H 32, Dk = Dv = 128, conv C 8192, K 4) and NemotronH-like
 Mamba-2 (H 128, P 64, N 128, G 8, conv C 10240), bf16 activations, fp32 states.
@@ -9,11 +10,21 @@ bytes read + written plus activations, over the device copy bandwidth measured i
 this run). Prefill (8 x 4k, 1 x 16k): the fla-core path's time, the time of its
 slot gather + scatter alone (share of the step), the fused-recurrent Triton fallback,
 and the varlen conv against its roofline. Outputs are checked before they are timed.
+
+Each decode row also has ``stream_us``: the op's time inside one CUDA graph that runs
+it on enough distinct copies of the case (own pool, slots and inputs) that their
+bytes exceed the L2 several times over, divided by the copies: the kernel's time in a
+decode step's graph, without the replay's fixed cost that ``graph_us`` carries (about
+6 us, most of a small op's time). ``stream_roofline_fraction`` is taken from it.
+``conv`` also checks the Triton conv against the torch reference on the device.
+``sweep`` times the conv's block sizes (``conv.causal_conv1d``'s ``config``) at
+decode B 64/256 and prefill 8 x 4k, for the defaults in ``kernels/recurrent/conv.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -22,7 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, bench_us, environment, graph_us, save_json
 from unikv import layout
+from unikv.kernels.recurrent import conv as conv_ops
 from unikv.kernels.recurrent import fla_prefill as recurrent_fla
+from unikv.kernels.recurrent import ref as recurrent_ref
 from unikv.kernels.recurrent import triton_ops as recurrent
 from unikv.specs import MambaSpec, StatePart
 
@@ -34,6 +47,16 @@ WIDTH, NUM_SLOTS = 4, 260
 DECODE_BATCHES = (1, 64, 256)
 PREFILLS = {"8x4k": [4096] * 8, "1x16k": [16384]}
 BF16 = torch.bfloat16
+STREAM_BYTES = 512 * 2**20  # copies of a decode case in one graph: > 8x a 50 MB L2
+MAX_COPIES = 24
+DECODE_SWEEP = [{"block_c": c, "lanes": n, "num_warps": w}
+                for c, n, w in ((128, 1, 4), (256, 1, 4), (256, 2, 4), (256, 4, 4), (512, 1, 4),
+                                (512, 2, 4), (256, 4, 8), (512, 4, 8), (256, 8, 8),
+                                (1024, 2, 8))]  # fmt: skip
+PREFILL_SWEEP = [{"block_c": c, "block_t": t, "chunk_t": k, "num_warps": w}
+                 for c, t, k, w in ((64, 32, 256, 4), (128, 16, 256, 4), (128, 32, 256, 4),
+                                    (128, 32, 256, 8), (256, 16, 256, 4), (256, 32, 256, 8),
+                                    (128, 16, 64, 4), (128, 16, 1024, 4))]  # fmt: skip
 
 
 def d2d_GBps(nbytes: int = 2 * GIB) -> float:
@@ -45,15 +68,16 @@ def d2d_GBps(nbytes: int = 2 * GIB) -> float:
 class Case:
     """A one-layer Mamba sub-pool, a batch on random slots and bf16 inputs of T tokens."""
 
-    def __init__(self, model: str, lens: list[int]):
+    def __init__(self, model: str, lens: list[int], num_slots: int = NUM_SLOTS):
         cfg = MODELS[model]
         self.kind, self.lens = model.split("_")[0], lens
         spec = MambaSpec(1, (StatePart((cfg["channels"], WIDTH), BF16),), StatePart(cfg["state"]))
-        buffer = torch.zeros(NUM_SLOTS * spec.entry_bytes, dtype=torch.uint8, device="cuda")
-        views = layout.mamba_state_views(buffer, spec, NUM_SLOTS)
+        buffer = torch.zeros(num_slots * spec.entry_bytes, dtype=torch.uint8, device="cuda")
+        views = layout.mamba_state_views(buffer, spec, num_slots)
         self.conv, self.state = views["conv0"][0], views["temporal"][0]
         self.state.normal_(0, 0.1)
-        self.slots = (torch.randperm(NUM_SLOTS - 1, device="cuda")[: len(lens)] + 1).long()
+        self.conv.normal_(0, 1.0)
+        self.slots = (torch.randperm(num_slots - 1, device="cuda")[: len(lens)] + 1).long()
         self.q_indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device="cuda")
         self.q_indptr[1:] = torch.tensor(lens, device="cuda").cumsum(0)
         self.max_q_len, num_tokens = max(lens), sum(lens)
@@ -78,11 +102,26 @@ class Case:
             self.inputs = (r(num_tokens, h, d1), r(num_tokens, h) - 2, A, *bc, r(h), r(h))
             self.kw = {"dt_softplus": True, "dt_limit": (0.0, float("inf"))}
 
-    def conv_op(self):
-        return recurrent.causal_conv1d(
+    def conv_op(self, config: dict | None = None):
+        return conv_ops.causal_conv1d(
+            self.x, self.conv, self.slots, self.q_indptr, self.w, self.b,
+            max_q_len=self.max_q_len, activation="silu", config=config,
+        )  # fmt: skip
+
+    def check_conv(self) -> float:
+        """Relative error of the Triton conv (output and windows) against the torch
+        reference on a copy of the batch's windows; asserts it is small."""
+        saved = self.conv[self.slots].clone()
+        got = self.conv_op()
+        got_state = self.conv[self.slots].clone()
+        self.conv[self.slots] = saved
+        want = recurrent_ref.causal_conv1d(
             self.x, self.conv, self.slots, self.q_indptr, self.w, self.b,
             max_q_len=self.max_q_len, activation="silu",
         )  # fmt: skip
+        err = max(_rel(got, want), _rel(got_state, self.conv[self.slots]))
+        assert err < 1e-2, f"the Triton conv is off the torch reference: rel err {err:.2e}"
+        return err
 
     def ssm_op(self):
         op = recurrent.gated_delta_rule if self.kind == "gdn" else recurrent.mamba2_ssd
@@ -96,23 +135,75 @@ class Case:
         return sum(t.numel() * t.element_size() for t in self.inputs if t.dim() > 1) * 2
 
 
+def conv_bytes(batch: int, channels: int) -> int:
+    """A decode conv's minimum bf16 traffic: each window read and written, x read, out
+    written."""
+    return batch * channels * (WIDTH * 2 * 2 + 4)
+
+
+def stream_us(fns: list) -> float:
+    """Microseconds per call of one CUDA graph that calls every fn in ``fns`` once."""
+    return graph_us(lambda: [fn() for fn in fns]) / len(fns)
+
+
 def bench_decode(model: str, bw: float) -> list[dict]:
     rows = []
     for bsz in DECODE_BATCHES:
         case = Case(model, [1] * bsz)
-        for name, fn, nbytes in (
-            ("conv", case.conv_op, bsz * WIDTH * case.conv.shape[1] * 2 * 2 + case.x.numel() * 4),
-            (case.kind, case.ssm_op, bsz * case.state_bytes() + case.activation_bytes()),
-        ):
+        case.check_conv()
+        ops = (
+            ("conv", "conv_op", conv_bytes(bsz, case.conv.shape[1])),
+            (case.kind, "ssm_op", bsz * case.state_bytes() + case.activation_bytes()),
+        )
+        for name, method, nbytes in ops:
+            fn = getattr(case, method)
             eager, graph = bench_us(fn), graph_us(fn)
+            copies = max(2, min(MAX_COPIES, -(-STREAM_BYTES // nbytes)))
+            cases = [Case(model, [1] * bsz, num_slots=bsz + 1) for _ in range(copies)]
+            stream = stream_us([getattr(c, method) for c in cases])
+            del cases
             roof = nbytes / bw / 1e3
             rows.append(
                 {"model": model, "op": name, "batch": bsz, "eager_us": eager, "graph_us": graph,
-                     "bytes": nbytes, "roofline_us": roof, "roofline_fraction": roof / graph}
+                 "bytes": nbytes, "roofline_us": roof, "roofline_fraction": roof / graph,
+                 "stream_us": stream, "stream_copies": copies,
+                 "stream_roofline_fraction": roof / stream}
             )  # fmt: skip
             print(f"decode {model:14s} {name:5s} B={bsz:3d} eager {eager:8.1f} us graph "
-                  f"{graph:8.1f} us roofline {roof:7.1f} us ({roof / graph:.0%})")  # fmt: skip
+                  f"{graph:8.1f} us ({roof / graph:.0%}) in-graph stream {stream:7.1f} us "
+                  f"roofline {roof:7.1f} us ({roof / stream:.0%})")  # fmt: skip
     return rows
+
+
+def bench_sweep(model: str, bw: float) -> dict:
+    """The conv's block sizes: decode (B 64 / 256, in-graph stream time) and prefill
+    (8 x 4k): each config's time and share of the roofline; the best per shape."""
+    out = {"decode": [], "prefill": []}
+    channels = MODELS[model]["channels"]
+    for bsz in (64, 256):
+        nbytes = conv_bytes(bsz, channels)
+        copies = max(2, min(MAX_COPIES, -(-STREAM_BYTES // nbytes)))
+        cases = [Case(model, [1] * bsz, num_slots=bsz + 1) for _ in range(copies)]
+        roof = nbytes / bw / 1e3
+        default = conv_ops.decode_config(bsz, channels)
+        for cfg in DECODE_SWEEP:
+            us = stream_us([functools.partial(c.conv_op, cfg) for c in cases])
+            out["decode"].append({"batch": bsz, **cfg, "us": us, "roofline_fraction": roof / us,
+                                  "default": (cfg["block_c"], cfg["lanes"]) == default
+                                  and cfg["num_warps"] == conv_ops.NUM_WARPS})  # fmt: skip
+        del cases
+    case = Case(model, PREFILLS["8x4k"])
+    roof = case.x.numel() * 2 * 2 / bw / 1e3
+    for cfg in PREFILL_SWEEP:
+        us = bench_us(functools.partial(case.conv_op, cfg), 5, 50)
+        out["prefill"].append({"shape": "8x4k", **cfg, "us": us, "roofline_fraction": roof / us})
+    for kind, rows in out.items():
+        for key in sorted({r.get("batch", r.get("shape")) for r in rows}, key=str):
+            mine = [r for r in rows if r.get("batch", r.get("shape")) == key]
+            best = min(mine, key=lambda r: r["us"])
+            best["best"] = True
+            print(f"sweep {model:14s} conv {kind:7s} {key!s:5s} best {best} of {len(mine)}")
+    return out
 
 
 def gather_scatter(case: Case):
@@ -130,9 +221,13 @@ def conv_prefill_us(case: Case, bw: float) -> tuple[float, float]:
 
 
 def bench_conv(model: str, name: str, lens: list[int], bw: float) -> dict:
-    us, roof = conv_prefill_us(Case(model, lens), bw)
-    print(f"conv prefill {model:14s} {name:6s} {us:7.1f} us ({roof / us:.0%} of roofline)")
-    return {"model": model, "shape": name, "conv_us": us, "conv_roofline_fraction": roof / us}
+    case = Case(model, lens)
+    err = case.check_conv()
+    us, roof = conv_prefill_us(case, bw)
+    print(f"conv prefill {model:14s} {name:6s} {us:7.1f} us ({roof / us:.0%} of roofline) "
+          f"rel err vs torch {err:.1e}")  # fmt: skip
+    return {"model": model, "shape": name, "conv_us": us, "conv_roofline_fraction": roof / us,
+            "rel_err_vs_torch": err}  # fmt: skip
 
 
 def bench_prefill(model: str, name: str, lens: list[int], bw: float) -> dict:
@@ -183,6 +278,9 @@ def main() -> None:
         result["conv_prefill"] = [
             bench_conv(model, name, lens, bw) for model in MODELS for name, lens in PREFILLS.items()
         ]
+        save_json(args.out, result)
+    if "sweep" in args.sections:  # the conv's block sizes
+        result["conv_sweep"] = {model: bench_sweep(model, bw) for model in MODELS}
         save_json(args.out, result)
     if "prefill" in args.sections:
         result["prefill"] = [

@@ -217,6 +217,17 @@ class Mamba2Mixer(nn.Module):
             self.norm.tp_shards = {"weight": 0}
         self.out_proj = RowParallelLinear(inner, dims.hidden_size, bias=dims.out_bias, tp=tp)
 
+    def finish_loading(self) -> None:
+        """After the weights load (``loader.load_model``): A = -exp(A_log) (H,) fp32 kept,
+        so a step does not launch the two elementwise ops that derive it. A module whose
+        weights come another way derives A each step (``decay_rates``)."""
+        self.register_buffer("neg_a", -torch.exp(self.A_log.float()), persistent=False)
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) (H,) fp32: the one kept at load, else derived now."""
+        kept = getattr(self, "neg_a", None)
+        return kept if kept is not None else -torch.exp(self.A_log.float())
+
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, I + C + H): [z | xBC | dt] (Falcon-H1 scales it)."""
         return self.in_proj(x)
@@ -243,7 +254,7 @@ class Mamba2Mixer(nn.Module):
             self.layer,
             xs.reshape(t, d.num_heads, d.head_dim),
             dt,
-            -torch.exp(self.A_log.float()),
+            self.decay_rates(),
             b.reshape(t, d.n_groups, d.state_size),
             c.reshape(t, d.n_groups, d.state_size),
             self.D,

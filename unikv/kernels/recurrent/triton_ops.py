@@ -8,12 +8,11 @@ and writes the state back in place; every stride is passed in, offsets are int64
     decode (max_q_len == 1)  one launch per op; token b belongs to lane b; no
                              gather/scatter, no host sync, no allocation but the
                              output: CUDA-graph safe.
-    prefill (max_q_len > 1)  conv: a varlen Triton kernel (outputs) then a state
-                             kernel (the last K inputs), two ordered launches so
-                             no program overwrites a state another still reads.
-                             GDN / SSD: fla-core's chunked kernels on CUDA
-                             (``recurrent_fla``); without fla-core (or on CPU) the
-                             fused-recurrent Triton kernels below, looping over time.
+    prefill (max_q_len > 1)  conv: one varlen kernel (``recurrent/conv.py`` holds
+                             the conv; re-exported here). GDN / SSD: fla-core's
+                             chunked kernels on CUDA (``recurrent_fla``); without
+                             fla-core (or on CPU) the fused-recurrent Triton kernels
+                             below, looping over time.
 
 State tiles stay in fp32 registers for the whole request: GDN program (b, h, Dv
 block) holds S[:, v0:v0+BLOCK_V] (Dk x BLOCK_V); SSD program (b, h, P block) holds
@@ -23,9 +22,9 @@ Speculative verify steps (``draft_slots`` (B, k), ``recurrent_ref``'s docstring)
 GDN / SSD programs also store their tile after token j of lane b into slot
 ``draft_slots[b, j]`` (j < k, j < the lane's tokens - 1), the same tile of another
 slot, so no program reads what another writes; the conv writes each draft window in
-a launch of its own (program (b, C block, j)) before the live window's launch
-overwrites the state both read. Such steps never take fla-core's chunked kernels
-(they keep no per-token state): the fused-recurrent ones run them (k + 1 tokens).
+a launch of its own before the live window's launch overwrites the state both read.
+Such steps never take fla-core's chunked kernels (they keep no per-token state): the
+fused-recurrent ones run them (k + 1 tokens).
 """
 
 from __future__ import annotations
@@ -35,123 +34,18 @@ import triton
 import triton.language as tl
 
 from unikv.kernels.recurrent import fla_prefill as recurrent_fla
-from unikv.kernels.recurrent.checks import (
-    check_conv_args,
-    check_draft_slots,
-    check_gdn_args,
-    check_ssd_args,
-)
+from unikv.kernels.recurrent.checks import check_draft_slots, check_gdn_args, check_ssd_args
+from unikv.kernels.recurrent.conv import causal_conv1d
 from unikv.kernels.runtime.checks import next_pow2
 from unikv.kernels.runtime.interpret import patch_interpreter
 
 patch_interpreter()  # tl.range with run-time bounds under TRITON_INTERPRET=1
 
-CONV_BLOCK_C = 128  # channels per conv program
-CONV_BLOCK_T = 16  # tokens per prefill conv program (K taps x 2 tiles live: keep them small)
+__all__ = ["causal_conv1d", "gated_delta_rule", "mamba2_ssd"]
+
 GDN_BLOCK_V = 32  # Dv columns of S per GDN program
 SSD_BLOCK_P = 32  # P rows of S per SSD program
 NUM_WARPS = 4
-
-
-@triton.jit
-def _conv_decode_kernel(
-    x, state, slots, w, bias, out,
-    x_st, s_s, s_c, s_k, w_c, w_k, o_st, C,
-    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    k = tl.arange(0, BLOCK_K)
-    mc = c < C
-    m2 = mc[:, None] & (k < K)[None, :]
-    slot = tl.load(slots + b).to(tl.int64)
-    row = state + slot * s_s + c.to(tl.int64)[:, None] * s_c  # (BLOCK_C, 1) pointers
-    nxt = tl.load(row + (k + 1)[None, :] * s_k, mask=mc[:, None] & (k + 1 < K)[None, :], other=0.0)
-    xb = tl.load(x + b * x_st + c, mask=mc, other=0.0).to(tl.float32)
-    seq = tl.where((k == K - 1)[None, :], xb[:, None], nxt.to(tl.float32))  # window, oldest first
-    wt = tl.load(w + c[:, None] * w_c + k[None, :] * w_k, mask=m2, other=0.0).to(tl.float32)
-    acc = tl.sum(seq * wt, axis=1)
-    if HAS_BIAS:
-        acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(out + b * o_st + c, acc.to(out.dtype.element_ty), mask=mc)
-    tl.debug_barrier()  # every thread has read the old window before any overwrites it
-    tl.store(row + k[None, :] * s_k, seq.to(state.dtype.element_ty), mask=m2)
-
-
-@triton.jit
-def _conv_prefill_kernel(
-    x, state, slots, q_indptr, w, bias, out,
-    x_st, s_s, s_c, s_k, w_c, w_k, o_st, C,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-):  # fmt: skip
-    """Outputs of tokens [tb*BLOCK_T, +BLOCK_T) of request b, channel block cb; grid
-    (C blocks, T blocks, B). Reads the state only."""
-    b = tl.program_id(2)  # channel blocks vary fastest: neighbours read one row span
-    start = tl.load(q_indptr + b).to(tl.int64)
-    length = tl.load(q_indptr + b + 1).to(tl.int64) - start
-    j = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # position inside the request
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mj, mc = j < length, c < C
-    slot = tl.load(slots + b).to(tl.int64)
-    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for i in tl.static_range(K):
-        idx = j + 1 + i - K  # seq[j + 1 + i] = x_b[idx] if idx >= 0 else state[K + idx]
-        mx = (mj & (idx >= 0))[:, None] & mc[None, :]
-        ms = (mj & (idx < 0))[:, None] & mc[None, :]
-        xv = tl.load(x + (start + idx)[:, None] * x_st + c[None, :], mask=mx, other=0.0)
-        sv = tl.load(
-            state + slot * s_s + c.to(tl.int64)[None, :] * s_c + (K + idx)[:, None] * s_k,
-            mask=ms,
-            other=0.0,
-        )
-        wi = tl.load(w + c * w_c + i * w_k, mask=mc, other=0.0).to(tl.float32)
-        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * wi[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    dst = out + (start + j)[:, None] * o_st + c[None, :]
-    tl.store(dst, acc.to(out.dtype.element_ty), mask=mj[:, None] & mc[None, :])
-
-
-@triton.jit
-def _conv_state_kernel(
-    x, state, slots, q_indptr, draft_slots, x_st, s_s, s_c, s_k, d_st, C,
-    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, DRAFT: tl.constexpr,
-):  # fmt: skip
-    """State of request b <- the last K entries of [state | x_b] (unchanged if empty).
-    DRAFT: program (b, C block, j) writes the window after token j (j < length - 1)
-    into slot draft_slots[b, j] instead; it reads the live state only."""
-    b = tl.program_id(0).to(tl.int64)
-    start = tl.load(q_indptr + b).to(tl.int64)
-    length = tl.load(q_indptr + b + 1).to(tl.int64) - start
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    k = tl.arange(0, BLOCK_K)
-    slot = tl.load(slots + b).to(tl.int64)
-    row = state + slot * s_s + c.to(tl.int64)[:, None] * s_c
-    if DRAFT:
-        j = tl.program_id(2).to(tl.int64)
-        end = j + 1
-        ok = j < length - 1
-        dst_slot = tl.load(draft_slots + b * d_st + j, mask=ok, other=0).to(tl.int64)
-        dst = state + dst_slot * s_s + c.to(tl.int64)[:, None] * s_c
-    else:
-        end = length
-        ok = length > 0
-        dst = row
-    idx = end + k  # index into seq = [state (K) | x_b (length)]
-    live = (c < C)[:, None] & (k < K)[None, :] & ok
-    xv = tl.load(
-        x + (start + idx - K)[None, :] * x_st + c[:, None], mask=live & (idx >= K)[None, :]
-    )
-    sv = tl.load(row + idx[None, :] * s_k, mask=live & (idx < K)[None, :])
-    new = tl.where((idx >= K)[None, :], xv.to(tl.float32), sv.to(tl.float32))
-    tl.debug_barrier()  # the whole old window is read before it is overwritten
-    tl.store(dst + k[None, :] * s_k, new.to(state.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -265,65 +159,6 @@ def _ssd_kernel(
             dp = state + dslot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
             tl.store(dp, s.to(state.dtype.element_ty), mask=m2 & keep)
     tl.store(sp, s.to(state.dtype.element_ty), mask=m2 & (end > start))
-
-
-def causal_conv1d(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    slots: torch.Tensor,
-    q_indptr: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    max_q_len: int,
-    activation: str | None,
-    draft_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Depthwise causal conv continuing each request's state (see ``recurrent_ref``).
-
-    x: (T, C) model dtype, unit stride on C; conv_state: (S, C, K) strided pool view
-    indexed by physical slot; slots: (B,) int32/int64 physical slots (0 = sink);
-    q_indptr: (B+1,) int32/int64; weight: (C, K); bias: (C,) or None; activation:
-    None or "silu"; draft_slots: None or (B, k) (a verify step: the window after each
-    token j < k but the lane's last into slot ``draft_slots[b, j]``). Returns (T, C) in
-    x.dtype; conv_state updated in place.
-    """
-    check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation)
-    check_draft_slots(draft_slots, slots)
-    num_lanes, (channels, width) = slots.shape[0], conv_state.shape[1:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0 or num_lanes == 0:
-        return out
-    common = {"K": width, "BLOCK_C": CONV_BLOCK_C, "HAS_BIAS": bias is not None}
-    bias_arg = bias if bias is not None else weight  # never read without HAS_BIAS
-    s_s, s_c, s_k = conv_state.stride()
-    w_c, w_k = weight.stride()
-    blocks_c = triton.cdiv(channels, CONV_BLOCK_C)
-    if max_q_len == 1:
-        _conv_decode_kernel[(num_lanes, blocks_c)](
-            x, conv_state, slots, weight, bias_arg, out,
-            x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
-            BLOCK_K=next_pow2(width), SILU=activation == "silu", num_warps=NUM_WARPS, **common,
-        )  # fmt: skip
-        return out
-    grid = (blocks_c, triton.cdiv(max_q_len, CONV_BLOCK_T), num_lanes)
-    _conv_prefill_kernel[grid](
-        x, conv_state, slots, q_indptr, weight, bias_arg, out,
-        x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
-        BLOCK_T=CONV_BLOCK_T, SILU=activation == "silu", num_warps=NUM_WARPS, **common,
-    )  # fmt: skip
-    state_args = {"K": width, "BLOCK_C": CONV_BLOCK_C, "BLOCK_K": next_pow2(width),
-                  "num_warps": NUM_WARPS}  # fmt: skip
-    if draft_slots is not None:  # every draft window first: they read the live one
-        _conv_state_kernel[(num_lanes, blocks_c, draft_slots.shape[1])](
-            x, conv_state, slots, q_indptr, draft_slots, x.stride(0), s_s, s_c, s_k,
-            draft_slots.stride(0), channels, DRAFT=True, **state_args,
-        )  # fmt: skip
-    _conv_state_kernel[(num_lanes, blocks_c)](
-        x, conv_state, slots, q_indptr, slots, x.stride(0), s_s, s_c, s_k, 0, channels,
-        DRAFT=False, **state_args,
-    )  # fmt: skip
-    return out
 
 
 def gated_delta_rule(

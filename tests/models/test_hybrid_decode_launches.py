@@ -1,0 +1,103 @@
+"""The launches one decode step makes per hybrid layer (Qwen3.5's Gated DeltaNet layer,
+NemotronH's Mamba-2 block), counted by a CPU spy over a real engine step.
+
+The engine runs the Triton backend (TRITON_INTERPRET=1 on the CPU). Inside the decode
+step of one request, every Triton kernel run (the interpreter's ``run``) and every
+aten op that is not a view or an allocation (each a kernel launch on a GPU) is logged
+between the layer module's forward hooks. The expected lists name each launch of the
+layer as written in its forward, so a change that adds a launch (an unfused gate, a
+derived parameter recomputed each step) fails here with the list it found:
+
+    Qwen3.5 linear-attention layer  pre-norm (+ residual), in_proj GEMM, conv, gated
+        delta rule (gates, GQA and l2 norms inside), gated RMSNorm, out_proj GEMM,
+        post-norm (+ residual), gate|up GEMM, SiLU-mul, down GEMM: 10.
+    NemotronH Mamba-2 block  norm (+ residual), in_proj GEMM, conv (bias, SiLU inside),
+        SSD scan, gated RMSNorm, out_proj GEMM: 6 (A = -exp(A_log) is kept at load:
+        before, exp and neg made 8).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from engine_fixtures import one_thread, save_tiny_hybrid, save_tiny_nemotron_h  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime import interpreter
+
+from unikv.engine import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's kernel runs"),
+]
+NO_LAUNCH = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh"}
+GDN_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2, "triton._decode_kernel": 1,
+                     "triton._gdn_kernel": 1, "triton._gated_rms_norm_kernel": 1,
+                     "triton._act_mul_kernel": 1})  # fmt: skip
+MAMBA_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1, "triton._decode_kernel": 1,
+                       "triton._ssd_kernel": 1, "triton._gated_rms_norm_kernel": 1})  # fmt: skip
+
+
+class Spy(TorchDispatchMode):
+    """Logs launching aten ops into ``log`` while it is a list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.log is not None and not func.is_view and name not in NO_LAUNCH:
+            self.log.append("aten." + name)
+        return func(*args, **(kwargs or {}))
+
+
+def decode_launches(path: str, layer_index: int, monkeypatch) -> Counter:
+    """The launches of model layer ``layer_index`` in the last decode step of one request."""
+    llm = LLM(path, device="cpu", backend="triton", max_model_len=32, max_num_seqs=2)
+    layers = next(m for name, m in llm.model.named_modules()
+                  if name.endswith("layers") and isinstance(m, torch.nn.ModuleList))  # fmt: skip
+    spy, seen = Spy(), []
+
+    def start(module, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()))
+        spy.log = [] if x.shape[0] == 1 else None  # one request: a decode step's one row
+
+    def stop(module, args, kwargs, out):
+        if spy.log is not None:
+            seen.append(Counter(spy.log))
+        spy.log = None
+
+    layers[layer_index].register_forward_pre_hook(start, with_kwargs=True)
+    layers[layer_index].register_forward_hook(stop, with_kwargs=True)
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(kernel, *args, **kwargs):
+        log, spy.log = spy.log, None  # the interpreter's own host copies launch nothing
+        if log is not None:
+            log.append("triton." + kernel.fn.__name__)
+        try:
+            return run(kernel, *args, **kwargs)
+        finally:
+            spy.log = log
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    with spy:
+        llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(seen) == 2, f"expected two decode steps through layer {layer_index}, saw {seen}"
+    assert seen[0] == seen[1], "every decode step launches the same ops"
+    return seen[-1]
+
+
+def test_qwen3_5_gated_deltanet_layer(tmp_path, monkeypatch):
+    hf = save_tiny_hybrid("qwen3_5", str(tmp_path))
+    layer = hf.config.layer_types.index("linear_attention", 1)
+    assert decode_launches(str(tmp_path), layer, monkeypatch) == GDN_LAYER
+
+
+def test_nemotron_h_mamba2_block(tmp_path, monkeypatch):
+    pattern = "M*M-"
+    save_tiny_nemotron_h(str(tmp_path), pattern)
+    assert decode_launches(str(tmp_path), pattern.index("M", 1), monkeypatch) == MAMBA_BLOCK
