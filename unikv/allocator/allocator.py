@@ -183,13 +183,13 @@ class PoolAllocator:
 
     # -- freeing ------------------------------------------------------------------------
 
-    def free_request(self, slot: int) -> None:
-        """Free every page of request ``slot`` (all sub-pools) and close the slot."""
-        with self.parts.writer.batch():  # its pages and its state slot in one table write
-            self.parts.writer.stage(self.parts.tokens.stage_free_request(slot))
+    def free_request(self, slots: int | object) -> None:
+        """Free and close request ``slots`` (an int) or each of ``slots`` (host ints:
+        those finishing in one step) in one table write (``Tokens.free_requests``)."""
+        with self.parts.writer.batch():  # their pages and state slots: one table write
+            checked = self.parts.tokens.free_requests(slots)  # (checked first)
             if self.parts.mamba is not None:
-                self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
-        self.parts.requests.close(int(slot))
+                self.parts.mamba.free_bound((checked + 1).astype(np.int32))
         self._after_verb()
 
     def free_out_of_window(self, slots: object, seq_lens: object) -> None:
