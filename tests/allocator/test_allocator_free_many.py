@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from allocator_fixtures import CHAINS, FakeEvent
+import torch
+from allocator_fixtures import CHAINS, FakeEvent, full_config
 
 from unikv.allocator import PoolAllocator
+from unikv.backing import EmulatedBacking
 from unikv.pool import UnifiedPool, pool_bytes_for
 
 K = 2  # per-draft-position state slots per request
@@ -169,3 +171,28 @@ def test_bad_slots_change_nothing(slots, match):
     with pytest.raises(ValueError, match=match):
         alloc.free_request(slots(order))
     assert_same_state(before, allocator_state(alloc))
+
+
+def test_deferred_free_then_a_shrink_writes_on_the_old_grid():
+    """``free_request(defer=True)`` (a preemption's) leaves its tombstones for the next
+    table write; a resize between them writes them first, on the grid they index:
+    the freed pages above the new top are cut, and the next write and the integrity
+    check still see tables that equal the host mirrors."""
+    configs = [full_config(4)]
+    base = pool_bytes_for(configs, {"full": 8})
+    pool = UnifiedPool(configs, base, max_bytes=3 * base, backing=EmulatedBacking(256))
+    alloc = PoolAllocator(pool, max_requests=4, max_context=40)
+    alloc.resize(3 * base)
+    slot = alloc.new_request()  # ten pages: some above the base grid
+    alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([40]))
+    assert int(alloc.request_pages(slot)["full"][1].max()) >= 8
+    writes = alloc.parts.writer.writes
+    alloc.free_request(slot, defer=True)
+    assert alloc.parts.writer.writes == writes  # its tombstones wait
+    assert alloc.resize(base) == 0  # nothing moves: the freed pages are cut
+    again = alloc.new_request()
+    assert alloc.alloc_extend(np.array([again]), np.array([0]), np.array([8])) is not None
+    alloc.check_integrity()
+    book = alloc.parts.books["full"]
+    assert torch.equal(book.v2p.cpu(), torch.from_numpy(book.v2p_host))
+    assert torch.equal(book.p2v.cpu(), torch.from_numpy(book.p2v_host))

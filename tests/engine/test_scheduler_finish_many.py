@@ -1,7 +1,9 @@
 """The requests finishing in one step leave in one table write (issue 43): the
 scheduler shares each one's pages in the prefix cache, then frees them all with one
 ``free_request``. Both finish paths: ``complete`` (by length) and ``resolve`` (a stop
-token, the overlapped loop). No model: the step's tokens are given.
+token, the overlapped loop). The requests a step preempts free theirs with the
+step's own write (``free_request(defer=True)``). No model: the step's tokens are
+given.
 
 The oracle is the same step on a second scheduler that ends its requests the way
 the engine did before, one by one (share, free, next): the allocator's state
@@ -35,6 +37,7 @@ def _swa() -> SubPoolConfig:
 
 
 CHAINS = {
+    "full": lambda: [full_config(4)],
     "full+swa": lambda: [full_config(4), _swa()],
     "full+swa+mamba": lambda: [full_config(4), _swa(), mamba_config()],
 }
@@ -103,3 +106,36 @@ def test_five_finishing_requests_make_one_table_write(chain, path):
     assert_same_state(allocator_state(ref.alloc), allocator_state(sched.alloc))
     hit = sched.alloc.prefix.match(np.array(SYSTEM + TAILS[3] + [0]))
     assert hit.num_tokens == 20  # the system prompt and request 3's own next two pages
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_a_step_that_preempts_several_requests_makes_one_table_write(chain):
+    """Six one-page prompts in a pool of six pages a sub-pool (the state slots share
+    its bytes): the decode step that follows their prefill preempts the newest two
+    or three (each retry is short of a page) and decodes the rest. Deferred, the three frees go out with the decode step's
+    write; the state afterwards equals that of frees written at once, and nothing is
+    left staged (``check_integrity`` writes nothing more)."""
+    runs = {}
+    for defer in (False, True):
+        configs = CHAINS[chain]()
+        pages = {c.name: 8 if c.spec.kind == "mamba" else 6 for c in configs}
+        pool = UnifiedPool(configs, pool_bytes_for(configs, pages))
+        alloc = PoolAllocator(pool, max_requests=6, max_context=32)  # (debug would settle)
+        if not defer:  # the reference: each preemption's free written at once
+            free = alloc.free_request
+            alloc.free_request = lambda slots, defer=False, free=free: free(slots)
+        sched = Scheduler(alloc, pool.subpools.values(), max_num_seqs=6, max_num_batched_tokens=64)
+        for i in range(6):
+            params = SamplingParams(max_tokens=8, temperature=0)
+            sched.add(Request(i, list(range(10 * i, 10 * i + 4)), params, 0, frozenset(), 32))
+        batch = sched.schedule()
+        sched.complete(batch, [1] * len(batch.requests))
+        writer, before = alloc.parts.writer, alloc.parts.writer.writes
+        batch = sched.schedule()
+        assert sched.num_preemptions >= 2 and len(batch.requests) == 6 - sched.num_preemptions
+        runs[defer] = (writer.writes - before, alloc, sched.num_preemptions)
+        alloc.check_integrity()  # (host syncs; settles what is staged first)
+        assert writer.writes - before == runs[defer][0], "entries were left staged"
+    assert runs[False][2] == runs[True][2]
+    assert runs[False][0] == runs[False][2] + 1 and runs[True][0] == 1, (runs[False], runs[True])
+    assert_same_state(allocator_state(runs[False][1]), allocator_state(runs[True][1]))

@@ -183,10 +183,11 @@ class PoolAllocator:
 
     # -- freeing ------------------------------------------------------------------------
 
-    def free_request(self, slots: int | object) -> None:
+    def free_request(self, slots: int | object, defer: bool = False) -> None:
         """Free and close request ``slots`` (an int) or each of ``slots`` (host ints:
-        those finishing in one step) in one table write (``Tokens.free_requests``)."""
-        with self.parts.writer.batch():  # their pages and state slots: one table write
+        those finishing in one step) in one table write (``Tokens.free_requests``);
+        ``defer``: in none, with the next one (``TableWriter.batch(hold=True)``)."""
+        with self.parts.writer.batch(hold=defer):  # pages and state slots: one write
             checked = self.parts.tokens.free_requests(slots)  # (checked first)
             if self.parts.mamba is not None:
                 self.parts.mamba.free_bound((checked + 1).astype(np.int32))
@@ -260,8 +261,7 @@ class PoolAllocator:
         return book
 
     def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per sub-pool: (page columns request ``slot`` still holds, their physical
-        pages), host int64 (``tokens.Tokens.request_pages``)."""
+        """Per sub-pool: (page columns ``slot`` still holds, their physical pages), int64."""
         return self.parts.tokens.request_pages(slot)
 
     # -- capacity and fences ---------------------------------------------------------------

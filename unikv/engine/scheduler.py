@@ -305,13 +305,16 @@ class Scheduler:
 
     def preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
-        go to host slots first when ``swap`` takes them, else it is recomputed."""
+        go to host slots first when ``swap`` takes them, else it is recomputed. The
+        free's table entries wait for the step's own write (``free_request(defer=
+        True)``: every preemption of a step and its decode or extend in one write;
+        a step scheduled after a preemption always writes)."""
         self.share(r, preempted=True)
         if self.swap is not None:
             record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
             if record is not None:
                 record.state_at = self.prefix.points.pop(r.slot, None)
-        self.alloc.free_request(r.slot)
+        self.alloc.free_request(r.slot, defer=True)
         self.running.remove(r)
         r.slot, r.num_cached, r.status = None, 0, Status.WAITING
         r.num_preemptions += 1
