@@ -376,6 +376,39 @@ def _suite_runs(path: Path, configs: dict, prompts: dict, kw: dict) -> dict:
     return runs
 
 
+# (run, prompt) of each model's one-request speedups over its ``plain`` run, in order
+SPEEDUPS = (("forced", "one"), ("forced_pipelined", "one"), ("ngram", "rep"),
+            ("ngram_pipelined", "rep"))  # fmt: skip
+# (ratio name, Llama run) of the batch-size rule's runs over ``plain`` at the batch
+RULE_RUNS = (("rule", "spec_rule"), ("no_rule", "spec_no_rule"),
+             ("draft_model_rule", "draft_model_rule"), ("eagle3_rule", "eagle3_rule"))  # fmt: skip
+
+
+def suite_ratios(runs: dict, n: int, b: int) -> dict[str, float]:
+    """The suite's ``ratios`` (module docstring) from its runs by model (``llama``,
+    ``qwen3_5``: run -> prompt -> result), ``n`` new tokens, batch ``b``."""
+
+    def speedup(model: str, run: str, prompt: str, base: str = "plain") -> float:
+        rate = runs[model][run][prompt]["decode_tokens_per_s"]
+        return rate / runs[model][base][prompt]["decode_tokens_per_s"]
+
+    ratios = {}
+    for model in ("llama", "qwen3_5"):
+        for run, prompt in SPEEDUPS:
+            ratios[f"{model}_{run}_speedup"] = speedup(model, run, prompt)
+        rep = runs[model]["ngram_pipelined"]["rep"]
+        ratios[f"{model}_ngram_acceptance_rate"] = rep["acceptance_rate"]
+        if model == "llama":
+            ratios["llama_ngram_pipelined_dropped_per_100"] = 100 * rep["ahead_dropped"] / n
+    ratios["qwen3_5_mtp_forced_speedup"] = speedup("qwen3_5", "mtp_forced", "one")
+    for name, run in RULE_RUNS:
+        ratios[f"b{b}_{name}_vs_plain"] = speedup("llama", run, "batch")
+    ratios[f"qwen3_5_b{b}_mtp_rule_vs_plain"] = speedup(
+        "qwen3_5", "mtp_rule", "batch", "plain_batch"
+    )
+    return ratios
+
+
 def main_suite(args, dtype) -> dict:
     """The suite (module docstring): k drafts at forced acceptance on the Llama and
     Qwen3.5 shapes, one request; the batch-size rule at ``--batch`` requests."""
@@ -426,39 +459,7 @@ def main_suite(args, dtype) -> dict:
         "mtp_rule": ({**lazy, "method": "mtp"}, ("batch",), big),
     }, {"one": (one, n), "rep": (batch[0], n), "batch": (batch, max(n // 2, 2))}, kw)  # fmt: skip
 
-    def rate(runs, name, label):
-        return runs[name][label]["decode_tokens_per_s"]
-
-    ratios = {
-        "llama_forced_speedup": rate(llama_runs, "forced", "one") / rate(llama_runs, "plain", "one"),
-        "llama_forced_pipelined_speedup": rate(llama_runs, "forced_pipelined", "one")
-        / rate(llama_runs, "plain", "one"),
-        "llama_ngram_speedup": rate(llama_runs, "ngram", "rep") / rate(llama_runs, "plain", "rep"),
-        "llama_ngram_pipelined_speedup": rate(llama_runs, "ngram_pipelined", "rep")
-        / rate(llama_runs, "plain", "rep"),
-        "llama_ngram_acceptance_rate": llama_runs["ngram_pipelined"]["rep"]["acceptance_rate"],
-        "llama_ngram_pipelined_dropped_per_100": 100 * llama_runs["ngram_pipelined"]["rep"][
-            "ahead_dropped"] / n,
-        "qwen3_5_forced_speedup": rate(qwen_runs, "forced", "one") / rate(qwen_runs, "plain", "one"),
-        "qwen3_5_forced_pipelined_speedup": rate(qwen_runs, "forced_pipelined", "one")
-        / rate(qwen_runs, "plain", "one"),
-        "qwen3_5_ngram_speedup": rate(qwen_runs, "ngram", "rep") / rate(qwen_runs, "plain", "rep"),
-        "qwen3_5_ngram_pipelined_speedup": rate(qwen_runs, "ngram_pipelined", "rep")
-        / rate(qwen_runs, "plain", "rep"),
-        "qwen3_5_ngram_acceptance_rate": qwen_runs["ngram_pipelined"]["rep"]["acceptance_rate"],
-        "qwen3_5_mtp_forced_speedup": rate(qwen_runs, "mtp_forced", "one")
-        / rate(qwen_runs, "plain", "one"),
-        f"b{b}_rule_vs_plain": rate(llama_runs, "spec_rule", "batch")
-        / rate(llama_runs, "plain", "batch"),
-        f"b{b}_no_rule_vs_plain": rate(llama_runs, "spec_no_rule", "batch")
-        / rate(llama_runs, "plain", "batch"),
-        f"b{b}_draft_model_rule_vs_plain": rate(llama_runs, "draft_model_rule", "batch")
-        / rate(llama_runs, "plain", "batch"),
-        f"b{b}_eagle3_rule_vs_plain": rate(llama_runs, "eagle3_rule", "batch")
-        / rate(llama_runs, "plain", "batch"),
-        f"qwen3_5_b{b}_mtp_rule_vs_plain": rate(qwen_runs, "mtp_rule", "batch")
-        / rate(qwen_runs, "plain_batch", "batch"),
-    }  # fmt: skip
+    ratios = suite_ratios({"llama": llama_runs, "qwen3_5": qwen_runs}, n, b)
     result = {
         "environment": environment(),
         "models": {

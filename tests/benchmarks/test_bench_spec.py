@@ -60,3 +60,70 @@ def test_suite_eagle3_head_loads(tmp_path, monkeypatch):
         mapped = torch.arange(100) + f.get_tensor("d2t")
     assert torch.equal(head.d2t + torch.arange(100), mapped)
     assert mapped.unique().numel() == 100 and int(mapped.max()) < 256  # the tiny vocabulary
+
+
+def test_suite_ratios_are_the_hand_written_table(monkeypatch):
+    """``suite_ratios`` (a loop) gives the JSON the suite's hand-written ratio table
+    gave before it, key order included, on runs of distinct made-up rates."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import json
+
+    import bench_spec
+
+    rates = iter(range(3, 1000, 7))
+
+    def runs(names: dict[str, tuple[str, ...]]) -> dict:
+        return {
+            run: {
+                p: {
+                    "decode_tokens_per_s": float(next(rates)),
+                    "acceptance_rate": next(rates) / 997,
+                    "ahead_dropped": next(rates),
+                }
+                for p in prompts
+            }
+            for run, prompts in names.items()
+        }
+
+    one, rep, batch = ("one",), ("rep",), ("batch",)
+    llama = runs({"plain": ("one", "rep", "batch"), "forced": one, "forced_pipelined": one,
+                  "ngram": rep, "ngram_pipelined": rep, "spec_rule": batch,
+                  "spec_no_rule": batch, "draft_model_rule": batch, "eagle3_rule": batch})  # fmt: skip
+    qwen = runs({"plain": ("one", "rep"), "plain_batch": batch, "forced": one, "mtp_forced": one,
+                 "forced_pipelined": one, "ngram": rep, "ngram_pipelined": rep,
+                 "mtp_rule": batch})  # fmt: skip
+    n, b = 24, 64
+
+    def rate(runs, name, label):
+        return runs[name][label]["decode_tokens_per_s"]
+
+    expected = {  # the table as it was written out by hand
+        "llama_forced_speedup": rate(llama, "forced", "one") / rate(llama, "plain", "one"),
+        "llama_forced_pipelined_speedup": rate(llama, "forced_pipelined", "one")
+        / rate(llama, "plain", "one"),
+        "llama_ngram_speedup": rate(llama, "ngram", "rep") / rate(llama, "plain", "rep"),
+        "llama_ngram_pipelined_speedup": rate(llama, "ngram_pipelined", "rep")
+        / rate(llama, "plain", "rep"),
+        "llama_ngram_acceptance_rate": llama["ngram_pipelined"]["rep"]["acceptance_rate"],
+        "llama_ngram_pipelined_dropped_per_100": 100 * llama["ngram_pipelined"]["rep"][
+            "ahead_dropped"] / n,
+        "qwen3_5_forced_speedup": rate(qwen, "forced", "one") / rate(qwen, "plain", "one"),
+        "qwen3_5_forced_pipelined_speedup": rate(qwen, "forced_pipelined", "one")
+        / rate(qwen, "plain", "one"),
+        "qwen3_5_ngram_speedup": rate(qwen, "ngram", "rep") / rate(qwen, "plain", "rep"),
+        "qwen3_5_ngram_pipelined_speedup": rate(qwen, "ngram_pipelined", "rep")
+        / rate(qwen, "plain", "rep"),
+        "qwen3_5_ngram_acceptance_rate": qwen["ngram_pipelined"]["rep"]["acceptance_rate"],
+        "qwen3_5_mtp_forced_speedup": rate(qwen, "mtp_forced", "one") / rate(qwen, "plain", "one"),
+        f"b{b}_rule_vs_plain": rate(llama, "spec_rule", "batch") / rate(llama, "plain", "batch"),
+        f"b{b}_no_rule_vs_plain": rate(llama, "spec_no_rule", "batch")
+        / rate(llama, "plain", "batch"),
+        f"b{b}_draft_model_rule_vs_plain": rate(llama, "draft_model_rule", "batch")
+        / rate(llama, "plain", "batch"),
+        f"b{b}_eagle3_rule_vs_plain": rate(llama, "eagle3_rule", "batch")
+        / rate(llama, "plain", "batch"),
+        f"qwen3_5_b{b}_mtp_rule_vs_plain": rate(qwen, "mtp_rule", "batch")
+        / rate(qwen, "plain_batch", "batch"),
+    }  # fmt: skip
+    got = bench_spec.suite_ratios({"llama": llama, "qwen3_5": qwen}, n, b)
+    assert json.dumps(got) == json.dumps(expected)

@@ -183,13 +183,14 @@ class PoolAllocator:
 
     # -- freeing ------------------------------------------------------------------------
 
-    def free_request(self, slot: int) -> None:
-        """Free every page of request ``slot`` (all sub-pools) and close the slot."""
-        with self.parts.writer.batch():  # its pages and its state slot in one table write
-            self.parts.writer.stage(self.parts.tokens.stage_free_request(slot))
+    def free_request(self, slots: int | object, defer: bool = False) -> None:
+        """Free and close request ``slots`` (an int) or each of ``slots`` (host ints:
+        those finishing in one step) in one table write (``Tokens.free_requests``);
+        ``defer``: in none, with the next one (``TableWriter.batch(hold=True)``)."""
+        with self.parts.writer.batch(hold=defer):  # pages and state slots: one write
+            checked = self.parts.tokens.free_requests(slots)  # (checked first)
             if self.parts.mamba is not None:
-                self.parts.mamba.free_bound(np.array([slot + 1], np.int32))
-        self.parts.requests.close(int(slot))
+                self.parts.mamba.free_bound((checked + 1).astype(np.int32))
         self._after_verb()
 
     def free_out_of_window(self, slots: object, seq_lens: object) -> None:
@@ -260,8 +261,7 @@ class PoolAllocator:
         return book
 
     def request_pages(self, slot: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per sub-pool: (page columns request ``slot`` still holds, their physical
-        pages), host int64 (``tokens.Tokens.request_pages``)."""
+        """Per sub-pool: (page columns ``slot`` still holds, their physical pages), int64."""
         return self.parts.tokens.request_pages(slot)
 
     # -- capacity and fences ---------------------------------------------------------------

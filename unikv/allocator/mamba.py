@@ -100,8 +100,8 @@ class MambaSlots:
         with their draft slots."""
         if self.states is not None:
             self.states.unpin((vids - 1).astype(np.int64))
-        if self.k:
-            vids = np.concatenate([vids, self.draft_vids(vids - 1).reshape(-1)])
+        if self.k:  # each request's slot, then its draft slots (as one by one)
+            vids = np.concatenate([vids[:, None], self.draft_vids(vids - 1)], axis=1).reshape(-1)
         if self.states is not None:
             self.states.flush_for(vids.tolist())  # a queued checkpoint reads one of them
         vids = vids[self.book.physical(vids) >= 0]

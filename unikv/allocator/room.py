@@ -351,7 +351,9 @@ class Room:
         return moved
 
     def _regrid(self, pages: Mapping[str, int]) -> None:
-        """Each book's grid to ``pages[name]`` pages; the writer and the frame follow."""
+        """Each book's grid to ``pages[name]`` pages; the writer and the frame follow
+        (what a preemption's free left staged is written first, on the old grid)."""
+        self.writer.settle()
         for name, book in self.books.items():
             book.resize(pages[name])
             if name in self.writer.p2v_id:

@@ -19,7 +19,8 @@ indices are marked and go out with the next ``write`` (a decode step's, a checkp
 flush's) or in one write when the outermost scope closes, each with the value the
 host mirror holds then (the truth, so an index staged twice, or also written by that
 patch, is written once, correctly). Nothing on the device reads those entries
-before the scope's verbs end.
+before the scope's verbs end. A ``batch(hold=True)`` scope (a preemption's free)
+leaves them for the next write, the step's own.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class TableWriter:
             self.tables += [book.v2p, book.p2v]
             self.follow(book)
         self.staged: dict[int, list[np.ndarray]] = {}  # table id -> indices to write
+        self._num_staged = 0  # arrays in ``staged``
+        self._held = 0  # of them, left by a ``hold`` scope before the open one
         self._depth = 0  # open ``batch`` scopes
         self.writes = 0  # uploads (each with its launch) so far
 
@@ -129,15 +132,22 @@ class TableWriter:
         self.mirrors[v], self.mirrors[p] = book.v2p_host, book.p2v_host
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, hold: bool = False) -> Iterator[None]:
         """The ``stage``-d writes of the verbs inside go out with the next ``write``,
-        or in one write when the outermost scope closes (module docstring)."""
+        or in one write when the outermost scope closes (module docstring). ``hold``:
+        not even then; they wait for the next ``write`` (a preemption's frees go with
+        the step's decode or extend write), so the caller makes sure one comes
+        before anything on the device reads those entries (the debug-mode
+        ``check_integrity`` settles them first). A scope that stages nothing itself
+        leaves held entries waiting too (a decode step that failed for want of room)."""
+        if not self._depth:
+            self._held = self._num_staged  # what an earlier ``hold`` scope left
         self._depth += 1
         try:
             yield
         finally:
             self._depth -= 1
-            if not self._depth:
+            if not self._depth and not hold and self._num_staged > self._held:
                 self.settle()
 
     def settle(self) -> None:
@@ -157,11 +167,13 @@ class TableWriter:
             return
         for table, index, _ in patch.segments:
             self.staged.setdefault(table, []).append(patch.parts[index])
+        self._num_staged += len(patch.segments)
 
     def _merge(self, patch: TablePatch) -> None:
         """Add the staged entries to ``patch``: each index once, those ``patch``
         writes itself left out (its values are the mirrors' too), values read now."""
         staged, self.staged = self.staged, {}
+        self._num_staged = self._held = 0
         own: dict[int, list[np.ndarray]] = {}
         for table, index, _ in patch.segments:
             own.setdefault(table, []).append(patch.parts[index])

@@ -167,21 +167,38 @@ class Tokens:
     def _unbind(self, names: tuple[str, ...], vpages: np.ndarray, patch: TablePatch) -> None:
         stage_unbind(self.books, names, self.fences, self.writer, vpages, patch)
 
-    def stage_free_request(self, slot: int) -> TablePatch:
-        """``free_request``'s token half: every page of ``slot`` unbound and retired
-        (the caller frees its Mamba slot and closes it)."""
-        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.requests.max_requests:
+    def free_requests(self, slots: object) -> np.ndarray:
+        """``free_request``'s token half: checks ``slots`` (an int slot, or host ints of
+        distinct open requests; ValueError, nothing changed), then for each in turn
+        stages its pages' unbinding and retires them, and closes it. Returns the slots
+        (host int64); the caller, inside one ``TableWriter.batch``, frees their Mamba
+        slots. Freeing many is freeing each in turn (the same tables, free stacks and
+        cache LRU), in one table write."""
+        checked = self._free_args(slots)
+        for slot in checked.tolist():
+            held = self.requests.held_pages(slot)
+            self.prefix.release_window(slot, 0, len(held))
+            self.writer.stage(self.free_pages(held))
+            self.requests.close(slot)
+        return checked
+
+    def _free_args(self, slots: object) -> np.ndarray:
+        if isinstance(slots, (int, np.integer)):
+            if not 0 <= slots < self.requests.max_requests:
+                raise ValueError(
+                    f"free_request: slot must be an int in [0, {self.requests.max_requests}), "
+                    f"got {slots!r}"
+                )
+            if not self.requests.in_use[slots]:
+                raise ValueError(
+                    f"free_request: request {slots} is not open (double free or never opened)"
+                )
+            return np.array([slots], np.int64)
+        if isinstance(slots, (bool, float, str)) or slots is None:
             raise ValueError(
-                f"free_request: slot must be an int in [0, {self.requests.max_requests}), "
-                f"got {slot!r}"
+                f"free_request: pass an int slot or a 1-D host integer array, got {slots!r}"
             )
-        if not self.requests.in_use[slot]:
-            raise ValueError(
-                f"free_request: request {slot} is not open (double free or never opened)"
-            )
-        held = self.requests.held_pages(int(slot))
-        self.prefix.release_window(int(slot), 0, len(held))
-        return self.free_pages(held)
+        return self.requests.check_slots(slots, "free_request")
 
     def stage_out_of_window(self, slots: object, seq_lens: object) -> TablePatch:
         """``free_out_of_window``'s host half (checked arguments); the tombstones.

@@ -290,15 +290,31 @@ class Scheduler:
             self.spec.release(r, self.prefix.enabled or preempted)
         self.prefix.share(r)
 
+    def release(self, done: list[Request]) -> None:
+        """End the running requests ``done`` (those finishing in one step): each
+        shares its pages first (``share``), then one ``free_request`` frees every
+        page and state slot of them all (one table write, not one each)."""
+        if not done:
+            return
+        for r in done:
+            self.share(r)
+        self.alloc.free_request(np.fromiter((r.slot for r in done), np.int64, len(done)))
+        for r in done:
+            self.running.remove(r)
+            r.slot, r.status = None, Status.FINISHED
+
     def preempt(self, r: Request) -> None:
         """Preemption: free every page, keep the tokens, requeue first; the pages
-        go to host slots first when ``swap`` takes them, else it is recomputed."""
+        go to host slots first when ``swap`` takes them, else it is recomputed. The
+        free's table entries wait for the step's own write (``free_request(defer=
+        True)``: every preemption of a step and its decode or extend in one write;
+        a step scheduled after a preemption always writes)."""
         self.share(r, preempted=True)
         if self.swap is not None:
             record = self.swap.swap_out(r.request_id, r.slot, r.num_cached)
             if record is not None:
                 record.state_at = self.prefix.points.pop(r.slot, None)
-        self.alloc.free_request(r.slot)
+        self.alloc.free_request(r.slot, defer=True)
         self.running.remove(r)
         r.slot, r.num_cached, r.status = None, 0, Status.WAITING
         r.num_preemptions += 1
@@ -354,16 +370,15 @@ class Scheduler:
                 continue  # no sample taken from this lane (mid-prefill or stopped)
             if r.resolve(len(r.output_ids) - 1, tokens[i]):
                 finished.append(r)
+                self._epoch += 1
                 if r.status is Status.RUNNING:
-                    self.share(r)
-                    self.alloc.free_request(r.slot)
-                    self.running.remove(r)
-                elif r.status is Status.WAITING:  # preempted meanwhile
+                    continue  # released below, with the others: one free
+                if r.status is Status.WAITING:  # preempted meanwhile
                     self.waiting.remove(r)
                     if self.swap is not None:
                         self.swap.drop(r.request_id)
                 r.slot, r.status = None, Status.FINISHED
-                self._epoch += 1
+        self.release([r for r in finished if r.status is Status.RUNNING])
         return finished
 
     def complete_verify(
@@ -421,11 +436,7 @@ class Scheduler:
         self.num_appended = appended
         self.prefix.after_step(Batch(list(reqs), kept), verify=True)
         self._epoch += len(finished)
-        for r in finished:
-            self.share(r)
-            self.alloc.free_request(r.slot)
-            self.running.remove(r)
-            r.slot, r.status = None, Status.FINISHED
+        self.release(finished)
         if self.has_window:
             live = [r for r in reqs if r.status is Status.RUNNING]
             if live:
@@ -466,11 +477,7 @@ class Scheduler:
         if batch.kind is BatchKind.DECODE and self._decodes is not None:
             self._decodes.advance(len(batch.requests))
         self._epoch += len(finished)
-        for r in finished:
-            self.share(r)
-            self.alloc.free_request(r.slot)
-            self.running.remove(r)
-            r.slot, r.status = None, Status.FINISHED
+        self.release(finished)
         if self.has_window and batch.kind is BatchKind.EXTEND:  # else decode_step did
             live = [r for r in batch.requests if r.status is Status.RUNNING]
             if live:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
-
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields, as_float
@@ -161,6 +159,4 @@ class BambaForCausalLM(decoder.DecoderLM):
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rotary = Rotary(config.rope, config.head_dim, max_positions)
         layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        return decoder.Backbone(embed, layers, norm, rotary, ("embed_tokens", "final_layernorm"))
+        return decoder.rms_backbone(config, layers, rotary, ("embed_tokens", "final_layernorm"))

@@ -146,6 +146,20 @@ class Backbone(nn.Module):
         return [] if rotary is None else [rotary]
 
 
+def rms_backbone(
+    config: ModelConfig,
+    layers: list[nn.Module],
+    rotary: nn.Module | None = None,
+    names: tuple[str, str] = ("embed_tokens", "norm"),
+) -> Backbone:
+    """A Backbone over ``layers`` in the shape most families share: a plain token
+    embedding and an ``RMSNorm`` at ``config.rms_norm_eps`` (made after the layers,
+    the norm first)."""
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    embed = nn.Embedding(config.vocab_size, config.hidden_size)
+    return Backbone(embed, layers, norm, rotary, names)
+
+
 def typed_rope_backbone(
     config: ModelConfig, max_positions: int, layer_types, make_layer, norm: RMSNorm
 ) -> Backbone:

@@ -311,6 +311,4 @@ class DeepseekForCausalLM(decoder.DecoderLM):
         e = config.extra
         rotary = DeepseekRotary(config.rope, e["qk_rope_head_dim"], max_positions, e["rope_layout"])
         layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        return decoder.Backbone(embed, layers, norm, rotary)
+        return decoder.rms_backbone(config, layers, rotary)

@@ -198,9 +198,7 @@ class FalconH1ForCausalLM(decoder.DecoderLM):
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rotary = Rotary(config.rope, config.head_dim, max_positions)
         layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        return decoder.Backbone(embed, layers, norm, rotary, ("embed_tokens", "final_layernorm"))
+        return decoder.rms_backbone(config, layers, rotary, ("embed_tokens", "final_layernorm"))
 
     def build(self, device: torch.device) -> None:
         """After ``to(dtype).to_empty``: the rope table and every mixer's ``mup_vector``."""

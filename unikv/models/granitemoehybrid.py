@@ -257,9 +257,7 @@ class GraniteMoeHybridForCausalLM(decoder.DecoderLM):
             Rotary(config.rope, config.head_dim, max_positions) if config.extra["rope"] else None
         )
         layers = [DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers)]
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        return decoder.Backbone(embed, layers, norm, rotary)
+        return decoder.rms_backbone(config, layers, rotary)
 
     @classmethod
     def tp_dims(cls, config: ModelConfig) -> dict[str, int]:

@@ -242,6 +242,4 @@ class KimiLinearForCausalLM(decoder.DecoderLM):
     def make_backbone(self, config: ModelConfig, max_positions: int, tp) -> decoder.Backbone:
         rope = NoRope()
         layers = [DecoderLayer(config, i, rope, tp) for i in range(config.num_layers)]
-        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        return decoder.Backbone(embed, layers, norm)
+        return decoder.rms_backbone(config, layers)
