@@ -87,7 +87,9 @@ def engine_args(args, max_len: int) -> list[str]:
         "--device", args.device, "--page-size", str(args.page_size),
         "--max-num-seqs", str(args.max_num_seqs), "--chunk", str(args.chunk),
         "--max-model-len", str(max_len), "--kv-cache", f"{args.kv_cache_mib}MiB",
-    ]  # fmt: skip
+        "--admission-window-ms", str(args.admission_window_ms),
+    ] + (["--max-prefill-tokens-decoding", str(args.max_prefill_tokens_decoding)]
+         if args.max_prefill_tokens_decoding else [])  # fmt: skip
 
 
 MODES = {  # unikv serve's engine modes; "process-5ms": Python's own GIL switch interval
@@ -271,6 +273,7 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
 STEP_BUCKET = re.compile(r"^unikv:engine_step_phase_seconds_bucket\{([^}]*)\} (\S+)$")
 STEP_MAX = re.compile(r"^unikv:engine_step_phase_max_seconds\{([^}]*)\} (\S+)$")
 STEP_SUM = re.compile(r"^unikv:engine_step_phase_seconds_sum\{([^}]*)\} (\S+)$")
+STEP_COUNT = re.compile(r"^unikv:engine_(steps|prefill_steps)_total\{[^}]*\} (\S+)$")
 
 
 def step_phases(url: str) -> dict:
@@ -284,6 +287,10 @@ def step_phases(url: str) -> dict:
         return {}
     out: dict = {}
     for line in text.splitlines():
+        m = STEP_COUNT.match(line)
+        if m is not None:  # steps planned, and those with prefill rows
+            out.setdefault("counts", {})[m.group(1)] = float(m.group(2))
+            continue
         for pattern, kind in ((STEP_BUCKET, "bucket"), (STEP_MAX, "max"), (STEP_SUM, "sum")):
             m = pattern.match(line)
             if m is None:
@@ -308,6 +315,10 @@ def step_figures(before: dict, after: dict) -> dict:
     of the server's run so far (``max_ms_so_far``)."""
     out = {}
     for phase, a in after.items():
+        if phase == "counts":  # steps and prefill steps over the load
+            b = before.get("counts", {})
+            out["counts"] = {k: int(v - b.get(k, 0.0)) for k, v in a.items()}
+            continue
         b = before.get(phase, {"cum": [0.0] * len(a["cum"]), "sum_s": 0.0})
         cum = [x - y for x, y in zip(a["cum"], b["cum"])]
         n = cum[-1] if cum else 0
@@ -350,6 +361,7 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
         str(model), device=args.device, dtype=args.dtype, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
         max_model_len=max_len, kv_cache_bytes=args.kv_cache_mib << 20,
+        max_prefill_tokens_decoding=args.max_prefill_tokens_decoding or None,
     )  # fmt: skip
     from unikv.engine.step_times import StepTimes
 
@@ -367,14 +379,23 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
             got.extend([now] * (known - len(got)))
 
     llm.engine.times = phases = StepTimes()  # the same phases as the server's engine
+    sched = llm.scheduler
+    steps = (sched.num_steps, sched.num_prefill_steps)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=clock)
     end = time.perf_counter()  # the last tokens are settled after the last hook
+    counts = {
+        "steps": sched.num_steps - steps[0],
+        "prefill_steps": sched.num_prefill_steps - steps[1],
+    }
     llm.engine.times = None
     for out, times in zip(outputs, stamps.values()):
         times.extend([end] * (len(out.output_ids) - len(times)))
     results = [{"sent": start, "stamps": t, "tokens": len(t)} for t in stamps.values()]
-    return {**summarize(results), "engine_step_ms": phase_means(phases.snapshot())}
+    return {
+        **summarize(results),
+        "engine_step_ms": phase_means(phases.snapshot()) | {"counts": counts},
+    }
 
 
 def phase_means(snap: dict) -> dict:
@@ -407,6 +428,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=None,
                    help="max_num_batched_tokens of both sides (default: 2048; 64 tiny)")  # fmt: skip
     p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--admission-window-ms", type=float, default=0.0,
+                   help="the server's --admission-window-ms (default 0: off)")  # fmt: skip
+    p.add_argument("--max-prefill-tokens-decoding", type=int, default=None,
+                   help="both sides' max_prefill_tokens_decoding (default: none)")  # fmt: skip
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
     p.add_argument(
