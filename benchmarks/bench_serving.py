@@ -369,6 +369,9 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
     llm.generate(
         prompts[: args.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     )
+    # the warm-up ran the burst's own prompts: their pages leave the prefix cache, so that
+    # generate prefills the whole burst, as the server does (its warm-up had other prompts)
+    llm.reset_prefix_cache()
     stamps: dict[int, list[float]] = {}
 
     def clock(_llm, batch, _logits) -> None:  # a token is stamped when its value is known
