@@ -20,7 +20,6 @@ import asyncio
 import math
 import threading
 import time
-from functools import partial
 from types import SimpleNamespace
 
 import msgspec
