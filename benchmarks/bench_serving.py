@@ -28,7 +28,13 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    output, step, io, gc; p50/p99 as bucket edges, ``mean_ms``, ``max_ms_so_far``
    the server's largest): where a slow step's time went; ``LLM.generate``'s
    run records the same phases (``burst.generate.engine_step_ms``, means), so
-   the served step's host cost reads against the offline one's.
+   the served step's host cost reads against the offline one's; ``counts``
+   beside the phases: steps planned and those with prefill rows over the load
+   (``unikv:engine_steps_total``, ``unikv:engine_prefill_steps_total``; the
+   scheduler's counters for generate). Generate's warm-up runs the burst's own
+   prompts, then empties the prefix cache: both sides prefill the whole burst.
+   ``--admission-window-ms`` and ``--max-prefill-tokens-decoding`` are passed to
+   the server (the second to generate too).
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 

@@ -7,6 +7,12 @@ and waits for its ``ready`` (or its failure). It offers the app what
 tokenizer side of an LLM (tokenizer, context length, vocabulary size) that the
 app tokenizes, renders chat templates and detokenizes with.
 
+Submissions go out once per turn of the event loop: the ``add`` of every request
+submitted during one turn leaves in ONE ``adds`` message at the next turn
+(``_queue_add``), so a burst of HTTP requests reaches the engine together and is
+planned together; any other message sent flushes the queued adds first (an
+abort never overtakes its add).
+
 The event loop itself receives the engine's messages: the output socket's
 file descriptor is watched by the loop (``add_reader``), and each wake-up
 drains every message queued (``DRAIN_MAX`` at most, then it goes on at the
@@ -123,7 +129,6 @@ class ProcEngine:
         self.outputs.bind(self.addr_out)
         self._send_lock = threading.Lock()  # the event loop and ``call``'s threads send
         self._adds: list[tuple] = []  # submissions' adds of this event-loop turn (not sent)
-        self.num_add_messages = 0  # ``adds`` messages sent (each one turn's submissions)
         self.subs: dict[int, tuple[Submission, list[list[TextStage]], range]] = {}
         # completion id (numbered here, ``engine_core``'s ``add``) -> (key, prompt, index)
         self.wires: dict[int, tuple[int, int, int]] = {}
@@ -237,7 +242,6 @@ class ProcEngine:
     def _flush_adds_locked(self) -> None:
         if self._adds:
             adds, self._adds = self._adds, []
-            self.num_add_messages += 1
             self.inputs.send(self.enc.encode(("adds", adds)), copy=False)
 
     async def asubmit(self, items, cache_salt: str | None = None) -> Submission:
