@@ -28,7 +28,13 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    output, step, io, gc; p50/p99 as bucket edges, ``mean_ms``, ``max_ms_so_far``
    the server's largest): where a slow step's time went; ``LLM.generate``'s
    run records the same phases (``burst.generate.engine_step_ms``, means), so
-   the served step's host cost reads against the offline one's.
+   the served step's host cost reads against the offline one's; ``counts``
+   beside the phases: steps planned and those with prefill rows over the load
+   (``unikv:engine_steps_total``, ``unikv:engine_prefill_steps_total``; the
+   scheduler's counters for generate). Generate's warm-up runs the burst's own
+   prompts, then empties the prefix cache: both sides prefill the whole burst.
+   ``--admission-window-ms`` and ``--max-prefill-tokens-decoding`` are passed to
+   the server (the second to generate too).
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
@@ -87,7 +93,9 @@ def engine_args(args, max_len: int) -> list[str]:
         "--device", args.device, "--page-size", str(args.page_size),
         "--max-num-seqs", str(args.max_num_seqs), "--chunk", str(args.chunk),
         "--max-model-len", str(max_len), "--kv-cache", f"{args.kv_cache_mib}MiB",
-    ]  # fmt: skip
+        "--admission-window-ms", str(args.admission_window_ms),
+    ] + (["--max-prefill-tokens-decoding", str(args.max_prefill_tokens_decoding)]
+         if args.max_prefill_tokens_decoding else [])  # fmt: skip
 
 
 MODES = {  # unikv serve's engine modes; "process-5ms": Python's own GIL switch interval
@@ -271,6 +279,7 @@ def load(url: str, prompts, new_tokens: int, arrivals: list[float], clients: int
 STEP_BUCKET = re.compile(r"^unikv:engine_step_phase_seconds_bucket\{([^}]*)\} (\S+)$")
 STEP_MAX = re.compile(r"^unikv:engine_step_phase_max_seconds\{([^}]*)\} (\S+)$")
 STEP_SUM = re.compile(r"^unikv:engine_step_phase_seconds_sum\{([^}]*)\} (\S+)$")
+STEP_COUNT = re.compile(r"^unikv:engine_(steps|prefill_steps)_total\{[^}]*\} (\S+)$")
 
 
 def step_phases(url: str) -> dict:
@@ -284,6 +293,10 @@ def step_phases(url: str) -> dict:
         return {}
     out: dict = {}
     for line in text.splitlines():
+        m = STEP_COUNT.match(line)
+        if m is not None:  # steps planned, and those with prefill rows
+            out.setdefault("counts", {})[m.group(1)] = float(m.group(2))
+            continue
         for pattern, kind in ((STEP_BUCKET, "bucket"), (STEP_MAX, "max"), (STEP_SUM, "sum")):
             m = pattern.match(line)
             if m is None:
@@ -308,6 +321,10 @@ def step_figures(before: dict, after: dict) -> dict:
     of the server's run so far (``max_ms_so_far``)."""
     out = {}
     for phase, a in after.items():
+        if phase == "counts":  # steps and prefill steps over the load
+            b = before.get("counts", {})
+            out["counts"] = {k: int(v - b.get(k, 0.0)) for k, v in a.items()}
+            continue
         b = before.get(phase, {"cum": [0.0] * len(a["cum"]), "sum_s": 0.0})
         cum = [x - y for x, y in zip(a["cum"], b["cum"])]
         n = cum[-1] if cum else 0
@@ -350,6 +367,7 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
         str(model), device=args.device, dtype=args.dtype, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.chunk,
         max_model_len=max_len, kv_cache_bytes=args.kv_cache_mib << 20,
+        max_prefill_tokens_decoding=args.max_prefill_tokens_decoding or None,
     )  # fmt: skip
     from unikv.engine.step_times import StepTimes
 
@@ -357,6 +375,9 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
     llm.generate(
         prompts[: args.max_num_seqs], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     )
+    # the warm-up ran the burst's own prompts: their pages leave the prefix cache, so that
+    # generate prefills the whole burst, as the server does (its warm-up had other prompts)
+    llm.reset_prefix_cache()
     stamps: dict[int, list[float]] = {}
 
     def clock(_llm, batch, _logits) -> None:  # a token is stamped when its value is known
@@ -367,14 +388,23 @@ def run_generate(model: Path, prompts, args, max_len: int) -> dict:
             got.extend([now] * (known - len(got)))
 
     llm.engine.times = phases = StepTimes()  # the same phases as the server's engine
+    sched = llm.scheduler
+    steps = (sched.num_steps, sched.num_prefill_steps)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, on_step=clock)
     end = time.perf_counter()  # the last tokens are settled after the last hook
+    counts = {
+        "steps": sched.num_steps - steps[0],
+        "prefill_steps": sched.num_prefill_steps - steps[1],
+    }
     llm.engine.times = None
     for out, times in zip(outputs, stamps.values()):
         times.extend([end] * (len(out.output_ids) - len(times)))
     results = [{"sent": start, "stamps": t, "tokens": len(t)} for t in stamps.values()]
-    return {**summarize(results), "engine_step_ms": phase_means(phases.snapshot())}
+    return {
+        **summarize(results),
+        "engine_step_ms": phase_means(phases.snapshot()) | {"counts": counts},
+    }
 
 
 def phase_means(snap: dict) -> dict:
@@ -407,6 +437,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=None,
                    help="max_num_batched_tokens of both sides (default: 2048; 64 tiny)")  # fmt: skip
     p.add_argument("--kv-cache-mib", type=int, default=None)
+    p.add_argument("--admission-window-ms", type=float, default=0.0,
+                   help="the server's --admission-window-ms (default 0: off)")  # fmt: skip
+    p.add_argument("--max-prefill-tokens-decoding", type=int, default=None,
+                   help="both sides' max_prefill_tokens_decoding (default: none)")  # fmt: skip
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
     p.add_argument(

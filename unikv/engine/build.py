@@ -182,6 +182,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         pool.subpools.values(),
         max_num_seqs=c.max_num_seqs,
         max_num_batched_tokens=c.max_num_batched_tokens,
+        max_prefill_tokens_decoding=c.max_prefill_tokens_decoding,
         tables=runner.planner.tables,  # decode_step writes the planner's buffers
         prefix_caching=caching,
         swap=_swap_space(alloc, c.swap_host_bytes, c.preemption, device, prefill_rate),

@@ -52,6 +52,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", "--chunk", type=int, default=512,
                    help="tokens per step at most: the prefill chunk (default 512)")  # fmt: skip
     g.add_argument(
+        "--max-prefill-tokens-decoding", type=int, default=None,
+        help="prefill tokens per step at most while requests decode: an arriving prompt's "
+        "prefill is spread over several steps (default: --max-num-batched-tokens less the "
+        "decode rows)",
+    )  # fmt: skip
+    g.add_argument(
+        "--admission-window-ms", type=float, default=0.0,
+        help="unikv serve: when nothing runs and requests arrive, wait up to this long for "
+        "more before the first step, so a burst is planned as few prefill steps (default 0: "
+        "off)",
+    )  # fmt: skip
+    g.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,

@@ -77,6 +77,8 @@ class EngineConfig:
     page_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_prefill_tokens_decoding: int | None = None
+    admission_window_ms: float = 0.0
     max_model_len: int | None = None
     cuda_graphs: bool | None = None
     prefill_graphs: bool = False
@@ -124,6 +126,18 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if not _int(getattr(self, name), 1):
                 raise _bad(name, "a positive int", getattr(self, name))
+        cap = self.max_prefill_tokens_decoding
+        if cap is not None and not _int(cap, 1):
+            raise _bad("max_prefill_tokens_decoding", "None (max_num_batched_tokens) or an int "
+                       ">= 1 (prefill tokens per step while requests decode)", cap)  # fmt: skip
+        window = self.admission_window_ms
+        if (
+            isinstance(window, bool)
+            or not isinstance(window, int | float)
+            or not 0 <= window <= 1000
+        ):
+            raise _bad("admission_window_ms", "a number of milliseconds in [0, 1000] (0: off)",
+                       window)  # fmt: skip
         if self.max_model_len is not None and not _int(self.max_model_len, 2):
             raise _bad("max_model_len", "None (the model's context) or an int >= 2",
                        self.max_model_len)  # fmt: skip

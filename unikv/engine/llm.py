@@ -78,6 +78,16 @@ class LLM:
         page_size: tokens per page (every attention sub-pool).
         max_num_seqs: running requests at most.
         max_num_batched_tokens: tokens per step at most (prefill chunk size).
+        max_prefill_tokens_decoding: None, or prefill tokens per step at most while
+            some request decodes (a step of prefills alone still takes
+            ``max_num_batched_tokens``): an arriving prompt's prefill is spread
+            over several steps instead of making one decode step many times
+            longer (the inter-token latency tail of ``unikv serve``).
+        admission_window_ms: ``unikv serve``'s engine process only (0: off): when
+            nothing runs and requests arrive, it waits up to this long for more
+            (again after each arrival, ten windows at most) before planning, so a
+            burst that reaches it over some milliseconds is planned as few prefill
+            steps (``engine_core.serve_all``).
         max_model_len: context length (default: the model's).
         cuda_graphs: decode under CUDA graphs (default: on with CUDA).
         prefill_graphs: extend steps under piecewise CUDA graphs (``engine/prefill_graphs.py``:

@@ -276,6 +276,20 @@ class EngineLoop:
         """Whether ``turn`` has something to do (calls, work, a step in flight)."""
         return bool(self._calls or self._prev or self._has_work())
 
+    @property
+    def stepping(self) -> bool:
+        """Whether requests are scheduled (running or waiting), held, or a step is in
+        flight: new arrivals would join steps that run anyway (``engine_core``'s
+        admission window waits only while this is False)."""
+        return bool(
+            self._prev
+            or self._ahead
+            or self.scheduler.has_work()
+            or self._held
+            or self._suspects
+            or self._probe
+        )
+
     def turn(self) -> bool:
         """An adopted loop (``adopt``): the queued calls, then one step if there is
         work. False when the loop died (``error`` set, every stream ended with it,

@@ -11,7 +11,10 @@ One step (``schedule``):
    them as they are). If the chain cannot hold them, the newest running
    request is preempted (its pages freed, its tokens kept for recompute)
    until it can.
-2. Prefill chunks, within ``max_num_batched_tokens``: first running requests
+2. Prefill chunks, within ``max_num_batched_tokens`` less the decode rows (and,
+   while requests decode, within ``max_prefill_tokens_decoding`` when set: an
+   arriving prompt's prefill does not make a decode step many times longer,
+   the inter-token latency tail): first running requests
    still prefilling, then waiting requests (FIFO) that the capacity oracle
    says fit (``can_admit`` on the pages their whole prefill needs, after
    compaction, plus one recurrent-state slot for hybrid models, allocated
@@ -65,6 +68,8 @@ class Scheduler:
         subpools: the pool's sub-pools (spec and page size, for page demand).
         max_num_seqs: running requests at most (<= the allocator's max_requests).
         max_num_batched_tokens: tokens per step at most (the prefill chunk size).
+        max_prefill_tokens_decoding: None, or prefill tokens per step at most while
+            some request decodes (a step of prefills alone takes the whole budget).
         tables: the step planner's block-table and write-id buffers, which
             ``decode_step`` writes (``StepPlanner.tables``); None (no runner, e.g.
             a capacity simulation): decode_step makes its own.
@@ -85,6 +90,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_prefill_tokens_decoding: int | None = None,
         tables: StepTables | None = None,
         prefix_caching: bool = False,
         swap=None,
@@ -105,6 +111,9 @@ class Scheduler:
         self.state_slots = 1 + alloc.view.draft_k
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prefill tokens of a step with decode rows (decided once: no cap = the budget)
+        self.decoding_prefill_cap = max_prefill_tokens_decoding or max_num_batched_tokens
+        self.num_steps = self.num_prefill_steps = 0  # steps planned; those with prefill rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
@@ -148,12 +157,17 @@ class Scheduler:
             batch = Batch()
             prefilling = self._schedule_decodes(batch)
             num_decodes = len(batch.requests)
-            self._schedule_prefills(batch, prefilling, self.max_num_batched_tokens - num_decodes)
+            budget = self.max_num_batched_tokens - num_decodes
+            if num_decodes:
+                budget = min(budget, self.decoding_prefill_cap)
+            self._schedule_prefills(batch, prefilling, budget)
             if num_decodes and num_decodes == len(batch.requests) and batch.drafts is None:
                 batch.kind, batch.tables = BatchKind.DECODE, self.tables
                 batch.all_greedy = self._decodes.greedy()
             if batch.requests:
                 batch.epoch = self._epoch
+                self.num_steps += 1
+                self.num_prefill_steps += num_decodes != len(batch.requests)
                 return batch
             assert len(self.running) > 1, (
                 "scheduler invariant: one request alone always fits the pool (checked at "

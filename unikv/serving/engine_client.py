@@ -7,6 +7,12 @@ and waits for its ``ready`` (or its failure). It offers the app what
 tokenizer side of an LLM (tokenizer, context length, vocabulary size) that the
 app tokenizes, renders chat templates and detokenizes with.
 
+Submissions go out once per turn of the event loop: the ``add`` of every request
+submitted during one turn leaves in ONE ``adds`` message at the next turn
+(``_queue_add``), so a burst of HTTP requests reaches the engine together and is
+planned together; any other message sent flushes the queued adds first (an
+abort never overtakes its add).
+
 The event loop itself receives the engine's messages: the output socket's
 file descriptor is watched by the loop (``add_reader``), and each wake-up
 drains every message queued (``DRAIN_MAX`` at most, then it goes on at the
@@ -122,6 +128,7 @@ class ProcEngine:
         self.outputs.setsockopt(zmq.LINGER, 0)
         self.outputs.bind(self.addr_out)
         self._send_lock = threading.Lock()  # the event loop and ``call``'s threads send
+        self._adds: list[tuple] = []  # submissions' adds of this event-loop turn (not sent)
         self.subs: dict[int, tuple[Submission, list[list[TextStage]], range]] = {}
         # completion id (numbered here, ``engine_core``'s ``add``) -> (key, prompt, index)
         self.wires: dict[int, tuple[int, int, int]] = {}
@@ -215,7 +222,27 @@ class ProcEngine:
 
     def _send(self, msg) -> None:
         with self._send_lock:
+            self._flush_adds_locked()  # a submission's add goes before its abort or cut
             self.inputs.send(self.enc.encode(msg), copy=False)
+
+    def _queue_add(self, add: tuple) -> None:
+        """Event loop: queue one submission's ``add``; the adds queued during one turn
+        of the event loop leave together, as ONE ``adds`` message (``_flush_adds``,
+        at the loop's next turn): a burst of requests reaches the engine together."""
+        with self._send_lock:
+            self._adds.append(add)
+            first = len(self._adds) == 1
+        if first:
+            self._aloop.call_soon(self._flush_adds)
+
+    def _flush_adds(self) -> None:
+        with self._send_lock:
+            self._flush_adds_locked()
+
+    def _flush_adds_locked(self) -> None:
+        if self._adds:
+            adds, self._adds = self._adds, []
+            self.inputs.send(self.enc.encode(("adds", adds)), copy=False)
 
     async def asubmit(self, items, cache_salt: str | None = None) -> Submission:
         """Submit (token ids, text, SamplingParams) per prompt, all or none; raises
@@ -244,7 +271,7 @@ class ProcEngine:
                 self.wires[w] = (key, prompt, index)
                 w += 1
         payload = [(list(ids), encode_params(params)) for ids, _, params in items]
-        self._send(("add", key, payload, cache_salt, first))
+        self._queue_add(("add", key, payload, cache_salt, first))
         try:
             kind, message = await ack
         except asyncio.CancelledError:  # the client went away before the engine answered

@@ -37,6 +37,8 @@ Messages (msgpack arrays; the first element is the kind):
     add   key, [[prompt ids, params], ...], cache salt, first completion id
           (the API process numbers a submission's completions first, first + 1,
           ... prompt by prompt, so outputs name a completion by one int)
+    adds  [add, ...]   the API process's submissions of one event-loop turn, sent
+          together (``ProcEngine._queue_add``): a burst arrives as few messages
     acks  [[key, None | error kind, message], ...]   one per drain
     out   wires, tokens, rows   ONE per step: ``wires``/``tokens`` (int arrays,
           same length) the running completions that gained one token and the
@@ -192,6 +194,7 @@ class Core:
         self.loop.on_death = self._died
         self.times = self.loop.times = StepTimes()  # host time per step, by phase
         self.budget = None  # an idle shrink's SharedBudget (started with the loop)
+        self.admission_window_s = 0.0  # EngineConfig.admission_window_ms (set by _core)
         self.resize_kv = None  # resize_kv of the LLM (set by main)
 
     def send(self, msg, chan: int = 0) -> None:
@@ -316,6 +319,9 @@ class Core:
             if msg[0] == "add":
                 adds.append(msg)
                 continue
+            if msg[0] == "adds":  # one event-loop turn's submissions of the API process
+                adds.extend(msg[1])
+                continue
             if adds:
                 self.add_all(adds, chan)
                 adds = []
@@ -331,6 +337,8 @@ class Core:
         kind = msg[0]
         if kind == "add":
             self.add_all([msg], chan)
+        elif kind == "adds":
+            self.add_all(msg[1], chan)
         elif kind == "abort":
             self.abort(msg[1], chan)
         elif kind == "cut":
@@ -416,6 +424,22 @@ def serve_all(cores: list[Core], inputs: list) -> int:
         if core.budget is not None:
             core.budget.start()
     open_ = set(range(len(inputs)))
+    window = max(core.admission_window_s for core in cores)  # decided once (0: none)
+
+    def read_all() -> None:
+        """Every input socket drained, its messages handled (adds admitted together)."""
+        nonlocal open_
+        for i in sorted(open_):
+            sock, core, chan = inputs[i]
+            start = perf_counter()
+            msgs = drain(sock, dec)
+            if not msgs:
+                continue
+            if core.handle_all(msgs, chan):
+                open_ = {j for j in open_ if inputs[j][1].open[inputs[j][2]]}
+            else:
+                core.times.add("io", perf_counter() - start)
+
     import gc
 
     thresholds = gc.get_threshold()
@@ -429,16 +453,9 @@ def serve_all(cores: list[Core], inputs: list) -> int:
             if idle and not quiet_gc() and wake_r in dict(poller.poll(POLL_MS)):
                 with contextlib.suppress(BlockingIOError):  # idle: slept on the sockets
                     os.read(wake_r, 4096)
-            for i in sorted(open_):
-                sock, core, chan = inputs[i]
-                start = perf_counter()
-                msgs = drain(sock, dec)
-                if not msgs:
-                    continue
-                if core.handle_all(msgs, chan):
-                    open_ = {j for j in open_ if inputs[j][1].open[inputs[j][2]]}
-                else:
-                    core.times.add("io", perf_counter() - start)
+            read_all()
+            if window and open_:
+                admission_window(live, poller, wake_r, window, read_all)
             for core in live:
                 if any(core.open) and (not core.loop.turn() or core.dead.is_set()):
                     return EXIT_DEATH
@@ -451,6 +468,37 @@ def serve_all(cores: list[Core], inputs: list) -> int:
         os.close(wake_r)
         os.close(wake_w)
     return 0
+
+
+WINDOW_CAP = 10  # the admission window ends this many windows after it opened at most
+
+
+def admission_window(live: list[Core], poller, wake_r: int, window: float, read_all) -> None:
+    """Requests just arrived and nothing runs (no step would be delayed): wait for
+    more before the first step plans them, so that a burst reaching the engine
+    over some milliseconds (the API process forwards what each turn of its event
+    loop received) is planned as few large prefill steps, as ``LLM.generate``
+    plans it. The window closes ``window`` seconds after the last arrival, at
+    ``WINDOW_CAP`` windows at most, or at once when a call is queued (``wake_r``)."""
+    if not any(core.loop.num_queued for core in live):
+        return
+    if any(core.loop.stepping for core in live):
+        return  # steps run anyway: the new requests join the next one
+    start = last = perf_counter()
+    seen = sum(core.loop.num_queued for core in live)
+    while True:
+        wait = min(last + window, start + WINDOW_CAP * window) - perf_counter()
+        if wait <= 0:
+            return
+        ready = dict(poller.poll(wait * 1000))
+        if not ready or wake_r in ready:  # quiet for a window, or a call waits
+            return
+        read_all()
+        queued = sum(core.loop.num_queued for core in live)
+        if queued > seen:
+            seen, last = queued, perf_counter()
+        if not any(any(core.open) for core in live):
+            return
 
 
 def _wake(fd: int) -> None:
@@ -515,6 +563,9 @@ def _core(llm, ctx, outputs: list[str], max_waiting) -> Core:
     core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
                 partial(compile_structured, llm), ctx, outputs, max_waiting)  # fmt: skip
     core.resize_kv = partial(resize_kv, llm)  # the admin route's resize (within a shared budget)
+    config = getattr(llm, "engine_config", None)
+    if config is not None:
+        core.admission_window_s = config.admission_window_ms / 1000
     runner = getattr(llm, "runner", None)
     if runner is not None:  # this thread has nothing to do while a step runs: no spin
         runner.blocking_readback = BLOCKING_WAIT

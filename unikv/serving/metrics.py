@@ -13,6 +13,7 @@ two steps (``EngineLoop.call``), so a scrape never sees the allocator mid-update
     vllm:num_requests_running, vllm:num_requests_waiting
     vllm:kv_cache_usage_perc              bytes in use / the pool's bytes (0..1)
     vllm:num_preemptions_total
+    unikv:engine_steps_total, unikv:engine_prefill_steps_total   (steps planned; with prefill)
     vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total   (tokens)
     unikv:subpool_live_pages{subpool,kind}    pages in use (Mamba: state slots)
     unikv:subpool_cached_pages{subpool,kind}  evictable prefix-cache pages (free)
@@ -98,6 +99,8 @@ def engine_snapshot(core) -> dict:
         "running": len(sched.running),
         "waiting": len(sched.waiting),
         "preemptions": sched.num_preemptions,
+        "steps": sched.num_steps,  # steps planned, and those with prefill rows
+        "prefill_steps": sched.num_prefill_steps,
         "prefix": alloc.prefix.counters(),
         "spec": sched.spec.counters.as_dict() if sched.spec is not None else None,
     }
@@ -143,6 +146,9 @@ class _EngineCollector:
         )
         yield _counter("vllm:num_preemptions", "Requests preempted (recompute or swap)", model,
                        snap["preemptions"])  # fmt: skip
+        yield _counter("unikv:engine_steps", "Engine steps planned", model, snap["steps"])
+        yield _counter("unikv:engine_prefill_steps", "Engine steps with prefill rows", model,
+                       snap["prefill_steps"])  # fmt: skip
         prefix = snap["prefix"]
         yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                        model, prefix["query_tokens"])  # fmt: skip
