@@ -2,14 +2,23 @@
 a table of inputs and the decisions worked out by hand (also with the pool fractions the
 checkpoints and the running batch hold), the chance a boundary is the
 turn end, a state slot's bytes as displaced tokens, and the rule inside the prefix
-policy (a boundary it declines is not checkpointed; the last one is)."""
+policy (a boundary it declines is not checkpointed; the last one is), and the
+recompute rate measured at start-up."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 from allocator_fixtures import full_config, mamba_config
 
-from unikv.engine.checkpoint_rule import CheckpointRule, measure_copy_s, state_tokens
+from unikv.engine.checkpoint_rule import (
+    CheckpointRule,
+    measure_copy_s,
+    measure_prefill_tokens_per_s,
+    state_tokens,
+)
 
 # prefill 1000 tok/s, a copy 10 ms, a state slot 50 tokens of pages:
 # gain = reuse * tokens / 1000; cost = 0.010 (+ 0.050 when held under pressure)
@@ -91,3 +100,46 @@ def test_cpu_copy_cost_is_the_fixed_default():
     from unikv.engine.checkpoint_rule import CPU_COPY_S
 
     assert measure_copy_s(torch.device("cpu"), 1 << 20) == CPU_COPY_S
+
+
+class _Stack(torch.nn.Module):
+    """``layers`` equal linear maps (one weight shape, repeated) and an lm_head."""
+
+    def __init__(self, layers: int, width: int, vocab: int = 0) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(width, width, bias=False) for _ in range(layers)
+        )
+        if vocab:
+            self.lm_head = torch.nn.Linear(width, vocab, bias=False)
+
+
+def _ticks():
+    """A clock that advances one second per reading: each timed launch takes 1 s."""
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    return clock
+
+
+def test_the_recompute_rate_is_measured_at_start_up():
+    """With every launch timed at 1 s, a prefill of ``rows`` tokens through N equal
+    linears takes N seconds (each layer once; one shape timed once, counted N times),
+    so the measured rate is rows / N tokens/s; more layers, slower; rows are capped at
+    a chunk of 2048. On CPU without a clock, the engine's estimate, unchanged."""
+    cpu = torch.device("cpu")
+    for layers in (1, 3):
+        rate = measure_prefill_tokens_per_s(_Stack(layers, 8), cpu, 64, 1e4, clock=_ticks())
+        assert rate == pytest.approx(64 / layers)
+    capped = measure_prefill_tokens_per_s(_Stack(2, 8), cpu, 10_000, 1e4, clock=_ticks())
+    assert capped == pytest.approx(2048 / 2)
+    # the lm_head is not timed (a prefill's logits are its last rows'), but its weights
+    # are the model's: equal widths, so the 2 timed layers hold 2/3 of them
+    head = measure_prefill_tokens_per_s(_Stack(2, 8, vocab=8), cpu, 64, 1e4, clock=_ticks())
+    assert head == pytest.approx(64 / 3)
+    assert measure_prefill_tokens_per_s(_Stack(2, 8), cpu, 64, 1e4) == 1e4
+    real = measure_prefill_tokens_per_s(_Stack(2, 64), cpu, 256, 1e4, clock=time.perf_counter)
+    assert 0 < real < float("inf")
