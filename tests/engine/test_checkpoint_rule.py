@@ -143,3 +143,29 @@ def test_the_recompute_rate_is_measured_at_start_up():
     assert measure_prefill_tokens_per_s(_Stack(2, 8), cpu, 64, 1e4) == 1e4
     real = measure_prefill_tokens_per_s(_Stack(2, 64), cpu, 256, 1e4, clock=time.perf_counter)
     assert 0 < real < float("inf")
+
+
+class _Peer:
+    """A tensor-parallel group of this rank and one slower peer (``min_int`` as the
+    group's all-reduce answers it: the smaller of this rank's value and the peer's)."""
+
+    def __init__(self, *values: int) -> None:
+        self.values = list(values)  # the peer's, in call order
+
+    def min_int(self, value: int, device) -> int:
+        return min(value, self.values.pop(0))
+
+
+def test_tensor_parallel_ranks_take_the_slowest_figures():
+    """The rule steers the schedule, one on every rank: under tensor parallelism each
+    rank takes the group's slowest recompute rate and copy time (a peer at 500
+    tokens/s and 5 ms per copy against this rank's 1e4 and 0)."""
+    from unikv.engine.build import _checkpoint_rule
+    from unikv.pool import UnifiedPool
+
+    pool = UnifiedPool([full_config(4), mamba_config()], 1 << 16)
+    cpu, model = torch.device("cpu"), _Stack(1, 8)
+    alone = _checkpoint_rule(pool, cpu, model, 64, 1e4)
+    assert (alone.prefill_tokens_per_s, alone.copy_s) == (1e4, 0.0)
+    rule = _checkpoint_rule(pool, cpu, model, 64, 1e4, _Peer(500, -5_000_000))
+    assert (rule.prefill_tokens_per_s, rule.copy_s) == (500.0, 0.005)

@@ -178,7 +178,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         free = torch.cuda.mem_get_info(device)[0]
         alloc.resize(size_after_capture(pool, free, c.kv_cache_margin_bytes))
     chunk = c.max_num_batched_tokens
-    rule = _checkpoint_rule(pool, device, model, chunk, prefill_rate) if caching else None
+    rule = _checkpoint_rule(pool, device, model, chunk, prefill_rate, tp) if caching else None
     scheduler = Scheduler(
         alloc,
         pool.subpools.values(),
@@ -251,10 +251,12 @@ def _enable_prefix_host(alloc, host_bytes: int, device, prefill_rate: float) -> 
     enable_prefix_host(alloc, host_bytes, policy)
 
 
-def _checkpoint_rule(pool, device, model, chunk: int, prefill_rate: float):
+def _checkpoint_rule(pool, device, model, chunk: int, prefill_rate: float, tp=None):
     """The decode-checkpoint cost rule of a hybrid's prefix cache, its state-slot
     copy time and recompute rate measured once (``engine/checkpoint_rule.py``; CPU:
-    ``prefill_rate``, the estimate); None without state."""
+    ``prefill_rate``, the estimate); None without state. Under tensor parallelism
+    every rank takes the slowest rank's figures: the rule steers the schedule, which
+    must be one on every rank."""
     from unikv.engine.checkpoint_rule import (
         CheckpointRule,
         measure_copy_s,
@@ -267,8 +269,12 @@ def _checkpoint_rule(pool, device, model, chunk: int, prefill_rate: float):
     if not slot:
         return None
     rate = measure_prefill_tokens_per_s(model, device, chunk, prefill_rate)
-    return CheckpointRule(copy_s=measure_copy_s(device, max(slot)),
-                          prefill_tokens_per_s=rate, state_tokens=state_tokens(configs))  # fmt: skip
+    copy_s = measure_copy_s(device, max(slot))
+    if tp is not None:  # integers over the group: tokens/s, and copy nanoseconds
+        rate = float(tp.min_int(int(rate), device))
+        copy_s = -tp.min_int(-round(copy_s * 1e9), device) / 1e9
+    return CheckpointRule(copy_s=copy_s, prefill_tokens_per_s=rate,
+                          state_tokens=state_tokens(configs))  # fmt: skip
 
 
 def _swap_space(alloc, host_bytes: int, preemption: str, device, prefill_rate: float):
