@@ -138,17 +138,18 @@ class PrefixCaching(NoPrefixCache):
         restore now is evicted after every checkpoint no waiting request expects, so
         admitting one conversation's turn does not evict the turn end the next
         waiting turn of another would hit (issue 41); a prompt that hits is noted for
-        ``pick``. One lookup per added request."""
+        ``pick`` (without state: its first page cached). One lookup per added request."""
         if r.params.prompt_logprobs is not None:
             return  # it takes no hit
-        ids = r.token_slice(0, r.seq_len - 1)
         if self.has_state:
-            node = self.prefix.expect(ids, r.cache_salt)
+            node = self.prefix.expect(r.token_slice(0, r.seq_len - 1), r.cache_salt)
             if node:
                 self.expected[r.request_id] = node
                 self.hits.add(r.request_id)
-        elif self.hits_first and self.prefix.match(ids, r.cache_salt).num_tokens:
-            self.hits.add(r.request_id)
+        elif self.hits_first:  # its first page cached: one block's lookup
+            first = r.token_slice(0, min(self.page_size, r.seq_len - 1))
+            if self.prefix.match(first, r.cache_salt).num_tokens:
+                self.hits.add(r.request_id)
 
     def pick(self, waiting, limit: int) -> int:
         """The index in ``waiting`` of the request to admit next: the first of its
