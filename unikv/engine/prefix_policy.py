@@ -61,6 +61,7 @@ class NoPrefixCache:
 
     def __init__(self, alloc: PoolAllocator) -> None:
         self.alloc = alloc
+        self.hits_first = False  # (nothing is cached: arrival order)
         self.points: dict[int, list[int]] = {}  # request slot -> its checkpoint points
 
     def open(self, r: Request):
