@@ -169,3 +169,19 @@ def test_tensor_parallel_ranks_take_the_slowest_figures():
     assert (alone.prefill_tokens_per_s, alone.copy_s) == (1e4, 0.0)
     rule = _checkpoint_rule(pool, cpu, model, 64, 1e4, _Peer(500, -5_000_000))
     assert (rule.prefill_tokens_per_s, rule.copy_s) == (500.0, 0.005)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_recompute_rate_is_measured_on_the_gpu():
+    """CUDA, no clock given: the device's own timing. Eight layers of 4096 x 4096 in
+    bf16 on a 2048-token chunk: the GEMM rate lies between 10 TFLOP/s and 2 PFLOP/s
+    (any GPU the engine runs on; the fixed estimate is 300 TFLOP/s), so the rate is
+    that over 2 FLOPs per weight; twice the layers, about half the rate."""
+    cuda = torch.device("cuda")
+    small = _Stack(8, 4096).to(cuda, torch.bfloat16)
+    large = _Stack(16, 4096).to(cuda, torch.bfloat16)
+    weights = 8 * 4096 * 4096
+    rate = measure_prefill_tokens_per_s(small, cuda, 2048, 1.0)
+    assert 1e13 / (2 * weights) < rate < 2e15 / (2 * weights)
+    assert measure_prefill_tokens_per_s(large, cuda, 2048, 1.0) == pytest.approx(rate / 2, rel=0.4)
