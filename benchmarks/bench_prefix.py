@@ -62,6 +62,8 @@ tier's own host slots (is it the copy, or the path around it). ``--workloads spi
 alone writes the model's config only (no weights).
 Saved as JSON (``--out``).
 
+``--fifo``: the cache run admits waiting requests in arrival order, as before issue 41's
+hits first (``PrefixCaching.pick``), for an A/B of the admission order.
 Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the bytes
 of its requests' worst case at once (a hybrid's state checkpoints compete for it).
 
@@ -344,6 +346,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         llm = None
         _free()
         llm = _llm(path, args, caching, max_len, n)
+        llm.scheduler.prefix.hits_first = not args.fifo  # (an attribute of either policy)
         copies, phases = CopyClock(llm), PhaseClock(llm)
         before = dict(llm.alloc.prefix.counters())
         states = llm.alloc.parts.prefix.states
@@ -618,6 +621,10 @@ def main(argv=None) -> int:
     p.add_argument(
         "--pool-factor", type=float, default=1.25, help="pool bytes / the requests' worst case"
     )
+    p.add_argument(
+        "--fifo", action="store_true",
+        help="admit waiting requests in arrival order (before issue 41's hits first)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
     if args.tiny:

@@ -14,7 +14,9 @@ timed pass to a fresh LLM); each for the decode-checkpoint rules of ``--rules``
 rule), ``after`` (``engine/checkpoint_rule.py`` with the H100 estimates ``gpu_rule``
 makes for this shape) and ``supersede`` (the cost rule, and a previous turn's end
 checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
-``engine/prefix_policy.py``, off by default). Each row: hit rate, prefill tokens saved,
+``engine/prefix_policy.py``, off by default) and ``fifo`` (the cost rule, waiting turns
+admitted in arrival order: ``hits_first`` off, as before issue 41's hits-first
+admission, ``PrefixCaching.pick``). Each row: hit rate, prefill tokens saved,
 evicted pages, checkpoint copies, checkpoints gone (evicted or dropped) and those a
 take's room evicted besides the one it supersedes, the checkpoints' bytes held
 (mean and peak over steps), and compaction's waits for the forward (``forward_waits``,
@@ -185,7 +187,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pool-factor", type=float, default=1.25)
     p.add_argument("--out", default=None)
-    p.add_argument("--rules", default="before,after,supersede", help="comma-separated")
+    p.add_argument("--rules", default="before,after,supersede,fifo", help="comma-separated")
     p.add_argument("--model", default="qwen3_5", choices=MODELS)
     args = p.parse_args()
     configs = hybrid_configs(args.model)
@@ -199,12 +201,14 @@ def main() -> int:
     # before: every decode page; after: the cost rule (the default); supersede: the
     # cost rule with superseded turn ends demoted (``supersede_turns``, off by default)
     every = CheckpointRule(every_page=True)
-    rules = {"before": (every, False), "after": (cost, False), "supersede": (cost, True)}
+    rules = {"before": (every, False), "after": (cost, False), "supersede": (cost, True),
+             "fifo": (cost, False)}  # fmt: skip
     out = {"model": args.model, "pool_factor": args.pool_factor, "pool_bytes": budget}
     out["cost_rule"] = vars(cost)
     for name in args.rules.split(","):
         engine = Engine(configs, budget, max_len, rules[name][0])
         engine.sched.prefix.supersede_turns = rules[name][1]
+        engine.sched.prefix.hits_first = name != "fifo"  # fifo: admission in arrival order
         out[name] = {"fresh": engine.run(chat_rounds(0))}
         engine.alloc.prefix.reset()
         out[name]["after_reset"] = engine.run(chat_rounds(0))

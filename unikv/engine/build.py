@@ -177,6 +177,8 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         torch.cuda.synchronize(device)
         free = torch.cuda.mem_get_info(device)[0]
         alloc.resize(size_after_capture(pool, free, c.kv_cache_margin_bytes))
+    chunk = c.max_num_batched_tokens
+    rule = _checkpoint_rule(pool, device, model, chunk, prefill_rate, tp) if caching else None
     scheduler = Scheduler(
         alloc,
         pool.subpools.values(),
@@ -187,7 +189,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         prefix_caching=caching,
         swap=_swap_space(alloc, c.swap_host_bytes, c.preemption, device, prefill_rate),
         speculator=_speculator(c, runner, pool, backend, draft),
-        checkpoint_rule=_checkpoint_rule(pool, device, prefill_rate) if caching else None,
+        checkpoint_rule=rule,
     )
     if runner.draft is not None and scheduler.has_state and scheduler.prefix.enabled:
         runner.draft.lazy_ok = False  # a hybrid's cache shares pages decodes complete
@@ -250,17 +252,30 @@ def _enable_prefix_host(alloc, host_bytes: int, device, prefill_rate: float) -> 
     enable_prefix_host(alloc, host_bytes, policy)
 
 
-def _checkpoint_rule(pool, device, prefill_rate: float):
+def _checkpoint_rule(pool, device, model, chunk: int, prefill_rate: float, tp=None):
     """The decode-checkpoint cost rule of a hybrid's prefix cache, its state-slot
-    copy time measured once (``engine/checkpoint_rule.py``); None without state."""
-    from unikv.engine.checkpoint_rule import CheckpointRule, measure_copy_s, state_tokens
+    copy time and recompute rate measured once (``engine/checkpoint_rule.py``; CPU:
+    ``prefill_rate``, the estimate); None without state. Under tensor parallelism
+    every rank takes the slowest rank's figures: the rule steers the schedule, which
+    must be one on every rank."""
+    from unikv.engine.checkpoint_rule import (
+        CheckpointRule,
+        measure_copy_s,
+        measure_prefill_tokens_per_s,
+        state_tokens,
+    )
 
     configs = list(pool.subpools.values())  # each with its spec and page size
     slot = [c.page_bytes for c in configs if c.spec.kind == "mamba"]
     if not slot:
         return None
-    return CheckpointRule(copy_s=measure_copy_s(device, max(slot)),
-                          prefill_tokens_per_s=prefill_rate, state_tokens=state_tokens(configs))  # fmt: skip
+    rate = measure_prefill_tokens_per_s(model, device, chunk, prefill_rate)
+    copy_s = measure_copy_s(device, max(slot))
+    if tp is not None:  # integers over the group: tokens/s, and copy nanoseconds
+        rate = float(tp.min_int(int(rate), device))
+        copy_s = -tp.min_int(-round(copy_s * 1e9), device) / 1e9
+    return CheckpointRule(copy_s=copy_s, prefill_tokens_per_s=rate,
+                          state_tokens=state_tokens(configs))  # fmt: skip
 
 
 def _swap_space(alloc, host_bytes: int, preemption: str, device, prefill_rate: float):

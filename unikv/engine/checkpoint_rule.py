@@ -17,6 +17,9 @@ recomputing ``b - p`` tokens. So (``CheckpointRule.take``, a pure function):
 - ``copy_s``: one state-slot copy with its launches and host work, measured once at
   start-up (``measure_copy_s``; CPU: ``CPU_COPY_S``, fixed, so tests are
   deterministic);
+- ``prefill_tokens_per_s``: the recompute rate, measured once at start-up too
+  (``measure_prefill_tokens_per_s``: the model's linear layers timed on a prefill
+  chunk's rows; CPU: the engine's fixed FLOP estimate);
 - ``held``: the checkpoint adds a slot the cache keeps (a request's first decode
   checkpoint with no prompt-end one to supersede; a rolling one replaces its
   predecessor); ``pressure``: 1 once the cache has evicted (what a slot displaces
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)  # timed with F.linear
 CPU_COPY_S = 0.0  # a memcpy of a state slot: nothing next to a CPU forward
 LAUNCH_S = 20e-6  # host work and launches of one checkpoint (share, walk, bind, copy)
 
@@ -110,6 +114,55 @@ def state_tokens(configs) -> float:
         c.spec.page_bytes(c.page_size) / c.page_size for c in configs if c.spec.kind != "mamba"
     )
     return state / per_token if per_token else 0.0
+
+
+def measure_prefill_tokens_per_s(
+    model: torch.nn.Module, device: torch.device, tokens: int, estimate: float, clock=None
+) -> float:
+    """The recompute cost's rate, measured once at start-up (CUDA; ``clock``: a
+    ``() -> seconds`` that brackets the timed launches, given on CPU by tests): every
+    distinct linear weight of ``model`` (``lm_head`` aside: a prefill takes the logits
+    of its last rows only) run on ``tokens`` rows (at most 2048) after one untimed
+    pass, the fastest of three launches, each shape counted as often as the model
+    holds it (float weights only); the FLOP rate that gives, over 2 FLOPs per weight per token. The GEMMs are most of a
+    prefill's work; attention and the recurrent scans are not timed, so this is an
+    upper bound on the rate (a lower bound on what a recompute costs). Without a
+    device to time (CPU, no ``clock``): ``estimate`` (fixed, so tests are
+    deterministic)."""
+    weights = sum(p.numel() for p in model.parameters())
+    if (device.type != "cuda" and clock is None) or weights == 0 or tokens <= 0:
+        return estimate
+    shapes: dict[tuple, list] = {}
+    for name, mod in model.named_modules():
+        if (
+            isinstance(mod, torch.nn.Linear)
+            and name.split(".")[-1] != "lm_head"
+            and mod.weight.dtype in FLOAT_WEIGHTS  # (a quantised weight has its own op)
+        ):
+            key = (tuple(mod.weight.shape), mod.weight.dtype)
+            shapes.setdefault(key, [mod, 0])[1] += 1
+    if not shapes:
+        return estimate
+    rows = min(tokens, 2048)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+    clock = time.perf_counter if clock is None else clock
+    flops = seconds = 0.0
+    with torch.inference_mode():
+        for mod, count in shapes.values():
+            x = torch.zeros(rows, mod.in_features, dtype=mod.weight.dtype, device=device)
+            torch.nn.functional.linear(x, mod.weight)  # untimed: the kernel's choice
+            sync(device)
+            best = float("inf")
+            for _ in range(3):  # the fastest of three launches
+                start = clock()
+                torch.nn.functional.linear(x, mod.weight)
+                sync(device)
+                best = min(best, clock() - start)
+            seconds += best * count
+            flops += 2.0 * rows * mod.weight.numel() * count
+    if seconds <= 0:
+        return estimate
+    return flops / seconds / (2.0 * weights)
 
 
 def measure_copy_s(device: torch.device, num_bytes: int) -> float:

@@ -41,6 +41,7 @@ chain's pages after every other page) until it opens or is aborted (``forget``).
 from __future__ import annotations
 
 from contextlib import nullcontext
+from itertools import islice
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -60,6 +61,7 @@ class NoPrefixCache:
 
     def __init__(self, alloc: PoolAllocator) -> None:
         self.alloc = alloc
+        self.hits_first = False  # (nothing is cached: arrival order)
         self.points: dict[int, list[int]] = {}  # request slot -> its checkpoint points
 
     def open(self, r: Request):
@@ -72,6 +74,10 @@ class NoPrefixCache:
 
     def expect(self, r: Request) -> None:
         """``r`` joins the waiting queue (nothing to note here)."""
+
+    def pick(self, waiting, limit: int) -> int:
+        """The index in ``waiting`` of the request to admit next: the head (FIFO)."""
+        return 0
 
     def forget(self, r: Request) -> None:
         """``r`` left the waiting queue without opening (an abort)."""
@@ -122,19 +128,54 @@ class PrefixCaching(NoPrefixCache):
         # request id -> the checkpoint node its waiting prompt would restore
         # (``expect``): evicted after the others until it opens (issue 41)
         self.expected: dict[int, int] = {}
+        # hits first (``pick``): the waiting requests whose prompt hit the cache when
+        # added, and per waiting head the admissions that jumped it
+        self.hits_first = True
+        self.hits: set[int] = set()
+        self.jumped: dict[int, int] = {}
 
     def expect(self, r: Request) -> None:
         """``r`` joins the waiting queue: the state checkpoint its prompt would
         restore now is evicted after every checkpoint no waiting request expects, so
         admitting one conversation's turn does not evict the turn end the next
-        waiting turn of another would hit (issue 41). One lookup per added request."""
-        if self.has_state and r.params.prompt_logprobs is None:
+        waiting turn of another would hit (issue 41); a prompt that hits is noted for
+        ``pick`` (without state: its first page cached). One lookup per added request."""
+        if r.params.prompt_logprobs is not None:
+            return  # it takes no hit
+        if self.has_state:
             node = self.prefix.expect(r.token_slice(0, r.seq_len - 1), r.cache_salt)
             if node:
                 self.expected[r.request_id] = node
+                self.hits.add(r.request_id)
+        elif self.hits_first:  # its first page cached: one block's lookup
+            first = r.token_slice(0, min(self.page_size, r.seq_len - 1))
+            if self.prefix.match(first, r.cache_salt).num_tokens:
+                self.hits.add(r.request_id)
+
+    def pick(self, waiting, limit: int) -> int:
+        """The index in ``waiting`` of the request to admit next: the first of its
+        first ``limit`` whose prompt hit the cache when it was added, ahead of
+        misses (its prefill is cheap, and its checkpoint and pages may be evicted by
+        the misses' prefill while it waits: issue 41), else the head. A preempted head
+        goes first (its recompute or its swapped pages), and so does a head that
+        ``limit`` picks have jumped already (no starvation)."""
+        head = waiting[0]
+        if not (self.hits_first and self.hits) or head.request_id in self.hits:
+            return 0
+        if head.num_preemptions:
+            return 0
+        if self.jumped.get(head.request_id, 0) >= limit:
+            return 0
+        for i, r in enumerate(islice(waiting, 1, limit)):
+            if r.request_id in self.hits:
+                self.jumped[head.request_id] = self.jumped.get(head.request_id, 0) + 1
+                return i + 1
+        return 0
 
     def forget(self, r: Request) -> None:
         """``r`` opens or leaves the waiting queue: its ``expect`` is undone."""
+        self.hits.discard(r.request_id)
+        self.jumped.pop(r.request_id, None)
         node = self.expected.pop(r.request_id, 0)
         if node:
             self.prefix.unexpect(node)

@@ -15,8 +15,9 @@ One step (``schedule``):
    while requests decode, within ``max_prefill_tokens_decoding`` when set: an
    arriving prompt's prefill does not make a decode step many times longer,
    the inter-token latency tail): first running requests
-   still prefilling, then waiting requests (FIFO) that the capacity oracle
-   says fit (``can_admit`` on the pages their whole prefill needs, after
+   still prefilling, then waiting requests (FIFO; with prefix caching those whose
+   prompt hit the cache when added go first: ``PrefixCaching.pick``) that the
+   capacity oracle says fit (``can_admit`` on the pages their whole prefill needs, after
    compaction, plus one recurrent-state slot for hybrid models, allocated
    zeroed at admission and freed with the request's pages).
 3. If nothing could be scheduled while requests are running, the newest is
@@ -244,7 +245,8 @@ class Scheduler:
             batch.add(r, n, ids)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
+            at = self.prefix.pick(self.waiting, self.max_num_seqs)  # hits first (issue 41)
+            r = self.waiting[at]
             if self.swap is not None and r.request_id in self.swap.held:
                 hit, (n, ids) = None, swap_in(self, r, budget)
             else:
@@ -262,7 +264,7 @@ class Scheduler:
                 return
             if r.num_preemptions == 0:  # the first admission's hit is the request's
                 r.num_cached_tokens = r.num_cached
-            self.waiting.popleft()
+            del self.waiting[at]
             r.status = Status.RUNNING
             self.running.append(r)
             batch.add(r, n, ids)
