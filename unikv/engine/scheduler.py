@@ -380,8 +380,10 @@ class Scheduler:
         ``ahead``: the verify step planned after this one (``speculative/ahead.py``),
         its rows moved on the device to where this step's acceptance puts them: the
         rows it writes stay and it is applied next (``kept_ahead``; its drafts are the
-        candidates of each request's acceptance) unless a request finished here;
-        then its rows are trimmed with the rejected ones and its results dropped."""
+        candidates of each request's acceptance) unless every request finished here.
+        A request that finished drops only its own row of it: its pages go back with
+        the rest of its pages (fenced until the step ran), the others apply it
+        (``live_lanes``)."""
         reqs, finished, appended = batch.requests, [], 0
         keep = np.empty(len(reqs), np.int64)
         kept = []
@@ -402,14 +404,13 @@ class Scheduler:
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
         drafted = np.fromiter((len(x) for x in batch.drafts), np.int64, len(reqs))
-        for r, a, n in zip(reqs, accepted.tolist(), drafted.tolist()):
-            (self.spec.accepted_all.add if a == n else self.spec.accepted_all.discard)(r.request_id)
-        self.kept_ahead = ahead is not None and not finished
+        self.kept_ahead = ahead is not None and len(finished) < len(reqs)
         if ahead is not None:
             self.spec.counters.ahead_steps += 1
             self.spec.counters.ahead_dropped += not self.kept_ahead
         if self.kept_ahead:  # the step planned ahead is the true next one: its rows stay
-            keep = keep + np.asarray(ahead.num_new, np.int64)
+            ended = np.fromiter((r.finish_reason is not None for r in reqs), bool, len(reqs))
+            keep = keep + np.where(ended, 0, np.asarray(ahead.num_new, np.int64))  # (its row: cut)
             ahead.drafts = ahead.derive.chosen(accepted)
         rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
         cut = rows < fed  # requests that rejected a draft (at full acceptance: nothing to do)
@@ -434,6 +435,16 @@ class Scheduler:
                     np.fromiter((r.num_cached for r in live), np.int64, len(live)),
                 )
         return finished
+
+    @staticmethod
+    def live_lanes(batch: Batch, emitted: list[list[int]]) -> tuple[Batch, list[list[int]]]:
+        """A verify step planned ahead, less the lanes whose request ended since it was
+        launched (finished by the step before, aborted, a stop string): their rows left
+        with their pages (``free_request``); the others' rows and tokens are whole."""
+        live = [i for i, r in enumerate(batch.requests) if r.status is Status.RUNNING]
+        sub = Batch([batch.requests[i] for i in live], [batch.num_new[i] for i in live])
+        sub.drafts = [batch.drafts[i] for i in live]
+        return sub, [emitted[i] for i in live]
 
     def drop_ahead(self, batch: Batch) -> None:
         """A verify step planned ahead whose requests did not all stay running (an

@@ -84,7 +84,6 @@ class Speculator:
         self.pad_drafts = False  # verify graphs: every request k drafts where it has room
         # plan the next verify step before this one's tokens are in (``ahead.py``)
         self.pipeline = config.pipeline
-        self.accepted_all: set[int] = set()  # requests whose last verify step kept every draft
         self.indexes: dict[int, NgramIndex] = {}  # n-gram lookups kept per running request
         self._found = None  # (requests, their n-gram drafts) of the last ``lookup``
 
@@ -215,7 +214,6 @@ class Speculator:
         stay (shared with the prefix cache, swapped or kept for readmission), so a
         lazy draft writes the rows it left out first (no page holds a stale draft
         row); else they are forgotten."""
-        self.accepted_all.discard(r.request_id)
         self.indexes.pop(r.request_id, None)
         if r.draft_lag is not None and self.draft is not None:
             self.draft.release(r, write)
