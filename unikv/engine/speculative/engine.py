@@ -108,7 +108,7 @@ class Speculator:
         start = time.perf_counter()
         try:
             for r in requests:
-                index = self._index(r)
+                index = self.index_of(r)
                 if index is None or (index.found() if settled(r) else index.may_match_next()):
                     return True
             return False
@@ -187,7 +187,7 @@ class Speculator:
         ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
         return None if ids is None else (out, ids, None)
 
-    def _index(self, r: Request) -> NgramIndex | None:
+    def index_of(self, r: Request) -> NgramIndex | None:
         """``r``'s n-gram index, caught up with its known tokens (None: none yet)."""
         index = self.indexes.get(r.request_id)
         num_prompt = len(r.prompt_ids)
@@ -205,7 +205,7 @@ class Speculator:
         return index if index.tokens else None
 
     def _propose(self, r: Request, room: int) -> np.ndarray:
-        index = self._index(r)
+        index = self.index_of(r)
         draft = np.asarray(index.propose(room) if index is not None else [], np.int64)
         return _padded(draft, room, r) if self.config.force_accept else draft  # benchmarks: k
 
