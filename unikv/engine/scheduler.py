@@ -47,6 +47,7 @@ import numpy as np
 
 from unikv.engine.prefix_policy import prefix_policy
 from unikv.engine.request import Batch, BatchKind, DecodeSet, Pending, Request, Status
+from unikv.engine.speculative.headroom import VerifyRows
 from unikv.engine.swap_in import swap_in
 from unikv.pool import worst_case_pages
 
@@ -114,6 +115,10 @@ class Scheduler:
         )
         self._decodes: DecodeSet | None = None  # the decoding set, while still valid
         self.kept_ahead = False  # the last complete_verify kept the step planned ahead
+        # verify rows held to the end of their page (``speculative/headroom.py``)
+        self.verify_rows = (
+            VerifyRows(alloc) if speculator is not None and not speculator.pipeline else None
+        )
         self._epoch = 0  # requests finished so far (a batch with the same: none of its)
 
     def add(self, request: Request) -> None:
@@ -181,6 +186,8 @@ class Scheduler:
                     return d.prefilling
             elif self.spec is not None and self._pure_decode(d):  # the rule kept it plain
                 self.spec.counters.skipped_by_batch_size += 1
+            if self.verify_rows is not None and self.verify_rows.held:  # (rows held ahead)
+                self.verify_rows.trim(d.decoding)
             out = self.tables
             step = self.alloc.decode_step(
                 d.slots,
@@ -202,7 +209,15 @@ class Scheduler:
         changed) when it does not, or when the pool cannot hold the drafts now."""
         if not self._pure_decode(d) or not self.spec.lookup(d.decoding):
             return False  # no drafts: the plain engine's decode step
-        found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
+        rows = self.verify_rows
+        if rows is not None:  # pages held ahead: an extend only where a page ends
+            found = self.spec.drafts(
+                d.decoding, lambda n: rows.allocate(d.decoding, d.slots, d.lens, n)
+            )
+        else:
+            found = self.spec.drafts(
+                d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n)
+            )
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False
         drafts, ids, batch.draft_tokens = found
@@ -288,6 +303,8 @@ class Scheduler:
         ``Speculator.release``)."""
         if self.spec is not None:
             self.spec.release(r, self.prefix.enabled or preempted)
+            if self.verify_rows is not None:
+                self.verify_rows.forget(r)
         self.prefix.share(r)
 
     def preempt(self, r: Request) -> None:
@@ -414,7 +431,11 @@ class Scheduler:
             ahead.drafts = ahead.derive.chosen(accepted)
         rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
         cut = rows < fed  # requests that rejected a draft (at full acceptance: nothing to do)
-        if cut.any() and self.state_slots > 1:  # and the state after the last kept row
+        state_rows = rows[cut] - 1 if self.state_slots > 1 else None
+        if cut.any() and self.verify_rows is not None:  # cut to the kept rows' page end
+            self.verify_rows.trim_after([r for r, c in zip(reqs, cut) if c], slots[cut], keep[cut],
+                                        state_rows)  # fmt: skip
+        elif cut.any() and self.state_slots > 1:  # and the state after the last kept row
             self.alloc.truncate(slots[cut], keep[cut], state_rows=rows[cut] - 1)
         elif cut.any():
             self.alloc.truncate(slots[cut], keep[cut])

@@ -12,9 +12,11 @@ the count: the step is the plain engine's (its graphs, one step in flight:
 (``Speculator.may_find``): where no pending token could give a draft, the step is
 the plain engine's too, entering this package only through the lookup. A verify
 step's request feeds ``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
-like a prefill chunk. After the step (``Scheduler.complete_verify``) the accepted
-rows stay, the rest are trimmed by ``alloc.truncate`` (pages emptied are freed, a
-window's ``window_lo`` restored) before any out-of-window free runs.
+like a prefill chunk, held to the end of their last page (``headroom.VerifyRows``:
+the next steps extend only where a page ends). After the step
+(``Scheduler.complete_verify``) the accepted rows stay, the rest are trimmed by
+``alloc.truncate`` (pages emptied are freed, a window's ``window_lo`` restored)
+before any out-of-window free runs.
 """
 
 from __future__ import annotations
