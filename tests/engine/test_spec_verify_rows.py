@@ -34,9 +34,15 @@ def llama(tmp_path_factory):
 
 
 def make_llm(path: str, ps: int, spec: dict | None, **kw) -> LLM:
-    kw = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "max_model_len": 96, **kw}
+    kw = {
+        "device": "cpu",
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 96,
+        **kw,
+    }
     with allow_forced_acceptance():
-        return LLM(path, device="cpu", dtype=torch.float32, page_size=ps, debug=True,
+        return LLM(path, dtype=torch.float32, page_size=ps, debug=True,
                    speculative_config=spec, **kw)  # fmt: skip
 
 
@@ -118,4 +124,26 @@ def test_under_pressure_tokens_unchanged(llama):
     got = [o.output_ids for o in llm.generate(items, params)]
     assert got == [hf_greedy(hf, p, 40) for p in items]
     assert llm.stats.preemptions > 0 and llm.stats.spec_verify_steps > 0
+    assert_pages_returned(llm)
+
+
+@pytest.mark.gpu
+def test_verify_rows_on_gpu(llama):
+    """On a CUDA GPU with CUDA graphs (``pytest -m gpu``; fp32): real n-gram drafts
+    with rows held ahead give plain decoding's tokens, fewer extends than steps at
+    pages of 16, every page back."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path, _ = llama
+    g = torch.Generator().manual_seed(9)
+    items = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 13)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}  # fmt: skip
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    kw = {"device": "cuda", "cuda_graphs": True}
+    want = [o.output_ids for o in make_llm(path, 16, None, **kw).generate(items, params)]
+    llm = make_llm(path, 16, spec, **kw)
+    assert [o.output_ids for o in llm.generate(items, params)] == want
+    s = llm.stats
+    assert 0 < llm.scheduler.verify_rows.extends < s.spec_verify_steps
     assert_pages_returned(llm)
