@@ -15,8 +15,8 @@ The allocator's length of such a request is ``held_b`` (>= ``num_cached``): rows
 past ``num_cached`` are a rejected draft's or unwritten, never read (attention
 reads ``seq_len`` rows) and rewritten by the next step's. Before the request's
 next step that is not a verify step (a plain decode step, whose allocator verb
-wants its length at ``num_cached``) the rows are cut to ``num_cached`` (``trim``:
-no page freed); a request that leaves (finish, preemption) frees every page
+wants its length at ``num_cached``) the rows are cut to ``num_cached`` (``trim``);
+a request that leaves (finish, preemption) frees every page
 anyway (``forget``). Steps planned ahead (``ahead.py``) allocate past the step in
 flight themselves: with ``pipeline`` on, nothing is held ahead.
 """
@@ -29,8 +29,8 @@ from unikv.ids import VirtualTokenIds
 
 
 class VerifyRows:
-    """Per request id, the rows held (``held``; only requests whose last verify
-    step left rows past ``num_cached``... or at it)."""
+    """The rows each request holds (``held``: request id -> the allocator's length
+    for it, set by its verify steps, dropped by ``trim`` and ``forget``)."""
 
     def __init__(self, alloc) -> None:
         self.alloc = alloc
@@ -79,7 +79,8 @@ class VerifyRows:
 
     def trim(self, requests) -> None:
         """Before a step that is not a verify step: the held rows of ``requests`` cut to
-        ``num_cached`` (no page freed: they lie in the page it ends in)."""
+        ``num_cached`` (a page freed only where ``num_cached`` is a page end: the
+        step's own token then takes a new one, as without held rows)."""
         held = self.held
         over = [r for r in requests if held.pop(r.request_id, r.num_cached) > r.num_cached]
         if over:
