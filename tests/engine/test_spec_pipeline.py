@@ -155,11 +155,12 @@ def test_request_ends_inside_an_accepted_run(llama, monkeypatch):
     assert_pages_returned(llm)
 
 
-def test_request_ended_between_steps_drops_the_step_ahead(llama, monkeypatch):
+def test_request_ended_between_steps_drops_its_row_of_the_step_ahead(llama, monkeypatch):
     """Forced acceptance, two requests: right after a step planned ahead was kept,
     one request is aborted between steps (as a stop string or an API abort would);
-    the step ahead is dropped (its rows trimmed), the other request goes on with
-    every step's last token the target's, and every page comes back."""
+    its row of the step ahead goes with its pages, the other request applies the
+    step (none dropped) and goes on with every step's last token the target's, and
+    every page comes back."""
     path, hf = llama
     items = repetitive(2, seed=5)
     llm = make_llm(path, 4, True, force=True)
@@ -183,8 +184,54 @@ def test_request_ended_between_steps_drops_the_step_ahead(llama, monkeypatch):
         m.setattr(Scheduler, "complete_verify", spy)
         out = llm.generate(items, params, on_step=on_step)
     assert aborted and out[1].outputs[0].finish_reason == "abort"
-    assert len(out[0].output_ids) == 40
+    assert len(out[0].output_ids) == 40 and llm.stats.spec_ahead_dropped == 0
     check_bonus(hf, items[0], out[0].output_ids, emitted0)
+    assert_pages_returned(llm)
+
+
+def test_request_finished_by_a_step_drops_only_its_row_ahead(llama, monkeypatch):
+    """Forced acceptance, three requests: request 1 meets a stop token as the last
+    token of verify step N (N + 1 already planned ahead for all three). Only its row
+    of N + 1 is dropped: the others apply N + 1 (kept; no step dropped) with every
+    step's last token the target's (their outputs are the unstopped run's up to N;
+    later, forced drafts planned otherwise differ), and request 1's are the
+    unstopped run's cut at its stop token."""
+    path, hf = llama
+    items = repetitive(3, seed=5)
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ends, complete = {i: [] for i in range(3)}, Scheduler.complete_verify
+    finishing = []  # (kept_ahead) of the steps in which a request finished
+
+    def spy(sched, batch, emitted, ahead=None):
+        out = complete(sched, batch, emitted, ahead)
+        for r, e in zip(batch.requests, emitted):
+            ends[items.index(r.prompt_ids)].append(len(e))
+        if out and ahead is not None:
+            finishing.append(sched.kept_ahead)
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "complete_verify", spy)
+        full = [o.output_ids for o in make_llm(path, 4, True, force=True).generate(items, base)]
+    steps = np.cumsum(ends[1])
+    at = next(
+        int(e) for e in steps[2:]
+        if e < 30 and full[1].index(full[1][e]) == e and full[1][e] not in full[0] + full[2]
+    )  # fmt: skip
+    stop = SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[full[1][at]]
+    )
+    llm = make_llm(path, 4, True, force=True)
+    ends, finishing = {i: [] for i in range(3)}, []
+    with monkeypatch.context() as m:
+        m.setattr(Scheduler, "complete_verify", spy)
+        got = [o.output_ids for o in llm.generate(items, [base, stop, base])]
+    assert got[1] == full[1][: at + 1] and all(len(got[i]) == 40 for i in (0, 2))
+    assert all(got[i][: at + 1] == full[i][: at + 1] for i in (0, 2))
+    assert finishing and finishing[0] is True  # request 1's finish kept N + 1 ...
+    assert llm.stats.spec_ahead_dropped == 0  # ... and no step planned ahead was dropped
+    for i in (0, 2):
+        check_bonus(hf, items[i], got[i], ends[i])
     assert_pages_returned(llm)
 
 

@@ -45,7 +45,7 @@ def hand_out(
     return (
         PrefixVerbs(parts.prefix, parts.room, check),
         IOVerbs(parts.io, check),
-        AllocatorView(parts.roles, parts.requests, parts.books, parts.mamba),
+        AllocatorView(parts.roles, parts.requests, parts.books, parts.mamba, parts.writer.upload),
     )
 
 
@@ -280,9 +280,10 @@ class AllocatorView:
 
     def __init__(
         self, roles: Roles, requests: RequestTable, books: Mapping[str, PageBook],
-        mamba: MambaSlots | None = None,
+        mamba: MambaSlots | None = None, upload=None,
     ) -> None:  # fmt: skip
         self._requests, self._books, self._mamba = requests, books, mamba
+        self._upload = upload  # the allocator's uploader (``device.make_uploader``) or None
         self.roles = roles  # who does what among the sub-pools (a frozen Roles)
 
     @property
@@ -313,7 +314,11 @@ class AllocatorView:
         cols = np.arange(owners.size) - np.repeat(np.cumsum(counts) - counts, counts)
         cols += np.repeat(starts, counts)
         table = self._requests.req_to_token
-        index = torch.from_numpy(owners * table.shape[1] + cols).to(table.device)
+        flat = owners * table.shape[1] + cols
+        if self._upload is not None:  # (CUDA: pinned, enqueued; no host sync)
+            index = self._upload(flat)
+        else:
+            index = torch.from_numpy(flat).to(table.device)
         return table.reshape(-1).index_select(0, index)
 
     @property

@@ -480,8 +480,15 @@ class EngineLoop:
         (``speculative/ahead.py``): kept as ``_ahead`` unless a request of this one ended."""
         sched = self.scheduler
         if not all(r.status is Status.RUNNING for r in batch.requests):  # one ended since
-            sched.drop_ahead(batch)  # (a step planned ahead: an abort, a stop string)
-            return []
+            if not any(r.status is Status.RUNNING for r in batch.requests):
+                sched.drop_ahead(batch)  # (a step planned ahead: an abort, a stop string)
+                return []
+            # the others apply it (their rows and tokens are whole); none is planned
+            # after it while it ran beside an ended lane
+            launched.batch, emitted = sched.live_lanes(batch, launched.read_emitted())
+            finished = sched.complete_verify(launched.batch, emitted)
+            self._publish(launched)
+            return finished
         ahead = verify_ahead(sched, batch) if sched.spec.pipeline else None
         if ahead is not None:
             try:

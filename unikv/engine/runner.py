@@ -27,7 +27,7 @@ from unikv.engine.attention import (
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
 from unikv.engine.plan import StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch, BatchKind
-from unikv.engine.speculative.step import verify_step
+from unikv.engine.speculative.step import all_greedy, verify_step
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
 
@@ -337,14 +337,20 @@ class ModelRunner:
             row_ids = derive.fix(
                 plan, prev.accepted, torch.cat([prev.row_ids, row_ids]), self.alloc
             )
+        num, out = len(batch.requests), None
         if rows is None:
             logits = self.forward(plan, every_row=True)
         else:
-            logits = graphs.run(plan, rows)[: sum(batch.num_new)]
-        shift = derive.delta if derive is not None else None  # sampled: output steps
-        tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept, shift)
-        packed = torch.cat([tokens, accepted[:, None]], dim=1)
-        last = tokens.gather(1, accepted[:, None])[:, 0]  # each request's next pending token
+            logits, out = graphs.run(plan, rows)
+            logits = logits[: sum(batch.num_new)]
+        if out is not None and (self.force_accept or all_greedy(batch.requests)):
+            # the graph accepted on the device: no host array, no upload for it
+            packed, last, tokens, accepted = out.lanes(num)
+        else:
+            shift = derive.delta if derive is not None else None  # sampled: output steps
+            tokens, accepted = verify_step(batch, logits, self._pin, self.force_accept, shift)
+            packed = torch.cat([tokens, accepted[:, None]], dim=1)
+            last = tokens.gather(1, accepted[:, None])[:, 0]  # each request's next pending token
         copied = None
         if self._pin:  # the emitted tokens' copy, enqueued before the draft's forward
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -372,7 +378,9 @@ class ModelRunner:
         from unikv.engine.speculative.graphs import VerifyGraphs
 
         forward = lambda plan: self.forward(plan, every_row=True)
-        self.verify_graphs = VerifyGraphs(forward, self.planner, max_rows, q, capture)
+        self.verify_graphs = VerifyGraphs(
+            forward, self.planner, max_rows, q, capture, force=self.force_accept
+        )
 
     def _direct_readback(self, tokens_dev: torch.Tensor, logprobs, owned=True):
         """(host tokens, no event, logprobs): the device is the host (a copy of a

@@ -51,6 +51,7 @@ import numpy as np
 
 from unikv.engine.prefix_policy import prefix_policy
 from unikv.engine.request import Batch, BatchKind, DecodeSet, Pending, Request, Status
+from unikv.engine.speculative.headroom import VerifyRows
 from unikv.engine.swap_in import swap_in
 from unikv.pool import worst_case_pages
 
@@ -124,6 +125,10 @@ class Scheduler:
         )
         self._decodes: DecodeSet | None = None  # the decoding set, while still valid
         self.kept_ahead = False  # the last complete_verify kept the step planned ahead
+        # verify rows held to the end of their page (``speculative/headroom.py``)
+        self.verify_rows = (
+            VerifyRows(alloc) if speculator is not None and not speculator.pipeline else None
+        )
         self._epoch = 0  # requests finished so far (a batch with the same: none of its)
 
     def add(self, request: Request) -> None:
@@ -196,6 +201,8 @@ class Scheduler:
                     return d.prefilling
             elif self.spec is not None and self._pure_decode(d):  # the rule kept it plain
                 self.spec.counters.skipped_by_batch_size += 1
+            if self.verify_rows is not None and self.verify_rows.held:  # (rows held ahead)
+                self.verify_rows.trim(d.decoding)
             out = self.tables
             step = self.alloc.decode_step(
                 d.slots,
@@ -217,7 +224,15 @@ class Scheduler:
         changed) when it does not, or when the pool cannot hold the drafts now."""
         if not self._pure_decode(d) or not self.spec.lookup(d.decoding):
             return False  # no drafts: the plain engine's decode step
-        found = self.spec.drafts(d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n))
+        rows = self.verify_rows
+        if rows is not None:  # pages held ahead: an extend only where a page ends
+            found = self.spec.drafts(
+                d.decoding, lambda n: rows.allocate(d.decoding, d.slots, d.lens, n)
+            )
+        else:
+            found = self.spec.drafts(
+                d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n)
+            )
         if found is None:  # or no room for the drafts: a plain decode step (it may preempt)
             return False
         drafts, ids, batch.draft_tokens = found
@@ -304,6 +319,8 @@ class Scheduler:
         ``Speculator.release``)."""
         if self.spec is not None:
             self.spec.release(r, self.prefix.enabled or preempted)
+            if self.verify_rows is not None:
+                self.verify_rows.forget(r)
         self.prefix.share(r)
 
     def release(self, done: list[Request]) -> None:
@@ -411,8 +428,10 @@ class Scheduler:
         ``ahead``: the verify step planned after this one (``speculative/ahead.py``),
         its rows moved on the device to where this step's acceptance puts them: the
         rows it writes stay and it is applied next (``kept_ahead``; its drafts are the
-        candidates of each request's acceptance) unless a request finished here;
-        then its rows are trimmed with the rejected ones and its results dropped."""
+        candidates of each request's acceptance) unless every request finished here.
+        A request that finished drops only its own row of it: its pages go back with
+        the rest of its pages (fenced until the step ran), the others apply it
+        (``live_lanes``)."""
         reqs, finished, appended = batch.requests, [], 0
         keep = np.empty(len(reqs), np.int64)
         kept = []
@@ -433,18 +452,21 @@ class Scheduler:
         slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
         accepted = np.asarray([len(t) - 1 for t in emitted], np.int64)
         drafted = np.fromiter((len(x) for x in batch.drafts), np.int64, len(reqs))
-        for r, a, n in zip(reqs, accepted.tolist(), drafted.tolist()):
-            (self.spec.accepted_all.add if a == n else self.spec.accepted_all.discard)(r.request_id)
-        self.kept_ahead = ahead is not None and not finished
+        self.kept_ahead = ahead is not None and len(finished) < len(reqs)
         if ahead is not None:
             self.spec.counters.ahead_steps += 1
             self.spec.counters.ahead_dropped += not self.kept_ahead
         if self.kept_ahead:  # the step planned ahead is the true next one: its rows stay
-            keep = keep + np.asarray(ahead.num_new, np.int64)
+            ended = np.fromiter((r.finish_reason is not None for r in reqs), bool, len(reqs))
+            keep = keep + np.where(ended, 0, np.asarray(ahead.num_new, np.int64))  # (its row: cut)
             ahead.drafts = ahead.derive.chosen(accepted)
         rows, fed = np.asarray(kept, np.int64), np.asarray(batch.num_new, np.int64)
         cut = rows < fed  # requests that rejected a draft (at full acceptance: nothing to do)
-        if cut.any() and self.state_slots > 1:  # and the state after the last kept row
+        state_rows = rows[cut] - 1 if self.state_slots > 1 else None
+        if cut.any() and self.verify_rows is not None:  # cut to the kept rows' page end
+            self.verify_rows.trim_after([r for r, c in zip(reqs, cut) if c], slots[cut], keep[cut],
+                                        state_rows)  # fmt: skip
+        elif cut.any() and self.state_slots > 1:  # and the state after the last kept row
             self.alloc.truncate(slots[cut], keep[cut], state_rows=rows[cut] - 1)
         elif cut.any():
             self.alloc.truncate(slots[cut], keep[cut])
@@ -461,6 +483,16 @@ class Scheduler:
                     np.fromiter((r.num_cached for r in live), np.int64, len(live)),
                 )
         return finished
+
+    @staticmethod
+    def live_lanes(batch: Batch, emitted: list[list[int]]) -> tuple[Batch, list[list[int]]]:
+        """A verify step planned ahead, less the lanes whose request ended since it was
+        launched (finished by the step before, aborted, a stop string): their rows left
+        with their pages (``free_request``); the others' rows and tokens are whole."""
+        live = [i for i, r in enumerate(batch.requests) if r.status is Status.RUNNING]
+        sub = Batch([batch.requests[i] for i in live], [batch.num_new[i] for i in live])
+        sub.drafts = [batch.drafts[i] for i in live]
+        return sub, [emitted[i] for i in live]
 
     def drop_ahead(self, batch: Batch) -> None:
         """A verify step planned ahead whose requests did not all stay running (an

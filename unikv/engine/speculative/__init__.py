@@ -5,6 +5,7 @@
     verify.py   acceptance: greedy prefix match and rejection sampling (torch)
     engine.py   the scheduler's hook: drafts, the verify batch, its rollback, metrics
     ahead.py    a verify step planned while the last one runs (``Speculator.pipeline``)
+    headroom.py a verify step's rows held to the end of their page (``VerifyRows``)
 
 A speculating step is an EXTEND step of ``1 + k_i`` rows per decoding request (its
 pending token and its drafts); their K/V land in the request's pages through the

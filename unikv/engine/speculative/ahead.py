@@ -35,7 +35,7 @@ import numpy as np
 
 from unikv.engine.request import Batch
 from unikv.engine.speculative.derive import Derivation
-from unikv.engine.speculative.ngram import propose_ngram_ends
+from unikv.engine.speculative.ngram import NgramIndex
 
 if TYPE_CHECKING:
     from unikv.engine.scheduler import Scheduler
@@ -58,19 +58,18 @@ class _Ahead:
         return self.tokens[start - self.num_cached : stop - self.num_cached]
 
 
-def _candidates(r, drafts: np.ndarray, room: int, cfg) -> np.ndarray:
+def _candidates(index: NgramIndex, drafts: np.ndarray, room: int) -> np.ndarray:
     """(n + 1, room) int64: row a, the drafts after N accepts ``a`` of ``drafts``
-    (n-gram lookup past the unknown bonus, filled by repeating its last token)."""
-    history = np.asarray(r.prompt_ids + r.output_ids + drafts.tolist(), np.int64)
-    base = len(history) - len(drafts)
-    ends = list(range(base, len(history) + 1))
-    lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-    out = np.empty((len(drafts) + 1, room), np.int64)
-    for a, found in enumerate(propose_ngram_ends(history, ends, room + 1, lo, hi)):
+    (n-gram lookup past the unknown bonus, filled by repeating its last token), from
+    the request's index (``NgramIndex.propose_ends``: no scan of its history)."""
+    extra = drafts.tolist()
+    history = index.tokens  # the request's tokens (prompt, outputs), drafts excluded
+    out = np.empty((len(extra) + 1, room), np.int64)
+    for a, found in enumerate(index.propose_ends(extra, room + 1)):
         guess = found[1:]
         out[a, : len(guess)] = guess
-        fill = guess[-1] if len(guess) else (found[0] if len(found) else history[base + a - 1])
-        out[a, len(guess) :] = fill
+        last = extra[a - 1] if a else history[-1]  # the last token before the bonus
+        out[a, len(guess) :] = guess[-1] if guess else (found[0] if found else last)
     return out
 
 
@@ -79,7 +78,7 @@ def verify_ahead(sched: Scheduler, batch: Batch) -> tuple[Batch, Batch] | None:
     the verify step after ``batch`` (verify step N, in flight), or None (module
     docstring: when it is not planned ahead; nothing changed then)."""
     spec = sched.spec
-    reqs, cfg = batch.requests, spec.config
+    reqs = batch.requests
     if (
         not spec.pipeline
         or spec.draft is not None
@@ -88,13 +87,16 @@ def verify_ahead(sched: Scheduler, batch: Batch) -> tuple[Batch, Batch] | None:
         or len(reqs) != len(sched.running)
     ):
         return None
-    spare, candidates = spec.max_tokens - len(reqs), []
+    spare, rooms = spec.max_tokens - len(reqs), []
     for r, d in zip(reqs, batch.drafts):
         room = min(spec.k, r.max_new_tokens - len(r.output_ids) - len(d) - 2, spare)
         if room <= 0 or not r.stop_ids.isdisjoint(d.tolist()):
             return None  # N may end it
-        candidates.append(_candidates(r, d, int(room), cfg))
+        rooms.append(int(room))
         spare -= room
+    candidates = [
+        _candidates(spec.index_of(r), d, room) for r, d, room in zip(reqs, batch.drafts, rooms)
+    ]
     counts = np.fromiter((len(d) for d in batch.drafts), np.int64, len(reqs))
     slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
     starts = np.fromiter((r.num_cached for r in reqs), np.int64, len(reqs)) + counts + 1

@@ -12,9 +12,11 @@ the count: the step is the plain engine's (its graphs, one step in flight:
 (``Speculator.may_find``): where no pending token could give a draft, the step is
 the plain engine's too, entering this package only through the lookup. A verify
 step's request feeds ``1 + k_i`` rows (its pending token and its drafts), allocated with ``alloc_extend``
-like a prefill chunk. After the step (``Scheduler.complete_verify``) the accepted
-rows stay, the rest are trimmed by ``alloc.truncate`` (pages emptied are freed, a
-window's ``window_lo`` restored) before any out-of-window free runs.
+like a prefill chunk, held to the end of their last page (``headroom.VerifyRows``:
+the next steps extend only where a page ends). After the step
+(``Scheduler.complete_verify``) the accepted rows stay, the rest are trimmed by
+``alloc.truncate`` (pages emptied are freed, a window's ``window_lo`` restored)
+before any out-of-window free runs.
 """
 
 from __future__ import annotations
@@ -84,7 +86,6 @@ class Speculator:
         self.pad_drafts = False  # verify graphs: every request k drafts where it has room
         # plan the next verify step before this one's tokens are in (``ahead.py``)
         self.pipeline = config.pipeline
-        self.accepted_all: set[int] = set()  # requests whose last verify step kept every draft
         self.indexes: dict[int, NgramIndex] = {}  # n-gram lookups kept per running request
         self._found = None  # (requests, their n-gram drafts) of the last ``lookup``
 
@@ -109,7 +110,7 @@ class Speculator:
         start = time.perf_counter()
         try:
             for r in requests:
-                index = self._index(r)
+                index = self.index_of(r)
                 if index is None or (index.found() if settled(r) else index.may_match_next()):
                     return True
             return False
@@ -188,7 +189,7 @@ class Speculator:
         ids = allocate(1 + np.fromiter((len(d) for d in out), np.int64, len(out)))
         return None if ids is None else (out, ids, None)
 
-    def _index(self, r: Request) -> NgramIndex | None:
+    def index_of(self, r: Request) -> NgramIndex | None:
         """``r``'s n-gram index, caught up with its known tokens (None: none yet)."""
         index = self.indexes.get(r.request_id)
         num_prompt = len(r.prompt_ids)
@@ -206,7 +207,7 @@ class Speculator:
         return index if index.tokens else None
 
     def _propose(self, r: Request, room: int) -> np.ndarray:
-        index = self._index(r)
+        index = self.index_of(r)
         draft = np.asarray(index.propose(room) if index is not None else [], np.int64)
         return _padded(draft, room, r) if self.config.force_accept else draft  # benchmarks: k
 
@@ -215,7 +216,6 @@ class Speculator:
         stay (shared with the prefix cache, swapped or kept for readmission), so a
         lazy draft writes the rows it left out first (no page holds a stale draft
         row); else they are forgotten."""
-        self.accepted_all.discard(r.request_id)
         self.indexes.pop(r.request_id, None)
         if r.draft_lag is not None and self.draft is not None:
             self.draft.release(r, write)

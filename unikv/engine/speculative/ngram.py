@@ -4,7 +4,9 @@ For n from ``n_max`` down to ``n_min``: the last n tokens of the history are loo
 for earlier in it (every earlier window compared at once, numpy), and the tokens
 that followed the most recent earlier occurrence are the draft (up to k of them).
 The first n with a match wins; no match gives no draft. ``propose_ngram_ends`` does
-the lookups of several prefixes of one history at once.
+the lookups of several prefixes of one history at once; ``NgramIndex.propose_ends``
+gives the same for a kept index followed by a few more tokens (a verify step
+planned ahead: the drafts of the step in flight), without a scan of the history.
 """
 
 from __future__ import annotations
@@ -111,6 +113,45 @@ class NgramIndex:
             if end is not None:
                 return self.tokens[end + 1 : end + 1 + room]
         return []
+
+    def propose_ends(self, extra: list[int], k: int) -> list[list[int]]:
+        """For a = 0 .. len(extra): the lookup of the history followed by ``extra[:a]``
+        (up to ``k`` tokens, none past that history's end), as
+        ``propose_ngram_ends(tokens + extra, ends, k, n_min, n_max)`` gives it, without
+        a scan of the history: an earlier occurrence ending inside ``extra`` is found
+        by comparing the few grams there, else the index's latest end (``match`` at
+        a = 0, where the suffix itself is the last gram recorded)."""
+        tokens, base = self.tokens, len(self.tokens)
+        tail = tokens[max(base - self.sizes[0], 0) :] + list(extra)  # every gram the scan reads
+        off = base - (len(tail) - len(extra))  # tokens[off + i] == tail[i]
+        out = []
+        for a in range(len(extra) + 1):
+            end = base + a  # the looked-up history is (tokens + extra)[:end]
+            hit = None
+            for n in self.sizes:
+                if n > end - 1:
+                    continue
+                gram = tail[end - n - off : end - off]
+                # an earlier gram ending in extra's part (at t >= base), the newest first
+                hit = next(
+                    (t for t in range(end - 2, max(base, n - 1) - 1, -1)
+                     if tail[t - n + 1 - off : t + 1 - off] == gram),
+                    None,
+                )  # fmt: skip
+                if hit is None:  # else the newest one of the history's (the index)
+                    key = np.asarray(gram, np.int64).tobytes()
+                    hit = self.match[n] if a == 0 else self.last[n].get(key)
+                if hit is not None:
+                    break
+            if hit is None:
+                out.append([])
+                continue
+            stop = min(hit + 1 + k, end)
+            out.append(
+                (tokens[hit + 1 : min(stop, base)] if hit + 1 < base else [])
+                + list(extra[max(hit + 1 - base, 0) : max(stop - base, 0)])
+            )
+        return out
 
     def found(self) -> bool:
         """Whether the lookup of the history as it is finds a draft."""

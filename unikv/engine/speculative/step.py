@@ -16,6 +16,11 @@ import torch
 from unikv.engine.speculative.verify import greedy_accept, rejection_accept
 
 
+def all_greedy(requests) -> bool:
+    """Whether every request of a verify step accepts greedily (host knowledge)."""
+    return all(r.params.temperature == 0 for r in requests)
+
+
 def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = False, shift=None):
     """(tokens (B, K+1) int64 with -1 past each request's emitted ones, num_accepted
     (B,) int64), both on ``logits``' device; logits: (T, V), every row of the step.
@@ -29,7 +34,7 @@ def verify_step(batch, logits: torch.Tensor, pin: bool = False, force: bool = Fa
     width = int(counts.max())
     uniform = bool((counts == width).all())  # rows request-major, width + 1 each: a view
     on_device = batch.draft_tokens is not None  # the host arrays are placeholders -(1 + i)
-    greedy = force or all(r.params.temperature == 0 for r in reqs)
+    greedy = force or all_greedy(reqs)
     # one int64 host block: [rows (B, K+1)] | drafts (B, K) | counts [| seeds | steps | top_k]
     at = 0 if uniform else width + 1
     block = np.zeros((bsz, at + width + (1 if greedy else 4)), np.int64)

@@ -1,0 +1,93 @@
+"""The verify rows' pages, held ahead: a request in steady speculative decode keeps
+the rows up to the end of the page its last verify step reached (``VerifyRows``).
+
+A verify step of request b feeds rows ``[L_b, L_b + 1 + k_b)``. Allocating them
+(``alloc_extend``) mints the pages that range needs, the last maybe part full; the
+rest of that last page costs nothing more, so the request holds its rows up to
+the page's end (``held_b``). The next verify step allocates only where its rows
+pass ``held_b`` (a page boundary crossed), and otherwise takes the virtual ids of
+rows it holds already (``token_vids``: one gather, no allocator write). After a
+step the rejected rows are cut back to the end of the page the kept ones end in
+(``trim_after``): the pages freed are the ones cutting to the kept rows frees, so
+the pool holds no page more than without this, under pressure too.
+
+The allocator's length of such a request is ``held_b`` (>= ``num_cached``): rows
+past ``num_cached`` are a rejected draft's or unwritten, never read (attention
+reads ``seq_len`` rows) and rewritten by the next step's. Before the request's
+next step that is not a verify step (a plain decode step, whose allocator verb
+wants its length at ``num_cached``) the rows are cut to ``num_cached`` (``trim``);
+a request that leaves (finish, preemption) frees every page
+anyway (``forget``). Steps planned ahead (``ahead.py``) allocate past the step in
+flight themselves: with ``pipeline`` on, nothing is held ahead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from unikv.ids import VirtualTokenIds
+
+
+class VerifyRows:
+    """The rows each request holds (``held``: request id -> the allocator's length
+    for it, set by its verify steps, dropped by ``trim`` and ``forget``)."""
+
+    def __init__(self, alloc) -> None:
+        self.alloc = alloc
+        self.page_size = alloc.view.roles.page_size
+        self.max_context = alloc.view.max_context
+        self.held: dict[int, int] = {}
+        self.extends = 0  # allocator extends run for verify rows (the tests' spy)
+
+    def _page_end(self, rows: np.ndarray) -> np.ndarray:
+        ps = self.page_size
+        return np.minimum(-(-rows // ps) * ps, self.max_context)
+
+    def allocate(self, requests, slots: np.ndarray, lens: np.ndarray, num_new: np.ndarray):
+        """The virtual ids of rows ``[lens_b, lens_b + num_new_b)`` of each request (a
+        verify step's, request by request), pages minted only where they pass the
+        rows held; None when the pool cannot hold them (nothing changed)."""
+        held = self.held
+        have = np.fromiter(
+            (held.get(r.request_id, n) for r, n in zip(requests, lens.tolist())),
+            np.int64,
+            len(requests),
+        )
+        need = lens + num_new
+        short = need > have
+        if short.any():
+            target = self._page_end(need)
+            grown = self.alloc.alloc_extend(slots[short], have[short], (target - have)[short])
+            if grown is None:
+                return None
+            self.extends += 1
+            have = np.where(short, target, have)
+        for r, h in zip(requests, have.tolist()):
+            held[r.request_id] = h
+        return VirtualTokenIds(self.alloc.view.token_vids(slots, lens, num_new))
+
+    def trim_after(self, requests, slots: np.ndarray, keep: np.ndarray, state_rows=None) -> None:
+        """After a verify step: ``requests`` (``slots``) kept ``keep`` rows and rejected
+        some; their rows are cut to the end of the page the kept ones end in (the
+        pages a cut to ``keep`` frees; ``state_rows``: ``alloc.truncate``'s)."""
+        held = self.held
+        have = np.fromiter((held[r.request_id] for r in requests), np.int64, len(requests))
+        lens = np.minimum(self._page_end(keep), have)
+        self.alloc.truncate(slots, lens, state_rows=state_rows)
+        for r, h in zip(requests, lens.tolist()):
+            held[r.request_id] = h
+
+    def trim(self, requests) -> None:
+        """Before a step that is not a verify step: the held rows of ``requests`` cut to
+        ``num_cached`` (a page freed only where ``num_cached`` is a page end: the
+        step's own token then takes a new one, as without held rows)."""
+        held = self.held
+        over = [r for r in requests if held.pop(r.request_id, r.num_cached) > r.num_cached]
+        if over:
+            slots = np.fromiter((r.slot for r in over), np.int64, len(over))
+            lens = np.fromiter((r.num_cached for r in over), np.int64, len(over))
+            self.alloc.truncate(slots, lens)
+
+    def forget(self, r) -> None:
+        """``r`` leaves the running set (its pages are freed with it)."""
+        self.held.pop(r.request_id, None)
