@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from unikv.allocator.device import Uploader
 from unikv.allocator.integrity import check_chain
 from unikv.allocator.mamba import MambaSlots
 from unikv.allocator.page_io import PageIO
@@ -280,7 +281,7 @@ class AllocatorView:
 
     def __init__(
         self, roles: Roles, requests: RequestTable, books: Mapping[str, PageBook],
-        mamba: MambaSlots | None = None, upload=None,
+        mamba: MambaSlots | None = None, upload: Uploader | None = None,
     ) -> None:  # fmt: skip
         self._requests, self._books, self._mamba = requests, books, mamba
         self._upload = upload  # the allocator's uploader (``device.make_uploader``) or None
