@@ -158,3 +158,43 @@ def test_bad_ckpt_slots_are_a_value_error():
         with pytest.raises(ValueError, match=match):
             recurrent.causal_conv1d(x, conv, slots, q_indptr, w, None, max_q_len=2,
                                     activation=None, ckpt_slots=bad)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("op", ["gated_delta_rule", "mamba2_ssd"])
+def test_fla_chunked_prefill_writes_the_checkpoint_slot(op):
+    """bf16 on CUDA: fla-core's chunked kernels (when installed) or the Triton ones; the
+    checkpoint slots hold the lanes' live slots' bytes, the outputs and live slots are
+    those of a run without ``ckpt_slots``."""
+    gen = torch.Generator().manual_seed(9)
+    lens = [37, 3, 64, 2]  # the last lane: padding (the sink)
+    slots, ckpt, q_indptr = (t.cuda() for t in _layout(lens))
+    t, heads = sum(lens), 4
+    if op == "gated_delta_rule":
+        pool = Pool((3, 2), (heads, 64, 64), slots[:-1].tolist(), 10)
+        q, k = (_randn(gen, t, 2, 64).bfloat16() for _ in range(2))
+        rows = [q, k, _randn(gen, t, heads, 64).bfloat16(), _randn(gen, t, heads),
+                _randn(gen, t, heads).bfloat16()]  # fmt: skip
+        extra = {"scale": 0.125, "use_qk_l2norm": True,
+                 "gating": (_randn(gen, heads).cuda() * 0.5, _randn(gen, heads).cuda())}  # fmt: skip
+    else:
+        pool = Pool((3, 2), (heads, 32, 64), slots[:-1].tolist(), 11)
+        rows = [_randn(gen, t, heads, 32).bfloat16(), _randn(gen, t, heads),
+                -torch.rand(heads, generator=gen) - 0.5, _randn(gen, t, 2, 64).bfloat16(),
+                _randn(gen, t, 2, 64).bfloat16(), _randn(gen, heads), _randn(gen, heads)]  # fmt: skip
+        extra = {"dt_softplus": True, "dt_limit": (0.0, 1e9)}
+    rows = [r.cuda() for r in rows]
+    buffers, outs = {}, {}
+    for with_ckpt in (True, False):
+        buffer = pool.buffer.cuda()
+        args, kwargs = op_args(op, rows, pool.part(op, buffer), slots, q_indptr, extra)
+        if with_ckpt:
+            kwargs["ckpt_slots"] = ckpt
+        outs[with_ckpt] = getattr(recurrent, op)(*args, max_q_len=max(lens), **kwargs)
+        buffers[with_ckpt] = buffer
+    real = int(q_indptr[-2])
+    assert torch.equal(outs[True][:real], outs[False][:real])
+    part, plain = pool.part(op, buffers[True]), pool.part(op, buffers[False])
+    assert torch.equal(part[slots[:3]], plain[slots[:3]])
+    assert torch.equal(part[ckpt[[0, 2]]], part[slots[[0, 2]]])

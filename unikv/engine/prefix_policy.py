@@ -85,8 +85,9 @@ class NoPrefixCache:
     def forget(self, r: Request) -> None:
         """``r`` left the waiting queue without opening (an abort)."""
 
-    def before_step(self, batch: Batch) -> None:
-        """A step with prefill chunks is scheduled (nothing to prepare here)."""
+    def before_step(self, batch: Batch, first: int = 0) -> None:
+        """A step with prefill chunks (requests ``[first:]`` of ``batch``) is scheduled
+        (nothing to prepare here)."""
 
     def after_step(self, batch: Batch, verify: bool = False) -> None:
         """After a step's tokens are in (``num_cached`` advanced); ``verify``: a
@@ -218,14 +219,15 @@ class PrefixCaching(NoPrefixCache):
         stop = self.points.get(r.slot, (0,))[0]
         return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
 
-    def before_step(self, batch: Batch) -> None:
-        """Reserve the checkpoint slot of each prefill chunk of ``batch`` that ends at
-        its request's next checkpoint point (host ints; a loop over the step's requests
-        only when some request has points left). A one-token chunk takes the copy
-        instead: its step may run as a decode (graphs, no second destination)."""
+    def before_step(self, batch: Batch, first: int = 0) -> None:
+        """Reserve the checkpoint slot of each prefill chunk of ``batch`` (its requests
+        ``[first:]``; the decodes come first) that ends at its request's next
+        checkpoint point (host ints; a loop over the step's prefill chunks only when
+        some request has points left). A one-token chunk takes the copy instead: its
+        step may run as a decode (graphs, no second destination)."""
         if not self.points:
             return
-        for r, n in zip(batch.requests, batch.num_new):
+        for r, n in zip(batch.requests[first:], batch.num_new[first:]):
             ends = self.points.get(r.slot)
             if n > 1 and ends and ends[0] == r.num_cached + n:
                 self.prefix.reserve_checkpoint(r.slot, ends[0])
