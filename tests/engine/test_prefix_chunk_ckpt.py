@@ -4,7 +4,7 @@ A hybrid request's prompt checkpoints (the junction with its hit's cached run, i
 whole page) fall at the end of a prefill chunk (the scheduler cuts chunks there), so
 the chunk writes its final state into the checkpoint slot as well as into the
 request's slot (``StepPlan.ckpt_slots``), and no slot copy follows. End to end on CPU
-(fp32, torch reference kernels), tiny Qwen3.5 (Gated DeltaNet) and NemotronH
+(fp32, torch reference kernels; with ``-m gpu`` also on CUDA, the Triton kernels), tiny Qwen3.5 (Gated DeltaNet) and NemotronH
 (Mamba-2), pages 4 and 16:
 
 - greedy tokens with the cache (twice: the second run hits) equal those without it;
@@ -29,7 +29,6 @@ from engine_fixtures import (
     one_thread,  # noqa: F401  (a fixture)
     save_tiny_hybrid,
     save_tiny_nemotron_h,
-    state_slot_bytes,
 )
 from prefix_fixtures import prefix_llm
 
@@ -68,30 +67,36 @@ class SaveSpy:
         sub = next(s for s in llm.pool.subpools.values() if s.spec.kind == "mamba")
         self.queued, self.new, self.mismatched = 0, 0, []
         save = states.save
+        size = sub.page_bytes  # (Mamba page p lies at byte p * size of the pool buffer)
+        slot_bytes = lambda page: llm.pool.buffer[page * size : (page + 1) * size].clone()
 
         def spied(slot, node_id, alive, tokens, reserve, turn_end=False, source=None, *a, **k):
             queued, had = len(states.queued), node_id in states.by_node
-            live = state_slot_bytes(llm, slot, sub.page_bytes)
+            live = slot_bytes(int(states.book.physical(np.array([slot + 1], np.int32))[0]))
             taken = save(slot, node_id, alive, tokens, reserve, turn_end, source, *a, **k)
             if turn_end or source is not None or not taken:
                 return taken
             self.queued += len(states.queued) > queued
             if not had and node_id in states.by_node:
                 self.new += 1
-                page = int(states.book.physical(np.array([states.by_node[node_id]], np.int32))[0])
-                got = llm.pool.buffer[page * sub.page_bytes : (page + 1) * sub.page_bytes]
-                if not torch.equal(got, live):
+                vid = np.array([states.by_node[node_id]], np.int32)
+                if not torch.equal(slot_bytes(int(states.book.physical(vid)[0])), live):
                     self.mismatched.append((slot, tokens))
             return taken
 
         states.save = spied
 
 
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])]  # cuda: Triton kernels
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ps", [4, 16])
-def test_prompt_checkpoints_are_written_by_their_chunk_not_copied(model, ps):
+def test_prompt_checkpoints_are_written_by_their_chunk_not_copied(model, ps, device):
     prompts = _prompts(ps)
     params = SamplingParams(max_tokens=3, temperature=0.0)
-    kw = {"max_num_batched_tokens": 64, "max_model_len": 64}
+    kw = {"max_num_batched_tokens": 64, "max_model_len": 64, "device": device}
     want = [o.output_ids for o in prefix_llm(model, ps, False, **kw).generate(prompts, params)]
     llm = prefix_llm(model, ps, True, **kw)
     spy = SaveSpy(llm)

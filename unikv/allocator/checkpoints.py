@@ -233,7 +233,12 @@ class StateCheckpoints:
                 return True
             self.release_direct([slot])
         live = self.book.physical(np.array([slot + 1], np.int32))[0] >= 0
-        if not live or not self.free_vids or not reserve({self.book.name: 1}):
+        if not live or not self.free_vids:
+            return False
+        evicted = self.evicted
+        room = reserve({self.book.name: 1})
+        self.evicted_by_takes += self.evicted - evicted  # (as ``save`` counts its room)
+        if not room:
             return False
         vid = np.array([self.free_vids.pop()], np.int32)
         dst = self.book.take(1)
