@@ -6,7 +6,12 @@ few-KB versions, a CPU smoke test of this script):
 - ``hybrid``: ``bench_hybrid.py``'s Qwen3.5 layer shapes (hidden 4096, Gated
   DeltaNet 16 x 128 key / 32 x 128 value heads, gated full attention 16 / 8 x 256),
   cut to 4 layers (3 GDN + 1 full) and a 32k vocab so it builds in seconds; prefix
-  hits there restore state checkpoints.
+  hits there restore state checkpoints;
+- ``swa``: gpt-oss-20b's attention (hidden 2880, 64 query / 8 KV heads x 64, sinks,
+  sliding window 128 on every other layer, full attention on the rest, yarn rope),
+  cut to 4 layers (2 sliding + 2 full), 8 experts (top 4) and a 32k vocab: the
+  windowed family whose caching default (issue 41) a same-run A/B settles; hits there
+  need the window pages of their last prompt page (``--tiny``: a 4-token window).
 
 Workloads (random token ids, fixed seed, greedy, EOS ignored):
 - ``system``: ``--requests`` requests, one shared ``--system-len``-token system
@@ -37,6 +42,8 @@ The cost breakdown (issue 41: where the cache path spends what its hits save), p
 run: ``checkpoint_copies`` and ``checkpoint_copy_seconds`` (every state-checkpoint
 copy launch, timed by CUDA events around each, read at the end: a step's takes share
 one launch, ``alloc.prefix.batched``; a restore's requests one),
+``checkpoint_takes_copied`` / ``checkpoint_takes_written`` (takes by a slot copy, and
+those the prefill chunk that ended there wrote itself, no copy: ``StepPlan.ckpt_slots``),
 ``evicted_pages`` / ``evicted_windows`` / ``evicted_checkpoints``,
 ``prefill_tokens`` (computed), ``fresh_prefill_tokens`` (what a token-granular
 cache of unlimited size would still compute) and ``recomputed_tokens`` (their
@@ -67,7 +74,7 @@ hits first (``PrefixCaching.pick``), for an A/B of the admission order.
 Both LLMs of a workload get the same pool: ``--pool-factor`` (1.25) times the bytes
 of its requests' worst case at once (a hybrid's state checkpoints compete for it).
 
-Usage: ``python benchmarks/bench_prefix.py --device cuda [--models llama,hybrid]
+Usage: ``python benchmarks/bench_prefix.py --device cuda [--models llama,hybrid,swa]
 [--dtype bfloat16|float32] [--pool-factor 1.25] [--out results.json]``; ``--tiny`` on CPU;
 ``--narrow`` (hybrid): every head of the model as on the GPU (the same pool geometry:
 pages, state slots, so the same pressure and cache path) on a 128-wide residual stream
@@ -320,6 +327,47 @@ def save_hybrid(path: Path, args) -> None:
     _free()
 
 
+def swa_config(tiny: bool, narrow: bool):
+    """The ``swa`` model's transformers config (module docstring; ``tiny``: its
+    few-KB twin, ``narrow``: its heads on a narrow residual stream)."""
+    import transformers as tf
+
+    rope = {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096,
+    }  # fmt: skip
+    kw = {
+        "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+        "num_local_experts": 8, "num_experts_per_tok": 4, "vocab_size": 32768,
+        "max_position_embeddings": 32768, "rope_parameters": rope,
+        "eos_token_id": None, "bos_token_id": None, "pad_token_id": 0,
+    }  # fmt: skip
+    if tiny:
+        kw.update(
+            hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+            vocab_size=512,
+        )  # fmt: skip
+    elif narrow:
+        kw.update(NARROW, initializer_range=0.1)
+    return tf.GptOssConfig(**kw)
+
+
+def save_swa(path: Path, args) -> None:
+    """The ``swa`` model (``swa_config``), random init (seed 0), saved to ``path``."""
+    import transformers as tf
+
+    config = swa_config(args.tiny, args.narrow)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=args.dtype)
+    model.save_pretrained(path)
+    del model
+    _free()
+
+
 def agreement(a: list, b: list) -> dict:
     """Fractions of identical tokens (position by position) and of identical first
     tokens between two runs' outputs (turns of requests of token lists)."""
@@ -350,7 +398,11 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         copies, phases = CopyClock(llm), PhaseClock(llm)
         before = dict(llm.alloc.prefix.counters())
         states = llm.alloc.parts.prefix.states
-        counts = (states.evicted, states.saved, states.restored) if states else (0, 0, 0)
+        counts = (
+            (states.evicted, states.saved, states.restored, states.copied, states.written)
+            if states
+            else (0,) * 5
+        )
         preempted = llm.scheduler.num_preemptions
         tokens, ttft, seconds, made = [], [], 0.0, 0
         steps, prefill, fresh, seen = [], 0, 0, set()
@@ -380,6 +432,8 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         "evicted_checkpoints": (states.evicted - counts[0]) if states else 0,
         "checkpoint_takes": (states.saved - counts[1]) if states else 0,
         "checkpoint_restores": (states.restored - counts[2]) if states else 0,
+        "checkpoint_takes_copied": (states.copied - counts[3]) if states else 0,
+        "checkpoint_takes_written": (states.written - counts[4]) if states else 0,
         "checkpoints_held_at_end": stats.get("checkpoints", 0),
         "checkpoint_pool_fraction_at_end": _checkpoint_fraction(llm),
         "seconds": seconds,
@@ -549,6 +603,8 @@ def run_model(model: str, path: Path, args, phases: dict) -> dict:
         )
     elif model == "llama":
         save_model("llama", path, args.device, args.dtype, args.tiny or args.narrow)
+    elif model == "swa":
+        save_swa(path, args)
     else:
         save_hybrid(path, args)
     phases[f"{model}/build"] = _phase(model, "build", start)
@@ -606,7 +662,7 @@ def main(argv=None) -> int:
         help="the models' cache shapes on a narrow residual stream, the workload as given",
     )  # fmt: skip
     p.add_argument("--workloads", default="system,chat,spill")
-    p.add_argument("--models", default="llama,hybrid", help="llama, hybrid (spill: llama)")
+    p.add_argument("--models", default="llama,hybrid", help="llama, hybrid, swa (spill: llama)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--system-len", type=int, default=2048)
@@ -637,8 +693,8 @@ def main(argv=None) -> int:
     results = {"args": {k: str(v) for k, v in vars(args).items()}, "phase_seconds": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            if model not in ("llama", "hybrid"):
-                raise SystemExit(f"--models takes llama and hybrid, got {model!r}")
+            if model not in ("llama", "hybrid", "swa"):
+                raise SystemExit(f"--models takes llama, hybrid and swa, got {model!r}")
             results[model] = run_model(model, Path(tmp) / model, args, results["phase_seconds"])
     print("phase seconds", json.dumps(results["phase_seconds"], indent=1))
     if args.out:

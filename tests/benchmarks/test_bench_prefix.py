@@ -1,6 +1,7 @@
 """``benchmarks/bench_prefix.py --tiny`` on CPU in fp32: the benchmark's own check
 (greedy tokens with the prefix cache equal those without it, or it exits) over the
-system-prompt and chat workloads of the tiny Llama and Qwen3.5 hybrid, and its
+system-prompt and chat workloads of the tiny Llama, Qwen3.5 hybrid and gpt-oss-shaped
+sliding-window model, and its
 spill row (cached pages through the host tier and back, byte counts of both).
 The cost breakdown is checked against the workload's own arithmetic: prompt tokens
 of the --tiny sizes, new prefixes, and the checkpoint copies the counters saw."""
@@ -39,6 +40,28 @@ def test_tiny_bench_prefix_runs_exact_and_hits(tmp_path):
         assert 0 < split["host_before_copy_s"] + split["copy_s"] <= split["seconds"] * 1.001, split
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_tiny_bench_prefix_swa_model_runs_exact_and_hits(tmp_path):
+    """``--models swa`` (the gpt-oss-shaped sliding-window + full attention model):
+    tokens exact in fp32 with and without the cache, hits on both workloads, the same
+    figures as the other models (no checkpoints: no state)."""
+    from benchmarks import bench_prefix
+
+    out = tmp_path / "swa.json"
+    argv = ["--tiny", "--device", "cpu", "--dtype", "float32", "--models", "swa"]
+    assert bench_prefix.main([*argv, "--workloads", "system,chat", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"args", "phase_seconds", "swa"} and set(res["swa"]) == {"system", "chat"}
+    config = bench_prefix.swa_config(tiny=True, narrow=False)
+    assert "sliding_attention" in config.layer_types and "full_attention" in config.layer_types
+    for workload in ("system", "chat"):
+        row = res["swa"][workload]
+        assert row["cache"]["hit_rate"] > 0.2, (workload, row["cache"])
+        assert row["token_agreement"] == {"tokens": 1.0, "first_tokens": 1.0}
+        assert row["cache"]["checkpoint_takes"] == row["cache"]["checkpoints_held_at_end"] == 0
+        _check_breakdown("swa", workload, row)
+
+
 # --tiny: 6 requests of a 64-token system prompt + 8; 3 conversations x 3 turns of
 # 8-token messages and 8-token answers (bench_prefix.main)
 TINY_PROMPTS = {"system": [6 * (64 + 8)], "chat": [3 * (8 + 16 * t) for t in range(3)]}
@@ -63,6 +86,10 @@ def _check_breakdown(model: str, workload: str, row: dict) -> None:
     assert (copies > 0) == (on["checkpoint_copies"] > 0) and on["checkpoint_copies"] <= copies
     assert (copies > 0) == (model == "hybrid") and on["checkpoint_copy_seconds"] >= 0
     assert (on["checkpoint_pool_fraction_at_end"] > 0) == (on["checkpoints_held_at_end"] > 0)
+    # a take is a slot copy or (issue 41) written by the prefill chunk that ended there
+    taken = on["checkpoint_takes_copied"] + on["checkpoint_takes_written"]
+    assert taken == on["checkpoint_takes"], on
+    assert (on["checkpoint_takes_written"] > 0) == (model == "hybrid"), on
     for run in (off, on):  # the host split of a decode step: parts of the step's wall time
         ms, steps = run["decode_step_host_ms"], max(run["decode_steps"], 1)
         whole = ms["schedule"] + ms["launch"] + ms["settle"] + ms["complete"]

@@ -168,7 +168,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ]
             self._check_keys(r, i, plan, values, starts[i] + n)
             if self.mamba is not None:
-                self._check_state(r, int(plan.state_slots[i]), values, starts[i], n)
+                ckpt = int(plan.ckpt_slots[i]) if plan.ckpt_slots is not None else 0
+                self._check_state(r, int(plan.state_slots[i]), values, starts[i], n, ckpt)
             row += n
         assert row == plan.input_ids.shape[0] == sum(batch.num_new)
         alloc.mark_in_flight()
@@ -243,13 +244,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             want = torch.tensor(values[lo:end], dtype=torch.float32)
             assert torch.equal(got, want), f"{name}: keys read through the table are the prefix's"
 
-    def _check_state(self, r: Request, slot: int, values, start: int, n: int) -> None:
-        """The state slot holds the prefix's value before the step; then it advances."""
+    def _check_state(self, r: Request, slot: int, values, start: int, n: int, ckpt=0) -> None:
+        """The state slot holds the prefix's value before the step; then it advances,
+        into the plan's checkpoint slot ``ckpt`` too when it names one (issue 41: the
+        chunk that ends at a checkpoint writes it, as the recurrent ops do)."""
         state = self.mamba.views["temporal"][0, slot]
         want = float(values[start - 1]) if start else 0.0
         assert slot > 0, "a running request holds a state slot"
         assert float(state[0]) == want, "the state slot holds its prefix's state"
         state[0] = float(values[start + n - 1])
+        if ckpt:
+            COVERAGE["chunk_written_checkpoints"] += 1
+            self.mamba.views["temporal"][0, ckpt][0] = state[0]
 
     def teardown(self):
         if not hasattr(self, "alloc"):

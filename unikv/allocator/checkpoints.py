@@ -53,6 +53,16 @@ when it opens or is aborted); the room maker evicts every other one first
 (``victims``), so admitting one conversation's turn does not evict the turn end that
 another waiting turn of the same round would hit.
 
+Written by the chunk itself (issue 41): a prefill chunk that ends at a point (a) or
+(b) needs no copy. Before its step the scheduler reserves a checkpoint slot for it
+(``reserve_direct``: bound, keyed by the request slot and the tokens the chunk ends
+at, no node yet: its pages are not shared before they are written); the step's plan
+names that slot as each recurrent op's second destination of the final state
+(``ckpt_slots``, ``kernels/recurrent/ref.py``), and the take after the step adopts it
+(``save``: no copy queued). A reservation the take does not adopt (the node had one,
+no room, the node was evicted) or whose request is freed first is released
+(``release_direct``). Decode checkpoints (c) and chunks of one token keep the copy.
+
 With a host tier (``host``, ``io/prefix_host.py``) an evicted checkpoint of a
 reachable node spills to a host slot instead (one envelope copy) and a hit
 restores it from there straight into the request's slot (one copy); a node's
@@ -114,6 +124,11 @@ class StateCheckpoints:
         # table write and one copy for every checkpoint of a step
         self.queued: list[tuple[int, int]] = []
         self.deferring = False
+        # request slot -> (checkpoint virtual id, tokens) reserved for the prefill chunk
+        # that ends at that many tokens to write its final state into (``reserve_direct``)
+        self.direct: dict[int, tuple[int, int]] = {}
+        self.copied = 0  # checkpoints taken by a slot copy (``flush``)
+        self.written = 0  # checkpoints the prefill chunk wrote itself (adopted reservations)
         self.host: Any = None  # the prefix cache's host tier (io.prefix_host.PrefixHost), if any
 
     def has(self, node_id: int, host: bool) -> bool:
@@ -159,29 +174,39 @@ class StateCheckpoints:
         demoting it first cost hit rate in ``sim_prefix_hybrid_chat`` (51.4 % -> 46.1 %).
         Pinned (a request waits to restore it): left alone."""
         old = supersedes if supersedes != node_id and supersedes in self.lru else None
+        # the slot the chunk that ends here wrote the state into (``reserve_direct``)
+        written = self.direct.get(slot) if source is None else None
+        written = written[0] if written is not None and written[1] == tokens else None
         if node_id in self.by_node or self.has(node_id, True):  # (host: restored from there)
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
                 self.demoted.discard(node_id)  # used again: no longer superseded
             self._retire(old, drop)
+            self.release_direct([slot], tokens)
             return True
         vid_src = np.array([slot + 1 if source is None else source], np.int32)
         held = self.book.physical(vid_src)[0] >= 0
-        if not held or not self.free_vids or not alive():
+        if not held or (written is None and not self.free_vids) or not alive():
             return False
         if old is not None and drop:
             self.drop([old])  # its slot is the take's room
-        evicted = self.evicted
-        room = reserve({self.book.name: 1})
-        self.evicted_by_takes += self.evicted - evicted
-        if not room or not alive():
-            return False
+        if written is None:
+            evicted = self.evicted
+            room = reserve({self.book.name: 1})
+            self.evicted_by_takes += self.evicted - evicted
+            if not room or not alive():
+                return False
         self._retire(old, drop)
-        vid = np.array([self.free_vids.pop()], np.int32)
-        self.book.bind_host(vid, self.book.take(1))
-        self.queued.append((int(vid_src[0]), int(vid[0])))  # bytes: at ``flush``
-        if not self.deferring:
-            self.flush()
+        if written is not None:  # the bytes are there already: adopt the slot
+            del self.direct[slot]
+            vid = np.array([written], np.int32)
+            self.written += 1
+        else:
+            vid = np.array([self.free_vids.pop()], np.int32)
+            self.book.bind_host(vid, self.book.take(1))
+            self.queued.append((int(vid_src[0]), int(vid[0])))  # bytes: at ``flush``
+            if not self.deferring:
+                self.flush()
         self.by_node[node_id] = int(vid[0])
         self.lru[node_id] = None
         if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
@@ -192,6 +217,71 @@ class StateCheckpoints:
             self.turn_ends.add(node_id)
         self.saved += 1
         return True
+
+    def reserve_direct(
+        self, slot: int, tokens: int, reserve: Callable[[Mapping[str, int]], bool]
+    ) -> bool:
+        """Bind a checkpoint slot for request ``slot``'s prefill chunk that ends at
+        ``tokens`` tokens (a checkpoint point) to write its final state into, so the
+        take after the step (``save``) needs no copy; False (nothing reserved) when
+        the request holds no state slot, no checkpoint id is free or ``reserve`` (the
+        room maker's: older checkpoints may go) finds no room. One per request: a
+        reservation at other tokens is released first."""
+        held = self.direct.get(slot)
+        if held is not None:
+            if held[1] == tokens:
+                return True
+            self.release_direct([slot])
+        live = self.book.physical(np.array([slot + 1], np.int32))[0] >= 0
+        if not live or not self.free_vids:
+            return False
+        evicted = self.evicted
+        room = reserve({self.book.name: 1})
+        self.evicted_by_takes += self.evicted - evicted  # (as ``save`` counts its room)
+        if not room:
+            return False
+        vid = np.array([self.free_vids.pop()], np.int32)
+        dst = self.book.take(1)
+        self.book.bind_host(vid, dst)
+        patch = TablePatch()
+        v, p = patch.part(vid), patch.part(self.book.physical(vid))
+        patch.add(self.writer.v2p_id[self.book.name], v, p)
+        patch.add(self.writer.p2v_id[self.book.name], p, v)
+        self.writer.write(patch)
+        self.direct[slot] = (int(vid[0]), tokens)
+        return True
+
+    def direct_slots(self, slots: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """(B,) int64 physical checkpoint slots reserved for requests ``slots`` whose
+        step ends at ``ends`` tokens (host ints; 0, the sink, for the others), or None
+        when no request of them has one (no work: the common step)."""
+        if not self.direct:
+            return None
+        keys = np.fromiter(self.direct, np.int64, len(self.direct))
+        vals = np.array(list(self.direct.values()), np.int64).reshape(-1, 2)
+        match = (np.asarray(slots, np.int64)[:, None] == keys[None, :]) & (
+            np.asarray(ends, np.int64)[:, None] == vals[None, :, 1]
+        )
+        lane, col = np.nonzero(match)
+        if not len(lane):
+            return None
+        out = np.zeros(len(slots), np.int64)
+        out[lane] = self.book.physical(vals[col, 0].astype(np.int32))
+        return out
+
+    def release_direct(self, slots: Iterable[int], tokens: int | None = None) -> None:
+        """Release the reservations of requests ``slots`` (``tokens``: only one at that
+        many tokens), fenced by the forward that may still write them."""
+        vids = []
+        for slot in slots:
+            held = self.direct.get(int(slot))
+            if held is not None and (tokens is None or held[1] == tokens):
+                del self.direct[int(slot)]
+                vids.append(held[0])
+        if vids:
+            array = np.array(vids, np.int32)
+            self.writer.unbind(self.book, array, self.fences.unbind(self.book, array))
+            self.free_vids.extend(vids)
 
     def _retire(self, old: int | None, drop: bool) -> None:
         """After a save that replaced ``old`` (None: none): drop it (``drop``) or
@@ -223,6 +313,7 @@ class StateCheckpoints:
         patch.add(self.writer.p2v_id[book.name], p, v)
         written = self.writer.write(patch)  # with the step's staged drops and evictions
         self._copy(src.astype(np.int64), PhysicalPageIds(written[p], book.name))
+        self.copied += len(queued)
 
     def flush_for(self, vids: Iterable[int]) -> None:
         """``flush`` if a queued checkpoint reads or writes one of Mamba virtual ids
@@ -384,8 +475,17 @@ def check_checkpoints(parts: Parts) -> None:
         "checkpoint slots are LIVE Mamba slots owned by the cache"
     )
     bound = np.flatnonzero(book.v2p_host[states.base :] >= 0) + states.base
-    assert np.array_equal(bound, vids) and len(set(states.free_vids) & set(vids.tolist())) == 0, (
-        "checkpoint virtual ids are bound exactly while the cache holds them"
+    direct = sorted(v for v, _ in states.direct.values())
+    assert np.array_equal(bound, np.union1d(vids, direct)) and not (
+        set(states.free_vids) & (set(vids.tolist()) | set(direct))
+    ), (
+        "checkpoint virtual ids are bound exactly while the cache holds them or a prefill "
+        "chunk's reservation does"
+    )
+    assert not set(direct) & set(vids.tolist()), "a reserved checkpoint slot is not a cached one"
+    reserved = np.array(direct, np.int64)
+    assert (book.v2p_host[1 : states.base][:, None] != book.v2p_host[reserved][None, :]).all(), (
+        "no request slot aliases a reserved checkpoint slot"
     )
     host = prefix.host.nodes if prefix.host is not None else {}
     device = {n.node_id: n for n in prefix.by_page.values()}

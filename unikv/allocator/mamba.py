@@ -100,6 +100,7 @@ class MambaSlots:
         with their draft slots."""
         if self.states is not None:
             self.states.unpin((vids - 1).astype(np.int64))
+            self.states.release_direct((vids - 1).tolist())  # a chunk's reserved checkpoint
         if self.k:  # each request's slot, then its draft slots (as one by one)
             vids = np.concatenate([vids[:, None], self.draft_vids(vids - 1)], axis=1).reshape(-1)
         if self.states is not None:

@@ -440,6 +440,23 @@ class PrefixCache:
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
             return False
+        try:
+            return self._checkpoint(slot, tokens, reserve, salt, turn_end, source, supersedes, drop)
+        finally:  # the chunk's reserved slot, if the take did not adopt it
+            self.states.release_direct([int(slot)], len(tokens))
+
+    def reserve_checkpoint(
+        self, slot: int, tokens: int, reserve: Callable[[Mapping[str, int]], bool]
+    ) -> bool:
+        """Reserve a checkpoint slot that request ``slot``'s prefill chunk ending at
+        ``tokens`` tokens writes its final state into (``StateCheckpoints.reserve_direct``;
+        the ``checkpoint`` after the step adopts it: no copy). False: none reserved."""
+        if self.states is None or tokens <= 0 or tokens % self.roles.page_size:
+            return False
+        return self.states.reserve_direct(int(slot), int(tokens), reserve)
+
+    def _checkpoint(self, slot, tokens, reserve, salt, turn_end, source, supersedes, drop):
+        """``checkpoint`` past its argument checks."""
         node = self.own_chain_end(int(slot), tokens, salt)
         if node is None:
             return False

@@ -147,6 +147,27 @@ class PrefixVerbs:
         self._after()
         return taken
 
+    def reserve_checkpoint(self, slot: int, tokens: int) -> bool:
+        """Reserve the checkpoint slot request ``slot``'s prefill chunk ending at
+        ``tokens`` tokens (whole pages) writes its final state into, as a second
+        destination (the step plan's ``ckpt_slots``), so the ``checkpoint`` taken
+        there after the step needs no copy; False: none (no room, no state slot)."""
+        done = self._cache.reserve_checkpoint(slot, tokens, self._reserve_state)
+        self._after()
+        return done
+
+    def checkpoint_slots(self, slots: np.ndarray, ends: np.ndarray, rows: int):
+        """(rows,) int64 device physical slots reserved for requests ``slots`` (host
+        ints) whose step ends at ``ends`` tokens, 0 (the sink) elsewhere and in padded
+        rows; None when no request of them has one."""
+        states = self._cache.states
+        found = states.direct_slots(slots, ends) if states is not None else None
+        if found is None:
+            return None
+        out = np.zeros(rows, np.int64)
+        out[: len(found)] = found
+        return self._cache.writer.upload(out).long()
+
     def demote_checkpoint(
         self,
         token_ids: object,

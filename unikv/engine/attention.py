@@ -181,6 +181,11 @@ class DecodeAttention:
         self.feedback = getattr(plan, "feedback", None)  # (a test's plan may lack it)
         # a verify step's per-draft-position state slots (B, k), else None
         self.draft_slots = getattr(plan, "draft_slots", None)
+        # per request a second destination of its final state (B,), else None: a
+        # prefill chunk that ends at a prefix-cache checkpoint writes it there too
+        self.ckpt = {}
+        if getattr(plan, "ckpt_slots", None) is not None:
+            self.ckpt = {"ckpt_slots": plan.ckpt_slots}
         # the row-shaped ops' plans (the decoder runs the step under ``rows_plan``, the LM
         # head under ``logit_rows_plan``; the runner replaces it where it asks more rows)
         self.rows_plan = getattr(plan, "rows", None)
@@ -201,6 +206,7 @@ class DecodeAttention:
             max_q_len=plan.max_q_len,
             activation=activation,
             draft_slots=self.draft_slots,
+            **self.ckpt,
         )
 
     def gated_delta_rule(self, layer, q, k, v, g, beta, *, scale, use_qk_l2norm, gating=None):
@@ -212,6 +218,7 @@ class DecodeAttention:
             q, k, v, g, beta, state, plan.state_slots, plan.q_indptr,
             max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
             draft_slots=self.draft_slots,
+            **self.ckpt,
         )  # fmt: skip
 
     def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):
@@ -222,6 +229,7 @@ class DecodeAttention:
             x, dt, A, B, C, D, dt_bias, state, plan.state_slots, plan.q_indptr,
             max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
             draft_slots=self.draft_slots,
+            **self.ckpt,
         )  # fmt: skip
 
     # -- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------

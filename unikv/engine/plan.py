@@ -83,6 +83,11 @@ class StepPlan:
     draft_slots: (B, k) int64 physical per-draft-position state slots of each request
         in a speculative verify step of a hybrid model (0 = the sink for padded
         lanes), else None.
+    ckpt_slots: (R,) int64 physical checkpoint slots of an extend step's requests whose
+        prefill chunk ends at a prefix-cache checkpoint (reserved before the step:
+        ``alloc.prefix.reserve_checkpoint``): the recurrent ops write each final state
+        there too (0 = the sink for the others), so the checkpoint needs no copy;
+        None when no request of the step has one.
     fresh: host bool, an extend step in which no request has cached tokens (every
         seq_len is its q_len): extend attention may read the step's own K/V rows.
     split: an extend step whose last requests, not all of them, have no cached
@@ -107,6 +112,7 @@ class StepPlan:
     decode: dict[str, DecodePlan] | None = None
     state_slots: torch.Tensor | None = None
     draft_slots: torch.Tensor | None = None
+    ckpt_slots: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
     extend: dict[str, ExtendPlan] | None = None
@@ -273,6 +279,7 @@ class StepPlanner:
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
+            ckpt_slots=self._ckpt_slots(host, num, rows) if self.has_state and num else None,
             fresh=fresh,
             split=split,
             extend=extend,
@@ -365,6 +372,12 @@ class StepPlanner:
             out[:num].copy_(self.alloc.mamba_slots(slots[:num], drafts=True).data)
         out[num:].zero_()
         return out
+
+    def _ckpt_slots(self, host: dict, num: int, rows: int) -> torch.Tensor | None:
+        """(R,) int64 checkpoint slots the step's chunks write their final states into
+        too (``StepPlan.ckpt_slots``), or None (no reservation: a host check only)."""
+        prefix = self.alloc.prefix
+        return prefix.checkpoint_slots(host["slots"][:num], host["seq_lens"][:num], rows)
 
     def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
         """(R,) int64 physical state slots of the rows (padded rows: 0, the sink),

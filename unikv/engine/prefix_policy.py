@@ -31,8 +31,11 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   hit at a previous turn's end demotes that checkpoint once it takes one of its own;
   a junction or prompt-end checkpoint is never demoted for that.
 
-Prefill chunks end at the points (``chunk``); ``after_step`` takes the
-checkpoints and shares pages once a step's tokens are in. ``alloc_mamba``
+Prefill chunks end at the points (``chunk``); ``before_step`` reserves, for each
+chunk of more than one token that ends at one, the checkpoint slot the chunk writes its
+final state into as well (``alloc.prefix.reserve_checkpoint``; the plan's
+``ckpt_slots``), and ``after_step`` takes the checkpoints (adopting those slots: no copy)
+and shares pages once a step's tokens are in. ``alloc_mamba``
 restores a hit's checkpoint. A request added to the waiting queue marks the
 checkpoint its prompt would restore now (``expect``: evicted after every other, its
 chain's pages after every other page) until it opens or is aborted (``forget``).
@@ -81,6 +84,10 @@ class NoPrefixCache:
 
     def forget(self, r: Request) -> None:
         """``r`` left the waiting queue without opening (an abort)."""
+
+    def before_step(self, batch: Batch, first: int = 0) -> None:
+        """A step with prefill chunks (requests ``[first:]`` of ``batch``) is scheduled
+        (nothing to prepare here)."""
 
     def after_step(self, batch: Batch, verify: bool = False) -> None:
         """After a step's tokens are in (``num_cached`` advanced); ``verify``: a
@@ -211,6 +218,19 @@ class PrefixCaching(NoPrefixCache):
         n = min(budget, r.num_pending)
         stop = self.points.get(r.slot, (0,))[0]
         return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
+
+    def before_step(self, batch: Batch, first: int = 0) -> None:
+        """Reserve the checkpoint slot of each prefill chunk of ``batch`` (its requests
+        ``[first:]``; the decodes come first) that ends at its request's next
+        checkpoint point (host ints; a loop over the step's prefill chunks only when
+        some request has points left). A one-token chunk takes the copy instead: its
+        step may run as a decode (graphs, no second destination)."""
+        if not self.points:
+            return
+        for r, n in zip(batch.requests[first:], batch.num_new[first:]):
+            ends = self.points.get(r.slot)
+            if n > 1 and ends and ends[0] == r.num_cached + n:
+                self.prefix.reserve_checkpoint(r.slot, ends[0])
 
     def after_step(self, batch: Batch, verify: bool = False) -> None:
         """Checkpoints at the points the step reached; pages shared where a prompt

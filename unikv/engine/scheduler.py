@@ -167,6 +167,8 @@ class Scheduler:
             if num_decodes:
                 budget = min(budget, self.decoding_prefill_cap)
             self._schedule_prefills(batch, prefilling, budget)
+            if num_decodes != len(batch.requests):  # prefill chunks: their checkpoint slots
+                self.prefix.before_step(batch, num_decodes)
             if num_decodes and num_decodes == len(batch.requests) and batch.drafts is None:
                 batch.kind, batch.tables = BatchKind.DECODE, self.tables
                 batch.all_greedy = self._decodes.greedy()

@@ -54,6 +54,21 @@ def check_draft_slots(draft_slots, slots) -> None:
     check_same_device(slots, draft_slots)
 
 
+def check_ckpt_slots(ckpt_slots, slots) -> None:
+    """``ckpt_slots``: None, or (B,) int32/int64 physical slots on the slots' device
+    (a prefill chunk ending at prefix-cache checkpoints: each lane's second destination
+    of its final state, 0 the sink)."""
+    if ckpt_slots is None:
+        return
+    check_ids("ckpt_slots", ckpt_slots, dim=1)
+    if ckpt_slots.shape[0] != slots.shape[0]:
+        raise ValueError(
+            f"ckpt_slots must be (B,) = ({slots.shape[0]},) physical slots, one per lane, "
+            f"got {tuple(ckpt_slots.shape)}"
+        )
+    check_same_device(slots, ckpt_slots)
+
+
 def check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation) -> None:
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be None or 'silu', got {activation!r}")

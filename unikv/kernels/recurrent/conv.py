@@ -26,6 +26,11 @@ Both steps are one pass over their bytes, each byte read once and written once:
                              reads x only) and writes the final state after a
                              barrier: no second launch.
 
+A prefill chunk ending at a prefix-cache checkpoint (``ckpt_slots`` (B,), issue 41):
+the first-chunk program stores the final window into ``ckpt_slots[b]`` as well (0, the
+sink, without one), so the checkpoint needs no slot copy; a decode-shaped step
+(every lane one token) copies the written windows there by index after the launch.
+
 The conv output's split into q/k/v (Gated DeltaNet) or x/B/C (Mamba-2) is a view of
 the one (T, C) output, so there is no copy to fuse. Slot and row offsets are int64
 (a prefill tile's offsets int32 from one int64 base, bounded by the launcher); every
@@ -38,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels.recurrent.checks import check_conv_args, check_draft_slots
+from unikv.kernels.recurrent.checks import check_ckpt_slots, check_conv_args, check_draft_slots
 from unikv.kernels.runtime.checks import next_pow2
 from unikv.kernels.runtime.interpret import patch_interpreter
 
@@ -114,11 +119,11 @@ def _decode_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    x, state, slots, q_indptr, w, bias, out,
+    x, state, slots, q_indptr, w, bias, out, ckpt_slots,
     x_st, s_s, s_c, s_k, w_c, w_k, o_st, C,
     K: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr, PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    EVEN_C: tl.constexpr,
+    EVEN_C: tl.constexpr, CKPT: tl.constexpr,
 ):  # fmt: skip
     """Outputs of tokens [pid1 * CHUNK_T, +CHUNK_T) of request pid2, channel block
     pid0; the request's first chunk also writes its final window."""
@@ -207,6 +212,10 @@ def _prefill_kernel(
         new = tl.where((idx >= K)[None, :], xv.to(tl.float32), sv.to(tl.float32))
         tl.debug_barrier()  # the old window is read (by every thread) before it is overwritten
         tl.store(row[:, None] + k[None, :] * sk, new.to(state.dtype.element_ty), mask=live)
+        if CKPT:  # the final window into the lane's checkpoint slot too (0: the sink)
+            cslot = tl.load(ckpt_slots + b).to(tl.int64)
+            crow = state + cslot * s_s + c.to(tl.int64) * sc
+            tl.store(crow[:, None] + k[None, :] * sk, new.to(state.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -249,6 +258,7 @@ def causal_conv1d(
     activation: str | None,
     draft_slots: torch.Tensor | None = None,
     config: dict | None = None,
+    ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv continuing each request's state (see ``recurrent_ref``).
 
@@ -258,11 +268,14 @@ def causal_conv1d(
     None or "silu"; draft_slots: None or (B, k) (a verify step: the window after each
     token j < k but the lane's last into slot ``draft_slots[b, j]``); config: None, or
     block sizes overriding the defaults (``block_c``/``lanes`` for decode, ``block_c``/
-    ``block_t``/``chunk_t`` for prefill, ``num_warps`` for both: the benchmark's sweep). Returns (T, C) in
+    ``block_t``/``chunk_t`` for prefill, ``num_warps`` for both: the benchmark's sweep);
+    ckpt_slots: None or (B,) (the final window into slot ``ckpt_slots[b]`` too, 0 the
+    sink: a chunk ending at a prefix-cache checkpoint). Returns (T, C) in
     x.dtype; conv_state updated in place.
     """
     check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation)
     check_draft_slots(draft_slots, slots)
+    check_ckpt_slots(ckpt_slots, slots)
     num_lanes, (channels, width) = slots.shape[0], conv_state.shape[1:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or num_lanes == 0:
@@ -285,6 +298,8 @@ def causal_conv1d(
             x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), num_lanes, channels,
             BLOCK_C=block_c, LANES=lanes, W_PACKED=w_k == 1 and w_c == width, **common,
         )  # fmt: skip
+        if ckpt_slots is not None:  # (rare: a one-token chunk at a checkpoint) by index
+            conv_state[ckpt_slots.long()] = conv_state[slots.long()]
         return out
     if draft_slots is not None:  # every draft window first: they read the live one
         _draft_windows_kernel[(num_lanes, triton.cdiv(channels, STATE_BLOCK_C), draft_slots.shape[1])](
@@ -305,8 +320,8 @@ def causal_conv1d(
     grid = (triton.cdiv(channels, block_c), triton.cdiv(max_q_len, chunk_t), num_lanes)
     _prefill_kernel[grid](
         x, conv_state, slots, q_indptr, weight, bias_arg, out,
-        x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
+        ckpt_slots if ckpt_slots is not None else slots, x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
         BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_C=block_c, EVEN_C=channels % block_c == 0,
-        **common,
+        CKPT=ckpt_slots is not None, **common,
     )  # fmt: skip
     return out

@@ -3,8 +3,10 @@
 fla-core (``pip install 'unikv[gpu]'``) is GPU-only and imported lazily. Its varlen
 layout is ``[1, T, H, ...]`` with ``cu_seqlens`` (N+1,) int64 and states ``[N, H, K, V]``
 (or ``[N, H, V, K]`` with ``state_v_first``). The slot states are gathered
-(``state[slots]``, fp32), run through fla and scattered back (``state[slots] = final``);
-a lane with no new tokens gets its initial state back. Mamba-2's SSD is simple GLA:
+(``state[slots]``, fp32), run through fla and scattered back (``state[slots] = final``;
+with ``ckpt_slots``, a chunk ending at a prefix-cache checkpoint, into those slots too in
+the same write: ``recurrent_ref.write_final``); a lane with no new tokens gets its
+initial state back. Mamba-2's SSD is simple GLA:
 q = C, k = B (expanded to H heads), v = x * dt, g = dt * A, scale 1, state (P, N) =
 ``[V, K]`` (``state_v_first=True``), plus the D skip outside the kernel.
 """
@@ -18,7 +20,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from unikv.kernels.recurrent.ref import gdn_gates
+from unikv.kernels.recurrent.ref import gdn_gates, write_final
 
 INSTALL_HINT = "pip install 'unikv[gpu]' (fla-core==0.6.0)"
 
@@ -59,19 +61,22 @@ def use_fla(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     return True
 
 
-def _scatter(state, slots, q_indptr, initial, final) -> None:
-    """state[slots] = final, except lanes with no new tokens keep their initial state."""
+def _scatter(state, slots, q_indptr, initial, final, ckpt_slots=None) -> None:
+    """state[slots] = final (and state[ckpt_slots], given), except lanes with no new
+    tokens keep their initial state."""
     lens = q_indptr[1:] - q_indptr[:-1]
     keep = (lens > 0).view(-1, *([1] * (final.dim() - 1)))
-    state[slots] = torch.where(keep, final, initial).to(state.dtype)
+    write_final(state, slots, ckpt_slots, torch.where(keep, final, initial).to(state.dtype))
 
 
 def gated_delta_rule(
-    q, k, v, g, beta, state, slots, q_indptr, *, scale, use_qk_l2norm, gating=None
-):
+    q, k, v, g, beta, state, slots, q_indptr, *, scale, use_qk_l2norm, gating=None,
+    ckpt_slots=None,
+):  # fmt: skip
     """q, k: (T, Hk, Dk), Hk dividing H; v: (T, H, Dv); g, beta: (T, H) (the raw a, b
     with ``gating`` = (A_log, dt_bias)); state: (S, H, Dk, Dv) view; slots: (B,);
-    q_indptr: (B+1,). Returns (T, H, Dv) in v.dtype; state updated."""
+    q_indptr: (B+1,); ckpt_slots: None or (B,) second destinations of the final state.
+    Returns (T, H, Dv) in v.dtype; state updated."""
     if gating is not None:
         g, beta = gdn_gates(g, beta, *gating)
     groups = v.shape[1] // q.shape[1]
@@ -91,11 +96,13 @@ def gated_delta_rule(
         cu_seqlens=q_indptr.long(),
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
     )
-    _scatter(state, slots, q_indptr, initial, final)
+    _scatter(state, slots, q_indptr, initial, final, ckpt_slots)
     return out[0].to(v.dtype)
 
 
-def mamba2_ssd(x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, *, dt_softplus, dt_limit):
+def mamba2_ssd(
+    x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, *, dt_softplus, dt_limit, ckpt_slots=None
+):
     """x: (T, H, P); dt: (T, H); A, D, dt_bias: (H,); B, C: (T, G, N); state:
     (S, H, P, N) view; slots: (B,); q_indptr: (B+1,). Returns (T, H, P) in x.dtype."""
     _, chunk_simple_gla = _fla()
@@ -117,5 +124,5 @@ def mamba2_ssd(x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, *, dt_softplu
         state_v_first=True,
         cu_seqlens=q_indptr.long(),
     )
-    _scatter(state, slots, q_indptr, initial, final)
+    _scatter(state, slots, q_indptr, initial, final, ckpt_slots)
     return (out[0].float() + D.float()[:, None] * x.float()).to(x.dtype)

@@ -10,6 +10,10 @@ the final state back in place (docs/design.md section 8):
     state (S, ...)     strided per-layer view of the Mamba sub-pool, indexed by
                        PHYSICAL slot; slots (B,) int64 (0 = the sink, padded lanes)
 
+    ckpt_slots (B,)     None, or (a prefill chunk that ends at a prefix-cache
+                       checkpoint, issue 41) per lane a second physical slot that
+                       receives the final state too, in the same write (0, the sink,
+                       for lanes without one): the checkpoint needs no copy after.
     draft_slots (B, k)  None, or (a speculative verify step) per lane the physical
                        slots that receive the state after each of its first k
                        tokens: column j the state after token j, for j < the
@@ -62,6 +66,18 @@ def draft_targets(
     return torch.where(live, picked, torch.zeros_like(picked))
 
 
+def write_final(
+    state: torch.Tensor, slots: torch.Tensor, ckpt_slots: torch.Tensor | None, value
+) -> None:
+    """``state[slots] = value`` and, with ``ckpt_slots`` (B,), ``state[ckpt_slots] =
+    value`` in the same indexed write (lanes without a checkpoint name the sink, 0)."""
+    if ckpt_slots is None:
+        state[slots] = value
+        return
+    both = torch.cat([slots.long(), ckpt_slots.to(slots.device).long()])
+    state[both] = torch.cat([value, value])
+
+
 def _check_activation(activation: str | None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -78,6 +94,7 @@ def causal_conv1d(
     max_q_len: int,
     activation: str | None,
     draft_slots: torch.Tensor | None = None,
+    ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv over each request's new tokens, continuing its state.
 
@@ -106,7 +123,7 @@ def causal_conv1d(
         conv_state[targets[lane, pos]] = windows.transpose(1, 2).to(conv_state.dtype)
     lens = (q_indptr[1:] - q_indptr[:-1]).long()
     last = seq[torch.arange(num_lanes, device=x.device)[:, None], lens[:, None] + taps]
-    conv_state[slots] = last.transpose(1, 2).to(conv_state.dtype)  # (B, C, K)
+    write_final(conv_state, slots, ckpt_slots, last.transpose(1, 2).to(conv_state.dtype))
     return out.to(x.dtype)
 
 
@@ -138,6 +155,7 @@ def gated_delta_rule(
     use_qk_l2norm: bool,
     gating: tuple[torch.Tensor, torch.Tensor] | None = None,
     draft_slots: torch.Tensor | None = None,
+    ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule (Gated DeltaNet) over each request's new tokens.
 
@@ -178,7 +196,7 @@ def gated_delta_rule(
         out[:, i] = (s * qg[:, i, :, :, None]).sum(-2)
         if targets is not None:  # the state after token i, into its draft slot (or the sink)
             state[targets[:, i]] = s.to(state.dtype)
-    state[slots] = s.to(state.dtype)
+    write_final(state, slots, ckpt_slots, s.to(state.dtype))
     return out[lane, pos].to(v.dtype)
 
 
@@ -198,6 +216,7 @@ def mamba2_ssd(
     dt_softplus: bool,
     dt_limit: tuple[float, float],
     draft_slots: torch.Tensor | None = None,
+    ckpt_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba-2 selective state space scan over each request's new tokens.
 
@@ -234,6 +253,6 @@ def mamba2_ssd(
         out[:, i] = (s * cg[:, i, :, None, :]).sum(-1)
         if targets is not None:  # the state after token i, into its draft slot (or the sink)
             state[targets[:, i]] = s.to(state.dtype)
-    state[slots] = s.to(state.dtype)
+    write_final(state, slots, ckpt_slots, s.to(state.dtype))
     y = out[lane, pos] + D.float()[:, None] * x.float()
     return y.to(x.dtype)

@@ -1,0 +1,165 @@
+"""Checkpoints written by the prefill chunk itself (issue 41, cheaper checkpoints).
+
+A hybrid request's prompt checkpoints (the junction with its hit's cached run, its last
+whole page) fall at the end of a prefill chunk (the scheduler cuts chunks there), so
+the chunk writes its final state into the checkpoint slot as well as into the
+request's slot (``StepPlan.ckpt_slots``), and no slot copy follows. End to end on CPU
+(fp32, torch reference kernels; with ``-m gpu`` also on CUDA, the Triton kernels), tiny Qwen3.5 (Gated DeltaNet) and NemotronH
+(Mamba-2), pages 4 and 16:
+
+- greedy tokens with the cache (twice: the second run hits) equal those without it;
+- a spy on ``StateCheckpoints.save``: no prompt checkpoint queues a copy, and some are
+  new checkpoints (taken, not found), so the spy fails when every take copies;
+- the bytes of each such checkpoint equal the request's slot right after its chunk (a
+  second description: what the removed copy would have copied).
+
+Allocator level: a reservation the take does not adopt (the node had a checkpoint
+already) and one whose request is freed are released, and the integrity check names
+a reserved slot the cache lost track of.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from allocator_fixtures import full_config, mamba_config
+from engine_fixtures import (
+    VOCAB,
+    one_thread,  # noqa: F401  (a fixture)
+    save_tiny_hybrid,
+    save_tiny_nemotron_h,
+)
+from prefix_fixtures import prefix_llm
+
+from unikv.allocator import PoolAllocator
+from unikv.engine import SamplingParams
+from unikv.pool import UnifiedPool, pool_bytes_for
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def model(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(request.param))
+    if request.param == "qwen3_5":
+        save_tiny_hybrid("qwen3_5", path)
+    else:
+        save_tiny_nemotron_h(path, "M*M-")
+    return path
+
+
+def _prompts(ps: int) -> list[list[int]]:
+    """Three prompts over one 2.5-page system prompt, and one unrelated."""
+    g = torch.Generator().manual_seed(ps)
+    system = torch.randint(0, VOCAB, (2 * ps + ps // 2,), generator=g).tolist()
+    out = [system + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, ps + 1, 5)]
+    return out + [torch.randint(0, VOCAB, (2 * ps + 3,), generator=g).tolist()]
+
+
+class SaveSpy:
+    """Wraps ``states.save``: per prompt checkpoint (not a decode one, not from a draft
+    slot) whether it queued a copy and whether it was new; a new one's bytes against
+    the request's live slot, compared at once (its chunk's step just ended)."""
+
+    def __init__(self, llm) -> None:
+        states = llm.alloc.parts.prefix.states
+        sub = next(s for s in llm.pool.subpools.values() if s.spec.kind == "mamba")
+        self.queued, self.new, self.mismatched = 0, 0, []
+        save = states.save
+        size = sub.page_bytes  # (Mamba page p lies at byte p * size of the pool buffer)
+        slot_bytes = lambda page: llm.pool.buffer[page * size : (page + 1) * size].clone()
+
+        def spied(slot, node_id, alive, tokens, reserve, turn_end=False, source=None, *a, **k):
+            queued, had = len(states.queued), node_id in states.by_node
+            live = slot_bytes(int(states.book.physical(np.array([slot + 1], np.int32))[0]))
+            taken = save(slot, node_id, alive, tokens, reserve, turn_end, source, *a, **k)
+            if turn_end or source is not None or not taken:
+                return taken
+            self.queued += len(states.queued) > queued
+            if not had and node_id in states.by_node:
+                self.new += 1
+                vid = np.array([states.by_node[node_id]], np.int32)
+                if not torch.equal(slot_bytes(int(states.book.physical(vid)[0])), live):
+                    self.mismatched.append((slot, tokens))
+            return taken
+
+        states.save = spied
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, GPU])]  # cuda: Triton kernels
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ps", [4, 16])
+def test_prompt_checkpoints_are_written_by_their_chunk_not_copied(model, ps, device):
+    prompts = _prompts(ps)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    kw = {"max_num_batched_tokens": 64, "max_model_len": 64, "device": device}
+    want = [o.output_ids for o in prefix_llm(model, ps, False, **kw).generate(prompts, params)]
+    llm = prefix_llm(model, ps, True, **kw)
+    spy = SaveSpy(llm)
+    for _ in range(2):
+        assert [o.output_ids for o in llm.generate(prompts, params)] == want
+    assert llm.alloc.prefix.counters()["hit_tokens"] > 0
+    assert spy.new >= 2, "prompt checkpoints were taken"
+    assert spy.queued == 0, f"{spy.queued} prompt checkpoints were copied after their chunk"
+    assert not spy.mismatched, f"checkpoint bytes differ from the request's slot: {spy.mismatched}"
+    states = llm.alloc.parts.prefix.states
+    assert not states.direct, "no reservation outlives its step"
+    llm.alloc.check_integrity()
+
+
+# -- allocator level -------------------------------------------------------------------
+
+
+def _alloc() -> PoolAllocator:
+    configs = [full_config(4), mamba_config()]
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {"full": 16, "mamba": 6}))
+    return PoolAllocator(pool, max_requests=2, max_context=32, debug=True)
+
+
+def _request(alloc: PoolAllocator, tokens: int) -> int:
+    slot = alloc.new_request()
+    assert alloc.alloc_mamba(np.array([slot])) is not None
+    assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([tokens]))
+    return slot
+
+
+def test_an_unadopted_or_orphaned_reservation_is_released():
+    alloc = _alloc()
+    states = alloc.parts.prefix.states
+    book = states.book
+    tokens = np.arange(9)
+    a = _request(alloc, 9)
+    assert alloc.prefix.reserve_checkpoint(a, 8)
+    slots = alloc.prefix.checkpoint_slots(np.array([a]), np.array([8]), 2)
+    vid = states.direct[a][0]
+    assert slots.tolist() == [int(book.physical(np.array([vid], np.int32))[0]), 0]
+    assert alloc.prefix.checkpoint_slots(np.array([a]), np.array([4]), 1) is None
+    alloc.prefix.insert(a, tokens[:8])
+    assert alloc.prefix.checkpoint(a, tokens[:8]) and not states.direct  # adopted
+    assert states.by_node and not states.queued
+    b = _request(alloc, 9)  # the same tokens: the node has its checkpoint already
+    assert alloc.prefix.reserve_checkpoint(b, 8)
+    held = states.direct[b][0]
+    alloc.prefix.insert(b, tokens[:8])
+    assert alloc.prefix.checkpoint(b, tokens[:8])
+    assert not states.direct and held in states.free_vids, "released, not adopted"
+    assert alloc.prefix.reserve_checkpoint(b, 4)
+    alloc.free_request(b)  # freed before its step's take
+    assert not states.direct
+    alloc.check_integrity()
+    bound = int((book.v2p_host[states.base :] >= 0).sum())
+    assert bound == len(states.by_node) == 1, "only the adopted checkpoint's id stays bound"
+
+
+def test_a_reserved_slot_the_cache_lost_is_named():
+    alloc = _alloc()
+    states = alloc.parts.prefix.states
+    a = _request(alloc, 9)
+    assert alloc.prefix.reserve_checkpoint(a, 8)
+    states.direct.clear()  # corruption: the slot stays bound, its record is gone
+    with pytest.raises(AssertionError, match="bound exactly while the cache holds them"):
+        alloc.check_integrity()
