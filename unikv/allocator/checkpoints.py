@@ -175,8 +175,8 @@ class StateCheckpoints:
         Pinned (a request waits to restore it): left alone."""
         old = supersedes if supersedes != node_id and supersedes in self.lru else None
         # the slot the chunk that ends here wrote the state into (``reserve_direct``)
-        written = self.direct.get(slot) if source is None else None
-        written = written[0] if written is not None and written[1] == tokens else None
+        held_direct = self.direct.get(slot) if source is None else None
+        written = held_direct[0] if held_direct is not None and held_direct[1] == tokens else None
         if node_id in self.by_node or self.has(node_id, True):  # (host: restored from there)
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)

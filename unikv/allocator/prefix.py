@@ -455,8 +455,12 @@ class PrefixCache:
             return False
         return self.states.reserve_direct(int(slot), int(tokens), reserve)
 
-    def _checkpoint(self, slot, tokens, reserve, salt, turn_end, source, supersedes, drop):
+    def _checkpoint(
+        self, slot: int, tokens: np.ndarray, reserve: Callable[[Mapping[str, int]], bool],
+        salt: str | None, turn_end: bool, source: int | None, supersedes: object, drop: bool,
+    ) -> bool:  # fmt: skip
         """``checkpoint`` past its argument checks."""
+        assert self.states is not None, "prefix._checkpoint: checked by checkpoint()"
         node = self.own_chain_end(int(slot), tokens, salt)
         if node is None:
             return False

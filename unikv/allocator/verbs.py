@@ -156,7 +156,9 @@ class PrefixVerbs:
         self._after()
         return done
 
-    def checkpoint_slots(self, slots: np.ndarray, ends: np.ndarray, rows: int):
+    def checkpoint_slots(
+        self, slots: np.ndarray, ends: np.ndarray, rows: int
+    ) -> torch.Tensor | None:
         """(rows,) int64 device physical slots reserved for requests ``slots`` (host
         ints) whose step ends at ``ends`` tokens, 0 (the sink) elsewhere and in padded
         rows; None when no request of them has one."""
