@@ -24,7 +24,7 @@ from torch import nn
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
-from unikv.models.layers import AttentionFn, Linear, RMSNorm
+from unikv.models.layers import AttentionFn, Linear, RMSNorm, model_ops
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import linear_layers, shard_rows, tp_size
@@ -122,6 +122,7 @@ class Relu2MLP(nn.Module):
         if tp is not None:
             shard_rows(self.up_proj)
         self.down_proj = linear_layers(tp, reduce)[1](inter, hidden, bias=bias)
+        self.ops = model_ops()  # relu(up) ** 2 in one kernel (``relu_square``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_input(self.up_proj(x))
@@ -132,7 +133,7 @@ class Relu2MLP(nn.Module):
         return self.up_proj
 
     def from_input(self, up: torch.Tensor, positions=None, attn=None) -> torch.Tensor:
-        return self.down_proj(torch.relu(up).square())
+        return self.down_proj(self.ops.relu_square(up))
 
 
 class TopkRouter(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
-from unikv.models.layers import GatedMLP, Linear
+from unikv.models.layers import GatedMLP, Linear, model_ops
 from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import reduce_partial
 
@@ -106,12 +106,15 @@ class SparseMoE(nn.Module):
         # routed and gated shared partial sums added, then reduced once
         self.shared_expert = GatedMLP(shared, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.ops = model_ops()  # sigmoid(gate) * shared in one kernel (``sigmoid_mul``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
         out = self.experts(x, weights, indices)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        gate = self.shared_expert_gate(x)  # (T, 1): one gate per row, broadcast in place
+        shared = self.shared_expert(x)
+        out = out + self.ops.sigmoid_mul(shared, gate.expand_as(shared))
         return reduce_partial(self.tp, out)
 
 

@@ -78,6 +78,20 @@ class GeluTanhMul(Protocol):
         ...
 
 
+class SigmoidMul(Protocol):
+    def __call__(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x * sigmoid(gate)``: x (T, N) or (T, H, D); gate of x's shape and dtype;
+        any strides (a strided view, a zero-stride broadcast). Returns a new
+        contiguous tensor of x's shape."""
+        ...
+
+
+class ReluSquare(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(x) ** 2`` of x (T, N), any strides. Returns a new contiguous (T, N)."""
+        ...
+
+
 class GatedRMSNorm(Protocol):
     def __call__(
         self,

@@ -12,6 +12,8 @@ stays token-exact against transformers:
 - ``rope_qk``: NeoX "rotate half" rope of the first ``rotary_dim`` dims of q and
   k, cos/sin read by position from fp32 tables and cast to the model dtype.
 - ``silu_mul``: ``silu(gate) * up`` over a concatenated gate|up GEMM output.
+- ``sigmoid_mul``, ``relu_square``: gated attention's output gate and NemotronH's
+  relu2 (``activation.py`` holds their Triton kernels: ``ACTIVATION_OPS``).
 - ``gated_rms_norm``: the recurrent mixers' output norm, RMSNorm over groups of
   the last dim gated by ``silu(z)`` (Gated DeltaNet, Mamba-2), in each family's
   order of casts (``weight_mode``).
@@ -20,7 +22,7 @@ Each returns new tensors and leaves its inputs unchanged; the Triton versions
 may update some inputs in place (stated per op), so callers use only the
 returned tensors.
 
-The five ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``):
+The ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``, ``ACTIVATION_OPS``):
 the model is built with the backend the engine chose, once.
 """
 
@@ -163,6 +165,19 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     in gate_up.dtype (Gemma's MLP: transformers' ``gelu_pytorch_tanh``)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` in x.dtype (the sigmoid rounded to the dtype before the
+    product): gated attention's output gate (Qwen3.5, Qwen3-Next), Qwen3-Next's
+    shared-expert gate. x: (T, N) or (T, H, D); gate: x's shape and dtype, any strides.
+    Returns a new tensor of x's shape."""
+    return x * torch.sigmoid(gate)
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` in x.dtype (NemotronH's ``relu2``): x (T, N) -> new (T, N)."""
+    return torch.relu(x).square()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -1,0 +1,126 @@
+"""The output activations' kernels (``unikv/kernels/linear/activation.py``): gated
+attention's ``x * sigmoid(gate)`` and NemotronH's ``relu(x) ** 2``, one launch each.
+
+The references against independent derivations: ``relu_square`` equals transformers'
+own ``ACT2FN["relu2"]`` bit for bit; ``sigmoid_mul`` equals the product computed in
+fp64 and rounded, within the dtype's rounding of the sigmoid and of the product. The
+Triton kernels (CPU interpreter) against the references, at odd widths, on the strided
+views the models pass (the gate read from the q|gate GEMM output, a (T, 1) gate
+broadcast by a zero stride, a transposed x), in fp32 and bf16: ``relu_square``
+exactly (one fp32 product rounded once, as torch's), ``sigmoid_mul`` within 1e-6 in
+fp32 and one bf16 ulp with >= 97 % of the elements bit-equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unikv.kernels.backend import get_backend
+from unikv.kernels.linear import ref
+
+TRITON = get_backend("cpu", "triton")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, scale=3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        return
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    equal = (got == want).float().mean().item()
+    assert equal >= 0.97, f"only {equal:.3f} of the bf16 elements are bit-equal"
+
+
+def _gated_attention_output(dtype, t=5, heads=3, d=20):
+    """Attention's (T, H, D) output and its gate as Qwen3.5 passes it: the second half
+    of each head's 2D columns of the q|gate part of one GEMM output (a strided view)."""
+    qkv = _randn(t, heads * 2 * d + 7, dtype=dtype, seed=1)
+    gate = qkv[:, : heads * 2 * d].view(t, heads, 2 * d)[..., d:]
+    return _randn(t, heads, d, dtype=dtype, seed=2), gate
+
+
+# -- the references against independent derivations ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu_square_reference_is_transformers_relu2(dtype):
+    from transformers.activations import ACT2FN
+
+    x = _randn(6, 37, dtype=dtype)
+    assert torch.equal(ref.relu_square(x), ACT2FN["relu2"](x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul_reference_is_the_rounded_fp64_product(dtype):
+    x, gate = _gated_attention_output(dtype)
+    want = (x.double() * torch.sigmoid(gate.double())).to(dtype)
+    ulp = 2**-23 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(ref.sigmoid_mul(x, gate).float(), want.float(), rtol=3 * ulp, atol=0)
+
+
+# -- Triton against the references ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [20, 1100])  # odd head dim; wider than one program's block
+def test_sigmoid_mul_triton_reads_the_gate_in_place(dtype, d):
+    x, gate = _gated_attention_output(dtype, d=d)
+    before = gate.clone()
+    _close(TRITON.sigmoid_mul(x, gate), ref.sigmoid_mul(x, gate))
+    assert torch.equal(gate, before), "the gate is read, not written"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul_triton_broadcast_and_transposed(dtype):
+    shared = _randn(7, 37, dtype=dtype, seed=3)  # Qwen3-Next's shared expert output
+    gate = _randn(7, 1, dtype=dtype, seed=4).expand_as(shared)  # one gate per row
+    _close(TRITON.sigmoid_mul(shared, gate), ref.sigmoid_mul(shared, gate))
+    xt = _randn(37, 7, dtype=dtype, seed=5).t()  # no unit stride anywhere
+    _close(TRITON.sigmoid_mul(xt, gate), ref.sigmoid_mul(xt, gate))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [37, 1500])
+def test_relu_square_triton_equals_reference(dtype, n):
+    y = _randn(5, n + 9, dtype=dtype, seed=6)
+    y[0, :4] = torch.tensor([float("nan"), 0.0, -0.0, float("-inf")])
+    x = y[:, 3 : n + 3]  # strided rows, as a packed GEMM's view
+    want = ref.relu_square(x)
+    for view in (x, x.t().contiguous().t()):  # strided rows; column-major
+        got = TRITON.relu_square(view)
+        assert got.is_contiguous() and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_empty_steps_and_bad_shapes():
+    assert TRITON.relu_square(torch.ones(0, 5)).shape == (0, 5)
+    assert TRITON.sigmoid_mul(torch.ones(0, 2, 3), torch.ones(0, 2, 3)).shape == (0, 2, 3)
+    with pytest.raises(ValueError, match="gate of its shape and dtype"):
+        TRITON.sigmoid_mul(torch.ones(2, 6), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="gate of its shape and dtype"):
+        TRITON.sigmoid_mul(torch.ones(2, 6), torch.ones(2, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="relu_square needs a"):
+        TRITON.relu_square(torch.ones(2, 3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hybrid_decode_shapes_on_cuda(dtype):
+    """Qwen3.5's gated attention at batch 26 (16 heads of 256, the gate inside the q|gate
+    GEMM output), Qwen3-Next's broadcast shared-expert gate (hidden 2048) and
+    NemotronH's MLP activation at batch 22 (intermediate 21504)."""
+    ops, dev = get_backend("cuda"), "cuda"
+    x, gate = (v.to(dev) for v in _gated_attention_output(dtype, t=26, heads=16, d=256))
+    _close(ops.sigmoid_mul(x, gate).cpu(), ref.sigmoid_mul(x, gate).cpu())
+    shared = _randn(26, 2048, dtype=dtype, seed=7).to(dev)
+    row_gate = _randn(26, 1, dtype=dtype, seed=8).to(dev).expand_as(shared)
+    _close(ops.sigmoid_mul(shared, row_gate).cpu(), ref.sigmoid_mul(shared, row_gate).cpu())
+    up = _randn(22, 21504, dtype=dtype, seed=9).to(dev)
+    assert torch.equal(ops.relu_square(up), ref.relu_square(up))
