@@ -11,7 +11,8 @@ concatenated (their ``packed`` maps), and the decoder fuses the pre-norm into it
 
 - Norms are zero-centred: ``x_hat * (1 + w)`` in fp32, then cast (``ZeroCenteredRMSNorm``).
 - Full attention: ``q_proj`` gives, per head, q and an output gate (2D wide);
-  q/k norms; partial rotary; ``attn(layer, q, k, v)``; ``out * sigmoid(gate)`` (one
+  q/k norms; partial rotary (inside the engine's K/V store, as ``layers.Attention``);
+  ``attn(layer, q, k, v)``; ``out * sigmoid(gate)`` (one
   kernel, ``sigmoid_mul``); o_proj.
 - Gated DeltaNet: q/k/v through a depthwise causal conv (silu) over
   ``conv_dim = 2 Hk Dk + Hv Dv`` channels, beta = sigmoid(b),
@@ -183,8 +184,11 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(t, self.num_kv_heads, d))
         v = v.view(t, self.num_kv_heads, d)
-        q, k = self.rotary[0](positions, q, k)
-        out = attn(self.layer, q, k, v)  # (T, H, D)
+        if getattr(attn, "fuses_rope", False):  # the engine's: rope inside the K/V store
+            out = attn(self.layer, q, k, v, None, rope=(self.rotary[0], positions))
+        else:
+            q, k = self.rotary[0](positions, q, k)
+            out = attn(self.layer, q, k, v)  # (T, H, D)
         # out * sigmoid(gate) in one launch, the gate read in place from the GEMM's output
         return self.o_proj(self.ops.sigmoid_mul(out, gate).reshape(t, h * d))
 
