@@ -15,6 +15,8 @@ derived parameter recomputed each step) fails here with the list it found:
     NemotronH Mamba-2 block  norm (+ residual), in_proj GEMM, conv (bias, SiLU inside),
         SSD scan, gated RMSNorm, out_proj GEMM: 6 (A = -exp(A_log) is kept at load:
         before, exp and neg made 8).
+    Qwen3-Next's (a dense-MLP layer)  the same 10: its per-key-head packed input GEMM's
+        rows are regrouped at load into Qwen3.5's order (before, a concatenation: 11).
     Qwen3.5 full-attention layer  pre-norm (+ residual), q|gate|k|v GEMM, q norm, k norm,
         decode attention (rope and the K/V store inside), out * sigmoid(gate), o_proj
         GEMM, post-norm (+ residual), gate|up GEMM, SiLU-mul, down GEMM: 11 (before: rope
@@ -111,9 +113,10 @@ def decode_launches(path: str, layer_index: int, monkeypatch) -> Counter:
     return seen[-1]
 
 
-def test_qwen3_5_gated_deltanet_layer(tmp_path, monkeypatch):
-    hf = save_tiny_hybrid("qwen3_5", str(tmp_path))
-    layer = hf.config.layer_types.index("linear_attention", 1)
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_qwen3_5_gated_deltanet_layer(tmp_path, monkeypatch, arch):
+    hf = save_tiny_hybrid(arch, str(tmp_path))
+    layer = hf.config.layer_types.index("linear_attention", 1)  # Qwen3-Next: a dense MLP
     assert decode_launches(str(tmp_path), layer, monkeypatch) == GDN_LAYER
 
 
