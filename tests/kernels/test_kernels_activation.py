@@ -1,5 +1,6 @@
 """The output activations' kernels (``unikv/kernels/linear/activation.py``): gated
-attention's ``x * sigmoid(gate)`` and NemotronH's ``relu(x) ** 2``, one launch each.
+attention's ``x * sigmoid(gate)`` and NemotronH's ``relu(x) ** 2``, one launch each;
+and gated attention's q and k norms as one launch (``elementwise.qk_rms_norm``).
 
 The references against independent derivations: ``relu_square`` equals transformers'
 own ``ACT2FN["relu2"]`` bit for bit; ``sigmoid_mul`` equals the product computed in
@@ -8,7 +9,9 @@ Triton kernels (CPU interpreter) against the references, at odd widths, on the s
 views the models pass (the gate read from the q|gate GEMM output, a (T, 1) gate
 broadcast by a zero stride, a transposed x), in fp32 and bf16: ``relu_square``
 exactly (one fp32 product rounded once, as torch's), ``sigmoid_mul`` within 1e-6 in
-fp32 and one bf16 ulp with >= 97 % of the elements bit-equal.
+fp32 and one bf16 ulp with >= 97 % of the elements bit-equal. ``qk_rms_norm``'s
+reference equals transformers' ``Qwen3_5RMSNorm`` on q and on k exactly; its kernel
+the reference as ``rms_norm``'s kernel does (1e-5 in fp32, one bf16 ulp).
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
     equal = (got == want).float().mean().item()
     assert equal >= 0.97, f"only {equal:.3f} of the bf16 elements are bit-equal"
+
+
+def _close_norm(got: torch.Tensor, want: torch.Tensor) -> None:
+    """A norm's kernel vs its reference: 1e-5 in fp32 (reduction order, rsqrt), else
+    as ``_close``."""
+    if want.dtype != torch.float32:
+        return _close(got, want)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _gated_attention_output(dtype, t=5, heads=3, d=20):
@@ -99,6 +111,35 @@ def test_relu_square_triton_equals_reference(dtype, n):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
+def test_qk_rms_norm_reference_is_transformers_norms():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    q, k = _randn(4, 3, 24, seed=10), _randn(4, 1, 24, seed=11)
+    wq, wk = 0.3 * _randn(24, seed=12, scale=1.0), 0.3 * _randn(24, seed=13, scale=1.0)
+    norms = [Qwen3_5RMSNorm(24, eps=1e-6) for _ in range(2)]
+    with torch.no_grad():
+        norms[0].weight.copy_(wq), norms[1].weight.copy_(wk)
+    got = ref.qk_rms_norm(q, k, wq, wk, 1e-6, offset=1.0, weight_in_fp32=True)
+    assert torch.equal(got[0], norms[0](q)) and torch.equal(got[1], norms[1](k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", [{"offset": 1.0, "weight_in_fp32": True}, {}])
+def test_qk_rms_norm_triton_on_the_gemm_views(dtype, form):
+    """q and k as Qwen3.5 passes them: q every other D-block of the q|gate part, k the
+    next columns of the same (T, ...) GEMM output; 3 q heads, 1 k head, D 24."""
+    t, hq, hk, d = 5, 3, 1, 24
+    qkv = _randn(t, hq * 2 * d + 2 * hk * d, dtype=dtype, seed=14)
+    q = qkv[:, : hq * 2 * d].view(t, hq, 2 * d)[..., :d]
+    k = qkv[:, hq * 2 * d : hq * 2 * d + hk * d].view(t, hk, d)
+    wq = _randn(d, dtype=dtype, seed=15, scale=0.5)
+    wk = _randn(d, dtype=dtype, seed=16, scale=0.5)
+    got = TRITON.qk_rms_norm(q, k, wq, wk, 1e-6, **form)
+    want = ref.qk_rms_norm(q, k, wq, wk, 1e-6, **form)
+    for g, w in zip(got, want, strict=True):
+        _close_norm(g, w)
+
+
 def test_empty_steps_and_bad_shapes():
     assert TRITON.relu_square(torch.ones(0, 5)).shape == (0, 5)
     assert TRITON.sigmoid_mul(torch.ones(0, 2, 3), torch.ones(0, 2, 3)).shape == (0, 2, 3)
@@ -108,6 +149,13 @@ def test_empty_steps_and_bad_shapes():
         TRITON.sigmoid_mul(torch.ones(2, 6), torch.ones(2, 6, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="relu_square needs a"):
         TRITON.relu_square(torch.ones(2, 3, 4))
+    w = torch.ones(4)
+    with pytest.raises(ValueError, match="qk_rms_norm needs q"):
+        TRITON.qk_rms_norm(torch.ones(2, 3, 4), torch.ones(3, 1, 4), w, w, 1e-6)
+    with pytest.raises(ValueError, match="qk_rms_norm needs weights"):
+        TRITON.qk_rms_norm(torch.ones(2, 3, 4), torch.ones(2, 1, 4), w, torch.ones(3), 1e-6)
+    q, k = TRITON.qk_rms_norm(torch.ones(0, 3, 4), torch.ones(0, 1, 4), w, w, 1e-6)
+    assert q.shape == (0, 3, 4) and k.shape == (0, 1, 4)
 
 
 @pytest.mark.gpu
@@ -124,3 +172,12 @@ def test_hybrid_decode_shapes_on_cuda(dtype):
     _close(ops.sigmoid_mul(shared, row_gate).cpu(), ref.sigmoid_mul(shared, row_gate).cpu())
     up = _randn(22, 21504, dtype=dtype, seed=9).to(dev)
     assert torch.equal(ops.relu_square(up), ref.relu_square(up))
+    qkv = _randn(26, 16 * 512 + 2 * 2 * 256, dtype=dtype, seed=10).to(dev)  # Hq 16, Hk 2
+    q = qkv[:, : 16 * 512].view(26, 16, 512)[..., :256]
+    k = qkv[:, 16 * 512 : 16 * 512 + 512].view(26, 2, 256)
+    wq, wk = (_randn(256, dtype=dtype, seed=s, scale=0.5).to(dev) for s in (11, 12))
+    form = {"offset": 1.0, "weight_in_fp32": True}
+    got = ops.qk_rms_norm(q, k, wq, wk, 1e-6, **form)
+    want = ref.qk_rms_norm(q, k, wq, wk, 1e-6, **form)
+    for g, w in zip(got, want, strict=True):
+        _close_norm(g.cpu(), w.cpu())

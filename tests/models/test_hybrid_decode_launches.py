@@ -17,10 +17,11 @@ derived parameter recomputed each step) fails here with the list it found:
         before, exp and neg made 8).
     Qwen3-Next's (a dense-MLP layer)  the same 10: its per-key-head packed input GEMM's
         rows are regrouped at load into Qwen3.5's order (before, a concatenation: 11).
-    Qwen3.5 full-attention layer  pre-norm (+ residual), q|gate|k|v GEMM, q norm, k norm,
+    Qwen3.5 full-attention layer  pre-norm (+ residual), q|gate|k|v GEMM, q and k norms,
         decode attention (rope and the K/V store inside), out * sigmoid(gate), o_proj
-        GEMM, post-norm (+ residual), gate|up GEMM, SiLU-mul, down GEMM: 11 (before: rope
-        and the store two launches of their own, the gate sigmoid and mul: 14).
+        GEMM, post-norm (+ residual), gate|up GEMM, SiLU-mul, down GEMM: 10 (before: the
+        q and k norms two launches, rope and the store two of their own, the gate's
+        sigmoid and mul two: 14).
     NemotronH attention block  norm (+ residual), q|k|v GEMM, K/V store, decode attention,
         o_proj GEMM: 5 (before: q, k, v three GEMMs: 7).
     NemotronH MLP block  norm (+ residual), up GEMM, relu(up) ** 2, down GEMM: 4 (before:
@@ -52,8 +53,8 @@ GDN_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2, "triton._de
                      "triton._act_mul_kernel": 1})  # fmt: skip
 MAMBA_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1, "triton._decode_kernel": 1,
                        "triton._ssd_kernel": 1, "triton._gated_rms_norm_kernel": 1})  # fmt: skip
-GATED_ATTENTION_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 4,
-                                 "triton._decode_split_kernel": 1,
+GATED_ATTENTION_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2,
+                                 "triton._qk_norm_kernel": 1, "triton._decode_split_kernel": 1,
                                  "triton._sigmoid_mul_kernel": 1,
                                  "triton._act_mul_kernel": 1})  # fmt: skip
 ATTENTION_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,

@@ -54,6 +54,7 @@ from unikv.kernels.linear.protocols import (
     Linear,
     MoEFp8,
     PlanRows,
+    QKRMSNorm,
     ReluSquare,
     RMSNorm,
     RopeQK,
@@ -85,7 +86,7 @@ STEP_OPS = ("prepare_step", "plan_decode", "plan_extend", "plan_rows")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
-                   "gated_rms_norm")  # fmt: skip
+                   "gated_rms_norm", "qk_rms_norm")  # fmt: skip
 ACTIVATION_OPS = ("sigmoid_mul", "relu_square")  # kernels/linear/activation.py
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
@@ -146,6 +147,7 @@ class KernelBackend:
     silu_mul: SiluMul
     gelu_tanh_mul: GeluTanhMul
     gated_rms_norm: GatedRMSNorm
+    qk_rms_norm: QKRMSNorm
     sigmoid_mul: SigmoidMul
     relu_square: ReluSquare
     argmax: Argmax

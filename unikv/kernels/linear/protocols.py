@@ -78,6 +78,23 @@ class GeluTanhMul(Protocol):
         ...
 
 
+class QKRMSNorm(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q (T, Hq, D) by q_weight (D,) and of k (T, Hk, D) by
+        k_weight, rounded as ``RMSNorm``. Returns new (q, k)."""
+        ...
+
+
 class SigmoidMul(Protocol):
     def __call__(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``x * sigmoid(gate)``: x (T, N) or (T, H, D); gate of x's shape and dtype;

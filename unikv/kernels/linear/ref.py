@@ -9,6 +9,7 @@ stays token-exact against transformers:
   multiplies in fp32 and casts once (gpt-oss ``(w * h).to(dtype)``, Gemma and
   Qwen3.5 ``(h * (1 + w)).to(dtype)`` with ``offset=1``).
 - ``add_rms_norm``: the residual add in the model dtype, then ``rms_norm`` of the sum.
+- ``qk_rms_norm``: attention's q and k norms (Qwen3.5's gated attention), one op.
 - ``rope_qk``: NeoX "rotate half" rope of the first ``rotary_dim`` dims of q and
   k, cos/sin read by position from fp32 tables and cast to the model dtype.
 - ``silu_mul``: ``silu(gate) * up`` over a concatenated gate|up GEMM output.
@@ -102,6 +103,23 @@ def gated_rms_norm(
             h = h * gate
         out = h.to(dtype) if weight_mode == "fp32" else weight * h.to(dtype)
     return out.reshape(t, dim)
+
+
+def qk_rms_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's per-head q and k norms: (rms_norm(q, q_weight), rms_norm(k,
+    k_weight)) with one ``eps``, ``offset`` and rounding (``rms_norm``). q: (T, Hq, D),
+    k: (T, Hk, D); weights (D,). Returns new (q, k)."""
+    kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
+    return rms_norm(q, q_weight, eps, **kw), rms_norm(k, k_weight, eps, **kw)
 
 
 def add_rms_norm(
