@@ -162,8 +162,9 @@ def test_empty_steps_and_bad_shapes():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_hybrid_decode_shapes_on_cuda(dtype):
     """Qwen3.5's gated attention at batch 26 (16 heads of 256, the gate inside the q|gate
-    GEMM output), Qwen3-Next's broadcast shared-expert gate (hidden 2048) and
-    NemotronH's MLP activation at batch 22 (intermediate 21504)."""
+    GEMM output; its q and k norms), Qwen3-Next's broadcast shared-expert gate (hidden
+    2048), NemotronH's MLP activation at batch 22 (intermediate 21504) and, at one row,
+    inside the down projection's GEMV (hidden 4096)."""
     ops, dev = get_backend("cuda"), "cuda"
     x, gate = (v.to(dev) for v in _gated_attention_output(dtype, t=26, heads=16, d=256))
     _close(ops.sigmoid_mul(x, gate).cpu(), ref.sigmoid_mul(x, gate).cpu())
@@ -172,6 +173,11 @@ def test_hybrid_decode_shapes_on_cuda(dtype):
     _close(ops.sigmoid_mul(shared, row_gate).cpu(), ref.sigmoid_mul(shared, row_gate).cpu())
     up = _randn(22, 21504, dtype=dtype, seed=9).to(dev)
     assert torch.equal(ops.relu_square(up), ref.relu_square(up))
+    if dtype == torch.bfloat16:  # one request's MLP down projection: relu2 inside the GEMV
+        w = _randn(4096, 21504, dtype=dtype, seed=13, scale=0.02).to(dev)
+        want = ref.relu_square_linear(up[:1], w).float()
+        got = ops.relu_square_linear(up[:1], w).float()
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     qkv = _randn(26, 16 * 512 + 2 * 2 * 256, dtype=dtype, seed=10).to(dev)  # Hq 16, Hk 2
     q = qkv[:, : 16 * 512].view(26, 16, 512)[..., :256]
     k = qkv[:, 16 * 512 : 16 * 512 + 512].view(26, 2, 256)
@@ -181,3 +187,37 @@ def test_hybrid_decode_shapes_on_cuda(dtype):
     want = ref.qk_rms_norm(q, k, wq, wk, 1e-6, **form)
     for g, w in zip(got, want, strict=True):
         _close_norm(g.cpu(), w.cpu())
+
+
+# -- relu2 inside the down projection's GEMV ---------------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_fused_relu_square_matches_the_two_ops(m):
+    """relu2 inside the GEMV's loads (``relu_square_linear``'s kernel path), with a bias,
+    K 72 (not a multiple of the K tile): against ``F.linear(relu_square(x)) + b`` in
+    fp32 (to 1e-5) and in bf16 (to 1e-2 of the largest output)."""
+    from torch.nn import functional as F
+
+    from unikv.kernels.linear import gemv
+
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        x = _randn(m, 72, dtype=dtype, seed=20 + m)
+        w, b = _randn(40, 72, dtype=dtype, seed=22, scale=1.0), _randn(40, dtype=dtype, seed=23)
+        want = F.linear(ref.relu_square(x).float(), w.float(), b.float())
+        got = gemv.gemv(x, w, b, (16, 32, 4, 2), relu_square_input=True)
+        assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+def test_backend_relu_square_linear_routes_by_rows():
+    """The Triton backend's ``relu_square_linear`` equals the torch backend's at one
+    row (the GEMV) and past ``ROUTE_ROWS`` (relu2's kernel, then the GEMM)."""
+    from unikv.kernels.linear import gemv
+
+    torch_ops = get_backend("cpu", "torch")
+    w = _randn(24, 64, dtype=torch.bfloat16, seed=24, scale=1.0)
+    for rows in (1, gemv.ROUTE_ROWS + 3):
+        x = _randn(rows, 64, dtype=torch.bfloat16, seed=25)
+        want = torch_ops.relu_square_linear(x, w).float()
+        got = TRITON.relu_square_linear(x, w).float()
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), rows

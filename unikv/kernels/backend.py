@@ -56,6 +56,7 @@ from unikv.kernels.linear.protocols import (
     PlanRows,
     QKRMSNorm,
     ReluSquare,
+    ReluSquareLinear,
     RMSNorm,
     RopeQK,
     SigmoidMul,
@@ -90,7 +91,7 @@ ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh
 ACTIVATION_OPS = ("sigmoid_mul", "relu_square")  # kernels/linear/activation.py
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
-              "add_rms_norm_linear_argmax")  # fmt: skip
+              "add_rms_norm_linear_argmax", "relu_square_linear")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
 QUANT_OPS = ("fp8_linear", "moe_fp8")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
@@ -156,6 +157,7 @@ class KernelBackend:
     add_rms_norm_linear: AddRMSNormLinear
     embed_rms_norm_linear: EmbedRMSNormLinear
     add_rms_norm_linear_argmax: AddRMSNormLinearArgmax
+    relu_square_linear: ReluSquareLinear
     # the fused MoE over experts in the checkpoint's layout: Triton (``kernels/moe/
     # fused.moe``: the kernel, or the dense loop where its table says) or the reference
     moe: MoE

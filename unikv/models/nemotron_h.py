@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unikv.kernels.backend import step_rows
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
@@ -134,7 +135,13 @@ class Relu2MLP(nn.Module):
         if tp is not None:
             shard_rows(self.up_proj)
         self.down_proj = linear_layers(tp, reduce)[1](inter, hidden, bias=bias)
-        self.ops = model_ops()  # relu(up) ** 2 in one kernel (``relu_square``)
+        self.ops = model_ops()  # relu(up) ** 2 in one kernel, or inside the down GEMV
+        self.rebind()
+
+    def rebind(self) -> None:
+        """relu2 inside the down GEMV where ``down_proj`` is a plain ``Linear`` (again
+        after the loader replaced it, ``DecoderLM.rebind``); else its own kernel."""
+        self.fused_down = type(self.down_proj) is Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_input(self.up_proj(x))
@@ -145,6 +152,9 @@ class Relu2MLP(nn.Module):
         return self.up_proj
 
     def from_input(self, up: torch.Tensor, positions=None, attn=None) -> torch.Tensor:
+        if self.fused_down:  # a host bool fixed at load
+            down = self.down_proj
+            return self.ops.relu_square_linear(up, down.weight, down.bias, rows=step_rows())
         return self.down_proj(self.ops.relu_square(up))
 
 

@@ -154,6 +154,19 @@ class Linear(Protocol):
         ...
 
 
+class ReluSquareLinear(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        rows: RowsPlan | None = None,
+    ) -> torch.Tensor:
+        """relu2 then the down projection: ``linear(relu_square(x), weight, bias)``."""
+        ...
+
+
 class SiluMulLinear(Protocol):
     def __call__(
         self,

@@ -210,6 +210,12 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.nn.functional.linear(silu_mul(gate_up), weight, bias)
 
 
+def relu_square_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       *, rows: RowsPlan | None = None):  # fmt: skip
+    """relu2 then the down projection: ``F.linear(relu_square(x), weight, bias)``."""
+    return torch.nn.functional.linear(relu_square(x), weight, bias)
+
+
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                         eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
                         *, offset: float = 0.0, weight_in_fp32: bool = False,
