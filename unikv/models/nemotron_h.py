@@ -21,11 +21,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from unikv.kernels.backend import step_rows
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
-from unikv.models.layers import AttentionFn, Linear, RMSNorm, model_ops
+from unikv.models.layers import AttentionFn, Linear, RMSNorm, model_ops, step_rows
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import linear_layers, shard_rows, tp_size
