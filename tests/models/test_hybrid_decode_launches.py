@@ -1,5 +1,6 @@
-"""The launches one decode step makes per hybrid layer (Qwen3.5's Gated DeltaNet layer,
-NemotronH's Mamba-2 block), counted by a CPU spy over a real engine step.
+"""The launches one decode step makes per hybrid layer (Qwen3.5's Gated DeltaNet and
+gated-attention layers, NemotronH's Mamba-2, attention and MLP blocks), counted by a
+CPU spy over a real engine step.
 
 The engine runs the Triton backend (TRITON_INTERPRET=1 on the CPU). Inside the decode
 step of one request, every Triton kernel run (the interpreter's ``run``) and every
@@ -14,6 +15,20 @@ derived parameter recomputed each step) fails here with the list it found:
     NemotronH Mamba-2 block  norm (+ residual), in_proj GEMM, conv (bias, SiLU inside),
         SSD scan, gated RMSNorm, out_proj GEMM: 6 (A = -exp(A_log) is kept at load:
         before, exp and neg made 8).
+    Qwen3-Next's (a dense-MLP layer)  the same 10: its per-key-head packed input GEMM's
+        rows are regrouped at load into Qwen3.5's order (before, a concatenation: 11).
+    Qwen3.5 full-attention layer  pre-norm (+ residual), q|gate|k|v GEMM, q and k norms,
+        decode attention (rope and the K/V store inside), out * sigmoid(gate), o_proj
+        GEMM, post-norm (+ residual), gate|up GEMM, SiLU-mul, down GEMM: 10 (before: the
+        q and k norms two launches, rope and the store two of their own, the gate's
+        sigmoid and mul two: 14).
+    NemotronH attention block  norm (+ residual), q|k|v GEMM, K/V store, decode attention,
+        o_proj GEMM: 5 (before: q, k, v three GEMMs: 7).
+    NemotronH MLP block  norm (+ residual), up GEMM, relu(up) ** 2, down GEMM: 4 (before:
+        relu and square: 5).
+
+On a GPU a one-request step's pre-norm runs inside the GEMV after it; on the CPU the
+norm and the GEMM are two launches (both counted here).
 """
 
 from __future__ import annotations
@@ -38,6 +53,14 @@ GDN_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2, "triton._de
                      "triton._act_mul_kernel": 1})  # fmt: skip
 MAMBA_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1, "triton._decode_kernel": 1,
                        "triton._ssd_kernel": 1, "triton._gated_rms_norm_kernel": 1})  # fmt: skip
+GATED_ATTENTION_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2,
+                                 "triton._qk_norm_kernel": 1, "triton._decode_split_kernel": 1,
+                                 "triton._sigmoid_mul_kernel": 1,
+                                 "triton._act_mul_kernel": 1})  # fmt: skip
+ATTENTION_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
+                           "triton._store_kv_kernel": 1, "triton._decode_split_kernel": 1})  # fmt: skip
+MLP_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
+                     "triton._relu_square_kernel": 1})  # fmt: skip
 
 
 class Spy(TorchDispatchMode):
@@ -91,13 +114,22 @@ def decode_launches(path: str, layer_index: int, monkeypatch) -> Counter:
     return seen[-1]
 
 
-def test_qwen3_5_gated_deltanet_layer(tmp_path, monkeypatch):
-    hf = save_tiny_hybrid("qwen3_5", str(tmp_path))
-    layer = hf.config.layer_types.index("linear_attention", 1)
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_qwen3_5_gated_deltanet_layer(tmp_path, monkeypatch, arch):
+    hf = save_tiny_hybrid(arch, str(tmp_path))
+    layer = hf.config.layer_types.index("linear_attention", 1)  # Qwen3-Next: a dense MLP
     assert decode_launches(str(tmp_path), layer, monkeypatch) == GDN_LAYER
 
 
-def test_nemotron_h_mamba2_block(tmp_path, monkeypatch):
-    pattern = "M*M-"
+def test_qwen3_5_gated_attention_layer(tmp_path, monkeypatch):
+    hf = save_tiny_hybrid("qwen3_5", str(tmp_path))
+    layer = hf.config.layer_types.index("full_attention")
+    assert decode_launches(str(tmp_path), layer, monkeypatch) == GATED_ATTENTION_LAYER
+
+
+@pytest.mark.parametrize("kind, want", [("M", MAMBA_BLOCK), ("*", ATTENTION_BLOCK),
+                                        ("-", MLP_BLOCK)])  # fmt: skip
+def test_nemotron_h_blocks(tmp_path, monkeypatch, kind, want):
+    pattern = "M*M-*-"  # each kind measured where it follows another block
     save_tiny_nemotron_h(str(tmp_path), pattern)
-    assert decode_launches(str(tmp_path), pattern.index("M", 1), monkeypatch) == MAMBA_BLOCK
+    assert decode_launches(str(tmp_path), pattern.index(kind, 1), monkeypatch) == want

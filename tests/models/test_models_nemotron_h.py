@@ -81,8 +81,9 @@ def test_config_reads_nemotron_fields(tmp_path):
 
 def _hf_name(name: str) -> str:
     """transformers' in-memory name of a checkpoint tensor (``backbone.`` is
-    ``model.``; experts are stacked: ``experts.e.up_proj.weight`` -> ``experts.up_proj``)."""
-    name = re.sub(r"^backbone\.", "model.", name)
+    ``model.``; experts are stacked: ``experts.e.up_proj.weight`` -> ``experts.up_proj``);
+    our attention's one q|k|v GEMM (``qkv_proj``) stands for its first part, ``q_proj``."""
+    name = re.sub(r"^backbone\.", "model.", name).replace(".qkv_proj.", ".q_proj.")
     return re.sub(r"experts\.\d+\.(up|down)_proj\.weight$", r"experts.\1_proj", name)
 
 

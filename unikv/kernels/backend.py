@@ -54,8 +54,12 @@ from unikv.kernels.linear.protocols import (
     Linear,
     MoEFp8,
     PlanRows,
+    QKRMSNorm,
+    ReluSquare,
+    ReluSquareLinear,
     RMSNorm,
     RopeQK,
+    SigmoidMul,
     SiluMul,
     SiluMulLinear,
 )
@@ -83,14 +87,15 @@ STEP_OPS = ("prepare_step", "plan_decode", "plan_extend", "plan_rows")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
-                   "gated_rms_norm")  # fmt: skip
+                   "gated_rms_norm", "qk_rms_norm")  # fmt: skip
+ACTIVATION_OPS = ("sigmoid_mul", "relu_square")  # kernels/linear/activation.py
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
-              "add_rms_norm_linear_argmax")  # fmt: skip
+              "add_rms_norm_linear_argmax", "relu_square_linear")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
 QUANT_OPS = ("fp8_linear", "moe_fp8")
-OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS + SAMPLING_OPS
-       + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
+OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
+       + ACTIVATION_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
 
 # what models take from the kernels: this module only
 __all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "RowsPlan",
@@ -143,12 +148,16 @@ class KernelBackend:
     silu_mul: SiluMul
     gelu_tanh_mul: GeluTanhMul
     gated_rms_norm: GatedRMSNorm
+    qk_rms_norm: QKRMSNorm
+    sigmoid_mul: SigmoidMul
+    relu_square: ReluSquare
     argmax: Argmax
     linear: Linear
     silu_mul_linear: SiluMulLinear
     add_rms_norm_linear: AddRMSNormLinear
     embed_rms_norm_linear: EmbedRMSNormLinear
     add_rms_norm_linear_argmax: AddRMSNormLinearArgmax
+    relu_square_linear: ReluSquareLinear
     # the fused MoE over experts in the checkpoint's layout: Triton (``kernels/moe/
     # fused.moe``: the kernel, or the dense loop where its table says) or the reference
     moe: MoE
@@ -417,7 +426,7 @@ def _triton(flags: Flags) -> KernelBackend:
     # imported lazily: Triton is only needed here
     from unikv.kernels.attention import decode, extend, rope_store, store
     from unikv.kernels.attention import sdpa as extend_sdpa
-    from unikv.kernels.linear import argmax, elementwise, fp8_gemm, gemv
+    from unikv.kernels.linear import activation, argmax, elementwise, fp8_gemm, gemv
     from unikv.kernels.mla import decode as mla_decode
     from unikv.kernels.mla import prefill as mla
     from unikv.kernels.moe import fp8 as moe_fp8
@@ -464,6 +473,7 @@ def _triton(flags: Flags) -> KernelBackend:
         store_mla=mla.store_mla,
         mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
+        **{op: getattr(activation, op) for op in ACTIVATION_OPS},
         argmax=argmax.argmax,
         **{op: getattr(gemv, op) for op in LINEAR_OPS},
         moe=moe.moe,
@@ -507,7 +517,7 @@ def _torch() -> KernelBackend:
         mamba2_ssd=recurrent_ref.mamba2_ssd,
         store_mla=mla_ref.store_mla,
         mla_attention=mla_ref.mla_attention,
-        **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS},
+        **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS + ACTIVATION_OPS},
         argmax=reference.argmax,
         **{op: getattr(elementwise_ref, op) for op in LINEAR_OPS},
         moe=moe_ref.fused_moe,

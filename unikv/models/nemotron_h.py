@@ -24,7 +24,7 @@ from torch import nn
 from unikv.models import decoder
 from unikv.models.config import ModelConfig
 from unikv.models.hf import Fields
-from unikv.models.layers import AttentionFn, Linear, RMSNorm
+from unikv.models.layers import AttentionFn, Linear, RMSNorm, model_ops, step_rows
 from unikv.models.mamba2 import Mamba2Dims, Mamba2Mixer
 from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import linear_layers, shard_rows, tp_size
@@ -84,26 +84,38 @@ def mamba_dims(cfg: Fields) -> Mamba2Dims:
 
 
 class NoRopeAttention(nn.Module):
-    """q/k/v/o projections without bias, no positional embedding, paged attention;
-    under ``tp`` this rank's heads (q/k/v column-parallel, o_proj row-parallel)."""
+    """q/k/v/o projections without bias, no positional embedding, paged attention.
+    q, k and v come from one GEMM, ``qkv_proj``, loaded from the checkpoint's
+    ``q_proj``, ``k_proj``, ``v_proj`` (``packed``), into which the decoder fuses the
+    pre-norm (``input_linear``). Under ``tp`` this rank's heads (each part of q|k|v
+    narrowed by heads, the GEMM still a plain ``Linear``; o_proj row-parallel)."""
 
     def __init__(self, config: ModelConfig, layer: int, tp=None) -> None:
         super().__init__()
         hidden, d, n = config.hidden_size, config.head_dim, tp_size(tp)
-        column, row = linear_layers(tp)
         self.layer, self.head_dim = layer, d
         self.num_heads, self.num_kv_heads = config.num_heads // n, config.num_kv_heads // n
-        self.q_proj = column(hidden, self.num_heads * d, bias=False)
-        self.k_proj = column(hidden, self.num_kv_heads * d, bias=False)
-        self.v_proj = column(hidden, self.num_kv_heads * d, bias=False)
-        self.o_proj = row(self.num_heads * d, hidden, bias=False)
+        self.split = (self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d)
+        self.qkv_proj = Linear(hidden, sum(self.split), bias=False)
+        self.packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+        if tp is not None:
+            shard_rows(self.qkv_proj)
+        self.o_proj = linear_layers(tp)[1](self.num_heads * d, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """x: (T, hidden); positions: unused (no rope) -> (T, hidden)."""
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return self.from_input(self.qkv_proj(x), positions, attn)
+
+    def input_linear(self) -> nn.Linear:
+        return self.qkv_proj
+
+    def from_input(self, qkv: torch.Tensor, positions, attn: AttentionFn) -> torch.Tensor:
+        """``forward`` after the q|k|v GEMM: qkv (T, (Hq + 2 Hkv) D) -> (T, hidden)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         out = attn(self.layer, q, k, v, None)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -122,6 +134,13 @@ class Relu2MLP(nn.Module):
         if tp is not None:
             shard_rows(self.up_proj)
         self.down_proj = linear_layers(tp, reduce)[1](inter, hidden, bias=bias)
+        self.ops = model_ops()  # relu(up) ** 2 in one kernel, or inside the down GEMV
+        self.rebind()
+
+    def rebind(self) -> None:
+        """relu2 inside the down GEMV where ``down_proj`` is a plain ``Linear`` (again
+        after the loader replaced it, ``DecoderLM.rebind``); else its own kernel."""
+        self.fused_down = type(self.down_proj) is Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_input(self.up_proj(x))
@@ -132,7 +151,10 @@ class Relu2MLP(nn.Module):
         return self.up_proj
 
     def from_input(self, up: torch.Tensor, positions=None, attn=None) -> torch.Tensor:
-        return self.down_proj(torch.relu(up).square())
+        if self.fused_down:  # a host bool fixed at load
+            down = self.down_proj
+            return self.ops.relu_square_linear(up, down.weight, down.bias, rows=step_rows())
+        return self.down_proj(self.ops.relu_square(up))
 
 
 class TopkRouter(nn.Module):

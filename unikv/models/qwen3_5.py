@@ -11,7 +11,9 @@ concatenated (their ``packed`` maps), and the decoder fuses the pre-norm into it
 
 - Norms are zero-centred: ``x_hat * (1 + w)`` in fp32, then cast (``ZeroCenteredRMSNorm``).
 - Full attention: ``q_proj`` gives, per head, q and an output gate (2D wide);
-  q/k norms; partial rotary; ``attn(layer, q, k, v)``; ``out * sigmoid(gate)``; o_proj.
+  q/k norms (one kernel, ``qk_rms_norm``); partial rotary (inside the engine's K/V
+  store, as ``layers.Attention``); ``attn(layer, q, k, v)``; ``out * sigmoid(gate)``
+  (one kernel, ``sigmoid_mul``); o_proj.
 - Gated DeltaNet: q/k/v through a depthwise causal conv (silu) over
   ``conv_dim = 2 Hk Dk + Hv Dv`` channels, beta = sigmoid(b),
   g = -exp(A_log) * softplus(a + dt_bias) (fp32), value head h reading q/k head
@@ -165,6 +167,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps)
         self.rotary = [rotary]  # shared, kept out of this module's parameters
+        self.ops = model_ops()  # the q|k norms' and the output gate's kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         """x: (T, hidden); positions: (T,) int64 -> (T, hidden)."""
@@ -178,12 +181,18 @@ class GatedAttention(nn.Module):
         t, h, d = qkv.shape[0], self.num_heads, self.head_dim
         q_gate, k, v = qkv.split(self.split, dim=-1)
         q, gate = q_gate.view(t, h, 2 * d).chunk(2, dim=-1)  # (T, H, D) each
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.num_kv_heads, d))
+        q, k = self.ops.qk_rms_norm(  # both norms in one launch
+            q, k.view(t, self.num_kv_heads, d), self.q_norm.weight, self.k_norm.weight,
+            self.q_norm.eps, **self.q_norm.kw,
+        )  # fmt: skip
         v = v.view(t, self.num_kv_heads, d)
-        q, k = self.rotary[0](positions, q, k)
-        out = attn(self.layer, q, k, v).reshape(t, h * d)  # (T, H * D)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, h * d)))
+        if getattr(attn, "fuses_rope", False):  # the engine's: rope inside the K/V store
+            out = attn(self.layer, q, k, v, None, rope=(self.rotary[0], positions))
+        else:
+            q, k = self.rotary[0](positions, q, k)
+            out = attn(self.layer, q, k, v)  # (T, H, D)
+        # out * sigmoid(gate) in one launch, the gate read in place from the GEMM's output
+        return self.o_proj(self.ops.sigmoid_mul(out, gate).reshape(t, h * d))
 
 
 class GatedDeltaNet(nn.Module):

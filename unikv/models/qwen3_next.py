@@ -3,11 +3,13 @@ with packed Gated DeltaNet projections and a sparse MoE block.
 
 - ``in_proj_qkvz`` (hidden -> 2 Hk Dk + 2 Hv Dv) is grouped by key head: for each
   of the Hk key heads, [q (Dk) | k (Dk) | v (r Dv) | z (r Dv)] with r = Hv / Hk;
-  ``in_proj_ba`` (hidden -> 2 Hv) likewise, [b (r) | a (r)] per key head.
+  ``in_proj_ba`` (hidden -> 2 Hv) likewise, [b (r) | a (r)] per key head. They load
+  as one GEMM, ``in_proj``, whose rows are regrouped once after loading into Qwen3.5's
+  [q | k | v | z | b | a] (``PackedGatedDeltaNet.finish_loading``): a step slices views.
 - MoE (``mlp``): softmax router over all experts in fp32, top-k, renormalised when
   ``norm_topk_prob``; SwiGLU experts stored per expert as in released checkpoints
   and in what ``save_pretrained`` writes (``experts.{e}.gate_proj`` ...); plus a
-  shared expert scaled by ``sigmoid(shared_expert_gate(x))``. Layers in
+  shared expert scaled by ``sigmoid(shared_expert_gate(x))`` (one kernel, ``sigmoid_mul``). Layers in
   ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid use a dense MLP.
 
 The routed experts run in the fused MoE (``models/moe.RoutedExperts``: Triton on
@@ -23,7 +25,7 @@ from torch import nn
 
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
-from unikv.models.layers import GatedMLP, Linear
+from unikv.models.layers import GatedMLP, Linear, model_ops
 from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import reduce_partial
 
@@ -53,6 +55,31 @@ class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
         self.split = (2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads)
         self.in_proj = Linear(hidden, sum(self.split), bias=False)
         self.packed = {"in_proj": ("in_proj_qkvz", "in_proj_ba")}
+        self.regrouped = False  # in_proj's rows as in the checkpoint (``finish_loading``)
+
+    def row_order(self) -> torch.Tensor:
+        """in_proj's rows in Qwen3.5's order [q | k | v | z | b | a], as indices of the
+        checkpoint's per-key-head groups ([q_h k_h v_h z_h] per key head h, then
+        [b_h a_h] per key head): value head j of key head h stays head h * r + j."""
+        hk, dk, r = self.num_k_heads, self.head_k_dim, self.num_v_heads // self.num_k_heads
+        rv = r * self.head_v_dim
+        qkvz = torch.arange(self.split[0]).view(hk, 2 * dk + 2 * rv)
+        ba = self.split[0] + torch.arange(self.split[1]).view(hk, 2 * r)
+        parts = qkvz.split([dk, dk, rv, rv], dim=1) + ba.split([r, r], dim=1)
+        return torch.cat([p.reshape(-1) for p in parts])
+
+    def finish_loading(self) -> None:
+        """After the weights load (``loader.load_model``): in_proj's rows reordered once
+        into Qwen3.5's [q | k | v | z | b | a], so a step takes views of the one GEMM's
+        output (``GatedDeltaNet.unpack``) and launches no concatenation. A kept FP8
+        weight (its block scales span the groups) stays as loaded: ``unpack`` gathers."""
+        if self.regrouped or type(self.in_proj) is not Linear:
+            return
+        weight = self.in_proj.weight
+        with torch.no_grad():
+            weight.copy_(weight[self.row_order().to(weight.device)])
+        self.split = (self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
+        self.regrouped = True
 
     def projection_shards(self, full) -> dict:
         """Both checkpoint projections are grouped by key head: the rank's contiguous
@@ -61,7 +88,10 @@ class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
 
     def unpack(self, y: torch.Tensor):
         """y (T, 2 Hk Dk + 2 Hv Dv + 2 Hv) -> (qkv (T, conv_dim) as [q | k | v], z (T,
-        Hv, Dv), b (T, Hv), a (T, Hv)), unpacked from the per-key-head groups."""
+        Hv, Dv), b (T, Hv), a (T, Hv)), unpacked from the per-key-head groups (views of
+        y once ``finish_loading`` regrouped the rows)."""
+        if self.regrouped:  # a host bool fixed at load
+            return super().unpack(y)
         t, hk, dk = y.shape[0], self.num_k_heads, self.head_k_dim
         rv = self.num_v_heads // hk * self.head_v_dim  # value dims per key head
         r = self.num_v_heads // hk
@@ -106,12 +136,15 @@ class SparseMoE(nn.Module):
         # routed and gated shared partial sums added, then reduced once
         self.shared_expert = GatedMLP(shared, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.ops = model_ops()  # sigmoid(gate) * shared in one kernel (``sigmoid_mul``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         weights, indices = self.gate(x)
         out = self.experts(x, weights, indices)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        gate = self.shared_expert_gate(x)  # (T, 1): one gate per row, broadcast in place
+        shared = self.shared_expert(x)
+        out = out + self.ops.sigmoid_mul(shared, gate.expand_as(shared))
         return reduce_partial(self.tp, out)
 
 

@@ -8,6 +8,8 @@ the signatures and rounding of their torch references (``elementwise_ref.py``):
   reading cos/sin by position from the fp32 tables (no gather or cast kernels).
 - ``silu_mul``, ``gelu_tanh_mul``: ``act(gate) * up`` over a concatenated
   ``[gate | up]`` row (Llama's SwiGLU; Gemma's GeGLU).
+- ``qk_rms_norm``: attention's per-head q and k norms (two weights) in one launch,
+  one program per (token, head) of q and k.
 - ``gated_rms_norm``: one program per (row, group): the recurrent mixers' gated
   output norm in one launch (the unfused formula is about ten kernels).
 
@@ -378,3 +380,77 @@ def gated_rms_norm(
         num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _norm_row(src, w, dst, N, eps, offset, W_FP32: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's RMSNorm, rounded as ``_rms_norm_kernel`` rounds it (no residual)."""
+    dt = dst.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    h = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    if W_FP32:
+        y = h * wv
+    else:
+        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
+    tl.store(dst + cols, y.to(dt), mask=mask)
+
+
+@triton.jit
+def _qk_norm_kernel(
+    q, k, wq, wk, oq, ok, HQ, HK, sq0, sq1, sk0, sk1, N, eps, offset,
+    W_FP32: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    p = tl.program_id(0).to(tl.int64)
+    t, j = p // (HQ + HK), p % (HQ + HK)
+    if j < HQ:
+        _norm_row(q + t * sq0 + j * sq1, wq, oq + (t * HQ + j) * N, N, eps, offset, W_FP32, BLOCK)
+    else:
+        j -= HQ
+        _norm_row(k + t * sk0 + j * sk1, wk, ok + (t * HK + j) * N, N, eps, offset, W_FP32, BLOCK)
+
+
+def qk_rms_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(q, q_weight), rms_norm(k, k_weight)) in one launch
+    (``elementwise_ref.qk_rms_norm``): attention's per-head q and k norms.
+
+    q: (T, Hq, D), k: (T, Hk, D), one dtype, unit stride on D (rows and heads may be
+    strided: views of one GEMM output); weights (D,). Returns new contiguous tensors."""
+    d = q.shape[-1]
+    if q.dim() != 3 or k.dim() != 3 or k.shape[::2] != q.shape[::2] or k.dtype != q.dtype:
+        raise ValueError(
+            f"qk_rms_norm needs q (T, Hq, D) and k (T, Hk, D) of one dtype, got "
+            f"{tuple(q.shape)} {q.dtype} and {tuple(k.shape)} {k.dtype}"
+        )
+    if q_weight.shape != (d,) or k_weight.shape != (d,) or d > MAX_ROW:
+        raise ValueError(
+            f"qk_rms_norm needs weights ({d},) with {d} <= {MAX_ROW}, got "
+            f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}"
+        )
+    check_same_device(q, k, q_weight, k_weight)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    oq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ok = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    rows = q.shape[0] * (q.shape[1] + k.shape[1])
+    if rows == 0:
+        return oq, ok
+    block = next_pow2(d)
+    _qk_norm_kernel[(rows,)](
+        q, k, q_weight, k_weight, oq, ok, q.shape[1], k.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), d, float(eps), float(offset),
+        W_FP32=bool(weight_in_fp32), BLOCK=block,
+        num_warps=min(16, max(1, block // 256)), enable_fp_fusion=False,
+    )  # fmt: skip
+    return oq, ok

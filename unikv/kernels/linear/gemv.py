@@ -4,9 +4,10 @@ At one row (a single request's decode step) a linear layer is a weight stream: e
 byte of W (N, K), contiguous along K, is read once and used once. Each program owns
 BLOCK_N output features and walks K in BLOCK_K tiles, multiplying in fp32 and
 reducing each row once at the end; rows of x are few (M <= MAX_ROWS), so x is
-re-read from L2 per tile. With ACT the input is a (M, 2K) ``[gate | up]`` row and the
+re-read from L2 per tile. With ACT 1 the input is a (M, 2K) ``[gate | up]`` row and the
 kernel multiplies ``silu(gate) * up`` (``elementwise.silu_mul``'s rounding) as it
-loads it: SwiGLU fused into the down projection. With NORM the input is a pre-norm's
+loads it: SwiGLU fused into the down projection; with ACT 2 it squares ``relu(x)``
+(``activation.relu_square``'s rounding): NemotronH's relu2 MLP. With NORM the input is a pre-norm's
 ``x (+ residual)``: the residual add and RMSNorm happen in the same loads (``gemv``'s
 ``norm``), and program 0 writes the summed residual. On Hopper the kernel is launched
 with programmatic dependent launch (``kernels/runtime/pdl.py``): it may start while the kernel
@@ -23,7 +24,7 @@ and index into row m's key (``argmax.pack_key``, one atomic max a program); one
 launch after the GEMV unpacks the keys into tokens (``argmax.finish_keys``), in place
 of the argmax's two launches over the logits.
 
-``linear`` / ``silu_mul_linear`` / ``add_rms_norm_linear`` / ``embed_rms_norm_linear`` /
+``linear`` / ``silu_mul_linear`` / ``relu_square_linear`` / ``add_rms_norm_linear`` / ``embed_rms_norm_linear`` /
 ``add_rms_norm_linear_argmax`` are the backend ops: the kernel for 2-D 16-bit
 inputs of at most ``ROUTE_ROWS`` rows (the rows the H200 measured it faster than
 cuBLAS at, ``benchmarks/bench_gemv.py``; ``route_rows``), ``F.linear`` otherwise: the
@@ -45,6 +46,7 @@ from torch.nn import functional as F
 
 from unikv.env import FLAGS
 from unikv.kernels.linear import argmax as greedy
+from unikv.kernels.linear.activation import relu_square
 from unikv.kernels.linear.elementwise import _silu_mul_f32, add_rms_norm, rms_norm, silu_mul
 from unikv.kernels.linear.ref import resolve_feedback
 from unikv.kernels.runtime import pdl
@@ -175,9 +177,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, 
                 x *= tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32) + offset
             else:
                 x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-            if ACT:  # x is the gate half; the up half follows K columns later
+            if ACT == 1:  # x is the gate half; the up half follows K columns later
                 up = tl.load(x_row + K + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = _silu_mul_f32(x, up, dt).to(tl.float32)
+            elif ACT == 2:  # relu(x) ** 2, rounded to dt as ``activation.relu_square``
+                x = tl.where(x < 0.0, 0.0, x)
+                x = (x * x).to(dt).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
         if m == M - 1:  # the weight stream is issued: the next kernel may launch
             pdl.trigger(PDL)
@@ -194,6 +199,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, r_out_ptr, ids_ptr, 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple | None = None, *, silu_mul_input: bool = False,
+         relu_square_input: bool = False,
          norm: tuple | None = None, gather: torch.Tensor | None = None,
          argmax_out: torch.Tensor | None = None,
          feedback: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -201,6 +207,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     None, same dtype -> x @ weight^T + bias (M, N) in x's dtype (fp32 products and
     sums, one rounding). silu_mul_input: x is (M, 2K) ``[gate | up]`` and the product
     is of ``silu(gate) * up`` (rounded as ``elementwise.silu_mul`` rounds it).
+    relu_square_input: x is (M, K) and the product is of ``relu(x) ** 2`` (rounded as
+    ``activation.relu_square`` rounds it; NemotronH's MLP).
     norm: ``(residual or None, norm_weight, eps, offset)``: the product is of
     ``rms_norm(x + residual)`` and the call returns (y, x + residual) (x itself without
     a residual). The sum is rounded to the dtype as ``add_rms_norm`` rounds it; the
@@ -249,11 +257,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         )
     m, n = (x.shape[0] if gather is None else gather.numel()), weight.shape[0]
     residual, norm_w, eps, offset = norm or (None, None, 0.0, 0.0)
-    if norm is not None and (norm_w.shape != (k,) or silu_mul_input or (
+    if norm is not None and (norm_w.shape != (k,) or silu_mul_input or relu_square_input or (
             residual is not None and (residual.shape != x.shape or residual.stride(1) != 1))):  # fmt: skip
         raise ValueError(
             f"gemv's norm needs a ({k},) weight and a residual of x's shape {tuple(x.shape)} "
-            f"with unit last stride (and no silu_mul_input); got {tuple(norm_w.shape)}, "
+            f"with unit last stride (and no activation input); got {tuple(norm_w.shape)}, "
             f"{None if residual is None else tuple(residual.shape)}"
         )
     if argmax_out is not None and (argmax_out.shape != (m,) or argmax_out.dtype != torch.int64
@@ -278,7 +286,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         feedback if feedback is not None else weight, n, k, x.stride(0),
         weight.stride(0), y.stride(0), r_in.stride(0), float(eps), float(offset),
         M=m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=stages, EVEN_K=k % block_k == 0,
-        HAS_BIAS=bias is not None, ACT=silu_mul_input, NORM=norm is not None,
+        HAS_BIAS=bias is not None, ACT=1 if silu_mul_input else 2 if relu_square_input else 0,
+        NORM=norm is not None,
         HAS_RES=residual is not None, GATHER=gather is not None,
         FEED=gather is not None and feedback is not None, ARGMAX=argmax_out is not None,
         PDL=on, num_warps=warps, **pdl.launch_options(on),
@@ -375,6 +384,15 @@ def embed_rms_norm_linear(ids: torch.Tensor, table: torch.Tensor, norm_weight: t
     h = F.embedding(resolve_feedback(ids, feedback), table)
     return add_rms_norm_linear(h, None, norm_weight, eps, weight, bias, offset=offset,
                                weight_in_fp32=weight_in_fp32, rows=rows)  # fmt: skip
+
+
+def relu_square_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       *, rows: RowsPlan | None = None):  # fmt: skip
+    """``F.linear(relu_square(x), weight, bias)``, relu2 fused into the GEMV's loads for
+    few 16-bit rows (NemotronH's MLP down projection)."""
+    if _routes(x, weight, rows) and x.shape[0] > 0:
+        return gemv(x, weight, bias, relu_square_input=True)
+    return F.linear(relu_square(x), weight, bias)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -78,6 +78,37 @@ class GeluTanhMul(Protocol):
         ...
 
 
+class QKRMSNorm(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q (T, Hq, D) by q_weight (D,) and of k (T, Hk, D) by
+        k_weight, rounded as ``RMSNorm``. Returns new (q, k)."""
+        ...
+
+
+class SigmoidMul(Protocol):
+    def __call__(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x * sigmoid(gate)``: x (T, N) or (T, H, D); gate of x's shape and dtype;
+        any strides (a strided view, a zero-stride broadcast). Returns a new
+        contiguous tensor of x's shape."""
+        ...
+
+
+class ReluSquare(Protocol):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu(x) ** 2`` of x (T, N), any strides. Returns a new contiguous (T, N)."""
+        ...
+
+
 class GatedRMSNorm(Protocol):
     def __call__(
         self,
@@ -120,6 +151,19 @@ class Linear(Protocol):
         rows: RowsPlan | None = None,
     ) -> torch.Tensor:
         """``F.linear(x, weight, bias)``: x (T, K), weight (N, K) -> (T, N)."""
+        ...
+
+
+class ReluSquareLinear(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        rows: RowsPlan | None = None,
+    ) -> torch.Tensor:
+        """relu2 then the down projection: ``linear(relu_square(x), weight, bias)``."""
         ...
 
 

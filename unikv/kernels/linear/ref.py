@@ -9,9 +9,12 @@ stays token-exact against transformers:
   multiplies in fp32 and casts once (gpt-oss ``(w * h).to(dtype)``, Gemma and
   Qwen3.5 ``(h * (1 + w)).to(dtype)`` with ``offset=1``).
 - ``add_rms_norm``: the residual add in the model dtype, then ``rms_norm`` of the sum.
+- ``qk_rms_norm``: attention's q and k norms (Qwen3.5's gated attention), one op.
 - ``rope_qk``: NeoX "rotate half" rope of the first ``rotary_dim`` dims of q and
   k, cos/sin read by position from fp32 tables and cast to the model dtype.
 - ``silu_mul``: ``silu(gate) * up`` over a concatenated gate|up GEMM output.
+- ``sigmoid_mul``, ``relu_square``: gated attention's output gate and NemotronH's
+  relu2 (``activation.py`` holds their Triton kernels: ``ACTIVATION_OPS``).
 - ``gated_rms_norm``: the recurrent mixers' output norm, RMSNorm over groups of
   the last dim gated by ``silu(z)`` (Gated DeltaNet, Mamba-2), in each family's
   order of casts (``weight_mode``).
@@ -20,7 +23,7 @@ Each returns new tensors and leaves its inputs unchanged; the Triton versions
 may update some inputs in place (stated per op), so callers use only the
 returned tensors.
 
-The five ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``):
+The ops are fields of ``kernels.backend.KernelBackend`` (``ELEMENTWISE_OPS``, ``ACTIVATION_OPS``):
 the model is built with the backend the engine chose, once.
 """
 
@@ -102,6 +105,23 @@ def gated_rms_norm(
     return out.reshape(t, dim)
 
 
+def qk_rms_norm(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's per-head q and k norms: (rms_norm(q, q_weight), rms_norm(k,
+    k_weight)) with one ``eps``, ``offset`` and rounding (``rms_norm``). q: (T, Hq, D),
+    k: (T, Hk, D); weights (D,). Returns new (q, k)."""
+    kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
+    return rms_norm(q, q_weight, eps, **kw), rms_norm(k, k_weight, eps, **kw)
+
+
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -165,6 +185,19 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(gate)`` in x.dtype (the sigmoid rounded to the dtype before the
+    product): gated attention's output gate (Qwen3.5, Qwen3-Next), Qwen3-Next's
+    shared-expert gate. x: (T, N) or (T, H, D); gate: x's shape and dtype, any strides.
+    Returns a new tensor of x's shape."""
+    return x * torch.sigmoid(gate)
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` in x.dtype (NemotronH's ``relu2``): x (T, N) -> new (T, N)."""
+    return torch.relu(x).square()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            rows: RowsPlan | None = None):  # fmt: skip
     """The linear layer: ``F.linear`` (the Triton backend's GEMV reference)."""
@@ -175,6 +208,12 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                     *, rows: RowsPlan | None = None):  # fmt: skip
     """SwiGLU then the down projection: ``F.linear(silu_mul(gate_up), weight, bias)``."""
     return torch.nn.functional.linear(silu_mul(gate_up), weight, bias)
+
+
+def relu_square_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                       *, rows: RowsPlan | None = None):  # fmt: skip
+    """relu2 then the down projection: ``F.linear(relu_square(x), weight, bias)``."""
+    return torch.nn.functional.linear(relu_square(x), weight, bias)
 
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
