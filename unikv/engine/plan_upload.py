@@ -25,6 +25,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
+from unikv.engine.plan_steady import SteadyVerify
 from unikv.engine.request import Pending
 from unikv.engine.scheduler import Batch
 
@@ -80,14 +81,32 @@ class StepUpload:
         self._pin = pin  # decided once: pinned staging, copies recorded
         self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
+        self.steady = SteadyVerify(nbytes, _views)  # the last verify step's arrays, kept
 
     def upload(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
         """The step's int arrays, padded to ``rows`` lanes, written into a host
         staging buffer and copied to the device in one copy; (typed device views,
         typed host views, which tokens are placeholders: ALL, SOME or NONE).
-        One-token steps (decodes) take a path without per-token arrays: positions
-        are the starts, q_indptr an arange, and ``lanes`` the placeholders' lanes.
+        A steady verify step's arrays are the last one's advanced in place
+        (``plan_steady.SteadyVerify``); any other step's are built (``build``).
         ``pad_q``: tokens per padded lane (a verify graph's lanes all feed k + 1)."""
+        advanced = self.steady.advance(batch, rows, pad_q)
+        if advanced is None:
+            return self.build(batch, rows, pad_q)
+        kept, nbytes = advanced
+        slot, host, dev, _ = self._stage(rows, kept["input_ids"].shape[0])
+        host_bytes = self._host[slot]
+        host_bytes[:nbytes] = self.steady.buffer[:nbytes]
+        real = self.steady.real
+        pending = NONE if not real or host["input_ids"][:real].min() >= 0 else SOME
+        self._copy(slot, nbytes)
+        return dev, host, pending
+
+    def build(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
+        """``upload``'s arrays built from the batch's requests (kept for the next step
+        when ``batch`` is a verify step). One-token steps (decodes) take a path
+        without per-token arrays: positions are the starts, q_indptr an arange, and
+        ``lanes`` the placeholders' lanes."""
         reqs, num_new = batch.requests, batch.num_new
         num = len(reqs)
         starts = list(map(_NUM_CACHED, reqs))
@@ -103,11 +122,7 @@ class StepUpload:
         assert num_tokens <= self.max_tokens, (
             f"step planner invariant: {num_tokens} tokens in a step, buffers hold {self.max_tokens}"
         )
-        slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
-        self._num_plans += 1
-        if self._copied[slot] is not None:  # this slot's last copy has run
-            self._copied[slot].synchronize()
-        host, dev, nbytes = self._layout(slot, rows, num_tokens)
+        slot, host, dev, nbytes = self._stage(rows, num_tokens)
         seq_lens, input_ids = host["seq_lens"], host["input_ids"]
         seq_lens[:num] = starts
         seq_lens[num:] = 0
@@ -132,11 +147,28 @@ class StepUpload:
             positions[:] = self._arange[:num_tokens] - np.repeat(q_indptr[:-1] - seq_lens, counts)
             host["logits_indices"][:] = q_indptr[1:] - 1
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
+        if batch.drafts is not None and batch.derive is None and not one_token:  # verify: kept
+            self.steady.keep(batch, rows, pad_q, self._host[slot], nbytes)
+        self._copy(slot, nbytes)
+        return dev, host, pending
+
+    def _stage(self, rows: int, num_tokens: int) -> tuple[int, dict, dict, int]:
+        """(the staging slot of this step, its host views, the device views, bytes):
+        the slot's last copy has run (the other may still be copying: a step in
+        flight)."""
+        slot = self._num_plans % 2
+        self._num_plans += 1
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+        host, dev, nbytes = self._layout(slot, rows, num_tokens)
+        return slot, host, dev, nbytes
+
+    def _copy(self, slot: int, nbytes: int) -> None:
+        """Staging slot ``slot``'s first ``nbytes`` to the device (one copy, recorded)."""
         self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
         if self._pin:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
-        return dev, host, pending
 
     @staticmethod
     def fill(dev: dict, pending: str, prev_tokens: torch.Tensor, num: int) -> None:
