@@ -124,3 +124,26 @@ def test_advanced_plans_equal_a_rebuild(llama, monkeypatch, ps):
     assert seen["advanced"] + sum(builds) == s.spec_verify_steps
     assert sum(builds) >= 2  # the batch changed (a finish, an admission): built again
     assert np.all(np.asarray(sorted(seen["deltas"])) >= 1)
+
+
+@pytest.mark.gpu
+def test_steady_verify_plans_on_gpu(llama, monkeypatch):
+    """On a CUDA GPU with CUDA graphs (``pytest -m gpu``; fp32): forced acceptance,
+    one request, real verify graphs: one full build for all its verify steps, the
+    tokens of the same engine's eager verify steps (no graphs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path, _ = llama
+    spec = {"method": "ngram", "num_speculative_tokens": K, "force_accept": True}
+    prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
+    kw = {"device": "cuda", "dtype": torch.float32, "page_size": 4, "max_num_seqs": 4,
+          "max_num_batched_tokens": 32, "max_model_len": 80, "kv_cache_bytes": 8 << 20,
+          "speculative_config": spec}  # fmt: skip
+    with allow_forced_acceptance():
+        want = LLM(path, cuda_graphs=False, **kw).generate([prompt], params)[0].output_ids
+        llm = LLM(path, cuda_graphs=True, **kw)
+    assert llm.runner.verify_graphs is not None and llm.runner.verify_graphs.graphs
+    builds = watch_builds(monkeypatch)
+    assert llm.generate([prompt], params)[0].output_ids == want
+    assert sum(builds) == 1 and llm.stats.spec_verify_steps >= 9
