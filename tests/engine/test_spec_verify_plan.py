@@ -11,11 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engine_fixtures import VOCAB, hf_greedy, one_thread, save_tiny_model  # noqa: F401
+from engine_fixtures import (  # noqa: F401  (a fixture)
+    VOCAB,
+    assert_pages_returned,
+    hf_greedy,
+    one_thread,
+    save_tiny_model,
+)
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.plan_upload import StepUpload
 from unikv.engine.speculative.config import allow_forced_acceptance
+from unikv.hf_config import specs_from_hf_config
+from unikv.placement import pool_bytes_for, worst_case_pages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K = 3
@@ -28,11 +36,11 @@ def llama(tmp_path_factory):
     return path, save_tiny_model("llama", path)
 
 
-def make_llm(path: str, spec: dict, ps: int = 4, seqs: int = 4) -> LLM:
+def make_llm(path: str, spec: dict, ps: int = 4, seqs: int = 4, kv_cache_bytes=8 << 20) -> LLM:
     with allow_forced_acceptance():
         llm = LLM(path, device="cpu", dtype=torch.float32, page_size=ps, max_num_seqs=seqs,
-                  max_num_batched_tokens=32, max_model_len=80, kv_cache_bytes=8 << 20,
-                  speculative_config=spec)  # fmt: skip
+                  max_num_batched_tokens=32, max_model_len=80, kv_cache_bytes=kv_cache_bytes,
+                  speculative_config=spec, debug=True)  # fmt: skip
     llm.runner.capture_verify(K + 1, seqs, capture=False)  # the graphs' eager stand-in
     llm.scheduler.spec.pad_drafts = True
     return llm
@@ -124,6 +132,26 @@ def test_advanced_plans_equal_a_rebuild(llama, monkeypatch, ps):
     assert seen["advanced"] + sum(builds) == s.spec_verify_steps
     assert sum(builds) >= 2  # the batch changed (a finish, an admission): built again
     assert np.all(np.asarray(sorted(seen["deltas"])) >= 1)
+
+
+def test_advanced_plans_under_pressure(llama, monkeypatch):
+    """A pool too small for every request's rows: the engine preempts and readmits
+    (recompute), the batch changes under the kept arrays; every advanced plan still
+    equals a full rebuild and the tokens are transformers'."""
+    path, hf = llama
+    configs = specs_from_hf_config(path, page_size=4, dtype=torch.float32)
+    pages = worst_case_pages(configs[0].spec, 4, 80, 32) + 1
+    g = torch.Generator().manual_seed(11)
+    items = [torch.randint(0, VOCAB, (4,), generator=g).tolist() * 4 for _ in range(4)]
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}  # fmt: skip
+    llm = make_llm(path, spec, kv_cache_bytes=pool_bytes_for(configs, {"full": pages}))
+    seen = compare_with_rebuild(monkeypatch, llm.runner.planner)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = [o.output_ids for o in llm.generate(items, params)]
+    assert got == [hf_greedy(hf, p, 40) for p in items]
+    assert llm.stats.preemptions > 0 and seen["advanced"] > 0
+    assert_pages_returned(llm)
 
 
 @pytest.mark.gpu
