@@ -15,7 +15,9 @@ A padded lane (rows R > B requests) feeds token 0 at position 0 with seq_len 1
 and state slot 0 (a verify graph's: ``pad_q`` tokens at positions 0 .. pad_q - 1).
 For a given (R, T) the device views lie at the same addresses every step
 (CUDA-graph inputs). The two staging slots alternate, so one may
-still be copying while the next step is staged.
+still be copying while the next step is staged. A steady verify step's arrays are
+not built from its requests: the last verify step's, kept, are advanced in place
+(``plan_steady.SteadyVerify``) and staged in one memory copy.
 """
 
 from __future__ import annotations
