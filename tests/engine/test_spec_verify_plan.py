@@ -20,7 +20,7 @@ from engine_fixtures import (  # noqa: F401  (a fixture)
 )
 
 from unikv.engine import LLM, SamplingParams
-from unikv.engine.plan_upload import StepUpload
+from unikv.engine.plan_upload import SOME, StepUpload
 from unikv.engine.speculative.config import allow_forced_acceptance
 from unikv.hf_config import specs_from_hf_config
 from unikv.placement import pool_bytes_for, worst_case_pages
@@ -82,7 +82,7 @@ def compare_with_rebuild(monkeypatch, planner) -> dict:
     """After every advanced upload: its host and device bytes (the fields a verify
     step reads; ``lanes`` only one-token steps read) and placeholder kind equal a
     full build of the same batch by a fresh ``StepUpload``."""
-    seen = {"advanced": 0, "deltas": set()}
+    seen = {"advanced": 0, "deltas": set(), "pending": set()}
     real, steady, build = StepUpload.upload, planner.upload.steady, StepUpload.build
 
     def upload(self, batch, rows, pad_q=1):
@@ -96,6 +96,7 @@ def compare_with_rebuild(monkeypatch, planner) -> dict:
                          max_tokens=self.max_tokens, pin=False)  # fmt: skip
         ref_dev, ref_host, ref_pending = build(ref, batch, rows, pad_q)
         assert pending == ref_pending
+        seen["pending"].add(pending)
         for name in FIELDS:
             want = ref_host[name].tobytes()
             assert host[name].tobytes() == want, f"{name}: advanced != rebuilt"
@@ -152,6 +153,23 @@ def test_advanced_plans_under_pressure(llama, monkeypatch):
     assert got == [hf_greedy(hf, p, 40) for p in items]
     assert llm.stats.preemptions > 0 and seen["advanced"] > 0
     assert_pages_returned(llm)
+
+
+def test_advanced_plans_with_device_drafts(llama, monkeypatch):
+    """A draft model (the target as its own draft): the verify step's drafts are on
+    the device, its arrays hold placeholders for them; the advanced plans equal a
+    rebuild (placeholders included) and the tokens are transformers'."""
+    path, hf = llama
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": K}
+    llm = make_llm(path, spec)
+    seen = compare_with_rebuild(monkeypatch, llm.runner.planner)
+    g = torch.Generator().manual_seed(5)
+    items = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 11)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [o.output_ids for o in llm.generate(items, params)]
+    assert got == [hf_greedy(hf, p, 24) for p in items]
+    assert seen["advanced"] >= 3 and llm.stats.spec_verify_steps > seen["advanced"]
+    assert seen["pending"] == {SOME}  # (the drafts' placeholders, filled on the device)
 
 
 @pytest.mark.gpu
