@@ -55,18 +55,25 @@ class SteadyVerify:
         self.buffer[:nbytes] = staged[:nbytes]
         counts = np.asarray(num_new, np.int64)
         real = int(counts.sum())
-        self.views, self.nbytes = self._views(self.buffer, rows, real + (rows - num) * pad_q)
-        self.key = (rows, pad_q, self.views["input_ids"].shape[0])
+        v, self.nbytes = self._views(self.buffer, rows, real + (rows - num) * pad_q)
+        self.views, self.real = v, real
+        self.key = (rows, pad_q, v["input_ids"].shape[0])
         self.requests, self.num_new, self.counts = list(reqs), list(num_new), counts
         self.starts = np.fromiter(map(_NUM_CACHED, reqs), np.int64, num)
-        self.slots = np.fromiter(map(_SLOT, reqs), np.int64, num)
+        self.slots = list(map(_SLOT, reqs))
+        self.seq_lens = v["seq_lens"][:num]
+        width = num_new[0]
+        if num_new.count(width) == num:  # every request feeds ``width`` rows: (B, width) views
+            self.positions = v["positions"][:real].reshape(num, width)
+            self.ids = v["input_ids"][:real].reshape(num, width)
+            self.owner = self.first = self.draft_rows = None
+            return
+        self.positions, self.ids = v["positions"][:real], v["input_ids"][:real]
         self.owner = np.repeat(np.arange(num), counts)  # each real row's request
-        first = np.cumsum(counts) - counts
-        self.first = first  # each request's first row (its pending token)
+        self.first = np.cumsum(counts) - counts  # each request's first row (its pending token)
         drafts = np.ones(real, bool)
-        drafts[first] = False
+        drafts[self.first] = False
         self.draft_rows = np.flatnonzero(drafts)
-        self.real = real
 
     def advance(self, batch, rows: int, pad_q: int) -> tuple[dict, int] | None:
         """The kept arrays advanced to ``batch`` (typed views of the kept buffer, its
@@ -82,18 +89,23 @@ class SteadyVerify:
         delta = starts - self.starts
         if not ((delta >= 1) & (delta <= self.counts)).all():
             return None  # a rollback, a preemption's recompute: not the last step's successor
-        if not np.array_equal(np.fromiter(map(_SLOT, reqs), np.int64, num), self.slots):
+        if list(map(_SLOT, reqs)) != self.slots:
             return None  # (readmitted elsewhere)
-        v, real = self.views, self.real
-        v["positions"][:real] += delta[self.owner]
-        v["seq_lens"][:num] += delta.astype(np.int32)
-        ids = v["input_ids"]
-        ids[self.first] = [_pending(r, s) for r, s in zip(reqs, starts.tolist())]
-        if self.draft_rows.size:
-            ids[self.draft_rows] = np.concatenate(batch.drafts)
+        pending = [_pending(r, s) for r, s in zip(reqs, starts.tolist())]
+        self.seq_lens += delta
+        if self.owner is None:  # (B, width) views
+            self.positions += delta[:, None]
+            self.ids[:, 0] = pending
+            if self.ids.shape[1] > 1:
+                self.ids[:, 1:] = batch.drafts
+        else:
+            self.positions += delta[self.owner]
+            self.ids[self.first] = pending
+            if self.draft_rows.size:
+                self.ids[self.draft_rows] = np.concatenate(batch.drafts)
         self.starts = starts
         self.advanced += 1
-        return v, self.nbytes
+        return self.views, self.nbytes
 
 
 def _pending(r, start: int) -> int:

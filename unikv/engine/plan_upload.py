@@ -101,7 +101,7 @@ class StepUpload:
         host_bytes[:nbytes] = self.steady.buffer[:nbytes]
         real = self.steady.real
         pending = NONE if not real or host["input_ids"][:real].min() >= 0 else SOME
-        self._copy(slot, nbytes)
+        self._copy(slot, rows, kept["input_ids"].shape[0])
         return dev, host, pending
 
     def build(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
@@ -151,7 +151,7 @@ class StepUpload:
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
         if batch.drafts is not None and batch.derive is None and not one_token:  # verify: kept
             self.steady.keep(batch, rows, pad_q, self._host[slot], nbytes)
-        self._copy(slot, nbytes)
+        self._copy(slot, rows, num_tokens)
         return dev, host, pending
 
     def _stage(self, rows: int, num_tokens: int) -> tuple[int, dict, dict, int]:
@@ -162,12 +162,14 @@ class StepUpload:
         self._num_plans += 1
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()
-        host, dev, nbytes = self._layout(slot, rows, num_tokens)
+        host, dev, nbytes, _ = self._layout(slot, rows, num_tokens)
         return slot, host, dev, nbytes
 
-    def _copy(self, slot: int, nbytes: int) -> None:
-        """Staging slot ``slot``'s first ``nbytes`` to the device (one copy, recorded)."""
-        self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
+    def _copy(self, slot: int, rows: int, num_tokens: int) -> None:
+        """Staging slot ``slot``'s bytes of a (rows, num_tokens) step to the device
+        (one copy, recorded)."""
+        device, staging = self._layout(slot, rows, num_tokens)[3]
+        device.copy_(staging, non_blocking=True)
         if self._pin:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
@@ -182,17 +184,19 @@ class StepUpload:
         elif pending is SOME:
             Pending.fill(dev["input_ids"], prev_tokens)
 
-    def _layout(self, slot: int, rows: int, num_tokens: int) -> tuple[dict, dict, int]:
-        """(host views of staging slot ``slot``, device views, bytes) for ``rows``
-        requests and ``num_tokens`` tokens, built once per shape (views are cheap
-        to keep, slow to make on every step)."""
+    def _layout(self, slot: int, rows: int, num_tokens: int) -> tuple[dict, dict, int, tuple]:
+        """(host views of staging slot ``slot``, device views, bytes, the (device,
+        staging) byte slices of the copy) for ``rows`` requests and ``num_tokens``
+        tokens, built once per shape (views are cheap to keep, slow to make on every
+        step)."""
         key = (slot, rows, num_tokens)
         found = self._layouts.get(key)
         if found is None:
             host, nbytes = _views(self._host[slot], rows, num_tokens)
             with torch.inference_mode(False):  # kept views: usable in and out of it
                 dev = _views(self._buffer, rows, num_tokens)[0]
-            found = host, dev, nbytes
+                pair = self._buffer[:nbytes], self._staging[slot][:nbytes]
+            found = host, dev, nbytes, pair
             if len(self._layouts) < 4 * self.max_seqs:  # decode shapes and some extends
                 self._layouts[key] = found
         return found
