@@ -20,9 +20,9 @@ verify step planned ahead whose rows the device moves) is not steady: the full b
 runs and is kept for the next step. Steps between two verify steps (a draft model's
 chain, a plain decode step) leave the kept arrays as they are: they are a function
 of the requests' starts, slots, rows and tokens only, so a successor checked as
-above is advanced exactly whatever ran between. The arrays hold no page: a step crossing a page
-end is steady here (its pages are the block table's and write ids', which the planner
-builds on the device every step).
+above is advanced exactly whatever ran between. The arrays hold no page: a step
+crossing a page end is steady here (its pages are the block table's and the write
+ids', which the planner still builds on the device every step).
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ class StepUpload:
         # so this waits only where steps are planned back to back: a draft's chain)
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._pin = pin  # decided once: pinned staging, copies recorded
-        self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
+        self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int, tuple]] = {}
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
         self.steady = SteadyVerify(nbytes, _views)  # the last verify step's arrays, kept
 
@@ -158,9 +158,9 @@ class StepUpload:
         """(the staging slot of this step, its host views, the device views, bytes):
         the slot's last copy has run (the other may still be copying: a step in
         flight)."""
-        slot = self._num_plans % 2
+        slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
         self._num_plans += 1
-        if self._copied[slot] is not None:
+        if self._copied[slot] is not None:  # this slot's last copy has run
             self._copied[slot].synchronize()
         host, dev, nbytes, _ = self._layout(slot, rows, num_tokens)
         return slot, host, dev, nbytes
