@@ -159,6 +159,8 @@ def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
         "steps": s.steps,
         "ahead_steps": s.spec_ahead_steps,  # verify steps planned ahead (pipeline)
         "ahead_dropped": s.spec_ahead_dropped,  # of those, thrown away
+        # verify plans advanced in place since start-up (``plan_steady.SteadyVerify``)
+        "verify_plans_advanced": llm.runner.planner.upload.steady.advanced,
     }
     if phases:
         spec["host_ms_per_step"] = phases

@@ -15,7 +15,9 @@ A padded lane (rows R > B requests) feeds token 0 at position 0 with seq_len 1
 and state slot 0 (a verify graph's: ``pad_q`` tokens at positions 0 .. pad_q - 1).
 For a given (R, T) the device views lie at the same addresses every step
 (CUDA-graph inputs). The two staging slots alternate, so one may
-still be copying while the next step is staged.
+still be copying while the next step is staged. A steady verify step's arrays are
+not built from its requests: the last verify step's, kept, are advanced in place
+(``plan_steady.SteadyVerify``) and staged in one memory copy.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from operator import attrgetter
 import numpy as np
 import torch
 
+from unikv.engine.plan_steady import SteadyVerify
 from unikv.engine.request import Pending
 from unikv.engine.scheduler import Batch
 
@@ -78,16 +81,34 @@ class StepUpload:
         # so this waits only where steps are planned back to back: a draft's chain)
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._pin = pin  # decided once: pinned staging, copies recorded
-        self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int]] = {}
+        self._layouts: dict[tuple[int, int, int], tuple[dict, dict, int, tuple]] = {}
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
+        self.steady = SteadyVerify(nbytes, _views)  # the last verify step's arrays, kept
 
     def upload(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
         """The step's int arrays, padded to ``rows`` lanes, written into a host
         staging buffer and copied to the device in one copy; (typed device views,
         typed host views, which tokens are placeholders: ALL, SOME or NONE).
-        One-token steps (decodes) take a path without per-token arrays: positions
-        are the starts, q_indptr an arange, and ``lanes`` the placeholders' lanes.
+        A steady verify step's arrays are the last one's advanced in place
+        (``plan_steady.SteadyVerify``); any other step's are built (``build``).
         ``pad_q``: tokens per padded lane (a verify graph's lanes all feed k + 1)."""
+        advanced = self.steady.advance(batch, rows, pad_q)
+        if advanced is None:
+            return self.build(batch, rows, pad_q)
+        kept, nbytes = advanced
+        slot, host, dev, _ = self._stage(rows, kept["input_ids"].shape[0])
+        host_bytes = self._host[slot]
+        host_bytes[:nbytes] = self.steady.buffer[:nbytes]
+        real = self.steady.real
+        pending = NONE if not real or host["input_ids"][:real].min() >= 0 else SOME
+        self._copy(slot, rows, kept["input_ids"].shape[0])
+        return dev, host, pending
+
+    def build(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
+        """``upload``'s arrays built from the batch's requests (kept for the next step
+        when ``batch`` is a verify step). One-token steps (decodes) take a path
+        without per-token arrays: positions are the starts, q_indptr an arange, and
+        ``lanes`` the placeholders' lanes."""
         reqs, num_new = batch.requests, batch.num_new
         num = len(reqs)
         starts = list(map(_NUM_CACHED, reqs))
@@ -103,11 +124,7 @@ class StepUpload:
         assert num_tokens <= self.max_tokens, (
             f"step planner invariant: {num_tokens} tokens in a step, buffers hold {self.max_tokens}"
         )
-        slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
-        self._num_plans += 1
-        if self._copied[slot] is not None:  # this slot's last copy has run
-            self._copied[slot].synchronize()
-        host, dev, nbytes = self._layout(slot, rows, num_tokens)
+        slot, host, dev, nbytes = self._stage(rows, num_tokens)
         seq_lens, input_ids = host["seq_lens"], host["input_ids"]
         seq_lens[:num] = starts
         seq_lens[num:] = 0
@@ -132,11 +149,30 @@ class StepUpload:
             positions[:] = self._arange[:num_tokens] - np.repeat(q_indptr[:-1] - seq_lens, counts)
             host["logits_indices"][:] = q_indptr[1:] - 1
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
-        self._buffer[:nbytes].copy_(self._staging[slot][:nbytes], non_blocking=True)
+        if batch.drafts is not None and batch.derive is None and not one_token:  # verify: kept
+            self.steady.keep(batch, rows, pad_q, self._host[slot], nbytes)
+        self._copy(slot, rows, num_tokens)
+        return dev, host, pending
+
+    def _stage(self, rows: int, num_tokens: int) -> tuple[int, dict, dict, int]:
+        """(the staging slot of this step, its host views, the device views, bytes):
+        the slot's last copy has run (the other may still be copying: a step in
+        flight)."""
+        slot = self._num_plans % 2  # the other slot may still be copying (step in flight)
+        self._num_plans += 1
+        if self._copied[slot] is not None:  # this slot's last copy has run
+            self._copied[slot].synchronize()
+        host, dev, nbytes, _ = self._layout(slot, rows, num_tokens)
+        return slot, host, dev, nbytes
+
+    def _copy(self, slot: int, rows: int, num_tokens: int) -> None:
+        """Staging slot ``slot``'s bytes of a (rows, num_tokens) step to the device
+        (one copy, recorded)."""
+        device, staging = self._layout(slot, rows, num_tokens)[3]
+        device.copy_(staging, non_blocking=True)
         if self._pin:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
-        return dev, host, pending
 
     @staticmethod
     def fill(dev: dict, pending: str, prev_tokens: torch.Tensor, num: int) -> None:
@@ -148,17 +184,19 @@ class StepUpload:
         elif pending is SOME:
             Pending.fill(dev["input_ids"], prev_tokens)
 
-    def _layout(self, slot: int, rows: int, num_tokens: int) -> tuple[dict, dict, int]:
-        """(host views of staging slot ``slot``, device views, bytes) for ``rows``
-        requests and ``num_tokens`` tokens, built once per shape (views are cheap
-        to keep, slow to make on every step)."""
+    def _layout(self, slot: int, rows: int, num_tokens: int) -> tuple[dict, dict, int, tuple]:
+        """(host views of staging slot ``slot``, device views, bytes, the (device,
+        staging) byte slices of the copy) for ``rows`` requests and ``num_tokens``
+        tokens, built once per shape (views are cheap to keep, slow to make on every
+        step)."""
         key = (slot, rows, num_tokens)
         found = self._layouts.get(key)
         if found is None:
             host, nbytes = _views(self._host[slot], rows, num_tokens)
             with torch.inference_mode(False):  # kept views: usable in and out of it
                 dev = _views(self._buffer, rows, num_tokens)[0]
-            found = host, dev, nbytes
+                pair = self._buffer[:nbytes], self._staging[slot][:nbytes]
+            found = host, dev, nbytes, pair
             if len(self._layouts) < 4 * self.max_seqs:  # decode shapes and some extends
                 self._layouts[key] = found
         return found
