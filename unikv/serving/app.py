@@ -505,7 +505,8 @@ def create_app(
 
         kv_admin.register(app, pick, names, opts)
 
-    @app.post("/v1/completions")
+    # the two generation routes are plain starlette routes: a FastAPI route would
+    # solve its (empty) dependencies and wrap the handler again for every request
     async def completions(request: Request):
         start = time.perf_counter()
         body = await _body(request, CompletionRequest, opts)
@@ -529,7 +530,6 @@ def create_app(
             server.check_limits(items, body.max_tokens, "max_tokens")
         return await server.respond(request, body, items, chat=False, start=start)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         start = time.perf_counter()
         body = await _body(request, ChatCompletionRequest, opts)
@@ -543,6 +543,8 @@ def create_app(
         server.check_limits(items, max_tokens, field)
         return await server.respond(request, body, items, chat=True, start=start)
 
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     return app
 
 
