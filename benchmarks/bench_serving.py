@@ -35,6 +35,11 @@ the word ``wi``, so every token is one streamed text chunk). No download.
    prompts, then empties the prefix cache: both sides prefill the whole burst.
    ``--admission-window-ms`` and ``--max-prefill-tokens-decoding`` are passed to
    the server (the second to generate too).
+   ``--profile-api DIR``: the (first) API process runs under cProfile, switched on
+   for the burst only (SIGUSR1 on, SIGUSR2 off and dump): ``DIR/<mode>.burst.prof``,
+   and the burst's figures get ``api_profile_top``: its costliest functions by own
+   time (microseconds per request and per output token; cProfile's overhead
+   included, so read them as shares).
 3. Issue 40's targets per mode (``targets``): HTTP >= 0.9x ``LLM.generate`` on
    the burst; at 32 req/s, TTFT p99 <= 3x p50 and ITL p99 <= 3x p50.
 
@@ -51,6 +56,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +81,21 @@ def save_word_tokenizer(path: Path, vocab: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
+
+
+def profile_top(path: str, requests: int, tokens: int, top: int = 25) -> list[dict]:
+    """The costliest functions of a cProfile dump by own time, per request and per
+    output token (microseconds)."""
+    import pstats
+
+    rows = sorted(pstats.Stats(path).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {"function": f"{Path(file).name}:{line}({name})", "calls": nc,
+         "own_us_per_request": tt / max(requests, 1) * 1e6,
+         "own_us_per_token": tt / max(tokens, 1) * 1e6,
+         "cum_us_per_request": ct / max(requests, 1) * 1e6}
+        for (file, line, name), (_, nc, tt, ct, _) in rows
+    ]  # fmt: skip
 
 
 def percentiles(values: list[float], prefix: str) -> dict:
@@ -115,10 +136,27 @@ def mode_args(mode: str) -> list[str]:
     raise ValueError(f"--modes: unknown mode {mode!r}; known: {sorted(MODES)} or process-apiN")
 
 
+# ``unikv serve`` whose process profiles itself between SIGUSR1 and SIGUSR2 (argv[1]: the
+# file the profile goes to; the rest: serve's flags)
+PROFILED_SERVE = """
+import cProfile, signal, sys
+prof, out = cProfile.Profile(), sys.argv.pop(1)
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+signal.signal(signal.SIGUSR2, lambda *_: (prof.disable(), prof.dump_stats(out)))
+sys.argv[1:1] = ["serve"]
+from unikv.cli import main
+main()
+"""
+
+
 class Server:
     def __init__(self, model: Path, args, max_len: int, mode: str, port: int = 8357) -> None:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "unikv.cli", "serve", "--model", str(model)]
+        self.profile = None
+        if getattr(args, "profile_api", None):  # the burst's cProfile of the (first) API process
+            self.profile = str(Path(args.profile_api) / f"{mode}.burst.prof")
+            cmd = [sys.executable, "-c", PROFILED_SERVE, self.profile, "--model", str(model)]
         cmd += ["--port", str(port), "--served-model-name", "bench", "--max-waiting", "100000"]
         cmd += mode_args(mode)
         log = f"{args.log}.{mode}" if args.log else None
@@ -145,6 +183,12 @@ class Server:
                 raise RuntimeError("unikv serve is up but its engine loop is down (see --log)")
             time.sleep(0.25)
         raise RuntimeError(f"unikv serve not healthy after {timeout} s")
+
+    def signal(self, sig) -> None:
+        """Switch the API process's profile (``--profile-api``) on or off."""
+        if self.profile is not None:
+            os.kill(self.proc.pid, sig)
+            time.sleep(0.5)  # handled (and dumped) before the next step
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -443,6 +487,8 @@ def main() -> None:
                    help="both sides' max_prefill_tokens_decoding (default: none)")  # fmt: skip
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
+    p.add_argument("--profile-api", default=None, metavar="DIR",
+                   help="cProfile the (first) API process over the burst; the dumps go to DIR")  # fmt: skip
     p.add_argument(
         "--modes",
         default="process,in-process",
@@ -458,6 +504,8 @@ def main() -> None:
         except ValueError as err:
             p.error(str(err))
     tiny = args.tiny
+    if args.profile_api:
+        os.makedirs(args.profile_api, exist_ok=True)
     defaults = TINY if tiny else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -555,9 +603,14 @@ def run_server(model: Path, args, max_len: int, mode: str, port: int, rates, bur
             print(mode, json.dumps(out["rates"][-1]), flush=True)
             save_json(args.out, result)  # a timeout keeps what ran
         before = step_phases(server.url)
+        server.signal(signal.SIGUSR1)  # (no-op without --profile-api)
         res, cpu = load(server.url, burst, args.new_tokens, [0.0] * len(burst), args.clients, pid)
+        server.signal(signal.SIGUSR2)
         steps = {"engine_step_ms": step_figures(before, step_phases(server.url))}
         out["burst_http"] = {**summarize(res), **cpu, **steps}
+        if server.profile is not None:
+            made = out["burst_http"].get("output_tokens", 0)
+            out["burst_http"]["api_profile_top"] = profile_top(server.profile, len(burst), made)
     finally:
         server.stop()
     return out

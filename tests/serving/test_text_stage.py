@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from serving_fixtures import CORPUS, build_tokenizer
 
 from unikv.engine.sampling import SamplingParams
+from unikv.engine.tracks import Delta
 from unikv.serving.text_stage import TextStage
 
 TOK = build_tokenizer()
@@ -122,3 +123,19 @@ def test_the_plain_fast_path_gives_the_general_paths_deltas(sizes, n):
     assert got[2] == want[2]  # every Delta, field by field
     assert got[0] == OUTPUT and got[1] == TOK.decode(OUTPUT)
     assert got[2][-1].finish_reason == "length"
+
+
+def test_the_one_token_call_gives_the_general_paths_deltas():
+    """``token(t)`` (the engine client's one-token rows of a plain completion) gives
+    the Delta the general path gives the row ``([t], None, ...)``, token by token,
+    and leaves the stage where that path does (its finishing row then agrees)."""
+    params = SamplingParams(max_tokens=64)
+    fast = TextStage(1, PROMPT, params, TOK, threading.Lock())
+    slow = TextStage(1, PROMPT, params, TOK, threading.Lock())
+    slow.plain = False
+    for t in OUTPUT[:-1]:
+        want = slow.advance(([t], None, None, None, None, None, None))
+        assert isinstance(want, Delta) and fast.token(t) == want
+    last = ([OUTPUT[-1]], None, "length", None, None, 0, None)
+    assert fast.advance(last) == slow.advance(last)
+    assert fast.detok.text == slow.detok.text == TOK.decode(OUTPUT)

@@ -353,6 +353,8 @@ def cheap(body: CompletionRequest) -> bool:
     prompt = body.prompt
     if isinstance(prompt, str) or not isinstance(prompt, list):
         return isinstance(prompt, str) and len(prompt) <= INLINE_PROMPT
+    if prompt and isinstance(prompt[0], int):  # one prompt of token ids (validated)
+        return len(prompt) <= INLINE_PROMPT
     size = 0
     for p in prompt:
         size += len(p) if isinstance(p, (str, list)) else 1
@@ -505,7 +507,8 @@ def create_app(
 
         kv_admin.register(app, pick, names, opts)
 
-    @app.post("/v1/completions")
+    # the two generation routes are plain starlette routes: a FastAPI route would
+    # solve its (empty) dependencies and wrap the handler again for every request
     async def completions(request: Request):
         start = time.perf_counter()
         body = await _body(request, CompletionRequest, opts)
@@ -529,20 +532,28 @@ def create_app(
             server.check_limits(items, body.max_tokens, "max_tokens")
         return await server.respond(request, body, items, chat=False, start=start)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         start = time.perf_counter()
         body = await _body(request, ChatCompletionRequest, opts)
         server = pick(body.model)
         max_tokens, logprobs, prompt_logprobs = body.limits()
-        params = await server.off_loop(
-            body.sampling_params, max_tokens, logprobs, prompt_logprobs, server.llm
-        )  # compiles a grammar
-        items = [await server.off_loop(server.chat_item, body, params)]
+
+        def prepare():  # one thread hop: the params (a grammar compiled), then the template
+            params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, server.llm)
+            return [server.chat_item(body, params)]
+
+        items = await server.off_loop(prepare)
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         server.check_limits(items, max_tokens, field)
         return await server.respond(request, body, items, chat=True, start=start)
 
+    from starlette.routing import Route
+
+    # first in the route list: the router tries routes in order, for every request
+    app.router.routes[:0] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
     return app
 
 

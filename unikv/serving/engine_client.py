@@ -445,8 +445,18 @@ class ProcEngine:
         ``rows``, their Deltas appended to ``pairs``."""
         cut = []
         plain = [None, None, None, None, None, None]  # the rest of a one-token raw row
+        known, subs = self.wires, self.subs
         for w, token in zip(wires, tokens):
-            self._row(w, [token], plain, pairs, cut)
+            ident = known.get(w)
+            if ident is None:
+                continue  # aborted
+            key, prompt, index = ident
+            sub, stages, _ = subs[key]
+            stage = stages[prompt][index]
+            if stage.plain and not stage.done:  # the common row: one call, no checks
+                pairs.append(((sub, prompt), stage.token(token)))
+            else:
+                self._row(w, [token], plain, pairs, cut)
         for w, *raw in rows:
             self._row(w, raw[0], raw[1:], pairs, cut)
         if cut:

@@ -125,9 +125,14 @@ def _request_id(given: bytes | None) -> str:
     return uuid.uuid4().hex
 
 
+RAW_SEND = "unikv.send"  # scope key: the send the Gate was given (before its wrapper)
+
+
 class Gate:
     """The access middleware (module docstring); ``state.draining``: refuse new
-    requests (set by the SIGTERM handler)."""
+    requests (set by the SIGTERM handler). It puts the ``send`` it was given in the
+    scope (``RAW_SEND``): its own wrapper and starlette's inner ones only look at a
+    response's start message, so a stream sends its body chunks there directly."""
 
     def __init__(self, app, options: ServeOptions, state) -> None:
         self.app, self.options, self.state = app, options, state
@@ -140,6 +145,7 @@ class Gate:
         opts, headers = self.options, scope["headers"]
         rid = _request_id(next((v for k, v in headers if k == b"x-request-id"), None))
         scope.setdefault("state", {})["request_id"] = rid
+        scope[RAW_SEND] = send  # a stream's body chunks skip the wrappers below (sse.py)
         start, status = time.perf_counter(), [0]
 
         async def send_with_id(message) -> None:

@@ -341,7 +341,7 @@ class CompletionRequest(_Sampling):
             return [p]
         if not p:
             raise BadRequest("prompt must not be empty", "prompt")
-        if all(isinstance(t, int) for t in p):
+        if isinstance(p[0], int):  # (validated: a list holds ints only, or none)
             return [list(p)]
         return list(p)
 

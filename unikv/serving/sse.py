@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 
 from unikv.engine.tracks import Delta
 from unikv.serving import responses as rsp
+from unikv.serving.ops import RAW_SEND
 
 DONE = "data: [DONE]\n\n"  # a stream's last event
 _DONE = DONE.encode()
@@ -174,7 +175,15 @@ class EventStream(StreamingResponse):
     connection; the stream then ends at its next wake-up) and once it ends,
     however it ends. Each chunk is one ``send``: no task group, no per-chunk
     re-encoding (starlette's StreamingResponse adds both). A chunk that ends with
-    ``[DONE]`` ends the response (``more_body`` False: one write, not two)."""
+    ``[DONE]`` ends the response (``more_body`` False: one write, not two).
+
+    The start message goes through the middleware chain (the request id header,
+    the status the Gate logs); the body chunks go to the send the Gate was given
+    (``ops.RAW_SEND`` in the scope; the chain's own ``send`` when absent): the
+    wrappers between (the Gate's, starlette's exception middleware's and its
+    route's) only watch the start message, and each costs a coroutine call per
+    chunk, per streamed request and engine step. For the same reason the chunks
+    are sent from a task of their own (``_pump``)."""
 
     media_type = "text/event-stream"
 
@@ -184,21 +193,32 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         watch = asyncio.ensure_future(_watch(receive, self.on_close))
+        pump = None
         try:
             start = {"type": "http.response.start", "status": self.status_code}
             await send(start | {"headers": self.raw_headers})
-            ended = False
-            async for chunk in self.body_iterator:
-                ended = chunk.endswith(_DONE)
-                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-            if not ended:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            pump = asyncio.ensure_future(self._pump(scope.get(RAW_SEND, send)))
+            await pump
         except OSError:  # ASGI 2.4 servers: the client went away
             pass
         finally:
             watch.cancel()
             self.on_close()
+            if pump is not None and not pump.done():
+                pump.cancel()
+                await asyncio.wait({pump})
             await self.body_iterator.aclose()
+
+    async def _pump(self, send) -> None:
+        """The body chunks, in a task of their own: a wake-up (a chunk ready)
+        resumes this task's two frames, not the middleware chain the request's
+        task awaits through (a dozen frames, each resumed per chunk)."""
+        ended = False
+        async for chunk in self.body_iterator:
+            ended = chunk.endswith(_DONE)
+            await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _watch(receive, on_close) -> None:

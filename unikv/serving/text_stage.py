@@ -46,6 +46,18 @@ class TextStage:
         tok, chosen, rank, top, _ = row
         return tok, chosen, rank, [(i, lp, self._text(i)) for i, lp, _ in top], self._text(tok)
 
+    def token(self, token: int) -> Delta:
+        """``advance``'s common row, one token of a running ``plain`` completion
+        (no stop strings, no logprobs, not ended here), in one call: the
+        ``Delta`` that ``advance(([token], None, None, None, None, None, None))``
+        gives."""
+        self.num_out += 1
+        with self.lock:
+            self.detok.update([token])
+        text = self.detok.text[self.text_sent :]
+        self.text_sent += len(text)
+        return Delta(self.index, [token], text)
+
     def advance(self, raw) -> Delta | None:
         """The Delta of one raw engine row ``(token_ids, logprobs, finish_reason,
         stop_reason, error, cached_tokens, prompt_logprobs)``; None when there is
