@@ -99,12 +99,15 @@ class SchemeAllocator:
         self.inner[slot] = [a.new_request() for a in self.allocs]
         return slot
 
-    def free_request(self, slot: int) -> None:
+    def free_request(self, slots: int | object, defer: bool = False) -> None:
+        """Free request ``slots`` (an int, or host ints: those finishing in one step,
+        as ``PoolAllocator.free_request`` takes them) in every scheme's allocator."""
+        many = np.atleast_1d(np.asarray(slots, np.int64))
         for i, a in enumerate(self.allocs):
-            a.free_request(int(self.inner[slot, i]))
-        self.inner[slot] = -1
-        self.has_mamba[slot] = False
-        self.free_slots.append(slot)
+            a.free_request(self.inner[many, i], defer=defer)
+        self.inner[many] = -1
+        self.has_mamba[many] = False
+        self.free_slots.extend(int(s) for s in many)
 
     def can_admit(self, demand: dict[str, int]) -> tuple[bool, bool]:
         now = after = True
