@@ -37,7 +37,9 @@ lane 480 tests/engine/test_engine_hybrid_gpu.py tests/engine/test_prefix_gpu.py 
 lane 480 tests/engine/test_spec_qwen_mtp_gpu.py tests/engine/test_no_step_reads.py tests/engine/test_spec_lazy_draft.py \
   tests/engine/test_spec_mtp_chain.py &
 lane 480 tests/engine/test_prefill_graphs_gpu.py tests/engine/test_step_rows_plan.py \
-  tests/serving/test_engine_core_turns.py &
+  tests/serving/test_engine_core_turns.py tests/engine/test_checkpoint_rule.py &
+lane 480 tests/engine/test_spec_verify_graph.py tests/engine/test_spec_verify_rows.py \
+  tests/engine/test_spec_verify_plan.py tests/engine/test_prefix_chunk_ckpt.py &
 else  # PART=b: the kernel files, the smoke test, FP8 and the long prefill
 lane 480 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \
   tests/kernels/test_kernels_fused_step_gpu.py &
@@ -47,7 +49,7 @@ lane 480 tests/kernels/test_kernels_mla_gpu.py tests/kernels/test_kernels_mla_de
 lane 480 tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_fp8_gemm.py &
 lane 480 tests/models/test_models_fp8.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_moe_fp8_tile.py \
   tests/kernels/test_kernels_moe_w8a8.py &
-lane 480 tests/kernels/test_kernels_recurrent_gpu.py tests/engine/test_engine_long_prefill_gpu.py \
+lane 480 tests/kernels/test_kernels_recurrent_ckpt.py tests/kernels/test_kernels_recurrent_gpu.py tests/engine/test_engine_long_prefill_gpu.py \
   tests/engine/test_engine_fp8_kv.py tests/kernels/test_kernels_conv_gpu.py &
 lane 480 tests/kernels/test_kernels_rope_decode.py tests/kernels/test_kernels_decode_preload_gpu.py \
   tests/kernels/test_kernels_moe_hopper.py tests/kernels/test_kernels_extend_hopper.py &
