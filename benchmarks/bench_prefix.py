@@ -308,7 +308,6 @@ def save_hybrid(path: Path, args) -> None:
     """``bench_hybrid.py``'s Qwen3.5-shaped config, 4 layers and a 32k vocab
     (``--tiny``: its few-KB twin; ``--narrow``: its heads on a narrow residual
     stream), random init (seed 0), saved to ``path``."""
-    import transformers as tf
 
     from benchmarks.bench_hybrid import hf_config
 
@@ -319,12 +318,7 @@ def save_hybrid(path: Path, args) -> None:
         if args.narrow:  # the same cache geometry (pages, state slots), little compute
             cut.update(NARROW, initializer_range=0.1)
         config = type(config).from_dict({**config.to_dict(), **cut})
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=args.dtype)
-    model.save_pretrained(path)
-    del model
-    _free()
+    _save_random(config, path, args)
 
 
 def swa_config(tiny: bool, narrow: bool):
@@ -357,9 +351,13 @@ def swa_config(tiny: bool, narrow: bool):
 
 def save_swa(path: Path, args) -> None:
     """The ``swa`` model (``swa_config``), random init (seed 0), saved to ``path``."""
+    _save_random(swa_config(args.tiny, args.narrow), path, args)
+
+
+def _save_random(config, path: Path, args) -> None:
+    """A transformers model of ``config``, random init (seed 0), saved to ``path``."""
     import transformers as tf
 
-    config = swa_config(args.tiny, args.narrow)
     torch.manual_seed(0)
     with torch.device(args.device):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=args.dtype)
