@@ -334,8 +334,10 @@ class Scheduler:
         for r in done:
             self.share(r)
         self.alloc.free_request(np.fromiter((r.slot for r in done), np.int64, len(done)))
+        gone, before = {id(r) for r in done}, len(self.running)
+        self.running[:] = [r for r in self.running if id(r) not in gone]  # one pass, in place
+        assert len(self.running) == before - len(done), "release: every request done runs"
         for r in done:
-            self.running.remove(r)
             r.slot, r.status = None, Status.FINISHED
 
     def preempt(self, r: Request) -> None:
