@@ -111,6 +111,9 @@ class TableWriter:
         self.upload = upload
         self._update = backend.update_tables
         self.moves = 0  # page-move writes so far: tables built before one are stale
+        # table changes so far (writes, staged writes, grid changes): a block table or
+        # write id built at one epoch is still right at the same epoch (``epoch``)
+        self.epoch = 0
         self.tables = [req_to_token.view(-1)]
         self.v2p_id: dict[str, int] = {}
         self.p2v_id: dict[str, int] = {}
@@ -128,6 +131,7 @@ class TableWriter:
     def follow(self, book: PageBook) -> None:
         """Point at ``book``'s current tables and host mirrors (after its grid changed)."""
         v, p = self.v2p_id[book.name], self.p2v_id[book.name]
+        self.epoch += 1
         self.tables[p] = book.p2v
         self.mirrors[v], self.mirrors[p] = book.v2p_host, book.p2v_host
 
@@ -162,6 +166,7 @@ class TableWriter:
         write."""
         if not patch:
             return
+        self.epoch += 1  # (the host mirrors changed already)
         if not self._depth or any(t not in self.mirrors for t, _, _ in patch.segments):
             self.write(patch)
             return
@@ -190,6 +195,7 @@ class TableWriter:
         if self.staged and tables is None:
             self._merge(patch)
         self.writes += 1
+        self.epoch += 1
         parts, offsets, max_count = patch.pack()
         packed = self.upload(parts)
         self._update(

@@ -29,6 +29,7 @@ from unikv.allocator.parts import Parts
 from unikv.allocator.prefix import PrefixCache, PrefixHit
 from unikv.allocator.requests import RequestTable, Roles
 from unikv.allocator.room import Room
+from unikv.allocator.tables import TableWriter
 from unikv.ids import PhysicalPageIds, VirtualPageIds
 from unikv.pool import UnifiedPool
 
@@ -46,7 +47,7 @@ def hand_out(
     return (
         PrefixVerbs(parts.prefix, parts.room, check),
         IOVerbs(parts.io, check),
-        AllocatorView(parts.roles, parts.requests, parts.books, parts.mamba, parts.writer.upload),
+        AllocatorView(parts.roles, parts.requests, parts.books, parts.mamba, parts.writer),
     )
 
 
@@ -304,11 +305,22 @@ class AllocatorView:
 
     def __init__(
         self, roles: Roles, requests: RequestTable, books: Mapping[str, PageBook],
-        mamba: MambaSlots | None = None, upload: Uploader | None = None,
+        mamba: MambaSlots | None = None, writer: TableWriter | None = None,
     ) -> None:  # fmt: skip
         self._requests, self._books, self._mamba = requests, books, mamba
-        self._upload = upload  # the allocator's uploader (``device.make_uploader``) or None
+        self._writer = writer
+        # the allocator's uploader (``device.make_uploader``) or None
+        self._upload: Uploader | None = writer.upload if writer is not None else None
         self.roles = roles  # who does what among the sub-pools (a frozen Roles)
+
+    @property
+    def mapping_epoch(self) -> int:
+        """A count of the allocator's table changes (``TableWriter.epoch``): every verb
+        that changes a request's pages (grow, truncate, free, window frees, prefix
+        attach and eviction, compaction moves, a resize) moves it on. Block tables and
+        write ids built at one epoch are still right at the same epoch (the requests'
+        slots and lengths alike). Host int, no sync."""
+        return self._writer.epoch if self._writer is not None else -1
 
     @property
     def draft_k(self) -> int:
@@ -327,23 +339,45 @@ class AllocatorView:
         """(sum(counts),) int32 virtual token ids on the device of rows ``starts[i] ..
         starts[i] + counts[i] - 1`` that requests ``slots[i]`` hold already, request by
         request (a gather of ``req_to_token``; e.g. to write a lazy draft's rows)."""
-        slots, starts, counts = (np.asarray(a, np.int64) for a in (slots, starts, counts))
-        held = self._requests.lens[slots]
-        if (counts < 0).any() or (starts < 0).any() or (starts + counts > held).any():
-            raise ValueError(
-                f"token_vids: rows must be held: starts {starts.tolist()} + counts "
-                f"{counts.tolist()} within the lengths {held.tolist()}"
-            )
+        slots, starts, counts = self._held_rows(slots, starts, counts, "token_vids")
         owners = np.repeat(slots, counts)
         cols = np.arange(owners.size) - np.repeat(np.cumsum(counts) - counts, counts)
         cols += np.repeat(starts, counts)
         table = self._requests.req_to_token
         flat = owners * table.shape[1] + cols
-        if self._upload is not None:  # (CUDA: pinned, enqueued; no host sync)
-            index = self._upload(flat)
-        else:
-            index = torch.from_numpy(flat).to(table.device)
-        return table.reshape(-1).index_select(0, index)
+        return table.reshape(-1).index_select(0, self.upload_ids(flat))
+
+    def row_vids(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """``token_vids``' ids on the host ((sum(counts),) int64, from the host mirror
+        of the requests' pages: no device work), for a caller that uploads them with
+        other data (a verify step's rows: ``speculative/headroom.HostRows``)."""
+        slots, starts, counts = self._held_rows(slots, starts, counts, "row_vids")
+        first = np.cumsum(counts) - counts
+        positions = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
+        return self._requests.token_ids(np.repeat(slots, counts), positions).astype(np.int64)
+
+    def upload_ids(self, array: np.ndarray) -> torch.Tensor:
+        """A fresh host integer array as an int32 tensor on the allocator's device
+        (CUDA: pinned, enqueued; no host sync)."""
+        if self._upload is not None:
+            return self._upload(array)
+        return torch.from_numpy(np.ascontiguousarray(array, np.int32)).to(
+            self._requests.req_to_token.device
+        )
+
+    def _held_rows(
+        self, slots: object, starts: object, counts: object, what: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(slots, starts, counts) as int64 host arrays, ValueError unless every row
+        lies below the lengths the requests hold."""
+        slots, starts, counts = (np.asarray(a, np.int64) for a in (slots, starts, counts))
+        held = self._requests.lens[slots]
+        if (counts < 0).any() or (starts < 0).any() or (starts + counts > held).any():
+            raise ValueError(
+                f"{what}: rows must be held: starts {starts.tolist()} + counts "
+                f"{counts.tolist()} within the lengths {held.tolist()}"
+            )
+        return slots, starts, counts
 
     @property
     def max_context(self) -> int:
