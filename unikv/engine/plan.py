@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 import torch
 
+from unikv.engine.plan_tables import KeptTables
 from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
@@ -195,6 +196,8 @@ class StepPlanner:
         self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.feed_graphs = feed_graphs
         self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
+        windows = [s.spec.sliding_window or 0 for s in subs]
+        self.kept_tables = KeptTables(alloc.view.roles.page_size, windows)  # a verify step's
         self._q_per_kv = {s.name: q_per_kv for s in subs} | dict(q_per_kv_of or {})
         self.workspace = torch.empty(self._workspace_numel(), dtype=torch.float32, device=dev)
 
@@ -241,7 +244,13 @@ class StepPlanner:
             "step planner invariant: a DECODE batch's tables are this planner's buffers "
             "(build the Scheduler with tables=StepPlanner.tables)"
         )
-        dev, host, pending = self.upload.upload(batch, rows or num, pad_q)
+        staged = batch.host_rows  # a verify step's row ids on the host: in this upload
+        if staged is not None and staged.on_device:  # (uploaded already: a draft model's)
+            staged = None
+        row_ids = staged.host if staged is not None else None
+        dev, host, pending = self.upload.upload(batch, rows or num, pad_q, row_ids)
+        if staged is not None:
+            staged.put(dev["row_ids"][: len(row_ids)])
         longest = None  # tokens the tables must span (None: the whole context)
         if rows is None:
             rows = num
@@ -275,7 +284,7 @@ class StepPlanner:
             seq_lens=dev["seq_lens"],
             q_indptr=dev["q_indptr"],
             max_q_len=max_q_len,
-            subpools=self._tables(batch, dev, rows, longest, max_q_len, pad_q, slack),
+            subpools=self._tables(batch, dev, host, rows, longest, max_q_len, pad_q, slack),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
@@ -304,29 +313,47 @@ class StepPlanner:
         )
 
     def _tables(
-        self, batch: Batch, dev: dict, rows: int, longest, max_q_len: int, pad_q=1, slack=0
-    ):
+        self, batch: Batch, dev: dict, host: dict, rows: int, longest, max_q_len: int, pad_q=1,
+        slack=0,
+    ):  # fmt: skip
         """Per token sub-pool, the write ids and block table of the step: decode_step
-        wrote them (DECODE), else translated here; padded rows point at the sink."""
+        wrote them (DECODE), else translated here; padded rows point at the sink. A
+        verify step whose requests' tables are those in the buffers (``plan_tables``)
+        translates its write ids only."""
         num, steps = len(batch.requests), {}
         num_tokens = dev["input_ids"].shape[0]
         real = num_tokens - (rows - num) * pad_q  # tokens of real requests (padded lanes: pad_q)
         virtual_ids = batch.virtual_ids if num and batch.kind is BatchKind.EXTEND else None
         if virtual_ids is None and batch.step is not None:  # pages moved since decode_step?
             batch.step.refresh()
+        kept, reuse = self.kept_tables, False
+        verify = virtual_ids is not None and batch.drafts is not None and batch.derive is None
+        if verify:  # (a verify step: its tables may be the last one's)
+            epoch = self.alloc.view.mapping_epoch
+            reach = max_q_len - 1 + slack
+            bounds = kept.live(host["slots"][:num], host["seq_lens"][:num], reach)
+            key = (rows, num_tokens, real, self._pages(self.subpools[0], longest), reach)
+            reuse = kept.holds(epoch, key, bounds)
         for sub in self.subpools:
             table = self.tables.block_tables[sub.name][:rows, : self._pages(sub, longest)]
             write = self.tables.write_ids[sub.name][:num_tokens]
             if virtual_ids is not None:
-                window = sub.spec.sliding_window or 0
-                window += max_q_len - 1 + slack if window else 0  # a first new token sees W back
-                seq_lens, slots = dev["seq_lens"][:num], dev["slots"][:num]
-                self.alloc.block_table(slots, seq_lens, sub.name, table[:num], window=window)
+                if not reuse:
+                    window = sub.spec.sliding_window or 0
+                    window += max_q_len - 1 + slack if window else 0  # a first new token: W back
+                    seq_lens, slots = dev["seq_lens"][:num], dev["slots"][:num]
+                    self.alloc.block_table(slots, seq_lens, sub.name, table[:num], window=window)
                 self.alloc.translate(virtual_ids, sub.name, out=write)
-            if num < rows:
+            if num < rows and not reuse:  # (reused: the padded rows are as they were)
                 table[num:].zero_()
                 write[real:].zero_()
             steps[sub.name] = SubPoolStep(KernelIds(write, sub.name), table)
+        if reuse:
+            kept.reused += 1
+        elif verify and self.subpools:
+            kept.keep(epoch, key, bounds)
+        else:
+            kept.drop()  # (the buffers hold another step's tables now)
         return steps
 
     def _extend_plans(self, num: int, max_q_len: int) -> dict[str, ExtendPlan]:

@@ -21,8 +21,10 @@ runs and is kept for the next step. Steps between two verify steps (a draft mode
 chain, a plain decode step) leave the kept arrays as they are: they are a function
 of the requests' starts, slots, rows and tokens only, so a successor checked as
 above is advanced exactly whatever ran between. The arrays hold no page: a step
-crossing a page end is steady here (its pages are the block table's and the write
-ids', which the planner still builds on the device every step).
+crossing a page end is steady here (its pages are the block table's, kept while
+the allocator's page mapping holds: ``plan_tables.KeptTables``, and the write
+ids', translated every step from the rows' virtual ids, which travel in the
+step's upload: ``row_ids``).
 """
 
 from __future__ import annotations

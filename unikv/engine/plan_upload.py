@@ -5,7 +5,12 @@ two host staging buffers (pinned on CUDA) and copies them to one device byte
 buffer in one copy; typed views for (R rows, T tokens):
 
     input_ids (T,) i64 | positions (T,) i64 | logits_indices (R,) i64 |
-    lanes (R,) i64 | seq_lens (R,) i32 | slots (R,) i32 | q_indptr (R+1,) i32
+    lanes (R,) i64 | seq_lens (R,) i32 | slots (R,) i32 | q_indptr (R+1,) i32 |
+    row_ids (T,) i32
+
+``row_ids``: a verify step's rows' virtual ids where the host knows them
+(``speculative/headroom.HostRows``: the rows' second upload folded into this one);
+unused (stale bytes) otherwise.
 
 ``lanes``: in a one-token step whose every input is a placeholder (steady
 decoding), lane i's placeholder's lane, so input_ids[:B] = prev_tokens[lanes] is
@@ -49,7 +54,7 @@ def _views(buffer, rows: int, num_tokens: int) -> tuple[dict, int]:
     fields += [("input_ids", I64, num_tokens), ("positions", I64, num_tokens)]
     fields += [("logits_indices", I64, rows), ("lanes", I64, rows)]
     fields += [("seq_lens", I32, rows), ("slots", I32, rows)]
-    fields += [("q_indptr", I32, rows + 1)]
+    fields += [("q_indptr", I32, rows + 1), ("row_ids", I32, num_tokens)]
     for name, size, count in fields:
         raw = buffer[start : start + size * count]
         if isinstance(raw, np.ndarray):
@@ -70,7 +75,7 @@ class StepUpload:
 
     def __init__(self, device: torch.device, *, max_seqs: int, max_tokens: int, pin: bool) -> None:
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
-        nbytes = I64 * (2 * max_tokens + 2 * max_seqs) + I32 * (3 * max_seqs + 1)
+        nbytes = I64 * (2 * max_tokens + 2 * max_seqs) + I32 * (3 * max_seqs + 1 + max_tokens)
         self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         staging = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
         self._staging = [t.pin_memory() for t in staging] if pin else staging
@@ -85,26 +90,33 @@ class StepUpload:
         self._arange = np.arange(max_tokens + 1, dtype=np.int64)
         self.steady = SteadyVerify(nbytes, _views)  # the last verify step's arrays, kept
 
-    def upload(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
+    def upload(
+        self, batch: Batch, rows: int, pad_q: int = 1, row_ids: np.ndarray | None = None
+    ) -> tuple[dict, dict, str]:
         """The step's int arrays, padded to ``rows`` lanes, written into a host
         staging buffer and copied to the device in one copy; (typed device views,
         typed host views, which tokens are placeholders: ALL, SOME or NONE).
         A steady verify step's arrays are the last one's advanced in place
         (``plan_steady.SteadyVerify``); any other step's are built (``build``).
-        ``pad_q``: tokens per padded lane (a verify graph's lanes all feed k + 1)."""
+        ``pad_q``: tokens per padded lane (a verify graph's lanes all feed k + 1).
+        ``row_ids``: the rows' virtual ids (host ints), staged too (``row_ids``)."""
         advanced = self.steady.advance(batch, rows, pad_q)
         if advanced is None:
-            return self.build(batch, rows, pad_q)
+            return self.build(batch, rows, pad_q, row_ids)
         kept, nbytes = advanced
         slot, host, dev, _ = self._stage(rows, kept["input_ids"].shape[0])
         host_bytes = self._host[slot]
         host_bytes[:nbytes] = self.steady.buffer[:nbytes]
+        if row_ids is not None:
+            host["row_ids"][: len(row_ids)] = row_ids
         real = self.steady.real
         pending = NONE if not real or host["input_ids"][:real].min() >= 0 else SOME
         self._copy(slot, rows, kept["input_ids"].shape[0])
         return dev, host, pending
 
-    def build(self, batch: Batch, rows: int, pad_q: int = 1) -> tuple[dict, dict, str]:
+    def build(
+        self, batch: Batch, rows: int, pad_q: int = 1, row_ids: np.ndarray | None = None
+    ) -> tuple[dict, dict, str]:
         """``upload``'s arrays built from the batch's requests (kept for the next step
         when ``batch`` is a verify step). One-token steps (decodes) take a path
         without per-token arrays: positions are the starts, q_indptr an arange, and
@@ -149,6 +161,8 @@ class StepUpload:
             positions[:] = self._arange[:num_tokens] - np.repeat(q_indptr[:-1] - seq_lens, counts)
             host["logits_indices"][:] = q_indptr[1:] - 1
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
+        if row_ids is not None:
+            host["row_ids"][: len(row_ids)] = row_ids
         if batch.drafts is not None and batch.derive is None and not one_token:  # verify: kept
             self.steady.keep(batch, rows, pad_q, self._host[slot], nbytes)
         self._copy(slot, rows, num_tokens)

@@ -194,6 +194,9 @@ class Batch:
     # a verify step planned ahead: its inputs derived on the device from the step
     # before's acceptance (``speculative.derive.Derivation``)
     derive: Any = None
+    # a verify step's rows' virtual ids known on the host (``headroom.HostRows``): the
+    # batch's only ids, uploaded with the step's arrays (or on their own where read first)
+    host_rows: Any = None
 
     @property
     def is_decode(self) -> bool:
@@ -202,16 +205,26 @@ class Batch:
 
     @property
     def virtual_ids(self) -> VirtualTokenIds:
+        if self.host_rows is not None:
+            return VirtualTokenIds(self.host_rows.data)
         return VirtualTokenIds(torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0])
 
     def add(self, request: Request, n: int, ids: VirtualTokenIds) -> None:
         self.add_many([request], [n], ids)
 
-    def add_many(self, requests: list[Request], num_new: list[int], ids: VirtualTokenIds) -> None:
-        """Requests whose new tokens' virtual ids are ``ids`` (sum(num_new),), in order."""
+    def add_many(self, requests: list[Request], num_new: list[int], ids: Any) -> None:
+        """Requests whose new tokens' virtual ids are ``ids`` (sum(num_new),), in order
+        (``headroom.HostRows``: a verify step's, the batch's only ids)."""
+        if not isinstance(ids, VirtualTokenIds):  # host rows: not uploaded yet
+            assert not self.requests and self.host_rows is None, (
+                "batch invariant: host rows are the only ids of their batch"
+            )
+            self.host_rows = ids
+        else:
+            assert self.host_rows is None, "batch invariant: host rows are the batch's only ids"
+            self.pieces.append(ids.data)
         self.requests.extend(requests)
         self.num_new.extend(num_new)
-        self.pieces.append(ids.data)
 
 
 class DecodeSet:

@@ -5,8 +5,9 @@ A verify step of request b feeds rows ``[L_b, L_b + 1 + k_b)``. Allocating them
 (``alloc_extend``) mints the pages that range needs, the last maybe part full; the
 rest of that last page costs nothing more, so the request holds its rows up to
 the page's end (``held_b``). The next verify step allocates only where its rows
-pass ``held_b`` (a page boundary crossed), and otherwise takes the virtual ids of
-rows it holds already (``token_vids``: one gather, no allocator write). After a
+pass ``held_b`` (a page boundary crossed). The rows' virtual ids are read from
+the host mirror of the requests' pages (``row_vids``: no allocator write, no
+device work) and travel in the step's one upload (``HostRows``). After a
 step the rejected rows are cut back to the end of the page the kept ones end in
 (``trim_after``): the pages freed are the ones cutting to the kept rows frees, so
 the pool holds no page more than without this, under pressure too.
@@ -24,8 +25,37 @@ flight themselves: with ``pipeline`` on, nothing is held ahead.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from unikv.ids import VirtualTokenIds
+
+class HostRows:
+    """A verify step's rows' virtual ids, known on the host (``host``: (n,) int64).
+    The step planner stages them in the step's one upload and hands the device
+    view over (``put``); read before that (``data``: a draft model proposing from
+    them), they are uploaded on their own. The device view lies in the step
+    buffer, which the next step's upload rewrites: it is the step's only."""
+
+    __slots__ = ("_data", "_view", "host")
+
+    def __init__(self, host: np.ndarray, view) -> None:
+        self.host, self._view = host, view
+        self._data: torch.Tensor | None = None
+
+    @property
+    def on_device(self) -> bool:
+        return self._data is not None
+
+    @property
+    def data(self) -> torch.Tensor:
+        """(n,) int32/int64 virtual ids on the device (uploaded now if not staged)."""
+        if self._data is None:
+            self._data = self._view.upload_ids(self.host.copy())
+        return self._data
+
+    def put(self, data: torch.Tensor) -> None:
+        """The ids as the step's upload staged them (a device view)."""
+        assert data.shape[0] == self.host.shape[0], "host rows invariant: one id a row"
+        self._data = data
 
 
 class VerifyRows:
@@ -45,8 +75,8 @@ class VerifyRows:
 
     def allocate(self, requests, slots: np.ndarray, lens: np.ndarray, num_new: np.ndarray):
         """The virtual ids of rows ``[lens_b, lens_b + num_new_b)`` of each request (a
-        verify step's, request by request), pages minted only where they pass the
-        rows held; None when the pool cannot hold them (nothing changed)."""
+        verify step's, request by request: ``HostRows``), pages minted only where
+        they pass the rows held; None when the pool cannot hold them (nothing changed)."""
         held = self.held
         have = np.fromiter(
             (held.get(r.request_id, n) for r, n in zip(requests, lens.tolist())),
@@ -64,7 +94,8 @@ class VerifyRows:
             have = np.where(short, target, have)
         for r, h in zip(requests, have.tolist()):
             held[r.request_id] = h
-        return VirtualTokenIds(self.alloc.view.token_vids(slots, lens, num_new))
+        view = self.alloc.view
+        return HostRows(view.row_vids(slots, lens, num_new), view)
 
     def trim_after(self, requests, slots: np.ndarray, keep: np.ndarray, state_rows=None) -> None:
         """After a verify step: ``requests`` (``slots``) kept ``keep`` rows and rejected
