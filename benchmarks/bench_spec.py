@@ -161,6 +161,8 @@ def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
         "ahead_dropped": s.spec_ahead_dropped,  # of those, thrown away
         # verify plans advanced in place since start-up (``plan_steady.SteadyVerify``)
         "verify_plans_advanced": llm.runner.planner.upload.steady.advanced,
+        # verify steps whose block tables were reused since start-up (``plan_tables``)
+        "verify_tables_reused": llm.runner.planner.kept_tables.reused,
     }
     if phases:
         spec["host_ms_per_step"] = phases

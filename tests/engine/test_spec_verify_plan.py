@@ -253,6 +253,27 @@ def test_kept_tables_across_compaction(llama, monkeypatch):
     assert_pages_returned(llm)
 
 
+def test_kept_tables_without_graphs(llama, monkeypatch):
+    """Eager verify steps (no verify graphs: tables as wide as the longest request,
+    no padded rows): every verify plan's tables and write ids equal a rebuild, some
+    steps reuse them, and the tokens are transformers'."""
+    path, hf = llama
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}  # fmt: skip
+    llm = LLM(path, device="cpu", dtype=torch.float32, page_size=16, max_num_seqs=2,
+              max_num_batched_tokens=32, max_model_len=80, kv_cache_bytes=8 << 20,
+              speculative_config=spec, debug=True)  # fmt: skip
+    assert llm.runner.verify_graphs is None
+    seen = check_tables(monkeypatch, llm.runner.planner, {})
+    g = torch.Generator().manual_seed(4)
+    items = [torch.randint(0, VOCAB, (5,), generator=g).tolist() * 3 for _ in range(2)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    got = [o.output_ids for o in llm.generate(items, params)]
+    assert got == [hf_greedy(hf, p, 30) for p in items]
+    assert seen["verify"] == llm.stats.spec_verify_steps
+    assert llm.runner.planner.kept_tables.reused > 0
+
+
 def test_advanced_plans_with_device_drafts(llama, monkeypatch):
     """A draft model (the target as its own draft): the verify step's drafts are on
     the device, its arrays hold placeholders for them; the advanced plans equal a

@@ -328,6 +328,7 @@ class StepPlanner:
             batch.step.refresh()
         kept, reuse = self.kept_tables, False
         verify = virtual_ids is not None and batch.drafts is not None and batch.derive is None
+        verify = verify and bool(self.subpools)  # (a model of state only: no tables)
         if verify:  # (a verify step: its tables may be the last one's)
             epoch = self.alloc.view.mapping_epoch
             reach = max_q_len - 1 + slack
@@ -350,7 +351,7 @@ class StepPlanner:
             steps[sub.name] = SubPoolStep(KernelIds(write, sub.name), table)
         if reuse:
             kept.reused += 1
-        elif verify and self.subpools:
+        elif verify:
             kept.keep(epoch, key, bounds)
         else:
             kept.drop()  # (the buffers hold another step's tables now)
