@@ -22,6 +22,7 @@ from engine_fixtures import (
     save_tiny_hybrid,
     save_tiny_model,
 )
+from test_allocator_free_many import allocator_state, assert_same_state
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.online import EngineClosed, QueueFull
@@ -234,3 +235,41 @@ def test_a_loop_that_dies_fails_its_requests_and_reports_down(llama):
     llm.engine._thread.join(WAIT_S)
     assert last.finish_reason == "abort" and "injected step failure" in (last.error or "")
     assert isinstance(llm.engine.error, RuntimeError) and not llm.engine.running
+
+
+def _abort_three_of_five(path: str, together: bool) -> tuple[int, list, dict]:
+    """Five groups (three running, two waiting) stepped in the caller's thread, then
+    three (two running, one waiting) aborted; the loop drains the aborts ``together``
+    (one step's) or one at a time. (free_request calls, the aborted groups, the
+    allocator's state right after)."""
+    llm = LLM(path, device="cpu", page_size=4, max_model_len=64, max_num_seqs=3)
+    long = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.0)
+    groups = [llm.engine.submit(llm.make_group(p, long)) for p in _prompts([9, 5, 13, 7, 6])]
+    for _ in range(3):
+        llm.engine.step()
+    sched = llm.engine.scheduler
+    assert [r.request_id for r in sched.running] == [g.request_id for g in groups[:3]]
+    frees, free = [], llm.alloc.free_request
+    llm.alloc.free_request = lambda slots, defer=False: frees.append(1) or free(slots, defer)
+    doomed = [groups[2], groups[4], groups[0]]
+    for g in doomed:
+        llm.engine.abort(g)
+        if not together:
+            llm.engine._take_inbox()
+    llm.engine._take_inbox()
+    state = allocator_state(llm.alloc)
+    llm.engine.shutdown(drain=True)
+    return len(frees), doomed, state
+
+
+def test_aborts_drained_together_free_in_one_call(llama):
+    """The aborts one step drains end in one ``_finish``: the running ones' pages go
+    back in one ``free_request``, the allocator's state byte for byte that of the
+    same aborts drained one at a time; each aborted stream ends with "abort"."""
+    path, _ = llama
+    ref_frees, _, ref_state = _abort_three_of_five(path, together=False)
+    frees, doomed, state = _abort_three_of_five(path, together=True)
+    assert (ref_frees, frees) == (2, 1)
+    assert_same_state(ref_state, state)
+    for g in doomed:
+        assert g.output().outputs[0].finish_reason == "abort"

@@ -139,3 +139,57 @@ def test_a_step_that_preempts_several_requests_makes_one_table_write(chain):
     assert runs[False][2] == runs[True][2]
     assert runs[False][0] == runs[False][2] + 1 and runs[True][0] == 1, (runs[False], runs[True])
     assert_same_state(allocator_state(runs[False][1]), allocator_state(runs[True][1]))
+
+
+def _abort_one(sched: Scheduler, r: Request) -> None:
+    """The abort path before ``finish_many``: one request at a time (a running one
+    shares, frees and leaves; a waiting one leaves the queue)."""
+    if r.status is Status.RUNNING:
+        _end_one(sched, r)
+    else:
+        sched.prefix.forget(r)
+        sched.waiting.remove(r)
+        r.slot, r.status = None, Status.FINISHED
+    r.finish_reason = "abort"
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_aborting_many_requests_frees_them_in_one_call(chain):
+    """Five requests decoding and two waiting: three running ones and a waiting one
+    are aborted together (``finish_many``, what the engine loop does with the aborts
+    one step drains). One ``free_request``, one table write; the allocator's state
+    equals, byte for byte, that of a second scheduler aborting the same requests one
+    at a time in the same order; the rest run and wait as before."""
+    runs = []
+    for one_by_one in (True, False):
+        sched = _scheduler(chain, one_by_one=False)
+        batch = _prefill(sched, max_tokens=8)
+        sched.complete(batch, [STOP + 1] * len(TAILS))  # all five decode now
+        for i in (5, 6):
+            params = SamplingParams(max_tokens=8, temperature=0)
+            sched.add(Request(i, SYSTEM + [30 + i] * 3, params, 0, frozenset({STOP}), 32))
+        by_id = {r.request_id: r for r in [*sched.running, *sched.waiting]}
+        doomed = [by_id[i] for i in (3, 6, 0, 4)]
+        frees: list[int] = []
+
+        def counted(slots, defer=False, frees=frees, free=sched.alloc.free_request):
+            frees.append(1)
+            free(slots, defer)
+
+        sched.alloc.free_request = counted
+        writes = sched.alloc.parts.writer.writes
+        if one_by_one:
+            for r in doomed:
+                _abort_one(sched, r)
+        else:
+            sched.finish_many(doomed, "abort")
+        writes = sched.alloc.parts.writer.writes - writes
+        assert all(r.status is Status.FINISHED and r.slot is None for r in doomed)
+        assert all(r.finish_reason == "abort" for r in doomed)
+        queues = ([r.request_id for r in sched.running], [r.request_id for r in sched.waiting])
+        assert queues == ([1, 2], [5])
+        runs.append((len(frees), writes, allocator_state(sched.alloc)))
+    (ref_frees, ref_writes, ref_state), (frees, writes, state) = runs
+    assert (ref_frees, frees) == (3, 1)
+    assert ref_writes - writes == 2, (ref_writes, writes)
+    assert_same_state(ref_state, state)

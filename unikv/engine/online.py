@@ -55,6 +55,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from time import perf_counter
 
+import numpy as np
 import torch
 
 from unikv.engine.request import Status
@@ -229,7 +230,7 @@ class EngineLoop:
             if track.done:
                 return
             pairs: list = []
-            self._finish(track.request, "stop")
+            self._finish([track.request], "stop")
             track.done = True
             r = track.request
             self._collect(track, Delta(index, [], "", None, r.finish_reason, None), pairs)
@@ -417,8 +418,8 @@ class EngineLoop:
                     self._held.append(r)
                 else:
                     self.scheduler.add(r)
-        for group in aborts:
-            self._end(group, "abort")
+        if aborts:
+            self._end(aborts, "abort")
 
     def step(self):
         """One step: drain the inbox, schedule and launch step N, settle step N-1.
@@ -569,35 +570,37 @@ class EngineLoop:
                 if group.on_done is not None:
                     group.on_done(group)
 
-    def _end(self, group: RequestGroup, reason: str) -> None:
-        """Finish every completion of ``group`` not done yet, now."""
-        pairs = []
-        for track in group.tracks:
-            if track.done:
-                continue
-            r = track.request
-            self._finish(r, reason)
+    def _end(self, groups: list[RequestGroup], reason: str) -> None:
+        """Finish every completion of ``groups`` not done yet, now (in one
+        ``_finish``: one free of all their pages)."""
+        tracks = list({id(t): t for g in groups for t in g.tracks if not t.done}.values())
+        self._finish([t.request for t in tracks], reason)
+        pairs: list = []
+        for track in tracks:
             track.done = True
-            delta = Delta(track.index, [], "", None, r.finish_reason, None)
+            delta = Delta(track.index, [], "", None, track.request.finish_reason, None)
             self._collect(track, delta, pairs)
         if pairs:
             self.publish(pairs)
 
-    def _finish(self, r, reason: str) -> None:
-        """End ``r`` wherever it is: running or waiting in the scheduler, or held
-        out of it by the failure isolation (its host swap slots are dropped)."""
-        sched = self.scheduler
-        if r.status is Status.FINISHED:
-            if r.finish_reason is None:
+    def _finish(self, requests: list, reason: str) -> None:
+        """End the distinct ``requests`` wherever each is: running or waiting in the
+        scheduler, or held out of it by the failure isolation (a half-admitted one's
+        slot freed first); the scheduler's ``finish_many`` frees the running ones'
+        pages in one ``free_request``."""
+        live = []
+        for r in requests:
+            if r.status is not Status.FINISHED:
+                live.append(r)
+            elif r.finish_reason is None:
                 r.finish_reason = reason
-            return
-        outside = r.status is Status.WAITING and r not in sched.waiting
-        if r.status is Status.WAITING and r.slot is not None:  # half-admitted (a failure)
-            self.core.alloc.free_request(r.slot)
-            r.slot = None
-        sched.finish(r, reason)
-        if outside and sched.swap is not None:
-            sched.swap.drop(r.request_id)
+        half = [r for r in live if r.status is Status.WAITING and r.slot is not None]
+        if half:  # half-admitted (a failure): no scheduler verb frees a waiting slot
+            self.core.alloc.free_request(np.fromiter((r.slot for r in half), np.int64, len(half)))
+            for r in half:
+                r.slot = None
+        if live:
+            self.scheduler.finish_many(live, reason)
 
     # -- failure isolation (the loop's thread; see the module docstring) -------------------
 
@@ -670,7 +673,7 @@ class EngineLoop:
     def _fail(self, r, err: Exception, pairs: list) -> None:
         """End request ``r`` with finish_reason "error"; its stream gets the error."""
         self.num_failed_requests += 1
-        self._finish(r, "error")
+        self._finish([r], "error")
         r.finish_reason = "error"
         self._marks.pop(r.request_id, None)
         track = r.track
@@ -698,8 +701,9 @@ class EngineLoop:
             requests += g.requests
         self._held, self._probe, self._marks = [], [], {}
         self._suspects.clear()
-        for r in {id(r): r for r in requests}.values():
-            self._finish(r, "abort")
+        requests = list({id(r): r for r in requests}.values())
+        self._finish(requests, "abort")
+        for r in requests:
             if r.track is not None:
                 r.track.done = True
         for g in list(self._live):
@@ -711,8 +715,7 @@ class EngineLoop:
     def _abort_all(self) -> None:
         with self._cv:
             groups, self._inbox = list(self._live) + self._inbox, []
-        for group in groups:
-            self._end(group, "abort")
+        self._end(groups, "abort")
 
     def _fail_all(self, message: str) -> None:
         """The loop died: every stream not ended gets the error (nothing is freed:

@@ -359,24 +359,38 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     def finish(self, r: Request, reason: str) -> None:
-        """End a waiting or running request now (an abort, a stop string): its pages
-        and recurrent-state slot go back at once (``free_request``; pages an
-        in-flight step still uses are fenced by the allocator). Its outputs stay;
-        a placeholder left by the step in flight is resolved as usual."""
-        if r.status is Status.WAITING:  # (held out of the queue too: online.py's probes)
-            self.prefix.forget(r)  # its expected checkpoint, if any, is an ordinary one
-        if r.status is Status.RUNNING:
-            self.share(r)
-            self.alloc.free_request(r.slot)
-            self.running.remove(r)
-        elif r.status is Status.WAITING and r in self.waiting:
-            self.waiting.remove(r)
+        """End a waiting or running request now (a stop string): ``finish_many``."""
+        self.finish_many([r], reason)
+
+    def finish_many(self, requests: list[Request], reason: str) -> None:
+        """End the distinct waiting or running ``requests`` now (aborts, a stop string):
+        the running ones share their pages, then one ``free_request`` frees every page
+        and recurrent-state slot of them all (``release``; pages an in-flight step
+        still uses are fenced by the allocator); the waiting ones leave the queue in
+        one pass, their host swap slots dropped. Outputs stay; a placeholder left by
+        the step in flight is resolved as usual."""
+        running, waiting = [], []
+        for r in requests:
+            if r.status is Status.RUNNING:
+                running.append(r)
+            elif r.status is Status.WAITING:  # (held out of the queue too: online.py's probes)
+                self.prefix.forget(r)  # its expected checkpoint, if any, is an ordinary one
+                waiting.append(r)
+        self.release(running)
+        if waiting:
+            gone = {id(r) for r in waiting}
+            kept = [r for r in self.waiting if id(r) not in gone]
+            if len(kept) != len(self.waiting):  # one pass, in place
+                self.waiting.clear()
+                self.waiting.extend(kept)
             if self.swap is not None:
-                self.swap.drop(r.request_id)
-        r.slot, r.status = None, Status.FINISHED
-        self._epoch += 1
-        if r.finish_reason is None or reason == "stop":
-            r.finish_reason = reason
+                for r in waiting:
+                    self.swap.drop(r.request_id)
+        for r in requests:
+            r.slot, r.status = None, Status.FINISHED
+            if r.finish_reason is None or reason == "stop":
+                r.finish_reason = reason
+        self._epoch += len(requests)
 
     # -- after the forward ---------------------------------------------------------
 
