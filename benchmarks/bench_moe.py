@@ -45,7 +45,7 @@ bf16 bytes and time), ``fp8_vs_bf16`` = bf16_us / fp8_us; ``best`` the faster FP
 variant, ``best_vs_bf16`` and ``best_of_fp8_roofline`` its ratios (printed per T at
 the end). Checked first: 16-bit activations against the bf16 kernel (max error over
 max |bf16|, and whether bit-equal) and the per-call path; W8A8 against its exact
-description (``fp8_gemm_ref.moe_fp8_w8a8_exact``, fp64 sums: ``w8a8_check``, relative rms
+description (``fp8_gemm_ref.moe_fp8_w8a8(exact=True)``, fp64 sums: ``w8a8_check``, relative rms
 within ``W8A8_RMS_BOUND`` overall and ``W8A8_ROW_BOUND`` per row; the max error over max
 |reference| recorded, not checked: a tail statistic, docs/perf.md), with its rms distance
 to the bf16 kernel. The exact description's fp64 GEMMs take ~30 s at T 2048 on an H100.
@@ -363,7 +363,7 @@ def run_fp8_batch(t: int, experts: dict, dense: dict, ceilings: dict, g) -> dict
         row["error"] = "FP8 output differs from the bf16 kernel / the per-call path; not timed"
         return row
     want8 = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK)
-    exact = fp8_gemm_ref.moe_fp8_w8a8_exact(x, weights, ids, *ops, block=FP8_BLOCK)
+    exact = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK, exact=True)
     out8, check = w8a8(), {}
     w8a8_ok = w8a8_check(out8, exact, want8, check)
     row.update({"w8a8_" + k: v for k, v in check.items()})
@@ -430,7 +430,7 @@ def fp8_sweep_batch(t: int, state: dict, g, t_end: float) -> list:
     rows = [{"B": t, "variant": "bf16", "candidate": "plan", "us": bf16_us, "timing": how}]
     roof = fp8_bytes(experts, ids, t) / (ceilings["d2d_GBps"] * 1e3)
     t_exact = time.time()  # the exact description's fp64 GEMMs are not the T's budget
-    exact = fp8_gemm_ref.moe_fp8_w8a8_exact(x, weights, ids, *ops, block=FP8_BLOCK)
+    exact = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK, exact=True)
     want8 = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK).float()
     rows[0]["w8a8_reference_vs_exact"] = fp8_gemm_ref.w8a8_errors(want8, exact)
     spent = time.time() - t_exact
@@ -612,8 +612,8 @@ def run_fp8_diagnose(t: int) -> None:
     experts, _ = make_fp8_experts(*(FP8_SHAPE[n] for n in ("experts", "hidden", "intermediate")))
     ops = (experts["w1"], experts["w1_scale"], experts["w2"], experts["w2_scale"])
     x, weights, ids = fp8_routing(t, g)
-    exact, act = fp8_gemm_ref.moe_fp8_w8a8_exact(x, weights, ids, *ops, block=FP8_BLOCK,
-                                                 with_act=True)  # fmt: skip
+    exact, act = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, *ops, block=FP8_BLOCK,
+                                           with_act=True, exact=True)  # fmt: skip
     if x.is_cuda:
         torch.cuda.synchronize()
     print(f"T {t}: exact description {time.time() - t0:.1f} s", flush=True)

@@ -196,7 +196,7 @@ def test_the_sweep_candidates_keep_their_k_tile_in_one_block():
 def test_gpu_w8a8_matches_its_reference(tokens):
     """Compiled (FP8 wgmma, the plan's tiles at prefill buckets): E 8, top-2, d 1024,
     I 512: the kernel and the fp32 reference each within ``W8A8_RMS_BOUND`` (overall) and
-    ``W8A8_ROW_BOUND`` (worst row) of the exact description (``moe_fp8_w8a8_exact``; the
+    ``W8A8_ROW_BOUND`` (worst row) of the exact description (``moe_fp8_w8a8(exact=True)``; the
     max error over max |reference| <= 1e-2 used here before is a tail statistic that the
     FP8 MMA's own accumulation crosses at T 2048 with neither side wrong:
     ``test_kernels_moe_w8a8_exact.py``), and the 16-bit-activation kernel within the bound."""
@@ -205,7 +205,7 @@ def test_gpu_w8a8_matches_its_reference(tokens):
     assert plan.moe_w8a8
     got = fp8.moe_fp8(x, weights, ids, w1, s1, w2, s2, block=BLOCK, rows=plan)
     want = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, w1, s1, w2, s2, block=BLOCK)
-    exact = fp8_gemm_ref.moe_fp8_w8a8_exact(x, weights, ids, w1, s1, w2, s2, block=BLOCK)
+    exact = fp8_gemm_ref.moe_fp8_w8a8(x, weights, ids, w1, s1, w2, s2, block=BLOCK, exact=True)
     for side in (got, want):
         rms, worst_row = fp8_gemm_ref.w8a8_errors(side, exact)
         assert rms <= fp8_gemm_ref.W8A8_RMS_BOUND and worst_row <= fp8_gemm_ref.W8A8_ROW_BOUND

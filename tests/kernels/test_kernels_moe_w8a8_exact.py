@@ -1,14 +1,15 @@
 """The W8A8 fused MoE and its fp32 reference against the exact description
-(``fp8_gemm_ref.moe_fp8_w8a8_exact``: the same quantised x, every sum in fp64, the output
-unrounded), and the check that replaced the 1 % max-abs one (``w8a8_errors`` within
+(``fp8_gemm_ref.moe_fp8_w8a8(exact=True)``: the same quantised x, every sum in fp64, the
+output unrounded), and the check that replaced the 1 % max-abs one (``w8a8_errors`` within
 ``W8A8_RMS_BOUND`` / ``W8A8_ROW_BOUND``; the bounds' derivation: ``fp8_gemm_ref``).
 
 Oracles:
 - the kernel (under the interpreter, FP8 dots in fp32) and the reference (torch, fp32)
-  are written apart; the exact description is a third. Both sides sit at the output's
-  own bf16 rounding from it (the exact result rounded to bf16 is that floor): no side
-  adds error of its own on CPU, and the exact description is not off either (two
-  independent fp32 computations would not both land on a wrong one's floor);
+  are written apart; the exact description is the reference's definition run in fp64
+  (one loop, two precisions). Both sides sit at the output's own bf16 rounding from it
+  (the exact result rounded to bf16 is that floor): no side adds error of its own on
+  CPU, and the exact description is not off either (the kernel, written apart, would
+  not land on a wrong definition's floor);
 - the check's power: a quantiser that truncates instead of rounding, and one weight
   block's scale doubled (a localised bug), fail it; rounding noise in the gate / up sums
   of the size a reduced-precision accumulator leaves (1e-4 of each sum: the FP8 MMA's
@@ -56,7 +57,7 @@ def test_kernel_and_reference_sit_at_the_output_rounding_of_the_exact_descriptio
     rounding fit; a systematic error does not: the intermediate quantised from fp32, not
     bf16, is ~6x), and within the bounds."""
     ops = _operands(96, 256, 256, seed=1)
-    exact = fp8_gemm_ref.moe_fp8_w8a8_exact(*ops, block=BLOCK)
+    exact = fp8_gemm_ref.moe_fp8_w8a8(*ops, block=BLOCK, exact=True)
     floor = fp8_gemm_ref.w8a8_errors(exact.to(torch.bfloat16), exact)[0]
     assert 0 < floor <= 2.0**-7 / 12**0.5  # uniform over +-ulp / 2, ulp <= 2^-7
     got = fp8.moe_fp8(*ops, block=BLOCK, config=cfg, w8a8=True)
@@ -72,7 +73,7 @@ def test_the_check_rejects_truncation_and_a_wrong_block_scale(monkeypatch):
     the exact description of the true operands: both fail the check; as written, it
     passes."""
     ops = _operands(128, 512, 256, seed=2)
-    exact = fp8_gemm_ref.moe_fp8_w8a8_exact(*ops, block=BLOCK)
+    exact = fp8_gemm_ref.moe_fp8_w8a8(*ops, block=BLOCK, exact=True)
     assert _within(fp8_gemm_ref.moe_fp8_w8a8(*ops, block=BLOCK), exact)
     x, weights, ids, w1, s1, w2, s2 = ops
     wrong = s2.clone()
@@ -104,7 +105,7 @@ def test_accumulator_noise_fails_the_old_max_check_at_t_2048_but_not_the_rms_bou
     check, as the GPU run missed it: 1.16-1.26 %), yet its rms distance to the exact
     description stays within both bounds."""
     ops = _operands(2048, 1024, 512, seed=3)
-    exact = fp8_gemm_ref.moe_fp8_w8a8_exact(*ops, block=BLOCK)
+    exact = fp8_gemm_ref.moe_fp8_w8a8(*ops, block=BLOCK, exact=True)
     ref = fp8_gemm_ref.moe_fp8_w8a8(*ops, block=BLOCK)
     real, g = fp8_gemm_ref._act_fp32, torch.Generator().manual_seed(0)
 
@@ -122,7 +123,8 @@ def test_w8a8_errors_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match=r"same \(T, d\), got \(2, 3\) and \(3, 2\)"):
         fp8_gemm_ref.w8a8_errors(torch.zeros(2, 3), torch.zeros(3, 2))
     with pytest.raises(ValueError, match="must be bf16 or fp16"):
-        fp8_gemm_ref.moe_fp8_w8a8_exact(
+        fp8_gemm_ref.moe_fp8_w8a8(
             *(v.float() if i == 0 else v for i, v in enumerate(_operands(2, 128, 128))),
             block=BLOCK,
+            exact=True,
         )

@@ -15,7 +15,7 @@ dynamic scheme): each row of x split in groups of ``group`` columns, a group sca
 its largest |value| maps to the e4m3 maximum (448). ``fp8_linear_w8a8`` is that
 variant's reference: both operands quantised, then multiplied in fp32.
 ``moe_fp8_w8a8`` is the same scheme for the fused MoE over FP8 experts (the W8A8
-prefill variant of ``kernels/moe/fp8.py``).
+prefill variant of ``kernels/moe/fp8.py``), in fp32 or (``exact``) in fp64.
 """
 
 from __future__ import annotations
@@ -203,6 +203,16 @@ def _act_fp32(g: torch.Tensor, u: torch.Tensor, activation: str) -> torch.Tensor
     return (uc + 1) * (gc * torch.sigmoid(gc * 1.702))
 
 
+def _dequantize_at(q: torch.Tensor, scales: torch.Tensor, block, dtype) -> torch.Tensor:
+    """(N, K) fp8 codes and their fp32 block multipliers -> ``dtype``: fp32, one rounded
+    fp32 product each (``dequantize``'s); fp64, each element exact (an e4m3 value has 4
+    significant bits and an fp32 multiplier 24: the product fits 53)."""
+    bn, bk = block
+    n, k = q.shape
+    s = scales.to(dtype).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.float().to(dtype) * s  # fp8 -> fp32 -> dtype, each exact
+
+
 def moe_fp8_w8a8(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -215,94 +225,50 @@ def moe_fp8_w8a8(
     block: tuple[int, int],
     activation: str = "silu",
     with_act: bool = False,
+    exact: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The W8A8 fused MoE over FP8 experts (``moe_fp8``'s arguments; 16-bit x), from its
-    definition, in fp32 throughout:
+    definition:
 
         xd = x quantised per token and group of bk columns (``quantize_act``), dequantised
         per expert e, on its routed tokens' rows of xd:
-            g, u = xd @ Wgate_e^T, xd @ Wup_e^T        (W dequantised: ``dequantize_experts``)
+            g, u = xd @ Wgate_e^T, xd @ Wup_e^T        (W dequantised, each part blocked
+                                                        on its own)
             a    = act(g, u) rounded to x.dtype        (the kernel stores it so)
             ad   = a quantised per row and group of bk, dequantised
-            y    = (ad @ Wdown_e^T) * routing weight   (fp32)
-        out = sum over the token's k choices (fp32), cast to x.dtype.
+            y    = (ad @ Wdown_e^T) * routing weight
+        out = sum over the token's k choices.
 
-    One expert's fp32 weights at a time (the GPU benchmark's shapes fit); syncs the host
+    ``exact`` False (the kernel's reference): operands dequantised to fp32, every
+    product and sum in fp32, the (T, d) result cast to x.dtype. True (its exact
+    description): the same codes and scales dequantised exactly to fp64, every product
+    and sum in fp64, the result left in fp64, unrounded. The fp32 reference and the
+    kernel each sit at a distance from the exact one (their sums' rounding, then the
+    output's bf16 rounding): ``w8a8_errors`` measures it, ``W8A8_RMS_BOUND`` and
+    ``W8A8_ROW_BOUND`` bound it.
+
+    One expert's weights at a time (the GPU benchmark's shapes fit); syncs the host
     (``torch.where`` per expert): a reference, never on the engine's path. ``with_act``:
-    also each assignment's activation ``a`` (T * k, I) (as ``moe_fp8_w8a8_exact``'s)."""
+    also the activation each assignment t * k + j quantises, (T * k, I) in x.dtype (a
+    diagnostic: where a side's codes move)."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
             f"moe_fp8_w8a8: x must be bf16 or fp16 (W8A8 is a 16-bit path), got {x.dtype}"
         )
-    bk = block[1]
-    parts = 1 if activation == "relu2" else 2
+    dtype = torch.float64 if exact else torch.float32
+    bk, parts = block[1], 1 if activation == "relu2" else 2
+    rows1 = w1.shape[1]
     xq, xs = quantize_act(x, bk)
-    xd = dequantize(xq, xs, (1, bk))
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xd = _dequantize_at(xq, xs, (1, bk), dtype)
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
     k = topk_ids.shape[1]
     acts = x.new_zeros(x.shape[0] * k, w2.shape[2]) if with_act else None
     for e in range(w1.shape[0]):
         token, slot = torch.where(topk_ids == e)
         if not token.numel():
             continue
-        wa = dequantize_experts(w1[e : e + 1], w1_scale[e : e + 1], parts, block, torch.float32)[0]
-        wb = dequantize_experts(w2[e : e + 1], w2_scale[e : e + 1], 1, block, torch.float32)[0]
-        gu = xd[token] @ wa.t()
-        g, u = (gu, gu) if parts == 1 else gu.chunk(2, dim=-1)
-        a = _act_fp32(g, u, activation).to(x.dtype)
-        if acts is not None:
-            acts[token * k + slot] = a
-        aq, as_ = quantize_act(a, bk)
-        y = dequantize(aq, as_, (1, bk)) @ wb.t()
-        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
-    return (out.to(x.dtype), acts) if with_act else out.to(x.dtype)
-
-
-def _dequantize64(q: torch.Tensor, scales: torch.Tensor, block) -> torch.Tensor:
-    """(N, K) fp8 codes and their fp32 block multipliers -> fp64, each element exact (an
-    e4m3 value has 4 significant bits and an fp32 multiplier 24: the product fits 53)."""
-    bn, bk = block
-    n, k = q.shape
-    s = scales.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.float().double() * s  # fp8 -> fp32 -> fp64, each exact
-
-
-def moe_fp8_w8a8_exact(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w1: torch.Tensor,
-    w1_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    *,
-    block: tuple[int, int],
-    activation: str = "silu",
-    with_act: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``moe_fp8_w8a8``'s definition with every sum exact: the same quantised x (codes
-    and scales of ``quantize_act``), every product and sum in fp64 over the exactly
-    dequantised operands, the activation rounded to x.dtype and quantised as the
-    definition says, and the (T, d) result left in fp64, unrounded. The fp32 reference
-    and the kernel each sit at a distance from it (their sums' rounding, then the
-    output's bf16 rounding): ``w8a8_errors`` measures it, ``W8A8_RMS_BOUND`` and
-    ``W8A8_ROW_BOUND`` bound it. ``with_act``: also the activation each assignment t * k +
-    j quantises, (T * k, I) in x.dtype (a diagnostic: where a side's codes move)."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"moe_fp8_w8a8_exact: x must be bf16 or fp16, got {x.dtype}")
-    bk, parts = block[1], 1 if activation == "relu2" else 2
-    e_all, rows1 = w1.shape[0], w1.shape[1]
-    xq, xs = quantize_act(x, bk)
-    xd = _dequantize64(xq, xs, (1, bk))
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    k, inter = topk_ids.shape[1], w2.shape[2]
-    acts = torch.zeros(x.shape[0] * k, inter, dtype=x.dtype, device=x.device) if with_act else None
-    for e in range(e_all):
-        token, slot = torch.where(topk_ids == e)
-        if not token.numel():
-            continue
         s1 = w1_scale[e].view(parts, -1, w1_scale.shape[-1])  # each part blocked on its own
-        wa = torch.cat([_dequantize64(p, s, block) for p, s in
+        wa = torch.cat([_dequantize_at(p, s, block, dtype) for p, s in
                         zip(w1[e].view(parts, rows1 // parts, -1), s1, strict=True)])  # fmt: skip
         gu = xd[token] @ wa.t()
         g, u = (gu, gu) if parts == 1 else gu.chunk(2, dim=-1)
@@ -310,12 +276,14 @@ def moe_fp8_w8a8_exact(
         if acts is not None:
             acts[token * k + slot] = a
         aq, a_s = quantize_act(a, bk)
-        y = _dequantize64(aq, a_s, (1, bk)) @ _dequantize64(w2[e], w2_scale[e], block).t()
-        out.index_add_(0, token, y * topk_weights[token, slot, None].double())
-    return (out, acts) if with_act else out
+        wb = _dequantize_at(w2[e], w2_scale[e], block, dtype)
+        y = _dequantize_at(aq, a_s, (1, bk), dtype) @ wb.t()
+        out.index_add_(0, token, y * topk_weights[token, slot, None].to(dtype))
+    out = out if exact else out.to(x.dtype)
+    return (out, acts) if acts is not None else out
 
 
-# The W8A8 MoE's distance to its exact description (``moe_fp8_w8a8_exact``), as relative
+# The W8A8 MoE's distance to its exact description (``moe_fp8_w8a8(exact=True)``), as relative
 # rms: ||got - exact|| / ||exact|| over the whole (T, d) output, and over each row. Sources:
 # - the output's rounding to bf16: an error uniform over +-ulp / 2, ulp <= 2^-7 of the
 #   element, so rms <= 2^-7 / sqrt(12) = 2.3e-3 of the output (observed 1.7e-3);
