@@ -108,3 +108,34 @@ def test_the_view_reads_the_books_and_the_request_table():
     with pytest.raises(KeyError, match="no sub-pool 'nope'"):
         alloc.view.live_pages("nope")
     alloc.check_integrity()
+
+
+def test_the_view_reads_allocated_lengths():
+    """``allocated_lens`` against the lengths the verbs were asked for (extend adds,
+    ``truncate`` sets, a freed slot reopens empty) and, page by page, against the
+    virtual pages each request owns (``ceil(len / PS)``). Asked in any order; a copy."""
+    _, alloc = build("full+swa", PS, requests=4, context=10 * PS)
+    slots = np.array([alloc.new_request() for _ in range(3)])
+    want = dict.fromkeys(slots.tolist(), 0)
+
+    def check(ask: np.ndarray) -> None:
+        got = alloc.view.allocated_lens(ask)
+        assert got.dtype == np.int64 and got.tolist() == [want[s] for s in ask.tolist()]
+        owner = alloc.parts.vspace.owner
+        assert [int((owner == s).sum()) for s in ask.tolist()] == (-(-got // PS)).tolist()
+
+    alloc.alloc_extend(slots, np.zeros(3, np.int64), np.array([9, 4, 10]))
+    want.update(zip(slots.tolist(), [9, 4, 10], strict=True))
+    check(slots[[2, 0, 1]])
+    alloc.truncate(slots[2:], np.array([5]))
+    want[int(slots[2])] = 5
+    check(slots)
+    alloc.view.allocated_lens(slots)[:] = 99  # a copy: the allocator's table is untouched
+    check(slots)
+    alloc.free_request(int(slots[0]))
+    alloc.alloc_extend(slots[1:2], np.array([4]), np.array([3]))
+    want[int(slots[1])] = 7
+    again = alloc.new_request()
+    assert again == slots[0]
+    want[again] = 0
+    check(np.array([slots[2], again, slots[1]]))

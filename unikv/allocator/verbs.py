@@ -379,6 +379,12 @@ class AllocatorView:
             )
         return slots, starts, counts
 
+    def allocated_lens(self, slots: np.ndarray) -> np.ndarray:
+        """(B,) int64 tokens each of requests ``slots`` (host ints) holds now: its
+        allocated length (``alloc_extend`` raises it, ``truncate`` cuts it), read
+        from the host table (a copy; no device read)."""
+        return self._requests.lens[np.asarray(slots, np.int64)]
+
     @property
     def max_context(self) -> int:
         """Tokens a request may hold (the columns of ``req_to_token``)."""

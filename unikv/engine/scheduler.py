@@ -203,7 +203,7 @@ class Scheduler:
                     return d.prefilling
             elif self.spec is not None and self._pure_decode(d):  # the rule kept it plain
                 self.spec.counters.skipped_by_batch_size += 1
-            if self.verify_rows is not None and self.verify_rows.held:  # (rows held ahead)
+            if self.verify_rows is not None and self.verify_rows.pending:  # (rows held ahead)
                 self.verify_rows.trim(d.decoding)
             out = self.tables
             step = self.alloc.decode_step(
@@ -228,9 +228,7 @@ class Scheduler:
             return False  # no drafts: the plain engine's decode step
         rows = self.verify_rows
         if rows is not None:  # pages held ahead: an extend only where a page ends
-            found = self.spec.drafts(
-                d.decoding, lambda n: rows.allocate(d.decoding, d.slots, d.lens, n)
-            )
+            found = self.spec.drafts(d.decoding, lambda n: rows.allocate(d.slots, d.lens, n))
         else:
             found = self.spec.drafts(
                 d.decoding, lambda n: self.alloc.alloc_extend(d.slots, d.lens, n)
@@ -321,8 +319,6 @@ class Scheduler:
         ``Speculator.release``)."""
         if self.spec is not None:
             self.spec.release(r, self.prefix.enabled or preempted)
-            if self.verify_rows is not None:
-                self.verify_rows.forget(r)
         self.prefix.share(r)
 
     def release(self, done: list[Request]) -> None:
@@ -482,8 +478,7 @@ class Scheduler:
         cut = rows < fed  # requests that rejected a draft (at full acceptance: nothing to do)
         state_rows = rows[cut] - 1 if self.state_slots > 1 else None
         if cut.any() and self.verify_rows is not None:  # cut to the kept rows' page end
-            self.verify_rows.trim_after([r for r, c in zip(reqs, cut) if c], slots[cut], keep[cut],
-                                        state_rows)  # fmt: skip
+            self.verify_rows.trim_after(slots[cut], keep[cut], state_rows)
         elif cut.any() and self.state_slots > 1:  # and the state after the last kept row
             self.alloc.truncate(slots[cut], keep[cut], state_rows=rows[cut] - 1)
         elif cut.any():

@@ -12,14 +12,15 @@ step the rejected rows are cut back to the end of the page the kept ones end in
 (``trim_after``): the pages freed are the ones cutting to the kept rows frees, so
 the pool holds no page more than without this, under pressure too.
 
-The allocator's length of such a request is ``held_b`` (>= ``num_cached``): rows
-past ``num_cached`` are a rejected draft's or unwritten, never read (attention
-reads ``seq_len`` rows) and rewritten by the next step's. Before the request's
-next step that is not a verify step (a plain decode step, whose allocator verb
-wants its length at ``num_cached``) the rows are cut to ``num_cached`` (``trim``);
-a request that leaves (finish, preemption) frees every page
-anyway (``forget``). Steps planned ahead (``ahead.py``) allocate past the step in
-flight themselves: with ``pipeline`` on, nothing is held ahead.
+``held_b`` is the allocator's length of the request (``alloc.view.allocated_lens``:
+nothing is kept here), >= ``num_cached``: rows past ``num_cached`` are a rejected
+draft's or unwritten, never read (attention reads ``seq_len`` rows) and rewritten by
+the next step's. Before the request's next step that is not a verify step (a plain
+decode step, whose allocator verb wants its length at ``num_cached``) the rows are
+cut to ``num_cached`` (``trim``, after a verify step: ``pending``); a request that
+leaves (finish, preemption) frees every page anyway. Steps planned ahead
+(``ahead.py``) allocate past the step in flight themselves: with ``pipeline`` on,
+nothing is held ahead.
 """
 
 from __future__ import annotations
@@ -59,30 +60,29 @@ class HostRows:
 
 
 class VerifyRows:
-    """The rows each request holds (``held``: request id -> the allocator's length
-    for it, set by its verify steps, dropped by ``trim`` and ``forget``)."""
+    """The verify rows each request holds past ``num_cached`` (the allocator's length
+    of it, read through ``alloc.view``): minted a page at a time, cut after a step's
+    rejections and before a plain step."""
 
     def __init__(self, alloc) -> None:
         self.alloc = alloc
-        self.page_size = alloc.view.roles.page_size
-        self.max_context = alloc.view.max_context
-        self.held: dict[int, int] = {}
+        self.view = alloc.view
+        self.page_size = self.view.roles.page_size
+        self.max_context = self.view.max_context
         self.extends = 0  # allocator extends run for verify rows (the tests' spy)
+        self.pending = False  # a verify step allocated since the last ``trim``
 
     def _page_end(self, rows: np.ndarray) -> np.ndarray:
         ps = self.page_size
         return np.minimum(-(-rows // ps) * ps, self.max_context)
 
-    def allocate(self, requests, slots: np.ndarray, lens: np.ndarray, num_new: np.ndarray):
-        """The virtual ids of rows ``[lens_b, lens_b + num_new_b)`` of each request (a
-        verify step's, request by request: ``HostRows``), pages minted only where
-        they pass the rows held; None when the pool cannot hold them (nothing changed)."""
-        held = self.held
-        have = np.fromiter(
-            (held.get(r.request_id, n) for r, n in zip(requests, lens.tolist())),
-            np.int64,
-            len(requests),
-        )
+    def allocate(self, slots: np.ndarray, lens: np.ndarray, num_new: np.ndarray):
+        """The virtual ids of rows ``[lens_b, lens_b + num_new_b)`` of each request
+        ``slots_b`` (a verify step's, request by request: ``HostRows``), pages minted
+        only where they pass the rows held; None when the pool cannot hold them
+        (nothing changed)."""
+        view = self.view
+        have = view.allocated_lens(slots)
         need = lens + num_new
         short = need > have
         if short.any():
@@ -91,34 +91,23 @@ class VerifyRows:
             if grown is None:
                 return None
             self.extends += 1
-            have = np.where(short, target, have)
-        for r, h in zip(requests, have.tolist()):
-            held[r.request_id] = h
-        view = self.alloc.view
+        self.pending = True
         return HostRows(view.row_vids(slots, lens, num_new), view)
 
-    def trim_after(self, requests, slots: np.ndarray, keep: np.ndarray, state_rows=None) -> None:
-        """After a verify step: ``requests`` (``slots``) kept ``keep`` rows and rejected
-        some; their rows are cut to the end of the page the kept ones end in (the
-        pages a cut to ``keep`` frees; ``state_rows``: ``alloc.truncate``'s)."""
-        held = self.held
-        have = np.fromiter((held[r.request_id] for r in requests), np.int64, len(requests))
-        lens = np.minimum(self._page_end(keep), have)
+    def trim_after(self, slots: np.ndarray, keep: np.ndarray, state_rows=None) -> None:
+        """After a verify step: requests ``slots`` kept ``keep`` rows and rejected some;
+        their rows are cut to the end of the page the kept ones end in (the pages a
+        cut to ``keep`` frees; ``state_rows``: ``alloc.truncate``'s)."""
+        lens = np.minimum(self._page_end(keep), self.view.allocated_lens(slots))
         self.alloc.truncate(slots, lens, state_rows=state_rows)
-        for r, h in zip(requests, lens.tolist()):
-            held[r.request_id] = h
 
     def trim(self, requests) -> None:
         """Before a step that is not a verify step: the held rows of ``requests`` cut to
         ``num_cached`` (a page freed only where ``num_cached`` is a page end: the
         step's own token then takes a new one, as without held rows)."""
-        held = self.held
-        over = [r for r in requests if held.pop(r.request_id, r.num_cached) > r.num_cached]
-        if over:
-            slots = np.fromiter((r.slot for r in over), np.int64, len(over))
-            lens = np.fromiter((r.num_cached for r in over), np.int64, len(over))
-            self.alloc.truncate(slots, lens)
-
-    def forget(self, r) -> None:
-        """``r`` leaves the running set (its pages are freed with it)."""
-        self.held.pop(r.request_id, None)
+        self.pending = False
+        slots = np.fromiter((r.slot for r in requests), np.int64, len(requests))
+        cached = np.fromiter((r.num_cached for r in requests), np.int64, len(requests))
+        over = self.view.allocated_lens(slots) > cached
+        if over.any():
+            self.alloc.truncate(slots[over], cached[over])
