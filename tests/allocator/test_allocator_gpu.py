@@ -85,6 +85,34 @@ def test_pinned_ring_never_overwrites_a_queued_upload():
         assert np.array_equal(g.cpu().numpy(), a.astype(np.int32))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_ring_wide_uploads_hold_int64():
+    """``wide`` uploads (int64 in the slot's words, values past int32) mixed with int32
+    ones and concatenated lists, more than the ring holds and some larger than a
+    slot, queued behind a long kernel: each device tensor has its dtype and its own
+    values afterwards."""
+    from unikv.allocator.device import PinnedRing
+
+    ring = PinnedRing(torch.device("cuda"), slots=4, capacity=8)
+    rng = np.random.default_rng(1)
+    cases = []
+    for i in range(60):
+        wide, size = i % 3 != 0, int(rng.integers(0, 24))
+        top = 2**40 if wide else 2**31
+        parts = [rng.integers(-top, top, size), rng.integers(0, 99, i % 5)]
+        cases.append((wide, parts if i % 2 else np.concatenate(parts)))
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64  # keep the stream busy while uploads queue up
+    got = [ring(a if isinstance(a, np.ndarray) else list(a), wide=w) for w, a in cases]
+    torch.cuda.synchronize()
+    for (wide, a), g in zip(cases, got, strict=True):
+        want = np.concatenate(a) if isinstance(a, list) else a
+        assert g.dtype == (torch.int64 if wide else torch.int32)
+        assert np.array_equal(g.cpu().numpy(), want.astype(np.int64 if wide else np.int32))
+
+
 def _gpu_chain(ps, batch, context):
     configs = [
         SubPoolConfig("full", MHASpec(2, 2, 16), page_size=ps),

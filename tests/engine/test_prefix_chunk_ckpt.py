@@ -127,6 +127,29 @@ def _request(alloc: PoolAllocator, tokens: int) -> int:
     return slot
 
 
+def test_checkpoint_slots_come_up_as_int64_in_one_upload():
+    """``checkpoint_slots`` (each prefill step with a reservation): the padded (rows,)
+    slots are the one tensor the allocator's uploader returns, int64 already (no
+    widening copy after it), holding the reserved physical slot and the sink."""
+    alloc = _alloc()
+    a = _request(alloc, 9)
+    assert alloc.prefix.reserve_checkpoint(a, 8)
+    writer, uploads = alloc.parts.writer, []
+    real = writer.upload
+
+    def spy(array, wide=False):
+        uploads.append((wide, real(array, wide=wide)))
+        return uploads[-1][1]
+
+    writer.upload = spy
+    slots = alloc.prefix.checkpoint_slots(np.array([a]), np.array([8]), 3)
+    states = alloc.parts.prefix.states
+    want = int(states.book.physical(np.array([states.direct[a][0]], np.int32))[0])
+    assert slots.dtype == torch.int64 and slots.tolist() == [want, 0, 0]
+    assert len(uploads) == 1 and uploads[0][0]
+    assert slots is uploads[0][1], "a copy after the upload"
+
+
 def test_an_unadopted_or_orphaned_reservation_is_released():
     alloc = _alloc()
     states = alloc.parts.prefix.states

@@ -17,8 +17,7 @@ pageable host-to-device copy).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -26,22 +25,31 @@ import torch
 from unikv.env import FLAGS
 from unikv.kernels.runtime.private import current_raw_stream, record_event
 
-Uploader = Callable[[np.ndarray | list], torch.Tensor]
+
+class Uploader(Protocol):
+    """``upload(array, wide=False)``: a (n,) host integer array, or a list of them
+    (concatenated), to a (n,) int32 tensor on the device (``wide``: int64, in the
+    same one copy: e.g. an index no kernel then widens)."""
+
+    def __call__(self, array: np.ndarray | list, wide: bool = False) -> torch.Tensor: ...
+
+
 # CUDA: uploads on a side stream the caller's stream waits for (UNIKV_SIDE_UPLOAD=0: on
 # the caller's stream; fixed at import, the A/B switch)
 SIDE_COPY = FLAGS.side_upload
 
 
 def make_uploader(device: torch.device) -> Uploader:
-    """Return ``upload(array) -> tensor``: a (n,) host integer array, or a list of
-    them (concatenated), to a (n,) int32 tensor on ``device``. The uploader takes
-    ownership of ``array`` (pass a fresh array; on CPU the tensor shares its memory)."""
+    """Return an ``Uploader`` for ``device``: ``upload(array, wide=False) -> tensor``. It
+    takes ownership of ``array`` (pass a fresh array; on CPU the tensor shares its
+    memory)."""
     device = torch.device(device)
 
-    def upload_cpu(array: np.ndarray | list) -> torch.Tensor:
+    def upload_cpu(array: np.ndarray | list, wide: bool = False) -> torch.Tensor:
+        dtype = np.int64 if wide else np.int32
         if isinstance(array, list):
-            return torch.from_numpy(np.concatenate(array, dtype=np.int32, casting="unsafe"))
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+            return torch.from_numpy(np.concatenate(array, dtype=dtype, casting="unsafe"))
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=dtype))
 
     return PinnedRing(device) if device.type == "cuda" else upload_cpu
 
@@ -50,8 +58,8 @@ class PinnedRing:
     """CUDA uploader: ``slots`` reused pinned int32 buffers, one event each.
 
     A call copies the array into the next slot (numpy, no allocation unless the
-    slot is too small), enqueues an async copy into a fresh device tensor and
-    records the slot's event. Before a slot is rewritten its event is queried;
+    slot is too small; ``wide``: as int64, two of the slot's int32 words each),
+    enqueues an async copy into a fresh device tensor and records the slot's event. Before a slot is rewritten its event is queried;
     only when it has not fired (all ``slots`` uploads still queued) does the
     call wait for it."""
 
@@ -72,7 +80,7 @@ class PinnedRing:
         self._stream: Any = None  # ... and as the Stream object events record on
         self._side = torch.cuda.Stream(self.device) if SIDE_COPY else None
 
-    def __call__(self, array: np.ndarray | list) -> torch.Tensor:
+    def __call__(self, array: np.ndarray | list, wide: bool = False) -> torch.Tensor:
         i = self.next
         self.next = (i + 1) % len(self.pinned)
         event = self.events[i]
@@ -80,26 +88,30 @@ class PinnedRing:
             event.synchronize()  # ring exhausted: the copy from this slot is still queued
         parts = array if isinstance(array, list) else None
         n = sum(map(len, parts)) if parts is not None else len(array)
-        if n > len(self.views[i]):  # rare: grow this slot (the old block is freed
+        words = 2 * n if wide else n  # int32 words of the slot it fills
+        if words > len(self.views[i]):  # rare: grow this slot (the old block is freed
             # by PyTorch's caching host allocator only after its recorded copies ran)
-            size = max(n, 2 * len(self.views[i]))
+            size = max(words, 2 * len(self.views[i]))
             self.pinned[i] = torch.empty(size, dtype=torch.int32, pin_memory=True)
             self.views[i] = self.pinned[i].numpy()
+        view, staged = self.views[i][:words], self.pinned[i][:words]
+        if wide:  # the slot's first bytes as int64 (a pinned block starts aligned)
+            view, staged = view.view(np.int64), staged.view(torch.int64)
         if parts is not None:  # concatenated straight into the pinned slot
-            np.concatenate(parts, out=self.views[i][:n], casting="unsafe")
+            np.concatenate(parts, out=view, casting="unsafe")
         else:
-            self.views[i][:n] = array  # casts to int32
+            view[:] = array  # casts to the slot's dtype
         if event is None:
             event = self.events[i] = torch.cuda.Event()
         raw = current_raw_stream(self._index)
         if raw != self._raw:  # torch.cuda.current_stream() costs microseconds: only on change
             self._raw, self._stream = raw, torch.cuda.current_stream(self.device)
         if self._side is None:
-            out = self.pinned[i][:n].to(self.device, non_blocking=True)
+            out = staged.to(self.device, non_blocking=True)
             record_event(event, self._stream)  # the stream of the copy
             return out
         with torch.cuda.stream(self._side):  # out from the side stream's blocks: no
-            out = self.pinned[i][:n].to(self.device, non_blocking=True)  # pending reader
+            out = staged.to(self.device, non_blocking=True)  # pending reader
             record_event(event, self._side)
         self._stream.wait_event(event)  # the caller's work after this sees the copy
         out.record_stream(self._stream)  # not reused before the caller's stream used it

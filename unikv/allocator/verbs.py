@@ -169,7 +169,7 @@ class PrefixVerbs:
             return None
         out = np.zeros(rows, np.int64)
         out[: len(found)] = found
-        return self._cache.writer.upload(out).long()
+        return self._cache.writer.upload(out, wide=True)  # int64 in the one copy
 
     def demote_checkpoint(
         self,
