@@ -40,6 +40,7 @@ from unikv.kernels.attention.protocols import (
     PlanExtend,
     RopeStoreDecodeAttention,
     RopeStoreKV,
+    StoreDecodeAttention,
     StoreKV,
 )
 from unikv.kernels.linear.protocols import (
@@ -81,7 +82,7 @@ from unikv.kernels.tables.protocols import (
 )
 
 KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
-          "extend_attention", "copy_pages")  # fmt: skip
+          "store_decode_attention", "extend_attention", "copy_pages")  # fmt: skip
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
 STEP_OPS = ("prepare_step", "plan_decode", "plan_extend", "plan_rows")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
@@ -127,6 +128,7 @@ class KernelBackend:
     rope_store_kv: RopeStoreKV
     decode_attention: DecodeAttention
     rope_store_decode_attention: RopeStoreDecodeAttention
+    store_decode_attention: StoreDecodeAttention
     extend_attention: ExtendAttention
     copy_pages: CopyPages
     build_block_table: BuildBlockTable
@@ -457,6 +459,7 @@ def _triton(flags: Flags) -> KernelBackend:
         rope_store_kv=rope_store.rope_store_kv,
         decode_attention=decode.decode_attention,
         rope_store_decode_attention=decode.rope_store_decode_attention,
+        store_decode_attention=decode.store_decode_attention,
         extend_attention=extend_op,
         copy_pages=page_copy.copy_pages,
         build_block_table=block_table.build_block_table,
@@ -502,6 +505,7 @@ def _torch() -> KernelBackend:
         rope_store_kv=reference.rope_store_kv,
         decode_attention=reference.decode_attention,
         rope_store_decode_attention=reference.rope_store_decode_attention,
+        store_decode_attention=reference.store_decode_attention,
         extend_attention=reference.extend_attention,
         copy_pages=reference.copy_pages,
         build_block_table=reference.build_block_table,
