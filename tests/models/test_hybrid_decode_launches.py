@@ -1,6 +1,6 @@
 """The launches one decode step makes per hybrid layer (Qwen3.5's Gated DeltaNet and
-gated-attention layers, NemotronH's Mamba-2, attention and MLP blocks), counted by a
-CPU spy over a real engine step.
+gated-attention layers, NemotronH's Mamba-2, attention and MLP blocks) and per DeepSeek
+MLA layer, counted by a CPU spy over a real engine step.
 
 The engine runs the Triton backend (TRITON_INTERPRET=1 on the CPU). Inside the decode
 step of one request, every Triton kernel run (the interpreter's ``run``) and every
@@ -28,6 +28,12 @@ derived parameter recomputed each step) fails here with the list it found:
     NemotronH MLP block  norm (+ residual), up GEMM, relu(up) ** 2, down GEMM: 4 (before:
         relu and square: 5).
 
+    DeepSeek MLA layer (a dense MLP)  pre-norm (+ residual), the q / q_a|kv_a GEMMs (V3:
+        the q_a norm, q_b GEMM), the latent norm, rope of q's and k's pair dims
+        (``rope_pairs``), W_UK bmm, latent store, MLA decode, W_UV bmm, o_proj GEMM,
+        post-norm, gate|up GEMM, SiLU-mul, down GEMM: V2 14, V3 15 (before: the pair rope
+        in torch ops, two table gathers and seven ops each for q and k: 29, 30).
+
 On a GPU a one-request step's pre-norm runs inside the GEMV after it; on the CPU the
 norm and the GEMM are two launches (both counted here).
 """
@@ -38,7 +44,12 @@ from collections import Counter
 
 import pytest
 import torch
-from engine_fixtures import one_thread, save_tiny_hybrid, save_tiny_nemotron_h  # noqa: F401
+from engine_fixtures import (  # noqa: F401  (one_thread: a fixture)
+    one_thread,
+    save_tiny_deepseek,
+    save_tiny_hybrid,
+    save_tiny_nemotron_h,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import interpreter
 
@@ -60,6 +71,9 @@ GATED_ATTENTION_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2,
                                  "triton._act_mul_kernel": 1})  # fmt: skip
 ATTENTION_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
                            "triton._decode_split_kernel": 1})  # fmt: skip
+MLA_LAYER = Counter({"aten.linear": 5, "aten.bmm": 2, "triton._rms_norm_kernel": 3,
+                     "triton._rope_pairs_kernel": 1, "triton._store_kv_kernel": 1,
+                     "triton._split_kernel": 1, "triton._act_mul_kernel": 1})  # fmt: skip
 MLP_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
                      "triton._relu_square_kernel": 1})  # fmt: skip
 
@@ -134,3 +148,10 @@ def test_nemotron_h_blocks(tmp_path, monkeypatch, kind, want):
     pattern = "M*M-*-"  # each kind measured where it follows another block
     save_tiny_nemotron_h(str(tmp_path), pattern)
     assert decode_launches(str(tmp_path), pattern.index(kind, 1), monkeypatch) == want
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_deepseek_mla_layer(tmp_path, monkeypatch, version):
+    save_tiny_deepseek(version, str(tmp_path), first_k_dense_replace=2)  # layer 1: dense
+    want = MLA_LAYER + Counter({"triton._rms_norm_kernel": version - 2})  # V3: q_a's norm
+    assert decode_launches(str(tmp_path), 1, monkeypatch) == want
