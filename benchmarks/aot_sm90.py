@@ -285,7 +285,7 @@ def step_kernels() -> dict[str, tuple]:
     """The rest of one request's decode chain at the Llama-3.2-1B shape (32 / 8 heads,
     head dim 64, page 16, bf16), each as the Hopper launch compiles it (PDL on): rope +
     store, the decode split (and with rope + store inside, and with the pre-wait loads
-    of one request's step too), its merge, the argmax's chunk and merge, and the fused argmax's finish."""
+    of one request's step too, with or without the rope), its merge, the argmax's chunk and merge, and the fused argmax's finish."""
     from unikv.kernels.attention import decode, rope_store
     from unikv.kernels.linear import argmax
 
@@ -310,7 +310,7 @@ def step_kernels() -> dict[str, tuple]:
                   "PAGE_SIZE": 16, "BLOCK_N": block_n, "NUM_SPLITS": 64, "HAS_WINDOW": False,
                   "HAS_SINKS": False, "HAS_CAP": False, "NUM_STAGES": stages,
                   "PRECISION": "tf32", "ROPE": False, "PDL": True,
-                  "PRELOAD": False}  # fmt: skip
+                  "PRELOAD": False, "STORE": False}  # fmt: skip
     rope_split = {**split_cons, "ROPE": True}
     merge = {"ws_acc": "*fp32", "ws_lse": "*fp32", "sinks": "*fp32", "out": bf16,
              "o_sb": 2048, "o_sh": 64, "HQ": 32}  # fmt: skip
@@ -331,6 +331,14 @@ def step_kernels() -> dict[str, tuple]:
             decode._decode_split_kernel,
             split,
             {**rope_split, "PRELOAD": True},
+            warps,
+            stages,
+        ),
+        # the K/V store without rope inside (NemotronH's attention), one request's step
+        "decode_split_store_preload": (
+            decode._decode_split_kernel,
+            split,
+            {**split_cons, "STORE": True, "PRELOAD": True},
             warps,
             stages,
         ),

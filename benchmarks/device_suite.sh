@@ -52,6 +52,7 @@ lane 480 tests/models/test_models_fp8.py tests/kernels/test_kernels_moe.py tests
 lane 480 tests/kernels/test_kernels_recurrent_ckpt.py tests/kernels/test_kernels_recurrent_gpu.py tests/engine/test_engine_long_prefill_gpu.py \
   tests/engine/test_engine_fp8_kv.py tests/kernels/test_kernels_conv_gpu.py &
 lane 480 tests/kernels/test_kernels_rope_decode.py tests/kernels/test_kernels_decode_preload_gpu.py \
+  tests/kernels/test_kernels_store_decode.py tests/kernels/test_kernels_rope_pairs.py \
   tests/kernels/test_kernels_moe_hopper.py tests/kernels/test_kernels_extend_hopper.py &
 fi
 wait

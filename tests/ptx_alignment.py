@@ -273,7 +273,7 @@ def mha_cases():
                         stride,
                         item,
                     )
-                    for rope in (False, True):
+                    for rope, store_row in ((False, False), (True, False), (False, True)):
                         vals = _generic(
                             decode._decode_split_kernel,
                             t,
@@ -281,8 +281,9 @@ def mha_cases():
                             stride,
                             {"window": 0, "HALF": dim // 2},
                         )
+                        tag = "_rope" if rope else "_store" if store_row else ""
                         yield (
-                            f"decode{'_rope' if rope else ''}/{dt}/d{dim}/ps{ps}",
+                            f"decode{tag}/{dt}/d{dim}/ps{ps}",
                             decode._decode_split_kernel,
                             vals,
                             cx(
@@ -303,6 +304,7 @@ def mha_cases():
                                 ROPE=rope,
                                 PDL=False,
                                 PRELOAD=False,
+                                STORE=store_row,
                             ),
                             4,
                             stride,

@@ -1,6 +1,7 @@
 """The pre-wait loads of one request's decode attention on the GPU, in the chain they
 run in: a PDL GEMV writes the step's q / k / v (its pre-norm inside, as the engine
-runs it), then the attention (rope + store inside) waits for it. With
+runs it), then the attention (rope + store inside, or the store alone: attention
+without rope) waits for it. With
 and without the preload, call after call and in a CUDA graph, the output and the
 pool are the same bytes; the new rows are NaN before the first call."""
 
@@ -19,8 +20,9 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("rope", [True, False])
 @pytest.mark.parametrize("lens", [[644], [1, 300, 17, 4096], [5000]])
-def test_preload_on_the_gpu_writes_the_same_bytes(lens):
+def test_preload_on_the_gpu_writes_the_same_bytes(lens, rope):
     cuda = get_backend("cuda")
     b = len(lens)
     gen = torch.Generator().manual_seed(6)
@@ -33,10 +35,14 @@ def test_preload_on_the_gpu_writes_the_same_bytes(lens):
     def step(case, ids, preload, out):
         qkv, _ = gemv.gemv(x, w, norm=(None, nw, 1e-5, 0.0))  # writes q / k / v under PDL
         q, k, v = qkv.split([2048, 512, 512], dim=-1)
+        q, k, v = q.view(b, 32, 64), k.view(b, 8, 64), v.view(b, 8, 64)
+        kw = {"page_size": 16, "sm_scale": 0.125, "preload": preload, "out": out}
+        if not rope:
+            return cuda.store_decode_attention(case.k_cache, case.v_cache, ids, q, k, v,
+                                               case.block_table, case.seq_lens, **kw)  # fmt: skip
         return cuda.rope_store_decode_attention(
-            case.k_cache, case.v_cache, ids, q.view(b, 32, 64), k.view(b, 8, 64),
-            v.view(b, 8, 64), cos, sin, pos, case.block_table, case.seq_lens, page_size=16,
-            sm_scale=0.125, preload=preload, out=out,
+            case.k_cache, case.v_cache, ids, q, k, v, cos, sin, pos, case.block_table,
+            case.seq_lens, **kw,
         )  # fmt: skip
 
     last = torch.tensor(lens) - 1

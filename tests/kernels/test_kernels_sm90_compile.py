@@ -107,21 +107,25 @@ def _keeps_pdl_contract(result: dict, trigger: bool) -> bool:
 
 def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
     """The rest of one request's decode chain (rope + store, the decode split, alone,
-    with rope + store inside, and with the pre-wait loads too, its merge, the argmax's
+    with rope + store inside, and with the pre-wait loads too, with or without the rope,
+    its merge, the argmax's
     two launches and the fused argmax's finish), compiled with PDL on for sm_90a: each
     program waits before its first global load or store, and the kernels a next one
     follows trigger only after that wait (the argmax's merge and finish, last of the
     step, do not)."""
     results = _compiled("--step", tmp_path)
     names = ["argmax_chunk", "argmax_finish", "argmax_merge", "decode_merge", "decode_split",
-             "decode_split_rope", "decode_split_rope_preload", "rope_store"]  # fmt: skip
+             "decode_split_rope", "decode_split_rope_preload", "decode_split_store_preload",
+             "rope_store"]  # fmt: skip
     assert sorted(results) == names
     # one request's step loads its split's range and first tile before the wait
-    # (decode.PRELOAD, pdl.py's step 1 exception) and stores nothing there
-    pre = results.pop("decode_split_rope_preload")
-    assert pre["loads_before_wait"] > 0 and pre["stores_before_wait"] == 0, pre
-    assert pre["pdl_wait"] == 1 and pre["pdl_trigger"] == 1 and not pre["trigger_before_wait"]
-    assert not pre["spill_bytes"], pre
+    # (decode.PRELOAD, pdl.py's step 1 exception) and stores nothing there (the new
+    # K/V row, rotated or not, is stored after it)
+    for name in ("decode_split_rope_preload", "decode_split_store_preload"):
+        pre = results.pop(name)
+        assert pre["loads_before_wait"] > 0 and pre["stores_before_wait"] == 0, (name, pre)
+        assert pre["pdl_wait"] == 1 and pre["pdl_trigger"] == 1 and not pre["trigger_before_wait"]
+        assert not pre["spill_bytes"], (name, pre)
     bad = {name: r for name, r in results.items()
            if not _keeps_pdl_contract(r, trigger=name not in ("argmax_merge", "argmax_finish")) or r["spill_bytes"]}  # fmt: skip
     assert not bad, bad

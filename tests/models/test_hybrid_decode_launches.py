@@ -1,6 +1,6 @@
 """The launches one decode step makes per hybrid layer (Qwen3.5's Gated DeltaNet and
-gated-attention layers, NemotronH's Mamba-2, attention and MLP blocks), counted by a
-CPU spy over a real engine step.
+gated-attention layers, NemotronH's Mamba-2, attention and MLP blocks) and per DeepSeek
+MLA layer, counted by a CPU spy over a real engine step.
 
 The engine runs the Triton backend (TRITON_INTERPRET=1 on the CPU). Inside the decode
 step of one request, every Triton kernel run (the interpreter's ``run``) and every
@@ -22,10 +22,27 @@ derived parameter recomputed each step) fails here with the list it found:
         GEMM, post-norm (+ residual), gate|up GEMM, SiLU-mul, down GEMM: 10 (before: the
         q and k norms two launches, rope and the store two of their own, the gate's
         sigmoid and mul two: 14).
-    NemotronH attention block  norm (+ residual), q|k|v GEMM, K/V store, decode attention,
-        o_proj GEMM: 5 (before: q, k, v three GEMMs: 7).
+    NemotronH attention block  norm (+ residual), q|k|v GEMM, decode attention (the K/V
+        store inside, no rope: ``store_decode_attention``), o_proj GEMM: 4 (before: the
+        store a launch of its own, 5; q, k, v three GEMMs, 7).
     NemotronH MLP block  norm (+ residual), up GEMM, relu(up) ** 2, down GEMM: 4 (before:
         relu and square: 5).
+
+    Qwen3-Next's linear-attention layer with its MoE block  the GDN mixer's 6 as above,
+        post-norm, router GEMM, top-k and the softmax of the k logits (the renormalised
+        top-k probabilities: ``moe.top_k_softmax``), the fused MoE (expert alignment,
+        gate|up, down, the sum over the k experts), the shared expert's gate GEMM and
+        gate|up GEMM, SiLU-mul, down GEMM, sigmoid(gate) * shared, the add: 20 (before:
+        softmax over every expert, top-k, sum, divide: 22).
+    Gemma-3 layer  pre-norm, q|k|v GEMM, q and k norms (one ``qk_rms_norm``), decode
+        attention (rope and the K/V store inside), o_proj GEMM, post-attention norm,
+        pre-MLP norm (+ residual), gate|up GEMM, GELU-mul, down GEMM, post-MLP norm: 11
+        (before: the q and k norms two launches, 12).
+    DeepSeek MLA layer (a dense MLP)  pre-norm (+ residual), the q / q_a|kv_a GEMMs (V3:
+        the q_a norm, q_b GEMM), the latent norm, rope of q's and k's pair dims
+        (``rope_pairs``), W_UK bmm, latent store, MLA decode, W_UV bmm, o_proj GEMM,
+        post-norm, gate|up GEMM, SiLU-mul, down GEMM: V2 14, V3 15 (before: the pair rope
+        in torch ops, two table gathers and seven ops each for q and k: 29, 30).
 
 On a GPU a one-request step's pre-norm runs inside the GEMV after it; on the CPU the
 norm and the GEMM are two launches (both counted here).
@@ -37,7 +54,13 @@ from collections import Counter
 
 import pytest
 import torch
-from engine_fixtures import one_thread, save_tiny_hybrid, save_tiny_nemotron_h  # noqa: F401
+from engine_fixtures import (  # noqa: F401  (one_thread: a fixture)
+    one_thread,
+    save_tiny_deepseek,
+    save_tiny_gemma,
+    save_tiny_hybrid,
+    save_tiny_nemotron_h,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import interpreter
 
@@ -58,7 +81,19 @@ GATED_ATTENTION_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2,
                                  "triton._sigmoid_mul_kernel": 1,
                                  "triton._act_mul_kernel": 1})  # fmt: skip
 ATTENTION_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
-                           "triton._store_kv_kernel": 1, "triton._decode_split_kernel": 1})  # fmt: skip
+                           "triton._decode_split_kernel": 1})  # fmt: skip
+MOE_GDN_LAYER = Counter({"aten.linear": 6, "triton._rms_norm_kernel": 2, "triton._decode_kernel": 1,
+                         "triton._gdn_kernel": 1, "triton._gated_rms_norm_kernel": 1,
+                         "aten.topk": 1, "aten.softmax": 1, "triton._align_kernel": 1,
+                         "triton._gate_up_kernel": 1, "triton._down_kernel": 1, "aten.sum": 1,
+                         "triton._act_mul_kernel": 1, "triton._sigmoid_mul_kernel": 1,
+                         "aten.add": 1})  # fmt: skip
+GEMMA3_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 4,
+                        "triton._qk_norm_kernel": 1, "triton._decode_split_kernel": 1,
+                        "triton._act_mul_kernel": 1})  # fmt: skip
+MLA_LAYER = Counter({"aten.linear": 5, "aten.bmm": 2, "triton._rms_norm_kernel": 3,
+                     "triton._rope_pairs_kernel": 1, "triton._store_kv_kernel": 1,
+                     "triton._split_kernel": 1, "triton._act_mul_kernel": 1})  # fmt: skip
 MLP_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
                      "triton._relu_square_kernel": 1})  # fmt: skip
 
@@ -133,3 +168,23 @@ def test_nemotron_h_blocks(tmp_path, monkeypatch, kind, want):
     pattern = "M*M-*-"  # each kind measured where it follows another block
     save_tiny_nemotron_h(str(tmp_path), pattern)
     assert decode_launches(str(tmp_path), pattern.index(kind, 1), monkeypatch) == want
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_deepseek_mla_layer(tmp_path, monkeypatch, version):
+    save_tiny_deepseek(version, str(tmp_path), first_k_dense_replace=2)  # layer 1: dense
+    want = MLA_LAYER + Counter({"triton._rms_norm_kernel": version - 2})  # V3: q_a's norm
+    assert decode_launches(str(tmp_path), 1, monkeypatch) == want
+
+
+def test_qwen3_next_moe_layer(tmp_path, monkeypatch):
+    hf = save_tiny_hybrid("qwen3_next", str(tmp_path))
+    layer = hf.config.layer_types.index("linear_attention", 2)  # sparse (not mlp_only)
+    assert layer not in hf.config.mlp_only_layers
+    assert decode_launches(str(tmp_path), layer, monkeypatch) == MOE_GDN_LAYER
+
+
+def test_gemma3_layer(tmp_path, monkeypatch):
+    hf = save_tiny_gemma("gemma3", str(tmp_path))
+    layer = hf.config.layer_types.index("full_attention")
+    assert decode_launches(str(tmp_path), layer, monkeypatch) == GEMMA3_LAYER

@@ -283,15 +283,21 @@ class DecodeAttention:
 
     def __call__(self, layer, q, k, v, sinks=None, rope=None):
         """q: (B, Hq, D), k/v: (B, H, D) -> (B, Hq, D); rope: None (q and k come
-        rotated) or (rotary, positions) to rotate them here: inside the attention's
-        launch (``rope_store_decode_attention``) unless the cache is fp8."""
+        rotated, or take no rope) or (rotary, positions) to rotate them here. The K/V
+        store runs inside the attention's launch (``rope_store_decode_attention``,
+        ``store_decode_attention``) unless the cache is fp8."""
         cache = self.layers[layer]
         launch = self.plan.decode[cache.subpool].launch  # splits, workspace: once per step
         kw = {"page_size": cache.page_size, "sm_scale": self.sm_scale, "window": cache.window,
               "sinks": sinks, "soft_cap": cache.soft_cap, **launch}  # fmt: skip
-        if rope is not None and cache.store_k.dtype == k.dtype:
-            rotary, positions = rope
+        if cache.store_k.dtype == k.dtype:
             step = self.plan.subpools[cache.subpool]
+            if rope is None:
+                return self.backend.store_decode_attention(
+                    cache.k, cache.v, step.write_ids.data, q, k, v, step.block_table,
+                    self.plan.seq_lens, **kw,
+                )  # fmt: skip
+            rotary, positions = rope
             return self.backend.rope_store_decode_attention(
                 cache.k, cache.v, step.write_ids.data, q, k, v, rotary.cos, rotary.sin,
                 positions, step.block_table, self.plan.seq_lens, **kw,

@@ -40,6 +40,7 @@ from unikv.kernels.attention.protocols import (
     PlanExtend,
     RopeStoreDecodeAttention,
     RopeStoreKV,
+    StoreDecodeAttention,
     StoreKV,
 )
 from unikv.kernels.linear.protocols import (
@@ -58,6 +59,7 @@ from unikv.kernels.linear.protocols import (
     ReluSquare,
     ReluSquareLinear,
     RMSNorm,
+    RopePairs,
     RopeQK,
     SigmoidMul,
     SiluMul,
@@ -81,7 +83,7 @@ from unikv.kernels.tables.protocols import (
 )
 
 KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_attention",
-          "extend_attention", "copy_pages")  # fmt: skip
+          "store_decode_attention", "extend_attention", "copy_pages")  # fmt: skip
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
 STEP_OPS = ("prepare_step", "plan_decode", "plan_extend", "plan_rows")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
@@ -89,13 +91,14 @@ MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
                    "gated_rms_norm", "qk_rms_norm")  # fmt: skip
 ACTIVATION_OPS = ("sigmoid_mul", "relu_square")  # kernels/linear/activation.py
+ROPE_PAIR_OPS = ("rope_pairs",)  # kernels/linear/rope_pairs.py (DeepSeek's MLA rope)
 SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax", "relu_square_linear")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
 QUANT_OPS = ("fp8_linear", "moe_fp8")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
-       + ACTIVATION_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
+       + ACTIVATION_OPS + ROPE_PAIR_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
 
 # what models take from the kernels: this module only
 __all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "RowsPlan",
@@ -127,6 +130,7 @@ class KernelBackend:
     rope_store_kv: RopeStoreKV
     decode_attention: DecodeAttention
     rope_store_decode_attention: RopeStoreDecodeAttention
+    store_decode_attention: StoreDecodeAttention
     extend_attention: ExtendAttention
     copy_pages: CopyPages
     build_block_table: BuildBlockTable
@@ -151,6 +155,7 @@ class KernelBackend:
     qk_rms_norm: QKRMSNorm
     sigmoid_mul: SigmoidMul
     relu_square: ReluSquare
+    rope_pairs: RopePairs
     argmax: Argmax
     linear: Linear
     silu_mul_linear: SiluMulLinear
@@ -426,7 +431,7 @@ def _triton(flags: Flags) -> KernelBackend:
     # imported lazily: Triton is only needed here
     from unikv.kernels.attention import decode, extend, rope_store, store
     from unikv.kernels.attention import sdpa as extend_sdpa
-    from unikv.kernels.linear import activation, argmax, elementwise, fp8_gemm, gemv
+    from unikv.kernels.linear import activation, argmax, elementwise, fp8_gemm, gemv, rope_pairs
     from unikv.kernels.mla import decode as mla_decode
     from unikv.kernels.mla import prefill as mla
     from unikv.kernels.moe import fp8 as moe_fp8
@@ -457,6 +462,7 @@ def _triton(flags: Flags) -> KernelBackend:
         rope_store_kv=rope_store.rope_store_kv,
         decode_attention=decode.decode_attention,
         rope_store_decode_attention=decode.rope_store_decode_attention,
+        store_decode_attention=decode.store_decode_attention,
         extend_attention=extend_op,
         copy_pages=page_copy.copy_pages,
         build_block_table=block_table.build_block_table,
@@ -474,6 +480,7 @@ def _triton(flags: Flags) -> KernelBackend:
         mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
         **{op: getattr(activation, op) for op in ACTIVATION_OPS},
+        rope_pairs=rope_pairs.rope_pairs,
         argmax=argmax.argmax,
         **{op: getattr(gemv, op) for op in LINEAR_OPS},
         moe=moe.moe,
@@ -502,6 +509,7 @@ def _torch() -> KernelBackend:
         rope_store_kv=reference.rope_store_kv,
         decode_attention=reference.decode_attention,
         rope_store_decode_attention=reference.rope_store_decode_attention,
+        store_decode_attention=reference.store_decode_attention,
         extend_attention=reference.extend_attention,
         copy_pages=reference.copy_pages,
         build_block_table=reference.build_block_table,
@@ -518,6 +526,7 @@ def _torch() -> KernelBackend:
         store_mla=mla_ref.store_mla,
         mla_attention=mla_ref.mla_attention,
         **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS + ACTIVATION_OPS},
+        rope_pairs=elementwise_ref.rope_pairs,
         argmax=reference.argmax,
         **{op: getattr(elementwise_ref, op) for op in LINEAR_OPS},
         moe=moe_ref.fused_moe,

@@ -140,28 +140,11 @@ class DeepseekRotary(Rotary):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions: (T,) int64; q: (T, H, rope); k: (T, 1, rope) -> rotated (q, k)."""
-        cos = self.cos[positions][:, None, :]  # (T, 1, rope/2) fp32, attention factor in
-        sin = self.sin[positions][:, None, :]
         if self.layout == "neox":  # a host str fixed at construction
             return super().forward(positions, q, k)
-        if self.layout == "complex":
-            return _pairs_fp32(q, cos, sin), _pairs_fp32(k, cos, sin)
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        return _pairs_deinterleaved(q, cos, sin), _pairs_deinterleaved(k, cos, sin)
-
-
-def _pairs_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (x[2i], x[2i+1]) rotated in fp32, kept interleaved, cast back."""
-    h = x.float()
-    even, odd = h[..., 0::2], h[..., 1::2]
-    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
-def _pairs_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (x[2i], x[2i+1]) rotated in x's dtype, written [evens' | odds']."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+        # the pair layouts: one launch for q and k (``rope_pairs``; the tables carry
+        # the attention factor)
+        return self.ops.rope_pairs(q, k, self.cos, self.sin, positions, self.layout)
 
 
 class MLAttention(nn.Module):

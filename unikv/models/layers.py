@@ -261,8 +261,9 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.key_scale is not None:  # a constant of the model (Falcon-H1's keys)
             k = k * self.key_scale
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # both norms in one launch (one eps and rounding)
+            norm = self.q_norm
+            q, k = norm.ops.qk_rms_norm(q, k, norm.weight, self.k_norm.weight, norm.eps, **norm.kw)
         if getattr(attn, "fuses_rope", False):  # the engine's: rope inside the K/V store
             out = attn(self.layer, q, k, v, self.sinks, rope=(self.rotary[0], positions))
         else:

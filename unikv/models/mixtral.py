@@ -18,7 +18,7 @@ from torch import nn
 
 from unikv.models.config import ModelConfig
 from unikv.models.llama import CausalLM
-from unikv.models.moe import RoutedExperts
+from unikv.models.moe import RoutedExperts, top_k_softmax
 from unikv.models.parallel import reduce_partial
 
 
@@ -47,11 +47,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> (weights (T, k), expert indices (T, k) int64)."""
         logits = nn.functional.linear(x, self.weight)  # (T, E)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, indices = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:  # host bools fixed by the config
-            top = top / top.sum(dim=-1, keepdim=True)
-        return (top.to(logits.dtype) if self.to_model_dtype else top), indices
+        dtype = logits.dtype if self.to_model_dtype else torch.float32  # host bools fixed
+        return top_k_softmax(logits, self.top_k, self.norm_topk_prob, dtype)  # by the config
 
 
 class SparseMoE(nn.Module):

@@ -44,7 +44,7 @@ from unikv.kernels.backend import (
 )
 from unikv.models.parallel import tp_size
 
-__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts"]
+__all__ = ["DENSE_MAX_TOKENS", "RoutedExperts", "routed_experts", "top_k_softmax"]
 
 SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -218,3 +218,15 @@ def routed_experts(
             y = expert(x[token_idx]) * weights[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(acc))
     return out.to(x.dtype)
+
+
+def top_k_softmax(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype):
+    """The k largest of softmax(logits) (fp32) and their experts, the weights renormalised
+    to sum 1 where ``renormalise``, cast to ``dtype``. Renormalised, they are the softmax
+    of the k largest logits (the softmax is monotonic and its normaliser cancels): two
+    launches (top-k, softmax) in place of four (softmax, top-k, sum, divide)."""
+    if renormalise:  # a host bool fixed by the config
+        top, indices = torch.topk(logits, k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32).to(dtype), indices
+    top, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+    return top.to(dtype), indices

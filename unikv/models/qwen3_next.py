@@ -26,7 +26,7 @@ from torch import nn
 from unikv.models import qwen3_5
 from unikv.models.config import ModelConfig
 from unikv.models.layers import GatedMLP, Linear, model_ops
-from unikv.models.moe import RoutedExperts
+from unikv.models.moe import RoutedExperts, top_k_softmax
 from unikv.models.parallel import reduce_partial
 
 MOE_FIELDS = (
@@ -113,11 +113,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> (weights (T, k) in x.dtype, expert indices (T, k) int64)."""
         logits = nn.functional.linear(x, self.weight)  # (T, E)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, indices = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:  # a host bool fixed by the config
-            top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), indices
+        return top_k_softmax(logits, self.top_k, self.norm_topk_prob, logits.dtype)
 
 
 class SparseMoE(nn.Module):

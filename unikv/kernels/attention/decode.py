@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from unikv.env import FLAGS
-from unikv.kernels.attention.rope_store import check_rope_store_args
+from unikv.kernels.attention.rope_store import check_rope_store_args, check_store_args
 from unikv.kernels.attention.tiles import attn_tile, check_attention_args, dot_precision, load_rows
 from unikv.kernels.linear.elementwise import _rotated
 from unikv.kernels.runtime import pdl
@@ -108,15 +108,17 @@ def _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d, dt: tl.constexpr):
 def _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh, vn_sb,
                    vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn, offs_d,
                    offs_dv, D: tl.constexpr, DV: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   owner):  # fmt: skip
-    """Request b's new K row of head kvh rotated, and its V row, in the cache's dtype,
-    written into the cache at the token's kernel id (``rope_store``'s row) where
-    ``owner`` (the split whose keys hold it). Returns the two rows."""
+                   owner, ROPE: tl.constexpr):  # fmt: skip
+    """Request b's new K row of head kvh (rotated with ``ROPE``, else as given), and
+    its V row, in the cache's dtype, written into the cache at the token's kernel id
+    (``rope_store``'s / ``store``'s row) where ``owner`` (the split whose keys hold
+    it). Returns the two rows."""
     kid = tl.load(write_ids + b)
     k_src = k_new + b.to(tl.int64) * kn_sb + kvh * kn_sh
     mask_d = offs_d < D
-    kx = tl.load(k_src + offs_d, mask=mask_d, other=0.0)
-    kr = _rotated(kx, tl.load(k_src + partner, mask=mask_d, other=0.0), c, sn)
+    kr = tl.load(k_src + offs_d, mask=mask_d, other=0.0)
+    if ROPE:
+        kr = _rotated(kr, tl.load(k_src + partner, mask=mask_d, other=0.0), c, sn)
     kr = kr.to(k_cache.dtype.element_ty)
     tl.store(k_cache + kernel_offset(kid, PAGE_SIZE, k_sb, k_sn) + kvh * k_sh + offs_d, kr,
              mask=mask_d & owner)  # fmt: skip
@@ -195,6 +197,7 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr = False,
+    STORE: tl.constexpr = False,
 ):
     kvh = tl.program_id(0)  # heads first: a request's KV heads run side by side
     b = tl.program_id(1)
@@ -229,18 +232,23 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
     owner = (seq > 0) & (split == (seq - 1 - first) // tl.maximum(chunk, 1))  # holds the new row
-    if ROPE:  # rope + store fused: q rotated here, the new K/V row stored by its split
-        if not PRELOAD:
-            partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d,
-                                         q.dtype.element_ty)  # fmt: skip
-        qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
+    # ROPE: rope + store fused, q rotated here and the new K/V row stored by its split;
+    # STORE: the same store of the row as given (no rope: q and k come as they attend)
+    if ROPE or STORE:
+        if ROPE:
+            if not PRELOAD:
+                partner, c, sn = _rope_lanes(cos, sin, pos, b, sc0, HALF, offs_d,
+                                             q.dtype.element_ty)  # fmt: skip
+            qv = _rotated(qv, tl.load(q_rows + partner[None, :], mask=mask_q, other=0.0), c, sn)
+        else:
+            partner, c, sn = offs_d, 1.0, 0.0  # unread: no rotation
         kr, vr = _store_new_row(k_new, v_new, k_cache, v_cache, write_ids, b, kvh, kn_sb, kn_sh,
                                 vn_sb, vn_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, partner, c, sn,
-                                offs_d, offs_dv, D, DV, PAGE_SIZE, owner)  # fmt: skip
+                                offs_d, offs_dv, D, DV, PAGE_SIZE, owner, ROPE)  # fmt: skip
         tl.debug_barrier()  # the row's stores are visible to this program's loads
     if PRELOAD:  # the new row joins the preloaded tile from registers (or one reload)
         new_row = (offs_n0 == seq - 1)[:, None]
-        if ROPE:
+        if ROPE or STORE:
             kt0 = tl.where(new_row, kr[None, :], kt0)
             vt0 = tl.where(new_row, vr[None, :], vt0)
         else:
@@ -392,6 +400,7 @@ def decode_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
+    new_row: tuple | None = None,
     rope: tuple | None = None,
     preload: bool | None = None,
 ) -> torch.Tensor:
@@ -406,8 +415,9 @@ def decode_attention(
     sinks: None or (Hq,) fp32 sink logits. soft_cap: 0 = off. out: optional
     (B, Hq, Dv). workspace: optional fp32 tensor of >= ``workspace_numel(...)``
     elements (fixed buffers for CUDA graphs). num_splits / config override the
-    heuristics (benchmarks). rope: ``rope_store_decode_attention``'s (k, v, write_ids,
-    cos, sin, positions), checked there. preload (None: ``PRELOAD`` under PDL at most
+    heuristics (benchmarks). new_row: the step's (k, v, write_ids), stored inside the
+    launch (``store_decode_attention``, checked there); rope: with it, (cos, sin,
+    positions) rotating q and k first (``rope_store_decode_attention``). preload (None: ``PRELOAD`` under PDL at most
     ``PRELOAD_ROWS`` requests): load seq_lens, the block table and each split's first
     tile of rows but the new one before the PDL wait (the same bytes). Returns out
     (B, Hq, Dv) in q's dtype.
@@ -428,7 +438,9 @@ def decode_attention(
     sinks_arg = sinks if sinks is not None else ws_acc  # never read without sinks
     on = pdl.enabled(q)
     preload = (PRELOAD and on and bsz <= PRELOAD_ROWS) if preload is None else preload
-    k_new, v_new, ids, cos, sin, positions = rope or (q, q, seq_lens, ws_acc, ws_acc, seq_lens)
+    assert rope is None or new_row is not None, "rope rotates the stored new row: pass new_row"
+    k_new, v_new, ids = new_row or (q, q, seq_lens)  # never read without new_row
+    cos, sin, positions = rope or (ws_acc, ws_acc, seq_lens)
     half = cos.shape[-1] if rope is not None else 0
     _decode_split_kernel[(heads, bsz, splits)](
         q,
@@ -479,6 +491,7 @@ def decode_attention(
         ROPE=rope is not None,
         PDL=on,
         PRELOAD=bool(preload),
+        STORE=new_row is not None and rope is None,
         num_warps=warps,
         # rope: products must not fuse into the sum (rope_store's rounding; with fusion
         # on, the H200 fused bf16's narrowed multiply-add: a GPU test, docs/perf.md)
@@ -539,4 +552,29 @@ def rope_store_decode_attention(
     check_rope_store_args(k_cache, v_cache, write_ids, q, k, v, cos, positions)
     check_same_device(q, k, v, write_ids, cos, sin, positions)
     return decode_attention(q, k_cache, v_cache, block_table, seq_lens, **attention,
-                            rope=(k, v, write_ids, cos, sin, positions))  # fmt: skip
+                            new_row=(k, v, write_ids), rope=(cos, sin, positions))  # fmt: skip
+
+
+def store_decode_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    **attention: object,
+) -> torch.Tensor:
+    """``store.store_kv`` then ``decode_attention`` in one launch (plus the merge), for
+    attention without rope (NemotronH, Granite-4.0-H's nope layers, a model that
+    rotates q and k itself): the split holding a request's last key writes that
+    token's K and V rows at ``write_ids`` before it reads its keys, as
+    ``rope_store_decode_attention`` does without the rotation. The same bytes as the
+    two ops. k_cache / v_cache: the attention's views, in k's dtype (an fp8 cache is
+    quantised by the caller: ``store_kv`` then ``decode_attention``); then
+    ``decode_attention``'s arguments."""
+    check_store_args("store_decode_attention", k_cache, v_cache, write_ids, q, k, v)
+    check_same_device(q, k, v, write_ids)
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, **attention,
+                            new_row=(k, v, write_ids))  # fmt: skip

@@ -100,6 +100,24 @@ class RopeStoreDecodeAttention(Protocol):
         ...
 
 
+class StoreDecodeAttention(Protocol):
+    def __call__(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        write_ids: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        **attention: object,
+    ) -> torch.Tensor:
+        """``StoreKV`` of k and v at ``write_ids`` (B,), then ``DecodeAttention`` of q
+        (``attention``: its keywords): attention without rope. Returns (B, Hq, Dv)."""
+        ...
+
+
 class ExtendAttention(Protocol):
     def __call__(
         self,

@@ -80,6 +80,22 @@ def rope_store_decode_attention(
     return decode_attention(q, k_cache, v_cache, block_table, seq_lens, **attention)
 
 
+def store_decode_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    write_ids: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    **attention: object,
+) -> torch.Tensor:
+    """``store_kv`` at ``write_ids`` then ``decode_attention`` (keywords: its)."""
+    store_kv(k_cache, v_cache, write_ids, k, v)
+    return decode_attention(q, k_cache, v_cache, block_table, seq_lens, **attention)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """(B, V) float logits -> (B,) int64 first index of each row's maximum."""
     return logits.argmax(dim=-1)

@@ -98,38 +98,51 @@ def _rope_store_kv_kernel(
     tl.store(v_row + heads.to(tl.int64)[:, None] * vc_sh + offs_v[None, :], vals, mask=mask_v)
 
 
-def check_rope_store_args(k_cache, v_cache, kernel_ids, q, k, v, cos, positions) -> None:
-    """ValueError unless the arguments fit ``rope_store_kv`` (shapes, one dtype, unit
-    head-dim strides, rotated dims within the head)."""
+def check_store_args(op, k_cache, v_cache, kernel_ids, q, k, v, positions=None) -> None:
+    """ValueError unless the arguments fit ``op``, a launch storing the step's K/V rows
+    beside its q (``rope_store_kv``, the fused decode ops): shapes, one dtype, unit
+    head-dim strides (and ``positions`` (T,) where given)."""
     check_ids("kernel_ids", kernel_ids)
     check_cache("k_cache", k_cache)
     check_cache("v_cache", v_cache, heads=k_cache.shape[-2])
     num_tokens, heads, dim = kernel_ids.shape[0], k_cache.shape[-2], k_cache.shape[-1]
-    dim_v, half = v_cache.shape[-1], cos.shape[-1]
+    dim_v = v_cache.shape[-1]
     if (
         q.dim() != 3
         or q.shape[0] != num_tokens
         or q.shape[2] != dim
         or k.shape != (num_tokens, heads, dim)
         or v.shape != (num_tokens, heads, dim_v)
-        or positions.shape != (num_tokens,)
+        or (positions is not None and positions.shape != (num_tokens,))
     ):
+        pos = "" if positions is None else f" and positions ({num_tokens},)"
+        got = "" if positions is None else f", positions {tuple(positions.shape)}"
         raise ValueError(
-            f"rope_store_kv needs q ({num_tokens}, Hq, {dim}), k ({num_tokens}, {heads}, {dim}), "
-            f"v ({num_tokens}, {heads}, {dim_v}) and positions ({num_tokens},) to match "
-            f"kernel_ids and the caches, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}, positions {tuple(positions.shape)}"
+            f"{op} needs q ({num_tokens}, Hq, {dim}), k ({num_tokens}, {heads}, {dim}), "
+            f"v ({num_tokens}, {heads}, {dim_v}){pos} to match kernel_ids and the caches, got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}{got}"
         )
     if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(
-            f"rope_store_kv needs q, k, v and the caches in one dtype, got {q.dtype}, {k.dtype}, "
+            f"{op} needs q, k, v and the caches in one dtype, got {q.dtype}, {k.dtype}, "
             f"{v.dtype}, {k_cache.dtype}, {v_cache.dtype}; quantise for an fp8 cache and use "
-            "rope_qk then store_kv"
+            "store_kv (after rope_qk) then the attention"
         )
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or 2 * half > dim:
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError(
-            f"rope_store_kv needs unit stride on the head dim and 2 * {half} rotated dims <= "
-            f"{dim}; got q {q.stride()}, k {k.stride()}, v {v.stride()}"
+            f"{op} needs unit stride on the head dim; got q {q.stride()}, k {k.stride()}, "
+            f"v {v.stride()}: pass .contiguous() rows"
+        )
+
+
+def check_rope_store_args(k_cache, v_cache, kernel_ids, q, k, v, cos, positions) -> None:
+    """ValueError unless the arguments fit ``rope_store_kv`` (``check_store_args``, and
+    the rotated dims within the head)."""
+    check_store_args("rope_store_kv", k_cache, v_cache, kernel_ids, q, k, v, positions)
+    if 2 * cos.shape[-1] > k_cache.shape[-1]:
+        raise ValueError(
+            f"rope_store_kv needs 2 * {cos.shape[-1]} rotated dims <= the head dim "
+            f"{k_cache.shape[-1]}; fix the rope tables' width"
         )
 
 

@@ -65,6 +65,23 @@ class RopeQK(Protocol):
         ...
 
 
+class RopePairs(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        layout: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's rope of interleaved pairs of q (T, Hq, R) and k (T, Hk, R) at
+        positions (T,), from fp32 cos / sin (P, R / 2); layout "complex" (fp32,
+        interleaved out) or "interleave" (model dtype, ``[evens' | odds']`` out).
+        Returns new rotated (q, k)."""
+        ...
+
+
 class SiluMul(Protocol):
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a (T, 2I) ``[gate | up]`` row. Returns (T, I)."""

@@ -170,6 +170,41 @@ def rope_qk(
     return q, k
 
 
+def rope_pairs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's rope of interleaved pairs (x[2i], x[2i+1]) of q (T, Hq, R) and k
+    (T, Hk, R) at ``positions`` (T,), from fp32 cos / sin (P, R/2). ``layout``
+    "complex" (V2): rotated in fp32, kept interleaved, cast back; "interleave" (V3):
+    rotated in the model dtype (c, s cast to it), written ``[evens' | odds']``.
+    Returns new (q, k)."""
+    c = cos[positions][:, None, :]  # (T, 1, R/2)
+    s = sin[positions][:, None, :]
+    if layout == "complex":
+        return _pairs_fp32(q, c, s), _pairs_fp32(k, c, s)
+    c, s = c.to(q.dtype), s.to(q.dtype)
+    return _pairs_deinterleaved(q, c, s), _pairs_deinterleaved(k, c, s)
+
+
+def _pairs_fp32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[2i], x[2i+1]) rotated in fp32, kept interleaved, cast back."""
+    h = x.float()
+    even, odd = h[..., 0::2], h[..., 1::2]
+    out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def _pairs_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[2i], x[2i+1]) rotated in x's dtype, written [evens' | odds']."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: (T, 2I) float, ``[gate | up]`` along the last dim (unit stride)
     -> new (T, I) ``silu(gate) * up`` in gate_up.dtype (silu rounded to the

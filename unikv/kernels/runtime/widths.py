@@ -39,8 +39,8 @@ from unikv.specs import MHASpec, MLASpec
 
 MIN_DOT_K = 16  # tl.dot's smallest K (Triton 3.6, NVIDIA): "K >= 16"
 # an op and the plan whose launch arguments it takes fall back together
-ATTENTION_OPS = ("decode_attention", "rope_store_decode_attention", "extend_attention",
-                 "plan_decode", "plan_extend")  # fmt: skip
+ATTENTION_OPS = ("decode_attention", "rope_store_decode_attention", "store_decode_attention",
+                 "extend_attention", "plan_decode", "plan_extend")  # fmt: skip
 
 
 def _pow2(n: int) -> int:
