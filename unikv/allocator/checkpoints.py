@@ -114,6 +114,10 @@ class StateCheckpoints:
         self.turn_ends: set[int] = set()  # node ids of decode (turn-end) checkpoints
         # node id -> waiting requests whose prompt hits it (``want``): evicted last
         self.wanted: Counter[int] = Counter()
+        # node ids of shared junction checkpoints (``shared_nodes``): taken where a prompt
+        # left a cached run it matched (two prompts share the prefix, then diverge), or
+        # restored by a hit; kept after every per-request one under pressure
+        self.shared: set[int] = set()
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
         # checkpoints the room maker evicted for a take (``save``), the one it
@@ -156,6 +160,7 @@ class StateCheckpoints:
         source: int | None = None,
         supersedes: int | None = None,
         drop: bool = False,
+        junction: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (after its first ``tokens`` tokens) into
         a checkpoint of ``node_id``; False when the chain has no room
@@ -172,12 +177,15 @@ class StateCheckpoints:
         after that leaves it dropped: the request has moved past it). A demoted one (a
         prompt end: a repeat of the prompt still hits it) is demoted after the take, as
         demoting it first cost hit rate in ``sim_prefix_hybrid_chat`` (51.4 % -> 46.1 %).
-        Pinned (a request waits to restore it): left alone."""
+        Pinned (a request waits to restore it): left alone. ``junction``: the point
+        where the request's prompt left a cached run it matched (``shared``)."""
         old = supersedes if supersedes != node_id and supersedes in self.lru else None
         # the slot the chunk that ends here wrote the state into (``reserve_direct``)
         held_direct = self.direct.get(slot) if source is None else None
         written = held_direct[0] if held_direct is not None and held_direct[1] == tokens else None
         if node_id in self.by_node or self.has(node_id, True):  # (host: restored from there)
+            if junction:
+                self.shared.add(node_id)
             if node_id in self.lru:
                 self.lru.move_to_end(node_id)
                 self.demoted.discard(node_id)  # used again: no longer superseded
@@ -212,9 +220,12 @@ class StateCheckpoints:
         if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
             self.position = {n: self.position[n] for n in self.nodes() if n in self.position}
             self.turn_ends &= set(self.position)
+            self.shared &= set(self.position)
         self.position[node_id] = tokens
         if turn_end:
             self.turn_ends.add(node_id)
+        if junction:
+            self.shared.add(node_id)
         self.saved += 1
         return True
 
@@ -348,12 +359,13 @@ class StateCheckpoints:
 
     def victims(self, count: int) -> list[int]:
         """The ``count`` evictable checkpoints to go first: LRU order (demoted ones
-        lead it), those a waiting request expects to hit (``wanted``) after the rest."""
-        if not self.wanted:
+        lead it), shared junctions (``shared``) after the per-request ones, those a
+        waiting request expects to hit (``wanted``) after the rest."""
+        if not self.wanted and not self.shared:
             return list(self.lru)[:count]
-        wanted = self.wanted
-        order = [i for i in self.lru if i not in wanted] + [i for i in self.lru if i in wanted]
-        return order[:count]
+        wanted, shared, demoted = self.wanted, self.shared, self.demoted
+        rank = lambda i: 2 if i in wanted else int(i in shared and i not in demoted)
+        return sorted(self.lru, key=rank)[:count]  # (stable: LRU order within a rank)
 
     def pin(self, slot: int, node_id: int, tokens: int) -> None:
         """Request ``slot`` opened with a hit of ``tokens`` tokens ending at
@@ -367,6 +379,7 @@ class StateCheckpoints:
         self.pins[node_id] += 1
         self.lru.pop(node_id, None)
         self.demoted.discard(node_id)  # a hit wants it
+        self.shared.add(node_id)  # and two requests have used it: a shared junction
 
     def unpin(self, slots: np.ndarray) -> None:
         """Requests ``slots`` (host ints) no longer wait for a restore."""
@@ -419,6 +432,7 @@ class StateCheckpoints:
             self.wanted.pop(i, None)
             self.lru.pop(i, None)
             self.demoted.discard(i)
+            self.shared.discard(i)
         if vids:
             array = np.array(vids, np.int32)
             self.writer.unbind(self.book, array, self.fences.unbind(self.book, array))
