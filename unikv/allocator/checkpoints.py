@@ -360,10 +360,13 @@ class StateCheckpoints:
     def victims(self, count: int) -> list[int]:
         """The ``count`` evictable checkpoints to go first: LRU order (demoted ones
         lead it), shared junctions (``shared``) after the per-request ones, those a
-        waiting request expects to hit (``wanted``) after the rest."""
+        waiting request expects to hit (``wanted``) after the rest. A turn end a hit
+        restored is no junction here: its conversation's next turn took a later one
+        (in a round-robin chat, keeping it evicted the later one instead)."""
         if not self.wanted and not self.shared:
             return list(self.lru)[:count]
-        wanted, shared, demoted = self.wanted, self.shared, self.demoted
+        wanted, demoted = self.wanted, self.demoted
+        shared = self.shared - self.turn_ends
         rank = lambda i: 2 if i in wanted else int(i in shared and i not in demoted)
         return sorted(self.lru, key=rank)[:count]  # (stable: LRU order within a rank)
 

@@ -196,15 +196,10 @@ def evict_dead(cache: PrefixCache, count: int) -> tuple[TablePatch, int]:
     return evict_pages(cache, len(dead)), len(dead)
 
 
-def junction_nodes(cache: PrefixCache) -> set[int]:
-    """Node ids at or above a shared junction checkpoint (``StateCheckpoints.shared``:
-    where two prompts share a prefix and diverge, or one a hit restored): the chains
-    whose pages later hits of many requests read (issue 41)."""
-    states, by_id = cache.states, cache.by_id
-    keep: set[int] = set()
-    if states is None or not states.shared:
-        return keep
-    for node_id in states.shared:
+def chain_nodes(cache: PrefixCache, node_ids: Iterable[int]) -> set[int]:
+    """Node ids at or above any of ``node_ids`` (each ancestor walked once)."""
+    by_id, keep = cache.by_id, set()
+    for node_id in node_ids:
         walk = by_id.get(node_id)
         while walk is not None and walk.node_id not in keep:
             keep.add(walk.node_id)
@@ -213,15 +208,21 @@ def junction_nodes(cache: PrefixCache) -> set[int]:
 
 
 def evict_lru(cache: PrefixCache, count: int) -> TablePatch:
-    """``evict_pages`` of the ``count`` oldest evictable pages outside every shared
-    junction's chain (``junction_nodes``), then the oldest of those chains: a
-    per-request leaf goes before the prefix many requests hit, whatever its age (in
-    ``bench_prefix_sim --compare-vllm``, few-shot at 4x the pool: 79.3 % -> 85.9 %)."""
-    keep = junction_nodes(cache)
-    if keep:
-        first = [p for p in cache.lru if cache.by_page[p].node_id not in keep][:count]
-        for page in reversed(first):  # to the front of the LRU, in their order
-            cache.lru.move_to_end(page, last=False)
+    """``evict_pages`` of the ``count`` oldest evictable pages, those on the chain of
+    a shared junction checkpoint (``StateCheckpoints.shared``: where two prompts share
+    a prefix and diverge, or one a hit restored) after the rest, and those on the
+    chain of a checkpoint a waiting request expects (``wanted``) after those: a
+    per-request leaf goes before the prefix many requests hit, whatever its age (issue
+    41; ``bench_prefix_sim --compare-vllm``, few-shot at 4x the pool: 79.3 % -> 85.9 %)."""
+    states = cache.states
+    if states is None or not (states.shared or states.wanted):
+        return evict_pages(cache, count)
+    shared, wanted = chain_nodes(cache, states.shared), chain_nodes(cache, states.wanted)
+    by_page = cache.by_page
+    rank = lambda p: 2 if by_page[p].node_id in wanted else int(by_page[p].node_id in shared)
+    first = sorted(cache.lru, key=rank)[:count]  # (stable: LRU order within a rank)
+    for page in reversed(first):  # to the front of the LRU, in their order
+        cache.lru.move_to_end(page, last=False)
     return evict_pages(cache, count)
 
 
