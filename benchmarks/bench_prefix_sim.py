@@ -403,7 +403,10 @@ def main(argv=None) -> dict:
 #     bindings outside suffixes, then nodes LRU, leaves first, a leaf holding a shared
 #     junction checkpoint (taken at a divergence point, or one a hit restored) after
 #     every other leaf (``prefix_evict.evict_lru``: a page on a junction's chain goes
-#     after every other page; a leaf is on one only if its own node holds it).
+#     after every other page; a leaf is on one only if its own node holds it). Not
+#     modelled: the engine's checkpoint-only evictions (``StateCheckpoints.victims``,
+#     when the state slots are short; junctions after the rest there too, a hit turn end
+#     excepted) and waiting requests' expected chains (requests come one at a time).
 # vLLM align mode (as documented for its hybrid prefix caching): the attention block size
 #   is raised (multiple of 16) until one block's bytes are at least one state's; a state
 #   snapshot is retained at every block boundary a request passes (prompt and output); a

@@ -109,3 +109,22 @@ def test_a_junction_checkpoint_goes_after_per_request_ones(how):
     assert alloc.prefix.match(kept).num_tokens == 8
     assert alloc.prefix.match(gone).num_tokens == 0
     alloc.check_integrity()
+
+
+def test_a_waiting_requests_chain_outlives_a_junctions():
+    alloc = _alloc(pages=16, slots=8)
+    prefix = alloc.parts.prefix
+    names = _tree(alloc, junction=True)
+    c = np.arange(9) + 400
+    node = alloc.prefix.expect(c)  # a waiting request would restore C's checkpoint
+    assert node and [names[p] for p in prefix.lru] == ["a", "h1", "h0", "b", "c1", "c0"]
+    order = []
+    for _ in range(4):
+        before = set(prefix.by_page)
+        alloc.parts.writer.write(prefix.evict(1))
+        order += [names[p] for p in before - set(prefix.by_page)]
+    # by hand: the unshared leaves (a, b), then HEAD's junction chain, C's chain last
+    assert order == ["a", "b", "h1", "h0"]
+    assert alloc.prefix.match(c).num_tokens == 8
+    alloc.prefix.unexpect(node)
+    alloc.check_integrity()
