@@ -403,10 +403,11 @@ def main(argv=None) -> dict:
 #     bindings outside suffixes, then nodes LRU, leaves first, a leaf holding a shared
 #     junction checkpoint (taken at a divergence point, or one a hit restored) after
 #     every other leaf (``prefix_evict.evict_lru``: a page on a junction's chain goes
-#     after every other page; a leaf is on one only if its own node holds it). Not
-#     modelled: the engine's checkpoint-only evictions (``StateCheckpoints.victims``,
-#     when the state slots are short; junctions after the rest there too, a hit turn end
-#     excepted) and waiting requests' expected chains (requests come one at a time).
+#     after every other page; a leaf is on one only if its own node holds it); a turn
+#     end (a checkpoint past its prompt) is no junction, hit or not. Not modelled: the
+#     engine's checkpoint-only evictions (``StateCheckpoints.victims``, when the state
+#     slots are short: those a hit restored after the rest) and waiting requests'
+#     expected chains (requests come one at a time).
 # vLLM align mode (as documented for its hybrid prefix caching): the attention block size
 #   is raised (multiple of 16) until one block's bytes are at least one state's; a state
 #   snapshot is retained at every block boundary a request passes (prompt and output); a
@@ -475,11 +476,14 @@ def policies(shape: Shape) -> list[Policy]:
 
 
 class _Blk:
-    __slots__ = ("attn", "children", "demoted", "depth", "end", "parent", "shared", "state", "swa")
+    __slots__ = (
+        "attn", "children", "demoted", "depth", "end", "parent", "shared", "state", "swa", "turn"
+    )  # fmt: skip
 
     def __init__(self, parent, depth: int) -> None:
         self.parent, self.depth = parent, depth
         self.attn = self.swa = self.state = self.demoted = self.end = self.shared = False
+        self.turn = False  # its checkpoint is a turn end (taken past its prompt)
         self.children = 0
 
 
@@ -603,7 +607,7 @@ class PolicyCache:
     def _junction(self, key: int) -> bool:
         """Node ``key`` holds a shared junction checkpoint (``StateCheckpoints.shared``)."""
         blk = self.blocks[key]
-        return blk.state and blk.shared
+        return blk.state and blk.shared and not blk.turn
 
     def _release(self, kind: str, key: int) -> None:
         self.queue.pop((kind, key), None)
@@ -651,6 +655,7 @@ class PolicyCache:
             if key in self.blocks and not self.blocks[key].state:
                 self._add("state", key)
                 self.stats["states"] += 1
+                self.blocks[key].turn = pos > len(prompt)
             if pos == run * u and run * u > hit and key in self.blocks:  # (a): a junction
                 self.blocks[key].shared = True
 

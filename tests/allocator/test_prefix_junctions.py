@@ -2,9 +2,9 @@
 
 A junction: the checkpoint a request takes where its prompt left a cached run it
 matched (two prompts share the prefix there, then diverge: ``junction=True``), or one
-a hit restored. Under pressure the pages of a junction's chain (at or above its node)
-go after every other evictable page (``prefix_evict.evict_lru``), and a junction
-checkpoint after every per-request one (``StateCheckpoints.victims``).
+a hit restored (turn ends aside). Under pressure the pages of a junction's chain (at
+or above its node) go after every other evictable page (``prefix_evict.evict_lru``),
+and a checkpoint a hit restored after every other one (``StateCheckpoints.victims``).
 
 Independent derivation: the eviction order on a small tree is written out by hand
 (below, from the release order of ``prefix_evict.release_pages``: a finished
@@ -92,7 +92,7 @@ def test_a_junction_chain_survives_pressure_that_evicts_leaves(junction):
 
 
 @pytest.mark.parametrize("how", ["junction", "hit", "neither"])
-def test_a_junction_checkpoint_goes_after_per_request_ones(how):
+def test_a_junction_or_restored_checkpoint_outlives_a_per_request_one(how):
     alloc = _alloc(pages=8, slots=4)
     states = alloc.parts.prefix.states
     a, b = np.arange(9) + 100, np.arange(9) + 200
@@ -105,6 +105,7 @@ def test_a_junction_checkpoint_goes_after_per_request_ones(how):
     while not states.evicted:  # requests take state slots until one evicts a checkpoint
         assert alloc.alloc_mamba(np.array([alloc.new_request()])) is not None
     assert states.evicted == 1
+    # a junction's or a restored one's node is on a junction chain: b's pages go first
     kept, gone = (b, a) if how == "neither" else (a, b)  # control: the LRU's oldest goes
     assert alloc.prefix.match(kept).num_tokens == 8
     assert alloc.prefix.match(gone).num_tokens == 0

@@ -209,15 +209,17 @@ def chain_nodes(cache: PrefixCache, node_ids: Iterable[int]) -> set[int]:
 
 def evict_lru(cache: PrefixCache, count: int) -> TablePatch:
     """``evict_pages`` of the ``count`` oldest evictable pages, those on the chain of
-    a shared junction checkpoint (``StateCheckpoints.shared``: where two prompts share
-    a prefix and diverge, or one a hit restored) after the rest, and those on the
-    chain of a checkpoint a waiting request expects (``wanted``) after those: a
-    per-request leaf goes before the prefix many requests hit, whatever its age (issue
-    41; ``bench_prefix_sim --compare-vllm``, few-shot at 4x the pool: 79.3 % -> 85.9 %)."""
+    a shared junction checkpoint (``StateCheckpoints.junctions``: where a prompt left a
+    cached run it matched, or one a hit restored; turn ends aside) after the rest, and
+    those on the chain of a checkpoint a waiting request expects (``wanted``) after
+    those: a per-request leaf goes before the prefix many requests hit, whatever its
+    age (issue 41; ``bench_prefix_sim --compare-vllm``, few-shot at 4x the pool:
+    79.3 % -> 85.9 %)."""
     states = cache.states
-    if states is None or not (states.shared or states.wanted):
+    if states is None or not (states.junctions() or states.wanted):
         return evict_pages(cache, count)
-    shared, wanted = chain_nodes(cache, states.shared), chain_nodes(cache, states.wanted)
+    shared = chain_nodes(cache, states.junctions())
+    wanted = chain_nodes(cache, states.wanted)
     by_page = cache.by_page
     rank = lambda p: 2 if by_page[p].node_id in wanted else int(by_page[p].node_id in shared)
     first = sorted(cache.lru, key=rank)[:count]  # (stable: LRU order within a rank)
