@@ -400,7 +400,14 @@ def main(argv=None) -> dict:
 #     divergence point), at the last whole page before the prompt's last token (demoted
 #     once a decode checkpoint is taken) and, rolling, at the last whole page of the
 #     output (``allocator/checkpoints.py``); eviction: demoted checkpoints, then window
-#     bindings outside suffixes, then nodes LRU, leaves first.
+#     bindings outside suffixes, then nodes LRU, leaves first, a leaf holding a shared
+#     junction checkpoint (taken at a divergence point, or one a hit restored) after
+#     every other leaf (``prefix_evict.evict_lru``: a page on a junction's chain goes
+#     after every other page; a leaf is on one only if its own node holds it); a turn
+#     end (a checkpoint past its prompt) is no junction, hit or not. Not modelled: the
+#     engine's checkpoint-only evictions (``StateCheckpoints.victims``, when the state
+#     slots are short: those a hit restored after the rest) and waiting requests'
+#     expected chains (requests come one at a time).
 # vLLM align mode (as documented for its hybrid prefix caching): the attention block size
 #   is raised (multiple of 16) until one block's bytes are at least one state's; a state
 #   snapshot is retained at every block boundary a request passes (prompt and output); a
@@ -469,11 +476,14 @@ def policies(shape: Shape) -> list[Policy]:
 
 
 class _Blk:
-    __slots__ = ("attn", "children", "demoted", "depth", "end", "parent", "state", "swa")
+    __slots__ = (
+        "attn", "children", "demoted", "depth", "end", "parent", "shared", "state", "swa", "turn"
+    )  # fmt: skip
 
     def __init__(self, parent, depth: int) -> None:
         self.parent, self.depth = parent, depth
-        self.attn = self.swa = self.state = self.demoted = self.end = False
+        self.attn = self.swa = self.state = self.demoted = self.end = self.shared = False
+        self.turn = False  # its checkpoint is a turn end (taken past its prompt)
         self.children = 0
 
 
@@ -580,14 +590,24 @@ class PolicyCache:
                 if key not in self.pinned:
                     self._drop(kind, key)
         while self.cached + live > self.budget:  # nodes, oldest first, leaves only
-            victim = next(
-                (k for kind, k in self.queue if kind == "attn" and k not in self.pinned
-                 and self.blocks[k].children == 0),
-                None,
-            )  # fmt: skip
+            leaves = (k for kind, k in self.queue if kind == "attn" and k not in self.pinned
+                      and self.blocks[k].children == 0)  # fmt: skip
+            # junction checkpoints (shared by >= 2 requests) after every other leaf
+            victim = next((k for k in leaves if not self._junction(k)), None)
+            if victim is None:
+                victim = next(
+                    (k for kind, k in self.queue if kind == "attn" and k not in self.pinned
+                     and self.blocks[k].children == 0),
+                    None,
+                )  # fmt: skip
             if victim is None:
                 return
             self._drop("attn", victim)
+
+    def _junction(self, key: int) -> bool:
+        """Node ``key`` holds a shared junction checkpoint (``StateCheckpoints.shared``)."""
+        blk = self.blocks[key]
+        return blk.state and blk.shared and not blk.turn
 
     def _release(self, kind: str, key: int) -> None:
         self.queue.pop((kind, key), None)
@@ -603,6 +623,8 @@ class PolicyCache:
         tokens = prompt + output
         keys = self.keys(tokens)
         self.pinned = set(keys[: hit // u])
+        if hit:  # a checkpoint that served a hit: shared by two requests
+            self.blocks[keys[hit // u - 1]].shared = True
         for key in self.pinned:  # a hit holds its blocks
             for kind in ("attn", "swa", "state"):
                 self.queue.pop((kind, key), None)
@@ -633,6 +655,10 @@ class PolicyCache:
             if key in self.blocks and not self.blocks[key].state:
                 self._add("state", key)
                 self.stats["states"] += 1
+                self.blocks[key].turn = pos > len(prompt)
+            if pos == run * u and run * u > hit and key in self.blocks:  # (a): a junction
+                self.blocks[key].shared = True
+
         if p.unikv and s.state and len(points) > 1:  # the prompt-end one is demoted
             for pos in points[:-1]:
                 if pos > run * u and pos // u - 1 < len(keys):

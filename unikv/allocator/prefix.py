@@ -54,6 +54,7 @@ from unikv.allocator.prefix_chain import (
 )
 from unikv.allocator.prefix_evict import (
     evict_dead,
+    evict_lru,
     evict_pages,
     evict_windows,
     evictable_physical,
@@ -422,6 +423,7 @@ class PrefixCache:
         source: int | None = None,
         supersedes: object = None,
         drop: bool = False,
+        junction: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot into a checkpoint keyed by the cached
         node of the last block of ``token_ids`` (its first k * page_size tokens, all
@@ -435,13 +437,16 @@ class PrefixCache:
         first tokens (whole pages) of the request's own checkpoint this one replaces:
         dropped (``drop``; before room is made, so no other chain's checkpoint is
         evicted for the take while it holds a slot) or demoted once this one is taken
-        (``StateCheckpoints.save``)."""
+        (``StateCheckpoints.save``); ``junction``: a shared junction
+        (``StateCheckpoints.shared``)."""
         tokens = self.tokens(token_ids, "prefix.checkpoint")
         ps = self.roles.page_size
         if self.states is None or not len(tokens) or len(tokens) % ps:
             return False
         try:
-            return self._checkpoint(slot, tokens, reserve, salt, turn_end, source, supersedes, drop)
+            return self._checkpoint(
+                slot, tokens, reserve, salt, turn_end, source, supersedes, drop, junction
+            )
         finally:  # the chunk's reserved slot, if the take did not adopt it
             self.states.release_direct([int(slot)], len(tokens))
 
@@ -458,6 +463,7 @@ class PrefixCache:
     def _checkpoint(
         self, slot: int, tokens: np.ndarray, reserve: Callable[[Mapping[str, int]], bool],
         salt: str | None, turn_end: bool, source: int | None, supersedes: object, drop: bool,
+        junction: bool = False,
     ) -> bool:  # fmt: skip
         """``checkpoint`` past its argument checks."""
         assert self.states is not None, "prefix._checkpoint: checked by checkpoint()"
@@ -472,7 +478,7 @@ class PrefixCache:
         alive = lambda: self.reachable(node.node_id)
         saved = self.states.save(
             int(slot), node.node_id, alive, len(tokens), reserve, turn_end, source,
-            old.node_id if old is not None else None, drop,
+            old.node_id if old is not None else None, drop, junction,
         )  # fmt: skip
         self.stats.checkpoints = self.states.saved
         return saved
@@ -583,7 +589,8 @@ class PrefixCache:
         """Under pressure, ``count`` of, cheapest first: evictable pages no hit can
         use (``prefix_evict.dead_pages``: below the last intact window of their
         chain); window bindings no request holds outside every chain end's window
-        suffix (no hit lost); the oldest evictable pages (``prefix_evict.evict_pages``;
+        suffix (no hit lost); the oldest evictable pages, those on a shared junction's
+        chain last (``prefix_evict.evict_lru``;
         their window bindings go with them); when no page is evictable, the suffix
         bindings of pages requests hold below their windows
         (``prefix_evict.evict_windows``)."""
@@ -598,7 +605,7 @@ class PrefixCache:
         count -= done
         self.writer.stage(patch)
         if self.lru:
-            return evict_pages(self, count)
+            return evict_lru(self, count)
         return evict_windows(self, count)[0]
 
     def evict_dead(self, count: int) -> tuple[TablePatch, int]:

@@ -135,16 +135,19 @@ class PrefixVerbs:
         source: int | None = None,
         supersedes: object = None,
         drop: bool = False,
+        junction: bool = False,
     ) -> bool:
         """Copy request ``slot``'s state slot (``source``: the Mamba virtual id of the
         slot holding the state instead, a per-draft-position one) into a checkpoint at
         the last block of ``token_ids``; False when none was taken
         (``PrefixCache.checkpoint``). ``supersedes``: the first tokens of the request's
         own checkpoint this one replaces: it goes first (dropped, ``drop``, or demoted),
-        before another is evicted to make room."""
+        before another is evicted to make room. ``junction``: taken where the prompt
+        left a cached run it matched (kept after per-request ones under pressure)."""
         taken = self._cache.checkpoint(
-            slot, token_ids, self._reserve_state, salt, turn_end, source, supersedes, drop
-        )
+            slot, token_ids, self._reserve_state, salt, turn_end, source, supersedes, drop,
+            junction,
+        )  # fmt: skip
         self._after()
         return taken
 

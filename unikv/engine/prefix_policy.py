@@ -15,7 +15,10 @@ request takes one (its pages shared, its state slot copied: ``prefix.checkpoint`
 policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
 (``points``, tokens):
 
-- the end of the cached page run it matched, if longer than its hit;
+- the end of the cached page run it matched, if longer than its hit (a junction:
+  two prompts share the prefix there and diverge; ``junction=True``, so under
+  pressure it and the pages of its chain go after every per-request checkpoint and
+  page, ``StateCheckpoints.shared``, as does any checkpoint a hit restored);
 - its last whole page before its last token;
 - while it decodes, the page boundaries it completes where the cost rule says a
   checkpoint pays (``engine/checkpoint_rule.py``: the chance it is the turn end x the
@@ -128,6 +131,10 @@ class PrefixCaching(NoPrefixCache):
         # request slot -> tokens of its hit when that ended at a previous turn's end
         # (demoted once the request takes a checkpoint of its own: superseded)
         self.extends: dict[int, int] = {}
+        # request slot -> tokens of its junction point: the end of the cached run its
+        # prompt matched, past its hit (two prompts share the prefix there, then
+        # diverge); its checkpoint is a shared junction, kept after per-request ones
+        self.junction: dict[int, int] = {}
         # demote a previous turn's end once the next turn takes its own: off (in the
         # simulation it cost hit rate at 2x the working set; not understood yet)
         self.supersede_turns = False
@@ -204,6 +211,10 @@ class PrefixCaching(NoPrefixCache):
             ends = [n for n in sorted(ends) if n > hit.num_tokens]
             if ends:
                 self.points[r.slot] = ends
+            if hit.num_page_tokens > hit.num_tokens:
+                self.junction[r.slot] = hit.num_page_tokens
+            else:
+                self.junction.pop(r.slot, None)
             self.latest.pop(r.slot, None)
             self.since[r.slot] = hit.num_tokens
             if self.supersede_turns and prefix.ends_turn(hit):
@@ -306,9 +317,11 @@ class PrefixCaching(NoPrefixCache):
         # the superseded one goes first, before the take's room evicts another's
         old = first(previous) if previous else None
         drop = bool(previous) and previous > len(r.prompt_ids)
+        junction = self.junction.get(r.slot) == at
         taken = self.prefix.checkpoint(
-            r.slot, first(at), r.cache_salt, turn_end, source, supersedes=old, drop=drop
-        )
+            r.slot, first(at), r.cache_salt, turn_end, source, supersedes=old, drop=drop,
+            junction=junction,
+        )  # fmt: skip
         if taken:
             self.since[r.slot] = at
             extended = self.extends.pop(r.slot, None)
