@@ -95,7 +95,15 @@ def prefix_llm(path: str, ps: int, caching: bool, **kw) -> LLM:
     kw.setdefault("max_model_len", 96)
     kw.setdefault("debug", True)
     kw.setdefault("dtype", torch.float32)  # CUDA's default is bf16; the oracle is fp32
-    return LLM(path, device=kw.pop("device", "cpu"), max_num_seqs=4, page_size=ps,
+    device = kw.pop("device", "cpu")
+    if device == "cuda" and "kv_cache_bytes" not in kw:  # CUDA's default: 90 % of free memory
+        from gpu_fixtures import roomy_bytes  # (the CPU's pool: 4 worst-case requests)
+
+        kw["kv_cache_bytes"] = roomy_bytes(
+            path, page_size=ps, dtype=kw["dtype"], max_num_seqs=4,
+            max_model_len=kw["max_model_len"], chunk=kw["max_num_batched_tokens"],
+        )  # fmt: skip
+    return LLM(path, device=device, max_num_seqs=4, page_size=ps,
                enable_prefix_caching=caching, **kw)  # fmt: skip
 
 
