@@ -4,10 +4,12 @@ and gated attention's q and k norms as one launch (``elementwise.qk_rms_norm``).
 
 The references against independent derivations: ``relu_square`` equals transformers'
 own ``ACT2FN["relu2"]`` bit for bit; ``sigmoid_mul`` equals the product computed in
-fp64 and rounded, within the dtype's rounding of the sigmoid and of the product. The
+fp64 and rounded, within the dtype's rounding of the sigmoid and of the product, and
+with an addend, that product rounded then added to it in fp64 and rounded. The
 Triton kernels (CPU interpreter) against the references, at odd widths, on the strided
 views the models pass (the gate read from the q|gate GEMM output, a (T, 1) gate
-broadcast by a zero stride, a transposed x), in fp32 and bf16: ``relu_square``
+broadcast by a zero stride, a transposed x; Qwen3-Next's gate a column of the packed
+router|gate GEMM output and the routed experts' sum as the addend), in fp32 and bf16: ``relu_square``
 exactly (one fp32 product rounded once, as torch's), ``sigmoid_mul`` within 1e-6 in
 fp32 and one bf16 ulp with >= 97 % of the elements bit-equal. ``qk_rms_norm``'s
 reference equals transformers' ``Qwen3_5RMSNorm`` on q and on k exactly; its kernel
@@ -77,6 +79,17 @@ def test_sigmoid_mul_reference_is_the_rounded_fp64_product(dtype):
     torch.testing.assert_close(ref.sigmoid_mul(x, gate).float(), want.float(), rtol=3 * ulp, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul_add_reference_is_the_rounded_fp64_sum(dtype):
+    x, gate = _gated_attention_output(dtype)
+    add = _randn(*x.shape, dtype=dtype, seed=6)
+    s = torch.sigmoid(gate.double()).to(dtype).double()  # rounded, then the product rounded
+    want = (add.double() + (x.double() * s).to(dtype).double()).to(dtype)
+    ulp = 2**-23 if dtype == torch.float32 else 2**-7
+    got = ref.sigmoid_mul(x, gate, add).float()  # within the sigmoid's last-bit rounding
+    torch.testing.assert_close(got, want.float(), rtol=ulp, atol=ulp * x.abs().max().item())
+
+
 # -- Triton against the references ----------------------------------------------------
 
 
@@ -96,6 +109,23 @@ def test_sigmoid_mul_triton_broadcast_and_transposed(dtype):
     _close(TRITON.sigmoid_mul(shared, gate), ref.sigmoid_mul(shared, gate))
     xt = _randn(37, 7, dtype=dtype, seed=5).t()  # no unit stride anywhere
     _close(TRITON.sigmoid_mul(xt, gate), ref.sigmoid_mul(xt, gate))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, hidden, experts", [(1, 37, 5), (7, 1100, 3)])
+def test_sigmoid_mul_add_triton_shared_expert(dtype, t, hidden, experts):
+    """Qwen3-Next's ``routed + sigmoid(gate) * shared``: the gate the last column of the
+    router|gate GEMM output (T, E + 1), broadcast; the routed sum read transposed."""
+    logits = _randn(t, experts + 1, dtype=dtype, seed=3)
+    shared = _randn(t, hidden, dtype=dtype, seed=4)
+    gate = logits[:, experts:].expand_as(shared)
+    routed = _randn(hidden, t, dtype=dtype, seed=5).t()
+    before = (logits.clone(), shared.clone(), routed.clone())
+    got = TRITON.sigmoid_mul(shared, gate, routed)
+    _close(got, ref.sigmoid_mul(shared, gate, routed))
+    assert not torch.equal(got, TRITON.sigmoid_mul(shared, gate)), "the addend is added"
+    for a, b in zip((logits, shared, routed), before, strict=True):
+        assert torch.equal(a, b), "the inputs are read, not written"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -147,6 +177,8 @@ def test_empty_steps_and_bad_shapes():
         TRITON.sigmoid_mul(torch.ones(2, 6), torch.ones(2, 3))
     with pytest.raises(ValueError, match="gate of its shape and dtype"):
         TRITON.sigmoid_mul(torch.ones(2, 6), torch.ones(2, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="add of its shape and dtype"):
+        TRITON.sigmoid_mul(torch.ones(2, 6), torch.ones(2, 6), torch.ones(2, 1))
     with pytest.raises(ValueError, match="relu_square needs a"):
         TRITON.relu_square(torch.ones(2, 3, 4))
     w = torch.ones(4)
@@ -171,6 +203,9 @@ def test_hybrid_decode_shapes_on_cuda(dtype):
     shared = _randn(26, 2048, dtype=dtype, seed=7).to(dev)
     row_gate = _randn(26, 1, dtype=dtype, seed=8).to(dev).expand_as(shared)
     _close(ops.sigmoid_mul(shared, row_gate).cpu(), ref.sigmoid_mul(shared, row_gate).cpu())
+    routed = _randn(26, 2048, dtype=dtype, seed=10).to(dev)
+    got, want = ops.sigmoid_mul(shared, row_gate, routed), ref.sigmoid_mul(shared, row_gate, routed)
+    _close(got.cpu(), want.cpu())
     up = _randn(22, 21504, dtype=dtype, seed=9).to(dev)
     assert torch.equal(ops.relu_square(up), ref.relu_square(up))
     if dtype == torch.bfloat16:  # one request's MLP down projection: relu2 inside the GEMV

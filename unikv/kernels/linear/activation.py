@@ -5,7 +5,8 @@ launches each; one launch here, with the rounding of their torch references
 - ``sigmoid_mul``: ``x * sigmoid(gate)``, the per-head output gate of Qwen3.5's and
   Qwen3-Next's gated attention (the gate a strided view of the q|gate GEMM output,
   read in place: no copy) and Qwen3-Next's shared-expert gate (one gate per row,
-  broadcast by a zero stride).
+  broadcast by a zero stride), with an optional addend ``add + x * sigmoid(gate)``
+  (the shared expert's output added to the routed experts' in the same launch).
 - ``relu_square``: ``relu(x) ** 2``, NemotronH's MLP and shared-expert activation.
 
 The sigmoid is rounded to the model dtype before the product, as ``torch.sigmoid``
@@ -29,7 +30,8 @@ BLOCK_MAX = 1024  # columns one program covers
 
 @triton.jit
 def _sigmoid_mul_kernel(
-    x, g, out, n1, sx0, sx1, sx2, sg0, sg1, sg2, D, BLOCK: tl.constexpr
+    x, g, a, out, n1, sx0, sx1, sx2, sg0, sg1, sg2, sa0, sa1, sa2, D,
+    HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     t, h = row // n1, row % n1
@@ -39,31 +41,41 @@ def _sigmoid_mul_kernel(
     xv = tl.load(x + t * sx0 + h * sx1 + cols * sx2, mask=mask, other=0.0).to(tl.float32)
     gv = tl.load(g + t * sg0 + h * sg1 + cols * sg2, mask=mask, other=0.0).to(tl.float32)
     s = tl.div_rn(1.0, 1.0 + tl.exp(-gv)).to(dt).to(tl.float32)
-    tl.store(out + row * D + cols, (xv * s).to(dt), mask=mask)
+    y = (xv * s).to(dt)
+    if HAS_ADD:  # the product rounded to the dtype, then the sum, as torch's two ops
+        av = tl.load(a + t * sa0 + h * sa1 + cols * sa2, mask=mask, other=0.0).to(tl.float32)
+        y = (av + y.to(tl.float32)).to(dt)
+    tl.store(out + row * D + cols, y, mask=mask)
 
 
-def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``x * sigmoid(gate)`` (``ref.sigmoid_mul``), one launch.
+def sigmoid_mul(
+    x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x * sigmoid(gate)``, or ``add + x * sigmoid(gate)`` given ``add``
+    (``ref.sigmoid_mul``), one launch.
 
-    x: (T, N) or (T, H, D) float; gate: x's shape and dtype; both any strides (the
-    gate a strided view, or a zero stride broadcasting it). Returns a new contiguous
-    tensor of x's shape and dtype."""
-    if x.dim() not in (2, 3) or gate.shape != x.shape or gate.dtype != x.dtype:
-        raise ValueError(
-            f"sigmoid_mul needs x (T, N) or (T, H, D) and a gate of its shape and dtype, got "
-            f"x {tuple(x.shape)} {x.dtype}, gate {tuple(gate.shape)} {gate.dtype}"
-        )
-    check_same_device(x, gate)
+    x: (T, N) or (T, H, D) float; gate and add: x's shape and dtype; all any strides
+    (the gate a strided view, or a zero stride broadcasting it). Returns a new
+    contiguous tensor of x's shape and dtype."""
+    operands = {"gate": gate} if add is None else {"gate": gate, "add": add}
+    for name, t in operands.items():
+        if x.dim() not in (2, 3) or t.shape != x.shape or t.dtype != x.dtype:
+            raise ValueError(
+                f"sigmoid_mul needs x (T, N) or (T, H, D) and a {name} of its shape and "
+                f"dtype, got x {tuple(x.shape)} {x.dtype}, {name} {tuple(t.shape)} {t.dtype}"
+            )
+        check_same_device(x, t)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     x3 = x if x.dim() == 3 else x[:, None]
     g3 = gate if gate.dim() == 3 else gate[:, None]
+    a3 = g3 if add is None else add if add.dim() == 3 else add[:, None]  # (unread: no add)
     t, n1, d = x3.shape
     block = min(BLOCK_MAX, next_pow2(d))
     _sigmoid_mul_kernel[(t * n1, triton.cdiv(d, block))](
-        x3, g3, out, n1, *x3.stride(), *g3.stride(), d,
-        BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        x3, g3, a3, out, n1, *x3.stride(), *g3.stride(), *a3.stride(), d,
+        HAS_ADD=add is not None, BLOCK=block, num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 

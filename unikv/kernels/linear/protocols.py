@@ -113,10 +113,12 @@ class QKRMSNorm(Protocol):
 
 
 class SigmoidMul(Protocol):
-    def __call__(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x * sigmoid(gate)``: x (T, N) or (T, H, D); gate of x's shape and dtype;
-        any strides (a strided view, a zero-stride broadcast). Returns a new
-        contiguous tensor of x's shape."""
+    def __call__(
+        self, x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x * sigmoid(gate)``, plus ``add`` where given: x (T, N) or (T, H, D); gate
+        and add of x's shape and dtype; any strides (a strided view, a zero-stride
+        broadcast). Returns a new contiguous tensor of x's shape."""
         ...
 
 

@@ -220,12 +220,16 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
-def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_mul(
+    x: torch.Tensor, gate: torch.Tensor, add: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x * sigmoid(gate)`` in x.dtype (the sigmoid rounded to the dtype before the
-    product): gated attention's output gate (Qwen3.5, Qwen3-Next), Qwen3-Next's
-    shared-expert gate. x: (T, N) or (T, H, D); gate: x's shape and dtype, any strides.
-    Returns a new tensor of x's shape."""
-    return x * torch.sigmoid(gate)
+    product), plus ``add`` where given (the product rounded, then the sum): gated
+    attention's output gate (Qwen3.5, Qwen3-Next), Qwen3-Next's shared-expert gate (its
+    output added to the routed experts'). x: (T, N) or (T, H, D); gate and add: x's
+    shape and dtype, any strides. Returns a new tensor of x's shape."""
+    out = x * torch.sigmoid(gate)
+    return out if add is None else add + out
 
 
 def relu_square(x: torch.Tensor) -> torch.Tensor:
