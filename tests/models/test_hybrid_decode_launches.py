@@ -29,11 +29,13 @@ derived parameter recomputed each step) fails here with the list it found:
         relu and square: 5).
 
     Qwen3-Next's linear-attention layer with its MoE block  the GDN mixer's 6 as above,
-        post-norm, router GEMM, top-k and the softmax of the k logits (the renormalised
-        top-k probabilities: ``moe.top_k_softmax``), the fused MoE (expert alignment,
-        gate|up, down, the sum over the k experts), the shared expert's gate GEMM and
-        gate|up GEMM, SiLU-mul, down GEMM, sigmoid(gate) * shared, the add: 20 (before:
-        softmax over every expert, top-k, sum, divide: 22).
+        post-norm, the router and shared-expert gate GEMM (one: ``SparseMoE.router``),
+        top-k and the softmax of the k logits (the renormalised top-k probabilities:
+        ``moe.top_k_softmax``), the fused MoE (expert alignment, gate|up, down, the sum
+        over the k experts), the shared expert's gate|up GEMM, SiLU-mul, down GEMM,
+        routed + sigmoid(gate) * shared (one ``sigmoid_mul``): 18 (before: the two gate
+        GEMMs and the add on their own, 20; softmax over every expert, top-k, sum,
+        divide: 22).
     Gemma-3 layer  pre-norm, q|k|v GEMM, q and k norms (one ``qk_rms_norm``), decode
         attention (rope and the K/V store inside), o_proj GEMM, post-attention norm,
         pre-MLP norm (+ residual), gate|up GEMM, GELU-mul, down GEMM, post-MLP norm: 11
@@ -82,12 +84,12 @@ GATED_ATTENTION_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 2,
                                  "triton._act_mul_kernel": 1})  # fmt: skip
 ATTENTION_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
                            "triton._decode_split_kernel": 1})  # fmt: skip
-MOE_GDN_LAYER = Counter({"aten.linear": 6, "triton._rms_norm_kernel": 2, "triton._decode_kernel": 1,
+MOE_GDN_LAYER = Counter({"aten.linear": 5, "triton._rms_norm_kernel": 2, "triton._decode_kernel": 1,
                          "triton._gdn_kernel": 1, "triton._gated_rms_norm_kernel": 1,
                          "aten.topk": 1, "aten.softmax": 1, "triton._align_kernel": 1,
                          "triton._gate_up_kernel": 1, "triton._down_kernel": 1, "aten.sum": 1,
-                         "triton._act_mul_kernel": 1, "triton._sigmoid_mul_kernel": 1,
-                         "aten.add": 1})  # fmt: skip
+                         "triton._act_mul_kernel": 1,
+                         "triton._sigmoid_mul_kernel": 1})  # fmt: skip
 GEMMA3_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 4,
                         "triton._qk_norm_kernel": 1, "triton._decode_split_kernel": 1,
                         "triton._act_mul_kernel": 1})  # fmt: skip

@@ -9,8 +9,10 @@ with packed Gated DeltaNet projections and a sparse MoE block.
 - MoE (``mlp``): softmax router over all experts in fp32, top-k, renormalised when
   ``norm_topk_prob``; SwiGLU experts stored per expert as in released checkpoints
   and in what ``save_pretrained`` writes (``experts.{e}.gate_proj`` ...); plus a
-  shared expert scaled by ``sigmoid(shared_expert_gate(x))`` (one kernel, ``sigmoid_mul``). Layers in
-  ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid use a dense MLP.
+  shared expert scaled by ``sigmoid(shared_expert_gate(x))`` and added to the routed
+  experts' output (one kernel, ``sigmoid_mul``); the router and the shared expert's
+  gate are one GEMM (``SparseMoE.router``). Layers in ``mlp_only_layers`` or off the
+  ``decoder_sparse_step`` grid use a dense MLP.
 
 The routed experts run in the fused MoE (``models/moe.RoutedExperts``: Triton on
 CUDA, the torch reference loop elsewhere).
@@ -103,27 +105,20 @@ class PackedGatedDeltaNet(qwen3_5.GatedDeltaNet):
         return qkv, z, b.reshape(t, self.num_v_heads), a.reshape(t, self.num_v_heads)
 
 
-class Router(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        e = config.extra
-        self.top_k, self.norm_topk_prob = e["num_experts_per_tok"], e["norm_topk_prob"]
-        self.weight = nn.Parameter(torch.zeros(e["num_experts"], config.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (T, hidden) -> (weights (T, k) in x.dtype, expert indices (T, k) int64)."""
-        logits = nn.functional.linear(x, self.weight)  # (T, E)
-        return top_k_softmax(logits, self.top_k, self.norm_topk_prob, logits.dtype)
-
-
 class SparseMoE(nn.Module):
-    """``mlp.gate`` (router), ``mlp.experts.{e}`` (SwiGLU each, the
-    checkpoint's per-expert names), ``mlp.shared_expert``, ``mlp.shared_expert_gate``."""
+    """``mlp.gate`` (router), ``mlp.experts.{e}`` (SwiGLU each, the checkpoint's
+    per-expert names), ``mlp.shared_expert``, ``mlp.shared_expert_gate``. The router
+    and the shared expert's gate (both replicated under tp) run as one GEMM,
+    ``router``: rows [gate (E) | shared_expert_gate (1)] (``packed``)."""
 
     def __init__(self, config: ModelConfig, tp=None) -> None:
         super().__init__()
         e = config.extra
-        self.gate = Router(config)  # replicated under tp: every rank routes alike
+        self.top_k, self.norm_topk_prob = e["num_experts_per_tok"], e["norm_topk_prob"]
+        self.num_experts = e["num_experts"]
+        # replicated under tp: every rank routes and gates alike
+        self.router = Linear(config.hidden_size, self.num_experts + 1, bias=False)
+        self.packed = {"router": ("gate", "shared_expert_gate")}
         self.experts = RoutedExperts(  # under tp: each expert's intermediate slice
             e["num_experts"], config.hidden_size, e["moe_intermediate_size"], tp=tp
         )
@@ -131,16 +126,18 @@ class SparseMoE(nn.Module):
         shared = dataclasses.replace(config, intermediate_size=e["shared_expert_intermediate_size"])
         # routed and gated shared partial sums added, then reduced once
         self.shared_expert = GatedMLP(shared, tp, reduce=False)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        self.ops = model_ops()  # sigmoid(gate) * shared in one kernel (``sigmoid_mul``)
+        self.ops = model_ops()  # routed + sigmoid(gate) * shared in one kernel (``sigmoid_mul``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        weights, indices = self.gate(x)
+        logits = self.router(x)  # (T, E + 1): the router's logits, then the gate's
+        weights, indices = top_k_softmax(
+            logits[:, : self.num_experts], self.top_k, self.norm_topk_prob, logits.dtype
+        )
         out = self.experts(x, weights, indices)
-        gate = self.shared_expert_gate(x)  # (T, 1): one gate per row, broadcast in place
         shared = self.shared_expert(x)
-        out = out + self.ops.sigmoid_mul(shared, gate.expand_as(shared))
+        gate = logits[:, self.num_experts :]  # (T, 1): one gate per row, broadcast in place
+        out = self.ops.sigmoid_mul(shared, gate.expand_as(shared), out)
         return reduce_partial(self.tp, out)
 
 
