@@ -9,13 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import build
+from allocator_fixtures import CHAINS, build
 
 from unikv import layout
-from unikv.allocator import TombstoneReadError
+from unikv.allocator import PoolAllocator, TombstoneReadError
 from unikv.allocator.translate import check_tombstones, translate
 from unikv.ids import PhysicalPageIds, VirtualTokenIds
 from unikv.kernels import get_backend
+from unikv.pool import UnifiedPool, pool_bytes_for
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -135,3 +136,46 @@ def test_wrong_id_kinds_are_refused():
         alloc.translate(VirtualTokenIds(torch.tensor([1])), "mamba")
     with pytest.raises(TypeError, match="of sub-pool 'swa'"):
         alloc.io.pin("swa", PhysicalPageIds(torch.tensor([1]), "full"))
+
+
+@pytest.mark.parametrize("chain", ["full+swa", "mla+swa"])
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_host_row_kernel_ids_equal_the_device_translation(chain, ps):
+    """``view.row_kernel_ids`` (host mirror, numpy) equals ``translate`` on the device
+    of the same rows gathered from ``req_to_token`` byte for byte, in every token
+    sub-pool (blocks per page > 1 included), after frees, a cut, window frees
+    (tombstones: the sink page) and compaction's moves."""
+    configs = CHAINS[chain](ps)
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {c.name: 16 for c in configs}))
+    alloc = PoolAllocator(pool, max_requests=3, max_context=10 * ps)
+    view, names = alloc.view, alloc.parts.roles.token_names
+    assert any(pool[n].blocks_per_page > 1 for n in names)
+    a, b, c = (alloc.new_request() for _ in range(3))
+    alloc.alloc_extend(np.array([a, b]), np.array([0, 0]), np.array([3 * ps + 1, 3 * ps]))
+    alloc.alloc_extend(np.array([c]), np.array([0]), np.array([2 * ps]))
+    alloc.truncate(np.array([b]), np.array([2 * ps - 1]))
+    alloc.alloc_extend(np.array([c]), np.array([2 * ps]), np.array([4 * ps + 2]))
+    alloc.free_request(a)  # (holes under b and c: compaction moves their pages)
+    alloc.free_out_of_window(np.array([c]), np.array([6 * ps + 2]))  # swa tombstones
+    moves = []
+
+    def check() -> None:
+        slots = np.array([b, c])
+        lens = view.allocated_lens(slots)
+        starts = np.array([1, 0])
+        counts = lens - starts
+        ids = VirtualTokenIds(view.token_vids(slots, starts, counts))
+        host = view.row_vids(slots, starts, counts)
+        assert host.tolist() == ids.data.tolist()
+        for name in names:
+            want = alloc.translate(ids, name).data.long().numpy().tobytes()
+            assert view.row_kernel_ids(name, host).tobytes() == want, name
+
+    check()
+    moves.append(alloc.compact())
+    check()
+    assert moves[0] > 0, "compaction moved nothing: the test did not reach a move"
+    tomb = alloc.parts.books["swa"].v2p_host[view.row_vids([c], [0], [1]) // ps]
+    assert (tomb < 0).all(), "the swa window left no tombstone in the rows read"
+    with pytest.raises(ValueError, match="not a token sub-pool"):
+        view.row_kernel_ids("nope", np.zeros(1, np.int64))

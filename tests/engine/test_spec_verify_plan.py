@@ -95,9 +95,9 @@ def compare_with_rebuild(monkeypatch, planner) -> dict:
     seen = {"advanced": 0, "deltas": set(), "pending": set()}
     real, steady, build = StepUpload.upload, planner.upload.steady, StepUpload.build
 
-    def upload(self, batch, rows, pad_q=1, row_ids=None):
+    def upload(self, batch, rows, pad_q=1, row_ids=None, write_ids=None):
         before, starts = steady.advanced, getattr(steady, "starts", None)
-        dev, host, pending = real(self, batch, rows, pad_q, row_ids)
+        dev, host, pending = real(self, batch, rows, pad_q, row_ids, write_ids)
         if steady.advanced == before:
             return dev, host, pending
         seen["advanced"] += 1
@@ -124,10 +124,17 @@ def check_tables(monkeypatch, planner, seen: dict) -> dict:
     plan = StepPlanner.plan
     seen.setdefault("verify", 0)
 
+    seen.setdefault("host_writes", 0)
+
     def checked(self, batch, *a, **k):
+        staged = batch.host_rows is not None and not batch.host_rows.on_device
+        before = self.host_writes
         out = plan(self, batch, *a, **k)
         if self is planner and batch.drafts is not None and batch.derive is None:
             seen["verify"] += 1
+            # rows known on the host (not a draft model's): write ids from the host
+            assert self.host_writes - before == int(staged), "host write ids not used"
+            seen["host_writes"] += int(staged)
             compare_tables(self, batch, out, k.get("slack", 0))
         return out
 
@@ -160,8 +167,9 @@ def compare_tables(planner, batch, plan, slack: int) -> None:
         alloc.block_table(slots_dev, seq_lens, sub.name, want, window=window)
         assert torch.equal(table[:num], want), f"{sub.name}: block table != rebuilt"
         assert not table[num:].any(), "padded rows read the sink"
-        ids = alloc.translate(vids, sub.name).data
-        assert write[:real].tolist() == ids.tolist(), f"{sub.name}: write ids != rebuilt"
+        ids = alloc.translate(vids, sub.name).data.long()  # the device translation
+        got = write[:real].cpu().numpy().tobytes()
+        assert got == ids.cpu().numpy().tobytes(), f"{sub.name}: write ids != translated"
         assert not write[real:].any(), "padded lanes write the sink"
 
 
@@ -188,6 +196,7 @@ def test_advanced_plans_equal_a_rebuild(llama, monkeypatch, ps):
     assert 0 < s.spec_accepted_tokens < s.spec_draft_tokens  # accepts and rejects
     assert seen["advanced"] >= 4 and len(seen["deltas"]) > 1, seen  # acceptance varied
     assert seen["advanced"] + sum(builds) == s.spec_verify_steps == seen["verify"]
+    assert seen["host_writes"] == seen["verify"]  # (every rows' ids on the host)
     assert sum(builds) >= 2  # the batch changed (a finish, an admission): built again
     assert np.all(np.asarray(sorted(seen["deltas"])) >= 1)
     reused = llm.runner.planner.kept_tables.reused
@@ -214,6 +223,7 @@ def test_advanced_plans_under_pressure(llama, monkeypatch):
     assert got == [hf_greedy(hf, p, 40) for p in items]
     assert llm.stats.preemptions > 0 and seen["advanced"] > 0
     assert seen["verify"] == llm.stats.spec_verify_steps
+    assert seen["host_writes"] == seen["verify"]  # (every rows' ids on the host)
     assert_pages_returned(llm)
 
 
@@ -250,6 +260,7 @@ def test_kept_tables_across_compaction(llama, monkeypatch):
     kept = llm.runner.planner.kept_tables
     assert sum(moved) > 0 and kept.reused > 0, (moved, kept.reused)
     assert seen["verify"] == llm.stats.spec_verify_steps
+    assert seen["host_writes"] == seen["verify"]  # (every rows' ids on the host)
     assert_pages_returned(llm)
 
 
@@ -271,6 +282,7 @@ def test_kept_tables_without_graphs(llama, monkeypatch):
     got = [o.output_ids for o in llm.generate(items, params)]
     assert got == [hf_greedy(hf, p, 30) for p in items]
     assert seen["verify"] == llm.stats.spec_verify_steps
+    assert seen["host_writes"] == seen["verify"]  # (every rows' ids on the host)
     assert llm.runner.planner.kept_tables.reused > 0
 
 

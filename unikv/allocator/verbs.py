@@ -359,6 +359,20 @@ class AllocatorView:
         positions = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
         return self._requests.token_ids(np.repeat(slots, counts), positions).astype(np.int64)
 
+    def row_kernel_ids(self, name: str, vids: np.ndarray) -> np.ndarray:
+        """(n,) int64 kernel ids of token sub-pool ``name`` for host virtual token ids
+        ``vids`` (``row_vids``'), from the host mirror of ``v2p`` (the truth; no device
+        work): ``alloc.translate``'s ids, tombstones in the sink page."""
+        if name not in self.roles.token_names:
+            raise ValueError(
+                f"row_kernel_ids: {name!r} is not a token sub-pool; token sub-pools: "
+                f"{list(self.roles.token_names)}"
+            )
+        book = self._books[name]
+        ps, vids = book.page_size, np.asarray(vids, np.int64)
+        phys = np.maximum(book.v2p_host[np.maximum(vids, 0) // ps], 0).astype(np.int64)
+        return phys * (ps * book.blocks_per_page) + vids % ps
+
     def upload_ids(self, array: np.ndarray) -> torch.Tensor:
         """A fresh host integer array as an int32 tensor on the allocator's device
         (CUDA: pinned, enqueued; no host sync)."""

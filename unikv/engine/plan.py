@@ -181,12 +181,14 @@ class StepPlanner:
         self.subpools, self.has_state = subs, len(subs) < len(pool.subpools)
         self.attention = [s for s in subs if s.spec.kind in ("full", "swa")]
         dev, rows = self.device, max_seqs
+        # the sub-pools' write ids: rows of one tensor (host-computed ones: one copy)
+        self.write_rows = torch.zeros((len(subs), self.max_tokens), dtype=torch.int64, device=dev)
         self.tables = StepTables(
             {
                 s.name: torch.zeros((rows, self._pages(s)), dtype=torch.int32, device=dev)
                 for s in subs
             },
-            {s.name: torch.zeros(self.max_tokens, dtype=torch.int64, device=dev) for s in subs},
+            {s.name: self.write_rows[i] for i, s in enumerate(subs)},
         )
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.draft_k = alloc.view.draft_k if self.has_state else 0  # verify steps: (B, k) slots
@@ -195,7 +197,10 @@ class StepPlanner:
         # token here, so a steady single request's step needs no token gather
         self.feedback = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.feed_graphs = feed_graphs
-        self.upload = StepUpload(dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin)
+        self.upload = StepUpload(
+            dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin, subpools=len(subs)
+        )
+        self.host_writes = 0  # steps whose write ids came from the host (the tests' spy)
         windows = [s.spec.sliding_window or 0 for s in subs]
         self.kept_tables = KeptTables(alloc.view.roles.page_size, windows)  # a verify step's
         self._q_per_kv = {s.name: q_per_kv for s in subs} | dict(q_per_kv_of or {})
@@ -248,7 +253,8 @@ class StepPlanner:
         if staged is not None and staged.on_device:  # (uploaded already: a draft model's)
             staged = None
         row_ids = staged.host if staged is not None else None
-        dev, host, pending = self.upload.upload(batch, rows or num, pad_q, row_ids)
+        writes = self._host_writes(row_ids) if row_ids is not None and num else None
+        dev, host, pending = self.upload.upload(batch, rows or num, pad_q, row_ids, writes)
         if staged is not None:
             staged.put(dev["row_ids"][: len(row_ids)])
         longest = None  # tokens the tables must span (None: the whole context)
@@ -284,7 +290,7 @@ class StepPlanner:
             seq_lens=dev["seq_lens"],
             q_indptr=dev["q_indptr"],
             max_q_len=max_q_len,
-            subpools=self._tables(batch, dev, host, rows, longest, max_q_len, pad_q, slack),
+            subpools=self._tables(batch, dev, host, rows, longest, max_q_len, pad_q, slack, writes),
             decode=self._decode_plans(rows, longest) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
@@ -297,6 +303,16 @@ class StepPlanner:
             rows=rows_plan,
             logit_rows=logit_rows,
         )
+
+    def _host_writes(self, row_ids: np.ndarray) -> np.ndarray | None:
+        """(S, n) int64 kernel ids of a verify step's rows (host virtual ids) per
+        token sub-pool, from the allocator's host page mirror (None: no sub-pool)."""
+        if not self.subpools:
+            return None
+        view, out = self.alloc.view, np.empty((len(self.subpools), len(row_ids)), np.int64)
+        for i, sub in enumerate(self.subpools):
+            out[i] = view.row_kernel_ids(sub.name, row_ids)
+        return out
 
     @staticmethod
     def _split(batch: Batch, dev: dict, host: dict, first: int) -> FreshSplit:
@@ -314,12 +330,14 @@ class StepPlanner:
 
     def _tables(
         self, batch: Batch, dev: dict, host: dict, rows: int, longest, max_q_len: int, pad_q=1,
-        slack=0,
+        slack=0, writes=None,
     ):  # fmt: skip
         """Per token sub-pool, the write ids and block table of the step: decode_step
         wrote them (DECODE), else translated here; padded rows point at the sink. A
         verify step whose requests' tables are those in the buffers (``plan_tables``)
-        translates its write ids only."""
+        writes its write ids only. ``writes``: (S, n) the rows' write ids computed on
+        the host (``AllocatorView.row_kernel_ids``) and staged in the step's upload:
+        one copy for every sub-pool, no translation."""
         num, steps = len(batch.requests), {}
         num_tokens = dev["input_ids"].shape[0]
         real = num_tokens - (rows - num) * pad_q  # tokens of real requests (padded lanes: pad_q)
@@ -335,6 +353,12 @@ class StepPlanner:
             bounds = kept.live(host["slots"][:num], host["seq_lens"][:num], reach)
             key = (rows, num_tokens, real, self._pages(self.subpools[0], longest), reach)
             reuse = kept.holds(epoch, key, bounds)
+        if writes is not None:  # (the host knew the rows: a verify step's)
+            assert virtual_ids is not None and writes.shape[1] == real, (
+                "step planner invariant: host write ids are a verify step's, one a row"
+            )
+            self.write_rows[:, :real].copy_(dev["write_ids"][:, :real])
+            self.host_writes += 1
         for sub in self.subpools:
             table = self.tables.block_tables[sub.name][:rows, : self._pages(sub, longest)]
             write = self.tables.write_ids[sub.name][:num_tokens]
@@ -344,7 +368,8 @@ class StepPlanner:
                     window += max_q_len - 1 + slack if window else 0  # a first new token: W back
                     seq_lens, slots = dev["seq_lens"][:num], dev["slots"][:num]
                     self.alloc.block_table(slots, seq_lens, sub.name, table[:num], window=window)
-                self.alloc.translate(virtual_ids, sub.name, out=write)
+                if writes is None:
+                    self.alloc.translate(virtual_ids, sub.name, out=write)
             if num < rows and not reuse:  # (reused: the padded rows are as they were)
                 table[num:].zero_()
                 write[real:].zero_()

@@ -13,8 +13,10 @@ every request's live columns are the kept ones, the tables in the buffers are
 already the step's: the planner reuses them (no launch). A request's rows held to
 the end of their page (``speculative/headroom.VerifyRows``) keep the live columns
 until a row passes that page end, which allocates (a new epoch): the tables are
-then built again, once. The write ids are translated every step from the rows'
-virtual ids (one launch per sub-pool; no host read).
+then built again, once. The write ids are written every step: computed on the
+host from the allocator's page mirror and staged in the step's upload (one copy
+for every sub-pool), or translated from the rows' ids on the device where those
+are not on the host (``plan.StepPlanner._tables``).
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ buffer in one copy; typed views for (R rows, T tokens):
 
     input_ids (T,) i64 | positions (T,) i64 | logits_indices (R,) i64 |
     lanes (R,) i64 | seq_lens (R,) i32 | slots (R,) i32 | q_indptr (R+1,) i32 |
-    row_ids (T,) i32
+    row_ids (T,) i32 | (to 8 bytes) | write_ids (S, T) i64
 
 ``row_ids``: a verify step's rows' virtual ids where the host knows them
 (``speculative/headroom.HostRows``: the rows' second upload folded into this one);
+``write_ids``: their kernel ids in each of the S token sub-pools, computed on the
+host from the allocator's page mirror (``AllocatorView.row_kernel_ids``); both
 unused (stale bytes) otherwise.
 
 ``lanes``: in a one-token step whose every input is a placeholder (steady
@@ -47,9 +49,10 @@ def _token_at(r, index: int) -> int:
     return r.prompt_ids[index] if index < n else r.output_ids[index - n]
 
 
-def _views(buffer, rows: int, num_tokens: int) -> tuple[dict, int]:
+def _views(buffer, rows: int, num_tokens: int, subpools: int = 0) -> tuple[dict, int]:
     """Typed views of a byte buffer (numpy or torch) for ``rows`` requests and
-    ``num_tokens`` tokens (the layout in the module docstring), and its bytes."""
+    ``num_tokens`` tokens (the layout in the module docstring; ``write_ids`` only
+    for ``subpools`` > 0), and its bytes."""
     fields, views, start = [], {}, 0
     fields += [("input_ids", I64, num_tokens), ("positions", I64, num_tokens)]
     fields += [("logits_indices", I64, rows), ("lanes", I64, rows)]
@@ -62,6 +65,12 @@ def _views(buffer, rows: int, num_tokens: int) -> tuple[dict, int]:
         else:
             views[name] = raw.view(torch.int64 if size == I64 else torch.int32)
         start += size * count
+    if subpools:  # (after row_ids: the steady arrays' layout is this one's prefix)
+        start = -(-start // I64) * I64
+        raw = buffer[start : start + I64 * subpools * num_tokens]
+        wide = np.int64 if isinstance(raw, np.ndarray) else torch.int64
+        views["write_ids"] = raw.view(wide).reshape(subpools, num_tokens)
+        start += I64 * subpools * num_tokens
     return views, start
 
 
@@ -70,12 +79,16 @@ class StepUpload:
 
     Args:
         device: the pool's device; max_seqs: rows per step at most; max_tokens:
-            tokens per step at most (>= max_seqs); pin: pinned staging (CUDA).
+            tokens per step at most (>= max_seqs); pin: pinned staging (CUDA);
+            subpools: token sub-pools whose write ids a step may stage (``write_ids``).
     """
 
-    def __init__(self, device: torch.device, *, max_seqs: int, max_tokens: int, pin: bool) -> None:
-        self.max_seqs, self.max_tokens = max_seqs, max_tokens
+    def __init__(
+        self, device: torch.device, *, max_seqs: int, max_tokens: int, pin: bool, subpools: int = 0
+    ) -> None:
+        self.max_seqs, self.max_tokens, self.subpools = max_seqs, max_tokens, subpools
         nbytes = I64 * (2 * max_tokens + 2 * max_seqs) + I32 * (3 * max_seqs + 1 + max_tokens)
+        nbytes += (I64 + I64 * subpools * max_tokens) if subpools else 0  # (aligned)
         self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         staging = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
         self._staging = [t.pin_memory() for t in staging] if pin else staging
@@ -91,7 +104,12 @@ class StepUpload:
         self.steady = SteadyVerify(nbytes, _views)  # the last verify step's arrays, kept
 
     def upload(
-        self, batch: Batch, rows: int, pad_q: int = 1, row_ids: np.ndarray | None = None
+        self,
+        batch: Batch,
+        rows: int,
+        pad_q: int = 1,
+        row_ids: np.ndarray | None = None,
+        write_ids: np.ndarray | None = None,
     ) -> tuple[dict, dict, str]:
         """The step's int arrays, padded to ``rows`` lanes, written into a host
         staging buffer and copied to the device in one copy; (typed device views,
@@ -99,23 +117,28 @@ class StepUpload:
         A steady verify step's arrays are the last one's advanced in place
         (``plan_steady.SteadyVerify``); any other step's are built (``build``).
         ``pad_q``: tokens per padded lane (a verify graph's lanes all feed k + 1).
-        ``row_ids``: the rows' virtual ids (host ints), staged too (``row_ids``)."""
+        ``row_ids``: the rows' virtual ids (host ints), staged too (``row_ids``);
+        ``write_ids``: (S, n) their kernel ids per token sub-pool, staged too."""
         advanced = self.steady.advance(batch, rows, pad_q)
         if advanced is None:
-            return self.build(batch, rows, pad_q, row_ids)
+            return self.build(batch, rows, pad_q, row_ids, write_ids)
         kept, nbytes = advanced
         slot, host, dev, _ = self._stage(rows, kept["input_ids"].shape[0])
         host_bytes = self._host[slot]
         host_bytes[:nbytes] = self.steady.buffer[:nbytes]
-        if row_ids is not None:
-            host["row_ids"][: len(row_ids)] = row_ids
+        self._stage_ids(host, row_ids, write_ids)
         real = self.steady.real
         pending = NONE if not real or host["input_ids"][:real].min() >= 0 else SOME
-        self._copy(slot, rows, kept["input_ids"].shape[0])
+        self._copy(slot, rows, kept["input_ids"].shape[0], write_ids is not None)
         return dev, host, pending
 
     def build(
-        self, batch: Batch, rows: int, pad_q: int = 1, row_ids: np.ndarray | None = None
+        self,
+        batch: Batch,
+        rows: int,
+        pad_q: int = 1,
+        row_ids: np.ndarray | None = None,
+        write_ids: np.ndarray | None = None,
     ) -> tuple[dict, dict, str]:
         """``upload``'s arrays built from the batch's requests (kept for the next step
         when ``batch`` is a verify step). One-token steps (decodes) take a path
@@ -161,12 +184,20 @@ class StepUpload:
             positions[:] = self._arange[:num_tokens] - np.repeat(q_indptr[:-1] - seq_lens, counts)
             host["logits_indices"][:] = q_indptr[1:] - 1
         seq_lens += 1 if one_token else counts  # padded lanes: 1, a token at position 0
-        if row_ids is not None:
-            host["row_ids"][: len(row_ids)] = row_ids
+        self._stage_ids(host, row_ids, write_ids)
         if batch.drafts is not None and batch.derive is None and not one_token:  # verify: kept
             self.steady.keep(batch, rows, pad_q, self._host[slot], nbytes)
-        self._copy(slot, rows, num_tokens)
+        self._copy(slot, rows, num_tokens, write_ids is not None)
         return dev, host, pending
+
+    @staticmethod
+    def _stage_ids(host: dict, row_ids: np.ndarray | None, write_ids: np.ndarray | None) -> None:
+        """The rows' virtual ids and their write ids (S, n), where given, into the
+        staging views."""
+        if row_ids is not None:
+            host["row_ids"][: len(row_ids)] = row_ids
+        if write_ids is not None:
+            host["write_ids"][:, : write_ids.shape[1]] = write_ids
 
     def _stage(self, rows: int, num_tokens: int) -> tuple[int, dict, dict, int]:
         """(the staging slot of this step, its host views, the device views, bytes):
@@ -179,10 +210,10 @@ class StepUpload:
         host, dev, nbytes, _ = self._layout(slot, rows, num_tokens)
         return slot, host, dev, nbytes
 
-    def _copy(self, slot: int, rows: int, num_tokens: int) -> None:
+    def _copy(self, slot: int, rows: int, num_tokens: int, wide: bool) -> None:
         """Staging slot ``slot``'s bytes of a (rows, num_tokens) step to the device
-        (one copy, recorded)."""
-        device, staging = self._layout(slot, rows, num_tokens)[3]
+        (one copy, recorded; ``wide``: the write ids too, else up to ``row_ids``)."""
+        device, staging = self._layout(slot, rows, num_tokens)[3][wide]
         device.copy_(staging, non_blocking=True)
         if self._pin:
             self._copied[slot] = torch.cuda.Event()
@@ -200,17 +231,18 @@ class StepUpload:
 
     def _layout(self, slot: int, rows: int, num_tokens: int) -> tuple[dict, dict, int, tuple]:
         """(host views of staging slot ``slot``, device views, bytes, the (device,
-        staging) byte slices of the copy) for ``rows`` requests and ``num_tokens``
+        staging) byte slices of the copy without and with the write ids) for ``rows`` requests and ``num_tokens``
         tokens, built once per shape (views are cheap to keep, slow to make on every
         step)."""
         key = (slot, rows, num_tokens)
         found = self._layouts.get(key)
         if found is None:
-            host, nbytes = _views(self._host[slot], rows, num_tokens)
+            host, nbytes = _views(self._host[slot], rows, num_tokens, self.subpools)
+            short = _views(self._host[slot], rows, num_tokens)[1]  # (no write ids)
             with torch.inference_mode(False):  # kept views: usable in and out of it
-                dev = _views(self._buffer, rows, num_tokens)[0]
-                pair = self._buffer[:nbytes], self._staging[slot][:nbytes]
-            found = host, dev, nbytes, pair
+                dev = _views(self._buffer, rows, num_tokens, self.subpools)[0]
+                pairs = tuple((self._buffer[:n], self._staging[slot][:n]) for n in (short, nbytes))
+            found = host, dev, nbytes, pairs
             if len(self._layouts) < 4 * self.max_seqs:  # decode shapes and some extends
                 self._layouts[key] = found
         return found
