@@ -31,6 +31,7 @@ from unikv.allocator.requests import RequestTable, Roles
 from unikv.allocator.room import Room
 from unikv.allocator.tables import TableWriter
 from unikv.ids import PhysicalPageIds, VirtualPageIds
+from unikv.layout import IdMap
 from unikv.pool import UnifiedPool
 
 Check = Callable[[], None] | None
@@ -369,9 +370,9 @@ class AllocatorView:
                 f"{list(self.roles.token_names)}"
             )
         book = self._books[name]
-        ps, vids = book.page_size, np.asarray(vids, np.int64)
-        phys = np.maximum(book.v2p_host[np.maximum(vids, 0) // ps], 0).astype(np.int64)
-        return phys * (ps * book.blocks_per_page) + vids % ps
+        ids = torch.from_numpy(np.asarray(vids, np.int64))
+        id_map = IdMap(book.page_size, book.blocks_per_page)  # the contract's arithmetic
+        return id_map.kernel_ids_from_virtual(ids, torch.from_numpy(book.v2p_host)).numpy()
 
     def upload_ids(self, array: np.ndarray) -> torch.Tensor:
         """A fresh host integer array as an int32 tensor on the allocator's device
