@@ -76,6 +76,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from unikv.allocator.fences import FenceQueue
 from unikv.allocator.pages import LIVE, PageBook
@@ -416,8 +417,8 @@ class StateCheckpoints:
         if here:
             vids = np.array([self.by_node[self.pending[int(slots[i])]] for i in here], np.int32)
             src = self.book.physical(vids).astype(np.int64)
-            index = self.writer.upload(np.array(here, np.int64))
-            ppages = PhysicalPageIds(dst.data.index_select(0, index.long()), self.book.name)
+            index = self.writer.upload(np.array(here, np.int64), wide=True)
+            ppages = PhysicalPageIds(dst.data.index_select(0, index), self.book.name)
             self._copy(src, ppages)
         away = [i for i, n in zip(lanes, nodes) if n not in self.by_node]
         if away:  # host checkpoints, into the slots' physical pages (host mirror)
@@ -428,7 +429,8 @@ class StateCheckpoints:
 
     def _copy(self, src: np.ndarray, dst: PhysicalPageIds) -> None:
         name = self.book.name
-        ids = PhysicalPageIds(self.writer.upload(src).to(dst.data.dtype), name)
+        wide = dst.data.dtype == torch.int64  # uploaded in dst's dtype: no widening launch
+        ids = PhysicalPageIds(self.writer.upload(src, wide=wide), name)
         self.pool.move_pages(name, ids, dst, check=False)
 
     def drop(self, node_ids: list[int]) -> None:
