@@ -10,6 +10,8 @@
 source "$(dirname "$0")/device_steps.sh"
 device_setup /tmp/suite_res /tmp/suite_out
 export NO_TAR=1
+# lanes share the GPU: an engine without kv_cache_bytes takes at most this share (tests/conftest.py)
+export UNIKV_TEST_LANE_FRACTION=0.1
 pt="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=240"
 lane() {
   local cap=$1 f; shift
@@ -58,6 +60,7 @@ fi
 wait
 # the elastic pool's CUDA backing and the two-model budget (issue 44) measure free memory:
 # alone, after the lanes
+unset UNIKV_TEST_LANE_FRACTION
 [ "${PART:-a}" = b ] && lane 150 tests/core/test_backing_gpu.py tests/engine/test_multi_budget_gpu.py
 grep -h "^FAILED\|^ERROR" "$R"/logs/test_*.log >>"$R/summary.txt"
 device_finish
