@@ -122,6 +122,7 @@ def engine_args(args, max_len: int) -> list[str]:
 MODES = {  # unikv serve's engine modes; "process-5ms": Python's own GIL switch interval
     "process": [], "in-process": ["--in-process-engine"],
     "process-5ms": ["--switch-interval-ms", "5"],
+    "process-pg": ["--prefill-graphs"],  # extend steps under piecewise CUDA graphs
 }  # fmt: skip
 
 
@@ -494,7 +495,7 @@ def main() -> None:
         default="process,in-process",
         help="unikv serve's engine modes to run, comma-separated: process (the default "
         "engine process), in-process (--in-process-engine), process-5ms (Python's own GIL "
-        "switch interval), process-apiN (N API processes: --api-server-count N); "
+        "switch interval), process-pg (--prefill-graphs), process-apiN (N API processes: --api-server-count N); "
         "LLM.generate runs too",
     )
     args = p.parse_args()
