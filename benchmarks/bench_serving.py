@@ -123,6 +123,7 @@ MODES = {  # unikv serve's engine modes; "process-5ms": Python's own GIL switch 
     "process": [], "in-process": ["--in-process-engine"],
     "process-5ms": ["--switch-interval-ms", "5"],
     "process-pg": ["--prefill-graphs"],  # extend steps under piecewise CUDA graphs
+    "process-pg512": ["--prefill-graphs", "--prefill-graph-tokens", "512"],  # those of <= 512 rows
 }  # fmt: skip
 
 
@@ -495,7 +496,7 @@ def main() -> None:
         default="process,in-process",
         help="unikv serve's engine modes to run, comma-separated: process (the default "
         "engine process), in-process (--in-process-engine), process-5ms (Python's own GIL "
-        "switch interval), process-pg (--prefill-graphs), process-apiN (N API processes: --api-server-count N); "
+        "switch interval), process-pg (--prefill-graphs), process-pg512 (graphs up to 512 rows), process-apiN (N API processes: --api-server-count N); "
         "LLM.generate runs too",
     )
     args = p.parse_args()

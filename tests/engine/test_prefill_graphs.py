@@ -135,6 +135,27 @@ def test_one_prompt_at_a_time_pads_to_each_size(ref, small_sizes):
     assert graphs.replays == {8: 1, 16: 0, 32: 1}
 
 
+def test_steps_above_the_token_cap_run_eagerly(ref, small_sizes):
+    """prefill_graph_tokens 16: sizes 8 and 16 only; a lone 17-token prompt (more rows
+    than the largest size) runs eagerly, with the same tokens."""
+    llm = engine_llm(ref, prefill_graphs=True, prefill_graph_tokens=16)
+    graphs = llm.runner.prefill_graphs
+    assert graphs.sizes == [8, 16]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    for prompt, want in zip(ref.prompts[:2], ref.greedy[:2], strict=True):
+        (out,) = llm.generate([prompt], params)
+        assert out.output_ids == want
+    assert graphs.replays == {8: 1, 16: 0}
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "512"])
+def test_bad_prefill_graph_tokens_is_refused(bad):
+    from unikv.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="prefill_graph_tokens"):
+        EngineConfig(model="m", device="cpu", prefill_graph_tokens=bad)
+
+
 def test_prompt_logprobs_through_the_pieces(ref, small_sizes):
     """Prompt logprobs (more logits rows than requests: the head's own rows plan)
     through the pieces equal transformers' teacher-forced log-softmax."""

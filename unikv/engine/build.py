@@ -169,6 +169,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         max_graph_batch=min(c.max_num_seqs, DENSE_MAX_TOKENS),  # MoE stays sync-free
         q_per_kv_of={d.name: draft.q_per_kv for d in draft.configs},
         prefill_graphs=c.prefill_graphs,
+        prefill_graph_tokens=c.prefill_graph_tokens,
     )
     if device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
         warm_linears(model, max_logit_rows=c.max_num_seqs, max_tokens=c.max_num_batched_tokens)

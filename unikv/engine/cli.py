@@ -71,6 +71,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=False,
                    help="extend (prefill) steps under piecewise CUDA graphs, attention and "
                    "recurrent ops eager between the pieces (default: off)")  # fmt: skip
+    g.add_argument("--prefill-graph-tokens", type=int, default=None,
+                   help="with --prefill-graphs: the largest captured token count; longer extend "
+                   "steps run eagerly (default: --max-num-batched-tokens)")  # fmt: skip
     g.add_argument("--backend", choices=("torch", "triton"), default=None,
                    help="kernel backend (default: triton on CUDA, torch on the CPU)")  # fmt: skip
     g.add_argument(

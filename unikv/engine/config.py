@@ -82,6 +82,7 @@ class EngineConfig:
     max_model_len: int | None = None
     cuda_graphs: bool | None = None
     prefill_graphs: bool = False
+    prefill_graph_tokens: int | None = None
     backend: str | None = None
     seed: int = 0
     debug: bool = False
@@ -146,6 +147,10 @@ class EngineConfig:
         if not isinstance(self.prefill_graphs, bool):
             raise _bad("prefill_graphs", "True or False (extend steps under piecewise CUDA "
                        "graphs; plain calls of the same pieces on the CPU)", self.prefill_graphs)  # fmt: skip
+        tokens = self.prefill_graph_tokens
+        if tokens is not None and not _int(tokens, 1):
+            raise _bad("prefill_graph_tokens", "None (capture up to max_num_batched_tokens) or an "
+                       "int >= 1: extend steps of more token rows run eagerly", tokens)  # fmt: skip
         if not isinstance(self.debug, bool):
             raise _bad("debug", "True or False", self.debug)
         if self.backend not in BACKENDS:

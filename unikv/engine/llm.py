@@ -95,6 +95,10 @@ class LLM:
             counts padded to 256, 512, 1024, 2048, then every 1024 up to
             max_num_batched_tokens); on the CPU the same pieces as plain calls. Default
             off. Not MLA models, not under TP.
+        prefill_graph_tokens: with prefill_graphs, the largest captured token count
+            (the sizes below it, then it; None: max_num_batched_tokens).
+            Extend steps of more rows run eagerly: graphs pay where launches, not the
+            GPU, bound a step (a few hundred rows).
         backend: None (by device), "torch" or "triton".
         seed: seeds requests whose SamplingParams give none.
         debug: allocator debug mode (tombstone reads raise).

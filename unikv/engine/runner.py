@@ -163,6 +163,7 @@ class ModelRunner:
         max_graph_batch: int = 0,
         q_per_kv_of: dict[str, int] | None = None,
         prefill_graphs: bool = False,
+        prefill_graph_tokens: int | None = None,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         self.device = pool.device
@@ -209,12 +210,14 @@ class ModelRunner:
         # extend steps through piecewise graphs (plain calls of the same pieces on CPU)
         self.prefill_graphs = None
         if prefill_graphs:
-            from unikv.engine.prefill_graphs import PrefillGraphs
+            from unikv.engine.prefill_graphs import PrefillGraphs, prefill_token_sizes
 
             make_step = lambda plan: ExtendAttention(
                 self.layers, plan, self.backend, self.sm_scale, self.states
             )
-            self.prefill_graphs = PrefillGraphs(model, self.planner, make_step)
+            top = min(prefill_graph_tokens or self.planner.max_tokens, self.planner.max_tokens)
+            sizes = prefill_token_sizes(top)
+            self.prefill_graphs = PrefillGraphs(model, self.planner, make_step, sizes)
 
     # -- running -------------------------------------------------------------------
 
