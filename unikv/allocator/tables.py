@@ -25,8 +25,7 @@ leaves them for the next write, the step's own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from itertools import accumulate
 
 import numpy as np
@@ -67,15 +66,15 @@ class TablePatch:
     def __bool__(self) -> bool:
         return bool(self.segments)
 
-    def pack(self) -> tuple[list[np.ndarray], list[int], int]:
-        """(header and parts for the uploader, offset of each part, max count)."""
+    def pack(self) -> tuple[list[np.ndarray], list[int], list[int], int]:
+        """(header and parts for the uploader, offset and size of each part, max count)."""
         sizes = [len(a) for a in self.parts]
         offsets = list(accumulate(sizes[:-1], initial=HEADER * len(self.segments)))
         header: list[int] = []
         for table, index, value in self.segments:
             header += (table, offsets[index], offsets[value] if value >= 0 else -1, sizes[index])
         max_count = max((sizes[i] for _, i, _ in self.segments), default=0)
-        return [np.array(header, np.int32), *self.parts], offsets, max_count
+        return [np.array(header, np.int32), *self.parts], offsets, sizes, max_count
 
 
 class Written:
@@ -90,6 +89,27 @@ class Written:
     def __getitem__(self, part: Part) -> torch.Tensor:
         start = self.offsets[part]
         return self.packed[start : start + self.sizes[part]]
+
+
+class _Scope:
+    """``TableWriter.batch``'s context manager (a class: no generator per entry)."""
+
+    __slots__ = ("hold", "writer")
+
+    def __init__(self, writer: TableWriter, hold: bool) -> None:
+        self.writer, self.hold = writer, hold
+
+    def __enter__(self) -> None:
+        w = self.writer
+        if not w._depth:
+            w._held = w._num_staged  # what an earlier ``hold`` scope left
+        w._depth += 1
+
+    def __exit__(self, *exc: object) -> None:  # an error settles too: state stays whole
+        w = self.writer
+        w._depth -= 1
+        if not w._depth and not self.hold and w._num_staged > w._held:
+            w.settle()
 
 
 class TableWriter:
@@ -127,6 +147,7 @@ class TableWriter:
         self._held = 0  # of them, left by a ``hold`` scope before the open one
         self._depth = 0  # open ``batch`` scopes
         self.writes = 0  # uploads (each with its launch) so far
+        self._scopes = (_Scope(self, hold=False), _Scope(self, hold=True))
 
     def follow(self, book: PageBook) -> None:
         """Point at ``book``'s current tables and host mirrors (after its grid changed)."""
@@ -135,24 +156,16 @@ class TableWriter:
         self.tables[p] = book.p2v
         self.mirrors[v], self.mirrors[p] = book.v2p_host, book.p2v_host
 
-    @contextmanager
-    def batch(self, hold: bool = False) -> Iterator[None]:
-        """The ``stage``-d writes of the verbs inside go out with the next ``write``,
-        or in one write when the outermost scope closes (module docstring). ``hold``:
-        not even then; they wait for the next ``write`` (a preemption's frees go with
-        the step's decode or extend write), so the caller makes sure one comes
-        before anything on the device reads those entries (the debug-mode
-        ``check_integrity`` settles them first). A scope that stages nothing itself
-        leaves held entries waiting too (a decode step that failed for want of room)."""
-        if not self._depth:
-            self._held = self._num_staged  # what an earlier ``hold`` scope left
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if not self._depth and not hold and self._num_staged > self._held:
-                self.settle()
+    def batch(self, hold: bool = False) -> _Scope:
+        """A scope (``with writer.batch():``) whose verbs' ``stage``-d writes go out with
+        the next ``write``, or in one write when the outermost scope closes (module
+        docstring). ``hold``: not even then; they wait for the next ``write`` (a
+        preemption's frees go with the step's decode or extend write), so the caller
+        makes sure one comes before anything on the device reads those entries (the
+        debug-mode ``check_integrity`` settles them first). A scope that stages nothing
+        itself leaves held entries waiting too (a decode step that failed for want of
+        room). The two scopes are made once: a decode step's verbs enter one each."""
+        return self._scopes[hold]
 
     def settle(self) -> None:
         """Write the staged entries now (one upload and launch; none staged: nothing)."""
@@ -196,12 +209,12 @@ class TableWriter:
             self._merge(patch)
         self.writes += 1
         self.epoch += 1
-        parts, offsets, max_count = patch.pack()
+        parts, offsets, sizes, max_count = patch.pack()
         packed = self.upload(parts)
         self._update(
             self.tables if tables is None else tables, packed, len(patch.segments), max_count
         )
-        return Written(packed, offsets, [len(a) for a in patch.parts])
+        return Written(packed, offsets, sizes)
 
     def bind(self, book: PageBook, vpages: np.ndarray, ppages: np.ndarray) -> torch.Tensor:
         """Device half of ``book.bind_host``; returns ``ppages`` on the device."""

@@ -67,8 +67,8 @@ class Tokens:
 
     def check_held(self, slots: np.ndarray, lens: np.ndarray, what: str, name: str) -> None:
         held = self.requests.lens[slots]
-        if not np.array_equal(held, lens):
-            bad = held != lens
+        bad = held != lens  # (same shapes: ``lens`` checked them)
+        if np.count_nonzero(bad):
             raise ValueError(
                 f"{what}: {name} must equal the tokens each request holds; requests "
                 f"{slots[bad].tolist()} hold {held[bad].tolist()} but {name} says "
