@@ -29,12 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 from unikv.specs import MambaSpec, MHASpec, MLASpec, Spec, storage_dtype
 
 INT32_LIMIT = 2**31  # kernel ids and block-table entries are int32
+Ids = TypeVar("Ids", torch.Tensor, np.ndarray)  # device tensors or host arrays, one arithmetic
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class IdMap:
         """Kernel ids per physical page: ``ps * B``."""
         return self.page_size * self.blocks_per_page
 
-    def page_entries(self, physical_pages: torch.Tensor) -> torch.Tensor:
+    def page_entries(self, physical_pages: Ids) -> Ids:
         """Block-table entries of physical pages: ``P * B``."""
         return physical_pages * self.blocks_per_page
 
@@ -71,22 +74,28 @@ class IdMap:
         slots = physical_token_ids - pages * self.page_size
         return entry_kernel_ids(self.page_entries(pages), slots, self.page_size)
 
-    def kernel_ids_from_virtual(self, virtual_ids: torch.Tensor, v2p: torch.Tensor) -> torch.Tensor:
+    def kernel_ids_from_virtual(self, virtual_ids: Ids, v2p: Ids) -> Ids:
         """Translate virtual token ids through ``v2p`` (V,) int32 to int64 kernel ids:
         ``max(v2p[page], 0) * ps * B + tv mod ps`` with page ``tv // ps`` for tv >= 0
-        and 0 otherwise (never ``v2p[-1]``); tombstones (-1) land in the sink page."""
-        tv = virtual_ids.long()
-        page = torch.div(tv.clamp_min(0), self.page_size, rounding_mode="floor")
-        phys = v2p.index_select(0, page).clamp_min(0).long()
-        slots = torch.remainder(tv, self.page_size)
-        return entry_kernel_ids(self.page_entries(phys), slots, self.page_size)
+        and 0 otherwise (never ``v2p[-1]``); tombstones (-1) land in the sink page.
+        Torch tensors, or host numpy arrays (a verify step's rows: the host mirror of
+        ``v2p``, no torch op per call); only the gather differs."""
+        ps = self.page_size
+        if isinstance(virtual_ids, np.ndarray):
+            tv = virtual_ids.astype(np.int64, copy=False)
+            phys = np.maximum(v2p[np.maximum(tv, 0) // ps], 0).astype(np.int64)
+        else:
+            tv = virtual_ids.long()
+            page = torch.div(tv.clamp_min(0), ps, rounding_mode="floor")
+            phys = v2p.index_select(0, page).clamp_min(0).long()
+        return entry_kernel_ids(self.page_entries(phys), tv % ps, ps)  # (floor mod: both)
 
     def limit(self, num_pages: int) -> int:
         """One past the largest kernel id of ``num_pages`` pages: ``num_pages * ps * B``."""
         return num_pages * self.multiplier
 
 
-def entry_kernel_ids(entries: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+def entry_kernel_ids(entries: Ids, slots: Ids, page_size: int) -> Ids:
     """Kernel ids of (block-table entry, slot in page) pairs, broadcast: ``e * ps + slot``."""
     return entries * page_size + slots
 

@@ -179,3 +179,43 @@ def test_host_row_kernel_ids_equal_the_device_translation(chain, ps):
     assert (tomb < 0).all(), "the swa window left no tombstone in the rows read"
     with pytest.raises(ValueError, match="not a token sub-pool"):
         view.row_kernel_ids("nope", np.zeros(1, np.int64))
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_row_vids_repeat_calls_equal_the_device_gather(ps):
+    """``view.row_vids`` (host, keeping what depends on slots and counts only for the
+    next call with the same ones) equals ``token_vids`` (a gather of ``req_to_token``
+    on the device) over calls that repeat (slots, counts) with other starts (a steady
+    verify step's rows), one count each and ragged counts, counts of 0, slots in
+    another order, and after a cut, a regrow and compaction's moves changed the
+    pages; rows not held are refused, naming them."""
+    configs = CHAINS["full+swa"](ps)
+    pool = UnifiedPool(configs, pool_bytes_for(configs, {c.name: 24 for c in configs}))
+    alloc = PoolAllocator(pool, max_requests=3, max_context=12 * ps)
+    view, rng = alloc.view, np.random.default_rng(ps)
+    slots = np.array([alloc.new_request() for _ in range(3)])
+    grown = alloc.alloc_extend(slots, np.zeros(3, np.int64), np.array([5 * ps, 7 * ps + 1, 4 * ps]))
+    assert grown is not None
+
+    def check(slots: np.ndarray, counts: np.ndarray) -> None:
+        lens = view.allocated_lens(slots)
+        for _ in range(3):  # the same slots and counts, other starts
+            starts = rng.integers(0, lens - counts + 1)
+            host = view.row_vids(slots, starts, counts)
+            assert host.dtype == np.int64
+            assert host.tolist() == view.token_vids(slots, starts, counts).tolist()
+
+    check(slots, np.array([3, 3, 3]))
+    check(slots[::-1].copy(), np.array([3, 3, 3]))  # (other slots, the same counts)
+    for counts in ([1, 4, 2], [0, 2, 0], [1, 2, 4], [4, 4, 4]):
+        check(slots, np.array(counts))
+    alloc.truncate(slots[:1], np.array([2 * ps]))
+    alloc.free_request(int(slots[2]))  # (holes under the others: compaction moves)
+    alloc.alloc_extend(slots[:1], np.array([2 * ps]), np.array([3 * ps]))
+    assert alloc.compact() > 0, "compaction moved nothing: the test did not reach a move"
+    check(slots[:2], np.array([3, 3]))
+    check(slots[:2], np.array([2, 5]))
+    with pytest.raises(ValueError, match="rows must be held"):
+        view.row_vids(slots[:2], np.array([5 * ps - 1, 0]), np.array([2, 1]))
+    with pytest.raises(ValueError, match="rows must be held"):
+        view.row_vids(slots[:1], np.array([-1]), np.array([1]))

@@ -86,6 +86,8 @@ class RequestTable:
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._stamp = np.zeros(max_requests, np.int64)  # scratch of check_slots
         self._positions = np.arange(max_requests, dtype=np.int64)
+        self._rows_key: tuple | None = None  # ``row_token_ids``' last (slots, counts)
+        self._rows: tuple = ()  # and what it kept for them
         # (max_requests, max_context) int32 virtual token ids; 0 = the sink
         self.req_to_token = torch.zeros(
             (max_requests, max_context), dtype=torch.int32, device=device
@@ -129,6 +131,30 @@ class RequestTable:
             return self._pages_flat[slots * self.max_pages + positions]
         cols = positions // ps
         return self._pages_flat[slots * self.max_pages + cols] * ps + (positions - cols * ps)
+
+    def row_token_ids(
+        self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray
+    ) -> np.ndarray:
+        """(sum(counts),) int64 virtual token ids of rows ``[starts[i], starts[i] +
+        counts[i])`` of requests ``slots[i]``, request by request (host int64 arrays,
+        rows held). What depends on (slots, counts) only (each row's request and its
+        offset in it) is kept for the next call with the same ones (a steady verify
+        step's rows): then a few array ops over the rows, whatever B."""
+        key = (slots.tobytes(), counts.tobytes())
+        if key != self._rows_key:
+            first = np.cumsum(counts) - counts
+            owner = np.repeat(np.arange(len(counts)), counts)
+            offsets = np.arange(owner.size, dtype=np.int64) - first[owner]
+            self._rows = (owner, offsets, slots[owner] * self.max_pages)
+            self._rows_key = key
+        owner, offsets, base = self._rows
+        positions = starts[owner] + offsets
+        ps = self.page_size
+        if ps == 1:
+            return self._pages_flat[base + positions].astype(np.int64)
+        cols = positions // ps
+        # page * ps + position % ps, as (page - col) * ps + position (int64: cols are)
+        return (self._pages_flat[base + cols] - cols) * ps + positions
 
     def check_slots(self, slots: object, what: str) -> np.ndarray:
         """Host int64 array of distinct in-use slots, or ValueError. O(B), no sort:

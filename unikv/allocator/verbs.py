@@ -356,9 +356,7 @@ class AllocatorView:
         of the requests' pages: no device work), for a caller that uploads them with
         other data (a verify step's rows: ``speculative/headroom.HostRows``)."""
         slots, starts, counts = self._held_rows(slots, starts, counts, "row_vids")
-        first = np.cumsum(counts) - counts
-        positions = np.arange(int(counts.sum())) + np.repeat(starts - first, counts)
-        return self._requests.token_ids(np.repeat(slots, counts), positions).astype(np.int64)
+        return self._requests.row_token_ids(slots, starts, counts)
 
     def row_kernel_ids(self, name: str, vids: np.ndarray) -> np.ndarray:
         """(n,) int64 kernel ids of token sub-pool ``name`` for host virtual token ids
@@ -370,9 +368,8 @@ class AllocatorView:
                 f"{list(self.roles.token_names)}"
             )
         book = self._books[name]
-        ids = torch.from_numpy(np.asarray(vids, np.int64))
         id_map = IdMap(book.page_size, book.blocks_per_page)  # the contract's arithmetic
-        return id_map.kernel_ids_from_virtual(ids, torch.from_numpy(book.v2p_host)).numpy()
+        return id_map.kernel_ids_from_virtual(np.asarray(vids, np.int64), book.v2p_host)
 
     def upload_ids(self, array: np.ndarray) -> torch.Tensor:
         """A fresh host integer array as an int32 tensor on the allocator's device
@@ -390,7 +387,7 @@ class AllocatorView:
         lies below the lengths the requests hold."""
         slots, starts, counts = (np.asarray(a, np.int64) for a in (slots, starts, counts))
         held = self._requests.lens[slots]
-        if (counts < 0).any() or (starts < 0).any() or (starts + counts > held).any():
+        if np.count_nonzero(((held - starts - counts) | starts | counts) < 0):  # (sign bits)
             raise ValueError(
                 f"{what}: rows must be held: starts {starts.tolist()} + counts "
                 f"{counts.tolist()} within the lengths {held.tolist()}"
