@@ -404,7 +404,9 @@ def main(argv=None) -> dict:
 #     junction checkpoint (taken at a divergence point, or one a hit restored) after
 #     every other leaf (``prefix_evict.evict_lru``: a page on a junction's chain goes
 #     after every other page; a leaf is on one only if its own node holds it); a turn
-#     end (a checkpoint past its prompt) is no junction, hit or not. Not modelled: the
+#     end (a checkpoint past its prompt) is no junction, hit or not; a leaf holding a
+#     turn end taken by a request that opened with a hit (``StateCheckpoints.carried``)
+#     goes after the plain leaves and before a junction's. Not modelled: the
 #     engine's checkpoint-only evictions (``StateCheckpoints.victims``, when the state
 #     slots are short: those a hit restored after the rest) and waiting requests'
 #     expected chains (requests come one at a time).
@@ -477,13 +479,15 @@ def policies(shape: Shape) -> list[Policy]:
 
 class _Blk:
     __slots__ = (
-        "attn", "children", "demoted", "depth", "end", "parent", "shared", "state", "swa", "turn"
+        "attn", "carried", "children", "demoted", "depth", "end", "parent", "shared", "state",
+        "swa", "turn",
     )  # fmt: skip
 
     def __init__(self, parent, depth: int) -> None:
         self.parent, self.depth = parent, depth
         self.attn = self.swa = self.state = self.demoted = self.end = self.shared = False
         self.turn = False  # its checkpoint is a turn end (taken past its prompt)
+        self.carried = False  # a turn end taken by a request that opened with a hit
         self.children = 0
 
 
@@ -592,22 +596,21 @@ class PolicyCache:
         while self.cached + live > self.budget:  # nodes, oldest first, leaves only
             leaves = (k for kind, k in self.queue if kind == "attn" and k not in self.pinned
                       and self.blocks[k].children == 0)  # fmt: skip
-            # junction checkpoints (shared by >= 2 requests) after every other leaf
-            victim = next((k for k in leaves if not self._junction(k)), None)
-            if victim is None:
-                victim = next(
-                    (k for kind, k in self.queue if kind == "attn" and k not in self.pinned
-                     and self.blocks[k].children == 0),
-                    None,
-                )  # fmt: skip
+            # a leaf holding a carried turn end after the plain ones, one holding a
+            # junction checkpoint (shared by >= 2 requests) after every other leaf
+            victim = min(leaves, key=self._rank, default=None)
             if victim is None:
                 return
             self._drop("attn", victim)
 
-    def _junction(self, key: int) -> bool:
-        """Node ``key`` holds a shared junction checkpoint (``StateCheckpoints.shared``)."""
+    def _rank(self, key: int) -> int:
+        """Leaf ``key``'s eviction rank (lowest first; oldest first within a rank): 2
+        holding a shared junction checkpoint (``StateCheckpoints.junctions``), 1 a
+        carried turn end (``StateCheckpoints.carried``), else 0."""
         blk = self.blocks[key]
-        return blk.state and blk.shared and not blk.turn
+        if not blk.state:
+            return 0
+        return 2 if blk.shared and not blk.turn else int(blk.carried)
 
     def _release(self, kind: str, key: int) -> None:
         self.queue.pop((kind, key), None)
@@ -656,6 +659,7 @@ class PolicyCache:
                 self._add("state", key)
                 self.stats["states"] += 1
                 self.blocks[key].turn = pos > len(prompt)
+                self.blocks[key].carried = bool(hit) and pos > len(prompt)
             if pos == run * u and run * u > hit and key in self.blocks:  # (a): a junction
                 self.blocks[key].shared = True
 

@@ -129,3 +129,63 @@ def test_a_waiting_requests_chain_outlives_a_junctions():
     assert alloc.prefix.match(c).num_tokens == 8
     alloc.prefix.unexpect(node)
     alloc.check_integrity()
+
+
+def _turns(alloc: PoolAllocator, hit: bool) -> dict[int, str]:
+    """Conversation X: turn 1 computes ``x[:9]`` (turn end at 8), turn 2 ``x`` (turn
+    end at 12), opening with a hit of turn 1's checkpoint (``hit``) or computing all of
+    it (the control); then conversation Y computes ``y`` (turn end at 8). Returns page
+    -> name: x0 x1 x2, y0 y1."""
+    x, y = np.arange(13) + 500, np.arange(9) + 600
+    slot = alloc.new_request()
+    assert alloc.alloc_mamba(np.array([slot])) is not None
+    assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([9]))
+    alloc.prefix.insert(slot, x[:8])
+    assert alloc.prefix.checkpoint(slot, x[:8], turn_end=True)
+    alloc.free_request(slot)
+    match = alloc.prefix.match(x) if hit else None
+    assert match is None or match.num_tokens == 8, "turn 2 hits turn 1's end"
+    slot = alloc.new_request(prefix=match)
+    assert alloc.alloc_mamba(np.array([slot])) is not None  # (restores the hit)
+    start = 8 if hit else 0
+    assert alloc.alloc_extend(np.array([slot]), np.array([start]), np.array([13 - start]))
+    alloc.prefix.insert(slot, x[:12])
+    assert alloc.prefix.checkpoint(slot, x[:12], turn_end=True)
+    alloc.free_request(slot)
+    slot = alloc.new_request()
+    assert alloc.alloc_mamba(np.array([slot])) is not None
+    assert alloc.alloc_extend(np.array([slot]), np.array([0]), np.array([9]))
+    alloc.prefix.insert(slot, y[:8])
+    assert alloc.prefix.checkpoint(slot, y[:8], turn_end=True)
+    alloc.free_request(slot)
+    prefix = alloc.parts.prefix
+    names = {prefix.walk(x[: (i + 1) * PS])[-1].page: f"x{i}" for i in range(3)}
+    names.update({prefix.walk(y[: (i + 1) * PS])[-1].page: f"y{i}" for i in range(2)})
+    return names
+
+
+@pytest.mark.parametrize("hit", [True, False])
+def test_a_conversation_that_hit_keeps_its_turn_end_over_a_newer_one(hit):
+    alloc = _alloc(pages=16, slots=8)
+    prefix = alloc.parts.prefix
+    names = _turns(alloc, hit)
+    x, y = np.arange(13) + 500, np.arange(9) + 600
+    # LRU by hand: turn 1 frees x1, x0 (deepest first); turn 2 with a hit held them
+    # and frees x2, x1, x0; without one its x0 x1 were its own copies, so it adds x2;
+    # Y adds y1, y0
+    lru = ["x2", "x1", "x0"] if hit else ["x1", "x0", "x2"]
+    assert [names[p] for p in prefix.lru] == lru + ["y1", "y0"]
+    order = []
+    for _ in range(2):
+        before = set(prefix.by_page)
+        alloc.parts.writer.write(prefix.evict(1))
+        order += [names[p] for p in before - set(prefix.by_page)]
+    if hit:  # X's turn end is carried: the newer, plain conversation Y goes first
+        assert order == ["y1", "y0"]
+        assert alloc.prefix.match(x).num_tokens == 12
+        assert alloc.prefix.match(y).num_tokens == 0
+    else:  # control: plain LRU takes X's oldest pages and both its checkpoints
+        assert order == ["x1", "x0"]
+        assert alloc.prefix.match(x).num_tokens == 0
+        assert alloc.prefix.match(y).num_tokens == 8
+    alloc.check_integrity()

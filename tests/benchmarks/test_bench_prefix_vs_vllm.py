@@ -4,6 +4,7 @@ sizes, with hand-derived expectations of the two policies' rules."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from benchmarks import bench_prefix_sim as sim
 
@@ -62,3 +63,33 @@ def test_compare_all_runs_at_tiny_sizes_and_reports_ratios():
         for res in run["policies"].values():
             assert 0.0 <= res["hit_rate"] <= 1.0 and res["recomputed_tokens"] >= 0
         assert run["recomputed_ratio"] >= 0
+
+
+@pytest.mark.parametrize("carried", [True, False])
+def test_unikv_keeps_the_turn_end_of_a_conversation_that_hit(carried):
+    rng = np.random.default_rng(2)
+    ids = lambda n: rng.integers(1, 1 << 20, n).tolist()
+    x1, ox1, y, oy = ids(40), ids(8), ids(40), ids(8)
+    x2, ox2 = x1 + ox1 + ids(20), ids(12)
+    unikv = sim.policies(HYBRID)[0]
+    cache = sim.PolicyCache(HYBRID, unikv, 1 << 40)
+    cache.serve(x1, ox1)  # turn ends at 48 tokens (3 pages), its prompt end at 32
+    cache.serve(x2, ox2)  # hits turn 1's end (48), ends its turn at 80 (5 pages)
+    cache.serve(y, oy)  # another conversation: turn end 48, no hit
+    assert cache.stats["hit"] == 48
+    leaves = [k for kind, k in cache.queue if kind == "attn" and not cache.blocks[k].children]
+    x_leaf, y_leaf = cache.keys(x2 + ox2)[4], cache.keys(y + oy)[2]
+    assert leaves == [x_leaf, y_leaf], "by hand: turn 2 released before Y"
+    assert cache.blocks[x_leaf].carried and not cache.blocks[y_leaf].carried
+    cache.blocks[x_leaf].carried = carried  # control: the same tree, the mark cleared
+    # the three demoted prompt-end states go first (32 of X and Y, 64 of turn 2); then
+    # one leaf (16 tokens and a state) is enough
+    cache.budget = cache.cached - 3 * HYBRID.state - 1
+    cache.make_room(0)
+    x3 = x2 + ox2 + ids(20)
+    if carried:  # Y's leaf (and its turn end) goes, though turn 2's is older
+        assert x_leaf in cache.blocks and y_leaf not in cache.blocks
+        assert cache.lookup(x3)[0] == 80 and cache.lookup(y + oy + ids(9))[0] == 0
+    else:  # plain LRU: turn 2's leaf goes; X falls back to turn 1's end
+        assert x_leaf not in cache.blocks and y_leaf in cache.blocks
+        assert cache.lookup(x3)[0] == 48 and cache.lookup(y + oy + ids(9))[0] == 48

@@ -101,6 +101,7 @@ class MambaSlots:
         if self.states is not None:
             self.states.unpin((vids - 1).astype(np.int64))
             self.states.release_direct((vids - 1).tolist())  # a chunk's reserved checkpoint
+            self.states.hit_slots.difference_update((vids - 1).tolist())  # (``pin``)
         if self.k:  # each request's slot, then its draft slots (as one by one)
             vids = np.concatenate([vids[:, None], self.draft_vids(vids - 1)], axis=1).reshape(-1)
         if self.states is not None:
