@@ -191,3 +191,32 @@ def test_bad_config_raises(tmp_path, field, value, match):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         load_model_config(str(tmp_path))
+
+
+def test_post_norms_run_in_the_next_pre_norm(saved_models):
+    """Each block's post-norm runs inside the next block's pre-norm (``decoder.chain``:
+    one ``sandwich_rms_norm``), across layers too; the last block keeps its own."""
+    model = load_model(saved_models["gemma3"][0])
+    blocks = [b for layer in model.model.layers for b in layer.blocks]
+    assert [b.defers for b in blocks] == [True] * (len(blocks) - 1) + [False]
+    assert [b.before for b in blocks] == [None] + [b.post for b in blocks[:-1]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exported_hidden_states_are_transformers(saved_models, arch):
+    """The residual stream entering each layer (an EAGLE-3 head's input), exported
+    while every layer's post-MLP norm runs in the next layer's first block: equal to
+    transformers' ``hidden_states[i]``."""
+    path, hf = saved_models[arch]
+    model = load_model(path)
+    n = model.config.num_layers
+    layers = tuple(range(1, n))
+    tokens = _tokens(12, seed=3)
+    out = model.export_hidden(len(tokens), layers)
+    with torch.no_grad():
+        _logits(model, tokens)
+        want = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    h = model.config.hidden_size
+    for j, i in enumerate(layers):
+        got = out[:, j * h : (j + 1) * h]
+        torch.testing.assert_close(got, want[i][0], rtol=0, atol=1e-4, msg=f"layer {i}")
