@@ -16,6 +16,7 @@ Each feature is shown to matter on these configs: switching it off in unikv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,7 @@ from engine_fixtures import (
     save_tiny_gemma,
 )
 
+from unikv import env
 from unikv.models import load_model, load_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -193,13 +195,22 @@ def test_bad_config_raises(tmp_path, field, value, match):
         load_model_config(str(tmp_path))
 
 
-def test_post_norms_run_in_the_next_pre_norm(saved_models):
+def test_post_norms_run_in_the_next_pre_norm(saved_models, monkeypatch):
     """Each block's post-norm runs inside the next block's pre-norm (``decoder.chain``:
-    one ``sandwich_rms_norm``), across layers too; the last block keeps its own."""
-    model = load_model(saved_models["gemma3"][0])
+    one ``sandwich_rms_norm``), across layers too; the last block keeps its own.
+    ``UNIKV_SANDWICH_NORM=0`` links none, and still gives transformers' logits."""
+    path, hf = saved_models["gemma3"]
+    model = load_model(path)
     blocks = [b for layer in model.model.layers for b in layer.blocks]
     assert [b.defers for b in blocks] == [True] * (len(blocks) - 1) + [False]
     assert [b.before for b in blocks] == [None] + [b.post for b in blocks[:-1]]
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, sandwich_norm=False))
+    model = load_model(path)
+    blocks = [b for layer in model.model.layers for b in layer.blocks]
+    assert not any(b.defers or b.before is not None for b in blocks)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (_logits(model, tokens) - hf_logits(hf, tokens)).abs().max().item() < ATOL
 
 
 @pytest.mark.parametrize("arch", ARCHS)

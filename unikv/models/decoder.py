@@ -37,6 +37,7 @@ import itertools
 import torch
 from torch import nn
 
+from unikv import env
 from unikv.kernels.backend import KernelBackend, building, resolve_feedback, step_rows, stepping
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
@@ -107,9 +108,12 @@ class Block:
 def chain(blocks: list[Block]) -> None:
     """Link consecutive ``blocks`` (a model's, in order, across its layers): each
     post-norm the next block's pre-norm fuses (``RMSNorm.fuses_post``) moves into
-    that block's ``sandwich``. The last block keeps its post (nothing follows it)."""
+    that block's ``sandwich``. The last block keeps its post (nothing follows it).
+    ``UNIKV_SANDWICH_NORM=0`` (``env.FLAGS.sandwich_norm``, the A/B switch) links none."""
     for block in blocks:
         block.before, block.defers = None, False
+    if not env.FLAGS.sandwich_norm:
+        return
     for block, nxt in itertools.pairwise(blocks):
         if block.post is not None and nxt.norm.fuses_post(block.post):
             block.defers, nxt.before = True, block.post
