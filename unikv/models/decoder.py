@@ -33,6 +33,7 @@ blocks (``models/parallel.py``); the embedding, norms and LM head are replicated
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import torch
 from torch import nn
@@ -114,8 +115,10 @@ def chain(blocks: list[Block]) -> None:
         block.before, block.defers = None, False
     if not env.FLAGS.sandwich_norm:
         return
+    uses = Counter(id(block) for block in blocks)  # a block shared by layers (Zamba2's) stays
     for block, nxt in itertools.pairwise(blocks):
-        if block.post is not None and nxt.norm.fuses_post(block.post):
+        once = uses[id(block)] == uses[id(nxt)] == 1
+        if once and block.post is not None and nxt.norm.fuses_post(block.post):
             block.defers, nxt.before = True, block.post
 
 
