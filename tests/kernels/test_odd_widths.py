@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import one_thread  # noqa: F401  (a fixture)
+from engine_fixtures import (
+    one_thread,  # noqa: F401  (a fixture)
+    save_tiny_model,
+)
 from odd_width_cases import engine_tokens, hf_tokens, save_case
 
 from unikv.kernels import get_backend
@@ -75,8 +78,8 @@ def _mla(rank: int, rope: int, ps: int = 4) -> list[SubPoolConfig]:
 
 
 class _Model:  # the fields of ModelConfig that widths.py reads
-    def __init__(self, **extra) -> None:
-        self.extra = extra
+    def __init__(self, hidden_size: int = 48, head_dim: int = 24, **extra) -> None:
+        self.hidden_size, self.head_dim, self.extra = hidden_size, head_dim, extra
 
 
 def test_widths_the_kernels_take_keep_the_backend():
@@ -110,6 +113,44 @@ def test_odd_rope_width_is_refused_naming_the_field():
     for backend in ("triton", "torch"):
         with pytest.raises(ValueError, match=r"qk_rope_head_dim is 7.*even.*config\.json"):
             W.fit_backend(get_backend("cpu", backend), _mla(24, 7), None)
+
+
+def test_rows_wider_than_one_norm_program_are_refused_naming_the_field():
+    """The row norms' limit (``elementwise.MAX_ROW``), stated at start-up: the widest
+    row the kernel itself takes passes, one more is refused there, naming the field,
+    as the kernel refuses it; the torch backend takes any width."""
+    from unikv.kernels.linear.elementwise import MAX_ROW
+
+    tri, ref = get_backend("cpu", "triton"), get_backend("cpu", "torch")
+    widest = torch.ones(1, MAX_ROW)
+    assert tri.rms_norm(widest, widest[0], 1e-6).shape == (1, MAX_ROW)  # the kernel's own limit
+    with pytest.raises(ValueError, match=str(MAX_ROW)):
+        tri.rms_norm(torch.ones(1, MAX_ROW + 1), torch.ones(MAX_ROW + 1), 1e-6)
+    assert W.fit_backend(tri, _mha(40), _Model(hidden_size=MAX_ROW, head_dim=40)) is tri
+    for field, model in [
+        ("hidden_size", _Model(hidden_size=MAX_ROW + 1, head_dim=40)),
+        ("head_dim", _Model(hidden_size=64, head_dim=MAX_ROW + 1)),
+    ]:
+        with pytest.raises(ValueError, match=rf"{field} is {MAX_ROW + 1}.*backend='torch'"):
+            W.fit_backend(tri, _mha(40), model)
+        assert W.fit_backend(ref, _mha(40), model) is ref
+
+
+def test_odd_full_rope_head_dim_is_refused_naming_the_field(tmp_path):
+    """A Llama of head_dim 7 (full rotary): rope has no partner for the last dim. The
+    model load refuses it naming head_dim, before any kernel runs (the rope kernel
+    would refuse the step: 2 * 4 rotated dims > 7)."""
+    from unikv.models import load_model
+
+    save_tiny_model("llama", str(tmp_path), head_dim=7)
+    with pytest.raises(ValueError, match=r"head_dim is 7 with full rotary.*config\.json"):
+        load_model(str(tmp_path))
+    q = torch.ones(1, 2, 7)
+    cos = torch.ones(4, 4)
+    with pytest.raises(ValueError, match="rope_qk needs"):
+        get_backend("cpu", "triton").rope_qk(
+            q, q.clone(), cos, cos, torch.zeros(1, dtype=torch.long)
+        )
 
 
 @pytest.mark.usefixtures("one_thread")

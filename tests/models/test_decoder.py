@@ -37,8 +37,9 @@ from engine_fixtures import (
 from mamba_hybrid_fixtures import bamba_config, granite_config, save_hf, zamba2_config
 
 from unikv.models import load_model
-from unikv.models.decoder import DecoderLM
+from unikv.models.decoder import Block, DecoderLM, chain
 from unikv.models.family import FAMILIES
+from unikv.models.layers import RMSNorm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,3 +177,40 @@ def test_triton_ops_on_the_decoder_match_the_torch_ops(case, tmp_path):
         with torch.no_grad():
             logits[name] = model(tokens, torch.arange(tokens.numel()), make_step(model))
     assert (logits["triton"] - logits["torch"]).abs().max() < 1e-4
+
+
+def test_chain_moves_only_post_norms_the_next_pre_norm_takes():
+    """``chain`` links a block's post-norm into the next block's pre-norm where that
+    norm's kind, eps and width match (Gemma's), not a post of another kind (Granite's
+    scale), another eps, or a block used twice (Zamba2's shared block); the blocks
+    run as the same blocks unlinked (the torch backend: each post, then the add and
+    the pre-norm)."""
+
+    def norm(eps=1e-6, width=8):
+        out = RMSNorm(width, eps, weight_in_fp32=True, offset=1.0)
+        out.weight.data.normal_(generator=torch.Generator().manual_seed(int(eps * 1e7) + width))
+        return out
+
+    def block(pre, post):
+        return Block(pre, torch.nn.Linear(8, 8), mixes=False, post=post)
+
+    torch.manual_seed(0)
+    shared = block(norm(), norm())
+    blocks = [block(norm(), norm()), block(norm(), norm()), block(norm(), lambda x: 2 * x),
+              block(norm(), norm()), block(norm(eps=1e-5), norm()), shared, block(norm(), None),
+              shared]  # fmt: skip
+    h0 = torch.randn(3, 8)
+
+    def run():
+        h, residual = h0, None
+        with torch.no_grad():
+            for b in blocks:
+                h, residual = b(h, residual, None, None)
+        return h, residual
+
+    want = run()
+    chain(blocks)
+    assert [b.defers for b in blocks] == [True, True, False, False, False, False, False, False]
+    assert [b.before for b in blocks] == [None, blocks[0].post, blocks[1].post] + [None] * 5
+    got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -36,10 +36,12 @@ derived parameter recomputed each step) fails here with the list it found:
         routed + sigmoid(gate) * shared (one ``sigmoid_mul``): 18 (before: the two gate
         GEMMs and the add on their own, 20; softmax over every expert, top-k, sum,
         divide: 22).
-    Gemma-3 layer  pre-norm, q|k|v GEMM, q and k norms (one ``qk_rms_norm``), decode
-        attention (rope and the K/V store inside), o_proj GEMM, post-attention norm,
-        pre-MLP norm (+ residual), gate|up GEMM, GELU-mul, down GEMM, post-MLP norm: 11
-        (before: the q and k norms two launches, 12).
+    Gemma-3 layer  the previous layer's post-MLP norm (+ residual) with this layer's
+        pre-norm (one ``sandwich_rms_norm``), q|k|v GEMM, q and k norms (one
+        ``qk_rms_norm``), decode attention (rope and the K/V store inside), o_proj GEMM,
+        post-attention norm (+ residual) with the pre-MLP norm (one sandwich), gate|up
+        GEMM, GELU-mul, down GEMM: 9 (before: each post-norm a launch of its own, 11;
+        the q and k norms two launches, 12).
     DeepSeek MLA layer (a dense MLP)  pre-norm (+ residual), the q / q_a|kv_a GEMMs (V3:
         the q_a norm, q_b GEMM), the latent norm, rope of q's and k's pair dims
         (``rope_pairs``), W_UK bmm, latent store, MLA decode, W_UV bmm, o_proj GEMM,
@@ -90,7 +92,7 @@ MOE_GDN_LAYER = Counter({"aten.linear": 5, "triton._rms_norm_kernel": 2, "triton
                          "triton._gate_up_kernel": 1, "triton._down_kernel": 1, "aten.sum": 1,
                          "triton._act_mul_kernel": 1,
                          "triton._sigmoid_mul_kernel": 1})  # fmt: skip
-GEMMA3_LAYER = Counter({"aten.linear": 4, "triton._rms_norm_kernel": 4,
+GEMMA3_LAYER = Counter({"aten.linear": 4, "triton._sandwich_norm_kernel": 2,
                         "triton._qk_norm_kernel": 1, "triton._decode_split_kernel": 1,
                         "triton._act_mul_kernel": 1})  # fmt: skip
 MLA_LAYER = Counter({"aten.linear": 5, "aten.bmm": 2, "triton._rms_norm_kernel": 3,

@@ -16,6 +16,7 @@ Each feature is shown to matter on these configs: switching it off in unikv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,7 @@ from engine_fixtures import (
     save_tiny_gemma,
 )
 
+from unikv import env
 from unikv.models import load_model, load_model_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,3 +193,41 @@ def test_bad_config_raises(tmp_path, field, value, match):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         load_model_config(str(tmp_path))
+
+
+def test_post_norms_run_in_the_next_pre_norm(saved_models, monkeypatch):
+    """Each block's post-norm runs inside the next block's pre-norm (``decoder.chain``:
+    one ``sandwich_rms_norm``), across layers too; the last block keeps its own.
+    ``UNIKV_SANDWICH_NORM=0`` links none, and still gives transformers' logits."""
+    path, hf = saved_models["gemma3"]
+    model = load_model(path)
+    blocks = [b for layer in model.model.layers for b in layer.blocks]
+    assert [b.defers for b in blocks] == [True] * (len(blocks) - 1) + [False]
+    assert [b.before for b in blocks] == [None] + [b.post for b in blocks[:-1]]
+    monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, sandwich_norm=False))
+    model = load_model(path)
+    blocks = [b for layer in model.model.layers for b in layer.blocks]
+    assert not any(b.defers or b.before is not None for b in blocks)
+    tokens = _tokens()
+    with torch.no_grad():
+        assert (_logits(model, tokens) - hf_logits(hf, tokens)).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exported_hidden_states_are_transformers(saved_models, arch):
+    """The residual stream entering each layer (an EAGLE-3 head's input), exported
+    while every layer's post-MLP norm runs in the next layer's first block: equal to
+    transformers' ``hidden_states[i]``."""
+    path, hf = saved_models[arch]
+    model = load_model(path)
+    n = model.config.num_layers
+    layers = tuple(range(1, n))
+    tokens = _tokens(12, seed=3)
+    out = model.export_hidden(len(tokens), layers)
+    with torch.no_grad():
+        _logits(model, tokens)
+        want = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    h = model.config.hidden_size
+    for j, i in enumerate(layers):
+        got = out[:, j * h : (j + 1) * h]
+        torch.testing.assert_close(got, want[i][0], rtol=0, atol=1e-4, msg=f"layer {i}")

@@ -61,6 +61,7 @@ from unikv.kernels.linear.protocols import (
     RMSNorm,
     RopePairs,
     RopeQK,
+    SandwichRMSNorm,
     SigmoidMul,
     SiluMul,
     SiluMulLinear,
@@ -90,6 +91,7 @@ RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
 MLA_OPS = ("store_mla", "mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
                    "gated_rms_norm", "qk_rms_norm")  # fmt: skip
+SANDWICH_OPS = ("sandwich_rms_norm",)  # kernels/linear/sandwich.py (Gemma's post + pre norms)
 ACTIVATION_OPS = ("sigmoid_mul", "relu_square")  # kernels/linear/activation.py
 ROPE_PAIR_OPS = ("rope_pairs",)  # kernels/linear/rope_pairs.py (DeepSeek's MLA rope)
 SAMPLING_OPS = ("argmax",)
@@ -98,7 +100,8 @@ LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_nor
 MOE_OPS = ("moe", "moe_repacked")
 QUANT_OPS = ("fp8_linear", "moe_fp8")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
-       + ACTIVATION_OPS + ROPE_PAIR_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS + QUANT_OPS)  # fmt: skip
+       + SANDWICH_OPS + ACTIVATION_OPS + ROPE_PAIR_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS
+       + QUANT_OPS)  # fmt: skip
 
 # what models take from the kernels: this module only
 __all__ = ["DENSE_MAX_TOKENS", "OPS", "Flags", "KernelBackend", "MoERepacked", "RowsPlan",
@@ -153,6 +156,7 @@ class KernelBackend:
     gelu_tanh_mul: GeluTanhMul
     gated_rms_norm: GatedRMSNorm
     qk_rms_norm: QKRMSNorm
+    sandwich_rms_norm: SandwichRMSNorm
     sigmoid_mul: SigmoidMul
     relu_square: ReluSquare
     rope_pairs: RopePairs
@@ -431,7 +435,15 @@ def _triton(flags: Flags) -> KernelBackend:
     # imported lazily: Triton is only needed here
     from unikv.kernels.attention import decode, extend, rope_store, store
     from unikv.kernels.attention import sdpa as extend_sdpa
-    from unikv.kernels.linear import activation, argmax, elementwise, fp8_gemm, gemv, rope_pairs
+    from unikv.kernels.linear import (
+        activation,
+        argmax,
+        elementwise,
+        fp8_gemm,
+        gemv,
+        rope_pairs,
+        sandwich,
+    )
     from unikv.kernels.mla import decode as mla_decode
     from unikv.kernels.mla import prefill as mla
     from unikv.kernels.moe import fp8 as moe_fp8
@@ -479,6 +491,7 @@ def _triton(flags: Flags) -> KernelBackend:
         store_mla=mla.store_mla,
         mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
+        sandwich_rms_norm=sandwich.sandwich_rms_norm,
         **{op: getattr(activation, op) for op in ACTIVATION_OPS},
         rope_pairs=rope_pairs.rope_pairs,
         argmax=argmax.argmax,
@@ -526,6 +539,7 @@ def _torch() -> KernelBackend:
         store_mla=mla_ref.store_mla,
         mla_attention=mla_ref.mla_attention,
         **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS + ACTIVATION_OPS},
+        sandwich_rms_norm=elementwise_ref.sandwich_rms_norm,
         rope_pairs=elementwise_ref.rope_pairs,
         argmax=reference.argmax,
         **{op: getattr(elementwise_ref, op) for op in LINEAR_OPS},

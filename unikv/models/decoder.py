@@ -32,9 +32,13 @@ blocks (``models/parallel.py``); the embedding, norms and LM head are replicated
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 import torch
 from torch import nn
 
+from unikv import env
 from unikv.kernels.backend import KernelBackend, building, resolve_feedback, step_rows, stepping
 from unikv.models.config import ModelConfig
 from unikv.models.layers import Linear, RMSNorm
@@ -47,17 +51,25 @@ class Block:
 
     norm: the pre-norm (an ``RMSNorm``); body: the mixer or MLP module; ``mixes``:
     the body is called ``body(x, positions, attn)`` (a token mixer), else ``body(x)``;
-    post: None or a norm of the body's output (Gemma's sandwich norms). Where the
-    body offers ``input_linear()`` (a plain ``Linear``: q|k|v, gate|up), the norm runs
-    inside that GEMM and ``body.from_input`` does the rest. A plain object: the
-    modules are registered under the family's names by its layer."""
+    post: None or a callable on the body's output (Gemma's sandwich norms, Granite's
+    scale). Where the body offers ``input_linear()`` (a plain ``Linear``: q|k|v,
+    gate|up), the norm runs inside that GEMM and ``body.from_input`` does the rest.
+    A plain object: the modules are registered under the family's names by its layer.
 
-    __slots__ = ("body", "linear", "mixes", "norm", "post")
+    ``chain`` links consecutive blocks where a block's post is an RMSNorm the next
+    block's pre-norm can fuse (``RMSNorm.fuses_post``): the first then returns its
+    body's output un-normed (``defers``) and the next runs that post-norm, the residual
+    add and its own pre-norm in one op (``before``: ``RMSNorm.sandwich``), its GEMM
+    after it unfused. Host structure fixed at load, never per step."""
+
+    __slots__ = ("before", "body", "defers", "linear", "mixes", "norm", "post")
 
     def __init__(
         self, norm: RMSNorm, body: nn.Module, *, mixes: bool, post: nn.Module | None = None
     ) -> None:
         self.norm, self.body, self.post, self.mixes = norm, body, post, mixes
+        self.before: RMSNorm | None = None  # the previous block's post-norm, run here
+        self.defers = False  # this block's post runs in the next block (``chain``)
         self.bind()
 
     def bind(self) -> None:
@@ -71,20 +83,43 @@ class Block:
         """h: (T, hidden), the previous block's output (the embeddings with residual
         None); residual: (T, hidden) or None -> (this block's output, the residual
         stream before it)."""
-        if self.linear is not None:
+        if self.before is not None:  # (structural, ``chain``) h is the last block's body out
+            x, residual = self.norm.sandwich(h, residual, self.before)
+            if self.linear is not None:
+                return self.after(self.linear(x), residual, positions, attn)
+        elif self.linear is not None:
             y, residual = self.norm.linear(h, residual, self.linear, step_rows())
             return self.after(y, residual, positions, attn)
-        if residual is None:  # the first block: a structural None, not a device branch
+        elif residual is None:  # the first block: a structural None, not a device branch
             residual, x = h, self.norm(h)
         else:
             x, residual = self.norm.add(h, residual)
         out = self.body(x, positions, attn) if self.mixes else self.body(x)
-        return (out if self.post is None else self.post(out)), residual
+        return self.finish(out), residual
 
     def after(self, y, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """The block from its ``input_linear`` GEMM's output ``y`` on."""
-        out = self.body.from_input(y, positions, attn)
-        return (out if self.post is None else self.post(out)), residual
+        return self.finish(self.body.from_input(y, positions, attn)), residual
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """The body's output through ``post``, unless the next block runs it."""
+        return out if self.post is None or self.defers else self.post(out)
+
+
+def chain(blocks: list[Block]) -> None:
+    """Link consecutive ``blocks`` (a model's, in order, across its layers): each
+    post-norm the next block's pre-norm fuses (``RMSNorm.fuses_post``) moves into
+    that block's ``sandwich``. The last block keeps its post (nothing follows it).
+    ``UNIKV_SANDWICH_NORM=0`` (``env.FLAGS.sandwich_norm``, the A/B switch) links none."""
+    for block in blocks:
+        block.before, block.defers = None, False
+    if not env.FLAGS.sandwich_norm:
+        return
+    uses = Counter(id(block) for block in blocks)  # a block shared by layers (Zamba2's) stays
+    for block, nxt in itertools.pairwise(blocks):
+        once = uses[id(block)] == uses[id(nxt)] == 1
+        if once and block.post is not None and nxt.norm.fuses_post(block.post):
+            block.defers, nxt.before = True, block.post
 
 
 class DecoderLayer(nn.Module):
@@ -226,6 +261,7 @@ class DecoderLM(nn.Module):
                 block.bind()
             if module is not self and hasattr(module, "rebind"):
                 module.rebind()
+        chain([block for layer in self.stack.layers for block in getattr(layer, "blocks", ())])
         first = self.stack.layers[0].blocks[0]
         self.embeds_in_gemm = first.linear is not None and not self.scales_embedding
 
@@ -249,9 +285,15 @@ class DecoderLM(nn.Module):
         return self.hidden_out
 
     def _export(self, index: int, h: torch.Tensor, residual: torch.Tensor) -> None:
-        """The residual stream entering layer ``index`` into its ``hidden_out`` columns."""
+        """The residual stream entering layer ``index`` into its ``hidden_out`` columns
+        (h through the post-norm the layer's first block runs, where ``chain`` moved
+        one there)."""
+        layers = self.stack.layers
+        blocks = getattr(layers[index], "blocks", None) if index < len(layers) else None
+        before = blocks[0].before if blocks else None
         for columns in self._exports.get(index, ()):
-            self.hidden_out[: h.shape[0], columns].copy_(h + residual)
+            h_out = h if before is None else before(h)
+            self.hidden_out[: h.shape[0], columns].copy_(h_out + residual)
 
     # -- the family's part ---------------------------------------------------------
 

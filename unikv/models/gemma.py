@@ -11,7 +11,10 @@ wrapper).
     logits = cap * tanh(lm_head(norm(x)) / cap)     (final soft-capping, when set)
 
 - Norms are Gemma's ``x_hat * (1 + w)`` in fp32, cast back after the product
-  (the zero-centred RMSNorm of ``qwen3_5.py``).
+  (the zero-centred RMSNorm of ``qwen3_5.py``). Each post-norm, the residual add
+  and the next pre-norm (the next layer's ``input_layernorm`` too) run as one op,
+  ``sandwich_rms_norm`` (``decoder.chain``), each value rounded as transformers
+  rounds it (the residual stream in the model dtype).
 - Sliding and full layers follow ``layer_types`` (Gemma-2 alternates, Gemma-3
   has five sliding layers per full one); each layer type has its own rope table
   (Gemma-3: ``rope_parameters[layer_type]``, transformers' standardisation of
@@ -124,9 +127,10 @@ class GeluMLP(GatedMLP):
 
 class DecoderLayer(decoder.DecoderLayer):
     """Attention and MLP, each between a pre-norm and a post-norm (sandwich norms:
-    ``decoder.Block``'s ``post``; the residual add still goes inside the next pre-norm,
-    after the post-norm, as Gemma adds it). ``tp``: this rank's heads and MLP columns;
-    the norms act on the whole (all-reduced) hidden state, so they stay replicated."""
+    ``decoder.Block``'s ``post``; ``decoder.chain`` runs each post-norm with the
+    residual add and the next pre-norm in one ``sandwich_rms_norm``, as Gemma adds the
+    residual after the post-norm). ``tp``: this rank's heads and MLP columns; the norms
+    act on the whole (all-reduced) hidden state, so they stay replicated."""
 
     def __init__(self, config: ModelConfig, layer: int, rotary: Rotary, tp=None) -> None:
         super().__init__()
@@ -135,7 +139,7 @@ class DecoderLayer(decoder.DecoderLayer):
         self.self_attn = GemmaAttention(config, layer, rotary, tp)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
-        # GeLU-tanh, not SwiGLU: its gate and up stay two GEMMs, the pre-norm outside them
+        # GeLU-tanh, not SwiGLU: the activation is a launch of its own before down
         self.mlp = GeluMLP(config, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.blocks = [

@@ -151,6 +151,27 @@ class RMSNorm(nn.Module):
         may be overwritten: use only the returned tensors."""
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, **self.kw)
 
+    def sandwich(
+        self, x: torch.Tensor, residual: torch.Tensor, post: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: (T, dim) -> (norm(residual + post(x)), residual + post(x)): the
+        previous block's post-norm ``post`` (of this norm's kind, ``fuses_post``), the
+        residual add and this norm in one op (``sandwich_rms_norm``). ``residual`` may
+        be overwritten: use only the returned tensors."""
+        return self.ops.sandwich_rms_norm(
+            x, residual, post.weight, self.weight, self.eps, **self.kw
+        )
+
+    def fuses_post(self, post: object) -> bool:
+        """Whether ``sandwich`` can take ``post`` as the previous block's post-norm: an
+        RMSNorm of this one's type, width, eps, weight rule and backend."""
+        return (
+            type(post) is type(self)
+            and isinstance(post, RMSNorm)
+            and post.weight.shape == self.weight.shape
+            and (post.eps, post.kw, post.ops) == (self.eps, self.kw, self.ops)
+        )
+
     def linear(
         self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear,
         rows: RowsPlan | None = None,

@@ -80,9 +80,16 @@ def _yarn(base: float, dim: int, params: dict, max_positions: int) -> tuple[torc
 
 def rotary_dim(params: dict, head_dim: int) -> int:
     """Rotated dims of a head: ``int(head_dim * partial_rotary_factor)`` (transformers'
-    rounding); ValueError unless it is even and in (0, head_dim]."""
+    rounding); ValueError unless it is even and in (0, head_dim] (rope rotates pairs of
+    dims: an odd width has no rotate-half partner for its last dim)."""
     factor = params.get("partial_rotary_factor", 1.0)
     if factor == 1.0:
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim is {head_dim} with full rotary: rope rotates pairs of dims, so the "
+                "rotated width must be even; fix head_dim (or partial_rotary_factor) in "
+                "config.json"
+            )
         return head_dim
     dim = int(head_dim * factor)
     if not (0 < dim <= head_dim and dim % 2 == 0):

@@ -51,6 +51,24 @@ class AddRMSNorm(Protocol):
         ...
 
 
+class SandwichRMSNorm(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        post_weight: torch.Tensor,
+        pre_weight: torch.Tensor,
+        eps: float,
+        *,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + rms_norm(x, post_weight), pre_weight), that sum) for x,
+        residual (T, N): a block's post-norm, the residual add and the next block's
+        pre-norm; the post-norm's output and the sum are rounded to the dtype first."""
+        ...
+
+
 class RopeQK(Protocol):
     def __call__(
         self,

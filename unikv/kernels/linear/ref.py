@@ -140,6 +140,24 @@ def add_rms_norm(
     return rms_norm(s, weight, eps, offset=offset, weight_in_fp32=weight_in_fp32), s
 
 
+def sandwich_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_weight: torch.Tensor,
+    pre_weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's post-norm, the residual add and the next block's pre-norm (Gemma's
+    sandwich norms): ``add_rms_norm(rms_norm(x, post_weight), residual, pre_weight)``,
+    each rounded to the dtype as the unfused model rounds it.
+    Returns (normed (T, N), new residual (T, N))."""
+    kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
+    return add_rms_norm(rms_norm(x, post_weight, eps, **kw), residual, pre_weight, eps, **kw)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

@@ -28,7 +28,19 @@ The assumptions, and where each is kept:
   columns, so head_dim <= 8 does not compile: such a sub-pool's attention ops
   (``ATTENTION_OPS``) run the torch references. The expanded MLA prefill calls
   ``extend_attention`` with head dim ``qk_nope_head_dim + qk_rope_head_dim``: the same rule.
-- **Rope pairs.** Rope rotates pairs of dims: an odd ``qk_rope_head_dim`` is refused.
+- **Rope pairs.** Rope rotates pairs of dims: an odd ``qk_rope_head_dim`` is refused
+  here; an odd rotated MHA width (``head_dim``, or ``head_dim * partial_rotary_factor``)
+  when the model is built (``models/rope.rotary_dim``), naming the field.
+- **Rows one program holds** (the Triton backend). The row norms hold a whole row in
+  registers, ``next_pow2`` columns, at most ``elementwise.MAX_ROW``: ``rms_norm``,
+  ``add_rms_norm`` and ``sandwich_rms_norm`` a ``hidden_size`` row, ``qk_rms_norm`` a
+  ``head_dim`` row. A wider field is refused here, naming it (the torch backend takes
+  any width); the kernels check it again per call.
+- **No width rule.** The GEMV (any K and N: the K tail masked, ``EVEN_K``; 16-bit
+  weights contiguous along K, else the op runs cuBLAS, decided from host values),
+  ``silu_mul`` / ``gelu_tanh_mul`` (any intermediate size, blocks masked), ``rope_qk``
+  and the fused rope + store (any head count, ``next_pow2`` blocks masked) and the
+  greedy argmax (any vocabulary) take every width.
 """
 
 from __future__ import annotations
@@ -64,6 +76,28 @@ def attention_dims(configs, model_config=None) -> dict[str, int]:
     return dims
 
 
+def row_widths(model_config) -> dict[str, int]:
+    """Config field -> the row width the Triton row norms hold in one program
+    (``hidden_size``: rms_norm, add_rms_norm, sandwich_rms_norm; ``head_dim``:
+    qk_rms_norm)."""
+    if model_config is None:
+        return {}
+    return {"hidden_size": model_config.hidden_size, "head_dim": model_config.head_dim}
+
+
+def check_row_widths(model_config) -> None:
+    """ValueError, naming the config field, for a row wider than one Triton norm
+    program holds (``elementwise.MAX_ROW``)."""
+    from unikv.kernels.linear.elementwise import MAX_ROW  # (imports Triton)
+
+    for name, width in row_widths(model_config).items():
+        if width > MAX_ROW:
+            raise ValueError(
+                f"{name} is {width}: the Triton norm kernels hold a row in one program, at "
+                f"most {MAX_ROW} values; run backend='torch' or a model with {name} <= {MAX_ROW}"
+            )
+
+
 def check_widths(configs, model_config=None) -> None:
     """ValueError, naming the config field, for widths no kernel path runs."""
     for c in configs:
@@ -94,6 +128,7 @@ def fit_backend(backend, configs, model_config=None):
     check_widths(configs, model_config)
     if backend.name != "triton":
         return backend
+    check_row_widths(model_config)
     fallbacks = triton_fallbacks(configs, model_config)
     if not fallbacks:
         return backend
