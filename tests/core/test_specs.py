@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from unikv.specs import MambaSpec, MHASpec, MLASpec, StatePart
 
 FP8 = torch.float8_e4m3fn
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
 CONV = StatePart((4, 3), torch.bfloat16)
 SSM = StatePart((2, 4, 8), torch.float32)
 
