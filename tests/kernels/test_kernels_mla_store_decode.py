@@ -21,8 +21,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_mla_decode import FUSED, FUSED64, NARROW, SCALE, TMA, TWO_PART, WIDE, Case
-from test_kernels_mla_decode import definition, indptr, queries
+from test_kernels_mla_decode import (
+    FUSED,
+    FUSED64,
+    NARROW,
+    SCALE,
+    TMA,
+    TWO_PART,
+    WIDE,
+    Case,
+    definition,
+    indptr,
+    queries,
+)
 
 from unikv.kernels import get_backend
 from unikv.kernels.mla import decode as mla_decode
@@ -122,6 +133,33 @@ def test_lanes_without_a_token_store_nothing(config):
     case.write_ids = case.write_ids[[1, 3]]
     q_lat, q_rope = queries(2, 20, 24, 6, seed=1)
     _check(case, q_lat, q_rope, q_lens, config=config, num_splits=4)
+
+
+@pytest.mark.parametrize("config,ps", [(NARROW, 4), (TWO_PART, 1), (FUSED, 4), (TMA, 16)])
+def test_the_new_key_is_never_read_from_the_pool(config, ps):
+    """The pool's row at each request's last position stays NaN and the write ids point
+    at rows of a page no request reads: the output is still the definition's over the
+    new rows (every program took the new key from the inputs; on the GPU, reading it
+    from the pool would race with its one writer), and the rows land at the write ids."""
+    lens = [1, 16, 37]
+    case = StoreCase(lens, 24, 8, ps, seed=ps)
+    sub = case.pool["mla"]
+    used = set((case.block_table[:, :-1] // sub.blocks_per_page).flatten().tolist())
+    free = [p for p in range(sub.first_page, sub.first_page + sub.usable_pages) if p not in used]
+    if ps > 1:  # three rows of one free page
+        case.write_ids = free[0] * sub.blocks_per_page * ps + torch.arange(3)
+    else:  # the rows of three free pages
+        case.write_ids = torch.tensor(free[:3]) * sub.blocks_per_page
+    q_lat, q_rope = queries(3, 16, 24, 8, seed=5)
+    before = case.pool.buffer.clone()
+    case.attend(mla_ref.store_mla_attention, q_lat, q_rope, [1] * 3)
+    want_bytes = case.pool.buffer.clone()
+    case.pool.buffer.copy_(before)
+    got = case.attend(mla_decode.store_mla_attention, q_lat, q_rope, [1] * 3, config=config,
+                      num_splits=2)  # fmt: skip
+    assert torch.equal(case.pool.buffer, want_bytes)
+    want = definition(case, q_lat, q_rope, [1] * 3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_half_precision_bytes_and_output():
