@@ -16,6 +16,10 @@ buffers. Times: eager (``unikv_us``) and CUDA-graph replay (``graph_us``); the s
 for the current kernel (``old_*``) and FlashInfer (``flashinfer_*``, graph below 400
 us). Ratios: ``vs_flashinfer_*`` = FlashInfer / new (> 1: the new kernel is faster),
 ``graph_vs_flashinfer_*_graph`` the same on graph replays, ``vs_old`` = old / new.
+The step with its latent store (each request's last row, rewritten as it is): the store
+then the new kernel (``store_two_graph_us``) against ``store_mla_attention``, the store
+inside the launch (``store_one_graph_us``), both graph replays; ``store_one_vs_two`` =
+two / one (> 1: one launch is faster).
 JSON: ``--out`` and ``$OUT/<name>``, rewritten after every shape.
 
 ``--sweep`` (alone, ``--budget`` s of timing, < 120 s on an H200 with cold caches): at
@@ -73,6 +77,10 @@ class Step:
         )
         self.out = torch.empty_like(self.q_lat)
         self.workspace = torch.empty(numel, dtype=torch.float32, device="cuda")
+        # the step's new rows: each request's last row as stored (the pool keeps its bytes)
+        self.write_ids = kv.ids[:, -1].contiguous()
+        rows = kv.cache[self.write_ids]
+        self.latent, self.rope = rows[:, : peer.RANK].clone(), rows[:, peer.RANK :].clone()
 
     def args(self):
         kv = self.kv
@@ -83,6 +91,21 @@ class Step:
         return mla_decode.mla_attention(
             *self.args(), max_q_len=1, page_size=self.kv.page_size, sm_scale=peer.SCALE,
             config=self.config, num_splits=self.splits, out=self.out, workspace=self.workspace,
+        )  # fmt: skip
+
+    def two_launches(self):
+        """The latent store, then the new kernel (the engine's decode before issue 38)."""
+        mla.store_mla(self.kv.cache, self.write_ids, self.latent, self.rope)
+        return self.new()
+
+    def one_launch(self):
+        """``store_mla_attention``: the store inside the new kernel's launch."""
+        kv = self.kv
+        return mla_decode.store_mla_attention(
+            kv.cache, self.write_ids, self.q_lat, self.q_rope, self.latent, self.rope,
+            kv.block_table, self.q_indptr, kv.seq_lens, max_q_len=1, page_size=kv.page_size,
+            sm_scale=peer.SCALE, config=self.config, num_splits=self.splits, out=self.out,
+            workspace=self.workspace,
         )  # fmt: skip
 
     def old(self):
@@ -125,6 +148,12 @@ def decode_row(fi, ceil, bsz, length, heads, ps) -> dict:
     row.update(TBps=nbytes / us / 1e6, pct_copy=nbytes / us / 1e3 / ceil["d2d_GBps"] * 100,
                TFLOPs=flops / us / 1e6)  # fmt: skip
     peer.time_peers(runners, row, us)
+    got = peer.agreement(step.one_launch(), ours)  # the store rewrites the rows as they are
+    row["err_store_one_launch"] = got["rel_err"]
+    assert got["ok"], f"store_mla_attention disagrees with the new kernel: {got}"
+    row.update(store_two_graph_us=graph_us(step.two_launches),
+               store_one_graph_us=graph_us(step.one_launch))  # fmt: skip
+    row["store_one_vs_two"] = row["store_two_graph_us"] / row["store_one_graph_us"]
     return row
 
 

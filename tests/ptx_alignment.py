@@ -23,6 +23,7 @@ the kernel does not compile: ``python tests/ptx_alignment.py mla|mha|all``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -93,14 +94,18 @@ def _mla_values(dt: str, stride: int) -> dict:
         out=f"*{dt}",
         ws_acc="*fp32",
         ws_lse="*fp32",
+        lat_new=f"*{dt}",
+        rope_new=f"*{dt}",
+        write_ids="*i32",
     )
-    ints = ("ql_st", "ql_sh", "qr_st", "qr_sh", "c_sn", "bt_sb", "o_st", "o_sh")
+    ints = ("ql_st", "ql_sh", "qr_st", "qr_sh", "c_sn", "bt_sb", "o_st", "o_sh", "ln_st", "rn_st")
     return {**ptrs, **{n: stride for n in ints}, "sm_scale": 0.1, "num_splits": 2}
 
 
 def cases():
     """(name, fn, values, constexprs, num_warps, stride, itemsize) of every MLA cache
-    reader (extend, decode split, decode fused gather / one-page tiles) and the store,
+    reader (extend, decode split, decode fused gather / one-page tiles, the decodes with the
+    new row stored inside: ``_store``) and the store,
     at odd strides (the crash's 30 and 26 elements, an odd 31) and aligned ones."""
     from unikv.kernels.attention import store
     from unikv.kernels.mla import decode as mla_decode
@@ -134,9 +139,9 @@ def cases():
                     stride,
                     item,
                 )
-                for num_v in (1, 2):
+                for num_v, store_row in ((1, False), (2, False), (2, True)):
                     yield (
-                        f"mla_decode_split{num_v}/{dt}/ps{ps}",
+                        f"mla_decode_split{num_v}{'_store' * store_row}/{dt}/ps{ps}",
                         mla_decode._split_kernel,
                         vals,
                         cx(
@@ -152,14 +157,17 @@ def cases():
                             SPLIT=True,
                             NUM_STAGES=1,
                             PRECISION=prec,
+                            STORE=store_row,
                         ),
                         4,
                         stride,
                         item,
                     )
-            for ps, block_n in ((4, 16), (16, 16), (64, 64)):
+            for (ps, block_n), store_row in itertools.product(
+                ((4, 16), (16, 16), (64, 64)), (False, True)
+            ):
                 yield (
-                    f"mla_decode_fused/{dt}/ps{ps}/n{block_n}",
+                    f"mla_decode_fused{'_store' * store_row}/{dt}/ps{ps}/n{block_n}",
                     mla_decode_fused._fused_kernel,
                     vals,
                     cx(
@@ -175,6 +183,7 @@ def cases():
                         PRECISION=prec,
                         CONTIG=ps % block_n == 0,
                         TMA=False,
+                        STORE=store_row,
                     ),
                     4,
                     stride,

@@ -44,9 +44,10 @@ derived parameter recomputed each step) fails here with the list it found:
         the q and k norms two launches, 12).
     DeepSeek MLA layer (a dense MLP)  pre-norm (+ residual), the q / q_a|kv_a GEMMs (V3:
         the q_a norm, q_b GEMM), the latent norm, rope of q's and k's pair dims
-        (``rope_pairs``), W_UK bmm, latent store, MLA decode, W_UV bmm, o_proj GEMM,
-        post-norm, gate|up GEMM, SiLU-mul, down GEMM: V2 14, V3 15 (before: the pair rope
-        in torch ops, two table gathers and seven ops each for q and k: 29, 30).
+        (``rope_pairs``), W_UK bmm, MLA decode (the latent store inside:
+        ``store_mla_attention``), W_UV bmm, o_proj GEMM, post-norm, gate|up GEMM, SiLU-mul,
+        down GEMM: V2 13, V3 14 (before: the store a launch of its own, 14, 15; the pair
+        rope in torch ops, two table gathers and seven ops each for q and k: 29, 30).
 
 On a GPU a one-request step's pre-norm runs inside the GEMV after it; on the CPU the
 norm and the GEMM are two launches (both counted here).
@@ -96,8 +97,8 @@ GEMMA3_LAYER = Counter({"aten.linear": 4, "triton._sandwich_norm_kernel": 2,
                         "triton._qk_norm_kernel": 1, "triton._decode_split_kernel": 1,
                         "triton._act_mul_kernel": 1})  # fmt: skip
 MLA_LAYER = Counter({"aten.linear": 5, "aten.bmm": 2, "triton._rms_norm_kernel": 3,
-                     "triton._rope_pairs_kernel": 1, "triton._store_kv_kernel": 1,
-                     "triton._split_kernel": 1, "triton._act_mul_kernel": 1})  # fmt: skip
+                     "triton._rope_pairs_kernel": 1, "triton._split_kernel": 1,
+                     "triton._act_mul_kernel": 1})  # fmt: skip
 MLP_BLOCK = Counter({"aten.linear": 2, "triton._rms_norm_kernel": 1,
                      "triton._relu_square_kernel": 1})  # fmt: skip
 

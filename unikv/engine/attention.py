@@ -248,12 +248,14 @@ class DecodeAttention:
     def mla(self, layer, q_latent, q_rope, latent, rope, sm_scale):
         """Store this step's latent rows of MLA ``layer`` and attend over them in the
         absorbed form. q_latent: (T, H, rank), q_rope: (T, H, rope); latent: (T, rank)
-        (normalised c), rope: (T, rope) (rotated k_rope) -> (T, H, rank)."""
-        cache, step = self._store_mla(layer, latent, rope)
-        plan = self.plan
-        return self.backend.mla_attention(
-            q_latent, q_rope, cache.latent, step.block_table, plan.q_indptr, plan.seq_lens,
-            max_q_len=plan.max_q_len, page_size=cache.page_size, sm_scale=sm_scale,
+        (normalised c), rope: (T, rope) (rotated k_rope) -> (T, H, rank). A decode step
+        stores inside the attention's launch (``store_mla_attention``)."""
+        cache, plan = self.layers[layer], self.plan
+        step = plan.subpools[cache.subpool]
+        return self.backend.store_mla_attention(
+            cache.latent, step.write_ids.data, q_latent, q_rope, latent, rope,
+            step.block_table, plan.q_indptr, plan.seq_lens, max_q_len=plan.max_q_len,
+            page_size=cache.page_size, sm_scale=sm_scale,
         )  # fmt: skip
 
     # -- attention (AttentionFn) ------------------------------------------------------

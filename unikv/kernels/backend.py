@@ -67,7 +67,7 @@ from unikv.kernels.linear.protocols import (
     SiluMulLinear,
 )
 from unikv.kernels.linear.ref import resolve_feedback  # placeholder ids (every backend)
-from unikv.kernels.mla.protocols import MLAAttention, StoreMLA
+from unikv.kernels.mla.protocols import MLAAttention, StoreMLA, StoreMLAAttention
 from unikv.kernels.moe.protocols import MoE, MoERepack, MoERepackedRun
 from unikv.kernels.moe.ref import (
     DENSE_MAX_TOKENS,  # the MoE's graph bound (models, engine)
@@ -88,7 +88,7 @@ KV_OPS = ("store_kv", "rope_store_kv", "decode_attention", "rope_store_decode_at
 TABLE_OPS = ("build_block_table", "export_flashinfer", "update_tables", "translate_ids")
 STEP_OPS = ("prepare_step", "plan_decode", "plan_extend", "plan_rows")
 RECURRENT_OPS = ("causal_conv1d", "gated_delta_rule", "mamba2_ssd")
-MLA_OPS = ("store_mla", "mla_attention")
+MLA_OPS = ("store_mla", "mla_attention", "store_mla_attention")
 ELEMENTWISE_OPS = ("rms_norm", "add_rms_norm", "rope_qk", "silu_mul", "gelu_tanh_mul",
                    "gated_rms_norm", "qk_rms_norm")  # fmt: skip
 SANDWICH_OPS = ("sandwich_rms_norm",)  # kernels/linear/sandwich.py (Gemma's post + pre norms)
@@ -149,6 +149,7 @@ class KernelBackend:
     mamba2_ssd: Mamba2SSD
     store_mla: StoreMLA
     mla_attention: MLAAttention
+    store_mla_attention: StoreMLAAttention
     rms_norm: RMSNorm
     add_rms_norm: AddRMSNorm
     rope_qk: RopeQK
@@ -490,6 +491,7 @@ def _triton(flags: Flags) -> KernelBackend:
         mamba2_ssd=recurrent.mamba2_ssd,
         store_mla=mla.store_mla,
         mla_attention=mla_decode.mla_attention,  # decode tiles heads; prefill: mla.py
+        store_mla_attention=mla_decode.store_mla_attention,  # decode: the store in the launch
         **{op: getattr(elementwise, op) for op in ELEMENTWISE_OPS},
         sandwich_rms_norm=sandwich.sandwich_rms_norm,
         **{op: getattr(activation, op) for op in ACTIVATION_OPS},
@@ -538,6 +540,7 @@ def _torch() -> KernelBackend:
         mamba2_ssd=recurrent_ref.mamba2_ssd,
         store_mla=mla_ref.store_mla,
         mla_attention=mla_ref.mla_attention,
+        store_mla_attention=mla_ref.store_mla_attention,
         **{op: getattr(elementwise_ref, op) for op in ELEMENTWISE_OPS + ACTIVATION_OPS},
         sandwich_rms_norm=elementwise_ref.sandwich_rms_norm,
         rope_pairs=elementwise_ref.rope_pairs,

@@ -34,6 +34,7 @@ import triton.language as tl
 from unikv.kernels.attention.tiles import dot_precision
 from unikv.kernels.mla import decode_fused as mla_decode_fused
 from unikv.kernels.mla import prefill as mla
+from unikv.kernels.mla.new_row import new_row
 from unikv.kernels.mla.plan import (  # noqa: F401  (the plan's public names, re-exported)
     CONFIGS,
     MAX_SPLITS,
@@ -46,8 +47,15 @@ from unikv.kernels.mla.plan import (  # noqa: F401  (the plan's public names, re
     decode_plan,
     workspace_numel,
 )
-from unikv.kernels.mla.ref import check_mla_args
-from unikv.kernels.runtime.checks import device_sms, next_pow2, out_buffer, split_workspace
+from unikv.kernels.mla.ref import check_mla_args, check_store_args
+from unikv.kernels.runtime.checks import (
+    check_ids,
+    check_same_device,
+    device_sms,
+    next_pow2,
+    out_buffer,
+    split_workspace,
+)
 from unikv.kernels.runtime.ids import row_offset
 from unikv.kernels.runtime.interpret import patch_interpreter
 
@@ -58,10 +66,11 @@ patch_interpreter()  # tl.range with run-time bounds under TRITON_INTERPRET=1
 def _split_kernel(
     q_lat, q_rope, cache, block_table, q_indptr, seq_lens, out, ws_acc, ws_lse, sm_scale,
     ql_st, ql_sh, qr_st, qr_sh, c_sn, bt_sb, o_st, o_sh, num_splits,
+    lat_new, rope_new, write_ids, ln_st, rn_st,
     H: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr, NUM_V: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, STORE: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)  # head block * NUM_V + v: siblings adjacent (L2 reuse)
     b = tl.program_id(1)
@@ -88,10 +97,13 @@ def _split_kernel(
         mask=mask_h[:, None] & mask_p[None, :],
         other=0.0,
     ).to(qv.dtype)
+    cols_o = (1 - v) * BLOCK_V + tl.arange(0, BLOCK_V)  # NUM_V 1: past RANK, never read
+    mask_o = cols_o < RANK
     if NUM_V == 2:  # the other columns of the logits
-        cols_o = (1 - v) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_o = cols_o < RANK
         qo = tl.load(q_row + cols_o[None, :], mask=mask_h[:, None] & mask_o[None, :], other=0.0)
+    if STORE:  # the step's new row (``new_row``): V part 0 of head block 0 writes it
+        new, _ = new_row(lat_new, rope_new, write_ids, tok, ln_st, rn_st, cache, c_sn, lo, hi,
+                         seq, cols, cols_o, offs_p, RANK, ROPE, PAGE_SIZE, pid == 0)  # fmt: skip
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
@@ -102,15 +114,23 @@ def _split_kernel(
         mask_n = offs_n < hi
         entry = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         rows = cache + row_offset(entry, offs_n, PAGE_SIZE, PAGE_SIZE * c_sn, c_sn)[:, None]
-        cv = tl.load(rows + cols[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+        keep = mask_n[:, None]
+        if STORE:  # the new row's key comes from registers, its bytes are not read
+            is_new = (offs_n == new[0])[:, None]
+            keep = keep & ~is_new
+        cv = tl.load(rows + cols[None, :], mask=keep & mask_c[None, :], other=0.0)
+        if STORE:
+            cv = tl.where(is_new, new[1][None, :], cv)
         cv = cv.to(qv.dtype)
         s = tl.dot(qv, tl.trans(cv), input_precision=PRECISION)
         if NUM_V == 2:
-            co = tl.load(rows + cols_o[None, :], mask=mask_n[:, None] & mask_o[None, :], other=0.0)
+            co = tl.load(rows + cols_o[None, :], mask=keep & mask_o[None, :], other=0.0)
+            if STORE:
+                co = tl.where(is_new, new[2][None, :], co)
             s = tl.dot(qo, tl.trans(co.to(qv.dtype)), s, input_precision=PRECISION)
-        kr = tl.load(
-            rows + RANK + offs_p[None, :], mask=mask_n[:, None] & mask_p[None, :], other=0.0
-        )
+        kr = tl.load(rows + RANK + offs_p[None, :], mask=keep & mask_p[None, :], other=0.0)
+        if STORE:
+            kr = tl.where(is_new, new[3][None, :], kr)
         s = tl.dot(qr, tl.trans(kr.to(qv.dtype)), s, input_precision=PRECISION)
         s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a live key
@@ -159,20 +179,22 @@ def _merge_kernel(
 
 def _launch_split(
     q_latent, q_rope, cache, block_table, q_indptr, seq_lens, out, workspace, ws_lse,
-    sm_scale, page_size, splits, cfg,
+    sm_scale, page_size, splits, cfg, new_row=None,
 ) -> None:  # fmt: skip
     """The split kernel over checked ``mla_attention`` arguments."""
     heads, rank = q_latent.shape[1:]
     rope = q_rope.shape[2]
     block_v = max(16, next_pow2(triton.cdiv(rank, cfg.num_v)))
+    lat_new, rope_new, ids = new_row or (q_latent, q_rope, seq_lens)  # unread without it
     _split_kernel[(triton.cdiv(heads, cfg.block_h) * cfg.num_v, block_table.shape[0], splits)](
         q_latent, q_rope, cache, block_table, q_indptr, seq_lens, out, workspace, ws_lse,
         sm_scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), block_table.stride(0), out.stride(0), out.stride(1), splits, H=heads,
+        cache.stride(0), block_table.stride(0), out.stride(0), out.stride(1), splits, lat_new,
+        rope_new, ids, lat_new.stride(0), rope_new.stride(0), H=heads,
         RANK=rank, ROPE=rope, BLOCK_V=block_v, BLOCK_P=max(16, next_pow2(rope)),
         NUM_V=cfg.num_v, PAGE_SIZE=page_size, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         SPLIT=splits > 1, NUM_STAGES=cfg.num_stages, PRECISION=dot_precision(q_latent),
-        num_warps=cfg.num_warps,
+        STORE=new_row is not None, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -191,6 +213,7 @@ def mla_attention(
     workspace: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: Config | tuple | None = None,
+    new_row: tuple | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA attention, ``mla.mla_attention``'s signature and semantics.
 
@@ -199,9 +222,12 @@ def mla_attention(
     int32, seq_lens (B,) int32 (new rows already stored), max_q_len host int. Decode
     (max_q_len 1) runs here; longer steps go to ``mla.mla_attention``. workspace:
     optional fp32 tensor of >= ``workspace_numel(T, H, rank, S)`` elements (CUDA
-    graphs). num_splits / config override the heuristics (benchmarks, tests).
+    graphs). num_splits / config override the heuristics (benchmarks, tests). new_row:
+    None, or a decode step's (latent, rope, write_ids) stored inside the launch
+    (``store_mla_attention``, checked there; seq_lens then count the new rows).
     Returns out (T, H, rank) in q_latent's dtype.
     """
+    assert new_row is None or max_q_len <= 1, "new_row is a decode step's: store_mla_attention"
     if max_q_len > 1:
         return mla.mla_attention(
             q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens,
@@ -225,10 +251,11 @@ def mla_attention(
         mla_decode_fused.launch(
             q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out, ws_acc,
             ws_lse, sm_scale=sm_scale, page_size=page_size, num_splits=splits, config=cfg,
+            new_row=new_row,
         )  # fmt: skip
     else:
         _launch_split(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, out,
-                      ws_acc, ws_lse, sm_scale, page_size, splits, cfg)  # fmt: skip
+                      ws_acc, ws_lse, sm_scale, page_size, splits, cfg, new_row)  # fmt: skip
     if splits > 1:
         block_s = next_pow2(splits)
         block_c = max(16, min(next_pow2(rank), 8192 // block_s))  # <= 8192 fp32 a program
@@ -237,3 +264,51 @@ def mla_attention(
             BLOCK_S=block_s, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def store_mla_attention(
+    latent_cache: torch.Tensor,
+    write_ids: torch.Tensor,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
+    q_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_q_len: int,
+    page_size: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: Config | tuple | None = None,
+) -> torch.Tensor:
+    """``mla.store_mla`` then ``mla_attention``; a decode step (max_q_len 1) in one launch
+    (plus the merge): the split holding a request's last key takes the new row from
+    ``latent`` / ``rope`` and one of its programs writes it at ``write_ids`` (``new_row``
+    says how no program reads it half-written). The same bytes as the two ops. Every
+    token is one lane's (q_indptr[B] == T) and its write id is the kernel id of its
+    request's position seq_len - 1. Arguments: ``store_mla``'s (latent and rope in the
+    cache's dtype), then ``mla_attention``'s; longer steps run the two ops."""
+    check_store_args(latent_cache, write_ids, latent, rope)
+    check_ids("write_ids", write_ids)
+    if latent.dtype != latent_cache.dtype or rope.dtype != latent_cache.dtype:
+        raise ValueError(
+            f"latent / rope must be in the cache's dtype {latent_cache.dtype} (MLA rows are "
+            f"stored as they are), got {latent.dtype} / {rope.dtype}"
+        )
+    if latent.stride(1) != 1 or rope.stride(1) != 1:
+        raise ValueError(
+            f"latent / rope need unit last stride, got {latent.stride()} / {rope.stride()}"
+        )
+    check_same_device(latent_cache, write_ids, latent, rope, q_latent)
+    attend = {"max_q_len": max_q_len, "page_size": page_size, "sm_scale": sm_scale, "out": out,
+              "workspace": workspace, "num_splits": num_splits, "config": config}  # fmt: skip
+    if max_q_len > 1:  # prefill chunks: the store, then the ragged kernel
+        mla.store_mla(latent_cache, write_ids, latent, rope)
+        return mla_attention(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens,
+                             **attend)  # fmt: skip
+    return mla_attention(q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens,
+                         **attend, new_row=(latent, rope, write_ids))  # fmt: skip

@@ -31,6 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from unikv.kernels.attention.tiles import dot_precision
+from unikv.kernels.mla.new_row import new_row
 from unikv.kernels.mla.plan import Config
 from unikv.kernels.runtime.checks import next_pow2
 from unikv.kernels.runtime.ids import row_offset
@@ -41,12 +42,15 @@ patch_interpreter()  # tl.range with run-time bounds under TRITON_INTERPRET=1
 
 @triton.jit
 def _load_tile(
-    cache, c_desc, r_desc, bt_row, start, hi, c_sn, dtype: tl.constexpr, RANK: tl.constexpr,
+    cache, c_desc, r_desc, bt_row, start, hi, c_sn, new, dtype: tl.constexpr, RANK: tl.constexpr,
     ROPE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr, TMA: tl.constexpr,
+    STORE: tl.constexpr = False,
 ):  # fmt: skip
     """Tile of keys ``start + [0, BLOCK_N)``: c0, c1 (BLOCK_N, BLOCK_V), k_rope
-    (BLOCK_N, BLOCK_P) in ``dtype``; keys >= hi (MASKED) and columns past the view are 0."""
+    (BLOCK_N, BLOCK_P) in ``dtype``; keys >= hi (MASKED) and columns past the view are 0.
+    STORE (MASKED tiles only): ``new`` = (position, c0, c1, k_rope) of the step's new
+    row, which replaces that position's key (its bytes are not read: ``new_row``)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
     if CONTIG:  # one page: entry of the tile's first key
@@ -65,10 +69,17 @@ def _load_tile(
         cols = tl.arange(0, BLOCK_V)
         offs_p = tl.arange(0, BLOCK_P)
         keep = mask_n[:, None] if MASKED else tl.full([BLOCK_N, 1], 1, tl.int1)
+        if STORE:
+            is_new = (offs_n == new[0])[:, None]
+            keep = keep & ~is_new
         c0 = tl.load(ptr + cols[None, :], mask=keep & (cols[None, :] < RANK), other=0.0)
         cols1 = BLOCK_V + cols
         c1 = tl.load(ptr + cols1[None, :], mask=keep & (cols1[None, :] < RANK), other=0.0)
         kr = tl.load(ptr + RANK + offs_p[None, :], mask=keep & (offs_p[None, :] < ROPE), other=0.0)
+        if STORE:
+            c0 = tl.where(is_new, new[1][None, :], c0)
+            c1 = tl.where(is_new, new[2][None, :], c1)
+            kr = tl.where(is_new, new[3][None, :], kr)
     return c0.to(dtype), c1.to(dtype), kr.to(dtype), mask_n
 
 
@@ -98,10 +109,11 @@ def _step(
 def _fused_kernel(
     q_lat, q_rope, cache, c_desc, r_desc, block_table, q_indptr, seq_lens, out, ws_acc, ws_lse,
     sm_scale, ql_st, ql_sh, qr_st, qr_sh, c_sn, bt_sb, o_st, o_sh, num_splits,
+    lat_new, rope_new, write_ids, ln_st, rn_st,
     H: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_P: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
-    CONTIG: tl.constexpr, TMA: tl.constexpr,
+    CONTIG: tl.constexpr, TMA: tl.constexpr, STORE: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,13 +124,20 @@ def _fused_kernel(
     chunk = tl.cdiv(tl.cdiv(seq, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq)
-    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the unmasked tiles
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = heads < H
     cols = tl.arange(0, BLOCK_V)
     m0, m1 = cols < RANK, BLOCK_V + cols < RANK
     offs_p = tl.arange(0, BLOCK_P)
     tok = tok.to(tl.int64)
+    new = (seq - 1, 0.0, 0.0, 0.0)  # STORE: the new row (position, c0, c1, k_rope)
+    holds_new = 0
+    if STORE:  # the split holding the new row takes its tile on the masked path
+        new, holds_new = new_row(lat_new, rope_new, write_ids, tok, ln_st, rn_st, cache, c_sn,
+                                 lo, hi, seq, cols, BLOCK_V + cols, offs_p, RANK, ROPE,
+                                 PAGE_SIZE, tl.program_id(0) == 0)  # fmt: skip
+    # end of the unmasked tiles (neither past hi nor holding the new row)
+    full_hi = lo + tl.maximum(hi - lo - holds_new, 0) // BLOCK_N * BLOCK_N
     q_row = q_lat + tok * ql_st + heads[:, None] * ql_sh
     q0 = tl.load(q_row + cols[None, :], mask=mask_h[:, None] & m0[None, :], other=0.0)
     q1 = tl.load(q_row + BLOCK_V + cols[None, :], mask=mask_h[:, None] & m1[None, :], other=0.0)
@@ -135,16 +154,16 @@ def _fused_kernel(
     bt_row = block_table + b.to(tl.int64) * bt_sb
     for start in tl.range(lo, full_hi, BLOCK_N, num_stages=NUM_STAGES):
         c0, c1, kr, mask_n = _load_tile(
-            cache, c_desc, r_desc, bt_row, start, hi, c_sn, q0.dtype, RANK, ROPE, BLOCK_V,
+            cache, c_desc, r_desc, bt_row, start, hi, c_sn, new, q0.dtype, RANK, ROPE, BLOCK_V,
             BLOCK_P, PAGE_SIZE, BLOCK_N, False, CONTIG, TMA,
         )  # fmt: skip
         m_i, l_i, acc0, acc1 = _step(
             q0, q1, qr, c0, c1, kr, mask_n, m_i, l_i, acc0, acc1, qk_scale, False, PRECISION
         )
-    if full_hi < hi:  # the partial last tile
+    if full_hi < hi:  # the partial last tile (STORE: or the one holding the new row)
         c0, c1, kr, mask_n = _load_tile(
-            cache, c_desc, r_desc, bt_row, full_hi, hi, c_sn, q0.dtype, RANK, ROPE, BLOCK_V,
-            BLOCK_P, PAGE_SIZE, BLOCK_N, True, CONTIG, TMA,
+            cache, c_desc, r_desc, bt_row, full_hi, hi, c_sn, new, q0.dtype, RANK, ROPE,
+            BLOCK_V, BLOCK_P, PAGE_SIZE, BLOCK_N, True, CONTIG, TMA, STORE,
         )  # fmt: skip
         m_i, l_i, acc0, acc1 = _step(
             q0, q1, qr, c0, c1, kr, mask_n, m_i, l_i, acc0, acc1, qk_scale, True, PRECISION
@@ -200,9 +219,11 @@ def launch(
     page_size: int,
     num_splits: int,
     config: Config,
+    new_row: tuple | None = None,
 ) -> None:
     """The fused kernel over checked ``mla_decode.mla_attention`` arguments (shapes there);
-    ``workspace`` / ``ws_lse`` are the acc and lse parts (used when num_splits > 1)."""
+    ``workspace`` / ``ws_lse`` are the acc and lse parts (used when num_splits > 1);
+    new_row: None or the step's checked (latent, rope, write_ids), stored in the launch."""
     heads, rank = q_latent.shape[1:]
     rope = q_rope.shape[2]
     block_v, block_p = block_sizes(rank, rope)
@@ -213,12 +234,13 @@ def launch(
         c_desc = TensorDescriptor.from_tensor(cache[:, :rank], [config.block_n, block_v])
         r_desc = TensorDescriptor.from_tensor(cache[:, rank:], [config.block_n, block_p])
     grid = (triton.cdiv(heads, config.block_h), block_table.shape[0], num_splits)
+    lat_new, rope_new, ids = new_row or (q_latent, q_rope, seq_lens)  # unread without it
     _fused_kernel[grid](
         q_latent, q_rope, cache, c_desc, r_desc, block_table, q_indptr, seq_lens, out,
         workspace, ws_lse, sm_scale, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0),
         q_rope.stride(1), cache.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
-        num_splits, H=heads, RANK=rank, ROPE=rope, BLOCK_V=block_v, BLOCK_P=block_p,
-        PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
+        num_splits, lat_new, rope_new, ids, lat_new.stride(0), rope_new.stride(0), H=heads,
+        RANK=rank, ROPE=rope, BLOCK_V=block_v, BLOCK_P=block_p, PAGE_SIZE=page_size, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         NUM_STAGES=config.num_stages, PRECISION=dot_precision(q_latent), CONTIG=contig,
-        TMA=use_tma, num_warps=config.num_warps,
+        TMA=use_tma, STORE=new_row is not None, num_warps=config.num_warps,
     )  # fmt: skip

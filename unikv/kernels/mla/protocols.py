@@ -48,3 +48,28 @@ class MLAAttention(Protocol):
         ``q_indptr[b]:q_indptr[b+1]``; block_table (B, max_pages) int32; seq_lens (B,)
         int32 rows cached incl. the new ones. Returns (T, H, rank) in q_latent's dtype."""
         ...
+
+
+class StoreMLAAttention(Protocol):
+    def __call__(
+        self,
+        latent_cache: torch.Tensor,
+        write_ids: torch.Tensor,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        rope: torch.Tensor,
+        block_table: torch.Tensor,
+        q_indptr: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        max_q_len: int,
+        page_size: int,
+        sm_scale: float,
+        out: torch.Tensor | None = None,
+        workspace: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``StoreMLA`` of latent (T, rank) and rope (T, rope) at ``write_ids`` (T,), then
+        ``MLAAttention`` over the rows (seq_lens count them). A decode step (max_q_len 1)
+        may do both in one launch: the same bytes. Returns (T, H, rank)."""
+        ...

@@ -150,3 +150,29 @@ def mla_attention(
         sm_scale=sm_scale,
         out=out,
     )
+
+
+def store_mla_attention(
+    latent_cache: torch.Tensor,
+    write_ids: torch.Tensor,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
+    q_indptr: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_q_len: int,
+    page_size: int,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``store_mla`` of the step's rows at ``write_ids``, then ``mla_attention`` over
+    them (the Triton backend's decode steps do both in one launch)."""
+    store_mla(latent_cache, write_ids, latent, rope)
+    return mla_attention(
+        q_latent, q_rope, latent_cache, block_table, q_indptr, seq_lens, max_q_len=max_q_len,
+        page_size=page_size, sm_scale=sm_scale, out=out, workspace=workspace,
+    )  # fmt: skip
