@@ -61,9 +61,11 @@ class StoreCase(Case):
         for rows, row in zip(self.rows, new.float()):
             rows[-1] = row  # the oracle's rows: the new one in place
 
-    def attend(self, fn, q_lat, q_rope, q_lens, store=True, **kw):
-        """``fn`` = store_mla_attention (``store``) or mla_attention after the store."""
-        args = (self.block_table, indptr(q_lens, q_lat.device), self.seq_lens)
+    def attend(self, fn, q_lat, q_rope, q_lens, store=True, q_indptr=None, **kw):
+        """``fn`` = store_mla_attention (``store``) or mla_attention after the store;
+        ``q_indptr``: made beforehand (a launch checked for host syncs or captured)."""
+        q_indptr = indptr(q_lens, q_lat.device) if q_indptr is None else q_indptr
+        args = (self.block_table, q_indptr, self.seq_lens)
         opts = {"max_q_len": max(q_lens), "page_size": self.page_size, "sm_scale": SCALE, **kw}
         if store:
             return fn(self.cache, self.write_ids, q_lat, q_rope, self.latent, self.rope, *args,
@@ -254,6 +256,7 @@ def test_gpu_graph_replay_equals_store_then_decode(dtype, rank, rope, heads, ps,
     kw = {"config": cfg, "num_splits": splits, "out": out,
           "workspace": torch.empty(max(numel, 1), device="cuda")}  # fmt: skip
     before = case.pool.buffer.clone()
+    kw["q_indptr"] = indptr([1] * len(lens), "cuda")  # uploaded before the checked launches
     case.attend(mla_decode.store_mla_attention, q_lat, q_rope, [1] * len(lens), **kw)  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
