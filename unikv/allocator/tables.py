@@ -100,16 +100,10 @@ class _Scope:
         self.writer, self.hold = writer, hold
 
     def __enter__(self) -> None:
-        w = self.writer
-        if not w._depth:
-            w._held = w._num_staged  # what an earlier ``hold`` scope left
-        w._depth += 1
+        self.writer.enter_batch()
 
     def __exit__(self, *exc: object) -> None:  # an error settles too: state stays whole
-        w = self.writer
-        w._depth -= 1
-        if not w._depth and not self.hold and w._num_staged > w._held:
-            w.settle()
+        self.writer.exit_batch(self.hold)
 
 
 class TableWriter:
@@ -166,6 +160,18 @@ class TableWriter:
         itself leaves held entries waiting too (a decode step that failed for want of
         room). The two scopes are made once: a decode step's verbs enter one each."""
         return self._scopes[hold]
+
+    def enter_batch(self) -> None:
+        """A ``batch`` scope opens (its context manager calls this)."""
+        if not self._depth:
+            self._held = self._num_staged  # what an earlier ``hold`` scope left
+        self._depth += 1
+
+    def exit_batch(self, hold: bool) -> None:
+        """A ``batch`` scope closes: the outermost one settles what it staged (not ``hold``)."""
+        self._depth -= 1
+        if not self._depth and not hold and self._num_staged > self._held:
+            self.settle()
 
     def settle(self) -> None:
         """Write the staged entries now (one upload and launch; none staged: nothing)."""
