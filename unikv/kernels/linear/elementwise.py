@@ -34,6 +34,20 @@ MAX_ROW = 65536  # widest row one rms_norm program holds in registers
 
 
 @triton.jit
+def rms_normed(h, w, cols, mask, N, eps, offset, dt: tl.constexpr, W_FP32: tl.constexpr):
+    """RMSNorm of the fp32 row ``h`` (lanes past N hold 0) by the weight at ``w``, in
+    ``dt``: ``(h * (offset + w)).to(dt)`` with W_FP32, else ``(offset + w) * h.to(dt)``,
+    each rounding the torch reference takes (every row norm here and ``sandwich.py``)."""
+    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    if W_FP32:
+        y = h * wv
+    else:
+        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
+    return y.to(dt)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x,
     res,
@@ -59,15 +73,8 @@ def _rms_norm_kernel(
         rv = tl.load(res + row * sr0 + cols, mask=mask, other=0.0)
         xv = (rv.to(tl.float32) + xv.to(tl.float32)).to(dt)
         tl.store(res + row * sr0 + cols, xv, mask=mask)
-    h = xv.to(tl.float32)
-    var = tl.sum(h * h, axis=0) / N
-    h = h * tl.rsqrt(var + eps)
-    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    if W_FP32:
-        y = h * wv
-    else:
-        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
-    tl.store(out + row * N + cols, y.to(dt), mask=mask)
+    y = rms_normed(xv.to(tl.float32), w, cols, mask, N, eps, offset, dt, W_FP32)
+    tl.store(out + row * N + cols, y, mask=mask)
 
 
 def _norm(x, residual, weight, eps, offset, weight_in_fp32) -> torch.Tensor:
@@ -389,13 +396,7 @@ def _norm_row(src, w, dst, N, eps, offset, W_FP32: tl.constexpr, BLOCK: tl.const
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     h = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    if W_FP32:
-        y = h * wv
-    else:
-        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
-    tl.store(dst + cols, y.to(dt), mask=mask)
+    tl.store(dst + cols, rms_normed(h, w, cols, mask, N, eps, offset, dt, W_FP32), mask=mask)
 
 
 @triton.jit

@@ -17,24 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels.linear.elementwise import MAX_ROW
+from unikv.kernels.linear.elementwise import MAX_ROW, rms_normed
 from unikv.kernels.runtime.checks import check_same_device, next_pow2
 from unikv.kernels.runtime.interpret import patch_interpreter
 
 patch_interpreter()  # the interpreter's bf16 casts round as the GPU's do
-
-
-@triton.jit
-def _normed(h, w, cols, mask, N, eps, offset, dt: tl.constexpr, W_FP32: tl.constexpr):
-    """rms_norm of the fp32 row ``h`` (lanes past N hold 0) by the weight at ``w``, in
-    ``dt``: ``(h * (offset + w)).to(dt)`` with W_FP32, else ``(offset + w) * h.to(dt)``."""
-    h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    wv = tl.load(w + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    if W_FP32:
-        y = h * wv
-    else:
-        y = wv.to(dt).to(tl.float32) * h.to(dt).to(tl.float32)
-    return y.to(dt)
 
 
 @triton.jit
@@ -47,11 +34,11 @@ def _sandwich_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     h = tl.load(x + row * sx0 + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _normed(h, wa, cols, mask, N, eps, offset, dt, W_FP32)
+    y = rms_normed(h, wa, cols, mask, N, eps, offset, dt, W_FP32)
     rv = tl.load(res + row * sr0 + cols, mask=mask, other=0.0)
     s = (rv.to(tl.float32) + y.to(tl.float32)).to(dt)
     tl.store(res + row * sr0 + cols, s, mask=mask)
-    o = _normed(s.to(tl.float32), wb, cols, mask, N, eps, offset, dt, W_FP32)
+    o = rms_normed(s.to(tl.float32), wb, cols, mask, N, eps, offset, dt, W_FP32)
     tl.store(out + row * N + cols, o, mask=mask)
 
 
