@@ -126,11 +126,16 @@ class RequestTable:
     def token_ids(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Virtual token ids of ``positions`` of requests ``slots`` (host ints; the
         ids fit int32: the allocator keeps virtual pages * page size below 2**31)."""
+        return self._ids_at(slots * self.max_pages, positions)
+
+    def _ids_at(self, base: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Virtual token ids of ``positions`` in the page rows starting at ``base``
+        (``slot * max_pages``): ``page * ps + position % ps``."""
         ps = self.page_size
         if ps == 1:
-            return self._pages_flat[slots * self.max_pages + positions]
+            return self._pages_flat[base + positions]
         cols = positions // ps
-        return self._pages_flat[slots * self.max_pages + cols] * ps + (positions - cols * ps)
+        return self._pages_flat[base + cols] * ps + (positions - cols * ps)
 
     def row_token_ids(
         self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray
@@ -148,13 +153,7 @@ class RequestTable:
             self._rows = (owner, offsets, slots[owner] * self.max_pages)
             self._rows_key = key
         owner, offsets, base = self._rows
-        positions = starts[owner] + offsets
-        ps = self.page_size
-        if ps == 1:
-            return self._pages_flat[base + positions].astype(np.int64)
-        cols = positions // ps
-        # page * ps + position % ps, as (page - col) * ps + position (int64: cols are)
-        return (self._pages_flat[base + cols] - cols) * ps + positions
+        return self._ids_at(base, starts[owner] + offsets).astype(np.int64, copy=False)
 
     def check_slots(self, slots: object, what: str) -> np.ndarray:
         """Host int64 array of distinct in-use slots, or ValueError. O(B), no sort:

@@ -312,6 +312,7 @@ class AllocatorView:
         mamba: MambaSlots | None = None, writer: TableWriter | None = None,
     ) -> None:  # fmt: skip
         self._requests, self._books, self._mamba = requests, books, mamba
+        self._id_maps = {n: IdMap(b.page_size, b.blocks_per_page) for n, b in books.items()}
         self._writer = writer
         # the allocator's uploader (``device.make_uploader``) or None
         self._upload: Uploader | None = writer.upload if writer is not None else None
@@ -367,9 +368,10 @@ class AllocatorView:
                 f"row_kernel_ids: {name!r} is not a token sub-pool; token sub-pools: "
                 f"{list(self.roles.token_names)}"
             )
-        book = self._books[name]
-        id_map = IdMap(book.page_size, book.blocks_per_page)  # the contract's arithmetic
-        return id_map.kernel_ids_from_virtual(np.asarray(vids, np.int64), book.v2p_host)
+        id_map = self._id_maps[name]  # the contract's arithmetic
+        return id_map.kernel_ids_from_virtual(
+            np.asarray(vids, np.int64), self._books[name].v2p_host
+        )
 
     def upload_ids(self, array: np.ndarray) -> torch.Tensor:
         """A fresh host integer array as an int32 tensor on the allocator's device
