@@ -46,8 +46,9 @@ else  # PART=b: the kernel files, the smoke test, FP8 and the long prefill
 lane 480 tests/kernels/test_odd_widths_gpu.py tests/kernels/test_kernels_gemv.py \
   tests/kernels/test_kernels_fused_step_gpu.py &
 lane 480 tests/engine/test_gpu_smoke.py tests/kernels/test_mla_expanded.py tests/kernels/test_kernels_elementwise.py \
-  tests/kernels/test_kernels_activation.py &
-lane 480 tests/kernels/test_kernels_mla_gpu.py tests/kernels/test_kernels_mla_decode.py &
+  tests/kernels/test_kernels_activation.py tests/kernels/test_kernels_sandwich.py &
+lane 480 tests/kernels/test_kernels_mla_gpu.py tests/kernels/test_kernels_mla_decode.py \
+  tests/kernels/test_kernels_mla_store_decode.py &
 lane 480 tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_fp8_gemm.py &
 lane 480 tests/models/test_models_fp8.py tests/kernels/test_kernels_moe.py tests/kernels/test_kernels_moe_fp8_tile.py \
   tests/kernels/test_kernels_moe_w8a8.py &
