@@ -18,10 +18,11 @@ pytestmark = [
 ]
 
 MIB = 1 << 20
-TOTAL = 16 * MIB  # 8 chunks; a burst of 64 requests needs about 12 MiB of pages
+TOTAL = 16 * MIB  # 8 chunks of CHUNK; a burst of 64 requests needs about 12 MiB of pages
 KW = {"device": "cuda", "dtype": torch.float32, "page_size": 16, "max_num_seqs": 64,
       "max_model_len": 512, "max_num_batched_tokens": 256}  # fmt: skip
 NEW = 24
+CHUNK = 2 * MIB  # the driver's granularity on the H100 (the default chunk is 8 MiB)
 
 
 def _free() -> int:
@@ -44,7 +45,7 @@ def test_two_models_share_one_cuda_reservation(tmp_path):
         paths[name] = str(tmp_path / name)
         hf = save_tiny_model(arch, paths[name], seed=i + 1)
         want[name] = [hf_greedy(hf, p, NEW) for p in prompts]
-    multi = MultiLLM(paths, total_kv_bytes=TOTAL, **KW)
+    multi = MultiLLM(paths, total_kv_bytes=TOTAL, chunk=CHUNK, **KW)
     try:
         chunk = multi.backing.chunk
         assert multi.llms["a"].runner.graphs is not None, "decode under CUDA graphs"

@@ -458,8 +458,10 @@ def test_lookups_of_several_prefixes_equal_one_at_a_time():
 @pytest.mark.gpu
 def test_recurrent_pipelined_on_gpu(tmp_path):
     """Qwen3.5 on CUDA (verify graphs, the Triton recurrent kernels with their draft
-    slots, fp32), real n-gram drafts and forced acceptance: tokens equal the same
-    engine's without pipelining (forced: every step planned ahead is kept)."""
+    slots, fp32): with real n-gram drafts the pipelined tokens equal transformers';
+    under forced acceptance, pipelined or not, every verify step's last token is the
+    target's greedy token after every token before it, and no step planned ahead is
+    thrown away."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from engine_fixtures import save_tiny_hybrid
@@ -479,11 +481,34 @@ def test_recurrent_pipelined_on_gpu(tmp_path):
         hf_greedy(hf, p, NEW) for p in items
     ]
     assert llm.stats.spec_ahead_steps > 0 and llm.stats.spec_ahead_dropped == 0
+    # forced acceptance keeps whatever was drafted, and a step planned ahead drafts
+    # before the step it follows has its bonus token, so the two runs' drafts (and so
+    # their tokens) differ; what must hold in both is that every verify step's last
+    # token is the target's greedy token after every token before it
     spec = {"method": "ngram", "num_speculative_tokens": 3, "force_accept": True}
-    runs = []
+    complete = Scheduler.complete_verify
     for pipeline in (False, True):
+        emitted: dict[tuple[int, ...], list[int]] = {}
+
+        def spy(sched, batch, out, ahead=None, emitted=emitted):
+            for r, tokens in zip(batch.requests, out):
+                emitted.setdefault(tuple(r.prompt_ids), []).append(len(tokens))
+            return complete(sched, batch, out, ahead)
+
         with allow_forced_acceptance():
             forced = LLM(path, dtype=torch.float32, page_size=16,
                          speculative_config={**spec, "pipeline": pipeline}, **kw)  # fmt: skip
-        runs.append([o.output_ids for o in forced.generate(items, params)])
-    assert runs[0] == runs[1] and forced.stats.spec_ahead_steps > 0
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(Scheduler, "complete_verify", spy)
+            outs = [o.output_ids for o in forced.generate(items, params)]
+        for p, out in zip(items, outs):
+            with torch.no_grad():
+                greedy = hf(torch.tensor([p + out])).logits[0].argmax(-1).tolist()
+            at, checked = 0, 0  # output 0 is the prefill's
+            for n in emitted[tuple(p)]:
+                at += n
+                if at < len(out):
+                    assert out[at] == greedy[len(p) + at - 1], (pipeline, at, out)
+                    checked += 1
+            assert checked >= NEW // 8, (pipeline, emitted[tuple(p)])
+    assert forced.stats.spec_ahead_steps > 0 and forced.stats.spec_ahead_dropped == 0
