@@ -409,6 +409,15 @@ class StateCheckpoints:
         self.reused.add(node_id)
         self.hit_slots.add(slot)  # its turn ends are ``carried``
 
+    def slots_freed(self, slots: np.ndarray) -> None:
+        """Requests ``slots`` (host int64) gave their state slots back: they wait for
+        no restore (``unpin``), their chunk's reserved checkpoint goes
+        (``release_direct``) and their turn ends are no longer ``carried``."""
+        self.unpin(slots)
+        listed = slots.tolist()
+        self.release_direct(listed)
+        self.hit_slots.difference_update(listed)
+
     def unpin(self, slots: np.ndarray) -> None:
         """Requests ``slots`` (host ints) no longer wait for a restore."""
         for slot in slots.tolist():

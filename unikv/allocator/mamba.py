@@ -99,9 +99,7 @@ class MambaSlots:
         """Free the slots of request virtual ids ``vids`` (host int32) that hold one,
         with their draft slots."""
         if self.states is not None:
-            self.states.unpin((vids - 1).astype(np.int64))
-            self.states.release_direct((vids - 1).tolist())  # a chunk's reserved checkpoint
-            self.states.hit_slots.difference_update((vids - 1).tolist())  # (``pin``)
+            self.states.slots_freed((vids - 1).astype(np.int64))
         if self.k:  # each request's slot, then its draft slots (as one by one)
             vids = np.concatenate([vids[:, None], self.draft_vids(vids - 1)], axis=1).reshape(-1)
         if self.states is not None:
