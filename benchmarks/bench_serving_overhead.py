@@ -523,6 +523,7 @@ def burst_main(args) -> None:
     from unikv.serving.engine_client import ProcEngine
 
     trace = ApiTrace()
+    sys.setswitchinterval(0.0005)  # as ``unikv serve`` runs (--switch-interval-ms 0.5)
     with tempfile.TemporaryDirectory(prefix="unikv-burst-") as tmp:
         model = burst_dir(Path(tmp) / "tiny")
         llm = ProcEngine({"model": str(model), "device": "cpu", "page_size": 16,
