@@ -21,10 +21,9 @@ engine ends a request at ``max_model_len`` with finish_reason "length").
 A completions request without a structured-output grammar whose prompts hold
 at most ``INLINE_PROMPT`` characters or token ids in all is prepared on the
 event loop itself (a thread hop costs more than tokenizing a few hundred
-characters), and so is a chat request of as many characters of plain text
-(``cheap_chat``: no tools, no template of its own); they tokenize with a
-tokenizer copy of their own (``loop_prompts``), so a huge prompt being
-tokenized in the pool never holds a lock the loop waits for.
+characters); it tokenizes with a tokenizer copy of its own (``loop_prompts``),
+so a huge prompt being tokenized in the pool never holds a lock the loop waits
+for.
 
 Graceful shutdown (``begin_drain``, on SIGTERM): new requests get 503 and
 ``/health`` 503; in-flight requests run on for ``shutdown_timeout_s``, then each
@@ -182,13 +181,9 @@ class Server:
             raise BadRequest(f"prompt: {err}", "prompt") from err
         return ids, prompt if isinstance(prompt, str) else None, params
 
-    def chat_item(self, body: ChatCompletionRequest, params, prompts=None):
-        """(token ids, text, params) of a chat request, its template rendered and
-        tokenized by ``prompts`` (a PromptMaker; default the tokenizer pool's)."""
+    def chat_item(self, body: ChatCompletionRequest, params):
         try:
-            text, ids = (prompts or self.prompts).chat(
-                body.conversation(), **body.template_kwargs()
-            )
+            text, ids = self.prompts.chat(body.conversation(), **body.template_kwargs())
         except BadRequest:
             raise
         except Exception as err:  # the chat template's own errors too
@@ -368,27 +363,6 @@ def cheap(body: CompletionRequest) -> bool:
     return True
 
 
-def cheap_chat(body: ChatCompletionRequest) -> bool:
-    """Whether a chat request is prepared on the event loop: plain text messages
-    (no tools, no other message fields, no template of its own, no template
-    variables) of ``INLINE_PROMPT`` characters at most in all, and no
-    structured-output constraint to compile (a refused one: False, the pool
-    reports it)."""
-    if body.tools or body.chat_template is not None or body.chat_template_kwargs:
-        return False
-    size = 0
-    for m in body.messages:
-        if m.model_extra or not isinstance(m.content, (str, type(None))):
-            return False
-        size += len(m.content or "")
-        if size > INLINE_PROMPT:
-            return False
-    try:
-        return body.structured_spec() is None
-    except BadRequest:
-        return False
-
-
 def _own_prompts(llm):
     """A PromptMaker over a copy of ``llm``'s tokenizer with a lock of its own, for
     the tokenizer pool: a huge prompt being tokenized does not hold the engine
@@ -564,14 +538,11 @@ def create_app(
         server = pick(body.model)
         max_tokens, logprobs, prompt_logprobs = body.limits()
 
-        def prepare(prompts=None):  # the params (a grammar compiled), then the template
+        def prepare():  # one thread hop: the params (a grammar compiled), then the template
             params = body.sampling_params(max_tokens, logprobs, prompt_logprobs, server.llm)
-            return [server.chat_item(body, params, prompts)]
+            return [server.chat_item(body, params)]
 
-        if cheap_chat(body):  # short plain text: a thread hop costs more than the template
-            items = prepare(server.loop_prompts)
-        else:
-            items = await server.off_loop(prepare)
+        items = await server.off_loop(prepare)
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         server.check_limits(items, max_tokens, field)
         return await server.respond(request, body, items, chat=True, start=start)
