@@ -35,6 +35,7 @@ Per round: ``spread_ms`` (first send to the last admission), the API process's
 CPU per request (user + system, whole burst), ``adds`` messages, engine steps
 before the last admission, and each stage's median; ``--burst-rounds`` rounds
 after a 16-request warm-up, medians printed and saved under ``burst:<tag>``.
+``--admission-window-ms`` sets the engine's admission window (default 0: off).
 """
 
 from __future__ import annotations
@@ -528,7 +529,8 @@ def burst_main(args) -> None:
         model = burst_dir(Path(tmp) / "tiny")
         llm = ProcEngine({"model": str(model), "device": "cpu", "page_size": 16,
                           "max_num_seqs": args.burst, "max_model_len": 64,
-                          "max_num_batched_tokens": 2048, "kv_cache_bytes": 64 << 20})  # fmt: skip
+                          "max_num_batched_tokens": 2048, "kv_cache_bytes": 64 << 20,
+                          "admission_window_ms": args.admission_window_ms})  # fmt: skip
         port = free_port()
         server = ServerThread(create_app(llm, served_model_names=["bench"], max_waiting=None), port)
         import gc
@@ -571,6 +573,8 @@ def main() -> None:
     )
     p.add_argument("--burst-tokens", type=int, default=4, help="max_tokens of each")
     p.add_argument("--burst-rounds", type=int, default=5)
+    p.add_argument("--admission-window-ms", type=float, default=0.0,
+                   help="the burst's engine: EngineConfig.admission_window_ms (0: off)")  # fmt: skip
     p.add_argument("--client", nargs=3, type=int, help=argparse.SUPPRESS)
     p.add_argument("--burst-client", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
