@@ -36,6 +36,11 @@ CPU per request (user + system, whole burst), ``adds`` messages, engine steps
 before the last admission, and each stage's median; ``--burst-rounds`` rounds
 after a 16-request warm-up, medians printed and saved under ``burst:<tag>``.
 ``--admission-window-ms`` sets the engine's admission window (default 0: off).
+Rounds also list each drained ``adds`` (requests, read at ms after the first
+send) and each engine step before the last admission (start, duration, queued):
+on CPU a step of this tiny model takes tens to hundreds of milliseconds, so a
+step started on the burst's first request holds the rest in the socket (on a GPU
+the engine reads while the device runs).
 """
 
 from __future__ import annotations
@@ -499,6 +504,21 @@ def burst_once(llm, trace: ApiTrace, port: int, n: int, new_tokens: int) -> dict
     per = {
         name: float(np.median([r[b] - r[a] for r in rows])) * 1e3 for name, (a, b) in stage.items()
     }
+    own = {
+        "parse_validate": float(np.mean([r["parsed"] - r["handler"] for r in rows])) * 1e3,
+        "template_tokenize": float(np.mean([r["prepared"] - r["prepare_start"] for r in rows]))
+        * 1e3,
+        "engine_add_per_message": float(np.mean([t1 - t0 for t0, t1, _ in eng["adds"]])) * 1e3,
+    }
+    # each drained adds: (its requests, read at ms after the first send); each step before
+    # the last admission: (start ms, duration ms, requests queued when it began)
+    adds_read = [(len(keys), round((t0 - first) * 1e3, 1)) for t0, _, keys in eng["adds"]]
+    steps_ms = [
+        (round((a - first) * 1e3, 1), round((b - a) * 1e3, 1), q)
+        for a, b, q in turns
+        if a < last_admit
+    ]
+    switches = ru.ru_nvcsw + ru.ru_nivcsw - ru0.ru_nvcsw - ru0.ru_nivcsw
     return {
         "requests": n,
         "spread_ms": (last_admit - first) * 1e3,  # first send to the last admission
@@ -507,14 +527,14 @@ def burst_once(llm, trace: ApiTrace, port: int, n: int, new_tokens: int) -> dict
         "last_done_ms": (max(r["done"] for r in rows) - first) * 1e3,
         "api_cpu_ms_per_request": api_cpu / n * 1e3,
         "api_sys_ms_per_request": api_sys / n * 1e3,
-        "api_ctx_switches_per_request": (ru.ru_nvcsw + ru.ru_nivcsw - ru0.ru_nvcsw - ru0.ru_nivcsw) / n,
+        "api_ctx_switches_per_request": switches / n,
         "adds_messages": len(eng["adds"]),
+        "adds_read": adds_read,
+        "steps_ms": steps_ms,
         "steps_before_last_admission": sum(1 for t in turns if t[0] < last_admit),
         "stage_median_ms": per,
-        "own_ms_mean": {"parse_validate": float(np.mean([r["parsed"] - r["handler"] for r in rows])) * 1e3,
-                        "template_tokenize": float(np.mean([r["prepared"] - r["prepare_start"] for r in rows])) * 1e3,
-                        "engine_add_per_message": float(np.mean([t1 - t0 for t0, t1, _ in eng["adds"]])) * 1e3},
-    }  # fmt: skip
+        "own_ms_mean": own,
+    }
 
 
 def burst_main(args) -> None:
