@@ -131,6 +131,10 @@ class FakeLoop:
             self._inbox.append(group)
         return group
 
+    def submit_all(self, groups, bounded: bool = True) -> None:
+        with self._lock:
+            self._inbox += groups
+
     def abort(self, group) -> None:
         group.aborted = True
 
@@ -201,8 +205,10 @@ class FakeLLM:
         self.engine, self.prompts, self.texts = FakeLoop(busy_iters), FakePrompts(), texts
         self.max_model_len = 1 << 20
         self.tokenizer_lock = threading.Lock()
+        self.requests, self.core = self, None  # (AsyncEngine's maker; no scheduler to read)
+        self.reset_prefix_cache = lambda: False
 
-    def make_group(self, ids, params, *, text=None, sink=None) -> FakeGroup:
+    def make_group(self, ids, params, *, text=None, sink=None, cache_salt=None) -> FakeGroup:
         s_ids, s_texts = self.texts[ids[0] % len(self.texts)]
         return FakeGroup(s_ids, s_texts, params.n, params.max_tokens, sink)
 
