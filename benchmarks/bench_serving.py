@@ -45,7 +45,9 @@ the word ``wi``, so every token is one streamed text chunk). No download.
 
 Usage: ``python benchmarks/bench_serving.py --device cuda --out
 benchmarks/results/serving_h200.json``;
-``--device cpu --tiny`` is a small smoke run of the whole script.
+``--device cpu --tiny`` is a small smoke run of the whole script; ``--endpoint chat``
+sends every request as a chat completion (its one message: the prompt's words,
+which the word-level chat template renders as the same token ids).
 """
 
 from __future__ import annotations
@@ -72,15 +74,21 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_e2e import make_prompts, model_config, save_model
 
+# the messages' contents as they are: a chat request of words "w5 w7 ..." is the prompt [5, 7, ...]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+ENDPOINT = ["completions"]  # --endpoint (set before the client processes fork)
+
 
 def save_word_tokenizer(path: Path, vocab: int) -> None:
-    """A WordLevel tokenizer whose token i is the word ``wi`` (decodes with spaces)."""
+    """A WordLevel tokenizer whose token i is the word ``wi`` (decodes with spaces),
+    with a chat template that renders the messages' words alone."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(str(path))
 
 
 def profile_top(path: str, requests: int, tokens: int, top: int = 25) -> list[dict]:
@@ -202,20 +210,26 @@ class Server:
 
 
 async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> dict:
-    """A streamed completion: send time, the arrival time of every text chunk."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    """A streamed completion (``--endpoint chat``: a chat completion whose one message
+    is the prompt's words): send time, the arrival time of every text chunk."""
+    body = {"model": "bench", "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    if ENDPOINT[0] == "chat/completions":
+        body["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in prompt)}]
+    else:
+        body["prompt"] = prompt
     sent = time.perf_counter()
     stamps, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/{ENDPOINT[0]}", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             choice = json.loads(line[6:])["choices"][0]
-            if choice["text"]:
+            text = choice["text"] if "text" in choice else choice["delta"].get("content")
+            if text:
                 now = time.perf_counter()
-                n = len(choice["text"].split())  # word-level: one word per token
+                n = len(text.split())  # word-level: one word per token
                 stamps.extend([now] * n)
                 tokens += n
     return {"sent": sent, "stamps": stamps, "tokens": tokens}
@@ -487,6 +501,9 @@ def main() -> None:
                    help="the server's --admission-window-ms (default 0: off)")  # fmt: skip
     p.add_argument("--max-prefill-tokens-decoding", type=int, default=None,
                    help="both sides' max_prefill_tokens_decoding (default: none)")  # fmt: skip
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="the requests' route: /v1/completions (token ids) or "
+                   "/v1/chat/completions (the same ids as one message's words)")  # fmt: skip
     p.add_argument("--log", default=None, help="the server's output goes here")
     p.add_argument("--out", default="benchmarks/results/serving_h200.json")
     p.add_argument("--profile-api", default=None, metavar="DIR",
@@ -506,6 +523,7 @@ def main() -> None:
         except ValueError as err:
             p.error(str(err))
     tiny = args.tiny
+    ENDPOINT[0] = "chat/completions" if args.endpoint == "chat" else "completions"
     if args.profile_api:
         os.makedirs(args.profile_api, exist_ok=True)
     defaults = TINY if tiny else FULL
@@ -524,7 +542,7 @@ def main() -> None:
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "greedy": True,
         "ignore_eos": True, "stream": True, "max_num_seqs": args.max_num_seqs,
         "page_size": args.page_size, "chunk": args.chunk, "kv_cache_mib": args.kv_cache_mib,
-        "arrivals": "Poisson, seed 0"}}  # fmt: skip
+        "arrivals": "Poisson, seed 0", "endpoint": ENDPOINT[0]}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="unikv-serving-") as tmp:
         model = Path(tmp) / "llama"
         start = time.perf_counter()

@@ -6,12 +6,15 @@ prefill steps (issue 40):
 - the engine process's admission window (``admission_window_ms``): requests
   arriving one by one while nothing runs are planned together, in at most
   ceil(prompt tokens / ``max_num_batched_tokens``) prefill steps, with
-  ``LLM.generate``'s tokens; the window never waits while steps run.
+  ``LLM.generate``'s tokens; the window never waits while steps run;
+- a drained burst's parameters are validated once per distinct form, and a
+  malformed one is refused alone.
 
 Oracles: the messages counted on the engine's side of the socket (a PULL socket
 of the test's own), the planner spied on (each batch's rows classified by a
-naive count of the tokens each request was fed before), and ``LLM.generate`` on
-the same prompts.
+naive count of the tokens each request was fed before), SamplingParams'
+validation spied on (its calls counted), and ``LLM.generate`` on the same
+prompts.
 """
 
 from __future__ import annotations
@@ -210,3 +213,73 @@ def test_concurrent_submissions_reach_the_engine_in_one_message():
     assert [a[2][0][0] for a in adds] == [[3, 4, 5 + i] for i in range(n)]
     assert seen[1][1] == [adds[-1][1]]  # the cancelled one, after its add
     assert len(subs) == n - 1 and len({s.key for s in subs}) == n - 1
+
+
+def test_a_drained_burst_validates_each_distinct_params_once_and_fails_alone(
+    model_dir, monkeypatch
+):
+    """``Core.add_all`` over one drain: requests with the same parameters share one
+    decoded SamplingParams (validated once per distinct wire form), a malformed one
+    is refused alone (and not kept), and every completion equals ``LLM.generate``'s."""
+    from functools import partial
+
+    from unikv.engine.sampling import SamplingParams as SP
+    from unikv.engine.structured import compile_structured
+    from unikv.serving.engine_core import Core
+
+    llm = LLM(model_dir, device="cpu", page_size=4, max_model_len=64, max_num_seqs=16,
+              enable_prefix_caching=False)  # fmt: skip
+    plain = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    longer = SamplingParams(max_tokens=NEW + 2, temperature=0.0, ignore_eos=True)
+    bad = encode_params(plain) | {"temperature": -1.0}  # refused by SamplingParams
+    prompts = _prompts() * 2
+    wires = [encode_params(longer if k % 4 == 1 else plain) for k in range(len(prompts))]
+    wires[5] = bad
+    checks = []
+    inner = SP.__post_init__
+    monkeypatch.setattr(SP, "__post_init__", lambda self: (checks.append(1), inner(self))[1])
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("inproc://params-out")
+    dec = msgspec.msgpack.Decoder()
+    core = Core(llm.engine, llm.requests, llm.reset_prefix_cache,
+                partial(compile_structured, llm), ctx, ["inproc://params-out"], None)  # fmt: skip
+    llm.engine.adopt()
+    got: dict[int, list[int]] = {}
+    try:
+        core.add_all([("add", k, [(ids, w)], None, k) for k, (ids, w) in
+                      enumerate(zip(prompts, wires))])  # fmt: skip
+        acks = dec.decode(pull.recv())
+        assert acks[0] == "acks"
+        refused = {key: kind for key, kind, _ in acks[1] if kind is not None}
+        assert refused == {5: "ValueError"}, acks
+        # two distinct valid forms: two validations (one per request without the cache);
+        # the bad form is validated each time it comes (it raised: nothing kept)
+        assert len(checks) == 3, len(checks)
+        core.add_all([("add", 99, [(prompts[0], bad)], None, 99)])
+        assert dec.decode(pull.recv())[1][0][1] == "ValueError"
+        done = 0
+        while done < len(prompts) - 1:
+            assert llm.engine.turn()
+            while pull.poll(0):
+                msg = dec.decode(pull.recv())
+                if msg[0] != "out":
+                    continue
+                for w, t in zip(msg[1], msg[2]):
+                    got.setdefault(w, []).append(t)
+                for w, toks, _, reason, *_ in msg[3]:
+                    got.setdefault(w, []).extend(toks)
+                    done += reason is not None
+    finally:
+        llm.engine.shutdown()
+        pull.close(0)
+        for sock in core.main_outs:
+            sock.close(0)
+        ctx.term()
+    monkeypatch.undo()
+    ref = LLM(model_dir, device="cpu", page_size=4, max_model_len=64, max_num_seqs=16,
+              enable_prefix_caching=False)  # fmt: skip
+    keep = [k for k in range(len(prompts)) if k != 5]
+    want = ref.generate([prompts[k] for k in keep],
+                        [longer if k % 4 == 1 else plain for k in keep])  # fmt: skip
+    assert [got[k] for k in keep] == [w.outputs[0].token_ids for w in want]

@@ -81,6 +81,7 @@ WIRE_BITS = 48  # a completion id's channel, in the engine: chan << WIRE_BITS | 
 BLOCKING_WAIT = True  # the step's readback sleeps on its CUDA event (no core spun; runner.py)
 FULL_GC_DUE = 10  # a full collection is due after this many gen-1 passes (CPython's default)
 FULL_GC_CAP = 100  # while the engine is busy, only past this many (10x rarer): ``quiet_gc``
+PARAMS_KEPT = 64  # decoded SamplingParams kept by their wire form (``Core.params_of``)
 
 
 def send_or_exit(sock, data) -> None:
@@ -196,6 +197,23 @@ class Core:
         self.budget = None  # an idle shrink's SharedBudget (started with the loop)
         self.admission_window_s = 0.0  # EngineConfig.admission_window_ms (set by _core)
         self.resize_kv = None  # resize_kv of the LLM (set by main)
+        self._params: dict[bytes, object] = {}  # wire form -> SamplingParams (``params_of``)
+
+    def params_of(self, data: dict):
+        """The SamplingParams of their wire form, decoded (and validated) once per
+        distinct form: a burst's requests mostly share theirs, and SamplingParams is
+        immutable (``LLM.generate`` shares one between prompts too). A structured-output
+        constraint is compiled per request (its matcher is the request's own)."""
+        if data.get("structured") is not None:
+            return decode_params(data, self.compile_structured)
+        key = self.enc.encode(data)
+        params = self._params.get(key)
+        if params is None:
+            params = decode_params(data, self.compile_structured)  # (a ValueError: not kept)
+            if len(self._params) >= PARAMS_KEPT:
+                self._params.clear()
+            self._params[key] = params
+        return params
 
     def send(self, msg, chan: int = 0) -> None:
         send_or_exit(self.main_outs[chan], self.enc.encode(msg))
@@ -241,7 +259,8 @@ class Core:
 
     def add_all(self, adds: list, chan: int = 0) -> None:
         """Channel ``chan``'s ``add`` messages drained together: their groups made (a
-        refusal stays with its request), admitted in one call
+        refusal stays with its request; parameters decoded once per distinct wire
+        form, ``params_of``), admitted in one call
         (``EngineLoop.submit_each``), and ONE ``acks`` message answers them all."""
         acks, made = [], []
         for _, key, items, salt, first in adds:
@@ -250,7 +269,7 @@ class Core:
                 # the API process numbers the completions first, first + 1, ...
                 wire = chan << WIRE_BITS | first
                 for ids, params in items:
-                    sp = decode_params(params, self.compile_structured)
+                    sp = self.params_of(params)
                     group = self.requests.make_group(
                         ids, sp, sink=True, cache_salt=salt, detokenize=False
                     )
