@@ -186,9 +186,10 @@ class StateCheckpoints:
 
         ``supersedes``: the node id of the same request's checkpoint this one replaces
         (its previous rolling one); ``drop``: it is dropped (else demoted) once this one
-        is taken. A dropped one goes BEFORE room is made, so the take evicts no other
-        chain's checkpoint while a superseded one holds a slot (issue 41; a failed save
-        after that leaves it dropped: the request has moved past it). A demoted one (a
+        is taken. A dropped one gives the take its slot (re-keyed, before any room is
+        made), so the take evicts no other chain's checkpoint while a superseded one
+        holds a slot (issue 41); a take the chunk wrote itself drops it first (a failed
+        save after that leaves it dropped: the request has moved past it). A demoted one (a
         prompt end: a repeat of the prompt still hits it) is demoted after the take, as
         demoting it first cost hit rate in ``sim_prefix_hybrid_chat`` (51.4 % -> 46.1 %).
         Pinned (a request waits to restore it): left alone. ``junction``: the point

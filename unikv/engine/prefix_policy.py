@@ -26,7 +26,7 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   by the pool fractions the checkpoints and the running requests hold:
   ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
   rolling: each one drops the
-  request's previous decode checkpoint, before making room for itself so it evicts
+  request's previous decode checkpoint and takes its slot, so it evicts
   no other conversation's while that one holds a slot (or, once taken, demotes its
   prompt-end one: ``prefix.checkpoint(supersedes=...)``), so a request holds at most
   one and the next turn of a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
