@@ -186,9 +186,10 @@ class StateCheckpoints:
 
         ``supersedes``: the node id of the same request's checkpoint this one replaces
         (its previous rolling one); ``drop``: it is dropped (else demoted) once this one
-        is taken. A dropped one goes BEFORE room is made, so the take evicts no other
-        chain's checkpoint while a superseded one holds a slot (issue 41; a failed save
-        after that leaves it dropped: the request has moved past it). A demoted one (a
+        is taken. A dropped one gives the take its slot (re-keyed, before any room is
+        made), so the take evicts no other chain's checkpoint while a superseded one
+        holds a slot (issue 41); a take the chunk wrote itself drops it first (a failed
+        save after that leaves it dropped: the request has moved past it). A demoted one (a
         prompt end: a repeat of the prompt still hits it) is demoted after the take, as
         demoting it first cost hit rate in ``sim_prefix_hybrid_chat`` (51.4 % -> 46.1 %).
         Pinned (a request waits to restore it): left alone. ``junction``: the point
@@ -208,8 +209,19 @@ class StateCheckpoints:
             return True
         vid_src = np.array([slot + 1 if source is None else source], np.int32)
         held = self.book.physical(vid_src)[0] >= 0
-        if not held or (written is None and not self.free_vids) or not alive():
+        # a rolling take copies into the slot of the checkpoint it drops (re-keyed: no
+        # unbind, no fence, no room to make; the copy runs after every earlier reader
+        # of it in stream order). issue 41: a dropped slot stays fenced while the
+        # forward runs, so making room for a new one evicted other checkpoints
+        reuse = old is not None and drop and written is None
+        if not held or (written is None and not reuse and not self.free_vids) or not alive():
             return False
+        if reuse:
+            assert old is not None, "checkpoint invariant: a reused slot is the superseded one's"
+            vid_old = self._rekey(old)
+            self._queue(int(vid_src[0]), vid_old)
+            self._keep(slot, node_id, vid_old, tokens, turn_end, junction)
+            return True
         if old is not None and drop:
             self.drop([old])  # its slot is the take's room
         if written is None:
@@ -226,10 +238,33 @@ class StateCheckpoints:
         else:
             vid = np.array([self.free_vids.pop()], np.int32)
             self.book.bind_host(vid, self.book.take(1))
-            self.queued.append((int(vid_src[0]), int(vid[0])))  # bytes: at ``flush``
-            if not self.deferring:
-                self.flush()
-        self.by_node[node_id] = int(vid[0])
+            self._queue(int(vid_src[0]), int(vid[0]))
+        self._keep(slot, node_id, int(vid[0]), tokens, turn_end, junction)
+        return True
+
+    def _queue(self, src: int, vid: int) -> None:
+        """Copy Mamba virtual id ``src``'s state into checkpoint ``vid`` (bound): at
+        ``flush``, with the step's others (``deferring``), else now."""
+        self.queued.append((src, vid))
+        if not self.deferring:
+            self.flush()
+
+    def _rekey(self, node_id: int) -> int:
+        """Node ``node_id``'s checkpoint slot, taken from it (still bound) for a take
+        that supersedes it; counted as evicted, as the drop it replaces was (the cost
+        rule's pressure signal reads that count)."""
+        self.flush_for([self.by_node[node_id]])  # (a copy into it queued: bytes first)
+        vid = self.by_node.pop(node_id)
+        self._forget(node_id)
+        self.evicted += 1
+        return vid
+
+    def _keep(
+        self, slot: int, node_id: int, vid: int, tokens: int, turn_end: bool, junction: bool
+    ) -> None:
+        """Record checkpoint ``vid`` of node ``node_id``, taken by request ``slot``
+        after ``tokens`` tokens (``save``'s bookkeeping)."""
+        self.by_node[node_id] = vid
         self.lru[node_id] = None
         if len(self.position) > 2 * len(self.by_node) + 64:  # prune host-dropped ones
             self.position = {n: self.position[n] for n in self.nodes() if n in self.position}
@@ -245,7 +280,6 @@ class StateCheckpoints:
         if junction:
             self.shared.add(node_id)
         self.saved += 1
-        return True
 
     def reserve_direct(
         self, slot: int, tokens: int, reserve: Callable[[Mapping[str, int]], bool]
@@ -465,19 +499,23 @@ class StateCheckpoints:
             self.host.drop_checkpoints(node_ids)
         vids = [self.by_node.pop(i) for i in node_ids if i in self.by_node]
         for i in node_ids:
-            self.position.pop(i, None)
-            self.turn_ends.discard(i)
-            self.wanted.pop(i, None)
-            self.lru.pop(i, None)
-            self.demoted.discard(i)
-            self.shared.discard(i)
-            self.reused.discard(i)
-            self.carried.discard(i)
+            self._forget(i)
         if vids:
             array = np.array(vids, np.int32)
             self.writer.unbind(self.book, array, self.fences.unbind(self.book, array))
             self.free_vids.extend(vids)
             self.evicted += len(vids)
+
+    def _forget(self, node_id: int) -> None:
+        """Drop node ``node_id`` from every mark (its slot is dropped or re-keyed)."""
+        self.position.pop(node_id, None)
+        self.turn_ends.discard(node_id)
+        self.wanted.pop(node_id, None)
+        self.lru.pop(node_id, None)
+        self.demoted.discard(node_id)
+        self.shared.discard(node_id)
+        self.reused.discard(node_id)
+        self.carried.discard(node_id)
 
     def evict(self, count: int, reachable: Callable[[list[int]], list[bool]] | None = None) -> int:
         """Drop the ``count`` oldest evictable checkpoints (at most all); returns how

@@ -49,7 +49,6 @@ from unikv.allocator.prefix_chain import (
     PrefixHit,
     chain_hit,
     check_prefix_windows,
-    reachable,
     reachable_many,
 )
 from unikv.allocator.prefix_evict import (
@@ -124,6 +123,8 @@ class PrefixCache:
         self._tick = 0
         self.stats = PrefixStats()
         self._next_id = 1  # node id 0 is the root
+        # node ids known reachable while no node left ``by_id`` since (``reachable``)
+        self._reach_stamp, self._reached = 1, set[int]()
         self.host: Any = None  # the host tier (io.prefix_host.PrefixHost): add_host_tier
 
     @property
@@ -156,7 +157,7 @@ class PrefixCache:
         array = np.asarray(token_ids)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             raise ValueError(f"{what}: token_ids must be a 1-D list of ints, got {token_ids!r}")
-        return array.astype(np.int64)
+        return array.astype(np.int64, copy=False)  # (read only here: no copy needed)
 
     def _find(
         self, parent_key: int, parent_id: int, block: bytes, salt: str | None = None
@@ -385,7 +386,7 @@ class PrefixCache:
         request while the pool has room; ``salt``: the request's cache salt. Returns
         the pages newly cached."""
         tokens = self.tokens(token_ids, "prefix.insert")
-        slot = int(self.requests.check_slots(np.array([slot]), "prefix.insert")[0])
+        slot = self.requests.check_slot(slot, "prefix.insert")
         if len(tokens) > self.requests.lens[slot]:
             raise ValueError(
                 f"prefix.insert: {len(tokens)} token ids but request {slot} holds "
@@ -505,8 +506,22 @@ class PrefixCache:
                 states.demote(node_id)
 
     def reachable(self, node_id: int) -> bool:
-        """Whether a lookup can reach node ``node_id``: it and every ancestor are live."""
-        return reachable(self.by_id, node_id)
+        """Whether a lookup can reach node ``node_id``: it and every ancestor are live.
+        Nodes found reachable are remembered until a node leaves ``by_id`` (stamp: ids
+        issued less live ones, which only a removal moves), so a request's own chain
+        end is checked in O(1) per take, not by a walk to the root (issue 41)."""
+        stamp = self._next_id - len(self.by_id)
+        if stamp != self._reach_stamp:
+            self._reach_stamp, self._reached = stamp, set[int]()
+        known, by_id, path, walk = self._reached, self.by_id, [], node_id
+        while walk and walk not in known:
+            node = by_id.get(walk)
+            if node is None:
+                return False
+            path.append(walk)
+            walk = node.parent_id
+        known.update(path)
+        return True
 
     def reachable_many(self, node_ids: list[int]) -> list[bool]:
         """``reachable`` of each of ``node_ids``, each ancestor walked once."""

@@ -155,6 +155,15 @@ class RequestTable:
         owner, offsets, base = self._rows
         return self._ids_at(base, starts[owner] + offsets).astype(np.int64, copy=False)
 
+    def check_slot(self, slot: object, what: str) -> int:
+        """One open request slot as an int, or ValueError (``check_slots`` of one,
+        without its array work: a decode checkpoint's per-take check)."""
+        plain = isinstance(slot, (int, np.integer)) and not isinstance(slot, bool)
+        index = int(slot) if plain else -1  # type: ignore[call-overload]
+        if 0 <= index < self.max_requests and self.in_use[index]:
+            return index
+        return int(self.check_slots(np.array([slot]), what)[0])
+
     def check_slots(self, slots: object, what: str) -> np.ndarray:
         """Host int64 array of distinct in-use slots, or ValueError. O(B), no sort:
         duplicates are found by stamping each slot with its position."""

@@ -26,7 +26,7 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   by the pool fractions the checkpoints and the running requests hold:
   ``pool_fractions``; always at the last boundary its ``max_tokens`` reaches),
   rolling: each one drops the
-  request's previous decode checkpoint, before making room for itself so it evicts
+  request's previous decode checkpoint and takes its slot, so it evicts
   no other conversation's while that one holds a slot (or, once taken, demotes its
   prompt-end one: ``prefix.checkpoint(supersedes=...)``), so a request holds at most
   one and the next turn of a chat hits prompt and answer up to it. With ``supersede_turns`` (off by default:
@@ -53,11 +53,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from unikv.engine.checkpoint_rule import CheckpointRule
+from unikv.engine.request import BatchKind
 from unikv.placement import worst_case_pages
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
-    from unikv.engine.request import Batch, Request
+    from unikv.engine.request import Batch, DecodeSet, Request
+
+_NONE = np.zeros(0, np.int64)  # no tokens known yet
 
 
 class NoPrefixCache:
@@ -147,6 +150,14 @@ class PrefixCaching(NoPrefixCache):
         self.hits_first = True
         self.hits: set[int] = set()
         self.jumped: dict[int, int] = {}
+        # a DECODE batch's set (``_due``): its prompt lengths, and (set, the tokens its
+        # first request holds at the next step with work) while no step has work before
+        self._set: DecodeSet | None = None
+        self._prompts = np.zeros(0, np.int64)
+        self._next: tuple[DecodeSet, int] | None = None
+        # request slot -> (request, its first tokens known so far, host int64): ``share``
+        # converts only the tokens since its last call (issue 41)
+        self._ids: dict[int, tuple[Request, np.ndarray]] = {}
 
     def expect(self, r: Request) -> None:
         """``r`` joins the waiting queue: the state checkpoint its prompt would
@@ -205,6 +216,7 @@ class PrefixCaching(NoPrefixCache):
         r.slot = self.alloc.new_request(prefix=hit)
         r.num_cached = hit.num_tokens
         self.points.pop(r.slot, None)
+        self._ids.pop(r.slot, None)
         if self.has_state:
             ps = self.page_size
             ends = {hit.num_page_tokens, (r.seq_len - 1) // ps * ps}
@@ -248,26 +260,75 @@ class PrefixCaching(NoPrefixCache):
         is now in (later requests may hit it) or, with windows, each prompt chunk
         (before its pages leave the window). ``verify``: a speculative verify step,
         whose kept rows (``num_new``) may complete a page before the last: its state
-        is in the per-draft-position slot of that row (``allocator/mamba.py``)."""
-        with self._step_scope():
-            self._after_step(batch, verify)
+        is in the per-draft-position slot of that row (``allocator/mamba.py``).
 
-    def _after_step(self, batch: Batch, verify: bool) -> None:
-        points, window, state, ps = self.points, self.has_window, self.has_state, self.page_size
-        for r, n in zip(batch.requests, batch.num_new):
-            if points:
-                self._checkpoint(r)
-            prompt = len(r.prompt_ids)
-            # the last page boundary a decode (one row, or a verify step's kept rows) reached
-            at = r.num_cached // ps * ps if verify else r.num_cached
-            if r.num_cached - n < prompt <= r.num_cached or (window and r.num_cached < prompt):
-                self.share(r)
-            elif (  # a decode completed a page where the cost rule says it pays
-                state and (n == 1 or verify) and at > max(prompt, r.num_cached - n) and at % ps == 0
-            ) and self._pays(r, at):
-                row = at - (r.num_cached - n) - 1  # the kept row after which it holds
-                source = None if row == n - 1 else self._draft_vid(r.slot, row)
-                self._take(r, rolling=True, at=at, source=source)
+        A plain decode step (``BatchKind.DECODE``, its ``DecodeSet``) costs no loop over
+        its requests (issue 41): every request moved on by one token, so the step where
+        the next one completes a page (with state) or its prompt is known from the
+        set's lengths; the steps before it return at once (``_due``), and that step
+        visits only the requests due there."""
+        decodes = getattr(batch, "decodes", None)  # (a bare batch of requests: none)
+        if not verify and decodes is not None and batch.kind is BatchKind.DECODE:
+            due = self._due(batch)
+            if due is None:
+                return
+            requests = batch.requests
+            with self._step_scope():
+                for i in due.tolist():
+                    r = requests[i]
+                    assert r.num_cached == int(batch.decodes.lens[i]) + 1, (
+                        "prefix policy invariant: a DECODE batch's set holds its lengths"
+                    )
+                    self._after_one(r, 1, False)
+            return
+        with self._step_scope():
+            for r, n in zip(batch.requests, batch.num_new):
+                self._after_one(r, n, verify)
+
+    def _due(self, batch: Batch) -> np.ndarray | None:
+        """Indices of the requests of DECODE ``batch`` that ``_after_one`` has work for
+        (a point, the prompt's end, a page completed with state), or None when none
+        has; host ints, no loop over the requests but when its ``DecodeSet`` is new.
+        Between page boundaries a step costs two int compares (``_next``: the step
+        where the set's first request holds that many tokens when the next is due)."""
+        d = batch.decodes
+        if self._next is not None and self._next[0] is d and d.lens[0] + 1 < self._next[1]:
+            return None  # (lens: before this step; ``complete`` advances them after)
+        if d is not self._set:
+            self._set = d
+            count = len(d.decoding)
+            self._prompts = np.fromiter((len(r.prompt_ids) for r in d.decoding), np.int64, count)
+        new, ps = d.lens + 1, self.page_size  # tokens each holds after this step
+        points = self.points and not self.points.keys().isdisjoint(d.slots.tolist())
+        if points or len(batch.requests) != len(new):
+            self._next = None
+            return np.arange(len(batch.requests))  # (not a plain set: every request)
+        due = new == self._prompts
+        if self.has_state:
+            due |= (new % ps == 0) & (new > self._prompts)
+            gap = int((ps - new % ps).min())  # steps to the next page completed
+        else:
+            gap = 1 << 62  # a prompt ends in a decode step only as it starts
+        self._next = (d, int(new[0]) + gap)
+        found = np.flatnonzero(due)
+        return found if len(found) else None
+
+    def _after_one(self, r: Request, n: int, verify: bool) -> None:
+        """``after_step`` for request ``r``, which fed ``n`` tokens in the step."""
+        window, state, ps = self.has_window, self.has_state, self.page_size
+        if self.points:
+            self._checkpoint(r)
+        prompt = len(r.prompt_ids)
+        # the last page boundary a decode (one row, or a verify step's kept rows) reached
+        at = r.num_cached // ps * ps if verify else r.num_cached
+        if r.num_cached - n < prompt <= r.num_cached or (window and r.num_cached < prompt):
+            self.share(r)
+        elif (  # a decode completed a page where the cost rule says it pays
+            state and (n == 1 or verify) and at > max(prompt, r.num_cached - n) and at % ps == 0
+        ) and self._pays(r, at):
+            row = at - (r.num_cached - n) - 1  # the kept row after which it holds
+            source = None if row == n - 1 else self._draft_vid(r.slot, row)
+            self._take(r, rolling=True, at=at, source=source)
 
     def _draft_vid(self, slot: int, row: int) -> int:
         """The Mamba virtual id of request ``slot``'s draft slot ``row``."""
@@ -350,11 +411,24 @@ class PrefixCaching(NoPrefixCache):
         """Share the full pages holding ``r``'s computed tokens (known ones: a
         ``Pending`` placeholder and what follows it stay out); returns those known
         tokens (host int64)."""
-        ids = np.asarray(r.token_slice(0, r.num_cached), np.int64)
-        unknown = np.flatnonzero(ids < 0)
-        known = ids[: unknown[0]] if len(unknown) else ids
+        known = self._known(r)
         self.prefix.insert(r.slot, known, r.cache_salt)
         return known
+
+    def _known(self, r: Request) -> np.ndarray:
+        """``r``'s first ``num_cached`` tokens up to the first unknown one (host int64),
+        converted from the token lists only past what the last call kept (known tokens
+        never change while the request holds its slot)."""
+        held = self._ids.get(r.slot)
+        ids = held[1] if held is not None and held[0] is r else _NONE
+        n = r.num_cached
+        if len(ids) >= n:
+            return ids[:n]
+        more = np.asarray(r.token_slice(len(ids), n), np.int64)
+        unknown = np.flatnonzero(more < 0)
+        ids = np.concatenate([ids, more[: unknown[0]] if len(unknown) else more])
+        self._ids[r.slot] = (r, ids)
+        return ids
 
 
 def prefix_policy(
