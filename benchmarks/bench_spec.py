@@ -167,6 +167,7 @@ def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
         "draft_time_share": s.spec_draft_time_share,
         "verify_steps": s.spec_verify_steps,
         "steps": s.steps,
+        "preemptions": s.preemptions,  # (a draft's sub-pools take a share of the pool)
         "ahead_steps": s.spec_ahead_steps,  # verify steps planned ahead (pipeline)
         "ahead_dropped": s.spec_ahead_dropped,  # of those, thrown away
         # verify plans advanced in place since start-up (``plan_steady.SteadyVerify``)
