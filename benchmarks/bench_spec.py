@@ -68,6 +68,16 @@ Decode tokens/s = B (N - 1) / (t(N tokens) - t(1 token)): the prefill cancels.
     python benchmarks/bench_spec.py --mtp           # GPU, the DeepSeek-V3 shape, MTP
     python benchmarks/bench_spec.py --tiny --device cpu --new-tokens 32   # smoke
 
+``--rule-only``: the batch-size rule's runs alone (``main_rule``, sized for about two
+minutes on an H100), each against the plain engine measured just before and just
+after it (plain, X, plain, Y, plain, ...: the ratio is X over the mean of its two
+plains, so drift between runs cancels): Llama ``spec_rule`` (ngram),
+``draft_model_rule`` and ``eagle3_rule``, Qwen3.5 ``mtp_rule``; saved to
+``results/spec_rule.json``:
+
+    python benchmarks/bench_spec.py --device cuda --rule-only --phases --out $OUT/spec_rule.json
+    python benchmarks/bench_spec.py --tiny --device cpu --rule-only --new-tokens 16   # smoke
+
 ``--phases``: each run also reports the host milliseconds per step spent in each part
 of the loop (schedule, drafts, plan, draft_chain, draft_verify_rows, forward, launch,
 verify_step, complete_*), from
@@ -157,6 +167,7 @@ def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
         "draft_time_share": s.spec_draft_time_share,
         "verify_steps": s.spec_verify_steps,
         "steps": s.steps,
+        "preemptions": s.preemptions,  # (a draft's sub-pools take a share of the pool)
         "ahead_steps": s.spec_ahead_steps,  # verify steps planned ahead (pipeline)
         "ahead_dropped": s.spec_ahead_dropped,  # of those, thrown away
         # verify plans advanced in place since start-up (``plan_steady.SteadyVerify``)
@@ -186,6 +197,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--mtp", action="store_true", help="the DeepSeek-V3 shape: plain vs MTP")
     p.add_argument("--phases", action="store_true", help="host ms per step of each loop part")
+    p.add_argument(
+        "--rule-only", action="store_true", help="the batch-size rule's runs, plain alternated"
+    )
     p.add_argument("--out", default=None, help="JSON path (default: results/spec_*.json)")
     return p.parse_args(argv)
 
@@ -484,11 +498,92 @@ def main_suite(args, dtype) -> dict:
     return result
 
 
+def _alternated(path: Path, configs: dict, batch: list, new_tokens: int, kw: dict) -> dict:
+    """{run: rate, counters, the plain rates just before and after it and ``vs_plain``
+    (its rate over their mean)} for each speculative config in ``configs``, past the
+    rule on ``batch``; one plain engine (``kw``) measured between them (plain, X,
+    plain, Y, plain, ...), each X's engine built and dropped in turn."""
+    plain = LLM(str(path), **kw)
+    rate, counters = decode_rate(plain, batch, new_tokens)
+    runs = {"plain_batch": {"decode_tokens_per_s": rate, **counters}}
+    print(f"{'plain_batch':16s} {rate:10.1f} tok/s")
+    before = rate
+    for name, spec in configs.items():
+        with allow_forced_acceptance():
+            llm = LLM(str(path), speculative_config=spec, **kw)
+        rate, counters = decode_rate(llm, batch, new_tokens)
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        after, plain_counters = decode_rate(plain, batch, new_tokens)
+        ratio = rate / ((before + after) / 2)
+        runs[name] = {"decode_tokens_per_s": rate, **counters, "plain_before": before,
+                      "plain_after": after, "plain_after_counters": plain_counters,
+                      "vs_plain": ratio}  # fmt: skip
+        print(f"{name:16s} {rate:10.1f} tok/s  plain {before:.1f} / {after:.1f}  {ratio:.3f}x")
+        before = after
+    return runs
+
+
+def main_rule(args, dtype) -> dict:
+    """The batch-size rule's runs alone (module docstring, ``--rule-only``): ``--batch``
+    requests with repetitive prompts, N / 2 new tokens each, the default rule (or
+    B - 1 for a smaller batch: no full step speculates), each speculative engine
+    against the plain one measured around it."""
+    start, k, b = time.perf_counter(), args.k, args.batch
+    n = max(args.new_tokens // 2, 2)
+    g = torch.Generator().manual_seed(0)
+    kw = {"device": args.device, "dtype": dtype, "max_num_seqs": b, "kv_cache_bytes": 3 << 30,
+          "max_model_len": args.prompt_len + n + 16, "max_num_batched_tokens": 2048}  # fmt: skip
+    rule = min(DEFAULT_DISABLE_BY_BATCH_SIZE, b - 1)
+    lazy = {"num_speculative_tokens": k, "disable_by_batch_size": rule}
+    ngram = {**lazy, "method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+    def batch_of(vocab: int) -> list:
+        blocks = torch.randint(0, vocab, (b, max(args.prompt_len // 4, 8)), generator=g)
+        return [(block * 4)[: args.prompt_len] for block in blocks.tolist()]
+
+    llama = Path(tempfile.mkdtemp(prefix="bench_spec_llama_"))
+    save_model("llama", llama, args.device, dtype, args.tiny)
+    head = Path(tempfile.mkdtemp(prefix="bench_spec_eagle3_"))
+    save_eagle3_head(head, llama, dtype, 32000)
+    llama_runs = _alternated(llama, {
+        "spec_rule": ngram,
+        "draft_model_rule": {**lazy, "method": "draft_model", "model": str(llama)},
+        "eagle3_rule": {**lazy, "method": "eagle3", "model": str(head)},
+    }, batch_of(256 if args.tiny else 128256), n, kw)  # fmt: skip
+    qwen = Path(tempfile.mkdtemp(prefix="bench_spec_qwen_"))
+    vocab = save_qwen_mtp_model(qwen, args.device, dtype, args.tiny, args.qwen_layers)
+    qwen_runs = _alternated(qwen, {"mtp_rule": {**lazy, "method": "mtp"}}, batch_of(vocab), n, kw)
+    ratios = {f"b{b}_{name}_vs_plain": r["vs_plain"] for name, r in llama_runs.items()
+              if "vs_plain" in r}  # fmt: skip
+    ratios[f"qwen3_5_b{b}_mtp_rule_vs_plain"] = qwen_runs["mtp_rule"]["vs_plain"]
+    result = {
+        "environment": environment(),
+        "models": {
+            "llama": "llama-3.2-1b shape, 16 layers (random init)" + (" tiny" if args.tiny else ""),
+            "qwen3_5": f"qwen3.5 shape of bench_hybrid, first {args.qwen_layers} layers + 1 MTP "
+            "layer (random init)" + (" tiny" if args.tiny else ""),
+        },
+        "k": k, "prompt_len": args.prompt_len, "batch": b, "batch_new_tokens": n,
+        "disable_by_batch_size": rule, "llama": llama_runs, "qwen3_5": qwen_runs,
+        "ratios": ratios, "targets": {"rule_vs_plain": 1.0},
+        "wall_s": time.perf_counter() - start,
+    }  # fmt: skip
+    for name, value in ratios.items():
+        print(f"{name:32s} {value:6.3f}x")
+    print(f"rule runs: {result['wall_s']:.0f} s")
+    save_json(args.out or str(ROOT / "benchmarks/results/spec_rule.json"), result)
+    return result
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     if args.phases:
         time_phases()
+    if args.rule_only:
+        return main_rule(args, dtype)
     if args.model is None and not args.mtp:
         return main_suite(args, dtype)
     if args.mtp:

@@ -138,7 +138,8 @@ def test_bad_buffers_are_refused_and_state_unchanged():
     cols = alloc.parts.requests.max_pages
     good = {n: torch.zeros((2, cols), dtype=torch.int32) for n in alloc.parts.roles.token_names}
     cases = [
-        ({"full": good["full"]}, None, "name every token sub-pool"),
+        ({**good, "nope": good["full"]}, None, "name token sub-pools"),
+        ({"full": good["full"]}, {"swa": torch.zeros(2, dtype=torch.int32)}, "the same sub-pools"),
         ({**good, "swa": torch.zeros((2, 2), dtype=torch.int32)}, None, "int32"),
         ({**good, "swa": torch.zeros((2, cols), dtype=torch.int64)}, None, "int32"),
         ({**good, "swa": torch.zeros((1, cols), dtype=torch.int32)}, None, "int32"),
@@ -198,6 +199,38 @@ def test_reused_buffers_follow_their_names_and_are_checked_again_when_short():
             slots, alloc.parts.requests.lens[slots], block_tables=tables, write_ids=short
         )
     assert snapshot(alloc) == before
+
+
+def test_a_step_may_build_some_sub_pools_tables_only():
+    """Buffers given for one token sub-pool (a lazy draft's left out): that sub-pool's
+    table and write ids equal ``block_table`` / ``translate``'s, the other's buffers
+    are untouched, and the allocation is the full step's (the next full step's
+    tables are right again); alternating the two sets reuses each one's buffers."""
+    _, alloc = build("full+swa", 4, requests=3)
+    slots = np.array([alloc.new_request() for _ in range(3)])
+    alloc.alloc_extend(slots, np.zeros(3, np.int64), np.array([5, 2, 7]))
+    cols = alloc.parts.requests.max_pages
+    tables = {n: torch.full((3, cols), -1, dtype=torch.int32) for n in ("full", "swa")}
+    locs = {n: torch.full((3,), -1, dtype=torch.int32) for n in ("full", "swa")}
+    for step_no in range(6):
+        names = ("full",) if step_no % 2 == 0 else ("full", "swa")
+        untouched = {n: (tables[n].clone(), locs[n].clone()) for n in ("full", "swa")}
+        lens = alloc.parts.requests.lens[slots].copy()
+        step = alloc.decode_step(slots, lens, block_tables={n: tables[n] for n in names},
+                                 write_ids={n: locs[n] for n in names})  # fmt: skip
+        assert sorted(step.block_tables) == sorted(names)
+        for name in ("full", "swa"):
+            if name not in names:
+                assert torch.equal(tables[name], untouched[name][0])
+                assert torch.equal(locs[name], untouched[name][1])
+                continue
+            want = torch.empty((3, cols), dtype=torch.int32)
+            window = alloc.parts.roles.windows.get(name, 0)
+            alloc.block_table(step.req_slots, step.seq_lens, name, want, window=window)
+            assert torch.equal(tables[name], want)
+            assert torch.equal(locs[name], alloc.translate(step.virtual_ids, name).data)
+    assert len(alloc.parts.steps._checked) == 2  # one checked set per set of names
+    alloc.check_integrity()
 
 
 def test_debug_mode_raises_on_a_live_tombstoned_page():

@@ -127,3 +127,32 @@ def test_suite_ratios_are_the_hand_written_table(monkeypatch):
     }  # fmt: skip
     got = bench_spec.suite_ratios({"llama": llama, "qwen3_5": qwen}, n, b)
     assert json.dumps(got) == json.dumps(expected)
+
+
+def test_rule_only_alternates_plain_runs(monkeypatch):
+    """``--rule-only``'s runs: the plain engine is measured first and again after
+    each speculative run (built one at a time), and each ratio is the run's rate
+    over the mean of the plain rates just before and after it (scripted rates)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_spec
+
+    built, measured = [], []
+    rates = {"plain": iter([100.0, 80.0, 120.0]), "a": iter([90.0]), "b": iter([110.0])}
+
+    class Engine:
+        def __init__(self, path, speculative_config=None, **kw):
+            self.name = "plain" if speculative_config is None else speculative_config["m"]
+            built.append(self.name)
+
+    def rate(llm, batch, n):
+        measured.append(llm.name)
+        return next(rates[llm.name]), {"steps": n}
+
+    monkeypatch.setattr(bench_spec, "LLM", Engine)
+    monkeypatch.setattr(bench_spec, "decode_rate", rate)
+    runs = bench_spec._alternated(Path("x"), {"a": {"m": "a"}, "b": {"m": "b"}}, [[1]], 4, {})
+    assert built == ["plain", "a", "b"]
+    assert measured == ["plain", "a", "plain", "b", "plain"]
+    assert runs["a"]["vs_plain"] == 90.0 / 90.0 and runs["b"]["vs_plain"] == 110.0 / 100.0
+    assert (runs["b"]["plain_before"], runs["b"]["plain_after"]) == (80.0, 120.0)
+    assert runs["plain_batch"]["decode_tokens_per_s"] == 100.0

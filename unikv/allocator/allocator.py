@@ -161,7 +161,7 @@ class PoolAllocator:
             raise ValueError("decode_step: this pool has no token sub-pool")
         slots, seq = parts.tokens.decode_args(slots, seq_lens, "decode_step")
         new_lens, bsz = seq + 1, len(slots)
-        targets, run = parts.steps.get(
+        targets, run, books = parts.steps.get(
             bsz, int(new_lens.max()) if bsz else 1, block_tables, write_ids
         )
         with parts.writer.batch():  # the step's one table write: with what made room
@@ -172,11 +172,11 @@ class PoolAllocator:
             slot_part, lens_part = staged.patch.part(slots), staged.patch.part(new_lens)
             written = parts.writer.write(staged.patch)
         req_slots, lens_dev = written[slot_part], written[lens_part]
-        build = parts.steps.builder(run, targets, req_slots, lens_dev, self._debug)
+        build = parts.steps.builder(run, targets, req_slots, lens_dev, self._debug, books)
         build()
         self._after_verb()
         virtual_ids = VirtualTokenIds(written[staged.token_ids])
-        step = parts.steps.result(virtual_ids, req_slots, lens_dev, targets)
+        step = parts.steps.result(virtual_ids, req_slots, lens_dev, targets, books)
         step.moves, step.rebuild = parts.writer.moves, build
         step.count_moves = lambda: parts.writer.moves  # pages moved since: step.refresh()
         return step

@@ -75,13 +75,16 @@ class _Checked:
     cols: int
     targets: list[StepTarget]
     run: Callable[[torch.Tensor, torch.Tensor], None]
+    books: list[PageBook]  # the sub-pools of ``targets``, in order
 
 
 class StepBuffers:
     """The output buffers of ``decode_step`` per token sub-pool (checked, or new)
     and the prepared ``KernelBackend.prepare_step`` launch over them. Caller-owned
     buffers are checked once and reused while the same tensors come back with
-    room for the step."""
+    room for the step. A step may build the tables of some token sub-pools only
+    (buffers given for those: a lazy speculative draft's sub-pools are left out past
+    the batch-size rule); each set of names keeps its own checked buffers."""
 
     def __init__(
         self,
@@ -94,7 +97,7 @@ class StepBuffers:
         self.req_to_token, self.books, self.windows = req_to_token, list(books), windows
         self.page_size, self.prepare_step = page_size, prepare_step
         self.names = [b.name for b in self.books]
-        self._checked: _Checked | None = None
+        self._checked: dict[tuple[str, ...], _Checked] = {}
 
     def get(
         self,
@@ -102,36 +105,63 @@ class StepBuffers:
         longest: int,
         block_tables: Mapping[str, torch.Tensor] | None,
         write_ids: Mapping[str, torch.Tensor] | None,
-    ) -> tuple[list[StepTarget], Callable[[torch.Tensor, torch.Tensor], None]]:
+    ) -> tuple[list[StepTarget], Callable[[torch.Tensor, torch.Tensor], None], list[PageBook]]:
         """StepTargets for a step of ``bsz`` requests, the longest ``longest``
-        tokens (the new one included), and the launch that fills them.
+        tokens (the new one included), the launch that fills them, and their books.
 
-        block_tables: None, or per token sub-pool an int32 (>= B, C) tensor with
-        unit column stride and C * page_size >= longest (all of one shape);
-        write_ids: None, or per token sub-pool a 1-D int32/int64 tensor of >= B
-        entries; none may alias another. Given buffers are written in place
-        (stable ``data_ptr`` for CUDA graphs); None gives buffers of its own."""
+        block_tables: None, or per token sub-pool (every one, or those whose tables
+        the step builds) an int32 (>= B, C) tensor with unit column stride and C *
+        page_size >= longest (all of one shape); write_ids: None, or per the same
+        sub-pools a 1-D int32/int64 tensor of >= B entries; none may alias another.
+        Given buffers are written in place (stable ``data_ptr`` for CUDA graphs);
+        None gives buffers of its own, for every sub-pool."""
         cols = -(-longest // self.page_size)
-        checked, names = self._checked, self.names
+        key = tuple(block_tables) if block_tables is not None else ()
+        checked = self._checked.get(key)
         if (  # the hot path: the buffers checked before (no extra test on it)
             checked is not None
             and block_tables is not None
             and write_ids is not None
             and bsz <= checked.rows
             and cols <= checked.cols
-            and len(block_tables) == len(write_ids) == len(names)
+            and len(write_ids) == len(checked.targets)
             and all(
-                block_tables.get(n) is t.table and write_ids.get(n) is t.loc
-                for n, t in zip(names, checked.targets)
+                block_tables[b.name] is t.table and write_ids.get(b.name) is t.loc
+                for b, t in zip(checked.books, checked.targets)
             )
         ):  # the very tensors checked before, under the same names
-            return checked.targets, checked.run
-        targets = self._check(bsz, cols, block_tables, write_ids)
+            return checked.targets, checked.run, checked.books
+        books = self._books(block_tables, write_ids)
+        targets = self._check(bsz, cols, books, block_tables, write_ids)
         run = self.prepare_step(self.req_to_token, self.page_size, targets)
         if block_tables is not None and write_ids is not None:
             rows = min(min(t.table.shape[0], t.loc.shape[0]) for t in targets)
-            self._checked = _Checked(rows, targets[0].table.shape[1], targets, run)
-        return targets, run
+            self._checked[key] = _Checked(rows, targets[0].table.shape[1], targets, run, books)
+        return targets, run, books
+
+    def _books(
+        self,
+        block_tables: Mapping[str, torch.Tensor] | None,
+        write_ids: Mapping[str, torch.Tensor] | None,
+    ) -> list[PageBook]:
+        """The books of the sub-pools the given buffers name (all: none given)."""
+        for what, given in (("block_tables", block_tables), ("write_ids", write_ids)):
+            if given is not None and (not given or not set(given) <= set(self.names)):
+                raise ValueError(
+                    f"decode_step: {what} must name token sub-pools of {self.names} (all of "
+                    f"them, or those the step builds), got {sorted(given)}"
+                )
+        if (
+            block_tables is not None
+            and write_ids is not None
+            and set(block_tables) != set(write_ids)
+        ):
+            raise ValueError(
+                f"decode_step: block_tables and write_ids must name the same sub-pools, got "
+                f"{sorted(block_tables)} and {sorted(write_ids)}"
+            )
+        given = block_tables if block_tables is not None else write_ids
+        return [b for b in self.books if given is None or b.name in given]
 
     def builder(
         self,
@@ -140,6 +170,7 @@ class StepBuffers:
         req_slots: torch.Tensor,
         seq_lens: torch.Tensor,
         debug: bool,
+        books: list[PageBook] | None = None,
     ) -> Callable[[], None]:
         """The launch that builds a step's tables from ``req_to_token`` and ``v2p`` as
         they are when it runs (debug: then checks them)."""
@@ -147,16 +178,20 @@ class StepBuffers:
         def build() -> None:
             run(req_slots, seq_lens)
             if debug:
-                self.check(targets, req_slots, seq_lens)
+                self.check(targets, req_slots, seq_lens, books)
 
         return build
 
     def check(
-        self, targets: list[StepTarget], req_slots: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        targets: list[StepTarget],
+        req_slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        books: list[PageBook] | None = None,
     ) -> None:
         """Debug mode: no live block-table page of the step maps to a tombstone."""
         bsz = req_slots.shape[0]
-        for book, t in zip(self.books, targets):
+        for book, t in zip(books or self.books, targets):
             check_block_table(t.table[:bsz], self.req_to_token, req_slots, seq_lens, t.v2p,
                               self.page_size, t.window, book.name)  # fmt: skip
 
@@ -166,11 +201,13 @@ class StepBuffers:
         req_slots: torch.Tensor,
         seq_lens: torch.Tensor,
         targets: list[StepTarget],
+        books: list[PageBook] | None = None,
     ) -> DecodeStep:
-        """The DecodeStep over ``targets`` (views only when buffers are larger)."""
+        """The DecodeStep over ``targets`` (of ``books``, default all; views only when
+        buffers are larger)."""
         bsz = req_slots.shape[0]
         tables, locs = {}, {}
-        for book, t in zip(self.books, targets):
+        for book, t in zip(books or self.books, targets):
             table = t.table if t.table.shape[0] == bsz else t.table[:bsz]
             tables[book.name] = KernelPageIds(table, book.name)
             locs[book.name] = KernelIds(t.loc if t.loc.shape[0] == bsz else t.loc[:bsz], book.name)
@@ -180,19 +217,14 @@ class StepBuffers:
         self,
         bsz: int,
         cols: int,
+        books: list[PageBook],
         block_tables: Mapping[str, torch.Tensor] | None,
         write_ids: Mapping[str, torch.Tensor] | None,
     ) -> list[StepTarget]:
-        """Checked (or new) output buffers of every token sub-pool, as StepTargets."""
-        for what, given in (("block_tables", block_tables), ("write_ids", write_ids)):
-            if given is not None and set(given) != set(self.names):
-                raise ValueError(
-                    f"decode_step: {what} must name every token sub-pool {self.names}, "
-                    f"got {sorted(given)}"
-                )
+        """Checked (or new) output buffers of ``books``' sub-pools, as StepTargets."""
         dev = self.req_to_token.device
         targets, shape = [], None
-        for book in self.books:
+        for book in books:
             name = book.name
             if block_tables is None:
                 table = torch.empty((bsz, cols), dtype=torch.int32, device=dev)
@@ -229,8 +261,9 @@ class StepBuffers:
             window = self.windows.get(name, 0)
             targets.append(StepTarget(book.v2p, book.blocks_per_page, window, table, loc))
         if block_tables is not None or write_ids is not None:
-            outputs = {f"block_tables[{n!r}]": t.table for n, t in zip(self.names, targets)}
-            outputs |= {f"write_ids[{n!r}]": t.loc for n, t in zip(self.names, targets)}
+            names = [b.name for b in books]
+            outputs = {f"block_tables[{n!r}]": t.table for n, t in zip(names, targets)}
+            outputs |= {f"write_ids[{n!r}]": t.loc for n, t in zip(names, targets)}
             inputs = {f"v2p of {b.name!r}": b.v2p for b in self.books}
             check_disjoint(outputs, {"req_to_token": self.req_to_token, **inputs})
         return targets

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
 
 
+DRAFT_PREFIX = "draft_"  # a speculative draft's sub-pools (``speculative/draft.py``)
+
+
 @dataclass(frozen=True)
 class StepTables:
     """The planner's table buffers, per token sub-pool: ``block_tables[n]``
@@ -54,6 +57,10 @@ class StepTables:
 
     block_tables: dict[str, torch.Tensor]
     write_ids: dict[str, torch.Tensor]
+    # the same buffers less a speculative draft's sub-pools (None: none): a plain
+    # decode step past the batch-size rule, whose draft is lazy, builds and plans
+    # the target's tables only
+    target_only: StepTables | None = None
 
 
 @dataclass
@@ -183,13 +190,17 @@ class StepPlanner:
         dev, rows = self.device, max_seqs
         # the sub-pools' write ids: rows of one tensor (host-computed ones: one copy)
         self.write_rows = torch.zeros((len(subs), self.max_tokens), dtype=torch.int64, device=dev)
-        self.tables = StepTables(
-            {
-                s.name: torch.zeros((rows, self._pages(s)), dtype=torch.int32, device=dev)
-                for s in subs
-            },
-            {s.name: self.write_rows[i] for i, s in enumerate(subs)},
-        )
+        drafts = {s.name for s in subs if s.name.startswith(DRAFT_PREFIX)}
+        tables = {s.name: torch.zeros((rows, self._pages(s)), dtype=torch.int32, device=dev)
+                  for s in subs}  # fmt: skip
+        writes = {s.name: self.write_rows[i] for i, s in enumerate(subs)}
+        target = None
+        if drafts and len(drafts) < len(subs):
+            target = StepTables({n: t for n, t in tables.items() if n not in drafts},
+                                {n: t for n, t in writes.items() if n not in drafts})  # fmt: skip
+        self.tables = StepTables(tables, writes, target)
+        self._target_subpools = [s for s in subs if s.name not in drafts]
+        self._target_attention = [s for s in self.attention if s.name not in drafts]
         self.state_slots = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.draft_k = alloc.view.draft_k if self.has_state else 0  # verify steps: (B, k) slots
         self.draft_slots = torch.zeros((rows, max(self.draft_k, 1)), dtype=torch.int64, device=dev)
@@ -245,7 +256,11 @@ class StepPlanner:
             f"step planner invariant: {num} requests in a step of {rows} rows, buffers "
             f"hold {self.max_seqs}"
         )
-        assert batch.kind is BatchKind.EXTEND or batch.tables is self.tables, (
+        target = self.tables.target_only
+        target_only = (
+            batch.kind is BatchKind.DECODE and target is not None and batch.tables is target
+        )
+        assert batch.kind is BatchKind.EXTEND or batch.tables is self.tables or target_only, (
             "step planner invariant: a DECODE batch's tables are this planner's buffers "
             "(build the Scheduler with tables=StepPlanner.tables)"
         )
@@ -290,8 +305,10 @@ class StepPlanner:
             seq_lens=dev["seq_lens"],
             q_indptr=dev["q_indptr"],
             max_q_len=max_q_len,
-            subpools=self._tables(batch, dev, host, rows, longest, max_q_len, pad_q, slack, writes),
-            decode=self._decode_plans(rows, longest) if is_decode else None,
+            subpools=self._tables(
+                batch, dev, host, rows, longest, max_q_len, pad_q, slack, writes, target_only
+            ),
+            decode=self._decode_plans(rows, longest, target_only) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
             ckpt_slots=self._ckpt_slots(host, num, rows) if self.has_state and num else None,
@@ -330,14 +347,16 @@ class StepPlanner:
 
     def _tables(
         self, batch: Batch, dev: dict, host: dict, rows: int, longest, max_q_len: int, pad_q=1,
-        slack=0, writes=None,
+        slack=0, writes=None, target_only=False,
     ):  # fmt: skip
         """Per token sub-pool, the write ids and block table of the step: decode_step
         wrote them (DECODE), else translated here; padded rows point at the sink. A
         verify step whose requests' tables are those in the buffers (``plan_tables``)
         writes its write ids only. ``writes``: (S, n) the rows' write ids computed on
         the host (``AllocatorView.row_kernel_ids``) and staged in the step's upload:
-        one copy for every sub-pool, no translation."""
+        one copy for every sub-pool, no translation. ``target_only``: a DECODE batch
+        whose decode_step built the target's tables only (``target_tables``: a lazy
+        draft's sub-pools are left out of the step)."""
         num, steps = len(batch.requests), {}
         num_tokens = dev["input_ids"].shape[0]
         real = num_tokens - (rows - num) * pad_q  # tokens of real requests (padded lanes: pad_q)
@@ -359,7 +378,7 @@ class StepPlanner:
             )
             self.write_rows[:, :real].copy_(dev["write_ids"][:, :real])
             self.host_writes += 1
-        for sub in self.subpools:
+        for sub in self._target_subpools if target_only else self.subpools:
             table = self.tables.block_tables[sub.name][:rows, : self._pages(sub, longest)]
             write = self.tables.write_ids[sub.name][:num_tokens]
             if virtual_ids is not None:
@@ -396,9 +415,11 @@ class StepPlanner:
         graph's): a draft chain's steps (``speculative/chain.py``), made once per chain."""
         return self._decode_plans(rows, longest)
 
-    def _decode_plans(self, rows: int, longest) -> dict[str, DecodePlan]:
-        """Decode attention's launch plan per attention sub-pool, once per step."""
-        return {s.name: self._decode_plan(s, rows, self.workspace, longest) for s in self.attention}
+    def _decode_plans(self, rows: int, longest, target_only=False) -> dict[str, DecodePlan]:
+        """Decode attention's launch plan per attention sub-pool, once per step (the
+        target's only: ``target_only``, a lazy draft's step)."""
+        subs = self._target_attention if target_only else self.attention
+        return {s.name: self._decode_plan(s, rows, self.workspace, longest) for s in subs}
 
     def _decode_plan(self, sub, rows: int, workspace, longest=None) -> DecodePlan:
         spec = sub.spec

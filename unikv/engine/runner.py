@@ -25,13 +25,11 @@ from unikv.engine.attention import (
     MLALayerCache,
 )
 from unikv.engine.logits import prompt_logprobs, prompt_rows, sample_requests
-from unikv.engine.plan import StepPlan, StepPlanner
+from unikv.engine.plan import DRAFT_PREFIX, StepPlan, StepPlanner
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.engine.speculative.step import all_greedy, verify_step
 from unikv.kernels.backend import KernelBackend
 from unikv.models.llama import CausalLM
-
-DRAFT_PREFIX = "draft_"  # a speculative draft model's sub-pools (speculative/draft.py)
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -278,6 +276,9 @@ class ModelRunner:
         lazy = (
             draft is not None and batch.kind is BatchKind.DECODE and draft.lazy(len(batch.requests))
         )
+        assert (
+            lazy or batch.tables is None or batch.tables is not self.planner.tables.target_only
+        ), "runner invariant: a step whose draft runs had its draft's tables built"
         if draft is not None and not lazy and draft.prepare(batch) and batch.step is not None:
             batch.step.rebuild()  # a lazy draft's catch-up planned over decode_step's tables
         plan = self.planner.plan(batch, prev_tokens, rows=rows, prev_fed=prev_fed)

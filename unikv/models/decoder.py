@@ -397,8 +397,13 @@ class DecoderLM(nn.Module):
         if exports is not None:
             self._export(len(backbone.layers), h, residual)
         elif self.hidden_out is not None:
-            self.hidden_out[: h.shape[0]].copy_(backbone.final_norm(h + residual))
+            self._export_final(h, residual)
         return h, residual
+
+    def _export_final(self, h: torch.Tensor, residual: torch.Tensor) -> None:
+        """The final hidden state after the final norm into ``hidden_out`` (an MTP
+        draft's input: ``export_hidden`` with no layers)."""
+        self.hidden_out[: h.shape[0]].copy_(self.stack.final_norm(h + residual))
 
     def run_head(self, h, residual, attn, logits_indices=None, greedy=False, head=None):
         """``forward`` from ``run_body``'s (h, residual) on: the rows ``logits_indices``

@@ -39,7 +39,8 @@ runs no layer, it only stashes each row's exported hidden state and next token
 (the step's sample) per request slot, on the device (``defer``). The stashed rows
 are written in one extend (``catch_up``): before the request's next proposal or
 its next step that runs the layer, when it leaves (finish, preemption) with pages
-that stay, and at the latest every ``LAZY_WINDOW`` lazy steps (the stash's depth).
+that stay, and at the latest every ``window`` lazy steps (the stash's depth:
+``lazy_window``, 16 to 64 positions).
 """
 
 from __future__ import annotations
@@ -64,7 +65,18 @@ from unikv.engine.speculative.draft import (
 from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
 
-LAZY_WINDOW = 16  # positions per request slot a lazy layer stashes (``HiddenDraft.enable_lazy``)
+LAZY_WINDOW = 16  # positions per request slot a lazy layer stashes, at least (``lazy_window``)
+LAZY_WINDOW_MAX = 64  # ... at most, where the stash fits ``LAZY_STASH_BYTES``
+LAZY_STASH_BYTES = 64 << 20
+
+
+def lazy_window(slots: int, row_bytes: int) -> int:
+    """The stash's depth for ``slots`` request slots of ``row_bytes`` each a position:
+    the deepest up to ``LAZY_WINDOW_MAX`` that fits ``LAZY_STASH_BYTES``, never under
+    ``LAZY_WINDOW``. A flush (an eager extend of the layer, its plan on the host) runs
+    every ``window`` lazy steps: a deeper stash runs fewer of them past the rule."""
+    fit = LAZY_STASH_BYTES // max(slots * row_bytes, 1)
+    return max(LAZY_WINDOW, min(LAZY_WINDOW_MAX, fit))
 
 
 def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
@@ -129,11 +141,14 @@ class HiddenDraft:
 
     # -- past the batch-size rule: lazy (module docstring) ----------------------------
 
-    def enable_lazy(self, rule, window: int = LAZY_WINDOW) -> None:
+    def enable_lazy(self, rule, window: int | None = None) -> None:
         """Past ``rule`` (``Speculator.within_rule``) plain decode steps stash the
         target's exported rows and their next tokens, ``window`` positions per request
-        slot, and the layer writes them in one extend at most every ``window`` steps."""
+        slot (None: ``lazy_window``'s), and the layer writes them in one extend at most
+        every ``window`` steps."""
         out, slots = self.target.hidden_out, self.first.shape[0]
+        if window is None:
+            window = lazy_window(slots, out.shape[1] * out.element_size() + 8)
         self.rule, self.window, self.since_flush = rule, window, 0
         self.stash_h = torch.zeros(slots, window, out.shape[1], dtype=out.dtype, device=out.device)
         self.stash_t = torch.zeros(slots, window, dtype=torch.int64, device=out.device)

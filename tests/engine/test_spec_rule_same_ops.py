@@ -1,0 +1,186 @@
+"""Past the batch-size rule a decode step is the plain engine's step, for every
+method (issue 42: "at B = 64 speculation is never slower than without"): n-gram,
+a draft model and an EAGLE-3 head on Llama, the MTP layer on Qwen3.5.
+
+Oracle: the same engine without ``speculative_config``, over the same requests.
+Each decode step is traced twice: the aten ops it dispatches, in order (a
+``TorchDispatchMode``: every device op it launches, the plan's uploads and table
+builds included; the allocator's table write counted as the one launch it is on
+CUDA, whatever entries it carries), and the Python calls it makes into ``unikv``
+(``sys.setprofile``).
+
+- n-gram and a draft model: every decode step dispatches the plain step's ops,
+  in the same order, and makes at most a few more Python calls (the rule, decided
+  once a step; a draft's page bound where a page fills, as the target's is). A draft model's sub-pools hold the draft's K/V; past the rule its
+  rows are written later (``DraftModel.catch_up``), so the step builds and plans
+  none of their tables (``Scheduler._tables_for``: before, 43 more ops a step here).
+- A head (EAGLE-3, MTP) needs each row's target hidden state for the rows it
+  catches up on (a hybrid target's state cannot be recomputed later): the target's
+  export of them (inside the decode graphs on CUDA) and ``HiddenDraft.defer``'s
+  stash writes are the only ops the step adds, a few, whatever the batch; every
+  other op is the plain step's, in order.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from engine_fixtures import VOCAB, one_thread, save_tiny_model  # noqa: F401  (a fixture)
+from mtp_fixtures import save_tiny_eagle3
+from qwen_mtp_fixtures import save_tiny_qwen_mtp
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from unikv.engine import LLM, SamplingParams
+from unikv.engine.online import EngineLoop
+from unikv.engine.speculative.mtp import HiddenDraft
+from unikv.models.decoder import DecoderLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LIMIT = 2  # disable_by_batch_size: the 4 requests decoding are past it
+STASH = "stash"  # the ops a head's lazy step adds (the export and ``defer``)
+# the allocator's page binding (a filled page's physical pages, every token sub-pool)
+PAGES = tuple(f"allocator/{m}.py" for m in ("pages", "tables", "bands", "capacity", "room"))
+KW = {"device": "cpu", "dtype": torch.float32, "page_size": 4, "max_num_seqs": 4,
+      "max_num_batched_tokens": 64, "max_model_len": 64, "kv_cache_bytes": 16 << 20}  # fmt: skip
+
+
+class Trace(TorchDispatchMode):
+    """The aten ops dispatched inside it, by name, in order; ops inside a region
+    ``tag`` names are recorded under that tag instead (``tagged``); the table write
+    (``update_tables``) is one entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.tagged: Counter = Counter()
+        self.region: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.region == "update_tables":
+            pass
+        elif self.region is not None:
+            self.tagged[self.region] += 1
+        else:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def tagging(m, trace_of, owner, name: str, tag: str) -> None:
+    """Record the ops of ``owner.name`` under ``tag`` in the trace in use."""
+    inner = getattr(owner, name)
+
+    def wrapped(*a, **k):
+        trace = trace_of()
+        if trace is None or trace.region is not None:
+            return inner(*a, **k)
+        trace.region = tag
+        if tag == "update_tables":
+            trace.ops.append("update_tables")
+        try:
+            return inner(*a, **k)
+        finally:
+            trace.region = None
+
+    m.setattr(owner, name, wrapped)
+
+
+def decode_traces(llm: LLM, prompts, params, monkeypatch) -> tuple[list[tuple], list]:
+    """(the greedy tokens, per loop step: (kind, requests, its op names, tagged op counts, its Python
+    calls into unikv by module and qualified name, none inside a tagged region))."""
+    out, step, current = [], EngineLoop.step, [None]
+
+    def traced(loop):
+        trace, calls = Trace(), Counter()
+
+        def profile(frame, event, arg):
+            path = frame.f_code.co_filename.replace("\\", "/")
+            if event == "call" and "/unikv/" in path and trace.region is None:
+                calls[path.split("/unikv/")[-1] + ":" + frame.f_code.co_qualname] += 1
+
+        current[0] = trace
+        sys.setprofile(profile)
+        try:
+            with trace:
+                got = step(loop)
+        finally:
+            sys.setprofile(None)
+            current[0] = None
+        if got is not None:
+            batch = got[0]
+            out.append((batch.kind.name, len(batch.requests), trace.ops, trace.tagged, calls))
+        return got
+
+    writer = llm.runner.alloc.parts.writer
+    with monkeypatch.context() as m:
+        tagging(m, lambda: current[0], writer, "_update", "update_tables")
+        for owner, name in ((DecoderLM, "_export"), (DecoderLM, "_export_final"),
+                            (HiddenDraft, "defer")):  # fmt: skip
+            tagging(m, lambda: current[0], owner, name, STASH)
+        m.setattr(EngineLoop, "step", traced)
+        tokens = [o.output_ids for o in llm.generate(prompts, params)]
+    return tokens, out
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (4,), generator=g).tolist() * 3 for _ in range(4)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("rule_same_ops")
+    llama, head, qwen = (str(root / n) for n in ("llama", "eagle3", "qwen3_5"))
+    hf = save_tiny_model("llama", llama, num_hidden_layers=6)
+    save_tiny_eagle3(head, hf.config)
+    save_tiny_qwen_mtp("qwen3_5", qwen)
+    return {"llama": llama, "eagle3": head, "qwen3_5": qwen}
+
+
+def spec_of(method: str, models: dict) -> tuple[str, dict]:
+    """(target checkpoint, speculative config) of ``method``, past the rule here."""
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": LIMIT}
+    if method == "ngram":
+        spec |= {"prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    elif method == "draft_model":
+        spec["model"] = models["llama"]
+    elif method == "eagle3":
+        spec["model"] = models["eagle3"]
+    return models["qwen3_5" if method == "mtp" else "llama"], spec
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3", "mtp"])
+def test_rule_step_dispatches_the_plain_steps_ops(models, method, monkeypatch):
+    """Four requests decoding 12 tokens together, limit 2, after a 3-token warm-up
+    (a head's window of 16 lazy steps is not reached: no flush): each decode step but the last (where the
+    requests finish and leave) dispatches the plain step's ops in order, apart from
+    a head's stash (at most 24 ops a step: its export and ``defer``), and makes at
+    most 10 more Python calls, besides binding the draft's page where the plain
+    step binds one (a page filled: its sub-pools share the owner's pages); tokens
+    are the plain engine's."""
+    path, spec = spec_of(method, models)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    items = prompts()
+    warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engines = LLM(path, **KW), LLM(path, speculative_config=spec, **KW)
+    for engine in engines:  # (buffers checked once an engine: not a step's work)
+        engine.generate(items, warm)
+    want, plain = decode_traces(engines[0], items, params, monkeypatch)
+    got, rule = decode_traces(engines[1], items, params, monkeypatch)
+    llm = engines[1]
+    assert got == want
+    assert [t[:2] for t in rule] == [t[:2] for t in plain]
+    steps = [(s, p) for s, p in zip(rule[:-1], plain[:-1]) if s[0] == "DECODE"]
+    assert len(steps) >= 9 and all(s[1] == 4 for s, _ in steps)
+    head = method in ("eagle3", "mtp")
+    for i, (s, p) in enumerate(steps):
+        assert s[2] == p[2], (method, i, len(s[2]), len(p[2]))
+        assert not p[3]  # (the oracle stashes nothing)
+        assert (0 < s[3][STASH] <= 24) if head else not s[3], (method, i, s[3])
+        extra = s[4] - p[4]
+        bound = [k for k in extra if k.startswith(PAGES)]  # a draft page bound
+        assert not bound or p[4]["allocator/pages.py:PageBook.take"], (method, i, bound)
+        assert sum(n for k, n in extra.items() if k not in bound) <= 10, (method, i, extra)
+    assert llm.scheduler.spec.counters.verify_steps == 0
