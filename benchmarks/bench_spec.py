@@ -180,6 +180,16 @@ def decode_rate(llm: LLM, prompt: list, new_tokens: int) -> tuple[float, dict]:
     return len(prompts) * (new_tokens - 1) / max(full - one, 1e-9), spec
 
 
+def model_names(args) -> dict:
+    """The JSON's description of the suite's two models."""
+    tiny = " tiny" if args.tiny else ""
+    return {
+        "llama": "llama-3.2-1b shape, 16 layers (random init)" + tiny,
+        "qwen3_5": f"qwen3.5 shape of bench_hybrid, first {args.qwen_layers} layers + 1 MTP "
+        "layer (random init)" + tiny,
+    }
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a few-KB model (smoke test)")
@@ -480,11 +490,7 @@ def main_suite(args, dtype) -> dict:
     ratios = suite_ratios({"llama": llama_runs, "qwen3_5": qwen_runs}, n, b)
     result = {
         "environment": environment(),
-        "models": {
-            "llama": "llama-3.2-1b shape, 16 layers (random init)" + (" tiny" if args.tiny else ""),
-            "qwen3_5": f"qwen3.5 shape of bench_hybrid, first {args.qwen_layers} layers + 1 MTP "
-            "layer (random init)" + (" tiny" if args.tiny else ""),
-        },
+        "models": model_names(args),
         "k": k, "prompt_len": args.prompt_len, "new_tokens": n, "batch": b,
         "batch_new_tokens": max(n // 2, 2),
         "llama": llama_runs, "qwen3_5": qwen_runs, "ratios": ratios,
@@ -560,11 +566,7 @@ def main_rule(args, dtype) -> dict:
     ratios[f"qwen3_5_b{b}_mtp_rule_vs_plain"] = qwen_runs["mtp_rule"]["vs_plain"]
     result = {
         "environment": environment(),
-        "models": {
-            "llama": "llama-3.2-1b shape, 16 layers (random init)" + (" tiny" if args.tiny else ""),
-            "qwen3_5": f"qwen3.5 shape of bench_hybrid, first {args.qwen_layers} layers + 1 MTP "
-            "layer (random init)" + (" tiny" if args.tiny else ""),
-        },
+        "models": model_names(args),
         "k": k, "prompt_len": args.prompt_len, "batch": b, "batch_new_tokens": n,
         "disable_by_batch_size": rule, "llama": llama_runs, "qwen3_5": qwen_runs,
         "ratios": ratios, "targets": {"rule_vs_plain": 1.0},
