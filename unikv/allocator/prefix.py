@@ -49,6 +49,7 @@ from unikv.allocator.prefix_chain import (
     PrefixHit,
     chain_hit,
     check_prefix_windows,
+    reachable,
     reachable_many,
 )
 from unikv.allocator.prefix_evict import (
@@ -513,15 +514,7 @@ class PrefixCache:
         stamp = self._next_id - len(self.by_id)
         if stamp != self._reach_stamp:
             self._reach_stamp, self._reached = stamp, set[int]()
-        known, by_id, path, walk = self._reached, self.by_id, [], node_id
-        while walk and walk not in known:
-            node = by_id.get(walk)
-            if node is None:
-                return False
-            path.append(walk)
-            walk = node.parent_id
-        known.update(path)
-        return True
+        return reachable(self.by_id, node_id, self._reached)
 
     def reachable_many(self, node_ids: list[int]) -> list[bool]:
         """``reachable`` of each of ``node_ids``, each ancestor walked once."""

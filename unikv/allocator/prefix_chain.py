@@ -83,14 +83,18 @@ class ChainNode:
     salt: str | None = None  # a first block's cache salt (children inherit it by parent id)
 
 
-def reachable(by_id: dict[int, ChainNode], node_id: int) -> bool:
+def reachable(by_id: dict[int, ChainNode], node_id: int, known: set[int]) -> bool:
     """Whether a lookup can reach node ``node_id``: it and every ancestor are in
-    ``by_id`` (the live nodes by node id)."""
-    while node_id:
-        node = by_id.get(node_id)
+    ``by_id`` (the live nodes by node id). ``known``: node ids already found
+    reachable (the walk stops at one), updated with those found now."""
+    path, walk = [], node_id
+    while walk and walk not in known:
+        node = by_id.get(walk)
         if node is None:
             return False
-        node_id = node.parent_id
+        path.append(walk)
+        walk = node.parent_id
+    known.update(path)
     return True
 
 

@@ -170,7 +170,7 @@ class StepBuffers:
         req_slots: torch.Tensor,
         seq_lens: torch.Tensor,
         debug: bool,
-        books: list[PageBook] | None = None,
+        books: list[PageBook],
     ) -> Callable[[], None]:
         """The launch that builds a step's tables from ``req_to_token`` and ``v2p`` as
         they are when it runs (debug: then checks them)."""
@@ -187,11 +187,11 @@ class StepBuffers:
         targets: list[StepTarget],
         req_slots: torch.Tensor,
         seq_lens: torch.Tensor,
-        books: list[PageBook] | None = None,
+        books: list[PageBook],
     ) -> None:
         """Debug mode: no live block-table page of the step maps to a tombstone."""
         bsz = req_slots.shape[0]
-        for book, t in zip(books or self.books, targets):
+        for book, t in zip(books, targets, strict=True):
             check_block_table(t.table[:bsz], self.req_to_token, req_slots, seq_lens, t.v2p,
                               self.page_size, t.window, book.name)  # fmt: skip
 
@@ -201,13 +201,13 @@ class StepBuffers:
         req_slots: torch.Tensor,
         seq_lens: torch.Tensor,
         targets: list[StepTarget],
-        books: list[PageBook] | None = None,
+        books: list[PageBook],
     ) -> DecodeStep:
-        """The DecodeStep over ``targets`` (of ``books``, default all; views only when
-        buffers are larger)."""
+        """The DecodeStep over ``targets`` (of ``books``; views only when buffers are
+        larger)."""
         bsz = req_slots.shape[0]
         tables, locs = {}, {}
-        for book, t in zip(books or self.books, targets):
+        for book, t in zip(books, targets, strict=True):
             table = t.table if t.table.shape[0] == bsz else t.table[:bsz]
             tables[book.name] = KernelPageIds(table, book.name)
             locs[book.name] = KernelIds(t.loc if t.loc.shape[0] == bsz else t.loc[:bsz], book.name)
