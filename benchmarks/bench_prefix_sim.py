@@ -135,10 +135,12 @@ def _engine(specs, budget: int, max_len: int) -> tuple[UnifiedPool, PoolAllocato
 
 @dataclass
 class _Trace:
-    """Per-run tallies: admissions (count, hit tokens, looked-up tokens), the
-    (live + cached) share of the pool per step, the per-sub-pool bytes at the peak."""
+    """Per-run tallies: admissions (count, hit tokens, looked-up tokens), steps (all,
+    those with prefill rows: each an eager extend step on a GPU), the (live + cached)
+    share of the pool per step, the per-sub-pool bytes at the peak."""
 
     admit: list[int] = field(default_factory=lambda: [0, 0, 0])
+    steps: list[int] = field(default_factory=lambda: [0, 0])
     occupancy: list[float] = field(default_factory=list)
     peak: dict[str, int] = field(default_factory=dict)
 
@@ -147,6 +149,8 @@ def _step(pool: UnifiedPool, alloc: PoolAllocator, sched: Scheduler, plans, trac
     """One scheduler step; each request "samples" the next token of its plan."""
     before = {r.request_id for r in sched.running}
     batch = sched.schedule()
+    trace.steps[0] += 1
+    trace.steps[1] += not batch.is_decode
     for r in sched.running:  # admitted now: num_cached is its hit until complete()
         if r.request_id not in before:
             trace.admit[0] += 1

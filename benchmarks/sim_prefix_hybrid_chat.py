@@ -16,7 +16,8 @@ makes for this shape) and ``supersede`` (the cost rule, and a previous turn's en
 checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
 ``engine/prefix_policy.py``, off by default) and ``fifo`` (the cost rule, waiting turns
 admitted in arrival order: ``hits_first`` off, as before issue 41's hits-first
-admission, ``PrefixCaching.pick``). Each row: hit rate, prefill tokens saved,
+admission, ``PrefixCaching.pick``). Each row: hit rate, steps and steps with
+prefill rows (each an eager extend step on a GPU), prefill tokens saved,
 evicted pages, checkpoint copies, checkpoints gone (evicted or dropped) and those a
 take's room evicted besides the one it supersedes, the checkpoints' bytes held
 (mean and peak over steps), and compaction's waits for the forward (``forward_waits``,
@@ -171,6 +172,8 @@ class Engine:
             "prefill_tokens_saved": trace.admit[1],
             "evicted_pages": self.alloc.prefix.counters()["evicted_pages"] - evicted,
             "preemptions": self.sched.num_preemptions,
+            "steps": trace.steps[0],
+            "prefill_steps": trace.steps[1],  # steps with prefill rows (eager on a GPU)
             "checkpoint_copies": states.saved - saved,
             # checkpoints gone (evicted or dropped as superseded), and of them those a
             # take's room evicted besides the one it superseded (issue 41)

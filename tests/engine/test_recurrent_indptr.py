@@ -1,0 +1,69 @@
+"""A chunked recurrent step hands its Gated DeltaNet layers one int64 ``q_indptr``
+(``DecodeAttention._chunked_indptr``): fla-core memoises its chunk indices, a host
+sync, by the identity of ``cu_seqlens``, so one tensor for every layer of a step means
+one derivation a step instead of one a layer; a fresh tensor each step, because the
+plan's view is the same object every step with new contents (a memo keyed on it would
+hand a later step an earlier step's chunks). Decode steps keep the plan's view
+(CUDA-graph inputs at fixed addresses).
+
+Oracle: the step's own batch (host ints): its requests' new-token counts, summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from engine_fixtures import HYBRID_LAYERS, VOCAB, one_thread, save_tiny_hybrid  # noqa: F401
+
+from unikv.engine import LLM, SamplingParams
+from unikv.engine.online import EngineLoop
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_chunked_steps_share_one_fresh_int64_indptr(tmp_path, monkeypatch):
+    save_tiny_hybrid("qwen3_5", str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
+              max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)  # fmt: skip
+    calls: list = []  # per recurrent call: (step index, the q_indptr it got)
+    steps: list = []  # per loop step: (batch kind, its requests' new-token counts)
+    real = llm.runner.backend.gated_delta_rule
+
+    def spy(*args, **kwargs):
+        calls.append((len(steps), args[7]))
+        return real(*args, **kwargs)
+
+    llm.runner.backend = dataclasses.replace(llm.runner.backend, gated_delta_rule=spy)
+    step = EngineLoop.step
+
+    def counted(loop):
+        out = step(loop)
+        if out is not None:
+            steps.append((out[0].is_decode, list(out[0].num_new)))
+        return out
+
+    monkeypatch.setattr(EngineLoop, "step", counted)
+    prompts = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((21, 9, 14))]
+    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+
+    layers = sum(t == "linear_attention" for t in HYBRID_LAYERS)  # the model's GDN layers
+    assert layers > 1  # (else one tensor a step holds trivially)
+    chunked = seen = 0
+    kept = []  # every step's tensor stays alive: ids cannot be reused
+    for index, (decode, new) in enumerate(steps):
+        got = [q for i, q in calls if i == index]
+        assert len(got) == layers, (index, len(got))
+        want = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+        if decode or max(new) == 1:
+            assert all(q.dtype == torch.int32 for q in got), index  # the plan's view
+            continue
+        chunked += 1
+        assert all(q is got[0] for q in got), f"step {index}: one tensor for every layer"
+        assert got[0].dtype == torch.int64
+        assert torch.equal(got[0][: len(want)].cpu(), want), (index, got[0], want)
+        assert all(got[0] is not q for q in kept), f"step {index} reuses an earlier tensor"
+        kept.append(got[0])
+        seen += 1
+    assert chunked >= 3 and seen == chunked  # 44 prompt tokens over 16-token chunks
