@@ -19,6 +19,7 @@ from engine_fixtures import HYBRID_LAYERS, VOCAB, one_thread, save_tiny_hybrid  
 
 from unikv.engine import LLM, SamplingParams
 from unikv.engine.online import EngineLoop
+from unikv.kernels.recurrent.fla_prefill import chunk_indices
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,3 +68,56 @@ def test_chunked_steps_share_one_fresh_int64_indptr(tmp_path, monkeypatch):
         kept.append(got[0])
         seen += 1
     assert chunked >= 3 and seen == chunked  # 44 prompt tokens over 16-token chunks
+
+
+def test_chunk_indices_match_a_naive_walk():
+    """``fla_prefill.chunk_indices`` against a walk over each lane's chunks (lanes with
+    no tokens, one token, exact and partial chunks)."""
+    lens = [0, 1, 64, 65, 130, 0, 3, 128]
+    indptr = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    want = [(b, i) for b, n in enumerate(lens) for i in range(-(-n // 64))]
+    got = chunk_indices(indptr)
+    assert got.dtype == "int64" and got.tolist() == [list(w) for w in want]
+    assert chunk_indices([0, 5, 9], chunk=4).tolist() == [[0, 0], [0, 1], [1, 0]]
+
+
+def test_chunked_steps_carry_their_chunk_list(tmp_path, monkeypatch):
+    """With ``StepPlanner.state_chunks`` on (a hybrid on CUDA with fla-core; set here on
+    the CPU), every Gated DeltaNet call of a chunked step gets the step's chunk list,
+    equal to a walk over the step's new-token counts; decode steps get none."""
+    save_tiny_hybrid("qwen3_5", str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
+              max_num_seqs=4, max_num_batched_tokens=160, max_model_len=256)  # fmt: skip
+    llm.runner.planner.state_chunks = True
+    calls, steps = [], []
+    real = llm.runner.backend.gated_delta_rule
+
+    def spy(*args, **kwargs):
+        calls.append((len(steps), kwargs.get("chunks")))
+        return real(*args, **kwargs)
+
+    llm.runner.backend = dataclasses.replace(llm.runner.backend, gated_delta_rule=spy)
+    step = EngineLoop.step
+
+    def counted(loop):
+        out = step(loop)
+        if out is not None:
+            steps.append((out[0].is_decode, list(out[0].num_new)))
+        return out
+
+    monkeypatch.setattr(EngineLoop, "step", counted)
+    prompts = [[(5 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((70, 3, 140))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    chunked = 0
+    for index, (decode, new) in enumerate(steps):
+        got = [c for i, c in calls if i == index]
+        if decode or max(new) == 1:
+            assert all(c is None for c in got), index
+            continue
+        chunked += 1
+        want = [[b, i] for b, n in enumerate(new) for i in range(-(-n // 64))]
+        assert all(c is got[0] for c in got) and got[0].tolist() == want, (index, new)
+    assert chunked >= 1
+    llm.runner.planner.state_chunks = False  # the same tokens without the lists
+    again = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    assert [o.output_ids for o in again] == [o.output_ids for o in outs]

@@ -233,7 +233,7 @@ class DecodeAttention:
         return self.backend.gated_delta_rule(
             q, k, v, g, beta, state, plan.state_slots, self._chunked_indptr(),
             max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
-            draft_slots=self.draft_slots,
+            draft_slots=self.draft_slots, chunks=getattr(plan, "state_chunks", None),
             **self.ckpt,
         )  # fmt: skip
 

@@ -40,6 +40,7 @@ from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
 from unikv.kernels.backend import DecodePlan, ExtendPlan, KernelBackend, RowsPlan
+from unikv.kernels.recurrent.fla_prefill import chunk_indices, fla_available
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -96,6 +97,11 @@ class StepPlan:
         ``alloc.prefix.reserve_checkpoint``): the recurrent ops write each final state
         there too (0 = the sink for the others), so the checkpoint needs no copy;
         None when no request of the step has one.
+    state_chunks: (NT, 2) int64 fla-core's chunk list of q_indptr
+        (``fla_prefill.chunk_indices``) for a chunked step (more than one new token a
+        request, no verify slots) of a hybrid model on CUDA with fla-core, made from
+        the host's q_indptr and copied asynchronously: its Gated DeltaNet layers then
+        derive nothing from the device's q_indptr (no host sync); else None.
     fresh: host bool, an extend step in which no request has cached tokens (every
         seq_len is its q_len): extend attention may read the step's own K/V rows.
     split: an extend step whose last requests, not all of them, have no cached
@@ -121,6 +127,7 @@ class StepPlan:
     state_slots: torch.Tensor | None = None
     draft_slots: torch.Tensor | None = None
     ckpt_slots: torch.Tensor | None = None
+    state_chunks: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
     extend: dict[str, ExtendPlan] | None = None
@@ -212,6 +219,10 @@ class StepPlanner:
             dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin, subpools=len(subs)
         )
         self.host_writes = 0  # steps whose write ids came from the host (the tests' spy)
+        # chunked steps carry fla-core's chunk list (``StepPlan.state_chunks``): a
+        # hybrid on CUDA with fla-core, decided once (a test may set it on the CPU)
+        self.state_chunks = self.has_state and dev.type == "cuda" and fla_available()
+        self._pin = pin
         windows = [s.spec.sliding_window or 0 for s in subs]
         self.kept_tables = KeptTables(alloc.view.roles.page_size, windows)  # a verify step's
         self._q_per_kv = {s.name: q_per_kv for s in subs} | dict(q_per_kv_of or {})
@@ -289,6 +300,7 @@ class StepPlanner:
         verify = self.draft_k > 0 and (pad_q > 1 or batch.drafts is not None)
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
         fresh = first == 0 and pad_q == 1  # no cached tokens: the cache holds the new ones
+        chunked = self.state_chunks and max_q_len > 1 and not verify and num > 0
         num_tokens = dev["input_ids"].shape[0]  # T rows, padded lanes included: host int
         rows_plan = self.backend.plan_rows(num_tokens)
         logit_rows = rows_plan if num_tokens == rows else self.backend.plan_rows(rows)
@@ -312,6 +324,7 @@ class StepPlanner:
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
             ckpt_slots=self._ckpt_slots(host, num, rows) if self.has_state and num else None,
+            state_chunks=self._state_chunks(host, rows) if chunked else None,
             fresh=fresh,
             split=split,
             extend=extend,
@@ -452,6 +465,14 @@ class StepPlanner:
         too (``StepPlan.ckpt_slots``), or None (no reservation: a host check only)."""
         prefix = self.alloc.prefix
         return prefix.checkpoint_slots(host["slots"][:num], host["seq_lens"][:num], rows)
+
+    def _state_chunks(self, host: dict, rows: int) -> torch.Tensor:
+        """(NT, 2) int64 fla-core's chunk list of the step's q_indptr (host ints), on
+        the device: one asynchronous copy (pinned on CUDA), no sync."""
+        chunks = torch.from_numpy(chunk_indices(host["q_indptr"][: rows + 1]))
+        if self._pin:
+            chunks = chunks.pin_memory()
+        return chunks.to(self.device, non_blocking=True)
 
     def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
         """(R,) int64 physical state slots of the rows (padded rows: 0, the sink),

@@ -17,12 +17,26 @@ import functools
 import importlib.util
 import warnings
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from unikv.kernels.recurrent.ref import gdn_gates, write_final
 
 INSTALL_HINT = "pip install 'unikv[gpu]' (fla-core==0.6.0)"
+FLA_CHUNK = 64  # fla-core's Gated DeltaNet chunk (its default; passed explicitly)
+
+
+def chunk_indices(q_indptr: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
+    """(NT, 2) int64 (lane, chunk within the lane) of every ``chunk``-token chunk of
+    every lane of ``q_indptr`` (B+1,) host ints, lanes in order: fla-core's varlen
+    chunk list (``prepare_chunk_indices``), which it derives from a device
+    ``cu_seqlens`` with a host sync unless given. The step planner makes it from the
+    host copy of q_indptr and uploads it (``StepPlan.state_chunks``)."""
+    counts = -(-np.diff(np.asarray(q_indptr, np.int64)) // chunk)  # ceil: 0 for no tokens
+    lanes = np.repeat(np.arange(counts.shape[0], dtype=np.int64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([lanes, np.arange(lanes.shape[0], dtype=np.int64) - starts], axis=1)
 
 
 def _fla():
@@ -71,12 +85,13 @@ def _scatter(state, slots, q_indptr, initial, final, ckpt_slots=None) -> None:
 
 def gated_delta_rule(
     q, k, v, g, beta, state, slots, q_indptr, *, scale, use_qk_l2norm, gating=None,
-    ckpt_slots=None,
+    ckpt_slots=None, chunks=None,
 ):  # fmt: skip
     """q, k: (T, Hk, Dk), Hk dividing H; v: (T, H, Dv); g, beta: (T, H) (the raw a, b
     with ``gating`` = (A_log, dt_bias)); state: (S, H, Dk, Dv) view; slots: (B,);
-    q_indptr: (B+1,); ckpt_slots: None or (B,) second destinations of the final state.
-    Returns (T, H, Dv) in v.dtype; state updated."""
+    q_indptr: (B+1,); ckpt_slots: None or (B,) second destinations of the final state;
+    chunks: None or ``chunk_indices(q_indptr)`` on the device (fla-core then derives
+    nothing from q_indptr: no host sync). Returns (T, H, Dv) in v.dtype; state updated."""
     if gating is not None:
         g, beta = gdn_gates(g, beta, *gating)
     groups = v.shape[1] // q.shape[1]
@@ -95,6 +110,7 @@ def gated_delta_rule(
         output_final_state=True,
         cu_seqlens=q_indptr.long(),
         use_qk_l2norm_in_kernel=bool(use_qk_l2norm),
+        **({} if chunks is None else {"chunk_indices": chunks, "chunk_size": FLA_CHUNK}),
     )
     _scatter(state, slots, q_indptr, initial, final, ckpt_slots)
     return out[0].to(v.dtype)

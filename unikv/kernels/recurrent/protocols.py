@@ -50,11 +50,16 @@ class GatedDeltaRule(Protocol):
         scale: float,
         use_qk_l2norm: bool,
         gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+        draft_slots: torch.Tensor | None = None,
+        ckpt_slots: torch.Tensor | None = None,
+        chunks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Gated DeltaNet (g (T, H) log decay) or Kimi Delta Attention (g (T, H, Dk),
         a decay per key channel). q, k (T, Hk, Dk), Hk dividing H; v (T, H, Dv);
         beta (T, H); state (S, H, Dk, Dv); gating (A_log, dt_bias) when g and beta are
-        the raw gates. Returns (T, H, Dv) in v's dtype."""
+        the raw gates; draft_slots (B, k) a verify step's per-position slots; ckpt_slots
+        (B,) second destinations of the final states; chunks (NT, 2) fla-core's chunk
+        list of q_indptr (a prefill step's, on CUDA). Returns (T, H, Dv) in v's dtype."""
         ...
 
 

@@ -156,6 +156,7 @@ def gated_delta_rule(
     gating: tuple[torch.Tensor, torch.Tensor] | None = None,
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
+    chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule (Gated DeltaNet) over each request's new tokens.
 
@@ -166,7 +167,9 @@ def gated_delta_rule(
     and the gates are ``gdn_gates(g, beta, A_log, dt_bias)``. Per token, in fp32: q, k
     l2-normalised if ``use_qk_l2norm``; q *= scale; S *= exp(g) (row i of S by
     exp(g[i]) per channel); delta = (v - k S) * beta; S += k^T delta; o = q S.
-    ``draft_slots``: the module docstring. Returns (T, H, Dv) in v.dtype.
+    ``draft_slots``: the module docstring. ``chunks``: fla-core's chunk list of
+    q_indptr on CUDA (``fla_prefill.chunk_indices``), unread here. Returns (T, H, Dv)
+    in v.dtype.
     """
     if gating is not None:
         g, beta = gdn_gates(g, beta, *gating)

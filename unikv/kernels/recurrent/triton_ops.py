@@ -194,6 +194,7 @@ def gated_delta_rule(
     gating: tuple[torch.Tensor, torch.Tensor] | None = None,
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
+    chunks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over each request's new tokens (see ``recurrent_ref``).
 
@@ -204,8 +205,10 @@ def gated_delta_rule(
     view (fp32); slots: (B,) physical slots; q_indptr: (B+1,); draft_slots: None or
     (B, k) (a verify step: the state after each token j < k but the lane's last into
     slot ``draft_slots[b, j]``); ckpt_slots: None or (B,) (a chunk ending at a
-    checkpoint: the final state into slot ``ckpt_slots[b]`` too, 0 the sink). Returns
-    (T, H, Dv) in v.dtype.
+    checkpoint: the final state into slot ``ckpt_slots[b]`` too, 0 the sink); chunks:
+    None or (NT, 2) int64 fla-core's chunk list of q_indptr (``fla_prefill.
+    chunk_indices``, uploaded by the step's plan: no host sync in fla-core; unread by
+    the kernels below). Returns (T, H, Dv) in v.dtype.
     """
     check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len, gating)
     check_draft_slots(draft_slots, slots)
@@ -215,7 +218,7 @@ def gated_delta_rule(
     if chunked and recurrent_fla.use_fla(q.device, v.dtype):
         return recurrent_fla.gated_delta_rule(
             q, k, v, g, beta, state, slots, q_indptr, scale=scale, use_qk_l2norm=use_qk_l2norm,
-            gating=gating, ckpt_slots=ckpt_slots,
+            gating=gating, ckpt_slots=ckpt_slots, chunks=chunks,
         )  # fmt: skip
     heads, dim_k, dim_v = state.shape[1:]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
