@@ -162,8 +162,12 @@ class ModelRunner:
         q_per_kv_of: dict[str, int] | None = None,
         prefill_graphs: bool = False,
         prefill_graph_tokens: int | None = None,
+        hidden_stash=None,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
+        # a lazy draft head's stash (``speculative/stash.py``): every decode step writes
+        # its exported hidden states there, inside its graph (set before the capture)
+        self.hidden_stash = hidden_stash
         self.device = pool.device
         self._pin = self.device.type == "cuda"  # decided once: pinned, asynchronous copies
         self.sm_scale = model.config.sm_scale  # the family's own where it has one (Gemma)
@@ -240,7 +244,10 @@ class ModelRunner:
             out = self.prefill_graphs.forward(plan, attn, rows, **extra)
             if out is not None:  # (None: more rows than the largest size)
                 return out
-        return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
+        out = self.model(plan.input_ids, plan.positions, attn, rows, **extra)
+        if plan.is_decode and self.hidden_stash is not None:
+            self.hidden_stash.write(plan)  # (in the decode graph: no launch of its own)
+        return out
 
     @torch.inference_mode()
     def forward_greedy(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
