@@ -48,6 +48,9 @@ EXPORT = "export"  # the target's export of the hidden states a head reads
 EXPORT_OPS = {"eagle3": 12, "mtp": 13}  # at most, a step (3 layers' residual; the final norm)
 RING_OPS = 8  # a head's lazy step's ops inside the forward besides the export, at most
 OUTSIDE = ["slice", "slice", "index_copy_"]  # ... and outside it: its only ones
+# more Python calls a step makes outside the forward, at most: the rule (decided once,
+# ``Scheduler._tables_for``), a draft's unbound page check, a head's ``defer``
+CALLS = {"ngram": 1, "draft_model": 7, "eagle3": 8, "mtp": 8}
 # the allocator's page binding (a filled page's physical pages, every token sub-pool)
 PAGES = tuple(f"allocator/{m}.py" for m in ("pages", "tables", "bands", "capacity", "room"))
 KW = {"device": "cpu", "dtype": torch.float32, "page_size": 4, "max_num_seqs": 4,
@@ -196,8 +199,8 @@ def test_rule_step_dispatches_the_plain_steps_ops(models, method, monkeypatch):
     ops in order; a head adds, outside the forward, only ``OUTSIDE`` (the tokens'
     write: one launch), and inside it its export (at most ``EXPORT_OPS``) and after
     the plain forward's ops at most ``RING_OPS`` (the ring write); and makes at most
-    10 more Python calls outside the forward (on CUDA a decode step's forward is a
-    graph replay), besides binding the draft's page where the plain step binds one
+    ``CALLS`` more Python calls outside the forward (on CUDA a decode step's forward
+    is a graph replay), besides binding the draft's page where the plain step binds one
     (a page filled: its sub-pools share the owner's pages); tokens are the plain
     engine's."""
     path, spec = spec_of(method, models)
@@ -227,5 +230,5 @@ def test_rule_step_dispatches_the_plain_steps_ops(models, method, monkeypatch):
         extra = s[4] - p[4]
         bound = [k for k in extra if k.startswith(PAGES)]  # a draft page bound
         assert not bound or p[4]["allocator/pages.py:PageBook.take"], (method, i, bound)
-        assert sum(n for k, n in extra.items() if k not in bound) <= 10, (method, i, extra)
+        assert sum(n for k, n in extra.items() if k not in bound) <= CALLS[method], (method, i, extra)
     assert llm.scheduler.spec.counters.verify_steps == 0

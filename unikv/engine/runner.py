@@ -280,9 +280,7 @@ class ModelRunner:
         rows = self.graphs.rows_for(batch) if graphed else None
         prev_fed = prev is not None and prev.fed
         draft = self.draft  # past the rule a plain decode step leaves the draft lazy
-        lazy = (
-            draft is not None and batch.kind is BatchKind.DECODE and draft.lazy(len(batch.requests))
-        )
+        lazy = draft is not None and batch.kind is BatchKind.DECODE and batch.lazy  # (the plan's)
         assert (
             lazy or batch.tables is None or batch.tables is not self.planner.tables.target_only
         ), "runner invariant: a step whose draft runs had its draft's tables built"
