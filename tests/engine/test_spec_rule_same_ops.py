@@ -230,5 +230,9 @@ def test_rule_step_dispatches_the_plain_steps_ops(models, method, monkeypatch):
         extra = s[4] - p[4]
         bound = [k for k in extra if k.startswith(PAGES)]  # a draft page bound
         assert not bound or p[4]["allocator/pages.py:PageBook.take"], (method, i, bound)
-        assert sum(n for k, n in extra.items() if k not in bound) <= CALLS[method], (method, i, extra)
+        assert sum(n for k, n in extra.items() if k not in bound) <= CALLS[method], (
+            method,
+            i,
+            extra,
+        )
     assert llm.scheduler.spec.counters.verify_steps == 0

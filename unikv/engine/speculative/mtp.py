@@ -67,6 +67,7 @@ from unikv.engine.speculative.draft import (
 from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
 
+
 def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
     """An EAGLE-3 head's one full-attention layer as a ``draft_full`` sub-pool, on
     the band direction the target's leave free."""
@@ -136,7 +137,9 @@ class HiddenDraft:
         tokens, and the layer writes them in one extend at most every
         ``stash.window`` steps. ``window``: the stash resized (tests; before any
         decode graph is captured)."""
-        assert stash.slots == self.first.shape[0], "lazy head invariant: a stash slot a request slot"
+        assert stash.slots == self.first.shape[0], (
+            "lazy head invariant: a stash slot a request slot"
+        )
         if window is not None:
             stash.resize(window)
         self.rule, self.stash, self.since_flush = rule, stash, 0
