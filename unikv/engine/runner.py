@@ -33,6 +33,7 @@ from unikv.models.llama import CausalLM
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
+    from unikv.engine.speculative.stash import HiddenStash
     from unikv.pool import UnifiedPool
 
 # Settled A/Bs, no longer switches (docs/history.md, sixteenth session and "one request,
@@ -162,7 +163,7 @@ class ModelRunner:
         q_per_kv_of: dict[str, int] | None = None,
         prefill_graphs: bool = False,
         prefill_graph_tokens: int | None = None,
-        hidden_stash=None,
+        hidden_stash: HiddenStash | None = None,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
         # a lazy draft head's stash (``speculative/stash.py``): every decode step writes
