@@ -67,7 +67,7 @@ def test_lazy_mtp_resumes_on_the_true_chain(qwen, window, monkeypatch):
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (10, 14, 24)]
     llm = make_llm(path, 3, 4, speculative_disable_by_batch_size=LIMIT)
     draft = llm.runner.draft
-    draft.enable_lazy(draft.rule, window=window)
+    draft.enable_lazy(draft.rule, draft.stash, window=window)
     seen = spy_drafts(llm)
     got, count = run(llm, items, params, monkeypatch)
     assert got == [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(items, params)]
@@ -91,7 +91,7 @@ def test_lazy_mtp_under_swap(qwen, monkeypatch):
                    max_model_len=length, preemption="swap", swap_host_bytes=1 << 22,
                    speculative_disable_by_batch_size=1)  # fmt: skip
     draft = llm.runner.draft
-    draft.enable_lazy(draft.rule, window=3)
+    draft.enable_lazy(draft.rule, draft.stash, window=3)
     seen = spy_drafts(llm)
     got, count = run(llm, items, params, monkeypatch, limit=1)
     assert got == [hf_greedy(hf, p, 12) for p in items]
@@ -120,7 +120,7 @@ def test_lazy_eagle3_resumes_on_the_true_chain(tmp_path_factory, monkeypatch):
         saved, 3, 1, enable_prefix_caching=True, speculative_disable_by_batch_size=LIMIT
     )
     draft = llm.runner.draft
-    draft.enable_lazy(draft.rule, window=3)
+    draft.enable_lazy(draft.rule, draft.stash, window=3)
     seen = spy_drafts(llm)
     got, count = run(llm, items, params, monkeypatch)
     assert got == [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(items, params)]

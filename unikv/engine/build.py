@@ -158,6 +158,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
             "prefill_graphs is not yet tried under tensor parallelism: run with "
             "prefill_graphs=False (--no-prefill-graphs)"
         )
+    stash = _hidden_stash(c, draft, model)  # (the decode graphs write it: before capture)
     runner = ModelRunner(
         model,
         pool,
@@ -170,6 +171,7 @@ def build_engine(config: EngineConfig, tp_group=None, backing=None) -> Engine:
         q_per_kv_of={d.name: draft.q_per_kv for d in draft.configs},
         prefill_graphs=c.prefill_graphs,
         prefill_graph_tokens=c.prefill_graph_tokens,
+        hidden_stash=stash,
     )
     if device.type == "cuda":  # load and compile the step's kernels now (warmup.py)
         warm_linears(model, max_logit_rows=c.max_num_seqs, max_tokens=c.max_num_batched_tokens)
@@ -361,6 +363,17 @@ class _Draft:
         )
 
 
+def _hidden_stash(c: EngineConfig, draft: _Draft, model):
+    """A draft head's stash for its lazy steps past the batch-size rule, where the
+    rule may apply (``speculative/stash.py``), else None."""
+    spec_config = c.speculative_config
+    if draft.head is None or spec_config.disable_by_batch_size >= c.max_num_seqs:
+        return None
+    from unikv.engine.speculative.stash import HiddenStash
+
+    return HiddenStash(model.hidden_out, c.max_num_seqs + 1)  # + 1: padded lanes' slot
+
+
 def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
     """The scheduler's speculation hook (None without ``speculative_config``), and
     a draft model over its sub-pools (method "draft_model")."""
@@ -381,8 +394,8 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
             runner.model, draft.head, caches, runner.planner, backend, draft.head.sm_scale,
             runner.planner.max_seqs,
         )  # fmt: skip
-        if spec_config.disable_by_batch_size < c.max_num_seqs:  # the rule may apply: lazy
-            spec.draft.enable_lazy(spec.within_rule)
+        if runner.hidden_stash is not None:  # the rule may apply: lazy
+            spec.draft.enable_lazy(spec.within_rule, runner.hidden_stash)
         k = spec_config.num_speculative_tokens  # its chain: one plan, a graph per lane count
         chain_rows = min(VERIFY_GRAPH_ROWS, spec_config.disable_by_batch_size,
                          runner.planner.max_seqs, DENSE_MAX_TOKENS // k)  # fmt: skip

@@ -184,6 +184,7 @@ class Batch:
     kind: BatchKind = BatchKind.EXTEND
     tables: StepTables | None = None
     all_greedy: bool | None = None  # every sample a bare argmax (None: not known)
+    lazy: bool = False  # a DECODE batch whose draft is lazy (past the rule: ``_tables_for``)
     epoch: int = -1  # the scheduler's finish count when it was built
     step: DecodeStep | None = None  # decode_step's result (its tables may need a refresh)
     decodes: Any = None  # a DECODE batch's ``DecodeSet`` (kept while it stays valid)

@@ -33,6 +33,7 @@ from unikv.models.llama import CausalLM
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
+    from unikv.engine.speculative.stash import HiddenStash
     from unikv.pool import UnifiedPool
 
 # Settled A/Bs, no longer switches (docs/history.md, sixteenth session and "one request,
@@ -162,8 +163,12 @@ class ModelRunner:
         q_per_kv_of: dict[str, int] | None = None,
         prefill_graphs: bool = False,
         prefill_graph_tokens: int | None = None,
+        hidden_stash: HiddenStash | None = None,
     ):
         self.model, self.pool, self.alloc, self.backend = model, pool, alloc, backend
+        # a lazy draft head's stash (``speculative/stash.py``): every decode step writes
+        # its exported hidden states there, inside its graph (set before the capture)
+        self.hidden_stash = hidden_stash
         self.device = pool.device
         self._pin = self.device.type == "cuda"  # decided once: pinned, asynchronous copies
         self.sm_scale = model.config.sm_scale  # the family's own where it has one (Gemma)
@@ -240,7 +245,10 @@ class ModelRunner:
             out = self.prefill_graphs.forward(plan, attn, rows, **extra)
             if out is not None:  # (None: more rows than the largest size)
                 return out
-        return self.model(plan.input_ids, plan.positions, attn, rows, **extra)
+        out = self.model(plan.input_ids, plan.positions, attn, rows, **extra)
+        if plan.is_decode and self.hidden_stash is not None:
+            self.hidden_stash.write(plan)  # (in the decode graph: no launch of its own)
+        return out
 
     @torch.inference_mode()
     def forward_greedy(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,9 +281,7 @@ class ModelRunner:
         rows = self.graphs.rows_for(batch) if graphed else None
         prev_fed = prev is not None and prev.fed
         draft = self.draft  # past the rule a plain decode step leaves the draft lazy
-        lazy = (
-            draft is not None and batch.kind is BatchKind.DECODE and draft.lazy(len(batch.requests))
-        )
+        lazy = draft is not None and batch.kind is BatchKind.DECODE and batch.lazy  # (the plan's)
         assert (
             lazy or batch.tables is None or batch.tables is not self.planner.tables.target_only
         ), "runner invariant: a step whose draft runs had its draft's tables built"

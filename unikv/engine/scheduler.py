@@ -125,6 +125,7 @@ class Scheduler:
         )
         self._decodes: DecodeSet | None = None  # the decoding set, while still valid
         self._step_tables = tables  # the buffers the last decode_step built (``_tables_for``)
+        self._step_lazy = False  # whether a lazy draft leaves the last decode_step's rows out
         self.kept_ahead = False  # the last complete_verify kept the step planned ahead
         # verify rows held to the end of their page (``speculative/headroom.py``)
         self.verify_rows = (
@@ -172,6 +173,7 @@ class Scheduler:
                 self.prefix.before_step(batch, num_decodes)
             if num_decodes and num_decodes == len(batch.requests) and batch.drafts is None:
                 batch.kind, batch.tables = BatchKind.DECODE, self._step_tables
+                batch.lazy = self._step_lazy
                 batch.all_greedy = self._decodes.greedy()
             if batch.requests:
                 batch.epoch = self._epoch
@@ -206,7 +208,8 @@ class Scheduler:
                 self.spec.counters.skipped_by_batch_size += 1
             if self.verify_rows is not None and self.verify_rows.pending:  # (rows held ahead)
                 self.verify_rows.trim(d.decoding)
-            out = self._step_tables = self._tables_for(len(d.decoding))
+            out, self._step_lazy = self._tables_for(len(d.decoding))
+            self._step_tables = out
             step = self.alloc.decode_step(
                 d.slots,
                 d.lens,
@@ -220,16 +223,16 @@ class Scheduler:
             self._decodes = None
             self.preempt(self.running[-1])
 
-    def _tables_for(self, num_decodes: int) -> StepTables | None:
-        """The buffers ``decode_step`` builds: the target's only where a lazy draft
-        leaves this step's rows out (past the batch-size rule: its sub-pools' tables
-        are nobody's input then), else every token sub-pool's. Host ints, once a step."""
-        out = self.tables
-        if out is not None and out.target_only is not None and num_decodes > self.spec_limit:
-            draft = self.spec.draft if self.spec is not None else None
-            if draft is not None and draft.lazy(num_decodes):
-                return out.target_only
-        return out
+    def _tables_for(self, num_decodes: int) -> tuple[StepTables | None, bool]:
+        """(the buffers ``decode_step`` builds, whether a lazy draft leaves this
+        step's rows out): the target's only where it does (past the batch-size rule:
+        its sub-pools' tables are nobody's input then), else every token sub-pool's.
+        Host ints, decided once a step (``Batch.lazy``: the runner reads it)."""
+        out, draft = self.tables, self.spec.draft if self.spec is not None else None
+        lazy = num_decodes > self.spec_limit and draft is not None and draft.lazy(num_decodes)
+        if lazy and out is not None and out.target_only is not None:
+            return out.target_only, True
+        return out, lazy
 
     def _verify(self, batch: Batch, d: DecodeSet) -> bool:
         """Make ``batch`` a verify step when the step speculates (no prefill chunk

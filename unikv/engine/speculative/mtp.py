@@ -35,12 +35,14 @@ with the target's hidden states (after a verify graph, a graph of their own:
 ran elsewhere: a swap moved its slot) drafts nothing for a step.
 
 Past the batch-size rule the layer is lazy (``enable_lazy``): a plain decode step
-runs no layer, it only stashes each row's exported hidden state and next token
-(the step's sample) per request slot, on the device (``defer``). The stashed rows
-are written in one extend (``catch_up``): before the request's next proposal or
-its next step that runs the layer, when it leaves (finish, preemption) with pages
-that stay, and at the latest every ``window`` lazy steps (the stash's depth:
-``lazy_window``, 16 to 64 positions).
+runs no layer; its rows' exported hidden states go into the stash
+(``stash.HiddenStash``, a ring per request slot, ``window`` positions deep) from
+inside the step itself (the decode graphs on CUDA), and ``defer`` adds each row's
+next token (the step's sample: one ``index_copy_``). The stashed rows are written
+in one extend (``catch_up``): before the request's next proposal or its next step
+that runs the layer, when it leaves (finish, preemption) with pages that stay, and
+once its oldest stashed row would be overwritten (every ``window`` lazy steps: 16 to
+64 positions, ``stash.lazy_window``).
 """
 
 from __future__ import annotations
@@ -64,19 +66,6 @@ from unikv.engine.speculative.draft import (
 )
 from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
-
-LAZY_WINDOW = 16  # positions per request slot a lazy layer stashes, at least (``lazy_window``)
-LAZY_WINDOW_MAX = 64  # ... at most, where the stash fits ``LAZY_STASH_BYTES``
-LAZY_STASH_BYTES = 64 << 20
-
-
-def lazy_window(slots: int, row_bytes: int) -> int:
-    """The stash's depth for ``slots`` request slots of ``row_bytes`` each a position:
-    the deepest up to ``LAZY_WINDOW_MAX`` that fits ``LAZY_STASH_BYTES``, never under
-    ``LAZY_WINDOW``. A flush (an eager extend of the layer, its plan on the host) runs
-    every ``window`` lazy steps: a deeper stash runs fewer of them past the rule."""
-    fit = LAZY_STASH_BYTES // max(slots * row_bytes, 1)
-    return max(LAZY_WINDOW, min(LAZY_WINDOW_MAX, fit))
 
 
 def eagle3_subpool_configs(head, target_configs, page_size: int, dtype) -> list:
@@ -141,17 +130,19 @@ class HiddenDraft:
 
     # -- past the batch-size rule: lazy (module docstring) ----------------------------
 
-    def enable_lazy(self, rule, window: int | None = None) -> None:
+    def enable_lazy(self, rule, stash, window: int | None = None) -> None:
         """Past ``rule`` (``Speculator.within_rule``) plain decode steps stash the
-        target's exported rows and their next tokens, ``window`` positions per request
-        slot (None: ``lazy_window``'s), and the layer writes them in one extend at most
-        every ``window`` steps."""
-        out, slots = self.target.hidden_out, self.first.shape[0]
-        if window is None:
-            window = lazy_window(slots, out.shape[1] * out.element_size() + 8)
-        self.rule, self.window, self.since_flush = rule, window, 0
-        self.stash_h = torch.zeros(slots, window, out.shape[1], dtype=out.dtype, device=out.device)
-        self.stash_t = torch.zeros(slots, window, dtype=torch.int64, device=out.device)
+        target's exported rows (``stash``, a ``HiddenStash`` the runner writes from
+        its decode steps, one slot per request slot and a scratch slot) and their next
+        tokens, and the layer writes them in one extend at most every
+        ``stash.window`` steps. ``window``: the stash resized (tests; before any
+        decode graph is captured)."""
+        assert stash.slots == self.first.shape[0], (
+            "lazy head invariant: a stash slot a request slot"
+        )
+        if window is not None:
+            stash.resize(window)
+        self.rule, self.stash, self.since_flush = rule, stash, 0
 
     def lazy(self, batch_size: int) -> bool:
         """Whether a plain decode step of ``batch_size`` requests stashes the layer's
@@ -162,13 +153,10 @@ class HiddenDraft:
         """A lazy decode step: its rows' hidden states and next tokens (its samples)
         into the stash, on the device; the layer runs over every lagging request's
         rows once ``window`` lazy steps have passed since the last such run."""
-        num = len(batch.requests)
-        at = (plan.slots[:num].long(), plan.positions[:num] % self.window)
-        self.stash_h.index_put_(at, self.target.hidden_out[:num])
-        self.stash_t.index_put_(at, tokens[:num])
+        self.stash.tokens(len(batch.requests), tokens)  # (their hidden states: the step's)
         mark_lags(self, batch)  # (once per decoding set: no Python per request)
         self.since_flush += 1
-        if self.since_flush == self.window:  # every gap would outgrow the stash next
+        if self.since_flush == self.stash.window:  # every gap would outgrow the stash next
             self.catch_up(batch.requests, ahead=1)
             self.since_flush = 0
 
@@ -209,7 +197,7 @@ class HiddenDraft:
                 self.lagging.pop(r.request_id, None)
             elif r.draft_lag is not None:
                 end = r.num_cached + ahead
-                assert 0 < end - r.draft_lag <= self.window, (
+                assert 0 < end - r.draft_lag <= self.stash.window, (
                     "lazy draft invariant: a request's stashed rows fit the stash"
                 )
                 spans.append((r, r.draft_lag, end - r.draft_lag))
@@ -227,12 +215,8 @@ class HiddenDraft:
         vids = self.planner.alloc.view.token_vids(slots, starts, counts)
         rows = [_Span(r.slot, s, [0] * (s + n)) for r, s, n in spans]
         plan = self.planner.plan(Batch(rows, counts.tolist(), [vids]))
-        dev = self.stash_t.device
-        at = (
-            to_device(np.repeat(slots, counts), dev),
-            plan.positions[: int(counts.sum())] % self.window,
-        )
-        g = self._run(plan, self.stash_t[at], exported=self.stash_h[at])
+        at = self.stash.rows(slots, counts, plan.positions)
+        g = self._run(plan, self.stash.t[at], exported=self.stash.h[at])
         num = len(spans)
         self._keep(plan, num, g.index_select(0, plan.logits_indices[:num]))
         for r, s, n in spans:
