@@ -24,16 +24,16 @@ from unikv.kernels.recurrent.fla_prefill import chunk_indices
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_chunked_steps_share_one_fresh_int64_indptr(tmp_path, monkeypatch):
-    save_tiny_hybrid("qwen3_5", str(tmp_path))
-    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
-              max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)  # fmt: skip
-    calls: list = []  # per recurrent call: (step index, the q_indptr it got)
-    steps: list = []  # per loop step: (batch kind, its requests' new-token counts)
+def traced(llm, monkeypatch, prompts) -> tuple[list, list]:
+    """Generate ``prompts`` (3 tokens each, greedy) with the Gated DeltaNet op and the
+    loop's steps spied on: (per op call (its step's index, its args, its kwargs), per
+    step (decode or not, its requests' new-token counts)); and the outputs."""
+    calls: list = []
+    steps: list = []
     real = llm.runner.backend.gated_delta_rule
 
     def spy(*args, **kwargs):
-        calls.append((len(steps), args[7]))
+        calls.append((len(steps), args, kwargs))
         return real(*args, **kwargs)
 
     llm.runner.backend = dataclasses.replace(llm.runner.backend, gated_delta_rule=spy)
@@ -45,9 +45,20 @@ def test_chunked_steps_share_one_fresh_int64_indptr(tmp_path, monkeypatch):
             steps.append((out[0].is_decode, list(out[0].num_new)))
         return out
 
-    monkeypatch.setattr(EngineLoop, "step", counted)
+    with monkeypatch.context() as m:
+        m.setattr(EngineLoop, "step", counted)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    llm.runner.backend = dataclasses.replace(llm.runner.backend, gated_delta_rule=real)
+    return calls, steps, outs
+
+
+def test_chunked_steps_share_one_fresh_int64_indptr(tmp_path, monkeypatch):
+    save_tiny_hybrid("qwen3_5", str(tmp_path))
+    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
+              max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)  # fmt: skip
     prompts = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((21, 9, 14))]
-    llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    traced_calls, steps, _ = traced(llm, monkeypatch, prompts)
+    calls = [(i, args[7]) for i, args, _ in traced_calls]  # the q_indptr each call got
 
     layers = sum(t == "linear_attention" for t in HYBRID_LAYERS)  # the model's GDN layers
     assert layers > 1  # (else one tensor a step holds trivially)
@@ -89,25 +100,9 @@ def test_chunked_steps_carry_their_chunk_list(tmp_path, monkeypatch):
     llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
               max_num_seqs=4, max_num_batched_tokens=160, max_model_len=256)  # fmt: skip
     llm.runner.planner.state_chunks = True
-    calls, steps = [], []
-    real = llm.runner.backend.gated_delta_rule
-
-    def spy(*args, **kwargs):
-        calls.append((len(steps), kwargs.get("chunks")))
-        return real(*args, **kwargs)
-
-    llm.runner.backend = dataclasses.replace(llm.runner.backend, gated_delta_rule=spy)
-    step = EngineLoop.step
-
-    def counted(loop):
-        out = step(loop)
-        if out is not None:
-            steps.append((out[0].is_decode, list(out[0].num_new)))
-        return out
-
-    monkeypatch.setattr(EngineLoop, "step", counted)
     prompts = [[(5 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((70, 3, 140))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    traced_calls, steps, outs = traced(llm, monkeypatch, prompts)
+    calls = [(i, kwargs.get("chunks")) for i, _, kwargs in traced_calls]
     chunked = 0
     for index, (decode, new) in enumerate(steps):
         got = [c for i, c in calls if i == index]
