@@ -11,7 +11,8 @@ Oracle: transformers on the checkpoint's naive dequantisation (``test_models_fp8
   the real ones, ``weight`` / ``weight_scale_inv`` views of the held storage that still
   hold the file's bytes (q_a's and kv_a's concatenated);
 - the engine's greedy tokens equal transformers' and every sampled logit row its
-  teacher-forced one to 1e-4 (fp32).
+  teacher-forced one to 1e-4 (fp32); on the GPU (Triton backend, the same padding):
+  the tokens.
 """
 
 from __future__ import annotations
@@ -73,3 +74,18 @@ def test_padded_mla_inputs_hold_the_files_bytes_and_match_transformers(mla, padd
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     outputs = llm.generate(mla.ref.prompts, params, on_step=rows)
     check_engine_outputs(mla.ref, llm, outputs, rows, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_padded_mla_inputs_on_the_gpu(mla, monkeypatch):
+    """fp32 on the GPU (the Triton FP8 GEMM on the held weights, its outputs strided
+    views into the Triton norms and rope, CUDA graphs): transformers' greedy tokens."""
+    ops = dataclasses.replace(kb.get_backend("cuda"), fp8_padded_rows=extra_blocks)
+    monkeypatch.setattr(loader, "get_backend", lambda device, backend=None: ops)
+    llm = LLM(mla.fp8, device="cuda", dtype=torch.float32, max_num_seqs=4, max_model_len=64,
+              page_size=4)  # fmt: skip
+    padded = [m for m in llm.model.modules() if isinstance(m, Fp8BlockLinear) and m.padded]
+    assert len(padded) == llm.model.config.num_layers and llm.backend.name == "triton"
+    outputs = llm.generate(mla.ref.prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+    check_engine_outputs(mla.ref, llm, outputs)
