@@ -66,8 +66,9 @@ PREFILL_CANDIDATES = [P("w8a8", bm, bn, 128, 1, True, w, st) for bm, bn, w, st i
                       [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
                        (128, 128, 8, 4), (256, 128, 8, 3)]]  # fmt: skip
 QUANT_M = 4096
-QUANT_CANDIDATES = [(16, 1, 4), (8, 2, 4), (4, 4, 4), (2, 8, 4), (1, 16, 4), (4, 8, 8),
-                    (8, 4, 8), (1, 8, 2), (1, 4, 1), (16, 4, 8)]  # fmt: skip
+# (rows, groups, warps): 16, 32 or 64 elements a thread (the plan's: 16), in several shapes
+QUANT_CANDIDATES = [(16, 2, 4), (16, 4, 4), (8, 4, 4), (4, 8, 4), (1, 16, 4), (1, 8, 1),
+                    (2, 8, 2), (32, 1, 8), (8, 8, 8), (4, 4, 2)]  # fmt: skip
 
 
 def operands(n: int, k: int, copies: int = 1):
@@ -252,6 +253,20 @@ def prefill_rows(quick: bool) -> list[dict]:
     return rows
 
 
+def quant_best(rows: list[dict]) -> dict:
+    """Per K: the plan tiling's ``of_bw`` and the best tiling measured."""
+    out = {}
+    for r in rows:
+        if "of_bw" not in r:
+            continue
+        at = out.setdefault(str(r["K"]), {"plan_of_bw": None, "best": None, "best_of_bw": 0.0})
+        if r["plan"]:
+            at["plan_of_bw"] = round(r["of_bw"], 3)
+        if r["of_bw"] > at["best_of_bw"]:
+            at["best"], at["best_of_bw"] = r["tile"], round(r["of_bw"], 3)
+    return out
+
+
 def summary(decode: list[dict], prefill: list[dict]) -> dict:
     def plan_rows(rows, key):
         return [r for r in rows if r["impl"] == "fp8_plan" and key in r]
@@ -299,6 +314,7 @@ def main() -> None:
                "scaled_mm_supported": SCALED_MM[0],
                "summary": summary(decode, prefill), "decode": decode, "prefill": prefill,
                "quant": quant}  # fmt: skip
+    payload["summary"]["quant_best"] = quant_best(quant)
     print(payload["summary"])
     save_json(args.out, payload)
     if os.environ.get("OUT"):
