@@ -171,9 +171,8 @@ def scaled_mm_fn(x, w, s, n: int):
     """torch._scaled_mm with 1x128 activation and 128x128 weight scales (DeepSeek's
     recipe) on the same FP8 operands (the held weight; its first n columns), or raise
     where this torch / GPU lacks it."""
-    xq, xs = fp8_gemm.quantize_act(x, 128)
-    xs_outer = xs.t().contiguous().t()  # M-major, as cuBLAS's block scaling wants
-    return lambda: torch._scaled_mm(xq, w.t(), scale_a=xs_outer, scale_b=s.t(),
+    xq, xs = fp8_gemm.quantize_act(x, 128, m_major=True)  # M-major, as cuBLAS reads them
+    return lambda: torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.t(),
                                     out_dtype=torch.bfloat16)[:, :n]  # fmt: skip
 
 

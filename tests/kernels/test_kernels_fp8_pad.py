@@ -15,7 +15,8 @@ hold garbage here (not zeros), so a variant that read them into the real columns
 - ``padded_rows`` pads exactly the shapes ``scaled_mm`` lacks only N for; the backends'
   ``fp8_padded_rows`` is it where ``torch._scaled_mm`` runs, else no padding;
 - ``quantize_act`` equals the reference bit for bit at every tiling (rows and groups a
-  program; group counts and widths that are not powers of two);
+  program; group counts and widths that are not powers of two), its scales row-major or
+  M-major (cuBLAS's layout, written by the kernel: no transposing copy);
 - ``out_features`` outside 1..rows is refused.
 """
 
@@ -46,6 +47,7 @@ def fake_scaled_mm(a, b, *, scale_a, scale_b, out_dtype):
     if n % 128 or k % 128 or b.stride(0) != 1:
         raise RuntimeError(f"block-scaled _scaled_mm: N {n} and K {k} in whole 128 blocks")
     assert scale_a.shape == (m, k // 128) and scale_b.shape == (k // 128, n // 128)
+    assert scale_a.stride() == (1, m), "cuBLAS reads the activation scales M-major"
     ad = a.float() * scale_a.repeat_interleave(128, 1)
     bd = b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)
     return (ad @ bd).to(out_dtype)
@@ -124,9 +126,11 @@ def test_activation_quantisation_tilings_equal_the_reference(tile, m, k, group):
     g = torch.Generator().manual_seed(m + k)
     x = (torch.randn(m, k, generator=g) * 3).bfloat16()
     x[1, :group] = 0  # an all-zero group keeps a finite scale
-    xq, xs = fp8_gemm.quantize_act(x, group, tile)
     rq, rs = fp8_gemm_ref.quantize_act(x, group)
-    assert torch.equal(xs, rs) and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
+    for m_major in (False, True):
+        xq, xs = fp8_gemm.quantize_act(x, group, tile, m_major=m_major)
+        assert xs.stride() == ((1, m) if m_major else (xs.shape[1], 1))
+        assert torch.equal(xs, rs) and torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
 
 
 def test_out_features_outside_the_rows_is_refused():

@@ -134,7 +134,7 @@ def plan(
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                      stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                       GROUPS: tl.constexpr):  # fmt: skip
     """One program per ROWS rows and GROUPS groups (one read of x, one write of xq and
     of the scales): xs = max(amax / 448, 1e-12), xq = fp8(x / xs)."""
@@ -151,7 +151,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm,
     q_offs = rows[:, None, None] * stride_qm + cols[None, :, :]
     tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     s_ok = (rows < M)[:, None] & (grps < n_groups)[None, :]
-    tl.store(s_ptr + rows[:, None] * stride_sm + grps[None, :], scale, mask=s_ok)
+    tl.store(s_ptr + rows[:, None] * stride_sm + grps[None, :] * stride_sg, scale, mask=s_ok)
 
 
 @triton.jit
@@ -212,20 +212,25 @@ def _fp8_gemm_kernel(
 
 
 def quantize_act(
-    x: torch.Tensor, group: int, tile: tuple[int, int, int] | None = None
+    x: torch.Tensor, group: int, tile: tuple[int, int, int] | None = None, *, m_major=False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) 16-bit, unit stride along K -> (xq (M, K) fp8, scales (M, cdiv(K, group))
     fp32): ``fp8_gemm_ref.quantize_act`` in one launch. ``tile``: (rows, groups a
-    program, warps), powers of two; None: ``QUANT_TILE`` (the benchmark's sweep)."""
+    program, warps), powers of two; None: ``QUANT_TILE`` (the benchmark's sweep).
+    ``m_major``: the scales written M-major (strides (1, M)), as cuBLAS's block scaling
+    reads them (``scaled_mm_linear``), else row-major."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
     xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m_major:
+        xs = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
         rows, per, warps = QUANT_TILE if tile is None else tile
         per = min(per, triton.next_power_of_2(groups))
         _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(groups, per))](
-            x, xq, xs, m, k, groups, x.stride(0), xq.stride(0), xs.stride(0),
+            x, xq, xs, m, k, groups, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
             GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=rows, GROUPS=per,
             num_warps=warps,
         )  # fmt: skip
@@ -251,18 +256,13 @@ def padded_rows(n: int, k: int, block) -> int:
     return n
 
 
-def scaled_mm_linear(x2, weight, scale_inv, bias, n: int | None = None):
+def scaled_mm_linear(x2, weight, scale_inv, bias):
     """x2 (M, K) 16-bit @ W^T (+ bias) through ``torch._scaled_mm``: x quantised per token
-    and group of 128 columns (``quantize_act``), its scales laid out M-major and the
-    weight's K-major (transposed views), as cuBLAS's block scaling reads them. ``n``: the
-    weight's real rows (None: all); a padded weight's product is sliced (a view)."""
-    xq, xs = quantize_act(x2, 128)
-    xs_outer = xs.t().contiguous().t()  # (M, K / 128), stride (1, M)
-    y = torch._scaled_mm(
-        xq, weight.t(), scale_a=xs_outer, scale_b=scale_inv.t(), out_dtype=x2.dtype
-    )
-    if n is not None and n < y.shape[1]:
-        y = y[:, :n]
+    and group of 128 columns (``quantize_act``), its scales written M-major (strides (1,
+    M)) and the weight's K-major (a transposed view), as cuBLAS's block scaling reads
+    them."""
+    xq, xs = quantize_act(x2, 128, m_major=True)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x2.dtype)
     return y if bias is None else y + bias
 
 
@@ -321,7 +321,10 @@ def fp8_linear(
     by_rows = None if rows is None else rows.fp8
     cfg = config or plan(m, held, k, tuple(block), x.dtype == torch.float32, scaled_mm, by_rows)
     if cfg.variant == "scaled_mm":
-        return scaled_mm_linear(x2, weight, scale_inv, bias, n).view(*lead, n)
+        if n == held:
+            return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
+        y = scaled_mm_linear(x2, weight, scale_inv, None)[:, :n]  # the real rows' view
+        return (y if bias is None else y + bias).view(*lead, n)
     y = torch.empty((m, held), dtype=x.dtype, device=x.device)[:, :n]
     xs = x2  # a placeholder pointer where x is not quantised
     if cfg.variant == "w8a8":
