@@ -15,6 +15,14 @@
   Triton w8a8 plan beside it (``fp8_triton_w8a8``) and a few other Triton configs; and
   ``torch._scaled_mm`` alone with DeepSeek's scales (1 x 128 activations, 128 x 128
   weights) on the same quantised operands (activations quantised outside the timing).
+- Weights held as the model holds them: where the backend pads (``fp8_gemm.
+  padded_rows`` when ``scaled_mm`` is usable: N 576 -> 640, the packed q_a | kv_a
+  2112 -> 2176) every FP8 row runs on the padded weight with ``out_features`` = N
+  (``held`` in the row), the bf16 GEMM on the real N.
+- ``quant`` (M = 4096): ``quantize_act`` alone per K (one read of x in bf16, one write
+  of the FP8 copy and its scales): ``of_bw`` = those bytes / copy bandwidth / time, the
+  plan's tiling (``fp8_gemm.QUANT_TILE``) and, for K 7168 (or every K without
+  ``--quick``), other tilings (rows, groups a program, warps).
 Every FP8 output is checked against the torch reference first (a wrong one is
 recorded, not timed). ``summary`` gives each target's worst shape and the misses.
 """
@@ -38,6 +46,7 @@ BLOCK = (128, 128)
 SHAPES = {  # (N, K): DeepSeek-V3 (hidden 7168) and Qwen3-8B / 32B layers
     "dsv3.q_a_proj": (1536, 7168),
     "dsv3.kv_a_proj_with_mqa": (576, 7168),
+    "dsv3.qkv_a_proj": (2112, 7168),  # q_a | kv_a packed: the GEMM the model runs
     "dsv3.q_b_proj": (24576, 1536),
     "dsv3.o_proj": (7168, 16384),
     "dsv3.dense_gate_up": (36864, 7168),
@@ -56,15 +65,34 @@ DECODE_CANDIDATES = [P("w8a16", 16, n, 128, s, True, w, st) for n, s, w, st in
 PREFILL_CANDIDATES = [P("w8a8", bm, bn, 128, 1, True, w, st) for bm, bn, w, st in
                       [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
                        (128, 128, 8, 4), (256, 128, 8, 3)]]  # fmt: skip
+QUANT_M = 4096
+# (rows, groups, warps): 16, 32 or 64 elements a thread (the plan's: 16), in several shapes
+QUANT_CANDIDATES = [(16, 2, 4), (16, 4, 4), (8, 4, 4), (4, 8, 4), (1, 16, 4), (1, 8, 1),
+                    (2, 8, 2), (32, 1, 8), (8, 8, 8), (4, 4, 2)]  # fmt: skip
 
 
 def operands(n: int, k: int, copies: int = 1):
-    ws, ss = [], []
+    """``copies`` FP8 weights and their scales, each held in ``held_rows`` rows (zero
+    rows and unit scales past n, as ``Fp8BlockLinear.finish_loading`` holds them)."""
+    ws, ss, rows = [], [], held_rows(n, k)
     for _ in range(copies):
-        w = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = torch.zeros(rows, k, device="cuda", dtype=torch.float8_e4m3fn)
+        w[:n] = (torch.randn(n, k, device="cuda") * 100).clamp(-448, 448).to(w.dtype)
         ws.append(w)
-        ss.append(torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-4 + 1e-5)
+        s = torch.ones(-(-rows // 128), -(-k // 128), device="cuda")
+        s[: -(-n // 128)] = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-4 + 1e-5
+        ss.append(s)
     return ws, ss
+
+
+def held_rows(n: int, k: int) -> int:
+    """The rows the backend holds an FP8 weight of n rows in (its ``fp8_padded_rows``)."""
+    return fp8_gemm.padded_rows(n, k, BLOCK) if SCALED_MM[0] else n
+
+
+def real(w: torch.Tensor, s: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unpadded weight and scales (the reference's operands)."""
+    return w[:n], s[: -(-n // 128)]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -81,11 +109,16 @@ def with_split(cfg: fp8_gemm.Fp8Plan, m: int, n: int, k: int) -> fp8_gemm.Fp8Pla
     return cfg._replace(split_k=split)
 
 
-def fp8_time(graph: bool, x, ws, ss, cfg) -> float:
+def fp8_call(x, w, s, n: int, cfg):
+    """The FP8 GEMM as the model runs it: the held weight, its real rows ``n``."""
+    out = None if n == w.shape[0] else n
+    return fp8_gemm.fp8_linear(x, w, s, block=BLOCK, config=cfg, out_features=out)
+
+
+def fp8_time(graph: bool, x, ws, ss, n: int, cfg) -> float:
     """Microseconds per FP8 GEMM: over all the weight copies in one CUDA graph
     (decode), or ``do_bench``'s median of one (prefill)."""
-    calls = [lambda w=w, s=s: fp8_gemm.fp8_linear(x, w, s, block=BLOCK, config=cfg)
-             for w, s in zip(ws, ss)]  # fmt: skip
+    calls = [lambda w=w, s=s: fp8_call(x, w, s, n, cfg) for w, s in zip(ws, ss)]
     if graph:
         return graph_us(lambda: [c() for c in calls], 3, 20) / len(calls)
     return bench_us(calls[0])
@@ -93,17 +126,17 @@ def fp8_time(graph: bool, x, ws, ss, cfg) -> float:
 
 def candidate_rows(base: dict, cands, x, ws, ss, want, graph: bool, extra) -> list[dict]:
     """One row per candidate config: checked against ``want``, then timed."""
-    rows = []
+    rows, n = [], base["N"]
     for label, cfg in cands:
-        row = base | {"impl": f"fp8_{label}", "config": list(cfg)}
+        row = base | {"impl": f"fp8_{label}", "config": list(cfg), "held": ws[0].shape[0]}
         rows.append(row)
         try:
-            row["rel_err"] = rel_err(fp8_gemm.fp8_linear(x, ws[0], ss[0], block=BLOCK,
-                                                         config=cfg), want)  # fmt: skip
+            got = fp8_call(x, ws[0], ss[0], n, cfg)
+            row["rel_err"] = rel_err(got, want) if got.shape == want.shape else float("inf")
             if not row["rel_err"] < 2e-2:
                 row["error"] = "differs from the reference; not timed"
                 continue
-            row |= extra(fp8_time(graph, x, ws, ss, cfg))
+            row |= extra(fp8_time(graph, x, ws, ss, n, cfg))
         except Exception as exc:
             row["error"] = repr(exc)[:400]
     return rows
@@ -114,15 +147,15 @@ def decode_shape(name: str, n: int, k: int, bw: float, quick: bool) -> list[dict
     ws, ss = operands(n, k, count)
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
              for _ in range(max(2, count // 2))]  # fmt: skip
-    fp8_bytes = n * k + ss[0].numel() * 4
+    fp8_bytes = n * k + -(-n // 128) * ss[0].shape[1] * 4  # the rows read (pad rows: none)
     rows = []
     for m in DECODE_M:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        want = fp8_gemm_ref.fp8_linear(x, ws[0], ss[0], block=BLOCK)
+        want = fp8_gemm_ref.fp8_linear(x, *real(ws[0], ss[0], n), block=BLOCK)
         bf16 = graph_us(lambda x=x: [F.linear(x, w) for w in dense], 3, 20) / len(dense)
         base = {"shape": name, "N": n, "K": k, "M": m}
         rows.append(base | {"impl": "bf16_cublas", "us": bf16, "of_bw": n * k * 2 / bw / bf16})
-        cands = [("plan", fp8_gemm.plan(m, n, k, BLOCK, False, SCALED_MM[0]))]
+        cands = [("plan", fp8_gemm.plan(m, ws[0].shape[0], k, BLOCK, False, SCALED_MM[0]))]
         if not quick:
             cands += [("cand", with_split(c, m, n, k)) for c in DECODE_CANDIDATES]
 
@@ -134,13 +167,40 @@ def decode_shape(name: str, n: int, k: int, bw: float, quick: bool) -> list[dict
     return rows
 
 
-def scaled_mm_fn(x, w, s):
+def scaled_mm_fn(x, w, s, n: int):
     """torch._scaled_mm with 1x128 activation and 128x128 weight scales (DeepSeek's
-    recipe) on the same FP8 operands, or raise where this torch / GPU lacks it."""
-    xq, xs = fp8_gemm.quantize_act(x, 128)
-    xs_outer = xs.t().contiguous().t()  # M-major, as cuBLAS's block scaling wants
-    return lambda: torch._scaled_mm(xq, w.t(), scale_a=xs_outer, scale_b=s.t(),
-                                    out_dtype=torch.bfloat16)  # fmt: skip
+    recipe) on the same FP8 operands (the held weight; its first n columns), or raise
+    where this torch / GPU lacks it."""
+    xq, xs = fp8_gemm.quantize_act(x, 128, m_major=True)  # M-major, as cuBLAS reads them
+    return lambda: torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s.t(),
+                                    out_dtype=torch.bfloat16)[:, :n]  # fmt: skip
+
+
+def quant_rows(ks, quick: bool, bw: float) -> list[dict]:
+    """``quantize_act`` alone on (QUANT_M, K) bf16, per K: the plan's tiling and others."""
+    rows = []
+    for k in ks:
+        x = torch.randn(QUANT_M, k, device="cuda", dtype=torch.bfloat16)
+        rq, rs = fp8_gemm_ref.quantize_act(x, 128)
+        moved = QUANT_M * k * 3 + QUANT_M * -(-k // 128) * 4  # read 2 B, write 1 B + scales
+        tiles = [None] + ([] if quick and k != 7168 else QUANT_CANDIDATES)
+        for tile in tiles:
+            row = {"shape": "quantize_act", "M": QUANT_M, "K": k, "impl": "quant",
+                   "tile": list(tile or fp8_gemm.QUANT_TILE), "plan": tile is None}  # fmt: skip
+            rows.append(row)
+            try:
+                xq, xs = fp8_gemm.quantize_act(x, 128, tile)
+                same = torch.equal(xs, rs) and torch.equal(xq.view(torch.uint8),
+                                                           rq.view(torch.uint8))  # fmt: skip
+                if not same:
+                    row["error"] = "differs from the reference; not timed"
+                    continue
+                us = bench_us(lambda x=x, tile=tile: fp8_gemm.quantize_act(x, 128, tile))
+                row |= {"us": us, "GBps": moved / us / 1e3, "of_bw": moved / bw / us}
+            except Exception as exc:
+                row["error"] = repr(exc)[:400]
+        print([r for r in rows if r["K"] == k], flush=True)
+    return rows
 
 
 def prefill_shape(name: str, n: int, k: int, quick: bool) -> list[dict]:
@@ -153,8 +213,8 @@ def prefill_shape(name: str, n: int, k: int, quick: bool) -> list[dict]:
         bf16 = bench_us(lambda x=x: F.linear(x, dense))
         base = {"shape": name, "N": n, "K": k, "M": m}
         rows.append(base | {"impl": "bf16_cublas", "us": bf16, "tflops": flops / bf16 / 1e6})
-        want = fp8_gemm_ref.fp8_linear_w8a8(x, ws[0], ss[0], block=BLOCK)
-        cands = [("plan", fp8_gemm.plan(m, n, k, BLOCK, False, SCALED_MM[0]))]
+        want = fp8_gemm_ref.fp8_linear_w8a8(x, *real(ws[0], ss[0], n), block=BLOCK)
+        cands = [("plan", fp8_gemm.plan(m, ws[0].shape[0], k, BLOCK, False, SCALED_MM[0]))]
         if SCALED_MM[0]:  # the Triton plan the scaled_mm variant replaces, beside it
             cands.append(("triton_w8a8", fp8_gemm.plan(m, n, k, BLOCK, False)))
         if not quick:
@@ -167,7 +227,7 @@ def prefill_shape(name: str, n: int, k: int, quick: bool) -> list[dict]:
         row = base | {"impl": "torch_scaled_mm_blockwise"}
         rows.append(row)
         try:
-            fn = scaled_mm_fn(x, ws[0], ss[0])
+            fn = scaled_mm_fn(x, ws[0], ss[0], n)
             row["rel_err"] = rel_err(fn(), want)
             row |= extra(bench_us(fn))  # the GEMM alone (activations quantised outside)
         except Exception as exc:
@@ -190,6 +250,20 @@ def prefill_rows(quick: bool) -> list[dict]:
         rows += prefill_shape(name, n, k, quick)
         torch.cuda.empty_cache()
     return rows
+
+
+def quant_best(rows: list[dict]) -> dict:
+    """Per K: the plan tiling's ``of_bw`` and the best tiling measured."""
+    out = {}
+    for r in rows:
+        if "of_bw" not in r:
+            continue
+        at = out.setdefault(str(r["K"]), {"plan_of_bw": None, "best": None, "best_of_bw": 0.0})
+        if r["plan"]:
+            at["plan_of_bw"] = round(r["of_bw"], 3)
+        if r["of_bw"] > at["best_of_bw"]:
+            at["best"], at["best_of_bw"] = r["tile"], round(r["of_bw"], 3)
+    return out
 
 
 def summary(decode: list[dict], prefill: list[dict]) -> dict:
@@ -234,9 +308,12 @@ def main() -> None:
     print({"scaled_mm_supported": SCALED_MM[0]}, flush=True)
     decode = decode_rows(bw, args.quick)
     prefill = prefill_rows(args.quick)
+    quant = quant_rows(sorted({k for _, k in SHAPES.values()}), args.quick, bw)
     payload = {"env": environment(), "ceilings": ceilings, "block": list(BLOCK),
                "scaled_mm_supported": SCALED_MM[0],
-               "summary": summary(decode, prefill), "decode": decode, "prefill": prefill}  # fmt: skip
+               "summary": summary(decode, prefill), "decode": decode, "prefill": prefill,
+               "quant": quant}  # fmt: skip
+    payload["summary"]["quant_best"] = quant_best(quant)
     print(payload["summary"])
     save_json(args.out, payload)
     if os.environ.get("OUT"):

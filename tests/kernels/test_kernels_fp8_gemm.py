@@ -200,6 +200,7 @@ def test_bad_operands_are_refused():
 REAL_SHAPES = [  # (name, N, K): DeepSeek-V3 and Qwen3 layers, 128 x 128 blocks
     ("dsv3.q_a_proj", 1536, 7168),
     ("dsv3.kv_a_proj_with_mqa", 576, 7168),
+    ("dsv3.qkv_a_proj", 2112, 7168),  # q_a | kv_a packed
     ("dsv3.q_b_proj", 24576, 1536),
     ("dsv3.o_proj", 7168, 16384),
     ("dsv3.mlp.gate_up", 36864, 7168),
@@ -235,7 +236,9 @@ def test_kernel_on_real_shapes_gpu(m, name, n, k):
 def test_scaled_mm_variant_matches_the_reference_gpu(m, name, n, k):
     """On sm_90+ with this torch the backend found ``torch._scaled_mm``'s block scaling
     (probed at construction), its ``fp8_linear`` plans prefill rows to it, and the result
-    equals the w8a8 reference (the same FP8 activations) on real shapes."""
+    equals the w8a8 reference (the same FP8 activations) on real shapes; N not in whole
+    128-row blocks (576, 2112) runs on the weight held padded as the backend's
+    ``fp8_padded_rows`` says (zero rows), sliced to N."""
     import torch.nn.functional as F
 
     device = torch.device("cuda")
@@ -244,12 +247,14 @@ def test_scaled_mm_variant_matches_the_reference_gpu(m, name, n, k):
     assert fp8_gemm.scaled_mm_supported(device), "this torch's block-scaled _scaled_mm failed"
     backend = get_backend(device)
     block = (128, 128)
-    if not fp8_gemm.scaled_mm_shape(n, k, block):  # N = 576: the Triton plans
-        assert fp8_gemm.plan(m, n, k, block, False, True).variant == "w8a8"
-        return
-    assert fp8_gemm.plan(m, n, k, block, False, True).variant == "scaled_mm"
+    rows = backend.fp8_padded_rows(n, k, block)
+    assert fp8_gemm.scaled_mm_shape(n, k, block) == (rows == n)
+    assert fp8_gemm.plan(m, rows, k, block, False, True).variant == "scaled_mm"
     x, w, s, b = operands(m, n, k, block, torch.bfloat16, seed=m + n, device="cuda")
-    got = backend.fp8_linear(x, w, s, b, block=block)
+    hw = torch.zeros(rows, k, dtype=w.dtype, device=device)
+    hs = torch.ones(-(-rows // 128), s.shape[1], device=device)
+    hw[:n], hs[: s.shape[0]] = w, s
+    got = backend.fp8_linear(x, hw, hs, b, block=block, out_features=n)
     want = fp8_gemm_ref.fp8_linear_w8a8(x, w, s, b, block=block)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert rel_err(got, want) <= 1e-2, name

@@ -64,11 +64,16 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 UNQUANTISED = ("embed_tokens", "lm_head", "norm", "layernorm", "mlp.gate.weight")
 NOT_CONVERTED = {
     "deepseek_v3": ("kv_a_proj_with_mqa",),
+    "deepseek_v3_qkv": ("layers.0.mlp.down_proj",),  # its q_a | kv_a GEMM in FP8
+    "deepseek_v2": ("layers.0.mlp.down_proj",),
     "mimo": ("layers.0.self_attn.o_proj",),
     "qwen3": ("layers.1.mlp.down_proj",),
 }
 SAVE = {
     "deepseek_v3": lambda path: save_tiny_deepseek(3, path),
+    # q_lora 48: q_a_proj in whole 16-row blocks, so q_a | kv_a (80 rows) stays FP8
+    "deepseek_v3_qkv": lambda path: save_tiny_deepseek(3, path, q_lora_rank=48),
+    "deepseek_v2": lambda path: save_tiny_deepseek(2, path),  # kv_a_proj_with_mqa alone
     "mimo": save_tiny_mimo,
     "qwen3": lambda path: save_tiny_model("qwen3", path, num_hidden_layers=4),
 }

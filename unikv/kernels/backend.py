@@ -50,6 +50,7 @@ from unikv.kernels.linear.protocols import (
     Argmax,
     EmbedRMSNormLinear,
     Fp8Linear,
+    Fp8PaddedRows,
     GatedRMSNorm,
     GeluTanhMul,
     Linear,
@@ -98,7 +99,7 @@ SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax", "relu_square_linear")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
-QUANT_OPS = ("fp8_linear", "moe_fp8")
+QUANT_OPS = ("fp8_linear", "fp8_padded_rows", "moe_fp8")
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
        + SANDWICH_OPS + ACTIVATION_OPS + ROPE_PAIR_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS
        + QUANT_OPS)  # fmt: skip
@@ -179,6 +180,10 @@ class KernelBackend:
     # planned per row count, ``fp8_gemm.plan``) or the torch reference (dequantise, then
     # multiply in fp32)
     fp8_linear: Fp8Linear
+    # (n, k, block) -> the rows an FP8 weight is held in (zero rows past n) so that
+    # ``fp8_linear``'s fastest prefill variant takes it: ``fp8_gemm.padded_rows`` where
+    # ``torch._scaled_mm`` runs, else n; asked once per layer at load
+    fp8_padded_rows: Fp8PaddedRows
     # the fused MoE over block-scaled FP8 experts: Triton (``kernels/moe/fp8.moe_fp8``:
     # each weight tile dequantised in registers inside the fused kernels) or the torch
     # reference (``fp8_gemm_ref.moe_fp8``: the experts dequantised per call, then ``moe``)
@@ -441,6 +446,7 @@ def _triton(flags: Flags) -> KernelBackend:
         argmax,
         elementwise,
         fp8_gemm,
+        fp8_gemm_ref,
         gemv,
         rope_pairs,
         sandwich,
@@ -505,6 +511,7 @@ def _triton(flags: Flags) -> KernelBackend:
             if flags.fp8_scaled_mm
             else fp8_gemm.fp8_linear
         ),
+        fp8_padded_rows=fp8_gemm.padded_rows if flags.fp8_scaled_mm else fp8_gemm_ref.padded_rows,
         moe_fp8=moe_fp8.moe_fp8,
     )
 
@@ -549,6 +556,7 @@ def _torch() -> KernelBackend:
         moe=moe_ref.fused_moe,
         moe_repacked=_no_repack,
         fp8_linear=fp8_gemm_ref.fp8_linear,
+        fp8_padded_rows=fp8_gemm_ref.padded_rows,
         moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe_ref.fused_moe),
     )
 

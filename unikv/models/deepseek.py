@@ -159,6 +159,9 @@ class MLAttention(nn.Module):
     # read as matrices (absorbed into the queries, or the expanded form's up-projection):
     # an FP8 checkpoint's kv_b_proj is dequantised at load (``fp8_linear``)
     dense_linears = ("kv_b_proj",)
+    # read through views only (split along the last dim): an FP8 one may be held padded
+    # to whole 128-row blocks for the prefill GEMM (``fp8_linear.Fp8BlockLinear``)
+    strided_outputs = ("qkv_a_proj", "kv_a_proj_with_mqa")
 
     def __init__(self, config: ModelConfig, layer: int, rotary: DeepseekRotary, tp=None) -> None:
         super().__init__()

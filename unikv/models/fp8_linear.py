@@ -22,6 +22,14 @@ are kept in FP8 too (``RoutedExperts.keep_fp8``: the stacks hold the file's byte
 scales, run by the backend's ``moe_fp8``); experts stored stacked by the family itself
 (Granite-4.0-H's ``input_linear``) are dequantised at load.
 
+Held padded: an owner that reads a linear's output only through views (it splits the
+last dim: DeepSeek's ``qkv_a_proj``, 2112 rows, and ``kv_a_proj_with_mqa``, 576) names it
+in ``strided_outputs``; after the weights load (``finish_loading``) such a linear's
+weight and scales are re-held in the rows the backend's prefill GEMM wants
+(``fp8_padded_rows``: whole 128-row blocks for ``torch._scaled_mm``), zero rows and unit
+scales past the real ones, once; ``weight`` / ``weight_scale_inv`` stay the file's
+values (views of the first rows) and its output is the real rows' view.
+
 Tensor parallelism: a column-parallel FP8 linear shards its weight and scales by rows,
 a row-parallel one by columns; a rank's slice must be whole blocks (a size that cuts a
 scale block is refused here, before any weight loads). The scales then shard like the
@@ -51,7 +59,8 @@ class Fp8BlockLinear(nn.Module):
     (bn, bk)); ``bias`` in the model dtype. ``parallel``: None, "column" (this rank's
     rows) or "row" (this rank's columns: as ``parallel.RowParallelLinear``, the partial
     products all-reduced over ``tp`` unless ``reduce`` is False, the bias added where
-    ``adds_bias``, so the group's sum counts it once)."""
+    ``adds_bias``, so the group's sum counts it once). ``pads``: its owner reads the
+    output through views only, so it may be held padded (module docstring)."""
 
     def __init__(
         self,
@@ -66,8 +75,10 @@ class Fp8BlockLinear(nn.Module):
         tp=None,
         reduce: bool = True,
         adds_bias: bool = True,
+        pads: bool = False,
     ) -> None:
         super().__init__()
+        assert not (pads and parallel == "row"), "a padded output is never all-reduced"
         bn, bk = block
         self.in_features, self.out_features, self.block = in_features, out_features, block
         fp8 = torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
@@ -79,6 +90,9 @@ class Fp8BlockLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.ops, self.parallel, self.tp = ops, parallel, tp
         self.reduce, self.adds_bias = reduce, adds_bias and bias is not None  # host bools
+        self.pads, self.padded = pads, False  # host bools (``finish_loading``)
+        self.register_buffer("held_weight", None, persistent=False)
+        self.register_buffer("held_scale_inv", None, persistent=False)
         if parallel == "column":
             self.tp_shards = {"weight": 0, "weight_scale_inv": 0, "bias": 0}
         elif parallel == "row":
@@ -92,9 +106,36 @@ class Fp8BlockLinear(nn.Module):
             if self.reduce:
                 out = self.tp.all_reduce(out)
             return out + self.bias if self.adds_bias else out
+        if self.padded:  # a host bool fixed at load: the real rows' view of the padded GEMM
+            return self.ops.fp8_linear(
+                x, self.held_weight, self.held_scale_inv, self.bias, block=self.block,
+                rows=step_rows(), out_features=self.out_features,
+            )  # fmt: skip
         return self.ops.fp8_linear(
             x, self.weight, self.weight_scale_inv, self.bias, block=self.block, rows=step_rows()
         )
+
+    def finish_loading(self) -> None:
+        """After the weights load (``loader.load_model``), where ``pads``: the weight and
+        scales re-held in ``ops.fp8_padded_rows`` rows (zero weight rows, unit scale rows
+        past the file's), ``weight`` and ``weight_scale_inv`` then views of their first
+        rows (the file's values, the same storage); nothing where the backend wants no
+        more rows."""
+        n, k = self.weight.shape
+        held = self.ops.fp8_padded_rows(n, k, self.block) if self.pads else n
+        if self.padded or held == n:
+            return
+        assert held > n, "fp8_padded_rows returns at least the weight's rows"
+        scales = self.weight_scale_inv
+        weight = torch.zeros(held, k, dtype=self.weight.dtype, device=self.weight.device)
+        scale = torch.ones(math.ceil(held / self.block[0]), scales.shape[1], device=scales.device)
+        with torch.no_grad():
+            weight[:n] = self.weight
+            scale[: scales.shape[0]] = scales
+        self.held_weight, self.held_scale_inv = weight, scale
+        self.weight = nn.Parameter(weight[:n], requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale[: scales.shape[0]], requires_grad=False)
+        self.padded = True
 
     def extra_repr(self) -> str:
         return (
@@ -152,6 +193,7 @@ def keep_fp8(
         owner = model.get_submodule(owner_name)
         if attr in getattr(owner, "dense_linears", ()):
             continue
+        pads = attr in getattr(owner, "strided_outputs", ())
         parts = packed.get(f"{name}.weight", (f"{name}.weight",))
         if not all(has(p) and has(p + SCALE_SUFFIX) for p in parts):
             continue
@@ -165,6 +207,7 @@ def keep_fp8(
             module.in_features, module.out_features, bias, fp8.block, ops,
             device=module.weight.device, parallel=parallel, tp=tp,
             reduce=getattr(module, "reduce", True), adds_bias=getattr(module, "adds_bias", True),
+            pads=pads,
         )  # fmt: skip
         if parallel is not None:
             _check_tp(name, new, tp, full if parallel == "column" else [shape(parts[0])[1]])

@@ -27,6 +27,13 @@ planner (a CUDA graph's: its captured batch size's); ``plan`` adds the layer's p
 
     grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k)   grouped along M for L2 reuse
 
+A weight whose N is not whole 128-row blocks (DeepSeek's kv_a_proj_with_mqa, 576, and
+its packed q_a | kv_a, 2112) is held padded (``padded_rows``: zero rows, finite scale
+rows, made once at load by ``models/fp8_linear.Fp8BlockLinear``) so ``scaled_mm`` takes
+it; ``out_features`` names the real rows. Every variant then returns the (M, N) view of
+an (M, N padded) buffer: ``scaled_mm`` multiplies the padded weight, the Triton
+variants mask at N (the pad rows are never read), the reference slices its product.
+
 fp32 inputs run the dot in IEEE fp32 (no TF32), so fp32 models match a model whose
 weights are the dequantised ones to rounding.
 """
@@ -53,7 +60,10 @@ SCALED_MM_MIN_ROWS = 256  # cuBLAS's block-scaled GEMM from here (prefill), wher
 SCALED_MM_BLOCK = (128, 128)
 TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100: split K below this
 MIN_K_PER_SPLIT = 512
-QUANT_ROWS = 16  # rows of x a program of the activation quantisation takes
+# the activation quantisation's tiling (``quantize_act``): rows and groups of x a
+# program takes, its warps; candidates in ``bench_fp8_gemm.py`` (not yet tuned on a GPU:
+# this is the tiling the first version ran, one group of 16 rows a program)
+QUANT_TILE = (16, 1, 4)
 # w8a16 (block_m, block_n, warps, stages) by ``Fp8Rows.tile``: M <= 16, <= 64, more
 TILES = ((16, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3))
 
@@ -123,22 +133,25 @@ def plan(
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """One program per ROWS rows and one group: xs = max(amax / 448, 1e-12),
-    xq = fp8(x / xs)."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm, stride_sm,
+                      stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                      GROUPS: tl.constexpr):  # fmt: skip
+    """One program per ROWS rows and GROUPS groups (one read of x, one write of xq and
+    of the scales): xs = max(amax / 448, 1e-12), xq = fp8(x / xs)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    grp = tl.program_id(1)
-    cols = grp * GROUP + tl.arange(0, BLOCK)
-    col_ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
-    mask = (rows < M)[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)  # (ROWS,)
-    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-    tl.store(q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty),
-             mask=mask)  # fmt: skip
-    tl.store(s_ptr + rows * stride_sm + grp, scale, mask=rows < M)
+    grps = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    lane = tl.arange(0, BLOCK)
+    cols = grps[:, None] * GROUP + lane[None, :]  # (GROUPS, BLOCK)
+    col_ok = (lane < GROUP)[None, :] & (cols < K) & (grps < n_groups)[:, None]
+    mask = (rows < M)[:, None, None] & col_ok[None, :, :]
+    offs = rows[:, None, None] * stride_xm + cols[None, :, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=2) / 448.0, 1e-12)  # (ROWS, GROUPS)
+    q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
+    q_offs = rows[:, None, None] * stride_qm + cols[None, :, :]
+    tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    s_ok = (rows < M)[:, None] & (grps < n_groups)[None, :]
+    tl.store(s_ptr + rows[:, None] * stride_sm + grps[None, :] * stride_sg, scale, mask=s_ok)
 
 
 @triton.jit
@@ -198,18 +211,28 @@ def _fp8_gemm_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(
+    x: torch.Tensor, group: int, tile: tuple[int, int, int] | None = None, *, m_major=False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) 16-bit, unit stride along K -> (xq (M, K) fp8, scales (M, cdiv(K, group))
-    fp32): ``fp8_gemm_ref.quantize_act`` in one launch."""
+    fp32): ``fp8_gemm_ref.quantize_act`` in one launch. ``tile``: (rows, groups a
+    program, warps), powers of two; None: ``QUANT_TILE`` (the benchmark's sweep).
+    ``m_major``: the scales written M-major (strides (1, M)), as cuBLAS's block scaling
+    reads them (``scaled_mm_linear``), else row-major."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
     xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m_major:
+        xs = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        xs = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
-        block, rows = triton.next_power_of_2(group), QUANT_ROWS
-        _act_quant_kernel[(triton.cdiv(m, rows), groups)](
-            x, xq, xs, m, k, x.stride(0), xq.stride(0), xs.stride(0),
-            GROUP=group, BLOCK=block, ROWS=rows,
+        rows, per, warps = QUANT_TILE if tile is None else tile
+        per = min(per, triton.next_power_of_2(groups))
+        _act_quant_kernel[(triton.cdiv(m, rows), triton.cdiv(groups, per))](
+            x, xq, xs, m, k, groups, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1),
+            GROUP=group, BLOCK=triton.next_power_of_2(group), ROWS=rows, GROUPS=per,
+            num_warps=warps,
         )  # fmt: skip
     return xq, xs
 
@@ -223,15 +246,23 @@ def scaled_mm_shape(n: int, k: int, block) -> bool:
     return tuple(block) == SCALED_MM_BLOCK and n % 128 == 0 and k % 512 == 0
 
 
+def padded_rows(n: int, k: int, block) -> int:
+    """The rows an FP8 weight W (n, k) in blocks ``block`` is held in so the ``scaled_mm``
+    variant takes it: n up to whole 128-row blocks where only N stands in the way (128 x
+    128 blocks, K in whole groups of four scale columns), else n. Asked once per layer at
+    load, through the backend's ``fp8_padded_rows`` (where ``scaled_mm_supported``)."""
+    if tuple(block) == SCALED_MM_BLOCK and k % 512 == 0:
+        return triton.cdiv(n, 128) * 128
+    return n
+
+
 def scaled_mm_linear(x2, weight, scale_inv, bias):
     """x2 (M, K) 16-bit @ W^T (+ bias) through ``torch._scaled_mm``: x quantised per token
-    and group of 128 columns (``quantize_act``), its scales laid out M-major and the
-    weight's K-major (transposed views), as cuBLAS's block scaling reads them."""
-    xq, xs = quantize_act(x2, 128)
-    xs_outer = xs.t().contiguous().t()  # (M, K / 128), stride (1, M)
-    y = torch._scaled_mm(
-        xq, weight.t(), scale_a=xs_outer, scale_b=scale_inv.t(), out_dtype=x2.dtype
-    )
+    and group of 128 columns (``quantize_act``), its scales written M-major (strides (1,
+    M)) and the weight's K-major (a transposed view), as cuBLAS's block scaling reads
+    them."""
+    xq, xs = quantize_act(x2, 128, m_major=True)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x2.dtype)
     return y if bias is None else y + bias
 
 
@@ -269,25 +300,32 @@ def fp8_linear(
     config: Fp8Plan | None = None,
     scaled_mm: bool = False,
     rows: RowsPlan | None = None,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ W^T (+ bias) -> (..., N) in x.dtype, W = weight * its block scales.
     ``config``: a plan to use instead of ``plan``'s (the benchmark's sweep); ``scaled_mm``:
     the backend found ``torch._scaled_mm``'s block scaling usable (``plan`` may pick it);
     ``rows``: the step's plan (its ``fp8``: the choice by rows, which already holds
-    ``scaled_mm``); None: ``row_choice`` of x's rows."""
-    check_operands(x, weight, scale_inv, block)
+    ``scaled_mm``); None: ``row_choice`` of x's rows. ``out_features``: N, the weight's
+    real rows where it is held padded (``padded_rows``); the result is then the (..., N)
+    view of a buffer of the padded rows (module docstring)."""
+    check_operands(x, weight, scale_inv, block, out_features)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, n = x2.shape[0], weight.shape[0]
+    m, held = x2.shape[0], weight.shape[0]
+    n = held if out_features is None else out_features
     if m == 0:
         return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
     by_rows = None if rows is None else rows.fp8
-    cfg = config or plan(m, n, k, tuple(block), x.dtype == torch.float32, scaled_mm, by_rows)
+    cfg = config or plan(m, held, k, tuple(block), x.dtype == torch.float32, scaled_mm, by_rows)
     if cfg.variant == "scaled_mm":
-        return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        if n == held:
+            return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
+        y = scaled_mm_linear(x2, weight, scale_inv, None)[:, :n]  # the real rows' view
+        return (y if bias is None else y + bias).view(*lead, n)
+    y = torch.empty((m, held), dtype=x.dtype, device=x.device)[:, :n]
     xs = x2  # a placeholder pointer where x is not quantised
     if cfg.variant == "w8a8":
         x2, xs = quantize_act(x2, block[1])

@@ -32,9 +32,12 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ACT_SCALE_MIN = 1e-12  # an all-zero group keeps a finite scale
 
 
-def check_operands(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block) -> None:
+def check_operands(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block, out_features=None
+) -> None:
     """ValueError unless x is (..., K) float, weight (N, K) float8_e4m3fn and scale_inv
-    fp32 (ceil(N / bn), ceil(K / bk))."""
+    fp32 (ceil(N / bn), ceil(K / bk)), and ``out_features`` (the real rows of a weight
+    held padded) None or 1..N."""
     bn, bk = block
     n, k = weight.shape if weight.dim() == 2 else (None, None)
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
@@ -52,6 +55,11 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
         raise ValueError(
             f"fp8_linear: scale_inv must be fp32 of shape {expected} (weight {tuple(weight.shape)}"
             f" in blocks of {list(block)}), got {scale_inv.dtype} {tuple(scale_inv.shape)}"
+        )
+    if out_features is not None and not 0 < out_features <= n:
+        raise ValueError(
+            f"fp8_linear: out_features (the weight's real rows) must be 1..{n} for a weight "
+            f"held as {tuple(weight.shape)}, got {out_features}"
         )
 
 
@@ -71,14 +79,24 @@ def fp8_linear(
     *,
     block: tuple[int, int],
     rows: RowsPlan | None = None,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """x (..., K) @ dequantize(weight, scale_inv)^T (+ bias) in fp32 -> (..., N) in x.dtype
-    (one path at every row count: ``rows``, the step's plan, changes nothing)."""
-    check_operands(x, weight, scale_inv, block)
-    out = F.linear(x.float(), dequantize(weight, scale_inv, block))
+    (one path at every row count: ``rows``, the step's plan, changes nothing).
+    ``out_features``: N, the real rows of a weight held padded (``padded_rows``): the
+    product of every held row, then its first N columns (a view, as the GPU's)."""
+    check_operands(x, weight, scale_inv, block, out_features)
+    n = weight.shape[0] if out_features is None else out_features
+    out = F.linear(x.float(), dequantize(weight, scale_inv, block))  # (..., held rows)
     if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+        out[..., :n] += bias.float()
+    out = out.to(x.dtype)
+    return out if n == weight.shape[0] else out[..., :n]
+
+
+def padded_rows(n: int, k: int, block) -> int:
+    """The reference multiplies any shape: an FP8 weight is held as it is (n rows)."""
+    return n
 
 
 def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

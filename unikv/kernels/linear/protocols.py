@@ -287,10 +287,21 @@ class Fp8Linear(Protocol):
         *,
         block: tuple[int, int],
         rows: RowsPlan | None = None,
+        out_features: int | None = None,
     ) -> torch.Tensor:
         """x (..., K) @ W^T (+ bias) -> (..., N) in x's dtype, W the block-scaled FP8
         weight (N, K) float8_e4m3fn times ``scale_inv`` (ceil(N / bn), ceil(K / bk))
-        fp32 per block ``(bn, bk)``."""
+        fp32 per block ``(bn, bk)``. ``out_features``: the real rows of a weight held
+        padded (``Fp8PaddedRows``; zero rows past them): the result is (..., out_features),
+        possibly a view with the padded row stride."""
+        ...
+
+
+class Fp8PaddedRows(Protocol):
+    def __call__(self, n: int, k: int, block: tuple[int, int]) -> int:
+        """The rows (>= n) to hold an FP8 weight (n, k) in blocks ``block`` in, so the
+        backend's fastest prefill variant takes it (n: held as it is); asked once per
+        layer at load."""
         ...
 
 
