@@ -502,7 +502,7 @@ class PrefixCache:
         if states is not None and node is not None:
             node_id = node.node_id
             if drop and node_id in states.lru:
-                states.drop([node_id])
+                states.drop([node_id], superseded=True)
             else:
                 states.demote(node_id)
 
