@@ -382,6 +382,14 @@ class StateCheckpoints:
         self._copy(src.astype(np.int64), PhysicalPageIds(written[p], book.name))
         self.copied += len(queued)
 
+    def _cancel(self, vids: set[int]) -> None:
+        """Take the queued copies into checkpoint slots ``vids`` (dropped before the
+        step's ``flush``: a take of the same step that evicted one for its room) off
+        the queue: no bytes to keep, so no flush mid-step, which cost a second table
+        write and copy in the step (issue 41). Their slots' binds were host-only."""
+        if self.queued and vids:
+            self.queued = [pair for pair in self.queued if pair[1] not in vids]
+
     def flush_for(self, vids: Iterable[int]) -> None:
         """``flush`` if a queued checkpoint reads or writes one of Mamba virtual ids
         ``vids`` (its source or its slot), so the others of the step stay in one copy."""
@@ -499,7 +507,9 @@ class StateCheckpoints:
     def drop(self, node_ids: list[int], superseded: bool = False) -> None:
         """Free the checkpoints of ``node_ids`` that have one (their nodes are gone,
         or, ``superseded``, a later take of the same request replaced them: counted
-        apart from evictions)."""
+        apart from evictions). A copy into one of their slots queued this step is not
+        made (``_cancel``): its bytes would go unread."""
+        self._cancel({self.by_node[i] for i in node_ids if i in self.by_node})
         self.flush_for(self.by_node.get(i, -1) for i in node_ids)
         if self.host is not None:
             self.host.drop_checkpoints(node_ids)
@@ -532,8 +542,8 @@ class StateCheckpoints:
         a lookup reaches each, each ancestor walked once), passed by the caller so the checkpoints hold nothing above them; with a
         host tier the reachable ones go to the host (None: none is spilled)."""
         victims = self.victims(count)
-        self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if reachable is not None and self.host is not None and victims:  # spill first
+            self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
             marks = np.array(reachable(victims), bool)
             copy = self.host.spill_checkpoints(self, victims, vids, marks)
