@@ -18,8 +18,9 @@ checkpoint demoted once the next turn takes its own: ``supersede_turns`` of
 admitted in arrival order: ``hits_first`` off, as before issue 41's hits-first
 admission, ``PrefixCaching.pick``). Each row: hit rate, steps and steps with
 prefill rows (each an eager extend step on a GPU), prefill tokens saved,
-evicted pages, checkpoint copies, checkpoints gone (evicted or dropped) and those a
-take's room evicted besides the one it supersedes, the checkpoints' bytes held
+evicted pages, checkpoint copies, checkpoints evicted and those a take's room
+evicted, those a later take of the same request superseded (re-keyed or dropped:
+not evictions), the checkpoints' bytes held
 (mean and peak over steps), and compaction's waits for the forward (``forward_waits``,
 a host sync on a GPU) and ``page_moves``.
 
@@ -121,7 +122,7 @@ def chat_rounds(seed: int) -> list[list[sim.Turn]]:
 class _NoStates:
     """The checkpoint counters of a pool without state (gpt-oss): all zero."""
 
-    saved = evicted = evicted_by_takes = 0
+    saved = evicted = evicted_by_takes = superseded = 0
 
     def __init__(self) -> None:
         self.by_node: dict = {}
@@ -153,7 +154,8 @@ class Engine:
         evicted = self.alloc.prefix.counters()["evicted_pages"]
         states = self.alloc.parts.prefix.states or _NoStates()
         by_takes = lambda: getattr(states, "evicted_by_takes", 0)  # (a newer counter)
-        saved, gone, taking = states.saved, states.evicted, by_takes()
+        superseded = lambda: getattr(states, "superseded", 0)  # (newer still)
+        saved, gone, taking, replaced = states.saved, states.evicted, by_takes(), superseded()
         waits, moves = self.waits, self.alloc.parts.writer.moves
         for round_ in rounds:
             for turn in round_:
@@ -175,10 +177,12 @@ class Engine:
             "steps": trace.steps[0],
             "prefill_steps": trace.steps[1],  # steps with prefill rows (eager on a GPU)
             "checkpoint_copies": states.saved - saved,
-            # checkpoints gone (evicted or dropped as superseded), and of them those a
-            # take's room evicted besides the one it superseded (issue 41)
+            # checkpoints evicted (room made, or gone with their node), of them those a
+            # take's room evicted, and those a take of the same request superseded
+            # (re-keyed or dropped: not evictions since issue 41's item 2)
             "checkpoints_evicted": states.evicted - gone,
             "checkpoints_evicted_by_takes": by_takes() - taking,
+            "checkpoints_superseded": superseded() - replaced,
             "forward_waits": self.waits - waits,
             "page_moves": self.alloc.parts.writer.moves - moves,
             "checkpoint_bytes_held_mean": float(np.mean(held)) * self.slot_bytes,

@@ -68,7 +68,16 @@ class Spy:
                 self.now["checkpoints"].append(int(slot))
             return checkpoint(slot, *args, **kwargs)
 
+        both = verbs.share_checkpoint  # (insert and checkpoint in one chain walk)
+
+        def shared_and_checkpointed(slot, *args, **kwargs):
+            if self.inside:
+                self.now["inserts"].append(int(slot))
+                self.now["checkpoints"].append(int(slot))
+            return both(slot, *args, **kwargs)
+
         policy._after_one, verbs.insert, verbs.checkpoint = visit, inserted, checkpointed
+        verbs.share_checkpoint = shared_and_checkpointed
         policy.after_step = after_step
         sched = llm.scheduler
         schedule = sched.schedule

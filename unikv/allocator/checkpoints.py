@@ -134,6 +134,10 @@ class StateCheckpoints:
         self.carried: set[int] = set()
         self.free_vids = list(range(book.num_virtual - 1, base - 1, -1))  # pop() gives the lowest
         self.saved = self.restored = self.evicted = 0
+        # a request's own checkpoints a later take of it superseded and dropped (its
+        # slot re-keyed or freed): the policy's choice, not room made, so not ``evicted``
+        # (the cost rule reads that as pressure: ``PrefixVerbs.evicted``)
+        self.superseded = 0
         # checkpoints the room maker evicted for a take (``save``), the one it
         # supersedes not counted: another chain's, which a later hit may have wanted
         self.evicted_by_takes = 0
@@ -223,7 +227,7 @@ class StateCheckpoints:
             self._keep(slot, node_id, vid_old, tokens, turn_end, junction)
             return True
         if old is not None and drop:
-            self.drop([old])  # its slot is the take's room
+            self.drop([old], superseded=True)  # its slot is the take's room
         if written is None:
             evicted = self.evicted
             room = reserve({self.book.name: 1})
@@ -251,12 +255,12 @@ class StateCheckpoints:
 
     def _rekey(self, node_id: int) -> int:
         """Node ``node_id``'s checkpoint slot, taken from it (still bound) for a take
-        that supersedes it; counted as evicted, as the drop it replaces was (the cost
-        rule's pressure signal reads that count)."""
+        that supersedes it; counted as ``superseded``, not evicted: no room was made
+        (the cost rule's pressure signal reads the evictions)."""
         self.flush_for([self.by_node[node_id]])  # (a copy into it queued: bytes first)
         vid = self.by_node.pop(node_id)
         self._forget(node_id)
-        self.evicted += 1
+        self.superseded += 1
         return vid
 
     def _keep(
@@ -351,7 +355,7 @@ class StateCheckpoints:
         demote it, if it is still evictable here."""
         if old is not None and old in self.lru:
             if drop:
-                self.drop([old])
+                self.drop([old], superseded=True)
             else:
                 self.demote(old)
 
@@ -377,6 +381,14 @@ class StateCheckpoints:
         written = self.writer.write(patch)  # with the step's staged drops and evictions
         self._copy(src.astype(np.int64), PhysicalPageIds(written[p], book.name))
         self.copied += len(queued)
+
+    def _cancel(self, vids: set[int]) -> None:
+        """Take the queued copies into checkpoint slots ``vids`` (dropped before the
+        step's ``flush``: a take of the same step that evicted one for its room) off
+        the queue: no bytes to keep, so no flush mid-step, which cost a second table
+        write and copy in the step (issue 41). Their slots' binds were host-only."""
+        if self.queued and vids:
+            self.queued = [pair for pair in self.queued if pair[1] not in vids]
 
     def flush_for(self, vids: Iterable[int]) -> None:
         """``flush`` if a queued checkpoint reads or writes one of Mamba virtual ids
@@ -492,8 +504,12 @@ class StateCheckpoints:
         ids = PhysicalPageIds(self.writer.upload(src, wide=wide), name)
         self.pool.move_pages(name, ids, dst, check=False)
 
-    def drop(self, node_ids: list[int]) -> None:
-        """Free the checkpoints of ``node_ids`` that have one (their nodes are gone)."""
+    def drop(self, node_ids: list[int], superseded: bool = False) -> None:
+        """Free the checkpoints of ``node_ids`` that have one (their nodes are gone,
+        or, ``superseded``, a later take of the same request replaced them: counted
+        apart from evictions). A copy into one of their slots queued this step is not
+        made (``_cancel``): its bytes would go unread."""
+        self._cancel({self.by_node[i] for i in node_ids if i in self.by_node})
         self.flush_for(self.by_node.get(i, -1) for i in node_ids)
         if self.host is not None:
             self.host.drop_checkpoints(node_ids)
@@ -504,7 +520,10 @@ class StateCheckpoints:
             array = np.array(vids, np.int32)
             self.writer.unbind(self.book, array, self.fences.unbind(self.book, array))
             self.free_vids.extend(vids)
-            self.evicted += len(vids)
+            if superseded:
+                self.superseded += len(vids)
+            else:
+                self.evicted += len(vids)
 
     def _forget(self, node_id: int) -> None:
         """Drop node ``node_id`` from every mark (its slot is dropped or re-keyed)."""
@@ -523,8 +542,8 @@ class StateCheckpoints:
         a lookup reaches each, each ancestor walked once), passed by the caller so the checkpoints hold nothing above them; with a
         host tier the reachable ones go to the host (None: none is spilled)."""
         victims = self.victims(count)
-        self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
         if reachable is not None and self.host is not None and victims:  # spill first
+            self.flush_for(self.by_node[i] for i in victims)  # one queued this step: bytes first
             vids = np.array([self.by_node[i] for i in victims], np.int32)
             marks = np.array(reachable(victims), bool)
             copy = self.host.spill_checkpoints(self, victims, vids, marks)

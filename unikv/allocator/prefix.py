@@ -388,6 +388,13 @@ class PrefixCache:
         the pages newly cached."""
         tokens = self.tokens(token_ids, "prefix.insert")
         slot = self.requests.check_slot(slot, "prefix.insert")
+        return self._insert(slot, tokens, salt)[0]
+
+    def _insert(
+        self, slot: int, tokens: np.ndarray, salt: str | None
+    ) -> tuple[int, int, ChainNode | None]:
+        """``insert`` past its argument checks; (pages newly cached, blocks of the
+        chain end it reached, that node or None)."""
         if len(tokens) > self.requests.lens[slot]:
             raise ValueError(
                 f"prefix.insert: {len(tokens)} token ids but request {slot} holds "
@@ -406,14 +413,76 @@ class PrefixCache:
                 added += 1
                 for name, lo in self.requests.window_lo.items():  # in its window: held
                     self.wrefs[name][page] = int(col >= lo[slot])
-            key, parent, reached = found_key, node.node_id, col + 1  # cached already:
-            # this request's page or another's
+            key, parent, reached, tail = found_key, node.node_id, col + 1, node  # cached
+            # already: this request's page or another's
         if parent:
             self.tails[slot] = (reached, parent, key, salt)
         if parent and self.roles.windows:  # a hit may end here: keep its window suffix
             self.ends.add(parent)
         self.stats.cached_pages += added
-        return added
+        return added, reached, tail
+
+    def share_checkpoint(
+        self,
+        slot: int,
+        token_ids: object,
+        at: int,
+        reserve: Callable[[Mapping[str, int]], bool],
+        salt: str | None = None,
+        turn_end: bool = False,
+        source: int | None = None,
+        previous: int = 0,
+        drop: bool = False,
+        junction: bool = False,
+    ) -> bool:
+        """``insert`` of ``token_ids`` (request ``slot``'s first tokens), then
+        ``checkpoint`` at its first ``at`` tokens (whole pages), superseding the
+        request's own checkpoint at its first ``previous`` tokens (0: none): one chain
+        walk for both (issue 41: a decode take's host cost). The checkpoint's node and
+        the superseded one are found by walking back from the chain end the insert
+        reached (each checked against its block's tokens), not by a lookup each; where
+        that end does not cover ``at`` (an insert cut short), ``checkpoint``'s own
+        lookup decides."""
+        tokens = self.tokens(token_ids, "prefix.share_checkpoint")
+        slot = self.requests.check_slot(slot, "prefix.share_checkpoint")
+        reached, end = self._insert(slot, tokens, salt)[1:]
+        ps, states = self.roles.page_size, self.states
+        if states is None or at <= 0 or at % ps or at > len(tokens):
+            return False
+        blocks = at // ps
+        node = self._back(end, reached - blocks, tokens, blocks)
+        old = self._back(node, blocks - previous // ps, tokens, previous // ps)
+        if node is None or (previous and (old is None or previous % ps)):
+            old_tokens = tokens[:previous] if previous else None
+            return self.checkpoint(
+                slot, tokens[:at], reserve, salt, turn_end, source, old_tokens, drop, junction
+            )
+        try:
+            alive = lambda: self.reachable(node.node_id)
+            saved = states.save(
+                slot, node.node_id, alive, at, reserve, turn_end, source,
+                old.node_id if old is not None else None, drop, junction,
+            )  # fmt: skip
+            self.stats.checkpoints = states.saved
+            return saved
+        finally:  # the chunk's reserved slot, if the take did not adopt it
+            states.release_direct([slot], at)
+
+    def _back(
+        self, node: ChainNode | None, steps: int, tokens: np.ndarray, blocks: int
+    ) -> ChainNode | None:
+        """The node ``steps`` parents above ``node`` (a request's own chain end, its
+        block compared by ``_insert`` already), if it caches block ``blocks - 1`` of
+        ``tokens``; None otherwise (or ``blocks`` 0)."""
+        if node is None or steps < 0 or blocks <= 0:
+            return None
+        if steps == 0:
+            return node
+        for _ in range(steps):
+            node = self.by_id.get(node.parent_id)
+            if node is None:
+                return None
+        return node if node.tokens == self._block(tokens, blocks - 1) else None
 
     def checkpoint(
         self,
@@ -502,7 +571,7 @@ class PrefixCache:
         if states is not None and node is not None:
             node_id = node.node_id
             if drop and node_id in states.lru:
-                states.drop([node_id])
+                states.drop([node_id], superseded=True)
             else:
                 states.demote(node_id)
 

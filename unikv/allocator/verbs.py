@@ -152,6 +152,28 @@ class PrefixVerbs:
         self._after()
         return taken
 
+    def share_checkpoint(
+        self,
+        slot: int,
+        token_ids: object,
+        at: int,
+        salt: str | None = None,
+        turn_end: bool = False,
+        source: int | None = None,
+        previous: int = 0,
+        drop: bool = False,
+        junction: bool = False,
+    ) -> bool:
+        """``insert`` of ``token_ids`` and ``checkpoint`` at its first ``at`` tokens in
+        one chain walk (``PrefixCache.share_checkpoint``); ``previous``: the tokens of
+        the request's own checkpoint this one supersedes (0: none)."""
+        taken = self._cache.share_checkpoint(
+            slot, token_ids, at, self._reserve_state, salt, turn_end, source, previous, drop,
+            junction,
+        )  # fmt: skip
+        self._after()
+        return taken
+
     def reserve_checkpoint(self, slot: int, tokens: int) -> bool:
         """Reserve the checkpoint slot request ``slot``'s prefill chunk ending at
         ``tokens`` tokens (whole pages) writes its final state into, as a second

@@ -368,7 +368,7 @@ class PrefixCaching(NoPrefixCache):
         request's previous such checkpoint, superseded, is dropped (a decode one) or
         demoted (the prompt-end one: a repeat of the prompt still hits it) and this
         one is its latest."""
-        ids = self.share(r)  # its known tokens, converted once for the whole take
+        ids = self._known(r)  # its known tokens, converted once for the whole take
         at = r.num_cached if at is None else at
         turn_end = at > len(r.prompt_ids)
         first = lambda n: ids[:n] if n <= len(ids) else r.token_slice(0, n)
@@ -376,13 +376,19 @@ class PrefixCaching(NoPrefixCache):
         if previous == at:  # (one point taken twice: keep it)
             previous = None
         # the superseded one goes first, before the take's room evicts another's
-        old = first(previous) if previous else None
         drop = bool(previous) and previous > len(r.prompt_ids)
         junction = self.junction.get(r.slot) == at
-        taken = self.prefix.checkpoint(
-            r.slot, first(at), r.cache_salt, turn_end, source, supersedes=old, drop=drop,
-            junction=junction,
-        )  # fmt: skip
+        if at <= len(ids):  # shared and taken in one chain walk (issue 41)
+            taken = self.prefix.share_checkpoint(
+                r.slot, ids, at, r.cache_salt, turn_end, source, previous or 0, drop, junction
+            )
+        else:
+            self.prefix.insert(r.slot, ids, r.cache_salt)
+            old = first(previous) if previous else None
+            taken = self.prefix.checkpoint(
+                r.slot, first(at), r.cache_salt, turn_end, source, supersedes=old, drop=drop,
+                junction=junction,
+            )  # fmt: skip
         if taken:
             self.since[r.slot] = at
             extended = self.extends.pop(r.slot, None)
