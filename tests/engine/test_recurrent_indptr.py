@@ -1,12 +1,14 @@
-"""A chunked recurrent step hands its Gated DeltaNet layers one int64 ``q_indptr``
-(``DecodeAttention._chunked_indptr``): fla-core memoises its chunk indices, a host
-sync, by the identity of ``cu_seqlens``, so one tensor for every layer of a step means
-one derivation a step instead of one a layer; a fresh tensor each step, because the
-plan's view is the same object every step with new contents (a memo keyed on it would
-hand a later step an earlier step's chunks). Decode steps keep the plan's view
-(CUDA-graph inputs at fixed addresses).
+"""A chunked recurrent step of a hybrid on CUDA with fla-core hands its Gated DeltaNet
+layers the step's q_indptr in int64 and fla-core's chunk list of it
+(``StepPlan.state_indptr`` / ``state_chunks``, one asynchronous upload): fla-core then
+derives no chunk list from the device (a host sync), and Mamba-2's ``chunk_simple_gla``,
+which memoises its own by the identity of ``cu_seqlens``, derives it once a step (one
+tensor for every layer of a step), never a stale one (a new tensor each step: the
+plan's q_indptr is the same object every step with new contents). Decode steps keep
+the plan's view (CUDA-graph inputs at fixed addresses) and no list.
 
-Oracle: the step's own batch (host ints): its requests' new-token counts, summed.
+Oracles: the step's own batch (host ints): its requests' new-token counts, summed, and
+a walk over each lane's 64-token chunks; the same tokens with the lists off.
 """
 
 from __future__ import annotations
@@ -52,35 +54,6 @@ def traced(llm, monkeypatch, prompts) -> tuple[list, list]:
     return calls, steps, outs
 
 
-def test_chunked_steps_share_one_fresh_int64_indptr(tmp_path, monkeypatch):
-    save_tiny_hybrid("qwen3_5", str(tmp_path))
-    llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
-              max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)  # fmt: skip
-    prompts = [[(7 * i + 3 * j) % VOCAB for j in range(n)] for i, n in enumerate((21, 9, 14))]
-    traced_calls, steps, _ = traced(llm, monkeypatch, prompts)
-    calls = [(i, args[7]) for i, args, _ in traced_calls]  # the q_indptr each call got
-
-    layers = sum(t == "linear_attention" for t in HYBRID_LAYERS)  # the model's GDN layers
-    assert layers > 1  # (else one tensor a step holds trivially)
-    chunked = seen = 0
-    kept = []  # every step's tensor stays alive: ids cannot be reused
-    for index, (decode, new) in enumerate(steps):
-        got = [q for i, q in calls if i == index]
-        assert len(got) == layers, (index, len(got))
-        want = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
-        if decode or max(new) == 1:
-            assert all(q.dtype == torch.int32 for q in got), index  # the plan's view
-            continue
-        chunked += 1
-        assert all(q is got[0] for q in got), f"step {index}: one tensor for every layer"
-        assert got[0].dtype == torch.int64
-        assert torch.equal(got[0][: len(want)].cpu(), want), (index, got[0], want)
-        assert all(got[0] is not q for q in kept), f"step {index} reuses an earlier tensor"
-        kept.append(got[0])
-        seen += 1
-    assert chunked >= 3 and seen == chunked  # 44 prompt tokens over 16-token chunks
-
-
 def test_chunk_indices_match_a_naive_walk():
     """``fla_prefill.chunk_indices`` against a walk over each lane's chunks (lanes with
     no tokens, one token, exact and partial chunks)."""
@@ -92,27 +65,38 @@ def test_chunk_indices_match_a_naive_walk():
     assert chunk_indices([0, 5, 9], chunk=4).tolist() == [[0, 0], [0, 1], [1, 0]]
 
 
-def test_chunked_steps_carry_their_chunk_list(tmp_path, monkeypatch):
-    """With ``StepPlanner.state_chunks`` on (a hybrid on CUDA with fla-core; set here on
-    the CPU), every Gated DeltaNet call of a chunked step gets the step's chunk list,
-    equal to a walk over the step's new-token counts; decode steps get none."""
+def test_chunked_steps_carry_a_fresh_int64_indptr_and_its_chunk_list(tmp_path, monkeypatch):
+    """With ``StepPlanner.state_chunks`` on (set here on the CPU), every Gated DeltaNet
+    call of a chunked step gets one int64 q_indptr, new that step, equal to the step's
+    cumulative new-token counts, and one chunk list equal to a walk over them."""
     save_tiny_hybrid("qwen3_5", str(tmp_path))
     llm = LLM(str(tmp_path), device="cpu", dtype=torch.float32, page_size=4,
-              max_num_seqs=4, max_num_batched_tokens=160, max_model_len=256)  # fmt: skip
+              max_num_seqs=4, max_num_batched_tokens=96, max_model_len=256)  # fmt: skip
     llm.runner.planner.state_chunks = True
     prompts = [[(5 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((70, 3, 140))]
     traced_calls, steps, outs = traced(llm, monkeypatch, prompts)
-    calls = [(i, kwargs.get("chunks")) for i, _, kwargs in traced_calls]
+    calls = [(i, args[7], kwargs.get("chunks")) for i, args, kwargs in traced_calls]
+
+    layers = sum(t == "linear_attention" for t in HYBRID_LAYERS)  # the model's GDN layers
+    assert layers > 1  # (else one tensor a step holds trivially)
     chunked = 0
+    kept = []  # every step's tensor stays alive: ids cannot be reused
     for index, (decode, new) in enumerate(steps):
-        got = [c for i, c in calls if i == index]
+        got = [(q, c) for i, q, c in calls if i == index]
+        assert len(got) == layers, (index, len(got))
         if decode or max(new) == 1:
-            assert all(c is None for c in got), index
+            assert all(q.dtype == torch.int32 and c is None for q, c in got), index
             continue
         chunked += 1
-        want = [[b, i] for b, n in enumerate(new) for i in range(-(-n // 64))]
-        assert all(c is got[0] for c in got) and got[0].tolist() == want, (index, new)
-    assert chunked >= 1
-    llm.runner.planner.state_chunks = False  # the same tokens without the lists
+        q, c = got[0]
+        assert all(g[0] is q and g[1] is c for g in got), f"step {index}: one of each a step"
+        want = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+        assert q.dtype == torch.int64 and torch.equal(q[: len(want)].cpu(), want), (index, q)
+        walk = [[b, i] for b, n in enumerate(new) for i in range(-(-n // 64))]
+        assert c.tolist() == walk, (index, new)
+        assert all(q is not k for k in kept), f"step {index} reuses an earlier tensor"
+        kept.append(q)
+    assert chunked >= 3  # 213 prompt tokens over 96-token chunks
+    llm.runner.planner.state_chunks = False  # the same tokens without them
     again = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
     assert [o.output_ids for o in again] == [o.output_ids for o in outs]

@@ -186,28 +186,17 @@ class DecodeAttention:
         self.ckpt = {}
         if getattr(plan, "ckpt_slots", None) is not None:
             self.ckpt = {"ckpt_slots": plan.ckpt_slots}
-        self._indptr64: torch.Tensor | None = None  # (``_chunked_indptr``)
+        # a chunked step's q_indptr in int64 and fla-core's chunk list (the plan's, on
+        # CUDA with fla-core: ``StepPlan.state_chunks``), else the plan's q_indptr
+        indptr = getattr(plan, "state_indptr", None)
+        self.state_indptr = plan.q_indptr if indptr is None else indptr
+        self.state_chunks = getattr(plan, "state_chunks", None)
         # the row-shaped ops' plans (the decoder runs the step under ``rows_plan``, the LM
         # head under ``logit_rows_plan``; the runner replaces it where it asks more rows)
         self.rows_plan = getattr(plan, "rows", None)
         self.logit_rows_plan = getattr(plan, "logit_rows", None)
 
     # -- recurrent state (StateFn) ----------------------------------------------------
-
-    def _chunked_indptr(self) -> torch.Tensor:
-        """q_indptr for the Gated DeltaNet and Mamba-2 ops. A chunked step (more than
-        one new token a request, no verify slots: fla-core's varlen kernels on CUDA)
-        gets one int64 copy made at its first such op, the same tensor for every
-        layer: fla-core memoises its chunk indices (a host sync) by the identity of
-        ``cu_seqlens``, so it derives them once per step instead of once per layer.
-        A copy, not the plan's view: that view is the same tensor every step with new
-        contents, so a memo keyed on it would go stale. Other steps: the plan's."""
-        plan = self.plan
-        if plan.max_q_len == 1 or self.draft_slots is not None:
-            return plan.q_indptr
-        if self._indptr64 is None:
-            self._indptr64 = plan.q_indptr.to(torch.int64, copy=True)
-        return self._indptr64
 
     def causal_conv1d(self, layer, x, weight, bias, activation):
         """x: (T, C) -> (T, C); the layer's conv state continues in its slot."""
@@ -231,9 +220,9 @@ class DecodeAttention:
         plan = self.plan
         state = self.states[layer].temporal
         return self.backend.gated_delta_rule(
-            q, k, v, g, beta, state, plan.state_slots, self._chunked_indptr(),
+            q, k, v, g, beta, state, plan.state_slots, self.state_indptr,
             max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
-            draft_slots=self.draft_slots, chunks=getattr(plan, "state_chunks", None),
+            draft_slots=self.draft_slots, chunks=self.state_chunks,
             **self.ckpt,
         )  # fmt: skip
 
@@ -242,7 +231,7 @@ class DecodeAttention:
         plan = self.plan
         state = self.states[layer].temporal
         return self.backend.mamba2_ssd(
-            x, dt, A, B, C, D, dt_bias, state, plan.state_slots, self._chunked_indptr(),
+            x, dt, A, B, C, D, dt_bias, state, plan.state_slots, self.state_indptr,
             max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
             draft_slots=self.draft_slots,
             **self.ckpt,

@@ -97,11 +97,16 @@ class StepPlan:
         ``alloc.prefix.reserve_checkpoint``): the recurrent ops write each final state
         there too (0 = the sink for the others), so the checkpoint needs no copy;
         None when no request of the step has one.
-    state_chunks: (NT, 2) int64 fla-core's chunk list of q_indptr
-        (``fla_prefill.chunk_indices``) for a chunked step (more than one new token a
-        request, no verify slots) of a hybrid model on CUDA with fla-core, made from
-        the host's q_indptr and copied asynchronously: its Gated DeltaNet layers then
-        derive nothing from the device's q_indptr (no host sync); else None.
+    state_indptr, state_chunks: for a chunked step (more than one new token a
+        request, no verify slots) of a hybrid model on CUDA with fla-core, q_indptr as
+        (B+1,) int64 and fla-core's chunk list of it, (NT, 2) int64
+        (``fla_prefill.chunk_indices``), made from the host's q_indptr and copied in one
+        asynchronous copy, a new tensor every step; else None. The recurrent layers
+        hand them to fla-core: its Gated DeltaNet derives nothing from the device (no
+        host sync), and Mamba-2's ``chunk_simple_gla``, which takes no list, memoises
+        its own by the identity of ``cu_seqlens``: once a step, not once a layer (the
+        plan's q_indptr is the same tensor every step with new contents: a memo keyed
+        on it would go stale).
     fresh: host bool, an extend step in which no request has cached tokens (every
         seq_len is its q_len): extend attention may read the step's own K/V rows.
     split: an extend step whose last requests, not all of them, have no cached
@@ -127,6 +132,7 @@ class StepPlan:
     state_slots: torch.Tensor | None = None
     draft_slots: torch.Tensor | None = None
     ckpt_slots: torch.Tensor | None = None
+    state_indptr: torch.Tensor | None = None
     state_chunks: torch.Tensor | None = None
     fresh: bool = False
     split: FreshSplit | None = None
@@ -219,8 +225,9 @@ class StepPlanner:
             dev, max_seqs=rows, max_tokens=self.max_tokens, pin=pin, subpools=len(subs)
         )
         self.host_writes = 0  # steps whose write ids came from the host (the tests' spy)
-        # chunked steps carry fla-core's chunk list (``StepPlan.state_chunks``): a
-        # hybrid on CUDA with fla-core, decided once (a test may set it on the CPU)
+        # chunked steps carry q_indptr in int64 and fla-core's chunk list of it
+        # (``StepPlan.state_chunks``): a hybrid on CUDA with fla-core, decided once (a
+        # test may set it on the CPU)
         self.state_chunks = self.has_state and dev.type == "cuda" and fla_available()
         self._pin = pin
         windows = [s.spec.sliding_window or 0 for s in subs]
@@ -301,6 +308,7 @@ class StepPlanner:
         split = self._split(batch, dev, host, first) if 0 < first < num == rows else None
         fresh = first == 0 and pad_q == 1  # no cached tokens: the cache holds the new ones
         chunked = self.state_chunks and max_q_len > 1 and not verify and num > 0
+        indptr, chunks = self._state_chunks(host, rows) if chunked else (None, None)
         num_tokens = dev["input_ids"].shape[0]  # T rows, padded lanes included: host int
         rows_plan = self.backend.plan_rows(num_tokens)
         logit_rows = rows_plan if num_tokens == rows else self.backend.plan_rows(rows)
@@ -324,7 +332,8 @@ class StepPlanner:
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
             ckpt_slots=self._ckpt_slots(host, num, rows) if self.has_state and num else None,
-            state_chunks=self._state_chunks(host, rows) if chunked else None,
+            state_indptr=indptr,
+            state_chunks=chunks,
             fresh=fresh,
             split=split,
             extend=extend,
@@ -466,13 +475,16 @@ class StepPlanner:
         prefix = self.alloc.prefix
         return prefix.checkpoint_slots(host["slots"][:num], host["seq_lens"][:num], rows)
 
-    def _state_chunks(self, host: dict, rows: int) -> torch.Tensor:
-        """(NT, 2) int64 fla-core's chunk list of the step's q_indptr (host ints), on
-        the device: one asynchronous copy (pinned on CUDA), no sync."""
-        chunks = torch.from_numpy(chunk_indices(host["q_indptr"][: rows + 1]))
+    def _state_chunks(self, host: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_indptr (R+1,) int64, fla-core's chunk list of it (NT, 2) int64) of the
+        step's host q_indptr, on the device: one asynchronous copy (pinned on CUDA), no
+        sync; views of one new tensor (``StepPlan.state_chunks``)."""
+        indptr = host["q_indptr"][: rows + 1].astype(np.int64)
+        both = torch.from_numpy(np.concatenate([indptr, chunk_indices(indptr).reshape(-1)]))
         if self._pin:
-            chunks = chunks.pin_memory()
-        return chunks.to(self.device, non_blocking=True)
+            both = both.pin_memory()
+        both = both.to(self.device, non_blocking=True)
+        return both[: rows + 1], both[rows + 1 :].view(-1, 2)
 
     def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
         """(R,) int64 physical state slots of the rows (padded rows: 0, the sink),
