@@ -257,8 +257,9 @@ class StateCheckpoints:
         """Node ``node_id``'s checkpoint slot, taken from it (still bound) for a take
         that supersedes it; counted as ``superseded``, not evicted: no room was made
         (the cost rule's pressure signal reads the evictions)."""
-        self.flush_for([self.by_node[node_id]])  # (a copy into it queued: bytes first)
         vid = self.by_node.pop(node_id)
+        self._cancel({vid})  # a copy into it queued this step: overwritten unread
+        self.flush_for([vid])  # one reading it: bytes first
         self._forget(node_id)
         self.superseded += 1
         return vid

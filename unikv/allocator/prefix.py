@@ -458,13 +458,7 @@ class PrefixCache:
                 slot, tokens[:at], reserve, salt, turn_end, source, old_tokens, drop, junction
             )
         try:
-            alive = lambda: self.reachable(node.node_id)
-            saved = states.save(
-                slot, node.node_id, alive, at, reserve, turn_end, source,
-                old.node_id if old is not None else None, drop, junction,
-            )  # fmt: skip
-            self.stats.checkpoints = states.saved
-            return saved
+            return self._save(slot, node, old, at, reserve, turn_end, source, drop, junction)
         finally:  # the chunk's reserved slot, if the take did not adopt it
             states.release_direct([slot], at)
 
@@ -545,10 +539,22 @@ class PrefixCache:
         if supersedes is not None:
             prev = self.tokens(supersedes, "prefix.checkpoint")
             old = self.own_chain_end(int(slot), prev, salt) if len(prev) else None
+        return self._save(
+            int(slot), node, old, len(tokens), reserve, turn_end, source, drop, junction
+        )
+
+    def _save(
+        self, slot: int, node: ChainNode, old: ChainNode | None, tokens: int,
+        reserve: Callable[[Mapping[str, int]], bool], turn_end: bool, source: int | None,
+        drop: bool, junction: bool,
+    ) -> bool:  # fmt: skip
+        """``StateCheckpoints.save`` of request ``slot``'s checkpoint at node ``node``
+        (``tokens`` tokens), superseding ``old`` (None: none); the stats follow."""
+        assert self.states is not None, "prefix._save: a checkpoint needs a Mamba sub-pool"
         # making room may evict any node of the chain: the checkpoint must stay reachable
         alive = lambda: self.reachable(node.node_id)
         saved = self.states.save(
-            int(slot), node.node_id, alive, len(tokens), reserve, turn_end, source,
+            slot, node.node_id, alive, tokens, reserve, turn_end, source,
             old.node_id if old is not None else None, drop, junction,
         )  # fmt: skip
         self.stats.checkpoints = self.states.saved

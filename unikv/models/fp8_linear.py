@@ -107,12 +107,11 @@ class Fp8BlockLinear(nn.Module):
                 out = self.tp.all_reduce(out)
             return out + self.bias if self.adds_bias else out
         if self.padded:  # a host bool fixed at load: the real rows' view of the padded GEMM
-            return self.ops.fp8_linear(
-                x, self.held_weight, self.held_scale_inv, self.bias, block=self.block,
-                rows=step_rows(), out_features=self.out_features,
-            )  # fmt: skip
+            weight, scale, real = self.held_weight, self.held_scale_inv, self.out_features
+        else:
+            weight, scale, real = self.weight, self.weight_scale_inv, None
         return self.ops.fp8_linear(
-            x, self.weight, self.weight_scale_inv, self.bias, block=self.block, rows=step_rows()
+            x, weight, scale, self.bias, block=self.block, rows=step_rows(), out_features=real
         )
 
     def finish_loading(self) -> None:
