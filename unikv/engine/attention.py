@@ -189,7 +189,7 @@ class DecodeAttention:
         # a chunked step's q_indptr in int64 and fla-core's chunk list (the plan's, on
         # CUDA with fla-core: ``StepPlan.state_chunks``), else the plan's q_indptr
         indptr = getattr(plan, "state_indptr", None)
-        self.state_indptr = plan.q_indptr if indptr is None else indptr
+        self.state_indptr = getattr(plan, "q_indptr", None) if indptr is None else indptr
         self.state_chunks = getattr(plan, "state_chunks", None)
         # the row-shaped ops' plans (the decoder runs the step under ``rows_plan``, the LM
         # head under ``logit_rows_plan``; the runner replaces it where it asks more rows)
