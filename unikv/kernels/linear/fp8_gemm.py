@@ -146,8 +146,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm,
     mask = (rows < M)[:, None, None] & col_ok[None, :, :]
     offs = rows[:, None, None] * stride_xm + cols[None, :, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=2) / 448.0, 1e-12)  # (ROWS, GROUPS)
-    q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
+    # IEEE divisions (div_rn): Triton's ``/`` on fp32 is approximate on NVIDIA GPUs, so an
+    # element at a rounding edge would land on another e4m3 value than the reference's
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=2), 448.0), 1e-12)  # (ROWS, GROUPS)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, :, None]), -448.0, 448.0)
     q_offs = rows[:, None, None] * stride_qm + cols[None, :, :]
     tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     s_ok = (rows < M)[:, None] & (grps < n_groups)[None, :]
