@@ -53,7 +53,8 @@ without prefill rows), ``mean_decode_batch`` (requests per decode-only step: wha
 the bytes the cache holds take from the batch) and ``checkpoint_pool_fraction_at_end``;
 the per decode step host split (``PhaseClock``): ``decode_step_host_ms`` by phase of
 the engine step (schedule, launch, settle: the wait for the previous step's tokens,
-complete, and the cache path's ``after_step`` inside it), ``decode_step_table_writes``,
+complete, and the cache path's ``after_step`` inside it), the same per step with prefill
+rows (``prefill_step_host_ms``), ``decode_step_table_writes``,
 and the run's ``forward_waits`` (host syncs on the forward fences), ``forward_orders``
 (compactions on a shortfall ordered after the forward on the device instead, issue 41)
 and ``page_moves``.
@@ -217,10 +218,12 @@ class PhaseClock:
         self.writes[1] += self.writes[0] if is_decode else 0
         self.writes[0] = 0
 
-    def figures(self, decode_steps: int) -> dict:
+    def figures(self, decode_steps: int, prefill_steps: int) -> dict:
         per = {k: 1e3 * v / max(decode_steps, 1) for k, v in self.decode.items()}
+        mixed = {k: 1e3 * v / max(prefill_steps, 1) for k, v in self.other.items()}
         return {
             "decode_step_host_ms": per,  # after_step is part of complete
+            "prefill_step_host_ms": mixed,  # the steps with prefill rows, the same phases
             "decode_step_table_writes": self.writes[1] / max(decode_steps, 1),
             "forward_waits": self.waits,
             "forward_orders": self.orders,  # compaction ordered after it: no host sync
@@ -440,7 +443,7 @@ def run(path: Path, args, caching: bool, workload: str, vocab: int) -> tuple[lis
         **latency(ttft, []),
         **breakdown(steps, prefill, fresh, copies.seconds(), copies.copies),
     }
-    figures.update(phases.figures(figures["decode_steps"]))
+    figures.update(phases.figures(figures["decode_steps"], figures["prefill_steps"]))
     del llm
     _free()
     return tokens, figures
