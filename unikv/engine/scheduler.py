@@ -330,10 +330,10 @@ class Scheduler:
 
     def share(self, r: Request, preempted: bool = False) -> None:
         """Share ``r``'s full pages in the prefix cache as it leaves the running set
-        (a lazy draft writes its missing rows first where the pages stay:
+        (a lazy draft records or zeroes its missing rows first where the pages stay:
         ``Speculator.release``)."""
         if self.spec is not None:
-            self.spec.release(r, self.prefix.enabled or preempted)
+            self.spec.release(r, self.prefix.enabled or preempted, preempted)
         self.prefix.share(r)
 
     def release(self, done: list[Request]) -> None:

@@ -211,14 +211,14 @@ class Speculator:
         draft = np.asarray(index.propose(room) if index is not None else [], np.int64)
         return _padded(draft, room, r) if self.config.force_accept else draft  # benchmarks: k
 
-    def release(self, r: Request, write: bool) -> None:
-        """``r`` leaves the running set (finished or preempted); ``write``: its pages
-        stay (shared with the prefix cache, swapped or kept for readmission), so a
-        lazy draft writes the rows it left out first (no page holds a stale draft
-        row); else they are forgotten."""
+    def release(self, r: Request, write: bool, preempted: bool = False) -> None:
+        """``r`` leaves the running set (finished, or ``preempted``); ``write``: its
+        pages stay (shared with the prefix cache, swapped or kept for readmission), so
+        a lazy draft records the rows it left out (a draft model), or zeroes them (a
+        head; a preempted one writes its stashed rows first); else they are forgotten."""
         self.indexes.pop(r.request_id, None)
         if r.draft_lag is not None and self.draft is not None:
-            self.draft.release(r, write)
+            self.draft.release(r, write, preempted)
 
     def opened(self, r: Request) -> None:
         """``r`` was admitted (a prefix hit maybe): a draft model lags from the first
