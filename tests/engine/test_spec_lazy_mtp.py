@@ -245,3 +245,30 @@ def test_lazy_eagle3_holes_and_a_hit_on_them(tmp_path_factory, monkeypatch):
     for _, ids, drafts in seen:
         assert drafts == e3.oracle_drafts(hf, saved[3], ids, len(drafts), holes)
     assert_pages_returned(llm)
+
+
+def test_lazy_mla_mtp_holes_are_zeros(tmp_path_factory, monkeypatch):
+    """DeepSeek-V3's MTP layer (an MLA latent cache), window 3: the drafts after
+    resumption are the same whether the layer's pool held NaN or 7.0 before (the
+    holes' latent rows are zeroed, the rest written), and the holes' rows read as
+    zeros; tokens are transformers'."""
+    from mtp_fixtures import hf_mtp, save_tiny_deepseek_mtp
+
+    path = str(tmp_path_factory.mktemp("deepseek_mtp"))
+    save_tiny_deepseek_mtp(path)
+    hf, _ = hf_mtp(path)
+    items = prompts()
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (10, 14, 24)]
+    runs = []
+    for fill in (float("nan"), 7.0):
+        llm = make_llm(path, 3, 4, speculative_disable_by_batch_size=LIMIT)
+        draft = llm.runner.draft
+        draft.enable_lazy(draft.rule, draft.stash, window=3)
+        for cache in draft.caches:
+            cache.latent.fill_(fill)
+        seen = spy_proposals(llm)
+        got, count = run(llm, items, params, monkeypatch)
+        assert got == [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(items, params)]
+        assert count["rule_runs"] == 0 and draft.holes.rows > 0
+        runs.append(seen)
+    assert runs[0] == runs[1] and any(len(d) == 3 for _, _, d in runs[0])

@@ -67,6 +67,7 @@ from unikv.engine.speculative.draft import (
     request_major,
     to_device,
 )
+from unikv.engine.speculative.holes import HeadHoles
 from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
 
@@ -126,6 +127,7 @@ class HiddenDraft:
         self.states = [None] * len(caches)
 
         self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
+        self.holes: HeadHoles | None = None  # the hole rows' zeroing, once lazy
         self.lagging: dict = {}  # id -> request, of those whose rows lag (``Request.draft_lag``)
         self.marked = None  # the decoding set whose lags are marked (``draft.mark_lags``)
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
@@ -139,8 +141,6 @@ class HiddenDraft:
         its decode steps, one slot per request slot and a scratch slot) and their next
         tokens, and the layer does no work (module docstring). ``window``: the stash
         resized (tests; before any decode graph is captured)."""
-        from unikv.engine.speculative.holes import HeadHoles
-
         assert stash.slots == self.first.shape[0], (
             "lazy head invariant: a stash slot a request slot"
         )
@@ -171,7 +171,7 @@ class HiddenDraft:
     def opened(self, r) -> None:
         """``r`` was admitted: a prefix hit over a page holding a hole (``holes.record``)
         is counted (``holes.hits``); it drafts over the zeroed rows."""
-        if self.rule is not None:
+        if self.holes is not None:
             self.holes.hit(r)
 
     def release(self, r, write: bool, preempted: bool = False) -> None:
