@@ -170,7 +170,7 @@ def test_lazy_mtp_resumes_on_the_true_chain(qwen, window, monkeypatch):
         holes = holes_of(count["lazy"][rid], window, len(ids) - 1)
         holed += bool(holes)
         assert drafts == hole_oracle(hf, block, mtp, ids, len(drafts), holes), (rid, holes)
-    assert (holed > 0) == (window == 3) and (draft.holes.rows > 0) == (window == 3)
+    assert (holed > 0) == (window == 3) == (llm.stats.spec_head_hole_rows > 0)
     assert not draft.lagging
     assert_pages_returned(llm)
 
@@ -206,7 +206,7 @@ def test_lazy_eagle3_holes_and_a_hit_on_them(tmp_path_factory, monkeypatch):
     the drafts after resumption are the head's chain with the holes' K/V zeroed. The
     first request finishes lagging: its rows are zeroed, not written, and its first
     page holding one is recorded; a next turn over its tokens hits those pages,
-    counted (``holes.hits``), and drafts the chain with the hit's holes zeroed;
+    counted (``spec_head_hole_hits``), and drafts the chain with the hit's holes zeroed;
     tokens are transformers'."""
     import test_spec_eagle3 as e3
     from mtp_fixtures import save_tiny_eagle3
@@ -233,12 +233,12 @@ def test_lazy_eagle3_holes_and_a_hit_on_them(tmp_path_factory, monkeypatch):
         assert drafts == e3.oracle_drafts(hf, saved[3], ids, len(drafts), holes), (rid, holes)
     first = min(count["lazy"])  # the shortest request: it finished lagging
     assert not any(rid == first for rid, _, _ in seen) and draft.holes.stale
-    assert draft.holes.hits == 0
+    assert llm.stats.spec_head_hole_hits == 0
     turn = items[0] + got[0]
     seen.clear()
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     (out,) = llm.generate([turn], sp)
-    assert out.output_ids == hf_greedy(hf, turn, 8) and draft.holes.hits == 1
+    assert out.output_ids == hf_greedy(hf, turn, 8) and llm.stats.spec_head_hole_hits == 1
     hit = out.num_cached_tokens
     holes = [p for p in count["lazy"][first] if p < hit]
     assert hit > 0 and holes and seen
@@ -269,6 +269,6 @@ def test_lazy_mla_mtp_holes_are_zeros(tmp_path_factory, monkeypatch):
         seen = spy_proposals(llm)
         got, count = run(llm, items, params, monkeypatch)
         assert got == [hf_greedy(hf, p, sp.max_tokens) for p, sp in zip(items, params)]
-        assert count["rule_runs"] == 0 and draft.holes.rows > 0
+        assert count["rule_runs"] == 0 and llm.stats.spec_head_hole_rows > 0
         runs.append(seen)
     assert runs[0] == runs[1] and any(len(d) == 3 for _, _, d in runs[0])

@@ -119,7 +119,7 @@ def test_catch_up_only_for_requests_that_speculate(llama, monkeypatch):
 def test_head_runs_nothing_for_requests_leaving_past_the_rule(tmp_path_factory, monkeypatch):
     """An EAGLE-3 head past the rule, prefix caching on (the pages stay): the four
     requests decode 9 lazy steps and finish there; the head neither runs nor catches
-    up, as they leave too: their 4 x 9 lazy rows are zeroed (``holes.rows``) and each
+    up, as they leave too: their 4 x 9 lazy rows are zeroed (``spec_head_hole_rows``) and each
     one's first page holding one recorded (its pages are shared); tokens are
     transformers'. Before, they left through one catch-up extend."""
     from mtp_fixtures import save_tiny_eagle3
@@ -139,5 +139,6 @@ def test_head_runs_nothing_for_requests_leaving_past_the_rule(tmp_path_factory, 
         got = [o.output_ids for o in llm.generate(items, params)]
     assert got == [hf_greedy(hf, p, 10) for p in items]
     assert spy.forwards == 1 and spy.extends == 0 and not spy.caught  # (the prefill's)
-    holes = llm.runner.draft.holes
-    assert holes.rows == 4 * 9 and len(holes.stale) == 4 and holes.hits == 0
+    s = llm.stats
+    assert s.spec_head_hole_rows == 4 * 9 and s.spec_head_hole_hits == 0
+    assert len(llm.runner.draft.holes.stale) == 4

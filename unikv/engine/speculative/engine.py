@@ -47,6 +47,8 @@ class SpecCounters:
     skipped_by_batch_size: int = 0  # steps the batch-size rule kept from speculating
     ahead_steps: int = 0  # verify steps planned ahead of the step in flight (pipeline)
     ahead_dropped: int = 0  # of those, thrown away (their request finished or ended)
+    head_hole_rows: int = 0  # a lazy head's rows left as holes, zeroed (``holes.py``)
+    head_hole_hits: int = 0  # admissions whose prefix hit holds such rows
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

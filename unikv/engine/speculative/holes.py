@@ -12,7 +12,8 @@ zeroed (``zero``), in every draft cache of the head, before any step reads them.
 Where the pages of a request with a hole stay (prefix caching), the first full page
 holding one is remembered (``record``: a chain key of the page's tokens and salt, as
 ``DraftModel.stale``); a later request whose prefix hit covers it drafts over the
-zeroed rows, counted (``hit``: ``hole_hits``), not silently.
+zeroed rows, counted (``hit``), not silently. Both counts are the speculation
+counters' (``llm.stats.spec_head_hole_rows``, ``spec_head_hole_hits``).
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import numpy as np
 import torch
 
 from unikv.engine.speculative.draft import STALE_KEYS, page_keys, to_device
+from unikv.engine.speculative.engine import SpecCounters
 
 
 class HeadHoles:
-    """The zeroing of a head's hole rows and the record of cached pages holding one.
+    """The zeroing of a head's hole rows and the record of cached pages holding one;
+    ``counters``: the speculation counters it adds to (``head_hole_rows``: rows
+    zeroed, ``head_hole_hits``: admissions whose prefix hit covers a recorded page)."""
 
-    Counters since start-up: ``rows`` (hole rows zeroed), ``hits`` (admissions whose
-    prefix hit covers a recorded page)."""
-
-    def __init__(self, caches, view) -> None:
+    def __init__(self, caches, view, counters: SpecCounters | None = None) -> None:
         self.caches, self.view = caches, view
+        self.counters = SpecCounters() if counters is None else counters
         self.stale: dict[int, None] = {}  # insertion order, the oldest forgotten first
-        self.rows = self.hits = 0
 
     def zero(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> None:
         """Zero the head's K/V at ``counts[i]`` rows of request slot ``slots[i]`` from
@@ -57,7 +58,7 @@ class HeadHoles:
                 t = getattr(cache, name, None)
                 if t is not None:
                     t.index_fill_(0, at, 0)
-        self.rows += int(counts.sum())
+        self.counters.head_hole_rows += int(counts.sum())
 
     def record(self, r, hole: int) -> None:
         """``r`` leaves with its pages kept and a hole from position ``hole`` on: the
@@ -72,7 +73,7 @@ class HeadHoles:
 
     def hit(self, r) -> bool:
         """Whether ``r``, admitted with ``r.num_cached`` tokens of a prefix hit, holds a
-        recorded page (counted in ``hits``). A key is a prefix of tokens, not a page:
+        recorded page (counted: ``head_hole_hits``). A key is a prefix of tokens, not a page:
         pages of the same tokens written since by a full prefill count too (an
         over-count, never a miss)."""
         if not self.stale or r.num_cached == 0:
@@ -80,6 +81,6 @@ class HeadHoles:
         ps = self.view.roles.page_size
         keys = page_keys(r.token_slice(0, r.num_cached), r.cache_salt, ps)
         if any(key in self.stale for key in keys):
-            self.hits += 1
+            self.counters.head_hole_hits += 1
             return True
         return False

@@ -135,19 +135,22 @@ class HiddenDraft:
 
     # -- past the batch-size rule: lazy (module docstring) ----------------------------
 
-    def enable_lazy(self, rule, stash, window: int | None = None) -> None:
+    def enable_lazy(self, rule, stash, window: int | None = None, counters=None) -> None:
         """Past ``rule`` (``Speculator.within_rule``) plain decode steps stash the
         target's exported rows (``stash``, a ``HiddenStash`` the runner writes from
         its decode steps, one slot per request slot and a scratch slot) and their next
         tokens, and the layer does no work (module docstring). ``window``: the stash
-        resized (tests; before any decode graph is captured)."""
+        resized (tests; before any decode graph is captured); ``counters``: the
+        speculation counters the holes are counted in (None: those it has)."""
         assert stash.slots == self.first.shape[0], (
             "lazy head invariant: a stash slot a request slot"
         )
         if window is not None:
             stash.resize(window)
         self.rule, self.stash = rule, stash
-        self.holes = HeadHoles(self.caches, self.planner.alloc.view)
+        if counters is None and self.holes is not None:
+            counters = self.holes.counters
+        self.holes = HeadHoles(self.caches, self.planner.alloc.view, counters)
 
     def lazy(self, batch_size: int) -> bool:
         """Whether a plain decode step of ``batch_size`` requests stashes the layer's
@@ -170,7 +173,7 @@ class HiddenDraft:
 
     def opened(self, r) -> None:
         """``r`` was admitted: a prefix hit over a page holding a hole (``holes.record``)
-        is counted (``holes.hits``); it drafts over the zeroed rows."""
+        is counted (``head_hole_hits``); it drafts over the zeroed rows."""
         if self.holes is not None:
             self.holes.hit(r)
 
