@@ -344,6 +344,8 @@ class Scheduler:
             return
         for r in done:
             self.share(r)
+        if self.spec is not None:  # (a lazy head's rows they left, while still theirs)
+            self.spec.left()
         self.alloc.free_request(np.fromiter((r.slot for r in done), np.int64, len(done)))
         gone, before = {id(r) for r in done}, len(self.running)
         self.running[:] = [r for r in self.running if id(r) not in gone]  # one pass, in place

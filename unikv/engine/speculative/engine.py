@@ -222,6 +222,13 @@ class Speculator:
         if r.draft_lag is not None and self.draft is not None:
             self.draft.release(r, write, preempted)
 
+    def left(self) -> None:
+        """The requests a step ended have shared their pages, not yet freed: a lazy
+        head zeroes the rows they left lagging (``HiddenDraft.left``)."""
+        left = getattr(self.draft, "left", None)
+        if left is not None:
+            left()
+
     def opened(self, r: Request) -> None:
         """``r`` was admitted (a prefix hit maybe): a draft model lags from the first
         hit page whose draft rows a lazy request shared unwritten (``DraftModel.opened``)."""

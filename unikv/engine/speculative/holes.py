@@ -34,6 +34,7 @@ class HeadHoles:
         self.caches, self.view = caches, view
         self.counters = SpecCounters() if counters is None else counters
         self.stale: dict[int, None] = {}  # insertion order, the oldest forgotten first
+        self.leaving: list[tuple[int, int, int]] = []  # (slot, start, count): ``zero_leaving``
 
     def zero(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> None:
         """Zero the head's K/V at ``counts[i]`` rows of request slot ``slots[i]`` from
@@ -59,6 +60,14 @@ class HeadHoles:
                 if t is not None:
                     t.index_fill_(0, at, 0)
         self.counters.head_hole_rows += int(counts.sum())
+
+    def zero_leaving(self) -> None:
+        """``zero`` the rows queued in ``leaving`` (requests ending in one step, while
+        they still hold their pages), in one call."""
+        if self.leaving:
+            slots, starts, counts = (np.asarray(c, np.int64) for c in zip(*self.leaving))
+            self.leaving.clear()
+            self.zero(slots, starts, counts)
 
     def record(self, r, hole: int) -> None:
         """``r`` leaves with its pages kept and a hole from position ``hole`` on: the

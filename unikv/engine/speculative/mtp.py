@@ -180,7 +180,7 @@ class HiddenDraft:
     def release(self, r, write: bool, preempted: bool = False) -> None:
         """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
         kept). No layer runs for a finish: where its pages stay, its lagging rows are
-        zeroed and the first page holding one recorded (``holes``). A preempted
+        zeroed (``left``) and the first page holding one recorded (``holes``). A preempted
         request writes its stashed rows first (its slot's ring does not come back
         with it), the older ones zeroed."""
         if r.draft_lag is None:
@@ -188,13 +188,16 @@ class HiddenDraft:
         if write and preempted:
             self.catch_up([r])
             return
-        if write:
-            lag = r.draft_lag
-            one = np.asarray([r.slot], np.int64)
-            self.holes.zero(one, np.asarray([lag], np.int64), np.asarray([r.num_cached - lag]))
-            self.holes.record(r, lag)
+        if write:  # zeroed with the others leaving in the same step (``left``)
+            self.holes.leaving.append((r.slot, r.draft_lag, r.num_cached - r.draft_lag))
+            self.holes.record(r, r.draft_lag)
         r.draft_lag = None
         self.lagging.pop(r.request_id, None)
+
+    def left(self) -> None:
+        """The requests a step ended have shared their pages (before they are freed):
+        the rows they left lagging are zeroed, all in one go."""
+        self.holes.zero_leaving()
 
     @torch.inference_mode()
     def catch_up(self, requests) -> int:
@@ -202,6 +205,10 @@ class HiddenDraft:
         num_cached - window), num_cached)``, their first draft kept; the rows before
         them (their inputs overwritten in the ring) zeroed, holes. Returns the
         extends run."""
+        assert not self.holes.leaving, (
+            "lazy head invariant: the rows requests left lagging are zeroed as they leave "
+            "(Speculator.left, before their pages are freed)"
+        )
         spans, holes = [], []
         self.marked = None  # (lags cleared: the next lazy step marks again)
         for r in requests:
