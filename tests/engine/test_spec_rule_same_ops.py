@@ -216,6 +216,8 @@ def test_rule_step_dispatches_the_plain_steps_ops(models, method, window, device
     warm = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    if device == "cuda" and window is not None:
+        pytest.skip("a resized stash is for engines without decode graphs (their addresses)")
     kw = {**KW, "device": device}
     engines = LLM(path, **kw), LLM(path, speculative_config=spec, **kw)
     if window is not None:
