@@ -197,7 +197,8 @@ class HiddenDraft:
     def left(self) -> None:
         """The requests a step ended have shared their pages (before they are freed):
         the rows they left lagging are zeroed, all in one go."""
-        self.holes.zero_leaving()
+        if self.holes is not None:
+            self.holes.zero_leaving()
 
     @torch.inference_mode()
     def catch_up(self, requests) -> int:
