@@ -168,10 +168,11 @@ def _rope(x, positions, theta=10000.0):
 
 
 @torch.no_grad()
-def eagle3_rows(t: dict, embeds, hidden, eps: float, heads=4, kv=2):
+def eagle3_rows(t: dict, embeds, hidden, eps: float, heads=4, kv=2, holes=()):
     """The EAGLE-3 layer over one sequence, from its definition: row j takes the
     token embedding ``embeds[j]`` and the hidden input ``hidden[j]``, at position
-    j, causal -> its outputs g (T, hidden) (before the final norm)."""
+    j, causal -> its outputs g (T, hidden) (before the final norm). ``holes``:
+    positions whose K and V (after rope) read as zeros (a lazy head's holes)."""
     n = embeds.shape[0]
     x = torch.cat(
         [_rms(embeds, t["midlayer.input_layernorm.weight"], eps),
@@ -182,6 +183,9 @@ def eagle3_rows(t: dict, embeds, hidden, eps: float, heads=4, kv=2):
     v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, -1)
     pos = torch.arange(n)
     q, k = _rope(q, pos), _rope(k, pos)
+    if len(holes):
+        k, v = k.clone(), v.clone()
+        k[list(holes)], v[list(holes)] = 0, 0
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))

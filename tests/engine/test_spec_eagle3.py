@@ -92,14 +92,15 @@ def test_head_logits_match_a_direct_computation(saved):
 
 
 @torch.no_grad()
-def oracle_drafts(hf, t: dict, ids: list[int], count: int) -> list[int]:
-    """The head's chain for a request whose tokens are ``ids`` (the last pending)."""
+def oracle_drafts(hf, t: dict, ids: list[int], count: int, holes=()) -> list[int]:
+    """The head's chain for a request whose tokens are ``ids`` (the last pending);
+    ``holes``: positions whose K/V read as zeros (``eagle3_rows``)."""
     eps = hf.config.rms_norm_eps
     hidden = aux_hidden(hf, ids[:-1]) @ t["fc.weight"].T
     tokens, drafts = ids[1:], []
     for _ in range(count):
         embeds = hf.model.embed_tokens(torch.tensor(tokens))
-        g = eagle3_rows(t, embeds, hidden, eps)
+        g = eagle3_rows(t, embeds, hidden, eps, holes=holes)
         drafts.append(eagle3_token(t, g[-1], eps))
         tokens, hidden = tokens + drafts[-1:], torch.cat([hidden, g[-1:]])
     return drafts

@@ -116,10 +116,12 @@ def test_catch_up_only_for_requests_that_speculate(llama, monkeypatch):
     assert s.spec_verify_steps > 0 and s.spec_accepted_tokens == s.spec_draft_tokens > 0
 
 
-def test_head_flushes_once_for_requests_leaving_together(tmp_path_factory, monkeypatch):
-    """An EAGLE-3 head past the rule (prefix caching on, window 16: no flush before
-    they finish): the requests that finish in one step write their stashed rows in
-    one extend, not one each; tokens are transformers'."""
+def test_head_runs_nothing_for_requests_leaving_past_the_rule(tmp_path_factory, monkeypatch):
+    """An EAGLE-3 head past the rule, prefix caching on (the pages stay): the four
+    requests decode 9 lazy steps and finish there; the head neither runs nor catches
+    up, as they leave too: their 4 x 9 lazy rows are zeroed (``spec_head_hole_rows``) and each
+    one's first page holding one recorded (its pages are shared); tokens are
+    transformers'. Before, they left through one catch-up extend."""
     from mtp_fixtures import save_tiny_eagle3
 
     target = str(tmp_path_factory.mktemp("llama6"))
@@ -136,5 +138,7 @@ def test_head_flushes_once_for_requests_leaving_together(tmp_path_factory, monke
         spy = Spy(m, HiddenDraft)
         got = [o.output_ids for o in llm.generate(items, params)]
     assert got == [hf_greedy(hf, p, 10) for p in items]
-    assert sorted(spy.caught) == sorted(set(spy.caught)) and len(spy.caught) == 4
-    assert spy.extends == 1
+    assert spy.forwards == 1 and spy.extends == 0 and not spy.caught  # (the prefill's)
+    s = llm.stats
+    assert s.spec_head_hole_rows == 4 * 9 and s.spec_head_hole_hits == 0
+    assert len(llm.runner.draft.holes.stale) == 4

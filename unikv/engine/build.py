@@ -395,7 +395,7 @@ def _speculator(c: EngineConfig, runner, pool, backend, draft: _Draft):
             runner.planner.max_seqs,
         )  # fmt: skip
         if runner.hidden_stash is not None:  # the rule may apply: lazy
-            spec.draft.enable_lazy(spec.within_rule, runner.hidden_stash)
+            spec.draft.enable_lazy(spec.within_rule, runner.hidden_stash, counters=spec.counters)
         k = spec_config.num_speculative_tokens  # its chain: one plan, a graph per lane count
         chain_rows = min(VERIFY_GRAPH_ROWS, spec_config.disable_by_batch_size,
                          runner.planner.max_seqs, DENSE_MAX_TOKENS // k)  # fmt: skip

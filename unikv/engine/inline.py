@@ -37,6 +37,8 @@ class Stats:
     spec_draft_seconds: float = 0.0  # host time proposing drafts
     spec_ahead_steps: int = 0  # verify steps planned ahead of the one in flight (pipeline)
     spec_ahead_dropped: int = 0  # of those, thrown away (a request finished or ended)
+    spec_head_hole_rows: int = 0  # a lazy head's rows past the rule left as holes (zeroed)
+    spec_head_hole_hits: int = 0  # admissions whose prefix hit holds such rows
 
     @property
     def spec_acceptance_rate(self) -> float:

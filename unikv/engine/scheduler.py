@@ -330,10 +330,10 @@ class Scheduler:
 
     def share(self, r: Request, preempted: bool = False) -> None:
         """Share ``r``'s full pages in the prefix cache as it leaves the running set
-        (a lazy draft writes its missing rows first where the pages stay:
+        (a lazy draft records or zeroes its missing rows first where the pages stay:
         ``Speculator.release``)."""
         if self.spec is not None:
-            self.spec.release(r, self.prefix.enabled or preempted)
+            self.spec.release(r, self.prefix.enabled or preempted, preempted)
         self.prefix.share(r)
 
     def release(self, done: list[Request]) -> None:
@@ -344,6 +344,8 @@ class Scheduler:
             return
         for r in done:
             self.share(r)
+        if self.spec is not None:  # (a lazy head's rows they left, while still theirs)
+            self.spec.left()
         self.alloc.free_request(np.fromiter((r.slot for r in done), np.int64, len(done)))
         gone, before = {id(r) for r in done}, len(self.running)
         self.running[:] = [r for r in self.running if id(r) not in gone]  # one pass, in place

@@ -75,6 +75,8 @@ SPEC_COUNTERS = (
     ("unikv:spec_decode_verify_steps", "verify_steps", "Steps that verified drafts"),
     ("unikv:spec_decode_ahead_steps", "ahead_steps", "Verify steps planned ahead (pipeline)"),
     ("unikv:spec_decode_ahead_dropped", "ahead_dropped", "Verify steps planned ahead, thrown away"),
+    ("unikv:spec_decode_head_hole_rows", "head_hole_rows", "Draft head rows left as holes, zeroed"),
+    ("unikv:spec_decode_head_hole_hits", "head_hole_hits", "Prefix hits over draft head holes"),
 )
 
 

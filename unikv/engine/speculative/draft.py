@@ -131,8 +131,8 @@ class DraftModel:
         caught up before its next proposal or as its pages are shared)."""
         return False
 
-    def release(self, r, write: bool) -> None:
-        """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
+    def release(self, r, write: bool, preempted: bool = False) -> None:
+        """``r`` leaves (finishes or is ``preempted``; ``write``: its pages are shared or
         kept). Nothing runs: where its pages stay, the first page holding a row it
         left out is remembered as stale (``stale``: a later hit lags from there,
         ``opened``), and ``draft_lag`` stays for a swap (the rows come back as they

@@ -47,6 +47,8 @@ class SpecCounters:
     skipped_by_batch_size: int = 0  # steps the batch-size rule kept from speculating
     ahead_steps: int = 0  # verify steps planned ahead of the step in flight (pipeline)
     ahead_dropped: int = 0  # of those, thrown away (their request finished or ended)
+    head_hole_rows: int = 0  # a lazy head's rows left as holes, zeroed (``holes.py``)
+    head_hole_hits: int = 0  # admissions whose prefix hit holds such rows
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -211,14 +213,21 @@ class Speculator:
         draft = np.asarray(index.propose(room) if index is not None else [], np.int64)
         return _padded(draft, room, r) if self.config.force_accept else draft  # benchmarks: k
 
-    def release(self, r: Request, write: bool) -> None:
-        """``r`` leaves the running set (finished or preempted); ``write``: its pages
-        stay (shared with the prefix cache, swapped or kept for readmission), so a
-        lazy draft writes the rows it left out first (no page holds a stale draft
-        row); else they are forgotten."""
+    def release(self, r: Request, write: bool, preempted: bool = False) -> None:
+        """``r`` leaves the running set (finished, or ``preempted``); ``write``: its
+        pages stay (shared with the prefix cache, swapped or kept for readmission), so
+        a lazy draft records the rows it left out (a draft model), or zeroes them (a
+        head; a preempted one writes its stashed rows first); else they are forgotten."""
         self.indexes.pop(r.request_id, None)
         if r.draft_lag is not None and self.draft is not None:
-            self.draft.release(r, write)
+            self.draft.release(r, write, preempted)
+
+    def left(self) -> None:
+        """The requests a step ended have shared their pages, not yet freed: a lazy
+        head zeroes the rows they left lagging (``HiddenDraft.left``)."""
+        left = getattr(self.draft, "left", None)
+        if left is not None:
+            left()
 
     def opened(self, r: Request) -> None:
         """``r`` was admitted (a prefix hit maybe): a draft model lags from the first

@@ -34,15 +34,18 @@ with the target's hidden states (after a verify graph, a graph of their own:
 ``capture_verify_rows``). A request whose first draft is not kept (its last step
 ran elsewhere: a swap moved its slot) drafts nothing for a step.
 
-Past the batch-size rule the layer is lazy (``enable_lazy``): a plain decode step
-runs no layer; its rows' exported hidden states go into the stash
-(``stash.HiddenStash``, a ring per request slot, ``window`` positions deep) from
-inside the step itself (the decode graphs on CUDA), and ``defer`` adds each row's
-next token (the step's sample: one ``index_copy_``). The stashed rows are written
-in one extend (``catch_up``): before the request's next proposal or its next step
-that runs the layer, when it leaves (finish, preemption) with pages that stay, and
-once its oldest stashed row would be overwritten (every ``window`` lazy steps: 16 to
-64 positions, ``stash.lazy_window``).
+Past the batch-size rule the layer is lazy (``enable_lazy``) and does no work: a
+plain decode step runs no layer; its rows' exported hidden states go into the stash
+(``stash.HiddenStash``, a ring per request slot, ``window`` positions deep: 16 to 64,
+``stash.lazy_window``) from inside the step itself (the decode graphs on CUDA), and
+``defer`` adds each row's next token (the step's sample: one ``index_copy_``). The
+stash is never flushed past the rule. Before the request's next proposal or its next
+step that runs the layer (``catch_up``), its last ``window`` lagging rows are written
+in one extend and the older ones are holes, zeroed (``holes.HeadHoles``: outputs stay
+exact, a hole costs acceptance only). A request that leaves lagging runs nothing: its
+lagging rows are zeroed where its pages stay (finish with prefix caching, the first
+page holding one recorded; a later hit on it is counted), except a preempted one,
+which writes its stashed rows first (its slot's ring is lost).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from unikv.engine.speculative.draft import (
     request_major,
     to_device,
 )
+from unikv.engine.speculative.holes import HeadHoles
 from unikv.kernels.backend import RowsPlan, stepping
 from unikv.kernels.linear.ref import resolve_feedback
 
@@ -123,6 +127,7 @@ class HiddenDraft:
         self.states = [None] * len(caches)
 
         self.rule = None  # ``Speculator.within_rule`` once lazy (``enable_lazy``)
+        self.holes: HeadHoles | None = None  # the hole rows' zeroing, once lazy
         self.lagging: dict = {}  # id -> request, of those whose rows lag (``Request.draft_lag``)
         self.marked = None  # the decoding set whose lags are marked (``draft.mark_lags``)
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
@@ -130,19 +135,22 @@ class HiddenDraft:
 
     # -- past the batch-size rule: lazy (module docstring) ----------------------------
 
-    def enable_lazy(self, rule, stash, window: int | None = None) -> None:
+    def enable_lazy(self, rule, stash, window: int | None = None, counters=None) -> None:
         """Past ``rule`` (``Speculator.within_rule``) plain decode steps stash the
         target's exported rows (``stash``, a ``HiddenStash`` the runner writes from
         its decode steps, one slot per request slot and a scratch slot) and their next
-        tokens, and the layer writes them in one extend at most every
-        ``stash.window`` steps. ``window``: the stash resized (tests; before any
-        decode graph is captured)."""
+        tokens, and the layer does no work (module docstring). ``window``: the stash
+        resized (tests; before any decode graph is captured); ``counters``: the
+        speculation counters the holes are counted in (None: those it has)."""
         assert stash.slots == self.first.shape[0], (
             "lazy head invariant: a stash slot a request slot"
         )
         if window is not None:
             stash.resize(window)
-        self.rule, self.stash, self.since_flush = rule, stash, 0
+        self.rule, self.stash = rule, stash
+        if counters is None and self.holes is not None:
+            counters = self.holes.counters
+        self.holes = HeadHoles(self.caches, self.planner.alloc.view, counters)
 
     def lazy(self, batch_size: int) -> bool:
         """Whether a plain decode step of ``batch_size`` requests stashes the layer's
@@ -150,15 +158,10 @@ class HiddenDraft:
         return self.rule is not None and self.lazy_ok and not self.rule(batch_size)
 
     def defer(self, plan, batch, tokens: torch.Tensor) -> None:
-        """A lazy decode step: its rows' hidden states and next tokens (its samples)
-        into the stash, on the device; the layer runs over every lagging request's
-        rows once ``window`` lazy steps have passed since the last such run."""
-        self.stash.tokens(len(batch.requests), tokens)  # (their hidden states: the step's)
+        """A lazy decode step: its rows' next tokens (its samples) into the stash, on
+        the device (their hidden states: the step's own write); nothing runs."""
+        self.stash.tokens(len(batch.requests), tokens)
         mark_lags(self, batch)  # (once per decoding set: no Python per request)
-        self.since_flush += 1
-        if self.since_flush == self.stash.window:  # every gap would outgrow the stash next
-            self.catch_up(batch.requests, ahead=1)
-            self.since_flush = 0
 
     def prepare(self, batch) -> bool:
         """Before a step that runs the layer (planned after this): the stashed rows of
@@ -169,40 +172,61 @@ class HiddenDraft:
         return self.catch_up([r for r in batch.requests if r.draft_lag is not None]) > 0
 
     def opened(self, r) -> None:
-        """``r`` was admitted: nothing (a head's rows are flushed as it leaves)."""
+        """``r`` was admitted: a prefix hit over a page holding a hole (``holes.record``)
+        is counted (``head_hole_hits``); it drafts over the zeroed rows."""
+        if self.holes is not None:
+            self.holes.hit(r)
 
-    def release(self, r, write: bool) -> None:
+    def release(self, r, write: bool, preempted: bool = False) -> None:
         """``r`` leaves (finishes or is preempted; ``write``: its pages are shared or
-        kept): its lagging rows are written first, with every other lagging
-        request's in the same extends (requests of a batch finish together: one
-        flush for them, not one each), else forgotten."""
+        kept). No layer runs for a finish: where its pages stay, its lagging rows are
+        zeroed (``left``) and the first page holding one recorded (``holes``). A preempted
+        request writes its stashed rows first (its slot's ring does not come back
+        with it), the older ones zeroed."""
         if r.draft_lag is None:
             return
-        if write:
-            self.catch_up(list(self.lagging.values()))
-        else:
-            r.draft_lag = None
-            self.lagging.pop(r.request_id, None)
+        if write and preempted:
+            self.catch_up([r])
+            return
+        if write:  # zeroed with the others leaving in the same step (``left``)
+            self.holes.leaving.append((r.slot, r.draft_lag, r.num_cached - r.draft_lag))
+            self.holes.record(r, r.draft_lag)
+        r.draft_lag = None
+        self.lagging.pop(r.request_id, None)
+
+    def left(self) -> None:
+        """The requests a step ended have shared their pages (before they are freed):
+        the rows they left lagging are zeroed, all in one go."""
+        if self.holes is not None:
+            self.holes.zero_leaving()
 
     @torch.inference_mode()
-    def catch_up(self, requests, ahead: int = 0) -> int:
-        """The layer over each lagging request's stashed rows ``[draft_lag, num_cached
-        + ahead)`` (``ahead`` 1: the step being launched stashed its row), their first
-        draft kept; returns the extends run."""
-        spans = []
+    def catch_up(self, requests) -> int:
+        """The layer over each lagging request's last stashed rows: ``[max(draft_lag,
+        num_cached - window), num_cached)``, their first draft kept; the rows before
+        them (their inputs overwritten in the ring) zeroed, holes. Returns the
+        extends run."""
+        assert not self.holes.leaving, (
+            "lazy head invariant: the rows requests left lagging are zeroed as they leave "
+            "(Speculator.left, before their pages are freed)"
+        )
+        spans, holes = [], []
         self.marked = None  # (lags cleared: the next lazy step marks again)
         for r in requests:
-            if r.draft_lag is not None and r.num_cached + ahead <= r.draft_lag:
-                r.draft_lag = None  # a prefill from the lag on rewrites the rows itself
-                self.lagging.pop(r.request_id, None)
-            elif r.draft_lag is not None:
-                end = r.num_cached + ahead
-                assert 0 < end - r.draft_lag <= self.stash.window, (
-                    "lazy draft invariant: a request's stashed rows fit the stash"
-                )
-                spans.append((r, r.draft_lag, end - r.draft_lag))
-                r.draft_lag = None
-                self.lagging.pop(r.request_id, None)
+            lag = r.draft_lag
+            if lag is None:
+                continue
+            r.draft_lag = None
+            self.lagging.pop(r.request_id, None)
+            end = r.num_cached
+            if end <= lag:  # a prefill from the lag on rewrote the rows itself
+                continue
+            start = max(lag, end - self.stash.window)
+            if start > lag:
+                holes.append((r.slot, lag, start - lag))
+            spans.append((r, start, end - start))
+        if holes:
+            self.holes.zero(*(np.asarray(c, np.int64) for c in zip(*holes)))
         runs = packed(spans, self.planner.max_tokens, self.planner.max_seqs)
         for batch in runs:
             self._extend(batch)

@@ -27,8 +27,9 @@ LAZY_STASH_BYTES = 64 << 20
 def lazy_window(slots: int, row_bytes: int) -> int:
     """The stash's depth for ``slots`` request slots of ``row_bytes`` each a position:
     the deepest up to ``LAZY_WINDOW_MAX`` that fits ``LAZY_STASH_BYTES``, never under
-    ``LAZY_WINDOW``. A flush (an eager extend of the head, its plan on the host) runs
-    every ``window`` lazy steps: a deeper stash runs fewer of them past the rule."""
+    ``LAZY_WINDOW``. Past the rule the head runs nothing: when a request drafts again
+    its last ``window`` rows are written exactly, older ones are holes (``holes.py``):
+    a deeper stash leaves fewer."""
     fit = LAZY_STASH_BYTES // max(slots * row_bytes, 1)
     return max(LAZY_WINDOW, min(LAZY_WINDOW_MAX, fit))
 
