@@ -335,8 +335,10 @@ def fp8_linear(
     by_rows = None if rows is None else rows.fp8
     cfg = config or plan(m, held, k, tuple(block), x.dtype == torch.float32, scaled_mm, by_rows)
     if cfg.variant == "scaled_mm":
-        xq, xs = quantize_act(x2, 128, m_major=True)
-        return _scaled_mm_out(xq, xs, weight, scale_inv, bias, x.dtype, n).view(*lead, n)
+        if n == held:
+            return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
+        y = scaled_mm_linear(x2, weight, scale_inv, None)[:, :n]  # the real rows' view
+        return (y if bias is None else y + bias).view(*lead, n)
     xs = x2  # a placeholder pointer where x is not quantised
     if cfg.variant == "w8a8":
         x2, xs = quantize_act(x2, block[1])
@@ -345,7 +347,8 @@ def fp8_linear(
 
 def _scaled_mm_out(xq, xs, weight, scale_inv, bias, dtype, n) -> torch.Tensor:
     """``torch._scaled_mm`` on quantised x (M-major scales): the (M, n) product (+ bias),
-    a view of the held rows' product where n is fewer."""
+    a view of the held rows' product where n is fewer (``fp8_linear``'s steps after
+    its ``scaled_mm_linear``'s quantisation)."""
     if n == weight.shape[0]:
         return scaled_mm_quantized(xq, xs, weight, scale_inv, bias, dtype)
     y = scaled_mm_quantized(xq, xs, weight, scale_inv, None, dtype)[:, :n]  # the real rows
@@ -416,9 +419,9 @@ def fp8_linear_quantized(
     said (xq (M, K) float8_e4m3fn, xs its scales in that layout): the same GEMM
     launch the unfused call makes after its own ``quantize_act``, so the result is
     that call's bit for bit. (M, N) in ``out_dtype``, a view where ``out_features``."""
+    check_quantized(xq, xs, weight, block)
     check_operands(xq.new_empty(0, xq.shape[-1], dtype=out_dtype, device="meta"),
                    weight, scale_inv, block, out_features)  # fmt: skip
-    check_quantized(xq, xs, weight, block)
     (m, k), held = xq.shape, weight.shape[0]
     n = held if out_features is None else out_features
     if m == 0:

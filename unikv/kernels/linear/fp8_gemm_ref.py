@@ -168,9 +168,9 @@ def fp8_linear_quantized(
     ceil(K / bk)) fp32 (any strides), both operands dequantised, multiplied in fp32,
     (+ bias), cast to ``out_dtype``; ``out_features`` as ``fp8_linear`` (a view of the
     real rows)."""
+    check_quantized(xq, xs, weight, block)
     check_operands(xq.new_empty(0, xq.shape[-1], dtype=torch.float32, device="meta"),
                    weight, scale_inv, block, out_features)  # fmt: skip
-    check_quantized(xq, xs, weight, block)
     n = weight.shape[0] if out_features is None else out_features
     out = F.linear(dequantize(xq, xs, (1, block[1])), dequantize(weight, scale_inv, block))
     if bias is not None:

@@ -169,7 +169,9 @@ def add_rms_norm_quant(
     else:
         h, residual = add_rms_norm(x, residual, weight, eps, **kw)
     xq, xs = quantize_act(h, group)
-    return xq, (xs.t().contiguous().t() if m_major else xs), residual
+    if m_major:  # strides (1, T), as the kernel writes them
+        xs = xs.new_empty(xs.shape[1], xs.shape[0]).t().copy_(xs)
+    return xq, xs, residual
 
 
 def sandwich_rms_norm(
