@@ -69,19 +69,23 @@ class Counting:
         return self.fn(*args, **kw)
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """The model's Triton backend with ``add_rms_norm_quant`` counted, the GEMM's own
-    ``quantize_act`` counted, and w8a8 from 8 rows."""
+def count_quantisation(monkeypatch, device: str) -> tuple[Counting, Counting]:
+    """The model's Triton backend on ``device`` with ``add_rms_norm_quant`` counted, the
+    GEMM's own ``quantize_act`` counted, and w8a8 from 8 rows."""
     monkeypatch.setattr(fp8_gemm, "W8A8_MIN_ROWS", 8)
     fp8_gemm.plan.cache_clear()
-    inner = kb.get_backend("cpu", "triton")
+    inner = kb.get_backend(device, "triton")
     fused = Counting(inner.add_rms_norm_quant)
     ops = dataclasses.replace(inner, add_rms_norm_quant=fused)
     monkeypatch.setattr(loader, "get_backend", lambda device, backend=None: ops)
     own = Counting(fp8_gemm.quantize_act)
     monkeypatch.setattr(fp8_gemm, "quantize_act", own)
-    yield fused, own
+    return fused, own
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    yield count_quantisation(monkeypatch, "cpu")
     fp8_gemm.plan.cache_clear()
 
 
@@ -137,29 +141,54 @@ def test_fused_model_matches_transformers_on_the_dequantised_checkpoint(ckpt, co
     assert clear.sum() >= len(ids) // 3 and agree.all()
 
 
+def engine_runs(ckpt, fused: Counting, monkeypatch, device: str) -> list[tuple]:
+    """(greedy tokens, sampled logit rows, fused calls) of a 12-token prompt and 4 new
+    tokens, with the fused path on, then off."""
+    from engine_fixtures import StepLogits
+
+    from unikv.engine import LLM, SamplingParams
+
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, fp8_norm_quant=on))
+        llm = LLM(ckpt.fp8, device=device, backend="triton", dtype=torch.bfloat16,
+                  max_num_seqs=2, max_model_len=32, page_size=4)  # fmt: skip
+        before, rows = fused.calls, StepLogits()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        out = llm.generate([ckpt.ref.prompts[1][:12]], params, on_step=rows)
+        runs.append((out[0].output_ids, list(rows.rows.values()), fused.calls - before))
+    return runs
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="GPU runs Triton natively")
 def test_engine_steps_take_the_fused_path_by_their_row_plan(tmp_path_factory, counted, monkeypatch):
     """Qwen3 (the shared decoder's q|k|v and gate|up, both FP8) in the engine (Triton
     under the interpreter, bf16): a 12-token prefill step's plan quantises x (w8a8 from
     8 rows here), so its blocks take the fused path, the decode steps' plans do not;
     the greedy tokens and every sampled logit row equal the unfused engine's."""
-    from engine_fixtures import StepLogits
-
-    from unikv.engine import LLM, SamplingParams
-
     fused, _ = counted
     ckpt = Checkpoints("qwen3", tmp_path_factory.mktemp("normquant_qwen3"), block=[16, 32])
-    prompts = [ckpt.ref.prompts[1][:12]]
-    runs = []
-    for on in (True, False):
-        monkeypatch.setattr(env, "FLAGS", dataclasses.replace(env.FLAGS, fp8_norm_quant=on))
-        llm = LLM(ckpt.fp8, device="cpu", backend="triton", dtype=torch.bfloat16,
-                  max_num_seqs=2, max_model_len=32, page_size=4)  # fmt: skip
-        before, rows = fused.calls, StepLogits()
-        out = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0), on_step=rows)
-        runs.append((out[0].output_ids, list(rows.rows.values()), fused.calls - before))
-    (tokens, logits, calls), (tokens_off, logits_off, calls_off) = runs
+    (tokens, logits, calls), (tokens_off, logits_off, calls_off) = engine_runs(
+        ckpt, fused, monkeypatch, "cpu"
+    )
     layers = 4
     assert calls == 2 * layers and calls_off == 0  # the prefill step's blocks only
+    assert tokens == tokens_off
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits_off, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_fused_equals_unfused_gpu(ckpt, tmp_path_factory, monkeypatch):
+    """On the GPU (compiled kernels, CUDA graphs for decode): DeepSeek-V3 and MiMo, the
+    fused engine's tokens and sampled logit rows equal the unfused one's bit for bit."""
+    fused, _ = count_quantisation(monkeypatch, "cuda")
+    try:
+        (tokens, logits, calls), (tokens_off, logits_off, calls_off) = engine_runs(
+            ckpt, fused, monkeypatch, "cuda"
+        )
+    finally:
+        fp8_gemm.plan.cache_clear()
+    assert calls >= ARCHS[ckpt.arch] and calls_off == 0
     assert tokens == tokens_off
     assert all(torch.equal(a, b) for a, b in zip(logits, logits_off, strict=True))
