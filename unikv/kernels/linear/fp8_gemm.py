@@ -25,6 +25,12 @@ planner (a CUDA graph's: its captured batch size's); ``plan`` adds the layer's p
   and match the reference); the plan takes it only when told so (``scaled_mm``), never
   by reading the device per call.
 
+Where a block's pre-norm quantises x itself (``norm_quant.add_rms_norm_quant``, one
+pass over x instead of the norm's write and ``quantize_act``'s read), ``fp8_act_quant``
+says how (the group and scale layout the plan's variant reads, or None: no
+quantisation at these rows) and ``fp8_linear_quantized`` runs that variant's launch
+from the codes and scales: the unfused call's result bit for bit.
+
     grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k)   grouped along M for L2 reuse
 
 A weight whose N is not whole 128-row blocks (DeepSeek's kv_a_proj_with_mqa, 576, and
