@@ -7,7 +7,8 @@ scales. Here one program per row does both: the residual add and the norm exactl
 ``elementwise._rms_norm_kernel`` (same tile, warps and helper, so the same fp32 sums),
 the normed row rounded to the model dtype, then split in groups of ``group`` columns,
 each scaled so its largest |value| maps to 448 (``fp8_gemm._act_quant_kernel``'s
-arithmetic: scale = max(amax / 448, 1e-12), code = e4m3(clamp(v / scale))). The
+arithmetic, IEEE divisions: scale = max(amax / 448, 1e-12), code = e4m3(clamp(v /
+scale))). The
 codes and scales are those of the two-kernel path bit for bit; the normed rows are
 never written.
 
@@ -49,8 +50,10 @@ def _add_rms_norm_quant_kernel(
         tl.store(res + row * sr0 + cols, xv, mask=mask)
     y = rms_normed(xv.to(tl.float32), w, cols, mask, N, eps, offset, dt, W_FP32)
     groups = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))  # lanes past N: 0
-    scale = tl.maximum(tl.max(tl.abs(groups), axis=1) / 448.0, 1e-12)
-    codes = tl.clamp(groups / scale[:, None], -448.0, 448.0)
+    # IEEE divisions (div_rn), as ``quantize_act``'s: Triton's fp32 ``/`` is approximate
+    # on NVIDIA GPUs
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(groups), axis=1), 448.0), 1e-12)
+    codes = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -448.0, 448.0)
     tl.store(q + row * sq0 + cols, tl.reshape(codes, (BLOCK,)).to(q.dtype.element_ty), mask=mask)
     g = tl.arange(0, BLOCK // GROUP)
     tl.store(s + row * ss0 + g * ss1, scale, mask=g < n_groups)
