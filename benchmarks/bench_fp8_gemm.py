@@ -23,6 +23,14 @@
   of the FP8 copy and its scales): ``of_bw`` = those bytes / copy bandwidth / time, the
   plan's tiling (``fp8_gemm.QUANT_TILE``) and, for K 7168 (or every K without
   ``--quick``), other tilings (rows, groups a program, warps).
+- ``norm`` (M = 4096, 8192; ``--quick``: 4096): a block's pre-norm and its GEMM, as the
+  model runs them, on the layers an RMSNorm precedes (q_a, kv_a, the packed q_a | kv_a,
+  gate|up): ``bf16_norm_gemm`` (the Triton ``add_rms_norm``, then cuBLAS bf16),
+  ``fp8_norm_then_gemm`` (the same norm, then ``fp8_linear``, which quantises x itself)
+  and ``fp8_norm_quant_gemm`` (``add_rms_norm_quant``: the add, the norm and x's
+  quantisation in one pass, then ``fp8_linear_quantized``); ``speedup`` = the bf16
+  pair's time / the row's (target >= 1.4); the fused output must equal the unfused one
+  bit for bit (else recorded, not timed).
 Every FP8 output is checked against the torch reference first (a wrong one is
 recorded, not timed). ``summary`` gives each target's worst shape and the misses.
 """
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import GIB, bench_us, copy_ceilings, environment, graph_us, save_json
-from unikv.kernels.linear import fp8_gemm, fp8_gemm_ref
+from unikv.kernels.linear import elementwise, fp8_gemm, fp8_gemm_ref, norm_quant
 
 BLOCK = (128, 128)
 SHAPES = {  # (N, K): DeepSeek-V3 (hidden 7168) and Qwen3-8B / 32B layers
@@ -56,6 +64,8 @@ SHAPES = {  # (N, K): DeepSeek-V3 (hidden 7168) and Qwen3-8B / 32B layers
     "qwen3_8b.down": (4096, 12288),
     "qwen3_32b.gate_up": (51200, 5120),
 }
+NORM_SHAPES = ("dsv3.q_a_proj", "dsv3.kv_a_proj_with_mqa", "dsv3.qkv_a_proj",
+               "dsv3.dense_gate_up", "qwen3_8b.gate_up")  # fmt: skip
 DECODE_M, PREFILL_M = (1, 4, 16), (4096, 8192)
 DECODE_TARGET, PREFILL_TARGET = 0.80, 1.4
 SCALED_MM = [False]  # set in main: the backend's probe (fp8_gemm.scaled_mm_supported)
@@ -236,6 +246,65 @@ def prefill_shape(name: str, n: int, k: int, quick: bool) -> list[dict]:
     return rows
 
 
+def norm_shape(name: str, n: int, k: int, quick: bool) -> list[dict]:
+    """The pre-norm and the GEMM after it: bf16, FP8 unfused, FP8 with the norm
+    quantising x (module docstring)."""
+    (w,), (s,) = operands(n, k)
+    dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    norm_w = (torch.rand(k, device="cuda") + 0.5).to(torch.bfloat16)
+    out = None if n == w.shape[0] else n
+    rows = []
+    for m in PREFILL_M[:1] if quick else PREFILL_M:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        quant = fp8_gemm.fp8_act_quant(m, w.shape[0], k, BLOCK, x.dtype, scaled_mm=SCALED_MM[0])
+        base = {"shape": name, "N": n, "K": k, "M": m, "held": w.shape[0],
+                "quant": None if quant is None else list(quant)}  # fmt: skip
+
+        def bf16_pair(x=x, r=res):
+            return F.linear(elementwise.add_rms_norm(x, r, norm_w, 1e-6)[0], dense)
+
+        def unfused(x=x, r=res):
+            h = elementwise.add_rms_norm(x, r, norm_w, 1e-6)[0]
+            return fp8_gemm.fp8_linear(h, w, s, block=BLOCK, scaled_mm=SCALED_MM[0],
+                                       out_features=out)  # fmt: skip
+
+        def fused(x=x, r=res, q=quant):
+            xq, xs, _ = norm_quant.add_rms_norm_quant(x, r, norm_w, 1e-6, group=q.group,
+                                                      m_major=q.m_major)  # fmt: skip
+            return fp8_gemm.fp8_linear_quantized(xq, xs, w, s, block=BLOCK, out_dtype=x.dtype,
+                                                 out_features=out, scaled_mm=SCALED_MM[0])  # fmt: skip
+
+        bf16 = bench_us(bf16_pair)
+        rows.append(base | {"impl": "bf16_norm_gemm", "us": bf16})
+        for label, fn in (("fp8_norm_then_gemm", unfused), ("fp8_norm_quant_gemm", fused)):
+            row = base | {"impl": label}
+            rows.append(row)
+            try:
+                if label == "fp8_norm_quant_gemm":
+                    if quant is None:
+                        row["error"] = "the plan does not quantise x at these rows"
+                        continue
+                    r1, r2 = res.clone(), res.clone()
+                    same = torch.equal(unfused(r=r1), fused(r=r2)) and torch.equal(r1, r2)
+                    if not same:
+                        row["error"] = "differs from the unfused path; not timed"
+                        continue
+                row |= {"us": (us := bench_us(fn)), "speedup": bf16 / us}
+            except Exception as exc:
+                row["error"] = repr(exc)[:400]
+        print([r for r in rows if r["M"] == m], flush=True)
+    return rows
+
+
+def norm_rows(quick: bool) -> list[dict]:
+    rows = []
+    for name in NORM_SHAPES:
+        rows += norm_shape(name, *SHAPES[name], quick)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def decode_rows(bw: float, quick: bool) -> list[dict]:
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -266,7 +335,7 @@ def quant_best(rows: list[dict]) -> dict:
     return out
 
 
-def summary(decode: list[dict], prefill: list[dict]) -> dict:
+def summary(decode: list[dict], prefill: list[dict], norm: list[dict]) -> dict:
     def plan_rows(rows, key):
         return [r for r in rows if r["impl"] == "fp8_plan" and key in r]
 
@@ -280,6 +349,16 @@ def summary(decode: list[dict], prefill: list[dict]) -> dict:
         return list(best.values())
 
     out = {}
+    for impl in ("fp8_norm_then_gemm", "fp8_norm_quant_gemm"):
+        got = [r for r in norm if r["impl"] == impl and "speedup" in r]
+        out[f"norm_{impl}_speedup"] = {
+            "target": PREFILL_TARGET,
+            "by_shape": {f"{r['shape']}@{r['M']}": round(r["speedup"], 3) for r in got},
+            "misses": [f"{r['shape']}@{r['M']}" for r in got if r["speedup"] < PREFILL_TARGET],
+            "errors": [
+                f"{r['shape']}@{r['M']}" for r in norm if r["impl"] == impl and "error" in r
+            ],
+        }
     for label, rows, key, target in (("decode_of_bw", decode, "of_bw", DECODE_TARGET),
                                      ("prefill_speedup", prefill, "speedup", PREFILL_TARGET)):  # fmt: skip
         for kind, pick in (("plan", plan_rows), ("best_config", best_rows)):
@@ -308,11 +387,12 @@ def main() -> None:
     print({"scaled_mm_supported": SCALED_MM[0]}, flush=True)
     decode = decode_rows(bw, args.quick)
     prefill = prefill_rows(args.quick)
+    norm = norm_rows(args.quick)
     quant = quant_rows(sorted({k for _, k in SHAPES.values()}), args.quick, bw)
     payload = {"env": environment(), "ceilings": ceilings, "block": list(BLOCK),
                "scaled_mm_supported": SCALED_MM[0],
-               "summary": summary(decode, prefill), "decode": decode, "prefill": prefill,
-               "quant": quant}  # fmt: skip
+               "summary": summary(decode, prefill, norm), "decode": decode, "prefill": prefill,
+               "norm": norm, "quant": quant}  # fmt: skip
     payload["summary"]["quant_best"] = quant_best(quant)
     print(payload["summary"])
     save_json(args.out, payload)

@@ -87,6 +87,7 @@ class Flags:
     gemv_table: str | None = None  # UNIKV_GEMV_TABLE: GEMV configs overriding the tuned table
     gemv_embed: bool = True  # UNIKV_GEMV_EMBED: the first GEMV gathers its embedding rows
     sandwich_norm: bool = True  # UNIKV_SANDWICH_NORM: post-norm + add + next pre-norm, one op
+    fp8_norm_quant: bool = True  # UNIKV_FP8_NORM_QUANT: pre-norm + FP8 x quantisation, one op
     extend_hopper: bool = True  # UNIKV_EXTEND_HOPPER (0 off): sm_90 extend attention
     extend_sdpa: bool = False  # UNIKV_EXTEND_SDPA (1 on): torch SDPA for fresh prefills
     extend_sdpa_gqa: str = "native"  # UNIKV_EXTEND_SDPA_GQA: "native" or "repeat" K/V heads
@@ -119,6 +120,7 @@ PARSERS: dict[str, tuple[str, Callable]] = {
     "gemv_table": ("UNIKV_GEMV_TABLE", _text),
     "gemv_embed": ("UNIKV_GEMV_EMBED", _on("1")),
     "sandwich_norm": ("UNIKV_SANDWICH_NORM", _on("1")),
+    "fp8_norm_quant": ("UNIKV_FP8_NORM_QUANT", _on("1")),
     "extend_hopper": ("UNIKV_EXTEND_HOPPER", _not_zero),
     "extend_sdpa": ("UNIKV_EXTEND_SDPA", _on("0")),
     "extend_sdpa_gqa": ("UNIKV_EXTEND_SDPA_GQA", _choice(SDPA_GQA)),

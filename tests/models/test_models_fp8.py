@@ -146,9 +146,9 @@ def quant_config(arch: str, **changes) -> dict:
 class Checkpoints:
     """``fp8``: the quantised checkpoint dir; ``plain``: its naive dequantisation as fp32;
     ``fp8_tensors`` / ``oracle``: their tensors by name; ``ref``: transformers' greedy
-    tokens on ``plain``."""
+    tokens on ``plain``. ``block``: the scale blocks (``BLOCK`` unless given)."""
 
-    def __init__(self, arch: str, root) -> None:
+    def __init__(self, arch: str, root, block=BLOCK) -> None:
         import transformers as tf
 
         src = str(root / "src")
@@ -156,13 +156,13 @@ class Checkpoints:
         self.fp8_tensors, self.oracle = {}, {}
         for name, w in load_file(os.path.join(src, "model.safetensors")).items():
             if _is_quantised(name, w, arch):
-                q, scale = quantise_blocks(w, BLOCK)
+                q, scale = quantise_blocks(w, block)
                 self.fp8_tensors |= {name: q, name + "_scale_inv": scale}
-                self.oracle[name] = naive_dequant(q, scale, BLOCK)
+                self.oracle[name] = naive_dequant(q, scale, block)
             else:
                 self.fp8_tensors[name] = self.oracle[name] = w
         self.arch, self.fp8, self.plain = arch, str(root / "fp8"), str(root / "plain")
-        _write(self.fp8, src, self.fp8_tensors, quant_config(arch))
+        _write(self.fp8, src, self.fp8_tensors, quant_config(arch, weight_block_size=list(block)))
         _write(self.plain, src, self.oracle, None)
         hf = tf.AutoModelForCausalLM.from_pretrained(
             self.plain,

@@ -47,9 +47,12 @@ from unikv.kernels.linear.protocols import (
     AddRMSNorm,
     AddRMSNormLinear,
     AddRMSNormLinearArgmax,
+    AddRMSNormQuant,
     Argmax,
     EmbedRMSNormLinear,
+    Fp8ActQuant,
     Fp8Linear,
+    Fp8LinearQuantized,
     Fp8PaddedRows,
     GatedRMSNorm,
     GeluTanhMul,
@@ -99,7 +102,8 @@ SAMPLING_OPS = ("argmax",)
 LINEAR_OPS = ("linear", "silu_mul_linear", "add_rms_norm_linear", "embed_rms_norm_linear",
               "add_rms_norm_linear_argmax", "relu_square_linear")  # fmt: skip
 MOE_OPS = ("moe", "moe_repacked")
-QUANT_OPS = ("fp8_linear", "fp8_padded_rows", "moe_fp8")
+QUANT_OPS = ("fp8_linear", "fp8_padded_rows", "moe_fp8", "add_rms_norm_quant", "fp8_act_quant",
+             "fp8_linear_quantized")  # fmt: skip
 OPS = (KV_OPS + TABLE_OPS + STEP_OPS + RECURRENT_OPS + MLA_OPS + ELEMENTWISE_OPS
        + SANDWICH_OPS + ACTIVATION_OPS + ROPE_PAIR_OPS + SAMPLING_OPS + LINEAR_OPS + MOE_OPS
        + QUANT_OPS)  # fmt: skip
@@ -188,6 +192,13 @@ class KernelBackend:
     # each weight tile dequantised in registers inside the fused kernels) or the torch
     # reference (``fp8_gemm_ref.moe_fp8``: the experts dequantised per call, then ``moe``)
     moe_fp8: MoEFp8
+    # an FP8 linear's pre-norm with its activation quantisation in one pass (Triton:
+    # ``norm_quant.py``; the reference: ``add_rms_norm`` then ``quantize_act``), how
+    # ``fp8_linear`` quantises x at a step's rows (None: it does not; the torch
+    # backend's never does), and the GEMM from x so quantised (``fp8_gemm``)
+    add_rms_norm_quant: AddRMSNormQuant
+    fp8_act_quant: Fp8ActQuant
+    fp8_linear_quantized: Fp8LinearQuantized
 
 
 assert tuple(f.name for f in fields(KernelBackend))[1:] == OPS, "KernelBackend lists OPS"
@@ -448,6 +459,7 @@ def _triton(flags: Flags) -> KernelBackend:
         fp8_gemm,
         fp8_gemm_ref,
         gemv,
+        norm_quant,
         rope_pairs,
         sandwich,
     )
@@ -513,6 +525,11 @@ def _triton(flags: Flags) -> KernelBackend:
         ),
         fp8_padded_rows=fp8_gemm.padded_rows if flags.fp8_scaled_mm else fp8_gemm_ref.padded_rows,
         moe_fp8=moe_fp8.moe_fp8,
+        add_rms_norm_quant=norm_quant.add_rms_norm_quant,
+        fp8_act_quant=functools.partial(fp8_gemm.fp8_act_quant, scaled_mm=flags.fp8_scaled_mm),
+        fp8_linear_quantized=functools.partial(
+            fp8_gemm.fp8_linear_quantized, scaled_mm=flags.fp8_scaled_mm
+        ),
     )
 
 
@@ -558,6 +575,9 @@ def _torch() -> KernelBackend:
         fp8_linear=fp8_gemm_ref.fp8_linear,
         fp8_padded_rows=fp8_gemm_ref.padded_rows,
         moe_fp8=functools.partial(fp8_gemm_ref.moe_fp8, moe=moe_ref.fused_moe),
+        add_rms_norm_quant=elementwise_ref.add_rms_norm_quant,
+        fp8_act_quant=fp8_gemm_ref.fp8_act_quant,
+        fp8_linear_quantized=fp8_gemm_ref.fp8_linear_quantized,
     )
 
 

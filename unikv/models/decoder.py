@@ -53,7 +53,10 @@ class Block:
     the body is called ``body(x, positions, attn)`` (a token mixer), else ``body(x)``;
     post: None or a callable on the body's output (Gemma's sandwich norms, Granite's
     scale). Where the body offers ``input_linear()`` (a plain ``Linear``: q|k|v,
-    gate|up), the norm runs inside that GEMM and ``body.from_input`` does the rest.
+    gate|up), the norm runs inside that GEMM and ``body.from_input`` does the rest;
+    where it is an FP8 linear (``fp8``), the norm quantises its x at the rows its
+    prefill variant quantises (``RMSNorm.fp8_linear``; ``UNIKV_FP8_NORM_QUANT=0``:
+    never, the A/B switch), then ``from_input``.
     A plain object: the modules are registered under the family's names by its layer.
 
     ``chain`` links consecutive blocks where a block's post is an RMSNorm the next
@@ -62,7 +65,7 @@ class Block:
     add and its own pre-norm in one op (``before``: ``RMSNorm.sandwich``), its GEMM
     after it unfused. Host structure fixed at load, never per step."""
 
-    __slots__ = ("before", "body", "defers", "linear", "mixes", "norm", "post")
+    __slots__ = ("before", "body", "defers", "fp8", "linear", "mixes", "norm", "post")
 
     def __init__(
         self, norm: RMSNorm, body: nn.Module, *, mixes: bool, post: nn.Module | None = None
@@ -74,10 +77,13 @@ class Block:
 
     def bind(self) -> None:
         """Take the body's ``input_linear`` (again, after its modules were replaced):
-        a plain ``nn.Linear`` (the norm reads its weight), else None."""
+        a plain ``nn.Linear`` (the norm reads its weight) as ``linear``, an FP8 one
+        (``fuses_norm``) as ``fp8`` where ``env.FLAGS.fp8_norm_quant``, else None."""
         fused = getattr(self.body, "input_linear", None)
         linear = fused() if fused is not None else None
         self.linear = linear if isinstance(linear, nn.Linear) else None
+        fp8 = env.FLAGS.fp8_norm_quant and getattr(linear, "fuses_norm", False)
+        self.fp8 = linear if fp8 else None
 
     def __call__(self, h, residual, positions, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """h: (T, hidden), the previous block's output (the embeddings with residual
@@ -89,6 +95,9 @@ class Block:
                 return self.after(self.linear(x), residual, positions, attn)
         elif self.linear is not None:
             y, residual = self.norm.linear(h, residual, self.linear, step_rows())
+            return self.after(y, residual, positions, attn)
+        elif self.fp8 is not None:  # (structural, ``bind``) the norm may quantise its x
+            y, residual = self.norm.fp8_linear(h, residual, self.fp8)
             return self.after(y, residual, positions, attn)
         elif residual is None:  # the first block: a structural None, not a device branch
             residual, x = h, self.norm(h)

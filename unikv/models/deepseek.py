@@ -197,11 +197,12 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         return self.attend(q, latent, k_rope, positions, attn)
 
-    def input_linear(self) -> nn.Linear | None:
+    def input_linear(self) -> nn.Module | None:
         """The q_a|kv_a GEMM a decoder may fuse the pre-norm into (``decoder.Block``),
-        where it is a plain ``Linear`` (an FP8 checkpoint's stays FP8), else None."""
+        where it is a plain ``Linear`` or an FP8 one whose x the norm may quantise
+        (``fuses_norm``), else None."""
         fused = getattr(self, "qkv_a_proj", None)
-        return fused if type(fused) is Linear else None
+        return fused if type(fused) is Linear or getattr(fused, "fuses_norm", False) else None
 
     def from_input(self, qkv_a: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """``forward`` after the q_a|kv_a GEMM: (T, q_lora + rank + rope)."""

@@ -30,6 +30,14 @@ weight and scales are re-held in the rows the backend's prefill GEMM wants
 scales past the real ones, once; ``weight`` / ``weight_scale_inv`` stay the file's
 values (views of the first rows) and its output is the real rows' view.
 
+Quantised by its pre-norm: where an ``Fp8BlockLinear`` is a block's input GEMM
+(``decoder.Block``: q|k|v, DeepSeek's q_a | kv_a, gate|up) and its prefill variant
+quantises x (``input_quant``: the backend's ``fp8_act_quant`` at the step's rows), the
+block runs its RMSNorm and that quantisation in one pass (``RMSNorm.fp8_linear``,
+``add_rms_norm_quant``) and this linear from the codes (``forward_quantized``), so x is
+read once; at other rows (decode) the norm and ``forward`` as before. Bit for bit the
+unfused path's result (``tests/models/test_models_fp8_normquant.py``).
+
 Tensor parallelism: a column-parallel FP8 linear shards its weight and scales by rows,
 a row-parallel one by columns; a rank's slice must be whole blocks (a size that cuts a
 scale block is refused here, before any weight loads). The scales then shard like the
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -49,6 +58,9 @@ from unikv.models.fp8 import SCALE_SUFFIX, Fp8Format
 from unikv.models.layers import Linear
 from unikv.models.moe import RoutedExperts
 from unikv.models.parallel import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from unikv.kernels.linear.fp8_gemm_ref import Fp8Quant
 
 PLAIN_LINEARS = (Linear, ColumnParallelLinear, RowParallelLinear)
 
@@ -91,6 +103,9 @@ class Fp8BlockLinear(nn.Module):
         self.ops, self.parallel, self.tp = ops, parallel, tp
         self.reduce, self.adds_bias = reduce, adds_bias and bias is not None  # host bools
         self.pads, self.padded = pads, False  # host bools (``finish_loading``)
+        # a pre-norm may quantise x for it (``input_quant``): its groups (bk) are a power
+        # of two (``add_rms_norm_quant``) and its output is not a partial sum
+        self.fuses_norm = bk & (bk - 1) == 0 and parallel != "row"
         self.register_buffer("held_weight", None, persistent=False)
         self.register_buffer("held_scale_inv", None, persistent=False)
         if parallel == "column":
@@ -106,13 +121,33 @@ class Fp8BlockLinear(nn.Module):
             if self.reduce:
                 out = self.tp.all_reduce(out)
             return out + self.bias if self.adds_bias else out
-        if self.padded:  # a host bool fixed at load: the real rows' view of the padded GEMM
-            weight, scale, real = self.held_weight, self.held_scale_inv, self.out_features
-        else:
-            weight, scale, real = self.weight, self.weight_scale_inv, None
+        weight, scale, real = self.held()  # padded: the real rows' view of the padded GEMM
         return self.ops.fp8_linear(
             x, weight, scale, self.bias, block=self.block, rows=step_rows(), out_features=real
         )
+
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(weight, scales, real rows or None) the GEMM multiplies: the held padded
+        ones and the file's rows where ``padded``, else the file's."""
+        if self.padded:  # a host bool fixed at load
+            return self.held_weight, self.held_scale_inv, self.out_features
+        return self.weight, self.weight_scale_inv, None
+
+    def input_quant(self, m: int, dtype: torch.dtype, rows) -> Fp8Quant | None:
+        """How ``forward`` of m rows in ``dtype`` at the step's plan ``rows`` quantises
+        x (the backend's ``fp8_act_quant``, host values only), or None."""
+        return self.ops.fp8_act_quant(m, self.held()[0].shape[0], self.in_features, self.block,
+                                      dtype, rows)  # fmt: skip
+
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor, dtype) -> torch.Tensor:
+        """``forward`` of the x whose codes and scales are xq, xs (quantised as
+        ``input_quant`` said, by the pre-norm), in ``dtype``."""
+        assert self.parallel != "row", "a pre-norm quantises a column or plain linear's x"
+        weight, scale, real = self.held()
+        return self.ops.fp8_linear_quantized(
+            xq, xs, weight, scale, self.bias, block=self.block, out_dtype=dtype,
+            rows=step_rows(), out_features=real,
+        )  # fmt: skip
 
     def finish_loading(self) -> None:
         """After the weights load (``loader.load_model``), where ``pads``: the weight and

@@ -184,6 +184,25 @@ class RMSNorm(nn.Module):
             x, residual, self.weight, self.eps, lin.weight, lin.bias, **self.kw, rows=rows
         )
 
+    def fp8_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``linear`` for an FP8 linear (``fp8_linear.Fp8BlockLinear``): where its GEMM
+        quantises x at the step's rows (``lin.input_quant``: the step's plan, host
+        values), the norm writes the FP8 codes and scales instead of the normed rows
+        (``add_rms_norm_quant``, one pass) and the GEMM takes them
+        (``lin.forward_quantized``); else the norm, then ``lin``. Residual None: the
+        norm of x, x returned as the residual. ``residual`` may be overwritten."""
+        quant = lin.input_quant(x.shape[0], x.dtype, step_rows())
+        if quant is None:
+            h, residual = (self(x), x) if residual is None else self.add(x, residual)
+            return lin(h), residual
+        xq, xs, residual = self.ops.add_rms_norm_quant(
+            x, residual, self.weight, self.eps, group=quant.group, m_major=quant.m_major,
+            **self.kw,
+        )  # fmt: skip
+        return lin.forward_quantized(xq, xs, x.dtype), residual
+
     def linear_argmax(
         self, x: torch.Tensor, residual: torch.Tensor | None, lin: nn.Linear,
         out: torch.Tensor | None = None, rows: RowsPlan | None = None,
@@ -261,12 +280,15 @@ class Attention(nn.Module):
         ``attn`` as strided views of the one GEMM's output."""
         return self.attend(self.qkv_proj(x), positions, attn)
 
-    def input_linear(self) -> nn.Linear | None:
+    def input_linear(self) -> nn.Module | None:
         """The GEMM a decoder may fuse this block's pre-norm into (``decoder.Block``):
-        the q|k|v projection where it is a plain ``Linear`` (not under tp, not a
-        subclass keeping the three projections), else None."""
+        the q|k|v projection where it is a plain ``Linear`` (not under tp) or an FP8
+        linear whose x the norm may quantise (``fuses_norm``), not in a subclass
+        keeping the three projections; else None."""
         qkv = getattr(self, "qkv_proj", None)
-        return qkv if type(qkv) is Linear and not overrides_forward(self, Attention) else None
+        if overrides_forward(self, Attention):
+            return None
+        return qkv if type(qkv) is Linear or getattr(qkv, "fuses_norm", False) else None
 
     def from_input(self, qkv: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """``forward`` after ``input_linear``'s GEMM."""
@@ -327,12 +349,13 @@ class GatedMLP(nn.Module):
         """x: (T, hidden) -> (T, hidden)."""
         return self.down(self.gate_up_proj(x))
 
-    def input_linear(self) -> nn.Linear | None:
+    def input_linear(self) -> nn.Module | None:
         """The gate|up GEMM a decoder may fuse the pre-norm into (``decoder.Block``),
-        where it is a plain ``Linear`` of the stock forward, else None."""
+        where it is a plain ``Linear`` or an FP8 linear whose x the norm may quantise
+        (``fuses_norm``), of the stock forward; else None."""
         gate_up = getattr(self, "gate_up_proj", None)
-        stock = not overrides_forward(self, GatedMLP)
-        return gate_up if stock and type(gate_up) is Linear else None
+        fuses = type(gate_up) is Linear or getattr(gate_up, "fuses_norm", False)
+        return gate_up if fuses and not overrides_forward(self, GatedMLP) else None
 
     def from_input(self, gate_up: torch.Tensor, positions=None, attn=None) -> torch.Tensor:
         """``forward`` after ``input_linear``'s GEMM."""

@@ -25,6 +25,12 @@ planner (a CUDA graph's: its captured batch size's); ``plan`` adds the layer's p
   and match the reference); the plan takes it only when told so (``scaled_mm``), never
   by reading the device per call.
 
+Where a block's pre-norm quantises x itself (``norm_quant.add_rms_norm_quant``, one
+pass over x instead of the norm's write and ``quantize_act``'s read), ``fp8_act_quant``
+says how (the group and scale layout the plan's variant reads, or None: no
+quantisation at these rows) and ``fp8_linear_quantized`` runs that variant's launch
+from the codes and scales: the unfused call's result bit for bit.
+
     grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), split_k)   grouped along M for L2 reuse
 
 A weight whose N is not whole 128-row blocks (DeepSeek's kv_a_proj_with_mqa, 576, and
@@ -47,7 +53,13 @@ import torch
 import triton
 import triton.language as tl
 
-from unikv.kernels.linear.fp8_gemm_ref import ACT_SCALE_MIN, FP8_MAX, check_operands
+from unikv.kernels.linear.fp8_gemm_ref import (
+    ACT_SCALE_MIN,
+    FP8_MAX,
+    Fp8Quant,
+    check_operands,
+    check_quantized,
+)
 from unikv.kernels.runtime.interpret import patch_interpreter
 
 if TYPE_CHECKING:
@@ -264,7 +276,13 @@ def scaled_mm_linear(x2, weight, scale_inv, bias):
     M)) and the weight's K-major (a transposed view), as cuBLAS's block scaling reads
     them."""
     xq, xs = quantize_act(x2, 128, m_major=True)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x2.dtype)
+    return scaled_mm_quantized(xq, xs, weight, scale_inv, bias, x2.dtype)
+
+
+def scaled_mm_quantized(xq, xs, weight, scale_inv, bias, dtype):
+    """``scaled_mm_linear`` after the quantisation: xq (M, K) FP8, xs (M, K / 128)
+    M-major."""
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=dtype)
     return y if bias is None else y + bias
 
 
@@ -327,13 +345,31 @@ def fp8_linear(
             return scaled_mm_linear(x2, weight, scale_inv, bias).view(*lead, n)
         y = scaled_mm_linear(x2, weight, scale_inv, None)[:, :n]  # the real rows' view
         return (y if bias is None else y + bias).view(*lead, n)
-    y = torch.empty((m, held), dtype=x.dtype, device=x.device)[:, :n]
     xs = x2  # a placeholder pointer where x is not quantised
     if cfg.variant == "w8a8":
         x2, xs = quantize_act(x2, block[1])
+    return _launch(x2, xs, weight, scale_inv, bias, block, cfg, x.dtype, n).view(*lead, n)
+
+
+def _scaled_mm_out(xq, xs, weight, scale_inv, bias, dtype, n) -> torch.Tensor:
+    """``torch._scaled_mm`` on quantised x (M-major scales): the (M, n) product (+ bias),
+    a view of the held rows' product where n is fewer (``fp8_linear``'s steps after
+    its ``scaled_mm_linear``'s quantisation)."""
+    if n == weight.shape[0]:
+        return scaled_mm_quantized(xq, xs, weight, scale_inv, bias, dtype)
+    y = scaled_mm_quantized(xq, xs, weight, scale_inv, None, dtype)[:, :n]  # the real rows
+    return y if bias is None else y + bias
+
+
+def _launch(x2, xs, weight, scale_inv, bias, block, cfg: Fp8Plan, dtype, n) -> torch.Tensor:
+    """The Triton GEMM of x2 (M, K) (FP8 with its row-major scales ``xs`` for w8a8,
+    else 16-bit or fp32) and the weight: the (M, n) view of an (M, held rows) buffer in
+    ``dtype``."""
+    m, k = x2.shape
+    y = torch.empty((m, weight.shape[0]), dtype=dtype, device=x2.device)[:, :n]
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     has_bias = bias is not None and split == 1
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
     _fp8_gemm_kernel[grid](
@@ -343,7 +379,7 @@ def fp8_linear(
         out.stride(-2), out.stride(0) if split > 1 else 0,
         BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=8, PER_K_SCALE=cfg.per_k_scale,
-        W8A8=cfg.variant == "w8a8", HAS_BIAS=has_bias, IEEE=x.dtype == torch.float32,
+        W8A8=cfg.variant == "w8a8", HAS_BIAS=has_bias, IEEE=dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
@@ -351,4 +387,56 @@ def fp8_linear(
         if bias is not None:
             total += bias.float()
         y.copy_(total)
-    return y.view(*lead, n)
+    return y
+
+
+def fp8_act_quant(
+    m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtype,
+    rows: RowsPlan | None = None, *, scaled_mm: bool = False,
+) -> Fp8Quant | None:  # fmt: skip
+    """How ``fp8_linear`` of x (m, k) in ``dtype`` on a weight held as (n, k) quantises
+    x at this step's rows (``rows``: its plan; None: by m), from the same ``plan``:
+    ``scaled_mm``, per 128 columns with M-major scales; ``w8a8``, per bk with row-major
+    ones; else None (x stays in its dtype). Host ints only: a caller that quantises x
+    itself (the pre-norm, ``add_rms_norm_quant``) then calls ``fp8_linear_quantized``."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    by_rows = None if rows is None else rows.fp8
+    variant = plan(m, n, k, tuple(block), False, scaled_mm, by_rows).variant
+    if variant == "scaled_mm":
+        return Fp8Quant(128, True)
+    return Fp8Quant(block[1], False) if variant == "w8a8" else None
+
+
+def fp8_linear_quantized(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+    rows: RowsPlan | None = None,
+    out_features: int | None = None,
+    scaled_mm: bool = False,
+) -> torch.Tensor:
+    """``fp8_linear``'s prefill variants from x already quantised as ``fp8_act_quant``
+    said (xq (M, K) float8_e4m3fn, xs its scales in that layout): the same GEMM
+    launch the unfused call makes after its own ``quantize_act``, so the result is
+    that call's bit for bit. (M, N) in ``out_dtype``, a view where ``out_features``."""
+    check_quantized(xq, xs, weight, block)
+    check_operands(xq.new_empty(0, xq.shape[-1], dtype=out_dtype, device="meta"),
+                   weight, scale_inv, block, out_features)  # fmt: skip
+    (m, k), held = xq.shape, weight.shape[0]
+    n = held if out_features is None else out_features
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=xq.device)
+    by_rows = None if rows is None else rows.fp8
+    cfg = plan(m, held, k, tuple(block), False, scaled_mm, by_rows)
+    if cfg.variant == "scaled_mm":
+        assert xs.stride() == (1, m), "scaled_mm reads M-major scales (fp8_act_quant's m_major)"
+        return _scaled_mm_out(xq, xs, weight, scale_inv, bias, out_dtype, n)
+    assert cfg.variant == "w8a8", "x quantised only where fp8_act_quant says the plan does"
+    assert xs.stride(1) == 1, "the w8a8 GEMM reads row-major scales"
+    return _launch(xq, xs, weight, scale_inv, bias, block, cfg, out_dtype, n)

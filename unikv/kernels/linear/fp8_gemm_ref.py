@@ -14,13 +14,16 @@ in fp32, cast to x's dtype. The reference dequantises the whole weight each call
 dynamic scheme): each row of x split in groups of ``group`` columns, a group scaled so
 its largest |value| maps to the e4m3 maximum (448). ``fp8_linear_w8a8`` is that
 variant's reference: both operands quantised, then multiplied in fp32.
+``fp8_linear_quantized`` is its second half, for an x quantised before the call (by
+the pre-norm, ``add_rms_norm_quant``: ``Fp8Quant`` says how); the torch backend's
+``fp8_act_quant`` never asks for that (its ``fp8_linear`` does not quantise x).
 ``moe_fp8_w8a8`` is the same scheme for the fused MoE over FP8 experts (the W8A8
 prefill variant of ``kernels/moe/fp8.py``), in fp32 or (``exact``) in fp64.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -30,6 +33,24 @@ if TYPE_CHECKING:
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ACT_SCALE_MIN = 1e-12  # an all-zero group keeps a finite scale
+
+
+class Fp8Quant(NamedTuple):
+    """How an FP8 linear's prefill variant quantises x (``fp8_act_quant``): per row and
+    ``group`` columns (the weight's bk), its scales (M, groups) row-major (the Triton
+    w8a8 GEMM) or M-major, strides (1, M) (``m_major``: cuBLAS's ``_scaled_mm``)."""
+
+    group: int
+    m_major: bool
+
+
+def fp8_act_quant(
+    m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtype,
+    rows: RowsPlan | None = None,
+) -> Fp8Quant | None:  # fmt: skip
+    """The torch reference never quantises x (``fp8_linear`` multiplies it as it is):
+    None for every shape and row count."""
+    return None
 
 
 def check_operands(
@@ -129,6 +150,50 @@ def fp8_linear_w8a8(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_quantized(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+    rows: RowsPlan | None = None,
+    out_features: int | None = None,
+) -> torch.Tensor:
+    """``fp8_linear_w8a8`` from x already quantised: xq (M, K) float8_e4m3fn with xs (M,
+    ceil(K / bk)) fp32 (any strides), both operands dequantised, multiplied in fp32,
+    (+ bias), cast to ``out_dtype``; ``out_features`` as ``fp8_linear`` (a view of the
+    real rows)."""
+    check_quantized(xq, xs, weight, block)
+    check_operands(xq.new_empty(0, xq.shape[-1], dtype=torch.float32, device="meta"),
+                   weight, scale_inv, block, out_features)  # fmt: skip
+    n = weight.shape[0] if out_features is None else out_features
+    out = F.linear(dequantize(xq, xs, (1, block[1])), dequantize(weight, scale_inv, block))
+    if bias is not None:
+        out[:, :n] += bias.float()
+    out = out.to(out_dtype)
+    return out if n == weight.shape[0] else out[:, :n]
+
+
+def check_quantized(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, block) -> None:
+    """ValueError unless xq is (M, K) float8_e4m3fn for the weight's K and xs fp32 (M,
+    ceil(K / bk)): the pre-quantised FP8 linear's activation operands."""
+    k = weight.shape[-1]
+    groups = -(-k // block[1])
+    if xq.dim() != 2 or xq.shape[1] != k or xq.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"fp8_linear_quantized: xq must be float8_e4m3fn (M, {k}) for a weight of shape "
+            f"{tuple(weight.shape)}, got {xq.dtype} {tuple(xq.shape)}"
+        )
+    if tuple(xs.shape) != (xq.shape[0], groups) or xs.dtype != torch.float32:
+        raise ValueError(
+            f"fp8_linear_quantized: xs must be fp32 ({xq.shape[0]}, {groups}) (a scale per row "
+            f"and group of {block[1]}), got {xs.dtype} {tuple(xs.shape)}"
+        )
 
 
 MOE_CHUNK_BYTES = 1 << 30  # 16-bit expert bytes dequantised at once by ``moe_fp8``

@@ -18,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from unikv.kernels.backend import RowsPlan
+    from unikv.kernels.linear.fp8_gemm_ref import Fp8Quant
 
 
 class RMSNorm(Protocol):
@@ -48,6 +49,26 @@ class AddRMSNorm(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual) for x, residual (T, N); the sum is
         rounded to their dtype first."""
+        ...
+
+
+class AddRMSNormQuant(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        group: int,
+        m_major: bool = False,
+        offset: float = 0.0,
+        weight_in_fp32: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(xq, xs, x + residual) for x, residual (T, N) 16-bit (residual None: the norm
+        of x, x returned): ``AddRMSNorm``'s normed rows quantised per row and ``group``
+        columns to float8_e4m3fn xq (T, N) with fp32 scales xs (T, ceil(N / group)),
+        M-major (strides (1, T)) where ``m_major``; ``group`` a power of two."""
         ...
 
 
@@ -294,6 +315,42 @@ class Fp8Linear(Protocol):
         fp32 per block ``(bn, bk)``. ``out_features``: the real rows of a weight held
         padded (``Fp8PaddedRows``; zero rows past them): the result is (..., out_features),
         possibly a view with the padded row stride."""
+        ...
+
+
+class Fp8ActQuant(Protocol):
+    def __call__(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        block: tuple[int, int],
+        dtype: torch.dtype,
+        rows: RowsPlan | None = None,
+    ) -> Fp8Quant | None:
+        """How ``Fp8Linear`` of x (m, k) in ``dtype`` on a weight held as (n, k) in blocks
+        ``block`` quantises x at the step's rows (``rows``; None: by m): the group and
+        scale layout, or None (x multiplied as it is). Host values only."""
+        ...
+
+
+class Fp8LinearQuantized(Protocol):
+    def __call__(
+        self,
+        xq: torch.Tensor,
+        xs: torch.Tensor,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        block: tuple[int, int],
+        out_dtype: torch.dtype,
+        rows: RowsPlan | None = None,
+        out_features: int | None = None,
+    ) -> torch.Tensor:
+        """``Fp8Linear`` from x quantised as ``Fp8ActQuant`` said: xq (M, K)
+        float8_e4m3fn, xs its fp32 scales (M, ceil(K / group)) -> (M, N) in ``out_dtype``
+        (``out_features`` as ``Fp8Linear``'s)."""
         ...
 
 

@@ -9,6 +9,9 @@ stays token-exact against transformers:
   multiplies in fp32 and casts once (gpt-oss ``(w * h).to(dtype)``, Gemma and
   Qwen3.5 ``(h * (1 + w)).to(dtype)`` with ``offset=1``).
 - ``add_rms_norm``: the residual add in the model dtype, then ``rms_norm`` of the sum.
+- ``add_rms_norm_quant``: ``add_rms_norm`` (or ``rms_norm`` without a residual), then
+  the FP8 linear's activation quantisation of the normed rows (``fp8_gemm_ref.
+  quantize_act``, per row and group), its scales in the layout the GEMM reads.
 - ``qk_rms_norm``: attention's q and k norms (Qwen3.5's gated attention), one op.
 - ``rope_qk``: NeoX "rotate half" rope of the first ``rotary_dim`` dims of q and
   k, cos/sin read by position from fp32 tables and cast to the model dtype.
@@ -32,6 +35,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from unikv.kernels.linear.fp8_gemm_ref import quantize_act
 
 if TYPE_CHECKING:
     from unikv.kernels.backend import RowsPlan  # the linears take a step's plan, one path here
@@ -138,6 +143,35 @@ def add_rms_norm(
     Returns (normed (T, N), new residual (T, N))."""
     s = residual + x
     return rms_norm(s, weight, eps, offset=offset, weight_in_fp32=weight_in_fp32), s
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    group: int,
+    m_major: bool = False,
+    offset: float = 0.0,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xq, xs, x + residual): the pre-norm of a block whose GEMM is an FP8 linear's
+    prefill variant, its input quantised here. The normed rows are ``add_rms_norm``'s
+    (``rms_norm(x)`` with residual None, the residual out then x), rounded to the model
+    dtype, then quantised per row and ``group`` columns (``fp8_gemm_ref.quantize_act``:
+    the last group of a row whose width is not a multiple takes zeros past it): xq (T,
+    N) float8_e4m3fn, xs (T, ceil(N / group)) fp32, M-major (strides (1, T)) with
+    ``m_major``, else row-major."""
+    kw = {"offset": offset, "weight_in_fp32": weight_in_fp32}
+    if residual is None:
+        h, residual = rms_norm(x, weight, eps, **kw), x
+    else:
+        h, residual = add_rms_norm(x, residual, weight, eps, **kw)
+    xq, xs = quantize_act(h, group)
+    if m_major:  # strides (1, T), as the kernel writes them
+        xs = xs.new_empty(xs.shape[1], xs.shape[0]).t().copy_(xs)
+    return xq, xs, residual
 
 
 def sandwich_rms_norm(
