@@ -189,6 +189,27 @@ def test_checkpoint_slots_come_up_as_int64_in_one_upload():
     assert slots is uploads[0][1], "a copy after the upload"
 
 
+def test_checkpoint_rows_name_the_row_inside_each_chunk():
+    """``checkpoint_rows``: a reservation at 8 tokens matches a step from 5 to 11 tokens
+    at row 2 (the chunk's third row: tokens 6, 7, 8), one from 4 to 8 at -1 (its end,
+    and then no rows tensor: the ops' plain path), none outside ``(start, end]``; the
+    other and padded lanes name the sink at -1 (written out by hand)."""
+    alloc = _alloc()
+    a, b = _request(alloc, 11), _request(alloc, 3)
+    assert alloc.prefix.reserve_checkpoint(a, 8)
+    states = alloc.parts.prefix.states
+    want = int(states.book.physical(np.array([states.direct[a][0]], np.int32))[0])
+    slots, rows, host = alloc.prefix.checkpoint_rows(
+        np.array([b, a]), np.array([3, 11]), np.array([0, 3, 9]), 3
+    )
+    assert slots.dtype == rows.dtype == torch.int64
+    assert slots.tolist() == [0, want, 0] and rows.tolist() == [-1, 2, -1] == host.tolist()
+    slots, rows, _ = alloc.prefix.checkpoint_rows(np.array([a]), np.array([8]), np.array([0, 4]), 2)
+    assert slots.tolist() == [want, 0] and rows is None
+    assert alloc.prefix.checkpoint_rows(np.array([a]), np.array([7]), np.array([0, 4]), 1) is None
+    assert alloc.prefix.checkpoint_rows(np.array([a]), np.array([12]), np.array([0, 4]), 1) is None
+
+
 def test_an_unadopted_or_orphaned_reservation_is_released():
     alloc = _alloc()
     states = alloc.parts.prefix.states

@@ -212,3 +212,66 @@ def test_ckpt_at_without_slots_or_misshapen_is_a_value_error():
     with pytest.raises(ValueError, match=r"ckpt_at must be \(B,\)"):
         recurrent.causal_conv1d(x, view, slots, q_indptr, w, None, max_q_len=2, activation=None,
                                 ckpt_slots=slots, ckpt_at=torch.zeros(2, dtype=torch.int64))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("plan_split", [True, False])
+@pytest.mark.parametrize("op", ["gated_delta_rule", "mamba2_ssd"])
+def test_fla_checkpoint_rows_on_cuda(op, plan_split):
+    """bf16 on CUDA: fla-core's chunked kernels (when installed; else the Triton ones)
+    with checkpoint rows inside lanes longer than fla's chunk: each checkpoint slot
+    holds what the same op leaves after exactly the lane's first ``at + 1`` tokens, the
+    outputs and live slots those of a run without checkpoints (bf16 tolerances: the
+    split's second call restarts fla's chunking at the checkpoint row)."""
+    gen = torch.Generator().manual_seed(9)
+    lens, at = [150, 3, 70, 2], [128, -1, 5, -1]  # the last lane: padding (the sink)
+    perm = torch.randperm(NUM_SLOTS - 1, generator=gen) + 1
+    slots = torch.cat([perm[:3], torch.zeros(1, dtype=torch.int64)]).cuda()
+    ckpt = torch.tensor([int(perm[4]), 0, int(perm[5]), 0]).cuda()
+    q_indptr = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32).cuda()
+    ckpt_at = torch.tensor(at).cuda()
+    t, heads = sum(lens), 4
+    if op == "gated_delta_rule":
+        pool = Pool((3, 2), (heads, 64, 64), REAL, 10)
+        rows = [_randn(gen, t, 2, 64), _randn(gen, t, 2, 64), _randn(gen, t, heads, 64),
+                _randn(gen, t, heads), _randn(gen, t, heads)]  # fmt: skip
+        rows = [r.bfloat16() if i != 3 else r for i, r in enumerate(rows)]
+        extra = {"scale": 0.125, "use_qk_l2norm": True,
+                 "gating": (_randn(gen, heads).cuda() * 0.5, _randn(gen, heads).cuda())}  # fmt: skip
+    else:
+        pool = Pool((3, 2), (heads, 32, 64), REAL, 11)
+        rows = [_randn(gen, t, heads, 32).bfloat16(), _randn(gen, t, heads),
+                -torch.rand(heads, generator=gen) - 0.5, _randn(gen, t, 2, 64).bfloat16(),
+                _randn(gen, t, 2, 64).bfloat16(), _randn(gen, heads), _randn(gen, heads)]  # fmt: skip
+        extra = {"dt_softplus": True, "dt_limit": (0.0, 1e9)}
+    rows = [r.cuda() for r in rows]
+    tol = {"atol": 3e-2, "rtol": 3e-2}
+    runs = {}
+    for with_ckpt in (True, False):
+        buffer = pool.buffer.cuda()
+        args, kwargs = op_args(op, rows, pool.part(op, buffer), slots, q_indptr, extra)
+        if with_ckpt:
+            kwargs |= {"ckpt_slots": ckpt, "ckpt_at": ckpt_at}
+            if plan_split:
+                arrays = fla_prefill.ckpt_split(q_indptr.cpu().numpy(), np.array(at))
+                split = fla_prefill.CkptSplit(*(torch.from_numpy(a).cuda() for a in arrays))
+                kwargs["ckpt_split"] = split
+        out = getattr(recurrent, op)(*args, max_q_len=max(lens), **kwargs)
+        runs[with_ckpt] = (out, pool.part(op, buffer))
+    real = sum(lens[:3])
+    torch.testing.assert_close(runs[True][0][:real].float(), runs[False][0][:real].float(), **tol)
+    got, plain = runs[True][1], runs[False][1]
+    torch.testing.assert_close(got[slots[:3]], plain[slots[:3]], **tol)
+    keep = [a + 1 for a in (at[0], 0, at[2])]
+    keep[1] = 0
+    starts = [0, lens[0], lens[0] + lens[1]]
+    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, keep)]).cuda()
+    cut = [r[index] if r.dim() and r.shape[0] == t else r for r in rows]
+    indptr = torch.tensor([0, *np.cumsum(keep)], dtype=torch.int32).cuda()
+    buffer = pool.buffer.cuda()
+    args, kwargs = op_args(op, cut, pool.part(op, buffer), slots[:3], indptr, extra)
+    getattr(recurrent, op)(*args, max_q_len=max(keep), **kwargs)
+    want = pool.part(op, buffer)
+    for b in (0, 2):
+        torch.testing.assert_close(got[ckpt[b]], want[slots[b]], **tol)
