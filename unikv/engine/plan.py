@@ -320,11 +320,11 @@ class StepPlanner:
         chunked = self.state_chunks and max_q_len > 1 and not verify and num > 0
         indptr, chunks = self._state_chunks(host, rows) if chunked else (None, None)
         ckpt = self._ckpt_rows(host, num, rows) if self.has_state and num else None
-        ckpt_slots, ckpt_at, split = None, None, None
+        ckpt_slots, ckpt_at, lanes_split = None, None, None
         if ckpt is not None:
             ckpt_slots, ckpt_at, at_host = ckpt
             if ckpt_at is not None and chunked:
-                split = self._ckpt_split(host, rows, at_host)
+                lanes_split = self._ckpt_split(host, rows, at_host)
         num_tokens = dev["input_ids"].shape[0]  # T rows, padded lanes included: host int
         rows_plan = self.backend.plan_rows(num_tokens)
         logit_rows = rows_plan if num_tokens == rows else self.backend.plan_rows(rows)
@@ -349,7 +349,7 @@ class StepPlanner:
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
             ckpt_slots=ckpt_slots,
             ckpt_at=ckpt_at,
-            ckpt_split=split,
+            ckpt_split=lanes_split,
             state_indptr=indptr,
             state_chunks=chunks,
             fresh=fresh,
