@@ -74,7 +74,7 @@ def _check(op, impl, pool, rows, extra, device):
         buffer = pool.buffer.to(device).clone()
         args, kwargs = op_args(op, rows, pool.part(op, buffer), slots, q_indptr, extra)
         if with_ckpt:
-            kwargs |= {"ckpt_slots": ckpt, "ckpt_at": at}
+            kwargs = {**kwargs, "ckpt_slots": ckpt, "ckpt_at": at}
         outs[with_ckpt] = impl(op)(*args, max_q_len=max(LENS), **kwargs)
         parts[with_ckpt] = (pool.part(op, buffer), buffer)
     real = int(q_indptr[-2])  # the padded lane's rows read the sink: garbage
@@ -249,10 +249,10 @@ def test_fla_checkpoint_rows_on_cuda(op, plan_split):
     tol = {"atol": 3e-2, "rtol": 3e-2}
     runs = {}
     for with_ckpt in (True, False):
-        buffer = pool.buffer.cuda()
+        buffer = pool.buffer.clone().cuda()
         args, kwargs = op_args(op, rows, pool.part(op, buffer), slots, q_indptr, extra)
         if with_ckpt:
-            kwargs |= {"ckpt_slots": ckpt, "ckpt_at": ckpt_at}
+            kwargs = {**kwargs, "ckpt_slots": ckpt, "ckpt_at": ckpt_at}
             if plan_split:
                 arrays = fla_prefill.ckpt_split(q_indptr.cpu().numpy(), np.array(at))
                 split = fla_prefill.CkptSplit(*(torch.from_numpy(a).cuda() for a in arrays))
@@ -269,7 +269,7 @@ def test_fla_checkpoint_rows_on_cuda(op, plan_split):
     index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, keep)]).cuda()
     cut = [r[index] if r.dim() and r.shape[0] == t else r for r in rows]
     indptr = torch.tensor([0, *np.cumsum(keep)], dtype=torch.int32).cuda()
-    buffer = pool.buffer.cuda()
+    buffer = pool.buffer.clone().cuda()
     args, kwargs = op_args(op, cut, pool.part(op, buffer), slots[:3], indptr, extra)
     getattr(recurrent, op)(*args, max_q_len=max(keep), **kwargs)
     want = pool.part(op, buffer)
