@@ -216,8 +216,9 @@ class PrefixVerbs:
         self, slots: np.ndarray, ends: np.ndarray, q_indptr: np.ndarray, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray] | None:
         """The checkpoints requests ``slots`` (host ints) reach in a step that ends at
-        ``ends`` tokens, their new tokens ``q_indptr`` (B+1,) host ints, reserved at any tokens in ``(start, end]`` (issue 41: a
-        checkpoint inside a chunk): ((rows,) int64 device physical slots, 0 the sink
+        ``ends`` tokens (their new tokens: ``q_indptr`` (B+1,), host ints), reserved at
+        any tokens in ``(start, end]`` (issue 41: a checkpoint inside a chunk): ((rows,)
+        int64 device physical slots, 0 the sink
         elsewhere and in padded rows; (rows,) int64 device row of each lane after which
         its state is the checkpoint's, -1 its last, or None when every one is a chunk's
         end; the same rows on the host), or None when no request has one. One copy."""
