@@ -1,17 +1,21 @@
 """Checkpoints written by the prefill chunk itself (issue 41, cheaper checkpoints).
 
 A hybrid request's prompt checkpoints (the junction with its hit's cached run, its last
-whole page) fall at the end of a prefill chunk (the scheduler cuts chunks there), so
-the chunk writes its final state into the checkpoint slot as well as into the
-request's slot (``StepPlan.ckpt_slots``), and no slot copy follows. End to end on CPU
+whole page) fall at the end of a prefill chunk or inside it (the scheduler no longer
+cuts the prompt's last chunk at its last whole page), so the chunk writes the state
+after that row into the checkpoint slot as well (``StepPlan.ckpt_slots``, ``ckpt_at``),
+and no slot copy follows. End to end on CPU
 (fp32, torch reference kernels; with ``-m gpu`` also on CUDA, the Triton kernels), tiny Qwen3.5 (Gated DeltaNet) and NemotronH
 (Mamba-2), pages 4 and 16:
 
 - greedy tokens with the cache (twice: the second run hits) equal those without it;
 - a spy on ``StateCheckpoints.save``: no prompt checkpoint queues a copy, and some are
   new checkpoints (taken, not found), so the spy fails when every take copies;
-- the bytes of each such checkpoint equal the request's slot right after its chunk (a
-  second description: what the removed copy would have copied).
+- the bytes of each such checkpoint at its chunk's end equal the request's slot right
+  after its chunk (a second description: what the removed copy would have copied); one
+  inside its chunk (some must be) equals the state a run without the cache holds after
+  a prompt of exactly its tokens (taken as that request is freed; close, not equal: its
+  projections ran at other batch shapes).
 
 Allocator level: a reservation the take does not adopt (the node had a checkpoint
 already) and one whose request is freed are released, and the integrity check names
@@ -64,11 +68,11 @@ class SaveSpy:
 
     def __init__(self, llm) -> None:
         states = llm.alloc.parts.prefix.states
-        sub = next(s for s in llm.pool.subpools.values() if s.spec.kind == "mamba")
         self.queued, self.new, self.mismatched = 0, 0, []
+        self.inside: list[tuple[list[int], torch.Tensor]] = []  # (its tokens, its bytes)
         save = states.save
-        size = sub.page_bytes  # (Mamba page p lies at byte p * size of the pool buffer)
-        slot_bytes = lambda page: llm.pool.buffer[page * size : (page + 1) * size].clone()
+        slot_bytes = state_bytes(llm)
+        running = lambda slot: next(r for r in llm.scheduler.running if r.slot == slot)
 
         def spied(slot, node_id, alive, tokens, reserve, turn_end=False, source=None, *a, **k):
             queued, had = len(states.queued), node_id in states.by_node
@@ -80,11 +84,42 @@ class SaveSpy:
             if not had and node_id in states.by_node:
                 self.new += 1
                 vid = np.array([states.by_node[node_id]], np.int32)
-                if not torch.equal(slot_bytes(int(states.book.physical(vid)[0])), live):
+                got = slot_bytes(int(states.book.physical(vid)[0]))
+                r = running(slot)
+                if tokens < r.num_cached:  # inside its chunk: checked against a plain run
+                    self.inside.append((list(r.token_slice(0, tokens)), got))
+                elif not torch.equal(got, live):
                     self.mismatched.append((slot, tokens))
             return taken
 
         states.save = spied
+
+
+def state_bytes(llm):
+    """Mamba page -> a copy of its bytes in ``llm``'s pool (as fp32 words)."""
+    sub = next(s for s in llm.pool.subpools.values() if s.spec.kind == "mamba")
+    size = sub.page_bytes  # (Mamba page p lies at byte p * size of the pool buffer)
+    return lambda page: llm.pool.buffer[page * size : (page + 1) * size].clone().view(torch.float32)
+
+
+def plain_states(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """The state slot's bytes of ``llm`` (no cache) after prefilling each prompt whole
+    (max_tokens 1: no decode step follows), taken as its request is freed."""
+    got, slot_bytes, free = [], state_bytes(llm), llm.alloc.free_request
+
+    def spied(slots, *a, **k):
+        for slot in np.atleast_1d(np.asarray(slots, np.int64)).tolist():
+            phys = llm.alloc.mamba_slots(torch.tensor([slot], dtype=torch.int32)).data
+            got.append(slot_bytes(int(phys[0])))
+        return free(slots, *a, **k)
+
+    llm.alloc.free_request = spied
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for p in prompts:
+        llm.generate([p], params)
+    llm.alloc.free_request = free
+    assert len(got) == len(prompts), "one request freed per prompt"
+    return got
 
 
 GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -106,6 +141,10 @@ def test_prompt_checkpoints_are_written_by_their_chunk_not_copied(model, ps, dev
     assert spy.new >= 2, "prompt checkpoints were taken"
     assert spy.queued == 0, f"{spy.queued} prompt checkpoints were copied after their chunk"
     assert not spy.mismatched, f"checkpoint bytes differ from the request's slot: {spy.mismatched}"
+    assert spy.inside, "some prompt checkpoints were taken inside their chunk"
+    plain = plain_states(prefix_llm(model, ps, False, **kw), [ids for ids, _ in spy.inside])
+    for (ids, got), want in zip(spy.inside, plain):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"after {len(ids)}")
     states = llm.alloc.parts.prefix.states
     assert not states.direct, "no reservation outlives its step"
     llm.alloc.check_integrity()
@@ -148,6 +187,27 @@ def test_checkpoint_slots_come_up_as_int64_in_one_upload():
     assert slots.dtype == torch.int64 and slots.tolist() == [want, 0, 0]
     assert len(uploads) == 1 and uploads[0][0]
     assert slots is uploads[0][1], "a copy after the upload"
+
+
+def test_checkpoint_rows_name_the_row_inside_each_chunk():
+    """``checkpoint_rows``: a reservation at 8 tokens matches a step from 5 to 11 tokens
+    at row 2 (the chunk's third row: tokens 6, 7, 8), one from 4 to 8 at -1 (its end,
+    and then no rows tensor: the ops' plain path), none outside ``(start, end]``; the
+    other and padded lanes name the sink at -1 (written out by hand)."""
+    alloc = _alloc()
+    a, b = _request(alloc, 11), _request(alloc, 3)
+    assert alloc.prefix.reserve_checkpoint(a, 8)
+    states = alloc.parts.prefix.states
+    want = int(states.book.physical(np.array([states.direct[a][0]], np.int32))[0])
+    slots, rows, host = alloc.prefix.checkpoint_rows(
+        np.array([b, a]), np.array([3, 11]), np.array([0, 3, 9]), 3
+    )
+    assert slots.dtype == rows.dtype == torch.int64
+    assert slots.tolist() == [0, want, 0] and rows.tolist() == [-1, 2, -1] == host.tolist()
+    slots, rows, _ = alloc.prefix.checkpoint_rows(np.array([a]), np.array([8]), np.array([0, 4]), 2)
+    assert slots.tolist() == [want, 0] and rows is None
+    assert alloc.prefix.checkpoint_rows(np.array([a]), np.array([7]), np.array([0, 4]), 1) is None
+    assert alloc.prefix.checkpoint_rows(np.array([a]), np.array([12]), np.array([0, 4]), 1) is None
 
 
 def test_an_unadopted_or_orphaned_reservation_is_released():

@@ -54,8 +54,9 @@ def _request(rid: int, prompt: list[int], new: int) -> Request:
 
 
 def _run(alloc: PoolAllocator, policy: PrefixCaching, r: Request, output: list[int]) -> None:
-    """Admit ``r`` and run it to its end as ``Scheduler.complete`` does: its prompt
-    in chunks ending at its checkpoint points, then one token a step, each step's
+    """Admit ``r`` and run it to its end as ``Scheduler.schedule`` and ``complete`` do:
+    its prompt in chunks (each reserving the checkpoint slot of the point it reaches:
+    ``before_step``), then one token a step, each step's
     sample (the next of ``output``) appended once every known token is in; at the
     end its pages are shared and its slot freed."""
     policy.open(r)
@@ -64,6 +65,7 @@ def _run(alloc: PoolAllocator, policy: PrefixCaching, r: Request, output: list[i
     while r.finish_reason is None:
         n = policy.chunk(r, 64)
         assert alloc.alloc_extend(slot, np.array([r.num_cached]), np.array([n]))
+        policy.before_step(SimpleNamespace(requests=[r], num_new=[n]))
         r.num_cached += n
         if r.num_cached == r.seq_len:
             r.append(output[len(r.output_ids)])

@@ -169,7 +169,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_keys(r, i, plan, values, starts[i] + n)
             if self.mamba is not None:
                 ckpt = int(plan.ckpt_slots[i]) if plan.ckpt_slots is not None else 0
-                self._check_state(r, int(plan.state_slots[i]), values, starts[i], n, ckpt)
+                at = int(plan.ckpt_at[i]) if plan.ckpt_at is not None else -1
+                self._check_state(r, int(plan.state_slots[i]), values, starts[i], n, ckpt, at)
             row += n
         assert row == plan.input_ids.shape[0] == sum(batch.num_new)
         alloc.mark_in_flight()
@@ -244,10 +245,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             want = torch.tensor(values[lo:end], dtype=torch.float32)
             assert torch.equal(got, want), f"{name}: keys read through the table are the prefix's"
 
-    def _check_state(self, r: Request, slot: int, values, start: int, n: int, ckpt=0) -> None:
+    def _check_state(
+        self, r: Request, slot: int, values, start: int, n: int, ckpt=0, at=-1
+    ) -> None:
         """The state slot holds the prefix's value before the step; then it advances,
-        into the plan's checkpoint slot ``ckpt`` too when it names one (issue 41: the
-        chunk that ends at a checkpoint writes it, as the recurrent ops do)."""
+        and the plan's checkpoint slot ``ckpt``, when it names one, takes the value after
+        row ``at`` (-1: the last; issue 41: the chunk that reaches a checkpoint writes
+        it, at its end or inside it, as the recurrent ops do)."""
         state = self.mamba.views["temporal"][0, slot]
         want = float(values[start - 1]) if start else 0.0
         assert slot > 0, "a running request holds a state slot"
@@ -255,7 +259,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         state[0] = float(values[start + n - 1])
         if ckpt:
             COVERAGE["chunk_written_checkpoints"] += 1
-            self.mamba.views["temporal"][0, ckpt][0] = state[0]
+            COVERAGE["inside_chunk_checkpoints"] += at >= 0
+            row = n - 1 if at < 0 else at
+            self.mamba.views["temporal"][0, ckpt][0] = float(values[start + row])
 
     def teardown(self):
         if not hasattr(self, "alloc"):

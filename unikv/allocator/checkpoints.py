@@ -319,23 +319,37 @@ class StateCheckpoints:
         self.direct[slot] = (int(vid[0]), tokens)
         return True
 
-    def direct_slots(self, slots: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
-        """(B,) int64 physical checkpoint slots reserved for requests ``slots`` whose
-        step ends at ``ends`` tokens (host ints; 0, the sink, for the others), or None
-        when no request of them has one (no work: the common step)."""
+    def direct_slots(
+        self, slots: np.ndarray, ends: np.ndarray, starts: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """((B,) int64 physical checkpoint slots, (B,) int64 rows) reserved for requests
+        ``slots`` whose step ends at ``ends`` tokens (host ints; slot 0, the sink, for
+        the others), or None when no request of them has one (no work: the common
+        step). ``starts``: the tokens each held before the step, and a reservation
+        at any tokens in ``(start, end]`` matches (a checkpoint inside the chunk,
+        issue 41); its row is ``tokens - start - 1``, -1 where it is the chunk's end
+        (and for the other lanes)."""
         if not self.direct:
             return None
         keys = np.fromiter(self.direct, np.int64, len(self.direct))
         vals = np.array(list(self.direct.values()), np.int64).reshape(-1, 2)
-        match = (np.asarray(slots, np.int64)[:, None] == keys[None, :]) & (
-            np.asarray(ends, np.int64)[:, None] == vals[None, :, 1]
-        )
+        ends = np.asarray(ends, np.int64)
+        at = vals[None, :, 1]
+        match = np.asarray(slots, np.int64)[:, None] == keys[None, :]
+        if starts is None:
+            match &= ends[:, None] == at
+        else:
+            match &= (np.asarray(starts, np.int64)[:, None] < at) & (at <= ends[:, None])
         lane, col = np.nonzero(match)
         if not len(lane):
             return None
-        out = np.zeros(len(slots), np.int64)
+        out, rows = np.zeros(len(slots), np.int64), np.full(len(slots), -1, np.int64)
         out[lane] = self.book.physical(vals[col, 0].astype(np.int32))
-        return out
+        if starts is not None:
+            tokens = vals[col, 1]
+            inside = tokens < ends[lane]
+            rows[lane[inside]] = tokens[inside] - np.asarray(starts, np.int64)[lane[inside]] - 1
+        return out, rows
 
     def release_direct(self, slots: Iterable[int], tokens: int | None = None) -> None:
         """Release the reservations of requests ``slots`` (``tokens``: only one at that

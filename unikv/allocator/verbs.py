@@ -183,6 +183,21 @@ class PrefixVerbs:
         self._after()
         return done
 
+    def holds_state(self, slot: int) -> bool:
+        """Whether request ``slot`` holds its recurrent-state slot (False without a
+        Mamba sub-pool)."""
+        states = self._cache.states
+        if states is None:
+            return False
+        return bool(states.book.physical(np.array([int(slot) + 1], np.int32))[0] >= 0)
+
+    def reserved_checkpoint(self, slot: int) -> int:
+        """The tokens at which request ``slot`` holds a reserved checkpoint slot
+        (``reserve_checkpoint``), 0 for none."""
+        states = self._cache.states
+        held = states.direct.get(int(slot)) if states is not None else None
+        return 0 if held is None else held[1]
+
     def checkpoint_slots(
         self, slots: np.ndarray, ends: np.ndarray, rows: int
     ) -> torch.Tensor | None:
@@ -194,8 +209,32 @@ class PrefixVerbs:
         if found is None:
             return None
         out = np.zeros(rows, np.int64)
-        out[: len(found)] = found
+        out[: len(found[0])] = found[0]
         return self._cache.writer.upload(out, wide=True)  # int64 in the one copy
+
+    def checkpoint_rows(
+        self, slots: np.ndarray, ends: np.ndarray, q_indptr: np.ndarray, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray] | None:
+        """The checkpoints requests ``slots`` (host ints) reach in a step that ends at
+        ``ends`` tokens (their new tokens: ``q_indptr`` (B+1,), host ints), reserved at
+        any tokens in ``(start, end]`` (issue 41: a checkpoint inside a chunk): ((rows,)
+        int64 device physical slots, 0 the sink
+        elsewhere and in padded rows; (rows,) int64 device row of each lane after which
+        its state is the checkpoint's, -1 its last, or None when every one is a chunk's
+        end; the same rows on the host), or None when no request has one. One copy."""
+        states = self._cache.states
+        if states is None or not states.direct:  # (the common step: nothing reserved)
+            return None
+        ends = np.asarray(ends, np.int64)
+        found = states.direct_slots(slots, ends, ends - np.diff(q_indptr))
+        if found is None:
+            return None
+        out = np.zeros((2, rows), np.int64)
+        out[1] = -1
+        out[0, : len(found[0])], out[1, : len(found[1])] = found
+        inside = bool((out[1] >= 0).any())
+        dev = self._cache.writer.upload(out.reshape(-1) if inside else out[0], wide=True)
+        return dev[:rows], (dev[rows:] if inside else None), out[1]
 
     def demote_checkpoint(
         self,

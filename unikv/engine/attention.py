@@ -182,10 +182,17 @@ class DecodeAttention:
         # a verify step's per-draft-position state slots (B, k), else None
         self.draft_slots = getattr(plan, "draft_slots", None)
         # per request a second destination of its final state (B,), else None: a
-        # prefill chunk that ends at a prefix-cache checkpoint writes it there too
-        self.ckpt = {}
+        # prefill chunk that ends at a prefix-cache checkpoint writes it there too (with
+        # ``ckpt_at``: the state after that row, a checkpoint inside the chunk; the scans
+        # also take fla-core's split of the lanes at those rows)
+        self.ckpt, self.scan_ckpt = {}, {}
         if getattr(plan, "ckpt_slots", None) is not None:
             self.ckpt = {"ckpt_slots": plan.ckpt_slots}
+            if getattr(plan, "ckpt_at", None) is not None:
+                self.ckpt["ckpt_at"] = plan.ckpt_at
+            self.scan_ckpt = dict(self.ckpt)
+            if getattr(plan, "ckpt_split", None) is not None:
+                self.scan_ckpt["ckpt_split"] = plan.ckpt_split
         # a chunked step's q_indptr in int64 and fla-core's chunk list (the plan's, on
         # CUDA with fla-core: ``StepPlan.state_chunks``), else the plan's q_indptr
         indptr = getattr(plan, "state_indptr", None)
@@ -223,7 +230,7 @@ class DecodeAttention:
             q, k, v, g, beta, state, plan.state_slots, self.state_indptr,
             max_q_len=plan.max_q_len, scale=scale, use_qk_l2norm=use_qk_l2norm, gating=gating,
             draft_slots=self.draft_slots, chunks=self.state_chunks,
-            **self.ckpt,
+            **self.scan_ckpt,
         )  # fmt: skip
 
     def mamba2_ssd(self, layer, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit):
@@ -234,7 +241,7 @@ class DecodeAttention:
             x, dt, A, B, C, D, dt_bias, state, plan.state_slots, self.state_indptr,
             max_q_len=plan.max_q_len, dt_softplus=dt_softplus, dt_limit=dt_limit,
             draft_slots=self.draft_slots,
-            **self.ckpt,
+            **self.scan_ckpt,
         )  # fmt: skip
 
     # -- multi-head latent attention (DeepSeek-V2/V3) ---------------------------------

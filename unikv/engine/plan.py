@@ -40,7 +40,7 @@ from unikv.engine.plan_upload import ALL, StepUpload
 from unikv.engine.scheduler import Batch, BatchKind
 from unikv.ids import KernelIds
 from unikv.kernels.backend import DecodePlan, ExtendPlan, KernelBackend, RowsPlan
-from unikv.kernels.recurrent.fla_prefill import chunk_indices, fla_available
+from unikv.kernels.recurrent.fla_prefill import CkptSplit, chunk_indices, ckpt_split, fla_available
 
 if TYPE_CHECKING:
     from unikv.allocator import PoolAllocator
@@ -97,6 +97,14 @@ class StepPlan:
         ``alloc.prefix.reserve_checkpoint``): the recurrent ops write each final state
         there too (0 = the sink for the others), so the checkpoint needs no copy;
         None when no request of the step has one.
+    ckpt_at: (R,) int64 with ``ckpt_slots``, the row of each lane after which its
+        state is the checkpoint's where the checkpoint lies inside its chunk (the
+        page-aligned end of a prompt whose last chunk runs on to the prompt's end,
+        issue 41), -1 where it is the chunk's end and for the others; None when every
+        checkpoint of the step is a chunk's end.
+    ckpt_split: with ``ckpt_at`` on a chunked step with fla-core (``state_chunks``),
+        the lanes split at those rows for its two calls (``fla_prefill.CkptSplit``),
+        made on the host and uploaded in one copy; else None.
     state_indptr, state_chunks: for a chunked step (more than one new token a
         request, no verify slots) of a hybrid model on CUDA with fla-core, q_indptr as
         (B+1,) int64 and fla-core's chunk list of it, (NT, 2) int64
@@ -132,6 +140,8 @@ class StepPlan:
     state_slots: torch.Tensor | None = None
     draft_slots: torch.Tensor | None = None
     ckpt_slots: torch.Tensor | None = None
+    ckpt_at: torch.Tensor | None = None
+    ckpt_split: CkptSplit | None = None
     state_indptr: torch.Tensor | None = None
     state_chunks: torch.Tensor | None = None
     fresh: bool = False
@@ -309,6 +319,12 @@ class StepPlanner:
         fresh = first == 0 and pad_q == 1  # no cached tokens: the cache holds the new ones
         chunked = self.state_chunks and max_q_len > 1 and not verify and num > 0
         indptr, chunks = self._state_chunks(host, rows) if chunked else (None, None)
+        ckpt = self._ckpt_rows(host, num, rows) if self.has_state and num else None
+        ckpt_slots, ckpt_at, lanes_split = None, None, None
+        if ckpt is not None:
+            ckpt_slots, ckpt_at, at_host = ckpt
+            if ckpt_at is not None and chunked:
+                lanes_split = self._ckpt_split(host, rows, at_host)
         num_tokens = dev["input_ids"].shape[0]  # T rows, padded lanes included: host int
         rows_plan = self.backend.plan_rows(num_tokens)
         logit_rows = rows_plan if num_tokens == rows else self.backend.plan_rows(rows)
@@ -331,7 +347,9 @@ class StepPlanner:
             decode=self._decode_plans(rows, longest, target_only) if is_decode else None,
             state_slots=self._state_slots(dev["slots"], num) if self.has_state else None,
             draft_slots=self._draft_slots(dev["slots"], num) if verify else None,
-            ckpt_slots=self._ckpt_slots(host, num, rows) if self.has_state and num else None,
+            ckpt_slots=ckpt_slots,
+            ckpt_at=ckpt_at,
+            ckpt_split=lanes_split,
             state_indptr=indptr,
             state_chunks=chunks,
             fresh=fresh,
@@ -469,11 +487,30 @@ class StepPlanner:
         out[num:].zero_()
         return out
 
-    def _ckpt_slots(self, host: dict, num: int, rows: int) -> torch.Tensor | None:
-        """(R,) int64 checkpoint slots the step's chunks write their final states into
-        too (``StepPlan.ckpt_slots``), or None (no reservation: a host check only)."""
-        prefix = self.alloc.prefix
-        return prefix.checkpoint_slots(host["slots"][:num], host["seq_lens"][:num], rows)
+    def _ckpt_rows(self, host: dict, num: int, rows: int):
+        """(ckpt_slots, ckpt_at, the rows on the host) of the checkpoints the step's
+        chunks reach (``StepPlan.ckpt_slots``, ``ckpt_at``), or None (no reservation: a
+        host check only)."""
+        return self.alloc.prefix.checkpoint_rows(
+            host["slots"][:num], host["seq_lens"][:num], host["q_indptr"][: num + 1], rows
+        )
+
+    def _ckpt_split(self, host: dict, rows: int, at: np.ndarray) -> CkptSplit | None:
+        """``StepPlan.ckpt_split``: ``fla_prefill.ckpt_split`` of the step's host q_indptr
+        and checkpoint rows, uploaded in one asynchronous copy (pinned on CUDA)."""
+        arrays = ckpt_split(host["q_indptr"][: rows + 1], at)
+        if arrays is None:
+            return None
+        flat = [a.reshape(-1) for a in arrays]
+        both = torch.from_numpy(np.concatenate(flat))
+        if self._pin:
+            both = both.pin_memory()
+        both = both.to(self.device, non_blocking=True)
+        views, at_ = [], 0
+        for a in arrays:
+            views.append(both[at_ : at_ + a.size].view(a.shape))
+            at_ += a.size
+        return CkptSplit(*views)
 
     def _state_chunks(self, host: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_indptr (R+1,) int64, fla-core's chunk list of it (NT, 2) int64) of the

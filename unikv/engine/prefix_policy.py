@@ -34,11 +34,14 @@ policy and cost: ``allocator/checkpoints.py``) at each of its checkpoint points
   hit at a previous turn's end demotes that checkpoint once it takes one of its own;
   a junction or prompt-end checkpoint is never demoted for that.
 
-Prefill chunks end at the points (``chunk``); ``before_step`` reserves, for each
-chunk of more than one token that ends at one, the checkpoint slot the chunk writes its
-final state into as well (``alloc.prefix.reserve_checkpoint``; the plan's
-``ckpt_slots``), and ``after_step`` takes the checkpoints (adopting those slots: no copy)
-and shares pages once a step's tokens are in. ``alloc_mamba``
+A prefill chunk runs on past a point (``chunk``: it ends at one only when a second
+lies inside it too: one checkpoint a lane a step); ``before_step`` reserves, for each
+chunk of more than one token that reaches one, at its end or inside it, the checkpoint
+slot the chunk writes the state after that row into as well
+(``alloc.prefix.reserve_checkpoint``; the plan's ``ckpt_slots`` and ``ckpt_at``), and
+``after_step`` takes the checkpoints (adopting those slots: no copy) and shares pages
+once a step's tokens are in. Issue 41: a prompt's last chunk no longer stops at its last
+whole page, so the prompt's last tokens take no extend step of their own. ``alloc_mamba``
 restores a hit's checkpoint. A request added to the waiting queue marks the
 checkpoint its prompt would restore now (``expect``: evicted after every other, its
 chain's pages after every other page) until it opens or is aborted (``forget``).
@@ -236,23 +239,38 @@ class PrefixCaching(NoPrefixCache):
         return hit
 
     def chunk(self, r: Request, budget: int) -> int:
-        """Within ``budget``, ending at ``r``'s next checkpoint point when that lies
-        inside the chunk."""
+        """Within ``budget``; a chunk reaches one checkpoint point at most (its state is
+        written at that row inside the chunk: ``before_step``), so it ends at ``r``'s
+        next point when a second one lies inside it too, or when the slot the state
+        inside it needs cannot be reserved now (no room: the point is then the chunk's
+        end, whose state the take copies from the request's slot). A request being
+        admitted holds no state slot yet: its chunk runs on, and ``before_step``
+        reserves (in ``sim_prefix_hybrid_chat`` at 1.25x, 4 of 194 such points found
+        no room there and were passed; reserving before the admission's pages instead
+        cost 12 points of hit rate)."""
         n = min(budget, r.num_pending)
-        stop = self.points.get(r.slot, (0,))[0]
-        return stop - r.num_cached if r.num_cached < stop < r.num_cached + n else n
+        ends = self.points.get(r.slot)
+        if not ends or not r.num_cached < ends[0] < r.num_cached + n:
+            return n
+        if n > 1 and (len(ends) < 2 or ends[1] >= r.num_cached + n):
+            if not self.prefix.holds_state(r.slot):  # (being admitted: no state slot yet;
+                return n  # ``before_step`` reserves once it has one, else the point passes)
+            if self.prefix.reserve_checkpoint(r.slot, ends[0]):
+                return n
+        return ends[0] - r.num_cached
 
     def before_step(self, batch: Batch, first: int = 0) -> None:
         """Reserve the checkpoint slot of each prefill chunk of ``batch`` (its requests
-        ``[first:]``; the decodes come first) that ends at its request's next
-        checkpoint point (host ints; a loop over the step's prefill chunks only when
-        some request has points left). A one-token chunk takes the copy instead: its
-        step may run as a decode (graphs, no second destination)."""
+        ``[first:]``; the decodes come first) that reaches its request's next
+        checkpoint point, at its end or inside it (the plan's ``ckpt_at``: the ops
+        write the state after that row; host ints; a loop over the step's prefill
+        chunks only when some request has points left). A one-token chunk takes the
+        copy instead: its step may run as a decode (graphs, no second destination)."""
         if not self.points:
             return
         for r, n in zip(batch.requests[first:], batch.num_new[first:]):
             ends = self.points.get(r.slot)
-            if n > 1 and ends and ends[0] == r.num_cached + n:
+            if n > 1 and ends and r.num_cached < ends[0] <= r.num_cached + n:
                 self.prefix.reserve_checkpoint(r.slot, ends[0])
 
     def after_step(self, batch: Batch, verify: bool = False) -> None:
@@ -352,12 +370,19 @@ class PrefixCaching(NoPrefixCache):
         return self.prefix.pool_fractions()
 
     def _checkpoint(self, r: Request) -> None:
+        """The checkpoint at ``r``'s next point once its prefill reached it: at its
+        chunk's end (the live state), or inside the chunk when the chunk wrote the
+        state after that row into the slot ``before_step`` reserved (else there is no
+        state to take there, and the point is passed)."""
         ends = self.points.get(r.slot)
-        if ends and ends[0] == r.num_cached:
-            ends.pop(0)
-            if not ends:
-                del self.points[r.slot]
-            self._take(r, rolling=not ends)  # the last point is the prompt's end
+        if not ends or ends[0] > r.num_cached:
+            return
+        at = ends.pop(0)
+        if not ends:
+            del self.points[r.slot]
+        if at < r.num_cached and self.prefix.reserved_checkpoint(r.slot) != at:
+            return  # inside the chunk, but no slot held its state: nothing to copy
+        self._take(r, rolling=not ends, at=at)  # the last point is the prompt's end
 
     def _take(
         self, r: Request, rolling: bool, at: int | None = None, source: int | None = None

@@ -54,12 +54,23 @@ def check_draft_slots(draft_slots, slots) -> None:
     check_same_device(slots, draft_slots)
 
 
-def check_ckpt_slots(ckpt_slots, slots) -> None:
+def check_ckpt_slots(ckpt_slots, slots, ckpt_at=None) -> None:
     """``ckpt_slots``: None, or (B,) int32/int64 physical slots on the slots' device
-    (a prefill chunk ending at prefix-cache checkpoints: each lane's second destination
-    of its final state, 0 the sink)."""
+    (a prefill chunk reaching prefix-cache checkpoints: each lane's second destination
+    of its state, 0 the sink); ``ckpt_at``: None, or with them (B,) int32/int64 the
+    row of each lane after which that state is taken (-1: its last)."""
     if ckpt_slots is None:
+        if ckpt_at is not None:
+            raise ValueError("ckpt_at needs ckpt_slots (the slots its rows' states go to)")
         return
+    if ckpt_at is not None:
+        check_ids("ckpt_at", ckpt_at, dim=1)
+        if ckpt_at.shape != ckpt_slots.shape:
+            raise ValueError(
+                f"ckpt_at must be (B,) = ({slots.shape[0]},) rows, one per lane, "
+                f"got {tuple(ckpt_at.shape)}"
+            )
+        check_same_device(slots, ckpt_at)
     check_ids("ckpt_slots", ckpt_slots, dim=1)
     if ckpt_slots.shape[0] != slots.shape[0]:
         raise ValueError(

@@ -27,7 +27,8 @@ Both steps are one pass over their bytes, each byte read once and written once:
                              barrier: no second launch.
 
 A prefill chunk ending at a prefix-cache checkpoint (``ckpt_slots`` (B,), issue 41):
-the first-chunk program stores the final window into ``ckpt_slots[b]`` as well (0, the
+the first-chunk program stores the final window (``ckpt_at``: the window ending at that
+row of the lane, a checkpoint inside the chunk) into ``ckpt_slots[b]`` as well (0, the
 sink, without one), so the checkpoint needs no slot copy; a decode-shaped step
 (every lane one token) copies the written windows there by index after the launch.
 
@@ -119,11 +120,11 @@ def _decode_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    x, state, slots, q_indptr, w, bias, out, ckpt_slots,
+    x, state, slots, q_indptr, w, bias, out, ckpt_slots, ckpt_at,
     x_st, s_s, s_c, s_k, w_c, w_k, o_st, C,
     K: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr, PACKED: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    EVEN_C: tl.constexpr, CKPT: tl.constexpr,
+    EVEN_C: tl.constexpr, CKPT: tl.constexpr, CKPT_AT: tl.constexpr,
 ):  # fmt: skip
     """Outputs of tokens [pid1 * CHUNK_T, +CHUNK_T) of request pid2, channel block
     pid0; the request's first chunk also writes its final window."""
@@ -210,12 +211,21 @@ def _prefill_kernel(
                      mask=live & (idx >= K)[None, :])  # fmt: skip
         sv = tl.load(row[:, None] + idx[None, :] * sk, mask=live & (idx < K)[None, :])
         new = tl.where((idx >= K)[None, :], xv.to(tl.float32), sv.to(tl.float32))
+        if CKPT_AT:  # the window ending at the checkpoint row (-1: the last), read now
+            at = tl.load(ckpt_at + b).to(tl.int64)
+            cidx = tl.where(at < 0, length - 1, at) + 1 + k
+            cx = tl.load(x + (start + cidx - K)[None, :] * x_st + c[:, None],
+                         mask=live & (cidx >= K)[None, :])  # fmt: skip
+            cs = tl.load(row[:, None] + cidx[None, :] * sk, mask=live & (cidx < K)[None, :])
+            cnew = tl.where((cidx >= K)[None, :], cx.to(tl.float32), cs.to(tl.float32))
+        else:
+            cnew = new
         tl.debug_barrier()  # the old window is read (by every thread) before it is overwritten
         tl.store(row[:, None] + k[None, :] * sk, new.to(state.dtype.element_ty), mask=live)
-        if CKPT:  # the final window into the lane's checkpoint slot too (0: the sink)
+        if CKPT:  # that window into the lane's checkpoint slot too (0: the sink)
             cslot = tl.load(ckpt_slots + b).to(tl.int64)
             crow = state + cslot * s_s + c.to(tl.int64) * sc
-            tl.store(crow[:, None] + k[None, :] * sk, new.to(state.dtype.element_ty), mask=live)
+            tl.store(crow[:, None] + k[None, :] * sk, cnew.to(state.dtype.element_ty), mask=live)
 
 
 @triton.jit
@@ -259,6 +269,7 @@ def causal_conv1d(
     draft_slots: torch.Tensor | None = None,
     config: dict | None = None,
     ckpt_slots: torch.Tensor | None = None,
+    ckpt_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv continuing each request's state (see ``recurrent_ref``).
 
@@ -270,12 +281,13 @@ def causal_conv1d(
     block sizes overriding the defaults (``block_c``/``lanes`` for decode, ``block_c``/
     ``block_t``/``chunk_t`` for prefill, ``num_warps`` for both: the benchmark's sweep);
     ckpt_slots: None or (B,) (the final window into slot ``ckpt_slots[b]`` too, 0 the
-    sink: a chunk ending at a prefix-cache checkpoint). Returns (T, C) in
-    x.dtype; conv_state updated in place.
+    sink: a chunk ending at a prefix-cache checkpoint); ckpt_at: None or (B,) with
+    them (the window ending at that row of the lane instead, -1 its last: a checkpoint
+    inside the chunk). Returns (T, C) in x.dtype; conv_state updated in place.
     """
     check_conv_args(x, conv_state, slots, q_indptr, weight, bias, max_q_len, activation)
     check_draft_slots(draft_slots, slots)
-    check_ckpt_slots(ckpt_slots, slots)
+    check_ckpt_slots(ckpt_slots, slots, ckpt_at)
     num_lanes, (channels, width) = slots.shape[0], conv_state.shape[1:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or num_lanes == 0:
@@ -320,8 +332,10 @@ def causal_conv1d(
     grid = (triton.cdiv(channels, block_c), triton.cdiv(max_q_len, chunk_t), num_lanes)
     _prefill_kernel[grid](
         x, conv_state, slots, q_indptr, weight, bias_arg, out,
-        ckpt_slots if ckpt_slots is not None else slots, x.stride(0), s_s, s_c, s_k, w_c, w_k, out.stride(0), channels,
-        BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_C=block_c, EVEN_C=channels % block_c == 0,
-        CKPT=ckpt_slots is not None, **common,
+        ckpt_slots if ckpt_slots is not None else slots,
+        ckpt_at if ckpt_at is not None else slots, x.stride(0), s_s, s_c, s_k, w_c, w_k,
+        out.stride(0), channels, BLOCK_T=block_t, CHUNK_T=chunk_t, BLOCK_C=block_c,
+        EVEN_C=channels % block_c == 0, CKPT=ckpt_slots is not None,
+        CKPT_AT=ckpt_slots is not None and ckpt_at is not None, **common,
     )  # fmt: skip
     return out

@@ -14,6 +14,11 @@ the final state back in place (docs/design.md section 8):
                        checkpoint, issue 41) per lane a second physical slot that
                        receives the final state too, in the same write (0, the sink,
                        for lanes without one): the checkpoint needs no copy after.
+    ckpt_at (B,)        None, or with ``ckpt_slots`` per lane the row (within the lane)
+                       after which its state goes to ``ckpt_slots[b]`` instead of its
+                       final state (a checkpoint inside the chunk: the page-aligned
+                       prompt end, issue 41); -1: after its last row (the final state).
+                       The conv writes the window ending at that row.
     draft_slots (B, k)  None, or (a speculative verify step) per lane the physical
                        slots that receive the state after each of its first k
                        tokens: column j the state after token j, for j < the
@@ -66,16 +71,37 @@ def draft_targets(
     return torch.where(live, picked, torch.zeros_like(picked))
 
 
+def ckpt_rows(ckpt_at: torch.Tensor, q_indptr: torch.Tensor) -> torch.Tensor:
+    """(B,) int64: the row of each lane after which its checkpoint state is taken
+    (``ckpt_at``, -1 read as the lane's last row; -1 for a lane with no tokens)."""
+    lens = (q_indptr[1:] - q_indptr[:-1]).long()
+    at = ckpt_at.to(lens.device).long()
+    return torch.where(at < 0, lens - 1, at)
+
+
 def write_final(
-    state: torch.Tensor, slots: torch.Tensor, ckpt_slots: torch.Tensor | None, value
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    ckpt_slots: torch.Tensor | None,
+    value,
+    ckpt_value=None,
 ) -> None:
     """``state[slots] = value`` and, with ``ckpt_slots`` (B,), ``state[ckpt_slots] =
-    value`` in the same indexed write (lanes without a checkpoint name the sink, 0)."""
+    ckpt_value`` (default ``value``) in the same indexed write (lanes without a
+    checkpoint name the sink, 0)."""
     if ckpt_slots is None:
         state[slots] = value
         return
     both = torch.cat([slots.long(), ckpt_slots.to(slots.device).long()])
-    state[both] = torch.cat([value, value])
+    state[both] = torch.cat([value, value if ckpt_value is None else ckpt_value])
+
+
+def _cut(ckpt_slots, ckpt_at, q_indptr) -> torch.Tensor | None:
+    """``ckpt_rows`` when the step takes checkpoints inside its chunks, else None (the
+    final state is the checkpoint's)."""
+    if ckpt_slots is None or ckpt_at is None:
+        return None
+    return ckpt_rows(ckpt_at, q_indptr)
 
 
 def _check_activation(activation: str | None) -> None:
@@ -95,6 +121,7 @@ def causal_conv1d(
     activation: str | None,
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
+    ckpt_at: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv over each request's new tokens, continuing its state.
 
@@ -103,7 +130,8 @@ def causal_conv1d(
     or None; activation: None or "silu". Per request, with seq = [state | x_b]
     along time: out[j] = act(sum_k weight[:, k] * seq[j + 1 + k] + bias), and the
     state becomes the last K entries of seq (``draft_slots``: the module docstring;
-    the window after token j goes there). Returns (T, C) in x.dtype.
+    the window after token j goes there; ``ckpt_slots``/``ckpt_at``: the window ending
+    at the checkpoint row). Returns (T, C) in x.dtype.
     """
     _check_activation(activation)
     num_lanes, width = slots.numel(), conv_state.shape[-1]
@@ -122,8 +150,13 @@ def causal_conv1d(
     if targets is not None:  # the window after each row, into its draft slot (or the sink)
         conv_state[targets[lane, pos]] = windows.transpose(1, 2).to(conv_state.dtype)
     lens = (q_indptr[1:] - q_indptr[:-1]).long()
-    last = seq[torch.arange(num_lanes, device=x.device)[:, None], lens[:, None] + taps]
-    write_final(conv_state, slots, ckpt_slots, last.transpose(1, 2).to(conv_state.dtype))
+    every = torch.arange(num_lanes, device=x.device)[:, None]
+    last = seq[every, lens[:, None] + taps].transpose(1, 2).to(conv_state.dtype)
+    ckpt = None
+    if ckpt_slots is not None and ckpt_at is not None:  # the window ending at that row
+        rows = ckpt_rows(ckpt_at, q_indptr)
+        ckpt = seq[every, rows[:, None] + 1 + taps].transpose(1, 2).to(conv_state.dtype)
+    write_final(conv_state, slots, ckpt_slots, last, ckpt)
     return out.to(x.dtype)
 
 
@@ -157,6 +190,8 @@ def gated_delta_rule(
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
     chunks: torch.Tensor | None = None,
+    ckpt_at: torch.Tensor | None = None,
+    ckpt_split: object = None,
 ) -> torch.Tensor:
     """Gated delta rule (Gated DeltaNet) over each request's new tokens.
 
@@ -167,8 +202,9 @@ def gated_delta_rule(
     and the gates are ``gdn_gates(g, beta, A_log, dt_bias)``. Per token, in fp32: q, k
     l2-normalised if ``use_qk_l2norm``; q *= scale; S *= exp(g) (row i of S by
     exp(g[i]) per channel); delta = (v - k S) * beta; S += k^T delta; o = q S.
-    ``draft_slots``: the module docstring. ``chunks``: fla-core's chunk list of
-    q_indptr on CUDA (``fla_prefill.chunk_indices``), unread here. Returns (T, H, Dv)
+    ``draft_slots``, ``ckpt_slots``, ``ckpt_at``: the module docstring. ``chunks``,
+    ``ckpt_split``: fla-core's chunk list of q_indptr and split of the lanes at their
+    checkpoint rows on CUDA (``fla_prefill``), unread here. Returns (T, H, Dv)
     in v.dtype.
     """
     if gating is not None:
@@ -189,6 +225,8 @@ def gated_delta_rule(
     out = torch.zeros_like(vg)
     per_channel = g.dim() == 3  # a host bool from the shape (fixed per model)
     targets = draft_targets(draft_slots, q_indptr, max_q_len)
+    cut = _cut(ckpt_slots, ckpt_at, q_indptr)
+    ck = s
     for i in range(max_q_len):
         decay = gg[:, i].exp()  # (B, H) or (B, H, Dk)
         decayed = s * (decay[..., None] if per_channel else decay[..., None, None])
@@ -199,7 +237,10 @@ def gated_delta_rule(
         out[:, i] = (s * qg[:, i, :, :, None]).sum(-2)
         if targets is not None:  # the state after token i, into its draft slot (or the sink)
             state[targets[:, i]] = s.to(state.dtype)
-    write_final(state, slots, ckpt_slots, s.to(state.dtype))
+        if cut is not None:  # the state after the checkpoint row, kept for its slot
+            ck = torch.where((cut == i)[:, None, None, None], s, ck)
+    ckpt = None if cut is None else ck.to(state.dtype)
+    write_final(state, slots, ckpt_slots, s.to(state.dtype), ckpt)
     return out[lane, pos].to(v.dtype)
 
 
@@ -220,14 +261,16 @@ def mamba2_ssd(
     dt_limit: tuple[float, float],
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
+    ckpt_at: torch.Tensor | None = None,
+    ckpt_split: object = None,
 ) -> torch.Tensor:
     """Mamba-2 selective state space scan over each request's new tokens.
 
     x: (T, H, P); dt: (T, H) raw step sizes; A: (H,) (negative); B, C: (T, G, N),
     head h reads group h // (H // G); D, dt_bias: (H,); state: (S, H, P, N) view.
     Per token, in fp32: dt = clamp(softplus(dt + dt_bias), *dt_limit);
-    S = S * exp(dt A) + (dt x) B^T; y = S C + D x. ``draft_slots``: the module
-    docstring. Returns (T, H, P) in x.dtype.
+    S = S * exp(dt A) + (dt x) B^T; y = S C + D x. ``draft_slots``, ``ckpt_slots``,
+    ``ckpt_at``: the module docstring (``ckpt_split``: fla-core's, unread here). Returns (T, H, P) in x.dtype.
     """
     num_lanes, heads = slots.numel(), x.shape[1]
     lane, pos = _lanes(q_indptr, x.shape[0])
@@ -247,7 +290,9 @@ def mamba2_ssd(
     live = _grid(torch.ones_like(step[:, 0]), lane, pos, num_lanes, max_q_len) > 0
     a = A.float()
     targets = draft_targets(draft_slots, q_indptr, max_q_len)
+    cut = _cut(ckpt_slots, ckpt_at, q_indptr)
     s = state[slots].float()  # (B, H, P, N)
+    ck = s
     out = torch.zeros_like(xs)
     for i in range(max_q_len):
         decay = (step_g[:, i] * a).exp()[..., None, None]  # (B, H, 1, 1)
@@ -256,6 +301,9 @@ def mamba2_ssd(
         out[:, i] = (s * cg[:, i, :, None, :]).sum(-1)
         if targets is not None:  # the state after token i, into its draft slot (or the sink)
             state[targets[:, i]] = s.to(state.dtype)
-    write_final(state, slots, ckpt_slots, s.to(state.dtype))
+        if cut is not None:  # the state after the checkpoint row, kept for its slot
+            ck = torch.where((cut == i)[:, None, None, None], s, ck)
+    ckpt = None if cut is None else ck.to(state.dtype)
+    write_final(state, slots, ckpt_slots, s.to(state.dtype), ckpt)
     y = out[lane, pos] + D.float()[:, None] * x.float()
     return y.to(x.dtype)

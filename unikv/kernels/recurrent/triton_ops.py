@@ -23,10 +23,12 @@ GDN / SSD programs also store their tile after token j of lane b into slot
 ``draft_slots[b, j]`` (j < k, j < the lane's tokens - 1), the same tile of another
 slot, so no program reads what another writes; the conv writes each draft window in
 a launch of its own before the live window's launch overwrites the state both read.
-A prefill chunk that ends at a prefix-cache checkpoint (``ckpt_slots`` (B,), issue 41)
-has each program store its final tile into ``ckpt_slots[b]`` as well (0, the sink, for
-lanes without one), and fla-core's scatter writes both in one indexed write: the
-checkpoint needs no slot copy after the step.
+A prefill chunk that reaches a prefix-cache checkpoint (``ckpt_slots`` (B,), issue 41)
+has each program store its tile after the checkpoint row (``ckpt_at`` (B,), -1 or
+absent: the lane's last) into ``ckpt_slots[b]`` as well (0, the sink, for lanes without
+one), and fla-core's scatter writes both in one indexed write (a row inside a lane: two
+fla calls, ``fla_prefill``'s docstring): the checkpoint needs no slot copy after the
+step.
 Such steps never take fla-core's chunked kernels (they keep no per-token state): the
 fused-recurrent ones run them (k + 1 tokens).
 """
@@ -60,11 +62,13 @@ NUM_WARPS = 4
 @triton.jit
 def _gdn_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slots, q_indptr, draft_slots, ckpt_slots,
+    ckpt_at,
     q_st, q_sh, k_st, k_sh, v_st, v_sh, g_st, g_sh, g_sk, b_st, b_sh, o_st, o_sh,
     s_s, s_h, s_k, s_v, d_st, num_draft, scale,
     DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     USE_L2NORM: tl.constexpr, DECODE: tl.constexpr, GATING: tl.constexpr,
     GROUPS: tl.constexpr, PER_CHANNEL: tl.constexpr, DRAFT: tl.constexpr, CKPT: tl.constexpr,
+    CKPT_AT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -85,6 +89,13 @@ def _gdn_kernel(
     slot = tl.load(slots + b).to(tl.int64)
     sp = state + slot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
     s = tl.load(sp, mask=m2, other=0.0).to(tl.float32)  # (BLOCK_K, BLOCK_V)
+    if CKPT:  # the lane's checkpoint slot (0: the sink) and the row after which it holds
+        cslot = tl.load(ckpt_slots + b).to(tl.int64)
+        cp = state + cslot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
+        cut = end - 1
+        if CKPT_AT:  # a row inside the chunk (-1: its last)
+            at = tl.load(ckpt_at + b).to(tl.int64)
+            cut = tl.where(at < 0, end - 1, start + at)
     for t in tl.range(start, end):
         qt = tl.load(q + t * q_st + hk * q_sh + ok, mask=mk, other=0.0).to(tl.float32)
         kt = tl.load(k + t * k_st + hk * k_sh + ok, mask=mk, other=0.0).to(tl.float32)
@@ -119,21 +130,21 @@ def _gdn_kernel(
             dslot = tl.load(draft_slots + b * d_st + j, mask=keep, other=0).to(tl.int64)
             dp = state + dslot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
             tl.store(dp, s.to(state.dtype.element_ty), mask=m2 & keep)
+        if CKPT:  # the state after the checkpoint row into its slot too
+            tl.store(cp, s.to(state.dtype.element_ty), mask=m2 & (t == cut))
     tl.store(sp, s.to(state.dtype.element_ty), mask=m2 & (end > start))
-    if CKPT:  # the final state into the lane's checkpoint slot too (0: the sink)
-        cslot = tl.load(ckpt_slots + b).to(tl.int64)
-        cp = state + cslot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
-        tl.store(cp, s.to(state.dtype.element_ty), mask=m2)
 
 
 @triton.jit
 def _ssd_kernel(
     x, dt, A, Bm, Cm, D, dt_bias, out, state, slots, q_indptr, draft_slots, ckpt_slots,
+    ckpt_at,
     x_st, x_sh, dt_st, dt_sh, b_st, b_sg, c_st, c_sg, o_st, o_sh,
     s_s, s_h, s_p, s_n, d_st, num_draft, dt_lo, dt_hi,
     HEADS_PER_GROUP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, DECODE: tl.constexpr, DRAFT: tl.constexpr, CKPT: tl.constexpr,
+    CKPT_AT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -154,6 +165,13 @@ def _ssd_kernel(
     slot = tl.load(slots + b).to(tl.int64)
     sp = state + slot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
     s = tl.load(sp, mask=m2, other=0.0).to(tl.float32)  # (BLOCK_P, BLOCK_N)
+    if CKPT:  # the lane's checkpoint slot (0: the sink) and the row after which it holds
+        cslot = tl.load(ckpt_slots + b).to(tl.int64)
+        cp = state + cslot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
+        cut = end - 1
+        if CKPT_AT:  # a row inside the chunk (-1: its last)
+            at = tl.load(ckpt_at + b).to(tl.int64)
+            cut = tl.where(at < 0, end - 1, start + at)
     for t in tl.range(start, end):
         xt = tl.load(x + t * x_st + h * x_sh + op, mask=mp, other=0.0).to(tl.float32)
         step = tl.load(dt + t * dt_st + h * dt_sh).to(tl.float32) + bias
@@ -171,11 +189,9 @@ def _ssd_kernel(
             dslot = tl.load(draft_slots + b * d_st + j, mask=keep, other=0).to(tl.int64)
             dp = state + dslot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
             tl.store(dp, s.to(state.dtype.element_ty), mask=m2 & keep)
+        if CKPT:  # the state after the checkpoint row into its slot too
+            tl.store(cp, s.to(state.dtype.element_ty), mask=m2 & (t == cut))
     tl.store(sp, s.to(state.dtype.element_ty), mask=m2 & (end > start))
-    if CKPT:  # the final state into the lane's checkpoint slot too (0: the sink)
-        cslot = tl.load(ckpt_slots + b).to(tl.int64)
-        cp = state + cslot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
-        tl.store(cp, s.to(state.dtype.element_ty), mask=m2)
 
 
 def gated_delta_rule(
@@ -195,6 +211,8 @@ def gated_delta_rule(
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
     chunks: torch.Tensor | None = None,
+    ckpt_at: torch.Tensor | None = None,
+    ckpt_split: recurrent_fla.CkptSplit | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over each request's new tokens (see ``recurrent_ref``).
 
@@ -205,20 +223,24 @@ def gated_delta_rule(
     view (fp32); slots: (B,) physical slots; q_indptr: (B+1,); draft_slots: None or
     (B, k) (a verify step: the state after each token j < k but the lane's last into
     slot ``draft_slots[b, j]``); ckpt_slots: None or (B,) (a chunk ending at a
-    checkpoint: the final state into slot ``ckpt_slots[b]`` too, 0 the sink); chunks:
+    checkpoint: the final state into slot ``ckpt_slots[b]`` too, 0 the sink); ckpt_at:
+    None or (B,) with them (the state after that row of the lane instead, -1 its last:
+    a checkpoint inside the chunk); ckpt_split: None or the plan's
+    ``fla_prefill.CkptSplit`` of ``ckpt_at`` (fla-core only); chunks:
     None or (NT, 2) int64 fla-core's chunk list of q_indptr (``fla_prefill.
     chunk_indices``, uploaded by the step's plan: no host sync in fla-core; unread by
     the kernels below). Returns (T, H, Dv) in v.dtype.
     """
     check_gdn_args(q, k, v, g, beta, state, slots, q_indptr, max_q_len, gating)
     check_draft_slots(draft_slots, slots)
-    check_ckpt_slots(ckpt_slots, slots)
+    check_ckpt_slots(ckpt_slots, slots, ckpt_at)
     per_channel = g.dim() == 3  # KDA (fla-core's chunked GDN takes per-head decay only)
     chunked = max_q_len > 1 and not per_channel and draft_slots is None
     if chunked and recurrent_fla.use_fla(q.device, v.dtype):
         return recurrent_fla.gated_delta_rule(
             q, k, v, g, beta, state, slots, q_indptr, scale=scale, use_qk_l2norm=use_qk_l2norm,
-            gating=gating, ckpt_slots=ckpt_slots, chunks=chunks,
+            gating=gating, ckpt_slots=ckpt_slots, chunks=chunks, ckpt_at=ckpt_at,
+            ckpt_split=ckpt_split,
         )  # fmt: skip
     heads, dim_k, dim_v = state.shape[1:]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -230,13 +252,14 @@ def gated_delta_rule(
     _gdn_kernel[grid](
         q, k, v, g, beta, a_log, dt_bias, out, state, slots, q_indptr,
         draft_slots if draft else slots, ckpt_slots if ckpt_slots is not None else slots,
+        ckpt_at if ckpt_at is not None else slots,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *g.stride()[:2],
         g.stride(2) if per_channel else 0, *beta.stride(), *out.stride()[:2], *state.stride(),
         *((draft_slots.stride(0), draft_slots.shape[1]) if draft else (0, 0)), float(scale),
         DK=dim_k, DV=dim_v, BLOCK_K=next_pow2(dim_k), BLOCK_V=min(GDN_BLOCK_V, next_pow2(dim_v)),
         USE_L2NORM=bool(use_qk_l2norm), DECODE=max_q_len == 1, GATING=gating is not None,
         GROUPS=heads // q.shape[1], PER_CHANNEL=per_channel, DRAFT=draft,
-        CKPT=ckpt_slots is not None, num_warps=NUM_WARPS,
+        CKPT=ckpt_slots is not None, CKPT_AT=ckpt_slots is not None and ckpt_at is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
 
@@ -258,22 +281,25 @@ def mamba2_ssd(
     dt_limit: tuple[float, float],
     draft_slots: torch.Tensor | None = None,
     ckpt_slots: torch.Tensor | None = None,
+    ckpt_at: torch.Tensor | None = None,
+    ckpt_split: recurrent_fla.CkptSplit | None = None,
 ) -> torch.Tensor:
     """Mamba-2 selective scan over each request's new tokens (see ``recurrent_ref``).
 
     x: (T, H, P); dt: (T, H) raw; A: (H,) fp32 (negative); B, C: (T, G, N) (head h
     reads group h // (H // G)); D, dt_bias: (H,); state: (S, H, P, N) strided pool
     view (fp32); slots: (B,); q_indptr: (B+1,); draft_slots: None or (B, k) (as
-    ``gated_delta_rule``); ckpt_slots: None or (B,) (as ``gated_delta_rule``). Returns
-    (T, H, P) in x.dtype.
+    ``gated_delta_rule``); ckpt_slots, ckpt_at, ckpt_split: as ``gated_delta_rule``.
+    Returns (T, H, P) in x.dtype.
     """
     check_ssd_args(x, dt, A, B, C, D, dt_bias, state, slots, q_indptr, max_q_len, dt_limit)
     check_draft_slots(draft_slots, slots)
-    check_ckpt_slots(ckpt_slots, slots)
+    check_ckpt_slots(ckpt_slots, slots, ckpt_at)
     if max_q_len > 1 and draft_slots is None and recurrent_fla.use_fla(x.device, x.dtype):
         return recurrent_fla.mamba2_ssd(
             x, dt, A, B, C, D, dt_bias, state, slots, q_indptr,
-            dt_softplus=dt_softplus, dt_limit=dt_limit, ckpt_slots=ckpt_slots,
+            dt_softplus=dt_softplus, dt_limit=dt_limit, ckpt_slots=ckpt_slots, ckpt_at=ckpt_at,
+            ckpt_split=ckpt_split,
         )  # fmt: skip
     heads, dim_p, dim_n = state.shape[1:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -284,12 +310,13 @@ def mamba2_ssd(
     _ssd_kernel[grid](
         x, dt, A, B, C, D, dt_bias, out, state, slots, q_indptr,
         draft_slots if draft else slots, ckpt_slots if ckpt_slots is not None else slots,
+        ckpt_at if ckpt_at is not None else slots,
         *x.stride()[:2], *dt.stride(), *B.stride()[:2], *C.stride()[:2], *out.stride()[:2],
         *state.stride(), *((draft_slots.stride(0), draft_slots.shape[1]) if draft else (0, 0)),
         float(dt_limit[0]), float(dt_limit[1]),
         HEADS_PER_GROUP=heads // B.shape[1], P=dim_p, N=dim_n,
         BLOCK_P=min(SSD_BLOCK_P, next_pow2(dim_p)), BLOCK_N=next_pow2(dim_n),
         DT_SOFTPLUS=bool(dt_softplus), DECODE=max_q_len == 1, DRAFT=draft,
-        CKPT=ckpt_slots is not None, num_warps=NUM_WARPS,
+        CKPT=ckpt_slots is not None, CKPT_AT=ckpt_slots is not None and ckpt_at is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
