@@ -145,6 +145,19 @@ def plan(
 
 
 @triton.jit
+def e4m3_groups(v, AXIS: tl.constexpr):
+    """The activations' 1 x group e4m3 quantisation, shared by every kernel that writes it
+    (``_act_quant_kernel``, the fused pre-norm's, the W8A8 MoE epilogue's): v fp32 with
+    its groups along ``AXIS`` -> (codes, still fp32, in [-448, 448]; scales, ``AXIS``
+    reduced): scale = max(amax / 448, 1e-12), code = clamp(v / scale). IEEE divisions
+    (``div_rn``): Triton's fp32 ``/`` is approximate on NVIDIA GPUs, and an element at a
+    rounding edge would land on another e4m3 value than the torch reference's."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=AXIS), 448.0), 1e-12)
+    codes = tl.clamp(tl.math.div_rn(v, tl.expand_dims(scale, AXIS)), -448.0, 448.0)
+    return codes, scale
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm, stride_sm,
                       stride_sg, GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                       GROUPS: tl.constexpr):  # fmt: skip
@@ -158,10 +171,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm,
     mask = (rows < M)[:, None, None] & col_ok[None, :, :]
     offs = rows[:, None, None] * stride_xm + cols[None, :, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
-    # IEEE divisions (div_rn): Triton's ``/`` on fp32 is approximate on NVIDIA GPUs, so an
-    # element at a rounding edge would land on another e4m3 value than the reference's
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=2), 448.0), 1e-12)  # (ROWS, GROUPS)
-    q = tl.clamp(tl.math.div_rn(x, scale[:, :, None]), -448.0, 448.0)
+    q, scale = e4m3_groups(x, 2)  # scale: (ROWS, GROUPS)
     q_offs = rows[:, None, None] * stride_qm + cols[None, :, :]
     tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     s_ok = (rows < M)[:, None] & (grps < n_groups)[None, :]

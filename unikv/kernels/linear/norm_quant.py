@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from unikv.kernels.linear.elementwise import MAX_ROW, rms_normed
-from unikv.kernels.linear.fp8_gemm_ref import ACT_SCALE_MIN, FP8_MAX
+from unikv.kernels.linear.fp8_gemm import e4m3_groups
 from unikv.kernels.runtime.checks import check_same_device, next_pow2
 from unikv.kernels.runtime.interpret import patch_interpreter
 
@@ -50,10 +50,7 @@ def _add_rms_norm_quant_kernel(
         tl.store(res + row * sr0 + cols, xv, mask=mask)
     y = rms_normed(xv.to(tl.float32), w, cols, mask, N, eps, offset, dt, W_FP32)
     groups = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))  # lanes past N: 0
-    # IEEE divisions (div_rn), as ``quantize_act``'s: Triton's fp32 ``/`` is approximate
-    # on NVIDIA GPUs
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(groups), axis=1), 448.0), 1e-12)
-    codes = tl.clamp(tl.math.div_rn(groups, scale[:, None]), -448.0, 448.0)
+    codes, scale = e4m3_groups(groups, 1)
     tl.store(q + row * sq0 + cols, tl.reshape(codes, (BLOCK,)).to(q.dtype.element_ty), mask=mask)
     g = tl.arange(0, BLOCK // GROUP)
     tl.store(s + row * ss0 + g * ss1, scale, mask=g < n_groups)
@@ -118,6 +115,3 @@ def add_rms_norm_quant(
         num_warps=min(16, max(1, norm_block // 256)), enable_fp_fusion=False,
     )  # fmt: skip
     return xq, xs, out_residual
-
-
-assert FP8_MAX == 448.0 and ACT_SCALE_MIN == 1e-12, "the kernel's constants"

@@ -59,6 +59,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from unikv.kernels.linear.fp8_gemm import e4m3_groups
+
 
 @triton.jit
 def _act(g, u, ACT: tl.constexpr, alpha, limit):
@@ -428,9 +430,7 @@ def _quant_store(out, dst, mask, os_ptr, pos, s_osm, valid, pid_n, I, BLOCK_M: t
     G: tl.constexpr = BLOCK_N // BK
     a = tl.where(mask, out.to(DTYPE).to(tl.float32), 0.0)
     grouped = tl.reshape(a, (BLOCK_M, G, BK))
-    # IEEE divisions, as ``fp8_gemm.quantize_act``'s (Triton's fp32 ``/`` is approximate)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(grouped), axis=2), 448.0), 1e-12)
-    q = tl.clamp(tl.math.div_rn(grouped, scale[:, :, None]), -448.0, 448.0)
+    q, scale = e4m3_groups(grouped, 2)  # (BLOCK_M, G) scales
     tl.store(dst, tl.reshape(q, (BLOCK_M, BLOCK_N)).to(tl.float8e4nv), mask=mask)
     grp = pid_n * G + tl.arange(0, G)
     s_dst = os_ptr + pos[:, None].to(tl.int64) * s_osm + grp[None, :]
