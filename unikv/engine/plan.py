@@ -499,29 +499,28 @@ class StepPlanner:
         """``StepPlan.ckpt_split``: ``fla_prefill.ckpt_split`` of the step's host q_indptr
         and checkpoint rows, uploaded in one asynchronous copy (pinned on CUDA)."""
         arrays = ckpt_split(host["q_indptr"][: rows + 1], at)
-        if arrays is None:
-            return None
-        flat = [a.reshape(-1) for a in arrays]
-        both = torch.from_numpy(np.concatenate(flat))
-        if self._pin:
-            both = both.pin_memory()
-        both = both.to(self.device, non_blocking=True)
-        views, at_ = [], 0
-        for a in arrays:
-            views.append(both[at_ : at_ + a.size].view(a.shape))
-            at_ += a.size
-        return CkptSplit(*views)
+        return None if arrays is None else CkptSplit(*self._upload(arrays))
 
     def _state_chunks(self, host: dict, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_indptr (R+1,) int64, fla-core's chunk list of it (NT, 2) int64) of the
         step's host q_indptr, on the device: one asynchronous copy (pinned on CUDA), no
         sync; views of one new tensor (``StepPlan.state_chunks``)."""
         indptr = host["q_indptr"][: rows + 1].astype(np.int64)
-        both = torch.from_numpy(np.concatenate([indptr, chunk_indices(indptr).reshape(-1)]))
+        got, chunks = self._upload([indptr, chunk_indices(indptr)])
+        return got, chunks
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host int64 arrays on the device in one asynchronous copy (pinned on CUDA), no
+        sync: views of one new tensor, in their shapes."""
+        both = torch.from_numpy(np.concatenate([a.reshape(-1) for a in arrays]))
         if self._pin:
             both = both.pin_memory()
         both = both.to(self.device, non_blocking=True)
-        return both[: rows + 1], both[rows + 1 :].view(-1, 2)
+        views, at = [], 0
+        for a in arrays:  # a few arrays a step, not requests
+            views.append(both[at : at + a.size].view(a.shape))
+            at += a.size
+        return views
 
     def _state_slots(self, slots: torch.Tensor, num: int) -> torch.Tensor:
         """(R,) int64 physical state slots of the rows (padded rows: 0, the sink),
