@@ -109,7 +109,8 @@ def plain_states(llm, prompts: list[list[int]]) -> list[torch.Tensor]:
 
     def spied(slots, *a, **k):
         for slot in np.atleast_1d(np.asarray(slots, np.int64)).tolist():
-            phys = llm.alloc.mamba_slots(torch.tensor([slot], dtype=torch.int32)).data
+            req = torch.tensor([slot], dtype=torch.int32, device=llm.pool.buffer.device)
+            phys = llm.alloc.mamba_slots(req).data
             got.append(slot_bytes(int(phys[0])))
         return free(slots, *a, **k)
 

@@ -127,7 +127,10 @@ def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tenso
     m, k = x.shape
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scales = (padded.abs().amax(-1) / FP8_MAX).clamp(min=ACT_SCALE_MIN)  # (M, G)
+    amax = padded.abs().amax(-1)  # (M, G)
+    # amax / 448 as an IEEE division on every device: torch's CUDA kernel multiplies by
+    # the reciprocal when the divisor is a Python scalar (one ulp off, now and then)
+    scales = amax.div(torch.full_like(amax, FP8_MAX)).clamp(min=ACT_SCALE_MIN)
     xq = (padded / scales[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return xq.view(m, groups * group)[:, :k], scales
 
