@@ -661,6 +661,8 @@ def replay_scheme(
     busy = waiting > 0  # steps after which requests still wait: the pool is the limit
     usable = max(top.values()) - pool.sink_bytes  # every byte above the sink a band may take
     per_request = held[busy] / np.maximum(running[busy], 1)
+    # the requests a perfect packing of all usable bytes would hold at each step's mix
+    oracle = usable / np.maximum(per_request, 1)
     return {
         "steps": len(rows),
         "mean_concurrent": float(running.mean()),
@@ -674,6 +676,7 @@ def replay_scheme(
         "mean_concurrent_drain": float(running[~busy].mean()) if (~busy).any() else None,
         "held_fraction_waiting": float((held[busy] / usable).mean()) if busy.any() else None,
         "bytes_per_running_request_waiting": float(per_request.mean()) if busy.any() else None,
+        "oracle_concurrent_waiting": float(oracle.mean()) if busy.any() else None,
         "running": running.tolist(),
     }
 
@@ -708,8 +711,8 @@ def slot_accounting(path: Path, prompts, max_tokens, args) -> dict:
 def replay_model(name: str, args) -> dict:
     """``--replay``: both schemes' schedules (and the unified pool given the sink's
     bytes too: what the sink costs), the accounting, and the oracle: the running
-    requests a perfect packing of the unified pool's usable bytes would hold at the
-    mean bytes per running request of the steps with requests waiting."""
+    requests a perfect packing of the unified pool's usable bytes would hold at each
+    step's bytes per running request, averaged over the steps with requests waiting."""
     workdir = Path(tempfile.mkdtemp(prefix=f"unikv_replay_{name}_"))
     try:
         config = hf_config(name, args.tiny)
@@ -734,7 +737,7 @@ def replay_model(name: str, args) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
     u, s = runs["unified"], runs["static"]
     entry["schemes"] = runs
-    entry["oracle_concurrent_waiting"] = u["usable_bytes"] / u["bytes_per_running_request_waiting"]
+    entry["oracle_concurrent_waiting"] = u["oracle_concurrent_waiting"]
     entry["mean_concurrent_ratio"] = u["mean_concurrent"] / s["mean_concurrent"]
     entry["mean_concurrent_waiting_ratio"] = (
         u["mean_concurrent_waiting"] / s["mean_concurrent_waiting"]
