@@ -30,6 +30,16 @@ bandwidth and FLOPs over the bf16 matmul rate (both measured in this run), summe
 Usage: ``python benchmarks/bench_hybrid.py [--device cuda] [--models qwen3_5,nemotron_h]``
 -> ``benchmarks/results/hybrid_h200.json``; ``--quick`` (or ``--device cpu``): tiny
 models and workload (a smoke test). ``--merge A.json B.json --out C.json`` joins runs.
+
+``--replay`` (CPU, no weights, no forwards; real shapes unless ``--quick``): the same
+workload and budget through the engine's ``Scheduler`` and ``PoolAllocator``, every
+sampled token a dummy. With EOS ignored the tokens do not steer the schedule, so the
+running counts are the timed run's step for step (the H200 run's mean concurrency,
+16.05 / 11.19 on NemotronH, to every digit). It adds the accounting: bytes per
+request by part, the bytes held while requests wait, the concurrency a perfect
+packing of the unified pool would hold at the same bytes per request (the oracle),
+and the unified pool given the sink's bytes too (what the sink costs).
+-> ``benchmarks/results/hybrid_replay.json`` (not committed).
 """
 
 from __future__ import annotations
@@ -594,6 +604,165 @@ def summary(results: dict) -> str:
     return "\n".join(lines)
 
 
+# -- replay: the same schedule without forwards --------------------------------------------
+
+
+def replay_scheme(
+    path: Path, budget: int, split, prompts, max_tokens, max_len, args, on_step=None
+) -> dict:
+    """The workload through the engine's ``Scheduler`` and ``PoolAllocator`` over a
+    pool of the model's sub-pools (``path``'s config; no weights, no forward: every
+    sampled token is a dummy). With EOS ignored the tokens do not steer the schedule,
+    so its per-step running counts are those of the timed run with the same budget,
+    workload, page size, chunk and ``max_num_seqs``. ``on_step(sched, alloc)`` runs
+    after every step (tests check the accounting there)."""
+    from unikv.allocator import PoolAllocator
+    from unikv.engine.request import Request
+    from unikv.engine.sampling import SamplingParams
+    from unikv.engine.scheduler import Scheduler
+    from unikv.hf_config import specs_from_hf_config
+    from unikv.pool import UnifiedPool
+
+    configs = specs_from_hf_config(path, page_size=args.page_size, dtype=args.dtype)
+    pool = UnifiedPool(
+        configs,
+        budget,
+        "cpu",
+        max_request_tokens=max_len,
+        chunk_tokens=args.chunk,
+        static_split=split,
+    )
+    alloc = PoolAllocator(pool, max_requests=args.max_num_seqs, max_context=max_len)
+    sched = Scheduler(
+        alloc,
+        pool.subpools.values(),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.chunk,
+    )
+    for i, (p, o) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0)
+        sched.add(Request(i, list(p), params, 0, frozenset(), max_len))
+    names = list(pool.subpools)
+    rows = []  # per step after it: running, waiting, live pages per sub-pool
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.complete(batch, [1] * len(batch.requests))
+        rows.append(
+            (len(sched.running), len(sched.waiting), *(alloc.view.live_pages(n) for n in names))
+        )
+        if on_step is not None:
+            on_step(sched, alloc)
+    subs = pool.subpools
+    page = {n: s.page_bytes for n, s in subs.items()}
+    top = {n: s.num_pages * s.page_bytes for n, s in subs.items()}
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 2 + len(names))
+    running, waiting = table[:, 0], table[:, 1]
+    held = sum(table[:, 2 + i] * page[n] for i, n in enumerate(names))
+    busy = waiting > 0  # steps after which requests still wait: the pool is the limit
+    usable = max(top.values()) - pool.sink_bytes  # every byte above the sink a band may take
+    per_request = held[busy] / np.maximum(running[busy], 1)
+    # the requests a perfect packing of all usable bytes would hold at each step's mix
+    oracle = usable / np.maximum(per_request, 1)
+    return {
+        "steps": len(rows),
+        "mean_concurrent": float(running.mean()),
+        "max_concurrent": int(running.max()),
+        "preemptions": sched.num_preemptions,
+        "band_limits": pool.band_limits,
+        "sink_bytes": pool.sink_bytes,
+        "usable_bytes": usable,
+        "steps_waiting": int(busy.sum()),
+        "mean_concurrent_waiting": float(running[busy].mean()) if busy.any() else None,
+        "mean_concurrent_drain": float(running[~busy].mean()) if (~busy).any() else None,
+        "held_fraction_waiting": float((held[busy] / usable).mean()) if busy.any() else None,
+        "bytes_per_running_request_waiting": float(per_request.mean()) if busy.any() else None,
+        "oracle_concurrent_waiting": float(oracle.mean()) if busy.any() else None,
+        "running": running.tolist(),
+    }
+
+
+def slot_accounting(path: Path, prompts, max_tokens, args) -> dict:
+    """Bytes a request holds at its peak, by part: its state slot (each part over
+    every layer, and the alignment padding) and its KV pages (the tokens' bytes and
+    the rounding up to whole pages); workload means."""
+    from unikv.hf_config import specs_from_hf_config
+
+    configs = {
+        c.name: c for c in specs_from_hf_config(path, page_size=args.page_size, dtype=args.dtype)
+    }
+    mamba, full = configs["mamba"].spec, configs["full"].spec
+    parts = {
+        name: mamba.num_layers * p.layer_bytes for name, p in zip(mamba.parts, mamba.state_parts)
+    }
+    parts["alignment"] = mamba.entry_bytes - sum(parts.values())
+    tokens = np.asarray([len(p) + o for p, o in zip(prompts, max_tokens)])
+    ps = args.page_size
+    rounded = -(-tokens // ps) * ps
+    return {
+        "state_slot_bytes": mamba.entry_bytes,
+        "state_slot_parts": parts,
+        "kv_bytes_per_token": full.entry_bytes,
+        "mean_peak_kv_bytes": float(tokens.mean() * full.entry_bytes),
+        "mean_page_rounding_bytes": float((rounded - tokens).mean() * full.entry_bytes),
+        "mean_peak_request_bytes": float(mamba.entry_bytes + rounded.mean() * full.entry_bytes),
+    }
+
+
+def replay_model(name: str, args) -> dict:
+    """``--replay``: both schemes' schedules (and the unified pool given the sink's
+    bytes too: what the sink costs), the accounting, and the oracle: the running
+    requests a perfect packing of the unified pool's usable bytes would hold at each
+    step's bytes per running request, averaged over the steps with requests waiting."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"unikv_replay_{name}_"))
+    try:
+        config = hf_config(name, args.tiny)
+        config.save_pretrained(workdir)
+        prompts, max_tokens = make_workload(args, config.vocab_size)
+        max_len = max(len(p) + o for p, o in zip(prompts, max_tokens)) + 1
+        budget, info = pool_budget(workdir, prompts, max_tokens, max_len, SGLANG_SPLIT, args)
+        entry = {
+            "model": name,
+            "workload": info,
+            "accounting": slot_accounting(workdir, prompts, max_tokens, args),
+        }
+        runs = {
+            s: replay_scheme(workdir, budget, sp, prompts, max_tokens, max_len, args)
+            for s, sp in SCHEMES.items()
+        }
+        sink = runs["unified"]["sink_bytes"]
+        runs["unified_sink_reclaimed"] = replay_scheme(
+            workdir, budget + sink, None, prompts, max_tokens, max_len, args
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    u, s = runs["unified"], runs["static"]
+    entry["schemes"] = runs
+    entry["oracle_concurrent_waiting"] = u["oracle_concurrent_waiting"]
+    entry["mean_concurrent_ratio"] = u["mean_concurrent"] / s["mean_concurrent"]
+    entry["mean_concurrent_waiting_ratio"] = (
+        u["mean_concurrent_waiting"] / s["mean_concurrent_waiting"]
+    )
+    entry["sink_reclaimed_ratio"] = (
+        runs["unified_sink_reclaimed"]["mean_concurrent"] / s["mean_concurrent"]
+    )
+    for k, r in runs.items():
+        print(
+            f"[{name}] replay {k}: mean/max running {r['mean_concurrent']:.2f}/{r['max_concurrent']}, "
+            f"while waiting {r['mean_concurrent_waiting']:.2f} ({r['steps_waiting']} of {r['steps']} "
+            f"steps, {100 * r['held_fraction_waiting']:.1f} % of usable bytes held), "
+            f"preemptions {r['preemptions']}",
+            flush=True,
+        )
+    print(
+        f"[{name}] unified / static {entry['mean_concurrent_ratio']:.3f}x (while waiting "
+        f"{entry['mean_concurrent_waiting_ratio']:.3f}x; sink reclaimed "
+        f"{entry['sink_reclaimed_ratio']:.3f}x); oracle while waiting "
+        f"{entry['oracle_concurrent_waiting']:.2f}",
+        flush=True,
+    )
+    return entry
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -606,8 +775,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--merge", nargs="+", default=None, help="join result files into --out")
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="no forwards: the schedules and the byte accounting on CPU (real shapes unless --quick)",
+    )
     args = p.parse_args(argv)
-    args.tiny = args.quick or args.device == "cpu"
+    args.tiny = args.quick or (args.device == "cpu" and not args.replay)
     args.models = args.models.split(",")
     bad = [m for m in args.models if m not in MODELS]
     if bad:
@@ -619,8 +793,11 @@ def parse_args(argv=None):
     args.hf_requests, args.hf_new_tokens = (4, 8) if args.tiny else (16, 64)
     args.chunk = args.chunk or (64 if args.tiny else 4096)
     args.max_num_seqs = min(args.requests, 128)
-    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    replay_bf16 = args.replay and not args.tiny  # the bytes of the bf16 GPU run
+    args.dtype = torch.bfloat16 if args.device == "cuda" or replay_bf16 else torch.float32
     name = "hybrid_h200.json" if not args.tiny else f"hybrid_{args.device}_tiny.json"
+    if args.replay:
+        name = "hybrid_replay.json" if not args.tiny else "hybrid_replay_tiny.json"
     args.out = args.out or str(ROOT / "benchmarks/results" / name)
     return args
 
@@ -643,6 +820,19 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
+    if args.replay:
+        replayed = {"replay": True, "tiny": args.tiny, "dtype": str(args.dtype), "models": []}
+        replayed["engine"] = {
+            "page_size": args.page_size,
+            "chunk": args.chunk,
+            "max_num_seqs": args.max_num_seqs,
+        }
+        for name in args.models:
+            replayed["models"].append(replay_model(name, args))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(replayed, indent=1, default=str))
+        print(f"saved {args.out}")
+        return replayed
     rates = measure_rates(args.device, args.dtype)
     print(f"copy {rates['copy_GBps']:.0f} GB/s, matmul {rates['matmul_TFLOPs']:.1f} TFLOP/s")
     results = {
