@@ -1,12 +1,13 @@
 """Shared builders for the allocator tests: tiny pools of 2 and 3 sub-pools whose
 page envelopes all differ in size, a fake done-event, and a state snapshot,
-and ``fork`` (a deep copy that keeps numpy views views)."""
+and ``same_start`` (a state machine's initial rule run once, forked into each example)."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -156,6 +157,29 @@ def churn(
                 )
                 outstanding.append(event)
     return [e for e in outstanding if not e.fired]
+
+
+_STARTS: dict[type, dict] = {}  # machine class -> its fields after its first start
+
+
+def same_start(machine, build: Callable[[], None]) -> None:
+    """A state machine's ``@initialize`` rule that draws nothing (so every example
+    starts the same): ``build`` runs once per machine class, its debug-mode checks
+    with it, and each later example starts from a fork of the fields it left (those
+    ``RuleBasedStateMachine.__init__`` did not set)."""
+    start = _STARTS.get(type(machine))
+    if start is None:
+        build()
+        start = _STARTS[type(machine)] = fork(_own_fields(machine))
+    vars(machine).update(fork(start))
+
+
+def _own_fields(machine) -> dict:
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    probe = object.__new__(type(machine))
+    RuleBasedStateMachine.__init__(probe)
+    return {k: v for k, v in vars(machine).items() if k not in vars(probe)}
 
 
 def fork(fields: dict) -> dict:

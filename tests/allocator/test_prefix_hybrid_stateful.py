@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import FakeEvent, fork, full_config, mamba_config
+from allocator_fixtures import FakeEvent, full_config, mamba_config, same_start
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_prefix_cache_stateful import BASES, FenceRules, derandomized
@@ -42,7 +42,6 @@ from unikv.engine.prefix_policy import PrefixCaching
 from unikv.pool import UnifiedPool, pool_bytes_for
 
 CONTEXT = 24
-_SERVED: dict[int, dict] = {}  # page size -> the machine's own fields after served_chains
 PROMPTS = st.builds(
     lambda base, cut, tail: (base[:cut] + tail)[:20],
     st.sampled_from(BASES),
@@ -56,7 +55,6 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._hypothesis_fields = frozenset(vars(self)) | {"_hypothesis_fields"}
         configs = [full_config(self.PS), mamba_config()]
         pages = {"full": 20 // self.PS + 4, "mamba": 4}
         self.pool = UnifiedPool(configs, pool_bytes_for(configs, pages))
@@ -109,17 +107,9 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         cached pages and a checkpoint at each page boundary, so its admissions hit,
         restore and evict whatever the generated sequence (the coverage checks below
         do not hang on the seed). It draws nothing, so every example's start is the
-        same: served once per page size (its debug-mode checks run then) and copied
-        into each later one (``fork``: the machine's own fields together, so views
-        keep aliasing what they view)."""
-        served = _SERVED.get(self.PS)
-        if served is None:
-            self._serve_chains()
-            served = _SERVED[self.PS] = fork(self._own_fields())
-        vars(self).update(fork(served))
-
-    def _own_fields(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k not in self._hypothesis_fields}
+        same: served once per machine class, with its debug-mode checks, and forked
+        into each later one (``same_start``)."""
+        same_start(self, self._serve_chains)
 
     def _serve_chains(self) -> None:
         for base in BASES:
