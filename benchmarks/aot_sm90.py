@@ -27,6 +27,7 @@ configs through it (``tests/kernels/test_kernels_sm90_compile.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -80,13 +81,11 @@ def compile_sm90(
     else:
         src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages, **options}
-    kernel = triton.compile(src, target=TARGET, options=options)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp, "k.ptx")
-        ptx.write_text(kernel.asm["ptx"])
-        info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", str(ptx), "-o", f"{ptx}.o"],
-                              capture_output=True, text=True, check=True).stderr  # fmt: skip
+    logs: list[str] = []
+    with _assembling_with_log(logs):
+        kernel = triton.compile(src, target=TARGET, options=options)
     ttgir, ptx_text = kernel.asm["ttgir"], kernel.asm["ptx"]
+    info = logs[0] if logs else _ptxas(ptx_text)[1]  # none: Triton's cache had the kernel
     return {
         "regs": int(re.search(r"Used (\d+) registers", info).group(1)),
         "spill_bytes": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
@@ -101,6 +100,45 @@ def compile_sm90(
         "pdl_trigger": ptx_text.count("griddepcontrol.launch_dependents"),
         **_before_wait(ptx_text),
     }
+
+
+def _ptxas(ptx: str) -> tuple[bytes, str]:
+    """``ptx`` assembled for sm_90a: (the cubin, ``ptxas -v``'s log: registers, spills)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "k.ptx")
+        path.write_text(ptx)
+        info = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", str(path), "-o", f"{path}.o"],
+                              capture_output=True, text=True, check=True).stderr  # fmt: skip
+        return Path(f"{path}.o").read_bytes(), info
+
+
+@contextlib.contextmanager
+def _assembling_with_log(logs: list[str]):
+    """Triton's last stage (ptxas, its log discarded) replaced by ``_ptxas``, its log
+    appended to ``logs``: each kernel is assembled once, not once there and again for
+    the log. Where Triton has no stages hook, nothing changes (``logs`` stays empty)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if not hasattr(runtime, "add_stages_inspection_hook"):
+        yield
+        return
+    previous = runtime.add_stages_inspection_hook
+
+    def assemble(ptx: str, metadata: dict) -> bytes:
+        cubin, info = _ptxas(ptx)
+        logs.append(info)
+        return cubin
+
+    def hook(backend, stages, options, language, capability) -> None:
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        assert "cubin" in stages, f"Triton's NVIDIA stages without a cubin: {list(stages)}"
+        stages["cubin"] = assemble
+
+    runtime.add_stages_inspection_hook = hook
+    try:
+        yield
+    finally:
+        runtime.add_stages_inspection_hook = previous
 
 
 def _unsynced_arrives(ptx: str) -> int:

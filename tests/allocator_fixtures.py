@@ -1,9 +1,13 @@
 """Shared builders for the allocator tests: tiny pools of 2 and 3 sub-pools whose
-page envelopes all differ in size, a fake done-event, and a state snapshot."""
+page envelopes all differ in size, a fake done-event, and a state snapshot,
+and ``same_start`` (a state machine's initial rule run once, forked into each example)."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -153,3 +157,62 @@ def churn(
                 )
                 outstanding.append(event)
     return [e for e in outstanding if not e.fired]
+
+
+_STARTS: dict[type, dict] = {}  # machine class -> its fields after its first start
+
+
+def same_start(machine, build: Callable[[], None]) -> None:
+    """A state machine's ``@initialize`` rule that draws nothing (so every example
+    starts the same): ``build`` runs once per machine class, its debug-mode checks
+    with it, and each later example starts from a fork of the fields it left (those
+    ``RuleBasedStateMachine.__init__`` did not set)."""
+    start = _STARTS.get(type(machine))
+    if start is None:
+        build()
+        start = _STARTS[type(machine)] = fork(_own_fields(machine))
+    vars(machine).update(fork(start))
+
+
+def _own_fields(machine) -> dict:
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    probe = object.__new__(type(machine))
+    RuleBasedStateMachine.__init__(probe)
+    return {k: v for k, v in vars(machine).items() if k not in vars(probe)}
+
+
+def fork(fields: dict) -> dict:
+    """A deep copy of a machine's fields (a pool, its allocator, the test's shadows)
+    that keeps aliasing: torch views stay views of their storage's copy (torch's own
+    deepcopy), numpy views views of their base's copy (numpy's deepcopy copies a view
+    alone, e.g. the request table's flat view of its pages)."""
+    memo: dict = {}
+    for a in _arrays(fields, set()):
+        if isinstance(a.base, np.ndarray):
+            base = copy.deepcopy(a.base, memo)
+            offset = a.__array_interface__["data"][0] - a.base.__array_interface__["data"][0]
+            memo[id(a)] = np.ndarray(a.shape, a.dtype, base, offset, a.strides)
+    return copy.deepcopy(fields, memo)
+
+
+def _arrays(obj, seen: set) -> list[np.ndarray]:
+    """The numpy arrays reachable from ``obj`` through containers, partials and
+    this project's objects (unikv's and the tests')."""
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        return [obj]
+    if isinstance(obj, dict):
+        kids = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        kids = list(obj)
+    elif isinstance(obj, functools.partial):
+        kids = [*obj.args, *obj.keywords.values()]
+    elif type(obj).__module__.startswith(("unikv.", "test_", "allocator_fixtures")):
+        kids = list(getattr(obj, "__dict__", {}).values())
+        kids += [getattr(obj, s) for s in getattr(type(obj), "__slots__", ()) if hasattr(obj, s)]
+    else:
+        return []
+    return [a for kid in kids for a in _arrays(kid, seen)]

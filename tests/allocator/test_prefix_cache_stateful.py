@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import FakeEvent, full_config
+from allocator_fixtures import FakeEvent, full_config, same_start
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -156,7 +156,11 @@ class PrefixMachine(FenceRules, RuleBasedStateMachine):
     def cached_chains(self):
         """Every example starts with each base's first 12 tokens cached by finished
         requests (evictable), so its admissions hit and evict whatever the generated
-        sequence: the coverage checks below do not hang on the seed."""
+        sequence: the coverage checks below do not hang on the seed. It draws nothing:
+        run once per machine class and forked into each later example (``same_start``)."""
+        same_start(self, self._cache_chains)
+
+    def _cache_chains(self) -> None:
         for base in BASES:
             slot = self.alloc.new_request()
             self._prefill(slot, base[:12], 0)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import FakeEvent, full_config, mamba_config
+from allocator_fixtures import FakeEvent, full_config, mamba_config, same_start
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_prefix_cache_stateful import BASES, FenceRules, derandomized
@@ -106,7 +106,12 @@ class HybridMachine(FenceRules, RuleBasedStateMachine):
         """Every example starts with each base's first 12 tokens served and finished:
         cached pages and a checkpoint at each page boundary, so its admissions hit,
         restore and evict whatever the generated sequence (the coverage checks below
-        do not hang on the seed)."""
+        do not hang on the seed). It draws nothing, so every example's start is the
+        same: served once per machine class, with its debug-mode checks, and forked
+        into each later one (``same_start``)."""
+        same_start(self, self._serve_chains)
+
+    def _serve_chains(self) -> None:
         for base in BASES:
             slot = self._admit(base[:12])
             if self._restore(slot):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from allocator_fixtures import FakeEvent, full_config
+from allocator_fixtures import FakeEvent, full_config, same_start
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_prefix_cache_stateful import BASES, FenceRules, derandomized
@@ -116,6 +116,10 @@ class WindowMachine(FenceRules, RuleBasedStateMachine):
 
     @initialize()
     def cached_chains(self):
+        """(Draws nothing: run once per machine class, forked into each later example.)"""
+        same_start(self, self._cache_chains)
+
+    def _cache_chains(self) -> None:
         for base in BASES:
             slot = self.alloc.new_request()
             self.tokens[slot], self.values[slot] = [], []

@@ -22,7 +22,7 @@ from unikv.allocator.capacity import bands_disjoint
 from unikv.allocator.checkpoints import check_checkpoints
 from unikv.allocator.pages import FREE, LIVE, OUT, PENDING, PageBook
 from unikv.allocator.prefix import CACHED, check_prefix_windows
-from unikv.pool import INT32_LIMIT, UnifiedPool, _build_views
+from unikv.pool import INT32_LIMIT, SubPool, UnifiedPool, _build_views
 
 if TYPE_CHECKING:
     from unikv.allocator.parts import Parts
@@ -41,6 +41,24 @@ def _tensors(views: object) -> list[torch.Tensor]:
 
 def _layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.dtype, tuple(t.shape), t.stride()
+
+
+_LAYOUTS: dict[tuple, list[tuple]] = {}  # the layout's views, by what they are built from
+
+
+def _layout_views(whole: torch.Tensor, sub: SubPool) -> list[tuple]:
+    """``_layout`` of each view the layout builds over ``whole``: a function of the
+    buffer's address, size and device and of the grid alone, so built once per such
+    key (debug mode checks the pool after every verb; building the views was most
+    of that check's time)."""
+    spec, page_size, pages = sub.spec, sub.page_size, sub.max_pages
+    key = (whole.data_ptr(), whole.numel(), whole.dtype, whole.device, spec, page_size, pages)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        dense, paged = _build_views(whole, spec, page_size, pages)
+        _LAYOUTS[key] = [_layout(t) for t in _tensors(dense) + _tensors(paged)]
+    return _LAYOUTS[key]
 
 
 def check_pool(pool: UnifiedPool) -> None:
@@ -64,8 +82,7 @@ def check_pool(pool: UnifiedPool) -> None:
         assert sub.num_pages <= sub.max_pages and sub.ids.limit(sub.max_pages) <= INT32_LIMIT, (
             f"{name}: kernel ids fit int32 (up to max_pages, an elastic pool's reach)"
         )
-        dense, paged = _build_views(pool.whole, sub.spec, sub.page_size, sub.max_pages)
-        want = [_layout(t) for t in _tensors(dense) + _tensors(paged)]
+        want = _layout_views(pool.whole, sub)
         got = [_layout(t) for t in _tensors(sub.views) + _tensors(sub.paged_views)]
         assert got == want, f"{name}: the views are the layout's views of the pool's buffer"
     limits = pool.band_limits or {}
