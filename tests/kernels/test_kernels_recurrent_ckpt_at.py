@@ -191,7 +191,8 @@ def test_ckpt_split_arrays_match_a_per_lane_description():
     not (-1), lane 2 empty, lane 3 cut after its first row, lane 4 at its last (no cut)."""
     q_indptr = np.array([0, 6, 9, 9, 14, 17])
     arrays = fla_prefill.ckpt_split(q_indptr, np.array([2, -1, 3, 0, 2]))
-    split, _, heads, lanes, rows, tail_indptr, _ = arrays
+    split, _, heads, lanes, rows, tail_indptr, _, sources = arrays
+    assert sources.tolist() == [0, 0, 1, 2, 3, 3, 4]  # each sequence's lane (a tail: its own)
     assert split.tolist() == [0, 3, 6, 9, 9, 10, 14, 17]
     assert heads.tolist() == [0, 2, 3, 4, 6]
     assert lanes.tolist() == [0, 3]

@@ -25,8 +25,8 @@ bytes and one Mamba slot per checkpoint, the copies of one step in one launch
 (``PrefixVerbs.batched`` queues them, ``flush`` binds and copies them together),
 at most one extra prefill chunk per
 boundary (none for (c)). A hit restores
-it into the new request's zeroed slot with one copy (``MambaSlots.alloc``) and
-prefills only the rest. A hit needs a checkpoint at its last block
+it into the new request's slot with one copy (``MambaSlots.alloc``; the slot is not
+zeroed first: the copy writes its whole envelope) and prefills only the rest. A hit needs a checkpoint at its last block
 (``PrefixCache.match`` falls back to the longest such prefix, or a miss).
 
 A checkpoint is never read by a running request (a hit copies it), so it is
@@ -315,7 +315,7 @@ class StateCheckpoints:
         v, p = patch.part(vid), patch.part(self.book.physical(vid))
         patch.add(self.writer.v2p_id[self.book.name], v, p)
         patch.add(self.writer.p2v_id[self.book.name], p, v)
-        self.writer.write(patch)
+        self.writer.stage(patch)  # (in a step's ``batched`` scope: one write for all)
         self.direct[slot] = (int(vid[0]), tokens)
         return True
 
@@ -491,9 +491,18 @@ class StateCheckpoints:
                 if node_id in self.by_node:  # else on the host (its LRU there)
                     self.lru[node_id] = None  # the most recently used
 
-    def restore(self, slots: np.ndarray, dst: PhysicalPageIds) -> None:
+    def restoring(self, slots: np.ndarray) -> np.ndarray:
+        """(B,) host bool: which requests of ``slots`` ((B,) host ints) ``restore`` fills
+        from a device checkpoint (one whole-envelope copy: their new slots need no
+        zeroing first, ``MambaSlots.alloc``); a host checkpoint's lane is False."""
+        pending, here = self.pending, self.by_node
+        return np.fromiter((pending.get(s, -1) in here for s in slots.tolist()), bool, len(slots))
+
+    def restore(self, slots: np.ndarray) -> None:
         """Copy the pinned checkpoints of ``slots`` ((B,) host ints) into their
-        freshly bound, zeroed state slots ``dst`` ((B,) device), then unpin them."""
+        freshly bound state slots (zeroed, but for those ``restoring`` names: the
+        copy covers the whole envelope), then unpin them. The destinations are read
+        from the host mirror: one upload of sources and destinations, one copy."""
         lanes = [i for i, s in enumerate(slots.tolist()) if s in self.pending]
         if not lanes:
             return
@@ -503,9 +512,11 @@ class StateCheckpoints:
         if here:
             vids = np.array([self.by_node[self.pending[int(slots[i])]] for i in here], np.int32)
             src = self.book.physical(vids).astype(np.int64)
-            index = self.writer.upload(np.array(here, np.int64), wide=True)
-            ppages = PhysicalPageIds(dst.data.index_select(0, index), self.book.name)
-            self._copy(src, ppages)
+            dst = self.book.physical((slots[here] + 1).astype(np.int32)).astype(np.int64)
+            assert (src > 0).all() and (dst > 0).all(), (
+                "checkpoint restore invariant: each checkpoint and new state slot is bound"
+            )
+            self._copy(src, dst)
         away = [i for i, n in zip(lanes, nodes) if n not in self.by_node]
         if away:  # host checkpoints, into the slots' physical pages (host mirror)
             held = self.book.physical((slots[away] + 1).astype(np.int32))
@@ -513,8 +524,15 @@ class StateCheckpoints:
         self.restored += len(lanes)
         self.unpin(slots[lanes])
 
-    def _copy(self, src: np.ndarray, dst: PhysicalPageIds) -> None:
+    def _copy(self, src: np.ndarray, dst: PhysicalPageIds | np.ndarray) -> None:
+        """Envelope copies ``src -> dst`` (host int64 physical slots; ``dst`` on the
+        device, or on the host too: then both go up in one upload)."""
         name = self.book.name
+        if isinstance(dst, np.ndarray):
+            both, n = self.writer.upload([src, dst], wide=True), len(src)
+            src_ids, dst_ids = PhysicalPageIds(both[:n], name), PhysicalPageIds(both[n:], name)
+            self.pool.move_pages(name, src_ids, dst_ids, check=False)
+            return
         wide = dst.data.dtype == torch.int64  # uploaded in dst's dtype: no widening launch
         ids = PhysicalPageIds(self.writer.upload(src, wide=wide), name)
         self.pool.move_pages(name, ids, dst, check=False)

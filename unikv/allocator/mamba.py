@@ -81,9 +81,16 @@ class MambaSlots:
             book.bind_host(every, pages)
             bound = self.writer.bind(book, every, pages)
         phys = PhysicalPageIds(bound[: len(vids)], book.name)
-        self.pool.zero_pages(book.name, phys)  # before any later forward, in stream order
+        # zeroed before any later forward, in stream order; not the slots a device
+        # checkpoint's restore overwrites whole (a hit's admission: one copy, no fill)
+        restored = self.states.restoring(slots) if self.states is not None else None
+        if restored is None or not restored.any():
+            self.pool.zero_pages(book.name, phys)
+        elif not restored.all():  # (a mixed batch: the others' slots, from the host)
+            fresh = self.writer.upload(pages[: len(vids)][~restored], wide=True)
+            self.pool.zero_pages(book.name, PhysicalPageIds(fresh, book.name))
         if self.states is not None:
-            self.states.restore(slots, phys)
+            self.states.restore(slots)
         return phys
 
     def free(self, slots: object) -> None:

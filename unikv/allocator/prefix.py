@@ -346,10 +346,11 @@ class PrefixCache:
                 "tier; pass prefix.reload(hit), which reloads them, instead"
             )
         pages, count = hit.pages, len(hit.pages)
-        live = [self.by_page.get(int(p)) for p in pages]
+        listed = pages.tolist()  # (Python ints: no numpy scalar per page)
+        live = [n.node_id if n is not None else -1 for n in map(self.by_page.get, listed)]
         states = self.states
         last = int(hit.nodes[-1]) if count else 0
-        if any(n is None or n.node_id != i for n, i in zip(live, hit.nodes.tolist())) or (
+        if live != hit.nodes.tolist() or (
             states is not None and count and not states.has(last, True)
         ):
             self.requests.close(slot)
@@ -363,9 +364,10 @@ class PrefixCache:
             return patch
         self.requests.pages[slot, :count] = pages
         self.requests.lens[slot] = hit.num_tokens
-        np.add.at(self.refs, pages, 1)
-        for page in pages.tolist():
-            self.lru.pop(page, None)
+        self.refs[pages] += 1  # (a chain's pages are distinct)
+        pop = self.lru.pop
+        for page in listed:
+            pop(page, None)
         ps = self.roles.page_size
         for name, window in self.roles.windows.items():
             # the request holds the window its first query reads (bound: window_intact)

@@ -265,13 +265,16 @@ class PrefixCaching(NoPrefixCache):
         checkpoint point, at its end or inside it (the plan's ``ckpt_at``: the ops
         write the state after that row; host ints; a loop over the step's prefill
         chunks only when some request has points left). A one-token chunk takes the
-        copy instead: its step may run as a decode (graphs, no second destination)."""
+        copy instead: its step may run as a decode (graphs, no second destination).
+        The step's reservations (and what their room evicted) bind in one table write
+        (``alloc.prefix.batched``), not one each."""
         if not self.points:
             return
-        for r, n in zip(batch.requests[first:], batch.num_new[first:]):
-            ends = self.points.get(r.slot)
-            if n > 1 and ends and r.num_cached < ends[0] <= r.num_cached + n:
-                self.prefix.reserve_checkpoint(r.slot, ends[0])
+        with self._step_scope():
+            for r, n in zip(batch.requests[first:], batch.num_new[first:]):
+                ends = self.points.get(r.slot)
+                if n > 1 and ends and r.num_cached < ends[0] <= r.num_cached + n:
+                    self.prefix.reserve_checkpoint(r.slot, ends[0])
 
     def after_step(self, batch: Batch, verify: bool = False) -> None:
         """Checkpoints at the points the step reached; pages shared where a prompt

@@ -61,7 +61,10 @@ class CkptSplit(NamedTuple):
     heads (B,): the sequence of each lane's head (its whole rows when not cut);
     lanes (c,): the cut lanes; rows (Tt,): their tails' rows, in order;
     tail_indptr (c+1,), tail_chunks: the second call's cu_seqlens over ``rows`` and
-    its chunk list."""
+    its chunk list;
+    sources (S,): the lane whose initial state each sequence of the first call starts
+    from (a tail: its lane's, discarded), the same for every layer of the step: made
+    on the host, not by index writes per layer."""
 
     indptr: torch.Tensor
     chunks: torch.Tensor
@@ -70,6 +73,7 @@ class CkptSplit(NamedTuple):
     rows: torch.Tensor
     tail_indptr: torch.Tensor
     tail_chunks: torch.Tensor
+    sources: torch.Tensor
 
 
 def ckpt_split(q_indptr: np.ndarray, ckpt_at: np.ndarray) -> list[np.ndarray] | None:
@@ -90,8 +94,9 @@ def ckpt_split(q_indptr: np.ndarray, ckpt_at: np.ndarray) -> list[np.ndarray] | 
         tail_lens.sum(), dtype=np.int64
     )
     tail_indptr = np.concatenate([[0], np.cumsum(tail_lens)]).astype(np.int64)
+    sources = np.repeat(np.arange(len(lens), dtype=np.int64), 1 + cut)  # a cut lane: twice
     return [split, chunk_indices(split), heads, lanes.astype(np.int64), rows, tail_indptr,
-            chunk_indices(tail_indptr)]  # fmt: skip
+            chunk_indices(tail_indptr), sources]  # fmt: skip
 
 
 def _device_split(q_indptr, ckpt_at) -> CkptSplit | None:
@@ -107,11 +112,7 @@ def _two_calls(run, rows: list, initial: torch.Tensor, split: CkptSplit):
     """(out, final, at): ``run(rows, initial, cu_seqlens, chunks) -> (out, final)`` (one
     fla call over varlen sequences) over the lanes split at their checkpoint rows:
     ``at`` the state after each lane's checkpoint row, ``final`` after its last."""
-    seqs = split.indptr.shape[0] - 1
-    lane_of = torch.zeros(seqs, dtype=torch.int64, device=initial.device)
-    lane_of[split.heads] = torch.arange(initial.shape[0], device=initial.device)
-    lane_of[split.heads[split.lanes] + 1] = split.lanes  # a tail: its lane's (discarded)
-    out, final = run(rows, initial[lane_of], split.indptr, split.chunks)
+    out, final = run(rows, initial[split.sources], split.indptr, split.chunks)
     at = final[split.heads]
     tails = [t[:, split.rows] for t in rows]
     out_t, final_t = run(tails, at[split.lanes], split.tail_indptr, split.tail_chunks)
