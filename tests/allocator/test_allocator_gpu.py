@@ -73,16 +73,43 @@ def test_pinned_ring_never_overwrites_a_queued_upload():
     kernel: every device tensor still holds its own array afterwards."""
     from unikv.allocator.device import PinnedRing
 
-    ring = PinnedRing(torch.device("cuda"), slots=4, capacity=8)
     rng = np.random.default_rng(0)
     arrays = [rng.integers(-(2**31), 2**31, int(rng.integers(0, 40))) for _ in range(50)]
-    big = torch.randn(4096, 4096, device="cuda")
-    for _ in range(20):
-        big = big @ big / 64  # keep the stream busy while uploads queue up
-    got = [ring(a) for a in arrays]
-    torch.cuda.synchronize()
-    for a, g in zip(arrays, got):
-        assert np.array_equal(g.cpu().numpy(), a.astype(np.int32))
+    for max_slots in (4, 1024):  # a ring that must wait, one that grows instead
+        ring = PinnedRing(torch.device("cuda"), slots=4, capacity=8, max_slots=max_slots)
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            big = big @ big / 64  # keep the stream busy while uploads queue up
+        got = [ring(a) for a in arrays]
+        torch.cuda.synchronize()
+        for a, g in zip(arrays, got):
+            assert np.array_equal(g.cpu().numpy(), a.astype(np.int32))
+        if max_slots == 4:
+            assert ring.waits > 0 and len(ring.pinned) == 4
+        else:  # every upload queued behind the matmuls: the ring grew, no host sync
+            assert ring.waits == 0 and len(ring.pinned) == len(arrays)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pinned_ring_grows_to_a_step_of_uploads_then_reuses_its_slots():
+    """Rounds of 100 uploads, each round queued behind a sleeping kernel (a step's
+    uploads behind the previous step's forward): the first round grows the ring to
+    its upload count with no host wait; later rounds, once the device has caught up,
+    reuse those slots without growing; every device tensor holds its array."""
+    from unikv.allocator.device import PinnedRing
+
+    ring = PinnedRing(torch.device("cuda"), slots=8, capacity=64)
+    gen = np.random.default_rng(2)
+    for _ in range(3):
+        torch.cuda._sleep(50_000_000)  # tens of ms of queued device work
+        arrays = [gen.integers(-(2**30), 2**30, size=int(gen.integers(1, 100))) for _ in range(100)]
+        got = [ring(a.copy()) for a in arrays]
+        torch.cuda.synchronize()
+        for a, g in zip(arrays, got, strict=True):
+            assert np.array_equal(g.cpu().numpy(), a)
+    assert ring.waits == 0
+    assert 100 <= len(ring.pinned) <= 101  # grown once, by the first round
 
 
 @pytest.mark.gpu

@@ -59,11 +59,18 @@ class PinnedRing:
 
     A call copies the array into the next slot (numpy, no allocation unless the
     slot is too small; ``wide``: as int64, two of the slot's int32 words each),
-    enqueues an async copy into a fresh device tensor and records the slot's event. Before a slot is rewritten its event is queried;
-    only when it has not fired (all ``slots`` uploads still queued) does the
-    call wait for it."""
+    enqueues an async copy into a fresh device tensor and records the slot's event.
+    Before a slot is rewritten its event is queried; when it has not fired (its copy
+    is still queued behind the device's work) the ring grows, a fresh slot taking
+    that place in the order, up to ``max_slots``; only a ring that cannot grow waits
+    for the event (``waits`` counts those host syncs). A step that uploads more arrays
+    than the ring held would otherwise wait for the device to drain the previous
+    step's work (a prefix-cache prefill step at 16 admissions made about 100
+    uploads through 64 slots)."""
 
-    def __init__(self, device: torch.device, slots: int = 64, capacity: int = 4096) -> None:
+    def __init__(
+        self, device: torch.device, slots: int = 64, capacity: int = 4096, max_slots: int = 1024
+    ) -> None:
         self.device = (
             device
             if device.index is not None
@@ -74,6 +81,8 @@ class PinnedRing:
         ]
         self.views = [t.numpy() for t in self.pinned]
         self.events: list = [None] * slots
+        self.capacity, self.max_slots = capacity, max(max_slots, slots)
+        self.waits = 0  # host syncs: a queued slot met with the ring at max_slots
         self.next = 0
         self._index = self.device.index
         self._raw: int | None = None  # the current stream, as a raw handle (cheap) ...
@@ -82,10 +91,18 @@ class PinnedRing:
 
     def __call__(self, array: np.ndarray | list, wide: bool = False) -> torch.Tensor:
         i = self.next
-        self.next = (i + 1) % len(self.pinned)
         event = self.events[i]
-        if event is not None and not event.query():
-            event.synchronize()  # ring exhausted: the copy from this slot is still queued
+        if event is not None and not event.query():  # this slot's copy is still queued
+            if len(self.pinned) < self.max_slots:  # a fresh slot here; the queued one
+                pinned = torch.empty(self.capacity, dtype=torch.int32, pin_memory=True)
+                self.pinned.insert(i, pinned)  # moves up and is looked at next call
+                self.views.insert(i, pinned.numpy())
+                self.events.insert(i, None)
+                event = None
+            else:
+                self.waits += 1
+                event.synchronize()  # the ring at its bound: wait for that copy
+        self.next = (i + 1) % len(self.pinned)
         parts = array if isinstance(array, list) else None
         n = sum(map(len, parts)) if parts is not None else len(array)
         words = 2 * n if wide else n  # int32 words of the slot it fills
