@@ -60,6 +60,20 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _ckpt_target(sp, slot, s_s, ckpt_slots, ckpt_at, b, start, end, CKPT_AT: tl.constexpr):
+    """(pointers, row) of a lane's checkpoint: ``sp`` (its state slot's tile) moved to
+    the checkpoint slot ``ckpt_slots[b]`` (0: the sink), and the row after which the
+    state is written there: the chunk's last, or with CKPT_AT ``start + ckpt_at[b]``
+    (-1: the last)."""
+    cslot = tl.load(ckpt_slots + b).to(tl.int64)
+    cut = end - 1
+    if CKPT_AT:
+        at = tl.load(ckpt_at + b).to(tl.int64)
+        cut = tl.where(at < 0, end - 1, start + at)
+    return sp + (cslot - slot) * s_s, cut
+
+
+@triton.jit
 def _gdn_kernel(
     q, k, v, g, beta, A_log, dt_bias, out, state, slots, q_indptr, draft_slots, ckpt_slots,
     ckpt_at,
@@ -89,13 +103,8 @@ def _gdn_kernel(
     slot = tl.load(slots + b).to(tl.int64)
     sp = state + slot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
     s = tl.load(sp, mask=m2, other=0.0).to(tl.float32)  # (BLOCK_K, BLOCK_V)
-    if CKPT:  # the lane's checkpoint slot (0: the sink) and the row after which it holds
-        cslot = tl.load(ckpt_slots + b).to(tl.int64)
-        cp = state + cslot * s_s + h * s_h + ok[:, None] * s_k + ov[None, :] * s_v
-        cut = end - 1
-        if CKPT_AT:  # a row inside the chunk (-1: its last)
-            at = tl.load(ckpt_at + b).to(tl.int64)
-            cut = tl.where(at < 0, end - 1, start + at)
+    if CKPT:
+        cp, cut = _ckpt_target(sp, slot, s_s, ckpt_slots, ckpt_at, b, start, end, CKPT_AT)
     for t in tl.range(start, end):
         qt = tl.load(q + t * q_st + hk * q_sh + ok, mask=mk, other=0.0).to(tl.float32)
         kt = tl.load(k + t * k_st + hk * k_sh + ok, mask=mk, other=0.0).to(tl.float32)
@@ -165,13 +174,8 @@ def _ssd_kernel(
     slot = tl.load(slots + b).to(tl.int64)
     sp = state + slot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
     s = tl.load(sp, mask=m2, other=0.0).to(tl.float32)  # (BLOCK_P, BLOCK_N)
-    if CKPT:  # the lane's checkpoint slot (0: the sink) and the row after which it holds
-        cslot = tl.load(ckpt_slots + b).to(tl.int64)
-        cp = state + cslot * s_s + h * s_h + op[:, None] * s_p + on[None, :] * s_n
-        cut = end - 1
-        if CKPT_AT:  # a row inside the chunk (-1: its last)
-            at = tl.load(ckpt_at + b).to(tl.int64)
-            cut = tl.where(at < 0, end - 1, start + at)
+    if CKPT:
+        cp, cut = _ckpt_target(sp, slot, s_s, ckpt_slots, ckpt_at, b, start, end, CKPT_AT)
     for t in tl.range(start, end):
         xt = tl.load(x + t * x_st + h * x_sh + op, mask=mp, other=0.0).to(tl.float32)
         step = tl.load(dt + t * dt_st + h * dt_sh).to(tl.float32) + bias
