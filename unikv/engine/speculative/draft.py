@@ -108,11 +108,9 @@ class DraftModel:
         self.rule = None  # ``Speculator.within_rule`` (build.py): None, never lazy
         self.lazy_ok = True  # build.py: False where the prefix cache shares decode pages
         self.marked = None  # the decoding set whose lags are marked (``defer``)
-        # chain keys of cached pages whose draft rows a lagging request left unwritten
-        # (``release``); a hit on one lags from there (``opened``)
-        # (insertion order; at most ``STALE_KEYS``, the oldest forgotten first: a hit on a
-        # forgotten one drafts from stale rows, which costs acceptance, never tokens)
-        self.stale: dict[int, None] = {}
+        # cached pages whose draft rows a lagging request left unwritten (``release``);
+        # a hit on one lags from there (``opened``)
+        self.stale = StalePages()
 
     def lazy(self, batch_size: int) -> bool:
         """Whether a plain decode step of ``batch_size`` requests leaves the draft's
@@ -138,13 +136,7 @@ class DraftModel:
         ``opened``), and ``draft_lag`` stays for a swap (the rows come back as they
         left); else the lag is forgotten."""
         if write and r.draft_lag is not None:
-            ps = self.planner.alloc.view.roles.page_size
-            first = r.draft_lag // ps
-            if first < r.num_cached // ps:  # a full page the prefix cache may take
-                key = page_keys(r.token_slice(0, (first + 1) * ps), r.cache_salt, ps)[-1]
-                self.stale[key] = None
-                if len(self.stale) > STALE_KEYS:
-                    del self.stale[next(iter(self.stale))]
+            self.stale.remember(r, r.draft_lag, self.planner.alloc.view.roles.page_size)
         if not write:
             r.draft_lag = None
 
@@ -152,15 +144,9 @@ class DraftModel:
         """``r`` was admitted with ``r.num_cached`` tokens of a prefix hit: it lags from
         the first hit page a lagging request shared unwritten (``release``), else from
         nowhere (a recompute's old lag is void: its rows are the hit's or prefilled)."""
-        r.draft_lag = None
-        if not self.stale or r.num_cached == 0:
-            return
         ps = self.planner.alloc.view.roles.page_size
-        keys = page_keys(r.token_slice(0, r.num_cached), r.cache_salt, ps)
-        for j, key in enumerate(keys):
-            if key in self.stale:
-                r.draft_lag = j * ps
-                return
+        page = self.stale.first_hit(r, ps)
+        r.draft_lag = None if page is None else page * ps
 
     @torch.inference_mode()
     def forward_plan(self, plan, batch=None, tokens=None) -> None:
@@ -190,7 +176,7 @@ class DraftModel:
             if self.stale and lag % self.planner.alloc.view.roles.page_size == 0:
                 ps = self.planner.alloc.view.roles.page_size  # its rows are fresh again
                 if lag + ps <= end:
-                    self.stale.pop(
+                    self.stale.keys.pop(
                         page_keys(r.token_slice(0, lag + ps), r.cache_salt, ps)[-1], None
                     )
             ids = r.token_slice(0, end)
@@ -260,6 +246,37 @@ def mark_lags(draft, batch) -> None:
             if lagging is not None:
                 lagging[r.request_id] = r
     draft.marked = decodes
+
+
+class StalePages:
+    """Chain keys (``page_keys``) of cached full pages holding draft rows a lazy draft
+    left unwritten (a draft model's stale rows, a head's zeroed holes), in insertion
+    order, at most ``STALE_KEYS``: the oldest is forgotten first (a hit on a forgotten
+    one drafts from those rows, which costs acceptance, never tokens)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, None] = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def remember(self, r, row: int, page_size: int) -> None:
+        """The first full page of ``r`` holding position ``row`` (none if that page
+        is not full: the prefix cache does not take it)."""
+        first = row // page_size
+        if first < r.num_cached // page_size:
+            tokens = r.token_slice(0, (first + 1) * page_size)
+            self.keys[page_keys(tokens, r.cache_salt, page_size)[-1]] = None
+            if len(self.keys) > STALE_KEYS:
+                del self.keys[next(iter(self.keys))]
+
+    def first_hit(self, r, page_size: int) -> int | None:
+        """The index of the first page of ``r``'s prefix hit (``r.num_cached`` tokens)
+        remembered here, else None."""
+        if not self.keys or r.num_cached == 0:
+            return None
+        keys = page_keys(r.token_slice(0, r.num_cached), r.cache_salt, page_size)
+        return next((j for j, key in enumerate(keys) if key in self.keys), None)
 
 
 def page_keys(tokens, salt, page_size: int) -> list[int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from unikv.engine.speculative.draft import STALE_KEYS, page_keys, to_device
+from unikv.engine.speculative.draft import StalePages, to_device
 from unikv.engine.speculative.engine import SpecCounters
 
 
@@ -33,7 +33,7 @@ class HeadHoles:
     def __init__(self, caches, view, counters: SpecCounters | None = None) -> None:
         self.caches, self.view = caches, view
         self.counters = SpecCounters() if counters is None else counters
-        self.stale: dict[int, None] = {}  # insertion order, the oldest forgotten first
+        self.stale = StalePages()
         self.leaving: list[tuple[int, int, int]] = []  # (slot, start, count): ``zero_leaving``
 
     def zero(self, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> None:
@@ -72,24 +72,14 @@ class HeadHoles:
     def record(self, r, hole: int) -> None:
         """``r`` leaves with its pages kept and a hole from position ``hole`` on: the
         first full page holding it is remembered (a later hit on it is counted)."""
-        ps = self.view.roles.page_size
-        first = hole // ps
-        if first < r.num_cached // ps:  # a full page the prefix cache may take
-            key = page_keys(r.token_slice(0, (first + 1) * ps), r.cache_salt, ps)[-1]
-            self.stale[key] = None
-            if len(self.stale) > STALE_KEYS:
-                del self.stale[next(iter(self.stale))]
+        self.stale.remember(r, hole, self.view.roles.page_size)
 
     def hit(self, r) -> bool:
         """Whether ``r``, admitted with ``r.num_cached`` tokens of a prefix hit, holds a
         recorded page (counted: ``head_hole_hits``). A key is a prefix of tokens, not a page:
         pages of the same tokens written since by a full prefill count too (an
         over-count, never a miss)."""
-        if not self.stale or r.num_cached == 0:
+        if self.stale.first_hit(r, self.view.roles.page_size) is None:
             return False
-        ps = self.view.roles.page_size
-        keys = page_keys(r.token_slice(0, r.num_cached), r.cache_salt, ps)
-        if any(key in self.stale for key in keys):
-            self.counters.head_hole_hits += 1
-            return True
-        return False
+        self.counters.head_hole_hits += 1
+        return True
