@@ -167,10 +167,11 @@ def _request(alloc: PoolAllocator, tokens: int) -> int:
     return slot
 
 
-def test_checkpoint_slots_come_up_as_int64_in_one_upload():
-    """``checkpoint_slots`` (each prefill step with a reservation): the padded (rows,)
-    slots are the one tensor the allocator's uploader returns, int64 already (no
-    widening copy after it), holding the reserved physical slot and the sink."""
+def test_checkpoint_rows_come_up_as_int64_in_one_upload():
+    """``checkpoint_rows`` (each prefill step with a reservation): the padded slots and
+    the rows inside the chunk are views of the one tensor the allocator's uploader
+    returns, int64 already (no widening copy after it), holding the reserved physical
+    slot and the sink; a reservation at the chunk's end uploads the slots alone."""
     alloc = _alloc()
     a = _request(alloc, 9)
     assert alloc.prefix.reserve_checkpoint(a, 8)
@@ -182,12 +183,17 @@ def test_checkpoint_slots_come_up_as_int64_in_one_upload():
         return uploads[-1][1]
 
     writer.upload = spy
-    slots = alloc.prefix.checkpoint_slots(np.array([a]), np.array([8]), 3)
+    slots, rows, _ = alloc.prefix.checkpoint_rows(np.array([a]), np.array([9]), np.array([0, 9]), 3)
     states = alloc.parts.prefix.states
     want = int(states.book.physical(np.array([states.direct[a][0]], np.int32))[0])
-    assert slots.dtype == torch.int64 and slots.tolist() == [want, 0, 0]
+    assert slots.dtype == rows.dtype == torch.int64
+    assert slots.tolist() == [want, 0, 0] and rows.tolist() == [7, -1, -1]
     assert len(uploads) == 1 and uploads[0][0]
-    assert slots is uploads[0][1], "a copy after the upload"
+    up = uploads[0][1]
+    assert slots.data_ptr() == up.data_ptr() and rows.data_ptr() == up[3:].data_ptr(), "a copy"
+    slots, rows, _ = alloc.prefix.checkpoint_rows(np.array([a]), np.array([8]), np.array([0, 8]), 2)
+    assert len(uploads) == 2 and rows is None and slots.data_ptr() == uploads[1][1].data_ptr()
+    assert slots.tolist() == [want, 0]
 
 
 def test_checkpoint_rows_name_the_row_inside_each_chunk():
@@ -218,10 +224,10 @@ def test_an_unadopted_or_orphaned_reservation_is_released():
     tokens = np.arange(9)
     a = _request(alloc, 9)
     assert alloc.prefix.reserve_checkpoint(a, 8)
-    slots = alloc.prefix.checkpoint_slots(np.array([a]), np.array([8]), 2)
+    slots, _, _ = alloc.prefix.checkpoint_rows(np.array([a]), np.array([8]), np.array([0, 8]), 2)
     vid = states.direct[a][0]
     assert slots.tolist() == [int(book.physical(np.array([vid], np.int32))[0]), 0]
-    assert alloc.prefix.checkpoint_slots(np.array([a]), np.array([4]), 1) is None
+    assert alloc.prefix.checkpoint_rows(np.array([a]), np.array([4]), np.array([0, 4]), 1) is None
     alloc.prefix.insert(a, tokens[:8])
     assert alloc.prefix.checkpoint(a, tokens[:8]) and not states.direct  # adopted
     assert states.by_node and not states.queued

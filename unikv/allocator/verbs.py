@@ -198,20 +198,6 @@ class PrefixVerbs:
         held = states.direct.get(int(slot)) if states is not None else None
         return 0 if held is None else held[1]
 
-    def checkpoint_slots(
-        self, slots: np.ndarray, ends: np.ndarray, rows: int
-    ) -> torch.Tensor | None:
-        """(rows,) int64 device physical slots reserved for requests ``slots`` (host
-        ints) whose step ends at ``ends`` tokens, 0 (the sink) elsewhere and in padded
-        rows; None when no request of them has one."""
-        states = self._cache.states
-        found = states.direct_slots(slots, ends) if states is not None else None
-        if found is None:
-            return None
-        out = np.zeros(rows, np.int64)
-        out[: len(found[0])] = found[0]
-        return self._cache.writer.upload(out, wide=True)  # int64 in the one copy
-
     def checkpoint_rows(
         self, slots: np.ndarray, ends: np.ndarray, q_indptr: np.ndarray, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray] | None:
