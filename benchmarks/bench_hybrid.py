@@ -289,6 +289,22 @@ def decode_roofline(steps: dict, entry: dict, rates: dict) -> dict | None:
     }
 
 
+def step_split(res: dict) -> dict:
+    """A scheme's step time split by kind (its ``steps_log``): decode-only steps and
+    the steps with prefill rows, in seconds and counts. Both schemes prefill the
+    same prompts, so the prefill steps' seconds are work the pool's capacity does not
+    shorten: they bound the throughput ratio (issue 38's miss breakdown)."""
+    log = res["steps_log"]
+    decode = np.asarray(log["is_decode"], bool)
+    seconds = np.asarray(log["seconds"], float)
+    return {
+        "decode_s": float(seconds[decode].sum()),
+        "prefill_step_s": float(seconds[~decode].sum()),
+        "decode_steps": int(decode.sum()),
+        "prefill_steps": int((~decode).sum()),
+    }
+
+
 def compare_schemes(entry: dict, tokens: dict, margins: dict) -> dict:
     """Unified against static: token identity (with the top-1 / top-2 logit margins
     where they first differ), concurrency and throughput ratios."""
@@ -305,7 +321,13 @@ def compare_schemes(entry: dict, tokens: dict, margins: dict) -> dict:
     ratio = ru["mean_concurrent"] / rs["mean_concurrent"]
     speed = ru["output_tokens_per_s"] / rs["output_tokens_per_s"]
     known = [min(d["margin_unified"], d["margin_static"]) for d in first if None not in d.values()]
+    split = {"unified": step_split(ru), "static": step_split(rs)}
     return {
+        "step_split": split,
+        # static's decode-only seconds over unified's: the ratio with prefill left out
+        "decode_seconds_ratio": split["static"]["decode_s"]
+        / max(split["unified"]["decode_s"], 1e-9),
+        "prefill_share_unified": split["unified"]["prefill_step_s"] / max(ru["seconds"], 1e-9),
         "requests_identical": f"{sum(same)}/{len(same)}",
         "tokens_identical_fraction": equal / max(1, sum(len(a) for a in u)),
         "first_differences": first[:16],
@@ -601,6 +623,12 @@ def summary(results: dict) -> str:
                 f"(target 1.5x) | | {c['throughput_ratio']:.2f}x | tokens identical "
                 f"{c['requests_identical']} | | |"
             )
+            if "decode_seconds_ratio" in c:
+                lines.append(
+                    f"| {e['model']} | decode steps alone | | | "
+                    f"{c['decode_seconds_ratio']:.2f}x | prefill steps "
+                    f"{100 * c['prefill_share_unified']:.0f} % of unified's time | | |"
+                )
     return "\n".join(lines)
 
 

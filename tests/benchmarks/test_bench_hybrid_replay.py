@@ -135,3 +135,37 @@ def test_replay_cli_summary(tmp_path):
     grown = runs["unified_sink_reclaimed"]["usable_bytes"] - runs["unified"]["usable_bytes"]
     page = entry["workload"]["full_entry_bytes"] * 16
     assert slot - page < grown <= slot + page  # the sink's bytes, to a page of the top
+
+
+def test_step_split_separates_the_prefill_steps_both_schemes_share():
+    """The throughput ratio's breakdown: written-out step logs (unified: decode steps of
+    2 s and 1 s, one prefill step of 4 s; static: three decode steps of 2 s, the same
+    4 s prefill) give a decode-only ratio of 6 / 3, a prefill share of 4 / 7 of
+    unified's time, and a summary line that says so."""
+
+    def scheme(kinds, seconds, running):
+        log = {"is_decode": kinds, "seconds": seconds, "batch": running, "running": running}
+        return {
+            "steps_log": log, "seconds": sum(seconds), "mean_concurrent": sum(running) / 3,
+            "max_concurrent": max(running), "output_tokens_per_s": 1.0 / sum(seconds),
+            "preemptions": 0,
+        }  # fmt: skip
+
+    entry = {
+        "model": "m",
+        "schemes": {
+            "unified": scheme([True, False, True], [2.0, 4.0, 1.0], [4, 4, 4]),
+            "static": scheme([True, True, False, True], [2.0, 2.0, 4.0, 2.0], [2, 2, 2, 2]),
+        },
+    }
+    tokens = {"unified": [[1, 2]], "static": [[1, 2]]}
+    c = bh.compare_schemes(entry, tokens, {"unified": {(0, 0): 1.0}, "static": {}})
+    assert c["step_split"]["unified"] == {
+        "decode_s": 3.0, "prefill_step_s": 4.0, "decode_steps": 2, "prefill_steps": 1,
+    }  # fmt: skip
+    assert c["step_split"]["static"]["decode_s"] == 6.0
+    assert c["decode_seconds_ratio"] == pytest.approx(2.0)
+    assert c["prefill_share_unified"] == pytest.approx(4 / 7)
+    entry["comparison"] = c
+    text = bh.summary({"models": [entry]})
+    assert "| m | decode steps alone | | | 2.00x | prefill steps 57 % of unified's time" in text
