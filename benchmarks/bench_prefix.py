@@ -56,8 +56,10 @@ the engine step (schedule, launch, settle: the wait for the previous step's toke
 complete, and the cache path's ``after_step`` inside it), the same per step with prefill
 rows (``prefill_step_host_ms``), ``decode_step_table_writes``,
 and the run's ``forward_waits`` (host syncs on the forward fences), ``forward_orders``
-(compactions on a shortfall ordered after the forward on the device instead, issue 41)
-and ``page_moves``.
+(compactions on a shortfall ordered after the forward on the device instead, issue 41),
+``page_moves``, and the allocator's pinned upload ring on CUDA: ``upload_ring_slots``
+(what it grew to instead of waiting for a queued copy) and ``upload_ring_waits`` (the
+host syncs it made at its bound; both 0 on CPU, which has no ring).
 ``spill`` (the host tier, ``io/prefix_host.py``): ``--spill-pages`` cached
 pages of the model's pool evicted to the host tier and reloaded by a hit, timed
 (synchronised) against plain pinned copies of the same bytes in the same run;
@@ -228,6 +230,10 @@ class PhaseClock:
             "forward_waits": self.waits,
             "forward_orders": self.orders,  # compaction ordered after it: no host sync
             "page_moves": self.writer.moves - self.moves0,
+            # the allocator's pinned upload ring (CUDA): slots it grew to instead of
+            # waiting, and the host syncs it made at its bound (one engine per run)
+            "upload_ring_slots": len(getattr(self.writer.upload, "pinned", ())),
+            "upload_ring_waits": getattr(self.writer.upload, "waits", 0),
         }
 
 

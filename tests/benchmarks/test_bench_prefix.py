@@ -96,4 +96,5 @@ def _check_breakdown(model: str, workload: str, row: dict) -> None:
         assert 0 < whole <= 1e3 * run["decode_seconds"] / steps * 1.001, run
         assert ms["after_step"] <= ms["complete"] and run["page_moves"] >= 0
         assert run["forward_waits"] >= 0
+        assert run["upload_ring_slots"] == run["upload_ring_waits"] == 0  # CPU: no ring
         assert run["decode_step_table_writes"] >= 1  # a decode step writes its tables
