@@ -80,7 +80,8 @@ def save_result(out_dir: str, rank: int, result: dict) -> None:
 # What every rank imports before its first model (torch, unikv, transformers' model
 # classes: ~8 s of CPU a process): on CPU the fork server imports it once per test
 # process and each rank forks from it ready (a spawned rank imports it again). On a
-# GPU host the ranks are spawned: nothing forks after the CUDA driver's start.
+# GPU host the ranks are spawned: nothing forks after the CUDA driver's start. The
+# ranks see the environment of the test process at its first run_n (the server's).
 PRELOAD = ["unikv.engine", "transformers.models.auto.modeling_auto"]
 
 
