@@ -1,8 +1,9 @@
 """Two-process torch.distributed tests on CPU: gloo over loopback, bounded.
 
-``run_two(worker, args)`` spawns ``worker(rank, port, out_dir, *args)`` in two
+``run_two(worker, args)`` starts ``worker(rank, port, out_dir, *args)`` in two
 processes (``run_n(n, ...)`` in ``n``; its worker passes ``world_size=n`` to
-``init_group``), waits at most ``deadline_s`` (then kills them and fails), and
+``init_group``), forked from a fork server that imported torch, unikv and transformers
+once for the test process, waits at most ``deadline_s`` (then kills them and fails), and
 returns each rank's ``torch.load``-ed result file ``out_dir/rank{r}.pt``. A
 worker calls ``init_group(rank, port, backend)`` first and ``save_result`` at the end;
 collectives time out after ``TIMEOUT_S`` so a broken peer never hangs CI.
@@ -76,10 +77,20 @@ def save_result(out_dir: str, rank: int, result: dict) -> None:
     torch.save(result, Path(out_dir, f"rank{rank}.pt"))
 
 
+# What every rank imports before its first model (torch, unikv, transformers' model
+# classes: ~8 s of CPU a process): on CPU the fork server imports it once per test
+# process and each rank forks from it ready (a spawned rank imports it again). On a
+# GPU host the ranks are spawned: nothing forks after the CUDA driver's start. The
+# ranks see the environment of the test process at its first run_n (the server's).
+PRELOAD = ["unikv.engine", "transformers.models.auto.modeling_auto"]
+
+
 def run_n(n: int, worker, out_dir: str, *args, deadline_s: float = 2 * TIMEOUT_S) -> list[dict]:
     """Run ``worker(rank, port, out_dir, *args)`` on ranks 0 .. n-1; their results."""
+    method = "spawn" if torch.cuda.is_available() else "forkserver"
+    mp.set_forkserver_preload(PRELOAD)  # (no-op once the server runs)
     ctx = mp.start_processes(
-        worker, args=(free_port(), out_dir, *args), nprocs=n, join=False, start_method="spawn"
+        worker, args=(free_port(), out_dir, *args), nprocs=n, join=False, start_method=method
     )
     deadline = time.monotonic() + deadline_s
     try:
