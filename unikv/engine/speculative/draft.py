@@ -173,12 +173,7 @@ class DraftModel:
             if lag is None:
                 continue
             r.draft_lag = None
-            if self.stale and lag % self.planner.alloc.view.roles.page_size == 0:
-                ps = self.planner.alloc.view.roles.page_size  # its rows are fresh again
-                if lag + ps <= end:
-                    self.stale.keys.pop(
-                        page_keys(r.token_slice(0, lag + ps), r.cache_salt, ps)[-1], None
-                    )
+            self.stale.forget(r, lag, end, self.planner.alloc.view.roles.page_size)
             ids = r.token_slice(0, end)
             assert min(ids[lag:end], default=0) >= 0, (
                 "lazy draft invariant: the tokens it catches up on are on the host"
@@ -265,10 +260,16 @@ class StalePages:
         is not full: the prefix cache does not take it)."""
         first = row // page_size
         if first < r.num_cached // page_size:
-            tokens = r.token_slice(0, (first + 1) * page_size)
-            self.keys[page_keys(tokens, r.cache_salt, page_size)[-1]] = None
+            self.keys[_page_key(r, (first + 1) * page_size, page_size)] = None
             if len(self.keys) > STALE_KEYS:
                 del self.keys[next(iter(self.keys))]
+
+    def forget(self, r, row: int, end: int, page_size: int) -> None:
+        """The page of ``r`` starting at position ``row`` gets its rows written up to
+        ``end``: when they cover it whole it is fresh again (nothing if ``row`` starts
+        no page)."""
+        if self.keys and row % page_size == 0 and row + page_size <= end:
+            self.keys.pop(_page_key(r, row + page_size, page_size), None)
 
     def first_hit(self, r, page_size: int) -> int | None:
         """The index of the first page of ``r``'s prefix hit (``r.num_cached`` tokens)
@@ -277,6 +278,11 @@ class StalePages:
             return None
         keys = page_keys(r.token_slice(0, r.num_cached), r.cache_salt, page_size)
         return next((j for j, key in enumerate(keys) if key in self.keys), None)
+
+
+def _page_key(r, end: int, page_size: int) -> int:
+    """The chain key of ``r``'s full page ending at position ``end``."""
+    return page_keys(r.token_slice(0, end), r.cache_salt, page_size)[-1]
 
 
 def page_keys(tokens, salt, page_size: int) -> list[int]:
