@@ -34,9 +34,12 @@ import sys
 DTYPES = {"fp32": 4, "bf16": 2}
 
 
-def compile_ptx(fn, values: dict, constexprs: dict, num_warps: int = 4) -> str:
-    """PTX of ``fn`` for sm_90a, arguments specialised as the JIT would (values:
-    pointers as type strings, ints, floats; ``None`` values are constexprs)."""
+def compile_ptx(
+    fn, values: dict, constexprs: dict, num_warps: int = 4, stage: str = "ptx", **options
+) -> str:
+    """PTX of ``fn`` for sm_90a (or an earlier ``stage``'s text: "ttgir"), arguments
+    specialised as the JIT would (values: pointers as type strings, ints, floats;
+    ``None`` values are constexprs); ``options``: the launch's compile options."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -60,13 +63,13 @@ def compile_ptx(fn, values: dict, constexprs: dict, num_warps: int = 4) -> str:
             sig[name] = "i32"
             if name not in nospec and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    key = (fn, repr([sorted(d.items(), key=str) for d in (sig, cons, attrs)]), num_warps)
+    opts = {"num_warps": num_warps, "num_stages": 1, **options}
+    key = (fn, repr([sorted(d.items(), key=str) for d in (sig, cons, attrs, opts)]), stage)
     if key not in _COMPILED:  # the strides that specialise alike compile once
         src = ASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
-        opts = {"num_warps": num_warps, "num_stages": 1}
         try:
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-            _COMPILED[key] = kernel.asm["ptx"]
+            _COMPILED[key] = kernel.asm[stage]
         except Exception as e:  # noqa: BLE001  (kept: the same shape fails alike)
             _COMPILED[key] = e
     if isinstance(_COMPILED[key], Exception):

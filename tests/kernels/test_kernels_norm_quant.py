@@ -21,10 +21,21 @@ GEMM, ``fp8_linear`` on the normed rows (which quantises them itself).
   torch backend; a step's ``RowsPlan`` decides over the rows given;
 - refused: fp32 x, a group that is not a power of two, a residual of another shape,
   codes of the wrong width; scales in the other layout trip the GEMM's assert.
+- compiled for sm_90a on this host (``tests/norm_layouts.py``, a subprocess without the
+  interpreter), the fused kernel sums each row's squares in the register layout of
+  ``_rms_norm_kernel`` at the models' widths, dtypes and weight rules: the order of the
+  fp32 sum, which the interpreter cannot show (the H100 caught codes that differed at
+  7,168 when the FP8 store widened the fused row to 16 elements a thread).
 A GPU test checks the bit equality at DeepSeek-V3's width (7168) and 4096 rows.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +211,24 @@ def test_bad_input_is_refused():
     for fn in (fp8_gemm.fp8_linear_quantized, fp8_gemm_ref.fp8_linear_quantized):
         with pytest.raises(ValueError, match=r"xq must be float8_e4m3fn \(M, 96\)"):
             fn(xq, xs, wq, s, block=block, out_dtype=torch.bfloat16)
+
+
+def test_sums_squares_in_the_norm_kernels_layout_when_compiled_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # real compiles, not another run's cache
+    script = Path(__file__).resolve().parents[1] / "norm_layouts.py"
+    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    layouts: dict = {}
+    for name, n, dt, has_res, w_fp32, layout in json.loads(run.stdout.splitlines()[-1]):
+        layouts.setdefault((n, dt, has_res, w_fp32), {})[name] = layout
+    assert len(layouts) == 6 * 2 * 2 * 2  # every width, dtype, residual and weight rule
+    differ = {k: v for k, v in layouts.items() if len(v) != 2 or len(set(v.values())) != 1}
+    assert not differ, differ
+    # DeepSeek-V3's row: 16 warps, 8 elements a thread (the norm's 16-byte bf16 vectors)
+    assert "sizePerThread = [8]" in layouts[7168, "bf16", True, False]["rms_norm"]
 
 
 @pytest.mark.gpu

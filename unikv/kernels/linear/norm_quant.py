@@ -4,13 +4,21 @@ in one Triton launch (``add_rms_norm_quant``; torch reference: ``ref.add_rms_nor
 The unfused path reads x twice: ``add_rms_norm`` writes the normed rows in the model
 dtype, then the FP8 GEMM's ``quantize_act`` reads them back and writes FP8 codes and
 scales. Here one program per row does both: the residual add and the norm exactly as
-``elementwise._rms_norm_kernel`` (same tile, warps and helper, so the same fp32 sums),
-the normed row rounded to the model dtype, then split in groups of ``group`` columns,
-each scaled so its largest |value| maps to 448 (``fp8_gemm._act_quant_kernel``'s
-arithmetic, IEEE divisions: scale = max(amax / 448, 1e-12), code = e4m3(clamp(v /
-scale))). The
-codes and scales are those of the two-kernel path bit for bit; the normed rows are
-never written.
+``elementwise._rms_norm_kernel`` (same tile, warps and helper), the normed row rounded
+to the model dtype, then split in groups of ``group`` columns, each scaled so its
+largest |value| maps to 448 (``fp8_gemm._act_quant_kernel``'s arithmetic, IEEE
+divisions: scale = max(amax / 448, 1e-12), code = e4m3(clamp(v / scale))). The codes
+and scales are those of the two-kernel path bit for bit; the normed rows are never
+written.
+
+The same fp32 sum of squares also needs the same register layout: a thread adds the
+elements it holds first, so the layout sets the order. Triton derives it from the
+memory ops around the row; the norm kernel's bf16 loads and stores give 8 elements a
+thread, and this kernel's one-byte FP8 store alone would give 16 at rows of 5,120 and
+7,168 (the codes differed from the two-kernel path on the H100). The store's columns
+are declared contiguous in runs of 8 only (``tl.max_contiguous``: 8-byte stores), so
+the whole row keeps the norm kernel's layout; ``tests/norm_layouts.py`` compiles both
+for sm_90a and compares the layouts at the models' widths.
 
 Shapes: a row width N that is not a multiple of ``group`` ends in a partial group
 (zeros past N count for nothing in its amax, as ``quantize_act``'s masked lanes);
@@ -51,7 +59,8 @@ def _add_rms_norm_quant_kernel(
     y = rms_normed(xv.to(tl.float32), w, cols, mask, N, eps, offset, dt, W_FP32)
     groups = tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP))  # lanes past N: 0
     codes, scale = e4m3_groups(groups, 1)
-    tl.store(q + row * sq0 + cols, tl.reshape(codes, (BLOCK,)).to(q.dtype.element_ty), mask=mask)
+    q_cols = tl.max_contiguous(cols, 8)  # 8-byte stores: the norm kernel's layout (above)
+    tl.store(q + row * sq0 + q_cols, tl.reshape(codes, (BLOCK,)).to(q.dtype.element_ty), mask=mask)
     g = tl.arange(0, BLOCK // GROUP)
     tl.store(s + row * ss0 + g * ss1, scale, mask=g < n_groups)
 
