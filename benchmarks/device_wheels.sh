@@ -11,7 +11,7 @@ plat=()
 for p in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 \
   manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do plat+=(--platform "${p}_x86_64"); done
 # pyproject's pins (the gpu and serve extras), and what they need beyond the image's
-# packages (KINDS.md lists those: anyio, click, h11, numpy, torch, transformers, ...)
+# packages (the device tool's list of its image: anyio, click, h11, numpy, torch, transformers, ...)
 pkgs=(fla-core==0.6.0 fastapi==0.163.2 uvicorn==0.54.0 httptools==0.9.0 xgrammar==0.2.9
   openai-harmony==0.0.8 pyzmq==27.3.0 msgspec==0.23.0 pydantic pydantic-core starlette
   annotated-types annotated-doc typing-inspection typing-extensions opentelemetry-api
