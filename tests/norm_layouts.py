@@ -24,9 +24,12 @@ import re
 
 from ptx_alignment import _ptx_only, compile_ptx
 
-# (N, GROUP): DeepSeek-V3's hidden and LoRA ranks, Qwen3's hiddens, a width that is not
-# a power of two below one group's multiple, and a row of one group
-WIDTHS = [(7168, 128), (1536, 128), (4096, 128), (5120, 128), (2880, 64), (96, 32)]
+# (N, GROUP): DeepSeek-V3's hidden and q LoRA rank, Qwen3-32B's hidden, gpt-oss's (not a
+# power of two, another group), a row narrower than one 128-group
+WIDTHS = [(7168, 128), (1536, 128), (5120, 128), (2880, 64), (96, 32)]
+# (residual, fp32 weight): the pre-norm of a block with its residual add (Llama's weight
+# rule) and the first block's norm alone (Gemma's fp32 weight rule)
+FLAGS = [(True, False), (False, True)]
 
 
 def sum_layout(ttgir: str) -> str:
@@ -42,9 +45,8 @@ def cases():
     from unikv.kernels.linear import elementwise, norm_quant
     from unikv.kernels.runtime.checks import next_pow2
 
-    for (n, group), dt, has_res, w_fp32 in (
-        (w, dt, r, f) for w in WIDTHS for dt in ("bf16", "fp16") for r in (True, False)
-        for f in (False, True)
+    for (n, group), dt, (has_res, w_fp32) in (
+        (w, dt, f) for w in WIDTHS for dt in ("bf16", "fp16") for f in FLAGS
     ):  # fmt: skip
         block = next_pow2(n)
         warps = min(16, max(1, block // 256))  # both launches' warps

@@ -224,11 +224,12 @@ def test_sums_squares_in_the_norm_kernels_layout_when_compiled_for_sm90(tmp_path
     layouts: dict = {}
     for name, n, dt, has_res, w_fp32, layout in json.loads(run.stdout.splitlines()[-1]):
         layouts.setdefault((n, dt, has_res, w_fp32), {})[name] = layout
-    assert len(layouts) == 6 * 2 * 2 * 2  # every width, dtype, residual and weight rule
+    assert len(layouts) == 5 * 2 * 2  # every width, dtype and (residual, weight rule)
     differ = {k: v for k, v in layouts.items() if len(v) != 2 or len(set(v.values())) != 1}
     assert not differ, differ
     # DeepSeek-V3's row: 16 warps, 8 elements a thread (the norm's 16-byte bf16 vectors)
     assert "sizePerThread = [8]" in layouts[7168, "bf16", True, False]["rms_norm"]
+    assert "sizePerThread = [8]" in layouts[5120, "fp16", False, True]["add_rms_norm_quant"]
 
 
 @pytest.mark.gpu
