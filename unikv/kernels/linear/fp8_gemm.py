@@ -51,7 +51,8 @@ tile's arrival counter (``atomic_add``, acq_rel, after a barrier so every thread
 stores are released). The program that sees S - 1 arrived sums the S partials in split
 order 0..S-1 (so the bytes do not depend on which split came last), adds the bias,
 stores y in its dtype and sets the counter back to 0: the counters are zero between
-launches, with no memset, under CUDA graph replay too. Workspace and counters
+launches, with no memset, under CUDA graph replay too. The split count is a kernel
+constant (its loads unrolled: one compile per split count the plans make). Workspace and counters
 (``split_buffers``) are made once per device and size class, on first use, which
 must not be inside a CUDA graph capture (the engine runs every graph's step once
 before capturing it), and are never freed (a captured graph holds their addresses).
@@ -216,12 +217,14 @@ def _fp8_gemm_kernel(
     BN: tl.constexpr, BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PER_K_SCALE: tl.constexpr, W8A8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FUSED_SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FUSED_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Program (pid, split): the output tile pid over K range ``split``. One split:
     y = acc (+ bias). ``FUSED_SPLIT``: the partial goes to ``ws_ptr`` at (pid, split)
     and the tile's last program to arrive on ``count_ptr[pid]`` writes y (module
-    docstring). Else (the torch path) the partial goes to y_ptr + split * stride_ys."""
+    docstring; ``SPLITS`` the grid's splits, a constant so that the sum's loads are
+    unrolled and issued together, not one L2 round trip after another). Else (the
+    torch path) the partial goes to y_ptr + split * stride_ys."""
     pid, split = tl.program_id(0), tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n  # programs of GROUP_M row tiles walk N together (L2 reuse)
@@ -264,16 +267,15 @@ def _fp8_gemm_kernel(
             else:
                 acc += tl.dot(x, tl.trans(wd.to(x.dtype)))
     if FUSED_SPLIT:
-        splits = tl.num_programs(1)
         lanes = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tile = ws_ptr + pid.to(tl.int64) * splits * (BLOCK_M * BLOCK_N) + lanes
+        tile = ws_ptr + pid.to(tl.int64) * (SPLITS * BLOCK_M * BLOCK_N) + lanes
         rows_ok = m_ok[:, None] & (rn >= 0)[None, :]  # rows past M: neither stored nor read
         tl.store(tile + split * (BLOCK_M * BLOCK_N), acc, mask=rows_ok)
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:  # the last of the tile's splits: sum them in order
+        if arrived == SPLITS - 1:  # the last of the tile's splits: sum them in order
             total = tl.load(tile, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
+            for s in tl.static_range(1, SPLITS):
                 total += tl.load(tile + s * (BLOCK_M * BLOCK_N), mask=rows_ok, other=0.0,
                                  cache_modifier=".cg")  # fmt: skip
             _store_tile(total, b_ptr, y_ptr, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS)
@@ -475,7 +477,8 @@ def _launch(x2, xs, weight, scale_inv, bias, block, cfg: Fp8Plan, dtype, n) -> t
         BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=8, PER_K_SCALE=cfg.per_k_scale,
         W8A8=cfg.variant == "w8a8", HAS_BIAS=has_bias, IEEE=dtype == torch.float32,
-        FUSED_SPLIT=fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FUSED_SPLIT=fused, SPLITS=split if fused else 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1 and not fused:
         total = out.sum(0)
