@@ -12,6 +12,7 @@ unaligned and no load is pipelined), ``do_not_specialize`` ints get neither.
     python benchmarks/aot_sm90.py --gemv     # the one-request GEMV's launches (JSON)
     python benchmarks/aot_sm90.py --step     # the rest of its decode chain (JSON)
     python benchmarks/aot_sm90.py --hopper   # the Hopper MXFP4 MoE's table (JSON)
+    python benchmarks/aot_sm90.py --fp8      # the FP8 GEMM's split-K decode launches (JSON)
     python benchmarks/aot_sm90.py --json '[[[16, 64, 128, 1, 4, 3, true], true]]'
         # the given (config, mxfp4) cases: one JSON list of [gate_up, down] results
         # (mxfp4 "fp8": the block-scaled FP8 experts' launches; "w8a8": theirs with
@@ -99,6 +100,7 @@ def compile_sm90(
         "pdl_wait": ptx_text.count("griddepcontrol.wait"),
         "pdl_trigger": ptx_text.count("griddepcontrol.launch_dependents"),
         **_before_wait(ptx_text),
+        **_arrival(ptx_text),
     }
 
 
@@ -163,6 +165,53 @@ def _before_wait(ptx: str) -> dict:
     return {"loads_before_wait": len(re.findall(r"\b(?:ld\.global|cp\.async\.c)", head)),
             "stores_before_wait": len(re.findall(r"\b(?:st\.global|atom\.global|red\.global)", head)),
             "trigger_before_wait": "griddepcontrol.launch_dependents" in head}  # fmt: skip
+
+
+def _arrival(ptx: str) -> dict:
+    """A split-K arrival (``fp8_gemm``'s fused reduction) in the PTX: the acq_rel GPU-scope
+    atomics, whether a CTA barrier (``bar.sync``) lies between the last global store
+    before the first such atomic and that atomic (every thread's partial stored before
+    one thread releases), and the L2-only loads (``ld.global.cg``: the partials read
+    back) after it."""
+    lines = [x.strip() for x in ptx.splitlines() if x.strip() and not x.strip().startswith("//")]
+    at = [i for i, x in enumerate(lines) if re.search(r"atom\.global\.gpu\.acq_rel", x)]
+    if not at:
+        return {"acq_rel_atomics": 0, "barrier_before_arrival": False, "cg_loads_after": 0}
+    stores = [i for i, x in enumerate(lines[: at[0]]) if "st.global" in x]
+    between = lines[stores[-1] if stores else 0 : at[0]]
+    return {"acq_rel_atomics": len(at),
+            "barrier_before_arrival": any(x.startswith(("bar.sync", "barrier.sync")) for x in between),
+            "cg_loads_after": sum("ld.global.cg" in x for x in lines[at[0]:])}  # fmt: skip
+
+
+def fp8_gemm_kernels() -> dict[str, tuple]:
+    """The FP8 GEMM's decode launches (``kernels/linear/fp8_gemm.py``, the plan's tiles)
+    at DeepSeek-V3's small-N shapes, by name: the split-K reduction inside the launch
+    (bf16 with bias: kv_a at 1 row, q_a at 16; fp32 x, IEEE dots: kv_a at 1 row) and the
+    former torch-summed launch (kv_a at 1 row)."""
+    from unikv.kernels.linear import fp8_gemm
+
+    out = {}
+    for name, (m, n, fp32, fused) in {"kv_a_m1": (1, 576, False, True),
+                                      "q_a_m16": (16, 1536, False, True),
+                                      "kv_a_m1_fp32": (1, 576, True, True),
+                                      "kv_a_m1_torch_sum": (1, 576, False, False)}.items():  # fmt: skip
+        k = 7168
+        cfg = fp8_gemm.plan(m, n, k, (128, 128), fp32)
+        per = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k  # _launch's
+        splits = triton.cdiv(k, per)
+        act = "*fp32" if fp32 else "*bf16"
+        values = {"x_ptr": act, "xs_ptr": act, "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                  "b_ptr": act, "y_ptr": act if fused else "*fp32", "ws_ptr": "*fp32",
+                  "count_ptr": "*i32", "M": m, "N": n, "K": k, "k_per_split": per,
+                  "stride_xm": k, "stride_xsm": k, "stride_wn": k, "stride_sn": k // 128,
+                  "stride_ym": n, "stride_ys": 0 if fused else m * n}  # fmt: skip
+        cons = {"BN": 128, "BK": 128, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                "BLOCK_K": cfg.block_k, "GROUP_M": 8, "PER_K_SCALE": cfg.per_k_scale,
+                "W8A8": False, "HAS_BIAS": fused, "IEEE": fp32, "FUSED_SPLIT": fused,
+                "SPLITS": splits if fused else 1}  # fmt: skip
+        out[name] = (fp8_gemm._fp8_gemm_kernel, values, cons, cfg.num_warps, cfg.num_stages)
+    return out
 
 
 # gpt-oss's expert shape
@@ -408,9 +457,13 @@ def main() -> None:
                         help="the Hopper fresh-prompt attention (D 64, 128) -> JSON")  # fmt: skip
     parser.add_argument("--step", action="store_true",
                         help="the rest of one request's decode chain -> JSON")  # fmt: skip
+    parser.add_argument("--fp8", action="store_true",
+                        help="the FP8 GEMM's split-K decode launches -> JSON")  # fmt: skip
     args = parser.parse_args()
-    if args.gemv or args.step:
-        launches = gemv_kernels() if args.gemv else step_kernels()
+    if args.gemv or args.step or args.fp8:
+        launches = (
+            gemv_kernels() if args.gemv else step_kernels() if args.step else fp8_gemm_kernels()
+        )
         print(json.dumps({name: compile_sm90(*launch) for name, launch in launches.items()}))
         return
     if args.extend:

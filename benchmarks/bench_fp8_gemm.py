@@ -6,8 +6,14 @@
 
 - ``decode`` (M = 1, 4, 16): every call streams its weight from HBM (distinct copies,
   >= 256 MB in all, replayed in one CUDA graph); ``of_bw`` = FP8 weight + scale bytes /
-  device copy bandwidth / time (target >= 0.80); the plan's config and a few others;
-  bf16 cuBLAS's time and ``of_bw`` (its 2-byte weight) beside it.
+  device copy bandwidth / time (target >= 0.80); the plan's config (``fp8_plan``: split
+  K reduced inside the launch, ``Fp8Plan.fused_split``), the same config with the
+  partials summed by torch after the launch (``fp8_plan_torch_sum``: the former path)
+  and other configs (``fp8_cand``, fused; ``config`` lists the Fp8Plan, ``target`` and
+  ``min_k`` the split rule's programs and least K a split that picked the split: for
+  the small-N shapes, narrower tiles and more or fewer splits than the plan's); bf16
+  cuBLAS's time and ``of_bw`` (its 2-byte weight) beside it. ``launches``: the GPU
+  kernels (and memsets / copies) one eager call runs, counted by ``torch.profiler``.
 - ``prefill`` (M = 4096, 8192): ``do_bench`` medians; ``speedup`` = bf16 cuBLAS time /
   FP8 time (target >= 1.4): the backend's plan (``fp8_plan``: the ``scaled_mm`` variant,
   activation quantisation included, where ``fp8_gemm.scaled_mm_supported`` found this
@@ -70,8 +76,15 @@ DECODE_M, PREFILL_M = (1, 4, 16), (4096, 8192)
 DECODE_TARGET, PREFILL_TARGET = 0.80, 1.4
 SCALED_MM = [False]  # set in main: the backend's probe (fp8_gemm.scaled_mm_supported)
 P = fp8_gemm.Fp8Plan
-DECODE_CANDIDATES = [P("w8a16", 16, n, 128, s, True, w, st) for n, s, w, st in
-                     [(32, 0, 4, 4), (64, 0, 4, 4), (128, 0, 4, 3), (64, 0, 4, 6), (32, 0, 2, 5)]]  # fmt: skip
+# (block_n, warps, stages, target programs, least K a split): split by ``with_split``'s
+# rule with that target and least K (the plan's: TARGET_PROGRAMS, MIN_K_PER_SPLIT); with
+# the reduction in the launch, small-N shapes may gain from narrower tiles (N 576: 18
+# tiles of 32 against 9 of 64) or from more splits (the plan's kv_a at M 1: 126 programs,
+# under one wave of 132 SMs, capped by MIN_K_PER_SPLIT)
+DECODE_CANDIDATES = [(32, 4, 4, 264, 512), (64, 4, 4, 264, 512), (128, 4, 3, 264, 512),
+                     (64, 4, 6, 264, 512), (32, 2, 5, 264, 512), (32, 4, 4, 132, 512),
+                     (32, 4, 4, 396, 256), (64, 4, 4, 264, 256), (32, 4, 4, 528, 256),
+                     (64, 4, 4, 528, 256), (16, 4, 4, 264, 512)]  # fmt: skip
 PREFILL_CANDIDATES = [P("w8a8", bm, bn, 128, 1, True, w, st) for bm, bn, w, st in
                       [(128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 128, 4, 4),
                        (128, 128, 8, 4), (256, 128, 8, 3)]]  # fmt: skip
@@ -109,14 +122,29 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def with_split(cfg: fp8_gemm.Fp8Plan, m: int, n: int, k: int) -> fp8_gemm.Fp8Plan:
-    """A candidate with split 0 takes the plan's split rule for its tiles."""
-    if cfg.split_k:
-        return cfg
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    k_tiles = -(-k // cfg.block_k)
-    split = max(1, min(fp8_gemm.TARGET_PROGRAMS // tiles, k // fp8_gemm.MIN_K_PER_SPLIT, k_tiles))
-    return cfg._replace(split_k=split)
+def with_split(cand: tuple, m: int, n: int, k: int) -> fp8_gemm.Fp8Plan:
+    """A decode candidate (``DECODE_CANDIDATES``) as a plan: the plan's split rule for
+    its tiles, with its own target programs and least K a split."""
+    block_n, warps, stages, target, min_k = cand
+    tiles = -(-m // 16) * -(-n // block_n)
+    k_tiles = -(-k // 128)
+    split = max(1, min(target // tiles, k // min_k, k_tiles))
+    return P("w8a16", 16, block_n, 128, split, True, warps, stages)
+
+
+def launches(fn) -> int | None:
+    """GPU kernels, memsets and copies one call of ``fn`` runs (after a warm call),
+    counted by ``torch.profiler``; None where the profiler records no device events."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    count = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return count or None
 
 
 def fp8_call(x, w, s, n: int, cfg):
@@ -164,15 +192,27 @@ def decode_shape(name: str, n: int, k: int, bw: float, quick: bool) -> list[dict
         want = fp8_gemm_ref.fp8_linear(x, *real(ws[0], ss[0], n), block=BLOCK)
         bf16 = graph_us(lambda x=x: [F.linear(x, w) for w in dense], 3, 20) / len(dense)
         base = {"shape": name, "N": n, "K": k, "M": m}
-        rows.append(base | {"impl": "bf16_cublas", "us": bf16, "of_bw": n * k * 2 / bw / bf16})
-        cands = [("plan", fp8_gemm.plan(m, ws[0].shape[0], k, BLOCK, False, SCALED_MM[0]))]
-        if not quick:
-            cands += [("cand", with_split(c, m, n, k)) for c in DECODE_CANDIDATES]
+        rows.append(base | {"impl": "bf16_cublas", "us": bf16, "of_bw": n * k * 2 / bw / bf16,
+                            "launches": launches(lambda x=x: F.linear(x, dense[0]))})  # fmt: skip
+        plan = fp8_gemm.plan(m, ws[0].shape[0], k, BLOCK, False, SCALED_MM[0])
+        cands = [("plan", plan), ("plan_torch_sum", plan._replace(fused_split=False))]
+        rules = [None, None] + ([] if quick else DECODE_CANDIDATES)
+        cands += [("cand", with_split(c, m, n, k)) for c in rules[2:]]
 
         def extra(us, bf16=bf16):
             return {"us": us, "of_bw": fp8_bytes / bw / us, "vs_bf16": bf16 / us}
 
-        rows += candidate_rows(base, cands, x, ws, ss, want, True, extra)
+        got = candidate_rows(base, cands, x, ws, ss, want, True, extra)
+        for row, (label, cfg), rule in zip(got, cands, rules):
+            if rule is not None:
+                row |= {"target": rule[3], "min_k": rule[4]}
+            if not label.startswith("plan") or "us" not in row:
+                continue
+            try:
+                row["launches"] = launches(lambda x=x, cfg=cfg: fp8_call(x, ws[0], ss[0], n, cfg))
+            except Exception as exc:
+                row["launches_error"] = repr(exc)[:400]
+        rows += got
         print([r for r in rows if r["M"] == m], flush=True)
     return rows
 
@@ -348,7 +388,12 @@ def summary(decode: list[dict], prefill: list[dict], norm: list[dict]) -> dict:
                     best[at] = r
         return list(best.values())
 
-    out = {}
+    out = {"decode_torch_sum_over_fused": {  # > 1: the in-launch reduction is faster
+        f"{r['shape']}@{r['M']}": round(t["us"] / r["us"], 3)
+        for r in decode for t in decode
+        if r["impl"] == "fp8_plan" and t["impl"] == "fp8_plan_torch_sum" and "us" in r
+        and "us" in t and (t["shape"], t["M"]) == (r["shape"], r["M"])
+    }}  # fmt: skip
     for impl in ("fp8_norm_then_gemm", "fp8_norm_quant_gemm"):
         got = [r for r in norm if r["impl"] == impl and "speedup" in r]
         out[f"norm_{impl}_speedup"] = {

@@ -131,6 +131,26 @@ def test_decode_chain_keeps_the_pdl_contract_for_sm90(tmp_path):
     assert not bad, bad
 
 
+def test_fp8_gemm_split_k_arrival_is_ordered_for_sm90(tmp_path):
+    """The FP8 GEMM's decode launches (``fp8_gemm``: the split-K partials reduced inside
+    the launch) compiled for sm_90a: the K loop's loads pipelined, no spills; in the
+    fused launches one acq_rel GPU-scope atomic (the tile's arrival) with a CTA barrier
+    between the partial's last global store and it (every thread's partial stored
+    before the one thread's release) and the partials read back from L2 (``.cg``),
+    every split's in straight-line code (two 16-byte loads a thread per 16 x 64 fp32
+    partial); the torch-summed launch has no atomic."""
+    results = _compiled("--fp8", tmp_path)
+    assert sorted(results) == ["kv_a_m1", "kv_a_m1_fp32", "kv_a_m1_torch_sum", "q_a_m16"]
+    for name, got in results.items():
+        assert got["spill_bytes"] == 0 and got["async_copies"] > 0, (name, got)
+        if name.endswith("torch_sum"):
+            assert got["acq_rel_atomics"] == 0, got
+            continue
+        assert got["acq_rel_atomics"] == 1 and got["barrier_before_arrival"], (name, got)
+    assert results["kv_a_m1"]["cg_loads_after"] == 2 * 14  # 14 splits (K 7168 / 512)
+    assert results["q_a_m16"]["cg_loads_after"] == 2 * 10  # 10 splits of 768
+
+
 def test_hopper_moe_compiles_for_sm90(tmp_path):
     """The Hopper MXFP4 MoE (Gluon) at every table entry and the GPU tests' 16-row tile,
     both decodes: it compiles for sm_90a (the fragments' register layout equal to

@@ -13,7 +13,9 @@ planner (a CUDA graph's: its captured batch size's); ``plan`` adds the layer's p
   one scale block (``bk % BLOCK_K == 0``) the tile's product is scaled after the dot,
   one multiplier per output column (``acc += dot(x, Wq^T) * s[n // bn, k // bk]``);
   otherwise (odd block sizes) each element is dequantised before the dot. Few output
-  tiles split K (``split_k``): partial sums land in an fp32 workspace, summed after.
+  tiles split K (``split_k``): each split program writes its fp32 partial tile to a
+  workspace and counts its arrival on the tile's counter; the program that arrives last
+  sums the tile's partials in split order (``Fp8Plan.fused_split``; below).
 - ``w8a8`` (prefill: M >= ``W8A8_MIN_ROWS``, 16-bit x, ``bk`` a multiple of the K
   tile): x is quantised per token and group of bk columns to FP8 first (one small
   kernel, DeepSeek's dynamic scheme, ``fp8_gemm_ref.quantize_act``), then both operands
@@ -42,6 +44,23 @@ variants mask at N (the pad rows are never read), the reference slices its produ
 
 fp32 inputs run the dot in IEEE fp32 (no TF32), so fp32 models match a model whose
 weights are the dequantised ones to rounding.
+
+Split K in one launch (``fused_split``, the plan's default): a split program stores its
+partial (rows < M) at its (tile, split) slot of an fp32 workspace, then adds 1 to the
+tile's arrival counter (``atomic_add``, acq_rel, after a barrier so every thread's
+stores are released). The program that sees S - 1 arrived sums the S partials in split
+order 0..S-1 (so the bytes do not depend on which split came last), adds the bias,
+stores y in its dtype and sets the counter back to 0: the counters are zero between
+launches, with no memset, under CUDA graph replay too. The split count is a kernel
+constant (its loads unrolled: one compile per split count the plans make). Workspace and counters
+(``split_buffers``) are made once per device and size class, on first use, which
+must not be inside a CUDA graph capture (the engine runs every graph's step once
+before capturing it), and are never freed (a captured graph holds their addresses).
+One workspace serves every launch of its size class: this assumes launches never
+overlap, which holds in this engine (one compute stream; the GEMM does not launch
+with PDL). Two streams running split-K GEMMs at once would mix partials.
+``fused_split=False`` keeps the former path for the benchmark's A/B: the partials in a
+per-call (split, M, N) fp32 tensor, summed by torch (``sum``, ``+= bias``, ``copy_``).
 """
 
 from __future__ import annotations
@@ -101,7 +120,9 @@ def row_choice(m: int, scaled_mm: bool = False) -> Fp8Rows:
 class Fp8Plan(NamedTuple):
     """One launch's choice: ``variant`` ("w8a16" / "w8a8"), the tiles, ``split_k``
     (programs along K; > 1 sums partials in an fp32 workspace), ``per_k_scale`` (the K
-    tile lies inside one scale block), warps and pipeline stages."""
+    tile lies inside one scale block), warps and pipeline stages; ``fused_split``:
+    split partials are summed inside the launch by each tile's last program (one
+    launch), else by torch after it (the former path, kept for the benchmark's A/B)."""
 
     variant: str
     block_m: int
@@ -111,6 +132,7 @@ class Fp8Plan(NamedTuple):
     per_k_scale: bool
     num_warps: int
     num_stages: int
+    fused_split: bool = True
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -179,15 +201,30 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, n_groups, stride_xm, stride_qm,
 
 
 @triton.jit
+def _store_tile(acc, b_ptr, y_ptr, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS: tl.constexpr):
+    """y[rm, rn] = acc (+ bias, in fp32) in y's dtype, inside (M, N)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _fp8_gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, count_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_xsm, stride_wn, stride_sn, stride_ym, stride_ys,
     BN: tl.constexpr, BK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PER_K_SCALE: tl.constexpr, W8A8: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FUSED_SPLIT: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
+    """Program (pid, split): the output tile pid over K range ``split``. One split:
+    y = acc (+ bias). ``FUSED_SPLIT``: the partial goes to ``ws_ptr`` at (pid, split)
+    and the tile's last program to arrive on ``count_ptr[pid]`` writes y (module
+    docstring; ``SPLITS`` the grid's splits, a constant so that the sum's loads are
+    unrolled and issued together, not one L2 round trip after another). Else (the
+    torch path) the partial goes to y_ptr + split * stride_ys."""
     pid, split = tl.program_id(0), tl.program_id(1)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     width = GROUP_M * grid_n  # programs of GROUP_M row tiles walk N together (L2 reuse)
@@ -229,10 +266,23 @@ def _fp8_gemm_kernel(
                 acc += tl.dot(x, tl.trans(wd), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(wd.to(x.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + split * stride_ys + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if FUSED_SPLIT:
+        lanes = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile = ws_ptr + pid.to(tl.int64) * (SPLITS * BLOCK_M * BLOCK_N) + lanes
+        rows_ok = m_ok[:, None] & (rn >= 0)[None, :]  # rows past M: neither stored nor read
+        tl.store(tile + split * (BLOCK_M * BLOCK_N), acc, mask=rows_ok)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:  # the last of the tile's splits: sum them in order
+            total = tl.load(tile, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(tile + s * (BLOCK_M * BLOCK_N), mask=rows_ok, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _store_tile(total, b_ptr, y_ptr, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS)
+            tl.store(count_ptr + pid, 0)  # self-cleaning: zero for the next launch
+    else:
+        out_ptr = y_ptr + split * stride_ys
+        _store_tile(acc, b_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_ym, HAS_BIAS)
 
 
 def quantize_act(
@@ -371,28 +421,66 @@ def _scaled_mm_out(xq, xs, weight, scale_inv, bias, dtype, n) -> torch.Tensor:
     return y if bias is None else y + bias
 
 
+_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+SPLIT_MIN_NUMEL = 1 << 16  # the smallest size class (256 KiB of fp32)
+# a split tile is at least 16 x 16 (tl.dot's least) and a split launch has >= 2 splits:
+# a launch of ``need`` workspace elements has at most need // 512 tiles
+_MIN_SPLIT_TILE = 16 * 16 * 2
+
+
+def split_buffers(need: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(workspace fp32, arrival counters int32, zero) of the fused split-K launch on
+    ``device`` for ``need`` workspace elements: those of ``need``'s size class (a power
+    of two, at least ``SPLIT_MIN_NUMEL``), made on first use and kept (never per call,
+    never freed: a CUDA graph holds their addresses). First use must not be inside a
+    CUDA graph capture: run the step once before capturing it (the engine does)."""
+    size = max(SPLIT_MIN_NUMEL, triton.next_power_of_2(need))
+    key = (device, size)
+    got = _SPLIT_BUFFERS.get(key)
+    if got is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the FP8 GEMM's split-K workspace of {size} fp32 elements on {device} is "
+                "made on first use, outside a CUDA graph capture; run the step once "
+                "before capturing it"
+            )
+        workspace = torch.empty(size, dtype=torch.float32, device=device)
+        counters = torch.zeros(size // _MIN_SPLIT_TILE, dtype=torch.int32, device=device)
+        got = _SPLIT_BUFFERS[key] = (workspace, counters)
+    return got
+
+
 def _launch(x2, xs, weight, scale_inv, bias, block, cfg: Fp8Plan, dtype, n) -> torch.Tensor:
     """The Triton GEMM of x2 (M, K) (FP8 with its row-major scales ``xs`` for w8a8,
     else 16-bit or fp32) and the weight: the (M, n) view of an (M, held rows) buffer in
-    ``dtype``."""
+    ``dtype``. Split K: one launch where ``cfg.fused_split``, else the kernel's partials
+    summed by torch (three or four launches and a per-call workspace)."""
     m, k = x2.shape
     y = torch.empty((m, weight.shape[0]), dtype=dtype, device=x2.device)[:, :n]
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
-    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
-    has_bias = bias is not None and split == 1
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
-    _fp8_gemm_kernel[grid](
-        x2, xs, weight, scale_inv, bias if has_bias else scale_inv, out,
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    fused = split > 1 and cfg.fused_split
+    out, workspace, counters = y, y, y  # placeholders where unread
+    if fused:
+        need = tiles * split * cfg.block_m * cfg.block_n
+        workspace, counters = split_buffers(need, x2.device)
+        assert need <= workspace.numel() and tiles <= counters.numel(), "split_buffers' size class"
+    elif split > 1:
+        out = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    has_bias = bias is not None and (split == 1 or fused)
+    _fp8_gemm_kernel[(tiles, split)](
+        x2, xs, weight, scale_inv, bias if has_bias else scale_inv, out, workspace, counters,
         m, n, k, k_per_split,
         x2.stride(0), xs.stride(0), weight.stride(0), scale_inv.stride(0),
-        out.stride(-2), out.stride(0) if split > 1 else 0,
+        out.stride(-2), out.stride(0) if split > 1 and not fused else 0,
         BN=block[0], BK=block[1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=8, PER_K_SCALE=cfg.per_k_scale,
         W8A8=cfg.variant == "w8a8", HAS_BIAS=has_bias, IEEE=dtype == torch.float32,
+        FUSED_SPLIT=fused, SPLITS=split if fused else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split > 1:
+    if split > 1 and not fused:
         total = out.sum(0)
         if bias is not None:
             total += bias.float()
