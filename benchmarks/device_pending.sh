@@ -3,6 +3,8 @@
 # written since the last suite run, then the hybrid chat (issue 41: host ms per step
 # phase, the upload ring's growth and waits) and the speculation rule at B 64 (issue 42,
 # Qwen3.5's MTP included), each alone on the GPU. Carry [".whl"] (benchmarks/device_wheels.sh).
+# A second call: `python3 benchmarks/bench_fp8_gemm.py --quick` (split K fused vs summed by
+# torch vs cuBLAS at decode, the fused pre-norm's rows).
 #   UNIKV_GIT_COMMIT=<sha> BUDGET=560 bash benchmarks/device_pending.sh
 # Back under $OUT: summary.txt (each step's rc and time, the tests' last lines and
 # FAILED lines), results.tgz (a log per step, prefix_hybrid_chat.json, spec_rule.json).
@@ -14,9 +16,11 @@ pt="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --timeout=200"
 # the pinned ring that grows, the prefix cache's restores and chunk checkpoints
 step t_ring 200 $pt tests/allocator/test_allocator_gpu.py tests/engine/test_prefix_gpu.py &
 step t_ckpt 200 $pt tests/engine/test_prefix_chunk_ckpt.py tests/engine/test_prefix_checkpoint_gpu.py &
-# the FP8 reference's IEEE division, the fused pre-norm's layout fix, FP8 models
+# the FP8 reference's IEEE division, the fused pre-norm's layout fix, split K in one
+# launch under graph replay, FP8 models
 step t_fp8 200 $pt tests/kernels/test_kernels_fp8_gemm.py tests/kernels/test_kernels_norm_quant.py \
-  tests/models/test_models_fp8_normquant.py tests/models/test_models_fp8.py &
+  tests/kernels/test_kernels_fp8_split.py tests/models/test_models_fp8_normquant.py \
+  tests/models/test_models_fp8.py &
 wait
 unset UNIKV_TEST_LANE_FRACTION
 step prefix_chat 220 python3 benchmarks/bench_prefix.py --device cuda --workloads chat \
