@@ -127,8 +127,7 @@ def with_split(cand: tuple, m: int, n: int, k: int) -> fp8_gemm.Fp8Plan:
     its tiles, with its own target programs and least K a split."""
     block_n, warps, stages, target, min_k = cand
     tiles = -(-m // 16) * -(-n // block_n)
-    k_tiles = -(-k // 128)
-    split = max(1, min(target // tiles, k // min_k, k_tiles))
+    split = fp8_gemm.split_count(tiles, k, 128, target, min_k)
     return P("w8a16", 16, block_n, 128, split, True, warps, stages)
 
 

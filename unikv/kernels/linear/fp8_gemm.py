@@ -161,9 +161,19 @@ def plan(
     if fp32:  # IEEE fp32 dots take more registers and shared memory a tile
         block_k, stages = min(block_k, 32), 2
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    split = max(1, min(TARGET_PROGRAMS // tiles, k_tiles * block_k // MIN_K_PER_SPLIT, k_tiles))
+    split = split_count(tiles, k, block_k)
     return Fp8Plan("w8a16", block_m, block_n, block_k, split, per_k, warps, stages)
+
+
+def split_count(
+    tiles: int, k: int, block_k: int, target: int = TARGET_PROGRAMS, min_k: int = MIN_K_PER_SPLIT
+) -> int:
+    """Splits along K for ``tiles`` output tiles: enough programs to reach ``target``,
+    each split at least ``min_k`` of K (whole K tiles of ``block_k``), at most one split
+    a K tile, at least one (the plan's rule; the benchmark's candidates vary ``target``
+    and ``min_k``)."""
+    k_tiles = triton.cdiv(k, block_k)
+    return max(1, min(target // tiles, k_tiles * block_k // min_k, k_tiles))
 
 
 @triton.jit
